@@ -1,0 +1,68 @@
+"""rselection: leader-scoped tasks.
+
+A fleet of processes competes for a lease (Postgres, Redis, or memory for a single
+node); the holder runs the registered tasks, and every task is cancelled the moment
+leadership is lost or in doubt.
+
+The core never imports psycopg or redis; ``PostgresLeader`` and ``RedisLeader`` load
+their backend on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from . import signals
+from .broadcast import Broadcaster, BroadcasterClosed, Subscription, SubscriptionClosed
+from .context import TaskContext
+from .errors import (
+    BackendUnavailable,
+    ConfigError,
+    LeadershipLost,
+    RSelectionError,
+    StaleLeaderError,
+)
+from .leader import Leader
+from .lease import LeaderInfo
+from .local import SingleNodeLeader
+from .schedules import CronSchedule, IntervalSchedule, Schedule
+from .tasks import GenericTask, Task, TaskHandler, TaskType
+
+if TYPE_CHECKING:
+    from .postgres.leader import PostgresLeader
+
+__all__ = [
+    "BackendUnavailable",
+    "Broadcaster",
+    "BroadcasterClosed",
+    "ConfigError",
+    "CronSchedule",
+    "GenericTask",
+    "IntervalSchedule",
+    "Leader",
+    "LeaderInfo",
+    "LeadershipLost",
+    "PostgresLeader",
+    "RSelectionError",
+    "Schedule",
+    "SingleNodeLeader",
+    "StaleLeaderError",
+    "Subscription",
+    "SubscriptionClosed",
+    "Task",
+    "TaskContext",
+    "TaskHandler",
+    "TaskType",
+    "signals",
+]
+
+__version__ = "0.1.0.dev0"
+
+
+def __getattr__(name: str) -> Any:
+    # Backends load their driver only when asked for.
+    if name == "PostgresLeader":
+        from .postgres.leader import PostgresLeader
+
+        return PostgresLeader
+    raise AttributeError(f"module 'rselection' has no attribute {name!r}")

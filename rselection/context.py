@@ -1,0 +1,215 @@
+"""What a running task sees: the term it runs in and its :class:`TaskContext`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from .errors import LeadershipLost, StaleLeaderError
+
+if TYPE_CHECKING:
+    from .broadcast import Broadcaster
+
+__all__ = ["TaskContext", "Term"]
+
+Fencer = Callable[[Any, int], None]
+"""Checks inside a caller's transaction that a term still holds the lease."""
+
+
+class Term:
+    """One leadership term of one node: its number, deadline and cancellation flag.
+
+    The leader moves :attr:`deadline` forward after each successful renewal. The term is
+    *live* while it is not cancelled and the local monotonic deadline has not passed, so
+    a task that checks in after a long pause sees the loss even before the leader's own
+    threads have woken up to cancel it.
+
+    Args:
+        number: the fencing term from the lease.
+        node_id: this node's id.
+        name: the lease name.
+        deadline: ``time.monotonic()`` instant after which the term is no longer live.
+        broadcaster: handed to tasks as ``ctx.broadcaster``.
+        fencer: checks a caller's transaction against the lease; ``None`` means no
+            lease table exists (single node), so fencing checks liveness only.
+    """
+
+    def __init__(
+        self,
+        number: int,
+        node_id: str,
+        name: str = "default",
+        *,
+        deadline: float = math.inf,
+        broadcaster: Broadcaster | None = None,
+        fencer: Fencer | None = None,
+    ) -> None:
+        self.number = number
+        self.node_id = node_id
+        self.name = name
+        self.deadline = deadline
+        self.broadcaster = broadcaster
+        self.fencer = fencer
+        self.cancelled = threading.Event()
+        self.ended = threading.Event()
+        """Set once the term's tasks were cancelled and joined (or reported stuck)."""
+        self._async_waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()
+        self._lock = threading.Lock()
+
+    def live(self) -> bool:
+        """True while the term is neither cancelled nor past its local deadline."""
+        return not self.cancelled.is_set() and time.monotonic() < self.deadline
+
+    def remaining(self) -> float:
+        """Seconds until the local deadline (``inf`` without one, 0 once not live)."""
+        if self.cancelled.is_set():
+            return 0.0
+        return max(0.0, self.deadline - time.monotonic())
+
+    def cancel(self) -> None:
+        """End the term: set :attr:`cancelled` and wake every sleeping task at once."""
+        self.cancelled.set()
+        with self._lock:
+            waiters = list(self._async_waiters)
+        for loop, fut in waiters:
+            # The loop may already be closed when a term ends during shutdown.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_resolve, fut)
+
+    def _add_async_waiter(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
+        with self._lock:
+            self._async_waiters.add((loop, fut))
+
+    def _remove_async_waiter(
+        self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]
+    ) -> None:
+        with self._lock:
+            self._async_waiters.discard((loop, fut))
+
+    def __repr__(self) -> str:
+        return f"Term({self.number}, node_id={self.node_id!r}, live={self.live()})"
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class TaskContext:
+    """Handed to every task run: who runs it, in which term, and how to stop in time.
+
+    Attributes:
+        name: the task's registered name.
+        scheduled_at: the fire instant (aware UTC) for scheduled tasks, else ``None``.
+        fire_key: ``"<task>@<UTC RFC 3339 nanos>"`` for scheduled fires, else ``None``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        term: Term,
+        *,
+        scheduled_at: datetime | None = None,
+        fire_key: str | None = None,
+    ) -> None:
+        self.name = name
+        self.scheduled_at = scheduled_at
+        self.fire_key = fire_key
+        self._term = term
+
+    @property
+    def term(self) -> int:
+        """The fencing term this run belongs to."""
+        return self._term.number
+
+    @property
+    def node_id(self) -> str:
+        """This node's id."""
+        return self._term.node_id
+
+    @property
+    def cancelled(self) -> threading.Event:
+        """Set the moment leadership ends; plain ``def`` tasks should check it often."""
+        return self._term.cancelled
+
+    @property
+    def broadcaster(self) -> Broadcaster | None:
+        """The leader's broadcaster, or ``None`` when none was configured."""
+        return self._term.broadcaster
+
+    def is_live(self) -> bool:
+        """True while this run may still act as leader."""
+        return self._term.live()
+
+    def sleep(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``; return ``False`` at once if leadership ends meanwhile.
+
+        Returns ``True`` only when the full time passed and the term is still live.
+        """
+        if seconds < 0:
+            raise ValueError(f"sleep seconds must be >= 0, got {seconds!r}")
+        term = self._term
+        wait = min(seconds, term.remaining())
+        term.cancelled.wait(wait)
+        return term.live() and wait >= seconds
+
+    async def asleep(self, seconds: float) -> bool:
+        """Async :meth:`sleep` for ``async def`` tasks; never blocks the event loop."""
+        if seconds < 0:
+            raise ValueError(f"sleep seconds must be >= 0, got {seconds!r}")
+        term = self._term
+        wait = min(seconds, term.remaining())
+        if wait > 0:
+            loop = asyncio.get_running_loop()
+            fut: asyncio.Future[None] = loop.create_future()
+            term._add_async_waiter(loop, fut)
+            try:
+                if term.cancelled.is_set():
+                    return False
+                await asyncio.wait_for(asyncio.shield(fut), wait)
+            except TimeoutError:
+                pass
+            finally:
+                term._remove_async_waiter(loop, fut)
+        return term.live() and wait >= seconds
+
+    def check(self) -> None:
+        """Raise :class:`~rselection.LeadershipLost` once this term is no longer live."""
+        if not self._term.live():
+            raise LeadershipLost(
+                f"task {self.name!r}: term {self.term} of node {self.node_id!r} has ended; "
+                "stop working and return"
+            )
+
+    def fence(self, conn: Any) -> None:
+        """Fence the caller's open transaction on ``conn`` to this term.
+
+        With a Postgres leader the transaction fails with
+        :class:`~rselection.StaleLeaderError` unless this term still holds the lease, and
+        a takeover waits until the transaction ends. Without a lease table (single node)
+        it only checks that the term is live.
+        """
+        fencer = self._term.fencer
+        if fencer is None:
+            if not self._term.live():
+                raise StaleLeaderError(
+                    f"term {self.term} has ended; roll back and let the new term do the write"
+                )
+            return
+        fencer(conn, self.term)
+
+    @property
+    def checkpoint(self) -> Any:
+        """Durable state bound to this task and term (needs the Postgres checkpoint store)."""
+        raise NotImplementedError(
+            "ctx.checkpoint needs a PostgresCheckpointStore, which this leader does not have"
+        )
+
+    def __repr__(self) -> str:
+        return f"TaskContext({self.name!r}, term={self.term}, node_id={self.node_id!r})"

@@ -1,0 +1,455 @@
+"""The leadership state machine shared by every backend: follow, lead, step down.
+
+One keeper thread talks to the lease backend (its own connection, never the event loop
+that runs tasks); a watchdog thread enforces the local deadline even while the keeper
+is stuck in network I/O. The deadline is ``renew_deadline`` after the last successful
+renewal was *sent*, measured with ``time.monotonic()``; because ``renew_deadline < ttl``
+with a margin, the leader has cancelled its tasks before the server lets the lease
+expire, and no two nodes' wall clocks are ever compared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import secrets
+import socket
+import threading
+import time
+from types import TracebackType
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from . import signals
+from .context import Fencer, Term
+from .errors import BackendUnavailable, ConfigError
+from .lease import Acquisition, LeaderInfo, LeaseBackend
+from .timing import Timings
+
+if TYPE_CHECKING:
+    from .broadcast import Broadcaster
+    from .tasks import TaskHandler
+
+__all__ = ["Leader", "LeaderBase", "default_node_id"]
+
+logger = logging.getLogger(__name__)
+
+_RECONNECT_FIRST = 0.1
+_RECONNECT_CAP = 5.0
+
+
+def default_node_id() -> str:
+    """A node id unique per process, also behind NAT: ``<host>-<pid>-<random>``."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def reconnect_delay(failures: int) -> float:
+    """Capped exponential backoff with jitter after ``failures`` failed attempts (>= 1)."""
+    return float(min(_RECONNECT_CAP, _RECONNECT_FIRST * 2 ** (failures - 1))) * random.uniform(
+        0.5, 1.0
+    )
+
+
+@runtime_checkable
+class Leader(Protocol):
+    """What every leader offers, whatever its backend."""
+
+    def lead(self) -> None:
+        """Run until :meth:`stop` (or Ctrl-C) in the calling thread."""
+
+    def start(self) -> None:
+        """Run in background threads; return at once."""
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Cancel and join tasks, release the lease, stop every thread."""
+
+    @property
+    def is_leader(self) -> bool:
+        """True while this node leads and its deadline has not passed."""
+
+    @property
+    def term(self) -> int | None:
+        """The fencing term while leading, else ``None``."""
+
+    @property
+    def node_id(self) -> str:
+        """This node's id."""
+
+    def leader(self) -> LeaderInfo | None:
+        """The current holder as the lease server sees it, from any node."""
+
+    def wait_until_leader(self, timeout: float | None = None) -> bool:
+        """Block until this node leads; ``False`` on timeout."""
+
+
+class LeaderBase:
+    """Leadership over any :class:`~rselection.lease.LeaseBackend`.
+
+    Args:
+        backend: the lease to compete for.
+        handler: the tasks to run while leading.
+        name: the lease name (for logs and signals).
+        node_id: this node's id (default: host, pid and a random suffix).
+        timings: validated ttl / renew / retry timings.
+        broadcaster: handed to tasks as ``ctx.broadcaster``.
+        fencer: checks a transaction against the lease for ``ctx.fence``.
+    """
+
+    def __init__(
+        self,
+        backend: LeaseBackend,
+        handler: TaskHandler,
+        *,
+        name: str,
+        node_id: str | None = None,
+        timings: Timings | None = None,
+        broadcaster: Broadcaster | None = None,
+        fencer: Fencer | None = None,
+    ) -> None:
+        self._timings = timings if timings is not None else Timings()
+        self._timings.check_stop_grace(handler.stop_grace, handler.on_stuck)
+        if node_id is not None and (not isinstance(node_id, str) or not node_id.strip()):
+            raise ConfigError(f"node_id must be a non-empty string, got {node_id!r}")
+        self._backend = backend
+        self._handler = handler
+        self._name = name
+        self._node_id = node_id if node_id is not None else default_node_id()
+        self._broadcaster = broadcaster
+        self._fencer = fencer
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+        self._cond = threading.Condition()  # guards the fields below and wakes waiters
+        self._term: Term | None = None
+        self._closed = False
+        self._transition = threading.RLock()  # one term change at a time
+        self._stopping = threading.Event()
+        self._wake = threading.Event()
+        self._step_down_hold: float | None = None
+        self._held_term: int | None = None  # a term we hold on the server, not yet released
+        self._hold_until = 0.0
+        self._last_sent = 0.0
+        self._connected = False
+        self._last_seen: tuple[str, int] | None = None
+        self._keeper: threading.Thread | None = None
+        self._watchdog: threading.Thread | None = None
+
+    # -- public ---------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The lease name."""
+        return self._name
+
+    @property
+    def node_id(self) -> str:
+        """This node's id."""
+        return self._node_id
+
+    @property
+    def handler(self) -> TaskHandler:
+        """The task handler this leader runs."""
+        return self._handler
+
+    @property
+    def timings(self) -> Timings:
+        """The validated timings."""
+        return self._timings
+
+    @property
+    def is_leader(self) -> bool:
+        """True while this node leads and its local deadline has not passed."""
+        term = self._term
+        return term is not None and term.live()
+
+    @property
+    def term(self) -> int | None:
+        """The fencing term while leading, else ``None``."""
+        term = self._term
+        return term.number if term is not None and term.live() else None
+
+    def leader(self) -> LeaderInfo | None:
+        """The current holder as the lease server sees it (works on every node)."""
+        return self._backend.current()
+
+    def wait_until_leader(self, timeout: float | None = None) -> bool:
+        """Block until this node leads; return ``False`` after ``timeout`` seconds."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._term is not None, timeout)
+
+    def start(self) -> None:
+        """Start competing for the lease in background threads; return at once."""
+        with self._cond:
+            if self._keeper is not None:
+                raise RuntimeError("this leader was already started; create a new one")
+            self._handler.attach()
+            self._keeper = threading.Thread(
+                target=self._keep, name=f"rselection-keeper-{self._name}", daemon=True
+            )
+            self._watchdog = threading.Thread(
+                target=self._watch, name=f"rselection-watchdog-{self._name}", daemon=True
+            )
+        self._watchdog.start()
+        self._keeper.start()
+
+    def lead(self) -> None:
+        """Compete and lead in this thread until :meth:`stop` or Ctrl-C, then clean up."""
+        self.start()
+        keeper = self._keeper
+        assert keeper is not None
+        try:
+            while keeper.is_alive():
+                keeper.join(0.5)
+        except KeyboardInterrupt:
+            logger.info("interrupted; stopping leader %r", self._name)
+            self.stop()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Cancel and join tasks, release the lease so a follower takes over at once.
+
+        Args:
+            timeout: seconds to wait for the background threads (default: forever;
+                the wait is bounded anyway by ``stop_grace`` plus one release).
+        """
+        self._stopping.set()
+        self._wake.set()
+        self._backend.interrupt()
+        keeper, watchdog = self._keeper, self._watchdog
+        if keeper is not None and keeper is not threading.current_thread():
+            keeper.join(timeout)
+        if watchdog is not None and watchdog is not threading.current_thread():
+            watchdog.join(timeout)
+
+    def step_down(self, *, hold: float = 0.0, wait: bool = True) -> None:
+        """Give leadership up now: cancel and join tasks, release, then compete again.
+
+        Args:
+            hold: seconds to stay a follower before competing again (lets another node
+                take over).
+            wait: block until the term has ended; pass ``False`` when calling from a task.
+        """
+        with self._cond:
+            term = self._term
+            if term is None:
+                return
+            self._step_down_hold = hold
+        self._wake.set()
+        self._backend.interrupt()
+        if wait:
+            term.ended.wait()
+
+    def __enter__(self) -> LeaderBase:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> LeaderBase:
+        self._loop = asyncio.get_running_loop()
+        self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # Stopping joins async tasks that run on this very loop: wait in a thread.
+        await asyncio.to_thread(self.stop)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(name={self._name!r}, node_id={self._node_id!r}, "
+            f"term={self.term})"
+        )
+
+    # -- keeper thread ----------------------------------------------------------------
+
+    def _keep(self) -> None:
+        failures = 0
+        try:
+            while not self._stopping.is_set():
+                try:
+                    if not self._connected:
+                        self._backend.connect()
+                        self._connected = True
+                        if failures:
+                            logger.info("lease %r: backend reachable again", self._name)
+                        failures = 0
+                    if self._term is None:
+                        self._follow_step()
+                    else:
+                        self._lead_step()
+                except BackendUnavailable as exc:
+                    self._connected = False
+                    self._end_term("connection")
+                    self._held_term = None  # the server ends a dead session's lease
+                    failures += 1
+                    if failures == 1:
+                        logger.warning(
+                            "lease %r: backend unavailable (%s); retrying with backoff",
+                            self._name,
+                            exc,
+                        )
+                    self._close_backend()
+                    self._pause(reconnect_delay(failures))
+        except Exception:
+            logger.exception("lease %r: keeper failed; stepping down", self._name)
+            raise
+        finally:
+            self._shutdown()
+
+    def _pause(self, seconds: float) -> None:
+        if self._wake.wait(seconds):
+            self._wake.clear()
+
+    def _follow_step(self) -> None:
+        if self._held_term is not None:
+            self._release()
+        delay = self._hold_until - time.monotonic()
+        if delay > 0:
+            self._pause(delay)
+            return
+        sent = time.monotonic()
+        attempt = self._backend.try_acquire(self._node_id)
+        self._observe(attempt.holder)
+        if attempt.acquired and attempt.holder is not None:
+            self._begin_term(attempt.holder, sent)
+            return
+        self._backend.wait_for_change(self._follow_timeout(attempt))
+
+    def _follow_timeout(self, attempt: Acquisition) -> float:
+        """How long a follower may wait before trying again.
+
+        Until the holder's lease expires nothing can change but a release or the holder's
+        session ending, and the backend wakes us for both; so wait until expiry (server
+        measured), at least ``retry_interval``, plus jitter so followers do not stampede.
+        """
+        t = self._timings
+        jitter = random.uniform(0.0, 0.1 * t.retry_interval)
+        if attempt.holder is None:  # lost a race for a free lease: look again soon
+            return min(t.retry_interval, 0.05) + jitter
+        return max(t.retry_interval, min(attempt.expires_in, t.ttl)) + jitter
+
+    def _lead_step(self) -> None:
+        term = self._term
+        assert term is not None
+        if self._step_down_hold is not None:
+            hold, self._step_down_hold = self._step_down_hold, None
+            self._end_term("step_down")
+            self._release()
+            self._hold_until = time.monotonic() + hold
+            return
+        wait = self._last_sent + self._timings.renew_interval - time.monotonic()
+        if wait > 0:
+            self._backend.wait_for_change(wait)
+            return
+        sent = time.monotonic()
+        if self._backend.renew(self._node_id, term.number):
+            if self._term is term:
+                term.deadline = sent + self._timings.renew_deadline
+                self._last_sent = sent
+        else:
+            self._held_term = None
+            self._end_term("lost")
+
+    def _release(self) -> None:
+        held, self._held_term = self._held_term, None
+        if held is not None and self._connected:
+            self._backend.release(self._node_id, held)
+            self._observe(None)
+
+    def _shutdown(self) -> None:
+        self._end_term("stopped")
+        try:
+            self._release()
+        except BackendUnavailable as exc:
+            logger.warning("lease %r: could not release on stop (%s)", self._name, exc)
+        self._close_backend()
+        self._handler.detach()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _close_backend(self) -> None:
+        try:
+            self._backend.close()
+        except Exception:  # closing is best effort; the server drops dead sessions
+            logger.debug("lease %r: error while closing the backend", self._name, exc_info=True)
+
+    def _observe(self, holder: LeaderInfo | None) -> None:
+        seen = (holder.node_id, holder.term) if holder is not None else None
+        if seen != self._last_seen:
+            self._last_seen = seen
+            signals.leader_changed.send(self, name=self._name, leader=holder)
+
+    # -- terms ------------------------------------------------------------------------
+
+    def _begin_term(self, holder: LeaderInfo, sent: float) -> None:
+        term = Term(
+            holder.term,
+            self._node_id,
+            self._name,
+            deadline=sent + self._timings.renew_deadline,
+            broadcaster=self._broadcaster,
+            fencer=self._fencer,
+        )
+        with self._transition:
+            with self._cond:
+                self._term = term
+                self._held_term = holder.term
+                self._last_sent = sent
+                self._cond.notify_all()
+            self._handler.start_term(term, self._loop)
+        logger.info("node %s leads %r with term %d", self._node_id, self._name, term.number)
+        signals.elected.send(self, node_id=self._node_id, term=term.number, name=self._name)
+
+    def _end_term(self, reason: str, expected: Term | None = None) -> None:
+        with self._transition:
+            term = self._term
+            if term is None or (expected is not None and term is not expected):
+                return
+            term.cancel()
+            with self._cond:
+                self._term = None
+                self._cond.notify_all()
+            log = logger.info if reason in ("stopped", "step_down") else logger.warning
+            log(
+                "node %s stops leading %r (term %d): %s",
+                self._node_id,
+                self._name,
+                term.number,
+                reason,
+            )
+            self._handler.end_term()
+            term.ended.set()
+        signals.demoted.send(
+            self, node_id=self._node_id, term=term.number, name=self._name, reason=reason
+        )
+
+    # -- watchdog thread --------------------------------------------------------------
+
+    def _watch(self) -> None:
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                term = self._term
+                if term is None or term.cancelled.is_set():
+                    self._cond.wait(1.0)
+                    continue
+                remaining = term.deadline - time.monotonic()
+                if remaining > 0:
+                    self._cond.wait(remaining)
+                    continue
+            # The keeper may be stuck in network I/O: end the term from here.
+            self._end_term("deadline", expected=term)
+            self._wake.set()
+            self._backend.interrupt()

@@ -1,0 +1,179 @@
+"""The lease backend contract and the in-memory lease used by the single-node leader.
+
+A backend only knows how to acquire, renew, release and observe one named lease.
+Everything about leading (deadlines, terms, cancelling tasks) lives in
+:mod:`rselection.leader`, so every backend gets the same safety rules.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Protocol, runtime_checkable
+
+__all__ = ["Acquisition", "LeaderInfo", "LeaseBackend", "MemoryLease"]
+
+
+@dataclass(frozen=True)
+class LeaderInfo:
+    """Who holds a lease: node id, fencing term and the server's times (aware UTC)."""
+
+    node_id: str
+    term: int
+    acquired_at: datetime
+    expires_at: datetime
+
+
+@dataclass(frozen=True)
+class Acquisition:
+    """Result of one :meth:`LeaseBackend.try_acquire` call.
+
+    ``acquired`` is true when the caller now holds the lease (``holder`` is then the
+    caller, with its new term). ``holder`` is the holder after the attempt, or ``None``
+    when nobody holds the lease. ``expires_in`` is how long, in seconds measured by the
+    lease server, until that holder's lease expires (0 when there is no holder); a
+    follower may sleep that long on its own monotonic clock before trying again,
+    because the server re-checks expiry when it tries.
+    """
+
+    acquired: bool
+    holder: LeaderInfo | None
+    expires_in: float
+
+
+@runtime_checkable
+class LeaseBackend(Protocol):
+    """What a leader needs from a lease server.
+
+    Every method except :meth:`current` and :meth:`interrupt` is called only from the
+    leader's keeper thread. Connection problems raise
+    :class:`~rselection.errors.BackendUnavailable`; the keeper reconnects with backoff.
+    """
+
+    name: str
+    """The lease name (one lease per name)."""
+
+    def connect(self) -> None:
+        """Open (or re-open) the keeper's connection; raise ``BackendUnavailable`` on failure."""
+
+    def try_acquire(self, node_id: str) -> Acquisition:
+        """Take the lease when it is free, expired, or its holder's session is gone.
+
+        A successful acquisition increments the term (it never decreases, also across
+        release and re-acquire).
+        """
+
+    def renew(self, node_id: str, term: int) -> bool:
+        """Extend this node's lease by the ttl; ``False`` when ``term`` no longer holds it."""
+
+    def release(self, node_id: str, term: int) -> None:
+        """Give the lease up (holder cleared, term kept) and wake waiting followers."""
+
+    def current(self) -> LeaderInfo | None:
+        """The live holder, or ``None``; safe to call from any thread."""
+
+    def wait_for_change(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds or until the holder may have changed.
+
+        Returns early on :meth:`interrupt`, on a release notification, or when the
+        holder's session ended. While leading, raise ``BackendUnavailable`` at once if
+        the keeper's connection breaks: that is how a leader learns of a dead session
+        without waiting for its next renewal.
+        """
+
+    def interrupt(self) -> None:
+        """Wake a thread blocked in :meth:`wait_for_change`; safe from any thread."""
+
+    def close(self) -> None:
+        """Close every connection; the backend may be connected again later."""
+
+
+class MemoryLease:
+    """A lease kept in process memory, for :class:`~rselection.SingleNodeLeader` and tests.
+
+    Several leaders in one process may share one ``MemoryLease`` to exercise elections
+    without a database. Time is this process's wall clock (one process, one clock).
+    """
+
+    def __init__(self, name: str = "default", ttl: float = 15.0) -> None:
+        """Create an empty lease called ``name`` whose holder expires after ``ttl`` seconds."""
+        self.name = name
+        self.ttl = ttl
+        self._cond = threading.Condition()
+        self._holder: LeaderInfo | None = None
+        self._expires_mono = 0.0
+        self._term = 0
+        self._generation = 0
+
+    def connect(self) -> None:
+        """Nothing to connect: the lease lives in memory."""
+
+    def _live_holder(self) -> LeaderInfo | None:
+        if self._holder is not None and time.monotonic() >= self._expires_mono:
+            self._holder = None
+            self._generation += 1
+        return self._holder
+
+    def _changed(self) -> None:
+        self._generation += 1
+        self._cond.notify_all()
+
+    def try_acquire(self, node_id: str) -> Acquisition:
+        """Take the lease if nobody holds it or the holder's ttl ran out."""
+        with self._cond:
+            holder = self._live_holder()
+            if holder is None:
+                self._term += 1
+                now = datetime.now(UTC)
+                holder = LeaderInfo(node_id, self._term, now, now + timedelta(seconds=self.ttl))
+                self._holder = holder
+                self._expires_mono = time.monotonic() + self.ttl
+                self._changed()
+                return Acquisition(True, holder, self.ttl)
+            return Acquisition(False, holder, max(0.0, self._expires_mono - time.monotonic()))
+
+    def renew(self, node_id: str, term: int) -> bool:
+        """Extend the lease when ``node_id`` still holds ``term``."""
+        with self._cond:
+            holder = self._live_holder()
+            if holder is None or holder.node_id != node_id or holder.term != term:
+                return False
+            expires_at = datetime.now(UTC) + timedelta(seconds=self.ttl)
+            self._holder = LeaderInfo(node_id, term, holder.acquired_at, expires_at)
+            self._expires_mono = time.monotonic() + self.ttl
+            return True
+
+    def release(self, node_id: str, term: int) -> None:
+        """Clear the holder when it is ``node_id`` at ``term``; the term counter is kept."""
+        with self._cond:
+            holder = self._live_holder()
+            if holder is not None and holder.node_id == node_id and holder.term == term:
+                self._holder = None
+                self._changed()
+
+    def revoke(self) -> None:
+        """Drop the current holder at once, as if its session died (for tests)."""
+        with self._cond:
+            self._holder = None
+            self._changed()
+
+    def current(self) -> LeaderInfo | None:
+        """The live holder, or ``None``."""
+        with self._cond:
+            return self._live_holder()
+
+    def wait_for_change(self, timeout: float) -> None:
+        """Wait until the holder changes, :meth:`interrupt` is called, or ``timeout``."""
+        with self._cond:
+            generation = self._generation
+            self._cond.wait_for(lambda: self._generation != generation, timeout)
+
+    def interrupt(self) -> None:
+        """Wake every waiter."""
+        with self._cond:
+            self._changed()
+
+    def close(self) -> None:
+        """Nothing to close."""

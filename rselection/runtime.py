@@ -1,0 +1,409 @@
+"""Runs one term's tasks: supervision, schedules, cancellation and join.
+
+Plain ``def`` tasks run in their own threads, so a CPU-bound task or an ``async def``
+task that blocks the event loop never holds up the others. ``async def`` tasks run on
+one event loop: the caller's under ``async with leader``, else a private loop thread
+that lives exactly as long as the term.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import inspect
+import itertools
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from . import signals
+from .context import TaskContext, Term
+from .errors import LeadershipLost
+from .schedules import format_fire_key
+from .tasks import TaskType
+
+if TYPE_CHECKING:
+    from .tasks import TaskHandler, TaskSpec
+
+__all__ = ["TermRunner", "restart_delay"]
+
+logger = logging.getLogger(__name__)
+
+STUCK_EXIT_CODE = 70
+"""Process exit code when a task is stuck and the handler was built with on_stuck="exit"."""
+
+_RESTART_BASE = 0.1
+_RESTART_CAP = 30.0
+_MAX_MISSED_SCAN = 1000
+
+
+def restart_delay(attempt: int) -> float:
+    """Backoff before restart number ``attempt`` (0-based): capped exponential, jittered."""
+    return float(min(_RESTART_CAP, _RESTART_BASE * 2**attempt)) * random.uniform(0.5, 1.0)
+
+
+class TermRunner:
+    """Runs every registered task for one :class:`~rselection.context.Term`.
+
+    Args:
+        handler: the owning handler (signal sender, stuck policy).
+        specs: the registered tasks.
+        term: the term to run.
+        loop: event loop for ``async def`` tasks; ``None`` starts a private one.
+    """
+
+    def __init__(
+        self,
+        handler: TaskHandler,
+        specs: list[TaskSpec],
+        term: Term,
+        loop: asyncio.AbstractEventLoop | None,
+    ) -> None:
+        self.handler = handler
+        self.specs = specs
+        self.term = term
+        self._loop = loop
+        self._own_loop = False
+        self._loop_thread: threading.Thread | None = None
+        self._scheduler: threading.Thread | None = None
+        self._cond = threading.Condition()
+        self._units: dict[int, str] = {}
+        self._unit_ids = itertools.count()
+        self._async_tasks: set[asyncio.Task[Any]] = set()
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start persistent tasks and the scheduler."""
+        if any(spec.is_async for spec in self.specs) and self._loop is None:
+            self._start_private_loop()
+        for spec in self.specs:
+            if spec.type is TaskType.PERSISTENT:
+                if spec.is_async:
+                    self._submit_async(spec.name, self._supervise_async(spec))
+                else:
+                    self._spawn(spec.name, self._supervise_sync, spec)
+        if any(spec.type is TaskType.SCHEDULED for spec in self.specs):
+            self._scheduler = threading.Thread(
+                target=self._schedule_loop,
+                name=f"rselection-scheduler-term-{self.term.number}",
+                daemon=True,
+            )
+            self._scheduler.start()
+
+    def cancel(self) -> None:
+        """Signal every task to stop: set ``cancelled`` and cancel async tasks."""
+        self.term.cancel()
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the caller's loop may be closed
+                self._loop.call_soon_threadsafe(self._cancel_async_tasks)
+
+    def stop(self, grace: float) -> list[str]:
+        """Cancel, wait up to ``grace`` seconds for every task, report the stuck ones."""
+        self.cancel()
+        deadline = time.monotonic() + grace
+        with self._cond:
+            self._cond.wait_for(lambda: not self._units, max(0.0, deadline - time.monotonic()))
+            stuck = sorted(set(self._units.values()))
+        if self._scheduler is not None:
+            self._scheduler.join(max(0.0, deadline - time.monotonic()))
+        if self._own_loop:
+            self._stop_private_loop(deadline)
+        if stuck:
+            self._report_stuck(stuck, grace)
+        return stuck
+
+    def _report_stuck(self, stuck: list[str], grace: float) -> None:
+        for name in stuck:
+            logger.warning(
+                "task %r of term %d is still running %.1fs after cancellation; "
+                "it must check ctx.cancelled (or await) to stop",
+                name,
+                self.term.number,
+                grace,
+            )
+            signals.task_stuck.send(self.handler, task=name, term=self.term.number, waited=grace)
+        if self.handler.on_stuck == "exit":
+            logger.critical(
+                "exiting the process (code %d) because tasks %s ignored cancellation",
+                STUCK_EXIT_CODE,
+                ", ".join(stuck),
+            )
+            logging.shutdown()
+            os._exit(STUCK_EXIT_CODE)
+
+    # -- event loop -----------------------------------------------------------------
+
+    def _start_private_loop(self) -> None:
+        loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            loop.call_soon(ready.set)
+            loop.run_forever()
+
+        self._loop = loop
+        self._own_loop = True
+        self._loop_thread = threading.Thread(
+            target=run, name=f"rselection-loop-term-{self.term.number}", daemon=True
+        )
+        self._loop_thread.start()
+        ready.wait(5.0)
+
+    def _stop_private_loop(self, deadline: float) -> None:
+        loop, thread = self._loop, self._loop_thread
+        assert loop is not None and thread is not None
+        loop.call_soon_threadsafe(loop.stop)
+        # A task that blocks the loop keeps it from stopping; it was reported as stuck.
+        thread.join(max(0.1, deadline - time.monotonic()))
+        if not thread.is_alive():
+            loop.close()
+
+    def _cancel_async_tasks(self) -> None:
+        for task in list(self._async_tasks):
+            task.cancel()
+
+    # -- units: everything that must be joined --------------------------------------
+
+    def _enter(self, name: str) -> int:
+        with self._cond:
+            unit = next(self._unit_ids)
+            self._units[unit] = name
+            return unit
+
+    def _leave(self, unit: int) -> None:
+        with self._cond:
+            self._units.pop(unit, None)
+            self._cond.notify_all()
+
+    def _spawn(self, name: str, target: Callable[..., object], *args: Any) -> None:
+        unit = self._enter(name)
+
+        def run() -> None:
+            try:
+                target(*args)
+            finally:
+                self._leave(unit)
+
+        thread = threading.Thread(target=run, name=f"rselection-task-{name}", daemon=True)
+        thread.start()
+
+    def _submit_async(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
+        loop = self._loop
+        assert loop is not None
+        unit = self._enter(name)
+
+        async def tracked() -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            self._async_tasks.add(task)
+            try:
+                await coro
+            except asyncio.CancelledError:
+                pass
+            finally:
+                self._async_tasks.discard(task)
+                self._leave(unit)
+
+        try:
+            asyncio.run_coroutine_threadsafe(tracked(), loop)
+        except RuntimeError:
+            coro.close()
+            self._leave(unit)
+            logger.error("task %r not started: its event loop is closed", name)
+
+    # -- one run ----------------------------------------------------------------------
+
+    def _claim(self, spec: TaskSpec) -> bool:
+        """Count a run as started; with overlap="skip" refuse while one is running."""
+        with self._cond:
+            stats = spec.stats
+            if spec.overlap == "skip" and spec.type is TaskType.SCHEDULED and stats.running:
+                stats.skipped += 1
+                return False
+            stats.running += 1
+            stats.runs += 1
+            stats.state = "running"
+            return True
+
+    def _started(self, ctx: TaskContext) -> None:
+        signals.task_started.send(
+            self.handler, task=ctx.name, term=ctx.term, scheduled_at=ctx.scheduled_at
+        )
+
+    def _finished(self, spec: TaskSpec, error: BaseException | None) -> None:
+        with self._cond:
+            stats = spec.stats
+            stats.running -= 1
+            if error is not None:
+                stats.failures += 1
+                stats.last_error = f"{type(error).__name__}: {error}"
+            if not stats.running:
+                stats.state = "failed" if error is not None else "idle"
+        if error is not None:
+            logger.error(
+                "task %r failed in term %d",
+                spec.name,
+                self.term.number,
+                exc_info=(type(error), error, error.__traceback__),
+            )
+            signals.task_failed.send(
+                self.handler, task=spec.name, term=self.term.number, error=error
+            )
+
+    def _run_sync(self, spec: TaskSpec, ctx: TaskContext) -> BaseException | None:
+        if not self.term.live():  # the term ended between dispatch and start
+            self._finished(spec, None)
+            return None
+        self._started(ctx)
+        error: BaseException | None = None
+        try:
+            result = spec.task.run(ctx)
+            if inspect.isawaitable(result):
+                _close_awaitable(result)
+                raise TypeError(
+                    f"task {spec.name!r} returned an awaitable from a plain function; "
+                    "declare it 'async def' so it runs on the event loop"
+                )
+        except LeadershipLost:
+            if self.term.live():
+                raise
+        except Exception as exc:
+            error = exc
+        self._finished(spec, error)
+        return error
+
+    async def _run_async(self, spec: TaskSpec, ctx: TaskContext) -> BaseException | None:
+        if not self.term.live():  # the term ended between dispatch and start
+            self._finished(spec, None)
+            return None
+        self._started(ctx)
+        error: BaseException | None = None
+        try:
+            await spec.task.run(ctx)
+        except asyncio.CancelledError:
+            self._finished(spec, None)
+            raise
+        except LeadershipLost as exc:
+            if self.term.live():
+                error = exc
+        except Exception as exc:
+            error = exc
+        self._finished(spec, error)
+        return error
+
+    # -- persistent tasks -------------------------------------------------------------
+
+    def _should_restart(self, spec: TaskSpec, error: BaseException | None) -> bool:
+        if not self.term.live():
+            return False
+        if spec.restart == "always":
+            return True
+        return spec.restart == "on-failure" and error is not None
+
+    def _supervise_sync(self, spec: TaskSpec) -> None:
+        attempt = 0
+        while self.term.live() and self._claim(spec):
+            began = time.monotonic()
+            error = self._run_sync(spec, TaskContext(spec.name, self.term))
+            if not self._should_restart(spec, error):
+                return
+            attempt = 0 if time.monotonic() - began > _RESTART_CAP else attempt + 1
+            if self.term.cancelled.wait(restart_delay(attempt - 1 if attempt else 0)):
+                return
+
+    async def _supervise_async(self, spec: TaskSpec) -> None:
+        attempt = 0
+        while self.term.live() and self._claim(spec):
+            began = time.monotonic()
+            error = await self._run_async(spec, TaskContext(spec.name, self.term))
+            if not self._should_restart(spec, error):
+                return
+            attempt = 0 if time.monotonic() - began > _RESTART_CAP else attempt + 1
+            await asyncio.sleep(restart_delay(attempt - 1 if attempt else 0))
+
+    # -- scheduled tasks ----------------------------------------------------------------
+
+    def _schedule_loop(self) -> None:
+        term = self.term
+        order = itertools.count()
+        heap: list[tuple[datetime, int, TaskSpec]] = []
+        now = datetime.now(UTC)
+        for spec in self.specs:
+            if spec.type is TaskType.SCHEDULED:
+                self._push(heap, spec, self._next_fire(spec, now, now), order)
+        while heap and term.live():
+            at, _, spec = heap[0]
+            delay = at.timestamp() - time.time()
+            if delay > 0:
+                if term.cancelled.wait(min(delay, term.remaining())):
+                    return
+                continue
+            heapq.heappop(heap)
+            if not term.live():
+                return
+            self._fire(spec, at)
+            self._push(heap, spec, self._next_fire(spec, at, datetime.now(UTC)), order)
+
+    def _push(
+        self,
+        heap: list[tuple[datetime, int, TaskSpec]],
+        spec: TaskSpec,
+        at: datetime | None,
+        order: itertools.count[int],
+    ) -> None:
+        spec.stats.next_fire = at
+        if at is not None:
+            heapq.heappush(heap, (at, next(order), spec))
+
+    def _next_fire(self, spec: TaskSpec, after: datetime, now: datetime) -> datetime | None:
+        """The next fire after ``after``; of several already due, only the newest runs."""
+        schedule = spec.schedule
+        assert schedule is not None
+        nxt = schedule.next_fire(after)
+        for _ in range(_MAX_MISSED_SCAN):
+            if nxt is None:
+                return None
+            following = schedule.next_fire(nxt)
+            if following is None or following > now:
+                return nxt
+            self._skip(spec, nxt, "misfire")
+            nxt = following
+        return schedule.next_fire(now)
+
+    def _skip(self, spec: TaskSpec, at: datetime, reason: str) -> None:
+        if reason != "overlap":  # overlap skips are counted by _claim
+            with self._cond:
+                spec.stats.skipped += 1
+        logger.debug("fire of %r at %s skipped: %s", spec.name, at.isoformat(), reason)
+        signals.fire_skipped.send(self.handler, task=spec.name, scheduled_at=at, reason=reason)
+
+    def _fire(self, spec: TaskSpec, at: datetime) -> None:
+        if not self._claim(spec):
+            self._skip(spec, at, "overlap")
+            return
+        spec.stats.last_fire = at
+        ctx = TaskContext(
+            spec.name, self.term, scheduled_at=at, fire_key=format_fire_key(spec.name, at)
+        )
+        if spec.is_async:
+            self._submit_async(spec.name, _discard(self._run_async(spec, ctx)))
+        else:
+            self._spawn(spec.name, self._run_sync, spec, ctx)
+
+
+async def _discard(awaitable: Awaitable[Any]) -> None:
+    await awaitable
+
+
+def _close_awaitable(obj: Any) -> None:
+    close = getattr(obj, "close", None)
+    if callable(close):
+        close()

@@ -1,0 +1,53 @@
+"""Blinker signals that rselection sends; connect receivers to observe leadership and tasks.
+
+Every signal is sent with the leader (or task handler) as sender and these keyword
+arguments:
+
+- ``elected``: ``node_id``, ``term``, ``name`` (lease name).
+- ``demoted``: ``node_id``, ``term``, ``name``, ``reason`` (``"stopped"``, ``"lost"``,
+  ``"deadline"``, ``"connection"``, ``"step_down"``).
+- ``leader_changed``: ``name``, ``leader`` (:class:`~rselection.LeaderInfo` or ``None``).
+- ``task_started``: ``task``, ``term``, ``scheduled_at`` (``None`` for persistent tasks).
+- ``task_failed``: ``task``, ``term``, ``error`` (the exception).
+- ``task_stuck``: ``task``, ``term``, ``waited`` (seconds waited after cancelling).
+- ``fire_skipped``: ``task``, ``scheduled_at``, ``reason`` (``"overlap"``, ``"not-leader"``,
+  ``"already-claimed"``, ``"misfire"``, ``"claim-error"``).
+
+Receivers run in the thread that sends the signal: keep them short and never block.
+"""
+
+from __future__ import annotations
+
+from blinker import Namespace
+
+__all__ = [
+    "demoted",
+    "elected",
+    "fire_skipped",
+    "leader_changed",
+    "namespace",
+    "task_failed",
+    "task_started",
+    "task_stuck",
+]
+
+namespace = Namespace()
+"""The blinker namespace that holds every rselection signal."""
+
+elected = namespace.signal("elected", doc="This node became leader (kwargs: node_id, term, name).")
+demoted = namespace.signal(
+    "demoted", doc="This node stopped leading (kwargs: node_id, term, name, reason)."
+)
+leader_changed = namespace.signal(
+    "leader_changed", doc="The lease holder changed (kwargs: name, leader)."
+)
+task_started = namespace.signal(
+    "task_started", doc="A task run began (kwargs: task, term, scheduled_at)."
+)
+task_failed = namespace.signal("task_failed", doc="A task raised (kwargs: task, term, error).")
+task_stuck = namespace.signal(
+    "task_stuck", doc="A task ignored cancellation past stop_grace (kwargs: task, term, waited)."
+)
+fire_skipped = namespace.signal(
+    "fire_skipped", doc="A scheduled fire did not run (kwargs: task, scheduled_at, reason)."
+)

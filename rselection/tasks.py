@@ -1,0 +1,377 @@
+"""Task registration: the :class:`TaskHandler`, the :class:`Task` protocol and its helpers."""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import logging
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_checkable
+
+from .errors import ConfigError
+from .schedules import CronSchedule, IntervalSchedule, Schedule
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from .broadcast import Broadcaster
+    from .context import TaskContext, Term
+    from .runtime import TermRunner
+
+__all__ = ["GenericTask", "Task", "TaskHandler", "TaskType"]
+
+logger = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+RestartPolicy = Literal["on-failure", "always", "never"]
+OverlapPolicy = Literal["skip", "allow"]
+StuckPolicy = Literal["log", "exit"]
+
+_RESTART_POLICIES = ("on-failure", "always", "never")
+_OVERLAP_POLICIES = ("skip", "allow")
+_STUCK_POLICIES = ("log", "exit")
+
+
+class TaskType(enum.Enum):
+    """How a task runs: for the whole term, or on a schedule."""
+
+    PERSISTENT = "persistent"
+    SCHEDULED = "scheduled"
+
+
+@runtime_checkable
+class Task(Protocol):
+    """What :meth:`TaskHandler.register` accepts (Go-style task objects).
+
+    ``run(ctx)`` may be a plain method (run in a worker thread) or ``async def`` (run on
+    the leader's event loop). ``schedule`` is required for scheduled tasks.
+    """
+
+    name: str
+    type: TaskType
+    schedule: Schedule | None
+
+    def run(self, ctx: TaskContext) -> Any:
+        """Do the work; return when done or when ``ctx`` is cancelled."""
+
+
+class GenericTask:
+    """A convenience base for :class:`Task` objects: subclass it and override :meth:`run`.
+
+    Args:
+        name: the task name.
+        type: persistent or scheduled.
+        schedule: when a scheduled task fires.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        type: TaskType = TaskType.PERSISTENT,
+        schedule: Schedule | None = None,
+    ) -> None:
+        self.name = name
+        self.type = type
+        self.schedule = schedule
+
+    def run(self, ctx: TaskContext) -> Any:
+        """Override with the task's work."""
+        raise NotImplementedError(f"{type(self).__name__}.run is not implemented")
+
+
+class _FunctionTask:
+    """Adapts a decorated function to the :class:`Task` protocol."""
+
+    def __init__(
+        self, name: str, fn: Callable[..., Any], type: TaskType, schedule: Schedule | None
+    ) -> None:
+        self.name = name
+        self.type = type
+        self.schedule = schedule
+        self.run = fn
+
+
+@dataclass
+class TaskStats:
+    """Counters kept per task across terms, reported by :meth:`TaskHandler.health`."""
+
+    state: str = "idle"
+    runs: int = 0
+    failures: int = 0
+    skipped: int = 0
+    running: int = 0
+    last_error: str | None = None
+    last_fire: datetime | None = None
+    next_fire: datetime | None = None
+
+
+@dataclass
+class TaskSpec:
+    """A registered task with its run options (internal to the runtime)."""
+
+    name: str
+    task: Task
+    is_async: bool
+    restart: RestartPolicy = "on-failure"
+    overlap: OverlapPolicy = "skip"
+    stats: TaskStats = field(default_factory=TaskStats)
+
+    @property
+    def type(self) -> TaskType:
+        """Persistent or scheduled."""
+        return self.task.type
+
+    @property
+    def schedule(self) -> Schedule | None:
+        """The task's schedule (``None`` for persistent tasks)."""
+        return self.task.schedule
+
+
+def _is_async_callable(fn: Any) -> bool:
+    # Callable objects with an ``async def __call__`` count as async too.
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004
+    )
+
+
+def _check_name(name: object) -> str:
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(f"task name must be a non-empty string, got {name!r}")
+    return name
+
+
+def _check_choice(what: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        allowed = ", ".join(repr(c) for c in choices)
+        raise ConfigError(f"{what} must be one of {allowed}, got {value!r}")
+
+
+class TaskHandler:
+    """Holds the tasks a leader runs, and runs one term of them at a time.
+
+    Args:
+        stop_grace: seconds to wait for tasks to finish after cancelling them.
+        on_stuck: ``"log"`` reports a task still running after ``stop_grace``;
+            ``"exit"`` also ends the process (``os._exit(70)``), like a watchdog.
+    """
+
+    def __init__(self, *, stop_grace: float = 5.0, on_stuck: StuckPolicy = "log") -> None:
+        if (
+            isinstance(stop_grace, bool)
+            or not isinstance(stop_grace, int | float)
+            or not math.isfinite(stop_grace)
+            or stop_grace <= 0
+        ):
+            raise ConfigError(
+                f"stop_grace must be a positive number of seconds, got {stop_grace!r}"
+            )
+        _check_choice("on_stuck", on_stuck, _STUCK_POLICIES)
+        self.stop_grace = float(stop_grace)
+        self.on_stuck: StuckPolicy = on_stuck
+        self._specs: dict[str, TaskSpec] = {}
+        self._lock = threading.RLock()
+        self._attached = 0
+        self._runner: TermRunner | None = None
+        self._broadcaster: Broadcaster | None = None
+
+    # -- registration -------------------------------------------------------------
+
+    def register(self, name: str, task: Task) -> None:
+        """Register a :class:`Task` object under ``name``.
+
+        Raises:
+            ConfigError: empty or duplicate name, or a task without ``run``/``type``,
+                or a scheduled task without a schedule.
+            RuntimeError: the handler is already running under a leader.
+        """
+        self._add(name, task)
+
+    def _add(
+        self,
+        name: str,
+        task: Task,
+        *,
+        restart: RestartPolicy = "on-failure",
+        overlap: OverlapPolicy = "skip",
+    ) -> TaskSpec:
+        _check_name(name)
+        if not callable(getattr(task, "run", None)):
+            raise ConfigError(f"task {name!r} has no callable run(ctx) method")
+        task_type = getattr(task, "type", None)
+        if not isinstance(task_type, TaskType):
+            raise ConfigError(f"task {name!r}: type must be a TaskType, got {task_type!r}")
+        schedule = getattr(task, "schedule", None)
+        if task_type is TaskType.SCHEDULED and schedule is None:
+            raise ConfigError(f"scheduled task {name!r} needs a schedule")
+        if schedule is not None and not callable(getattr(schedule, "next_fire", None)):
+            raise ConfigError(f"task {name!r}: schedule has no next_fire(after) method")
+        with self._lock:
+            if self._attached:
+                raise RuntimeError(
+                    f"cannot register task {name!r} while the handler is running; "
+                    "register every task before starting the leader"
+                )
+            if name in self._specs:
+                raise ConfigError(f"a task named {name!r} is already registered")
+            spec = TaskSpec(name, task, _is_async_callable(task.run), restart, overlap)
+            self._specs[name] = spec
+            return spec
+
+    def persistent(
+        self, name: str | None = None, *, restart: RestartPolicy = "on-failure"
+    ) -> Callable[[F], F]:
+        """Decorator: run the function for the whole term.
+
+        Args:
+            name: task name (default: the function's ``__name__``).
+            restart: ``"on-failure"`` (default) restarts after an exception with capped
+                exponential backoff; ``"always"`` also after a normal return;
+                ``"never"`` runs it once per term.
+        """
+        _check_choice("restart", restart, _RESTART_POLICIES)
+
+        def decorate(fn: F) -> F:
+            task_name = name if name is not None else fn.__name__
+            self._add(
+                task_name,
+                _FunctionTask(task_name, fn, TaskType.PERSISTENT, None),
+                restart=restart,
+            )
+            return fn
+
+        return decorate
+
+    def interval(
+        self,
+        every: float | timedelta,
+        *,
+        name: str | None = None,
+        jitter: float | timedelta = 0,
+        overlap: OverlapPolicy = "skip",
+    ) -> Callable[[F], F]:
+        """Decorator: run the function every ``every`` seconds (epoch-aligned, no drift).
+
+        Args:
+            every: seconds or a ``timedelta``; must be positive.
+            name: task name (default: the function's ``__name__``).
+            jitter: a deterministic offset in ``[0, jitter)`` added to each fire.
+            overlap: ``"skip"`` (default) skips a fire while the previous run is still
+                going; ``"allow"`` runs them side by side.
+        """
+        _check_choice("overlap", overlap, _OVERLAP_POLICIES)
+        schedule = IntervalSchedule(every, jitter=jitter)
+        return self._scheduled(schedule, name, overlap)
+
+    def cron(
+        self,
+        expr: str,
+        *,
+        name: str | None = None,
+        tz: str = "UTC",
+        overlap: OverlapPolicy = "skip",
+    ) -> Callable[[F], F]:
+        """Decorator: run the function on a cron schedule (croniter syntax).
+
+        Args:
+            expr: the cron expression, e.g. ``"*/5 * * * *"``.
+            name: task name (default: the function's ``__name__``).
+            tz: the time zone the expression is read in (default UTC).
+            overlap: as for :meth:`interval`.
+        """
+        _check_choice("overlap", overlap, _OVERLAP_POLICIES)
+        return self._scheduled(CronSchedule(expr, tz=tz), name, overlap)
+
+    def _scheduled(
+        self, schedule: Schedule, name: str | None, overlap: OverlapPolicy
+    ) -> Callable[[F], F]:
+        def decorate(fn: F) -> F:
+            task_name = name if name is not None else fn.__name__
+            task = _FunctionTask(task_name, fn, TaskType.SCHEDULED, schedule)
+            self._add(task_name, task, overlap=overlap)
+            return fn
+
+        return decorate
+
+    # -- observation ----------------------------------------------------------------
+
+    @property
+    def names(self) -> list[str]:
+        """Registered task names, in registration order."""
+        with self._lock:
+            return list(self._specs)
+
+    def handle(self, broadcaster: Broadcaster) -> None:
+        """Hand ``broadcaster`` to tasks as ``ctx.broadcaster`` (Go parity).
+
+        A broadcaster given to the leader takes precedence.
+        """
+        self._broadcaster = broadcaster
+
+    def verify(self) -> bool:
+        """True while a term is running and still live (Go parity)."""
+        runner = self._runner
+        return runner is not None and runner.term.live()
+
+    def health(self) -> dict[str, dict[str, Any]]:
+        """Per task: state, runs, failures, skipped, last error, last and next fire."""
+        with self._lock:
+            specs = list(self._specs.values())
+        report: dict[str, dict[str, Any]] = {}
+        for spec in specs:
+            s = spec.stats
+            report[spec.name] = {
+                "type": spec.type.value,
+                "state": s.state,
+                "runs": s.runs,
+                "failures": s.failures,
+                "skipped": s.skipped,
+                "last_error": s.last_error,
+                "last_fire": s.last_fire,
+                "next_fire": s.next_fire,
+            }
+        return report
+
+    # -- used by leaders ----------------------------------------------------------
+
+    def attach(self) -> None:
+        """Mark the handler as in use by a leader: registration is closed until detach."""
+        with self._lock:
+            self._attached += 1
+
+    def detach(self) -> None:
+        """Undo :meth:`attach`."""
+        with self._lock:
+            self._attached = max(0, self._attached - 1)
+
+    def start_term(self, term: Term, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start every task for ``term``; ``loop`` runs async tasks (else a private one)."""
+        from .runtime import TermRunner
+
+        with self._lock:
+            if self._runner is not None:
+                raise RuntimeError("a term is already running; end it first")
+            if term.broadcaster is None:
+                term.broadcaster = self._broadcaster
+            runner = TermRunner(self, list(self._specs.values()), term, loop)
+            self._runner = runner
+        runner.start()
+
+    def end_term(self) -> list[str]:
+        """Cancel the running term's tasks and join them; return the names still stuck."""
+        with self._lock:
+            runner, self._runner = self._runner, None
+        if runner is None:
+            return []
+        return runner.stop(self.stop_grace)
+
+    def stop(self) -> None:
+        """Cancel and join the running term's tasks, if any (the leader keeps running)."""
+        self.end_term()
+
+    def __repr__(self) -> str:
+        return f"TaskHandler(tasks={self.names!r}, stop_grace={self.stop_grace})"

@@ -1,0 +1,81 @@
+"""Lease timings and the rules that keep two nodes from ever leading at once."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+__all__ = ["Timings"]
+
+
+def _seconds(what: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{what} must be a finite number of seconds, got {value!r}")
+    if value <= 0:
+        raise ConfigError(f"{what} must be positive, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Validated lease timings, in seconds.
+
+    Rules (checked at construction; the error shows the math):
+
+    - ``renew_interval < renew_deadline``: several renewals are tried before giving up;
+    - ``ttl - renew_deadline >= max(1 s, 10% of ttl)``: the leader stops at its deadline,
+      measured from when its last successful renewal was *sent*, so it has stopped
+      before the server lets the lease expire and another node take over;
+    - with ``on_stuck="exit"``, ``stop_grace`` fits in ``ttl - renew_deadline``, so a
+      stuck task's process is gone before the lease expires.
+
+    Args:
+        ttl: lease length on the server.
+        renew_interval: time between renewals.
+        renew_deadline: the leader steps down if no renewal succeeded for this long.
+        retry_interval: a follower's polling period (jittered).
+    """
+
+    ttl: float = 15.0
+    renew_interval: float = 2.0
+    renew_deadline: float = 10.0
+    retry_interval: float = 2.0
+
+    def __post_init__(self) -> None:
+        for what in ("ttl", "renew_interval", "renew_deadline", "retry_interval"):
+            object.__setattr__(self, what, _seconds(what, getattr(self, what)))
+        if self.renew_interval >= self.renew_deadline:
+            raise ConfigError(
+                f"renew_interval ({self.renew_interval:g}s) must be less than renew_deadline "
+                f"({self.renew_deadline:g}s), so several renewals are tried before stepping down"
+            )
+        margin = self.ttl - self.renew_deadline
+        need = self.safety_margin_needed(self.ttl)
+        if margin < need:
+            raise ConfigError(
+                f"ttl - renew_deadline = {self.ttl:g} - {self.renew_deadline:g} = {margin:g}s, "
+                f"but it must be >= max(1s, 10% of ttl) = {need:g}s so the leader always "
+                f"stops before its lease can expire; lower renew_deadline to at most "
+                f"{self.ttl - need:g}s or raise ttl"
+            )
+
+    @staticmethod
+    def safety_margin_needed(ttl: float) -> float:
+        """The smallest allowed ``ttl - renew_deadline`` for a given ``ttl``."""
+        return max(1.0, 0.1 * ttl)
+
+    @property
+    def margin(self) -> float:
+        """``ttl - renew_deadline``: how long after the leader's deadline the lease lasts."""
+        return self.ttl - self.renew_deadline
+
+    def check_stop_grace(self, stop_grace: float, on_stuck: str) -> None:
+        """Reject a ``stop_grace`` that would outlive the lease with ``on_stuck="exit"``."""
+        if on_stuck == "exit" and stop_grace > self.margin:
+            raise ConfigError(
+                f'with on_stuck="exit", stop_grace ({stop_grace:g}s) must fit in '
+                f"ttl - renew_deadline = {self.ttl:g} - {self.renew_deadline:g} = "
+                f"{self.margin:g}s, so a stuck process exits before its lease expires"
+            )
