@@ -1,0 +1,160 @@
+"""Connection helpers shared by the Postgres backends.
+
+Nothing here is public API; the names are stable enough for the CLI and the other
+Postgres modules of this package to use them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+from ..errors import BackendUnavailable, ConfigError
+
+__all__ = [
+    "Keepalives",
+    "check_conninfo",
+    "client_keepalives",
+    "describe_conninfo",
+    "redact",
+    "server_keepalives",
+    "unavailable",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Linux refuses more keepalive probes than this (``TCP_KEEPCNT``).
+_MAX_PROBES = 100
+
+
+@dataclass(frozen=True)
+class Keepalives:
+    """TCP keepalive settings, in whole seconds: first probe, probe interval, probes."""
+
+    idle: int
+    interval: int
+    count: int
+
+    @property
+    def total(self) -> int:
+        """Seconds of silence after which the peer is declared dead."""
+        return self.idle + self.interval * self.count
+
+
+def server_keepalives(renew_deadline: float) -> Keepalives:
+    """Server-side keepalives that never drop a live leader's session too early.
+
+    The server may end a session whose client went silent after ``idle + interval *
+    count`` seconds; the leader steps down on its own ``renew_deadline`` seconds after it
+    *sent* its last successful renewal, and the server received that renewal later than
+    it was sent. So ``idle + interval * count > renew_deadline + 1`` guarantees that the
+    leader has stopped at least a second before the server frees its advisory lock. The
+    total is kept just above that bound so a vanished host (no FIN) still frees the lock
+    as early as is safe.
+
+    Args:
+        renew_deadline: the leader's renew deadline, seconds.
+    """
+    idle = max(1, math.ceil(renew_deadline / 2))
+    need = renew_deadline + 1.0 - idle  # interval * count must exceed this
+    interval = max(1, math.ceil(need / _MAX_PROBES))
+    count = max(1, math.floor(need / interval) + 1)
+    ka = Keepalives(idle, interval, count)
+    assert ka.total > renew_deadline + 1.0, ka
+    return ka
+
+
+def client_keepalives(renew_deadline: float) -> Keepalives:
+    """Client-side keepalives: notice a silently dead server within ``renew_deadline``.
+
+    Only speed matters here (a leader whose connection breaks steps down; the server side
+    decides what followers may do), so probing starts at half the deadline.
+
+    Args:
+        renew_deadline: the leader's renew deadline, seconds.
+    """
+    idle = max(1, math.floor(renew_deadline / 2))
+    return Keepalives(idle, 1, 3)
+
+
+def _params(conninfo: str) -> dict[str, Any]:
+    try:
+        return dict(conninfo_to_dict(conninfo))
+    except psycopg.Error:
+        return {}
+
+
+def check_conninfo(conninfo: str) -> None:
+    """Raise :class:`ConfigError` when ``conninfo`` is not a valid libpq string or URI.
+
+    The message never repeats the string, which may hold a password.
+
+    Args:
+        conninfo: a libpq ``key=value`` string or ``postgresql://`` URI.
+    """
+    if not isinstance(conninfo, str):
+        raise ConfigError(f"conninfo must be a str, got {type(conninfo).__name__}")
+    try:
+        conninfo_to_dict(conninfo)
+    except psycopg.Error:
+        raise ConfigError(
+            "the connection string cannot be parsed; write it as 'host=... port=... "
+            "dbname=... user=...' or 'postgresql://user@host:port/dbname'"
+        ) from None
+
+
+def describe_conninfo(conninfo: str) -> str:
+    """Name the server a connection string points at, without its password.
+
+    Returns ``"host=H port=P dbname=D user=U"`` (defaults from the ``PG*`` environment
+    variables and libpq's own defaults), suitable for error messages and logs.
+
+    Args:
+        conninfo: a libpq ``key=value`` string or ``postgresql://`` URI.
+    """
+    params = _params(conninfo)
+    host = params.get("host") or params.get("hostaddr") or os.environ.get("PGHOST")
+    port = params.get("port") or os.environ.get("PGPORT") or "5432"
+    dbname = params.get("dbname") or os.environ.get("PGDATABASE")
+    user = params.get("user") or os.environ.get("PGUSER")
+    parts = [f"host={host or 'localhost (default socket)'}", f"port={port}"]
+    if dbname:
+        parts.append(f"dbname={dbname}")
+    if user:
+        parts.append(f"user={user}")
+    return " ".join(parts)
+
+
+def redact(text: str, conninfo: str) -> str:
+    """Return ``text`` with the password of ``conninfo`` (if any) replaced by ``***``.
+
+    Args:
+        text: a message that may quote the connection string (a driver error).
+        conninfo: the connection string whose password must not leak.
+    """
+    password = _params(conninfo).get("password") or os.environ.get("PGPASSWORD")
+    if password:
+        text = text.replace(str(password), "***")
+    return text
+
+
+def unavailable(what: str, conninfo: str, exc: BaseException) -> BackendUnavailable:
+    """Build the :class:`BackendUnavailable` for a failed ``what`` against ``conninfo``.
+
+    The message names the server (never the password) and the driver's first line.
+
+    Args:
+        what: what was attempted, e.g. ``"connect"``.
+        conninfo: the connection string used.
+        exc: the driver error; chain it with ``raise ... from exc``.
+    """
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return BackendUnavailable(
+        f"cannot {what} ({describe_conninfo(conninfo)}): {redact(detail, conninfo)}"
+    )
