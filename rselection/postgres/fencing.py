@@ -1,0 +1,188 @@
+"""Fenced writes: make a transaction fail unless its term still holds the lease.
+
+Call :func:`fenced` (or :func:`afenced`) as the *first* statement of the transaction
+that performs a leader's write::
+
+    with conn.transaction():
+        fenced(conn, "billing", ctx.term)
+        conn.execute("UPDATE accounts SET ...")
+
+It reads the lease row ``FOR KEY SHARE`` and raises :class:`StaleLeaderError` when the
+term is not the live holder. How this orders writes:
+
+* A takeover (:meth:`PostgresLease.try_acquire`) locks the row ``FOR UPDATE`` before it
+  changes the term, and ``FOR UPDATE`` conflicts with ``FOR KEY SHARE``: the new term
+  cannot commit until every fenced transaction of the old term has ended. Every write
+  of term ``T`` therefore commits before term ``T + 1`` exists.
+* Once term ``T + 1`` has committed, ``fenced(conn, name, T)`` finds no row (in READ
+  COMMITTED the locking read re-checks the newest row version; in REPEATABLE READ or
+  SERIALIZABLE it fails with a serialization error instead), so a stale leader's
+  transaction cannot write at all.
+* A renewal is a plain ``UPDATE`` of non-key columns (``FOR NO KEY UPDATE``), which
+  does not conflict with ``FOR KEY SHARE``: fenced transactions never delay renewals.
+
+A takeover waits for fenced transactions, so a stale leader that is paused (SIGSTOP, a
+long GC) inside one could hold the lease hostage. :func:`fenced` therefore sets
+``idle_in_transaction_session_timeout`` for the rest of the transaction (default 5 s):
+a transaction idle for longer has its *session* terminated by the server, which rolls
+the write back and frees the lock. It does not bound a statement that is busy on the
+server; keep fenced transactions short, and use ``statement_timeout`` for the rest.
+
+Expiry is compared with ``clock_timestamp()`` (the server's current time) rather than
+``now()`` (the start of the caller's transaction), so a transaction that began long ago
+still sees whether the lease is live at the moment of the check.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.pq import TransactionStatus
+
+from ..errors import BackendUnavailable, ConfigError, StaleLeaderError
+from .schema import DEFAULT_TABLE, table_identifier
+
+__all__ = ["afenced", "fenced"]
+
+logger = logging.getLogger(__name__)
+
+
+_CHECK = (
+    "EXISTS (SELECT 1 FROM {} WHERE name = %s AND term = %s"
+    " AND holder IS NOT NULL AND expires_at > clock_timestamp()"
+    " FOR KEY SHARE)"
+)
+
+
+@functools.lru_cache(maxsize=64)
+def _query(table: str, bound_idle: bool) -> sql.Composed:
+    # One round trip. The locking sub-select takes the row lock (it is an init plan,
+    # run exactly once); set_config(..., true) is SET LOCAL: it lasts until the end of
+    # the caller's transaction.
+    head = (
+        "SELECT set_config('idle_in_transaction_session_timeout', %s, true), "
+        if bound_idle
+        else "SELECT NULL, "
+    )
+    return sql.SQL(head + _CHECK).format(table_identifier(table))
+
+
+def _prepare(
+    name: str, term: int, table: str, idle_timeout: float | None
+) -> tuple[sql.Composed, tuple[Any, ...]]:
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"lease name must be a non-empty string, got {name!r}")
+    if isinstance(term, bool) or not isinstance(term, int) or term < 0:
+        raise ConfigError(f"term must be a non-negative int, got {term!r}")
+    if idle_timeout is None:
+        return _query(table, False), (name, term)
+    if not idle_timeout > 0:
+        raise ConfigError(f"idle_timeout must be positive seconds or None, got {idle_timeout!r}")
+    millis = f"{max(1, round(idle_timeout * 1000))}ms"
+    return _query(table, True), (millis, name, term)
+
+
+def _check_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
+    if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+        raise ConfigError(
+            "fenced() must run inside the transaction it protects, but the connection is "
+            "in autocommit mode with no transaction open: wrap the write in "
+            "`with conn.transaction():` (or use a connection with autocommit=False)"
+        )
+
+
+def _stale(name: str, term: int) -> StaleLeaderError:
+    return StaleLeaderError(
+        f"term {term} no longer holds lease {name!r} (it was taken over, released or "
+        "expired): roll this transaction back and stop acting as leader; the new "
+        "leader's term is higher"
+    )
+
+
+def _wrap(exc: psycopg.Error, table: str) -> Exception:
+    if isinstance(exc, psycopg.errors.UndefinedTable):
+        return ConfigError(
+            f"lease table {table!r} does not exist on this connection's database or "
+            "search_path: pass the same table (schema-qualified if needed) as the leader"
+        )
+    if isinstance(exc, psycopg.OperationalError):
+        return BackendUnavailable(f"fencing check failed: {exc}")
+    return exc
+
+
+def fenced(
+    conn: psycopg.Connection[Any],
+    name: str,
+    term: int,
+    *,
+    table: str = DEFAULT_TABLE,
+    idle_timeout: float | None = 5.0,
+) -> None:
+    """Check, inside the caller's open transaction, that ``term`` still holds ``name``.
+
+    On success the lease row stays locked ``FOR KEY SHARE`` until the transaction ends,
+    so no takeover can commit before it; renewals are not blocked. Call it first in the
+    transaction.
+
+    Args:
+        conn: a psycopg connection inside the transaction to protect (a connection with
+            ``autocommit=False``, or inside ``conn.transaction()``).
+        name: the lease name.
+        term: the term the writer believes it holds (``ctx.term``).
+        table: the lease table, as given to the leader.
+        idle_timeout: seconds this transaction may stay idle before the server ends the
+            session (``SET LOCAL idle_in_transaction_session_timeout``); ``None`` keeps
+            the session's setting.
+
+    Raises:
+        StaleLeaderError: ``term`` no longer holds the lease; roll back.
+        ConfigError: bad arguments, no transaction open, or no lease table.
+        BackendUnavailable: the connection broke.
+    """
+    _check_transaction(conn)
+    query, params = _prepare(name, term, table, idle_timeout)
+    try:
+        row = conn.execute(query, params).fetchone()
+    except psycopg.Error as exc:
+        raise _wrap(exc, table) from exc
+    if row is None or not row[1]:
+        logger.debug("fenced write refused: lease %r, term %s", name, term)
+        raise _stale(name, term)
+
+
+async def afenced(
+    conn: psycopg.AsyncConnection[Any],
+    name: str,
+    term: int,
+    *,
+    table: str = DEFAULT_TABLE,
+    idle_timeout: float | None = 5.0,
+) -> None:
+    """Async version of :func:`fenced` for a :class:`psycopg.AsyncConnection`.
+
+    Args:
+        conn: an async psycopg connection inside the transaction to protect.
+        name: the lease name.
+        term: the term the writer believes it holds.
+        table: the lease table, as given to the leader.
+        idle_timeout: idle bound for the rest of the transaction, seconds, or ``None``.
+
+    Raises:
+        StaleLeaderError: ``term`` no longer holds the lease; roll back.
+        ConfigError: bad arguments, no transaction open, or no lease table.
+        BackendUnavailable: the connection broke.
+    """
+    _check_transaction(conn)
+    query, params = _prepare(name, term, table, idle_timeout)
+    try:
+        cur = await conn.execute(query, params)
+        row = await cur.fetchone()
+    except psycopg.Error as exc:
+        raise _wrap(exc, table) from exc
+    if row is None or not row[1]:
+        logger.debug("fenced write refused: lease %r, term %s", name, term)
+        raise _stale(name, term)
