@@ -272,9 +272,9 @@ class TermRunner:
                     f"task {spec.name!r} returned an awaitable from a plain function; "
                     "declare it 'async def' so it runs on the event loop"
                 )
-        except LeadershipLost:
+        except LeadershipLost as exc:
             if self.term.live():
-                raise
+                error = exc
         except Exception as exc:
             error = exc
         self._finished(spec, error)
