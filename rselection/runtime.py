@@ -41,6 +41,7 @@ STUCK_EXIT_CODE = 70
 _RESTART_BASE = 0.1
 _RESTART_CAP = 30.0
 _MAX_MISSED_SCAN = 1000
+_LOOP_DRAIN = 1.0  # seconds a stopped private loop gets to unwind cancelled tasks
 
 
 def restart_delay(attempt: int) -> float:
@@ -147,7 +148,10 @@ class TermRunner:
         def run() -> None:
             asyncio.set_event_loop(loop)
             loop.call_soon(ready.set)
-            loop.run_forever()
+            try:
+                loop.run_forever()
+            finally:
+                _close_loop(loop)
 
         self._loop = loop
         self._own_loop = True
@@ -161,10 +165,9 @@ class TermRunner:
         loop, thread = self._loop, self._loop_thread
         assert loop is not None and thread is not None
         loop.call_soon_threadsafe(loop.stop)
-        # A task that blocks the loop keeps it from stopping; it was reported as stuck.
+        # A task that blocks the loop keeps it from stopping; it was reported as stuck,
+        # and the loop thread closes the loop itself once that task lets go.
         thread.join(max(0.1, deadline - time.monotonic()))
-        if not thread.is_alive():
-            loop.close()
 
     def _cancel_async_tasks(self) -> None:
         for task in list(self._async_tasks):
@@ -397,6 +400,19 @@ class TermRunner:
             self._submit_async(spec.name, _discard(self._run_async(spec, ctx)))
         else:
             self._spawn(spec.name, self._run_sync, spec, ctx)
+
+
+def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel what is left on a stopped private loop, let it unwind briefly, close it."""
+    try:
+        pending = asyncio.all_tasks(loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.wait(pending, timeout=_LOOP_DRAIN))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    finally:
+        loop.close()
 
 
 async def _discard(awaitable: Awaitable[Any]) -> None:
