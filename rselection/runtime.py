@@ -109,11 +109,12 @@ class TermRunner:
         """Cancel, wait up to ``grace`` seconds for every task, report the stuck ones."""
         self.cancel()
         deadline = time.monotonic() + grace
+        # The scheduler first: a fire it dispatches while we wait adds a unit to join.
+        if self._scheduler is not None:
+            self._scheduler.join(max(0.0, deadline - time.monotonic()))
         with self._cond:
             self._cond.wait_for(lambda: not self._units, max(0.0, deadline - time.monotonic()))
             stuck = sorted(set(self._units.values()))
-        if self._scheduler is not None:
-            self._scheduler.join(max(0.0, deadline - time.monotonic()))
         if self._own_loop:
             self._stop_private_loop(deadline)
         if stuck:
