@@ -84,7 +84,13 @@ class LeaseBackend(Protocol):
         """
 
     def interrupt(self) -> None:
-        """Wake a thread blocked in :meth:`wait_for_change`; safe from any thread."""
+        """Wake a thread blocked in :meth:`wait_for_change`; safe from any thread.
+
+        The wake-up must not be lost when no thread is waiting yet: the next
+        :meth:`wait_for_change` then returns at once. Otherwise a ``stop()`` or
+        ``step_down()`` that races with the keeper going back to sleep would wait for
+        the keeper's next timeout (up to ``renew_interval``).
+        """
 
     def close(self) -> None:
         """Close every connection; the backend may be connected again later."""
@@ -106,6 +112,7 @@ class MemoryLease:
         self._expires_mono = 0.0
         self._term = 0
         self._generation = 0
+        self._interrupted = False
 
     def connect(self) -> None:
         """Nothing to connect: the lease lives in memory."""
@@ -165,14 +172,23 @@ class MemoryLease:
             return self._live_holder()
 
     def wait_for_change(self, timeout: float) -> None:
-        """Wait until the holder changes, :meth:`interrupt` is called, or ``timeout``."""
+        """Wait until the holder changes, :meth:`interrupt` is called, or ``timeout``.
+
+        An interrupt that came while nobody waited makes this return at once. With
+        several leaders on one lease, any one waiter may consume it (an early return
+        only makes a keeper look again).
+        """
         with self._cond:
             generation = self._generation
-            self._cond.wait_for(lambda: self._generation != generation, timeout)
+            self._cond.wait_for(
+                lambda: self._interrupted or self._generation != generation, timeout
+            )
+            self._interrupted = False
 
     def interrupt(self) -> None:
-        """Wake every waiter."""
+        """Wake every waiter, or the next one if nobody is waiting now."""
         with self._cond:
+            self._interrupted = True
             self._changed()
 
     def close(self) -> None:
