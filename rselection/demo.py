@@ -1,0 +1,332 @@
+"""``rselection demo``: three nodes compete for one lease; watch crash failover and handover.
+
+The parent process starts node processes (``python -m rselection.demo node ...``), each a
+:class:`~rselection.PostgresLeader` with a ticking task and a fenced ledger writer. Nodes
+report what happens as JSON lines on stdout; the parent prints them, kills the leader
+with SIGKILL, measures how long the fleet takes to elect another one, then stops the
+new leader gracefully and measures the handover. The same node program drives the
+multi-process tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import IO, Any
+
+__all__ = ["Fleet", "main", "run_demo", "run_node"]
+
+LEDGER_DDL = """
+CREATE TABLE IF NOT EXISTS {table} (
+    id bigserial PRIMARY KEY,
+    lease text NOT NULL,
+    term bigint NOT NULL,
+    node text NOT NULL,
+    written_at timestamptz NOT NULL DEFAULT clock_timestamp()
+)
+"""
+
+
+def _emit(event: str, **fields: Any) -> None:
+    fields.update(ev=event, t=time.time())
+    sys.stdout.write(json.dumps(fields, default=str) + "\n")
+    sys.stdout.flush()
+
+
+# -- one node ------------------------------------------------------------------------
+
+
+def run_node(args: argparse.Namespace) -> int:
+    """Run one node until SIGTERM/SIGINT; report events as JSON lines on stdout."""
+    import psycopg
+    from psycopg import sql
+
+    import rselection as rs
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+    ledger = sql.Identifier(args.ledger)
+    with psycopg.connect(args.dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_advisory_lock(4242)")  # nodes start at once: DDL one at a time
+        conn.execute(sql.SQL(LEDGER_DDL).format(table=ledger))
+        conn.execute("SELECT pg_advisory_unlock(4242)")
+
+    tasks = rs.TaskHandler(stop_grace=args.stop_grace)
+
+    @tasks.interval(args.tick, name="tick")
+    def tick(ctx: rs.TaskContext) -> None:
+        _emit("tick", node=ctx.node_id, term=ctx.term, at=ctx.scheduled_at)
+
+    @tasks.persistent("ledger")
+    def write_ledger(ctx: rs.TaskContext) -> None:
+        # Every write is fenced: it commits only while this term holds the lease.
+        insert = sql.SQL("INSERT INTO {} (lease, term, node) VALUES (%s, %s, %s)").format(ledger)
+        with psycopg.connect(args.dsn) as conn:
+            while ctx.sleep(args.ledger_every):
+                try:
+                    with conn.transaction():
+                        ctx.fence(conn)
+                        conn.execute(insert, (args.name, ctx.term, ctx.node_id))
+                except rs.StaleLeaderError:
+                    _emit("stale", node=ctx.node_id, term=ctx.term)
+                    return
+
+    if args.block_loop:
+
+        @tasks.persistent("loop-blocker", restart="never")
+        async def block_loop(ctx: rs.TaskContext) -> None:
+            time.sleep(args.block_loop)  # blocks the event loop on purpose
+            _emit("unblocked", node=ctx.node_id, term=ctx.term)
+
+    leader = rs.PostgresLeader(
+        args.lease_dsn or args.dsn,
+        tasks,
+        name=args.name,
+        node_id=args.node_id,
+        ttl=args.ttl,
+        renew_interval=args.renew_interval,
+        renew_deadline=args.renew_deadline,
+        retry_interval=args.retry_interval,
+    )
+    rs.signals.elected.connect(
+        lambda sender, **kw: _emit("elected", node=kw["node_id"], term=kw["term"]), weak=False
+    )
+    rs.signals.demoted.connect(
+        lambda sender, **kw: _emit(
+            "demoted", node=kw["node_id"], term=kw["term"], reason=kw["reason"]
+        ),
+        weak=False,
+    )
+    leader.start()
+    _emit("ready", node=leader.node_id, pid=os.getpid())
+    while not stop.wait(0.2):
+        pass
+    began = time.monotonic()
+    leader.stop()
+    _emit("stopped", node=leader.node_id, took=time.monotonic() - began)
+    return 0
+
+
+def add_node_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of one node process (shared by the demo and the tests)."""
+    p.add_argument("--dsn", required=True)
+    p.add_argument("--lease-dsn", help="connection for the lease only (e.g. via a proxy)")
+    p.add_argument("--name", default="demo")
+    p.add_argument("--node-id")
+    p.add_argument("--ttl", type=float, default=15.0)
+    p.add_argument("--renew-interval", type=float, default=2.0)
+    p.add_argument("--renew-deadline", type=float, default=10.0)
+    p.add_argument("--retry-interval", type=float, default=2.0)
+    p.add_argument("--stop-grace", type=float, default=2.0)
+    p.add_argument("--tick", type=float, default=1.0)
+    p.add_argument("--ledger", default="rselection_demo_ledger")
+    p.add_argument("--ledger-every", type=float, default=0.02)
+    p.add_argument("--block-loop", type=float, default=0.0)
+
+
+# -- a fleet of node processes --------------------------------------------------------
+
+
+class Fleet:
+    """Node processes of one lease, with their events gathered in one queue.
+
+    Args:
+        dsn: the database every node uses.
+        name: the lease name.
+        node_args: extra command-line options for every node.
+    """
+
+    def __init__(self, dsn: str, name: str, node_args: list[str] | None = None) -> None:
+        self.dsn = dsn
+        self.name = name
+        self.node_args = node_args or []
+        self.procs: dict[str, subprocess.Popen[str]] = {}
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.history: list[dict[str, Any]] = []
+        self._readers: list[threading.Thread] = []
+
+    def spawn(self, node_id: str, extra: list[str] | None = None) -> subprocess.Popen[str]:
+        """Start a node process called ``node_id``."""
+        cmd = [sys.executable, "-m", "rselection.demo", "node", "--dsn", self.dsn]
+        cmd += ["--name", self.name, "--node-id", node_id, *self.node_args, *(extra or [])]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.procs[node_id] = proc
+        assert proc.stdout is not None
+        reader = threading.Thread(target=self._read, args=(proc.stdout,), daemon=True)
+        reader.start()
+        self._readers.append(reader)
+        return proc
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            with contextlib.suppress(ValueError):
+                self.events.put(json.loads(line))
+
+    def next_event(self, timeout: float) -> dict[str, Any] | None:
+        """The next event from any node, or ``None`` after ``timeout`` seconds."""
+        try:
+            event = self.events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        self.history.append(event)
+        return event
+
+    def wait_for(self, timeout: float, **match: Any) -> dict[str, Any] | None:
+        """The next event whose fields equal ``match``; ``None`` after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            event = self.next_event(left)
+            if event is not None and all(event.get(k) == v for k, v in match.items()):
+                return event
+        return None
+
+    def kill(self, node_id: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to a node process."""
+        self.procs[node_id].send_signal(sig)
+
+    def stop_all(self, timeout: float = 20.0) -> None:
+        """SIGTERM (after SIGCONT) every live node, wait, then SIGKILL stragglers."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGCONT)
+                    proc.terminate()
+        deadline = time.monotonic() + timeout
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        for reader in self._readers:
+            reader.join(5)
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+
+# -- the demo -------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _database(dsn: str | None) -> Iterator[str]:
+    if dsn:
+        yield dsn
+        return
+    try:
+        from pgserver.postgres_server import get_server
+    except ImportError:
+        raise SystemExit(
+            "rselection demo needs a Postgres: pass --dsn postgresql://... (or set "
+            "RSELECTION_DSN), or install the embedded server: pip install 'rselection[embedded]'"
+        ) from None
+    with tempfile.TemporaryDirectory(prefix="rselection-demo-") as data:
+        print("starting a private Postgres (pgserver) ...", flush=True)
+        server = get_server(data, cleanup_mode="stop")
+        try:
+            yield server.get_uri()
+        finally:
+            server.cleanup()
+
+
+def _describe(event: dict[str, Any]) -> str | None:
+    kind = event["ev"]
+    if kind == "elected":
+        return f"{event['node']} now LEADS (term {event['term']})"
+    if kind == "demoted":
+        return f"{event['node']} stopped leading term {event['term']} ({event['reason']})"
+    if kind == "tick":
+        return f"  {event['node']} ran task 'tick' in term {event['term']}"
+    if kind == "ready":
+        return f"{event['node']} started (pid {event['pid']}), following"
+    if kind == "stopped":
+        return f"{event['node']} stopped gracefully"
+    return None
+
+
+def _show(event: dict[str, Any] | None) -> dict[str, Any] | None:
+    if event is not None and (text := _describe(event)):
+        print(text, flush=True)
+    return event
+
+
+def _await_leader(fleet: Fleet, timeout: float, exclude: str | None = None) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        event = _show(fleet.next_event(left))
+        if event and event["ev"] == "elected" and event["node"] != exclude:
+            return event
+    raise SystemExit(f"no node became leader within {timeout:.0f}s")
+
+
+def _watch(fleet: Fleet, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        _show(fleet.next_event(left))
+
+
+def run_demo(dsn: str | None, nodes: int = 3, forever: bool = False) -> int:
+    """Run the demo; return the process exit code."""
+    import uuid
+
+    with _database(dsn) as url:
+        name = f"demo-{uuid.uuid4().hex[:6]}"
+        with Fleet(url, name) as fleet:
+            for i in range(1, nodes + 1):
+                fleet.spawn(f"node-{i}")
+            leader = _await_leader(fleet, 30)
+            _watch(fleet, 3)
+
+            print(f"\n*** kill -9 {leader['node']} (the leader) ***", flush=True)
+            killed_at = time.time()
+            fleet.kill(leader["node"])
+            successor = _await_leader(fleet, 30, exclude=leader["node"])
+            crash_ms = (successor["t"] - killed_at) * 1000
+            print(f"*** failover after a crash took {crash_ms:.0f} ms (ttl is 15 s) ***\n")
+            _watch(fleet, 3)
+
+            print(f"*** graceful stop of {successor['node']} ***", flush=True)
+            stopped_at = time.time()
+            fleet.kill(successor["node"], signal.SIGTERM)
+            heir = _await_leader(fleet, 30, exclude=successor["node"])
+            handover_ms = (heir["t"] - stopped_at) * 1000
+            print(f"*** graceful handover took {handover_ms:.0f} ms ***\n")
+            _watch(fleet, 2)
+            while forever:
+                _watch(fleet, 3600)
+        print(f"summary: crash failover {crash_ms:.0f} ms, graceful handover {handover_ms:.0f} ms")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m rselection.demo``."""
+    parser = argparse.ArgumentParser(prog="rselection.demo")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_node_arguments(sub.add_parser("node", help="run one node (used by the demo)"))
+    run = sub.add_parser("run", help="run the demo")
+    run.add_argument("--dsn", default=os.environ.get("RSELECTION_DSN"))
+    run.add_argument("--nodes", type=int, default=3)
+    run.add_argument("--forever", action="store_true")
+    args = parser.parse_args(argv)
+    if args.command == "node":
+        return run_node(args)
+    return run_demo(args.dsn, args.nodes, args.forever)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""PostgresLeader in one process: election, observers, fencing, bad input, clean stop."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+import rselection as rs
+from rselection.postgres.leader import PostgresLeader
+
+FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def lease_name() -> str:
+    return f"t-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def make_leader(pg_dsn: str, lease_name: str) -> Iterator[Callable[..., PostgresLeader]]:
+    made: list[PostgresLeader] = []
+
+    def make(handler: rs.TaskHandler | None = None, **kw: Any) -> PostgresLeader:
+        options = {**FAST, **kw}
+        leader = PostgresLeader(pg_dsn, handler or rs.TaskHandler(), name=lease_name, **options)
+        made.append(leader)
+        return leader
+
+    yield make
+    for leader in made:
+        leader.stop(timeout=10)
+
+
+def the_leader(leaders: list[PostgresLeader]) -> PostgresLeader:
+    wait_until(lambda: sum(x.is_leader for x in leaders) == 1, 10, "one leader")
+    return next(x for x in leaders if x.is_leader)
+
+
+def test_three_nodes_one_leader_and_everyone_agrees(
+    make_leader: Callable[..., PostgresLeader],
+) -> None:
+    leaders = [make_leader(node_id=f"node-{i}") for i in range(3)]
+    for leader in leaders:
+        leader.start()
+    chief = the_leader(leaders)
+    views = [leader.leader() for leader in leaders]
+    assert all(v is not None for v in views)
+    assert {(v.node_id, v.term) for v in views if v} == {(chief.node_id, chief.term)}
+    assert sum(x.is_leader for x in leaders) == 1
+
+    changes: list[Any] = []
+    receiver = lambda sender, **kw: changes.append((sender.node_id, kw["leader"]))  # noqa: E731
+    rs.signals.leader_changed.connect(receiver)
+    try:
+        chief.stop()
+        rest = [x for x in leaders if x is not chief]
+        heir = the_leader(rest)
+        assert heir.term == (views[0].term if views[0] else 0) + 1
+        # Every surviving node heard of the new holder.
+        wait_until(
+            lambda: (
+                {n for n, info in changes if info is not None and info.node_id == heir.node_id}
+                >= {x.node_id for x in rest}
+            ),
+            5,
+            "leader_changed on every node",
+        )
+    finally:
+        rs.signals.leader_changed.disconnect(receiver)
+
+
+def test_fenced_write_of_an_old_term_is_refused(
+    pg_dsn: str, make_leader: Callable[..., PostgresLeader]
+) -> None:
+    terms: list[int] = []
+    contexts: list[rs.TaskContext] = []
+    handler = rs.TaskHandler(stop_grace=1)
+
+    @handler.persistent("remember")
+    def remember(ctx: rs.TaskContext) -> None:
+        contexts.append(ctx)
+        terms.append(ctx.term)
+        ctx.cancelled.wait(30)
+
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        admin.execute("CREATE TABLE fenced_writes (term bigint)")
+    first = make_leader(handler, node_id="first")
+    first.start()
+    wait_until(lambda: bool(contexts), 10, "the first term's task")
+    old = contexts[0]
+    with psycopg.connect(pg_dsn) as conn:
+        with conn.transaction():
+            old.fence(conn)
+            conn.execute("INSERT INTO fenced_writes VALUES (%s)", (old.term,))
+        first.stop()
+        second = make_leader(rs.TaskHandler(), node_id="second")
+        second.start()
+        wait_until(lambda: second.is_leader, 10, "the takeover")
+        with pytest.raises(rs.StaleLeaderError), conn.transaction():
+            old.fence(conn)
+            conn.execute("INSERT INTO fenced_writes VALUES (%s)", (old.term,))
+        rows = conn.execute("SELECT term FROM fenced_writes").fetchall()
+    assert rows == [(old.term,)]
+
+
+def test_unsafe_timings_are_rejected_with_the_math(pg_dsn: str) -> None:
+    with pytest.raises(rs.ConfigError, match=r"15 - 14.5 = 0.5"):
+        PostgresLeader(pg_dsn, rs.TaskHandler(), ttl=15, renew_deadline=14.5)
+    with pytest.raises(rs.ConfigError, match="renew_interval"):
+        PostgresLeader(pg_dsn, rs.TaskHandler(), renew_interval=10, renew_deadline=10)
+    with pytest.raises(rs.ConfigError, match="ttl"):
+        PostgresLeader(pg_dsn, rs.TaskHandler(), ttl=0)
+    with pytest.raises(rs.ConfigError, match="lease name"):
+        PostgresLeader(pg_dsn, rs.TaskHandler(), name="")
+
+
+@pytest.mark.parametrize("table", ["", "leases; drop table x", "a.b.c", "1abc", 'x"y'])
+def test_unsafe_table_names_are_rejected(pg_dsn: str, table: str) -> None:
+    with pytest.raises(rs.ConfigError):
+        PostgresLeader(pg_dsn, rs.TaskHandler(), table=table)
+
+
+def test_schema_qualified_table_works(
+    pg_dsn: str, make_leader: Callable[..., PostgresLeader]
+) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        schema = conn.execute("SELECT current_schema()").fetchone()
+    assert schema is not None
+    leader = make_leader(table=f"{schema[0]}.my_leases")
+    leader.start()
+    wait_until(lambda: leader.is_leader, 10, "leadership")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM my_leases").fetchone() == (1,)
+
+
+def test_unreachable_database_is_logged_without_password(caplog: pytest.LogCaptureFixture) -> None:
+    dsn = "postgresql://app:s3cret-pw@127.0.0.1:1/nowhere?connect_timeout=2"
+    leader = PostgresLeader(dsn, rs.TaskHandler(), **FAST)
+    with caplog.at_level(logging.WARNING, logger="rselection"):
+        leader.start()
+        try:
+            wait_until(lambda: "unavailable" in caplog.text, 10, "the warning")
+            assert not leader.is_leader
+        finally:
+            leader.stop(timeout=10)
+    assert "127.0.0.1" in caplog.text and "1" in caplog.text
+    assert "s3cret-pw" not in caplog.text
+
+
+def test_stop_leaves_no_threads_or_connections(
+    pg_dsn: str, lease_name: str, make_leader: Callable[..., PostgresLeader]
+) -> None:
+    handler = rs.TaskHandler(stop_grace=1)
+
+    @handler.persistent("idle")
+    async def idle(ctx: rs.TaskContext) -> None:
+        await ctx.asleep(60)
+
+    leaders = [make_leader(handler if i == 0 else rs.TaskHandler()) for i in range(2)]
+    for leader in leaders:
+        leader.start()
+    the_leader(leaders)
+    for leader in leaders:
+        leader.stop(timeout=10)
+
+    def leftover_threads() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith("rselection-")]
+
+    wait_until(lambda: not leftover_threads(), 5, f"threads to end: {leftover_threads()}")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+
+        def sessions() -> int:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE %s",
+                (f"%{lease_name}%",),
+            ).fetchone()
+            return int(row[0]) if row else -1
+
+        wait_until(lambda: sessions() == 0, 5, "lease sessions to close")
