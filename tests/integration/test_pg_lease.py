@@ -1,0 +1,833 @@
+"""PostgresLease against a real Postgres: terms, takeover, fast failover, waits, fencing.
+
+Every test runs in a schema of its own (the ``pg_dsn`` fixture) and every wait is
+bounded: threads are joined through futures with a timeout, never by sleeping and hoping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from rselection.errors import BackendUnavailable, ConfigError, StaleLeaderError
+from rselection.lease import Acquisition, LeaseBackend
+from rselection.postgres import PostgresLease, afenced, fenced, migrate
+
+T = TypeVar("T")
+
+LEASES = "rselection_leases"
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture
+def lease_dsn(pg_dsn: str) -> str:
+    """DSN of this test's own schema."""
+    return pg_dsn
+
+
+@pytest.fixture
+def make_lease(lease_dsn: str) -> Iterator[Callable[..., PostgresLease]]:
+    """Factory of connected leases on this test's schema, all closed after the test."""
+    made: list[PostgresLease] = []
+
+    def make(**kw: Any) -> PostgresLease:
+        options: dict[str, Any] = {"ttl": 30.0, "renew_deadline": 20.0, **kw}
+        lease = PostgresLease(lease_dsn, **options)
+        made.append(lease)
+        lease.connect()
+        return lease
+
+    yield make
+    for lease in made:
+        lease.close()
+
+
+@pytest.fixture
+def admin(pg_server_dsn: str) -> Iterator[psycopg.Connection[Any]]:
+    """An autocommit connection outside the test's schema, for pg_terminate_backend."""
+    with psycopg.connect(pg_server_dsn, autocommit=True, connect_timeout=10) as conn:
+        yield conn
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    """Threads for calls that block; every result is awaited with a timeout."""
+    executor = ThreadPoolExecutor(max_workers=8)
+    yield executor
+    executor.shutdown(wait=True, cancel_futures=True)
+
+
+def timed(fn: Callable[[], T]) -> tuple[T, float]:
+    start = time.monotonic()
+    result = fn()
+    return result, time.monotonic() - start
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.01)
+
+
+def terminate(admin: psycopg.Connection[Any], pid: int | None) -> None:
+    assert pid is not None
+    row = admin.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone()
+    assert row == (True,)
+
+
+def lease_row(dsn: str, name: str = "default") -> tuple[Any, ...] | None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(
+            sql.SQL("SELECT holder, term, holder_pid FROM {} WHERE name = %s").format(
+                sql.Identifier(LEASES)
+            ),
+            (name,),
+        ).fetchone()
+
+
+def expire_now(dsn: str, name: str = "default") -> None:
+    """Make the lease expire on the server without touching the holder's session."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("UPDATE {} SET expires_at = now() WHERE name = %s").format(
+                sql.Identifier(LEASES)
+            ),
+            (name,),
+        )
+
+
+def acquired(acq: Acquisition) -> int:
+    assert acq.acquired, acq
+    assert acq.holder is not None
+    return acq.holder.term
+
+
+# ------------------------------------------------------------------------ the contract
+
+
+def test_is_a_lease_backend(make_lease: Callable[..., PostgresLease]) -> None:
+    assert isinstance(make_lease(), LeaseBackend)
+
+
+def test_acquire_then_another_node_sees_the_holder(
+    make_lease: Callable[..., PostgresLease],
+) -> None:
+    a, b = make_lease(), make_lease()
+    first = a.try_acquire("A")
+    assert acquired(first) == 1
+    assert first.holder is not None and first.holder.node_id == "A"
+    assert first.expires_in == pytest.approx(30.0, abs=0.5)
+    assert first.holder.acquired_at.tzinfo is not None
+
+    second = b.try_acquire("B")
+    assert not second.acquired
+    assert second.holder is not None
+    assert (second.holder.node_id, second.holder.term) == ("A", 1)
+    assert 25.0 < second.expires_in <= 30.0
+    info = b.current()
+    assert info is not None and (info.node_id, info.term) == ("A", 1)
+
+
+def test_renew_extends_only_the_holders_term(make_lease: Callable[..., PostgresLease]) -> None:
+    a, b = make_lease(), make_lease()
+    term = acquired(a.try_acquire("A"))
+    before = a.current()
+    assert before is not None
+    assert a.renew("A", term)
+    after = a.current()
+    assert after is not None and after.expires_at > before.expires_at
+    assert not a.renew("A", term + 1)  # wrong term
+    assert not b.renew("A", term)  # right name and term, wrong session
+    assert not b.renew("B", term)
+
+
+def test_terms_grow_on_every_change_of_holder_and_survive_release(
+    make_lease: Callable[..., PostgresLease],
+) -> None:
+    a, b = make_lease(), make_lease()
+    assert acquired(a.try_acquire("A")) == 1
+    a.release("A", 1)
+    assert a.current() is None
+    assert lease_row(a._conninfo)[:2] == (None, 1)  # type: ignore[index]
+    assert acquired(a.try_acquire("A")) == 2  # re-acquire by the same node: new term
+    a.release("A", 2)
+    assert acquired(b.try_acquire("B")) == 3
+    b.release("B", 3)
+    assert acquired(a.try_acquire("A")) == 4
+
+
+def test_release_lets_a_waiting_follower_take_over_at_once(
+    make_lease: Callable[..., PostgresLease], pool: ThreadPoolExecutor
+) -> None:
+    a, b = make_lease(), make_lease()
+    term = acquired(a.try_acquire("A"))
+    assert not b.try_acquire("B").acquired
+    waiting = pool.submit(timed, lambda: b.wait_for_change(10))
+    time.sleep(0.2)  # let B block on A's lock (the result below is bounded anyway)
+    released = time.monotonic()
+    a.release("A", term)
+    waiting.result(timeout=5)
+    woke = time.monotonic() - released
+    assert woke < 0.5, f"follower woke {woke:.3f}s after the release"
+    assert acquired(b.try_acquire("B")) == term + 1
+    assert not a.renew("A", term)
+
+
+def test_notify_wakes_a_follower_that_knows_no_holder(
+    make_lease: Callable[..., PostgresLease], pool: ThreadPoolExecutor
+) -> None:
+    a, c = make_lease(), make_lease()
+    waiting = pool.submit(timed, lambda: c.wait_for_change(10))
+    time.sleep(0.2)
+    acquired(a.try_acquire("A"))
+    _, took = waiting.result(timeout=5)
+    assert took < 1.0
+
+
+def test_a_session_that_holds_the_lease_takes_a_fresh_term(
+    make_lease: Callable[..., PostgresLease],
+) -> None:
+    a = make_lease()
+    assert acquired(a.try_acquire("A")) == 1
+    # The keeper only asks again after it stopped leading: it gets a new term.
+    assert acquired(a.try_acquire("A")) == 2
+    assert not a.renew("A", 1)
+    assert a.renew("A", 2)
+
+
+def test_a_reconnected_keeper_cannot_renew(make_lease: Callable[..., PostgresLease]) -> None:
+    a = make_lease()
+    term = acquired(a.try_acquire("A"))
+    a.connect()  # new session: the old one's lock is gone, so is the lease
+    assert not a.renew("A", term)
+
+
+# ------------------------------------------------------------------------- takeovers
+
+
+def test_expired_lease_is_taken_over_and_the_old_holder_cannot_renew(
+    make_lease: Callable[..., PostgresLease],
+) -> None:
+    a = make_lease(ttl=1.0, renew_deadline=0.5)
+    b = make_lease(ttl=1.0, renew_deadline=0.5)
+    start = time.monotonic()
+    term = acquired(a.try_acquire("A"))
+    # A stops renewing; its session stays alive and keeps its lock.
+    deadline = start + 10
+    while True:
+        attempt = b.try_acquire("B")
+        if attempt.acquired:
+            break
+        assert time.monotonic() < deadline, "no takeover after 10 s with ttl 1 s"
+        b.wait_for_change(max(0.01, attempt.expires_in))
+    took = time.monotonic() - start
+    assert acquired(attempt) == term + 1
+    assert 0.9 <= took < 3.0, f"takeover after {took:.2f}s with ttl 1 s"
+    assert a.backend_pid is not None and lease_row(a._conninfo)[2] == b.backend_pid  # type: ignore[index]
+    assert not a.renew("A", term)
+
+
+@pytest.mark.parametrize("how", ["terminate", "close"])
+def test_dead_session_is_taken_over_long_before_the_ttl(
+    make_lease: Callable[..., PostgresLease],
+    admin: psycopg.Connection[Any],
+    pool: ThreadPoolExecutor,
+    how: str,
+) -> None:
+    a, b = make_lease(), make_lease()  # ttl 30 s
+    term = acquired(a.try_acquire("A"))
+    attempt = b.try_acquire("B")
+    assert not attempt.acquired and attempt.expires_in > 25
+    waiting = pool.submit(timed, lambda: b.wait_for_change(10))
+    time.sleep(0.2)
+    start = time.monotonic()
+    if how == "terminate":
+        terminate(admin, a.backend_pid)
+    else:
+        a.close()
+    waiting.result(timeout=15)
+    woke = time.monotonic() - start
+    assert acquired(b.try_acquire("B")) == term + 1
+    took = time.monotonic() - start
+    assert woke < 1.0, f"follower woke {woke:.3f}s after the holder's session ended"
+    assert took < 2.0, f"takeover {took:.3f}s after the holder's session ended (ttl 30 s)"
+
+
+KEEPER = textwrap.dedent(
+    """
+    import sys, time
+    from rselection.postgres import PostgresLease
+    lease = PostgresLease(sys.argv[1], ttl=30, renew_deadline=20)
+    lease.connect()
+    acq = lease.try_acquire("doomed")
+    print(acq.acquired, acq.holder.term if acq.holder else 0, flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def test_kill_9_of_the_holder_process_is_taken_over_at_once(
+    make_lease: Callable[..., PostgresLease], lease_dsn: str, pool: ThreadPoolExecutor
+) -> None:
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KEEPER, lease_dsn], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert proc.stdout is not None
+        line = pool.submit(proc.stdout.readline).result(timeout=30)
+        assert line.split() == ["True", "1"], line
+        b = make_lease()
+        assert not b.try_acquire("B").acquired
+        waiting = pool.submit(lambda: b.wait_for_change(10))
+        time.sleep(0.2)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGKILL)
+        waiting.result(timeout=15)
+        assert acquired(b.try_acquire("B")) == 2
+        took = time.monotonic() - start
+        assert took < 2.0, f"takeover {took:.3f}s after kill -9 (ttl 30 s)"
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_leader_wait_raises_at_once_when_its_session_is_terminated(
+    make_lease: Callable[..., PostgresLease],
+    admin: psycopg.Connection[Any],
+    pool: ThreadPoolExecutor,
+) -> None:
+    a = make_lease()
+    term = acquired(a.try_acquire("A"))
+    waiting = pool.submit(lambda: a.wait_for_change(10))
+    time.sleep(0.2)
+    start = time.monotonic()
+    terminate(admin, a.backend_pid)
+    with pytest.raises(BackendUnavailable, match="lost"):
+        waiting.result(timeout=5)
+    took = time.monotonic() - start
+    assert took < 1.0, f"leader noticed its dead session after {took:.3f}s"
+    # The next call reconnects; the new session cannot keep the old term.
+    assert not a.renew("A", term)
+
+
+def test_leader_wait_ignores_its_own_and_survives_others_notifications(
+    make_lease: Callable[..., PostgresLease],
+) -> None:
+    a, c = make_lease(), make_lease()
+    acquired(a.try_acquire("A"))
+    _, took = timed(lambda: a.wait_for_change(0.3))  # its own NOTIFY does not wake it
+    assert took >= 0.25
+    with psycopg.connect(a._conninfo, autocommit=True) as other:
+        assert a.channel is not None
+        other.execute("SELECT pg_notify(%s, 'hello')", (a.channel,))
+    a.wait_for_change(2)  # may wake early; must not raise
+    assert a.renew("A", 1)
+    assert c.current() is not None
+
+
+# ------------------------------------------------------------------------ interrupts
+
+
+@pytest.mark.parametrize("role", ["leader", "follower", "no-holder"])
+def test_interrupt_wakes_every_kind_of_wait(
+    make_lease: Callable[..., PostgresLease], pool: ThreadPoolExecutor, role: str
+) -> None:
+    a, b = make_lease(), make_lease()
+    if role == "leader":
+        acquired(a.try_acquire("A"))
+        waiter = a
+    elif role == "follower":
+        acquired(a.try_acquire("A"))
+        assert not b.try_acquire("B").acquired
+        waiter = b
+    else:
+        waiter = b
+    waiting = pool.submit(timed, lambda: waiter.wait_for_change(20))
+    time.sleep(0.3)
+    assert not waiting.done()
+    start = time.monotonic()
+    waiter.interrupt()
+    waiting.result(timeout=5)
+    woke = time.monotonic() - start
+    assert woke < 0.5, f"{role} wait woke {woke:.3f}s after interrupt()"
+    # The keeper connection is still usable and holds no stray lock.
+    if role == "follower":
+        assert not b.try_acquire("B").acquired
+        assert b.current() is not None
+    if role == "leader":
+        assert a.renew("A", 1)
+
+
+def test_an_interrupt_before_the_wait_is_not_lost(
+    make_lease: Callable[..., PostgresLease],
+) -> None:
+    a, b = make_lease(), make_lease()
+    acquired(a.try_acquire("A"))
+    assert not b.try_acquire("B").acquired
+    for lease in (a, b):
+        lease.interrupt()
+        _, took = timed(functools.partial(lease.wait_for_change, 10))
+        assert took < 0.2
+        # ...and it is consumed: the next wait waits.
+        _, took = timed(functools.partial(lease.wait_for_change, 0.2))
+        assert took >= 0.15
+
+
+def test_current_answers_while_the_keeper_is_blocked(
+    make_lease: Callable[..., PostgresLease], pool: ThreadPoolExecutor
+) -> None:
+    a, b = make_lease(), make_lease()
+    acquired(a.try_acquire("A"))
+    assert not b.try_acquire("B").acquired
+    waiting = pool.submit(lambda: b.wait_for_change(5))
+    time.sleep(0.2)
+    info, took = timed(b.current)
+    assert info is not None and info.node_id == "A"
+    assert took < 0.5
+    b.interrupt()
+    waiting.result(timeout=5)
+
+
+# -------------------------------------------------------------------------- fencing
+
+
+def _writes(dsn: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute("SELECT term, what FROM writes ORDER BY at").fetchall()
+
+
+@pytest.fixture
+def writes(lease_dsn: str) -> str:
+    with psycopg.connect(lease_dsn, autocommit=True) as conn:
+        conn.execute(
+            "CREATE TABLE writes (term bigint, what text, at timestamptz DEFAULT clock_timestamp())"
+        )
+    return lease_dsn
+
+
+def test_fenced_write_with_the_current_term_commits(
+    make_lease: Callable[..., PostgresLease], writes: str
+) -> None:
+    a = make_lease()
+    term = acquired(a.try_acquire("A"))
+    with psycopg.connect(writes) as conn, conn.transaction():
+        fenced(conn, "default", term)
+        conn.execute("INSERT INTO writes (term, what) VALUES (%s, 'ok')", (term,))
+    assert _writes(writes) == [(term, "ok")]
+
+
+def test_fenced_write_of_an_old_term_raises_and_writes_nothing(
+    make_lease: Callable[..., PostgresLease], writes: str
+) -> None:
+    a = make_lease(ttl=1.0, renew_deadline=0.5)
+    b = make_lease(ttl=1.0, renew_deadline=0.5)
+    old = acquired(a.try_acquire("A"))
+    expire_now(writes)
+    new = acquired(b.try_acquire("B"))
+    assert new == old + 1
+    with (
+        psycopg.connect(writes) as conn,
+        pytest.raises(StaleLeaderError, match=f"term {old}"),
+        conn.transaction(),
+    ):
+        fenced(conn, "default", old)
+        conn.execute("INSERT INTO writes (term, what) VALUES (%s, 'stale')", (old,))
+    assert _writes(writes) == []
+    # A released lease refuses its last term too.
+    b.release("B", new)
+    with psycopg.connect(writes) as conn, pytest.raises(StaleLeaderError):
+        fenced(conn, "default", new)
+
+
+def test_takeover_waits_for_an_open_fenced_transaction_of_the_old_term(
+    make_lease: Callable[..., PostgresLease],
+    admin: psycopg.Connection[Any],
+    pool: ThreadPoolExecutor,
+    writes: str,
+) -> None:
+    a, b = make_lease(), make_lease()
+    old = acquired(a.try_acquire("A"))
+    with psycopg.connect(writes) as conn:
+        fenced(conn, "default", old)  # transaction opened by the first statement
+        terminate(admin, a.backend_pid)  # the old leader's keeper dies: takeover is due
+        takeover = pool.submit(timed, lambda: b.try_acquire("B"))
+        time.sleep(0.5)
+        assert not takeover.done(), "the takeover did not wait for the fenced transaction"
+        conn.execute("INSERT INTO writes (term, what) VALUES (%s, 'last old write')", (old,))
+        conn.commit()
+        committed = time.monotonic()
+        attempt, _ = takeover.result(timeout=5)
+        returned = time.monotonic()
+    assert acquired(attempt) == old + 1
+    assert returned >= committed
+    assert returned - committed < 1.0
+    # The old term's write committed before the new term existed; after it, no stale
+    # transaction can even start writing.
+    with psycopg.connect(writes) as conn, pytest.raises(StaleLeaderError):
+        fenced(conn, "default", old)
+    assert _writes(writes) == [(old, "last old write")]
+
+
+def test_a_fenced_write_during_a_takeover_waits_and_is_refused(
+    make_lease: Callable[..., PostgresLease], pool: ThreadPoolExecutor, writes: str
+) -> None:
+    a = make_lease()
+    old = acquired(a.try_acquire("A"))
+
+    def stale_write(conn: psycopg.Connection[Any]) -> None:
+        with conn.transaction():
+            fenced(conn, "default", old)
+            conn.execute("INSERT INTO writes (term, what) VALUES (%s, 'stale')", (old,))
+
+    # A takeover in progress: row locked FOR UPDATE, term moved on, not yet committed
+    # (what try_acquire does inside its one transaction).
+    with psycopg.connect(writes) as takeover, psycopg.connect(writes, autocommit=True) as conn:
+        takeover.execute(
+            sql.SQL("SELECT 1 FROM {} WHERE name = 'default' FOR UPDATE").format(
+                sql.Identifier(LEASES)
+            )
+        )
+        takeover.execute(
+            sql.SQL(
+                "UPDATE {} SET term = term + 1, holder = 'B', holder_pid = pg_backend_pid()"
+                " WHERE name = 'default'"
+            ).format(sql.Identifier(LEASES))
+        )
+        check = pool.submit(stale_write, conn)
+        time.sleep(0.3)
+        assert not check.done(), "the fenced check did not wait for the takeover"
+        takeover.commit()
+        with pytest.raises(StaleLeaderError):
+            check.result(timeout=5)
+    assert _writes(writes) == []
+
+
+def test_renew_is_not_blocked_by_an_open_fenced_transaction(
+    make_lease: Callable[..., PostgresLease], pool: ThreadPoolExecutor, writes: str
+) -> None:
+    a, b = make_lease(), make_lease()
+    term = acquired(a.try_acquire("A"))
+    with psycopg.connect(writes) as conn, psycopg.connect(writes) as conn2:
+        fenced(conn, "default", term)
+        fenced(conn2, "default", term)  # fenced transactions do not block each other
+        ok, took = timed(lambda: a.renew("A", term))
+        assert ok
+        assert took < 0.5, f"renew took {took:.3f}s with a fenced transaction open"
+        # A follower's attempt neither waits nor blocks anything while A is live.
+        attempt, took = timed(lambda: b.try_acquire("B"))
+        assert not attempt.acquired and took < 0.5
+        ok, took = timed(lambda: a.renew("A", term))
+        assert ok and took < 0.5
+        conn.commit()
+        conn2.commit()
+
+
+def test_an_idle_fenced_transaction_cannot_block_a_takeover_forever(
+    make_lease: Callable[..., PostgresLease],
+    admin: psycopg.Connection[Any],
+    pool: ThreadPoolExecutor,
+    writes: str,
+) -> None:
+    a, b = make_lease(), make_lease()
+    old = acquired(a.try_acquire("A"))
+    conn = psycopg.connect(writes)
+    try:
+        fenced(conn, "default", old, idle_timeout=1.0)
+        conn.execute("INSERT INTO writes (term, what) VALUES (%s, 'paused')", (old,))
+        # ... and the old leader pauses here, transaction open.
+        terminate(admin, a.backend_pid)
+        start = time.monotonic()
+        attempt, _ = pool.submit(timed, lambda: b.try_acquire("B")).result(timeout=10)
+        took = time.monotonic() - start
+        assert acquired(attempt) == old + 1
+        assert 0.5 < took < 3.0, f"takeover after {took:.2f}s with idle_timeout 1 s"
+        with pytest.raises(psycopg.errors.IdleInTransactionSessionTimeout):
+            conn.commit()  # the server ended the paused session: nothing committed
+    finally:
+        conn.close()
+    assert _writes(writes) == []
+
+
+def test_fenced_needs_an_open_transaction_and_a_known_table(
+    make_lease: Callable[..., PostgresLease], lease_dsn: str
+) -> None:
+    a = make_lease()
+    term = acquired(a.try_acquire("A"))
+    with psycopg.connect(lease_dsn, autocommit=True) as conn:
+        with pytest.raises(ConfigError, match="transaction"):
+            fenced(conn, "default", term)
+        with conn.transaction():
+            fenced(conn, "default", term)  # autocommit, but inside a transaction block
+        with pytest.raises(ConfigError, match="does not exist"), conn.transaction():
+            fenced(conn, "default", term, table="no_such_table")
+        with pytest.raises(ConfigError):
+            fenced(conn, "default", term, table="x; drop table y")
+        with pytest.raises(ConfigError):
+            fenced(conn, "", term)
+
+
+def test_afenced_on_an_async_connection(
+    make_lease: Callable[..., PostgresLease], writes: str
+) -> None:
+    a = make_lease()
+    term = acquired(a.try_acquire("A"))
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(writes) as conn:
+            async with conn.transaction():
+                await afenced(conn, "default", term)
+                await conn.execute("INSERT INTO writes (term, what) VALUES (%s, 'async')", (term,))
+            with pytest.raises(StaleLeaderError):
+                async with conn.transaction():
+                    await afenced(conn, "default", term + 1)
+
+    asyncio.run(asyncio.wait_for(main(), timeout=20))
+    assert _writes(writes) == [(term, "async")]
+
+
+# ------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "table", ["", "x; drop table y", "a.b.c", "1abc", 'x"y', "a..b", ".x", "x" * 64, "é"]
+)
+def test_unsafe_table_names_are_rejected_at_construction(lease_dsn: str, table: str) -> None:
+    with pytest.raises(ConfigError, match="table name"):
+        PostgresLease(lease_dsn, table=table)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"ttl": 0}, "ttl"),
+        ({"ttl": float("nan")}, "ttl"),
+        ({"ttl": 10, "renew_deadline": 10}, "renew_deadline 10 >= ttl 10"),
+        ({"connect_timeout": -1}, "connect_timeout"),
+        ({"name": ""}, "lease name"),
+    ],
+)
+def test_bad_settings_are_rejected_at_construction(
+    lease_dsn: str, kw: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(ConfigError, match=match):
+        PostgresLease(lease_dsn, **kw)
+
+
+def test_unparseable_conninfo_is_rejected_without_echoing_it() -> None:
+    with pytest.raises(ConfigError) as info:
+        PostgresLease("host=x password=s3cret-pw port")
+    assert "s3cret-pw" not in str(info.value)
+
+
+def test_schema_qualified_table_works(
+    make_lease: Callable[..., PostgresLease], lease_dsn: str
+) -> None:
+    with psycopg.connect(lease_dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT current_schema()").fetchone()
+    assert row is not None
+    a = make_lease(table=f"{row[0]}.my_leases", name="jobs")
+    b = make_lease(table="my_leases", name="jobs")  # same table, spelled differently
+    assert acquired(a.try_acquire("A")) == 1
+    attempt = b.try_acquire("B")
+    assert not attempt.acquired and attempt.holder is not None
+    assert attempt.holder.node_id == "A"
+    assert a.lock_key == b.lock_key and a.channel == b.channel
+    with psycopg.connect(lease_dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM my_leases").fetchone() == (1,)
+        assert conn.execute(
+            "SELECT component, version FROM rselection_schema_version"
+        ).fetchall() == [("leases:my_leases", 1)]
+
+
+def test_leases_in_different_schemas_never_share_a_lock(
+    make_pg_dsn: Callable[[], str],
+) -> None:
+    leases = [PostgresLease(make_pg_dsn(), ttl=30, renew_deadline=20) for _ in range(2)]
+    try:
+        for lease in leases:
+            lease.connect()
+        assert leases[0].lock_key != leases[1].lock_key
+        for lease in leases:  # same table name, same lease name, same term
+            attempt, took = timed(functools.partial(lease.try_acquire, "X"))
+            assert acquired(attempt) == 1 and took < 1.0
+    finally:
+        for lease in leases:
+            lease.close()
+
+
+def test_missing_table_without_create_tables_says_what_to_do(lease_dsn: str) -> None:
+    lease = PostgresLease(lease_dsn, create_tables=False)
+    try:
+        with pytest.raises(BackendUnavailable, match="migrate"):
+            lease.connect()
+    finally:
+        lease.close()
+
+
+def test_a_closed_port_fails_fast_naming_the_server_not_the_password() -> None:
+    lease = PostgresLease("postgresql://app:s3cret-pw@127.0.0.1:1/nowhere", connect_timeout=2.0)
+    try:
+        start = time.monotonic()
+        with pytest.raises(BackendUnavailable) as info:
+            lease.connect()
+        assert time.monotonic() - start < 3.5
+        message = str(info.value)
+        assert "127.0.0.1" in message and "port=1" in message and "nowhere" in message
+        assert "s3cret-pw" not in message and "s3cret-pw" not in repr(lease)
+        for call in (lambda: lease.try_acquire("A"), lease.current):
+            start = time.monotonic()
+            with pytest.raises(BackendUnavailable) as info:
+                call()
+            assert time.monotonic() - start < 3.5
+            assert "s3cret-pw" not in str(info.value)
+    finally:
+        lease.close()
+
+
+def test_an_unanswering_host_fails_within_connect_timeout() -> None:
+    # 192.0.2.0/24 is TEST-NET-1: never routed. Either the kernel refuses at once or the
+    # attempt hangs until connect_timeout.
+    lease = PostgresLease("host=192.0.2.1 port=5432 dbname=x user=y", connect_timeout=2.0)
+    start = time.monotonic()
+    with pytest.raises(BackendUnavailable, match=r"192\.0\.2\.1"):
+        lease.connect()
+    assert time.monotonic() - start < 4.0
+    lease.close()
+
+
+# ------------------------------------------------------------------------ concurrency
+
+
+def test_racing_acquirers_never_share_a_term(lease_dsn: str, pool: ThreadPoolExecutor) -> None:
+    rounds, nodes = 200, 5
+    leases = [PostgresLease(lease_dsn, ttl=30, renew_deadline=20) for _ in range(nodes)]
+    guard = threading.Lock()
+    holder: list[str | None] = [None]
+    terms: list[int] = []
+    overlaps: list[str] = []
+    start = threading.Barrier(nodes)
+
+    def race(lease: PostgresLease, node: str) -> list[int]:
+        lease.connect()
+        seen: list[int] = []
+        start.wait(timeout=30)
+        for _ in range(rounds):
+            attempt = lease.try_acquire(node)
+            if attempt.holder is not None:
+                seen.append(attempt.holder.term)
+            if not attempt.acquired:
+                continue
+            term = acquired(attempt)
+            with guard:
+                if holder[0] is not None:
+                    overlaps.append(f"{node} acquired term {term} while {holder[0]} held")
+                holder[0] = f"{node}@{term}"
+                terms.append(term)
+            with guard:
+                holder[0] = None
+            lease.release(node, term)
+        return seen
+
+    try:
+        futures: list[Future[list[int]]] = [
+            pool.submit(race, lease, f"n{i}") for i, lease in enumerate(leases)
+        ]
+        seen = [f.result(timeout=120) for f in futures]
+    finally:
+        for lease in leases:
+            lease.close()
+    assert not overlaps
+    assert terms, "nobody ever acquired"
+    assert len(terms) == len(set(terms)), "two acquisitions got the same term"
+    assert terms == sorted(terms), "terms did not grow in acquisition order"
+    for observed in seen:  # every node saw terms that never go back
+        assert observed == sorted(observed)
+    row = lease_row(lease_dsn)
+    assert row is not None and row[1] == len(terms)  # every increment was one acquisition
+
+
+def test_concurrent_migrations_do_not_error(lease_dsn: str, pool: ThreadPoolExecutor) -> None:
+    barrier = threading.Barrier(4)
+
+    def run() -> None:
+        with psycopg.connect(lease_dsn, autocommit=True) as conn:
+            barrier.wait(timeout=30)
+            migrate(conn)
+            migrate(conn, table="other_leases")
+
+    for future in [pool.submit(run) for _ in range(4)]:
+        future.result(timeout=60)
+    with psycopg.connect(lease_dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT component, version FROM rselection_schema_version ORDER BY 1"
+        ).fetchall()
+    assert rows == [("leases", 1), ("leases:other_leases", 1)]
+
+
+# ------------------------------------------------------------------------- hygiene
+
+
+def test_close_leaves_no_session_behind(
+    make_lease: Callable[..., PostgresLease], admin: psycopg.Connection[Any]
+) -> None:
+    a = make_lease(name="hygiene")
+    acquired(a.try_acquire("A"))
+    assert a.current() is not None
+
+    def sessions() -> int:
+        row = admin.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE %s",
+            ("rselection:hygiene%",),
+        ).fetchone()
+        return int(row[0]) if row else -1
+
+    assert sessions() == 2  # keeper and observer
+    a.close()
+    a.close()  # idempotent
+    wait_until(lambda: sessions() == 0, 5, "the sessions to end")
+
+
+def test_keeper_session_settings_are_pinned(
+    make_lease: Callable[..., PostgresLease], admin: psycopg.Connection[Any]
+) -> None:
+    a = make_lease(ttl=15.0, renew_deadline=10.0)
+    assert a.server_keepalives.total > 10.0 + 1.0
+    a._keeper().execute("SET idle_session_timeout = '1s'")  # a DBA default, say
+    a.connect()  # every (re)connect pins them again
+    row = (
+        a._keeper()
+        .execute(
+            "SELECT current_setting('idle_session_timeout'),"
+            " current_setting('idle_in_transaction_session_timeout'),"
+            " current_setting('statement_timeout'), current_setting('application_name'),"
+            " current_setting('tcp_keepalives_idle')::int,"
+            " current_setting('tcp_keepalives_interval')::int,"
+            " current_setting('tcp_keepalives_count')::int"
+        )
+        .fetchone()
+    )
+    assert row is not None
+    assert row[:4] == ("0", "0", "0", "rselection:default")
+    idle, interval, count = row[4:]
+    if a._keeper().info.host.startswith("/"):
+        pytest.skip("Unix socket: no TCP keepalives")
+    assert idle + interval * count > 10.0 + 1.0
