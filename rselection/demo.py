@@ -174,6 +174,36 @@ class Fleet:
             with contextlib.suppress(ValueError):
                 self.events.put(json.loads(line))
 
+    def start(self, nodes: int, timeout: float = 30.0) -> dict[str, Any]:
+        """Spawn ``nodes`` nodes (``n0``, ``n1``, ...), wait until all are up and one
+        leads; return that ``elected`` event."""
+        for i in range(nodes):
+            self.spawn(f"n{i}")
+        self.wait_ready(timeout)
+        return self.first_elected(timeout)
+
+    def first_elected(self, timeout: float) -> dict[str, Any]:
+        """The first ``elected`` event, seen already or arriving within ``timeout``."""
+        for event in self.history:
+            if event["ev"] == "elected":
+                return event
+        found = self.wait_for(timeout, ev="elected")
+        if found is None:
+            raise TimeoutError(f"no node was elected within {timeout}s")
+        return found
+
+    def wait_ready(self, timeout: float) -> None:
+        """Wait until every spawned node reported ``ready``; raise on timeout."""
+        ready: set[str] = {e["node"] for e in self.history if e["ev"] == "ready"}
+        deadline = time.monotonic() + timeout
+        while not ready >= set(self.procs):
+            left = deadline - time.monotonic()
+            event = self.next_event(left) if left > 0 else None
+            if event is None:
+                raise TimeoutError(f"nodes not ready within {timeout}s: {set(self.procs) - ready}")
+            if event["ev"] == "ready":
+                ready.add(event["node"])
+
     def next_event(self, timeout: float) -> dict[str, Any] | None:
         """The next event from any node, or ``None`` after ``timeout`` seconds."""
         try:

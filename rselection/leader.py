@@ -292,12 +292,12 @@ class LeaderBase:
                     self._end_term("connection")
                     self._held_term = None  # the server ends a dead session's lease
                     failures += 1
-                    if failures == 1:
-                        logger.warning(
-                            "lease %r: backend unavailable (%s); retrying with backoff",
-                            self._name,
-                            exc,
-                        )
+                    # Log once per state change; the rest at debug level, so an outage
+                    # does not flood the log.
+                    log = logger.warning if failures == 1 else logger.debug
+                    log(
+                        "lease %r: backend unavailable (%s); retrying with backoff", self._name, exc
+                    )
                     self._close_backend()
                     self._pause(reconnect_delay(failures))
         except Exception:

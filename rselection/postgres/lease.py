@@ -5,7 +5,8 @@ How the lease works
 
 One row per lease name (see :mod:`rselection.postgres.schema`) holds the holder's node
 id, the fencing ``term``, the holder's keeper backend pid, and server times. Every time
-comparison is made by the server with ``now()``; no client clock is ever compared.
+comparison is made by the server (``now()``, ``clock_timestamp()``); no client clock is
+ever compared.
 
 **Session liveness.** The holder's keeper session holds the session advisory lock
 ``pg_advisory_lock(lock_key, term % 2**31)`` (two-int form) for as long as it leads, so
@@ -17,7 +18,9 @@ terminates its backend, the server frees the lock at once.
 transaction. The row is locked ``FOR UPDATE`` *only* when a takeover looks possible
 (holder NULL, lease expired, holder's lock not granted to ``holder_pid``, or this very
 session is the holder), then re-checked under the lock and updated: ``term + 1``,
-``holder_pid = pg_backend_pid()``, ``expires_at = now() + ttl``; the new holder takes
+``holder_pid = pg_backend_pid()``, ``expires_at = clock_timestamp() + ttl``, measured
+after any wait for the row lock, so a takeover that waited still gets a full ttl (never
+less than the ttl from when the request was sent); the new holder takes
 its advisory lock in the same transaction, before commit, so nobody can see the new
 holder without its lock. The ``FOR UPDATE`` lock serialises acquirers and makes a
 takeover wait for fenced transactions of the old term (``FOR KEY SHARE``, see
@@ -229,7 +232,6 @@ class PostgresLease:
 
         self._conn: psycopg.Connection[Any] | None = None
         self._pid = 0
-        self._migrated = False
         self._leading: _Held | None = None  # our own term, while we hold it
         self._seen: _Held | None = None  # another holder, as the last attempt saw it
         self._foreign_notifies = 0
@@ -320,7 +322,7 @@ class PostgresLease:
     def connect(self) -> None:
         """Open (or re-open) the keeper connection and pin its session settings.
 
-        Creates the tables first when ``create_tables`` is set (once per instance). The
+        Creates the tables first when ``create_tables`` is set. The
         new session holds nothing: after a reconnect a former leader cannot renew.
 
         Raises:
@@ -335,9 +337,10 @@ class PostgresLease:
         except psycopg.Error as exc:
             raise unavailable("connect to the lease server", self._conninfo, exc) from exc
         try:
-            if self.create_tables and not self._migrated:
+            if self.create_tables:
+                # On every (re)connect: a restored or recreated database may have lost
+                # the tables, and the statements are cheap no-ops when they exist.
                 migrate(conn, table=self.table)
-                self._migrated = True
             self._resolve_table(conn)
             cur = conn.execute(self._session_sql())
             cur.nextset()
@@ -473,7 +476,7 @@ class PostgresLease:
         """True when row ``t`` may be taken: free, expired, dead holder, or our own."""
         return sql.SQL(
             "(t.holder IS NULL OR t.holder_pid IS NULL OR t.expires_at IS NULL"
-            " OR t.expires_at <= now()"
+            " OR t.expires_at <= clock_timestamp()"
             " OR t.holder_pid = pg_backend_pid()"
             " OR NOT EXISTS (SELECT 1 FROM pg_catalog.pg_locks l"
             " WHERE l.locktype = 'advisory'"
@@ -487,7 +490,7 @@ class PostgresLease:
     def _state_sql(self) -> sql.Composed:
         return sql.SQL(
             "SELECT holder, term, lock_key, acquired_at, expires_at,"
-            " greatest(0, extract(epoch FROM expires_at - now()))::float8,"
+            " greatest(0, extract(epoch FROM expires_at - clock_timestamp()))::float8,"
             " holder_pid = pg_backend_pid()"
             " FROM {t} WHERE name = {name}"
         ).format(t=self._ident, name=sql.Literal(self.name))
@@ -503,8 +506,9 @@ class PostgresLease:
             "  SELECT t.name FROM {t} AS t WHERE t.name = {name} AND {free} FOR UPDATE OF t"
             " ), taken AS ("
             "  UPDATE {t} AS t SET holder = {node}, term = t.term + 1,"
-            "  holder_pid = pg_backend_pid(), acquired_at = now(), renewed_at = now(),"
-            "  expires_at = now() + {ttl} * interval '1 second'"
+            "  holder_pid = pg_backend_pid(), acquired_at = clock_timestamp(),"
+            "  renewed_at = clock_timestamp(),"
+            "  expires_at = clock_timestamp() + {ttl} * interval '1 second'"
             "  FROM locked WHERE t.name = locked.name AND {free}"
             "  RETURNING t.term, t.lock_key"
             " )"
@@ -543,7 +547,8 @@ class PostgresLease:
         """Take the lease when it is free, expired, or its holder's session is gone.
 
         One round trip. A successful acquisition increments the term, sets the expiry to
-        server ``now() + ttl``, takes the keeper session's advisory lock for the new term
+        server ``clock_timestamp() + ttl`` (taken after the row lock, so any wait does not
+        shorten the lease), takes the keeper session's advisory lock for the new term
         and notifies :attr:`channel`. Called by the session that already holds the lease,
         it takes a fresh term (the caller is not leading any more, or it would not ask).
         A takeover waits (up to :data:`ACQUIRE_LOCK_TIMEOUT`) for fenced transactions of
@@ -756,7 +761,7 @@ class PostgresLease:
                     pass
 
     def _wait_lock(self, conn: psycopg.Connection[Any], seen: _Held, timeout: float) -> None:
-        ms = max(1, math.ceil(timeout * 1000))
+        ms = min(2**31 - 1, max(1, math.ceil(timeout * 1000)))
         query = sql.SQL(
             "SET LOCAL lock_timeout = {ms};"
             " SELECT pg_advisory_lock({args}), pg_advisory_unlock({args})"
@@ -766,6 +771,7 @@ class PostgresLease:
                 return
             self._in_lock_wait = True
         interrupted = False
+        error: psycopg.Error | None = None
         try:
             conn.execute(query)
             logger.debug("lease %r: holder of term %s is gone or released", self.name, seen.term)
@@ -774,14 +780,17 @@ class PostgresLease:
         except psycopg.errors.QueryCanceled:
             interrupted = True
         except psycopg.Error as exc:
-            self._drop_keeper()
-            raise unavailable("wait for the lease holder", self._conninfo, exc) from exc
+            error = exc
         finally:
-            # Taking the lock waits for any cancel request in flight: once interrupt()
-            # has returned from cancel_safe(), the server has been signalled, so the
-            # cancel cannot hit the next statement.
+            # Taking the lock waits for a cancel request in flight: once interrupt() has
+            # returned from cancel_safe(), the server has been signalled, so the cancel
+            # cannot hit the next statement. Clearing the flag first also keeps
+            # interrupt() from cancelling through a connection being closed below.
             with self._wake_lock:
                 self._in_lock_wait = False
+        if error is not None:
+            self._drop_keeper()
+            raise unavailable("wait for the lease holder", self._conninfo, error) from error
         if interrupted:
             # A cancel landing between lock and unlock would leave the lock held.
             self._run(sql.SQL("SELECT pg_advisory_unlock_all()"), "wait for the lease holder")

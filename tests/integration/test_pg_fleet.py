@@ -38,9 +38,7 @@ def start_fleet(
     dsn: str, n: int = 3, args: list[str] | None = None
 ) -> tuple[Fleet, dict[str, Any]]:
     fleet = Fleet(dsn, f"t-{uuid.uuid4().hex[:6]}", args if args is not None else FAST)
-    for i in range(n):
-        fleet.spawn(f"n{i}")
-    return fleet, elected(fleet, 30)
+    return fleet, fleet.start(n)
 
 
 def no_other_election(fleet: Fleet, seconds: float) -> None:
