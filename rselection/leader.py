@@ -152,6 +152,11 @@ class LeaderBase:
         return self._handler
 
     @property
+    def broadcaster(self) -> Broadcaster | None:
+        """The broadcaster handed to tasks, if any."""
+        return self._broadcaster
+
+    @property
     def timings(self) -> Timings:
         """The validated timings."""
         return self._timings
