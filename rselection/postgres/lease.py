@@ -17,7 +17,8 @@ terminates its backend, the server frees the lock at once.
 **Acquire** (:meth:`PostgresLease.try_acquire`) is one round trip, one implicit
 transaction. The row is locked ``FOR UPDATE`` *only* when a takeover looks possible
 (holder NULL, lease expired, holder's lock not granted to ``holder_pid``, or this very
-session is the holder), then re-checked under the lock and updated: ``term + 1``,
+session is the holder; the last two only for a holder that renewed since the server
+started, see below), then re-checked under the lock and updated: ``term + 1``,
 ``holder_pid = pg_backend_pid()``, ``expires_at = clock_timestamp() + ttl``, measured
 after any wait for the row lock, so a takeover that waited still gets a full ttl (never
 less than the ttl from when the request was sent); the new holder takes
@@ -28,8 +29,9 @@ takeover wait for fenced transactions of the old term (``FOR KEY SHARE``, see
 so they never block renewals or fenced transactions, and are never blocked by them.
 
 **Renew** is a single ``UPDATE`` of non-key columns guarded by holder, term, the keeper's
-backend pid and ``expires_at > now()``: a renewal never revives an expired lease and a
-reconnected keeper (new pid) can never renew, so a leader whose session ended has lost.
+backend pid (and a renewal since the server started) and ``expires_at > now()``: a
+renewal never revives an expired lease and a reconnected keeper (new pid) can never
+renew, so a leader whose session ended has lost.
 
 **Release** clears the holder (the term is kept), frees the advisory lock and sends a
 ``NOTIFY`` on :attr:`PostgresLease.channel` (also sent on every acquisition).
@@ -62,6 +64,16 @@ server restart) is seen by the leader at once, because its keeper waits on the s
 it steps down then. Followers act on the freed lock within milliseconds too, so for the
 short time both run, fencing (:func:`~rselection.postgres.fenced`) is what keeps a
 deposed leader's writes from committing after the new term's.
+
+A server restart ends every session at once, also that of a leader cut off from the
+server, which cannot notice. So the session checks only count for a holder whose
+``renewed_at`` is later than ``pg_postmaster_start_time()``; a lease held across a
+restart is taken over only when it expires (by then the leader's own deadline has
+stopped it). What remains unprotected is a server that ends a *partitioned* leader's
+session some other way before that leader's deadline: an administrator's
+``pg_terminate_backend``, or a crash of a backend (the postmaster then resets every
+session without restarting). Avoid terminating keeper sessions (``application_name``
+``rselection:<name>``) by hand.
 
 Not supported: connection poolers in transaction or statement mode (session advisory
 locks and LISTEN need a real session); ``log_lock_waits = on`` logs each follower wait
@@ -153,6 +165,20 @@ class _Held:
     @property
     def lock_args(self) -> sql.Composed:
         return sql.SQL("{}, {}").format(sql.Literal(self.lock_key), sql.Literal(self.term % 2**31))
+
+
+#: True when the holder of row ``t`` still has its keeper session: the session advisory
+#: lock (lock_key, term % 2**31) is granted to holder_pid. classid and objid are oids
+#: (unsigned): compare as bigint, the signed lock_key mapped to its unsigned value.
+_LOCK_HELD = (
+    "EXISTS (SELECT 1 FROM pg_catalog.pg_locks l"
+    " WHERE l.locktype = 'advisory'"
+    " AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d"
+    " WHERE d.datname = current_database())"
+    " AND l.classid::bigint = (t.lock_key::bigint & 4294967295)"
+    " AND l.objid::bigint = t.term % 2147483648"
+    " AND l.objsubid = 2 AND l.pid = t.holder_pid AND l.granted)"
+)
 
 
 def _utc(value: datetime) -> datetime:
@@ -473,26 +499,25 @@ class PostgresLease:
     # -- the lease --------------------------------------------------------------------
 
     def _free_condition(self) -> sql.SQL:
-        """True when row ``t`` may be taken: free, expired, dead holder, or our own."""
+        """True when row ``t`` may be taken: free, expired, dead holder, or our own.
+
+        The session checks (own pid, lock not held) only count for a holder that renewed
+        since the server (re)started: a restart ends every session at once, also that of
+        a leader cut off from the server, which cannot have noticed; such a lease is
+        only taken over once it expires.
+        """
         return sql.SQL(
             "(t.holder IS NULL OR t.holder_pid IS NULL OR t.expires_at IS NULL"
             " OR t.expires_at <= clock_timestamp()"
-            " OR t.holder_pid = pg_backend_pid()"
-            " OR NOT EXISTS (SELECT 1 FROM pg_catalog.pg_locks l"
-            " WHERE l.locktype = 'advisory'"
-            " AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d"
-            " WHERE d.datname = current_database())"
-            " AND l.classid::bigint = (t.lock_key::bigint & 4294967295)"
-            " AND l.objid::bigint = t.term % 2147483648"
-            " AND l.objsubid = 2 AND l.pid = t.holder_pid AND l.granted))"
+            " OR (t.renewed_at > pg_postmaster_start_time()"
+            " AND (t.holder_pid = pg_backend_pid() OR NOT " + _LOCK_HELD + ")))"
         )
 
     def _state_sql(self) -> sql.Composed:
         return sql.SQL(
-            "SELECT holder, term, lock_key, acquired_at, expires_at,"
-            " greatest(0, extract(epoch FROM expires_at - clock_timestamp()))::float8,"
-            " holder_pid = pg_backend_pid()"
-            " FROM {t} WHERE name = {name}"
+            "SELECT t.holder, t.term, t.lock_key, t.acquired_at, t.expires_at,"
+            " greatest(0, extract(epoch FROM t.expires_at - clock_timestamp()))::float8,"
+            " " + _LOCK_HELD + " FROM {t} AS t WHERE t.name = {name}"
         ).format(t=self._ident, name=sql.Literal(self.name))
 
     def _acquire_sql(self, node_id: str) -> sql.Composed:
@@ -534,13 +559,18 @@ class PostgresLease:
         if row is None or row[0] is None:
             self._seen = None
             return Acquisition(acquired, None, 0.0)
-        holder, term, lock_key, acquired_at, expires_at, expires_in, _mine = row
+        holder, term, lock_key, acquired_at, expires_at, expires_in, lock_held = row
         info = LeaderInfo(holder, term, _utc(acquired_at), _utc(expires_at))
         if acquired:
             self._leading = _Held(term, lock_key)
             self._seen = None
+        elif lock_held:
+            self._seen = _Held(term, lock_key)  # wait on its lock: wakes when it ends
         else:
-            self._seen = _Held(term, lock_key)
+            # A holder without its session that could not be taken yet (server restarted
+            # since it renewed, or fenced transactions held the row): only its expiry or
+            # a notification can change things, so wait on the socket, not on a free lock.
+            self._seen = None
         return Acquisition(acquired, info, max(0.0, float(expires_in)))
 
     def try_acquire(self, node_id: str) -> Acquisition:
@@ -609,6 +639,7 @@ class PostgresLease:
             "UPDATE {t} SET renewed_at = now(), expires_at = now() + {ttl} * interval '1 second'"
             " WHERE name = {name} AND holder = {node} AND term = {term}"
             " AND holder_pid = pg_backend_pid() AND expires_at > now()"
+            " AND renewed_at > pg_postmaster_start_time()"
             " RETURNING 1"
         ).format(
             t=self._ident,

@@ -344,6 +344,47 @@ def test_leader_wait_ignores_its_own_and_survives_others_notifications(
     assert c.current() is not None
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["fast", "immediate"])
+def test_after_a_server_restart_only_expiry_frees_the_lease(
+    private_pg: Any, pool: ThreadPoolExecutor, mode: str
+) -> None:
+    """A restart ends every session, also a partitioned leader's that cannot notice it:
+    the leader's own connection breaks at once, but followers wait for the expiry."""
+    options: dict[str, Any] = {"ttl": 3.0, "renew_deadline": 2.0, "connect_timeout": 2.0}
+    a = PostgresLease(private_pg.dsn, **options)
+    b = PostgresLease(private_pg.dsn, **options)
+    try:
+        a.connect()
+        b.connect()
+        term = acquired(a.try_acquire("A"))
+        assert not b.try_acquire("B").acquired
+        leader_wait = pool.submit(lambda: a.wait_for_change(30))
+        follower_wait = pool.submit(lambda: b.wait_for_change(30))
+        time.sleep(0.2)
+        stopped = time.monotonic()
+        private_pg.stop(mode)
+        with pytest.raises(BackendUnavailable):
+            leader_wait.result(timeout=5)
+        assert time.monotonic() - stopped < 2.0
+        with pytest.raises(BackendUnavailable):
+            follower_wait.result(timeout=5)
+        private_pg.start()
+        restarted = time.monotonic()
+        attempt = b.try_acquire("B")  # reconnects; A's session is gone, its lease is not
+        assert not attempt.acquired and attempt.holder is not None
+        assert attempt.holder.term == term
+        while not attempt.acquired:
+            assert time.monotonic() - restarted < 10, "no takeover after the expiry"
+            b.wait_for_change(max(0.05, attempt.expires_in))
+            attempt = b.try_acquire("B")
+        assert acquired(attempt) == term + 1
+        assert not a.renew("A", term)
+    finally:
+        a.close()
+        b.close()
+
+
 # ------------------------------------------------------------------------ interrupts
 
 
@@ -485,6 +526,34 @@ def test_takeover_waits_for_an_open_fenced_transaction_of_the_old_term(
     with psycopg.connect(writes) as conn, pytest.raises(StaleLeaderError):
         fenced(conn, "default", old)
     assert _writes(writes) == [(old, "last old write")]
+
+
+def test_acquirers_queued_behind_a_fenced_transaction_elect_exactly_one(
+    make_lease: Callable[..., PostgresLease],
+    admin: psycopg.Connection[Any],
+    pool: ThreadPoolExecutor,
+    writes: str,
+) -> None:
+    a = make_lease()
+    contenders = [make_lease() for _ in range(3)]
+    old = acquired(a.try_acquire("A"))
+    with psycopg.connect(writes) as conn:
+        fenced(conn, "default", old)
+        terminate(admin, a.backend_pid)
+        attempts = [pool.submit(lease.try_acquire, f"C{i}") for i, lease in enumerate(contenders)]
+        time.sleep(0.3)
+        assert not any(f.done() for f in attempts)
+        conn.commit()
+        results = [f.result(timeout=5) for f in attempts]
+    winners = [r for r in results if r.acquired]
+    assert len(winners) == 1
+    winner = winners[0].holder
+    assert winner is not None and winner.term == old + 1
+    for r in results:
+        assert r.holder is not None and (r.holder.node_id, r.holder.term) == (
+            winner.node_id,
+            winner.term,
+        )
 
 
 def test_a_fenced_write_during_a_takeover_waits_and_is_refused(
