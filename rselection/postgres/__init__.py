@@ -1,13 +1,27 @@
-"""Postgres backend: the lease, its tables and fenced writes (needs psycopg 3).
+"""Postgres backend: the lease, its tables, fenced writes and the leader (needs psycopg 3).
 
 Importing :mod:`rselection` does not import this package (nor psycopg); importing this
-package does.
+package does. :class:`PostgresLeader` is loaded on first use.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from .fencing import afenced, fenced
 from .lease import PostgresLease
 from .schema import migrate
 
-__all__ = ["PostgresLease", "afenced", "fenced", "migrate"]
+if TYPE_CHECKING:
+    from .leader import PostgresLeader
+
+__all__ = ["PostgresLeader", "PostgresLease", "afenced", "fenced", "migrate"]
+
+
+def __getattr__(name: str) -> Any:
+    # The leader pulls in the task runtime; load it only when asked for.
+    if name == "PostgresLeader":
+        from .leader import PostgresLeader
+
+        return PostgresLeader
+    raise AttributeError(f"module 'rselection.postgres' has no attribute {name!r}")
