@@ -17,7 +17,11 @@ term is not the live holder. How this orders writes:
 * Once term ``T + 1`` has committed, ``fenced(conn, name, T)`` finds no row (in READ
   COMMITTED the locking read re-checks the newest row version; in REPEATABLE READ or
   SERIALIZABLE it fails with a serialization error instead), so a stale leader's
-  transaction cannot write at all.
+  transaction cannot write at all. Under REPEATABLE READ or SERIALIZABLE call it
+  first: if the transaction's snapshot is older than the lease row's last change
+  (any renewal), the locking read raises ``SerializationFailure`` even for a live
+  term; retry the transaction then. Driver errors other than a broken connection
+  (``BackendUnavailable``) propagate unchanged, so such retries work as usual.
 * A renewal is a plain ``UPDATE`` of non-key columns (``FOR NO KEY UPDATE``), which
   does not conflict with ``FOR KEY SHARE``: fenced transactions never delay renewals.
 
@@ -103,15 +107,19 @@ def _stale(name: str, term: int) -> StaleLeaderError:
     )
 
 
-def _wrap(exc: psycopg.Error, table: str) -> Exception:
+def _wrap(
+    exc: psycopg.Error,
+    table: str,
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
+) -> Exception:
     if isinstance(exc, psycopg.errors.UndefinedTable):
         return ConfigError(
             f"lease table {table!r} does not exist on this connection's database or "
             "search_path: pass the same table (schema-qualified if needed) as the leader"
         )
-    if isinstance(exc, psycopg.OperationalError):
-        return BackendUnavailable(f"fencing check failed: {exc}")
-    return exc
+    if conn.broken or conn.closed:
+        return BackendUnavailable(f"fencing check failed, the connection is lost: {exc}")
+    return exc  # e.g. SerializationFailure: the caller retries its transaction
 
 
 def fenced(
@@ -148,7 +156,7 @@ def fenced(
     try:
         row = conn.execute(query, params).fetchone()
     except psycopg.Error as exc:
-        raise _wrap(exc, table) from exc
+        raise _wrap(exc, table, conn) from exc
     if row is None or not row[1]:
         logger.debug("fenced write refused: lease %r, term %s", name, term)
         raise _stale(name, term)
@@ -182,7 +190,7 @@ async def afenced(
         cur = await conn.execute(query, params)
         row = await cur.fetchone()
     except psycopg.Error as exc:
-        raise _wrap(exc, table) from exc
+        raise _wrap(exc, table, conn) from exc
     if row is None or not row[1]:
         logger.debug("fenced write refused: lease %r, term %s", name, term)
         raise _stale(name, term)

@@ -509,6 +509,7 @@ def test_takeover_waits_for_an_open_fenced_transaction_of_the_old_term(
     old = acquired(a.try_acquire("A"))
     with psycopg.connect(writes) as conn:
         fenced(conn, "default", old)  # transaction opened by the first statement
+        assert a.renew("A", old)  # a renewal moves the row on; the share lock stays
         terminate(admin, a.backend_pid)  # the old leader's keeper dies: takeover is due
         takeover = pool.submit(timed, lambda: b.try_acquire("B"))
         time.sleep(0.5)
@@ -590,6 +591,25 @@ def test_a_fenced_write_during_a_takeover_waits_and_is_refused(
     assert _writes(writes) == []
 
 
+def test_fenced_never_passes_a_stale_term_under_repeatable_read(
+    make_lease: Callable[..., PostgresLease], writes: str
+) -> None:
+    a, b = make_lease(), make_lease()
+    old = acquired(a.try_acquire("A"))
+    with psycopg.connect(writes) as conn:
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        fenced(conn, "default", old)  # first statement: snapshot and check agree
+        conn.commit()
+        conn.execute("SELECT 1")  # snapshot taken before the takeover below
+        expire_now(writes)
+        acquired(b.try_acquire("B"))
+        with pytest.raises((StaleLeaderError, psycopg.errors.SerializationFailure)):
+            fenced(conn, "default", old)
+        conn.rollback()
+        with pytest.raises(StaleLeaderError):
+            fenced(conn, "default", old)
+
+
 def test_renew_is_not_blocked_by_an_open_fenced_transaction(
     make_lease: Callable[..., PostgresLease], pool: ThreadPoolExecutor, writes: str
 ) -> None:
@@ -652,6 +672,17 @@ def test_fenced_needs_an_open_transaction_and_a_known_table(
             fenced(conn, "default", term, table="x; drop table y")
         with pytest.raises(ConfigError):
             fenced(conn, "", term)
+
+
+def test_fenced_on_a_lost_connection_raises_backend_unavailable(
+    make_lease: Callable[..., PostgresLease], admin: psycopg.Connection[Any], lease_dsn: str
+) -> None:
+    a = make_lease()
+    term = acquired(a.try_acquire("A"))
+    with psycopg.connect(lease_dsn) as conn:
+        terminate(admin, conn.info.backend_pid)
+        with pytest.raises(BackendUnavailable, match="lost"):
+            fenced(conn, "default", term)
 
 
 def test_afenced_on_an_async_connection(
