@@ -6,9 +6,14 @@ Postgres modules of this package to use them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +23,7 @@ from psycopg.conninfo import conninfo_to_dict
 from ..errors import BackendUnavailable, ConfigError
 
 __all__ = [
+    "IoWatchdog",
     "Keepalives",
     "check_conninfo",
     "client_keepalives",
@@ -158,3 +164,101 @@ def unavailable(what: str, conninfo: str, exc: BaseException) -> BackendUnavaila
     return BackendUnavailable(
         f"cannot {what} ({describe_conninfo(conninfo)}): {redact(detail, conninfo)}"
     )
+
+
+class IoWatchdog:
+    """Bounds blocking round trips by shutting a connection's socket down when they overrun.
+
+    TCP keepalives and ``tcp_user_timeout`` bound a silent *network*, but not a peer
+    that accepts bytes and never answers (a stuck proxy or pooler): a query could then
+    block forever, and with it the thread that must stop the leader. Each guarded call
+    registers a deadline; one thread (started on first use, ended by :meth:`close`)
+    shuts the socket down when a deadline passes, so the blocked call fails at once with
+    a connection error instead.
+
+    Args:
+        name: used in the thread name.
+    """
+
+    def __init__(self, name: str) -> None:
+        """Create an idle watchdog; its thread starts on the first :meth:`guard`."""
+        self._name = name
+        self._cond = threading.Condition()
+        self._armed: dict[int, tuple[float, int]] = {}
+        self._fired: set[int] = set()
+        self._next = 0
+        self._thread: threading.Thread | None = None
+        self._generation = 0  # bumped by close(): tells the current thread to end
+
+    @contextlib.contextmanager
+    def guard(self, conn: psycopg.Connection[Any], seconds: float) -> Iterator[list[bool]]:
+        """Abort ``conn``'s socket if the ``with`` body runs longer than ``seconds``.
+
+        Yields a one-element list that holds ``True`` afterwards when the watchdog fired
+        (the body then failed with a connection error).
+
+        Args:
+            conn: the connection whose round trip is bounded.
+            seconds: the bound.
+        """
+        fired = [False]
+        fd = conn.pgconn.socket
+        with self._cond:
+            token = self._next
+            self._next += 1
+            self._armed[token] = (time.monotonic() + seconds, fd)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run,
+                    args=(self._generation,),
+                    name=f"rselection-io-{self._name}",
+                    daemon=True,
+                )
+                self._thread.start()
+            self._cond.notify_all()
+        try:
+            yield fired
+        finally:
+            # The watchdog shuts sockets down while holding the condition, and the
+            # socket cannot be closed before this disarm: no risk of hitting a reused fd.
+            with self._cond:
+                self._armed.pop(token, None)
+                if token in self._fired:
+                    self._fired.discard(token)
+                    fired[0] = True
+
+    def _run(self, generation: int) -> None:
+        with self._cond:
+            while generation == self._generation:
+                now = time.monotonic()
+                for token, (deadline, fd) in list(self._armed.items()):
+                    if deadline <= now:
+                        del self._armed[token]
+                        self._fired.add(token)
+                        _shutdown(fd)
+                wait = min((d for d, _ in self._armed.values()), default=now + 3600.0) - now
+                self._cond.wait(max(0.0, wait))
+
+    def close(self) -> None:
+        """Stop the thread (idempotent); a later :meth:`guard` starts a new one."""
+        with self._cond:
+            thread, self._thread = self._thread, None
+            self._generation += 1
+            self._cond.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5.0)
+
+
+def _shutdown(fd: int) -> None:
+    """Shut the socket behind ``fd`` down (both ways) without closing ``fd`` itself."""
+    try:
+        dup = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return
+    try:
+        dup.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        dup.close()
+    logger.debug("aborted a round trip that overran its bound (fd %s)", fd)

@@ -102,6 +102,7 @@ from psycopg.pq import ConnStatus
 from ..errors import BackendUnavailable, ConfigError
 from ..lease import Acquisition, LeaderInfo
 from ._conn import (
+    IoWatchdog,
     Keepalives,
     check_conninfo,
     client_keepalives,
@@ -265,6 +266,7 @@ class PostgresLease:
 
         self._observer: psycopg.Connection[Any] | None = None
         self._observer_lock = threading.Lock()
+        self._io = IoWatchdog(name)  # bounds every blocking round trip
 
         # interrupt(): a sticky flag (authoritative), a self-pipe (wakes socket waits)
         # and a cancel request (ends a lock wait). The lock orders a cancel request
@@ -363,14 +365,15 @@ class PostgresLease:
         except psycopg.Error as exc:
             raise unavailable("connect to the lease server", self._conninfo, exc) from exc
         try:
-            if self.create_tables:
-                # On every (re)connect: a restored or recreated database may have lost
-                # the tables, and the statements are cheap no-ops when they exist.
-                migrate(conn, table=self.table)
-            self._resolve_table(conn)
-            cur = conn.execute(self._session_sql())
-            cur.nextset()
-            effective = cur.fetchone()
+            with self._io.guard(conn, self.renew_deadline + self.connect_timeout):
+                if self.create_tables:
+                    # On every (re)connect: a restored or recreated database may have
+                    # lost the tables, and the statements are cheap no-ops when they exist.
+                    migrate(conn, table=self.table)
+                self._resolve_table(conn)
+                cur = conn.execute(self._session_sql())
+                cur.nextset()
+                effective = cur.fetchone()
             conn.add_notify_handler(self._on_notify)
             conn.add_notice_handler(self._on_notice)
         except psycopg.Error as exc:
@@ -468,26 +471,35 @@ class PostgresLease:
         query: sql.Composed | sql.SQL,
         what: str,
         *,
+        limit: float,
         expected: tuple[type[Exception], ...] = (),
     ) -> list[list[tuple[Any, ...]] | None]:
         """Run a (multi-statement) query on the keeper; one entry per statement.
 
         Errors in ``expected`` propagate unchanged (the implicit transaction has been
         rolled back and the session is healthy); any other error closes the keeper
-        connection, which ends the session and frees every lock it held.
+        connection, which ends the session and frees every lock it held. A round trip
+        longer than ``limit`` seconds is aborted (see :class:`IoWatchdog`).
         """
         conn = self._keeper()
+        fired = [False]
         try:
-            cur = conn.execute(query)
-            results: list[list[tuple[Any, ...]] | None] = []
-            while True:
-                results.append(cur.fetchall() if cur.description is not None else None)
-                if not cur.nextset():
-                    break
+            with self._io.guard(conn, limit) as fired:
+                cur = conn.execute(query)
+                results: list[list[tuple[Any, ...]] | None] = []
+                while True:
+                    results.append(cur.fetchall() if cur.description is not None else None)
+                    if not cur.nextset():
+                        break
         except expected:
             raise
         except psycopg.Error as exc:
             self._drop_keeper()
+            if fired[0]:
+                raise BackendUnavailable(
+                    f"cannot {what}: no answer from the lease server ({self._where}) "
+                    f"within {limit:g} s; reconnecting"
+                ) from exc
             if isinstance(exc, psycopg.errors.UndefinedTable):
                 raise BackendUnavailable(
                     f"cannot {what}: lease table {self.table!r} does not exist "
@@ -602,6 +614,7 @@ class PostgresLease:
             results = self._run(
                 self._acquire_sql(node_id),
                 "acquire the lease",
+                limit=ACQUIRE_LOCK_TIMEOUT + self.connect_timeout,
                 expected=(psycopg.errors.LockNotAvailable,),
             )
         except psycopg.errors.LockNotAvailable:
@@ -611,6 +624,7 @@ class PostgresLease:
             results = self._run(
                 sql.SQL("SELECT pg_advisory_unlock_all(); {}").format(self._state_sql()),
                 "read the lease",
+                limit=self.renew_deadline,
             )
             state = results[-1]
             return self._acquisition(state[0] if state else None, False)
@@ -648,7 +662,7 @@ class PostgresLease:
             node=sql.Literal(node_id),
             term=sql.Literal(term),
         )
-        rows = self._run(query, "renew the lease")[0]
+        rows = self._run(query, "renew the lease", limit=self.renew_deadline)[0]
         if rows:
             return True
         logger.debug("lease %r: renewal of term %s by %s refused", self.name, term, node_id)
@@ -691,7 +705,7 @@ class PostgresLease:
             channel=sql.Literal(self._channel()),
             unlock=unlock,
         )
-        results = self._run(query, "release the lease")
+        results = self._run(query, "release the lease", limit=self.renew_deadline)
         if leading is None or leading.term == term:
             self._leading = None
         self._seen = None
@@ -725,7 +739,8 @@ class PostgresLease:
                     self._observer = conn
                     ms = max(1, round(self.connect_timeout * 1000))
                     conn.execute(sql.SQL("SET statement_timeout = {}").format(sql.Literal(ms)))
-                row = conn.execute(query, (self.name,)).fetchone()
+                with self._io.guard(conn, 2 * self.connect_timeout):
+                    row = conn.execute(query, (self.name,)).fetchone()
             except psycopg.errors.UndefinedTable:
                 return None  # not created yet: nobody holds it
             except psycopg.Error as exc:
@@ -804,7 +819,8 @@ class PostgresLease:
         interrupted = False
         error: psycopg.Error | None = None
         try:
-            conn.execute(query)
+            with self._io.guard(conn, timeout + self.connect_timeout):
+                conn.execute(query)
             logger.debug("lease %r: holder of term %s is gone or released", self.name, seen.term)
         except psycopg.errors.LockNotAvailable:
             pass  # the holder is still there: timeout
@@ -824,7 +840,11 @@ class PostgresLease:
             raise unavailable("wait for the lease holder", self._conninfo, error) from error
         if interrupted:
             # A cancel landing between lock and unlock would leave the lock held.
-            self._run(sql.SQL("SELECT pg_advisory_unlock_all()"), "wait for the lease holder")
+            self._run(
+                sql.SQL("SELECT pg_advisory_unlock_all()"),
+                "wait for the lease holder",
+                limit=self.renew_deadline,
+            )
 
     def _wait_socket(self, conn: psycopg.Connection[Any], timeout: float) -> None:
         wake = self._wake_r
@@ -891,6 +911,7 @@ class PostgresLease:
         self._drop_keeper()
         with self._observer_lock:
             self._close_observer()
+        self._io.close()
         with self._wake_lock:
             for sock in (self._wake_r, self._wake_w):
                 if sock is not None:

@@ -385,6 +385,45 @@ def test_after_a_server_restart_only_expiry_frees_the_lease(
         b.close()
 
 
+@pytest.mark.slow
+def test_a_silent_link_bounds_every_call_and_only_expiry_frees_the_lease(
+    lease_dsn: str,
+    make_lease: Callable[..., PostgresLease],
+    make_tcp_proxy: Callable[[str, int], Any],
+) -> None:
+    from tests.support.pg import with_host_port
+
+    params = psycopg.conninfo.conninfo_to_dict(lease_dsn)
+    proxy = make_tcp_proxy(str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+    options: dict[str, Any] = {"ttl": 3.0, "renew_deadline": 1.0, "connect_timeout": 2.0}
+    a = PostgresLease(with_host_port(lease_dsn, proxy.host, proxy.port), **options)
+    b = make_lease(**options)
+    try:
+        a.connect()
+        term = acquired(a.try_acquire("A"))
+        assert a.current() is not None
+        proxy.blackhole()  # bytes accepted, never delivered: keepalives cannot tell
+        start = time.monotonic()
+        with pytest.raises(BackendUnavailable, match="no answer"):
+            a.renew("A", term)
+        took = time.monotonic() - start
+        assert 0.9 <= took < 2.0, f"renew gave up after {took:.2f}s (renew_deadline 1 s)"
+        # The server still sees A's session (the proxy holds it): only expiry frees it.
+        attempt = b.try_acquire("B")
+        assert not attempt.acquired and attempt.expires_in > 0.5
+        while not attempt.acquired:
+            b.wait_for_change(max(0.05, attempt.expires_in))
+            attempt = b.try_acquire("B")
+        assert acquired(attempt) == term + 1
+        start = time.monotonic()
+        with pytest.raises(BackendUnavailable):
+            a.current()  # the observer connection is behind the same silent link
+        assert time.monotonic() - start < 2 * 2.0 + 1.0
+    finally:
+        proxy.heal()
+        a.close()
+
+
 # ------------------------------------------------------------------------ interrupts
 
 
@@ -901,9 +940,11 @@ def test_close_leaves_no_session_behind(
         return int(row[0]) if row else -1
 
     assert sessions() == 2  # keeper and observer
+    assert any(t.name == "rselection-io-hygiene" for t in threading.enumerate())
     a.close()
     a.close()  # idempotent
     wait_until(lambda: sessions() == 0, 5, "the sessions to end")
+    assert not any(t.name == "rselection-io-hygiene" for t in threading.enumerate())
 
 
 def test_keeper_session_settings_are_pinned(
