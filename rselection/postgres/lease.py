@@ -204,7 +204,8 @@ class PostgresLease:
         renew_deadline: the leader's renew deadline, seconds (``< ttl``); sizes the
             server's TCP keepalives so the server never drops a live leader too early.
         table: lease table, optionally schema-qualified (``"ops.leases"``).
-        create_tables: run :func:`~rselection.postgres.migrate` on first connect.
+        create_tables: run :func:`~rselection.postgres.migrate` on every connect (cheap
+            no-ops when the tables exist).
         connect_timeout: seconds to wait for a connection (libpq rounds up to whole
             seconds, at least 2).
 
@@ -388,6 +389,7 @@ class PostgresLease:
         self._leading = None
         self._seen = None
         self._foreign_notifies = 0
+        self._last_notice = ""
         logger.debug("lease %r: keeper connected (%s, pid %s)", self.name, self._where, self._pid)
 
     def _resolve_table(self, conn: psycopg.Connection[Any]) -> None:
