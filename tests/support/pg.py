@@ -281,8 +281,11 @@ def _ensure_binaries_usable(bin_dir: Path, run_as: Mapping[str, Any]) -> None:
     probe = [str(bin_dir / "postgres"), "--version"]
     if not run_as or bin_dir in _USABLE_BIN_DIRS:
         return
-    ok = subprocess.run(probe, capture_output=True, timeout=30, check=False, **run_as)
-    if ok.returncode == 0:
+    try:
+        usable = subprocess.run(probe, capture_output=True, timeout=30, check=False, **run_as)
+    except PermissionError:  # a folder on the way (e.g. a 0700 venv) blocks the user
+        usable = None
+    if usable is not None and usable.returncode == 0:
         _USABLE_BIN_DIRS.add(bin_dir)
         return
     from pgserver.utils import (
