@@ -15,11 +15,16 @@ from .errors import LeadershipLost, StaleLeaderError
 
 if TYPE_CHECKING:
     from .broadcast import Broadcaster
+    from .postgres.checkpoint import TaskCheckpoint
 
 __all__ = ["TaskContext", "Term"]
 
 Fencer = Callable[[Any, int], None]
-"""Checks inside a caller's transaction that a term still holds the lease."""
+"""Checks inside a caller's transaction that a term still holds the lease.
+
+A fencer may also offer ``bind_checkpoint(task, term)``, returning the task's durable
+state bound to that term (``ctx.checkpoint``); the Postgres leader's fencer does.
+"""
 
 
 class Term:
@@ -122,6 +127,7 @@ class TaskContext:
         self.scheduled_at = scheduled_at
         self.fire_key = fire_key
         self._term = term
+        self._checkpoint: TaskCheckpoint | None = None
 
     @property
     def term(self) -> int:
@@ -205,11 +211,29 @@ class TaskContext:
         fencer(conn, self.term)
 
     @property
-    def checkpoint(self) -> Any:
-        """Durable state bound to this task and term (needs the Postgres checkpoint store)."""
-        raise NotImplementedError(
-            "ctx.checkpoint needs a PostgresCheckpointStore, which this leader does not have"
-        )
+    def checkpoint(self) -> TaskCheckpoint:
+        """Durable state of this task, fenced to this term (Postgres leaders only).
+
+        ``ctx.checkpoint.load()`` returns the task's last
+        :class:`~rselection.postgres.Snapshot` (saved in any term) or ``None``;
+        ``ctx.checkpoint.save(state)`` stores a new one under the task's name and commits
+        only while this term still holds the lease (else
+        :class:`~rselection.StaleLeaderError`). See
+        :class:`~rselection.postgres.PostgresCheckpointStore`.
+
+        Raises:
+            NotImplementedError: the leader has no checkpoint store (single node).
+        """
+        if self._checkpoint is None:
+            bind = getattr(self._term.fencer, "bind_checkpoint", None)
+            if bind is None:
+                raise NotImplementedError(
+                    "ctx.checkpoint needs a PostgresCheckpointStore, which this leader "
+                    "does not have: run the task under a PostgresLeader (it keeps task "
+                    "state next to its lease)"
+                )
+            self._checkpoint = bind(self.name, self._term.number)
+        return self._checkpoint
 
     def __repr__(self) -> str:
         return f"TaskContext({self.name!r}, term={self.term}, node_id={self.node_id!r})"
