@@ -1,4 +1,6 @@
-"""Postgres backend: the lease, its tables, fenced writes and the leader (needs psycopg 3).
+"""Postgres backend: the lease, its tables, fenced writes, the leader and the checkpoint store.
+
+Needs psycopg 3.
 
 Importing :mod:`rselection` does not import this package (nor psycopg); importing this
 package does. :class:`PostgresLeader` is loaded on first use.
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .checkpoint import PostgresCheckpointStore, Snapshot, TaskCheckpoint
 from .fencing import afenced, fenced
 from .lease import PostgresLease
 from .schema import migrate
@@ -15,7 +18,16 @@ from .schema import migrate
 if TYPE_CHECKING:
     from .leader import PostgresLeader
 
-__all__ = ["PostgresLeader", "PostgresLease", "afenced", "fenced", "migrate"]
+__all__ = [
+    "PostgresCheckpointStore",
+    "PostgresLeader",
+    "PostgresLease",
+    "Snapshot",
+    "TaskCheckpoint",
+    "afenced",
+    "fenced",
+    "migrate",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ConfigError
 from ..leader import LeaderBase
 from ..timing import Timings
+from .checkpoint import PostgresCheckpointStore, TaskCheckpoint
 from .fencing import fenced
 from .lease import PostgresLease
 
@@ -15,6 +16,26 @@ if TYPE_CHECKING:
     from ..tasks import TaskHandler
 
 __all__ = ["PostgresLeader"]
+
+
+class _LeaseFence:
+    """``ctx.fence`` of a Postgres leader, and the source of ``ctx.checkpoint``."""
+
+    def __init__(
+        self, name: str, table: str, idle_timeout: float, store: PostgresCheckpointStore
+    ) -> None:
+        self.name = name
+        self.table = table
+        self.idle_timeout = idle_timeout
+        self.store = store
+
+    def __call__(self, conn: Any, term: int) -> None:
+        # A paused stale leader must not hold a takeover up for longer than the
+        # margin between its own deadline and the lease's expiry.
+        fenced(conn, self.name, term, table=self.table, idle_timeout=self.idle_timeout)
+
+    def bind_checkpoint(self, task: str, term: int) -> TaskCheckpoint:
+        return TaskCheckpoint(self.store, task, term, self)
 
 
 class PostgresLeader(LeaderBase):
@@ -38,6 +59,12 @@ class PostgresLeader(LeaderBase):
         table: lease table, optionally schema-qualified (``"ops.leases"``).
         create_tables: create the tables on first connect (else run ``rselection migrate``).
         broadcaster: handed to tasks as ``ctx.broadcaster``.
+        checkpoint_store: where ``ctx.checkpoint`` keeps task state. By default a
+            :class:`~rselection.postgres.PostgresCheckpointStore` on the same
+            ``conninfo`` (default table prefix, tables created on first use when
+            ``create_tables``), which connects only when a task uses it and is closed
+            with the leader. A store you pass must use the lease's database; it is not
+            closed by the leader.
     """
 
     def __init__(
@@ -54,6 +81,7 @@ class PostgresLeader(LeaderBase):
         table: str = "rselection_leases",
         create_tables: bool = True,
         broadcaster: Broadcaster | None = None,
+        checkpoint_store: PostgresCheckpointStore | None = None,
     ) -> None:
         if not isinstance(name, str) or not name.strip():
             raise ConfigError(f"lease name must be a non-empty string, got {name!r}")
@@ -67,10 +95,20 @@ class PostgresLeader(LeaderBase):
             create_tables=create_tables,
         )
 
-        def fence(conn: Any, term: int) -> None:
-            # A paused stale leader must not hold a takeover up for longer than the
-            # margin between its own deadline and the lease's expiry.
-            fenced(conn, name, term, table=table, idle_timeout=timings.margin)
+        if checkpoint_store is not None and not isinstance(
+            checkpoint_store, PostgresCheckpointStore
+        ):
+            raise ConfigError(
+                "checkpoint_store must be a PostgresCheckpointStore, got "
+                f"{type(checkpoint_store).__name__}"
+            )
+        self._owns_store = checkpoint_store is None
+        if checkpoint_store is None:
+            checkpoint_store = PostgresCheckpointStore(
+                conninfo, lease_table=table, create_tables=create_tables
+            )
+        self._checkpoint_store = checkpoint_store
+        fence = _LeaseFence(name, table, timings.margin, checkpoint_store)
 
         super().__init__(
             backend,
@@ -81,3 +119,13 @@ class PostgresLeader(LeaderBase):
             broadcaster=broadcaster,
             fencer=fence,
         )
+
+    @property
+    def checkpoint_store(self) -> PostgresCheckpointStore:
+        """The store behind ``ctx.checkpoint`` (to inspect or seed task state)."""
+        return self._checkpoint_store
+
+    def _close_backend(self) -> None:
+        super()._close_backend()
+        if self._owns_store:
+            self._checkpoint_store.close()  # idle connections only; reopened on demand
