@@ -339,8 +339,26 @@ def run_demo(dsn: str | None, nodes: int = 3, forever: bool = False) -> int:
             _watch(fleet, 2)
             while forever:
                 _watch(fleet, 3600)
+            rows, terms, late = _ledger_summary(url, name)
         print(f"summary: crash failover {crash_ms:.0f} ms, graceful handover {handover_ms:.0f} ms")
-    return 0
+        print(f"ledger: {rows} fenced writes in {terms} terms, {late} written after a newer term")
+    return 0 if late == 0 else 1
+
+
+def _ledger_summary(dsn: str, lease: str) -> tuple[int, int, int]:
+    """Rows, terms, and rows of an older term written after a newer term's row."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*), count(DISTINCT term),"
+            " (SELECT count(*) FROM rselection_demo_ledger a JOIN rselection_demo_ledger b"
+            "  ON a.lease = b.lease AND a.term < b.term AND a.id > b.id WHERE a.lease = %s)"
+            " FROM rselection_demo_ledger WHERE lease = %s",
+            (lease, lease),
+        ).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1]), int(row[2])
 
 
 def main(argv: list[str] | None = None) -> int:

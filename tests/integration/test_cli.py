@@ -54,3 +54,16 @@ def test_no_dsn_is_a_clear_error() -> None:
     )
     assert out.returncode != 0
     assert "RSELECTION_DSN" in out.stderr
+
+
+def test_demo_runs_to_the_end_and_reports_its_measurements(pg_dsn: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "rselection", "demo", "--dsn", pg_dsn],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "failover after a crash took" in out.stdout
+    assert "graceful handover took" in out.stdout
+    assert ", 0 written after a newer term" in out.stdout
