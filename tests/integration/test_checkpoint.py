@@ -1,0 +1,584 @@
+"""PostgresCheckpointStore against a real Postgres: snapshots, fencing, leases, migrations.
+
+Every test runs in a schema of its own (``pg_dsn``), so the default table names are safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+
+import rselection as rs
+from rselection.errors import BackendUnavailable, ConfigError, StaleLeaderError
+from rselection.postgres import PostgresCheckpointStore, PostgresLease, Snapshot
+from rselection.postgres.checkpoint import FORMAT_VERSION
+from rselection.postgres.leader import PostgresLeader
+from rselection.postgres.migrations import CheckpointTables, Migration, apply_migrations
+
+FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def store(pg_dsn: str) -> Iterator[PostgresCheckpointStore]:
+    with PostgresCheckpointStore(pg_dsn) as s:
+        yield s
+
+
+def server_now(dsn: str) -> datetime:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT clock_timestamp()").fetchone()
+    assert row is not None
+    value: datetime = row[0]
+    return value.astimezone(UTC)
+
+
+# -- round trips ----------------------------------------------------------------------
+
+
+def test_save_load_round_trip_with_versions_and_server_time(
+    store: PostgresCheckpointStore, pg_dsn: str
+) -> None:
+    assert store.load("queue") is None
+    before = server_now(pg_dsn)
+    first = store.save("queue", {"cursor": 1})
+    assert isinstance(first, Snapshot)
+    assert (first.key, first.state, first.version, first.term) == ("queue", {"cursor": 1}, 1, None)
+    assert first.format_version == FORMAT_VERSION
+    assert before <= first.updated_at <= server_now(pg_dsn)
+    assert first.updated_at.tzinfo is not None
+    second = store.save("queue", {"cursor": 2})
+    assert second.version == 2 and second.updated_at >= first.updated_at
+    assert store.load("queue") == second
+
+
+def test_nested_and_unicode_state(store: PostgresCheckpointStore) -> None:
+    state = {
+        "a": [1, 2.5, None, True, False, {"b": {"c": ["x", [[], {}]]}}],
+        "unicodé": "snowman ☃ and emoji 🎉",
+        "big": 2**62,
+        "neg": -1.25e-300,
+        "deep": json.loads("[" * 200 + "]" * 200),
+    }
+    store.save("nested", state)
+    loaded = store.load("nested")
+    assert loaded is not None and loaded.state == state
+
+
+def test_five_megabyte_state(store: PostgresCheckpointStore) -> None:
+    blob = "x" * (5 * 2**20)
+    rows = [{"id": i, "name": f"item-{i}"} for i in range(20_000)]
+    saved = store.save("large", {"blob": blob, "rows": rows})
+    loaded = store.load("large")
+    assert loaded is not None
+    assert loaded.state["blob"] == blob and loaded.state["rows"] == rows
+    assert loaded.version == saved.version == 1
+
+
+def test_tuple_keys(store: PostgresCheckpointStore) -> None:
+    store.save(("owner", "repo", "main"), {"n": 1})
+    store.save(("owner", "repo", "dev"), {"n": 2})
+    store.save("owner/repo/main", {"n": 3})  # a different key, not a path
+    main = store.load(("owner", "repo", "main"))
+    assert main is not None and main.key == ("owner", "repo", "main") and main.state == {"n": 1}
+    dev = store.load(("owner", "repo", "dev"))
+    assert dev is not None and dev.state == {"n": 2}
+    flat = store.load("owner/repo/main")
+    assert flat is not None and flat.state == {"n": 3}
+    # A one-element tuple is the same key as its string.
+    store.save(("solo",), 1)
+    solo = store.load("solo")
+    assert solo is not None and solo.key == "solo" and solo.state == 1
+
+
+def test_delete_keeps_the_version_counter(store: PostgresCheckpointStore) -> None:
+    assert store.delete("gone") is False
+    store.save("gone", 1)
+    store.save("gone", 2)
+    assert store.delete("gone") is True
+    assert store.load("gone") is None
+    assert store.delete("gone") is False
+    again = store.save("gone", 3)
+    assert again.version == 4  # save, save, delete, save: versions never repeat
+
+
+def test_unknown_format_version_raises_and_keeps_the_row(
+    store: PostgresCheckpointStore, pg_dsn: str
+) -> None:
+    store.save("future", {"field": 1})
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE rselection_checkpoints SET format_version = %s,"
+            " state = '{\"field\": 1, \"new_field\": 2}' WHERE key = ARRAY['future']",
+            (FORMAT_VERSION + 1,),
+        )
+    with pytest.raises(ConfigError, match=r"format_version 2, newer than the 1.*upgrade"):
+        store.load("future")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT state FROM rselection_checkpoints WHERE key = ARRAY['future']"
+        ).fetchone()
+    assert row is not None and row[0] == {"field": 1, "new_field": 2}
+
+
+def test_table_prefix_and_schema_qualified_prefix(pg_dsn: str) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        schema = conn.execute("SELECT current_schema()").fetchone()
+    assert schema is not None
+    with PostgresCheckpointStore(pg_dsn, table_prefix=f"{schema[0]}.app_") as s:
+        s.save("k", 1)
+    with PostgresCheckpointStore(pg_dsn, table_prefix="other_") as s:
+        assert s.load("k") is None
+        s.save("k", 2)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        tables = {
+            r[0]
+            for r in conn.execute(
+                "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()"
+            )
+        }
+    assert {"app_checkpoints", "app_checkpoint_leases", "app_checkpoint_migrations"} <= tables
+    assert {"other_checkpoints", "other_checkpoint_leases"} <= tables
+
+
+# -- bad input ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", [None, "", "   "])
+def test_no_connection_is_a_config_error(source: Any) -> None:
+    with pytest.raises(ConfigError, match="needs a connection string"):
+        PostgresCheckpointStore(source)
+
+
+def test_bad_construction_arguments() -> None:
+    dsn = "postgresql://u@h/db"
+    with pytest.raises(ConfigError, match="connection\\(\\) context manager"):
+        PostgresCheckpointStore(42)
+    with pytest.raises(ConfigError, match="cannot be parsed"):
+        PostgresCheckpointStore("host=a port")
+    for prefix in ["x; DROP TABLE t --", "a.b.c", "1abc", "a" * 60]:
+        with pytest.raises(ConfigError, match="invalid table name"):
+            PostgresCheckpointStore(dsn, table_prefix=prefix)
+    with pytest.raises(ConfigError, match="invalid table name"):
+        PostgresCheckpointStore(dsn, lease_table="leases; --")
+    with pytest.raises(ConfigError, match="max_state_bytes"):
+        PostgresCheckpointStore(dsn, max_state_bytes=0)
+
+
+def test_bad_keys_and_states(store: PostgresCheckpointStore, pg_dsn: str) -> None:
+    for key in ["", (), ("a", ""), ("a", 1), 5, ["a"], "a\x00b"]:
+        with pytest.raises(ConfigError, match="key"):
+            store.save(key, 1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"cannot be stored as JSON.*datetime"):
+        store.save("k", {"when": datetime.now(UTC)})
+    with pytest.raises(TypeError, match="set"):
+        store.save("k", {1, 2})
+    with pytest.raises(ConfigError, match="NaN"):
+        store.save("k", {"x": math.nan})
+    loop: list[Any] = []
+    loop.append(loop)
+    with pytest.raises(ConfigError, match="ircular"):
+        store.save("k", loop)
+    with pytest.raises(ConfigError, match="NUL"):
+        store.save("k", {"s": "a\x00b"})
+    with pytest.raises(ConfigError, match="not both"):
+        store.save("k", 1, term=1, holder="h")
+    with pytest.raises(ConfigError, match="term must be"):
+        store.save("k", 1, term=-1)
+    assert store.load("k") is None  # nothing was written by any of these
+    small = PostgresCheckpointStore(pg_dsn, max_state_bytes=100)
+    with pytest.raises(ConfigError, match="more than max_state_bytes=100"):
+        small.save("k", "x" * 200)
+    small.close()
+
+
+def test_unreachable_database_is_backend_unavailable() -> None:
+    s = PostgresCheckpointStore("postgresql://nobody:secret@127.0.0.1:1/nowhere", connect_timeout=2)
+    with pytest.raises(BackendUnavailable, match=r"127\.0\.0\.1") as info:
+        s.load("k")
+    assert "secret" not in str(info.value)
+
+
+def test_missing_tables_without_create_tables(pg_dsn: str) -> None:
+    s = PostgresCheckpointStore(pg_dsn, create_tables=False)
+    with pytest.raises(ConfigError, match="apply_migrations"):
+        s.load("k")
+    assert s.apply_migrations() == [1]
+    assert s.load("k") is None
+    s.close()
+
+
+# -- fenced saves (leadership term) ---------------------------------------------------
+
+
+def test_takeover_refuses_the_old_terms_save_and_keeps_the_new_snapshot(
+    store: PostgresCheckpointStore, pg_dsn: str
+) -> None:
+    name = f"t-{uuid.uuid4().hex[:6]}"
+    with (
+        PostgresLease(pg_dsn, name=name, ttl=3, renew_deadline=2) as a,
+        PostgresLease(pg_dsn, name=name, ttl=3, renew_deadline=2) as b,
+    ):
+        first = a.try_acquire("a")
+        assert first.acquired and first.holder is not None
+        old = first.holder.term
+        saved = store.save("job", {"by": "a"}, term=old, lease=name)
+        assert saved.term == old
+        a.release("a", old)
+        second = b.try_acquire("b")
+        assert second.acquired and second.holder is not None
+        new = second.holder.term
+        assert new == old + 1
+        store.save("job", {"by": "b"}, term=new, lease=name)
+        with pytest.raises(StaleLeaderError, match=f"term {old} no longer holds"):
+            store.save("job", {"by": "a", "late": True}, term=old, lease=name)
+        with pytest.raises(StaleLeaderError):
+            store.delete("job", term=old, lease=name)
+        with pytest.raises(StaleLeaderError):  # a term that never held the lease
+            store.save("job", {"by": "?"}, term=new + 5, lease=name)
+        with pytest.raises(StaleLeaderError):  # the right term, the wrong lease
+            store.save("job", {"by": "?"}, term=new, lease=name + "-other")
+    snap = store.load("job")
+    assert snap is not None
+    assert (snap.state, snap.term, snap.version) == ({"by": "b"}, new, 2)
+
+
+def test_a_fenced_save_holds_a_takeover_until_it_commits(
+    store: PostgresCheckpointStore, pg_dsn: str
+) -> None:
+    """The save of term T commits before term T+1 exists: the two never interleave."""
+    name = f"t-{uuid.uuid4().hex[:6]}"
+    with PostgresLease(pg_dsn, name=name, ttl=3, renew_deadline=2) as a:
+        acq = a.try_acquire("a")
+        assert acq.holder is not None
+        term = acq.holder.term
+        store.save("job", 0, term=term, lease=name)  # tables exist before we hold locks
+        # Hold the checkpoint row so the fenced save stalls after fenced() took its lock.
+        blocker = psycopg.connect(pg_dsn)
+        blocker.execute("SELECT 1 FROM rselection_checkpoints WHERE key = ARRAY['job'] FOR UPDATE")
+        result: dict[str, Any] = {}
+
+        def save() -> None:
+            try:
+                result["snap"] = store.save("job", 1, term=term, lease=name)
+            except Exception as exc:  # reported below
+                result["error"] = exc
+
+        saver = threading.Thread(target=save)
+        saver.start()
+        with psycopg.connect(pg_dsn, autocommit=True) as watch:
+            wait_until(
+                lambda: (
+                    watch.execute(
+                        "SELECT count(*) FROM pg_stat_activity"
+                        " WHERE %s = ANY(pg_blocking_pids(pid))",
+                        (blocker.info.backend_pid,),
+                    ).fetchone()
+                    == (1,)
+                ),
+                10,
+                "the save to wait on the row",
+            )
+            # Expire the lease by hand; a takeover must still wait for the open save.
+            watch.execute(
+                "UPDATE rselection_leases SET expires_at = now() WHERE name = %s", (name,)
+            )
+        with PostgresLease(pg_dsn, name=name, ttl=3, renew_deadline=2) as b:
+            taker: dict[str, Any] = {}
+            thief = threading.Thread(target=lambda: taker.update(acq=b.try_acquire("b")))
+            thief.start()
+            time.sleep(0.3)  # the takeover is blocked: it must not finish meanwhile
+            assert thief.is_alive() and saver.is_alive()
+            blocker.rollback()
+            blocker.close()
+            saver.join(10)
+            thief.join(10)
+            assert not saver.is_alive() and not thief.is_alive()
+        assert "snap" in result, result
+        assert result["snap"].term == term
+        assert taker["acq"].acquired and taker["acq"].holder.term == term + 1
+
+
+# -- per-key leases -------------------------------------------------------------------
+
+
+def lease_row(dsn: str, key: list[str]) -> tuple[Any, ...]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT holder, term, acquired_at, renewed_at, expires_at,"
+            " expires_at - renewed_at FROM rselection_checkpoint_leases WHERE key = %s",
+            (key,),
+        ).fetchone()
+    assert row is not None
+    return tuple(row)
+
+
+def test_per_key_lease_contention_and_renewal(store: PostgresCheckpointStore, pg_dsn: str) -> None:
+    key = ("owner", "repo")
+    assert store.acquire_lease(key, "w1", 30)
+    assert not store.acquire_lease(key, "w2", 30)
+    holder, term, acquired, renewed, expires, length = lease_row(pg_dsn, list(key))
+    assert (holder, term, length) == ("w1", 1, timedelta(seconds=30))
+    assert store.acquire_lease(key, "w1", 60)  # renewal by the same holder
+    holder2, term2, acquired2, renewed2, expires2, length2 = lease_row(pg_dsn, list(key))
+    assert (holder2, term2, acquired2) == ("w1", 1, acquired)
+    assert renewed2 > renewed and expires2 > expires and length2 == timedelta(seconds=60)
+    assert not store.acquire_lease(key, "w2", 30)
+    # Many contenders at once: exactly one wins a fresh key.
+    wins: list[str] = []
+    barrier = threading.Barrier(8)
+
+    def contend(i: int) -> None:
+        barrier.wait(10)
+        if store.acquire_lease("fresh", f"c{i}", 30):
+            wins.append(f"c{i}")
+
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert len(wins) == 1
+
+
+def test_per_key_lease_takeover_only_after_server_expiry(
+    store: PostgresCheckpointStore, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert store.acquire_lease("k", "w1", 0.5)
+    # The client's clock plays no part: a client that believes it is a day later
+    # still cannot take a lease the server considers live.
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 86400)
+    assert not store.acquire_lease("k", "w2", 5)
+    monkeypatch.undo()
+    _, _, _, _, expires, _ = lease_row(pg_dsn, ["k"])
+    wait_until(lambda: server_now(pg_dsn) > expires, 5, "the lease to expire on the server")
+    assert store.acquire_lease("k", "w2", 5)
+    holder, term, *_ = lease_row(pg_dsn, ["k"])
+    assert (holder, term) == ("w2", 2)
+    assert not store.acquire_lease("k", "w1", 5)  # the old holder lost it
+
+
+def test_holder_fenced_saves_and_release(store: PostgresCheckpointStore) -> None:
+    with pytest.raises(StaleLeaderError, match="does not hold the lease"):
+        store.save("k", 0, holder="w1")  # never acquired
+    assert store.acquire_lease("k", "w1", 30)
+    snap = store.save("k", {"by": "w1"}, holder="w1")
+    assert snap.term == 1
+    with pytest.raises(StaleLeaderError):
+        store.save("k", {"by": "w2"}, holder="w2")
+    assert store.release_lease("k", "w1")
+    assert not store.release_lease("k", "w1")
+    with pytest.raises(StaleLeaderError):
+        store.save("k", {"by": "w1", "late": True}, holder="w1")  # released: stale
+    assert store.acquire_lease("k", "w2", 30)  # a released lease is free at once
+    assert store.save("k", {"by": "w2"}, holder="w2").term == 2
+    with pytest.raises(StaleLeaderError):
+        store.delete("k", holder="w1")
+    snap2 = store.load("k")
+    assert snap2 is not None and snap2.state == {"by": "w2"} and snap2.term == 2
+    # Re-acquiring after a release starts a new tenure with the next term.
+    assert store.release_lease("k", "w2")
+    assert store.acquire_lease("k", "w2", 30)
+    assert store.save("k", 3, holder="w2").term == 3
+    assert store.delete("k", holder="w2")
+
+
+def test_bad_lease_arguments(store: PostgresCheckpointStore) -> None:
+    for ttl in [0, -1, math.inf, math.nan, True, "5"]:
+        with pytest.raises(ConfigError, match="ttl"):
+            store.acquire_lease("k", "h", ttl)  # type: ignore[arg-type]
+    for holder in ["", None, 3]:
+        with pytest.raises(ConfigError, match="holder"):
+            store.acquire_lease("k", holder, 5)  # type: ignore[arg-type]
+
+
+# -- migrations -----------------------------------------------------------------------
+
+
+def test_migrations_are_recorded_and_idempotent(
+    store: PostgresCheckpointStore, pg_dsn: str
+) -> None:
+    assert store.apply_migrations() == [1]
+    assert store.apply_migrations() == []
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        rows = conn.execute("SELECT version, name FROM rselection_checkpoint_migrations").fetchall()
+    assert [r[0] for r in rows] == [1]
+
+
+def test_migrations_run_in_order_and_roll_back_together(pg_dsn: str) -> None:
+    tables = CheckpointTables("mig_")
+    log = psycopg.sql.Identifier("mig_log")
+
+    def step(n: int, fail: bool = False) -> Migration:
+        def statements(t: CheckpointTables) -> list[psycopg.sql.Composed]:
+            out = [
+                psycopg.sql.SQL("INSERT INTO {} VALUES ({})").format(log, psycopg.sql.Literal(n))
+            ]
+            if fail:
+                out.append(psycopg.sql.SQL("SELECT 1/0").format())
+            return out
+
+        return Migration(n, f"step {n}", statements)
+
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE mig_log (n int)")
+        assert apply_migrations(conn, tables, [step(1)]) == [1]
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            apply_migrations(conn, tables, [step(1), step(2), step(3, fail=True)])
+        # The failed run left nothing behind: neither step 2 nor its record.
+        assert [r[0] for r in conn.execute("SELECT n FROM mig_log")] == [1]
+        assert apply_migrations(conn, tables, [step(1), step(2), step(3)]) == [2, 3]
+        assert [r[0] for r in conn.execute("SELECT n FROM mig_log")] == [1, 2, 3]
+        recorded = conn.execute("SELECT version FROM mig_checkpoint_migrations ORDER BY 1")
+        assert [r[0] for r in recorded] == [1, 2, 3]
+        with pytest.raises(ConfigError, match=r"numbered 1\.\.n"):
+            apply_migrations(conn, tables, [step(2)])
+        # A database migrated by a newer release is refused, not downgraded.
+        with pytest.raises(ConfigError, match=r"migration 3, newer than the 2 .*upgrade"):
+            apply_migrations(conn, tables, [step(1), step(2)])
+
+
+def test_store_refuses_tables_of_a_newer_release(
+    store: PostgresCheckpointStore, pg_dsn: str
+) -> None:
+    store.apply_migrations()
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO rselection_checkpoint_migrations VALUES (99, 'future', now())")
+    fresh = PostgresCheckpointStore(pg_dsn)
+    with pytest.raises(ConfigError, match="migration 99"):
+        fresh.save("k", 1)
+    fresh.close()
+
+
+# -- pools ----------------------------------------------------------------------------
+
+
+class TinyPool:
+    """The part of psycopg_pool.ConnectionPool the store uses: connection()."""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self.borrowed = 0
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[psycopg.Connection[Any]]:
+        self.borrowed += 1
+        conn = psycopg.connect(self.dsn)  # autocommit off, like a pool's default
+        try:
+            yield conn
+            conn.commit()
+        except BaseException:
+            conn.rollback()
+            raise
+        finally:
+            conn.close()
+
+
+def test_a_pool_works_like_a_connection_string(pg_dsn: str) -> None:
+    pool = TinyPool(pg_dsn)
+    s = PostgresCheckpointStore(pool)
+    name = f"t-{uuid.uuid4().hex[:6]}"
+    with PostgresLease(pg_dsn, name=name, ttl=3, renew_deadline=2) as lease:
+        acq = lease.try_acquire("a")
+        assert acq.holder is not None
+        s.save(("p", "q"), {"n": 1}, term=acq.holder.term, lease=name)
+        with pytest.raises(StaleLeaderError):
+            s.save(("p", "q"), {"n": 2}, term=acq.holder.term + 1, lease=name)
+    snap = s.load(("p", "q"))
+    assert snap is not None and snap.state == {"n": 1} and snap.version == 1
+    assert pool.borrowed >= 3
+    s.close()  # does not touch the pool
+
+
+# -- inside tasks ---------------------------------------------------------------------
+
+
+def test_tasks_resume_from_the_previous_leaders_checkpoint(pg_dsn: str) -> None:
+    name = f"t-{uuid.uuid4().hex[:6]}"
+    progress: dict[str, list[int]] = {}
+    bound: list[Any] = []
+
+    def make_handler(node: str) -> rs.TaskHandler:
+        tasks = rs.TaskHandler(stop_grace=2)
+
+        @tasks.persistent("counter", restart="never")
+        def counter(ctx: rs.TaskContext) -> None:
+            bound.append(ctx.checkpoint)
+            snap = ctx.checkpoint.load()
+            n = snap.state["n"] if snap is not None else 0
+            while ctx.sleep(0.01):
+                n += 1
+                saved = ctx.checkpoint.save({"n": n, "node": node})
+                assert saved.term == ctx.term
+                progress.setdefault(node, []).append(n)
+
+        return tasks
+
+    first = PostgresLeader(pg_dsn, make_handler("a"), name=name, node_id="a", **FAST)
+    second = PostgresLeader(pg_dsn, make_handler("b"), name=name, node_id="b", **FAST)
+    try:
+        first.start()
+        wait_until(lambda: len(progress.get("a", [])) >= 5, 15, "node a to save")
+        first.stop(timeout=10)
+        last_a = progress["a"][-1]
+        old_term = bound[0].term
+        second.start()
+        wait_until(lambda: len(progress.get("b", [])) >= 3, 15, "node b to save")
+        assert progress["b"][0] == last_a + 1  # resumed exactly where a stopped
+        assert second.term == old_term + 1
+        # The old term's checkpoint can no longer write.
+        with pytest.raises(StaleLeaderError):
+            bound[0].save({"n": -1, "node": "a"})
+        second.stop(timeout=10)
+        snap = second.checkpoint_store.load("counter")
+        assert snap is not None and snap.state["node"] == "b" and snap.term == old_term + 1
+        assert snap.state["n"] == progress["b"][-1]
+    finally:
+        first.stop(timeout=10)
+        second.stop(timeout=10)
+
+
+def test_async_tasks_and_a_shared_store(pg_dsn: str) -> None:
+    name = f"t-{uuid.uuid4().hex[:6]}"
+    shared = PostgresCheckpointStore(pg_dsn, table_prefix="shared_")
+    shared.save("ticker", {"n": 41})
+    seen: list[Any] = []
+    tasks = rs.TaskHandler(stop_grace=2)
+
+    @tasks.persistent("ticker", restart="never")
+    async def ticker(ctx: rs.TaskContext) -> None:
+        snap = await ctx.checkpoint.aload()
+        assert snap is not None
+        seen.append(await ctx.checkpoint.asave({"n": snap.state["n"] + 1}))
+        assert ctx.checkpoint.key == "ticker" and ctx.checkpoint.term == ctx.term
+
+    leader = PostgresLeader(pg_dsn, tasks, name=name, checkpoint_store=shared, **FAST)
+    try:
+        leader.start()
+        wait_until(lambda: bool(seen), 15, "the async task to save")
+    finally:
+        leader.stop(timeout=10)
+    assert seen[0].state == {"n": 42} and seen[0].version == 2
+    snap = shared.load("ticker")
+    assert snap is not None and snap.state == {"n": 42}  # the leader left the store open
+    shared.close()
+    with pytest.raises(ConfigError, match="checkpoint_store must be"):
+        PostgresLeader(pg_dsn, rs.TaskHandler(), checkpoint_store="nope")  # type: ignore[arg-type]
