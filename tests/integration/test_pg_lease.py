@@ -26,6 +26,7 @@ from psycopg import sql
 from rselection.errors import BackendUnavailable, ConfigError, StaleLeaderError
 from rselection.lease import Acquisition, LeaseBackend
 from rselection.postgres import PostgresLease, afenced, fenced, migrate
+from tests.support.waiting import wait_until
 
 T = TypeVar("T")
 
@@ -77,14 +78,6 @@ def timed(fn: Callable[[], T]) -> tuple[T, float]:
     start = time.monotonic()
     result = fn()
     return result, time.monotonic() - start
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
 
 
 def terminate(admin: psycopg.Connection[Any], pid: int | None) -> None:

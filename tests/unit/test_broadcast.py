@@ -19,17 +19,9 @@ from rselection.broadcast import (
     SubscriptionClosed,
 )
 from rselection.errors import ConfigError, RSelectionError
+from tests.support.waiting import wait_until
 
 LOGGER = "rselection.broadcast"
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Poll ``predicate`` until it holds, failing the test after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"condition not met within {timeout} s")
-        time.sleep(0.001)
 
 
 def start(target: Callable[[], None]) -> threading.Thread:

@@ -25,6 +25,7 @@ import pytest
 
 import rselection as rs
 from rselection import signals
+from tests.support.waiting import wait_until
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 US = timedelta(microseconds=1)
@@ -34,15 +35,6 @@ US = timedelta(microseconds=1)
 # times that so they hold under load.
 CANCEL_BOUND = 0.1
 LATENESS_P99_BOUND_MS = 50.0
-
-
-def wait_for(predicate: Callable[[], object], timeout: float = 5.0, what: str = "") -> None:
-    """Poll ``predicate`` every 5 ms until it is true; fail the test after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what or 'condition'} not met within {timeout} s")
-        time.sleep(0.005)
 
 
 def runtime_threads() -> list[str]:
@@ -109,7 +101,7 @@ def release() -> Iterator[threading.Event]:
     event = threading.Event()
     yield event
     event.set()
-    wait_for(lambda: not runtime_threads(), 5.0, "stuck task threads to end")
+    wait_until(lambda: not runtime_threads(), 5.0, "stuck task threads to end")
 
 
 # -- cancellation -------------------------------------------------------------------------
@@ -178,13 +170,13 @@ def test_stop_cancels_async_and_sync_tasks_at_once(
     probe = CancelProbe(handler)
     leader = leaders(handler)
     leader.start()
-    wait_for(lambda: probe.all_started(1), what="tasks to start")
+    wait_until(lambda: probe.all_started(1), what="tasks to start")
     assert probe.started == {"async": [1], "sync": [1], "sleep": [1]}
 
     called = time.monotonic()
     leader.stop(timeout=10)
     took = time.monotonic() - called
-    wait_for(lambda: probe.all_seen(1), what="tasks to see the cancel")
+    wait_until(lambda: probe.all_seen(1), what="tasks to see the cancel")
     latency = probe.latencies(called, 0)
     print(f"\ncancel latency on stop(): {fmt_ms(latency)}")
     assert all(v < CANCEL_BOUND for v in latency.values()), latency
@@ -201,24 +193,24 @@ def test_step_down_cancels_and_restarts_tasks_in_term_2(
     probe = CancelProbe(handler)
     leader = leaders(handler)
     leader.start()
-    wait_for(lambda: probe.all_started(1), what="tasks to start")
+    wait_until(lambda: probe.all_started(1), what="tasks to start")
     assert leader.term == 1
 
     called = time.monotonic()
     leader.step_down()
-    wait_for(lambda: probe.all_seen(1), what="tasks to see the cancel")
+    wait_until(lambda: probe.all_seen(1), what="tasks to see the cancel")
     latency = probe.latencies(called, 0)
     print(f"\ncancel latency on step_down(): {fmt_ms(latency)}")
     assert all(v < CANCEL_BOUND for v in latency.values()), latency
     assert probe.sleep_results == [False]
 
-    wait_for(lambda: probe.all_started(2), what="tasks to restart")
+    wait_until(lambda: probe.all_started(2), what="tasks to restart")
     assert probe.started == {"async": [1, 2], "sync": [1, 2], "sleep": [1, 2]}
     assert leader.term == 2
     assert leader.is_leader
     # Each term has its own private event loop, and the old one is closed.
     assert probe.loops[0] is not probe.loops[1]
-    wait_for(probe.loops[0].is_closed, 2.0, "term 1's event loop to close")
+    wait_until(probe.loops[0].is_closed, 2.0, "term 1's event loop to close")
 
 
 def test_cancel_latency_over_repeated_step_downs(
@@ -231,10 +223,10 @@ def test_cancel_latency_over_repeated_step_downs(
     rounds = 20
     samples: list[float] = []
     for i in range(rounds):
-        wait_for(functools.partial(probe.all_started, i + 1), what=f"term {i + 1} to start")
+        wait_until(functools.partial(probe.all_started, i + 1), what=f"term {i + 1} to start")
         called = time.monotonic()
         leader.step_down()
-        wait_for(functools.partial(probe.all_seen, i + 1), what="tasks to see the cancel")
+        wait_until(functools.partial(probe.all_seen, i + 1), what="tasks to see the cancel")
         samples.extend(probe.latencies(called, i).values())
     ms = [s * 1000 for s in samples]
     print(
@@ -243,7 +235,7 @@ def test_cancel_latency_over_repeated_step_downs(
         f"max {max(ms):.2f} ms"
     )
     assert max(samples) < CANCEL_BOUND
-    wait_for(lambda: leader.term == rounds + 1, what="the last term to start")
+    wait_until(lambda: leader.term == rounds + 1, what="the last term to start")
 
 
 def test_blocked_event_loop_does_not_hold_up_sync_tasks(
@@ -274,7 +266,7 @@ def test_blocked_event_loop_does_not_hold_up_sync_tasks(
     leader = leaders(handler)
     leader.start()
     assert blocking.wait(5)
-    wait_for(lambda: first_block, 5.0, "the first 1 s block to end")
+    wait_until(lambda: first_block, 5.0, "the first 1 s block to end")
     began, ended = first_block
     during = [t for t in ticks if began <= t <= ended]
     print(f"\nsync interval fires while the event loop was blocked for 1 s: {len(during)}")
@@ -285,8 +277,8 @@ def test_blocked_event_loop_does_not_hold_up_sync_tasks(
     took = time.monotonic() - called
     print(f"stop() with a blocked loop took {took:.3f} s (stop_grace {grace} s)")
     assert took < grace + 1.0
-    wait_for(lambda: not runtime_threads(), 3.0, "every rselection thread to end")
-    wait_for(loops[0].is_closed, 3.0, "the private event loop to close")
+    wait_until(lambda: not runtime_threads(), 3.0, "every rselection thread to end")
+    wait_until(loops[0].is_closed, 3.0, "the private event loop to close")
 
 
 # -- supervision ----------------------------------------------------------------------
@@ -315,9 +307,9 @@ def test_persistent_task_that_raises_is_restarted_with_backoff(
     leader = leaders(handler)
     with signals.task_failed.connected_to(failed, sender=handler):
         leader.start()
-        wait_for(lambda: len(starts) >= 4, 10.0, "the fourth start")
+        wait_until(lambda: len(starts) >= 4, 10.0, "the fourth start")
         recovered = time.monotonic()
-        wait_for(lambda: len([t for t in ticks if t > recovered]) >= 3, what="ticks to go on")
+        wait_until(lambda: len([t for t in ticks if t > recovered]) >= 3, what="ticks to go on")
         report = handler.health()["flaky"]
         assert handler.verify()
         leader.stop(timeout=10)
@@ -354,7 +346,7 @@ def test_async_persistent_task_that_raises_is_restarted(
     leader = leaders(handler)
     with signals.task_failed.connected_to(failed, sender=handler):
         leader.start()
-        wait_for(lambda: len(runs) >= 3, 10.0, "the third start")
+        wait_until(lambda: len(runs) >= 3, 10.0, "the third start")
         leader.stop(timeout=10)
     assert len(failed.of("flaky")) == 2
     assert handler.health()["flaky"]["failures"] == 2
@@ -383,9 +375,9 @@ def test_scheduled_task_that_raises_runs_again_at_its_next_fire(
     leader = leaders(handler)
     with signals.task_failed.connected_to(failed, sender=handler):
         leader.start()
-        wait_for(lambda: len(fires) >= 4, 10.0, "four fires")
+        wait_until(lambda: len(fires) >= 4, 10.0, "four fires")
         after = time.monotonic()
-        wait_for(lambda: any(b > after for b in beats), what="the persistent task to go on")
+        wait_until(lambda: any(b > after for b in beats), what="the persistent task to go on")
         assert handler.verify()
         leader.stop(timeout=10)
     assert len(failed.of("broken")) == len(fires)
@@ -413,12 +405,12 @@ def test_restart_never_runs_once_per_term(leaders: Callable[..., rs.SingleNodeLe
 
     leader = leaders(handler)
     leader.start()
-    wait_for(lambda: raising and returning, what="both tasks to run")
+    wait_until(lambda: raising and returning, what="both tasks to run")
     time.sleep(0.5)  # the restart backoff would have fired several times by now
     assert raising == [1] and returning == [1]
     assert handler.health()["raising"]["state"] == "failed"
     leader.step_down()
-    wait_for(lambda: len(raising) == 2 and len(returning) == 2, what="term 2 runs")
+    wait_until(lambda: len(raising) == 2 and len(returning) == 2, what="term 2 runs")
     time.sleep(0.3)
     assert raising == [1, 2] and returning == [1, 2]
 
@@ -440,7 +432,7 @@ def test_restart_always_restarts_after_a_normal_return(
 
     leader = leaders(handler)
     leader.start()
-    wait_for(lambda: len(runs) >= 4, 10.0, "four runs")
+    wait_until(lambda: len(runs) >= 4, 10.0, "four runs")
     assert handler.health()["again"]["failures"] == 0
     assert len(once) == 1
     assert handler.health()["once"]["state"] == "idle"
@@ -463,7 +455,7 @@ def test_leadership_lost_raised_while_live_counts_as_a_failure(
     leader = leaders(handler)
     with signals.task_failed.connected_to(failed, sender=handler):
         leader.start()
-        wait_for(lambda: len(runs) >= 2, 5.0, "the restart")
+        wait_until(lambda: len(runs) >= 2, 5.0, "the restart")
     assert [type(c["error"]) for c in failed.of("confused")] == [rs.LeadershipLost]
     report = handler.health()["confused"]
     assert report["failures"] == 1 and report["runs"] == 2
@@ -489,7 +481,7 @@ def test_leadership_lost_after_cancel_is_a_clean_exit(
     leader = leaders(handler)
     with signals.task_failed.connected_to(failed, sender=handler):
         leader.start()
-        wait_for(lambda: handler.health()["checker"]["runs"] == 1, what="the task to start")
+        wait_until(lambda: handler.health()["checker"]["runs"] == 1, what="the task to start")
         leader.stop(timeout=10)
     assert raised == [True]
     assert failed.calls == []
@@ -512,7 +504,7 @@ def test_sync_task_returning_an_awaitable_is_reported(
     leader = leaders(handler)
     with signals.task_failed.connected_to(failed, sender=handler):
         leader.start()
-        wait_for(lambda: failed.calls, what="the failure")
+        wait_until(lambda: failed.calls, what="the failure")
     assert "declare it 'async def'" in str(failed.calls[0]["error"])
 
 
@@ -600,7 +592,7 @@ def test_overlap_skip_never_runs_two_fires_at_once(
     leader = leaders(handler)
     with signals.fire_skipped.connected_to(skipped, sender=handler):
         leader.start()
-        wait_for(lambda: len(runs) >= 5, 10.0, "five runs")
+        wait_until(lambda: len(runs) >= 5, 10.0, "five runs")
         leader.stop(timeout=10)
 
     overlap = skipped.of("slow", reason="overlap")
@@ -639,7 +631,7 @@ def test_overlap_allow_runs_fires_side_by_side(
     leader = leaders(handler)
     with signals.fire_skipped.connected_to(skipped, sender=handler):
         leader.start()
-        wait_for(lambda: peak[0] >= 2, 10.0, "two runs at once")
+        wait_until(lambda: peak[0] >= 2, 10.0, "two runs at once")
         leader.stop(timeout=10)
     assert skipped.of("slow", reason="overlap") == []
 
@@ -751,16 +743,16 @@ def test_no_thread_or_event_loop_survives_stop(
 
     leader = leaders(handler)
     leader.start()
-    wait_for(
+    wait_until(
         lambda: counts["sp"] and counts["ap"] and counts["si"] >= 3 and counts["ai"] >= 3,
         what="every task to run",
     )
     assert any(name.startswith("rselection-task-") for name in runtime_threads())
     assert any(name.startswith("rselection-loop-") for name in runtime_threads())
     leader.step_down()  # one full term change on the way
-    wait_for(lambda: leader.term == 2 and len(loops) == 2, what="term 2")
+    wait_until(lambda: leader.term == 2 and len(loops) == 2, what="term 2")
     leader.stop(timeout=10)
-    wait_for(lambda: not runtime_threads(), 2.0, "every rselection thread to end")
+    wait_until(lambda: not runtime_threads(), 2.0, "every rselection thread to end")
     assert all(loop.is_closed() for loop in loops)
     assert not handler.verify()
     assert all(report["state"] in ("idle", "failed") for report in handler.health().values())

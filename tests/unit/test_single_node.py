@@ -20,17 +20,9 @@ from rselection.leader import LeaderBase
 from rselection.lease import MemoryLease
 from rselection.schedules import format_fire_key
 from rselection.timing import Timings
+from tests.support.waiting import wait_until
 
 FIRE_KEY = re.compile(r"(?P<task>.+)@\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{9}Z")
-
-
-def wait_for(predicate: Callable[[], object], timeout: float = 5.0, what: str = "") -> None:
-    """Poll ``predicate`` every 5 ms until it is true; fail the test after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what or 'condition'} not met within {timeout} s")
-        time.sleep(0.005)
 
 
 async def async_wait_for(predicate: Callable[[], object], timeout: float = 5.0) -> None:
@@ -111,7 +103,7 @@ def test_with_block_leads_with_term_1_and_releases_on_exit(
         assert (info.node_id, info.term) == ("local", 1)
         assert info.acquired_at.tzinfo is not None
         assert info.expires_at > info.acquired_at
-        wait_for(lambda: seen, what="the task to start")
+        wait_until(lambda: seen, what="the task to start")
         assert seen == [(1, "local")]
         assert "term=1" in repr(leader)
     assert not leader.is_leader
@@ -151,7 +143,7 @@ def test_lead_blocks_until_stop_from_another_thread(
     assert returned.wait(5)
     thread.join(5)
     assert not thread.is_alive()
-    wait_for(lambda: not runtime_threads(), 2.0, "every rselection thread to end")
+    wait_until(lambda: not runtime_threads(), 2.0, "every rselection thread to end")
 
 
 def test_start_twice_is_refused_and_stop_is_idempotent(
@@ -173,11 +165,11 @@ def test_step_down_starts_term_2(leaders: Callable[..., rs.SingleNodeLeader]) ->
     assert leader.wait_until_leader(5)
     assert leader.term == 1
     leader.step_down()
-    wait_for(lambda: leader.term == 2, what="term 2")
+    wait_until(lambda: leader.term == 2, what="term 2")
     info = leader.leader()
     assert info is not None and info.term == 2
     leader.step_down()
-    wait_for(lambda: leader.term == 3, what="term 3")
+    wait_until(lambda: leader.term == 3, what="term 3")
 
 
 def test_step_down_with_hold_stays_follower_for_a_while(
@@ -190,7 +182,7 @@ def test_step_down_with_hold_stays_follower_for_a_while(
     leader.step_down(hold=0.3)
     assert not leader.is_leader
     assert leader.leader() is None
-    wait_for(lambda: leader.term == 2, what="term 2 after the hold")
+    wait_until(lambda: leader.term == 2, what="term 2 after the hold")
     assert time.monotonic() - began >= 0.3
 
 
@@ -211,7 +203,7 @@ def test_step_down_from_a_task_does_not_deadlock(
     leader = leaders(handler)
     holder.append(leader)
     leader.start()
-    wait_for(lambda: terms == [1, 2], what="the task to step down and come back")
+    wait_until(lambda: terms == [1, 2], what="the task to step down and come back")
     assert leader.term == 2
 
 
@@ -229,10 +221,10 @@ def test_leadership_signals_carry_the_documented_kwargs(
         signals.leader_changed.connected_to(changed, sender=leader),
     ):
         leader.start()
-        wait_for(lambda: elected.calls, what="elected")
+        wait_until(lambda: elected.calls, what="elected")
         assert elected.calls == [{"node_id": "local", "term": 1, "name": "single-node"}]
         leader.step_down()
-        wait_for(lambda: len(elected.calls) == 2, what="the second election")
+        wait_until(lambda: len(elected.calls) == 2, what="the second election")
         leader.stop(timeout=10)
 
     assert elected.calls[1] == {"node_id": "local", "term": 2, "name": "single-node"}
@@ -264,7 +256,7 @@ def test_task_started_signal(leaders: Callable[..., rs.SingleNodeLeader]) -> Non
     leader = leaders(handler)
     with signals.task_started.connected_to(started, sender=handler):
         leader.start()
-        wait_for(lambda: any(c["task"] == "i" for c in started.calls), what="a fire")
+        wait_until(lambda: any(c["task"] == "i" for c in started.calls), what="a fire")
         leader.stop(timeout=10)
     assert {"task": "p", "term": 1, "scheduled_at": None} in started.calls
     fire = next(c for c in started.calls if c["task"] == "i")
@@ -290,7 +282,7 @@ def test_health_and_verify(leaders: Callable[..., rs.SingleNodeLeader]) -> None:
     leader = leaders(handler)
     assert not handler.verify()
     leader.start()
-    wait_for(lambda: len(ticks) >= 3, what="three ticks")
+    wait_until(lambda: len(ticks) >= 3, what="three ticks")
     assert handler.verify()
     seen = list(ticks)
     report = handler.health()
@@ -310,7 +302,7 @@ def test_health_and_verify(leaders: Callable[..., rs.SingleNodeLeader]) -> None:
 
     leader.step_down()
     # Counters are kept across terms.
-    wait_for(lambda: handler.health()["p"]["runs"] == 2, what="the term 2 run")
+    wait_until(lambda: handler.health()["p"]["runs"] == 2, what="the term 2 run")
     assert leader.term == 2
     assert handler.verify()
 
@@ -355,7 +347,7 @@ def test_generic_task_and_go_style_object_run(
     )
     leader = leaders(handler)
     leader.start()
-    wait_for(lambda: all(contexts.values()), what="every task to run")
+    wait_until(lambda: all(contexts.values()), what="every task to run")
     leader.stop(timeout=10)
 
     for name in ("generic", "object"):
@@ -390,9 +382,9 @@ def test_check_and_fence_after_the_term_ended(
 
     leader = leaders(handler)
     leader.start()
-    wait_for(lambda: inside == ["ok"], what="the task to check and fence")
+    wait_until(lambda: inside == ["ok"], what="the task to check and fence")
     leader.step_down()
-    wait_for(lambda: len(contexts) == 2, what="term 2")
+    wait_until(lambda: len(contexts) == 2, what="term 2")
     old, new = contexts
     with pytest.raises(rs.LeadershipLost, match="term 1 of node 'local' has ended"):
         old.check()
@@ -426,9 +418,9 @@ def test_broadcaster_reaches_tasks(leaders: Callable[..., rs.SingleNodeLeader]) 
 
     leader = leaders(handler, broadcaster=bus)
     leader.start()
-    wait_for(lambda: seen, what="the listener to start")
+    wait_until(lambda: seen, what="the listener to start")
     assert seen[0] is bus
-    wait_for(lambda: bus.publish("news", "hello") and got, what="the message to arrive")
+    wait_until(lambda: bus.publish("news", "hello") and got, what="the message to arrive")
     assert got[0] == "hello"
     leader.stop(timeout=10)
     bus.close()
@@ -449,7 +441,7 @@ def test_handler_broadcaster_is_used_without_a_leader_one(
 
     leader = leaders(handler)
     leader.start()
-    wait_for(lambda: seen, what="the task to run")
+    wait_until(lambda: seen, what="the task to run")
     assert seen == [bus]
     bus.close()
 
@@ -463,7 +455,7 @@ def test_no_broadcaster_means_none(leaders: Callable[..., rs.SingleNodeLeader]) 
         seen.append(ctx.broadcaster)
 
     leaders(handler).start()
-    wait_for(lambda: seen, what="the task to run")
+    wait_until(lambda: seen, what="the task to run")
     assert seen == [None]
 
 
@@ -505,7 +497,7 @@ def test_async_with_runs_async_tasks_on_the_callers_loop() -> None:
     assert loops == [loop]
     assert sync_threads == ["rselection-task-in-thread"]
     assert took < 1.0
-    wait_for(lambda: not runtime_threads(), 2.0, "every rselection thread to end")
+    wait_until(lambda: not runtime_threads(), 2.0, "every rselection thread to end")
 
 
 # -- keeper wake-ups ------------------------------------------------------------------
@@ -546,7 +538,7 @@ def test_wake_up_is_not_lost_when_it_races_the_keeper(action: str) -> None:
         if action == "step_down":
             leader.step_down(wait=False)
             lease.resume.set()
-            wait_for(lambda: leader.term == 2, 5.0, "term 2")
+            wait_until(lambda: leader.term == 2, 5.0, "term 2")
         else:
             stopper = threading.Thread(target=leader.stop, daemon=True)
             stopper.start()
