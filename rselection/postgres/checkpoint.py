@@ -35,6 +35,7 @@ import contextlib
 import json
 import logging
 import math
+import select
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -130,6 +131,17 @@ def _check_holder(holder: object) -> str:
     if not isinstance(holder, str) or not holder or "\x00" in holder:
         raise ConfigError(f"holder must be a non-empty string without NUL, got {holder!r:.80}")
     return holder
+
+
+def _dropped(conn: psycopg.Connection[Any]) -> bool:
+    """True when an idle connection was closed by the server (its socket is readable)."""
+    if conn.closed or conn.broken:
+        return True
+    try:
+        readable, _, _ = select.select([conn.fileno()], [], [], 0)
+    except (OSError, ValueError, psycopg.Error):
+        return True
+    return bool(readable)
 
 
 class PostgresCheckpointStore:
@@ -242,6 +254,12 @@ class PostgresCheckpointStore:
         assert self._conninfo is not None
         with self._lock:
             conn = self._idle.pop() if self._idle else None
+        if conn is not None and _dropped(conn):
+            # The server ended this idle session (restart, pg_terminate_backend): it sent
+            # its goodbye, so the socket is readable. Use a fresh connection instead.
+            with contextlib.suppress(Exception):
+                conn.close()
+            conn = None
         if conn is None:
             try:
                 conn = psycopg.Connection.connect(

@@ -216,6 +216,20 @@ def test_unreachable_database_is_backend_unavailable() -> None:
     assert "secret" not in str(info.value)
 
 
+def test_an_idle_connection_ended_by_the_server_is_replaced(
+    store: PostgresCheckpointStore, pg_dsn: str
+) -> None:
+    store.save("k", 1)
+    pids = [c.info.backend_pid for c in store._idle]
+    assert pids
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        for pid in pids:
+            admin.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
+    assert store.save("k", 2).version == 2  # no BackendUnavailable from a dead session
+    snap = store.load("k")
+    assert snap is not None and snap.state == 2
+
+
 def test_missing_tables_without_create_tables(pg_dsn: str) -> None:
     s = PostgresCheckpointStore(pg_dsn, create_tables=False)
     with pytest.raises(ConfigError, match="apply_migrations"):
