@@ -1,4 +1,4 @@
-"""Postgres backend: the lease, its tables, fenced writes, the leader and the checkpoint store.
+"""Postgres backend: lease, tables, fenced writes, leader, checkpoints, claims and elections.
 
 Needs psycopg 3.
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint import PostgresCheckpointStore, Snapshot, TaskCheckpoint
+from .claims import PostgresClaimer
+from .elector import PostgresElector
 from .fencing import afenced, fenced
 from .lease import PostgresLease
 from .schema import migrate
@@ -20,6 +22,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PostgresCheckpointStore",
+    "PostgresClaimer",
+    "PostgresElector",
     "PostgresLeader",
     "PostgresLease",
     "Snapshot",
