@@ -20,7 +20,7 @@ def _migrate(args: argparse.Namespace) -> int:
     import psycopg
 
     from .errors import BackendUnavailable
-    from .postgres import migrate
+    from .postgres import PostgresCheckpointStore, migrate
     from .postgres._conn import describe_conninfo
 
     dsn = _dsn(args)
@@ -29,7 +29,11 @@ def _migrate(args: argparse.Namespace) -> int:
             migrate(conn, table=args.table)
     except psycopg.Error as exc:
         raise BackendUnavailable(f"cannot migrate {describe_conninfo(dsn)}: {exc}") from exc
-    print(f"tables ready: {args.table} (and the schema version table)")
+    print(f"lease, claims and elections tables ready (lease table {args.table})")
+    with PostgresCheckpointStore(dsn, lease_table=args.table, create_tables=False) as store:
+        applied = store.apply_migrations()
+    done = ", ".join(map(str, applied)) if applied else "none needed"
+    print(f"checkpoint tables ready (migrations applied: {done})")
     return 0
 
 

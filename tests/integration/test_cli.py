@@ -19,6 +19,7 @@ def test_migrate_then_status_shows_the_holder(pg_dsn: str) -> None:
     done = run("migrate", "--dsn", pg_dsn)
     assert done.returncode == 0, done.stderr
     assert "rselection_leases" in done.stdout
+    assert "checkpoint tables ready (migrations applied: 1)" in done.stdout
     empty = run("status", "--dsn", pg_dsn)
     assert empty.returncode == 0, empty.stderr  # no lease yet: nothing is headless
 
