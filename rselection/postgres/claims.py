@@ -211,6 +211,12 @@ class Connections:
                 autocommit=True,
                 connect_timeout=max(2, math.ceil(self._connect_timeout)),
                 application_name=self._app,
+                # A silent network ends a call within about statement_timeout too.
+                keepalives=1,
+                keepalives_idle=max(1, math.ceil(self._statement_timeout / 2)),
+                keepalives_interval=1,
+                keepalives_count=3,
+                tcp_user_timeout=math.ceil(self._statement_timeout * 1000) + 1000,
             )
         except psycopg.Error as exc:
             raise unavailable("connect to Postgres", self._conninfo, exc) from exc
