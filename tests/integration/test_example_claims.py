@@ -1,0 +1,58 @@
+"""examples/claims_with_apscheduler.py: three APScheduler processes, each fire runs once."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("apscheduler", minversion="3.10")
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "claims_with_apscheduler.py"
+LINE = re.compile(r"^\[(n\d)\] (ran|skipped) (tick@\S+Z)")
+
+
+@pytest.mark.parametrize("mode", ["claim", "both"])
+def test_three_schedulers_run_every_fire_exactly_once(pg_dsn: str, mode: str) -> None:
+    args = [sys.executable, str(EXAMPLE), "--dsn", pg_dsn, "--seconds", "4", "--mode", mode]
+    procs = [
+        subprocess.Popen(
+            [*args, "--node", f"n{i}"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        for i in range(3)
+    ]
+    outputs: list[tuple[str, str]] = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=60))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    for proc, (out, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, err
+        assert "Traceback" not in err, err
+        assert out.rstrip().endswith("stopped"), out
+        assert "backend error" not in out, out
+    events = [m.groups() for out, _ in outputs for m in map(LINE.match, out.splitlines()) if m]
+    seen = {key for _, _, key in events}
+    ran = Counter(key for _, what, key in events if what == "ran")
+    assert len(seen) >= 3, events  # about one fire a second for 4 s
+    duplicates = {key: n for key, n in ran.items() if n > 1}
+    missed = sorted(seen - set(ran))
+    assert duplicates == {}, events
+    assert missed == [], events
+    # Every process saw the fires it was up for; fires are whole seconds, one key each.
+    assert all(key.endswith(".000000000Z") for key in seen)
+    if mode == "both":
+        assert len({node for node, what, _ in events if what == "ran"}) == 1
