@@ -264,7 +264,12 @@ class TaskHandler:
                 going; ``"allow"`` runs them side by side.
         """
         _check_choice("overlap", overlap, _OVERLAP_POLICIES)
-        schedule = IntervalSchedule(every, jitter=jitter)
+        IntervalSchedule(every, jitter=jitter)  # bad input fails here, not at decoration
+
+        def schedule(task_name: str) -> Schedule:
+            # The task name seeds the jitter, so tasks sharing a period spread apart.
+            return IntervalSchedule(every, jitter=jitter, seed=task_name)
+
         return self._scheduled(schedule, name, overlap)
 
     def cron(
@@ -284,14 +289,18 @@ class TaskHandler:
             overlap: as for :meth:`interval`.
         """
         _check_choice("overlap", overlap, _OVERLAP_POLICIES)
-        return self._scheduled(CronSchedule(expr, tz=tz), name, overlap)
+        cron = CronSchedule(expr, tz=tz)
+        return self._scheduled(lambda _name: cron, name, overlap)
 
     def _scheduled(
-        self, schedule: Schedule, name: str | None, overlap: OverlapPolicy
+        self,
+        make_schedule: Callable[[str], Schedule],
+        name: str | None,
+        overlap: OverlapPolicy,
     ) -> Callable[[F], F]:
         def decorate(fn: F) -> F:
             task_name = name if name is not None else fn.__name__
-            task = _FunctionTask(task_name, fn, TaskType.SCHEDULED, schedule)
+            task = _FunctionTask(task_name, fn, TaskType.SCHEDULED, make_schedule(task_name))
             self._add(task_name, task, overlap=overlap)
             return fn
 

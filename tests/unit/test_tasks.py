@@ -392,3 +392,23 @@ def test_checkpoint_needs_a_store() -> None:
     ctx = TaskContext("job", Term(1, "n"))
     with pytest.raises(NotImplementedError, match="needs a PostgresCheckpointStore"):
         _ = ctx.checkpoint
+
+
+def test_interval_jitter_is_seeded_by_the_task_name() -> None:
+    handler = rs.TaskHandler()
+
+    @handler.interval(60, name="a", jitter=30)
+    def a(ctx: rs.TaskContext) -> None: ...
+
+    @handler.interval(60, name="b", jitter=30)
+    def b(ctx: rs.TaskContext) -> None: ...
+
+    after = datetime(2026, 1, 1, tzinfo=UTC)
+    fires = {}
+    for name in ("a", "b"):
+        schedule = handler._specs[name].schedule
+        assert schedule is not None
+        fires[name] = schedule.next_fire(after)
+    assert fires["a"] != fires["b"], "same period and jitter must not mean the same instants"
+    again = rs.IntervalSchedule(60, jitter=30, seed="a").next_fire(after)
+    assert fires["a"] == again, "every node computes the same jittered instant"
