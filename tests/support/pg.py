@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 __all__ = [
     "DEFAULT_DSN",
@@ -347,7 +347,80 @@ def _finalize_server(proc: subprocess.Popen[bytes] | None, pid: int | None, tmp:
 # --------------------------------------------------------------------------- Postgres
 
 
-class PrivatePostgres:
+class _ServerProcess:
+    """What the private servers share: one child process, killed and cleaned up alike."""
+
+    _proc: subprocess.Popen[bytes] | None
+    _closed: bool
+    _finalizer: weakref.finalize[Any, Any]
+
+    def start(self) -> Self:
+        """Start the server and wait until it answers."""
+        raise NotImplementedError
+
+    def stop(self, mode: Any = "fast", timeout: float = 15.0) -> None:
+        """Stop the server (``mode`` as the subclass documents)."""
+        raise NotImplementedError
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs, else None."""
+        if self._proc is not None and self._proc.poll() is None:
+            return self._proc.pid
+        return None
+
+    def is_running(self) -> bool:
+        """Return True while the server process is alive."""
+        return self.pid is not None
+
+    def _signal_and_wait(self, sig: int, timeout: float) -> None:
+        """Send ``sig``; SIGKILL the server if it has not exited after ``timeout``."""
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the server and its child processes at once, like a crash."""
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return
+        _kill_tree(proc.pid)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+
+    def restart(self, mode: Any = "fast") -> Self:
+        """Stop (``mode``) and start again on the same port with the same data."""
+        self.stop(mode)
+        return self.start()
+
+    def close(self) -> None:
+        """Stop the server at once and delete its directory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self.stop("immediate", timeout=10)
+        self._finalizer()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class PrivatePostgres(_ServerProcess):
     """A throwaway Postgres on 127.0.0.1 for tests that stop, restart or kill it.
 
     Uses the binaries bundled with ``pgserver`` (``pip install -e '.[embedded]'``)
@@ -407,17 +480,6 @@ class PrivatePostgres:
         """A libpq URI for the ``postgres`` database as user ``postgres``."""
         return f"postgresql://{self.user}@{self.host}:{self.port}/{self.dbname}"
 
-    @property
-    def pid(self) -> int | None:
-        """The postmaster's process id while it runs, else None."""
-        if self._proc is not None and self._proc.poll() is None:
-            return self._proc.pid
-        return None
-
-    def is_running(self) -> bool:
-        """Return True while the postmaster process is alive."""
-        return self.pid is not None
-
     # -- lifecycle
 
     def start(self) -> PrivatePostgres:
@@ -464,49 +526,7 @@ class PrivatePostgres:
         """
         if mode not in _STOP_SIGNALS:
             raise ValueError(f"mode must be one of {sorted(_STOP_SIGNALS)}, got {mode!r}")
-        proc = self._proc
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(_STOP_SIGNALS[mode])
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-
-    def kill(self) -> None:
-        """SIGKILL the postmaster and its worker processes at once, like a crash."""
-        proc = self._proc
-        if proc is None or proc.poll() is not None:
-            return
-        _kill_tree(proc.pid)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
-
-    def restart(self, mode: StopMode = "fast") -> PrivatePostgres:
-        """Stop (``mode``) and start again on the same port with the same data."""
-        self.stop(mode)
-        return self.start()
-
-    def close(self) -> None:
-        """Stop the server at once and delete its data directory. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        with contextlib.suppress(Exception):
-            self.stop("immediate", timeout=10)
-        self._finalizer()
-
-    def __enter__(self) -> PrivatePostgres:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+        self._signal_and_wait(_STOP_SIGNALS[mode], timeout)
 
     def __repr__(self) -> str:
         state = "running" if self.is_running() else "stopped"
@@ -605,7 +625,7 @@ def _redis_ping(host: str, port: int, timeout: float) -> bool:
         return False
 
 
-class PrivateRedis:
+class PrivateRedis(_ServerProcess):
     """A throwaway ``redis-server`` on 127.0.0.1 for tests that stop, restart or kill it.
 
     With ``appendonly=True`` (the default) every write is fsynced to an
@@ -646,17 +666,6 @@ class PrivateRedis:
     def url(self) -> str:
         """A ``redis://`` URL for database 0."""
         return f"redis://{self.host}:{self.port}/0"
-
-    @property
-    def pid(self) -> int | None:
-        """The server's process id while it runs, else None."""
-        if self._proc is not None and self._proc.poll() is None:
-            return self._proc.pid
-        return None
-
-    def is_running(self) -> bool:
-        """Return True while the server process is alive."""
-        return self.pid is not None
 
     def start(self) -> PrivateRedis:
         """Start the server and wait until it answers PING (bounded by ``start_timeout``)."""
@@ -716,51 +725,10 @@ class PrivateRedis:
         """
         if mode not in ("fast", "immediate"):
             raise ValueError(f"mode must be 'fast' or 'immediate', got {mode!r}")
-        proc = self._proc
-        if proc is None or proc.poll() is not None:
-            return
         if mode == "immediate":
             self.kill()
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.terminate()
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-
-    def kill(self) -> None:
-        """SIGKILL the server, like a crash."""
-        proc = self._proc
-        if proc is None or proc.poll() is not None:
-            return
-        _kill_tree(proc.pid)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
-
-    def restart(self, mode: Literal["fast", "immediate"] = "fast") -> PrivateRedis:
-        """Stop (``mode``) and start again on the same port with the same data."""
-        self.stop(mode)
-        return self.start()
-
-    def close(self) -> None:
-        """Kill the server and delete its directory. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self.kill()
-        self._finalizer()
-
-    def __enter__(self) -> PrivateRedis:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+        else:
+            self._signal_and_wait(signal.SIGTERM, timeout)
 
     def __repr__(self) -> str:
         state = "running" if self.is_running() else "stopped"
