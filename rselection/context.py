@@ -15,6 +15,7 @@ from .errors import LeadershipLost, StaleLeaderError
 
 if TYPE_CHECKING:
     from .broadcast import Broadcaster
+    from .claiming import FireClaimer
     from .postgres.checkpoint import TaskCheckpoint
 
 __all__ = ["TaskContext", "Term"]
@@ -43,6 +44,8 @@ class Term:
         broadcaster: handed to tasks as ``ctx.broadcaster``.
         fencer: checks a caller's transaction against the lease; ``None`` means no
             lease table exists (single node), so fencing checks liveness only.
+        claimer: claims each scheduled fire before it runs; ``None`` runs every fire
+            without claiming (a single node, or claims switched off).
     """
 
     def __init__(
@@ -54,6 +57,7 @@ class Term:
         deadline: float = math.inf,
         broadcaster: Broadcaster | None = None,
         fencer: Fencer | None = None,
+        claimer: FireClaimer | None = None,
     ) -> None:
         self.number = number
         self.node_id = node_id
@@ -61,6 +65,7 @@ class Term:
         self.deadline = deadline
         self.broadcaster = broadcaster
         self.fencer = fencer
+        self.claimer = claimer
         self.cancelled = threading.Event()
         self.ended = threading.Event()
         """Set once the term's tasks were cancelled and joined (or reported stuck)."""

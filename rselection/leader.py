@@ -29,6 +29,7 @@ from .timing import Timings
 
 if TYPE_CHECKING:
     from .broadcast import Broadcaster
+    from .claiming import FireClaimer
     from .tasks import TaskHandler
 
 __all__ = ["Leader", "LeaderBase", "default_node_id"]
@@ -94,6 +95,8 @@ class LeaderBase:
         timings: validated ttl / renew / retry timings.
         broadcaster: handed to tasks as ``ctx.broadcaster``.
         fencer: checks a transaction against the lease for ``ctx.fence``.
+        claimer: claims each scheduled fire before it runs, so a fire runs once across
+            the fleet and a new leader finds the fires missed while none led.
     """
 
     def __init__(
@@ -106,9 +109,12 @@ class LeaderBase:
         timings: Timings | None = None,
         broadcaster: Broadcaster | None = None,
         fencer: Fencer | None = None,
+        claimer: FireClaimer | None = None,
     ) -> None:
         self._timings = timings if timings is not None else Timings()
         self._timings.check_stop_grace(handler.stop_grace, handler.on_stuck)
+        if claimer is not None:
+            handler.check_claims(claimer.ttl)
         if node_id is not None and (not isinstance(node_id, str) or not node_id.strip()):
             raise ConfigError(f"node_id must be a non-empty string, got {node_id!r}")
         self._backend = backend
@@ -117,6 +123,7 @@ class LeaderBase:
         self._node_id = node_id if node_id is not None else default_node_id()
         self._broadcaster = broadcaster
         self._fencer = fencer
+        self._claimer = claimer
         self._loop: asyncio.AbstractEventLoop | None = None
 
         self._cond = threading.Condition()  # guards the fields below and wakes waiters
@@ -187,6 +194,8 @@ class LeaderBase:
         with self._cond:
             if self._keeper is not None:
                 raise RuntimeError("this leader was already started; create a new one")
+            if self._claimer is not None:  # tasks may have been registered since __init__
+                self._handler.check_claims(self._claimer.ttl)
             self._handler.attach()
             self._keeper = threading.Thread(
                 target=self._keep, name=f"rselection-keeper-{self._name}", daemon=True
@@ -405,6 +414,7 @@ class LeaderBase:
             deadline=sent + self._timings.renew_deadline,
             broadcaster=self._broadcaster,
             fencer=self._fencer,
+            claimer=self._claimer,
         )
         with self._transition:
             with self._cond:

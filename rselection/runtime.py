@@ -18,8 +18,9 @@ import os
 import random
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
-from datetime import UTC, datetime
+from collections import deque
+from collections.abc import Callable, Coroutine
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from . import signals
@@ -29,6 +30,7 @@ from .schedules import format_fire_key
 from .tasks import TaskType
 
 if TYPE_CHECKING:
+    from .schedules import Schedule
     from .tasks import TaskHandler, TaskSpec
 
 __all__ = ["TermRunner", "restart_delay"]
@@ -40,7 +42,9 @@ STUCK_EXIT_CODE = 70
 
 _RESTART_BASE = 0.1
 _RESTART_CAP = 30.0
-_MAX_MISSED_SCAN = 1000
+_MAX_MISSED_SCAN = 1000  # missed fires examined one by one; older ones are skipped in bulk
+_MAX_CATCH_UP = 100  # misfire="all": the most missed fires one catch-up runs
+_TICK = timedelta(microseconds=1)
 _LOOP_DRAIN = 1.0  # seconds a stopped private loop gets to unwind cancelled tasks
 
 
@@ -225,32 +229,39 @@ class TermRunner:
 
     # -- one run ----------------------------------------------------------------------
 
-    def _claim(self, spec: TaskSpec) -> bool:
-        """Count a run as started; with overlap="skip" refuse while one is running."""
+    def _reserve(self, spec: TaskSpec) -> bool:
+        """Take a running slot; with overlap="skip" refuse while a fire of it is running."""
         with self._cond:
             stats = spec.stats
             if spec.overlap == "skip" and spec.type is TaskType.SCHEDULED and stats.running:
-                stats.skipped += 1
                 return False
             stats.running += 1
-            stats.runs += 1
             stats.state = "running"
             return True
 
-    def _started(self, ctx: TaskContext) -> None:
+    def _release(self, spec: TaskSpec) -> None:
+        with self._cond:
+            stats = spec.stats
+            stats.running -= 1
+            if not stats.running:
+                stats.state = "failed" if stats.last_failed else "idle"
+
+    def _started(self, spec: TaskSpec, ctx: TaskContext) -> None:
+        with self._cond:
+            spec.stats.runs += 1
+            if ctx.scheduled_at is not None:
+                spec.stats.last_fire = ctx.scheduled_at
         signals.task_started.send(
             self.handler, task=ctx.name, term=ctx.term, scheduled_at=ctx.scheduled_at
         )
 
-    def _finished(self, spec: TaskSpec, error: BaseException | None) -> None:
+    def _record(self, spec: TaskSpec, error: BaseException | None) -> None:
         with self._cond:
             stats = spec.stats
-            stats.running -= 1
+            stats.last_failed = error is not None
             if error is not None:
                 stats.failures += 1
                 stats.last_error = f"{type(error).__name__}: {error}"
-            if not stats.running:
-                stats.state = "failed" if error is not None else "idle"
         if error is not None:
             logger.error(
                 "task %r failed in term %d",
@@ -262,11 +273,17 @@ class TermRunner:
                 self.handler, task=spec.name, term=self.term.number, error=error
             )
 
+    def _may_start(self, spec: TaskSpec, ctx: TaskContext) -> bool:
+        if self.term.live():
+            return True
+        if ctx.scheduled_at is not None:  # the term ended between dispatch and start
+            self._skip(spec, ctx.scheduled_at, "not-leader")
+        return False
+
     def _run_sync(self, spec: TaskSpec, ctx: TaskContext) -> BaseException | None:
-        if not self.term.live():  # the term ended between dispatch and start
-            self._finished(spec, None)
+        if not self._may_start(spec, ctx):
             return None
-        self._started(ctx)
+        self._started(spec, ctx)
         error: BaseException | None = None
         try:
             result = spec.task.run(ctx)
@@ -281,26 +298,25 @@ class TermRunner:
                 error = exc
         except Exception as exc:
             error = exc
-        self._finished(spec, error)
+        self._record(spec, error)
         return error
 
     async def _run_async(self, spec: TaskSpec, ctx: TaskContext) -> BaseException | None:
-        if not self.term.live():  # the term ended between dispatch and start
-            self._finished(spec, None)
+        if not self._may_start(spec, ctx):
             return None
-        self._started(ctx)
+        self._started(spec, ctx)
         error: BaseException | None = None
         try:
             await spec.task.run(ctx)
         except asyncio.CancelledError:
-            self._finished(spec, None)
+            self._record(spec, None)
             raise
         except LeadershipLost as exc:
             if self.term.live():
                 error = exc
         except Exception as exc:
             error = exc
-        self._finished(spec, error)
+        self._record(spec, error)
         return error
 
     # -- persistent tasks -------------------------------------------------------------
@@ -314,9 +330,12 @@ class TermRunner:
 
     def _supervise_sync(self, spec: TaskSpec) -> None:
         attempt = 0
-        while self.term.live() and self._claim(spec):
+        while self.term.live() and self._reserve(spec):
             began = time.monotonic()
-            error = self._run_sync(spec, TaskContext(spec.name, self.term))
+            try:
+                error = self._run_sync(spec, TaskContext(spec.name, self.term))
+            finally:
+                self._release(spec)
             if not self._should_restart(spec, error):
                 return
             attempt = 0 if time.monotonic() - began > _RESTART_CAP else attempt + 1
@@ -325,9 +344,12 @@ class TermRunner:
 
     async def _supervise_async(self, spec: TaskSpec) -> None:
         attempt = 0
-        while self.term.live() and self._claim(spec):
+        while self.term.live() and self._reserve(spec):
             began = time.monotonic()
-            error = await self._run_async(spec, TaskContext(spec.name, self.term))
+            try:
+                error = await self._run_async(spec, TaskContext(spec.name, self.term))
+            finally:
+                self._release(spec)
             if not self._should_restart(spec, error):
                 return
             attempt = 0 if time.monotonic() - began > _RESTART_CAP else attempt + 1
@@ -342,7 +364,10 @@ class TermRunner:
         now = datetime.now(UTC)
         for spec in self.specs:
             if spec.type is TaskType.SCHEDULED:
-                self._push(heap, spec, self._next_fire(spec, now, now), order)
+                if term.claimer is not None:
+                    # Fires that came due while no node led, found through the claims.
+                    self._spawn(spec.name, self._recover, spec, now)
+                self._push(heap, spec, _schedule(spec).next_fire(now), order)
         while heap and term.live():
             at, _, spec = heap[0]
             delay = at.timestamp() - time.time()
@@ -353,8 +378,9 @@ class TermRunner:
             heapq.heappop(heap)
             if not term.live():
                 return
-            self._fire(spec, at)
-            self._push(heap, spec, self._next_fire(spec, at, datetime.now(UTC)), order)
+            due = self._due(spec, at, datetime.now(UTC))
+            self._dispatch(spec, due)
+            self._push(heap, spec, _schedule(spec).next_fire(due[-1]), order)
 
     def _push(
         self,
@@ -367,40 +393,142 @@ class TermRunner:
         if at is not None:
             heapq.heappush(heap, (at, next(order), spec))
 
-    def _next_fire(self, spec: TaskSpec, after: datetime, now: datetime) -> datetime | None:
-        """The next fire after ``after``; of several already due, only the newest runs."""
-        schedule = spec.schedule
-        assert schedule is not None
-        nxt = schedule.next_fire(after)
-        for _ in range(_MAX_MISSED_SCAN):
-            if nxt is None:
-                return None
-            following = schedule.next_fire(nxt)
-            if following is None or following > now:
-                return nxt
-            self._skip(spec, nxt, "misfire")
-            nxt = following
-        return schedule.next_fire(now)
+    def _due(self, spec: TaskSpec, first: datetime, now: datetime) -> list[datetime]:
+        """``first`` and every later fire already due at ``now`` (the newest at most
+        :data:`_MAX_MISSED_SCAN`; older ones are skipped here as misfires)."""
+        schedule = _schedule(spec)
+        due = [first]
+        nxt = schedule.next_fire(first)
+        while nxt is not None and nxt <= now:
+            due.append(nxt)
+            if len(due) > _MAX_MISSED_SCAN:
+                self._skip(spec, due.pop(0), "misfire")
+            nxt = schedule.next_fire(nxt)
+        return due
+
+    def _dispatch(self, spec: TaskSpec, due: list[datetime]) -> None:
+        """Run the fires ``due`` that the grace and the misfire policy let through.
+
+        A single due fire is on time (if late by less than a period); several mean this
+        node fell behind, and all but the newest are missed fires.
+        """
+        limit = datetime.now(UTC) - timedelta(seconds=spec.misfire_grace)
+        for at in due:
+            if at < limit:
+                self._skip(spec, at, "misfire")
+        fresh = [at for at in due if at >= limit]
+        run = fresh if len(due) == 1 else self._select(spec, fresh)
+        if run:
+            self._fire(spec, run, claimed=False)
+
+    def _select(self, spec: TaskSpec, missed: list[datetime]) -> list[datetime]:
+        """Of missed fires (oldest first), the ones ``spec.misfire`` runs; skip the rest."""
+        keep = {"latest": 1, "all": _MAX_CATCH_UP, "skip": 0}[spec.misfire]
+        cut = max(0, len(missed) - keep)
+        for at in missed[:cut]:
+            self._skip(spec, at, "misfire")
+        return missed[cut:]
+
+    def _recover(self, spec: TaskSpec, started: datetime) -> None:
+        """At the start of a term: find and handle fires no node ran while none led.
+
+        Walks back from the newest fire due at ``started`` (within the grace), claiming
+        each, until a claim is already held: from there on the previous leader ran them.
+        The fires won are missed; the policy picks which to run, the rest stay claimed so
+        that no node runs them late.
+        """
+        claimer = self.term.claimer
+        assert claimer is not None
+        schedule = _schedule(spec)
+        limit = started - timedelta(seconds=spec.misfire_grace)
+        candidates: deque[datetime] = deque(maxlen=_MAX_MISSED_SCAN)
+        nxt = schedule.next_fire(limit - _TICK)
+        while nxt is not None and nxt <= started:
+            candidates.append(nxt)
+            nxt = schedule.next_fire(nxt)
+        won: list[datetime] = []
+        for at in reversed(candidates):
+            if not self.term.live() or not self._claim_fire(spec, at):
+                break
+            won.append(at)
+        won.reverse()
+        run = self._select(spec, won)
+        if run and self.term.live():
+            self._fire(spec, run, claimed=True)
+        elif run:
+            for at in run:
+                self._skip(spec, at, "not-leader")
+
+    def _claim_fire(self, spec: TaskSpec, at: datetime) -> bool:
+        """Claim one fire: ``True`` if won; else ``False``, reported as held by another
+        or as a failed claim (claims fail closed)."""
+        claimer = self.term.claimer
+        if claimer is None:
+            return True
+        try:
+            won = claimer.claim(format_fire_key(spec.name, at), term=self.term.number)
+        except Exception as exc:
+            logger.warning(
+                "fire of %r at %s skipped: its claim failed: %s", spec.name, at.isoformat(), exc
+            )
+            self._skip(spec, at, "claim-error")
+            return False
+        if not won:
+            self._skip(spec, at, "already-claimed")
+        return bool(won)
 
     def _skip(self, spec: TaskSpec, at: datetime, reason: str) -> None:
-        if reason != "overlap":  # overlap skips are counted by _claim
-            with self._cond:
-                spec.stats.skipped += 1
+        with self._cond:
+            spec.stats.skipped += 1
         logger.debug("fire of %r at %s skipped: %s", spec.name, at.isoformat(), reason)
-        signals.fire_skipped.send(self.handler, task=spec.name, scheduled_at=at, reason=reason)
+        signals.fire_skipped.send(
+            self.handler,
+            task=spec.name,
+            scheduled_at=at,
+            reason=reason,
+            fire_key=format_fire_key(spec.name, at),
+        )
 
-    def _fire(self, spec: TaskSpec, at: datetime) -> None:
-        if not self._claim(spec):
-            self._skip(spec, at, "overlap")
+    def _fire(self, spec: TaskSpec, fires: list[datetime], *, claimed: bool) -> None:
+        """Run ``fires`` one after another in one unit, claiming each first unless
+        ``claimed``; with overlap="skip" all are skipped while a run is going."""
+        if not self._reserve(spec):
+            for at in fires:
+                self._skip(spec, at, "overlap")
             return
-        spec.stats.last_fire = at
-        ctx = TaskContext(
+        if spec.is_async:
+            self._submit_async(spec.name, self._fire_async(spec, fires, claimed))
+        else:
+            self._spawn(spec.name, self._fire_sync, spec, fires, claimed)
+
+    def _context(self, spec: TaskSpec, at: datetime) -> TaskContext:
+        return TaskContext(
             spec.name, self.term, scheduled_at=at, fire_key=format_fire_key(spec.name, at)
         )
-        if spec.is_async:
-            self._submit_async(spec.name, _discard(self._run_async(spec, ctx)))
-        else:
-            self._spawn(spec.name, self._run_sync, spec, ctx)
+
+    def _fire_sync(self, spec: TaskSpec, fires: list[datetime], claimed: bool) -> None:
+        try:
+            for at in fires:
+                if claimed or self._claim_fire(spec, at):
+                    self._run_sync(spec, self._context(spec, at))
+        finally:
+            self._release(spec)
+
+    async def _fire_async(self, spec: TaskSpec, fires: list[datetime], claimed: bool) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            for at in fires:
+                # A claim is a database round trip: keep it off the event loop.
+                if claimed or await loop.run_in_executor(None, self._claim_fire, spec, at):
+                    await self._run_async(spec, self._context(spec, at))
+        finally:
+            self._release(spec)
+
+
+def _schedule(spec: TaskSpec) -> Schedule:
+    schedule = spec.schedule
+    assert schedule is not None
+    return schedule
 
 
 def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
@@ -414,10 +542,6 @@ def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
         loop.run_until_complete(loop.shutdown_asyncgens())
     finally:
         loop.close()
-
-
-async def _discard(awaitable: Awaitable[Any]) -> None:
-    await awaitable
 
 
 def _close_awaitable(obj: Any) -> None:

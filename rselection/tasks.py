@@ -30,11 +30,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 RestartPolicy = Literal["on-failure", "always", "never"]
 OverlapPolicy = Literal["skip", "allow"]
+MisfirePolicy = Literal["latest", "all", "skip"]
 StuckPolicy = Literal["log", "exit"]
 
 _RESTART_POLICIES = ("on-failure", "always", "never")
 _OVERLAP_POLICIES = ("skip", "allow")
+_MISFIRE_POLICIES = ("latest", "all", "skip")
 _STUCK_POLICIES = ("log", "exit")
+
+DEFAULT_MISFIRE_GRACE = 60.0
+"""Seconds after its instant a missed fire may still run (the default ``misfire_grace``)."""
 
 
 class TaskType(enum.Enum):
@@ -105,6 +110,7 @@ class TaskStats:
     failures: int = 0
     skipped: int = 0
     running: int = 0
+    last_failed: bool = False
     last_error: str | None = None
     last_fire: datetime | None = None
     next_fire: datetime | None = None
@@ -119,6 +125,8 @@ class TaskSpec:
     is_async: bool
     restart: RestartPolicy = "on-failure"
     overlap: OverlapPolicy = "skip"
+    misfire: MisfirePolicy = "latest"
+    misfire_grace: float = DEFAULT_MISFIRE_GRACE
     stats: TaskStats = field(default_factory=TaskStats)
 
     @property
@@ -151,6 +159,28 @@ def _check_choice(what: str, value: object, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{what} must be one of {allowed}, got {value!r}")
 
 
+def _check_seconds(what: str, value: object) -> float:
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(f"{what} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _check_fire_options(
+    overlap: object, misfire: object, misfire_grace: object
+) -> tuple[OverlapPolicy, MisfirePolicy, float]:
+    _check_choice("overlap", overlap, _OVERLAP_POLICIES)
+    _check_choice("misfire", misfire, _MISFIRE_POLICIES)
+    grace = _check_seconds("misfire_grace", misfire_grace)
+    return overlap, misfire, grace  # type: ignore[return-value]  # checked just above
+
+
 class TaskHandler:
     """Holds the tasks a leader runs, and runs one term of them at a time.
 
@@ -161,17 +191,8 @@ class TaskHandler:
     """
 
     def __init__(self, *, stop_grace: float = 5.0, on_stuck: StuckPolicy = "log") -> None:
-        if (
-            isinstance(stop_grace, bool)
-            or not isinstance(stop_grace, int | float)
-            or not math.isfinite(stop_grace)
-            or stop_grace <= 0
-        ):
-            raise ConfigError(
-                f"stop_grace must be a positive number of seconds, got {stop_grace!r}"
-            )
+        self.stop_grace = _check_seconds("stop_grace", stop_grace)
         _check_choice("on_stuck", on_stuck, _STUCK_POLICIES)
-        self.stop_grace = float(stop_grace)
         self.on_stuck: StuckPolicy = on_stuck
         self._specs: dict[str, TaskSpec] = {}
         self._lock = threading.RLock()
@@ -181,15 +202,27 @@ class TaskHandler:
 
     # -- registration -------------------------------------------------------------
 
-    def register(self, name: str, task: Task) -> None:
+    def register(
+        self,
+        name: str,
+        task: Task,
+        *,
+        overlap: OverlapPolicy = "skip",
+        misfire: MisfirePolicy = "latest",
+        misfire_grace: float | timedelta = DEFAULT_MISFIRE_GRACE,
+    ) -> None:
         """Register a :class:`Task` object under ``name``.
+
+        ``overlap``, ``misfire`` and ``misfire_grace`` apply to scheduled tasks, as for
+        :meth:`interval`.
 
         Raises:
             ConfigError: empty or duplicate name, or a task without ``run``/``type``,
-                or a scheduled task without a schedule.
+                or a scheduled task without a schedule, or a bad option.
             RuntimeError: the handler is already running under a leader.
         """
-        self._add(name, task)
+        options = _check_fire_options(overlap, misfire, misfire_grace)
+        self._add(name, task, fire_options=options)
 
     def _add(
         self,
@@ -197,7 +230,11 @@ class TaskHandler:
         task: Task,
         *,
         restart: RestartPolicy = "on-failure",
-        overlap: OverlapPolicy = "skip",
+        fire_options: tuple[OverlapPolicy, MisfirePolicy, float] = (
+            "skip",
+            "latest",
+            DEFAULT_MISFIRE_GRACE,
+        ),
     ) -> TaskSpec:
         _check_name(name)
         if not callable(getattr(task, "run", None)):
@@ -218,7 +255,7 @@ class TaskHandler:
                 )
             if name in self._specs:
                 raise ConfigError(f"a task named {name!r} is already registered")
-            spec = TaskSpec(name, task, _is_async_callable(task.run), restart, overlap)
+            spec = TaskSpec(name, task, _is_async_callable(task.run), restart, *fire_options)
             self._specs[name] = spec
             return spec
 
@@ -253,6 +290,8 @@ class TaskHandler:
         name: str | None = None,
         jitter: float | timedelta = 0,
         overlap: OverlapPolicy = "skip",
+        misfire: MisfirePolicy = "latest",
+        misfire_grace: float | timedelta = DEFAULT_MISFIRE_GRACE,
     ) -> Callable[[F], F]:
         """Decorator: run the function every ``every`` seconds (epoch-aligned, no drift).
 
@@ -262,15 +301,23 @@ class TaskHandler:
             jitter: a deterministic offset in ``[0, jitter)`` added to each fire.
             overlap: ``"skip"`` (default) skips a fire while the previous run is still
                 going; ``"allow"`` runs them side by side.
+            misfire: what to do with fires whose instant passed while they could not
+                run (no node led, or this one fell behind by a whole period):
+                ``"latest"`` (default) runs the newest of them once, ``"all"`` runs each
+                of them, oldest first, one after another (at most 100), ``"skip"`` runs
+                none. Every fire not run is sent on ``signals.fire_skipped``.
+            misfire_grace: seconds (or a ``timedelta``) after its instant a fire may
+                still start; an older one is skipped whatever the policy. Default 60; at
+                most the claim ttl of a leader that claims fires.
         """
-        _check_choice("overlap", overlap, _OVERLAP_POLICIES)
+        options = _check_fire_options(overlap, misfire, misfire_grace)
         IntervalSchedule(every, jitter=jitter)  # bad input fails here, not at decoration
 
         def schedule(task_name: str) -> Schedule:
             # The task name seeds the jitter, so tasks sharing a period spread apart.
             return IntervalSchedule(every, jitter=jitter, seed=task_name)
 
-        return self._scheduled(schedule, name, overlap)
+        return self._scheduled(schedule, name, options)
 
     def cron(
         self,
@@ -279,6 +326,8 @@ class TaskHandler:
         name: str | None = None,
         tz: str = "UTC",
         overlap: OverlapPolicy = "skip",
+        misfire: MisfirePolicy = "latest",
+        misfire_grace: float | timedelta = DEFAULT_MISFIRE_GRACE,
     ) -> Callable[[F], F]:
         """Decorator: run the function on a cron schedule (croniter syntax).
 
@@ -286,22 +335,22 @@ class TaskHandler:
             expr: the cron expression, e.g. ``"*/5 * * * *"``.
             name: task name (default: the function's ``__name__``).
             tz: the time zone the expression is read in (default UTC).
-            overlap: as for :meth:`interval`.
+            overlap, misfire, misfire_grace: as for :meth:`interval`.
         """
-        _check_choice("overlap", overlap, _OVERLAP_POLICIES)
+        options = _check_fire_options(overlap, misfire, misfire_grace)
         cron = CronSchedule(expr, tz=tz)
-        return self._scheduled(lambda _name: cron, name, overlap)
+        return self._scheduled(lambda _name: cron, name, options)
 
     def _scheduled(
         self,
         make_schedule: Callable[[str], Schedule],
         name: str | None,
-        overlap: OverlapPolicy,
+        fire_options: tuple[OverlapPolicy, MisfirePolicy, float],
     ) -> Callable[[F], F]:
         def decorate(fn: F) -> F:
             task_name = name if name is not None else fn.__name__
             task = _FunctionTask(task_name, fn, TaskType.SCHEDULED, make_schedule(task_name))
-            self._add(task_name, task, overlap=overlap)
+            self._add(task_name, task, fire_options=fire_options)
             return fn
 
         return decorate
@@ -320,6 +369,33 @@ class TaskHandler:
         A broadcaster given to the leader takes precedence.
         """
         self._broadcaster = broadcaster
+
+    def check_claims(self, claim_ttl: float) -> None:
+        """Check that every scheduled task can be claimed fire by fire.
+
+        A leader that claims fires calls this before it starts. Every node must compute
+        the same instants, and a claim must outlive the latest start a fire may have.
+
+        Raises:
+            ConfigError: an interval schedule that is not aligned (its instants depend
+                on when each node started), or a ``misfire_grace`` above ``claim_ttl``.
+        """
+        with self._lock:
+            specs = [s for s in self._specs.values() if s.type is TaskType.SCHEDULED]
+        for spec in specs:
+            if getattr(spec.schedule, "aligned", True) is False:
+                raise ConfigError(
+                    f"task {spec.name!r}: its interval schedule is not aligned, so every "
+                    "node would compute different fire instants and the claims could not "
+                    "tell a fire already run elsewhere; use align=True (the default) or "
+                    "give every node the same start=, or build the leader with claimer=None"
+                )
+            if spec.misfire_grace > claim_ttl:
+                raise ConfigError(
+                    f"task {spec.name!r}: misfire_grace ({spec.misfire_grace:g} s) exceeds "
+                    f"the claim ttl ({claim_ttl:g} s): a fire started that late could run "
+                    "again after its claim expired; lower misfire_grace or raise the ttl"
+                )
 
     def verify(self) -> bool:
         """True while a term is running and still live (Go parity)."""

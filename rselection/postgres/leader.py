@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import enum
 from typing import TYPE_CHECKING, Any
 
+from ..claiming import FireClaimer
 from ..errors import ConfigError
-from ..leader import LeaderBase
+from ..leader import LeaderBase, default_node_id
 from ..timing import Timings
 from .checkpoint import PostgresCheckpointStore, TaskCheckpoint
+from .claims import PostgresClaimer
 from .fencing import fenced
 from .lease import PostgresLease
 
@@ -16,6 +19,30 @@ if TYPE_CHECKING:
     from ..tasks import TaskHandler
 
 __all__ = ["PostgresLeader"]
+
+
+class _Default(enum.Enum):
+    CLAIMER = "a PostgresClaimer on the lease's database"
+
+
+DEFAULT_CLAIMER = _Default.CLAIMER
+"""The default of ``PostgresLeader(claimer=...)``: claims in the lease's database."""
+
+
+class _LeaseClaims:
+    """A claimer seen through one lease: claim keys are ``"<lease>/<fire key>"``.
+
+    Leases that share a claims table may have tasks of the same name; the prefix keeps
+    their fires apart.
+    """
+
+    def __init__(self, claimer: FireClaimer, lease: str) -> None:
+        self.claimer = claimer
+        self.ttl = claimer.ttl
+        self.prefix = f"{lease}/"
+
+    def claim(self, fire_key: str, *, term: int | None = None) -> bool:
+        return self.claimer.claim(self.prefix + fire_key, term=term)
 
 
 class _LeaseFence:
@@ -65,6 +92,14 @@ class PostgresLeader(LeaderBase):
             ``create_tables``), which connects only when a task uses it and is closed
             with the leader. A store you pass must use the lease's database; it is not
             closed by the leader.
+        claimer: claims each scheduled fire before it runs, so that a fire runs once
+            across the fleet, also across a handover, and a new leader catches up the
+            fires missed while no node led (see the tasks' ``misfire`` policy). By
+            default a :class:`~rselection.postgres.PostgresClaimer` on the same
+            ``conninfo`` (ttl 600 s, table ``rselection_claims``, holder = node id),
+            closed with the leader; pass your own (any
+            :class:`~rselection.claiming.FireClaimer`, not closed by the leader), or
+            ``None`` to run fires unclaimed. Claim keys are ``"<lease name>/<fire key>"``.
     """
 
     def __init__(
@@ -82,9 +117,12 @@ class PostgresLeader(LeaderBase):
         create_tables: bool = True,
         broadcaster: Broadcaster | None = None,
         checkpoint_store: PostgresCheckpointStore | None = None,
+        claimer: FireClaimer | _Default | None = DEFAULT_CLAIMER,
     ) -> None:
         if not isinstance(name, str) or not name.strip():
             raise ConfigError(f"lease name must be a non-empty string, got {name!r}")
+        if node_id is None:
+            node_id = default_node_id()
         timings = Timings(ttl, renew_interval, renew_deadline, retry_interval)
         backend = PostgresLease(
             conninfo,
@@ -110,6 +148,17 @@ class PostgresLeader(LeaderBase):
         self._checkpoint_store = checkpoint_store
         fence = _LeaseFence(name, table, timings.margin, checkpoint_store)
 
+        self._owned_claimer: PostgresClaimer | None = None
+        if claimer is DEFAULT_CLAIMER:
+            claimer = self._owned_claimer = PostgresClaimer(
+                conninfo, holder=node_id, create_tables=create_tables
+            )
+        elif claimer is not None and not isinstance(claimer, FireClaimer):
+            raise ConfigError(
+                "claimer must have claim(fire_key, *, term) and ttl (a PostgresClaimer), "
+                f"or be None, got {type(claimer).__name__}"
+            )
+
         super().__init__(
             backend,
             handler,
@@ -118,6 +167,7 @@ class PostgresLeader(LeaderBase):
             timings=timings,
             broadcaster=broadcaster,
             fencer=fence,
+            claimer=None if claimer is None else _LeaseClaims(claimer, name),
         )
 
     @property
@@ -129,3 +179,5 @@ class PostgresLeader(LeaderBase):
         super()._close_backend()
         if self._owns_store:
             self._checkpoint_store.close()  # idle connections only; reopened on demand
+        if self._owned_claimer is not None:
+            self._owned_claimer.close()
