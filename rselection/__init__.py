@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import signals
 from .broadcast import Broadcaster, BroadcasterClosed, Subscription, SubscriptionClosed
+from .claiming import FireClaimer, MemoryClaimer
 from .context import TaskContext
 from .errors import (
     BackendUnavailable,
@@ -25,7 +26,7 @@ from .errors import (
 from .leader import Leader
 from .lease import LeaderInfo
 from .local import SingleNodeLeader
-from .schedules import CronSchedule, IntervalSchedule, Schedule
+from .schedules import CronSchedule, IntervalSchedule, Schedule, format_fire_key
 from .tasks import GenericTask, Task, TaskHandler, TaskType
 
 if TYPE_CHECKING:
@@ -37,11 +38,13 @@ __all__ = [
     "BroadcasterClosed",
     "ConfigError",
     "CronSchedule",
+    "FireClaimer",
     "GenericTask",
     "IntervalSchedule",
     "Leader",
     "LeaderInfo",
     "LeadershipLost",
+    "MemoryClaimer",
     "PostgresLeader",
     "RSelectionError",
     "Schedule",
@@ -53,6 +56,7 @@ __all__ = [
     "TaskContext",
     "TaskHandler",
     "TaskType",
+    "format_fire_key",
     "signals",
 ]
 

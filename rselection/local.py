@@ -10,6 +10,7 @@ from .timing import Timings
 
 if TYPE_CHECKING:
     from .broadcast import Broadcaster
+    from .claiming import FireClaimer
     from .tasks import TaskHandler
 
 __all__ = ["SingleNodeLeader"]
@@ -27,6 +28,9 @@ class SingleNodeLeader(LeaderBase):
         broadcaster: handed to tasks as ``ctx.broadcaster``.
         name: the lease name, for logs and signals.
         node_id: this node's id (default ``"local"``).
+        claimer: claims each scheduled fire first (default ``None``: every fire runs).
+            A :class:`~rselection.MemoryClaimer` shared across terms lets a test see the
+            misfire policies at work when a term starts after a gap.
     """
 
     def __init__(
@@ -36,6 +40,7 @@ class SingleNodeLeader(LeaderBase):
         broadcaster: Broadcaster | None = None,
         name: str = "single-node",
         node_id: str = "local",
+        claimer: FireClaimer | None = None,
     ) -> None:
         timings = Timings()
         super().__init__(
@@ -45,4 +50,5 @@ class SingleNodeLeader(LeaderBase):
             node_id=node_id,
             timings=timings,
             broadcaster=broadcaster,
+            claimer=claimer,
         )

@@ -448,7 +448,7 @@ class TermRunner:
             nxt = schedule.next_fire(nxt)
         won: list[datetime] = []
         for at in reversed(candidates):
-            if not self.term.live() or not self._claim_fire(spec, at):
+            if not self._claim_fire(spec, at):
                 break
             won.append(at)
         won.reverse()
@@ -465,6 +465,9 @@ class TermRunner:
         claimer = self.term.claimer
         if claimer is None:
             return True
+        if not self.term.live():  # never claim a fire this node can no longer run
+            self._skip(spec, at, "not-leader")
+            return False
         try:
             won = claimer.claim(format_fire_key(spec.name, at), term=self.term.number)
         except Exception as exc:

@@ -25,6 +25,7 @@ import pytest
 
 import rselection as rs
 from rselection import signals
+from tests.support.recording import Recorder
 from tests.support.waiting import wait_until
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -56,28 +57,6 @@ def percentile(values: list[float], q: float) -> float:
 def fmt_ms(latency: dict[str, float]) -> str:
     """Latencies in milliseconds, for printing."""
     return ", ".join(f"{name} {seconds * 1000:.2f} ms" for name, seconds in latency.items())
-
-
-class Recorder:
-    """Collects signal kwargs for one sender while connected."""
-
-    def __init__(self) -> None:
-        self.calls: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
-
-    def __call__(self, sender: object, **kwargs: Any) -> None:
-        with self._lock:
-            self.calls.append(kwargs)
-
-    def of(self, task: str, **match: Any) -> list[dict[str, Any]]:
-        """Calls for ``task`` whose kwargs include ``match``."""
-        with self._lock:
-            calls = list(self.calls)
-        return [
-            c
-            for c in calls
-            if c.get("task") == task and all(c.get(k) == v for k, v in match.items())
-        ]
 
 
 @pytest.fixture

@@ -1,0 +1,407 @@
+"""Misfire policies and per-fire claims, under a real SingleNodeLeader and MemoryClaimer.
+
+Two ways a fire is missed: no node led when it came due (a gap between terms, made here
+with ``step_down(hold=...)``), or this node's scheduler fell behind by whole periods
+(made here with a schedule whose ``next_fire`` stalls once). In both, the policy decides
+what runs, and every fire that does not run is reported on ``signals.fire_skipped``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+import rselection as rs
+from rselection import signals
+from tests.support.recording import Recorder
+from tests.support.waiting import wait_until
+
+PERIOD = 0.1
+STEP = timedelta(seconds=PERIOD)
+
+
+class Runs:
+    """Records each run of a task: (scheduled_at, term), in start order."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[datetime, int]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, ctx: rs.TaskContext) -> None:
+        assert ctx.scheduled_at is not None
+        with self._lock:
+            self.items.append((ctx.scheduled_at, ctx.term))
+
+    def of_term(self, term: int) -> list[datetime]:
+        with self._lock:
+            return [at for at, t in self.items if t == term]
+
+    def instants(self) -> list[datetime]:
+        with self._lock:
+            return [at for at, _ in self.items]
+
+
+@pytest.fixture
+def leaders() -> Iterator[Callable[..., rs.SingleNodeLeader]]:
+    """Make SingleNodeLeaders that are stopped at the end of the test, whatever happens."""
+    made: list[rs.SingleNodeLeader] = []
+
+    def make(handler: rs.TaskHandler, **kwargs: Any) -> rs.SingleNodeLeader:
+        leader = rs.SingleNodeLeader(handler, **kwargs)
+        made.append(leader)
+        return leader
+
+    yield make
+    for leader in made:
+        leader.stop(timeout=10)
+
+
+def instants_between(first: datetime, last: datetime) -> list[datetime]:
+    """Every PERIOD instant from ``first`` to ``last``, both included."""
+    out = [first]
+    while out[-1] < last:
+        out.append(out[-1] + STEP)
+    return out
+
+
+# -- a gap between terms: fires found through the claims ------------------------------
+
+
+def run_across_gap(
+    leaders: Callable[..., rs.SingleNodeLeader], misfire: str, gap: float = 0.55
+) -> tuple[Runs, Recorder, datetime]:
+    """Lead, step down for ``gap`` seconds, lead again; return runs, skips, term 2 start."""
+    handler = rs.TaskHandler(stop_grace=2.0)
+    runs = Runs()
+    # A short grace: at its first start a leader also catches up the fires of the grace
+    # window before it (nothing tells a first start from an outage).
+    handler.interval(PERIOD, name="tick", misfire=misfire, misfire_grace=1.0)(runs)  # type: ignore[arg-type]
+    leader = leaders(handler, claimer=rs.MemoryClaimer())
+    skipped = Recorder()
+    elected: list[datetime] = []
+
+    def on_elected(sender: object, **kwargs: Any) -> None:
+        elected.append(datetime.now(UTC))
+
+    with (
+        signals.fire_skipped.connected_to(skipped, sender=handler),
+        signals.elected.connected_to(on_elected, sender=leader),
+    ):
+        leader.start()
+        wait_until(lambda: len(runs.of_term(1)) >= 3, 10.0, "three runs in term 1")
+        leader.step_down(hold=gap)
+        wait_until(lambda: len(runs.of_term(2)) >= 3, 10.0 + gap, "three runs in term 2")
+        leader.stop(timeout=10)
+    assert len(elected) == 2
+    return runs, skipped, elected[1]
+
+
+def check_each_instant_once(runs: Runs, skipped: Recorder) -> None:
+    """No instant ran twice; every instant between the first and last run either ran
+    or was reported skipped."""
+    ran = runs.instants()
+    assert len(ran) == len(set(ran)), f"a fire ran twice: {sorted(ran)}"
+    reported = {c["scheduled_at"] for c in skipped.of("tick")}
+    missing = [at for at in instants_between(min(ran), max(ran)) if at not in set(ran)]
+    unexplained = [at.isoformat() for at in missing if at not in reported]
+    assert not unexplained, f"fires neither run nor reported skipped: {unexplained}"
+
+
+def test_latest_runs_the_newest_missed_fire_once(
+    leaders: Callable[..., rs.SingleNodeLeader],
+) -> None:
+    runs, skipped, resumed = run_across_gap(leaders, "latest")
+    check_each_instant_once(runs, skipped)
+    caught_up = [at for at in runs.of_term(2) if at < resumed]
+    misfires = [c["scheduled_at"] for c in skipped.of("tick", reason="misfire")]
+    print(f"\nlatest: caught up {len(caught_up)}, reported misfire {len(misfires)}")
+    assert len(caught_up) == 1
+    # The newest: nothing missed came due after it.
+    assert all(at < caught_up[0] for at in misfires)
+    assert len(misfires) >= 2  # a 0.55 s gap misses four or five 0.1 s fires
+
+
+def test_all_runs_every_missed_fire_oldest_first(
+    leaders: Callable[..., rs.SingleNodeLeader],
+) -> None:
+    runs, skipped, resumed = run_across_gap(leaders, "all")
+    check_each_instant_once(runs, skipped)
+    caught_up = [at for at in runs.of_term(2) if at < resumed]
+    print(f"\nall: caught up {len(caught_up)}")
+    assert len(caught_up) >= 3
+    assert caught_up == sorted(caught_up)
+    last_before = max(runs.of_term(1))
+    # Everything from the old term's last run to the resumption ran, in one catch-up.
+    assert caught_up == [at for at in instants_between(last_before, resumed)[1:] if at < resumed]
+    assert [
+        c for c in skipped.of("tick", reason="misfire") if c["scheduled_at"] > last_before
+    ] == []
+
+
+def test_skip_runs_no_missed_fire(leaders: Callable[..., rs.SingleNodeLeader]) -> None:
+    runs, skipped, resumed = run_across_gap(leaders, "skip")
+    check_each_instant_once(runs, skipped)
+    assert [at for at in runs.of_term(2) if at < resumed] == []
+    assert len(skipped.of("tick", reason="misfire")) >= 3
+
+
+def test_a_new_term_does_not_repeat_a_fire_already_run(
+    leaders: Callable[..., rs.SingleNodeLeader],
+) -> None:
+    """A step-down with no gap: the new term finds the old term's claims and stops."""
+    handler = rs.TaskHandler(stop_grace=2.0)
+    runs = Runs()
+    handler.interval(PERIOD, name="tick")(runs)  # type: ignore[arg-type]
+    claimer = rs.MemoryClaimer()
+    leader = leaders(handler, claimer=claimer)
+    skipped = Recorder()
+    with signals.fire_skipped.connected_to(skipped, sender=handler):
+        leader.start()
+        for term in (1, 2, 3):
+            wait_until(lambda t=term: len(runs.of_term(t)) >= 2, 10.0, f"runs in term {term}")
+            if term < 3:
+                leader.step_down()
+        leader.stop(timeout=10)
+    check_each_instant_once(runs, skipped)
+    # Every run was claimed with its term; no claim without a run or a skip report.
+    claims = claimer.claims()
+    for at, term in runs.items:
+        assert claims[rs.format_fire_key("tick", at)] == term
+
+
+def test_two_leaders_sharing_claims_run_each_fire_once(
+    leaders: Callable[..., rs.SingleNodeLeader],
+) -> None:
+    """Two nodes that both lead (two single-node leaders) but share the claims."""
+    claimer = rs.MemoryClaimer()
+    runs = Runs()
+    recorders = []
+    for _ in range(2):
+        handler = rs.TaskHandler(stop_grace=2.0)
+        handler.interval(PERIOD, name="tick")(runs)  # type: ignore[arg-type]
+        recorder = Recorder()
+        signals.fire_skipped.connect(recorder, sender=handler)
+        recorders.append((handler, recorder))
+        leaders(handler, claimer=claimer).start()
+    try:
+        wait_until(lambda: len(runs.instants()) >= 10, 10.0, "ten runs")
+    finally:
+        for handler, recorder in recorders:
+            signals.fire_skipped.disconnect(recorder, sender=handler)
+    ran = runs.instants()
+    assert len(ran) == len(set(ran)), "a fire ran on both nodes"
+    lost = sum(len(r.of("tick", reason="already-claimed")) for _, r in recorders)
+    assert lost >= 9  # the other node lost the claim of (nearly) every fire
+
+
+# -- a scheduler that falls behind within a term --------------------------------------
+
+
+class StallOnce:
+    """An aligned interval schedule whose ``next_fire`` stalls once when armed."""
+
+    aligned = True
+
+    def __init__(self, every: float, stall: float) -> None:
+        self.inner = rs.IntervalSchedule(every)
+        self.stall = stall
+        self.armed = threading.Event()
+        self.stalled = threading.Event()
+        self.after: datetime | None = None
+        self.until: datetime | None = None
+
+    def next_fire(self, after: datetime) -> datetime | None:
+        if self.armed.is_set() and not self.stalled.is_set():
+            self.after = after
+            time.sleep(self.stall)
+            self.until = datetime.now(UTC)
+            self.stalled.set()
+        return self.inner.next_fire(after)
+
+
+def stall_scheduler(
+    leaders: Callable[..., rs.SingleNodeLeader],
+    misfire: str,
+    *,
+    grace: float = 60.0,
+    stall: float = 0.55,
+) -> tuple[Runs, Recorder, list[datetime]]:
+    """Run a task, stall its scheduler once; return runs, skips and the instants that
+    came due during the stall."""
+    schedule = StallOnce(PERIOD, stall)
+    runs = Runs()
+    task = rs.GenericTask("tick", rs.TaskType.SCHEDULED, schedule)
+    task.run = runs  # type: ignore[method-assign]
+    handler = rs.TaskHandler(stop_grace=2.0)
+    handler.register("tick", task, misfire=misfire, misfire_grace=grace)  # type: ignore[arg-type]
+    leader = leaders(handler)
+    skipped = Recorder()
+    with signals.fire_skipped.connected_to(skipped, sender=handler):
+        leader.start()
+        wait_until(lambda: len(runs.instants()) >= 2, 10.0, "two runs")
+        schedule.armed.set()
+        assert schedule.stalled.wait(10.0)
+        count = len(runs.instants())
+        wait_until(lambda: len(runs.instants()) >= count + 2, 10.0, "runs after the stall")
+        leader.stop(timeout=10)
+    assert schedule.after is not None and schedule.until is not None
+    behind = [at for at in instants_between(schedule.after, schedule.until) if schedule.after < at]
+    behind = [at for at in behind if at <= schedule.until]
+    assert len(behind) >= 4
+    return runs, skipped, behind
+
+
+def test_within_a_term_latest_runs_only_the_newest(
+    leaders: Callable[..., rs.SingleNodeLeader],
+) -> None:
+    runs, skipped, behind = stall_scheduler(leaders, "latest")
+    ran = set(runs.instants())
+    assert sum(at in ran for at in behind) <= 1
+    misfires = {c["scheduled_at"] for c in skipped.of("tick", reason="misfire")}
+    assert len(misfires & set(behind)) >= len(behind) - 1
+
+
+def test_within_a_term_all_runs_each_in_order(
+    leaders: Callable[..., rs.SingleNodeLeader],
+) -> None:
+    runs, skipped, behind = stall_scheduler(leaders, "all")
+    ran = runs.instants()
+    assert [at for at in ran if at in set(behind)] == behind
+    assert skipped.of("tick", reason="misfire") == []
+
+
+def test_within_a_term_skip_runs_none(leaders: Callable[..., rs.SingleNodeLeader]) -> None:
+    runs, skipped, behind = stall_scheduler(leaders, "skip")
+    assert not set(runs.instants()) & set(behind)
+    misfires = {c["scheduled_at"] for c in skipped.of("tick", reason="misfire")}
+    assert set(behind) <= misfires
+
+
+def test_a_fire_older_than_the_grace_never_runs(
+    leaders: Callable[..., rs.SingleNodeLeader],
+) -> None:
+    grace = 0.2
+    runs, skipped, behind = stall_scheduler(leaders, "all", grace=grace, stall=0.65)
+    assert behind[-1] is not None
+    ran = set(runs.instants())
+    misfires = {c["scheduled_at"] for c in skipped.of("tick", reason="misfire")}
+    end = behind[-1]
+    # The dispatch after the stall is immediate; 50 ms covers a busy machine.
+    too_old = [at for at in behind if at < end - timedelta(seconds=grace)]
+    fresh = [at for at in behind if at > end - timedelta(seconds=grace - 0.05)]
+    assert too_old and fresh
+    assert not set(too_old) & ran
+    assert set(too_old) <= misfires
+    assert set(fresh) <= ran
+
+
+# -- claims: failures, configuration ----------------------------------------------------
+
+
+class FailingClaimer:
+    """A claimer whose backend is down: every claim raises."""
+
+    ttl = 600.0
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def claim(self, fire_key: str, *, term: int | None = None) -> bool:
+        self.calls += 1
+        raise rs.BackendUnavailable("claims database unreachable")
+
+
+def test_a_failed_claim_skips_the_fire(leaders: Callable[..., rs.SingleNodeLeader]) -> None:
+    handler = rs.TaskHandler(stop_grace=2.0)
+    runs = Runs()
+    handler.interval(PERIOD, name="tick")(runs)  # type: ignore[arg-type]
+    claimer = FailingClaimer()
+    leader = leaders(handler, claimer=claimer)
+    skipped = Recorder()
+    with signals.fire_skipped.connected_to(skipped, sender=handler):
+        leader.start()
+        wait_until(
+            lambda: len(skipped.of("tick", reason="claim-error")) >= 3, 10.0, "failed claims"
+        )
+        leader.stop(timeout=10)
+    assert runs.instants() == []  # fail closed
+    assert handler.health()["tick"]["runs"] == 0
+    assert handler.health()["tick"]["skipped"] == len(skipped.of("tick"))
+
+
+def test_an_unaligned_interval_is_rejected_with_claims() -> None:
+    handler = rs.TaskHandler()
+    task = rs.GenericTask("t", rs.TaskType.SCHEDULED, rs.IntervalSchedule(1.0, align=False))
+    handler.register("t", task)
+    with pytest.raises(rs.ConfigError, match="not aligned"):
+        rs.SingleNodeLeader(handler, claimer=rs.MemoryClaimer())
+    rs.SingleNodeLeader(handler)  # without claims it is fine
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    other = rs.TaskHandler()
+    anchored = rs.IntervalSchedule(1.0, align=False, start=start)
+    other.register("t", rs.GenericTask("t", rs.TaskType.SCHEDULED, anchored))
+    rs.SingleNodeLeader(other, claimer=rs.MemoryClaimer())  # same start on every node
+
+
+def test_a_grace_beyond_the_claim_ttl_is_rejected() -> None:
+    handler = rs.TaskHandler()
+    handler.interval(1.0, name="t", misfire_grace=120)(lambda ctx: None)
+    with pytest.raises(rs.ConfigError, match="exceeds the claim ttl"):
+        rs.SingleNodeLeader(handler, claimer=rs.MemoryClaimer(ttl=60))
+    rs.SingleNodeLeader(handler, claimer=rs.MemoryClaimer(ttl=120))
+
+
+def test_tasks_registered_after_the_leader_are_checked_at_start() -> None:
+    handler = rs.TaskHandler()
+    leader = rs.SingleNodeLeader(handler, claimer=rs.MemoryClaimer(ttl=10))
+    handler.interval(1.0, name="t", misfire_grace=30)(lambda ctx: None)
+    with pytest.raises(rs.ConfigError, match="misfire_grace"):
+        leader.start()
+    leader.stop(timeout=5)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"misfire": "newest"}, "misfire must be one of"),
+        ({"misfire_grace": 0}, "misfire_grace must be a positive"),
+        ({"misfire_grace": float("inf")}, "misfire_grace must be a positive"),
+        ({"misfire_grace": True}, "misfire_grace must be a positive"),
+        ({"misfire_grace": "60"}, "misfire_grace must be a positive"),
+    ],
+)
+def test_bad_misfire_options(options: dict[str, Any], message: str) -> None:
+    handler = rs.TaskHandler()
+    with pytest.raises(rs.ConfigError, match=message):
+        handler.interval(1.0, **options)
+    with pytest.raises(rs.ConfigError, match=message):
+        handler.cron("* * * * *", **options)
+    task = rs.GenericTask("t", rs.TaskType.SCHEDULED, rs.IntervalSchedule(1.0))
+    with pytest.raises(rs.ConfigError, match=message):
+        handler.register("t", task, **options)
+
+
+def test_misfire_grace_accepts_a_timedelta() -> None:
+    handler = rs.TaskHandler()
+    handler.interval(1.0, name="t", misfire_grace=timedelta(minutes=2))(lambda ctx: None)
+    with pytest.raises(rs.ConfigError, match=r"misfire_grace \(120 s\)"):
+        rs.SingleNodeLeader(handler, claimer=rs.MemoryClaimer(ttl=60))
+
+
+def test_memory_claimer_binds_until_its_ttl() -> None:
+    claimer = rs.MemoryClaimer(ttl=0.2)
+    assert claimer.claim("k", term=1)
+    assert not claimer.claim("k", term=2)
+    wait_until(lambda: "k" not in claimer.claims(), 5.0, "the claim to expire")
+    assert claimer.claim("k", term=2)
+    assert claimer.claims() == {"k": 2}
+    for bad in (0, -1, float("nan"), True, "1"):
+        with pytest.raises(rs.ConfigError, match="ttl must be"):
+            rs.MemoryClaimer(ttl=bad)  # type: ignore[arg-type]
+    with pytest.raises(rs.ConfigError, match="fire_key"):
+        claimer.claim("")
