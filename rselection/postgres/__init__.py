@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .broadcast import PostgresBroadcaster
 from .checkpoint import PostgresCheckpointStore, Snapshot, TaskCheckpoint
 from .claims import PostgresClaimer
 from .elector import PostgresElector
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from .leader import PostgresLeader
 
 __all__ = [
+    "PostgresBroadcaster",
     "PostgresCheckpointStore",
     "PostgresClaimer",
     "PostgresElector",

@@ -1,0 +1,339 @@
+"""Tables and statements of :class:`~rselection.postgres.PostgresBroadcaster`'s outbox.
+
+Not public API. Two tables, in the schema of the table name given (``schema.table`` or
+the first schema of ``search_path``)::
+
+    <table>:                 one row per published message
+        id          bigint identity primary key  -- order of delivery, see below
+        channel     text not null                -- the logical channel, any length
+        payload     text not null                -- the message as JSON text
+        origin      bigint not null              -- random id of the publishing broadcaster
+        origin_seq  bigint not null              -- per-origin message number (1, 2, ...)
+        created_at  timestamptz not null         -- server time (clock_timestamp())
+    <table>_state:           one row
+        purged_through  bigint not null          -- highest id ever deleted by retention
+        purged_at       timestamptz null
+
+Why a lock orders publishes: ``id`` comes from a sequence, and sequence values are
+handed out when a transaction runs, not when it commits. Two publishers could take ids
+10 and 11 and commit 11 first; a listener that read 11 and moved its cursor past it
+would never see 10. Every publish therefore takes one transaction-level advisory lock
+(:func:`publish_lock_key`) *before* its ids are drawn and holds it through its commit,
+so ids become visible strictly in increasing order: a listener that has seen id N has
+seen every committed id below N, and "fetch id > last seen" never skips a row. The lock
+is held only while the server runs one statement and commits it (no client round trip
+inside), and a publish writes a whole batch of messages under it.
+
+``purged_through`` tells a listener that rows it never read were deleted (gaps in ``id``
+alone prove nothing: a failed publish leaves unused ids behind).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from ..errors import BackendUnavailable, ConfigError
+from .schema import MIGRATION_LOCK_KEY, validate_table_name, version_table_identifier
+
+__all__ = [
+    "BROADCAST_TABLE",
+    "BROADCAST_VERSION",
+    "INLINE_LIMIT",
+    "Outbox",
+    "create_outbox",
+    "inline_cost",
+]
+
+logger = logging.getLogger(__name__)
+
+BROADCAST_TABLE = "rselection_broadcast"
+"""The outbox table used when none is given."""
+
+BROADCAST_VERSION = 1
+"""Schema version of the outbox tables that this release creates and understands."""
+
+#: NOTIFY payloads must stay below 8000 bytes; a batch whose rows fit in this many bytes
+#: (an upper bound computed by :func:`inline_cost`) travels inside the NOTIFY itself, so
+#: listeners need no extra round trip for small messages.
+INLINE_LIMIT = 7000
+
+#: Bytes an inline row costs besides its channel and payload: the id (up to 19 digits),
+#: JSON punctuation and the separators ``json_agg`` adds between elements.
+_ROW_OVERHEAD = 40
+
+_MAX_PART = 63
+
+
+def _suffixed(name: str, suffix: str) -> str:
+    """``name_suffix``, shortened with a hash when it would exceed 63 characters."""
+    full = f"{name}_{suffix}"
+    if len(full) <= _MAX_PART:
+        return full
+    digest = hashlib.blake2b(full.encode(), digest_size=6).hexdigest()
+    return f"{full[: _MAX_PART - len(digest) - 1]}_{digest}"
+
+
+def inline_cost(channel: str, payload: str) -> int:
+    """An upper bound of the bytes one row adds to an inline NOTIFY payload.
+
+    Postgres escapes ``"``, ``\\`` and control characters when it embeds text in JSON
+    and leaves other characters as UTF-8. ``payload`` is JSON made by :func:`json.dumps`
+    (no raw control characters), so it grows by one byte per quote or backslash; the
+    channel may hold anything, and its ASCII-escaped JSON form is never shorter than
+    what Postgres writes.
+
+    Args:
+        channel: the logical channel.
+        payload: the message as JSON text.
+    """
+    if len(payload) > INLINE_LIMIT:  # cheap exit before encoding large payloads
+        return INLINE_LIMIT + 1
+    size = len(payload.encode()) + payload.count('"') + payload.count("\\")
+    return size + len(json.dumps(channel)) + _ROW_OVERHEAD
+
+
+class Outbox:
+    """Identifiers and statements of one outbox table (validated at construction).
+
+    Args:
+        table: the outbox table, optionally schema-qualified.
+    """
+
+    def __init__(self, table: str) -> None:
+        """Validate ``table`` (raises :class:`ConfigError`) and build the identifiers."""
+        self.parts = validate_table_name(table)
+        self.table = table
+        self.ident = sql.Identifier(*self.parts)
+        self.state_ident = sql.Identifier(*self.parts[:-1], _suffixed(self.parts[-1], "state"))
+        self.index_ident = sql.Identifier(_suffixed(self.parts[-1], "created_at_idx"))
+        self.version_ident = version_table_identifier(table)
+        self.component = (
+            "broadcast" if self.parts[-1] == BROADCAST_TABLE else f"broadcast:{self.parts[-1]}"
+        )
+
+    # -- names resolved on the server ---------------------------------------------------
+
+    def resolve(self, conn: psycopg.Connection[Any]) -> tuple[str, int]:
+        """Return ``(notify channel, publish lock key)`` of this table as the server sees it.
+
+        An unqualified name is resolved through the session's ``search_path``, so two
+        schemas with a table of the same name get different channels and locks (NOTIFY
+        channels and advisory locks are per database, not per schema).
+
+        Raises:
+            ConfigError: the table does not exist (``create_tables=False`` and no
+                migration ran).
+        """
+        row = conn.execute(
+            "SELECT n.nspname, c.relname FROM pg_class c"
+            " JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE c.oid = to_regclass(%s)",
+            (self.ident.as_string(conn),),
+        ).fetchone()
+        if row is None:
+            raise ConfigError(
+                f"broadcast table {self.table!r} does not exist: pass create_tables=True, "
+                "or create it once with rselection.postgres.broadcast.create_broadcast_tables"
+                "() using a role that may run DDL"
+            )
+        qualified = f"{row[0]}.{row[1]}"
+        digest = hashlib.blake2b(qualified.encode(), digest_size=8)
+        # NOTIFY channel names are identifiers (at most 63 bytes): a fixed prefix and a
+        # hash of the qualified table name always fit, whatever the logical channels are.
+        channel = f"rselection_bc_{digest.hexdigest()}"
+        lock_key = int.from_bytes(
+            hashlib.blake2b(b"rselection:broadcast:" + qualified.encode(), digest_size=8).digest(),
+            "big",
+            signed=True,
+        )
+        return channel, lock_key
+
+    # -- statements ------------------------------------------------------------------
+
+    def insert(self, inline: bool) -> sql.Composed:
+        """Write a batch and NOTIFY listeners, in one statement and one transaction.
+
+        Parameters: lock key, origin, channels[], payloads[], origin_seqs[], notify
+        channel. Returns one row: ``(first id, last id)``.
+
+        With ``inline`` the NOTIFY carries the rows (``[[id, channel, payload], ...]``),
+        else only the last id (a wake-up: listeners fetch). The ``CASE`` keeps a wrong
+        size estimate from ever failing the publish on the 8000-byte NOTIFY limit.
+        """
+        note = (
+            "CASE WHEN octet_length(j.rows) < 7990 THEN j.rows ELSE j.last::text END"
+            if inline
+            else "j.last::text"
+        )
+        rows = (
+            "json_agg(json_build_array(id, channel, payload) ORDER BY id)::text"
+            if inline
+            else "NULL::text"
+        )
+        return sql.SQL(
+            # The lock CTE is joined to every input row, so it is taken before the first
+            # id is drawn; it is held until the transaction has committed.
+            "WITH l AS (SELECT pg_advisory_xact_lock(%s)),"
+            " ins AS (INSERT INTO {t} (channel, payload, origin, origin_seq)"
+            "  SELECT u.c, u.p, %s, u.s FROM l,"
+            "   unnest(%s::text[], %s::text[], %s::bigint[]) WITH ORDINALITY AS u(c, p, s, n)"
+            "  ORDER BY u.n"
+            "  RETURNING id, channel, payload),"
+            " j AS (SELECT min(id) AS first, max(id) AS last, " + rows + " AS rows FROM ins)"
+            " SELECT j.first, j.last, pg_notify(%s, " + note + ") FROM j"
+        ).format(t=self.ident)
+
+    def start_position(self) -> sql.Composed:
+        """The id a new listener starts after: the newest row, or the purge watermark."""
+        return sql.SQL(
+            "SELECT greatest((SELECT coalesce(max(id), 0) FROM {t}),"
+            " (SELECT coalesce(max(purged_through), 0) FROM {s}))"
+        ).format(t=self.ident, s=self.state_ident)
+
+    def fetch(self) -> sql.Composed:
+        """Rows after a cursor, in id order, with the purge watermark, in one snapshot.
+
+        Parameters: last seen id, row limit. Returns ``(purged_through, id, channel,
+        payload)`` rows; ``id`` is NULL in the one row returned when nothing is new.
+        """
+        return sql.SQL(
+            "SELECT m.p, r.id, r.channel, r.payload"
+            " FROM (SELECT coalesce((SELECT max(purged_through) FROM {s}), 0) AS p) m"
+            " LEFT JOIN LATERAL (SELECT id, channel, payload FROM {t}"
+            "  WHERE id > %s ORDER BY id LIMIT %s) r ON true"
+            " ORDER BY r.id"
+        ).format(t=self.ident, s=self.state_ident)
+
+    def committed_seq(self) -> sql.Composed:
+        """Highest ``origin_seq`` of one origin among rows after an id (for retries).
+
+        Parameters: floor id, origin. Returns one row: the seq or NULL.
+        """
+        return sql.SQL("SELECT max(origin_seq) FROM {t} WHERE id > %s AND origin = %s").format(
+            t=self.ident
+        )
+
+    def purge(self) -> sql.Composed:
+        """Delete up to a limit of rows older than the retention; advance the watermark.
+
+        Parameters: retention seconds, row limit. Returns ``(deleted, purged_through)``
+        or no row when nothing was old enough. Times are the server's.
+        """
+        return sql.SQL(
+            "WITH d AS (DELETE FROM {t} WHERE id IN ("
+            "  SELECT id FROM {t} WHERE created_at < clock_timestamp() - make_interval(secs => %s)"
+            "  ORDER BY created_at LIMIT %s) RETURNING id),"
+            " m AS (SELECT count(*) AS n, max(id) AS top FROM d)"
+            " UPDATE {s} SET purged_through = greatest(purged_through, m.top),"
+            "  purged_at = clock_timestamp()"
+            " FROM m WHERE m.n > 0"
+            " RETURNING m.n, {s}.purged_through"
+        ).format(t=self.ident, s=self.state_ident)
+
+    def ddl(self) -> list[sql.Composed]:
+        """Statements that create the outbox, its index and its state row if missing."""
+        return [
+            sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {t} ("
+                " id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,"
+                " channel text NOT NULL,"
+                " payload text NOT NULL,"
+                " origin bigint NOT NULL,"
+                " origin_seq bigint NOT NULL,"
+                " created_at timestamptz NOT NULL DEFAULT clock_timestamp())"
+            ).format(t=self.ident),
+            # Retention deletes by age; rows are appended in time order, so the index
+            # stays small at its left end and the purge never scans the table.
+            sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (created_at)").format(
+                self.index_ident, self.ident
+            ),
+            sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {s} ("
+                " singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),"
+                " purged_through bigint NOT NULL DEFAULT 0,"
+                " purged_at timestamptz NULL)"
+            ).format(s=self.state_ident),
+            sql.SQL("INSERT INTO {s} DEFAULT VALUES ON CONFLICT DO NOTHING").format(
+                s=self.state_ident
+            ),
+        ]
+
+
+def _is_current(conn: psycopg.Connection[Any], outbox: Outbox) -> bool:
+    """Whether both tables exist and the recorded schema version is this release's."""
+    names = [
+        ident.as_string(conn) for ident in (outbox.ident, outbox.state_ident, outbox.version_ident)
+    ]
+    row = conn.execute(
+        "SELECT to_regclass(%s) IS NOT NULL AND to_regclass(%s) IS NOT NULL,"
+        " to_regclass(%s) IS NOT NULL",
+        names,
+    ).fetchone()
+    if row is None or not row[0] or not row[1]:
+        return False
+    version = conn.execute(
+        sql.SQL("SELECT version FROM {} WHERE component = %s").format(outbox.version_ident),
+        (outbox.component,),
+    ).fetchone()
+    return version is not None and version[0] == BROADCAST_VERSION
+
+
+def create_outbox(conn: psycopg.Connection[Any], outbox: Outbox) -> None:
+    """Create ``outbox``'s tables and record their schema version, if missing.
+
+    Runs in one transaction under the same advisory lock as every other rselection
+    migration, so concurrent first starts create the tables once.
+
+    Raises:
+        ConfigError: the tables have a newer schema version than this release knows.
+        BackendUnavailable: the database refused (no privilege, missing schema).
+    """
+    what = f"the broadcast table {outbox.table!r}"
+    if _is_current(conn, outbox):
+        # Every (re)connect gets here: skip the DDL, whose CREATE INDEX IF NOT EXISTS
+        # would briefly lock the table against publishes even when the index exists.
+        return
+    try:
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
+            conn.execute(
+                sql.SQL(
+                    "CREATE TABLE IF NOT EXISTS {} ("
+                    " component text PRIMARY KEY,"
+                    " version integer NOT NULL,"
+                    " migrated_at timestamptz NOT NULL DEFAULT now())"
+                ).format(outbox.version_ident)
+            )
+            row = conn.execute(
+                sql.SQL("SELECT version FROM {} WHERE component = %s").format(outbox.version_ident),
+                (outbox.component,),
+            ).fetchone()
+            if row is not None and row[0] > BROADCAST_VERSION:
+                raise ConfigError(
+                    f"broadcast table {outbox.table!r} has schema version {row[0]}, newer "
+                    f"than the {BROADCAST_VERSION} this release of rselection understands: "
+                    "upgrade rselection on this node"
+                )
+            for statement in outbox.ddl():
+                conn.execute(statement)
+            conn.execute(
+                sql.SQL(
+                    "INSERT INTO {} (component, version) VALUES (%s, %s)"
+                    " ON CONFLICT (component) DO NOTHING"
+                ).format(outbox.version_ident),
+                (outbox.component, BROADCAST_VERSION),
+            )
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise BackendUnavailable(
+            f"cannot create {what}: {exc}; create it once with a role that may run DDL "
+            "(create_broadcast_tables) and pass create_tables=False"
+        ) from exc
+    except psycopg.errors.InvalidSchemaName as exc:
+        raise BackendUnavailable(f"cannot create {what}: {exc}; create the schema first") from exc
+    logger.debug("broadcast table %s ready (schema version %s)", outbox.table, BROADCAST_VERSION)
