@@ -365,8 +365,9 @@ class TermRunner:
         for spec in self.specs:
             if spec.type is TaskType.SCHEDULED:
                 if term.claimer is not None:
-                    # Fires that came due while no node led, found through the claims.
-                    self._spawn(spec.name, self._recover, spec, now)
+                    # Fires that came due while no node led, found through the claims;
+                    # here, before any newer fire, so that they run in order.
+                    self._recover(spec, now)
                 self._push(heap, spec, _schedule(spec).next_fire(now), order)
         while heap and term.live():
             at, _, spec = heap[0]

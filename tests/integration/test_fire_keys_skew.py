@@ -1,0 +1,191 @@
+"""Fire keys do not depend on a node's wall clock or time zone.
+
+A node whose clock runs 30 s ahead fires 30 s early, but the keys it claims name the
+scheduled instants, so a node with the right clock that takes over later finds those
+fires already claimed and never runs one of them again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from typing import IO, Any
+
+import psycopg
+from freezegun import freeze_time
+
+import rselection as rs
+from tests.support.skewed_node import LEDGER
+
+SKEW = 30.0
+
+
+class Node:
+    """A skewed_node process and the JSON events it prints."""
+
+    def __init__(self, dsn: str, lease: str, node_id: str, skew: float) -> None:
+        cmd = [sys.executable, "-m", "tests.support.skewed_node", dsn]
+        cmd += ["--lease", lease, "--node", node_id, "--skew", str(skew)]
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+        )
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.seen: list[dict[str, Any]] = []
+        assert self.proc.stdout is not None
+        threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True).start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self.events.put(json.loads(line))
+
+    def wait_for(self, what: str, predicate: Any, timeout: float) -> None:
+        """Read events until ``predicate(seen)`` holds; fail after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not predicate(self.seen):
+            left = deadline - time.monotonic()
+            assert left > 0, f"timed out waiting for {what}; events: {self.seen[-10:]}"
+            try:
+                self.seen.append(self.events.get(timeout=left))
+            except queue.Empty:
+                continue
+
+    def keys(self, event: str, **match: Any) -> set[str]:
+        return {
+            e["key"]
+            for e in self.seen
+            if e["event"] == event and all(e.get(k) == v for k, v in match.items())
+        }
+
+    def stop(self) -> None:
+        """Close stdin: the node stops gracefully and releases the lease."""
+        assert self.proc.stdin is not None
+        if not self.proc.stdin.closed:
+            self.proc.stdin.close()
+
+    def reap(self) -> None:
+        self.stop()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def count(event: str, n: int, **match: Any) -> Any:
+    """A predicate: at least ``n`` events named ``event`` (with ``match``) were seen."""
+
+    def enough(seen: list[dict[str, Any]]) -> bool:
+        found = [
+            e for e in seen if e["event"] == event and all(e.get(k) == v for k, v in match.items())
+        ]
+        return len(found) >= n
+
+    return enough
+
+
+def test_a_node_with_a_skewed_clock_claims_the_same_fire_keys(pg_dsn: str) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE TABLE {LEDGER} (fire_key text PRIMARY KEY, node text NOT NULL)")
+    ahead = Node(pg_dsn, "skew", "ahead", SKEW)
+    right: Node | None = None
+    try:
+        ahead.wait_for("the skewed node to run 5 fires", count("ran", 5), 30.0)
+        right = Node(pg_dsn, "skew", "right", 0.0)
+        right.wait_for("the second node to start", count("started", 1), 30.0)
+        ahead.stop()
+        right.wait_for("the takeover", count("elected", 1), 15.0)
+        ahead.wait_for("the skewed node to stop", count("stopped", 1), 15.0)
+        # Real time reaches the fires the skewed node ran 30 s early: the node with the
+        # right clock meets each one claimed, then carries on with the next.
+        right.wait_for("runs after the skewed node's fires", count("ran", 3), SKEW + 30.0)
+        right.stop()
+        right.wait_for("the second node to stop", count("stopped", 1), 15.0)
+    finally:
+        ahead.reap()
+        if right is not None:
+            right.reap()
+
+    ran_ahead = ahead.keys("ran")
+    claimed_by_ahead = ran_ahead | ahead.keys("skipped", reason="misfire")
+    found_claimed = right.keys("skipped", reason="already-claimed")
+    assert len(ran_ahead) >= 5
+    # Every fire the skewed node ran was met under the very same key, and not run again.
+    assert ran_ahead <= found_claimed <= claimed_by_ahead
+    assert not right.keys("ran") & claimed_by_ahead
+    assert not ahead.keys("duplicate") and not right.keys("duplicate")
+    # Nothing lost at the seam: from the skewed node's first fire to the right node's
+    # last, every instant ran once, or was skipped by a node that said so (a fire that
+    # came due while the previous run was still going is skipped as an overlap, unclaimed,
+    # and then runs on the right node when real time reaches it).
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        keys = [k for (k,) in conn.execute(f"SELECT fire_key FROM {LEDGER}")]
+    assert len({instant(k) for k in keys}) == len(keys)  # one spelling per instant
+    assert set(keys) == ran_ahead | right.keys("ran")
+    reported = {instant(k) for k in ahead.keys("skipped") | right.keys("skipped")}
+    ran = {instant(k) for k in keys}
+    at, last = min(ran), max(ran)
+    while at <= last:
+        assert at in ran or at in reported, f"fire at {at} neither ran nor reported"
+        at += timedelta(seconds=0.2)
+
+
+def instant(key: str) -> datetime:
+    """The scheduled instant a fire key names."""
+    return datetime.fromisoformat(key.split("@", 1)[1].replace("000Z", "+00:00"))
+
+
+def test_fire_keys_ignore_the_clock_and_the_local_time_zone() -> None:
+    """The keys of scheduled instants are the same under a clock 30 s ahead and another
+    local time zone: they are computed from the instant, in UTC."""
+    interval = rs.IntervalSchedule(0.2)
+    cron = rs.CronSchedule("*/1 * * * *", tz="Europe/Berlin")
+
+    def keys_from(now: datetime) -> set[str]:
+        out: set[str] = set()
+        for name, schedule in (("i", interval), ("c", cron)):
+            at = schedule.next_fire(now)
+            for _ in range(400 if name == "i" else 3):
+                assert at is not None
+                out.add(rs.format_fire_key(name, at))
+                at = schedule.next_fire(at)
+        return out
+
+    real = keys_from(datetime.now(UTC))
+    old_tz = os.environ.get("TZ")
+    os.environ["TZ"] = "America/New_York"
+    time.tzset()
+    try:
+        with freeze_time(datetime.now(UTC) + timedelta(seconds=SKEW), tick=True):
+            skewed = keys_from(datetime.now(UTC))
+    finally:
+        if old_tz is None:
+            del os.environ["TZ"]
+        else:
+            os.environ["TZ"] = old_tz
+        time.tzset()
+    # 400 fires of 0.2 s span 80 s, so the two sets share the fires of about 50 s.
+    shared = real & skewed
+    assert len([k for k in shared if k.startswith("i@")]) >= 200
+    assert all(k.endswith("Z") for k in skewed)
+
+
+def test_cron_keys_across_the_fall_back_name_two_distinct_instants() -> None:
+    """02:30 happens twice in Berlin on 25 Oct 2026: two fires, two keys."""
+    cron = rs.CronSchedule("30 2 * * *", tz="Europe/Berlin")
+    at = cron.next_fire(datetime(2026, 10, 24, 12, tzinfo=UTC))
+    keys = []
+    for _ in range(3):
+        assert at is not None
+        keys.append(rs.format_fire_key("daily", at))
+        at = cron.next_fire(at)
+    assert keys == [
+        "daily@2026-10-25T00:30:00.000000000Z",  # 02:30 CEST
+        "daily@2026-10-25T01:30:00.000000000Z",  # 02:30 CET
+        "daily@2026-10-26T01:30:00.000000000Z",
+    ]
