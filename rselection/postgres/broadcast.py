@@ -984,14 +984,14 @@ class PostgresBroadcaster(Broadcaster):
         done = 0 if row is None or row[0] is None else int(row[0])
         if done >= batch[-1].seq:
             logger.info(
-                "broadcast writer: a batch of %d message(s) sent before the connection broke "
+                "broadcast writer: a batch of %d message(s) whose commit was not confirmed "
                 "was committed; not writing it again",
                 len(batch),
             )
             self._committed_through(batch[-1].seq, len(batch))
         else:
             logger.info(
-                "broadcast writer: a batch of %d message(s) sent before the connection broke "
+                "broadcast writer: a batch of %d message(s) whose commit was not confirmed "
                 "was not committed; writing it again",
                 len(batch),
             )

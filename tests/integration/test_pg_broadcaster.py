@@ -1,0 +1,729 @@
+"""PostgresBroadcaster against a real Postgres: delivery across processes, order, catch-up
+after a killed or blackholed listener, exactly-once writes, slow subscribers, gaps past
+the retention, bad input, and use as a leader's broadcaster."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import queue
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+import rselection as rs
+from rselection.broadcast import BroadcasterClosed, Subscription
+from rselection.errors import ConfigError
+from rselection.postgres import PostgresBroadcaster, PostgresLeader
+from rselection.postgres.broadcast import Gap, MessageEncodeError, PostgresBroadcastStats
+from tests.support.broadcast_node import body
+from tests.support.pg import with_host_port
+from tests.support.proxy import TcpProxy
+from tests.support.waiting import wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+LOGGER = "rselection.postgres.broadcast"
+
+#: Quick failure detection for fault tests (the defaults are 5 s and 10 s).
+QUICK = {"probe_interval": 0.3, "timeout": 2.0}
+
+
+@pytest.fixture
+def make_bc(pg_dsn: str) -> Iterator[Callable[..., PostgresBroadcaster]]:
+    """Factory of broadcasters (on ``pg_dsn`` unless ``dsn=`` is given), closed after."""
+    made: list[PostgresBroadcaster] = []
+
+    def make(dsn: str | None = None, **options: Any) -> PostgresBroadcaster:
+        bc = PostgresBroadcaster(dsn or pg_dsn, **options)
+        made.append(bc)
+        assert bc.wait_ready(20), "the broadcaster's listener did not connect within 20 s"
+        return bc
+
+    yield make
+    for bc in made:
+        bc.close()
+
+
+def drain(sub: Subscription, n: int, timeout: float) -> list[Any]:
+    """Read ``n`` messages from ``sub`` within one shared, bounded deadline."""
+    deadline = time.monotonic() + timeout
+    out: list[Any] = []
+    while len(out) < n:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            pytest.fail(f"only {len(out)} of {n} messages arrived within {timeout} s")
+        try:
+            out.append(sub.get(remaining))
+        except TimeoutError:
+            continue
+    return out
+
+
+def assert_quiet(sub: Subscription, seconds: float = 0.5) -> None:
+    """Nothing more arrives on ``sub`` for ``seconds`` (no duplicates trailing behind)."""
+    with pytest.raises(TimeoutError):
+        extra = sub.get(seconds)
+        pytest.fail(f"unexpected extra message {extra!r:.200}")
+
+
+def terminate(dsn: str, pid: int | None) -> int:
+    """Terminate backend ``pid``; return 1 if it was terminated."""
+    if pid is None:
+        return 0
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone()
+    return 1 if row and row[0] else 0
+
+
+def proxied(dsn: str, proxy: TcpProxy) -> str:
+    return with_host_port(dsn, proxy.host, proxy.port)
+
+
+def proxy_for(dsn: str, make_tcp_proxy: Callable[[str, int], TcpProxy]) -> TcpProxy:
+    parts = urllib.parse.urlsplit(dsn)
+    return make_tcp_proxy(parts.hostname or "127.0.0.1", parts.port or 5432)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+class Node:
+    """A ``tests.support.broadcast_node`` process with its stdout read into a queue."""
+
+    def __init__(self, dsn: str, name: str, *args: str) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "tests.support.broadcast_node"),
+                *("--dsn", dsn, "--name", name, *args),
+            ],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._read_err, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.events.put(json.loads(line))
+
+    def _read_err(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+
+    def expect(self, event: str, timeout: float) -> dict[str, Any]:
+        """The next event called ``event`` (others are skipped), within ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                got = self.events.get(timeout=max(0.0, remaining))
+            except queue.Empty:
+                pytest.fail(
+                    f"node {self.name} sent no {event!r} within {timeout} s; "
+                    f"stderr: {''.join(self.stderr)[-2000:]}"
+                )
+            if got["event"] == event:
+                return got
+            if got["event"] == "timeout":
+                pytest.fail(f"node {self.name} timed out: {got}")
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def nodes() -> Iterator[Callable[..., Node]]:
+    """Factory of node processes, killed after the test if still running."""
+    started: list[Node] = []
+
+    def start(dsn: str, name: str, *args: str) -> Node:
+        node = Node(dsn, name, *args)
+        started.append(node)
+        return node
+
+    yield start
+    for node in started:
+        node.stop()
+
+
+@pytest.mark.slow
+def test_100_kb_message_reaches_three_node_processes_whole(
+    pg_dsn: str, nodes: Callable[..., Node]
+) -> None:
+    size = 100_000
+    fleet = [
+        nodes(pg_dsn, "a", "--expect", "1", "--publish", "1", "--size", str(size)),
+        nodes(pg_dsn, "b", "--expect", "1"),
+        nodes(pg_dsn, "c", "--expect", "1"),
+    ]
+    for node in fleet:
+        node.expect("ready", 30)
+    for node in fleet:
+        node.go()
+    for node in fleet:
+        done = node.expect("done", 60)
+        assert done["received"] == {"a": [0]}, node.name
+        assert done["sizes"] == [size]
+        assert done["bodies_ok"], f"node {node.name} got a corrupted body"
+        assert node.proc.wait(20) == 0
+    assert len(body("a", 0, size)) == size
+
+
+@pytest.mark.slow
+def test_10000_messages_from_two_publishers_reach_three_subscribers_in_order(
+    pg_dsn: str, nodes: Callable[..., Node]
+) -> None:
+    per_publisher = 5_000
+    total = 2 * per_publisher
+    subscribers = [
+        nodes(pg_dsn, f"s{i}", "--expect", str(total), "--timeout", "100") for i in range(3)
+    ]
+    publishers = [
+        nodes(pg_dsn, f"p{i}", "--publish", str(per_publisher), "--size", "20", "--timeout", "100")
+        for i in range(2)
+    ]
+    for node in subscribers + publishers:
+        node.expect("ready", 30)
+    for node in subscribers + publishers:
+        node.go()
+    for node in publishers:
+        assert node.expect("published", 100)["flushed"]
+    for node in subscribers:
+        done = node.expect("done", 100)
+        for publisher in ("p0", "p1"):
+            # In publishing order, none lost, none twice.
+            assert done["received"][publisher] == list(range(per_publisher)), node.name
+        assert done["bodies_ok"]
+        assert done["overflowed"] == 0
+        assert node.proc.wait(20) == 0
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*), count(DISTINCT id) FROM rselection_broadcast"
+        ).fetchone()
+    assert row == (total, total), "every message is one row"
+
+
+# --------------------------------------------------------------------------- in process
+
+
+def test_publisher_own_subscribers_get_each_message_once_in_order(
+    make_bc: Callable[..., PostgresBroadcaster],
+) -> None:
+    a = make_bc()
+    b = make_bc()
+    sub_a, sub_b = a.subscribe("mixed", maxsize=10_000), b.subscribe("mixed", maxsize=10_000)
+    got_by_receiver: list[Any] = []
+    a.connect("mixed", lambda channel, msg: got_by_receiver.append(msg))
+    # Small messages travel inside the NOTIFY, big ones are fetched: mix both.
+    sent = [{"i": i, "pad": "z" * (20_000 if i % 7 == 3 else 10)} for i in range(200)]
+    for msg in sent:
+        a.publish("mixed", msg)
+    assert a.flush(20)
+    assert drain(sub_a, len(sent), 30) == sent
+    assert drain(sub_b, len(sent), 30) == sent
+    wait_until(lambda: len(got_by_receiver) == len(sent), 10, "the receiver")
+    assert got_by_receiver == sent
+    assert_quiet(sub_a)
+    stats = a.stats()
+    assert isinstance(stats, PostgresBroadcastStats)
+    assert stats.published == len(sent) and stats.pending == 0
+    assert stats.subscribers == {"mixed": 1} and stats.receivers == {"mixed": 1}
+    assert stats.listening and stats.listener_pid is not None
+
+
+def test_message_above_the_notify_limit_is_delivered_whole(
+    make_bc: Callable[..., PostgresBroadcaster],
+) -> None:
+    a, b = make_bc(), make_bc()
+    sub = b.subscribe("big")
+    big = {"blob": body("x", 1, 100_000), "unicode": "é€😀" * 3000}
+    a.publish("big", big)
+    assert drain(sub, 1, 20) == [big]
+
+
+def test_channel_names_of_any_length_and_characters(
+    make_bc: Callable[..., PostgresBroadcaster],
+) -> None:
+    a, b = make_bc(), make_bc()
+    names = ["x" * 10_000, "ünï cödé 😀 \n\t 'quoted' \"double\" ; DROP TABLE x;--", "A", "a"]
+    subs = {name: b.subscribe(name) for name in names}
+    for n, name in enumerate(names):
+        a.publish(name, n)
+    for n, name in enumerate(names):
+        assert drain(subs[name], 1, 20) == [n], f"channel {name[:20]!r}"
+    for sub in subs.values():
+        assert_quiet(sub, 0.2)
+
+
+def test_tables_and_schemas_do_not_hear_each_other(
+    make_pg_dsn: Callable[[], str], make_bc: Callable[..., PostgresBroadcaster]
+) -> None:
+    dsn1, dsn2 = make_pg_dsn(), make_pg_dsn()
+    same_name_1 = make_bc(dsn1)  # same default table name, other schema
+    same_name_2 = make_bc(dsn2)
+    other_table = make_bc(dsn1, table="other_broadcast")
+    subs = [bc.subscribe("c") for bc in (same_name_1, same_name_2, other_table)]
+    same_name_1.publish("c", 1)
+    same_name_2.publish("c", 2)
+    other_table.publish("c", 3)
+    assert drain(subs[0], 1, 20) == [1]
+    assert drain(subs[1], 1, 20) == [2]
+    assert drain(subs[2], 1, 20) == [3]
+    for sub in subs:
+        assert_quiet(sub)
+
+
+def test_listener_killed_while_publishing_catches_up_in_order(
+    pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster]
+) -> None:
+    publisher = make_bc()
+    listener = make_bc(**QUICK)
+    sub = listener.subscribe("stream", maxsize=10_000)
+    total = 3_000
+    done = threading.Event()
+
+    def publish() -> None:
+        for i in range(total):
+            publisher.publish("stream", i)
+            if i % 50 == 0:
+                time.sleep(0.005)  # spread the stream over the kills
+        done.set()
+
+    threading.Thread(target=publish, daemon=True).start()
+    kills = 0
+    for _ in range(3):
+        time.sleep(0.1)
+        wait_until(lambda: listener.stats().listener_pid is not None, 20, "the listener")
+        kills += terminate(pg_dsn, listener.stats().listener_pid)
+    assert kills >= 1
+    assert done.wait(30)
+    assert publisher.flush(20)
+    assert drain(sub, total, 60) == list(range(total))
+    assert_quiet(sub)
+    wait_until(lambda: listener.stats().reconnects >= 1, 10, "a counted reconnect")
+
+
+def test_writer_connection_killed_while_publishing_writes_each_message_once(
+    pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster]
+) -> None:
+    table = f"bc_{uuid.uuid4().hex[:12]}"  # names this test's writer in pg_stat_activity
+    publisher = make_bc(table=table, **QUICK)
+    listener = make_bc(table=table)
+    sub = listener.subscribe("w", maxsize=10_000)
+    total = 3_000
+
+    def writer_pids() -> list[int]:
+        own = {listener.stats().listener_pid, publisher.stats().listener_pid}
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE application_name = 'rselection:broadcast'"
+                " AND query LIKE %s",
+                (f'%INSERT INTO "{table}"%',),
+            ).fetchall()
+        return [int(r[0]) for r in rows if r[0] not in own]
+
+    for i in range(total):
+        publisher.publish("w", i)
+        if i in (500, 1500, 2500):
+            wait_until(lambda: bool(writer_pids()), 20, "the writer's session")
+            for pid in writer_pids():
+                terminate(pg_dsn, pid)
+        if i % 100 == 0:
+            time.sleep(0.01)
+    assert publisher.flush(30)
+    assert drain(sub, total, 60) == list(range(total))
+    assert_quiet(sub)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        row = conn.execute(f"SELECT count(*) FROM {table} WHERE channel = 'w'").fetchone()
+    assert row == (total,)
+
+
+@pytest.mark.parametrize("old_session_commits", [True, False], ids=["committed", "ended"])
+def test_publish_whose_commit_was_not_confirmed_is_never_written_twice(
+    pg_dsn: str,
+    make_bc: Callable[..., PostgresBroadcaster],
+    make_tcp_proxy: Callable[[str, int], TcpProxy],
+    old_session_commits: bool,
+) -> None:
+    proxy = proxy_for(pg_dsn, make_tcp_proxy)
+    listener = make_bc()
+    sub = listener.subscribe("amb")
+    publisher = make_bc(proxied(pg_dsn, proxy), probe_interval=0.3, timeout=5.0)
+    publisher.publish("amb", "warm-up")  # the writer connects and resolves the table
+    assert publisher.flush(20)
+    assert drain(sub, 1, 20) == ["warm-up"]
+    with psycopg.connect(pg_dsn, autocommit=True) as blocker:
+        _, lock_key = publisher._outbox.resolve(blocker)
+        with blocker.transaction():
+            # Hold the publish lock: the writer's next batch waits for it on the server.
+            blocker.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key,))
+            publisher.publish("amb", "once")
+            wait_until(lambda: waiting_on_lock(pg_dsn, lock_key), 20, "the writer blocked")
+            [old_pid] = waiting_on_lock(pg_dsn, lock_key)
+            # The client sees its connection reset; its server session still holds the
+            # batch and will commit it once the lock is free, unless it is ended first.
+            proxy.sever()
+            if not old_session_commits:
+                wait_until(lambda: not alive(pg_dsn, old_pid), 20, "the old session ended")
+        # Lock released: an old session still alive commits the batch now.
+    assert publisher.flush(30)
+    assert drain(sub, 1, 20) == ["once"]
+    assert_quiet(sub, 1.0)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM rselection_broadcast WHERE payload = %s", ('"once"',)
+        ).fetchone()
+    assert row == (1,)
+
+
+def waiting_on_lock(dsn: str, key: int) -> list[int]:
+    """Backend pids waiting for the bigint advisory lock ``key`` (the blocked writer)."""
+    unsigned = key & 0xFFFF_FFFF_FFFF_FFFF
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            " AND classid::bigint = %s AND objid::bigint = %s AND objsubid = 1",
+            (unsigned >> 32, unsigned & 0xFFFF_FFFF),
+        ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def alive(dsn: str, pid: int) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return (
+            conn.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+            is not None
+        )
+
+
+def test_blackholed_listener_is_found_by_its_probe_and_catches_up(
+    pg_dsn: str,
+    make_bc: Callable[..., PostgresBroadcaster],
+    make_tcp_proxy: Callable[[str, int], TcpProxy],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    proxy = proxy_for(pg_dsn, make_tcp_proxy)
+    publisher = make_bc()
+    listener = make_bc(proxied(pg_dsn, proxy), **QUICK)
+    sub = listener.subscribe("h", maxsize=10_000)
+    publisher.publish("h", 0)
+    assert drain(sub, 1, 20) == [0]
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        proxy.blackhole()
+        started = time.monotonic()
+        # probe_interval + timeout (+ scheduling slack on a busy machine).
+        wait_until(lambda: not listener.stats().listening, 15, "the half-open connection found")
+        found_after = time.monotonic() - started
+        for i in range(1, 101):
+            publisher.publish("h", i)
+        assert publisher.flush(20)
+        proxy.heal()
+        assert drain(sub, 100, 60) == list(range(1, 101))
+    assert found_after < 10, f"the dead connection was found only after {found_after:.1f} s"
+    assert "lost its connection" in caplog.text
+    wait_until(lambda: listener.stats().listening, 20, "the listener back")
+    assert listener.stats().reconnects >= 1
+    assert listener.stats().gaps == 0
+    assert_quiet(sub)
+
+
+def test_slow_subscriber_does_not_slow_the_others_and_its_overflow_is_reported(
+    make_bc: Callable[..., PostgresBroadcaster], caplog: pytest.LogCaptureFixture
+) -> None:
+    overflowed: list[int] = []
+    publisher = make_bc()
+    listener = make_bc(on_overflow=lambda channel, sub: overflowed.append(sub.overflowed))
+    never_read = listener.subscribe("s", maxsize=10)
+    fast = listener.subscribe("s", maxsize=5_000)
+    total = 3_000
+    with caplog.at_level(logging.WARNING, logger="rselection.broadcast"):
+        started = time.monotonic()
+        for i in range(total):
+            publisher.publish("s", i)
+        assert drain(fast, total, 30) == list(range(total))
+        elapsed = time.monotonic() - started
+    assert never_read.pending == 10
+    assert never_read.overflowed == total - 10
+    assert listener.stats().overflowed == total - 10
+    assert overflowed and overflowed[0] == 1, "the first drop is reported"
+    assert "not keeping up" in caplog.text
+    assert elapsed < 30
+    assert drain(never_read, 10, 5) == list(range(10)), "it keeps the oldest messages"
+
+
+def lost_rows(dsn: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM rselection_broadcast WHERE payload LIKE '%%lost%%'"
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_gap_past_retention_is_reported(
+    pg_dsn: str,
+    make_bc: Callable[..., PostgresBroadcaster],
+    make_tcp_proxy: Callable[[str, int], TcpProxy],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    proxy = proxy_for(pg_dsn, make_tcp_proxy)
+    publisher = make_bc(retention=1.0)
+    gaps: list[Gap] = []
+    listener = make_bc(proxied(pg_dsn, proxy), on_gap=gaps.append, **QUICK)
+    sub = listener.subscribe("g", maxsize=1_000)
+    publisher.publish("g", "before")
+    assert drain(sub, 1, 20) == ["before"]
+    seen = listener.stats().last_id
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        proxy.blackhole()
+        wait_until(lambda: not listener.stats().listening, 15, "the listener cut off")
+        for i in range(5):
+            publisher.publish("g", f"lost {i}")
+        assert publisher.flush(20)
+        time.sleep(1.5)  # older than the retention now
+        publisher.purge()  # the writer may have purged them already, by itself
+        assert lost_rows(pg_dsn) == 0
+        publisher.publish("g", "after")
+        assert publisher.flush(20)
+        proxy.heal()
+        assert drain(sub, 1, 30) == ["after"]
+    stats = listener.stats()
+    assert stats.gaps == 1
+    assert len(gaps) == 1 and gaps[0].after_id == seen
+    assert gaps[0].through_id >= seen + 5 and stats.missed == gaps[0].missed >= 5
+    assert "fell behind by more than retention" in caplog.text
+    assert_quiet(sub)
+
+
+def test_retention_purge_runs_by_itself(
+    make_bc: Callable[..., PostgresBroadcaster], pg_dsn: str
+) -> None:
+    publisher = make_bc(retention=0.5)
+    for i in range(20):
+        publisher.publish("p", i)
+    assert publisher.flush(20)
+
+    def rows() -> int:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            row = conn.execute("SELECT count(*) FROM rselection_broadcast").fetchone()
+        assert row is not None
+        return int(row[0])
+
+    # The writer purges every max(1 s, retention / 10), jittered: well within 10 s.
+    wait_until(lambda: rows() == 0, 10, "old messages purged")
+
+
+def test_new_listener_starts_at_the_end_without_a_gap(
+    make_bc: Callable[..., PostgresBroadcaster],
+) -> None:
+    publisher = make_bc(retention=0.2)
+    for i in range(10):
+        publisher.publish("n", i)
+    assert publisher.flush(20)
+    time.sleep(0.5)
+    publisher.purge()
+    late = make_bc()
+    sub = late.subscribe("n")
+    publisher.publish("n", "new")
+    assert drain(sub, 1, 20) == ["new"]
+    assert late.stats().gaps == 0
+
+
+async def _read_async(sub: Subscription, n: int) -> list[Any]:
+    out: list[Any] = []
+    async with asyncio.timeout(20):
+        async for msg in sub:
+            out.append(msg)
+            if len(out) == n:
+                break
+    return out
+
+
+def test_async_iteration(make_bc: Callable[..., PostgresBroadcaster]) -> None:
+    a, b = make_bc(), make_bc()
+    sub = b.subscribe("async")
+    for i in range(5):
+        a.publish("async", {"n": i})
+    assert asyncio.run(_read_async(sub, 5)) == [{"n": i} for i in range(5)]
+
+
+def test_postgres_leader_hands_the_broadcaster_to_tasks(
+    pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster]
+) -> None:
+    node_bc = make_bc()
+    other_node = make_bc()
+    from_leader = other_node.subscribe("from-leader")
+    tasks = rs.TaskHandler(stop_grace=2.0)
+    echoed = threading.Event()
+
+    @tasks.persistent("echo")
+    def echo(ctx: rs.TaskContext) -> None:
+        assert ctx.broadcaster is node_bc
+        with ctx.broadcaster.subscribe("to-leader") as inbox:
+            ctx.broadcaster.publish("from-leader", {"term": ctx.term, "hello": True})
+            while not ctx.cancelled.is_set():
+                try:
+                    msg = inbox.get(0.1)
+                except TimeoutError:
+                    continue
+                ctx.broadcaster.publish("from-leader", {"echo": msg})
+                echoed.set()
+
+    leader = PostgresLeader(
+        pg_dsn,
+        tasks,
+        name="bc-leader",
+        ttl=3.0,
+        renew_interval=0.5,
+        renew_deadline=2.0,
+        retry_interval=0.5,
+        broadcaster=node_bc,
+    )
+    leader.start()
+    try:
+        assert leader.wait_until_leader(20)
+        first = drain(from_leader, 1, 20)[0]
+        assert first == {"term": leader.term, "hello": True}
+        other_node.publish("to-leader", [1, "two"])
+        assert drain(from_leader, 1, 20) == [{"echo": [1, "two"]}]
+        assert echoed.is_set()
+    finally:
+        leader.stop(timeout=10)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+class NotJson:
+    pass
+
+
+@pytest.mark.parametrize(
+    "message",
+    [NotJson(), {1, 2}, float("nan"), {"t": float("inf")}, b"bytes", {"k": object()}],
+    ids=["object", "set", "nan", "inf", "bytes", "nested"],
+)
+def test_message_without_json_form_is_refused(
+    make_bc: Callable[..., PostgresBroadcaster], message: object
+) -> None:
+    bc = make_bc()
+    with pytest.raises(MessageEncodeError, match="cannot be sent as JSON") as info:
+        bc.publish("c", message)
+    assert isinstance(info.value, ConfigError) and isinstance(info.value, TypeError)
+    assert bc.stats().pending == 0
+
+
+def test_circular_message_is_refused(make_bc: Callable[..., PostgresBroadcaster]) -> None:
+    loop: list[Any] = []
+    loop.append(loop)
+    with pytest.raises(MessageEncodeError, match="circular"):
+        make_bc().publish("c", loop)
+
+
+@pytest.mark.parametrize("channel", ["", None, 7, "nul\x00inside", "\ud800"])
+def test_bad_channel_is_refused(make_bc: Callable[..., PostgresBroadcaster], channel: Any) -> None:
+    bc = make_bc()
+    with pytest.raises(ConfigError, match="channel"):
+        bc.publish(channel, 1)
+    assert bc.stats().pending == 0
+
+
+def test_oversized_message_is_refused(make_bc: Callable[..., PostgresBroadcaster]) -> None:
+    bc = make_bc(max_message_bytes=1000)
+    with pytest.raises(ConfigError, match="max_message_bytes=1000"):
+        bc.publish("c", "x" * 1000)
+    bc.publish("c", "x" * 990)
+
+
+def test_publish_after_close_raises(make_bc: Callable[..., PostgresBroadcaster]) -> None:
+    a, b = make_bc(), make_bc()
+    sub = b.subscribe("last")
+    a.publish("last", "final words")
+    a.close()  # writes what is pending first
+    assert a.closed and a.stats().closed and a.stats().pending == 0
+    assert drain(sub, 1, 20) == ["final words"]
+    with pytest.raises(BroadcasterClosed, match="closed"):
+        a.publish("last", "too late")
+    with pytest.raises(BroadcasterClosed):
+        a.subscribe("last")
+    a.close()  # idempotent
+
+
+def test_close_wakes_readers_and_is_quick(make_bc: Callable[..., PostgresBroadcaster]) -> None:
+    bc = make_bc(probe_interval=30.0)
+    sub = bc.subscribe("c")
+    started = time.monotonic()
+    bc.close()
+    assert time.monotonic() - started < 5, "close must not wait for the probe interval"
+    assert sub.closed
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"retention": 0}, "retention"),
+        ({"retention": -1}, "retention"),
+        ({"retention": float("inf")}, "retention"),
+        ({"retention": "10"}, "retention"),
+        ({"probe_interval": 0}, "probe_interval"),
+        ({"timeout": float("nan")}, "timeout"),
+        ({"close_timeout": True}, "close_timeout"),
+        ({"max_message_bytes": 0}, "max_message_bytes"),
+        ({"max_message_bytes": 2**40}, "max_message_bytes"),
+        ({"max_pending": 0}, "max_pending"),
+        ({"table": "x; drop table y"}, "table"),
+        ({"table": "a.b.c"}, "table"),
+        ({"on_gap": 5}, "on_gap"),
+        ({"on_overflow": "no"}, "on_overflow"),
+    ],
+)
+def test_bad_settings_fail_at_construction(
+    pg_dsn: str, options: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(ConfigError, match=match):
+        PostgresBroadcaster(pg_dsn, **options)
+
+
+@pytest.mark.parametrize("conninfo", ["", "   ", "host=x port", "postgresql://[bad", None])
+def test_bad_conninfo_fails_at_construction(conninfo: Any) -> None:
+    with pytest.raises(ConfigError):
+        PostgresBroadcaster(conninfo)
+
+
+def test_missing_table_without_create_tables_is_reported(
+    pg_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        bc = PostgresBroadcaster(pg_dsn, create_tables=False, **QUICK)
+        try:
+            assert not bc.wait_ready(1.0)
+            wait_until(lambda: "does not exist" in caplog.text, 10, "the warning")
+            assert "create_broadcast_tables" in caplog.text
+        finally:
+            bc.close()
