@@ -26,6 +26,8 @@ from .errors import (
 from .leader import Leader
 from .lease import LeaderInfo
 from .local import SingleNodeLeader
+from .members import NodeInfo
+from .monitor import HeartbeatMonitor
 from .schedules import CronSchedule, IntervalSchedule, Schedule, format_fire_key
 from .tasks import GenericTask, Task, TaskHandler, TaskType
 
@@ -40,11 +42,13 @@ __all__ = [
     "CronSchedule",
     "FireClaimer",
     "GenericTask",
+    "HeartbeatMonitor",
     "IntervalSchedule",
     "Leader",
     "LeaderInfo",
     "LeadershipLost",
     "MemoryClaimer",
+    "NodeInfo",
     "PostgresLeader",
     "RSelectionError",
     "Schedule",

@@ -16,6 +16,7 @@ from .errors import LeadershipLost, StaleLeaderError
 if TYPE_CHECKING:
     from .broadcast import Broadcaster
     from .claiming import FireClaimer
+    from .members import NodeInfo
     from .postgres.checkpoint import TaskCheckpoint
 
 __all__ = ["TaskContext", "Term"]
@@ -46,6 +47,7 @@ class Term:
             lease table exists (single node), so fencing checks liveness only.
         claimer: claims each scheduled fire before it runs; ``None`` runs every fire
             without claiming (a single node, or claims switched off).
+        nodes: lists the lease's nodes (the leader's ``nodes()``), for ``ctx.nodes()``.
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class Term:
         broadcaster: Broadcaster | None = None,
         fencer: Fencer | None = None,
         claimer: FireClaimer | None = None,
+        nodes: Callable[[], list[NodeInfo]] | None = None,
     ) -> None:
         self.number = number
         self.node_id = node_id
@@ -66,6 +69,7 @@ class Term:
         self.broadcaster = broadcaster
         self.fencer = fencer
         self.claimer = claimer
+        self.nodes = nodes
         self.cancelled = threading.Event()
         self.ended = threading.Event()
         """Set once the term's tasks were cancelled and joined (or reported stuck)."""
@@ -148,6 +152,18 @@ class TaskContext:
     def cancelled(self) -> threading.Event:
         """Set the moment leadership ends; plain ``def`` tasks should check it often."""
         return self._term.cancelled
+
+    def nodes(self) -> list[NodeInfo]:
+        """The nodes of this lease with their liveness and the leader flag (see
+        :meth:`rselection.PostgresLeader.nodes`).
+
+        Raises:
+            RuntimeError: the task runs outside a leader that keeps membership.
+            BackendUnavailable: the membership table could not be read.
+        """
+        if self._term.nodes is None:
+            raise RuntimeError("ctx.nodes() needs a leader; this term has no membership")
+        return self._term.nodes()
 
     @property
     def broadcaster(self) -> Broadcaster | None:

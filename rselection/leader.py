@@ -18,6 +18,7 @@ import secrets
 import socket
 import threading
 import time
+from datetime import UTC, datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -25,6 +26,7 @@ from . import signals
 from .context import Fencer, Term
 from .errors import BackendUnavailable, ConfigError
 from .lease import Acquisition, LeaderInfo, LeaseBackend
+from .members import NodeInfo
 from .timing import Timings
 
 if TYPE_CHECKING:
@@ -80,6 +82,9 @@ class Leader(Protocol):
     def leader(self) -> LeaderInfo | None:
         """The current holder as the lease server sees it, from any node."""
 
+    def nodes(self) -> list[NodeInfo]:
+        """The nodes competing for the lease, alive or lost, with the leader flagged."""
+
     def wait_until_leader(self, timeout: float | None = None) -> bool:
         """Block until this node leads; ``False`` on timeout."""
 
@@ -124,6 +129,7 @@ class LeaderBase:
         self._broadcaster = broadcaster
         self._fencer = fencer
         self._claimer = claimer
+        self._created_at = datetime.now(UTC)
         self._loop: asyncio.AbstractEventLoop | None = None
 
         self._cond = threading.Condition()  # guards the fields below and wakes waiters
@@ -183,6 +189,24 @@ class LeaderBase:
     def leader(self) -> LeaderInfo | None:
         """The current holder as the lease server sees it (works on every node)."""
         return self._backend.current()
+
+    def nodes(self) -> list[NodeInfo]:
+        """The nodes competing for this lease. Here only this one; leaders with
+        membership (Postgres) list every node from its heartbeats."""
+        now = datetime.now(UTC)
+        return [
+            NodeInfo(
+                node_id=self._node_id,
+                name=self._name,
+                hostname=socket.gethostname(),
+                pid=os.getpid(),
+                client_addr=None,
+                started_at=self._created_at,
+                last_seen=now,
+                alive=True,
+                is_leader=self.is_leader,
+            )
+        ]
 
     def wait_until_leader(self, timeout: float | None = None) -> bool:
         """Block until this node leads; return ``False`` after ``timeout`` seconds."""
@@ -415,6 +439,7 @@ class LeaderBase:
             broadcaster=self._broadcaster,
             fencer=self._fencer,
             claimer=self._claimer,
+            nodes=self.nodes,
         )
         with self._transition:
             with self._cond:

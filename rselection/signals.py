@@ -10,8 +10,11 @@ arguments:
 - ``task_started``: ``task``, ``term``, ``scheduled_at`` (``None`` for persistent tasks).
 - ``task_failed``: ``task``, ``term``, ``error`` (the exception).
 - ``task_stuck``: ``task``, ``term``, ``waited`` (seconds waited after cancelling).
-- ``fire_skipped``: ``task``, ``scheduled_at``, ``reason`` (``"overlap"``, ``"not-leader"``,
-  ``"already-claimed"``, ``"misfire"``, ``"claim-error"``).
+- ``fire_skipped``: ``task``, ``scheduled_at``, ``fire_key``, ``reason`` (``"overlap"``,
+  ``"not-leader"``, ``"already-claimed"``, ``"misfire"``, ``"claim-error"``).
+- ``node_joined``: ``name`` (lease name), ``node`` (:class:`~rselection.NodeInfo`), sent
+  by a :class:`~rselection.HeartbeatMonitor` on the leader.
+- ``node_lost``: ``name``, ``node`` (its last heartbeat), sent the same way.
 
 Receivers run in the thread that sends the signal: keep them short and never block.
 """
@@ -26,6 +29,8 @@ __all__ = [
     "fire_skipped",
     "leader_changed",
     "namespace",
+    "node_joined",
+    "node_lost",
     "task_failed",
     "task_started",
     "task_stuck",
@@ -49,5 +54,12 @@ task_stuck = namespace.signal(
     "task_stuck", doc="A task ignored cancellation past stop_grace (kwargs: task, term, waited)."
 )
 fire_skipped = namespace.signal(
-    "fire_skipped", doc="A scheduled fire did not run (kwargs: task, scheduled_at, reason)."
+    "fire_skipped",
+    doc="A scheduled fire did not run (kwargs: task, scheduled_at, fire_key, reason).",
+)
+node_joined = namespace.signal(
+    "node_joined", doc="A node of the lease came alive (kwargs: name, node)."
+)
+node_lost = namespace.signal(
+    "node_lost", doc="A node of the lease stopped heartbeating (kwargs: name, node)."
 )

@@ -19,9 +19,11 @@ from .lease import PostgresLease
 from .schema import migrate
 
 if TYPE_CHECKING:
+    from ..monitor import HeartbeatMonitor
     from .leader import PostgresLeader
 
 __all__ = [
+    "HeartbeatMonitor",
     "PostgresBroadcaster",
     "PostgresCheckpointStore",
     "PostgresClaimer",
@@ -42,4 +44,8 @@ def __getattr__(name: str) -> Any:
         from .leader import PostgresLeader
 
         return PostgresLeader
+    if name == "HeartbeatMonitor":
+        from ..monitor import HeartbeatMonitor
+
+        return HeartbeatMonitor
     raise AttributeError(f"module 'rselection.postgres' has no attribute {name!r}")

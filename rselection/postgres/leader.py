@@ -13,9 +13,12 @@ from .checkpoint import PostgresCheckpointStore, TaskCheckpoint
 from .claims import PostgresClaimer
 from .fencing import fenced
 from .lease import PostgresLease
+from .membership import Membership
+from .schema import NODES_TABLE
 
 if TYPE_CHECKING:
     from ..broadcast import Broadcaster
+    from ..members import NodeInfo
     from ..tasks import TaskHandler
 
 __all__ = ["PostgresLeader"]
@@ -100,6 +103,10 @@ class PostgresLeader(LeaderBase):
             closed with the leader; pass your own (any
             :class:`~rselection.claiming.FireClaimer`, not closed by the leader), or
             ``None`` to run fires unclaimed. Claim keys are ``"<lease name>/<fire key>"``.
+        heartbeat_interval: seconds between this node's heartbeats in the nodes table
+            (see :meth:`nodes`), from a thread and connection of its own.
+        node_timeout: a node not seen for this long is lost (default three heartbeats).
+        nodes_table: the nodes table, optionally schema-qualified.
     """
 
     def __init__(
@@ -118,6 +125,9 @@ class PostgresLeader(LeaderBase):
         broadcaster: Broadcaster | None = None,
         checkpoint_store: PostgresCheckpointStore | None = None,
         claimer: FireClaimer | _Default | None = DEFAULT_CLAIMER,
+        heartbeat_interval: float = 5.0,
+        node_timeout: float | None = None,
+        nodes_table: str = NODES_TABLE,
     ) -> None:
         if not isinstance(name, str) or not name.strip():
             raise ConfigError(f"lease name must be a non-empty string, got {name!r}")
@@ -159,6 +169,25 @@ class PostgresLeader(LeaderBase):
                 f"or be None, got {type(claimer).__name__}"
             )
 
+        for label, value in (
+            ("heartbeat_interval", heartbeat_interval),
+            ("node_timeout", node_timeout),
+        ):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
+            ):
+                raise ConfigError(f"{label} must be a positive number of seconds, got {value!r}")
+        self._membership = Membership(
+            conninfo,
+            lease=name,
+            node_id=node_id,
+            table=nodes_table,
+            lease_table=table,
+            heartbeat_interval=float(heartbeat_interval),
+            node_timeout=float(3 * heartbeat_interval if node_timeout is None else node_timeout),
+            create_tables=create_tables,
+        )
+
         super().__init__(
             backend,
             handler,
@@ -175,7 +204,25 @@ class PostgresLeader(LeaderBase):
         """The store behind ``ctx.checkpoint`` (to inspect or seed task state)."""
         return self._checkpoint_store
 
+    def start(self) -> None:
+        """Start heartbeating and competing for the lease in background threads."""
+        super().start()
+        self._membership.start()
+
+    def nodes(self) -> list[NodeInfo]:
+        """Every node of this lease from the nodes table, oldest first.
+
+        Each :class:`~rselection.NodeInfo` has the node's id, host, pid, client address,
+        first and last heartbeat (server time), ``alive`` (seen within ``node_timeout``)
+        and ``is_leader``. Works on any node, leader or follower.
+
+        Raises:
+            BackendUnavailable: the database could not be reached.
+        """
+        return self._membership.nodes()
+
     def _close_backend(self) -> None:
+        self._membership.stop()  # a graceful stop leaves the membership at once
         super()._close_backend()
         if self._owns_store:
             self._checkpoint_store.close()  # idle connections only; reopened on demand

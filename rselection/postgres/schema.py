@@ -90,6 +90,12 @@ ELECTIONS_TABLE = "rselection_elections"
 ELECTIONS_VERSION = 1
 """Schema version of the elections table that this release creates and understands."""
 
+NODES_TABLE = "rselection_nodes"
+"""The table of node heartbeats (membership) by default."""
+
+NODES_VERSION = 1
+"""Schema version of the nodes table that this release creates and understands."""
+
 _PART = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _MAX_PART = 63  # NAMEDATALEN - 1
 
@@ -216,11 +222,29 @@ def _elections_ddl(table: str) -> list[sql.Composed]:
     ]
 
 
+def _nodes_ddl(table: str) -> list[sql.Composed]:
+    ident = table_identifier(table)
+    return [
+        sql.SQL(
+            "CREATE TABLE IF NOT EXISTS {} ("
+            " name text NOT NULL,"
+            " node_id text NOT NULL,"
+            " hostname text NOT NULL,"
+            " pid integer NOT NULL,"
+            " client_addr inet NULL,"
+            " started_at timestamptz NOT NULL,"
+            " last_seen timestamptz NOT NULL,"
+            " PRIMARY KEY (name, node_id))"
+        ).format(ident)
+    ]
+
+
 #: kind -> (default table, schema version, DDL builder, what the table is, for messages)
 _KINDS: dict[str, tuple[str, int, Callable[[str], list[sql.Composed]], str]] = {
     "leases": (DEFAULT_TABLE, LEASES_VERSION, _lease_ddl, "lease table"),
     "claims": (CLAIMS_TABLE, CLAIMS_VERSION, _claims_ddl, "claims table"),
     "elections": (ELECTIONS_TABLE, ELECTIONS_VERSION, _elections_ddl, "elections table"),
+    "nodes": (NODES_TABLE, NODES_VERSION, _nodes_ddl, "nodes table"),
 }
 
 
@@ -232,7 +256,7 @@ def create_tables(conn: psycopg.Connection[Any], **tables: str | None) -> None:
 
     Args:
         conn: an open psycopg connection (autocommit or not).
-        tables: ``leases=``, ``claims=`` and ``elections=`` table names; ``None`` (or
+        tables: ``leases=``, ``claims=``, ``elections=`` and ``nodes=`` table names; ``None`` (or
             leaving one out) skips that table.
 
     Raises:
@@ -243,7 +267,9 @@ def create_tables(conn: psycopg.Connection[Any], **tables: str | None) -> None:
     wanted: list[tuple[str, str]] = []
     for kind, table in tables.items():
         if kind not in _KINDS:
-            raise ConfigError(f"unknown table kind {kind!r}: use leases, claims or elections")
+            raise ConfigError(
+                f"unknown table kind {kind!r}: use leases, claims, elections or nodes"
+            )
         if table is not None:
             validate_table_name(table)
             wanted.append((kind, table))
@@ -306,12 +332,14 @@ def migrate(
     table: str | None = DEFAULT_TABLE,
     claims_table: str | None = CLAIMS_TABLE,
     elections_table: str | None = ELECTIONS_TABLE,
+    nodes_table: str | None = NODES_TABLE,
 ) -> None:
     """Create every rselection table and the schema-version table if they do not exist.
 
     Creates the lease table (:class:`~rselection.PostgresLeader`), the claims table
-    (:class:`~rselection.postgres.PostgresClaimer`) and the elections table
-    (:class:`~rselection.postgres.PostgresElector`); pass ``None`` for one to skip it.
+    (:class:`~rselection.postgres.PostgresClaimer`), the elections table
+    (:class:`~rselection.postgres.PostgresElector`) and the nodes table (heartbeats of
+    every leader's nodes); pass ``None`` for one to skip it.
     Safe to run from many processes at once: the DDL runs in a transaction under a
     transaction-level advisory lock, so concurrent ``CREATE ... IF NOT EXISTS`` never
     race on the catalogs. Runs in its own transaction (or a savepoint when ``conn`` is
@@ -324,6 +352,7 @@ def migrate(
         table: lease table name, optionally schema-qualified (``"ops.leases"``).
         claims_table: claims table name, optionally schema-qualified.
         elections_table: elections table name, optionally schema-qualified.
+        nodes_table: nodes table name, optionally schema-qualified.
 
     Raises:
         ConfigError: a table name is not safe, or the database holds a newer schema
@@ -331,4 +360,10 @@ def migrate(
         BackendUnavailable: the database refused (missing schema, no privilege, broken
             connection); the message says which.
     """
-    create_tables(conn, leases=table, claims=claims_table, elections=elections_table)
+    create_tables(
+        conn,
+        leases=table,
+        claims=claims_table,
+        elections=elections_table,
+        nodes=nodes_table,
+    )

@@ -7,96 +7,34 @@ fires already claimed and never runs one of them again.
 
 from __future__ import annotations
 
-import json
 import os
-import queue
-import subprocess
-import sys
-import threading
 import time
 from datetime import UTC, datetime, timedelta
-from typing import IO, Any
 
 import psycopg
 from freezegun import freeze_time
 
 import rselection as rs
+from tests.support.node_process import NodeProcess, count
 from tests.support.skewed_node import LEDGER
 
 SKEW = 30.0
 
 
-class Node:
-    """A skewed_node process and the JSON events it prints."""
-
-    def __init__(self, dsn: str, lease: str, node_id: str, skew: float) -> None:
-        cmd = [sys.executable, "-m", "tests.support.skewed_node", dsn]
-        cmd += ["--lease", lease, "--node", node_id, "--skew", str(skew)]
-        self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
-        )
-        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.seen: list[dict[str, Any]] = []
-        assert self.proc.stdout is not None
-        threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True).start()
-
-    def _read(self, stream: IO[str]) -> None:
-        for line in stream:
-            self.events.put(json.loads(line))
-
-    def wait_for(self, what: str, predicate: Any, timeout: float) -> None:
-        """Read events until ``predicate(seen)`` holds; fail after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while not predicate(self.seen):
-            left = deadline - time.monotonic()
-            assert left > 0, f"timed out waiting for {what}; events: {self.seen[-10:]}"
-            try:
-                self.seen.append(self.events.get(timeout=left))
-            except queue.Empty:
-                continue
-
-    def keys(self, event: str, **match: Any) -> set[str]:
-        return {
-            e["key"]
-            for e in self.seen
-            if e["event"] == event and all(e.get(k) == v for k, v in match.items())
-        }
-
-    def stop(self) -> None:
-        """Close stdin: the node stops gracefully and releases the lease."""
-        assert self.proc.stdin is not None
-        if not self.proc.stdin.closed:
-            self.proc.stdin.close()
-
-    def reap(self) -> None:
-        self.stop()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-
-
-def count(event: str, n: int, **match: Any) -> Any:
-    """A predicate: at least ``n`` events named ``event`` (with ``match``) were seen."""
-
-    def enough(seen: list[dict[str, Any]]) -> bool:
-        found = [
-            e for e in seen if e["event"] == event and all(e.get(k) == v for k, v in match.items())
-        ]
-        return len(found) >= n
-
-    return enough
+def skewed(dsn: str, node_id: str, skew: float) -> NodeProcess:
+    """A skewed_node process leading the lease "skew"."""
+    args = ["--lease", "skew", "--node", node_id, "--skew", str(skew)]
+    return NodeProcess("tests.support.skewed_node", dsn, *args)
 
 
 def test_a_node_with_a_skewed_clock_claims_the_same_fire_keys(pg_dsn: str) -> None:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute(f"CREATE TABLE {LEDGER} (fire_key text PRIMARY KEY, node text NOT NULL)")
-    ahead = Node(pg_dsn, "skew", "ahead", SKEW)
-    right: Node | None = None
+    ahead = skewed(pg_dsn, "ahead", SKEW)
+    right: NodeProcess | None = None
     try:
         ahead.wait_for("the skewed node to run 5 fires", count("ran", 5), 30.0)
-        right = Node(pg_dsn, "skew", "right", 0.0)
+        right = skewed(pg_dsn, "right", 0.0)
         right.wait_for("the second node to start", count("started", 1), 30.0)
         ahead.stop()
         right.wait_for("the takeover", count("elected", 1), 15.0)

@@ -1,0 +1,192 @@
+"""Node membership: every node of a lease heartbeats into a table; anyone can list them.
+
+Each :class:`~rselection.PostgresLeader` (leader and followers alike) upserts its row
+``(lease name, node id)`` every ``heartbeat_interval`` seconds with the server's clock,
+from a thread and a connection of its own (so a follower blocked on the lease's lock, or
+a leader busy renewing, never delays a heartbeat). A node is *alive* while its last
+heartbeat is younger than ``node_timeout`` by the server's clock; no client clock is
+ever compared. A node that stops gracefully deletes its row at once; rows of nodes lost
+for more than a day are purged by the heartbeats of the others.
+
+The node id, not the client address, identifies a node: many nodes behind one NAT or
+connection pooler share an address (``client_addr`` is kept for operators only).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from ..errors import BackendUnavailable, ConfigError
+from ..members import NodeInfo
+from .claims import Connections
+from .schema import create_tables, table_identifier
+
+__all__ = ["Membership"]
+
+logger = logging.getLogger(__name__)
+
+_PURGE_AFTER = 86_400.0  # seconds a lost node's row is kept for operators to see
+
+
+class Membership:
+    """Heartbeats of one node, and the list of a lease's nodes.
+
+    Args:
+        conninfo: where the nodes table lives (the lease's database).
+        lease: the lease name the node competes for.
+        node_id: this node's id.
+        table: the nodes table, optionally schema-qualified.
+        lease_table: the lease table, to flag the leader in :meth:`nodes`.
+        heartbeat_interval: seconds between heartbeats.
+        node_timeout: a node not seen for this long is lost.
+        create_tables: create the nodes table on first use.
+    """
+
+    def __init__(
+        self,
+        conninfo: str,
+        *,
+        lease: str,
+        node_id: str,
+        table: str,
+        lease_table: str,
+        heartbeat_interval: float,
+        node_timeout: float,
+        create_tables: bool,
+    ) -> None:
+        if not node_timeout > heartbeat_interval > 0:
+            raise ConfigError(
+                f"node_timeout ({node_timeout:g} s) must be longer than heartbeat_interval "
+                f"({heartbeat_interval:g} s), which must be positive: a node would be lost "
+                "between two of its own heartbeats"
+            )
+        self.lease = lease
+        self.node_id = node_id
+        self.table = table
+        self.heartbeat_interval = heartbeat_interval
+        self.node_timeout = node_timeout
+        self._create = create_tables
+        # A heartbeat stuck longer than its interval is late anyway: give up and retry.
+        self._statement_timeout = max(1.0, min(10.0, heartbeat_interval))
+        self._conns = Connections(
+            conninfo,
+            owner="PostgresLeader membership",
+            application_name="rselection:nodes",
+            statement_timeout=self._statement_timeout,
+        )
+        nodes, leases = table_identifier(table), table_identifier(lease_table)
+        self._beat_sql = sql.SQL(
+            "WITH purge AS ("
+            " DELETE FROM {n} WHERE name = %(lease)s AND node_id <> %(node)s"
+            " AND last_seen < clock_timestamp() - make_interval(secs => %(purge)s))"
+            " INSERT INTO {n} AS t (name, node_id, hostname, pid, client_addr, started_at,"
+            " last_seen) VALUES (%(lease)s, %(node)s, %(host)s, %(pid)s, inet_client_addr(),"
+            " clock_timestamp(), clock_timestamp())"
+            " ON CONFLICT (name, node_id) DO UPDATE SET last_seen = clock_timestamp(),"
+            " client_addr = EXCLUDED.client_addr"
+        ).format(n=nodes)
+        self._leave_sql = sql.SQL("DELETE FROM {} WHERE name = %s AND node_id = %s").format(nodes)
+        self._nodes_sql = sql.SQL(
+            "SELECT n.node_id, n.hostname, n.pid, host(n.client_addr), n.started_at,"
+            " n.last_seen,"
+            " n.last_seen >= clock_timestamp() - make_interval(secs => %(timeout)s),"
+            " coalesce(l.holder = n.node_id AND l.expires_at > clock_timestamp(), false)"
+            " FROM {n} n LEFT JOIN {l} l ON l.name = n.name"
+            " WHERE n.name = %(lease)s ORDER BY n.started_at, n.node_id"
+        ).format(n=nodes, l=leases)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failures = 0
+
+    def start(self) -> None:
+        """Heartbeat now and then every ``heartbeat_interval`` in a background thread."""
+        self._thread = threading.Thread(
+            target=self._run, name=f"rselection-heartbeat-{self.lease}", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop heartbeating and delete this node's row (best effort), then disconnect."""
+        self._stop.set()
+        if self._thread is None:  # never started: no row to delete
+            self._conns.close()
+            return
+        self._thread.join(self._statement_timeout + 1.0)
+        try:
+            self._execute("leave the membership table", self._leave_sql, (self.lease, self.node_id))
+        except BackendUnavailable as exc:
+            logger.info("node %s left without deleting its heartbeat row: %s", self.node_id, exc)
+        self._conns.close()
+
+    def beat(self) -> None:
+        """Record one heartbeat of this node (server time)."""
+        params = {
+            "lease": self.lease,
+            "node": self.node_id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "purge": _PURGE_AFTER,
+        }
+        self._execute("record a heartbeat", self._beat_sql, params)
+
+    def nodes(self) -> list[NodeInfo]:
+        """Every node with a row for this lease, oldest first; lost ones have ``alive=False``.
+
+        Raises:
+            BackendUnavailable: the database could not be reached.
+        """
+        rows = self._execute(
+            "list the nodes",
+            self._nodes_sql,
+            {"lease": self.lease, "timeout": self.node_timeout},
+            fetch=True,
+        )
+        return [
+            NodeInfo(
+                node_id=node_id,
+                name=self.lease,
+                hostname=hostname,
+                pid=pid,
+                client_addr=addr,
+                started_at=started,
+                last_seen=seen,
+                alive=bool(alive),
+                is_leader=bool(leads),
+            )
+            for node_id, hostname, pid, addr, started, seen, alive, leads in rows
+        ]
+
+    def _execute(
+        self, what: str, statement: sql.Composed, params: Any, *, fetch: bool = False
+    ) -> list[tuple[Any, ...]]:
+        try:
+            with self._conns.connection() as conn:
+                if self._create:
+                    create_tables(conn, nodes=self.table)
+                    self._create = False
+                cur = conn.execute(statement, params)
+                return cur.fetchall() if fetch else []
+        except psycopg.Error as exc:
+            raise self._conns.wrap(what, exc) from exc
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.beat()
+                if self._failures:
+                    logger.info("node %s heartbeats again", self.node_id)
+                self._failures = 0
+            except (BackendUnavailable, ConfigError) as exc:
+                self._failures += 1
+                # Once per outage at warning level; the follow-ups at debug.
+                log = logger.warning if self._failures == 1 else logger.debug
+                log("node %s could not heartbeat: %s", self.node_id, exc)
+            if self._stop.wait(self.heartbeat_interval):
+                return

@@ -1,0 +1,87 @@
+"""A node for the membership tests: a PostgresLeader with a HeartbeatMonitor.
+
+Prints one JSON line per event on stdout: ``started``, ``elected``, ``joined`` and
+``lost`` (from the HeartbeatMonitor while it leads, with the node id), ``view`` (its own
+``nodes()``, every 0.2 s) and ``stopped``. Stops gracefully when stdin closes.
+
+    python -m tests.support.member_node DSN --lease NAME --node ID
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+from typing import Any
+
+import rselection as rs
+from rselection.postgres import PostgresLeader
+
+HEARTBEAT = 0.3
+NODE_TIMEOUT = 1.0
+POLL = 0.1
+
+
+def emit(event: str, **fields: Any) -> None:
+    """Print one JSON event line."""
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("dsn")
+    parser.add_argument("--lease", required=True)
+    parser.add_argument("--node", required=True)
+    args = parser.parse_args(argv)
+
+    handler = rs.TaskHandler(stop_grace=2.0)
+    handler.register("monitor", rs.HeartbeatMonitor(poll_interval=POLL))
+
+    def joined(sender: object, **kw: Any) -> None:
+        emit("joined", node=kw["node"].node_id)
+
+    def lost(sender: object, **kw: Any) -> None:
+        emit("lost", node=kw["node"].node_id, alive=kw["node"].alive)
+
+    rs.signals.node_joined.connect(joined)
+    rs.signals.node_lost.connect(lost)
+    leader = PostgresLeader(
+        args.dsn,
+        handler,
+        name=args.lease,
+        node_id=args.node,
+        ttl=3,
+        renew_interval=0.5,
+        renew_deadline=2,
+        retry_interval=0.5,
+        heartbeat_interval=HEARTBEAT,
+        node_timeout=NODE_TIMEOUT,
+    )
+    rs.signals.elected.connect(lambda sender, **kw: emit("elected", term=kw["term"]), weak=False)
+    stopping = threading.Event()
+
+    def report_views() -> None:
+        while not stopping.wait(0.2):
+            try:
+                nodes = leader.nodes()
+            except rs.BackendUnavailable as exc:
+                emit("view-error", error=str(exc))
+                continue
+            emit(
+                "view",
+                nodes=[[n.node_id, n.alive, n.is_leader, n.client_addr] for n in nodes],
+            )
+
+    leader.start()
+    emit("started")
+    threading.Thread(target=report_views, daemon=True).start()
+    sys.stdin.read()  # until the test closes our stdin
+    stopping.set()
+    leader.stop(timeout=10)
+    emit("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
