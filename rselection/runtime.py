@@ -20,6 +20,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +47,7 @@ _RESTART_CAP = 30.0
 _MAX_MISSED_SCAN = 1000  # missed fires examined one by one; older ones are skipped in bulk
 _MAX_CATCH_UP = 100  # misfire="all": the most missed fires one catch-up runs
 _TICK = timedelta(microseconds=1)
+_CLAIM_POLL = 0.05  # seconds between liveness checks while a claim is in flight
 _LOOP_DRAIN = 1.0  # seconds a stopped private loop gets to unwind cancelled tasks
 
 
@@ -81,6 +84,11 @@ class TermRunner:
         self._units: dict[int, str] = {}
         self._unit_ids = itertools.count()
         self._async_tasks: set[asyncio.Task[Any]] = set()
+        # Claims run here, so that one stuck on a dead connection never holds the term's
+        # end: the runner stops waiting for it the moment the term ends.
+        self._claims = ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix=f"rselection-claims-term-{term.number}"
+        )
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -119,6 +127,7 @@ class TermRunner:
         with self._cond:
             self._cond.wait_for(lambda: not self._units, max(0.0, deadline - time.monotonic()))
             stuck = sorted(set(self._units.values()))
+        self._claims.shutdown(wait=False, cancel_futures=True)
         if self._own_loop:
             self._stop_private_loop(deadline)
         if stuck:
@@ -470,7 +479,19 @@ class TermRunner:
             self._skip(spec, at, "not-leader")
             return False
         try:
-            won = claimer.claim(format_fire_key(spec.name, at), term=self.term.number)
+            future = self._claims.submit(
+                claimer.claim, format_fire_key(spec.name, at), term=self.term.number
+            )
+            while True:
+                try:
+                    won = future.result(timeout=_CLAIM_POLL)
+                    break
+                except FutureTimeout:
+                    if not self.term.live():
+                        # It may still land; the fire then stays claimed but unrun, and
+                        # this report says why.
+                        self._skip(spec, at, "not-leader")
+                        return False
         except Exception as exc:
             logger.warning(
                 "fire of %r at %s skipped: its claim failed: %s", spec.name, at.isoformat(), exc
