@@ -22,14 +22,16 @@ def _migrate(args: argparse.Namespace) -> int:
     from .errors import BackendUnavailable
     from .postgres import PostgresCheckpointStore, migrate
     from .postgres._conn import describe_conninfo
+    from .postgres.broadcast import create_broadcast_tables
 
     dsn = _dsn(args)
     try:
         with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
             migrate(conn, table=args.table)
+            create_broadcast_tables(conn)
     except psycopg.Error as exc:
         raise BackendUnavailable(f"cannot migrate {describe_conninfo(dsn)}: {exc}") from exc
-    print(f"lease, claims and elections tables ready (lease table {args.table})")
+    print(f"lease, claims, elections, nodes and broadcast tables ready (lease table {args.table})")
     with PostgresCheckpointStore(dsn, lease_table=args.table, create_tables=False) as store:
         applied = store.apply_migrations()
     done = ", ".join(map(str, applied)) if applied else "none needed"

@@ -370,7 +370,13 @@ class PostgresLease:
                 if self.create_tables:
                     # On every (re)connect: a restored or recreated database may have
                     # lost the tables, and the statements are cheap no-ops when they exist.
-                    migrate(conn, table=self.table, claims_table=None, elections_table=None)
+                    migrate(
+                        conn,
+                        table=self.table,
+                        claims_table=None,
+                        elections_table=None,
+                        nodes_table=None,
+                    )
                 self._resolve_table(conn)
                 cur = conn.execute(self._session_sql())
                 cur.nextset()

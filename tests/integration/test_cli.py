@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import psycopg
+
 import rselection as rs
 
 
@@ -20,6 +22,16 @@ def test_migrate_then_status_shows_the_holder(pg_dsn: str) -> None:
     assert done.returncode == 0, done.stderr
     assert "rselection_leases" in done.stdout
     assert "checkpoint tables ready (migrations applied: 1)" in done.stdout
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        tables = {
+            r[0]
+            for r in conn.execute(
+                "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()"
+            )
+        }
+    expected = {"rselection_leases", "rselection_claims", "rselection_elections"}
+    expected |= {"rselection_nodes", "rselection_broadcast"}
+    assert expected <= tables
     empty = run("status", "--dsn", pg_dsn)
     assert empty.returncode == 0, empty.stderr  # no lease yet: nothing is headless
 

@@ -912,7 +912,13 @@ def test_concurrent_migrations_do_not_error(lease_dsn: str, pool: ThreadPoolExec
         rows = conn.execute(
             "SELECT component, version FROM rselection_schema_version ORDER BY 1"
         ).fetchall()
-    assert rows == [("claims", 1), ("elections", 1), ("leases", 1), ("leases:other_leases", 1)]
+    assert rows == [
+        ("claims", 1),
+        ("elections", 1),
+        ("leases", 1),
+        ("leases:other_leases", 1),
+        ("nodes", 1),
+    ]
 
 
 # ------------------------------------------------------------------------- hygiene
