@@ -15,6 +15,8 @@ arguments:
 - ``node_joined``: ``name`` (lease name), ``node`` (:class:`~rselection.NodeInfo`), sent
   by a :class:`~rselection.HeartbeatMonitor` on the leader.
 - ``node_lost``: ``name``, ``node`` (its last heartbeat), sent the same way.
+- ``lease_renewed``: ``name``, ``term``, ``latency`` (seconds the renewal took),
+  ``remaining`` (seconds left on the lease once renewed, by the leader's own deadline).
 
 Receivers run in the thread that sends the signal: keep them short and never block.
 """
@@ -28,6 +30,7 @@ __all__ = [
     "elected",
     "fire_skipped",
     "leader_changed",
+    "lease_renewed",
     "namespace",
     "node_joined",
     "node_lost",
@@ -62,4 +65,8 @@ node_joined = namespace.signal(
 )
 node_lost = namespace.signal(
     "node_lost", doc="A node of the lease stopped heartbeating (kwargs: name, node)."
+)
+lease_renewed = namespace.signal(
+    "lease_renewed",
+    doc="The leader renewed its lease (kwargs: name, term, latency, remaining).",
 )
