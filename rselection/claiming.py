@@ -9,7 +9,7 @@ from typing import Protocol, runtime_checkable
 
 from .errors import ConfigError
 
-__all__ = ["FireClaimer", "MemoryClaimer"]
+__all__ = ["FireClaimer", "MemoryClaimer", "MissedFireClaimer", "claim_missed"]
 
 
 @runtime_checkable
@@ -28,6 +28,23 @@ class FireClaimer(Protocol):
         """Claim ``fire_key``: ``True`` if this call won it, ``False`` if another holds it.
 
         Raises on a backend problem (the fire is then skipped: claims fail closed).
+        """
+        ...
+
+
+@runtime_checkable
+class MissedFireClaimer(FireClaimer, Protocol):
+    """A :class:`FireClaimer` that also claims a task's missed fires in one call.
+
+    A leader that starts looks back over the fires it may have missed; with this method
+    it needs one round trip per task instead of one per fire.
+    """
+
+    def claim_missed(self, fire_keys: list[str], *, term: int | None = None) -> list[str]:
+        """Claim every key of ``fire_keys`` (one task's fires, oldest first) that is
+        newer than the newest key already held; return the keys won, oldest first.
+
+        Raises on a backend problem, as :meth:`claim`.
         """
         ...
 
@@ -54,14 +71,28 @@ class MemoryClaimer:
         self._claims: dict[str, tuple[float, int | None]] = {}
         self._lock = threading.Lock()
 
+    def claim_missed(self, fire_keys: list[str], *, term: int | None = None) -> list[str]:
+        """Claim every key of ``fire_keys`` (oldest first) newer than the newest one
+        already held; return those won, oldest first (see :class:`FireClaimer`)."""
+        now = time.monotonic()
+        with self._lock:
+            held = [i for i, key in enumerate(fire_keys) if self._holds(key, now)]
+            newer = fire_keys[held[-1] + 1 :] if held else fire_keys
+            for key in newer:
+                self._claims[key] = (now + self.ttl, term)
+            return list(newer)
+
+    def _holds(self, key: str, now: float) -> bool:
+        held = self._claims.get(key)
+        return held is not None and held[0] > now
+
     def claim(self, fire_key: str, *, term: int | None = None) -> bool:
         """Claim ``fire_key`` unless an unexpired claim holds it."""
         if not isinstance(fire_key, str) or not fire_key:
             raise ConfigError(f"fire_key must be a non-empty string, got {fire_key!r}")
         now = time.monotonic()
         with self._lock:
-            held = self._claims.get(fire_key)
-            if held is not None and held[0] > now:
+            if self._holds(fire_key, now):
                 return False
             self._claims[fire_key] = (now + self.ttl, term)
             return True
@@ -71,3 +102,19 @@ class MemoryClaimer:
         now = time.monotonic()
         with self._lock:
             return {key: term for key, (until, term) in self._claims.items() if until > now}
+
+
+def claim_missed(claimer: FireClaimer, fire_keys: list[str], *, term: int | None) -> list[str]:
+    """Claim the missed fires among ``fire_keys`` (oldest first); return those won.
+
+    Uses the claimer's own ``claim_missed`` (one round trip) when it has one; else walks
+    back from the newest key with :meth:`FireClaimer.claim` until a key is already held.
+    """
+    if isinstance(claimer, MissedFireClaimer):
+        return claimer.claim_missed(fire_keys, term=term)
+    won: list[str] = []
+    for key in reversed(fire_keys):
+        if not claimer.claim(key, term=term):
+            break
+        won.append(key)
+    return won[::-1]

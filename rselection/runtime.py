@@ -23,9 +23,10 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import signals
+from .claiming import claim_missed
 from .context import TaskContext, Term
 from .errors import LeadershipLost
 from .schedules import format_fire_key
@@ -47,6 +48,7 @@ _RESTART_CAP = 30.0
 _MAX_MISSED_SCAN = 1000  # missed fires examined one by one; older ones are skipped in bulk
 _MAX_CATCH_UP = 100  # misfire="all": the most missed fires one catch-up runs
 _TICK = timedelta(microseconds=1)
+_T = TypeVar("_T")
 _CLAIM_POLL = 0.05  # seconds between liveness checks while a claim is in flight
 _LOOP_DRAIN = 1.0  # seconds a stopped private loop gets to unwind cancelled tasks
 
@@ -442,10 +444,10 @@ class TermRunner:
     def _recover(self, spec: TaskSpec, started: datetime) -> None:
         """At the start of a term: find and handle fires no node ran while none led.
 
-        Walks back from the newest fire due at ``started`` (within the grace), claiming
-        each, until a claim is already held: from there on the previous leader ran them.
-        The fires won are missed; the policy picks which to run, the rest stay claimed so
-        that no node runs them late.
+        Claims, in one call, the fires due at ``started`` (within the grace) newer than
+        the newest one already claimed: up to there the previous leader got. The fires
+        won are missed; the policy picks which to run, the rest stay claimed so that no
+        node runs them late.
         """
         claimer = self.term.claimer
         assert claimer is not None
@@ -456,47 +458,64 @@ class TermRunner:
         while nxt is not None and nxt <= started:
             candidates.append(nxt)
             nxt = schedule.next_fire(nxt)
-        won: list[datetime] = []
-        for at in reversed(candidates):
-            if not self._claim_fire(spec, at):
-                break
-            won.append(at)
-        won.reverse()
+        if not candidates:
+            return
+        keys = {format_fire_key(spec.name, at): at for at in candidates}
+        what = f"{len(keys)} fires of {spec.name!r} due since {candidates[0].isoformat()}"
+        try:
+            won_keys = self._in_claim_pool(claim_missed, claimer, list(keys), term=self.term.number)
+        except Exception as exc:
+            logger.warning("missed fires not recovered: claiming %s failed: %s", what, exc)
+            return
+        if won_keys is None:  # the term ended meanwhile
+            return
+        won = [keys[key] for key in won_keys]
         run = self._select(spec, won)
+        if run and spec.misfire == "latest":
+            following = schedule.next_fire(run[-1])
+            if following is not None and following <= datetime.now(UTC):
+                # A newer fire is already due and the scheduler runs it next: the
+                # catch-up would only hold it up (or get it skipped as an overlap).
+                self._skip(spec, run.pop(), "misfire")
         if run and self.term.live():
             self._fire(spec, run, claimed=True)
-        elif run:
+        else:
             for at in run:
                 self._skip(spec, at, "not-leader")
 
+    def _in_claim_pool(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T | None:
+        """``fn(*args, **kwargs)`` on the claim pool; ``None`` if the term ends first.
+
+        A claim abandoned this way may still land: its fire then stays claimed but unrun,
+        and the caller reports it as skipped by a node that stopped leading.
+        """
+        future = self._claims.submit(fn, *args, **kwargs)
+        while True:
+            try:
+                return future.result(timeout=_CLAIM_POLL)
+            except FutureTimeout:
+                if not self.term.live():
+                    return None
+
     def _claim_fire(self, spec: TaskSpec, at: datetime) -> bool:
-        """Claim one fire: ``True`` if won; else ``False``, reported as held by another
-        or as a failed claim (claims fail closed)."""
+        """Claim one fire: ``True`` if won; else ``False``, reported as held by another,
+        as a failed claim (claims fail closed) or as a fire of an ended term."""
         claimer = self.term.claimer
         if claimer is None:
             return True
-        if not self.term.live():  # never claim a fire this node can no longer run
+        won: bool | None = None
+        if self.term.live():  # never claim a fire this node can no longer run
+            key = format_fire_key(spec.name, at)
+            try:
+                won = self._in_claim_pool(claimer.claim, key, term=self.term.number)
+            except Exception as exc:
+                logger.warning(
+                    "fire of %r at %s skipped: its claim failed: %s", spec.name, at.isoformat(), exc
+                )
+                self._skip(spec, at, "claim-error")
+                return False
+        if won is None:
             self._skip(spec, at, "not-leader")
-            return False
-        try:
-            future = self._claims.submit(
-                claimer.claim, format_fire_key(spec.name, at), term=self.term.number
-            )
-            while True:
-                try:
-                    won = future.result(timeout=_CLAIM_POLL)
-                    break
-                except FutureTimeout:
-                    if not self.term.live():
-                        # It may still land; the fire then stays claimed but unrun, and
-                        # this report says why.
-                        self._skip(spec, at, "not-leader")
-                        return False
-        except Exception as exc:
-            logger.warning(
-                "fire of %r at %s skipped: its claim failed: %s", spec.name, at.isoformat(), exc
-            )
-            self._skip(spec, at, "claim-error")
             return False
         if not won:
             self._skip(spec, at, "already-claimed")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING, Any
 
-from ..claiming import FireClaimer
+from ..claiming import FireClaimer, claim_missed
 from ..errors import ConfigError
 from ..leader import LeaderBase, default_node_id
 from ..timing import Timings
@@ -46,6 +46,11 @@ class _LeaseClaims:
 
     def claim(self, fire_key: str, *, term: int | None = None) -> bool:
         return self.claimer.claim(self.prefix + fire_key, term=term)
+
+    def claim_missed(self, fire_keys: list[str], *, term: int | None = None) -> list[str]:
+        keys = [self.prefix + key for key in fire_keys]
+        won = claim_missed(self.claimer, keys, term=term)
+        return [key[len(self.prefix) :] for key in won]
 
 
 class _LeaseFence:

@@ -27,6 +27,7 @@ from rselection.postgres import PostgresClaimer, migrate
 from rselection.postgres.claims import FIRE_KEY_FORMAT
 from rselection.schedules import format_fire_key
 from tests.support.proxy import TcpProxy
+from tests.support.waiting import wait_until
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -507,3 +508,81 @@ def test_bad_claim_arguments_are_refused_before_any_io(pg_dsn: str, key: Any, te
         claimer = PostgresClaimer(make_conninfo(pg_dsn, port=str(port)))
         with pytest.raises(ConfigError):
             claimer.claim(key, term=term)
+
+
+# -- claim_missed: a starting leader's look back, in one statement --------------------
+
+
+def test_claim_missed_takes_the_keys_after_the_newest_held(
+    make_claimer: Callable[..., PostgresClaimer],
+) -> None:
+    old, new = make_claimer(holder="old-leader"), make_claimer(holder="new-leader")
+    keys = [f"tick@{i:02d}" for i in range(10)]
+    assert old.claim(keys[3]) and old.claim(keys[6])  # the old leader got as far as 6
+    assert new.claim_missed(keys, term=7) == keys[7:]
+    # Those now bind: a second look back finds nothing, the old leader cannot take them.
+    assert new.claim_missed(keys, term=8) == []
+    assert not old.claim(keys[8])
+    # Keys before the newest held one stay unclaimed (not missed: before the handover).
+    assert old.claim(keys[5])
+    assert new.claim_missed([], term=1) == []
+
+
+def test_claim_missed_with_nothing_held_takes_everything(
+    make_claimer: Callable[..., PostgresClaimer], dsn: str
+) -> None:
+    claimer = make_claimer(holder="first")
+    keys = [f"first@{i:02d}" for i in range(5)]
+    assert claimer.claim_missed(keys, term=1) == keys
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT holder, term FROM rselection_claims WHERE fire_key LIKE 'first@%'"
+        ).fetchall()
+    assert rows == [("first", 1)] * 5
+
+
+def test_claim_missed_replaces_expired_claims(
+    make_claimer: Callable[..., PostgresClaimer], dsn: str
+) -> None:
+    short = make_claimer(holder="short", ttl=0.05)
+    keys = ["exp@1", "exp@2", "exp@3"]
+    assert short.claim("exp@3")
+
+    def expired() -> bool:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT expires_at <= clock_timestamp() FROM rselection_claims"
+                " WHERE fire_key = 'exp@3'"
+            ).fetchone()
+        return row is not None and bool(row[0])
+
+    wait_until(expired, 5.0, "the claim to expire (server time)")
+    assert make_claimer(holder="later").claim_missed(keys) == keys
+
+
+def test_claim_missed_is_atomic_between_two_starting_leaders(
+    make_claimer: Callable[..., PostgresClaimer],
+) -> None:
+    keys = [f"race@{i:03d}" for i in range(200)]
+    a, b = make_claimer(holder="a"), make_claimer(holder="b")
+    results: dict[str, list[str]] = {}
+    barrier = threading.Barrier(2)
+
+    def run(name: str, claimer: PostgresClaimer) -> None:
+        barrier.wait(10)
+        results[name] = claimer.claim_missed(keys, term=1)
+
+    threads = [threading.Thread(target=run, args=(n, c)) for n, c in (("a", a), ("b", b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not set(results["a"]) & set(results["b"])  # no key won twice
+
+
+def test_claim_missed_rejects_bad_input(make_claimer: Callable[..., PostgresClaimer]) -> None:
+    claimer = make_claimer()
+    with pytest.raises(ConfigError, match="fire_key"):
+        claimer.claim_missed(["ok", ""])
+    with pytest.raises(ConfigError, match="term"):
+        claimer.claim_missed(["ok"], term=-1)

@@ -405,3 +405,31 @@ def test_memory_claimer_binds_until_its_ttl() -> None:
             rs.MemoryClaimer(ttl=bad)  # type: ignore[arg-type]
     with pytest.raises(rs.ConfigError, match="fire_key"):
         claimer.claim("")
+
+
+def test_memory_claimer_claims_missed_fires_after_the_newest_held() -> None:
+    claimer = rs.MemoryClaimer()
+    keys = [f"k{i}" for i in range(6)]
+    assert claimer.claim("k1") and claimer.claim("k3")
+    assert claimer.claim_missed(keys, term=2) == ["k4", "k5"]
+    assert claimer.claim_missed(keys, term=3) == []
+    assert claimer.claim("k2")  # before the newest held: not a missed fire
+
+
+def test_claim_missed_walks_back_with_a_plain_claimer() -> None:
+    """A claimer without claim_missed gets the same answer one claim at a time."""
+    from rselection.claiming import claim_missed
+
+    class Plain:
+        ttl = 600.0
+
+        def __init__(self) -> None:
+            self.inner = rs.MemoryClaimer()
+
+        def claim(self, fire_key: str, *, term: int | None = None) -> bool:
+            return self.inner.claim(fire_key, term=term)
+
+    plain = Plain()
+    keys = [f"k{i}" for i in range(6)]
+    assert plain.claim("k3")
+    assert claim_missed(plain, keys, term=1) == ["k4", "k5"]
