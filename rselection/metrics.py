@@ -1,0 +1,513 @@
+"""Prometheus metrics for leadership, lease renewals, tasks, fires and broadcasters.
+
+Off by default and free while off: importing this module imports nothing from
+``prometheus_client`` and connects no receiver, so no signal does any extra work.
+:func:`enable` (extra ``prometheus``: ``pip install 'rselection[prometheus]'``) creates
+the collectors, registers them and connects receivers to :mod:`rselection.signals`;
+:func:`disable` undoes all of it.
+
+Example::
+
+    import rselection as rs
+    import rselection.metrics
+    from prometheus_client import start_http_server
+
+    rselection.metrics.enable()          # the default registry
+    tasks = rs.TaskHandler()
+    ...                                  # register tasks
+    rselection.metrics.instrument(tasks) # also time each run (before the leader starts)
+    start_http_server(9108)
+    rs.SingleNodeLeader(tasks).lead()
+
+What is measured (``rselection`` is the default ``namespace``):
+
+- ``rselection_is_leader{lease}``: 1 while a leader of this process leads the lease.
+- ``rselection_term{lease}``: the highest fencing term this process has seen for the
+  lease, as leader (``elected``) or follower (``leader_changed``).
+- ``rselection_leadership_transitions_total{lease, reason}``: ``reason`` is
+  ``"elected"`` or the ``demoted`` reason (``"stopped"``, ``"lost"``, ``"deadline"``,
+  ``"connection"``, ``"step_down"``).
+- ``rselection_lease_renew_latency_seconds{lease}`` and
+  ``rselection_lease_remaining_seconds{lease}``: histograms of each renewal's round
+  trip and of the time left on the lease once renewed (``signals.lease_renewed``).
+- ``rselection_task_runs_total{task}``, ``rselection_task_failures_total{task}``,
+  ``rselection_task_stuck_total{task}``: from ``task_started``, ``task_failed`` and
+  ``task_stuck``.
+- ``rselection_task_duration_seconds{task}``: a histogram of run times, for the tasks of
+  handlers passed to :func:`instrument` (no signal marks the end of a run).
+- ``rselection_fires_skipped_total{task, reason}``: from ``fire_skipped``.
+- ``rselection_nodes_joined_total{lease}`` and ``rselection_nodes_lost_total{lease}``:
+  from a :class:`~rselection.HeartbeatMonitor`.
+- ``rselection_broadcast_overflowed_total{broadcaster}`` and
+  ``rselection_broadcast_subscribers{broadcaster, channel}``: read from
+  :meth:`~rselection.Broadcaster.stats` at each scrape, for every broadcaster passed to
+  :func:`watch_broadcaster` and the broadcaster of every leader elected in this process.
+
+Labels are lease and task names, never node ids: every process is scraped as its own
+target, and a node id changes with every restart.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from . import signals
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from prometheus_client.metrics_core import Metric
+
+    from .broadcast import Broadcaster
+    from .context import TaskContext
+    from .schedules import Schedule
+    from .tasks import TaskHandler, TaskType
+
+__all__ = [
+    "DURATION_BUCKETS",
+    "RENEW_LATENCY_BUCKETS",
+    "REMAINING_BUCKETS",
+    "Metrics",
+    "disable",
+    "enable",
+    "enabled",
+    "instrument",
+    "watch_broadcaster",
+]
+
+logger = logging.getLogger(__name__)
+
+RENEW_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+"""Buckets of the renewal latency histogram (seconds): one statement, usually a few ms."""
+
+REMAINING_BUCKETS = (0.5, 1.0, 2.0, 3.0, 5.0, 8.0, 10.0, 15.0, 30.0, 60.0)
+"""Buckets of the lease-remaining histogram (seconds), around the default renew_deadline."""
+
+DURATION_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+    1800.0,
+)
+"""Buckets of the task duration histogram (seconds); persistent runs land in the top ones."""
+
+_lock = threading.Lock()
+_active: Metrics | None = None
+
+
+class Metrics:
+    """The collectors of one :func:`enable` call and the receivers that feed them.
+
+    Built by :func:`enable`; read its attributes to reach a collector directly (for
+    example ``metrics.task_runs.labels(task="purge")``).
+
+    Args:
+        registry: where the collectors are registered.
+        namespace: prefix of every metric name.
+    """
+
+    def __init__(self, registry: CollectorRegistry, namespace: str) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.registry = registry
+        self.namespace = namespace
+        self.is_leader: Gauge = Gauge(
+            "is_leader",
+            "1 while a leader in this process leads the lease, else 0.",
+            ["lease"],
+            namespace=namespace,
+            registry=None,
+        )
+        self.term: Gauge = Gauge(
+            "term",
+            "Highest fencing term of the lease seen by this process.",
+            ["lease"],
+            namespace=namespace,
+            registry=None,
+        )
+        self.transitions: Counter = Counter(
+            "leadership_transitions",
+            "Leadership changes of this process: elected, or the reason it stopped leading.",
+            ["lease", "reason"],
+            namespace=namespace,
+            registry=None,
+        )
+        self.renew_latency: Histogram = Histogram(
+            "lease_renew_latency_seconds",
+            "Round trip of each successful lease renewal.",
+            ["lease"],
+            namespace=namespace,
+            buckets=RENEW_LATENCY_BUCKETS,
+            registry=None,
+        )
+        self.remaining: Histogram = Histogram(
+            "lease_remaining_seconds",
+            "Time left before the leader's own deadline, right after each renewal.",
+            ["lease"],
+            namespace=namespace,
+            buckets=REMAINING_BUCKETS,
+            registry=None,
+        )
+        self.task_runs: Counter = Counter(
+            "task_runs",
+            "Task runs started.",
+            ["task"],
+            namespace=namespace,
+            registry=None,
+        )
+        self.task_failures: Counter = Counter(
+            "task_failures",
+            "Task runs that raised.",
+            ["task"],
+            namespace=namespace,
+            registry=None,
+        )
+        self.task_stuck: Counter = Counter(
+            "task_stuck",
+            "Task runs still going stop_grace after their term was cancelled.",
+            ["task"],
+            namespace=namespace,
+            registry=None,
+        )
+        self.task_duration: Histogram = Histogram(
+            "task_duration_seconds",
+            "Run time of each task run (tasks of instrumented handlers only).",
+            ["task"],
+            namespace=namespace,
+            buckets=DURATION_BUCKETS,
+            registry=None,
+        )
+        self.fires_skipped: Counter = Counter(
+            "fires_skipped",
+            "Scheduled fires that did not run, by reason.",
+            ["task", "reason"],
+            namespace=namespace,
+            registry=None,
+        )
+        self.nodes_joined: Counter = Counter(
+            "nodes_joined",
+            "Nodes of the lease that came alive, as seen by a heartbeat monitor here.",
+            ["lease"],
+            namespace=namespace,
+            registry=None,
+        )
+        self.nodes_lost: Counter = Counter(
+            "nodes_lost",
+            "Nodes of the lease that stopped heartbeating, as seen by a monitor here.",
+            ["lease"],
+            namespace=namespace,
+            registry=None,
+        )
+        self._broadcasts = _BroadcastCollector(namespace)
+        self._state_lock = threading.Lock()
+        self._leading: dict[str, set[tuple[int, str]]] = {}
+        self._terms: dict[str, int] = {}
+        self._connected: list[tuple[Any, Any]] = []
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def _collectors(self) -> list[Any]:
+        return [
+            self.is_leader,
+            self.term,
+            self.transitions,
+            self.renew_latency,
+            self.remaining,
+            self.task_runs,
+            self.task_failures,
+            self.task_stuck,
+            self.task_duration,
+            self.fires_skipped,
+            self.nodes_joined,
+            self.nodes_lost,
+            self._broadcasts,
+        ]
+
+    def _start(self) -> None:
+        registered: list[Any] = []
+        try:
+            for collector in self._collectors():
+                self.registry.register(collector)
+                registered.append(collector)
+        except ValueError:
+            for collector in registered:
+                self.registry.unregister(collector)
+            raise
+        for signal, receiver in (
+            (signals.elected, self._on_elected),
+            (signals.demoted, self._on_demoted),
+            (signals.leader_changed, self._on_leader_changed),
+            (signals.lease_renewed, self._on_lease_renewed),
+            (signals.task_started, self._on_task_started),
+            (signals.task_failed, self._on_task_failed),
+            (signals.task_stuck, self._on_task_stuck),
+            (signals.fire_skipped, self._on_fire_skipped),
+            (signals.node_joined, self._on_node_joined),
+            (signals.node_lost, self._on_node_lost),
+        ):
+            # Strong references: the receivers must live exactly until disable().
+            signal.connect(receiver, weak=False)
+            self._connected.append((signal, receiver))
+
+    def _stop(self) -> None:
+        for signal, receiver in self._connected:
+            signal.disconnect(receiver)
+        self._connected.clear()
+        for collector in self._collectors():
+            try:
+                self.registry.unregister(collector)
+            except KeyError:  # the caller unregistered it already
+                logger.debug("collector %r was not registered", collector)
+
+    def watch_broadcaster(self, broadcaster: Broadcaster, name: str) -> None:
+        """Report ``broadcaster``'s overflows and subscribers under ``name``."""
+        self._broadcasts.watch(broadcaster, name)
+
+    # -- receivers (run in the thread that sends; keep them short) --------------------
+
+    def _on_elected(self, sender: object, **kw: Any) -> None:
+        lease = str(kw["name"])
+        with self._state_lock:
+            self._leading.setdefault(lease, set()).add((id(sender), str(kw["node_id"])))
+            self._see_term(lease, int(kw["term"]))
+        self.is_leader.labels(lease=lease).set(1)
+        self.transitions.labels(lease=lease, reason="elected").inc()
+        broadcaster = getattr(sender, "broadcaster", None)
+        if broadcaster is not None and callable(getattr(broadcaster, "stats", None)):
+            self._broadcasts.watch(broadcaster, lease, replace=False)
+
+    def _on_demoted(self, sender: object, **kw: Any) -> None:
+        lease = str(kw["name"])
+        with self._state_lock:
+            holders = self._leading.setdefault(lease, set())
+            holders.discard((id(sender), str(kw["node_id"])))
+            leading = bool(holders)
+        self.is_leader.labels(lease=lease).set(1 if leading else 0)
+        self.transitions.labels(lease=lease, reason=str(kw["reason"])).inc()
+
+    def _on_leader_changed(self, sender: object, **kw: Any) -> None:
+        info = kw.get("leader")
+        if info is None:
+            return
+        with self._state_lock:
+            self._see_term(str(kw["name"]), int(info.term))
+
+    def _see_term(self, lease: str, term: int) -> None:
+        # Terms never decrease; observations from several nodes of one process may
+        # arrive out of order, so keep the highest.
+        if term > self._terms.get(lease, -1):
+            self._terms[lease] = term
+            self.term.labels(lease=lease).set(term)
+
+    def _on_lease_renewed(self, sender: object, **kw: Any) -> None:
+        lease = str(kw["name"])
+        self.renew_latency.labels(lease=lease).observe(float(kw["latency"]))
+        self.remaining.labels(lease=lease).observe(float(kw["remaining"]))
+
+    def _on_task_started(self, sender: object, **kw: Any) -> None:
+        self.task_runs.labels(task=str(kw["task"])).inc()
+
+    def _on_task_failed(self, sender: object, **kw: Any) -> None:
+        self.task_failures.labels(task=str(kw["task"])).inc()
+
+    def _on_task_stuck(self, sender: object, **kw: Any) -> None:
+        self.task_stuck.labels(task=str(kw["task"])).inc()
+
+    def _on_fire_skipped(self, sender: object, **kw: Any) -> None:
+        self.fires_skipped.labels(task=str(kw["task"]), reason=str(kw["reason"])).inc()
+
+    def _on_node_joined(self, sender: object, **kw: Any) -> None:
+        self.nodes_joined.labels(lease=str(kw["name"])).inc()
+
+    def _on_node_lost(self, sender: object, **kw: Any) -> None:
+        self.nodes_lost.labels(lease=str(kw["name"])).inc()
+
+
+class _BroadcastCollector:
+    """Reads broadcasters' stats at scrape time, so publishing costs nothing extra."""
+
+    def __init__(self, namespace: str) -> None:
+        self._prefix = f"{namespace}_" if namespace else ""
+        self._lock = threading.Lock()
+        # Weak: watching a broadcaster must not keep it (and its buffers) alive.
+        self._watched: weakref.WeakKeyDictionary[Broadcaster, str] = weakref.WeakKeyDictionary()
+
+    def watch(self, broadcaster: Broadcaster, name: str, *, replace: bool = True) -> None:
+        with self._lock:
+            if replace or broadcaster not in self._watched:
+                self._watched[broadcaster] = name
+
+    def describe(self) -> Iterable[Metric]:
+        # Names only, so registering never reads a broadcaster.
+        return list(self._families())
+
+    def _families(self) -> tuple[Any, Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        overflowed = CounterMetricFamily(
+            f"{self._prefix}broadcast_overflowed",
+            "Messages dropped because a subscription's buffer was full.",
+            labels=["broadcaster"],
+        )
+        subscribers = GaugeMetricFamily(
+            f"{self._prefix}broadcast_subscribers",
+            "Open subscriptions per channel.",
+            labels=["broadcaster", "channel"],
+        )
+        return overflowed, subscribers
+
+    def collect(self) -> Iterator[Metric]:
+        overflowed, subscribers = self._families()
+        with self._lock:
+            watched = list(self._watched.items())
+        totals: dict[str, float] = {}
+        channels: dict[tuple[str, str], float] = {}
+        for broadcaster, name in watched:
+            stats = broadcaster.stats()
+            totals[name] = totals.get(name, 0.0) + stats.overflowed
+            for channel, subs in stats.subscribers.items():
+                channels[(name, channel)] = channels.get((name, channel), 0.0) + subs
+        for name, total in sorted(totals.items()):
+            overflowed.add_metric([name], total)
+        for (name, channel), value in sorted(channels.items()):
+            subscribers.add_metric([name, channel], value)
+        yield overflowed
+        yield subscribers
+
+
+def enable(registry: CollectorRegistry | None = None, *, namespace: str = "rselection") -> Metrics:
+    """Create the collectors, register them and start feeding them from the signals.
+
+    Calling it again with the same registry returns the active :class:`Metrics`.
+
+    Args:
+        registry: a ``prometheus_client.CollectorRegistry`` (default: the global
+            ``prometheus_client.REGISTRY``).
+        namespace: prefix of every metric name (default ``"rselection"``).
+
+    Raises:
+        ImportError: prometheus-client is not installed (extra ``prometheus``).
+        RuntimeError: metrics are already enabled on another registry.
+        ValueError: the registry already holds metrics with these names.
+    """
+    global _active
+    try:
+        import prometheus_client
+    except ImportError as exc:
+        raise ImportError(
+            "rselection.metrics needs prometheus-client: pip install 'rselection[prometheus]'"
+        ) from exc
+    target = registry if registry is not None else prometheus_client.REGISTRY
+    with _lock:
+        if _active is not None:
+            if _active.registry is target and _active.namespace == namespace:
+                return _active
+            raise RuntimeError(
+                "rselection metrics are already enabled on another registry or namespace; "
+                "call rselection.metrics.disable() first"
+            )
+        metrics = Metrics(target, namespace)
+        metrics._start()
+        _active = metrics
+    logger.debug("rselection metrics enabled (namespace %r)", namespace)
+    return metrics
+
+
+def disable() -> None:
+    """Disconnect every receiver and unregister the collectors; a no-op when disabled."""
+    global _active
+    with _lock:
+        metrics, _active = _active, None
+    if metrics is not None:
+        metrics._stop()
+        logger.debug("rselection metrics disabled")
+
+
+def enabled() -> Metrics | None:
+    """The active :class:`Metrics`, or ``None`` while metrics are off."""
+    return _active
+
+
+def watch_broadcaster(broadcaster: Broadcaster, name: str = "default") -> None:
+    """Report ``broadcaster``'s overflow count and subscribers under ``name``.
+
+    The broadcaster of every leader elected while metrics are on is watched by itself
+    (under the lease name); call this for any other one. Broadcasters are held weakly.
+
+    Raises:
+        RuntimeError: metrics are off; call :func:`enable` first.
+    """
+    metrics = _active
+    if metrics is None:
+        raise RuntimeError("rselection metrics are off; call rselection.metrics.enable() first")
+    metrics.watch_broadcaster(broadcaster, name)
+
+
+def instrument(handler: TaskHandler) -> None:
+    """Time every run of ``handler``'s tasks into ``task_duration_seconds``.
+
+    Call it once, after registering the tasks and before a leader starts the handler.
+    The runs are timed only while metrics are enabled; otherwise the wrapper costs two
+    clock reads per run. Calling it again is harmless.
+
+    Raises:
+        RuntimeError: the handler is already running under a leader.
+    """
+    # The runtime sends no signal when a run ends, so each task is wrapped instead.
+    with handler._lock:
+        if handler._attached:
+            raise RuntimeError(
+                "instrument() must run before the leader starts: the handler is in use"
+            )
+        for spec in handler._specs.values():
+            if not isinstance(spec.task, _TimedTask):
+                spec.task = _TimedTask(spec.task, spec.name, spec.is_async)
+
+
+class _TimedTask:
+    """A :class:`~rselection.Task` that times its inner task's runs."""
+
+    def __init__(self, inner: Any, name: str, is_async: bool) -> None:
+        self.inner = inner
+        self.name: str = name
+        self.type: TaskType = inner.type
+        self.schedule: Schedule | None = inner.schedule
+        self.run: Any = self._run_async if is_async else self._run_sync
+
+    def _observe(self, began: float) -> None:
+        metrics = _active
+        if metrics is not None:
+            metrics.task_duration.labels(task=self.name).observe(time.perf_counter() - began)
+
+    def _run_sync(self, ctx: TaskContext) -> Any:
+        began = time.perf_counter()
+        try:
+            return self.inner.run(ctx)
+        finally:
+            self._observe(began)
+
+    async def _run_async(self, ctx: TaskContext) -> Any:
+        began = time.perf_counter()
+        try:
+            result: Any = self.inner.run(ctx)
+            if inspect.isawaitable(result):
+                return await result
+            return result
+        finally:
+            self._observe(began)
