@@ -33,6 +33,7 @@ from .tasks import GenericTask, Task, TaskHandler, TaskType
 
 if TYPE_CHECKING:
     from .postgres.leader import PostgresLeader
+    from .redis.leader import RedisLeader
 
 __all__ = [
     "BackendUnavailable",
@@ -51,6 +52,7 @@ __all__ = [
     "NodeInfo",
     "PostgresLeader",
     "RSelectionError",
+    "RedisLeader",
     "Schedule",
     "SingleNodeLeader",
     "StaleLeaderError",
@@ -73,4 +75,8 @@ def __getattr__(name: str) -> Any:
         from .postgres.leader import PostgresLeader
 
         return PostgresLeader
+    if name == "RedisLeader":
+        from .redis.leader import RedisLeader
+
+        return RedisLeader
     raise AttributeError(f"module 'rselection' has no attribute {name!r}")

@@ -1,0 +1,38 @@
+"""Redis backend: lease, leader, fenced writes, elections and fire claims.
+
+Needs redis-py (extra ``redis``) and Redis 6.2 or later.
+
+Importing :mod:`rselection` does not import this package (nor redis-py); importing this
+package does. :class:`RedisLeader` is loaded on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .claims import RedisClaimer
+from .elector import RedisElector
+from .fencing import RedisFence, fenced_call
+from .lease import RedisLease, lease_keys
+
+if TYPE_CHECKING:
+    from .leader import RedisLeader
+
+__all__ = [
+    "RedisClaimer",
+    "RedisElector",
+    "RedisFence",
+    "RedisLeader",
+    "RedisLease",
+    "fenced_call",
+    "lease_keys",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # The leader pulls in the task runtime; load it only when asked for.
+    if name == "RedisLeader":
+        from .leader import RedisLeader
+
+        return RedisLeader
+    raise AttributeError(f"module 'rselection.redis' has no attribute {name!r}")

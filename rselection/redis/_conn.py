@@ -1,0 +1,190 @@
+"""Connection helpers shared by the Redis backends (not public API).
+
+A user hands us a URL, a ``redis.Redis`` or a ``redis.cluster.RedisCluster``. The
+electors, claimers and fenced writes use that client as it is (its pool, its retries).
+The lease keeper does not: it needs raw connections of its own that never reconnect or
+retry behind its back, because its connection's id is what followers check to learn
+that a leader died. :class:`ConnectionFactory` builds those from the user's settings.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.connection import ConnectionPool
+from redis.retry import Retry
+
+from ..errors import BackendUnavailable, ConfigError
+
+__all__ = [
+    "ConnectionFactory",
+    "check_client",
+    "check_seconds",
+    "describe",
+    "hash_slot_key",
+    "unavailable",
+]
+
+logger = logging.getLogger(__name__)
+
+MIN_TTL = 0.001
+"""The shortest ttl accepted, seconds (1 ms: Redis expiries are whole milliseconds)."""
+
+
+def check_seconds(value: object, label: str, *, minimum: float = MIN_TTL) -> float:
+    """Return ``value`` as a float, or raise :class:`ConfigError` unless it is >= ``minimum``.
+
+    Args:
+        value: seconds, an int or a float (not a bool), finite.
+        label: the parameter's name, for the message.
+        minimum: the smallest value accepted.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{label} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value < minimum:
+        raise ConfigError(
+            f"{label} must be finite and at least {minimum:g} s, got {value!r}"
+            + (": Redis expiries are whole milliseconds" if minimum == MIN_TTL else "")
+        )
+    return float(value)
+
+
+def hash_slot_key(key: str, suffix: str) -> str:
+    """A key that lands in the same cluster hash slot as ``key``: ``key`` + ``suffix``.
+
+    A key with a hash tag (``{...}``) keeps it; one without is wrapped in braces,
+    because Redis hashes ``{k}x`` exactly like ``k``.
+
+    Args:
+        key: the existing key.
+        suffix: appended to make the new key (e.g. ``":term"``).
+    """
+    start = key.find("{")
+    if start >= 0:
+        end = key.find("}", start + 1)
+        if end > start + 1:
+            return key + suffix
+    return "{" + key + "}" + suffix
+
+
+def describe(client_or_url: object) -> str:
+    """Where a client points, for messages: ``host:port/db``, never a password."""
+    try:
+        if isinstance(client_or_url, str):
+            kw = ConnectionPool.from_url(client_or_url).connection_kwargs
+        elif isinstance(client_or_url, RedisCluster):
+            node: Any = client_or_url.get_default_node()  # type: ignore[no-untyped-call]
+            return f"Redis Cluster via {node.host}:{node.port}"
+        elif isinstance(client_or_url, redis.Redis):
+            kw = client_or_url.connection_pool.connection_kwargs
+        else:
+            return type(client_or_url).__name__
+    except Exception:  # a description must never raise
+        return "Redis"
+    if kw.get("path"):
+        return f"unix:{kw['path']}/{kw.get('db', 0)}"
+    return f"{kw.get('host', 'localhost')}:{kw.get('port', 6379)}/{kw.get('db', 0)}"
+
+
+def unavailable(what: str, where: str, exc: BaseException) -> BackendUnavailable:
+    """Build the :class:`BackendUnavailable` for a failed ``what`` against ``where``.
+
+    Args:
+        what: what was attempted, e.g. ``"connect to the lease server"``.
+        where: :func:`describe` of the server.
+        exc: the driver error; chain it with ``raise ... from exc``.
+    """
+    text = str(exc).strip()
+    detail = text.splitlines()[0] if text else type(exc).__name__
+    return BackendUnavailable(f"cannot {what} ({where}): {detail}")
+
+
+def check_client(source: object, owner: str) -> tuple[Any, bool]:
+    """Return ``(client, owned)`` for a URL, a ``redis.Redis`` or a ``RedisCluster``.
+
+    A URL makes a client of our own (``owned``: closed by the owner's ``close()``).
+
+    Raises:
+        ConfigError: anything else, or a URL redis-py cannot parse.
+    """
+    if isinstance(source, str):
+        if not source.strip():
+            raise ConfigError(f"{owner} needs a Redis URL (redis://host:port/0), got ''")
+        try:
+            return redis.Redis.from_url(source), True
+        except ValueError as exc:
+            raise ConfigError(f"{owner}: bad Redis URL: {exc}") from exc
+    if isinstance(source, redis.Redis | RedisCluster):
+        return source, False
+    raise ConfigError(
+        f"{owner} needs a redis.Redis, a redis.cluster.RedisCluster or a redis:// URL, "
+        f"got {type(source).__name__}"
+    )
+
+
+class ConnectionFactory:
+    """Makes raw keeper connections with a client's settings, without retries.
+
+    Args:
+        client: a ``redis.Redis`` or ``RedisCluster`` (its settings are copied).
+        key: for a cluster, the key whose hash slot's master the connections go to.
+        socket_timeout: bound of one round trip, seconds.
+        connect_timeout: bound of opening a connection, seconds.
+        client_name: ``CLIENT SETNAME`` of the connections (shows in ``CLIENT LIST``).
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        key: str,
+        socket_timeout: float,
+        connect_timeout: float,
+        client_name: str,
+    ) -> None:
+        self._client = client
+        self._key = key
+        self._overrides: dict[str, Any] = {
+            "socket_timeout": socket_timeout,
+            "socket_connect_timeout": connect_timeout,
+            # Never retry or reconnect silently: a reconnected keeper is a new client
+            # id, and the lease must not be renewed through it.
+            "retry": Retry(NoBackoff(), 0),
+            "health_check_interval": 0,
+            "client_name": client_name,
+            "socket_keepalive": True,
+            # RESP2: channel messages arrive as plain replies on the listener, which
+            # the keeper reads itself (RESP3 would hand them to push handlers).
+            "protocol": 2,
+        }
+        self.where = describe(client)
+
+    def _target(self) -> tuple[Any, dict[str, Any]]:
+        client: Any = self._client
+        if isinstance(self._client, RedisCluster):
+            # Routes through the cluster client once so that its slot map is fresh (it
+            # follows MOVED), then talks to the slot's master directly.
+            client.exists(self._key)
+            node = client.get_node_from_key(self._key)
+            pool = node.redis_connection.connection_pool
+            self.where = f"{node.host}:{node.port} (cluster)"
+        else:
+            pool = client.connection_pool
+        kwargs = {**pool.connection_kwargs, **self._overrides}
+        for name in list(kwargs):
+            # Retries, and server push features that need RESP3, stay off the keeper.
+            if name.startswith(("retry_on_", "maint_notifications", "oss_cluster_maint")):
+                del kwargs[name]
+        return pool.connection_class, kwargs
+
+    def connect(self) -> Any:
+        """Open one connection (AUTH, SELECT and SETNAME done); raise on failure."""
+        cls, kwargs = self._target()
+        conn: Any = cls(**kwargs)
+        conn.connect()
+        return conn

@@ -1,0 +1,138 @@
+"""Fenced writes in Redis: run a command only while a term still holds the lease.
+
+``ctx.term`` is the fencing token. :class:`RedisFence` runs one Redis command inside a
+Lua script that first checks the lease key (see :mod:`rselection.redis.lease`)::
+
+    fence = RedisFence(client, "billing")
+    fence.call(ctx.term, "HSET", "{billing}:state", "cursor", cursor)
+
+The check and the write are one script, and Redis runs scripts one at a time; a
+takeover is a script too. So every fenced write of term ``T`` runs before term ``T + 1``
+exists, and none runs after: a stale leader's write raises
+:class:`~rselection.errors.StaleLeaderError` and changes nothing.
+
+**Only writes to the same Redis are fenced.** A write to another store (a database, an
+HTTP API) needs a fence of its own there: store ``ctx.term`` next to the data and refuse
+writes whose term is lower than the stored one (a conditional update), or use a
+Postgres leader and :func:`rselection.postgres.fenced`.
+
+In a Redis Cluster the keys a fenced command writes must be in the lease's hash slot:
+give them the lease name as hash tag (``"{billing}:state"``). With replicas, a write
+acknowledged by a master that fails before replicating it is lost like any other
+(see the README's Redis section).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import redis
+
+from ..errors import ConfigError, StaleLeaderError
+from ._conn import check_client, describe, unavailable
+from .lease import lease_keys
+
+__all__ = ["RedisFence", "fenced_call"]
+
+logger = logging.getLogger(__name__)
+
+FENCED = """
+local cur = redis.call('GET', KEYS[1])
+local ok, h = false, nil
+if cur then ok, h = pcall(cjson.decode, cur) end
+if not ok or type(h) ~= 'table' or h.term ~= ARGV[1] then
+  return {0, cur or ''}
+end
+if #ARGV < 2 then return {1, ''} end
+return {1, redis.call(unpack(ARGV, 2))}
+"""
+
+
+class RedisFence:
+    """Runs Redis commands only while a term still holds a :class:`RedisLease`.
+
+    Thread-safe (uses the client's pool). ``ctx.fence(client)`` in a
+    :class:`~rselection.redis.RedisLeader`'s task checks the term with the same script,
+    without a write.
+
+    Args:
+        client_or_url: a ``redis.Redis``, a ``RedisCluster`` or a ``redis://`` URL; it
+            must reach the Redis that holds the lease.
+        name: the lease name.
+        key_prefix: the lease's key prefix.
+
+    Raises:
+        ConfigError: bad arguments.
+    """
+
+    def __init__(self, client_or_url: Any, name: str, *, key_prefix: str = "rselection:") -> None:
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError(f"lease name must be a non-empty string, got {name!r}")
+        self.name = name
+        self.key = lease_keys(name, key_prefix)[0]
+        self._client, self._owned = check_client(client_or_url, "RedisFence")
+        self._script = self._client.register_script(FENCED)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, {describe(self._client)})"
+
+    def call(self, term: int, *command: Any) -> Any:
+        """Run ``command`` (e.g. ``"SET", key, value``) only if ``term`` holds the lease.
+
+        With no command, only checks the term. Returns the command's reply, raw (bytes
+        for strings).
+
+        Raises:
+            StaleLeaderError: ``term`` no longer holds the lease; nothing was written.
+            BackendUnavailable: Redis could not be reached or refused the script.
+            redis.ResponseError: the command itself failed (it ran in the script; Redis
+                does not roll earlier commands back, but a single command fails whole).
+        """
+        if isinstance(term, bool) or not isinstance(term, int) or term < 1:
+            raise ConfigError(f"term must be a positive int (ctx.term), got {term!r}")
+        try:
+            ok, reply = self._script(keys=[self.key], args=[str(term), *command])
+        except redis.ResponseError as exc:
+            text = str(exc)
+            if "NOSCRIPT" in text or "NOPERM" in text or "READONLY" in text:
+                raise unavailable("run a fenced write", describe(self._client), exc) from exc
+            raise
+        except redis.RedisError as exc:
+            raise unavailable("run a fenced write", describe(self._client), exc) from exc
+        if int(ok) != 1:
+            raise StaleLeaderError(
+                f"term {term} no longer holds lease {self.name!r}: the write was not made; "
+                "stop and let the new leader do it"
+            )
+        return reply
+
+    def check(self, term: int) -> None:
+        """Raise :class:`StaleLeaderError` unless ``term`` holds the lease right now.
+
+        A point-in-time check: a write made after it is not fenced. Use :meth:`call`
+        for writes.
+        """
+        self.call(term)
+
+    def close(self) -> None:
+        """Close the client if this fence made it from a URL."""
+        if self._owned:
+            try:
+                self._client.close()
+            except Exception as exc:  # best effort
+                logger.debug("fence %r: error closing the client: %s", self.name, exc)
+
+
+def fenced_call(
+    client: Any, name: str, term: int, *command: Any, key_prefix: str = "rselection:"
+) -> Any:
+    """Run one Redis command only if ``term`` still holds lease ``name``.
+
+    Shorthand for ``RedisFence(client, name, key_prefix=...).call(term, *command)``.
+
+    Raises:
+        StaleLeaderError: the term no longer holds the lease; nothing was written.
+        BackendUnavailable: Redis could not be reached.
+    """
+    return RedisFence(client, name, key_prefix=key_prefix).call(term, *command)

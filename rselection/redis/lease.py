@@ -1,0 +1,700 @@
+"""``RedisLease``: a :class:`~rselection.lease.LeaseBackend` over one Redis key.
+
+How the lease works
+-------------------
+
+Three names per lease, all with the lease name as hash tag so that a cluster keeps them
+in one slot (``<prefix>{<name>}:lease``, ``<prefix>{<name>}:term``, and the pub/sub
+channel ``<prefix>{<name>}:events``).
+
+* **Acquire** is one Lua script: when the lease key does not exist it ``INCR``\\ s the
+  term counter and ``SET``\\ s the key ``NX PX ttl`` to a small JSON document: a random
+  holder token (fresh per acquisition), node id, term, the keeper connection's
+  ``CLIENT ID``, the server's ``run_id`` and the server time (``TIME``). The term and
+  the key change in one atomic step, and the term counter never expires, so terms never
+  decrease (also across release and re-acquire). The script ``PUBLISH``\\ es on the
+  channel.
+* **Renew** is one script: ``PEXPIRE`` only if the key still holds this token and term.
+  It never extends someone else's key (the bug of RedBeat and other Redis locks that
+  renew with a bare ``PEXPIRE``), and never revives an expired key.
+* **Release** is one script: ``DEL`` only if the key holds this token and term, then
+  ``PUBLISH``, so followers try at once.
+* **Expiry** is Redis's own (``PX``): no client clock is compared. The leader's local
+  deadline (see :mod:`rselection.leader`) stops it before the key can expire.
+
+Fast crash failover
+-------------------
+
+A follower that knows the holder's connection id asks ``CLIENT LIST ID <id>`` every
+``liveness_interval`` (0.5 s by default) while it waits. When the holder's process dies,
+its kernel closes the connection and Redis forgets the client at once; the follower then
+runs the acquire script with that dead id, which takes the lease over only if the key
+still names that connection and term, and was written under the same server
+``run_id`` (client ids are unique only within one server run).
+
+This is safe only if Redis cannot close a *live* leader's connection before that
+leader's own deadline. A paused or partitioned leader's socket stays open on the
+server, except when the server's idle ``timeout`` or its TCP keepalive would close it.
+So a holder offers fast takeover (``"fast": "1"`` in the key) only when it read the
+server's ``timeout`` (0, or longer than ``renew_deadline + 1`` s) and ``tcp-keepalive``
+(0, or one whose dead-peer time, twice the setting on Linux, exceeds ``renew_deadline +
+1`` s) with ``CONFIG GET``, and it marks its keeper ``CLIENT NO-EVICT``. When the server
+forbids ``CONFIG GET`` or a follower may not run ``CLIENT LIST``, takeover waits for the
+key to expire (``ttl``), which is always safe. ``CLIENT KILL`` of a partitioned
+leader's keeper (client name ``rselection:<name>``) defeats the argument: don't.
+
+A leader waits on its keeper socket (plus a self-pipe for :meth:`RedisLease.interrupt`),
+so a connection closed by the server is seen at once and the leader steps down. The
+keeper connections never reconnect or retry by themselves: a keeper that lost its
+connection has lost its term.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import secrets
+import selectors
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import redis
+
+from ..errors import BackendUnavailable, ConfigError
+from ..lease import Acquisition, LeaderInfo
+from ._conn import ConnectionFactory, check_client, check_seconds, unavailable
+
+__all__ = ["RedisLease", "lease_keys"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_NODE_ID = 1000
+
+ACQUIRE = """
+local function run_id()
+  return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or ''
+end
+local cur = redis.call('GET', KEYS[1])
+local run = ''
+local t = redis.call('TIME')
+local now = tostring(t[1] * 1000 + math.floor(t[2] / 1000))
+if cur then
+  local ok, h = pcall(cjson.decode, cur)
+  local gone = ok and type(h) == 'table' and ARGV[6] ~= '' and h.fast == '1'
+    and h.client == ARGV[6] and h.term == ARGV[7]
+  if gone then
+    run = run_id()
+    gone = run ~= '' and h.run == run and ARGV[8] == run
+  end
+  if not gone then
+    return {0, cur, redis.call('PTTL', KEYS[1]), now}
+  end
+end
+if run == '' then run = run_id() end
+local term = redis.call('INCR', KEYS[2])
+local v = cjson.encode({token = ARGV[1], node = ARGV[2], term = tostring(term),
+  client = ARGV[4], run = run, fast = ARGV[5], at = now})
+if cur then
+  redis.call('SET', KEYS[1], v, 'PX', ARGV[3], 'XX')
+else
+  redis.call('SET', KEYS[1], v, 'NX', 'PX', ARGV[3])
+end
+redis.call('PUBLISH', ARGV[9], 'acquired:' .. tostring(term))
+return {1, v, tonumber(ARGV[3]), now}
+"""
+
+_HOLDS = """
+local cur = redis.call('GET', KEYS[1])
+if not cur then return 0 end
+local ok, h = pcall(cjson.decode, cur)
+if not ok or type(h) ~= 'table' or h.token ~= ARGV[1] or h.term ~= ARGV[2] then
+  return 0
+end
+"""
+
+RENEW = (
+    _HOLDS
+    + """
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+)
+
+RELEASE = (
+    _HOLDS
+    + """
+redis.call('DEL', KEYS[1])
+redis.call('PUBLISH', ARGV[3], 'released:' .. ARGV[2])
+return 1
+"""
+)
+
+READ = """
+local t = redis.call('TIME')
+return {redis.call('GET', KEYS[1]) or '', redis.call('PTTL', KEYS[1]),
+  tostring(t[1] * 1000 + math.floor(t[2] / 1000))}
+"""
+
+
+def lease_keys(name: str, key_prefix: str = "rselection:") -> tuple[str, str, str]:
+    """The lease key, term key and pub/sub channel of lease ``name``.
+
+    All three carry ``{name}`` as hash tag, so a Redis Cluster keeps the keys in one
+    slot (and the fenced-write script may touch both).
+
+    Args:
+        name: the lease name.
+        key_prefix: prefix of every key.
+    """
+    base = f"{key_prefix}{{{name}}}"
+    return f"{base}:lease", f"{base}:term", f"{base}:events"
+
+
+def _ms_to_utc(ms: int) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, UTC)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass(frozen=True)
+class _Seen:
+    """Another holder as the last attempt saw it: enough to probe its connection."""
+
+    term: str
+    client: str
+    run: str
+    fast: bool
+
+
+def parse_holder(raw: Any, pttl: Any, now_ms: Any) -> tuple[LeaderInfo | None, dict[str, Any]]:
+    """Decode a lease value; ``(None, {})`` for no holder or a value we cannot read."""
+    text = _text(raw) if raw is not None else ""
+    if not text:
+        return None, {}
+    try:
+        doc = json.loads(text)
+        now = int(_text(now_ms))
+        ttl_ms = max(0, int(pttl))
+        info = LeaderInfo(
+            str(doc["node"]),
+            int(doc["term"]),
+            _ms_to_utc(int(doc["at"])),
+            _ms_to_utc(now + ttl_ms),
+        )
+    except (ValueError, KeyError, TypeError):
+        logger.warning("lease value %.80r is not an rselection lease; ignoring it", text)
+        return None, {}
+    return info, doc
+
+
+class RedisLease:
+    """A lease kept in one Redis key, with ``PX`` expiry, fencing terms and fast failover.
+
+    One instance is used by one keeper thread (:meth:`connect`, :meth:`try_acquire`,
+    :meth:`renew`, :meth:`release`, :meth:`wait_for_change`, :meth:`close`);
+    :meth:`current` and :meth:`interrupt` are safe from any thread. Keeper methods raise
+    :class:`~rselection.errors.BackendUnavailable` on any connection or server error
+    (the keeper connections are then closed; the next call reconnects). The module
+    docstring explains the protocol.
+
+    Args:
+        client_or_url: a ``redis://`` URL, a ``redis.Redis`` or a
+            ``redis.cluster.RedisCluster``. Its settings (host, password, TLS, db) are
+            copied for the keeper's own connections; the client itself serves
+            :meth:`current`.
+        name: the lease name; nodes with the same name and prefix compete.
+        key_prefix: prefix of the lease's keys and channel.
+        ttl: lease length on the server, seconds.
+        renew_deadline: the leader's renew deadline, seconds (``< ttl``).
+        liveness_interval: how often a waiting follower checks that the holder's
+            connection still exists, seconds; ``None`` turns fast crash failover off
+            (takeover then waits for expiry).
+        connect_timeout: bound of opening a connection, seconds.
+
+    Raises:
+        ConfigError: bad arguments (the message says which and why).
+    """
+
+    def __init__(
+        self,
+        client_or_url: Any,
+        *,
+        name: str = "default",
+        key_prefix: str = "rselection:",
+        ttl: float = 15.0,
+        renew_deadline: float = 10.0,
+        liveness_interval: float | None = 0.5,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError(f"lease name must be a non-empty string, got {name!r}")
+        if not isinstance(key_prefix, str):
+            raise ConfigError(f"key_prefix must be a string, got {key_prefix!r}")
+        self.ttl = check_seconds(ttl, "ttl")
+        self.renew_deadline = check_seconds(renew_deadline, "renew_deadline")
+        if self.renew_deadline >= self.ttl:
+            raise ConfigError(
+                f"renew_deadline must be shorter than ttl, got renew_deadline "
+                f"{renew_deadline} >= ttl {ttl}: the leader must stop before its lease "
+                "can expire on the server"
+            )
+        self.liveness_interval = (
+            None
+            if liveness_interval is None
+            else check_seconds(liveness_interval, "liveness_interval", minimum=0.01)
+        )
+        self.connect_timeout = check_seconds(connect_timeout, "connect_timeout", minimum=0.01)
+        self.name = name
+        self.key_prefix = key_prefix
+        self.key, self.term_key, self.channel = lease_keys(name, key_prefix)
+        self._client, self._owns_client = check_client(client_or_url, "RedisLease")
+        self._factory = ConnectionFactory(
+            self._client,
+            key=self.key,
+            socket_timeout=self.renew_deadline,
+            connect_timeout=self.connect_timeout,
+            client_name=f"rselection:{name}"[:64].replace(" ", "_"),
+        )
+        self._ttl_ms = max(1, round(self.ttl * 1000))
+        self._read = self._client.register_script(READ)
+
+        self._conn: Any = None
+        self._listener: Any = None
+        self._client_id = ""
+        self._run_id = ""
+        self._fast = False  # may a follower take over from us when our connection is gone?
+        self._can_probe = True  # may we run CLIENT LIST ID?
+        self._leading: tuple[str, int] | None = None  # (token, term) while we hold it
+        self._seen: _Seen | None = None
+        self._dead: _Seen | None = None
+
+        self._wake_lock = threading.Lock()
+        self._interrupt_pending = False
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(name={self.name!r}, key={self.key!r}, "
+            f"{self._factory.where}, connected={self._conn is not None})"
+        )
+
+    @property
+    def client_id(self) -> int | None:
+        """The keeper connection's ``CLIENT ID``, or ``None`` when not connected."""
+        return int(self._client_id) if self._conn is not None and self._client_id else None
+
+    @property
+    def fast_failover(self) -> bool:
+        """Whether this node's leases let followers take over when its connection is gone."""
+        return self._fast
+
+    # -- connections ------------------------------------------------------------------
+
+    def connect(self) -> None:
+        """Open the keeper and listener connections and read the server's settings.
+
+        Raises:
+            BackendUnavailable: the server cannot be reached or refused (the message
+                names host and port, never the password).
+        """
+        self._drop()
+        self._ensure_pipe()
+        try:
+            conn = self._factory.connect()
+        except (redis.RedisError, OSError) as exc:
+            raise unavailable("connect to the lease server", self._factory.where, exc) from exc
+        self._conn = conn
+        try:
+            self._client_id = _text(self._call("CLIENT", "ID"))
+            info = _text(self._call("INFO", "server"))
+            self._run_id = next(
+                (
+                    ln.split(":", 1)[1].strip()
+                    for ln in info.splitlines()
+                    if ln.startswith("run_id:")
+                ),
+                "",
+            )
+            with contextlib.suppress(redis.ResponseError):  # Redis < 7
+                self._call("CLIENT", "NO-EVICT", "on", expected=(redis.ResponseError,))
+            self._fast = self._server_keeps_live_connections()
+            self._can_probe = self._probe_allowed()
+            listener = self._factory.connect()
+            self._listener = listener
+            listener.send_command("SUBSCRIBE", self.channel)
+            listener.read_response()
+        except (redis.RedisError, OSError) as exc:
+            self._drop()
+            raise unavailable("prepare the keeper connection", self._factory.where, exc) from exc
+        except BackendUnavailable:
+            self._drop()
+            raise
+        self._leading = self._seen = self._dead = None
+        logger.debug(
+            "lease %r: keeper connected (%s, client %s, fast failover %s)",
+            self.name,
+            self._factory.where,
+            self._client_id,
+            "on" if self._fast else "off",
+        )
+
+    def _server_keeps_live_connections(self) -> bool:
+        """True when Redis will not close a silent leader's connection before its deadline."""
+        if self.liveness_interval is None:
+            return False
+        try:
+            timeout = self._config("timeout")
+            keepalive = self._config("tcp-keepalive")
+        except redis.ResponseError as exc:
+            logger.info(
+                "lease %r: cannot read the server's timeout settings (%s); crash failover "
+                "waits for the ttl",
+                self.name,
+                str(exc).splitlines()[0],
+            )
+            return False
+        bound = self.renew_deadline + 1.0
+        if timeout and timeout <= bound:
+            logger.warning(
+                "lease %r: the server closes idle clients after %s s (<= renew_deadline + "
+                "1 s); crash failover waits for the ttl",
+                self.name,
+                timeout,
+            )
+            return False
+        if keepalive and 2 * keepalive <= bound:
+            logger.warning(
+                "lease %r: the server's tcp-keepalive %s s could drop a partitioned leader "
+                "before its deadline; crash failover waits for the ttl",
+                self.name,
+                keepalive,
+            )
+            return False
+        return True
+
+    def _config(self, name: str) -> int:
+        reply = self._call("CONFIG", "GET", name, expected=(redis.ResponseError,))
+        values = [_text(v) for v in reply]
+        return int(values[1]) if len(values) >= 2 else 0
+
+    def _probe_allowed(self) -> bool:
+        if self.liveness_interval is None:
+            return False
+        try:
+            self._call("CLIENT", "LIST", "ID", self._client_id, expected=(redis.ResponseError,))
+        except redis.ResponseError as exc:
+            logger.info(
+                "lease %r: CLIENT LIST is not allowed (%s); this node takes over only when "
+                "a lease expires",
+                self.name,
+                str(exc).splitlines()[0],
+            )
+            return False
+        return True
+
+    def _ensure_pipe(self) -> None:
+        with self._wake_lock:
+            if self._wake_r is None:
+                self._wake_r, self._wake_w = socket.socketpair()
+                self._wake_r.setblocking(False)
+                self._wake_w.setblocking(False)
+
+    def _drop(self) -> None:
+        conns, self._conn, self._listener = (self._conn, self._listener), None, None
+        self._leading = self._seen = self._dead = None
+        for conn in conns:
+            if conn is not None:
+                try:
+                    conn.disconnect()
+                except Exception:  # closing a broken connection is best effort
+                    logger.debug("lease %r: error closing a connection", self.name, exc_info=True)
+
+    def _keeper(self) -> Any:
+        if self._conn is None:
+            self.connect()
+        assert self._conn is not None
+        return self._conn
+
+    def _call(self, *args: Any, expected: tuple[type[Exception], ...] = ()) -> Any:
+        """One command on the keeper; errors other than ``expected`` drop the connections."""
+        conn = self._keeper()
+        try:
+            conn.send_command(*args)
+            reply = conn.read_response()
+        except expected:
+            raise
+        except redis.TimeoutError as exc:
+            self._drop()
+            raise BackendUnavailable(
+                f"cannot {_text(args[0]).lower()} on the lease server ({self._factory.where}): "
+                f"no answer within {self.renew_deadline:g} s; reconnecting"
+            ) from exc
+        except (redis.RedisError, OSError) as exc:
+            self._drop()
+            raise unavailable(
+                f"run {_text(args[0])} on the lease server", self._factory.where, exc
+            ) from exc
+        return reply
+
+    # -- the lease --------------------------------------------------------------------
+
+    def try_acquire(self, node_id: str) -> Acquisition:
+        """Take the lease when it is free, expired, or its holder's connection is gone.
+
+        One round trip (the last wait may have found the holder's connection gone; that
+        is rechecked by the script). A successful acquisition increments the term.
+
+        Args:
+            node_id: this node's id (non-empty, at most 1000 characters).
+
+        Raises:
+            BackendUnavailable: connection problem.
+        """
+        if not isinstance(node_id, str) or not node_id or len(node_id) > _MAX_NODE_ID:
+            raise ConfigError(
+                f"node_id must be a non-empty string of at most {_MAX_NODE_ID} characters, "
+                f"got {node_id!r:.60}"
+            )
+        self._keeper()
+        dead, self._dead = self._dead, None
+        self._leading = None
+        token = secrets.token_hex(16)
+        reply = self._call(
+            "EVAL",
+            ACQUIRE,
+            2,
+            self.key,
+            self.term_key,
+            token,
+            node_id,
+            self._ttl_ms,
+            self._client_id,
+            "1" if self._fast else "0",
+            dead.client if dead else "",
+            dead.term if dead else "",
+            self._run_id,
+            self.channel,
+        )
+        acquired = int(reply[0]) == 1
+        info, doc = parse_holder(reply[1], reply[2], reply[3])
+        if info is None:
+            # Someone else's value under our key: waiting it out (with the keeper's
+            # backoff) beats spinning on a lease that looks free but cannot be taken.
+            raise BackendUnavailable(
+                f"key {self.key!r} holds a value that is not an rselection lease "
+                f"({_text(reply[1])!r:.60}); use another key_prefix or lease name"
+            )
+        if acquired:
+            self._leading = (token, info.term)
+            self._seen = None
+            logger.debug("lease %r: acquired by %s, term %s", self.name, node_id, info.term)
+            if dead is not None:
+                logger.info(
+                    "lease %r: took over term %s: its holder's connection is gone",
+                    self.name,
+                    dead.term,
+                )
+        else:
+            self._seen = _Seen(
+                str(doc.get("term", "")),
+                str(doc.get("client", "")),
+                str(doc.get("run", "")),
+                doc.get("fast") == "1",
+            )
+        return Acquisition(acquired, info, max(0.0, int(reply[2]) / 1000))
+
+    def renew(self, node_id: str, term: int) -> bool:
+        """Extend this node's lease by the ttl; ``False`` when ``term`` no longer holds it.
+
+        Raises:
+            BackendUnavailable: connection problem (the term is lost as well).
+        """
+        leading = self._leading
+        if leading is None or leading[1] != term:
+            return False
+        reply = self._call("EVAL", RENEW, 1, self.key, leading[0], str(term), self._ttl_ms)
+        if int(reply) == 1:
+            return True
+        logger.debug("lease %r: renewal of term %s by %s refused", self.name, term, node_id)
+        self._leading = None
+        return False
+
+    def release(self, node_id: str, term: int) -> None:
+        """Give the lease up (key deleted, term counter kept) and wake the followers.
+
+        Does nothing unless this keeper holds ``term``.
+
+        Raises:
+            BackendUnavailable: connection problem (the lease then expires after ttl, or
+                followers see the connection gone).
+        """
+        leading = self._leading
+        if leading is None or leading[1] != term:
+            return
+        reply = self._call("EVAL", RELEASE, 1, self.key, leading[0], str(term), self.channel)
+        self._leading = None
+        self._seen = None
+        logger.debug(
+            "lease %r: %s released term %s%s",
+            self.name,
+            node_id,
+            term,
+            "" if int(reply) == 1 else " (it no longer held it)",
+        )
+
+    def current(self) -> LeaderInfo | None:
+        """The live holder, or ``None``; safe from any thread (uses the client's pool).
+
+        Raises:
+            BackendUnavailable: connection problem.
+        """
+        try:
+            raw, pttl, now = self._read(keys=[self.key])
+        except redis.RedisError as exc:
+            raise unavailable("read the lease holder", self._factory.where, exc) from exc
+        return parse_holder(raw, pttl, now)[0]
+
+    # -- waiting ----------------------------------------------------------------------
+
+    def wait_for_change(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds or until the holder may have changed.
+
+        Returns on a publish on the lease channel, on :meth:`interrupt` (also one that
+        came just before the call), or, while following, when the holder's connection
+        is found gone (checked every ``liveness_interval``).
+
+        Raises:
+            BackendUnavailable: a keeper connection broke.
+        """
+        conn = self._keeper()
+        listener = self._listener
+        assert listener is not None
+        try:
+            with self._wake_lock:
+                if self._interrupt_pending:
+                    return
+            if not timeout > 0:
+                return
+            seen = self._seen
+            probe = (
+                self._leading is None
+                and seen is not None
+                and seen.fast
+                and self._can_probe
+                and bool(seen.client)
+                and seen.run == self._run_id
+                and self.liveness_interval is not None
+            )
+            deadline = time.monotonic() + timeout
+            with selectors.DefaultSelector() as sel:
+                sel.register(_sock(conn), selectors.EVENT_READ, "keeper")
+                sel.register(_sock(listener), selectors.EVENT_READ, "listener")
+                if self._wake_r is not None:
+                    sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+                while (remaining := deadline - time.monotonic()) > 0:
+                    step = remaining
+                    if probe and self.liveness_interval is not None:
+                        step = min(step, self.liveness_interval)
+                    events = sel.select(step)
+                    for key, _ in events:
+                        if key.data == "wake":
+                            return
+                        if key.data == "keeper":
+                            self._keeper_readable(conn)
+                        elif self._drain(listener):
+                            return
+                    if probe and not events and seen is not None and self._holder_gone(seen):
+                        return
+        finally:
+            self._clear_interrupt()
+
+    def _keeper_readable(self, conn: Any) -> None:
+        # Nothing is due on an idle keeper: readable means closed (or garbage).
+        try:
+            data = conn.can_read(0) and conn.read_response()
+        except (redis.RedisError, OSError) as exc:
+            self._drop()
+            raise unavailable("keep the lease connection", self._factory.where, exc) from exc
+        self._drop()
+        raise BackendUnavailable(
+            f"the keeper connection to the lease server ({self._factory.where}) sent "
+            f"something unexpected: {data!r:.80}"
+        )
+
+    def _drain(self, listener: Any) -> bool:
+        """Read the channel's messages; ``True`` if there was one."""
+        got = False
+        try:
+            while listener.can_read(0):
+                message = listener.read_response()
+                if isinstance(message, list) and message and _text(message[0]) == "message":
+                    got = True
+        except (redis.RedisError, OSError) as exc:
+            self._drop()
+            raise unavailable("listen for lease changes", self._factory.where, exc) from exc
+        return got
+
+    def _holder_gone(self, seen: _Seen) -> bool:
+        try:
+            reply = self._call("CLIENT", "LIST", "ID", seen.client, expected=(redis.ResponseError,))
+        except redis.ResponseError as exc:
+            self._can_probe = False
+            logger.info("lease %r: CLIENT LIST refused (%s)", self.name, exc)
+            return False
+        if _text(reply).strip():
+            return False
+        logger.debug("lease %r: holder of term %s has no connection", self.name, seen.term)
+        self._dead = seen
+        return True
+
+    def _clear_interrupt(self) -> None:
+        with self._wake_lock:
+            self._interrupt_pending = False
+            wake = self._wake_r
+            if wake is not None:
+                try:
+                    while wake.recv(256):
+                        pass
+                except OSError:  # BlockingIOError: drained
+                    pass
+
+    def interrupt(self) -> None:
+        """Wake the keeper thread blocked in :meth:`wait_for_change`; safe from any thread.
+
+        Sticky: an interrupt that arrives just before the wait makes it return at once.
+        """
+        with self._wake_lock:
+            self._interrupt_pending = True
+            if self._wake_w is not None:
+                with contextlib.suppress(OSError):  # pipe full: already woken
+                    self._wake_w.send(b"\0")
+
+    def close(self) -> None:
+        """Close the keeper connections (and the client, if made from a URL); idempotent.
+
+        :meth:`connect` may be called again later.
+        """
+        self._drop()
+        if self._owns_client:
+            with contextlib.suppress(Exception):
+                self._client.connection_pool.disconnect()
+        with self._wake_lock:
+            for sock in (self._wake_r, self._wake_w):
+                if sock is not None:
+                    sock.close()
+            self._wake_r = self._wake_w = None
+
+
+def _sock(conn: Any) -> socket.socket:
+    sock: socket.socket | None = getattr(conn, "_sock", None)
+    if sock is None:
+        raise BackendUnavailable("the lease server connection is closed")
+    return sock
