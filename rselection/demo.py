@@ -1,7 +1,8 @@
 """``rselection demo``: three nodes compete for one lease; watch crash failover and handover.
 
 The parent process starts node processes (``python -m rselection.demo node ...``), each a
-:class:`~rselection.PostgresLeader` with a ticking task and a fenced ledger writer. Nodes
+:class:`~rselection.PostgresLeader` (or, with ``--backend redis``, a
+:class:`~rselection.RedisLeader`) with a ticking task and a fenced ledger writer. Nodes
 report what happens as JSON lines on stdout; the parent prints them, kills the leader
 with SIGKILL, measures how long the fleet takes to elect another one, then stops the
 new leader gracefully and measures the handover. The same node program drives the
@@ -22,7 +23,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import rselection as rs
 
 __all__ = ["Fleet", "main", "run_demo", "run_node"]
 
@@ -48,6 +52,10 @@ def _emit(event: str, **fields: Any) -> None:
 
 def run_node(args: argparse.Namespace) -> int:
     """Run one node until SIGTERM/SIGINT; report events as JSON lines on stdout."""
+    if args.backend == "redis":
+        return _run_redis_node(args)
+    if not args.dsn:
+        raise SystemExit("--dsn is required with --backend postgres")
     import psycopg
     from psycopg import sql
 
@@ -64,10 +72,7 @@ def run_node(args: argparse.Namespace) -> int:
         conn.execute("SELECT pg_advisory_unlock(4242)")
 
     tasks = rs.TaskHandler(stop_grace=args.stop_grace)
-
-    @tasks.interval(args.tick, name="tick")
-    def tick(ctx: rs.TaskContext) -> None:
-        _emit("tick", node=ctx.node_id, term=ctx.term, at=ctx.scheduled_at)
+    _tick_tasks(tasks, args)
 
     @tasks.persistent("ledger")
     def write_ledger(ctx: rs.TaskContext) -> None:
@@ -83,13 +88,6 @@ def run_node(args: argparse.Namespace) -> int:
                     _emit("stale", node=ctx.node_id, term=ctx.term)
                     return
 
-    if args.block_loop:
-
-        @tasks.persistent("loop-blocker", restart="never")
-        async def block_loop(ctx: rs.TaskContext) -> None:
-            time.sleep(args.block_loop)  # blocks the event loop on purpose
-            _emit("unblocked", node=ctx.node_id, term=ctx.term)
-
     leader = rs.PostgresLeader(
         args.lease_dsn or args.dsn,
         tasks,
@@ -100,6 +98,82 @@ def run_node(args: argparse.Namespace) -> int:
         renew_deadline=args.renew_deadline,
         retry_interval=args.retry_interval,
     )
+    return _serve(leader, stop)
+
+
+def redis_ledger_key(ledger: str, lease: str) -> str:
+    """The Redis list a node of lease ``lease`` appends its fenced ledger entries to.
+
+    It carries the lease name as hash tag, so a cluster keeps it in the lease's slot (a
+    fenced write may only touch keys there).
+    """
+    return f"{ledger}:{{{lease}}}"
+
+
+def _run_redis_node(args: argparse.Namespace) -> int:
+    """The Redis node: the same tasks, a fenced ``RPUSH`` ledger in the same Redis."""
+    import redis
+
+    import rselection as rs
+    from rselection.redis import RedisFence, RedisLeader
+
+    url = args.redis_url or args.dsn
+    if not url:
+        raise SystemExit("--redis-url (or --dsn) is required with --backend redis")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+    key = redis_ledger_key(args.ledger, args.name)
+    tasks = rs.TaskHandler(stop_grace=args.stop_grace)
+    _tick_tasks(tasks, args)
+    fence: list[Any] = []
+
+    @tasks.persistent("ledger")
+    def write_ledger(ctx: rs.TaskContext) -> None:
+        # Every write is fenced: the RPUSH runs only while this term holds the lease.
+        while ctx.sleep(args.ledger_every):
+            entry = json.dumps({"term": ctx.term, "node": ctx.node_id, "t": time.time()})
+            try:
+                fence[0].call(ctx.term, "RPUSH", key, entry)
+            except rs.StaleLeaderError:
+                _emit("stale", node=ctx.node_id, term=ctx.term)
+                return
+            except rs.BackendUnavailable:
+                continue  # Redis is away; the lease keeper decides whether we still lead
+
+    leader = RedisLeader(
+        args.lease_dsn or url,
+        tasks,
+        name=args.name,
+        node_id=args.node_id,
+        ttl=args.ttl,
+        renew_interval=args.renew_interval,
+        renew_deadline=args.renew_deadline,
+        retry_interval=args.retry_interval,
+    )
+    # Ledger writes go straight to Redis (not through a --lease-dsn proxy).
+    fence.append(RedisFence(redis.Redis.from_url(url, socket_timeout=5), args.name))
+    return _serve(leader, stop)
+
+
+def _tick_tasks(tasks: rs.TaskHandler, args: argparse.Namespace) -> None:
+
+    @tasks.interval(args.tick, name="tick")
+    def tick(ctx: rs.TaskContext) -> None:
+        _emit("tick", node=ctx.node_id, term=ctx.term, at=ctx.scheduled_at)
+
+    if args.block_loop:
+
+        @tasks.persistent("loop-blocker", restart="never")
+        async def block_loop(ctx: rs.TaskContext) -> None:
+            time.sleep(args.block_loop)  # blocks the event loop on purpose
+            _emit("unblocked", node=ctx.node_id, term=ctx.term)
+
+
+def _serve(leader: Any, stop: threading.Event) -> int:
+    import rselection as rs
+
     rs.signals.elected.connect(
         lambda sender, **kw: _emit("elected", node=kw["node_id"], term=kw["term"]), weak=False
     )
@@ -121,8 +195,10 @@ def run_node(args: argparse.Namespace) -> int:
 
 def add_node_arguments(p: argparse.ArgumentParser) -> None:
     """Options of one node process (shared by the demo and the tests)."""
-    p.add_argument("--dsn", required=True)
+    p.add_argument("--dsn", help="the Postgres (or, with --backend redis, the Redis URL)")
     p.add_argument("--lease-dsn", help="connection for the lease only (e.g. via a proxy)")
+    p.add_argument("--backend", choices=["postgres", "redis"], default="postgres")
+    p.add_argument("--redis-url", help="the Redis of --backend redis (default: --dsn)")
     p.add_argument("--name", default="demo")
     p.add_argument("--node-id")
     p.add_argument("--ttl", type=float, default=15.0)
