@@ -1,0 +1,1 @@
+"""A Django app that owns leader-scoped tasks and the ``runleader`` command."""
