@@ -1,0 +1,317 @@
+"""One leader conformance suite, run on every lease backend (Postgres and Redis).
+
+Each scenario runs unchanged on both backends: election and agreement, graceful handover,
+kill -9 failover, a leader paused beyond its ttl, a server restart, and a fenced write
+refused after a takeover. Fleet scenarios run real node processes (``python -m
+rselection.demo node --backend ...``) that write a fenced ledger; each ends by checking
+that no write of an older term came after a write of a newer term.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+import rselection as rs
+from rselection.demo import Fleet
+from tests.support.backends import Backend
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.slow
+
+BACKENDS = ["postgres", "redis"]
+FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
+FAST_ARGS = [
+    "--ttl",
+    "3",
+    "--renew-interval",
+    "0.5",
+    "--renew-deadline",
+    "2",
+    "--retry-interval",
+    "0.5",
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> Backend:
+    """The shared server of one backend (a fresh schema for Postgres)."""
+    if request.param == "redis":
+        return Backend("redis", request.getfixturevalue("redis_url"))
+    return Backend("postgres", request.getfixturevalue("pg_dsn"))
+
+
+@pytest.fixture(params=BACKENDS)
+def private_backend(request: pytest.FixtureRequest) -> Backend:
+    """A private server of one backend, which the test may restart."""
+    if request.param == "redis":
+        server = request.getfixturevalue("private_redis")
+        return Backend("redis", server.url, restart=server.restart)
+    server = request.getfixturevalue("private_pg")
+    return Backend("postgres", server.dsn, restart=lambda: server.restart(mode="fast"))
+
+
+@pytest.fixture
+def make_leader(backend: Backend) -> Iterator[Callable[..., Any]]:
+    made: list[Any] = []
+    name = f"t-{uuid.uuid4().hex[:8]}"
+
+    def make(handler: rs.TaskHandler | None = None, **kw: Any) -> Any:
+        leader = backend.leader(handler or rs.TaskHandler(), name, **{**FAST, **kw})
+        made.append(leader)
+        return leader
+
+    yield make
+    for leader in made:
+        leader.stop(timeout=10)
+
+
+def the_leader(leaders: list[Any]) -> Any:
+    wait_until(lambda: sum(x.is_leader for x in leaders) == 1, 10, "one leader")
+    return next(x for x in leaders if x.is_leader)
+
+
+def elected(fleet: Fleet, timeout: float, exclude: str | None = None) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        event = fleet.next_event(left)
+        if event and event["ev"] == "elected" and event["node"] != exclude:
+            return event
+    pytest.fail(f"no node was elected within {timeout}s; events: {fleet.history[-20:]}")
+
+
+def next_of(fleet: Fleet, kind: str, timeout: float, **match: Any) -> dict[str, Any]:
+    event = fleet.wait_for(timeout, ev=kind, **match)
+    if event is None:
+        pytest.fail(f"no {kind} {match} within {timeout}s; events: {fleet.history[-20:]}")
+    return event
+
+
+def settle(fleet: Fleet, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        fleet.next_event(left)
+
+
+def current_leaders(fleet: Fleet) -> set[str]:
+    leading: set[str] = set()
+    for event in fleet.history:
+        if event["ev"] == "elected":
+            leading.add(event["node"])
+        elif event["ev"] in ("demoted", "stopped"):
+            leading.discard(event["node"])
+    return leading
+
+
+def fleet_of(backend: Backend, args: list[str]) -> Fleet:
+    return Fleet(backend.url, f"t-{uuid.uuid4().hex[:6]}", [*backend.fleet_args, *args])
+
+
+def assert_safe_ledger(backend: Backend, fleet: Fleet) -> None:
+    assert backend.overlaps(fleet.name) == 0
+    assert all(len(nodes) == 1 for nodes in backend.terms(fleet.name).values())
+
+
+# -- in-process ----------------------------------------------------------------------
+
+
+def test_three_nodes_elect_one_leader_and_everyone_agrees(
+    make_leader: Callable[..., Any],
+) -> None:
+    leaders = [make_leader(node_id=f"node-{i}") for i in range(3)]
+    changes: list[tuple[str, Any]] = []
+
+    def receiver(sender: Any, **kw: Any) -> None:
+        changes.append((sender.node_id, kw["leader"]))
+
+    rs.signals.leader_changed.connect(receiver)
+    try:
+        for leader in leaders:
+            leader.start()
+        chief = the_leader(leaders)
+        views = [leader.leader() for leader in leaders]
+        assert {(v.node_id, v.term) for v in views if v} == {(chief.node_id, chief.term)}
+        assert all(v is not None and v.expires_at > v.acquired_at for v in views)
+        first_term = chief.term
+        chief.stop()
+        rest = [x for x in leaders if x is not chief]
+        heir = the_leader(rest)
+        assert heir.term == first_term + 1
+        wait_until(
+            lambda: (
+                {n for n, info in changes if info is not None and info.node_id == heir.node_id}
+                >= {x.node_id for x in rest}
+            ),
+            5,
+            "leader_changed on every node",
+        )
+    finally:
+        rs.signals.leader_changed.disconnect(receiver)
+
+
+def test_fenced_write_of_an_old_term_is_refused_after_takeover(
+    backend: Backend, make_leader: Callable[..., Any]
+) -> None:
+    contexts: list[rs.TaskContext] = []
+    handler = rs.TaskHandler(stop_grace=1)
+
+    @handler.persistent("remember")
+    def remember(ctx: rs.TaskContext) -> None:
+        contexts.append(ctx)
+        ctx.cancelled.wait(30)
+
+    first = make_leader(handler, node_id="first")
+    first.start()
+    wait_until(lambda: bool(contexts), 10, "the first term's task")
+    old = contexts[0]
+
+    if backend.kind == "redis":
+        import redis
+
+        client = redis.Redis.from_url(backend.url)
+        key = f"fenced:{{{first.name}}}"
+
+        def write(term: int) -> None:
+            first.fence.call(term, "RPUSH", key, str(term))
+
+        def written() -> list[int]:
+            return [int(x) for x in client.lrange(key, 0, -1)]
+
+    else:
+        conn = psycopg.connect(backend.url)
+        with conn.transaction():
+            conn.execute("CREATE TABLE fenced_writes (term bigint)")
+
+        def write(term: int) -> None:
+            with conn.transaction():
+                old.fence(conn)
+                conn.execute("INSERT INTO fenced_writes VALUES (%s)", (term,))
+
+        def written() -> list[int]:
+            with conn.transaction():
+                return [r[0] for r in conn.execute("SELECT term FROM fenced_writes")]
+
+    write(old.term)
+    first.stop()
+    second = make_leader(rs.TaskHandler(), node_id="second")
+    second.start()
+    wait_until(lambda: second.is_leader, 10, "the takeover")
+    assert second.term == old.term + 1
+    with pytest.raises(rs.StaleLeaderError):
+        write(old.term)
+    assert written() == [old.term]
+
+
+# -- node processes ------------------------------------------------------------------
+
+
+def test_one_leader_runs_the_tasks(backend: Backend) -> None:
+    fleet = fleet_of(backend, FAST_ARGS)
+    with fleet:
+        first = fleet.start(3)
+        deadline = time.monotonic() + 2.5
+        ticks: list[dict[str, Any]] = []
+        while (left := deadline - time.monotonic()) > 0:
+            event = fleet.next_event(left)
+            assert event is None or event["ev"] != "elected", f"second leader: {event}"
+            if event and event["ev"] == "tick":
+                ticks.append(event)
+        assert ticks and {e["node"] for e in ticks} == {first["node"]}
+    assert_safe_ledger(backend, fleet)
+    assert backend.terms(fleet.name) == {first["term"]: {first["node"]}}
+
+
+def test_graceful_stop_hands_over_within_a_second(backend: Backend) -> None:
+    fleet = fleet_of(backend, ["--ttl", "15"])  # default timings
+    with fleet:
+        first = fleet.start(3)
+        stopped_at = time.time()
+        fleet.kill(first["node"], signal.SIGTERM)
+        heir = elected(fleet, 5, exclude=first["node"])
+        handover = heir["t"] - stopped_at
+        print(f"{backend.kind}: graceful handover {handover * 1000:.0f} ms")
+        assert handover < 1.0
+        assert heir["term"] == first["term"] + 1
+    assert_safe_ledger(backend, fleet)
+
+
+def test_kill_9_fails_over_well_before_the_ttl(backend: Backend) -> None:
+    fleet = fleet_of(backend, ["--ttl", "10", "--renew-deadline", "7"])
+    with fleet:
+        first = fleet.start(3)
+        settle(fleet, 0.3)
+        killed_at = time.time()
+        fleet.kill(first["node"])
+        heir = elected(fleet, 12, exclude=first["node"])
+        failover = heir["t"] - killed_at
+        print(f"{backend.kind}: kill -9 failover {failover * 1000:.0f} ms (ttl 10 s)")
+        assert failover < 5.0  # ttl / 2
+        assert heir["term"] == first["term"] + 1
+    assert_safe_ledger(backend, fleet)
+
+
+def test_paused_leader_is_replaced_only_after_expiry_and_never_acts_again(
+    backend: Backend,
+) -> None:
+    fleet = fleet_of(backend, FAST_ARGS)
+    with fleet:
+        first = fleet.start(3)
+        settle(fleet, 0.3)  # let the ledger writer get going
+        paused_at = time.time()
+        fleet.kill(first["node"], signal.SIGSTOP)
+        heir = elected(fleet, 10, exclude=first["node"])
+        waited = heir["t"] - paused_at
+        print(f"{backend.kind}: takeover after SIGSTOP {waited * 1000:.0f} ms (ttl 3 s)")
+        # The last renewal was at most renew_interval (0.5 s) before the pause.
+        assert waited >= 3.0 - 0.5 - 0.1
+        assert waited <= 3.0 + 0.5 + 1.5  # ttl + retry_interval, plus scheduling slack
+        writes_before = backend.writes_by(fleet.name, first["node"], first["term"])
+        time.sleep(0.5)
+        fleet.kill(first["node"], signal.SIGCONT)
+        demoted = next_of(fleet, "demoted", 5, node=first["node"])
+        assert demoted["reason"] in ("deadline", "lost", "connection")
+        settle(fleet, 0.5)
+        assert backend.writes_by(fleet.name, first["node"], first["term"]) == writes_before
+        assert current_leaders(fleet) == {heir["node"]}
+    assert_safe_ledger(backend, fleet)
+
+
+def test_server_restart_under_a_running_fleet(private_backend: Backend) -> None:
+    backend = private_backend
+    assert backend.restart is not None
+    fleet = fleet_of(backend, FAST_ARGS)
+    with fleet:
+        first = fleet.start(3)
+        settle(fleet, 0.3)
+        backend.restart()
+        next_of(fleet, "demoted", 10, node=first["node"], reason="connection")
+        next_of(fleet, "elected", 20)
+        settle(fleet, 1.0)
+        assert len(current_leaders(fleet)) == 1
+    assert_safe_ledger(backend, fleet)
+
+
+def test_a_stale_entry_is_never_written_by_a_deposed_node(backend: Backend) -> None:
+    # Several crashes and handovers in a row; every term is written by its own node,
+    # in term order.
+    fleet = fleet_of(backend, FAST_ARGS)
+    with fleet:
+        leader = fleet.start(4)["node"]
+        for sig in [signal.SIGKILL, signal.SIGTERM, signal.SIGKILL]:
+            settle(fleet, 0.3)
+            fleet.kill(leader, sig)
+            leader = elected(fleet, 10, exclude=leader)["node"]
+        settle(fleet, 0.3)
+    entries = backend.entries(fleet.name)
+    assert entries, "no ledger writes"
+    assert [t for t, _ in entries] == sorted(t for t, _ in entries)
+    assert_safe_ledger(backend, fleet)
+    terms = sorted(backend.terms(fleet.name))
+    print(f"{backend.kind}: {len(entries)} ledger writes in terms {json.dumps(terms)}")
