@@ -13,6 +13,15 @@ The lease table holds one row per lease name::
     acquired_at  timestamptz        -- server time of the acquisition
     renewed_at   timestamptz        -- server time of the last renewal
     expires_at   timestamptz        -- server time at which the lease lapses
+    resign_term  bigint null        -- term asked to hand over (``rselection resign``)
+    resign_to    text null          -- node the lease is reserved for during the handover
+    resign_until timestamptz null   -- server time at which the request lapses
+
+The three ``resign_*`` columns came with schema version 2; :func:`migrate` adds them to
+a version-1 table (``ALTER TABLE ... ADD COLUMN IF NOT EXISTS``, nullable, no default:
+a catalog-only change) and records version 2. Code of this release also works on a
+version-1 table that was not upgraded (``create_tables=False``): leases work as before,
+only handover requests are unavailable until ``rselection migrate`` runs.
 
 Only ``name`` is a key column: ``term`` must never be part of a unique index, so that a
 renewal (a plain ``UPDATE`` of non-key columns, row lock ``FOR NO KEY UPDATE``) does not
@@ -34,9 +43,9 @@ of holder), ``acquired_at``, ``renewed_at``, ``expires_at``. It is not a lease t
 elector holds no session lock, so it never shares a table with :class:`PostgresLease`.
 
 ``rselection_schema_version`` (in the same schema as each table) keeps one row per
-component, e.g. ``('leases', 1)``, ``('claims', 1)``, ``('elections', 1)`` (a custom
+component, e.g. ``('leases', 2)``, ``('claims', 1)``, ``('elections', 1)`` (a custom
 table name is recorded as ``'leases:<table>'`` and so on), so later versions know what to
-upgrade.
+upgrade. :func:`migrate` returns a :class:`TableChange` per table saying what it did.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ import hashlib
 import logging
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -60,6 +70,7 @@ __all__ = [
     "ELECTIONS_VERSION",
     "LEASES_VERSION",
     "VERSION_TABLE",
+    "TableChange",
     "create_tables",
     "migrate",
     "table_identifier",
@@ -75,8 +86,19 @@ DEFAULT_TABLE = "rselection_leases"
 VERSION_TABLE = "rselection_schema_version"
 """The table that records which schema version each component has."""
 
-LEASES_VERSION = 1
-"""Schema version of the lease table that this release creates and understands."""
+LEASES_VERSION = 2
+"""Schema version of the lease table that this release creates and understands.
+
+Version 2 added the nullable ``resign_term``, ``resign_to`` and ``resign_until`` columns
+(handover requests); :func:`migrate` upgrades a version-1 table in place."""
+
+LEASE_HANDOVER_COLUMNS = ("resign_term", "resign_to", "resign_until")
+"""Columns of the lease table that handover requests need (schema version 2)."""
+
+#: Longest an upgrade waits for its exclusive lock on a live table. While an ALTER waits,
+#: every later statement on the table (a leader's renewal) queues behind it; failing
+#: fast and retrying keeps a busy fleet's renewals from stalling.
+UPGRADE_LOCK_TIMEOUT = 1.0
 
 CLAIMS_TABLE = "rselection_claims"
 """The claims table of :class:`~rselection.postgres.PostgresClaimer` by default."""
@@ -184,8 +206,22 @@ def _lease_ddl(table: str) -> list[sql.Composed]:
             " lock_key integer NOT NULL,"
             " acquired_at timestamptz NULL,"
             " renewed_at timestamptz NULL,"
-            " expires_at timestamptz NULL)"
+            " expires_at timestamptz NULL,"
+            " resign_term bigint NULL,"
+            " resign_to text NULL,"
+            " resign_until timestamptz NULL)"
         ).format(ident)
+    ]
+
+
+def _lease_v2(table: str) -> list[sql.Composed]:
+    """Version 1 -> 2: the handover request columns (nullable, no default: no rewrite)."""
+    return [
+        sql.SQL(
+            "ALTER TABLE {} ADD COLUMN IF NOT EXISTS resign_term bigint NULL,"
+            " ADD COLUMN IF NOT EXISTS resign_to text NULL,"
+            " ADD COLUMN IF NOT EXISTS resign_until timestamptz NULL"
+        ).format(table_identifier(table))
     ]
 
 
@@ -247,12 +283,53 @@ _KINDS: dict[str, tuple[str, int, Callable[[str], list[sql.Composed]], str]] = {
     "nodes": (NODES_TABLE, NODES_VERSION, _nodes_ddl, "nodes table"),
 }
 
+#: kind -> upgrades of an existing table: (version reached, columns it adds, statements)
+_UPGRADES: dict[str, list[tuple[int, tuple[str, ...], Callable[[str], list[sql.Composed]]]]] = {
+    "leases": [(2, LEASE_HANDOVER_COLUMNS, _lease_v2)],
+}
 
-def create_tables(conn: psycopg.Connection[Any], **tables: str | None) -> None:
-    """Create the named tables (and the schema-version table) if they do not exist.
 
-    The building block of :func:`migrate` for callers that need only some tables, such
-    as a claimer created with ``create_tables=True``. Same guarantees as :func:`migrate`.
+@dataclass(frozen=True)
+class TableChange:
+    """What :func:`migrate` did to one table.
+
+    Attributes:
+        kind: ``"leases"``, ``"claims"``, ``"elections"`` or ``"nodes"``.
+        table: the table name as given.
+        action: ``"created"``, ``"upgraded"`` or ``"present"`` (already current).
+        version: the table's schema version now.
+        previous: the version recorded before (``None`` when none was recorded).
+    """
+
+    kind: str
+    table: str
+    action: str
+    version: int
+    previous: int | None
+
+    @property
+    def label(self) -> str:
+        """What the table is, for messages (``"lease table"``)."""
+        return _KINDS[self.kind][3]
+
+    def describe(self) -> str:
+        """One line for people: ``lease table 'x': upgraded (schema version 1 -> 2)``."""
+        if self.action == "created":
+            done = f"created (schema version {self.version})"
+        elif self.action == "upgraded":
+            before = "unrecorded" if self.previous is None else str(self.previous)
+            done = f"upgraded (schema version {before} -> {self.version})"
+        else:
+            done = f"already present (schema version {self.version})"
+        return f"{self.label} {self.table!r}: {done}"
+
+
+def create_tables(conn: psycopg.Connection[Any], **tables: str | None) -> list[TableChange]:
+    """Create the named tables (and the schema-version table), or upgrade older ones.
+
+    Returns one :class:`TableChange` per table, in the order given. The building block
+    of :func:`migrate` for callers that need only some tables, such as a claimer
+    created with ``create_tables=True``. Same guarantees as :func:`migrate`.
 
     Args:
         conn: an open psycopg connection (autocommit or not).
@@ -274,13 +351,18 @@ def create_tables(conn: psycopg.Connection[Any], **tables: str | None) -> None:
             validate_table_name(table)
             wanted.append((kind, table))
     if not wanted:
-        return
+        return []
     what = " and ".join(f"the {_KINDS[k][3]} {t!r}" for k, t in wanted)
     try:
         with conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
-            for kind, table in wanted:
-                _create_one(conn, kind, table)
+            changes = [_create_one(conn, kind, table) for kind, table in wanted]
+    except psycopg.errors.LockNotAvailable as exc:
+        raise BackendUnavailable(
+            f"cannot upgrade {what}: the table stayed locked for more than "
+            f"{UPGRADE_LOCK_TIMEOUT:g} s (long fenced transactions?); nothing was changed, "
+            "try again"
+        ) from exc
     except psycopg.errors.InsufficientPrivilege as exc:
         raise BackendUnavailable(
             f"cannot create {what}: {exc}; run `rselection migrate` "
@@ -290,11 +372,33 @@ def create_tables(conn: psycopg.Connection[Any], **tables: str | None) -> None:
         raise BackendUnavailable(f"cannot create {what}: {exc}; create the schema first") from exc
     except psycopg.Error as exc:
         raise BackendUnavailable(f"cannot create {what}: {exc}") from exc
-    for kind, table in wanted:
-        logger.debug("%s %s ready (schema version %s)", _KINDS[kind][3], table, _KINDS[kind][1])
+    for change in changes:
+        log = logger.info if change.action == "upgraded" else logger.debug
+        log("%s", change.describe())
+    return changes
 
 
-def _create_one(conn: psycopg.Connection[Any], kind: str, table: str) -> None:
+def _missing_columns(conn: psycopg.Connection[Any], table: str, columns: tuple[str, ...]) -> bool:
+    row = conn.execute(
+        "SELECT count(*) FROM pg_catalog.pg_attribute"
+        " WHERE attrelid = to_regclass(%s) AND attname = ANY(%s) AND NOT attisdropped",
+        (table_identifier(table).as_string(conn), list(columns)),
+    ).fetchone()
+    return row is None or row[0] < len(columns)
+
+
+def _upgrade(conn: psycopg.Connection[Any], statements: list[sql.Composed]) -> None:
+    """Run ALTERs under a short lock timeout, then restore the caller's setting."""
+    row = conn.execute("SELECT current_setting('lock_timeout')").fetchone()
+    previous = row[0] if row is not None else "0"
+    ms = f"{round(UPGRADE_LOCK_TIMEOUT * 1000)}ms"
+    conn.execute("SELECT set_config('lock_timeout', %s, true)", (ms,))
+    for statement in statements:
+        conn.execute(statement)
+    conn.execute("SELECT set_config('lock_timeout', %s, true)", (previous,))
+
+
+def _create_one(conn: psycopg.Connection[Any], kind: str, table: str) -> TableChange:
     default, version, ddl, label = _KINDS[kind]
     version_ident = version_table_identifier(table)
     component = _component(kind, default, table)
@@ -310,20 +414,39 @@ def _create_one(conn: psycopg.Connection[Any], kind: str, table: str) -> None:
         sql.SQL("SELECT version FROM {} WHERE component = %s").format(version_ident),
         (component,),
     ).fetchone()
-    if row is not None and row[0] > version:
+    recorded: int | None = row[0] if row is not None else None
+    if recorded is not None and recorded > version:
         raise ConfigError(
-            f"{label} {table!r} has schema version {row[0]}, newer than the "
+            f"{label} {table!r} has schema version {recorded}, newer than the "
             f"{version} this release of rselection understands: upgrade "
             "rselection on this node"
         )
+    exists = conn.execute(
+        "SELECT to_regclass(%s) IS NOT NULL", (table_identifier(table).as_string(conn),)
+    ).fetchone()
+    existed = bool(exists and exists[0])
+    action = "present" if existed else "created"
+    if existed and recorded is not None and recorded < version:
+        action = "upgraded"
     for statement in ddl(table):
-        conn.execute(statement)
-    conn.execute(
-        sql.SQL(
-            "INSERT INTO {} (component, version) VALUES (%s, %s) ON CONFLICT (component) DO NOTHING"
-        ).format(version_ident),
-        (component, version),
-    )
+        conn.execute(statement)  # IF NOT EXISTS: a no-op on an existing table
+    if existed:
+        for reached, columns, upgrade in _UPGRADES.get(kind, []):
+            # Only ALTER when columns are missing: even a no-op ALTER TABLE takes an
+            # exclusive lock, and this runs on every connect of every node.
+            if (recorded is None or recorded < reached) and _missing_columns(conn, table, columns):
+                _upgrade(conn, upgrade(table))
+                action = "upgraded"
+    if recorded is None or recorded < version:
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {} AS v (component, version) VALUES (%s, %s)"
+                " ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,"
+                " migrated_at = now() WHERE v.version < EXCLUDED.version"
+            ).format(version_ident),
+            (component, version),
+        )
+    return TableChange(kind, table, action, version, recorded)
 
 
 def migrate(
@@ -333,13 +456,15 @@ def migrate(
     claims_table: str | None = CLAIMS_TABLE,
     elections_table: str | None = ELECTIONS_TABLE,
     nodes_table: str | None = NODES_TABLE,
-) -> None:
-    """Create every rselection table and the schema-version table if they do not exist.
+) -> list[TableChange]:
+    """Create every rselection table and the schema-version table, or upgrade old ones.
 
     Creates the lease table (:class:`~rselection.PostgresLeader`), the claims table
     (:class:`~rselection.postgres.PostgresClaimer`), the elections table
     (:class:`~rselection.postgres.PostgresElector`) and the nodes table (heartbeats of
-    every leader's nodes); pass ``None`` for one to skip it.
+    every leader's nodes); pass ``None`` for one to skip it. A lease table of an older
+    schema version is upgraded in place (rows kept); the upgrade waits at most
+    :data:`UPGRADE_LOCK_TIMEOUT` for its table lock and otherwise fails, changing nothing.
     Safe to run from many processes at once: the DDL runs in a transaction under a
     transaction-level advisory lock, so concurrent ``CREATE ... IF NOT EXISTS`` never
     race on the catalogs. Runs in its own transaction (or a savepoint when ``conn`` is
@@ -354,13 +479,16 @@ def migrate(
         elections_table: elections table name, optionally schema-qualified.
         nodes_table: nodes table name, optionally schema-qualified.
 
+    Returns:
+        One :class:`TableChange` per table (created, upgraded or already present).
+
     Raises:
         ConfigError: a table name is not safe, or the database holds a newer schema
             version than this release understands.
         BackendUnavailable: the database refused (missing schema, no privilege, broken
             connection); the message says which.
     """
-    create_tables(
+    return create_tables(
         conn,
         leases=table,
         claims=claims_table,

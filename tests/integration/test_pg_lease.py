@@ -787,7 +787,7 @@ def test_schema_qualified_table_works(
         assert conn.execute("SELECT count(*) FROM my_leases").fetchone() == (1,)
         assert conn.execute(
             "SELECT component, version FROM rselection_schema_version"
-        ).fetchall() == [("leases:my_leases", 1)]
+        ).fetchall() == [("leases:my_leases", 2)]
 
 
 def test_leases_in_different_schemas_never_share_a_lock(
@@ -915,8 +915,8 @@ def test_concurrent_migrations_do_not_error(lease_dsn: str, pool: ThreadPoolExec
     assert rows == [
         ("claims", 1),
         ("elections", 1),
-        ("leases", 1),
-        ("leases:other_leases", 1),
+        ("leases", 2),
+        ("leases:other_leases", 2),
         ("nodes", 1),
     ]
 
