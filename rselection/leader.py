@@ -18,6 +18,7 @@ import secrets
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from .claiming import FireClaimer
     from .tasks import TaskHandler
 
-__all__ = ["Leader", "LeaderBase", "default_node_id"]
+__all__ = ["HandoverRequest", "Leader", "LeaderBase", "SupportsHandover", "default_node_id"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,37 @@ def reconnect_delay(failures: int) -> float:
     return float(min(_RECONNECT_CAP, _RECONNECT_FIRST * 2 ** (failures - 1))) * random.uniform(
         0.5, 1.0
     )
+
+
+@dataclass(frozen=True)
+class HandoverRequest:
+    """An operator's request that the leader of ``term`` hand over (``rselection resign``).
+
+    Attributes:
+        term: the term asked to hand over; a request for any other term is ignored.
+        to: the node the lease is reserved for, or ``None`` for any other node.
+        window: seconds (server measured) the request stays valid; while it does, the
+            lease is reserved for ``to``.
+    """
+
+    term: int
+    to: str | None
+    window: float
+
+
+@runtime_checkable
+class SupportsHandover(Protocol):
+    """A lease backend through which operators can ask the leader to hand over.
+
+    Optional: :class:`LeaderBase` uses it when its backend has these methods
+    (:class:`~rselection.postgres.PostgresLease` does).
+    """
+
+    def handover_hinted(self) -> bool:
+        """True when a notification says a request may be waiting: renew now to see."""
+
+    def handover_requested(self) -> HandoverRequest | None:
+        """The request the last successful renewal found for its term, once; else ``None``."""
 
 
 @runtime_checkable
@@ -123,6 +155,7 @@ class LeaderBase:
         if node_id is not None and (not isinstance(node_id, str) or not node_id.strip()):
             raise ConfigError(f"node_id must be a non-empty string, got {node_id!r}")
         self._backend = backend
+        self._handovers = backend if isinstance(backend, SupportsHandover) else None
         self._handler = handler
         self._name = name
         self._node_id = node_id if node_id is not None else default_node_id()
@@ -369,11 +402,16 @@ class LeaderBase:
         Until the holder's lease expires nothing can change but a release or the holder's
         session ending, and the backend wakes us for both; so wait until expiry (server
         measured), at least ``retry_interval``, plus jitter so followers do not stampede.
+        A free lease with ``expires_in > 0`` is reserved for another node that long.
         """
         t = self._timings
         jitter = random.uniform(0.0, 0.1 * t.retry_interval)
-        if attempt.holder is None:  # lost a race for a free lease: look again soon
-            return min(t.retry_interval, 0.05) + jitter
+        if attempt.holder is None:
+            if attempt.expires_in > 0:
+                # Free but reserved for another node (a requested handover) this long;
+                # its acquisition notifies us sooner.
+                return min(attempt.expires_in, t.ttl) + jitter
+            return min(t.retry_interval, 0.05) + jitter  # lost a race: look again soon
         return max(t.retry_interval, min(attempt.expires_in, t.ttl)) + jitter
 
     def _lead_step(self) -> None:
@@ -385,18 +423,62 @@ class LeaderBase:
             self._release()
             self._hold_until = time.monotonic() + hold
             return
+        handovers = self._handovers
         wait = self._last_sent + self._timings.renew_interval - time.monotonic()
-        if wait > 0:
+        # A handover request is noticed by a renewal; a notification about one makes
+        # the renewal happen now instead of at the next interval.
+        if wait > 0 and not (handovers is not None and handovers.handover_hinted()):
             self._backend.wait_for_change(wait)
             return
         sent = time.monotonic()
-        if self._backend.renew(self._node_id, term.number):
-            if self._term is term:
-                term.deadline = sent + self._timings.renew_deadline
-                self._last_sent = sent
-        else:
+        if not self._backend.renew(self._node_id, term.number):
             self._held_term = None
             self._end_term("lost")
+            return
+        if self._term is not term:
+            return  # the watchdog ended the term while the renewal was in flight
+        term.deadline = sent + self._timings.renew_deadline
+        self._last_sent = sent
+        if signals.lease_renewed.receivers:
+            done = time.monotonic()
+            self._send_renewed(term.number, done - sent, term.deadline - done)
+        request = handovers.handover_requested() if handovers is not None else None
+        if request is not None:
+            self._hand_over(term, request)
+
+    def _send_renewed(self, term: int, latency: float, remaining: float) -> None:
+        # Sent from the keeper thread on every renewal: a receiver that raises must not
+        # take the keeper (and with it the leadership) down.
+        try:
+            signals.lease_renewed.send(
+                self, name=self._name, term=term, latency=latency, remaining=remaining
+            )
+        except Exception:
+            logger.exception("lease %r: a lease_renewed receiver raised; ignored", self._name)
+
+    def _hand_over(self, term: Term, request: HandoverRequest) -> None:
+        """Step down because an operator asked (the next keeper step does it)."""
+        if request.term != term.number or request.to == self._node_id:
+            return
+        if request.to is not None:
+            # The lease is reserved for request.to on the server until the window ends;
+            # staying out that long spares this node pointless attempts.
+            hold = request.window
+        else:
+            # Long enough for a follower (woken by the release) to win; short enough
+            # that this node leads again soon if no other node is there.
+            hold = min(request.window, max(1.0, self._timings.retry_interval))
+        logger.info(
+            "node %s hands %r over on request (term %d, to %s, holding back %.1f s)",
+            self._node_id,
+            self._name,
+            term.number,
+            request.to or "any other node",
+            hold,
+        )
+        with self._cond:
+            if self._step_down_hold is None:
+                self._step_down_hold = hold
 
     def _release(self) -> None:
         held, self._held_term = self._held_term, None

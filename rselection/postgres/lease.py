@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import math
 import selectors
@@ -100,6 +101,7 @@ from psycopg import sql
 from psycopg.pq import ConnStatus
 
 from ..errors import BackendUnavailable, ConfigError
+from ..leader import HandoverRequest
 from ..lease import Acquisition, LeaderInfo
 from ._conn import (
     IoWatchdog,
@@ -110,9 +112,16 @@ from ._conn import (
     server_keepalives,
     unavailable,
 )
-from .schema import DEFAULT_TABLE, migrate, table_identifier
+from .schema import DEFAULT_TABLE, LEASE_HANDOVER_COLUMNS, migrate, table_identifier
 
-__all__ = ["PostgresLease", "lease_channel", "lease_lock_key"]
+__all__ = [
+    "PostgresLease",
+    "cancel_handover",
+    "lease_channel",
+    "lease_lock_key",
+    "request_handover",
+    "resolve_lease_table",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +163,120 @@ def lease_channel(qualified_table: str, name: str) -> str:
     if len(channel.encode()) <= _MAX_CHANNEL:
         return channel
     return "rselection:" + hashlib.blake2b(channel.encode(), digest_size=16).hexdigest()
+
+
+def resolve_lease_table(
+    conn: psycopg.Connection[Any], table: str = DEFAULT_TABLE
+) -> tuple[int, str, bool] | None:
+    """Find a lease table as the server resolves it; ``None`` when it does not exist.
+
+    Returns its OID, its ``schema.table`` name (for :func:`lease_channel`) and whether
+    it has the handover columns (schema version 2).
+
+    Args:
+        conn: an open connection (its ``search_path`` resolves an unqualified name).
+        table: the lease table, optionally schema-qualified.
+    """
+    row = conn.execute(
+        "SELECT c.oid::bigint, n.nspname, c.relname,"
+        " (SELECT count(*) FROM pg_catalog.pg_attribute a WHERE a.attrelid = c.oid"
+        " AND a.attname = ANY(%s) AND NOT a.attisdropped)"
+        " FROM pg_catalog.pg_class c"
+        " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE c.oid = to_regclass(%s)",
+        (list(LEASE_HANDOVER_COLUMNS), table_identifier(table).as_string(conn)),
+    ).fetchone()
+    if row is None:
+        return None
+    oid, schema, relname, columns = row
+    return int(oid), f"{schema}.{relname}", columns == len(LEASE_HANDOVER_COLUMNS)
+
+
+def request_handover(
+    conn: psycopg.Connection[Any],
+    name: str,
+    *,
+    table: str = DEFAULT_TABLE,
+    to: str | None = None,
+    window: float = 10.0,
+) -> LeaderInfo | None:
+    """Ask the leader of lease ``name`` to hand over; return the holder asked.
+
+    One statement: records the request on the lease row (``resign_term`` = the current
+    term, ``resign_to``, ``resign_until`` = server time + ``window``) and notifies the
+    lease's channel, which wakes the leader. The leader sees the request in its next
+    renewal (at once, thanks to the notification), cancels and drains its tasks,
+    releases, and stays out for a while; a follower takes over. With ``to``, only that
+    node may take the lease until the window ends (any node may afterwards). Returns
+    ``None`` when nobody holds the lease. A request for a term that has ended, or one
+    whose window passed, is ignored.
+
+    Args:
+        conn: an open autocommit connection to the lease's database.
+        name: the lease name.
+        table: the lease table, optionally schema-qualified.
+        to: node id that should take over, or ``None`` for any other node.
+        window: seconds the request (and the reservation for ``to``) stays valid.
+
+    Raises:
+        ConfigError: the table does not exist or predates handovers (run ``rselection
+            migrate``), or bad arguments.
+        psycopg.Error: the statement failed.
+    """
+    if not (isinstance(window, int | float) and window > 0 and math.isfinite(window)):
+        raise ConfigError(f"window must be a positive number of seconds, got {window!r}")
+    found = resolve_lease_table(conn, table)
+    if found is None:
+        raise ConfigError(f"lease table {table!r} does not exist: run `rselection migrate`")
+    _, qualified, handovers = found
+    if not handovers:
+        raise ConfigError(
+            f"lease table {table!r} has schema version 1, without handover requests: "
+            "run `rselection migrate` to upgrade it (rows are kept)"
+        )
+    row = conn.execute(
+        sql.SQL(
+            "WITH asked AS ("
+            " UPDATE {t} AS t SET resign_term = t.term, resign_to = %(to)s,"
+            " resign_until = clock_timestamp() + %(window)s * interval '1 second'"
+            " WHERE t.name = %(name)s AND t.holder IS NOT NULL"
+            " AND t.expires_at > clock_timestamp()"
+            " RETURNING t.holder, t.term, t.acquired_at, t.expires_at)"
+            " SELECT holder, term, acquired_at, expires_at,"
+            " pg_notify(%(channel)s, json_build_object('event', 'resign', 'name', %(name)s,"
+            " 'term', term, 'to', %(to)s)::text) FROM asked"
+        ).format(t=table_identifier(table)),
+        {
+            "to": to,
+            "window": float(window),
+            "name": name,
+            "channel": lease_channel(qualified, name),
+        },
+    ).fetchone()
+    if row is None:
+        return None
+    return LeaderInfo(row[0], row[1], _utc(row[2]), _utc(row[3]))
+
+
+def cancel_handover(
+    conn: psycopg.Connection[Any], name: str, term: int, *, table: str = DEFAULT_TABLE
+) -> bool:
+    """Withdraw a handover request made for ``term`` of lease ``name``; ``True`` if one was.
+
+    Args:
+        conn: an open autocommit connection to the lease's database.
+        name: the lease name.
+        term: the term the request was made for.
+        table: the lease table, optionally schema-qualified.
+    """
+    row = conn.execute(
+        sql.SQL(
+            "UPDATE {} SET resign_term = NULL, resign_to = NULL, resign_until = NULL"
+            " WHERE name = %s AND resign_term = %s RETURNING 1"
+        ).format(table_identifier(table)),
+        (name, term),
+    ).fetchone()
+    return row is not None
 
 
 @dataclass(frozen=True)
@@ -264,6 +387,9 @@ class PostgresLease:
         self._seen: _Held | None = None  # another holder, as the last attempt saw it
         self._foreign_notifies = 0
         self._last_notice = ""
+        self._handovers = True  # the table has the handover columns (schema version 2)
+        self._handover_hint = False
+        self._handover: HandoverRequest | None = None
 
         self._observer: psycopg.Connection[Any] | None = None
         self._observer_lock = threading.Lock()
@@ -400,21 +526,24 @@ class PostgresLease:
 
     def _resolve_table(self, conn: psycopg.Connection[Any]) -> None:
         """Find the table's OID and schema: they name the lock key and the channel."""
-        row = conn.execute(
-            "SELECT c.oid::bigint, n.nspname, c.relname FROM pg_catalog.pg_class c"
-            " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
-            " WHERE c.oid = to_regclass(%s)",
-            (self._ident.as_string(conn),),
-        ).fetchone()
-        if row is None:
+        found = resolve_lease_table(conn, self.table)
+        if found is None:
             raise BackendUnavailable(
                 f"lease table {self.table!r} does not exist ({self._where}, on this "
                 "connection's search_path): run `rselection migrate` or pass "
                 "create_tables=True"
             )
-        oid, schema, relname = row
+        oid, qualified, handovers = found
         self.lock_key = lease_lock_key(oid, self.name)
-        self.channel = lease_channel(f"{schema}.{relname}", self.name)
+        self.channel = lease_channel(qualified, self.name)
+        if handovers != self._handovers and not handovers:
+            logger.warning(
+                "lease %r: table %r has schema version 1 (no handover columns); leases "
+                "work, handover requests (rselection resign) need `rselection migrate`",
+                self.name,
+                self.table,
+            )
+        self._handovers = handovers
 
     def _check_keepalives(self, conn: psycopg.Connection[Any], effective: Any) -> None:
         if effective is None or (conn.info.host or "").startswith("/"):
@@ -446,6 +575,18 @@ class PostgresLease:
     def _on_notify(self, notify: psycopg.Notify) -> None:
         if notify.pid != self._pid:
             self._foreign_notifies += 1
+            self._note_payload(notify.payload)
+
+    def _note_payload(self, payload: str) -> None:
+        """Remember a handover request announced on the channel (checked by a renewal)."""
+        if '"resign"' not in payload:
+            return  # most notifications: skip the parse
+        try:
+            event = json.loads(payload)
+        except ValueError:
+            return
+        if isinstance(event, dict) and event.get("event") == "resign":
+            self._handover_hint = True
 
     def _on_notice(self, diag: psycopg.errors.Diagnostic) -> None:
         self._last_notice = diag.message_primary or ""
@@ -533,28 +674,55 @@ class PostgresLease:
             " AND (t.holder_pid = pg_backend_pid() OR NOT " + _LOCK_HELD + ")))"
         )
 
-    def _state_sql(self) -> sql.Composed:
+    def _not_reserved(self, node: sql.Literal) -> sql.Composable:
+        """True when row ``t`` is not reserved for another node by a handover request.
+
+        It only ever narrows who may take the lease, so it cannot make two leaders.
+        """
+        if not self._handovers:
+            return sql.SQL("true")
+        return sql.SQL(
+            "(t.resign_to IS NULL OR t.resign_to = {node} OR t.resign_until IS NULL"
+            " OR t.resign_until <= clock_timestamp())"
+        ).format(node=node)
+
+    def _state_sql(self, node_id: str) -> sql.Composed:
+        node = sql.Literal(node_id)
+        reserved: sql.Composable
+        if self._handovers:
+            reserved = sql.SQL(
+                "CASE WHEN NOT {free} THEN greatest(0, extract(epoch FROM"
+                " t.resign_until - clock_timestamp()))::float8 ELSE 0::float8 END"
+            ).format(free=self._not_reserved(node))
+        else:
+            reserved = sql.SQL("0::float8")
         return sql.SQL(
             "SELECT t.holder, t.term, t.lock_key, t.acquired_at, t.expires_at,"
             " greatest(0, extract(epoch FROM t.expires_at - clock_timestamp()))::float8,"
-            " " + _LOCK_HELD + " FROM {t} AS t WHERE t.name = {name}"
-        ).format(t=self._ident, name=sql.Literal(self.name))
+            " " + _LOCK_HELD + ", {reserved} FROM {t} AS t WHERE t.name = {name}"
+        ).format(t=self._ident, name=sql.Literal(self.name), reserved=reserved)
 
     def _acquire_sql(self, node_id: str) -> sql.Composed:
         name = sql.Literal(self.name)
+        clear = (
+            sql.SQL(", resign_term = NULL, resign_to = NULL, resign_until = NULL")
+            if self._handovers
+            else sql.SQL("")
+        )
         return sql.SQL(
             "SET LOCAL lock_timeout = {lock_timeout};"
             " SELECT pg_advisory_unlock_all();"
             " INSERT INTO {t} (name, lock_key) VALUES ({name}, {key})"
             " ON CONFLICT (name) DO NOTHING;"
             " WITH locked AS MATERIALIZED ("
-            "  SELECT t.name FROM {t} AS t WHERE t.name = {name} AND {free} FOR UPDATE OF t"
+            "  SELECT t.name FROM {t} AS t WHERE t.name = {name} AND {free} AND {open}"
+            "  FOR UPDATE OF t"
             " ), taken AS ("
             "  UPDATE {t} AS t SET holder = {node}, term = t.term + 1,"
             "  holder_pid = pg_backend_pid(), acquired_at = clock_timestamp(),"
             "  renewed_at = clock_timestamp(),"
-            "  expires_at = clock_timestamp() + {ttl} * interval '1 second'"
-            "  FROM locked WHERE t.name = locked.name AND {free}"
+            "  expires_at = clock_timestamp() + {ttl} * interval '1 second'{clear}"
+            "  FROM locked WHERE t.name = locked.name AND {free} AND {open}"
             "  RETURNING t.term, t.lock_key"
             " )"
             " SELECT taken.term,"
@@ -569,17 +737,21 @@ class PostgresLease:
             name=name,
             key=sql.Literal(self.lock_key),  # set by connect(), before any query
             free=self._free_condition(),
+            open=self._not_reserved(sql.Literal(node_id)),
+            clear=clear,
             node=sql.Literal(node_id),
             ttl=sql.Literal(self.ttl),
             channel=sql.Literal(self._channel()),
-            state=self._state_sql(),
+            state=self._state_sql(node_id),
         )
 
     def _acquisition(self, row: tuple[Any, ...] | None, acquired: bool) -> Acquisition:
         if row is None or row[0] is None:
             self._seen = None
-            return Acquisition(acquired, None, 0.0)
-        holder, term, lock_key, acquired_at, expires_at, expires_in, lock_held = row
+            # A free lease reserved for another node: expires_in says for how long.
+            reserved = float(row[7]) if row is not None and not acquired else 0.0
+            return Acquisition(acquired, None, max(0.0, reserved))
+        holder, term, lock_key, acquired_at, expires_at, expires_in, lock_held, _ = row
         info = LeaderInfo(holder, term, _utc(acquired_at), _utc(expires_at))
         if acquired:
             self._leading = _Held(term, lock_key)
@@ -617,6 +789,8 @@ class PostgresLease:
             )
         self._keeper()  # connects first when needed: the query needs the lock key
         self._foreign_notifies = 0
+        self._handover_hint = False
+        self._handover = None
         self._leading = None
         try:
             results = self._run(
@@ -630,7 +804,7 @@ class PostgresLease:
             # survived the rollback except possibly a session lock: drop those.
             logger.debug("lease %r: takeover blocked by open fenced transactions", self.name)
             results = self._run(
-                sql.SQL("SELECT pg_advisory_unlock_all(); {}").format(self._state_sql()),
+                sql.SQL("SELECT pg_advisory_unlock_all(); {}").format(self._state_sql(node_id)),
                 "read the lease",
                 limit=self.renew_deadline,
             )
@@ -657,26 +831,58 @@ class PostgresLease:
             BackendUnavailable: connection problem (the term is lost as well: a new
                 session cannot renew it).
         """
+        if self._handover_hint and not self._handovers:
+            # Someone asks for a handover: the table may have been upgraded since we
+            # connected. One catalog query, only when asked.
+            found = resolve_lease_table(self._keeper(), self.table)
+            self._handovers = found is not None and found[2]
+        self._handover_hint = False
+        self._handover = None
+        if self._handovers:
+            # The same single statement also reports a handover request for this term.
+            returning = sql.SQL(
+                "coalesce(resign_term = term AND resign_until > now(), false), resign_to,"
+                " greatest(0, extract(epoch FROM resign_until - now()))::float8"
+            )
+        else:
+            returning = sql.SQL("false, NULL::text, 0::float8")
         query = sql.SQL(
             "UPDATE {t} SET renewed_at = now(), expires_at = now() + {ttl} * interval '1 second'"
             " WHERE name = {name} AND holder = {node} AND term = {term}"
             " AND holder_pid = pg_backend_pid() AND expires_at > now()"
             " AND renewed_at > pg_postmaster_start_time()"
-            " RETURNING 1"
+            " RETURNING {returning}"
         ).format(
             t=self._ident,
             ttl=sql.Literal(self.ttl),
             name=sql.Literal(self.name),
             node=sql.Literal(node_id),
             term=sql.Literal(term),
+            returning=returning,
         )
         rows = self._run(query, "renew the lease", limit=self.renew_deadline)[0]
         if rows:
+            asked, to, window = rows[0]
+            if asked:
+                self._handover = HandoverRequest(term, to, float(window or 0.0))
             return True
         logger.debug("lease %r: renewal of term %s by %s refused", self.name, term, node_id)
         self._leading = None
         self._seen = None
         return False
+
+    def handover_hinted(self) -> bool:
+        """True when a notification announced a handover request since the last renewal."""
+        return self._handover_hint
+
+    def handover_requested(self) -> HandoverRequest | None:
+        """The handover request the last successful :meth:`renew` found, once.
+
+        A request is for one term and lapses at its ``resign_until`` (server time);
+        see :func:`request_handover`.
+        """
+        request, self._handover = self._handover, None
+        return request
 
     def release(self, node_id: str, term: int) -> None:
         """Give the lease up: holder cleared (term kept), lock freed, followers notified.
@@ -880,6 +1086,7 @@ class PostgresLease:
             while (notify := pgconn.notifies()) is not None:
                 if notify.be_pid != self._pid:
                     self._foreign_notifies += 1
+                    self._note_payload(notify.extra.decode(errors="replace"))
         except psycopg.Error as exc:
             self._drop_keeper()
             detail = self._last_notice or str(exc).strip().splitlines()[0]
