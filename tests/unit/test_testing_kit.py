@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
+import textwrap
 import threading
 import time
 from datetime import UTC, datetime, timedelta, timezone
+from types import ModuleType
 
 import pytest
 
 import rselection as rs
+import rselection.metrics
+import rselection.testing
 from rselection.testing import (
     FakeClock,
     Fire,
@@ -366,3 +371,20 @@ def test_go_style_task_objects_work_too() -> None:
     [first, second] = clock.advance(60)
     assert fire_once(tasks, "report", at=second.at) == second.fire_key
     assert first.at == T0 + timedelta(seconds=30)
+
+
+# --------------------------------------------------------------------------- the module
+
+
+def test_the_module_docstring_example_runs() -> None:
+    doc = rselection.testing.__doc__
+    assert doc is not None
+    example = textwrap.dedent(doc.split("Example::\n", 1)[1])
+    exec(compile(example, "rselection.testing example", "exec"), {})
+
+
+@pytest.mark.parametrize("module", [rselection.testing, rselection.metrics])
+def test_every_public_name_has_a_docstring(module: ModuleType) -> None:
+    assert inspect.getdoc(module)
+    missing = [name for name in module.__all__ if not inspect.getdoc(getattr(module, name))]
+    assert missing == []
