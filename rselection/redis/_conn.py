@@ -163,6 +163,7 @@ class ConnectionFactory:
             "protocol": 2,
         }
         self.where = describe(client)
+        self._no_setname = False
 
     def _target(self) -> tuple[Any, dict[str, Any]]:
         client: Any = self._client
@@ -185,6 +186,18 @@ class ConnectionFactory:
     def connect(self) -> Any:
         """Open one connection (AUTH, SELECT and SETNAME done); raise on failure."""
         cls, kwargs = self._target()
+        if self._no_setname:
+            kwargs.pop("client_name", None)
         conn: Any = cls(**kwargs)
-        conn.connect()
+        try:
+            conn.connect()
+        except redis.ResponseError as exc:
+            # An ACL may forbid CLIENT SETNAME; the name only helps operators.
+            if "setname" not in str(exc).lower() or self._no_setname:
+                raise
+            self._no_setname = True
+            conn.disconnect()
+            kwargs.pop("client_name", None)
+            conn = cls(**kwargs)
+            conn.connect()
         return conn

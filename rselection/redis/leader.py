@@ -130,6 +130,8 @@ class RedisLeader(LeaderBase):
             raise ConfigError(f"lease name must be a non-empty string, got {name!r}")
         if node_id is None:
             node_id = default_node_id()
+        elif not isinstance(node_id, str) or not node_id.strip():
+            raise ConfigError(f"node_id must be a non-empty string, got {node_id!r}")
         timings = Timings(ttl, renew_interval, renew_deadline, retry_interval)
         client, self._owns_client = check_client(client_or_url, "RedisLeader")
         self._client = client

@@ -313,7 +313,12 @@ class RedisLease:
             raise unavailable("connect to the lease server", self._factory.where, exc) from exc
         self._conn = conn
         try:
-            self._client_id = _text(self._call("CLIENT", "ID"))
+            try:
+                self._client_id = _text(self._call("CLIENT", "ID", expected=(redis.ResponseError,)))
+            except redis.ResponseError as exc:
+                # An ACL without CLIENT: followers cannot probe us; they wait for expiry.
+                logger.info("lease %r: CLIENT ID refused (%s)", self.name, exc)
+                self._client_id = ""
             info = _text(self._call("INFO", "server"))
             self._run_id = next(
                 (
@@ -325,8 +330,8 @@ class RedisLease:
             )
             with contextlib.suppress(redis.ResponseError):  # Redis < 7
                 self._call("CLIENT", "NO-EVICT", "on", expected=(redis.ResponseError,))
-            self._fast = self._server_keeps_live_connections()
-            self._can_probe = self._probe_allowed()
+            self._fast = bool(self._client_id) and self._server_keeps_live_connections()
+            self._can_probe = bool(self._client_id) and self._probe_allowed()
             listener = self._factory.connect()
             self._listener = listener
             listener.send_command("SUBSCRIBE", self.channel)

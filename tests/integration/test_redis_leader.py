@@ -1,0 +1,299 @@
+"""RedisLease and RedisLeader against a real Redis: the lease's rules, fast failover and
+its limits, bad input, an unreachable server, clean stop, claims and fencing.
+
+The scenarios both backends share are in ``test_leader_conformance.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+
+import rselection as rs
+from rselection.redis import RedisFence, RedisLeader, RedisLease, fenced_call, lease_keys
+from tests.support.pg import PrivateRedis
+from tests.support.waiting import wait_until
+
+FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
+
+
+@pytest.fixture
+def name() -> str:
+    return f"t-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(redis_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def make_lease(redis_url: str, name: str) -> Iterator[Callable[..., RedisLease]]:
+    made: list[RedisLease] = []
+
+    def make(**kw: Any) -> RedisLease:
+        options: dict[str, Any] = {"name": name, "ttl": 3.0, "renew_deadline": 2.0, **kw}
+        lease = RedisLease(kw.pop("url", redis_url), **options)
+        made.append(lease)
+        return lease
+
+    yield make
+    for lease in made:
+        lease.close()
+
+
+@pytest.fixture
+def make_leader(redis_url: str, name: str) -> Iterator[Callable[..., RedisLeader]]:
+    made: list[RedisLeader] = []
+
+    def make(handler: rs.TaskHandler | None = None, **kw: Any) -> RedisLeader:
+        leader = RedisLeader(
+            kw.pop("url", redis_url), handler or rs.TaskHandler(), name=name, **{**FAST, **kw}
+        )
+        made.append(leader)
+        return leader
+
+    yield make
+    for leader in made:
+        leader.stop(timeout=10)
+
+
+# -- the lease ------------------------------------------------------------------------
+
+
+def test_acquire_sets_nx_px_with_a_token_and_terms_only_grow(
+    make_lease: Callable[..., RedisLease], client: redis.Redis, name: str
+) -> None:
+    a, b = make_lease(), make_lease()
+    got = a.try_acquire("a")
+    assert got.acquired and got.holder is not None and got.holder.node_id == "a"
+    key, term_key, _ = lease_keys(name)
+    value = json.loads(client.get(key) or b"{}")
+    assert value["node"] == "a" and value["term"] == str(got.holder.term)
+    assert len(value["token"]) == 32 and value["client"] == str(a.client_id)
+    assert 0 < client.pttl(key) <= 3000
+    assert int(client.get(term_key) or 0) == got.holder.term
+
+    seen = b.try_acquire("b")
+    assert not seen.acquired and seen.holder == got.holder and 0 < seen.expires_in <= 3
+    assert a.renew("a", got.holder.term)
+    a.release("a", got.holder.term)
+    assert client.get(key) is None and a.current() is None
+    again = b.try_acquire("b")
+    assert again.acquired and again.holder is not None
+    assert again.holder.term == got.holder.term + 1
+    b.release("b", again.holder.term)
+    assert a.try_acquire("a").holder.term == got.holder.term + 2  # type: ignore[union-attr]
+
+
+def test_renew_and_release_never_touch_someone_elses_key(
+    make_lease: Callable[..., RedisLease], client: redis.Redis, name: str
+) -> None:
+    a, b = make_lease(), make_lease(ttl=30.0, renew_deadline=20.0)
+    first = a.try_acquire("a").holder
+    assert first is not None
+    key = lease_keys(name)[0]
+    client.delete(key)  # as if it had expired while a was away
+    second = b.try_acquire("b").holder
+    assert second is not None and second.term == first.term + 1
+    client.pexpire(key, 10_000)
+    assert a.renew("a", first.term) is False  # RedBeat would have extended b's key here
+    assert client.pttl(key) <= 10_000
+    a.release("a", first.term)
+    holder = a.current()
+    assert holder is not None and (holder.node_id, holder.term) == ("b", second.term)
+
+
+def test_a_crashed_holder_is_replaced_as_soon_as_its_connection_is_gone(
+    make_lease: Callable[..., RedisLease], client: redis.Redis
+) -> None:
+    a, b = make_lease(ttl=30.0, renew_deadline=20.0), make_lease(liveness_interval=0.1)
+    held = a.try_acquire("a").holder
+    assert held is not None and a.fast_failover
+    assert not b.try_acquire("b").acquired
+    client.client_kill_filter(_id=a.client_id)  # the kernel closes a killed process's socket
+    began = time.monotonic()
+    b.wait_for_change(10)
+    waited = time.monotonic() - began
+    taken = b.try_acquire("b")
+    assert taken.acquired and taken.holder is not None and taken.holder.term == held.term + 1
+    assert waited < 1.0, f"took {waited:.2f}s to notice the dead connection"
+
+
+def test_without_liveness_checks_a_crashed_holder_waits_for_expiry(
+    make_lease: Callable[..., RedisLease], client: redis.Redis
+) -> None:
+    a = make_lease(ttl=1.5, renew_deadline=1.0, liveness_interval=None)
+    b = make_lease(ttl=1.5, renew_deadline=1.0, liveness_interval=0.05)
+    held = a.try_acquire("a").holder
+    assert held is not None and not a.fast_failover
+    client.client_kill_filter(_id=a.client_id)
+    began = time.monotonic()
+    while not b.try_acquire("b").acquired:
+        b.wait_for_change(0.2)
+        assert time.monotonic() - began < 5
+    assert time.monotonic() - began > 1.0
+
+
+def test_a_server_that_forbids_client_and_config_falls_back_to_expiry(
+    private_redis: PrivateRedis, name: str
+) -> None:
+    admin = redis.Redis.from_url(private_redis.url)
+    admin.execute_command("ACL", "SETUSER", "app", "on", ">pw", "~*", "&*", "+@all", "-client")
+    admin.execute_command("ACL", "SETUSER", "app", "-config")
+    url = f"redis://app:pw@127.0.0.1:{private_redis.port}/0"
+    a = RedisLease(url, name=name, ttl=1.5, renew_deadline=1.0)
+    b = RedisLease(url, name=name, ttl=1.5, renew_deadline=1.0, liveness_interval=0.05)
+    try:
+        held = a.try_acquire("a").holder
+        assert held is not None and not a.fast_failover and a.client_id is None
+        assert a.renew("a", held.term)
+        a.close()  # a crash: the connection is gone, but nobody may know it
+        began = time.monotonic()
+        while not b.try_acquire("b").acquired:
+            b.wait_for_change(0.2)
+            assert time.monotonic() - began < 5
+        assert time.monotonic() - began > 1.0  # waited for expiry
+    finally:
+        b.close()
+        admin.close()
+
+
+def test_a_foreign_value_under_the_lease_key_is_a_clear_error(
+    make_lease: Callable[..., RedisLease], client: redis.Redis, name: str
+) -> None:
+    client.set(lease_keys(name)[0], "not json", px=5000)
+    with pytest.raises(rs.BackendUnavailable, match="not an rselection lease"):
+        make_lease().try_acquire("a")
+
+
+# -- the leader -----------------------------------------------------------------------
+
+
+def test_bad_input_is_refused_at_construction(redis_url: str) -> None:
+    h = rs.TaskHandler()
+    with pytest.raises(rs.ConfigError, match=r"15 - 14.5 = 0.5"):
+        RedisLeader(redis_url, h, ttl=15, renew_deadline=14.5)
+    with pytest.raises(rs.ConfigError, match="renew_interval"):
+        RedisLeader(redis_url, h, renew_interval=10, renew_deadline=10)
+    with pytest.raises(rs.ConfigError, match="ttl"):
+        RedisLeader(redis_url, h, ttl=0)
+    with pytest.raises(rs.ConfigError, match="lease name"):
+        RedisLeader(redis_url, h, name=" ")
+    with pytest.raises(rs.ConfigError, match=r"redis\.Redis"):
+        RedisLeader(42, h)
+    with pytest.raises(rs.ConfigError, match="Redis URL"):
+        RedisLeader("", h)
+    with pytest.raises(rs.ConfigError, match="URL"):
+        RedisLeader("http://example.invalid/", h)
+    with pytest.raises(rs.ConfigError, match="liveness_interval"):
+        RedisLeader(redis_url, h, liveness_interval=0)
+    with pytest.raises(rs.ConfigError, match="key_prefix"):
+        RedisLeader(redis_url, h, key_prefix=None)  # type: ignore[arg-type]
+    with pytest.raises(rs.ConfigError, match="claimer"):
+        RedisLeader(redis_url, h, claimer=object())  # type: ignore[arg-type]
+    with pytest.raises(rs.ConfigError, match="node_id"):
+        RedisLeader(redis_url, h, node_id="")
+
+
+def test_a_refusing_server_is_retried_with_backoff_and_no_password_leaks(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    leader = RedisLeader("redis://app:s3cret-pw@127.0.0.1:1/0", rs.TaskHandler(), **FAST)
+    with caplog.at_level(logging.DEBUG, logger="rselection"):
+        leader.start()
+        try:
+            wait_until(lambda: "backend unavailable" in caplog.text, 10, "the warning")
+            time.sleep(3.0)
+            assert not leader.is_leader
+        finally:
+            leader.stop(timeout=10)
+    attempts = [r for r in caplog.records if "backend unavailable" in r.getMessage()]
+    warnings = [r for r in attempts if r.levelno == logging.WARNING]
+    # Backoff 0.1, 0.2, 0.4, 0.8, 1.6 s (jittered down to half): a handful, not a spin.
+    assert 2 <= len(attempts) <= 12, len(attempts)
+    assert len(warnings) == 1
+    assert "127.0.0.1:1" in caplog.text and "s3cret-pw" not in caplog.text
+
+
+def test_stop_leaves_no_threads_or_connections(
+    make_leader: Callable[..., RedisLeader], client: redis.Redis, name: str
+) -> None:
+    leaders = [make_leader() for _ in range(2)]
+    for leader in leaders:
+        leader.start()
+    wait_until(lambda: sum(x.is_leader for x in leaders) == 1, 10, "one leader")
+    assert any(c["name"] == f"rselection:{name}" for c in client.client_list())
+    for leader in leaders:
+        leader.stop(timeout=10)
+
+    def leftovers() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith("rselection-")]
+
+    wait_until(lambda: not leftovers(), 5, f"threads to end: {leftovers()}")
+    wait_until(
+        lambda: not [c for c in client.client_list() if c["name"] == f"rselection:{name}"],
+        5,
+        "keeper connections to close",
+    )
+    assert client.get(lease_keys(name)[0]) is None  # released
+
+
+def test_fires_are_claimed_in_redis_under_the_lease_name(
+    make_leader: Callable[..., RedisLeader], client: redis.Redis, name: str
+) -> None:
+    runs: list[int] = []
+    handler = rs.TaskHandler(stop_grace=1)
+
+    @handler.interval(0.2, name="tick")
+    def tick(ctx: rs.TaskContext) -> None:
+        runs.append(ctx.term)
+
+    leader = make_leader(handler, node_id="claimer-node")
+    leader.start()
+    wait_until(lambda: len(runs) >= 2, 10, "two fires")
+    keys = [k.decode() for k in client.scan_iter(f"rselection:claim:{name}/tick@*")]
+    assert keys, "no claims in Redis"
+    claim = json.loads(client.get(keys[0]) or b"{}")
+    assert claim["holder"] == "claimer-node" and claim["term"] == str(runs[0])
+    assert 0 < client.pttl(keys[0]) <= 600_000
+
+
+def test_ctx_fence_checks_the_term_and_refuses_other_stores(
+    make_leader: Callable[..., RedisLeader], client: redis.Redis
+) -> None:
+    contexts: list[rs.TaskContext] = []
+    handler = rs.TaskHandler(stop_grace=1)
+
+    @handler.persistent("remember")
+    def remember(ctx: rs.TaskContext) -> None:
+        contexts.append(ctx)
+        ctx.cancelled.wait(30)
+
+    leader = make_leader(handler)
+    leader.start()
+    wait_until(lambda: bool(contexts), 10, "the task")
+    ctx = contexts[0]
+    ctx.fence(client)  # the term holds
+    with pytest.raises(rs.ConfigError, match="other stores need a fence"):
+        ctx.fence(object())
+    key = f"state:{{{leader.name}}}"
+    assert fenced_call(client, leader.name, ctx.term, "SET", key, "v1") == b"OK"
+    leader.stop()
+    with pytest.raises(rs.StaleLeaderError):
+        ctx.fence(client)
+    with pytest.raises(rs.StaleLeaderError):
+        RedisFence(client, leader.name).call(ctx.term, "SET", key, "v2")
+    assert client.get(key) == b"v1"
+    with pytest.raises(rs.ConfigError, match="term"):
+        RedisFence(client, leader.name).call(0, "GET", key)
