@@ -320,9 +320,14 @@ def test_metrics_follow_a_postgres_handover(pg_dsn: str) -> None:
         heir = next(x for x in leaders if x is not chief)
         first_term = chief.term
         assert first_term is not None
+        # The elected signal follows the start of the term: wait for its receiver.
+        wait_until(
+            lambda: sample("rselection_leadership_transitions_total", reason="elected") == 1,
+            5,
+            "the elected transition",
+        )
         assert sample("rselection_is_leader") == 1
         assert sample("rselection_term") == first_term
-        assert sample("rselection_leadership_transitions_total", reason="elected") == 1
         # Renewals every 0.5 s: their latency and the time left on the lease.
         wait_until(
             lambda: sample("rselection_lease_renew_latency_seconds_count") >= 2,
@@ -336,9 +341,13 @@ def test_metrics_follow_a_postgres_handover(pg_dsn: str) -> None:
 
         chief.stop(timeout=15)
         assert heir.wait_until_leader(10)
-        wait_until(lambda: sample("rselection_term") == first_term + 1, 5, "the next term")
+        wait_until(
+            lambda: sample("rselection_leadership_transitions_total", reason="elected") == 2,
+            5,
+            "the second elected transition",
+        )
+        assert sample("rselection_term") == first_term + 1
         assert sample("rselection_is_leader") == 1
-        assert sample("rselection_leadership_transitions_total", reason="elected") == 2
         assert sample("rselection_leadership_transitions_total", reason="stopped") == 1
         heir.stop(timeout=15)
         assert sample("rselection_is_leader") == 0

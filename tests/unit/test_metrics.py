@@ -216,9 +216,15 @@ def test_broadcaster_overflows_and_subscribers(registry: CollectorRegistry) -> N
         side = other.subscribe("alerts", maxsize=2)
         for n in range(3):
             other.publish("alerts", n)
-        # The leader's broadcaster is watched by itself, under the lease name.
-        assert (
-            value(registry, "rselection_broadcast_overflowed_total", broadcaster="bus-lease") == 3
+        # The leader's broadcaster is watched by itself, under the lease name, once the
+        # elected signal is out (it follows the start of the term's tasks).
+        wait_until(
+            lambda: (
+                value(registry, "rselection_broadcast_overflowed_total", broadcaster="bus-lease")
+                == 3
+            ),
+            5,
+            "the leader's broadcaster in the scrape",
         )
         assert value(registry, "rselection_broadcast_overflowed_total", broadcaster="side") == 1
         assert (
