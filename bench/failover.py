@@ -14,6 +14,13 @@ Runs a fleet of node processes (``python -m rselection.demo node``, see
   (counted per backend pid in the server's statement log) and the CPU an idle
   follower process uses.
 
+Then the same crash, handover and pause rounds run for :class:`rselection.RedisLeader`
+(``--backend redis``, a private ``redis-server`` unless ``--redis-url``), with its fenced
+``RPUSH`` ledger checked the same way; and, in the same run against the same Redis, the
+leader election of ``tooz`` (OpenStack's coordination library, Redis driver, default
+settings, ``run_watchers()`` every 100 ms) through kill -9 and graceful-stop rounds. The
+three are printed side by side with the ratios.
+
 It prints a table of the design targets against the measurements and exits 1 if any
 target is missed, 2 if the benchmark itself could not run.
 
@@ -21,6 +28,7 @@ Usage::
 
     python bench/failover.py [--nodes 3] [--rounds 20] [--pause-rounds 3] [--ttl 15]
                              [--cost-window 30] [--dsn DSN --server-log PATH]
+                             [--redis-url URL | --no-redis] [--tooz-rounds 5]
 """
 
 from __future__ import annotations
@@ -638,6 +646,246 @@ def summarize_node_log(path: Path) -> list[str]:
     return [f"{n:>4} x {msg}" for msg, n in kinds.most_common(8)]
 
 
+# -- Redis and tooz ---------------------------------------------------------------------
+
+
+def redis_ledger(url: str, lease: str, ledger: str, elections: list[dict[str, Any]]) -> LedgerCheck:
+    """The Redis ledger (a list in commit order) checked like the Postgres one."""
+    import json
+
+    import redis
+
+    from rselection.demo import redis_ledger_key
+
+    client = redis.Redis.from_url(url)
+    try:
+        raw = client.lrange(redis_ledger_key(ledger, lease), 0, -1)
+    finally:
+        client.close()
+    entries = [json.loads(x) for x in raw]
+    overlap, newest = 0, 0
+    writers: dict[int, set[str]] = {}
+    for e in entries:
+        term = int(e["term"])
+        overlap += term < newest
+        newest = max(newest, term)
+        writers.setdefault(term, set()).add(str(e["node"]))
+    elected = {int(e["term"]): str(e["node"]) for e in elections}
+    mismatched = [
+        f"term {term}: written by {sorted(nodes)}, elected {elected.get(term)}"
+        for term, nodes in sorted(writers.items())
+        if elected.get(term) not in nodes
+    ]
+    return LedgerCheck(
+        rows=len(entries),
+        terms=len(writers),
+        overlap_by_id=overlap,
+        overlap_by_time=0,
+        shared_terms={k: v for k, v in writers.items() if len(v) > 1},
+        mismatched=mismatched,
+    )
+
+
+@contextlib.contextmanager
+def redis_server(url: str | None) -> Iterator[str]:
+    """The Redis URL to use: a private ``redis-server`` unless ``url``."""
+    if url:
+        yield url
+        return
+    from tests.support.pg import PrivateRedis
+
+    server = PrivateRedis(appendonly=False).start()
+    try:
+        yield server.url
+    finally:
+        server.close()
+
+
+def run_redis(
+    url: str,
+    timings: Timings,
+    args: argparse.Namespace,
+    stderr: IO[str],
+    log: Callable[[str], None],
+) -> tuple[dict[str, Scenario], LedgerCheck, list[str]]:
+    """The failover rounds for RedisLeader nodes; their times, ledger and surprises."""
+    lease = f"bench-{uuid.uuid4().hex[:6]}"
+    ledger = "rselection_bench_ledger"
+    node_args = [*timings.node_args(), "--backend", "redis", "--ledger", ledger]
+    fleet = BenchFleet(url, lease, node_args, stderr)
+    try:
+        for _ in range(args.nodes):
+            fleet.fresh_node()
+        for node in list(fleet.procs):
+            fleet.ready(node, 30)
+        first = fleet.current_leader(timings.ttl + 15)
+        log(f"redis fleet ready: {first['node']} leads term {first['term']}")
+        fleet.drain(1.0)
+        scenarios = run_failover(fleet, timings, args.rounds, args.pause_rounds, log)
+    finally:
+        fleet.stop_all()
+    return scenarios, redis_ledger(url, lease, ledger, fleet.elections), fleet.surprises
+
+
+class ToozFleet(BenchFleet):
+    """Node processes that elect a leader with tooz (``bench/failover.py tooz-node``)."""
+
+    def spawn(self, node_id: str, extra: list[str] | None = None) -> subprocess.Popen[str]:
+        """Start a tooz node called ``node_id``."""
+        cmd = [sys.executable, str(Path(__file__).resolve()), "tooz-node", self.dsn]
+        cmd += [self.name, node_id]
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=self.stderr, text=True, bufsize=1
+        )
+        self.procs[node_id] = proc
+        assert proc.stdout is not None
+        reader = threading.Thread(target=self._read, args=(proc.stdout,), daemon=True)
+        reader.start()
+        self._readers.append(reader)
+        return proc
+
+
+def run_tooz_node(url: str, group: str, node_id: str) -> int:
+    """One tooz node: join ``group``, run the watchers every 100 ms, report elections.
+
+    tooz gives no fencing term; the node reports a growing number in its place so the
+    event stream looks like rselection's.
+    """
+    import json
+
+    from tooz import coordination
+
+    def emit(event: str, **fields: Any) -> None:
+        fields.update(ev=event, t=time.time())
+        sys.stdout.write(json.dumps(fields) + "\n")
+        sys.stdout.flush()
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    coord = coordination.get_coordinator(url, node_id.encode())
+    coord.start(start_heart=True)
+    with contextlib.suppress(coordination.GroupAlreadyExist):
+        coord.create_group(group.encode()).get()
+    coord.join_group(group.encode()).get()
+    coord.watch_elected_as_leader(
+        group.encode(), lambda event: emit("elected", node=node_id, term=time.time_ns())
+    )
+    emit("ready", node=node_id, pid=os.getpid())
+    while not stop.wait(0.1):
+        coord.run_watchers()
+    began = time.monotonic()
+    coord.stop()
+    emit("stopped", node=node_id, took=time.monotonic() - began)
+    return 0
+
+
+def run_tooz(
+    url: str, rounds: int, nodes: int, stderr: IO[str], log: Callable[[str], None]
+) -> tuple[dict[str, Scenario] | None, str]:
+    """kill -9 and graceful-stop rounds of tooz's Redis leader election.
+
+    Returns the scenarios, or ``None`` and why tooz could not be measured.
+    """
+    try:
+        import tooz.coordination  # noqa: F401
+    except ImportError as exc:
+        return None, f"tooz is not installed ({exc}); pip install -e '.[dev]'"
+    fleet = ToozFleet(url, f"bench-tooz-{uuid.uuid4().hex[:6]}", [], stderr)
+    # tooz's lock expires after its default timeout (30 s); allow for that and more.
+    timings = Timings(ttl=45.0)
+    try:
+        for _ in range(nodes):
+            fleet.fresh_node()
+        for node in list(fleet.procs):
+            fleet.ready(node, 60)
+        first = fleet.current_leader(60)
+        log(f"tooz fleet ready: {first['node']} leads")
+        fleet.drain(1.0)
+        scenarios = run_failover(fleet, timings, rounds, 0, log)
+    except Exception as exc:  # report rselection's figures even if tooz misbehaves
+        return None, f"tooz rounds failed: {type(exc).__name__}: {exc}"
+    finally:
+        fleet.stop_all()
+    return scenarios, ""
+
+
+def compare_line(label: str, ours: Scenario, theirs: Scenario | None) -> str:
+    """One row of the side-by-side table: p50 and p95 of both, and tooz / ours."""
+
+    def stats(s: Scenario | None) -> tuple[float, float]:
+        if s is None or not s.times:
+            return math.nan, math.nan
+        return percentile(s.times, 0.5) * 1000, percentile(s.times, 0.95) * 1000
+
+    o50, o95 = stats(ours)
+    t50, t95 = stats(theirs)
+    return (
+        f"  {label:<9} rselection p50 {o50:8.1f} ms p95 {o95:8.1f} ms | "
+        f"tooz p50 {t50:8.1f} ms p95 {t95:8.1f} ms | tooz/rselection p50 {t50 / o50:7.1f}x "
+        f"p95 {t95 / o95:7.1f}x"
+    )
+
+
+def redis_report(
+    timings: Timings,
+    scenarios: dict[str, Scenario],
+    ledger: LedgerCheck,
+    tooz: dict[str, Scenario] | None,
+    tooz_note: str,
+    surprises: list[str],
+) -> list[Target]:
+    """Print the Redis results and the tooz comparison; return the Redis targets."""
+    ttl, retry = timings.ttl, timings.retry_interval
+    print()
+    print("RedisLeader failover (ms, from the signal to the successor's 'elected' event):")
+    print("  " + scenarios["crash"].summary([("ttl", ttl)]))
+    print("  " + scenarios["handover"].summary([("ttl", ttl)]))
+    print("  " + scenarios["pause"].summary([("ttl", ttl), ("(ttl+retry)", ttl + retry)]))
+    print(
+        f"  ledger: {ledger.rows} fenced RPUSHes in {ledger.terms} terms; overlap "
+        f"{ledger.overlap_by_id}; terms with more than one writer: {len(ledger.shared_terms)}; "
+        f"terms not written by their elected node: {len(ledger.mismatched)}"
+    )
+    for note in surprises[:10]:
+        print(f"  event: {note}")
+    print()
+    print("Redis: rselection RedisLeader vs tooz (Redis driver, defaults), same Redis:")
+    if tooz is None:
+        print(f"  tooz could not be measured: {tooz_note}")
+    print(compare_line("crash", scenarios["crash"], tooz["crash"] if tooz else None))
+    print(compare_line("handover", scenarios["handover"], tooz["handover"] if tooz else None))
+    out: list[Target] = []
+    crash, handover = scenarios["crash"].times, scenarios["handover"].times
+    if crash:
+        p95 = percentile(crash, 0.95)
+        out.append(
+            Target("redis crash failover p95", "<= 1000 ms", f"{p95 * 1000:.1f} ms", p95 <= 1)
+        )
+    if handover:
+        p95 = percentile(handover, 0.95)
+        out.append(Target("redis handover p95", "<= 50 ms", f"{p95 * 1000:.1f} ms", p95 <= 0.05))
+    if scenarios["pause"].times:
+        worst = max(scenarios["pause"].times)
+        out.append(
+            Target(
+                "redis pause failover max",
+                f"<= ttl + retry = {(ttl + retry) * 1000:.0f} ms",
+                f"{worst * 1000:.1f} ms",
+                worst <= ttl + retry,
+            )
+        )
+    out.append(
+        Target(
+            "redis ledger overlap / one writer per term",
+            "0 / every term",
+            f"{ledger.overlap_by_id} / {len(ledger.shared_terms)} shared, "
+            f"{len(ledger.mismatched)} not elected",
+            ledger.overlap_by_id == 0 and not ledger.shared_terms and not ledger.mismatched,
+        )
+    )
+    return out
+
+
 # -- main -------------------------------------------------------------------------------
 
 
@@ -671,6 +919,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="with --dsn: that server's log, written with log_statement='all' and "
         "log_line_prefix='%%p %%a ' (else statement counts are skipped)",
     )
+    p.add_argument("--redis-url", help="use this Redis instead of a private redis-server")
+    p.add_argument("--no-redis", action="store_true", help="skip the Redis and tooz rounds")
+    p.add_argument(
+        "--tooz-rounds",
+        type=int,
+        default=5,
+        help="tooz crash and handover rounds each (a crash takes ~30 s; default 5)",
+    )
     args = p.parse_args(argv)
     if args.nodes < 2:
         p.error("--nodes must be at least 2")
@@ -681,6 +937,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; return 0 if every target is met, 1 if not, 2 on error."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["tooz-node"]:
+        return run_tooz_node(*argv[1:4])
     args = parse_args(argv)
     timings = Timings.for_ttl(args.ttl)
     from rselection.timing import Timings as Checked
@@ -763,6 +1022,25 @@ def main(argv: list[str] | None = None) -> int:
     surprises = [*fleet.surprises, *(f"cost phase: {s}" for s in cost.surprises)]
     report(args, timings, scenarios, ledger, cost, surprises, node_messages, started)
     targets = build_targets(timings, scenarios, ledger, cost)
+    if not args.no_redis:
+        try:
+            with (
+                tempfile.TemporaryFile(mode="w+") as redis_log,
+                redis_server(args.redis_url) as url,
+            ):
+                r_scen, r_ledger, r_surprises = run_redis(url, timings, args, redis_log, log)
+                tooz, note = run_tooz(url, args.tooz_rounds, args.nodes, redis_log, log)
+        except Exception as exc:
+            if isinstance(exc, BenchError):
+                print(f"redis benchmark failed: {exc}", file=sys.stderr, flush=True)
+            else:
+                traceback.print_exc()
+            return 2
+        redis_targets = redis_report(timings, r_scen, r_ledger, tooz, note, r_surprises)
+        print()
+        print(targets_table(redis_targets))
+        targets += redis_targets
+        print(f"\ntotal time {time.monotonic() - started:.0f} s")
     return 0 if all(t.ok is not False for t in targets) else 1
 
 
