@@ -62,8 +62,9 @@ class HandoverRequest:
     Attributes:
         term: the term asked to hand over; a request for any other term is ignored.
         to: the node the lease is reserved for, or ``None`` for any other node.
-        window: seconds (server measured) the request stays valid; while it does, the
-            lease is reserved for ``to``.
+        window: seconds (server measured) the request stays valid; until then, or until
+            another node takes the lease, the backend keeps the asked node (and, with
+            ``to``, every node but ``to``) from taking the lease.
     """
 
     term: int
@@ -457,28 +458,24 @@ class LeaderBase:
             logger.exception("lease %r: a lease_renewed receiver raised; ignored", self._name)
 
     def _hand_over(self, term: Term, request: HandoverRequest) -> None:
-        """Step down because an operator asked (the next keeper step does it)."""
+        """Step down because an operator asked (the next keeper step does it).
+
+        No local hold: the lease server keeps this node (and, with ``request.to``, every
+        node but that one) from taking the lease until another node took it or the
+        request lapsed, so this node follows the new leader as soon as there is one.
+        """
         if request.term != term.number or request.to == self._node_id:
             return
-        if request.to is not None:
-            # The lease is reserved for request.to on the server until the window ends;
-            # staying out that long spares this node pointless attempts.
-            hold = request.window
-        else:
-            # Long enough for a follower (woken by the release) to win; short enough
-            # that this node leads again soon if no other node is there.
-            hold = min(request.window, max(1.0, self._timings.retry_interval))
         logger.info(
-            "node %s hands %r over on request (term %d, to %s, holding back %.1f s)",
+            "node %s hands %r over on request (term %d, to %s)",
             self._node_id,
             self._name,
             term.number,
             request.to or "any other node",
-            hold,
         )
         with self._cond:
             if self._step_down_hold is None:
-                self._step_down_hold = hold
+                self._step_down_hold = 0.0
 
     def _release(self) -> None:
         held, self._held_term = self._held_term, None

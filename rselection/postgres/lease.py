@@ -203,13 +203,14 @@ def request_handover(
     """Ask the leader of lease ``name`` to hand over; return the holder asked.
 
     One statement: records the request on the lease row (``resign_term`` = the current
-    term, ``resign_to``, ``resign_until`` = server time + ``window``) and notifies the
-    lease's channel, which wakes the leader. The leader sees the request in its next
-    renewal (at once, thanks to the notification), cancels and drains its tasks,
-    releases, and stays out for a while; a follower takes over. With ``to``, only that
-    node may take the lease until the window ends (any node may afterwards). Returns
-    ``None`` when nobody holds the lease. A request for a term that has ended, or one
-    whose window passed, is ignored.
+    term, ``resign_from`` = its holder, ``resign_to``, ``resign_until`` = server time +
+    ``window``) and notifies the lease's channel, which wakes the leader. The leader
+    sees the request in its next renewal (at once, thanks to the notification), cancels
+    and drains its tasks and releases; a follower takes over. Until the next acquisition
+    or the end of the window, the lease is reserved: the old holder may not take it
+    back, and with ``to`` only that node may take it. Returns ``None`` when nobody holds
+    the lease. A request for a term that has ended, or one whose window passed, is
+    ignored.
 
     Args:
         conn: an open autocommit connection to the lease's database.
@@ -237,7 +238,8 @@ def request_handover(
     row = conn.execute(
         sql.SQL(
             "WITH asked AS ("
-            " UPDATE {t} AS t SET resign_term = t.term, resign_to = %(to)s,"
+            " UPDATE {t} AS t SET resign_term = t.term, resign_from = t.holder,"
+            " resign_to = %(to)s,"
             " resign_until = clock_timestamp() + %(window)s * interval '1 second'"
             " WHERE t.name = %(name)s AND t.holder IS NOT NULL"
             " AND t.expires_at > clock_timestamp()"
@@ -271,8 +273,8 @@ def cancel_handover(
     """
     row = conn.execute(
         sql.SQL(
-            "UPDATE {} SET resign_term = NULL, resign_to = NULL, resign_until = NULL"
-            " WHERE name = %s AND resign_term = %s RETURNING 1"
+            "UPDATE {} SET resign_term = NULL, resign_from = NULL, resign_to = NULL,"
+            " resign_until = NULL WHERE name = %s AND resign_term = %s RETURNING 1"
         ).format(table_identifier(table)),
         (name, term),
     ).fetchone()
@@ -675,15 +677,19 @@ class PostgresLease:
         )
 
     def _not_reserved(self, node: sql.Literal) -> sql.Composable:
-        """True when row ``t`` is not reserved for another node by a handover request.
+        """True unless a handover request reserves row ``t`` against node ``node``.
 
-        It only ever narrows who may take the lease, so it cannot make two leaders.
+        While a request's window lasts (until the next acquisition clears it), the node
+        that was asked to hand over may not take the lease back, and when a node was
+        named only that node may take it. This only ever narrows who may take the
+        lease, so it cannot make two leaders. Never NULL (``CASE`` below relies on it).
         """
         if not self._handovers:
             return sql.SQL("true")
         return sql.SQL(
-            "(t.resign_to IS NULL OR t.resign_to = {node} OR t.resign_until IS NULL"
-            " OR t.resign_until <= clock_timestamp())"
+            "(t.resign_until IS NULL OR t.resign_until <= clock_timestamp()"
+            " OR t.resign_to IS NOT DISTINCT FROM {node}"
+            " OR (t.resign_to IS NULL AND t.resign_from IS DISTINCT FROM {node}))"
         ).format(node=node)
 
     def _state_sql(self, node_id: str) -> sql.Composed:
@@ -705,7 +711,9 @@ class PostgresLease:
     def _acquire_sql(self, node_id: str) -> sql.Composed:
         name = sql.Literal(self.name)
         clear = (
-            sql.SQL(", resign_term = NULL, resign_to = NULL, resign_until = NULL")
+            sql.SQL(
+                ", resign_term = NULL, resign_from = NULL, resign_to = NULL, resign_until = NULL"
+            )
             if self._handovers
             else sql.SQL("")
         )

@@ -14,10 +14,11 @@ The lease table holds one row per lease name::
     renewed_at   timestamptz        -- server time of the last renewal
     expires_at   timestamptz        -- server time at which the lease lapses
     resign_term  bigint null        -- term asked to hand over (``rselection resign``)
-    resign_to    text null          -- node the lease is reserved for during the handover
+    resign_from  text null          -- its holder, kept out until another node took over
+    resign_to    text null          -- node the lease is reserved for, if one was named
     resign_until timestamptz null   -- server time at which the request lapses
 
-The three ``resign_*`` columns came with schema version 2; :func:`migrate` adds them to
+The four ``resign_*`` columns came with schema version 2; :func:`migrate` adds them to
 a version-1 table (``ALTER TABLE ... ADD COLUMN IF NOT EXISTS``, nullable, no default:
 a catalog-only change) and records version 2. Code of this release also works on a
 version-1 table that was not upgraded (``create_tables=False``): leases work as before,
@@ -89,10 +90,11 @@ VERSION_TABLE = "rselection_schema_version"
 LEASES_VERSION = 2
 """Schema version of the lease table that this release creates and understands.
 
-Version 2 added the nullable ``resign_term``, ``resign_to`` and ``resign_until`` columns
-(handover requests); :func:`migrate` upgrades a version-1 table in place."""
+Version 2 added the nullable ``resign_term``, ``resign_from``, ``resign_to`` and
+``resign_until`` columns (handover requests); :func:`migrate` upgrades a version-1 table
+in place."""
 
-LEASE_HANDOVER_COLUMNS = ("resign_term", "resign_to", "resign_until")
+LEASE_HANDOVER_COLUMNS = ("resign_term", "resign_from", "resign_to", "resign_until")
 """Columns of the lease table that handover requests need (schema version 2)."""
 
 #: Longest an upgrade waits for its exclusive lock on a live table. While an ALTER waits,
@@ -208,6 +210,7 @@ def _lease_ddl(table: str) -> list[sql.Composed]:
             " renewed_at timestamptz NULL,"
             " expires_at timestamptz NULL,"
             " resign_term bigint NULL,"
+            " resign_from text NULL,"
             " resign_to text NULL,"
             " resign_until timestamptz NULL)"
         ).format(ident)
@@ -219,6 +222,7 @@ def _lease_v2(table: str) -> list[sql.Composed]:
     return [
         sql.SQL(
             "ALTER TABLE {} ADD COLUMN IF NOT EXISTS resign_term bigint NULL,"
+            " ADD COLUMN IF NOT EXISTS resign_from text NULL,"
             " ADD COLUMN IF NOT EXISTS resign_to text NULL,"
             " ADD COLUMN IF NOT EXISTS resign_until timestamptz NULL"
         ).format(table_identifier(table))
