@@ -1,27 +1,71 @@
-"""The command line: migrate and status against a real Postgres."""
+"""The command line: migrate and status against a real Postgres (resign: test_resign.py)."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
 
 import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import rselection as rs
+from rselection.demo import Fleet
+from rselection.postgres import migrate
+from tests.support.waiting import wait_until
+
+FAST = ["--ttl", "3", "--renew-interval", "0.5", "--renew-deadline", "2", "--retry-interval", "0.5"]
+CLOSED = "postgresql://u:hunter2@127.0.0.1:1/x?connect_timeout=2"
 
 
-def run(*args: str) -> subprocess.CompletedProcess[str]:
+def run(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "rselection", *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "rselection", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
     )
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without any database settings, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG") and k != "RSELECTION_DSN"}
+    env.update(extra)
+    return env
+
+
+def status_json(dsn: str, *more: str) -> tuple[int, dict[str, Any]]:
+    out = run("status", "--dsn", dsn, "--json", *more)
+    assert out.returncode in (0, 1), out.stderr
+    return out.returncode, json.loads(out.stdout)
 
 
 def test_migrate_then_status_shows_the_holder(pg_dsn: str) -> None:
     done = run("migrate", "--dsn", pg_dsn)
     assert done.returncode == 0, done.stderr
-    assert "rselection_leases" in done.stdout
-    assert "checkpoint tables ready (migrations applied: 1)" in done.stdout
+    for line in (
+        "lease table 'rselection_leases': created (schema version 2)",
+        "claims table 'rselection_claims': created (schema version 1)",
+        "elections table 'rselection_elections': created (schema version 1)",
+        "nodes table 'rselection_nodes': created (schema version 1)",
+        "broadcast table 'rselection_broadcast': created",
+        "checkpoint tables 'rselection_checkpoint*': created (migrations applied: 1)",
+    ):
+        assert line in done.stdout.splitlines(), done.stdout
+    again = run("migrate", "--dsn", pg_dsn)
+    assert again.returncode == 0, again.stderr
+    assert "created" not in again.stdout and "upgraded" not in again.stdout
+    assert again.stdout.count("already present") == 6, again.stdout
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         tables = {
             r[0]
@@ -80,3 +124,166 @@ def test_demo_runs_to_the_end_and_reports_its_measurements(pg_dsn: str) -> None:
     assert "failover after a crash took" in out.stdout
     assert "graceful handover took" in out.stdout
     assert ", 0 written after a newer term" in out.stdout
+
+
+# ------------------------------------------------------------------------- status
+
+
+@pytest.fixture
+def fleet(pg_dsn: str) -> Iterator[Fleet]:
+    fleet = Fleet(pg_dsn, f"c-{uuid.uuid4().hex[:6]}", FAST)
+    with fleet:
+        yield fleet
+
+
+def test_status_table_and_json_with_a_live_fleet(pg_dsn: str, fleet: Fleet) -> None:
+    first = fleet.start(3)
+
+    def complete() -> bool:
+        _, doc = status_json(pg_dsn)
+        alive = [n for n in doc["nodes"] or [] if n["alive"]]
+        return len(alive) == 3 and bool(doc["tasks"])
+
+    wait_until(complete, 30, "three heartbeats and a claimed fire", interval=0.3)
+    code, doc = status_json(pg_dsn)
+    assert code == 0 and doc["exit_code"] == 0 and doc["headless"] == []
+    (lease,) = doc["leases"]
+    assert lease["name"] == fleet.name and lease["live"]
+    assert (lease["holder"], lease["term"]) == (first["node"], first["term"])
+    assert 0 < lease["expires_in"] <= 3.0
+    nodes = {n["node_id"]: n for n in doc["nodes"]}
+    assert set(nodes) == {"n0", "n1", "n2"}
+    assert all(n["alive"] and n["lease"] == fleet.name for n in nodes.values())
+    assert [n for n, info in nodes.items() if info["is_leader"]] == [first["node"]]
+    (tick,) = [t for t in doc["tasks"] if t["task"] == "tick"]
+    assert tick["lease"] == fleet.name and tick["node"] == first["node"]
+    assert tick["term"] == first["term"] and tick["last_fire"].endswith("Z")
+    assert "not recorded" in doc["not_recorded"]
+    assert "127.0.0.1" in doc["database"]
+
+    table = run("status", "--dsn", pg_dsn)
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert any(
+        line.split()[:3] == [fleet.name, first["node"], str(first["term"])] for line in lines
+    ), table.stdout
+    node_lines = [line.split() for line in lines if line.startswith(fleet.name + " ")]
+    assert [row[-1] for row in node_lines if row[1] == first["node"]][-1] == "leader"
+    assert "3 alive, 0 lost" in table.stdout
+    assert any(line.split()[:2] == [fleet.name, "tick"] for line in lines), table.stdout
+    assert "not recorded" in table.stdout
+    print(table.stdout)
+
+    fleet.stop_all()  # graceful: the lease is released, nobody leads
+    code, doc = status_json(pg_dsn)
+    assert code == 1 and doc["headless"] == [fleet.name]
+    assert doc["leases"][0]["holder"] is None
+    headless = run("status", "--dsn", pg_dsn)
+    assert headless.returncode == 1 and f"NO LEADER: {fleet.name}" in headless.stdout
+
+
+def test_status_json_on_an_unreachable_server_exits_2() -> None:
+    out = run("status", "--dsn", CLOSED, "--json")
+    assert out.returncode == 2
+    assert "cannot connect to host=127.0.0.1 port=1" in out.stderr
+    assert "hunter2" not in out.stdout + out.stderr
+
+
+def test_status_on_a_missing_lease_table_exits_2(pg_dsn: str) -> None:
+    out = run("status", "--dsn", pg_dsn, "--table", "nope")
+    assert out.returncode == 2
+    assert "lease table 'nope' does not exist" in out.stderr
+
+
+def test_status_watch_prints_every_refresh_then_stops(pg_dsn: str) -> None:
+    assert run("migrate", "--dsn", pg_dsn).returncode == 0
+    began = time.monotonic()
+    out = run("status", "--dsn", pg_dsn, "--json", "--watch", "0.2", "--count", "3")
+    took = time.monotonic() - began
+    assert out.returncode == 0, out.stderr
+    docs = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(docs) == 3 and all(d["exit_code"] == 0 for d in docs)
+    assert len({d["checked_at"] for d in docs}) == 3
+    assert took >= 0.4  # two pauses between three refreshes
+
+    table = run("status", "--dsn", pg_dsn, "--watch", "0.2", "--count", "2")
+    assert table.returncode == 0, table.stderr
+    assert table.stdout.count("host=127.0.0.1") == 2
+
+    errors = run("status", "--dsn", CLOSED, "--json", "--watch", "0.2", "--count", "2")
+    assert errors.returncode == 2
+    lines = [json.loads(line) for line in errors.stdout.splitlines()]
+    assert [d["exit_code"] for d in lines] == [2, 2]
+    assert "hunter2" not in errors.stdout + errors.stderr
+
+
+def test_status_watch_runs_until_interrupted(pg_dsn: str) -> None:
+    assert run("migrate", "--dsn", pg_dsn).returncode == 0
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rselection", "status", "--dsn", pg_dsn, "--json", "--watch", "0.2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        docs = []
+        deadline = time.monotonic() + 30
+        while len(docs) < 4 and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            docs.append(json.loads(line))
+        assert len(docs) == 4, proc.stderr.read() if proc.stderr else ""
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_status_takes_the_database_from_rselection_dsn_and_pg_variables(pg_dsn: str) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        migrate(conn)
+        conn.execute(
+            "INSERT INTO rselection_leases (name, holder, term, lock_key)"
+            " VALUES ('env', NULL, 2, 1)"
+        )
+    from_env = run("status", "--json", env=clean_env(RSELECTION_DSN=pg_dsn))
+    assert from_env.returncode == 1, from_env.stderr
+    assert json.loads(from_env.stdout)["headless"] == ["env"]
+
+    params = conninfo_to_dict(pg_dsn)
+    names = {"host": "PGHOST", "port": "PGPORT", "user": "PGUSER", "dbname": "PGDATABASE"}
+    pg_vars = {var: str(params[key]) for key, var in names.items() if key in params}
+    pg_vars["PGOPTIONS"] = str(params["options"])  # the test's schema
+    pg_vars["PGPASSWORD"] = "hunter2"  # ignored by a trusting server, never printed
+    from_pg = run("status", "--json", env=clean_env(**pg_vars))
+    assert from_pg.returncode == 1, from_pg.stderr
+    doc = json.loads(from_pg.stdout)
+    assert doc["headless"] == ["env"]
+    assert doc["database"].startswith(f"host={params['host']} port={params['port']}")
+    table = run("status", env=clean_env(**pg_vars))
+    assert table.returncode == 1
+    assert "hunter2" not in from_pg.stdout + from_pg.stderr + table.stdout + table.stderr
+
+    unreachable = run("status", env=clean_env(PGHOST="127.0.0.1", PGPORT="1", PGPASSWORD="hunter2"))
+    assert unreachable.returncode == 2
+    assert "host=127.0.0.1 port=1" in unreachable.stderr
+    assert "hunter2" not in unreachable.stdout + unreachable.stderr
+
+
+def test_status_never_prints_the_password(pg_dsn: str, fleet: Fleet) -> None:
+    fleet.start(2)
+    with_password = make_conninfo(pg_dsn, password="hunter2")  # a trusting server ignores it
+    outputs = [
+        run("status", "--dsn", with_password),
+        run("status", "--dsn", with_password, "--json"),
+        run("status", "--dsn", with_password, "--json", "--watch", "0.1", "--count", "2"),
+        run("migrate", "--dsn", with_password),
+        run("resign", fleet.name, "--dsn", with_password, "--to", "nobody"),
+    ]
+    assert [o.returncode for o in outputs] == [0, 0, 0, 0, 1]
+    for out in outputs:
+        assert "hunter2" not in out.stdout + out.stderr
