@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import math
 import os
+import random
 import re
 import signal
 import subprocess
@@ -313,7 +314,11 @@ def run_failover(
     crash, handover, pause = Scenario("crash"), Scenario("handover"), Scenario("pause")
 
     def settle() -> None:
-        fleet.drain(0.5)  # the new leader writes its ledger; followers start waiting
+        # The new leader writes its ledger; followers start waiting. The random part
+        # keeps the next signal out of step with any follower's polling period (a
+        # Redis follower checks the holder's connection every 0.5 s from the moment
+        # the new leader was elected), so no backend is timed at a lucky phase.
+        fleet.drain(0.5 + random.uniform(0.0, 1.0))
 
     for i in range(rounds):
         victim = fleet.current_leader(elect_timeout)["node"]
