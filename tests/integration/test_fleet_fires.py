@@ -144,9 +144,11 @@ def test_new_leader_handles_fires_missed_while_none_led(pg_dsn: str, policy: str
     a_ran = {at for at, node, _ in rows if node == "a"}
     a_last = max(a_ran)
     # Node a stopped gracefully: every fire it claimed from its first run on also ran
-    # (older claims are the misfires its own start skipped).
+    # (older claims are the misfires its own start skipped), except catch-up fires its
+    # stop cut short, which it reported as skipped for no longer leading.
     a_claims = {at for at in claims_held_by(pg_dsn, fleet.name, ["a"]) if at >= min(a_ran)}
-    assert a_claims == a_ran, f"claimed, not run: {describe(sorted(a_claims - a_ran))}"
+    unrun = a_claims - a_ran - fleet.skipped("not-leader")
+    assert not unrun, f"claimed, not run, not reported: {describe(sorted(unrun))}"
     b_ran = {at: id_ for at, node, id_ in rows if node == "b"}
     misfires = {at for at in fleet.skipped("misfire") if at > a_last}
     # Instants surely due before node b started its term (its elected event comes right
