@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import psycopg
@@ -48,6 +49,7 @@ __all__ = [
     "Outbox",
     "create_outbox",
     "inline_cost",
+    "text_array",
 ]
 
 logger = logging.getLogger(__name__)
@@ -96,6 +98,22 @@ def inline_cost(channel: str, payload: str) -> int:
         return INLINE_LIMIT + 1
     size = len(payload.encode()) + payload.count('"') + payload.count("\\")
     return size + len(json.dumps(channel)) + _ROW_OVERHEAD
+
+
+def text_array(values: Iterable[bytes]) -> bytes:
+    """A Postgres array literal (text form) of UTF-8 strings, for a ``$n::text[]`` parameter.
+
+    Every element is double-quoted, with ``\\`` and ``"`` escaped, so any text (and
+    ``NULL`` spelt out) comes back unchanged; the strings hold no NUL character (callers
+    refuse it, Postgres text cannot store it).
+    """
+    return (
+        b"{"
+        + b",".join(
+            b'"' + value.replace(b"\\", b"\\\\").replace(b'"', b'\\"') + b'"' for value in values
+        )
+        + b"}"
+    )
 
 
 class Outbox:
@@ -156,15 +174,48 @@ class Outbox:
 
     # -- statements ------------------------------------------------------------------
 
-    def insert(self, inline: bool) -> sql.Composed:
+    # Publish statements are prepared once per writer connection and executed with text
+    # parameters through libpq (see PostgresBroadcaster._write), hence ``$n`` placeholders.
+    # Parameters of both: $1 lock key, $2 origin, $3 NOTIFY channel, then the message(s):
+    # $4 channel, $5 payload (JSON text), $6 origin_seq, or arrays of each. One row comes
+    # back: ``(first id, last id, ...)``.
+
+    def insert_one(self, inline: bool) -> sql.Composed:
+        """Write one message and NOTIFY listeners, in one statement and one transaction.
+
+        With ``inline`` the NOTIFY carries the row (``[[id, channel, payload]]``), else
+        only its id (a wake-up: listeners fetch). The ``CASE`` keeps a wrong size
+        estimate from ever failing the publish on the 8000-byte NOTIFY limit. Cheaper
+        for the server than :meth:`insert_many` with one element (no arrays to parse and
+        unnest, no aggregate), which is what a steady trickle of publishes sends.
+        """
+        note = (
+            "CASE WHEN octet_length(j.rows) < 7990 THEN j.rows ELSE ins.id::text END"
+            if inline
+            else "ins.id::text"
+        )
+        rows = (
+            "json_build_array(json_build_array(ins.id, ins.channel, ins.payload))::text"
+            if inline
+            else "NULL::text"
+        )
+        return sql.SQL(
+            # The lock CTE is the row source of the INSERT, so it is taken before the id
+            # is drawn; it is held until the transaction has committed.
+            "WITH l AS (SELECT pg_advisory_xact_lock($1::bigint)),"
+            " ins AS (INSERT INTO {t} (channel, payload, origin, origin_seq)"
+            "  SELECT $4::text, $5::text, $2::bigint, $6::bigint FROM l"
+            "  RETURNING id, channel, payload)"
+            " SELECT ins.id, ins.id, pg_notify($3::text, " + note + ")"
+            " FROM ins, LATERAL (SELECT " + rows + " AS rows) j"
+        ).format(t=self.ident)
+
+    def insert_many(self, inline: bool) -> sql.Composed:
         """Write a batch and NOTIFY listeners, in one statement and one transaction.
 
-        Parameters: lock key, origin, channels[], payloads[], origin_seqs[], notify
-        channel. Returns one row: ``(first id, last id)``.
-
-        With ``inline`` the NOTIFY carries the rows (``[[id, channel, payload], ...]``),
-        else only the last id (a wake-up: listeners fetch). The ``CASE`` keeps a wrong
-        size estimate from ever failing the publish on the 8000-byte NOTIFY limit.
+        ``$4``, ``$5`` and ``$6`` are arrays (text, text, bigint) of the same length, in
+        publishing order. With ``inline`` the NOTIFY carries the rows (``[[id, channel,
+        payload], ...]``), else only the last id.
         """
         note = (
             "CASE WHEN octet_length(j.rows) < 7990 THEN j.rows ELSE j.last::text END"
@@ -179,14 +230,14 @@ class Outbox:
         return sql.SQL(
             # The lock CTE is joined to every input row, so it is taken before the first
             # id is drawn; it is held until the transaction has committed.
-            "WITH l AS (SELECT pg_advisory_xact_lock(%s)),"
+            "WITH l AS (SELECT pg_advisory_xact_lock($1::bigint)),"
             " ins AS (INSERT INTO {t} (channel, payload, origin, origin_seq)"
-            "  SELECT u.c, u.p, %s, u.s FROM l,"
-            "   unnest(%s::text[], %s::text[], %s::bigint[]) WITH ORDINALITY AS u(c, p, s, n)"
+            "  SELECT u.c, u.p, $2::bigint, u.s FROM l,"
+            "   unnest($4::text[], $5::text[], $6::bigint[]) WITH ORDINALITY AS u(c, p, s, n)"
             "  ORDER BY u.n"
             "  RETURNING id, channel, payload),"
             " j AS (SELECT min(id) AS first, max(id) AS last, " + rows + " AS rows FROM ins)"
-            " SELECT j.first, j.last, pg_notify(%s, " + note + ") FROM j"
+            " SELECT j.first, j.last, pg_notify($3::text, " + note + ") FROM j"
         ).format(t=self.ident)
 
     def start_position(self) -> sql.Composed:
