@@ -75,7 +75,6 @@ def create_app(dsn: str | None = None, *, metrics: bool = False, **options: Any)
             import rselection.metrics
 
             rselection.metrics.enable()
-            rselection.metrics.instrument(tasks)
         async with leader:
             yield
         # Leaving the block cancelled and joined the tasks and released the lease.

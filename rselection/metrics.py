@@ -15,7 +15,6 @@ Example::
     rselection.metrics.enable()          # the default registry
     tasks = rs.TaskHandler()
     ...                                  # register tasks
-    rselection.metrics.instrument(tasks) # also time each run (before the leader starts)
     start_http_server(9108)
     rs.SingleNodeLeader(tasks).lead()
 
@@ -33,8 +32,8 @@ What is measured (``rselection`` is the default ``namespace``):
 - ``rselection_task_runs_total{task}``, ``rselection_task_failures_total{task}``,
   ``rselection_task_stuck_total{task}``: from ``task_started``, ``task_failed`` and
   ``task_stuck``.
-- ``rselection_task_duration_seconds{task}``: a histogram of run times, for the tasks of
-  handlers passed to :func:`instrument` (no signal marks the end of a run).
+- ``rselection_task_duration_seconds{task}``: a histogram of run times, from
+  ``task_finished``.
 - ``rselection_fires_skipped_total{task, reason}``: from ``fire_skipped``.
 - ``rselection_nodes_joined_total{lease}`` and ``rselection_nodes_lost_total{lease}``:
   from a :class:`~rselection.HeartbeatMonitor`.
@@ -49,10 +48,8 @@ target, and a node id changes with every restart.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
-import time
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -64,9 +61,6 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
     from .broadcast import Broadcaster
-    from .context import TaskContext
-    from .schedules import Schedule
-    from .tasks import TaskHandler, TaskType
 
 __all__ = [
     "DURATION_BUCKETS",
@@ -76,7 +70,6 @@ __all__ = [
     "disable",
     "enable",
     "enabled",
-    "instrument",
     "watch_broadcaster",
 ]
 
@@ -187,7 +180,7 @@ class Metrics:
         )
         self.task_duration: Histogram = Histogram(
             "task_duration_seconds",
-            "Run time of each task run (tasks of instrumented handlers only).",
+            "Run time of each task run.",
             ["task"],
             namespace=namespace,
             buckets=DURATION_BUCKETS,
@@ -256,6 +249,7 @@ class Metrics:
             (signals.lease_renewed, self._on_lease_renewed),
             (signals.task_started, self._on_task_started),
             (signals.task_failed, self._on_task_failed),
+            (signals.task_finished, self._on_task_finished),
             (signals.task_stuck, self._on_task_stuck),
             (signals.fire_skipped, self._on_fire_skipped),
             (signals.node_joined, self._on_node_joined),
@@ -325,6 +319,9 @@ class Metrics:
 
     def _on_task_failed(self, sender: object, **kw: Any) -> None:
         self.task_failures.labels(task=str(kw["task"])).inc()
+
+    def _on_task_finished(self, sender: object, **kw: Any) -> None:
+        self.task_duration.labels(task=str(kw["task"])).observe(float(kw["duration"]))
 
     def _on_task_stuck(self, sender: object, **kw: Any) -> None:
         self.task_stuck.labels(task=str(kw["task"])).inc()
@@ -457,57 +454,3 @@ def watch_broadcaster(broadcaster: Broadcaster, name: str = "default") -> None:
     if metrics is None:
         raise RuntimeError("rselection metrics are off; call rselection.metrics.enable() first")
     metrics.watch_broadcaster(broadcaster, name)
-
-
-def instrument(handler: TaskHandler) -> None:
-    """Time every run of ``handler``'s tasks into ``task_duration_seconds``.
-
-    Call it once, after registering the tasks and before a leader starts the handler.
-    The runs are timed only while metrics are enabled; otherwise the wrapper costs two
-    clock reads per run. Calling it again is harmless.
-
-    Raises:
-        RuntimeError: the handler is already running under a leader.
-    """
-    # The runtime sends no signal when a run ends, so each task is wrapped instead.
-    with handler._lock:
-        if handler._attached:
-            raise RuntimeError(
-                "instrument() must run before the leader starts: the handler is in use"
-            )
-        for spec in handler._specs.values():
-            if not isinstance(spec.task, _TimedTask):
-                spec.task = _TimedTask(spec.task, spec.name, spec.is_async)
-
-
-class _TimedTask:
-    """A :class:`~rselection.Task` that times its inner task's runs."""
-
-    def __init__(self, inner: Any, name: str, is_async: bool) -> None:
-        self.inner = inner
-        self.name: str = name
-        self.type: TaskType = inner.type
-        self.schedule: Schedule | None = inner.schedule
-        self.run: Any = self._run_async if is_async else self._run_sync
-
-    def _observe(self, began: float) -> None:
-        metrics = _active
-        if metrics is not None:
-            metrics.task_duration.labels(task=self.name).observe(time.perf_counter() - began)
-
-    def _run_sync(self, ctx: TaskContext) -> Any:
-        began = time.perf_counter()
-        try:
-            return self.inner.run(ctx)
-        finally:
-            self._observe(began)
-
-    async def _run_async(self, ctx: TaskContext) -> Any:
-        began = time.perf_counter()
-        try:
-            result: Any = self.inner.run(ctx)
-            if inspect.isawaitable(result):
-                return await result
-            return result
-        finally:
-            self._observe(began)

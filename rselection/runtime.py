@@ -257,7 +257,8 @@ class TermRunner:
             if not stats.running:
                 stats.state = "failed" if stats.last_failed else "idle"
 
-    def _started(self, spec: TaskSpec, ctx: TaskContext) -> None:
+    def _started(self, spec: TaskSpec, ctx: TaskContext) -> float:
+        """Count the run and announce it; return its start (monotonic)."""
         with self._cond:
             spec.stats.runs += 1
             if ctx.scheduled_at is not None:
@@ -265,8 +266,13 @@ class TermRunner:
         signals.task_started.send(
             self.handler, task=ctx.name, term=ctx.term, scheduled_at=ctx.scheduled_at
         )
+        return time.monotonic()
 
-    def _record(self, spec: TaskSpec, error: BaseException | None) -> None:
+    def _record(
+        self, spec: TaskSpec, ctx: TaskContext, began: float, error: BaseException | None
+    ) -> None:
+        """Count the run's outcome and announce its end (and its failure, if it failed)."""
+        duration = time.monotonic() - began
         with self._cond:
             stats = spec.stats
             stats.last_failed = error is not None
@@ -283,6 +289,14 @@ class TermRunner:
             signals.task_failed.send(
                 self.handler, task=spec.name, term=self.term.number, error=error
             )
+        signals.task_finished.send(
+            self.handler,
+            task=spec.name,
+            term=self.term.number,
+            scheduled_at=ctx.scheduled_at,
+            duration=duration,
+            error=error,
+        )
 
     def _may_start(self, spec: TaskSpec, ctx: TaskContext) -> bool:
         if self.term.live():
@@ -294,7 +308,7 @@ class TermRunner:
     def _run_sync(self, spec: TaskSpec, ctx: TaskContext) -> BaseException | None:
         if not self._may_start(spec, ctx):
             return None
-        self._started(spec, ctx)
+        began = self._started(spec, ctx)
         error: BaseException | None = None
         try:
             result = spec.task.run(ctx)
@@ -309,25 +323,25 @@ class TermRunner:
                 error = exc
         except Exception as exc:
             error = exc
-        self._record(spec, error)
+        self._record(spec, ctx, began, error)
         return error
 
     async def _run_async(self, spec: TaskSpec, ctx: TaskContext) -> BaseException | None:
         if not self._may_start(spec, ctx):
             return None
-        self._started(spec, ctx)
+        began = self._started(spec, ctx)
         error: BaseException | None = None
         try:
             await spec.task.run(ctx)
         except asyncio.CancelledError:
-            self._record(spec, None)
+            self._record(spec, ctx, began, None)
             raise
         except LeadershipLost as exc:
             if self.term.live():
                 error = exc
         except Exception as exc:
             error = exc
-        self._record(spec, error)
+        self._record(spec, ctx, began, error)
         return error
 
     # -- persistent tasks -------------------------------------------------------------

@@ -9,6 +9,8 @@ arguments:
 - ``leader_changed``: ``name``, ``leader`` (:class:`~rselection.LeaderInfo` or ``None``).
 - ``task_started``: ``task``, ``term``, ``scheduled_at`` (``None`` for persistent tasks).
 - ``task_failed``: ``task``, ``term``, ``error`` (the exception).
+- ``task_finished``: ``task``, ``term``, ``scheduled_at``, ``duration`` (seconds),
+  ``error`` (``None`` unless it failed), after every run.
 - ``task_stuck``: ``task``, ``term``, ``waited`` (seconds waited after cancelling).
 - ``fire_skipped``: ``task``, ``scheduled_at``, ``fire_key``, ``reason`` (``"overlap"``,
   ``"not-leader"``, ``"already-claimed"``, ``"misfire"``, ``"claim-error"``).
@@ -35,6 +37,7 @@ __all__ = [
     "node_joined",
     "node_lost",
     "task_failed",
+    "task_finished",
     "task_started",
     "task_stuck",
 ]
@@ -53,6 +56,10 @@ task_started = namespace.signal(
     "task_started", doc="A task run began (kwargs: task, term, scheduled_at)."
 )
 task_failed = namespace.signal("task_failed", doc="A task raised (kwargs: task, term, error).")
+task_finished = namespace.signal(
+    "task_finished",
+    doc="A task run ended (kwargs: task, term, scheduled_at, duration, error).",
+)
 task_stuck = namespace.signal(
     "task_stuck", doc="A task ignored cancellation past stop_grace (kwargs: task, term, waited)."
 )
