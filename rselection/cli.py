@@ -363,7 +363,7 @@ def _status(args: argparse.Namespace) -> int:
             except _Unreachable as exc:
                 code = EXIT_UNREACHABLE
                 print(str(exc), file=sys.stderr)
-                if args.json and watch is not None:
+                if args.json:  # scripts parse stdout: they get a document here too
                     print(json.dumps({"error": str(exc), "exit_code": code}), flush=True)
             else:
                 code = _status_code(status)

@@ -449,13 +449,12 @@ class LeaderBase:
 
     def _send_renewed(self, term: int, latency: float, remaining: float) -> None:
         # Sent from the keeper thread on every renewal: a receiver that raises must not
-        # take the keeper (and with it the leadership) down.
-        try:
-            signals.lease_renewed.send(
-                self, name=self._name, term=term, latency=latency, remaining=remaining
-            )
-        except Exception:
-            logger.exception("lease %r: a lease_renewed receiver raised; ignored", self._name)
+        # take the keeper (and with it the leadership) down, nor starve the others.
+        for receiver in signals.lease_renewed.receivers_for(self):
+            try:
+                receiver(self, name=self._name, term=term, latency=latency, remaining=remaining)
+            except Exception:
+                logger.exception("lease %r: a lease_renewed receiver raised; ignored", self._name)
 
     def _hand_over(self, term: Term, request: HandoverRequest) -> None:
         """Step down because an operator asked (the next keeper step does it).

@@ -186,6 +186,8 @@ def test_status_json_on_an_unreachable_server_exits_2() -> None:
     out = run("status", "--dsn", CLOSED, "--json")
     assert out.returncode == 2
     assert "cannot connect to host=127.0.0.1 port=1" in out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["exit_code"] == 2 and "127.0.0.1" in doc["error"]
     assert "hunter2" not in out.stdout + out.stderr
 
 
