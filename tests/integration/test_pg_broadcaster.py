@@ -555,6 +555,164 @@ def test_new_listener_starts_at_the_end_without_a_gap(
     assert late.stats().gaps == 0
 
 
+def test_publisher_only_node_does_not_listen(
+    make_bc: Callable[..., PostgresBroadcaster],
+) -> None:
+    publisher = make_bc()
+    other = make_bc()
+    sub = other.subscribe("po", maxsize=1_000)
+    for i in range(200):
+        publisher.publish("po", i)
+    assert publisher.flush(20)
+    assert drain(sub, 200, 30) == list(range(200))
+    stats = publisher.stats()
+    assert stats.published == 200
+    assert stats.listener_pid is not None, "connected (wait_ready), just not listening"
+    assert not stats.listening
+    assert stats.received == 0, "its listener never woke for a message"
+    assert other.stats().listening and other.stats().received == 200
+
+
+def test_late_subscriber_gets_everything_published_after_subscribe_returned(
+    make_bc: Callable[..., PostgresBroadcaster],
+) -> None:
+    publisher = make_bc()  # publishes and, later, subscribes to its own messages
+    late_node = make_bc()  # another node, idle until it subscribes
+    total = 3_000
+    published = 0
+    stop = threading.Event()
+
+    def publish() -> None:
+        nonlocal published
+        for i in range(total):
+            publisher.publish("late", i)
+            published = i + 1
+            if i % 20 == 0:
+                time.sleep(0.002)
+        stop.set()
+
+    thread = threading.Thread(target=publish, daemon=True)
+    thread.start()
+    wait_until(lambda: published >= 300, 20, "the stream under way")
+    own = publisher.subscribe("late", maxsize=10_000)
+    own_mark = published  # every i >= this was published after subscribe() returned
+    wait_until(lambda: published >= own_mark + 300, 20, "more of the stream")
+    other = late_node.subscribe("late", maxsize=10_000)
+    other_mark = published
+    assert own_mark < total - 500 and other_mark < total - 200, "subscribed mid-stream"
+    assert stop.wait(60)
+    assert publisher.flush(20)
+    for sub, mark in ((own, own_mark), (other, other_mark)):
+        got = drain(sub, total - mark, 60)
+        while True:  # the rest, if the subscription started before the mark
+            try:
+                got.append(sub.get(1.0))
+            except TimeoutError:
+                break
+        first = got[0]
+        assert first <= mark
+        # A contiguous tail of the stream, in order, each once, through the last message.
+        assert got == list(range(first, total))
+    assert publisher.stats().gaps == late_node.stats().gaps == 0
+
+
+def test_listener_stops_with_the_last_reader_and_starts_again(
+    make_bc: Callable[..., PostgresBroadcaster],
+) -> None:
+    publisher = make_bc()
+    node = make_bc(probe_interval=0.3)
+    sub = node.subscribe("cycle")
+    assert node.stats().listening
+    publisher.publish("cycle", "first")
+    assert drain(sub, 1, 20) == ["first"]
+    sub.close()
+    # It notices at its next wake-up: a message or a probe.
+    wait_until(lambda: not node.stats().listening, 10, "the listener stopped")
+    received = node.stats().received
+    for i in range(20):
+        publisher.publish("cycle", f"unheard {i}")
+    assert publisher.flush(20)
+    time.sleep(0.5)
+    assert node.stats().received == received, "an idle node reads nothing"
+
+    got: list[Any] = []
+    disconnect = node.connect("cycle", lambda channel, msg: got.append(msg))
+    assert node.stats().listening, "connect() returns once the listener listens"
+    again = node.subscribe("cycle")
+    publisher.publish("cycle", "second")
+    assert drain(again, 1, 20) == ["second"]
+    assert_quiet(again)
+    wait_until(lambda: got == ["second"], 10, "the receiver")
+    again.close()
+    publisher.publish("cycle", "receiver only")
+    wait_until(lambda: got == ["second", "receiver only"], 10, "the receiver alone")
+    assert node.stats().listening, "a receiver keeps the listener"
+    disconnect()
+    publisher.publish("cycle", "nobody")
+    wait_until(lambda: not node.stats().listening, 10, "the listener stopped again")
+    assert node.stats().gaps == 0
+
+
+def test_subscribe_while_postgres_is_unreachable_returns_after_timeout(
+    pg_dsn: str,
+    make_bc: Callable[..., PostgresBroadcaster],
+    make_tcp_proxy: Callable[[str, int], TcpProxy],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    proxy = proxy_for(pg_dsn, make_tcp_proxy)
+    publisher = make_bc()
+    node = make_bc(proxied(pg_dsn, proxy), probe_interval=0.3, timeout=1.0)
+    assert not node.stats().listening
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        proxy.blackhole()
+        started = time.monotonic()
+        sub = node.subscribe("down")
+        waited = time.monotonic() - started
+        assert "could LISTEN" in caplog.text
+    assert 0.9 <= waited < 5, f"subscribe() waited {waited:.1f} s"
+    proxy.heal()
+    wait_until(lambda: node.stats().listening, 30, "the listener back")
+    publisher.publish("down", "after")
+    assert drain(sub, 1, 20) == ["after"]
+    assert_quiet(sub)
+
+
+def test_batches_carry_any_channel_and_payload_text(
+    pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster]
+) -> None:
+    from rselection.postgres._outbox import text_array
+
+    awkward = ["NULL", "", " x ", 'q"uo\\te', "{a,b}", "\\N", "é€😀", '\n\t\\"', "'", ","]
+    with psycopg.connect(pg_dsn, autocommit=True, client_encoding="UTF8") as conn:
+        literal = text_array(value.encode() for value in awkward)
+        result = conn.pgconn.exec_params(b"SELECT $1::text[]", [literal])
+        assert result.status == psycopg.pq.ExecStatus.TUPLES_OK
+        parsed = conn.execute("SELECT %s::text[]", (result.get_value(0, 0).decode(),)).fetchone()
+        assert parsed is not None and parsed[0] == awkward
+    a, b = make_bc(), make_bc()
+    channels = [name or "empty" for name in awkward]
+    subs = {name: b.subscribe(name, maxsize=1_000) for name in channels}
+    sent = [
+        (channels[i % len(channels)], {"i": i, "text": awkward[i % len(awkward)]})
+        for i in range(300)
+    ]
+    batches: list[int] = []
+    write = a._write
+
+    def counting_write(conn: Any, batch: Any) -> None:
+        batches.append(len(batch))
+        write(conn, batch)
+
+    a._write = counting_write  # type: ignore[method-assign]
+    for channel, msg in sent:
+        a.publish(channel, msg)  # a tight loop: the writer takes them in batches
+    assert a.flush(20)
+    assert max(batches) > 1, "several messages per statement"
+    for name in channels:
+        expected = [msg for channel, msg in sent if channel == name]
+        assert drain(subs[name], len(expected), 20) == expected, repr(name)
+
+
 async def _read_async(sub: Subscription, n: int) -> list[Any]:
     out: list[Any] = []
     async with asyncio.timeout(20):
