@@ -16,7 +16,9 @@ to this broadcaster's writer thread, which appends it to an outbox table (see
 in the same transaction. ``publish`` never waits for Postgres (it is safe in ``async
 def`` code); :meth:`PostgresBroadcaster.flush` waits until what was published is
 committed. The writer puts every message waiting at that moment in one transaction, so
-a burst costs one round trip per batch, not per message.
+a burst costs one round trip per batch, not per message. Its statements are prepared
+once per connection and run through libpq with text parameters (a lone message uses a
+simpler statement than a batch), so a publish costs little more than a bare NOTIFY.
 
 **One order for everyone.** A publish takes a transaction-level advisory lock before its
 ids are drawn and holds it through its commit, so ids become visible strictly in
@@ -31,6 +33,13 @@ schema-qualified table name, so logical channel names may be of any length and
 characters). A batch whose rows fit in a few kilobytes travels inside the NOTIFY
 payload; larger ones send only the last id and listeners fetch the rows. So a message
 of any size (up to ``max_message_bytes``) is delivered whole.
+
+**LISTEN only for readers.** The listener connects at construction but LISTENs only
+while its node has subscriptions or receivers, so a node that only publishes is not
+woken by every message. The first :meth:`~PostgresBroadcaster.subscribe` or
+:meth:`~PostgresBroadcaster.connect` makes it LISTEN and read the newest id, and returns
+once it has: every message committed after that is delivered. When the last reader has
+gone, the listener UNLISTENs at its next wake-up.
 
 **Nothing lost while disconnected.** NOTIFY is dropped for a listener that is not
 connected. After every (re)connect the listener LISTENs first and then fetches every
@@ -167,7 +176,8 @@ class PostgresBroadcastStats(BroadcastStats):
         than the retention.
     :param missed: upper bound of the messages lost in those gaps.
     :param reconnects: times the listener lost its connection and connected again.
-    :param listening: whether the listener is connected and has caught up.
+    :param listening: whether the listener LISTENs (this node has readers) and has
+        caught up.
     :param last_id: the outbox id of the last message delivered.
     :param listener_pid: the backend pid of the listener's session (``None`` while
         disconnected), to find it in ``pg_stat_activity``.
