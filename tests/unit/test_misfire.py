@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -44,21 +44,6 @@ class Runs:
     def instants(self) -> list[datetime]:
         with self._lock:
             return [at for at, _ in self.items]
-
-
-@pytest.fixture
-def leaders() -> Iterator[Callable[..., rs.SingleNodeLeader]]:
-    """Make SingleNodeLeaders that are stopped at the end of the test, whatever happens."""
-    made: list[rs.SingleNodeLeader] = []
-
-    def make(handler: rs.TaskHandler, **kwargs: Any) -> rs.SingleNodeLeader:
-        leader = rs.SingleNodeLeader(handler, **kwargs)
-        made.append(leader)
-        return leader
-
-    yield make
-    for leader in made:
-        leader.stop(timeout=10)
 
 
 def instants_between(first: datetime, last: datetime) -> list[datetime]:

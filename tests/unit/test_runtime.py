@@ -60,21 +60,6 @@ def fmt_ms(latency: dict[str, float]) -> str:
 
 
 @pytest.fixture
-def leaders() -> Iterator[Callable[..., rs.SingleNodeLeader]]:
-    """Make SingleNodeLeaders that are stopped at the end of the test, whatever happens."""
-    made: list[rs.SingleNodeLeader] = []
-
-    def make(handler: rs.TaskHandler, **kwargs: Any) -> rs.SingleNodeLeader:
-        leader = rs.SingleNodeLeader(handler, **kwargs)
-        made.append(leader)
-        return leader
-
-    yield make
-    for leader in made:
-        leader.stop(timeout=10)
-
-
-@pytest.fixture
 def release() -> Iterator[threading.Event]:
     """An event that lets stuck test tasks go at the end of the test."""
     event = threading.Event()

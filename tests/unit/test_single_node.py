@@ -7,7 +7,7 @@ import contextlib
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -47,21 +47,6 @@ class Recorder:
 
     def __call__(self, sender: object, **kwargs: Any) -> None:
         self.calls.append(kwargs)
-
-
-@pytest.fixture
-def leaders() -> Iterator[Callable[..., rs.SingleNodeLeader]]:
-    """Make SingleNodeLeaders that are stopped at the end of the test, whatever happens."""
-    made: list[rs.SingleNodeLeader] = []
-
-    def make(handler: rs.TaskHandler, **kwargs: Any) -> rs.SingleNodeLeader:
-        leader = rs.SingleNodeLeader(handler, **kwargs)
-        made.append(leader)
-        return leader
-
-    yield make
-    for leader in made:
-        leader.stop(timeout=10)
 
 
 def idle_handler() -> rs.TaskHandler:
