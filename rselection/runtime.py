@@ -18,7 +18,6 @@ import os
 import random
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -29,6 +28,7 @@ from . import signals
 from .claiming import claim_missed
 from .context import TaskContext, Term
 from .errors import LeadershipLost
+from .misfire import due_fires, split_by_policy, window
 from .schedules import format_fire_key
 from .tasks import TaskType
 
@@ -45,9 +45,6 @@ STUCK_EXIT_CODE = 70
 
 _RESTART_BASE = 0.1
 _RESTART_CAP = 30.0
-_MAX_MISSED_SCAN = 1000  # missed fires examined one by one; older ones are skipped in bulk
-_MAX_CATCH_UP = 100  # misfire="all": the most missed fires one catch-up runs
-_TICK = timedelta(microseconds=1)
 _T = TypeVar("_T")
 _CLAIM_POLL = 0.05  # seconds between liveness checks while a claim is in flight
 _LOOP_DRAIN = 1.0  # seconds a stopped private loop gets to unwind cancelled tasks
@@ -404,9 +401,8 @@ class TermRunner:
             heapq.heappop(heap)
             if not term.live():
                 return
-            due = self._due(spec, at, datetime.now(UTC))
-            self._dispatch(spec, due)
-            self._push(heap, spec, _schedule(spec).next_fire(due[-1]), order)
+            newest = self._dispatch(spec, at)
+            self._push(heap, spec, _schedule(spec).next_fire(newest), order)
 
     def _push(
         self,
@@ -419,41 +415,30 @@ class TermRunner:
         if at is not None:
             heapq.heappush(heap, (at, next(order), spec))
 
-    def _due(self, spec: TaskSpec, first: datetime, now: datetime) -> list[datetime]:
-        """``first`` and every later fire already due at ``now`` (the newest at most
-        :data:`_MAX_MISSED_SCAN`; older ones are skipped here as misfires)."""
-        schedule = _schedule(spec)
-        due = [first]
-        nxt = schedule.next_fire(first)
-        while nxt is not None and nxt <= now:
-            due.append(nxt)
-            if len(due) > _MAX_MISSED_SCAN:
-                self._skip(spec, due.pop(0), "misfire")
-            nxt = schedule.next_fire(nxt)
-        return due
-
-    def _dispatch(self, spec: TaskSpec, due: list[datetime]) -> None:
-        """Run the fires ``due`` that the grace and the misfire policy let through.
+    def _dispatch(self, spec: TaskSpec, first: datetime) -> datetime:
+        """Run the fire due at ``first``, and any later ones already due, as far as the
+        grace and the misfire policy let them; return the newest due.
 
         A single due fire is on time (if late by less than a period); several mean this
         node fell behind, and all but the newest are missed fires.
         """
-        limit = datetime.now(UTC) - timedelta(seconds=spec.misfire_grace)
-        for at in due:
-            if at < limit:
-                self._skip(spec, at, "misfire")
+        now = datetime.now(UTC)
+        due, dropped = due_fires(_schedule(spec), first, now)
+        limit = now - timedelta(seconds=spec.misfire_grace)
+        for at in dropped + [at for at in due if at < limit]:
+            self._skip(spec, at, "misfire")
         fresh = [at for at in due if at >= limit]
         run = fresh if len(due) == 1 else self._select(spec, fresh)
         if run:
             self._fire(spec, run, claimed=False)
+        return due[-1]
 
     def _select(self, spec: TaskSpec, missed: list[datetime]) -> list[datetime]:
         """Of missed fires (oldest first), the ones ``spec.misfire`` runs; skip the rest."""
-        keep = {"latest": 1, "all": _MAX_CATCH_UP, "skip": 0}[spec.misfire]
-        cut = max(0, len(missed) - keep)
-        for at in missed[:cut]:
+        run, skipped = split_by_policy(spec.misfire, missed)
+        for at in skipped:
             self._skip(spec, at, "misfire")
-        return missed[cut:]
+        return run
 
     def _recover(self, spec: TaskSpec, started: datetime) -> None:
         """At the start of a term: find and handle fires no node ran while none led.
@@ -466,12 +451,7 @@ class TermRunner:
         claimer = self.term.claimer
         assert claimer is not None
         schedule = _schedule(spec)
-        limit = started - timedelta(seconds=spec.misfire_grace)
-        candidates: deque[datetime] = deque(maxlen=_MAX_MISSED_SCAN)
-        nxt = schedule.next_fire(limit - _TICK)
-        while nxt is not None and nxt <= started:
-            candidates.append(nxt)
-            nxt = schedule.next_fire(nxt)
+        candidates = window(schedule, started, spec.misfire_grace)
         if not candidates:
             return
         keys = {format_fire_key(spec.name, at): at for at in candidates}

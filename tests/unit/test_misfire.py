@@ -420,3 +420,39 @@ def test_claim_missed_walks_back_with_a_plain_claimer() -> None:
     keys = [f"k{i}" for i in range(6)]
     assert plain.claim("k3")
     assert claim_missed(plain, keys, term=1) == ["k4", "k5"]
+
+
+# -- the pure policy functions --------------------------------------------------------
+
+
+def test_due_fires_lists_every_fire_due_and_drops_beyond_the_cap() -> None:
+    from rselection.misfire import MAX_SCAN, due_fires
+
+    every = rs.IntervalSchedule(1)
+    first = datetime(2026, 1, 1, tzinfo=UTC)
+    due, dropped = due_fires(every, first, first + timedelta(seconds=2.5))
+    assert due == [first, first + timedelta(seconds=1), first + timedelta(seconds=2)]
+    assert dropped == []
+    due, dropped = due_fires(every, first, first + timedelta(seconds=MAX_SCAN + 9))
+    assert len(due) == MAX_SCAN and len(dropped) == 10
+    assert dropped[-1] + timedelta(seconds=1) == due[0]  # nothing lost between them
+
+
+def test_window_holds_the_fires_within_the_grace() -> None:
+    from rselection.misfire import window
+
+    started = datetime(2026, 1, 1, 0, 0, 10, 500_000, tzinfo=UTC)
+    fires = window(rs.IntervalSchedule(1), started, grace=3)
+    assert [f.second for f in fires] == [8, 9, 10]  # 7.5 .. 10.5, oldest first
+    assert window(rs.IntervalSchedule(60), started, grace=3) == []
+
+
+def test_split_by_policy() -> None:
+    from rselection.misfire import MAX_CATCH_UP, split_by_policy
+
+    missed = [datetime(2026, 1, 1, 0, 0, s, tzinfo=UTC) for s in range(5)]
+    assert split_by_policy("latest", missed) == (missed[-1:], missed[:-1])
+    assert split_by_policy("all", missed) == (missed, [])
+    assert split_by_policy("skip", missed) == ([], missed)
+    many = [missed[0] + timedelta(seconds=i) for i in range(MAX_CATCH_UP + 3)]
+    assert split_by_policy("all", many) == (many[3:], many[:3])
