@@ -1,4 +1,5 @@
-"""Redis backend: lease, leader, fenced writes, elections and fire claims.
+"""Redis backend: lease, leader, fenced writes, elections, fire claims and handover
+requests.
 
 Needs redis-py (extra ``redis``) and Redis 6.2 or later.
 
@@ -13,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 from .claims import RedisClaimer
 from .elector import RedisElector
 from .fencing import RedisFence, fenced_call
-from .lease import RedisLease, lease_keys
+from .handover import cancel_handover, current_holder, live_nodes, request_handover
+from .lease import RedisLease, handover_key, lease_keys
 
 if TYPE_CHECKING:
     from .leader import RedisLeader
@@ -24,8 +26,13 @@ __all__ = [
     "RedisFence",
     "RedisLeader",
     "RedisLease",
+    "cancel_handover",
+    "current_holder",
     "fenced_call",
+    "handover_key",
     "lease_keys",
+    "live_nodes",
+    "request_handover",
 ]
 
 

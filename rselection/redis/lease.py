@@ -66,10 +66,11 @@ from typing import Any
 import redis
 
 from ..errors import BackendUnavailable, ConfigError
+from ..leader import HandoverRequest
 from ..lease import Acquisition, LeaderInfo
 from ._conn import ConnectionFactory, check_client, check_seconds, unavailable
 
-__all__ = ["RedisLease", "lease_keys"]
+__all__ = ["RedisLease", "handover_key", "lease_keys", "node_channel"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,17 @@ if cur then
     return {0, cur, redis.call('PTTL', KEYS[1]), now}
   end
 end
+local r = redis.call('GET', KEYS[3])
+if r then
+  local okq, q = pcall(cjson.decode, r)
+  if okq and type(q) == 'table' and q.term == tostring(redis.call('GET', KEYS[2])) then
+    local to = q.to or ''
+    if (to ~= '' and to ~= ARGV[2]) or (to == '' and q.from == ARGV[2]) then
+      if cur then return {0, cur, redis.call('PTTL', KEYS[1]), now} end
+      return {0, '', redis.call('PTTL', KEYS[3]), now}
+    end
+  end
+end
 if run == '' then run = run_id() end
 local term = redis.call('INCR', KEYS[2])
 local v = cjson.encode({token = ARGV[1], node = ARGV[2], term = tostring(term),
@@ -104,6 +116,7 @@ if cur then
 else
   redis.call('SET', KEYS[1], v, 'NX', 'PX', ARGV[3])
 end
+redis.call('DEL', KEYS[3])
 redis.call('PUBLISH', ARGV[9], 'acquired:' .. tostring(term))
 return {1, v, tonumber(ARGV[3]), now}
 """
@@ -121,7 +134,14 @@ RENEW = (
     _HOLDS
     + """
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return 1
+local r = redis.call('GET', KEYS[2])
+if r then
+  local okq, q = pcall(cjson.decode, r)
+  if okq and type(q) == 'table' and q.term == ARGV[2] then
+    return {1, 1, q.to or '', redis.call('PTTL', KEYS[2])}
+  end
+end
+return {1, 0, '', 0}
 """
 )
 
@@ -133,6 +153,31 @@ redis.call('PUBLISH', ARGV[3], 'released:' .. ARGV[2])
 return 1
 """
 )
+
+REQUEST_HANDOVER = """
+local cur = redis.call('GET', KEYS[1])
+if not cur then return {0, '', 0, ''} end
+local ok, h = pcall(cjson.decode, cur)
+if not ok or type(h) ~= 'table' or type(h.term) ~= 'string' or type(h.node) ~= 'string' then
+  return {-1, cur, 0, ''}
+end
+local t = redis.call('TIME')
+local now = tostring(t[1] * 1000 + math.floor(t[2] / 1000))
+redis.call('SET', KEYS[2], cjson.encode({term = h.term, from = h.node, to = ARGV[1]}),
+  'PX', ARGV[2])
+redis.call('PUBLISH', ARGV[3], 'resign:' .. h.term)
+return {1, cur, redis.call('PTTL', KEYS[1]), now}
+"""
+
+CANCEL_HANDOVER = """
+local r = redis.call('GET', KEYS[1])
+if not r then return 0 end
+local ok, q = pcall(cjson.decode, r)
+if not ok or type(q) ~= 'table' or q.term ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('PUBLISH', ARGV[2], 'cancelled:' .. ARGV[1])
+return 1
+"""
 
 READ = """
 local t = redis.call('TIME')
@@ -153,6 +198,30 @@ def lease_keys(name: str, key_prefix: str = "rselection:") -> tuple[str, str, st
     """
     base = f"{key_prefix}{{{name}}}"
     return f"{base}:lease", f"{base}:term", f"{base}:events"
+
+
+def handover_key(name: str, key_prefix: str = "rselection:") -> str:
+    """The key holding a pending handover request of lease ``name`` (same hash slot).
+
+    Args:
+        name: the lease name.
+        key_prefix: prefix of every key.
+    """
+    return f"{key_prefix}{{{name}}}:resign"
+
+
+def node_channel(name: str, node_id: str, key_prefix: str = "rselection:") -> str:
+    """The channel a node of lease ``name`` stays subscribed to while its keeper runs.
+
+    Nothing is published on it: ``PUBSUB NUMSUB`` on it tells whether node ``node_id``
+    is connected (``rselection resign --to`` checks it).
+
+    Args:
+        name: the lease name.
+        node_id: the node's id.
+        key_prefix: prefix of every key.
+    """
+    return f"{key_prefix}{{{name}}}:node:{node_id}"
 
 
 def _ms_to_utc(ms: int) -> datetime:
@@ -254,6 +323,7 @@ class RedisLease:
         self.name = name
         self.key_prefix = key_prefix
         self.key, self.term_key, self.channel = lease_keys(name, key_prefix)
+        self.handover_key = handover_key(name, key_prefix)
         self._client, self._owns_client = check_client(client_or_url, "RedisLease")
         self._factory = ConnectionFactory(
             self._client,
@@ -274,6 +344,9 @@ class RedisLease:
         self._leading: tuple[str, int] | None = None  # (token, term) while we hold it
         self._seen: _Seen | None = None
         self._dead: _Seen | None = None
+        self._presence: str | None = None  # the node id whose channel the listener joined
+        self._handover_hint = False  # a request was announced since the last renewal
+        self._handover: HandoverRequest | None = None
 
         self._wake_lock = threading.Lock()
         self._interrupt_pending = False
@@ -415,6 +488,7 @@ class RedisLease:
     def _drop(self) -> None:
         conns, self._conn, self._listener = (self._conn, self._listener), None, None
         self._leading = self._seen = self._dead = None
+        self._presence = None
         for conn in conns:
             if conn is not None:
                 try:
@@ -469,15 +543,19 @@ class RedisLease:
                 f"got {node_id!r:.60}"
             )
         self._keeper()
+        self._join(node_id)
         dead, self._dead = self._dead, None
         self._leading = None
+        self._handover_hint = False
+        self._handover = None
         token = secrets.token_hex(16)
         reply = self._call(
             "EVAL",
             ACQUIRE,
-            2,
+            3,
             self.key,
             self.term_key,
+            self.handover_key,
             token,
             node_id,
             self._ttl_ms,
@@ -489,6 +567,12 @@ class RedisLease:
             self.channel,
         )
         acquired = int(reply[0]) == 1
+        if not acquired and not _text(reply[1]):
+            # Free, but a handover request reserves it for another node this long.
+            self._seen = None
+            reserved = max(0.0, int(reply[2]) / 1000)
+            logger.debug("lease %r: reserved by a handover request for %.3f s", self.name, reserved)
+            return Acquisition(False, None, reserved)
         info, doc = parse_holder(reply[1], reply[2], reply[3])
         if info is None:
             # Someone else's value under our key: waiting it out (with the keeper's
@@ -522,15 +606,36 @@ class RedisLease:
         Raises:
             BackendUnavailable: connection problem (the term is lost as well).
         """
+        self._handover_hint = False
+        self._handover = None
         leading = self._leading
         if leading is None or leading[1] != term:
             return False
-        reply = self._call("EVAL", RENEW, 1, self.key, leading[0], str(term), self._ttl_ms)
-        if int(reply) == 1:
+        reply = self._call(
+            "EVAL", RENEW, 2, self.key, self.handover_key, leading[0], str(term), self._ttl_ms
+        )
+        if isinstance(reply, list) and int(reply[0]) == 1:
+            if int(reply[1]) == 1:
+                to = _text(reply[2])
+                self._handover = HandoverRequest(term, to or None, max(0, int(reply[3])) / 1000)
             return True
         logger.debug("lease %r: renewal of term %s by %s refused", self.name, term, node_id)
         self._leading = None
         return False
+
+    def handover_hinted(self) -> bool:
+        """True when a message on the channel announced a handover request since the
+        last renewal: renew now to see whether it is for this term."""
+        return self._handover_hint
+
+    def handover_requested(self) -> HandoverRequest | None:
+        """The handover request the last successful :meth:`renew` found, once.
+
+        A request is for one term and lapses when its key expires (server ``PX``); see
+        :func:`rselection.redis.request_handover`.
+        """
+        request, self._handover = self._handover, None
+        return request
 
     def release(self, node_id: str, term: int) -> None:
         """Give the lease up (key deleted, term counter kept) and wake the followers.
@@ -634,13 +739,38 @@ class RedisLease:
             f"something unexpected: {data!r:.80}"
         )
 
+    def _join(self, node_id: str) -> None:
+        """Keep the listener subscribed to this node's presence channel."""
+        if self._presence == node_id or self._listener is None:
+            return
+        listener = self._listener
+        try:
+            if self._presence is not None:
+                listener.send_command(
+                    "UNSUBSCRIBE", node_channel(self.name, self._presence, self.key_prefix)
+                )
+            # The confirmation is read (and skipped) with the channel's messages.
+            listener.send_command("SUBSCRIBE", node_channel(self.name, node_id, self.key_prefix))
+        except (redis.RedisError, OSError) as exc:
+            self._drop()
+            raise unavailable("listen for lease changes", self._factory.where, exc) from exc
+        self._presence = node_id
+
     def _drain(self, listener: Any) -> bool:
-        """Read the channel's messages; ``True`` if there was one."""
+        """Read the channel's messages; ``True`` if one may concern this keeper.
+
+        A handover request sets the hint; it wakes only a leader (a follower has nothing
+        to do until the leader releases).
+        """
         got = False
         try:
             while listener.can_read(0):
                 message = listener.read_response()
                 if isinstance(message, list) and message and _text(message[0]) == "message":
+                    if len(message) > 2 and _text(message[2]).startswith("resign:"):
+                        self._handover_hint = True
+                        if self._leading is None:
+                            continue
                     got = True
         except (redis.RedisError, OSError) as exc:
             self._drop()
