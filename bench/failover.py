@@ -175,10 +175,14 @@ class BenchFleet(Fleet):
         self.surprises: list[str] = []
         self.expect_demotion: str | None = None
 
+    def command(self, node_id: str, extra: list[str] | None = None) -> list[str]:
+        """The command line of node ``node_id`` (other fleets run other node programs)."""
+        cmd = [sys.executable, "-m", "rselection.demo", "node", "--dsn", self.dsn]
+        return [*cmd, "--name", self.name, "--node-id", node_id, *self.node_args, *(extra or [])]
+
     def spawn(self, node_id: str, extra: list[str] | None = None) -> subprocess.Popen[str]:
         """Start a node process called ``node_id`` (stderr to :attr:`stderr`)."""
-        cmd = [sys.executable, "-m", "rselection.demo", "node", "--dsn", self.dsn]
-        cmd += ["--name", self.name, "--node-id", node_id, *self.node_args, *(extra or [])]
+        cmd = self.command(node_id, extra)
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=self.stderr, text=True, bufsize=1
         )
@@ -301,25 +305,31 @@ class Scenario:
         return line
 
 
-def run_failover(
+def settle(fleet: BenchFleet) -> None:
+    """Let a round's aftermath pass before the next signal.
+
+    The new leader writes its ledger; followers start waiting. The random part keeps
+    the next signal out of step with any follower's polling period (a Redis follower
+    checks the holder's connection every 0.5 s from the moment the new leader was
+    elected), so no backend is timed at a lucky phase.
+    """
+    fleet.drain(0.5 + random.uniform(0.0, 1.0))
+
+
+def elect_timeout_for(timings: Timings) -> float:
+    """How long a round waits for the next leader before it gives up."""
+    return timings.ttl + timings.retry_interval + 15.0
+
+
+def crash_rounds(
     fleet: BenchFleet,
     timings: Timings,
     rounds: int,
-    pause_rounds: int,
     log: Callable[[str], None],
-) -> dict[str, Scenario]:
-    """Run the kill -9, graceful-stop and SIGSTOP rounds; return their failover times."""
-    ttl = timings.ttl
-    elect_timeout = ttl + timings.retry_interval + 15.0
-    crash, handover, pause = Scenario("crash"), Scenario("handover"), Scenario("pause")
-
-    def settle() -> None:
-        # The new leader writes its ledger; followers start waiting. The random part
-        # keeps the next signal out of step with any follower's polling period (a
-        # Redis follower checks the holder's connection every 0.5 s from the moment
-        # the new leader was elected), so no backend is timed at a lucky phase.
-        fleet.drain(0.5 + random.uniform(0.0, 1.0))
-
+) -> Scenario:
+    """``kill -9`` the leader ``rounds`` times; each killed node is replaced."""
+    crash = Scenario("crash")
+    elect_timeout = elect_timeout_for(timings)
     for i in range(rounds):
         victim = fleet.current_leader(elect_timeout)["node"]
         began = time.time()
@@ -332,8 +342,19 @@ def run_failover(
         )
         fleet.reap(victim, 10)
         fleet.ready(fleet.fresh_node(), 30)
-        settle()
+        settle(fleet)
+    return crash
 
+
+def handover_rounds(
+    fleet: BenchFleet,
+    timings: Timings,
+    rounds: int,
+    log: Callable[[str], None],
+) -> Scenario:
+    """SIGTERM the leader ``rounds`` times; each stopped node is replaced."""
+    handover = Scenario("handover")
+    elect_timeout = elect_timeout_for(timings)
     for i in range(rounds):
         victim = fleet.current_leader(elect_timeout)["node"]
         began = time.time()
@@ -348,9 +369,20 @@ def run_failover(
         )
         fleet.reap(victim, 30)
         fleet.ready(fleet.fresh_node(), 30)
-        settle()
+        settle(fleet)
+    return handover
 
-    for i in range(pause_rounds):
+
+def pause_rounds(
+    fleet: BenchFleet,
+    timings: Timings,
+    rounds: int,
+    log: Callable[[str], None],
+) -> Scenario:
+    """SIGSTOP the leader until another node leads, then SIGCONT it, ``rounds`` times."""
+    pause = Scenario("pause")
+    elect_timeout = elect_timeout_for(timings)
+    for i in range(rounds):
         victim = fleet.current_leader(elect_timeout)["node"]
         fleet.expect_demotion = victim
         began = time.time()
@@ -368,12 +400,27 @@ def run_failover(
         )
         fleet.expect_demotion = None
         log(
-            f"pause    {i + 1:>3}/{pause_rounds}: {victim} paused, {heir['node']} leads term "
+            f"pause    {i + 1:>3}/{rounds}: {victim} paused, {heir['node']} leads term "
             f"{heir['term']} after {pause.times[-1] * 1000:.1f} ms; {victim} demoted "
             f"({demoted['reason']}) {(demoted['t'] - resumed) * 1000:.0f} ms after SIGCONT"
         )
-        settle()
-    return {"crash": crash, "handover": handover, "pause": pause}
+        settle(fleet)
+    return pause
+
+
+def run_failover(
+    fleet: BenchFleet,
+    timings: Timings,
+    rounds: int,
+    pauses: int,
+    log: Callable[[str], None],
+) -> dict[str, Scenario]:
+    """Run the kill -9, graceful-stop and SIGSTOP rounds; return their failover times."""
+    return {
+        "crash": crash_rounds(fleet, timings, rounds, log),
+        "handover": handover_rounds(fleet, timings, rounds, log),
+        "pause": pause_rounds(fleet, timings, pauses, log),
+    }
 
 
 # -- ledger -----------------------------------------------------------------------------
@@ -735,19 +782,16 @@ def run_redis(
 class ToozFleet(BenchFleet):
     """Node processes that elect a leader with tooz (``bench/failover.py tooz-node``)."""
 
-    def spawn(self, node_id: str, extra: list[str] | None = None) -> subprocess.Popen[str]:
-        """Start a tooz node called ``node_id``."""
-        cmd = [sys.executable, str(Path(__file__).resolve()), "tooz-node", self.dsn]
-        cmd += [self.name, node_id]
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=self.stderr, text=True, bufsize=1
-        )
-        self.procs[node_id] = proc
-        assert proc.stdout is not None
-        reader = threading.Thread(target=self._read, args=(proc.stdout,), daemon=True)
-        reader.start()
-        self._readers.append(reader)
-        return proc
+    def command(self, node_id: str, extra: list[str] | None = None) -> list[str]:
+        """The command line of tooz node ``node_id``."""
+        return [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "tooz-node",
+            self.dsn,
+            self.name,
+            node_id,
+        ]
 
 
 def run_tooz_node(url: str, group: str, node_id: str) -> int:
