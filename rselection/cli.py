@@ -604,7 +604,7 @@ def _resign_redis(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 return 1
-        elif nodes is not None and not [n for n in nodes if n != holder.node_id]:
+        elif nodes and not [n for n in nodes if n != holder.node_id]:
             print(
                 f"no other live node of lease {name!r} to hand over to "
                 f"({holder.node_id} leads term {holder.term}); start another node first",
