@@ -98,6 +98,7 @@ from ._outbox import (
     Outbox,
     create_outbox,
     inline_cost,
+    inline_row,
     text_array,
 )
 
@@ -1173,8 +1174,12 @@ class PostgresBroadcaster(Broadcaster):
         inline = sum(item.inline for item in items) <= INLINE_LIMIT
         if len(items) == 1:
             item = items[0]
-            name = _ONE_INLINE if inline else _ONE
             params = [item.channel.encode(), item.payload, str(item.seq).encode()]
+            if inline:
+                name = _ONE_INLINE
+                params.append(inline_row(item.channel, item.payload))
+            else:
+                name = _ONE
         else:
             name = _MANY_INLINE if inline else _MANY
             params = [
