@@ -1,0 +1,278 @@
+"""The Redis backend on a real Redis Cluster (three masters on loopback, started for this
+module): RedisLeader election, graceful and requested handover, fenced writes, the
+resign command, and RedisElector / RedisClaimer through ``redis.cluster.RedisCluster``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from redis.cluster import RedisCluster
+
+import rselection as rs
+from rselection.redis import (
+    RedisClaimer,
+    RedisElector,
+    RedisFence,
+    RedisLeader,
+    handover_key,
+    lease_keys,
+    live_nodes,
+    request_handover,
+)
+from tests.support.redis_cluster import PrivateRedisCluster, redis_cluster_fixture
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.slow
+
+FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
+
+cluster = pytest.fixture(scope="module")(redis_cluster_fixture)
+
+
+@pytest.fixture
+def make_client(cluster: PrivateRedisCluster) -> Iterator[Callable[[], RedisCluster]]:
+    made: list[RedisCluster] = []
+
+    def make() -> RedisCluster:
+        client = RedisCluster.from_url(cluster.url, socket_timeout=5)
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        client.close()
+
+
+def slot_master_port(client: RedisCluster, key: str) -> int:
+    node: Any = client.get_node_from_key(key)  # type: ignore[no-untyped-call]
+    return int(node.port)
+
+
+class Ledger:
+    """Fenced ``RPUSH`` writes of every leader to one list in the lease's slot."""
+
+    def __init__(self, name: str) -> None:
+        self.key = f"ledger:{{{name}}}"
+        self.stale = 0
+        self.lock = threading.Lock()
+
+    def handler(self) -> rs.TaskHandler:
+        tasks = rs.TaskHandler(stop_grace=2)
+        ledger = self
+
+        @tasks.persistent("ledger")
+        def write(ctx: rs.TaskContext) -> None:
+            leader = ctx_leaders[ctx.node_id]
+            while ctx.sleep(0.02):
+                entry = json.dumps({"term": ctx.term, "node": ctx.node_id})
+                try:
+                    leader.fence.call(ctx.term, "RPUSH", ledger.key, entry)
+                except rs.StaleLeaderError:
+                    with ledger.lock:
+                        ledger.stale += 1
+                    return
+                except rs.BackendUnavailable:
+                    continue
+
+        return tasks
+
+    def entries(self, client: RedisCluster) -> list[tuple[int, str]]:
+        raw = client.lrange(self.key, 0, -1)
+        return [(int(e["term"]), str(e["node"])) for e in map(json.loads, raw)]
+
+    def check(self, client: RedisCluster) -> dict[int, set[str]]:
+        """No entry of an older term after a newer one; one node per term."""
+        newest, late = 0, 0
+        terms: dict[int, set[str]] = {}
+        for term, node in self.entries(client):
+            late += term < newest
+            newest = max(newest, term)
+            terms.setdefault(term, set()).add(node)
+        assert late == 0
+        assert all(len(nodes) == 1 for nodes in terms.values()), terms
+        return terms
+
+
+ctx_leaders: dict[str, RedisLeader] = {}
+
+
+@pytest.fixture
+def fleet(
+    make_client: Callable[[], RedisCluster],
+) -> Iterator[tuple[str, Ledger, list[RedisLeader]]]:
+    """Three in-process leaders of one lease, each with a RedisCluster client of its own."""
+    name = f"c-{uuid.uuid4().hex[:6]}"
+    ledger = Ledger(name)
+    leaders = [
+        RedisLeader(make_client(), ledger.handler(), name=name, node_id=f"{name}-n{i}", **FAST)
+        for i in range(3)
+    ]
+    for leader in leaders:
+        ctx_leaders[leader.node_id] = leader
+    try:
+        for leader in leaders:
+            leader.start()
+        yield name, ledger, leaders
+    finally:
+        for leader in leaders:
+            leader.stop(timeout=10)
+            ctx_leaders.pop(leader.node_id, None)
+
+
+def the_leader(leaders: list[RedisLeader], timeout: float = 10) -> RedisLeader:
+    wait_until(lambda: sum(x.is_leader for x in leaders) == 1, timeout, "one leader")
+    return next(x for x in leaders if x.is_leader)
+
+
+def test_the_cluster_is_three_masters_and_the_lease_keys_share_a_slot(
+    cluster: PrivateRedisCluster, make_client: Callable[[], RedisCluster]
+) -> None:
+    client = make_client()
+    assert len(client.get_primaries()) == 3  # type: ignore[no-untyped-call]
+    key, term_key, _ = lease_keys("billing")
+    slots = {client.keyslot(k) for k in (key, term_key, handover_key("billing"), "x:{billing}")}
+    assert len(slots) == 1
+    # Lease names land on different masters, so the tests below exercise routing.
+    ports = {slot_master_port(client, lease_keys(f"n{i}")[0]) for i in range(30)}
+    assert len(ports) == 3
+
+
+def test_one_leader_on_the_slot_master_handovers_and_fenced_writes(
+    make_client: Callable[[], RedisCluster], fleet: tuple[str, Ledger, list[RedisLeader]]
+) -> None:
+    name, ledger, leaders = fleet
+    client = make_client()
+    first = the_leader(leaders)
+    term = first.term
+    assert term is not None
+    key = lease_keys(name)[0]
+    assert json.loads(client.get(key) or b"{}")["node"] == first.node_id
+    master = slot_master_port(client, key)
+    assert f":{master} (cluster)" in repr(first.lease)  # the keeper talks to the slot's master
+    assert all(x.leader() == first.leader() for x in leaders)  # every node agrees
+    wait_until(lambda: len(ledger.entries(client)) >= 5, 10, "fenced writes")
+
+    # Graceful handover: stop() releases and a follower takes over at once.
+    began = time.monotonic()
+    first.stop(timeout=10)
+    rest = [x for x in leaders if x is not first]
+    second = the_leader(rest)
+    took = time.monotonic() - began
+    assert second.term == term + 1
+    print(f"cluster graceful handover: {took * 1000:.0f} ms")
+    assert took < 2.0
+
+    # The deposed term's fenced write is refused and writes nothing.
+    before = client.llen(ledger.key)
+    with pytest.raises(rs.StaleLeaderError):
+        RedisFence(client, name).call(term, "RPUSH", ledger.key, "stale")
+    assert b"stale" not in client.lrange(ledger.key, before - 1, -1)
+
+    # Handover on request: the leader steps down, the other follower takes over.
+    wait_until(
+        lambda: (term + 1, second.node_id) in ledger.entries(client), 10, "the second term's writes"
+    )
+    wait_until(lambda: len(live_nodes(client, name) or []) == 2, 10, "two keepers listed")
+    began = time.monotonic()
+    asked = request_handover(client, name, timeout=10)
+    assert asked is not None and asked.node_id == second.node_id
+    third = the_leader([x for x in rest if x is not second])
+    took = time.monotonic() - began
+    assert third.term == term + 2
+    print(f"cluster handover on request: {took * 1000:.0f} ms")
+    assert took < 2.0
+    time.sleep(0.5)
+    assert not second.is_leader  # kept out while the request lasted, then a follower
+    wait_until(lambda: len(ledger.entries(client)) > before + 5, 10, "the new term's writes")
+    for leader in leaders:
+        leader.stop(timeout=10)
+    terms = ledger.check(client)
+    assert {term, term + 1, term + 2} <= set(terms)
+
+
+def test_resign_command_on_a_cluster(
+    cluster: PrivateRedisCluster,
+    make_client: Callable[[], RedisCluster],
+    fleet: tuple[str, Ledger, list[RedisLeader]],
+) -> None:
+    name, ledger, leaders = fleet
+    client = make_client()
+    first = the_leader(leaders)
+    term = first.term
+    assert term is not None
+    wait_until(lambda: len(live_nodes(client, name) or []) == 3, 10, "three keepers listed")
+    # Point the command at a node that does not own the lease's slot.
+    master = slot_master_port(client, lease_keys(name)[0])
+    url = next(u for u in cluster.urls() if not u.endswith(f":{master}/0"))
+    target = next(x for x in leaders if x is not first).node_id
+    out = subprocess.run(
+        [sys.executable, "-m", "rselection", "resign", name, "--redis-url", url, "--to", target],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"{target} leads {name!r} now" in out.stdout
+    print(out.stdout.strip().splitlines()[-1])
+    heir = next(x for x in leaders if x.node_id == target)
+    assert heir.wait_until_leader(5)
+    assert heir.term == term + 1
+    for leader in leaders:
+        leader.stop(timeout=10)
+    ledger.check(client)
+
+
+# -- RedisElector and RedisClaimer --------------------------------------------------
+
+
+def test_elector_on_a_cluster(make_client: Callable[[], RedisCluster]) -> None:
+    client = make_client()
+    key = f"c-elect:{uuid.uuid4().hex[:8]}"
+    a = RedisElector(client, key=key, ttl=5, identity="a")
+    b = RedisElector(make_client(), key=key, ttl=5, identity="b")
+    assert a.is_leader() and a.term is not None
+    first = a.term
+    assert not b.is_leader()
+    assert client.keyslot(a.key) == client.keyslot(a.term_key)
+    assert a.is_leader() and a.term == first  # renewing keeps the term
+    assert a.resign()
+    assert b.is_leader() and b.term == first + 1
+    assert not a.is_leader()
+    with b:
+        pass  # the block resigns
+    assert a.is_leader() and a.term == first + 2
+    a.resign()
+
+
+def test_claimer_on_a_cluster_wins_each_key_once_across_masters(
+    make_client: Callable[[], RedisCluster],
+) -> None:
+    client = make_client()
+    prefix = f"c-claim:{uuid.uuid4().hex[:8]}:"
+    claimers = [RedisClaimer(make_client(), prefix=prefix, ttl=60) for _ in range(4)]
+    keys = [f"fire@{i}" for i in range(40)]
+    wins: list[list[str]] = [[] for _ in claimers]
+
+    def run(i: int) -> None:
+        wins[i] = [k for k in keys if claimers[i].claim(k, term=i + 1)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(claimers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    flat = sorted(k for won in wins for k in won)
+    assert flat == sorted(keys)
+    # The claims are spread over the masters (each claim is one key).
+    assert len({slot_master_port(client, prefix + k) for k in keys}) == 3
+    holder = claimers[0].holder_of(keys[0])
+    assert holder is not None and holder["holder"] in {c.holder for c in claimers}
