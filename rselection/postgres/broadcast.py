@@ -595,9 +595,11 @@ class PostgresBroadcaster(Broadcaster):
         Same as :meth:`rselection.Broadcaster.subscribe`, except that when this node's
         listener is not LISTENing yet (no subscription or receiver before), it waits
         until the listener knows where it starts: every message committed after this
-        returns is delivered. That takes a round trip or two; while Postgres cannot be
-        reached it waits at most ``timeout`` seconds, logs a warning and returns, and
-        messages are then delivered from the moment the listener connects.
+        returns is delivered. That takes a round trip or two (plus connecting, right
+        after construction); while Postgres cannot be reached it waits at most
+        ``timeout`` seconds, logs a warning and returns, and messages are then delivered
+        from the moment the listener connects. Later calls do not wait while the
+        listener LISTENs.
 
         :raises ConfigError: bad ``channel`` or ``maxsize``.
         :raises BroadcasterClosed: the broadcaster is closed.
