@@ -5,7 +5,8 @@ How the lease works
 
 Three names per lease, all with the lease name as hash tag so that a cluster keeps them
 in one slot (``<prefix>{<name>}:lease``, ``<prefix>{<name>}:term``, and the pub/sub
-channel ``<prefix>{<name>}:events``).
+channel ``<prefix>{<name>}:events``), plus ``<prefix>{<name>}:resign`` while a handover
+request is pending.
 
 * **Acquire** is one Lua script: when the lease key does not exist it ``INCR``\\ s the
   term counter and ``SET``\\ s the key ``NX PX ttl`` to a small JSON document: a random
@@ -21,6 +22,19 @@ channel ``<prefix>{<name>}:events``).
   ``PUBLISH``, so followers try at once.
 * **Expiry** is Redis's own (``PX``): no client clock is compared. The leader's local
   deadline (see :mod:`rselection.leader`) stops it before the key can expire.
+
+Handover on request
+-------------------
+
+:func:`rselection.redis.request_handover` (``rselection resign --redis-url``) stores a
+request for the current term in ``<prefix>{<name>}:resign`` (``PX`` = its timeout) and
+publishes ``resign:<term>``. A leader waiting on the channel wakes and renews at once;
+the renew script also returns a request found for the term it renewed, and the leader
+steps down through the normal release. The acquire script refuses the lease to the
+node that resigned (with a named node: to every other node) while the request's key
+lives and names the current term counter; every acquisition deletes it. The keeper's
+listener also joins ``<prefix>{<name>}:node:<node id>``, so ``PUBSUB CHANNELS`` tells
+which nodes are connected.
 
 Fast crash failover
 -------------------
