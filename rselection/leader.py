@@ -173,6 +173,7 @@ class LeaderBase:
         self._stopping = threading.Event()
         self._wake = threading.Event()
         self._step_down_hold: float | None = None
+        self._step_down_reason = "step_down"  # or "handover" when an operator asked
         self._held_term: int | None = None  # a term we hold on the server, not yet released
         self._hold_until = 0.0
         self._last_sent = 0.0
@@ -420,7 +421,8 @@ class LeaderBase:
         assert term is not None
         if self._step_down_hold is not None:
             hold, self._step_down_hold = self._step_down_hold, None
-            self._end_term("step_down")
+            reason, self._step_down_reason = self._step_down_reason, "step_down"
+            self._end_term(reason)
             self._release()
             self._hold_until = time.monotonic() + hold
             return
@@ -475,6 +477,7 @@ class LeaderBase:
         with self._cond:
             if self._step_down_hold is None:
                 self._step_down_hold = 0.0
+                self._step_down_reason = "handover"
 
     def _release(self) -> None:
         held, self._held_term = self._held_term, None
@@ -538,7 +541,7 @@ class LeaderBase:
             with self._cond:
                 self._term = None
                 self._cond.notify_all()
-            log = logger.info if reason in ("stopped", "step_down") else logger.warning
+            log = logger.info if reason in ("stopped", "step_down", "handover") else logger.warning
             log(
                 "node %s stops leading %r (term %d): %s",
                 self._node_id,

@@ -25,7 +25,7 @@ What is measured (``rselection`` is the default ``namespace``):
   lease, as leader (``elected``) or follower (``leader_changed``).
 - ``rselection_leadership_transitions_total{lease, reason}``: ``reason`` is
   ``"elected"`` or the ``demoted`` reason (``"stopped"``, ``"lost"``, ``"deadline"``,
-  ``"connection"``, ``"step_down"``).
+  ``"connection"``, ``"step_down"``, ``"handover"``).
 - ``rselection_lease_renew_latency_seconds{lease}`` and
   ``rselection_lease_remaining_seconds{lease}``: histograms of each renewal's round
   trip and of the time left on the lease once renewed (``signals.lease_renewed``).

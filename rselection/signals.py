@@ -5,7 +5,8 @@ arguments:
 
 - ``elected``: ``node_id``, ``term``, ``name`` (lease name).
 - ``demoted``: ``node_id``, ``term``, ``name``, ``reason`` (``"stopped"``, ``"lost"``,
-  ``"deadline"``, ``"connection"``, ``"step_down"``).
+  ``"deadline"``, ``"connection"``, ``"step_down"``, ``"handover"``: an operator asked
+  with ``rselection resign``).
 - ``leader_changed``: ``name``, ``leader`` (:class:`~rselection.LeaderInfo` or ``None``).
 - ``task_started``: ``task``, ``term``, ``scheduled_at`` (``None`` for persistent tasks).
 - ``task_failed``: ``task``, ``term``, ``error`` (the exception).

@@ -113,7 +113,7 @@ def test_resign_hands_over_to_another_node_well_under_a_second(
         assert heir["term"] == current["term"] + 1
         assert f"{heir['node']} leads {fleet.name!r} now with term {heir['term']}" in out.stdout
         demoted = seen_or_wait(fleet, 10, ev="demoted", node=current["node"], term=current["term"])
-        assert demoted is not None and demoted["reason"] == "step_down"
+        assert demoted is not None and demoted["reason"] == "handover"
         current = heir
     print(
         f"redis resign handover: median {statistics.median(figures):.0f} ms, "
