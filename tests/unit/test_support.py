@@ -283,9 +283,9 @@ def test_with_search_path_keeps_existing_query_and_options() -> None:
 
 def test_with_search_path_on_socket_uri_and_keyword_dsn() -> None:
     params = conninfo_to_dict(
-        with_search_path("postgresql://postgres:@/postgres?host=/tmp/x", "s1")
+        with_search_path("postgresql://postgres:@/postgres?host=/var/run/postgresql", "s1")
     )
-    assert params["host"] == "/tmp/x"
+    assert params["host"] == "/var/run/postgresql"
     assert params["options"] == "-csearch_path=s1"
     params = conninfo_to_dict(with_search_path("host=127.0.0.1 port=5432 dbname=test", "s2"))
     assert params == {
