@@ -1,0 +1,1 @@
+"""The subcommands of the ``rselection`` command line (see :mod:`rselection.cli`)."""

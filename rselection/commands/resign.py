@@ -1,0 +1,370 @@
+"""``rselection resign``: ask a lease's leader to hand over; wait for the new term."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import psycopg
+
+from ._common import (
+    _CONNECT_TIMEOUT,
+    EXIT_UNREACHABLE,
+    _connect,
+    _dsn,
+    _exists,
+    _first_line,
+    _Unreachable,
+)
+
+
+def _lease_nodes(
+    conn: psycopg.Connection[Any], args: argparse.Namespace
+) -> list[tuple[str, bool]] | None:
+    """``(node id, alive)`` of every node row of the lease, or ``None`` without a table."""
+    from psycopg import sql
+
+    from ..postgres.schema import table_identifier
+
+    if not _exists(conn, args.nodes_table):
+        return None
+    rows = conn.execute(
+        sql.SQL(
+            "SELECT node_id, last_seen >= clock_timestamp() - make_interval(secs => %s)"
+            " FROM {} WHERE name = %s ORDER BY started_at, node_id"
+        ).format(table_identifier(args.nodes_table)),
+        (args.node_timeout, args.name),
+    ).fetchall()
+    return [(node_id, bool(alive)) for node_id, alive in rows]
+
+
+def _current(conn: psycopg.Connection[Any], table: str, name: str) -> tuple[str, int] | None:
+    from psycopg import sql
+
+    from ..postgres.schema import table_identifier
+
+    row = conn.execute(
+        sql.SQL(
+            "SELECT holder, term FROM {} WHERE name = %s AND holder IS NOT NULL"
+            " AND expires_at > clock_timestamp()"
+        ).format(table_identifier(table)),
+        (name,),
+    ).fetchone()
+    return (row[0], row[1]) if row is not None else None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Ask the leader of ``args.name`` to hand over, wait for the new term, return the code."""
+    if args.redis_url is not None:
+        if args.dsn is not None:
+            raise SystemExit("pass either --dsn (Postgres) or --redis-url (Redis), not both")
+        return _resign_redis(args)
+    import psycopg
+    from psycopg import sql
+
+    from ..errors import ConfigError
+    from ..postgres._conn import describe_conninfo, redact
+    from ..postgres.lease import (
+        cancel_handover,
+        lease_channel,
+        request_handover,
+        resolve_lease_table,
+    )
+
+    if not args.timeout > 0:
+        raise SystemExit(f"--timeout needs a positive number of seconds, got {args.timeout}")
+    dsn = _dsn(args)
+    name = args.name
+    try:
+        conn = _connect(dsn)
+    except _Unreachable as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_UNREACHABLE
+    try:
+        with conn:
+            found = resolve_lease_table(conn, args.table)
+            if found is None:
+                print(
+                    f"lease table {args.table!r} does not exist on {describe_conninfo(dsn)}: "
+                    "run `rselection migrate`, or pass the right --table",
+                    file=sys.stderr,
+                )
+                return 1
+            holder = _current(conn, args.table, name)
+            if holder is None:
+                print(f"lease {name!r} has no leader: nothing to hand over", file=sys.stderr)
+                return 1
+            nodes = _lease_nodes(conn, args)
+            alive = [n for n, ok in nodes or [] if ok]
+            if args.to is not None:
+                if args.to == holder[0]:
+                    print(f"{args.to} already leads {name!r} (term {holder[1]})")
+                    return 0
+                if nodes is None:
+                    print(
+                        f"cannot check that {args.to} is a live node: no nodes table "
+                        f"{args.nodes_table!r} (run `rselection migrate`)",
+                        file=sys.stderr,
+                    )
+                    return 1
+                if args.to not in alive:
+                    others = ", ".join(n for n in alive if n != holder[0]) or "none"
+                    print(
+                        f"{args.to} is not a live node of lease {name!r} (no heartbeat within "
+                        f"{args.node_timeout:g}s); live followers: {others}",
+                        file=sys.stderr,
+                    )
+                    return 1
+            elif nodes and not [n for n in alive if n != holder[0]]:
+                print(
+                    f"no other live node of lease {name!r} to hand over to "
+                    f"({holder[0]} leads term {holder[1]}); start another node first",
+                    file=sys.stderr,
+                )
+                return 1
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(lease_channel(found[1], name))))
+            asked_at = time.monotonic()
+            try:
+                asked = request_handover(
+                    conn, name, table=args.table, to=args.to, window=args.timeout
+                )
+            except ConfigError as exc:
+                print(str(exc), file=sys.stderr)
+                return 1
+            if asked is None:
+                print(f"lease {name!r} has no leader: nothing to hand over", file=sys.stderr)
+                return 1
+            print(
+                f"asked {asked.node_id} to hand {name!r} over (term {asked.term}"
+                + (f", to {args.to}" if args.to else "")
+                + ")",
+                flush=True,
+            )
+            new = _await_new_term(conn, args, asked.term, asked_at + args.timeout)
+            took = time.monotonic() - asked_at
+            if new is None:
+                cancel_handover(conn, name, asked.term, table=args.table)
+                print(
+                    f"no new term within {args.timeout:g}s: {asked.node_id} did not hand "
+                    f"{name!r} over (not running, paused, or an rselection without "
+                    "handover support); the request was withdrawn",
+                    file=sys.stderr,
+                )
+                return 1
+            node, term = new
+            print(
+                f"{node} leads {name!r} now with term {term} (handover took {took * 1000:.0f} ms)"
+            )
+            if args.to is not None and node != args.to:
+                print(f"{args.to} did not take over within {args.timeout:g}s", file=sys.stderr)
+                return 1
+            if node == asked.node_id:
+                print(f"no other node took over: {node} leads again", file=sys.stderr)
+                return 1
+            return 0
+    except psycopg.Error as exc:
+        print(
+            f"resign failed on {describe_conninfo(dsn)}: {redact(_first_line(exc), dsn)}",
+            file=sys.stderr,
+        )
+        return EXIT_UNREACHABLE
+
+
+def _redis_client(url: str) -> Any:
+    """A client for ``url``: a ``RedisCluster`` when the server is a cluster node."""
+    import redis
+    from redis.cluster import RedisCluster
+
+    from ..redis._conn import describe
+
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise SystemExit(f"--redis-url needs a redis://, rediss:// or unix:// URL, got {url!r:.40}")
+    options = {"socket_timeout": _CONNECT_TIMEOUT, "socket_connect_timeout": _CONNECT_TIMEOUT}
+    try:
+        client = redis.Redis.from_url(url, **options)
+    except ValueError as exc:
+        raise SystemExit(f"bad --redis-url: {exc}") from exc
+    where = describe(client)
+    try:
+        info = client.info("cluster")
+        if info.get("cluster_enabled") in (1, "1"):
+            client.close()
+            return RedisCluster.from_url(url, **options)
+    except redis.RedisError as exc:
+        client.close()
+        raise _Unreachable(f"cannot connect to Redis {where}: {_first_line(exc)}") from exc
+    return client
+
+
+def _resign_redis(args: argparse.Namespace) -> int:
+    """``resign --redis-url``: the same steps as with Postgres, on a Redis lease."""
+    from ..errors import BackendUnavailable, ConfigError
+    from ..redis.handover import cancel_handover, current_holder, live_nodes, request_handover
+
+    if not args.timeout > 0:
+        raise SystemExit(f"--timeout needs a positive number of seconds, got {args.timeout}")
+    name, prefix = args.name, args.key_prefix
+    try:
+        client = _redis_client(args.redis_url)
+    except _Unreachable as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_UNREACHABLE
+    try:
+        holder = current_holder(client, name, key_prefix=prefix)
+        if holder is None:
+            print(f"lease {name!r} has no leader: nothing to hand over", file=sys.stderr)
+            return 1
+        nodes = live_nodes(client, name, key_prefix=prefix)
+        if args.to is not None:
+            if args.to == holder.node_id:
+                print(f"{args.to} already leads {name!r} (term {holder.term})")
+                return 0
+            if nodes is None:
+                print(
+                    f"cannot check that {args.to} is a live node (PUBSUB CHANNELS is not "
+                    "allowed); asking anyway: if it is not running, no node takes over "
+                    "until --timeout",
+                    file=sys.stderr,
+                )
+            elif args.to not in nodes:
+                others = ", ".join(n for n in nodes if n != holder.node_id) or "none"
+                print(
+                    f"{args.to} is not a live node of lease {name!r} (no keeper connected); "
+                    f"live followers: {others}",
+                    file=sys.stderr,
+                )
+                return 1
+        elif nodes and not [n for n in nodes if n != holder.node_id]:
+            print(
+                f"no other live node of lease {name!r} to hand over to "
+                f"({holder.node_id} leads term {holder.term}); start another node first",
+                file=sys.stderr,
+            )
+            return 1
+        with _RedisTermWatch(client, name, prefix) as watch:
+            asked_at = time.monotonic()
+            try:
+                asked = request_handover(
+                    client, name, to=args.to, timeout=args.timeout, key_prefix=prefix
+                )
+            except ConfigError as exc:
+                print(str(exc), file=sys.stderr)
+                return 1
+            if asked is None:
+                print(f"lease {name!r} has no leader: nothing to hand over", file=sys.stderr)
+                return 1
+            print(
+                f"asked {asked.node_id} to hand {name!r} over (term {asked.term}"
+                + (f", to {args.to}" if args.to else "")
+                + ")",
+                flush=True,
+            )
+            new = watch.wait(asked.term, asked_at + args.timeout)
+            took = time.monotonic() - asked_at
+        if new is None:
+            cancel_handover(client, name, asked.term, key_prefix=prefix)
+            print(
+                f"no new term within {args.timeout:g}s: {asked.node_id} did not hand "
+                f"{name!r} over (not running, paused, or an rselection without "
+                "handover support); the request was withdrawn",
+                file=sys.stderr,
+            )
+            return 1
+        node, term = new
+        print(f"{node} leads {name!r} now with term {term} (handover took {took * 1000:.0f} ms)")
+        if args.to is not None and node != args.to:
+            print(f"{args.to} did not take over within {args.timeout:g}s", file=sys.stderr)
+            return 1
+        if node == asked.node_id:
+            print(f"no other node took over: {node} leads again", file=sys.stderr)
+            return 1
+        return 0
+    except BackendUnavailable as exc:
+        print(f"resign failed: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    finally:
+        client.close()
+
+
+class _RedisTermWatch:
+    """Waits for a new term of a Redis lease: woken by the acquire script's ``PUBLISH``,
+    and re-reading the lease every half second in case a message was missed."""
+
+    def __init__(self, client: Any, name: str, prefix: str) -> None:
+        from redis.cluster import RedisCluster
+
+        from ..redis.lease import lease_keys
+
+        self._client, self._name, self._prefix = client, name, prefix
+        key, _, self._channel = lease_keys(name, prefix)
+        node_client = client
+        if isinstance(client, RedisCluster):
+            # Plain pub/sub reaches every cluster node; listen on the lease slot's master.
+            cluster: Any = client
+            node_client = cluster.get_redis_connection(cluster.get_node_from_key(key))
+        self._pubsub = node_client.pubsub(ignore_subscribe_messages=True)
+
+    def __enter__(self) -> _RedisTermWatch:
+        import redis
+
+        from ..errors import BackendUnavailable
+
+        try:
+            self._pubsub.subscribe(self._channel)
+        except redis.RedisError as exc:
+            raise BackendUnavailable(f"cannot subscribe to {self._channel!r}: {exc}") from exc
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pubsub.close()
+
+    def wait(self, old_term: int, deadline: float) -> tuple[str, int] | None:
+        import redis
+
+        from ..errors import BackendUnavailable
+        from ..redis.handover import current_holder
+
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                message = self._pubsub.get_message(timeout=min(left, 0.5))
+            except redis.RedisError as exc:
+                raise BackendUnavailable(f"lost the subscription: {exc}") from exc
+            data = message.get("data") if message else None
+            text = data.decode() if isinstance(data, bytes) else str(data or "")
+            if message is not None and not text.startswith("acquired:"):
+                continue  # other news: no need to read the lease
+            holder = current_holder(self._client, self._name, key_prefix=self._prefix)
+            if holder is not None and holder.term > old_term:
+                return holder.node_id, holder.term
+        return None
+
+
+def _await_new_term(
+    conn: psycopg.Connection[Any], args: argparse.Namespace, old_term: int, deadline: float
+) -> tuple[str, int] | None:
+    """Wait for a term after ``old_term``: woken by the acquisition's NOTIFY, and
+    re-reading the row every half second in case a notification was missed."""
+    while (left := deadline - time.monotonic()) > 0:
+        for notify in conn.notifies(timeout=min(left, 0.5)):
+            try:
+                event = json.loads(notify.payload)
+            except ValueError:
+                continue
+            if (
+                isinstance(event, dict)
+                and event.get("event") == "acquired"
+                and isinstance(event.get("term"), int)
+                and event["term"] > old_term
+            ):
+                return str(event.get("node_id")), int(event["term"])
+        current = _current(conn, args.table, args.name)
+        if current is not None and current[1] > old_term:
+            return current
+    return None
+
+
+# -- entry point ------------------------------------------------------------------------
