@@ -64,43 +64,25 @@ again, so a batch is never written twice.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
-import os
-import random
-import secrets
-import socket
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
 import psycopg
-from psycopg import pq, sql
 
-from ..broadcast import (
-    Broadcaster,
-    BroadcasterClosed,
-    BroadcastStats,
-    OverflowHook,
-    Receiver,
-    Subscription,
-)
+from ..broadcast import BroadcastStats, OverflowHook, Receiver, Subscription
 from ..errors import BackendUnavailable, ConfigError
-from ._conn import check_conninfo, describe_conninfo, redact
-from ._outbox import (
-    BROADCAST_TABLE,
-    INLINE_LIMIT,
-    Outbox,
-    create_outbox,
-    inline_cost,
-    inline_row,
-    text_array,
-)
+from ._broadcast_base import Pending
+from ._broadcast_conn import abort_socket, first_line
+from ._broadcast_listener import BroadcastListener, Gap, GapHook
+from ._broadcast_writer import BroadcastWriter
+from ._conn import check_conninfo, describe_conninfo
+from ._outbox import BROADCAST_TABLE, Outbox, create_outbox, inline_cost
 
 __all__ = [
     "Gap",
@@ -117,51 +99,12 @@ logger = logging.getLogger(__name__)
 #: fetch batch is held in memory).
 _MAX_MESSAGE_LIMIT = 256 * 1024 * 1024
 
-#: Bytes of JSON a writer puts in one transaction at most (and rows at most).
-_BATCH_BYTES = 4 * 1024 * 1024
-_BATCH_ROWS = 1000
-
-#: Bytes of rows a listener fetches per round trip at most (it fetches again for more).
-_FETCH_BYTES = 16 * 1024 * 1024
-_FETCH_ROWS = 1000
-
-#: Rows a purge deletes per statement; it repeats until nothing old is left.
-_PURGE_ROWS = 10_000
-
-#: Reconnect backoff: the first wait, doubling to the cap, each jittered to 50-100%.
-_BACKOFF_FIRST = 0.1
-_BACKOFF_CAP = 5.0
-
 
 class MessageEncodeError(ConfigError, TypeError):
     """A message cannot be published: it has no JSON form (or not one Postgres can store).
 
     A :class:`~rselection.errors.ConfigError` (so a ``ValueError``) and a ``TypeError``.
     """
-
-
-@dataclass(frozen=True)
-class Gap:
-    """Messages this node can no longer deliver: they were deleted by retention unread.
-
-    :param after_id: the last outbox id delivered before the gap.
-    :param through_id: the highest id the gap may cover; ids ``after_id + 1`` through
-        ``through_id`` were not delivered (some may be ids of failed publishes, which
-        never held a message).
-    :param missed: an upper bound of the messages lost: ``through_id - after_id``.
-    """
-
-    after_id: int
-    through_id: int
-
-    @property
-    def missed(self) -> int:
-        """At most this many messages were lost."""
-        return self.through_id - self.after_id
-
-
-GapHook = Callable[[Gap], object]
-"""The ``on_gap`` hook: ``hook(gap)``, called in the listener thread for each gap."""
 
 
 @dataclass(frozen=True)
@@ -213,102 +156,6 @@ def _count(value: object, label: str, *, minimum: int, maximum: int | None = Non
     return value
 
 
-def _backoff(failures: int) -> float:
-    """Capped exponential backoff with jitter after ``failures`` failed attempts (>= 1)."""
-    base = min(_BACKOFF_CAP, _BACKOFF_FIRST * float(2 ** min(failures - 1, 16)))
-    return base * random.uniform(0.5, 1.0)
-
-
-def _abort_socket(conn: psycopg.Connection[Any]) -> None:
-    """Shut ``conn``'s socket down so a thread blocked on it wakes with an error at once.
-
-    The descriptor itself stays open (psycopg closes it later), so it cannot be reused by
-    another socket while the blocked thread still refers to it.
-    """
-    try:
-        fd = conn.pgconn.socket
-        dup = socket.socket(fileno=os.dup(fd))
-    except (OSError, psycopg.Error):
-        return
-    try:
-        dup.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    finally:
-        dup.close()
-
-
-class _Deadlines:
-    """Aborts a connection whose round trip overruns its bound, without a wake-up per call.
-
-    Like :class:`~rselection.postgres._conn.IoWatchdog` (a peer that accepts bytes and
-    never answers must not hang a thread forever), but arming is a plain assignment and
-    one thread checks every ``tick`` seconds: a publish costs no extra thread switch,
-    which matters at thousands of messages a second. A round trip is aborted between
-    ``bound`` and ``bound + tick`` seconds after it started.
-
-    Args:
-        tick: seconds between checks.
-    """
-
-    def __init__(self, tick: float) -> None:
-        self._tick = tick
-        self._armed: dict[int, tuple[float, psycopg.Connection[Any]]] = {}
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name="rselection-broadcast-deadlines", daemon=True
-        )
-        self._thread.start()
-
-    @contextlib.contextmanager
-    def guard(self, conn: psycopg.Connection[Any], seconds: float) -> Iterator[None]:
-        """Abort ``conn``'s socket if the ``with`` body runs longer than about ``seconds``."""
-        key = threading.get_ident()
-        self._armed[key] = (time.monotonic() + seconds, conn)
-        try:
-            yield
-        finally:
-            # The checker aborts under the lock, and only connections still armed: once
-            # disarmed here, a connection is never touched again (no reused socket hit).
-            with self._lock:
-                self._armed.pop(key, None)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._tick):
-            now = time.monotonic()
-            with self._lock:
-                for key, (deadline, conn) in list(self._armed.items()):
-                    if deadline <= now:
-                        del self._armed[key]
-                        logger.debug("broadcast: aborting a round trip that overran its bound")
-                        _abort_socket(conn)
-
-    def close(self) -> None:
-        """Stop the checker thread."""
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(self._tick + 5.0)
-
-
-#: Names of the publish statements prepared on every writer connection.
-_ONE_INLINE = b"rselection_bc_one_inline"
-_ONE = b"rselection_bc_one"
-_MANY_INLINE = b"rselection_bc_many_inline"
-_MANY = b"rselection_bc_many"
-
-
-def _check_result(conn: psycopg.Connection[Any], result: pq.abc.PGresult, ok: int) -> None:
-    """Raise the ``psycopg.Error`` a libpq result reports unless its status is ``ok``."""
-    if result.status != ok:
-        raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
-
-
-def _first_line(exc: BaseException, conninfo: str) -> str:
-    text = str(exc).strip()
-    return redact(text.splitlines()[0], conninfo) if text else type(exc).__name__
-
-
 def create_broadcast_tables(conn: psycopg.Connection[Any], *, table: str = BROADCAST_TABLE) -> None:
     """Create the outbox tables of :class:`PostgresBroadcaster` if they do not exist.
 
@@ -332,22 +179,10 @@ def create_broadcast_tables(conn: psycopg.Connection[Any], *, table: str = BROAD
         raise BackendUnavailable(f"cannot create the broadcast table {table!r}: {exc}") from exc
 
 
-@dataclass
-class _Pending:
-    """A message waiting for the writer."""
-
-    seq: int
-    channel: str
-    payload: bytes  # the message as UTF-8 JSON
-    inline: int  # upper bound of its bytes in an inline NOTIFY
-
-    @property
-    def size(self) -> int:
-        """Bytes of JSON."""
-        return len(self.payload)
-
-
-class PostgresBroadcaster(Broadcaster):
+# The writer thread (_broadcast_writer.py) and the listener thread
+# (_broadcast_listener.py) are mixins on the state they share (_broadcast_base.py); this
+# class validates the configuration, starts them, and holds the public API.
+class PostgresBroadcaster(BroadcastListener, BroadcastWriter):
     """A :class:`~rselection.Broadcaster` whose messages reach every node on the database.
 
     ``publish(channel, message)`` on any node delivers ``message`` to the subscriptions
@@ -434,52 +269,9 @@ class PostgresBroadcaster(Broadcaster):
         super().__init__(on_overflow=on_overflow)
         self._conninfo = conninfo
         self._where = describe_conninfo(conninfo)
-        self._on_gap = on_gap
-        # Purge often enough that the table holds little more than the retention, but
-        # at most once a second and at least once a minute.
-        self._purge_every = min(60.0, max(1.0, self.retention / 10))
-        self._fetch_rows = max(1, min(_FETCH_ROWS, _FETCH_BYTES // self.max_message_bytes))
-        self._origin = secrets.randbits(63)
-
-        # State shared by the publisher, the writer and close(); guarded by _cond.
-        self._cond = threading.Condition()
-        self._pending: deque[_Pending] = deque()
-        self._seq = 0  # seq of the last message accepted by publish()
-        self._committed = 0  # seq of the last message committed
-        self._committed_count = 0  # messages committed
-        self._closing = False
-        self._stop = threading.Event()
-
-        # Listener state (written by the listener thread only, read by stats()).
-        self._connected = threading.Event()  # the listener connected once (wait_ready)
-        # Set while the listener LISTENs (or reconnects to LISTEN again) from a known
-        # position; cleared, under _lstate, only when this node has no readers left.
-        self._positioned = threading.Event()
-        self._lstate = threading.Lock()
-        self._wake = threading.Event()  # a reader arrived: the idle listener starts
-        self._last_id = 0
-        self._received = 0
-        self._gaps = 0
-        self._missed = 0
-        self._reconnects = 0
-        self._listening = False
-        self._listener_pid: int | None = None
-
-        # Connections other threads may need to abort on close.
-        self._conn_lock = threading.Lock()
-        self._listen_conn: psycopg.Connection[Any] | None = None
-        self._write_conn: psycopg.Connection[Any] | None = None
-        self._watchdog = _Deadlines(min(0.5, self.timeout / 4))
-        self._resolved_cache: tuple[str, int] | None = None  # (notify channel, lock key)
-        self._written_id = 0  # the last outbox id this writer committed
-        self._fixed_params: list[bytes] = []  # lock key, origin, NOTIFY channel
-
-        self._listener = threading.Thread(
-            target=self._listen_loop, name="rselection-broadcast-listen", daemon=True
-        )
-        self._writer = threading.Thread(
-            target=self._write_loop, name="rselection-broadcast-write", daemon=True
-        )
+        self._init_shared()
+        self._init_listener(on_gap)
+        self._init_writer()
         self._listener.start()
         self._writer.start()
 
@@ -525,7 +317,7 @@ class PostgresBroadcaster(Broadcaster):
                 f"max_message_bytes={self.max_message_bytes}: send less (a key to the "
                 "data rather than the data), or raise the limit"
             )
-        item = _Pending(0, channel, data, inline_cost(channel, payload))
+        item = Pending(0, channel, data, inline_cost(channel, payload))
         with self._cond:
             deadline = None
             while len(self._pending) >= self.max_pending and not self.closed:
@@ -632,7 +424,7 @@ class PostgresBroadcaster(Broadcaster):
         except psycopg.Error as exc:
             raise BackendUnavailable(
                 f"cannot purge the broadcast table {self.table!r} ({self._where}): "
-                f"{_first_line(exc, self._conninfo)}"
+                f"{first_line(exc, self._conninfo)}"
             ) from exc
         finally:
             conn.close()
@@ -687,7 +479,7 @@ class PostgresBroadcaster(Broadcaster):
         with self._conn_lock:
             for conn in (self._listen_conn, self._write_conn):
                 if conn is not None:
-                    _abort_socket(conn)
+                    abort_socket(conn)
         for thread in (self._listener, self._writer):
             if thread is not threading.current_thread():
                 thread.join(self.timeout + 5.0)
@@ -737,536 +529,3 @@ class PostgresBroadcaster(Broadcaster):
             # A lone surrogate has no UTF-8 form; JSON can still carry it as an escape.
             text = json.dumps(message, allow_nan=False, ensure_ascii=True, separators=(",", ":"))
         return text
-
-    # -- connections -------------------------------------------------------------------
-
-    def _connect(self, what: str, *, listen: bool) -> psycopg.Connection[Any]:
-        """Open an autocommit connection with keepalives and timeouts, tables ready."""
-        bound = self.probe_interval + self.timeout if listen else self.timeout
-        try:
-            conn = psycopg.Connection.connect(
-                self._conninfo,
-                autocommit=True,
-                connect_timeout=max(2, math.ceil(self.timeout)),
-                application_name="rselection:broadcast",
-                # Publish parameters are sent as UTF-8 bytes (see _write).
-                client_encoding="UTF8",
-                # A silent network ends a blocked call within about `bound` seconds even
-                # where the watchdog is not armed (the listener's idle wait).
-                keepalives=1,
-                keepalives_idle=max(1, math.ceil(bound / 2)),
-                keepalives_interval=1,
-                keepalives_count=3,
-                tcp_user_timeout=math.ceil(self.timeout * 1000) + 1000,
-            )
-        except psycopg.Error as exc:
-            raise BackendUnavailable(
-                f"cannot {what}: cannot connect ({self._where}): {_first_line(exc, self._conninfo)}"
-            ) from exc
-        try:
-            with self._watchdog.guard(conn, self.timeout):
-                conn.execute(
-                    "SELECT set_config('statement_timeout', %s, false),"
-                    " set_config('idle_session_timeout', '0', false),"
-                    " set_config('synchronous_commit', %s, false)",
-                    (
-                        f"{math.ceil(self.timeout * 1000)}ms",
-                        "on" if self.synchronous_commit else "off",
-                    ),
-                )
-                if self.create_tables:
-                    create_outbox(conn, self._outbox)
-        except BaseException:
-            conn.close()
-            raise
-        return conn
-
-    # -- listener ------------------------------------------------------------------------
-
-    def _has_any_readers(self) -> bool:
-        """Whether this node has an open subscription or a connected receiver."""
-        with self._lock:
-            return any(self._subs.values()) or any(
-                signal.receivers for signal in self._signals.values()
-            )
-
-    def _keep_listening(self) -> bool:
-        """Whether the listener should LISTEN; forget the position when it should not.
-
-        Checked and cleared under ``_lstate``, which :meth:`_await_listener` also holds
-        to read the position: a reader added before this check keeps the listener, one
-        added after it finds the position cleared and waits for a new one.
-        """
-        if self._subs:
-            return True  # the common case, checked per message: no lock, nothing changes
-        with self._lstate:
-            if self._has_any_readers():
-                return True
-            self._positioned.clear()
-            self._listening = False
-            return False
-
-    def _await_listener(self, action: str) -> None:
-        """Start the listener for a new reader and wait until it knows its position."""
-        with self._lstate:
-            if self._positioned.is_set():
-                return
-        self._wake.set()
-        if threading.current_thread() is self._listener:
-            return  # a receiver subscribing: the listener starts after it returns
-        deadline = time.monotonic() + self.timeout
-        while not self._positioned.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
-            if self._stop.is_set() or self.closed:
-                return
-            if time.monotonic() >= deadline:
-                logger.warning(
-                    "broadcast: %s() returns before the listener could LISTEN on %s (not "
-                    "within timeout=%s s); messages are delivered from when it connects",
-                    action,
-                    self._where,
-                    self.timeout,
-                )
-                return
-
-    def _listen_loop(self) -> None:
-        failures = 0
-        down_since: float | None = None
-        last_error = ""
-
-        def healthy() -> None:
-            nonlocal failures, down_since, last_error
-            if down_since is not None:
-                self._reconnects += 1
-                logger.info(
-                    "broadcast listener reconnected to %s after %.1f s; caught up to id %d",
-                    self._where,
-                    time.monotonic() - down_since,
-                    self._last_id,
-                )
-            failures, down_since, last_error = 0, None, ""
-
-        while not self._stop.is_set():
-            conn: psycopg.Connection[Any] | None = None
-            try:
-                conn = self._connect("listen for broadcasts", listen=True)
-                with self._conn_lock:
-                    if self._stop.is_set():
-                        break
-                    self._listen_conn = conn
-                with self._watchdog.guard(conn, self.timeout):
-                    channel, _ = self._outbox.resolve(conn)
-                self._listener_pid = conn.info.backend_pid
-                self._connected.set()
-                self._serve(conn, channel, healthy)
-            except (psycopg.Error, OSError, BackendUnavailable, ConfigError) as exc:
-                if self._stop.is_set():
-                    break
-                failures += 1
-                detail = _first_line(exc, self._conninfo)
-                if down_since is None:
-                    down_since = time.monotonic()
-                    logger.warning(
-                        "broadcast listener lost its connection to %s (%s); reconnecting "
-                        "with backoff, messages published meanwhile are fetched afterwards",
-                        self._where,
-                        detail,
-                    )
-                elif detail != last_error:
-                    logger.warning(
-                        "broadcast listener cannot reconnect to %s: %s", self._where, detail
-                    )
-                last_error = detail
-            except Exception:
-                # A bug must not silently end delivery: log it and start over.
-                failures += 1
-                if down_since is None:
-                    down_since = time.monotonic()
-                logger.exception("broadcast listener failed; restarting it")
-            finally:
-                self._listening = False
-                self._listener_pid = None
-                with self._conn_lock:
-                    self._listen_conn = None
-                if conn is not None:
-                    with contextlib.suppress(Exception):
-                        conn.close()
-            if failures:
-                self._stop.wait(_backoff(failures))
-
-    def _serve(
-        self, conn: psycopg.Connection[Any], channel: str, healthy: Callable[[], None]
-    ) -> None:
-        """LISTEN while this node has readers, deliver NOTIFYs, poll on silence; idle
-        otherwise. Returns when we stop; raises when the connection fails."""
-        listen = sql.SQL("LISTEN {}").format(sql.Identifier(channel))
-        unlisten = sql.SQL("UNLISTEN {}").format(sql.Identifier(channel))
-        listening = False
-        quiet_since = time.monotonic()
-        if not self._has_any_readers():
-            healthy()  # connected; nothing to catch up on for nobody
-        while not self._stop.is_set():
-            wait = max(0.0, quiet_since + self.probe_interval - time.monotonic())
-            if not listening:
-                self._wake.clear()
-                if not self._keep_listening():
-                    # Idle: no NOTIFY wakes this node. Wait for a reader; probe the
-                    # connection on silence so a dead one is replaced before it is needed.
-                    if not self._wake.wait(wait):
-                        with self._watchdog.guard(conn, self.timeout):
-                            conn.execute("SELECT 1")
-                        quiet_since = time.monotonic()
-                    continue
-                with self._watchdog.guard(conn, self.timeout):
-                    conn.execute(listen)
-                    if not self._positioned.is_set():
-                        # A new start: from the newest row (older ones had no reader here).
-                        row = conn.execute(self._outbox.start_position()).fetchone()
-                        self._last_id = int(row[0]) if row else 0
-                # Catch up on what was published while not listening (LISTEN came first,
-                # so nothing committed after this fetch's snapshot can be missed).
-                self._catch_up(conn)
-                listening = True
-                self._listening = True
-                self._positioned.set()
-                quiet_since = time.monotonic()
-                healthy()
-                continue
-            notes = list(conn.notifies(timeout=wait, stop_after=1))
-            if self._stop.is_set():
-                return
-            if not notes:
-                # Silence: poll. The round trip is bounded by the watchdog, so a
-                # half-open connection fails here instead of waiting forever.
-                self._catch_up(conn)
-            else:
-                fetch = False
-                for note in notes:
-                    fetch = self._on_notify(note.payload) or fetch
-                if fetch:
-                    self._catch_up(conn)
-            quiet_since = time.monotonic()
-            if not self._keep_listening():
-                # The last reader left: stop waking for every message.
-                with self._watchdog.guard(conn, self.timeout):
-                    conn.execute(unlisten)
-                listening = False
-
-    def _on_notify(self, payload: str) -> bool:
-        """Deliver the rows a NOTIFY carries; return whether a fetch is needed."""
-        if payload.startswith("["):
-            try:
-                rows = json.loads(payload)
-            except ValueError:
-                logger.warning("broadcast: ignoring a malformed NOTIFY payload %r", payload[:80])
-                return True
-            for row in rows:
-                row_id = int(row[0])
-                if row_id <= self._last_id:
-                    continue
-                if row_id != self._last_id + 1:
-                    # An id in between is unused (a failed publish) or was not seen: the
-                    # table knows which; fetching also delivers the rest of this batch.
-                    return True
-                self._deliver(row_id, row[1], row[2])
-            return False
-        try:
-            return int(payload) > self._last_id
-        except ValueError:
-            return True
-
-    def _catch_up(self, conn: psycopg.Connection[Any]) -> None:
-        """Fetch and deliver every row after the last id, in order, reporting gaps."""
-        while not self._stop.is_set():
-            with self._watchdog.guard(conn, self.timeout):
-                cursor = conn.execute(self._outbox.fetch(), (self._last_id, self._fetch_rows))
-                rows = cursor.fetchall()
-            purged = int(rows[0][0]) if rows else 0
-            if purged > self._last_id:
-                self._report_gap(Gap(self._last_id, purged))
-            got = 0
-            for _, row_id, channel, payload in rows:
-                if row_id is None:
-                    continue
-                got += 1
-                if row_id > self._last_id:
-                    self._deliver(int(row_id), channel, payload)
-            if purged > self._last_id:
-                self._last_id = purged
-            if got < self._fetch_rows:
-                return
-
-    def _deliver(self, row_id: int, channel: str, payload: str) -> None:
-        self._last_id = row_id
-        self._received += 1
-        if not self._has_readers(channel):
-            return  # nobody here listens: skip decoding
-        try:
-            message = json.loads(payload)
-        except ValueError:
-            logger.warning(
-                "broadcast: outbox row %d on channel %r does not hold JSON; skipped",
-                row_id,
-                channel[:80],
-            )
-            return
-        with contextlib.suppress(BroadcasterClosed):
-            Broadcaster.publish(self, channel, message)
-
-    def _has_readers(self, channel: str) -> bool:
-        if self._subs.get(channel):
-            return True
-        signal = self._signals.get(channel)
-        return signal is not None and bool(signal.receivers)
-
-    def _report_gap(self, gap: Gap) -> None:
-        self._gaps += 1
-        self._missed += gap.missed
-        logger.warning(
-            "broadcast listener fell behind by more than retention=%s s: messages with ids "
-            "%d..%d were deleted before this node read them (at most %d lost); raise "
-            "retention or keep nodes connected",
-            self.retention,
-            gap.after_id + 1,
-            gap.through_id,
-            gap.missed,
-        )
-        hook = self._on_gap
-        if hook is not None:
-            try:
-                hook(gap)
-            except Exception:
-                logger.exception("on_gap hook %r raised; ignored", hook)
-
-    # -- writer --------------------------------------------------------------------------
-
-    def _write_loop(self) -> None:
-        conn: psycopg.Connection[Any] | None = None
-        identity: tuple[int, Any] | None = None  # (backend pid, backend_start) of conn
-        doubtful: tuple[_Pending, ...] = ()  # a batch whose commit is unknown
-        doubtful_from: tuple[int, Any] | None = None
-        floor = 0  # every id <= floor was committed before the doubtful batch started
-        failures = 0
-        next_purge = time.monotonic() + self._purge_every * random.uniform(0.5, 1.0)
-        down_since: float | None = None
-        try:
-            while True:
-                with self._cond:
-                    while not self._pending and not self._stop.is_set():
-                        wait = None if conn is None else max(0.0, next_purge - time.monotonic())
-                        if wait is not None and wait <= 0:
-                            break
-                        self._cond.wait(wait)
-                    if self._stop.is_set():
-                        return
-                    batch = self._take_batch()
-                # Own messages must reach own subscribers: while this node has some,
-                # write only once the listener knows where it starts.
-                while not self._positioned.is_set() and self._has_any_readers():
-                    if self._positioned.wait(0.5):
-                        break
-                    if self._stop.is_set():
-                        return
-                try:
-                    if conn is None:
-                        conn = self._connect("publish broadcasts", listen=False)
-                        identity = self._identity(conn)
-                        self._prepare(conn)
-                        with self._conn_lock:
-                            self._write_conn = conn
-                    if doubtful:
-                        self._settle(conn, doubtful, doubtful_from, floor)
-                        doubtful, doubtful_from = (), None
-                        continue  # the pending queue changed: take a fresh batch
-                    if batch:
-                        # The listener may be idle (no readers here): the writer's own
-                        # last id bounds the committed ids too.
-                        floor = max(floor, self._last_id, self._written_id)
-                        self._write(conn, batch)
-                    if time.monotonic() >= next_purge:
-                        next_purge = time.monotonic() + self._purge_every * random.uniform(0.8, 1.2)
-                        self._purge(conn)
-                    if down_since is not None:
-                        logger.info(
-                            "broadcast writer reconnected to %s after %.1f s",
-                            self._where,
-                            time.monotonic() - down_since,
-                        )
-                    failures, down_since = 0, None
-                except (psycopg.Error, OSError, BackendUnavailable, ConfigError) as exc:
-                    if self._stop.is_set():
-                        return
-                    if conn is not None and (conn.broken or conn.closed) and batch and not doubtful:
-                        # The connection broke while the batch was in flight: it may have
-                        # committed. Settle that before writing anything again.
-                        doubtful, doubtful_from = batch, identity
-                    if conn is not None and (conn.broken or conn.closed):
-                        with self._conn_lock:
-                            self._write_conn = None
-                        with contextlib.suppress(Exception):
-                            conn.close()
-                        conn, identity = None, None
-                    failures += 1
-                    if down_since is None:
-                        down_since = time.monotonic()
-                        logger.warning(
-                            "broadcast writer cannot write to %s (%s); %d message(s) wait, "
-                            "retrying with backoff",
-                            self._where,
-                            _first_line(exc, self._conninfo),
-                            len(self._pending),
-                        )
-                    self._stop.wait(_backoff(failures))
-        except Exception:
-            logger.exception("broadcast writer failed; messages published from now on are lost")
-            with self._cond:
-                self._stop.set()
-                self._cond.notify_all()
-        finally:
-            with self._conn_lock:
-                self._write_conn = None
-            if conn is not None:
-                with contextlib.suppress(Exception):
-                    conn.close()
-
-    def _take_batch(self) -> tuple[_Pending, ...]:
-        """The oldest pending messages that fit in one transaction (caller holds _cond)."""
-        batch: list[_Pending] = []
-        size = 0
-        for item in self._pending:
-            if batch and (len(batch) >= _BATCH_ROWS or size + item.size > _BATCH_BYTES):
-                break
-            batch.append(item)
-            size += item.size
-        return tuple(batch)
-
-    def _identity(self, conn: psycopg.Connection[Any]) -> tuple[int, Any]:
-        with self._watchdog.guard(conn, self.timeout):
-            row = conn.execute(
-                "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
-            ).fetchone()
-        if row is None:
-            return conn.info.backend_pid, None
-        return int(row[0]), row[1]
-
-    def _prepare(self, conn: psycopg.Connection[Any]) -> None:
-        """Prepare the publish statements on a new writer connection.
-
-        A publish runs one of them through libpq with text parameters: no statement to
-        compose, no parameter adaptation, no parsing or planning per publish, which
-        saves more time than the server spends on the statement's extra work.
-        """
-        notify_channel, lock_key = self._resolved(conn)
-        self._fixed_params = [
-            str(lock_key).encode(),
-            str(self._origin).encode(),
-            notify_channel.encode(),
-        ]
-        for name, statement in (
-            (_ONE_INLINE, self._outbox.insert_one(True)),
-            (_ONE, self._outbox.insert_one(False)),
-            (_MANY_INLINE, self._outbox.insert_many(True)),
-            (_MANY, self._outbox.insert_many(False)),
-        ):
-            with self._watchdog.guard(conn, self.timeout):
-                result = conn.pgconn.prepare(name, statement.as_bytes(conn))
-            _check_result(conn, result, pq.ExecStatus.COMMAND_OK)
-
-    def _write(self, conn: psycopg.Connection[Any], batch: Iterable[_Pending]) -> None:
-        items = tuple(batch)
-        inline = sum(item.inline for item in items) <= INLINE_LIMIT
-        if len(items) == 1:
-            item = items[0]
-            params = [item.channel.encode(), item.payload, str(item.seq).encode()]
-            if inline:
-                name = _ONE_INLINE
-                params.append(inline_row(item.channel, item.payload))
-            else:
-                name = _ONE
-        else:
-            name = _MANY_INLINE if inline else _MANY
-            params = [
-                text_array(i.channel.encode() for i in items),
-                text_array(i.payload for i in items),
-                b"{" + ",".join(str(i.seq) for i in items).encode() + b"}",
-            ]
-        with self._watchdog.guard(conn, self.timeout):
-            result = conn.pgconn.exec_prepared(name, [*self._fixed_params, *params])
-        _check_result(conn, result, pq.ExecStatus.TUPLES_OK)
-        last = result.get_value(0, 1)
-        if last is not None:
-            self._written_id = int(last)
-        self._committed_through(items[-1].seq, len(items))
-
-    def _resolved(self, conn: psycopg.Connection[Any]) -> tuple[str, int]:
-        if self._resolved_cache is None:
-            with self._watchdog.guard(conn, self.timeout):
-                self._resolved_cache = self._outbox.resolve(conn)
-        return self._resolved_cache
-
-    def _committed_through(self, seq: int, count: int) -> None:
-        """Drop messages up to ``seq`` from the queue and wake flush() waiters."""
-        with self._cond:
-            while self._pending and self._pending[0].seq <= seq:
-                self._pending.popleft()
-            self._committed = max(self._committed, seq)
-            self._committed_count += count
-            self._cond.notify_all()
-
-    def _settle(
-        self,
-        conn: psycopg.Connection[Any],
-        batch: tuple[_Pending, ...],
-        old: tuple[int, Any] | None,
-        floor: int,
-    ) -> None:
-        """Find out whether a batch whose commit was never confirmed did commit."""
-        if old is not None:
-            # The old session may still hold the batch (its client gave up, the server
-            # did not): end it and wait until it is gone, so it cannot commit later.
-            deadline = time.monotonic() + self.timeout
-            with self._watchdog.guard(conn, self.timeout + 1.0):
-                conn.execute(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                    " WHERE pid = %s AND backend_start IS NOT DISTINCT FROM %s",
-                    old,
-                )
-                while conn.execute(
-                    "SELECT 1 FROM pg_stat_activity"
-                    " WHERE pid = %s AND backend_start IS NOT DISTINCT FROM %s",
-                    old,
-                ).fetchone():
-                    if time.monotonic() > deadline:
-                        raise BackendUnavailable(
-                            f"the broadcast writer's previous session (pid {old[0]}) did "
-                            "not end; retrying"
-                        )
-                    time.sleep(0.02)
-        with self._watchdog.guard(conn, self.timeout):
-            row = conn.execute(self._outbox.committed_seq(), (floor, self._origin)).fetchone()
-        done = 0 if row is None or row[0] is None else int(row[0])
-        if done >= batch[-1].seq:
-            logger.info(
-                "broadcast writer: a batch of %d message(s) whose commit was not confirmed "
-                "was committed; not writing it again",
-                len(batch),
-            )
-            self._committed_through(batch[-1].seq, len(batch))
-        else:
-            logger.info(
-                "broadcast writer: a batch of %d message(s) whose commit was not confirmed "
-                "was not committed; writing it again",
-                len(batch),
-            )
-
-    def _purge(self, conn: psycopg.Connection[Any]) -> int:
-        total = 0
-        while True:
-            with self._watchdog.guard(conn, self.timeout):
-                row = conn.execute(self._outbox.purge(), (self.retention, _PURGE_ROWS)).fetchone()
-            deleted = 0 if row is None else int(row[0])
-            total += deleted
-            if deleted < _PURGE_ROWS or self._stop.is_set():
-                break
-        if total:
-            logger.debug("broadcast: purged %d message(s) older than %s s", total, self.retention)
-        return total
