@@ -83,8 +83,6 @@ longer than ``deadlock_timeout``.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import math
 import selectors
@@ -92,7 +90,6 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
 
@@ -112,7 +109,21 @@ from ._conn import (
     server_keepalives,
     unavailable,
 )
-from .schema import DEFAULT_TABLE, LEASE_HANDOVER_COLUMNS, migrate, table_identifier
+from ._lease_sql import (
+    acquire_sql,
+    current_sql,
+    lease_channel,
+    lease_lock_key,
+    release_sql,
+    renew_sql,
+    resolve_lease_table,
+    session_sql,
+    state_sql,
+    utc,
+    wait_lock_sql,
+)
+from .handover import announces_handover, cancel_handover, renewal_request, request_handover
+from .schema import DEFAULT_TABLE, migrate, table_identifier
 
 __all__ = [
     "PostgresLease",
@@ -130,155 +141,6 @@ logger = logging.getLogger(__name__)
 ACQUIRE_LOCK_TIMEOUT = 5.0
 
 _MAX_NODE_ID = 1000  # keeps the NOTIFY payload far below its 8000-byte limit
-_MAX_CHANNEL = 63  # NAMEDATALEN - 1
-
-
-def lease_lock_key(table_oid: int, name: str) -> int:
-    """The first advisory-lock key of a lease: a stable signed 32-bit hash.
-
-    Derived from the lease table's OID (unique in its database; advisory locks are per
-    database) and the lease name, so leases in different schemas or tables never share
-    a lock. It is stored in the row's ``lock_key`` when the row is created, and every
-    node uses the stored value.
-
-    Args:
-        table_oid: OID of the lease table.
-        name: the lease name.
-    """
-    digest = hashlib.blake2b(f"rselection:{table_oid}:{name}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "big", signed=True)
-
-
-def lease_channel(qualified_table: str, name: str) -> str:
-    """The LISTEN/NOTIFY channel of a lease (at most 63 bytes).
-
-    ``rselection:<schema>.<table>:<name>``, or ``rselection:<hash>`` when that is longer
-    than Postgres allows for a channel name.
-
-    Args:
-        qualified_table: the lease table as ``schema.table`` (resolved by the server).
-        name: the lease name.
-    """
-    channel = f"rselection:{qualified_table}:{name}"
-    if len(channel.encode()) <= _MAX_CHANNEL:
-        return channel
-    return "rselection:" + hashlib.blake2b(channel.encode(), digest_size=16).hexdigest()
-
-
-def resolve_lease_table(
-    conn: psycopg.Connection[Any], table: str = DEFAULT_TABLE
-) -> tuple[int, str, bool] | None:
-    """Find a lease table as the server resolves it; ``None`` when it does not exist.
-
-    Returns its OID, its ``schema.table`` name (for :func:`lease_channel`) and whether
-    it has the handover columns (schema version 2).
-
-    Args:
-        conn: an open connection (its ``search_path`` resolves an unqualified name).
-        table: the lease table, optionally schema-qualified.
-    """
-    row = conn.execute(
-        "SELECT c.oid::bigint, n.nspname, c.relname,"
-        " (SELECT count(*) FROM pg_catalog.pg_attribute a WHERE a.attrelid = c.oid"
-        " AND a.attname = ANY(%s) AND NOT a.attisdropped)"
-        " FROM pg_catalog.pg_class c"
-        " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
-        " WHERE c.oid = to_regclass(%s)",
-        (list(LEASE_HANDOVER_COLUMNS), table_identifier(table).as_string(conn)),
-    ).fetchone()
-    if row is None:
-        return None
-    oid, schema, relname, columns = row
-    return int(oid), f"{schema}.{relname}", columns == len(LEASE_HANDOVER_COLUMNS)
-
-
-def request_handover(
-    conn: psycopg.Connection[Any],
-    name: str,
-    *,
-    table: str = DEFAULT_TABLE,
-    to: str | None = None,
-    window: float = 10.0,
-) -> LeaderInfo | None:
-    """Ask the leader of lease ``name`` to hand over; return the holder asked.
-
-    One statement: records the request on the lease row (``resign_term`` = the current
-    term, ``resign_from`` = its holder, ``resign_to``, ``resign_until`` = server time +
-    ``window``) and notifies the lease's channel, which wakes the leader. The leader
-    sees the request in its next renewal (at once, thanks to the notification), cancels
-    and drains its tasks and releases; a follower takes over. Until the next acquisition
-    or the end of the window, the lease is reserved: the old holder may not take it
-    back, and with ``to`` only that node may take it. Returns ``None`` when nobody holds
-    the lease. A request for a term that has ended, or one whose window passed, is
-    ignored.
-
-    Args:
-        conn: an open autocommit connection to the lease's database.
-        name: the lease name.
-        table: the lease table, optionally schema-qualified.
-        to: node id that should take over, or ``None`` for any other node.
-        window: seconds the request (and the reservation for ``to``) stays valid.
-
-    Raises:
-        ConfigError: the table does not exist or predates handovers (run ``rselection
-            migrate``), or bad arguments.
-        psycopg.Error: the statement failed.
-    """
-    if not (isinstance(window, int | float) and window > 0 and math.isfinite(window)):
-        raise ConfigError(f"window must be a positive number of seconds, got {window!r}")
-    found = resolve_lease_table(conn, table)
-    if found is None:
-        raise ConfigError(f"lease table {table!r} does not exist: run `rselection migrate`")
-    _, qualified, handovers = found
-    if not handovers:
-        raise ConfigError(
-            f"lease table {table!r} has schema version 1, without handover requests: "
-            "run `rselection migrate` to upgrade it (rows are kept)"
-        )
-    row = conn.execute(
-        sql.SQL(
-            "WITH asked AS ("
-            " UPDATE {t} AS t SET resign_term = t.term, resign_from = t.holder,"
-            " resign_to = %(to)s,"
-            " resign_until = clock_timestamp() + %(window)s * interval '1 second'"
-            " WHERE t.name = %(name)s AND t.holder IS NOT NULL"
-            " AND t.expires_at > clock_timestamp()"
-            " RETURNING t.holder, t.term, t.acquired_at, t.expires_at)"
-            " SELECT holder, term, acquired_at, expires_at,"
-            " pg_notify(%(channel)s, json_build_object('event', 'resign', 'name', %(name)s,"
-            " 'term', term, 'to', %(to)s)::text) FROM asked"
-        ).format(t=table_identifier(table)),
-        {
-            "to": to,
-            "window": float(window),
-            "name": name,
-            "channel": lease_channel(qualified, name),
-        },
-    ).fetchone()
-    if row is None:
-        return None
-    return LeaderInfo(row[0], row[1], _utc(row[2]), _utc(row[3]))
-
-
-def cancel_handover(
-    conn: psycopg.Connection[Any], name: str, term: int, *, table: str = DEFAULT_TABLE
-) -> bool:
-    """Withdraw a handover request made for ``term`` of lease ``name``; ``True`` if one was.
-
-    Args:
-        conn: an open autocommit connection to the lease's database.
-        name: the lease name.
-        term: the term the request was made for.
-        table: the lease table, optionally schema-qualified.
-    """
-    row = conn.execute(
-        sql.SQL(
-            "UPDATE {} SET resign_term = NULL, resign_from = NULL, resign_to = NULL,"
-            " resign_until = NULL WHERE name = %s AND resign_term = %s RETURNING 1"
-        ).format(table_identifier(table)),
-        (name, term),
-    ).fetchone()
-    return row is not None
 
 
 @dataclass(frozen=True)
@@ -291,24 +153,6 @@ class _Held:
     @property
     def lock_args(self) -> sql.Composed:
         return sql.SQL("{}, {}").format(sql.Literal(self.lock_key), sql.Literal(self.term % 2**31))
-
-
-#: True when the holder of row ``t`` still has its keeper session: the session advisory
-#: lock (lock_key, term % 2**31) is granted to holder_pid. classid and objid are oids
-#: (unsigned): compare as bigint, the signed lock_key mapped to its unsigned value.
-_LOCK_HELD = (
-    "EXISTS (SELECT 1 FROM pg_catalog.pg_locks l"
-    " WHERE l.locktype = 'advisory'"
-    " AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d"
-    " WHERE d.datname = current_database())"
-    " AND l.classid::bigint = (t.lock_key::bigint & 4294967295)"
-    " AND l.objid::bigint = t.term % 2147483648"
-    " AND l.objsubid = 2 AND l.pid = t.holder_pid AND l.granted)"
-)
-
-
-def _utc(value: datetime) -> datetime:
-    return value.astimezone(UTC)
 
 
 class PostgresLease:
@@ -449,32 +293,7 @@ class PostgresLease:
         }
 
     def _session_sql(self) -> sql.Composed:
-        ka = self.server_keepalives
-        settings = {
-            "idle_session_timeout": "0",
-            "idle_in_transaction_session_timeout": "0",
-            "statement_timeout": "0",
-            "lock_timeout": "0",
-            "tcp_keepalives_idle": str(ka.idle),
-            "tcp_keepalives_interval": str(ka.interval),
-            "tcp_keepalives_count": str(ka.count),
-            "tcp_user_timeout": "0",
-            "default_transaction_isolation": "read committed",
-            "default_transaction_read_only": "off",
-        }
-        values = sql.SQL(", ").join(
-            sql.SQL("({}, {})").format(sql.Literal(k), sql.Literal(v)) for k, v in settings.items()
-        )
-        # pg_settings filters out settings this server version does not have.
-        return sql.SQL(
-            "SELECT count(set_config(s.name, v.setting, false))"
-            " FROM (VALUES {values}) AS v(name, setting)"
-            " JOIN pg_catalog.pg_settings s ON s.name = v.name;"
-            " SELECT current_setting('tcp_keepalives_idle')::int,"
-            " current_setting('tcp_keepalives_interval')::int,"
-            " current_setting('tcp_keepalives_count')::int;"
-            " LISTEN {channel}"
-        ).format(values=values, channel=sql.Identifier(self._channel()))
+        return session_sql(self.server_keepalives, self._channel())
 
     def connect(self) -> None:
         """Open (or re-open) the keeper connection and pin its session settings.
@@ -581,13 +400,7 @@ class PostgresLease:
 
     def _note_payload(self, payload: str) -> None:
         """Remember a handover request announced on the channel (checked by a renewal)."""
-        if '"resign"' not in payload:
-            return  # most notifications: skip the parse
-        try:
-            event = json.loads(payload)
-        except ValueError:
-            return
-        if isinstance(event, dict) and event.get("event") == "resign":
+        if announces_handover(payload):
             self._handover_hint = True
 
     def _on_notice(self, diag: psycopg.errors.Diagnostic) -> None:
@@ -661,96 +474,19 @@ class PostgresLease:
 
     # -- the lease --------------------------------------------------------------------
 
-    def _free_condition(self) -> sql.SQL:
-        """True when row ``t`` may be taken: free, expired, dead holder, or our own.
-
-        The session checks (own pid, lock not held) only count for a holder that renewed
-        since the server (re)started: a restart ends every session at once, also that of
-        a leader cut off from the server, which cannot have noticed; such a lease is
-        only taken over once it expires.
-        """
-        return sql.SQL(
-            "(t.holder IS NULL OR t.holder_pid IS NULL OR t.expires_at IS NULL"
-            " OR t.expires_at <= clock_timestamp()"
-            " OR (t.renewed_at > pg_postmaster_start_time()"
-            " AND (t.holder_pid = pg_backend_pid() OR NOT " + _LOCK_HELD + ")))"
-        )
-
-    def _not_reserved(self, node: sql.Literal) -> sql.Composable:
-        """True unless a handover request reserves row ``t`` against node ``node``.
-
-        While a request's window lasts (until the next acquisition clears it), the node
-        that was asked to hand over may not take the lease back, and when a node was
-        named only that node may take it. This only ever narrows who may take the
-        lease, so it cannot make two leaders. Never NULL (``CASE`` below relies on it).
-        """
-        if not self._handovers:
-            return sql.SQL("true")
-        return sql.SQL(
-            "(t.resign_until IS NULL OR t.resign_until <= clock_timestamp()"
-            " OR t.resign_to IS NOT DISTINCT FROM {node}"
-            " OR (t.resign_to IS NULL AND t.resign_from IS DISTINCT FROM {node}))"
-        ).format(node=node)
-
     def _state_sql(self, node_id: str) -> sql.Composed:
-        node = sql.Literal(node_id)
-        reserved: sql.Composable
-        if self._handovers:
-            reserved = sql.SQL(
-                "CASE WHEN NOT {free} THEN greatest(0, extract(epoch FROM"
-                " t.resign_until - clock_timestamp()))::float8 ELSE 0::float8 END"
-            ).format(free=self._not_reserved(node))
-        else:
-            reserved = sql.SQL("0::float8")
-        return sql.SQL(
-            "SELECT t.holder, t.term, t.lock_key, t.acquired_at, t.expires_at,"
-            " greatest(0, extract(epoch FROM t.expires_at - clock_timestamp()))::float8,"
-            " " + _LOCK_HELD + ", {reserved} FROM {t} AS t WHERE t.name = {name}"
-        ).format(t=self._ident, name=sql.Literal(self.name), reserved=reserved)
+        return state_sql(self._ident, self.name, node_id, handovers=self._handovers)
 
     def _acquire_sql(self, node_id: str) -> sql.Composed:
-        name = sql.Literal(self.name)
-        clear = (
-            sql.SQL(
-                ", resign_term = NULL, resign_from = NULL, resign_to = NULL, resign_until = NULL"
-            )
-            if self._handovers
-            else sql.SQL("")
-        )
-        return sql.SQL(
-            "SET LOCAL lock_timeout = {lock_timeout};"
-            " SELECT pg_advisory_unlock_all();"
-            " INSERT INTO {t} (name, lock_key) VALUES ({name}, {key})"
-            " ON CONFLICT (name) DO NOTHING;"
-            " WITH locked AS MATERIALIZED ("
-            "  SELECT t.name FROM {t} AS t WHERE t.name = {name} AND {free} AND {open}"
-            "  FOR UPDATE OF t"
-            " ), taken AS ("
-            "  UPDATE {t} AS t SET holder = {node}, term = t.term + 1,"
-            "  holder_pid = pg_backend_pid(), acquired_at = clock_timestamp(),"
-            "  renewed_at = clock_timestamp(),"
-            "  expires_at = clock_timestamp() + {ttl} * interval '1 second'{clear}"
-            "  FROM locked WHERE t.name = locked.name AND {free} AND {open}"
-            "  RETURNING t.term, t.lock_key"
-            " )"
-            " SELECT taken.term,"
-            " pg_advisory_lock(taken.lock_key, (taken.term % 2147483648)::integer),"
-            " pg_notify({channel}, json_build_object('event', 'acquired', 'name', {name},"
-            " 'node_id', {node}, 'term', taken.term)::text)"
-            " FROM taken;"
-            " {state}"
-        ).format(
-            lock_timeout=sql.Literal(f"{round(ACQUIRE_LOCK_TIMEOUT * 1000)}ms"),
-            t=self._ident,
-            name=name,
-            key=sql.Literal(self.lock_key),  # set by connect(), before any query
-            free=self._free_condition(),
-            open=self._not_reserved(sql.Literal(node_id)),
-            clear=clear,
-            node=sql.Literal(node_id),
-            ttl=sql.Literal(self.ttl),
-            channel=sql.Literal(self._channel()),
-            state=self._state_sql(node_id),
+        return acquire_sql(
+            self._ident,
+            self.name,
+            node_id,
+            lock_key=self.lock_key,  # set by connect(), before any query
+            ttl=self.ttl,
+            channel=self._channel(),
+            handovers=self._handovers,
+            lock_timeout=ACQUIRE_LOCK_TIMEOUT,
         )
 
     def _acquisition(self, row: tuple[Any, ...] | None, acquired: bool) -> Acquisition:
@@ -760,7 +496,7 @@ class PostgresLease:
             reserved = float(row[7]) if row is not None and not acquired else 0.0
             return Acquisition(acquired, None, max(0.0, reserved))
         holder, term, lock_key, acquired_at, expires_at, expires_in, lock_held, _ = row
-        info = LeaderInfo(holder, term, _utc(acquired_at), _utc(expires_at))
+        info = LeaderInfo(holder, term, utc(acquired_at), utc(expires_at))
         if acquired:
             self._leading = _Held(term, lock_key)
             self._seen = None
@@ -846,33 +582,12 @@ class PostgresLease:
             self._handovers = found is not None and found[2]
         self._handover_hint = False
         self._handover = None
-        if self._handovers:
-            # The same single statement also reports a handover request for this term.
-            returning = sql.SQL(
-                "coalesce(resign_term = term AND resign_until > now(), false), resign_to,"
-                " greatest(0, extract(epoch FROM resign_until - now()))::float8"
-            )
-        else:
-            returning = sql.SQL("false, NULL::text, 0::float8")
-        query = sql.SQL(
-            "UPDATE {t} SET renewed_at = now(), expires_at = now() + {ttl} * interval '1 second'"
-            " WHERE name = {name} AND holder = {node} AND term = {term}"
-            " AND holder_pid = pg_backend_pid() AND expires_at > now()"
-            " AND renewed_at > pg_postmaster_start_time()"
-            " RETURNING {returning}"
-        ).format(
-            t=self._ident,
-            ttl=sql.Literal(self.ttl),
-            name=sql.Literal(self.name),
-            node=sql.Literal(node_id),
-            term=sql.Literal(term),
-            returning=returning,
+        query = renew_sql(
+            self._ident, self.name, node_id, term, ttl=self.ttl, handovers=self._handovers
         )
         rows = self._run(query, "renew the lease", limit=self.renew_deadline)[0]
         if rows:
-            asked, to, window = rows[0]
-            if asked:
-                self._handover = HandoverRequest(term, to, float(window or 0.0))
+            self._handover = renewal_request(term, rows[0])
             return True
         logger.debug("lease %r: renewal of term %s by %s refused", self.name, term, node_id)
         self._leading = None
@@ -907,25 +622,14 @@ class PostgresLease:
         """
         self._keeper()
         leading = self._leading
-        if leading is not None and leading.term != term:
-            unlock = sql.SQL("")  # never drop the lock of the term we still hold
-        else:
-            unlock = sql.SQL("; SELECT pg_advisory_unlock_all()")
-        query = sql.SQL(
-            "WITH released AS ("
-            " UPDATE {t} SET holder = NULL, holder_pid = NULL, expires_at = now()"
-            " WHERE name = {name} AND holder = {node} AND term = {term}"
-            " RETURNING term)"
-            " SELECT pg_notify({channel}, json_build_object('event', 'released',"
-            " 'name', {name}, 'node_id', {node}, 'term', released.term)::text)"
-            " FROM released{unlock}"
-        ).format(
-            t=self._ident,
-            name=sql.Literal(self.name),
-            node=sql.Literal(node_id),
-            term=sql.Literal(term),
-            channel=sql.Literal(self._channel()),
-            unlock=unlock,
+        query = release_sql(
+            self._ident,
+            self.name,
+            node_id,
+            term,
+            channel=self._channel(),
+            # unless we lead another term: never drop the lock of the term we still hold
+            unlock=leading is None or leading.term == term,
         )
         results = self._run(query, "release the lease", limit=self.renew_deadline)
         if leading is None or leading.term == term:
@@ -947,10 +651,7 @@ class PostgresLease:
         Raises:
             BackendUnavailable: connection problem.
         """
-        query = sql.SQL(
-            "SELECT holder, term, acquired_at, expires_at FROM {t}"
-            " WHERE name = %s AND holder IS NOT NULL AND expires_at > now()"
-        ).format(t=self._ident)
+        query = current_sql(self._ident)
         with self._observer_lock:
             conn = self._observer
             try:
@@ -970,7 +671,7 @@ class PostgresLease:
                 raise unavailable("read the lease holder", self._conninfo, exc) from exc
         if row is None:
             return None
-        return LeaderInfo(row[0], row[1], _utc(row[2]), _utc(row[3]))
+        return LeaderInfo(row[0], row[1], utc(row[2]), utc(row[3]))
 
     def _close_observer(self) -> None:
         conn, self._observer = self._observer, None
@@ -1029,11 +730,7 @@ class PostgresLease:
                     pass
 
     def _wait_lock(self, conn: psycopg.Connection[Any], seen: _Held, timeout: float) -> None:
-        ms = min(2**31 - 1, max(1, math.ceil(timeout * 1000)))
-        query = sql.SQL(
-            "SET LOCAL lock_timeout = {ms};"
-            " SELECT pg_advisory_lock({args}), pg_advisory_unlock({args})"
-        ).format(ms=sql.Literal(f"{ms}ms"), args=seen.lock_args)
+        query = wait_lock_sql(seen.lock_args, timeout)
         with self._wake_lock:
             if self._interrupt_pending:
                 return

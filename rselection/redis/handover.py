@@ -26,7 +26,8 @@ from redis.cluster import RedisCluster
 from ..errors import BackendUnavailable, ConfigError
 from ..lease import LeaderInfo
 from ._conn import check_client, describe, unavailable
-from .lease import CANCEL_HANDOVER, READ, REQUEST_HANDOVER, handover_key, lease_keys, parse_holder
+from ._scripts import CANCEL_HANDOVER, READ, REQUEST_HANDOVER
+from .lease import handover_key, lease_keys, parse_holder
 
 __all__ = ["cancel_handover", "current_holder", "live_nodes", "request_handover"]
 

@@ -83,121 +83,15 @@ from ..errors import BackendUnavailable, ConfigError
 from ..leader import HandoverRequest
 from ..lease import Acquisition, LeaderInfo
 from ._conn import ConnectionFactory, check_client, check_seconds, unavailable
+from ._scripts import ACQUIRE, READ, RELEASE, RENEW
+from ._scripts import CANCEL_HANDOVER as CANCEL_HANDOVER  # re-exported
+from ._scripts import REQUEST_HANDOVER as REQUEST_HANDOVER  # re-exported
 
 __all__ = ["RedisLease", "handover_key", "lease_keys", "node_channel"]
 
 logger = logging.getLogger(__name__)
 
 _MAX_NODE_ID = 1000
-
-ACQUIRE = """
-local function run_id()
-  return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or ''
-end
-local cur = redis.call('GET', KEYS[1])
-local run = ''
-local t = redis.call('TIME')
-local now = tostring(t[1] * 1000 + math.floor(t[2] / 1000))
-if cur then
-  local ok, h = pcall(cjson.decode, cur)
-  local gone = ok and type(h) == 'table' and ARGV[6] ~= '' and h.fast == '1'
-    and h.client == ARGV[6] and h.term == ARGV[7]
-  if gone then
-    run = run_id()
-    gone = run ~= '' and h.run == run and ARGV[8] == run
-  end
-  if not gone then
-    return {0, cur, redis.call('PTTL', KEYS[1]), now}
-  end
-end
-local r = redis.call('GET', KEYS[3])
-if r then
-  local okq, q = pcall(cjson.decode, r)
-  if okq and type(q) == 'table' and q.term == tostring(redis.call('GET', KEYS[2])) then
-    local to = q.to or ''
-    if (to ~= '' and to ~= ARGV[2]) or (to == '' and q.from == ARGV[2]) then
-      if cur then return {0, cur, redis.call('PTTL', KEYS[1]), now} end
-      return {0, '', redis.call('PTTL', KEYS[3]), now}
-    end
-  end
-end
-if run == '' then run = run_id() end
-local term = redis.call('INCR', KEYS[2])
-local v = cjson.encode({token = ARGV[1], node = ARGV[2], term = tostring(term),
-  client = ARGV[4], run = run, fast = ARGV[5], at = now})
-if cur then
-  redis.call('SET', KEYS[1], v, 'PX', ARGV[3], 'XX')
-else
-  redis.call('SET', KEYS[1], v, 'NX', 'PX', ARGV[3])
-end
-redis.call('DEL', KEYS[3])
-redis.call('PUBLISH', ARGV[9], 'acquired:' .. tostring(term))
-return {1, v, tonumber(ARGV[3]), now}
-"""
-
-_HOLDS = """
-local cur = redis.call('GET', KEYS[1])
-if not cur then return 0 end
-local ok, h = pcall(cjson.decode, cur)
-if not ok or type(h) ~= 'table' or h.token ~= ARGV[1] or h.term ~= ARGV[2] then
-  return 0
-end
-"""
-
-RENEW = (
-    _HOLDS
-    + """
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-local r = redis.call('GET', KEYS[2])
-if r then
-  local okq, q = pcall(cjson.decode, r)
-  if okq and type(q) == 'table' and q.term == ARGV[2] then
-    return {1, 1, q.to or '', redis.call('PTTL', KEYS[2])}
-  end
-end
-return {1, 0, '', 0}
-"""
-)
-
-RELEASE = (
-    _HOLDS
-    + """
-redis.call('DEL', KEYS[1])
-redis.call('PUBLISH', ARGV[3], 'released:' .. ARGV[2])
-return 1
-"""
-)
-
-REQUEST_HANDOVER = """
-local cur = redis.call('GET', KEYS[1])
-if not cur then return {0, '', 0, ''} end
-local ok, h = pcall(cjson.decode, cur)
-if not ok or type(h) ~= 'table' or type(h.term) ~= 'string' or type(h.node) ~= 'string' then
-  return {-1, cur, 0, ''}
-end
-local t = redis.call('TIME')
-local now = tostring(t[1] * 1000 + math.floor(t[2] / 1000))
-redis.call('SET', KEYS[2], cjson.encode({term = h.term, from = h.node, to = ARGV[1]}),
-  'PX', ARGV[2])
-redis.call('PUBLISH', ARGV[3], 'resign:' .. h.term)
-return {1, cur, redis.call('PTTL', KEYS[1]), now}
-"""
-
-CANCEL_HANDOVER = """
-local r = redis.call('GET', KEYS[1])
-if not r then return 0 end
-local ok, q = pcall(cjson.decode, r)
-if not ok or type(q) ~= 'table' or q.term ~= ARGV[1] then return 0 end
-redis.call('DEL', KEYS[1])
-redis.call('PUBLISH', ARGV[2], 'cancelled:' .. ARGV[1])
-return 1
-"""
-
-READ = """
-local t = redis.call('TIME')
-return {redis.call('GET', KEYS[1]) or '', redis.call('PTTL', KEYS[1]),
-  tostring(t[1] * 1000 + math.floor(t[2] / 1000))}
-"""
 
 
 def lease_keys(name: str, key_prefix: str = "rselection:") -> tuple[str, str, str]:

@@ -1,0 +1,141 @@
+"""The Lua scripts of the Redis lease (:mod:`rselection.redis.lease`) and its handover
+requests (:mod:`rselection.redis.handover`).
+
+Each script runs atomically on the server and touches only keys of one lease, which share
+a hash slot. The lease value is a JSON document written by :data:`ACQUIRE`; the lease
+module's docstring explains the protocol.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ACQUIRE", "CANCEL_HANDOVER", "READ", "RELEASE", "RENEW", "REQUEST_HANDOVER"]
+
+#: Take the lease if it is free, or if its holder's connection is known gone, unless a
+#: handover request reserves it against this node.
+#: KEYS: lease key, term key, handover key. ARGV: token, node id, ttl (ms), this keeper's
+#: client id, "1" when it offers fast takeover (else "0"), the dead holder's client id and
+#: term ('' when none), this keeper's server run_id, channel. Returns {1 when acquired
+#: (else 0), lease value ('' when free but reserved by a handover request), PTTL (ms) of
+#: the lease key (of the handover key when reserved), server time (ms)}.
+ACQUIRE = """
+local function run_id()
+  return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or ''
+end
+local cur = redis.call('GET', KEYS[1])
+local run = ''
+local t = redis.call('TIME')
+local now = tostring(t[1] * 1000 + math.floor(t[2] / 1000))
+if cur then
+  local ok, h = pcall(cjson.decode, cur)
+  local gone = ok and type(h) == 'table' and ARGV[6] ~= '' and h.fast == '1'
+    and h.client == ARGV[6] and h.term == ARGV[7]
+  if gone then
+    run = run_id()
+    gone = run ~= '' and h.run == run and ARGV[8] == run
+  end
+  if not gone then
+    return {0, cur, redis.call('PTTL', KEYS[1]), now}
+  end
+end
+local r = redis.call('GET', KEYS[3])
+if r then
+  local okq, q = pcall(cjson.decode, r)
+  if okq and type(q) == 'table' and q.term == tostring(redis.call('GET', KEYS[2])) then
+    local to = q.to or ''
+    if (to ~= '' and to ~= ARGV[2]) or (to == '' and q.from == ARGV[2]) then
+      if cur then return {0, cur, redis.call('PTTL', KEYS[1]), now} end
+      return {0, '', redis.call('PTTL', KEYS[3]), now}
+    end
+  end
+end
+if run == '' then run = run_id() end
+local term = redis.call('INCR', KEYS[2])
+local v = cjson.encode({token = ARGV[1], node = ARGV[2], term = tostring(term),
+  client = ARGV[4], run = run, fast = ARGV[5], at = now})
+if cur then
+  redis.call('SET', KEYS[1], v, 'PX', ARGV[3], 'XX')
+else
+  redis.call('SET', KEYS[1], v, 'NX', 'PX', ARGV[3])
+end
+redis.call('DEL', KEYS[3])
+redis.call('PUBLISH', ARGV[9], 'acquired:' .. tostring(term))
+return {1, v, tonumber(ARGV[3]), now}
+"""
+
+#: Common start of RENEW and RELEASE: return 0 unless KEYS[1] holds token ARGV[1] and
+#: term ARGV[2].
+_HOLDS = """
+local cur = redis.call('GET', KEYS[1])
+if not cur then return 0 end
+local ok, h = pcall(cjson.decode, cur)
+if not ok or type(h) ~= 'table' or h.token ~= ARGV[1] or h.term ~= ARGV[2] then
+  return 0
+end
+"""
+
+#: Extend the lease if this token and term hold it. KEYS: lease key, handover key. ARGV:
+#: token, term, ttl (ms). Returns 0 when not held, else {1, 1 when a handover request for
+#: this term is pending (else 0), the node it names ('' for any), its PTTL (ms)}.
+RENEW = (
+    _HOLDS
+    + """
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+local r = redis.call('GET', KEYS[2])
+if r then
+  local okq, q = pcall(cjson.decode, r)
+  if okq and type(q) == 'table' and q.term == ARGV[2] then
+    return {1, 1, q.to or '', redis.call('PTTL', KEYS[2])}
+  end
+end
+return {1, 0, '', 0}
+"""
+)
+
+#: Delete the lease key if this token and term hold it, and publish. KEYS: lease key.
+#: ARGV: token, term, channel. Returns 1 when released, else 0.
+RELEASE = (
+    _HOLDS
+    + """
+redis.call('DEL', KEYS[1])
+redis.call('PUBLISH', ARGV[3], 'released:' .. ARGV[2])
+return 1
+"""
+)
+
+#: Record a handover request for the current term and publish it. KEYS: lease key,
+#: handover key. ARGV: node asked to take over ('' for any), the request's ttl (ms),
+#: channel. Returns {0, '', 0, ''} when nobody holds the lease, {-1, value, 0, ''} when the
+#: value cannot be read, else {1, value, PTTL (ms), server time (ms)}.
+REQUEST_HANDOVER = """
+local cur = redis.call('GET', KEYS[1])
+if not cur then return {0, '', 0, ''} end
+local ok, h = pcall(cjson.decode, cur)
+if not ok or type(h) ~= 'table' or type(h.term) ~= 'string' or type(h.node) ~= 'string' then
+  return {-1, cur, 0, ''}
+end
+local t = redis.call('TIME')
+local now = tostring(t[1] * 1000 + math.floor(t[2] / 1000))
+redis.call('SET', KEYS[2], cjson.encode({term = h.term, from = h.node, to = ARGV[1]}),
+  'PX', ARGV[2])
+redis.call('PUBLISH', ARGV[3], 'resign:' .. h.term)
+return {1, cur, redis.call('PTTL', KEYS[1]), now}
+"""
+
+#: Delete a handover request for a term and publish. KEYS: handover key. ARGV: term,
+#: channel. Returns 1 when a request for that term was deleted, else 0.
+CANCEL_HANDOVER = """
+local r = redis.call('GET', KEYS[1])
+if not r then return 0 end
+local ok, q = pcall(cjson.decode, r)
+if not ok or type(q) ~= 'table' or q.term ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('PUBLISH', ARGV[2], 'cancelled:' .. ARGV[1])
+return 1
+"""
+
+#: Read the lease. KEYS: lease key. Returns {value or '', PTTL (ms), server time (ms)}.
+READ = """
+local t = redis.call('TIME')
+return {redis.call('GET', KEYS[1]) or '', redis.call('PTTL', KEYS[1]),
+  tostring(t[1] * 1000 + math.floor(t[2] / 1000))}
+"""
