@@ -20,7 +20,6 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -46,7 +45,7 @@ STUCK_EXIT_CODE = 70
 _RESTART_BASE = 0.1
 _RESTART_CAP = 30.0
 _T = TypeVar("_T")
-_CLAIM_POLL = 0.05  # seconds between liveness checks while a claim is in flight
+_CLAIM_POLL_MAX = 1.0  # seconds between liveness checks while a claim is in flight
 _LOOP_DRAIN = 1.0  # seconds a stopped private loop gets to unwind cancelled tasks
 
 
@@ -85,6 +84,7 @@ class TermRunner:
         self._async_tasks: set[asyncio.Task[Any]] = set()
         # Claims run here, so that one stuck on a dead connection never holds the term's
         # end: the runner stops waiting for it the moment the term ends.
+        self._claim_waits: set[threading.Event] = set()
         self._claims = ThreadPoolExecutor(
             max_workers=2, thread_name_prefix=f"rselection-claims-term-{term.number}"
         )
@@ -112,6 +112,9 @@ class TermRunner:
     def cancel(self) -> None:
         """Signal every task to stop: set ``cancelled`` and cancel async tasks."""
         self.term.cancel()
+        with self._cond:
+            for settled in self._claim_waits:
+                settled.set()  # claim waits look at the term again and give up
         if self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the caller's loop may be closed
                 self._loop.call_soon_threadsafe(self._cancel_async_tasks)
@@ -484,12 +487,22 @@ class TermRunner:
         and the caller reports it as skipped by a node that stopped leading.
         """
         future = self._claims.submit(fn, *args, **kwargs)
-        while True:
-            try:
-                return future.result(timeout=_CLAIM_POLL)
-            except FutureTimeout:
+        settled = threading.Event()
+        future.add_done_callback(lambda _: settled.set())
+        with self._cond:
+            self._claim_waits.add(settled)
+        try:
+            # cancel() sets every pending wait, so the end of a term is seen at once;
+            # the timeout covers a term whose local deadline passes with no cancel.
+            while not settled.wait(min(self.term.remaining(), _CLAIM_POLL_MAX)):
                 if not self.term.live():
                     return None
+            if not future.done():  # woken by cancel(): the term ended
+                return None
+            return future.result()
+        finally:
+            with self._cond:
+                self._claim_waits.discard(settled)
 
     def _claim_fire(self, spec: TaskSpec, at: datetime) -> bool:
         """Claim one fire: ``True`` if won; else ``False``, reported as held by another,
