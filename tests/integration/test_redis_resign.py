@@ -9,10 +9,7 @@ older term landed after one of a newer term.
 from __future__ import annotations
 
 import json
-import re
 import statistics
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -33,37 +30,10 @@ from rselection.redis import (
     request_handover,
 )
 from tests.support.backends import LEDGER, Backend
+from tests.support.resign_cli import cli, elected, seen_or_wait, took_ms
 from tests.support.waiting import wait_until
 
 FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
-
-
-def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rselection", *args], capture_output=True, text=True, timeout=timeout
-    )
-
-
-def took_ms(out: str) -> float:
-    found = re.search(r"handover took (\d+) ms", out)
-    assert found, out
-    return float(found.group(1))
-
-
-def elected(fleet: Fleet, timeout: float, exclude: str | None = None) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while (left := deadline - time.monotonic()) > 0:
-        event = fleet.next_event(left)
-        if event and event["ev"] == "elected" and event["node"] != exclude:
-            return event
-    pytest.fail(f"no node was elected within {timeout}s; events: {fleet.history[-20:]}")
-
-
-def seen_or_wait(fleet: Fleet, timeout: float, **match: Any) -> dict[str, Any] | None:
-    for event in fleet.history:
-        if all(event.get(k) == v for k, v in match.items()):
-            return event
-    return fleet.wait_for(timeout, **match)
 
 
 def forget(url: str, name: str) -> None:

@@ -8,10 +8,7 @@ a row of a newer one.
 
 from __future__ import annotations
 
-import re
 import statistics
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -28,6 +25,7 @@ from rselection.postgres.leader import PostgresLeader
 from rselection.postgres.lease import PostgresLease, cancel_handover, request_handover
 from rselection.postgres.schema import LEASES_VERSION
 from tests.support import ledger
+from tests.support.resign_cli import cli, elected, seen_or_wait, took_ms
 from tests.support.waiting import wait_until
 
 FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
@@ -51,35 +49,6 @@ CREATE TABLE rselection_schema_version (
     migrated_at timestamptz NOT NULL DEFAULT now());
 INSERT INTO rselection_schema_version (component, version) VALUES ('leases', 1)
 """
-
-
-def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rselection", *args], capture_output=True, text=True, timeout=timeout
-    )
-
-
-def took_ms(out: str) -> float:
-    found = re.search(r"handover took (\d+) ms", out)
-    assert found, out
-    return float(found.group(1))
-
-
-def elected(fleet: Fleet, timeout: float, exclude: str | None = None) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while (left := deadline - time.monotonic()) > 0:
-        event = fleet.next_event(left)
-        if event and event["ev"] == "elected" and event["node"] != exclude:
-            return event
-    pytest.fail(f"no node was elected within {timeout}s; events: {fleet.history[-20:]}")
-
-
-def seen_or_wait(fleet: Fleet, timeout: float, **match: Any) -> dict[str, Any] | None:
-    """An event already read (while waiting for another) or arriving within ``timeout``."""
-    for event in fleet.history:
-        if all(event.get(k) == v for k, v in match.items()):
-            return event
-    return fleet.wait_for(timeout, **match)
 
 
 def wait_for_heartbeats(dsn: str, lease: str, count: int) -> None:
