@@ -10,22 +10,17 @@ Prints one JSON line per event on stdout: ``started``, ``elected``, ``joined`` a
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import threading
 from typing import Any
 
 import rselection as rs
 from rselection.postgres import PostgresLeader
+from tests.support.node_process import emit
 
 HEARTBEAT = 0.3
 NODE_TIMEOUT = 1.0
 POLL = 0.1
-
-
-def emit(event: str, **fields: Any) -> None:
-    """Print one JSON event line."""
-    print(json.dumps({"event": event, **fields}), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,20 @@ from typing import IO, Any
 
 Events = list[dict[str, Any]]
 
+_out_lock = threading.Lock()
+
+
+def emit(event: str, **fields: Any) -> None:
+    """In a node program: print one JSON event line for :class:`NodeProcess` to read.
+
+    One locked write per line: signal receivers, tasks and the main thread all report,
+    and two ``print`` calls from two threads could share a line.
+    """
+    line = json.dumps({"event": event, **fields}) + "\n"
+    with _out_lock:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+
 
 class NodeProcess:
     """Runs ``python -m <module> <args>``; its stdout carries one JSON event per line.

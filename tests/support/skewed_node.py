@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import threading
 from collections.abc import Iterator
@@ -21,13 +20,10 @@ from typing import Any
 
 import psycopg
 
+from tests.support.node_process import emit
+
 LEDGER = "skew_ledger"
 EVERY = 0.2
-
-
-def emit(event: str, **fields: Any) -> None:
-    """Print one JSON event line."""
-    print(json.dumps({"event": event, **fields}), flush=True)
 
 
 @contextlib.contextmanager
