@@ -13,7 +13,16 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Acquisition", "LeaderInfo", "LeaseBackend", "MemoryLease"]
+from .errors import ConfigError
+
+__all__ = [
+    "MAX_NODE_ID",
+    "Acquisition",
+    "LeaderInfo",
+    "LeaseBackend",
+    "MemoryLease",
+    "check_node_id",
+]
 
 
 @dataclass(frozen=True)
@@ -193,3 +202,18 @@ class MemoryLease:
 
     def close(self) -> None:
         """Nothing to close."""
+
+
+MAX_NODE_ID = 1000
+"""Longest node id a lease accepts (keeps lease notifications far below NOTIFY's limit)."""
+
+
+def check_node_id(node_id: object) -> str:
+    """Return ``node_id`` if it is a non-empty string of at most :data:`MAX_NODE_ID`
+    characters; else raise :class:`~rselection.errors.ConfigError`."""
+    if not isinstance(node_id, str) or not node_id or len(node_id) > MAX_NODE_ID:
+        raise ConfigError(
+            f"node_id must be a non-empty string of at most {MAX_NODE_ID} characters, "
+            f"got {node_id!r:.60}"
+        )
+    return node_id

@@ -99,7 +99,7 @@ from psycopg.pq import ConnStatus
 
 from ..errors import BackendUnavailable, ConfigError
 from ..leader import HandoverRequest
-from ..lease import Acquisition, LeaderInfo
+from ..lease import Acquisition, LeaderInfo, check_node_id
 from ._conn import (
     IoWatchdog,
     Keepalives,
@@ -139,8 +139,6 @@ logger = logging.getLogger(__name__)
 #: Longest a takeover waits for the row lock (fenced transactions of the old term)
 #: before giving up for this attempt and reporting the lease as busy.
 ACQUIRE_LOCK_TIMEOUT = 5.0
-
-_MAX_NODE_ID = 1000  # keeps the NOTIFY payload far below its 8000-byte limit
 
 
 @dataclass(frozen=True)
@@ -526,11 +524,7 @@ class PostgresLease:
         Raises:
             BackendUnavailable: connection problem.
         """
-        if not isinstance(node_id, str) or not node_id or len(node_id) > _MAX_NODE_ID:
-            raise ConfigError(
-                f"node_id must be a non-empty string of at most {_MAX_NODE_ID} characters, "
-                f"got {node_id!r:.60}"
-            )
+        check_node_id(node_id)
         self._keeper()  # connects first when needed: the query needs the lock key
         self._foreign_notifies = 0
         self._handover_hint = False

@@ -81,7 +81,7 @@ import redis
 
 from ..errors import BackendUnavailable, ConfigError
 from ..leader import HandoverRequest
-from ..lease import Acquisition, LeaderInfo
+from ..lease import Acquisition, LeaderInfo, check_node_id
 from ._conn import ConnectionFactory, check_client, check_seconds, unavailable
 from ._scripts import ACQUIRE, READ, RELEASE, RENEW
 from ._scripts import CANCEL_HANDOVER as CANCEL_HANDOVER  # re-exported
@@ -90,8 +90,6 @@ from ._scripts import REQUEST_HANDOVER as REQUEST_HANDOVER  # re-exported
 __all__ = ["RedisLease", "handover_key", "lease_keys", "node_channel"]
 
 logger = logging.getLogger(__name__)
-
-_MAX_NODE_ID = 1000
 
 
 def lease_keys(name: str, key_prefix: str = "rselection:") -> tuple[str, str, str]:
@@ -445,11 +443,7 @@ class RedisLease:
         Raises:
             BackendUnavailable: connection problem.
         """
-        if not isinstance(node_id, str) or not node_id or len(node_id) > _MAX_NODE_ID:
-            raise ConfigError(
-                f"node_id must be a non-empty string of at most {_MAX_NODE_ID} characters, "
-                f"got {node_id!r:.60}"
-            )
+        check_node_id(node_id)
         self._keeper()
         self._join(node_id)
         dead, self._dead = self._dead, None
