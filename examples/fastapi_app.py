@@ -34,7 +34,7 @@ log = logging.getLogger("fastapi_app")
 
 def build_tasks() -> rs.TaskHandler:
     """The leader-scoped tasks of this app."""
-    tasks = rs.TaskHandler(stop_grace=5.0)
+    tasks = rs.TaskHandler()
 
     @tasks.interval(1, name="refresh-cache")
     async def refresh_cache(ctx: rs.TaskContext) -> None:

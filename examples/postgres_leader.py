@@ -16,7 +16,7 @@ import psycopg
 
 import rselection as rs
 
-tasks = rs.TaskHandler(stop_grace=5.0)
+tasks = rs.TaskHandler()
 
 
 @tasks.interval(1, name="report")

@@ -42,7 +42,7 @@ CREATE TABLE IF NOT EXISTS example_queue_done (
 )
 """
 
-tasks = rs.TaskHandler(stop_grace=5.0)
+tasks = rs.TaskHandler()
 settings = argparse.Namespace(dsn="", delay=0.2)
 
 

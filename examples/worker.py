@@ -29,7 +29,7 @@ log = logging.getLogger("worker")
 
 def build_tasks() -> rs.TaskHandler:
     """The leader-scoped work: a tick every second and a persistent watcher."""
-    tasks = rs.TaskHandler(stop_grace=5.0)
+    tasks = rs.TaskHandler()
 
     @tasks.interval(1, name="tick")
     def tick(ctx: rs.TaskContext) -> None:

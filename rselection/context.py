@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import math
 import threading
 import time
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from .members import NodeInfo
     from .postgres.checkpoint import TaskCheckpoint
 
-__all__ = ["TaskContext", "Term"]
+__all__ = ["TaskContext", "Term", "running_term"]
 
 Fencer = Callable[[Any, int], None]
 """Checks inside a caller's transaction that a term still holds the lease.
@@ -258,3 +259,13 @@ class TaskContext:
 
     def __repr__(self) -> str:
         return f"TaskContext({self.name!r}, term={self.term}, node_id={self.node_id!r})"
+
+
+running_term: contextvars.ContextVar[Term | None] = contextvars.ContextVar(
+    "rselection_running_term", default=None
+)
+"""The term whose task runs in the current thread or asyncio task (``None`` elsewhere).
+
+Set by the runtime for every task it runs, so a leader can tell that ``stop()`` or
+``step_down()`` was called from one of its own tasks and must not wait for it to end.
+"""

@@ -205,7 +205,7 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--renew-interval", type=float, default=2.0)
     p.add_argument("--renew-deadline", type=float, default=10.0)
     p.add_argument("--retry-interval", type=float, default=2.0)
-    p.add_argument("--stop-grace", type=float, default=2.0)
+    p.add_argument("--stop-grace", type=float, default=None)
     p.add_argument("--tick", type=float, default=1.0)
     p.add_argument("--ledger", default="rselection_demo_ledger")
     p.add_argument("--ledger-every", type=float, default=0.02)

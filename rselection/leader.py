@@ -24,9 +24,9 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from . import signals
-from .context import Fencer, Term
+from .context import Fencer, Term, running_term
 from .errors import BackendUnavailable, ConfigError
-from .lease import Acquisition, LeaderInfo, LeaseBackend
+from .lease import Acquisition, LeaderInfo, LeaseBackend, check_lease_name, check_node_id
 from .members import NodeInfo
 from .timing import Timings
 
@@ -150,16 +150,14 @@ class LeaderBase:
         claimer: FireClaimer | None = None,
     ) -> None:
         self._timings = timings if timings is not None else Timings()
-        self._timings.check_stop_grace(handler.stop_grace, handler.on_stuck)
+        self._stop_grace = self._timings.stop_grace(handler.stop_grace)
         if claimer is not None:
             handler.check_claims(claimer.ttl)
-        if node_id is not None and (not isinstance(node_id, str) or not node_id.strip()):
-            raise ConfigError(f"node_id must be a non-empty string, got {node_id!r}")
         self._backend = backend
         self._handovers = backend if isinstance(backend, SupportsHandover) else None
         self._handler = handler
-        self._name = name
-        self._node_id = node_id if node_id is not None else default_node_id()
+        self._name = check_lease_name(name)
+        self._node_id = check_node_id(node_id) if node_id is not None else default_node_id()
         self._broadcaster = broadcaster
         self._fencer = fencer
         self._claimer = claimer
@@ -168,19 +166,21 @@ class LeaderBase:
 
         self._cond = threading.Condition()  # guards the fields below and wakes waiters
         self._term: Term | None = None
+        self._last_term: Term | None = None  # the latest term begun (maybe still ending)
         self._closed = False
         self._transition = threading.RLock()  # one term change at a time
         self._stopping = threading.Event()
         self._wake = threading.Event()
-        self._step_down_hold: float | None = None
-        self._step_down_reason = "step_down"  # or "handover" when an operator asked
+        self._step_down: _StepDown | None = None  # asked for one term, acted on by the keeper
         self._held_term: int | None = None  # a term we hold on the server, not yet released
         self._hold_until = 0.0
         self._last_sent = 0.0
         self._connected = False
         self._last_seen: tuple[str, int] | None = None
+        self._fatal: ConfigError | None = None
         self._keeper: threading.Thread | None = None
         self._watchdog: threading.Thread | None = None
+        self._observer_lock = threading.Lock()
 
     # -- public ---------------------------------------------------------------------
 
@@ -210,6 +210,12 @@ class LeaderBase:
         return self._timings
 
     @property
+    def stop_grace(self) -> float:
+        """Seconds this leader waits for cancelled tasks (the handler's, or what the
+        timings allow)."""
+        return self._stop_grace
+
+    @property
     def is_leader(self) -> bool:
         """True while this node leads and its local deadline has not passed."""
         term = self._term
@@ -222,8 +228,15 @@ class LeaderBase:
         return term.number if term is not None and term.live() else None
 
     def leader(self) -> LeaderInfo | None:
-        """The current holder as the lease server sees it (works on every node)."""
-        return self._backend.current()
+        """The current holder as the lease server sees it (works on every node).
+
+        After :meth:`stop` this still answers, but leaves no connection or thread open.
+        """
+        with self._observer_lock:
+            info = self._backend.current()
+            if self._closed:
+                self._close_backend()
+            return info
 
     def nodes(self) -> list[NodeInfo]:
         """The nodes competing for this lease. Here only this one; leaders with
@@ -266,7 +279,13 @@ class LeaderBase:
         self._keeper.start()
 
     def lead(self) -> None:
-        """Compete and lead in this thread until :meth:`stop` or Ctrl-C, then clean up."""
+        """Compete and lead in this thread until :meth:`stop` or Ctrl-C, then clean up.
+
+        Raises:
+            ConfigError: the lease server cannot be used safely as configured (for
+                example a connection pooler that is not in session mode); no task ran
+                after the problem was found.
+        """
         self.start()
         keeper = self._keeper
         assert keeper is not None
@@ -276,22 +295,32 @@ class LeaderBase:
         except KeyboardInterrupt:
             logger.info("interrupted; stopping leader %r", self._name)
             self.stop()
+        if self._fatal is not None:
+            raise self._fatal
 
     def stop(self, timeout: float | None = None) -> None:
         """Cancel and join tasks, release the lease so a follower takes over at once.
 
+        Works from any thread. Called from one of this leader's own tasks, from a signal
+        receiver running on its keeper or watchdog, or from the event loop its async tasks
+        run on, it only asks the leader to stop and returns at once (waiting there would
+        wait for itself).
+
         Args:
-            timeout: seconds to wait for the background threads (default: forever;
-                the wait is bounded anyway by ``stop_grace`` plus one release).
+            timeout: seconds this call may take in all (default: until stopped, which is
+                bounded by ``stop_grace`` plus one release).
         """
         self._stopping.set()
         self._wake.set()
+        with self._cond:
+            self._cond.notify_all()  # the watchdog ends a term the keeper cannot reach
         self._backend.interrupt()
-        keeper, watchdog = self._keeper, self._watchdog
-        if keeper is not None and keeper is not threading.current_thread():
-            keeper.join(timeout)
-        if watchdog is not None and watchdog is not threading.current_thread():
-            watchdog.join(timeout)
+        if self._called_from_inside():
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in (self._keeper, self._watchdog):
+            if thread is not None:
+                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def step_down(self, *, hold: float = 0.0, wait: bool = True) -> None:
         """Give leadership up now: cancel and join tasks, release, then compete again.
@@ -299,17 +328,32 @@ class LeaderBase:
         Args:
             hold: seconds to stay a follower before competing again (lets another node
                 take over).
-            wait: block until the term has ended; pass ``False`` when calling from a task.
+            wait: block until the term has ended (never from this leader's own tasks,
+                receivers or event loop, where it returns at once).
         """
         with self._cond:
             term = self._term
             if term is None:
                 return
-            self._step_down_hold = hold
+            self._step_down = _StepDown(term.number, hold, "step_down")
         self._wake.set()
         self._backend.interrupt()
-        if wait:
+        if wait and not self._called_from_inside():
             term.ended.wait()
+
+    def _called_from_inside(self) -> bool:
+        """True on a thread or loop whose work this leader's stop would wait for."""
+        current = threading.current_thread()
+        if current is self._keeper or current is self._watchdog:
+            return True
+        running = running_term.get()
+        if running is not None and running in (self._term, self._last_term):
+            return True
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        return loop is self._loop
 
     def __enter__(self) -> LeaderBase:
         self.start()
@@ -361,9 +405,6 @@ class LeaderBase:
                     else:
                         self._lead_step()
                 except BackendUnavailable as exc:
-                    self._connected = False
-                    self._end_term("connection")
-                    self._held_term = None  # the server ends a dead session's lease
                     failures += 1
                     # Log once per state change; the rest at debug level, so an outage
                     # does not flood the log.
@@ -371,13 +412,31 @@ class LeaderBase:
                     log(
                         "lease %r: backend unavailable (%s); retrying with backoff", self._name, exc
                     )
-                    self._close_backend()
-                    self._pause(reconnect_delay(failures))
-        except Exception:
-            logger.exception("lease %r: keeper failed; stepping down", self._name)
-            raise
+                    self._recover("connection", failures)
+                except ConfigError as exc:
+                    # Not a passing fault: competing on would be unsafe. lead() raises it.
+                    self._fatal = exc
+                    logger.error("lease %r: cannot lead safely, stopping: %s", self._name, exc)
+                    self._end_term("error")
+                    return
+                except Exception:
+                    failures += 1
+                    logger.exception(
+                        "lease %r: unexpected error in the keeper; the term (if any) ends and "
+                        "the keeper retries",
+                        self._name,
+                    )
+                    self._recover("error", failures)
         finally:
             self._shutdown()
+
+    def _recover(self, reason: str, failures: int) -> None:
+        """After a failed step: end the term (tasks joined), only then drop the session."""
+        self._connected = False
+        self._end_term(reason)
+        self._held_term = None  # the server ends a dead session's lease
+        self._close_backend()
+        self._pause(reconnect_delay(failures))
 
     def _pause(self, seconds: float) -> None:
         if self._wake.wait(seconds):
@@ -419,12 +478,12 @@ class LeaderBase:
     def _lead_step(self) -> None:
         term = self._term
         assert term is not None
-        if self._step_down_hold is not None:
-            hold, self._step_down_hold = self._step_down_hold, None
-            reason, self._step_down_reason = self._step_down_reason, "step_down"
-            self._end_term(reason)
+        with self._cond:
+            request, self._step_down = self._step_down, None
+        if request is not None and request.term == term.number:
+            self._end_term(request.reason)
             self._release()
-            self._hold_until = time.monotonic() + hold
+            self._hold_until = time.monotonic() + request.hold
             return
         handovers = self._handovers
         wait = self._last_sent + self._timings.renew_interval - time.monotonic()
@@ -435,8 +494,8 @@ class LeaderBase:
             return
         sent = time.monotonic()
         if not self._backend.renew(self._node_id, term.number):
-            self._held_term = None
             self._end_term("lost")
+            self._held_term = None
             return
         if self._term is not term:
             return  # the watchdog ended the term while the renewal was in flight
@@ -444,19 +503,17 @@ class LeaderBase:
         self._last_sent = sent
         if signals.lease_renewed.receivers:
             done = time.monotonic()
-            self._send_renewed(term.number, done - sent, term.deadline - done)
-        request = handovers.handover_requested() if handovers is not None else None
-        if request is not None:
-            self._hand_over(term, request)
-
-    def _send_renewed(self, term: int, latency: float, remaining: float) -> None:
-        # Sent from the keeper thread on every renewal: a receiver that raises must not
-        # take the keeper (and with it the leadership) down, nor starve the others.
-        for receiver in signals.lease_renewed.receivers_for(self):
-            try:
-                receiver(self, name=self._name, term=term, latency=latency, remaining=remaining)
-            except Exception:
-                logger.exception("lease %r: a lease_renewed receiver raised; ignored", self._name)
+            signals.emit(
+                signals.lease_renewed,
+                self,
+                name=self._name,
+                term=term.number,
+                latency=done - sent,
+                remaining=term.deadline - done,
+            )
+        request_ = handovers.handover_requested() if handovers is not None else None
+        if request_ is not None:
+            self._hand_over(term, request_)
 
     def _hand_over(self, term: Term, request: HandoverRequest) -> None:
         """Step down because an operator asked (the next keeper step does it).
@@ -475,27 +532,43 @@ class LeaderBase:
             request.to or "any other node",
         )
         with self._cond:
-            if self._step_down_hold is None:
-                self._step_down_hold = 0.0
-                self._step_down_reason = "handover"
+            if self._step_down is None:
+                self._step_down = _StepDown(term.number, 0.0, "handover")
 
     def _release(self) -> None:
+        """Give the held term back, never before that term's tasks are joined."""
         held, self._held_term = self._held_term, None
-        if held is not None and self._connected:
-            self._backend.release(self._node_id, held)
-            self._observe(None)
+        if held is None or not self._connected:
+            return
+        last = self._last_term
+        if last is not None and last.number == held and not last.ended.wait(self._join_bound()):
+            # Its tasks are neither joined nor reported stuck: keep the lease until it
+            # expires rather than hand it on while they may run.
+            logger.error(
+                "lease %r: term %d did not finish ending; not releasing it", self._name, held
+            )
+            return
+        self._backend.release(self._node_id, held)
+        self._observe(None)
+
+    def _join_bound(self) -> float:
+        """Longest an ending term can take: ``stop_grace`` plus time to unwind."""
+        return self._stop_grace + 5.0
 
     def _shutdown(self) -> None:
-        self._end_term("stopped")
         try:
+            self._end_term("stopped")
             self._release()
         except BackendUnavailable as exc:
             logger.warning("lease %r: could not release on stop (%s)", self._name, exc)
-        self._close_backend()
-        self._handler.detach()
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+        except Exception:
+            logger.exception("lease %r: error while stopping", self._name)
+        finally:
+            self._close_backend()
+            self._handler.detach()
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
 
     def _close_backend(self) -> None:
         try:
@@ -507,7 +580,7 @@ class LeaderBase:
         seen = (holder.node_id, holder.term) if holder is not None else None
         if seen != self._last_seen:
             self._last_seen = seen
-            signals.leader_changed.send(self, name=self._name, leader=holder)
+            signals.emit(signals.leader_changed, self, name=self._name, leader=holder)
 
     # -- terms ------------------------------------------------------------------------
 
@@ -525,52 +598,92 @@ class LeaderBase:
         with self._transition:
             with self._cond:
                 self._term = term
+                self._last_term = term
                 self._held_term = holder.term
                 self._last_sent = sent
                 self._cond.notify_all()
             self._handler.start_term(term, self._loop)
         logger.info("node %s leads %r with term %d", self._node_id, self._name, term.number)
-        signals.elected.send(self, node_id=self._node_id, term=term.number, name=self._name)
+        signals.emit(
+            signals.elected, self, node_id=self._node_id, term=term.number, name=self._name
+        )
 
     def _end_term(self, reason: str, expected: Term | None = None) -> None:
+        """Cancel the current term and join its tasks (up to ``stop_grace``); then let
+        the backend end the session that held it, and announce the demotion."""
         with self._transition:
             term = self._term
             if term is None or (expected is not None and term is not expected):
                 return
-            term.cancel()
-            with self._cond:
-                self._term = None
-                self._cond.notify_all()
-            log = logger.info if reason in ("stopped", "step_down", "handover") else logger.warning
-            log(
-                "node %s stops leading %r (term %d): %s",
-                self._node_id,
-                self._name,
-                term.number,
-                reason,
-            )
-            self._handler.end_term()
-            term.ended.set()
-        signals.demoted.send(
-            self, node_id=self._node_id, term=term.number, name=self._name, reason=reason
+            try:
+                term.cancel()
+                with self._cond:
+                    self._term = None
+                    if self._step_down is not None and self._step_down.term == term.number:
+                        self._step_down = None  # asked of this term only
+                    self._cond.notify_all()
+                log = (
+                    logger.info
+                    if reason in ("stopped", "step_down", "handover")
+                    else logger.warning
+                )
+                log(
+                    "node %s stops leading %r (term %d): %s",
+                    self._node_id,
+                    self._name,
+                    term.number,
+                    reason,
+                )
+                self._handler.end_term(self._stop_grace)
+            finally:
+                term.ended.set()
+                self._backend.term_ended(term.number)
+        signals.emit(
+            signals.demoted,
+            self,
+            node_id=self._node_id,
+            term=term.number,
+            name=self._name,
+            reason=reason,
         )
 
     # -- watchdog thread --------------------------------------------------------------
 
     def _watch(self) -> None:
         while True:
-            with self._cond:
-                if self._closed:
+            try:
+                if not self._watch_step():
                     return
-                term = self._term
-                if term is None or term.cancelled.is_set():
-                    self._cond.wait(1.0)
-                    continue
-                remaining = term.deadline - time.monotonic()
-                if remaining > 0:
-                    self._cond.wait(remaining)
-                    continue
-            # The keeper may be stuck in network I/O: end the term from here.
-            self._end_term("deadline", expected=term)
-            self._wake.set()
-            self._backend.interrupt()
+            except Exception:  # never let the deadline go unenforced
+                logger.exception("lease %r: error in the watchdog; it goes on", self._name)
+                time.sleep(0.05)
+
+    def _watch_step(self) -> bool:
+        """Wait for the current term's deadline (or a stop) and end the term then;
+        ``False`` once the leader is closed."""
+        with self._cond:
+            if self._closed:
+                return False
+            term = self._term
+            if term is None or term.cancelled.is_set():
+                self._cond.wait(1.0)
+                return True
+            stopping = self._stopping.is_set()
+            remaining = term.deadline - time.monotonic()
+            if not stopping and remaining > 0:
+                self._cond.wait(remaining)
+                return True
+        # The keeper may be stuck in network I/O: end the term from here.
+        self._end_term("stopped" if stopping else "deadline", expected=term)
+        self._wake.set()
+        self._backend.interrupt()
+        return True
+
+
+@dataclass(frozen=True)
+class _StepDown:
+    """A step-down asked of one term: it lapses when that term ends another way."""
+
+    term: int
+    hold: float
+    reason: str  # "step_down", or "handover" when an operator asked

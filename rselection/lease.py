@@ -16,11 +16,13 @@ from typing import Protocol, runtime_checkable
 from .errors import ConfigError
 
 __all__ = [
+    "MAX_NAME",
     "MAX_NODE_ID",
     "Acquisition",
     "LeaderInfo",
     "LeaseBackend",
     "MemoryLease",
+    "check_lease_name",
     "check_node_id",
 ]
 
@@ -99,6 +101,17 @@ class LeaseBackend(Protocol):
         :meth:`wait_for_change` then returns at once. Otherwise a ``stop()`` or
         ``step_down()`` that races with the keeper going back to sleep would wait for
         the keeper's next timeout (up to ``renew_interval``).
+        """
+
+    def term_ended(self, term: int) -> None:
+        """The leader ended ``term`` and joined its tasks (or reported them stuck).
+
+        Until this call (or :meth:`release` or :meth:`close`) a backend never closes,
+        drops or lets its own timers end the session through which it acquired ``term``:
+        an error only marks that session broken (the call raises ``BackendUnavailable``)
+        and the leader closes it once the term's tasks are joined, because a follower may
+        take over the moment the session is gone. From this call on, the backend may break
+        off a round trip stuck on a silent server. Safe from any thread.
         """
 
     def close(self) -> None:
@@ -200,6 +213,9 @@ class MemoryLease:
             self._interrupted = True
             self._changed()
 
+    def term_ended(self, term: int) -> None:
+        """Nothing to do: a memory lease has no session to keep."""
+
     def close(self) -> None:
         """Nothing to close."""
 
@@ -207,13 +223,26 @@ class MemoryLease:
 MAX_NODE_ID = 1000
 """Longest node id a lease accepts (keeps lease notifications far below NOTIFY's limit)."""
 
+MAX_NAME = 1000
+"""Longest lease name (and node id, and task name) any backend accepts."""
+
+
+def _check_text(what: str, value: object, limit: int) -> str:
+    if not isinstance(value, str) or not value.strip() or len(value) > limit or "\x00" in value:
+        raise ConfigError(
+            f"{what} must be a non-blank string of at most {limit} characters without NUL, "
+            f"got {value!r:.60}"
+        )
+    return value
+
 
 def check_node_id(node_id: object) -> str:
-    """Return ``node_id`` if it is a non-empty string of at most :data:`MAX_NODE_ID`
-    characters; else raise :class:`~rselection.errors.ConfigError`."""
-    if not isinstance(node_id, str) or not node_id or len(node_id) > MAX_NODE_ID:
-        raise ConfigError(
-            f"node_id must be a non-empty string of at most {MAX_NODE_ID} characters, "
-            f"got {node_id!r:.60}"
-        )
-    return node_id
+    """Return ``node_id`` if it is a non-blank string of at most :data:`MAX_NODE_ID`
+    characters without NUL; else raise :class:`~rselection.errors.ConfigError`."""
+    return _check_text("node_id", node_id, MAX_NODE_ID)
+
+
+def check_lease_name(name: object) -> str:
+    """Return ``name`` if it is a usable lease name (non-blank, at most :data:`MAX_NAME`
+    characters, no NUL); else raise :class:`~rselection.errors.ConfigError`."""
+    return _check_text("lease name", name, MAX_NAME)

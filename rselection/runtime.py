@@ -18,14 +18,14 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import signals
 from .claiming import claim_missed
-from .context import TaskContext, Term
+from .context import TaskContext, Term, running_term
 from .errors import LeadershipLost
 from .misfire import due_fires, split_by_policy, window
 from .schedules import format_fire_key
@@ -137,6 +137,17 @@ class TermRunner:
         return stuck
 
     def _report_stuck(self, stuck: list[str], grace: float) -> None:
+        if self.handler.on_stuck == "exit":
+            # Self-fencing must happen inside the bound: no logging (a handler may block
+            # on a full disk or a dead socket), no receivers, just a line on stderr.
+            names = ", ".join(repr(name) for name in stuck)
+            line = (
+                f"rselection: task {names} of term {self.term.number} is still running "
+                f"{grace:g}s after cancellation; exiting (code {STUCK_EXIT_CODE})\n"
+            )
+            with contextlib.suppress(OSError):
+                os.write(2, line.encode(errors="replace"))
+            os._exit(STUCK_EXIT_CODE)
         for name in stuck:
             logger.warning(
                 "task %r of term %d is still running %.1fs after cancellation; "
@@ -145,15 +156,9 @@ class TermRunner:
                 self.term.number,
                 grace,
             )
-            signals.task_stuck.send(self.handler, task=name, term=self.term.number, waited=grace)
-        if self.handler.on_stuck == "exit":
-            logger.critical(
-                "exiting the process (code %d) because tasks %s ignored cancellation",
-                STUCK_EXIT_CODE,
-                ", ".join(stuck),
+            signals.emit(
+                signals.task_stuck, self.handler, task=name, term=self.term.number, waited=grace
             )
-            logging.shutdown()
-            os._exit(STUCK_EXIT_CODE)
 
     # -- event loop -----------------------------------------------------------------
 
@@ -206,6 +211,7 @@ class TermRunner:
         unit = self._enter(name)
 
         def run() -> None:
+            running_term.set(self.term)
             try:
                 target(*args)
             finally:
@@ -222,6 +228,7 @@ class TermRunner:
         async def tracked() -> None:
             task = asyncio.current_task()
             assert task is not None
+            running_term.set(self.term)  # in this task's own context only
             self._async_tasks.add(task)
             try:
                 await coro
@@ -263,8 +270,12 @@ class TermRunner:
             spec.stats.runs += 1
             if ctx.scheduled_at is not None:
                 spec.stats.last_fire = ctx.scheduled_at
-        signals.task_started.send(
-            self.handler, task=ctx.name, term=ctx.term, scheduled_at=ctx.scheduled_at
+        signals.emit(
+            signals.task_started,
+            self.handler,
+            task=ctx.name,
+            term=ctx.term,
+            scheduled_at=ctx.scheduled_at,
         )
         return time.monotonic()
 
@@ -286,10 +297,15 @@ class TermRunner:
                 self.term.number,
                 exc_info=(type(error), error, error.__traceback__),
             )
-            signals.task_failed.send(
-                self.handler, task=spec.name, term=self.term.number, error=error
+            signals.emit(
+                signals.task_failed,
+                self.handler,
+                task=spec.name,
+                term=self.term.number,
+                error=error,
             )
-        signals.task_finished.send(
+        signals.emit(
+            signals.task_finished,
             self.handler,
             task=spec.name,
             term=self.term.number,
@@ -389,11 +405,12 @@ class TermRunner:
         now = datetime.now(UTC)
         for spec in self.specs:
             if spec.type is TaskType.SCHEDULED:
-                if term.claimer is not None:
-                    # Fires that came due while no node led, found through the claims;
-                    # here, before any newer fire, so that they run in order.
-                    self._recover(spec, now)
-                self._push(heap, spec, _schedule(spec).next_fire(now), order)
+                with self._survive(spec):
+                    if term.claimer is not None:
+                        # Fires that came due while no node led, found through the claims;
+                        # here, before any newer fire, so that they run in order.
+                        self._recover(spec, now)
+                    self._push(heap, spec, _schedule(spec).next_fire(now), order)
         while heap and term.live():
             at, _, spec = heap[0]
             delay = at.timestamp() - time.time()
@@ -404,8 +421,22 @@ class TermRunner:
             heapq.heappop(heap)
             if not term.live():
                 return
-            newest = self._dispatch(spec, at)
-            self._push(heap, spec, _schedule(spec).next_fire(newest), order)
+            with self._survive(spec):
+                newest = self._dispatch(spec, at)
+                self._push(heap, spec, _schedule(spec).next_fire(newest), order)
+
+    @contextlib.contextmanager
+    def _survive(self, spec: TaskSpec) -> Iterator[None]:
+        """Keep the scheduler going when one task's schedule or claimer raises: that task
+        fires no more this term (logged), the others go on."""
+        try:
+            yield
+        except Exception:
+            logger.exception(
+                "task %r: scheduling it failed in term %d; it fires no more this term",
+                spec.name,
+                self.term.number,
+            )
 
     def _push(
         self,
@@ -532,7 +563,8 @@ class TermRunner:
         with self._cond:
             spec.stats.skipped += 1
         logger.debug("fire of %r at %s skipped: %s", spec.name, at.isoformat(), reason)
-        signals.fire_skipped.send(
+        signals.emit(
+            signals.fire_skipped,
             self.handler,
             task=spec.name,
             scheduled_at=at,

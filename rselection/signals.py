@@ -21,12 +21,19 @@ arguments:
 - ``lease_renewed``: ``name``, ``term``, ``latency`` (seconds the renewal took),
   ``remaining`` (seconds left on the lease once renewed, by the leader's own deadline).
 
-Receivers run in the thread that sends the signal: keep them short and never block.
+Receivers run in the thread that sends the signal: keep them short and never block. A
+receiver that raises is logged with its traceback and ignored: it cannot stop the leader's
+machinery nor keep the other receivers from running.
 """
 
 from __future__ import annotations
 
-from blinker import Namespace
+import logging
+from typing import Any
+
+from blinker import NamedSignal, Namespace
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "demoted",
@@ -78,3 +85,23 @@ lease_renewed = namespace.signal(
     "lease_renewed",
     doc="The leader renewed its lease (kwargs: name, term, latency, remaining).",
 )
+
+
+def emit(signal: NamedSignal, sender: Any, **kwargs: Any) -> None:
+    """Send ``signal`` to each receiver in turn; one that raises is logged and ignored.
+
+    rselection sends every signal this way: blinker lets a receiver's exception reach the
+    sender, and the sender here is the leader's keeper, watchdog or scheduler.
+
+    Args:
+        signal: one of this module's signals.
+        sender: the leader or task handler sending it.
+        kwargs: the signal's documented keyword arguments.
+    """
+    if not signal.receivers:
+        return
+    for receiver in signal.receivers_for(sender):
+        try:
+            receiver(sender, **kwargs)
+        except Exception:
+            logger.exception("a receiver of the %r signal raised; ignored", signal.name)

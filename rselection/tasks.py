@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_check
 
 from .errors import ConfigError
 from .schedules import CronSchedule, IntervalSchedule, Schedule
+from .timing import STOP_GRACE_CAP
 
 if TYPE_CHECKING:
     import asyncio
@@ -185,13 +186,16 @@ class TaskHandler:
     """Holds the tasks a leader runs, and runs one term of them at a time.
 
     Args:
-        stop_grace: seconds to wait for tasks to finish after cancelling them.
+        stop_grace: seconds to wait for tasks to finish after cancelling them. ``None``
+            (the default) takes as long as the leader's timings allow
+            (``ttl - renew_deadline - 0.5 s``, at most 5 s); a leader refuses an explicit
+            value for which ``renew_deadline + stop_grace + 0.5 s > ttl``.
         on_stuck: ``"log"`` reports a task still running after ``stop_grace``;
             ``"exit"`` also ends the process (``os._exit(70)``), like a watchdog.
     """
 
-    def __init__(self, *, stop_grace: float = 5.0, on_stuck: StuckPolicy = "log") -> None:
-        self.stop_grace = _check_seconds("stop_grace", stop_grace)
+    def __init__(self, *, stop_grace: float | None = None, on_stuck: StuckPolicy = "log") -> None:
+        self.stop_grace = None if stop_grace is None else _check_seconds("stop_grace", stop_grace)
         _check_choice("on_stuck", on_stuck, _STUCK_POLICIES)
         self.on_stuck: StuckPolicy = on_stuck
         self._specs: dict[str, TaskSpec] = {}
@@ -446,13 +450,20 @@ class TaskHandler:
             self._runner = runner
         runner.start()
 
-    def end_term(self) -> list[str]:
-        """Cancel the running term's tasks and join them; return the names still stuck."""
+    def end_term(self, grace: float | None = None) -> list[str]:
+        """Cancel the running term's tasks and join them; return the names still stuck.
+
+        Args:
+            grace: seconds to wait for them (default: ``stop_grace``, else
+                :data:`~rselection.timing.STOP_GRACE_CAP`).
+        """
         with self._lock:
             runner, self._runner = self._runner, None
         if runner is None:
             return []
-        return runner.stop(self.stop_grace)
+        if grace is None:
+            grace = self.stop_grace if self.stop_grace is not None else STOP_GRACE_CAP
+        return runner.stop(grace)
 
     def stop(self) -> None:
         """Cancel and join the running term's tasks, if any (the leader keeps running)."""

@@ -202,7 +202,7 @@ def run_tasks(
                 raise TimeoutError(f"the single-node leader did not lead within {timeout:g} s")
             yield running
         finally:
-            leader.stop(timeout=timeout + handler.stop_grace)
+            leader.stop(timeout=timeout + leader.stop_grace)
     finally:
         signals.task_failed.disconnect(failed, sender=handler)
         signals.task_stuck.disconnect(stuck, sender=handler)

@@ -7,7 +7,13 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["Timings"]
+__all__ = ["STOP_GRACE_CAP", "STOP_GRACE_MARGIN", "Timings"]
+
+STOP_GRACE_CAP = 5.0
+"""Longest ``stop_grace`` chosen when a handler leaves it to the timings (``None``)."""
+
+STOP_GRACE_MARGIN = 0.5
+"""Seconds between the end of a paused leader's wind-down and the expiry of its lease."""
 
 
 def _seconds(what: str, value: object) -> float:
@@ -28,8 +34,10 @@ class Timings:
     - ``ttl - renew_deadline >= max(1 s, 10% of ttl)``: the leader stops at its deadline,
       measured from when its last successful renewal was *sent*, so it has stopped
       before the server lets the lease expire and another node take over;
-    - with ``on_stuck="exit"``, ``stop_grace`` fits in ``ttl - renew_deadline``, so a
-      stuck task's process is gone before the lease expires.
+    - ``renew_deadline + stop_grace + 0.5 s <= ttl`` (:meth:`check_stop_grace`): a paused
+      or cut-off leader's lease passes on by expiry, so its tasks must be cancelled and
+      joined (or reported stuck, and with ``on_stuck="exit"`` the process gone) before
+      the lease can expire.
 
     Args:
         ttl: lease length on the server.
@@ -71,11 +79,27 @@ class Timings:
         """``ttl - renew_deadline``: how long after the leader's deadline the lease lasts."""
         return self.ttl - self.renew_deadline
 
-    def check_stop_grace(self, stop_grace: float, on_stuck: str) -> None:
-        """Reject a ``stop_grace`` that would outlive the lease with ``on_stuck="exit"``."""
-        if on_stuck == "exit" and stop_grace > self.margin:
+    def stop_grace(self, requested: float | None) -> float:
+        """The ``stop_grace`` a leader with these timings uses.
+
+        ``None`` means as long as the timings allow: ``ttl - renew_deadline - 0.5 s``, at
+        most :data:`STOP_GRACE_CAP`. An explicit value is checked by
+        :meth:`check_stop_grace` and used as given.
+        """
+        if requested is None:
+            return min(STOP_GRACE_CAP, self.margin - STOP_GRACE_MARGIN)
+        self.check_stop_grace(requested)
+        return requested
+
+    def check_stop_grace(self, stop_grace: float) -> None:
+        """Refuse a ``stop_grace`` that could outlive the lease of a paused leader."""
+        total = self.renew_deadline + stop_grace + STOP_GRACE_MARGIN
+        if total > self.ttl + 1e-9:
             raise ConfigError(
-                f'with on_stuck="exit", stop_grace ({stop_grace:g}s) must fit in '
-                f"ttl - renew_deadline = {self.ttl:g} - {self.renew_deadline:g} = "
-                f"{self.margin:g}s, so a stuck process exits before its lease expires"
+                f"renew_deadline + stop_grace + 0.5 = {self.renew_deadline:g} + {stop_grace:g} "
+                f"+ 0.5 = {total:g}s exceeds ttl = {self.ttl:g}s: a leader cut off from the "
+                "lease server must have cancelled and joined its tasks before its lease "
+                f"expires and another node starts; lower stop_grace to at most "
+                f"{self.margin - STOP_GRACE_MARGIN:g}s (or leave it None), lower "
+                "renew_deadline, or raise ttl"
             )

@@ -13,7 +13,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,14 +184,20 @@ class IoWatchdog:
         """Create an idle watchdog; its thread starts on the first :meth:`guard`."""
         self._name = name
         self._cond = threading.Condition()
-        self._armed: dict[int, tuple[float, int]] = {}
+        self._armed: dict[int, tuple[float, int, Callable[[], bool] | None]] = {}
         self._fired: set[int] = set()
         self._next = 0
         self._thread: threading.Thread | None = None
         self._generation = 0  # bumped by close(): tells the current thread to end
 
     @contextlib.contextmanager
-    def guard(self, conn: psycopg.Connection[Any], seconds: float) -> Iterator[list[bool]]:
+    def guard(
+        self,
+        conn: psycopg.Connection[Any],
+        seconds: float,
+        *,
+        held: Callable[[], bool] | None = None,
+    ) -> Iterator[list[bool]]:
         """Abort ``conn``'s socket if the ``with`` body runs longer than ``seconds``.
 
         Yields a one-element list that holds ``True`` afterwards when the watchdog fired
@@ -200,13 +206,16 @@ class IoWatchdog:
         Args:
             conn: the connection whose round trip is bounded.
             seconds: the bound.
+            held: while this returns ``True`` an overrun round trip is left alone (its
+                session must not end yet); it is aborted once ``held()`` turns false and
+                :meth:`recheck` is called.
         """
         fired = [False]
         fd = conn.pgconn.socket
         with self._cond:
             token = self._next
             self._next += 1
-            self._armed[token] = (time.monotonic() + seconds, fd)
+            self._armed[token] = (time.monotonic() + seconds, fd, held)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run,
@@ -227,17 +236,25 @@ class IoWatchdog:
                     self._fired.discard(token)
                     fired[0] = True
 
+    def recheck(self) -> None:
+        """Look at overrun round trips again (a ``held`` guard may be released now)."""
+        with self._cond:
+            self._cond.notify_all()
+
     def _run(self, generation: int) -> None:
         with self._cond:
             while generation == self._generation:
                 now = time.monotonic()
-                for token, (deadline, fd) in list(self._armed.items()):
-                    if deadline <= now:
+                wait = 3600.0
+                for token, (deadline, fd, held) in list(self._armed.items()):
+                    if deadline > now:
+                        wait = min(wait, deadline - now)
+                    elif held is None or not held():
                         del self._armed[token]
                         self._fired.add(token)
                         _shutdown(fd)
-                wait = min((d for d, _ in self._armed.values()), default=now + 3600.0) - now
-                self._cond.wait(max(0.0, wait))
+                    # else overrun but held: parked until recheck()
+                self._cond.wait(wait)
 
     def close(self) -> None:
         """Stop the thread (idempotent); a later :meth:`guard` starts a new one."""

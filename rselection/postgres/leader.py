@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from ..claiming import FireClaimer, claim_missed
 from ..errors import ConfigError
 from ..leader import LeaderBase, default_node_id
+from ..lease import check_lease_name, check_node_id
 from ..timing import Timings
 from .checkpoint import PostgresCheckpointStore, TaskCheckpoint
 from .claims import PostgresClaimer
@@ -134,10 +135,8 @@ class PostgresLeader(LeaderBase):
         node_timeout: float | None = None,
         nodes_table: str = NODES_TABLE,
     ) -> None:
-        if not isinstance(name, str) or not name.strip():
-            raise ConfigError(f"lease name must be a non-empty string, got {name!r}")
-        if node_id is None:
-            node_id = default_node_id()
+        check_lease_name(name)
+        node_id = check_node_id(node_id) if node_id is not None else default_node_id()
         timings = Timings(ttl, renew_interval, renew_deadline, retry_interval)
         backend = PostgresLease(
             conninfo,

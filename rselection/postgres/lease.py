@@ -228,6 +228,10 @@ class PostgresLease:
         self._conn: psycopg.Connection[Any] | None = None
         self._pid = 0
         self._leading: _Held | None = None  # our own term, while we hold it
+        # From an acquisition until term_ended()/release()/close(): the term's tasks may
+        # run, so errors and overruns never end this session (see term_ended()).
+        self._holding = False
+        self._broken = False  # failed while holding: kept open until the hold ends
         self._seen: _Held | None = None  # another holder, as the last attempt saw it
         self._foreign_notifies = 0
         self._last_notice = ""
@@ -408,6 +412,8 @@ class PostgresLease:
         conn, self._conn = self._conn, None
         self._leading = None
         self._seen = None
+        self._holding = False
+        self._broken = False
         if conn is not None:
             try:
                 conn.close()
@@ -415,18 +421,47 @@ class PostgresLease:
                 logger.debug("lease %r: error closing the keeper", self.name, exc_info=True)
 
     def _keeper(self) -> psycopg.Connection[Any]:
+        if self._broken and not self._holding:
+            self._drop_keeper()  # its failure was reported; the hold is over: start afresh
         conn = self._conn
         if conn is None:
             self.connect()
             conn = self._conn
             assert conn is not None
-        elif conn.closed or conn.broken:
-            self._drop_keeper()
+        elif self._broken or conn.closed or conn.broken:
+            self._fail()
             raise BackendUnavailable(
                 f"the keeper connection to the lease server ({self._where}) was lost"
                 + (f": {self._last_notice}" if self._last_notice else "")
             )
         return conn
+
+    def _is_holding(self) -> bool:
+        return self._holding
+
+    def _fail(self) -> None:
+        """The keeper connection failed: close it, unless it holds a term whose tasks may
+        still run; then it stays open (broken) until :meth:`term_ended` or :meth:`close`."""
+        if self._holding:
+            self._broken = True
+        else:
+            self._drop_keeper()
+
+    def term_ended(self, term: int) -> None:
+        """The leader ended ``term`` and joined its tasks: the session may end from now on.
+
+        Until then, an error leaves the keeper session open (only marked broken) and a
+        round trip that overruns its bound is not aborted, because the server frees the
+        holder's advisory lock with the session and a follower takes over at once. Safe
+        from any thread.
+
+        Args:
+            term: the term that ended.
+        """
+        leading = self._leading
+        if leading is None or leading.term == term:
+            self._holding = False
+            self._io.recheck()
 
     def _run(
         self,
@@ -446,7 +481,7 @@ class PostgresLease:
         conn = self._keeper()
         fired = [False]
         try:
-            with self._io.guard(conn, limit) as fired:
+            with self._io.guard(conn, limit, held=self._is_holding) as fired:
                 cur = conn.execute(query)
                 results: list[list[tuple[Any, ...]] | None] = []
                 while True:
@@ -456,7 +491,7 @@ class PostgresLease:
         except expected:
             raise
         except psycopg.Error as exc:
-            self._drop_keeper()
+            self._fail()
             if fired[0]:
                 raise BackendUnavailable(
                     f"cannot {what}: no answer from the lease server ({self._where}) "
@@ -497,6 +532,7 @@ class PostgresLease:
         info = LeaderInfo(holder, term, utc(acquired_at), utc(expires_at))
         if acquired:
             self._leading = _Held(term, lock_key)
+            self._holding = True
             self._seen = None
         elif lock_held:
             self._seen = _Held(term, lock_key)  # wait on its lock: wakes when it ends
@@ -530,6 +566,7 @@ class PostgresLease:
         self._handover_hint = False
         self._handover = None
         self._leading = None
+        self._holding = False
         try:
             results = self._run(
                 self._acquire_sql(node_id),
@@ -572,7 +609,13 @@ class PostgresLease:
         if self._handover_hint and not self._handovers:
             # Someone asks for a handover: the table may have been upgraded since we
             # connected. One catalog query, only when asked.
-            found = resolve_lease_table(self._keeper(), self.table)
+            conn = self._keeper()
+            try:
+                with self._io.guard(conn, self.renew_deadline, held=self._is_holding):
+                    found = resolve_lease_table(conn, self.table)
+            except psycopg.Error as exc:
+                self._fail()
+                raise unavailable("look up the lease table", self._conninfo, exc) from exc
             self._handovers = found is not None and found[2]
         self._handover_hint = False
         self._handover = None
@@ -628,6 +671,7 @@ class PostgresLease:
         results = self._run(query, "release the lease", limit=self.renew_deadline)
         if leading is None or leading.term == term:
             self._leading = None
+            self._holding = False
         self._seen = None
         logger.debug(
             "lease %r: %s released term %s%s",
@@ -749,7 +793,7 @@ class PostgresLease:
             with self._wake_lock:
                 self._in_lock_wait = False
         if error is not None:
-            self._drop_keeper()
+            self._fail()
             raise unavailable("wait for the lease holder", self._conninfo, error) from error
         if interrupted:
             # A cancel landing between lock and unlock would leave the lock held.
@@ -787,13 +831,13 @@ class PostgresLease:
                     self._foreign_notifies += 1
                     self._note_payload(notify.extra.decode(errors="replace"))
         except psycopg.Error as exc:
-            self._drop_keeper()
+            self._fail()
             detail = self._last_notice or str(exc).strip().splitlines()[0]
             raise BackendUnavailable(
                 f"the keeper connection to the lease server ({self._where}) was lost: {detail}"
             ) from exc
         if pgconn.status != ConnStatus.OK:
-            self._drop_keeper()
+            self._fail()
             raise BackendUnavailable(
                 f"the keeper connection to the lease server ({self._where}) was lost"
                 + (f": {self._last_notice}" if self._last_notice else "")

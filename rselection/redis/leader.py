@@ -12,6 +12,7 @@ from redis.cluster import RedisCluster
 from ..claiming import FireClaimer
 from ..errors import ConfigError
 from ..leader import LeaderBase, default_node_id
+from ..lease import check_lease_name, check_node_id
 from ..timing import Timings
 from ._conn import check_client
 from .claims import RedisClaimer
@@ -126,12 +127,8 @@ class RedisLeader(LeaderBase):
         broadcaster: Broadcaster | None = None,
         claimer: FireClaimer | _Default | None = DEFAULT_CLAIMER,
     ) -> None:
-        if not isinstance(name, str) or not name.strip():
-            raise ConfigError(f"lease name must be a non-empty string, got {name!r}")
-        if node_id is None:
-            node_id = default_node_id()
-        elif not isinstance(node_id, str) or not node_id.strip():
-            raise ConfigError(f"node_id must be a non-empty string, got {node_id!r}")
+        check_lease_name(name)
+        node_id = check_node_id(node_id) if node_id is not None else default_node_id()
         timings = Timings(ttl, renew_interval, renew_deadline, retry_interval)
         client, self._owns_client = check_client(client_or_url, "RedisLeader")
         self._client = client

@@ -49,13 +49,15 @@ still names that connection and term, and was written under the same server
 This is safe only if Redis cannot close a *live* leader's connection before that
 leader's own deadline. A paused or partitioned leader's socket stays open on the
 server, except when the server's idle ``timeout`` or its TCP keepalive would close it.
-So a holder offers fast takeover (``"fast": "1"`` in the key) only when it read the
-server's ``timeout`` (0, or longer than ``renew_deadline + 1`` s) and ``tcp-keepalive``
-(0, or one whose dead-peer time, twice the setting on Linux, exceeds ``renew_deadline +
-1`` s) with ``CONFIG GET``, and it marks its keeper ``CLIENT NO-EVICT``. When the server
-forbids ``CONFIG GET`` or a follower may not run ``CLIENT LIST``, takeover waits for the
-key to expire (``ttl``), which is always safe. ``CLIENT KILL`` of a partitioned
-leader's keeper (client name ``rselection:<name>``) defeats the argument: don't.
+A cut-off leader has cancelled and joined its tasks ``renew_deadline + stop_grace +
+0.5`` s after its last renewal, which is at most ``ttl``. So a holder offers fast
+takeover (``"fast": "1"`` in the key) only when it read the server's ``timeout`` (0, or
+longer than ``ttl``) and ``tcp-keepalive`` (0, or one whose dead-peer time, twice the
+setting on Linux, exceeds ``ttl``) with ``CONFIG GET``, and it marks its keeper
+``CLIENT NO-EVICT``. When the server forbids ``CONFIG GET`` or a follower may not run
+``CLIENT LIST``, takeover waits for the key to expire (``ttl``), which is always safe.
+``CLIENT KILL`` of a partitioned leader's keeper (client name ``rselection:<name>``)
+defeats the argument: don't.
 
 A leader waits on its keeper socket (plus a self-pipe for :meth:`RedisLease.interrupt`),
 so a connection closed by the server is seen at once and the leader steps down. The
@@ -248,6 +250,10 @@ class RedisLease:
         self._fast = False  # may a follower take over from us when our connection is gone?
         self._can_probe = True  # may we run CLIENT LIST ID?
         self._leading: tuple[str, int] | None = None  # (token, term) while we hold it
+        # From an acquisition until term_ended()/release()/close(): the term's tasks may
+        # run, so an error never closes the keeper connection (see term_ended()).
+        self._holding = False
+        self._broken = False  # failed while holding: kept open until the hold ends
         self._seen: _Seen | None = None
         self._dead: _Seen | None = None
         self._presence: str | None = None  # the node id whose channel the listener joined
@@ -345,11 +351,14 @@ class RedisLease:
                 str(exc).splitlines()[0],
             )
             return False
-        bound = self.renew_deadline + 1.0
+        # A leader cut off from the server has joined its tasks by renew_deadline +
+        # stop_grace + 0.5 s <= ttl after its last renewal: the server must keep its
+        # connection at least that long.
+        bound = self.ttl
         if timeout and timeout <= bound:
             logger.warning(
-                "lease %r: the server closes idle clients after %s s (<= renew_deadline + "
-                "1 s); crash failover waits for the ttl",
+                "lease %r: the server closes idle clients after %s s (<= ttl); crash "
+                "failover waits for the ttl",
                 self.name,
                 timeout,
             )
@@ -357,7 +366,7 @@ class RedisLease:
         if keepalive and 2 * keepalive <= bound:
             logger.warning(
                 "lease %r: the server's tcp-keepalive %s s could drop a partitioned leader "
-                "before its deadline; crash failover waits for the ttl",
+                "before its tasks are joined; crash failover waits for the ttl",
                 self.name,
                 keepalive,
             )
@@ -394,6 +403,7 @@ class RedisLease:
     def _drop(self) -> None:
         conns, self._conn, self._listener = (self._conn, self._listener), None, None
         self._leading = self._seen = self._dead = None
+        self._holding = self._broken = False
         self._presence = None
         for conn in conns:
             if conn is not None:
@@ -403,27 +413,59 @@ class RedisLease:
                     logger.debug("lease %r: error closing a connection", self.name, exc_info=True)
 
     def _keeper(self) -> Any:
+        if self._broken:
+            if self._holding:
+                raise BackendUnavailable(
+                    f"the keeper connection to the lease server ({self._factory.where}) "
+                    "failed; it is closed once the term's tasks are joined"
+                )
+            self._drop()  # its failure was reported; the hold is over: start afresh
         if self._conn is None:
             self.connect()
         assert self._conn is not None
         return self._conn
 
+    def _fail(self) -> None:
+        """The keeper connection failed: close it, unless it holds a term whose tasks may
+        still run; then it stays open (broken) until :meth:`term_ended` or :meth:`close`."""
+        if self._holding:
+            self._broken = True
+        else:
+            self._drop()
+
+    def term_ended(self, term: int) -> None:
+        """The leader ended ``term`` and joined its tasks: the connection may close now.
+
+        Until then an error leaves the keeper connection open (only marked broken),
+        because Redis forgets a closed connection's client id at once and a follower then
+        takes the lease over. Safe from any thread.
+
+        Args:
+            term: the term that ended.
+        """
+        leading = self._leading
+        if leading is None or leading[1] == term:
+            self._holding = False
+
     def _call(self, *args: Any, expected: tuple[type[Exception], ...] = ()) -> Any:
-        """One command on the keeper; errors other than ``expected`` drop the connections."""
+        """One command on the keeper; errors other than ``expected`` fail the connection
+        (see :meth:`_fail`)."""
         conn = self._keeper()
         try:
             conn.send_command(*args)
-            reply = conn.read_response()
+            # Never let the client close the connection itself: while a term is held,
+            # that would let a follower take over before the term's tasks are joined.
+            reply = conn.read_response(disconnect_on_error=False)
         except expected:
             raise
         except redis.TimeoutError as exc:
-            self._drop()
+            self._fail()
             raise BackendUnavailable(
                 f"cannot {_text(args[0]).lower()} on the lease server ({self._factory.where}): "
                 f"no answer within {self.renew_deadline:g} s; reconnecting"
             ) from exc
         except (redis.RedisError, OSError) as exc:
-            self._drop()
+            self._fail()
             raise unavailable(
                 f"run {_text(args[0])} on the lease server", self._factory.where, exc
             ) from exc
@@ -485,6 +527,7 @@ class RedisLease:
             )
         if acquired:
             self._leading = (token, info.term)
+            self._holding = True
             self._seen = None
             logger.debug("lease %r: acquired by %s, term %s", self.name, node_id, info.term)
             if dead is not None:
@@ -553,6 +596,7 @@ class RedisLease:
             return
         reply = self._call("EVAL", RELEASE, 1, self.key, leading[0], str(term), self.channel)
         self._leading = None
+        self._holding = False
         self._seen = None
         logger.debug(
             "lease %r: %s released term %s%s",
@@ -631,11 +675,11 @@ class RedisLease:
     def _keeper_readable(self, conn: Any) -> None:
         # Nothing is due on an idle keeper: readable means closed (or garbage).
         try:
-            data = conn.can_read(0) and conn.read_response()
+            data = conn.can_read(0) and conn.read_response(disconnect_on_error=False)
         except (redis.RedisError, OSError) as exc:
-            self._drop()
+            self._fail()
             raise unavailable("keep the lease connection", self._factory.where, exc) from exc
-        self._drop()
+        self._fail()
         raise BackendUnavailable(
             f"the keeper connection to the lease server ({self._factory.where}) sent "
             f"something unexpected: {data!r:.80}"
@@ -654,7 +698,7 @@ class RedisLease:
             # The confirmation is read (and skipped) with the channel's messages.
             listener.send_command("SUBSCRIBE", node_channel(self.name, node_id, self.key_prefix))
         except (redis.RedisError, OSError) as exc:
-            self._drop()
+            self._fail()
             raise unavailable("listen for lease changes", self._factory.where, exc) from exc
         self._presence = node_id
 
@@ -675,7 +719,7 @@ class RedisLease:
                             continue
                     got = True
         except (redis.RedisError, OSError) as exc:
-            self._drop()
+            self._fail()
             raise unavailable("listen for lease changes", self._factory.where, exc) from exc
         return got
 

@@ -160,7 +160,7 @@ def test_fenced_write_of_an_old_term_is_refused_after_takeover(
     backend: Backend, make_leader: Callable[..., Any]
 ) -> None:
     contexts: list[rs.TaskContext] = []
-    handler = rs.TaskHandler(stop_grace=1)
+    handler = rs.TaskHandler(stop_grace=0.5)
 
     @handler.persistent("remember")
     def remember(ctx: rs.TaskContext) -> None:

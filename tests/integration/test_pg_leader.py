@@ -81,7 +81,7 @@ def test_fenced_write_of_an_old_term_is_refused(
 ) -> None:
     terms: list[int] = []
     contexts: list[rs.TaskContext] = []
-    handler = rs.TaskHandler(stop_grace=1)
+    handler = rs.TaskHandler(stop_grace=0.5)
 
     @handler.persistent("remember")
     def remember(ctx: rs.TaskContext) -> None:
@@ -157,7 +157,7 @@ def test_unreachable_database_is_logged_without_password(caplog: pytest.LogCaptu
 def test_stop_leaves_no_threads_or_connections(
     pg_dsn: str, lease_name: str, make_leader: Callable[..., PostgresLeader]
 ) -> None:
-    handler = rs.TaskHandler(stop_grace=1)
+    handler = rs.TaskHandler(stop_grace=0.5)
 
     @handler.persistent("idle")
     async def idle(ctx: rs.TaskContext) -> None:

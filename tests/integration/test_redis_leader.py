@@ -260,7 +260,7 @@ def test_fires_are_claimed_in_redis_under_the_lease_name(
     make_leader: Callable[..., RedisLeader], client: redis.Redis, name: str
 ) -> None:
     runs: list[int] = []
-    handler = rs.TaskHandler(stop_grace=1)
+    handler = rs.TaskHandler(stop_grace=0.5)
 
     @handler.interval(0.2, name="tick")
     def tick(ctx: rs.TaskContext) -> None:
@@ -280,7 +280,7 @@ def test_ctx_fence_checks_the_term_and_refuses_other_stores(
     make_leader: Callable[..., RedisLeader], client: redis.Redis
 ) -> None:
     contexts: list[rs.TaskContext] = []
-    handler = rs.TaskHandler(stop_grace=1)
+    handler = rs.TaskHandler(stop_grace=0.5)
 
     @handler.persistent("remember")
     def remember(ctx: rs.TaskContext) -> None:

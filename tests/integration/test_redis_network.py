@@ -100,7 +100,7 @@ def setup(redis_url: str, make_tcp_proxy: Callable[[str, int], TcpProxy]) -> Ite
             client = redis.Redis.from_url(redis_url, socket_timeout=5)
         clients.append(client)
         fence = RedisFence(client, name)
-        tasks = rs.TaskHandler(stop_grace=3)
+        tasks = rs.TaskHandler()
 
         @tasks.persistent("watch")
         def watch(ctx: rs.TaskContext) -> None:

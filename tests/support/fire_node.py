@@ -266,7 +266,7 @@ def node_parser() -> argparse.ArgumentParser:
     p.add_argument("--renew-interval", type=float, default=2.0)
     p.add_argument("--renew-deadline", type=float, default=10.0)
     p.add_argument("--retry-interval", type=float, default=2.0)
-    p.add_argument("--stop-grace", type=float, default=2.0)
+    p.add_argument("--stop-grace", type=float, default=None)
     return p
 
 

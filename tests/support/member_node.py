@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node", required=True)
     args = parser.parse_args(argv)
 
-    handler = rs.TaskHandler(stop_grace=2.0)
+    handler = rs.TaskHandler()
     handler.register("monitor", rs.HeartbeatMonitor(poll_interval=POLL))
 
     def joined(sender: object, **kw: Any) -> None:

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         import rselection as rs
         from rselection.postgres import PostgresLeader
 
-        handler = rs.TaskHandler(stop_grace=2.0)
+        handler = rs.TaskHandler()
         ledger = psycopg.connect(args.dsn, autocommit=True)
         lock = threading.Lock()
 

@@ -671,7 +671,7 @@ def test_stuck_task_with_on_stuck_exit_ends_the_process() -> None:
     assert result.returncode == 70, result.stderr
     assert "stop returned" not in result.stdout
     assert "task 'deaf' of term 1 is still running" in result.stderr
-    assert "exiting the process (code 70)" in result.stderr
+    assert "exiting (code 70)" in result.stderr
 
 
 # -- nothing left behind ------------------------------------------------------------------

@@ -106,7 +106,7 @@ def test_custom_name_and_node_id(leaders: Callable[..., rs.SingleNodeLeader]) ->
 
 
 def test_empty_node_id_is_refused() -> None:
-    with pytest.raises(rs.ConfigError, match="node_id must be a non-empty string"):
+    with pytest.raises(rs.ConfigError, match="node_id must be a non-blank string"):
         rs.SingleNodeLeader(idle_handler(), node_id=" ")
 
 

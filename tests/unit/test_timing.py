@@ -80,24 +80,24 @@ def test_config_error_is_a_value_error() -> None:
         Timings(ttl=-1)
 
 
-def test_check_stop_grace_only_matters_with_exit() -> None:
+def test_stop_grace_must_end_half_a_second_before_the_lease_can_expire() -> None:
     t = Timings()
-    t.check_stop_grace(60.0, "log")  # a stuck task is only reported: any grace is fine
-    t.check_stop_grace(5.0, "exit")  # fits exactly in ttl - renew_deadline
+    t.check_stop_grace(4.5)  # 10 + 4.5 + 0.5 = 15: fits exactly
     with pytest.raises(ConfigError) as info:
-        t.check_stop_grace(6.0, "exit")
+        t.check_stop_grace(5.0)
     msg = str(info.value)
-    assert "stop_grace (6s)" in msg
-    assert "ttl - renew_deadline = 15 - 10 = 5s" in msg
+    assert "renew_deadline + stop_grace + 0.5 = 10 + 5 + 0.5 = 15.5s exceeds ttl = 15s" in msg
+    assert "at most 4.5s" in msg
 
 
-def test_single_node_leader_rejects_a_stop_grace_that_outlives_the_lease() -> None:
-    handler = rs.TaskHandler(stop_grace=6.0, on_stuck="exit")
-    with pytest.raises(ConfigError, match=r'on_stuck="exit", stop_grace \(6s\) must fit'):
+@pytest.mark.parametrize("on_stuck", ["log", "exit"])
+def test_single_node_leader_rejects_a_stop_grace_that_outlives_the_lease(on_stuck: str) -> None:
+    handler = rs.TaskHandler(stop_grace=6.0, on_stuck=on_stuck)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"10 \+ 6 \+ 0.5 = 16.5s exceeds ttl"):
         rs.SingleNodeLeader(handler)
 
 
-def test_single_node_leader_accepts_a_long_grace_without_exit() -> None:
-    leader = rs.SingleNodeLeader(rs.TaskHandler(stop_grace=60.0))
-    assert leader.timings.margin == 5.0
+def test_single_node_leader_takes_the_grace_its_timings_allow() -> None:
+    leader = rs.SingleNodeLeader(rs.TaskHandler())
+    assert leader.stop_grace == 4.5
     assert not leader.is_leader

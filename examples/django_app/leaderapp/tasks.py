@@ -8,7 +8,7 @@ import rselection as rs
 
 log = logging.getLogger(__name__)
 
-handler = rs.TaskHandler(stop_grace=5.0)
+handler = rs.TaskHandler()
 """Every task of the project; ``runleader`` runs it while this process leads."""
 
 

@@ -1,0 +1,497 @@
+"""The leader's safety rules over an in-memory lease: the lease passes on only after the
+old term's tasks are joined, receivers and callers cannot break the machinery, and bad
+input is refused at construction.
+
+Each test drives a :class:`LeaderBase` over a :class:`MemoryLease` subclass that injects
+one fault (a late renewal, a failing renewal, an unexpected error) and records, with this
+process's monotonic clock, when the lease was released or the session closed, so the
+check compares that instant with when the old term's task really finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import rselection as rs
+from rselection import signals
+from rselection.errors import BackendUnavailable, ConfigError
+from rselection.leader import LeaderBase
+from rselection.lease import MemoryLease
+from rselection.timing import Timings
+from tests.support.waiting import wait_until
+
+# ttl 3 s, deadline 1 s: a renewal may be late by up to 2 s before the lease expires.
+FAST = Timings(ttl=3.0, renew_interval=0.2, renew_deadline=1.0, retry_interval=0.2)
+
+
+class FaultyLease(MemoryLease):
+    """A memory lease that can answer one renewal late or fail it, and records events."""
+
+    def __init__(self) -> None:
+        super().__init__("safety", ttl=FAST.ttl)
+        self.renew_delay = 0.0  # next renewal answers this late (then back to 0)
+        self.renew_error: BaseException | None = None  # next renewal raises this
+        self.acquire_error: BaseException | None = None  # next try_acquire raises this
+        self.released_at: list[float] = []
+        self.closed_at: list[float] = []
+        self.renewing = threading.Event()
+
+    def try_acquire(self, node_id: str) -> Any:
+        error, self.acquire_error = self.acquire_error, None
+        if error is not None:
+            raise error
+        return super().try_acquire(node_id)
+
+    def renew(self, node_id: str, term: int) -> bool:
+        delay, self.renew_delay = self.renew_delay, 0.0
+        error, self.renew_error = self.renew_error, None
+        if delay or error:
+            self.renewing.set()
+        if delay:
+            time.sleep(delay)
+        if error is not None:
+            raise error
+        return super().renew(node_id, term)
+
+    def release(self, node_id: str, term: int) -> None:
+        self.released_at.append(time.monotonic())
+        super().release(node_id, term)
+
+    def close(self) -> None:
+        self.closed_at.append(time.monotonic())
+        super().close()
+
+
+class Activity:
+    """When the persistent task of each term started and finished (monotonic)."""
+
+    def __init__(self) -> None:
+        self.started: dict[int, float] = {}
+        self.finished: dict[int, float] = {}
+        self.lock = threading.Lock()
+
+
+def stubborn_handler(activity: Activity, linger: float, stop_grace: float) -> rs.TaskHandler:
+    """A persistent task that keeps running ``linger`` seconds after cancellation."""
+    handler = rs.TaskHandler(stop_grace=stop_grace)
+
+    @handler.persistent("work")
+    def work(ctx: rs.TaskContext) -> None:
+        with activity.lock:
+            activity.started[ctx.term] = time.monotonic()
+        try:
+            ctx.cancelled.wait()
+            time.sleep(linger)  # cleanup that takes a while, within stop_grace
+        finally:
+            with activity.lock:
+                activity.finished[ctx.term] = time.monotonic()
+
+    return handler
+
+
+@pytest.fixture
+def made() -> Iterator[list[LeaderBase]]:
+    leaders: list[LeaderBase] = []
+    yield leaders
+    for leader in leaders:
+        leader.stop(timeout=10)
+
+
+def build(
+    made: list[LeaderBase], lease: MemoryLease, handler: rs.TaskHandler, **kwargs: Any
+) -> LeaderBase:
+    kwargs.setdefault("timings", FAST)
+    leader = LeaderBase(
+        lease, handler, name="safety", node_id=kwargs.pop("node_id", "n1"), **kwargs
+    )
+    made.append(leader)
+    return leader
+
+
+# -- 1. the lease passes on only after the old term's tasks are joined -----------------
+
+
+def test_a_late_renewal_does_not_release_before_the_old_tasks_are_joined(
+    made: list[LeaderBase],
+) -> None:
+    activity = Activity()
+    lease = FaultyLease()
+    leader = build(made, lease, stubborn_handler(activity, linger=1.0, stop_grace=1.5))
+    demoted: list[str] = []
+    leader_ref = leader
+
+    def on_demoted(sender: Any, **kw: Any) -> None:
+        if sender is leader_ref:
+            demoted.append(kw["reason"])
+
+    signals.demoted.connect(on_demoted)
+    try:
+        leader.start()
+        assert leader.wait_until_leader(5)
+        lease.renew_delay = 1.6  # answers after the 1 s deadline, well before the ttl
+        wait_until(lambda: 1 in activity.finished, 6, "the old task to finish")
+        wait_until(lambda: lease.released_at, 6, "the release")
+        assert demoted and demoted[0] == "deadline"
+        assert lease.released_at[0] >= activity.finished[1], (
+            f"released {activity.finished[1] - lease.released_at[0]:.3f} s before the old "
+            "term's task finished"
+        )
+    finally:
+        signals.demoted.disconnect(on_demoted)
+
+
+def test_a_failed_renewal_closes_the_session_only_after_the_old_tasks_are_joined(
+    made: list[LeaderBase],
+) -> None:
+    activity = Activity()
+    lease = FaultyLease()
+    leader = build(made, lease, stubborn_handler(activity, linger=0.5, stop_grace=1.0))
+    leader.start()
+    assert leader.wait_until_leader(5)
+    closed_before = len(lease.closed_at)
+    lease.renew_error = BackendUnavailable("renewal failed")
+    wait_until(lambda: 1 in activity.finished, 5, "the old task to finish")
+    wait_until(lambda: len(lease.closed_at) > closed_before, 5, "the close")
+    assert lease.closed_at[closed_before] >= activity.finished[1]
+
+
+# -- the stop_grace bound --------------------------------------------------------------
+
+
+def test_stop_grace_that_outlives_the_lease_is_refused_with_the_math() -> None:
+    handler = rs.TaskHandler(stop_grace=5.0)
+    with pytest.raises(ConfigError) as err:
+        LeaderBase(MemoryLease(), handler, name="x", timings=Timings())
+    message = str(err.value)
+    assert "renew_deadline + stop_grace + 0.5" in message
+    assert "10 + 5 + 0.5 = 15.5" in message and "15" in message
+
+
+def test_default_stop_grace_takes_what_the_timings_allow() -> None:
+    handler = rs.TaskHandler()
+    assert handler.stop_grace is None
+    assert Timings().stop_grace(None) == 4.5  # 15 - 10 - 0.5
+    assert FAST.stop_grace(None) == 1.5  # 3 - 1 - 0.5
+    assert Timings(ttl=60, renew_deadline=30).stop_grace(None) == 5.0  # capped
+    assert FAST.stop_grace(1.0) == 1.0
+
+
+def test_stop_grace_is_honoured_with_default_timings(made: list[LeaderBase]) -> None:
+    handler = rs.TaskHandler(stop_grace=4.5)
+    build(made, MemoryLease(), handler, timings=Timings())  # 10 + 4.5 + 0.5 = 15: fits
+
+
+# -- 3. receivers and callers cannot break the machinery --------------------------------
+
+
+def _raise(sender: Any, **kw: Any) -> None:
+    raise RuntimeError("a receiver that raises")
+
+
+LEADERSHIP_SIGNALS = ["elected", "demoted", "leader_changed", "lease_renewed"]
+TASK_SIGNALS = ["task_started", "task_finished", "task_failed", "fire_skipped", "task_stuck"]
+
+
+@pytest.mark.parametrize("name", LEADERSHIP_SIGNALS + TASK_SIGNALS)
+def test_a_raising_receiver_is_logged_and_ignored(
+    made: list[LeaderBase], name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    activity = Activity()
+    # For task_stuck, the persistent task outlives stop_grace so the signal is sent.
+    linger = 1.2 if name == "task_stuck" else 0.0
+    handler = stubborn_handler(activity, linger=linger, stop_grace=1.0)
+    fires: list[float] = []
+
+    @handler.interval(0.05, name="tick", overlap="skip")
+    def tick(ctx: rs.TaskContext) -> None:
+        fires.append(time.monotonic())
+        if name == "task_failed":
+            raise ValueError("a failing fire")
+        if name == "fire_skipped":
+            time.sleep(0.12)  # overlaps the next fire, which is skipped
+
+    lease = FaultyLease()
+    leader = build(made, lease, handler)
+    receiver = _raise
+    getattr(signals, name).connect(receiver)
+    try:
+        leader.start()
+        assert leader.wait_until_leader(5)
+        # The scheduler keeps firing in spite of the receiver.
+        wait_until(lambda: len(fires) >= 5, 5, "five fires")
+        # The watchdog still ends a term whose renewal is late.
+        lease.renew_delay = 1.6
+        wait_until(lambda: 1 in activity.finished, 5, "term 1 to end at its deadline")
+        # The keeper is alive: it leads again after the late renewal.
+        wait_until(lambda: leader.term is not None and leader.term > 1, 8, "a next term")
+        before = len(fires)
+        wait_until(lambda: len(fires) >= before + 3, 5, "fires in the next term")
+        assert leader._keeper is not None and leader._keeper.is_alive()
+    finally:
+        getattr(signals, name).disconnect(receiver)
+    assert any("receiver" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+def test_an_unexpected_keeper_error_ends_the_term_and_the_keeper_retries(
+    made: list[LeaderBase],
+) -> None:
+    activity = Activity()
+    lease = FaultyLease()
+    leader = build(made, lease, stubborn_handler(activity, linger=0.0, stop_grace=1.0))
+    reasons: list[str] = []
+
+    def on_demoted(sender: Any, **kw: Any) -> None:
+        if sender is leader:
+            reasons.append(kw["reason"])
+
+    signals.demoted.connect(on_demoted)
+    try:
+        lease.acquire_error = KeyError("surprise while following")
+        leader.start()
+        assert leader.wait_until_leader(5)
+        lease.renew_error = ZeroDivisionError("surprise while leading")
+        wait_until(lambda: "error" in reasons, 5, "a demotion with reason 'error'")
+        wait_until(lambda: leader.term is not None and leader.term > 1, 8, "a next term")
+    finally:
+        signals.demoted.disconnect(on_demoted)
+
+
+def test_lead_returns_only_after_stop(made: list[LeaderBase]) -> None:
+    lease = FaultyLease()
+    lease.acquire_error = RuntimeError("boom")
+    leader = build(made, lease, stubborn_handler(Activity(), linger=0.0, stop_grace=1.0))
+    done = threading.Event()
+    threading.Thread(target=lambda: (leader.lead(), done.set()), daemon=True).start()
+    assert leader.wait_until_leader(5)
+    assert not done.wait(0.5), "lead() returned although nobody called stop()"
+    leader.stop(timeout=5)
+    assert done.wait(5)
+
+
+def test_a_config_error_from_the_backend_makes_lead_raise(made: list[LeaderBase]) -> None:
+    class Refusing(FaultyLease):
+        def connect(self) -> None:
+            raise ConfigError("the pooler is not in session mode")
+
+    ran: list[int] = []
+    handler = rs.TaskHandler()
+
+    @handler.persistent("never")
+    def never(ctx: rs.TaskContext) -> None:
+        ran.append(ctx.term)
+
+    leader = build(made, Refusing(), handler)
+    with pytest.raises(ConfigError, match="session mode"):
+        leader.lead()
+    assert ran == []
+
+
+@pytest.mark.parametrize("signal_name", ["elected", "demoted"])
+def test_stop_from_a_receiver_on_the_keeper_thread_does_not_deadlock(
+    made: list[LeaderBase], signal_name: str
+) -> None:
+    lease = FaultyLease()
+    leader = build(made, lease, stubborn_handler(Activity(), linger=0.0, stop_grace=1.0))
+    stopped = threading.Event()
+
+    def stop_it(sender: Any, **kw: Any) -> None:
+        if sender is leader:
+            leader.stop()
+            stopped.set()
+
+    getattr(signals, signal_name).connect(stop_it)
+    try:
+        leader.start()
+        assert leader.wait_until_leader(5)
+        if signal_name == "demoted":
+            leader.step_down(wait=False)
+        assert stopped.wait(5), "stop() from a receiver did not return"
+        assert leader._keeper is not None
+        leader._keeper.join(5)
+        assert not leader._keeper.is_alive()
+    finally:
+        getattr(signals, signal_name).disconnect(stop_it)
+
+
+def test_stop_from_a_sync_task_does_not_wait_for_itself(made: list[LeaderBase]) -> None:
+    handler = rs.TaskHandler(stop_grace=1.5)
+    returned = threading.Event()
+    holder: list[LeaderBase] = []
+
+    @handler.persistent("stopper")
+    def stopper(ctx: rs.TaskContext) -> None:
+        holder[0].stop()
+        returned.set()
+
+    leader = build(made, FaultyLease(), handler)
+    holder.append(leader)
+    began = time.monotonic()
+    leader.start()
+    assert returned.wait(5)
+    assert leader._keeper is not None
+    leader._keeper.join(5)
+    took = time.monotonic() - began
+    assert not leader._keeper.is_alive()
+    assert took < 1.0, f"stop() from a task took {took:.2f} s (it waited for itself)"
+
+
+def test_stop_from_an_async_task_does_not_block_its_loop(made: list[LeaderBase]) -> None:
+    handler = rs.TaskHandler(stop_grace=1.5)
+    stuck: list[str] = []
+    holder: list[LeaderBase] = []
+
+    @handler.persistent("stopper")
+    async def stopper(ctx: rs.TaskContext) -> None:
+        holder[0].stop()
+        await asyncio.sleep(10)  # cancelled by the stop it asked for
+
+    def on_stuck(sender: Any, **kw: Any) -> None:
+        stuck.append(kw["task"])
+
+    signals.task_stuck.connect(on_stuck)
+    try:
+        leader = build(made, FaultyLease(), handler)
+        holder.append(leader)
+        began = time.monotonic()
+        leader.start()
+        assert leader._keeper is not None
+        wait_until(lambda: not leader._keeper.is_alive(), 5, "the keeper to end")  # type: ignore[union-attr]
+        took = time.monotonic() - began
+    finally:
+        signals.task_stuck.disconnect(on_stuck)
+    assert stuck == []
+    assert took < 1.0, f"stop() from an async task took {took:.2f} s"
+
+
+def test_stop_timeout_bounds_the_whole_call(made: list[LeaderBase]) -> None:
+    handler = rs.TaskHandler(stop_grace=1.5)
+
+    @handler.persistent("deaf")
+    def deaf(ctx: rs.TaskContext) -> None:
+        time.sleep(3.0)  # ignores cancellation
+
+    lease = FaultyLease()
+    leader = build(made, lease, handler)
+    leader.start()
+    assert leader.wait_until_leader(5)
+    began = time.monotonic()
+    leader.stop(timeout=0.3)
+    took = time.monotonic() - began
+    assert took < 0.6, f"stop(timeout=0.3) took {took:.2f} s"
+
+
+def test_stop_from_a_signal_handler(made: list[LeaderBase]) -> None:
+    leader = build(made, FaultyLease(), stubborn_handler(Activity(), linger=0.0, stop_grace=1.0))
+    previous = signal.signal(signal.SIGUSR1, lambda *_: leader.stop())
+    try:
+        timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGUSR1))
+        timer.start()
+        began = time.monotonic()
+        leader.lead()  # returns once the handler's stop() ran
+        assert time.monotonic() - began < 3.0
+        timer.join()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+# -- bad input at construction ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("node_id", ["x" * 1001, "", "   ", "a\x00b", 42])
+def test_bad_node_ids_are_refused_at_construction(node_id: Any) -> None:
+    handler = rs.TaskHandler()
+    with pytest.raises(ConfigError, match="node_id"):
+        LeaderBase(MemoryLease(), handler, name="x", node_id=node_id, timings=FAST)
+    with pytest.raises(ConfigError, match="node_id"):
+        rs.SingleNodeLeader(handler, node_id=node_id)
+
+
+@pytest.mark.parametrize("name", ["x" * 1001, "", "  ", None])
+def test_bad_lease_names_are_refused_at_construction(name: Any) -> None:
+    with pytest.raises(ConfigError, match="name"):
+        rs.SingleNodeLeader(rs.TaskHandler(), name=name)
+
+
+def test_a_1000_character_node_id_is_fine(made: list[LeaderBase]) -> None:
+    leader = build(made, MemoryLease(), rs.TaskHandler(), node_id="x" * 1000)
+    leader.start()
+    assert leader.wait_until_leader(5)
+
+
+# -- 4. a pending step-down belongs to its term ------------------------------------------
+
+
+def test_a_step_down_pending_when_its_term_ended_otherwise_does_not_end_the_next(
+    made: list[LeaderBase],
+) -> None:
+    lease = FaultyLease()
+    leader = build(made, lease, stubborn_handler(Activity(), linger=0.0, stop_grace=1.0))
+    leader.start()
+    assert leader.wait_until_leader(5)
+    # The keeper is busy in a late renewal, so the step-down stays pending while the
+    # watchdog ends the term at its deadline.
+    lease.renew_delay = 1.6
+    assert lease.renewing.wait(5)
+    leader.step_down(wait=False)
+    wait_until(lambda: leader.term is not None and leader.term >= 2, 8, "term 2")
+    time.sleep(1.0)  # a pending step-down would end term 2 at its first keeper step
+    assert leader.term == 2
+
+
+# -- on_stuck="exit" ----------------------------------------------------------------------
+
+
+def test_on_stuck_exit_exits_before_calling_receivers_that_could_block(tmp_path: Any) -> None:
+    script = textwrap.dedent(
+        """
+        import threading, time
+        import rselection as rs
+        from rselection import signals
+        from rselection.leader import LeaderBase
+        from rselection.lease import MemoryLease
+        from rselection.timing import Timings
+
+        handler = rs.TaskHandler(stop_grace=0.3, on_stuck="exit")
+
+        @handler.persistent("deaf")
+        def deaf(ctx):
+            time.sleep(60)
+
+        def block(sender, **kw):
+            threading.Event().wait()  # a receiver that never returns
+
+        signals.task_stuck.connect(block)
+        timings = Timings(ttl=3, renew_interval=0.2, renew_deadline=1, retry_interval=0.2)
+        leader = LeaderBase(MemoryLease(), handler, name="x", timings=timings)
+        leader.start()
+        leader.wait_until_leader(5)
+        print("leading", flush=True)
+        leader.step_down(wait=False)
+        time.sleep(30)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == b"leading"
+        began = time.monotonic()
+        code = proc.wait(10)
+        took = time.monotonic() - began
+    finally:
+        proc.kill()
+        proc.wait(5)
+    assert code == 70
+    assert took < 2.0, f"exited {took:.2f} s after the step-down (stop_grace 0.3 s)"
