@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from . import clock
-from .errors import LeadershipLost, StaleLeaderError
+from .errors import ConfigError, LeadershipLost, StaleLeaderError
 
 if TYPE_CHECKING:
     from .broadcast import Broadcaster
@@ -24,8 +25,10 @@ __all__ = ["TaskContext", "Term"]
 Fencer = Callable[[Any, int], None]
 """Checks inside a caller's transaction that a term still holds the lease.
 
-A fencer may also offer ``bind_checkpoint(task, term)``, returning the task's durable
-state bound to that term (``ctx.checkpoint``); the Postgres leader's fencer does.
+A fencer may also offer ``afence(conn, term)``, a coroutine function doing the same on
+an async connection (``ctx.afence``; both leaders' fencers do), and
+``bind_checkpoint(task, term)``, returning the task's durable state bound to that term
+(``ctx.checkpoint``; the Postgres leader's fencer does).
 """
 
 
@@ -114,6 +117,20 @@ class Term:
 def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+def _is_async_connection(conn: Any) -> bool | None:
+    """True for a connection whose queries are coroutines (psycopg ``AsyncConnection``,
+    ``redis.asyncio``), False for a blocking one, None when it has no query method."""
+    for method in ("execute", "execute_command"):
+        fn = getattr(type(conn), method, None)
+        if callable(fn):
+            return inspect.iscoroutinefunction(fn)
+    return None
+
+
+def _kind(conn: Any) -> str:
+    return f"{type(conn).__module__}.{type(conn).__qualname__}"
 
 
 # A wait's timeout is measured on CLOCK_MONOTONIC, which stands still while the machine
@@ -244,16 +261,58 @@ class TaskContext:
         With a Postgres leader the transaction fails with
         :class:`~rselection.StaleLeaderError` unless this term still holds the lease, and
         a takeover waits until the transaction ends. Without a lease table (single node)
-        it only checks that the term is live.
+        it only checks that the term is live. For an async connection use
+        :meth:`afence`.
+
+        Raises:
+            StaleLeaderError: this term no longer holds the lease; roll back.
+            ConfigError: ``conn`` is an async connection, or no transaction is open.
         """
+        if _is_async_connection(conn) is True:
+            raise ConfigError(
+                f"ctx.fence() takes a blocking connection, got {_kind(conn)} whose queries "
+                "are coroutines: use `await ctx.afence(conn)` instead"
+            )
         fencer = self._term.fencer
         if fencer is None:
-            if not self._term.live():
-                raise StaleLeaderError(
-                    f"term {self.term} has ended; roll back and let the new term do the write"
-                )
+            self._check_live_for_write()
             return
         fencer(conn, self.term)
+
+    async def afence(self, conn: Any) -> None:
+        """Async :meth:`fence` for an async connection (a psycopg ``AsyncConnection``).
+
+        Awaits the same check as :meth:`fence` inside the caller's open transaction; with
+        a :class:`~rselection.redis.RedisLeader`, a ``redis.asyncio`` client and a check
+        of the term at this moment. Without a lease table (single node) it only checks
+        that the term is live.
+
+        Raises:
+            StaleLeaderError: this term no longer holds the lease; roll back.
+            ConfigError: ``conn`` is a blocking connection, or no transaction is open.
+        """
+        if _is_async_connection(conn) is False:
+            raise ConfigError(
+                f"ctx.afence() takes an async connection (a psycopg AsyncConnection), got "
+                f"{_kind(conn)}: use ctx.fence(conn) instead"
+            )
+        fencer = self._term.fencer
+        if fencer is None:
+            self._check_live_for_write()
+            return
+        afence: Callable[[Any, int], Awaitable[None]] | None = getattr(fencer, "afence", None)
+        if afence is None:
+            raise ConfigError(
+                "this leader's fence has no async form: use ctx.fence(conn) with a "
+                "blocking connection"
+            )
+        await afence(conn, self.term)
+
+    def _check_live_for_write(self) -> None:
+        if not self._term.live():
+            raise StaleLeaderError(
+                f"term {self.term} has ended; roll back and let the new term do the write"
+            )
 
     @property
     def checkpoint(self) -> TaskCheckpoint:

@@ -11,7 +11,7 @@ from ..leader import LeaderBase, default_node_id
 from ..timing import Timings
 from .checkpoint import PostgresCheckpointStore, TaskCheckpoint
 from .claims import PostgresClaimer
-from .fencing import fenced
+from .fencing import afenced, fenced
 from .lease import PostgresLease
 from .membership import Membership
 from .schema import NODES_TABLE
@@ -54,7 +54,8 @@ class _LeaseClaims:
 
 
 class _LeaseFence:
-    """``ctx.fence`` of a Postgres leader, and the source of ``ctx.checkpoint``."""
+    """``ctx.fence`` / ``ctx.afence`` of a Postgres leader, and the source of
+    ``ctx.checkpoint``."""
 
     def __init__(
         self, name: str, table: str, idle_timeout: float, store: PostgresCheckpointStore
@@ -68,6 +69,9 @@ class _LeaseFence:
         # A paused stale leader must not hold a takeover up for longer than the
         # margin between its own deadline and the lease's expiry.
         fenced(conn, self.name, term, table=self.table, idle_timeout=self.idle_timeout)
+
+    async def afence(self, conn: Any, term: int) -> None:
+        await afenced(conn, self.name, term, table=self.table, idle_timeout=self.idle_timeout)
 
     def bind_checkpoint(self, task: str, term: int) -> TaskCheckpoint:
         return TaskCheckpoint(self.store, task, term, self)
