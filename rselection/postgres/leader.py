@@ -231,9 +231,19 @@ class PostgresLeader(LeaderBase):
         return self._membership.nodes()
 
     def _close_backend(self) -> None:
-        self._membership.stop()  # a graceful stop leaves the membership at once
+        # Also runs after every outage, before the keeper reconnects: close only what
+        # reopens on demand. Membership heartbeats go on from their own thread and
+        # connection (reconnecting by themselves) until the leader shuts down.
         super()._close_backend()
         if self._owns_store:
             self._checkpoint_store.close()  # idle connections only; reopened on demand
         if self._owned_claimer is not None:
             self._owned_claimer.close()
+
+    def _shutdown(self) -> None:
+        # Whatever ends the keeper (stop(), or an error it cannot go on after), the node
+        # leaves the membership with it: no heartbeats from a node that no longer competes.
+        try:
+            super()._shutdown()
+        finally:
+            self._membership.stop()  # deletes this node's row at once
