@@ -6,8 +6,9 @@ from a thread and a connection of its own (so a follower blocked on the lease's 
 a leader busy renewing, never delays a heartbeat). Heartbeats go on through outages:
 a failed one is retried with backoff on a new connection, independently of the lease
 keeper, until the leader stops. A node is *alive* while its last heartbeat is younger
-than ``node_timeout`` by the server's clock; no client clock is ever compared. A node that stops gracefully deletes its row at once; rows of nodes lost
-for more than a day are purged by the heartbeats of the others.
+than ``node_timeout`` by the server's clock; no client clock is ever compared. A node
+that stops gracefully deletes its row at once; rows of nodes lost for more than a day
+are purged by the heartbeats of the others.
 
 The node id, not the client address, identifies a node: many nodes behind one NAT or
 connection pooler share an address (``client_addr`` is kept for operators only).

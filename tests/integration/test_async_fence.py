@@ -22,7 +22,12 @@ from rselection.context import TaskContext, Term
 from rselection.postgres.leader import PostgresLeader
 from tests.support.waiting import wait_until
 
-FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
+FAST: dict[str, Any] = {
+    "ttl": 3.0,
+    "renew_interval": 0.5,
+    "renew_deadline": 2.0,
+    "retry_interval": 0.5,
+}
 
 
 @pytest.fixture

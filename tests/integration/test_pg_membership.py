@@ -17,6 +17,7 @@ import pytest
 
 import rselection as rs
 from rselection.postgres.leader import PostgresLeader
+from rselection.postgres.lease import PostgresLease
 from tests.support.member_node import HEARTBEAT, NODE_TIMEOUT, POLL
 from tests.support.node_process import Events, NodeProcess, count
 from tests.support.pg import PrivatePostgres
@@ -221,7 +222,9 @@ def _beats_after(dsn: str, node_id: str, instant: Any) -> Callable[[], bool]:
 
 
 def _keeper_pid(leader: PostgresLeader) -> int | None:
-    return leader._backend.backend_pid  # type: ignore[attr-defined]
+    lease = leader._backend
+    assert isinstance(lease, PostgresLease)
+    return lease.backend_pid
 
 
 def test_heartbeats_resume_after_the_keeper_session_is_terminated(

@@ -19,12 +19,9 @@ def test_on_linux_it_reads_the_boot_time_clock() -> None:
     assert before <= reading <= after
 
 
-def test_it_never_goes_back_and_counts_real_time() -> None:
+def test_it_never_goes_back_and_counts_elapsed_time() -> None:
     readings = [clock.monotonic() for _ in range(10_000)]
     assert readings == sorted(readings)
-    began, mono = clock.monotonic(), time.monotonic()
+    began = clock.monotonic()
     time.sleep(0.05)
-    took, mono_took = clock.monotonic() - began, time.monotonic() - mono
-    # Without a suspend in between, both clocks advance alike.
-    assert took >= 0.05
-    assert abs(took - mono_took) < 0.01
+    assert clock.monotonic() - began >= 0.05
