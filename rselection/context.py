@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import inspect
 import math
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from .errors import LeadershipLost, StaleLeaderError
+from . import clock
+from .errors import ConfigError, LeadershipLost, StaleLeaderError
 
 if TYPE_CHECKING:
     from .broadcast import Broadcaster
@@ -25,8 +26,10 @@ __all__ = ["TaskContext", "Term", "running_term"]
 Fencer = Callable[[Any, int], None]
 """Checks inside a caller's transaction that a term still holds the lease.
 
-A fencer may also offer ``bind_checkpoint(task, term)``, returning the task's durable
-state bound to that term (``ctx.checkpoint``); the Postgres leader's fencer does.
+A fencer may also offer ``afence(conn, term)``, a coroutine function doing the same on
+an async connection (``ctx.afence``; both leaders' fencers do), and
+``bind_checkpoint(task, term)``, returning the task's durable state bound to that term
+(``ctx.checkpoint``; the Postgres leader's fencer does).
 """
 
 
@@ -34,15 +37,16 @@ class Term:
     """One leadership term of one node: its number, deadline and cancellation flag.
 
     The leader moves :attr:`deadline` forward after each successful renewal. The term is
-    *live* while it is not cancelled and the local monotonic deadline has not passed, so
-    a task that checks in after a long pause sees the loss even before the leader's own
-    threads have woken up to cancel it.
+    *live* while it is not cancelled and the local deadline has not passed, so a task
+    that checks in after a long pause (or after the machine was suspended) sees the loss
+    even before the leader's own threads have woken up to cancel it.
 
     Args:
         number: the fencing term from the lease.
         node_id: this node's id.
         name: the lease name.
-        deadline: ``time.monotonic()`` instant after which the term is no longer live.
+        deadline: :func:`rselection.clock.monotonic` instant after which the term is no
+            longer live.
         broadcaster: handed to tasks as ``ctx.broadcaster``.
         fencer: checks a caller's transaction against the lease; ``None`` means no
             lease table exists (single node), so fencing checks liveness only.
@@ -79,13 +83,13 @@ class Term:
 
     def live(self) -> bool:
         """True while the term is neither cancelled nor past its local deadline."""
-        return not self.cancelled.is_set() and time.monotonic() < self.deadline
+        return not self.cancelled.is_set() and clock.monotonic() < self.deadline
 
     def remaining(self) -> float:
         """Seconds until the local deadline (``inf`` without one, 0 once not live)."""
         if self.cancelled.is_set():
             return 0.0
-        return max(0.0, self.deadline - time.monotonic())
+        return max(0.0, self.deadline - clock.monotonic())
 
     def cancel(self) -> None:
         """End the term: set :attr:`cancelled` and wake every sleeping task at once."""
@@ -114,6 +118,44 @@ class Term:
 def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+def _is_async_connection(conn: Any) -> bool | None:
+    """True for a connection whose queries are coroutines (psycopg ``AsyncConnection``,
+    ``redis.asyncio``), False for a blocking one, None when it has no query method."""
+    for method in ("execute", "execute_command"):
+        fn = getattr(type(conn), method, None)
+        if callable(fn):
+            return inspect.iscoroutinefunction(fn)
+    return None
+
+
+def _kind(conn: Any) -> str:
+    return f"{type(conn).__module__}.{type(conn).__qualname__}"
+
+
+# A wait's timeout is measured on CLOCK_MONOTONIC, which stands still while the machine
+# is suspended; the term's deadline is on the boot-time clock, which does not. Waking at
+# least this often bounds how long a resumed sleeper goes on believing it still leads.
+_SLICE = 1.0
+
+
+def _check_seconds(seconds: float) -> float:
+    if not seconds >= 0:
+        raise ValueError(f"sleep seconds must be >= 0, got {seconds!r}")
+    return seconds
+
+
+def _next_wait(term: Term, end: float) -> float | None:
+    """How long a sleep until ``end`` waits next; ``None`` when it is over.
+
+    Each wait lasts at most until the deadline known now: by then a renewal has moved
+    the deadline forward (the sleep goes on) or the term is no longer live.
+    """
+    now = clock.monotonic()
+    if term.cancelled.is_set() or now >= term.deadline or now >= end:
+        return None
+    return min(end - now, term.deadline - now, _SLICE)
 
 
 class TaskContext:
@@ -176,36 +218,35 @@ class TaskContext:
         return self._term.live()
 
     def sleep(self, seconds: float) -> bool:
-        """Sleep up to ``seconds``; return ``False`` at once if leadership ends meanwhile.
+        """Sleep ``seconds``; return ``False`` at once if leadership ends meanwhile.
 
-        Returns ``True`` only when the full time passed and the term is still live.
+        A sleep spans any number of renewals: it returns ``True`` once the full time has
+        passed with the term still live, and ``False`` as soon as the term is cancelled
+        or its (current) deadline passes.
         """
-        if seconds < 0:
-            raise ValueError(f"sleep seconds must be >= 0, got {seconds!r}")
         term = self._term
-        wait = min(seconds, term.remaining())
-        term.cancelled.wait(wait)
-        return term.live() and wait >= seconds
+        end = clock.monotonic() + _check_seconds(seconds)
+        while (wait := _next_wait(term, end)) is not None:
+            term.cancelled.wait(wait)
+        return term.live()
 
     async def asleep(self, seconds: float) -> bool:
         """Async :meth:`sleep` for ``async def`` tasks; never blocks the event loop."""
-        if seconds < 0:
-            raise ValueError(f"sleep seconds must be >= 0, got {seconds!r}")
         term = self._term
-        wait = min(seconds, term.remaining())
-        if wait > 0:
-            loop = asyncio.get_running_loop()
-            fut: asyncio.Future[None] = loop.create_future()
-            term._add_async_waiter(loop, fut)
-            try:
-                if term.cancelled.is_set():
-                    return False
-                await asyncio.wait_for(asyncio.shield(fut), wait)
-            except TimeoutError:
-                pass
-            finally:
-                term._remove_async_waiter(loop, fut)
-        return term.live() and wait >= seconds
+        end = clock.monotonic() + _check_seconds(seconds)
+        if _next_wait(term, end) is None:
+            return term.live()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        term._add_async_waiter(loop, fut)
+        try:
+            # Checked after registering: a cancel() that ran before resolves nothing.
+            while (wait := _next_wait(term, end)) is not None:
+                # asyncio.wait never cancels the future it waits on.
+                await asyncio.wait((fut,), timeout=wait)
+        finally:
+            term._remove_async_waiter(loop, fut)
+        return term.live()
 
     def check(self) -> None:
         """Raise :class:`~rselection.LeadershipLost` once this term is no longer live."""
@@ -221,16 +262,58 @@ class TaskContext:
         With a Postgres leader the transaction fails with
         :class:`~rselection.StaleLeaderError` unless this term still holds the lease, and
         a takeover waits until the transaction ends. Without a lease table (single node)
-        it only checks that the term is live.
+        it only checks that the term is live. For an async connection use
+        :meth:`afence`.
+
+        Raises:
+            StaleLeaderError: this term no longer holds the lease; roll back.
+            ConfigError: ``conn`` is an async connection, or no transaction is open.
         """
+        if _is_async_connection(conn) is True:
+            raise ConfigError(
+                f"ctx.fence() takes a blocking connection, got {_kind(conn)} whose queries "
+                "are coroutines: use `await ctx.afence(conn)` instead"
+            )
         fencer = self._term.fencer
         if fencer is None:
-            if not self._term.live():
-                raise StaleLeaderError(
-                    f"term {self.term} has ended; roll back and let the new term do the write"
-                )
+            self._check_live_for_write()
             return
         fencer(conn, self.term)
+
+    async def afence(self, conn: Any) -> None:
+        """Async :meth:`fence` for an async connection (a psycopg ``AsyncConnection``).
+
+        Awaits the same check as :meth:`fence` inside the caller's open transaction; with
+        a :class:`~rselection.redis.RedisLeader`, a ``redis.asyncio`` client and a check
+        of the term at this moment. Without a lease table (single node) it only checks
+        that the term is live.
+
+        Raises:
+            StaleLeaderError: this term no longer holds the lease; roll back.
+            ConfigError: ``conn`` is a blocking connection, or no transaction is open.
+        """
+        if _is_async_connection(conn) is False:
+            raise ConfigError(
+                f"ctx.afence() takes an async connection (a psycopg AsyncConnection), got "
+                f"{_kind(conn)}: use ctx.fence(conn) instead"
+            )
+        fencer = self._term.fencer
+        if fencer is None:
+            self._check_live_for_write()
+            return
+        afence: Callable[[Any, int], Awaitable[None]] | None = getattr(fencer, "afence", None)
+        if afence is None:
+            raise ConfigError(
+                "this leader's fence has no async form: use ctx.fence(conn) with a "
+                "blocking connection"
+            )
+        await afence(conn, self.term)
+
+    def _check_live_for_write(self) -> None:
+        if not self._term.live():
+            raise StaleLeaderError(
+                f"term {self.term} has ended; roll back and let the new term do the write"
+            )
 
     @property
     def checkpoint(self) -> TaskCheckpoint:

@@ -3,9 +3,10 @@
 One keeper thread talks to the lease backend (its own connection, never the event loop
 that runs tasks); a watchdog thread enforces the local deadline even while the keeper
 is stuck in network I/O. The deadline is ``renew_deadline`` after the last successful
-renewal was *sent*, measured with ``time.monotonic()``; because ``renew_deadline < ttl``
-with a margin, the leader has cancelled its tasks before the server lets the lease
-expire, and no two nodes' wall clocks are ever compared.
+renewal was *sent*, measured with :func:`rselection.clock.monotonic` (a clock that keeps
+counting through suspend); because ``renew_deadline + stop_grace + 0.5 s <= ttl``, the
+leader has cancelled and joined its tasks before the server lets the lease expire, and
+no two nodes' wall clocks are ever compared.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from datetime import UTC, datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from . import signals
+from . import clock, signals
 from .context import Fencer, Term, running_term
 from .errors import BackendUnavailable, ConfigError
 from .lease import Acquisition, LeaderInfo, LeaseBackend, check_lease_name, check_node_id
@@ -445,11 +446,11 @@ class LeaderBase:
     def _follow_step(self) -> None:
         if self._held_term is not None:
             self._release()
-        delay = self._hold_until - time.monotonic()
+        delay = self._hold_until - clock.monotonic()
         if delay > 0:
             self._pause(delay)
             return
-        sent = time.monotonic()
+        sent = clock.monotonic()
         attempt = self._backend.try_acquire(self._node_id)
         self._observe(attempt.holder)
         if attempt.acquired and attempt.holder is not None:
@@ -483,16 +484,16 @@ class LeaderBase:
         if request is not None and request.term == term.number:
             self._end_term(request.reason)
             self._release()
-            self._hold_until = time.monotonic() + request.hold
+            self._hold_until = clock.monotonic() + request.hold
             return
         handovers = self._handovers
-        wait = self._last_sent + self._timings.renew_interval - time.monotonic()
+        wait = self._last_sent + self._timings.renew_interval - clock.monotonic()
         # A handover request is noticed by a renewal; a notification about one makes
         # the renewal happen now instead of at the next interval.
         if wait > 0 and not (handovers is not None and handovers.handover_hinted()):
             self._backend.wait_for_change(wait)
             return
-        sent = time.monotonic()
+        sent = clock.monotonic()
         if not self._backend.renew(self._node_id, term.number):
             self._end_term("lost")
             self._held_term = None
@@ -502,7 +503,7 @@ class LeaderBase:
         term.deadline = sent + self._timings.renew_deadline
         self._last_sent = sent
         if signals.lease_renewed.receivers:
-            done = time.monotonic()
+            done = clock.monotonic()
             signals.emit(
                 signals.lease_renewed,
                 self,
@@ -669,9 +670,11 @@ class LeaderBase:
                 self._cond.wait(1.0)
                 return True
             stopping = self._stopping.is_set()
-            remaining = term.deadline - time.monotonic()
+            remaining = term.deadline - clock.monotonic()
             if not stopping and remaining > 0:
-                self._cond.wait(remaining)
+                # Capped: a timed wait does not count time suspended; a resumed machine
+                # is noticed within a second.
+                self._cond.wait(min(remaining, 1.0))
                 return True
         # The keeper may be stuck in network I/O: end the term from here.
         self._end_term("stopped" if stopping else "deadline", expected=term)

@@ -99,6 +99,24 @@ def _check_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[A
         )
 
 
+def _check_blocking(conn: object) -> None:
+    # An AsyncConnection's execute() returns a coroutine: refuse it before calling
+    # anything, so no query is left half-sent and no coroutine goes unawaited.
+    if isinstance(conn, psycopg.AsyncConnection):
+        raise ConfigError(
+            "fenced() takes a psycopg Connection, got an AsyncConnection: use "
+            "`await afenced(conn, name, term)` (in a task: `await ctx.afence(conn)`)"
+        )
+
+
+def _check_async(conn: object) -> None:
+    if isinstance(conn, psycopg.Connection):
+        raise ConfigError(
+            "afenced() takes a psycopg AsyncConnection, got a blocking Connection: use "
+            "`fenced(conn, name, term)` (in a task: `ctx.fence(conn)`)"
+        )
+
+
 def _stale(name: str, term: int) -> StaleLeaderError:
     return StaleLeaderError(
         f"term {term} no longer holds lease {name!r} (it was taken over, released or "
@@ -148,9 +166,11 @@ def fenced(
 
     Raises:
         StaleLeaderError: ``term`` no longer holds the lease; roll back.
-        ConfigError: bad arguments, no transaction open, or no lease table.
+        ConfigError: bad arguments, the wrong kind of connection, no transaction open,
+            or no lease table.
         BackendUnavailable: the connection broke.
     """
+    _check_blocking(conn)
     _check_transaction(conn)
     query, params = _prepare(name, term, table, idle_timeout)
     try:
@@ -181,9 +201,11 @@ async def afenced(
 
     Raises:
         StaleLeaderError: ``term`` no longer holds the lease; roll back.
-        ConfigError: bad arguments, no transaction open, or no lease table.
+        ConfigError: bad arguments, the wrong kind of connection, no transaction open,
+            or no lease table.
         BackendUnavailable: the connection broke.
     """
+    _check_async(conn)
     _check_transaction(conn)
     query, params = _prepare(name, term, table, idle_timeout)
     try:

@@ -12,7 +12,7 @@ from ..lease import check_lease_name, check_node_id
 from ..timing import Timings
 from .checkpoint import PostgresCheckpointStore, TaskCheckpoint
 from .claims import PostgresClaimer
-from .fencing import fenced
+from .fencing import afenced, fenced
 from .lease import PostgresLease
 from .membership import Membership
 from .schema import NODES_TABLE
@@ -55,7 +55,8 @@ class _LeaseClaims:
 
 
 class _LeaseFence:
-    """``ctx.fence`` of a Postgres leader, and the source of ``ctx.checkpoint``."""
+    """``ctx.fence`` / ``ctx.afence`` of a Postgres leader, and the source of
+    ``ctx.checkpoint``."""
 
     def __init__(
         self, name: str, table: str, idle_timeout: float, store: PostgresCheckpointStore
@@ -69,6 +70,9 @@ class _LeaseFence:
         # A paused stale leader must not hold a takeover up for longer than the
         # margin between its own deadline and the lease's expiry.
         fenced(conn, self.name, term, table=self.table, idle_timeout=self.idle_timeout)
+
+    async def afence(self, conn: Any, term: int) -> None:
+        await afenced(conn, self.name, term, table=self.table, idle_timeout=self.idle_timeout)
 
     def bind_checkpoint(self, task: str, term: int) -> TaskCheckpoint:
         return TaskCheckpoint(self.store, task, term, self)
@@ -226,9 +230,19 @@ class PostgresLeader(LeaderBase):
         return self._membership.nodes()
 
     def _close_backend(self) -> None:
-        self._membership.stop()  # a graceful stop leaves the membership at once
+        # Also runs after every outage, before the keeper reconnects: close only what
+        # reopens on demand. Membership heartbeats go on from their own thread and
+        # connection (reconnecting by themselves) until the leader shuts down.
         super()._close_backend()
         if self._owns_store:
             self._checkpoint_store.close()  # idle connections only; reopened on demand
         if self._owned_claimer is not None:
             self._owned_claimer.close()
+
+    def _shutdown(self) -> None:
+        # Whatever ends the keeper (stop(), or an error it cannot go on after), the node
+        # leaves the membership with it: no heartbeats from a node that no longer competes.
+        try:
+            super()._shutdown()
+        finally:
+            self._membership.stop()  # deletes this node's row at once

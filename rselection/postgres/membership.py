@@ -3,10 +3,12 @@
 Each :class:`~rselection.PostgresLeader` (leader and followers alike) upserts its row
 ``(lease name, node id)`` every ``heartbeat_interval`` seconds with the server's clock,
 from a thread and a connection of its own (so a follower blocked on the lease's lock, or
-a leader busy renewing, never delays a heartbeat). A node is *alive* while its last
-heartbeat is younger than ``node_timeout`` by the server's clock; no client clock is
-ever compared. A node that stops gracefully deletes its row at once; rows of nodes lost
-for more than a day are purged by the heartbeats of the others.
+a leader busy renewing, never delays a heartbeat). Heartbeats go on through outages:
+a failed one is retried with backoff on a new connection, independently of the lease
+keeper, until the leader stops. A node is *alive* while its last heartbeat is younger
+than ``node_timeout`` by the server's clock; no client clock is ever compared. A node
+that stops gracefully deletes its row at once; rows of nodes lost for more than a day
+are purged by the heartbeats of the others.
 
 The node id, not the client address, identifies a node: many nodes behind one NAT or
 connection pooler share an address (``client_addr`` is kept for operators only).
@@ -24,6 +26,7 @@ import psycopg
 from psycopg import sql
 
 from ..errors import BackendUnavailable, ConfigError
+from ..leader import reconnect_delay
 from ..members import NodeInfo
 from .claims import Connections
 from .schema import create_tables, table_identifier
@@ -102,23 +105,34 @@ class Membership:
             " WHERE n.name = %(lease)s ORDER BY n.started_at, n.node_id"
         ).format(n=nodes, l=leases)
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # start() and stop() may race at shutdown
         self._thread: threading.Thread | None = None
         self._failures = 0
 
     def start(self) -> None:
-        """Heartbeat now and then every ``heartbeat_interval`` in a background thread."""
-        self._thread = threading.Thread(
-            target=self._run, name=f"rselection-heartbeat-{self.lease}", daemon=True
-        )
-        self._thread.start()
+        """Heartbeat now and then every ``heartbeat_interval`` in a background thread.
+
+        The thread lives until :meth:`stop`, through any outage: a heartbeat that fails
+        is retried with backoff (at most ``heartbeat_interval`` apart) on a new
+        connection. Does nothing once stopped.
+        """
+        with self._lock:
+            if self._stop.is_set() or self._thread is not None:
+                return
+            self._thread = threading.Thread(
+                target=self._run, name=f"rselection-heartbeat-{self.lease}", daemon=True
+            )
+            self._thread.start()
 
     def stop(self) -> None:
         """Stop heartbeating and delete this node's row (best effort), then disconnect."""
-        self._stop.set()
-        if self._thread is None:  # never started: no row to delete
+        with self._lock:
+            self._stop.set()
+            thread = self._thread
+        if thread is None:  # never started: no row to delete
             self._conns.close()
             return
-        self._thread.join(self._statement_timeout + 1.0)
+        thread.join(self._statement_timeout + 1.0)
         try:
             self._execute("leave the membership table", self._leave_sql, (self.lease, self.node_id))
         except BackendUnavailable as exc:
@@ -188,5 +202,10 @@ class Membership:
                 # Once per outage at warning level; the follow-ups at debug.
                 log = logger.warning if self._failures == 1 else logger.debug
                 log("node %s could not heartbeat: %s", self.node_id, exc)
-            if self._stop.wait(self.heartbeat_interval):
+            # After a failure, try again soon (the server may be back already), backing
+            # off up to the usual interval so an outage is not hammered.
+            wait = self.heartbeat_interval
+            if self._failures:
+                wait = min(wait, reconnect_delay(self._failures))
+            if self._stop.wait(wait):
                 return

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from .claims import RedisClaimer
 from .elector import RedisElector
-from .fencing import RedisFence, fenced_call
+from .fencing import RedisFence, afenced_call, fenced_call
 from .handover import cancel_handover, current_holder, live_nodes, request_handover
 from .lease import RedisLease, handover_key, lease_keys
 
@@ -26,6 +26,7 @@ __all__ = [
     "RedisFence",
     "RedisLeader",
     "RedisLease",
+    "afenced_call",
     "cancel_handover",
     "current_holder",
     "fenced_call",

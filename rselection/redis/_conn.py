@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 import redis
+import redis.asyncio
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.connection import ConnectionPool
@@ -80,7 +81,7 @@ def describe(client_or_url: object) -> str:
         elif isinstance(client_or_url, RedisCluster):
             node: Any = client_or_url.get_default_node()  # type: ignore[no-untyped-call]
             return f"Redis Cluster via {node.host}:{node.port}"
-        elif isinstance(client_or_url, redis.Redis):
+        elif isinstance(client_or_url, redis.Redis | redis.asyncio.Redis):
             kw = client_or_url.connection_pool.connection_kwargs
         else:
             return type(client_or_url).__name__

@@ -28,12 +28,13 @@ import logging
 from typing import Any
 
 import redis
+import redis.asyncio
 
-from ..errors import ConfigError, StaleLeaderError
+from ..errors import BackendUnavailable, ConfigError, StaleLeaderError
 from ._conn import check_client, describe, unavailable
 from .lease import lease_keys
 
-__all__ = ["RedisFence", "fenced_call"]
+__all__ = ["RedisFence", "afenced_call", "fenced_call"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,23 +90,14 @@ class RedisFence:
             redis.ResponseError: the command itself failed (it ran in the script; Redis
                 does not roll earlier commands back, but a single command fails whole).
         """
-        if isinstance(term, bool) or not isinstance(term, int) or term < 1:
-            raise ConfigError(f"term must be a positive int (ctx.term), got {term!r}")
+        _check_term(term)
         try:
             ok, reply = self._script(keys=[self.key], args=[str(term), *command])
-        except redis.ResponseError as exc:
-            text = str(exc)
-            if "NOSCRIPT" in text or "NOPERM" in text or "READONLY" in text:
-                raise unavailable("run a fenced write", describe(self._client), exc) from exc
-            raise
         except redis.RedisError as exc:
-            raise unavailable("run a fenced write", describe(self._client), exc) from exc
-        if int(ok) != 1:
-            raise StaleLeaderError(
-                f"term {term} no longer holds lease {self.name!r}: the write was not made; "
-                "stop and let the new leader do it"
-            )
-        return reply
+            if (lost := _unavailable(exc, self._client)) is None:
+                raise
+            raise lost from exc
+        return _outcome(ok, reply, term, self.name)
 
     def check(self, term: int) -> None:
         """Raise :class:`StaleLeaderError` unless ``term`` holds the lease right now.
@@ -124,6 +116,30 @@ class RedisFence:
                 logger.debug("fence %r: error closing the client: %s", self.name, exc)
 
 
+def _check_term(term: int) -> None:
+    if isinstance(term, bool) or not isinstance(term, int) or term < 1:
+        raise ConfigError(f"term must be a positive int (ctx.term), got {term!r}")
+
+
+def _unavailable(exc: redis.RedisError, client: Any) -> BackendUnavailable | None:
+    """What a failed fenced script means: Redis unavailable, or (``None``) the command's
+    own error, to propagate as it is."""
+    if isinstance(exc, redis.ResponseError):
+        text = str(exc)
+        if not ("NOSCRIPT" in text or "NOPERM" in text or "READONLY" in text):
+            return None
+    return unavailable("run a fenced write", describe(client), exc)
+
+
+def _outcome(ok: Any, reply: Any, term: int, name: str) -> Any:
+    if int(ok) != 1:
+        raise StaleLeaderError(
+            f"term {term} no longer holds lease {name!r}: the write was not made; "
+            "stop and let the new leader do it"
+        )
+    return reply
+
+
 def fenced_call(
     client: Any, name: str, term: int, *command: Any, key_prefix: str = "rselection:"
 ) -> Any:
@@ -136,3 +152,35 @@ def fenced_call(
         BackendUnavailable: Redis could not be reached.
     """
     return RedisFence(client, name, key_prefix=key_prefix).call(term, *command)
+
+
+async def afenced_call(
+    client: Any, name: str, term: int, *command: Any, key_prefix: str = "rselection:"
+) -> Any:
+    """Async :func:`fenced_call` for a ``redis.asyncio`` client (``Redis`` or
+    ``RedisCluster``): runs ``command`` only if ``term`` still holds lease ``name``.
+
+    With no command, only checks the term at this moment (``await ctx.afence(client)``
+    in a :class:`~rselection.redis.RedisLeader`'s task does that).
+
+    Raises:
+        StaleLeaderError: the term no longer holds the lease; nothing was written.
+        BackendUnavailable: Redis could not be reached or refused the script.
+        ConfigError: bad arguments, or a blocking client (use :func:`fenced_call`).
+    """
+    if not isinstance(client, redis.asyncio.Redis | redis.asyncio.RedisCluster):
+        raise ConfigError(
+            "afenced_call() takes a redis.asyncio client (Redis or RedisCluster), got "
+            f"{type(client).__name__}: with a blocking client use fenced_call()"
+        )
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(f"lease name must be a non-empty string, got {name!r}")
+    _check_term(term)
+    script = client.register_script(FENCED)
+    try:
+        ok, reply = await script(keys=[lease_keys(name, key_prefix)[0]], args=[str(term), *command])
+    except redis.RedisError as exc:
+        if (lost := _unavailable(exc, client)) is None:
+            raise
+        raise lost from exc
+    return _outcome(ok, reply, term, name)

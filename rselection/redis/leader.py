@@ -7,6 +7,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import redis
+import redis.asyncio
 from redis.cluster import RedisCluster
 
 from ..claiming import FireClaimer
@@ -16,7 +17,7 @@ from ..lease import check_lease_name, check_node_id
 from ..timing import Timings
 from ._conn import check_client
 from .claims import RedisClaimer
-from .fencing import RedisFence
+from .fencing import RedisFence, afenced_call
 from .lease import RedisLease
 
 if TYPE_CHECKING:
@@ -53,7 +54,8 @@ class _LeaseClaims:
 
 
 class _LeaseFence:
-    """``ctx.fence(client)`` of a Redis leader: checks the term against the lease key."""
+    """``ctx.fence(client)`` / ``ctx.afence(client)`` of a Redis leader: checks the term
+    against the lease key."""
 
     def __init__(self, fence: RedisFence, name: str, key_prefix: str) -> None:
         self.fence = fence
@@ -69,6 +71,17 @@ class _LeaseFence:
             f"that moment (got {type(conn).__name__}). For a fenced Redis write use "
             "leader.fence.call(ctx.term, ...); writes to other stores need a fence of "
             "their own (store ctx.term with the data and refuse lower terms)"
+        )
+
+    async def afence(self, conn: Any, term: int) -> None:
+        if isinstance(conn, redis.asyncio.Redis | redis.asyncio.RedisCluster):
+            await afenced_call(conn, self.name, term, key_prefix=self.key_prefix)
+            return
+        raise ConfigError(
+            "ctx.afence() of a RedisLeader takes a redis.asyncio client and only checks "
+            f"the term at that moment (got {type(conn).__name__}); with a blocking client "
+            "call ctx.fence(client). For a fenced Redis write use "
+            "rselection.redis.afenced_call(client, name, ctx.term, ...)"
         )
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 import rselection as rs
+from rselection import clock
 from rselection.context import TaskContext, Term
 from rselection.errors import ConfigError, LeadershipLost, StaleLeaderError
 from rselection.schedules import format_fire_key
@@ -324,7 +325,7 @@ def test_sleep_returns_false_at_once_on_cancel() -> None:
 
 
 def test_sleep_stops_at_the_local_deadline() -> None:
-    ctx = TaskContext("t", Term(1, "n", deadline=time.monotonic() + 0.05))
+    ctx = TaskContext("t", Term(1, "n", deadline=clock.monotonic() + 0.05))
     began = time.monotonic()
     assert ctx.sleep(30) is False
     assert 0.04 <= time.monotonic() - began < 5
@@ -366,7 +367,7 @@ def test_check_raises_leadership_lost_after_cancel() -> None:
 
 
 def test_check_raises_after_the_local_deadline() -> None:
-    ctx = TaskContext("job", Term(1, "n", deadline=time.monotonic() - 1))
+    ctx = TaskContext("job", Term(1, "n", deadline=clock.monotonic() - 1))
     with pytest.raises(LeadershipLost):
         ctx.check()
 
