@@ -42,6 +42,14 @@ releases, and costs one statement per wait. A leader waits on its keeper socket 
 self-pipe for :meth:`PostgresLease.interrupt`), so a session closed by the server is seen
 at once and reported as :class:`~rselection.errors.BackendUnavailable`.
 
+**Never closed while the term may run.** From an acquisition until the leader calls
+:meth:`PostgresLease.term_ended` (its tasks are joined), :meth:`~PostgresLease.release`
+or :meth:`~PostgresLease.close`, the lease itself never ends the keeper session: an
+error only marks the connection broken (calls raise ``BackendUnavailable``), and a round
+trip that overruns its bound is aborted only once the hold is over. Closing the session
+would free the advisory lock, and a follower would take over while the old term's tasks
+still run.
+
 Why the server never drops a live leader's session early
 ---------------------------------------------------------
 

@@ -184,3 +184,8 @@ def test_stop_leaves_no_threads_or_connections(
             return int(row[0]) if row else -1
 
         wait_until(lambda: sessions() == 0, 5, "lease sessions to close")
+        # Asking who leads after stop() still answers, and leaves nothing open.
+        for leader in leaders:
+            assert leader.leader() is None
+        assert leftover_threads() == []
+        assert sessions() == 0
