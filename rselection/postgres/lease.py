@@ -93,7 +93,11 @@ timeline (and the start time, being another postmaster). The session checks coun
 when the row's ``holder_server`` equals this session's server; otherwise, and for a row
 without one (acquired before schema version 3), only expiry frees the lease, and by
 then the old leader's own deadline has stopped it. A renewal requires the same, so
-holding the lease is always tied to one server's session.
+holding the lease is always tied to one server's session. This relies on the promoted
+server having the old leader's last renewal: with asynchronous replication it may lack
+the renewals of its replication lag, and the lease expires that much earlier there, so
+that lag must stay below ``ttl - renew_deadline - stop_grace`` (or replicate
+synchronously).
 
 The identity is read once per keeper session, at connect, and passed to every statement
 as a literal: a session cannot outlive its postmaster, and a primary cannot become a
