@@ -26,10 +26,10 @@ __all__ = [
     "IoWatchdog",
     "Keepalives",
     "check_conninfo",
-    "client_keepalives",
     "describe_conninfo",
     "redact",
     "server_keepalives",
+    "server_user_timeout",
     "unavailable",
 ]
 
@@ -37,6 +37,10 @@ logger = logging.getLogger(__name__)
 
 #: Linux refuses more keepalive probes than this (``TCP_KEEPCNT``).
 _MAX_PROBES = 100
+
+#: How much longer than a leader's wind-down the server keeps its silent session: covers
+#: the time a renewal spends on the way to the server and the granularity of the timers.
+SESSION_MARGIN = 1.0
 
 
 @dataclass(frozen=True)
@@ -53,40 +57,46 @@ class Keepalives:
         return self.idle + self.interval * self.count
 
 
-def server_keepalives(renew_deadline: float) -> Keepalives:
+def server_keepalives(hold: float) -> Keepalives:
     """Server-side keepalives that never drop a live leader's session too early.
 
     The server may end a session whose client went silent after ``idle + interval *
-    count`` seconds; the leader steps down on its own ``renew_deadline`` seconds after it
-    *sent* its last successful renewal, and the server received that renewal later than
-    it was sent. So ``idle + interval * count > renew_deadline + 1`` guarantees that the
-    leader has stopped at least a second before the server frees its advisory lock. The
-    total is kept just above that bound so a vanished host (no FIN) still frees the lock
-    as early as is safe.
+    count`` seconds (counted from the last thing it received). A cut-off leader ends its
+    term ``renew_deadline`` after it *sent* its last successful renewal, and its tasks
+    are joined within ``stop_grace`` after that; the server received that renewal later
+    than it was sent. So with ``hold = renew_deadline + stop_grace``, ``idle + interval *
+    count > hold + SESSION_MARGIN`` guarantees that the leader's tasks have ended before
+    the server frees its advisory lock. The total is kept just above that bound so a
+    vanished host (no FIN) still frees the lock as early as is safe.
 
     Args:
-        renew_deadline: the leader's renew deadline, seconds.
+        hold: seconds the session must outlive a silent leader's last renewal
+            (``renew_deadline + stop_grace``).
     """
-    idle = max(1, math.ceil(renew_deadline / 2))
-    need = renew_deadline + 1.0 - idle  # interval * count must exceed this
+    idle = max(1, math.ceil(hold / 2))
+    need = hold + SESSION_MARGIN - idle  # interval * count must exceed this
     interval = max(1, math.ceil(need / _MAX_PROBES))
     count = max(1, math.floor(need / interval) + 1)
     ka = Keepalives(idle, interval, count)
-    assert ka.total > renew_deadline + 1.0, ka
+    assert ka.total > hold + SESSION_MARGIN, ka
     return ka
 
 
-def client_keepalives(renew_deadline: float) -> Keepalives:
-    """Client-side keepalives: notice a silently dead server within ``renew_deadline``.
+def server_user_timeout(hold: float) -> int:
+    """The server-side ``tcp_user_timeout`` of a keeper session, in milliseconds.
 
-    Only speed matters here (a leader whose connection breaks steps down; the server side
-    decides what followers may do), so probing starts at half the deadline.
+    It bounds how long the server's kernel keeps retrying data that the client does not
+    acknowledge (a NOTIFY sent into a partition) before it drops the connection, and,
+    with keepalives on, how long unanswered probes may go on. It equals the keepalive
+    total of :func:`server_keepalives`, so both ways of losing a silent client end the
+    session at the same, safe, time: later than ``hold + SESSION_MARGIN`` after the
+    leader's last renewal, and independent of the kernel's ``tcp_retries2`` (which
+    administrators lower for faster failure detection; 0 would leave the bound to it).
 
     Args:
-        renew_deadline: the leader's renew deadline, seconds.
+        hold: as for :func:`server_keepalives`.
     """
-    idle = max(1, math.floor(renew_deadline / 2))
-    return Keepalives(idle, 1, 3)
+    return server_keepalives(hold).total * 1000
 
 
 def _params(conninfo: str) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -18,12 +19,21 @@ import psycopg
 from psycopg import sql
 
 from ._conn import Keepalives
-from .schema import DEFAULT_TABLE, LEASE_HANDOVER_COLUMNS, table_identifier
+from .schema import (
+    DEFAULT_TABLE,
+    LEASE_HANDOVER_COLUMNS,
+    LEASE_SERVER_COLUMNS,
+    table_identifier,
+)
 
 __all__ = [
     "LOCK_HELD",
+    "SERVER_IDENTITY_SQL",
+    "SERVER_START_SQL",
+    "LeaseTable",
     "acquire_sql",
     "current_sql",
+    "describe_lease_table",
     "free_condition",
     "lease_channel",
     "lease_lock_key",
@@ -31,6 +41,7 @@ __all__ = [
     "release_sql",
     "renew_sql",
     "resolve_lease_table",
+    "server_identity",
     "session_sql",
     "state_sql",
     "utc",
@@ -72,6 +83,58 @@ def lease_channel(qualified_table: str, name: str) -> str:
     return "rselection:" + hashlib.blake2b(channel.encode(), digest_size=16).hexdigest()
 
 
+@dataclass(frozen=True)
+class LeaseTable:
+    """A lease table as the server resolved it.
+
+    Attributes:
+        oid: its OID (names the lock key, see :func:`lease_lock_key`).
+        qualified: its ``schema.table`` name (names the channel, see :func:`lease_channel`).
+        handovers: it has the handover columns (schema version 2).
+        servers: it has the ``holder_server`` column (schema version 3).
+    """
+
+    oid: int
+    qualified: str
+    handovers: bool
+    servers: bool
+
+
+def describe_lease_table(
+    conn: psycopg.Connection[Any], table: str = DEFAULT_TABLE
+) -> LeaseTable | None:
+    """Find a lease table as the server resolves it; ``None`` when it does not exist.
+
+    Args:
+        conn: an open connection (its ``search_path`` resolves an unqualified name).
+        table: the lease table, optionally schema-qualified.
+    """
+    row = conn.execute(
+        "SELECT c.oid::bigint, n.nspname, c.relname,"
+        " (SELECT count(*) FROM pg_catalog.pg_attribute a WHERE a.attrelid = c.oid"
+        " AND a.attname = ANY(%s) AND NOT a.attisdropped),"
+        " (SELECT count(*) FROM pg_catalog.pg_attribute a WHERE a.attrelid = c.oid"
+        " AND a.attname = ANY(%s) AND NOT a.attisdropped)"
+        " FROM pg_catalog.pg_class c"
+        " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE c.oid = to_regclass(%s)",
+        (
+            list(LEASE_HANDOVER_COLUMNS),
+            list(LEASE_SERVER_COLUMNS),
+            table_identifier(table).as_string(conn),
+        ),
+    ).fetchone()
+    if row is None:
+        return None
+    oid, schema, relname, handovers, servers = row
+    return LeaseTable(
+        int(oid),
+        f"{schema}.{relname}",
+        handovers == len(LEASE_HANDOVER_COLUMNS),
+        servers == len(LEASE_SERVER_COLUMNS),
+    )
+
+
 def resolve_lease_table(
     conn: psycopg.Connection[Any], table: str = DEFAULT_TABLE
 ) -> tuple[int, str, bool] | None:
@@ -84,19 +147,44 @@ def resolve_lease_table(
         conn: an open connection (its ``search_path`` resolves an unqualified name).
         table: the lease table, optionally schema-qualified.
     """
-    row = conn.execute(
-        "SELECT c.oid::bigint, n.nspname, c.relname,"
-        " (SELECT count(*) FROM pg_catalog.pg_attribute a WHERE a.attrelid = c.oid"
-        " AND a.attname = ANY(%s) AND NOT a.attisdropped)"
-        " FROM pg_catalog.pg_class c"
-        " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
-        " WHERE c.oid = to_regclass(%s)",
-        (list(LEASE_HANDOVER_COLUMNS), table_identifier(table).as_string(conn)),
-    ).fetchone()
-    if row is None:
+    found = describe_lease_table(conn, table)
+    if found is None:
         return None
-    oid, schema, relname, columns = row
-    return int(oid), f"{schema}.{relname}", columns == len(LEASE_HANDOVER_COLUMNS)
+    return found.oid, found.qualified, found.handovers
+
+
+#: Reads what identifies the server of this session, as long as the session lives:
+#: whether it is a standby (in recovery), its system identifier, its WAL insertion
+#: timeline (the first 8 hex digits of the current WAL file name: it is the new
+#: timeline from the moment a promoted standby accepts writes, while
+#: ``pg_control_checkpoint()`` lags until the next checkpoint) and the postmaster's
+#: start time. Every function here is executable by any role on a stock server.
+SERVER_IDENTITY_SQL = sql.SQL(
+    "SELECT pg_is_in_recovery(),"
+    " (SELECT system_identifier FROM pg_catalog.pg_control_system()),"
+    " CASE WHEN NOT pg_is_in_recovery()"
+    " THEN pg_walfile_name(pg_current_wal_lsn()) END,"
+    " pg_postmaster_start_time()"
+)
+
+#: The same without the functions a hardened or managed server may refuse: the postmaster
+#: start time alone still tells servers and restarts apart.
+SERVER_START_SQL = sql.SQL(
+    "SELECT pg_is_in_recovery(), NULL::bigint, NULL::text, pg_postmaster_start_time()"
+)
+
+
+def server_identity(system_id: int | None, walfile: str | None, started: datetime) -> str:
+    """The ``holder_server`` text of a server: ``"<system id>/<timeline>/<start>"``.
+
+    Args:
+        system_id: ``pg_control_system().system_identifier`` (``None``: unknown, ``-``).
+        walfile: a WAL file name of the server's current timeline (``None``: unknown).
+        started: ``pg_postmaster_start_time()``.
+    """
+    timeline = "-" if not walfile else str(int(walfile[:8], 16))
+    system = "-" if system_id is None else str(system_id)
+    return f"{system}/{timeline}/{utc(started).isoformat()}"
 
 
 def utc(value: datetime) -> datetime:
@@ -118,11 +206,15 @@ LOCK_HELD = (
 )
 
 
-def session_sql(keepalives: Keepalives, channel: str) -> sql.Composed:
-    """Pin the keeper session's settings, read back its keepalives, and LISTEN.
+def session_sql(keepalives: Keepalives, user_timeout: int, channel: str) -> sql.Composed:
+    """Pin the keeper session's settings, read back its TCP settings, and LISTEN.
+
+    The second statement returns the keepalives (idle, interval, count) and
+    ``tcp_user_timeout`` (ms) in effect.
 
     Args:
         keepalives: the server-side TCP keepalives to set.
+        user_timeout: the server-side ``tcp_user_timeout`` to set, milliseconds.
         channel: the lease's channel.
     """
     ka = keepalives
@@ -134,7 +226,7 @@ def session_sql(keepalives: Keepalives, channel: str) -> sql.Composed:
         "tcp_keepalives_idle": str(ka.idle),
         "tcp_keepalives_interval": str(ka.interval),
         "tcp_keepalives_count": str(ka.count),
-        "tcp_user_timeout": "0",
+        "tcp_user_timeout": str(user_timeout),
         "default_transaction_isolation": "read committed",
         "default_transaction_read_only": "off",
     }
@@ -148,25 +240,41 @@ def session_sql(keepalives: Keepalives, channel: str) -> sql.Composed:
         " JOIN pg_catalog.pg_settings s ON s.name = v.name;"
         " SELECT current_setting('tcp_keepalives_idle')::int,"
         " current_setting('tcp_keepalives_interval')::int,"
-        " current_setting('tcp_keepalives_count')::int;"
+        " current_setting('tcp_keepalives_count')::int,"
+        " current_setting('tcp_user_timeout', true)::int;"
         " LISTEN {channel}"
     ).format(values=values, channel=sql.Identifier(channel))
 
 
-def free_condition() -> sql.SQL:
+def same_server(server: str | None) -> sql.Composable:
+    """True when row ``t``'s holder session is on this server (``server``); never NULL.
+
+    Args:
+        server: this session's :func:`server_identity`, or ``None`` when the table has
+            no ``holder_server`` column (then never true).
+    """
+    if server is None:
+        return sql.SQL("false")
+    return sql.SQL("coalesce(t.holder_server = {}, false)").format(sql.Literal(server))
+
+
+def free_condition(server: str | None) -> sql.Composed:
     """True when row ``t`` may be taken: free, expired, dead holder, or our own.
 
-    The session checks (own pid, lock not held) only count for a holder that renewed
-    since the server (re)started: a restart ends every session at once, also that of
-    a leader cut off from the server, which cannot have noticed; such a lease is
-    only taken over once it expires.
+    The session checks (own pid, lock not held) only count for a holder whose session
+    is on this very server, as recorded when it acquired (:func:`same_server`): after a
+    restart or a failover to a promoted standby the holder's pid and lock mean nothing
+    here, and its leader, cut off from the old server, may not have noticed; such a
+    lease is only taken over once it expires.
+
+    Args:
+        server: this session's server identity (``None``: expiry only).
     """
     return sql.SQL(
         "(t.holder IS NULL OR t.holder_pid IS NULL OR t.expires_at IS NULL"
         " OR t.expires_at <= clock_timestamp()"
-        " OR (t.renewed_at > pg_postmaster_start_time()"
-        " AND (t.holder_pid = pg_backend_pid() OR NOT " + LOCK_HELD + ")))"
-    )
+        " OR ({same} AND (t.holder_pid = pg_backend_pid() OR NOT " + LOCK_HELD + ")))"
+    ).format(same=same_server(server))
 
 
 def not_reserved(node: sql.Literal, *, handovers: bool) -> sql.Composable:
@@ -190,12 +298,15 @@ def not_reserved(node: sql.Literal, *, handovers: bool) -> sql.Composable:
     ).format(node=node)
 
 
-def state_sql(table: sql.Composable, name: str, node_id: str, *, handovers: bool) -> sql.Composed:
+def state_sql(
+    table: sql.Composable, name: str, node_id: str, *, handovers: bool, server: str | None
+) -> sql.Composed:
     """Read the lease row as node ``node_id`` sees it.
 
     Columns: holder, term, lock_key, acquired_at, expires_at, seconds until expiry,
-    whether the holder's lock is held, and seconds the row stays reserved against
-    ``node_id`` by a handover request (0 when it may take the lease).
+    whether the holder's lock is held (on this server: see :func:`same_server`), and
+    seconds the row stays reserved against ``node_id`` by a handover request (0 when it
+    may take the lease).
     """
     node = sql.Literal(node_id)
     reserved: sql.Composable
@@ -209,8 +320,8 @@ def state_sql(table: sql.Composable, name: str, node_id: str, *, handovers: bool
     return sql.SQL(
         "SELECT t.holder, t.term, t.lock_key, t.acquired_at, t.expires_at,"
         " greatest(0, extract(epoch FROM t.expires_at - clock_timestamp()))::float8,"
-        " " + LOCK_HELD + ", {reserved} FROM {t} AS t WHERE t.name = {name}"
-    ).format(t=table, name=sql.Literal(name), reserved=reserved)
+        " ({same} AND " + LOCK_HELD + "), {reserved} FROM {t} AS t WHERE t.name = {name}"
+    ).format(t=table, name=sql.Literal(name), reserved=reserved, same=same_server(server))
 
 
 def acquire_sql(
@@ -222,19 +333,25 @@ def acquire_sql(
     ttl: float,
     channel: str,
     handovers: bool,
+    server: str | None,
     lock_timeout: float,
 ) -> sql.Composed:
     """Take the lease for ``node_id`` if it may be taken, then read the row (one query).
 
     Statements: bound the row-lock wait by ``lock_timeout`` seconds, drop any advisory
     lock the session holds, create the row if missing (with ``lock_key``), take it over
-    (new term, the new term's advisory lock, a NOTIFY on ``channel``; one row, or none),
-    and :func:`state_sql`.
+    (new term, the new term's advisory lock, this session's ``server`` identity, a
+    NOTIFY on ``channel``; one row, or none), and :func:`state_sql`.
     """
     literal_name = sql.Literal(name)
     clear = (
         sql.SQL(", resign_term = NULL, resign_from = NULL, resign_to = NULL, resign_until = NULL")
         if handovers
+        else sql.SQL("")
+    )
+    record = (
+        sql.SQL(", holder_server = {}").format(sql.Literal(server))
+        if server is not None
         else sql.SQL("")
     )
     return sql.SQL(
@@ -249,7 +366,7 @@ def acquire_sql(
         "  UPDATE {t} AS t SET holder = {node}, term = t.term + 1,"
         "  holder_pid = pg_backend_pid(), acquired_at = clock_timestamp(),"
         "  renewed_at = clock_timestamp(),"
-        "  expires_at = clock_timestamp() + {ttl} * interval '1 second'{clear}"
+        "  expires_at = clock_timestamp() + {ttl} * interval '1 second'{record}{clear}"
         "  FROM locked WHERE t.name = locked.name AND {free} AND {open}"
         "  RETURNING t.term, t.lock_key"
         " )"
@@ -264,21 +381,32 @@ def acquire_sql(
         t=table,
         name=literal_name,
         key=sql.Literal(lock_key),
-        free=free_condition(),
+        free=free_condition(server),
         open=not_reserved(sql.Literal(node_id), handovers=handovers),
+        record=record,
         clear=clear,
         node=sql.Literal(node_id),
         ttl=sql.Literal(ttl),
         channel=sql.Literal(channel),
-        state=state_sql(table, name, node_id, handovers=handovers),
+        state=state_sql(table, name, node_id, handovers=handovers, server=server),
     )
 
 
 def renew_sql(
-    table: sql.Composable, name: str, node_id: str, term: int, *, ttl: float, handovers: bool
+    table: sql.Composable,
+    name: str,
+    node_id: str,
+    term: int,
+    *,
+    ttl: float,
+    handovers: bool,
+    server: str | None,
 ) -> sql.Composed:
     """Extend ``node_id``'s ``term`` to ``now() + ttl``; one row when renewed, else none.
 
+    Only the holder's own session renews: same pid on the same server (``server``, as
+    recorded at acquisition; without the column, a renewal since the server started),
+    so a backend that reuses the pid after a restart or on a promoted standby cannot.
     The row returned says whether a handover request is pending for ``term``, the node
     it names and the seconds left of its window.
     """
@@ -294,9 +422,13 @@ def renew_sql(
         "UPDATE {t} SET renewed_at = now(), expires_at = now() + {ttl} * interval '1 second'"
         " WHERE name = {name} AND holder = {node} AND term = {term}"
         " AND holder_pid = pg_backend_pid() AND expires_at > now()"
-        " AND renewed_at > pg_postmaster_start_time()"
-        " RETURNING {returning}"
+        " AND {same} RETURNING {returning}"
     ).format(
+        same=(
+            sql.SQL("holder_server = {}").format(sql.Literal(server))
+            if server is not None
+            else sql.SQL("renewed_at > pg_postmaster_start_time()")
+        ),
         t=table,
         ttl=sql.Literal(ttl),
         name=sql.Literal(name),

@@ -147,6 +147,7 @@ class PostgresLeader(LeaderBase):
             name=name,
             ttl=timings.ttl,
             renew_deadline=timings.renew_deadline,
+            stop_grace=timings.stop_grace(handler.stop_grace),
             table=table,
             create_tables=create_tables,
         )

@@ -4,22 +4,24 @@ How the lease works
 -------------------
 
 One row per lease name (see :mod:`rselection.postgres.schema`) holds the holder's node
-id, the fencing ``term``, the holder's keeper backend pid, and server times. Every time
-comparison is made by the server (``now()``, ``clock_timestamp()``); no client clock is
-ever compared.
+id, the fencing ``term``, the holder's keeper backend pid, the identity of the server
+that session is on, and server times. Every time comparison is made by the server
+(``now()``, ``clock_timestamp()``); no client clock is ever compared.
 
 **Session liveness.** The holder's keeper session holds the session advisory lock
 ``pg_advisory_lock(lock_key, term % 2**31)`` (two-int form) for as long as it leads, so
 "the holder's session is alive" is exactly "that lock is granted to ``holder_pid``" in
-``pg_locks``. When the holder's process dies, its connection closes, or an admin
-terminates its backend, the server frees the lock at once.
+``pg_locks`` *of the server that session is on*. When the holder's process dies, its
+connection closes, or an admin terminates its backend, the server frees the lock at
+once. The session checks only count on that server: see "Restarts and promoted
+standbys" below.
 
 **Acquire** (:meth:`PostgresLease.try_acquire`) is one round trip, one implicit
 transaction. The row is locked ``FOR UPDATE`` *only* when a takeover looks possible
 (holder NULL, lease expired, holder's lock not granted to ``holder_pid``, or this very
-session is the holder; the last two only for a holder that renewed since the server
-started, see below), then re-checked under the lock and updated: ``term + 1``,
-``holder_pid = pg_backend_pid()``, ``expires_at = clock_timestamp() + ttl``, measured
+session is the holder; the last two only when the row's ``holder_server`` is this
+server), then re-checked under the lock and updated: ``term + 1``, ``holder_pid =
+pg_backend_pid()``, ``holder_server``, ``expires_at = clock_timestamp() + ttl``, measured
 after any wait for the row lock, so a takeover that waited still gets a full ttl (never
 less than the ttl from when the request was sent); the new holder takes
 its advisory lock in the same transaction, before commit, so nobody can see the new
@@ -29,9 +31,9 @@ takeover wait for fenced transactions of the old term (``FOR KEY SHARE``, see
 so they never block renewals or fenced transactions, and are never blocked by them.
 
 **Renew** is a single ``UPDATE`` of non-key columns guarded by holder, term, the keeper's
-backend pid (and a renewal since the server started) and ``expires_at > now()``: a
-renewal never revives an expired lease and a reconnected keeper (new pid) can never
-renew, so a leader whose session ended has lost.
+backend pid on the recorded server and ``expires_at > now()``: a renewal never revives
+an expired lease and a reconnected keeper (new pid, or the same pid on another server)
+can never renew, so a leader whose session ended has lost.
 
 **Release** clears the holder (the term is kept), frees the advisory lock and sends a
 ``NOTIFY`` on :attr:`PostgresLease.channel` (also sent on every acquisition).
@@ -54,18 +56,31 @@ Why the server never drops a live leader's session early
 ---------------------------------------------------------
 
 Fast failover trusts the server's view of the holder's session, so the server must not
-end a session whose leader still believes it leads. The keeper pins, on every connect:
+end a session whose leader may still run tasks. A leader cut off from the server ends
+its term ``renew_deadline`` after it *sent* its last successful renewal and joins its
+tasks within ``stop_grace`` after that; the server received that renewal no earlier than
+it was sent. So the keeper pins, on every connect (``hold = renew_deadline +
+stop_grace``):
 
 * ``idle_session_timeout = 0``, ``idle_in_transaction_session_timeout = 0``,
   ``statement_timeout = 0``: no timer ends the session while the leader is healthy.
-* ``tcp_keepalives_idle/interval/count`` with ``idle + interval * count >
-  renew_deadline + 1`` s. The server only drops a silent client after that long
-  without receiving anything from it. The leader steps down ``renew_deadline`` after it
-  *sent* its last successful renewal, and the server received that renewal no earlier
-  than it was sent; so by the time the server frees the lock, the leader has been
-  stopped for more than a second.
-* ``tcp_user_timeout = 0``: unacknowledged data (a NOTIFY to a partitioned leader) is
-  then retried for the kernel's full retransmission time (minutes), not less.
+* ``tcp_keepalives_idle/interval/count`` with ``idle + interval * count > hold + 1``
+  s. The server only drops a silent client after that long without receiving anything
+  from it; by then the cut-off leader's tasks have ended more than a second ago.
+* ``tcp_user_timeout`` = the same total, in milliseconds. It decides how long the
+  server's kernel retries data the client does not acknowledge (a NOTIFY sent into a
+  partition) and, with keepalives, caps unanswered probes. Left at 0 the kernel's
+  ``net.ipv4.tcp_retries2`` would decide instead: about 15 minutes by default, which is
+  safe but holds a vanished leader's backend that long, and a few seconds where an
+  administrator lowered it for faster failure detection, which would free the lock
+  while the cut-off leader still runs. An explicit value makes the bound hold on any
+  server and still frees a vanished host's session as early as is safe.
+
+A check at connect reads the values back and warns when the server did not take them.
+The client side of the keeper connection uses the same keepalives and
+``tcp_user_timeout``: a client kernel that gives up on the server sends a RST, which can
+reach the server over a one-way partition. The leader's own deadline, not its socket,
+tells it when to stop.
 
 A session that the server ends while the network works (``pg_terminate_backend``, a
 server restart) is seen by the leader at once, because its keeper waits on the socket;
@@ -73,15 +88,43 @@ it steps down then. Followers act on the freed lock within milliseconds too, so 
 short time both run, fencing (:func:`~rselection.postgres.fenced`) is what keeps a
 deposed leader's writes from committing after the new term's.
 
+Restarts and promoted standbys
+------------------------------
+
 A server restart ends every session at once, also that of a leader cut off from the
-server, which cannot notice. So the session checks only count for a holder whose
-``renewed_at`` is later than ``pg_postmaster_start_time()``; a lease held across a
-restart is taken over only when it expires (by then the leader's own deadline has
-stopped it). What remains unprotected is a server that ends a *partitioned* leader's
-session some other way before that leader's deadline: an administrator's
+server, which cannot notice. A failover to a promoted standby (Patroni, a managed
+service's Multi-AZ failover, a replica promoted by hand) is worse: the standby's copy of
+the row names a ``holder_pid`` that holds nothing there, while the old leader, cut off
+from the old primary, runs its term until its deadline. So every acquisition records
+the server's identity in ``holder_server``: ``"<system identifier>/<timeline>/<postmaster
+start time>"`` (``pg_control_system()``; the timeline of ``pg_walfile_name(
+pg_current_wal_lsn())``, which is the new one from the moment a promoted standby
+writes, while ``pg_control_checkpoint()`` lags until the next checkpoint; and
+``pg_postmaster_start_time()``). A restart changes the start time, a promotion the
+timeline (and the start time, being another postmaster). The session checks count only
+when the row's ``holder_server`` equals this session's server; otherwise, and for a row
+without one (acquired before schema version 3), only expiry frees the lease, and by
+then the old leader's own deadline has stopped it. A renewal requires the same, so
+holding the lease is always tied to one server's session. This relies on the promoted
+server having the old leader's last renewal: with asynchronous replication it may lack
+the renewals of its replication lag, and the lease expires that much earlier there, so
+that lag must stay below ``ttl - renew_deadline - stop_grace`` (or replicate
+synchronously).
+
+The identity is read once per keeper session, at connect, and passed to every statement
+as a literal: a session cannot outlive its postmaster, and a primary cannot become a
+standby without a restart, so it cannot change while the session can write (a standby
+is refused at connect). Every function it uses is executable by any role on a stock
+server; where a hardened server refuses ``pg_control_system()`` or the WAL functions,
+the start time alone is recorded, which still tells servers and restarts apart. On a
+table not yet upgraded to schema version 3 (``create_tables=False``) nothing is
+recorded and only expiry frees a lease.
+
+What remains unprotected is a server that ends a *partitioned* leader's session some
+other way before that leader's tasks have ended: an administrator's
 ``pg_terminate_backend``, or a crash of a backend (the postmaster then resets every
-session without restarting). Avoid terminating keeper sessions (``application_name``
-``rselection:<name>``) by hand.
+session without restarting, and keeps its start time). Avoid terminating keeper
+sessions (``application_name`` ``rselection:<name>``) by hand.
 
 Not supported: connection poolers in transaction or statement mode (session advisory
 locks and LISTEN need a real session); ``log_lock_waits = on`` logs each follower wait
@@ -109,22 +152,27 @@ from ..errors import BackendUnavailable, ConfigError
 from ..leader import HandoverRequest
 from ..lease import Acquisition, LeaderInfo, check_node_id
 from ._conn import (
+    SESSION_MARGIN,
     IoWatchdog,
     Keepalives,
     check_conninfo,
-    client_keepalives,
     describe_conninfo,
     server_keepalives,
+    server_user_timeout,
     unavailable,
 )
 from ._lease_sql import (
+    SERVER_IDENTITY_SQL,
+    SERVER_START_SQL,
     acquire_sql,
     current_sql,
+    describe_lease_table,
     lease_channel,
     lease_lock_key,
     release_sql,
     renew_sql,
     resolve_lease_table,
+    server_identity,
     session_sql,
     state_sql,
     utc,
@@ -176,8 +224,12 @@ class PostgresLease:
             pooler).
         name: the lease name; nodes using the same name and table compete.
         ttl: lease length on the server, seconds.
-        renew_deadline: the leader's renew deadline, seconds (``< ttl``); sizes the
-            server's TCP keepalives so the server never drops a live leader too early.
+        renew_deadline: the leader's renew deadline, seconds (``< ttl``).
+        stop_grace: seconds the leader waits for its tasks after its term ends
+            (``TaskHandler.stop_grace``). With ``renew_deadline`` it sizes the keeper
+            session's server-side TCP keepalives and ``tcp_user_timeout``, so that the
+            server never ends a cut-off leader's session, and lets a follower take
+            over, before that leader's tasks are joined.
         table: lease table, optionally schema-qualified (``"ops.leases"``).
         create_tables: run :func:`~rselection.postgres.migrate` on every connect (cheap
             no-ops when the tables exist).
@@ -195,6 +247,7 @@ class PostgresLease:
         name: str = "default",
         ttl: float = 15.0,
         renew_deadline: float = 10.0,
+        stop_grace: float = 5.0,
         table: str = DEFAULT_TABLE,
         create_tables: bool = True,
         connect_timeout: float = 5.0,
@@ -211,6 +264,10 @@ class PostgresLease:
                 raise ConfigError(f"{label} must be a number of seconds, got {value!r}")
             if not (value > 0 and math.isfinite(value)):
                 raise ConfigError(f"{label} must be positive and finite, got {value!r}")
+        if isinstance(stop_grace, bool) or not isinstance(stop_grace, int | float):
+            raise ConfigError(f"stop_grace must be a number of seconds, got {stop_grace!r}")
+        if not (stop_grace >= 0 and math.isfinite(stop_grace)):
+            raise ConfigError(f"stop_grace must be zero or more and finite, got {stop_grace!r}")
         if renew_deadline >= ttl:
             raise ConfigError(
                 f"renew_deadline must be shorter than ttl, got renew_deadline "
@@ -221,6 +278,7 @@ class PostgresLease:
         self.name = name
         self.ttl = float(ttl)
         self.renew_deadline = float(renew_deadline)
+        self.stop_grace = float(stop_grace)
         self.table = table
         self.create_tables = create_tables
         self.connect_timeout = float(connect_timeout)
@@ -228,8 +286,14 @@ class PostgresLease:
         """First advisory-lock key for new rows (known once connected)."""
         self.channel: str | None = None
         """LISTEN/NOTIFY channel of this lease (known once connected)."""
-        self.server_keepalives: Keepalives = server_keepalives(self.renew_deadline)
-        self.client_keepalives: Keepalives = client_keepalives(self.renew_deadline)
+        hold = self.renew_deadline + self.stop_grace  # a cut-off leader's wind-down
+        self.server_keepalives: Keepalives = server_keepalives(hold)
+        self.server_user_timeout: int = server_user_timeout(hold)
+        """The keeper session's server-side ``tcp_user_timeout``, milliseconds."""
+        # The client's kernel must not reset the session earlier either: a keepalive
+        # timeout sends a RST, which can reach the server over a one-way partition. The
+        # leader's own deadline, not the socket, tells it when to stop.
+        self.client_keepalives: Keepalives = self.server_keepalives
         self._conninfo = conninfo
         self._where = describe_conninfo(conninfo)
 
@@ -244,6 +308,8 @@ class PostgresLease:
         self._foreign_notifies = 0
         self._last_notice = ""
         self._handovers = True  # the table has the handover columns (schema version 2)
+        self._servers = True  # the table has the holder_server column (schema version 3)
+        self._server: str | None = None  # this session's server identity, once connected
         self._handover_hint = False
         self._handover: HandoverRequest | None = None
 
@@ -298,12 +364,12 @@ class PostgresLease:
             "keepalives_idle": ka.idle,
             "keepalives_interval": ka.interval,
             "keepalives_count": ka.count,
-            "tcp_user_timeout": math.ceil(self.renew_deadline * 1000),
+            "tcp_user_timeout": self.server_user_timeout,
             "application_name": app.encode()[:63].decode(errors="ignore"),
         }
 
     def _session_sql(self) -> sql.Composed:
-        return session_sql(self.server_keepalives, self._channel())
+        return session_sql(self.server_keepalives, self.server_user_timeout, self._channel())
 
     def connect(self) -> None:
         """Open (or re-open) the keeper connection and pin its session settings.
@@ -335,6 +401,7 @@ class PostgresLease:
                         nodes_table=None,
                     )
                 self._resolve_table(conn)
+                server = self._read_server(conn)
                 cur = conn.execute(self._session_sql())
                 cur.nextset()
                 effective = cur.fetchone()
@@ -348,6 +415,7 @@ class PostgresLease:
             raise
         self._check_keepalives(conn, effective)
         self._conn = conn
+        self._server = server
         self._pid = conn.info.backend_pid
         self._leading = None
         self._seen = None
@@ -357,39 +425,92 @@ class PostgresLease:
 
     def _resolve_table(self, conn: psycopg.Connection[Any]) -> None:
         """Find the table's OID and schema: they name the lock key and the channel."""
-        found = resolve_lease_table(conn, self.table)
+        found = describe_lease_table(conn, self.table)
         if found is None:
             raise BackendUnavailable(
                 f"lease table {self.table!r} does not exist ({self._where}, on this "
                 "connection's search_path): run `rselection migrate` or pass "
                 "create_tables=True"
             )
-        oid, qualified, handovers = found
-        self.lock_key = lease_lock_key(oid, self.name)
-        self.channel = lease_channel(qualified, self.name)
-        if handovers != self._handovers and not handovers:
+        self.lock_key = lease_lock_key(found.oid, self.name)
+        self.channel = lease_channel(found.qualified, self.name)
+        if found.handovers != self._handovers and not found.handovers:
             logger.warning(
                 "lease %r: table %r has schema version 1 (no handover columns); leases "
                 "work, handover requests (rselection resign) need `rselection migrate`",
                 self.name,
                 self.table,
             )
-        self._handovers = handovers
+        if found.servers != self._servers and not found.servers:
+            logger.warning(
+                "lease %r: table %r predates schema version 3 (no holder_server column); "
+                "leases work, but a crashed leader is replaced only when its lease "
+                "expires, not at once, until `rselection migrate` upgrades the table",
+                self.name,
+                self.table,
+            )
+        self._handovers = found.handovers
+        self._servers = found.servers
+
+    def _read_server(self, conn: psycopg.Connection[Any]) -> str | None:
+        """This session's server identity (``None`` when the table cannot record it).
+
+        Read once per session: a session cannot outlive its server's postmaster, and a
+        primary cannot become a standby without a restart, so the identity stays the
+        same for as long as the session can write. A standby is refused: it cannot hold
+        a lease, and its timeline changes when it is promoted.
+        """
+        try:
+            row = conn.execute(SERVER_IDENTITY_SQL).fetchone()
+        except psycopg.DatabaseError as exc:
+            if conn.broken or isinstance(exc, psycopg.OperationalError):
+                raise
+            # A hardened or managed server may refuse pg_control_system() or the WAL
+            # functions: the postmaster start time alone still tells servers apart.
+            logger.info(
+                "lease %r: recording the server's start time only (%s)",
+                self.name,
+                str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+            )
+            row = conn.execute(SERVER_START_SQL).fetchone()
+        assert row is not None
+        in_recovery, system_id, walfile, started = row
+        if in_recovery:
+            raise BackendUnavailable(
+                f"the lease server ({self._where}) is a standby in recovery (read-only): "
+                "point the connection string at the primary (with several hosts, add "
+                "target_session_attrs=read-write)"
+            )
+        return server_identity(system_id, walfile, started) if self._servers else None
 
     def _check_keepalives(self, conn: psycopg.Connection[Any], effective: Any) -> None:
         if effective is None or (conn.info.host or "").startswith("/"):
             return  # a Unix socket cannot be partitioned
-        idle, interval, count = effective
-        if idle and interval and count and idle + interval * count <= self.renew_deadline + 1:
+        idle, interval, count, user_timeout = effective
+        bound = self.renew_deadline + self.stop_grace + SESSION_MARGIN
+        if idle and interval and count and idle + interval * count <= bound:
             logger.warning(
                 "lease %r: the server's TCP keepalives (%s + %s * %s s) would drop a "
-                "partitioned leader before its renew_deadline %s s + 1 s; failover after "
-                "a partition may overlap",
+                "partitioned leader before renew_deadline %s s + stop_grace %s s + %s s; "
+                "failover after a partition may overlap",
                 self.name,
                 idle,
                 interval,
                 count,
                 self.renew_deadline,
+                self.stop_grace,
+                SESSION_MARGIN,
+            )
+        if user_timeout and user_timeout <= bound * 1000:
+            logger.warning(
+                "lease %r: the server's tcp_user_timeout (%s ms) would drop a partitioned "
+                "leader before renew_deadline %s s + stop_grace %s s + %s s; failover "
+                "after a partition may overlap",
+                self.name,
+                user_timeout,
+                self.renew_deadline,
+                self.stop_grace,
+                SESSION_MARGIN,
             )
 
     def _ensure_pipe(self) -> None:
@@ -516,7 +637,9 @@ class PostgresLease:
     # -- the lease --------------------------------------------------------------------
 
     def _state_sql(self, node_id: str) -> sql.Composed:
-        return state_sql(self._ident, self.name, node_id, handovers=self._handovers)
+        return state_sql(
+            self._ident, self.name, node_id, handovers=self._handovers, server=self._server
+        )
 
     def _acquire_sql(self, node_id: str) -> sql.Composed:
         return acquire_sql(
@@ -527,6 +650,7 @@ class PostgresLease:
             ttl=self.ttl,
             channel=self._channel(),
             handovers=self._handovers,
+            server=self._server,
             lock_timeout=ACQUIRE_LOCK_TIMEOUT,
         )
 
@@ -545,9 +669,10 @@ class PostgresLease:
         elif lock_held:
             self._seen = _Held(term, lock_key)  # wait on its lock: wakes when it ends
         else:
-            # A holder without its session that could not be taken yet (server restarted
-            # since it renewed, or fenced transactions held the row): only its expiry or
-            # a notification can change things, so wait on the socket, not on a free lock.
+            # A holder without its session here that could not be taken yet (its session
+            # was on another server: before a restart or a failover; or fenced transactions
+            # held the row): only its expiry or a notification can change things, so wait
+            # on the socket, not on a free lock.
             self._seen = None
         return Acquisition(acquired, info, max(0.0, float(expires_in)))
 
@@ -628,7 +753,13 @@ class PostgresLease:
         self._handover_hint = False
         self._handover = None
         query = renew_sql(
-            self._ident, self.name, node_id, term, ttl=self.ttl, handovers=self._handovers
+            self._ident,
+            self.name,
+            node_id,
+            term,
+            ttl=self.ttl,
+            handovers=self._handovers,
+            server=self._server,
         )
         rows = self._run(query, "renew the lease", limit=self.renew_deadline)[0]
         if rows:

@@ -17,12 +17,21 @@ The lease table holds one row per lease name::
     resign_from  text null          -- its holder, kept out until another node took over
     resign_to    text null          -- node the lease is reserved for, if one was named
     resign_until timestamptz null   -- server time at which the request lapses
+    holder_server text null         -- identity of the server of the holder's session
 
-The four ``resign_*`` columns came with schema version 2; :func:`migrate` adds them to
-a version-1 table (``ALTER TABLE ... ADD COLUMN IF NOT EXISTS``, nullable, no default:
-a catalog-only change) and records version 2. Code of this release also works on a
-version-1 table that was not upgraded (``create_tables=False``): leases work as before,
-only handover requests are unavailable until ``rselection migrate`` runs.
+The four ``resign_*`` columns came with schema version 2, ``holder_server`` with version
+3; :func:`migrate` adds what an older table lacks (``ALTER TABLE ... ADD COLUMN IF NOT
+EXISTS``, nullable, no default: a catalog-only change) and records the version. Code of
+this release also works on an older table that was not upgraded (``create_tables=False``):
+on version 1 handover requests are unavailable; on versions 1 and 2 the lease cannot
+record which server its holder's session is on, so a crashed holder is replaced only
+when its lease expires (no fast failover) until ``rselection migrate`` runs.
+
+``holder_server`` is ``"<system identifier>/<timeline>/<postmaster start time>"`` of
+the server the holder's keeper session was on when it acquired the lease (see
+:mod:`rselection.postgres.lease`): a holder's ``holder_pid`` and advisory lock mean
+something only on that server. A row without it (acquired before the upgrade) counts
+as held on an unknown server.
 
 Only ``name`` is a key column: ``term`` must never be part of a unique index, so that a
 renewal (a plain ``UPDATE`` of non-key columns, row lock ``FOR NO KEY UPDATE``) does not
@@ -44,7 +53,7 @@ of holder), ``acquired_at``, ``renewed_at``, ``expires_at``. It is not a lease t
 elector holds no session lock, so it never shares a table with :class:`PostgresLease`.
 
 ``rselection_schema_version`` (in the same schema as each table) keeps one row per
-component, e.g. ``('leases', 2)``, ``('claims', 1)``, ``('elections', 1)`` (a custom
+component, e.g. ``('leases', 3)``, ``('claims', 1)``, ``('elections', 1)`` (a custom
 table name is recorded as ``'leases:<table>'`` and so on), so later versions know what to
 upgrade. :func:`migrate` returns a :class:`TableChange` per table saying what it did.
 """
@@ -87,15 +96,19 @@ DEFAULT_TABLE = "rselection_leases"
 VERSION_TABLE = "rselection_schema_version"
 """The table that records which schema version each component has."""
 
-LEASES_VERSION = 2
+LEASES_VERSION = 3
 """Schema version of the lease table that this release creates and understands.
 
 Version 2 added the nullable ``resign_term``, ``resign_from``, ``resign_to`` and
-``resign_until`` columns (handover requests); :func:`migrate` upgrades a version-1 table
+``resign_until`` columns (handover requests), version 3 the nullable ``holder_server``
+(the server identity of the holder's session); :func:`migrate` upgrades an older table
 in place."""
 
 LEASE_HANDOVER_COLUMNS = ("resign_term", "resign_from", "resign_to", "resign_until")
 """Columns of the lease table that handover requests need (schema version 2)."""
+
+LEASE_SERVER_COLUMNS = ("holder_server",)
+"""Columns of the lease table that record the server of the holder's session (version 3)."""
 
 #: Longest an upgrade waits for its exclusive lock on a live table. While an ALTER waits,
 #: every later statement on the table (a leader's renewal) queues behind it; failing
@@ -212,7 +225,8 @@ def _lease_ddl(table: str) -> list[sql.Composed]:
             " resign_term bigint NULL,"
             " resign_from text NULL,"
             " resign_to text NULL,"
-            " resign_until timestamptz NULL)"
+            " resign_until timestamptz NULL,"
+            " holder_server text NULL)"
         ).format(ident)
     ]
 
@@ -226,6 +240,15 @@ def _lease_v2(table: str) -> list[sql.Composed]:
             " ADD COLUMN IF NOT EXISTS resign_to text NULL,"
             " ADD COLUMN IF NOT EXISTS resign_until timestamptz NULL"
         ).format(table_identifier(table))
+    ]
+
+
+def _lease_v3(table: str) -> list[sql.Composed]:
+    """Version 2 -> 3: the holder's server identity (nullable, no default: no rewrite)."""
+    return [
+        sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS holder_server text NULL").format(
+            table_identifier(table)
+        )
     ]
 
 
@@ -289,7 +312,10 @@ _KINDS: dict[str, tuple[str, int, Callable[[str], list[sql.Composed]], str]] = {
 
 #: kind -> upgrades of an existing table: (version reached, columns it adds, statements)
 _UPGRADES: dict[str, list[tuple[int, tuple[str, ...], Callable[[str], list[sql.Composed]]]]] = {
-    "leases": [(2, LEASE_HANDOVER_COLUMNS, _lease_v2)],
+    "leases": [
+        (2, LEASE_HANDOVER_COLUMNS, _lease_v2),
+        (3, LEASE_SERVER_COLUMNS, _lease_v3),
+    ],
 }
 
 
@@ -317,7 +343,7 @@ class TableChange:
         return _KINDS[self.kind][3]
 
     def describe(self) -> str:
-        """One line for people: ``lease table 'x': upgraded (schema version 1 -> 2)``."""
+        """One line for people: ``lease table 'x': upgraded (schema version 2 -> 3)``."""
         if self.action == "created":
             done = f"created (schema version {self.version})"
         elif self.action == "upgraded":

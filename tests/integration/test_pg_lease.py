@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import logging
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime
 from typing import Any, TypeVar
 
 import psycopg
@@ -82,8 +84,10 @@ def timed(fn: Callable[[], T]) -> tuple[T, float]:
 
 
 def terminate(admin: psycopg.Connection[Any], pid: int | None) -> None:
+    """End a backend and wait (up to 5 s) until it is gone: without a timeout,
+    pg_terminate_backend returns once signalled, while the backend still holds its locks."""
     assert pid is not None
-    row = admin.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone()
+    row = admin.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,)).fetchone()
     assert row == (True,)
 
 
@@ -112,6 +116,30 @@ def acquired(acq: Acquisition) -> int:
     assert acq.acquired, acq
     assert acq.holder is not None
     return acq.holder.term
+
+
+def holder_server(dsn: str, name: str = "default") -> str | None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            sql.SQL("SELECT holder_server FROM {} WHERE name = %s").format(sql.Identifier(LEASES)),
+            (name,),
+        ).fetchone()
+    assert row is not None
+    return row[0]  # type: ignore[no-any-return]
+
+
+def take_over_at_expiry(lease: PostgresLease, node: str) -> tuple[Acquisition, float, float]:
+    """Compete until ``lease`` acquires: (the acquisition, the seconds the first attempt
+    said the lease had left, the seconds it took)."""
+    first = lease.try_acquire(node)
+    assert not first.acquired, "taken at once, not at expiry"
+    start = time.monotonic()
+    attempt = first
+    while not attempt.acquired:
+        assert time.monotonic() - start < first.expires_in + 5.0, "no takeover at expiry"
+        lease.wait_for_change(max(0.05, attempt.expires_in))
+        attempt = lease.try_acquire(node)
+    return attempt, first.expires_in, time.monotonic() - start
 
 
 # ------------------------------------------------------------------------ the contract
@@ -265,6 +293,90 @@ def test_dead_session_is_taken_over_long_before_the_ttl(
     assert took < 2.0, f"takeover {took:.3f}s after the holder's session ended (ttl 30 s)"
 
 
+def test_each_acquisition_records_the_server_of_the_holders_session(
+    make_lease: Callable[..., PostgresLease], lease_dsn: str
+) -> None:
+    a = make_lease()
+    acquired(a.try_acquire("A"))
+    recorded = holder_server(lease_dsn)
+    assert recorded is not None
+    with psycopg.connect(lease_dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT (SELECT system_identifier FROM pg_control_system()),"
+            " (SELECT timeline_id FROM pg_control_checkpoint()), pg_postmaster_start_time()"
+        ).fetchone()
+    assert row is not None
+    system, timeline, started = recorded.split("/", 2)
+    assert (int(system), int(timeline)) == row[:2]
+    assert datetime.fromisoformat(started) == row[2]
+    assert a.renew("A", 1) and holder_server(lease_dsn) == recorded
+
+
+@pytest.mark.parametrize("recorded", ["another server", "unknown"])
+def test_a_holder_recorded_on_another_server_is_replaced_only_at_expiry(
+    make_lease: Callable[..., PostgresLease], lease_dsn: str, recorded: str
+) -> None:
+    """What a follower finds after a restart or a failover to a promoted standby: a
+    holder whose session was on another server, so its pid and lock mean nothing here.
+    A row acquired before the upgrade to schema version 3 (no server) counts alike."""
+    a = make_lease(ttl=3.0, renew_deadline=2.0)
+    b = make_lease(ttl=3.0, renew_deadline=2.0)
+    term = acquired(a.try_acquire("A"))
+    other = "1/1/2000-01-01T00:00:00+00:00" if recorded == "another server" else None
+    with psycopg.connect(lease_dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("UPDATE {} SET holder_server = %s WHERE name = 'default'").format(
+                sql.Identifier(LEASES)
+            ),
+            (other,),
+        )
+    assert not a.renew("A", term), "a session on another server cannot be the holder"
+    a.close()  # no session, no lock here: still not a dead session to take over
+    attempt, left, took = take_over_at_expiry(b, "B")
+    assert acquired(attempt) == term + 1
+    assert left > 1.5 and took >= left - 0.1, f"taken after {took:.2f}s, {left:.2f}s early"
+
+
+def test_a_version_2_table_keeps_working_and_upgrades_in_place(
+    lease_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without the holder_server column (create_tables=False, not migrated yet) leases
+    work, but a dead holder is replaced only at expiry; the upgrade keeps the rows and
+    brings fast failover back."""
+    with psycopg.connect(lease_dsn, autocommit=True) as conn:
+        migrate(conn, claims_table=None, elections_table=None, nodes_table=None)
+        conn.execute("ALTER TABLE rselection_leases DROP COLUMN holder_server")
+        conn.execute("UPDATE rselection_schema_version SET version = 2 WHERE component = 'leases'")
+    options: dict[str, Any] = {"ttl": 3.0, "renew_deadline": 2.0, "create_tables": False}
+    leases = [PostgresLease(lease_dsn, **options) for _ in range(4)]
+    a, b, c, d = leases
+    try:
+        with caplog.at_level(logging.WARNING, logger="rselection.postgres.lease"):
+            a.connect()
+        assert "schema version 3" in caplog.text and "rselection migrate" in caplog.text
+        term = acquired(a.try_acquire("A"))
+        assert a.renew("A", term)
+        a.close()
+        attempt, left, took = take_over_at_expiry(b, "B")
+        assert acquired(attempt) == term + 1 and took >= left - 0.1
+        b.release("B", term + 1)
+
+        with psycopg.connect(lease_dsn, autocommit=True) as conn:
+            (change,) = migrate(conn, claims_table=None, elections_table=None, nodes_table=None)
+        assert (change.action, change.previous, change.version) == ("upgraded", 2, 3)
+        assert lease_row(lease_dsn)[:2] == (None, term + 1)  # type: ignore[index]
+        assert acquired(c.try_acquire("C")) == term + 2
+        assert holder_server(lease_dsn) is not None
+        assert not d.try_acquire("D").acquired
+        c.close()
+        start = time.monotonic()
+        assert acquired(d.try_acquire("D")) == term + 3
+        assert time.monotonic() - start < 1.0
+    finally:
+        for lease in leases:
+            lease.close()
+
+
 KEEPER = textwrap.dedent(
     """
     import sys, time
@@ -380,6 +492,41 @@ def test_after_a_server_restart_only_expiry_frees_the_lease(
         assert acquired(attempt) == term + 1
         a.term_ended(term)  # as a leader does once the term's tasks are joined
         assert not a.renew("A", term)
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("server", ["stock", "hardened"])
+def test_a_plain_role_records_the_server_and_fails_over_at_once(
+    private_pg: Any, server: str
+) -> None:
+    """Reading the server's identity needs no privileges on a stock server; where
+    pg_control_system() is revoked the postmaster start time alone is recorded, and a
+    dead holder is still replaced at once."""
+    with psycopg.connect(private_pg.dsn, autocommit=True) as conn:
+        conn.execute("CREATE ROLE app LOGIN")
+        conn.execute("GRANT CREATE ON SCHEMA public TO app")
+        if server == "hardened":
+            conn.execute("REVOKE EXECUTE ON FUNCTION pg_control_system() FROM PUBLIC")
+    dsn = private_pg.dsn.replace("postgres@", "app@", 1)
+    options: dict[str, Any] = {"ttl": 30.0, "renew_deadline": 20.0}
+    a, b = PostgresLease(dsn, **options), PostgresLease(dsn, **options)
+    try:
+        term = acquired(a.try_acquire("A"))
+        recorded = holder_server(dsn)
+        assert recorded is not None
+        system, timeline, _ = recorded.split("/", 2)
+        if server == "stock":
+            assert system.isdigit() and timeline == "1", recorded
+        else:
+            assert (system, timeline) == ("-", "-"), recorded
+        assert not b.try_acquire("B").acquired
+        a.close()
+        start = time.monotonic()
+        assert acquired(b.try_acquire("B")) == term + 1
+        assert time.monotonic() - start < 1.0
     finally:
         a.close()
         b.close()
@@ -770,6 +917,10 @@ def test_unsafe_table_names_are_rejected_at_construction(lease_dsn: str, table: 
         ({"ttl": float("nan")}, "ttl"),
         ({"ttl": 10, "renew_deadline": 10}, "renew_deadline 10 >= ttl 10"),
         ({"connect_timeout": -1}, "connect_timeout"),
+        ({"stop_grace": -1}, "stop_grace"),
+        ({"stop_grace": float("inf")}, "stop_grace"),
+        ({"stop_grace": "5"}, "stop_grace"),
+        ({"stop_grace": True}, "stop_grace"),
         ({"name": ""}, "lease name"),
     ],
 )
@@ -803,7 +954,7 @@ def test_schema_qualified_table_works(
         assert conn.execute("SELECT count(*) FROM my_leases").fetchone() == (1,)
         assert conn.execute(
             "SELECT component, version FROM rselection_schema_version"
-        ).fetchall() == [("leases:my_leases", 2)]
+        ).fetchall() == [("leases:my_leases", 3)]
 
 
 def test_leases_in_different_schemas_never_share_a_lock(
@@ -931,8 +1082,8 @@ def test_concurrent_migrations_do_not_error(lease_dsn: str, pool: ThreadPoolExec
     assert rows == [
         ("claims", 1),
         ("elections", 1),
-        ("leases", 2),
-        ("leases:other_leases", 2),
+        ("leases", 3),
+        ("leases:other_leases", 3),
         ("nodes", 1),
     ]
 
@@ -965,9 +1116,13 @@ def test_close_leaves_no_session_behind(
 def test_keeper_session_settings_are_pinned(
     make_lease: Callable[..., PostgresLease], admin: psycopg.Connection[Any]
 ) -> None:
-    a = make_lease(ttl=15.0, renew_deadline=10.0)
-    assert a.server_keepalives.total > 10.0 + 1.0
+    # A cut-off leader winds down for renew_deadline + stop_grace after its last
+    # renewal: the server must keep its session (and its lock) longer than that.
+    a = make_lease(ttl=15.0, renew_deadline=10.0, stop_grace=4.0)
+    assert a.server_keepalives.total > 10.0 + 4.0 + 1.0
+    assert a.server_user_timeout == a.server_keepalives.total * 1000
     a._keeper().execute("SET idle_session_timeout = '1s'")  # a DBA default, say
+    a._keeper().execute("SET tcp_user_timeout = 2000")
     a.connect()  # every (re)connect pins them again
     row = (
         a._keeper()
@@ -977,13 +1132,15 @@ def test_keeper_session_settings_are_pinned(
             " current_setting('statement_timeout'), current_setting('application_name'),"
             " current_setting('tcp_keepalives_idle')::int,"
             " current_setting('tcp_keepalives_interval')::int,"
-            " current_setting('tcp_keepalives_count')::int"
+            " current_setting('tcp_keepalives_count')::int,"
+            " current_setting('tcp_user_timeout')::int"
         )
         .fetchone()
     )
     assert row is not None
     assert row[:4] == ("0", "0", "0", "rselection:default")
-    idle, interval, count = row[4:]
+    idle, interval, count, user_timeout = row[4:]
     if a._keeper().info.host.startswith("/"):
         pytest.skip("Unix socket: no TCP keepalives")
-    assert idle + interval * count > 10.0 + 1.0
+    assert idle + interval * count > 10.0 + 4.0 + 1.0
+    assert user_timeout == a.server_user_timeout > (10.0 + 4.0 + 1.0) * 1000

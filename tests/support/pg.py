@@ -6,12 +6,15 @@ listening on a free TCP port on 127.0.0.1 with trust authentication.
 ``PrivateRedis`` does the same with a ``redis-server`` found on ``PATH``.
 Both can be stopped, restarted on the same port with the same data, and killed
 with SIGKILL, so fault-injection tests never touch a shared server.
+``PrivatePostgres.make_standby()`` builds a streaming standby of a private server
+(``pg_basebackup -R``) that a test can promote (``pg_ctl promote``), for failover tests.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import os
 import pwd
 import shutil
@@ -472,6 +475,7 @@ class PrivatePostgres(_ServerProcess):
         self._proc: subprocess.Popen[bytes] | None = None
         self._finalizer = weakref.finalize(self, _finalize_server, None, None, self._tmp)
         self._closed = False
+        self._primary: PrivatePostgres | None = None  # set by make_standby()
 
     # -- properties
 
@@ -494,7 +498,10 @@ class PrivatePostgres(_ServerProcess):
             return self
         _ensure_binaries_usable(self.bin_dir, self._run_as)
         if not (self.data_dir / "PG_VERSION").exists():
-            self._initdb()
+            if self._primary is not None:
+                self._basebackup(self._primary)
+            else:
+                self._initdb()
         self._remove_stale_pidfile()
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         try:
@@ -530,9 +537,129 @@ class PrivatePostgres(_ServerProcess):
 
     def __repr__(self) -> str:
         state = "running" if self.is_running() else "stopped"
-        return f"<PrivatePostgres {self.dsn} {state}>"
+        role = " standby" if self._primary is not None else ""
+        return f"<PrivatePostgres{role} {self.dsn} {state}>"
+
+    # -- replication
+
+    def make_standby(self, *, settings: Mapping[str, str] | None = None) -> PrivatePostgres:
+        """A streaming standby of this server, not started yet; ``start()`` builds it.
+
+        Its first ``start()`` copies this (running) server with ``pg_basebackup -R``
+        (``primary_conninfo`` and ``standby.signal`` written for it) into a directory of
+        its own, on a port of its own, then starts it as a hot standby that streams from
+        this server. Close it like any ``PrivatePostgres``.
+
+        Parameters:
+            settings: extra ``postgresql.conf`` settings of the standby.
+        """
+        standby = PrivatePostgres(
+            bin_dir=self.bin_dir,
+            start_timeout=self.start_timeout,
+            settings={**self.settings, **(settings or {})},
+        )
+        standby._primary = self
+        return standby
+
+    def in_recovery(self) -> bool:
+        """True while the server is a standby (``pg_is_in_recovery()``)."""
+        import psycopg
+
+        with psycopg.connect(self.dsn, connect_timeout=2, autocommit=True) as conn:
+            row = conn.execute("SELECT pg_is_in_recovery()").fetchone()
+        return bool(row and row[0])
+
+    def wait_replayed(self, primary: PrivatePostgres, timeout: float = 30.0) -> None:
+        """Wait until this standby has replayed everything ``primary`` has written so far.
+
+        Raises ``TimeoutError`` after ``timeout`` seconds.
+        """
+        import psycopg
+
+        with psycopg.connect(primary.dsn, connect_timeout=2, autocommit=True) as conn:
+            row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+        assert row is not None
+        target = row[0]
+        deadline = time.monotonic() + timeout
+        with psycopg.connect(self.dsn, connect_timeout=2, autocommit=True) as conn:
+            while True:
+                done = conn.execute(
+                    "SELECT coalesce(pg_last_wal_replay_lsn() >= %s::pg_lsn, false)", (target,)
+                ).fetchone()
+                if done and done[0]:
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"the standby did not replay up to {target} within {timeout}s"
+                    )
+                time.sleep(0.02)
+
+    def promote(self, timeout: float = 30.0) -> None:
+        """Promote this standby to a primary (``pg_ctl promote -w``); returns once it writes.
+
+        Raises ``ServerStartError`` (with the end of the server log) when it fails.
+        """
+        result = subprocess.run(
+            [
+                str(self.bin_dir / "pg_ctl"),
+                "promote",
+                "-D",
+                str(self.data_dir),
+                "-w",
+                "-t",
+                str(max(1, math.ceil(timeout))),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout + 10,
+            check=False,
+            **self._run_as,
+        )
+        if result.returncode != 0:
+            raise ServerStartError(
+                f"pg_ctl promote failed ({result.returncode}): {result.stdout}"
+                f"{result.stderr}\n{_tail(self.log_path)}"
+            )
 
     # -- internals
+
+    def _basebackup(self, primary: PrivatePostgres) -> None:
+        if not primary.is_running():
+            raise ServerStartError("the primary of a standby must run when the standby is built")
+        cmd = [
+            str(self.bin_dir / "pg_basebackup"),
+            "-D",
+            str(self.data_dir),
+            "-R",  # primary_conninfo + standby.signal
+            "-X",
+            "stream",
+            "-c",
+            "fast",
+            "--no-sync",
+            "-h",
+            primary.host,
+            "-p",
+            str(primary.port),
+            "-U",
+            primary.user,
+        ]
+        result = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=self.start_timeout,
+            check=False,
+            **self._run_as,
+        )
+        if result.returncode != 0:
+            raise ServerStartError(
+                f"pg_basebackup failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+            )
+        # The copy carries the primary's postgresql.conf; later lines win.
+        settings = {"port": str(self.port), "hot_standby": "on", **self.settings}
+        lines = "".join(f"{k} = {v}\n" for k, v in settings.items())
+        with open(self.data_dir / "postgresql.conf", "a") as conf:
+            conf.write("\n# rselection standby settings\n" + lines)
 
     def _initdb(self) -> None:
         cmd = [
