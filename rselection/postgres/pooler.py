@@ -1,0 +1,210 @@
+"""Refuse a connection pooler that does not keep one session per client connection.
+
+Fast failover rests on session state: the keeper's session advisory lock, its pinned
+settings and its ``LISTEN``. A pooler in *transaction* or *statement* mode (PgBouncer,
+Supavisor, RDS Proxy, pgcat, ...) hands a client's next transaction to whichever server
+connection is free, so that state stays on a server connection that other clients then
+use: another node's statement runs as "the session that holds the lock", every node
+takes the lease, and every node leads at once. A pooler in *session* mode keeps one
+server connection per client connection and works.
+
+:func:`check_session_pooling` runs when the keeper connects, before anything is
+acquired, and raises :class:`~rselection.errors.ConfigError` when the keeper's statements
+do not keep one backend. Each round of the check looks for three signs, any one of which
+proves there is no session (none of them can happen on a real session):
+
+* two consecutive statements of the keeper ran on different backends
+  (``pg_backend_pid()`` changed): a pooler that hands out its idle server connections in
+  turn (PgBouncer's ``server_round_robin = 1``) shows this at once;
+* a second, short-lived connection (the *probe*) ran on the keeper's backend: a pooler
+  that hands out the server connection freed last (PgBouncer's default) shows this at
+  once;
+* a ``NOTIFY`` sent by the probe to a channel only the keeper's session listens on never
+  reaches the keeper. On a session the notification arrives at once, and at the latest
+  with the keeper's next result (Postgres sends pending notifications before
+  ``ReadyForQuery``); behind a transaction pooler the keeper is idle, so it has no
+  server connection a notification could come through, whatever the pooler's policy and
+  whatever other clients do meanwhile.
+
+Only the third sign waits (up to ``wait`` seconds, and only when the notification has not
+come with the keeper's next result), so on a session the check costs one extra
+connection and a few round trips. :func:`check_same_backend` is the second line of
+defence: every acquisition and renewal reads ``pg_backend_pid()`` in the same round trip
+and refuses a changed backend the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import selectors
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from ..errors import BackendUnavailable, ConfigError
+from ._conn import IoWatchdog
+
+__all__ = ["BACKEND_PID", "ROUNDS", "check_same_backend", "check_session_pooling"]
+
+logger = logging.getLogger(__name__)
+
+#: The statement that names the backend a statement runs on.
+BACKEND_PID = sql.SQL("SELECT pg_backend_pid()")
+
+#: Rounds of the check; one is conclusive with PgBouncer's policies on an idle pool, the
+#: second covers a pool that other clients use at the same moment.
+ROUNDS = 2
+
+_ADVICE = (
+    "leader election needs a real database session (its advisory lock, settings and "
+    "LISTEN), which a pooler in transaction or statement mode (PgBouncer, Supavisor, RDS "
+    "Proxy) does not keep: run the pooler in session mode (PgBouncer: pool_mode = "
+    "session) for these connections, or connect to Postgres directly"
+)
+
+
+def _refuse(where: str, what: str) -> ConfigError:
+    return ConfigError(f"the connection to the lease server ({where}) {what}; {_ADVICE}")
+
+
+def check_same_backend(expected: int, seen: int, where: str) -> None:
+    """Raise :class:`ConfigError` when a keeper statement ran on another backend.
+
+    Args:
+        expected: the keeper session's backend pid, read when it connected.
+        seen: ``pg_backend_pid()`` as a later statement of the keeper read it.
+        where: the server, as :func:`~rselection.postgres._conn.describe_conninfo` names it.
+    """
+    if seen != expected:
+        raise _refuse(
+            where,
+            f"does not keep one database session: the keeper's statements ran on backend "
+            f"{expected}, then on backend {seen}",
+        )
+
+
+def check_session_pooling(
+    conn: psycopg.Connection[Any],
+    open_probe: Callable[[], psycopg.Connection[Any]],
+    *,
+    where: str,
+    io: IoWatchdog,
+    limit: float,
+    wait: float,
+) -> int:
+    """Check that ``conn`` is one database session; return its backend pid.
+
+    Runs only autocommit statements (a pooler in statement mode accepts them), and leaves
+    ``conn`` as it found it (it ``UNLISTEN``\\ s its own channel; other handlers and
+    channels are untouched).
+
+    Args:
+        conn: the keeper's new autocommit connection (the caller bounds its round trips).
+        open_probe: opens a second autocommit connection with the same conninfo; it is
+            closed before this returns.
+        where: the server, for messages.
+        io: bounds each of the probe's round trips by ``limit`` seconds.
+        limit: seconds one round trip of the probe may take.
+        wait: seconds to wait for the notification when it has not come with the
+            keeper's next result.
+
+    Raises:
+        ConfigError: the statements do not keep one session (the message says what was
+            seen and what to do).
+        BackendUnavailable: the probe connection got no answer within ``limit``.
+        psycopg.Error: any other driver error (the caller wraps it).
+    """
+    channel = "rselection_probe_" + secrets.token_hex(8)
+    received: set[str] = set()
+
+    def on_notify(notify: psycopg.Notify) -> None:
+        if notify.channel == channel:
+            received.add(notify.payload)
+
+    conn.add_notify_handler(on_notify)
+    try:
+        listen = sql.SQL("LISTEN {}; ").format(sql.Identifier(channel))
+        pid = _pid(conn, sql.Composed([listen, BACKEND_PID]))
+        with open_probe() as probe:
+            for n in range(ROUNDS):
+                token = str(n)
+                check_same_backend(pid, _pid(conn), where)
+                other = _probe(probe, channel, token, where=where, io=io, limit=limit)
+                if other == pid:
+                    raise _refuse(
+                        where,
+                        f"does not keep one database session: another connection was "
+                        f"handed the keeper's backend {pid}",
+                    )
+                check_same_backend(pid, _pid(conn), where)
+                if token not in received and not _await_notify(conn, channel, token, wait):
+                    raise _refuse(
+                        where,
+                        "does not keep one database session: a notification sent to the "
+                        f"keeper's session did not reach the keeper within {wait:g} s",
+                    )
+                received.add(token)
+        conn.execute(sql.SQL("UNLISTEN {}").format(sql.Identifier(channel)))
+    finally:
+        conn.remove_notify_handler(on_notify)
+    logger.debug("%s: the keeper keeps one session (backend %s)", where, pid)
+    return pid
+
+
+def _pid(conn: psycopg.Connection[Any], query: sql.SQL | sql.Composed = BACKEND_PID) -> int:
+    cur = conn.execute(query)
+    while cur.description is None and cur.nextset():
+        pass
+    row = cur.fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _probe(
+    probe: psycopg.Connection[Any],
+    channel: str,
+    token: str,
+    *,
+    where: str,
+    io: IoWatchdog,
+    limit: float,
+) -> int:
+    """The probe's backend pid; in the same statement it notifies ``channel``."""
+    query = sql.SQL("SELECT pg_backend_pid(), pg_notify({}, {})").format(
+        sql.Literal(channel), sql.Literal(token)
+    )
+    try:
+        with io.guard(probe, limit) as fired:
+            row = probe.execute(query).fetchone()
+    except psycopg.Error as exc:
+        if fired[0]:
+            # A pooler whose server connections are all taken queues the probe.
+            raise BackendUnavailable(
+                f"cannot check that the connection to the lease server ({where}) keeps "
+                f"its session: a second connection got no answer within {limit:g} s (a "
+                "pooler in session mode needs a free server connection for it)"
+            ) from exc
+        raise
+    assert row is not None
+    return int(row[0])
+
+
+def _await_notify(conn: psycopg.Connection[Any], channel: str, token: str, wait: float) -> bool:
+    """Wait idle on ``conn``'s socket up to ``wait`` seconds for ``token`` on ``channel``."""
+    pgconn = conn.pgconn
+    deadline = time.monotonic() + wait
+    with selectors.DefaultSelector() as sel:
+        sel.register(pgconn.socket, selectors.EVENT_READ)
+        while True:
+            pgconn.consume_input()
+            while (notify := pgconn.notifies()) is not None:
+                if notify.relname.decode() == channel and notify.extra.decode() == token:
+                    return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            sel.select(remaining)
