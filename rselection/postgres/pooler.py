@@ -59,6 +59,9 @@ BACKEND_PID = sql.SQL("SELECT pg_backend_pid()")
 #: second covers a pool that other clients use at the same moment.
 ROUNDS = 2
 
+#: Which server and database a statement ran on (a restart changes the start time).
+_SERVER = sql.SQL("pg_postmaster_start_time(), current_database()")
+
 _ADVICE = (
     "leader election needs a real database session (its advisory lock, settings and "
     "LISTEN), which a pooler in transaction or statement mode (PgBouncer, Supavisor, RDS "
@@ -115,7 +118,8 @@ def check_session_pooling(
     Raises:
         ConfigError: the statements do not keep one session (the message says what was
             seen and what to do).
-        BackendUnavailable: the probe connection got no answer within ``limit``.
+        BackendUnavailable: the probe connection got no answer within ``limit``, or it
+            reached another server or database (a failover between the two connects).
         psycopg.Error: any other driver error (the caller wraps it).
     """
     channel = "rselection_probe_" + secrets.token_hex(8)
@@ -127,13 +131,28 @@ def check_session_pooling(
 
     conn.add_notify_handler(on_notify)
     try:
-        listen = sql.SQL("LISTEN {}; ").format(sql.Identifier(channel))
-        pid = _pid(conn, sql.Composed([listen, BACKEND_PID]))
+        cur = conn.execute(
+            sql.SQL("LISTEN {}; SELECT pg_backend_pid(), {}").format(
+                sql.Identifier(channel), _SERVER
+            )
+        )
+        cur.nextset()
+        first = cur.fetchone()
+        assert first is not None
+        pid, server = int(first[0]), tuple(first[1:])
         with open_probe() as probe:
             for n in range(ROUNDS):
                 token = str(n)
                 check_same_backend(pid, _pid(conn), where)
-                other = _probe(probe, channel, token, where=where, io=io, limit=limit)
+                other, elsewhere = _probe(probe, channel, token, where=where, io=io, limit=limit)
+                if elsewhere != server:
+                    # Backends of two servers (or databases) say nothing about each other,
+                    # and a notification does not cross: try again later.
+                    raise BackendUnavailable(
+                        f"cannot check that the connection to the lease server ({where}) "
+                        "keeps its session: a second connection with the same settings "
+                        "reached another server or database"
+                    )
                 if other == pid:
                     raise _refuse(
                         where,
@@ -155,11 +174,8 @@ def check_session_pooling(
     return pid
 
 
-def _pid(conn: psycopg.Connection[Any], query: sql.SQL | sql.Composed = BACKEND_PID) -> int:
-    cur = conn.execute(query)
-    while cur.description is None and cur.nextset():
-        pass
-    row = cur.fetchone()
+def _pid(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute(BACKEND_PID).fetchone()
     assert row is not None
     return int(row[0])
 
@@ -172,10 +188,10 @@ def _probe(
     where: str,
     io: IoWatchdog,
     limit: float,
-) -> int:
-    """The probe's backend pid; in the same statement it notifies ``channel``."""
-    query = sql.SQL("SELECT pg_backend_pid(), pg_notify({}, {})").format(
-        sql.Literal(channel), sql.Literal(token)
+) -> tuple[int, tuple[Any, ...]]:
+    """The probe's backend pid and server; in the same statement it notifies ``channel``."""
+    query = sql.SQL("SELECT pg_backend_pid(), {}, pg_notify({}, {})").format(
+        _SERVER, sql.Literal(channel), sql.Literal(token)
     )
     try:
         with io.guard(probe, limit) as fired:
@@ -190,7 +206,7 @@ def _probe(
             ) from exc
         raise
     assert row is not None
-    return int(row[0])
+    return int(row[0]), (row[1], row[2])
 
 
 def _await_notify(conn: psycopg.Connection[Any], channel: str, token: str, wait: float) -> bool:
