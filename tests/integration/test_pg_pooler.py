@@ -9,6 +9,7 @@ activity may overlap.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import queue
@@ -25,6 +26,12 @@ import pytest
 
 import rselection as rs
 from rselection.errors import ConfigError
+from rselection.postgres import (
+    PostgresBroadcaster,
+    PostgresCheckpointStore,
+    PostgresClaimer,
+    PostgresElector,
+)
 from rselection.postgres import lease as lease_module
 from rselection.postgres._conn import IoWatchdog
 from rselection.postgres.leader import PostgresLeader
@@ -228,17 +235,18 @@ def test_a_lost_notification_alone_shows_a_transaction_pooler(
 
                 def check(keeper: psycopg.Connection[Any] = keeper) -> int:
                     return check_session_pooling(
-                        keeper, probe, where="here", io=io, limit=5.0, wait=0.5
+                        keeper, probe, where="here", io=io, limit=5.0, wait=0.3
                     )
 
-                if refused:
-                    with pytest.raises(ConfigError, match="notification") as caught:
-                        check()
-                    assert "session mode" in str(caught.value)
-                else:
-                    pid = check()
-                    row = keeper.execute("SELECT pg_backend_pid()").fetchone()
-                    assert row == (pid,)
+                for _ in range(5):  # the same answer every time
+                    if refused:
+                        with pytest.raises(ConfigError, match="notification") as caught:
+                            check()
+                        assert "session mode" in str(caught.value)
+                    else:
+                        pid = check()
+                        row = keeper.execute("SELECT pg_backend_pid()").fetchone()
+                        assert row == (pid,)
             bouncer.close()
     finally:
         io.close()
@@ -302,6 +310,106 @@ def test_a_renewal_or_acquisition_on_another_backend_is_refused(
         other.rollback()
     holder, _ = renewed_at()
     assert holder is None, "a term taken on another backend is given back"
+
+
+# --------------------------------------------------------------------------- other users
+
+
+def test_broadcaster_and_membership_work_behind_a_session_pooler(
+    make_pgbouncer: Callable[..., PgBouncer], pooled_database: str, lease_name: str
+) -> None:
+    bouncer = make_pgbouncer(pool_mode="session", pool_size=10)
+    dsn = bouncer.dsn(pooled_database)
+    reader = PostgresBroadcaster(dsn, timeout=5.0)
+    writer = PostgresBroadcaster(dsn, timeout=5.0)
+    leader = PostgresLeader(
+        dsn,
+        rs.TaskHandler(stop_grace=1.0),
+        name=lease_name,
+        node_id="node-a",
+        ttl=4.0,
+        renew_interval=0.5,
+        renew_deadline=2.0,
+        retry_interval=0.5,
+        heartbeat_interval=0.3,
+        claimer=None,
+    )
+    try:
+        assert reader.wait_ready(10) and writer.wait_ready(10)
+        sub = reader.subscribe("news")
+        for i in range(20):
+            writer.publish("news", {"n": i})
+        got = []
+        deadline = time.monotonic() + 10
+        while len(got) < 20:
+            assert time.monotonic() < deadline, f"only {len(got)} of 20 messages arrived"
+            with contextlib.suppress(TimeoutError):
+                got.append(sub.get(0.5))
+        assert got == [{"n": i} for i in range(20)]
+
+        leader.start()
+        assert leader.wait_until_leader(10)
+        wait_until(
+            lambda: (
+                [(n.node_id, n.is_leader, n.alive) for n in leader.nodes()]
+                == [("node-a", True, True)]
+            ),
+            10,
+            "the heartbeat through the pooler",
+        )
+    finally:
+        leader.stop(timeout=10)
+        reader.close()
+        writer.close()
+
+
+def test_elector_claimer_and_checkpoints_work_behind_a_transaction_pooler_without_prepares(
+    make_pgbouncer: Callable[..., PgBouncer], pooled_database: str
+) -> None:
+    """What the README promises for transaction mode: with a pool (here one connection)
+    that does not prepare statements, while another client moves the server
+    connections around."""
+    bouncer = make_pgbouncer(pool_mode="transaction", pool_size=2)
+    dsn = bouncer.dsn(pooled_database)
+
+    class OneConnectionPool:
+        def __init__(self) -> None:
+            self.conn = psycopg.connect(dsn, autocommit=True, prepare_threshold=None)
+            self.lock = threading.Lock()
+
+        @contextlib.contextmanager
+        def connection(self) -> Iterator[psycopg.Connection[Any]]:
+            with self.lock:
+                yield self.conn
+
+    stop = threading.Event()
+
+    def churn() -> None:
+        with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
+            while not stop.is_set():
+                with conn.transaction():
+                    conn.execute("SELECT pg_sleep(0.001)")
+
+    pool = OneConnectionPool()
+    mover = threading.Thread(target=churn, daemon=True)
+    mover.start()
+    try:
+        mine = PostgresElector(pool, name="e", ttl=5.0, identity="me", create_tables=True)
+        theirs = PostgresElector(pool, name="e", ttl=5.0, identity="them")
+        claimer = PostgresClaimer(pool, holder="me", create_tables=True)
+        store = PostgresCheckpointStore(pool)
+        for i in range(20):  # well past psycopg's prepare_threshold of 5
+            assert mine.is_leader()
+            assert not theirs.is_leader()
+            assert claimer.claim(f"fire-{i}")
+            assert not claimer.claim(f"fire-{i}")
+            store.save("state", {"i": i})
+            snapshot = store.load("state")
+            assert snapshot is not None and snapshot.state == {"i": i}
+    finally:
+        stop.set()
+        mover.join(10)
+        pool.conn.close()
 
 
 # --------------------------------------------------------------------------- leaders
