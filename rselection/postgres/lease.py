@@ -126,7 +126,7 @@ from ._lease_sql import (
     wait_lock_sql,
 )
 from .handover import announces_handover, cancel_handover, renewal_request, request_handover
-from .pooler import BACKEND_PID, check_same_backend, check_session_pooling
+from .pooler import BACKEND_PID, check_bound, check_same_backend, check_session_pooling
 from .schema import DEFAULT_TABLE, migrate, table_identifier
 
 __all__ = [
@@ -322,17 +322,17 @@ class PostgresLease:
         except psycopg.Error as exc:
             raise unavailable("connect to the lease server", self._conninfo, exc) from exc
         try:
-            with self._io.guard(conn, self.renew_deadline + self.connect_timeout):
-                # First of all: a transaction pooler would share "our" session with
-                # other clients (see rselection.postgres.pooler).
+            # First of all: a transaction pooler would share "our" session with other
+            # clients (see rselection.postgres.pooler).
+            with self._io.guard(conn, check_bound(self.connect_timeout)):
                 pid = check_session_pooling(
                     conn,
                     self._open_probe,
                     where=self._where,
                     io=self._io,
                     limit=self.connect_timeout,
-                    wait=self.connect_timeout,
                 )
+            with self._io.guard(conn, self.renew_deadline + self.connect_timeout):
                 if self.create_tables:
                     # On every (re)connect: a restored or recreated database may have
                     # lost the tables, and the statements are cheap no-ops when they exist.

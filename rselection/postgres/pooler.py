@@ -38,6 +38,10 @@ the same server and database (checked), or the signs mean nothing.
 
 On a session the check costs one extra connection and a few round trips; only behind a
 transaction pooler that the first two signs missed does it wait (``wait`` seconds, twice).
+On Postgres 14 and later a session cannot fail the third sign whatever the timing: the
+probe's commit has signalled the keeper's backend before the probe's statement returns,
+and that backend sends pending notifications before the ``ReadyForQuery`` of the keeper's
+next statement; a false refusal would stop a healthy node for good.
 :func:`check_same_backend` is the second line of defence: every acquisition and renewal
 reads ``pg_backend_pid()`` in the same round trip and refuses a changed backend the same
 way.
@@ -58,7 +62,14 @@ from psycopg import sql
 from ..errors import BackendUnavailable, ConfigError
 from ._conn import IoWatchdog
 
-__all__ = ["BACKEND_PID", "ROUNDS", "check_same_backend", "check_session_pooling"]
+__all__ = [
+    "BACKEND_PID",
+    "NOTIFY_WAIT",
+    "ROUNDS",
+    "check_bound",
+    "check_same_backend",
+    "check_session_pooling",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +82,10 @@ ROUNDS = 2
 
 #: Inconclusive rounds tolerated (a notification that came only with a statement).
 _EXTRA_ROUNDS = 2
+
+#: Seconds the idle keeper waits for the probe's notification (on a session it comes at
+#: once; the wait only matters behind a transaction pooler, where it never comes).
+NOTIFY_WAIT = 1.0
 
 #: Which server and database a statement ran on (a restart changes the start time).
 _SERVER = sql.SQL("pg_postmaster_start_time(), current_database()")
@@ -85,6 +100,16 @@ _ADVICE = (
 
 def _refuse(where: str, what: str) -> ConfigError:
     return ConfigError(f"the connection to the lease server ({where}) {what}; {_ADVICE}")
+
+
+def check_bound(limit: float, wait: float = NOTIFY_WAIT) -> float:
+    """The longest :func:`check_session_pooling` may take with these arguments, seconds.
+
+    Only for bounding the keeper's round trips: on a session the check takes a few
+    milliseconds plus one connect.
+    """
+    attempts = ROUNDS + _EXTRA_ROUNDS
+    return (1 + attempts) * limit + attempts * 2 * wait
 
 
 def check_same_backend(expected: int, seen: int, where: str) -> None:
@@ -110,7 +135,7 @@ def check_session_pooling(
     where: str,
     io: IoWatchdog,
     limit: float,
-    wait: float,
+    wait: float = NOTIFY_WAIT,
 ) -> int:
     """Check that ``conn`` is one database session; return its backend pid.
 
@@ -124,7 +149,7 @@ def check_session_pooling(
             closed before this returns.
         where: the server, for messages.
         io: bounds each of the probe's round trips by ``limit`` seconds.
-        limit: seconds one round trip of the probe may take.
+        limit: seconds one round trip of the probe may take (also bounds its connect).
         wait: seconds the idle keeper waits for the probe's notification (the wait ends
             when it arrives, at once on a session).
 
