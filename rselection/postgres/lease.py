@@ -31,7 +31,10 @@ so they never block renewals or fenced transactions, and are never blocked by th
 **Renew** is a single ``UPDATE`` of non-key columns guarded by holder, term, the keeper's
 backend pid (and a renewal since the server started) and ``expires_at > now()``: a
 renewal never revives an expired lease and a reconnected keeper (new pid) can never
-renew, so a leader whose session ended has lost.
+renew, so a leader whose session ended has lost. The same round trip (like every
+acquisition's) reads ``pg_backend_pid()``: a statement that ran on another backend than
+the keeper's session means a transaction pooler, refused with
+:class:`~rselection.errors.ConfigError`.
 
 **Release** clears the holder (the term is kept), frees the advisory lock and sends a
 ``NOTIFY`` on :attr:`PostgresLease.channel` (also sent on every acquisition).
@@ -622,7 +625,7 @@ class PostgresLease:
         return acq
 
     def renew(self, node_id: str, term: int) -> bool:
-        """Extend this node's lease to server ``now() + ttl``; one statement.
+        """Extend this node's lease to server ``now() + ttl``; one round trip.
 
         Succeeds only for the same holder, term and keeper session, on a lease that has
         not expired. ``False`` means the term is lost: step down.
