@@ -40,7 +40,7 @@ __all__ = ["PgBouncer", "PoolMode", "pgbouncer_binary"]
 
 PoolMode = Literal["session", "transaction", "statement"]
 
-HOW_TO_PGBOUNCER = "install PgBouncer: apt-get install pgbouncer"
+HOW_TO_PGBOUNCER = "apt-get install pgbouncer"
 
 
 def pgbouncer_binary() -> str | None:
@@ -81,7 +81,7 @@ class PgBouncer(_ServerProcess):
     ) -> None:
         binary = pgbouncer_binary()
         if binary is None:
-            raise ServerStartError(f"pgbouncer is not installed: {HOW_TO_PGBOUNCER}")
+            raise ServerStartError(f"pgbouncer is not installed ({HOW_TO_PGBOUNCER})")
         self.binary = binary
         params = conninfo_to_dict(server_dsn)
         self.upstream = {
