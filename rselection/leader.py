@@ -419,6 +419,7 @@ class LeaderBase:
                     self._fatal = exc
                     logger.error("lease %r: cannot lead safely, stopping: %s", self._name, exc)
                     self._end_term("error")
+                    self._held_term = None  # not through this backend: the lease expires
                     return
                 except Exception:
                     failures += 1

@@ -33,7 +33,10 @@ so they never block renewals or fenced transactions, and are never blocked by th
 **Renew** is a single ``UPDATE`` of non-key columns guarded by holder, term, the keeper's
 backend pid on the recorded server and ``expires_at > now()``: a renewal never revives
 an expired lease and a reconnected keeper (new pid, or the same pid on another server)
-can never renew, so a leader whose session ended has lost.
+can never renew, so a leader whose session ended has lost. The same round trip (like
+every acquisition's) reads ``pg_backend_pid()``: a statement that ran on another backend
+than the keeper's session means a transaction pooler, refused with
+:class:`~rselection.errors.ConfigError`.
 
 **Release** clears the holder (the term is kept), frees the advisory lock and sends a
 ``NOTIFY`` on :attr:`PostgresLease.channel` (also sent on every acquisition).
@@ -126,9 +129,12 @@ other way before that leader's tasks have ended: an administrator's
 session without restarting, and keeps its start time). Avoid terminating keeper
 sessions (``application_name`` ``rselection:<name>``) by hand.
 
-Not supported: connection poolers in transaction or statement mode (session advisory
-locks and LISTEN need a real session); ``log_lock_waits = on`` logs each follower wait
-longer than ``deadlock_timeout``.
+Poolers: a pooler in session mode works; one in transaction or statement mode cannot keep
+the session advisory lock, settings and LISTEN, so :meth:`PostgresLease.connect` refuses it
+with :class:`~rselection.errors.ConfigError` before anything is acquired (see
+:mod:`rselection.postgres.pooler`), and every acquisition and renewal refuses a statement
+that ran on another backend. ``log_lock_waits = on`` logs each follower wait longer than
+``deadlock_timeout``.
 """
 
 from __future__ import annotations
@@ -179,6 +185,7 @@ from ._lease_sql import (
     wait_lock_sql,
 )
 from .handover import announces_handover, cancel_handover, renewal_request, request_handover
+from .pooler import BACKEND_PID, check_bound, check_same_backend, check_session_pooling
 from .schema import DEFAULT_TABLE, migrate, table_identifier
 
 __all__ = [
@@ -220,8 +227,8 @@ class PostgresLease:
     explains the protocol and its safety argument.
 
     Args:
-        conninfo: a libpq connection string or URI (a direct session: no transaction
-            pooler).
+        conninfo: a libpq connection string or URI (a direct connection, or a pooler
+            in session mode).
         name: the lease name; nodes using the same name and table compete.
         ttl: lease length on the server, seconds.
         renew_deadline: the leader's renew deadline, seconds (``< ttl``).
@@ -368,16 +375,23 @@ class PostgresLease:
             "application_name": app.encode()[:63].decode(errors="ignore"),
         }
 
+    def _open_probe(self) -> psycopg.Connection[Any]:
+        return psycopg.Connection.connect(self._conninfo, **self._connect_kwargs("probe"))
+
     def _session_sql(self) -> sql.Composed:
         return session_sql(self.server_keepalives, self.server_user_timeout, self._channel())
 
     def connect(self) -> None:
         """Open (or re-open) the keeper connection and pin its session settings.
 
-        Creates the tables first when ``create_tables`` is set. The
-        new session holds nothing: after a reconnect a former leader cannot renew.
+        Checks first that the connection keeps one database session, with a second,
+        short-lived connection (see :mod:`rselection.postgres.pooler`), then creates the
+        tables when ``create_tables`` is set. The new session holds nothing: after a
+        reconnect a former leader cannot renew.
 
         Raises:
+            ConfigError: the connection goes through a pooler in transaction or statement
+                mode (the message says to use session mode or a direct connection).
             BackendUnavailable: the server cannot be reached (within ``connect_timeout``)
                 or refused; the message names host, port and database, never the
                 password.
@@ -389,6 +403,16 @@ class PostgresLease:
         except psycopg.Error as exc:
             raise unavailable("connect to the lease server", self._conninfo, exc) from exc
         try:
+            # First of all: a transaction pooler would share "our" session with other
+            # clients (see rselection.postgres.pooler).
+            with self._io.guard(conn, check_bound(self.connect_timeout)):
+                pid = check_session_pooling(
+                    conn,
+                    self._open_probe,
+                    where=self._where,
+                    io=self._io,
+                    limit=self.connect_timeout,
+                )
             with self._io.guard(conn, self.renew_deadline + self.connect_timeout):
                 if self.create_tables:
                     # On every (re)connect: a restored or recreated database may have
@@ -416,7 +440,8 @@ class PostgresLease:
         self._check_keepalives(conn, effective)
         self._conn = conn
         self._server = server
-        self._pid = conn.info.backend_pid
+        # The server's pid: behind a pooler, conn.info.backend_pid is the pooler's own.
+        self._pid = pid
         self._leading = None
         self._seen = None
         self._foreign_notifies = 0
@@ -634,6 +659,40 @@ class PostgresLease:
             raise unavailable(what, self._conninfo, exc) from exc
         return results
 
+    @staticmethod
+    def _with_pid(query: sql.Composable) -> sql.Composed:
+        """``query`` followed, in the same round trip, by the backend pid it ran on."""
+        return sql.Composed([query, sql.SQL("; "), BACKEND_PID])
+
+    def _check_backend(
+        self, results: list[list[tuple[Any, ...]] | None], taken: tuple[str, int] | None = None
+    ) -> None:
+        """Pop the pid :meth:`_with_pid` appended; refuse a statement on another backend.
+
+        Only a pooler in transaction or statement mode moves a client between backends
+        (:meth:`connect` checks for one; this is the second line of defence). A term
+        taken on the wrong backend is given back at once (its lock stays with that
+        backend, the row is freed), and the keeper connection is closed.
+        """
+        rows = results.pop()
+        assert rows, "SELECT pg_backend_pid() returns one row"
+        try:
+            check_same_backend(self._pid, int(rows[0][0]), self._where)
+        except ConfigError:
+            if taken is not None:
+                node_id, term = taken
+                release = release_sql(
+                    self._ident, self.name, node_id, term, channel=self._channel(), unlock=False
+                )
+                with contextlib.suppress(BackendUnavailable):
+                    self._run(
+                        release,
+                        "give back a term taken on another backend",
+                        limit=self.connect_timeout,
+                    )
+            self._fail()  # closed once a term begun through it has ended (see _fail)
+            raise
+
     # -- the lease --------------------------------------------------------------------
 
     def _state_sql(self, node_id: str) -> sql.Composed:
@@ -691,6 +750,8 @@ class PostgresLease:
             node_id: this node's id (non-empty, at most 1000 characters).
 
         Raises:
+            ConfigError: the statement ran on another backend than the keeper's session
+                (a pooler in transaction mode); a term it took is given back.
             BackendUnavailable: connection problem.
         """
         check_node_id(node_id)
@@ -702,7 +763,7 @@ class PostgresLease:
         self._holding = False
         try:
             results = self._run(
-                self._acquire_sql(node_id),
+                self._with_pid(self._acquire_sql(node_id)),
                 "acquire the lease",
                 limit=ACQUIRE_LOCK_TIMEOUT + self.connect_timeout,
                 expected=(psycopg.errors.LockNotAvailable,),
@@ -712,13 +773,21 @@ class PostgresLease:
             # survived the rollback except possibly a session lock: drop those.
             logger.debug("lease %r: takeover blocked by open fenced transactions", self.name)
             results = self._run(
-                sql.SQL("SELECT pg_advisory_unlock_all(); {}").format(self._state_sql(node_id)),
+                self._with_pid(
+                    sql.SQL("SELECT pg_advisory_unlock_all(); {}").format(self._state_sql(node_id))
+                ),
                 "read the lease",
                 limit=self.renew_deadline,
             )
+            self._check_backend(results)
             state = results[-1]
             return self._acquisition(state[0] if state else None, False)
-        taken, state = results[-2], results[-1]
+        taken = results[-3]
+        if taken:
+            self._check_backend(results, taken=(node_id, int(taken[0][0])))
+        else:
+            self._check_backend(results)
+        state = results[-1]
         acquired = bool(taken)
         acq = self._acquisition(state[0] if state else None, acquired)
         if acq.acquired and acq.holder is not None:
@@ -726,7 +795,7 @@ class PostgresLease:
         return acq
 
     def renew(self, node_id: str, term: int) -> bool:
-        """Extend this node's lease to server ``now() + ttl``; one statement.
+        """Extend this node's lease to server ``now() + ttl``; one round trip.
 
         Succeeds only for the same holder, term and keeper session, on a lease that has
         not expired. ``False`` means the term is lost: step down.
@@ -736,6 +805,8 @@ class PostgresLease:
             term: the term being renewed.
 
         Raises:
+            ConfigError: the renewal ran on another backend than the keeper's session (a
+                pooler in transaction mode); it renewed nothing.
             BackendUnavailable: connection problem (the term is lost as well: a new
                 session cannot renew it).
         """
@@ -761,7 +832,9 @@ class PostgresLease:
             handovers=self._handovers,
             server=self._server,
         )
-        rows = self._run(query, "renew the lease", limit=self.renew_deadline)[0]
+        results = self._run(self._with_pid(query), "renew the lease", limit=self.renew_deadline)
+        self._check_backend(results)
+        rows = results[0]
         if rows:
             self._handover = renewal_request(term, rows[0])
             return True
