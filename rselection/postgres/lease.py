@@ -403,9 +403,10 @@ class PostgresLease:
         except psycopg.Error as exc:
             raise unavailable("connect to the lease server", self._conninfo, exc) from exc
         try:
-            # First of all: a transaction pooler would share "our" session with other
-            # clients (see rselection.postgres.pooler).
+            # First of all: a standby cannot hold a lease, and a transaction pooler would
+            # share "our" session with other clients (see rselection.postgres.pooler).
             with self._io.guard(conn, check_bound(self.connect_timeout)):
+                self._refuse_standby(conn)
                 pid = check_session_pooling(
                     conn,
                     self._open_probe,
@@ -477,6 +478,19 @@ class PostgresLease:
         self._handovers = found.handovers
         self._servers = found.servers
 
+    def _standby(self) -> BackendUnavailable:
+        return BackendUnavailable(
+            f"the lease server ({self._where}) is a standby in recovery (read-only): "
+            "point the connection string at the primary (with several hosts, add "
+            "target_session_attrs=read-write)"
+        )
+
+    def _refuse_standby(self, conn: psycopg.Connection[Any]) -> None:
+        """Refuse a standby before anything else (the pooler check needs LISTEN)."""
+        row = conn.execute("SELECT pg_is_in_recovery()").fetchone()
+        if row is not None and row[0]:
+            raise self._standby()
+
     def _read_server(self, conn: psycopg.Connection[Any]) -> str | None:
         """This session's server identity (``None`` when the table cannot record it).
 
@@ -501,11 +515,7 @@ class PostgresLease:
         assert row is not None
         in_recovery, system_id, walfile, started = row
         if in_recovery:
-            raise BackendUnavailable(
-                f"the lease server ({self._where}) is a standby in recovery (read-only): "
-                "point the connection string at the primary (with several hosts, add "
-                "target_session_attrs=read-write)"
-            )
+            raise self._standby()
         return server_identity(system_id, walfile, started) if self._servers else None
 
     def _check_keepalives(self, conn: psycopg.Connection[Any], effective: Any) -> None:

@@ -537,7 +537,7 @@ def test_tasks_resume_from_the_previous_leaders_checkpoint(pg_dsn: str) -> None:
     bound: list[Any] = []
 
     def make_handler(node: str) -> rs.TaskHandler:
-        tasks = rs.TaskHandler(stop_grace=2)
+        tasks = rs.TaskHandler()
 
         @tasks.persistent("counter", restart="never")
         def counter(ctx: rs.TaskContext) -> None:
@@ -581,7 +581,7 @@ def test_async_tasks_and_a_shared_store(pg_dsn: str) -> None:
     shared = PostgresCheckpointStore(pg_dsn, table_prefix="shared_")
     shared.save("ticker", {"n": 41})
     seen: list[Any] = []
-    tasks = rs.TaskHandler(stop_grace=2)
+    tasks = rs.TaskHandler()
 
     @tasks.persistent("ticker", restart="never")
     async def ticker(ctx: rs.TaskContext) -> None:

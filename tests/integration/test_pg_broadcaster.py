@@ -737,7 +737,7 @@ def test_postgres_leader_hands_the_broadcaster_to_tasks(
     node_bc = make_bc()
     other_node = make_bc()
     from_leader = other_node.subscribe("from-leader")
-    tasks = rs.TaskHandler(stop_grace=2.0)
+    tasks = rs.TaskHandler()
     echoed = threading.Event()
 
     @tasks.persistent("echo")

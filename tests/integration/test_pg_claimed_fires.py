@@ -65,7 +65,7 @@ def make_leader(pg_dsn: str) -> Iterator[Callable[..., PostgresLeader]]:
 
 
 def ticking(runs: Runs, lease: str) -> rs.TaskHandler:
-    handler = rs.TaskHandler(stop_grace=2.0)
+    handler = rs.TaskHandler()
     handler.interval(PERIOD, name="tick")(runs.task(lease))
     return handler
 

@@ -25,7 +25,7 @@ import psycopg
 import pytest
 
 import rselection as rs
-from rselection.errors import ConfigError
+from rselection.errors import BackendUnavailable, ConfigError
 from rselection.postgres import (
     PostgresBroadcaster,
     PostgresCheckpointStore,
@@ -293,7 +293,11 @@ def test_a_renewal_or_acquisition_on_another_backend_is_refused(
         assert "then on backend" in str(caught.value)
         other.rollback()
     assert renewed_at() == before, "a renewal on another backend must renew nothing"
-    assert lease.backend_pid is None, "the keeper connection is closed"
+    # The keeper is unusable from now on; it is closed once its term is over (a leader
+    # first joins the term's tasks).
+    with pytest.raises(BackendUnavailable):
+        lease.renew("node-a", taken.holder.term)
+    lease.term_ended(taken.holder.term)
 
     lease = leases(dsn, lease_name)
     lease.connect()

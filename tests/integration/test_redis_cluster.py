@@ -66,7 +66,7 @@ class Ledger:
         self.lock = threading.Lock()
 
     def handler(self) -> rs.TaskHandler:
-        tasks = rs.TaskHandler(stop_grace=2)
+        tasks = rs.TaskHandler()
         ledger = self
 
         @tasks.persistent("ledger")
