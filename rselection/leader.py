@@ -179,6 +179,9 @@ class LeaderBase:
         self._connected = False
         self._last_seen: tuple[str, int] | None = None
         self._fatal: ConfigError | None = None
+        # Demotions the watchdog made, announced by the keeper: user receivers never run
+        # on the watchdog, which must stay free to enforce the next term's deadline.
+        self._unannounced: list[tuple[int, str]] = []
         self._keeper: threading.Thread | None = None
         self._watchdog: threading.Thread | None = None
         self._observer_lock = threading.Lock()
@@ -260,7 +263,8 @@ class LeaderBase:
     def wait_until_leader(self, timeout: float | None = None) -> bool:
         """Block until this node leads; return ``False`` after ``timeout`` seconds."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._term is not None, timeout)
+            self._cond.wait_for(lambda: self._term is not None or self._closed, timeout)
+            return self._term is not None
 
     def start(self) -> None:
         """Start competing for the lease in background threads; return at once."""
@@ -395,6 +399,7 @@ class LeaderBase:
         try:
             while not self._stopping.is_set():
                 try:
+                    self._announce()
                     if not self._connected:
                         self._backend.connect()
                         self._connected = True
@@ -499,10 +504,17 @@ class LeaderBase:
             self._end_term("lost")
             self._held_term = None
             return
-        if self._term is not term:
-            return  # the watchdog ended the term while the renewal was in flight
-        term.deadline = sent + self._timings.renew_deadline
-        self._last_sent = sent
+        with self._cond:
+            if self._term is not term:
+                return  # the watchdog ended the term while the renewal was in flight
+            # A passed deadline is final: tasks may already have seen the term as over.
+            expired = clock.monotonic() >= term.deadline
+            if not expired:
+                term.deadline = sent + self._timings.renew_deadline
+                self._last_sent = sent
+        if expired:
+            self._end_term("deadline", expected=term)
+            return
         if signals.lease_renewed.receivers:
             done = clock.monotonic()
             signals.emit(
@@ -560,6 +572,7 @@ class LeaderBase:
     def _shutdown(self) -> None:
         try:
             self._end_term("stopped")
+            self._announce()
             self._release()
         except BackendUnavailable as exc:
             logger.warning("lease %r: could not release on stop (%s)", self._name, exc)
@@ -610,9 +623,12 @@ class LeaderBase:
             signals.elected, self, node_id=self._node_id, term=term.number, name=self._name
         )
 
-    def _end_term(self, reason: str, expected: Term | None = None) -> None:
+    def _end_term(
+        self, reason: str, expected: Term | None = None, *, announce: bool = True
+    ) -> None:
         """Cancel the current term and join its tasks (up to ``stop_grace``); then let
-        the backend end the session that held it, and announce the demotion."""
+        the backend end the session that held it, and announce the demotion (or, with
+        ``announce=False``, leave that to the keeper's next step)."""
         with self._transition:
             term = self._term
             if term is None or (expected is not None and term is not expected):
@@ -640,11 +656,25 @@ class LeaderBase:
             finally:
                 term.ended.set()
                 self._backend.term_ended(term.number)
+            if not announce:
+                with self._cond:
+                    self._unannounced.append((term.number, reason))
+                return
+        self._send_demoted(term.number, reason)
+
+    def _announce(self) -> None:
+        """Send the demotions the watchdog made (on the keeper thread, in order)."""
+        with self._cond:
+            pending, self._unannounced = self._unannounced, []
+        for number, reason in pending:
+            self._send_demoted(number, reason)
+
+    def _send_demoted(self, term: int, reason: str) -> None:
         signals.emit(
             signals.demoted,
             self,
             node_id=self._node_id,
-            term=term.number,
+            term=term,
             name=self._name,
             reason=reason,
         )
@@ -656,7 +686,7 @@ class LeaderBase:
             try:
                 if not self._watch_step():
                     return
-            except Exception:  # never let the deadline go unenforced
+            except (Exception, SystemExit):  # never let the deadline go unenforced
                 logger.exception("lease %r: error in the watchdog; it goes on", self._name)
                 time.sleep(0.05)
 
@@ -678,7 +708,7 @@ class LeaderBase:
                 self._cond.wait(min(remaining, 1.0))
                 return True
         # The keeper may be stuck in network I/O: end the term from here.
-        self._end_term("stopped" if stopping else "deadline", expected=term)
+        self._end_term("stopped" if stopping else "deadline", expected=term, announce=False)
         self._wake.set()
         self._backend.interrupt()
         return True

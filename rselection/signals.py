@@ -103,5 +103,7 @@ def emit(signal: NamedSignal, sender: Any, **kwargs: Any) -> None:
     for receiver in signal.receivers_for(sender):
         try:
             receiver(sender, **kwargs)
-        except Exception:
+        except (Exception, SystemExit):
+            # sys.exit() in a receiver would only end the sending thread (a keeper or
+            # watchdog), never the process.
             logger.exception("a receiver of the %r signal raised; ignored", signal.name)

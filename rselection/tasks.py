@@ -428,8 +428,18 @@ class TaskHandler:
     # -- used by leaders ----------------------------------------------------------
 
     def attach(self) -> None:
-        """Mark the handler as in use by a leader: registration is closed until detach."""
+        """Mark the handler as in use by a leader: registration is closed until detach.
+
+        Raises:
+            RuntimeError: another leader runs this handler (one term at a time is all a
+                handler can run: give each leader a handler of its own).
+        """
         with self._lock:
+            if self._attached:
+                raise RuntimeError(
+                    "this TaskHandler already runs under another leader that has not been "
+                    "stopped; give each leader a TaskHandler of its own"
+                )
             self._attached += 1
 
     def detach(self) -> None:

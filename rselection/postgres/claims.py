@@ -78,7 +78,7 @@ from psycopg import sql
 from psycopg.pq import TransactionStatus
 
 from ..errors import BackendUnavailable, ConfigError
-from ._conn import check_conninfo, describe_conninfo, unavailable
+from ._conn import IoWatchdog, check_conninfo, describe_conninfo, unavailable
 from .schema import CLAIMS_TABLE, create_tables, table_identifier
 
 __all__ = ["FIRE_KEY_FORMAT", "PostgresClaimer", "random_identity"]
@@ -202,6 +202,9 @@ class Connections:
         self._statement_timeout = statement_timeout
         self._lock = threading.Lock()
         self._own: psycopg.Connection[Any] | None = None
+        # Keepalives and tcp_user_timeout cannot see a peer that accepts bytes and never
+        # answers (a stuck proxy or pooler): bound each call on our own connection.
+        self._io = IoWatchdog(application_name)
 
     def _open(self) -> psycopg.Connection[Any]:
         assert self._conninfo is not None
@@ -272,7 +275,8 @@ class Connections:
             conn = self._own
             ok = False
             try:
-                yield conn
+                with self._io.guard(conn, self._statement_timeout + self._connect_timeout):
+                    yield conn
                 ok = True
             finally:
                 if not ok and (conn.broken or conn.closed):
@@ -299,6 +303,7 @@ class Connections:
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.close()
+        self._io.close()
 
 
 def _check_term(term: object) -> None:

@@ -325,11 +325,13 @@ class PostgresLease:
         self._io = IoWatchdog(name)  # bounds every blocking round trip
 
         # interrupt(): a sticky flag (authoritative), a self-pipe (wakes socket waits)
-        # and a cancel request (ends a lock wait). The lock orders a cancel request
-        # before the keeper's next statement: the keeper takes it after its lock wait.
+        # and a cancel request (ends a lock wait), sent from a thread of its own. The
+        # cancel lock orders that request before the keeper's next statement: the
+        # keeper takes it after its lock wait.
         self._wake_lock = threading.Lock()
         self._interrupt_pending = False
         self._in_lock_wait = False
+        self._cancel_lock = threading.Lock()
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
 
@@ -1008,12 +1010,15 @@ class PostgresLease:
         except psycopg.Error as exc:
             error = exc
         finally:
-            # Taking the lock waits for a cancel request in flight: once interrupt() has
-            # returned from cancel_safe(), the server has been signalled, so the cancel
-            # cannot hit the next statement. Clearing the flag first also keeps
-            # interrupt() from cancelling through a connection being closed below.
-            with self._wake_lock:
+            # Taking the cancel lock waits for a cancel request in flight: once it has
+            # been sent the server has been signalled, so the cancel cannot hit the next
+            # statement. Clearing the flag also keeps a later cancel from going through a
+            # connection being closed below.
+            with self._cancel_lock, self._wake_lock:
                 self._in_lock_wait = False
+        self._cancel_lock = (
+            threading.Lock()
+        )  # one cancel request at a time, before the next statement
         if error is not None:
             self._fail()
             raise unavailable("wait for the lease holder", self._conninfo, error) from error
@@ -1076,12 +1081,23 @@ class PostgresLease:
             if self._wake_w is not None:
                 with contextlib.suppress(OSError):  # pipe full (already woken)
                     self._wake_w.send(b"\0")
-            conn = self._conn
-            if self._in_lock_wait and conn is not None:
-                try:
-                    conn.cancel_safe(timeout=self.connect_timeout)
-                except Exception as exc:  # the wait ends by its own timeout anyway
-                    logger.debug("lease %r: cancel request failed: %s", self.name, exc)
+            if self._in_lock_wait and self._conn is not None:
+                # The cancel request is a network round trip of its own: never make the
+                # caller (stop(), perhaps on an event loop) wait for it.
+                threading.Thread(
+                    target=self._cancel_lock_wait, name="rselection-cancel", daemon=True
+                ).start()
+
+    def _cancel_lock_wait(self) -> None:
+        with self._cancel_lock:
+            with self._wake_lock:
+                conn = self._conn if self._in_lock_wait else None
+            if conn is None:
+                return  # the wait ended meanwhile
+            try:
+                conn.cancel_safe(timeout=self.connect_timeout)
+            except Exception as exc:  # the wait ends by its own timeout anyway
+                logger.debug("lease %r: cancel request failed: %s", self.name, exc)
 
     def close(self) -> None:
         """Close the keeper and observer connections (ending LISTEN and any lock held).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -13,6 +14,7 @@ import pytest
 
 import rselection as rs
 from rselection.postgres.leader import PostgresLeader
+from tests.support.pg import with_host_port
 from tests.support.waiting import wait_until
 
 FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
@@ -189,3 +191,64 @@ def test_stop_leaves_no_threads_or_connections(
             assert leader.leader() is None
         assert leftover_threads() == []
         assert sessions() == 0
+
+
+def _proxied(dsn: str, make_tcp_proxy: Callable[[str, int], Any]) -> tuple[Any, str]:
+    params = psycopg.conninfo.conninfo_to_dict(dsn)
+    proxy = make_tcp_proxy(str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+    return proxy, with_host_port(dsn, proxy.host, proxy.port)
+
+
+def test_stop_timeout_holds_for_a_follower_behind_a_silent_link(
+    pg_dsn: str, make_leader: Callable[..., PostgresLeader], make_tcp_proxy: Any
+) -> None:
+    proxy, via_proxy = _proxied(pg_dsn, make_tcp_proxy)
+    holder = make_leader(node_id="holder")
+    holder.start()
+    assert holder.wait_until_leader(10)
+    follower = PostgresLeader(
+        via_proxy, rs.TaskHandler(), name=holder.name, node_id="follower", **FAST
+    )
+    try:
+        follower.start()
+        wait_until(lambda: follower.leader() is not None, 10, "the follower to see the holder")
+        time.sleep(0.3)  # into its wait on the holder's lock
+        proxy.blackhole()  # bytes accepted, never delivered: a cancel request cannot land
+        began = time.monotonic()
+        follower.stop(timeout=0.5)
+        took = time.monotonic() - began
+        assert took < 1.0, f"stop(timeout=0.5) took {took:.2f} s"
+    finally:
+        proxy.heal()
+        follower.stop(timeout=30)
+
+
+def test_stop_returns_for_a_leader_behind_a_silent_link(
+    pg_dsn: str, lease_name: str, make_tcp_proxy: Any
+) -> None:
+    proxy, via_proxy = _proxied(pg_dsn, make_tcp_proxy)
+    leader = PostgresLeader(
+        via_proxy,
+        rs.TaskHandler(),
+        name=lease_name,
+        node_id="cut-off",
+        heartbeat_interval=1.0,
+        **FAST,
+    )
+    try:
+        leader.start()
+        assert leader.wait_until_leader(10)
+        time.sleep(1.2)  # a heartbeat and a claim connection are open too
+        proxy.blackhole()
+        began = time.monotonic()
+        stopper = threading.Thread(target=leader.stop, daemon=True)
+        stopper.start()
+        # The term ends at its deadline (2 s), then every round trip stuck on the link
+        # is abandoned by its own bound: stop() returns without a timeout of its own.
+        stopper.join(20)
+        took = time.monotonic() - began
+        assert not stopper.is_alive(), f"stop() still running after {took:.1f} s"
+        assert leader.term is None
+    finally:
+        proxy.heal()
+        leader.stop(timeout=30)

@@ -38,8 +38,8 @@ FAST = Timings(ttl=3.0, renew_interval=0.2, renew_deadline=1.0, retry_interval=0
 class FaultyLease(MemoryLease):
     """A memory lease that can answer one renewal late or fail it, and records events."""
 
-    def __init__(self) -> None:
-        super().__init__("safety", ttl=FAST.ttl)
+    def __init__(self, ttl: float = FAST.ttl) -> None:
+        super().__init__("safety", ttl=ttl)
         self.renew_delay = 0.0  # next renewal answers this late (then back to 0)
         self.renew_error: BaseException | None = None  # next renewal raises this
         self.acquire_error: BaseException | None = None  # next try_acquire raises this
@@ -495,3 +495,87 @@ def test_on_stuck_exit_exits_before_calling_receivers_that_could_block(tmp_path:
         proc.wait(5)
     assert code == 70
     assert took < 2.0, f"exited {took:.2f} s after the step-down (stop_grace 0.3 s)"
+
+
+# -- found by review: the watchdog, a passed deadline, waiting after stop ----------------
+
+
+def test_a_demoted_receiver_calling_sys_exit_does_not_switch_off_the_watchdog(
+    made: list[LeaderBase],
+) -> None:
+    lease = FaultyLease()
+    leader = build(made, lease, stubborn_handler(Activity(), linger=0.0, stop_grace=1.0))
+    reasons: list[tuple[int, str]] = []
+
+    def exit_on_demoted(sender: Any, **kw: Any) -> None:
+        if sender is leader:
+            reasons.append((kw["term"], kw["reason"]))
+            sys.exit(1)  # "exit when we lose leadership": it must not end our threads
+
+    signals.demoted.connect(exit_on_demoted)
+    try:
+        leader.start()
+        assert leader.wait_until_leader(5)
+        lease.renew_delay = 1.6
+        wait_until(lambda: (1, "deadline") in reasons, 6, "term 1 to end at its deadline")
+        wait_until(lambda: leader.term == 2, 6, "term 2")
+        lease.renew_delay = 1.6
+        wait_until(lambda: (2, "deadline") in reasons, 6, "term 2 to end at its deadline too")
+    finally:
+        signals.demoted.disconnect(exit_on_demoted)
+
+
+def test_a_renewal_that_returns_after_the_deadline_does_not_revive_the_term(
+    made: list[LeaderBase],
+) -> None:
+    # Renewals every 1 s, deadline 2 s: a renewal sent at L + 1 that answers after 1.5 s
+    # comes back at L + 2.5, after the deadline (L + 2), but would extend it to L + 3.
+    timings = Timings(ttl=6.0, renew_interval=1.0, renew_deadline=2.0, retry_interval=0.2)
+    lease = FaultyLease(ttl=6.0)
+    handler = stubborn_handler(Activity(), linger=0.0, stop_grace=1.0)
+    leader = build(made, lease, handler, timings=timings)
+    reasons: list[tuple[int, str]] = []
+
+    def on_demoted(sender: Any, **kw: Any) -> None:
+        if sender is leader:
+            reasons.append((kw["term"], kw["reason"]))
+
+    signals.demoted.connect(on_demoted)
+    try:
+        leader.start()
+        assert leader.wait_until_leader(5)
+        lease.renew_delay = 1.5
+        assert lease.renewing.wait(5)
+        # Keep the watchdog from looking until the late renewal has come back: the term's
+        # deadline passed meanwhile, and that must be final.
+        with leader._cond:
+            time.sleep(1.6)
+        wait_until(lambda: (1, "deadline") in reasons, 5, "term 1 to end at its deadline")
+    finally:
+        signals.demoted.disconnect(on_demoted)
+
+
+def test_wait_until_leader_returns_false_once_the_leader_stopped(made: list[LeaderBase]) -> None:
+    lease = FaultyLease()
+    lease.try_acquire("someone-else")  # held for the whole ttl: this node only follows
+    leader = build(made, lease, stubborn_handler(Activity(), linger=0.0, stop_grace=1.0))
+    leader.start()
+    result: list[bool] = []
+    waiter = threading.Thread(target=lambda: result.append(leader.wait_until_leader()))
+    waiter.start()
+    leader.stop(timeout=5)
+    waiter.join(5)
+    assert result == [False]
+
+
+def test_a_handler_runs_under_one_leader_at_a_time(made: list[LeaderBase]) -> None:
+    handler = stubborn_handler(Activity(), linger=0.0, stop_grace=1.0)
+    first = build(made, MemoryLease("a"), handler)
+    second = build(made, MemoryLease("b"), handler, node_id="n2")
+    first.start()
+    with pytest.raises(RuntimeError, match="TaskHandler of its own"):
+        second.start()
+    first.stop(timeout=5)
+    third = build(made, MemoryLease("c"), handler, node_id="n3")
+    third.start()  # free again once the first leader stopped
+    assert third.wait_until_leader(5)
