@@ -441,6 +441,7 @@ class LeaderBase:
         """After a failed step: end the term (tasks joined), only then drop the session."""
         self._connected = False
         self._end_term(reason)
+        self._announce()
         self._held_term = None  # the server ends a dead session's lease
         self._close_backend()
         self._pause(reconnect_delay(failures))
@@ -562,6 +563,7 @@ class LeaderBase:
                 "lease %r: term %d did not finish ending; not releasing it", self._name, held
             )
             return
+        self._announce()  # the demotion, before anyone else can lead
         self._backend.release(self._node_id, held)
         self._observe(None)
 
@@ -654,13 +656,13 @@ class LeaderBase:
                 )
                 self._handler.end_term(self._stop_grace)
             finally:
+                if not announce:  # queued before `ended`: a release announces it first
+                    with self._cond:
+                        self._unannounced.append((term.number, reason))
                 term.ended.set()
                 self._backend.term_ended(term.number)
-            if not announce:
-                with self._cond:
-                    self._unannounced.append((term.number, reason))
-                return
-        self._send_demoted(term.number, reason)
+        if announce:
+            self._send_demoted(term.number, reason)
 
     def _announce(self) -> None:
         """Send the demotions the watchdog made (on the keeper thread, in order)."""

@@ -297,9 +297,26 @@ class Connections:
         return BackendUnavailable(f"cannot {what} ({self.where}): {detail}")
 
     def close(self) -> None:
-        """Close the connection it opened itself (idempotent); pools and connections stay open."""
+        """Close the connection it opened itself (idempotent); pools and connections stay open.
+
+        Never waits for a call in flight (it may be stuck on a silent link until its
+        bound): then the connection is closed in the background once that call ends.
+        """
+        if not self._lock.acquire(blocking=False):
+            threading.Thread(target=self._close_when_free, daemon=True).start()
+            return
+        try:
+            conn, self._own = self._own, None
+        finally:
+            self._lock.release()
+        self._close_conn(conn)
+
+    def _close_when_free(self) -> None:
         with self._lock:
             conn, self._own = self._own, None
+        self._close_conn(conn)
+
+    def _close_conn(self, conn: psycopg.Connection[Any] | None) -> None:
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.close()
