@@ -10,13 +10,15 @@ from __future__ import annotations
 import signal
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
 from rselection.demo import Fleet
-from tests.support import ledger
+from tests.support import activity, ledger
 
 pytestmark = pytest.mark.slow
 
@@ -148,3 +150,20 @@ def test_blocked_event_loop_does_not_cost_the_lease(pg_dsn: str) -> None:
         assert unblocked is not None and unblocked["node"] == first["node"]
         no_other_election(fleet, 1.0)
     assert ledger.overlaps(pg_dsn) == 0
+
+
+def test_node_command_lines_carry_no_password(pg_dsn: str) -> None:
+    # Any local user can read a process's command line; the connection strings must
+    # reach the nodes through their environment (readable by their owner only).
+    with_password = make_conninfo(pg_dsn, password="hunter2")  # a trusting server ignores it
+    fleet = Fleet(with_password, f"t-{uuid.uuid4().hex[:6]}", FAST)
+    with fleet:
+        fleet.spawn("n0")
+        fleet.spawn("n1", lease_dsn=with_password)
+        fleet.wait_ready(30)
+        fleet.first_elected(30)  # the nodes did get the connection strings
+        for node, proc in fleet.procs.items():
+            cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            assert b"hunter2" not in cmdline, (node, cmdline)
+            assert b"127.0.0.1" not in cmdline, (node, cmdline)
+    assert activity.check_fleet(fleet).violations == []
