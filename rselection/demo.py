@@ -304,12 +304,22 @@ class Fleet:
         dsn: the database every node uses.
         name: the lease name.
         node_args: extra command-line options for every node.
+        log_dir: when given, each node's stderr (its log) goes to ``<log_dir>/<node>.log``
+            instead of this process's stderr.
     """
 
-    def __init__(self, dsn: str, name: str, node_args: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        name: str,
+        node_args: list[str] | None = None,
+        *,
+        log_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.dsn = dsn
         self.name = name
         self.node_args = node_args or []
+        self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen[str]] = {}
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.history: list[dict[str, Any]] = []
@@ -321,22 +331,34 @@ class Fleet:
         self._readers: list[threading.Thread] = []
 
     def spawn(
-        self, node_id: str, extra: list[str] | None = None, *, lease_dsn: str | None = None
+        self,
+        node_id: str,
+        extra: list[str] | None = None,
+        *,
+        dsn: str | None = None,
+        lease_dsn: str | None = None,
     ) -> subprocess.Popen[str]:
         """Start a node process called ``node_id``.
 
         Args:
             node_id: the node's id.
             extra: more command-line options for this node.
+            dsn: this node's connection instead of the fleet's.
             lease_dsn: a separate connection for its lease (e.g. through a proxy).
         """
         cmd = [sys.executable, "-m", "rselection.demo", "node"]
         cmd += ["--name", self.name, "--node-id", node_id, *self.node_args, *(extra or [])]
-        env = {**os.environ, DSN_ENV: self.dsn}
+        env = {**os.environ, DSN_ENV: dsn if dsn is not None else self.dsn}
         env.pop(LEASE_DSN_ENV, None)
         if lease_dsn is not None:
             env[LEASE_DSN_ENV] = lease_dsn
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
+        with contextlib.ExitStack() as stack:
+            log: IO[str] | None = None
+            if self.log_dir is not None:
+                log = stack.enter_context(open(os.path.join(self.log_dir, f"{node_id}.log"), "a"))
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1, env=env
+            )
         self.procs[node_id] = proc
         assert proc.stdout is not None
         reader = threading.Thread(target=self._read, args=(proc.stdout,), daemon=True)

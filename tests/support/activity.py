@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Overlap", "Report", "Run", "check", "check_fleet", "runs"]
+__all__ = ["Overlap", "Report", "Run", "assert_no_overlap", "check", "check_fleet", "runs"]
 
 Window = tuple[float, float]
 
@@ -236,6 +236,9 @@ def check(
     found = runs(events, ended_at, now)
     overlaps: list[Overlap] = []
     tails: list[Overlap] = []
+    began: dict[int, float] = {}
+    for r in found:
+        began.setdefault(r.term, r.start)  # found is in start order
     for i, a in enumerate(found):
         for b in found[i + 1 :]:
             if b.start >= a.end:
@@ -243,7 +246,7 @@ def check(
             if a.term == b.term and a.node == b.node:
                 continue
             older, newer = (a, b) if (a.term, a.start) <= (b.term, b.start) else (b, a)
-            pair = _overlap(older, newer, paused, resume_grace)
+            pair = _overlap(older, newer, began[newer.term], paused, resume_grace)
             if pair is None:
                 continue
             (overlaps if pair.seconds > 0 else tails).append(pair)
@@ -252,7 +255,11 @@ def check(
 
 
 def _overlap(
-    older: Run, newer: Run, paused: Mapping[str, Sequence[Window]], resume_grace: float
+    older: Run,
+    newer: Run,
+    newer_began: float,
+    paused: Mapping[str, Sequence[Window]],
+    resume_grace: float,
 ) -> Overlap | None:
     old_frozen = paused.get(older.node, ())
     new_frozen = paused.get(newer.node, ())
@@ -262,11 +269,11 @@ def _overlap(
     if not common:
         return None
     # Excuse the tail a resumed process needs to learn that its term is over, but only
-    # when the newer term began while it was frozen.
+    # when the newer term began (its first task run) while it was frozen.
     excused: list[Window] = [
         (cont, cont + resume_grace)
         for stop, cont in old_frozen
-        if stop < older.end and cont > older.start and stop <= newer.start < cont
+        if stop < older.end and cont > older.start and stop <= newer_began < cont
     ]
     counted = _minus_all(common, excused)
     tail = _length(common) - _length(counted)
@@ -290,3 +297,16 @@ def check_fleet(fleet: Any, **options: Any) -> Report:
         options: ``allowance``, ``resume_grace`` (see :func:`check`).
     """
     return check(fleet.history, ended_at=fleet.ended_at, paused=fleet.paused, **options)
+
+
+def assert_no_overlap(fleet: Any, **options: Any) -> Report:
+    """Fail unless the stopped ``fleet``'s tasks ran and no two terms' runs overlapped.
+
+    Args:
+        fleet: a stopped :class:`rselection.demo.Fleet`.
+        options: ``allowance``, ``resume_grace`` (see :func:`check`).
+    """
+    report = check_fleet(fleet, **options)
+    assert report.runs, "the nodes reported no task activity"
+    assert not report.violations, report.summary()
+    return report

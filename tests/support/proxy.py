@@ -143,6 +143,15 @@ class TcpProxy:
         """True between ``blackhole()`` and ``heal()``."""
         return self._blackholed
 
+    def retarget(self, host: str, port: int) -> None:
+        """Send connections accepted from now on to ``host:port`` (a promoted standby,
+        say); open connections keep their old target."""
+
+        def do() -> None:
+            self.target = (host, port)
+
+        self._call(do)
+
     @property
     def delayed(self) -> float:
         """Seconds by which replies are held back now (0 when not delayed)."""

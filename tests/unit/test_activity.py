@@ -84,6 +84,9 @@ def test_frozen_time_is_cut_out_and_the_resume_tail_is_excused() -> None:
     excused = activity.check(events, paused={"a": [(11.0, 15.0)]}, resume_grace=0.05)
     assert excused.overlaps == [] and excused.violations == []
     assert excused.max_resume_tail == pytest.approx(0.01)
+    # also against runs of the newer term that start after the resume (a scheduled fire)
+    ticks = [*events, *run("b", 2, "tick", 2, 15.005, 15.006)]
+    assert activity.check(ticks, paused={"a": [(11.0, 15.0)]}, resume_grace=0.05).overlaps == []
     # a tail longer than the grace counts beyond it
     slow = [*run("a", 1, "work", 1, 10.0, 15.3), *run("b", 2, "work", 1, 14.0, 20.0)]
     report = activity.check(slow, paused={"a": [(11.0, 15.0)]}, resume_grace=0.05)

@@ -228,6 +228,21 @@ def test_delay_holds_replies_but_not_requests(proxy: TcpProxy, echo: EchoServer)
         assert time.monotonic() - sent < 0.5
 
 
+def test_retarget_sends_new_connections_elsewhere(proxy: TcpProxy, echo: EchoServer) -> None:
+    other = EchoServer()
+    try:
+        with connect(proxy) as old:
+            proxy.retarget("127.0.0.1", other.port)
+            with connect(proxy) as new:
+                new.sendall(b"new")
+                assert recv_exactly(new, 3) == b"new"
+            old.sendall(b"old")
+            assert recv_exactly(old, 3) == b"old"
+        assert (echo.connections, other.connections) == (1, 1)
+    finally:
+        other.close()
+
+
 def test_delay_holds_the_targets_fin_behind_its_data(proxy: TcpProxy) -> None:
     with connect(proxy) as sock:
         proxy.delay(0.3)
