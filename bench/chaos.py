@@ -358,6 +358,8 @@ class Outcome:
     report: activity.Report | None = None
     allowance: float = 0.0
     stuck: int = 0
+    handoff: float | None = None
+    """First task start of the new term minus last task end of the faulted term."""
     problems: list[str] = field(default_factory=list)
     logs: str = ""
 
@@ -447,6 +449,7 @@ class Round:
         self.data_proxies: dict[str, TcpProxy] = {}  # promote: the nodes' other connections
         self.standby: PrivateStandby | None = None
         self.killed: set[str] = set()
+        self.fault_term: int | None = None
 
     # -- events
 
@@ -511,6 +514,7 @@ class Round:
         if len(leading) != 1:
             raise SoakError(f"{len(leading)} leaders before the fault ({sorted(leading)})")
         ((leader, term),) = leading.items()
+        self.fault_term = term
         getattr(self, f"_fault_{self.kind}")(leader, term)
 
     def _await(self, term: int, at: float, bound: float, *, required: bool = True) -> None:
@@ -655,6 +659,18 @@ class Round:
             else:
                 self.out.problems.append(f"node {node} exited with code {proc.returncode}")
 
+    def _handoff(self, report: activity.Report) -> float | None:
+        """Seconds from the faulted term's last task end to the next term's first start."""
+        old = self.fault_term
+        if old is None:
+            return None
+        ends = [r.end for r in report.runs if r.term == old]
+        newer = [r for r in report.runs if r.term > old]
+        if not ends or not newer:
+            return None
+        following = min(r.term for r in newer)
+        return min(r.start for r in newer if r.term == following) - max(ends)
+
     def _check(self) -> None:
         out = self.out
         try:
@@ -667,6 +683,7 @@ class Round:
         )
         if not out.report.runs:
             out.problems.append("no task activity was reported")
+        out.handoff = self._handoff(out.report)
         out.stuck = sum(1 for e in self.fleet.history if e["ev"] == "stuck")
         if out.violations:
             out.logs = str(self.log_dir)
@@ -720,6 +737,7 @@ def exception_window(outcomes: Sequence[Outcome]) -> list[str]:
             if not rows:
                 continue
             windows = [o.overlap for o in rows]
+            gaps = [o.handoff * 1000 for o in rows if o.handoff is not None]
             lines.append(
                 f"documented exception, {backend} {kind}: old term's tasks ran alongside the "
                 f"new term's in {sum(w > 0 for w in windows)} of {len(rows)} rounds; window "
@@ -727,6 +745,12 @@ def exception_window(outcomes: Sequence[Outcome]) -> list[str]:
                 f"p95 {percentile(windows, 0.95) * 1000:.0f} ms, max {max(windows) * 1000:.0f} ms "
                 f"(allowed up to stop_grace = {STOP_GRACE:g} s)"
             )
+            if gaps:
+                lines.append(
+                    f"  from the old term's last task end to the new term's first task start: "
+                    f"min {min(gaps):.1f} ms, p50 {percentile(gaps, 0.5):.1f} ms "
+                    "(negative: overlap)"
+                )
     return lines
 
 
