@@ -237,8 +237,10 @@ class PostgresServer(Server):
         return int(late[0]), int(shared[0])
 
     def standby(self) -> PrivateStandby:
-        """A streaming standby of the current primary, started and caught up."""
-        return PrivateStandby(self.pg).start()
+        """A streaming standby of the current primary, started (it streams from it)."""
+        standby = PrivateStandby(self.pg)
+        standby.start()
+        return standby
 
     def promoted(self, standby: PrivateStandby) -> None:
         """From now on the promoted ``standby`` is the server; the old primary is removed."""
@@ -321,7 +323,7 @@ class RedisServer(Server):
         if raw is None:
             return "no holder"
         client = json.loads(raw)["client"]
-        self.client.execute_command("CLIENT", "KILL", "ID", str(client))
+        self.client.client_kill_filter(_id=str(client))
         return f"CLIENT KILL ID {client}"
 
     def ledger(self, lease: str) -> tuple[int, int]:
