@@ -448,6 +448,7 @@ class Round:
             # it is frozen): its tasks' stop time is not the library's; measure without.
             wind_down = 0.0
         args = [*server.fleet_args, *node_timing_args(), "--wind-down", f"{wind_down:g}"]
+        args += ["--log-level", "INFO"]
         if kind == "raising":
             args.append("--raising-receivers")
         self.name = f"chaos-{index}-{uuid.uuid4().hex[:6]}"
@@ -694,6 +695,9 @@ class Round:
         out.stuck = sum(1 for e in self.fleet.history if e["ev"] == "stuck")
         if out.violations:
             out.logs = str(self.log_dir)
+            with open(self.log_dir / "events.jsonl", "w") as f:
+                for event in self.fleet.history:
+                    f.write(json.dumps(event) + "\n")
         else:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 

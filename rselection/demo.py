@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import itertools
 import json
+import logging
 import os
 import queue
 import signal
@@ -85,6 +87,11 @@ def _activity(ctx: rs.TaskContext, task: str) -> Iterator[None]:
 
 def run_node(args: argparse.Namespace) -> int:
     """Run one node until SIGTERM/SIGINT; report events as JSON lines on stdout."""
+    if args.log_level:
+        logging.basicConfig(
+            level=args.log_level.upper(),
+            format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s",
+        )
     if args.backend == "redis":
         return _run_redis_node(args)
     if not args.dsn:
@@ -219,6 +226,10 @@ def _tick_tasks(tasks: rs.TaskHandler, args: argparse.Namespace) -> None:
 def _serve(leader: Any, stop: threading.Event, raising: bool = False) -> int:
     import rselection as rs
 
+    # A node that will not stop can be asked where its threads are (Fleet.stop_all does
+    # before it kills one): SIGUSR1 writes every thread's stack to stderr.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
     rs.signals.elected.connect(
         lambda sender, **kw: _emit("elected", node=kw["node_id"], term=kw["term"]), weak=False
     )
@@ -284,6 +295,7 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="seconds the 'work' task goes on after it was cancelled",
     )
+    p.add_argument("--log-level", help="log to stderr from this level on (e.g. INFO)")
     p.add_argument(
         "--raising-receivers",
         action="store_true",
@@ -456,6 +468,10 @@ class Fleet:
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGUSR1)  # its threads' stacks to its stderr
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(0.5)
                 proc.kill()
                 proc.wait(5)
             self.ended_at.setdefault(node_id, time.time())
