@@ -111,7 +111,7 @@ def run_node(args: argparse.Namespace) -> int:
         conn.execute(sql.SQL(LEDGER_DDL).format(table=ledger))
         conn.execute("SELECT pg_advisory_unlock(4242)")
 
-    tasks = rs.TaskHandler(stop_grace=args.stop_grace)
+    tasks = _task_handler(args)
     _tick_tasks(tasks, args)
 
     @tasks.persistent("ledger")
@@ -165,7 +165,7 @@ def _run_redis_node(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
 
     key = redis_ledger_key(args.ledger, args.name)
-    tasks = rs.TaskHandler(stop_grace=args.stop_grace)
+    tasks = _task_handler(args)
     _tick_tasks(tasks, args)
     fence: list[Any] = []
 
@@ -196,6 +196,14 @@ def _run_redis_node(args: argparse.Namespace) -> int:
     # Ledger writes go straight to Redis (not through a --lease-dsn proxy).
     fence.append(RedisFence(redis.Redis.from_url(url, socket_timeout=5), args.name))
     return _serve(leader, stop, args.raising_receivers)
+
+
+def _task_handler(args: argparse.Namespace) -> rs.TaskHandler:
+    import rselection as rs
+
+    if args.stop_grace is None:
+        return rs.TaskHandler()  # the library chooses
+    return rs.TaskHandler(stop_grace=args.stop_grace)
 
 
 def _tick_tasks(tasks: rs.TaskHandler, args: argparse.Namespace) -> None:
@@ -284,7 +292,11 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--renew-interval", type=float, default=2.0)
     p.add_argument("--renew-deadline", type=float, default=10.0)
     p.add_argument("--retry-interval", type=float, default=2.0)
-    p.add_argument("--stop-grace", type=float, default=2.0)
+    p.add_argument(
+        "--stop-grace",
+        type=float,
+        help="seconds to wait for cancelled tasks (default: the library's)",
+    )
     p.add_argument("--tick", type=float, default=1.0)
     p.add_argument("--ledger", default="rselection_demo_ledger")
     p.add_argument("--ledger-every", type=float, default=0.02)
