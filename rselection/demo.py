@@ -6,14 +6,23 @@ The parent process starts node processes (``python -m rselection.demo node ...``
 report what happens as JSON lines on stdout; the parent prints them, kills the leader
 with SIGKILL, measures how long the fleet takes to elect another one, then stops the
 new leader gracefully and measures the handover. The same node program drives the
-multi-process tests.
+multi-process tests and the chaos soak (``bench/chaos.py``).
+
+Every task of a node reports its activity: an ``activity`` event when it starts (``end``
+is ``null``) and another when it ends, stamped with this machine's wall clock, so a
+harness can check that no two terms' tasks ever ran at the same time. Connection strings
+reach the nodes through the environment (``RSELECTION_DSN``, ``RSELECTION_LEASE_DSN``),
+never the command line, where any local user could read a password.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
+import itertools
 import json
+import logging
 import os
 import queue
 import signal
@@ -41,10 +50,36 @@ CREATE TABLE IF NOT EXISTS {table} (
 """
 
 
+#: Environment variables that carry connection strings to node processes.
+DSN_ENV = "RSELECTION_DSN"
+LEASE_DSN_ENV = "RSELECTION_LEASE_DSN"
+
+_emit_lock = threading.Lock()
+_runs = itertools.count(1)
+
+
 def _emit(event: str, **fields: Any) -> None:
     fields.update(ev=event, t=time.time())
-    sys.stdout.write(json.dumps(fields, default=str) + "\n")
-    sys.stdout.flush()
+    line = json.dumps(fields, default=str) + "\n"
+    with _emit_lock:  # tasks, receivers and the main thread all report: one line each
+        sys.stdout.write(line)
+        sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def _activity(ctx: rs.TaskContext, task: str) -> Iterator[None]:
+    """Report when one run of a task starts and when it ends (also if it raises).
+
+    The start is written before the task does anything, so a node killed mid-run still
+    leaves it behind; the harness then ends that run at the moment it killed the node.
+    """
+    run, start = next(_runs), time.time()
+    fields = {"node": ctx.node_id, "term": ctx.term, "task": task, "run": run}
+    _emit("activity", **fields, start=start, end=None)
+    try:
+        yield
+    finally:
+        _emit("activity", **fields, start=start, end=time.time())
 
 
 # -- one node ------------------------------------------------------------------------
@@ -52,10 +87,15 @@ def _emit(event: str, **fields: Any) -> None:
 
 def run_node(args: argparse.Namespace) -> int:
     """Run one node until SIGTERM/SIGINT; report events as JSON lines on stdout."""
+    if args.log_level:
+        logging.basicConfig(
+            level=args.log_level.upper(),
+            format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s",
+        )
     if args.backend == "redis":
         return _run_redis_node(args)
     if not args.dsn:
-        raise SystemExit("--dsn is required with --backend postgres")
+        raise SystemExit(f"--dsn (or {DSN_ENV}) is required with --backend postgres")
     import psycopg
     from psycopg import sql
 
@@ -71,14 +111,14 @@ def run_node(args: argparse.Namespace) -> int:
         conn.execute(sql.SQL(LEDGER_DDL).format(table=ledger))
         conn.execute("SELECT pg_advisory_unlock(4242)")
 
-    tasks = rs.TaskHandler(stop_grace=args.stop_grace)
+    tasks = _task_handler(args)
     _tick_tasks(tasks, args)
 
     @tasks.persistent("ledger")
     def write_ledger(ctx: rs.TaskContext) -> None:
         # Every write is fenced: it commits only while this term holds the lease.
         insert = sql.SQL("INSERT INTO {} (lease, term, node) VALUES (%s, %s, %s)").format(ledger)
-        with psycopg.connect(args.dsn) as conn:
+        with _activity(ctx, "ledger"), psycopg.connect(args.dsn) as conn:
             while ctx.sleep(args.ledger_every):
                 try:
                     with conn.transaction():
@@ -98,7 +138,7 @@ def run_node(args: argparse.Namespace) -> int:
         renew_deadline=args.renew_deadline,
         retry_interval=args.retry_interval,
     )
-    return _serve(leader, stop)
+    return _serve(leader, stop, args.raising_receivers)
 
 
 def redis_ledger_key(ledger: str, lease: str) -> str:
@@ -119,28 +159,29 @@ def _run_redis_node(args: argparse.Namespace) -> int:
 
     url = args.redis_url or args.dsn
     if not url:
-        raise SystemExit("--redis-url (or --dsn) is required with --backend redis")
+        raise SystemExit(f"--redis-url (or --dsn, or {DSN_ENV}) is required with --backend redis")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
 
     key = redis_ledger_key(args.ledger, args.name)
-    tasks = rs.TaskHandler(stop_grace=args.stop_grace)
+    tasks = _task_handler(args)
     _tick_tasks(tasks, args)
     fence: list[Any] = []
 
     @tasks.persistent("ledger")
     def write_ledger(ctx: rs.TaskContext) -> None:
         # Every write is fenced: the RPUSH runs only while this term holds the lease.
-        while ctx.sleep(args.ledger_every):
-            entry = json.dumps({"term": ctx.term, "node": ctx.node_id, "t": time.time()})
-            try:
-                fence[0].call(ctx.term, "RPUSH", key, entry)
-            except rs.StaleLeaderError:
-                _emit("stale", node=ctx.node_id, term=ctx.term)
-                return
-            except rs.BackendUnavailable:
-                continue  # Redis is away; the lease keeper decides whether we still lead
+        with _activity(ctx, "ledger"):
+            while ctx.sleep(args.ledger_every):
+                entry = json.dumps({"term": ctx.term, "node": ctx.node_id, "t": time.time()})
+                try:
+                    fence[0].call(ctx.term, "RPUSH", key, entry)
+                except rs.StaleLeaderError:
+                    _emit("stale", node=ctx.node_id, term=ctx.term)
+                    return
+                except rs.BackendUnavailable:
+                    continue  # Redis is away; the lease keeper decides whether we still lead
 
     leader = RedisLeader(
         args.lease_dsn or url,
@@ -154,14 +195,33 @@ def _run_redis_node(args: argparse.Namespace) -> int:
     )
     # Ledger writes go straight to Redis (not through a --lease-dsn proxy).
     fence.append(RedisFence(redis.Redis.from_url(url, socket_timeout=5), args.name))
-    return _serve(leader, stop)
+    return _serve(leader, stop, args.raising_receivers)
+
+
+def _task_handler(args: argparse.Namespace) -> rs.TaskHandler:
+    import rselection as rs
+
+    if args.stop_grace is None:
+        return rs.TaskHandler()  # the library chooses
+    return rs.TaskHandler(stop_grace=args.stop_grace)
 
 
 def _tick_tasks(tasks: rs.TaskHandler, args: argparse.Namespace) -> None:
+    """The tasks both backends' nodes run besides the ledger writer."""
 
     @tasks.interval(args.tick, name="tick")
     def tick(ctx: rs.TaskContext) -> None:
-        _emit("tick", node=ctx.node_id, term=ctx.term, at=ctx.scheduled_at)
+        with _activity(ctx, "tick"):
+            _emit("tick", node=ctx.node_id, term=ctx.term, at=ctx.scheduled_at)
+
+    @tasks.persistent("work")
+    def work(ctx: rs.TaskContext) -> None:
+        # Runs the whole term; with --wind-down it goes on for that long after it was
+        # cancelled, as a task finishing a unit of work (or ignoring cancellation) does.
+        with _activity(ctx, "work"):
+            ctx.cancelled.wait()
+            if args.wind_down:
+                time.sleep(args.wind_down)
 
     if args.block_loop:
 
@@ -171,8 +231,12 @@ def _tick_tasks(tasks: rs.TaskHandler, args: argparse.Namespace) -> None:
             _emit("unblocked", node=ctx.node_id, term=ctx.term)
 
 
-def _serve(leader: Any, stop: threading.Event) -> int:
+def _serve(leader: Any, stop: threading.Event, raising: bool = False) -> int:
     import rselection as rs
+
+    # A node that will not stop can be asked where its threads are (Fleet.stop_all does
+    # before it kills one): SIGUSR1 writes every thread's stack to stderr.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     rs.signals.elected.connect(
         lambda sender, **kw: _emit("elected", node=kw["node_id"], term=kw["term"]), weak=False
@@ -183,6 +247,17 @@ def _serve(leader: Any, stop: threading.Event) -> int:
         ),
         weak=False,
     )
+    rs.signals.task_stuck.connect(
+        lambda sender, **kw: _emit(
+            "stuck", node=leader.node_id, term=kw["term"], task=kw["task"], waited=kw["waited"]
+        ),
+        weak=False,
+    )
+    if raising:
+        # A user's receiver that raises (connected after the reporting ones, so the
+        # events above are still written): the library must log it and carry on.
+        for signal_ in (rs.signals.elected, rs.signals.demoted, rs.signals.lease_renewed):
+            signal_.connect(_raise_in_receiver, weak=False)
     leader.start()
     _emit("ready", node=leader.node_id, pid=os.getpid())
     while not stop.wait(0.2):
@@ -193,10 +268,22 @@ def _serve(leader: Any, stop: threading.Event) -> int:
     return 0
 
 
+def _raise_in_receiver(sender: Any, **kw: Any) -> None:
+    raise RuntimeError("a signal receiver that raises (node option --raising-receivers)")
+
+
 def add_node_arguments(p: argparse.ArgumentParser) -> None:
     """Options of one node process (shared by the demo and the tests)."""
-    p.add_argument("--dsn", help="the Postgres (or, with --backend redis, the Redis URL)")
-    p.add_argument("--lease-dsn", help="connection for the lease only (e.g. via a proxy)")
+    p.add_argument(
+        "--dsn",
+        default=os.environ.get(DSN_ENV),
+        help=f"the Postgres (or, with --backend redis, the Redis URL); default ${DSN_ENV}",
+    )
+    p.add_argument(
+        "--lease-dsn",
+        default=os.environ.get(LEASE_DSN_ENV),
+        help=f"connection for the lease only (e.g. via a proxy); default ${LEASE_DSN_ENV}",
+    )
     p.add_argument("--backend", choices=["postgres", "redis"], default="postgres")
     p.add_argument("--redis-url", help="the Redis of --backend redis (default: --dsn)")
     p.add_argument("--name", default="demo")
@@ -205,11 +292,27 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--renew-interval", type=float, default=2.0)
     p.add_argument("--renew-deadline", type=float, default=10.0)
     p.add_argument("--retry-interval", type=float, default=2.0)
-    p.add_argument("--stop-grace", type=float, default=None)
+    p.add_argument(
+        "--stop-grace",
+        type=float,
+        help="seconds to wait for cancelled tasks (default: the library's)",
+    )
     p.add_argument("--tick", type=float, default=1.0)
     p.add_argument("--ledger", default="rselection_demo_ledger")
     p.add_argument("--ledger-every", type=float, default=0.02)
     p.add_argument("--block-loop", type=float, default=0.0)
+    p.add_argument(
+        "--wind-down",
+        type=float,
+        default=0.0,
+        help="seconds the 'work' task goes on after it was cancelled",
+    )
+    p.add_argument("--log-level", help="log to stderr from this level on (e.g. INFO)")
+    p.add_argument(
+        "--raising-receivers",
+        action="store_true",
+        help="connect receivers that raise on elected, demoted and lease_renewed",
+    )
 
 
 # -- a fleet of node processes --------------------------------------------------------
@@ -218,26 +321,68 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
 class Fleet:
     """Node processes of one lease, with their events gathered in one queue.
 
+    Connection strings go to the nodes in their environment, never on their command
+    line (which every local user can read in ``/proc``).
+
     Args:
         dsn: the database every node uses.
         name: the lease name.
         node_args: extra command-line options for every node.
+        log_dir: when given, each node's stderr (its log) goes to ``<log_dir>/<node>.log``
+            instead of this process's stderr.
     """
 
-    def __init__(self, dsn: str, name: str, node_args: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        name: str,
+        node_args: list[str] | None = None,
+        *,
+        log_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.dsn = dsn
         self.name = name
         self.node_args = node_args or []
+        self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen[str]] = {}
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.history: list[dict[str, Any]] = []
+        self.ended_at: dict[str, float] = {}
+        """When each node was killed (``kill -9``) or seen to have exited (wall clock)."""
+        self.paused: dict[str, list[tuple[float, float]]] = {}
+        """Per node, the windows (wall clock) it was frozen by SIGSTOP until SIGCONT."""
+        self._paused_since: dict[str, float] = {}
         self._readers: list[threading.Thread] = []
 
-    def spawn(self, node_id: str, extra: list[str] | None = None) -> subprocess.Popen[str]:
-        """Start a node process called ``node_id``."""
-        cmd = [sys.executable, "-m", "rselection.demo", "node", "--dsn", self.dsn]
+    def spawn(
+        self,
+        node_id: str,
+        extra: list[str] | None = None,
+        *,
+        dsn: str | None = None,
+        lease_dsn: str | None = None,
+    ) -> subprocess.Popen[str]:
+        """Start a node process called ``node_id``.
+
+        Args:
+            node_id: the node's id.
+            extra: more command-line options for this node.
+            dsn: this node's connection instead of the fleet's.
+            lease_dsn: a separate connection for its lease (e.g. through a proxy).
+        """
+        cmd = [sys.executable, "-m", "rselection.demo", "node"]
         cmd += ["--name", self.name, "--node-id", node_id, *self.node_args, *(extra or [])]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
+        env = {**os.environ, DSN_ENV: dsn if dsn is not None else self.dsn}
+        env.pop(LEASE_DSN_ENV, None)
+        if lease_dsn is not None:
+            env[LEASE_DSN_ENV] = lease_dsn
+        with contextlib.ExitStack() as stack:
+            log: IO[str] | None = None
+            if self.log_dir is not None:
+                log = stack.enter_context(open(os.path.join(self.log_dir, f"{node_id}.log"), "a"))
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1, env=env
+            )
         self.procs[node_id] = proc
         assert proc.stdout is not None
         reader = threading.Thread(target=self._read, args=(proc.stdout,), daemon=True)
@@ -299,25 +444,53 @@ class Fleet:
         return None
 
     def kill(self, node_id: str, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to a node process."""
-        self.procs[node_id].send_signal(sig)
+        """Send ``sig`` to a node process.
+
+        The times of ``kill -9`` (:attr:`ended_at`) and of SIGSTOP to SIGCONT
+        (:attr:`paused`) are recorded, on the safe side: a kill after the signal was
+        sent, a pause from after SIGSTOP was sent until before SIGCONT is.
+        """
+        proc = self.procs[node_id]
+        if sig == signal.SIGCONT and node_id in self._paused_since:
+            self._end_pause(node_id)
+        proc.send_signal(sig)
+        if sig == signal.SIGKILL:
+            self.ended_at.setdefault(node_id, time.time())
+        elif sig == signal.SIGSTOP and proc.poll() is None:
+            self._paused_since.setdefault(node_id, time.time())
+
+    def _end_pause(self, node_id: str) -> None:
+        since = self._paused_since.pop(node_id)
+        self.paused.setdefault(node_id, []).append((since, time.time()))
 
     def stop_all(self, timeout: float = 20.0) -> None:
-        """SIGTERM (after SIGCONT) every live node, wait, then SIGKILL stragglers."""
-        for proc in self.procs.values():
+        """SIGTERM (after SIGCONT) every live node, wait, then SIGKILL stragglers.
+
+        Afterwards :attr:`history` holds every event the nodes wrote.
+        """
+        for node_id, proc in self.procs.items():
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
+                    if node_id in self._paused_since:
+                        self._end_pause(node_id)
                     proc.send_signal(signal.SIGCONT)
                     proc.terminate()
         deadline = time.monotonic() + timeout
-        for proc in self.procs.values():
+        for node_id, proc in self.procs.items():
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGUSR1)  # its threads' stacks to its stderr
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(0.5)
                 proc.kill()
                 proc.wait(5)
+            self.ended_at.setdefault(node_id, time.time())
         for reader in self._readers:
             reader.join(5)
+        while self.next_event(0) is not None:
+            pass
 
     def __enter__(self) -> Fleet:
         return self

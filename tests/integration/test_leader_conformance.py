@@ -3,8 +3,9 @@
 Each scenario runs unchanged on both backends: election and agreement, graceful handover,
 kill -9 failover, a leader paused beyond its ttl, a server restart, and a fenced write
 refused after a takeover. Fleet scenarios run real node processes (``python -m
-rselection.demo node --backend ...``) that write a fenced ledger; each ends by checking
-that no write of an older term came after a write of a newer term.
+rselection.demo node --backend ...``) that write a fenced ledger and report their task
+activity; each ends by checking that no write of an older term came after a write of a
+newer term, and that no task of one term ran while a task of another term ran.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ import pytest
 
 import rselection as rs
 from rselection.demo import Fleet
+from tests.support import activity
 from tests.support.backends import Backend
+from tests.support.pg import with_host_port
+from tests.support.proxy import TcpProxy
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -117,6 +121,8 @@ def fleet_of(backend: Backend, args: list[str]) -> Fleet:
 def assert_safe_ledger(backend: Backend, fleet: Fleet) -> None:
     assert backend.overlaps(fleet.name) == 0
     assert all(len(nodes) == 1 for nodes in backend.terms(fleet.name).values())
+    # A resumed process (SIGSTOP, SIGCONT) needs a moment to learn its term has ended.
+    activity.assert_no_overlap(fleet, resume_grace=0.25)
 
 
 # -- in-process ----------------------------------------------------------------------
@@ -315,3 +321,55 @@ def test_a_stale_entry_is_never_written_by_a_deposed_node(backend: Backend) -> N
     assert_safe_ledger(backend, fleet)
     terms = sorted(backend.terms(fleet.name))
     print(f"{backend.kind}: {len(entries)} ledger writes in terms {json.dumps(terms)}")
+
+
+# Room for a task that takes most of stop_grace to stop: renew_deadline + stop_grace +
+# 0.5 s <= ttl.
+ROOMY_ARGS = [*FAST_ARGS, "--ttl", "4", "--stop-grace", "1", "--wind-down", "0.8"]
+
+
+def through(backend: Backend, proxy: TcpProxy) -> str:
+    """The backend's URL through ``proxy``."""
+    if backend.kind == "redis":
+        return f"redis://{proxy.host}:{proxy.port}/0"
+    return with_host_port(backend.url, proxy.host, proxy.port)
+
+
+@pytest.mark.parametrize(
+    "delay",
+    [
+        # The renewal sent renew_interval after the last good one answers 0.1 s after
+        # the deadline, well before the keeper's I/O limit: the lease is still held.
+        pytest.param(1.6, id="answered-after-the-deadline"),
+        # No answer within the keeper's I/O limit (renew_deadline after sending).
+        pytest.param(3.0, id="past-the-io-limit"),
+    ],
+)
+def test_a_slow_renewal_never_lets_the_lease_pass_on_while_old_tasks_run(
+    backend: Backend, make_tcp_proxy: Callable[[str, int], TcpProxy], delay: float
+) -> None:
+    # Every node's 'work' task takes 0.8 s (< stop_grace) to stop once cancelled. The
+    # leader's lease connection answers `delay` seconds late: it must stop at its
+    # deadline and no follower may start before its tasks have ended.
+    fleet = fleet_of(backend, ROOMY_ARGS)
+    proxies: dict[str, TcpProxy] = {}
+    with fleet:
+        for i in range(3):
+            proxies[f"n{i}"] = make_tcp_proxy(*backend.host_port())
+            fleet.spawn(f"n{i}", lease_dsn=through(backend, proxies[f"n{i}"]))
+        fleet.wait_ready(30)
+        first = fleet.first_elected(30)
+        settle(fleet, 0.8)  # renewals under way
+        slowed_at = time.time()
+        proxies[first["node"]].delay(delay)
+        next_of(fleet, "demoted", 10, node=first["node"], term=first["term"])
+        deadline = time.monotonic() + 10
+        while not any(e["ev"] == "elected" and e["term"] > first["term"] for e in fleet.history):
+            assert time.monotonic() < deadline, f"no new leader: {fleet.history[-20:]}"
+            fleet.next_event(0.1)
+        heir = next(e for e in fleet.history if e["ev"] == "elected" and e["term"] > first["term"])
+        print(f"{backend.kind}: replies +{delay} s, new leader after {heir['t'] - slowed_at:.2f}s")
+        proxies[first["node"]].heal()
+        settle(fleet, 1.0)
+        assert len(current_leaders(fleet)) == 1
+    assert_safe_ledger(backend, fleet)

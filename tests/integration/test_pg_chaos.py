@@ -1,8 +1,9 @@
 """Faults under a running fleet: server restart, database down, cut and silent links.
 
 Restarts use a private Postgres of the test's own; links are cut with a loopback TCP
-proxy in front of each node's lease connection. Every test ends with one leader and a
-ledger in which no older term wrote after a newer one.
+proxy in front of each node's lease connection. Every test ends with one leader, a
+ledger in which no older term wrote after a newer one, and an activity ledger in which
+no task of one term ran while a task of another term ran.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 
 from rselection.demo import Fleet
-from tests.support import ledger
+from tests.support import activity, ledger
 from tests.support.pg import PrivatePostgres, with_host_port
 from tests.support.proxy import TcpProxy
 
@@ -78,6 +79,7 @@ def test_server_restart_under_a_running_fleet(private_pg: PrivatePostgres) -> No
         settle(fleet, 1.0)
         assert len(current_leaders(fleet)) == 1
     assert ledger.overlaps(private_pg.dsn) == 0
+    activity.assert_no_overlap(fleet)
 
 
 def test_database_down_mid_term_then_back(private_pg: PrivatePostgres) -> None:
@@ -96,6 +98,7 @@ def test_database_down_mid_term_then_back(private_pg: PrivatePostgres) -> None:
         settle(fleet, 1.0)
         assert len(current_leaders(fleet)) == 1
     assert ledger.overlaps(private_pg.dsn) == 0
+    activity.assert_no_overlap(fleet)
 
 
 def _fleet_behind_proxies(
@@ -108,7 +111,7 @@ def _fleet_behind_proxies(
     for i in range(n):
         node = f"n{i}"
         proxies[node] = make_tcp_proxy(host, port)
-        fleet.spawn(node, ["--lease-dsn", proxied(dsn, proxies[node])])
+        fleet.spawn(node, lease_dsn=proxied(dsn, proxies[node]))
     fleet.wait_ready(30)
     return fleet, proxies
 
@@ -132,6 +135,7 @@ def test_severed_lease_connection(
         assert len(current_leaders(fleet)) == 1
     assert ledger.overlaps(pg_dsn) == 0
     assert all(len(nodes) == 1 for nodes in ledger.terms(pg_dsn).values())
+    activity.assert_no_overlap(fleet)
 
 
 def test_silent_partition_of_the_leader(
@@ -156,3 +160,4 @@ def test_silent_partition_of_the_leader(
         assert current_leaders(fleet) == {heir["node"]}
     assert ledger.overlaps(pg_dsn) == 0
     assert all(len(nodes) == 1 for nodes in ledger.terms(pg_dsn).values())
+    activity.assert_no_overlap(fleet)

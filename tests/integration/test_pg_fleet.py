@@ -2,7 +2,8 @@
 
 Every node is ``python -m rselection.demo node`` (the demo's own node program): it leads
 with a ticking task and a persistent task that writes fenced rows to a ledger. Each
-test ends by checking the ledger: no row of an older term after a row of a newer one.
+test ends by checking the ledger (no row of an older term after a row of a newer one)
+and the activity ledger (no task of one term ran while a task of another term ran).
 """
 
 from __future__ import annotations
@@ -10,15 +11,23 @@ from __future__ import annotations
 import signal
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
 from rselection.demo import Fleet
-from tests.support import ledger
+from tests.support import activity, ledger
 
 pytestmark = pytest.mark.slow
+
+# A terminated keeper session is the documented exception: the old node's tasks may run
+# for their cancel time (here: at once) while the successor starts.
+KILLED_SESSION_ALLOWANCE = 1.0
+# A resumed process needs a moment to learn that its term ended while it was frozen.
+RESUME_GRACE = 0.25
 
 # Small timings keep the suite fast; the ratios are those of the defaults.
 FAST = ["--ttl", "3", "--renew-interval", "0.5", "--renew-deadline", "2", "--retry-interval", "0.5"]
@@ -66,6 +75,7 @@ def test_one_leader_runs_the_tasks(pg_dsn: str) -> None:
             ).fetchone()
         assert row == (first["node"], first["term"])
     assert ledger.overlaps(pg_dsn) == 0
+    activity.assert_no_overlap(fleet)
 
 
 def test_graceful_stop_hands_over_within_a_second(pg_dsn: str) -> None:
@@ -79,6 +89,7 @@ def test_graceful_stop_hands_over_within_a_second(pg_dsn: str) -> None:
         assert handover < 1.0
         assert heir["term"] == first["term"] + 1
     assert ledger.overlaps(pg_dsn) == 0
+    activity.assert_no_overlap(fleet)
 
 
 def test_kill_9_fails_over_well_before_the_ttl(pg_dsn: str) -> None:
@@ -92,6 +103,7 @@ def test_kill_9_fails_over_well_before_the_ttl(pg_dsn: str) -> None:
         print(f"kill -9 failover: {failover * 1000:.0f} ms (ttl 10 s)")
         assert failover < 5.0  # ttl / 2
     assert ledger.overlaps(pg_dsn) == 0
+    activity.assert_no_overlap(fleet)
 
 
 def test_paused_leader_is_replaced_only_after_expiry_and_never_acts_again(pg_dsn: str) -> None:
@@ -114,6 +126,7 @@ def test_paused_leader_is_replaced_only_after_expiry_and_never_acts_again(pg_dsn
         time.sleep(0.5)
         assert ledger.writes_by(pg_dsn, first["node"], first["term"]) == writes_before
     assert ledger.overlaps(pg_dsn) == 0
+    activity.assert_no_overlap(fleet, resume_grace=RESUME_GRACE)
     assert all(len(nodes) == 1 for nodes in ledger.terms(pg_dsn).values())
 
 
@@ -131,6 +144,7 @@ def test_terminated_keeper_session_gives_one_leader(pg_dsn: str) -> None:
         elected(fleet, 10)
         time.sleep(1.0)
     assert ledger.overlaps(pg_dsn) == 0
+    activity.assert_no_overlap(fleet, allowance=KILLED_SESSION_ALLOWANCE)
     assert all(len(nodes) == 1 for nodes in ledger.terms(pg_dsn).values())
 
 
@@ -148,3 +162,21 @@ def test_blocked_event_loop_does_not_cost_the_lease(pg_dsn: str) -> None:
         assert unblocked is not None and unblocked["node"] == first["node"]
         no_other_election(fleet, 1.0)
     assert ledger.overlaps(pg_dsn) == 0
+    activity.assert_no_overlap(fleet)
+
+
+def test_node_command_lines_carry_no_password(pg_dsn: str) -> None:
+    # Any local user can read a process's command line; the connection strings must
+    # reach the nodes through their environment (readable by their owner only).
+    with_password = make_conninfo(pg_dsn, password="hunter2")  # a trusting server ignores it
+    fleet = Fleet(with_password, f"t-{uuid.uuid4().hex[:6]}", FAST)
+    with fleet:
+        fleet.spawn("n0")
+        fleet.spawn("n1", lease_dsn=with_password)
+        fleet.wait_ready(30)
+        fleet.first_elected(30)  # the nodes did get the connection strings
+        for node, proc in fleet.procs.items():
+            cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            assert b"hunter2" not in cmdline, (node, cmdline)
+            assert b"127.0.0.1" not in cmdline, (node, cmdline)
+    assert activity.check_fleet(fleet).violations == []

@@ -2,9 +2,10 @@
 
 Fault tests route one connection (say, a leader's lease connection) through a
 ``TcpProxy`` and then call ``sever()`` (every connection reset at once, as when
-a peer crashes or a firewall sends RST) or ``blackhole()`` (connections stay
+a peer crashes or a firewall sends RST), ``blackhole()`` (connections stay
 open but no byte moves in either direction, as in a silent network partition)
-and later ``heal()``.
+or ``delay(seconds)`` (the target's replies reach the client that much later, as
+behind a congested link or a stalled server) and later ``heal()``.
 
 One selector thread does all the work; every public method hands a command to
 it and waits for it (bounded), so there are no races with the forwarding.
@@ -55,8 +56,12 @@ class _Link:
     connect_deadline: float = 0.0
     to_upstream: bytearray = field(default_factory=bytearray)
     to_client: bytearray = field(default_factory=bytearray)
+    # Replies read from the upstream while delayed: (due time, bytes); b"" marks its FIN.
+    held: collections.deque[tuple[float, bytes]] = field(default_factory=collections.deque)
+    held_bytes: int = 0
     client_eof: bool = False  # the client sent FIN
-    upstream_eof: bool = False  # the upstream sent FIN
+    upstream_eof: bool = False  # the upstream sent FIN (and it is due to the client)
+    upstream_eof_read: bool = False  # the upstream's FIN was read and is held back
     upstream_shut: bool = False  # we sent FIN to the upstream
     client_shut: bool = False  # we sent FIN to the client
     registered: dict[int, int] = field(default_factory=dict)  # fd -> events
@@ -94,6 +99,7 @@ class TcpProxy:
         self.bytes_down = 0
         self._links: set[_Link] = set()
         self._blackholed = False
+        self._delay = 0.0
         self._closed = False
         self._commands: collections.deque[tuple[Callable[[], Any], _Pending]] = collections.deque()
         self._selector = selectors.DefaultSelector()
@@ -137,6 +143,37 @@ class TcpProxy:
         """True between ``blackhole()`` and ``heal()``."""
         return self._blackholed
 
+    def retarget(self, host: str, port: int) -> None:
+        """Send connections accepted from now on to ``host:port`` (a promoted standby,
+        say); open connections keep their old target."""
+
+        def do() -> None:
+            self.target = (host, port)
+
+        self._call(do)
+
+    @property
+    def delayed(self) -> float:
+        """Seconds by which replies are held back now (0 when not delayed)."""
+        return self._delay
+
+    def delay(self, seconds: float) -> None:
+        """Hold every byte the target sends back for ``seconds`` before the client gets it.
+
+        Only replies are delayed: what the client sends (a query, a FIN) reaches the
+        target at once, as when the return path is congested or the server is slow to
+        answer. Order is kept, and a FIN from the target is delayed like data.
+        ``delay(0)`` or ``heal()`` ends it; bytes already held are still delivered at
+        their time.
+        """
+        if seconds < 0:
+            raise ValueError(f"delay must be >= 0 seconds, got {seconds!r}")
+
+        def do() -> None:
+            self._delay = float(seconds)
+
+        self._call(do)
+
     def sever(self) -> int:
         """Reset every current connection (RST to both ends); return how many.
 
@@ -170,10 +207,12 @@ class TcpProxy:
         self._call(do)
 
     def heal(self) -> None:
-        """Resume forwarding after ``blackhole()``; pending connections go upstream now."""
+        """Resume forwarding after ``blackhole()`` or ``delay()``; pending connections go
+        upstream now."""
 
         def do() -> None:
             self._blackholed = False
+            self._delay = 0.0
             for link in list(self._links):
                 if link.upstream is None:
                     self._connect_upstream(link)
@@ -257,7 +296,7 @@ class TcpProxy:
 
     def _loop(self) -> None:
         while not self._stopping:
-            for key, events in self._selector.select(timeout=0.1):
+            for key, events in self._selector.select(timeout=self._select_timeout()):
                 if key.data == "listen":
                     self._accept()
                 elif key.data == "wake":
@@ -270,9 +309,38 @@ class TcpProxy:
                         except Exception:  # never let one link stop the proxy
                             _log.exception("TcpProxy: dropping a connection after an error")
                             self._drop(link)
+            self._release_held()
             self._check_connect_timeouts()
         # answer commands that raced with the shutdown
         self._run_commands()
+
+    def _select_timeout(self) -> float:
+        """Wake in time for the next held reply (at most every 0.1 s)."""
+        due = [link.held[0][0] for link in self._links if link.held]
+        if not due:
+            return 0.1
+        return max(0.0, min(0.1, min(due) - time.monotonic()))
+
+    def _release_held(self) -> None:
+        """Hand delayed replies whose time has come to the client side."""
+        now = time.monotonic()
+        for link in list(self._links):
+            if not link.held or link.held[0][0] > now:
+                continue
+            while link.held and link.held[0][0] <= now:
+                _, data = link.held.popleft()
+                link.held_bytes -= len(data)
+                if data:
+                    link.to_client += data
+                else:
+                    link.upstream_eof = True
+            try:
+                self._half_close(link)
+            except OSError:
+                self._drop(link)
+                continue
+            if link in self._links:
+                self._update(link)
 
     def _accept(self) -> None:
         while True:
@@ -351,6 +419,11 @@ class TcpProxy:
                 link.to_upstream += data
             else:
                 link.client_eof = True
+        elif self._delay > 0 or link.held:  # keep order behind replies still held
+            link.held.append((time.monotonic() + self._delay, data))
+            link.held_bytes += len(data)
+            if not data:
+                link.upstream_eof_read = True
         elif data:
             link.to_client += data
         else:
@@ -403,7 +476,10 @@ class TcpProxy:
                 if link.connecting:
                     up_events = selectors.EVENT_WRITE
                 else:
-                    if not link.upstream_eof and len(link.to_client) < _BUFFER_LIMIT:
+                    if (
+                        not (link.upstream_eof or link.upstream_eof_read)
+                        and len(link.to_client) + link.held_bytes < _BUFFER_LIMIT
+                    ):
                         up_events |= selectors.EVENT_READ
                     if link.to_upstream:
                         up_events |= selectors.EVENT_WRITE

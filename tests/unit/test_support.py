@@ -206,6 +206,55 @@ def test_blackhole_holds_bytes_until_heal(proxy: TcpProxy) -> None:
         assert recv_exactly(sock, 5) == b"after"
 
 
+def test_delay_holds_replies_but_not_requests(proxy: TcpProxy, echo: EchoServer) -> None:
+    with connect(proxy) as sock:
+        sock.sendall(b"before")
+        assert recv_exactly(sock, 6) == b"before"
+
+        proxy.delay(0.5)
+        assert proxy.delayed == 0.5
+        sent = time.monotonic()
+        sock.sendall(b"one")
+        sock.sendall(b"two")
+        assert recv_exactly(sock, 6) == b"onetwo"  # in order, nothing lost
+        took = time.monotonic() - sent
+        assert 0.5 <= took < 0.5 + WAIT / 2
+        assert echo.connections == 1
+
+        proxy.delay(0)
+        sent = time.monotonic()
+        sock.sendall(b"now")
+        assert recv_exactly(sock, 3) == b"now"
+        assert time.monotonic() - sent < 0.5
+
+
+def test_retarget_sends_new_connections_elsewhere(proxy: TcpProxy, echo: EchoServer) -> None:
+    other = EchoServer()
+    try:
+        with connect(proxy) as old:
+            proxy.retarget("127.0.0.1", other.port)
+            with connect(proxy) as new:
+                new.sendall(b"new")
+                assert recv_exactly(new, 3) == b"new"
+            old.sendall(b"old")
+            assert recv_exactly(old, 3) == b"old"
+        assert (echo.connections, other.connections) == (1, 1)
+    finally:
+        other.close()
+
+
+def test_delay_holds_the_targets_fin_behind_its_data(proxy: TcpProxy) -> None:
+    with connect(proxy) as sock:
+        proxy.delay(0.3)
+        sock.sendall(b"bye")
+        sock.shutdown(socket.SHUT_WR)  # the echo server answers, then closes
+        assert recv_exactly(sock, 3) == b"bye"
+        sock.settimeout(WAIT)
+        assert sock.recv(1) == b""  # then the FIN
+    proxy.heal()
+    assert proxy.delayed == 0
+
+
 def test_blackhole_accepts_new_connections_without_forwarding(
     proxy: TcpProxy, echo: EchoServer
 ) -> None:
