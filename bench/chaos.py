@@ -237,58 +237,19 @@ class PostgresServer(Server):
         assert late is not None and shared is not None
         return int(late[0]), int(shared[0])
 
-    def standby(self) -> PrivateStandby:
+    def standby(self) -> PrivatePostgres:
         """A streaming standby of the current primary, started (it streams from it)."""
-        standby = PrivateStandby(self.pg)
+        standby = self.pg.make_standby()
         standby.start()
         return standby
 
-    def promoted(self, standby: PrivateStandby) -> None:
+    def promoted(self, standby: PrivatePostgres) -> None:
         """From now on the promoted ``standby`` is the server; the old primary is removed."""
         old, self.pg = self.pg, standby
         old.close()
 
     def close(self) -> None:
         self.pg.close()
-
-
-class PrivateStandby(PrivatePostgres):
-    """A streaming standby of a :class:`PrivatePostgres`, made by ``pg_basebackup -R``.
-
-    Args:
-        primary: the running primary to copy and follow.
-    """
-
-    def __init__(self, primary: PrivatePostgres) -> None:
-        super().__init__(bin_dir=primary.bin_dir, settings=primary.settings)
-        self.primary = primary
-
-    def _initdb(self) -> None:
-        cmd = [
-            str(self.bin_dir / "pg_basebackup"),
-            *("-h", self.primary.host, "-p", str(self.primary.port), "-U", self.user),
-            *("-D", str(self.data_dir), "-R", "-X", "stream", "--no-sync"),
-        ]
-        result = subprocess.run(
-            cmd,
-            capture_output=True,
-            text=True,
-            timeout=self.start_timeout,
-            check=False,
-            **self._run_as,
-        )
-        if result.returncode != 0:
-            raise ServerStartError(f"pg_basebackup failed: {result.stderr.strip()}")
-        with open(self.data_dir / "postgresql.conf", "a") as conf:
-            conf.write(f"\nport = {self.port}\nhot_standby = on\n")
-
-    def promote(self) -> None:
-        """Promote to primary and wait until it accepts writes."""
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
-            conn.execute("SELECT pg_promote(true, 30)")
-            row = conn.execute("SELECT pg_is_in_recovery()").fetchone()
-        if row is None or row[0]:
-            raise SoakError("the standby did not leave recovery after pg_promote")
 
 
 class RedisServer(Server):
@@ -455,7 +416,7 @@ class Round:
         self.fleet = Fleet(server.url, self.name, args, log_dir=self.log_dir)
         self.proxies: dict[str, TcpProxy] = {}
         self.data_proxies: dict[str, TcpProxy] = {}  # promote: the nodes' other connections
-        self.standby: PrivateStandby | None = None
+        self.standby: PrivatePostgres | None = None
         self.killed: set[str] = set()
         self.fault_term: int | None = None
 
@@ -628,7 +589,10 @@ class Round:
         at = time.time()
         self.proxies[leader].blackhole()  # the leader is cut off from the primary
         server.pg.stop("fast")
-        standby.promote()
+        try:
+            standby.promote()
+        except ServerStartError as exc:
+            raise SoakError(f"the standby could not be promoted: {exc}") from exc
         server.promoted(standby)
         target = server.address()
         for proxy in [*self.proxies.values(), *self.data_proxies.values()]:
