@@ -80,16 +80,38 @@ class Term:
         """Set once the term's tasks were cancelled and joined (or reported stuck)."""
         self._async_waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()
         self._lock = threading.Lock()
+        self._expired = False  # the deadline was seen passed: the term is over for good
 
     def live(self) -> bool:
-        """True while the term is neither cancelled nor past its local deadline."""
-        return not self.cancelled.is_set() and clock.monotonic() < self.deadline
+        """True while the term is neither cancelled nor past its local deadline.
+
+        Once anyone has seen the deadline passed, the term stays over: a renewal that
+        comes back later cannot revive it (see :meth:`extend`).
+        """
+        return self.remaining() > 0
 
     def remaining(self) -> float:
         """Seconds until the local deadline (``inf`` without one, 0 once not live)."""
         if self.cancelled.is_set():
             return 0.0
-        return max(0.0, self.deadline - clock.monotonic())
+        with self._lock:
+            if self._expired:
+                return 0.0
+            left = self.deadline - clock.monotonic()
+            if left <= 0:
+                self._expired = True
+                return 0.0
+            return left
+
+    def extend(self, deadline: float) -> bool:
+        """Move the deadline to ``deadline`` after a successful renewal; ``False`` (and
+        nothing moved) when the current deadline has passed already: that is final."""
+        with self._lock:
+            if self._expired or clock.monotonic() >= self.deadline:
+                self._expired = True
+                return False
+            self.deadline = deadline
+            return True
 
     def cancel(self) -> None:
         """End the term: set :attr:`cancelled` and wake every sleeping task at once."""

@@ -263,7 +263,10 @@ class LeaderBase:
     def wait_until_leader(self, timeout: float | None = None) -> bool:
         """Block until this node leads; return ``False`` after ``timeout`` seconds."""
         with self._cond:
-            self._cond.wait_for(lambda: self._term is not None or self._closed, timeout)
+            self._cond.wait_for(
+                lambda: self._term is not None or self._closed or self._stopping.is_set(),
+                timeout,
+            )
             return self._term is not None
 
     def start(self) -> None:
@@ -280,8 +283,13 @@ class LeaderBase:
             self._watchdog = threading.Thread(
                 target=self._watch, name=f"rselection-watchdog-{self._name}", daemon=True
             )
-        self._watchdog.start()
-        self._keeper.start()
+        try:
+            self._watchdog.start()
+            self._keeper.start()
+        except BaseException:
+            self._stopping.set()
+            self._handler.detach()
+            raise
 
     def lead(self) -> None:
         """Compete and lead in this thread until :meth:`stop` or Ctrl-C, then clean up.
@@ -310,6 +318,10 @@ class LeaderBase:
         receiver running on its keeper or watchdog, or from the event loop its async tasks
         run on, it only asks the leader to stop and returns at once (waiting there would
         wait for itself).
+
+        When ``timeout`` runs out first, the term may already be over (tasks cancelled and
+        joined, ``is_leader`` false) while ``demoted`` is still to come: the keeper sends
+        it once its round trip in flight ends.
 
         Args:
             timeout: seconds this call may take in all (default: until stopped, which is
@@ -509,11 +521,10 @@ class LeaderBase:
             if self._term is not term:
                 return  # the watchdog ended the term while the renewal was in flight
             # A passed deadline is final: tasks may already have seen the term as over.
-            expired = clock.monotonic() >= term.deadline
-            if not expired:
-                term.deadline = sent + self._timings.renew_deadline
+            extended = term.extend(sent + self._timings.renew_deadline)
+            if extended:
                 self._last_sent = sent
-        if expired:
+        if not extended:
             self._end_term("deadline", expected=term)
             return
         if signals.lease_renewed.receivers:
@@ -526,9 +537,9 @@ class LeaderBase:
                 latency=done - sent,
                 remaining=term.deadline - done,
             )
-        request_ = handovers.handover_requested() if handovers is not None else None
-        if request_ is not None:
-            self._hand_over(term, request_)
+        handover = handovers.handover_requested() if handovers is not None else None
+        if handover is not None:
+            self._hand_over(term, handover)
 
     def _hand_over(self, term: Term, request: HandoverRequest) -> None:
         """Step down because an operator asked (the next keeper step does it).
@@ -613,6 +624,19 @@ class LeaderBase:
             nodes=self.nodes,
         )
         with self._transition:
+            # Whatever the watchdog ended meanwhile is announced before this term.
+            self._announce()
+            if not term.live():
+                # Acquired, but its local deadline passed already (the keeper waited
+                # here behind a term that took long to end): never start it; the next
+                # step releases it.
+                logger.warning(
+                    "lease %r: term %d came too late to be led; releasing it",
+                    self._name,
+                    term.number,
+                )
+                self._held_term = holder.term
+                return
             with self._cond:
                 self._term = term
                 self._last_term = term

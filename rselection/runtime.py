@@ -156,6 +156,17 @@ class TermRunner:
                 self.term.number,
                 grace,
             )
+        # Receivers run on a thread of their own: the caller is the leader's keeper or
+        # watchdog, which a slow receiver must never hold up.
+        threading.Thread(
+            target=self._send_stuck,
+            args=(stuck, grace),
+            name=f"rselection-stuck-term-{self.term.number}",
+            daemon=True,
+        ).start()
+
+    def _send_stuck(self, stuck: list[str], grace: float) -> None:
+        for name in stuck:
             signals.emit(
                 signals.task_stuck, self.handler, task=name, term=self.term.number, waited=grace
             )

@@ -306,17 +306,18 @@ class Connections:
             threading.Thread(target=self._close_when_free, daemon=True).start()
             return
         try:
-            conn, self._own = self._own, None
+            self._close_own()
         finally:
             self._lock.release()
-        self._close_conn(conn)
 
     def _close_when_free(self) -> None:
         with self._lock:
-            conn, self._own = self._own, None
-        self._close_conn(conn)
+            self._close_own()
 
-    def _close_conn(self, conn: psycopg.Connection[Any] | None) -> None:
+    def _close_own(self) -> None:
+        """Close our connection and its watchdog; the caller holds the lock, so no call
+        arms a guard meanwhile."""
+        conn, self._own = self._own, None
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.close()

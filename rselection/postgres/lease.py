@@ -1016,9 +1016,6 @@ class PostgresLease:
             # connection being closed below.
             with self._cancel_lock, self._wake_lock:
                 self._in_lock_wait = False
-        self._cancel_lock = (
-            threading.Lock()
-        )  # one cancel request at a time, before the next statement
         if error is not None:
             self._fail()
             raise unavailable("wait for the lease holder", self._conninfo, error) from error

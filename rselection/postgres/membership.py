@@ -137,7 +137,7 @@ class Membership:
             # A heartbeat is stuck on a silent link (it ends by its own bound): do not
             # wait for it; the row is purged by the others' heartbeats in time.
             logger.info("node %s left without deleting its heartbeat row", self.node_id)
-            threading.Thread(target=self._conns.close, daemon=True).start()
+            self._conns.close()  # never waits for the stuck call
             return
         try:
             self._execute("leave the membership table", self._leave_sql, (self.lease, self.node_id))

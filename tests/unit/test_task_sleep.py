@@ -103,7 +103,7 @@ def test_sleep_follows_a_deadline_moved_forward_by_renewals() -> None:
 
     def renew() -> None:  # what the keeper does on every successful renewal
         while not stop.wait(0.05):
-            term.deadline = clock.monotonic() + 0.2
+            term.extend(clock.monotonic() + 0.2)
 
     renewer = threading.Thread(target=renew, daemon=True)
     renewer.start()
