@@ -40,7 +40,7 @@ import psycopg
 from psycopg import sql
 
 from ..errors import BackendUnavailable, ConfigError
-from .schema import MIGRATION_LOCK_KEY, validate_table_name, version_table_identifier
+from .schema import lock_migrations, validate_table_name, version_table_identifier
 
 __all__ = [
     "BROADCAST_TABLE",
@@ -363,7 +363,7 @@ def create_outbox(conn: psycopg.Connection[Any], outbox: Outbox) -> None:
         return
     try:
         with conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
+            lock_migrations(conn)
             conn.execute(
                 sql.SQL(
                     "CREATE TABLE IF NOT EXISTS {} ("

@@ -48,7 +48,7 @@ import psycopg
 from psycopg import sql
 
 from ..errors import ConfigError
-from .schema import MIGRATION_LOCK_KEY, validate_table_name
+from .schema import lock_migrations, validate_table_name
 
 __all__ = ["MIGRATIONS", "CheckpointTables", "Migration", "apply_migrations"]
 
@@ -162,7 +162,7 @@ def apply_migrations(
         raise ConfigError(f"migrations must be numbered 1..n in order, got {numbers}")
     applied: list[int] = []
     with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
+        lock_migrations(conn)
         conn.execute(
             sql.SQL(
                 "CREATE TABLE IF NOT EXISTS {} ("

@@ -354,6 +354,23 @@ class TableChange:
         return f"{self.label} {self.table!r}: {done}"
 
 
+MIGRATION_IDLE_TIMEOUT = "5s"
+"""How long a migration transaction may sit idle before the server ends it: a client cut
+off in the middle of one must not keep every other node from creating its tables."""
+
+
+def lock_migrations(conn: psycopg.Connection[Any]) -> None:
+    """Take the migration lock in the caller's transaction (``MIGRATION_LOCK_KEY``); if the
+    client then vanishes mid-migration, the server ends the transaction after
+    :data:`MIGRATION_IDLE_TIMEOUT`, freeing the lock."""
+    conn.execute(
+        sql.SQL("SET LOCAL idle_in_transaction_session_timeout = {}").format(
+            sql.Literal(MIGRATION_IDLE_TIMEOUT)
+        )
+    )
+    conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
+
+
 def create_tables(conn: psycopg.Connection[Any], **tables: str | None) -> list[TableChange]:
     """Create the named tables (and the schema-version table), or upgrade older ones.
 
@@ -385,7 +402,7 @@ def create_tables(conn: psycopg.Connection[Any], **tables: str | None) -> list[T
     what = " and ".join(f"the {_KINDS[k][3]} {t!r}" for k, t in wanted)
     try:
         with conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
+            lock_migrations(conn)
             changes = [_create_one(conn, kind, table) for kind, table in wanted]
     except psycopg.errors.LockNotAvailable as exc:
         raise BackendUnavailable(
