@@ -74,6 +74,17 @@ def watch(gone: Callable[[], bool], stop: threading.Event) -> list[float]:
     return seen
 
 
+def assert_outlived_the_task(finish: Finish, freed: list[float], what: str) -> None:
+    """Wait for the old task to finish and the session to let go (``what``); fail if it
+    let go first."""
+    wait_until(lambda: finish.at is not None, 10, "the old task to finish")
+    wait_until(lambda: bool(freed), 10, f"{what} to let go")
+    assert finish.at is not None
+    assert freed[0] >= finish.at, (
+        f"{what} let go {finish.at - freed[0]:.3f} s before the old term's task finished"
+    )
+
+
 # -- Postgres -------------------------------------------------------------------------------
 
 
@@ -155,16 +166,10 @@ def test_a_hung_renewal_keeps_the_session_until_the_old_tasks_are_joined(
         # releases once the task is joined.
         time.sleep(max(0.0, blocked_at + 2.2 - time.monotonic()))
         blocker.rollback()
-        wait_until(lambda: finish.at is not None, 10, "the old task to finish")
-        wait_until(lambda: bool(freed), 10, "the keeper's session to let go")
+        assert_outlived_the_task(finish, freed, "the keeper's advisory lock")
     finally:
         stop.set()
         blocker.close()
-    assert finish.at is not None
-    assert freed[0] >= finish.at, (
-        f"the keeper's advisory lock was freed {finish.at - freed[0]:.3f} s before the old "
-        "term's task finished"
-    )
 
 
 def test_a_failed_renewal_keeps_the_session_until_the_old_tasks_are_joined(
@@ -177,16 +182,10 @@ def test_a_failed_renewal_keeps_the_session_until_the_old_tasks_are_joined(
     try:
         # The renewal fails with an error on a healthy connection.
         admin.execute("SELECT pg_cancel_backend(%s)", (pid,))
-        wait_until(lambda: finish.at is not None, 10, "the old task to finish")
-        wait_until(lambda: bool(freed), 10, "the keeper's session to let go")
+        assert_outlived_the_task(finish, freed, "the keeper's advisory lock")
     finally:
         stop.set()
         blocker.close()
-    assert finish.at is not None
-    assert freed[0] >= finish.at, (
-        f"the keeper's advisory lock was freed {finish.at - freed[0]:.3f} s before the old "
-        "term's task finished"
-    )
     wait_until(lambda: leader.term is not None and leader.term > 1, 15, "the next term")
 
 
@@ -220,13 +219,7 @@ def test_a_hung_redis_renewal_keeps_the_connection_until_the_old_tasks_are_joine
         # Renewals (scripts that write) wait while writes are paused; the client's own
         # socket timeout (renew_deadline) passes while the term's task winds down.
         admin.execute_command("CLIENT", "PAUSE", 4000, "WRITE")
-        wait_until(lambda: finish.at is not None, 10, "the old task to finish")
-        wait_until(lambda: bool(freed), 10, "the keeper's connection to close")
-        assert finish.at is not None
-        assert freed[0] >= finish.at, (
-            f"the keeper's connection was closed {finish.at - freed[0]:.3f} s before the old "
-            "term's task finished"
-        )
+        assert_outlived_the_task(finish, freed, "the keeper's connection")
     finally:
         stop.set()
         admin.execute_command("CLIENT", "UNPAUSE")

@@ -356,6 +356,8 @@ class _ServerProcess:
     _proc: subprocess.Popen[bytes] | None
     _closed: bool
     _finalizer: weakref.finalize[Any, Any]
+    start_timeout: float
+    log_path: Path
 
     def start(self) -> Self:
         """Start the server and wait until it answers."""
@@ -396,6 +398,34 @@ class _ServerProcess:
         _kill_tree(proc.pid)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
+
+    def _wait_answers(self, dsn: str, what: str) -> None:
+        """Wait until ``dsn`` answers a query; kill the server and raise
+        ``ServerStartError`` (with the end of its log) if it exits or stays silent."""
+        import psycopg
+
+        start_timeout: float = self.start_timeout
+        log_path: Path = self.log_path
+        deadline = time.monotonic() + start_timeout
+        last_error: Exception | None = None
+        while time.monotonic() < deadline:
+            proc = self._proc
+            if proc is None or proc.poll() is not None:
+                code = None if proc is None else proc.returncode
+                raise ServerStartError(
+                    f"{what} exited with code {code} during start:\n{_tail(log_path)}"
+                )
+            try:
+                with psycopg.connect(dsn, connect_timeout=2, autocommit=True) as conn:
+                    conn.execute("select 1").fetchone()
+                return
+            except psycopg.Error as exc:
+                last_error = exc
+                time.sleep(0.05)
+        self.kill()
+        raise ServerStartError(
+            f"{what} did not answer within {start_timeout}s ({last_error}):\n{_tail(log_path)}"
+        )
 
     def restart(self, mode: Any = "fast") -> Self:
         """Stop (``mode``) and start again on the same port with the same data."""
@@ -623,6 +653,21 @@ class PrivatePostgres(_ServerProcess):
 
     # -- internals
 
+    def _run_tool(self, cmd: list[str], what: str) -> None:
+        """Run a server binary as the server's user; ``ServerStartError`` if it fails."""
+        result = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=self.start_timeout,
+            check=False,
+            **self._run_as,
+        )
+        if result.returncode != 0:
+            raise ServerStartError(
+                f"{what} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+            )
+
     def _basebackup(self, primary: PrivatePostgres) -> None:
         if not primary.is_running():
             raise ServerStartError("the primary of a standby must run when the standby is built")
@@ -643,18 +688,7 @@ class PrivatePostgres(_ServerProcess):
             "-U",
             primary.user,
         ]
-        result = subprocess.run(
-            cmd,
-            capture_output=True,
-            text=True,
-            timeout=self.start_timeout,
-            check=False,
-            **self._run_as,
-        )
-        if result.returncode != 0:
-            raise ServerStartError(
-                f"pg_basebackup failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
-            )
+        self._run_tool(cmd, "pg_basebackup")
         # The copy carries the primary's postgresql.conf; later lines win.
         settings = {"port": str(self.port), "hot_standby": "on", **self.settings}
         lines = "".join(f"{k} = {v}\n" for k, v in settings.items())
@@ -674,18 +708,7 @@ class PrivatePostgres(_ServerProcess):
             "--no-sync",
             "--no-instructions",
         ]
-        result = subprocess.run(
-            cmd,
-            capture_output=True,
-            text=True,
-            timeout=self.start_timeout,
-            check=False,
-            **self._run_as,
-        )
-        if result.returncode != 0:
-            raise ServerStartError(
-                f"initdb failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
-            )
+        self._run_tool(cmd, "initdb")
         settings = {
             "listen_addresses": f"'{self.host}'",
             "port": str(self.port),
@@ -714,29 +737,7 @@ class PrivatePostgres(_ServerProcess):
             pidfile.unlink(missing_ok=True)
 
     def _wait_ready(self) -> None:
-        import psycopg
-
-        deadline = time.monotonic() + self.start_timeout
-        last_error: Exception | None = None
-        while time.monotonic() < deadline:
-            proc = self._proc
-            if proc is None or proc.poll() is not None:
-                code = None if proc is None else proc.returncode
-                raise ServerStartError(
-                    f"postgres exited with code {code} during start:\n{_tail(self.log_path)}"
-                )
-            try:
-                with psycopg.connect(self.dsn, connect_timeout=2, autocommit=True) as conn:
-                    conn.execute("select 1").fetchone()
-                return
-            except psycopg.Error as exc:
-                last_error = exc
-                time.sleep(0.05)
-        self.kill()
-        raise ServerStartError(
-            f"postgres did not answer within {self.start_timeout}s ({last_error}):\n"
-            f"{_tail(self.log_path)}"
-        )
+        self._wait_answers(self.dsn, "postgres")
 
 
 # --------------------------------------------------------------------------- Redis

@@ -19,7 +19,6 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -188,31 +187,7 @@ class PgBouncer(_ServerProcess):
                 os.chown(path, self._run_as["user"], self._run_as["group"])
 
     def _wait_ready(self) -> None:
-        import psycopg
-
-        deadline = time.monotonic() + self.start_timeout
-        last_error: Exception | None = None
-        while time.monotonic() < deadline:
-            proc = self._proc
-            if proc is None or proc.poll() is not None:
-                code = None if proc is None else proc.returncode
-                raise ServerStartError(
-                    f"pgbouncer exited with code {code} during start:\n{_tail(self.log_path)}"
-                )
-            try:
-                with psycopg.connect(
-                    self.dsn("postgres"), connect_timeout=2, autocommit=True
-                ) as conn:
-                    conn.execute("select 1").fetchone()
-                return
-            except psycopg.Error as exc:
-                last_error = exc
-                time.sleep(0.05)
-        self.kill()
-        raise ServerStartError(
-            f"pgbouncer did not answer within {self.start_timeout}s ({last_error}):\n"
-            f"{_tail(self.log_path)}"
-        )
+        self._wait_answers(self.dsn("postgres"), "pgbouncer")
 
     def log_tail(self, lines: int = 30) -> str:
         """The end of PgBouncer's log (for failure messages)."""
