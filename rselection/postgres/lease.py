@@ -414,7 +414,7 @@ class PostgresLease:
                     self._open_probe,
                     where=self._where,
                     io=self._io,
-                    limit=self.connect_timeout,
+                    timeout=self.connect_timeout,
                 )
             with self._io.guard(conn, self.renew_deadline + self.connect_timeout):
                 if self.create_tables:

@@ -48,7 +48,7 @@ otherwise the third decides, and it relies on the pooler not passing a notificat
 client that is not running a transaction (PgBouncer drops it, logging "got packet 'A' from
 server when not linked"); a pooler that routed notifications to idle clients would pass
 it, leaving the first two signs and the second line of defence below. In session mode
-the probe needs a free server connection for a moment (else it waits up to ``limit``,
+the probe needs a free server connection for a moment (else it waits up to ``timeout``,
 and the keeper retries later). The check runs at every (re)connect: a pooler switched to
 transaction mode under a connected keeper is seen only by the second line of defence.
 
@@ -112,14 +112,14 @@ def _refuse(where: str, what: str) -> ConfigError:
     return ConfigError(f"the connection to the lease server ({where}) {what}; {_ADVICE}")
 
 
-def check_bound(limit: float, wait: float = NOTIFY_WAIT) -> float:
+def check_bound(timeout: float, wait: float = NOTIFY_WAIT) -> float:
     """The longest :func:`check_session_pooling` may take with these arguments, seconds.
 
     Only for bounding the keeper's round trips: on a session the check takes a few
     milliseconds plus one connect.
     """
     attempts = ROUNDS + _EXTRA_ROUNDS
-    return (1 + attempts) * limit + attempts * 2 * wait
+    return (1 + attempts) * timeout + attempts * 2 * wait
 
 
 def check_same_backend(expected: int, seen: int, where: str) -> None:
@@ -144,7 +144,7 @@ def check_session_pooling(
     *,
     where: str,
     io: IoWatchdog,
-    limit: float,
+    timeout: float,
     wait: float = NOTIFY_WAIT,
 ) -> int:
     """Check that ``conn`` is one database session; return its backend pid.
@@ -158,15 +158,15 @@ def check_session_pooling(
         open_probe: opens a second autocommit connection with the same conninfo; it is
             closed before this returns.
         where: the server, for messages.
-        io: bounds each of the probe's round trips by ``limit`` seconds.
-        limit: seconds one round trip of the probe may take (also bounds its connect).
+        io: bounds each of the probe's round trips by ``timeout`` seconds.
+        timeout: seconds one round trip of the probe may take (also bounds its connect).
         wait: seconds the idle keeper waits for the probe's notification (the wait ends
             when it arrives, at once on a session).
 
     Raises:
         ConfigError: the statements do not keep one session (the message says what was
             seen and what to do).
-        BackendUnavailable: the probe connection got no answer within ``limit``, or it
+        BackendUnavailable: the probe connection got no answer within ``timeout``, or it
             reached another server or database (a failover between the two connects), or
             notifications took longer than ``wait`` again and again.
         psycopg.Error: any other driver error (the caller wraps it).
@@ -201,7 +201,9 @@ def check_session_pooling(
                 token = str(attempts)
                 attempts += 1
                 check_same_backend(pid, _pid(conn), where)
-                other, elsewhere = _probe(probe, channel, token, where=where, io=io, limit=limit)
+                other, elsewhere = _probe(
+                    probe, channel, token, where=where, io=io, timeout=timeout
+                )
                 if elsewhere != server:
                     # Backends of two servers (or databases) say nothing about each other,
                     # and a notification does not cross: try again later.
@@ -251,21 +253,21 @@ def _probe(
     *,
     where: str,
     io: IoWatchdog,
-    limit: float,
+    timeout: float,
 ) -> tuple[int, tuple[Any, ...]]:
     """The probe's backend pid and server; in the same statement it notifies ``channel``."""
     query = sql.SQL("SELECT pg_backend_pid(), {}, pg_notify({}, {})").format(
         _SERVER, sql.Literal(channel), sql.Literal(token)
     )
     try:
-        with io.guard(probe, limit) as fired:
+        with io.guard(probe, timeout) as fired:
             row = probe.execute(query).fetchone()
     except psycopg.Error as exc:
         if fired[0]:
             # A pooler whose server connections are all taken queues the probe.
             raise BackendUnavailable(
                 f"cannot check that the connection to the lease server ({where}) keeps "
-                f"its session: a second connection got no answer within {limit:g} s (a "
+                f"its session: a second connection got no answer within {timeout:g} s (a "
                 "pooler in session mode needs a free server connection for it)"
             ) from exc
         raise

@@ -235,7 +235,7 @@ def test_a_lost_notification_alone_shows_a_transaction_pooler(
 
                 def check(keeper: psycopg.Connection[Any] = keeper) -> int:
                     return check_session_pooling(
-                        keeper, probe, where="here", io=io, limit=5.0, wait=0.3
+                        keeper, probe, where="here", io=io, timeout=5.0, wait=0.3
                     )
 
                 for _ in range(5):  # the same answer every time
