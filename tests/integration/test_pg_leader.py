@@ -211,8 +211,16 @@ def test_stop_timeout_holds_for_a_follower_behind_a_silent_link(
     )
     try:
         follower.start()
-        wait_until(lambda: follower.leader() is not None, 10, "the follower to see the holder")
-        time.sleep(0.3)  # into its wait on the holder's lock
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+
+            def in_lock_wait() -> bool:
+                pid = follower._backend.backend_pid  # type: ignore[attr-defined]
+                row = admin.execute(
+                    "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)
+                ).fetchone()
+                return row is not None and row[0] == "Lock"
+
+            wait_until(in_lock_wait, 10, "the follower to wait on the holder's lock")
         proxy.blackhole()  # bytes accepted, never delivered: a cancel request cannot land
         began = time.monotonic()
         follower.stop(timeout=0.5)
