@@ -55,4 +55,10 @@ def test_three_schedulers_run_every_fire_exactly_once(pg_dsn: str, mode: str) ->
     # Every process saw the fires it was up for; fires are whole seconds, one key each.
     assert all(key.endswith(".000000000Z") for key in seen)
     if mode == "both":
-        assert len({node for node, what, _ in events if what == "ran"}) == 1
+        # One elected process runs the fires. A process that finishes first resigns, so
+        # one still running may take over (under load the processes start seconds
+        # apart): in fire order, each node's fires form one block, and a node that
+        # handed over never runs again.
+        runners = [node for node, what, _ in sorted(events, key=lambda e: e[2]) if what == "ran"]
+        blocks = [node for i, node in enumerate(runners) if i == 0 or runners[i - 1] != node]
+        assert len(blocks) == len(set(blocks)), runners
