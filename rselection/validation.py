@@ -1,0 +1,95 @@
+"""Checks of user input shared by every backend: names, node ids and durations.
+
+One rule each, so a name or a duration accepted by one class is accepted by all of
+them, and refused with the same message everywhere. Nothing is trimmed: a name with
+surrounding spaces is a different name, on Postgres and Redis alike.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import socket
+from datetime import timedelta
+
+from .errors import ConfigError
+
+__all__ = [
+    "MAX_NAME",
+    "check_name",
+    "check_node_id",
+    "check_optional_seconds",
+    "check_seconds",
+    "new_node_id",
+]
+
+MAX_NAME = 1000
+"""Longest name (lease, node id, task, claim key) any backend accepts, in characters.
+
+It keeps every lease notification far below Postgres' 8,000-byte NOTIFY limit.
+"""
+
+
+def check_name(value: object, what: str = "name") -> str:
+    """Return ``value`` if it is a usable name, else raise :class:`ConfigError`.
+
+    A name is a string that is not blank, has at most :data:`MAX_NAME` characters and
+    no NUL character (Postgres text cannot hold one).
+
+    Args:
+        value: the name to check.
+        what: what the name names, for the message (``"lease name"``, ``"node_id"``).
+    """
+    if not isinstance(value, str) or not value.strip() or len(value) > MAX_NAME or "\x00" in value:
+        raise ConfigError(
+            f"{what} must be a non-blank string of at most {MAX_NAME} characters without "
+            f"NUL, got {value!r:.60}"
+        )
+    return value
+
+
+def check_node_id(value: object) -> str:
+    """Return ``value`` if it is a usable node id (see :func:`check_name`)."""
+    return check_name(value, "node_id")
+
+
+def new_node_id() -> str:
+    """A node id unique per call, also behind NAT: ``"<host>-<pid>-<6 hex digits>"``."""
+    host = socket.gethostname() or "host"
+    return f"{host[:200]}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def check_seconds(
+    value: object, what: str, *, minimum: float = 0.0, allow_zero: bool = False
+) -> float:
+    """Return a duration as float seconds, or raise :class:`ConfigError`.
+
+    Args:
+        value: seconds as an int or a float (not a bool), or a :class:`~datetime.timedelta`;
+            finite.
+        what: the parameter's name, for the message.
+        minimum: the smallest positive value accepted (for example 0.001 where a server
+            counts whole milliseconds).
+        allow_zero: accept exactly 0 (for example a jitter or a grace that may be off).
+    """
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{what} must be a finite number of seconds, got {value!r}")
+    if value == 0 and allow_zero:
+        return 0.0
+    if value <= 0 or value < minimum:
+        least = f"at least {minimum:g} s" if minimum > 0 else "positive"
+        zero = " (or 0)" if allow_zero else ""
+        raise ConfigError(f"{what} must be {least}{zero}, got {value!r}")
+    return float(value)
+
+
+def check_optional_seconds(
+    value: object, what: str, *, minimum: float = 0.0, allow_zero: bool = False
+) -> float | None:
+    """Like :func:`check_seconds`, where ``None`` (returned as is) means off or default."""
+    if value is None:
+        return None
+    return check_seconds(value, what, minimum=minimum, allow_zero=allow_zero)
