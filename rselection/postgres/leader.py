@@ -170,7 +170,7 @@ class PostgresLeader(LeaderBase):
         self._owned_claimer: PostgresClaimer | None = None
         if claimer is DEFAULT_CLAIMER:
             claimer = self._owned_claimer = PostgresClaimer(
-                conninfo, holder=node_id, create_tables=create_tables
+                conninfo, node_id=node_id, create_tables=create_tables
             )
         elif claimer is not None and not isinstance(claimer, FireClaimer):
             raise ConfigError(
@@ -188,7 +188,7 @@ class PostgresLeader(LeaderBase):
                 raise ConfigError(f"{label} must be a positive number of seconds, got {value!r}")
         self._membership = Membership(
             conninfo,
-            lease=name,
+            name=name,
             node_id=node_id,
             table=nodes_table,
             lease_table=table,
