@@ -738,7 +738,7 @@ def _lock_holder(conn: psycopg.Connection[Any]) -> str:
             app = f" {row[1]!r}" if row[1] else ""
             age = f", in its transaction for {row[2]:.1f} s" if row[2] is not None else ""
             return f" (held by pid {row[0]}{app}{age})"
-    return ""
+    return " (held by another process migrating)"
 
 
 def lock_migrations(conn: psycopg.Connection[Any]) -> None:
@@ -785,7 +785,10 @@ def run_migrations(
             validate_table_name(name)
     if not wanted:
         return []
-    what = " and ".join(f"the {kind.describe(table)}" for kind, table in wanted)
+    if len(wanted) == 1:
+        what = f"the {wanted[0][0].describe(wanted[0][1])}"
+    else:
+        what = "the tables (" + ", ".join(kind.kind for kind, _ in wanted) + ")"
     with conn.transaction():
         # Every (re)connect of every node gets here: when all is current, no lock and
         # no DDL (even CREATE INDEX IF NOT EXISTS locks a table against writes).
@@ -801,7 +804,7 @@ def run_migrations(
             for kind, table in wanted
         ]
     deadline = time.monotonic() + timeout
-    waiting = "the migration lock, held by another process migrating"
+    waiting = "the migration lock"
     try:
         with conn.transaction():
             previous = conn.execute(
@@ -826,7 +829,7 @@ def run_migrations(
             "changed. Try again, or pass a longer timeout"
         ) from None
     except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
-        holder = _lock_holder(conn) if waiting.startswith("the migration lock") else ""
+        holder = _lock_holder(conn) if waiting == "the migration lock" else ""
         raise BackendUnavailable(
             f"cannot migrate {what}: waited {timeout:g} s for {waiting}{holder}; nothing "
             "was changed. Try again, or pass a longer timeout"

@@ -58,8 +58,10 @@ def test_migrate_then_status_shows_the_holder(pg_dsn: str) -> None:
         "claims table 'rselection_claims': created (schema version 1)",
         "elections table 'rselection_elections': created (schema version 1)",
         "nodes table 'rselection_nodes': created (schema version 1)",
-        "broadcast table 'rselection_broadcast': created",
-        "checkpoint tables 'rselection_checkpoint*': created (migrations applied: 1)",
+        "broadcast tables 'rselection_broadcast', 'rselection_broadcast_state': created "
+        "(schema version 1)",
+        "checkpoint tables 'rselection_checkpoints', 'rselection_checkpoint_leases': "
+        "created (schema version 1)",
     ):
         assert line in done.stdout.splitlines(), done.stdout
     again = run("migrate", "--dsn", pg_dsn)
