@@ -571,6 +571,48 @@ def test_a_connection_works_too_and_a_save_joins_its_open_transaction(pg_dsn: st
         assert not conn.closed  # the caller's connection stays open
 
 
+def test_own_connections_are_bounded_and_close_never_waits_for_a_call(pg_dsn: str) -> None:
+    store = PostgresCheckpointStore(pg_dsn, pool_size=2)
+    store.save("k", 0)
+
+    def work(i: int) -> None:
+        for n in range(20):
+            store.save(("w", str(i)), n)
+
+    workers = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(6)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(30)
+    assert not any(w.is_alive() for w in workers)
+    assert 1 <= len(store._conns._idle) <= 2  # never more sessions than pool_size
+    with psycopg.connect(pg_dsn) as blocker:
+        blocker.execute("SELECT 1 FROM rselection_checkpoints WHERE key = ARRAY['k'] FOR UPDATE")
+        done: list[Snapshot] = []
+        saver = threading.Thread(target=lambda: done.append(store.save("k", 1)), daemon=True)
+        saver.start()
+
+        def blocked() -> bool:
+            row = blocker.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE pg_blocking_pids(pid) @> ARRAY[%s::int]",
+                (blocker.info.backend_pid,),
+            ).fetchone()
+            return bool(row and row[0])
+
+        wait_until(blocked, 10, "the save to wait for the row lock")
+        started = time.monotonic()
+        store.close()  # a call is in flight: close does not wait for it
+        assert time.monotonic() - started < 1.0
+        blocker.rollback()
+        saver.join(10)
+    assert done and done[0].version == 2
+    assert store._conns._idle == []  # the call's connection was closed when it ended
+    snap = store.load("k")  # and a later call opens a new one
+    assert snap is not None and snap.state == 1
+    store.close()
+
+
 # -- inside tasks ---------------------------------------------------------------------
 
 
