@@ -126,8 +126,8 @@ def cancel_handover(
     Args:
         client: a ``redis.Redis``, a ``RedisCluster`` or a ``redis://`` URL.
         name: the lease name.
-        term: the term the request was made for (:attr:`LeaderInfo.term
-            <rselection.LeaderInfo.term>` of :func:`request_handover`'s answer).
+        term: the term the request was made for (the ``term`` of
+            :func:`request_handover`'s answer).
         key_prefix: the leaders' ``key_prefix``.
 
     Raises:
