@@ -189,6 +189,10 @@ def unavailable(what: str, conninfo: str, exc: BaseException) -> BackendUnavaila
     )
 
 
+IDLE_EXIT = 1.0
+"""Seconds an :class:`IoWatchdog` thread waits with nothing to watch before it ends."""
+
+
 class IoWatchdog:
     """Bounds blocking round trips by shutting a connection's socket down when they overrun.
 
@@ -197,7 +201,9 @@ class IoWatchdog:
     block forever, and with it the thread that must stop the leader. Each guarded call
     registers a deadline; one thread (started on first use, ended by :meth:`close`)
     shuts the socket down when a deadline passes, so the blocked call fails at once with
-    a connection error instead.
+    a connection error instead. The thread ends after :data:`IDLE_EXIT` seconds with
+    nothing to watch (and the next guard starts a new one), so an object nobody closed
+    keeps no thread.
 
     Args:
         name: used in the thread name.
@@ -212,6 +218,7 @@ class IoWatchdog:
         self._next = 0
         self._thread: threading.Thread | None = None
         self._generation = 0  # bumped by close(): tells the current thread to end
+        self._idle_since = time.monotonic()  # when the last guard was disarmed
 
     @contextlib.contextmanager
     def guard(
@@ -255,6 +262,8 @@ class IoWatchdog:
             # socket cannot be closed before this disarm: no risk of hitting a reused fd.
             with self._cond:
                 self._armed.pop(token, None)
+                if not self._armed:
+                    self._idle_since = time.monotonic()
                 if token in self._fired:
                     self._fired.discard(token)
                     fired[0] = True
@@ -268,7 +277,18 @@ class IoWatchdog:
         with self._cond:
             while generation == self._generation:
                 now = time.monotonic()
-                wait = 3600.0
+                if not self._armed:
+                    # Nothing to watch: end after a while, so an object nobody closed
+                    # keeps no thread; the next guard() starts a new one.
+                    idle = now - self._idle_since
+                    if idle >= IDLE_EXIT:
+                        self._thread = None
+                        return
+                    self._cond.wait(IDLE_EXIT - idle)
+                    continue
+                # Wake at least every IDLE_EXIT to notice that nothing is armed any
+                # more (a disarm does not wake this thread: calls stay cheap).
+                wait = IDLE_EXIT
                 for token, (deadline, fd, held) in list(self._armed.items()):
                     if deadline > now:
                         wait = min(wait, deadline - now)

@@ -613,6 +613,22 @@ def test_own_connections_are_bounded_and_close_never_waits_for_a_call(pg_dsn: st
     store.close()
 
 
+def test_a_store_nobody_closed_keeps_no_thread(pg_dsn: str) -> None:
+    # Its round-trip watchdog ends once nothing is in flight (a leader's store used
+    # after the leader stopped, a script that never closes); the next call restarts it.
+    def watchdogs() -> list[threading.Thread]:
+        return [
+            t for t in threading.enumerate() if t.name == "rselection-io-rselection:checkpoints"
+        ]
+
+    store = PostgresCheckpointStore(pg_dsn)
+    store.save("k", 1)
+    wait_until(lambda: not watchdogs(), 5, "the idle watchdog thread to end")
+    assert store.save("k", 2).version == 2
+    wait_until(lambda: not watchdogs(), 5, "the idle watchdog thread to end again")
+    store.close()
+
+
 # -- inside tasks ---------------------------------------------------------------------
 
 

@@ -1090,6 +1090,8 @@ def test_concurrent_migrations_do_not_error(lease_dsn: str, pool: ThreadPoolExec
             "SELECT component, version FROM rselection_schema_version ORDER BY 1"
         ).fetchall()
     assert rows == [
+        ("broadcast", 1),
+        ("checkpoints", 1),
         ("claims", 1),
         ("elections", 1),
         ("leases", 3),
