@@ -12,7 +12,8 @@ Run it with an interpreter that has the ``dev`` extra (``build``, ``twine``,
 4. A fresh virtual environment with the wheel alone (psycopg over the system libpq; the
    ``binary`` extra only where this machine has no libpq), used from an empty directory
    so nothing can be imported from the checkout: ``rselection --help``,
-   ``python -m rselection --help`` and ``.ci/quickstart.py`` against Postgres.
+   ``python -m rselection --help``, ``from rselection import *`` without redis-py, and
+   ``.ci/quickstart.py`` against Postgres.
 5. A fresh virtual environment where ``pip install .`` (not editable) ran in a copy of
    the checkout's files: ``rselection --help`` from there too.
 
@@ -204,6 +205,28 @@ def check_installed(venv: Path, elsewhere: Path) -> None:
         print(f"{label}: ok")
 
 
+WITHOUT_REDIS = """
+import importlib.util
+from rselection import *
+import rselection as rs
+assert importlib.util.find_spec("redis") is None, "redis-py is installed"
+try:
+    rs.RedisLeader
+except ImportError as exc:
+    print(exc)
+else:
+    raise SystemExit("rs.RedisLeader imported without redis-py")
+"""
+
+
+def check_without_redis(python: Path, elsewhere: Path) -> None:
+    """Without the ``redis`` extra the star import works and Redis names say what to add."""
+    said = run([python, "-c", WITHOUT_REDIS], cwd=elsewhere, quiet=True).strip()
+    if "pip install 'rselection[redis]'" not in said:
+        raise CheckFailed(f"rs.RedisLeader without redis-py does not say what to install: {said}")
+    print(f"without the redis extra: from rselection import * works; rs.RedisLeader: {said}")
+
+
 @contextlib.contextmanager
 def postgres() -> Iterator[str]:
     """A DSN for a schema of its own on the test server, dropped afterwards."""
@@ -266,6 +289,7 @@ def main() -> int:
                     if not has_libpq(python, elsewhere):
                         raise CheckFailed("psycopg finds no libpq even with the binary extra")
                 check_installed(venv, elsewhere)
+                check_without_redis(python, elsewhere)
             with step("the quickstart from the installed wheel, against Postgres"):
                 script = elsewhere / "quickstart.py"
                 shutil.copy2(ROOT / ".ci" / "quickstart.py", script)
