@@ -17,7 +17,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import rselection as rs
-from rselection.demo import Fleet
+from rselection.commands.demo_fleet import Fleet
 from rselection.postgres import migrate
 from tests.support.waiting import wait_until
 

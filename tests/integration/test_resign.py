@@ -1,7 +1,7 @@
 """Handover on request (``rselection resign``), the lease_renewed signal, and the lease
 table's upgrade from schema version 1 to the current one.
 
-Fleet tests run real node processes (``python -m rselection.demo node``) that write
+Fleet tests run real node processes (``python -m rselection.commands.demo_fleet``) that write
 fenced rows to a ledger; each ends by checking that no row of an older term landed after
 a row of a newer one.
 """
@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 import rselection as rs
-from rselection.demo import Fleet
+from rselection.commands.demo_fleet import Fleet
 from rselection.postgres import migrate
 from rselection.postgres.leader import PostgresLeader
 from rselection.postgres.lease import PostgresLease, cancel_handover, request_handover
