@@ -361,13 +361,15 @@ def test_migrate_upgrades_a_version_1_lease_table(pg_dsn: str) -> None:
     make_v1_table(pg_dsn)
     out = cli("migrate", "--dsn", pg_dsn)
     assert out.returncode == 0, out.stderr
-    assert "lease table 'rselection_leases': upgraded (schema version 1 -> 3)" in out.stdout
+    upgraded = f"lease table 'rselection_leases': upgraded (schema version 1 -> {LEASES_VERSION})"
+    assert upgraded in out.stdout
     assert "nodes table 'rselection_nodes': created (schema version 1)" in out.stdout
-    assert versions(pg_dsn)["leases"] == LEASES_VERSION == 3
+    assert versions(pg_dsn)["leases"] == LEASES_VERSION == 4
     assert lease_row(pg_dsn, "old") == (None, 7, None, None)  # the row was kept
     again = cli("migrate", "--dsn", pg_dsn)
     assert again.returncode == 0, again.stderr
-    assert "lease table 'rselection_leases': already present (schema version 3)" in again.stdout
+    present = f"lease table 'rselection_leases': already present (schema version {LEASES_VERSION})"
+    assert present in again.stdout
     assert "created" not in again.stdout and "upgraded" not in again.stdout
 
 
