@@ -387,7 +387,7 @@ def test_a_leader_with_create_tables_upgrades_a_version_1_table_and_can_resign(
         wait_until(lambda: any(x.is_leader for x in leaders), 10, "a leader")
         first = next(x for x in leaders if x.is_leader)
         assert first.term == 8  # the old row's term 7 was kept and continued
-        assert versions(pg_dsn)["leases"] == 3
+        assert versions(pg_dsn)["leases"] == LEASES_VERSION
         wait_for_heartbeats(pg_dsn, "old", 2)
         out = cli("resign", "old", "--dsn", pg_dsn)
         assert out.returncode == 0, out.stdout + out.stderr
@@ -432,7 +432,7 @@ def test_a_version_1_table_keeps_working_without_create_tables_until_migrated(
         # request is seen although it connected before the upgrade.
         done = cli("migrate", "--dsn", pg_dsn)
         assert done.returncode == 0, done.stderr
-        assert "upgraded (schema version 1 -> 3)" in done.stdout
+        assert f"upgraded (schema version 1 -> {LEASES_VERSION})" in done.stdout
         assert first.is_leader and first.term == 8
         out = cli("resign", "old", "--dsn", pg_dsn)
         assert out.returncode == 0, out.stdout + out.stderr
