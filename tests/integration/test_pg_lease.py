@@ -955,7 +955,7 @@ def test_schema_qualified_table_works(
         assert conn.execute("SELECT count(*) FROM my_leases").fetchone() == (1,)
         assert conn.execute(
             "SELECT component, version FROM rselection_schema_version"
-        ).fetchall() == [("leases:my_leases", 3)]
+        ).fetchall() == [("leases:my_leases", LEASES_VERSION)]
 
 
 def test_leases_in_different_schemas_never_share_a_lock(
