@@ -473,7 +473,8 @@ def test_forget_a_redis_lease_keeps_its_term_key_and_a_new_leader_brings_it_back
     import redis
 
     from rselection.commands.forget import retired_key
-    from rselection.redis import RedisLeader, lease_keys
+    from rselection.redis import RedisLeader
+    from rselection.redis.lease import lease_keys
 
     prefix = f"forget-{uuid.uuid4().hex[:6]}:"
     where = ["--redis-url", redis_url, "--key-prefix", prefix]
