@@ -155,8 +155,8 @@ from psycopg import sql
 from psycopg.pq import ConnStatus
 
 from ..errors import BackendUnavailable, ConfigError
-from ..leader import HandoverRequest
-from ..lease import Acquisition, LeaderInfo, check_node_id
+from ..lease import Acquisition, HandoverRequest, LeaderInfo
+from ..validation import check_node_id
 from ._conn import (
     SESSION_MARGIN,
     IoWatchdog,

@@ -82,8 +82,8 @@ from typing import Any
 import redis
 
 from ..errors import BackendUnavailable, ConfigError
-from ..leader import HandoverRequest
-from ..lease import Acquisition, LeaderInfo, check_node_id
+from ..lease import Acquisition, HandoverRequest, LeaderInfo
+from ..validation import check_node_id
 from ._conn import ConnectionFactory, check_client, check_seconds, unavailable
 from ._scripts import ACQUIRE, READ, RELEASE, RENEW
 from ._scripts import CANCEL_HANDOVER as CANCEL_HANDOVER  # re-exported
