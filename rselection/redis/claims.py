@@ -27,7 +27,8 @@ from typing import Any
 import redis
 
 from ..errors import ConfigError
-from ._conn import check_client, check_seconds, describe, unavailable
+from ..validation import check_seconds
+from ._conn import MIN_TTL, check_client, describe, unavailable
 from .elector import check_key, random_identity
 
 __all__ = ["FIRE_KEY_FORMAT", "RedisClaimer"]
@@ -76,7 +77,7 @@ class RedisClaimer:
         if not isinstance(prefix, str):
             raise ConfigError(f"prefix must be a string, got {prefix!r:.80}")
         self.prefix = prefix
-        self.ttl = check_seconds(ttl, "ttl")
+        self.ttl = check_seconds(ttl, "ttl", minimum=MIN_TTL)
         self.holder: str = random_identity() if holder is None else check_key(holder, "holder")
         """Who this claimer claims as."""
         self._client, self._owned = check_client(client, "RedisClaimer")

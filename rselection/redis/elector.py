@@ -37,7 +37,8 @@ from typing import Any
 import redis
 
 from ..errors import ConfigError
-from ._conn import check_client, check_seconds, describe, hash_slot_key, unavailable
+from ..validation import check_seconds
+from ._conn import MIN_TTL, check_client, describe, hash_slot_key, unavailable
 
 __all__ = ["RedisElector", "random_identity"]
 
@@ -124,7 +125,7 @@ class RedisElector:
     ) -> None:
         self.key = check_key(key, "key")
         self.term_key = hash_slot_key(self.key, ":term")
-        self.ttl = check_seconds(ttl, "ttl")
+        self.ttl = check_seconds(ttl, "ttl", minimum=MIN_TTL)
         self.identity: str = (
             random_identity() if identity is None else check_key(identity, "identity")
         )
