@@ -90,13 +90,14 @@ from ._conn import MIN_TTL, ConnectionFactory, check_client, client_name, unavai
 from ._scripts import ACQUIRE, READ, RELEASE, RENEW
 from ._scripts import CANCEL_HANDOVER as CANCEL_HANDOVER  # re-exported
 from ._scripts import REQUEST_HANDOVER as REQUEST_HANDOVER  # re-exported
+from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
 
 __all__ = ["RedisLease", "handover_key", "lease_keys", "node_channel"]
 
 logger = logging.getLogger(__name__)
 
 
-def lease_keys(name: str, key_prefix: str = "rselection:") -> tuple[str, str, str]:
+def lease_keys(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> tuple[str, str, str]:
     """The lease key, term key and pub/sub channel of lease ``name``.
 
     All three carry ``{name}`` as hash tag, so a Redis Cluster keeps the keys in one
@@ -110,7 +111,7 @@ def lease_keys(name: str, key_prefix: str = "rselection:") -> tuple[str, str, st
     return f"{base}:lease", f"{base}:term", f"{base}:events"
 
 
-def handover_key(name: str, key_prefix: str = "rselection:") -> str:
+def handover_key(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
     """The key holding a pending handover request of lease ``name`` (same hash slot).
 
     Args:
@@ -120,7 +121,7 @@ def handover_key(name: str, key_prefix: str = "rselection:") -> str:
     return f"{key_prefix}{{{name}}}:resign"
 
 
-def node_channel(name: str, node_id: str, key_prefix: str = "rselection:") -> str:
+def node_channel(name: str, node_id: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
     """The channel a node of lease ``name`` stays subscribed to while its keeper runs.
 
     Nothing is published on it: ``PUBSUB NUMSUB`` on it tells whether node ``node_id``
@@ -208,15 +209,14 @@ class RedisLease(Closeable):
         client: Any,
         *,
         name: str = "default",
-        key_prefix: str = "rselection:",
+        key_prefix: str = DEFAULT_KEY_PREFIX,
         ttl: float = 15.0,
         renew_deadline: float = 10.0,
         liveness_interval: float | None = 0.5,
         connect_timeout: float = 5.0,
     ) -> None:
         check_name(name, "lease name")
-        if not isinstance(key_prefix, str):
-            raise ConfigError(f"key_prefix must be a string, got {key_prefix!r}")
+        check_key_prefix(key_prefix)
         # Redis expiries are whole milliseconds.
         self.ttl = check_seconds(ttl, "ttl", minimum=MIN_TTL)
         self.renew_deadline = check_seconds(renew_deadline, "renew_deadline", minimum=MIN_TTL)
