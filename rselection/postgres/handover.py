@@ -24,8 +24,7 @@ import psycopg
 from psycopg import sql
 
 from ..errors import ConfigError
-from ..leader import HandoverRequest
-from ..lease import LeaderInfo
+from ..lease import HandoverRequest, LeaderInfo
 from ..validation import check_name, check_node_id, check_seconds
 from ._lease_sql import lease_channel, resolve_lease_table, utc
 from .schema import DEFAULT_TABLE, table_identifier

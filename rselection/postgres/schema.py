@@ -18,14 +18,16 @@ The lease table holds one row per lease name::
     resign_to    text null          -- node the lease is reserved for, if one was named
     resign_until timestamptz null   -- server time at which the request lapses
     holder_server text null         -- identity of the server of the holder's session
+    retired_term bigint null        -- term at which ``rselection forget`` retired the lease
 
 Where the Python API says ``node_id``, the columns of every table keep the name
 ``holder`` (and ``resign_from`` / ``resign_to``): renaming a column of a live table would
 lock it against a running fleet for nothing.
 
 The four ``resign_*`` columns came with schema version 2, ``holder_server`` with version
-3; :func:`migrate` adds what an older table lacks (``ALTER TABLE ... ADD COLUMN IF NOT
-EXISTS``, nullable, no default: a catalog-only change) and records the version. Code of
+3, ``retired_term`` with version 4; :func:`migrate` adds what an older table lacks
+(``ALTER TABLE ... ADD COLUMN IF NOT EXISTS``, nullable, no default: a catalog-only
+change) and records the version. Code of
 this release also works on an older table that was not upgraded (``create_tables=False``):
 on version 1 handover requests are unavailable; on versions 1 and 2 the lease cannot
 record which server its holder's session is on, so a crashed holder is replaced only
@@ -36,6 +38,10 @@ the server the holder's keeper session was on when it acquired the lease (see
 :mod:`rselection.postgres.lease`): a holder's ``holder_pid`` and advisory lock mean
 something only on that server. A row without it (acquired before the upgrade) counts
 as held on an unknown server.
+
+A lease is retired (``rselection forget``: no service uses it any more) while
+``retired_term = term``: its row stays, so its term never restarts, and the next
+acquisition, which increments the term, brings it back without touching the column.
 
 Only ``name`` is a key column: ``term`` must never be part of a unique index, so that a
 renewal (a plain ``UPDATE`` of non-key columns, row lock ``FOR NO KEY UPDATE``) does not
@@ -64,9 +70,9 @@ described in :mod:`rselection.postgres.broadcast.outbox`; the checkpoint tables
 below, at :data:`CHECKPOINTS`.
 
 **Schema versions, one way for every table.** Each kind of table has numbered steps:
-step 1 creates it, each later step upgrades it (the lease table has three). The table
+step 1 creates it, each later step upgrades it (the lease table has four). The table
 ``rselection_schema_version`` (in the same schema as each table) keeps one row per kind
-and table, with the number of the last step applied: ``('leases', 3)``, ``('claims',
+and table, with the number of the last step applied: ``('leases', 4)``, ``('claims',
 1)``, ``('elections', 1)``, ``('nodes', 1)``, ``('broadcast', 1)``, ``('checkpoints',
 1)`` (a custom table name is recorded as ``'leases:<table>'`` and so on). A migration
 applies the steps above the recorded number, in order, in one transaction under one
@@ -161,6 +167,9 @@ LEASE_HANDOVER_COLUMNS = ("resign_term", "resign_from", "resign_to", "resign_unt
 
 LEASE_SERVER_COLUMNS = ("holder_server",)
 """Columns of the lease table that record the server of the holder's session (version 3)."""
+
+LEASE_RETIRED_COLUMNS = ("retired_term",)
+"""Columns of the lease table that mark a lease retired by ``rselection forget`` (version 4)."""
 
 UPGRADE_LOCK_TIMEOUT = 1.0
 """Longest an upgrade waits at a time for its exclusive lock on a live table, seconds.
@@ -412,6 +421,15 @@ def _lease_v3(table: str) -> list[sql.Composed]:
     ]
 
 
+def _lease_v4(table: str) -> list[sql.Composed]:
+    """Version 3 -> 4: the retired mark (nullable, no default: no rewrite)."""
+    return [
+        sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS retired_term bigint NULL").format(
+            table_identifier(table)
+        )
+    ]
+
+
 def _claims_v1(table: str) -> list[sql.Composed]:
     ident = table_identifier(table)
     return [
@@ -529,6 +547,7 @@ LEASES = TableKind(
         Step(1, "create the lease table", _lease_v1),
         Step(2, "add the handover request columns", _lease_v2, LEASE_HANDOVER_COLUMNS),
         Step(3, "add the holder's server identity", _lease_v3, LEASE_SERVER_COLUMNS),
+        Step(4, "add the retired mark (rselection forget)", _lease_v4, LEASE_RETIRED_COLUMNS),
     ),
 )
 """The lease table of :class:`~rselection.PostgresLeader`."""
@@ -568,7 +587,7 @@ KINDS: dict[str, TableKind] = {
 """Every kind of table, by the keyword :func:`create_tables` takes."""
 
 LEASES_VERSION = LEASES.version
-"""Schema version of the lease table that this release creates and understands (3)."""
+"""Schema version of the lease table that this release creates and understands (4)."""
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import psycopg
 import pytest
 
 from rselection.postgres import PostgresCheckpointStore, migrate
+from rselection.postgres.schema import LEASES_VERSION
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +34,7 @@ print(json.dumps({"actions": actions, "version": snap.version}), flush=True)
 
 SAVE_LOOP_CHILD = """
 import hashlib, json, os, sys
-from rselection.postgres import PostgresCheckpointStore, migrate
+from rselection.postgres import PostgresCheckpointStore
 store = PostgresCheckpointStore(sys.argv[1])
 snap = store.load("loop")
 counter = snap.state["counter"] if snap is not None else 0
@@ -110,7 +111,7 @@ def test_four_processes_migrate_at_once(pg_dsn: str) -> None:
             " AND tablename LIKE 'rselection_checkpoint%' ORDER BY 1"
         ).fetchall()
         keys = conn.execute("SELECT count(*) FROM rselection_checkpoints").fetchone()
-    assert dict(recorded) == {kind: 3 if kind == "leases" else 1 for kind in kinds}
+    assert dict(recorded) == {kind: LEASES_VERSION if kind == "leases" else 1 for kind in kinds}
     assert [t[0] for t in tables] == ["rselection_checkpoint_leases", "rselection_checkpoints"]
     assert keys == (4,)
 

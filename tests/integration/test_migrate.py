@@ -76,7 +76,7 @@ def test_migrate_on_an_empty_schema_creates_every_table_and_a_second_run_changes
         kind: LEASES_VERSION if kind == "leases" else 1 for kind in KINDS
     }
     lines = [c.describe() for c in first]
-    assert "lease table 'rselection_leases': created (schema version 3)" in lines
+    assert f"lease table 'rselection_leases': created (schema version {LEASES_VERSION})" in lines
     assert (
         "broadcast tables 'rselection_broadcast', 'rselection_broadcast_state': "
         "created (schema version 1)"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import os
@@ -29,6 +30,7 @@ from psycopg import sql
 from rselection.errors import BackendUnavailable, ConfigError, StaleLeaderError
 from rselection.lease import Acquisition, LeaseBackend
 from rselection.postgres import PostgresLease, afenced, fenced, migrate
+from rselection.postgres.schema import LEASES_VERSION
 from tests.support.waiting import wait_until
 
 T = TypeVar("T")
@@ -373,7 +375,7 @@ def test_a_version_2_table_keeps_working_and_upgrades_in_place(
 
         with psycopg.connect(lease_dsn, autocommit=True) as conn:
             (change,) = migrate(conn, table="rselection_leases", **NOTHING_ELSE)
-        assert (change.action, change.previous, change.version) == ("upgraded", 2, 3)
+        assert (change.action, change.previous, change.version) == ("upgraded", 2, LEASES_VERSION)
         assert lease_row(lease_dsn)[:2] == (None, term + 1)  # type: ignore[index]
         assert acquired(c.try_acquire("C")) == term + 2
         assert holder_server(lease_dsn) is not None
@@ -636,6 +638,34 @@ def test_an_interrupt_before_the_wait_is_not_lost(
         # ...and it is consumed: the next wait waits.
         _, took = timed(functools.partial(lease.wait_for_change, 0.2))
         assert took >= 0.15
+
+
+def test_an_interrupt_just_before_the_lock_wait_statement_is_not_lost(
+    make_lease: Callable[..., PostgresLease],
+) -> None:
+    # A follower's lock wait is marked a moment before its statement reaches the
+    # server; a cancel request that lands in that gap finds the backend idle and is
+    # ignored. The gap lasts microseconds; the I/O guard runs inside it, so a slower
+    # guard that interrupts from within makes the interleaving certain.
+    a, b = make_lease(), make_lease()
+    acquired(a.try_acquire("A"))
+    assert not b.try_acquire("B").acquired
+    real_guard = b._io.guard
+
+    @contextlib.contextmanager
+    def interrupting_guard(conn: Any, seconds: float, **kw: Any) -> Iterator[Any]:
+        b.interrupt()
+        time.sleep(0.1)  # the first cancel reaches the idle backend before the statement
+        with real_guard(conn, seconds, **kw) as fired:
+            yield fired
+
+    b._io.guard = interrupting_guard  # type: ignore[method-assign]
+    _, took = timed(functools.partial(b.wait_for_change, 8))
+    assert took < 2, f"the wait ran {took:.2f}s after interrupt() (its full timeout is 8 s)"
+    b._io.guard = real_guard  # type: ignore[method-assign]
+    # No stray lock and no cancel left over for the next statement.
+    assert not b.try_acquire("B").acquired
+    assert b.current() is not None
 
 
 def test_current_answers_while_the_keeper_is_blocked(
@@ -964,7 +994,7 @@ def test_schema_qualified_table_works(
         assert conn.execute("SELECT count(*) FROM my_leases").fetchone() == (1,)
         assert conn.execute(
             "SELECT component, version FROM rselection_schema_version"
-        ).fetchall() == [("leases:my_leases", 3)]
+        ).fetchall() == [("leases:my_leases", LEASES_VERSION)]
 
 
 def test_leases_in_different_schemas_never_share_a_lock(
@@ -1094,8 +1124,8 @@ def test_concurrent_migrations_do_not_error(lease_dsn: str, pool: ThreadPoolExec
         ("checkpoints", 1),
         ("claims", 1),
         ("elections", 1),
-        ("leases", 3),
-        ("leases:other_leases", 3),
+        ("leases", LEASES_VERSION),
+        ("leases:other_leases", LEASES_VERSION),
         ("nodes", 1),
     ]
 
