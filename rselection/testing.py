@@ -45,14 +45,15 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from . import signals
 from .context import TaskContext, Term
 from .errors import ConfigError
-from .local import SingleNodeLeader
 from .schedules import Schedule, format_fire_key
-from .tasks import TaskType
+from .single_node import SingleNodeLeader
+from .specs import TaskSpec, TaskType
 
 if TYPE_CHECKING:
     from .broadcast import Broadcaster
+    from .checkpoints import CheckpointStore
     from .claiming import FireClaimer
-    from .tasks import TaskHandler, TaskSpec
+    from .tasks import TaskHandler
 
 __all__ = [
     "FakeClock",
@@ -152,6 +153,7 @@ def run_tasks(
     *,
     broadcaster: Broadcaster | None = None,
     claimer: FireClaimer | None = None,
+    checkpoint_store: CheckpointStore | None = None,
     timeout: float = 10.0,
     raise_failures: bool = True,
 ) -> Iterator[RunningTasks]:
@@ -173,6 +175,9 @@ def run_tasks(
         handler: the tasks to run (registration closes while the block runs).
         broadcaster: handed to tasks as ``ctx.broadcaster``.
         claimer: claims each scheduled fire (see :class:`~rselection.MemoryClaimer`).
+        checkpoint_store: keeps ``ctx.checkpoint`` (default: a new
+            :class:`~rselection.MemoryCheckpointStore`); pass one to seed or inspect task
+            state.
         timeout: seconds to wait for a term to begin, and the default of
             :meth:`RunningTasks.wait_runs`.
         raise_failures: raise :class:`TaskFailures` at the end if a task failed.
@@ -181,7 +186,9 @@ def run_tasks(
         TimeoutError: the leader did not lead within ``timeout`` seconds.
         TaskFailures: a task failed (with ``raise_failures``).
     """
-    leader = SingleNodeLeader(handler, broadcaster=broadcaster, claimer=claimer)
+    leader = SingleNodeLeader(
+        handler, broadcaster=broadcaster, claimer=claimer, checkpoint_store=checkpoint_store
+    )
     running = RunningTasks(leader, handler, [], [], timeout)
     lock = threading.Lock()
 
@@ -291,7 +298,7 @@ class FakeClock:
         self._now = now.astimezone(UTC)
         self._next: dict[str, tuple[Schedule, datetime | None]] = {}
         for handler in handlers:
-            for spec in _specs(handler):
+            for spec in handler.specs():
                 if spec.type is TaskType.SCHEDULED and spec.schedule is not None:
                     self.add(spec.name, spec.schedule)
 
@@ -356,19 +363,6 @@ class FakeClock:
         return f"FakeClock({self._now.isoformat()!r}, tracking={list(self._next)!r})"
 
 
-def _specs(handler: TaskHandler) -> list[TaskSpec]:
-    with handler._lock:
-        return list(handler._specs.values())
-
-
-def _spec(handler: TaskHandler, name: str) -> TaskSpec:
-    with handler._lock:
-        spec = handler._specs.get(name)
-    if spec is None:
-        raise KeyError(f"no task named {name!r}; registered: {', '.join(handler.names) or 'none'}")
-    return spec
-
-
 def _prepare(
     handler: TaskHandler,
     name: str,
@@ -377,7 +371,7 @@ def _prepare(
     node_id: str,
     broadcaster: Broadcaster | None,
 ) -> tuple[TaskSpec, Term, TaskContext]:
-    spec = _spec(handler, name)
+    spec = handler.spec(name)
     if spec.type is TaskType.PERSISTENT:
         if at is not None:
             raise ValueError(f"task {name!r} is persistent: it has no fires, so pass no at=")
@@ -398,7 +392,7 @@ def _prepare(
         term,
         node_id,
         "testing",
-        broadcaster=broadcaster if broadcaster is not None else handler._broadcaster,
+        broadcaster=broadcaster if broadcaster is not None else handler.broadcaster,
     )
     ctx = TaskContext(
         name,
@@ -423,8 +417,10 @@ def fire_once(
 
     The task gets a real :class:`~rselection.TaskContext` under a live term: ``ctx.term``,
     ``ctx.scheduled_at`` and ``ctx.fire_key`` are set as a leader would set them,
-    ``ctx.sleep`` waits, ``ctx.fence`` checks liveness only (no lease table), and
-    ``ctx.broadcaster`` is ``broadcaster`` or the handler's. An exception the task
+    ``ctx.sleep`` waits, and ``ctx.broadcaster`` is ``broadcaster`` or the handler's.
+    There is no lease: ``ctx.fence`` and ``ctx.checkpoint`` raise
+    :class:`~rselection.ConfigError` (run the task under :func:`run_tasks` for a
+    checkpoint kept in memory). An exception the task
     raises propagates. The run does not count in :meth:`~rselection.TaskHandler.health`,
     and is neither claimed nor subject to overlap or misfire rules.
 
