@@ -137,7 +137,7 @@ class RedisLeader(LeaseLeader):
         self._redis_lease = lease
         self._fence_writes = RedisFence(redis_client, name, key_prefix=key_prefix)
         if claimer is DEFAULT_CLAIMER:
-            claimer = RedisClaimer(redis_client, prefix=f"{key_prefix}claim:", holder=node_id)
+            claimer = RedisClaimer(redis_client, key_prefix=f"{key_prefix}claim:", node_id=node_id)
         cleanup = []
         if owns_client:
 
