@@ -1,7 +1,7 @@
 """Helpers for testing your own tasks (run them, step down, compute and fire schedules)
 and your own lease backend (:class:`LeaderConformance`).
 
-Nothing here needs a database. :func:`run_tasks` runs a handler under a real
+The task helpers need no database. :func:`run_tasks` runs a handler under a real
 :class:`~rselection.SingleNodeLeader` (the production state machine over an in-memory
 lease), so cancellation, joins and signals behave as in production. :func:`fire_once`
 calls one task right now with a real :class:`~rselection.TaskContext`. :func:`fires` and
@@ -11,6 +11,16 @@ The leader's scheduler always uses real time: a :class:`FakeClock` does not spee
 running leader; it tells which fires come due between two instants, and
 :func:`fire_once` runs them. Use both to test *what a task does at a given fire*, and
 :func:`run_tasks` to test *that it runs and stops* under a leader.
+
+A lease backend of your own (etcd, ZooKeeper, a cloud lock service) is checked by the
+same scenarios every built-in backend passes: subclass :class:`LeaderConformance` in a
+test module and say how to make a lease::
+
+    from rselection.testing import LeaderConformance
+
+    class TestEtcdLease(LeaderConformance):
+        def make_lease(self, name: str) -> rs.LeaseBackend:
+            return EtcdLease(ETCD_URL, name=name, ttl=self.timings.ttl)
 
 Example::
 
@@ -28,16 +38,6 @@ Example::
     due = clock.advance(timedelta(hours=3))
     assert [fire.at.hour for fire in due] == [1, 2, 3]
     assert fire_once(tasks, "hourly", at=due[0].at) == "hourly@2030-01-01T01:00:00.000000000Z"
-
-A lease backend of your own (etcd, ZooKeeper, a cloud lock service) is checked by the
-same scenarios every built-in backend passes: subclass :class:`LeaderConformance` in a
-test module and say how to make a lease::
-
-    from rselection.testing import LeaderConformance
-
-    class TestEtcdLease(LeaderConformance):
-        def make_lease(self, name: str) -> rs.LeaseBackend:
-            return EtcdLease(ETCD_URL, name=name, ttl=self.timings.ttl)
 """
 
 from __future__ import annotations
