@@ -374,9 +374,9 @@ class TaskContext:
             if store is None:
                 raise ConfigError(
                     f"task {self.name!r}: ctx.checkpoint needs a checkpoint store, and this "
-                    "leader has none: build it with checkpoint_store= (a "
-                    "PostgresCheckpointStore, or a MemoryCheckpointStore for tests); "
-                    "PostgresLeader and SingleNodeLeader have one by default"
+                    "leader has none: PostgresLeader and SingleNodeLeader have one by "
+                    "default, a LeaseLeader takes checkpoint_store= (a "
+                    "PostgresCheckpointStore, or a MemoryCheckpointStore in tests)"
                 )
             self._checkpoint = TaskCheckpoint(store, self.name, self._term.number, self._term.name)
         return self._checkpoint

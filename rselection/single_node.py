@@ -53,6 +53,8 @@ class SingleNodeLeader(LeaseLeader):
         node_id: str = "local",
     ) -> None:
         timings = Timings()
+        store = checkpoint_store if checkpoint_store is not None else MemoryCheckpointStore()
+        self._store = store
         super().__init__(
             MemoryLease(name, ttl=timings.ttl),
             handler,
@@ -60,7 +62,10 @@ class SingleNodeLeader(LeaseLeader):
             timings=timings,
             broadcaster=broadcaster,
             claimer=claimer,
-            checkpoint_store=(
-                checkpoint_store if checkpoint_store is not None else MemoryCheckpointStore()
-            ),
+            checkpoint_store=store,
         )
+
+    @property
+    def checkpoint_store(self) -> CheckpointStore:
+        """The store behind ``ctx.checkpoint`` (to inspect or seed task state)."""
+        return self._store
