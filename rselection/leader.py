@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from .broadcast import Broadcaster
     from .tasks import TaskHandler
 
-__all__ = ["HandoverRequest", "Leader", "LeaseLeader", "SupportsHandover", "leader_timings"]
+__all__ = ["HandoverRequest", "Leader", "LeaseLeader", "SupportsHandover"]
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ class LeaseLeader:
                 f"current, wait_for_change, interrupt, term_ended, close), got "
                 f"{type(lease).__name__}"
             )
-        self._timings = leader_timings(
+        self._timings = _leader_timings(
             lease, timings, ttl, renew_interval, renew_deadline, retry_interval
         )
         self._stop_grace = self._timings.stop_grace(handler.stop_grace)
@@ -842,7 +842,7 @@ class _StepDown:
     reason: str  # "step_down", or "handover" when an operator asked
 
 
-def leader_timings(
+def _leader_timings(
     lease: LeaseBackend,
     timings: Timings | None,
     ttl: float | None,
