@@ -33,7 +33,7 @@ from .checkpoints import CheckpointStore, LeaseFencedStore
 from .claiming import FireClaimer, LeaseClaims
 from .context import Term, TransactionFence, running_term
 from .errors import BackendUnavailable, ConfigError
-from .lease import Acquisition, LeaderInfo, LeaseBackend
+from .lease import Acquisition, HandoverRequest, LeaderInfo, LeaseBackend, SupportsHandover
 from .members import NodeInfo
 from .timing import Timings
 from .validation import check_name, check_node_id, new_node_id
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from .broadcast import Broadcaster
     from .tasks import TaskHandler
 
-__all__ = ["HandoverRequest", "Leader", "LeaseLeader", "SupportsHandover"]
+__all__ = ["Leader", "LeaseLeader"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,38 +55,6 @@ def reconnect_delay(failures: int) -> float:
     return float(min(_RECONNECT_CAP, _RECONNECT_FIRST * 2 ** (failures - 1))) * random.uniform(
         0.5, 1.0
     )
-
-
-@dataclass(frozen=True)
-class HandoverRequest:
-    """An operator's request that the leader of ``term`` hand over (``rselection resign``).
-
-    Attributes:
-        term: the term asked to hand over; a request for any other term is ignored.
-        to: the node the lease is reserved for, or ``None`` for any other node.
-        window: seconds (server measured) the request stays valid; until then, or until
-            another node takes the lease, the backend keeps the asked node (and, with
-            ``to``, every node but ``to``) from taking the lease.
-    """
-
-    term: int
-    to: str | None
-    window: float
-
-
-@runtime_checkable
-class SupportsHandover(Protocol):
-    """A lease backend through which operators can ask the leader to hand over.
-
-    Optional: :class:`LeaseLeader` uses it when its backend has these methods
-    (:class:`~rselection.postgres.PostgresLease` does).
-    """
-
-    def handover_hinted(self) -> bool:
-        """True when a notification says a request may be waiting: renew now to see."""
-
-    def handover_requested(self) -> HandoverRequest | None:
-        """The request the last successful renewal found for its term, once; else ``None``."""
 
 
 @runtime_checkable

@@ -229,7 +229,7 @@ def test_a_request_reserves_the_lease_for_the_named_node_until_its_window_ends(
     assert a.renew("A", term)
     request = a.handover_requested()
     assert request is not None and request.term == term and request.to == "C"
-    assert 0 < request.window <= 1.0
+    assert 0 < request.timeout <= 1.0
     assert a.handover_requested() is None  # reported once
     a.release("A", term)
 
