@@ -9,11 +9,11 @@ file). A backend of yours passes the same suite: subclass ``LeaderConformance`` 
 test module and implement ``make_lease(name)``, as ``TestFileLease`` below does.
 
 Fleet scenarios run on Postgres and Redis: real node processes (``python -m
-rselection.demo node --backend ...``) that write a fenced ledger and report their task
-activity, through kill -9 failover, a leader paused beyond its ttl, a server restart and
-slow renewals; each ends by checking that no write of an older term came after a write
-of a newer term, and that no task of one term ran while a task of another term ran. A
-fenced write of an old term is refused after a takeover on both.
+rselection.commands.demo_fleet --backend ...``) that write a fenced ledger and report
+their task activity, through kill -9 failover, a leader paused beyond its ttl, a server
+restart and slow renewals; each ends by checking that no write of an older term came
+after a write of a newer term, and that no task of one term ran while a task of another
+term ran. A fenced write of an old term is refused after a takeover on both.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import psycopg
 import pytest
 
 import rselection as rs
-from rselection.demo import Fleet
+from rselection.commands.demo_fleet import Fleet
 from rselection.testing import LeaderConformance
 from tests.support import activity
 from tests.support.backends import Backend

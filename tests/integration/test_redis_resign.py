@@ -1,7 +1,7 @@
 """Handover on request with a Redis lease: ``rselection resign --redis-url``,
 ``rselection.redis.request_handover`` / ``cancel_handover``, and the lease's rules.
 
-Fleet tests run real node processes (``python -m rselection.demo node --backend redis``)
+Fleet tests run real node processes (``python -m rselection.commands.demo_fleet --backend redis``)
 that append fenced entries to a Redis list; each ends by checking that no entry of an
 older term landed after one of a newer term.
 """
@@ -19,7 +19,7 @@ import pytest
 import redis
 
 import rselection as rs
-from rselection.demo import Fleet, redis_ledger_key
+from rselection.commands.demo_fleet import Fleet, redis_ledger_key
 from rselection.redis import (
     RedisLeader,
     RedisLease,
