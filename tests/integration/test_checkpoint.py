@@ -258,22 +258,22 @@ def test_takeover_refuses_the_old_terms_save_and_keeps_the_new_snapshot(
         first = a.try_acquire("a")
         assert first.acquired and first.holder is not None
         old = first.holder.term
-        saved = store.save("job", {"by": "a"}, term=old, name=name)
+        saved = store.save("job", {"by": "a"}, term=old, lease=name)
         assert saved.term == old
         a.release("a", old)
         second = b.try_acquire("b")
         assert second.acquired and second.holder is not None
         new = second.holder.term
         assert new == old + 1
-        store.save("job", {"by": "b"}, term=new, name=name)
+        store.save("job", {"by": "b"}, term=new, lease=name)
         with pytest.raises(StaleLeaderError, match=f"term {old} no longer holds"):
-            store.save("job", {"by": "a", "late": True}, term=old, name=name)
+            store.save("job", {"by": "a", "late": True}, term=old, lease=name)
         with pytest.raises(StaleLeaderError):
-            store.delete("job", term=old, name=name)
+            store.delete("job", term=old, lease=name)
         with pytest.raises(StaleLeaderError):  # a term that never held the lease
-            store.save("job", {"by": "?"}, term=new + 5, name=name)
+            store.save("job", {"by": "?"}, term=new + 5, lease=name)
         with pytest.raises(StaleLeaderError):  # the right term, the wrong lease
-            store.save("job", {"by": "?"}, term=new, name=name + "-other")
+            store.save("job", {"by": "?"}, term=new, lease=name + "-other")
     snap = store.load("job")
     assert snap is not None
     assert (snap.state, snap.term, snap.version) == ({"by": "b"}, new, 2)
@@ -288,7 +288,7 @@ def test_a_fenced_save_holds_a_takeover_until_it_commits(
         acq = a.try_acquire("a")
         assert acq.holder is not None
         term = acq.holder.term
-        store.save("job", 0, term=term, name=name)  # tables exist before we hold locks
+        store.save("job", 0, term=term, lease=name)  # tables exist before we hold locks
         # Hold the checkpoint row so the fenced save stalls after fenced() took its lock.
         blocker = psycopg.connect(pg_dsn)
         blocker.execute("SELECT 1 FROM rselection_checkpoints WHERE key = ARRAY['job'] FOR UPDATE")
@@ -296,7 +296,7 @@ def test_a_fenced_save_holds_a_takeover_until_it_commits(
 
         def save() -> None:
             try:
-                result["snap"] = store.save("job", 1, term=term, name=name)
+                result["snap"] = store.save("job", 1, term=term, lease=name)
             except Exception as exc:  # reported below
                 result["error"] = exc
 
@@ -434,7 +434,7 @@ def test_bad_lease_arguments(store: PostgresCheckpointStore) -> None:
         with pytest.raises(ConfigError, match="node_id"):
             store.acquire_lease("k", node_id, 5)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="lease name"):
-        store.save("k", 1, term=1, name=" ")
+        store.save("k", 1, term=1, lease=" ")
 
 
 # -- migrations -----------------------------------------------------------------------
@@ -543,9 +543,9 @@ def test_a_pool_works_like_a_connection_string(pg_dsn: str) -> None:
     with PostgresLease(pg_dsn, name=name, ttl=3, renew_deadline=2) as lease:
         acq = lease.try_acquire("a")
         assert acq.holder is not None
-        s.save(("p", "q"), {"n": 1}, term=acq.holder.term, name=name)
+        s.save(("p", "q"), {"n": 1}, term=acq.holder.term, lease=name)
         with pytest.raises(StaleLeaderError):
-            s.save(("p", "q"), {"n": 2}, term=acq.holder.term + 1, name=name)
+            s.save(("p", "q"), {"n": 2}, term=acq.holder.term + 1, lease=name)
     snap = s.load(("p", "q"))
     assert snap is not None and snap.state == {"n": 1} and snap.version == 1
     assert pool.borrowed >= 3
