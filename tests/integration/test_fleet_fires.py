@@ -119,12 +119,12 @@ def test_every_fire_runs_once_across_kill_and_handover(pg_dsn: str) -> None:
     assert result.ran == result.expected - result.explained
 
 
-@pytest.mark.parametrize("policy", ["latest", "all"])
 def skip_reasons(fleet: FireFleet, at: int) -> list[str]:
     """Why any node reported the fire of instant ``at`` skipped."""
     return [e["reason"] for e in fleet.of_kind("skipped") if instant_of_key(e["key"]) == at]
 
 
+@pytest.mark.parametrize("policy", ["latest", "all"])
 def test_new_leader_handles_fires_missed_while_none_led(pg_dsn: str, policy: str) -> None:
     create_ledger(pg_dsn, LEDGER, unique=True)
     # overlap="allow": with "all", the catch-up runs one after another in one unit, and
