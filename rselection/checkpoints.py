@@ -3,13 +3,14 @@
 A persistent task keeps its progress (a queue cursor, counters) in a *snapshot*: a JSON
 document stored under a key. When leadership moves, the new leader loads the last
 snapshot and resumes; the old leader can no longer overwrite it, because its saves are
-*fenced*: ``save(key, state, term=T, lease=name)`` commits only while term ``T`` still
-holds lease ``name``, so once the next term exists a stale save is refused with
-:class:`~rselection.errors.StaleLeaderError` and nothing is written.
+*fenced*: ``save(key, state, term=T, name=lease_name)`` commits only while term ``T``
+still holds the lease called ``lease_name``, so once the next term exists a stale save is
+refused with :class:`~rselection.errors.StaleLeaderError` and nothing is written.
 
 Any object with ``load``, ``save`` and ``delete`` is a :class:`CheckpointStore`; a
 leader hands it to its tasks as ``ctx.checkpoint`` (a :class:`TaskCheckpoint`: the
-task's name as key, the task's term as fence). Two ship with rselection:
+task's name scoped to the lease as key, ``lease_scoped(name, task)``, the task's term as
+fence). Two ship with rselection:
 :class:`~rselection.postgres.PostgresCheckpointStore` (durable, next to the Postgres
 lease) and :class:`MemoryCheckpointStore` (this process only; the default of
 :class:`~rselection.SingleNodeLeader`), which keep the same rules: versions that grow by
@@ -29,6 +30,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol, runtime_checkable
 
 from .errors import ConfigError, StaleLeaderError
+from .keys import lease_scoped
 from .lease import LeaseBackend
 from .validation import check_name
 
@@ -171,10 +173,11 @@ class CheckpointStore(Protocol):
 
     :class:`~rselection.postgres.PostgresCheckpointStore` and
     :class:`MemoryCheckpointStore` are two. A store of your own must keep their rules:
-    ``save(key, state, term=T, lease=name)`` commits only while term ``T`` holds lease
-    ``name``, atomically with the write (a takeover never lands between the check and
-    the write), else raises :class:`~rselection.errors.StaleLeaderError` and writes
-    nothing; without ``term`` the save is not fenced.
+    ``save(key, state, term=T, name=lease_name)`` commits only while term ``T`` holds the
+    lease called ``lease_name``, atomically with the write (a takeover never lands
+    between the check and the write), else raises
+    :class:`~rselection.errors.StaleLeaderError` and writes nothing; without ``term`` the
+    save is not fenced.
     """
 
     def load(self, key: Key) -> Snapshot | None:
@@ -182,15 +185,29 @@ class CheckpointStore(Protocol):
         ...
 
     def save(
-        self, key: Key, state: Any, *, term: int | None = None, lease: str = "default"
+        self, key: Key, state: Any, *, term: int | None = None, name: str = "default"
     ) -> Snapshot:
         """Store ``state`` as the new snapshot of ``key``; with ``term``, only while that
-        term holds ``lease`` (else :class:`~rselection.errors.StaleLeaderError`)."""
+        term holds the lease called ``name`` (else
+        :class:`~rselection.errors.StaleLeaderError`).
+
+        Args:
+            key: a string or a tuple of strings.
+            state: a JSON-encodable value.
+            term: the fencing term the write is fenced to; ``None``: not fenced.
+            name: the name of the lease whose term fences the write (a leader's ``name``).
+        """
         ...
 
-    def delete(self, key: Key, *, term: int | None = None, lease: str = "default") -> bool:
+    def delete(self, key: Key, *, term: int | None = None, name: str = "default") -> bool:
         """Delete the snapshot of ``key`` (fenced like :meth:`save`); ``True`` if one
-        existed. The key's version counter is kept: versions never repeat."""
+        existed. The key's version counter is kept: versions never repeat.
+
+        Args:
+            key: a string or a tuple of strings.
+            term: the fencing term the delete is fenced to; ``None``: not fenced.
+            name: the name of the lease whose term fences the delete.
+        """
         ...
 
 
@@ -214,8 +231,8 @@ class MemoryCheckpointStore:
     works in local development and tests. States are stored as JSON text (so a task sees
     what it would see from Postgres: tuples come back as lists, a state JSON cannot
     encode is refused at the save); versions grow by one on every save and delete and
-    are never reused; ``save(key, state, term=T, lease=name)`` commits only while ``T``
-    is the live holder's term of the lease called ``name``, checked and written under
+    are never reused; ``save(key, state, term=T, name=lease_name)`` commits only while
+    ``T`` is the live holder's term of the lease called ``lease_name``, checked and written under
     one lock, so a save of an ended term is refused with
     :class:`~rselection.errors.StaleLeaderError`. Thread-safe.
 
@@ -280,15 +297,16 @@ class MemoryCheckpointStore:
         return Snapshot(key_of(parts), json.loads(text), version, term, updated_at)
 
     def save(
-        self, key: Key, state: Any, *, term: int | None = None, lease: str = "default"
+        self, key: Key, state: Any, *, term: int | None = None, name: str = "default"
     ) -> Snapshot:
         """Store ``state`` as the new snapshot of ``key``; fenced when ``term`` is given.
 
         Args:
             key: a string or a tuple of strings.
             state: a JSON-encodable value.
-            term: commit only while this term holds ``lease``.
-            lease: the name of the lease ``term`` refers to (the leader's ``name``).
+            term: commit only while this term holds the lease called ``name``.
+            name: the name of the lease whose term fences the write (the leader's
+                ``name``).
 
         Returns:
             The snapshot just written (its new version).
@@ -302,16 +320,21 @@ class MemoryCheckpointStore:
         parts = check_key(key)
         text = encode_state(key_of(parts), state, self.max_state_bytes)
         with self._lock:
-            self._fence(term, lease)
+            self._fence(term, name)
             version = self._next_version(parts)
             now = datetime.now(UTC)
             self._rows[tuple(parts)] = (text, version, term, now)
         return Snapshot(key_of(parts), json.loads(text), version, term, now)
 
-    def delete(self, key: Key, *, term: int | None = None, lease: str = "default") -> bool:
+    def delete(self, key: Key, *, term: int | None = None, name: str = "default") -> bool:
         """Delete the snapshot of ``key``; fenced like :meth:`save`.
 
         The version counter of the key is kept (the next save continues from it).
+
+        Args:
+            key: a string or a tuple of strings.
+            term: delete only while this term holds the lease called ``name``.
+            name: the name of the lease whose term fences the delete.
 
         Returns:
             ``True`` if a snapshot was deleted, ``False`` if there was none.
@@ -322,7 +345,7 @@ class MemoryCheckpointStore:
         """
         parts = check_key(key)
         with self._lock:
-            self._fence(term, lease)
+            self._fence(term, name)
             row = self._rows.get(tuple(parts))
             if row is None or row[0] is None:
                 return False
@@ -333,24 +356,24 @@ class MemoryCheckpointStore:
         row = self._rows.get(tuple(parts))
         return 1 if row is None else row[1] + 1
 
-    def _fence(self, term: int | None, lease: str) -> None:
-        """Refuse unless ``term`` is the live holder's term of ``lease`` (under the lock,
-        so no save lands after a check that a later term would fail)."""
+    def _fence(self, term: int | None, name: str) -> None:
+        """Refuse unless ``term`` is the live holder's term of the lease called ``name``
+        (under the lock, so no save lands after a check that a later term would fail)."""
         if term is None:
             return
         number = check_term(term)
-        backend = self._leases.get(lease)
+        backend = self._leases.get(name)
         if backend is None:
-            known = ", ".join(repr(name) for name in self._leases) or "none"
+            known = ", ".join(repr(other) for other in self._leases) or "none"
             raise ConfigError(
-                f"this MemoryCheckpointStore cannot fence against lease {lease!r} (it knows "
+                f"this MemoryCheckpointStore cannot fence against lease {name!r} (it knows "
                 f"{known}): build it with MemoryCheckpointStore(leases=[lease]) or hand it "
                 "to the leader of that lease as checkpoint_store="
             )
         holder = backend.current()
         if holder is None or holder.term != number:
             raise StaleLeaderError(
-                f"term {number} no longer holds lease {lease!r} (it was taken over, released "
+                f"term {number} no longer holds lease {name!r} (it was taken over, released "
                 "or expired): nothing was written; stop acting as leader, the new leader's "
                 "term is higher"
             )
@@ -362,27 +385,33 @@ class MemoryCheckpointStore:
 class TaskCheckpoint:
     """``ctx.checkpoint``: the snapshot of one task, fenced to the term that runs it.
 
-    The key is the task's name; every save and delete commits only while the term still
-    holds the leader's lease, so a deposed leader can never overwrite what its successor
-    saved. The async variants run the call in a worker thread, so an ``async def`` task
-    does not block its event loop.
+    The key is the task's name scoped to the leader's lease,
+    :func:`~rselection.keys.lease_scoped` ``(name, task)`` (``"billing/cursor"`` for the
+    task ``cursor`` of the lease ``billing``), so tasks of the same name under two
+    leases keep two snapshots. Every save and delete commits only while the term still
+    holds the lease called ``name``, so a deposed leader can never overwrite what its
+    successor saved. The async variants run the call in a worker thread, so an
+    ``async def`` task does not block its event loop.
 
     Args:
         store: the leader's checkpoint store.
-        key: the key (the task's name).
+        task: the task's name.
         term: the fencing term of the task's run.
-        lease: the name of the leader's lease.
+        name: the name of the lease whose term fences the writes (the leader's ``name``).
+
+    Raises:
+        ConfigError: a bad task name, term or lease name.
     """
 
-    def __init__(self, store: CheckpointStore, key: Key, term: int, lease: str) -> None:
+    def __init__(self, store: CheckpointStore, task: str, term: int, name: str) -> None:
         self.store = store
-        self._key = key_of(check_key(key))
+        self._name = check_name(name, "lease name")
+        self._key: Key = lease_scoped(self._name, check_name(task, "task name"))
         self._term = check_term(term)
-        self._lease = lease
 
     @property
     def key(self) -> Key:
-        """The key the task's snapshot is stored under."""
+        """The key the task's snapshot is stored under (``lease_scoped(name, task)``)."""
         return self._key
 
     @property
@@ -391,9 +420,9 @@ class TaskCheckpoint:
         return self._term
 
     @property
-    def lease(self) -> str:
-        """The name of the lease saves are fenced against."""
-        return self._lease
+    def name(self) -> str:
+        """The name of the lease whose term fences the saves."""
+        return self._name
 
     def load(self) -> Snapshot | None:
         """The task's last snapshot (from any term), or ``None``."""
@@ -405,11 +434,11 @@ class TaskCheckpoint:
         Args:
             state: a JSON-encodable value.
         """
-        return self.store.save(self._key, state, term=self._term, lease=self._lease)
+        return self.store.save(self._key, state, term=self._term, name=self._name)
 
     def delete(self) -> bool:
         """Delete the task's snapshot (fenced like :meth:`save`); ``True`` if one existed."""
-        return self.store.delete(self._key, term=self._term, lease=self._lease)
+        return self.store.delete(self._key, term=self._term, name=self._name)
 
     async def aload(self) -> Snapshot | None:
         """:meth:`load` for ``async def`` tasks (runs in a worker thread)."""
@@ -428,4 +457,4 @@ class TaskCheckpoint:
         return await asyncio.to_thread(self.delete)
 
     def __repr__(self) -> str:
-        return f"TaskCheckpoint({self._key!r}, term={self._term}, lease={self._lease!r})"
+        return f"TaskCheckpoint({self._key!r}, term={self._term}, name={self._name!r})"

@@ -57,6 +57,16 @@ NO_FENCE = (
 )
 """Why ``ctx.fence`` is refused under a leader built without a transaction fence."""
 
+NO_CHECKPOINT_STORE = (
+    "ctx.checkpoint needs a checkpoint store, and this leader has none. A PostgresLeader "
+    "and a SingleNodeLeader have one by default; a LeaseLeader built directly takes "
+    "checkpoint_store= (a store that fences against its lease: a MemoryCheckpointStore "
+    "in tests, or one of your own). A RedisLeader takes none: keep the state in Redis "
+    "with a fenced write, leader.fence.call(ctx.term, 'SET', <key>, <json text>), which "
+    "writes only while the term holds the lease"
+)
+"""Why ``ctx.checkpoint`` is refused under a leader built without a checkpoint store."""
+
 
 class Term:
     """One leadership term of one node: its number, deadline and cancellation flag.
@@ -360,24 +370,21 @@ class TaskContext:
 
         ``ctx.checkpoint.load()`` returns the task's last
         :class:`~rselection.checkpoints.Snapshot` (saved in any term) or ``None``;
-        ``ctx.checkpoint.save(state)`` stores a new one under the task's name and commits
+        ``ctx.checkpoint.save(state)`` stores a new one under the task's name scoped to the
+        lease (``lease_scoped(name, task)``, see :mod:`rselection.keys`) and commits
         only while this term still holds the lease (else
         :class:`~rselection.StaleLeaderError`). A :class:`~rselection.PostgresLeader`
         keeps it in Postgres, a :class:`~rselection.SingleNodeLeader` in memory; see
         :class:`~rselection.checkpoints.CheckpointStore`.
 
         Raises:
-            ConfigError: the leader has no checkpoint store (pass ``checkpoint_store=``).
+            ConfigError: the leader has no checkpoint store (the message says what to do:
+                a ``RedisLeader`` has none, a ``LeaseLeader`` takes ``checkpoint_store=``).
         """
         if self._checkpoint is None:
             store = self._term.checkpoint_store
             if store is None:
-                raise ConfigError(
-                    f"task {self.name!r}: ctx.checkpoint needs a checkpoint store, and this "
-                    "leader has none: PostgresLeader and SingleNodeLeader have one by "
-                    "default, a LeaseLeader takes checkpoint_store= (a "
-                    "PostgresCheckpointStore, or a MemoryCheckpointStore in tests)"
-                )
+                raise ConfigError(f"task {self.name!r}: {NO_CHECKPOINT_STORE}")
             self._checkpoint = TaskCheckpoint(store, self.name, self._term.number, self._term.name)
         return self._checkpoint
 

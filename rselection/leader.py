@@ -174,8 +174,8 @@ class LeaseLeader:
             )
         if checkpoint_store is not None and not isinstance(checkpoint_store, CheckpointStore):
             raise ConfigError(
-                "checkpoint_store must have load(key), save(key, state, *, term, lease) and "
-                "delete(key, *, term, lease) (a PostgresCheckpointStore or "
+                "checkpoint_store must have load(key), save(key, state, *, term, name) and "
+                "delete(key, *, term, name) (a PostgresCheckpointStore or "
                 f"MemoryCheckpointStore), or be None, got {type(checkpoint_store).__name__}"
             )
         if fence is not None and not isinstance(fence, TransactionFence):

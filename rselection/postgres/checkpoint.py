@@ -5,8 +5,8 @@ document stored under a key. When leadership moves, the new leader loads the las
 snapshot and resumes; the old leader can no longer overwrite it, because its saves are
 *fenced*:
 
-* ``save(key, state, term=T, lease="billing")`` commits only if term ``T`` still holds
-  the leadership lease ``"billing"`` (the lease table of
+* ``save(key, state, term=T, name="billing")`` commits only if term ``T`` still holds
+  the leadership lease called ``"billing"`` (the lease table of
   :class:`~rselection.PostgresLeader`). The check is :func:`~rselection.postgres.fenced`
   in the same transaction as the write: it locks the lease row ``FOR KEY SHARE``, so a
   takeover waits for the save to end, and once the new term exists the save is refused
@@ -19,7 +19,8 @@ snapshot and resumes; the old leader can no longer overwrite it, because its sav
 
 The store is a :class:`~rselection.checkpoints.CheckpointStore`: inside a task,
 ``ctx.checkpoint`` (a :class:`~rselection.checkpoints.TaskCheckpoint`) does the first
-kind for you: the key is the task's name, the term is ``ctx.term`` and the lease is the
+kind for you: the key is the task's name scoped to the leader's lease
+(:func:`~rselection.keys.lease_scoped`), the term is ``ctx.term`` and the lease is the
 leader's. Keys, states and their limits follow :mod:`rselection.checkpoints`.
 
 Every snapshot has a ``version`` that grows by one on every save (and delete) of its key
@@ -246,7 +247,7 @@ class PostgresCheckpointStore(Closeable):
         state: Any,
         *,
         term: int | None = None,
-        lease: str = "default",
+        name: str = "default",
         node_id: str | None = None,
     ) -> Snapshot:
         """Store ``state`` as the new snapshot of ``key``; fenced when asked.
@@ -259,9 +260,9 @@ class PostgresCheckpointStore(Closeable):
             key: a string or a tuple of strings.
             state: a JSON-encodable value.
             term: fence against the leadership lease: commit only if this term still
-                holds the lease called ``lease`` (in ``lease_table``), in the same
+                holds the lease called ``name`` (in ``lease_table``), in the same
                 transaction.
-            lease: the name of the leadership lease that ``term`` refers to (the leader's
+            name: the name of the lease whose term fences the write (the leader's
                 ``name``), as in :class:`~rselection.checkpoints.CheckpointStore`.
             node_id: fence against the key's own lease instead: commit only if
                 ``node_id`` holds it (:meth:`acquire_lease`) and it has not expired.
@@ -277,9 +278,9 @@ class PostgresCheckpointStore(Closeable):
             BackendUnavailable: the database cannot be reached.
         """
         parts = check_key(key)
-        return self._save(parts, state, self._fence(parts, term, lease, node_id))
+        return self._save(parts, state, self._fence(parts, term, name, node_id))
 
-    def _fence(self, parts: list[str], term: int | None, lease: str, node_id: str | None) -> _Fence:
+    def _fence(self, parts: list[str], term: int | None, name: str, node_id: str | None) -> _Fence:
         if term is not None and node_id is not None:
             raise ConfigError(
                 "pass term= (fence against the leadership lease) or node_id= (fence "
@@ -287,11 +288,11 @@ class PostgresCheckpointStore(Closeable):
             )
         if term is not None:
             number = check_term(term)
-            check_name(lease, "lease name")
+            check_name(name, "lease name")
             table = self.lease_table
 
             def by_term(conn: psycopg.Connection[Any]) -> int | None:
-                fenced(conn, lease, number, table=table)
+                fenced(conn, name, number, table=table)
                 return number
 
             return by_term
@@ -348,7 +349,7 @@ class PostgresCheckpointStore(Closeable):
         key: Key,
         *,
         term: int | None = None,
-        lease: str = "default",
+        name: str = "default",
         node_id: str | None = None,
     ) -> bool:
         """Delete the snapshot of ``key``; fenced like :meth:`save`.
@@ -359,7 +360,7 @@ class PostgresCheckpointStore(Closeable):
         Args:
             key: a string or a tuple of strings.
             term: fence against the leadership lease (see :meth:`save`).
-            lease: the name of the leadership lease that ``term`` refers to.
+            name: the name of the lease whose term fences the delete.
             node_id: fence against the key's own lease (see :meth:`save`).
 
         Returns:
@@ -371,7 +372,7 @@ class PostgresCheckpointStore(Closeable):
             BackendUnavailable: the database cannot be reached.
         """
         parts = check_key(key)
-        return self._delete(parts, self._fence(parts, term, lease, node_id))
+        return self._delete(parts, self._fence(parts, term, name, node_id))
 
     def _delete(self, parts: list[str], fence: _Fence) -> bool:
         query = sql.SQL(

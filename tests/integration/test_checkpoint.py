@@ -20,6 +20,7 @@ import pytest
 
 import rselection as rs
 from rselection.errors import BackendUnavailable, ConfigError, StaleLeaderError
+from rselection.keys import lease_scoped
 from rselection.postgres import PostgresCheckpointStore, PostgresLease, Snapshot, migrate
 from rselection.postgres.checkpoint import FORMAT_VERSION
 from rselection.postgres.leader import PostgresLeader
@@ -258,22 +259,22 @@ def test_takeover_refuses_the_old_terms_save_and_keeps_the_new_snapshot(
         first = a.try_acquire("a")
         assert first.acquired and first.holder is not None
         old = first.holder.term
-        saved = store.save("job", {"by": "a"}, term=old, lease=name)
+        saved = store.save("job", {"by": "a"}, term=old, name=name)
         assert saved.term == old
         a.release("a", old)
         second = b.try_acquire("b")
         assert second.acquired and second.holder is not None
         new = second.holder.term
         assert new == old + 1
-        store.save("job", {"by": "b"}, term=new, lease=name)
+        store.save("job", {"by": "b"}, term=new, name=name)
         with pytest.raises(StaleLeaderError, match=f"term {old} no longer holds"):
-            store.save("job", {"by": "a", "late": True}, term=old, lease=name)
+            store.save("job", {"by": "a", "late": True}, term=old, name=name)
         with pytest.raises(StaleLeaderError):
-            store.delete("job", term=old, lease=name)
+            store.delete("job", term=old, name=name)
         with pytest.raises(StaleLeaderError):  # a term that never held the lease
-            store.save("job", {"by": "?"}, term=new + 5, lease=name)
+            store.save("job", {"by": "?"}, term=new + 5, name=name)
         with pytest.raises(StaleLeaderError):  # the right term, the wrong lease
-            store.save("job", {"by": "?"}, term=new, lease=name + "-other")
+            store.save("job", {"by": "?"}, term=new, name=name + "-other")
     snap = store.load("job")
     assert snap is not None
     assert (snap.state, snap.term, snap.version) == ({"by": "b"}, new, 2)
@@ -288,7 +289,7 @@ def test_a_fenced_save_holds_a_takeover_until_it_commits(
         acq = a.try_acquire("a")
         assert acq.holder is not None
         term = acq.holder.term
-        store.save("job", 0, term=term, lease=name)  # tables exist before we hold locks
+        store.save("job", 0, term=term, name=name)  # tables exist before we hold locks
         # Hold the checkpoint row so the fenced save stalls after fenced() took its lock.
         blocker = psycopg.connect(pg_dsn)
         blocker.execute("SELECT 1 FROM rselection_checkpoints WHERE key = ARRAY['job'] FOR UPDATE")
@@ -296,7 +297,7 @@ def test_a_fenced_save_holds_a_takeover_until_it_commits(
 
         def save() -> None:
             try:
-                result["snap"] = store.save("job", 1, term=term, lease=name)
+                result["snap"] = store.save("job", 1, term=term, name=name)
             except Exception as exc:  # reported below
                 result["error"] = exc
 
@@ -434,7 +435,7 @@ def test_bad_lease_arguments(store: PostgresCheckpointStore) -> None:
         with pytest.raises(ConfigError, match="node_id"):
             store.acquire_lease("k", node_id, 5)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="lease name"):
-        store.save("k", 1, term=1, lease=" ")
+        store.save("k", 1, term=1, name=" ")
 
 
 # -- migrations -----------------------------------------------------------------------
@@ -543,9 +544,9 @@ def test_a_pool_works_like_a_connection_string(pg_dsn: str) -> None:
     with PostgresLease(pg_dsn, name=name, ttl=3, renew_deadline=2) as lease:
         acq = lease.try_acquire("a")
         assert acq.holder is not None
-        s.save(("p", "q"), {"n": 1}, term=acq.holder.term, lease=name)
+        s.save(("p", "q"), {"n": 1}, term=acq.holder.term, name=name)
         with pytest.raises(StaleLeaderError):
-            s.save(("p", "q"), {"n": 2}, term=acq.holder.term + 1, lease=name)
+            s.save(("p", "q"), {"n": 2}, term=acq.holder.term + 1, name=name)
     snap = s.load(("p", "q"))
     assert snap is not None and snap.state == {"n": 1} and snap.version == 1
     assert pool.borrowed >= 3
@@ -669,7 +670,7 @@ def test_tasks_resume_from_the_previous_leaders_checkpoint(pg_dsn: str) -> None:
         with pytest.raises(StaleLeaderError):
             bound[0].save({"n": -1, "node": "a"})
         second.stop(timeout=10)
-        snap = second.checkpoint_store.load("counter")
+        snap = second.checkpoint_store.load(lease_scoped(name, "counter"))
         assert snap is not None and snap.state["node"] == "b" and snap.term == old_term + 1
         assert snap.state["n"] == progress["b"][-1]
     finally:
@@ -680,7 +681,7 @@ def test_tasks_resume_from_the_previous_leaders_checkpoint(pg_dsn: str) -> None:
 def test_async_tasks_and_a_shared_store(pg_dsn: str) -> None:
     name = f"t-{uuid.uuid4().hex[:6]}"
     shared = PostgresCheckpointStore(pg_dsn, table_prefix="shared_")
-    shared.save("ticker", {"n": 41})
+    shared.save(lease_scoped(name, "ticker"), {"n": 41})
     seen: list[Any] = []
     tasks = rs.TaskHandler()
 
@@ -689,7 +690,7 @@ def test_async_tasks_and_a_shared_store(pg_dsn: str) -> None:
         snap = await ctx.checkpoint.aload()
         assert snap is not None
         seen.append(await ctx.checkpoint.asave({"n": snap.state["n"] + 1}))
-        assert ctx.checkpoint.key == "ticker" and ctx.checkpoint.term == ctx.term
+        assert ctx.checkpoint.key == f"{name}/ticker" and ctx.checkpoint.term == ctx.term
 
     leader = PostgresLeader(pg_dsn, tasks, name=name, checkpoint_store=shared, **FAST)
     try:
@@ -698,8 +699,49 @@ def test_async_tasks_and_a_shared_store(pg_dsn: str) -> None:
     finally:
         leader.stop(timeout=10)
     assert seen[0].state == {"n": 42} and seen[0].version == 2
-    snap = shared.load("ticker")
+    snap = shared.load(lease_scoped(name, "ticker"))
     assert snap is not None and snap.state == {"n": 42}  # the leader left the store open
     shared.close()
     with pytest.raises(ConfigError, match="checkpoint_store must be"):
         PostgresLeader(pg_dsn, rs.TaskHandler(), checkpoint_store="nope")  # type: ignore[arg-type]
+
+
+def test_tasks_of_the_same_name_under_two_leases_keep_two_checkpoints(pg_dsn: str) -> None:
+    # Lease names may contain "/": "<tag>/billing" with task "cursor" and "<tag>" with
+    # task "billing/cursor" must not share a key either.
+    tag = f"t-{uuid.uuid4().hex[:6]}"
+    runs = {f"{tag}-billing": "cursor", f"{tag}-shipping": "cursor", f"{tag}/billing": "cursor"}
+    runs[tag] = "billing/cursor"
+    seen: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def handler(lease: str, task: str) -> rs.TaskHandler:
+        tasks = rs.TaskHandler()
+
+        @tasks.persistent(task, restart="never")
+        def cursor(ctx: rs.TaskContext) -> None:
+            ctx.checkpoint.save({"lease": lease})
+            with lock:
+                seen[lease] = ctx.checkpoint.key
+            ctx.cancelled.wait()
+
+        return tasks
+
+    leaders = [
+        PostgresLeader(pg_dsn, handler(lease, task), name=lease, claimer=None, **FAST)
+        for lease, task in runs.items()
+    ]
+    try:
+        for leader in leaders:
+            leader.start()
+        wait_until(lambda: len(seen) == len(runs), 15, "every lease's task to save")
+    finally:
+        for leader in leaders:
+            leader.stop(timeout=10)
+    assert len(set(seen.values())) == len(runs)
+    assert seen[f"{tag}/billing"] == f"{tag}%2Fbilling/cursor"
+    assert seen[tag] == f"{tag}/billing/cursor"
+    with PostgresCheckpointStore(pg_dsn) as store:
+        for lease, task in runs.items():
+            snap = store.load(lease_scoped(lease, task))
+            assert snap is not None and snap.state == {"lease": lease}

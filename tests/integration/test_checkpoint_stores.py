@@ -106,19 +106,19 @@ def test_saves_and_deletes_are_fenced_to_the_live_holders_term(setup: Setup) -> 
     first = a.try_acquire("a").holder
     assert first is not None
     old = first.term
-    assert store.save("job", {"by": "a"}, term=old, lease=name).term == old
+    assert store.save("job", {"by": "a"}, term=old, name=name).term == old
     with pytest.raises(rs.StaleLeaderError):
-        store.save("job", {"by": "?"}, term=old + 1, lease=name)
+        store.save("job", {"by": "?"}, term=old + 1, name=name)
     a.release("a", old)
     with pytest.raises(rs.StaleLeaderError):  # released: over even before a successor
-        store.save("job", {"by": "a"}, term=old, lease=name)
+        store.save("job", {"by": "a"}, term=old, name=name)
     second = b.try_acquire("b").holder
     assert second is not None and second.term == old + 1
     with pytest.raises(rs.StaleLeaderError):
-        store.save("job", {"by": "a"}, term=old, lease=name)
+        store.save("job", {"by": "a"}, term=old, name=name)
     with pytest.raises(rs.StaleLeaderError):
-        store.delete("job", term=old, lease=name)
-    assert store.save("job", {"by": "b"}, term=second.term, lease=name).version == 2
-    assert store.delete("job", term=second.term, lease=name) is True
+        store.delete("job", term=old, name=name)
+    assert store.save("job", {"by": "b"}, term=second.term, name=name).version == 2
+    assert store.delete("job", term=second.term, name=name) is True
     snap = store.save("job", {"by": "anyone"})  # not fenced
     assert (snap.version, snap.term) == (4, None)

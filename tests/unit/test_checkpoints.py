@@ -15,6 +15,7 @@ import pytest
 import rselection as rs
 from rselection.checkpoints import LeaseFencedStore, TaskCheckpoint
 from rselection.errors import ConfigError, StaleLeaderError
+from rselection.keys import lease_scoped
 from rselection.lease import MemoryLease
 from tests.support.waiting import wait_until
 
@@ -74,20 +75,20 @@ def test_saves_are_fenced_to_the_live_holders_term() -> None:
     store = rs.MemoryCheckpointStore(leases=[lease])
     first = lease.try_acquire("a").holder
     assert first is not None
-    saved = store.save("job", {"n": 1}, term=first.term, lease="billing")
+    saved = store.save("job", {"n": 1}, term=first.term, name="billing")
     assert saved.term == first.term
     with pytest.raises(StaleLeaderError, match="term 2 no longer holds lease 'billing'"):
-        store.save("job", {"n": 2}, term=first.term + 1, lease="billing")
+        store.save("job", {"n": 2}, term=first.term + 1, name="billing")
     lease.release("a", first.term)  # released: the term is over even with no successor
     with pytest.raises(StaleLeaderError):
-        store.save("job", {"n": 3}, term=first.term, lease="billing")
+        store.save("job", {"n": 3}, term=first.term, name="billing")
     with pytest.raises(StaleLeaderError):
-        store.delete("job", term=first.term, lease="billing")
+        store.delete("job", term=first.term, name="billing")
     second = lease.try_acquire("b").holder
     assert second is not None and second.term == first.term + 1
     with pytest.raises(StaleLeaderError):
-        store.save("job", {"n": 4}, term=first.term, lease="billing")
-    assert store.delete("job", term=second.term, lease="billing") is True
+        store.save("job", {"n": 4}, term=first.term, name="billing")
+    assert store.delete("job", term=second.term, name="billing") is True
     snap = store.save("job", {"n": 5})  # unfenced
     assert snap.version == 3
 
@@ -95,11 +96,11 @@ def test_saves_are_fenced_to_the_live_holders_term() -> None:
 def test_a_fenced_save_against_a_lease_the_store_was_not_given_is_a_config_error() -> None:
     store = rs.MemoryCheckpointStore(leases=[MemoryLease("a")])
     with pytest.raises(ConfigError, match=r"cannot fence against lease 'b' \(it knows 'a'\)"):
-        store.save("k", 1, term=1, lease="b")
+        store.save("k", 1, term=1, name="b")
     with pytest.raises(ConfigError, match="LeaseBackend"):
         store.add_lease(object())  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="term"):
-        store.save("k", 1, term=-1, lease="a")
+        store.save("k", 1, term=-1, name="a")
     with pytest.raises(ConfigError, match="max_state_bytes"):
         rs.MemoryCheckpointStore(max_state_bytes=0)
 
@@ -122,7 +123,7 @@ def test_a_save_never_lands_after_the_next_term_began() -> None:
     def old_leader() -> None:
         while not stop.is_set():
             try:
-                store.save("k", {"term": first.term}, term=first.term, lease="race")
+                store.save("k", {"term": first.term}, term=first.term, name="race")
                 outcomes.append("saved")
             except StaleLeaderError:
                 outcomes.append("refused")
@@ -134,7 +135,7 @@ def test_a_save_never_lands_after_the_next_term_began() -> None:
         lease.revoke()
         second = lease.try_acquire("b").holder
         assert second is not None
-        store.save("k", {"term": second.term}, term=second.term, lease="race")
+        store.save("k", {"term": second.term}, term=second.term, name="race")
         wait_until(lambda: "refused" in outcomes, 5, "a refused save of term 1")
     finally:
         stop.set()
@@ -174,7 +175,7 @@ def test_ctx_checkpoint_works_under_a_single_node_and_fences_ended_terms(
     with pytest.raises(StaleLeaderError):
         bound[0].save({"n": -1})  # term 1 is over
     leader.stop(timeout=10)
-    snap = leader.checkpoint_store.load("counter")
+    snap = leader.checkpoint_store.load(lease_scoped("single-node", "counter"))
     assert snap is not None and snap.term == 2 and snap.state == {"n": counts[2][-1]}
     with pytest.raises(StaleLeaderError):
         bound[1].save({"n": -1})  # stopped: the lease was released
@@ -184,7 +185,7 @@ def test_a_store_passed_to_a_single_node_is_seeded_and_fenced_against_its_lease(
     leaders: Any,
 ) -> None:
     store = rs.MemoryCheckpointStore()
-    store.save("ticker", {"n": 41})
+    store.save("seeded/ticker", {"n": 41})
     seen: list[rs.Snapshot] = []
     handler = rs.TaskHandler(stop_grace=2.0)
 
@@ -193,7 +194,7 @@ def test_a_store_passed_to_a_single_node_is_seeded_and_fenced_against_its_lease(
         snap = await ctx.checkpoint.aload()
         assert snap is not None
         seen.append(await ctx.checkpoint.asave({"n": snap.state["n"] + 1}))
-        assert ctx.checkpoint.key == "ticker" and ctx.checkpoint.term == ctx.term
+        assert ctx.checkpoint.key == "seeded/ticker" and ctx.checkpoint.term == ctx.term
         assert await ctx.checkpoint.adelete() is True
 
     leader = leaders(handler, checkpoint_store=store, name="seeded")
@@ -201,10 +202,10 @@ def test_a_store_passed_to_a_single_node_is_seeded_and_fenced_against_its_lease(
     leader.start()
     wait_until(lambda: bool(seen), 10, "the async task to save")
     assert seen[0].state == {"n": 42} and seen[0].version == 2
-    wait_until(lambda: store.load("ticker") is None, 5, "the delete")
+    wait_until(lambda: store.load("seeded/ticker") is None, 5, "the delete")
     leader.stop(timeout=10)
     with pytest.raises(StaleLeaderError):
-        store.save("ticker", 1, term=1, lease="seeded")
+        store.save("seeded/ticker", 1, term=1, name="seeded")
 
 
 def test_run_tasks_hands_its_store_to_the_tasks() -> None:
@@ -219,8 +220,8 @@ def test_run_tasks_hands_its_store_to_the_tasks() -> None:
 
     with run_tasks(handler, checkpoint_store=store) as running:
         running.wait_runs("once", 1)
-        wait_until(lambda: store.load("once") is not None, 5, "the save")
-    snap = store.load("once")
+        wait_until(lambda: store.load("single-node/once") is not None, 5, "the save")
+    snap = store.load("single-node/once")
     assert snap is not None and snap.state == {"ran": True} and snap.term == 1
 
 
@@ -229,6 +230,7 @@ def test_task_checkpoint_async_variants_do_not_block_the_loop() -> None:
     holder = lease.try_acquire("n").holder
     assert holder is not None
     checkpoint = TaskCheckpoint(rs.MemoryCheckpointStore(leases=[lease]), "k", holder.term, "l")
+    assert (checkpoint.key, checkpoint.name) == ("l/k", "l")
 
     async def scenario() -> None:
         assert await checkpoint.aload() is None
@@ -236,4 +238,4 @@ def test_task_checkpoint_async_variants_do_not_block_the_loop() -> None:
         assert await checkpoint.adelete() is True
 
     asyncio.run(scenario())
-    assert repr(checkpoint) == "TaskCheckpoint('k', term=1, lease='l')"
+    assert repr(checkpoint) == "TaskCheckpoint('l/k', term=1, name='l')"

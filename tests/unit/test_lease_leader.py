@@ -112,7 +112,7 @@ def test_a_memory_checkpoint_store_is_given_the_lease(
     assert saved[0].term == 1
     leader.stop(timeout=10)
     with pytest.raises(rs.StaleLeaderError):  # fenced against the leader's lease
-        store.save("job", {}, term=1, lease="fenced")
+        store.save("fenced/job", {}, term=1, name="fenced")
 
 
 def test_cleanup_runs_once_after_the_release_and_survives_errors(

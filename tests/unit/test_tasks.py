@@ -419,8 +419,11 @@ def test_fence_and_afence_use_the_leaders_transaction_fence() -> None:
 
 def test_checkpoint_needs_a_store() -> None:
     ctx = TaskContext("job", Term(1, "n"))
-    with pytest.raises(ConfigError, match="checkpoint_store="):
+    with pytest.raises(ConfigError, match="checkpoint_store=") as refused:
         _ = ctx.checkpoint
+    # A RedisLeader takes no checkpoint_store=: the message says what to do there.
+    assert r"A RedisLeader takes none" in str(refused.value)
+    assert "leader.fence.call(ctx.term, 'SET'" in str(refused.value)
 
 
 def test_checkpoint_is_the_task_key_fenced_to_its_term_and_lease() -> None:
@@ -430,13 +433,14 @@ def test_checkpoint_is_the_task_key_fenced_to_its_term_and_lease() -> None:
     store = rs.MemoryCheckpointStore(leases=[lease])
     ctx = TaskContext("job", Term(holder.term, "n", "billing", checkpoint_store=store))
     assert ctx.checkpoint is ctx.checkpoint
-    assert (ctx.checkpoint.key, ctx.checkpoint.term, ctx.checkpoint.lease) == (
-        "job",
+    assert (ctx.checkpoint.key, ctx.checkpoint.term, ctx.checkpoint.name) == (
+        "billing/job",
         holder.term,
         "billing",
     )
     saved = ctx.checkpoint.save({"n": 1})
-    assert saved.term == holder.term and store.load("job") == saved
+    assert saved.term == holder.term and store.load("billing/job") == saved
+    assert store.load("job") is None
     lease.release("n", holder.term)
     with pytest.raises(StaleLeaderError):
         ctx.checkpoint.save({"n": 2})
