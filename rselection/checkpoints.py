@@ -220,7 +220,13 @@ class LeaseFencedStore(CheckpointStore, Protocol):
     """
 
     def add_lease(self, lease: LeaseBackend) -> None:
-        """Fence saves of ``lease.name`` against ``lease`` from now on."""
+        """Fence saves of ``lease.name`` against ``lease`` from now on.
+
+        Raises:
+            ConfigError: the store cannot fence against ``lease``, or already fences
+                another lease object of the same name (a second leader of that name:
+                its terms would be taken for the first one's).
+        """
         ...
 
 
@@ -237,13 +243,13 @@ class MemoryCheckpointStore:
     :class:`~rselection.errors.StaleLeaderError`. Thread-safe.
 
     Args:
-        leases: the leases fenced saves are checked against (a leader built with this
-            store adds its own lease; see :meth:`add_lease`).
+        leases: the leases fenced saves are checked against, one per name (a leader
+            built with this store adds its own lease; see :meth:`add_lease`).
         max_state_bytes: largest encoded state :meth:`save` accepts (UTF-8 bytes of the
             JSON text).
 
     Raises:
-        ConfigError: a bad lease or limit.
+        ConfigError: a bad lease or limit, or two lease objects of one name.
     """
 
     def __init__(
@@ -267,18 +273,30 @@ class MemoryCheckpointStore:
             self.add_lease(lease)
 
     def add_lease(self, lease: LeaseBackend) -> None:
-        """Fence saves of ``lease.name`` against ``lease`` (replacing any lease of that
-        name given before).
+        """Fence saves of ``lease.name`` against ``lease`` from now on.
+
+        One lease object per name: adding the same object again does nothing, another
+        object of a name the store already fences is refused (its terms would be taken
+        for the first one's, so an ended term could pass and a live one be refused).
 
         Raises:
-            ConfigError: ``lease`` is not a :class:`~rselection.LeaseBackend`.
+            ConfigError: ``lease`` is not a :class:`~rselection.LeaseBackend`, or the
+                store already fences another lease object of the same name.
         """
         if not isinstance(lease, LeaseBackend):
             raise ConfigError(
                 f"a MemoryCheckpointStore fences against a LeaseBackend, got {type(lease).__name__}"
             )
+        name = check_name(lease.name, "lease name")
         with self._lock:
-            self._leases[check_name(lease.name, "lease name")] = lease
+            known = self._leases.setdefault(name, lease)
+        if known is not lease:
+            raise ConfigError(
+                f"this MemoryCheckpointStore already fences lease {name!r} against another "
+                f"lease object ({type(known).__name__}), and one store fences one lease per "
+                "name: give each leader sharing the store its own name=, or give each its "
+                "own store"
+            )
 
     def load(self, key: Key) -> Snapshot | None:
         """The last saved snapshot of ``key``, or ``None`` if never saved (or deleted).

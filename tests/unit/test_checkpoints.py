@@ -239,3 +239,56 @@ def test_task_checkpoint_async_variants_do_not_block_the_loop() -> None:
 
     asyncio.run(scenario())
     assert repr(checkpoint) == "TaskCheckpoint('l/k', term=1, name='l')"
+
+
+def test_a_store_fences_one_lease_object_per_name() -> None:
+    first, second = MemoryLease("shared"), MemoryLease("shared")
+    store = rs.MemoryCheckpointStore(leases=[first, first])  # the same object again: fine
+    store.add_lease(first)
+    with pytest.raises(ConfigError, match="already fences lease 'shared' against another"):
+        store.add_lease(second)
+    with pytest.raises(ConfigError, match="one lease per name"):
+        rs.MemoryCheckpointStore(leases=[first, second])
+    holder = first.try_acquire("a").holder
+    assert holder is not None and second.try_acquire("b").holder is not None
+    assert store.save("k", 1, term=holder.term, name="shared").term == holder.term
+    first.release("a", holder.term)
+    with pytest.raises(StaleLeaderError):  # not taken for the other lease's live term 1
+        store.save("k", 2, term=holder.term, name="shared")
+
+
+def test_two_single_nodes_of_one_name_cannot_share_a_store(leaders: Any) -> None:
+    """A second leader of the same name is refused at construction; leaders of two names
+    share one store, each fenced against its own lease."""
+    store = rs.MemoryCheckpointStore()
+    saves: dict[str, list[str]] = {}
+    bound: dict[str, TaskCheckpoint] = {}
+
+    def handler(tag: str) -> rs.TaskHandler:
+        tasks = rs.TaskHandler(stop_grace=2.0)
+
+        @tasks.persistent("job", restart="never")
+        def job(ctx: rs.TaskContext) -> None:
+            bound.setdefault(tag, ctx.checkpoint)
+            try:
+                ctx.checkpoint.save({"term": ctx.term})
+                saves.setdefault(tag, []).append("accepted")
+            except StaleLeaderError:
+                saves.setdefault(tag, []).append("refused")
+            ctx.cancelled.wait(10)
+
+        return tasks
+
+    a = leaders(handler("a"), checkpoint_store=store)
+    with pytest.raises(ConfigError, match="already fences lease 'single-node'"):
+        rs.SingleNodeLeader(handler("b"), checkpoint_store=store)
+    b = leaders(handler("b"), checkpoint_store=store, name="other")
+    a.start()
+    b.start()
+    wait_until(lambda: len(saves.get("a", [])) == 1 and "b" in saves, 10, "the first saves")
+    a.step_down()
+    wait_until(lambda: len(saves["a"]) == 2, 10, "term 2's save")
+    assert saves == {"a": ["accepted", "accepted"], "b": ["accepted"]}
+    with pytest.raises(StaleLeaderError):  # a's term 1 ended; b's lease is at term 1
+        bound["a"].save("stale")
+    assert bound["b"].save("live").term == 1
