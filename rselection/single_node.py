@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .checkpoints import CheckpointStore, MemoryCheckpointStore
+from .checkpoints import CheckpointStore, LeaseFencedStore, MemoryCheckpointStore
+from .errors import ConfigError
 from .leader import LeaseLeader
 from .lease import MemoryLease
 from .timing import Timings
@@ -36,10 +37,16 @@ class SingleNodeLeader(LeaseLeader):
             A :class:`~rselection.MemoryClaimer` shared across terms lets a test see the
             misfire policies at work when a term starts after a gap.
         checkpoint_store: keeps ``ctx.checkpoint`` (default: a new
-            :class:`~rselection.MemoryCheckpointStore`; one you pass is given this
-            leader's lease to fence against).
+            :class:`~rselection.MemoryCheckpointStore`). One you pass must fence against
+            this leader's in-memory lease, which it is given (a
+            :class:`~rselection.checkpoints.LeaseFencedStore` such as a
+            ``MemoryCheckpointStore``); a ``PostgresCheckpointStore`` is refused.
         name: the lease name, for logs and signals.
         node_id: this node's id (default ``"local"``).
+
+    Raises:
+        ConfigError: bad arguments, or a checkpoint store that cannot fence against
+            this leader's lease.
     """
 
     def __init__(
@@ -52,6 +59,14 @@ class SingleNodeLeader(LeaseLeader):
         name: str = "single-node",
         node_id: str = "local",
     ) -> None:
+        if checkpoint_store is not None and not isinstance(checkpoint_store, LeaseFencedStore):
+            raise ConfigError(
+                f"a SingleNodeLeader's checkpoint_store must fence against its own in-memory "
+                f"lease (a store with add_lease(lease), such as MemoryCheckpointStore), got "
+                f"{type(checkpoint_store).__name__}, which cannot: every fenced save would be "
+                "refused. Leave checkpoint_store out (a new MemoryCheckpointStore), pass a "
+                "MemoryCheckpointStore, or run a PostgresLeader to keep the state in Postgres"
+            )
         timings = Timings()
         store = checkpoint_store if checkpoint_store is not None else MemoryCheckpointStore()
         self._store = store

@@ -745,3 +745,13 @@ def test_tasks_of_the_same_name_under_two_leases_keep_two_checkpoints(pg_dsn: st
         for lease, task in runs.items():
             snap = store.load(lease_scoped(lease, task))
             assert snap is not None and snap.state == {"lease": lease}
+
+
+def test_a_single_node_refuses_a_postgres_store_at_construction(pg_dsn: str) -> None:
+    # Its lease lives in memory, never in the store's lease table: every save would be
+    # refused as "taken over".
+    with PostgresCheckpointStore(pg_dsn) as store:
+        with pytest.raises(ConfigError, match="SingleNodeLeader's checkpoint_store") as refused:
+            rs.SingleNodeLeader(rs.TaskHandler(), checkpoint_store=store)
+        assert "MemoryCheckpointStore" in str(refused.value)
+        assert "PostgresCheckpointStore" in str(refused.value)

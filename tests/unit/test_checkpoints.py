@@ -292,3 +292,27 @@ def test_two_single_nodes_of_one_name_cannot_share_a_store(leaders: Any) -> None
     with pytest.raises(StaleLeaderError):  # a's term 1 ended; b's lease is at term 1
         bound["a"].save("stale")
     assert bound["b"].save("live").term == 1
+
+
+class _UnfencedStore:
+    """A checkpoint store that fences against nothing a single node has."""
+
+    def load(self, key: Any) -> rs.Snapshot | None:
+        return None
+
+    def save(self, key: Any, state: Any, *, term: int | None = None, name: str = "") -> Any:
+        raise StaleLeaderError("never")
+
+    def delete(self, key: Any, *, term: int | None = None, name: str = "") -> bool:
+        raise StaleLeaderError("never")
+
+
+def test_a_single_node_refuses_a_store_that_cannot_fence_against_its_lease() -> None:
+    from rselection.testing import run_tasks
+
+    assert isinstance(_UnfencedStore(), rs.CheckpointStore)
+    with pytest.raises(ConfigError, match="must fence against its own in-memory lease"):
+        rs.SingleNodeLeader(rs.TaskHandler(), checkpoint_store=_UnfencedStore())
+    tasks = run_tasks(rs.TaskHandler(), checkpoint_store=_UnfencedStore())
+    with pytest.raises(ConfigError, match="MemoryCheckpointStore"), tasks:
+        pass
