@@ -110,6 +110,12 @@ class PostgresCheckpointStore(Closeable):
             only); a call that overruns raises ``BackendUnavailable``.
         pool_size: connections of its own open at once at most (connection string
             only); more concurrent calls wait for one.
+        idle_timeout: seconds a fenced save's or delete's transaction may stay idle
+            before the server ends its session (``idle_in_transaction_session_timeout``):
+            a writer paused inside one holds a takeover back at most this long. A
+            leader's store needs at most the leader's margin ``ttl - renew_deadline``,
+            the bound of ``ctx.fence`` (a ``PostgresLeader`` builds its default store
+            so and refuses a store of yours with a longer one).
 
     Raises:
         ConfigError: a bad ``conninfo``, unsafe table names, bad numbers.
@@ -126,6 +132,7 @@ class PostgresCheckpointStore(Closeable):
         connect_timeout: float = 5.0,
         statement_timeout: float = 30.0,
         pool_size: int = 4,
+        idle_timeout: float = 5.0,
     ) -> None:
         self.tables = CheckpointTables(table_prefix)  # validates
         table_identifier(lease_table)  # validates
@@ -141,6 +148,7 @@ class PostgresCheckpointStore(Closeable):
         self.max_state_bytes = max_state_bytes
         self.connect_timeout = check_seconds(connect_timeout, "connect_timeout")
         self.statement_timeout = check_seconds(statement_timeout, "statement_timeout")
+        self.idle_timeout = check_seconds(idle_timeout, "idle_timeout", minimum=0.001)
         self._conns = Connections(
             conninfo,
             owner="PostgresCheckpointStore",
@@ -290,22 +298,24 @@ class PostgresCheckpointStore(Closeable):
             number = check_term(term)
             check_name(name, "lease name")
             table = self.lease_table
+            idle_timeout = self.idle_timeout
 
             def by_term(conn: psycopg.Connection[Any]) -> int | None:
-                fenced(conn, name, number, table=table)
+                fenced(conn, name, number, table=table, idle_timeout=idle_timeout)
                 return number
 
             return by_term
         if node_id is not None:
             holder = check_node_id(node_id)
             query = sql.SQL(
-                "SELECT set_config('idle_in_transaction_session_timeout', '5000ms', true),"
+                "SELECT set_config('idle_in_transaction_session_timeout', %s, true),"
                 " (SELECT term FROM {} WHERE key = %s::text[] AND holder = %s"
                 " AND expires_at > clock_timestamp() FOR SHARE)"
             ).format(self.tables.leases)
+            millis = f"{max(1, round(self.idle_timeout * 1000))}ms"
 
             def by_holder(conn: psycopg.Connection[Any]) -> int | None:
-                row = conn.execute(query, (parts, holder)).fetchone()
+                row = conn.execute(query, (millis, parts, holder)).fetchone()
                 if row is None or row[1] is None:
                     raise StaleLeaderError(
                         f"{holder!r} does not hold the lease of checkpoint {key_of(parts)!r:.80} "

@@ -25,6 +25,7 @@ from rselection.postgres import PostgresCheckpointStore, PostgresLease, Snapshot
 from rselection.postgres.checkpoint import FORMAT_VERSION
 from rselection.postgres.leader import PostgresLeader
 from rselection.postgres.schema import Step, TableKind, run_migrations
+from tests.support.node_process import NodeProcess, count
 
 FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
 
@@ -755,3 +756,71 @@ def test_a_single_node_refuses_a_postgres_store_at_construction(pg_dsn: str) -> 
             rs.SingleNodeLeader(rs.TaskHandler(), checkpoint_store=store)
         assert "MemoryCheckpointStore" in str(refused.value)
         assert "PostgresCheckpointStore" in str(refused.value)
+
+
+def test_a_leader_paused_inside_a_save_holds_a_takeover_back_no_longer_than_its_margin(
+    pg_dsn: str,
+) -> None:
+    """ctx.checkpoint.save's transaction carries the leader's margin (ttl - renew_deadline,
+    1 s here) as its idle bound, as ctx.fence does: a leader stopped inside a save holds
+    the lease row only that long, so the takeover comes with the lease's expiry (at most
+    ttl after the last renewal), not after the 5 s of a store's default bound."""
+    name = f"t-{uuid.uuid4().hex[:6]}"
+    node = NodeProcess("tests.support.checkpoint_pause_node", pg_dsn, "--lease", name)
+    follower = PostgresLeader(
+        pg_dsn, rs.TaskHandler(), name=name, node_id="follower", claimer=None, **FAST
+    )
+    try:
+        node.wait_for("the node to lead", count("elected", 1), 20)
+        follower.start()
+        node.wait_for("the node to pause inside a save", count("paused", 1), 10)
+        paused = time.monotonic()
+        assert node.of("paused")[0]["idle_timeout"] == "1s"
+        assert follower.wait_until_leader(15)
+        waited = time.monotonic() - paused
+        print(f"takeover after a pause inside a save: {waited * 1000:.0f} ms (ttl 3 s)")
+        assert waited <= 3.0 + 0.5 + 1.0  # ttl + retry_interval, plus scheduling slack
+    finally:
+        follower.stop(timeout=10)
+        node.kill()
+
+
+def test_a_leaders_store_is_bounded_by_its_margin(pg_dsn: str) -> None:
+    leader = PostgresLeader(pg_dsn, rs.TaskHandler(), **FAST)
+    try:
+        assert leader.checkpoint_store.idle_timeout == 1.0  # ttl 3 - renew_deadline 2
+    finally:
+        leader.stop(timeout=10)
+    with PostgresCheckpointStore(pg_dsn) as loose:
+        assert loose.idle_timeout == 5.0
+        with pytest.raises(ConfigError, match=r"idle_timeout=5s.*build the store with idle"):
+            PostgresLeader(pg_dsn, rs.TaskHandler(), checkpoint_store=loose, **FAST)
+    with PostgresCheckpointStore(pg_dsn, idle_timeout=1) as bounded:
+        PostgresLeader(pg_dsn, rs.TaskHandler(), checkpoint_store=bounded, **FAST).stop(10)
+    with pytest.raises(ConfigError, match="idle_timeout"):
+        PostgresCheckpointStore(pg_dsn, idle_timeout=0)
+
+
+def test_a_fenced_save_sets_the_stores_idle_bound_in_its_transaction(pg_dsn: str) -> None:
+    name = f"t-{uuid.uuid4().hex[:6]}"
+    with (
+        PostgresLease(pg_dsn, name=name, ttl=3, renew_deadline=2) as lease,
+        psycopg.connect(pg_dsn) as conn,
+    ):
+        holder = lease.try_acquire("a").holder
+        assert holder is not None
+        store = PostgresCheckpointStore(conn, idle_timeout=0.75)
+        store.save("k", 0)  # the tables exist before the transactions below
+        for fenced_call in (
+            lambda: store.save("k", 1, term=holder.term, name=name),
+            lambda: store.delete("k", term=holder.term, name=name),
+        ):
+            with conn.transaction(force_rollback=True):
+                fenced_call()
+                row = conn.execute("SHOW idle_in_transaction_session_timeout").fetchone()
+                assert row is not None and row[0] == "750ms"
+        assert store.acquire_lease("own", "a", ttl=30)
+        with conn.transaction(force_rollback=True):
+            store.save("own", 1, node_id="a")
+            row = conn.execute("SHOW idle_in_transaction_session_timeout").fetchone()
+            assert row is not None and row[0] == "750ms"
