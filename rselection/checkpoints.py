@@ -27,6 +27,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any, Protocol, runtime_checkable
 
 from .errors import ConfigError, StaleLeaderError
@@ -45,6 +46,7 @@ __all__ = [
     "TaskCheckpoint",
     "check_key",
     "check_term",
+    "decode_state",
     "encode_state",
     "key_of",
 ]
@@ -167,6 +169,40 @@ def encode_state(key: Key, state: Any, max_bytes: int) -> str:
     return text
 
 
+def decode_state(text: str) -> Any:
+    """The state stored as JSON ``text``, as Postgres ``jsonb`` gives it back.
+
+    ``jsonb`` keeps a number as ``numeric`` and an object's keys in its own order, so a
+    state does not always come back as it was saved: a float whose JSON text has no
+    fractional digits (``1e+16``, ``1e300``) comes back as an ``int``, ``-0.0`` as
+    ``0.0``, and dict keys sorted shorter first, then by their UTF-8 bytes. Both stores
+    that ship return states so (tuples come back as lists already through JSON).
+
+    Args:
+        text: JSON text, as :func:`encode_state` makes it.
+    """
+    return json.loads(text, parse_float=_jsonb_number, object_pairs_hook=_jsonb_object)
+
+
+def _jsonb_number(text: str) -> int | float:
+    """A JSON number with a fraction or exponent, as ``numeric`` prints it back."""
+    exponent = Decimal(text).as_tuple().exponent
+    if isinstance(exponent, int) and exponent >= 0:  # no digits after the point
+        return int(Decimal(text))
+    return float(text) + 0.0  # numeric has no negative zero
+
+
+def _jsonb_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object with its keys in ``jsonb`` order (the last of equal keys wins)."""
+    merged = dict(pairs)
+    return {key: merged[key] for key in sorted(merged, key=_jsonb_key)}
+
+
+def _jsonb_key(key: str) -> tuple[int, bytes]:
+    raw = key.encode()
+    return len(raw), raw
+
+
 @runtime_checkable
 class CheckpointStore(Protocol):
     """Where ``ctx.checkpoint`` keeps task state: snapshots by key, saves fenced by term.
@@ -234,9 +270,11 @@ class MemoryCheckpointStore:
     """Checkpoints kept in this process, with the rules of the Postgres store.
 
     The default store of :class:`~rselection.SingleNodeLeader`, so ``ctx.checkpoint``
-    works in local development and tests. States are stored as JSON text (so a task sees
-    what it would see from Postgres: tuples come back as lists, a state JSON cannot
-    encode is refused at the save); versions grow by one on every save and delete and
+    works in local development and tests. States are stored as JSON text and come back
+    as Postgres ``jsonb`` returns them (:func:`decode_state`), so a task sees what it
+    would see from Postgres: tuples come back as lists, ``1e16`` as an int, ``-0.0`` as
+    ``0.0``, dict keys in ``jsonb`` order, and a state JSON cannot encode is refused at
+    the save; versions grow by one on every save and delete and
     are never reused; ``save(key, state, term=T, name=lease_name)`` commits only while
     ``T`` is the live holder's term of the lease called ``lease_name``, checked and written under
     one lock, so a save of an ended term is refused with
@@ -312,7 +350,7 @@ class MemoryCheckpointStore:
         text, version, term, updated_at = row
         if text is None:
             return None
-        return Snapshot(key_of(parts), json.loads(text), version, term, updated_at)
+        return Snapshot(key_of(parts), decode_state(text), version, term, updated_at)
 
     def save(
         self, key: Key, state: Any, *, term: int | None = None, name: str = "default"
@@ -342,7 +380,7 @@ class MemoryCheckpointStore:
             version = self._next_version(parts)
             now = datetime.now(UTC)
             self._rows[tuple(parts)] = (text, version, term, now)
-        return Snapshot(key_of(parts), json.loads(text), version, term, now)
+        return Snapshot(key_of(parts), decode_state(text), version, term, now)
 
     def delete(self, key: Key, *, term: int | None = None, name: str = "default") -> bool:
         """Delete the snapshot of ``key``; fenced like :meth:`save`.

@@ -50,6 +50,7 @@ from ..checkpoints import (
     TaskCheckpoint,
     check_key,
     check_term,
+    decode_state,
     encode_state,
     key_of,
 )
@@ -261,8 +262,10 @@ class PostgresCheckpointStore(Closeable):
         """Store ``state`` as the new snapshot of ``key``; fenced when asked.
 
         The state is encoded with :func:`json.dumps` and stored as ``jsonb``: tuples come
-        back as lists, and dict keys must be strings to come back unchanged (``jsonb``
-        also does not keep key order).
+        back as lists, dict keys must be strings to come back unchanged, and numbers and
+        key order come back as ``jsonb`` keeps them (see
+        :func:`~rselection.checkpoints.decode_state`; the snapshot returned is already
+        so).
 
         Args:
             key: a string or a tuple of strings.
@@ -352,7 +355,9 @@ class PostgresCheckpointStore(Closeable):
 
         term, row = self._run("save a checkpoint", body)
         assert row is not None
-        return Snapshot(key_of(parts), json.loads(text), int(row[0]), term, row[1].astimezone(UTC))
+        return Snapshot(
+            key_of(parts), decode_state(text), int(row[0]), term, row[1].astimezone(UTC)
+        )
 
     def delete(
         self,

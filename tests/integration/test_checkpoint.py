@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import random
+import struct
 import threading
 import time
 import uuid
@@ -19,6 +21,7 @@ import psycopg
 import pytest
 
 import rselection as rs
+from rselection.checkpoints import decode_state, encode_state
 from rselection.errors import BackendUnavailable, ConfigError, StaleLeaderError
 from rselection.keys import lease_scoped
 from rselection.postgres import PostgresCheckpointStore, PostgresLease, Snapshot, migrate
@@ -824,3 +827,22 @@ def test_a_fenced_save_sets_the_stores_idle_bound_in_its_transaction(pg_dsn: str
             store.save("own", 1, node_id="a")
             row = conn.execute("SHOW idle_in_transaction_session_timeout").fetchone()
             assert row is not None and row[0] == "750ms"
+
+
+def test_decode_state_is_what_jsonb_returns(store: PostgresCheckpointStore) -> None:
+    # The in-memory store returns states through decode_state: any float (random bit
+    # patterns: subnormals, huge, integral), and keys of any length and script, come
+    # back from Postgres exactly as decode_state gives them.
+    rng = random.Random(13)
+    floats = [struct.unpack("<d", rng.randbytes(8))[0] for _ in range(2000)]
+    floats += [float(rng.randint(-(10**18), 10**18)) for _ in range(200)]
+    words = ["a", "bb", "é", "Z", "ab", "\U0001f389", "aa", "b" * 3, "ä"]
+    state = {
+        "floats": [f for f in floats if math.isfinite(f)] + [-0.0, 0.5, 1e16],
+        "keys": {w: i for i, w in enumerate(words)},
+    }
+    store.save("k", state)
+    loaded = store.load("k")
+    assert loaded is not None
+    expected = decode_state(encode_state("k", state, store.max_state_bytes))
+    assert json.dumps(loaded.state) == json.dumps(expected)

@@ -8,6 +8,8 @@ a lease of the matching kind (a ``MemoryLease``, a ``PostgresLease``).
 
 from __future__ import annotations
 
+import json
+import math
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -80,6 +82,41 @@ def test_keys_and_states_round_trip_as_json(setup: Setup) -> None:
     loaded = store.load(("owner", "repo"))
     assert loaded is not None and loaded.state == saved.state and loaded.key == saved.key
     assert store.save(("one",), 1).key == "one"
+
+
+@pytest.mark.parametrize(
+    ("state", "expected"),
+    [
+        (1e16, 10**16),
+        (-1e300, -(10**300)),
+        (1.5e16, 15 * 10**15),
+        (1e15, 1e15),  # "1000000000000000.0": a fractional digit, stays a float
+        (2.5e-7, 2.5e-7),
+        (5e-324, 5e-324),
+        (10**40, 10**40),
+        ({"bb": 1, "a": 2, "é": 3, "ab": 4, "Z": 5}, {"Z": 5, "a": 2, "ab": 4, "bb": 1, "é": 3}),
+        ([{"y": 1.0, "x": [1e20, 0.1]}], [{"x": [10**20, 0.1], "y": 1.0}]),
+    ],
+    ids=["1e16", "-1e300", "1.5e16", "1e15", "2.5e-7", "5e-324", "10**40", "keys", "nested"],
+)
+def test_states_come_back_as_postgres_jsonb_returns_them(
+    setup: Setup, state: Any, expected: Any
+) -> None:
+    def exact(value: Any) -> str:  # types, key order and float spelling, not just ==
+        return json.dumps(value) + repr(type(value))
+
+    saved = setup.store.save("k", state)
+    loaded = setup.store.load("k")
+    assert loaded is not None
+    assert exact(loaded.state) == exact(expected)
+    assert exact(saved.state) == exact(expected)  # save returns what load will
+
+
+def test_negative_zero_comes_back_as_zero(setup: Setup) -> None:
+    setup.store.save("k", [-0.0, {"z": -0.0}])
+    loaded = setup.store.load("k")
+    assert loaded is not None and loaded.state == [0.0, {"z": 0.0}]
+    assert math.copysign(1, loaded.state[0]) == 1 and math.copysign(1, loaded.state[1]["z"]) == 1
 
 
 @pytest.mark.parametrize(
