@@ -279,7 +279,7 @@ class RedisServer(Server):
         self.client.connection_pool.disconnect()
 
     def end_holder_session(self, lease: str) -> str:
-        from rselection.redis import lease_keys
+        from rselection.redis.lease import lease_keys
 
         raw = self.client.get(lease_keys(lease)[0])
         if raw is None:

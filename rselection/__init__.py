@@ -5,11 +5,14 @@ node); the holder runs the registered tasks, and every task is cancelled the mom
 leadership is lost or in doubt.
 
 The core never imports psycopg or redis; ``PostgresLeader`` and ``RedisLeader`` load
-their backend on first use.
+their backend on first use (so they are not in ``__all__``: ``from rselection import *``
+needs neither driver), and ``rs.RedisLeader`` without redis-py raises an ``ImportError``
+that says what to install.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import signals
@@ -32,8 +35,8 @@ from .schedules import CronSchedule, IntervalSchedule, Schedule, format_fire_key
 from .tasks import GenericTask, Task, TaskHandler, TaskType
 
 if TYPE_CHECKING:
-    from .postgres.leader import PostgresLeader
-    from .redis.leader import RedisLeader
+    from .postgres.leader import PostgresLeader as PostgresLeader
+    from .redis.leader import RedisLeader as RedisLeader
 
 __all__ = [
     "BackendUnavailable",
@@ -50,9 +53,7 @@ __all__ = [
     "LeadershipLost",
     "MemoryClaimer",
     "NodeInfo",
-    "PostgresLeader",
     "RSelectionError",
-    "RedisLeader",
     "Schedule",
     "SingleNodeLeader",
     "StaleLeaderError",
@@ -69,14 +70,34 @@ __all__ = [
 __version__ = "0.1.0.dev0"
 
 
+#: Names loaded on first use, with their module, the driver it needs and how to install
+#: it. They are not in ``__all__``, so ``from rselection import *`` needs no driver;
+#: ``dir(rselection)`` lists them.
+_LAZY = {
+    "PostgresLeader": (".postgres.leader", "psycopg", "pip install 'rselection[binary]'"),
+    "RedisLeader": (".redis.leader", "redis", "pip install 'rselection[redis]'"),
+}
+
+
 def __getattr__(name: str) -> Any:
     # Backends load their driver only when asked for.
-    if name == "PostgresLeader":
-        from .postgres.leader import PostgresLeader
+    if name not in _LAZY:
+        raise AttributeError(f"module 'rselection' has no attribute {name!r}")
+    where, driver, install = _LAZY[name]
+    try:
+        module = importlib.import_module(where, __name__)
+    except ImportError as exc:
+        missing = exc.name or ""
+        if missing != driver and not missing.startswith(driver + "."):
+            raise
+        raise ImportError(
+            f"rselection.{name} needs the {driver!r} package, which is not installed: {install}",
+            name=missing,
+        ) from exc
+    value = getattr(module, name)
+    globals()[name] = value
+    return value
 
-        return PostgresLeader
-    if name == "RedisLeader":
-        from .redis.leader import RedisLeader
 
-        return RedisLeader
-    raise AttributeError(f"module 'rselection' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__) | set(_LAZY))

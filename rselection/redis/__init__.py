@@ -1,7 +1,8 @@
 """Redis backend: lease, leader, fenced writes, elections, fire claims and handover
 requests.
 
-Needs redis-py (extra ``redis``) and Redis 6.2 or later.
+Needs redis-py (extra ``redis``: ``pip install 'rselection[redis]'``) and Redis 6.2 or
+later.
 
 Importing :mod:`rselection` does not import this package (nor redis-py); importing this
 package does. :class:`RedisLeader` is loaded on first use.
@@ -11,11 +12,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .claims import RedisClaimer
-from .elector import RedisElector
-from .fencing import RedisFence, afenced_call, fenced_call
-from .handover import cancel_handover, current_holder, live_nodes, request_handover
-from .lease import RedisLease, handover_key, lease_keys
+try:
+    from .claims import RedisClaimer
+    from .elector import RedisElector
+    from .fencing import RedisFence, afenced_call, fenced_call
+    from .handover import cancel_handover, current_holder, live_nodes, request_handover
+    from .lease import RedisLease
+except ImportError as exc:
+    if exc.name != "redis" and not (exc.name or "").startswith("redis."):
+        raise
+    raise ImportError(
+        f"rselection.redis needs redis-py, which cannot be imported ({exc}): "
+        "pip install 'rselection[redis]'",
+        name=exc.name,
+    ) from exc
 
 if TYPE_CHECKING:
     from .leader import RedisLeader
@@ -30,8 +40,6 @@ __all__ = [
     "cancel_handover",
     "current_holder",
     "fenced_call",
-    "handover_key",
-    "lease_keys",
     "live_nodes",
     "request_handover",
 ]
@@ -44,3 +52,7 @@ def __getattr__(name: str) -> Any:
 
         return RedisLeader
     raise AttributeError(f"module 'rselection.redis' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -6,29 +6,40 @@ The Redis twin of :class:`~rselection.postgres.PostgresClaimer`::
     if claimer.claim(format_fire_key("purge", scheduled_at)):
         purge()
 
-A claim is one ``SET <prefix><fire key> <value> NX PX <ttl>``: it succeeds when no
-unexpired claim exists. The value is JSON recording the holder, the fencing term (when
+A claim is one ``SET <key_prefix><fire key> <value> NX PX <ttl>``: it succeeds when no
+unexpired claim exists. The value is JSON recording the node id, the fencing term (when
 given), the fire-key format and the server time. Expiry is Redis's own; a claim binds
 until its ttl, also after the run ends, so a node that reaches the same fire later does
 not run it again; ``ttl`` must therefore exceed the latest a fire may start anywhere.
 
+:meth:`RedisClaimer.claim_missed` claims a task's missed fires in one round trip: one
+script finds the newest fire an unexpired claim holds and claims every fire after it.
+
 **Fail closed.** :meth:`RedisClaimer.claim` returns ``False`` only when another claim
 holds the key. Any backend problem raises :class:`~rselection.errors.BackendUnavailable`.
-In a Redis Cluster each claim is one key, so claims need no hash tag.
+
+In a Redis Cluster each claim is one key, so claims need no hash tag and spread over the
+masters. A script can only touch keys of one hash slot, so there
+:meth:`~RedisClaimer.claim_missed` takes one script when every key lands in one slot (a
+``key_prefix`` with a hash tag, such as ``"rselection:{claims}:"``), and otherwise two
+pipelines (which claims are held; then ``SET NX PX`` of the newer ones) and one
+``TIME``: each claim is still won by one node only.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from types import TracebackType
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 
+from ..closeable import Closeable
 from ..errors import ConfigError
-from ._conn import check_client, check_seconds, describe, unavailable
-from .elector import check_key, random_identity
+from ..validation import check_name, check_node_id, check_seconds, new_node_id
+from ._conn import check_client, describe, unavailable
+from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
 
 __all__ = ["FIRE_KEY_FORMAT", "RedisClaimer"]
 
@@ -39,107 +50,196 @@ FIRE_KEY_FORMAT = 1
 
 _MAX_TERM = 2**63 - 1
 
+#: KEYS: the claim key. ARGV: node id, term ('' for none), fire-key format, ttl (ms).
+#: Returns 1 when claimed, 0 when an unexpired claim holds the key.
 CLAIM = """
 local t = redis.call('TIME')
-local v = cjson.encode({holder = ARGV[1], term = ARGV[2], format = ARGV[3],
+local v = cjson.encode({node_id = ARGV[1], term = ARGV[2], format = ARGV[3],
   at = tostring(t[1] * 1000 + math.floor(t[2] / 1000))})
 if redis.call('SET', KEYS[1], v, 'NX', 'PX', ARGV[4]) then return 1 end
 return 0
 """
 
+#: KEYS: one task's claim keys, oldest fire first. ARGV: as CLAIM. Claims every key after
+#: the newest one an unexpired claim holds; returns the (1-based) positions won.
+CLAIM_MISSED = """
+local held = 0
+for i = #KEYS, 1, -1 do
+  if redis.call('EXISTS', KEYS[i]) == 1 then
+    held = i
+    break
+  end
+end
+local won = {}
+if held == #KEYS then return won end
+local t = redis.call('TIME')
+local v = cjson.encode({node_id = ARGV[1], term = ARGV[2], format = ARGV[3],
+  at = tostring(t[1] * 1000 + math.floor(t[2] / 1000))})
+for i = held + 1, #KEYS do
+  if redis.call('SET', KEYS[i], v, 'NX', 'PX', ARGV[4]) then won[#won + 1] = i end
+end
+return won
+"""
 
-class RedisClaimer:
+
+def _check_term(term: object) -> None:
+    if term is not None and (
+        isinstance(term, bool) or not isinstance(term, int) or not 0 <= term <= _MAX_TERM
+    ):
+        raise ConfigError(f"term must be None or an int in [0, 2**63), got {term!r:.40}")
+
+
+class RedisClaimer(Closeable):
     """Claims each fire of a schedule in Redis, so a fleet runs it once.
 
-    A :class:`~rselection.claiming.FireClaimer`. Thread-safe (uses the client's pool).
+    A :class:`~rselection.claiming.MissedFireClaimer`. Thread-safe (uses the client's
+    pool).
 
     Args:
         client: a ``redis.Redis``, a ``redis.cluster.RedisCluster`` or a ``redis://``
             URL (a client made from a URL is closed by :meth:`close`).
-        prefix: prefix of every claim key.
+        key_prefix: prefix of every claim key (used verbatim; may be empty).
         ttl: seconds a claim binds (at least 1 ms; default 600).
-        holder: who claims, recorded in each claim; a random process identity by
-            default.
+        node_id: who claims, recorded in each claim; unique per instance by default.
 
     Raises:
-        ConfigError: a bad client, prefix, ttl or holder.
+        ConfigError: a bad client, key prefix, ttl or node id.
     """
 
     def __init__(
         self,
         client: Any,
         *,
-        prefix: str = "rselection:claim:",
+        key_prefix: str = DEFAULT_KEY_PREFIX + "claim:",
         ttl: float = 600.0,
-        holder: str | None = None,
+        node_id: str | None = None,
     ) -> None:
-        if not isinstance(prefix, str):
-            raise ConfigError(f"prefix must be a string, got {prefix!r:.80}")
-        self.prefix = prefix
-        self.ttl = check_seconds(ttl, "ttl")
-        self.holder: str = random_identity() if holder is None else check_key(holder, "holder")
+        self.key_prefix = check_key_prefix(key_prefix)
+        """The prefix of every claim key."""
+        self.ttl = check_seconds(ttl, "ttl", minimum=0.001)
+        """Seconds a claim binds."""
+        self.node_id: str = new_node_id() if node_id is None else check_node_id(node_id)
         """Who this claimer claims as."""
         self._client, self._owned = check_client(client, "RedisClaimer")
+        self._cluster = isinstance(self._client, RedisCluster)
         self._ttl_ms = max(1, round(self.ttl * 1000))
         self._claim = self._client.register_script(CLAIM)
+        self._claim_missed = self._client.register_script(CLAIM_MISSED)
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(prefix={self.prefix!r}, ttl={self.ttl}, "
-            f"holder={self.holder!r}, {describe(self._client)})"
+            f"{type(self).__name__}(key_prefix={self.key_prefix!r}, ttl={self.ttl}, "
+            f"node_id={self.node_id!r}, {describe(self._client)})"
         )
 
-    def __enter__(self) -> RedisClaimer:
-        """Return the claimer; the ``with`` block closes it."""
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Close the claimer."""
-        self.close()
-
     def close(self) -> None:
-        """Close the client if it was made from a URL; a client passed in is left open."""
+        """Close the client if it was made from a URL; a client passed in is left open.
+
+        Claims are kept: they bind until their ttl.
+        """
         if self._owned:
             try:
                 self._client.close()
             except Exception as exc:  # best effort
-                logger.debug("claimer %r: error closing the client: %s", self.prefix, exc)
+                logger.debug("claimer %r: error closing the client: %s", self.key_prefix, exc)
 
     def key(self, fire_key: str) -> str:
-        """The Redis key of a fire's claim."""
-        return self.prefix + fire_key
+        """The Redis key of a fire's claim: ``key_prefix + fire_key``."""
+        return self.key_prefix + fire_key
+
+    def _args(self, term: int | None) -> list[Any]:
+        return [self.node_id, "" if term is None else str(term), FIRE_KEY_FORMAT, self._ttl_ms]
 
     def claim(self, fire_key: str, *, term: int | None = None) -> bool:
         """Claim ``fire_key``: ``True`` if this call won it, ``False`` if a claim holds it.
 
+        One script: wins when the key was never claimed or its last claim expired.
+
         Args:
-            fire_key: the fire (``format_fire_key(task, scheduled_at)``); non-empty.
+            fire_key: the fire (``format_fire_key(task, scheduled_at)``); a name (not
+                blank, at most 1,000 characters).
             term: the fencing term the claim is made under, recorded in the claim.
 
         Raises:
             ConfigError: a bad fire key or term (before any I/O).
             BackendUnavailable: Redis cannot be reached or failed (fail closed).
         """
-        if not isinstance(fire_key, str) or not fire_key:
-            raise ConfigError(f"fire_key must be a non-empty string, got {fire_key!r:.80}")
-        if term is not None and (
-            isinstance(term, bool) or not isinstance(term, int) or not 0 <= term <= _MAX_TERM
-        ):
-            raise ConfigError(f"term must be None or an int in [0, 2**63), got {term!r:.40}")
-        args = [self.holder, "" if term is None else str(term), FIRE_KEY_FORMAT, self._ttl_ms]
+        check_name(fire_key, "fire_key")
+        _check_term(term)
         try:
-            won = int(self._claim(keys=[self.key(fire_key)], args=args))
+            won = int(self._claim(keys=[self.key(fire_key)], args=self._args(term)))
         except redis.RedisError as exc:
             raise unavailable(f"claim {fire_key!r:.80}", describe(self._client), exc) from exc
         return won == 1
 
+    def claim_missed(self, fire_keys: list[str], *, term: int | None = None) -> list[str]:
+        """Claim the missed fires among ``fire_keys`` in one round trip; return those won.
+
+        ``fire_keys`` are one task's fires, oldest first. Every key newer than the newest
+        one that an unexpired claim already holds is claimed (that claim marks how far
+        the fleet got; an expired claim counts as none and is taken again); the keys won
+        come back oldest first. A leader that starts calls this once per task, instead
+        of one :meth:`claim` per missed fire. Same semantics as
+        :meth:`rselection.postgres.PostgresClaimer.claim_missed`.
+
+        Args:
+            fire_keys: the fires, oldest first; each a name, as in :meth:`claim`.
+            term: the fencing term the claims are made under, recorded in each.
+
+        Raises:
+            ConfigError: a bad fire key or term (before any I/O).
+            BackendUnavailable: Redis cannot be reached or failed (fail closed: then
+                nothing may run, although some claims may have been made).
+        """
+        if isinstance(fire_keys, str):
+            raise ConfigError("fire_keys must be a list of fire keys, got a single string")
+        fire_keys = list(fire_keys)
+        for fire_key in fire_keys:
+            check_name(fire_key, "fire_key")
+        _check_term(term)
+        if not fire_keys:
+            return []
+        keys = [self.key(k) for k in fire_keys]
+        what = f"claim {len(fire_keys)} missed fires from {fire_keys[0]!r:.80}"
+        try:
+            if self._cluster and len({self._client.keyslot(k) for k in keys}) > 1:
+                won = self._claim_missed_across_slots(keys, term)
+            else:
+                won = [int(i) - 1 for i in self._claim_missed(keys=keys, args=self._args(term))]
+        except redis.RedisError as exc:
+            raise unavailable(what, describe(self._client), exc) from exc
+        logger.debug("%s: won %d", what, len(won))
+        return [fire_keys[i] for i in won]
+
+    def _claim_missed_across_slots(self, keys: list[str], term: int | None) -> list[int]:
+        """:meth:`claim_missed` on a cluster where the keys lie in several hash slots: the
+        positions won."""
+        client: Any = self._client
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(key)
+        held = [i for i, n in enumerate(pipe.execute()) if int(n)]
+        first = held[-1] + 1 if held else 0
+        if first == len(keys):
+            return []
+        seconds, micros = client.time()
+        node_id, term_text, fmt, ttl_ms = self._args(term)
+        value = json.dumps(
+            {
+                "node_id": node_id,
+                "term": term_text,
+                "format": str(fmt),
+                "at": str(int(seconds) * 1000 + int(micros) // 1000),
+            }
+        )
+        pipe = client.pipeline(transaction=False)
+        for key in keys[first:]:
+            pipe.set(key, value, nx=True, px=ttl_ms)
+        return [first + i for i, ok in enumerate(pipe.execute()) if ok]
+
     def holder_of(self, fire_key: str) -> dict[str, Any] | None:
-        """The unexpired claim of ``fire_key`` (holder, term, format, at), or ``None``.
+        """The unexpired claim of ``fire_key`` (``node_id``, ``term``, ``format``,
+        ``at``), or ``None``.
 
         Raises:
             BackendUnavailable: Redis cannot be reached.
@@ -151,8 +251,5 @@ class RedisClaimer:
         if raw is None:
             return None
         doc: dict[str, Any] = json.loads(raw)
-        if doc.get("term"):
-            doc["term"] = int(doc["term"])
-        else:
-            doc["term"] = None
+        doc["term"] = int(doc["term"]) if doc.get("term") else None
         return doc

@@ -2,7 +2,7 @@
 
 The Redis twin of :class:`~rselection.postgres.PostgresElector`::
 
-    elector = RedisElector(redis.Redis(), key="reports:leader", ttl=30)
+    elector = RedisElector(redis.Redis(), name="reports", ttl=30)
 
     def job() -> None:
         if elector.is_leader():
@@ -11,15 +11,17 @@ The Redis twin of :class:`~rselection.postgres.PostgresElector`::
 How it works
 ------------
 
-:meth:`RedisElector.is_leader` is one Lua script on the election key: when the key holds
-this elector's identity it extends it (``PEXPIRE``); when the key does not exist it
-``SET``\\ s it ``NX PX ttl`` and, for a new holder, increments the term (a hash in the same
-slot: ``<key>:term``, or ``{<key>}:term`` for a key without a hash tag); otherwise it
-changes nothing and returns ``False``. Expiry is Redis's own. The term (kept in a hash
-with the last holder) never decreases and grows on every change of holder: a holder
-whose key expired while nobody else took it keeps its term; a re-acquisition after
-:meth:`~RedisElector.resign` gets a new one. :meth:`~RedisElector.resign` deletes the key only
-if this elector holds it.
+An election ``name`` lives in two keys with the name as hash tag, so a Redis Cluster
+keeps them in one slot: ``<key_prefix>{<name>}:elector`` holds the leading node id, and
+the hash ``<key_prefix>{<name>}:elector:term`` the term and the last holder.
+
+:meth:`RedisElector.is_leader` is one Lua script on those keys: when the election key
+holds this elector's node id it extends it (``PEXPIRE``); when the key does not exist
+it ``SET``\\ s it ``NX PX ttl`` and, for a new holder, increments the term; otherwise it
+changes nothing and returns ``False``. Expiry is Redis's own. The term never decreases
+and grows on every change of holder: a holder whose key expired while nobody else took
+it keeps its term; a re-acquisition after :meth:`~RedisElector.resign` gets a new one.
+:meth:`~RedisElector.resign` deletes the key only if this elector holds it.
 
 There is no background thread: leadership lasts ``ttl`` seconds from the last
 successful call. Call :meth:`~RedisElector.is_leader` more often than ``ttl`` and
@@ -36,14 +38,14 @@ from typing import Any
 
 import redis
 
-from ..errors import ConfigError
-from ._conn import check_client, check_seconds, describe, hash_slot_key, unavailable
+from ..closeable import Closeable
+from ..validation import check_name, check_node_id, check_seconds, new_node_id
+from ._conn import check_client, describe, unavailable
+from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
 
-__all__ = ["RedisElector", "random_identity"]
+__all__ = ["RedisElector"]
 
 logger = logging.getLogger(__name__)
-
-_MAX_KEY_BYTES = 2000
 
 ELECT = """
 local cur = redis.call('GET', KEYS[1])
@@ -70,65 +72,50 @@ return 0
 """
 
 
-def random_identity() -> str:
-    """A random identity for this process: ``"<host>:<pid>:<8 hex digits>"``."""
-    import os
-    import secrets
-    import socket
-
-    host = socket.gethostname() or "host"
-    return f"{host[:200]}:{os.getpid()}:{secrets.token_hex(4)}"
-
-
-def check_key(value: object, label: str) -> str:
-    """Return ``value`` trimmed of surrounding whitespace; refuse empty or odd keys.
+def elector_keys(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> tuple[str, str]:
+    """The election key and the term key of election ``name`` (same hash slot).
 
     Args:
-        value: a string; empty after trimming is refused.
-        label: the parameter's name, for the message.
+        name: the election's name.
+        key_prefix: prefix of every key.
     """
-    if not isinstance(value, str):
-        raise ConfigError(f"{label} must be a string, got {value!r:.80}")
-    trimmed = value.strip()
-    if not trimmed:
-        raise ConfigError(f"{label} must not be empty, got {value!r:.80}")
-    if len(trimmed.encode(errors="replace")) > _MAX_KEY_BYTES:
-        raise ConfigError(f"{label} is longer than {_MAX_KEY_BYTES} bytes: {trimmed[:40]!r}...")
-    return trimmed
+    base = f"{key_prefix}{{{name}}}:elector"
+    return base, f"{base}:term"
 
 
-class RedisElector:
+class RedisElector(Closeable):
     """Leader election that acquires or renews on each :meth:`is_leader` call.
 
     See the module docstring. Thread-safe; one instance is one candidate (its
-    :attr:`identity`).
+    :attr:`node_id`). The ``with`` block resigns if leading, then closes.
 
     Args:
         client: a ``redis.Redis``, a ``redis.cluster.RedisCluster`` or a ``redis://``
             URL (a client made from a URL is closed by :meth:`close`).
-        key: the election key, trimmed of surrounding whitespace; not empty.
+        name: the election's name; electors with the same name and key prefix compete.
+        key_prefix: prefix of the election's keys.
         ttl: seconds a call keeps the leadership (at least 1 ms; default 30).
-        identity: this candidate's identity; random per instance by default.
+        node_id: this candidate's node id; unique per instance by default.
 
     Raises:
-        ConfigError: a bad client, an empty key or identity, a ttl below 1 ms.
+        ConfigError: a bad client, name, key prefix or node id, or a ttl below 1 ms.
     """
 
     def __init__(
         self,
         client: Any,
         *,
-        key: str = "rselection:leader",
+        name: str = "default",
+        key_prefix: str = DEFAULT_KEY_PREFIX,
         ttl: float = 30.0,
-        identity: str | None = None,
+        node_id: str | None = None,
     ) -> None:
-        self.key = check_key(key, "key")
-        self.term_key = hash_slot_key(self.key, ":term")
-        self.ttl = check_seconds(ttl, "ttl")
-        self.identity: str = (
-            random_identity() if identity is None else check_key(identity, "identity")
-        )
-        """This candidate's identity, stored as the key's value."""
+        self.name = check_name(name, "name")
+        self.key_prefix = check_key_prefix(key_prefix)
+        self.key, self.term_key = elector_keys(self.name, self.key_prefix)
+        self.ttl = check_seconds(ttl, "ttl", minimum=0.001)
+        self.node_id: str = new_node_id() if node_id is None else check_node_id(node_id)
+        """This candidate's node id, stored as the election key's value."""
         self.term: int | None = None
         """The term this elector leads with after a ``True`` from :meth:`is_leader`, else None."""
         self._client, self._owned = check_client(client, "RedisElector")
@@ -138,13 +125,9 @@ class RedisElector:
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(key={self.key!r}, ttl={self.ttl}, "
-            f"identity={self.identity!r}, {describe(self._client)})"
+            f"{type(self).__name__}(name={self.name!r}, key={self.key!r}, ttl={self.ttl}, "
+            f"node_id={self.node_id!r}, {describe(self._client)})"
         )
-
-    def __enter__(self) -> RedisElector:
-        """Return the elector; the ``with`` block resigns and closes on exit."""
-        return self
 
     def __exit__(
         self,
@@ -157,17 +140,20 @@ class RedisElector:
             if self.term is not None:
                 self.resign()
         except Exception as err:  # the key then simply expires after ttl
-            logger.warning("elector %r: resign on exit failed: %s", self.key, err)
+            logger.warning("elector %r: resign on exit failed: %s", self.name, err)
         finally:
             self.close()
 
     def close(self) -> None:
-        """Close the client if it was made from a URL; a client passed in is left open."""
+        """Close the client if it was made from a URL; a client passed in is left open.
+
+        Does not resign: an elector that leads keeps the key until its ttl.
+        """
         if self._owned:
             try:
                 self._client.close()
             except Exception as exc:  # best effort
-                logger.debug("elector %r: error closing the client: %s", self.key, exc)
+                logger.debug("elector %r: error closing the client: %s", self.name, exc)
 
     def is_leader(self) -> bool:
         """Acquire or renew the leadership; ``True`` while this elector holds it.
@@ -181,10 +167,10 @@ class RedisElector:
         self.term = None
         try:
             term = int(
-                self._elect(keys=[self.key, self.term_key], args=[self.identity, self._ttl_ms])
+                self._elect(keys=[self.key, self.term_key], args=[self.node_id, self._ttl_ms])
             )
         except redis.RedisError as exc:
-            raise unavailable(f"run election {self.key!r}", describe(self._client), exc) from exc
+            raise unavailable(f"run election {self.name!r}", describe(self._client), exc) from exc
         if term < 0:
             return False
         self.term = term
@@ -200,7 +186,9 @@ class RedisElector:
         """
         self.term = None
         try:
-            done = int(self._resign(keys=[self.key, self.term_key], args=[self.identity]))
+            done = int(self._resign(keys=[self.key, self.term_key], args=[self.node_id]))
         except redis.RedisError as exc:
-            raise unavailable(f"resign from {self.key!r}", describe(self._client), exc) from exc
+            raise unavailable(
+                f"resign from election {self.name!r}", describe(self._client), exc
+            ) from exc
         return done == 1

@@ -30,8 +30,11 @@ from typing import Any
 import redis
 import redis.asyncio
 
+from ..closeable import Closeable
 from ..errors import BackendUnavailable, ConfigError, StaleLeaderError
+from ..validation import check_name
 from ._conn import check_client, describe, unavailable
+from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
 from .lease import lease_keys
 
 __all__ = ["RedisFence", "afenced_call", "fenced_call"]
@@ -50,7 +53,7 @@ return {1, redis.call(unpack(ARGV, 2))}
 """
 
 
-class RedisFence:
+class RedisFence(Closeable):
     """Runs Redis commands only while a term still holds a :class:`RedisLease`.
 
     Thread-safe (uses the client's pool). ``ctx.fence(client)`` in a
@@ -58,8 +61,9 @@ class RedisFence:
     without a write.
 
     Args:
-        client_or_url: a ``redis.Redis``, a ``RedisCluster`` or a ``redis://`` URL; it
-            must reach the Redis that holds the lease.
+        client: a ``redis.Redis``, a ``RedisCluster`` or a ``redis://`` URL (a client
+            made from a URL is closed by :meth:`close`); it must reach the Redis that
+            holds the lease.
         name: the lease name.
         key_prefix: the lease's key prefix.
 
@@ -67,12 +71,11 @@ class RedisFence:
         ConfigError: bad arguments.
     """
 
-    def __init__(self, client_or_url: Any, name: str, *, key_prefix: str = "rselection:") -> None:
-        if not isinstance(name, str) or not name.strip():
-            raise ConfigError(f"lease name must be a non-empty string, got {name!r}")
-        self.name = name
-        self.key = lease_keys(name, key_prefix)[0]
-        self._client, self._owned = check_client(client_or_url, "RedisFence")
+    def __init__(self, client: Any, name: str, *, key_prefix: str = DEFAULT_KEY_PREFIX) -> None:
+        self.name = check_name(name, "lease name")
+        self.key_prefix = check_key_prefix(key_prefix)
+        self.key = lease_keys(self.name, self.key_prefix)[0]
+        self._client, self._owned = check_client(client, "RedisFence")
         self._script = self._client.register_script(FENCED)
 
     def __repr__(self) -> str:
@@ -108,7 +111,8 @@ class RedisFence:
         self.call(term)
 
     def close(self) -> None:
-        """Close the client if this fence made it from a URL."""
+        """Close the client if this fence made it from a URL; a client passed in is left
+        open."""
         if self._owned:
             try:
                 self._client.close()
@@ -141,21 +145,23 @@ def _outcome(ok: Any, reply: Any, term: int, name: str) -> Any:
 
 
 def fenced_call(
-    client: Any, name: str, term: int, *command: Any, key_prefix: str = "rselection:"
+    client: Any, name: str, term: int, *command: Any, key_prefix: str = DEFAULT_KEY_PREFIX
 ) -> Any:
     """Run one Redis command only if ``term`` still holds lease ``name``.
 
-    Shorthand for ``RedisFence(client, name, key_prefix=...).call(term, *command)``.
+    Shorthand for ``RedisFence(client, name, key_prefix=...).call(term, *command)``; a
+    client made from a URL is closed after the call.
 
     Raises:
         StaleLeaderError: the term no longer holds the lease; nothing was written.
         BackendUnavailable: Redis could not be reached.
     """
-    return RedisFence(client, name, key_prefix=key_prefix).call(term, *command)
+    with RedisFence(client, name, key_prefix=key_prefix) as fence:
+        return fence.call(term, *command)
 
 
 async def afenced_call(
-    client: Any, name: str, term: int, *command: Any, key_prefix: str = "rselection:"
+    client: Any, name: str, term: int, *command: Any, key_prefix: str = DEFAULT_KEY_PREFIX
 ) -> Any:
     """Async :func:`fenced_call` for a ``redis.asyncio`` client (``Redis`` or
     ``RedisCluster``): runs ``command`` only if ``term`` still holds lease ``name``.
@@ -173,12 +179,12 @@ async def afenced_call(
             "afenced_call() takes a redis.asyncio client (Redis or RedisCluster), got "
             f"{type(client).__name__}: with a blocking client use fenced_call()"
         )
-    if not isinstance(name, str) or not name.strip():
-        raise ConfigError(f"lease name must be a non-empty string, got {name!r}")
+    check_name(name, "lease name")
+    key = lease_keys(name, check_key_prefix(key_prefix))[0]
     _check_term(term)
     script = client.register_script(FENCED)
     try:
-        ok, reply = await script(keys=[lease_keys(name, key_prefix)[0]], args=[str(term), *command])
+        ok, reply = await script(keys=[key], args=[str(term), *command])
     except redis.RedisError as exc:
         if (lost := _unavailable(exc, client)) is None:
             raise

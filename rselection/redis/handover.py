@@ -17,17 +17,19 @@ checks that ``--to`` names a connected node.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import redis
 from redis.cluster import RedisCluster
 
+from ..closeable import Closeable
 from ..errors import BackendUnavailable, ConfigError
 from ..lease import LeaderInfo
+from ..validation import check_name, check_node_id, check_seconds
 from ._conn import check_client, describe, unavailable
 from ._scripts import CANCEL_HANDOVER, READ, REQUEST_HANDOVER
-from .lease import handover_key, lease_keys, parse_holder
+from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
+from .lease import handover_key, lease_keys, node_channel, parse_holder
 
 __all__ = ["cancel_handover", "current_holder", "live_nodes", "request_handover"]
 
@@ -36,28 +38,31 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-class _Client:
+class _OneCall(Closeable):
     """A client for one call: the caller's, or one made from a URL and closed after."""
 
-    def __init__(self, client_or_url: Any, owner: str) -> None:
-        self.client, self.owned = check_client(client_or_url, owner)
+    def __init__(self, client: Any, owner: str) -> None:
+        self.client, self.owned = check_client(client, owner)
         self.where = describe(self.client)
 
-    def __enter__(self) -> Any:
-        return self.client
-
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
+        """Close the client if it was made from a URL."""
         if self.owned:
             self.client.close()
 
 
+def _lease(name: object, key_prefix: object) -> tuple[str, str]:
+    """The checked lease name and key prefix of a call."""
+    return check_name(name, "lease name"), check_key_prefix(key_prefix)
+
+
 def request_handover(
-    client_or_url: Any,
+    client: Any,
     name: str,
     *,
     to: str | None = None,
     timeout: float = 10.0,
-    key_prefix: str = "rselection:",
+    key_prefix: str = DEFAULT_KEY_PREFIX,
 ) -> LeaderInfo | None:
     """Ask the leader of Redis lease ``name`` to hand over; return the holder asked.
 
@@ -70,7 +75,8 @@ def request_handover(
     nobody holds the lease. A request for a term that has ended is ignored.
 
     Args:
-        client_or_url: a ``redis://`` URL, a ``redis.Redis`` or a ``RedisCluster``.
+        client: a ``redis.Redis``, a ``RedisCluster`` or a ``redis://`` URL (a client
+            made from a URL is closed before the call returns).
         name: the lease name.
         to: node id that should take over, or ``None`` for any other node.
         timeout: seconds the request (and the reservation for ``to``) stays valid.
@@ -80,17 +86,14 @@ def request_handover(
         ConfigError: bad arguments, or the lease key holds something else.
         BackendUnavailable: Redis cannot be reached or refused the script.
     """
-    if isinstance(timeout, bool) or not (
-        isinstance(timeout, int | float) and timeout > 0 and math.isfinite(timeout)
-    ):
-        raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if to is not None and (not isinstance(to, str) or not to):
-        raise ConfigError(f"to must be a node id (a non-empty string) or None, got {to!r}")
+    name, key_prefix = _lease(name, key_prefix)
+    timeout = check_seconds(timeout, "timeout", minimum=0.001)
+    if to is not None:
+        to = check_node_id(to)
     key, _, channel = lease_keys(name, key_prefix)
-    holder = _Client(client_or_url, "request_handover")
-    with holder as client:
+    with _OneCall(client, "request_handover") as call:
         try:
-            reply = client.eval(
+            reply = call.client.eval(
                 REQUEST_HANDOVER,
                 2,
                 key,
@@ -100,7 +103,7 @@ def request_handover(
                 channel,
             )
         except redis.RedisError as exc:
-            raise unavailable("record the handover request", holder.where, exc) from exc
+            raise unavailable("record the handover request", call.where, exc) from exc
     status = int(reply[0])
     if status == 0:
         return None
@@ -114,42 +117,58 @@ def request_handover(
 
 
 def cancel_handover(
-    client_or_url: Any, name: str, term: int, *, key_prefix: str = "rselection:"
+    client: Any, name: str, term: int, *, key_prefix: str = DEFAULT_KEY_PREFIX
 ) -> bool:
     """Withdraw a handover request made for ``term`` of lease ``name``; ``True`` if one was.
 
     Publishes ``cancelled:<term>`` so that nodes waiting on the reservation try again.
 
+    Args:
+        client: a ``redis.Redis``, a ``RedisCluster`` or a ``redis://`` URL.
+        name: the lease name.
+        term: the term the request was made for (the ``term`` of
+            :func:`request_handover`'s answer).
+        key_prefix: the leaders' ``key_prefix``.
+
     Raises:
+        ConfigError: bad arguments.
         BackendUnavailable: Redis cannot be reached or refused the script.
     """
+    name, key_prefix = _lease(name, key_prefix)
+    if isinstance(term, bool) or not isinstance(term, int) or term < 1:
+        raise ConfigError(f"term must be a positive int, got {term!r:.40}")
     _, _, channel = lease_keys(name, key_prefix)
-    holder = _Client(client_or_url, "cancel_handover")
-    with holder as client:
+    with _OneCall(client, "cancel_handover") as call:
         try:
-            reply = client.eval(
+            reply = call.client.eval(
                 CANCEL_HANDOVER, 1, handover_key(name, key_prefix), str(term), channel
             )
         except redis.RedisError as exc:
-            raise unavailable("withdraw the handover request", holder.where, exc) from exc
+            raise unavailable("withdraw the handover request", call.where, exc) from exc
     return int(reply) == 1
 
 
 def current_holder(
-    client_or_url: Any, name: str, *, key_prefix: str = "rselection:"
+    client: Any, name: str, *, key_prefix: str = DEFAULT_KEY_PREFIX
 ) -> LeaderInfo | None:
     """The live holder of Redis lease ``name``, or ``None``.
 
+    Args:
+        client: a ``redis.Redis``, a ``RedisCluster`` or a ``redis://`` URL.
+        name: the lease name.
+        key_prefix: the leaders' ``key_prefix``.
+
     Raises:
+        ConfigError: bad arguments.
         BackendUnavailable: Redis cannot be reached.
     """
+    name, key_prefix = _lease(name, key_prefix)
     key = lease_keys(name, key_prefix)[0]
-    holder = _Client(client_or_url, "current_holder")
-    with holder as client:
+    with _OneCall(client, "current_holder") as call:
         try:
-            raw, pttl, now = client.eval(READ, 1, key)
+            raw, pttl, now = call.client.eval(READ, 1, key)
         except redis.RedisError as exc:
-            raise unavailable("read the lease holder", holder.where, exc) from exc
+            raise unavailable("read the lease holder", call.where, exc) from exc
     return parse_holder(raw, pttl, now)[0]
 
 
@@ -157,37 +176,41 @@ def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
-def live_nodes(
-    client_or_url: Any, name: str, *, key_prefix: str = "rselection:"
-) -> list[str] | None:
+def live_nodes(client: Any, name: str, *, key_prefix: str = DEFAULT_KEY_PREFIX) -> list[str] | None:
     """The ids of the nodes whose keeper for lease ``name`` is connected, sorted.
 
     ``None`` when the server does not allow ``PUBSUB CHANNELS`` (an ACL without it):
     then nobody can tell. A node counts while its keeper's connection is open, also
     when its process is paused.
 
+    Args:
+        client: a ``redis.Redis``, a ``RedisCluster`` or a ``redis://`` URL.
+        name: the lease name.
+        key_prefix: the leaders' ``key_prefix``.
+
     Raises:
+        ConfigError: bad arguments.
         BackendUnavailable: Redis cannot be reached.
     """
+    name, key_prefix = _lease(name, key_prefix)
     key = lease_keys(name, key_prefix)[0]
-    prefix = f"{key_prefix}{{{name}}}:node:"
+    prefix = node_channel(name, "", key_prefix)
     pattern = _glob_escape(prefix) + "*"
-    holder = _Client(client_or_url, "live_nodes")
-    with holder as client:
+    with _OneCall(client, "live_nodes") as call:
         try:
-            if isinstance(client, RedisCluster):
+            if isinstance(call.client, RedisCluster):
                 # Plain PUBSUB state is per cluster node; the keepers subscribe on the
                 # master of the lease's slot.
-                cluster: Any = client
+                cluster: Any = call.client
                 cluster.exists(key)
                 node = cluster.get_node_from_key(key)
                 reply = cluster.execute_command("PUBSUB", "CHANNELS", pattern, target_nodes=node)
             else:
-                reply = client.execute_command("PUBSUB", "CHANNELS", pattern)
+                reply = call.client.execute_command("PUBSUB", "CHANNELS", pattern)
         except redis.ResponseError:
             return None
         except redis.RedisError as exc:
-            raise unavailable("list the connected nodes", holder.where, exc) from exc
+            raise unavailable("list the connected nodes", call.where, exc) from exc
     if not isinstance(reply, list):
-        raise BackendUnavailable(f"unexpected PUBSUB CHANNELS reply from {holder.where}")
+        raise BackendUnavailable(f"unexpected PUBSUB CHANNELS reply from {call.where}")
     return sorted({_text(c)[len(prefix) :] for c in reply if _text(c).startswith(prefix)})

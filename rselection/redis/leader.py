@@ -158,7 +158,7 @@ class RedisLeader(LeaderBase):
         self._owned_claimer: RedisClaimer | None = None
         if claimer is DEFAULT_CLAIMER:
             claimer = self._owned_claimer = RedisClaimer(
-                client, prefix=f"{key_prefix}claim:", holder=node_id
+                client, key_prefix=f"{key_prefix}claim:", node_id=node_id
             )
         elif claimer is not None and not isinstance(claimer, FireClaimer):
             raise ConfigError(

@@ -23,11 +23,10 @@ from rselection.redis import (
     RedisElector,
     RedisFence,
     RedisLeader,
-    handover_key,
-    lease_keys,
     live_nodes,
     request_handover,
 )
+from rselection.redis.lease import handover_key, lease_keys
 from tests.support.redis_cluster import PrivateRedisCluster, redis_cluster_fixture
 from tests.support.waiting import wait_until
 
@@ -237,9 +236,9 @@ def test_resign_command_on_a_cluster(
 
 def test_elector_on_a_cluster(make_client: Callable[[], RedisCluster]) -> None:
     client = make_client()
-    key = f"c-elect:{uuid.uuid4().hex[:8]}"
-    a = RedisElector(client, key=key, ttl=5, identity="a")
-    b = RedisElector(make_client(), key=key, ttl=5, identity="b")
+    name = f"c-elect:{uuid.uuid4().hex[:8]}"
+    a = RedisElector(client, name=name, ttl=5, node_id="a")
+    b = RedisElector(make_client(), name=name, ttl=5, node_id="b")
     assert a.is_leader() and a.term is not None
     first = a.term
     assert not b.is_leader()
@@ -259,7 +258,7 @@ def test_claimer_on_a_cluster_wins_each_key_once_across_masters(
 ) -> None:
     client = make_client()
     prefix = f"c-claim:{uuid.uuid4().hex[:8]}:"
-    claimers = [RedisClaimer(make_client(), prefix=prefix, ttl=60) for _ in range(4)]
+    claimers = [RedisClaimer(make_client(), key_prefix=prefix, ttl=60) for _ in range(4)]
     keys = [f"fire@{i}" for i in range(40)]
     wins: list[list[str]] = [[] for _ in claimers]
 
@@ -276,4 +275,46 @@ def test_claimer_on_a_cluster_wins_each_key_once_across_masters(
     # The claims are spread over the masters (each claim is one key).
     assert len({slot_master_port(client, prefix + k) for k in keys}) == 3
     holder = claimers[0].holder_of(keys[0])
-    assert holder is not None and holder["holder"] in {c.holder for c in claimers}
+    assert holder is not None and holder["node_id"] in {c.node_id for c in claimers}
+
+
+def test_claim_missed_on_a_cluster_across_slots_and_in_one_slot(
+    make_client: Callable[[], RedisCluster],
+) -> None:
+    client = make_client()
+    run = uuid.uuid4().hex[:8]
+    spread = RedisClaimer(make_client(), key_prefix=f"c-missed:{run}:", node_id="new")
+    old = RedisClaimer(make_client(), key_prefix=f"c-missed:{run}:", node_id="old")
+    keys = [f"tick@{i:02d}" for i in range(12)]
+    assert len({client.keyslot(spread.key(k)) for k in keys}) > 1
+    assert old.claim(keys[2]) and old.claim(keys[5])
+    assert spread.claim_missed(keys, term=4) == keys[6:]
+    assert spread.claim_missed(keys, term=5) == []
+    assert old.claim(keys[4])  # before the newest held: left alone
+    doc = spread.holder_of(keys[11])
+    assert doc is not None and (doc["node_id"], doc["term"], doc["format"]) == ("new", 4, "1")
+    assert int(doc["at"]) > 0
+    # A key prefix with a hash tag keeps every claim in one slot: one script.
+    tagged = RedisClaimer(make_client(), key_prefix=f"c-missed:{{{run}}}:", node_id="t")
+    assert len({client.keyslot(tagged.key(k)) for k in keys}) == 1
+    assert tagged.claim(keys[7])
+    assert tagged.claim_missed(keys, term=6) == keys[8:]
+    assert tagged.claim_missed(keys, term=7) == []
+    # Two starting leaders across slots never win one key twice.
+    race = [f"race@{i:03d}" for i in range(100)]
+    a = RedisClaimer(make_client(), key_prefix=f"c-race:{run}:")
+    b = RedisClaimer(make_client(), key_prefix=f"c-race:{run}:")
+    results: dict[str, list[str]] = {}
+    barrier = threading.Barrier(2)
+
+    def go(label: str, claimer: RedisClaimer) -> None:
+        barrier.wait(10)
+        results[label] = claimer.claim_missed(race, term=1)
+
+    threads = [threading.Thread(target=go, args=(n, c)) for n, c in (("a", a), ("b", b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not set(results["a"]) & set(results["b"])
+    assert set(results["a"]) | set(results["b"]) <= set(race)

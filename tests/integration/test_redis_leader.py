@@ -18,7 +18,8 @@ import pytest
 import redis
 
 import rselection as rs
-from rselection.redis import RedisFence, RedisLeader, RedisLease, fenced_call, lease_keys
+from rselection.redis import RedisFence, RedisLeader, RedisLease, fenced_call
+from rselection.redis.lease import lease_keys
 from tests.support.pg import PrivateRedis
 from tests.support.waiting import wait_until
 
@@ -272,7 +273,7 @@ def test_fires_are_claimed_in_redis_under_the_lease_name(
     keys = [k.decode() for k in client.scan_iter(f"rselection:claim:{name}/tick@*")]
     assert keys, "no claims in Redis"
     claim = json.loads(client.get(keys[0]) or b"{}")
-    assert claim["holder"] == "claimer-node" and claim["term"] == str(runs[0])
+    assert claim["node_id"] == "claimer-node" and claim["term"] == str(runs[0])
     assert 0 < client.pttl(keys[0]) <= 600_000
 
 

@@ -25,7 +25,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 import rselection as rs
-from rselection.redis import RedisFence, RedisLeader, lease_keys
+from rselection.redis import RedisFence, RedisLeader
+from rselection.redis.lease import lease_keys
 from tests.support.proxy import TcpProxy
 from tests.support.waiting import wait_until
 

@@ -24,11 +24,11 @@ from rselection.redis import (
     RedisLeader,
     RedisLease,
     cancel_handover,
-    handover_key,
-    lease_keys,
+    current_holder,
     live_nodes,
     request_handover,
 )
+from rselection.redis.lease import handover_key, lease_keys
 from tests.support.backends import LEDGER, Backend
 from tests.support.resign_cli import cli, elected, seen_or_wait, took_ms
 from tests.support.waiting import wait_until
@@ -335,11 +335,25 @@ def test_stale_requests_are_ignored(
 
 
 def test_bad_arguments_are_refused(client: redis.Redis, name: str) -> None:
-    for timeout in (0, -1, float("nan"), True):
+    for timeout in (0, -1, 0.0009, float("nan"), True):
         with pytest.raises(rs.ConfigError, match="timeout"):
             request_handover(client, name, timeout=timeout)
-    with pytest.raises(rs.ConfigError, match="node id"):
-        request_handover(client, name, to="")
+    for to in ("", "  ", "x" * 1001):
+        with pytest.raises(rs.ConfigError, match="node_id"):
+            request_handover(client, name, to=to)
+    for call in (
+        lambda bad: request_handover(client, bad),
+        lambda bad: cancel_handover(client, bad, 1),
+        lambda bad: current_holder(client, bad),
+        lambda bad: live_nodes(client, bad),
+    ):
+        for bad in ("", "   ", None, "x" * 1001):
+            with pytest.raises(rs.ConfigError, match="lease name"):
+                call(bad)
+    with pytest.raises(rs.ConfigError, match="key_prefix"):
+        current_holder(client, name, key_prefix=None)  # type: ignore[arg-type]
+    with pytest.raises(rs.ConfigError, match="term"):
+        cancel_handover(client, name, 0)
     client.set(lease_keys(name)[0], "not json", px=5000)
     try:
         with pytest.raises(rs.ConfigError, match="not an rselection lease"):
