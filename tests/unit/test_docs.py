@@ -136,6 +136,7 @@ GIVEN = {
     "send_reports": "def send_reports() -> None: ...",
     "purge": "def purge() -> None: ...",
     "alert": "def alert(message: str) -> None: ...",
+    "MyLease": "def MyLease(name: str, ttl: float) -> rs.LeaseBackend:\n    raise TypeError",
 }
 NEEDS = {  # a given that refers to others
     "ctx": ["rs"],
@@ -146,6 +147,7 @@ NEEDS = {  # a given that refers to others
     "scheduled_at": ["datetime"],
     "mail_digest": ["datetime"],
     "bill_day_before": ["datetime"],
+    "MyLease": ["rs"],
 }
 
 
