@@ -1,7 +1,7 @@
 """Chaos soak: rounds of one random fault each under a fleet of real node processes.
 
-Every round starts a fresh fleet of node processes (``python -m rselection.demo node``,
-see :class:`rselection.demo.Fleet`) on one lease of a private Postgres (or a private
+Every round starts a fresh fleet of node processes (``python -m rselection.commands.demo_fleet``,
+see :class:`rselection.commands.demo_fleet.Fleet`) on one lease of a private Postgres (or a private
 Redis), each node's lease connection through its own loopback :class:`TcpProxy`, waits
 for a leader, injects one fault drawn at random, waits for the fleet to settle with one
 leader, stops the fleet gracefully and checks:
@@ -79,7 +79,7 @@ if str(ROOT) not in sys.path:
 
 import psycopg  # noqa: E402
 
-from rselection.demo import Fleet, redis_ledger_key  # noqa: E402
+from rselection.commands.demo_fleet import Fleet, redis_ledger_key  # noqa: E402
 from tests.support import activity  # noqa: E402
 from tests.support.pg import (  # noqa: E402
     PrivatePostgres,

@@ -1,7 +1,7 @@
 """Failover and cost benchmark of :class:`rselection.PostgresLeader`.
 
-Runs a fleet of node processes (``python -m rselection.demo node``, see
-:class:`rselection.demo.Fleet`) against a private Postgres and measures:
+Runs a fleet of node processes (``python -m rselection.commands.demo_fleet``, see
+:class:`rselection.commands.demo_fleet.Fleet`) against a private Postgres and measures:
 
 * crash failover: ``kill -9`` of the leader until another node reports ``elected``;
 * graceful handover: SIGTERM (the node calls ``leader.stop()``) until another node
@@ -61,7 +61,7 @@ if str(ROOT) not in sys.path:
 import psycopg  # noqa: E402
 from psycopg import sql  # noqa: E402
 
-from rselection.demo import Fleet  # noqa: E402
+from rselection.commands.demo_fleet import Fleet  # noqa: E402
 
 #: Server settings of the private Postgres: every statement is logged with the pid and
 #: application name of its session, so statements can be counted per session.
@@ -177,7 +177,7 @@ class BenchFleet(Fleet):
 
     def command(self, node_id: str, extra: list[str] | None = None) -> list[str]:
         """The command line of node ``node_id`` (other fleets run other node programs)."""
-        cmd = [sys.executable, "-m", "rselection.demo", "node", "--dsn", self.dsn]
+        cmd = [sys.executable, "-m", "rselection.commands.demo_fleet", "--dsn", self.dsn]
         return [*cmd, "--name", self.name, "--node-id", node_id, *self.node_args, *(extra or [])]
 
     def spawn(self, node_id: str, extra: list[str] | None = None) -> subprocess.Popen[str]:
@@ -707,7 +707,7 @@ def redis_ledger(url: str, lease: str, ledger: str, elections: list[dict[str, An
 
     import redis
 
-    from rselection.demo import redis_ledger_key
+    from rselection.commands.demo_fleet import redis_ledger_key
 
     client = redis.Redis.from_url(url)
     try:

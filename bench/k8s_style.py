@@ -33,8 +33,8 @@ kube-scheduler): lease duration 15 s, renew deadline 10 s, retry period 2 s.
 One statement is one API request: ``get`` is one ``SELECT``, ``create`` one
 ``INSERT``, ``update`` one ``UPDATE``.
 
-Node program (used by ``bench/peers.py``; JSON lines like ``python -m rselection.demo
-node``)::
+Node program (used by ``bench/peers.py``; JSON lines like ``python -m
+rselection.commands.demo_fleet``)::
 
     python bench/k8s_style.py node DSN LEASE NODE_ID [--no-release]
         [--lease-duration 15] [--renew-deadline 10] [--retry-period 2]

@@ -2,9 +2,9 @@
 
 Systems (each a fleet of ``--nodes`` processes competing for one lease):
 
-* ``rs-pg``: rselection's :class:`~rselection.PostgresLeader` (``python -m rselection.demo
-  node``), library default timings (ttl 15 s, renew every 2 s, renew deadline 10 s,
-  retry 2 s);
+* ``rs-pg``: rselection's :class:`~rselection.PostgresLeader` (``python -m
+  rselection.commands.demo_fleet``), library default timings (ttl 15 s, renew every 2 s,
+  renew deadline 10 s, retry 2 s);
 * ``rs-redis``: rselection's :class:`~rselection.RedisLeader`, same timings;
 * ``tooz``: OpenStack tooz's Redis leader election at its defaults
   (``bench/failover.py tooz-node``: ``watch_elected_as_leader``, ``run_watchers()``

@@ -27,16 +27,17 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from . import clock, signals
 from .context import Fencer, Term, running_term
 from .errors import BackendUnavailable, ConfigError
-from .lease import Acquisition, LeaderInfo, LeaseBackend, check_lease_name, check_node_id
+from .lease import Acquisition, HandoverRequest, LeaderInfo, LeaseBackend, SupportsHandover
 from .members import NodeInfo
 from .timing import Timings
+from .validation import check_name, check_node_id
 
 if TYPE_CHECKING:
     from .broadcast import Broadcaster
     from .claiming import FireClaimer
     from .tasks import TaskHandler
 
-__all__ = ["HandoverRequest", "Leader", "LeaderBase", "SupportsHandover", "default_node_id"]
+__all__ = ["Leader", "LeaderBase", "default_node_id"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,38 +55,6 @@ def reconnect_delay(failures: int) -> float:
     return float(min(_RECONNECT_CAP, _RECONNECT_FIRST * 2 ** (failures - 1))) * random.uniform(
         0.5, 1.0
     )
-
-
-@dataclass(frozen=True)
-class HandoverRequest:
-    """An operator's request that the leader of ``term`` hand over (``rselection resign``).
-
-    Attributes:
-        term: the term asked to hand over; a request for any other term is ignored.
-        to: the node the lease is reserved for, or ``None`` for any other node.
-        window: seconds (server measured) the request stays valid; until then, or until
-            another node takes the lease, the backend keeps the asked node (and, with
-            ``to``, every node but ``to``) from taking the lease.
-    """
-
-    term: int
-    to: str | None
-    window: float
-
-
-@runtime_checkable
-class SupportsHandover(Protocol):
-    """A lease backend through which operators can ask the leader to hand over.
-
-    Optional: :class:`LeaderBase` uses it when its backend has these methods
-    (:class:`~rselection.postgres.PostgresLease` does).
-    """
-
-    def handover_hinted(self) -> bool:
-        """True when a notification says a request may be waiting: renew now to see."""
-
-    def handover_requested(self) -> HandoverRequest | None:
-        """The request the last successful renewal found for its term, once; else ``None``."""
 
 
 @runtime_checkable
@@ -157,7 +126,7 @@ class LeaderBase:
         self._backend = backend
         self._handovers = backend if isinstance(backend, SupportsHandover) else None
         self._handler = handler
-        self._name = check_lease_name(name)
+        self._name = check_name(name, "lease name")
         self._node_id = check_node_id(node_id) if node_id is not None else default_node_id()
         self._broadcaster = broadcaster
         self._fencer = fencer

@@ -1,8 +1,9 @@
 """The lease backend contract and the in-memory lease used by the single-node leader.
 
-A backend only knows how to acquire, renew, release and observe one named lease.
-Everything about leading (deadlines, terms, cancelling tasks) lives in
-:mod:`rselection.leader`, so every backend gets the same safety rules.
+A backend only knows how to acquire, renew, release and observe one named lease (and,
+optionally, how to pass on an operator's request to hand over). Everything about
+leading (deadlines, terms, cancelling tasks) lives in :mod:`rselection.leader`, so every
+backend gets the same safety rules.
 """
 
 from __future__ import annotations
@@ -13,17 +14,15 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Protocol, runtime_checkable
 
-from .errors import ConfigError
+from .validation import check_name, check_seconds
 
 __all__ = [
-    "MAX_NAME",
-    "MAX_NODE_ID",
     "Acquisition",
+    "HandoverRequest",
     "LeaderInfo",
     "LeaseBackend",
     "MemoryLease",
-    "check_lease_name",
-    "check_node_id",
+    "SupportsHandover",
 ]
 
 
@@ -52,6 +51,23 @@ class Acquisition:
     acquired: bool
     holder: LeaderInfo | None
     expires_in: float
+
+
+@dataclass(frozen=True)
+class HandoverRequest:
+    """An operator's request that the leader of ``term`` hand over (``rselection resign``).
+
+    Attributes:
+        term: the term asked to hand over; a request for any other term is ignored.
+        to: the node the lease is reserved for, or ``None`` for any other node.
+        timeout: seconds (server measured) the request stays valid; until then, or until
+            another node takes the lease, the backend keeps the asked node (and, with
+            ``to``, every node but ``to``) from taking the lease.
+    """
+
+    term: int
+    to: str | None
+    timeout: float
 
 
 @runtime_checkable
@@ -118,6 +134,22 @@ class LeaseBackend(Protocol):
         """Close every connection; the backend may be connected again later."""
 
 
+@runtime_checkable
+class SupportsHandover(Protocol):
+    """A lease backend through which operators can ask the leader to hand over.
+
+    Optional: the leader uses it when its backend has these methods
+    (:class:`~rselection.postgres.PostgresLease` and
+    :class:`~rselection.redis.RedisLease` do).
+    """
+
+    def handover_hinted(self) -> bool:
+        """True when a notification says a request may be waiting: renew now to see."""
+
+    def handover_requested(self) -> HandoverRequest | None:
+        """The request the last successful renewal found for its term, once; else ``None``."""
+
+
 class MemoryLease:
     """A lease kept in process memory, for :class:`~rselection.SingleNodeLeader` and tests.
 
@@ -126,9 +158,13 @@ class MemoryLease:
     """
 
     def __init__(self, name: str = "default", ttl: float = 15.0) -> None:
-        """Create an empty lease called ``name`` whose holder expires after ``ttl`` seconds."""
-        self.name = name
-        self.ttl = ttl
+        """Create an empty lease called ``name`` whose holder expires after ``ttl`` seconds.
+
+        Raises:
+            ConfigError: a blank or overlong name, or a ttl that is not a positive number.
+        """
+        self.name = check_name(name, "lease name")
+        self.ttl = check_seconds(ttl, "ttl")
         self._cond = threading.Condition()
         self._holder: LeaderInfo | None = None
         self._expires_mono = 0.0
@@ -218,31 +254,3 @@ class MemoryLease:
 
     def close(self) -> None:
         """Nothing to close."""
-
-
-MAX_NODE_ID = 1000
-"""Longest node id a lease accepts (keeps lease notifications far below NOTIFY's limit)."""
-
-MAX_NAME = 1000
-"""Longest lease name (and node id, and task name) any backend accepts."""
-
-
-def _check_text(what: str, value: object, limit: int) -> str:
-    if not isinstance(value, str) or not value.strip() or len(value) > limit or "\x00" in value:
-        raise ConfigError(
-            f"{what} must be a non-blank string of at most {limit} characters without NUL, "
-            f"got {value!r:.60}"
-        )
-    return value
-
-
-def check_node_id(node_id: object) -> str:
-    """Return ``node_id`` if it is a non-blank string of at most :data:`MAX_NODE_ID`
-    characters without NUL; else raise :class:`~rselection.errors.ConfigError`."""
-    return _check_text("node_id", node_id, MAX_NODE_ID)
-
-
-def check_lease_name(name: object) -> str:
-    """Return ``name`` if it is a usable lease name (non-blank, at most :data:`MAX_NAME`
-    characters, no NUL); else raise :class:`~rselection.errors.ConfigError`."""
-    return _check_text("lease name", name, MAX_NAME)

@@ -4,14 +4,36 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    pass
+from .connections import (
+    Unreachable,
+    connect,
+    describe,
+    first_line,
+    redact,
+    resolve_dsn,
+    table_exists,
+)
+from .options import add_database_options
+from .output import EXIT_UNREACHABLE
 
-from ._common import EXIT_UNREACHABLE, _connect, _dsn, _exists, _first_line, _Unreachable
+__all__ = ["add_parser", "run"]
 
-# -- migrate ----------------------------------------------------------------------------
+
+def add_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    """Add ``migrate`` and its options to the command line.
+
+    Args:
+        subparsers: the ``rselection`` command's subparsers.
+    """
+    parser = subparsers.add_parser(
+        "migrate", help="create or upgrade the tables; say what was done"
+    )
+    add_database_options(parser)
+    parser.set_defaults(run=run)
+    return parser
 
 
 def run(args: argparse.Namespace) -> int:
@@ -20,14 +42,13 @@ def run(args: argparse.Namespace) -> int:
 
     from ..errors import BackendUnavailable, ConfigError
     from ..postgres import PostgresCheckpointStore, migrate
-    from ..postgres._conn import describe_conninfo, redact
     from ..postgres.broadcast import create_broadcast_tables
 
-    dsn = _dsn(args)
-    where = describe_conninfo(dsn)
+    dsn = resolve_dsn(args)
+    where = describe(dsn)
     try:
-        conn = _connect(dsn)
-    except _Unreachable as exc:
+        conn = connect(dsn)
+    except Unreachable as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_UNREACHABLE
     try:
@@ -35,16 +56,16 @@ def run(args: argparse.Namespace) -> int:
             changes = migrate(conn, table=args.table)
             for change in changes:
                 print(change.describe())
-            existed = _exists(conn, "rselection_broadcast")
+            existed = table_exists(conn, "rselection_broadcast")
             create_broadcast_tables(conn)
             done = "already present" if existed else "created"
             print(f"broadcast table 'rselection_broadcast': {done}")
-            checkpoints_existed = _exists(conn, "rselection_checkpoints")
+            checkpoints_existed = table_exists(conn, "rselection_checkpoints")
     except (BackendUnavailable, ConfigError) as exc:
         print(f"migrate failed on {where}: {redact(str(exc), dsn)}", file=sys.stderr)
         return 1
     except psycopg.Error as exc:
-        print(f"migrate failed on {where}: {redact(_first_line(exc), dsn)}", file=sys.stderr)
+        print(f"migrate failed on {where}: {redact(first_line(exc), dsn)}", file=sys.stderr)
         return EXIT_UNREACHABLE
     try:
         with PostgresCheckpointStore(dsn, lease_table=args.table, create_tables=False) as store:

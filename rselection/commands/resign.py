@@ -11,50 +11,47 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import psycopg
 
-from ._common import (
-    _CONNECT_TIMEOUT,
-    EXIT_UNREACHABLE,
-    _connect,
-    _dsn,
-    _exists,
-    _first_line,
-    _Unreachable,
+from .connections import (
+    Unreachable,
+    connect,
+    describe,
+    first_line,
+    redact,
+    redis_client,
+    resolve_dsn,
 )
+from .leases import lease_nodes, live_holder
+from .options import add_database_options, add_nodes_options, add_redis_options, lease_name
+from .output import EXIT_UNREACHABLE
+
+__all__ = ["add_parser", "run"]
 
 
-def _lease_nodes(
-    conn: psycopg.Connection[Any], args: argparse.Namespace
-) -> list[tuple[str, bool]] | None:
-    """``(node id, alive)`` of every node row of the lease, or ``None`` without a table."""
-    from psycopg import sql
+def add_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    """Add ``resign`` and its options to the command line.
 
-    from ..postgres.schema import table_identifier
-
-    if not _exists(conn, args.nodes_table):
-        return None
-    rows = conn.execute(
-        sql.SQL(
-            "SELECT node_id, last_seen >= clock_timestamp() - make_interval(secs => %s)"
-            " FROM {} WHERE name = %s ORDER BY started_at, node_id"
-        ).format(table_identifier(args.nodes_table)),
-        (args.node_timeout, args.name),
-    ).fetchall()
-    return [(node_id, bool(alive)) for node_id, alive in rows]
-
-
-def _current(conn: psycopg.Connection[Any], table: str, name: str) -> tuple[str, int] | None:
-    from psycopg import sql
-
-    from ..postgres.schema import table_identifier
-
-    row = conn.execute(
-        sql.SQL(
-            "SELECT holder, term FROM {} WHERE name = %s AND holder IS NOT NULL"
-            " AND expires_at > clock_timestamp()"
-        ).format(table_identifier(table)),
-        (name,),
-    ).fetchone()
-    return (row[0], row[1]) if row is not None else None
+    Args:
+        subparsers: the ``rselection`` command's subparsers.
+    """
+    parser = subparsers.add_parser(
+        "resign", help="ask the leader of a lease to hand over; wait for the new term"
+    )
+    parser.add_argument("name", type=lease_name, help="the lease name")
+    add_database_options(parser)
+    add_nodes_options(parser)
+    add_redis_options(parser)
+    parser.add_argument("--to", metavar="NODE", help="the node that should take over")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=10.0,
+        help="seconds to wait for a new term (default 10); also how long the lease stays "
+        "reserved for --to",
+    )
+    parser.set_defaults(run=run)
+    return parser
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,7 +64,6 @@ def run(args: argparse.Namespace) -> int:
     from psycopg import sql
 
     from ..errors import ConfigError
-    from ..postgres._conn import describe_conninfo, redact
     from ..postgres.lease import (
         cancel_handover,
         lease_channel,
@@ -77,11 +73,11 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.timeout > 0:
         raise SystemExit(f"--timeout needs a positive number of seconds, got {args.timeout}")
-    dsn = _dsn(args)
+    dsn = resolve_dsn(args)
     name = args.name
     try:
-        conn = _connect(dsn)
-    except _Unreachable as exc:
+        conn = connect(dsn)
+    except Unreachable as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_UNREACHABLE
     try:
@@ -89,16 +85,16 @@ def run(args: argparse.Namespace) -> int:
             found = resolve_lease_table(conn, args.table)
             if found is None:
                 print(
-                    f"lease table {args.table!r} does not exist on {describe_conninfo(dsn)}: "
+                    f"lease table {args.table!r} does not exist on {describe(dsn)}: "
                     "run `rselection migrate`, or pass the right --table",
                     file=sys.stderr,
                 )
                 return 1
-            holder = _current(conn, args.table, name)
+            holder = live_holder(conn, args.table, name)
             if holder is None:
                 print(f"lease {name!r} has no leader: nothing to hand over", file=sys.stderr)
                 return 1
-            nodes = _lease_nodes(conn, args)
+            nodes = lease_nodes(conn, args.nodes_table, name, args.node_timeout)
             alive = [n for n, ok in nodes or [] if ok]
             if args.to is not None:
                 if args.to == holder[0]:
@@ -168,36 +164,10 @@ def run(args: argparse.Namespace) -> int:
             return 0
     except psycopg.Error as exc:
         print(
-            f"resign failed on {describe_conninfo(dsn)}: {redact(_first_line(exc), dsn)}",
+            f"resign failed on {describe(dsn)}: {redact(first_line(exc), dsn)}",
             file=sys.stderr,
         )
         return EXIT_UNREACHABLE
-
-
-def _redis_client(url: str) -> Any:
-    """A client for ``url``: a ``RedisCluster`` when the server is a cluster node."""
-    import redis
-    from redis.cluster import RedisCluster
-
-    from ..redis._conn import describe
-
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise SystemExit(f"--redis-url needs a redis://, rediss:// or unix:// URL, got {url!r:.40}")
-    options = {"socket_timeout": _CONNECT_TIMEOUT, "socket_connect_timeout": _CONNECT_TIMEOUT}
-    try:
-        client = redis.Redis.from_url(url, **options)
-    except ValueError as exc:
-        raise SystemExit(f"bad --redis-url: {exc}") from exc
-    where = describe(client)
-    try:
-        info = client.info("cluster")
-        if info.get("cluster_enabled") in (1, "1"):
-            client.close()
-            return RedisCluster.from_url(url, **options)
-    except redis.RedisError as exc:
-        client.close()
-        raise _Unreachable(f"cannot connect to Redis {where}: {_first_line(exc)}") from exc
-    return client
 
 
 def _resign_redis(args: argparse.Namespace) -> int:
@@ -209,8 +179,8 @@ def _resign_redis(args: argparse.Namespace) -> int:
         raise SystemExit(f"--timeout needs a positive number of seconds, got {args.timeout}")
     name, prefix = args.name, args.key_prefix
     try:
-        client = _redis_client(args.redis_url)
-    except _Unreachable as exc:
+        client = redis_client(args.redis_url)
+    except Unreachable as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_UNREACHABLE
     try:
@@ -361,10 +331,7 @@ def _await_new_term(
                 and event["term"] > old_term
             ):
                 return str(event.get("node_id")), int(event["term"])
-        current = _current(conn, args.table, args.name)
+        current = live_holder(conn, args.table, args.name)
         if current is not None and current[1] > old_term:
             return current
     return None
-
-
-# -- entry point ------------------------------------------------------------------------

@@ -1,4 +1,11 @@
-"""``rselection status``: leases, holders, nodes and last fires; exit 0, 1 or 2."""
+"""``rselection status [NAME ...]``: leases, holders, handover requests, nodes, last fires.
+
+Without names it shows every lease but the retired ones (``rselection forget``); with
+names, only those leases (retired or not), their nodes and their fires; ``--all`` also
+shows the retired leases. The exit code is judged on the leases shown, retired ones
+only when named: 0 when each has a live leader, 1 when one has none (a named lease
+that does not exist has none), 2 when the database cannot be read.
+"""
 
 from __future__ import annotations
 
@@ -8,51 +15,145 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    pass
-
-from ._common import (
-    _NOT_RECORDED,
-    EXIT_HEADLESS,
-    EXIT_OK,
-    EXIT_UNREACHABLE,
-    _ago,
-    _connect,
-    _dsn,
-    _exists,
-    _first_line,
-    _grid,
-    _iso,
-    _Unreachable,
+from .connections import (
+    Unreachable,
+    connect,
+    describe,
+    first_line,
+    redact,
+    resolve_dsn,
+    table_exists,
 )
+from .leases import has_columns
+from .options import add_database_options, add_nodes_options, lease_name
+from .output import EXIT_NO_LEADER, EXIT_OK, EXIT_UNREACHABLE, ago, grid, iso
+
+if TYPE_CHECKING:
+    import psycopg
+
+__all__ = ["NOT_RECORDED", "add_parser", "exit_code", "read_status", "render", "run"]
+
+NOT_RECORDED = (
+    "next fires, failures and persistent tasks are not recorded in the database "
+    "(see TaskHandler.health() on the leader); last fires come from the claims table"
+)
+"""What ``status`` cannot show, said in its output so nobody looks for it there."""
 
 
-def _read_status(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One snapshot of leases, nodes and last fires; raises :class:`_Unreachable`."""
+def add_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    """Add ``status`` and its options to the command line.
+
+    Args:
+        subparsers: the ``rselection`` command's subparsers.
+    """
+    parser = subparsers.add_parser(
+        "status",
+        help="leases, holders, handover requests, nodes and last fires; exit 0 when every "
+        "lease shown has a leader, 1 when one has none, 2 when the database cannot be read",
+        description="Show leases, their holders, pending handover requests, nodes and last "
+        "fires. Retired leases (rselection forget) are hidden unless named or --all is "
+        "given. The exit code is judged on the leases shown (retired ones only when "
+        "named): 0 when each has a leader, 1 when one has none (a named lease that does "
+        "not exist has none), 2 when the database cannot be read.",
+    )
+    parser.add_argument(
+        "names",
+        nargs="*",
+        metavar="NAME",
+        type=lease_name,
+        help="show only these leases (and their nodes and fires), retired or not; the exit "
+        "code is judged on them alone (default: every lease that is not retired)",
+    )
+    parser.add_argument(
+        "--all",
+        action="store_true",
+        help="also show retired leases (rselection forget); they do not count for the exit code",
+    )
+    add_database_options(parser)
+    add_nodes_options(parser)
+    parser.add_argument("--claims-table", default="rselection_claims", help="fire claims table")
+    parser.add_argument("--json", action="store_true", help="one JSON document (per refresh)")
+    parser.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until Ctrl-C",
+    )
+    parser.add_argument("--count", type=int, help="with --watch: stop after this many refreshes")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def _lease_rows(conn: psycopg.Connection[Any], table: str) -> list[tuple[Any, ...]]:
+    """Every lease row: name, holder, term, acquired_at, expires_at, seconds to expiry,
+    retired, and the pending handover request (term, node asked, node named, its end,
+    seconds left) or NULLs. Columns a table of an older schema version lacks read NULL."""
+    from psycopg import sql
+
+    from ..postgres.schema import (
+        LEASE_HANDOVER_COLUMNS,
+        LEASE_RETIRED_COLUMNS,
+        table_identifier,
+    )
+
+    retired: sql.Composable
+    handover: sql.Composable
+    if has_columns(conn, table, LEASE_RETIRED_COLUMNS):
+        retired = sql.SQL("coalesce(retired_term = term, false)")
+    else:
+        retired = sql.SQL("false")
+    if has_columns(conn, table, LEASE_HANDOVER_COLUMNS):
+        # A request lasts until its window ends or the next acquisition clears it; the
+        # asked node stays kept out even after it released, so show it until then.
+        pending = sql.SQL("resign_until > clock_timestamp()")
+        handover = sql.SQL(
+            "CASE WHEN {p} THEN resign_term END, CASE WHEN {p} THEN resign_from END,"
+            " CASE WHEN {p} THEN resign_to END, CASE WHEN {p} THEN resign_until END,"
+            " CASE WHEN {p} THEN"
+            " extract(epoch FROM resign_until - clock_timestamp())::float8 END"
+        ).format(p=pending)
+    else:
+        handover = sql.SQL("NULL::bigint, NULL::text, NULL::text, NULL::timestamptz, NULL::float8")
+    return conn.execute(
+        sql.SQL(
+            "SELECT name, holder, term, acquired_at, expires_at,"
+            " extract(epoch FROM expires_at - clock_timestamp())::float8, {retired}, {handover}"
+            " FROM {t} ORDER BY name"
+        ).format(retired=retired, handover=handover, t=table_identifier(table))
+    ).fetchall()
+
+
+def read_status(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One snapshot of the leases, handover requests, nodes and last fires asked for.
+
+    Args:
+        dsn: the Postgres connection string.
+        args: the parsed ``status`` command line.
+
+    Raises:
+        Unreachable: the database cannot be reached or read, or has no lease table.
+    """
     import psycopg
     from psycopg import sql
 
-    from ..postgres._conn import describe_conninfo, redact
-    from ..postgres.schema import table_identifier
+    from ..postgres.schema import LEASE_HANDOVER_COLUMNS, table_identifier
 
-    leases_t = table_identifier(args.table)
-    with _connect(dsn) as conn:
+    with connect(dsn) as conn:
         try:
-            if not _exists(conn, args.table):
-                raise _Unreachable(
-                    f"lease table {args.table!r} does not exist on {describe_conninfo(dsn)}: "
+            if not table_exists(conn, args.table):
+                raise Unreachable(
+                    f"lease table {args.table!r} does not exist on {describe(dsn)}: "
                     "run `rselection migrate`, or pass the right --table"
                 )
             now_row = conn.execute("SELECT clock_timestamp()").fetchone()
-            lease_rows = conn.execute(
-                sql.SQL(
-                    "SELECT name, holder, term, acquired_at, expires_at,"
-                    " extract(epoch FROM expires_at - clock_timestamp())::float8"
-                    " FROM {} ORDER BY name"
-                ).format(leases_t)
-            ).fetchall()
+            handovers_recorded = has_columns(conn, args.table, LEASE_HANDOVER_COLUMNS)
+            lease_rows = _lease_rows(conn, args.table)
             node_rows = None
-            if _exists(conn, args.nodes_table):
+            if table_exists(conn, args.nodes_table):
                 node_rows = conn.execute(
                     sql.SQL(
                         "SELECT name, node_id, hostname, pid, host(client_addr), started_at,"
@@ -61,7 +162,7 @@ def _read_status(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
                     ).format(table_identifier(args.nodes_table))
                 ).fetchall()
             fire_rows = None
-            if _exists(conn, args.claims_table):
+            if table_exists(conn, args.claims_table):
                 # Claim keys are "<lease>/<task>@<UTC RFC 3339 nanos>": the key of the
                 # latest fire sorts last, and its holder is the node that ran it.
                 fire_rows = conn.execute(
@@ -75,30 +176,61 @@ def _read_status(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
                         " '@[^@]*$', '') AS task,"
                         " substring(c.fire_key FROM '@([^@]*)$') AS fire) k"
                         " ORDER BY l.name, k.task, k.fire DESC"
-                    ).format(l=leases_t, c=table_identifier(args.claims_table))
+                    ).format(l=table_identifier(args.table), c=table_identifier(args.claims_table))
                 ).fetchall()
         except psycopg.Error as exc:
-            raise _Unreachable(
-                f"cannot read the leases from {describe_conninfo(dsn)}: "
-                f"{redact(_first_line(exc), dsn)}"
+            raise Unreachable(
+                f"cannot read the leases from {describe(dsn)}: {redact(first_line(exc), dsn)}"
             ) from exc
+    named: list[str] = list(dict.fromkeys(args.names))  # in the order given, once each
+    wanted = set(named)
     holders: dict[str, str] = {}
     leases = []
-    for name, holder, term, acquired_at, expires_at, expires_in in lease_rows:
+    handovers = []
+    hidden: list[str] = []
+    judged: list[dict[str, Any]] = []
+    for row in lease_rows:
+        name, holder, term, acquired_at, expires_at, expires_in, retired = row[:7]
+        asked_term, asked_node, asked_to, asked_until, asked_left = row[7:]
+        if wanted and name not in wanted:
+            continue
+        if retired and not wanted and not args.all:
+            hidden.append(name)
+            continue
         live = holder is not None and expires_in is not None and expires_in > 0
         if live:
             holders[name] = holder
-        leases.append(
-            {
-                "name": name,
-                "holder": holder if live else None,
-                "term": term,
-                "acquired_at": _iso(acquired_at) if live else None,
-                "expires_at": _iso(expires_at) if live else None,
-                "expires_in": round(expires_in, 3) if live else None,
-                "live": live,
-            }
-        )
+        lease = {
+            "name": name,
+            "holder": holder if live else None,
+            "term": term,
+            "acquired_at": iso(acquired_at) if live else None,
+            "expires_at": iso(expires_at) if live else None,
+            "expires_in": round(expires_in, 3) if live else None,
+            "live": live,
+            "retired": bool(retired),
+        }
+        leases.append(lease)
+        if wanted or not retired:
+            judged.append(lease)
+        if asked_until is not None:
+            handovers.append(
+                {
+                    "lease": name,
+                    "term": asked_term,
+                    "node_id": asked_node,
+                    "to": asked_to,
+                    "until": iso(asked_until),
+                    "expires_in": round(asked_left, 3),
+                }
+            )
+    shown = {lease["name"] for lease in leases}
+    unknown = [name for name in named if name not in shown]
+    hidden_set = set(hidden)
+
+    def selected(lease: str) -> bool:
+        return lease in wanted if wanted else lease not in hidden_set
+
     nodes = None
     if node_rows is not None:
         nodes = [
@@ -108,13 +240,14 @@ def _read_status(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
                 "hostname": hostname,
                 "pid": pid,
                 "client_addr": addr,
-                "started_at": _iso(started),
-                "last_seen": _iso(seen),
-                "seen_ago": round(ago, 3),
-                "alive": ago <= args.node_timeout,
+                "started_at": iso(started),
+                "last_seen": iso(seen),
+                "seen_ago": round(seen_ago, 3),
+                "alive": seen_ago <= args.node_timeout,
                 "is_leader": holders.get(lease) == node_id,
             }
-            for lease, node_id, hostname, pid, addr, started, seen, ago in node_rows
+            for lease, node_id, hostname, pid, addr, started, seen, seen_ago in node_rows
+            if selected(lease)
         ]
     fires = None
     if fire_rows is not None:
@@ -125,41 +258,87 @@ def _read_status(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
                 "last_fire": fire,
                 "node": holder,
                 "term": term,
-                "claimed_at": _iso(claimed_at),
+                "claimed_at": iso(claimed_at),
             }
             for lease, task, fire, holder, term, claimed_at in fire_rows
+            if selected(lease)
         ]
     return {
-        "database": describe_conninfo(dsn),
-        "checked_at": _iso(now_row[0] if now_row else None),
+        "database": describe(dsn),
+        "checked_at": iso(now_row[0] if now_row else None),
+        "names": named or None,
         "leases": leases,
-        "headless": [lease["name"] for lease in leases if not lease["live"]],
+        "unknown": unknown,
+        "hidden": hidden,
+        "headless": [lease["name"] for lease in judged if not lease["live"]] + unknown,
+        "handovers": handovers if handovers_recorded else None,
         "nodes": nodes,
         "tasks": fires,
-        "not_recorded": _NOT_RECORDED,
+        "not_recorded": NOT_RECORDED,
     }
 
 
-def _status_code(status: dict[str, Any]) -> int:
-    return EXIT_HEADLESS if status["headless"] else EXIT_OK
+def exit_code(status: dict[str, Any]) -> int:
+    """The exit code of a :func:`read_status` snapshot: 1 when a lease judged has no leader.
+
+    Args:
+        status: the snapshot.
+    """
+    return EXIT_NO_LEADER if status["headless"] else EXIT_OK
 
 
-def _render(status: dict[str, Any], args: argparse.Namespace) -> list[str]:
+def render(status: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    """The lines ``status`` prints for people.
+
+    Args:
+        status: a :func:`read_status` snapshot.
+        args: the parsed ``status`` command line.
+    """
     lines = [f"{status['database']}  at {status['checked_at']}", ""]
     if status["leases"]:
         rows = [
             [
                 lease["name"],
-                lease["holder"] or "(none)",
+                lease["holder"] or ("(retired)" if lease["retired"] else "(none)"),
                 str(lease["term"]),
                 lease["acquired_at"] or "-",
                 f"{lease['expires_in']:.1f}s" if lease["live"] else "-",
             ]
             for lease in status["leases"]
         ]
-        lines += _grid(["LEASE", "HOLDER", "TERM", "ACQUIRED", "EXPIRES IN"], rows)
+        lines += grid(["LEASE", "HOLDER", "TERM", "ACQUIRED", "EXPIRES IN"], rows)
+    elif status["unknown"]:
+        lines.append(f"no lease named {', '.join(status['unknown'])} in {args.table!r}")
     else:
         lines.append(f"no leases in {args.table!r} yet")
+    if status["hidden"]:
+        count = len(status["hidden"])
+        lines.append(
+            f"({count} retired lease{'s' if count > 1 else ''} hidden: name "
+            f"{'them' if count > 1 else 'it'} or pass --all to see "
+            f"{'them' if count > 1 else 'it'})"
+        )
+    lines.append("")
+    handovers = status["handovers"]
+    if handovers is None:
+        lines.append(
+            f"handover requests: table {args.table!r} predates them (run `rselection migrate`)"
+        )
+    elif not handovers:
+        lines.append("handover requests: none pending")
+    else:
+        lines.append("handover requests (pending until the next term or the end of the window):")
+        rows = [
+            [
+                h["lease"],
+                str(h["term"]),
+                h["node_id"],
+                h["to"] or "(any other)",
+                f"{h['expires_in']:.1f}s",
+            ]
+            for h in handovers
+        ]
+        lines += grid(["LEASE", "TERM", "ASKED", "TO", "WINDOW LEFT"], rows)
     lines.append("")
     nodes = status["nodes"]
     if nodes is None:
@@ -180,12 +359,12 @@ def _render(status: dict[str, Any], args: argparse.Namespace) -> list[str]:
                 str(n["pid"]),
                 n["client_addr"] or "local",
                 n["started_at"] or "-",
-                _ago(n["seen_ago"]),
+                ago(n["seen_ago"]),
                 ("leader" if n["is_leader"] else "alive") if n["alive"] else "lost",
             ]
             for n in nodes
         ]
-        lines += _grid(
+        lines += grid(
             ["LEASE", "NODE", "HOST", "PID", "ADDRESS", "STARTED", "LAST SEEN", "STATE"], rows
         )
     lines.append("")
@@ -197,17 +376,26 @@ def _render(status: dict[str, Any], args: argparse.Namespace) -> list[str]:
     else:
         lines.append("tasks (last claimed fire of each scheduled task):")
         rows = [[f["lease"], f["task"], f["last_fire"], f["node"], str(f["term"])] for f in fires]
-        lines += _grid(["LEASE", "TASK", "LAST FIRE", "BY NODE", "TERM"], rows)
+        lines += grid(["LEASE", "TASK", "LAST FIRE", "BY NODE", "TERM"], rows)
     lines.append(f"  ({status['not_recorded']})")
-    if status["headless"]:
+    unknown = status["unknown"]
+    headless = [name for name in status["headless"] if name not in unknown]
+    if headless or unknown:
         lines.append("")
-        lines.append("NO LEADER: " + ", ".join(status["headless"]))
+    if headless:
+        lines.append("NO LEADER: " + ", ".join(headless))
+    if unknown:
+        lines.append(f"NO SUCH LEASE in {args.table!r}: " + ", ".join(unknown))
     return lines
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the status once (or every ``--watch`` seconds); return the exit code."""
-    dsn = _dsn(args)
+    """Print the status once (or every ``--watch`` seconds); return the exit code.
+
+    Args:
+        args: the parsed ``status`` command line.
+    """
+    dsn = resolve_dsn(args)
     watch = args.watch
     if watch is not None and not watch > 0:
         raise SystemExit(f"--watch needs a positive number of seconds, got {watch}")
@@ -221,14 +409,14 @@ def run(args: argparse.Namespace) -> int:
         while True:
             began = time.monotonic()
             try:
-                status = _read_status(dsn, args)
-            except _Unreachable as exc:
+                status = read_status(dsn, args)
+            except Unreachable as exc:
                 code = EXIT_UNREACHABLE
                 print(str(exc), file=sys.stderr)
                 if args.json:  # scripts parse stdout: they get a document here too
                     print(json.dumps({"error": str(exc), "exit_code": code}), flush=True)
             else:
-                code = _status_code(status)
+                code = exit_code(status)
                 if args.json:
                     status["exit_code"] = code
                     indent = None if watch is not None else 2
@@ -238,7 +426,7 @@ def run(args: argparse.Namespace) -> int:
                         sys.stdout.write("\x1b[H\x1b[2J")
                     elif done:
                         print()
-                    print("\n".join(_render(status, args)), flush=True)
+                    print("\n".join(render(status, args)), flush=True)
             done += 1
             if refreshes is not None and done >= refreshes:
                 return code
@@ -246,6 +434,3 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(max(0.0, watch - (time.monotonic() - began)))
     except KeyboardInterrupt:
         return code
-
-
-# -- resign -----------------------------------------------------------------------------

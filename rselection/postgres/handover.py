@@ -25,8 +25,7 @@ import psycopg
 from psycopg import sql
 
 from ..errors import ConfigError
-from ..leader import HandoverRequest
-from ..lease import LeaderInfo
+from ..lease import HandoverRequest, LeaderInfo
 from ._lease_sql import lease_channel, resolve_lease_table, utc
 from .schema import DEFAULT_TABLE, table_identifier
 

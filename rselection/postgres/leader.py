@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 from ..claiming import FireClaimer, claim_missed
 from ..errors import ConfigError
 from ..leader import LeaderBase, default_node_id
-from ..lease import check_lease_name, check_node_id
 from ..timing import Timings
+from ..validation import check_name, check_node_id
 from .checkpoint import PostgresCheckpointStore, TaskCheckpoint
 from .claims import PostgresClaimer
 from .fencing import afenced, fenced
@@ -139,7 +139,7 @@ class PostgresLeader(LeaderBase):
         node_timeout: float | None = None,
         nodes_table: str = NODES_TABLE,
     ) -> None:
-        check_lease_name(name)
+        check_name(name, "lease name")
         node_id = check_node_id(node_id) if node_id is not None else default_node_id()
         timings = Timings(ttl, renew_interval, renew_deadline, retry_interval)
         backend = PostgresLease(

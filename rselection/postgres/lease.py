@@ -143,20 +143,21 @@ import contextlib
 import logging
 import math
 import selectors
-import socket
 import threading
 import time
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import psycopg
 from psycopg import sql
 from psycopg.pq import ConnStatus
 
+from ..closeable import Closeable
 from ..errors import BackendUnavailable, ConfigError
-from ..leader import HandoverRequest
-from ..lease import Acquisition, LeaderInfo, check_node_id
+from ..lease import Acquisition, HandoverRequest, LeaderInfo
+from ..session_hold import SessionHold
+from ..validation import check_name, check_node_id, check_seconds
+from ..wakeup import Wakeup
 from ._conn import (
     SESSION_MARGIN,
     IoWatchdog,
@@ -216,20 +217,23 @@ class _Held:
         return sql.SQL("{}, {}").format(sql.Literal(self.lock_key), sql.Literal(self.term % 2**31))
 
 
-class PostgresLease:
+class PostgresLease(Closeable):
     """A lease kept in a Postgres table, with server time, fencing terms and fast failover.
 
     One instance is used by one keeper thread (:meth:`connect`, :meth:`try_acquire`,
     :meth:`renew`, :meth:`release`, :meth:`wait_for_change`, :meth:`close`);
     :meth:`current` and :meth:`interrupt` are safe from any thread. Keeper methods raise
-    :class:`~rselection.errors.BackendUnavailable` on any connection problem (the
-    keeper connection is then closed; the next call reconnects). The module docstring
-    explains the protocol and its safety argument.
+    :class:`~rselection.errors.BackendUnavailable` on any connection problem; the
+    keeper connection is then closed (once no term acquired through it may still run,
+    see :meth:`term_ended`) and the next call reconnects. ``with PostgresLease(...) as
+    lease:`` connects and closes on exit. The module docstring explains the protocol
+    and its safety argument.
 
     Args:
         conninfo: a libpq connection string or URI (a direct connection, or a pooler
             in session mode).
-        name: the lease name; nodes using the same name and table compete.
+        name: the lease name; nodes using the same name and table compete. Not blank,
+            at most 1,000 characters, used as given (never trimmed).
         ttl: lease length on the server, seconds.
         renew_deadline: the leader's renew deadline, seconds (``< ttl``).
         stop_grace: seconds the leader waits for its tasks after its term ends
@@ -260,35 +264,20 @@ class PostgresLease:
         connect_timeout: float = 5.0,
     ) -> None:
         check_conninfo(conninfo)
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"lease name must be a non-empty string, got {name!r}")
-        for label, value in (
-            ("ttl", ttl),
-            ("renew_deadline", renew_deadline),
-            ("connect_timeout", connect_timeout),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ConfigError(f"{label} must be a number of seconds, got {value!r}")
-            if not (value > 0 and math.isfinite(value)):
-                raise ConfigError(f"{label} must be positive and finite, got {value!r}")
-        if isinstance(stop_grace, bool) or not isinstance(stop_grace, int | float):
-            raise ConfigError(f"stop_grace must be a number of seconds, got {stop_grace!r}")
-        if not (stop_grace >= 0 and math.isfinite(stop_grace)):
-            raise ConfigError(f"stop_grace must be zero or more and finite, got {stop_grace!r}")
-        if renew_deadline >= ttl:
+        self.name = check_name(name, "lease name")
+        self.ttl = check_seconds(ttl, "ttl")
+        self.renew_deadline = check_seconds(renew_deadline, "renew_deadline")
+        self.stop_grace = check_seconds(stop_grace, "stop_grace", allow_zero=True)
+        self.connect_timeout = check_seconds(connect_timeout, "connect_timeout")
+        if self.renew_deadline >= self.ttl:
             raise ConfigError(
                 f"renew_deadline must be shorter than ttl, got renew_deadline "
                 f"{renew_deadline} >= ttl {ttl}: the leader must stop before its lease "
                 "can expire on the server"
             )
         self._ident = table_identifier(table)  # validates
-        self.name = name
-        self.ttl = float(ttl)
-        self.renew_deadline = float(renew_deadline)
-        self.stop_grace = float(stop_grace)
         self.table = table
         self.create_tables = create_tables
-        self.connect_timeout = float(connect_timeout)
         self.lock_key: int | None = None
         """First advisory-lock key for new rows (known once connected)."""
         self.channel: str | None = None
@@ -309,8 +298,7 @@ class PostgresLease:
         self._leading: _Held | None = None  # our own term, while we hold it
         # From an acquisition until term_ended()/release()/close(): the term's tasks may
         # run, so errors and overruns never end this session (see term_ended()).
-        self._holding = False
-        self._broken = False  # failed while holding: kept open until the hold ends
+        self._hold = SessionHold()
         self._seen: _Held | None = None  # another holder, as the last attempt saw it
         self._foreign_notifies = 0
         self._last_notice = ""
@@ -324,16 +312,14 @@ class PostgresLease:
         self._observer_lock = threading.Lock()
         self._io = IoWatchdog(name)  # bounds every blocking round trip
 
-        # interrupt(): a sticky flag (authoritative), a self-pipe (wakes socket waits)
-        # and a cancel request (ends a lock wait), sent from a thread of its own. The
-        # cancel lock orders that request before the keeper's next statement: the
+        # interrupt(): a sticky wake-up (wakes socket waits) and a cancel request (ends a
+        # lock wait), sent from a thread of its own. _lock_wait_guard guards _in_lock_wait;
+        # the cancel lock orders that request before the keeper's next statement: the
         # keeper takes it after its lock wait.
-        self._wake_lock = threading.Lock()
-        self._interrupt_pending = False
+        self._wakeup = Wakeup()
+        self._lock_wait_guard = threading.Lock()
         self._in_lock_wait = False
         self._cancel_lock = threading.Lock()
-        self._wake_r: socket.socket | None = None
-        self._wake_w: socket.socket | None = None
 
     def __repr__(self) -> str:
         return (
@@ -345,15 +331,6 @@ class PostgresLease:
         """Connect; the ``with`` block closes the lease on exit."""
         self.connect()
         return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Close every connection."""
-        self.close()
 
     @property
     def backend_pid(self) -> int | None:
@@ -399,7 +376,7 @@ class PostgresLease:
                 password.
         """
         self._drop_keeper()
-        self._ensure_pipe()
+        self._wakeup.open()
         try:
             conn = psycopg.Connection.connect(self._conninfo, **self._connect_kwargs(""))
         except psycopg.Error as exc:
@@ -550,13 +527,6 @@ class PostgresLease:
                 SESSION_MARGIN,
             )
 
-    def _ensure_pipe(self) -> None:
-        with self._wake_lock:
-            if self._wake_r is None:
-                self._wake_r, self._wake_w = socket.socketpair()
-                self._wake_r.setblocking(False)
-                self._wake_w.setblocking(False)
-
     def _channel(self) -> str:
         assert self.channel is not None, "connect() resolves the channel first"
         return self.channel
@@ -578,8 +548,7 @@ class PostgresLease:
         conn, self._conn = self._conn, None
         self._leading = None
         self._seen = None
-        self._holding = False
-        self._broken = False
+        self._hold.reset()
         if conn is not None:
             try:
                 conn.close()
@@ -587,14 +556,14 @@ class PostgresLease:
                 logger.debug("lease %r: error closing the keeper", self.name, exc_info=True)
 
     def _keeper(self) -> psycopg.Connection[Any]:
-        if self._broken and not self._holding:
+        if self._hold.stale:
             self._drop_keeper()  # its failure was reported; the hold is over: start afresh
         conn = self._conn
         if conn is None:
             self.connect()
             conn = self._conn
             assert conn is not None
-        elif self._broken or conn.closed or conn.broken:
+        elif self._hold.broken or conn.closed or conn.broken:
             self._fail()
             raise BackendUnavailable(
                 f"the keeper connection to the lease server ({self._where}) was lost"
@@ -603,14 +572,12 @@ class PostgresLease:
         return conn
 
     def _is_holding(self) -> bool:
-        return self._holding
+        return self._hold.holding
 
     def _fail(self) -> None:
         """The keeper connection failed: close it, unless it holds a term whose tasks may
         still run; then it stays open (broken) until :meth:`term_ended` or :meth:`close`."""
-        if self._holding:
-            self._broken = True
-        else:
+        if self._hold.fail():
             self._drop_keeper()
 
     def term_ended(self, term: int) -> None:
@@ -624,9 +591,8 @@ class PostgresLease:
         Args:
             term: the term that ended.
         """
-        leading = self._leading
-        if leading is None or leading.term == term:
-            self._holding = False
+        self._hold.end(term)
+        if not self._hold.holding:
             self._io.recheck()
 
     def _run(
@@ -735,7 +701,7 @@ class PostgresLease:
         info = LeaderInfo(holder, term, utc(acquired_at), utc(expires_at))
         if acquired:
             self._leading = _Held(term, lock_key)
-            self._holding = True
+            self._hold.begin(term)
             self._seen = None
         elif lock_held:
             self._seen = _Held(term, lock_key)  # wait on its lock: wakes when it ends
@@ -772,7 +738,6 @@ class PostgresLease:
         self._handover_hint = False
         self._handover = None
         self._leading = None
-        self._holding = False
         try:
             results = self._run(
                 self._with_pid(self._acquire_sql(node_id)),
@@ -895,7 +860,7 @@ class PostgresLease:
         results = self._run(query, "release the lease", limit=self.renew_deadline)
         if leading is None or leading.term == term:
             self._leading = None
-            self._holding = False
+        self._hold.end(term)
         self._seen = None
         logger.debug(
             "lease %r: %s released term %s%s",
@@ -964,9 +929,8 @@ class PostgresLease:
         """
         conn = self._keeper()
         try:
-            with self._wake_lock:
-                if self._interrupt_pending:
-                    return
+            if self._wakeup.pending:
+                return
             if not timeout > 0:
                 return
             if self._leading is not None:
@@ -978,23 +942,14 @@ class PostgresLease:
                     return
                 self._wait_socket(conn, timeout)
         finally:
-            self._clear_interrupt()
-
-    def _clear_interrupt(self) -> None:
-        with self._wake_lock:
-            self._interrupt_pending = False
-            wake = self._wake_r
-            if wake is not None:
-                try:
-                    while wake.recv(256):
-                        pass
-                except OSError:  # BlockingIOError: drained
-                    pass
+            self._wakeup.clear()
 
     def _wait_lock(self, conn: psycopg.Connection[Any], seen: _Held, timeout: float) -> None:
         query = wait_lock_sql(seen.lock_args, timeout)
-        with self._wake_lock:
-            if self._interrupt_pending:
+        with self._lock_wait_guard:
+            # interrupt() wakes first, then looks for a lock wait to cancel: it either
+            # finds this wait marked, or this check finds its wake-up.
+            if self._wakeup.pending:
                 return
             self._in_lock_wait = True
         interrupted = False
@@ -1014,7 +969,7 @@ class PostgresLease:
             # been sent the server has been signalled, so the cancel cannot hit the next
             # statement. Clearing the flag also keeps a later cancel from going through a
             # connection being closed below.
-            with self._cancel_lock, self._wake_lock:
+            with self._cancel_lock, self._lock_wait_guard:
                 self._in_lock_wait = False
         if error is not None:
             self._fail()
@@ -1028,7 +983,7 @@ class PostgresLease:
             )
 
     def _wait_socket(self, conn: psycopg.Connection[Any], timeout: float) -> None:
-        wake = self._wake_r
+        wake = self._wakeup.socket
         deadline = time.monotonic() + timeout
         with selectors.DefaultSelector() as sel:
             sel.register(conn.pgconn.socket, selectors.EVENT_READ, "db")
@@ -1073,11 +1028,8 @@ class PostgresLease:
 
         Sticky: an interrupt that arrives just before the wait makes it return at once.
         """
-        with self._wake_lock:
-            self._interrupt_pending = True
-            if self._wake_w is not None:
-                with contextlib.suppress(OSError):  # pipe full (already woken)
-                    self._wake_w.send(b"\0")
+        self._wakeup.wake()
+        with self._lock_wait_guard:
             if self._in_lock_wait and self._conn is not None:
                 # The cancel request is a network round trip of its own: never make the
                 # caller (stop(), perhaps on an event loop) wait for it.
@@ -1087,7 +1039,7 @@ class PostgresLease:
 
     def _cancel_lock_wait(self) -> None:
         with self._cancel_lock:
-            with self._wake_lock:
+            with self._lock_wait_guard:
                 conn = self._conn if self._in_lock_wait else None
             if conn is None:
                 return  # the wait ended meanwhile
@@ -1105,8 +1057,4 @@ class PostgresLease:
         with self._observer_lock:
             self._close_observer()
         self._io.close()
-        with self._wake_lock:
-            for sock in (self._wake_r, self._wake_w):
-                if sock is not None:
-                    sock.close()
-            self._wake_r = self._wake_w = None
+        self._wakeup.close()

@@ -18,10 +18,12 @@ The lease table holds one row per lease name::
     resign_to    text null          -- node the lease is reserved for, if one was named
     resign_until timestamptz null   -- server time at which the request lapses
     holder_server text null         -- identity of the server of the holder's session
+    retired_term bigint null        -- term at which ``rselection forget`` retired the lease
 
 The four ``resign_*`` columns came with schema version 2, ``holder_server`` with version
-3; :func:`migrate` adds what an older table lacks (``ALTER TABLE ... ADD COLUMN IF NOT
-EXISTS``, nullable, no default: a catalog-only change) and records the version. Code of
+3, ``retired_term`` with version 4; :func:`migrate` adds what an older table lacks
+(``ALTER TABLE ... ADD COLUMN IF NOT EXISTS``, nullable, no default: a catalog-only
+change) and records the version. Code of
 this release also works on an older table that was not upgraded (``create_tables=False``):
 on version 1 handover requests are unavailable; on versions 1 and 2 the lease cannot
 record which server its holder's session is on, so a crashed holder is replaced only
@@ -32,6 +34,10 @@ the server the holder's keeper session was on when it acquired the lease (see
 :mod:`rselection.postgres.lease`): a holder's ``holder_pid`` and advisory lock mean
 something only on that server. A row without it (acquired before the upgrade) counts
 as held on an unknown server.
+
+A lease is retired (``rselection forget``: no service uses it any more) while
+``retired_term = term``: its row stays, so its term never restarts, and the next
+acquisition, which increments the term, brings it back without touching the column.
 
 Only ``name`` is a key column: ``term`` must never be part of a unique index, so that a
 renewal (a plain ``UPDATE`` of non-key columns, row lock ``FOR NO KEY UPDATE``) does not
@@ -96,19 +102,22 @@ DEFAULT_TABLE = "rselection_leases"
 VERSION_TABLE = "rselection_schema_version"
 """The table that records which schema version each component has."""
 
-LEASES_VERSION = 3
+LEASES_VERSION = 4
 """Schema version of the lease table that this release creates and understands.
 
 Version 2 added the nullable ``resign_term``, ``resign_from``, ``resign_to`` and
 ``resign_until`` columns (handover requests), version 3 the nullable ``holder_server``
-(the server identity of the holder's session); :func:`migrate` upgrades an older table
-in place."""
+(the server identity of the holder's session), version 4 the nullable ``retired_term``
+(``rselection forget``); :func:`migrate` upgrades an older table in place."""
 
 LEASE_HANDOVER_COLUMNS = ("resign_term", "resign_from", "resign_to", "resign_until")
 """Columns of the lease table that handover requests need (schema version 2)."""
 
 LEASE_SERVER_COLUMNS = ("holder_server",)
 """Columns of the lease table that record the server of the holder's session (version 3)."""
+
+LEASE_RETIRED_COLUMNS = ("retired_term",)
+"""Columns of the lease table that mark a lease retired by ``rselection forget`` (version 4)."""
 
 #: Longest an upgrade waits for its exclusive lock on a live table. While an ALTER waits,
 #: every later statement on the table (a leader's renewal) queues behind it; failing
@@ -226,7 +235,8 @@ def _lease_ddl(table: str) -> list[sql.Composed]:
             " resign_from text NULL,"
             " resign_to text NULL,"
             " resign_until timestamptz NULL,"
-            " holder_server text NULL)"
+            " holder_server text NULL,"
+            " retired_term bigint NULL)"
         ).format(ident)
     ]
 
@@ -247,6 +257,15 @@ def _lease_v3(table: str) -> list[sql.Composed]:
     """Version 2 -> 3: the holder's server identity (nullable, no default: no rewrite)."""
     return [
         sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS holder_server text NULL").format(
+            table_identifier(table)
+        )
+    ]
+
+
+def _lease_v4(table: str) -> list[sql.Composed]:
+    """Version 3 -> 4: the retired mark (nullable, no default: no rewrite)."""
+    return [
+        sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS retired_term bigint NULL").format(
             table_identifier(table)
         )
     ]
@@ -315,6 +334,7 @@ _UPGRADES: dict[str, list[tuple[int, tuple[str, ...], Callable[[str], list[sql.C
     "leases": [
         (2, LEASE_HANDOVER_COLUMNS, _lease_v2),
         (3, LEASE_SERVER_COLUMNS, _lease_v3),
+        (4, LEASE_RETIRED_COLUMNS, _lease_v4),
     ],
 }
 

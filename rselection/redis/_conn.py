@@ -10,7 +10,6 @@ that a leader died. :class:`ConnectionFactory` builds those from the user's sett
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import redis
@@ -23,9 +22,10 @@ from redis.retry import Retry
 from ..errors import BackendUnavailable, ConfigError
 
 __all__ = [
+    "MIN_TTL",
     "ConnectionFactory",
     "check_client",
-    "check_seconds",
+    "client_name",
     "describe",
     "hash_slot_key",
     "unavailable",
@@ -34,25 +34,24 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MIN_TTL = 0.001
-"""The shortest ttl accepted, seconds (1 ms: Redis expiries are whole milliseconds)."""
+"""The shortest ttl accepted, seconds (1 ms: Redis expiries are whole milliseconds).
+
+Pass it as ``minimum`` to :func:`rselection.validation.check_seconds`.
+"""
 
 
-def check_seconds(value: object, label: str, *, minimum: float = MIN_TTL) -> float:
-    """Return ``value`` as a float, or raise :class:`ConfigError` unless it is >= ``minimum``.
+def client_name(name: str) -> str:
+    """The ``CLIENT SETNAME`` of a lease's keeper: ``rselection:<name>``, made acceptable.
+
+    Redis refuses client names with spaces, control or non-ASCII characters; each of
+    those becomes ``_``, and the whole is cut to 64 characters (it only helps operators
+    read ``CLIENT LIST``).
 
     Args:
-        value: seconds, an int or a float (not a bool), finite.
-        label: the parameter's name, for the message.
-        minimum: the smallest value accepted.
+        name: the lease name.
     """
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{label} must be a number of seconds, got {value!r}")
-    if not math.isfinite(value) or value < minimum:
-        raise ConfigError(
-            f"{label} must be finite and at least {minimum:g} s, got {value!r}"
-            + (": Redis expiries are whole milliseconds" if minimum == MIN_TTL else "")
-        )
-    return float(value)
+    text = f"rselection:{name}"[:64]
+    return "".join(c if "!" <= c <= "~" else "_" for c in text)
 
 
 def hash_slot_key(key: str, suffix: str) -> str:
@@ -73,18 +72,23 @@ def hash_slot_key(key: str, suffix: str) -> str:
     return "{" + key + "}" + suffix
 
 
-def describe(client_or_url: object) -> str:
-    """Where a client points, for messages: ``host:port/db``, never a password."""
+def describe(client: object) -> str:
+    """Where a client (or a URL) points, for messages: ``host:port/db``, never a password.
+
+    Args:
+        client: a ``redis://`` URL, a ``redis.Redis`` (sync or asyncio) or a
+            ``RedisCluster``.
+    """
     try:
-        if isinstance(client_or_url, str):
-            kw = ConnectionPool.from_url(client_or_url).connection_kwargs
-        elif isinstance(client_or_url, RedisCluster):
-            node: Any = client_or_url.get_default_node()  # type: ignore[no-untyped-call]
+        if isinstance(client, str):
+            kw = ConnectionPool.from_url(client).connection_kwargs
+        elif isinstance(client, RedisCluster):
+            node: Any = client.get_default_node()  # type: ignore[no-untyped-call]
             return f"Redis Cluster via {node.host}:{node.port}"
-        elif isinstance(client_or_url, redis.Redis | redis.asyncio.Redis):
-            kw = client_or_url.connection_pool.connection_kwargs
+        elif isinstance(client, redis.Redis | redis.asyncio.Redis):
+            kw = client.connection_pool.connection_kwargs
         else:
-            return type(client_or_url).__name__
+            return type(client).__name__
     except Exception:  # a description must never raise
         return "Redis"
     if kw.get("path"):
@@ -105,26 +109,30 @@ def unavailable(what: str, where: str, exc: BaseException) -> BackendUnavailable
     return BackendUnavailable(f"cannot {what} ({where}): {detail}")
 
 
-def check_client(source: object, owner: str) -> tuple[Any, bool]:
+def check_client(client: object, owner: str) -> tuple[Any, bool]:
     """Return ``(client, owned)`` for a URL, a ``redis.Redis`` or a ``RedisCluster``.
 
     A URL makes a client of our own (``owned``: closed by the owner's ``close()``).
 
+    Args:
+        client: what the user passed as ``client``.
+        owner: the class or function that got it, for the message.
+
     Raises:
         ConfigError: anything else, or a URL redis-py cannot parse.
     """
-    if isinstance(source, str):
-        if not source.strip():
+    if isinstance(client, str):
+        if not client.strip():
             raise ConfigError(f"{owner} needs a Redis URL (redis://host:port/0), got ''")
         try:
-            return redis.Redis.from_url(source), True
+            return redis.Redis.from_url(client), True
         except ValueError as exc:
             raise ConfigError(f"{owner}: bad Redis URL: {exc}") from exc
-    if isinstance(source, redis.Redis | RedisCluster):
-        return source, False
+    if isinstance(client, redis.Redis | RedisCluster):
+        return client, False
     raise ConfigError(
         f"{owner} needs a redis.Redis, a redis.cluster.RedisCluster or a redis:// URL, "
-        f"got {type(source).__name__}"
+        f"got {type(client).__name__}"
     )
 
 

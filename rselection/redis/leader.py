@@ -13,8 +13,8 @@ from redis.cluster import RedisCluster
 from ..claiming import FireClaimer
 from ..errors import ConfigError
 from ..leader import LeaderBase, default_node_id
-from ..lease import check_lease_name, check_node_id
 from ..timing import Timings
+from ..validation import check_name, check_node_id
 from ._conn import check_client
 from .claims import RedisClaimer
 from .fencing import RedisFence, afenced_call
@@ -140,7 +140,7 @@ class RedisLeader(LeaderBase):
         broadcaster: Broadcaster | None = None,
         claimer: FireClaimer | _Default | None = DEFAULT_CLAIMER,
     ) -> None:
-        check_lease_name(name)
+        check_name(name, "lease name")
         node_id = check_node_id(node_id) if node_id is not None else default_node_id()
         timings = Timings(ttl, renew_interval, renew_deadline, retry_interval)
         client, self._owns_client = check_client(client_or_url, "RedisLeader")

@@ -73,7 +73,6 @@ import logging
 import secrets
 import selectors
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -81,20 +80,24 @@ from typing import Any
 
 import redis
 
+from ..closeable import Closeable
 from ..errors import BackendUnavailable, ConfigError
-from ..leader import HandoverRequest
-from ..lease import Acquisition, LeaderInfo, check_node_id
-from ._conn import ConnectionFactory, check_client, check_seconds, unavailable
+from ..lease import Acquisition, HandoverRequest, LeaderInfo
+from ..session_hold import SessionHold
+from ..validation import check_name, check_node_id, check_optional_seconds, check_seconds
+from ..wakeup import Wakeup
+from ._conn import MIN_TTL, ConnectionFactory, check_client, client_name, unavailable
 from ._scripts import ACQUIRE, READ, RELEASE, RENEW
 from ._scripts import CANCEL_HANDOVER as CANCEL_HANDOVER  # re-exported
 from ._scripts import REQUEST_HANDOVER as REQUEST_HANDOVER  # re-exported
+from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
 
 __all__ = ["RedisLease", "handover_key", "lease_keys", "node_channel"]
 
 logger = logging.getLogger(__name__)
 
 
-def lease_keys(name: str, key_prefix: str = "rselection:") -> tuple[str, str, str]:
+def lease_keys(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> tuple[str, str, str]:
     """The lease key, term key and pub/sub channel of lease ``name``.
 
     All three carry ``{name}`` as hash tag, so a Redis Cluster keeps the keys in one
@@ -108,7 +111,7 @@ def lease_keys(name: str, key_prefix: str = "rselection:") -> tuple[str, str, st
     return f"{base}:lease", f"{base}:term", f"{base}:events"
 
 
-def handover_key(name: str, key_prefix: str = "rselection:") -> str:
+def handover_key(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
     """The key holding a pending handover request of lease ``name`` (same hash slot).
 
     Args:
@@ -118,7 +121,7 @@ def handover_key(name: str, key_prefix: str = "rselection:") -> str:
     return f"{key_prefix}{{{name}}}:resign"
 
 
-def node_channel(name: str, node_id: str, key_prefix: str = "rselection:") -> str:
+def node_channel(name: str, node_id: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
     """The channel a node of lease ``name`` stays subscribed to while its keeper runs.
 
     Nothing is published on it: ``PUBSUB NUMSUB`` on it tells whether node ``node_id``
@@ -171,22 +174,24 @@ def parse_holder(raw: Any, pttl: Any, now_ms: Any) -> tuple[LeaderInfo | None, d
     return info, doc
 
 
-class RedisLease:
+class RedisLease(Closeable):
     """A lease kept in one Redis key, with ``PX`` expiry, fencing terms and fast failover.
 
     One instance is used by one keeper thread (:meth:`connect`, :meth:`try_acquire`,
     :meth:`renew`, :meth:`release`, :meth:`wait_for_change`, :meth:`close`);
     :meth:`current` and :meth:`interrupt` are safe from any thread. Keeper methods raise
-    :class:`~rselection.errors.BackendUnavailable` on any connection or server error
-    (the keeper connections are then closed; the next call reconnects). The module
-    docstring explains the protocol.
+    :class:`~rselection.errors.BackendUnavailable` on any connection or server error;
+    the keeper connections are then closed (once no term acquired through them may still
+    run, see :meth:`term_ended`) and the next call reconnects. ``with RedisLease(...) as
+    lease:`` connects and closes on exit. The module docstring explains the protocol.
 
     Args:
-        client_or_url: a ``redis://`` URL, a ``redis.Redis`` or a
+        client: a ``redis://`` URL, a ``redis.Redis`` or a
             ``redis.cluster.RedisCluster``. Its settings (host, password, TLS, db) are
             copied for the keeper's own connections; the client itself serves
             :meth:`current`.
-        name: the lease name; nodes with the same name and prefix compete.
+        name: the lease name; nodes with the same name and prefix compete. Not blank,
+            at most 1,000 characters, used as given (never trimmed).
         key_prefix: prefix of the lease's keys and channel.
         ttl: lease length on the server, seconds.
         renew_deadline: the leader's renew deadline, seconds (``< ttl``).
@@ -201,44 +206,41 @@ class RedisLease:
 
     def __init__(
         self,
-        client_or_url: Any,
+        client: Any,
         *,
         name: str = "default",
-        key_prefix: str = "rselection:",
+        key_prefix: str = DEFAULT_KEY_PREFIX,
         ttl: float = 15.0,
         renew_deadline: float = 10.0,
         liveness_interval: float | None = 0.5,
         connect_timeout: float = 5.0,
     ) -> None:
-        if not isinstance(name, str) or not name.strip():
-            raise ConfigError(f"lease name must be a non-empty string, got {name!r}")
-        if not isinstance(key_prefix, str):
-            raise ConfigError(f"key_prefix must be a string, got {key_prefix!r}")
-        self.ttl = check_seconds(ttl, "ttl")
-        self.renew_deadline = check_seconds(renew_deadline, "renew_deadline")
+        check_name(name, "lease name")
+        check_key_prefix(key_prefix)
+        # Redis expiries are whole milliseconds.
+        self.ttl = check_seconds(ttl, "ttl", minimum=MIN_TTL)
+        self.renew_deadline = check_seconds(renew_deadline, "renew_deadline", minimum=MIN_TTL)
         if self.renew_deadline >= self.ttl:
             raise ConfigError(
                 f"renew_deadline must be shorter than ttl, got renew_deadline "
                 f"{renew_deadline} >= ttl {ttl}: the leader must stop before its lease "
                 "can expire on the server"
             )
-        self.liveness_interval = (
-            None
-            if liveness_interval is None
-            else check_seconds(liveness_interval, "liveness_interval", minimum=0.01)
+        self.liveness_interval = check_optional_seconds(
+            liveness_interval, "liveness_interval", minimum=0.01
         )
         self.connect_timeout = check_seconds(connect_timeout, "connect_timeout", minimum=0.01)
         self.name = name
         self.key_prefix = key_prefix
         self.key, self.term_key, self.channel = lease_keys(name, key_prefix)
         self.handover_key = handover_key(name, key_prefix)
-        self._client, self._owns_client = check_client(client_or_url, "RedisLease")
+        self._client, self._owns_client = check_client(client, "RedisLease")
         self._factory = ConnectionFactory(
             self._client,
             key=self.key,
             socket_timeout=self.renew_deadline,
             connect_timeout=self.connect_timeout,
-            client_name=f"rselection:{name}"[:64].replace(" ", "_"),
+            client_name=client_name(name),
         )
         self._ttl_ms = max(1, round(self.ttl * 1000))
         self._read = self._client.register_script(READ)
@@ -252,18 +254,19 @@ class RedisLease:
         self._leading: tuple[str, int] | None = None  # (token, term) while we hold it
         # From an acquisition until term_ended()/release()/close(): the term's tasks may
         # run, so an error never closes the keeper connection (see term_ended()).
-        self._holding = False
-        self._broken = False  # failed while holding: kept open until the hold ends
+        self._hold = SessionHold()
         self._seen: _Seen | None = None
         self._dead: _Seen | None = None
         self._presence: str | None = None  # the node id whose channel the listener joined
         self._handover_hint = False  # a request was announced since the last renewal
         self._handover: HandoverRequest | None = None
 
-        self._wake_lock = threading.Lock()
-        self._interrupt_pending = False
-        self._wake_r: socket.socket | None = None
-        self._wake_w: socket.socket | None = None
+        self._wakeup = Wakeup()
+
+    def __enter__(self) -> RedisLease:
+        """Connect; the ``with`` block closes the lease on exit."""
+        self.connect()
+        return self
 
     def __repr__(self) -> str:
         return (
@@ -291,7 +294,7 @@ class RedisLease:
                 names host and port, never the password).
         """
         self._drop()
-        self._ensure_pipe()
+        self._wakeup.open()
         try:
             conn = self._factory.connect()
         except (redis.RedisError, OSError) as exc:
@@ -393,17 +396,10 @@ class RedisLease:
             return False
         return True
 
-    def _ensure_pipe(self) -> None:
-        with self._wake_lock:
-            if self._wake_r is None:
-                self._wake_r, self._wake_w = socket.socketpair()
-                self._wake_r.setblocking(False)
-                self._wake_w.setblocking(False)
-
     def _drop(self) -> None:
         conns, self._conn, self._listener = (self._conn, self._listener), None, None
         self._leading = self._seen = self._dead = None
-        self._holding = self._broken = False
+        self._hold.reset()
         self._presence = None
         for conn in conns:
             if conn is not None:
@@ -413,13 +409,13 @@ class RedisLease:
                     logger.debug("lease %r: error closing a connection", self.name, exc_info=True)
 
     def _keeper(self) -> Any:
-        if self._broken:
-            if self._holding:
-                raise BackendUnavailable(
-                    f"the keeper connection to the lease server ({self._factory.where}) "
-                    "failed; it is closed once the term's tasks are joined"
-                )
+        if self._hold.stale:
             self._drop()  # its failure was reported; the hold is over: start afresh
+        elif self._hold.broken:
+            raise BackendUnavailable(
+                f"the keeper connection to the lease server ({self._factory.where}) "
+                "failed; it is closed once the term's tasks are joined"
+            )
         if self._conn is None:
             self.connect()
         assert self._conn is not None
@@ -428,9 +424,7 @@ class RedisLease:
     def _fail(self) -> None:
         """The keeper connection failed: close it, unless it holds a term whose tasks may
         still run; then it stays open (broken) until :meth:`term_ended` or :meth:`close`."""
-        if self._holding:
-            self._broken = True
-        else:
+        if self._hold.fail():
             self._drop()
 
     def term_ended(self, term: int) -> None:
@@ -443,9 +437,7 @@ class RedisLease:
         Args:
             term: the term that ended.
         """
-        leading = self._leading
-        if leading is None or leading[1] == term:
-            self._holding = False
+        self._hold.end(term)
 
     def _call(self, *args: Any, expected: tuple[type[Exception], ...] = ()) -> Any:
         """One command on the keeper; errors other than ``expected`` fail the connection
@@ -527,7 +519,7 @@ class RedisLease:
             )
         if acquired:
             self._leading = (token, info.term)
-            self._holding = True
+            self._hold.begin(info.term)
             self._seen = None
             logger.debug("lease %r: acquired by %s, term %s", self.name, node_id, info.term)
             if dead is not None:
@@ -596,7 +588,7 @@ class RedisLease:
             return
         reply = self._call("EVAL", RELEASE, 1, self.key, leading[0], str(term), self.channel)
         self._leading = None
-        self._holding = False
+        self._hold.end(term)
         self._seen = None
         logger.debug(
             "lease %r: %s released term %s%s",
@@ -634,9 +626,8 @@ class RedisLease:
         listener = self._listener
         assert listener is not None
         try:
-            with self._wake_lock:
-                if self._interrupt_pending:
-                    return
+            if self._wakeup.pending:
+                return
             if not timeout > 0:
                 return
             seen = self._seen
@@ -653,8 +644,9 @@ class RedisLease:
             with selectors.DefaultSelector() as sel:
                 sel.register(_sock(conn), selectors.EVENT_READ, "keeper")
                 sel.register(_sock(listener), selectors.EVENT_READ, "listener")
-                if self._wake_r is not None:
-                    sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+                wake = self._wakeup.socket
+                if wake is not None:
+                    sel.register(wake, selectors.EVENT_READ, "wake")
                 while (remaining := deadline - time.monotonic()) > 0:
                     step = remaining
                     if probe and self.liveness_interval is not None:
@@ -670,7 +662,7 @@ class RedisLease:
                     if probe and not events and seen is not None and self._holder_gone(seen):
                         return
         finally:
-            self._clear_interrupt()
+            self._wakeup.clear()
 
     def _keeper_readable(self, conn: Any) -> None:
         # Nothing is due on an idle keeper: readable means closed (or garbage).
@@ -736,27 +728,12 @@ class RedisLease:
         self._dead = seen
         return True
 
-    def _clear_interrupt(self) -> None:
-        with self._wake_lock:
-            self._interrupt_pending = False
-            wake = self._wake_r
-            if wake is not None:
-                try:
-                    while wake.recv(256):
-                        pass
-                except OSError:  # BlockingIOError: drained
-                    pass
-
     def interrupt(self) -> None:
         """Wake the keeper thread blocked in :meth:`wait_for_change`; safe from any thread.
 
         Sticky: an interrupt that arrives just before the wait makes it return at once.
         """
-        with self._wake_lock:
-            self._interrupt_pending = True
-            if self._wake_w is not None:
-                with contextlib.suppress(OSError):  # pipe full: already woken
-                    self._wake_w.send(b"\0")
+        self._wakeup.wake()
 
     def close(self) -> None:
         """Close the keeper connections (and the client, if made from a URL); idempotent.
@@ -767,11 +744,7 @@ class RedisLease:
         if self._owns_client:
             with contextlib.suppress(Exception):
                 self._client.connection_pool.disconnect()
-        with self._wake_lock:
-            for sock in (self._wake_r, self._wake_w):
-                if sock is not None:
-                    sock.close()
-            self._wake_r = self._wake_w = None
+        self._wakeup.close()
 
 
 def _sock(conn: Any) -> socket.socket:

@@ -17,8 +17,9 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import rselection as rs
-from rselection.demo import Fleet
+from rselection.commands.demo_fleet import Fleet
 from rselection.postgres import migrate
+from rselection.postgres.handover import cancel_handover, request_handover
 from tests.support.waiting import wait_until
 
 FAST = ["--ttl", "3", "--renew-interval", "0.5", "--renew-deadline", "2", "--retry-interval", "0.5"]
@@ -54,7 +55,7 @@ def test_migrate_then_status_shows_the_holder(pg_dsn: str) -> None:
     done = run("migrate", "--dsn", pg_dsn)
     assert done.returncode == 0, done.stderr
     for line in (
-        "lease table 'rselection_leases': created (schema version 3)",
+        "lease table 'rselection_leases': created (schema version 4)",
         "claims table 'rselection_claims': created (schema version 1)",
         "elections table 'rselection_elections': created (schema version 1)",
         "nodes table 'rselection_nodes': created (schema version 1)",
@@ -124,6 +125,11 @@ def test_demo_runs_to_the_end_and_reports_its_measurements(pg_dsn: str) -> None:
     assert "failover after a crash took" in out.stdout
     assert "graceful handover took" in out.stdout
     assert ", 0 written after a newer term" in out.stdout
+    # The demo retires its lease: a shared database keeps no headless lease from it.
+    code, doc = status_json(pg_dsn)
+    assert code == 0 and doc["leases"] == []
+    (hidden,) = doc["hidden"]
+    assert hidden.startswith("demo-")
 
 
 # ------------------------------------------------------------------------- status
@@ -285,7 +291,241 @@ def test_status_never_prints_the_password(pg_dsn: str, fleet: Fleet) -> None:
         run("status", "--dsn", with_password, "--json", "--watch", "0.1", "--count", "2"),
         run("migrate", "--dsn", with_password),
         run("resign", fleet.name, "--dsn", with_password, "--to", "nobody"),
+        run("forget", fleet.name, "--dsn", with_password),
     ]
-    assert [o.returncode for o in outputs] == [0, 0, 0, 0, 1]
+    assert [o.returncode for o in outputs] == [0, 0, 0, 0, 1, 1]
     for out in outputs:
+        assert "hunter2" not in out.stdout + out.stderr
+
+
+# ------------------------------------------------------------ status NAME, handovers
+
+LEASE_TIMINGS = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
+
+
+def lead(dsn: str, name: str, node_id: str) -> rs.PostgresLeader:
+    """A started leader of ``name`` that leads (bounded wait)."""
+    leader = rs.PostgresLeader(dsn, rs.TaskHandler(), name=name, node_id=node_id, **LEASE_TIMINGS)
+    leader.start()
+    assert leader.wait_until_leader(15), f"{node_id} did not lead {name!r}"
+    return leader
+
+
+def lead_once(dsn: str, name: str, node_id: str) -> int:
+    """Lead ``name`` once and stop (the lease is released); return the term it had."""
+    leader = lead(dsn, name, node_id)
+    term = leader.term
+    leader.stop(timeout=10)
+    assert term is not None
+    return term
+
+
+def retired_row(dsn: str, name: str) -> tuple[Any, ...] | None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(
+            "SELECT holder, term, retired_term FROM rselection_leases WHERE name = %s", (name,)
+        ).fetchone()
+
+
+def test_status_filters_by_name_and_judges_only_the_named_leases(pg_dsn: str) -> None:
+    lead_once(pg_dsn, "gone", "g1")  # released: a lease nobody leads any more
+    live = lead(pg_dsn, "live", "l1")
+    try:
+        code, doc = status_json(pg_dsn)
+        assert code == 1 and doc["headless"] == ["gone"]  # every lease is judged
+        assert [lease["name"] for lease in doc["leases"]] == ["gone", "live"]
+
+        code, doc = status_json(pg_dsn, "live")
+        assert code == 0 and doc["exit_code"] == 0 and doc["headless"] == []
+        assert doc["names"] == ["live"]
+        assert [lease["name"] for lease in doc["leases"]] == ["live"]
+        assert {n["lease"] for n in doc["nodes"]} == {"live"}  # nodes of that lease only
+
+        code, doc = status_json(pg_dsn, "gone")
+        assert code == 1 and doc["headless"] == ["gone"]
+        assert {n["lease"] for n in doc["nodes"]} <= {"gone"}
+
+        code, doc = status_json(pg_dsn, "live", "nowhere")
+        assert code == 1 and doc["unknown"] == ["nowhere"] and doc["headless"] == ["nowhere"]
+        assert [lease["name"] for lease in doc["leases"]] == ["live"]
+
+        table = run("status", "live", "nowhere", "--dsn", pg_dsn)
+        assert table.returncode == 1, table.stderr
+        assert "NO SUCH LEASE in 'rselection_leases': nowhere" in table.stdout
+        assert "NO LEADER" not in table.stdout
+        assert run("status", "live", "--dsn", pg_dsn).returncode == 0
+    finally:
+        live.stop(timeout=10)
+
+
+def test_status_shows_a_pending_handover_request(pg_dsn: str) -> None:
+    leader = lead(pg_dsn, "asked", "a1")
+    try:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            # Reserved for a node that is not running: the leader hands over, nobody may
+            # take the lease until the window ends, and the request stays pending.
+            asked = request_handover(conn, "asked", to="n9", window=60)
+        assert asked is not None
+        wait_until(lambda: not leader.is_leader, 10, "the leader to hand over")
+    finally:
+        leader.stop(timeout=10)
+    code, doc = status_json(pg_dsn)
+    assert code == 1
+    (request,) = doc["handovers"]
+    assert (request["lease"], request["term"], request["node_id"], request["to"]) == (
+        "asked",
+        asked.term,
+        "a1",
+        "n9",
+    )
+    assert 0 < request["expires_in"] <= 60 and request["until"].endswith("Z")
+    table = run("status", "--dsn", pg_dsn)
+    assert "handover requests (pending" in table.stdout, table.stdout
+    rows = [line.split() for line in table.stdout.splitlines() if line.startswith("asked ")]
+    assert ["asked", str(asked.term), "a1", "n9"] in [row[:4] for row in rows], table.stdout
+
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        assert cancel_handover(conn, "asked", asked.term)
+    code, doc = status_json(pg_dsn)
+    assert doc["handovers"] == []
+    assert "handover requests: none pending" in run("status", "--dsn", pg_dsn).stdout
+
+
+# ----------------------------------------------------------------------- forget
+
+
+def test_forget_refuses_a_lease_with_a_live_holder_or_live_nodes(pg_dsn: str) -> None:
+    leader = lead(pg_dsn, "busy", "b1")
+    try:
+        out = run("forget", "busy", "--dsn", pg_dsn)
+        assert out.returncode == 1
+        assert "lease 'busy' has a live holder: b1 leads term" in out.stderr
+        assert "stop the service's nodes first" in out.stderr
+        assert retired_row(pg_dsn, "busy") == ("b1", leader.term, None)
+    finally:
+        leader.stop(timeout=10)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:  # a follower still heartbeats
+        conn.execute(
+            "INSERT INTO rselection_nodes (name, node_id, hostname, pid, started_at, last_seen)"
+            " VALUES ('busy', 'b2', 'h', 1, now(), now())"
+        )
+    out = run("forget", "busy", "--dsn", pg_dsn)
+    assert out.returncode == 1
+    assert "lease 'busy' still has live nodes (seen within 15s" in out.stderr and "b2" in out.stderr
+    # Its heartbeat is older than --node-timeout: the node is gone, the lease may go.
+    out = run("forget", "busy", "--dsn", pg_dsn, "--node-timeout", "0.001")
+    assert out.returncode == 0, out.stderr
+    missing = run("forget", "never-was", "--dsn", pg_dsn)
+    assert missing.returncode == 1 and "no lease 'never-was'" in missing.stderr
+
+
+def test_forget_hides_a_lease_keeps_its_term_and_a_new_leader_brings_it_back(
+    pg_dsn: str,
+) -> None:
+    old_term = lead_once(pg_dsn, "old", "o1")
+    assert status_json(pg_dsn)[0] == 1  # the released lease makes status exit 1
+
+    out = run("forget", "old", "--dsn", pg_dsn)
+    assert out.returncode == 0, out.stderr
+    assert f"retired lease 'old' at term {old_term}" in out.stdout
+    assert retired_row(pg_dsn, "old") == (None, old_term, old_term)  # never deleted
+    again = run("forget", "old", "--dsn", pg_dsn)
+    assert again.returncode == 0 and "already retired" in again.stdout
+
+    code, doc = status_json(pg_dsn)
+    assert code == 0 and doc["leases"] == [] and doc["hidden"] == ["old"]
+    assert "1 retired lease hidden" in run("status", "--dsn", pg_dsn).stdout
+    code, doc = status_json(pg_dsn, "--all")  # shown, but not judged
+    assert code == 0 and doc["leases"][0]["retired"] and doc["headless"] == []
+    code, doc = status_json(pg_dsn, "old")  # named: shown and judged
+    assert code == 1 and doc["leases"][0]["retired"] and doc["headless"] == ["old"]
+    assert "(retired)" in run("status", "old", "--dsn", pg_dsn).stdout
+
+    leader = lead(pg_dsn, "old", "o2")  # acquiring the lease again brings it back
+    try:
+        assert leader.term is not None and leader.term > old_term
+        code, doc = status_json(pg_dsn)
+        assert code == 0 and doc["hidden"] == []
+        (lease,) = doc["leases"]
+        assert (lease["name"], lease["holder"], lease["retired"]) == ("old", "o2", False)
+    finally:
+        leader.stop(timeout=10)
+    assert status_json(pg_dsn)[1]["headless"] == ["old"]  # no longer retired
+
+
+def test_forget_on_a_lease_table_before_version_4_asks_for_migrate(pg_dsn: str) -> None:
+    lead_once(pg_dsn, "v3", "v1")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("ALTER TABLE rselection_leases DROP COLUMN retired_term")
+        conn.execute("UPDATE rselection_schema_version SET version = 3 WHERE component = 'leases'")
+    code, doc = status_json(pg_dsn)  # status still reads the older table
+    assert code == 1 and doc["headless"] == ["v3"] and not doc["leases"][0]["retired"]
+    out = run("forget", "v3", "--dsn", pg_dsn)
+    assert out.returncode == 1 and "run `rselection migrate`" in out.stderr
+    assert run("migrate", "--dsn", pg_dsn).returncode == 0
+    assert run("forget", "v3", "--dsn", pg_dsn).returncode == 0
+    assert status_json(pg_dsn)[0] == 0
+
+
+def test_forget_a_redis_lease_keeps_its_term_key_and_a_new_leader_brings_it_back(
+    redis_url: str,
+) -> None:
+    import redis
+
+    from rselection.commands.forget import retired_key
+    from rselection.redis import RedisLeader
+    from rselection.redis.lease import lease_keys
+
+    prefix = f"forget-{uuid.uuid4().hex[:6]}:"
+    where = ["--redis-url", redis_url, "--key-prefix", prefix]
+
+    def leader(node_id: str) -> RedisLeader:
+        made = RedisLeader(
+            redis_url,
+            rs.TaskHandler(),
+            name="r",
+            node_id=node_id,
+            key_prefix=prefix,
+            **LEASE_TIMINGS,
+        )
+        made.start()
+        assert made.wait_until_leader(15)
+        return made
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        first = leader("r1")
+        try:
+            out = run("forget", "r", *where)
+            assert out.returncode == 1
+            assert "lease 'r' has a live holder: r1 leads term" in out.stderr
+            assert client.get(retired_key("r", prefix)) is None
+        finally:
+            first.stop(timeout=10)
+        out = run("forget", "r", *where)
+        assert out.returncode == 0, out.stderr
+        assert "retired lease 'r' at term 1" in out.stdout
+        term_key = lease_keys("r", prefix)[1]
+        assert client.get(term_key) == b"1" and client.get(retired_key("r", prefix)) == b"1"
+        assert "already retired" in run("forget", "r", *where).stdout
+
+        second = leader("r2")
+        assert second.term == 2  # the kept term key: a new leader gets a higher term
+        second.stop(timeout=10)
+        out = run("forget", "r", *where)
+        assert out.returncode == 0 and "retired lease 'r' at term 2" in out.stdout
+
+        missing = run("forget", "never-was", *where)
+        assert missing.returncode == 1 and "no lease 'never-was'" in missing.stderr
+    finally:
+        client.delete(*lease_keys("r", prefix)[:2], retired_key("r", prefix))
+        client.close()
+
+
+def test_forget_never_prints_a_password() -> None:
+    pg = run("forget", "x", "--dsn", CLOSED)
+    assert pg.returncode == 2 and "127.0.0.1" in pg.stderr
+    rd = run("forget", "x", "--redis-url", "redis://u:hunter2@127.0.0.1:1/0")
+    assert rd.returncode == 2 and "127.0.0.1:1" in rd.stderr
+    for out in (pg, rd):
         assert "hunter2" not in out.stdout + out.stderr

@@ -3,8 +3,8 @@
 Each scenario runs unchanged on both backends: election and agreement, graceful handover,
 kill -9 failover, a leader paused beyond its ttl, a server restart, and a fenced write
 refused after a takeover. Fleet scenarios run real node processes (``python -m
-rselection.demo node --backend ...``) that write a fenced ledger and report their task
-activity; each ends by checking that no write of an older term came after a write of a
+rselection.commands.demo_fleet --backend ...``) that write a fenced ledger and report
+their task activity; each ends by checking that no write of an older term came after a write of a
 newer term, and that no task of one term ran while a task of another term ran.
 """
 
@@ -21,7 +21,7 @@ import psycopg
 import pytest
 
 import rselection as rs
-from rselection.demo import Fleet
+from rselection.commands.demo_fleet import Fleet
 from tests.support import activity
 from tests.support.backends import Backend
 from tests.support.pg import with_host_port

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from rselection.demo import Fleet
+from rselection.commands.demo_fleet import Fleet
 from tests.support import activity, ledger
 from tests.support.pg import PrivatePostgres, with_host_port
 from tests.support.proxy import TcpProxy

@@ -1,6 +1,6 @@
 """Real node processes competing for one Postgres lease: crash, pause, handover, faults.
 
-Every node is ``python -m rselection.demo node`` (the demo's own node program): it leads
+Every node is ``python -m rselection.commands.demo_fleet`` (the demo's own node program): it leads
 with a ticking task and a persistent task that writes fenced rows to a ledger. Each
 test ends by checking the ledger (no row of an older term after a row of a newer one)
 and the activity ledger (no task of one term ran while a task of another term ran).
@@ -18,7 +18,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
-from rselection.demo import Fleet
+from rselection.commands.demo_fleet import Fleet
 from tests.support import activity, ledger
 
 pytestmark = pytest.mark.slow

@@ -29,6 +29,7 @@ from psycopg import sql
 from rselection.errors import BackendUnavailable, ConfigError, StaleLeaderError
 from rselection.lease import Acquisition, LeaseBackend
 from rselection.postgres import PostgresLease, afenced, fenced, migrate
+from rselection.postgres.schema import LEASES_VERSION
 from tests.support.waiting import wait_until
 
 T = TypeVar("T")
@@ -363,7 +364,7 @@ def test_a_version_2_table_keeps_working_and_upgrades_in_place(
 
         with psycopg.connect(lease_dsn, autocommit=True) as conn:
             (change,) = migrate(conn, claims_table=None, elections_table=None, nodes_table=None)
-        assert (change.action, change.previous, change.version) == ("upgraded", 2, 3)
+        assert (change.action, change.previous, change.version) == ("upgraded", 2, LEASES_VERSION)
         assert lease_row(lease_dsn)[:2] == (None, term + 1)  # type: ignore[index]
         assert acquired(c.try_acquire("C")) == term + 2
         assert holder_server(lease_dsn) is not None
@@ -954,7 +955,7 @@ def test_schema_qualified_table_works(
         assert conn.execute("SELECT count(*) FROM my_leases").fetchone() == (1,)
         assert conn.execute(
             "SELECT component, version FROM rselection_schema_version"
-        ).fetchall() == [("leases:my_leases", 3)]
+        ).fetchall() == [("leases:my_leases", LEASES_VERSION)]
 
 
 def test_leases_in_different_schemas_never_share_a_lock(
@@ -1082,8 +1083,8 @@ def test_concurrent_migrations_do_not_error(lease_dsn: str, pool: ThreadPoolExec
     assert rows == [
         ("claims", 1),
         ("elections", 1),
-        ("leases", 3),
-        ("leases:other_leases", 3),
+        ("leases", LEASES_VERSION),
+        ("leases:other_leases", LEASES_VERSION),
         ("nodes", 1),
     ]
 

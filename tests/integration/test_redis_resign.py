@@ -1,7 +1,7 @@
 """Handover on request with a Redis lease: ``rselection resign --redis-url``,
 ``rselection.redis.request_handover`` / ``cancel_handover``, and the lease's rules.
 
-Fleet tests run real node processes (``python -m rselection.demo node --backend redis``)
+Fleet tests run real node processes (``python -m rselection.commands.demo_fleet --backend redis``)
 that append fenced entries to a Redis list; each ends by checking that no entry of an
 older term landed after one of a newer term.
 """
@@ -19,7 +19,7 @@ import pytest
 import redis
 
 import rselection as rs
-from rselection.demo import Fleet, redis_ledger_key
+from rselection.commands.demo_fleet import Fleet, redis_ledger_key
 from rselection.redis import (
     RedisLeader,
     RedisLease,
@@ -254,7 +254,7 @@ def test_a_request_reserves_the_lease_for_the_named_node_until_its_window_ends(
     assert a.renew("A", term)
     request = a.handover_requested()
     assert request is not None and request.term == term and request.to == "C"
-    assert 0 < request.window <= 1.0
+    assert 0 < request.timeout <= 1.0
     assert a.handover_requested() is None  # reported once
     a.release("A", term)
 

@@ -1,7 +1,7 @@
 """Handover on request (``rselection resign``), the lease_renewed signal, and the lease
 table's upgrade from schema version 1 to the current one.
 
-Fleet tests run real node processes (``python -m rselection.demo node``) that write
+Fleet tests run real node processes (``python -m rselection.commands.demo_fleet``) that write
 fenced rows to a ledger; each ends by checking that no row of an older term landed after
 a row of a newer one.
 """
@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 import rselection as rs
-from rselection.demo import Fleet
+from rselection.commands.demo_fleet import Fleet
 from rselection.postgres import migrate
 from rselection.postgres.leader import PostgresLeader
 from rselection.postgres.lease import PostgresLease, cancel_handover, request_handover
@@ -229,7 +229,7 @@ def test_a_request_reserves_the_lease_for_the_named_node_until_its_window_ends(
     assert a.renew("A", term)
     request = a.handover_requested()
     assert request is not None and request.term == term and request.to == "C"
-    assert 0 < request.window <= 1.0
+    assert 0 < request.timeout <= 1.0
     assert a.handover_requested() is None  # reported once
     a.release("A", term)
 
@@ -361,13 +361,15 @@ def test_migrate_upgrades_a_version_1_lease_table(pg_dsn: str) -> None:
     make_v1_table(pg_dsn)
     out = cli("migrate", "--dsn", pg_dsn)
     assert out.returncode == 0, out.stderr
-    assert "lease table 'rselection_leases': upgraded (schema version 1 -> 3)" in out.stdout
+    upgraded = f"lease table 'rselection_leases': upgraded (schema version 1 -> {LEASES_VERSION})"
+    assert upgraded in out.stdout
     assert "nodes table 'rselection_nodes': created (schema version 1)" in out.stdout
-    assert versions(pg_dsn)["leases"] == LEASES_VERSION == 3
+    assert versions(pg_dsn)["leases"] == LEASES_VERSION == 4
     assert lease_row(pg_dsn, "old") == (None, 7, None, None)  # the row was kept
     again = cli("migrate", "--dsn", pg_dsn)
     assert again.returncode == 0, again.stderr
-    assert "lease table 'rselection_leases': already present (schema version 3)" in again.stdout
+    present = f"lease table 'rselection_leases': already present (schema version {LEASES_VERSION})"
+    assert present in again.stdout
     assert "created" not in again.stdout and "upgraded" not in again.stdout
 
 
@@ -385,7 +387,7 @@ def test_a_leader_with_create_tables_upgrades_a_version_1_table_and_can_resign(
         wait_until(lambda: any(x.is_leader for x in leaders), 10, "a leader")
         first = next(x for x in leaders if x.is_leader)
         assert first.term == 8  # the old row's term 7 was kept and continued
-        assert versions(pg_dsn)["leases"] == 3
+        assert versions(pg_dsn)["leases"] == LEASES_VERSION
         wait_for_heartbeats(pg_dsn, "old", 2)
         out = cli("resign", "old", "--dsn", pg_dsn)
         assert out.returncode == 0, out.stdout + out.stderr
@@ -430,7 +432,7 @@ def test_a_version_1_table_keeps_working_without_create_tables_until_migrated(
         # request is seen although it connected before the upgrade.
         done = cli("migrate", "--dsn", pg_dsn)
         assert done.returncode == 0, done.stderr
-        assert "upgraded (schema version 1 -> 3)" in done.stdout
+        assert f"upgraded (schema version 1 -> {LEASES_VERSION})" in done.stdout
         assert first.is_leader and first.term == 8
         out = cli("resign", "old", "--dsn", pg_dsn)
         assert out.returncode == 0, out.stdout + out.stderr

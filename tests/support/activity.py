@@ -1,6 +1,6 @@
 """The activity ledger: when each task of each term ran, and whether two terms overlapped.
 
-Node programs (``python -m rselection.demo node``) report every task run as two JSON
+Node programs (``python -m rselection.commands.demo_fleet``) report every task run as two JSON
 events stamped with this machine's wall clock, ``{"ev": "activity", "node", "term",
 "task", "run", "start", "end": null}`` when it starts and the same with ``end`` when it
 ends. Fenced writes cannot see a task of an old term that still runs after the lease
@@ -288,12 +288,12 @@ def _minus_all(windows: Sequence[Window], holes: Sequence[Window]) -> list[Windo
 
 
 def check_fleet(fleet: Any, **options: Any) -> Report:
-    """:func:`check` over a stopped :class:`rselection.demo.Fleet`: its events, the times
-    its nodes were killed or exited, and the windows they were frozen.
+    """:func:`check` over a stopped :class:`rselection.commands.demo_fleet.Fleet`: its
+    events, the times its nodes were killed or exited, and the windows they were frozen.
 
     Args:
-        fleet: the fleet, after :meth:`~rselection.demo.Fleet.stop_all` (or its ``with``
-            block) so that every event has been read.
+        fleet: the fleet, after :meth:`~rselection.commands.demo_fleet.Fleet.stop_all` (or
+            its ``with`` block) so that every event has been read.
         options: ``allowance``, ``resume_grace`` (see :func:`check`).
     """
     return check(fleet.history, ended_at=fleet.ended_at, paused=fleet.paused, **options)
@@ -303,7 +303,7 @@ def assert_no_overlap(fleet: Any, **options: Any) -> Report:
     """Fail unless the stopped ``fleet``'s tasks ran and no two terms' runs overlapped.
 
     Args:
-        fleet: a stopped :class:`rselection.demo.Fleet`.
+        fleet: a stopped :class:`rselection.commands.demo_fleet.Fleet`.
         options: ``allowance``, ``resume_grace`` (see :func:`check`).
     """
     report = check_fleet(fleet, **options)

@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 
 import rselection as rs
-from rselection.demo import redis_ledger_key
+from rselection.commands.demo_fleet import redis_ledger_key
 from tests.support import ledger as pg_ledger
 
 LEDGER = "rselection_demo_ledger"

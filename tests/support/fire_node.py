@@ -43,7 +43,7 @@ from typing import IO, Any
 import psycopg
 from psycopg import errors, sql
 
-from rselection.demo import Fleet
+from rselection.commands.demo_fleet import Fleet
 
 __all__ = [
     "SCHEMES",

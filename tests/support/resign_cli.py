@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from rselection.demo import Fleet
+from rselection.commands.demo_fleet import Fleet
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -1,12 +1,12 @@
-"""``rselection demo``: three nodes compete for one lease; watch crash failover and handover.
+"""The demo's fleet: its node program and :class:`Fleet`, which runs node processes.
 
-The parent process starts node processes (``python -m rselection.demo node ...``), each a
+A node (``python -m rselection.commands.demo_fleet [options]``) is a
 :class:`~rselection.PostgresLeader` (or, with ``--backend redis``, a
-:class:`~rselection.RedisLeader`) with a ticking task and a fenced ledger writer. Nodes
-report what happens as JSON lines on stdout; the parent prints them, kills the leader
-with SIGKILL, measures how long the fleet takes to elect another one, then stops the
-new leader gracefully and measures the handover. The same node program drives the
-multi-process tests and the chaos soak (``bench/chaos.py``).
+:class:`~rselection.RedisLeader`) with a ticking task and a fenced ledger writer; it
+reports what happens as JSON lines on stdout. :class:`Fleet` starts node processes and
+gathers their events: ``rselection demo`` (:mod:`rselection.commands.demo`) kills and
+stops its leaders and measures the failovers; the multi-process tests and the chaos
+soak (``bench/chaos.py``) drive the same program.
 
 Every task of a node reports its activity: an ``activity`` event when it starts (``end``
 is ``null``) and another when it ends, stamped with this machine's wall clock, so a
@@ -28,7 +28,6 @@ import queue
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -37,7 +36,15 @@ from typing import IO, TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import rselection as rs
 
-__all__ = ["Fleet", "main", "run_demo", "run_node"]
+__all__ = [
+    "DSN_ENV",
+    "LEASE_DSN_ENV",
+    "Fleet",
+    "add_node_arguments",
+    "main",
+    "redis_ledger_key",
+    "run_node",
+]
 
 LEDGER_DDL = """
 CREATE TABLE IF NOT EXISTS {table} (
@@ -370,7 +377,7 @@ class Fleet:
             dsn: this node's connection instead of the fleet's.
             lease_dsn: a separate connection for its lease (e.g. through a proxy).
         """
-        cmd = [sys.executable, "-m", "rselection.demo", "node"]
+        cmd = [sys.executable, "-m", "rselection.commands.demo_fleet"]
         cmd += ["--name", self.name, "--node-id", node_id, *self.node_args, *(extra or [])]
         env = {**os.environ, DSN_ENV: dsn if dsn is not None else self.dsn}
         env.pop(LEASE_DSN_ENV, None)
@@ -499,130 +506,14 @@ class Fleet:
         self.stop_all()
 
 
-# -- the demo -------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _database(dsn: str | None) -> Iterator[str]:
-    if dsn:
-        yield dsn
-        return
-    try:
-        from pgserver.postgres_server import get_server
-    except ImportError:
-        raise SystemExit(
-            "rselection demo needs a Postgres: pass --dsn postgresql://... (or set "
-            "RSELECTION_DSN), or install the embedded server: pip install 'rselection[embedded]'"
-        ) from None
-    with tempfile.TemporaryDirectory(prefix="rselection-demo-") as data:
-        print("starting a private Postgres (pgserver) ...", flush=True)
-        server = get_server(data, cleanup_mode="stop")
-        try:
-            yield server.get_uri()
-        finally:
-            server.cleanup()
-
-
-def _describe(event: dict[str, Any]) -> str | None:
-    kind = event["ev"]
-    if kind == "elected":
-        return f"{event['node']} now LEADS (term {event['term']})"
-    if kind == "demoted":
-        return f"{event['node']} stopped leading term {event['term']} ({event['reason']})"
-    if kind == "tick":
-        return f"  {event['node']} ran task 'tick' in term {event['term']}"
-    if kind == "ready":
-        return f"{event['node']} started (pid {event['pid']}), following"
-    if kind == "stopped":
-        return f"{event['node']} stopped gracefully"
-    return None
-
-
-def _show(event: dict[str, Any] | None) -> dict[str, Any] | None:
-    if event is not None and (text := _describe(event)):
-        print(text, flush=True)
-    return event
-
-
-def _await_leader(fleet: Fleet, timeout: float, exclude: str | None = None) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while (left := deadline - time.monotonic()) > 0:
-        event = _show(fleet.next_event(left))
-        if event and event["ev"] == "elected" and event["node"] != exclude:
-            return event
-    raise SystemExit(f"no node became leader within {timeout:.0f}s")
-
-
-def _watch(fleet: Fleet, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while (left := deadline - time.monotonic()) > 0:
-        _show(fleet.next_event(left))
-
-
-def run_demo(dsn: str | None, nodes: int = 3, forever: bool = False) -> int:
-    """Run the demo; return the process exit code."""
-    import uuid
-
-    with _database(dsn) as url:
-        name = f"demo-{uuid.uuid4().hex[:6]}"
-        with Fleet(url, name) as fleet:
-            for i in range(1, nodes + 1):
-                fleet.spawn(f"node-{i}")
-            leader = _await_leader(fleet, 30)
-            _watch(fleet, 3)
-
-            print(f"\n*** kill -9 {leader['node']} (the leader) ***", flush=True)
-            killed_at = time.time()
-            fleet.kill(leader["node"])
-            successor = _await_leader(fleet, 30, exclude=leader["node"])
-            crash_ms = (successor["t"] - killed_at) * 1000
-            print(f"*** failover after a crash took {crash_ms:.0f} ms (ttl is 15 s) ***\n")
-            _watch(fleet, 3)
-
-            print(f"*** graceful stop of {successor['node']} ***", flush=True)
-            stopped_at = time.time()
-            fleet.kill(successor["node"], signal.SIGTERM)
-            heir = _await_leader(fleet, 30, exclude=successor["node"])
-            handover_ms = (heir["t"] - stopped_at) * 1000
-            print(f"*** graceful handover took {handover_ms:.0f} ms ***\n")
-            _watch(fleet, 2)
-            while forever:
-                _watch(fleet, 3600)
-            rows, terms, late = _ledger_summary(url, name)
-        print(f"summary: crash failover {crash_ms:.0f} ms, graceful handover {handover_ms:.0f} ms")
-        print(f"ledger: {rows} fenced writes in {terms} terms, {late} written after a newer term")
-    return 0 if late == 0 else 1
-
-
-def _ledger_summary(dsn: str, lease: str) -> tuple[int, int, int]:
-    """Rows, terms, and rows of an older term written after a newer term's row."""
-    import psycopg
-
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT count(*), count(DISTINCT term),"
-            " (SELECT count(*) FROM rselection_demo_ledger a JOIN rselection_demo_ledger b"
-            "  ON a.lease = b.lease AND a.term < b.term AND a.id > b.id WHERE a.lease = %s)"
-            " FROM rselection_demo_ledger WHERE lease = %s",
-            (lease, lease),
-        ).fetchone()
-    assert row is not None
-    return int(row[0]), int(row[1]), int(row[2])
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m rselection.demo``."""
-    parser = argparse.ArgumentParser(prog="rselection.demo")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_node_arguments(sub.add_parser("node", help="run one node (used by the demo)"))
-    run = sub.add_parser("run", help="run the demo")
-    run.add_argument("--dsn", default=os.environ.get("RSELECTION_DSN"))
-    run.add_argument("--nodes", type=int, default=3)
-    run.add_argument("--forever", action="store_true")
-    args = parser.parse_args(argv)
-    if args.command == "node":
-        return run_node(args)
-    return run_demo(args.dsn, args.nodes, args.forever)
+    """Entry point of a node, ``python -m rselection.commands.demo_fleet [options]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m rselection.commands.demo_fleet",
+        description="One node of the demo's fleet: leads or follows a lease, reports JSON lines.",
+    )
+    add_node_arguments(parser)
+    return run_node(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,186 @@
+"""``rselection demo``: nodes compete for one lease; watch a crash failover and a handover.
+
+The demo starts node processes (:mod:`rselection.commands.demo_fleet`), each a
+:class:`~rselection.PostgresLeader` with a ticking task and a fenced ledger writer,
+prints what they report, kills the leader with SIGKILL and measures how long the fleet
+takes to elect another one, then stops the new leader gracefully and measures the
+handover. At the end it retires its lease (as ``rselection forget`` does), so a demo
+run against a shared database leaves no headless lease in ``rselection status``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from .demo_fleet import Fleet
+
+__all__ = ["add_parser", "run", "run_demo"]
+
+
+def add_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    """Add ``demo`` and its options to the command line.
+
+    Args:
+        subparsers: the ``rselection`` command's subparsers.
+    """
+    parser = subparsers.add_parser("demo", help="three nodes, a crash and a handover, measured")
+    parser.add_argument(
+        "--dsn",
+        help="Postgres to use (default: $RSELECTION_DSN, else a private one from pgserver)",
+    )
+    parser.add_argument("--nodes", type=int, default=3, help="node processes (default 3)")
+    parser.add_argument("--forever", action="store_true", help="keep running until Ctrl-C")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo from its command line; return the exit code.
+
+    Args:
+        args: the parsed ``demo`` command line.
+    """
+    if args.nodes < 2:
+        raise SystemExit(f"--nodes needs at least 2 nodes to show a failover, got {args.nodes}")
+    return run_demo(args.dsn or os.environ.get("RSELECTION_DSN"), args.nodes, args.forever)
+
+
+@contextlib.contextmanager
+def _database(dsn: str | None) -> Iterator[str]:
+    if dsn:
+        yield dsn
+        return
+    try:
+        from pgserver.postgres_server import get_server
+    except ImportError:
+        raise SystemExit(
+            "rselection demo needs a Postgres: pass --dsn postgresql://... (or set "
+            "RSELECTION_DSN), or install the embedded server: pip install 'rselection[embedded]'"
+        ) from None
+    with tempfile.TemporaryDirectory(prefix="rselection-demo-") as data:
+        print("starting a private Postgres (pgserver) ...", flush=True)
+        server = get_server(data, cleanup_mode="stop")
+        try:
+            yield server.get_uri()
+        finally:
+            server.cleanup()
+
+
+def _describe(event: dict[str, Any]) -> str | None:
+    kind = event["ev"]
+    if kind == "elected":
+        return f"{event['node']} now LEADS (term {event['term']})"
+    if kind == "demoted":
+        return f"{event['node']} stopped leading term {event['term']} ({event['reason']})"
+    if kind == "tick":
+        return f"  {event['node']} ran task 'tick' in term {event['term']}"
+    if kind == "ready":
+        return f"{event['node']} started (pid {event['pid']}), following"
+    if kind == "stopped":
+        return f"{event['node']} stopped gracefully"
+    return None
+
+
+def _show(event: dict[str, Any] | None) -> dict[str, Any] | None:
+    if event is not None and (text := _describe(event)):
+        print(text, flush=True)
+    return event
+
+
+def _await_leader(fleet: Fleet, timeout: float, exclude: str | None = None) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        event = _show(fleet.next_event(left))
+        if event and event["ev"] == "elected" and event["node"] != exclude:
+            return event
+    raise SystemExit(f"no node became leader within {timeout:.0f}s")
+
+
+def _watch(fleet: Fleet, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        _show(fleet.next_event(left))
+
+
+def run_demo(dsn: str | None, nodes: int = 3, forever: bool = False) -> int:
+    """Run the demo; return the process exit code.
+
+    Args:
+        dsn: the Postgres to use; ``None`` starts a private one (``pgserver``).
+        nodes: how many node processes compete for the lease.
+        forever: after the measurements, keep the fleet running until Ctrl-C.
+    """
+    import uuid
+
+    with _database(dsn) as url:
+        name = f"demo-{uuid.uuid4().hex[:6]}"
+        try:
+            with Fleet(url, name) as fleet:
+                for i in range(1, nodes + 1):
+                    fleet.spawn(f"node-{i}")
+                leader = _await_leader(fleet, 30)
+                _watch(fleet, 3)
+
+                print(f"\n*** kill -9 {leader['node']} (the leader) ***", flush=True)
+                killed_at = time.time()
+                fleet.kill(leader["node"])
+                successor = _await_leader(fleet, 30, exclude=leader["node"])
+                crash_ms = (successor["t"] - killed_at) * 1000
+                print(f"*** failover after a crash took {crash_ms:.0f} ms (ttl is 15 s) ***\n")
+                _watch(fleet, 3)
+
+                print(f"*** graceful stop of {successor['node']} ***", flush=True)
+                stopped_at = time.time()
+                fleet.kill(successor["node"], signal.SIGTERM)
+                heir = _await_leader(fleet, 30, exclude=successor["node"])
+                handover_ms = (heir["t"] - stopped_at) * 1000
+                print(f"*** graceful handover took {handover_ms:.0f} ms ***\n")
+                _watch(fleet, 2)
+                while forever:
+                    _watch(fleet, 3600)
+        finally:
+            _retire(url, name)
+        rows, terms, late = _ledger_summary(url, name)
+        print(f"summary: crash failover {crash_ms:.0f} ms, graceful handover {handover_ms:.0f} ms")
+        print(f"ledger: {rows} fenced writes in {terms} terms, {late} written after a newer term")
+    return 0 if late == 0 else 1
+
+
+def _retire(dsn: str, name: str) -> None:
+    """Retire the demo's lease once its nodes stopped (its row and term stay)."""
+    import psycopg
+
+    from .connections import first_line, redact, table_exists
+    from .forget import Refused, retire_postgres_lease
+
+    try:
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+            if table_exists(conn, "rselection_leases"):
+                retire_postgres_lease(conn, name)
+    except (Refused, psycopg.Error) as exc:
+        print(f"could not retire the demo's lease {name!r}: {redact(first_line(exc), dsn)}")
+
+
+def _ledger_summary(dsn: str, lease: str) -> tuple[int, int, int]:
+    """Rows, terms, and rows of an older term written after a newer term's row."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*), count(DISTINCT term),"
+            " (SELECT count(*) FROM rselection_demo_ledger a JOIN rselection_demo_ledger b"
+            "  ON a.lease = b.lease AND a.term < b.term AND a.id > b.id WHERE a.lease = %s)"
+            " FROM rselection_demo_ledger WHERE lease = %s",
+            (lease, lease),
+        ).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1]), int(row[2])

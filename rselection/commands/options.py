@@ -1,0 +1,67 @@
+"""Command-line options that several subcommands share, spelled and explained once."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["add_database_options", "add_nodes_options", "add_redis_options", "lease_name"]
+
+
+def add_database_options(parser: argparse.ArgumentParser) -> None:
+    """``--dsn`` and ``--table``: the Postgres database and its lease table.
+
+    Args:
+        parser: the subcommand's parser.
+    """
+    parser.add_argument("--dsn", help="database (default: $RSELECTION_DSN, else the PG* variables)")
+    parser.add_argument("--table", default="rselection_leases", help="lease table")
+
+
+def add_nodes_options(parser: argparse.ArgumentParser) -> None:
+    """``--nodes-table`` and ``--node-timeout``: where node heartbeats are, and when alive.
+
+    Args:
+        parser: the subcommand's parser.
+    """
+    parser.add_argument("--nodes-table", default="rselection_nodes", help="node heartbeats table")
+    parser.add_argument(
+        "--node-timeout",
+        type=float,
+        default=15.0,
+        help="a node is alive when seen within this many seconds (default 15: the leaders' "
+        "default, three heartbeats)",
+    )
+
+
+def add_redis_options(parser: argparse.ArgumentParser) -> None:
+    """``--redis-url`` and ``--key-prefix``: a Redis lease instead of a Postgres one.
+
+    Args:
+        parser: the subcommand's parser.
+    """
+    parser.add_argument(
+        "--redis-url",
+        metavar="URL",
+        help="a Redis lease (redis://...; a cluster node's URL for Redis Cluster) instead of --dsn",
+    )
+    parser.add_argument(
+        "--key-prefix", default="rselection:", help="with --redis-url: the leaders' key_prefix"
+    )
+
+
+def lease_name(value: str) -> str:
+    """An argparse ``type`` for lease names: non-blank, at most 1,000 characters, kept as is.
+
+    Args:
+        value: the name as typed.
+
+    Raises:
+        argparse.ArgumentTypeError: not a usable lease name.
+    """
+    from ..errors import ConfigError
+    from ..validation import check_name
+
+    try:
+        return check_name(value, "lease name")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc

@@ -1,0 +1,42 @@
+"""What the subcommands report: their exit codes, and times and tables for people."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+__all__ = ["EXIT_NO_LEADER", "EXIT_OK", "EXIT_REFUSED", "EXIT_UNREACHABLE", "ago", "grid", "iso"]
+
+EXIT_OK = 0
+"""Done; for ``status``: every lease judged has a leader."""
+
+EXIT_NO_LEADER = 1
+"""For ``status``: a lease it judged has no leader."""
+
+EXIT_REFUSED = 1
+"""For the other subcommands: refused or failed; the message on stderr says why."""
+
+EXIT_UNREACHABLE = 2
+"""The database (or Redis) could not be reached or read."""
+
+
+def iso(value: datetime | None) -> str | None:
+    """``value`` as RFC 3339 in UTC with a ``Z`` (``None`` stays ``None``)."""
+    if value is None:
+        return None
+    return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def ago(seconds: float | None) -> str:
+    """``"1.5s ago"``, or ``"-"`` when unknown."""
+    return "-" if seconds is None else f"{seconds:.1f}s ago"
+
+
+def grid(headers: list[str], rows: list[list[str]]) -> list[str]:
+    """Lines of a table: ``headers`` then ``rows``, columns padded to their widest cell."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+    lines = []
+    for row in [headers, *rows]:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return lines
