@@ -34,8 +34,9 @@ It keeps every lease notification far below Postgres' 8,000-byte NOTIFY limit.
 def check_name(value: object, what: str = "name") -> str:
     """Return ``value`` if it is a usable name, else raise :class:`ConfigError`.
 
-    A name is a string that is not blank, has at most :data:`MAX_NAME` characters and
-    no NUL character (Postgres text cannot hold one).
+    A name is a string that is not blank, has at most :data:`MAX_NAME` characters, no
+    NUL character (Postgres text cannot hold one) and no lone surrogate (no server can
+    store it as UTF-8).
 
     Args:
         value: the name to check.
@@ -46,6 +47,10 @@ def check_name(value: object, what: str = "name") -> str:
             f"{what} must be a non-blank string of at most {MAX_NAME} characters without "
             f"NUL, got {value!r:.60}"
         )
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:  # a lone surrogate: no server can store it
+        raise ConfigError(f"{what} must be valid Unicode text, got {value!r:.60}") from exc
     return value
 
 

@@ -217,6 +217,13 @@ class _Held:
         return sql.SQL("{}, {}").format(sql.Literal(self.lock_key), sql.Literal(self.term % 2**31))
 
 
+CANCEL_RETRY_FIRST = 0.02
+"""Seconds before a lock-wait cancel is sent again if the wait is still marked."""
+
+CANCEL_RETRY_CAP = 0.5
+"""Longest pause between two cancel requests for the same lock wait, seconds."""
+
+
 class PostgresLease(Closeable):
     """A lease kept in a Postgres table, with server time, fencing terms and fast failover.
 
@@ -1038,15 +1045,23 @@ class PostgresLease(Closeable):
                 ).start()
 
     def _cancel_lock_wait(self) -> None:
-        with self._cancel_lock:
-            with self._lock_wait_guard:
-                conn = self._conn if self._in_lock_wait else None
-            if conn is None:
-                return  # the wait ended meanwhile
-            try:
-                conn.cancel_safe(timeout=self.connect_timeout)
-            except Exception as exc:  # the wait ends by its own timeout anyway
-                logger.debug("lease %r: cancel request failed: %s", self.name, exc)
+        # The wait is marked a moment before its statement reaches the server; a cancel
+        # that lands in that gap finds the backend idle and is ignored. So the request
+        # is sent again, with backoff, for as long as the wait is marked.
+        pause = CANCEL_RETRY_FIRST
+        while True:
+            with self._cancel_lock:
+                with self._lock_wait_guard:
+                    conn = self._conn if self._in_lock_wait else None
+                if conn is None:
+                    return  # the wait ended
+                try:
+                    conn.cancel_safe(timeout=self.connect_timeout)
+                except Exception as exc:  # the wait ends by its own timeout anyway
+                    logger.debug("lease %r: cancel request failed: %s", self.name, exc)
+                    return
+            time.sleep(pause)
+            pause = min(2 * pause, CANCEL_RETRY_CAP)
 
     def close(self) -> None:
         """Close the keeper and observer connections (ending LISTEN and any lock held).

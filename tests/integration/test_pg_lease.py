@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import os
@@ -627,6 +628,34 @@ def test_an_interrupt_before_the_wait_is_not_lost(
         # ...and it is consumed: the next wait waits.
         _, took = timed(functools.partial(lease.wait_for_change, 0.2))
         assert took >= 0.15
+
+
+def test_an_interrupt_just_before_the_lock_wait_statement_is_not_lost(
+    make_lease: Callable[..., PostgresLease],
+) -> None:
+    # A follower's lock wait is marked a moment before its statement reaches the
+    # server; a cancel request that lands in that gap finds the backend idle and is
+    # ignored. The gap lasts microseconds; the I/O guard runs inside it, so a slower
+    # guard that interrupts from within makes the interleaving certain.
+    a, b = make_lease(), make_lease()
+    acquired(a.try_acquire("A"))
+    assert not b.try_acquire("B").acquired
+    real_guard = b._io.guard
+
+    @contextlib.contextmanager
+    def interrupting_guard(conn: Any, seconds: float, **kw: Any) -> Iterator[Any]:
+        b.interrupt()
+        time.sleep(0.1)  # the first cancel reaches the idle backend before the statement
+        with real_guard(conn, seconds, **kw) as fired:
+            yield fired
+
+    b._io.guard = interrupting_guard  # type: ignore[method-assign]
+    _, took = timed(functools.partial(b.wait_for_change, 8))
+    assert took < 2, f"the wait ran {took:.2f}s after interrupt() (its full timeout is 8 s)"
+    b._io.guard = real_guard  # type: ignore[method-assign]
+    # No stray lock and no cancel left over for the next statement.
+    assert not b.try_acquire("B").acquired
+    assert b.current() is not None
 
 
 def test_current_answers_while_the_keeper_is_blocked(

@@ -3,9 +3,14 @@ and every public name is documented."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import re
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -93,3 +98,61 @@ def test_without_redis_py_the_core_works_and_redis_names_say_what_to_install() -
     assert len(lines) == 3
     for line in lines:
         assert "pip install 'rselection[redis]'" in line, line
+
+
+# --------------------------------------------------------------------------- release metadata
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _project() -> dict[str, Any]:
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        return tomllib.load(f)
+
+
+def _ci_python_versions() -> list[str]:
+    """The Python versions .ci/run runs the unit tests on."""
+    loop = re.search(r"^for version in ([0-9. ]+); do$", (ROOT / ".ci/run").read_text(), re.M)
+    assert loop is not None, ".ci/run no longer loops over Python versions"
+    return loop.group(1).split()
+
+
+def test_python_classifiers_and_requires_python_name_the_versions_ci_tests() -> None:
+    project = _project()["project"]
+    tested = _ci_python_versions()
+    listed = [
+        c.rsplit(" :: ", 1)[1]
+        for c in project["classifiers"]
+        if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)
+    ]
+    assert listed == tested
+    assert project["requires-python"] == f">={tested[0]}"
+    assert sys.version_info >= tuple(int(n) for n in tested[0].split("."))
+
+
+def test_package_is_marked_typed_and_ships_the_marker() -> None:
+    config = _project()
+    assert "Typing :: Typed" in config["project"]["classifiers"]
+    assert (ROOT / "rselection" / "py.typed").is_file()
+    assert "py.typed" in config["tool"]["setuptools"]["package-data"]["rselection"]
+
+
+def test_licence_is_an_spdx_expression_backed_by_the_licence_file() -> None:
+    project = _project()["project"]
+    assert project["license"] == "MIT"
+    assert project["license-files"] == ["LICENSE"]
+    assert "MIT License" in (ROOT / "LICENSE").read_text()
+    # setuptools refuses a licence classifier next to a licence expression (PEP 639)
+    assert not [c for c in project["classifiers"] if c.startswith("License ::")]
+
+
+def test_command_entry_point_names_a_callable() -> None:
+    target = _project()["project"]["scripts"]["rselection"]
+    module, _, attr = target.partition(":")
+    assert callable(getattr(importlib.import_module(module), attr))
+
+
+def test_dev_extra_has_the_release_tools_ci_uses() -> None:
+    dev = " ".join(_project()["project"]["optional-dependencies"]["dev"])
+    for tool in ("build", "twine", "trove-classifiers"):
+        assert re.search(rf"(^| ){re.escape(tool)}\b", dev), tool

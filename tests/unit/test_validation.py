@@ -1,0 +1,53 @@
+"""The one set of checks every backend uses for names, node ids and durations."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from rselection.errors import ConfigError
+from rselection.validation import (
+    MAX_NAME,
+    check_name,
+    check_node_id,
+    check_optional_seconds,
+    check_seconds,
+    new_node_id,
+)
+
+
+@pytest.mark.parametrize(
+    "name", ["jobs", " jobs ", "a}b{c", "tab\there", "ünï", "x" * MAX_NAME, "emoji 🦆"]
+)
+def test_names_are_taken_verbatim(name: str) -> None:
+    assert check_name(name, "lease name") == name
+
+
+@pytest.mark.parametrize(
+    "name", ["", "   ", "\t\n", "x" * (MAX_NAME + 1), "nul\x00", "lone\ud800", 7, None]
+)
+def test_unusable_names_are_refused_with_what_they_name(name: object) -> None:
+    with pytest.raises(ConfigError, match="lease name"):
+        check_name(name, "lease name")
+
+
+def test_node_ids_follow_the_name_rule() -> None:
+    assert check_node_id("node-1") == "node-1"
+    with pytest.raises(ConfigError, match="node_id"):
+        check_node_id(" ")
+    ids = {new_node_id() for _ in range(50)}
+    assert len(ids) == 50
+    assert all(check_node_id(i) == i for i in ids)
+
+
+def test_durations() -> None:
+    assert check_seconds(2, "ttl") == 2.0
+    assert check_seconds(timedelta(milliseconds=1500), "ttl") == 1.5
+    assert check_seconds(0, "jitter", allow_zero=True) == 0.0
+    assert check_optional_seconds(None, "node_timeout") is None
+    for bad in (0, -1, float("nan"), float("inf"), True, "2", None):
+        with pytest.raises(ConfigError, match="ttl"):
+            check_seconds(bad, "ttl")
+    with pytest.raises(ConfigError, match=r"at least 0.001 s"):
+        check_seconds(0.0001, "ttl", minimum=0.001)
