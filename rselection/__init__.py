@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from . import signals
 from .broadcast import Broadcaster, BroadcasterClosed, Subscription, SubscriptionClosed
+from .checkpoints import CheckpointStore, MemoryCheckpointStore, Snapshot
 from .claiming import FireClaimer, MemoryClaimer
-from .context import TaskContext
+from .context import TaskContext, TransactionFence
 from .errors import (
     BackendUnavailable,
     ConfigError,
@@ -26,12 +27,12 @@ from .errors import (
     RSelectionError,
     StaleLeaderError,
 )
-from .leader import Leader
-from .lease import LeaderInfo
-from .local import SingleNodeLeader
+from .leader import Leader, LeaseLeader
+from .lease import Acquisition, LeaderInfo, LeaseBackend
 from .members import NodeInfo
 from .monitor import HeartbeatMonitor
 from .schedules import CronSchedule, IntervalSchedule, Schedule, format_fire_key
+from .single_node import SingleNodeLeader
 from .tasks import GenericTask, Task, TaskHandler, TaskType
 
 if TYPE_CHECKING:
@@ -39,9 +40,11 @@ if TYPE_CHECKING:
     from .redis.leader import RedisLeader as RedisLeader
 
 __all__ = [
+    "Acquisition",
     "BackendUnavailable",
     "Broadcaster",
     "BroadcasterClosed",
+    "CheckpointStore",
     "ConfigError",
     "CronSchedule",
     "FireClaimer",
@@ -51,11 +54,15 @@ __all__ = [
     "Leader",
     "LeaderInfo",
     "LeadershipLost",
+    "LeaseBackend",
+    "LeaseLeader",
+    "MemoryCheckpointStore",
     "MemoryClaimer",
     "NodeInfo",
     "RSelectionError",
     "Schedule",
     "SingleNodeLeader",
+    "Snapshot",
     "StaleLeaderError",
     "Subscription",
     "SubscriptionClosed",
@@ -63,6 +70,7 @@ __all__ = [
     "TaskContext",
     "TaskHandler",
     "TaskType",
+    "TransactionFence",
     "format_fire_key",
     "signals",
 ]

@@ -9,7 +9,7 @@ from typing import Protocol, runtime_checkable
 
 from .errors import ConfigError
 
-__all__ = ["FireClaimer", "MemoryClaimer", "MissedFireClaimer", "claim_missed"]
+__all__ = ["FireClaimer", "LeaseClaims", "MemoryClaimer", "MissedFireClaimer", "claim_missed"]
 
 
 @runtime_checkable
@@ -118,3 +118,36 @@ def claim_missed(claimer: FireClaimer, fire_keys: list[str], *, term: int | None
             break
         won.append(key)
     return won[::-1]
+
+
+class LeaseClaims:
+    """A claimer seen through one lease: claim keys are ``"<lease name>/<fire key>"``.
+
+    Every leader claims through one of these, so leases that share a claims table (or a
+    Redis prefix) may have tasks of the same name and their fires still stay apart.
+    Missed fires are claimed in one call when the claimer can (a
+    :class:`MissedFireClaimer`), else fire by fire (see :func:`claim_missed`).
+
+    Args:
+        claimer: the claimer to claim through.
+        lease: the lease name.
+    """
+
+    def __init__(self, claimer: FireClaimer, lease: str) -> None:
+        self.claimer = claimer
+        self.ttl = claimer.ttl
+        self.prefix = f"{lease}/"
+
+    def claim(self, fire_key: str, *, term: int | None = None) -> bool:
+        """Claim ``"<lease>/<fire_key>"`` (see :meth:`FireClaimer.claim`)."""
+        return self.claimer.claim(self.prefix + fire_key, term=term)
+
+    def claim_missed(self, fire_keys: list[str], *, term: int | None = None) -> list[str]:
+        """Claim the missed fires among ``fire_keys`` (oldest first) under this lease;
+        return the fire keys won, oldest first, without the prefix."""
+        keys = [self.prefix + key for key in fire_keys]
+        won = claim_missed(self.claimer, keys, term=term)
+        return [key[len(self.prefix) :] for key in won]
+
+    def __repr__(self) -> str:
+        return f"LeaseClaims({self.claimer!r}, prefix={self.prefix!r})"

@@ -8,29 +8,54 @@ import contextvars
 import inspect
 import math
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from . import clock
-from .errors import ConfigError, LeadershipLost, StaleLeaderError
+from .checkpoints import TaskCheckpoint
+from .errors import ConfigError, LeadershipLost
 
 if TYPE_CHECKING:
     from .broadcast import Broadcaster
+    from .checkpoints import CheckpointStore
     from .claiming import FireClaimer
     from .members import NodeInfo
-    from .postgres.checkpoint import TaskCheckpoint
 
-__all__ = ["TaskContext", "Term", "running_term"]
+__all__ = ["TaskContext", "Term", "TransactionFence", "running_term"]
 
-Fencer = Callable[[Any, int], None]
-"""Checks inside a caller's transaction that a term still holds the lease.
 
-A fencer may also offer ``afence(conn, term)``, a coroutine function doing the same on
-an async connection (``ctx.afence``; both leaders' fencers do), and
-``bind_checkpoint(task, term)``, returning the task's durable state bound to that term
-(``ctx.checkpoint``; the Postgres leader's fencer does).
-"""
+@runtime_checkable
+class TransactionFence(Protocol):
+    """Fences a caller's open transaction to a term: what ``ctx.fence`` and
+    ``ctx.afence`` call.
+
+    A lease backend that can hold a takeover back until a transaction ends (Postgres:
+    the lease row locked ``FOR KEY SHARE``) offers one; a leader without one refuses
+    ``ctx.fence`` with a :class:`~rselection.errors.ConfigError` instead of pretending.
+    """
+
+    def fence(self, conn: Any, term: int) -> None:
+        """Make the open transaction on ``conn`` fail unless ``term`` still holds the lease.
+
+        Raises:
+            StaleLeaderError: ``term`` no longer holds the lease; roll back.
+            ConfigError: the wrong kind of connection, or no transaction open.
+        """
+        ...
+
+    async def afence(self, conn: Any, term: int) -> None:
+        """:meth:`fence` for an async connection."""
+        ...
+
+
+NO_FENCE = (
+    "this leader's lease cannot fence a transaction (a PostgresLeader's can), so a "
+    "write would not be held back from a successor: check the term with ctx.check() "
+    "before writing, and fence the write in its store (keep ctx.term with the data and "
+    "refuse lower terms)"
+)
+"""Why ``ctx.fence`` is refused under a leader built without a transaction fence."""
 
 
 class Term:
@@ -48,10 +73,11 @@ class Term:
         deadline: :func:`rselection.clock.monotonic` instant after which the term is no
             longer live.
         broadcaster: handed to tasks as ``ctx.broadcaster``.
-        fencer: checks a caller's transaction against the lease; ``None`` means no
-            lease table exists (single node), so fencing checks liveness only.
+        fence: fences a caller's transaction to this term (``ctx.fence``); ``None``
+            when the lease cannot, and then ``ctx.fence`` raises ``ConfigError``.
         claimer: claims each scheduled fire before it runs; ``None`` runs every fire
-            without claiming (a single node, or claims switched off).
+            without claiming (claims switched off).
+        checkpoint_store: keeps ``ctx.checkpoint``; ``None`` when the leader has none.
         nodes: lists the lease's nodes (the leader's ``nodes()``), for ``ctx.nodes()``.
     """
 
@@ -63,8 +89,9 @@ class Term:
         *,
         deadline: float = math.inf,
         broadcaster: Broadcaster | None = None,
-        fencer: Fencer | None = None,
+        fence: TransactionFence | None = None,
         claimer: FireClaimer | None = None,
+        checkpoint_store: CheckpointStore | None = None,
         nodes: Callable[[], list[NodeInfo]] | None = None,
     ) -> None:
         self.number = number
@@ -72,8 +99,9 @@ class Term:
         self.name = name
         self.deadline = deadline
         self.broadcaster = broadcaster
-        self.fencer = fencer
+        self.fence = fence
         self.claimer = claimer
+        self.checkpoint_store = checkpoint_store
         self.nodes = nodes
         self.cancelled = threading.Event()
         self.ended = threading.Event()
@@ -283,83 +311,74 @@ class TaskContext:
 
         With a Postgres leader the transaction fails with
         :class:`~rselection.StaleLeaderError` unless this term still holds the lease, and
-        a takeover waits until the transaction ends. Without a lease table (single node)
-        it only checks that the term is live. For an async connection use
-        :meth:`afence`.
+        a takeover waits until the transaction ends. It means the same on every leader:
+        one whose lease cannot fence a transaction (Redis, single node) refuses with a
+        :class:`~rselection.ConfigError` that names what to call instead, rather than
+        only checking the term. For an async connection use :meth:`afence`.
 
         Raises:
             StaleLeaderError: this term no longer holds the lease; roll back.
-            ConfigError: ``conn`` is an async connection, or no transaction is open.
+            ConfigError: this leader cannot fence a transaction, ``conn`` is an async
+                connection, or no transaction is open.
         """
+        fence = self._fence()
         if _is_async_connection(conn) is True:
             raise ConfigError(
                 f"ctx.fence() takes a blocking connection, got {_kind(conn)} whose queries "
                 "are coroutines: use `await ctx.afence(conn)` instead"
             )
-        fencer = self._term.fencer
-        if fencer is None:
-            self._check_live_for_write()
-            return
-        fencer(conn, self.term)
+        fence.fence(conn, self.term)
 
     async def afence(self, conn: Any) -> None:
         """Async :meth:`fence` for an async connection (a psycopg ``AsyncConnection``).
 
-        Awaits the same check as :meth:`fence` inside the caller's open transaction; with
-        a :class:`~rselection.redis.RedisLeader`, a ``redis.asyncio`` client and a check
-        of the term at this moment. Without a lease table (single node) it only checks
-        that the term is live.
+        Awaits the same check as :meth:`fence` inside the caller's open transaction, and
+        is refused the same way by a leader that cannot fence a transaction.
 
         Raises:
             StaleLeaderError: this term no longer holds the lease; roll back.
-            ConfigError: ``conn`` is a blocking connection, or no transaction is open.
+            ConfigError: this leader cannot fence a transaction, ``conn`` is a blocking
+                connection, or no transaction is open.
         """
+        fence = self._fence()
         if _is_async_connection(conn) is False:
             raise ConfigError(
                 f"ctx.afence() takes an async connection (a psycopg AsyncConnection), got "
                 f"{_kind(conn)}: use ctx.fence(conn) instead"
             )
-        fencer = self._term.fencer
-        if fencer is None:
-            self._check_live_for_write()
-            return
-        afence: Callable[[Any, int], Awaitable[None]] | None = getattr(fencer, "afence", None)
-        if afence is None:
-            raise ConfigError(
-                "this leader's fence has no async form: use ctx.fence(conn) with a "
-                "blocking connection"
-            )
-        await afence(conn, self.term)
+        await fence.afence(conn, self.term)
 
-    def _check_live_for_write(self) -> None:
-        if not self._term.live():
-            raise StaleLeaderError(
-                f"term {self.term} has ended; roll back and let the new term do the write"
-            )
+    def _fence(self) -> TransactionFence:
+        fence = self._term.fence
+        if fence is None:
+            raise ConfigError(f"task {self.name!r}: {NO_FENCE}")
+        return fence
 
     @property
     def checkpoint(self) -> TaskCheckpoint:
-        """Durable state of this task, fenced to this term (Postgres leaders only).
+        """Durable state of this task, fenced to this term, in the leader's checkpoint store.
 
         ``ctx.checkpoint.load()`` returns the task's last
-        :class:`~rselection.postgres.Snapshot` (saved in any term) or ``None``;
+        :class:`~rselection.checkpoints.Snapshot` (saved in any term) or ``None``;
         ``ctx.checkpoint.save(state)`` stores a new one under the task's name and commits
         only while this term still holds the lease (else
-        :class:`~rselection.StaleLeaderError`). See
-        :class:`~rselection.postgres.PostgresCheckpointStore`.
+        :class:`~rselection.StaleLeaderError`). A :class:`~rselection.PostgresLeader`
+        keeps it in Postgres, a :class:`~rselection.SingleNodeLeader` in memory; see
+        :class:`~rselection.checkpoints.CheckpointStore`.
 
         Raises:
-            NotImplementedError: the leader has no checkpoint store (single node).
+            ConfigError: the leader has no checkpoint store (pass ``checkpoint_store=``).
         """
         if self._checkpoint is None:
-            bind = getattr(self._term.fencer, "bind_checkpoint", None)
-            if bind is None:
-                raise NotImplementedError(
-                    "ctx.checkpoint needs a PostgresCheckpointStore, which this leader "
-                    "does not have: run the task under a PostgresLeader (it keeps task "
-                    "state next to its lease)"
+            store = self._term.checkpoint_store
+            if store is None:
+                raise ConfigError(
+                    f"task {self.name!r}: ctx.checkpoint needs a checkpoint store, and this "
+                    "leader has none: PostgresLeader and SingleNodeLeader have one by "
+                    "default, a LeaseLeader takes checkpoint_store= (a "
+                    "PostgresCheckpointStore, or a MemoryCheckpointStore in tests)"
                 )
-            self._checkpoint = bind(self.name, self._term.number)
+            self._checkpoint = TaskCheckpoint(store, self.name, self._term.number, self._term.name)
         return self._checkpoint
 
     def __repr__(self) -> str:

@@ -1,5 +1,9 @@
 """The leadership state machine shared by every backend: follow, lead, step down.
 
+:class:`LeaseLeader` is the leader over any :class:`~rselection.lease.LeaseBackend`;
+``PostgresLeader``, ``RedisLeader`` and ``SingleNodeLeader`` build a backend (and its
+default claimer, checkpoint store and fence) and hand them to it.
+
 One keeper thread talks to the lease backend (its own connection, never the event loop
 that runs tasks); a watchdog thread enforces the local deadline even while the keeper
 is stuck in network I/O. The deadline is ``renew_deadline`` after the last successful
@@ -15,39 +19,35 @@ import asyncio
 import logging
 import os
 import random
-import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from . import clock, signals
-from .context import Fencer, Term, running_term
+from .checkpoints import CheckpointStore, LeaseFencedStore
+from .claiming import FireClaimer, LeaseClaims
+from .context import Term, TransactionFence, running_term
 from .errors import BackendUnavailable, ConfigError
 from .lease import Acquisition, HandoverRequest, LeaderInfo, LeaseBackend, SupportsHandover
 from .members import NodeInfo
 from .timing import Timings
-from .validation import check_name, check_node_id
+from .validation import check_name, check_node_id, new_node_id
 
 if TYPE_CHECKING:
     from .broadcast import Broadcaster
-    from .claiming import FireClaimer
     from .tasks import TaskHandler
 
-__all__ = ["Leader", "LeaderBase", "default_node_id"]
+__all__ = ["Leader", "LeaseLeader"]
 
 logger = logging.getLogger(__name__)
 
 _RECONNECT_FIRST = 0.1
 _RECONNECT_CAP = 5.0
-
-
-def default_node_id() -> str:
-    """A node id unique per process, also behind NAT: ``<host>-<pid>-<random>``."""
-    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 def reconnect_delay(failures: int) -> float:
@@ -92,45 +92,112 @@ class Leader(Protocol):
         """Block until this node leads; ``False`` on timeout."""
 
 
-class LeaderBase:
-    """Leadership over any :class:`~rselection.lease.LeaseBackend`.
+class LeaseLeader:
+    """Leadership over any :class:`~rselection.LeaseBackend`: the one state machine.
+
+    Competes for ``lease`` and, while it holds it, runs ``handler``'s tasks; every task
+    is cancelled and joined the moment leadership is lost or in doubt, and the lease is
+    released only after that. ``PostgresLeader``, ``RedisLeader`` and
+    ``SingleNodeLeader`` are this class over their own lease; build one directly to lead
+    over a backend of your own (an etcd lease, say) and check it with
+    :class:`rselection.testing.LeaderConformance`.
+
+    Example::
+
+        leader = rs.LeaseLeader(MyLease("billing", ttl=15), tasks)
+        leader.lead()
 
     Args:
-        backend: the lease to compete for.
+        lease: the lease to compete for; the leader's name is ``lease.name``.
         handler: the tasks to run while leading.
-        name: the lease name (for logs and signals).
         node_id: this node's id (default: host, pid and a random suffix).
-        timings: validated ttl / renew / retry timings.
-        broadcaster: handed to tasks as ``ctx.broadcaster``.
-        fencer: checks a transaction against the lease for ``ctx.fence``.
+        ttl: lease length on the server, seconds (default: the lease's own ``ttl``
+            attribute when it has one, else 15). A lease that expires sooner than this
+            is refused: the leader must stop before its lease can pass on.
+        renew_interval: seconds between renewals (default 2).
+        renew_deadline: step down when no renewal succeeded for this long (default 10).
+        retry_interval: a follower's polling period, jittered (default 2).
+        timings: the four timings above as one :class:`~rselection.timing.Timings`
+            (instead of them).
         claimer: claims each scheduled fire before it runs, so a fire runs once across
-            the fleet and a new leader finds the fires missed while none led.
+            the fleet and a new leader finds the fires missed while none led (any
+            :class:`~rselection.FireClaimer`; ``None`` runs every fire unclaimed). Claim
+            keys are ``"<lease name>/<fire key>"``; missed fires are claimed in one call
+            when the claimer has ``claim_missed``, else fire by fire.
+        checkpoint_store: keeps ``ctx.checkpoint`` (a
+            :class:`~rselection.checkpoints.CheckpointStore`; ``None``: tasks have no
+            checkpoint). A store that fences against lease objects (a
+            :class:`~rselection.MemoryCheckpointStore`) is given this lease.
+        broadcaster: handed to tasks as ``ctx.broadcaster``.
+        fence: fences a task's transaction to its term for ``ctx.fence`` /
+            ``ctx.afence`` (a :class:`~rselection.context.TransactionFence`); ``None``
+            when the lease cannot, and then ``ctx.fence`` raises ``ConfigError``.
+        cleanup: called once each, in order, when the leader has stopped and released
+            its lease (how a factory closes the claimer, store or client it built for
+            the leader); an exception is logged.
+
+    Raises:
+        ConfigError: bad arguments or inconsistent timings (the message shows the math).
     """
 
     def __init__(
         self,
-        backend: LeaseBackend,
+        lease: LeaseBackend,
         handler: TaskHandler,
         *,
-        name: str,
         node_id: str | None = None,
+        ttl: float | None = None,
+        renew_interval: float | None = None,
+        renew_deadline: float | None = None,
+        retry_interval: float | None = None,
         timings: Timings | None = None,
-        broadcaster: Broadcaster | None = None,
-        fencer: Fencer | None = None,
         claimer: FireClaimer | None = None,
+        checkpoint_store: CheckpointStore | None = None,
+        broadcaster: Broadcaster | None = None,
+        fence: TransactionFence | None = None,
+        cleanup: Iterable[Callable[[], object]] = (),
     ) -> None:
-        self._timings = timings if timings is not None else Timings()
+        if not isinstance(lease, LeaseBackend):
+            raise ConfigError(
+                "lease must be a LeaseBackend (name, connect, try_acquire, renew, release, "
+                f"current, wait_for_change, interrupt, term_ended, close), got "
+                f"{type(lease).__name__}"
+            )
+        self._timings = _leader_timings(
+            lease, timings, ttl, renew_interval, renew_deadline, retry_interval
+        )
         self._stop_grace = self._timings.stop_grace(handler.stop_grace)
+        if claimer is not None and not isinstance(claimer, FireClaimer):
+            raise ConfigError(
+                "claimer must have claim(fire_key, *, term) and ttl (a PostgresClaimer, "
+                f"RedisClaimer or MemoryClaimer), or be None, got {type(claimer).__name__}"
+            )
+        if checkpoint_store is not None and not isinstance(checkpoint_store, CheckpointStore):
+            raise ConfigError(
+                "checkpoint_store must have load(key), save(key, state, *, term, lease) and "
+                "delete(key, *, term, lease) (a PostgresCheckpointStore or "
+                f"MemoryCheckpointStore), or be None, got {type(checkpoint_store).__name__}"
+            )
+        if fence is not None and not isinstance(fence, TransactionFence):
+            raise ConfigError(
+                "fence must have fence(conn, term) and afence(conn, term), or be None, got "
+                f"{type(fence).__name__}"
+            )
+        self._name = check_name(lease.name, "lease name")
+        self._node_id = check_node_id(node_id) if node_id is not None else new_node_id()
         if claimer is not None:
             handler.check_claims(claimer.ttl)
-        self._backend = backend
-        self._handovers = backend if isinstance(backend, SupportsHandover) else None
+        if isinstance(checkpoint_store, LeaseFencedStore):
+            checkpoint_store.add_lease(lease)
+        self._backend = lease
+        self._handovers = lease if isinstance(lease, SupportsHandover) else None
         self._handler = handler
-        self._name = check_name(name, "lease name")
-        self._node_id = check_node_id(node_id) if node_id is not None else default_node_id()
         self._broadcaster = broadcaster
-        self._fencer = fencer
+        self._fence = fence
         self._claimer = claimer
+        self._claims = None if claimer is None else LeaseClaims(claimer, self._name)
+        self._checkpoint_store = checkpoint_store
+        self._cleanup = list(cleanup)
         self._created_at = datetime.now(UTC)
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -166,6 +233,21 @@ class LeaderBase:
     def node_id(self) -> str:
         """This node's id."""
         return self._node_id
+
+    @property
+    def lease(self) -> LeaseBackend:
+        """The lease backend this leader competes for."""
+        return self._backend
+
+    @property
+    def claimer(self) -> FireClaimer | None:
+        """The claimer given to the leader (claims go through it under the lease name)."""
+        return self._claimer
+
+    @property
+    def checkpoint_store(self) -> CheckpointStore | None:
+        """The store behind ``ctx.checkpoint`` (to inspect or seed task state), if any."""
+        return self._checkpoint_store
 
     @property
     def handler(self) -> TaskHandler:
@@ -243,8 +325,8 @@ class LeaderBase:
         with self._cond:
             if self._keeper is not None:
                 raise RuntimeError("this leader was already started; create a new one")
-            if self._claimer is not None:  # tasks may have been registered since __init__
-                self._handler.check_claims(self._claimer.ttl)
+            if self._claims is not None:  # tasks may have been registered since __init__
+                self._handler.check_claims(self._claims.ttl)
             self._handler.attach()
             self._keeper = threading.Thread(
                 target=self._keep, name=f"rselection-keeper-{self._name}", daemon=True
@@ -341,7 +423,7 @@ class LeaderBase:
             return False
         return loop is self._loop
 
-    def __enter__(self) -> LeaderBase:
+    def __enter__(self) -> LeaseLeader:
         self.start()
         return self
 
@@ -353,7 +435,7 @@ class LeaderBase:
     ) -> None:
         self.stop()
 
-    async def __aenter__(self) -> LeaderBase:
+    async def __aenter__(self) -> LeaseLeader:
         self._loop = asyncio.get_running_loop()
         self.start()
         return self
@@ -562,6 +644,7 @@ class LeaderBase:
             logger.exception("lease %r: error while stopping", self._name)
         finally:
             self._close_backend()
+            self._run_cleanup()
             self._handler.detach()
             with self._cond:
                 self._closed = True
@@ -572,6 +655,14 @@ class LeaderBase:
             self._backend.close()
         except Exception:  # closing is best effort; the server drops dead sessions
             logger.debug("lease %r: error while closing the backend", self._name, exc_info=True)
+
+    def _run_cleanup(self) -> None:
+        cleanup, self._cleanup = self._cleanup, []
+        for fn in cleanup:
+            try:
+                fn()
+            except Exception:  # best effort: the rest still runs
+                logger.exception("lease %r: error in a clean-up on stop", self._name)
 
     def _observe(self, holder: LeaderInfo | None) -> None:
         seen = (holder.node_id, holder.term) if holder is not None else None
@@ -588,8 +679,9 @@ class LeaderBase:
             self._name,
             deadline=sent + self._timings.renew_deadline,
             broadcaster=self._broadcaster,
-            fencer=self._fencer,
-            claimer=self._claimer,
+            fence=self._fence,
+            claimer=self._claims,
+            checkpoint_store=self._checkpoint_store,
             nodes=self.nodes,
         )
         with self._transition:
@@ -716,3 +808,42 @@ class _StepDown:
     term: int
     hold: float
     reason: str  # "step_down", or "handover" when an operator asked
+
+
+def _leader_timings(
+    lease: LeaseBackend,
+    timings: Timings | None,
+    ttl: float | None,
+    renew_interval: float | None,
+    renew_deadline: float | None,
+    retry_interval: float | None,
+) -> Timings:
+    """The leader's timings from ``timings`` or the four values, checked against the
+    lease's own ttl when it has one."""
+    given = (ttl, renew_interval, renew_deadline, retry_interval)
+    lease_ttl = getattr(lease, "ttl", None)
+    if isinstance(lease_ttl, bool) or not isinstance(lease_ttl, int | float):
+        lease_ttl = None
+    if timings is not None:
+        if any(value is not None for value in given):
+            raise ConfigError(
+                "pass timings= or ttl/renew_interval/renew_deadline/retry_interval, not both"
+            )
+        if not isinstance(timings, Timings):
+            raise ConfigError(f"timings must be a Timings, got {type(timings).__name__}")
+    else:
+        default = Timings()
+        timings = Timings(
+            ttl if ttl is not None else lease_ttl if lease_ttl is not None else default.ttl,
+            renew_interval if renew_interval is not None else default.renew_interval,
+            renew_deadline if renew_deadline is not None else default.renew_deadline,
+            retry_interval if retry_interval is not None else default.retry_interval,
+        )
+    if lease_ttl is not None and lease_ttl < timings.ttl - 1e-9:
+        raise ConfigError(
+            f"lease {lease.name!r} expires {lease_ttl:g}s after a renewal, sooner than the "
+            f"leader's ttl of {timings.ttl:g}s on which its deadline and stop_grace are "
+            f"reckoned, so another node could lead while this one still does: pass "
+            f"ttl={lease_ttl:g} (or less) to the leader, or give the lease a longer ttl"
+        )
+    return timings

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .schedules import Schedule
-    from .tasks import MisfirePolicy
+    from .specs import MisfirePolicy
 
 __all__ = ["MAX_CATCH_UP", "MAX_SCAN", "due_fires", "split_by_policy", "window"]
 

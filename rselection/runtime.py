@@ -29,11 +29,10 @@ from .context import TaskContext, Term, running_term
 from .errors import LeadershipLost
 from .misfire import due_fires, split_by_policy, window
 from .schedules import format_fire_key
-from .tasks import TaskType
+from .specs import StuckPolicy, TaskSpec, TaskType
 
 if TYPE_CHECKING:
     from .schedules import Schedule
-    from .tasks import TaskHandler, TaskSpec
 
 __all__ = ["TermRunner", "restart_delay"]
 
@@ -58,7 +57,9 @@ class TermRunner:
     """Runs every registered task for one :class:`~rselection.context.Term`.
 
     Args:
-        handler: the owning handler (signal sender, stuck policy).
+        sender: the sender of the task signals (the owning
+            :class:`~rselection.TaskHandler`).
+        on_stuck: ``"exit"`` ends the process when a task outlives the grace.
         specs: the registered tasks.
         term: the term to run.
         loop: event loop for ``async def`` tasks; ``None`` starts a private one.
@@ -66,12 +67,14 @@ class TermRunner:
 
     def __init__(
         self,
-        handler: TaskHandler,
+        sender: object,
+        on_stuck: StuckPolicy,
         specs: list[TaskSpec],
         term: Term,
         loop: asyncio.AbstractEventLoop | None,
     ) -> None:
-        self.handler = handler
+        self.sender = sender
+        self.on_stuck = on_stuck
         self.specs = specs
         self.term = term
         self._loop = loop
@@ -137,7 +140,7 @@ class TermRunner:
         return stuck
 
     def _report_stuck(self, stuck: list[str], grace: float) -> None:
-        if self.handler.on_stuck == "exit":
+        if self.on_stuck == "exit":
             # Self-fencing must happen inside the bound: no logging (a handler may block
             # on a full disk or a dead socket), no receivers, just a line on stderr.
             names = ", ".join(repr(name) for name in stuck)
@@ -168,7 +171,7 @@ class TermRunner:
     def _send_stuck(self, stuck: list[str], grace: float) -> None:
         for name in stuck:
             signals.emit(
-                signals.task_stuck, self.handler, task=name, term=self.term.number, waited=grace
+                signals.task_stuck, self.sender, task=name, term=self.term.number, waited=grace
             )
 
     # -- event loop -----------------------------------------------------------------
@@ -283,7 +286,7 @@ class TermRunner:
                 spec.stats.last_fire = ctx.scheduled_at
         signals.emit(
             signals.task_started,
-            self.handler,
+            self.sender,
             task=ctx.name,
             term=ctx.term,
             scheduled_at=ctx.scheduled_at,
@@ -310,14 +313,14 @@ class TermRunner:
             )
             signals.emit(
                 signals.task_failed,
-                self.handler,
+                self.sender,
                 task=spec.name,
                 term=self.term.number,
                 error=error,
             )
         signals.emit(
             signals.task_finished,
-            self.handler,
+            self.sender,
             task=spec.name,
             term=self.term.number,
             scheduled_at=ctx.scheduled_at,
@@ -576,7 +579,7 @@ class TermRunner:
         logger.debug("fire of %r at %s skipped: %s", spec.name, at.isoformat(), reason)
         signals.emit(
             signals.fire_skipped,
-            self.handler,
+            self.sender,
             task=spec.name,
             scheduled_at=at,
             reason=reason,

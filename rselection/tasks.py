@@ -2,68 +2,44 @@
 
 from __future__ import annotations
 
-import enum
 import inspect
 import logging
-import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_checkable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import ConfigError
+from .runtime import TermRunner
 from .schedules import CronSchedule, IntervalSchedule, Schedule
+from .specs import (
+    DEFAULT_MISFIRE_GRACE,
+    MISFIRE_POLICIES,
+    OVERLAP_POLICIES,
+    RESTART_POLICIES,
+    STUCK_POLICIES,
+    MisfirePolicy,
+    OverlapPolicy,
+    RestartPolicy,
+    StuckPolicy,
+    Task,
+    TaskSpec,
+    TaskType,
+)
 from .timing import STOP_GRACE_CAP
+from .validation import check_name, check_seconds
 
 if TYPE_CHECKING:
     import asyncio
 
     from .broadcast import Broadcaster
     from .context import TaskContext, Term
-    from .runtime import TermRunner
 
 __all__ = ["GenericTask", "Task", "TaskHandler", "TaskType"]
 
 logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-RestartPolicy = Literal["on-failure", "always", "never"]
-OverlapPolicy = Literal["skip", "allow"]
-MisfirePolicy = Literal["latest", "all", "skip"]
-StuckPolicy = Literal["log", "exit"]
-
-_RESTART_POLICIES = ("on-failure", "always", "never")
-_OVERLAP_POLICIES = ("skip", "allow")
-_MISFIRE_POLICIES = ("latest", "all", "skip")
-_STUCK_POLICIES = ("log", "exit")
-
-DEFAULT_MISFIRE_GRACE = 60.0
-"""Seconds after its instant a missed fire may still run (the default ``misfire_grace``)."""
-
-
-class TaskType(enum.Enum):
-    """How a task runs: for the whole term, or on a schedule."""
-
-    PERSISTENT = "persistent"
-    SCHEDULED = "scheduled"
-
-
-@runtime_checkable
-class Task(Protocol):
-    """What :meth:`TaskHandler.register` accepts (Go-style task objects).
-
-    ``run(ctx)`` may be a plain method (run in a worker thread) or ``async def`` (run on
-    the leader's event loop). ``schedule`` is required for scheduled tasks.
-    """
-
-    name: str
-    type: TaskType
-    schedule: Schedule | None
-
-    def run(self, ctx: TaskContext) -> Any:
-        """Do the work; return when done or when ``ctx`` is cancelled."""
 
 
 class GenericTask:
@@ -102,56 +78,11 @@ class _FunctionTask:
         self.run = fn
 
 
-@dataclass
-class TaskStats:
-    """Counters kept per task across terms, reported by :meth:`TaskHandler.health`."""
-
-    state: str = "idle"
-    runs: int = 0
-    failures: int = 0
-    skipped: int = 0
-    running: int = 0
-    last_failed: bool = False
-    last_error: str | None = None
-    last_fire: datetime | None = None
-    next_fire: datetime | None = None
-
-
-@dataclass
-class TaskSpec:
-    """A registered task with its run options (internal to the runtime)."""
-
-    name: str
-    task: Task
-    is_async: bool
-    restart: RestartPolicy = "on-failure"
-    overlap: OverlapPolicy = "skip"
-    misfire: MisfirePolicy = "latest"
-    misfire_grace: float = DEFAULT_MISFIRE_GRACE
-    stats: TaskStats = field(default_factory=TaskStats)
-
-    @property
-    def type(self) -> TaskType:
-        """Persistent or scheduled."""
-        return self.task.type
-
-    @property
-    def schedule(self) -> Schedule | None:
-        """The task's schedule (``None`` for persistent tasks)."""
-        return self.task.schedule
-
-
 def _is_async_callable(fn: Any) -> bool:
     # Callable objects with an ``async def __call__`` count as async too.
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
         getattr(fn, "__call__", None)  # noqa: B004
     )
-
-
-def _check_name(name: object) -> str:
-    if not isinstance(name, str) or not name.strip():
-        raise ConfigError(f"task name must be a non-empty string, got {name!r}")
-    return name
 
 
 def _check_choice(what: str, value: object, choices: tuple[str, ...]) -> None:
@@ -160,25 +91,12 @@ def _check_choice(what: str, value: object, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{what} must be one of {allowed}, got {value!r}")
 
 
-def _check_seconds(what: str, value: object) -> float:
-    if isinstance(value, timedelta):
-        value = value.total_seconds()
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ConfigError(f"{what} must be a positive number of seconds, got {value!r}")
-    return float(value)
-
-
 def _check_fire_options(
     overlap: object, misfire: object, misfire_grace: object
 ) -> tuple[OverlapPolicy, MisfirePolicy, float]:
-    _check_choice("overlap", overlap, _OVERLAP_POLICIES)
-    _check_choice("misfire", misfire, _MISFIRE_POLICIES)
-    grace = _check_seconds("misfire_grace", misfire_grace)
+    _check_choice("overlap", overlap, OVERLAP_POLICIES)
+    _check_choice("misfire", misfire, MISFIRE_POLICIES)
+    grace = check_seconds(misfire_grace, "misfire_grace")
     return overlap, misfire, grace  # type: ignore[return-value]  # checked just above
 
 
@@ -195,8 +113,8 @@ class TaskHandler:
     """
 
     def __init__(self, *, stop_grace: float | None = None, on_stuck: StuckPolicy = "log") -> None:
-        self.stop_grace = None if stop_grace is None else _check_seconds("stop_grace", stop_grace)
-        _check_choice("on_stuck", on_stuck, _STUCK_POLICIES)
+        self.stop_grace = None if stop_grace is None else check_seconds(stop_grace, "stop_grace")
+        _check_choice("on_stuck", on_stuck, STUCK_POLICIES)
         self.on_stuck: StuckPolicy = on_stuck
         self._specs: dict[str, TaskSpec] = {}
         self._lock = threading.RLock()
@@ -240,7 +158,7 @@ class TaskHandler:
             DEFAULT_MISFIRE_GRACE,
         ),
     ) -> TaskSpec:
-        _check_name(name)
+        check_name(name, "task name")
         if not callable(getattr(task, "run", None)):
             raise ConfigError(f"task {name!r} has no callable run(ctx) method")
         task_type = getattr(task, "type", None)
@@ -274,7 +192,7 @@ class TaskHandler:
                 exponential backoff; ``"always"`` also after a normal return;
                 ``"never"`` runs it once per term.
         """
-        _check_choice("restart", restart, _RESTART_POLICIES)
+        _check_choice("restart", restart, RESTART_POLICIES)
 
         def decorate(fn: F) -> F:
             task_name = name if name is not None else fn.__name__
@@ -367,6 +285,30 @@ class TaskHandler:
         with self._lock:
             return list(self._specs)
 
+    def specs(self) -> list[TaskSpec]:
+        """The registered tasks with their run options, in registration order (for
+        tools that run tasks themselves, such as :mod:`rselection.testing`)."""
+        with self._lock:
+            return list(self._specs.values())
+
+    def spec(self, name: str) -> TaskSpec:
+        """The registered task ``name`` with its run options.
+
+        Raises:
+            KeyError: no task of that name.
+        """
+        with self._lock:
+            spec = self._specs.get(name)
+        if spec is None:
+            registered = ", ".join(self._specs) or "none"
+            raise KeyError(f"no task named {name!r}; registered: {registered}")
+        return spec
+
+    @property
+    def broadcaster(self) -> Broadcaster | None:
+        """The broadcaster given to :meth:`handle`, if any."""
+        return self._broadcaster
+
     def handle(self, broadcaster: Broadcaster) -> None:
         """Hand ``broadcaster`` to tasks as ``ctx.broadcaster`` (Go parity).
 
@@ -449,14 +391,12 @@ class TaskHandler:
 
     def start_term(self, term: Term, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Start every task for ``term``; ``loop`` runs async tasks (else a private one)."""
-        from .runtime import TermRunner
-
         with self._lock:
             if self._runner is not None:
                 raise RuntimeError("a term is already running; end it first")
             if term.broadcaster is None:
                 term.broadcaster = self._broadcaster
-            runner = TermRunner(self, list(self._specs.values()), term, loop)
+            runner = TermRunner(self, self.on_stuck, list(self._specs.values()), term, loop)
             self._runner = runner
         runner.start()
 

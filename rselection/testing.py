@@ -1,6 +1,7 @@
-"""Helpers for testing your own tasks: run them, step down, compute and fire schedules.
+"""Helpers for testing your own tasks (run them, step down, compute and fire schedules)
+and your own lease backend (:class:`LeaderConformance`).
 
-Nothing here needs a database. :func:`run_tasks` runs a handler under a real
+The task helpers need no database. :func:`run_tasks` runs a handler under a real
 :class:`~rselection.SingleNodeLeader` (the production state machine over an in-memory
 lease), so cancellation, joins and signals behave as in production. :func:`fire_once`
 calls one task right now with a real :class:`~rselection.TaskContext`. :func:`fires` and
@@ -10,6 +11,16 @@ The leader's scheduler always uses real time: a :class:`FakeClock` does not spee
 running leader; it tells which fires come due between two instants, and
 :func:`fire_once` runs them. Use both to test *what a task does at a given fire*, and
 :func:`run_tasks` to test *that it runs and stops* under a leader.
+
+A lease backend of your own (etcd, ZooKeeper, a cloud lock service) is checked by the
+same scenarios every built-in backend passes: subclass :class:`LeaderConformance` in a
+test module and say how to make a lease::
+
+    from rselection.testing import LeaderConformance
+
+    class TestEtcdLease(LeaderConformance):
+        def make_lease(self, name: str) -> rs.LeaseBackend:
+            return EtcdLease(ETCD_URL, name=name, ttl=self.timings.ttl)
 
 Example::
 
@@ -33,30 +44,37 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from . import signals
 from .context import TaskContext, Term
 from .errors import ConfigError
-from .local import SingleNodeLeader
+from .leader import LeaseLeader
 from .schedules import Schedule, format_fire_key
-from .tasks import TaskType
+from .single_node import SingleNodeLeader
+from .specs import TaskSpec, TaskType
+from .tasks import TaskHandler
+from .timing import Timings
 
 if TYPE_CHECKING:
     from .broadcast import Broadcaster
+    from .checkpoints import CheckpointStore
     from .claiming import FireClaimer
-    from .tasks import TaskHandler, TaskSpec
+    from .lease import LeaseBackend
 
 __all__ = [
     "FakeClock",
     "Fire",
+    "LeaderConformance",
     "RunningTasks",
     "TaskFailures",
     "afire_once",
@@ -152,6 +170,7 @@ def run_tasks(
     *,
     broadcaster: Broadcaster | None = None,
     claimer: FireClaimer | None = None,
+    checkpoint_store: CheckpointStore | None = None,
     timeout: float = 10.0,
     raise_failures: bool = True,
 ) -> Iterator[RunningTasks]:
@@ -173,6 +192,9 @@ def run_tasks(
         handler: the tasks to run (registration closes while the block runs).
         broadcaster: handed to tasks as ``ctx.broadcaster``.
         claimer: claims each scheduled fire (see :class:`~rselection.MemoryClaimer`).
+        checkpoint_store: keeps ``ctx.checkpoint`` (default: a new
+            :class:`~rselection.MemoryCheckpointStore`); pass one to seed or inspect task
+            state.
         timeout: seconds to wait for a term to begin, and the default of
             :meth:`RunningTasks.wait_runs`.
         raise_failures: raise :class:`TaskFailures` at the end if a task failed.
@@ -181,7 +203,9 @@ def run_tasks(
         TimeoutError: the leader did not lead within ``timeout`` seconds.
         TaskFailures: a task failed (with ``raise_failures``).
     """
-    leader = SingleNodeLeader(handler, broadcaster=broadcaster, claimer=claimer)
+    leader = SingleNodeLeader(
+        handler, broadcaster=broadcaster, claimer=claimer, checkpoint_store=checkpoint_store
+    )
     running = RunningTasks(leader, handler, [], [], timeout)
     lock = threading.Lock()
 
@@ -291,7 +315,7 @@ class FakeClock:
         self._now = now.astimezone(UTC)
         self._next: dict[str, tuple[Schedule, datetime | None]] = {}
         for handler in handlers:
-            for spec in _specs(handler):
+            for spec in handler.specs():
                 if spec.type is TaskType.SCHEDULED and spec.schedule is not None:
                     self.add(spec.name, spec.schedule)
 
@@ -356,19 +380,6 @@ class FakeClock:
         return f"FakeClock({self._now.isoformat()!r}, tracking={list(self._next)!r})"
 
 
-def _specs(handler: TaskHandler) -> list[TaskSpec]:
-    with handler._lock:
-        return list(handler._specs.values())
-
-
-def _spec(handler: TaskHandler, name: str) -> TaskSpec:
-    with handler._lock:
-        spec = handler._specs.get(name)
-    if spec is None:
-        raise KeyError(f"no task named {name!r}; registered: {', '.join(handler.names) or 'none'}")
-    return spec
-
-
 def _prepare(
     handler: TaskHandler,
     name: str,
@@ -377,7 +388,7 @@ def _prepare(
     node_id: str,
     broadcaster: Broadcaster | None,
 ) -> tuple[TaskSpec, Term, TaskContext]:
-    spec = _spec(handler, name)
+    spec = handler.spec(name)
     if spec.type is TaskType.PERSISTENT:
         if at is not None:
             raise ValueError(f"task {name!r} is persistent: it has no fires, so pass no at=")
@@ -398,7 +409,7 @@ def _prepare(
         term,
         node_id,
         "testing",
-        broadcaster=broadcaster if broadcaster is not None else handler._broadcaster,
+        broadcaster=broadcaster if broadcaster is not None else handler.broadcaster,
     )
     ctx = TaskContext(
         name,
@@ -423,8 +434,10 @@ def fire_once(
 
     The task gets a real :class:`~rselection.TaskContext` under a live term: ``ctx.term``,
     ``ctx.scheduled_at`` and ``ctx.fire_key`` are set as a leader would set them,
-    ``ctx.sleep`` waits, ``ctx.fence`` checks liveness only (no lease table), and
-    ``ctx.broadcaster`` is ``broadcaster`` or the handler's. An exception the task
+    ``ctx.sleep`` waits, and ``ctx.broadcaster`` is ``broadcaster`` or the handler's.
+    There is no lease: ``ctx.fence`` and ``ctx.checkpoint`` raise
+    :class:`~rselection.ConfigError` (run the task under :func:`run_tasks` for a
+    checkpoint kept in memory). An exception the task
     raises propagates. The run does not count in :meth:`~rselection.TaskHandler.health`,
     and is neither claimed nor subject to overlap or misfire rules.
 
@@ -531,3 +544,279 @@ async def _run_async(
         if handle is not None:
             handle.cancel()
         live.cancel()
+
+
+# -- conformance of a lease backend ------------------------------------------------------
+
+
+def _expect(condition: bool, message: str) -> None:
+    """Fail the check (also under ``python -O``, which drops ``assert``)."""
+    if not condition:
+        raise AssertionError(message)
+
+
+def _wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:g} s")
+        time.sleep(0.01)
+
+
+def _term_after(leader: LeaseLeader, term: int) -> Callable[[], bool]:
+    return lambda: (leader.term or 0) > term
+
+
+class _Ledger:
+    """When each node's tasks of each term started and ended (this process's clock)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.runs: list[tuple[str, int, float, float | None]] = []
+
+    def handler(self, node: str, linger: float, stop_grace: float) -> TaskHandler:
+        """A handler whose persistent task keeps running ``linger`` s after cancellation."""
+        handler = TaskHandler(stop_grace=stop_grace)
+
+        @handler.persistent("work", restart="never")
+        def work(ctx: TaskContext) -> None:
+            with self.lock:
+                index = len(self.runs)
+                self.runs.append((node, ctx.term, time.monotonic(), None))
+            ctx.cancelled.wait()
+            time.sleep(linger)  # a wind-down that takes a while, within stop_grace
+            with self.lock:
+                self.runs[index] = (node, ctx.term, self.runs[index][2], time.monotonic())
+
+        return handler
+
+    def of(self, node: str) -> list[tuple[int, float, float | None]]:
+        with self.lock:
+            return [(term, began, ended) for n, term, began, ended in self.runs if n == node]
+
+
+class LeaderConformance:
+    """The scenarios every lease backend passes under a :class:`~rselection.LeaseLeader`.
+
+    Subclass it in a test module as a ``Test...`` class (pytest collects the inherited
+    ``test_*`` methods) and implement :meth:`make_lease`; override :meth:`make_leader`
+    to check a leader factory instead (``PostgresLeader``, ``RedisLeader`` do). Every
+    scenario runs leaders in this process, on one lease name of its own, with the short
+    :attr:`timings`; each wait is bounded. When the lease needs a server that a pytest
+    fixture provides, take it in an autouse fixture of the subclass and call
+    :meth:`stop_leaders` there after the test, before the server goes away::
+
+        class TestMyLease(LeaderConformance):
+            @pytest.fixture(autouse=True)
+            def server(self, my_server_url):
+                self.url = my_server_url
+                yield
+                self.stop_leaders()
+
+            def make_lease(self, name):
+                return MyLease(self.url, name=name, ttl=self.timings.ttl)
+
+    What it checks: one leader among several nodes, and every node agrees who it is;
+    a graceful stop hands over within :attr:`handover_bound` seconds, with the next term
+    (so a release must wake waiting followers); the old term's tasks have ended before
+    the next term's start; terms only grow, also across release and re-acquire; a
+    step-down with a hold lets another node lead; a stopped leader leaves the lease
+    free; ``leader_changed`` reaches every node.
+    """
+
+    timings: ClassVar[Timings] = Timings(
+        ttl=3.0, renew_interval=0.5, renew_deadline=2.0, retry_interval=0.5
+    )
+    """The leaders' timings (a lease should be made with ``ttl=timings.ttl``)."""
+
+    handover_bound: ClassVar[float] = 1.0
+    """Seconds a graceful handover may take, from ``stop()`` returning to the next leader."""
+
+    wait_bound: ClassVar[float] = 10.0
+    """Seconds any other awaited event may take."""
+
+    _made: list[LeaseLeader]
+
+    # -- what a backend provides ----------------------------------------------------------
+
+    def make_lease(self, name: str) -> LeaseBackend:
+        """A new lease object for the lease called ``name`` (several objects of one name
+        compete for the same lease, as nodes do)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement make_lease(name) (or make_leader)"
+        )
+
+    def make_leader(self, name: str, handler: TaskHandler, *, node_id: str) -> LeaseLeader:
+        """A leader of lease ``name`` for ``node_id`` (default: a
+        :class:`~rselection.LeaseLeader` over :meth:`make_lease` with :attr:`timings`)."""
+        return LeaseLeader(self.make_lease(name), handler, node_id=node_id, timings=self.timings)
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def new_name(self) -> str:
+        """A lease name no other scenario uses."""
+        return f"conformance-{uuid.uuid4().hex[:10]}"
+
+    def leader(self, name: str, node_id: str, handler: TaskHandler | None = None) -> LeaseLeader:
+        """Make a leader with :meth:`make_leader`; :meth:`stop_leaders` stops it."""
+        made = self.__dict__.setdefault("_made", [])
+        leader = self.make_leader(name, handler or TaskHandler(), node_id=node_id)
+        made.append(leader)
+        return leader
+
+    def stop_leaders(self) -> None:
+        """Stop every leader made by :meth:`leader` (each within a bounded time)."""
+        made: list[LeaseLeader] = self.__dict__.get("_made", [])
+        while made:
+            made.pop().stop(timeout=self.wait_bound)
+
+    def teardown_method(self, method: object = None) -> None:
+        """Stop the scenario's leaders (pytest calls it after each test)."""
+        self.stop_leaders()
+
+    def the_leader(self, leaders: list[LeaseLeader]) -> LeaseLeader:
+        """Wait until exactly one of ``leaders`` leads; return it."""
+        _wait_until(lambda: sum(x.is_leader for x in leaders) == 1, self.wait_bound, "one leader")
+        return next(x for x in leaders if x.is_leader)
+
+    # -- scenarios ----------------------------------------------------------------------
+
+    def test_one_of_three_nodes_leads_and_every_node_agrees(self) -> None:
+        """Exactly one node leads; every node's ``leader()`` names it with its term."""
+        name = self.new_name()
+        leaders = [self.leader(name, f"node-{i}") for i in range(3)]
+        for leader in leaders:
+            leader.start()
+        chief = self.the_leader(leaders)
+        deadline = time.monotonic() + 2 * self.timings.renew_interval
+        while time.monotonic() < deadline:  # through renewals, still one leader
+            _expect(sum(x.is_leader for x in leaders) <= 1, "two nodes lead at once")
+            time.sleep(0.01)
+        _expect(chief.is_leader and chief.term is not None, "the leader stopped leading")
+        for leader in leaders:
+            view = leader.leader()
+            _expect(view is not None, f"{leader.node_id} sees no leader")
+            assert view is not None
+            _expect(
+                (view.node_id, view.term) == (chief.node_id, chief.term),
+                f"{leader.node_id} sees {view.node_id} term {view.term}, not "
+                f"{chief.node_id} term {chief.term}",
+            )
+            _expect(view.expires_at > view.acquired_at, f"expiry not after acquisition: {view}")
+
+    def test_a_stopped_leader_hands_over_promptly_with_the_next_term(self) -> None:
+        """``stop()`` releases the lease and wakes the followers: the next leader leads
+        within :attr:`handover_bound` with the next term, and every node hears of it."""
+        name = self.new_name()
+        leaders = [self.leader(name, f"node-{i}") for i in range(3)]
+        changes: list[tuple[str, Any]] = []
+        lock = threading.Lock()
+
+        def receiver(sender: Any, **kw: Any) -> None:
+            if sender in leaders:
+                with lock:
+                    changes.append((sender.node_id, kw["leader"]))
+
+        signals.leader_changed.connect(receiver)
+        try:
+            for leader in leaders:
+                leader.start()
+            chief = self.the_leader(leaders)
+            first_term = chief.term
+            assert first_term is not None
+            chief.stop(timeout=self.wait_bound)
+            stopped = time.monotonic()
+            rest = [x for x in leaders if x is not chief]
+            heir = self.the_leader(rest)
+            took = time.monotonic() - stopped
+            _expect(
+                took <= self.handover_bound,
+                f"the handover took {took:.2f} s (bound {self.handover_bound:g} s): does "
+                "release() wake followers blocked in wait_for_change()?",
+            )
+            _expect(heir.term == first_term + 1, f"term {heir.term} after {first_term}")
+
+            def heard() -> bool:
+                with lock:
+                    nodes = {n for n, info in changes if info and info.node_id == heir.node_id}
+                return nodes >= {x.node_id for x in rest}
+
+            _wait_until(heard, self.wait_bound, "leader_changed on every node")
+        finally:
+            signals.leader_changed.disconnect(receiver)
+
+    def test_the_old_terms_tasks_end_before_the_next_term_starts(self) -> None:
+        """The lease passes on only once the old term's tasks are joined, on a stop and
+        on a step-down."""
+        name = self.new_name()
+        ledger = _Ledger()
+        grace = self.timings.stop_grace(None)
+        linger = 0.6 * grace
+        leaders = [
+            self.leader(name, node, ledger.handler(node, linger, grace)) for node in ("a", "b")
+        ]
+        for leader in leaders:
+            leader.start()
+        chief = self.the_leader(leaders)
+        chief.step_down(hold=3 * self.handover_bound)  # the other node leads next
+        heir = self.the_leader(leaders)
+        _expect(heir is not chief, "the node that stepped down with a hold leads again")
+        heir.stop(timeout=self.wait_bound)
+        last = self.the_leader(leaders)
+        _expect(last is chief, "the node on hold did not lead after the other stopped")
+        _wait_until(lambda: len(ledger.runs) >= 3, self.wait_bound, "three terms' tasks")
+        with ledger.lock:
+            runs = sorted(ledger.runs, key=lambda run: run[1])
+        for (node, term, _, ended), (next_node, next_term, began, _) in itertools.pairwise(runs):
+            _expect(next_term > term, f"terms {term} then {next_term}")
+            _expect(
+                ended is not None and ended <= began,
+                f"term {next_term} ({next_node}) started before term {term}'s task ({node}) ended",
+            )
+
+    def test_terms_only_grow_also_across_release_and_reacquire(self) -> None:
+        """Each new leadership of a lease has a higher term, whoever takes it and
+        whatever lease object it goes through."""
+        name = self.new_name()
+        seen: list[int] = []
+        for round_ in range(2):
+            leader = self.leader(name, f"node-{round_}")
+            leader.start()
+            _expect(leader.wait_until_leader(self.wait_bound), "the single node did not lead")
+            term = leader.term
+            assert term is not None
+            seen.append(term)
+            leader.step_down(hold=0.0)  # released, then acquired again
+            _wait_until(_term_after(leader, term), self.wait_bound, "a next term")
+            seen.append(leader.term or 0)
+            leader.stop(timeout=self.wait_bound)
+        _expect(seen == sorted(set(seen)), f"terms did not grow: {seen}")
+
+    def test_a_step_down_with_a_hold_lets_another_node_lead(self) -> None:
+        """``step_down(hold=...)`` ends the term, releases, and stays a follower."""
+        name = self.new_name()
+        leaders = [self.leader(name, node) for node in ("a", "b")]
+        for leader in leaders:
+            leader.start()
+        chief = self.the_leader(leaders)
+        term = chief.term
+        assert term is not None
+        chief.step_down(hold=self.wait_bound)
+        _expect(not chief.is_leader, "still leading after step_down() returned")
+        began = time.monotonic()
+        other = next(x for x in leaders if x is not chief)
+        _wait_until(lambda: other.is_leader, self.wait_bound, "the other node to lead")
+        took = time.monotonic() - began
+        _expect(took <= self.handover_bound, f"the step-down handover took {took:.2f} s")
+        _expect(other.term == term + 1, f"term {other.term} after {term}")
+        _expect(not chief.is_leader, "the node on hold leads")
+
+    def test_a_stopped_leader_leaves_the_lease_free(self) -> None:
+        """After ``stop()`` no node holds the lease (and ``leader()`` still answers)."""
+        name = self.new_name()
+        leader = self.leader(name, "only")
+        leader.start()
+        _expect(leader.wait_until_leader(self.wait_bound), "the single node did not lead")
+        leader.stop(timeout=self.wait_bound)
+        _expect(not leader.is_leader and leader.term is None, "a stopped leader leads")
+        _expect(leader.leader() is None, f"the lease is still held: {leader.leader()}")

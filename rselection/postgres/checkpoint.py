@@ -17,9 +17,10 @@ snapshot and resumes; the old leader can no longer overwrite it, because its sav
   takeover (only possible after expiry) waits for the save to end.
 * Without ``term`` or ``holder`` the save is not fenced.
 
-Inside a task, ``ctx.checkpoint`` (a :class:`TaskCheckpoint`) does the first kind for
-you: the key is the task's name, the term is ``ctx.term`` and the lease is the
-leader's.
+The store is a :class:`~rselection.checkpoints.CheckpointStore`: inside a task,
+``ctx.checkpoint`` (a :class:`~rselection.checkpoints.TaskCheckpoint`) does the first
+kind for you: the key is the task's name, the term is ``ctx.term`` and the lease is the
+leader's. Keys, states and their limits follow :mod:`rselection.checkpoints`.
 
 Every snapshot has a ``version`` that grows by one on every save (and delete) of its key
 and is never reused, the fencing ``term`` it was saved under, and ``updated_at`` in
@@ -30,7 +31,6 @@ loading a format newer than this release knows raises
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -38,8 +38,7 @@ import math
 import select
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -47,6 +46,17 @@ import psycopg
 from psycopg import sql
 from psycopg.pq import TransactionStatus
 
+from ..checkpoints import (
+    DEFAULT_MAX_STATE_BYTES,
+    FORMAT_VERSION,
+    Key,
+    Snapshot,
+    TaskCheckpoint,
+    check_key,
+    check_term,
+    encode_state,
+    key_of,
+)
 from ..errors import BackendUnavailable, ConfigError, StaleLeaderError
 from ._conn import check_conninfo, describe_conninfo, unavailable
 from .fencing import fenced
@@ -63,68 +73,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-"""Envelope format of stored snapshots that this release writes and understands."""
-
-DEFAULT_MAX_STATE_BYTES = 64 * 2**20
-"""Largest encoded state :meth:`PostgresCheckpointStore.save` accepts by default (64 MiB)."""
-
-Key = str | tuple[str, ...]
-"""A checkpoint key: a string, or a tuple of strings such as ``("owner", "repo", "main")``.
-
-A one-element tuple is the same key as its string.
-"""
-
 _T = TypeVar("_T")
 _Fence = Callable[[psycopg.Connection[Any]], int | None]
 _RETRIES = 3  # attempts for serialization failures and deadlocks
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """One stored state of a key, as loaded or just saved.
-
-    Attributes:
-        key: the key (a ``str`` for one-part keys, else a tuple of strings).
-        state: the decoded JSON state (dicts, lists, str, int, float, bool, None).
-        version: 1 for the first save of the key, +1 on every save or delete after.
-        term: the fencing term the save was made under: the leadership term for
-            ``save(..., term=T)`` and ``ctx.checkpoint.save``, the per-key lease's term for
-            ``save(..., holder=H)``, ``None`` for an unfenced save.
-        updated_at: server time of the save (aware, UTC).
-        format_version: the envelope format the state was stored with.
-    """
-
-    key: Key
-    state: Any
-    version: int
-    term: int | None
-    updated_at: datetime
-    format_version: int = FORMAT_VERSION
-
-
-def _key_parts(key: Key) -> list[str]:
-    parts: tuple[Any, ...] = (key,) if isinstance(key, str) else key
-    if not isinstance(parts, tuple) or not parts or not all(isinstance(p, str) for p in parts):
-        raise ConfigError(
-            f"checkpoint key must be a non-empty str or a non-empty tuple of str, got {key!r:.80}"
-        )
-    for part in parts:
-        if not part:
-            raise ConfigError(f"checkpoint key {key!r:.80} has an empty part")
-        if "\x00" in part:
-            raise ConfigError(f"checkpoint key {key!r:.80} contains a NUL character")
-    return list(parts)
-
-
-def _key_of(parts: list[str]) -> Key:
-    return parts[0] if len(parts) == 1 else tuple(parts)
-
-
-def _check_term(term: object) -> int:
-    if isinstance(term, bool) or not isinstance(term, int) or term < 0:
-        raise ConfigError(f"term must be a non-negative int, got {term!r}")
-    return term
 
 
 def _check_holder(holder: object) -> str:
@@ -380,7 +331,7 @@ class PostgresCheckpointStore:
                 this release understands (upgrade rselection; nothing is dropped).
             BackendUnavailable: the database cannot be reached.
         """
-        parts = _key_parts(key)
+        parts = check_key(key)
         query = sql.SQL(
             "SELECT state::text, format_version, version, term, updated_at FROM {}"
             " WHERE key = %s::text[] AND state IS NOT NULL"
@@ -400,42 +351,13 @@ class PostgresCheckpointStore:
                 "upgrade rselection on this node (the snapshot is left untouched)"
             )
         return Snapshot(
-            _key_of(parts),
+            key_of(parts),
             json.loads(text),
             int(version),
             None if term is None else int(term),
             updated_at.astimezone(UTC),
             int(format_version),
         )
-
-    def _encode(self, key: Key, state: Any) -> str:
-        try:
-            text = json.dumps(state, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
-        except TypeError as exc:
-            raise TypeError(
-                f"checkpoint state for {key!r:.80} cannot be stored as JSON: {exc}; use "
-                "dict (str keys), list, str, int, float, bool and None, and convert other "
-                "values (datetimes, sets, objects) first"
-            ) from exc
-        except (ValueError, RecursionError) as exc:
-            raise ConfigError(
-                f"checkpoint state for {key!r:.80} cannot be stored as JSON: {exc} "
-                "(NaN and infinities, circular or too deeply nested structures are refused)"
-            ) from exc
-        try:
-            size = len(text.encode())
-        except UnicodeEncodeError as exc:
-            raise ConfigError(
-                f"checkpoint state for {key!r:.80} holds a string that is not valid "
-                f"Unicode (a lone surrogate): {exc}"
-            ) from exc
-        if size > self.max_state_bytes:
-            raise ConfigError(
-                f"checkpoint state for {key!r:.80} is {size} bytes as JSON, more than "
-                f"max_state_bytes={self.max_state_bytes}: store less, or raise the limit "
-                "(Postgres jsonb holds at most 255 MB)"
-            )
-        return text
 
     def save(
         self,
@@ -472,7 +394,7 @@ class PostgresCheckpointStore:
                 a state larger than ``max_state_bytes``, a NUL character).
             BackendUnavailable: the database cannot be reached.
         """
-        parts = _key_parts(key)
+        parts = check_key(key)
         return self._save(parts, state, self._fence(parts, term, lease, holder))
 
     def _fence(self, parts: list[str], term: int | None, lease: str, holder: str | None) -> _Fence:
@@ -482,7 +404,7 @@ class PostgresCheckpointStore:
                 "against the key's own lease), not both"
             )
         if term is not None:
-            number = _check_term(term)
+            number = check_term(term)
             if not isinstance(lease, str) or not lease:
                 raise ConfigError(f"lease must be a non-empty lease name, got {lease!r}")
             table = self.lease_table
@@ -504,7 +426,7 @@ class PostgresCheckpointStore:
                 row = conn.execute(query, (parts, name)).fetchone()
                 if row is None or row[1] is None:
                     raise StaleLeaderError(
-                        f"{name!r} does not hold the lease of checkpoint {_key_of(parts)!r:.80} "
+                        f"{name!r} does not hold the lease of checkpoint {key_of(parts)!r:.80} "
                         "(never acquired, expired or taken over): nothing was written; "
                         "acquire_lease() again before writing"
                     )
@@ -514,7 +436,7 @@ class PostgresCheckpointStore:
         return lambda conn: None
 
     def _save(self, parts: list[str], state: Any, fence: _Fence) -> Snapshot:
-        text = self._encode(_key_of(parts), state)
+        text = encode_state(key_of(parts), state, self.max_state_bytes)
         upsert = sql.SQL(
             "INSERT INTO {t} AS c (key, state, format_version, version, term, updated_at)"
             " VALUES (%s::text[], %s::jsonb, %s, 1, %s, clock_timestamp())"
@@ -531,14 +453,14 @@ class PostgresCheckpointStore:
                     row = conn.execute(upsert, (parts, text, FORMAT_VERSION, term)).fetchone()
                 except psycopg.errors.UntranslatableCharacter as exc:
                     raise ConfigError(
-                        f"checkpoint state for {_key_of(parts)!r:.80} contains a NUL "
+                        f"checkpoint state for {key_of(parts)!r:.80} contains a NUL "
                         "character (\\u0000), which Postgres jsonb cannot store"
                     ) from exc
             return term, row
 
         term, row = self._run("save a checkpoint", body)
         assert row is not None
-        return Snapshot(_key_of(parts), json.loads(text), int(row[0]), term, row[1].astimezone(UTC))
+        return Snapshot(key_of(parts), json.loads(text), int(row[0]), term, row[1].astimezone(UTC))
 
     def delete(
         self,
@@ -567,7 +489,7 @@ class PostgresCheckpointStore:
             ConfigError: bad arguments.
             BackendUnavailable: the database cannot be reached.
         """
-        parts = _key_parts(key)
+        parts = check_key(key)
         return self._delete(parts, self._fence(parts, term, lease, holder))
 
     def _delete(self, parts: list[str], fence: _Fence) -> bool:
@@ -606,7 +528,7 @@ class PostgresCheckpointStore:
             ConfigError: bad arguments.
             BackendUnavailable: the database cannot be reached.
         """
-        parts = _key_parts(key)
+        parts = check_key(key)
         name = _check_holder(holder)
         if isinstance(ttl, bool) or not isinstance(ttl, int | float):
             raise ConfigError(f"ttl must be a number of seconds, got {ttl!r}")
@@ -648,7 +570,7 @@ class PostgresCheckpointStore:
             ConfigError: bad arguments.
             BackendUnavailable: the database cannot be reached.
         """
-        parts = _key_parts(key)
+        parts = check_key(key)
         name = _check_holder(holder)
         query = sql.SQL(
             "UPDATE {} SET expires_at = clock_timestamp()"
@@ -661,80 +583,3 @@ class PostgresCheckpointStore:
                 return conn.execute(query, (parts, name)).fetchone() is not None
 
         return self._run("release a checkpoint lease", body)
-
-
-class TaskCheckpoint:
-    """``ctx.checkpoint``: the snapshot of one task, fenced to the term that runs it.
-
-    The key is the task's name; every save and delete commits only while the term still
-    holds the leader's lease (the same check as ``ctx.fence``), so a deposed leader can
-    never overwrite what its successor saved. The async variants run the call in a
-    worker thread, so an ``async def`` task does not block its event loop.
-
-    Args:
-        store: the checkpoint store.
-        key: the key (the task's name).
-        term: the fencing term of the task's run.
-        fence: checks a transaction against the leader's lease for ``term``.
-    """
-
-    def __init__(
-        self,
-        store: PostgresCheckpointStore,
-        key: Key,
-        term: int,
-        fence: Callable[[psycopg.Connection[Any], int], None],
-    ) -> None:
-        self.store = store
-        self._parts = _key_parts(key)
-        self._term = _check_term(term)
-        self._fencer = fence
-
-    @property
-    def key(self) -> Key:
-        """The key the task's snapshot is stored under."""
-        return _key_of(self._parts)
-
-    @property
-    def term(self) -> int:
-        """The term saves are fenced to."""
-        return self._term
-
-    def _fence(self, conn: psycopg.Connection[Any]) -> int:
-        self._fencer(conn, self._term)
-        return self._term
-
-    def load(self) -> Snapshot | None:
-        """The task's last snapshot (from any term), or ``None``."""
-        return self.store.load(self.key)
-
-    def save(self, state: Any) -> Snapshot:
-        """Save ``state``; :class:`~rselection.errors.StaleLeaderError` once the term is over.
-
-        Args:
-            state: a JSON-encodable value (see :meth:`PostgresCheckpointStore.save`).
-        """
-        return self.store._save(self._parts, state, self._fence)
-
-    def delete(self) -> bool:
-        """Delete the task's snapshot (fenced like :meth:`save`); ``True`` if one existed."""
-        return self.store._delete(self._parts, self._fence)
-
-    async def aload(self) -> Snapshot | None:
-        """:meth:`load` for ``async def`` tasks (runs in a worker thread)."""
-        return await asyncio.to_thread(self.load)
-
-    async def asave(self, state: Any) -> Snapshot:
-        """:meth:`save` for ``async def`` tasks (runs in a worker thread).
-
-        Args:
-            state: a JSON-encodable value.
-        """
-        return await asyncio.to_thread(self.save, state)
-
-    async def adelete(self) -> bool:
-        """:meth:`delete` for ``async def`` tasks (runs in a worker thread)."""
-        return await asyncio.to_thread(self.delete)
-
-    def __repr__(self) -> str:
-        return f"TaskCheckpoint({self.key!r}, term={self._term})"

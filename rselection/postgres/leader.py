@@ -5,12 +5,18 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING, Any
 
-from ..claiming import FireClaimer, claim_missed
+from ..claiming import FireClaimer
 from ..errors import ConfigError
-from ..leader import LeaderBase, default_node_id
+from ..leader import LeaseLeader
 from ..timing import Timings
-from ..validation import check_name, check_node_id
-from .checkpoint import PostgresCheckpointStore, TaskCheckpoint
+from ..validation import (
+    check_name,
+    check_node_id,
+    check_optional_seconds,
+    check_seconds,
+    new_node_id,
+)
+from .checkpoint import PostgresCheckpointStore
 from .claims import PostgresClaimer
 from .fencing import afenced, fenced
 from .lease import PostgresLease
@@ -22,7 +28,7 @@ if TYPE_CHECKING:
     from ..members import NodeInfo
     from ..tasks import TaskHandler
 
-__all__ = ["PostgresLeader"]
+__all__ = ["DEFAULT_CLAIMER", "PostgresLeader"]
 
 
 class _Default(enum.Enum):
@@ -33,40 +39,16 @@ DEFAULT_CLAIMER = _Default.CLAIMER
 """The default of ``PostgresLeader(claimer=...)``: claims in the lease's database."""
 
 
-class _LeaseClaims:
-    """A claimer seen through one lease: claim keys are ``"<lease>/<fire key>"``.
-
-    Leases that share a claims table may have tasks of the same name; the prefix keeps
-    their fires apart.
-    """
-
-    def __init__(self, claimer: FireClaimer, lease: str) -> None:
-        self.claimer = claimer
-        self.ttl = claimer.ttl
-        self.prefix = f"{lease}/"
-
-    def claim(self, fire_key: str, *, term: int | None = None) -> bool:
-        return self.claimer.claim(self.prefix + fire_key, term=term)
-
-    def claim_missed(self, fire_keys: list[str], *, term: int | None = None) -> list[str]:
-        keys = [self.prefix + key for key in fire_keys]
-        won = claim_missed(self.claimer, keys, term=term)
-        return [key[len(self.prefix) :] for key in won]
-
-
 class _LeaseFence:
-    """``ctx.fence`` / ``ctx.afence`` of a Postgres leader, and the source of
-    ``ctx.checkpoint``."""
+    """``ctx.fence`` / ``ctx.afence`` of a Postgres leader: the transaction locks the lease
+    row, so a takeover waits until it ends."""
 
-    def __init__(
-        self, name: str, table: str, idle_timeout: float, store: PostgresCheckpointStore
-    ) -> None:
+    def __init__(self, name: str, table: str, idle_timeout: float) -> None:
         self.name = name
         self.table = table
         self.idle_timeout = idle_timeout
-        self.store = store
 
-    def __call__(self, conn: Any, term: int) -> None:
+    def fence(self, conn: Any, term: int) -> None:
         # A paused stale leader must not hold a takeover up for longer than the
         # margin between its own deadline and the lease's expiry.
         fenced(conn, self.name, term, table=self.table, idle_timeout=self.idle_timeout)
@@ -74,11 +56,8 @@ class _LeaseFence:
     async def afence(self, conn: Any, term: int) -> None:
         await afenced(conn, self.name, term, table=self.table, idle_timeout=self.idle_timeout)
 
-    def bind_checkpoint(self, task: str, term: int) -> TaskCheckpoint:
-        return TaskCheckpoint(self.store, task, term, self)
 
-
-class PostgresLeader(LeaderBase):
+class PostgresLeader(LeaseLeader):
     """Competes for a lease row in Postgres; the holder runs the handler's tasks.
 
     The lease lives on the server, with server time (``now()``) for every expiry and a
@@ -86,6 +65,11 @@ class PostgresLeader(LeaderBase):
     an advisory lock, so when its process dies the server frees the lock and a follower
     blocked on it takes over at once; a paused or partitioned leader is replaced only
     after the lease expires, by which time its own deadline has already stopped it.
+
+    A :class:`~rselection.LeaseLeader` over a
+    :class:`~rselection.postgres.PostgresLease`, with a claimer, a checkpoint store and
+    node heartbeats (:meth:`nodes`) in the same database; ``ctx.fence(conn)`` fences a
+    task's transaction to its term (:func:`~rselection.postgres.fenced`).
 
     Args:
         conninfo: a libpq connection string or URI.
@@ -103,16 +87,16 @@ class PostgresLeader(LeaderBase):
             :class:`~rselection.postgres.PostgresCheckpointStore` on the same
             ``conninfo`` (default table prefix, tables created on first use when
             ``create_tables``), which connects only when a task uses it and is closed
-            with the leader. A store you pass must use the lease's database; it is not
-            closed by the leader.
+            with the leader. A store you pass must use the lease's database and table
+            (its ``lease_table``); it is not closed by the leader.
         claimer: claims each scheduled fire before it runs, so that a fire runs once
             across the fleet, also across a handover, and a new leader catches up the
             fires missed while no node led (see the tasks' ``misfire`` policy). By
             default a :class:`~rselection.postgres.PostgresClaimer` on the same
             ``conninfo`` (ttl 600 s, table ``rselection_claims``, holder = node id),
             closed with the leader; pass your own (any
-            :class:`~rselection.claiming.FireClaimer`, not closed by the leader), or
-            ``None`` to run fires unclaimed. Claim keys are ``"<lease name>/<fire key>"``.
+            :class:`~rselection.FireClaimer`, not closed by the leader), or ``None`` to
+            run fires unclaimed. Claim keys are ``"<lease name>/<fire key>"``.
         heartbeat_interval: seconds between this node's heartbeats in the nodes table
             (see :meth:`nodes`), from a thread and connection of its own.
         node_timeout: a node not seen for this long is lost (default three heartbeats).
@@ -140,9 +124,9 @@ class PostgresLeader(LeaderBase):
         nodes_table: str = NODES_TABLE,
     ) -> None:
         check_name(name, "lease name")
-        node_id = check_node_id(node_id) if node_id is not None else default_node_id()
+        node_id = check_node_id(node_id) if node_id is not None else new_node_id()
         timings = Timings(ttl, renew_interval, renew_deadline, retry_interval)
-        backend = PostgresLease(
+        lease = PostgresLease(
             conninfo,
             name=name,
             ttl=timings.ttl,
@@ -151,67 +135,63 @@ class PostgresLeader(LeaderBase):
             table=table,
             create_tables=create_tables,
         )
+        cleanup: list[Any] = []
 
-        if checkpoint_store is not None and not isinstance(
-            checkpoint_store, PostgresCheckpointStore
-        ):
-            raise ConfigError(
-                "checkpoint_store must be a PostgresCheckpointStore, got "
-                f"{type(checkpoint_store).__name__}"
-            )
-        self._owns_store = checkpoint_store is None
         if checkpoint_store is None:
             checkpoint_store = PostgresCheckpointStore(
                 conninfo, lease_table=table, create_tables=create_tables
             )
-        self._checkpoint_store = checkpoint_store
-        fence = _LeaseFence(name, table, timings.margin, checkpoint_store)
-
-        self._owned_claimer: PostgresClaimer | None = None
-        if claimer is DEFAULT_CLAIMER:
-            claimer = self._owned_claimer = PostgresClaimer(
-                conninfo, holder=node_id, create_tables=create_tables
-            )
-        elif claimer is not None and not isinstance(claimer, FireClaimer):
+            cleanup.append(checkpoint_store.close)
+        elif not isinstance(checkpoint_store, PostgresCheckpointStore):
             raise ConfigError(
-                "claimer must have claim(fire_key, *, term) and ttl (a PostgresClaimer), "
-                f"or be None, got {type(claimer).__name__}"
+                "checkpoint_store must be a PostgresCheckpointStore, got "
+                f"{type(checkpoint_store).__name__}"
             )
+        elif checkpoint_store.lease_table != table:
+            raise ConfigError(
+                f"checkpoint_store fences saves against lease table "
+                f"{checkpoint_store.lease_table!r}, but this leader's lease is in {table!r}: "
+                f"build the store with lease_table={table!r}"
+            )
+        self._postgres_store = checkpoint_store
 
-        for label, value in (
-            ("heartbeat_interval", heartbeat_interval),
-            ("node_timeout", node_timeout),
-        ):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
-            ):
-                raise ConfigError(f"{label} must be a positive number of seconds, got {value!r}")
+        if claimer is DEFAULT_CLAIMER:
+            owned = PostgresClaimer(conninfo, holder=node_id, create_tables=create_tables)
+            cleanup.append(owned.close)
+            claimer = owned
+
+        heartbeat = check_seconds(heartbeat_interval, "heartbeat_interval")
+        timeout = check_optional_seconds(node_timeout, "node_timeout")
         self._membership = Membership(
             conninfo,
             lease=name,
             node_id=node_id,
             table=nodes_table,
             lease_table=table,
-            heartbeat_interval=float(heartbeat_interval),
-            node_timeout=float(3 * heartbeat_interval if node_timeout is None else node_timeout),
+            heartbeat_interval=heartbeat,
+            node_timeout=3 * heartbeat if timeout is None else timeout,
             create_tables=create_tables,
         )
+        # Whatever ends the keeper (stop(), or an error it cannot go on after), the node
+        # leaves the membership with it: no heartbeats from a node that no longer competes.
+        cleanup.append(self._membership.stop)
 
         super().__init__(
-            backend,
+            lease,
             handler,
-            name=name,
             node_id=node_id,
             timings=timings,
+            claimer=claimer,
+            checkpoint_store=checkpoint_store,
             broadcaster=broadcaster,
-            fencer=fence,
-            claimer=None if claimer is None else _LeaseClaims(claimer, name),
+            fence=_LeaseFence(name, table, timings.margin),
+            cleanup=cleanup,
         )
 
     @property
     def checkpoint_store(self) -> PostgresCheckpointStore:
         """The store behind ``ctx.checkpoint`` (to inspect or seed task state)."""
-        return self._checkpoint_store
+        return self._postgres_store
 
     def start(self) -> None:
         """Start heartbeating and competing for the lease in background threads."""
@@ -229,21 +209,3 @@ class PostgresLeader(LeaderBase):
             BackendUnavailable: the database could not be reached.
         """
         return self._membership.nodes()
-
-    def _close_backend(self) -> None:
-        # Also runs after every outage, before the keeper reconnects: close only what
-        # reopens on demand. Membership heartbeats go on from their own thread and
-        # connection (reconnecting by themselves) until the leader shuts down.
-        super()._close_backend()
-        if self._owns_store:
-            self._checkpoint_store.close()  # idle connections only; reopened on demand
-        if self._owned_claimer is not None:
-            self._owned_claimer.close()
-
-    def _shutdown(self) -> None:
-        # Whatever ends the keeper (stop(), or an error it cannot go on after), the node
-        # leaves the membership with it: no heartbeats from a node that no longer competes.
-        try:
-            super()._shutdown()
-        finally:
-            self._membership.stop()  # deletes this node's row at once

@@ -6,18 +6,14 @@ import enum
 import logging
 from typing import TYPE_CHECKING, Any
 
-import redis
-import redis.asyncio
-from redis.cluster import RedisCluster
-
 from ..claiming import FireClaimer
 from ..errors import ConfigError
-from ..leader import LeaderBase, default_node_id
+from ..leader import LeaseLeader
 from ..timing import Timings
-from ..validation import check_name, check_node_id
+from ..validation import check_name, check_node_id, new_node_id
 from ._conn import check_client
 from .claims import RedisClaimer
-from .fencing import RedisFence, afenced_call
+from .fencing import RedisFence
 from .lease import RedisLease
 
 if TYPE_CHECKING:
@@ -37,55 +33,35 @@ DEFAULT_CLAIMER = _Default.CLAIMER
 """The default of ``RedisLeader(claimer=...)``: claims in the lease's Redis."""
 
 
-class _LeaseClaims:
-    """A claimer seen through one lease: claim keys are ``"<lease>/<fire key>"``.
+class _NoTransactionFence:
+    """``ctx.fence`` / ``ctx.afence`` of a Redis leader: refused, naming the fenced call.
 
-    Leases that share a claim prefix may have tasks of the same name; the lease name
-    keeps their fires apart.
+    Redis has no transaction a takeover would wait for, so a check of the term at one
+    moment protects nothing written after it; the fenced call checks and writes in one
+    script.
     """
 
-    def __init__(self, claimer: FireClaimer, lease: str) -> None:
-        self.claimer = claimer
-        self.ttl = claimer.ttl
-        self.prefix = f"{lease}/"
-
-    def claim(self, fire_key: str, *, term: int | None = None) -> bool:
-        return self.claimer.claim(self.prefix + fire_key, term=term)
-
-
-class _LeaseFence:
-    """``ctx.fence(client)`` / ``ctx.afence(client)`` of a Redis leader: checks the term
-    against the lease key."""
-
-    def __init__(self, fence: RedisFence, name: str, key_prefix: str) -> None:
-        self.fence = fence
+    def __init__(self, name: str) -> None:
         self.name = name
-        self.key_prefix = key_prefix
 
-    def __call__(self, conn: Any, term: int) -> None:
-        if isinstance(conn, redis.Redis | RedisCluster):
-            RedisFence(conn, self.name, key_prefix=self.key_prefix).check(term)
-            return
-        raise ConfigError(
-            "ctx.fence() of a RedisLeader takes a Redis client and only checks the term at "
-            f"that moment (got {type(conn).__name__}). For a fenced Redis write use "
-            "leader.fence.call(ctx.term, ...); writes to other stores need a fence of "
-            "their own (store ctx.term with the data and refuse lower terms)"
+    def _refuse(self, what: str) -> ConfigError:
+        return ConfigError(
+            f"{what} of a RedisLeader cannot fence a transaction: Redis has none that "
+            "would hold a takeover back. For a fenced Redis write call "
+            "leader.fence.call(ctx.term, <command>, ...) (async: await "
+            f"rselection.redis.afenced_call(client, {self.name!r}, ctx.term, <command>, "
+            "...)); for writes to another store, keep ctx.term with the data and refuse "
+            "lower terms"
         )
+
+    def fence(self, conn: Any, term: int) -> None:
+        raise self._refuse("ctx.fence()")
 
     async def afence(self, conn: Any, term: int) -> None:
-        if isinstance(conn, redis.asyncio.Redis | redis.asyncio.RedisCluster):
-            await afenced_call(conn, self.name, term, key_prefix=self.key_prefix)
-            return
-        raise ConfigError(
-            "ctx.afence() of a RedisLeader takes a redis.asyncio client and only checks "
-            f"the term at that moment (got {type(conn).__name__}); with a blocking client "
-            "call ctx.fence(client). For a fenced Redis write use "
-            "rselection.redis.afenced_call(client, name, ctx.term, ...)"
-        )
+        raise self._refuse("ctx.afence()")
 
 
-class RedisLeader(LeaderBase):
+class RedisLeader(LeaseLeader):
     """Competes for a lease key in Redis; the holder runs the handler's tasks.
 
     Behaves like :class:`~rselection.PostgresLeader`: Redis's own expiry (``PX``), a
@@ -93,10 +69,15 @@ class RedisLeader(LeaderBase):
     release by scripts that check the holder, a ``PUBLISH`` on release so followers take
     over at once, and fast crash failover by the holder's connection id where the server
     allows it (see :mod:`rselection.redis.lease`). ``ctx.term`` is the fencing token;
-    :attr:`fence` runs Redis writes only while a term holds.
+    :attr:`fence` runs Redis writes only while a term holds. Redis has no transaction to
+    fence, so ``ctx.fence(conn)`` is refused with a :class:`~rselection.ConfigError`
+    that names ``leader.fence.call(ctx.term, ...)``.
+
+    A :class:`~rselection.LeaseLeader` over a :class:`~rselection.redis.RedisLease`
+    with a :class:`~rselection.redis.RedisClaimer` on the same Redis.
 
     Args:
-        client_or_url: a ``redis://`` URL, a ``redis.Redis`` or a
+        client: a ``redis://`` URL, a ``redis.Redis`` or a
             ``redis.cluster.RedisCluster`` (the lease's keys share one hash slot). The
             leader's keeper opens connections of its own with the same settings; the
             client serves :meth:`leader`, the default claimer and :attr:`fence`.
@@ -116,7 +97,7 @@ class RedisLeader(LeaderBase):
         claimer: claims each scheduled fire before it runs, so a fire runs once across
             the fleet. By default a :class:`~rselection.redis.RedisClaimer` on the same
             Redis (ttl 600 s, prefix ``<key_prefix>claim:``, holder = node id); pass
-            your own (any :class:`~rselection.claiming.FireClaimer`) or ``None`` to run
+            your own (any :class:`~rselection.FireClaimer`) or ``None`` to run
             fires unclaimed. Claim keys are ``"<lease name>/<fire key>"``.
 
     Raises:
@@ -125,7 +106,7 @@ class RedisLeader(LeaderBase):
 
     def __init__(
         self,
-        client_or_url: Any,
+        client: Any,
         handler: TaskHandler,
         *,
         name: str = "default",
@@ -141,12 +122,11 @@ class RedisLeader(LeaderBase):
         claimer: FireClaimer | _Default | None = DEFAULT_CLAIMER,
     ) -> None:
         check_name(name, "lease name")
-        node_id = check_node_id(node_id) if node_id is not None else default_node_id()
+        node_id = check_node_id(node_id) if node_id is not None else new_node_id()
         timings = Timings(ttl, renew_interval, renew_deadline, retry_interval)
-        client, self._owns_client = check_client(client_or_url, "RedisLeader")
-        self._client = client
-        backend = RedisLease(
-            client,
+        redis_client, owns_client = check_client(client, "RedisLeader")
+        lease = RedisLease(
+            redis_client,
             name=name,
             key_prefix=key_prefix,
             ttl=timings.ttl,
@@ -154,46 +134,34 @@ class RedisLeader(LeaderBase):
             liveness_interval=liveness_interval,
             connect_timeout=connect_timeout,
         )
-        self._fence = RedisFence(client, name, key_prefix=key_prefix)
-        self._owned_claimer: RedisClaimer | None = None
+        self._redis_lease = lease
+        self._fence_writes = RedisFence(redis_client, name, key_prefix=key_prefix)
         if claimer is DEFAULT_CLAIMER:
-            claimer = self._owned_claimer = RedisClaimer(
-                client, key_prefix=f"{key_prefix}claim:", node_id=node_id
-            )
-        elif claimer is not None and not isinstance(claimer, FireClaimer):
-            raise ConfigError(
-                "claimer must have claim(fire_key, *, term) and ttl (a RedisClaimer), "
-                f"or be None, got {type(claimer).__name__}"
-            )
+            claimer = RedisClaimer(redis_client, key_prefix=f"{key_prefix}claim:", node_id=node_id)
+        cleanup = []
+        if owns_client:
+
+            def disconnect() -> None:
+                redis_client.connection_pool.disconnect()
+
+            cleanup.append(disconnect)
         super().__init__(
-            backend,
+            lease,
             handler,
-            name=name,
             node_id=node_id,
             timings=timings,
+            claimer=claimer,
             broadcaster=broadcaster,
-            fencer=_LeaseFence(self._fence, name, key_prefix),
-            claimer=None if claimer is None else _LeaseClaims(claimer, name),
+            fence=_NoTransactionFence(name),
+            cleanup=cleanup,
         )
-        self._lease = backend
 
     @property
     def lease(self) -> RedisLease:
         """The lease backend (its keys, its keeper's client id)."""
-        return self._lease
+        return self._redis_lease
 
     @property
     def fence(self) -> RedisFence:
         """Runs Redis commands only while a term holds this lease: ``fence.call(ctx.term, ...)``."""
-        return self._fence
-
-    def _close_backend(self) -> None:
-        super()._close_backend()
-        if self._owns_client and self._keeper_done():
-            try:
-                self._client.connection_pool.disconnect()
-            except Exception:  # best effort; the pool reconnects on next use
-                logger.debug("lease %r: error closing the client", self.name, exc_info=True)
-
-    def _keeper_done(self) -> bool:
-        return self._stopping.is_set()
+        return self._fence_writes

@@ -159,17 +159,20 @@ def test_fenced_functions_refuse_the_other_kind_of_connection(pg_dsn: str) -> No
 # -- single node ---------------------------------------------------------------------
 
 
-def test_single_node_afence_checks_liveness_only(pg_dsn: str) -> None:
-    term = Term(1, "n")  # no fencer: no lease table
+def test_single_node_afence_is_refused_naming_what_to_call(pg_dsn: str) -> None:
+    """No lease table: ctx.afence and ctx.fence refuse, live term or not, instead of only
+    checking liveness."""
+    term = Term(1, "n")  # no transaction fence, as under a SingleNodeLeader
     ctx = TaskContext("t", term)
 
     async def scenario() -> None:
         async with await psycopg.AsyncConnection.connect(pg_dsn) as conn:
-            await ctx.afence(conn)
-            with pytest.raises(rs.ConfigError, match=r"await ctx\.afence\(conn\)"):
+            with pytest.raises(rs.ConfigError, match=r"cannot fence a transaction.*ctx\.check"):
+                await ctx.afence(conn)
+            with pytest.raises(rs.ConfigError, match="cannot fence a transaction"):
                 ctx.fence(conn)
             term.cancel()
-            with pytest.raises(rs.StaleLeaderError):
+            with pytest.raises(rs.ConfigError, match="cannot fence a transaction"):
                 await ctx.afence(conn)
 
     asyncio.run(scenario())
@@ -178,11 +181,13 @@ def test_single_node_afence_checks_liveness_only(pg_dsn: str) -> None:
 # -- Redis ---------------------------------------------------------------------------
 
 
-def test_redis_afence_checks_the_term_with_an_async_client(redis_url: str, lease_name: str) -> None:
+def test_redis_afence_is_refused_naming_the_async_fenced_call(
+    redis_url: str, lease_name: str
+) -> None:
     import redis
     import redis.asyncio
 
-    from rselection.redis import RedisLeader
+    from rselection.redis import RedisLeader, afenced_call
 
     contexts: list[rs.TaskContext] = []
     leaders: list[RedisLeader] = []
@@ -197,19 +202,23 @@ def test_redis_afence_checks_the_term_with_an_async_client(redis_url: str, lease
         first.start()
         wait_until(lambda: bool(contexts), 10, "the first term's task")
         old = contexts[0]
+        key = f"state:{{{lease_name}}}"
 
         async def scenario() -> None:
             client = redis.asyncio.Redis.from_url(redis_url)
             try:
-                await old.afence(client)
+                with pytest.raises(rs.ConfigError, match=r"afenced_call\(client"):
+                    await old.afence(client)
                 with pytest.raises(rs.ConfigError, match=r"await ctx\.afence\("):
                     old.fence(client)
+                assert await afenced_call(client, lease_name, old.term, "SET", key, "v1")
                 await asyncio.to_thread(first.stop)
                 second = make(rs.TaskHandler(stop_grace=0.5), "second")
                 second.start()
                 await asyncio.to_thread(wait_until, lambda: second.is_leader, 10, "the takeover")
                 with pytest.raises(rs.StaleLeaderError):
-                    await old.afence(client)
+                    await afenced_call(client, lease_name, old.term, "SET", key, "v2")
+                assert await client.get(key) == b"v1"
             finally:
                 await client.aclose()
 

@@ -1,11 +1,19 @@
-"""One leader conformance suite, run on every lease backend (Postgres and Redis).
+"""One leader conformance suite, run on every lease backend.
 
-Each scenario runs unchanged on both backends: election and agreement, graceful handover,
-kill -9 failover, a leader paused beyond its ttl, a server restart, and a fenced write
-refused after a takeover. Fleet scenarios run real node processes (``python -m
+In-process scenarios (:class:`rselection.testing.LeaderConformance`: election and
+agreement, prompt graceful handover with the next term, the old term's tasks joined
+before the next term starts, terms that only grow, step-down with a hold, a free lease
+after stop) run on ``PostgresLeader``, ``RedisLeader`` and a ``LeaseLeader`` over an
+example backend of a user's own (:mod:`tests.support.file_lease`, a lease kept in a
+file). A backend of yours passes the same suite: subclass ``LeaderConformance`` in a
+test module and implement ``make_lease(name)``, as ``TestFileLease`` below does.
+
+Fleet scenarios run on Postgres and Redis: real node processes (``python -m
 rselection.commands.demo_fleet --backend ...``) that write a fenced ledger and report
-their task activity; each ends by checking that no write of an older term came after a write of a
-newer term, and that no task of one term ran while a task of another term ran.
+their task activity, through kill -9 failover, a leader paused beyond its ttl, a server
+restart and slow renewals; each ends by checking that no write of an older term came
+after a write of a newer term, and that no task of one term ran while a task of another
+term ran. A fenced write of an old term is refused after a takeover on both.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -22,8 +31,10 @@ import pytest
 
 import rselection as rs
 from rselection.commands.demo_fleet import Fleet
+from rselection.testing import LeaderConformance
 from tests.support import activity
 from tests.support.backends import Backend
+from tests.support.file_lease import FileLease
 from tests.support.pg import with_host_port
 from tests.support.proxy import TcpProxy
 from tests.support.waiting import wait_until
@@ -42,6 +53,73 @@ FAST_ARGS = [
     "--retry-interval",
     "0.5",
 ]
+
+
+# -- the in-process suite on every backend ---------------------------------------------
+
+
+class TestFileLease(LeaderConformance):
+    """A LeaseLeader over a backend of a user's own: a lease kept in a file."""
+
+    @pytest.fixture(autouse=True)
+    def directory(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+
+    def make_lease(self, name: str) -> rs.LeaseBackend:
+        return FileLease(self.tmp_path, name, ttl=self.timings.ttl)
+
+
+class TestPostgresLeader(LeaderConformance):
+    """PostgresLeader, the factory over PostgresLease."""
+
+    @pytest.fixture(autouse=True)
+    def server(self, pg_dsn: str) -> Iterator[None]:
+        self.dsn = pg_dsn
+        yield
+        self.stop_leaders()  # before the test's schema is dropped
+
+    def make_leader(self, name: str, handler: rs.TaskHandler, *, node_id: str) -> rs.LeaseLeader:
+        from rselection.postgres import PostgresLeader
+
+        t = self.timings
+        return PostgresLeader(
+            self.dsn,
+            handler,
+            name=name,
+            node_id=node_id,
+            ttl=t.ttl,
+            renew_interval=t.renew_interval,
+            renew_deadline=t.renew_deadline,
+            retry_interval=t.retry_interval,
+        )
+
+
+class TestRedisLeader(LeaderConformance):
+    """RedisLeader, the factory over RedisLease."""
+
+    @pytest.fixture(autouse=True)
+    def server(self, redis_url: str) -> Iterator[None]:
+        self.url = redis_url
+        yield
+        self.stop_leaders()
+
+    def make_leader(self, name: str, handler: rs.TaskHandler, *, node_id: str) -> rs.LeaseLeader:
+        from rselection.redis import RedisLeader
+
+        t = self.timings
+        return RedisLeader(
+            self.url,
+            handler,
+            name=name,
+            node_id=node_id,
+            ttl=t.ttl,
+            renew_interval=t.renew_interval,
+            renew_deadline=t.renew_deadline,
+            retry_interval=t.retry_interval,
+        )
+
+
+# -- Postgres and Redis: fenced writes and node fleets -----------------------------------
 
 
 @pytest.fixture(params=BACKENDS)
@@ -75,11 +153,6 @@ def make_leader(backend: Backend) -> Iterator[Callable[..., Any]]:
     yield make
     for leader in made:
         leader.stop(timeout=10)
-
-
-def the_leader(leaders: list[Any]) -> Any:
-    wait_until(lambda: sum(x.is_leader for x in leaders) == 1, 10, "one leader")
-    return next(x for x in leaders if x.is_leader)
 
 
 def elected(fleet: Fleet, timeout: float, exclude: str | None = None) -> dict[str, Any]:
@@ -126,40 +199,6 @@ def assert_safe_ledger(backend: Backend, fleet: Fleet) -> None:
 
 
 # -- in-process ----------------------------------------------------------------------
-
-
-def test_three_nodes_elect_one_leader_and_everyone_agrees(
-    make_leader: Callable[..., Any],
-) -> None:
-    leaders = [make_leader(node_id=f"node-{i}") for i in range(3)]
-    changes: list[tuple[str, Any]] = []
-
-    def receiver(sender: Any, **kw: Any) -> None:
-        changes.append((sender.node_id, kw["leader"]))
-
-    rs.signals.leader_changed.connect(receiver)
-    try:
-        for leader in leaders:
-            leader.start()
-        chief = the_leader(leaders)
-        views = [leader.leader() for leader in leaders]
-        assert {(v.node_id, v.term) for v in views if v} == {(chief.node_id, chief.term)}
-        assert all(v is not None and v.expires_at > v.acquired_at for v in views)
-        first_term = chief.term
-        chief.stop()
-        rest = [x for x in leaders if x is not chief]
-        heir = the_leader(rest)
-        assert heir.term == first_term + 1
-        wait_until(
-            lambda: (
-                {n for n, info in changes if info is not None and info.node_id == heir.node_id}
-                >= {x.node_id for x in rest}
-            ),
-            5,
-            "leader_changed on every node",
-        )
-    finally:
-        rs.signals.leader_changed.disconnect(receiver)
 
 
 def test_fenced_write_of_an_old_term_is_refused_after_takeover(

@@ -167,9 +167,9 @@ def test_single_node_leader_lists_itself() -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"heartbeat_interval": 0}, "heartbeat_interval must be a positive"),
-        ({"heartbeat_interval": True}, "heartbeat_interval must be a positive"),
-        ({"node_timeout": -1}, "node_timeout must be a positive"),
+        ({"heartbeat_interval": 0}, "heartbeat_interval must be"),
+        ({"heartbeat_interval": True}, "heartbeat_interval must be"),
+        ({"node_timeout": -1}, "node_timeout must be"),
         ({"heartbeat_interval": 2, "node_timeout": 1}, "must be longer than heartbeat_interval"),
         ({"nodes_table": "bad name"}, "table"),
     ],

@@ -277,9 +277,12 @@ def test_fires_are_claimed_in_redis_under_the_lease_name(
     assert 0 < client.pttl(keys[0]) <= 600_000
 
 
-def test_ctx_fence_checks_the_term_and_refuses_other_stores(
+def test_ctx_fence_is_refused_naming_the_fenced_call_and_fence_call_fences(
     make_leader: Callable[..., RedisLeader], client: redis.Redis
 ) -> None:
+    """Redis has no transaction a takeover would wait for: ctx.fence(anything) raises
+    a ConfigError that names leader.fence.call, instead of checking the term at one
+    moment (which protected no write made after it)."""
     contexts: list[rs.TaskContext] = []
     handler = rs.TaskHandler(stop_grace=0.5)
 
@@ -292,14 +295,17 @@ def test_ctx_fence_checks_the_term_and_refuses_other_stores(
     leader.start()
     wait_until(lambda: bool(contexts), 10, "the task")
     ctx = contexts[0]
-    ctx.fence(client)  # the term holds
-    with pytest.raises(rs.ConfigError, match="other stores need a fence"):
-        ctx.fence(object())
+    for conn in (client, object()):
+        with pytest.raises(rs.ConfigError, match=r"leader\.fence\.call\(ctx\.term"):
+            ctx.fence(conn)
     key = f"state:{{{leader.name}}}"
-    assert fenced_call(client, leader.name, ctx.term, "SET", key, "v1") == b"OK"
+    assert leader.fence.call(ctx.term, "SET", key, "v1") == b"OK"
+    assert fenced_call(client, leader.name, ctx.term, "GET", key) == b"v1"
     leader.stop()
+    with pytest.raises(rs.ConfigError, match="cannot fence a transaction"):
+        ctx.fence(client)  # the same answer once the term is over
     with pytest.raises(rs.StaleLeaderError):
-        ctx.fence(client)
+        leader.fence.call(ctx.term, "SET", key, "v2")
     with pytest.raises(rs.StaleLeaderError):
         RedisFence(client, leader.name).call(ctx.term, "SET", key, "v2")
     assert client.get(key) == b"v1"

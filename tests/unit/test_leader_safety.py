@@ -2,7 +2,7 @@
 old term's tasks are joined, receivers and callers cannot break the machinery, and bad
 input is refused at construction.
 
-Each test drives a :class:`LeaderBase` over a :class:`MemoryLease` subclass that injects
+Each test drives a :class:`LeaseLeader` over a :class:`MemoryLease` subclass that injects
 one fault (a late renewal, a failing renewal, an unexpected error) and records, with this
 process's monotonic clock, when the lease was released or the session closed, so the
 check compares that instant with when the old term's task really finished.
@@ -26,7 +26,7 @@ import pytest
 import rselection as rs
 from rselection import signals
 from rselection.errors import BackendUnavailable, ConfigError
-from rselection.leader import LeaderBase
+from rselection.leader import LeaseLeader
 from rselection.lease import MemoryLease
 from rselection.timing import Timings
 from tests.support.waiting import wait_until
@@ -101,20 +101,18 @@ def stubborn_handler(activity: Activity, linger: float, stop_grace: float) -> rs
 
 
 @pytest.fixture
-def made() -> Iterator[list[LeaderBase]]:
-    leaders: list[LeaderBase] = []
+def made() -> Iterator[list[LeaseLeader]]:
+    leaders: list[LeaseLeader] = []
     yield leaders
     for leader in leaders:
         leader.stop(timeout=10)
 
 
 def build(
-    made: list[LeaderBase], lease: MemoryLease, handler: rs.TaskHandler, **kwargs: Any
-) -> LeaderBase:
+    made: list[LeaseLeader], lease: MemoryLease, handler: rs.TaskHandler, **kwargs: Any
+) -> LeaseLeader:
     kwargs.setdefault("timings", FAST)
-    leader = LeaderBase(
-        lease, handler, name="safety", node_id=kwargs.pop("node_id", "n1"), **kwargs
-    )
+    leader = LeaseLeader(lease, handler, node_id=kwargs.pop("node_id", "n1"), **kwargs)
     made.append(leader)
     return leader
 
@@ -123,7 +121,7 @@ def build(
 
 
 def test_a_late_renewal_does_not_release_before_the_old_tasks_are_joined(
-    made: list[LeaderBase],
+    made: list[LeaseLeader],
 ) -> None:
     activity = Activity()
     lease = FaultyLease()
@@ -152,7 +150,7 @@ def test_a_late_renewal_does_not_release_before_the_old_tasks_are_joined(
 
 
 def test_a_failed_renewal_closes_the_session_only_after_the_old_tasks_are_joined(
-    made: list[LeaderBase],
+    made: list[LeaseLeader],
 ) -> None:
     activity = Activity()
     lease = FaultyLease()
@@ -172,7 +170,7 @@ def test_a_failed_renewal_closes_the_session_only_after_the_old_tasks_are_joined
 def test_stop_grace_that_outlives_the_lease_is_refused_with_the_math() -> None:
     handler = rs.TaskHandler(stop_grace=5.0)
     with pytest.raises(ConfigError) as err:
-        LeaderBase(MemoryLease(), handler, name="x", timings=Timings())
+        LeaseLeader(MemoryLease("x"), handler, timings=Timings())
     message = str(err.value)
     assert "renew_deadline + stop_grace + 0.5" in message
     assert "10 + 5 + 0.5 = 15.5" in message and "15" in message
@@ -187,7 +185,7 @@ def test_default_stop_grace_takes_what_the_timings_allow() -> None:
     assert FAST.stop_grace(1.0) == 1.0
 
 
-def test_stop_grace_is_honoured_with_default_timings(made: list[LeaderBase]) -> None:
+def test_stop_grace_is_honoured_with_default_timings(made: list[LeaseLeader]) -> None:
     handler = rs.TaskHandler(stop_grace=4.5)
     build(made, MemoryLease(), handler, timings=Timings())  # 10 + 4.5 + 0.5 = 15: fits
 
@@ -205,7 +203,7 @@ TASK_SIGNALS = ["task_started", "task_finished", "task_failed", "fire_skipped", 
 
 @pytest.mark.parametrize("name", LEADERSHIP_SIGNALS + TASK_SIGNALS)
 def test_a_raising_receiver_is_logged_and_ignored(
-    made: list[LeaderBase], name: str, caplog: pytest.LogCaptureFixture
+    made: list[LeaseLeader], name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     activity = Activity()
     # For task_stuck, the persistent task outlives stop_grace so the signal is sent.
@@ -244,7 +242,7 @@ def test_a_raising_receiver_is_logged_and_ignored(
 
 
 def test_an_unexpected_keeper_error_ends_the_term_and_the_keeper_retries(
-    made: list[LeaderBase],
+    made: list[LeaseLeader],
 ) -> None:
     activity = Activity()
     lease = FaultyLease()
@@ -267,7 +265,7 @@ def test_an_unexpected_keeper_error_ends_the_term_and_the_keeper_retries(
         signals.demoted.disconnect(on_demoted)
 
 
-def test_lead_returns_only_after_stop(made: list[LeaderBase]) -> None:
+def test_lead_returns_only_after_stop(made: list[LeaseLeader]) -> None:
     lease = FaultyLease()
     lease.acquire_error = RuntimeError("boom")
     leader = build(made, lease, stubborn_handler(Activity(), linger=0.0, stop_grace=1.0))
@@ -279,7 +277,7 @@ def test_lead_returns_only_after_stop(made: list[LeaderBase]) -> None:
     assert done.wait(5)
 
 
-def test_a_config_error_from_the_backend_makes_lead_raise(made: list[LeaderBase]) -> None:
+def test_a_config_error_from_the_backend_makes_lead_raise(made: list[LeaseLeader]) -> None:
     class Refusing(FaultyLease):
         def connect(self) -> None:
             raise ConfigError("the pooler is not in session mode")
@@ -299,7 +297,7 @@ def test_a_config_error_from_the_backend_makes_lead_raise(made: list[LeaderBase]
 
 @pytest.mark.parametrize("signal_name", ["elected", "demoted"])
 def test_stop_from_a_receiver_on_the_keeper_thread_does_not_deadlock(
-    made: list[LeaderBase], signal_name: str
+    made: list[LeaseLeader], signal_name: str
 ) -> None:
     lease = FaultyLease()
     leader = build(made, lease, stubborn_handler(Activity(), linger=0.0, stop_grace=1.0))
@@ -325,10 +323,10 @@ def test_stop_from_a_receiver_on_the_keeper_thread_does_not_deadlock(
         getattr(signals, signal_name).disconnect(stop_it)
 
 
-def test_stop_from_a_sync_task_does_not_wait_for_itself(made: list[LeaderBase]) -> None:
+def test_stop_from_a_sync_task_does_not_wait_for_itself(made: list[LeaseLeader]) -> None:
     handler = rs.TaskHandler(stop_grace=1.5)
     returned = threading.Event()
-    holder: list[LeaderBase] = []
+    holder: list[LeaseLeader] = []
 
     @handler.persistent("stopper")
     def stopper(ctx: rs.TaskContext) -> None:
@@ -347,10 +345,10 @@ def test_stop_from_a_sync_task_does_not_wait_for_itself(made: list[LeaderBase]) 
     assert took < 1.0, f"stop() from a task took {took:.2f} s (it waited for itself)"
 
 
-def test_stop_from_an_async_task_does_not_block_its_loop(made: list[LeaderBase]) -> None:
+def test_stop_from_an_async_task_does_not_block_its_loop(made: list[LeaseLeader]) -> None:
     handler = rs.TaskHandler(stop_grace=1.5)
     stuck: list[str] = []
-    holder: list[LeaderBase] = []
+    holder: list[LeaseLeader] = []
 
     @handler.persistent("stopper")
     async def stopper(ctx: rs.TaskContext) -> None:
@@ -375,7 +373,7 @@ def test_stop_from_an_async_task_does_not_block_its_loop(made: list[LeaderBase])
     assert took < 1.0, f"stop() from an async task took {took:.2f} s"
 
 
-def test_stop_timeout_bounds_the_whole_call(made: list[LeaderBase]) -> None:
+def test_stop_timeout_bounds_the_whole_call(made: list[LeaseLeader]) -> None:
     handler = rs.TaskHandler(stop_grace=1.5)
 
     @handler.persistent("deaf")
@@ -392,7 +390,7 @@ def test_stop_timeout_bounds_the_whole_call(made: list[LeaderBase]) -> None:
     assert took < 0.6, f"stop(timeout=0.3) took {took:.2f} s"
 
 
-def test_stop_from_a_signal_handler(made: list[LeaderBase]) -> None:
+def test_stop_from_a_signal_handler(made: list[LeaseLeader]) -> None:
     leader = build(made, FaultyLease(), stubborn_handler(Activity(), linger=0.0, stop_grace=1.0))
     previous = signal.signal(signal.SIGUSR1, lambda *_: leader.stop())
     try:
@@ -413,7 +411,7 @@ def test_stop_from_a_signal_handler(made: list[LeaderBase]) -> None:
 def test_bad_node_ids_are_refused_at_construction(node_id: Any) -> None:
     handler = rs.TaskHandler()
     with pytest.raises(ConfigError, match="node_id"):
-        LeaderBase(MemoryLease(), handler, name="x", node_id=node_id, timings=FAST)
+        LeaseLeader(MemoryLease("x"), handler, node_id=node_id, timings=FAST)
     with pytest.raises(ConfigError, match="node_id"):
         rs.SingleNodeLeader(handler, node_id=node_id)
 
@@ -424,7 +422,7 @@ def test_bad_lease_names_are_refused_at_construction(name: Any) -> None:
         rs.SingleNodeLeader(rs.TaskHandler(), name=name)
 
 
-def test_a_1000_character_node_id_is_fine(made: list[LeaderBase]) -> None:
+def test_a_1000_character_node_id_is_fine(made: list[LeaseLeader]) -> None:
     leader = build(made, MemoryLease(), rs.TaskHandler(), node_id="x" * 1000)
     leader.start()
     assert leader.wait_until_leader(5)
@@ -434,7 +432,7 @@ def test_a_1000_character_node_id_is_fine(made: list[LeaderBase]) -> None:
 
 
 def test_a_step_down_pending_when_its_term_ended_otherwise_does_not_end_the_next(
-    made: list[LeaderBase],
+    made: list[LeaseLeader],
 ) -> None:
     lease = FaultyLease()
     leader = build(made, lease, stubborn_handler(Activity(), linger=0.0, stop_grace=1.0))
@@ -459,7 +457,7 @@ def test_on_stuck_exit_exits_before_calling_receivers_that_could_block(tmp_path:
         import threading, time
         import rselection as rs
         from rselection import signals
-        from rselection.leader import LeaderBase
+        from rselection.leader import LeaseLeader
         from rselection.lease import MemoryLease
         from rselection.timing import Timings
 
@@ -474,7 +472,7 @@ def test_on_stuck_exit_exits_before_calling_receivers_that_could_block(tmp_path:
 
         signals.task_stuck.connect(block)
         timings = Timings(ttl=3, renew_interval=0.2, renew_deadline=1, retry_interval=0.2)
-        leader = LeaderBase(MemoryLease(), handler, name="x", timings=timings)
+        leader = LeaseLeader(MemoryLease("x"), handler, timings=timings)
         leader.start()
         leader.wait_until_leader(5)
         print("leading", flush=True)
@@ -502,7 +500,7 @@ def test_on_stuck_exit_exits_before_calling_receivers_that_could_block(tmp_path:
 
 
 def test_a_demoted_receiver_calling_sys_exit_does_not_switch_off_the_watchdog(
-    made: list[LeaderBase],
+    made: list[LeaseLeader],
 ) -> None:
     lease = FaultyLease()
     leader = build(made, lease, stubborn_handler(Activity(), linger=0.0, stop_grace=1.0))
@@ -527,7 +525,7 @@ def test_a_demoted_receiver_calling_sys_exit_does_not_switch_off_the_watchdog(
 
 
 def test_a_renewal_that_returns_after_the_deadline_does_not_revive_the_term(
-    made: list[LeaderBase],
+    made: list[LeaseLeader],
 ) -> None:
     # Renewals every 1 s, deadline 2 s: a renewal sent at L + 1 that answers after 1.5 s
     # comes back at L + 2.5, after the deadline (L + 2), but would extend it to L + 3.
@@ -556,7 +554,7 @@ def test_a_renewal_that_returns_after_the_deadline_does_not_revive_the_term(
         signals.demoted.disconnect(on_demoted)
 
 
-def test_wait_until_leader_returns_false_once_the_leader_stopped(made: list[LeaderBase]) -> None:
+def test_wait_until_leader_returns_false_once_the_leader_stopped(made: list[LeaseLeader]) -> None:
     lease = FaultyLease()
     lease.try_acquire("someone-else")  # held for the whole ttl: this node only follows
     leader = build(made, lease, stubborn_handler(Activity(), linger=0.0, stop_grace=1.0))
@@ -569,7 +567,7 @@ def test_wait_until_leader_returns_false_once_the_leader_stopped(made: list[Lead
     assert result == [False]
 
 
-def test_a_handler_runs_under_one_leader_at_a_time(made: list[LeaderBase]) -> None:
+def test_a_handler_runs_under_one_leader_at_a_time(made: list[LeaseLeader]) -> None:
     handler = stubborn_handler(Activity(), linger=0.0, stop_grace=1.0)
     first = build(made, MemoryLease("a"), handler)
     second = build(made, MemoryLease("b"), handler, node_id="n2")

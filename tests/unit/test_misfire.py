@@ -18,6 +18,7 @@ import pytest
 
 import rselection as rs
 from rselection import signals
+from rselection.testing import fires
 from tests.support.recording import Recorder
 from tests.support.waiting import wait_until
 
@@ -153,10 +154,11 @@ def test_a_new_term_does_not_repeat_a_fire_already_run(
                 leader.step_down()
         leader.stop(timeout=10)
     check_each_instant_once(runs, skipped)
-    # Every run was claimed with its term; no claim without a run or a skip report.
+    # Every run was claimed with its term, under the lease name; no claim without a run
+    # or a skip report.
     claims = claimer.claims()
     for at, term in runs.items:
-        assert claims[rs.format_fire_key("tick", at)] == term
+        assert claims[f"{leader.name}/" + rs.format_fire_key("tick", at)] == term
 
 
 def test_two_leaders_sharing_claims_run_each_fire_once(
@@ -356,10 +358,10 @@ def test_tasks_registered_after_the_leader_are_checked_at_start() -> None:
     ("options", "message"),
     [
         ({"misfire": "newest"}, "misfire must be one of"),
-        ({"misfire_grace": 0}, "misfire_grace must be a positive"),
-        ({"misfire_grace": float("inf")}, "misfire_grace must be a positive"),
-        ({"misfire_grace": True}, "misfire_grace must be a positive"),
-        ({"misfire_grace": "60"}, "misfire_grace must be a positive"),
+        ({"misfire_grace": 0}, "misfire_grace must be"),
+        ({"misfire_grace": float("inf")}, "misfire_grace must be"),
+        ({"misfire_grace": True}, "misfire_grace must be"),
+        ({"misfire_grace": "60"}, "misfire_grace must be"),
     ],
 )
 def test_bad_misfire_options(options: dict[str, Any], message: str) -> None:
@@ -420,6 +422,98 @@ def test_claim_missed_walks_back_with_a_plain_claimer() -> None:
     keys = [f"k{i}" for i in range(6)]
     assert plain.claim("k3")
     assert claim_missed(plain, keys, term=1) == ["k4", "k5"]
+
+
+class CountingClaimer(rs.MemoryClaimer):
+    """A memory claimer that counts its calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def claim(self, fire_key: str, *, term: int | None = None) -> bool:
+        self.calls.append("claim")
+        return super().claim(fire_key, term=term)
+
+    def claim_missed(self, fire_keys: list[str], *, term: int | None = None) -> list[str]:
+        self.calls.append("claim_missed")
+        return super().claim_missed(fire_keys, term=term)
+
+
+def test_lease_claims_prefix_every_key_with_the_lease_name() -> None:
+    from rselection.claiming import LeaseClaims
+
+    inner = rs.MemoryClaimer()
+    billing, reports = LeaseClaims(inner, "billing"), LeaseClaims(inner, "reports")
+    assert billing.ttl == inner.ttl
+    assert billing.claim("tick@t1", term=1)
+    assert not billing.claim("tick@t1", term=2)
+    assert reports.claim("tick@t1", term=1)  # same task and fire, another lease
+    assert billing.claim_missed(["tick@t0", "tick@t1", "tick@t2"], term=3) == ["tick@t2"]
+    assert inner.claims() == {"billing/tick@t1": 1, "reports/tick@t1": 1, "billing/tick@t2": 3}
+
+
+def test_lease_claims_use_the_claimers_own_claim_missed_in_one_call() -> None:
+    from rselection.claiming import LeaseClaims
+
+    inner = CountingClaimer()
+    claims = LeaseClaims(inner, "l")
+    assert claims.claim_missed([f"k{i}" for i in range(5)], term=1) == [f"k{i}" for i in range(5)]
+    assert inner.calls == ["claim_missed"]
+
+
+def test_lease_claims_fall_back_to_one_claim_per_missed_fire() -> None:
+    """A claimer without claim_missed (any FireClaimer) still catches up missed fires."""
+    from rselection.claiming import LeaseClaims
+
+    class Plain:
+        ttl = 600.0
+
+        def __init__(self) -> None:
+            self.inner = rs.MemoryClaimer()
+
+        def claim(self, fire_key: str, *, term: int | None = None) -> bool:
+            return self.inner.claim(fire_key, term=term)
+
+    plain = Plain()
+    assert plain.claim("l/k1")
+    claims = LeaseClaims(plain, "l")
+    assert claims.claim_missed([f"k{i}" for i in range(4)], term=2) == ["k2", "k3"]
+    assert plain.inner.claims() == {"l/k1": None, "l/k2": 2, "l/k3": 2}
+
+
+def test_a_leader_catches_up_missed_fires_through_a_plain_claimer() -> None:
+    """The misfire catch-up works with a claimer that only has claim(): the core walks
+    back one fire at a time."""
+
+    class Plain:
+        ttl = 600.0
+
+        def __init__(self) -> None:
+            self.inner = rs.MemoryClaimer()
+
+        def claim(self, fire_key: str, *, term: int | None = None) -> bool:
+            return self.inner.claim(fire_key, term=term)
+
+    handler = rs.TaskHandler(stop_grace=2.0)
+    runs = Runs()
+    handler.interval(PERIOD, name="tick", misfire="all")(runs)  # type: ignore[arg-type]
+    plain = Plain()
+    # A fire key claimed long before: every fire after it within the grace is missed.
+    started = datetime.now(UTC)
+    schedule = handler.spec("tick").schedule
+    assert schedule is not None
+    old = fires(schedule, started - timedelta(seconds=1), until=started)
+    assert len(old) >= 3
+    assert plain.claim("single-node/" + rs.format_fire_key("tick", old[0]), term=1)
+    leader = rs.SingleNodeLeader(handler, claimer=plain)
+    try:
+        leader.start()
+        wait_until(lambda: len(runs.items) >= len(old), 10.0, "the missed fires to run")
+    finally:
+        leader.stop(timeout=10)
+    # Every fire after the one held ran, oldest first; the held one did not run again.
+    assert [at for at, _ in runs.items if at <= started] == old[1:]
 
 
 # -- the pure policy functions --------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 import rselection as rs
 from rselection import signals
 from rselection.context import TaskContext
-from rselection.leader import LeaderBase
+from rselection.leader import LeaseLeader
 from rselection.lease import MemoryLease
 from rselection.schedules import format_fire_key
 from rselection.timing import Timings
@@ -350,7 +350,7 @@ def test_generic_task_and_go_style_object_run(
     assert stamp.endswith("000Z")
 
 
-def test_check_and_fence_after_the_term_ended(
+def test_check_after_the_term_ended_and_fence_is_refused(
     leaders: Callable[..., rs.SingleNodeLeader],
 ) -> None:
     handler = rs.TaskHandler(stop_grace=2.0)
@@ -361,27 +361,29 @@ def test_check_and_fence_after_the_term_ended(
     def writer(ctx: rs.TaskContext) -> None:
         contexts.append(ctx)
         ctx.check()
-        ctx.fence(object())  # no lease table on a single node: liveness only
-        inside.append("ok")
+        try:
+            ctx.fence(object())
+        except rs.ConfigError as exc:
+            inside.append(str(exc))
         ctx.cancelled.wait()
 
     leader = leaders(handler)
     leader.start()
-    wait_until(lambda: inside == ["ok"], what="the task to check and fence")
+    wait_until(lambda: bool(inside), what="the task to check and fence")
+    # A single node has no lease table: ctx.fence is refused, never a liveness check
+    # that would protect no write.
+    assert "cannot fence a transaction" in inside[0] and "ctx.check()" in inside[0]
     leader.step_down()
     wait_until(lambda: len(contexts) == 2, what="term 2")
     old, new = contexts
     with pytest.raises(rs.LeadershipLost, match="term 1 of node 'local' has ended"):
         old.check()
-    with pytest.raises(rs.StaleLeaderError, match="term 1 has ended"):
-        old.fence(object())
     new.check()  # the new term is live
-    new.fence(object())
+    with pytest.raises(rs.ConfigError, match="cannot fence a transaction"):
+        new.fence(object())
     leader.stop(timeout=10)
     with pytest.raises(rs.LeadershipLost):
         new.check()
-    with pytest.raises(rs.StaleLeaderError):
-        new.fence(object())
 
 
 def test_broadcaster_reaches_tasks(leaders: Callable[..., rs.SingleNodeLeader]) -> None:
@@ -512,7 +514,7 @@ def test_wake_up_is_not_lost_when_it_races_the_keeper(action: str) -> None:
     # after renew_interval (2 s).
     handler = idle_handler()
     lease = PausingLease()
-    leader = LeaderBase(lease, handler, name="race", node_id="n", timings=Timings())
+    leader = LeaseLeader(lease, handler, node_id="n", timings=Timings())
     try:
         leader.start()
         assert leader.wait_until_leader(5)

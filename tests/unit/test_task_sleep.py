@@ -13,7 +13,7 @@ import pytest
 import rselection as rs
 from rselection import clock
 from rselection.context import TaskContext, Term
-from rselection.leader import LeaderBase
+from rselection.leader import LeaseLeader
 from rselection.lease import MemoryLease
 from rselection.timing import Timings
 
@@ -26,9 +26,9 @@ PROMPT = 1.0
 
 
 @pytest.fixture
-def fast_leaders() -> Iterator[list[LeaderBase]]:
-    """LeaderBase instances over a MemoryLease, stopped at the end of the test."""
-    made: list[LeaderBase] = []
+def fast_leaders() -> Iterator[list[LeaseLeader]]:
+    """LeaseLeader instances over a MemoryLease, stopped at the end of the test."""
+    made: list[LeaseLeader] = []
     yield made
     for leader in made:
         leader.stop(timeout=10)
@@ -68,13 +68,12 @@ def sleeper_handler(is_async: bool, results: queue.Queue[tuple[Any, ...]]) -> rs
 
 @pytest.mark.parametrize("is_async", [False, True], ids=["sleep", "asleep"])
 def test_sleep_longer_than_renew_deadline_returns_true_while_leading_and_false_on_step_down(
-    is_async: bool, fast_leaders: list[LeaderBase]
+    is_async: bool, fast_leaders: list[LeaseLeader]
 ) -> None:
     results: queue.Queue[tuple[Any, ...]] = queue.Queue()
-    leader = LeaderBase(
+    leader = LeaseLeader(
         MemoryLease("sleep", ttl=FAST.ttl),
         sleeper_handler(is_async, results),
-        name="sleep",
         node_id="n",
         timings=FAST,
     )

@@ -15,6 +15,7 @@ import rselection as rs
 from rselection import clock
 from rselection.context import TaskContext, Term
 from rselection.errors import ConfigError, LeadershipLost, StaleLeaderError
+from rselection.lease import MemoryLease
 from rselection.schedules import format_fire_key
 
 
@@ -136,7 +137,7 @@ def test_duplicate_name_is_a_value_error() -> None:
 @pytest.mark.parametrize("name", ["", "   ", None, 3])
 def test_empty_or_non_string_name(name: Any) -> None:
     h = rs.TaskHandler()
-    with pytest.raises(ConfigError, match="task name must be a non-empty string"):
+    with pytest.raises(ConfigError, match="task name must be a non-blank string"):
         h.register(name, RunnerObject("x"))
 
 
@@ -226,7 +227,7 @@ def test_bad_on_stuck(on_stuck: Any) -> None:
 def test_bad_stop_grace(grace: Any) -> None:
     with pytest.raises(ConfigError) as info:
         rs.TaskHandler(stop_grace=grace)
-    assert "stop_grace must be a positive number of seconds" in str(info.value)
+    assert "stop_grace must be" in str(info.value)
     assert repr(grace) in str(info.value)
 
 
@@ -372,27 +373,73 @@ def test_check_raises_after_the_local_deadline() -> None:
         ctx.check()
 
 
-def test_fence_without_a_lease_table_checks_liveness() -> None:
+def test_fence_without_a_transaction_fence_is_refused_naming_what_to_call() -> None:
+    """A leader whose lease cannot fence a transaction refuses ctx.fence instead of
+    only checking that the term is live (which would protect no write)."""
     term = Term(2, "n")
     ctx = TaskContext("job", term)
-    ctx.fence(object())
-    term.cancel()
-    with pytest.raises(StaleLeaderError, match="term 2 has ended; roll back"):
+    with pytest.raises(ConfigError, match=r"cannot fence a transaction.*ctx\.check\(\)"):
+        ctx.fence(object())
+    with pytest.raises(ConfigError, match="cannot fence a transaction"):
+        asyncio.run(ctx.afence(object()))
+    term.cancel()  # the same answer once the term ended: it never depended on liveness
+    with pytest.raises(ConfigError, match="cannot fence a transaction"):
         ctx.fence(object())
 
 
-def test_fence_uses_the_leader_fencer() -> None:
-    calls: list[tuple[object, int]] = []
-    conn = object()
-    ctx = TaskContext("job", Term(5, "n", fencer=lambda c, t: calls.append((c, t))))
+class RecordingFence:
+    """A transaction fence that records what it was asked to fence."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object, int]] = []
+
+    def fence(self, conn: Any, term: int) -> None:
+        self.calls.append(("fence", conn, term))
+
+    async def afence(self, conn: Any, term: int) -> None:
+        self.calls.append(("afence", conn, term))
+
+
+class AsyncConnection:
+    """Looks like a connection whose queries are coroutines."""
+
+    async def execute(self, query: str) -> None: ...
+
+
+def test_fence_and_afence_use_the_leaders_transaction_fence() -> None:
+    fence = RecordingFence()
+    conn, aconn = object(), AsyncConnection()
+    ctx = TaskContext("job", Term(5, "n", fence=fence))
     ctx.fence(conn)
-    assert calls == [(conn, 5)]
+    asyncio.run(ctx.afence(aconn))
+    assert fence.calls == [("fence", conn, 5), ("afence", aconn, 5)]
+    with pytest.raises(ConfigError, match=r"await ctx\.afence\(conn\)"):
+        ctx.fence(aconn)
 
 
 def test_checkpoint_needs_a_store() -> None:
     ctx = TaskContext("job", Term(1, "n"))
-    with pytest.raises(NotImplementedError, match="needs a PostgresCheckpointStore"):
+    with pytest.raises(ConfigError, match="checkpoint_store="):
         _ = ctx.checkpoint
+
+
+def test_checkpoint_is_the_task_key_fenced_to_its_term_and_lease() -> None:
+    lease = MemoryLease("billing")
+    holder = lease.try_acquire("n").holder
+    assert holder is not None
+    store = rs.MemoryCheckpointStore(leases=[lease])
+    ctx = TaskContext("job", Term(holder.term, "n", "billing", checkpoint_store=store))
+    assert ctx.checkpoint is ctx.checkpoint
+    assert (ctx.checkpoint.key, ctx.checkpoint.term, ctx.checkpoint.lease) == (
+        "job",
+        holder.term,
+        "billing",
+    )
+    saved = ctx.checkpoint.save({"n": 1})
+    assert saved.term == holder.term and store.load("job") == saved
+    lease.release("n", holder.term)
+    with pytest.raises(StaleLeaderError):
+        ctx.checkpoint.save({"n": 2})
 
 
 def test_interval_jitter_is_seeded_by_the_task_name() -> None:

@@ -132,7 +132,7 @@ def test_run_tasks_with_a_claimer_runs_each_fire_once_across_terms() -> None:
         running.step_down()
         running.wait_runs("tick", 4)
     assert len(keys) == len(set(keys))
-    assert set(keys) <= set(claimer.claims())
+    assert {f"{running.leader.name}/{key}" for key in keys} <= set(claimer.claims())
 
 
 # --------------------------------------------------------------------------- fires
@@ -253,7 +253,8 @@ def test_fire_once_returns_what_the_task_returned_with_a_real_context() -> None:
     @tasks.interval(60, name="purge")
     def purge(ctx: rs.TaskContext) -> tuple[object, ...]:
         ctx.check()  # the term is live
-        ctx.fence(None)  # no lease table: checks liveness only
+        with pytest.raises(rs.ConfigError, match="cannot fence a transaction"):
+            ctx.fence(None)  # no lease: nothing to fence a transaction against
         return (ctx.term, ctx.node_id, ctx.scheduled_at, ctx.fire_key, ctx.broadcaster)
 
     at = T0 + timedelta(minutes=5)

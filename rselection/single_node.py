@@ -1,0 +1,71 @@
+"""A leader that is always leader: local development and tests, no database."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .checkpoints import CheckpointStore, MemoryCheckpointStore
+from .leader import LeaseLeader
+from .lease import MemoryLease
+from .timing import Timings
+
+if TYPE_CHECKING:
+    from .broadcast import Broadcaster
+    from .claiming import FireClaimer
+    from .tasks import TaskHandler
+
+__all__ = ["SingleNodeLeader"]
+
+
+class SingleNodeLeader(LeaseLeader):
+    """Leads at once with term 1, over an in-memory lease; no database needed.
+
+    It is a :class:`~rselection.LeaseLeader` over a
+    :class:`~rselection.lease.MemoryLease`: the same state machine as the Postgres
+    leader, so cancellation, joins and signals behave as in production.
+    :meth:`step_down` ends the term (tasks are cancelled and joined) and the next term
+    starts with the next number. ``ctx.checkpoint`` keeps task state in memory, fenced
+    by term as in Postgres; ``ctx.fence(conn)`` is refused with a
+    :class:`~rselection.ConfigError` (there is no lease table to fence a transaction
+    against).
+
+    Args:
+        handler: the tasks to run.
+        broadcaster: handed to tasks as ``ctx.broadcaster``.
+        claimer: claims each scheduled fire first (default ``None``: every fire runs).
+            A :class:`~rselection.MemoryClaimer` shared across terms lets a test see the
+            misfire policies at work when a term starts after a gap.
+        checkpoint_store: keeps ``ctx.checkpoint`` (default: a new
+            :class:`~rselection.MemoryCheckpointStore`; one you pass is given this
+            leader's lease to fence against).
+        name: the lease name, for logs and signals.
+        node_id: this node's id (default ``"local"``).
+    """
+
+    def __init__(
+        self,
+        handler: TaskHandler,
+        *,
+        broadcaster: Broadcaster | None = None,
+        claimer: FireClaimer | None = None,
+        checkpoint_store: CheckpointStore | None = None,
+        name: str = "single-node",
+        node_id: str = "local",
+    ) -> None:
+        timings = Timings()
+        store = checkpoint_store if checkpoint_store is not None else MemoryCheckpointStore()
+        self._store = store
+        super().__init__(
+            MemoryLease(name, ttl=timings.ttl),
+            handler,
+            node_id=node_id,
+            timings=timings,
+            broadcaster=broadcaster,
+            claimer=claimer,
+            checkpoint_store=store,
+        )
+
+    @property
+    def checkpoint_store(self) -> CheckpointStore:
+        """The store behind ``ctx.checkpoint`` (to inspect or seed task state)."""
+        return self._store

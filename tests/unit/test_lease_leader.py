@@ -1,0 +1,159 @@
+"""``rs.LeaseLeader``: what it accepts, what it refuses, and what it hands to tasks.
+
+The state machine itself is tested in ``test_leader_safety.py`` and, over every
+backend, by the conformance suite (``rselection.testing.LeaderConformance``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+import rselection as rs
+from rselection.lease import MemoryLease
+from rselection.timing import Timings
+from tests.support.waiting import wait_until
+
+FAST = {"ttl": 3.0, "renew_interval": 0.2, "renew_deadline": 1.0, "retry_interval": 0.2}
+
+
+@pytest.fixture
+def lease_leaders() -> Iterator[Callable[..., rs.LeaseLeader]]:
+    made: list[rs.LeaseLeader] = []
+
+    def make(lease: Any, handler: rs.TaskHandler | None = None, **kw: Any) -> rs.LeaseLeader:
+        leader = rs.LeaseLeader(lease, handler or rs.TaskHandler(), **kw)
+        made.append(leader)
+        return leader
+
+    yield make
+    for leader in made:
+        leader.stop(timeout=10)
+
+
+def test_the_name_comes_from_the_lease_and_the_ttl_too(
+    lease_leaders: Callable[..., rs.LeaseLeader],
+) -> None:
+    lease = MemoryLease("billing", ttl=3.0)
+    leader = lease_leaders(lease, renew_interval=0.2, renew_deadline=1.0, node_id="n1")
+    assert leader.name == "billing" and leader.lease is lease and leader.node_id == "n1"
+    assert leader.timings == Timings(3.0, 0.2, 1.0, 2.0)
+    assert isinstance(leader, rs.Leader)
+    assert rs.LeaseLeader(MemoryLease("x"), rs.TaskHandler()).node_id  # a fresh id
+
+
+def test_a_lease_that_expires_sooner_than_the_leaders_ttl_is_refused_with_the_math() -> None:
+    with pytest.raises(rs.ConfigError) as err:
+        rs.LeaseLeader(MemoryLease("x", ttl=3.0), rs.TaskHandler(), ttl=15.0)
+    message = str(err.value)
+    assert "expires 3s after a renewal, sooner than the leader's ttl of 15s" in message
+    assert "pass ttl=3" in message
+    rs.LeaseLeader(MemoryLease("x", ttl=30.0), rs.TaskHandler(), ttl=15.0)  # longer: fine
+
+
+def test_timings_come_either_as_one_object_or_as_four_values() -> None:
+    with pytest.raises(rs.ConfigError, match="not both"):
+        rs.LeaseLeader(MemoryLease("x"), rs.TaskHandler(), timings=Timings(), ttl=15.0)
+    with pytest.raises(rs.ConfigError, match="timings must be a Timings"):
+        rs.LeaseLeader(MemoryLease("x"), rs.TaskHandler(), timings={"ttl": 15})  # type: ignore[arg-type]
+    with pytest.raises(rs.ConfigError, match="ttl - renew_deadline"):
+        rs.LeaseLeader(MemoryLease("x", ttl=3.0), rs.TaskHandler())  # deadline 10 > ttl 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"claimer": object()}, "claimer must have claim"),
+        ({"checkpoint_store": object()}, "checkpoint_store must have load"),
+        ({"fence": object()}, "fence must have fence"),
+        ({"node_id": ""}, "node_id"),
+    ],
+)
+def test_parts_of_the_wrong_kind_are_refused_at_construction(
+    kwargs: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(rs.ConfigError, match=match):
+        rs.LeaseLeader(MemoryLease("x"), rs.TaskHandler(), **kwargs)
+
+
+def blank_named_lease() -> MemoryLease:
+    lease = MemoryLease("x")
+    lease.name = " "  # a backend of one's own may not check its name: the leader does
+    return lease
+
+
+@pytest.mark.parametrize("make", [object, lambda: "billing", blank_named_lease])
+def test_a_lease_that_is_no_lease_backend_or_has_a_blank_name_is_refused(
+    make: Callable[[], Any],
+) -> None:
+    with pytest.raises(rs.ConfigError, match=r"LeaseBackend|lease name"):
+        rs.LeaseLeader(make(), rs.TaskHandler())
+
+
+def test_a_memory_checkpoint_store_is_given_the_lease(
+    lease_leaders: Callable[..., rs.LeaseLeader],
+) -> None:
+    lease = MemoryLease("fenced", ttl=3.0)
+    store = rs.MemoryCheckpointStore()
+    saved: list[rs.Snapshot] = []
+    handler = rs.TaskHandler(stop_grace=0.5)
+
+    @handler.persistent("job", restart="never")
+    def job(ctx: rs.TaskContext) -> None:
+        saved.append(ctx.checkpoint.save({"term": ctx.term}))
+
+    leader = lease_leaders(lease, handler, checkpoint_store=store, **FAST)
+    assert leader.checkpoint_store is store
+    leader.start()
+    wait_until(lambda: bool(saved), 5, "the save")
+    assert saved[0].term == 1
+    leader.stop(timeout=10)
+    with pytest.raises(rs.StaleLeaderError):  # fenced against the leader's lease
+        store.save("job", {}, term=1, lease="fenced")
+
+
+def test_cleanup_runs_once_after_the_release_and_survives_errors(
+    lease_leaders: Callable[..., rs.LeaseLeader], caplog: pytest.LogCaptureFixture
+) -> None:
+    lease = MemoryLease("tidy", ttl=3.0)
+    calls: list[object] = []
+
+    def broken() -> None:
+        calls.append("broken")
+        raise RuntimeError("a cleanup that fails")
+
+    def tidy() -> None:
+        calls.append(lease.current())  # the lease is already released
+
+    leader = lease_leaders(lease, cleanup=[broken, tidy], **FAST)
+    leader.start()
+    assert leader.wait_until_leader(5)
+    leader.stop(timeout=10)
+    assert calls == ["broken", None]
+    assert leader.leader() is None
+    leader.stop(timeout=10)
+    assert calls == ["broken", None]  # never twice
+    assert any("clean-up" in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records)
+
+
+def test_claims_go_through_the_lease_name(
+    lease_leaders: Callable[..., rs.LeaseLeader],
+) -> None:
+    claimer = rs.MemoryClaimer()
+    keys: list[str] = []
+    handler = rs.TaskHandler(stop_grace=0.5)
+
+    @handler.interval(0.05, name="tick")
+    def tick(ctx: rs.TaskContext) -> None:
+        assert ctx.fire_key is not None
+        keys.append(ctx.fire_key)
+
+    leader = lease_leaders(MemoryLease("claims", ttl=3.0), handler, claimer=claimer, **FAST)
+    assert leader.claimer is claimer
+    leader.start()
+    wait_until(lambda: len(keys) >= 2, 5, "two fires")
+    leader.stop(timeout=10)
+    assert {f"claims/{key}" for key in keys} <= set(claimer.claims())
