@@ -29,7 +29,6 @@ import threading
 from datetime import UTC, datetime
 from typing import Any
 
-import psycopg
 from apscheduler.executors.base import run_job
 from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
@@ -93,12 +92,11 @@ def main() -> None:
         parser.error("pass --dsn postgresql://... or set RSELECTION_DSN")
     logging.basicConfig(level=logging.WARNING)
 
-    with psycopg.connect(args.dsn, autocommit=True) as conn:
-        migrate(conn)  # idempotent and safe from many processes at once
+    migrate(args.dsn)  # idempotent and safe from many processes at once
 
     # Claims must outlive the latest a fire may start anywhere (misfire_grace_time).
-    claimer = PostgresClaimer(args.dsn, ttl=60, holder=args.node)
-    elector = PostgresElector(args.dsn, name="apscheduler-example", ttl=5, identity=args.node)
+    claimer = PostgresClaimer(args.dsn, ttl=60, node_id=args.node)
+    elector = PostgresElector(args.dsn, name="apscheduler-example", ttl=5, node_id=args.node)
 
     def tick() -> None:
         key = format_fire_key("tick", scheduled_at())

@@ -31,6 +31,7 @@ from typing import Any
 
 from blinker import Namespace, Signal
 
+from rselection.closeable import Closeable
 from rselection.errors import ConfigError, RSelectionError
 
 __all__ = [
@@ -347,7 +348,7 @@ class Subscription:
         )
 
 
-class Broadcaster:
+class Broadcaster(Closeable):
     """Fan messages out to the subscriptions and receivers of a channel without blocking.
 
     Thread-safe: any thread may publish, subscribe, connect or close at any time,
@@ -509,18 +510,22 @@ class Broadcaster:
                 closed=self._closed,
             )
 
-    def __enter__(self) -> Broadcaster:
-        """Return the broadcaster; it is closed when the ``with`` block exits."""
-        return self
+    def has_readers(self, channel: str | None = None) -> bool:
+        """Whether ``channel`` has an open subscription or a connected receiver.
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Close the broadcaster."""
-        self.close()
+        :param channel: the channel; ``None`` asks about every channel.
+        """
+        if channel is not None:
+            # Read without the lock: a concurrent subscribe may or may not be seen, as
+            # with any check made just before it.
+            if self._subs.get(channel):
+                return True
+            signal = self._signals.get(channel)
+            return signal is not None and bool(signal.receivers)
+        with self._lock:
+            return any(self._subs.values()) or any(
+                signal.receivers for signal in self._signals.values()
+            )
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

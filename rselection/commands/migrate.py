@@ -5,15 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .connections import (
-    Unreachable,
-    connect,
-    describe,
-    first_line,
-    redact,
-    resolve_dsn,
-    table_exists,
-)
+from .connections import Unreachable, connect, describe, first_line, redact, resolve_dsn
 from .options import add_database_options
 from .output import EXIT_UNREACHABLE
 
@@ -41,8 +33,7 @@ def run(args: argparse.Namespace) -> int:
     import psycopg
 
     from ..errors import BackendUnavailable, ConfigError
-    from ..postgres import PostgresCheckpointStore, migrate
-    from ..postgres.broadcast import create_broadcast_tables
+    from ..postgres import migrate
 
     dsn = resolve_dsn(args)
     where = describe(dsn)
@@ -54,34 +45,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         with conn:
             changes = migrate(conn, table=args.table)
-            for change in changes:
-                print(change.describe())
-            existed = table_exists(conn, "rselection_broadcast")
-            create_broadcast_tables(conn)
-            done = "already present" if existed else "created"
-            print(f"broadcast table 'rselection_broadcast': {done}")
-            checkpoints_existed = table_exists(conn, "rselection_checkpoints")
     except (BackendUnavailable, ConfigError) as exc:
         print(f"migrate failed on {where}: {redact(str(exc), dsn)}", file=sys.stderr)
         return 1
     except psycopg.Error as exc:
         print(f"migrate failed on {where}: {redact(first_line(exc), dsn)}", file=sys.stderr)
         return EXIT_UNREACHABLE
-    try:
-        with PostgresCheckpointStore(dsn, lease_table=args.table, create_tables=False) as store:
-            applied = store.apply_migrations()
-    except (BackendUnavailable, ConfigError) as exc:
-        print(f"migrate failed on {where}: {redact(str(exc), dsn)}", file=sys.stderr)
-        return 1
-    numbers = ", ".join(map(str, applied))
-    if not applied:
-        print("checkpoint tables 'rselection_checkpoint*': already present (no migration needed)")
-    elif checkpoints_existed:
-        print(
-            f"checkpoint tables 'rselection_checkpoint*': upgraded (migrations applied: {numbers})"
-        )
-    else:
-        print(
-            f"checkpoint tables 'rselection_checkpoint*': created (migrations applied: {numbers})"
-        )
+    for change in changes:
+        print(change.describe())
     return 0

@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
             asked_at = time.monotonic()
             try:
                 asked = request_handover(
-                    conn, name, table=args.table, to=args.to, window=args.timeout
+                    conn, name, table=args.table, to=args.to, timeout=args.timeout
                 )
             except ConfigError as exc:
                 print(str(exc), file=sys.stderr)

@@ -1,4 +1,12 @@
-"""Connection helpers shared by the Postgres backends.
+"""Connections of the Postgres backend: where each object gets its sessions.
+
+Every Postgres object takes a ``conninfo``: a libpq connection string or URI, a
+``psycopg.Connection``, or a pool (anything with a ``connection()`` context manager,
+such as ``psycopg_pool.ConnectionPool``). :class:`Connections` lends connections from
+any of the three for one call each; :func:`session_conninfo` turns any of the three into
+a connection string for objects that need sessions of their own (LISTEN). Also the
+server-side keepalive arithmetic of the keeper session and error texts that never show
+a password.
 
 Nothing here is public API; the names are stable enough for the CLI and the other
 Postgres modules of this package to use them.
@@ -7,9 +15,11 @@ Postgres modules of this package to use them.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
 import os
+import select
 import socket
 import threading
 import time
@@ -18,11 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.pq import TransactionStatus
 
 from ..errors import BackendUnavailable, ConfigError
 
 __all__ = [
+    "Connections",
     "IoWatchdog",
     "Keepalives",
     "check_conninfo",
@@ -30,6 +42,7 @@ __all__ = [
     "redact",
     "server_keepalives",
     "server_user_timeout",
+    "session_conninfo",
     "unavailable",
 ]
 
@@ -176,6 +189,10 @@ def unavailable(what: str, conninfo: str, exc: BaseException) -> BackendUnavaila
     )
 
 
+IDLE_EXIT = 1.0
+"""Seconds an :class:`IoWatchdog` thread waits with nothing to watch before it ends."""
+
+
 class IoWatchdog:
     """Bounds blocking round trips by shutting a connection's socket down when they overrun.
 
@@ -184,7 +201,9 @@ class IoWatchdog:
     block forever, and with it the thread that must stop the leader. Each guarded call
     registers a deadline; one thread (started on first use, ended by :meth:`close`)
     shuts the socket down when a deadline passes, so the blocked call fails at once with
-    a connection error instead.
+    a connection error instead. The thread ends after :data:`IDLE_EXIT` seconds with
+    nothing to watch (and the next guard starts a new one), so an object nobody closed
+    keeps no thread.
 
     Args:
         name: used in the thread name.
@@ -199,6 +218,7 @@ class IoWatchdog:
         self._next = 0
         self._thread: threading.Thread | None = None
         self._generation = 0  # bumped by close(): tells the current thread to end
+        self._idle_since = time.monotonic()  # when the last guard was disarmed
 
     @contextlib.contextmanager
     def guard(
@@ -242,6 +262,8 @@ class IoWatchdog:
             # socket cannot be closed before this disarm: no risk of hitting a reused fd.
             with self._cond:
                 self._armed.pop(token, None)
+                if not self._armed:
+                    self._idle_since = time.monotonic()
                 if token in self._fired:
                     self._fired.discard(token)
                     fired[0] = True
@@ -255,7 +277,18 @@ class IoWatchdog:
         with self._cond:
             while generation == self._generation:
                 now = time.monotonic()
-                wait = 3600.0
+                if not self._armed:
+                    # Nothing to watch: end after a while, so an object nobody closed
+                    # keeps no thread; the next guard() starts a new one.
+                    idle = now - self._idle_since
+                    if idle >= IDLE_EXIT:
+                        self._thread = None
+                        return
+                    self._cond.wait(IDLE_EXIT - idle)
+                    continue
+                # Wake at least every IDLE_EXIT to notice that nothing is armed any
+                # more (a disarm does not wake this thread: calls stay cheap).
+                wait = IDLE_EXIT
                 for token, (deadline, fd, held) in list(self._armed.items()):
                     if deadline > now:
                         wait = min(wait, deadline - now)
@@ -289,3 +322,287 @@ def _shutdown(fd: int) -> None:
     finally:
         dup.close()
     logger.debug("aborted a round trip that overran its bound (fd %s)", fd)
+
+
+def _kind_of(source: object, owner: str) -> str:
+    """``"conninfo"``, ``"connection"`` or ``"pool"``; else raise :class:`ConfigError`."""
+    if source is None or (isinstance(source, str) and not source.strip()):
+        raise ConfigError(
+            f"{owner} needs a conninfo: a connection string (postgresql://...), a psycopg "
+            f"Connection or a connection pool, got {source!r}"
+        )
+    if isinstance(source, str):
+        check_conninfo(source)
+        return "conninfo"
+    if isinstance(source, psycopg.Connection):
+        if source.closed:
+            raise ConfigError(f"{owner} was given a closed psycopg Connection")
+        return "connection"
+    if isinstance(source, psycopg.AsyncConnection):
+        raise ConfigError(
+            f"{owner} needs a synchronous psycopg Connection, got an AsyncConnection: pass "
+            "a connection string instead"
+        )
+    if callable(getattr(source, "connection", None)):
+        if inspect.iscoroutinefunction(getattr(type(source), "connection", None)):
+            raise ConfigError(
+                f"{owner} needs a synchronous pool, got {type(source).__name__}: pass a "
+                "psycopg_pool.ConnectionPool or a connection string instead"
+            )
+        return "pool"
+    raise ConfigError(
+        f"{owner} needs a conninfo: a connection string, a psycopg Connection or a pool "
+        f"with a connection() context manager (psycopg_pool.ConnectionPool), got "
+        f"{type(source).__name__}"
+    )
+
+
+def _libpq_keywords() -> frozenset[str]:
+    return frozenset(
+        opt.keyword.decode() for opt in psycopg.pq.Conninfo.get_defaults() if opt.keyword
+    )
+
+
+def session_conninfo(source: object, owner: str) -> str:
+    """A connection string for sessions of their own, from any kind of ``conninfo``.
+
+    For objects that cannot borrow a connection per call (a broadcaster LISTENs on a
+    session it keeps): a string is returned as is; a ``psycopg.Connection`` gives the
+    parameters it connected with (its password included); a pool gives its
+    ``conninfo`` and the libpq parameters among its ``kwargs``.
+
+    Args:
+        source: a connection string, a ``psycopg.Connection`` or a pool.
+        owner: the class asking, for messages (``"PostgresBroadcaster"``).
+
+    Raises:
+        ConfigError: ``source`` is none of the three, or a pool without a ``conninfo``.
+    """
+    kind = _kind_of(source, owner)
+    if kind == "conninfo":
+        assert isinstance(source, str)
+        return source
+    if kind == "connection":
+        assert isinstance(source, psycopg.Connection)
+        used = {
+            opt.keyword.decode(): opt.val.decode()
+            for opt in source.pgconn.info
+            if opt.keyword and opt.val
+        }
+        return make_conninfo("", **used)
+    conninfo = getattr(source, "conninfo", None)
+    if not isinstance(conninfo, str):
+        raise ConfigError(
+            f"{owner} opens sessions of its own and needs the pool's connection string, "
+            f"but {type(source).__name__} has no str attribute 'conninfo': pass a "
+            "connection string instead"
+        )
+    check_conninfo(conninfo)
+    extra = getattr(source, "kwargs", None) or {}
+    known = _libpq_keywords()
+    params: dict[str, str | int] = {
+        key: value
+        for key, value in dict(extra).items()
+        if key in known and isinstance(value, str | int) and not isinstance(value, bool)
+    }
+    return make_conninfo(conninfo, **params) if params else conninfo
+
+
+class Connections:
+    """Where an object gets a connection for each call, from any kind of ``conninfo``.
+
+    * a connection string: connections of its own, opened on first use (autocommit, TCP
+      keepalives, a server-side ``statement_timeout``), at most ``size`` at once (calls
+      beyond that wait for one to be free); one that failed is closed and replaced by
+      the next call, idle ones are kept for the next calls;
+    * a pool (anything with a ``connection()`` context manager, such as
+      ``psycopg_pool.ConnectionPool``): each call borrows a connection;
+    * a ``psycopg.Connection``: calls take turns on it under a lock. A call that runs
+      ``with conn.transaction()`` inside the caller's open transaction joins it as a
+      savepoint, and commits or rolls back with it.
+
+    Args:
+        source: the ``conninfo``: a connection string, a pool or a ``psycopg.Connection``.
+        owner: the class using it, for messages (``"PostgresClaimer"``).
+        application_name: ``application_name`` of connections it opens itself.
+        connect_timeout: seconds to wait for a connection it opens itself.
+        statement_timeout: bound of one statement on connections it opens itself; a call
+            on one of them is aborted after ``statement_timeout + connect_timeout``.
+        size: how many connections of its own it may have open at once.
+
+    Raises:
+        ConfigError: ``source`` is none of the three (the message says what is).
+    """
+
+    def __init__(
+        self,
+        source: object,
+        *,
+        owner: str,
+        application_name: str,
+        connect_timeout: float = 5.0,
+        statement_timeout: float = 10.0,
+        size: int = 1,
+    ) -> None:
+        """Check ``source`` (raises :class:`ConfigError`); opens nothing yet."""
+        self.kind = _kind_of(source, owner)
+        self._conninfo: str | None = None
+        self._pool: Any = None
+        self._shared: psycopg.Connection[Any] | None = None
+        if isinstance(source, str):
+            self._conninfo = source
+            self.where = describe_conninfo(source)
+        elif isinstance(source, psycopg.Connection):
+            self._shared = source
+            self.where = describe_conninfo(source.info.dsn)
+        else:
+            self._pool = source
+            conninfo = getattr(source, "conninfo", None)
+            self.where = (
+                describe_conninfo(conninfo)
+                if isinstance(conninfo, str)
+                else f"pool {type(source).__name__}"
+            )
+        self.owner = owner
+        self._app = application_name
+        self._connect_timeout = connect_timeout
+        self._statement_timeout = statement_timeout
+        self._slots = threading.BoundedSemaphore(size)
+        self._shared_lock = threading.Lock()
+        self._lock = threading.Lock()  # guards what follows
+        self._idle: list[psycopg.Connection[Any]] = []
+        self._busy = 0
+        self._generation = 0  # bumped by close(): connections of older ones are closed
+        self._closing = False  # close() ran while calls were in flight
+        # Keepalives and tcp_user_timeout cannot see a peer that accepts bytes and never
+        # answers (a stuck proxy or pooler): bound each call on our own connections.
+        self._io = IoWatchdog(application_name)
+
+    def _open(self) -> psycopg.Connection[Any]:
+        assert self._conninfo is not None
+        try:
+            conn = psycopg.Connection.connect(
+                self._conninfo,
+                autocommit=True,
+                connect_timeout=max(2, math.ceil(self._connect_timeout)),
+                application_name=self._app,
+                # A silent network ends a call within about statement_timeout too.
+                keepalives=1,
+                keepalives_idle=max(1, math.ceil(self._statement_timeout / 2)),
+                keepalives_interval=1,
+                keepalives_count=3,
+                tcp_user_timeout=math.ceil(self._statement_timeout * 1000) + 1000,
+            )
+        except psycopg.Error as exc:
+            raise unavailable("connect to Postgres", self._conninfo, exc) from exc
+        try:
+            conn.execute(
+                "SELECT set_config('statement_timeout', %s, false)",
+                (f"{math.ceil(self._statement_timeout * 1000)}ms",),
+            )
+        except psycopg.Error as exc:
+            conn.close()
+            raise unavailable("prepare the session", self._conninfo, exc) from exc
+        return conn
+
+    @staticmethod
+    def usable(conn: psycopg.Connection[Any]) -> bool:
+        """False when ``conn`` is known dead: closed, broken, or the server hung up.
+
+        An idle connection that nobody LISTENs on has nothing to read unless the server
+        ended the session (an error message, then EOF): then it is replaced before use.
+        """
+        if conn.closed or conn.broken:
+            return False
+        if conn.info.transaction_status != TransactionStatus.IDLE:
+            return False
+        try:
+            readable, _, _ = select.select([conn.fileno()], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not readable
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """Lend a connection for one call.
+
+        Driver errors are left to the caller (see :meth:`wrap`); a connection of its own
+        that failed is closed, and a later call opens a new one.
+        """
+        if self._pool is not None:
+            with self._pool.connection() as lent:
+                yield lent
+            return
+        if self._shared is not None:
+            with self._shared_lock:
+                yield self._shared
+            return
+        with self._slots:
+            conn: psycopg.Connection[Any] | None
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+                generation = self._generation
+                self._busy += 1
+            try:
+                if conn is not None and not self.usable(conn):
+                    logger.debug("%s: replacing a dead connection (%s)", self.owner, self.where)
+                    with contextlib.suppress(Exception):
+                        conn.close()
+                    conn = None
+                if conn is None:
+                    conn = self._open()
+                with self._io.guard(conn, self._statement_timeout + self._connect_timeout):
+                    yield conn
+            finally:
+                self._give_back(conn, generation)
+
+    def _give_back(self, conn: psycopg.Connection[Any] | None, generation: int) -> None:
+        with self._lock:
+            self._busy -= 1
+            keep = (
+                conn is not None
+                and generation == self._generation
+                and not conn.closed
+                and not conn.broken
+                and conn.info.transaction_status == TransactionStatus.IDLE
+            )
+            if keep:
+                assert conn is not None
+                self._idle.append(conn)
+            if self._closing and self._busy == 0:
+                # Under the lock: no call arms a guard while the watchdog stops.
+                self._closing = False
+                self._io.close()
+        if conn is not None and not keep:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    def wrap(self, what: str, exc: psycopg.Error) -> BackendUnavailable:
+        """The :class:`BackendUnavailable` for a failed ``what`` (never shows a password).
+
+        Args:
+            what: what was attempted, e.g. ``"claim 'purge@...'"``.
+            exc: the driver error; chain it with ``raise ... from exc``.
+        """
+        if self._conninfo is not None:
+            return unavailable(what, self._conninfo, exc)
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return BackendUnavailable(f"cannot {what} ({self.where}): {detail}")
+
+    def close(self) -> None:
+        """Close the connections it opened itself (idempotent; a later call opens new ones).
+
+        A pool or connection passed in stays open. Never waits for a call in flight (it
+        may be stuck on a silent link until its bound): its connection is closed when
+        that call ends.
+        """
+        with self._lock:
+            self._generation += 1
+            idle, self._idle = self._idle, []
+            if self._busy:
+                self._closing = True
+            else:
+                self._io.close()
+        for conn in idle:
+            with contextlib.suppress(Exception):
+                conn.close()

@@ -11,11 +11,11 @@ snapshot and resumes; the old leader can no longer overwrite it, because its sav
   in the same transaction as the write: it locks the lease row ``FOR KEY SHARE``, so a
   takeover waits for the save to end, and once the new term exists the save is refused
   with :class:`~rselection.errors.StaleLeaderError` and nothing is written.
-* ``save(key, state, holder="worker-1")`` commits only if ``holder`` holds the key's own
+* ``save(key, state, node_id="worker-1")`` commits only if ``node_id`` holds the key's own
   lease (:meth:`PostgresCheckpointStore.acquire_lease`), for work split by key instead of
   by leader. The per-key lease row is locked ``FOR SHARE`` in the same transaction, so a
   takeover (only possible after expiry) waits for the save to end.
-* Without ``term`` or ``holder`` the save is not fenced.
+* Without ``term`` or ``node_id`` the save is not fenced.
 
 The store is a :class:`~rselection.checkpoints.CheckpointStore`: inside a task,
 ``ctx.checkpoint`` (a :class:`~rselection.checkpoints.TaskCheckpoint`) does the first
@@ -31,20 +31,15 @@ loading a format newer than this release knows raises
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import math
-import select
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC
-from types import TracebackType
 from typing import Any, TypeVar
 
 import psycopg
 from psycopg import sql
-from psycopg.pq import TransactionStatus
 
 from ..checkpoints import (
     DEFAULT_MAX_STATE_BYTES,
@@ -57,11 +52,19 @@ from ..checkpoints import (
     encode_state,
     key_of,
 )
-from ..errors import BackendUnavailable, ConfigError, StaleLeaderError
-from ._conn import check_conninfo, describe_conninfo, unavailable
+from ..closeable import Closeable
+from ..errors import ConfigError, StaleLeaderError
+from ..validation import check_name, check_node_id, check_seconds
+from ._conn import Connections
+from .claims import MIN_TTL
 from .fencing import fenced
-from .migrations import MIGRATIONS, CheckpointTables, apply_migrations
-from .schema import DEFAULT_TABLE, validate_table_name
+from .schema import (
+    CHECKPOINT_PREFIX,
+    DEFAULT_TABLE,
+    CheckpointTables,
+    create_tables,
+    table_identifier,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -78,189 +81,96 @@ _Fence = Callable[[psycopg.Connection[Any]], int | None]
 _RETRIES = 3  # attempts for serialization failures and deadlocks
 
 
-def _check_holder(holder: object) -> str:
-    if not isinstance(holder, str) or not holder or "\x00" in holder:
-        raise ConfigError(f"holder must be a non-empty string without NUL, got {holder!r:.80}")
-    return holder
-
-
-def _dropped(conn: psycopg.Connection[Any]) -> bool:
-    """True when an idle connection was closed by the server (its socket is readable)."""
-    if conn.closed or conn.broken:
-        return True
-    try:
-        readable, _, _ = select.select([conn.fileno()], [], [], 0)
-    except (OSError, ValueError, psycopg.Error):
-        return True
-    return bool(readable)
-
-
-class PostgresCheckpointStore:
+class PostgresCheckpointStore(Closeable):
     """Durable, versioned, fenced task state in Postgres.
 
-    Thread-safe. With a connection string it keeps a few idle connections of its own
-    (``autocommit``, opened on demand, closed by :meth:`close`); with a pool (anything
-    with a ``connection()`` context manager, such as ``psycopg_pool.ConnectionPool``) it
-    borrows one per call. Each call is one short transaction. Tables are created on first
-    use unless ``create_tables=False`` (then call :meth:`apply_migrations` once, with a
-    role that may run DDL). The tables must live in the same database as the lease table
-    for fenced saves.
+    Thread-safe. Each call is one short transaction on a connection from ``conninfo``:
+    with a connection string the store keeps up to ``pool_size`` connections of its own
+    (``autocommit``, opened on demand, closed by :meth:`close`); with a pool it borrows
+    one per call; with a ``psycopg.Connection`` calls take turns on it (inside the
+    caller's open transaction a save joins it, as a savepoint). Tables are created on
+    first use unless ``create_tables=False`` (then run
+    :func:`~rselection.postgres.migrate` once, with a role that may run DDL). The tables
+    must live in the same database as the lease table for fenced saves.
 
     Args:
-        conninfo_or_pool: a libpq connection string or URI, or a connection pool.
+        conninfo: a libpq connection string or URI, a ``psycopg.Connection``, or a pool
+            with a ``connection()`` context manager (``psycopg_pool.ConnectionPool``).
         table_prefix: prefix of the store's tables, optionally schema-qualified
-            (``"ops.rselection_"``): ``<prefix>checkpoints``,
-            ``<prefix>checkpoint_leases``, ``<prefix>checkpoint_migrations``.
+            (``"ops.rselection_"``): ``<prefix>checkpoints`` and
+            ``<prefix>checkpoint_leases``.
         lease_table: the leadership lease table that ``save(..., term=...)`` is fenced
             against (the leader's ``table``).
-        create_tables: apply the migrations on first use.
+        create_tables: create the tables on first use.
         max_state_bytes: largest encoded state :meth:`save` accepts (UTF-8 bytes of the
             JSON text).
-        connect_timeout: seconds to wait for a new connection (conninfo only).
+        connect_timeout: seconds to wait for a new connection (connection string only).
+        statement_timeout: bound of one call on the server, seconds (connection string
+            only); a call that overruns raises ``BackendUnavailable``.
+        pool_size: connections of its own open at once at most (connection string
+            only); more concurrent calls wait for one.
 
     Raises:
-        ConfigError: no or unparsable connection, unsafe table names, bad numbers.
+        ConfigError: a bad ``conninfo``, unsafe table names, bad numbers.
     """
 
     def __init__(
         self,
-        conninfo_or_pool: str | Any,
+        conninfo: str | Any,
         *,
-        table_prefix: str = "rselection_",
+        table_prefix: str = CHECKPOINT_PREFIX,
         lease_table: str = DEFAULT_TABLE,
         create_tables: bool = True,
         max_state_bytes: int = DEFAULT_MAX_STATE_BYTES,
         connect_timeout: float = 5.0,
+        statement_timeout: float = 30.0,
+        pool_size: int = 4,
     ) -> None:
-        if conninfo_or_pool is None or (
-            isinstance(conninfo_or_pool, str) and not conninfo_or_pool.strip()
-        ):
-            raise ConfigError(
-                "PostgresCheckpointStore needs a connection string (postgresql://...) or a "
-                f"connection pool, got {conninfo_or_pool!r}"
-            )
-        self._conninfo: str | None = None
-        self._pool: Any = None
-        if isinstance(conninfo_or_pool, str):
-            check_conninfo(conninfo_or_pool)
-            self._conninfo = conninfo_or_pool
-            self._where = describe_conninfo(conninfo_or_pool)
-        elif callable(getattr(conninfo_or_pool, "connection", None)):
-            self._pool = conninfo_or_pool
-            self._where = f"pool {type(conninfo_or_pool).__name__}"
-        else:
-            raise ConfigError(
-                "conninfo_or_pool must be a connection string or a pool with a "
-                f"connection() context manager (psycopg_pool.ConnectionPool), got "
-                f"{type(conninfo_or_pool).__name__}"
-            )
         self.tables = CheckpointTables(table_prefix)  # validates
-        validate_table_name(lease_table)
+        table_identifier(lease_table)  # validates
         if isinstance(max_state_bytes, bool) or not isinstance(max_state_bytes, int):
             raise ConfigError(f"max_state_bytes must be an int, got {max_state_bytes!r}")
         if max_state_bytes <= 0:
             raise ConfigError(f"max_state_bytes must be positive, got {max_state_bytes!r}")
-        if isinstance(connect_timeout, bool) or not isinstance(connect_timeout, int | float):
-            raise ConfigError(f"connect_timeout must be seconds, got {connect_timeout!r}")
-        if not (connect_timeout > 0 and math.isfinite(connect_timeout)):
-            raise ConfigError(f"connect_timeout must be positive, got {connect_timeout!r}")
+        if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
+            raise ConfigError(f"pool_size must be an int >= 1, got {pool_size!r}")
         self.table_prefix = table_prefix
         self.lease_table = lease_table
-        self.create_tables = create_tables
+        self.create_tables = bool(create_tables)
         self.max_state_bytes = max_state_bytes
-        self.connect_timeout = float(connect_timeout)
-        self._lock = threading.Lock()
-        self._idle: list[psycopg.Connection[Any]] = []
-        self._max_idle = 4
-        self._migrated = False
+        self.connect_timeout = check_seconds(connect_timeout, "connect_timeout")
+        self.statement_timeout = check_seconds(statement_timeout, "statement_timeout")
+        self._conns = Connections(
+            conninfo,
+            owner="PostgresCheckpointStore",
+            application_name="rselection:checkpoints",
+            connect_timeout=self.connect_timeout,
+            statement_timeout=self.statement_timeout,
+            size=pool_size,
+        )
+        self._migrated = not self.create_tables
         self._migrate_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(table_prefix={self.table_prefix!r}, "
-            f"lease_table={self.lease_table!r}, {self._where})"
+            f"lease_table={self.lease_table!r}, {self._conns.where})"
         )
 
-    def __enter__(self) -> PostgresCheckpointStore:
-        """Return the store; the ``with`` block closes its connections on exit."""
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Close the idle connections (see :meth:`close`)."""
-        self.close()
-
-    # -- connections ------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _connection(self) -> Iterator[psycopg.Connection[Any]]:
-        if self._pool is not None:
-            with self._pool.connection() as conn:
-                yield conn
-            return
-        assert self._conninfo is not None
-        with self._lock:
-            conn = self._idle.pop() if self._idle else None
-        if conn is not None and _dropped(conn):
-            # The server ended this idle session (restart, pg_terminate_backend): it sent
-            # its goodbye, so the socket is readable. Use a fresh connection instead.
-            with contextlib.suppress(Exception):
-                conn.close()
-            conn = None
-        if conn is None:
-            try:
-                conn = psycopg.Connection.connect(
-                    self._conninfo,
-                    autocommit=True,
-                    connect_timeout=max(2, math.ceil(self.connect_timeout)),
-                    application_name="rselection:checkpoints",
-                )
-            except psycopg.Error as exc:
-                raise unavailable("connect to the checkpoint store", self._conninfo, exc) from exc
-        reuse = False
-        try:
-            yield conn
-            reuse = True
-        except (StaleLeaderError, ConfigError, TypeError):
-            reuse = True  # refused by us, the connection is fine
-            raise
-        finally:
-            ok = (
-                reuse
-                and not conn.closed
-                and not conn.broken
-                and conn.info.transaction_status == TransactionStatus.IDLE
-            )
-            with self._lock:
-                if ok and len(self._idle) < self._max_idle:
-                    self._idle.append(conn)
-                    conn = None
-            if conn is not None:
-                with contextlib.suppress(Exception):
-                    conn.close()
-
     def close(self) -> None:
-        """Close the store's idle connections (idempotent; later calls reconnect).
+        """Close the store's own connections (idempotent; later calls reconnect).
 
-        A pool passed in is not closed: it belongs to the caller.
+        A pool or connection passed in is not closed: it belongs to the caller.
         """
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            with contextlib.suppress(Exception):
-                conn.close()
+        self._conns.close()
 
     def _run(self, what: str, body: Callable[[psycopg.Connection[Any]], _T]) -> _T:
-        """Run ``body`` in a connection, migrating first; wrap driver errors."""
-        if self.create_tables and not self._migrated:
-            self.apply_migrations()
+        """Run ``body`` on a lent connection, creating the tables first; wrap driver errors."""
         for attempt in range(_RETRIES):
             try:
-                with self._connection() as conn:
+                with self._conns.connection() as conn:
+                    if not self._migrated:
+                        self._create_tables(conn)
                     return body(conn)
             except (
                 psycopg.errors.SerializationFailure,
@@ -269,54 +179,24 @@ class PostgresCheckpointStore:
                 if attempt + 1 < _RETRIES:
                     logger.debug("checkpoint %s: retrying after %s", what, type(exc).__name__)
                     continue
-                raise self._wrap(what, exc) from exc
+                raise self._conns.wrap(what, exc) from exc
             except psycopg.errors.UndefinedTable as exc:
-                self._migrated = False  # dropped behind our back: recreate on next call
+                self._migrated = not self.create_tables  # dropped behind our back: recreate
                 raise ConfigError(
                     f"cannot {what}: the checkpoint tables ({self.table_prefix}*) do not "
-                    "exist on this connection's database or search_path: call "
-                    "apply_migrations() (or create the store with create_tables=True)"
+                    "exist on this connection's database or search_path: run "
+                    "rselection.postgres.migrate(conninfo) (or `rselection migrate`) once, "
+                    "or create the store with create_tables=True"
                 ) from exc
             except psycopg.Error as exc:
-                raise self._wrap(what, exc) from exc
+                raise self._conns.wrap(what, exc) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _wrap(self, what: str, exc: psycopg.Error) -> BackendUnavailable:
-        if self._conninfo is not None:
-            return unavailable(what, self._conninfo, exc)
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return BackendUnavailable(f"cannot {what} ({self._where}): {detail}")
-
-    # -- schema -----------------------------------------------------------------------
-
-    def apply_migrations(self) -> list[int]:
-        """Create or upgrade the store's tables: numbered migrations, in order, once.
-
-        Idempotent and safe to run from many processes at once (one transaction under an
-        advisory lock; see :mod:`rselection.postgres.migrations`).
-
-        Returns:
-            The migration numbers this call applied (empty when already current).
-
-        Raises:
-            ConfigError: the tables were migrated by a newer release.
-            BackendUnavailable: the database refused (no privilege, missing schema) or
-                cannot be reached.
-        """
+    def _create_tables(self, conn: psycopg.Connection[Any]) -> None:
         with self._migrate_lock:
-            try:
-                with self._connection() as conn:
-                    applied = apply_migrations(conn, self.tables, MIGRATIONS)
-            except psycopg.errors.InsufficientPrivilege as exc:
-                raise BackendUnavailable(
-                    f"cannot create the checkpoint tables {self.table_prefix}*: {exc}; "
-                    "run apply_migrations() with a role that may create tables and pass "
-                    "create_tables=False"
-                ) from exc
-            except psycopg.Error as exc:
-                raise self._wrap("create the checkpoint tables", exc) from exc
-            self._migrated = True
-        return applied
+            if not self._migrated:
+                create_tables(conn, checkpoints=self.table_prefix, timeout=self.statement_timeout)
+                self._migrated = True
 
     # -- snapshots --------------------------------------------------------------------
 
@@ -338,7 +218,8 @@ class PostgresCheckpointStore:
         ).format(self.tables.checkpoints)
 
         def body(conn: psycopg.Connection[Any]) -> Any:
-            return conn.execute(query, (parts,)).fetchone()
+            with conn.transaction():
+                return conn.execute(query, (parts,)).fetchone()
 
         row = self._run("load a checkpoint", body)
         if row is None:
@@ -366,7 +247,7 @@ class PostgresCheckpointStore:
         *,
         term: int | None = None,
         lease: str = "default",
-        holder: str | None = None,
+        node_id: str | None = None,
     ) -> Snapshot:
         """Store ``state`` as the new snapshot of ``key``; fenced when asked.
 
@@ -378,11 +259,12 @@ class PostgresCheckpointStore:
             key: a string or a tuple of strings.
             state: a JSON-encodable value.
             term: fence against the leadership lease: commit only if this term still
-                holds ``lease`` (in ``lease_table``), in the same transaction.
-            lease: the leadership lease name that ``term`` refers to (the leader's
-                ``name``).
-            holder: fence against the key's own lease instead: commit only if
-                ``holder`` holds it (:meth:`acquire_lease`) and it has not expired.
+                holds the lease called ``lease`` (in ``lease_table``), in the same
+                transaction.
+            lease: the name of the leadership lease that ``term`` refers to (the leader's
+                ``name``), as in :class:`~rselection.checkpoints.CheckpointStore`.
+            node_id: fence against the key's own lease instead: commit only if
+                ``node_id`` holds it (:meth:`acquire_lease`) and it has not expired.
 
         Returns:
             The snapshot just written (its new version and server time).
@@ -390,23 +272,22 @@ class PostgresCheckpointStore:
         Raises:
             StaleLeaderError: the fence refused; nothing was written.
             TypeError: ``state`` holds a value JSON cannot encode.
-            ConfigError: bad arguments (both ``term`` and ``holder``, a bad key, NaN,
+            ConfigError: bad arguments (both ``term`` and ``node_id``, a bad key, NaN,
                 a state larger than ``max_state_bytes``, a NUL character).
             BackendUnavailable: the database cannot be reached.
         """
         parts = check_key(key)
-        return self._save(parts, state, self._fence(parts, term, lease, holder))
+        return self._save(parts, state, self._fence(parts, term, lease, node_id))
 
-    def _fence(self, parts: list[str], term: int | None, lease: str, holder: str | None) -> _Fence:
-        if term is not None and holder is not None:
+    def _fence(self, parts: list[str], term: int | None, lease: str, node_id: str | None) -> _Fence:
+        if term is not None and node_id is not None:
             raise ConfigError(
-                "pass term= (fence against the leadership lease) or holder= (fence "
+                "pass term= (fence against the leadership lease) or node_id= (fence "
                 "against the key's own lease), not both"
             )
         if term is not None:
             number = check_term(term)
-            if not isinstance(lease, str) or not lease:
-                raise ConfigError(f"lease must be a non-empty lease name, got {lease!r}")
+            check_name(lease, "lease name")
             table = self.lease_table
 
             def by_term(conn: psycopg.Connection[Any]) -> int | None:
@@ -414,8 +295,8 @@ class PostgresCheckpointStore:
                 return number
 
             return by_term
-        if holder is not None:
-            name = _check_holder(holder)
+        if node_id is not None:
+            holder = check_node_id(node_id)
             query = sql.SQL(
                 "SELECT set_config('idle_in_transaction_session_timeout', '5000ms', true),"
                 " (SELECT term FROM {} WHERE key = %s::text[] AND holder = %s"
@@ -423,10 +304,10 @@ class PostgresCheckpointStore:
             ).format(self.tables.leases)
 
             def by_holder(conn: psycopg.Connection[Any]) -> int | None:
-                row = conn.execute(query, (parts, name)).fetchone()
+                row = conn.execute(query, (parts, holder)).fetchone()
                 if row is None or row[1] is None:
                     raise StaleLeaderError(
-                        f"{name!r} does not hold the lease of checkpoint {key_of(parts)!r:.80} "
+                        f"{holder!r} does not hold the lease of checkpoint {key_of(parts)!r:.80} "
                         "(never acquired, expired or taken over): nothing was written; "
                         "acquire_lease() again before writing"
                     )
@@ -468,7 +349,7 @@ class PostgresCheckpointStore:
         *,
         term: int | None = None,
         lease: str = "default",
-        holder: str | None = None,
+        node_id: str | None = None,
     ) -> bool:
         """Delete the snapshot of ``key``; fenced like :meth:`save`.
 
@@ -478,8 +359,8 @@ class PostgresCheckpointStore:
         Args:
             key: a string or a tuple of strings.
             term: fence against the leadership lease (see :meth:`save`).
-            lease: the leadership lease name that ``term`` refers to.
-            holder: fence against the key's own lease (see :meth:`save`).
+            lease: the name of the leadership lease that ``term`` refers to.
+            node_id: fence against the key's own lease (see :meth:`save`).
 
         Returns:
             ``True`` if a snapshot was deleted, ``False`` if there was none.
@@ -490,7 +371,7 @@ class PostgresCheckpointStore:
             BackendUnavailable: the database cannot be reached.
         """
         parts = check_key(key)
-        return self._delete(parts, self._fence(parts, term, lease, holder))
+        return self._delete(parts, self._fence(parts, term, lease, node_id))
 
     def _delete(self, parts: list[str], fence: _Fence) -> bool:
         query = sql.SQL(
@@ -508,32 +389,29 @@ class PostgresCheckpointStore:
 
     # -- per-key leases ---------------------------------------------------------------
 
-    def acquire_lease(self, key: Key, holder: str, ttl: float) -> bool:
+    def acquire_lease(self, key: Key, node_id: str, ttl: float) -> bool:
         """Acquire or renew the lease of ``key`` for ``ttl`` seconds (server time).
 
-        The same holder renews (its term is kept while the lease is live; a new tenure
-        after expiry or release gets the next term). Another holder gets the lease only
+        The same node renews (its term is kept while the lease is live; a new tenure
+        after expiry or release gets the next term). Another node gets the lease only
         once it has expired or was released. Expiry is computed by Postgres
         (``clock_timestamp() + ttl``); no client clock is used.
 
         Args:
             key: a string or a tuple of strings.
-            holder: who asks (a node or worker id).
-            ttl: lease length in seconds (positive).
+            node_id: who asks (a node or worker id).
+            ttl: lease length in seconds (at least 1 ms).
 
         Returns:
-            ``True`` if ``holder`` holds the lease now, ``False`` if another holder does.
+            ``True`` if ``node_id`` holds the lease now, ``False`` if another node does.
 
         Raises:
             ConfigError: bad arguments.
             BackendUnavailable: the database cannot be reached.
         """
         parts = check_key(key)
-        name = _check_holder(holder)
-        if isinstance(ttl, bool) or not isinstance(ttl, int | float):
-            raise ConfigError(f"ttl must be a number of seconds, got {ttl!r}")
-        if not (ttl > 0 and math.isfinite(ttl)):
-            raise ConfigError(f"ttl must be positive and finite, got {ttl!r}")
+        holder = check_node_id(node_id)
+        seconds = check_seconds(ttl, "ttl", minimum=MIN_TTL)
         query = sql.SQL(
             "INSERT INTO {t} AS l (key, holder, term, acquired_at, renewed_at, expires_at)"
             " VALUES (%(key)s::text[], %(holder)s, 1, clock_timestamp(), clock_timestamp(),"
@@ -548,7 +426,7 @@ class PostgresCheckpointStore:
             " WHERE l.holder = EXCLUDED.holder OR l.expires_at <= clock_timestamp()"
             " RETURNING term"
         ).format(t=self.tables.leases)
-        params = {"key": parts, "holder": name, "ttl": float(ttl)}
+        params = {"key": parts, "holder": holder, "ttl": seconds}
 
         def body(conn: psycopg.Connection[Any]) -> bool:
             with conn.transaction():
@@ -556,22 +434,22 @@ class PostgresCheckpointStore:
 
         return self._run("acquire a checkpoint lease", body)
 
-    def release_lease(self, key: Key, holder: str) -> bool:
-        """Give the lease of ``key`` up now, so another holder may take it at once.
+    def release_lease(self, key: Key, node_id: str) -> bool:
+        """Give the lease of ``key`` up now, so another node may take it at once.
 
         Args:
             key: a string or a tuple of strings.
-            holder: the current holder.
+            node_id: the node holding it.
 
         Returns:
-            ``True`` if ``holder`` held a live lease and released it.
+            ``True`` if ``node_id`` held a live lease and released it.
 
         Raises:
             ConfigError: bad arguments.
             BackendUnavailable: the database cannot be reached.
         """
         parts = check_key(key)
-        name = _check_holder(holder)
+        holder = check_node_id(node_id)
         query = sql.SQL(
             "UPDATE {} SET expires_at = clock_timestamp()"
             " WHERE key = %s::text[] AND holder = %s AND expires_at > clock_timestamp()"
@@ -580,6 +458,6 @@ class PostgresCheckpointStore:
 
         def body(conn: psycopg.Connection[Any]) -> bool:
             with conn.transaction():
-                return conn.execute(query, (parts, name)).fetchone() is not None
+                return conn.execute(query, (parts, holder)).fetchone() is not None
 
         return self._run("release a checkpoint lease", body)

@@ -38,14 +38,14 @@ unexpired claims written in another format (an index makes that one probe), and 
 finds one it raises :class:`~rselection.errors.ConfigError` instead of claiming: stop
 the nodes of the other release, or wait one ttl after the last of them stopped.
 
-**Holder and term.** Each claim records who made it (``holder``: a random process
-identity by default) and, when given, the fencing ``term`` under which it was made, for
-audits and debugging.
+**Node id and term.** Each claim records who made it (``node_id``, stored in the
+``holder`` column: a new node id per claimer by default) and, when given, the fencing
+``term`` under which it was made, for audits and debugging.
 
 Connections
 -----------
 
-``conninfo_or_pool`` is one of:
+``conninfo`` is one of:
 
 * a connection string: the claimer opens one autocommit connection of its own (on first
   use; reopened after a failure), and calls take turns on it;
@@ -61,27 +61,25 @@ Every instance is thread-safe.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
-import os
-import secrets
-import select
-import socket
-import threading
-from collections.abc import Iterator
-from types import TracebackType
 from typing import Any
 
 import psycopg
 from psycopg import sql
-from psycopg.pq import TransactionStatus
 
-from ..errors import BackendUnavailable, ConfigError
-from ._conn import IoWatchdog, check_conninfo, describe_conninfo, unavailable
+from ..closeable import Closeable
+from ..errors import ConfigError
+from ..validation import check_node_id, check_seconds, new_node_id
+from ._conn import Connections
 from .schema import CLAIMS_TABLE, create_tables, table_identifier
 
-__all__ = ["FIRE_KEY_FORMAT", "PostgresClaimer", "random_identity"]
+__all__ = [
+    "FIRE_KEY_FORMAT",
+    "MAX_FIRE_KEY_BYTES",
+    "MIN_TTL",
+    "PostgresClaimer",
+    "check_fire_key",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -89,239 +87,31 @@ FIRE_KEY_FORMAT = 1
 """Format of the fire keys this release writes: ``"<task>@<UTC RFC 3339, 9 digits>Z"``."""
 
 MIN_TTL = 0.001
-"""The shortest ttl accepted, seconds (1 ms)."""
+"""The shortest ttl accepted, seconds (1 ms): claims are measured in server time with
+microsecond precision."""
 
-_MAX_KEY_BYTES = 2000  # a btree entry must fit in a third of a page
+MAX_FIRE_KEY_BYTES = 2600
+"""Longest fire key accepted, in UTF-8 bytes: a btree entry must fit in a third of a page.
+A fire key is ``"<lease name>/<task>@<instant>"``, so it may be longer than a name."""
+
 _MAX_TERM = 2**63 - 1
 
 
-def random_identity() -> str:
-    """A random identity for this process: ``"<host>:<pid>:<8 hex digits>"``.
+def check_fire_key(value: object) -> str:
+    """Return ``value`` if it is a usable fire key, else raise :class:`ConfigError`.
 
-    Unique per call, so two claimers or electors of one process differ too.
-    """
-    host = socket.gethostname() or "host"
-    return f"{host[:200]}:{os.getpid()}:{secrets.token_hex(4)}"
-
-
-def check_ttl(ttl: object, label: str = "ttl") -> float:
-    """Return ``ttl`` as a float, or raise :class:`ConfigError` if it is not >= 1 ms.
+    A fire key is a string that is not blank, has no NUL character and at most
+    :data:`MAX_FIRE_KEY_BYTES` bytes as UTF-8 (it holds a lease and a task name, each up
+    to :data:`~rselection.validation.MAX_NAME` characters).
 
     Args:
-        ttl: seconds, an int or a float (not a bool); at least :data:`MIN_TTL`, finite.
-        label: the parameter's name, for the message.
+        value: the fire key.
     """
-    if isinstance(ttl, bool) or not isinstance(ttl, int | float):
-        raise ConfigError(f"{label} must be a number of seconds, got {ttl!r}")
-    if not math.isfinite(ttl) or ttl < MIN_TTL:
-        raise ConfigError(
-            f"{label} must be finite and at least {MIN_TTL} s (1 ms), got {ttl!r}: claims "
-            "and elections are measured in server time with microsecond precision"
-        )
-    return float(ttl)
-
-
-def check_name(value: object, label: str) -> str:
-    """Return ``value`` if it is a usable name, else raise :class:`ConfigError`.
-
-    Args:
-        value: a non-empty string, not only whitespace, without NUL characters.
-        label: the parameter's name, for the message.
-    """
-    if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{label} must be a non-empty string, got {value!r:.80}")
-    if "\x00" in value:
-        raise ConfigError(f"{label} must not contain NUL characters, got {value!r:.80}")
-    if len(value.encode(errors="replace")) > _MAX_KEY_BYTES:
-        raise ConfigError(f"{label} is longer than {_MAX_KEY_BYTES} bytes: {value[:40]!r}...")
+    if not isinstance(value, str) or not value.strip() or "\x00" in value:
+        raise ConfigError(f"fire_key must be a non-blank string without NUL, got {value!r:.80}")
+    if len(value.encode(errors="replace")) > MAX_FIRE_KEY_BYTES:
+        raise ConfigError(f"fire_key is longer than {MAX_FIRE_KEY_BYTES} bytes: {value[:40]!r}...")
     return value
-
-
-class Connections:
-    """Where a claimer or an elector gets its connection: a conninfo, a pool or a connection.
-
-    Not public API; see the module docstring for the three modes.
-
-    Args:
-        source: a connection string, a pool with ``connection()``, or a
-            ``psycopg.Connection``.
-        owner: the class using it, for messages (``"PostgresClaimer"``).
-        application_name: ``application_name`` of connections it opens itself.
-        connect_timeout: seconds to wait for a connection it opens itself.
-        statement_timeout: bound of one statement on connections it opens itself.
-    """
-
-    def __init__(
-        self,
-        source: object,
-        *,
-        owner: str,
-        application_name: str,
-        connect_timeout: float = 5.0,
-        statement_timeout: float = 10.0,
-    ) -> None:
-        """Check ``source`` (raises :class:`ConfigError`); opens nothing yet."""
-        if source is None or (isinstance(source, str) and not source.strip()):
-            raise ConfigError(
-                f"{owner} needs a connection string (postgresql://...), a connection pool "
-                f"or a psycopg Connection, got {source!r}"
-            )
-        self._conninfo: str | None = None
-        self._pool: Any = None
-        self._shared: psycopg.Connection[Any] | None = None
-        if isinstance(source, str):
-            check_conninfo(source)
-            self._conninfo = source
-            self.where = describe_conninfo(source)
-        elif isinstance(source, psycopg.Connection):
-            if source.closed:
-                raise ConfigError(f"{owner} was given a closed psycopg Connection")
-            self._shared = source
-            self.where = describe_conninfo(source.info.dsn)
-        elif isinstance(source, psycopg.AsyncConnection):
-            raise ConfigError(
-                f"{owner} needs a synchronous psycopg Connection, got an AsyncConnection"
-            )
-        elif callable(getattr(source, "connection", None)):
-            self._pool = source
-            conninfo = getattr(source, "conninfo", None)
-            self.where = (
-                describe_conninfo(conninfo)
-                if isinstance(conninfo, str)
-                else f"pool {type(source).__name__}"
-            )
-        else:
-            raise ConfigError(
-                f"{owner} needs a connection string, a pool with a connection() context "
-                "manager (psycopg_pool.ConnectionPool) or a psycopg Connection, got "
-                f"{type(source).__name__}"
-            )
-        self.owner = owner
-        self._app = application_name
-        self._connect_timeout = connect_timeout
-        self._statement_timeout = statement_timeout
-        self._lock = threading.Lock()
-        self._own: psycopg.Connection[Any] | None = None
-        # Keepalives and tcp_user_timeout cannot see a peer that accepts bytes and never
-        # answers (a stuck proxy or pooler): bound each call on our own connection.
-        self._io = IoWatchdog(application_name)
-
-    def _open(self) -> psycopg.Connection[Any]:
-        assert self._conninfo is not None
-        try:
-            conn = psycopg.Connection.connect(
-                self._conninfo,
-                autocommit=True,
-                connect_timeout=max(2, math.ceil(self._connect_timeout)),
-                application_name=self._app,
-                # A silent network ends a call within about statement_timeout too.
-                keepalives=1,
-                keepalives_idle=max(1, math.ceil(self._statement_timeout / 2)),
-                keepalives_interval=1,
-                keepalives_count=3,
-                tcp_user_timeout=math.ceil(self._statement_timeout * 1000) + 1000,
-            )
-        except psycopg.Error as exc:
-            raise unavailable("connect to Postgres", self._conninfo, exc) from exc
-        try:
-            conn.execute(
-                "SELECT set_config('statement_timeout', %s, false)",
-                (f"{math.ceil(self._statement_timeout * 1000)}ms",),
-            )
-        except psycopg.Error as exc:
-            conn.close()
-            raise unavailable("prepare the session", self._conninfo, exc) from exc
-        return conn
-
-    @staticmethod
-    def _usable(conn: psycopg.Connection[Any]) -> bool:
-        """False when ``conn`` is known dead: closed, broken, or the server hung up.
-
-        An idle connection that nobody LISTENs on has nothing to read unless the server
-        ended the session (an error message, then EOF): then it is replaced before use.
-        """
-        if conn.closed or conn.broken:
-            return False
-        if conn.info.transaction_status != TransactionStatus.IDLE:
-            return False
-        try:
-            readable, _, _ = select.select([conn.fileno()], [], [], 0)
-        except (OSError, ValueError):
-            return False
-        return not readable
-
-    @contextlib.contextmanager
-    def connection(self) -> Iterator[psycopg.Connection[Any]]:
-        """Lend a connection for one call; the body runs ``with conn.transaction()``.
-
-        Driver errors are left to the caller (see :meth:`wrap`); a connection of its own
-        that failed is closed and reopened by the next call.
-        """
-        if self._pool is not None:
-            with self._pool.connection() as conn:
-                yield conn
-            return
-        with self._lock:
-            if self._shared is not None:
-                yield self._shared
-                return
-            if self._own is not None and not self._usable(self._own):
-                logger.debug("%s: replacing a dead connection (%s)", self.owner, self.where)
-                with contextlib.suppress(Exception):
-                    self._own.close()
-                self._own = None
-            if self._own is None:
-                self._own = self._open()
-            conn = self._own
-            ok = False
-            try:
-                with self._io.guard(conn, self._statement_timeout + self._connect_timeout):
-                    yield conn
-                ok = True
-            finally:
-                if not ok and (conn.broken or conn.closed):
-                    with contextlib.suppress(Exception):
-                        conn.close()
-                    self._own = None
-
-    def wrap(self, what: str, exc: psycopg.Error) -> BackendUnavailable:
-        """The :class:`BackendUnavailable` for a failed ``what`` (never shows a password).
-
-        Args:
-            what: what was attempted, e.g. ``"claim 'purge@...'"``.
-            exc: the driver error; chain it with ``raise ... from exc``.
-        """
-        if self._conninfo is not None:
-            return unavailable(what, self._conninfo, exc)
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return BackendUnavailable(f"cannot {what} ({self.where}): {detail}")
-
-    def close(self) -> None:
-        """Close the connection it opened itself (idempotent); pools and connections stay open.
-
-        Never waits for a call in flight (it may be stuck on a silent link until its
-        bound): then the connection is closed in the background once that call ends.
-        """
-        if not self._lock.acquire(blocking=False):
-            threading.Thread(target=self._close_when_free, daemon=True).start()
-            return
-        try:
-            self._close_own()
-        finally:
-            self._lock.release()
-
-    def _close_when_free(self) -> None:
-        with self._lock:
-            self._close_own()
-
-    def _close_own(self) -> None:
-        """Close our connection and its watchdog; the caller holds the lock, so no call
-        arms a guard meanwhile."""
-        conn, self._own = self._own, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.close()
-        self._io.close()
 
 
 def _check_term(term: object) -> None:
@@ -331,55 +121,58 @@ def _check_term(term: object) -> None:
         raise ConfigError(f"term must be None or an int in [0, 2**63), got {term!r}")
 
 
-class PostgresClaimer:
+class PostgresClaimer(Closeable):
     """Claims fires in Postgres so that each one runs at most once across a fleet.
 
     See the module docstring for the semantics (kept until ttl, expired claims replaced
     atomically, server time, fail closed, fire-key format version) and the three kinds
-    of ``conninfo_or_pool``. Thread-safe.
+    of ``conninfo``. Thread-safe.
 
     Args:
-        conninfo_or_pool: a libpq connection string or URI, a pool with a
-            ``connection()`` context manager (``psycopg_pool.ConnectionPool``), or a
-            ``psycopg.Connection``.
+        conninfo: a libpq connection string or URI, a ``psycopg.Connection``, or a pool
+            with a ``connection()`` context manager (``psycopg_pool.ConnectionPool``).
         ttl: seconds a claim binds, in server time (at least 1 ms; default 600). Longer
             than the latest any node may start a fire.
         table: claims table, optionally schema-qualified (``"ops.claims"``).
-        holder: identity recorded with each claim; a random process identity
-            (:func:`random_identity`) by default.
-        create_tables: create the table on first use. Off by default: run
-            :func:`~rselection.postgres.migrate` (or ``rselection migrate``) once.
+        node_id: who claims, recorded with each claim; a new node id
+            (:func:`~rselection.validation.new_node_id`) by default.
+        create_tables: create the table on first use. Pass ``False`` where the
+            application role may not run DDL, and run :func:`~rselection.postgres.migrate`
+            (or ``rselection migrate``) once with one that may.
         connect_timeout: seconds to wait for a connection (connection string only).
         statement_timeout: bound of one claim on the server, seconds (connection string
             only); a claim that overruns raises ``BackendUnavailable``.
 
     Raises:
-        ConfigError: no connection, a ttl below 1 ms, an unsafe table name, an empty
-            holder, bad timeouts.
+        ConfigError: a bad ``conninfo``, a ttl below 1 ms, an unsafe table name, a blank
+            node_id, bad timeouts.
     """
 
     def __init__(
         self,
-        conninfo_or_pool: str | Any,
+        conninfo: str | Any,
         *,
         ttl: float = 600.0,
         table: str = CLAIMS_TABLE,
-        holder: str | None = None,
-        create_tables: bool = False,
+        node_id: str | None = None,
+        create_tables: bool = True,
         connect_timeout: float = 5.0,
         statement_timeout: float = 10.0,
     ) -> None:
-        self.ttl = check_ttl(ttl)
+        self.ttl = check_seconds(ttl, "ttl", minimum=MIN_TTL)
         self._ident = table_identifier(table)  # validates
         self.table = table
-        self.holder = random_identity() if holder is None else check_name(holder, "holder")
+        self.node_id = new_node_id() if node_id is None else check_node_id(node_id)
+        """Who claims: recorded with each claim (in the ``holder`` column)."""
         self.create_tables = bool(create_tables)
+        # The first call may create the table: its waits are bounded like a claim's.
+        self._statement_timeout = check_seconds(statement_timeout, "statement_timeout")
         self._conns = Connections(
-            conninfo_or_pool,
+            conninfo,
             owner="PostgresClaimer",
             application_name="rselection:claims",
-            connect_timeout=check_ttl(connect_timeout, "connect_timeout"),
-            statement_timeout=check_ttl(statement_timeout, "statement_timeout"),
+            connect_timeout=check_seconds(connect_timeout, "connect_timeout"),
+            statement_timeout=self._statement_timeout,
         )
         self._ready = not self.create_tables
         self._claim_sql = sql.SQL(
@@ -435,21 +228,8 @@ class PostgresClaimer:
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(table={self.table!r}, ttl={self.ttl}, "
-            f"holder={self.holder!r}, {self._conns.where})"
+            f"node_id={self.node_id!r}, {self._conns.where})"
         )
-
-    def __enter__(self) -> PostgresClaimer:
-        """Return the claimer; the ``with`` block closes its own connection on exit."""
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Close the claimer's own connection (see :meth:`close`)."""
-        self.close()
 
     def close(self) -> None:
         """Close the connection the claimer opened (idempotent; a later call reopens it).
@@ -464,7 +244,7 @@ class PostgresClaimer:
     ) -> Any:
         try:
             if not self._ready:
-                create_tables(conn, claims=self.table)
+                create_tables(conn, claims=self.table, timeout=self._statement_timeout)
                 self._ready = True
             with conn.transaction():
                 cur = conn.execute(query, params)
@@ -472,8 +252,8 @@ class PostgresClaimer:
         except psycopg.errors.UndefinedTable as exc:
             raise ConfigError(
                 f"cannot {what}: the claims table {self.table!r} does not exist in this "
-                "connection's database or search_path: run rselection.postgres.migrate(conn) "
-                "(or `rselection migrate`) once, or pass create_tables=True"
+                "connection's database or search_path: run rselection.postgres.migrate(conninfo) "
+                "(or `rselection migrate`) once, or create the claimer with create_tables=True"
             ) from exc
         except (psycopg.errors.UndefinedColumn, psycopg.errors.NotNullViolation) as exc:
             raise ConfigError(
@@ -495,14 +275,14 @@ class PostgresClaimer:
             ConfigError, BackendUnavailable: as :meth:`claim`.
         """
         for key in fire_keys:
-            check_name(key, "fire_key")
+            check_fire_key(key)
         _check_term(term)
         if not fire_keys:
             return []
         params = {
             "keys": list(fire_keys),
             "fv": FIRE_KEY_FORMAT,
-            "holder": self.holder,
+            "holder": self.node_id,
             "term": term,
             "ttl": self.ttl,
         }
@@ -543,12 +323,12 @@ class PostgresClaimer:
             BackendUnavailable: the claim could not be made or its outcome is unknown;
                 do not run the fire.
         """
-        check_name(fire_key, "fire_key")
+        check_fire_key(fire_key)
         _check_term(term)
         params = {
             "key": fire_key,
             "fv": FIRE_KEY_FORMAT,
-            "holder": self.holder,
+            "holder": self.node_id,
             "term": term,
             "ttl": self.ttl,
         }

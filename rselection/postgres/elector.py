@@ -43,8 +43,11 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from ..closeable import Closeable
 from ..errors import ConfigError
-from .claims import Connections, check_name, check_ttl, random_identity
+from ..validation import check_name, check_node_id, check_seconds, new_node_id
+from ._conn import Connections
+from .claims import MIN_TTL
 from .schema import ELECTIONS_TABLE, create_tables, table_identifier
 
 __all__ = ["PostgresElector"]
@@ -52,60 +55,61 @@ __all__ = ["PostgresElector"]
 logger = logging.getLogger(__name__)
 
 
-class PostgresElector:
+class PostgresElector(Closeable):
     """Leader election that acquires or renews on each :meth:`is_leader` call.
 
     See the module docstring for how it works. Thread-safe; one instance is one
-    candidate (its :attr:`identity`), whichever thread calls it.
+    candidate (its :attr:`node_id`), whichever thread calls it.
 
     Args:
-        conninfo_or_pool: a libpq connection string or URI, a pool with a
-            ``connection()`` context manager (``psycopg_pool.ConnectionPool``), or a
-            ``psycopg.Connection`` (see :mod:`rselection.postgres.claims`).
+        conninfo: a libpq connection string or URI, a ``psycopg.Connection``, or a pool
+            with a ``connection()`` context manager (``psycopg_pool.ConnectionPool``);
+            see :mod:`rselection.postgres.claims`.
         name: the election; electors with the same name and table compete.
         ttl: seconds a call keeps the leadership, server time (at least 1 ms; default 30).
         table: elections table, optionally schema-qualified.
-        identity: this candidate's identity; a random process identity by default.
-        create_tables: create the table on first use. Off by default: run
-            :func:`~rselection.postgres.migrate` (or ``rselection migrate``) once.
+        node_id: this candidate's node id; a new one
+            (:func:`~rselection.validation.new_node_id`) by default.
+        create_tables: create the table on first use. Pass ``False`` where the
+            application role may not run DDL, and run :func:`~rselection.postgres.migrate`
+            (or ``rselection migrate``) once with one that may.
         connect_timeout: seconds to wait for a connection (connection string only).
         statement_timeout: bound of one call on the server, seconds (connection string
             only).
 
     Raises:
-        ConfigError: no connection, an empty name or identity, a ttl below 1 ms, an
+        ConfigError: a bad ``conninfo``, a blank name or node_id, a ttl below 1 ms, an
             unsafe table name, bad timeouts.
     """
 
     def __init__(
         self,
-        conninfo_or_pool: str | Any,
+        conninfo: str | Any,
         *,
         name: str = "default",
         ttl: float = 30.0,
         table: str = ELECTIONS_TABLE,
-        identity: str | None = None,
-        create_tables: bool = False,
+        node_id: str | None = None,
+        create_tables: bool = True,
         connect_timeout: float = 5.0,
         statement_timeout: float = 10.0,
     ) -> None:
         self.name = check_name(name, "name")
-        self.ttl = check_ttl(ttl)
+        self.ttl = check_seconds(ttl, "ttl", minimum=MIN_TTL)
         self._ident = table_identifier(table)  # validates
         self.table = table
-        self.identity: str = (
-            random_identity() if identity is None else check_name(identity, "identity")
-        )
-        """This candidate's identity, recorded as the holder."""
+        self.node_id: str = new_node_id() if node_id is None else check_node_id(node_id)
+        """This candidate's node id, recorded as the holder (in the ``holder`` column)."""
         self.term: int | None = None
         """The term this elector leads with after a ``True`` from :meth:`is_leader`, else None."""
         self.create_tables = bool(create_tables)
+        self._statement_timeout = check_seconds(statement_timeout, "statement_timeout")
         self._conns = Connections(
-            conninfo_or_pool,
+            conninfo,
             owner="PostgresElector",
             application_name=f"rselection:elector:{name}"[:63],
-            connect_timeout=check_ttl(connect_timeout, "connect_timeout"),
-            statement_timeout=check_ttl(statement_timeout, "statement_timeout"),
+            connect_timeout=check_seconds(connect_timeout, "connect_timeout"),
+            statement_timeout=self._statement_timeout,
         )
         self._ready = not self.create_tables
         self._elect_sql = sql.SQL(
@@ -132,12 +136,8 @@ class PostgresElector:
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(name={self.name!r}, table={self.table!r}, ttl={self.ttl}, "
-            f"identity={self.identity!r}, {self._conns.where})"
+            f"node_id={self.node_id!r}, {self._conns.where})"
         )
-
-    def __enter__(self) -> PostgresElector:
-        """Return the elector; the ``with`` block resigns and closes on exit."""
-        return self
 
     def __exit__(
         self,
@@ -145,7 +145,8 @@ class PostgresElector:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        """Resign if leading (errors are logged, not raised), then close."""
+        """Resign if leading (errors are logged, not raised), then close (the ``with``
+        block of :class:`~rselection.closeable.Closeable`, resigning first)."""
         try:
             if self.term is not None:
                 self.resign()
@@ -162,11 +163,11 @@ class PostgresElector:
         self._conns.close()
 
     def _run(self, what: str, query: sql.Composed) -> Any:
-        params = {"name": self.name, "me": self.identity, "ttl": self.ttl}
+        params = {"name": self.name, "me": self.node_id, "ttl": self.ttl}
         with self._conns.connection() as conn:
             try:
                 if not self._ready:
-                    create_tables(conn, elections=self.table)
+                    create_tables(conn, elections=self.table, timeout=self._statement_timeout)
                     self._ready = True
                 with conn.transaction():
                     return conn.execute(query, params).fetchone()
@@ -174,8 +175,8 @@ class PostgresElector:
                 raise ConfigError(
                     f"cannot {what}: the elections table {self.table!r} does not exist in "
                     "this connection's database or search_path: run "
-                    "rselection.postgres.migrate(conn) (or `rselection migrate`) once, or "
-                    "pass create_tables=True"
+                    "rselection.postgres.migrate(conninfo) (or `rselection migrate`) once, "
+                    "or create the elector with create_tables=True"
                 ) from exc
             except (psycopg.errors.UndefinedColumn, psycopg.errors.NotNullViolation) as exc:
                 raise ConfigError(
@@ -218,5 +219,5 @@ class PostgresElector:
         self.term = None
         row = self._run(f"resign from election {self.name!r}", self._resign_sql)
         if row is not None:
-            logger.debug("elector %r: %s resigned term %s", self.name, self.identity, row[0])
+            logger.debug("elector %r: %s resigned term %s", self.name, self.node_id, row[0])
         return row is not None

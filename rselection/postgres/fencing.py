@@ -48,6 +48,7 @@ from psycopg import sql
 from psycopg.pq import TransactionStatus
 
 from ..errors import BackendUnavailable, ConfigError, StaleLeaderError
+from ..validation import check_name, check_optional_seconds
 from .schema import DEFAULT_TABLE, table_identifier
 
 __all__ = ["afenced", "fenced"]
@@ -78,15 +79,13 @@ def _query(table: str, bound_idle: bool) -> sql.Composed:
 def _prepare(
     name: str, term: int, table: str, idle_timeout: float | None
 ) -> tuple[sql.Composed, tuple[Any, ...]]:
-    if not isinstance(name, str) or not name:
-        raise ConfigError(f"lease name must be a non-empty string, got {name!r}")
+    check_name(name, "lease name")
     if isinstance(term, bool) or not isinstance(term, int) or term < 0:
         raise ConfigError(f"term must be a non-negative int, got {term!r}")
-    if idle_timeout is None:
+    seconds = check_optional_seconds(idle_timeout, "idle_timeout", minimum=0.001)
+    if seconds is None:
         return _query(table, False), (name, term)
-    if not idle_timeout > 0:
-        raise ConfigError(f"idle_timeout must be positive seconds or None, got {idle_timeout!r}")
-    millis = f"{max(1, round(idle_timeout * 1000))}ms"
+    millis = f"{max(1, round(seconds * 1000))}ms"
     return _query(table, True), (millis, name, term)
 
 

@@ -2,12 +2,12 @@
 
 :func:`request_handover` records a request for the current term on the lease row in one
 statement: ``resign_term`` (the term), ``resign_from`` (its holder), ``resign_to`` (the
-node asked for, or NULL) and ``resign_until`` (server time + the window), and notifies
+node asked for, or NULL) and ``resign_until`` (server time + its ``timeout``), and notifies
 the lease's channel with a ``resign`` event. The leader's keeper wakes on it
 (:func:`announces_handover`), renews at once, and its renewal reports the request when it
 is for the term being renewed (:func:`renewal_request`); the leader then steps down
 through the normal release. Until the next acquisition (which clears the request) or the
-end of the window, the acquire statement refuses the lease to the resigning node and,
+end of its timeout, the acquire statement refuses the lease to the resigning node and,
 when a node was named, to every node but that one. A request only narrows who may
 acquire, so it cannot make two leaders.
 
@@ -18,7 +18,6 @@ an older table work, without handover requests.
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 import psycopg
@@ -26,6 +25,7 @@ from psycopg import sql
 
 from ..errors import ConfigError
 from ..lease import HandoverRequest, LeaderInfo
+from ..validation import check_name, check_node_id, check_seconds
 from ._lease_sql import lease_channel, resolve_lease_table, utc
 from .schema import DEFAULT_TABLE, table_identifier
 
@@ -38,18 +38,18 @@ def request_handover(
     *,
     table: str = DEFAULT_TABLE,
     to: str | None = None,
-    window: float = 10.0,
+    timeout: float = 10.0,
 ) -> LeaderInfo | None:
     """Ask the leader of lease ``name`` to hand over; return the holder asked.
 
     One statement: records the request on the lease row (``resign_term`` = the current
     term, ``resign_from`` = its holder, ``resign_to``, ``resign_until`` = server time +
-    ``window``) and notifies the lease's channel, which wakes the leader. The leader
+    ``timeout``) and notifies the lease's channel, which wakes the leader. The leader
     sees the request in its next renewal (at once, thanks to the notification), cancels
     and drains its tasks and releases; a follower takes over. Until the next acquisition
-    or the end of the window, the lease is reserved: the old holder may not take it
+    or the end of ``timeout``, the lease is reserved: the old holder may not take it
     back, and with ``to`` only that node may take it. Returns ``None`` when nobody holds
-    the lease. A request for a term that has ended, or one whose window passed, is
+    the lease. A request for a term that has ended, or one whose timeout passed, is
     ignored.
 
     Args:
@@ -57,15 +57,17 @@ def request_handover(
         name: the lease name.
         table: the lease table, optionally schema-qualified.
         to: node id that should take over, or ``None`` for any other node.
-        window: seconds the request (and the reservation for ``to``) stays valid.
+        timeout: seconds the request (and the reservation for ``to``) stays valid.
 
     Raises:
         ConfigError: the table does not exist or predates handovers (run ``rselection
             migrate``), or bad arguments.
         psycopg.Error: the statement failed.
     """
-    if not (isinstance(window, int | float) and window > 0 and math.isfinite(window)):
-        raise ConfigError(f"window must be a positive number of seconds, got {window!r}")
+    timeout = check_seconds(timeout, "timeout")
+    check_name(name, "lease name")
+    if to is not None:
+        check_node_id(to)
     found = resolve_lease_table(conn, table)
     if found is None:
         raise ConfigError(f"lease table {table!r} does not exist: run `rselection migrate`")
@@ -80,7 +82,7 @@ def request_handover(
             "WITH asked AS ("
             " UPDATE {t} AS t SET resign_term = t.term, resign_from = t.holder,"
             " resign_to = %(to)s,"
-            " resign_until = clock_timestamp() + %(window)s * interval '1 second'"
+            " resign_until = clock_timestamp() + %(timeout)s * interval '1 second'"
             " WHERE t.name = %(name)s AND t.holder IS NOT NULL"
             " AND t.expires_at > clock_timestamp()"
             " RETURNING t.holder, t.term, t.acquired_at, t.expires_at)"
@@ -90,7 +92,7 @@ def request_handover(
         ).format(t=table_identifier(table)),
         {
             "to": to,
-            "window": float(window),
+            "timeout": timeout,
             "name": name,
             "channel": lease_channel(qualified, name),
         },
@@ -139,9 +141,9 @@ def renewal_request(term: int, row: tuple[Any, ...]) -> HandoverRequest | None:
     Args:
         term: the term renewed.
         row: the renewal's row: whether a request for ``term`` is pending, the node it
-            names (or NULL) and the seconds left of its window.
+            names (or NULL) and the seconds left of its timeout.
     """
-    asked, to, window = row
+    asked, to, left = row
     if not asked:
         return None
-    return HandoverRequest(term, to, float(window or 0.0))
+    return HandoverRequest(term, to, float(left or 0.0))

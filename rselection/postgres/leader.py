@@ -156,7 +156,7 @@ class PostgresLeader(LeaseLeader):
         self._postgres_store = checkpoint_store
 
         if claimer is DEFAULT_CLAIMER:
-            owned = PostgresClaimer(conninfo, holder=node_id, create_tables=create_tables)
+            owned = PostgresClaimer(conninfo, node_id=node_id, create_tables=create_tables)
             cleanup.append(owned.close)
             claimer = owned
 
@@ -164,7 +164,7 @@ class PostgresLeader(LeaseLeader):
         timeout = check_optional_seconds(node_timeout, "node_timeout")
         self._membership = Membership(
             conninfo,
-            lease=name,
+            name=name,
             node_id=node_id,
             table=nodes_table,
             lease_table=table,

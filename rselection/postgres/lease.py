@@ -187,7 +187,7 @@ from ._lease_sql import (
 )
 from .handover import announces_handover, cancel_handover, renewal_request, request_handover
 from .pooler import BACKEND_PID, check_bound, check_same_backend, check_session_pooling
-from .schema import DEFAULT_TABLE, migrate, table_identifier
+from .schema import DEFAULT_TABLE, create_tables, table_identifier
 
 __all__ = [
     "PostgresLease",
@@ -404,13 +404,7 @@ class PostgresLease(Closeable):
                 if self.create_tables:
                     # On every (re)connect: a restored or recreated database may have
                     # lost the tables, and the statements are cheap no-ops when they exist.
-                    migrate(
-                        conn,
-                        table=self.table,
-                        claims_table=None,
-                        elections_table=None,
-                        nodes_table=None,
-                    )
+                    create_tables(conn, leases=self.table, timeout=self.renew_deadline)
                 self._resolve_table(conn)
                 server = self._read_server(conn)
                 cur = conn.execute(self._session_sql())

@@ -28,7 +28,8 @@ from psycopg import sql
 from ..errors import BackendUnavailable, ConfigError
 from ..leader import reconnect_delay
 from ..members import NodeInfo
-from .claims import Connections
+from ..validation import check_name, check_node_id, check_seconds
+from ._conn import Connections
 from .schema import create_tables, table_identifier
 
 __all__ = ["Membership"]
@@ -42,8 +43,9 @@ class Membership:
     """Heartbeats of one node, and the list of a lease's nodes.
 
     Args:
-        conninfo: where the nodes table lives (the lease's database).
-        lease: the lease name the node competes for.
+        conninfo: where the nodes table lives (the lease's database): a connection
+            string, a ``psycopg.Connection`` or a pool.
+        name: the name of the lease the node competes for.
         node_id: this node's id.
         table: the nodes table, optionally schema-qualified.
         lease_table: the lease table, to flag the leader in :meth:`nodes`.
@@ -54,9 +56,9 @@ class Membership:
 
     def __init__(
         self,
-        conninfo: str,
+        conninfo: str | Any,
         *,
-        lease: str,
+        name: str,
         node_id: str,
         table: str,
         lease_table: str,
@@ -64,14 +66,16 @@ class Membership:
         node_timeout: float,
         create_tables: bool,
     ) -> None:
-        if not node_timeout > heartbeat_interval > 0:
+        heartbeat_interval = check_seconds(heartbeat_interval, "heartbeat_interval")
+        node_timeout = check_seconds(node_timeout, "node_timeout")
+        if not node_timeout > heartbeat_interval:
             raise ConfigError(
                 f"node_timeout ({node_timeout:g} s) must be longer than heartbeat_interval "
                 f"({heartbeat_interval:g} s), which must be positive: a node would be lost "
                 "between two of its own heartbeats"
             )
-        self.lease = lease
-        self.node_id = node_id
+        self.name = check_name(name, "lease name")
+        self.node_id = check_node_id(node_id)
         self.table = table
         self.heartbeat_interval = heartbeat_interval
         self.node_timeout = node_timeout
@@ -120,7 +124,7 @@ class Membership:
             if self._stop.is_set() or self._thread is not None:
                 return
             self._thread = threading.Thread(
-                target=self._run, name=f"rselection-heartbeat-{self.lease}", daemon=True
+                target=self._run, name=f"rselection-heartbeat-{self.name}", daemon=True
             )
             self._thread.start()
 
@@ -140,7 +144,7 @@ class Membership:
             self._conns.close()  # never waits for the stuck call
             return
         try:
-            self._execute("leave the membership table", self._leave_sql, (self.lease, self.node_id))
+            self._execute("leave the membership table", self._leave_sql, (self.name, self.node_id))
         except BackendUnavailable as exc:
             logger.info("node %s left without deleting its heartbeat row: %s", self.node_id, exc)
         self._conns.close()
@@ -148,7 +152,7 @@ class Membership:
     def beat(self) -> None:
         """Record one heartbeat of this node (server time)."""
         params = {
-            "lease": self.lease,
+            "lease": self.name,
             "node": self.node_id,
             "host": socket.gethostname(),
             "pid": os.getpid(),
@@ -165,13 +169,13 @@ class Membership:
         rows = self._execute(
             "list the nodes",
             self._nodes_sql,
-            {"lease": self.lease, "timeout": self.node_timeout},
+            {"lease": self.name, "timeout": self.node_timeout},
             fetch=True,
         )
         return [
             NodeInfo(
                 node_id=node_id,
-                name=self.lease,
+                name=self.name,
                 hostname=hostname,
                 pid=pid,
                 client_addr=addr,
@@ -189,7 +193,7 @@ class Membership:
         try:
             with self._conns.connection() as conn:
                 if self._create:
-                    create_tables(conn, nodes=self.table)
+                    create_tables(conn, nodes=self.table, timeout=self._statement_timeout)
                     self._create = False
                 cur = conn.execute(statement, params)
                 return cur.fetchall() if fetch else []

@@ -20,6 +20,10 @@ The lease table holds one row per lease name::
     holder_server text null         -- identity of the server of the holder's session
     retired_term bigint null        -- term at which ``rselection forget`` retired the lease
 
+Where the Python API says ``node_id``, the columns of every table keep the name
+``holder`` (and ``resign_from`` / ``resign_to``): renaming a column of a live table would
+lock it against a running fleet for nothing.
+
 The four ``resign_*`` columns came with schema version 2, ``holder_server`` with version
 3, ``retired_term`` with version 4; :func:`migrate` adds what an older table lacks
 (``ALTER TABLE ... ADD COLUMN IF NOT EXISTS``, nullable, no default: a catalog-only
@@ -48,7 +52,7 @@ claimed fire::
 
     fire_key        text primary key   -- e.g. "purge@2026-11-30T02:40:00.000000000Z"
     format_version  int not null       -- fire key format the claimer wrote (1 today)
-    holder          text not null      -- identity of the claiming process
+    holder          text not null      -- node_id of the claimer (the column keeps its name)
     term            bigint null        -- fencing term given with the claim, if any
     claimed_at      timestamptz        -- server time of the claim
     expires_at      timestamptz        -- server time until which the claim binds
@@ -58,18 +62,40 @@ election name: ``name``, ``holder`` (NULL after a resign), ``term`` (+1 on every
 of holder), ``acquired_at``, ``renewed_at``, ``expires_at``. It is not a lease table: an
 elector holds no session lock, so it never shares a table with :class:`PostgresLease`.
 
-``rselection_schema_version`` (in the same schema as each table) keeps one row per
-component, e.g. ``('leases', 3)``, ``('claims', 1)``, ``('elections', 1)`` (a custom
-table name is recorded as ``'leases:<table>'`` and so on), so later versions know what to
-upgrade. :func:`migrate` returns a :class:`TableChange` per table saying what it did.
+The nodes table holds one row per ``(lease name, node id)``: heartbeats of every node
+(see :mod:`rselection.postgres.membership`). The broadcast tables (the outbox of
+:class:`~rselection.postgres.PostgresBroadcaster` and its one-row state table) are
+described in :mod:`rselection.postgres.broadcast.outbox`; the checkpoint tables
+(snapshots and per-key leases of :class:`~rselection.postgres.PostgresCheckpointStore`)
+below, at :data:`CHECKPOINTS`.
+
+**Schema versions, one way for every table.** Each kind of table has numbered steps:
+step 1 creates it, each later step upgrades it (the lease table has four). The table
+``rselection_schema_version`` (in the same schema as each table) keeps one row per kind
+and table, with the number of the last step applied: ``('leases', 4)``, ``('claims',
+1)``, ``('elections', 1)``, ``('nodes', 1)``, ``('broadcast', 1)``, ``('checkpoints',
+1)`` (a custom table name is recorded as ``'leases:<table>'`` and so on). A migration
+applies the steps above the recorded number, in order, in one transaction under one
+advisory lock, and records the new number: a second run changes nothing, two processes
+migrating at once run one after the other, a failing step rolls the whole run back,
+and a number newer than this release knows is refused instead of downgraded.
+:func:`migrate` returns a :class:`TableChange` per kind saying what it did.
+
+Every wait of a migration is bounded by its ``timeout``: the wait for the migration lock
+held by another process, and for the table locks an upgrade needs (taken at most
+:data:`UPGRADE_LOCK_TIMEOUT` at a time, so the renewals of a running fleet never stall
+behind it, and retried until the timeout). Past it, nothing is changed and
+:class:`~rselection.errors.BackendUnavailable` says what was waited for.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import re
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,21 +103,40 @@ import psycopg
 from psycopg import sql
 
 from ..errors import BackendUnavailable, ConfigError
+from ..validation import check_seconds
+from ._conn import Connections
 
 __all__ = [
+    "BROADCAST",
+    "BROADCAST_TABLE",
+    "CHECKPOINTS",
+    "CHECKPOINT_PREFIX",
+    "CLAIMS",
     "CLAIMS_TABLE",
-    "CLAIMS_VERSION",
     "DEFAULT_TABLE",
+    "ELECTIONS",
     "ELECTIONS_TABLE",
-    "ELECTIONS_VERSION",
+    "KINDS",
+    "LEASES",
     "LEASES_VERSION",
+    "MIGRATION_LOCK_KEY",
+    "MIGRATION_TIMEOUT",
+    "NODES",
+    "NODES_TABLE",
+    "UPGRADE_LOCK_TIMEOUT",
     "VERSION_TABLE",
+    "CheckpointTables",
+    "Step",
     "TableChange",
+    "TableKind",
     "create_tables",
     "migrate",
+    "run_migrations",
+    "suffixed_name",
     "table_identifier",
     "validate_table_name",
     "version_table_identifier",
+    "version_table_name",
 ]
 
 logger = logging.getLogger(__name__)
@@ -100,15 +145,22 @@ DEFAULT_TABLE = "rselection_leases"
 """The lease table used when none is given."""
 
 VERSION_TABLE = "rselection_schema_version"
-"""The table that records which schema version each component has."""
+"""The table that records the schema version of every kind of table (one row each)."""
 
-LEASES_VERSION = 4
-"""Schema version of the lease table that this release creates and understands.
+CLAIMS_TABLE = "rselection_claims"
+"""The claims table of :class:`~rselection.postgres.PostgresClaimer` by default."""
 
-Version 2 added the nullable ``resign_term``, ``resign_from``, ``resign_to`` and
-``resign_until`` columns (handover requests), version 3 the nullable ``holder_server``
-(the server identity of the holder's session), version 4 the nullable ``retired_term``
-(``rselection forget``); :func:`migrate` upgrades an older table in place."""
+ELECTIONS_TABLE = "rselection_elections"
+"""The elections table of :class:`~rselection.postgres.PostgresElector` by default."""
+
+NODES_TABLE = "rselection_nodes"
+"""The table of node heartbeats (membership) by default."""
+
+BROADCAST_TABLE = "rselection_broadcast"
+"""The outbox table of :class:`~rselection.postgres.PostgresBroadcaster` by default."""
+
+CHECKPOINT_PREFIX = "rselection_"
+"""The table prefix of :class:`~rselection.postgres.PostgresCheckpointStore` by default."""
 
 LEASE_HANDOVER_COLUMNS = ("resign_term", "resign_from", "resign_to", "resign_until")
 """Columns of the lease table that handover requests need (schema version 2)."""
@@ -119,31 +171,19 @@ LEASE_SERVER_COLUMNS = ("holder_server",)
 LEASE_RETIRED_COLUMNS = ("retired_term",)
 """Columns of the lease table that mark a lease retired by ``rselection forget`` (version 4)."""
 
-#: Longest an upgrade waits for its exclusive lock on a live table. While an ALTER waits,
-#: every later statement on the table (a leader's renewal) queues behind it; failing
-#: fast and retrying keeps a busy fleet's renewals from stalling.
 UPGRADE_LOCK_TIMEOUT = 1.0
+"""Longest an upgrade waits at a time for its exclusive lock on a live table, seconds.
 
-CLAIMS_TABLE = "rselection_claims"
-"""The claims table of :class:`~rselection.postgres.PostgresClaimer` by default."""
+While an ``ALTER TABLE`` waits, every later statement on the table (a leader's renewal)
+queues behind it; giving up after this long and trying again (until the migration's
+``timeout``) keeps a busy fleet's renewals from stalling."""
 
-CLAIMS_VERSION = 1
-"""Schema version of the claims table that this release creates and understands."""
+MIGRATION_TIMEOUT = 30.0
+"""Default bound of a migration's waits (the migration lock, table locks), seconds."""
 
-ELECTIONS_TABLE = "rselection_elections"
-"""The elections table of :class:`~rselection.postgres.PostgresElector` by default."""
-
-ELECTIONS_VERSION = 1
-"""Schema version of the elections table that this release creates and understands."""
-
-NODES_TABLE = "rselection_nodes"
-"""The table of node heartbeats (membership) by default."""
-
-NODES_VERSION = 1
-"""Schema version of the nodes table that this release creates and understands."""
-
-_PART = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-_MAX_PART = 63  # NAMEDATALEN - 1
+MIGRATION_IDLE_TIMEOUT = "5s"
+"""How long a migration transaction may sit idle before the server ends it: a client cut
+off in the middle of one must not keep every other node from creating its tables."""
 
 #: ``pg_advisory_xact_lock(bigint)`` key serialising DDL of every rselection process.
 #: The one-argument form lives in a different lock space than the two-int session locks
@@ -151,6 +191,9 @@ _MAX_PART = 63  # NAMEDATALEN - 1
 MIGRATION_LOCK_KEY = int.from_bytes(
     hashlib.blake2b(b"rselection:migrate", digest_size=8).digest(), "big", signed=True
 )
+
+_PART = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_MAX_PART = 63  # NAMEDATALEN - 1
 
 
 def validate_table_name(table: str) -> tuple[str, ...]:
@@ -194,50 +237,166 @@ def table_identifier(table: str) -> sql.Identifier:
     return sql.Identifier(*validate_table_name(table))
 
 
-def version_table_identifier(table: str) -> sql.Identifier:
-    """The schema-version table that sits next to ``table`` (same schema).
+def version_table_name(table: str) -> str:
+    """The name of the schema-version table that sits next to ``table`` (same schema).
 
     Args:
-        table: the lease table name as the user wrote it.
+        table: a table name as the user wrote it.
     """
     parts = validate_table_name(table)
-    return sql.Identifier(*parts[:-1], VERSION_TABLE)
+    return ".".join((*parts[:-1], VERSION_TABLE))
 
 
-def _component(kind: str, default: str, table: str) -> str:
+def version_table_identifier(table: str) -> sql.Identifier:
+    """The schema-version table that sits next to ``table`` (same schema), quoted.
+
+    Args:
+        table: a table name as the user wrote it.
+    """
+    return table_identifier(version_table_name(table))
+
+
+def suffixed_name(table: str, suffix: str) -> str:
+    """``<table>_<suffix>`` in ``table``'s schema, for a companion table or an index.
+
+    Shortened with a hash when the last part would exceed 63 characters, so any valid
+    table name has valid companions.
+
+    Args:
+        table: a table name as the user wrote it.
+        suffix: what to append (``"state"``, ``"created_at_idx"``).
+    """
     parts = validate_table_name(table)
-    return kind if parts[-1] == default else f"{kind}:{parts[-1]}"
-
-
-def _index_name(table: str, suffix: str) -> sql.Identifier:
-    """An index name for ``table`` (its schema is the table's), at most 63 characters."""
-    name = f"{validate_table_name(table)[-1]}_{suffix}"
+    name = f"{parts[-1]}_{suffix}"
     if len(name) > _MAX_PART:
         digest = hashlib.blake2b(name.encode(), digest_size=6).hexdigest()
         name = f"{name[: _MAX_PART - len(digest) - 1]}_{digest}"
-    return sql.Identifier(name)
+    return ".".join((*parts[:-1], name))
 
 
-def _lease_ddl(table: str) -> list[sql.Composed]:
-    ident = table_identifier(table)
+def _index(table: str, suffix: str) -> sql.Identifier:
+    """An index name for ``table`` (an index lives in its table's schema: unqualified)."""
+    return sql.Identifier(validate_table_name(suffixed_name(table, suffix))[-1])
+
+
+@dataclass(frozen=True)
+class CheckpointTables:
+    """The tables of a :class:`~rselection.postgres.PostgresCheckpointStore` for one prefix.
+
+    Args:
+        prefix: the table prefix, optionally schema-qualified (``"ops.rselection_"``).
+
+    Raises:
+        ConfigError: a table name the prefix makes is not valid.
+    """
+
+    prefix: str
+
+    def __post_init__(self) -> None:
+        """Validate every table name this prefix makes (raises ConfigError)."""
+        if not isinstance(self.prefix, str):
+            raise ConfigError(f"table_prefix must be a str, got {type(self.prefix).__name__}")
+        for name in self.names:
+            validate_table_name(name)
+
+    @property
+    def names(self) -> tuple[str, str]:
+        """The snapshot table's and the per-key lease table's names."""
+        return (f"{self.prefix}checkpoints", f"{self.prefix}checkpoint_leases")
+
+    @property
+    def checkpoints(self) -> sql.Identifier:
+        """The snapshot table."""
+        return table_identifier(self.names[0])
+
+    @property
+    def leases(self) -> sql.Identifier:
+        """The per-key lease table."""
+        return table_identifier(self.names[1])
+
+
+@dataclass(frozen=True)
+class Step:
+    """One numbered step of a kind of table's schema.
+
+    Args:
+        version: its number (1 creates the tables, later ones upgrade them).
+        description: what it does, for logs.
+        statements: builds the SQL statements for a table name (or prefix).
+        columns: columns the step adds; on a table that has them all already (upgraded
+            before its version was recorded) the step is skipped, so no exclusive lock
+            is taken for nothing.
+    """
+
+    version: int
+    description: str
+    statements: Callable[[str], Sequence[sql.Composed]]
+    columns: tuple[str, ...] = ()
+
+
+def _one_table(table: str) -> tuple[str, ...]:
+    return (table,)
+
+
+@dataclass(frozen=True)
+class TableKind:
+    """A kind of rselection table: its default name, its tables and its numbered steps.
+
+    Args:
+        kind: the kind, as recorded in the version table (``"leases"``).
+        label: what its tables are, for messages (``"lease table"``).
+        default: the default table name (for checkpoints, the default prefix).
+        steps: the steps, numbered 1..n in order.
+        tables: the table names one name (or prefix) makes, the first one the main
+            table; every one must exist for the kind to be present.
+
+    Raises:
+        ConfigError: the steps are not numbered 1..n in order.
+    """
+
+    kind: str
+    label: str
+    default: str
+    steps: tuple[Step, ...]
+    tables: Callable[[str], tuple[str, ...]] = _one_table
+
+    def __post_init__(self) -> None:
+        """Check that the steps are numbered 1..n in order."""
+        numbers = [step.version for step in self.steps]
+        if numbers != list(range(1, len(numbers) + 1)):
+            raise ConfigError(f"steps of {self.kind} must be numbered 1..n in order, got {numbers}")
+
+    @property
+    def version(self) -> int:
+        """The schema version this release creates and understands."""
+        return len(self.steps)
+
+    def component(self, table: str) -> str:
+        """The row recorded in the version table: the kind, plus the name if not default."""
+        last = table.split(".")[-1]
+        return self.kind if last == self.default else f"{self.kind}:{last}"
+
+    def describe(self, table: str) -> str:
+        """``lease table 'x'`` or ``broadcast tables 'x', 'x_state'``, for messages."""
+        names = self.tables(table)
+        if len(names) == 1:
+            return f"{self.label} {names[0]!r}"
+        return f"{self.label}s " + ", ".join(repr(n) for n in names)
+
+
+def _lease_v1(table: str) -> list[sql.Composed]:
     return [
         sql.SQL(
             "CREATE TABLE IF NOT EXISTS {} ("
             " name text PRIMARY KEY,"
-            " holder text NULL,"
+            " holder text NULL,"  # the holder's node_id (the column keeps its first name)
             " term bigint NOT NULL DEFAULT 0 CHECK (term >= 0),"
             " holder_pid integer NULL,"
             " lock_key integer NOT NULL,"
             " acquired_at timestamptz NULL,"
             " renewed_at timestamptz NULL,"
-            " expires_at timestamptz NULL,"
-            " resign_term bigint NULL,"
-            " resign_from text NULL,"
-            " resign_to text NULL,"
-            " resign_until timestamptz NULL,"
-            " holder_server text NULL,"
-            " retired_term bigint NULL)"
-        ).format(ident)
+            " expires_at timestamptz NULL)"
+        ).format(table_identifier(table))
     ]
 
 
@@ -271,41 +430,40 @@ def _lease_v4(table: str) -> list[sql.Composed]:
     ]
 
 
-def _claims_ddl(table: str) -> list[sql.Composed]:
+def _claims_v1(table: str) -> list[sql.Composed]:
     ident = table_identifier(table)
-    index = _index_name(table, "format_version_idx")
     return [
         sql.SQL(
             "CREATE TABLE IF NOT EXISTS {} ("
             " fire_key text PRIMARY KEY,"
             " format_version integer NOT NULL CHECK (format_version >= 1),"
-            " holder text NOT NULL,"
+            " holder text NOT NULL,"  # the claimer's node_id
             " term bigint NULL CHECK (term >= 0),"
             " claimed_at timestamptz NOT NULL,"
             " expires_at timestamptz NOT NULL)"
         ).format(ident),
         # Lets a claim find claims written in another fire-key format at once.
-        sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (format_version)").format(index, ident),
+        sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (format_version)").format(
+            _index(table, "format_version_idx"), ident
+        ),
     ]
 
 
-def _elections_ddl(table: str) -> list[sql.Composed]:
-    ident = table_identifier(table)
+def _elections_v1(table: str) -> list[sql.Composed]:
     return [
         sql.SQL(
             "CREATE TABLE IF NOT EXISTS {} ("
             " name text PRIMARY KEY,"
-            " holder text NULL,"
+            " holder text NULL,"  # the leader's node_id; NULL after a resign
             " term bigint NOT NULL CHECK (term >= 1),"
             " acquired_at timestamptz NOT NULL,"
             " renewed_at timestamptz NOT NULL,"
             " expires_at timestamptz NOT NULL)"
-        ).format(ident)
+        ).format(table_identifier(table))
     ]
 
 
-def _nodes_ddl(table: str) -> list[sql.Composed]:
-    ident = table_identifier(table)
+def _nodes_v1(table: str) -> list[sql.Composed]:
     return [
         sql.SQL(
             "CREATE TABLE IF NOT EXISTS {} ("
@@ -317,38 +475,133 @@ def _nodes_ddl(table: str) -> list[sql.Composed]:
             " started_at timestamptz NOT NULL,"
             " last_seen timestamptz NOT NULL,"
             " PRIMARY KEY (name, node_id))"
-        ).format(ident)
+        ).format(table_identifier(table))
     ]
 
 
-#: kind -> (default table, schema version, DDL builder, what the table is, for messages)
-_KINDS: dict[str, tuple[str, int, Callable[[str], list[sql.Composed]], str]] = {
-    "leases": (DEFAULT_TABLE, LEASES_VERSION, _lease_ddl, "lease table"),
-    "claims": (CLAIMS_TABLE, CLAIMS_VERSION, _claims_ddl, "claims table"),
-    "elections": (ELECTIONS_TABLE, ELECTIONS_VERSION, _elections_ddl, "elections table"),
-    "nodes": (NODES_TABLE, NODES_VERSION, _nodes_ddl, "nodes table"),
-}
+def _broadcast_tables(table: str) -> tuple[str, str]:
+    return (table, suffixed_name(table, "state"))
 
-#: kind -> upgrades of an existing table: (version reached, columns it adds, statements)
-_UPGRADES: dict[str, list[tuple[int, tuple[str, ...], Callable[[str], list[sql.Composed]]]]] = {
-    "leases": [
-        (2, LEASE_HANDOVER_COLUMNS, _lease_v2),
-        (3, LEASE_SERVER_COLUMNS, _lease_v3),
-        (4, LEASE_RETIRED_COLUMNS, _lease_v4),
-    ],
+
+def _broadcast_v1(table: str) -> list[sql.Composed]:
+    ident = table_identifier(table)
+    state = table_identifier(suffixed_name(table, "state"))
+    return [
+        sql.SQL(
+            "CREATE TABLE IF NOT EXISTS {} ("
+            " id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,"
+            " channel text NOT NULL,"
+            " payload text NOT NULL,"
+            " origin bigint NOT NULL,"
+            " origin_seq bigint NOT NULL,"
+            " created_at timestamptz NOT NULL DEFAULT clock_timestamp())"
+        ).format(ident),
+        # Retention deletes by age; rows are appended in time order, so the index stays
+        # small at its left end and the purge never scans the table.
+        sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (created_at)").format(
+            _index(table, "created_at_idx"), ident
+        ),
+        sql.SQL(
+            "CREATE TABLE IF NOT EXISTS {} ("
+            " singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),"
+            " purged_through bigint NOT NULL DEFAULT 0,"
+            " purged_at timestamptz NULL)"
+        ).format(state),
+        sql.SQL("INSERT INTO {} DEFAULT VALUES ON CONFLICT DO NOTHING").format(state),
+    ]
+
+
+def _checkpoint_tables(prefix: str) -> tuple[str, ...]:
+    return CheckpointTables(prefix).names
+
+
+def _checkpoints_v1(prefix: str) -> list[sql.Composed]:
+    tables = CheckpointTables(prefix)
+    return [
+        sql.SQL(
+            "CREATE TABLE IF NOT EXISTS {} ("
+            " key text[] PRIMARY KEY CHECK (cardinality(key) >= 1),"
+            " state jsonb NULL,"
+            " format_version integer NOT NULL,"
+            " version bigint NOT NULL CHECK (version >= 1),"
+            " term bigint NULL,"
+            " updated_at timestamptz NOT NULL DEFAULT clock_timestamp())"
+        ).format(tables.checkpoints),
+        sql.SQL(
+            "CREATE TABLE IF NOT EXISTS {} ("
+            " key text[] PRIMARY KEY CHECK (cardinality(key) >= 1),"
+            " holder text NOT NULL,"  # the node_id holding the key's lease
+            " term bigint NOT NULL CHECK (term >= 1),"
+            " acquired_at timestamptz NOT NULL,"
+            " renewed_at timestamptz NOT NULL,"
+            " expires_at timestamptz NOT NULL)"
+        ).format(tables.leases),
+    ]
+
+
+LEASES = TableKind(
+    "leases",
+    "lease table",
+    DEFAULT_TABLE,
+    (
+        Step(1, "create the lease table", _lease_v1),
+        Step(2, "add the handover request columns", _lease_v2, LEASE_HANDOVER_COLUMNS),
+        Step(3, "add the holder's server identity", _lease_v3, LEASE_SERVER_COLUMNS),
+        Step(4, "add the retired mark (rselection forget)", _lease_v4, LEASE_RETIRED_COLUMNS),
+    ),
+)
+"""The lease table of :class:`~rselection.PostgresLeader`."""
+
+CLAIMS = TableKind("claims", "claims table", CLAIMS_TABLE, (Step(1, "create", _claims_v1),))
+"""The claims table of :class:`~rselection.postgres.PostgresClaimer`."""
+
+ELECTIONS = TableKind(
+    "elections", "elections table", ELECTIONS_TABLE, (Step(1, "create", _elections_v1),)
+)
+"""The elections table of :class:`~rselection.postgres.PostgresElector`."""
+
+NODES = TableKind("nodes", "nodes table", NODES_TABLE, (Step(1, "create", _nodes_v1),))
+"""The nodes table (heartbeats of every leader's nodes)."""
+
+BROADCAST = TableKind(
+    "broadcast",
+    "broadcast table",
+    BROADCAST_TABLE,
+    (Step(1, "create the outbox and its state", _broadcast_v1),),
+    _broadcast_tables,
+)
+"""The outbox tables of :class:`~rselection.postgres.PostgresBroadcaster`."""
+
+CHECKPOINTS = TableKind(
+    "checkpoints",
+    "checkpoint table",
+    CHECKPOINT_PREFIX,
+    (Step(1, "create checkpoints and checkpoint_leases", _checkpoints_v1),),
+    _checkpoint_tables,
+)
+"""The tables of :class:`~rselection.postgres.PostgresCheckpointStore` (name: a prefix)."""
+
+KINDS: dict[str, TableKind] = {
+    k.kind: k for k in (LEASES, CLAIMS, ELECTIONS, NODES, BROADCAST, CHECKPOINTS)
 }
+"""Every kind of table, by the keyword :func:`create_tables` takes."""
+
+LEASES_VERSION = LEASES.version
+"""Schema version of the lease table that this release creates and understands (4)."""
 
 
 @dataclass(frozen=True)
 class TableChange:
-    """What :func:`migrate` did to one table.
+    """What a migration did to one kind of table.
 
     Attributes:
-        kind: ``"leases"``, ``"claims"``, ``"elections"`` or ``"nodes"``.
-        table: the table name as given.
+        kind: ``"leases"``, ``"claims"``, ``"elections"``, ``"nodes"``, ``"broadcast"`` or
+            ``"checkpoints"``.
+        table: the table name as given (for checkpoints, the table prefix).
         action: ``"created"``, ``"upgraded"`` or ``"present"`` (already current).
-        version: the table's schema version now.
+        version: the schema version now.
         previous: the version recorded before (``None`` when none was recorded).
+        what: the tables, for people (``"lease table 'rselection_leases'"``).
     """
 
     kind: str
@@ -356,11 +609,7 @@ class TableChange:
     action: str
     version: int
     previous: int | None
-
-    @property
-    def label(self) -> str:
-        """What the table is, for messages (``"lease table"``)."""
-        return _KINDS[self.kind][3]
+    what: str
 
     def describe(self) -> str:
         """One line for people: ``lease table 'x': upgraded (schema version 2 -> 3)``."""
@@ -371,78 +620,43 @@ class TableChange:
             done = f"upgraded (schema version {before} -> {self.version})"
         else:
             done = f"already present (schema version {self.version})"
-        return f"{self.label} {self.table!r}: {done}"
+        return f"{self.what}: {done}"
 
 
-MIGRATION_IDLE_TIMEOUT = "5s"
-"""How long a migration transaction may sit idle before the server ends it: a client cut
-off in the middle of one must not keep every other node from creating its tables."""
+class _Waited(Exception):
+    """A lock wait of a migration ran past its timeout (``what`` says which)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
 
 
-def lock_migrations(conn: psycopg.Connection[Any]) -> None:
-    """Take the migration lock in the caller's transaction (``MIGRATION_LOCK_KEY``); if the
-    client then vanishes mid-migration, the server ends the transaction after
-    :data:`MIGRATION_IDLE_TIMEOUT`, freeing the lock."""
-    conn.execute(
-        sql.SQL("SET LOCAL idle_in_transaction_session_timeout = {}").format(
-            sql.Literal(MIGRATION_IDLE_TIMEOUT)
+def _exists(conn: psycopg.Connection[Any], names: Sequence[str]) -> bool:
+    row = conn.execute(
+        "SELECT bool_and(to_regclass(t) IS NOT NULL) FROM unnest(%s::text[]) AS t",
+        ([table_identifier(n).as_string(conn) for n in names],),
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def _recorded(conn: psycopg.Connection[Any], kind: TableKind, table: str) -> int | None:
+    """The version recorded for ``table`` (None if none); refuses a newer one."""
+    name = version_table_name(kind.tables(table)[0])
+    if not _exists(conn, [name]):
+        return None
+    ident = table_identifier(name)
+    row = conn.execute(
+        sql.SQL("SELECT version FROM {} WHERE component = %s").format(ident),
+        (kind.component(table),),
+    ).fetchone()
+    recorded = None if row is None else int(row[0])
+    if recorded is not None and recorded > kind.version:
+        raise ConfigError(
+            f"{kind.describe(table)} has schema version {recorded}, newer than the "
+            f"{kind.version} this release of rselection understands: upgrade rselection "
+            "on this node"
         )
-    )
-    conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
-
-
-def create_tables(conn: psycopg.Connection[Any], **tables: str | None) -> list[TableChange]:
-    """Create the named tables (and the schema-version table), or upgrade older ones.
-
-    Returns one :class:`TableChange` per table, in the order given. The building block
-    of :func:`migrate` for callers that need only some tables, such as a claimer
-    created with ``create_tables=True``. Same guarantees as :func:`migrate`.
-
-    Args:
-        conn: an open psycopg connection (autocommit or not).
-        tables: ``leases=``, ``claims=``, ``elections=`` and ``nodes=`` table names; ``None`` (or
-            leaving one out) skips that table.
-
-    Raises:
-        ConfigError: unknown keyword, unsafe table name, or a schema version newer than
-            this release understands.
-        BackendUnavailable: the database refused; the message says which.
-    """
-    wanted: list[tuple[str, str]] = []
-    for kind, table in tables.items():
-        if kind not in _KINDS:
-            raise ConfigError(
-                f"unknown table kind {kind!r}: use leases, claims, elections or nodes"
-            )
-        if table is not None:
-            validate_table_name(table)
-            wanted.append((kind, table))
-    if not wanted:
-        return []
-    what = " and ".join(f"the {_KINDS[k][3]} {t!r}" for k, t in wanted)
-    try:
-        with conn.transaction():
-            lock_migrations(conn)
-            changes = [_create_one(conn, kind, table) for kind, table in wanted]
-    except psycopg.errors.LockNotAvailable as exc:
-        raise BackendUnavailable(
-            f"cannot upgrade {what}: the table stayed locked for more than "
-            f"{UPGRADE_LOCK_TIMEOUT:g} s (long fenced transactions?); nothing was changed, "
-            "try again"
-        ) from exc
-    except psycopg.errors.InsufficientPrivilege as exc:
-        raise BackendUnavailable(
-            f"cannot create {what}: {exc}; run `rselection migrate` "
-            "with a role that may create tables and pass create_tables=False"
-        ) from exc
-    except psycopg.errors.InvalidSchemaName as exc:
-        raise BackendUnavailable(f"cannot create {what}: {exc}; create the schema first") from exc
-    except psycopg.Error as exc:
-        raise BackendUnavailable(f"cannot create {what}: {exc}") from exc
-    for change in changes:
-        log = logger.info if change.action == "upgraded" else logger.debug
-        log("%s", change.describe())
-    return changes
+    return recorded
 
 
 def _missing_columns(conn: psycopg.Connection[Any], table: str, columns: tuple[str, ...]) -> bool:
@@ -454,21 +668,38 @@ def _missing_columns(conn: psycopg.Connection[Any], table: str, columns: tuple[s
     return row is None or row[0] < len(columns)
 
 
-def _upgrade(conn: psycopg.Connection[Any], statements: list[sql.Composed]) -> None:
-    """Run ALTERs under a short lock timeout, then restore the caller's setting."""
-    row = conn.execute("SELECT current_setting('lock_timeout')").fetchone()
-    previous = row[0] if row is not None else "0"
-    ms = f"{round(UPGRADE_LOCK_TIMEOUT * 1000)}ms"
-    conn.execute("SELECT set_config('lock_timeout', %s, true)", (ms,))
-    for statement in statements:
-        conn.execute(statement)
-    conn.execute("SELECT set_config('lock_timeout', %s, true)", (previous,))
+def _set_local(conn: psycopg.Connection[Any], name: str, seconds: float) -> None:
+    conn.execute("SELECT set_config(%s, %s, true)", (name, f"{max(1, round(seconds * 1000))}ms"))
 
 
-def _create_one(conn: psycopg.Connection[Any], kind: str, table: str) -> TableChange:
-    default, version, ddl, label = _KINDS[kind]
-    version_ident = version_table_identifier(table)
-    component = _component(kind, default, table)
+def _run_step(
+    conn: psycopg.Connection[Any],
+    statements: Sequence[sql.Composed],
+    deadline: float,
+    what: str,
+) -> None:
+    """Run one step on an existing table: its locks are waited for at most
+    :data:`UPGRADE_LOCK_TIMEOUT` at a time, and again until ``deadline``."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise _Waited(f"a lock on the {what} (long transactions on it?)")
+        try:
+            with conn.transaction():  # a savepoint: a timed-out attempt changes nothing
+                _set_local(conn, "lock_timeout", min(UPGRADE_LOCK_TIMEOUT, remaining))
+                for statement in statements:
+                    conn.execute(statement)
+                _set_local(conn, "lock_timeout", max(0.001, deadline - time.monotonic()))
+            return
+        except psycopg.errors.LockNotAvailable:
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+
+def _migrate_one(
+    conn: psycopg.Connection[Any], kind: TableKind, table: str, deadline: float
+) -> TableChange:
+    names = kind.tables(table)
+    version_ident = version_table_identifier(names[0])
     conn.execute(
         sql.SQL(
             "CREATE TABLE IF NOT EXISTS {} ("
@@ -477,88 +708,266 @@ def _create_one(conn: psycopg.Connection[Any], kind: str, table: str) -> TableCh
             " migrated_at timestamptz NOT NULL DEFAULT now())"
         ).format(version_ident)
     )
-    row = conn.execute(
-        sql.SQL("SELECT version FROM {} WHERE component = %s").format(version_ident),
-        (component,),
-    ).fetchone()
-    recorded: int | None = row[0] if row is not None else None
-    if recorded is not None and recorded > version:
-        raise ConfigError(
-            f"{label} {table!r} has schema version {recorded}, newer than the "
-            f"{version} this release of rselection understands: upgrade "
-            "rselection on this node"
-        )
-    exists = conn.execute(
-        "SELECT to_regclass(%s) IS NOT NULL", (table_identifier(table).as_string(conn),)
-    ).fetchone()
-    existed = bool(exists and exists[0])
-    action = "present" if existed else "created"
-    if existed and recorded is not None and recorded < version:
-        action = "upgraded"
-    for statement in ddl(table):
-        conn.execute(statement)  # IF NOT EXISTS: a no-op on an existing table
-    if existed:
-        for reached, columns, upgrade in _UPGRADES.get(kind, []):
-            # Only ALTER when columns are missing: even a no-op ALTER TABLE takes an
-            # exclusive lock, and this runs on every connect of every node.
-            if (recorded is None or recorded < reached) and _missing_columns(conn, table, columns):
-                _upgrade(conn, upgrade(table))
-                action = "upgraded"
-    if recorded is None or recorded < version:
+    recorded = _recorded(conn, kind, table)
+    existed = _exists(conn, names)
+    # Tables without a record (made before versions were recorded) take every step
+    # again: each is idempotent, and a step whose columns are there is skipped. A record
+    # without its tables (dropped behind our back) starts over at step 1.
+    done = recorded if existed and recorded is not None else 0
+    upgraded = False
+    for step in kind.steps:
+        if step.version <= done:
+            continue
+        if existed and step.columns and not _missing_columns(conn, names[0], step.columns):
+            continue
+        statements = step.statements(table)
+        if existed:
+            _run_step(conn, statements, deadline, kind.describe(table))
+            upgraded = upgraded or step.version > 1
+        else:
+            for statement in statements:
+                conn.execute(statement)
+    if recorded != kind.version:
         conn.execute(
             sql.SQL(
                 "INSERT INTO {} AS v (component, version) VALUES (%s, %s)"
                 " ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,"
-                " migrated_at = now() WHERE v.version < EXCLUDED.version"
+                " migrated_at = now()"
             ).format(version_ident),
-            (component, version),
+            (kind.component(table), kind.version),
         )
-    return TableChange(kind, table, action, version, recorded)
+    action = "upgraded" if upgraded else ("present" if existed else "created")
+    return TableChange(kind.kind, table, action, kind.version, recorded, kind.describe(table))
+
+
+def _lock_holder(conn: psycopg.Connection[Any]) -> str:
+    """Who holds the migration lock, for the error message (best effort)."""
+    with contextlib.suppress(psycopg.Error), conn.transaction():
+        row = conn.execute(
+            "SELECT a.pid, a.application_name,"
+            " extract(epoch FROM clock_timestamp() - a.xact_start)::float8"
+            " FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a USING (pid)"
+            " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
+            " AND l.database = (SELECT oid FROM pg_catalog.pg_database"
+            "  WHERE datname = current_database())"
+            " AND ((l.classid::bigint << 32) | l.objid::bigint) = %s",
+            (MIGRATION_LOCK_KEY,),
+        ).fetchone()
+        if row is not None:
+            app = f" {row[1]!r}" if row[1] else ""
+            age = f", in its transaction for {row[2]:.1f} s" if row[2] is not None else ""
+            return f" (held by pid {row[0]}{app}{age})"
+    return " (held by another process migrating)"
+
+
+def lock_migrations(conn: psycopg.Connection[Any]) -> None:
+    """Take the migration lock in the caller's transaction (:data:`MIGRATION_LOCK_KEY`).
+
+    If the client then vanishes mid-migration, the server ends the transaction after
+    :data:`MIGRATION_IDLE_TIMEOUT`, freeing the lock. The wait is bounded by the
+    transaction's ``lock_timeout``.
+    """
+    conn.execute(
+        "SELECT set_config('idle_in_transaction_session_timeout', %s, true)",
+        (MIGRATION_IDLE_TIMEOUT,),
+    )
+    conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
+
+
+def run_migrations(
+    conn: psycopg.Connection[Any],
+    wanted: Sequence[tuple[TableKind, str]],
+    *,
+    timeout: float = MIGRATION_TIMEOUT,
+) -> list[TableChange]:
+    """Bring each ``(kind, table)`` to its kind's version; one :class:`TableChange` each.
+
+    The building block of :func:`create_tables` and :func:`migrate`. When every table
+    exists at its version already, this is a few catalog reads and takes no lock. Else
+    it runs the missing steps in one transaction (a savepoint inside the caller's open
+    transaction) under the migration lock.
+
+    Args:
+        conn: an open psycopg connection (autocommit or not).
+        wanted: the kinds of table and their names (for checkpoints, the prefix).
+        timeout: bound of every wait, seconds (see the module docstring).
+
+    Raises:
+        ConfigError: an unsafe table name, or a schema version newer than this release.
+        BackendUnavailable: a wait ran past ``timeout``, or the database refused
+            (missing schema, no privilege); the message says which.
+        psycopg.Error: another driver error; the caller wraps it.
+    """
+    timeout = check_seconds(timeout, "timeout")
+    for kind, table in wanted:
+        for name in kind.tables(table):
+            validate_table_name(name)
+    if not wanted:
+        return []
+    if len(wanted) == 1:
+        what = f"the {wanted[0][0].describe(wanted[0][1])}"
+    else:
+        what = "the tables (" + ", ".join(kind.kind for kind, _ in wanted) + ")"
+    with conn.transaction():
+        # Every (re)connect of every node gets here: when all is current, no lock and
+        # no DDL (even CREATE INDEX IF NOT EXISTS locks a table against writes).
+        current = [
+            _recorded(conn, kind, table) == kind.version and _exists(conn, kind.tables(table))
+            for kind, table in wanted
+        ]
+    if all(current):
+        return [
+            TableChange(
+                kind.kind, table, "present", kind.version, kind.version, kind.describe(table)
+            )
+            for kind, table in wanted
+        ]
+    deadline = time.monotonic() + timeout
+    waiting = "the migration lock"
+    try:
+        with conn.transaction():
+            previous = conn.execute(
+                "SELECT current_setting('lock_timeout'), current_setting('statement_timeout'),"
+                " current_setting('idle_in_transaction_session_timeout')"
+            ).fetchone()
+            assert previous is not None
+            _set_local(conn, "lock_timeout", timeout)
+            _set_local(conn, "statement_timeout", timeout)
+            lock_migrations(conn)
+            waiting = "a statement to finish"
+            changes = [_migrate_one(conn, kind, table, deadline) for kind, table in wanted]
+            conn.execute(
+                "SELECT set_config('lock_timeout', %s, true),"
+                " set_config('statement_timeout', %s, true),"
+                " set_config('idle_in_transaction_session_timeout', %s, true)",
+                previous,
+            )
+    except _Waited as exc:
+        raise BackendUnavailable(
+            f"cannot migrate {what}: waited {timeout:g} s for {exc.what}; nothing was "
+            "changed. Try again, or pass a longer timeout"
+        ) from None
+    except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
+        holder = _lock_holder(conn) if waiting == "the migration lock" else ""
+        raise BackendUnavailable(
+            f"cannot migrate {what}: waited {timeout:g} s for {waiting}{holder}; nothing "
+            "was changed. Try again, or pass a longer timeout"
+        ) from exc
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise BackendUnavailable(
+            f"cannot create {what}: {exc}; run `rselection migrate` with a role that may "
+            "create tables, and pass create_tables=False"
+        ) from exc
+    except psycopg.errors.InvalidSchemaName as exc:
+        raise BackendUnavailable(f"cannot create {what}: {exc}; create the schema first") from exc
+    for change in changes:
+        log = logger.debug if change.action == "present" else logger.info
+        log("%s", change.describe())
+    return changes
+
+
+def create_tables(
+    conn: psycopg.Connection[Any], *, timeout: float = MIGRATION_TIMEOUT, **tables: str | None
+) -> list[TableChange]:
+    """Create the named kinds of table (and the version table), or upgrade older ones.
+
+    Returns one :class:`TableChange` per table, in the order given. What an object
+    created with ``create_tables=True`` runs on first use, for its own tables only.
+    Same guarantees as :func:`migrate`.
+
+    Args:
+        conn: an open psycopg connection (autocommit or not).
+        timeout: bound of every wait, seconds.
+        tables: ``leases=``, ``claims=``, ``elections=``, ``nodes=``, ``broadcast=`` and
+            ``checkpoints=`` (a table prefix) names; ``None`` (or leaving one out) skips
+            that kind.
+
+    Raises:
+        ConfigError: unknown keyword, unsafe table name, or a schema version newer than
+            this release understands.
+        BackendUnavailable: a wait ran past ``timeout``, or the database refused; the
+            message says which.
+        psycopg.Error: the connection failed.
+    """
+    wanted: list[tuple[TableKind, str]] = []
+    for name, table in tables.items():
+        if name not in KINDS:
+            raise ConfigError(f"unknown table kind {name!r}: use {', '.join(KINDS)}")
+        if table is not None:
+            wanted.append((KINDS[name], table))
+    return run_migrations(conn, wanted, timeout=timeout)
 
 
 def migrate(
-    conn: psycopg.Connection[Any],
+    conninfo: Any,
     *,
     table: str | None = DEFAULT_TABLE,
     claims_table: str | None = CLAIMS_TABLE,
     elections_table: str | None = ELECTIONS_TABLE,
     nodes_table: str | None = NODES_TABLE,
+    broadcast_table: str | None = BROADCAST_TABLE,
+    checkpoint_prefix: str | None = CHECKPOINT_PREFIX,
+    timeout: float = MIGRATION_TIMEOUT,
 ) -> list[TableChange]:
-    """Create every rselection table and the schema-version table, or upgrade old ones.
+    """Create every rselection table and record its schema version, or upgrade old ones.
 
     Creates the lease table (:class:`~rselection.PostgresLeader`), the claims table
     (:class:`~rselection.postgres.PostgresClaimer`), the elections table
-    (:class:`~rselection.postgres.PostgresElector`) and the nodes table (heartbeats of
-    every leader's nodes); pass ``None`` for one to skip it. A lease table of an older
-    schema version is upgraded in place (rows kept); the upgrade waits at most
-    :data:`UPGRADE_LOCK_TIMEOUT` for its table lock and otherwise fails, changing nothing.
-    Safe to run from many processes at once: the DDL runs in a transaction under a
-    transaction-level advisory lock, so concurrent ``CREATE ... IF NOT EXISTS`` never
-    race on the catalogs. Runs in its own transaction (or a savepoint when ``conn`` is
-    already in one). Needs the privilege to create tables in the target schema; where
-    the application role may not run DDL, run ``rselection migrate --dsn ...`` once with
-    a privileged role and pass ``create_tables=False``.
+    (:class:`~rselection.postgres.PostgresElector`), the nodes table (heartbeats of
+    every leader's nodes), the broadcast tables
+    (:class:`~rselection.postgres.PostgresBroadcaster`) and the checkpoint tables
+    (:class:`~rselection.postgres.PostgresCheckpointStore`); pass ``None`` for one to
+    skip it. A table of an older schema version is upgraded in place (rows kept). A
+    second run changes nothing. Safe to run from many processes at once: the steps run
+    in one transaction under a transaction-level advisory lock. Needs the privilege to
+    create tables in the target schema; where the application role may not run DDL,
+    run ``rselection migrate --dsn ...`` once with a privileged role and pass
+    ``create_tables=False`` to every object.
 
     Args:
-        conn: an open psycopg connection (autocommit or not).
+        conninfo: a connection string, a ``psycopg.Connection`` (autocommit or not; in
+            an open transaction the migration runs in a savepoint of it) or a pool.
         table: lease table name, optionally schema-qualified (``"ops.leases"``).
         claims_table: claims table name, optionally schema-qualified.
         elections_table: elections table name, optionally schema-qualified.
         nodes_table: nodes table name, optionally schema-qualified.
+        broadcast_table: broadcast outbox table name, optionally schema-qualified.
+        checkpoint_prefix: table prefix of the checkpoint store, optionally
+            schema-qualified (``"ops.rselection_"``).
+        timeout: bound of every wait (connecting, the migration lock held by another
+            process, table locks held by long transactions), seconds.
 
     Returns:
-        One :class:`TableChange` per table (created, upgraded or already present).
+        One :class:`TableChange` per kind of table (created, upgraded or already
+        present), in the order of the arguments.
 
     Raises:
-        ConfigError: a table name is not safe, or the database holds a newer schema
-            version than this release understands.
-        BackendUnavailable: the database refused (missing schema, no privilege, broken
-            connection); the message says which.
+        ConfigError: a bad ``conninfo``, a table name that is not safe, or a schema
+            version newer than this release understands.
+        BackendUnavailable: the database cannot be reached, refused (missing schema, no
+            privilege), or a wait ran past ``timeout``; the message says which.
     """
-    return create_tables(
-        conn,
-        leases=table,
-        claims=claims_table,
-        elections=elections_table,
-        nodes=nodes_table,
+    timeout = check_seconds(timeout, "timeout")
+    conns = Connections(
+        conninfo,
+        owner="migrate()",
+        application_name="rselection:migrate",
+        connect_timeout=timeout,
+        statement_timeout=timeout,
     )
+    try:
+        with conns.connection() as conn:
+            return create_tables(
+                conn,
+                timeout=timeout,
+                leases=table,
+                claims=claims_table,
+                elections=elections_table,
+                nodes=nodes_table,
+                broadcast=broadcast_table,
+                checkpoints=checkpoint_prefix,
+            )
+    except psycopg.Error as exc:
+        raise conns.wrap("migrate the rselection tables", exc) from exc
+    finally:
+        conns.close()

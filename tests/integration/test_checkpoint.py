@@ -20,10 +20,10 @@ import pytest
 
 import rselection as rs
 from rselection.errors import BackendUnavailable, ConfigError, StaleLeaderError
-from rselection.postgres import PostgresCheckpointStore, PostgresLease, Snapshot
+from rselection.postgres import PostgresCheckpointStore, PostgresLease, Snapshot, migrate
 from rselection.postgres.checkpoint import FORMAT_VERSION
 from rselection.postgres.leader import PostgresLeader
-from rselection.postgres.migrations import CheckpointTables, Migration, apply_migrations
+from rselection.postgres.schema import Step, TableKind, run_migrations
 
 FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
 
@@ -154,7 +154,7 @@ def test_table_prefix_and_schema_qualified_prefix(pg_dsn: str) -> None:
                 "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()"
             )
         }
-    assert {"app_checkpoints", "app_checkpoint_leases", "app_checkpoint_migrations"} <= tables
+    assert {"app_checkpoints", "app_checkpoint_leases", "rselection_schema_version"} <= tables
     assert {"other_checkpoints", "other_checkpoint_leases"} <= tables
 
 
@@ -163,7 +163,7 @@ def test_table_prefix_and_schema_qualified_prefix(pg_dsn: str) -> None:
 
 @pytest.mark.parametrize("source", [None, "", "   "])
 def test_no_connection_is_a_config_error(source: Any) -> None:
-    with pytest.raises(ConfigError, match="needs a connection string"):
+    with pytest.raises(ConfigError, match="PostgresCheckpointStore needs a conninfo"):
         PostgresCheckpointStore(source)
 
 
@@ -180,6 +180,10 @@ def test_bad_construction_arguments() -> None:
         PostgresCheckpointStore(dsn, lease_table="leases; --")
     with pytest.raises(ConfigError, match="max_state_bytes"):
         PostgresCheckpointStore(dsn, max_state_bytes=0)
+    with pytest.raises(ConfigError, match="statement_timeout"):
+        PostgresCheckpointStore(dsn, statement_timeout=0)
+    with pytest.raises(ConfigError, match="pool_size"):
+        PostgresCheckpointStore(dsn, pool_size=0)
 
 
 def test_bad_keys_and_states(store: PostgresCheckpointStore, pg_dsn: str) -> None:
@@ -199,7 +203,7 @@ def test_bad_keys_and_states(store: PostgresCheckpointStore, pg_dsn: str) -> Non
     with pytest.raises(ConfigError, match="NUL"):
         store.save("k", {"s": "a\x00b"})
     with pytest.raises(ConfigError, match="not both"):
-        store.save("k", 1, term=1, holder="h")
+        store.save("k", 1, term=1, node_id="h")
     with pytest.raises(ConfigError, match="term must be"):
         store.save("k", 1, term=-1)
     assert store.load("k") is None  # nothing was written by any of these
@@ -220,7 +224,7 @@ def test_an_idle_connection_ended_by_the_server_is_replaced(
     store: PostgresCheckpointStore, pg_dsn: str
 ) -> None:
     store.save("k", 1)
-    pids = [c.info.backend_pid for c in store._idle]
+    pids = [c.info.backend_pid for c in store._conns._idle]
     assert pids
     with psycopg.connect(pg_dsn, autocommit=True) as admin:
         for pid in pids:
@@ -232,9 +236,10 @@ def test_an_idle_connection_ended_by_the_server_is_replaced(
 
 def test_missing_tables_without_create_tables(pg_dsn: str) -> None:
     s = PostgresCheckpointStore(pg_dsn, create_tables=False)
-    with pytest.raises(ConfigError, match="apply_migrations"):
+    with pytest.raises(ConfigError, match=r"migrate\(conninfo\)"):
         s.load("k")
-    assert s.apply_migrations() == [1]
+    changes = migrate(pg_dsn)
+    assert [c.action for c in changes if c.kind == "checkpoints"] == ["created"]
     assert s.load("k") is None
     s.close()
 
@@ -398,92 +403,111 @@ def test_per_key_lease_takeover_only_after_server_expiry(
 
 def test_holder_fenced_saves_and_release(store: PostgresCheckpointStore) -> None:
     with pytest.raises(StaleLeaderError, match="does not hold the lease"):
-        store.save("k", 0, holder="w1")  # never acquired
+        store.save("k", 0, node_id="w1")  # never acquired
     assert store.acquire_lease("k", "w1", 30)
-    snap = store.save("k", {"by": "w1"}, holder="w1")
+    snap = store.save("k", {"by": "w1"}, node_id="w1")
     assert snap.term == 1
     with pytest.raises(StaleLeaderError):
-        store.save("k", {"by": "w2"}, holder="w2")
+        store.save("k", {"by": "w2"}, node_id="w2")
     assert store.release_lease("k", "w1")
     assert not store.release_lease("k", "w1")
     with pytest.raises(StaleLeaderError):
-        store.save("k", {"by": "w1", "late": True}, holder="w1")  # released: stale
+        store.save("k", {"by": "w1", "late": True}, node_id="w1")  # released: stale
     assert store.acquire_lease("k", "w2", 30)  # a released lease is free at once
-    assert store.save("k", {"by": "w2"}, holder="w2").term == 2
+    assert store.save("k", {"by": "w2"}, node_id="w2").term == 2
     with pytest.raises(StaleLeaderError):
-        store.delete("k", holder="w1")
+        store.delete("k", node_id="w1")
     snap2 = store.load("k")
     assert snap2 is not None and snap2.state == {"by": "w2"} and snap2.term == 2
     # Re-acquiring after a release starts a new tenure with the next term.
     assert store.release_lease("k", "w2")
     assert store.acquire_lease("k", "w2", 30)
-    assert store.save("k", 3, holder="w2").term == 3
-    assert store.delete("k", holder="w2")
+    assert store.save("k", 3, node_id="w2").term == 3
+    assert store.delete("k", node_id="w2")
 
 
 def test_bad_lease_arguments(store: PostgresCheckpointStore) -> None:
-    for ttl in [0, -1, math.inf, math.nan, True, "5"]:
+    for ttl in [0, 0.0005, -1, math.inf, math.nan, True, "5"]:
         with pytest.raises(ConfigError, match="ttl"):
             store.acquire_lease("k", "h", ttl)  # type: ignore[arg-type]
-    for holder in ["", None, 3]:
-        with pytest.raises(ConfigError, match="holder"):
-            store.acquire_lease("k", holder, 5)  # type: ignore[arg-type]
+    for node_id in ["", " ", None, 3, "n" * 1001]:
+        with pytest.raises(ConfigError, match="node_id"):
+            store.acquire_lease("k", node_id, 5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="lease name"):
+        store.save("k", 1, term=1, lease=" ")
 
 
 # -- migrations -----------------------------------------------------------------------
 
 
-def test_migrations_are_recorded_and_idempotent(
+def versions(dsn: str) -> dict[str, int]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute("SELECT component, version FROM rselection_schema_version")
+        return {component: version for component, version in rows.fetchall()}
+
+
+def test_the_store_records_its_version_like_every_other_table(
     store: PostgresCheckpointStore, pg_dsn: str
 ) -> None:
-    assert store.apply_migrations() == [1]
-    assert store.apply_migrations() == []
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        rows = conn.execute("SELECT version, name FROM rselection_checkpoint_migrations").fetchall()
-    assert [r[0] for r in rows] == [1]
+    store.save("k", 1)  # creates the tables on first use
+    assert versions(pg_dsn) == {"checkpoints": 1}
+    (change,) = [c for c in migrate(pg_dsn) if c.kind == "checkpoints"]
+    assert (change.action, change.previous, change.version) == ("present", 1, 1)
+    with PostgresCheckpointStore(pg_dsn, table_prefix="app_") as other:
+        other.save("k", 1)
+    assert versions(pg_dsn)["checkpoints:app_"] == 1
 
 
-def test_migrations_run_in_order_and_roll_back_together(pg_dsn: str) -> None:
-    tables = CheckpointTables("mig_")
+def test_migration_steps_run_in_order_and_roll_back_together(pg_dsn: str) -> None:
     log = psycopg.sql.Identifier("mig_log")
 
-    def step(n: int, fail: bool = False) -> Migration:
-        def statements(t: CheckpointTables) -> list[psycopg.sql.Composed]:
+    def step(n: int, fail: bool = False) -> Step:
+        def statements(table: str) -> list[psycopg.sql.Composed]:
             out = [
-                psycopg.sql.SQL("INSERT INTO {} VALUES ({})").format(log, psycopg.sql.Literal(n))
+                psycopg.sql.SQL("CREATE TABLE IF NOT EXISTS {} (n int)").format(log),
+                psycopg.sql.SQL("INSERT INTO {} VALUES ({})").format(log, psycopg.sql.Literal(n)),
             ]
             if fail:
                 out.append(psycopg.sql.SQL("SELECT 1/0").format())
             return out
 
-        return Migration(n, f"step {n}", statements)
+        return Step(n, f"step {n}", statements)
+
+    def kind(*steps: Step) -> TableKind:
+        return TableKind("test", "test table", "mig_log", steps)
 
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute("CREATE TABLE mig_log (n int)")
-        assert apply_migrations(conn, tables, [step(1)]) == [1]
+        (created,) = run_migrations(conn, [(kind(step(1)), "mig_log")])
+        assert (created.action, created.version) == ("created", 1)
         with pytest.raises(psycopg.errors.DivisionByZero):
-            apply_migrations(conn, tables, [step(1), step(2), step(3, fail=True)])
+            run_migrations(conn, [(kind(step(1), step(2), step(3, fail=True)), "mig_log")])
         # The failed run left nothing behind: neither step 2 nor its record.
         assert [r[0] for r in conn.execute("SELECT n FROM mig_log")] == [1]
-        assert apply_migrations(conn, tables, [step(1), step(2), step(3)]) == [2, 3]
+        assert versions(pg_dsn) == {"test": 1}
+        (upgraded,) = run_migrations(conn, [(kind(step(1), step(2), step(3)), "mig_log")])
+        assert (upgraded.action, upgraded.previous, upgraded.version) == ("upgraded", 1, 3)
         assert [r[0] for r in conn.execute("SELECT n FROM mig_log")] == [1, 2, 3]
-        recorded = conn.execute("SELECT version FROM mig_checkpoint_migrations ORDER BY 1")
-        assert [r[0] for r in recorded] == [1, 2, 3]
+        assert versions(pg_dsn) == {"test": 3}
+        (again,) = run_migrations(conn, [(kind(step(1), step(2), step(3)), "mig_log")])
+        assert again.action == "present"
+        assert [r[0] for r in conn.execute("SELECT n FROM mig_log")] == [1, 2, 3]
         with pytest.raises(ConfigError, match=r"numbered 1\.\.n"):
-            apply_migrations(conn, tables, [step(2)])
+            kind(step(2))
         # A database migrated by a newer release is refused, not downgraded.
-        with pytest.raises(ConfigError, match=r"migration 3, newer than the 2 .*upgrade"):
-            apply_migrations(conn, tables, [step(1), step(2)])
+        with pytest.raises(ConfigError, match=r"schema version 3, newer than the 2 .*upgrade"):
+            run_migrations(conn, [(kind(step(1), step(2)), "mig_log")])
 
 
 def test_store_refuses_tables_of_a_newer_release(
     store: PostgresCheckpointStore, pg_dsn: str
 ) -> None:
-    store.apply_migrations()
+    store.save("k", 1)
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute("INSERT INTO rselection_checkpoint_migrations VALUES (99, 'future', now())")
+        conn.execute(
+            "UPDATE rselection_schema_version SET version = 99 WHERE component = 'checkpoints'"
+        )
     fresh = PostgresCheckpointStore(pg_dsn)
-    with pytest.raises(ConfigError, match="migration 99"):
+    with pytest.raises(ConfigError, match="schema version 99, newer"):
         fresh.save("k", 1)
     fresh.close()
 
@@ -526,6 +550,83 @@ def test_a_pool_works_like_a_connection_string(pg_dsn: str) -> None:
     assert snap is not None and snap.state == {"n": 1} and snap.version == 1
     assert pool.borrowed >= 3
     s.close()  # does not touch the pool
+
+
+def test_a_connection_works_too_and_a_save_joins_its_open_transaction(pg_dsn: str) -> None:
+    with psycopg.connect(pg_dsn) as conn:  # not autocommit
+        s = PostgresCheckpointStore(conn)
+        s.save("k", 1)  # committed at once: no transaction was open
+        with PostgresCheckpointStore(pg_dsn) as other:
+            snap = other.load("k")
+            assert snap is not None and snap.state == 1
+            with conn.transaction():
+                s.save("k", 2)
+                inside, outside = s.load("k"), other.load("k")
+                assert inside is not None and inside.state == 2
+                assert outside is not None and outside.state == 1  # not committed yet
+                raise psycopg.Rollback()
+            after = other.load("k")
+            assert after is not None and after.state == 1  # rolled back with the caller's
+        s.close()
+        assert not conn.closed  # the caller's connection stays open
+
+
+def test_own_connections_are_bounded_and_close_never_waits_for_a_call(pg_dsn: str) -> None:
+    store = PostgresCheckpointStore(pg_dsn, pool_size=2)
+    store.save("k", 0)
+
+    def work(i: int) -> None:
+        for n in range(20):
+            store.save(("w", str(i)), n)
+
+    workers = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(6)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(30)
+    assert not any(w.is_alive() for w in workers)
+    assert 1 <= len(store._conns._idle) <= 2  # never more sessions than pool_size
+    with psycopg.connect(pg_dsn) as blocker:
+        blocker.execute("SELECT 1 FROM rselection_checkpoints WHERE key = ARRAY['k'] FOR UPDATE")
+        done: list[Snapshot] = []
+        saver = threading.Thread(target=lambda: done.append(store.save("k", 1)), daemon=True)
+        saver.start()
+
+        def blocked() -> bool:
+            row = blocker.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE pg_blocking_pids(pid) @> ARRAY[%s::int]",
+                (blocker.info.backend_pid,),
+            ).fetchone()
+            return bool(row and row[0])
+
+        wait_until(blocked, 10, "the save to wait for the row lock")
+        started = time.monotonic()
+        store.close()  # a call is in flight: close does not wait for it
+        assert time.monotonic() - started < 1.0
+        blocker.rollback()
+        saver.join(10)
+    assert done and done[0].version == 2
+    assert store._conns._idle == []  # the call's connection was closed when it ended
+    snap = store.load("k")  # and a later call opens a new one
+    assert snap is not None and snap.state == 1
+    store.close()
+
+
+def test_a_store_nobody_closed_keeps_no_thread(pg_dsn: str) -> None:
+    # Its round-trip watchdog ends once nothing is in flight (a leader's store used
+    # after the leader stopped, a script that never closes); the next call restarts it.
+    def watchdogs() -> list[threading.Thread]:
+        return [
+            t for t in threading.enumerate() if t.name == "rselection-io-rselection:checkpoints"
+        ]
+
+    store = PostgresCheckpointStore(pg_dsn)
+    store.save("k", 1)
+    wait_until(lambda: not watchdogs(), 5, "the idle watchdog thread to end")
+    assert store.save("k", 2).version == 2
+    wait_until(lambda: not watchdogs(), 5, "the idle watchdog thread to end again")
+    store.close()
 
 
 # -- inside tasks ---------------------------------------------------------------------

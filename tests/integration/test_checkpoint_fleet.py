@@ -16,19 +16,20 @@ from typing import IO, Any
 import psycopg
 import pytest
 
-from rselection.postgres import PostgresCheckpointStore
+from rselection.postgres import PostgresCheckpointStore, migrate
+from rselection.postgres.schema import LEASES_VERSION
 
 pytestmark = pytest.mark.slow
 
 MIGRATE_CHILD = """
 import json, sys
-from rselection.postgres import PostgresCheckpointStore
-store = PostgresCheckpointStore(sys.argv[1])
+from rselection.postgres import PostgresCheckpointStore, migrate
+store = PostgresCheckpointStore(sys.argv[1], create_tables=False)
 sys.stdout.write("ready\\n"); sys.stdout.flush()
 sys.stdin.readline()  # the parent releases every process at once
-applied = store.apply_migrations()
-snap = store.save(("child", sys.argv[2]), {"applied": applied})
-print(json.dumps({"applied": applied, "version": snap.version}), flush=True)
+actions = {change.kind: change.action for change in migrate(sys.argv[1])}
+snap = store.save(("child", sys.argv[2]), {"actions": actions})
+print(json.dumps({"actions": actions, "version": snap.version}), flush=True)
 """
 
 SAVE_LOOP_CHILD = """
@@ -78,7 +79,7 @@ def _next_line(lines: queue.Queue[str], deadline: float, what: str) -> str:
         pytest.fail(f"timed out waiting for {what}")
 
 
-def test_four_processes_apply_migrations_at_once(pg_dsn: str) -> None:
+def test_four_processes_migrate_at_once(pg_dsn: str) -> None:
     procs = [_spawn(MIGRATE_CHILD, pg_dsn, str(i)) for i in range(4)]
     try:
         deadline = time.monotonic() + 30
@@ -96,22 +97,22 @@ def test_four_processes_apply_migrations_at_once(pg_dsn: str) -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
-    applied = sorted(tuple(r["applied"]) for r in results)
-    assert applied == [(), (), (), (1,)]  # exactly one process ran migration 1
+    kinds = ["leases", "claims", "elections", "nodes", "broadcast", "checkpoints"]
+    for kind in kinds:  # exactly one process created each kind of table
+        actions = sorted(r["actions"][kind] for r in results)
+        assert actions == ["created", "present", "present", "present"], (kind, actions)
     assert all(r["version"] == 1 for r in results)
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        recorded = conn.execute("SELECT version FROM rselection_checkpoint_migrations").fetchall()
+        recorded = conn.execute(
+            "SELECT component, version FROM rselection_schema_version ORDER BY 1"
+        ).fetchall()
         tables = conn.execute(
             "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()"
             " AND tablename LIKE 'rselection_checkpoint%' ORDER BY 1"
         ).fetchall()
         keys = conn.execute("SELECT count(*) FROM rselection_checkpoints").fetchone()
-    assert recorded == [(1,)]
-    assert [t[0] for t in tables] == [
-        "rselection_checkpoint_leases",
-        "rselection_checkpoint_migrations",
-        "rselection_checkpoints",
-    ]
+    assert dict(recorded) == {kind: LEASES_VERSION if kind == "leases" else 1 for kind in kinds}
+    assert [t[0] for t in tables] == ["rselection_checkpoint_leases", "rselection_checkpoints"]
     assert keys == (4,)
 
 
@@ -126,8 +127,8 @@ def _complete(state: dict[str, Any]) -> bool:
 
 def test_kill_9_during_a_save_loop_leaves_a_complete_snapshot(pg_dsn: str) -> None:
     rng = random.Random(7)
-    store = PostgresCheckpointStore(pg_dsn)
-    store.apply_migrations()
+    migrate(pg_dsn, table=None, claims_table=None, elections_table=None, nodes_table=None)
+    store = PostgresCheckpointStore(pg_dsn, create_tables=False)
     outcomes: list[str] = []
     for round_ in range(10):
         proc, lines, pump = _spawn(SAVE_LOOP_CHILD, pg_dsn)

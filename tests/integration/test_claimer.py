@@ -24,6 +24,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from rselection.errors import BackendUnavailable, ConfigError
 from rselection.postgres import PostgresClaimer, migrate
+from rselection.postgres._conn import Connections
 from rselection.postgres.claims import FIRE_KEY_FORMAT
 from rselection.schedules import format_fire_key
 from tests.support.proxy import TcpProxy
@@ -135,8 +136,8 @@ KEY = format_fire_key("purge", datetime(2026, 11, 30, 2, 40, tzinfo=UTC))
 def test_claim_is_won_once_and_kept_until_ttl_then_replaced(
     make_claimer: Callable[..., PostgresClaimer], dsn: str
 ) -> None:
-    a = make_claimer(ttl=0.5, holder="node-a")
-    b = make_claimer(ttl=0.5, holder="node-b")
+    a = make_claimer(ttl=0.5, node_id="node-a")
+    b = make_claimer(ttl=0.5, node_id="node-b")
     assert a.claim(KEY) is True
     # Kept, not released: neither the winner nor anyone else wins it again in its ttl.
     assert a.claim(KEY) is False
@@ -149,10 +150,10 @@ def test_claim_is_won_once_and_kept_until_ttl_then_replaced(
     assert a.claim(KEY) is False
 
 
-def test_claim_records_holder_term_format_and_server_expiry(
+def test_claim_records_node_id_term_format_and_server_expiry(
     make_claimer: Callable[..., PostgresClaimer], dsn: str
 ) -> None:
-    claimer = make_claimer(ttl=42.5, holder="worker-7")
+    claimer = make_claimer(ttl=42.5, node_id="worker-7")
     assert claimer.claim(KEY, term=9)
     assert claimer.claim("other@2026-11-30T02:41:00.000000000Z")
     got = rows(dsn)
@@ -163,11 +164,11 @@ def test_claim_records_holder_term_format_and_server_expiry(
     assert got["other@2026-11-30T02:41:00.000000000Z"][2] is None  # no term given
 
 
-def test_default_holder_is_a_random_process_identity(
+def test_default_node_id_is_new_per_claimer(
     make_claimer: Callable[..., PostgresClaimer],
 ) -> None:
     a, b = make_claimer(), make_claimer()
-    assert a.holder and b.holder and a.holder != b.holder
+    assert a.node_id and b.node_id and a.node_id != b.node_id
     assert a.ttl == 600.0 and a.table == "rselection_claims"
 
 
@@ -210,9 +211,9 @@ def test_concurrent_claimers_win_each_key_exactly_once(
     all_keys = [
         format_fire_key("tick", start + timedelta(milliseconds=250 * i)) for i in range(keys)
     ]
-    shared = make_claimer(holder="shared")
+    shared = make_claimer(node_id="shared")
     # Four threads with a claimer each, four sharing one (and so its connection).
-    claimers = [make_claimer(holder=f"own-{i}") for i in range(4)] + [shared] * 4
+    claimers = [make_claimer(node_id=f"own-{i}") for i in range(4)] + [shared] * 4
     barrier = threading.Barrier(threads)
 
     def run(index: int) -> list[str]:
@@ -231,7 +232,7 @@ def test_concurrent_claimers_win_each_key_exactly_once(
     assert len(stored) == keys
     for index, keys_won in enumerate(won):
         for k in keys_won:
-            assert stored[k][1] == claimers[index].holder
+            assert stored[k][1] == claimers[index].node_id
             assert stored[k][2] == index
 
 
@@ -352,10 +353,9 @@ def test_server_ended_idle_session_is_replaced_before_the_next_claim(
 ) -> None:
     claimer = make_claimer()
     assert claimer.claim("i1")
-    own = claimer._conns._own
-    assert own is not None
+    own = claimer._conns._idle[-1]  # the connection the call used, now idle
     admin.execute("SELECT pg_terminate_backend(%s)", (own.info.backend_pid,))
-    until_true(lambda: not claimer._conns._usable(own), 5, "the termination to arrive")
+    until_true(lambda: not Connections.usable(own), 5, "the termination to arrive")
     assert claimer.claim("i2")
     assert not claimer.claim("i1")
 
@@ -397,13 +397,13 @@ def test_claims_in_another_fire_key_format_stop_claims(
 # --------------------------------------------------------------------------- tables
 
 
-def test_constructor_runs_no_ddl_and_a_missing_table_says_what_to_do(pg_dsn: str) -> None:
-    claimer = PostgresClaimer(pg_dsn)
+def test_without_create_tables_a_missing_table_says_what_to_do(pg_dsn: str) -> None:
+    claimer = PostgresClaimer(pg_dsn, create_tables=False)
     with pytest.raises(ConfigError, match=r"does not exist.*migrate"):
         claimer.claim(KEY)
     claimer.close()
     assert tables_in_schema(pg_dsn) == set()
-    with PostgresClaimer(pg_dsn, create_tables=True) as made:
+    with PostgresClaimer(pg_dsn) as made:  # create_tables=True by default
         assert made.claim(KEY)
     assert tables_in_schema(pg_dsn) == {"rselection_claims", "rselection_schema_version"}
 
@@ -484,10 +484,20 @@ def test_closed_connection_and_bad_conninfo_are_refused(pg_dsn: str) -> None:
         PostgresClaimer("host=x port")
 
 
-@pytest.mark.parametrize("holder", ["", "   ", "a\x00b", 7])
-def test_bad_holder_is_refused(pg_dsn: str, holder: Any) -> None:
-    with pytest.raises(ConfigError, match="holder"):
-        PostgresClaimer(pg_dsn, holder=holder)
+@pytest.mark.parametrize("node_id", ["", "   ", "a\x00b", 7, "n" * 1001])
+def test_bad_node_id_is_refused(pg_dsn: str, node_id: Any) -> None:
+    with pytest.raises(ConfigError, match="node_id"):
+        PostgresClaimer(pg_dsn, node_id=node_id)
+
+
+def test_a_fire_key_of_the_longest_lease_and_task_names_is_claimed(
+    make_claimer: Callable[..., PostgresClaimer],
+) -> None:
+    # What a leader claims: "<lease name>/<task>@<instant>", each name up to 1,000
+    # characters, so a fire key may be longer than a name.
+    key = "l" * 1000 + "/" + format_fire_key("t" * 1000, datetime(2026, 1, 1, tzinfo=UTC))
+    claimer = make_claimer()
+    assert claimer.claim(key) and not claimer.claim(key)
 
 
 @pytest.mark.parametrize(
@@ -517,7 +527,7 @@ def test_bad_claim_arguments_are_refused_before_any_io(pg_dsn: str, key: Any, te
 def test_claim_missed_takes_the_keys_after_the_newest_held(
     make_claimer: Callable[..., PostgresClaimer],
 ) -> None:
-    old, new = make_claimer(holder="old-leader"), make_claimer(holder="new-leader")
+    old, new = make_claimer(node_id="old-leader"), make_claimer(node_id="new-leader")
     keys = [f"tick@{i:02d}" for i in range(10)]
     assert old.claim(keys[3]) and old.claim(keys[6])  # the old leader got as far as 6
     assert new.claim_missed(keys, term=7) == keys[7:]
@@ -532,7 +542,7 @@ def test_claim_missed_takes_the_keys_after_the_newest_held(
 def test_claim_missed_with_nothing_held_takes_everything(
     make_claimer: Callable[..., PostgresClaimer], dsn: str
 ) -> None:
-    claimer = make_claimer(holder="first")
+    claimer = make_claimer(node_id="first")
     keys = [f"first@{i:02d}" for i in range(5)]
     assert claimer.claim_missed(keys, term=1) == keys
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -545,7 +555,7 @@ def test_claim_missed_with_nothing_held_takes_everything(
 def test_claim_missed_replaces_expired_claims(
     make_claimer: Callable[..., PostgresClaimer], dsn: str
 ) -> None:
-    short = make_claimer(holder="short", ttl=0.05)
+    short = make_claimer(node_id="short", ttl=0.05)
     keys = ["exp@1", "exp@2", "exp@3"]
     assert short.claim("exp@3")
 
@@ -558,14 +568,14 @@ def test_claim_missed_replaces_expired_claims(
         return row is not None and bool(row[0])
 
     wait_until(expired, 5.0, "the claim to expire (server time)")
-    assert make_claimer(holder="later").claim_missed(keys) == keys
+    assert make_claimer(node_id="later").claim_missed(keys) == keys
 
 
 def test_claim_missed_is_atomic_between_two_starting_leaders(
     make_claimer: Callable[..., PostgresClaimer],
 ) -> None:
     keys = [f"race@{i:03d}" for i in range(200)]
-    a, b = make_claimer(holder="a"), make_claimer(holder="b")
+    a, b = make_claimer(node_id="a"), make_claimer(node_id="b")
     results: dict[str, list[str]] = {}
     barrier = threading.Barrier(2)
 

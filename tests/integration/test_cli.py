@@ -59,8 +59,10 @@ def test_migrate_then_status_shows_the_holder(pg_dsn: str) -> None:
         "claims table 'rselection_claims': created (schema version 1)",
         "elections table 'rselection_elections': created (schema version 1)",
         "nodes table 'rselection_nodes': created (schema version 1)",
-        "broadcast table 'rselection_broadcast': created",
-        "checkpoint tables 'rselection_checkpoint*': created (migrations applied: 1)",
+        "broadcast tables 'rselection_broadcast', 'rselection_broadcast_state': created "
+        "(schema version 1)",
+        "checkpoint tables 'rselection_checkpoints', 'rselection_checkpoint_leases': "
+        "created (schema version 1)",
     ):
         assert line in done.stdout.splitlines(), done.stdout
     again = run("migrate", "--dsn", pg_dsn)
@@ -363,8 +365,8 @@ def test_status_shows_a_pending_handover_request(pg_dsn: str) -> None:
     try:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             # Reserved for a node that is not running: the leader hands over, nobody may
-            # take the lease until the window ends, and the request stays pending.
-            asked = request_handover(conn, "asked", to="n9", window=60)
+            # take the lease until its timeout ends, and the request stays pending.
+            asked = request_handover(conn, "asked", to="n9", timeout=60)
         assert asked is not None
         wait_until(lambda: not leader.is_leader, 10, "the leader to hand over")
     finally:

@@ -21,6 +21,7 @@ from psycopg.conninfo import make_conninfo
 
 from rselection.errors import BackendUnavailable, ConfigError
 from rselection.postgres import PostgresElector, migrate
+from rselection.postgres._conn import Connections
 
 
 @pytest.fixture
@@ -75,8 +76,8 @@ def until_true(attempt: Callable[[], bool], timeout: float, what: str) -> float:
 
 
 def test_acquire_renew_and_follow(make_elector: Callable[..., PostgresElector], dsn: str) -> None:
-    a = make_elector(identity="node-a")
-    b = make_elector(identity="node-b")
+    a = make_elector(node_id="node-a")
+    b = make_elector(node_id="node-b")
     assert a.term is None
     assert a.is_leader() is True
     assert a.term == 1
@@ -106,7 +107,7 @@ def test_failover_after_ttl_increments_the_term(
     assert b.term == 2
     assert not a.is_leader() and a.term is None
     got = row(dsn)
-    assert got is not None and got[:2] == (b.identity, 2)
+    assert got is not None and got[:2] == (b.node_id, 2)
 
 
 def test_a_holder_renewing_after_its_own_expiry_keeps_its_term(
@@ -159,9 +160,9 @@ def test_exactly_one_of_many_concurrent_candidates_wins(
     assert electors[winners[0]].term == 1
 
 
-def test_identity_is_random_per_instance(make_elector: Callable[..., PostgresElector]) -> None:
+def test_node_id_is_new_per_instance(make_elector: Callable[..., PostgresElector]) -> None:
     a, b = make_elector(), make_elector()
-    assert a.identity != b.identity and a.identity and b.identity
+    assert a.node_id != b.node_id and a.node_id and b.node_id
     assert (a.name, a.ttl, a.table) == ("default", 30.0, "rselection_elections")
 
 
@@ -217,20 +218,19 @@ def test_session_ended_by_the_server_is_replaced(
 ) -> None:
     a = make_elector(ttl=3600)
     assert a.is_leader()
-    own = a._conns._own
-    assert own is not None
+    own = a._conns._idle[-1]  # the connection the call used, now idle
     with psycopg.connect(pg_server_dsn, autocommit=True) as admin:
         admin.execute("SELECT pg_terminate_backend(%s)", (own.info.backend_pid,))
-    until_true(lambda: not a._conns._usable(own), 5, "the termination to arrive")
+    until_true(lambda: not Connections.usable(own), 5, "the termination to arrive")
     assert a.is_leader() and a.term == 1  # the lease is in the table, not the session
 
 
-def test_constructor_runs_no_ddl(pg_dsn: str) -> None:
-    elector = PostgresElector(pg_dsn)
+def test_tables_are_created_on_first_use_unless_told_not_to(pg_dsn: str) -> None:
+    elector = PostgresElector(pg_dsn, create_tables=False)
     with pytest.raises(ConfigError, match=r"does not exist.*migrate"):
         elector.is_leader()
     elector.close()
-    with PostgresElector(pg_dsn, create_tables=True) as made:
+    with PostgresElector(pg_dsn) as made:  # create_tables=True by default
         assert made.is_leader()
 
 
@@ -263,7 +263,7 @@ def test_no_connection_is_refused(source: Any) -> None:
         PostgresElector(source)
 
 
-@pytest.mark.parametrize("identity", ["", " ", "x\x00"])
-def test_bad_identity_is_refused(pg_dsn: str, identity: str) -> None:
-    with pytest.raises(ConfigError, match="identity"):
-        PostgresElector(pg_dsn, identity=identity)
+@pytest.mark.parametrize("node_id", ["", " ", "x\x00", "n" * 1001])
+def test_bad_node_id_is_refused(pg_dsn: str, node_id: str) -> None:
+    with pytest.raises(ConfigError, match="node_id"):
+        PostgresElector(pg_dsn, node_id=node_id)

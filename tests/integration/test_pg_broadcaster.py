@@ -5,6 +5,7 @@ the retention, bad input, and use as a leader's broadcaster."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import queue
@@ -26,6 +27,7 @@ from rselection.broadcast import BroadcasterClosed, Subscription
 from rselection.errors import ConfigError
 from rselection.postgres import PostgresBroadcaster, PostgresLeader
 from rselection.postgres.broadcast import Gap, MessageEncodeError, PostgresBroadcastStats
+from rselection.postgres.broadcast.outbox import Outbox, text_array
 from tests.support.broadcast_node import body
 from tests.support.pg import with_host_port
 from tests.support.proxy import TcpProxy
@@ -378,7 +380,7 @@ def test_publish_whose_commit_was_not_confirmed_is_never_written_twice(
     assert publisher.flush(20)
     assert drain(sub, 1, 20) == ["warm-up"]
     with psycopg.connect(pg_dsn, autocommit=True) as blocker:
-        _, lock_key = publisher._outbox.resolve(blocker)
+        _, lock_key = Outbox(publisher.table).resolve(blocker)
         with blocker.transaction():
             # Hold the publish lock: the writer's next batch waits for it on the server.
             blocker.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key,))
@@ -680,8 +682,6 @@ def test_subscribe_while_postgres_is_unreachable_returns_after_timeout(
 def test_batches_carry_any_channel_and_payload_text(
     pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster]
 ) -> None:
-    from rselection.postgres._outbox import text_array
-
     awkward = ["NULL", "", " x ", 'q"uo\\te', "{a,b}", "\\N", "é€😀", '\n\t\\"', "'", ","]
     with psycopg.connect(pg_dsn, autocommit=True, client_encoding="UTF8") as conn:
         literal = text_array(value.encode() for value in awkward)
@@ -697,13 +697,13 @@ def test_batches_carry_any_channel_and_payload_text(
         for i in range(300)
     ]
     batches: list[int] = []
-    write = a._write
+    write = a._writer.write
 
     def counting_write(conn: Any, batch: Any) -> None:
         batches.append(len(batch))
         write(conn, batch)
 
-    a._write = counting_write  # type: ignore[method-assign]
+    a._writer.write = counting_write  # type: ignore[method-assign]
     for channel, msg in sent:
         a.publish(channel, msg)  # a tight loop: the writer takes them in batches
     assert a.flush(20)
@@ -868,10 +868,51 @@ def test_bad_settings_fail_at_construction(
         PostgresBroadcaster(pg_dsn, **options)
 
 
-@pytest.mark.parametrize("conninfo", ["", "   ", "host=x port", "postgresql://[bad", None])
+@pytest.mark.parametrize("conninfo", ["", "   ", "host=x port", "postgresql://[bad", None, 42])
 def test_bad_conninfo_fails_at_construction(conninfo: Any) -> None:
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=r"PostgresBroadcaster needs a conninfo|parsed"):
         PostgresBroadcaster(conninfo)
+
+
+class PoolWithConninfo:
+    """The part of psycopg_pool.ConnectionPool a broadcaster reads: conninfo, kwargs."""
+
+    def __init__(self, conninfo: str, **kwargs: Any) -> None:
+        self.conninfo = conninfo
+        self.kwargs = kwargs
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[psycopg.Connection[Any]]:
+        raise AssertionError("a broadcaster opens sessions of its own, it never borrows")
+        yield  # pragma: no cover
+
+
+def test_a_connection_or_a_pool_gives_the_parameters_of_its_own_sessions(
+    pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster]
+) -> None:
+    params = psycopg.conninfo.conninfo_to_dict(pg_dsn)
+    options = params.pop("options", None)  # the test's schema, given as a pool kwarg
+    pool = PoolWithConninfo(
+        psycopg.conninfo.make_conninfo("", **params),
+        options=options,
+        autocommit=True,  # not a libpq parameter: ignored
+    )
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        by_conn = make_bc(conn)
+        by_pool = make_bc(pool)
+        sub = by_pool.subscribe("c")
+        by_conn.publish("c", "from a connection's parameters")
+        assert drain(sub, 1, 20) == ["from a connection's parameters"]
+        assert by_conn.stats().listener_pid != conn.info.backend_pid
+    with pytest.raises(ConfigError, match="has no str attribute 'conninfo'"):
+        PostgresBroadcaster(TinyPoolWithoutConninfo())
+
+
+class TinyPoolWithoutConninfo:
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[psycopg.Connection[Any]]:
+        raise AssertionError("never used")
+        yield  # pragma: no cover
 
 
 def test_missing_table_without_create_tables_is_reported(
@@ -882,6 +923,6 @@ def test_missing_table_without_create_tables_is_reported(
         try:
             assert not bc.wait_ready(1.0)
             wait_until(lambda: "does not exist" in caplog.text, 10, "the warning")
-            assert "create_broadcast_tables" in caplog.text
+            assert "migrate(conninfo, broadcast_table=" in caplog.text
         finally:
             bc.close()

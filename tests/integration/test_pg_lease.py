@@ -339,6 +339,16 @@ def test_a_holder_recorded_on_another_server_is_replaced_only_at_expiry(
     assert left > 1.5 and took >= left - 0.1, f"taken after {took:.2f}s, {left:.2f}s early"
 
 
+#: migrate() arguments that leave out every table but the lease table.
+NOTHING_ELSE: dict[str, Any] = {
+    "claims_table": None,
+    "elections_table": None,
+    "nodes_table": None,
+    "broadcast_table": None,
+    "checkpoint_prefix": None,
+}
+
+
 def test_a_version_2_table_keeps_working_and_upgrades_in_place(
     lease_dsn: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -346,7 +356,7 @@ def test_a_version_2_table_keeps_working_and_upgrades_in_place(
     work, but a dead holder is replaced only at expiry; the upgrade keeps the rows and
     brings fast failover back."""
     with psycopg.connect(lease_dsn, autocommit=True) as conn:
-        migrate(conn, claims_table=None, elections_table=None, nodes_table=None)
+        migrate(conn, table="rselection_leases", **NOTHING_ELSE)
         conn.execute("ALTER TABLE rselection_leases DROP COLUMN holder_server")
         conn.execute("UPDATE rselection_schema_version SET version = 2 WHERE component = 'leases'")
     options: dict[str, Any] = {"ttl": 3.0, "renew_deadline": 2.0, "create_tables": False}
@@ -364,7 +374,7 @@ def test_a_version_2_table_keeps_working_and_upgrades_in_place(
         b.release("B", term + 1)
 
         with psycopg.connect(lease_dsn, autocommit=True) as conn:
-            (change,) = migrate(conn, claims_table=None, elections_table=None, nodes_table=None)
+            (change,) = migrate(conn, table="rselection_leases", **NOTHING_ELSE)
         assert (change.action, change.previous, change.version) == ("upgraded", 2, LEASES_VERSION)
         assert lease_row(lease_dsn)[:2] == (None, term + 1)  # type: ignore[index]
         assert acquired(c.try_acquire("C")) == term + 2
@@ -1110,6 +1120,8 @@ def test_concurrent_migrations_do_not_error(lease_dsn: str, pool: ThreadPoolExec
             "SELECT component, version FROM rselection_schema_version ORDER BY 1"
         ).fetchall()
     assert rows == [
+        ("broadcast", 1),
+        ("checkpoints", 1),
         ("claims", 1),
         ("elections", 1),
         ("leases", LEASES_VERSION),

@@ -398,9 +398,9 @@ def test_elector_claimer_and_checkpoints_work_behind_a_transaction_pooler_withou
     mover = threading.Thread(target=churn, daemon=True)
     mover.start()
     try:
-        mine = PostgresElector(pool, name="e", ttl=5.0, identity="me", create_tables=True)
-        theirs = PostgresElector(pool, name="e", ttl=5.0, identity="them")
-        claimer = PostgresClaimer(pool, holder="me", create_tables=True)
+        mine = PostgresElector(pool, name="e", ttl=5.0, node_id="me")
+        theirs = PostgresElector(pool, name="e", ttl=5.0, node_id="them")
+        claimer = PostgresClaimer(pool, node_id="me")
         store = PostgresCheckpointStore(pool)
         for i in range(20):  # well past psycopg's prepare_threshold of 5
             assert mine.is_leader()

@@ -216,7 +216,7 @@ def make_lease(pg_dsn: str) -> Iterator[Callable[..., PostgresLease]]:
         lease.close()
 
 
-def test_a_request_reserves_the_lease_for_the_named_node_until_its_window_ends(
+def test_a_request_reserves_the_lease_for_the_named_node_until_its_timeout_ends(
     pg_dsn: str, make_lease: Callable[..., PostgresLease]
 ) -> None:
     a, b, c = make_lease(), make_lease(), make_lease()
@@ -224,7 +224,7 @@ def test_a_request_reserves_the_lease_for_the_named_node_until_its_window_ends(
     assert first.acquired and first.holder is not None
     term = first.holder.term
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        asked = request_handover(conn, "direct", to="C", window=1.0)
+        asked = request_handover(conn, "direct", to="C", timeout=1.0)
     assert asked is not None and (asked.node_id, asked.term) == ("A", term)
     assert a.renew("A", term)
     request = a.handover_requested()
@@ -241,7 +241,7 @@ def test_a_request_reserves_the_lease_for_the_named_node_until_its_window_ends(
     row = lease_row(pg_dsn, "direct")
     assert row == ("C", term + 1, None, None)  # the acquisition cleared the request
 
-    # A reservation nobody uses ends with its window.
+    # A reservation nobody uses ends with its timeout.
     c.release("C", term + 1)
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute(
@@ -261,7 +261,7 @@ def test_without_a_named_node_only_the_old_holder_is_kept_out(
     assert first.holder is not None
     term = first.holder.term
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        assert request_handover(conn, "direct", window=5.0) is not None
+        assert request_handover(conn, "direct", timeout=5.0) is not None
     assert a.renew("A", term)
     request = a.handover_requested()
     assert request is not None and request.to is None
@@ -285,7 +285,7 @@ def test_a_request_for_another_term_is_ignored(
             " resign_until = clock_timestamp() + interval '10 seconds' WHERE name = 'direct'"
         )
         assert a.renew("A", term) and a.handover_requested() is None
-        asked = request_handover(conn, "direct", window=10)
+        asked = request_handover(conn, "direct", timeout=10)
         assert asked is not None
         assert cancel_handover(conn, "direct", term)
         assert a.renew("A", term) and a.handover_requested() is None  # withdrawn

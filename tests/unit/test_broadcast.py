@@ -438,3 +438,19 @@ def test_subscribe_and_unsubscribe_during_publish() -> None:
     assert steady.pending == 10_000
     assert b.stats().subscribers == {"c": 1}
     assert b.stats().receivers == {}
+
+
+def test_has_readers_sees_subscriptions_and_receivers() -> None:
+    b = Broadcaster()
+    assert not b.has_readers() and not b.has_readers("a")
+    sub = b.subscribe("a")
+    assert b.has_readers() and b.has_readers("a") and not b.has_readers("b")
+    disconnect = b.connect("b", lambda channel, message: None)
+    assert b.has_readers("b")
+    sub.close()
+    assert not b.has_readers("a") and b.has_readers()
+    disconnect()
+    assert not b.has_readers()
+    with b:
+        b.subscribe("c")
+    assert b.closed and not b.has_readers()

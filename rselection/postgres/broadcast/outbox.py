@@ -1,7 +1,9 @@
-"""Tables and statements of :class:`~rselection.postgres.PostgresBroadcaster`'s outbox.
+"""The outbox of :class:`~rselection.postgres.PostgresBroadcaster`: its tables and statements.
 
-Not public API. Two tables, in the schema of the table name given (``schema.table`` or
-the first schema of ``search_path``)::
+Two tables (created by :func:`~rselection.postgres.migrate`, or on first connect with
+``create_tables=True``; their DDL is in :mod:`rselection.postgres.schema`), in the
+schema of the table name given (``schema.table`` or the first schema of
+``search_path``)::
 
     <table>:                 one row per published message
         id          bigint identity primary key  -- order of delivery, see below
@@ -32,34 +34,23 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from collections.abc import Iterable
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from ..errors import BackendUnavailable, ConfigError
-from .schema import lock_migrations, validate_table_name, version_table_identifier
+from ...errors import ConfigError
+from ..schema import BROADCAST_TABLE, suffixed_name, table_identifier
 
 __all__ = [
     "BROADCAST_TABLE",
-    "BROADCAST_VERSION",
     "INLINE_LIMIT",
     "Outbox",
-    "create_outbox",
     "inline_cost",
     "inline_row",
     "text_array",
 ]
-
-logger = logging.getLogger(__name__)
-
-BROADCAST_TABLE = "rselection_broadcast"
-"""The outbox table used when none is given."""
-
-BROADCAST_VERSION = 1
-"""Schema version of the outbox tables that this release creates and understands."""
 
 #: NOTIFY payloads must stay below 8000 bytes; a batch whose rows fit in this many bytes
 #: (an upper bound computed by :func:`inline_cost`) travels inside the NOTIFY itself, so
@@ -69,17 +60,6 @@ INLINE_LIMIT = 7000
 #: Bytes an inline row costs besides its channel and payload: the id (up to 19 digits),
 #: JSON punctuation and the separators ``json_agg`` adds between elements.
 _ROW_OVERHEAD = 40
-
-_MAX_PART = 63
-
-
-def _suffixed(name: str, suffix: str) -> str:
-    """``name_suffix``, shortened with a hash when it would exceed 63 characters."""
-    full = f"{name}_{suffix}"
-    if len(full) <= _MAX_PART:
-        return full
-    digest = hashlib.blake2b(full.encode(), digest_size=6).hexdigest()
-    return f"{full[: _MAX_PART - len(digest) - 1]}_{digest}"
 
 
 def inline_cost(channel: str, payload: str) -> int:
@@ -138,15 +118,9 @@ class Outbox:
 
     def __init__(self, table: str) -> None:
         """Validate ``table`` (raises :class:`ConfigError`) and build the identifiers."""
-        self.parts = validate_table_name(table)
         self.table = table
-        self.ident = sql.Identifier(*self.parts)
-        self.state_ident = sql.Identifier(*self.parts[:-1], _suffixed(self.parts[-1], "state"))
-        self.index_ident = sql.Identifier(_suffixed(self.parts[-1], "created_at_idx"))
-        self.version_ident = version_table_identifier(table)
-        self.component = (
-            "broadcast" if self.parts[-1] == BROADCAST_TABLE else f"broadcast:{self.parts[-1]}"
-        )
+        self.ident = table_identifier(table)
+        self.state_ident = table_identifier(suffixed_name(table, "state"))
 
     # -- names resolved on the server ---------------------------------------------------
 
@@ -169,9 +143,10 @@ class Outbox:
         ).fetchone()
         if row is None:
             raise ConfigError(
-                f"broadcast table {self.table!r} does not exist: pass create_tables=True, "
-                "or create it once with rselection.postgres.broadcast.create_broadcast_tables"
-                "() using a role that may run DDL"
+                f"broadcast table {self.table!r} does not exist: create the broadcaster with "
+                "create_tables=True, or run rselection.postgres.migrate(conninfo, "
+                "broadcast_table=...) (or `rselection migrate`) once with a role that may "
+                "run DDL"
             )
         qualified = f"{row[0]}.{row[1]}"
         digest = hashlib.blake2b(qualified.encode(), digest_size=8)
@@ -188,7 +163,7 @@ class Outbox:
     # -- statements ------------------------------------------------------------------
 
     # Publish statements are prepared once per writer connection and executed with text
-    # parameters through libpq (see PostgresBroadcaster._write), hence ``$n`` placeholders.
+    # parameters through libpq (see Writer.write), hence ``$n`` placeholders.
     # Parameters of both: $1 lock key, $2 origin, $3 NOTIFY channel, then the message(s):
     # $4 channel, $5 payload (JSON text), $6 origin_seq, or arrays of each. One row comes
     # back: ``(first id, last id, ...)``.
@@ -297,105 +272,3 @@ class Outbox:
             " FROM m WHERE m.n > 0"
             " RETURNING m.n, {s}.purged_through"
         ).format(t=self.ident, s=self.state_ident)
-
-    def ddl(self) -> list[sql.Composed]:
-        """Statements that create the outbox, its index and its state row if missing."""
-        return [
-            sql.SQL(
-                "CREATE TABLE IF NOT EXISTS {t} ("
-                " id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,"
-                " channel text NOT NULL,"
-                " payload text NOT NULL,"
-                " origin bigint NOT NULL,"
-                " origin_seq bigint NOT NULL,"
-                " created_at timestamptz NOT NULL DEFAULT clock_timestamp())"
-            ).format(t=self.ident),
-            # Retention deletes by age; rows are appended in time order, so the index
-            # stays small at its left end and the purge never scans the table.
-            sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (created_at)").format(
-                self.index_ident, self.ident
-            ),
-            sql.SQL(
-                "CREATE TABLE IF NOT EXISTS {s} ("
-                " singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),"
-                " purged_through bigint NOT NULL DEFAULT 0,"
-                " purged_at timestamptz NULL)"
-            ).format(s=self.state_ident),
-            sql.SQL("INSERT INTO {s} DEFAULT VALUES ON CONFLICT DO NOTHING").format(
-                s=self.state_ident
-            ),
-        ]
-
-
-def _is_current(conn: psycopg.Connection[Any], outbox: Outbox) -> bool:
-    """Whether both tables exist and the recorded schema version is this release's."""
-    names = [
-        ident.as_string(conn) for ident in (outbox.ident, outbox.state_ident, outbox.version_ident)
-    ]
-    row = conn.execute(
-        "SELECT to_regclass(%s) IS NOT NULL AND to_regclass(%s) IS NOT NULL,"
-        " to_regclass(%s) IS NOT NULL",
-        names,
-    ).fetchone()
-    if row is None or not row[0] or not row[1]:
-        return False
-    version = conn.execute(
-        sql.SQL("SELECT version FROM {} WHERE component = %s").format(outbox.version_ident),
-        (outbox.component,),
-    ).fetchone()
-    return version is not None and version[0] == BROADCAST_VERSION
-
-
-def create_outbox(conn: psycopg.Connection[Any], outbox: Outbox) -> None:
-    """Create ``outbox``'s tables and record their schema version, if missing.
-
-    Runs in one transaction under the same advisory lock as every other rselection
-    migration, so concurrent first starts create the tables once.
-
-    Raises:
-        ConfigError: the tables have a newer schema version than this release knows.
-        BackendUnavailable: the database refused (no privilege, missing schema).
-    """
-    what = f"the broadcast table {outbox.table!r}"
-    if _is_current(conn, outbox):
-        # Every (re)connect gets here: skip the DDL, whose CREATE INDEX IF NOT EXISTS
-        # would briefly lock the table against publishes even when the index exists.
-        return
-    try:
-        with conn.transaction():
-            lock_migrations(conn)
-            conn.execute(
-                sql.SQL(
-                    "CREATE TABLE IF NOT EXISTS {} ("
-                    " component text PRIMARY KEY,"
-                    " version integer NOT NULL,"
-                    " migrated_at timestamptz NOT NULL DEFAULT now())"
-                ).format(outbox.version_ident)
-            )
-            row = conn.execute(
-                sql.SQL("SELECT version FROM {} WHERE component = %s").format(outbox.version_ident),
-                (outbox.component,),
-            ).fetchone()
-            if row is not None and row[0] > BROADCAST_VERSION:
-                raise ConfigError(
-                    f"broadcast table {outbox.table!r} has schema version {row[0]}, newer "
-                    f"than the {BROADCAST_VERSION} this release of rselection understands: "
-                    "upgrade rselection on this node"
-                )
-            for statement in outbox.ddl():
-                conn.execute(statement)
-            conn.execute(
-                sql.SQL(
-                    "INSERT INTO {} (component, version) VALUES (%s, %s)"
-                    " ON CONFLICT (component) DO NOTHING"
-                ).format(outbox.version_ident),
-                (outbox.component, BROADCAST_VERSION),
-            )
-    except psycopg.errors.InsufficientPrivilege as exc:
-        raise BackendUnavailable(
-            f"cannot create {what}: {exc}; create it once with a role that may run DDL "
-            "(create_broadcast_tables) and pass create_tables=False"
-        ) from exc
-    except psycopg.errors.InvalidSchemaName as exc:
-        raise BackendUnavailable(f"cannot create {what}: {exc}; create the schema first") from exc
-    logger.debug("broadcast table %s ready (schema version %s)", outbox.table, BROADCAST_VERSION)

@@ -1,32 +1,38 @@
-"""The writer thread of :class:`~rselection.postgres.PostgresBroadcaster`.
+"""The writer of :class:`~rselection.postgres.PostgresBroadcaster`: the outbox's one writer.
 
-Not public API. The writer appends the messages
-:meth:`~rselection.postgres.PostgresBroadcaster.publish` queued to the outbox, every
-message waiting at that moment in one transaction, through statements prepared once per
-connection; it purges old rows now and then; and when a connection breaks before a
-commit was confirmed, it finds out whether the batch committed before writing it again,
-so no batch is written twice. :mod:`rselection.postgres.broadcast` explains the design.
+The writer owns the queue that :meth:`~rselection.postgres.PostgresBroadcaster.publish`
+fills, a thread and a session. It appends every message waiting at that moment in one
+transaction, through statements prepared once per session; it purges old rows now and
+then; and when a session breaks before a commit was confirmed, it finds out whether the
+batch committed before writing it again, so no batch is written twice.
+:mod:`rselection.postgres.broadcast` explains the design.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import secrets
 import threading
 import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 from psycopg import pq
 
-from ..errors import BackendUnavailable, ConfigError
-from ._broadcast_base import BroadcastBase, Pending
-from ._broadcast_conn import backoff, first_line, logger
-from ._outbox import INLINE_LIMIT, inline_row, text_array
+from ...broadcast import BroadcasterClosed
+from ...errors import BackendUnavailable, ConfigError
+from .listener import Listener
+from .outbox import INLINE_LIMIT, inline_row, text_array
+from .sessions import Sessions, abort_socket, backoff
 
-__all__ = ["BroadcastWriter"]
+__all__ = ["Pending", "Writer"]
+
+logger = logging.getLogger(__name__)
 
 #: Bytes of JSON a writer puts in one transaction at most (and rows at most).
 _BATCH_BYTES = 4 * 1024 * 1024
@@ -48,29 +54,176 @@ def _check_result(conn: psycopg.Connection[Any], result: pq.abc.PGresult, ok: in
         raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
 
 
-class BroadcastWriter(BroadcastBase):
-    """The writer thread of a broadcaster: commits the queued messages to the outbox.
+@dataclass
+class Pending:
+    """A message waiting for the writer."""
 
-    A mixin of :class:`~rselection.postgres.PostgresBroadcaster`: its state lives on the
-    broadcaster, created by :meth:`_init_writer`.
+    seq: int
+    channel: str
+    payload: bytes  # the message as UTF-8 JSON
+    inline: int  # upper bound of its bytes in an inline NOTIFY
+
+    @property
+    def size(self) -> int:
+        """Bytes of JSON."""
+        return len(self.payload)
+
+
+class Writer:
+    """Commits the messages a broadcaster publishes to the outbox, from a thread of its own.
+
+    Args:
+        sessions: opens the writer's session.
+        listener: this node's listener: while the node has readers, the writer writes
+            only once the listener knows where it starts (own messages must reach own
+            subscribers), and the listener's position bounds the committed ids.
+        has_readers: whether this node has any subscription or receiver.
     """
 
-    # The listener's position (see BroadcastListener), read by the writer.
-    _positioned: threading.Event
-    _last_id: int
-
-    def _init_writer(self) -> None:
-        """Create the writer's state and thread (``PostgresBroadcaster`` starts it)."""
+    def __init__(
+        self, sessions: Sessions, listener: Listener, has_readers: Callable[[], bool]
+    ) -> None:
+        """Create the writer's state and thread (:meth:`start` starts it)."""
+        self._sessions = sessions
+        self._settings = sessions.settings
+        self._outbox = sessions.outbox
+        self._deadlines = sessions.deadlines
+        self._listener = listener
+        self._has_readers = has_readers
+        # Shared by publish(), flush(), close() and the thread; guarded by _cond.
+        self._cond = threading.Condition()
+        self._pending: deque[Pending] = deque()
+        self._seq = 0  # seq of the last message accepted by submit()
+        self._committed = 0  # seq of the last message committed
+        self._committed_count = 0  # messages committed
+        self._closing = False
+        self._stop = threading.Event()
+        self._conn_lock = threading.Lock()
+        self._conn: psycopg.Connection[Any] | None = None
         # Purge often enough that the table holds little more than the retention, but
         # at most once a second and at least once a minute.
-        self._purge_every = min(60.0, max(1.0, self.retention / 10))
+        self._purge_every = min(60.0, max(1.0, self._settings.retention / 10))
         self._origin = secrets.randbits(63)
         self._resolved_cache: tuple[str, int] | None = None  # (notify channel, lock key)
         self._written_id = 0  # the last outbox id this writer committed
         self._fixed_params: list[bytes] = []  # lock key, origin, NOTIFY channel
-        self._writer = threading.Thread(
+        self._thread = threading.Thread(
             target=self._write_loop, name="rselection-broadcast-write", daemon=True
         )
+
+    # -- what the broadcaster calls --------------------------------------------------
+
+    def start(self) -> None:
+        """Start the writer thread."""
+        self._thread.start()
+
+    @property
+    def closing(self) -> bool:
+        """Whether :meth:`begin_close` was called: no message is accepted any more."""
+        return self._closing
+
+    @property
+    def pending(self) -> int:
+        """Messages accepted and not committed yet."""
+        with self._cond:
+            return len(self._pending)
+
+    @property
+    def published(self) -> int:
+        """Messages this writer committed to the outbox."""
+        with self._cond:
+            return self._committed_count
+
+    def submit(self, channel: str, payload: bytes, inline: int) -> int:
+        """Queue one message; return how many wait to be written, this one included.
+
+        Waits for room while ``max_pending`` messages wait, at most ``timeout`` seconds.
+
+        Args:
+            channel: the logical channel.
+            payload: the message as UTF-8 JSON.
+            inline: upper bound of its bytes in an inline NOTIFY.
+
+        Raises:
+            BroadcasterClosed: the broadcaster is closing.
+            BackendUnavailable: no room within ``timeout`` (Postgres unreachable or slow).
+        """
+        settings = self._settings
+        item = Pending(0, channel, payload, inline)
+        with self._cond:
+            deadline = None
+            while len(self._pending) >= settings.max_pending and not self._refusing():
+                # Backpressure: a burst larger than the queue waits for the writer.
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + settings.timeout
+                if now >= deadline:
+                    break
+                self._cond.wait(deadline - now)
+            if self._refusing():
+                raise BroadcasterClosed(
+                    "broadcaster is closed: cannot publish; create a new broadcaster instead"
+                )
+            if len(self._pending) >= settings.max_pending:
+                raise BackendUnavailable(
+                    f"cannot publish on channel {channel!r:.80}: {len(self._pending)} "
+                    f"messages have waited {settings.timeout:g} s to be written to Postgres "
+                    f"({self._sessions.where}); the database is unreachable or too slow. "
+                    "Retry later, or raise max_pending"
+                )
+            self._seq += 1
+            item.seq = self._seq
+            self._pending.append(item)
+            waiting = len(self._pending)
+            self._cond.notify_all()
+        return waiting
+
+    def _refusing(self) -> bool:
+        return self._closing or self._stop.is_set()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every message accepted so far is committed; ``False`` on timeout or
+        when the writer stopped with messages unwritten.
+
+        Args:
+            timeout: seconds to wait at most; ``None`` waits as long as it takes.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            target = self._seq
+            while self._committed < target:
+                if self._stop.is_set():
+                    return False
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return True
+
+    def begin_close(self) -> bool:
+        """Refuse new messages from now on; ``False`` if that had been done already."""
+        with self._cond:
+            if self._closing:
+                return False
+            self._closing = True
+            self._cond.notify_all()
+            return True
+
+    def stop(self) -> None:
+        """Stop the thread: wake it, and abort a round trip it is blocked on."""
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        with self._conn_lock:
+            if self._conn is not None:
+                abort_socket(self._conn)
+
+    def join(self, timeout: float) -> None:
+        """Wait for the thread to end (not when called from it)."""
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # -- the thread ------------------------------------------------------------------
 
     def _write_loop(self) -> None:
         conn: psycopg.Connection[Any] | None = None
@@ -94,18 +247,19 @@ class BroadcastWriter(BroadcastBase):
                     batch = self._take_batch()
                 # Own messages must reach own subscribers: while this node has some,
                 # write only once the listener knows where it starts.
-                while not self._positioned.is_set() and self._has_any_readers():
-                    if self._positioned.wait(0.5):
+                positioned = self._listener.positioned
+                while not positioned.is_set() and self._has_readers():
+                    if positioned.wait(0.5):
                         break
                     if self._stop.is_set():
                         return
                 try:
                     if conn is None:
-                        conn = self._connect("publish broadcasts", listen=False)
+                        conn = self._sessions.connect("publish broadcasts", listen=False)
                         identity = self._identity(conn)
                         self._prepare(conn)
                         with self._conn_lock:
-                            self._write_conn = conn
+                            self._conn = conn
                     if doubtful:
                         self._settle(conn, doubtful, doubtful_from, floor)
                         doubtful, doubtful_from = (), None
@@ -113,15 +267,15 @@ class BroadcastWriter(BroadcastBase):
                     if batch:
                         # The listener may be idle (no readers here): the writer's own
                         # last id bounds the committed ids too.
-                        floor = max(floor, self._last_id, self._written_id)
-                        self._write(conn, batch)
+                        floor = max(floor, self._listener.last_id, self._written_id)
+                        self.write(conn, batch)
                     if time.monotonic() >= next_purge:
                         next_purge = time.monotonic() + self._purge_every * random.uniform(0.8, 1.2)
-                        self._purge(conn)
+                        self.purge(conn)
                     if down_since is not None:
                         logger.info(
                             "broadcast writer reconnected to %s after %.1f s",
-                            self._where,
+                            self._sessions.where,
                             time.monotonic() - down_since,
                         )
                     failures, down_since = 0, None
@@ -134,7 +288,7 @@ class BroadcastWriter(BroadcastBase):
                         doubtful, doubtful_from = batch, identity
                     if conn is not None and (conn.broken or conn.closed):
                         with self._conn_lock:
-                            self._write_conn = None
+                            self._conn = None
                         with contextlib.suppress(Exception):
                             conn.close()
                         conn, identity = None, None
@@ -144,8 +298,8 @@ class BroadcastWriter(BroadcastBase):
                         logger.warning(
                             "broadcast writer cannot write to %s (%s); %d message(s) wait, "
                             "retrying with backoff",
-                            self._where,
-                            first_line(exc, self._conninfo),
+                            self._sessions.where,
+                            self._sessions.error_text(exc),
                             len(self._pending),
                         )
                     self._stop.wait(backoff(failures))
@@ -156,7 +310,7 @@ class BroadcastWriter(BroadcastBase):
                 self._cond.notify_all()
         finally:
             with self._conn_lock:
-                self._write_conn = None
+                self._conn = None
             if conn is not None:
                 with contextlib.suppress(Exception):
                     conn.close()
@@ -173,7 +327,7 @@ class BroadcastWriter(BroadcastBase):
         return tuple(batch)
 
     def _identity(self, conn: psycopg.Connection[Any]) -> tuple[int, Any]:
-        with self._watchdog.guard(conn, self.timeout):
+        with self._deadlines.guard(conn, self._settings.timeout):
             row = conn.execute(
                 "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
             ).fetchone()
@@ -200,11 +354,17 @@ class BroadcastWriter(BroadcastBase):
             (_MANY_INLINE, self._outbox.insert_many(True)),
             (_MANY, self._outbox.insert_many(False)),
         ):
-            with self._watchdog.guard(conn, self.timeout):
+            with self._deadlines.guard(conn, self._settings.timeout):
                 result = conn.pgconn.prepare(name, statement.as_bytes(conn))
             _check_result(conn, result, pq.ExecStatus.COMMAND_OK)
 
-    def _write(self, conn: psycopg.Connection[Any], batch: Iterable[Pending]) -> None:
+    def write(self, conn: psycopg.Connection[Any], batch: Iterable[Pending]) -> None:
+        """Commit ``batch`` to the outbox in one statement and wake flush() waiters.
+
+        Args:
+            conn: a writer session (see :meth:`Sessions.connect`), prepared.
+            batch: the messages, in publishing order.
+        """
         items = tuple(batch)
         inline = sum(item.inline for item in items) <= INLINE_LIMIT
         if len(items) == 1:
@@ -222,7 +382,7 @@ class BroadcastWriter(BroadcastBase):
                 text_array(i.payload for i in items),
                 b"{" + ",".join(str(i.seq) for i in items).encode() + b"}",
             ]
-        with self._watchdog.guard(conn, self.timeout):
+        with self._deadlines.guard(conn, self._settings.timeout):
             result = conn.pgconn.exec_prepared(name, [*self._fixed_params, *params])
         _check_result(conn, result, pq.ExecStatus.TUPLES_OK)
         last = result.get_value(0, 1)
@@ -232,7 +392,7 @@ class BroadcastWriter(BroadcastBase):
 
     def _resolved(self, conn: psycopg.Connection[Any]) -> tuple[str, int]:
         if self._resolved_cache is None:
-            with self._watchdog.guard(conn, self.timeout):
+            with self._deadlines.guard(conn, self._settings.timeout):
                 self._resolved_cache = self._outbox.resolve(conn)
         return self._resolved_cache
 
@@ -256,8 +416,8 @@ class BroadcastWriter(BroadcastBase):
         if old is not None:
             # The old session may still hold the batch (its client gave up, the server
             # did not): end it and wait until it is gone, so it cannot commit later.
-            deadline = time.monotonic() + self.timeout
-            with self._watchdog.guard(conn, self.timeout + 1.0):
+            deadline = time.monotonic() + self._settings.timeout
+            with self._deadlines.guard(conn, self._settings.timeout + 1.0):
                 conn.execute(
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
                     " WHERE pid = %s AND backend_start IS NOT DISTINCT FROM %s",
@@ -274,7 +434,7 @@ class BroadcastWriter(BroadcastBase):
                             "not end; retrying"
                         )
                     time.sleep(0.02)
-        with self._watchdog.guard(conn, self.timeout):
+        with self._deadlines.guard(conn, self._settings.timeout):
             row = conn.execute(self._outbox.committed_seq(), (floor, self._origin)).fetchone()
         done = 0 if row is None or row[0] is None else int(row[0])
         if done >= batch[-1].seq:
@@ -291,15 +451,21 @@ class BroadcastWriter(BroadcastBase):
                 len(batch),
             )
 
-    def _purge(self, conn: psycopg.Connection[Any]) -> int:
+    def purge(self, conn: psycopg.Connection[Any]) -> int:
+        """Delete the messages older than ``retention``; return how many.
+
+        Args:
+            conn: a broadcaster session.
+        """
+        retention = self._settings.retention
         total = 0
         while True:
-            with self._watchdog.guard(conn, self.timeout):
-                row = conn.execute(self._outbox.purge(), (self.retention, _PURGE_ROWS)).fetchone()
+            with self._deadlines.guard(conn, self._settings.timeout):
+                row = conn.execute(self._outbox.purge(), (retention, _PURGE_ROWS)).fetchone()
             deleted = 0 if row is None else int(row[0])
             total += deleted
             if deleted < _PURGE_ROWS or self._stop.is_set():
                 break
         if total:
-            logger.debug("broadcast: purged %d message(s) older than %s s", total, self.retention)
+            logger.debug("broadcast: purged %d message(s) older than %s s", total, retention)
         return total

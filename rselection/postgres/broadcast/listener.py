@@ -1,16 +1,19 @@
-"""The listener thread of :class:`~rselection.postgres.PostgresBroadcaster`.
+"""The listener of :class:`~rselection.postgres.PostgresBroadcaster`: delivers every node's
+messages to this one.
 
-Not public API. The listener has its own connection. It LISTENs only while its node has
-subscriptions or receivers, catches up by fetching every row after the last id it
-delivered (after every (re)connect, on a NOTIFY that does not carry the rows, and on
-silence, which also probes the connection), reports gaps left by retention, and
-reconnects with backoff. :mod:`rselection.postgres.broadcast` explains the design.
+The listener owns a thread, a session and its position in the outbox (the last id it
+delivered). It LISTENs only while its node has subscriptions or receivers, catches up
+by fetching every row after the last id it delivered (after every (re)connect, on a
+NOTIFY that does not carry the rows, and on silence, which also probes the
+connection), reports gaps left by retention, and reconnects with backoff.
+:mod:`rselection.postgres.broadcast` explains the design.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -20,12 +23,13 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ..broadcast import Broadcaster, BroadcasterClosed
-from ..errors import BackendUnavailable, ConfigError
-from ._broadcast_base import BroadcastBase
-from ._broadcast_conn import backoff, first_line, logger
+from ...broadcast import BroadcasterClosed
+from ...errors import BackendUnavailable, ConfigError
+from .sessions import Sessions, abort_socket, backoff
 
-__all__ = ["BroadcastListener", "Gap", "GapHook"]
+__all__ = ["Gap", "GapHook", "Listener"]
+
+logger = logging.getLogger(__name__)
 
 #: Bytes of rows a listener fetches per round trip at most (it fetches again for more).
 _FETCH_BYTES = 16 * 1024 * 1024
@@ -52,81 +56,140 @@ class Gap:
         return self.through_id - self.after_id
 
 
-# Defined here, where gaps are found (rselection.postgres.broadcast imports this module),
-# and public as rselection.postgres.broadcast.Gap: named so in reprs, pickles and docs.
+# Defined here, where gaps are found, and public as rselection.postgres.broadcast.Gap:
+# named so in reprs, pickles and docs.
 Gap.__module__ = "rselection.postgres.broadcast"
 
 GapHook = Callable[[Gap], object]
 """The ``on_gap`` hook: ``hook(gap)``, called in the listener thread for each gap."""
 
 
-class BroadcastListener(BroadcastBase):
-    """The listener thread of a broadcaster: delivers every node's messages to this one's
-    subscriptions and receivers, in outbox id order.
+Readers = Callable[[str | None], bool]
+"""``has_readers(channel)``: whether this node reads ``channel`` (any channel for None)."""
 
-    A mixin of :class:`~rselection.postgres.PostgresBroadcaster`: its state lives on the
-    broadcaster, created by :meth:`_init_listener`.
+Deliver = Callable[[str, object], object]
+"""``deliver(channel, message)``: hand a message to this node's readers of ``channel``."""
+
+
+class Listener:
+    """Delivers every node's messages to this node's readers, in outbox id order, from a
+    thread and a session of its own.
+
+    Args:
+        sessions: opens the listener's session.
+        has_readers: whether this node has readers (of a channel, or of any).
+        deliver: hands a message to this node's subscriptions and receivers.
+        on_gap: called in the listener thread for each :class:`Gap`.
     """
 
-    def _init_listener(self, on_gap: GapHook | None) -> None:
-        """Create the listener's state and thread (``PostgresBroadcaster`` starts it)."""
+    def __init__(
+        self,
+        sessions: Sessions,
+        has_readers: Readers,
+        deliver: Deliver,
+        on_gap: GapHook | None,
+    ) -> None:
+        """Create the listener's state and thread (:meth:`start` starts it)."""
+        self._sessions = sessions
+        self._settings = sessions.settings
+        self._outbox = sessions.outbox
+        self._deadlines = sessions.deadlines
+        self._has_readers = has_readers
+        self._deliver_local = deliver
         self._on_gap = on_gap
-        self._fetch_rows = max(1, min(_FETCH_ROWS, _FETCH_BYTES // self.max_message_bytes))
+        self._fetch_rows = max(
+            1, min(_FETCH_ROWS, _FETCH_BYTES // self._settings.max_message_bytes)
+        )
+        self._stop = threading.Event()
+        self._conn_lock = threading.Lock()
+        self._conn: psycopg.Connection[Any] | None = None
 
-        # Listener state (written by the listener thread only, read by stats()).
-        self._connected = threading.Event()  # the listener connected once (wait_ready)
+        self.connected = threading.Event()
+        """Set once the listener connected (its tables ready)."""
         # Set while the listener LISTENs (or reconnects to LISTEN again) from a known
         # position; cleared, under _lstate, only when this node has no readers left.
-        self._positioned = threading.Event()
+        self.positioned = threading.Event()
+        """Set while the listener LISTENs from a known position: every message committed
+        from then on is delivered."""
         self._lstate = threading.Lock()
         self._wake = threading.Event()  # a reader arrived: the idle listener starts
-        self._last_id = 0
-        self._received = 0
-        self._gaps = 0
-        self._missed = 0
-        self._reconnects = 0
-        self._listening = False
-        self._listener_pid: int | None = None
 
-        self._listener = threading.Thread(
+        # Written by the listener thread only; read by stats() and the writer.
+        self.last_id = 0
+        """The outbox id of the last message delivered (or skipped by a gap)."""
+        self.received = 0
+        """Outbox rows read (every channel)."""
+        self.gaps = 0
+        """Gaps reported."""
+        self.missed = 0
+        """Upper bound of the messages lost in those gaps."""
+        self.reconnects = 0
+        """Times the listener lost its session and connected again."""
+        self.listening = False
+        """Whether the listener LISTENs and has caught up."""
+        self.pid: int | None = None
+        """The backend pid of the listener's session (``None`` while disconnected)."""
+
+        self._thread = threading.Thread(
             target=self._listen_loop, name="rselection-broadcast-listen", daemon=True
         )
+
+    def start(self) -> None:
+        """Start the listener thread (it connects at once, and LISTENs once needed)."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread: wake it, and abort a round trip it is blocked on."""
+        self._stop.set()
+        self._wake.set()  # an idle listener waits on it, not on its session
+        with self._conn_lock:
+            if self._conn is not None:
+                abort_socket(self._conn)
+
+    def join(self, timeout: float) -> None:
+        """Wait for the thread to end (not when called from it)."""
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     def _keep_listening(self) -> bool:
         """Whether the listener should LISTEN; forget the position when it should not.
 
-        Checked and cleared under ``_lstate``, which :meth:`_await_listener` also holds
+        Checked and cleared under ``_lstate``, which :meth:`await_position` also holds
         to read the position: a reader added before this check keeps the listener, one
         added after it finds the position cleared and waits for a new one.
         """
-        if self._subs:
-            return True  # the common case, checked per message: no lock, nothing changes
         with self._lstate:
-            if self._has_any_readers():
+            if self._has_readers(None):
                 return True
-            self._positioned.clear()
-            self._listening = False
+            self.positioned.clear()
+            self.listening = False
             return False
 
-    def _await_listener(self, action: str) -> None:
-        """Start the listener for a new reader and wait until it knows its position."""
+    def await_position(self, action: str) -> None:
+        """Start listening for a new reader and wait until the listener knows where it
+        starts, at most ``timeout`` seconds (then log a warning and return).
+
+        Args:
+            action: what the reader called (``"subscribe"``), for the warning.
+        """
         with self._lstate:
-            if self._positioned.is_set():
+            if self.positioned.is_set():
                 return
         self._wake.set()
-        if threading.current_thread() is self._listener:
+        if threading.current_thread() is self._thread:
             return  # a receiver subscribing: the listener starts after it returns
-        deadline = time.monotonic() + self.timeout
-        while not self._positioned.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
-            if self._stop.is_set() or self.closed:
+        timeout = self._settings.timeout
+        deadline = time.monotonic() + timeout
+        while not self.positioned.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
+            if self._stop.is_set():
                 return
             if time.monotonic() >= deadline:
                 logger.warning(
                     "broadcast: %s() returns before the listener could LISTEN on %s (not "
                     "within timeout=%s s); messages are delivered from when it connects",
                     action,
-                    self._where,
-                    self.timeout,
+                    self._sessions.where,
+                    timeout,
                 )
                 return
 
@@ -138,44 +201,46 @@ class BroadcastListener(BroadcastBase):
         def healthy() -> None:
             nonlocal failures, down_since, last_error
             if down_since is not None:
-                self._reconnects += 1
+                self.reconnects += 1
                 logger.info(
                     "broadcast listener reconnected to %s after %.1f s; caught up to id %d",
-                    self._where,
+                    self._sessions.where,
                     time.monotonic() - down_since,
-                    self._last_id,
+                    self.last_id,
                 )
             failures, down_since, last_error = 0, None, ""
 
         while not self._stop.is_set():
             conn: psycopg.Connection[Any] | None = None
             try:
-                conn = self._connect("listen for broadcasts", listen=True)
+                conn = self._sessions.connect("listen for broadcasts", listen=True)
                 with self._conn_lock:
                     if self._stop.is_set():
                         break
-                    self._listen_conn = conn
-                with self._watchdog.guard(conn, self.timeout):
+                    self._conn = conn
+                with self._deadlines.guard(conn, self._settings.timeout):
                     channel, _ = self._outbox.resolve(conn)
-                self._listener_pid = conn.info.backend_pid
-                self._connected.set()
+                self.pid = conn.info.backend_pid
+                self.connected.set()
                 self._serve(conn, channel, healthy)
             except (psycopg.Error, OSError, BackendUnavailable, ConfigError) as exc:
                 if self._stop.is_set():
                     break
                 failures += 1
-                detail = first_line(exc, self._conninfo)
+                detail = self._sessions.error_text(exc)
                 if down_since is None:
                     down_since = time.monotonic()
                     logger.warning(
                         "broadcast listener lost its connection to %s (%s); reconnecting "
                         "with backoff, messages published meanwhile are fetched afterwards",
-                        self._where,
+                        self._sessions.where,
                         detail,
                     )
                 elif detail != last_error:
                     logger.warning(
-                        "broadcast listener cannot reconnect to %s: %s", self._where, detail
+                        "broadcast listener cannot reconnect to %s: %s",
+                        self._sessions.where,
+                        detail,
                     )
                 last_error = detail
             except Exception:
@@ -185,10 +250,10 @@ class BroadcastListener(BroadcastBase):
                     down_since = time.monotonic()
                 logger.exception("broadcast listener failed; restarting it")
             finally:
-                self._listening = False
-                self._listener_pid = None
+                self.listening = False
+                self.pid = None
                 with self._conn_lock:
-                    self._listen_conn = None
+                    self._conn = None
                 if conn is not None:
                     with contextlib.suppress(Exception):
                         conn.close()
@@ -204,32 +269,32 @@ class BroadcastListener(BroadcastBase):
         unlisten = sql.SQL("UNLISTEN {}").format(sql.Identifier(channel))
         listening = False
         quiet_since = time.monotonic()
-        if not self._has_any_readers():
+        if not self._has_readers(None):
             healthy()  # connected; nothing to catch up on for nobody
         while not self._stop.is_set():
-            wait = max(0.0, quiet_since + self.probe_interval - time.monotonic())
+            wait = max(0.0, quiet_since + self._settings.probe_interval - time.monotonic())
             if not listening:
                 self._wake.clear()
                 if not self._keep_listening():
                     # Idle: no NOTIFY wakes this node. Wait for a reader; probe the
                     # connection on silence so a dead one is replaced before it is needed.
                     if not self._wake.wait(wait):
-                        with self._watchdog.guard(conn, self.timeout):
+                        with self._deadlines.guard(conn, self._settings.timeout):
                             conn.execute("SELECT 1")
                         quiet_since = time.monotonic()
                     continue
-                with self._watchdog.guard(conn, self.timeout):
+                with self._deadlines.guard(conn, self._settings.timeout):
                     conn.execute(listen)
-                    if not self._positioned.is_set():
+                    if not self.positioned.is_set():
                         # A new start: from the newest row (older ones had no reader here).
                         row = conn.execute(self._outbox.start_position()).fetchone()
-                        self._last_id = int(row[0]) if row else 0
+                        self.last_id = int(row[0]) if row else 0
                 # Catch up on what was published while not listening (LISTEN came first,
                 # so nothing committed after this fetch's snapshot can be missed).
                 self._catch_up(conn)
                 listening = True
-                self._listening = True
-                self._positioned.set()
+                self.listening = True
+                self.positioned.set()
                 quiet_since = time.monotonic()
                 healthy()
                 continue
@@ -249,7 +314,7 @@ class BroadcastListener(BroadcastBase):
             quiet_since = time.monotonic()
             if not self._keep_listening():
                 # The last reader left: stop waking for every message.
-                with self._watchdog.guard(conn, self.timeout):
+                with self._deadlines.guard(conn, self._settings.timeout):
                     conn.execute(unlisten)
                 listening = False
 
@@ -263,43 +328,43 @@ class BroadcastListener(BroadcastBase):
                 return True
             for row in rows:
                 row_id = int(row[0])
-                if row_id <= self._last_id:
+                if row_id <= self.last_id:
                     continue
-                if row_id != self._last_id + 1:
+                if row_id != self.last_id + 1:
                     # An id in between is unused (a failed publish) or was not seen: the
                     # table knows which; fetching also delivers the rest of this batch.
                     return True
                 self._deliver(row_id, row[1], row[2])
             return False
         try:
-            return int(payload) > self._last_id
+            return int(payload) > self.last_id
         except ValueError:
             return True
 
     def _catch_up(self, conn: psycopg.Connection[Any]) -> None:
         """Fetch and deliver every row after the last id, in order, reporting gaps."""
         while not self._stop.is_set():
-            with self._watchdog.guard(conn, self.timeout):
-                cursor = conn.execute(self._outbox.fetch(), (self._last_id, self._fetch_rows))
+            with self._deadlines.guard(conn, self._settings.timeout):
+                cursor = conn.execute(self._outbox.fetch(), (self.last_id, self._fetch_rows))
                 rows = cursor.fetchall()
             purged = int(rows[0][0]) if rows else 0
-            if purged > self._last_id:
-                self._report_gap(Gap(self._last_id, purged))
+            if purged > self.last_id:
+                self._report_gap(Gap(self.last_id, purged))
             got = 0
             for _, row_id, channel, payload in rows:
                 if row_id is None:
                     continue
                 got += 1
-                if row_id > self._last_id:
+                if row_id > self.last_id:
                     self._deliver(int(row_id), channel, payload)
-            if purged > self._last_id:
-                self._last_id = purged
+            if purged > self.last_id:
+                self.last_id = purged
             if got < self._fetch_rows:
                 return
 
     def _deliver(self, row_id: int, channel: str, payload: str) -> None:
-        self._last_id = row_id
-        self._received += 1
+        self.last_id = row_id
+        self.received += 1
         if not self._has_readers(channel):
             return  # nobody here listens: skip decoding
         try:
@@ -312,22 +377,16 @@ class BroadcastListener(BroadcastBase):
             )
             return
         with contextlib.suppress(BroadcasterClosed):
-            Broadcaster.publish(self, channel, message)
-
-    def _has_readers(self, channel: str) -> bool:
-        if self._subs.get(channel):
-            return True
-        signal = self._signals.get(channel)
-        return signal is not None and bool(signal.receivers)
+            self._deliver_local(channel, message)
 
     def _report_gap(self, gap: Gap) -> None:
-        self._gaps += 1
-        self._missed += gap.missed
+        self.gaps += 1
+        self.missed += gap.missed
         logger.warning(
             "broadcast listener fell behind by more than retention=%s s: messages with ids "
             "%d..%d were deleted before this node read them (at most %d lost); raise "
             "retention or keep nodes connected",
-            self.retention,
+            self._settings.retention,
             gap.after_id + 1,
             gap.through_id,
             gap.missed,

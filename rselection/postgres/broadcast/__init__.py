@@ -1,0 +1,84 @@
+"""``PostgresBroadcaster``: the in-process :class:`~rselection.Broadcaster`, across nodes.
+
+A package of one concept in parts, each an object that owns its state:
+:class:`~rselection.postgres.broadcast.broadcaster.PostgresBroadcaster` (the public
+API), its :class:`~rselection.postgres.broadcast.writer.Writer` and
+:class:`~rselection.postgres.broadcast.listener.Listener` (a thread and a session each),
+the :class:`~rselection.postgres.broadcast.sessions.Sessions` they open, the
+:class:`~rselection.postgres.broadcast.outbox.Outbox` statements and the checked
+:class:`~rselection.postgres.broadcast.settings.Settings`.
+
+Every node of a fleet creates one on the same database and table::
+
+    bc = PostgresBroadcaster("postgresql://...")
+    sub = bc.subscribe("orders")
+    bc.publish("orders", {"id": 42})  # reaches "orders" subscribers on every node
+
+How it works
+------------
+
+**Outbox.** :meth:`PostgresBroadcaster.publish` encodes the message as JSON at once
+(what JSON cannot encode raises :class:`MessageEncodeError` in the caller) and hands it
+to this broadcaster's writer thread, which appends it to an outbox table (see
+:mod:`rselection.postgres.broadcast.outbox`) with an increasing ``id`` and sends one ``NOTIFY``
+in the same transaction. ``publish`` never waits for Postgres (it is safe in ``async
+def`` code); :meth:`PostgresBroadcaster.flush` waits until what was published is
+committed. The writer puts every message waiting at that moment in one transaction, so
+a burst costs one round trip per batch, not per message. Its statements are prepared
+once per connection and run through libpq with text parameters (a lone message uses a
+simpler statement than a batch), so a publish costs little more than a bare NOTIFY.
+
+**One order for everyone.** A publish takes a transaction-level advisory lock before its
+ids are drawn and holds it through its commit, so ids become visible strictly in
+increasing order. Each node's listener thread keeps the last id it delivered and
+fetches ``id > last`` in order: no message is skipped, none is delivered twice, and
+every node delivers the messages in the same order (the order of the ids); messages of
+one publisher keep the order in which it published them. The publisher's own
+subscribers get its messages the same way, exactly once.
+
+**NOTIFY is only a wake-up.** One NOTIFY channel per table (its name is a hash of the
+schema-qualified table name, so logical channel names may be of any length and
+characters). A batch whose rows fit in a few kilobytes travels inside the NOTIFY
+payload; larger ones send only the last id and listeners fetch the rows. So a message
+of any size (up to ``max_message_bytes``) is delivered whole.
+
+**LISTEN only for readers.** The listener connects at construction but LISTENs only
+while its node has subscriptions or receivers, so a node that only publishes is not
+woken by every message. The first :meth:`~PostgresBroadcaster.subscribe` or
+:meth:`~PostgresBroadcaster.connect` makes it LISTEN and read the newest id, and returns
+once it has: every message committed after that is delivered. When the last reader has
+gone, the listener UNLISTENs at its next wake-up.
+
+**Nothing lost while disconnected.** NOTIFY is dropped for a listener that is not
+connected. After every (re)connect the listener LISTENs first and then fetches every
+row after its last id, so it catches up in order. Rows are kept for ``retention``
+seconds (server time); the writers delete older ones now and then and record the
+highest id they deleted. A listener that finds rows it never read among the deleted
+ones reports a *gap*: a warning log, ``stats().gaps``, and the ``on_gap`` hook. Nothing
+is dropped silently.
+
+**Dead connections.** The listener has its own connection (never a lease's), with TCP
+keepalives and ``tcp_user_timeout``. When it has heard nothing for ``probe_interval``
+seconds it polls the outbox, and a round trip that overruns ``timeout`` aborts the
+connection, so a half-open connection (a silent partition) is found within
+``probe_interval + timeout``. It reconnects with capped exponential backoff and jitter.
+
+**Exactly once on writer failures.** A publish whose connection breaks before the commit
+was confirmed may or may not have committed. The writer then reconnects, ends the old
+backend (``pg_terminate_backend``, waiting until it is gone so it cannot commit later),
+and looks up the last ``origin_seq`` its origin committed before writing the batch
+again, so a batch is never written twice.
+"""
+
+from __future__ import annotations
+
+from .broadcaster import MessageEncodeError, PostgresBroadcaster, PostgresBroadcastStats
+from .listener import Gap, GapHook
+
+__all__ = [
+    "Gap",
+    "GapHook",
+    "MessageEncodeError",
+    "PostgresBroadcastStats",
+    "PostgresBroadcaster",
+]

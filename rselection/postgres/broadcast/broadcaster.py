@@ -1,0 +1,392 @@
+"""The public face of the broadcast package: :class:`PostgresBroadcaster`.
+
+It checks the configuration, starts its :class:`~.writer.Writer` and
+:class:`~.listener.Listener`, and holds the public API; :mod:`rselection.postgres.broadcast`
+explains the design.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+import psycopg
+
+from ...broadcast import Broadcaster, BroadcastStats, OverflowHook, Receiver, Subscription
+from ...errors import BackendUnavailable, ConfigError
+from .._conn import session_conninfo
+from .listener import GapHook, Listener
+from .outbox import BROADCAST_TABLE, Outbox, inline_cost
+from .sessions import Sessions
+from .settings import Settings
+from .writer import Writer
+
+__all__ = ["MessageEncodeError", "PostgresBroadcastStats", "PostgresBroadcaster"]
+
+logger = logging.getLogger(__name__)
+
+
+class MessageEncodeError(ConfigError, TypeError):
+    """A message cannot be published: it has no JSON form (or not one Postgres can store).
+
+    A :class:`~rselection.errors.ConfigError` (so a ``ValueError``) and a ``TypeError``.
+    """
+
+
+@dataclass(frozen=True)
+class PostgresBroadcastStats(BroadcastStats):
+    """A snapshot of a :class:`PostgresBroadcaster` (see :meth:`PostgresBroadcaster.stats`).
+
+    Adds to :class:`~rselection.broadcast.BroadcastStats`:
+
+    :param published: messages this node committed to the outbox.
+    :param pending: messages published here and not committed yet.
+    :param received: outbox rows this node's listener read (every channel).
+    :param gaps: gaps reported (see :class:`Gap`); 0 unless a listener fell behind by more
+        than the retention.
+    :param missed: upper bound of the messages lost in those gaps.
+    :param reconnects: times the listener lost its connection and connected again.
+    :param listening: whether the listener LISTENs (this node has readers) and has
+        caught up.
+    :param last_id: the outbox id of the last message delivered.
+    :param listener_pid: the backend pid of the listener's session (``None`` while
+        disconnected), to find it in ``pg_stat_activity``.
+    """
+
+    published: int = 0
+    pending: int = 0
+    received: int = 0
+    gaps: int = 0
+    missed: int = 0
+    reconnects: int = 0
+    listening: bool = False
+    last_id: int = 0
+    listener_pid: int | None = None
+
+
+class PostgresBroadcaster(Broadcaster):
+    """A :class:`~rselection.Broadcaster` whose messages reach every node on the database.
+
+    ``publish(channel, message)`` on any node delivers ``message`` to the subscriptions
+    and receivers of ``channel`` on every node with a broadcaster on the same table (this
+    one included, once), in the same order everywhere. Local fan-out is the
+    :class:`~rselection.Broadcaster`'s: bounded per-subscription buffers, overflow counted
+    and reported, a slow subscriber never holds up the others. Receivers connected with
+    :meth:`connect` run in the listener thread: keep them short. See the module docstring
+    for how delivery, ordering, catch-up and gaps work.
+
+    The listener connects in the background at construction, and LISTENs only while
+    this node has subscriptions or receivers: a node that only publishes is not woken
+    by every message. :meth:`subscribe` and :meth:`connect` return once the listener
+    knows where it starts (a round trip or two when it is not listening yet, at most
+    ``timeout`` seconds), so every message committed after they return is delivered.
+
+    Args:
+        conninfo: a libpq connection string or URI, a ``psycopg.Connection`` or a pool
+            (``psycopg_pool.ConnectionPool``). The broadcaster opens two sessions of its
+            own with the same parameters (listener and writer, the writer on first
+            publish): LISTEN needs a session kept for it, which a pool cannot lend.
+        table: outbox table, optionally schema-qualified (``"ops.broadcast"``); every
+            node that should hear each other uses the same one.
+        retention: seconds a message stays in the outbox (server time), i.e. how long a
+            node may be disconnected and still catch up without a gap. Default 600.
+        create_tables: create the tables on first connect; else run
+            :func:`~rselection.postgres.migrate` (or ``rselection migrate``) once with a
+            role that may run DDL.
+        probe_interval: seconds of silence after which the listener polls the outbox,
+            which also checks that its connection is alive.
+        timeout: bound of one round trip (connect, write, fetch, probe), seconds; a
+            connection that overruns it is dropped and reconnected.
+        max_message_bytes: largest message accepted, as UTF-8 JSON (default 1 MiB).
+        max_pending: messages that may wait for the writer; when that many wait,
+            :meth:`publish` waits for room, and raises
+            :class:`~rselection.errors.BackendUnavailable` after ``timeout`` seconds.
+        synchronous_commit: wait for the WAL flush on every publish. Off by default: a
+            Postgres crash may then lose the last fraction of a second of messages
+            (NOTIFY itself keeps nothing across a crash), and publishes are about twice
+            as fast. Disconnected listeners never lose messages either way.
+        close_timeout: seconds :meth:`close` waits for pending messages to be written.
+        on_overflow: see :class:`~rselection.Broadcaster`.
+        on_gap: optional ``hook(gap)`` called in the listener thread for each
+            :class:`Gap`; an exception it raises is logged and ignored.
+
+    Raises:
+        ConfigError: a bad ``conninfo``, unsafe table name, non-positive or non-finite
+            timings, bad limits, or hooks that are not callable.
+    """
+
+    def __init__(
+        self,
+        conninfo: str | Any,
+        *,
+        table: str = BROADCAST_TABLE,
+        retention: float = 600.0,
+        create_tables: bool = True,
+        probe_interval: float = 5.0,
+        timeout: float = 10.0,
+        max_message_bytes: int = 1024 * 1024,
+        max_pending: int = 10_000,
+        synchronous_commit: bool = False,
+        close_timeout: float = 5.0,
+        on_overflow: OverflowHook | None = None,
+        on_gap: GapHook | None = None,
+    ) -> None:
+        conninfo = session_conninfo(conninfo, "PostgresBroadcaster")
+        outbox = Outbox(table)  # validates the name
+        settings = Settings(
+            retention=retention,
+            probe_interval=probe_interval,
+            timeout=timeout,
+            close_timeout=close_timeout,
+            max_message_bytes=max_message_bytes,
+            max_pending=max_pending,
+            synchronous_commit=synchronous_commit,
+            create_tables=create_tables,
+        )
+        if on_gap is not None and not callable(on_gap):
+            raise ConfigError(f"on_gap must be callable or None, got {on_gap!r}")
+        super().__init__(on_overflow=on_overflow)
+        self.table = table
+        self.settings = settings
+        """The checked configuration (retention, timeouts, limits)."""
+        self._sessions = Sessions(conninfo, outbox, settings)
+        self._listener = Listener(self._sessions, self.has_readers, self._deliver_here, on_gap)
+        self._writer = Writer(self._sessions, self._listener, self.has_readers)
+        self._listener.start()
+        self._writer.start()
+
+    def _deliver_here(self, channel: str, message: object) -> object:
+        """Hand a message read from the outbox to this node's readers."""
+        return super().publish(channel, message)
+
+    # -- public API -----------------------------------------------------------------
+
+    @property
+    def retention(self) -> float:
+        """Seconds a message stays in the outbox (server time)."""
+        return self.settings.retention
+
+    @property
+    def timeout(self) -> float:
+        """Bound of one round trip, seconds."""
+        return self.settings.timeout
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (publishing is refused from that moment)."""
+        return self._writer.closing or super().closed
+
+    def publish(self, channel: str, message: object) -> int:
+        """Publish ``message`` on ``channel`` to every node, this one included.
+
+        Encodes the message as JSON now and returns without waiting for Postgres (unless
+        ``max_pending`` messages already wait); the writer thread commits it shortly (see
+        :meth:`flush`). Subscribers receive the decoded JSON: tuples come back as lists,
+        and dict keys must be strings to come back unchanged.
+
+        :param channel: a non-empty str of any length (no NUL characters: Postgres text
+            cannot hold them).
+        :param message: anything :func:`json.dumps` encodes (no NaN or infinities).
+        :returns: how many messages of this broadcaster wait to be written, this one
+            included (local deliveries happen later, when the message comes back from
+            Postgres).
+        :raises ConfigError: bad channel, or the message is larger than
+            ``max_message_bytes``.
+        :raises MessageEncodeError: the message has no JSON form.
+        :raises BroadcasterClosed: the broadcaster is closed.
+        :raises BackendUnavailable: ``max_pending`` messages have waited ``timeout``
+            seconds for the writer (Postgres is unreachable or too slow); nothing is
+            queued. Never raised for a message that fits: publishing never blocks on
+            Postgres round trips.
+        """
+        self._check_pg_channel(channel)
+        if self.closed:
+            raise self._closed_error("publish")
+        payload = self._encode(channel, message)
+        data = payload.encode()
+        size = len(data)
+        limit = self.settings.max_message_bytes
+        if size > limit:
+            raise ConfigError(
+                f"message on channel {channel!r:.80} is {size} bytes as JSON, more than "
+                f"max_message_bytes={limit}: send less (a key to the data rather than the "
+                "data), or raise the limit"
+            )
+        return self._writer.submit(channel, data, inline_cost(channel, payload))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every message published so far is committed to the outbox.
+
+        :param timeout: seconds to wait at most; ``None`` waits as long as it takes.
+        :returns: ``True`` when they are committed, ``False`` on timeout or when the
+            broadcaster closed with messages unwritten.
+        """
+        return self._writer.flush(timeout)
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the broadcaster has connected to Postgres once (its tables ready)
+        and, while this node has subscriptions or receivers, until its listener LISTENs.
+
+        Subscribing needs no ``wait_ready()`` first: :meth:`subscribe` itself waits
+        until messages published from then on are delivered.
+
+        :param timeout: seconds to wait at most; ``None`` waits as long as it takes.
+        :returns: whether the broadcaster is ready.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._listener.connected.wait(timeout):
+            return False
+        if not self.has_readers():
+            return True
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self._listener.positioned.wait(remaining)
+
+    def subscribe(self, channel: str, *, maxsize: int = 1000) -> Subscription:
+        """Open a subscription to ``channel``: the messages published on it by every node.
+
+        Same as :meth:`rselection.Broadcaster.subscribe`, except that when this node's
+        listener is not LISTENing yet (no subscription or receiver before), it waits
+        until the listener knows where it starts: every message committed after this
+        returns is delivered. That takes a round trip or two (plus connecting, right
+        after construction); while Postgres cannot be reached it waits at most
+        ``timeout`` seconds, logs a warning and returns, and messages are then delivered
+        from the moment the listener connects. Later calls do not wait while the
+        listener LISTENs.
+
+        :raises ConfigError: bad ``channel`` or ``maxsize``.
+        :raises BroadcasterClosed: the broadcaster is closed.
+        """
+        sub = super().subscribe(channel, maxsize=maxsize)
+        self._listener.await_position("subscribe")
+        return sub
+
+    def connect(self, channel: str, receiver: Receiver) -> Callable[[], None]:
+        """Call ``receiver(channel, message)`` in the listener thread for each message.
+
+        Same as :meth:`rselection.Broadcaster.connect`; like :meth:`subscribe`, it
+        starts the listener and waits until it knows where it starts.
+        """
+        disconnect = super().connect(channel, receiver)
+        self._listener.await_position("connect")
+        return disconnect
+
+    def purge(self) -> int:
+        """Delete the messages older than ``retention`` now; return how many.
+
+        The writer does this on its own every ``retention / 10`` seconds (1 to 60 s) while
+        it has a connection; call it to purge from a node that never publishes.
+
+        :raises BackendUnavailable: the database could not be reached.
+        """
+        conn = self._sessions.connect("purge the broadcast table", listen=False)
+        try:
+            return self._writer.purge(conn)
+        except psycopg.Error as exc:
+            raise BackendUnavailable(
+                f"cannot purge the broadcast table {self.table!r} ({self._sessions.where}): "
+                f"{self._sessions.error_text(exc)}"
+            ) from exc
+        finally:
+            conn.close()
+
+    def stats(self) -> PostgresBroadcastStats:
+        """Return local fan-out counts plus the cross-node counters (see the class)."""
+        base = super().stats()
+        common = {f.name: getattr(base, f.name) for f in fields(BroadcastStats)}
+        common["closed"] = self.closed
+        listener = self._listener
+        return PostgresBroadcastStats(
+            **common,
+            published=self._writer.published,
+            pending=self._writer.pending,
+            received=listener.received,
+            gaps=listener.gaps,
+            missed=listener.missed,
+            reconnects=listener.reconnects,
+            listening=listener.listening,
+            last_id=listener.last_id,
+            listener_pid=listener.pid,
+        )
+
+    def close(self) -> None:
+        """Write what is pending (up to ``close_timeout``), stop, close every subscription.
+
+        Calling it again does nothing. Messages still unwritten after ``close_timeout``
+        are dropped with a warning log that says how many.
+        """
+        if not self._writer.begin_close():
+            return
+        close_timeout = self.settings.close_timeout
+        if not self._writer.flush(close_timeout):
+            lost = self._writer.pending
+            if lost:
+                logger.warning(
+                    "broadcaster closed with %d message(s) not written to %s within "
+                    "close_timeout=%s s; they are dropped",
+                    lost,
+                    self._sessions.where,
+                    close_timeout,
+                )
+        self._writer.stop()
+        self._listener.stop()
+        for part in (self._listener, self._writer):
+            part.join(self.settings.timeout + 5.0)
+        self._sessions.close()
+        super().close()
+
+    def __repr__(self) -> str:
+        listener = self._listener
+        state = "closed" if self.closed else ("listening" if listener.listening else "connecting")
+        return (
+            f"<PostgresBroadcaster {self.table!r} {state} {self._sessions.where} "
+            f"last_id={listener.last_id}>"
+        )
+
+    # -- validation -------------------------------------------------------------------
+
+    @staticmethod
+    def _check_pg_channel(channel: object) -> None:
+        if not isinstance(channel, str) or not channel:
+            raise ConfigError(f"channel must be a non-empty str, got {channel!r:.80}")
+        if "\x00" in channel:
+            raise ConfigError(
+                f"channel {channel!r:.80} holds a NUL character, which Postgres text "
+                "cannot store; use another name"
+            )
+        try:
+            channel.encode()
+        except UnicodeEncodeError as exc:
+            raise ConfigError(
+                f"channel {channel!r:.80} is not valid Unicode (a lone surrogate): {exc}"
+            ) from None
+
+    @staticmethod
+    def _encode(channel: str, message: object) -> str:
+        try:
+            text = json.dumps(message, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+        except TypeError as exc:
+            raise MessageEncodeError(
+                f"message on channel {channel!r:.80} cannot be sent as JSON: {exc}; publish "
+                "dict (str keys), list, str, int, float, bool and None, and convert other "
+                "values (datetimes, sets, objects) first"
+            ) from exc
+        except (ValueError, RecursionError) as exc:
+            raise MessageEncodeError(
+                f"message on channel {channel!r:.80} cannot be sent as JSON: {exc} "
+                "(NaN and infinities, circular or too deeply nested structures are refused)"
+            ) from exc
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            # A lone surrogate has no UTF-8 form; JSON can still carry it as an escape.
+            text = json.dumps(message, allow_nan=False, ensure_ascii=True, separators=(",", ":"))
+        return text
+
+
+# Public as rselection.postgres.broadcast.*: named so in reprs, pickles and docs.
+for _public in (MessageEncodeError, PostgresBroadcastStats, PostgresBroadcaster):
+    _public.__module__ = "rselection.postgres.broadcast"

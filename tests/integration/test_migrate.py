@@ -1,0 +1,170 @@
+"""``migrate()``: every table, one version record per kind, every wait bounded.
+
+Every test runs in a schema of its own (``pg_dsn``). The migration lock is one per
+database, so the tests that hold it hold it for about a second only.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import psycopg
+import pytest
+
+from rselection.errors import BackendUnavailable, ConfigError
+from rselection.postgres import migrate
+from rselection.postgres.schema import LEASES_VERSION, MIGRATION_LOCK_KEY
+from tests.support.waiting import wait_until
+
+KINDS = ["leases", "claims", "elections", "nodes", "broadcast", "checkpoints"]
+
+TABLES = {
+    "rselection_leases",
+    "rselection_claims",
+    "rselection_elections",
+    "rselection_nodes",
+    "rselection_broadcast",
+    "rselection_broadcast_state",
+    "rselection_checkpoints",
+    "rselection_checkpoint_leases",
+    "rselection_schema_version",
+}
+
+V1_LEASES = """
+CREATE TABLE rselection_leases (
+    name text PRIMARY KEY,
+    holder text NULL,
+    term bigint NOT NULL DEFAULT 0 CHECK (term >= 0),
+    holder_pid integer NULL,
+    lock_key integer NOT NULL,
+    acquired_at timestamptz NULL,
+    renewed_at timestamptz NULL,
+    expires_at timestamptz NULL);
+CREATE TABLE rselection_schema_version (
+    component text PRIMARY KEY,
+    version integer NOT NULL,
+    migrated_at timestamptz NOT NULL DEFAULT now());
+INSERT INTO rselection_schema_version (component, version) VALUES ('leases', 1)
+"""
+
+
+def tables(dsn: str) -> set[str]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = current_schema()")
+        return {r[0] for r in rows.fetchall()}
+
+
+def versions(dsn: str) -> dict[str, tuple[int, Any]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute("SELECT component, version, migrated_at FROM rselection_schema_version")
+        return {component: (version, at) for component, version, at in rows.fetchall()}
+
+
+def test_migrate_on_an_empty_schema_creates_every_table_and_a_second_run_changes_nothing(
+    pg_dsn: str,
+) -> None:
+    assert tables(pg_dsn) == set()
+    first = migrate(pg_dsn)
+    assert [c.kind for c in first] == KINDS
+    assert {c.action for c in first} == {"created"}
+    assert all(c.previous is None for c in first)
+    assert tables(pg_dsn) == TABLES  # one version table, no other record of versions
+    recorded = versions(pg_dsn)
+    assert {k: v for k, (v, _) in recorded.items()} == {
+        kind: LEASES_VERSION if kind == "leases" else 1 for kind in KINDS
+    }
+    lines = [c.describe() for c in first]
+    assert f"lease table 'rselection_leases': created (schema version {LEASES_VERSION})" in lines
+    assert (
+        "broadcast tables 'rselection_broadcast', 'rselection_broadcast_state': "
+        "created (schema version 1)"
+    ) in lines
+
+    second = migrate(pg_dsn)
+    assert [(c.kind, c.action, c.previous) for c in second] == [
+        (c.kind, "present", c.version) for c in first
+    ]
+    assert versions(pg_dsn) == recorded  # not even migrated_at moved
+    assert tables(pg_dsn) == TABLES
+
+
+def test_migrate_takes_a_connection_or_a_pool(pg_dsn: str) -> None:
+    with psycopg.connect(pg_dsn) as conn:  # not autocommit
+        with conn.transaction():
+            conn.execute("SET LOCAL lock_timeout = '7s'")
+            changes = migrate(conn, checkpoint_prefix=None, broadcast_table=None)
+            assert {c.action for c in changes} == {"created"}
+            # The caller's transaction keeps its own settings.
+            row = conn.execute("SELECT current_setting('lock_timeout')").fetchone()
+            assert row == ("7s",)
+            raise psycopg.Rollback()  # the migration joined the caller's transaction
+        assert tables(pg_dsn) == set()
+
+    class Pool:
+        def __init__(self) -> None:
+            self.lent = 0
+
+        def connection(self) -> Any:
+            self.lent += 1
+            return psycopg.connect(pg_dsn, autocommit=True)
+
+    pool = Pool()
+    assert {c.action for c in migrate(pool)} == {"created"}
+    assert pool.lent == 1
+    with pytest.raises(ConfigError, match=r"migrate\(\) needs a conninfo"):
+        migrate(42)
+    with pytest.raises(ConfigError, match="timeout"):
+        migrate(pg_dsn, timeout=0)
+
+
+def test_a_migration_waits_for_another_at_most_its_timeout(pg_dsn: str, pg_server_dsn: str) -> None:
+    with psycopg.connect(pg_server_dsn, autocommit=True) as other:
+        other.execute("SET application_name = 'other-migration'")
+        pid = other.info.backend_pid
+        with other.transaction():
+            other.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
+            started = time.monotonic()
+            with pytest.raises(BackendUnavailable) as info:
+                migrate(pg_dsn, timeout=0.5)
+            took = time.monotonic() - started
+    assert took < 5.0, f"migrate waited {took:.1f} s with timeout=0.5"
+    message = str(info.value)
+    assert "waited 0.5 s for the migration lock" in message
+    assert f"pid {pid}" in message and "'other-migration'" in message
+    assert "nothing was changed" in message
+    assert tables(pg_dsn) == set()
+    assert {c.action for c in migrate(pg_dsn)} == {"created"}  # free again: it works
+
+
+def test_an_upgrade_retries_a_busy_table_until_its_timeout(pg_dsn: str) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(V1_LEASES)
+    only_leases = {
+        "claims_table": None,
+        "elections_table": None,
+        "nodes_table": None,
+        "broadcast_table": None,
+        "checkpoint_prefix": None,
+    }
+    with psycopg.connect(pg_dsn, autocommit=True) as reader:
+        # A long transaction that read the table: ALTER TABLE must wait for it.
+        reader.execute("BEGIN")
+        reader.execute("SELECT count(*) FROM rselection_leases")
+        with pytest.raises(BackendUnavailable, match=r"waited 1\.5 s for a lock on the lease"):
+            migrate(pg_dsn, timeout=1.5, **only_leases)
+        assert {k: v for k, (v, _) in versions(pg_dsn).items()} == {"leases": 1}
+        # A lock let go while the upgrade retries: it goes through.
+        done: list[Any] = []
+        upgrade = threading.Thread(
+            target=lambda: done.append(migrate(pg_dsn, timeout=30, **only_leases)), daemon=True
+        )
+        upgrade.start()
+        time.sleep(1.5)  # longer than one attempt's lock wait (UPGRADE_LOCK_TIMEOUT)
+        assert upgrade.is_alive()
+        reader.execute("COMMIT")
+        upgrade.join(30)
+    wait_until(lambda: bool(done), 1, "the upgrade to finish")
+    (change,) = done[0]
+    assert (change.action, change.previous, change.version) == ("upgraded", 1, LEASES_VERSION)
