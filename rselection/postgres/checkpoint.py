@@ -32,6 +32,7 @@ loading a format newer than this release knows raises
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -114,9 +115,9 @@ class PostgresCheckpointStore(Closeable):
         idle_timeout: seconds a fenced save's or delete's transaction may stay idle
             before the server ends its session (``idle_in_transaction_session_timeout``):
             a writer paused inside one holds a takeover back at most this long. A
-            leader's store needs at most the leader's margin ``ttl - renew_deadline``,
-            the bound of ``ctx.fence`` (a ``PostgresLeader`` builds its default store
-            so and refuses a store of yours with a longer one).
+            ``PostgresLeader`` bounds its tasks' ``ctx.checkpoint`` by its margin
+            ``ttl - renew_deadline`` (as ``ctx.fence``) when that is shorter (see
+            :meth:`with_idle_timeout`).
 
     Raises:
         ConfigError: a bad ``conninfo``, unsafe table names, bad numbers.
@@ -166,6 +167,26 @@ class PostgresCheckpointStore(Closeable):
             f"{type(self).__name__}(table_prefix={self.table_prefix!r}, "
             f"lease_table={self.lease_table!r}, {self._conns.where})"
         )
+
+    def with_idle_timeout(self, idle_timeout: float) -> PostgresCheckpointStore:
+        """This store with fenced saves and deletes bounded by ``idle_timeout`` seconds,
+        if that is shorter than its own bound.
+
+        The result shares the store's tables, settings and connections (closing either
+        closes them for both). A ``PostgresLeader`` hands its tasks the view bounded by
+        its margin, so a leader paused inside ``ctx.checkpoint.save`` holds a takeover
+        back no longer than one paused inside ``ctx.fence``.
+
+        Args:
+            idle_timeout: the longest a fenced transaction may stay idle, seconds.
+
+        Raises:
+            ConfigError: ``idle_timeout`` is not a positive number.
+        """
+        seconds = check_seconds(idle_timeout, "idle_timeout", minimum=0.001)
+        view = copy.copy(self)
+        view.idle_timeout = min(self.idle_timeout, seconds)
+        return view
 
     def close(self) -> None:
         """Close the store's own connections (idempotent; later calls reconnect).

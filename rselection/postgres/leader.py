@@ -86,11 +86,12 @@ class PostgresLeader(LeaseLeader):
         checkpoint_store: where ``ctx.checkpoint`` keeps task state. By default a
             :class:`~rselection.postgres.PostgresCheckpointStore` on the same
             ``conninfo`` (default table prefix, tables created on first use when
-            ``create_tables``, ``idle_timeout`` the margin ``ttl - renew_deadline`` as
-            for ``ctx.fence``), which connects only when a task uses it and is closed
+            ``create_tables``), which connects only when a task uses it and is closed
             with the leader. A store you pass must use the lease's database and table
-            (its ``lease_table``) and an ``idle_timeout`` of at most that margin; it is
-            not closed by the leader.
+            (its ``lease_table``); it is not closed by the leader. Either way, a fenced
+            save of ``ctx.checkpoint`` may stay idle no longer than the margin
+            ``ttl - renew_deadline`` (the store's ``idle_timeout`` if shorter), as a
+            transaction fenced by ``ctx.fence``.
         claimer: claims each scheduled fire before it runs, so that a fire runs once
             across the fleet, also across a handover, and a new leader catches up the
             fires missed while no node led (see the tasks' ``misfire`` policy). By
@@ -141,10 +142,7 @@ class PostgresLeader(LeaseLeader):
 
         if checkpoint_store is None:
             checkpoint_store = PostgresCheckpointStore(
-                conninfo,
-                lease_table=table,
-                create_tables=create_tables,
-                idle_timeout=timings.margin,
+                conninfo, lease_table=table, create_tables=create_tables
             )
             cleanup.append(checkpoint_store.close)
         elif not isinstance(checkpoint_store, PostgresCheckpointStore):
@@ -157,15 +155,6 @@ class PostgresLeader(LeaseLeader):
                 f"checkpoint_store fences saves against lease table "
                 f"{checkpoint_store.lease_table!r}, but this leader's lease is in {table!r}: "
                 f"build the store with lease_table={table!r}"
-            )
-        elif checkpoint_store.idle_timeout > timings.margin + 1e-9:
-            # A writer paused inside a fenced save holds a takeover back for the store's
-            # idle_timeout: no longer than ctx.fence may (the margin).
-            raise ConfigError(
-                f"checkpoint_store has idle_timeout={checkpoint_store.idle_timeout:g}s, so a "
-                "leader paused inside a save would hold a takeover back that long, more "
-                f"than this leader's margin ttl - renew_deadline = {timings.margin:g}s: "
-                f"build the store with idle_timeout={timings.margin:g} (or less)"
             )
         self._postgres_store = checkpoint_store
 
@@ -196,7 +185,9 @@ class PostgresLeader(LeaseLeader):
             node_id=node_id,
             timings=timings,
             claimer=claimer,
-            checkpoint_store=checkpoint_store,
+            # A leader paused inside a save holds a takeover back no longer than one
+            # paused inside ctx.fence: the leader's margin.
+            checkpoint_store=checkpoint_store.with_idle_timeout(timings.margin),
             broadcaster=broadcaster,
             fence=_LeaseFence(name, table, timings.margin),
             cleanup=cleanup,

@@ -761,15 +761,18 @@ def test_a_single_node_refuses_a_postgres_store_at_construction(pg_dsn: str) -> 
         assert "PostgresCheckpointStore" in str(refused.value)
 
 
+@pytest.mark.parametrize("store", ["default", "own"])
 def test_a_leader_paused_inside_a_save_holds_a_takeover_back_no_longer_than_its_margin(
-    pg_dsn: str,
+    pg_dsn: str, store: str
 ) -> None:
     """ctx.checkpoint.save's transaction carries the leader's margin (ttl - renew_deadline,
-    1 s here) as its idle bound, as ctx.fence does: a leader stopped inside a save holds
-    the lease row only that long, so the takeover comes with the lease's expiry (at most
-    ttl after the last renewal), not after the 5 s of a store's default bound."""
+    1 s here) as its idle bound, as ctx.fence does, with the leader's default store or a
+    store of its own (idle bound 5 s): a leader stopped inside a save holds the lease row
+    only that long, so the takeover comes with the lease's expiry (at most ttl after the
+    last renewal), not after 5 s."""
     name = f"t-{uuid.uuid4().hex[:6]}"
-    node = NodeProcess("tests.support.checkpoint_pause_node", pg_dsn, "--lease", name)
+    args = ["--lease", name] + (["--own-store"] if store == "own" else [])
+    node = NodeProcess("tests.support.checkpoint_pause_node", pg_dsn, *args)
     follower = PostgresLeader(
         pg_dsn, rs.TaskHandler(), name=name, node_id="follower", claimer=None, **FAST
     )
@@ -788,20 +791,22 @@ def test_a_leader_paused_inside_a_save_holds_a_takeover_back_no_longer_than_its_
         node.kill()
 
 
-def test_a_leaders_store_is_bounded_by_its_margin(pg_dsn: str) -> None:
-    leader = PostgresLeader(pg_dsn, rs.TaskHandler(), **FAST)
-    try:
-        assert leader.checkpoint_store.idle_timeout == 1.0  # ttl 3 - renew_deadline 2
-    finally:
+def test_a_stores_idle_bound_and_its_bounded_views(pg_dsn: str) -> None:
+    with PostgresCheckpointStore(pg_dsn) as store:
+        assert store.idle_timeout == 5.0
+        view = store.with_idle_timeout(1)
+        assert view is not store and (view.idle_timeout, store.idle_timeout) == (1.0, 5.0)
+        assert view.with_idle_timeout(30).idle_timeout == 1.0  # never longer than its own
+        view.save("k", 1)
+        snap = store.load("k")  # the same tables
+        assert snap is not None and snap.state == 1
+        leader = PostgresLeader(pg_dsn, rs.TaskHandler(), checkpoint_store=store, **FAST)
         leader.stop(timeout=10)
-    with PostgresCheckpointStore(pg_dsn) as loose:
-        assert loose.idle_timeout == 5.0
-        with pytest.raises(ConfigError, match=r"idle_timeout=5s.*build the store with idle"):
-            PostgresLeader(pg_dsn, rs.TaskHandler(), checkpoint_store=loose, **FAST)
-    with PostgresCheckpointStore(pg_dsn, idle_timeout=1) as bounded:
-        PostgresLeader(pg_dsn, rs.TaskHandler(), checkpoint_store=bounded, **FAST).stop(10)
+        assert leader.checkpoint_store is store and store.idle_timeout == 5.0
     with pytest.raises(ConfigError, match="idle_timeout"):
         PostgresCheckpointStore(pg_dsn, idle_timeout=0)
+    with pytest.raises(ConfigError, match="idle_timeout"):
+        PostgresCheckpointStore(pg_dsn).with_idle_timeout(-1)
 
 
 def test_a_fenced_save_sets_the_stores_idle_bound_in_its_transaction(pg_dsn: str) -> None:

@@ -4,9 +4,10 @@ A PostgresLeader (ttl 3 s, renew_deadline 2 s: a margin of 1 s) whose task saves
 checkpoint in a loop. On the fifth save, right after the fencing check (the lease row is
 locked until the save's transaction ends), it prints ``paused`` with the transaction's
 ``idle_in_transaction_session_timeout`` and stops itself with SIGSTOP. Prints ``elected``
-when it leads.
+when it leads. With ``--own-store`` the leader is given a store of its own
+(``PostgresCheckpointStore(DSN)``, whose idle bound is 5 s) instead of its default one.
 
-    python -m tests.support.checkpoint_pause_node DSN --lease NAME
+    python -m tests.support.checkpoint_pause_node DSN --lease NAME [--own-store]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import psycopg
 
 import rselection as rs
 import rselection.postgres.checkpoint as checkpoint_store
-from rselection.postgres import PostgresLeader
+from rselection.postgres import PostgresCheckpointStore, PostgresLeader
 from tests.support.node_process import emit
 
 PAUSE_AT = 5
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("dsn")
     parser.add_argument("--lease", required=True)
+    parser.add_argument("--own-store", action="store_true")
     args = parser.parse_args(argv)
 
     real = checkpoint_store.fenced
@@ -65,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         renew_deadline=2,
         retry_interval=0.5,
         claimer=None,
+        checkpoint_store=PostgresCheckpointStore(args.dsn) if args.own_store else None,
     )
     rs.signals.elected.connect(lambda sender, **kw: emit("elected", term=kw["term"]), weak=False)
     leader.start()
