@@ -1,16 +1,14 @@
-"""Handover on request (``rselection resign``), the lease_renewed signal, and the lease
-table's upgrade from schema version 1 to the current one.
-
-Fleet tests run real node processes (``python -m rselection.commands.demo_fleet``) that write
-fenced rows to a ledger; each ends by checking that no row of an older term landed after
-a row of a newer one.
+"""Handover on request with a Postgres lease, what only Postgres has: the lease table
+(``--table``, a request row of another term), the lease_renewed signal, and the lease
+table's upgrade from schema version 1 to the current one. What handover on request
+promises on every backend runs in ``tests/integration/conformance/test_resign.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,13 +17,12 @@ import psycopg
 import pytest
 
 import rselection as rs
-from rselection.commands.demo_fleet import Fleet
 from rselection.postgres import migrate
+from rselection.postgres.handover import cancel_handover, current_holder, request_handover
 from rselection.postgres.leader import PostgresLeader
-from rselection.postgres.lease import PostgresLease, cancel_handover, request_handover
+from rselection.postgres.lease import PostgresLease
 from rselection.postgres.schema import LEASES_VERSION
-from tests.support import ledger
-from tests.support.resign_cli import cli, elected, seen_or_wait, took_ms
+from tests.support.resign_cli import cli, took_ms
 from tests.support.waiting import wait_until
 
 FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
@@ -73,129 +70,12 @@ def lease_row(dsn: str, name: str) -> tuple[Any, ...] | None:
         ).fetchone()
 
 
-@pytest.fixture
-def fleet3(pg_dsn: str) -> Iterator[tuple[Fleet, dict[str, Any]]]:
-    """Three node processes at the default timings (renewals every 2 s): a fast
-    handover can only come from the notification, not from a renewal falling due."""
-    fleet = Fleet(pg_dsn, f"r-{uuid.uuid4().hex[:6]}", ["--ttl", "15"])
-    with fleet:
-        first = fleet.start(3)
-        wait_for_heartbeats(pg_dsn, fleet.name, 3)
-        yield fleet, first
-    assert ledger.overlaps(pg_dsn) == 0
-    assert all(len(nodes) == 1 for nodes in ledger.terms(pg_dsn).values())
+# ---------------------------------------------------------------------------- resign
 
 
-# --------------------------------------------------------------------- resign, fleet
-
-
-def test_resign_hands_over_to_another_node_well_under_a_second(
-    pg_dsn: str, fleet3: tuple[Fleet, dict[str, Any]]
-) -> None:
-    fleet, current = fleet3
-    figures = []
-    for _ in range(5):
-        out = cli("resign", fleet.name, "--dsn", pg_dsn)
-        assert out.returncode == 0, out.stdout + out.stderr
-        figures.append(took_ms(out.stdout))
-        heir = elected(fleet, 10, exclude=current["node"])
-        assert heir["term"] == current["term"] + 1
-        assert f"{heir['node']} leads {fleet.name!r} now with term {heir['term']}" in out.stdout
-        demoted = seen_or_wait(fleet, 10, ev="demoted", node=current["node"], term=current["term"])
-        assert demoted is not None and demoted["reason"] == "handover"
-        current = heir
-    print(
-        f"resign handover: median {statistics.median(figures):.0f} ms, "
-        f"max {max(figures):.0f} ms over {len(figures)} rounds (renew_interval 2 s)"
-    )
-    assert max(figures) < 1000
-
-
-def test_resign_to_picks_the_named_node(pg_dsn: str, fleet3: tuple[Fleet, dict[str, Any]]) -> None:
-    fleet, current = fleet3
-    # Three rounds, each to a follower picked in turn: luck would pass all three only
-    # one time in eight.
-    for _ in range(3):
-        target = sorted(set(fleet.procs) - {current["node"]})[0]
-        out = cli("resign", fleet.name, "--dsn", pg_dsn, "--to", target)
-        assert out.returncode == 0, out.stdout + out.stderr
-        assert f"{target} leads {fleet.name!r} now" in out.stdout
-        heir = elected(fleet, 10, exclude=current["node"])
-        assert heir["node"] == target and heir["term"] == current["term"] + 1
-        print(f"resign --to {target}: {took_ms(out.stdout):.0f} ms")
-        current = heir
-    row = lease_row(pg_dsn, fleet.name)
-    assert row is not None and row[0] == current["node"]
-    assert row[2:] == (None, None)  # the acquisition cleared the request
-
-
-def test_resign_to_a_node_that_is_not_live_fails_clearly(
-    pg_dsn: str, fleet3: tuple[Fleet, dict[str, Any]]
-) -> None:
-    fleet, current = fleet3
-    out = cli("resign", fleet.name, "--dsn", pg_dsn, "--to", "no-such-node")
-    assert out.returncode == 1
-    assert "no-such-node is not a live node" in out.stderr
-    assert "live followers:" in out.stderr
-    same = cli("resign", fleet.name, "--dsn", pg_dsn, "--to", current["node"])
-    assert same.returncode == 0 and "already leads" in same.stdout
-    row = lease_row(pg_dsn, fleet.name)
-    assert row is not None and row[:2] == (current["node"], current["term"])
-    assert row[2] is None  # nothing was requested
-
-
-# --------------------------------------------------------------------- resign, edges
-
-
-def test_resign_times_out_when_no_leader_process_exists(pg_dsn: str) -> None:
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        migrate(conn)
-        # A row that says "ghost holds term 4 for a minute", but no process behind it.
-        conn.execute(
-            "INSERT INTO rselection_leases (name, holder, term, lock_key, acquired_at,"
-            " renewed_at, expires_at) VALUES ('ghost', 'ghost-node', 4, 1, now(), now(),"
-            " now() + interval '60 seconds')"
-        )
-    began = time.monotonic()
-    out = cli("resign", "ghost", "--dsn", pg_dsn, "--timeout", "1")
-    waited = time.monotonic() - began
-    assert out.returncode == 1
-    assert "no new term within 1s" in out.stderr
-    assert "ghost-node did not hand 'ghost' over" in out.stderr
-    assert waited < 15  # 1 s plus interpreter start-up, with a wide margin
-    assert lease_row(pg_dsn, "ghost") == ("ghost-node", 4, None, None)  # withdrawn
-
-
-def test_resign_without_a_holder_fails_at_once(pg_dsn: str) -> None:
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        migrate(conn)
-        conn.execute(
-            "INSERT INTO rselection_leases (name, holder, term, lock_key)"
-            " VALUES ('idle', NULL, 3, 1)"
-        )
-    out = cli("resign", "idle", "--dsn", pg_dsn, "--timeout", "30")
-    assert out.returncode == 1
-    assert "has no leader" in out.stderr
+def test_resign_on_a_missing_lease_table_says_so(pg_dsn: str) -> None:
     missing = cli("resign", "idle", "--dsn", pg_dsn, "--table", "nope")
     assert missing.returncode == 1 and "does not exist" in missing.stderr
-    closed = cli("resign", "idle", "--dsn", "postgresql://u:hunter2@127.0.0.1:1/x")
-    assert closed.returncode == 2
-    assert "hunter2" not in closed.stdout + closed.stderr
-
-
-def test_resign_of_a_lone_leader_is_refused(pg_dsn: str) -> None:
-    name = f"lone-{uuid.uuid4().hex[:6]}"
-    leader = PostgresLeader(pg_dsn, rs.TaskHandler(), name=name, node_id="lone", **FAST)
-    leader.start()
-    try:
-        assert leader.wait_until_leader(10)
-        wait_for_heartbeats(pg_dsn, name, 1)
-        out = cli("resign", name, "--dsn", pg_dsn)
-        assert out.returncode == 1
-        assert "no other live node" in out.stderr
-        assert leader.is_leader
-    finally:
-        leader.stop(timeout=10)
 
 
 # --------------------------------------------------------------- the lease, directly
@@ -216,62 +96,6 @@ def make_lease(pg_dsn: str) -> Iterator[Callable[..., PostgresLease]]:
         lease.close()
 
 
-def test_a_request_reserves_the_lease_for_the_named_node_until_its_timeout_ends(
-    pg_dsn: str, make_lease: Callable[..., PostgresLease]
-) -> None:
-    a, b, c = make_lease(), make_lease(), make_lease()
-    first = a.try_acquire("A")
-    assert first.acquired and first.holder is not None
-    term = first.holder.term
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        asked = request_handover(conn, "direct", to="C", timeout=1.0)
-    assert asked is not None and (asked.node_id, asked.term) == ("A", term)
-    assert a.renew("A", term)
-    request = a.handover_requested()
-    assert request is not None and request.term == term and request.to == "C"
-    assert 0 < request.timeout <= 1.0
-    assert a.handover_requested() is None  # reported once
-    a.release("A", term)
-
-    held_back = b.try_acquire("B")
-    assert not held_back.acquired and held_back.holder is None
-    assert 0 < held_back.expires_in <= 1.0  # how long the reservation lasts
-    taken = c.try_acquire("C")
-    assert taken.acquired and taken.holder is not None and taken.holder.term == term + 1
-    row = lease_row(pg_dsn, "direct")
-    assert row == ("C", term + 1, None, None)  # the acquisition cleared the request
-
-    # A reservation nobody uses ends with its timeout.
-    c.release("C", term + 1)
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(
-            "UPDATE rselection_leases SET resign_term = term, resign_to = 'C',"
-            " resign_until = clock_timestamp() + interval '0.5 seconds' WHERE name = 'direct'"
-        )
-    assert not b.try_acquire("B").acquired
-    time.sleep(0.6)
-    assert b.try_acquire("B").acquired
-
-
-def test_without_a_named_node_only_the_old_holder_is_kept_out(
-    pg_dsn: str, make_lease: Callable[..., PostgresLease]
-) -> None:
-    a, b = make_lease(), make_lease()
-    first = a.try_acquire("A")
-    assert first.holder is not None
-    term = first.holder.term
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        assert request_handover(conn, "direct", timeout=5.0) is not None
-    assert a.renew("A", term)
-    request = a.handover_requested()
-    assert request is not None and request.to is None
-    a.release("A", term)
-    again = a.try_acquire("A")
-    assert not again.acquired and again.holder is None and again.expires_in > 0
-    assert b.try_acquire("B").acquired
-    assert lease_row(pg_dsn, "direct") == ("B", term + 1, None, None)
-
-
 def test_a_request_for_another_term_is_ignored(
     pg_dsn: str, make_lease: Callable[..., PostgresLease]
 ) -> None:
@@ -284,16 +108,46 @@ def test_a_request_for_another_term_is_ignored(
             "UPDATE rselection_leases SET resign_term = term - 1,"
             " resign_until = clock_timestamp() + interval '10 seconds' WHERE name = 'direct'"
         )
-        assert a.renew("A", term) and a.handover_requested() is None
-        asked = request_handover(conn, "direct", timeout=10)
-        assert asked is not None
-        assert cancel_handover(conn, "direct", term)
-        assert a.renew("A", term) and a.handover_requested() is None  # withdrawn
-        conn.execute(
-            "UPDATE rselection_leases SET resign_term = term,"
-            " resign_until = clock_timestamp() - interval '1 second' WHERE name = 'direct'"
-        )
-        assert a.renew("A", term) and a.handover_requested() is None  # lapsed
+    assert a.renew("A", term) and a.handover_requested() is None
+
+
+def test_the_handover_functions_take_a_connection_or_a_pool_as_conninfo(
+    pg_dsn: str, make_lease: Callable[..., PostgresLease]
+) -> None:
+    class Pool:
+        """A duck-typed pool: lends one non-autocommit connection, commits after."""
+
+        def __init__(self) -> None:
+            self.conn = psycopg.connect(pg_dsn)
+            self.lent = 0
+
+        @contextlib.contextmanager
+        def connection(self) -> Iterator[psycopg.Connection[Any]]:
+            self.lent += 1
+            yield self.conn
+            self.conn.commit()
+
+    a = make_lease()
+    got = a.try_acquire("A")
+    assert got.holder is not None
+    term = got.holder.term
+    with psycopg.connect(pg_dsn) as conn:  # not autocommit
+        holder = current_holder(conn, "direct")
+        assert holder is not None and (holder.node_id, holder.term) == ("A", term)
+        asked = request_handover(conn, "direct", to="B", timeout=10)
+        assert asked is not None and asked.term == term
+        assert a.renew("A", term)  # committed at once: the leader sees it
+        request = a.handover_requested()
+        assert request is not None and request.to == "B"
+        assert not conn.closed  # the caller's connection stays open
+    pool = Pool()
+    try:
+        assert cancel_handover(pool, "direct", term)
+        assert pool.lent == 1 and not pool.conn.closed
+    finally:
+        pool.conn.close()
+    with pytest.raises(rs.ConfigError, match="does not exist"):
+        current_holder(pg_dsn, "direct", table="nope")
 
 
 # ------------------------------------------------------------- lease_renewed signal
