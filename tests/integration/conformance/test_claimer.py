@@ -161,16 +161,8 @@ def test_fire_keys_and_node_ids_are_used_verbatim(
 
 
 def test_a_fire_key_of_the_longest_lease_and_task_names_is_claimed(
-    request: pytest.FixtureRequest, backend: Backend, make_claimer: Callable[..., Any]
+    make_claimer: Callable[..., Any],
 ) -> None:
-    if backend.kind == "redis":
-        request.applymarker(
-            pytest.mark.xfail(
-                raises=ConfigError,
-                strict=True,
-                reason="RedisClaimer checks a fire key as a name (at most 1,000 characters)",
-            )
-        )
     # What a leader claims: "<lease name>/<task>@<instant>", each name up to 1,000
     # characters, so a fire key may be longer than a name.
     key = "l" * MAX_NAME + "/" + format_fire_key("t" * MAX_NAME, datetime(2026, 1, 1, tzinfo=UTC))
@@ -316,16 +308,8 @@ def test_bad_claim_missed_arguments_are_refused_before_any_io(
 
 
 def test_claim_missed_refuses_a_single_string(
-    request: pytest.FixtureRequest, backend: Backend, offline: Any
+    offline: Any,
 ) -> None:
-    if backend.kind == "postgres":
-        request.applymarker(
-            pytest.mark.xfail(
-                raises=BackendUnavailable,
-                strict=True,
-                reason="PostgresClaimer.claim_missed takes a string as its characters",
-            )
-        )
     with pytest.raises(ConfigError, match="list"):
         offline.claim_missed("tick@01")
 
