@@ -33,7 +33,7 @@ from tests.support.pg import with_host_port
 from tests.support.proxy import TcpProxy
 from tests.support.waiting import wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 LOGGER = "rselection.postgres.broadcast"
 
 #: Quick failure detection for fault tests (the defaults are 5 s and 10 s).

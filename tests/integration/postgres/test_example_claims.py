@@ -13,7 +13,7 @@ from pathlib import Path
 import apscheduler  # noqa: F401
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "claims_with_apscheduler.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "claims_with_apscheduler.py"
 LINE = re.compile(r"^\[(n\d)\] (ran|skipped) (tick@\S+Z)")
 
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "heartbeat_monitor.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "heartbeat_monitor.py"
 
 
 def test_the_leader_reports_the_killed_node_lost(pg_dsn: str) -> None:

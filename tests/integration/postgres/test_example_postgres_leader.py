@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "postgres_leader.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "postgres_leader.py"
 
 
 def _start(dsn: str, lines: queue.Queue[tuple[int, str]], index: int) -> subprocess.Popen[str]:

@@ -19,7 +19,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "resumable_queue.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "resumable_queue.py"
 ITEMS = 30
 
 Lines = queue.Queue[tuple[int, str]]

@@ -28,7 +28,7 @@ import rselection as rs
 import rselection.metrics as metrics
 from tests.support.waiting import wait_until
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
 HANDOVER_LIMIT = 3.0  # seconds; a graceful handover takes milliseconds, the rest is margin
 
