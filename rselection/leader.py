@@ -122,8 +122,9 @@ class LeaseLeader:
         claimer: claims each scheduled fire before it runs, so a fire runs once across
             the fleet and a new leader finds the fires missed while none led (any
             :class:`~rselection.FireClaimer`; ``None`` runs every fire unclaimed). Claim
-            keys are ``"<lease name>/<fire key>"``; missed fires are claimed in one call
-            when the claimer has ``claim_missed``, else fire by fire.
+            keys are ``"<lease name>/<fire key>"``, with ``%`` and ``/`` in the lease
+            name written ``%25`` and ``%2F``; missed fires are claimed in one call when
+            the claimer has ``claim_missed``, else fire by fire.
         checkpoint_store: keeps ``ctx.checkpoint`` (a
             :class:`~rselection.checkpoints.CheckpointStore`; ``None``: tasks have no
             checkpoint). A store that fences against lease objects (a

@@ -92,7 +92,8 @@ microsecond precision."""
 
 MAX_FIRE_KEY_BYTES = 2600
 """Longest fire key accepted, in UTF-8 bytes: a btree entry must fit in a third of a page.
-A fire key is ``"<lease name>/<task>@<instant>"``, so it may be longer than a name."""
+A fire key is ``"<lease name>/<task>@<instant>"`` (``%`` and ``/`` in the lease name
+written ``%25`` and ``%2F``), so it may be longer than a name."""
 
 _MAX_TERM = 2**63 - 1
 

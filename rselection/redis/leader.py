@@ -98,7 +98,8 @@ class RedisLeader(LeaseLeader):
             the fleet. By default a :class:`~rselection.redis.RedisClaimer` on the same
             Redis (ttl 600 s, prefix ``<key_prefix>claim:``, holder = node id); pass
             your own (any :class:`~rselection.FireClaimer`) or ``None`` to run
-            fires unclaimed. Claim keys are ``"<lease name>/<fire key>"``.
+            fires unclaimed. Claim keys are ``"<lease name>/<fire key>"`` (``%`` and
+            ``/`` in the lease name written ``%25`` and ``%2F``).
 
     Raises:
         ConfigError: bad arguments (the message says which and why).
