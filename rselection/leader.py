@@ -36,7 +36,7 @@ from .errors import BackendUnavailable, ConfigError
 from .lease import Acquisition, HandoverRequest, LeaderInfo, LeaseBackend, SupportsHandover
 from .members import NodeInfo
 from .timing import Timings
-from .validation import check_name, check_node_id, new_node_id
+from .validation import check_name, check_node_id, check_seconds, new_node_id
 
 if TYPE_CHECKING:
     from .broadcast import Broadcaster
@@ -45,6 +45,20 @@ if TYPE_CHECKING:
 __all__ = ["Leader", "LeaseLeader"]
 
 logger = logging.getLogger(__name__)
+
+_LEASE_MEMBERS = (
+    "name",
+    "ttl",
+    "connect",
+    "try_acquire",
+    "renew",
+    "release",
+    "current",
+    "wait_for_change",
+    "interrupt",
+    "term_ended",
+    "close",
+)
 
 _RECONNECT_FIRST = 0.1
 _RECONNECT_CAP = 5.0
@@ -108,12 +122,14 @@ class LeaseLeader:
         leader.lead()
 
     Args:
-        lease: the lease to compete for; the leader's name is ``lease.name``.
+        lease: the lease to compete for; the leader's name is ``lease.name``, and its
+            ``ttl`` (seconds, or a :class:`~datetime.timedelta`) is how long the lease
+            lasts on the server after a renewal.
         handler: the tasks to run while leading.
         node_id: this node's id (default: host, pid and a random suffix).
-        ttl: lease length on the server, seconds (default: the lease's own ``ttl``
-            attribute when it has one, else 15). A lease that expires sooner than this
-            is refused: the leader must stop before its lease can pass on.
+        ttl: the ttl the leader's deadline and ``stop_grace`` are reckoned on, seconds
+            (default: the lease's ``ttl``). A lease whose ``ttl`` is shorter is
+            refused: the leader must stop before its lease can pass on.
         renew_interval: seconds between renewals (default 2).
         renew_deadline: step down when no renewal succeeded for this long (default 10).
         retry_interval: a follower's polling period, jittered (default 2).
@@ -159,11 +175,13 @@ class LeaseLeader:
         cleanup: Iterable[Callable[[], object]] = (),
     ) -> None:
         if not isinstance(lease, LeaseBackend):
+            missing = [m for m in _LEASE_MEMBERS if not hasattr(lease, m)]
             raise ConfigError(
-                "lease must be a LeaseBackend (name, connect, try_acquire, renew, release, "
-                f"current, wait_for_change, interrupt, term_ended, close), got "
-                f"{type(lease).__name__}"
+                f"lease must be a LeaseBackend ({', '.join(_LEASE_MEMBERS)}), got "
+                f"{type(lease).__name__}, which has no {', '.join(missing) or 'such members'}"
+                " (a lease's ttl is the seconds it lasts on the server after a renewal)"
             )
+        self._name = check_name(lease.name, "lease name")
         self._timings = _leader_timings(
             lease, timings, ttl, renew_interval, renew_deadline, retry_interval
         )
@@ -184,7 +202,6 @@ class LeaseLeader:
                 "fence must have fence(conn, term) and afence(conn, term), or be None, got "
                 f"{type(fence).__name__}"
             )
-        self._name = check_name(lease.name, "lease name")
         self._node_id = check_node_id(node_id) if node_id is not None else new_node_id()
         if claimer is not None:
             handler.check_claims(claimer.ttl)
@@ -820,11 +837,9 @@ def _leader_timings(
     retry_interval: float | None,
 ) -> Timings:
     """The leader's timings from ``timings`` or the four values, checked against the
-    lease's own ttl when it has one."""
+    lease's own ttl."""
     given = (ttl, renew_interval, renew_deadline, retry_interval)
-    lease_ttl = getattr(lease, "ttl", None)
-    if isinstance(lease_ttl, bool) or not isinstance(lease_ttl, int | float):
-        lease_ttl = None
+    lease_ttl = check_seconds(lease.ttl, f"the ttl of lease {lease.name!r}")
     if timings is not None:
         if any(value is not None for value in given):
             raise ConfigError(
@@ -835,12 +850,12 @@ def _leader_timings(
     else:
         default = Timings()
         timings = Timings(
-            ttl if ttl is not None else lease_ttl if lease_ttl is not None else default.ttl,
+            ttl if ttl is not None else lease_ttl,
             renew_interval if renew_interval is not None else default.renew_interval,
             renew_deadline if renew_deadline is not None else default.renew_deadline,
             retry_interval if retry_interval is not None else default.retry_interval,
         )
-    if lease_ttl is not None and lease_ttl < timings.ttl - 1e-9:
+    if lease_ttl < timings.ttl - 1e-9:
         raise ConfigError(
             f"lease {lease.name!r} expires {lease_ttl:g}s after a renewal, sooner than the "
             f"leader's ttl of {timings.ttl:g}s on which its deadline and stop_grace are "

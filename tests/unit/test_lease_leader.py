@@ -7,7 +7,9 @@ backend, by the conformance suite (``rselection.testing.LeaderConformance``).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -52,6 +54,70 @@ def test_a_lease_that_expires_sooner_than_the_leaders_ttl_is_refused_with_the_ma
     assert "expires 3s after a renewal, sooner than the leader's ttl of 15s" in message
     assert "pass ttl=3" in message
     rs.LeaseLeader(MemoryLease("x", ttl=30.0), rs.TaskHandler(), ttl=15.0)  # longer: fine
+
+
+class OtherTtl:
+    """A lease of one's own around a memory lease, saying its ttl as it likes (or not)."""
+
+    def __init__(self, inner: MemoryLease, ttl: object = None) -> None:
+        self.inner, self.name = inner, inner.name
+        if ttl is not None:
+            self.ttl = ttl
+
+    def connect(self) -> None:
+        self.inner.connect()
+
+    def try_acquire(self, node_id: str) -> rs.Acquisition:
+        return self.inner.try_acquire(node_id)
+
+    def renew(self, node_id: str, term: int) -> bool:
+        return self.inner.renew(node_id, term)
+
+    def release(self, node_id: str, term: int) -> None:
+        self.inner.release(node_id, term)
+
+    def current(self) -> rs.LeaderInfo | None:
+        return self.inner.current()
+
+    def wait_for_change(self, timeout: float) -> None:
+        self.inner.wait_for_change(timeout)
+
+    def interrupt(self) -> None:
+        self.inner.interrupt()
+
+    def term_ended(self, term: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("ttl", "match"),
+    [
+        (None, "which has no ttl"),  # no ttl: the leader cannot know when it expires
+        (timedelta(seconds=1.5), "ttl - renew_deadline = 1.5 - 10"),
+        (math.nan, "must be a finite number"),
+        ("15", "must be a finite number"),
+        (True, "must be a finite number"),
+        (0, "must be positive"),
+    ],
+)
+def test_a_lease_whose_ttl_is_missing_or_too_short_in_any_form_is_refused(
+    ttl: object, match: str
+) -> None:
+    lease = OtherTtl(MemoryLease("short", ttl=1.5), ttl)
+    with pytest.raises(rs.ConfigError, match=match):
+        rs.LeaseLeader(lease, rs.TaskHandler(), retry_interval=0.1)
+    with pytest.raises(rs.ConfigError, match="ttl"):  # the leader's own ttl changes nothing
+        rs.LeaseLeader(lease, rs.TaskHandler(), ttl=15.0)
+
+
+def test_a_lease_ttl_given_as_a_timedelta_is_read_in_seconds() -> None:
+    lease = OtherTtl(MemoryLease("long", ttl=30.0), timedelta(seconds=30))
+    assert rs.LeaseLeader(lease, rs.TaskHandler()).timings.ttl == 30.0
+    with pytest.raises(rs.ConfigError, match="expires 30s after a renewal"):
+        rs.LeaseLeader(lease, rs.TaskHandler(), ttl=60.0, renew_deadline=40.0)
 
 
 def test_timings_come_either_as_one_object_or_as_four_values() -> None:
