@@ -306,10 +306,11 @@ class LeaseLeader:
         After :meth:`stop` this still answers, but leaves no connection or thread open.
         """
         with self._observer_lock:
-            info = self._backend.current()
-            if self._closed:
-                self._close_backend()
-            return info
+            try:
+                return self._backend.current()
+            finally:
+                if self._closed:
+                    self._close_backend()
 
     def nodes(self) -> list[NodeInfo]:
         """The nodes competing for this lease. Here only this one; leaders with
@@ -400,7 +401,7 @@ class LeaseLeader:
         self._wake.set()
         with self._cond:
             self._cond.notify_all()  # the watchdog ends a term the keeper cannot reach
-        self._backend.interrupt()
+        self._interrupt_backend()
         if self._called_from_inside():
             return
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -423,7 +424,7 @@ class LeaseLeader:
                 return
             self._step_down = _StepDown(term.number, hold, "step_down")
         self._wake.set()
-        self._backend.interrupt()
+        self._interrupt_backend()
         if wait and not self._called_from_inside():
             term.ended.wait()
 
@@ -674,6 +675,33 @@ class LeaseLeader:
         except Exception:  # closing is best effort; the server drops dead sessions
             logger.debug("lease %r: error while closing the backend", self._name, exc_info=True)
 
+    def _interrupt_backend(self) -> None:
+        """Wake the keeper from the backend's wait; a failure is the backend being
+        unavailable: logged, and the keeper wakes at its wait's timeout instead."""
+        try:
+            self._backend.interrupt()
+        except Exception:
+            logger.warning(
+                "lease %r: the backend's interrupt() failed; the keeper wakes at its next "
+                "timeout instead",
+                self._name,
+                exc_info=True,
+            )
+
+    def _tell_term_ended(self, number: int) -> None:
+        """Tell the backend a term ended; a failure is the backend being unavailable:
+        logged, and the leader goes on (demotion, release, or the lease expires)."""
+        try:
+            self._backend.term_ended(number)
+        except Exception:
+            logger.warning(
+                "lease %r: the backend's term_ended(%d) failed; going on with the stop or "
+                "step-down",
+                self._name,
+                number,
+                exc_info=True,
+            )
+
     def _run_cleanup(self) -> None:
         cleanup, self._cleanup = self._cleanup, []
         for fn in cleanup:
@@ -763,7 +791,7 @@ class LeaseLeader:
                     with self._cond:
                         self._unannounced.append((term.number, reason))
                 term.ended.set()
-                self._backend.term_ended(term.number)
+                self._tell_term_ended(term.number)
         if announce:
             self._send_demoted(term.number, reason)
 
@@ -815,7 +843,7 @@ class LeaseLeader:
         # The keeper may be stuck in network I/O: end the term from here.
         self._end_term("stopped" if stopping else "deadline", expected=term, announce=False)
         self._wake.set()
-        self._backend.interrupt()
+        self._interrupt_backend()
         return True
 
 
