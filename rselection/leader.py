@@ -42,9 +42,13 @@ if TYPE_CHECKING:
     from .broadcast import Broadcaster
     from .tasks import TaskHandler
 
-__all__ = ["Leader", "LeaseLeader"]
+__all__ = ["CLEANUP_TIMEOUT", "Leader", "LeaseLeader"]
 
 logger = logging.getLogger(__name__)
+
+CLEANUP_TIMEOUT = 5.0
+"""Seconds a stopping leader waits for each of its ``cleanup`` callables (then logs a
+warning and goes on, leaving it to finish in a daemon thread)."""
 
 _LEASE_MEMBERS = (
     "name",
@@ -151,7 +155,10 @@ class LeaseLeader:
             when the lease cannot, and then ``ctx.fence`` raises ``ConfigError``.
         cleanup: called once each, in order, when the leader has stopped and released
             its lease (how a factory closes the claimer, store or client it built for
-            the leader); an exception is logged.
+            the leader). Each runs in a thread of its own and is waited for at most
+            :data:`CLEANUP_TIMEOUT` seconds; one that raises (anything, ``SystemExit``
+            too) is logged, one still running then is logged and left running, and the
+            rest run either way.
 
     Raises:
         ConfigError: bad arguments or inconsistent timings (the message shows the math).
@@ -395,7 +402,8 @@ class LeaseLeader:
 
         Args:
             timeout: seconds this call may take in all (default: until stopped, which is
-                bounded by ``stop_grace`` plus one release).
+                bounded by ``stop_grace`` plus one release, plus at most
+                :data:`CLEANUP_TIMEOUT` per ``cleanup`` callable).
         """
         self._stopping.set()
         self._wake.set()
@@ -662,12 +670,17 @@ class LeaseLeader:
         except Exception:
             logger.exception("lease %r: error while stopping", self._name)
         finally:
-            self._close_backend()
-            self._run_cleanup()
-            self._handler.detach()
-            with self._cond:
-                self._closed = True
-                self._cond.notify_all()
+            # Whatever a clean-up does, the handler is free again and the threads end.
+            try:
+                self._close_backend()
+                self._handler.detach()
+            finally:
+                try:
+                    self._run_cleanup()
+                finally:
+                    with self._cond:
+                        self._closed = True
+                        self._cond.notify_all()
 
     def _close_backend(self) -> None:
         try:
@@ -703,12 +716,30 @@ class LeaseLeader:
             )
 
     def _run_cleanup(self) -> None:
+        """Run each clean-up in order, each in a daemon thread waited for at most
+        :data:`CLEANUP_TIMEOUT`; whatever one does (raise, exit, hang), the rest run."""
         cleanup, self._cleanup = self._cleanup, []
         for fn in cleanup:
-            try:
-                fn()
-            except Exception:  # best effort: the rest still runs
-                logger.exception("lease %r: error in a clean-up on stop", self._name)
+            thread = threading.Thread(
+                target=self._clean_up, args=(fn,), name=f"rselection-cleanup-{self._name}"
+            )
+            thread.daemon = True
+            thread.start()
+            thread.join(CLEANUP_TIMEOUT)
+            if thread.is_alive():
+                logger.warning(
+                    "lease %r: a clean-up on stop (%r) still runs after %g s; going on "
+                    "without waiting for it",
+                    self._name,
+                    fn,
+                    CLEANUP_TIMEOUT,
+                )
+
+    def _clean_up(self, fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except BaseException:  # best effort, SystemExit included: the rest still run
+            logger.exception("lease %r: error in a clean-up on stop (%r)", self._name, fn)
 
     def _observe(self, holder: LeaderInfo | None) -> None:
         seen = (holder.node_id, holder.term) if holder is not None else None

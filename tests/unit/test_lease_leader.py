@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 
 import rselection as rs
+import rselection.leader
 from rselection.lease import MemoryLease
 from rselection.timing import Timings
 from tests.support.waiting import wait_until
@@ -203,6 +205,58 @@ def test_cleanup_runs_once_after_the_release_and_survives_errors(
     leader.stop(timeout=10)
     assert calls == ["broken", None]  # never twice
     assert any("clean-up" in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records)
+
+
+def test_a_hanging_cleanup_holds_stop_at_most_the_cleanup_timeout(
+    lease_leaders: Callable[..., rs.LeaseLeader], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(rselection.leader, "CLEANUP_TIMEOUT", 0.5)
+    lease = MemoryLease("hang", ttl=3.0)
+    release = threading.Event()
+    calls: list[str] = []
+
+    def hang() -> None:
+        calls.append("hang")
+        release.wait(30)
+
+    leader = lease_leaders(lease, cleanup=[hang, lambda: calls.append("next")], **FAST)
+    leader.start()
+    assert leader.wait_until_leader(5)
+    stopping = threading.Thread(target=leader.stop, daemon=True)  # no timeout
+    try:
+        stopping.start()
+        stopping.join(5)
+        assert not stopping.is_alive(), "stop() waits for a hanging clean-up"
+        assert calls == ["hang", "next"] and lease.current() is None
+    finally:
+        release.set()
+
+
+def test_a_cleanup_that_exits_skips_nothing_and_frees_the_handler(
+    lease_leaders: Callable[..., rs.LeaseLeader],
+) -> None:
+    calls: list[str] = []
+
+    def exits() -> None:
+        calls.append("exits")
+        raise SystemExit(3)
+
+    handler = rs.TaskHandler()
+    leader = lease_leaders(
+        MemoryLease("exits", ttl=3.0),
+        handler,
+        cleanup=[exits, lambda: calls.append("next")],
+        **FAST,
+    )
+    leader.start()
+    assert leader.wait_until_leader(5)
+    leader.stop(timeout=10)
+    assert calls == ["exits", "next"]
+    assert leader._keeper is not None and not leader._keeper.is_alive()
+    assert leader._watchdog is not None and not leader._watchdog.is_alive()
+    again = lease_leaders(MemoryLease("exits-again", ttl=3.0), handler, **FAST)
+    again.start()  # the handler was detached
+    assert again.wait_until_leader(5)
 
 
 def test_claims_go_through_the_lease_name(
