@@ -80,7 +80,10 @@ class RedisLeader(LeaseLeader):
         client: a ``redis://`` URL, a ``redis.Redis`` or a
             ``redis.cluster.RedisCluster`` (the lease's keys share one hash slot). The
             leader's keeper opens connections of its own with the same settings; the
-            client serves :meth:`leader`, the default claimer and :attr:`fence`.
+            client serves :meth:`leader`, the default claimer and :attr:`fence`. From a
+            URL the leader makes its clients itself and closes them on :meth:`stop`
+            (and again after a :meth:`leader` call made after it); a client you pass
+            stays open.
         handler: the tasks to run while leading.
         name: the lease name; nodes with the same name and prefix compete.
         node_id: this node's id (default: host, pid and a random suffix).
@@ -127,7 +130,9 @@ class RedisLeader(LeaseLeader):
         timings = Timings(ttl, renew_interval, renew_deadline, retry_interval)
         redis_client, owns_client = check_client(client, "RedisLeader")
         lease = RedisLease(
-            redis_client,
+            # From a URL the lease makes a client of its own, which it closes whenever
+            # the leader closes it (also after a leader() call made after stop).
+            client if owns_client else redis_client,
             name=name,
             key_prefix=key_prefix,
             ttl=timings.ttl,

@@ -257,6 +257,25 @@ def test_stop_leaves_no_threads_or_connections(
     assert client.get(lease_keys(name)[0]) is None  # released
 
 
+def test_leader_after_stop_leaves_no_connection_open(
+    make_leader: Callable[..., RedisLeader], client: redis.Redis, redis_url: str
+) -> None:
+    tag = f"leak-{uuid.uuid4().hex[:8]}"  # names the connections of the leader's clients
+    url = f"{redis_url}{'&' if '?' in redis_url else '?'}client_name={tag}"
+
+    def connections() -> list[Any]:
+        return [c for c in client.client_list() if c["name"] == tag]
+
+    leader = make_leader(url=url)
+    leader.start()
+    assert leader.wait_until_leader(10)
+    assert leader.leader() is not None and connections()
+    leader.stop(timeout=10)
+    wait_until(lambda: not connections(), 5, "the client's connections to close on stop")
+    assert leader.leader() is None  # still answers...
+    wait_until(lambda: not connections(), 5, "the connection leader() opened to close")
+
+
 def test_fires_are_claimed_in_redis_under_the_lease_name(
     make_leader: Callable[..., RedisLeader], client: redis.Redis, name: str
 ) -> None:
