@@ -7,13 +7,14 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from ..claiming import FireClaimer
-from ..errors import ConfigError
+from ..context import NoTransactionFence
 from ..leader import LeaseLeader
 from ..timing import Timings
 from ..validation import check_name, check_node_id, new_node_id
 from ._conn import check_client
 from .claims import RedisClaimer
 from .fencing import RedisFence
+from .keys import DEFAULT_KEY_PREFIX
 from .lease import RedisLease
 
 if TYPE_CHECKING:
@@ -33,32 +34,21 @@ DEFAULT_CLAIMER = _Default.CLAIMER
 """The default of ``RedisLeader(claimer=...)``: claims in the lease's Redis."""
 
 
-class _NoTransactionFence:
+def no_transaction_fence(name: str, key_prefix: str) -> NoTransactionFence:
     """``ctx.fence`` / ``ctx.afence`` of a Redis leader: refused, naming the fenced call.
 
     Redis has no transaction a takeover would wait for, so a check of the term at one
     moment protects nothing written after it; the fenced call checks and writes in one
     script.
     """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def _refuse(self, what: str) -> ConfigError:
-        return ConfigError(
-            f"{what} of a RedisLeader cannot fence a transaction: Redis has none that "
-            "would hold a takeover back. For a fenced Redis write call "
-            "leader.fence.call(ctx.term, <command>, ...) (async: await "
-            f"rselection.redis.afenced_call(client, {self.name!r}, ctx.term, <command>, "
-            "...)); for writes to another store, keep ctx.term with the data and refuse "
-            "lower terms"
-        )
-
-    def fence(self, conn: Any, term: int) -> None:
-        raise self._refuse("ctx.fence()")
-
-    async def afence(self, conn: Any, term: int) -> None:
-        raise self._refuse("ctx.afence()")
+    prefix = "" if key_prefix == DEFAULT_KEY_PREFIX else f", key_prefix={key_prefix!r}"
+    return NoTransactionFence(
+        "a RedisLeader cannot fence a transaction: Redis has none that would hold a "
+        "takeover back. For a fenced Redis write call leader.fence.call(ctx.term, "
+        "<command>, ...) (async: await rselection.redis.afenced_call(<redis.asyncio "
+        f"client>, {name!r}, ctx.term, <command>, ...{prefix})); for writes to another "
+        "store, keep ctx.term with the data and refuse lower terms"
+    )
 
 
 class RedisLeader(LeaseLeader):
@@ -70,8 +60,9 @@ class RedisLeader(LeaseLeader):
     over at once, and fast crash failover by the holder's connection id where the server
     allows it (see :mod:`rselection.redis.lease`). ``ctx.term`` is the fencing token;
     :attr:`fence` runs Redis writes only while a term holds. Redis has no transaction to
-    fence, so ``ctx.fence(conn)`` is refused with a :class:`~rselection.ConfigError`
-    that names ``leader.fence.call(ctx.term, ...)``.
+    fence, so ``ctx.fence(conn)`` and ``await ctx.afence(conn)`` are refused, whatever
+    ``conn`` is, with a :class:`~rselection.ConfigError` that names
+    ``leader.fence.call(ctx.term, ...)`` and ``rselection.redis.afenced_call``.
 
     A :class:`~rselection.LeaseLeader` over a :class:`~rselection.redis.RedisLease`
     with a :class:`~rselection.redis.RedisClaimer` on the same Redis.
@@ -158,7 +149,7 @@ class RedisLeader(LeaseLeader):
             timings=timings,
             claimer=claimer,
             broadcaster=broadcaster,
-            fence=_NoTransactionFence(name),
+            fence=no_transaction_fence(name, key_prefix),
             cleanup=cleanup,
         )
 

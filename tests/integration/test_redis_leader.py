@@ -330,3 +330,10 @@ def test_ctx_fence_is_refused_naming_the_fenced_call_and_fence_call_fences(
     assert client.get(key) == b"v1"
     with pytest.raises(rs.ConfigError, match="term"):
         RedisFence(client, leader.name).call(0, "GET", key)
+
+
+def test_the_fence_refusal_names_a_non_default_key_prefix() -> None:
+    from rselection.redis.leader import no_transaction_fence
+
+    assert "key_prefix" not in no_transaction_fence("jobs", "rselection:").reason
+    assert ", key_prefix='app:'))" in no_transaction_fence("jobs", "app:").reason
