@@ -10,7 +10,16 @@ from typing import Protocol, runtime_checkable
 from .errors import ConfigError
 from .keys import lease_scoped
 
-__all__ = ["FireClaimer", "LeaseClaims", "MemoryClaimer", "MissedFireClaimer", "claim_missed"]
+__all__ = [
+    "MAX_FIRE_KEY_BYTES",
+    "FireClaimer",
+    "LeaseClaims",
+    "MemoryClaimer",
+    "MissedFireClaimer",
+    "check_fire_key",
+    "check_fire_keys",
+    "claim_missed",
+]
 
 
 @runtime_checkable
@@ -48,6 +57,48 @@ class MissedFireClaimer(FireClaimer, Protocol):
         Raises on a backend problem, as :meth:`claim`.
         """
         ...
+
+
+MAX_FIRE_KEY_BYTES = 2600
+"""Longest fire key a claimer accepts, in bytes as UTF-8.
+
+A leader's claim key holds a lease name and a task name (each up to
+:data:`~rselection.validation.MAX_NAME` characters) and the instant; the bound stays
+below what a Postgres btree index can hold.
+"""
+
+
+def check_fire_key(value: object) -> str:
+    """Return ``value`` if it is a usable fire key, else raise :class:`ConfigError`.
+
+    A fire key is a string that is not blank, has no NUL character, no lone surrogate
+    and at most :data:`MAX_FIRE_KEY_BYTES` bytes as UTF-8. It is used verbatim.
+
+    Args:
+        value: the fire key.
+    """
+    if not isinstance(value, str) or not value.strip() or "\x00" in value:
+        raise ConfigError(f"fire_key must be a non-blank string without NUL, got {value!r:.80}")
+    try:
+        size = len(value.encode())
+    except UnicodeEncodeError as exc:
+        raise ConfigError(f"fire_key must be valid Unicode text, got {value!r:.80}") from exc
+    if size > MAX_FIRE_KEY_BYTES:
+        raise ConfigError(f"fire_key is longer than {MAX_FIRE_KEY_BYTES} bytes: {value[:40]!r}...")
+    return value
+
+
+def check_fire_keys(values: object) -> list[str]:
+    """Return ``values`` as a list of checked fire keys (see :func:`check_fire_key`).
+
+    A single string is refused rather than taken as a sequence of one-character keys.
+
+    Args:
+        values: a list (or other iterable) of fire keys.
+    """
+    if isinstance(values, str | bytes) or not hasattr(values, "__iter__"):
+        raise ConfigError(f"fire_keys must be a list of fire keys, got {values!r:.80}")
+    return [check_fire_key(value) for value in values]
 
 
 class MemoryClaimer:

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     import psycopg
     from psycopg import sql
 
-    from ..errors import ConfigError
+    from ..errors import BackendUnavailable, ConfigError
     from ..postgres.lease import (
         cancel_handover,
         lease_channel,
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"no other node took over: {node} leads again", file=sys.stderr)
                 return 1
             return 0
-    except psycopg.Error as exc:
+    except (psycopg.Error, BackendUnavailable) as exc:
         print(
             f"resign failed on {describe(dsn)}: {redact(first_line(exc), dsn)}",
             file=sys.stderr,

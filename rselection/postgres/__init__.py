@@ -15,6 +15,7 @@ from .checkpoint import PostgresCheckpointStore, Snapshot, TaskCheckpoint
 from .claims import PostgresClaimer
 from .elector import PostgresElector
 from .fencing import afenced, fenced
+from .handover import cancel_handover, current_holder, request_handover
 from .lease import PostgresLease
 from .schema import migrate
 
@@ -33,8 +34,11 @@ __all__ = [
     "Snapshot",
     "TaskCheckpoint",
     "afenced",
+    "cancel_handover",
+    "current_holder",
     "fenced",
     "migrate",
+    "request_handover",
 ]
 
 

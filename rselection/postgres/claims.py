@@ -67,6 +67,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from ..claiming import check_fire_key, check_fire_keys
 from ..closeable import Closeable
 from ..errors import ConfigError
 from ..validation import check_node_id, check_seconds, new_node_id
@@ -75,10 +76,8 @@ from .schema import CLAIMS_TABLE, create_tables, table_identifier
 
 __all__ = [
     "FIRE_KEY_FORMAT",
-    "MAX_FIRE_KEY_BYTES",
     "MIN_TTL",
     "PostgresClaimer",
-    "check_fire_key",
 ]
 
 logger = logging.getLogger(__name__)
@@ -90,29 +89,8 @@ MIN_TTL = 0.001
 """The shortest ttl accepted, seconds (1 ms): claims are measured in server time with
 microsecond precision."""
 
-MAX_FIRE_KEY_BYTES = 2600
-"""Longest fire key accepted, in UTF-8 bytes: a btree entry must fit in a third of a page.
-A fire key is ``"<lease name>/<task>@<instant>"`` (``%`` and ``/`` in the lease name
-written ``%25`` and ``%2F``), so it may be longer than a name."""
 
 _MAX_TERM = 2**63 - 1
-
-
-def check_fire_key(value: object) -> str:
-    """Return ``value`` if it is a usable fire key, else raise :class:`ConfigError`.
-
-    A fire key is a string that is not blank, has no NUL character and at most
-    :data:`MAX_FIRE_KEY_BYTES` bytes as UTF-8 (it holds a lease and a task name, each up
-    to :data:`~rselection.validation.MAX_NAME` characters).
-
-    Args:
-        value: the fire key.
-    """
-    if not isinstance(value, str) or not value.strip() or "\x00" in value:
-        raise ConfigError(f"fire_key must be a non-blank string without NUL, got {value!r:.80}")
-    if len(value.encode(errors="replace")) > MAX_FIRE_KEY_BYTES:
-        raise ConfigError(f"fire_key is longer than {MAX_FIRE_KEY_BYTES} bytes: {value[:40]!r}...")
-    return value
 
 
 def _check_term(term: object) -> None:
@@ -275,8 +253,7 @@ class PostgresClaimer(Closeable):
         Raises:
             ConfigError, BackendUnavailable: as :meth:`claim`.
         """
-        for key in fire_keys:
-            check_fire_key(key)
+        fire_keys = check_fire_keys(fire_keys)
         _check_term(term)
         if not fire_keys:
             return []

@@ -13,11 +13,17 @@ acquire, so it cannot make two leaders.
 
 The ``resign_*`` columns come with schema version 2 (``rselection migrate``); leases on
 an older table work, without handover requests.
+
+Every function takes a ``conninfo`` (a connection string, a ``psycopg.Connection`` or a
+pool), as the other Postgres objects do: a connection string opens a connection for the
+call and closes it after; a connection or a pool passed in stays open.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -26,14 +32,56 @@ from psycopg import sql
 from ..errors import ConfigError
 from ..lease import HandoverRequest, LeaderInfo
 from ..validation import check_name, check_node_id, check_seconds
+from ._conn import Connections
 from ._lease_sql import lease_channel, resolve_lease_table, utc
 from .schema import DEFAULT_TABLE, table_identifier
 
-__all__ = ["announces_handover", "cancel_handover", "renewal_request", "request_handover"]
+__all__ = [
+    "announces_handover",
+    "cancel_handover",
+    "current_holder",
+    "renewal_request",
+    "request_handover",
+]
+
+#: The shortest request ``timeout``, seconds (as on Redis, whose expiries are whole
+#: milliseconds).
+MIN_TIMEOUT = 0.001
+
+
+@contextlib.contextmanager
+def _one_call(conninfo: object, owner: str, what: str) -> Iterator[psycopg.Connection[Any]]:
+    """A connection for one call in one transaction; driver errors become
+    :class:`~rselection.errors.BackendUnavailable` (a connection string's connection is
+    closed after)."""
+    conns = Connections(conninfo, owner=owner, application_name=f"rselection:{owner}")
+    try:
+        with conns.connection() as conn:
+            try:
+                with conn.transaction():
+                    yield conn
+            except psycopg.Error as exc:
+                raise conns.wrap(what, exc) from exc
+    finally:
+        conns.close()
+
+
+def _lease_table(conn: psycopg.Connection[Any], table: str) -> tuple[int, str, bool]:
+    """The lease table as :func:`resolve_lease_table` finds it; a missing one raises."""
+    found = resolve_lease_table(conn, table)
+    if found is None:
+        raise ConfigError(f"lease table {table!r} does not exist: run `rselection migrate`")
+    return found
+
+
+def _check_term(term: object) -> int:
+    if isinstance(term, bool) or not isinstance(term, int) or term < 1:
+        raise ConfigError(f"term must be a positive int, got {term!r:.40}")
+    return term
 
 
 def request_handover(
-    conn: psycopg.Connection[Any],
+    conninfo: Any,
     name: str,
     *,
     table: str = DEFAULT_TABLE,
@@ -53,31 +101,41 @@ def request_handover(
     ignored.
 
     Args:
-        conn: an open autocommit connection to the lease's database.
+        conninfo: the lease's database: a connection string, a ``psycopg.Connection`` or
+            a pool (``psycopg_pool.ConnectionPool``).
         name: the lease name.
         table: the lease table, optionally schema-qualified.
         to: node id that should take over, or ``None`` for any other node.
-        timeout: seconds the request (and the reservation for ``to``) stays valid.
+        timeout: seconds the request (and the reservation for ``to``) stays valid (at
+            least 1 ms).
 
     Raises:
         ConfigError: the table does not exist or predates handovers (run ``rselection
             migrate``), or bad arguments.
-        psycopg.Error: the statement failed.
+        BackendUnavailable: the database cannot be reached or the statement failed.
     """
-    timeout = check_seconds(timeout, "timeout")
-    check_name(name, "lease name")
+    name = check_name(name, "lease name")
+    timeout = check_seconds(timeout, "timeout", minimum=MIN_TIMEOUT)
     if to is not None:
-        check_node_id(to)
-    found = resolve_lease_table(conn, table)
-    if found is None:
-        raise ConfigError(f"lease table {table!r} does not exist: run `rselection migrate`")
-    _, qualified, handovers = found
+        to = check_node_id(to)
+    with _one_call(conninfo, "request_handover", "record the handover request") as conn:
+        row = _request(conn, name, table, to, timeout)
+    if row is None:
+        return None
+    return LeaderInfo(row[0], row[1], utc(row[2]), utc(row[3]))
+
+
+def _request(
+    conn: psycopg.Connection[Any], name: str, table: str, to: str | None, timeout: float
+) -> tuple[Any, ...] | None:
+    """The request statement of :func:`request_handover`: the holder's row, or ``None``."""
+    _, qualified, handovers = _lease_table(conn, table)
     if not handovers:
         raise ConfigError(
             f"lease table {table!r} has schema version 1, without handover requests: "
             "run `rselection migrate` to upgrade it (rows are kept)"
         )
-    row = conn.execute(
+    return conn.execute(
         sql.SQL(
             "WITH asked AS ("
             " UPDATE {t} AS t SET resign_term = t.term, resign_from = t.holder,"
@@ -97,30 +155,63 @@ def request_handover(
             "channel": lease_channel(qualified, name),
         },
     ).fetchone()
-    if row is None:
-        return None
-    return LeaderInfo(row[0], row[1], utc(row[2]), utc(row[3]))
 
 
-def cancel_handover(
-    conn: psycopg.Connection[Any], name: str, term: int, *, table: str = DEFAULT_TABLE
-) -> bool:
+def cancel_handover(conninfo: Any, name: str, term: int, *, table: str = DEFAULT_TABLE) -> bool:
     """Withdraw a handover request made for ``term`` of lease ``name``; ``True`` if one was.
 
     Args:
-        conn: an open autocommit connection to the lease's database.
+        conninfo: the lease's database: a connection string, a ``psycopg.Connection`` or
+            a pool.
         name: the lease name.
-        term: the term the request was made for.
+        term: the term the request was made for (the ``term`` of
+            :func:`request_handover`'s answer).
         table: the lease table, optionally schema-qualified.
+
+    Raises:
+        ConfigError: bad arguments, or the table does not exist.
+        BackendUnavailable: the database cannot be reached or the statement failed.
     """
-    row = conn.execute(
-        sql.SQL(
-            "UPDATE {} SET resign_term = NULL, resign_from = NULL, resign_to = NULL,"
-            " resign_until = NULL WHERE name = %s AND resign_term = %s RETURNING 1"
-        ).format(table_identifier(table)),
-        (name, term),
-    ).fetchone()
+    name = check_name(name, "lease name")
+    term = _check_term(term)
+    with _one_call(conninfo, "cancel_handover", "withdraw the handover request") as conn:
+        _lease_table(conn, table)
+        row = conn.execute(
+            sql.SQL(
+                "UPDATE {} SET resign_term = NULL, resign_from = NULL, resign_to = NULL,"
+                " resign_until = NULL WHERE name = %s AND resign_term = %s RETURNING 1"
+            ).format(table_identifier(table)),
+            (name, term),
+        ).fetchone()
     return row is not None
+
+
+def current_holder(conninfo: Any, name: str, *, table: str = DEFAULT_TABLE) -> LeaderInfo | None:
+    """The live holder of Postgres lease ``name``, or ``None``.
+
+    Args:
+        conninfo: the lease's database: a connection string, a ``psycopg.Connection`` or
+            a pool.
+        name: the lease name.
+        table: the lease table, optionally schema-qualified.
+
+    Raises:
+        ConfigError: bad arguments, or the table does not exist.
+        BackendUnavailable: the database cannot be reached or the statement failed.
+    """
+    name = check_name(name, "lease name")
+    with _one_call(conninfo, "current_holder", "read the lease holder") as conn:
+        _lease_table(conn, table)
+        row = conn.execute(
+            sql.SQL(
+                "SELECT holder, term, acquired_at, expires_at FROM {} WHERE name = %s"
+                " AND holder IS NOT NULL AND expires_at > clock_timestamp()"
+            ).format(table_identifier(table)),
+            (name,),
+        ).fetchone()
+    if row is None:
+        return None
+    return LeaderInfo(row[0], row[1], utc(row[2]), utc(row[3]))
 
 
 def announces_handover(payload: str) -> bool:

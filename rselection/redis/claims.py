@@ -35,9 +35,10 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
+from ..claiming import check_fire_key, check_fire_keys
 from ..closeable import Closeable
 from ..errors import ConfigError
-from ..validation import check_name, check_node_id, check_seconds, new_node_id
+from ..validation import check_node_id, check_seconds, new_node_id
 from ._conn import check_client, describe, unavailable
 from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
 
@@ -164,7 +165,7 @@ class RedisClaimer(Closeable):
             ConfigError: a bad fire key or term (before any I/O).
             BackendUnavailable: Redis cannot be reached or failed (fail closed).
         """
-        check_name(fire_key, "fire_key")
+        check_fire_key(fire_key)
         _check_term(term)
         try:
             won = int(self._claim(keys=[self.key(fire_key)], args=self._args(term)))
@@ -191,11 +192,7 @@ class RedisClaimer(Closeable):
             BackendUnavailable: Redis cannot be reached or failed (fail closed: then
                 nothing may run, although some claims may have been made).
         """
-        if isinstance(fire_keys, str):
-            raise ConfigError("fire_keys must be a list of fire keys, got a single string")
-        fire_keys = list(fire_keys)
-        for fire_key in fire_keys:
-            check_name(fire_key, "fire_key")
+        fire_keys = check_fire_keys(fire_keys)
         _check_term(term)
         if not fire_keys:
             return []

@@ -2,7 +2,7 @@
 
 It shows what :class:`rselection.LeaseBackend` asks of a backend, in about a hundred
 lines, and passes the leader conformance suite
-(``tests/integration/test_leader_conformance.py``). Every node on one machine opens the
+(``tests/integration/conformance/test_leader.py``). Every node on one machine opens the
 same file; each read-modify-write runs under an exclusive ``flock``, which makes the
 file the lease server. Expiry is this machine's wall clock, the one clock every node
 shares here. No crash detection: a crashed holder's lease passes on at expiry.

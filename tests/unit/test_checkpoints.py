@@ -1,7 +1,7 @@
 """The in-memory checkpoint store and ``ctx.checkpoint`` under a SingleNodeLeader.
 
 The store keeps the Postgres store's rules (versions, JSON limits, saves fenced by
-term); ``tests/integration/test_checkpoint_stores.py`` runs the same checks on both.
+term); ``tests/integration/conformance/test_checkpoint_stores.py`` runs the same checks on both.
 """
 
 from __future__ import annotations

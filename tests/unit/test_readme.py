@@ -1,4 +1,7 @@
-"""The README's quickstart runs as written (with lead() bounded for the test)."""
+"""The README is a short landing page whose quickstart runs as written.
+
+Its other code blocks are checked with the docs' (tests/unit/test_docs.py).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+
+
+def test_readme_is_a_short_landing_page() -> None:
+    text = README.read_text()
+    assert len(text.splitlines()) <= 250
+    for heading in ("## Install", "## Quickstart", "## Try it", "## Guarantees by backend"):
+        assert f"\n{heading}\n" in text, heading
+    assert "logging.basicConfig(level=logging.INFO)" in text
+    assert "pytest tests/unit" in text and "rselection demo" in text
+    assert "pip install ." in text, "say how to install from a clone"
+
+
+def test_readme_links_point_at_files_that_exist() -> None:
+    for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", README.read_text()):
+        assert (ROOT / target).exists(), target
 
 
 def test_quickstart_runs_and_its_tasks_do_something(capsys: Any) -> None:

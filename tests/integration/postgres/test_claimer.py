@@ -1,4 +1,9 @@
-"""PostgresClaimer against a real Postgres: claim, retain, replace, cleanup, fail closed.
+"""PostgresClaimer against a real Postgres: what only Postgres has.
+
+What a claim row records (format version, server expiry), cleanup, pool and connection
+sources, a claim inside the caller's transaction, broken and killed sessions, statement
+timeouts, fire-key formats and the claims table. What every claimer promises runs on
+both backends in ``tests/integration/conformance/test_claimer.py``.
 
 Every test runs in a schema of its own (the ``pg_dsn`` fixture). Waits for a ttl to pass
 poll the server with a deadline; threads are joined through futures with a timeout.
@@ -8,12 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import random
-import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -27,8 +29,8 @@ from rselection.postgres import PostgresClaimer, migrate
 from rselection.postgres._conn import Connections
 from rselection.postgres.claims import FIRE_KEY_FORMAT
 from rselection.schedules import format_fire_key
+from tests.support.backends import closed_port
 from tests.support.proxy import TcpProxy
-from tests.support.waiting import wait_until
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -133,23 +135,6 @@ KEY = format_fire_key("purge", datetime(2026, 11, 30, 2, 40, tzinfo=UTC))
 # ------------------------------------------------------------------------ semantics
 
 
-def test_claim_is_won_once_and_kept_until_ttl_then_replaced(
-    make_claimer: Callable[..., PostgresClaimer], dsn: str
-) -> None:
-    a = make_claimer(ttl=0.5, node_id="node-a")
-    b = make_claimer(ttl=0.5, node_id="node-b")
-    assert a.claim(KEY) is True
-    # Kept, not released: neither the winner nor anyone else wins it again in its ttl.
-    assert a.claim(KEY) is False
-    assert b.claim(KEY) is False
-    assert rows(dsn)[KEY][1] == "node-a"
-    waited = until_true(lambda: b.claim(KEY), 10, "the expired claim to be replaced")
-    assert 0.2 < waited < 5  # not before the ttl has (almost) passed
-    assert rows(dsn)[KEY][1] == "node-b"  # replaced in place, one row per key
-    assert len(rows(dsn)) == 1
-    assert a.claim(KEY) is False
-
-
 def test_claim_records_node_id_term_format_and_server_expiry(
     make_claimer: Callable[..., PostgresClaimer], dsn: str
 ) -> None:
@@ -162,22 +147,6 @@ def test_claim_records_node_id_term_format_and_server_expiry(
     # server arithmetic, to within the time between the statement's two clock readings
     assert abs(expires_at - claimed_at - timedelta(seconds=42.5)) < timedelta(milliseconds=1)
     assert got["other@2026-11-30T02:41:00.000000000Z"][2] is None  # no term given
-
-
-def test_default_node_id_is_new_per_claimer(
-    make_claimer: Callable[..., PostgresClaimer],
-) -> None:
-    a, b = make_claimer(), make_claimer()
-    assert a.node_id and b.node_id and a.node_id != b.node_id
-    assert a.ttl == 600.0 and a.table == "rselection_claims"
-
-
-def test_many_keys_are_independent(make_claimer: Callable[..., PostgresClaimer]) -> None:
-    a, b = make_claimer(), make_claimer()
-    start = datetime(2026, 1, 1, tzinfo=UTC)
-    keys = [format_fire_key("job", start + timedelta(seconds=i)) for i in range(20)]
-    assert all(a.claim(k) for k in keys[::2])
-    assert [b.claim(k) for k in keys] == [i % 2 == 1 for i in range(20)]
 
 
 def test_cleanup_deletes_only_claims_expired_over_a_minute(
@@ -201,39 +170,6 @@ def test_cleanup_deletes_only_claims_expired_over_a_minute(
     assert claimer.cleanup() == 0
     assert claimer.claim("k3")  # expired (but kept by cleanup): claimable again
     assert not claimer.claim("k4")
-
-
-def test_concurrent_claimers_win_each_key_exactly_once(
-    make_claimer: Callable[..., PostgresClaimer], dsn: str
-) -> None:
-    threads, keys = 8, 200
-    start = datetime(2026, 3, 29, 0, 59, tzinfo=UTC)
-    all_keys = [
-        format_fire_key("tick", start + timedelta(milliseconds=250 * i)) for i in range(keys)
-    ]
-    shared = make_claimer(node_id="shared")
-    # Four threads with a claimer each, four sharing one (and so its connection).
-    claimers = [make_claimer(node_id=f"own-{i}") for i in range(4)] + [shared] * 4
-    barrier = threading.Barrier(threads)
-
-    def run(index: int) -> list[str]:
-        order = all_keys[:]
-        random.Random(index).shuffle(order)
-        barrier.wait(timeout=30)
-        return [k for k in order if claimers[index].claim(k, term=index)]
-
-    with ThreadPoolExecutor(threads) as pool:
-        futures: list[Future[list[str]]] = [pool.submit(run, i) for i in range(threads)]
-        won = [f.result(timeout=90) for f in futures]
-    counts = Counter(k for keys_won in won for k in keys_won)
-    assert set(counts) == set(all_keys)
-    assert set(counts.values()) == {1}
-    stored = rows(dsn)
-    assert len(stored) == keys
-    for index, keys_won in enumerate(won):
-        for k in keys_won:
-            assert stored[k][1] == claimers[index].node_id
-            assert stored[k][2] == index
 
 
 def test_pool_and_connection_sources(
@@ -271,29 +207,13 @@ def test_a_claim_inside_an_open_transaction_binds_only_when_it_commits(
 # ------------------------------------------------------------------------ fail closed
 
 
-def test_unreachable_server_raises_and_hides_the_password(pg_dsn: str) -> None:
-    with socket_closed_port() as port:
-        dsn = make_conninfo(pg_dsn, host="127.0.0.1", port=str(port), password="s3cret-pw")
-        claimer = PostgresClaimer(dsn, connect_timeout=2)
-        with pytest.raises(BackendUnavailable) as info:
-            claimer.claim(KEY)
-    message = str(info.value)
-    assert "s3cret-pw" not in message
-    assert f"port={port}" in message
-    with pytest.raises(BackendUnavailable):
+def test_cleanup_on_an_unreachable_server_raises_and_hides_the_password(pg_dsn: str) -> None:
+    port = closed_port()
+    dsn = make_conninfo(pg_dsn, host="127.0.0.1", port=str(port), password="s3cret-pw")
+    claimer = PostgresClaimer(dsn, connect_timeout=2)
+    with pytest.raises(BackendUnavailable) as info:
         claimer.cleanup()
-
-
-@contextlib.contextmanager
-def socket_closed_port() -> Iterator[int]:
-    """A loopback port with nothing listening."""
-    import socket
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    yield port
+    assert "s3cret-pw" not in str(info.value) and f"port={port}" in str(info.value)
 
 
 def test_severed_connection_raises_then_reconnects(
@@ -399,6 +319,7 @@ def test_claims_in_another_fire_key_format_stop_claims(
 
 def test_without_create_tables_a_missing_table_says_what_to_do(pg_dsn: str) -> None:
     claimer = PostgresClaimer(pg_dsn, create_tables=False)
+    assert claimer.table == "rselection_claims"
     with pytest.raises(ConfigError, match=r"does not exist.*migrate"):
         claimer.claim(KEY)
     claimer.close()
@@ -459,22 +380,6 @@ def test_hostile_table_names_are_refused_at_construction(pg_dsn: str, table: str
 # ----------------------------------------------------------------------- validation
 
 
-@pytest.mark.parametrize("ttl", [0, 0.0009, -1, float("nan"), float("inf"), True, "600", None])
-def test_bad_ttl_is_refused(pg_dsn: str, ttl: Any) -> None:
-    with pytest.raises(ConfigError, match="ttl"):
-        PostgresClaimer(pg_dsn, ttl=ttl)
-
-
-def test_smallest_ttl_is_one_millisecond(pg_dsn: str) -> None:
-    assert PostgresClaimer(pg_dsn, ttl=0.001).ttl == 0.001
-
-
-@pytest.mark.parametrize("source", [None, "", "   ", 42, object()])
-def test_no_usable_connection_is_refused(source: Any) -> None:
-    with pytest.raises(ConfigError, match="PostgresClaimer needs"):
-        PostgresClaimer(source)
-
-
 def test_closed_connection_and_bad_conninfo_are_refused(pg_dsn: str) -> None:
     conn = psycopg.connect(pg_dsn)
     conn.close()
@@ -482,118 +387,3 @@ def test_closed_connection_and_bad_conninfo_are_refused(pg_dsn: str) -> None:
         PostgresClaimer(conn)
     with pytest.raises(ConfigError, match="cannot be parsed"):
         PostgresClaimer("host=x port")
-
-
-@pytest.mark.parametrize("node_id", ["", "   ", "a\x00b", 7, "n" * 1001])
-def test_bad_node_id_is_refused(pg_dsn: str, node_id: Any) -> None:
-    with pytest.raises(ConfigError, match="node_id"):
-        PostgresClaimer(pg_dsn, node_id=node_id)
-
-
-def test_a_fire_key_of_the_longest_lease_and_task_names_is_claimed(
-    make_claimer: Callable[..., PostgresClaimer],
-) -> None:
-    # What a leader claims: "<lease name>/<task>@<instant>", each name up to 1,000
-    # characters, so a fire key may be longer than a name.
-    key = "l" * 1000 + "/" + format_fire_key("t" * 1000, datetime(2026, 1, 1, tzinfo=UTC))
-    claimer = make_claimer()
-    assert claimer.claim(key) and not claimer.claim(key)
-
-
-@pytest.mark.parametrize(
-    ("key", "term"),
-    [
-        ("", None),
-        ("  ", None),
-        ("a\x00", None),
-        ("x" * 3000, None),
-        (None, None),
-        ("k", -1),
-        ("k", True),
-        ("k", 2**63),
-        ("k", 1.5),
-    ],
-)
-def test_bad_claim_arguments_are_refused_before_any_io(pg_dsn: str, key: Any, term: Any) -> None:
-    with socket_closed_port() as port:
-        claimer = PostgresClaimer(make_conninfo(pg_dsn, port=str(port)))
-        with pytest.raises(ConfigError):
-            claimer.claim(key, term=term)
-
-
-# -- claim_missed: a starting leader's look back, in one statement --------------------
-
-
-def test_claim_missed_takes_the_keys_after_the_newest_held(
-    make_claimer: Callable[..., PostgresClaimer],
-) -> None:
-    old, new = make_claimer(node_id="old-leader"), make_claimer(node_id="new-leader")
-    keys = [f"tick@{i:02d}" for i in range(10)]
-    assert old.claim(keys[3]) and old.claim(keys[6])  # the old leader got as far as 6
-    assert new.claim_missed(keys, term=7) == keys[7:]
-    # Those now bind: a second look back finds nothing, the old leader cannot take them.
-    assert new.claim_missed(keys, term=8) == []
-    assert not old.claim(keys[8])
-    # Keys before the newest held one stay unclaimed (not missed: before the handover).
-    assert old.claim(keys[5])
-    assert new.claim_missed([], term=1) == []
-
-
-def test_claim_missed_with_nothing_held_takes_everything(
-    make_claimer: Callable[..., PostgresClaimer], dsn: str
-) -> None:
-    claimer = make_claimer(node_id="first")
-    keys = [f"first@{i:02d}" for i in range(5)]
-    assert claimer.claim_missed(keys, term=1) == keys
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        rows = conn.execute(
-            "SELECT holder, term FROM rselection_claims WHERE fire_key LIKE 'first@%'"
-        ).fetchall()
-    assert rows == [("first", 1)] * 5
-
-
-def test_claim_missed_replaces_expired_claims(
-    make_claimer: Callable[..., PostgresClaimer], dsn: str
-) -> None:
-    short = make_claimer(node_id="short", ttl=0.05)
-    keys = ["exp@1", "exp@2", "exp@3"]
-    assert short.claim("exp@3")
-
-    def expired() -> bool:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            row = conn.execute(
-                "SELECT expires_at <= clock_timestamp() FROM rselection_claims"
-                " WHERE fire_key = 'exp@3'"
-            ).fetchone()
-        return row is not None and bool(row[0])
-
-    wait_until(expired, 5.0, "the claim to expire (server time)")
-    assert make_claimer(node_id="later").claim_missed(keys) == keys
-
-
-def test_claim_missed_is_atomic_between_two_starting_leaders(
-    make_claimer: Callable[..., PostgresClaimer],
-) -> None:
-    keys = [f"race@{i:03d}" for i in range(200)]
-    a, b = make_claimer(node_id="a"), make_claimer(node_id="b")
-    results: dict[str, list[str]] = {}
-    barrier = threading.Barrier(2)
-
-    def run(name: str, claimer: PostgresClaimer) -> None:
-        barrier.wait(10)
-        results[name] = claimer.claim_missed(keys, term=1)
-
-    threads = [threading.Thread(target=run, args=(n, c)) for n, c in (("a", a), ("b", b))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not set(results["a"]) & set(results["b"])  # no key won twice
-
-
-def test_claim_missed_rejects_bad_input(make_claimer: Callable[..., PostgresClaimer]) -> None:
-    claimer = make_claimer()
-    with pytest.raises(ConfigError, match="fire_key"):
-        claimer.claim_missed(["ok", ""])
-    with pytest.raises(ConfigError, match="term"):
-        claimer.claim_missed(["ok"], term=-1)

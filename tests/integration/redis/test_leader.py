@@ -1,7 +1,7 @@
 """RedisLease and RedisLeader against a real Redis: the lease's rules, fast failover and
 its limits, bad input, an unreachable server, clean stop, claims and fencing.
 
-The scenarios both backends share are in ``test_leader_conformance.py``.
+The scenarios both backends share are in ``tests/integration/conformance/test_leader.py``.
 """
 
 from __future__ import annotations

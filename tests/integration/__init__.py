@@ -1,0 +1,1 @@
+"""Tests against real Postgres and Redis servers."""

@@ -1,0 +1,1 @@
+"""Conformance suites: one scenario, run on every backend."""
