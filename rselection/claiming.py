@@ -8,6 +8,7 @@ import time
 from typing import Protocol, runtime_checkable
 
 from .errors import ConfigError
+from .keys import lease_scoped
 
 __all__ = [
     "MAX_FIRE_KEY_BYTES",
@@ -175,7 +176,10 @@ class LeaseClaims:
     """A claimer seen through one lease: claim keys are ``"<lease name>/<fire key>"``.
 
     Every leader claims through one of these, so leases that share a claims table (or a
-    Redis prefix) may have tasks of the same name and their fires still stay apart.
+    Redis prefix) may have tasks of the same name and their fires still stay apart. The
+    lease name is written as :func:`rselection.keys.lease_scoped` writes it: ``%`` and
+    ``/`` in it become ``%25`` and ``%2F``, so lease ``a/b`` with task ``c`` and lease
+    ``a`` with task ``b/c`` never claim the same key (a name without them is kept as is).
     Missed fires are claimed in one call when the claimer can (a
     :class:`MissedFireClaimer`), else fire by fire (see :func:`claim_missed`).
 
@@ -187,10 +191,11 @@ class LeaseClaims:
     def __init__(self, claimer: FireClaimer, lease: str) -> None:
         self.claimer = claimer
         self.ttl = claimer.ttl
-        self.prefix = f"{lease}/"
+        self.prefix = lease_scoped(lease, "")
 
     def claim(self, fire_key: str, *, term: int | None = None) -> bool:
-        """Claim ``"<lease>/<fire_key>"`` (see :meth:`FireClaimer.claim`)."""
+        """Claim ``"<lease>/<fire_key>"`` (see :meth:`FireClaimer.claim`; the lease name
+        encoded as in the class description)."""
         return self.claimer.claim(self.prefix + fire_key, term=term)
 
     def claim_missed(self, fire_keys: list[str], *, term: int | None = None) -> list[str]:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .claiming import FireClaimer
     from .members import NodeInfo
 
-__all__ = ["TaskContext", "Term", "TransactionFence", "running_term"]
+__all__ = ["NoTransactionFence", "TaskContext", "Term", "TransactionFence", "running_term"]
 
 
 @runtime_checkable
@@ -47,6 +47,35 @@ class TransactionFence(Protocol):
     async def afence(self, conn: Any, term: int) -> None:
         """:meth:`fence` for an async connection."""
         ...
+
+
+class NoTransactionFence:
+    """The fence of a lease that cannot fence a transaction: refuses every call, saying
+    what to call instead.
+
+    ``ctx.fence(conn)`` and ``await ctx.afence(conn)`` raise its
+    :class:`~rselection.errors.ConfigError` whatever ``conn`` is, so the message never
+    sends a task from one refused call to the other.
+
+    Args:
+        reason: why the lease cannot, and a call that does work (the message after
+            ``"ctx.fence(): "``).
+    """
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def refusal(self, call: str) -> ConfigError:
+        """The error for ``call`` (``"ctx.fence()"`` or ``"ctx.afence()"``)."""
+        return ConfigError(f"{call}: {self.reason}")
+
+    def fence(self, conn: Any, term: int) -> None:
+        """Refuse (see the class)."""
+        raise self.refusal("ctx.fence()")
+
+    async def afence(self, conn: Any, term: int) -> None:
+        """Refuse (see the class)."""
+        raise self.refusal("ctx.afence()")
 
 
 NO_FENCE = (
@@ -332,6 +361,8 @@ class TaskContext:
                 connection, or no transaction is open.
         """
         fence = self._fence()
+        if isinstance(fence, NoTransactionFence):
+            raise fence.refusal("ctx.fence()")  # whatever conn is: the other call is no help
         if _is_async_connection(conn) is True:
             raise ConfigError(
                 f"ctx.fence() takes a blocking connection, got {_kind(conn)} whose queries "
@@ -351,6 +382,8 @@ class TaskContext:
                 connection, or no transaction is open.
         """
         fence = self._fence()
+        if isinstance(fence, NoTransactionFence):
+            raise fence.refusal("ctx.afence()")
         if _is_async_connection(conn) is False:
             raise ConfigError(
                 f"ctx.afence() takes an async connection (a psycopg AsyncConnection), got "

@@ -36,15 +36,33 @@ from .errors import BackendUnavailable, ConfigError
 from .lease import Acquisition, HandoverRequest, LeaderInfo, LeaseBackend, SupportsHandover
 from .members import NodeInfo
 from .timing import Timings
-from .validation import check_name, check_node_id, new_node_id
+from .validation import check_name, check_node_id, check_seconds, new_node_id
 
 if TYPE_CHECKING:
     from .broadcast import Broadcaster
     from .tasks import TaskHandler
 
-__all__ = ["Leader", "LeaseLeader"]
+__all__ = ["CLEANUP_TIMEOUT", "Leader", "LeaseLeader"]
 
 logger = logging.getLogger(__name__)
+
+CLEANUP_TIMEOUT = 5.0
+"""Seconds a stopping leader waits for each of its ``cleanup`` callables (then logs a
+warning and goes on, leaving it to finish in a daemon thread)."""
+
+_LEASE_MEMBERS = (
+    "name",
+    "ttl",
+    "connect",
+    "try_acquire",
+    "renew",
+    "release",
+    "current",
+    "wait_for_change",
+    "interrupt",
+    "term_ended",
+    "close",
+)
 
 _RECONNECT_FIRST = 0.1
 _RECONNECT_CAP = 5.0
@@ -108,12 +126,14 @@ class LeaseLeader:
         leader.lead()
 
     Args:
-        lease: the lease to compete for; the leader's name is ``lease.name``.
+        lease: the lease to compete for; the leader's name is ``lease.name``, and its
+            ``ttl`` (seconds, or a :class:`~datetime.timedelta`) is how long the lease
+            lasts on the server after a renewal.
         handler: the tasks to run while leading.
         node_id: this node's id (default: host, pid and a random suffix).
-        ttl: lease length on the server, seconds (default: the lease's own ``ttl``
-            attribute when it has one, else 15). A lease that expires sooner than this
-            is refused: the leader must stop before its lease can pass on.
+        ttl: the ttl the leader's deadline and ``stop_grace`` are reckoned on, seconds
+            (default: the lease's ``ttl``). A lease whose ``ttl`` is shorter is
+            refused: the leader must stop before its lease can pass on.
         renew_interval: seconds between renewals (default 2).
         renew_deadline: step down when no renewal succeeded for this long (default 10).
         retry_interval: a follower's polling period, jittered (default 2).
@@ -122,8 +142,9 @@ class LeaseLeader:
         claimer: claims each scheduled fire before it runs, so a fire runs once across
             the fleet and a new leader finds the fires missed while none led (any
             :class:`~rselection.FireClaimer`; ``None`` runs every fire unclaimed). Claim
-            keys are ``"<lease name>/<fire key>"``; missed fires are claimed in one call
-            when the claimer has ``claim_missed``, else fire by fire.
+            keys are ``"<lease name>/<fire key>"``, with ``%`` and ``/`` in the lease
+            name written ``%25`` and ``%2F``; missed fires are claimed in one call when
+            the claimer has ``claim_missed``, else fire by fire.
         checkpoint_store: keeps ``ctx.checkpoint`` (a
             :class:`~rselection.checkpoints.CheckpointStore`; ``None``: tasks have no
             checkpoint). A store that fences against lease objects (a
@@ -134,7 +155,10 @@ class LeaseLeader:
             when the lease cannot, and then ``ctx.fence`` raises ``ConfigError``.
         cleanup: called once each, in order, when the leader has stopped and released
             its lease (how a factory closes the claimer, store or client it built for
-            the leader); an exception is logged.
+            the leader). Each runs in a thread of its own and is waited for at most
+            :data:`CLEANUP_TIMEOUT` seconds; one that raises (anything, ``SystemExit``
+            too) is logged, one still running then is logged and left running, and the
+            rest run either way.
 
     Raises:
         ConfigError: bad arguments or inconsistent timings (the message shows the math).
@@ -158,11 +182,13 @@ class LeaseLeader:
         cleanup: Iterable[Callable[[], object]] = (),
     ) -> None:
         if not isinstance(lease, LeaseBackend):
+            missing = [m for m in _LEASE_MEMBERS if not hasattr(lease, m)]
             raise ConfigError(
-                "lease must be a LeaseBackend (name, connect, try_acquire, renew, release, "
-                f"current, wait_for_change, interrupt, term_ended, close), got "
-                f"{type(lease).__name__}"
+                f"lease must be a LeaseBackend ({', '.join(_LEASE_MEMBERS)}), got "
+                f"{type(lease).__name__}, which has no {', '.join(missing) or 'such members'}"
+                " (a lease's ttl is the seconds it lasts on the server after a renewal)"
             )
+        self._name = check_name(lease.name, "lease name")
         self._timings = _leader_timings(
             lease, timings, ttl, renew_interval, renew_deadline, retry_interval
         )
@@ -183,7 +209,6 @@ class LeaseLeader:
                 "fence must have fence(conn, term) and afence(conn, term), or be None, got "
                 f"{type(fence).__name__}"
             )
-        self._name = check_name(lease.name, "lease name")
         self._node_id = check_node_id(node_id) if node_id is not None else new_node_id()
         if claimer is not None:
             handler.check_claims(claimer.ttl)
@@ -288,10 +313,11 @@ class LeaseLeader:
         After :meth:`stop` this still answers, but leaves no connection or thread open.
         """
         with self._observer_lock:
-            info = self._backend.current()
-            if self._closed:
-                self._close_backend()
-            return info
+            try:
+                return self._backend.current()
+            finally:
+                if self._closed:
+                    self._close_backend()
 
     def nodes(self) -> list[NodeInfo]:
         """The nodes competing for this lease. Here only this one; leaders with
@@ -376,13 +402,14 @@ class LeaseLeader:
 
         Args:
             timeout: seconds this call may take in all (default: until stopped, which is
-                bounded by ``stop_grace`` plus one release).
+                bounded by ``stop_grace`` plus one release, plus at most
+                :data:`CLEANUP_TIMEOUT` per ``cleanup`` callable).
         """
         self._stopping.set()
         self._wake.set()
         with self._cond:
             self._cond.notify_all()  # the watchdog ends a term the keeper cannot reach
-        self._backend.interrupt()
+        self._interrupt_backend()
         if self._called_from_inside():
             return
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -405,7 +432,7 @@ class LeaseLeader:
                 return
             self._step_down = _StepDown(term.number, hold, "step_down")
         self._wake.set()
-        self._backend.interrupt()
+        self._interrupt_backend()
         if wait and not self._called_from_inside():
             term.ended.wait()
 
@@ -643,12 +670,17 @@ class LeaseLeader:
         except Exception:
             logger.exception("lease %r: error while stopping", self._name)
         finally:
-            self._close_backend()
-            self._run_cleanup()
-            self._handler.detach()
-            with self._cond:
-                self._closed = True
-                self._cond.notify_all()
+            # Whatever a clean-up does, the handler is free again and the threads end.
+            try:
+                self._close_backend()
+                self._handler.detach()
+            finally:
+                try:
+                    self._run_cleanup()
+                finally:
+                    with self._cond:
+                        self._closed = True
+                        self._cond.notify_all()
 
     def _close_backend(self) -> None:
         try:
@@ -656,13 +688,58 @@ class LeaseLeader:
         except Exception:  # closing is best effort; the server drops dead sessions
             logger.debug("lease %r: error while closing the backend", self._name, exc_info=True)
 
+    def _interrupt_backend(self) -> None:
+        """Wake the keeper from the backend's wait; a failure is the backend being
+        unavailable: logged, and the keeper wakes at its wait's timeout instead."""
+        try:
+            self._backend.interrupt()
+        except Exception:
+            logger.warning(
+                "lease %r: the backend's interrupt() failed; the keeper wakes at its next "
+                "timeout instead",
+                self._name,
+                exc_info=True,
+            )
+
+    def _tell_term_ended(self, number: int) -> None:
+        """Tell the backend a term ended; a failure is the backend being unavailable:
+        logged, and the leader goes on (demotion, release, or the lease expires)."""
+        try:
+            self._backend.term_ended(number)
+        except Exception:
+            logger.warning(
+                "lease %r: the backend's term_ended(%d) failed; going on with the stop or "
+                "step-down",
+                self._name,
+                number,
+                exc_info=True,
+            )
+
     def _run_cleanup(self) -> None:
+        """Run each clean-up in order, each in a daemon thread waited for at most
+        :data:`CLEANUP_TIMEOUT`; whatever one does (raise, exit, hang), the rest run."""
         cleanup, self._cleanup = self._cleanup, []
         for fn in cleanup:
-            try:
-                fn()
-            except Exception:  # best effort: the rest still runs
-                logger.exception("lease %r: error in a clean-up on stop", self._name)
+            thread = threading.Thread(
+                target=self._clean_up, args=(fn,), name=f"rselection-cleanup-{self._name}"
+            )
+            thread.daemon = True
+            thread.start()
+            thread.join(CLEANUP_TIMEOUT)
+            if thread.is_alive():
+                logger.warning(
+                    "lease %r: a clean-up on stop (%r) still runs after %g s; going on "
+                    "without waiting for it",
+                    self._name,
+                    fn,
+                    CLEANUP_TIMEOUT,
+                )
+
+    def _clean_up(self, fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except BaseException:  # best effort, SystemExit included: the rest still run
+            logger.exception("lease %r: error in a clean-up on stop (%r)", self._name, fn)
 
     def _observe(self, holder: LeaderInfo | None) -> None:
         seen = (holder.node_id, holder.term) if holder is not None else None
@@ -745,7 +822,7 @@ class LeaseLeader:
                     with self._cond:
                         self._unannounced.append((term.number, reason))
                 term.ended.set()
-                self._backend.term_ended(term.number)
+                self._tell_term_ended(term.number)
         if announce:
             self._send_demoted(term.number, reason)
 
@@ -797,7 +874,7 @@ class LeaseLeader:
         # The keeper may be stuck in network I/O: end the term from here.
         self._end_term("stopped" if stopping else "deadline", expected=term, announce=False)
         self._wake.set()
-        self._backend.interrupt()
+        self._interrupt_backend()
         return True
 
 
@@ -819,11 +896,9 @@ def _leader_timings(
     retry_interval: float | None,
 ) -> Timings:
     """The leader's timings from ``timings`` or the four values, checked against the
-    lease's own ttl when it has one."""
+    lease's own ttl."""
     given = (ttl, renew_interval, renew_deadline, retry_interval)
-    lease_ttl = getattr(lease, "ttl", None)
-    if isinstance(lease_ttl, bool) or not isinstance(lease_ttl, int | float):
-        lease_ttl = None
+    lease_ttl = check_seconds(lease.ttl, f"the ttl of lease {lease.name!r}")
     if timings is not None:
         if any(value is not None for value in given):
             raise ConfigError(
@@ -834,12 +909,12 @@ def _leader_timings(
     else:
         default = Timings()
         timings = Timings(
-            ttl if ttl is not None else lease_ttl if lease_ttl is not None else default.ttl,
+            ttl if ttl is not None else lease_ttl,
             renew_interval if renew_interval is not None else default.renew_interval,
             renew_deadline if renew_deadline is not None else default.renew_deadline,
             retry_interval if retry_interval is not None else default.retry_interval,
         )
-    if lease_ttl is not None and lease_ttl < timings.ttl - 1e-9:
+    if lease_ttl < timings.ttl - 1e-9:
         raise ConfigError(
             f"lease {lease.name!r} expires {lease_ttl:g}s after a renewal, sooner than the "
             f"leader's ttl of {timings.ttl:g}s on which its deadline and stop_grace are "

@@ -82,6 +82,16 @@ class LeaseBackend(Protocol):
     name: str
     """The lease name (one lease per name)."""
 
+    @property
+    def ttl(self) -> float:
+        """Seconds the lease lasts on the server after an acquisition or renewal (a plain
+        attribute will do; a :class:`~datetime.timedelta` is read in seconds).
+
+        The leader checks its own timings against it: a lease that expires sooner than
+        the leader's deadline and ``stop_grace`` allow is refused, since another node
+        could then lead while this one still does.
+        """
+
     def connect(self) -> None:
         """Open (or re-open) the keeper's connection; raise ``BackendUnavailable`` on failure."""
 

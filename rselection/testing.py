@@ -595,6 +595,47 @@ class _Ledger:
             return [(term, began, ended) for n, term, began, ended in self.runs if n == node]
 
 
+class _FrozenRenewals:
+    """A leader's renewals, stopped after the next successful one: its keeper then blocks
+    inside ``renew()`` (as a paused or crashed process would) until :meth:`thaw`.
+
+    Installed by replacing ``renew`` on the leader's lease object; the lease is neither
+    released nor closed meanwhile.
+    """
+
+    def __init__(self, leader: LeaseLeader, bound: float) -> None:
+        lease: Any = leader.lease
+        self.real = lease.renew
+        self.bound = bound
+        self.lock = threading.Lock()
+        self.frozen = False
+        self.last: tuple[float, float] | None = None  # the last successful renewal: sent, done
+        self.stuck = threading.Event()  # the keeper is blocked in renew()
+        self.thawed = threading.Event()
+        lease.renew = self.renew  # on this lease object only
+
+    def renew(self, node_id: str, term: int) -> bool:
+        with self.lock:
+            frozen = self.frozen
+        if frozen:
+            self.stuck.set()
+            self.thawed.wait(self.bound)
+            return False  # the term is lost by now
+        sent = time.monotonic()
+        renewed = bool(self.real(node_id, term))
+        if renewed:
+            with self.lock:
+                self.last = (sent, time.monotonic())
+                self.frozen = not self.thawed.is_set()
+        return renewed
+
+    def thaw(self) -> None:
+        """Let the keeper go on (its renewals then pass through)."""
+        with self.lock:
+            self.frozen = False
+        self.thawed.set()
+
+
 class LeaderConformance:
     """The scenarios every lease backend passes under a :class:`~rselection.LeaseLeader`.
 
@@ -617,11 +658,21 @@ class LeaderConformance:
                 return MyLease(self.url, name=name, ttl=self.timings.ttl)
 
     What it checks: one leader among several nodes, and every node agrees who it is;
-    a graceful stop hands over within :attr:`handover_bound` seconds, with the next term
-    (so a release must wake waiting followers); the old term's tasks have ended before
-    the next term's start; terms only grow, also across release and re-acquire; a
-    step-down with a hold lets another node lead; a stopped leader leaves the lease
-    free; ``leader_changed`` reaches every node.
+    a renewing leader keeps the lease for longer than its ttl and no other node leads
+    meanwhile (so a renewal must extend the lease on the server, not only answer
+    ``True``); a leader whose renewals stop without a release (a crash or a pause) is
+    replaced once its lease expired, :attr:`timings` ``.ttl`` after its last renewal was
+    sent, and not before; a graceful stop hands over within :attr:`handover_bound`
+    seconds, with a higher term (so a release must wake waiting followers); the old
+    term's tasks have ended before the next term's start; terms strictly grow, also
+    across release and re-acquire (by any step: a global revision counter will do); a
+    step-down with a hold lets another node lead; a stopped leader leaves the lease free;
+    ``leader_changed`` reaches every node.
+
+    The scenario of stopped renewals freezes a leader's keeper: it replaces ``renew`` on
+    the leader's lease object (:attr:`~rselection.LeaseLeader.lease`) with a method that
+    blocks, so that object must accept attribute assignment (no ``__slots__``). The
+    backend's session stays open meanwhile, as a paused process's would.
     """
 
     timings: ClassVar[Timings] = Timings(
@@ -634,6 +685,14 @@ class LeaderConformance:
 
     wait_bound: ClassVar[float] = 10.0
     """Seconds any other awaited event may take."""
+
+    expiry_slack: ClassVar[float] = 0.1
+    """Seconds a lease may seem to expire before ``ttl`` has passed since its last renewal
+    was sent (clock rates, rounding); a takeover sooner than that fails the suite."""
+
+    takeover_slack: ClassVar[float] = 1.0
+    """Seconds a takeover of an expired lease may take beyond ``ttl + retry_interval``
+    (scheduling on a busy machine)."""
 
     _made: list[LeaseLeader]
 
@@ -704,9 +763,79 @@ class LeaderConformance:
             )
             _expect(view.expires_at > view.acquired_at, f"expiry not after acquisition: {view}")
 
+    def test_a_renewing_leader_keeps_the_lease_longer_than_its_ttl(self) -> None:
+        """While the leader renews, it keeps its term and no other node leads, for longer
+        than the ttl: a renewal must extend the lease on the server."""
+        name = self.new_name()
+        leaders = [self.leader(name, node) for node in ("a", "b")]
+        for leader in leaders:
+            leader.start()
+        chief = self.the_leader(leaders)
+        term = chief.term
+        t = self.timings
+        began = time.monotonic()
+        watch = t.ttl + 2 * t.retry_interval
+        while (elapsed := time.monotonic() - began) < watch:
+            leading = [x.node_id for x in leaders if x.is_leader]
+            _expect(
+                len(leading) <= 1,
+                f"{' and '.join(leading)} lead at once {elapsed:.2f} s after {chief.node_id} "
+                f"began leading (ttl {t.ttl:g} s): does renew() extend the lease?",
+            )
+            _expect(
+                chief.term == term,
+                f"{chief.node_id} lost term {term} after {elapsed:.2f} s although it renews "
+                f"every {t.renew_interval:g} s",
+            )
+            time.sleep(0.01)
+        for leader in leaders:
+            view = leader.leader()
+            _expect(
+                view is not None and (view.node_id, view.term) == (chief.node_id, term),
+                f"after {watch:g} s {leader.node_id} sees {view}, not {chief.node_id} term {term}",
+            )
+
+    def test_a_leader_whose_renewals_stop_is_replaced_after_its_ttl_not_before(self) -> None:
+        """A holder whose renewals stop without a release (a crash or a pause; here its
+        keeper is frozen inside ``renew()``, its session open) stops leading at its
+        deadline; another node leads once the lease expired, ``ttl`` after the last
+        renewal was sent (less :attr:`expiry_slack`), and within ``retry_interval`` plus
+        :attr:`takeover_slack` after that."""
+        name = self.new_name()
+        leaders = [self.leader(name, node) for node in ("a", "b")]
+        for leader in leaders:
+            leader.start()
+        chief = self.the_leader(leaders)
+        heir = next(x for x in leaders if x is not chief)
+        t = self.timings
+        frozen = _FrozenRenewals(chief, self.wait_bound + t.ttl)
+        try:
+            stuck = frozen.stuck.wait(2 * t.renew_interval + self.wait_bound)
+            _expect(stuck and frozen.last is not None, "the leader renewed nothing")
+            assert frozen.last is not None
+            sent, done = frozen.last
+            latest = done + t.ttl + t.retry_interval + self.takeover_slack
+            while not heir.is_leader:
+                _expect(
+                    time.monotonic() < latest,
+                    f"no other node led {latest - sent:.2f} s after the last renewal of "
+                    f"{chief.node_id} (ttl {t.ttl:g} s): does the lease expire when its "
+                    "holder stops renewing?",
+                )
+                time.sleep(0.005)
+            took = time.monotonic() - sent
+            _expect(
+                took >= t.ttl - self.expiry_slack,
+                f"{heir.node_id} led {took:.2f} s after the last renewal of {chief.node_id} "
+                f"was sent, before its ttl of {t.ttl:g} s: does the lease expire sooner?",
+            )
+            _expect(not chief.is_leader, f"{chief.node_id} still leads without renewals")
+        finally:
+            frozen.thaw()
+
     def test_a_stopped_leader_hands_over_promptly_with_the_next_term(self) -> None:
         """``stop()`` releases the lease and wakes the followers: the next leader leads
-        within :attr:`handover_bound` with the next term, and every node hears of it."""
+        within :attr:`handover_bound` with a higher term, and every node hears of it."""
         name = self.new_name()
         leaders = [self.leader(name, f"node-{i}") for i in range(3)]
         changes: list[tuple[str, Any]] = []
@@ -734,7 +863,10 @@ class LeaderConformance:
                 f"the handover took {took:.2f} s (bound {self.handover_bound:g} s): does "
                 "release() wake followers blocked in wait_for_change()?",
             )
-            _expect(heir.term == first_term + 1, f"term {heir.term} after {first_term}")
+            _expect(
+                heir.term is not None and heir.term > first_term,
+                f"term {heir.term} after {first_term}",
+            )
 
             def heard() -> bool:
                 with lock:
@@ -808,7 +940,7 @@ class LeaderConformance:
         _wait_until(lambda: other.is_leader, self.wait_bound, "the other node to lead")
         took = time.monotonic() - began
         _expect(took <= self.handover_bound, f"the step-down handover took {took:.2f} s")
-        _expect(other.term == term + 1, f"term {other.term} after {term}")
+        _expect(other.term is not None and other.term > term, f"term {other.term} after {term}")
         _expect(not chief.is_leader, "the node on hold leads")
 
     def test_a_stopped_leader_leaves_the_lease_free(self) -> None:

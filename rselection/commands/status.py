@@ -163,16 +163,18 @@ def read_status(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
                 ).fetchall()
             fire_rows = None
             if table_exists(conn, args.claims_table):
-                # Claim keys are "<lease>/<task>@<UTC RFC 3339 nanos>": the key of the
-                # latest fire sorts last, and its holder is the node that ran it.
+                # Claim keys are "<lease>/<task>@<UTC RFC 3339 nanos>", with "%" and "/"
+                # in the lease name written "%25" and "%2F" (rselection.keys): the key of
+                # the latest fire sorts last, and its holder is the node that ran it.
                 fire_rows = conn.execute(
                     sql.SQL(
                         "SELECT DISTINCT ON (l.name, k.task) l.name, k.task, k.fire,"
                         " c.holder, c.term, c.claimed_at"
-                        " FROM {l} l JOIN {c} c"
-                        " ON left(c.fire_key, length(l.name) + 1) = l.name || '/'"
+                        " FROM {l} l CROSS JOIN LATERAL (SELECT"
+                        " replace(replace(l.name, '%', '%25'), '/', '%2F') || '/' AS prefix) p"
+                        " JOIN {c} c ON left(c.fire_key, length(p.prefix)) = p.prefix"
                         " CROSS JOIN LATERAL (SELECT"
-                        " regexp_replace(substr(c.fire_key, length(l.name) + 2),"
+                        " regexp_replace(substr(c.fire_key, length(p.prefix) + 1),"
                         " '@[^@]*$', '') AS task,"
                         " substring(c.fire_key FROM '@([^@]*)$') AS fire) k"
                         " ORDER BY l.name, k.task, k.fire DESC"

@@ -99,7 +99,8 @@ class PostgresLeader(LeaseLeader):
             ``conninfo`` (ttl 600 s, table ``rselection_claims``, holder = node id),
             closed with the leader; pass your own (any
             :class:`~rselection.FireClaimer`, not closed by the leader), or ``None`` to
-            run fires unclaimed. Claim keys are ``"<lease name>/<fire key>"``.
+            run fires unclaimed. Claim keys are ``"<lease name>/<fire key>"`` (``%`` and
+            ``/`` in the lease name written ``%25`` and ``%2F``).
         heartbeat_interval: seconds between this node's heartbeats in the nodes table
             (see :meth:`nodes`), from a thread and connection of its own.
         node_timeout: a node not seen for this long is lost (default three heartbeats).

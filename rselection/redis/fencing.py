@@ -166,8 +166,7 @@ async def afenced_call(
     """Async :func:`fenced_call` for a ``redis.asyncio`` client (``Redis`` or
     ``RedisCluster``): runs ``command`` only if ``term`` still holds lease ``name``.
 
-    With no command, only checks the term at this moment (``await ctx.afence(client)``
-    in a :class:`~rselection.redis.RedisLeader`'s task does that).
+    With no command, only checks the term at this moment.
 
     Raises:
         StaleLeaderError: the term no longer holds the lease; nothing was written.

@@ -7,13 +7,14 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from ..claiming import FireClaimer
-from ..errors import ConfigError
+from ..context import NoTransactionFence
 from ..leader import LeaseLeader
 from ..timing import Timings
 from ..validation import check_name, check_node_id, new_node_id
 from ._conn import check_client
 from .claims import RedisClaimer
 from .fencing import RedisFence
+from .keys import DEFAULT_KEY_PREFIX
 from .lease import RedisLease
 
 if TYPE_CHECKING:
@@ -33,32 +34,21 @@ DEFAULT_CLAIMER = _Default.CLAIMER
 """The default of ``RedisLeader(claimer=...)``: claims in the lease's Redis."""
 
 
-class _NoTransactionFence:
+def no_transaction_fence(name: str, key_prefix: str) -> NoTransactionFence:
     """``ctx.fence`` / ``ctx.afence`` of a Redis leader: refused, naming the fenced call.
 
     Redis has no transaction a takeover would wait for, so a check of the term at one
     moment protects nothing written after it; the fenced call checks and writes in one
     script.
     """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def _refuse(self, what: str) -> ConfigError:
-        return ConfigError(
-            f"{what} of a RedisLeader cannot fence a transaction: Redis has none that "
-            "would hold a takeover back. For a fenced Redis write call "
-            "leader.fence.call(ctx.term, <command>, ...) (async: await "
-            f"rselection.redis.afenced_call(client, {self.name!r}, ctx.term, <command>, "
-            "...)); for writes to another store, keep ctx.term with the data and refuse "
-            "lower terms"
-        )
-
-    def fence(self, conn: Any, term: int) -> None:
-        raise self._refuse("ctx.fence()")
-
-    async def afence(self, conn: Any, term: int) -> None:
-        raise self._refuse("ctx.afence()")
+    prefix = "" if key_prefix == DEFAULT_KEY_PREFIX else f", key_prefix={key_prefix!r}"
+    return NoTransactionFence(
+        "a RedisLeader cannot fence a transaction: Redis has none that would hold a "
+        "takeover back. For a fenced Redis write call leader.fence.call(ctx.term, "
+        "<command>, ...) (async: await rselection.redis.afenced_call(<redis.asyncio "
+        f"client>, {name!r}, ctx.term, <command>, ...{prefix})); for writes to another "
+        "store, keep ctx.term with the data and refuse lower terms"
+    )
 
 
 class RedisLeader(LeaseLeader):
@@ -70,8 +60,9 @@ class RedisLeader(LeaseLeader):
     over at once, and fast crash failover by the holder's connection id where the server
     allows it (see :mod:`rselection.redis.lease`). ``ctx.term`` is the fencing token;
     :attr:`fence` runs Redis writes only while a term holds. Redis has no transaction to
-    fence, so ``ctx.fence(conn)`` is refused with a :class:`~rselection.ConfigError`
-    that names ``leader.fence.call(ctx.term, ...)``.
+    fence, so ``ctx.fence(conn)`` and ``await ctx.afence(conn)`` are refused, whatever
+    ``conn`` is, with a :class:`~rselection.ConfigError` that names
+    ``leader.fence.call(ctx.term, ...)`` and ``rselection.redis.afenced_call``.
 
     A :class:`~rselection.LeaseLeader` over a :class:`~rselection.redis.RedisLease`
     with a :class:`~rselection.redis.RedisClaimer` on the same Redis.
@@ -80,7 +71,10 @@ class RedisLeader(LeaseLeader):
         client: a ``redis://`` URL, a ``redis.Redis`` or a
             ``redis.cluster.RedisCluster`` (the lease's keys share one hash slot). The
             leader's keeper opens connections of its own with the same settings; the
-            client serves :meth:`leader`, the default claimer and :attr:`fence`.
+            client serves :meth:`leader`, the default claimer and :attr:`fence`. From a
+            URL the leader makes its clients itself and closes them on :meth:`stop`
+            (and again after a :meth:`leader` call made after it); a client you pass
+            stays open.
         handler: the tasks to run while leading.
         name: the lease name; nodes with the same name and prefix compete.
         node_id: this node's id (default: host, pid and a random suffix).
@@ -98,7 +92,8 @@ class RedisLeader(LeaseLeader):
             the fleet. By default a :class:`~rselection.redis.RedisClaimer` on the same
             Redis (ttl 600 s, prefix ``<key_prefix>claim:``, holder = node id); pass
             your own (any :class:`~rselection.FireClaimer`) or ``None`` to run
-            fires unclaimed. Claim keys are ``"<lease name>/<fire key>"``.
+            fires unclaimed. Claim keys are ``"<lease name>/<fire key>"`` (``%`` and
+            ``/`` in the lease name written ``%25`` and ``%2F``).
 
     Raises:
         ConfigError: bad arguments (the message says which and why).
@@ -126,7 +121,9 @@ class RedisLeader(LeaseLeader):
         timings = Timings(ttl, renew_interval, renew_deadline, retry_interval)
         redis_client, owns_client = check_client(client, "RedisLeader")
         lease = RedisLease(
-            redis_client,
+            # From a URL the lease makes a client of its own, which it closes whenever
+            # the leader closes it (also after a leader() call made after stop).
+            client if owns_client else redis_client,
             name=name,
             key_prefix=key_prefix,
             ttl=timings.ttl,
@@ -152,7 +149,7 @@ class RedisLeader(LeaseLeader):
             timings=timings,
             claimer=claimer,
             broadcaster=broadcaster,
-            fence=_NoTransactionFence(name),
+            fence=no_transaction_fence(name, key_prefix),
             cleanup=cleanup,
         )
 

@@ -265,6 +265,92 @@ def test_an_unexpected_keeper_error_ends_the_term_and_the_keeper_retries(
         signals.demoted.disconnect(on_demoted)
 
 
+class FailingHook(FaultyLease):
+    """A backend of one's own whose ``interrupt()`` or ``term_ended()`` raises (without
+    doing its work). Its lease lasts 15 s, so a lease left to expire shows."""
+
+    def __init__(self, hook: str) -> None:
+        super().__init__(ttl=15.0)
+        self.hook = hook
+
+    def interrupt(self) -> None:
+        if self.hook == "interrupt":
+            raise RuntimeError("interrupt failed")
+        super().interrupt()
+
+    def term_ended(self, term: int) -> None:
+        if self.hook == "term_ended":
+            raise RuntimeError("term_ended failed")
+        super().term_ended(term)
+
+
+@pytest.fixture
+def demotions() -> Iterator[list[tuple[Any, int, str]]]:
+    seen: list[tuple[Any, int, str]] = []
+
+    def on_demoted(sender: Any, **kw: Any) -> None:
+        seen.append((sender, kw["term"], kw["reason"]))
+
+    signals.demoted.connect(on_demoted)
+    yield seen
+    signals.demoted.disconnect(on_demoted)
+
+
+@pytest.mark.parametrize("hook", ["interrupt", "term_ended"])
+def test_a_backend_hook_that_raises_does_not_break_stop(
+    made: list[LeaseLeader], demotions: list[tuple[Any, int, str]], hook: str
+) -> None:
+    activity = Activity()
+    lease = FailingHook(hook)
+    leader = build(made, lease, stubborn_handler(activity, linger=0.3, stop_grace=1.0))
+    leader.start()
+    assert leader.wait_until_leader(5)
+    wait_until(lambda: 1 in activity.started, 5, "the task")
+    leader.stop(timeout=10)  # neither raises nor returns before the task is joined
+    assert 1 in activity.finished
+    assert [(term, reason) for sender, term, reason in demotions if sender is leader] == [
+        (1, "stopped")
+    ]
+    assert lease.current() is None and len(lease.released_at) == 1  # released, not expiring
+    assert leader._keeper is not None and not leader._keeper.is_alive()
+    assert leader._watchdog is not None and not leader._watchdog.is_alive()
+
+
+def test_a_step_down_goes_on_when_the_backends_term_ended_raises(
+    made: list[LeaseLeader], demotions: list[tuple[Any, int, str]]
+) -> None:
+    lease = FailingHook("term_ended")
+    leader = build(made, lease, rs.TaskHandler())
+    leader.start()
+    assert leader.wait_until_leader(5)
+    leader.step_down()
+    # Released at once (not left to expire 15 s later), so the node leads again soon.
+    wait_until(lambda: leader.term == 2, 2, "term 2")
+    assert len(lease.released_at) == 1
+    assert [(term, reason) for sender, term, reason in demotions if sender is leader] == [
+        (1, "step_down")
+    ]
+
+
+def test_leader_after_stop_closes_the_backend_also_when_the_read_fails(
+    made: list[LeaseLeader],
+) -> None:
+    class Unreadable(FaultyLease):
+        def current(self) -> rs.LeaderInfo | None:
+            super().current()  # as a real backend would, it connected to read
+            raise BackendUnavailable("the read failed")
+
+    lease = Unreadable()
+    leader = build(made, lease, rs.TaskHandler())
+    leader.start()
+    assert leader.wait_until_leader(5)
+    leader.stop(timeout=10)
+    closed = len(lease.closed_at)
+    with pytest.raises(BackendUnavailable):
+        leader.leader()
+    assert len(lease.closed_at) == closed + 1
+
+
 def test_lead_returns_only_after_stop(made: list[LeaseLeader]) -> None:
     lease = FaultyLease()
     lease.acquire_error = RuntimeError("boom")

@@ -7,12 +7,16 @@ backend, by the conformance suite (``rselection.testing.LeaderConformance``).
 from __future__ import annotations
 
 import logging
+import math
+import threading
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
 
 import rselection as rs
+import rselection.leader
 from rselection.lease import MemoryLease
 from rselection.timing import Timings
 from tests.support.waiting import wait_until
@@ -52,6 +56,70 @@ def test_a_lease_that_expires_sooner_than_the_leaders_ttl_is_refused_with_the_ma
     assert "expires 3s after a renewal, sooner than the leader's ttl of 15s" in message
     assert "pass ttl=3" in message
     rs.LeaseLeader(MemoryLease("x", ttl=30.0), rs.TaskHandler(), ttl=15.0)  # longer: fine
+
+
+class OtherTtl:
+    """A lease of one's own around a memory lease, saying its ttl as it likes (or not)."""
+
+    def __init__(self, inner: MemoryLease, ttl: object = None) -> None:
+        self.inner, self.name = inner, inner.name
+        if ttl is not None:
+            self.ttl = ttl
+
+    def connect(self) -> None:
+        self.inner.connect()
+
+    def try_acquire(self, node_id: str) -> rs.Acquisition:
+        return self.inner.try_acquire(node_id)
+
+    def renew(self, node_id: str, term: int) -> bool:
+        return self.inner.renew(node_id, term)
+
+    def release(self, node_id: str, term: int) -> None:
+        self.inner.release(node_id, term)
+
+    def current(self) -> rs.LeaderInfo | None:
+        return self.inner.current()
+
+    def wait_for_change(self, timeout: float) -> None:
+        self.inner.wait_for_change(timeout)
+
+    def interrupt(self) -> None:
+        self.inner.interrupt()
+
+    def term_ended(self, term: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("ttl", "match"),
+    [
+        (None, "which has no ttl"),  # no ttl: the leader cannot know when it expires
+        (timedelta(seconds=1.5), "ttl - renew_deadline = 1.5 - 10"),
+        (math.nan, "must be a finite number"),
+        ("15", "must be a finite number"),
+        (True, "must be a finite number"),
+        (0, "must be positive"),
+    ],
+)
+def test_a_lease_whose_ttl_is_missing_or_too_short_in_any_form_is_refused(
+    ttl: object, match: str
+) -> None:
+    lease = OtherTtl(MemoryLease("short", ttl=1.5), ttl)
+    with pytest.raises(rs.ConfigError, match=match):
+        rs.LeaseLeader(lease, rs.TaskHandler(), retry_interval=0.1)
+    with pytest.raises(rs.ConfigError, match="ttl"):  # the leader's own ttl changes nothing
+        rs.LeaseLeader(lease, rs.TaskHandler(), ttl=15.0)
+
+
+def test_a_lease_ttl_given_as_a_timedelta_is_read_in_seconds() -> None:
+    lease = OtherTtl(MemoryLease("long", ttl=30.0), timedelta(seconds=30))
+    assert rs.LeaseLeader(lease, rs.TaskHandler()).timings.ttl == 30.0
+    with pytest.raises(rs.ConfigError, match="expires 30s after a renewal"):
+        rs.LeaseLeader(lease, rs.TaskHandler(), ttl=60.0, renew_deadline=40.0)
 
 
 def test_timings_come_either_as_one_object_or_as_four_values() -> None:
@@ -137,6 +205,58 @@ def test_cleanup_runs_once_after_the_release_and_survives_errors(
     leader.stop(timeout=10)
     assert calls == ["broken", None]  # never twice
     assert any("clean-up" in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records)
+
+
+def test_a_hanging_cleanup_holds_stop_at_most_the_cleanup_timeout(
+    lease_leaders: Callable[..., rs.LeaseLeader], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(rselection.leader, "CLEANUP_TIMEOUT", 0.5)
+    lease = MemoryLease("hang", ttl=3.0)
+    release = threading.Event()
+    calls: list[str] = []
+
+    def hang() -> None:
+        calls.append("hang")
+        release.wait(30)
+
+    leader = lease_leaders(lease, cleanup=[hang, lambda: calls.append("next")], **FAST)
+    leader.start()
+    assert leader.wait_until_leader(5)
+    stopping = threading.Thread(target=leader.stop, daemon=True)  # no timeout
+    try:
+        stopping.start()
+        stopping.join(5)
+        assert not stopping.is_alive(), "stop() waits for a hanging clean-up"
+        assert calls == ["hang", "next"] and lease.current() is None
+    finally:
+        release.set()
+
+
+def test_a_cleanup_that_exits_skips_nothing_and_frees_the_handler(
+    lease_leaders: Callable[..., rs.LeaseLeader],
+) -> None:
+    calls: list[str] = []
+
+    def exits() -> None:
+        calls.append("exits")
+        raise SystemExit(3)
+
+    handler = rs.TaskHandler()
+    leader = lease_leaders(
+        MemoryLease("exits", ttl=3.0),
+        handler,
+        cleanup=[exits, lambda: calls.append("next")],
+        **FAST,
+    )
+    leader.start()
+    assert leader.wait_until_leader(5)
+    leader.stop(timeout=10)
+    assert calls == ["exits", "next"]
+    assert leader._keeper is not None and not leader._keeper.is_alive()
+    assert leader._watchdog is not None and not leader._watchdog.is_alive()
+    again = lease_leaders(MemoryLease("exits-again", ttl=3.0), handler, **FAST)
+    again.start()  # the handler was detached
+    assert again.wait_until_leader(5)
 
 
 def test_claims_go_through_the_lease_name(

@@ -453,6 +453,26 @@ def test_lease_claims_prefix_every_key_with_the_lease_name() -> None:
     assert inner.claims() == {"billing/tick@t1": 1, "reports/tick@t1": 1, "billing/tick@t2": 3}
 
 
+def test_lease_claims_of_leases_with_a_slash_in_the_name_never_collide() -> None:
+    """Lease "jobs" task "eu/purge" and lease "jobs/eu" task "purge" claim apart: the
+    lease name's "/" (and "%") are percent-encoded in the claim key."""
+    from rselection.claiming import LeaseClaims
+
+    inner = rs.MemoryClaimer()
+    jobs, jobs_eu = LeaseClaims(inner, "jobs"), LeaseClaims(inner, "jobs/eu")
+    assert jobs.claim("eu/purge@t1", term=1)
+    assert jobs_eu.claim("purge@t1", term=1)  # another lease's fire: not already claimed
+    assert jobs_eu.claim_missed(["purge@t1", "purge@t2"], term=2) == ["purge@t2"]
+    percent = LeaseClaims(inner, "jobs%2Feu")  # a name that looks encoded stays apart
+    assert percent.claim("purge@t1", term=1)
+    assert set(inner.claims()) == {
+        "jobs/eu/purge@t1",
+        "jobs%2Feu/purge@t1",
+        "jobs%2Feu/purge@t2",
+        "jobs%252Feu/purge@t1",
+    }
+
+
 def test_lease_claims_use_the_claimers_own_claim_missed_in_one_call() -> None:
     from rselection.claiming import LeaseClaims
 

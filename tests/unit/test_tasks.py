@@ -13,7 +13,7 @@ import pytest
 
 import rselection as rs
 from rselection import clock
-from rselection.context import TaskContext, Term
+from rselection.context import NoTransactionFence, TaskContext, Term
 from rselection.errors import ConfigError, LeadershipLost, StaleLeaderError
 from rselection.lease import MemoryLease
 from rselection.schedules import format_fire_key
@@ -415,6 +415,25 @@ def test_fence_and_afence_use_the_leaders_transaction_fence() -> None:
     assert fence.calls == [("fence", conn, 5), ("afence", aconn, 5)]
     with pytest.raises(ConfigError, match=r"await ctx\.afence\(conn\)"):
         ctx.fence(aconn)
+
+
+class BlockingConnection:
+    """Looks like a connection whose queries block."""
+
+    def execute(self, query: str) -> None: ...
+
+
+def test_a_fence_that_refuses_names_a_call_that_works_whatever_the_connection() -> None:
+    """Under a lease that cannot fence a transaction (Redis), ctx.fence(async conn) and
+    ctx.afence(blocking conn) never send the task to the other call, refused as well."""
+    ctx = TaskContext("job", Term(5, "n", fence=NoTransactionFence("call fenced() instead")))
+    for conn in (BlockingConnection(), AsyncConnection(), object()):
+        with pytest.raises(ConfigError) as refused:
+            ctx.fence(conn)
+        assert str(refused.value) == "ctx.fence(): call fenced() instead"
+        with pytest.raises(ConfigError) as refused:
+            asyncio.run(ctx.afence(conn))
+        assert str(refused.value) == "ctx.afence(): call fenced() instead"
 
 
 def test_checkpoint_needs_a_store() -> None:

@@ -1,12 +1,15 @@
 """One leader conformance suite, run on every lease backend.
 
 In-process scenarios (:class:`rselection.testing.LeaderConformance`: election and
-agreement, prompt graceful handover with the next term, the old term's tasks joined
-before the next term starts, terms that only grow, step-down with a hold, a free lease
-after stop) run on ``PostgresLeader``, ``RedisLeader`` and a ``LeaseLeader`` over an
-example backend of a user's own (:mod:`tests.support.file_lease`, a lease kept in a
-file). A backend of yours passes the same suite: subclass ``LeaderConformance`` in a
-test module and implement ``make_lease(name)``, as ``TestFileLease`` below does.
+agreement, a renewing leader keeps its lease beyond the ttl, a leader whose renewals stop
+is replaced at expiry and not before, prompt graceful handover with a higher term, the
+old term's tasks joined before the next term starts, terms that strictly grow, step-down
+with a hold, a free lease after stop) run on ``PostgresLeader``, ``RedisLeader`` and a
+``LeaseLeader`` over an example backend of a user's own (:mod:`tests.support.file_lease`,
+a lease kept in a file). A backend of yours passes the same suite: subclass
+``LeaderConformance`` in a test module and implement ``make_lease(name)``, as
+``TestFileLease`` below does. The suite fails leases that could give two leaders or none
+(:mod:`tests.support.broken_leases`) and passes one whose terms grow by 2.
 
 Fleet scenarios run on Postgres and Redis: real node processes (``python -m
 rselection.commands.demo_fleet --backend ...``) that write a fenced ledger and report
@@ -34,6 +37,13 @@ from rselection.commands.demo_fleet import Fleet
 from rselection.testing import LeaderConformance
 from tests.support import activity
 from tests.support.backends import Backend
+from tests.support.broken_leases import (
+    ExpiresEarly,
+    HonestLease,
+    NeverExpires,
+    RenewNeverExtends,
+    TermsSkip,
+)
 from tests.support.file_lease import FileLease
 from tests.support.pg import with_host_port
 from tests.support.proxy import TcpProxy
@@ -117,6 +127,60 @@ class TestRedisLeader(LeaderConformance):
             renew_deadline=t.renew_deadline,
             retry_interval=t.retry_interval,
         )
+
+
+# -- the suite fails broken leases -------------------------------------------------------
+
+
+class TestTermsThatSkip(LeaderConformance):
+    """A correct lease whose terms grow by 2 (a global revision counter, as etcd's)."""
+
+    def make_lease(self, name: str) -> rs.LeaseBackend:
+        return TermsSkip(name, self.timings.ttl)
+
+
+def suite_over(lease: type[HonestLease]) -> LeaderConformance:
+    """The conformance suite over ``lease``, to run one scenario by hand."""
+
+    class Suite(LeaderConformance):
+        def make_lease(self, name: str) -> rs.LeaseBackend:
+            return lease(name, self.timings.ttl)
+
+    return Suite()
+
+
+@pytest.mark.parametrize(
+    ("lease", "scenario", "failure"),
+    [
+        pytest.param(
+            RenewNeverExtends,
+            "test_a_renewing_leader_keeps_the_lease_longer_than_its_ttl",
+            "lead at once",
+            id="renew-never-extends",
+        ),
+        pytest.param(
+            NeverExpires,
+            "test_a_leader_whose_renewals_stop_is_replaced_after_its_ttl_not_before",
+            "does the lease expire when its holder stops renewing",
+            id="never-expires",
+        ),
+        pytest.param(
+            ExpiresEarly,
+            "test_a_leader_whose_renewals_stop_is_replaced_after_its_ttl_not_before",
+            "before its ttl of 3 s",
+            id="expires-early",
+        ),
+    ],
+)
+def test_the_suite_fails_a_lease_that_could_give_two_leaders_or_none(
+    lease: type[HonestLease], scenario: str, failure: str
+) -> None:
+    suite = suite_over(lease)
+    try:
+        with pytest.raises(AssertionError, match=failure):
+            getattr(suite, scenario)()
+    finally:
+        suite.stop_leaders()
 
 
 # -- Postgres and Redis: fenced writes and node fleets -----------------------------------

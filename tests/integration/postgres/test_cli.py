@@ -190,6 +190,35 @@ def test_status_table_and_json_with_a_live_fleet(pg_dsn: str, fleet: Fleet) -> N
     assert headless.returncode == 1 and f"NO LEADER: {fleet.name}" in headless.stdout
 
 
+def test_status_finds_the_fires_of_a_lease_with_a_slash_in_its_name(pg_dsn: str) -> None:
+    # Claim keys write "/" in a lease name as "%2F": the fires of lease "x/y" are found,
+    # and lease "x"'s task "y/tock" is not taken for a task "tock" of lease "x/y".
+    fired: dict[str, int] = {}
+    leaders = []
+    for name, task in (("x/y", "tick"), ("x", "y/tock")):
+        handler = rs.TaskHandler()
+
+        def tick(ctx: rs.TaskContext, name: str = name) -> None:
+            fired[name] = fired.get(name, 0) + 1
+
+        handler.interval(0.2, name=task)(tick)
+        leaders.append(
+            rs.PostgresLeader(pg_dsn, handler, name=name, node_id=f"n-{task}", **LEASE_TIMINGS)
+        )
+    try:
+        for leader in leaders:
+            leader.start()
+        wait_until(lambda: len(fired) == 2, 15, "a fire of each lease")
+    finally:
+        for leader in leaders:
+            leader.stop(timeout=10)
+    _, doc = status_json(pg_dsn)
+    assert sorted((t["lease"], t["task"]) for t in doc["tasks"]) == [
+        ("x", "y/tock"),
+        ("x/y", "tick"),
+    ]
+
+
 def test_status_json_on_an_unreachable_server_exits_2() -> None:
     out = run("status", "--dsn", CLOSED, "--json")
     assert out.returncode == 2

@@ -257,6 +257,25 @@ def test_stop_leaves_no_threads_or_connections(
     assert client.get(lease_keys(name)[0]) is None  # released
 
 
+def test_leader_after_stop_leaves_no_connection_open(
+    make_leader: Callable[..., RedisLeader], client: redis.Redis, redis_url: str
+) -> None:
+    tag = f"leak-{uuid.uuid4().hex[:8]}"  # names the connections of the leader's clients
+    url = f"{redis_url}{'&' if '?' in redis_url else '?'}client_name={tag}"
+
+    def connections() -> list[Any]:
+        return [c for c in client.client_list() if c["name"] == tag]
+
+    leader = make_leader(url=url)
+    leader.start()
+    assert leader.wait_until_leader(10)
+    assert leader.leader() is not None and connections()
+    leader.stop(timeout=10)
+    wait_until(lambda: not connections(), 5, "the client's connections to close on stop")
+    assert leader.leader() is None  # still answers...
+    wait_until(lambda: not connections(), 5, "the connection leader() opened to close")
+
+
 def test_fires_are_claimed_in_redis_under_the_lease_name(
     make_leader: Callable[..., RedisLeader], client: redis.Redis, name: str
 ) -> None:
@@ -311,3 +330,10 @@ def test_ctx_fence_is_refused_naming_the_fenced_call_and_fence_call_fences(
     assert client.get(key) == b"v1"
     with pytest.raises(rs.ConfigError, match="term"):
         RedisFence(client, leader.name).call(0, "GET", key)
+
+
+def test_the_fence_refusal_names_a_non_default_key_prefix() -> None:
+    from rselection.redis.leader import no_transaction_fence
+
+    assert "key_prefix" not in no_transaction_fence("jobs", "rselection:").reason
+    assert ", key_prefix='app:'))" in no_transaction_fence("jobs", "app:").reason
