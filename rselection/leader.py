@@ -245,6 +245,7 @@ class LeaseLeader:
         self._unannounced: list[tuple[int, str]] = []
         self._keeper: threading.Thread | None = None
         self._watchdog: threading.Thread | None = None
+        self._cleaning: threading.Thread | None = None  # the clean-up running on stop
         self._observer_lock = threading.Lock()
 
     # -- public ---------------------------------------------------------------------
@@ -403,7 +404,9 @@ class LeaseLeader:
         Args:
             timeout: seconds this call may take in all (default: until stopped, which is
                 bounded by ``stop_grace`` plus one release, plus at most
-                :data:`CLEANUP_TIMEOUT` per ``cleanup`` callable).
+                :data:`CLEANUP_TIMEOUT` per ``cleanup`` callable; on a follower whose
+                backend fails to :meth:`~rselection.LeaseBackend.interrupt` its wait,
+                also the rest of that wait, at most the lease's ``ttl``).
         """
         self._stopping.set()
         self._wake.set()
@@ -439,7 +442,7 @@ class LeaseLeader:
     def _called_from_inside(self) -> bool:
         """True on a thread or loop whose work this leader's stop would wait for."""
         current = threading.current_thread()
-        if current is self._keeper or current is self._watchdog:
+        if current in (self._keeper, self._watchdog, self._cleaning):
             return True
         running = running_term.get()
         if running is not None and running in (self._term, self._last_term):
@@ -724,6 +727,7 @@ class LeaseLeader:
                 target=self._clean_up, args=(fn,), name=f"rselection-cleanup-{self._name}"
             )
             thread.daemon = True
+            self._cleaning = thread  # a clean-up that calls stop() must not wait for itself
             thread.start()
             thread.join(CLEANUP_TIMEOUT)
             if thread.is_alive():

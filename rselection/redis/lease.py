@@ -742,8 +742,11 @@ class RedisLease(Closeable):
         """
         self._drop()
         if self._owns_client:
+            # Idle connections only: a current() under way on another thread keeps its
+            # connection (closing it under the read would raise out of redis-py); it
+            # goes back to the pool, which the next close() empties.
             with contextlib.suppress(Exception):
-                self._client.connection_pool.disconnect()
+                self._client.connection_pool.disconnect(inuse_connections=False)
         self._wakeup.close()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -277,3 +278,27 @@ def test_claims_go_through_the_lease_name(
     wait_until(lambda: len(keys) >= 2, 5, "two fires")
     leader.stop(timeout=10)
     assert {f"claims/{key}" for key in keys} <= set(claimer.claims())
+
+
+def test_a_cleanup_that_calls_stop_does_not_wait_for_itself(
+    lease_leaders: Callable[..., rs.LeaseLeader],
+) -> None:
+    # A shared "shut everything down" hook may be one of the clean-ups; its stop() only
+    # asks, as from a task or a receiver, instead of waiting for the clean-up it runs in.
+    leaders: list[rs.LeaseLeader] = []
+    stopped_in: list[float] = []
+
+    def shut_down() -> None:
+        start = time.monotonic()
+        leaders[0].stop()
+        stopped_in.append(time.monotonic() - start)
+
+    leader = lease_leaders(MemoryLease("stop-in-cleanup", ttl=3.0), cleanup=[shut_down], **FAST)
+    leaders.append(leader)
+    leader.start()
+    assert leader.wait_until_leader(5)
+    start = time.monotonic()
+    leader.stop(timeout=30)
+    took = time.monotonic() - start
+    assert stopped_in and stopped_in[0] < 1.0, f"stop() inside the clean-up took {stopped_in}"
+    assert took < rselection.leader.CLEANUP_TIMEOUT, f"stop() took {took:.2f}s"

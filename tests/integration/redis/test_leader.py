@@ -18,6 +18,7 @@ import pytest
 import redis
 
 import rselection as rs
+from rselection.errors import BackendUnavailable
 from rselection.redis import RedisFence, RedisLeader, RedisLease, fenced_call
 from rselection.redis.lease import lease_keys
 from tests.support.pg import PrivateRedis
@@ -274,6 +275,47 @@ def test_leader_after_stop_leaves_no_connection_open(
     wait_until(lambda: not connections(), 5, "the client's connections to close on stop")
     assert leader.leader() is None  # still answers...
     wait_until(lambda: not connections(), 5, "the connection leader() opened to close")
+
+
+def test_leader_answers_from_other_threads_while_the_keeper_reconnects(
+    make_leader: Callable[..., RedisLeader], client: redis.Redis, redis_url: str
+) -> None:
+    # From a URL the lease owns the client leader() reads through, and closes it after
+    # every outage: a read under way on another thread must not fail with redis-py's
+    # internals (a closed socket), only with BackendUnavailable at worst.
+    leader = make_leader(url=redis_url)
+    leader.start()
+    assert leader.wait_until_leader(10)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def observe() -> None:
+        while not done.is_set():
+            try:
+                leader.leader()
+            except BackendUnavailable:
+                pass
+            except Exception as exc:
+                errors.append(exc)
+
+    observers = [threading.Thread(target=observe) for _ in range(3)]
+    for thread in observers:
+        thread.start()
+    try:
+        for _ in range(3):
+            killed = leader.lease.client_id
+            assert killed is not None
+            client.client_kill_filter(_id=killed)
+            wait_until(
+                lambda gone=killed: leader.is_leader and leader.lease.client_id not in (None, gone),
+                15,
+                "the keeper to reconnect and lead again",
+            )
+    finally:
+        done.set()
+        for thread in observers:
+            thread.join(10)
+    assert not errors, f"leader() raised {sorted({repr(e) for e in errors})[:3]}"
 
 
 def test_fires_are_claimed_in_redis_under_the_lease_name(
