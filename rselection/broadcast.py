@@ -26,7 +26,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 from blinker import Namespace, Signal
@@ -98,7 +97,7 @@ class BroadcastStats:
     closed: bool = False
 
 
-class Subscription:
+class Subscription(Closeable):
     """A bounded buffer of the messages published on one channel; read it, then close it.
 
     Create one with :meth:`Broadcaster.subscribe`, never directly. Read with
@@ -326,19 +325,6 @@ class Subscription:
             waiters, self._async_waiters = self._async_waiters, []
         self._wake_async(waiters)
         return True
-
-    def __enter__(self) -> Subscription:
-        """Return the subscription; it is closed when the ``with`` block exits."""
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Close the subscription."""
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
