@@ -40,7 +40,7 @@ def elected(fleet: Fleet, timeout: float, exclude: str | None = None) -> dict[st
         event = fleet.next_event(left)
         if event and event["ev"] == "elected" and event["node"] != exclude:
             return event
-    pytest.fail(f"no node was elected within {timeout}s; events: {fleet.history[-20:]}")
+    pytest.fail(f"no node was elected within {timeout}s; events: {fleet.history[-60:]}")
 
 
 def start_fleet(
