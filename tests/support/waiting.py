@@ -15,10 +15,15 @@ def wait_until(
     timeout: float = 5.0,
     what: str = "the condition",
     interval: float = 0.005,
-) -> None:
-    """Poll ``predicate`` every ``interval`` seconds; fail the test after ``timeout``."""
-    deadline = time.monotonic() + timeout
+) -> float:
+    """Poll ``predicate`` every ``interval`` seconds; fail the test after ``timeout``.
+
+    Returns the seconds it took.
+    """
+    start = time.monotonic()
+    deadline = start + timeout
     while not predicate():
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+    return time.monotonic() - start

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -61,16 +60,6 @@ def offline(backend: Backend) -> Iterator[Any]:
     claimer.close()
 
 
-def until_true(attempt: Callable[[], bool], timeout: float, what: str) -> float:
-    """Call ``attempt`` until it returns True; fail after ``timeout``. Returns the time taken."""
-    start = time.monotonic()
-    while not attempt():
-        if time.monotonic() - start > timeout:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
-    return time.monotonic() - start
-
-
 # -- claim ---------------------------------------------------------------------------------
 
 
@@ -89,7 +78,7 @@ def test_a_claim_is_won_once_and_kept_until_its_ttl_then_replaced(
     assert a.claim(KEY) is False
     assert b.claim(KEY) is False
     assert backend.claim_of(KEY) == ("node-a", None)
-    waited = until_true(lambda: b.claim(KEY), 10, "the expired claim to be replaced")
+    waited = wait_until(lambda: b.claim(KEY), 10, "the expired claim to be replaced")
     assert 0.2 < waited < 5  # not before the ttl has (almost) passed
     assert backend.claim_of(KEY) == ("node-b", None)
     assert a.claim(KEY) is False

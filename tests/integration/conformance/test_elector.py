@@ -42,16 +42,6 @@ def make_elector(backend: Backend) -> Iterator[Callable[..., Any]]:
         elector.close()
 
 
-def until_true(attempt: Callable[[], bool], timeout: float, what: str) -> float:
-    """Call ``attempt`` until it returns True; fail after ``timeout``. Returns the time taken."""
-    start = time.monotonic()
-    while not attempt():
-        if time.monotonic() - start > timeout:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
-    return time.monotonic() - start
-
-
 # -- election ----------------------------------------------------------------------------
 
 
@@ -114,7 +104,7 @@ def test_failover_after_the_ttl_increments_the_term(make_elector: Callable[..., 
     b = make_elector(node_id="b", ttl=0.4)
     assert a.is_leader() and a.term == 1
     assert not b.is_leader()
-    waited = until_true(b.is_leader, 10, "b to take over after the ttl")
+    waited = wait_until(b.is_leader, 10, "b to take over after the ttl")
     assert 0.2 < waited < 5
     assert b.term == 2
     assert a.is_leader() is False and a.term is None

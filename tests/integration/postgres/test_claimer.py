@@ -31,6 +31,7 @@ from rselection.postgres.claims import FIRE_KEY_FORMAT
 from rselection.schedules import format_fire_key
 from tests.support.backends import closed_port
 from tests.support.proxy import TcpProxy
+from tests.support.waiting import wait_until
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -74,16 +75,6 @@ def rows(dsn: str, table: str = "rselection_claims") -> dict[str, tuple[Any, ...
             ).format(sql.Identifier(*table.split(".")))
         ).fetchall()
     return {r[0]: tuple(r[1:]) for r in found}
-
-
-def until_true(attempt: Callable[[], bool], timeout: float, what: str) -> float:
-    """Call ``attempt`` until it returns True; fail after ``timeout``. Returns the time taken."""
-    start = time.monotonic()
-    while not attempt():
-        if time.monotonic() - start > timeout:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
-    return time.monotonic() - start
 
 
 def tables_in_schema(dsn: str) -> set[str]:
@@ -260,7 +251,7 @@ def test_session_killed_during_a_claim_raises_and_claims_nothing(
                 ).fetchone()
                 return None if row is None else int(row[0])
 
-            until_true(lambda: waiting_pid() is not None, 10, "the claim to wait")
+            wait_until(lambda: waiting_pid() is not None, 10, "the claim to wait")
             admin.execute("SELECT pg_terminate_backend(%s)", (waiting_pid(),))
             with pytest.raises(BackendUnavailable):
                 future.result(timeout=10)
@@ -275,7 +266,7 @@ def test_server_ended_idle_session_is_replaced_before_the_next_claim(
     assert claimer.claim("i1")
     own = claimer._conns._idle[-1]  # the connection the call used, now idle
     admin.execute("SELECT pg_terminate_backend(%s)", (own.info.backend_pid,))
-    until_true(lambda: not Connections.usable(own), 5, "the termination to arrive")
+    wait_until(lambda: not Connections.usable(own), 5, "the termination to arrive")
     assert claimer.claim("i2")
     assert not claimer.claim("i1")
 
