@@ -43,6 +43,7 @@ __all__ = [
     "server_keepalives",
     "server_user_timeout",
     "session_conninfo",
+    "shutdown_socket",
     "unavailable",
 ]
 
@@ -295,7 +296,8 @@ class IoWatchdog:
                     elif held is None or not held():
                         del self._armed[token]
                         self._fired.add(token)
-                        _shutdown(fd)
+                        shutdown_socket(fd)
+                        logger.debug("aborted a round trip that overran its bound (fd %s)", fd)
                     # else overrun but held: parked until recheck()
                 self._cond.wait(wait)
 
@@ -309,8 +311,12 @@ class IoWatchdog:
             thread.join(5.0)
 
 
-def _shutdown(fd: int) -> None:
-    """Shut the socket behind ``fd`` down (both ways) without closing ``fd`` itself."""
+def shutdown_socket(fd: int) -> None:
+    """Shut the socket behind ``fd`` down (both ways) without closing ``fd`` itself.
+
+    A thread blocked on it wakes with an error at once; the descriptor stays open (its
+    owner closes it later), so no other socket can reuse it meanwhile.
+    """
     try:
         dup = socket.socket(fileno=os.dup(fd))
     except OSError:
@@ -321,7 +327,6 @@ def _shutdown(fd: int) -> None:
         pass
     finally:
         dup.close()
-    logger.debug("aborted a round trip that overran its bound (fd %s)", fd)
 
 
 def _kind_of(source: object, owner: str) -> str:

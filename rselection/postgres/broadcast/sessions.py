@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import random
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +20,7 @@ from typing import Any
 import psycopg
 
 from ...errors import BackendUnavailable
-from .._conn import describe_conninfo, redact
+from .._conn import describe_conninfo, redact, shutdown_socket
 from ..schema import create_tables
 from .outbox import Outbox
 from .settings import Settings
@@ -50,15 +48,9 @@ def abort_socket(conn: psycopg.Connection[Any]) -> None:
     """
     try:
         fd = conn.pgconn.socket
-        dup = socket.socket(fileno=os.dup(fd))
     except (OSError, psycopg.Error):
         return
-    try:
-        dup.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    finally:
-        dup.close()
+    shutdown_socket(fd)
 
 
 class Deadlines:
