@@ -33,7 +33,14 @@ from .checkpoints import CheckpointStore, LeaseFencedStore
 from .claiming import FireClaimer, LeaseClaims
 from .context import Term, TransactionFence, running_term
 from .errors import BackendUnavailable, ConfigError
-from .lease import Acquisition, HandoverRequest, LeaderInfo, LeaseBackend, SupportsHandover
+from .lease import (
+    Acquisition,
+    HandoverRequest,
+    LeaderInfo,
+    LeaseBackend,
+    SharedSchedule,
+    SupportsHandover,
+)
 from .members import NodeInfo
 from .timing import Timings
 from .validation import check_name, check_node_id, check_seconds, new_node_id
@@ -216,6 +223,7 @@ class LeaseLeader:
             checkpoint_store.add_lease(lease)
         self._backend = lease
         self._handovers = lease if isinstance(lease, SupportsHandover) else None
+        self._schedule = lease if isinstance(lease, SharedSchedule) else None
         self._handler = handler
         self._broadcaster = broadcaster
         self._fence = fence
@@ -567,14 +575,23 @@ class LeaseLeader:
         A free lease with ``expires_in > 0`` is reserved for another node that long.
         """
         t = self._timings
-        jitter = random.uniform(0.0, 0.1 * t.retry_interval)
+        schedule = self._schedule
+        jitter = 0.0 if schedule is not None else random.uniform(0.0, 0.1 * t.retry_interval)
         if attempt.holder is None:
             if attempt.expires_in > 0:
                 # Free but reserved for another node (a requested handover) this long;
                 # its acquisition notifies us sooner.
-                return min(attempt.expires_in, t.ttl) + jitter
-            return min(t.retry_interval, 0.05) + jitter  # lost a race: look again soon
-        return max(t.retry_interval, min(attempt.expires_in, t.ttl)) + jitter
+                wait = min(attempt.expires_in, t.ttl) + jitter
+            else:
+                return min(t.retry_interval, 0.05) + jitter  # lost a race: look again soon
+        else:
+            wait = max(t.retry_interval, min(attempt.expires_in, t.ttl)) + jitter
+        if schedule is not None:
+            # Attempt with the backend's other leases (its grid's phase differs from
+            # other processes', which spreads the fleet as jitter would).
+            now = clock.monotonic()
+            wait = schedule.attempt_slot(now + wait, t.retry_interval / 2) - now
+        return wait
 
     def _lead_step(self) -> None:
         term = self._term
@@ -587,7 +604,11 @@ class LeaseLeader:
             self._hold_until = clock.monotonic() + request.hold
             return
         handovers = self._handovers
-        wait = self._last_sent + self._timings.renew_interval - clock.monotonic()
+        due = self._last_sent + self._timings.renew_interval
+        if self._schedule is not None:
+            # Earlier, never later: renew with the backend's other leases.
+            due = self._schedule.renewal_slot(due, self._timings.renew_interval, self._last_sent)
+        wait = due - clock.monotonic()
         # A handover request is noticed by a renewal; a notification about one makes
         # the renewal happen now instead of at the next interval.
         if wait > 0 and not (handovers is not None and handovers.handover_hinted()):

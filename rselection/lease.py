@@ -22,6 +22,7 @@ __all__ = [
     "LeaderInfo",
     "LeaseBackend",
     "MemoryLease",
+    "SharedSchedule",
     "SupportsHandover",
 ]
 
@@ -158,6 +159,24 @@ class SupportsHandover(Protocol):
 
     def handover_requested(self) -> HandoverRequest | None:
         """The request the last successful renewal found for its term, once; else ``None``."""
+
+
+@runtime_checkable
+class SharedSchedule(Protocol):
+    """A lease backend whose leases share one session, and so one schedule.
+
+    Optional: with it, the leader renews on the backend's renewal grid (never later than
+    its own ``renew_interval``) and, following, attempts on its attempt grid (never more
+    than half a ``retry_interval`` after it would have), so that the round trips of
+    many leases go out together (:class:`~rselection.postgres.PostgresLease` has it).
+    Times are :func:`rselection.clock.monotonic`.
+    """
+
+    def renewal_slot(self, due: float, interval: float, after: float) -> float:
+        """The time to renew a lease due at ``due``: at or before it, after ``after``."""
+
+    def attempt_slot(self, due: float, interval: float) -> float:
+        """The time to attempt a lease due at ``due``: at or after it, within ``interval``."""
 
 
 class MemoryLease:

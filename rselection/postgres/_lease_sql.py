@@ -10,7 +10,7 @@ there, is in :mod:`rselection.postgres.lease`.
 from __future__ import annotations
 
 import hashlib
-import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -22,33 +22,49 @@ from ._conn import Keepalives
 from .schema import (
     DEFAULT_TABLE,
     LEASE_HANDOVER_COLUMNS,
+    LEASE_PROTOCOL_COLUMNS,
     LEASE_SERVER_COLUMNS,
     table_identifier,
 )
 
 __all__ = [
+    "LEASE_PROTOCOL",
     "LOCK_HELD",
+    "RING_HELD",
     "SERVER_IDENTITY_SQL",
     "SERVER_START_SQL",
+    "STATE_COLUMNS",
+    "AcquireRequest",
     "LeaseTable",
-    "acquire_sql",
+    "RenewRequest",
+    "acquire_batch_sql",
     "current_sql",
     "describe_lease_table",
     "free_condition",
     "lease_channel",
     "lease_lock_key",
+    "listen_sql",
     "not_reserved",
     "release_sql",
-    "renew_sql",
+    "renew_batch_sql",
     "resolve_lease_table",
     "server_identity",
     "session_sql",
-    "state_sql",
+    "states_sql",
+    "unlock_sql",
     "utc",
-    "wait_lock_sql",
 ]
 
 _MAX_CHANNEL = 63  # NAMEDATALEN - 1
+
+LEASE_PROTOCOL = 2
+"""The lease protocol this release speaks, recorded in every row it acquires.
+
+1 (rselection 0.1, rows without a ``protocol``): one keeper session per lease, followers
+waiting on the holder's lock. 2: one keeper session per process shared by all its leases,
+takeovers that never wait for a row lock (``SKIP LOCKED``), a ring of watcher sessions
+that announces a dead keeper session. Nodes of different protocols must never compete for
+one lease table (see :mod:`rselection.postgres.lease`)."""
 
 
 def lease_lock_key(table_oid: int, name: str) -> int:
@@ -92,12 +108,15 @@ class LeaseTable:
         qualified: its ``schema.table`` name (names the channel, see :func:`lease_channel`).
         handovers: it has the handover columns (schema version 2).
         servers: it has the ``holder_server`` column (schema version 3).
+        protocols: it has the ``protocol`` column (schema version 5), which the shared
+            keeper of lease protocol 2 needs.
     """
 
     oid: int
     qualified: str
     handovers: bool
     servers: bool
+    protocols: bool = False
 
 
 def describe_lease_table(
@@ -114,6 +133,8 @@ def describe_lease_table(
         " (SELECT count(*) FROM pg_catalog.pg_attribute a WHERE a.attrelid = c.oid"
         " AND a.attname = ANY(%s) AND NOT a.attisdropped),"
         " (SELECT count(*) FROM pg_catalog.pg_attribute a WHERE a.attrelid = c.oid"
+        " AND a.attname = ANY(%s) AND NOT a.attisdropped),"
+        " (SELECT count(*) FROM pg_catalog.pg_attribute a WHERE a.attrelid = c.oid"
         " AND a.attname = ANY(%s) AND NOT a.attisdropped)"
         " FROM pg_catalog.pg_class c"
         " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
@@ -121,17 +142,19 @@ def describe_lease_table(
         (
             list(LEASE_HANDOVER_COLUMNS),
             list(LEASE_SERVER_COLUMNS),
+            list(LEASE_PROTOCOL_COLUMNS),
             table_identifier(table).as_string(conn),
         ),
     ).fetchone()
     if row is None:
         return None
-    oid, schema, relname, handovers, servers = row
+    oid, schema, relname, handovers, servers, protocols = row
     return LeaseTable(
         int(oid),
         f"{schema}.{relname}",
         handovers == len(LEASE_HANDOVER_COLUMNS),
         servers == len(LEASE_SERVER_COLUMNS),
+        protocols == len(LEASE_PROTOCOL_COLUMNS),
     )
 
 
@@ -206,16 +229,16 @@ LOCK_HELD = (
 )
 
 
-def session_sql(keepalives: Keepalives, user_timeout: int, channel: str) -> sql.Composed:
-    """Pin the keeper session's settings, read back its TCP settings, and LISTEN.
+def session_sql(keepalives: Keepalives, user_timeout: int) -> sql.Composed:
+    """Pin the keeper session's settings and read back its TCP settings.
 
     The second statement returns the keepalives (idle, interval, count) and
-    ``tcp_user_timeout`` (ms) in effect.
+    ``tcp_user_timeout`` (ms) in effect. Run again on a connected session when a lease
+    with a longer wind-down joins it.
 
     Args:
         keepalives: the server-side TCP keepalives to set.
         user_timeout: the server-side ``tcp_user_timeout`` to set, milliseconds.
-        channel: the lease's channel.
     """
     ka = keepalives
     settings = {
@@ -241,9 +264,15 @@ def session_sql(keepalives: Keepalives, user_timeout: int, channel: str) -> sql.
         " SELECT current_setting('tcp_keepalives_idle')::int,"
         " current_setting('tcp_keepalives_interval')::int,"
         " current_setting('tcp_keepalives_count')::int,"
-        " current_setting('tcp_user_timeout', true)::int;"
-        " LISTEN {channel}"
-    ).format(values=values, channel=sql.Identifier(channel))
+        " current_setting('tcp_user_timeout', true)::int"
+    ).format(values=values)
+
+
+def listen_sql(channels: Iterable[str]) -> sql.Composed:
+    """``LISTEN`` on every channel, in one round trip."""
+    return sql.SQL("; ").join(
+        sql.SQL("LISTEN {}").format(sql.Identifier(channel)) for channel in channels
+    )
 
 
 def same_server(server: str | None) -> sql.Composable:
@@ -258,8 +287,8 @@ def same_server(server: str | None) -> sql.Composable:
     return sql.SQL("coalesce(t.holder_server = {}, false)").format(sql.Literal(server))
 
 
-def free_condition(server: str | None) -> sql.Composed:
-    """True when row ``t`` may be taken: free, expired, dead holder, or our own.
+def free_condition(server: str | None, node: sql.Composable) -> sql.Composed:
+    """True when row ``t`` may be taken by ``node``: free, expired, dead holder, or ours.
 
     The session checks (own pid, lock not held) only count for a holder whose session
     is on this very server, as recorded when it acquired (:func:`same_server`): after a
@@ -269,15 +298,19 @@ def free_condition(server: str | None) -> sql.Composed:
 
     Args:
         server: this session's server identity (``None``: expiry only).
+        node: the acquiring node (a literal or a column): the keeper session is shared by
+            every lease and node of a process, so "held through this very session" makes
+            the lease takeable only by the node that holds it, never by a sibling.
     """
     return sql.SQL(
         "(t.holder IS NULL OR t.holder_pid IS NULL OR t.expires_at IS NULL"
         " OR t.expires_at <= clock_timestamp()"
-        " OR ({same} AND (t.holder_pid = pg_backend_pid() OR NOT " + LOCK_HELD + ")))"
-    ).format(same=same_server(server))
+        " OR ({same} AND ((t.holder_pid = pg_backend_pid() AND t.holder = {node})"
+        " OR NOT " + LOCK_HELD + ")))"
+    ).format(same=same_server(server), node=node)
 
 
-def not_reserved(node: sql.Literal, *, handovers: bool) -> sql.Composable:
+def not_reserved(node: sql.Composable, *, handovers: bool = True) -> sql.Composable:
     """True unless a handover request reserves row ``t`` against node ``node``.
 
     While a request's window lasts (until the next acquisition clears it), the node
@@ -286,7 +319,7 @@ def not_reserved(node: sql.Literal, *, handovers: bool) -> sql.Composable:
     lease, so it cannot make two leaders. Never NULL (``CASE`` below relies on it).
 
     Args:
-        node: the node id, as a literal.
+        node: the node id, as a literal or a column.
         handovers: the table has the handover columns (else always true).
     """
     if not handovers:
@@ -298,154 +331,197 @@ def not_reserved(node: sql.Literal, *, handovers: bool) -> sql.Composable:
     ).format(node=node)
 
 
-def state_sql(
-    table: sql.Composable, name: str, node_id: str, *, handovers: bool, server: str | None
-) -> sql.Composed:
-    """Read the lease row as node ``node_id`` sees it.
+@dataclass(frozen=True)
+class AcquireRequest:
+    """One node's attempt at one lease in a batch (:func:`acquire_batch_sql`).
 
-    Columns: holder, term, lock_key, acquired_at, expires_at, seconds until expiry,
-    whether the holder's lock is held (on this server: see :func:`same_server`), and
-    seconds the row stays reserved against ``node_id`` by a handover request (0 when it
-    may take the lease).
+    Attributes:
+        name: the lease name (at most one request per name in a batch).
+        node_id: the node asking.
+        ttl: the lease's ttl, seconds.
+        lock_key: the lease's lock key for a new row.
+        channel: the lease's channel (notified on acquisition).
+        create: insert the row first (the lease was not seen yet).
     """
-    node = sql.Literal(node_id)
-    reserved: sql.Composable
-    if handovers:
-        reserved = sql.SQL(
-            "CASE WHEN NOT {free} THEN greatest(0, extract(epoch FROM"
-            " t.resign_until - clock_timestamp()))::float8 ELSE 0::float8 END"
-        ).format(free=not_reserved(node, handovers=handovers))
-    else:
-        reserved = sql.SQL("0::float8")
+
+    name: str
+    node_id: str
+    ttl: float
+    lock_key: int
+    channel: str
+    create: bool
+
+
+#: Columns of the rows :func:`acquire_batch_sql` and :func:`states_sql` return, in order.
+STATE_COLUMNS = (
+    "name",
+    "holder",
+    "term",
+    "lock_key",
+    "acquired_at",
+    "expires_at",
+    "expires_in",
+    "lock_held",
+    "reserved",
+    "protocol",
+)
+
+
+def _requests(requests: Sequence[AcquireRequest]) -> sql.Composed:
+    return sql.SQL(", ").join(
+        sql.SQL("({}::text, {}::text, {}::float8, {}::text)").format(
+            sql.Literal(r.name), sql.Literal(r.node_id), sql.Literal(r.ttl), sql.Literal(r.channel)
+        )
+        for r in requests
+    )
+
+
+#: True when the holder's session of row ``t`` holds a ring lock (``{ring}``: the ring
+#: locks' upper 32 bits): every keeper session of protocol 2 does, none of protocol 1.
+RING_HELD = (
+    "EXISTS (SELECT 1 FROM pg_catalog.pg_locks k"
+    " WHERE k.locktype = 'advisory' AND k.objsubid = 1 AND k.granted"
+    " AND k.pid = t.holder_pid AND k.classid::bigint = {ring}"
+    " AND k.objid::bigint = t.holder_pid)"
+)
+
+
+def states_sql(
+    table: sql.Composable, requests: Sequence[AcquireRequest], *, server: str, ring: int
+) -> sql.Composed:
+    """Read each requested lease row as its requesting node sees it (see
+    :data:`STATE_COLUMNS`): seconds until expiry, whether the holder's lock is held (on
+    this server), seconds the row stays reserved against that node by a handover request
+    (0 when it may take the lease), and the protocol the holder speaks.
+
+    The protocol is the row's, except for a holder whose session holds its lease lock
+    but no ring lock: that is a node of protocol 1, which never writes the column (a row
+    it took over from a node of protocol 2 still says 2).
+    """
+    node = sql.SQL("r.node")
     return sql.SQL(
-        "SELECT t.holder, t.term, t.lock_key, t.acquired_at, t.expires_at,"
+        "SELECT t.name, t.holder, t.term, t.lock_key, t.acquired_at, t.expires_at,"
         " greatest(0, extract(epoch FROM t.expires_at - clock_timestamp()))::float8,"
-        " ({same} AND " + LOCK_HELD + "), {reserved} FROM {t} AS t WHERE t.name = {name}"
-    ).format(t=table, name=sql.Literal(name), reserved=reserved, same=same_server(server))
-
-
-def acquire_sql(
-    table: sql.Composable,
-    name: str,
-    node_id: str,
-    *,
-    lock_key: int | None,
-    ttl: float,
-    channel: str,
-    handovers: bool,
-    server: str | None,
-    lock_timeout: float,
-) -> sql.Composed:
-    """Take the lease for ``node_id`` if it may be taken, then read the row (one query).
-
-    Statements: bound the row-lock wait by ``lock_timeout`` seconds, drop any advisory
-    lock the session holds, create the row if missing (with ``lock_key``), take it over
-    (new term, the new term's advisory lock, this session's ``server`` identity, a
-    NOTIFY on ``channel``; one row, or none), and :func:`state_sql`.
-    """
-    literal_name = sql.Literal(name)
-    clear = (
-        sql.SQL(", resign_term = NULL, resign_from = NULL, resign_to = NULL, resign_until = NULL")
-        if handovers
-        else sql.SQL("")
+        " ({same} AND " + LOCK_HELD + "),"
+        " CASE WHEN NOT {open} THEN greatest(0, extract(epoch FROM"
+        " t.resign_until - clock_timestamp()))::float8 ELSE 0::float8 END,"
+        " CASE WHEN {same} AND " + LOCK_HELD + " AND NOT " + RING_HELD + " THEN 1"
+        " ELSE t.protocol END"
+        " FROM {t} AS t JOIN (VALUES {req}) AS r(name, node, ttl, channel) ON r.name = t.name"
+    ).format(
+        t=table,
+        req=_requests(requests),
+        same=same_server(server),
+        open=not_reserved(node),
+        ring=sql.Literal(ring),
     )
-    record = (
-        sql.SQL(", holder_server = {}").format(sql.Literal(server))
-        if server is not None
+
+
+def acquire_batch_sql(
+    table: sql.Composable, requests: Sequence[AcquireRequest], *, server: str, ring: int
+) -> sql.Composed:
+    """Take every requested lease that may be taken, then read them all (one round trip).
+
+    Statements: create the missing rows; take over each row that is free for its node and
+    not locked (``SKIP LOCKED``: a row held by fenced transactions of the old term, or by
+    another node's acquisition, is left for a later attempt, so a takeover never blocks
+    the shared keeper session): new term, this session as holder, the new term's
+    advisory lock, this session's ``server``, :data:`LEASE_PROTOCOL`, a NOTIFY on the
+    lease's channel; then :func:`states_sql`. Rows come back as ``(name, term)`` for
+    each lease taken, then the states.
+    """
+    node = sql.SQL("r.node")
+    created = [r for r in requests if r.create]
+    insert = (
+        sql.SQL(
+            "INSERT INTO {t} (name, lock_key) VALUES {rows} ON CONFLICT (name) DO NOTHING; "
+        ).format(
+            t=table,
+            rows=sql.SQL(", ").join(
+                sql.SQL("({}, {})").format(sql.Literal(r.name), sql.Literal(r.lock_key))
+                for r in created
+            ),
+        )
+        if created
         else sql.SQL("")
     )
     return sql.SQL(
-        "SET LOCAL lock_timeout = {lock_timeout};"
-        " SELECT pg_advisory_unlock_all();"
-        " INSERT INTO {t} (name, lock_key) VALUES ({name}, {key})"
-        " ON CONFLICT (name) DO NOTHING;"
-        " WITH locked AS MATERIALIZED ("
-        "  SELECT t.name FROM {t} AS t WHERE t.name = {name} AND {free} AND {open}"
-        "  FOR UPDATE OF t"
+        "{insert}"
+        "WITH r(name, node, ttl, channel) AS (VALUES {req}),"
+        " locked AS MATERIALIZED ("
+        "  SELECT t.name FROM {t} AS t JOIN r ON r.name = t.name"
+        "  WHERE {free} AND {open} FOR UPDATE OF t SKIP LOCKED"
         " ), taken AS ("
-        "  UPDATE {t} AS t SET holder = {node}, term = t.term + 1,"
+        "  UPDATE {t} AS t SET holder = r.node, term = t.term + 1,"
         "  holder_pid = pg_backend_pid(), acquired_at = clock_timestamp(),"
         "  renewed_at = clock_timestamp(),"
-        "  expires_at = clock_timestamp() + {ttl} * interval '1 second'{record}{clear}"
-        "  FROM locked WHERE t.name = locked.name AND {free} AND {open}"
-        "  RETURNING t.term, t.lock_key"
+        "  expires_at = clock_timestamp() + r.ttl * interval '1 second',"
+        "  holder_server = {server}, protocol = {protocol},"
+        "  resign_term = NULL, resign_from = NULL, resign_to = NULL, resign_until = NULL"
+        "  FROM locked JOIN r ON r.name = locked.name"
+        "  WHERE t.name = locked.name AND {free} AND {open}"
+        "  RETURNING t.name, t.term, t.lock_key, r.node, r.channel"
         " )"
-        " SELECT taken.term,"
+        " SELECT taken.name, taken.term,"
         " pg_advisory_lock(taken.lock_key, (taken.term % 2147483648)::integer),"
-        " pg_notify({channel}, json_build_object('event', 'acquired', 'name', {name},"
-        " 'node_id', {node}, 'term', taken.term)::text)"
-        " FROM taken;"
-        " {state}"
+        " pg_notify(taken.channel, json_build_object('event', 'acquired', 'name', taken.name,"
+        " 'node_id', taken.node, 'term', taken.term)::text)"
+        " FROM taken; {states}"
     ).format(
-        lock_timeout=sql.Literal(f"{round(lock_timeout * 1000)}ms"),
+        insert=insert,
         t=table,
-        name=literal_name,
-        key=sql.Literal(lock_key),
-        free=free_condition(server),
-        open=not_reserved(sql.Literal(node_id), handovers=handovers),
-        record=record,
-        clear=clear,
-        node=sql.Literal(node_id),
-        ttl=sql.Literal(ttl),
-        channel=sql.Literal(channel),
-        state=state_sql(table, name, node_id, handovers=handovers, server=server),
+        req=_requests(requests),
+        free=free_condition(server, node),
+        open=not_reserved(node),
+        server=sql.Literal(server),
+        protocol=sql.Literal(LEASE_PROTOCOL),
+        states=states_sql(table, requests, server=server, ring=ring),
     )
 
 
-def renew_sql(
-    table: sql.Composable,
-    name: str,
-    node_id: str,
-    term: int,
-    *,
-    ttl: float,
-    handovers: bool,
-    server: str | None,
+@dataclass(frozen=True)
+class RenewRequest:
+    """One held term to renew in a batch (:func:`renew_batch_sql`)."""
+
+    name: str
+    node_id: str
+    term: int
+    ttl: float
+
+
+def renew_batch_sql(
+    table: sql.Composable, requests: Sequence[RenewRequest], *, server: str
 ) -> sql.Composed:
-    """Extend ``node_id``'s ``term`` to ``now() + ttl``; one row when renewed, else none.
+    """Extend each requested term to ``now() + ttl``; one row per term renewed.
 
-    Only the holder's own session renews: same pid on the same server (``server``, as
-    recorded at acquisition; without the column, a renewal since the server started),
-    so a backend that reuses the pid after a restart or on a promoted standby cannot.
-    The row returned says whether a handover request is pending for ``term``, the node
-    it names and the seconds left of its window.
+    Only the holder's own session renews: same pid on the same server, as recorded at
+    acquisition, so a backend that reuses the pid after a restart or on a promoted
+    standby cannot. Each row returned: name, term, whether a handover request is pending
+    for that term, the node it names and the seconds left of its window.
     """
-    if handovers:
-        # The same single statement also reports a handover request for this term.
-        returning = sql.SQL(
-            "coalesce(resign_term = term AND resign_until > now(), false), resign_to,"
-            " greatest(0, extract(epoch FROM resign_until - now()))::float8"
+    values = sql.SQL(", ").join(
+        sql.SQL("({}::text, {}::text, {}::bigint, {}::float8)").format(
+            sql.Literal(r.name), sql.Literal(r.node_id), sql.Literal(r.term), sql.Literal(r.ttl)
         )
-    else:
-        returning = sql.SQL("false, NULL::text, 0::float8")
-    return sql.SQL(
-        "UPDATE {t} SET renewed_at = now(), expires_at = now() + {ttl} * interval '1 second'"
-        " WHERE name = {name} AND holder = {node} AND term = {term}"
-        " AND holder_pid = pg_backend_pid() AND expires_at > now()"
-        " AND {same} RETURNING {returning}"
-    ).format(
-        same=(
-            sql.SQL("holder_server = {}").format(sql.Literal(server))
-            if server is not None
-            else sql.SQL("renewed_at > pg_postmaster_start_time()")
-        ),
-        t=table,
-        ttl=sql.Literal(ttl),
-        name=sql.Literal(name),
-        node=sql.Literal(node_id),
-        term=sql.Literal(term),
-        returning=returning,
+        for r in requests
     )
+    return sql.SQL(
+        "UPDATE {t} AS t SET renewed_at = now(), expires_at = now() + r.ttl * interval '1 second'"
+        " FROM (VALUES {values}) AS r(name, node, term, ttl)"
+        " WHERE t.name = r.name AND t.holder = r.node AND t.term = r.term"
+        " AND t.holder_pid = pg_backend_pid() AND t.expires_at > now()"
+        " AND t.holder_server = {server}"
+        " RETURNING t.name, t.term,"
+        " coalesce(t.resign_term = t.term AND t.resign_until > now(), false), t.resign_to,"
+        " greatest(0, extract(epoch FROM t.resign_until - now()))::float8"
+    ).format(t=table, values=values, server=sql.Literal(server))
 
 
 def release_sql(
-    table: sql.Composable, name: str, node_id: str, term: int, *, channel: str, unlock: bool
+    table: sql.Composable, name: str, node_id: str, term: int, *, channel: str, lock_key: int
 ) -> sql.Composed:
-    """Clear the holder if ``node_id`` holds ``term`` and notify ``channel``.
-
-    With ``unlock``, a second statement frees every advisory lock of the session.
-    """
-    unlock_sql = sql.SQL("; SELECT pg_advisory_unlock_all()") if unlock else sql.SQL("")
+    """Clear the holder if ``node_id`` holds ``term``, notify ``channel``, and free that
+    term's advisory lock (only that one: the session holds every lease of its process)."""
     return sql.SQL(
         "WITH released AS ("
         " UPDATE {t} SET holder = NULL, holder_pid = NULL, expires_at = now()"
@@ -453,14 +529,26 @@ def release_sql(
         " RETURNING term)"
         " SELECT pg_notify({channel}, json_build_object('event', 'released',"
         " 'name', {name}, 'node_id', {node}, 'term', released.term)::text)"
-        " FROM released{unlock}"
+        " FROM released; {unlock}"
     ).format(
         t=table,
         name=sql.Literal(name),
         node=sql.Literal(node_id),
         term=sql.Literal(term),
         channel=sql.Literal(channel),
-        unlock=unlock_sql,
+        unlock=unlock_sql([(lock_key, term)]),
+    )
+
+
+def unlock_sql(locks: Iterable[tuple[int, int]]) -> sql.Composed:
+    """Free the advisory locks of the given ``(lock_key, term)`` pairs (held or not)."""
+    return sql.SQL("SELECT {}").format(
+        sql.SQL(", ").join(
+            sql.SQL("pg_advisory_unlock({}, {})").format(
+                sql.Literal(key), sql.Literal(term % 2**31)
+            )
+            for key, term in locks
+        )
     )
 
 
@@ -470,11 +558,3 @@ def current_sql(table: sql.Composable) -> sql.Composed:
         "SELECT holder, term, acquired_at, expires_at FROM {t}"
         " WHERE name = %s AND holder IS NOT NULL AND expires_at > now()"
     ).format(t=table)
-
-
-def wait_lock_sql(lock_args: sql.Composable, timeout: float) -> sql.Composed:
-    """Wait up to ``timeout`` seconds for the advisory lock ``lock_args``, then free it."""
-    ms = min(2**31 - 1, max(1, math.ceil(timeout * 1000)))
-    return sql.SQL(
-        "SET LOCAL lock_timeout = {ms}; SELECT pg_advisory_lock({args}), pg_advisory_unlock({args})"
-    ).format(ms=sql.Literal(f"{ms}ms"), args=lock_args)

@@ -1,14 +1,15 @@
 """Node membership: every node of a lease heartbeats into a table; anyone can list them.
 
 Each :class:`~rselection.PostgresLeader` (leader and followers alike) upserts its row
-``(lease name, node id)`` every ``heartbeat_interval`` seconds with the server's clock,
-from a thread and a connection of its own (so a follower blocked on the lease's lock, or
-a leader busy renewing, never delays a heartbeat). Heartbeats go on through outages:
-a failed one is retried with backoff on a new connection, independently of the lease
-keeper, until the leader stops. A node is *alive* while its last heartbeat is younger
-than ``node_timeout`` by the server's clock; no client clock is ever compared. A node
-that stops gracefully deletes its row at once; rows of nodes lost for more than a day
-are purged by the heartbeats of the others.
+``(lease name, node id)`` every ``heartbeat_interval`` seconds with the server's clock.
+The heartbeats of every node of a process ride on its shared keeper session
+(:mod:`rselection.postgres.keeper`), sent by the keeper's own thread while the session
+is idle, one statement for all nodes due: no session or thread of their own. Heartbeats
+go on through outages (a failed one is retried within a second, and on the new session
+once the keeper has reconnected) until the leader stops. A node is *alive* while its
+last heartbeat is younger than ``node_timeout`` by the server's clock; no client clock
+is ever compared. A node that stops gracefully deletes its row at once; rows of nodes
+lost for more than a day are purged by the heartbeats of the others.
 
 The node id, not the client address, identifies a node: many nodes behind one NAT or
 connection pooler share an address (``client_addr`` is kept for operators only).
@@ -20,16 +21,17 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
 from ..errors import BackendUnavailable, ConfigError
-from ..leader import reconnect_delay
 from ..members import NodeInfo
 from ..validation import check_name, check_node_id, check_seconds
 from ._conn import Connections
+from .keeper import Heartbeat, SharedKeeper
 from .schema import create_tables, table_identifier
 
 __all__ = ["Membership"]
@@ -108,46 +110,77 @@ class Membership:
             " FROM {n} n LEFT JOIN {l} l ON l.name = n.name"
             " WHERE n.name = %(lease)s ORDER BY n.started_at, n.node_id"
         ).format(n=nodes, l=leases)
-        self._stop = threading.Event()
+        self._conninfo = conninfo
+        self._lease_table = lease_table
         self._lock = threading.Lock()  # start() and stop() may race at shutdown
-        self._thread: threading.Thread | None = None
-        self._failures = 0
+        self._keeper: SharedKeeper | None = None
+        self._stopped = False
+
+    @property
+    def create_tables(self) -> bool:
+        """Create the nodes table before the first heartbeat."""
+        return self._create
 
     def start(self) -> None:
-        """Heartbeat now and then every ``heartbeat_interval`` in a background thread.
+        """Heartbeat now and then every ``heartbeat_interval``, on the process's shared
+        keeper session, until :meth:`stop`. Does nothing once stopped.
 
-        The thread lives until :meth:`stop`, through any outage: a heartbeat that fails
-        is retried with backoff (at most ``heartbeat_interval`` apart) on a new
-        connection. Does nothing once stopped.
+        Raises:
+            ConfigError: ``conninfo`` is not a connection string (heartbeats ride on the
+                keeper session, which needs one).
         """
-        with self._lock:
-            if self._stop.is_set() or self._thread is not None:
-                return
-            self._thread = threading.Thread(
-                target=self._run, name=f"rselection-heartbeat-{self.name}", daemon=True
+        if not isinstance(self._conninfo, str):
+            raise ConfigError(
+                "membership heartbeats ride on the lease's keeper session: conninfo must be "
+                f"a connection string, got {type(self._conninfo).__name__}"
             )
-            self._thread.start()
+        with self._lock:
+            if self._stopped or self._keeper is not None:
+                return
+            self._keeper = SharedKeeper.beat_through(self._conninfo, self._lease_table, self)
 
     def stop(self) -> None:
         """Stop heartbeating and delete this node's row (best effort), then disconnect."""
         with self._lock:
-            self._stop.set()
-            thread = self._thread
-        if thread is None:  # never started: no row to delete
+            self._stopped = True
+            keeper, self._keeper = self._keeper, None
+        if keeper is None:  # never started: no row to delete
             self._conns.close()
             return
-        thread.join(self._statement_timeout + 1.0)
-        if thread.is_alive():
-            # A heartbeat is stuck on a silent link (it ends by its own bound): do not
-            # wait for it; the row is purged by the others' heartbeats in time.
-            logger.info("node %s left without deleting its heartbeat row", self.node_id)
-            self._conns.close()  # never waits for the stuck call
-            return
+        keeper.stop_beating(self)
         try:
             self._execute("leave the membership table", self._leave_sql, (self.name, self.node_id))
         except BackendUnavailable as exc:
             logger.info("node %s left without deleting its heartbeat row: %s", self.node_id, exc)
         self._conns.close()
+
+    def heartbeat_sql(self, batch: Sequence[Heartbeat]) -> sql.Composed:
+        """One statement recording a heartbeat of every node of ``batch`` (memberships on
+        this table), and purging rows of their leases' nodes lost for a day."""
+        rows = [node for node in batch if isinstance(node, Membership)]
+        values = sql.SQL(", ").join(
+            [
+                sql.SQL("({}::text, {}::text)").format(sql.Literal(m.name), sql.Literal(m.node_id))
+                for m in rows
+            ]
+        )
+        return sql.SQL(
+            "WITH beat(name, node) AS (VALUES {values}), purge AS ("
+            " DELETE FROM {n} AS d USING (SELECT DISTINCT name FROM beat) AS b"
+            " WHERE d.name = b.name AND (d.name, d.node_id) NOT IN (SELECT * FROM beat)"
+            " AND d.last_seen < clock_timestamp() - make_interval(secs => {purge}))"
+            " INSERT INTO {n} AS t (name, node_id, hostname, pid, client_addr, started_at,"
+            " last_seen) SELECT beat.name, beat.node, {host}, {pid}, inet_client_addr(),"
+            " clock_timestamp(), clock_timestamp() FROM beat"
+            " ON CONFLICT (name, node_id) DO UPDATE SET last_seen = clock_timestamp(),"
+            " client_addr = EXCLUDED.client_addr"
+        ).format(
+            values=values,
+            n=table_identifier(self.table),
+            purge=sql.Literal(_PURGE_AFTER),
+            host=sql.Literal(socket.gethostname()),
+            pid=sql.Literal(os.getpid()),
+        )
 
     def beat(self) -> None:
         """Record one heartbeat of this node (server time)."""
@@ -199,23 +232,3 @@ class Membership:
                 return cur.fetchall() if fetch else []
         except psycopg.Error as exc:
             raise self._conns.wrap(what, exc) from exc
-
-    def _run(self) -> None:
-        while True:
-            try:
-                self.beat()
-                if self._failures:
-                    logger.info("node %s heartbeats again", self.node_id)
-                self._failures = 0
-            except (BackendUnavailable, ConfigError) as exc:
-                self._failures += 1
-                # Once per outage at warning level; the follow-ups at debug.
-                log = logger.warning if self._failures == 1 else logger.debug
-                log("node %s could not heartbeat: %s", self.node_id, exc)
-            # After a failure, try again soon (the server may be back already), backing
-            # off up to the usual interval so an outage is not hammered.
-            wait = self.heartbeat_interval
-            if self._failures:
-                wait = min(wait, reconnect_delay(self._failures))
-            if self._stop.wait(wait):
-                return

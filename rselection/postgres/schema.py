@@ -171,6 +171,9 @@ LEASE_SERVER_COLUMNS = ("holder_server",)
 LEASE_RETIRED_COLUMNS = ("retired_term",)
 """Columns of the lease table that mark a lease retired by ``rselection forget`` (version 4)."""
 
+LEASE_PROTOCOL_COLUMNS = ("protocol",)
+"""Columns of the lease table that record the lease protocol of the holder (version 5)."""
+
 UPGRADE_LOCK_TIMEOUT = 1.0
 """Longest an upgrade waits at a time for its exclusive lock on a live table, seconds.
 
@@ -430,6 +433,16 @@ def _lease_v4(table: str) -> list[sql.Composed]:
     ]
 
 
+def _lease_v5(table: str) -> list[sql.Composed]:
+    """Version 4 -> 5: the holder's lease protocol (nullable, no default: no rewrite; a
+    row without one was written by protocol 1, one keeper session per lease)."""
+    return [
+        sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS protocol smallint NULL").format(
+            table_identifier(table)
+        )
+    ]
+
+
 def _claims_v1(table: str) -> list[sql.Composed]:
     ident = table_identifier(table)
     return [
@@ -548,6 +561,9 @@ LEASES = TableKind(
         Step(2, "add the handover request columns", _lease_v2, LEASE_HANDOVER_COLUMNS),
         Step(3, "add the holder's server identity", _lease_v3, LEASE_SERVER_COLUMNS),
         Step(4, "add the retired mark (rselection forget)", _lease_v4, LEASE_RETIRED_COLUMNS),
+        Step(
+            5, "add the lease protocol (shared keeper sessions)", _lease_v5, LEASE_PROTOCOL_COLUMNS
+        ),
     ),
 )
 """The lease table of :class:`~rselection.PostgresLeader`."""
@@ -587,7 +603,7 @@ KINDS: dict[str, TableKind] = {
 """Every kind of table, by the keyword :func:`create_tables` takes."""
 
 LEASES_VERSION = LEASES.version
-"""Schema version of the lease table that this release creates and understands (4)."""
+"""Schema version of the lease table that this release creates and understands (5)."""
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import pytest
 
 import rselection as rs
 from rselection.postgres.leader import PostgresLeader
+from rselection.postgres.lease import PostgresLease
 from tests.support.pg import with_host_port
 from tests.support.waiting import wait_until
 
@@ -213,16 +214,10 @@ def test_stop_timeout_holds_for_a_follower_behind_a_silent_link(
     )
     try:
         follower.start()
-        with psycopg.connect(pg_dsn, autocommit=True) as admin:
-
-            def in_lock_wait() -> bool:
-                pid = follower._backend.backend_pid  # type: ignore[attr-defined]
-                row = admin.execute(
-                    "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)
-                ).fetchone()
-                return row is not None and row[0] == "Lock"
-
-            wait_until(in_lock_wait, 10, "the follower to wait on the holder's lock")
+        lease = follower.lease
+        assert isinstance(lease, PostgresLease)
+        # The follower attempted once (it saw the row) and now waits for the holder.
+        wait_until(lambda: lease.row_seen and not follower.is_leader, 10, "the follower to wait")
         proxy.blackhole()  # bytes accepted, never delivered: a cancel request cannot land
         began = time.monotonic()
         follower.stop(timeout=0.5)

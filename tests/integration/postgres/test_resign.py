@@ -17,6 +17,7 @@ import psycopg
 import pytest
 
 import rselection as rs
+from rselection.errors import ConfigError
 from rselection.postgres import migrate
 from rselection.postgres.handover import cancel_handover, current_holder, request_handover
 from rselection.postgres.leader import PostgresLeader
@@ -218,7 +219,7 @@ def test_migrate_upgrades_a_version_1_lease_table(pg_dsn: str) -> None:
     upgraded = f"lease table 'rselection_leases': upgraded (schema version 1 -> {LEASES_VERSION})"
     assert upgraded in out.stdout
     assert "nodes table 'rselection_nodes': created (schema version 1)" in out.stdout
-    assert versions(pg_dsn)["leases"] == LEASES_VERSION == 4
+    assert versions(pg_dsn)["leases"] == LEASES_VERSION == 5
     assert lease_row(pg_dsn, "old") == (None, 7, None, None)  # the row was kept
     again = cli("migrate", "--dsn", pg_dsn)
     assert again.returncode == 0, again.stderr
@@ -254,14 +255,17 @@ def test_a_leader_with_create_tables_upgrades_a_version_1_table_and_can_resign(
             leader.stop(timeout=10)
 
 
-def test_a_version_1_table_keeps_working_without_create_tables_until_migrated(
+def test_a_version_1_table_is_refused_without_create_tables_until_migrated(
     pg_dsn: str,
 ) -> None:
+    """Nodes of lease protocol 2 refuse a table older than schema version 5 (nodes of an
+    older release may use it) with a clear error, and lead once it is migrated."""
     make_v1_table(pg_dsn)
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         migrate(conn, table=None)  # the other tables; the lease table stays at version 1
-    leaders = [
-        PostgresLeader(
+
+    def leader(i: int) -> PostgresLeader:
+        return PostgresLeader(
             pg_dsn,
             rs.TaskHandler(),
             name="old",
@@ -270,28 +274,26 @@ def test_a_version_1_table_keeps_working_without_create_tables_until_migrated(
             claimer=None,
             **FAST,
         )
-        for i in range(2)
-    ]
+
+    refused = leader(0)
+    with pytest.raises(ConfigError, match=r"schema version 5.*rselection migrate"):
+        refused.lead()
+    assert not refused.is_leader
+    done = cli("migrate", "--dsn", pg_dsn)
+    assert done.returncode == 0, done.stderr
+    assert f"upgraded (schema version 1 -> {LEASES_VERSION})" in done.stdout
+    leaders = [leader(i) for i in range(1, 3)]
     try:
-        for leader in leaders:
-            leader.start()
-        wait_until(lambda: any(x.is_leader for x in leaders), 10, "a leader on a v1 table")
+        for each in leaders:
+            each.start()
+        wait_until(lambda: any(x.is_leader for x in leaders), 10, "a leader")
         first = next(x for x in leaders if x.is_leader)
-        assert first.term == 8
+        assert first.term == 8  # the old row's term 7 was kept and continued
         wait_for_heartbeats(pg_dsn, "old", 2)
-        refused = cli("resign", "old", "--dsn", pg_dsn)
-        assert refused.returncode == 1
-        assert "schema version 1" in refused.stderr and "rselection migrate" in refused.stderr
-        # Upgrade under the running fleet: the leader keeps its lease, and the next
-        # request is seen although it connected before the upgrade.
-        done = cli("migrate", "--dsn", pg_dsn)
-        assert done.returncode == 0, done.stderr
-        assert f"upgraded (schema version 1 -> {LEASES_VERSION})" in done.stdout
-        assert first.is_leader and first.term == 8
         out = cli("resign", "old", "--dsn", pg_dsn)
         assert out.returncode == 0, out.stdout + out.stderr
         other = next(x for x in leaders if x is not first)
         wait_until(lambda: other.is_leader, 10, "the other node to lead")
     finally:
-        for leader in leaders:
-            leader.stop(timeout=10)
+        for each in leaders:
+            each.stop(timeout=10)

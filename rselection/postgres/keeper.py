@@ -1,0 +1,923 @@
+"""The shared keeper: one Postgres session per process, conninfo and lease table.
+
+Every :class:`~rselection.postgres.PostgresLease` of a process that uses the same
+connection string and lease table is a client of one :class:`SharedKeeper`. Its session
+(the *keeper session*) holds every lease those clients lead: each term's advisory lock,
+its ``holder_pid``, the server identity recorded with it. It runs, one round trip at a
+time:
+
+* **renewals** of every lease due, in one ``UPDATE`` (group commit: the clients' keeper
+  threads queue their renewals, and whoever gets the session next sends all that are
+  queued; the leader aligns renewals on :meth:`SharedKeeper.renewal_slot`, so a process
+  sends about one renewal statement per ``renew_interval`` whatever its number of
+  leases);
+* **acquisition attempts**, batched the same way (aligned on
+  :meth:`SharedKeeper.attempt_slot`); a takeover skips a row it would have to wait for
+  (``SKIP LOCKED``) and tries again soon, so it never stalls the renewals;
+* releases, one per lease.
+
+It ``LISTEN``\\ s on every client's lease channel and on the ring channel; a thread of its
+own reads notifications while the session is idle and wakes the clients concerned. Its
+session also holds the process's *ring lock*, and a :class:`~.ring.RingWatcher` (the one
+other session) waits on the next keeper's, so a keeper that dies is announced within
+milliseconds to every follower (see :mod:`rselection.postgres.ring`).
+
+The session is never closed while any client holds a term through it (the rule of
+:class:`~rselection.session_hold.SessionHold`, for many terms): an error only marks it
+broken; every client's next call then raises ``BackendUnavailable``, and the session is
+closed and reopened once every term taken through it has ended. Its server-side TCP
+keepalives and ``tcp_user_timeout`` are sized for the longest wind-down
+(``renew_deadline + stop_grace``) of its clients and raised when a client with a longer
+one joins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+
+import psycopg
+from psycopg import sql
+from psycopg.pq import ConnStatus
+
+from .. import clock
+from ..errors import BackendUnavailable, ConfigError
+from ..wakeup import Wakeup
+from ._conn import (
+    SESSION_MARGIN,
+    IoWatchdog,
+    Keepalives,
+    describe_conninfo,
+    server_keepalives,
+    server_user_timeout,
+    unavailable,
+)
+from ._lease_sql import (
+    LEASE_PROTOCOL,
+    SERVER_IDENTITY_SQL,
+    SERVER_START_SQL,
+    AcquireRequest,
+    LeaseTable,
+    RenewRequest,
+    acquire_batch_sql,
+    describe_lease_table,
+    lease_channel,
+    lease_lock_key,
+    listen_sql,
+    release_sql,
+    renew_batch_sql,
+    server_identity,
+    session_sql,
+    unlock_sql,
+)
+from .pooler import BACKEND_PID, check_bound, check_same_backend, check_session_pooling
+from .ring import RingWatcher, ring_channel, ring_class, ring_key
+from .schema import create_tables, table_identifier
+
+if TYPE_CHECKING:
+    from .lease import PostgresLease
+
+__all__ = ["GATHER", "SharedKeeper"]
+
+logger = logging.getLogger(__name__)
+
+GATHER = 0.01
+"""Seconds the keeper waits, before sending a batch, for more of its clients' renewals
+or attempts that are due at the same moment (only when it has several clients)."""
+
+_T = TypeVar("_T")
+
+
+class Heartbeat(Protocol):
+    """A node whose heartbeats ride on the keeper session (see
+    :class:`~rselection.postgres.membership.Membership`)."""
+
+    @property
+    def table(self) -> str:
+        """The nodes table."""
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """Seconds between two heartbeats."""
+
+    @property
+    def create_tables(self) -> bool:
+        """Create the nodes table before the first heartbeat."""
+
+    def heartbeat_sql(self, batch: Sequence[Heartbeat]) -> sql.Composable:
+        """One statement that records a heartbeat of every node of ``batch`` (all of
+        them of this kind and table)."""
+
+
+@dataclass
+class _Queued:
+    """A client's renewal or attempt waiting for the next batch."""
+
+    lease: PostgresLease
+    node_id: str
+    term: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What one acquisition attempt found: the lease's row as the node saw it."""
+
+    acquired: bool
+    row: tuple[Any, ...] | None
+    """``STATE_COLUMNS`` of :mod:`._lease_sql`, or ``None`` when the row is missing."""
+
+
+class SharedKeeper:
+    """The keeper session of one process, connection string and lease table.
+
+    Get it with :meth:`attach`; every method is safe from any thread. Statements run one
+    at a time on the session (a lock); renewals and attempts of many clients share one.
+    """
+
+    _registry: ClassVar[dict[tuple[int, str, str], SharedKeeper]] = {}
+    _registry_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, conninfo: str, table: str) -> None:
+        self._conninfo = conninfo
+        self.table = table
+        self._ident = table_identifier(table)
+        self.where = describe_conninfo(conninfo)
+        self._lock = threading.RLock()  # one round trip at a time on the session
+        self._state = threading.Lock()  # guards the fields below (never held in I/O)
+        self._clients: set[PostgresLease] = set()
+        self._by_channel: dict[str, set[PostgresLease]] = {}
+        self._conn: psycopg.Connection[Any] | None = None
+        self._pid = 0
+        self._server = ""
+        self._found: LeaseTable | None = None
+        self.generation = 0  # bumped by every connect: terms of older sessions are lost
+        # Terms taken through the session whose tasks may still run: (lease, node) ->
+        # (term, lock key). The session is never closed while this is not empty.
+        self._holds: dict[tuple[PostgresLease, str], tuple[int, int]] = {}
+        self._want = 0.0  # the longest wind-down (renew_deadline + stop_grace) of a client
+        self._timeout = 0.0  # the longest connect_timeout of a client
+        self._broken = False
+        self._pinned = 0.0  # the wind-down the session's keepalives are sized for
+        self._unlocks: list[tuple[int, int]] = []  # locks of ended terms, freed next trip
+        self._renewals: list[_Queued] = []
+        self._attempts: list[_Queued] = []
+        self._phase = clock.monotonic()  # renewal and attempt slots count from here
+        self._io = IoWatchdog(f"keeper-{table}")
+        self._wakeup = Wakeup()
+        self._pump: threading.Thread | None = None
+        self._closed = False
+        # Nodes that heartbeat through the session: node -> when its next beat is due.
+        self._beats: dict[Heartbeat, float] = {}
+        self._created: set[str] = set()  # nodes tables created through this session
+        self._ring: RingWatcher | None = None
+        self._ring_channel = ""
+
+    # -- clients -------------------------------------------------------------------------
+
+    @classmethod
+    def attach(cls, lease: PostgresLease) -> SharedKeeper:
+        """The keeper of ``lease``'s process, conninfo and table, with ``lease`` a client."""
+        key = (os.getpid(), lease.conninfo, lease.table)
+        with cls._registry_lock:
+            keeper = cls._registry.get(key)
+            if keeper is None:
+                keeper = cls._registry[key] = SharedKeeper(lease.conninfo, lease.table)
+            with keeper._state:
+                keeper._clients.add(lease)
+                keeper._want = max(keeper._want, lease.renew_deadline + lease.stop_grace)
+                keeper._timeout = max(keeper._timeout, lease.connect_timeout)
+        return keeper
+
+    @classmethod
+    def beat_through(cls, conninfo: str, table: str, node: Heartbeat) -> SharedKeeper:
+        """Heartbeat ``node`` on the keeper session of this process, ``conninfo`` and
+        lease ``table`` (its first heartbeat goes out as soon as the session is up)."""
+        key = (os.getpid(), conninfo, table)
+        with cls._registry_lock:
+            keeper = cls._registry.get(key)
+            if keeper is None:
+                keeper = cls._registry[key] = SharedKeeper(conninfo, table)
+            with keeper._state:
+                keeper._beats[node] = 0.0
+        keeper._wakeup.wake()
+        return keeper
+
+    def stop_beating(self, node: Heartbeat) -> None:
+        """No more heartbeats of ``node``; the last client closes the session."""
+        with self._registry_lock, self._state:
+            self._beats.pop(node, None)
+            last = self._last_client()
+        if last:
+            self._shut()
+
+    def _last_client(self) -> bool:
+        """Under both locks: with no client left, leave the registry (then shut)."""
+        if self._clients or self._beats or self._closed:
+            return False
+        self._registry.pop((os.getpid(), self._conninfo, self.table), None)
+        self._closed = True
+        return True
+
+    def detach(self, lease: PostgresLease) -> None:
+        """``lease`` is closed: end its holds; the last client closes the session."""
+        with self._registry_lock, self._state:
+            self._clients.discard(lease)
+            for clients in self._by_channel.values():
+                clients.discard(lease)
+            for key in [k for k in self._holds if k[0] is lease]:
+                term, lock_key = self._holds.pop(key)
+                self._unlocks.append((lock_key, term))
+            last = self._last_client()
+        if last:
+            self._shut()
+
+    # -- connecting ----------------------------------------------------------------------
+
+    def ensure(self, lease: PostgresLease) -> int:
+        """Connect when needed and make ``lease`` a listener; return the generation.
+
+        Raises:
+            ConfigError: a pooler in transaction mode, or a lease table of another
+                protocol or too old a schema.
+            BackendUnavailable: the server cannot be reached, or the session broke and
+                terms taken through it have not ended yet.
+        """
+        with self._state:
+            # The common case, without the statement lock: a batch in flight holds it,
+            # and every lease due now must queue its renewal while that batch is out.
+            ready = (
+                self._conn is not None
+                and not self._broken
+                and lease.channel is not None
+                and lease in self._by_channel.get(lease.channel, ())
+                and self._want <= self._pinned
+            )
+            if ready:
+                return self.generation
+        with self._lock:
+            with self._state:
+                broken, holds = self._broken, bool(self._holds)
+            if broken and holds:
+                raise self._lost()
+            if broken or self._conn is None or self._conn.closed:
+                self._drop()
+                self._connect(lease)
+            conn = self._conn
+            assert conn is not None and self._found is not None
+            if lease.channel is None or lease.lock_key is None:
+                lease.lock_key = lease_lock_key(self._found.oid, lease.name)
+                lease.channel = lease_channel(self._found.qualified, lease.name)
+            with self._state:
+                listening = lease.channel in self._by_channel
+                self._by_channel.setdefault(lease.channel, set()).add(lease)
+            if not listening:
+                self._run(listen_sql([lease.channel]), "listen for the lease", limit=lease)
+            if self._want > self._pinned:
+                self._pin(conn)
+            return self.generation
+
+    def _connect_kwargs(self, role: str, hold: float) -> dict[str, Any]:
+        ka = server_keepalives(hold)
+        return {
+            "autocommit": True,
+            "prepare_threshold": None,
+            "connect_timeout": max(2, math.ceil(self._timeout)),
+            # The client's kernel must not reset the session early either: a keepalive
+            # timeout sends a RST, which can reach the server over a one-way partition.
+            "keepalives": 1,
+            "keepalives_idle": ka.idle,
+            "keepalives_interval": ka.interval,
+            "keepalives_count": ka.count,
+            "tcp_user_timeout": server_user_timeout(hold),
+            "application_name": f"rselection:keeper{role}",
+        }
+
+    def _connect(self, lease: PostgresLease) -> None:
+        hold, timeout = self._want, self._timeout
+        try:
+            conn = psycopg.Connection.connect(self._conninfo, **self._connect_kwargs("", hold))
+        except psycopg.Error as exc:
+            raise unavailable("connect to the lease server", self._conninfo, exc) from exc
+        try:
+            with self._io.guard(conn, check_bound(timeout)):
+                self._refuse_standby(conn)
+                pid = check_session_pooling(
+                    conn,
+                    lambda: psycopg.Connection.connect(
+                        self._conninfo, **self._connect_kwargs(":probe", hold)
+                    ),
+                    where=self.where,
+                    io=self._io,
+                    timeout=timeout,
+                )
+            with self._io.guard(conn, lease.renew_deadline + timeout):
+                with self._state:
+                    create = any(c.create_tables for c in self._clients)
+                if create:
+                    create_tables(conn, leases=self.table, timeout=lease.renew_deadline)
+                found = self._resolve_table(conn)
+                server = self._read_server(conn)
+                ring = ring_channel(found.qualified)
+                conn.execute(
+                    sql.SQL(
+                        "SELECT pg_advisory_lock({key}); {listen};"
+                        " SELECT pg_notify({ring}, 'up:' || {pid}::text)"
+                    ).format(
+                        key=sql.Literal(ring_key(found.oid, pid)),
+                        listen=listen_sql([ring]),
+                        ring=sql.Literal(ring),
+                        pid=sql.Literal(pid),
+                    )
+                )
+            conn.add_notify_handler(self._on_notify)
+        except psycopg.Error as exc:
+            conn.close()
+            raise unavailable("prepare the keeper session", self._conninfo, exc) from exc
+        except BaseException:
+            conn.close()
+            raise
+        with self._state:
+            self._conn = conn
+            self._pid = pid
+            self._server = server
+            self._found = found
+            self._ring_channel = ring
+            self._broken = False
+            self._pinned = 0.0
+            self._by_channel = {}
+            self._holds = {}
+            self._unlocks = []
+            self._created = set()
+            self.generation += 1
+            clients = list(self._clients)
+        for client in clients:
+            client.channel = None  # listened to again on the client's next call
+        self._pin(conn)
+        if self._ring is None:
+            self._ring = RingWatcher(
+                self._conninfo,
+                table_oid=found.oid,
+                channel=ring,
+                connect_timeout=timeout,
+                name=self.table,
+            )
+        self._ring.watch_from(pid)
+        self._start_pump()
+        logger.debug("keeper connected (%s, pid %s)", self.where, pid)
+
+    def _pin(self, conn: psycopg.Connection[Any]) -> None:
+        """Size the session's keepalives for the longest wind-down of the clients."""
+        hold = self._want
+        ka, user_timeout = server_keepalives(hold), server_user_timeout(hold)
+        cur = conn.execute(session_sql(ka, user_timeout))
+        cur.nextset()
+        effective = cur.fetchone()
+        _set_client_keepalives(conn, ka, user_timeout)
+        self._pinned = hold
+        self._check_keepalives(conn, effective, hold)
+
+    def _resolve_table(self, conn: psycopg.Connection[Any]) -> LeaseTable:
+        found = describe_lease_table(conn, self.table)
+        if found is None:
+            raise BackendUnavailable(
+                f"lease table {self.table!r} does not exist ({self.where}, on this "
+                "connection's search_path): run `rselection migrate` or pass "
+                "create_tables=True"
+            )
+        if not (found.handovers and found.servers and found.protocols):
+            raise ConfigError(
+                f"lease table {self.table!r} ({self.where}) predates schema version 5: this "
+                f"release speaks lease protocol {LEASE_PROTOCOL} (one keeper session per "
+                "process), which records itself in the table; stop every node of an older "
+                "release, then run `rselection migrate` (or pass create_tables=True)"
+            )
+        return found
+
+    def _standby(self) -> BackendUnavailable:
+        return BackendUnavailable(
+            f"the lease server ({self.where}) is a standby in recovery (read-only): "
+            "point the connection string at the primary (with several hosts, add "
+            "target_session_attrs=read-write)"
+        )
+
+    def _refuse_standby(self, conn: psycopg.Connection[Any]) -> None:
+        row = conn.execute("SELECT pg_is_in_recovery()").fetchone()
+        if row is not None and row[0]:
+            raise self._standby()
+
+    def _read_server(self, conn: psycopg.Connection[Any]) -> str:
+        """This session's server identity (see :mod:`rselection.postgres.lease`)."""
+        try:
+            row = conn.execute(SERVER_IDENTITY_SQL).fetchone()
+        except psycopg.DatabaseError as exc:
+            if conn.broken or isinstance(exc, psycopg.OperationalError):
+                raise
+            # A hardened or managed server may refuse pg_control_system() or the WAL
+            # functions: the postmaster start time alone still tells servers apart.
+            logger.info("keeper: recording the server's start time only (%s)", _first_line(exc))
+            row = conn.execute(SERVER_START_SQL).fetchone()
+        assert row is not None
+        in_recovery, system_id, walfile, started = row
+        if in_recovery:
+            raise self._standby()
+        return server_identity(system_id, walfile, started)
+
+    def _check_keepalives(self, conn: psycopg.Connection[Any], effective: Any, hold: float) -> None:
+        if effective is None or (conn.info.host or "").startswith("/"):
+            return  # a Unix socket cannot be partitioned
+        idle, interval, count, user_timeout = effective
+        bound = hold + SESSION_MARGIN
+        if idle and interval and count and idle + interval * count <= bound:
+            logger.warning(
+                "keeper: the server's TCP keepalives (%s + %s * %s s) would drop a "
+                "partitioned leader before its wind-down of %s s + %s s; failover after a "
+                "partition may overlap",
+                idle,
+                interval,
+                count,
+                hold,
+                SESSION_MARGIN,
+            )
+        if user_timeout and user_timeout <= bound * 1000:
+            logger.warning(
+                "keeper: the server's tcp_user_timeout (%s ms) would drop a partitioned "
+                "leader before its wind-down of %s s + %s s; failover after a partition "
+                "may overlap",
+                user_timeout,
+                hold,
+                SESSION_MARGIN,
+            )
+
+    # -- holds and failures --------------------------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        """The keeper session's backend pid, or ``None`` when not connected."""
+        with self._state:
+            return self._pid if self._conn is not None else None
+
+    def nodes_holding(self, lease: PostgresLease) -> list[str]:
+        """The nodes that hold a term of ``lease`` through the session now."""
+        with self._state:
+            return [node for (client, node) in self._holds if client is lease]
+
+    def check_alive(self) -> None:
+        """Raise ``BackendUnavailable`` while the session is broken (terms still held)."""
+        with self._state:
+            broken = self._broken
+        if broken:
+            raise self._lost()
+
+    def holding(self) -> bool:
+        """True while any term taken through the session may still run."""
+        with self._state:
+            return bool(self._holds)
+
+    def _lost(self) -> BackendUnavailable:
+        return BackendUnavailable(
+            f"the keeper connection to the lease server ({self.where}) was lost; it "
+            "reconnects once the terms held through it have ended"
+        )
+
+    def _fail(self) -> None:
+        """The session failed: mark it broken and wake every client; it is closed now
+        unless a term taken through it may still run (then once the last one ends)."""
+        with self._state:
+            self._broken = True
+            close = not self._holds
+            clients = list(self._clients)
+        for client in clients:
+            client.wake()
+        if close:
+            self._drop()
+
+    def end_hold(self, lease: PostgresLease, node_id: str, term: int) -> None:
+        """``term`` of ``node_id`` on ``lease`` ended (its tasks are joined): the session
+        may end as far as that term goes, and its lock is freed on the next round trip."""
+        with self._state:
+            held = self._holds.get((lease, node_id))
+            if held is None or held[0] != term:
+                return
+            del self._holds[(lease, node_id)]
+            self._unlocks.append((held[1], term))
+            close = self._broken and not self._holds
+        self._io.recheck()
+        if close:
+            self._drop()
+
+    def _drop(self) -> None:
+        with self._lock:
+            with self._state:
+                conn, self._conn = self._conn, None
+                self._holds = {}
+                self._unlocks = []
+                self._by_channel = {}
+                self._broken = False
+                clients = list(self._clients)
+            if self._ring is not None:
+                self._ring.watch_from(None)
+            for client in clients:
+                client.channel = None
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    conn.close()
+
+    def _shut(self) -> None:
+        self._drop()
+        if self._ring is not None:
+            self._ring.stop()
+        self._wakeup.wake()
+        pump = self._pump
+        if pump is not None and pump is not threading.current_thread():
+            pump.join(2.0)
+        self._io.close()
+        self._wakeup.close()
+
+    # -- round trips ---------------------------------------------------------------------
+
+    def _run(
+        self,
+        query: sql.Composable,
+        what: str,
+        *,
+        limit: PostgresLease | float,
+        tolerate: bool = False,
+    ) -> list[list[tuple[Any, ...]] | None]:
+        """Run a (multi-statement) query on the session, with the freed locks of ended
+        terms first and the backend pid last; one entry per statement, pid popped and
+        checked. An error marks the session failed (see :meth:`_fail`), except, with
+        ``tolerate``, an error of the statement on a healthy session (it is raised)."""
+        bound = limit.renew_deadline if not isinstance(limit, float) else limit
+        with self._lock:
+            with self._state:
+                conn, broken = self._conn, self._broken
+                unlocks, self._unlocks = self._unlocks, []
+            if conn is None or broken or conn.closed or conn.broken:
+                if conn is not None and not broken:
+                    self._fail()
+                raise self._lost()
+            parts: list[sql.Composable] = []
+            if unlocks:
+                parts.append(unlock_sql(unlocks))
+            parts += [query, BACKEND_PID]
+            fired = [False]
+            try:
+                with self._io.guard(conn, bound, held=self.holding) as fired:
+                    cur = conn.execute(sql.SQL("; ").join(parts))
+                    results: list[list[tuple[Any, ...]] | None] = []
+                    while True:
+                        results.append(cur.fetchall() if cur.description is not None else None)
+                        if not cur.nextset():
+                            break
+            except psycopg.Error as exc:
+                healthy = not conn.broken and conn.pgconn.status == ConnStatus.OK
+                if tolerate and healthy and not fired[0]:
+                    with self._state:
+                        self._unlocks[:0] = unlocks  # perhaps not freed: again next time
+                    raise
+                self._fail()
+                if fired[0]:
+                    raise BackendUnavailable(
+                        f"cannot {what}: no answer from the lease server ({self.where}) "
+                        f"within {bound:g} s; reconnecting"
+                    ) from exc
+                if isinstance(exc, psycopg.errors.UndefinedTable):
+                    raise BackendUnavailable(
+                        f"cannot {what}: lease table {self.table!r} does not exist "
+                        f"({self.where}); run `rselection migrate` or pass create_tables=True"
+                    ) from exc
+                raise unavailable(what, self._conninfo, exc) from exc
+            if unlocks:
+                results.pop(0)
+            pid_rows = results.pop()
+            assert pid_rows, "SELECT pg_backend_pid() returns one row"
+            seen = int(pid_rows[0][0])
+            if seen != self._pid:
+                self._fail()
+                check_same_backend(self._pid, seen, self.where)  # raises ConfigError
+            return results
+
+    def _batch(
+        self,
+        queue: list[_Queued],
+        item: _Queued,
+        send: Callable[[list[_Queued]], None],
+    ) -> Any:
+        """Queue ``item`` for the keeper's thread and wait until a batch sent it.
+
+        The keeper's own thread sends every batch (it is idle otherwise): the callers
+        wait on their own entry, never on the statement lock, so a round of a thousand
+        renewals wakes each waiting thread once.
+        """
+        with self._state:
+            queue.append(item)
+        self._wakeup.wake()
+        while not item.done.wait(1.0):
+            with self._state:
+                gone = self._closed or self._pump is None or not self._pump.is_alive()
+            if gone and not item.done.is_set():
+                raise self._lost()
+        if item.error is not None:
+            raise item.error
+        return item.result
+
+    def _send_queued(self) -> None:
+        """Send the queued renewals, then the queued attempts, in as few batches as the
+        one-entry-per-lease rule allows (on the keeper's thread)."""
+        with self._state:
+            if not (self._renewals or self._attempts):
+                return
+            several = len(self._clients) > 1
+        if several:
+            time.sleep(GATHER)  # let the others due now join these batches
+        for queue, send in (
+            (self._renewals, self._send_renewals),
+            (self._attempts, self._send_attempts),
+        ):
+            while True:
+                with self._state:
+                    batch, queue[:] = _one_per_lease(queue)
+                if not batch:
+                    break
+                try:
+                    with self._lock:
+                        send(batch)
+                except BaseException as exc:  # every caller in the batch learns of it
+                    for queued in batch:
+                        if not queued.done.is_set():
+                            queued.error = exc
+                            queued.done.set()
+
+    def renew(self, lease: PostgresLease, node_id: str, term: int) -> tuple[Any, ...] | None:
+        """Renew ``term``; the row (name, term, handover columns) or ``None`` when lost.
+
+        Only the client that took ``term`` for ``node_id`` through this session renews it
+        (not another client of the same lease and node, and not after its term ended).
+        """
+        self.ensure(lease)
+        with self._state:
+            if self._holds.get((lease, node_id), (None, 0))[0] != term:
+                return None
+        queued = _Queued(lease, node_id, term)
+        row: tuple[Any, ...] | None = self._batch(self._renewals, queued, self._send_renewals)
+        return row
+
+    def _send_renewals(self, batch: list[_Queued]) -> None:
+        requests = [RenewRequest(q.lease.name, q.node_id, q.term, q.lease.ttl) for q in batch]
+        results = self._run(
+            renew_batch_sql(self._ident, requests, server=self._server),
+            "renew the leases",
+            limit=max(q.lease.renew_deadline for q in batch),
+        )
+        renewed = {(row[0], row[1]): row for row in results[0] or []}
+        for queued in batch:
+            queued.result = renewed.get((queued.lease.name, queued.term))
+            queued.done.set()
+
+    def acquire(self, lease: PostgresLease, node_id: str) -> Attempt:
+        """Attempt ``lease`` for ``node_id`` (batched with the other attempts due)."""
+        self.ensure(lease)
+        attempt: Attempt = self._batch(self._attempts, _Queued(lease, node_id), self._send_attempts)
+        return attempt
+
+    def _send_attempts(self, batch: list[_Queued]) -> None:
+        requests = []
+        for q in batch:
+            self.ensure(q.lease)
+            assert q.lease.lock_key is not None and q.lease.channel is not None
+            requests.append(
+                AcquireRequest(
+                    q.lease.name,
+                    q.node_id,
+                    q.lease.ttl,
+                    q.lease.lock_key,
+                    q.lease.channel,
+                    create=not q.lease.row_seen,
+                )
+            )
+        assert self._found is not None
+        results = self._run(
+            acquire_batch_sql(
+                self._ident, requests, server=self._server, ring=ring_class(self._found.oid)
+            ),
+            "acquire the leases",
+            limit=max(q.lease.connect_timeout + q.lease.renew_deadline for q in batch),
+        )
+        taken = {row[0]: int(row[1]) for row in results[-2] or []}
+        states = {row[0]: row for row in results[-1] or []}
+        with self._state:
+            for q in batch:
+                if q.lease.name in taken:
+                    assert q.lease.lock_key is not None
+                    self._holds[(q.lease, q.node_id)] = (taken[q.lease.name], q.lease.lock_key)
+        for q in batch:
+            q.result = Attempt(q.lease.name in taken, states.get(q.lease.name))
+            q.done.set()
+
+    def release(self, lease: PostgresLease, node_id: str, term: int) -> bool:
+        """Give ``term`` back (row cleared, followers notified, its lock freed); ``True``
+        when the row was still ours."""
+        self.ensure(lease)
+        assert lease.channel is not None and lease.lock_key is not None
+        with self._state:
+            held = self._holds.get((lease, node_id))
+        key = held[1] if held is not None and held[0] == term else lease.lock_key
+        results = self._run(
+            release_sql(
+                self._ident, lease.name, node_id, term, channel=lease.channel, lock_key=key
+            ),
+            "release the lease",
+            limit=lease,
+        )
+        with self._state:
+            if self._holds.get((lease, node_id), (None, 0))[0] == term:
+                del self._holds[(lease, node_id)]
+        self._io.recheck()
+        return bool(results[0])
+
+    # -- slots ---------------------------------------------------------------------------
+
+    def renewal_slot(self, due: float, interval: float, after: float) -> float:
+        """The latest tick of the shared renewal grid (period ``interval``) at or before
+        ``due`` and after ``after``; ``due`` itself when there is none."""
+        ticks = math.floor((due - self._phase) / interval)
+        slot = self._phase + ticks * interval
+        return slot if slot > after else due
+
+    def attempt_slot(self, due: float, interval: float) -> float:
+        """The first tick of the shared attempt grid (period ``interval``) at or after
+        ``due``."""
+        ticks = math.ceil((due - self._phase) / interval)
+        return self._phase + ticks * interval
+
+    # -- notifications -------------------------------------------------------------------
+
+    def _start_pump(self) -> None:
+        with self._state:
+            if self._pump is not None or self._closed:
+                return
+            self._wakeup.open()
+            self._pump = threading.Thread(
+                target=self._pump_loop, name=f"rselection-keeper-{self.table}", daemon=True
+            )
+        self._pump.start()
+
+    def _pump_loop(self) -> None:
+        """Send the queued batches, read notifications (and see a dead session) while the
+        session is idle, and send the heartbeats due."""
+        while True:
+            with self._state:
+                if self._closed:
+                    return
+                conn = self._conn if not self._broken else None
+            wake = self._wakeup.socket
+            try:
+                with selectors.DefaultSelector() as sel:
+                    if wake is not None:
+                        sel.register(wake, selectors.EVENT_READ, "wake")
+                    if conn is not None and not conn.closed:
+                        sel.register(conn.pgconn.socket, selectors.EVENT_READ, "db")
+                    events = sel.select(self._until_beat(1.0))
+                self._wakeup.clear()
+                if conn is not None and any(key.data == "db" for key, _ in events):
+                    self._poll(conn)
+                self._send_queued()
+                if conn is not None:
+                    self._beat_due()
+            except Exception:  # never let the pump die: it wakes every follower
+                logger.exception("keeper: error reading notifications; going on")
+                time.sleep(0.1)
+
+    def _until_beat(self, cap: float) -> float:
+        with self._state:
+            due = min(self._beats.values(), default=None)
+        return cap if due is None else max(0.0, min(cap, due - clock.monotonic()))
+
+    def _beat_due(self) -> None:
+        """Heartbeat every node due now (or within a quarter of its interval: nodes of
+        one process beat together), one statement per kind and table."""
+        now = clock.monotonic()
+        with self._state:
+            due = [n for n, at in self._beats.items() if at <= now + n.heartbeat_interval / 4]
+        groups: dict[tuple[type, str], list[Heartbeat]] = {}
+        for node in due:
+            groups.setdefault((type(node), node.table), []).append(node)
+        for (_, table), batch in groups.items():
+            try:
+                if any(n.create_tables for n in batch) and table not in self._created:
+                    with self._lock:
+                        conn = self._conn
+                        if conn is None:
+                            return
+                        with self._io.guard(conn, self._timeout + 10.0, held=self.holding):
+                            create_tables(conn, nodes=table, timeout=10.0)
+                    self._created.add(table)
+                self._run(
+                    batch[0].heartbeat_sql(batch), "record heartbeats", limit=10.0, tolerate=True
+                )
+                failed = False
+            except (BackendUnavailable, ConfigError, psycopg.Error) as exc:
+                failed = True
+                logger.warning("keeper: could not record heartbeats: %s", _first_line(exc))
+            with self._state:
+                for node in batch:
+                    if node in self._beats:
+                        # After a failure, try again soon; else at the next interval.
+                        wait = (
+                            min(1.0, node.heartbeat_interval) if failed else node.heartbeat_interval
+                        )
+                        self._beats[node] = now + wait
+
+    def _poll(self, conn: psycopg.Connection[Any]) -> None:
+        with self._lock:
+            if conn is not self._conn:
+                return
+            pgconn = conn.pgconn
+            try:
+                pgconn.consume_input()
+                while (notify := pgconn.notifies()) is not None:
+                    self._dispatch(
+                        notify.relname.decode(errors="replace"),
+                        notify.extra.decode(errors="replace"),
+                        notify.be_pid,
+                    )
+                ok = pgconn.status == ConnStatus.OK
+            except psycopg.Error:
+                ok = False
+            if not ok:
+                logger.warning("keeper: the session to the lease server (%s) ended", self.where)
+                self._fail()
+
+    def _on_notify(self, notify: psycopg.Notify) -> None:
+        self._dispatch(notify.channel, notify.payload, notify.pid)
+
+    def _dispatch(self, channel: str, payload: str, sender: int) -> None:
+        with self._state:
+            ring = channel == self._ring_channel
+            clients = list(self._clients) if ring else list(self._by_channel.get(channel, ()))
+        if ring:
+            kind, _, pid = payload.partition(":")
+            if kind == "up" and pid.isdigit() and int(pid) != self._pid:
+                if self._ring is not None:
+                    self._ring.ring_changed(int(pid))
+                return
+            for client in clients:  # "down": a keeper died; followers attempt at once
+                client.wake()
+            return
+        event: dict[str, Any] = {}
+        with contextlib.suppress(ValueError):
+            loaded = json.loads(payload)
+            event = loaded if isinstance(loaded, dict) else {}
+        own = sender == self._pid
+        for client in clients:
+            client.notified(event, own_session=own)
+
+
+def _one_per_lease(queue: list[_Queued]) -> tuple[list[_Queued], list[_Queued]]:
+    """Split the queue: at most one entry per lease name in a batch, the rest wait."""
+    batch: list[_Queued] = []
+    rest: list[_Queued] = []
+    names: set[str] = set()
+    for queued in queue:
+        if queued.lease.name in names:
+            rest.append(queued)
+        else:
+            names.add(queued.lease.name)
+            batch.append(queued)
+    return batch, rest
+
+
+def _set_client_keepalives(
+    conn: psycopg.Connection[Any], ka: Keepalives, user_timeout: int
+) -> None:
+    """Apply keepalives and ``tcp_user_timeout`` to the client's socket (TCP only)."""
+    if (conn.info.host or "").startswith("/"):
+        return
+    try:
+        sock = socket.socket(fileno=os.dup(conn.pgconn.socket))
+    except OSError:
+        return
+    with sock, contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, ka.idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, ka.interval)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, ka.count)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, user_timeout)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
