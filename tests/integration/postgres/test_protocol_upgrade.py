@@ -195,25 +195,41 @@ class MixedFleet:
         return at
 
     def stop_all(self, timeout: float = 20.0) -> None:
-        """Close every node's stdin (a graceful stop), kill stragglers, read every event."""
+        """Stop every node gracefully (its stdin closed), followers first, so that no
+        follower takes over a lease that a stopping leader releases; kill stragglers;
+        read every event."""
         for node in list(self._paused_since):
             self.resume(node)
-        for proc in self.procs.values():
-            assert proc.stdin is not None
-            with contextlib.suppress(OSError):
-                proc.stdin.close()
+        while self._drain(0) is not None:
+            pass
+        leading = self._leading()
         deadline = time.monotonic() + timeout
-        for node, proc in self.procs.items():
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-            self.ended_at.setdefault(node, time.time())
+        for group in ([n for n in self.procs if n not in leading], sorted(leading)):
+            for node in group:
+                stdin = self.procs[node].stdin
+                assert stdin is not None
+                with contextlib.suppress(OSError):
+                    stdin.close()
+            for node in group:
+                proc = self.procs[node]
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
+                self.ended_at.setdefault(node, time.time())
         for reader in self._readers:
             reader.join(5)
         while self._drain(0) is not None:
             pass
+
+    def _leading(self) -> set[str]:
+        """Nodes whose last ``elected`` or ``demoted`` event so far is ``elected``."""
+        last: dict[str, str] = {}
+        for event in self.history:
+            if event.get("ev") in ("elected", "demoted"):
+                last[event["node"]] = event["ev"]
+        return {node for node, ev in last.items() if ev == "elected"}
 
     def log(self, node: str) -> str:
         """What ``node`` wrote on stderr."""
