@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -33,16 +33,21 @@ from psycopg.pq import TransactionStatus
 
 from ..errors import BackendUnavailable, ConfigError
 
+if TYPE_CHECKING:
+    from .session_pool import SessionPool
+
 __all__ = [
     "Connections",
     "IoWatchdog",
     "Keepalives",
     "check_conninfo",
+    "connection_is_usable",
     "describe_conninfo",
     "redact",
     "server_keepalives",
     "server_user_timeout",
     "session_conninfo",
+    "open_session",
     "shutdown_socket",
     "unavailable",
 ]
@@ -413,13 +418,89 @@ def session_conninfo(source: object, owner: str) -> str:
     return make_conninfo(conninfo, **params) if params else conninfo
 
 
+def open_session(
+    conninfo: str,
+    *,
+    application_name: str,
+    connect_timeout: float,
+    keepalive_idle: float,
+    user_timeout: float,
+    statement_timeout: float | None = None,
+) -> psycopg.Connection[Any]:
+    """Open an autocommit session with every bound of the library's sessions set.
+
+    The one place, but for the keeper's (which follows the dead-session rules of
+    :func:`server_keepalives`), where the library opens a session: a connect timeout,
+    client TCP keepalives (first probe after ``keepalive_idle``, then 3 a second apart),
+    ``tcp_user_timeout`` (data the server does not acknowledge fails after
+    ``user_timeout``) and, when given, a server-side ``statement_timeout``.
+
+    Args:
+        conninfo: a libpq connection string or URI.
+        application_name: what ``pg_stat_activity`` shows for the session.
+        connect_timeout: seconds to wait for the connection (libpq counts whole seconds,
+            at least 2).
+        keepalive_idle: seconds of silence before the first keepalive probe.
+        user_timeout: seconds sent data may stay unacknowledged.
+        statement_timeout: bound of one statement on the server, seconds.
+
+    Raises:
+        BackendUnavailable: the session could not be opened or prepared (the message
+            never shows a password).
+    """
+    try:
+        conn = psycopg.Connection.connect(
+            conninfo,
+            autocommit=True,
+            connect_timeout=max(2, math.ceil(connect_timeout)),
+            application_name=application_name,
+            keepalives=1,
+            keepalives_idle=max(1, math.ceil(keepalive_idle)),
+            keepalives_interval=1,
+            keepalives_count=3,
+            tcp_user_timeout=math.ceil(user_timeout * 1000),
+        )
+    except psycopg.Error as exc:
+        raise unavailable("connect to Postgres", conninfo, exc) from exc
+    if statement_timeout is None:
+        return conn
+    try:
+        conn.execute(
+            "SELECT set_config('statement_timeout', %s, false)",
+            (f"{math.ceil(statement_timeout * 1000)}ms",),
+        )
+    except psycopg.Error as exc:
+        conn.close()
+        raise unavailable("prepare the session", conninfo, exc) from exc
+    return conn
+
+
+def connection_is_usable(conn: psycopg.Connection[Any]) -> bool:
+    """False when ``conn`` is known dead: closed, broken, or the server hung up.
+
+    An idle connection that nobody LISTENs on has nothing to read unless the server
+    ended the session (an error message, then EOF): then it is replaced before use.
+    """
+    if conn.closed or conn.broken:
+        return False
+    if conn.info.transaction_status != TransactionStatus.IDLE:
+        return False
+    try:
+        readable, _, _ = select.select([conn.fileno()], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return not readable
+
+
 class Connections:
     """Where an object gets a connection for each call, from any kind of ``conninfo``.
 
-    * a connection string: connections of its own, opened on first use (autocommit, TCP
-      keepalives, a server-side ``statement_timeout``), at most ``size`` at once (calls
-      beyond that wait for one to be free); one that failed is closed and replaced by
-      the next call, idle ones are kept for the next calls;
+    * a connection string: with ``pooled=True``, the process's pooled sessions for that
+      string (:class:`~.session_pool.SessionPool`, shared with every other pooled object
+      of the process); otherwise connections of its own, opened on first use
+      (:func:`open_session`), at most ``size`` at once (calls beyond that wait for one to
+      be free). Either way one that failed is closed and replaced by the next call, and
+      idle ones are kept for the next calls;
     * a pool (anything with a ``connection()`` context manager, such as
       ``psycopg_pool.ConnectionPool``): each call borrows a connection;
     * a ``psycopg.Connection``: calls take turns on it under a lock. A call that runs
@@ -433,7 +514,8 @@ class Connections:
         connect_timeout: seconds to wait for a connection it opens itself.
         statement_timeout: bound of one statement on connections it opens itself; a call
             on one of them is aborted after ``statement_timeout + connect_timeout``.
-        size: how many connections of its own it may have open at once.
+        size: how many connections of its own it may have open at once (not pooled).
+        pooled: borrow the process's pooled sessions instead of opening its own.
 
     Raises:
         ConfigError: ``source`` is none of the three (the message says what is).
@@ -448,9 +530,12 @@ class Connections:
         connect_timeout: float = 5.0,
         statement_timeout: float = 10.0,
         size: int = 1,
+        pooled: bool = False,
     ) -> None:
         """Check ``source`` (raises :class:`ConfigError`); opens nothing yet."""
         self.kind = _kind_of(source, owner)
+        self._pooled = pooled and isinstance(source, str)
+        self._sessions: SessionPool | None = None  # attached on first use, until close()
         self._conninfo: str | None = None
         self._pool: Any = None
         self._shared: psycopg.Connection[Any] | None = None
@@ -485,47 +570,26 @@ class Connections:
 
     def _open(self) -> psycopg.Connection[Any]:
         assert self._conninfo is not None
-        try:
-            conn = psycopg.Connection.connect(
-                self._conninfo,
-                autocommit=True,
-                connect_timeout=max(2, math.ceil(self._connect_timeout)),
-                application_name=self._app,
-                # A silent network ends a call within about statement_timeout too.
-                keepalives=1,
-                keepalives_idle=max(1, math.ceil(self._statement_timeout / 2)),
-                keepalives_interval=1,
-                keepalives_count=3,
-                tcp_user_timeout=math.ceil(self._statement_timeout * 1000) + 1000,
-            )
-        except psycopg.Error as exc:
-            raise unavailable("connect to Postgres", self._conninfo, exc) from exc
-        try:
-            conn.execute(
-                "SELECT set_config('statement_timeout', %s, false)",
-                (f"{math.ceil(self._statement_timeout * 1000)}ms",),
-            )
-        except psycopg.Error as exc:
-            conn.close()
-            raise unavailable("prepare the session", self._conninfo, exc) from exc
-        return conn
+        return open_session(
+            self._conninfo,
+            application_name=self._app,
+            connect_timeout=self._connect_timeout,
+            # A silent network ends a call within about statement_timeout too.
+            keepalive_idle=self._statement_timeout / 2,
+            user_timeout=self._statement_timeout + 1.0,
+            statement_timeout=self._statement_timeout,
+        )
 
     @staticmethod
     def usable(conn: psycopg.Connection[Any]) -> bool:
-        """False when ``conn`` is known dead: closed, broken, or the server hung up.
+        """False when ``conn`` is known dead (see :func:`connection_is_usable`)."""
+        return connection_is_usable(conn)
 
-        An idle connection that nobody LISTENs on has nothing to read unless the server
-        ended the session (an error message, then EOF): then it is replaced before use.
-        """
-        if conn.closed or conn.broken:
-            return False
-        if conn.info.transaction_status != TransactionStatus.IDLE:
-            return False
-        try:
-            readable, _, _ = select.select([conn.fileno()], [], [], 0)
-        except (OSError, ValueError):
-            return False
-        return not readable
+    def idle_connections(self) -> list[psycopg.Connection[Any]]:
+        """The connections kept for the next calls, its own or pooled (for tests)."""
+        with self._lock:
+            sessions, idle = self._sessions, list(self._idle)
+        return sessions.idle_connections() if sessions is not None else idle
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
@@ -541,6 +605,22 @@ class Connections:
         if self._shared is not None:
             with self._shared_lock:
                 yield self._shared
+            return
+        if self._pooled:
+            with self._lock:
+                if self._sessions is None:
+                    # Imported here: the pool is built on this module's helpers.
+                    from .session_pool import SessionPool
+
+                    assert self._conninfo is not None
+                    self._sessions = SessionPool.attach(self._conninfo)
+                sessions = self._sessions
+            with sessions.connection(
+                owner=self.owner,
+                connect_timeout=self._connect_timeout,
+                statement_timeout=self._statement_timeout,
+            ) as lent:
+                yield lent
             return
         with self._slots:
             conn: psycopg.Connection[Any] | None
@@ -602,12 +682,15 @@ class Connections:
         that call ends.
         """
         with self._lock:
+            sessions, self._sessions = self._sessions, None
             self._generation += 1
             idle, self._idle = self._idle, []
             if self._busy:
                 self._closing = True
             else:
                 self._io.close()
+        if sessions is not None:
+            sessions.detach()
         for conn in idle:
             with contextlib.suppress(Exception):
                 conn.close()

@@ -287,27 +287,28 @@ def same_server(server: str | None) -> sql.Composable:
     return sql.SQL("coalesce(t.holder_server = {}, false)").format(sql.Literal(server))
 
 
-def free_condition(server: str | None, node: sql.Composable) -> sql.Composed:
-    """True when row ``t`` may be taken by ``node``: free, expired, dead holder, or ours.
+def free_condition(server: str | None) -> sql.Composed:
+    """True when row ``t`` may be taken: free, expired, or its holder's session is gone.
 
-    The session checks (own pid, lock not held) only count for a holder whose session
+    The session check (the term's lock not held) only counts for a holder whose session
     is on this very server, as recorded when it acquired (:func:`same_server`): after a
     restart or a failover to a promoted standby the holder's pid and lock mean nothing
     here, and its leader, cut off from the old server, may not have noticed; such a
     lease is only taken over once it expires.
 
+    A lease held through this very session is no exception: the session is shared by
+    every lease object and node of the process, and another leader of the same lease
+    and node id (a leader restarted in the process while the old one's term still winds
+    down) must wait until that term's lock is freed, when its tasks are joined.
+
     Args:
         server: this session's server identity (``None``: expiry only).
-        node: the acquiring node (a literal or a column): the keeper session is shared by
-            every lease and node of a process, so "held through this very session" makes
-            the lease takeable only by the node that holds it, never by a sibling.
     """
     return sql.SQL(
         "(t.holder IS NULL OR t.holder_pid IS NULL OR t.expires_at IS NULL"
         " OR t.expires_at <= clock_timestamp()"
-        " OR ({same} AND ((t.holder_pid = pg_backend_pid() AND t.holder = {node})"
-        " OR NOT " + LOCK_HELD + ")))"
-    ).format(same=same_server(server), node=node)
+        " OR ({same} AND NOT " + LOCK_HELD + "))"
+    ).format(same=same_server(server))
 
 
 def not_reserved(node: sql.Composable, *, handovers: bool = True) -> sql.Composable:
@@ -471,7 +472,7 @@ def acquire_batch_sql(
         insert=insert,
         t=table,
         req=_requests(requests),
-        free=free_condition(server, node),
+        free=free_condition(server),
         open=not_reserved(node),
         server=sql.Literal(server),
         protocol=sql.Literal(LEASE_PROTOCOL),
@@ -538,6 +539,16 @@ def release_sql(
         channel=sql.Literal(channel),
         unlock=unlock_sql([(lock_key, term)]),
     )
+
+
+def bounded_sql(seconds: float) -> sql.Composed:
+    """Bound the rest of the implicit transaction (the statements sent with it in one
+    query) by ``statement_timeout`` and ``lock_timeout`` of ``seconds``, on a session
+    pinned to no timeouts: ``set_config(..., true)`` lasts until the transaction ends."""
+    millis = sql.Literal(f"{max(1, round(seconds * 1000))}ms")
+    return sql.SQL(
+        "SELECT set_config('statement_timeout', {ms}, true), set_config('lock_timeout', {ms}, true)"
+    ).format(ms=millis)
 
 
 def unlock_sql(locks: Iterable[tuple[int, int]]) -> sql.Composed:

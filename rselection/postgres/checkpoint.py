@@ -88,8 +88,9 @@ class PostgresCheckpointStore(Closeable):
     """Durable, versioned, fenced task state in Postgres.
 
     Thread-safe. Each call is one short transaction on a connection from ``conninfo``:
-    with a connection string the store keeps up to ``pool_size`` connections of its own
-    (``autocommit``, opened on demand, closed by :meth:`close`); with a pool it borrows
+    with a connection string it borrows one of the process's pooled sessions for that
+    string (at most two, shared with the claims and reads of every leader and store of
+    the process, see :mod:`rselection.postgres.session_pool`); with a pool it borrows
     one per call; with a ``psycopg.Connection`` calls take turns on it (inside the
     caller's open transaction a save joins it, as a savepoint). Tables are created on
     first use unless ``create_tables=False`` (then run
@@ -110,8 +111,6 @@ class PostgresCheckpointStore(Closeable):
         connect_timeout: seconds to wait for a new connection (connection string only).
         statement_timeout: bound of one call on the server, seconds (connection string
             only); a call that overruns raises ``BackendUnavailable``.
-        pool_size: connections of its own open at once at most (connection string
-            only); more concurrent calls wait for one.
         idle_timeout: seconds a fenced save's or delete's transaction may stay idle
             before the server ends its session (``idle_in_transaction_session_timeout``):
             a writer paused inside one holds a takeover back at most this long. A
@@ -133,7 +132,6 @@ class PostgresCheckpointStore(Closeable):
         max_state_bytes: int = DEFAULT_MAX_STATE_BYTES,
         connect_timeout: float = 5.0,
         statement_timeout: float = 30.0,
-        pool_size: int = 4,
         idle_timeout: float = 5.0,
     ) -> None:
         self.tables = CheckpointTables(table_prefix)  # validates
@@ -142,8 +140,6 @@ class PostgresCheckpointStore(Closeable):
             raise ConfigError(f"max_state_bytes must be an int, got {max_state_bytes!r}")
         if max_state_bytes <= 0:
             raise ConfigError(f"max_state_bytes must be positive, got {max_state_bytes!r}")
-        if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
-            raise ConfigError(f"pool_size must be an int >= 1, got {pool_size!r}")
         self.table_prefix = table_prefix
         self.lease_table = lease_table
         self.create_tables = bool(create_tables)
@@ -157,7 +153,7 @@ class PostgresCheckpointStore(Closeable):
             application_name="rselection:checkpoints",
             connect_timeout=self.connect_timeout,
             statement_timeout=self.statement_timeout,
-            size=pool_size,
+            pooled=True,
         )
         self._migrated = not self.create_tables
         self._migrate_lock = threading.Lock()

@@ -152,6 +152,7 @@ class PostgresClaimer(Closeable):
             application_name="rselection:claims",
             connect_timeout=check_seconds(connect_timeout, "connect_timeout"),
             statement_timeout=self._statement_timeout,
+            pooled=True,
         )
         self._ready = not self.create_tables
         self._claim_sql = sql.SQL(

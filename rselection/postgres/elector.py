@@ -110,6 +110,7 @@ class PostgresElector(Closeable):
             application_name=f"rselection:elector:{name}"[:63],
             connect_timeout=check_seconds(connect_timeout, "connect_timeout"),
             statement_timeout=self._statement_timeout,
+            pooled=True,
         )
         self._ready = not self.create_tables
         self._elect_sql = sql.SQL(

@@ -54,7 +54,7 @@ def _one_call(conninfo: object, owner: str, what: str) -> Iterator[psycopg.Conne
     """A connection for one call in one transaction; driver errors become
     :class:`~rselection.errors.BackendUnavailable` (a connection string's connection is
     closed after)."""
-    conns = Connections(conninfo, owner=owner, application_name=f"rselection:{owner}")
+    conns = Connections(conninfo, owner=owner, application_name=f"rselection:{owner}", pooled=True)
     try:
         with conns.connection() as conn:
             try:

@@ -70,6 +70,7 @@ from ._lease_sql import (
     LeaseTable,
     RenewRequest,
     acquire_batch_sql,
+    bounded_sql,
     describe_lease_table,
     lease_channel,
     lease_lock_key,
@@ -94,6 +95,12 @@ logger = logging.getLogger(__name__)
 GATHER = 0.01
 """Seconds the keeper waits, before sending a batch, for more of its clients' renewals
 or attempts that are due at the same moment (only when it has several clients)."""
+
+HEARTBEAT_BOUND = 1.0
+"""Seconds a heartbeat (or the nodes table's creation) may take on the keeper session,
+lock waits included, before the server cancels it: renewals queue behind it, and a
+locked nodes table (``VACUUM FULL``, a migration, a row locked by hand) must never make
+the leases of a process pass their deadlines. The heartbeat is retried a second later."""
 
 _T = TypeVar("_T")
 
@@ -822,11 +829,18 @@ class SharedKeeper:
                         conn = self._conn
                         if conn is None:
                             return
+                        # Bounded on the server: renewals wait behind this round trip
+                        # (a migration holding the lock only delays the creation).
                         with self._io.guard(conn, self._timeout + 10.0, held=self.holding):
-                            create_tables(conn, nodes=table, timeout=10.0)
+                            create_tables(conn, nodes=table, timeout=HEARTBEAT_BOUND)
                     self._created.add(table)
                 self._run(
-                    batch[0].heartbeat_sql(batch), "record heartbeats", limit=10.0, tolerate=True
+                    sql.SQL("{}; {}").format(
+                        bounded_sql(HEARTBEAT_BOUND), batch[0].heartbeat_sql(batch)
+                    ),
+                    "record heartbeats",
+                    limit=10.0,
+                    tolerate=True,
                 )
                 failed = False
             except (BackendUnavailable, ConfigError, psycopg.Error) as exc:

@@ -33,14 +33,15 @@ lock (tested against the previous release in
 connection closes, or an admin terminates its backend, the server frees the lock at
 once, and the ring watcher waiting on that session's ring lock announces it, so every
 follower attempts at once. The session checks only count on that server: see
-"Restarts and promoted standbys" below. Two nodes of one process share a session, so
-"held through this very session" lets only the node that holds the lease take it again.
+"Restarts and promoted standbys" below. Every lease object and node of a process shares
+the session, so a lease held through it is taken by none of them, not even by the same
+node id, until its term's lock is freed (when that term's tasks are joined).
 
 **Acquire** (:meth:`PostgresLease.try_acquire`) is one round trip, one implicit
 transaction, shared with the other leases of the process that attempt at that moment.
 The row is locked ``FOR UPDATE`` *only* when a takeover looks possible (holder NULL,
-lease expired, holder's lock not granted to ``holder_pid``, or this very session and
-node are the holder; the last two only when the row's ``holder_server`` is this server),
+lease expired, or the holder's lock not granted to ``holder_pid``, the last only when the
+row's ``holder_server`` is this server),
 skipping a row another transaction has locked (``SKIP LOCKED``: the attempt is repeated
 soon, and the shared session never waits), then re-checked under the lock and updated:
 ``term + 1``, ``holder_pid = pg_backend_pid()``, ``holder_server``, ``expires_at =
@@ -294,6 +295,7 @@ class PostgresLease(Closeable):
             application_name="rselection:observer",
             connect_timeout=self.connect_timeout,
             statement_timeout=self.connect_timeout,
+            pooled=True,
         )
 
     def __repr__(self) -> str:

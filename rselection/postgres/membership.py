@@ -89,6 +89,7 @@ class Membership:
             owner="PostgresLeader membership",
             application_name="rselection:nodes",
             statement_timeout=self._statement_timeout,
+            pooled=True,
         )
         nodes, leases = table_identifier(table), table_identifier(lease_table)
         self._beat_sql = sql.SQL(
@@ -157,11 +158,13 @@ class Membership:
     def heartbeat_sql(self, batch: Sequence[Heartbeat]) -> sql.Composed:
         """One statement recording a heartbeat of every node of ``batch`` (memberships on
         this table), and purging rows of their leases' nodes lost for a day."""
-        rows = [node for node in batch if isinstance(node, Membership)]
+        # One row per (lease, node): two leaders of one lease and node id in a process
+        # would make the upsert affect a row twice, and fail for every node.
+        keys = dict.fromkeys((m.name, m.node_id) for m in batch if isinstance(m, Membership))
         values = sql.SQL(", ").join(
             [
-                sql.SQL("({}::text, {}::text)").format(sql.Literal(m.name), sql.Literal(m.node_id))
-                for m in rows
+                sql.SQL("({}::text, {}::text)").format(sql.Literal(name), sql.Literal(node))
+                for name, node in keys
             ]
         )
         return sql.SQL(

@@ -26,7 +26,9 @@ run it by path with ``PYTHONPATH`` naming the code tree to measure (it imports n
 else from this repository). The connection string comes from ``--dsn`` or, so that it
 stays off the command line, the ``SCALE_NODE_DSN`` environment variable.
 
-Tasks: every lease runs one persistent task. By default (``--idle-task async``) it waits
+Tasks: every lease runs one persistent task (and, with ``--pooled-work SECONDS``, an
+interval task that claims each fire, saves a checkpoint and reads the nodes, while a
+thread asks every leader ``leader()`` as often). By default (``--idle-task async``) it waits
 for cancellation on the event loop; ``def`` waits in a thread; ``none`` registers no
 task. ``--block`` names leases whose ``def`` task ignores cancellation: it sleeps
 ``--block-seconds`` at a time and only then looks at ``ctx.cancelled``; ``--spin`` names
@@ -106,6 +108,16 @@ def make_handler(kind: str, args: argparse.Namespace, go: threading.Event) -> rs
                 return False
         return True
 
+    if args.pooled_work:
+
+        @handler.interval(args.pooled_work, name="pooled")
+        def pooled(ctx: rs.TaskContext) -> None:
+            # A claimed fire (the claimer's default), a fenced checkpoint save and a
+            # membership read: every pooled call a leader's tasks make.
+            snap = ctx.checkpoint.load()
+            ctx.checkpoint.save((snap.state if snap is not None else 0) + 1)
+            ctx.nodes()
+
     if kind == "none":
         return handler
     if kind == "async":
@@ -172,6 +184,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="blocking, spinning and failing tasks start misbehaving at SIGUSR1",
     )
     p.add_argument("--renewals", action="store_true", help="report every lease_renewed")
+    p.add_argument(
+        "--pooled-work",
+        type=float,
+        default=0.0,
+        help="every SECONDS: each lease's interval task claims its fire, saves a checkpoint "
+        "and reads the nodes, and every leader is asked leader() (0: none)",
+    )
     # One after another by default: with one keeper per lease, starting 300 leaders
     # from 16 threads took 26 s of start() calls against 10 s one by one on 2 cores (the
     # threads fight over the GIL), and leases reached their deadline while starting.
@@ -277,10 +296,21 @@ def main(argv: list[str] | None = None) -> int:
         rselection=rs.__file__,
     )
 
+    asking = threading.Event()
+
+    def ask_leaders() -> None:
+        while not asking.wait(args.pooled_work):
+            for leader in leaders:
+                leader.leader()
+
+    if args.pooled_work:
+        threading.Thread(target=ask_leaders, name="scale-ask-leader", daemon=True).start()
+
     while (signum := signal.sigwait(wanted)) == signal.SIGUSR1:
         if not go.is_set():
             go.set()
             out.emit("go")
+    asking.set()
     out.emit("stopping", signal=signal.Signals(signum).name)
     stopping = time.monotonic()
     # Ask every leader first (stop(timeout=0) only asks, but asking a follower may cost a

@@ -19,6 +19,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
 import rselection as rs
 from rselection.checkpoints import decode_state, encode_state
@@ -28,6 +29,7 @@ from rselection.postgres import PostgresCheckpointStore, PostgresLease, Snapshot
 from rselection.postgres.checkpoint import FORMAT_VERSION
 from rselection.postgres.leader import PostgresLeader
 from rselection.postgres.schema import Step, TableKind, run_migrations
+from rselection.postgres.session_pool import POOL_SIZE
 from tests.support.node_process import NodeProcess, count
 
 FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
@@ -187,8 +189,6 @@ def test_bad_construction_arguments() -> None:
         PostgresCheckpointStore(dsn, max_state_bytes=0)
     with pytest.raises(ConfigError, match="statement_timeout"):
         PostgresCheckpointStore(dsn, statement_timeout=0)
-    with pytest.raises(ConfigError, match="pool_size"):
-        PostgresCheckpointStore(dsn, pool_size=0)
 
 
 def test_bad_keys_and_states(store: PostgresCheckpointStore, pg_dsn: str) -> None:
@@ -229,7 +229,7 @@ def test_an_idle_connection_ended_by_the_server_is_replaced(
     store: PostgresCheckpointStore, pg_dsn: str
 ) -> None:
     store.save("k", 1)
-    pids = [c.info.backend_pid for c in store._conns._idle]
+    pids = [c.info.backend_pid for c in store._conns.idle_connections()]
     assert pids
     with psycopg.connect(pg_dsn, autocommit=True) as admin:
         for pid in pids:
@@ -576,9 +576,12 @@ def test_a_connection_works_too_and_a_save_joins_its_open_transaction(pg_dsn: st
         assert not conn.closed  # the caller's connection stays open
 
 
-def test_own_connections_are_bounded_and_close_never_waits_for_a_call(pg_dsn: str) -> None:
-    store = PostgresCheckpointStore(pg_dsn, pool_size=2)
+def test_pooled_sessions_are_bounded_and_close_never_waits_for_a_call(pg_dsn: str) -> None:
+    # A connection string of its own: a pool that no other test's objects share.
+    store = PostgresCheckpointStore(make_conninfo(pg_dsn, connect_timeout=7))
     store.save("k", 0)
+    pool = store._conns._sessions
+    assert pool is not None
 
     def work(i: int) -> None:
         for n in range(20):
@@ -590,7 +593,7 @@ def test_own_connections_are_bounded_and_close_never_waits_for_a_call(pg_dsn: st
     for worker in workers:
         worker.join(30)
     assert not any(w.is_alive() for w in workers)
-    assert 1 <= len(store._conns._idle) <= 2  # never more sessions than pool_size
+    assert 1 <= pool.open_sessions <= POOL_SIZE  # 6 threads, never more than the pool's
     with psycopg.connect(pg_dsn) as blocker:
         blocker.execute("SELECT 1 FROM rselection_checkpoints WHERE key = ARRAY['k'] FOR UPDATE")
         done: list[Snapshot] = []
@@ -612,7 +615,7 @@ def test_own_connections_are_bounded_and_close_never_waits_for_a_call(pg_dsn: st
         blocker.rollback()
         saver.join(10)
     assert done and done[0].version == 2
-    assert store._conns._idle == []  # the call's connection was closed when it ended
+    assert pool.open_sessions == 0  # the call's session was closed when it ended
     snap = store.load("k")  # and a later call opens a new one
     assert snap is not None and snap.state == 1
     store.close()
@@ -622,9 +625,7 @@ def test_a_store_nobody_closed_keeps_no_thread(pg_dsn: str) -> None:
     # Its round-trip watchdog ends once nothing is in flight (a leader's store used
     # after the leader stopped, a script that never closes); the next call restarts it.
     def watchdogs() -> list[threading.Thread]:
-        return [
-            t for t in threading.enumerate() if t.name == "rselection-io-rselection:checkpoints"
-        ]
+        return [t for t in threading.enumerate() if t.name == "rselection-io-rselection:pool"]
 
     store = PostgresCheckpointStore(pg_dsn)
     store.save("k", 1)

@@ -264,7 +264,7 @@ def test_server_ended_idle_session_is_replaced_before_the_next_claim(
 ) -> None:
     claimer = make_claimer()
     assert claimer.claim("i1")
-    own = claimer._conns._idle[-1]  # the connection the call used, now idle
+    own = claimer._conns.idle_connections()[-1]  # the connection the call used, now idle
     admin.execute("SELECT pg_terminate_backend(%s)", (own.info.backend_pid,))
     wait_until(lambda: not Connections.usable(own), 5, "the termination to arrive")
     assert claimer.claim("i2")

@@ -114,7 +114,7 @@ def test_session_ended_by_the_server_is_replaced(
 ) -> None:
     a = make_elector(ttl=3600)
     assert a.is_leader()
-    own = a._conns._idle[-1]  # the connection the call used, now idle
+    own = a._conns.idle_connections()[-1]  # the connection the call used, now idle
     with psycopg.connect(pg_server_dsn, autocommit=True) as admin:
         admin.execute("SELECT pg_terminate_backend(%s)", (own.info.backend_pid,))
     wait_until(lambda: not Connections.usable(own), 5, "the termination to arrive")

@@ -263,11 +263,14 @@ def over_budget(dsn: str, nodes: list[ScaleNode], window: float) -> tuple[list[s
 
 
 def test_sessions_per_process_stay_within_the_budget(fleet: ScaleFleet, scale_dsn: str) -> None:
+    # Every lease's tasks claim their fires, save checkpoints and read the nodes twice a
+    # second, and every leader is asked leader() as often: the pooled sessions' load.
+    work = ["--pooled-work", "0.5"]
     # One process alone leads every lease; the two started after it only follow.
-    first = fleet.add("n0")
+    first = fleet.add("n0", work)
     first.ready(START_TIMEOUT)
     fleet.wait_all_led(START_TIMEOUT, [first])
-    followers = [fleet.add(f"n{i}") for i in range(1, NODES)]
+    followers = [fleet.add(f"n{i}", work) for i in range(1, NODES)]
     for node in followers:
         node.ready(START_TIMEOUT)
     # A window of three follower polls: every session a follower opens is open by then.

@@ -1,0 +1,207 @@
+"""The pooled sessions of a process: at most two per connection string, for every object.
+
+Claims, checkpoint saves and loads, ``leader()`` reads, ``nodes()`` reads, handover
+requests and electors given a connection string do not open sessions of their own:
+every one of them in a process borrows, for one call at a time, one of at most
+:data:`POOL_SIZE` sessions that the process keeps per connection string (the
+``application_name`` is :data:`APPLICATION_NAME`). So their sessions do not grow with
+the number of leaders, shards, claimers or stores in a process.
+
+Each call brings its own bounds: the pooled session's ``statement_timeout`` is set to
+the caller's before its call (only when it differs from what the session has, so a run
+of calls of one kind costs no extra round trip), a call that waits for a free session
+waits at most the caller's ``connect_timeout`` plus ``statement_timeout`` (the longest a
+call in flight can take) and then fails with
+:class:`~rselection.errors.BackendUnavailable`, and an :class:`~._conn.IoWatchdog` aborts
+a call that overruns them. Sessions that failed are closed and replaced by the next
+call; idle ones are kept and closed with the last object that uses the pool.
+
+Never for the keeper (its session state is what makes takeover safe) nor for work that
+waits on the server for long (a lock wait, ``LISTEN``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import psycopg
+from psycopg.pq import TransactionStatus
+
+from ..errors import BackendUnavailable
+from ._conn import IoWatchdog, connection_is_usable, describe_conninfo, open_session, unavailable
+
+__all__ = ["APPLICATION_NAME", "POOL_SIZE", "SessionPool"]
+
+logger = logging.getLogger(__name__)
+
+POOL_SIZE = 2
+"""Sessions a process keeps at most per connection string for pooled calls."""
+
+APPLICATION_NAME = "rselection:pool"
+"""``application_name`` of the pooled sessions, as ``pg_stat_activity`` shows it."""
+
+# Bounds of the pooled sessions' sockets, whoever borrows them: a silent link is
+# noticed within about KEEPALIVE_IDLE + 3 s while idle, and data the server does not
+# acknowledge fails after USER_TIMEOUT; every call is also bounded by its own timeouts.
+_KEEPALIVE_IDLE = 5.0
+_USER_TIMEOUT = 10.0
+
+
+@dataclass
+class _Session:
+    conn: psycopg.Connection[Any]
+    statement_timeout_ms: int
+
+
+class SessionPool:
+    """The pooled sessions of one process and connection string.
+
+    Get it with :meth:`attach` and give it back with :meth:`detach`; the last detach
+    closes its idle sessions (a session lent at that moment is closed when it comes
+    back). Safe from any thread.
+    """
+
+    _registry: ClassVar[dict[tuple[int, str], SessionPool]] = {}
+    _registry_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, conninfo: str) -> None:
+        self._conninfo = conninfo
+        self.where = describe_conninfo(conninfo)
+        self._slots = threading.BoundedSemaphore(POOL_SIZE)
+        self._lock = threading.Lock()  # guards what follows
+        self._users = 0
+        self._idle: list[_Session] = []
+        self._busy = 0
+        self._generation = 0  # bumped when the last user detaches
+        self._io = IoWatchdog(APPLICATION_NAME)
+
+    @classmethod
+    def attach(cls, conninfo: str) -> SessionPool:
+        """The pool of this process for ``conninfo``, with one more user."""
+        key = (os.getpid(), conninfo)  # a forked child gets sessions of its own
+        with cls._registry_lock:
+            pool = cls._registry.get(key)
+            if pool is None:
+                pool = cls._registry[key] = SessionPool(conninfo)
+            with pool._lock:
+                pool._users += 1
+        return pool
+
+    def detach(self) -> None:
+        """One user fewer; the last one closes the idle sessions."""
+        with SessionPool._registry_lock:
+            with self._lock:
+                self._users -= 1
+                if self._users > 0:
+                    return
+                self._generation += 1
+                idle, self._idle = self._idle, []
+                if not self._busy:
+                    self._io.close()
+            key = (os.getpid(), self._conninfo)
+            if SessionPool._registry.get(key) is self:
+                del SessionPool._registry[key]
+        for session in idle:
+            with contextlib.suppress(Exception):
+                session.conn.close()
+
+    @property
+    def open_sessions(self) -> int:
+        """Sessions open now, idle or lent."""
+        with self._lock:
+            return len(self._idle) + self._busy
+
+    def idle_connections(self) -> list[psycopg.Connection[Any]]:
+        """The sessions kept for the next calls (for checks and tests)."""
+        with self._lock:
+            return [session.conn for session in self._idle]
+
+    @contextlib.contextmanager
+    def connection(
+        self, *, owner: str, connect_timeout: float, statement_timeout: float
+    ) -> Iterator[psycopg.Connection[Any]]:
+        """Lend a session for one call, with ``statement_timeout`` set on it.
+
+        Args:
+            owner: who asks, for messages.
+            connect_timeout: bound of opening a session, seconds.
+            statement_timeout: bound of the call on the server, seconds.
+
+        Raises:
+            BackendUnavailable: no session came free in time, or none could be opened
+                or prepared.
+        """
+        wait = connect_timeout + statement_timeout
+        if not self._slots.acquire(timeout=wait):
+            raise BackendUnavailable(
+                f"{owner}: all {POOL_SIZE} pooled sessions ({self.where}) stayed busy for {wait:g}s"
+            )
+        try:
+            with self._lock:
+                session = self._idle.pop() if self._idle else None
+                generation = self._generation
+                self._busy += 1
+            try:
+                if session is not None and not connection_is_usable(session.conn):
+                    logger.debug("%s: replacing a dead pooled session (%s)", owner, self.where)
+                    with contextlib.suppress(Exception):
+                        session.conn.close()
+                    session = None
+                if session is None:
+                    session = self._open(connect_timeout)
+                self._set_statement_timeout(session, statement_timeout)
+                with self._io.guard(session.conn, wait):
+                    yield session.conn
+            finally:
+                self._give_back(session, generation)
+        finally:
+            self._slots.release()
+
+    def _open(self, connect_timeout: float) -> _Session:
+        conn = open_session(
+            self._conninfo,
+            application_name=APPLICATION_NAME,
+            connect_timeout=connect_timeout,
+            keepalive_idle=_KEEPALIVE_IDLE,
+            user_timeout=_USER_TIMEOUT,
+        )
+        return _Session(conn, -1)
+
+    def _set_statement_timeout(self, session: _Session, seconds: float) -> None:
+        millis = math.ceil(seconds * 1000)
+        if session.statement_timeout_ms == millis:
+            return
+        try:
+            with self._io.guard(session.conn, seconds + 1.0):
+                session.conn.execute(
+                    "SELECT set_config('statement_timeout', %s, false)", (f"{millis}ms",)
+                )
+        except psycopg.Error as exc:
+            raise unavailable("prepare a pooled session", self._conninfo, exc) from exc
+        session.statement_timeout_ms = millis
+
+    def _give_back(self, session: _Session | None, generation: int) -> None:
+        with self._lock:
+            self._busy -= 1
+            keep = (
+                session is not None
+                and generation == self._generation
+                and not session.conn.closed
+                and not session.conn.broken
+                and session.conn.info.transaction_status == TransactionStatus.IDLE
+            )
+            if keep:
+                assert session is not None
+                self._idle.append(session)
+            if self._users == 0 and self._busy == 0:
+                self._io.close()
+        if session is not None and not keep:
+            with contextlib.suppress(Exception):
+                session.conn.close()
