@@ -599,20 +599,25 @@ class _FrozenRenewals:
     """A leader's renewals, stopped after the next successful one: its keeper then blocks
     inside ``renew()`` (as a paused or crashed process would) until :meth:`thaw`.
 
-    Installed by replacing ``renew`` on the leader's lease object; the lease is neither
-    released nor closed meanwhile.
+    Installed by replacing ``renew`` and ``term_ended`` on the leader's lease object; the
+    lease is neither released nor closed meanwhile, nor told that the term ended (a
+    paused or crashed process tells its backend nothing: the lease may then only pass
+    on by expiry); :meth:`thaw` tells it.
     """
 
     def __init__(self, leader: LeaseLeader, bound: float) -> None:
         lease: Any = leader.lease
         self.real = lease.renew
+        self.real_term_ended = lease.term_ended
         self.bound = bound
         self.lock = threading.Lock()
         self.frozen = False
         self.last: tuple[float, float] | None = None  # the last successful renewal: sent, done
+        self.ended: list[int] = []  # terms whose end the lease is told at thaw()
         self.stuck = threading.Event()  # the keeper is blocked in renew()
         self.thawed = threading.Event()
         lease.renew = self.renew  # on this lease object only
+        lease.term_ended = self.term_ended
 
     def renew(self, node_id: str, term: int) -> bool:
         with self.lock:
@@ -629,11 +634,22 @@ class _FrozenRenewals:
                 self.frozen = not self.thawed.is_set()
         return renewed
 
+    def term_ended(self, term: int) -> None:
+        with self.lock:
+            if self.frozen:
+                self.ended.append(term)
+                return
+        self.real_term_ended(term)
+
     def thaw(self) -> None:
-        """Let the keeper go on (its renewals then pass through)."""
+        """Let the keeper go on (its renewals then pass through); tell the lease of the
+        terms that ended meanwhile."""
         with self.lock:
             self.frozen = False
+            ended, self.ended = self.ended, []
         self.thawed.set()
+        for term in ended:
+            self.real_term_ended(term)
 
 
 class LeaderConformance:
@@ -797,7 +813,8 @@ class LeaderConformance:
 
     def test_a_leader_whose_renewals_stop_is_replaced_after_its_ttl_not_before(self) -> None:
         """A holder whose renewals stop without a release (a crash or a pause; here its
-        keeper is frozen inside ``renew()``, its session open) stops leading at its
+        keeper is frozen inside ``renew()``, its session open, and its lease is not told
+        that the term ended) stops leading at its
         deadline; another node leads once the lease expired, ``ttl`` after the last
         renewal was sent (less :attr:`expiry_slack`), and within ``retry_interval`` plus
         :attr:`takeover_slack` after that."""
