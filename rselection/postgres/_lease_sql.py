@@ -563,9 +563,10 @@ def unlock_sql(locks: Iterable[tuple[int, int]]) -> sql.Composed:
     )
 
 
-def current_sql(table: sql.Composable) -> sql.Composed:
-    """The live holder of lease ``%s``: holder, term, acquired_at, expires_at."""
+def current_sql(table: sql.Composable, name: str | None = None) -> sql.Composed:
+    """The live holder of lease ``name`` (``%s`` when ``None``): holder, term,
+    acquired_at, expires_at."""
     return sql.SQL(
         "SELECT holder, term, acquired_at, expires_at FROM {t}"
-        " WHERE name = %s AND holder IS NOT NULL AND expires_at > now()"
-    ).format(t=table)
+        " WHERE name = {name} AND holder IS NOT NULL AND expires_at > now()"
+    ).format(t=table, name=sql.Placeholder() if name is None else sql.Literal(name))

@@ -84,6 +84,7 @@ from ._lease_sql import (
 from .pooler import BACKEND_PID, check_bound, check_same_backend, check_session_pooling
 from .ring import RingWatcher, ring_channel, ring_class, ring_key
 from .schema import create_tables, table_identifier
+from .session_pool import SessionPool
 
 if TYPE_CHECKING:
     from .lease import PostgresLease
@@ -493,6 +494,38 @@ class SharedKeeper:
         with self._state:
             return bool(self._holds)
 
+    def read(self, query: sql.Composable, what: str) -> list[tuple[Any, ...]] | None:
+        """The rows of a short read (``query``, parameters inlined) run on the keeper
+        session, or ``None`` when the process should use its pooled sessions instead.
+
+        A process that only follows reads here (``leader()``, ``nodes()``), so that it
+        holds no more sessions than the keeper and the watcher; the read is bounded on
+        the server by :data:`HEARTBEAT_BOUND`, as a heartbeat, since the process's
+        attempts wait behind it. A process that leads reads on its pool: its renewals
+        never wait behind a read.
+
+        Raises:
+            BackendUnavailable: the session broke during the read.
+            psycopg.Error: the read failed on a healthy session.
+        """
+        with self._state:
+            usable = (
+                not self._holds
+                and self._conn is not None
+                and not self._broken
+                and not self._conn.closed
+                and not self._conn.broken
+            )
+        if not usable:
+            return None
+        results = self._run(
+            sql.SQL("{}; {}").format(bounded_sql(HEARTBEAT_BOUND), query),
+            what,
+            limit=HEARTBEAT_BOUND + 1.0,
+            tolerate=True,
+        )
+        return results[-1] or []
+
     def _lost(self) -> BackendUnavailable:
         return BackendUnavailable(
             f"the keeper connection to the lease server ({self.where}) was lost; it "
@@ -804,6 +837,7 @@ class SharedKeeper:
                 self._send_queued()
                 if conn is not None:
                     self._beat_due()
+                SessionPool.close_idle(self._conninfo)
             except Exception:  # never let the pump die: it wakes every follower
                 logger.exception("keeper: error reading notifications; going on")
                 time.sleep(0.1)

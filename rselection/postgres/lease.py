@@ -515,18 +515,28 @@ class PostgresLease(Closeable):
     def current(self) -> LeaderInfo | None:
         """The live holder (not released, not expired on the server), or ``None``.
 
-        Safe from any thread: uses the process's shared pool, never the keeper session.
+        Safe from any thread. Read on the keeper session while the process only follows
+        (so a follower holds no other session), else on the process's pooled sessions,
+        so that renewals never wait behind it.
 
         Raises:
             BackendUnavailable: connection problem.
         """
         try:
-            with self._observer.connection() as conn:
-                row = conn.execute(current_sql(self._ident), (self.name,)).fetchone()
+            keeper = self._keeper
+            rows = (
+                None
+                if keeper is None
+                else keeper.read(current_sql(self._ident, self.name), "read the lease holder")
+            )
+            if rows is None:
+                with self._observer.connection() as conn:
+                    rows = conn.execute(current_sql(self._ident), (self.name,)).fetchall()
         except psycopg.errors.UndefinedTable:
             return None  # not created yet: nobody holds it
         except psycopg.Error as exc:
             raise self._observer.wrap("read the lease holder", exc) from exc
+        row = rows[0] if rows else None
         if row is None:
             return None
         return LeaderInfo(row[0], row[1], utc(row[2]), utc(row[3]))

@@ -106,11 +106,16 @@ class Membership:
         self._nodes_sql = sql.SQL(
             "SELECT n.node_id, n.hostname, n.pid, host(n.client_addr), n.started_at,"
             " n.last_seen,"
-            " n.last_seen >= clock_timestamp() - make_interval(secs => %(timeout)s),"
+            " n.last_seen >= clock_timestamp() - make_interval(secs => {timeout}),"
             " coalesce(l.holder = n.node_id AND l.expires_at > clock_timestamp(), false)"
             " FROM {n} n LEFT JOIN {l} l ON l.name = n.name"
-            " WHERE n.name = %(lease)s ORDER BY n.started_at, n.node_id"
-        ).format(n=nodes, l=leases)
+            " WHERE n.name = {lease} ORDER BY n.started_at, n.node_id"
+        ).format(
+            n=nodes,
+            l=leases,
+            timeout=sql.Literal(float(node_timeout)),
+            lease=sql.Literal(self.name),
+        )
         self._conninfo = conninfo
         self._lease_table = lease_table
         self._lock = threading.Lock()  # start() and stop() may race at shutdown
@@ -202,12 +207,15 @@ class Membership:
         Raises:
             BackendUnavailable: the database could not be reached.
         """
-        rows = self._execute(
-            "list the nodes",
-            self._nodes_sql,
-            {"lease": self.name, "timeout": self.node_timeout},
-            fetch=True,
-        )
+        keeper = self._keeper
+        try:
+            rows = None if keeper is None else keeper.read(self._nodes_sql, "list the nodes")
+        except psycopg.errors.UndefinedTable:
+            rows = None  # not created yet: the pooled read creates it
+        except psycopg.Error as exc:
+            raise self._conns.wrap("list the nodes", exc) from exc
+        if rows is None:  # this process leads (or its keeper is not up): pooled
+            rows = self._execute("list the nodes", self._nodes_sql, None, fetch=True)
         return [
             NodeInfo(
                 node_id=node_id,

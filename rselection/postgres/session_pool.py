@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -54,10 +55,16 @@ _KEEPALIVE_IDLE = 5.0
 _USER_TIMEOUT = 10.0
 
 
+IDLE_CLOSE = 60.0
+"""Seconds an idle pooled session is kept: a process that led and now only follows goes
+back to the sessions of a follower (see :meth:`SessionPool.close_idle`)."""
+
+
 @dataclass
 class _Session:
     conn: psycopg.Connection[Any]
     statement_timeout_ms: int
+    idle_since: float = 0.0
 
 
 class SessionPool:
@@ -117,6 +124,24 @@ class SessionPool:
         """Sessions open now, idle or lent."""
         with self._lock:
             return len(self._idle) + self._busy
+
+    @classmethod
+    def close_idle(cls, conninfo: str, older_than: float = IDLE_CLOSE) -> None:
+        """Close the sessions of this process's pool for ``conninfo`` that were idle for
+        more than ``older_than`` seconds (the keeper calls it now and then)."""
+        with cls._registry_lock:
+            pool = cls._registry.get((os.getpid(), conninfo))
+        if pool is None:
+            return
+        cutoff = time.monotonic() - older_than
+        with pool._lock:
+            stale = [s for s in pool._idle if s.idle_since < cutoff]
+            if not stale:
+                return
+            pool._idle = [s for s in pool._idle if s.idle_since >= cutoff]
+        for session in stale:
+            with contextlib.suppress(Exception):
+                session.conn.close()
 
     def idle_connections(self) -> list[psycopg.Connection[Any]]:
         """The sessions kept for the next calls (for checks and tests)."""
@@ -199,6 +224,7 @@ class SessionPool:
             )
             if keep:
                 assert session is not None
+                session.idle_since = time.monotonic()
                 self._idle.append(session)
             if self._users == 0 and self._busy == 0:
                 self._io.close()

@@ -162,3 +162,18 @@ def test_a_session_the_server_ended_is_replaced(
     assert claimer.claim("b")
     assert claimer._conns.idle_connections() != [own]
     claimer.close()
+
+
+def test_sessions_idle_for_long_are_closed(pg_dsn: str) -> None:
+    # A process that led and now only follows goes back to a follower's sessions: the
+    # keeper closes pooled sessions idle for a minute (here: for any time at all).
+    claimer = PostgresClaimer(pg_dsn)
+    assert claimer.claim("a")
+    pool = pool_of(pg_dsn)
+    assert pool is not None and pool.open_sessions == 1
+    SessionPool.close_idle(pg_dsn, older_than=60.0)
+    assert pool.open_sessions == 1  # idle for less than a minute: kept
+    SessionPool.close_idle(pg_dsn, older_than=0.0)
+    assert pool.open_sessions == 0
+    assert claimer.claim("b")  # a later call opens a new one
+    claimer.close()
