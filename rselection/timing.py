@@ -16,11 +16,18 @@ STOP_GRACE_MARGIN = 0.5
 """Seconds between the end of a paused leader's wind-down and the expiry of its lease."""
 
 
+MAX_TIMING = 86400.0
+"""The longest timing accepted, seconds (a day): a lease server computes expiries from
+it, and a value that overflows its timestamps would fail every renewal of the process."""
+
+
 def _seconds(what: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ConfigError(f"{what} must be a finite number of seconds, got {value!r}")
     if value <= 0:
         raise ConfigError(f"{what} must be positive, got {value!r}")
+    if value > MAX_TIMING:
+        raise ConfigError(f"{what} must be at most {MAX_TIMING:g} s (a day), got {value:g}")
     return float(value)
 
 

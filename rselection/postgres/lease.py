@@ -173,6 +173,7 @@ import psycopg
 from ..closeable import Closeable
 from ..errors import ConfigError
 from ..lease import Acquisition, HandoverRequest, LeaderInfo
+from ..timing import MAX_TIMING
 from ..validation import check_name, check_node_id, check_seconds
 from ._conn import (
     Connections,
@@ -255,6 +256,10 @@ class PostgresLease(Closeable):
         check_conninfo(conninfo)
         self.name = check_name(name, "lease name")
         self.ttl = check_seconds(ttl, "ttl")
+        if self.ttl > MAX_TIMING:
+            # Shared with every lease of the process: an expiry that overflows the
+            # server's timestamps would fail the renewals of all of them.
+            raise ConfigError(f"ttl must be at most {MAX_TIMING:g} s (a day), got {self.ttl:g}")
         self.renew_deadline = check_seconds(renew_deadline, "renew_deadline")
         self.stop_grace = check_seconds(stop_grace, "stop_grace", allow_zero=True)
         self.connect_timeout = check_seconds(connect_timeout, "connect_timeout")

@@ -101,3 +101,20 @@ def test_single_node_leader_takes_the_grace_its_timings_allow() -> None:
     leader = rs.SingleNodeLeader(rs.TaskHandler())
     assert leader.stop_grace == 4.5
     assert not leader.is_leader
+
+
+def test_timings_longer_than_a_day_are_refused() -> None:
+    # A lease server computes expiries from them; one that overflows its timestamps would
+    # fail every renewal sent with it, those of the process's other leases included.
+    with pytest.raises(ConfigError, match=r"ttl must be at most 86400 s \(a day\), got 1e\+13"):
+        Timings(ttl=1e13, renew_deadline=10)
+    with pytest.raises(ConfigError, match="retry_interval must be at most 86400 s"):
+        Timings(retry_interval=86401)
+    assert Timings(ttl=86400, renew_deadline=3600).ttl == 86400
+
+
+def test_a_postgres_lease_longer_than_a_day_is_refused() -> None:
+    from rselection.postgres import PostgresLease
+
+    with pytest.raises(ConfigError, match=r"ttl must be at most 86400 s"):
+        PostgresLease("postgresql://localhost/db", ttl=1e13, renew_deadline=10)
