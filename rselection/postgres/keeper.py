@@ -277,10 +277,15 @@ class SharedKeeper:
                 return self.generation
         with self._lock:
             with self._state:
-                broken, holds = self._broken, bool(self._holds)
+                conn = self._conn
+                # A session the server ended counts as broken even before a round trip
+                # marked it so: reconnecting now would drop the holds of running terms.
+                broken = self._broken or (conn is not None and (conn.closed or conn.broken))
+                holds = bool(self._holds)
             if broken and holds:
+                self._fail()
                 raise self._lost()
-            if broken or self._conn is None or self._conn.closed:
+            if broken or conn is None:
                 self._drop()
                 self._connect(lease)
             conn = self._conn
