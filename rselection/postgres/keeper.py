@@ -739,6 +739,15 @@ class SharedKeeper:
         return attempt
 
     def _send_attempts(self, batch: list[_Queued]) -> None:
+        with self._state:
+            for q in batch:
+                # A lease object that asks again while it holds a term gives that term
+                # up (its leader attempts only once the term ended): its lock is freed
+                # first in this round trip, so the attempt takes a fresh term. Another
+                # object's hold of the same lease keeps its lock, and the lease, held.
+                held = self._holds.pop((q.lease, q.node_id), None)
+                if held is not None:
+                    self._unlocks.append((held[1], held[0]))
         requests = []
         for q in batch:
             self.ensure(q.lease)
