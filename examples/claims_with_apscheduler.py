@@ -1,8 +1,16 @@
 """Keep APScheduler 3, run each fire once across many processes: PostgresClaimer/Elector.
 
-Start the same script in several terminals (or on several hosts):
+Start the same script in several terminals (or on several hosts); a second replica is
+the same command in another terminal:
 
-    python examples/claims_with_apscheduler.py --dsn postgresql://postgres@127.0.0.1:5432/test
+    python examples/claims_with_apscheduler.py --dsn postgresql://localhost/test --node a
+    python examples/claims_with_apscheduler.py --dsn postgresql://localhost/test --node b
+
+Without ``--dsn`` (or ``RSELECTION_DSN``) one process runs alone: claims in memory
+(``rs.MemoryClaimer``) and a ``SingleNodeLeader`` as the elector, so every fire runs.
+``--name`` (default ``$RSELECTION_NAME``, else ``apscheduler-example``) is the elector's
+lease; the claims and elections live in rselection's own tables (``rselection
+migrate``).
 
 Every process runs an APScheduler ``BackgroundScheduler`` with the same job every
 second, the usual "each worker runs the scheduler" deployment. Before doing its work a
@@ -34,7 +42,7 @@ from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
-from rselection.postgres import PostgresClaimer, PostgresElector, migrate
+import rselection as rs
 from rselection.schedules import format_fire_key
 
 # Every process must compute the same fire instants: anchor the interval on a fixed
@@ -80,23 +88,58 @@ class FireAwareExecutor(ThreadPoolExecutor):  # type: ignore[misc]
         future.add_done_callback(done)
 
 
+class AloneElector:
+    """The elector of a process that runs alone: a ``SingleNodeLeader``, which always leads."""
+
+    def __init__(self, name: str, node_id: str) -> None:
+        self._leader = rs.SingleNodeLeader(rs.TaskHandler(), name=name, node_id=node_id)
+        self._leader.start()
+        self._leader.wait_until_leader(5)
+
+    @property
+    def term(self) -> int | None:
+        return self._leader.term
+
+    def is_leader(self) -> bool:
+        return self._leader.is_leader
+
+    def resign(self) -> None:
+        self._leader.stop()
+
+    def close(self) -> None:
+        self._leader.stop()
+
+
 def main() -> None:
     """Parse the arguments, start the scheduler, run until ``--seconds`` or a signal."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dsn", default=os.environ.get("RSELECTION_DSN"))
+    parser.add_argument(
+        "--dsn", default=os.environ.get("RSELECTION_DSN"), help="Postgres (default: run alone)"
+    )
     parser.add_argument("--mode", choices=["claim", "elector", "both"], default="claim")
     parser.add_argument("--seconds", type=float, default=None, help="stop after this long")
     parser.add_argument("--node", default=f"node-{os.getpid()}", help="name in the output")
+    parser.add_argument(
+        "--name",
+        default=os.environ.get("RSELECTION_NAME") or "apscheduler-example",
+        help="the elector's lease (default $RSELECTION_NAME, else apscheduler-example)",
+    )
     args = parser.parse_args()
-    if not args.dsn:
-        parser.error("pass --dsn postgresql://... or set RSELECTION_DSN")
     logging.basicConfig(level=logging.WARNING)
 
-    migrate(args.dsn)  # idempotent and safe from many processes at once
-
     # Claims must outlive the latest a fire may start anywhere (misfire_grace_time).
-    claimer = PostgresClaimer(args.dsn, ttl=60, node_id=args.node)
-    elector = PostgresElector(args.dsn, name="apscheduler-example", ttl=5, node_id=args.node)
+    claimer: Any
+    elector: Any
+    if args.dsn:
+        from rselection.postgres import PostgresClaimer, PostgresElector, migrate
+
+        migrate(args.dsn)  # idempotent and safe from many processes at once
+        claimer = PostgresClaimer(args.dsn, ttl=60, node_id=args.node)
+        elector = PostgresElector(args.dsn, name=args.name, ttl=5, node_id=args.node)
+    else:
+        print(f"[{args.node}] no --dsn (or RSELECTION_DSN): running alone", flush=True)
+        claimer = rs.MemoryClaimer(ttl=60)
+        elector = AloneElector(args.name, args.node)
 
     def tick() -> None:
         key = format_fire_key("tick", scheduled_at())
@@ -126,8 +169,8 @@ def main() -> None:
         misfire_grace_time=30,
         max_instances=4,
     )
-    # Any node may delete long-expired claims now and then.
-    scheduler.add_job(claimer.cleanup, IntervalTrigger(minutes=5, start_date=ANCHOR), id="gc")
+    if args.dsn:  # any node may delete long-expired claims now and then
+        scheduler.add_job(claimer.cleanup, IntervalTrigger(minutes=5, start_date=ANCHOR), id="gc")
 
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -139,7 +182,8 @@ def main() -> None:
     if elector.term is not None:
         elector.resign()  # the next process takes over at once
     elector.close()
-    claimer.close()
+    if args.dsn:
+        claimer.close()
     print(f"[{args.node}] stopped", flush=True)
 
 

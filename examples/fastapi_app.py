@@ -1,18 +1,23 @@
 """A FastAPI app whose lifespan runs a leader: every replica serves, one runs the tasks.
 
     pip install 'rselection[prometheus]' fastapi uvicorn
-    RSELECTION_DSN=postgresql://app@db/app uvicorn examples.fastapi_app:app
+    python examples/fastapi_app.py --port 8001             # leads alone, no database
+    RSELECTION_DSN=postgresql://app@db/app python examples/fastapi_app.py --port 8001
+    RSELECTION_DSN=postgresql://app@db/app python examples/fastapi_app.py --port 8002
 
-Without ``RSELECTION_DSN`` the app leads alone (a single node, no database). The
-lifespan starts the leader with ``async with``, so ``async def`` tasks run on the app's
-own event loop, and stops it on shutdown: tasks are cancelled and joined and the lease
-is released, so another replica takes over at once.
+The second replica is the same command with another ``--port``: both serve requests,
+one leads. ``uvicorn examples.fastapi_app:app --port 8001`` runs the same app, with the
+lease name from ``RSELECTION_NAME`` (default ``fastapi-app``). Without
+``RSELECTION_DSN`` (or ``--dsn``) the app leads alone (a single node, no database).
+The lifespan starts the leader with ``async with``, so ``async def`` tasks run on the
+app's own event loop, and stops it on shutdown (Ctrl-C or SIGTERM): tasks are cancelled
+and joined and the lease is released, so another replica takes over at once.
 
 ``GET /healthz`` reports this replica's view: whether it leads, the term, the current
 holder, and ``handler.health()`` per task. It answers 503 only when this replica leads
 and a task's last run failed (a follower runs nothing, so it is healthy). With
-``RSELECTION_METRICS=1`` (and prometheus-client installed) ``GET /metrics`` serves the
-rselection metrics.
+``RSELECTION_METRICS=1`` or ``--metrics`` (and prometheus-client installed) ``GET
+/metrics`` serves the rselection metrics.
 """
 
 from __future__ import annotations
@@ -105,14 +110,57 @@ def create_app(dsn: str | None = None, *, metrics: bool = False, **options: Any)
         return JSONResponse(jsonable_encoder(body), status_code=200 if ok else 503)
 
     if metrics:
-        from prometheus_client import make_asgi_app
+        from fastapi import Response
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        app.mount("/metrics", make_asgi_app())
+        # A route, not app.mount("/metrics", make_asgi_app()): a mount answers /metrics
+        # with a redirect to /metrics/, which scrapers and probes do not all follow.
+        @app.get("/metrics")
+        def serve_metrics() -> Response:
+            return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
 
 app = create_app(
-    os.environ.get("RSELECTION_DSN"), metrics=os.environ.get("RSELECTION_METRICS") == "1"
+    os.environ.get("RSELECTION_DSN"),
+    metrics=os.environ.get("RSELECTION_METRICS") == "1",
+    name=os.environ.get("RSELECTION_NAME") or "fastapi-app",
 )
 """The app for ``uvicorn examples.fastapi_app:app``."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve the app with uvicorn on ``--port``; Ctrl-C or SIGTERM stops it cleanly."""
+    import argparse
+    import contextlib
+    import signal
+
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dsn", default=os.environ.get("RSELECTION_DSN"), help="the lease's DB")
+    parser.add_argument(
+        "--name", default=os.environ.get("RSELECTION_NAME") or "fastapi-app", help="lease name"
+    )
+    parser.add_argument("--port", type=int, default=8001, help="another one per replica")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--metrics", action="store_true", help="serve /metrics")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    served = create_app(
+        args.dsn,
+        metrics=args.metrics or os.environ.get("RSELECTION_METRICS") == "1",
+        name=args.name,
+    )
+    # uvicorn shuts down gracefully on SIGINT and SIGTERM (the lifespan stops the leader),
+    # then raises the signal again for the previous handler: SIGTERM, like Ctrl-C, then
+    # ends in a KeyboardInterrupt here instead of killing the process.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    with contextlib.suppress(KeyboardInterrupt):
+        uvicorn.run(served, host=args.host, port=args.port)
+    print("stopped cleanly", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -5,7 +5,15 @@
 It starts three node processes of this file (``... node --id NAME``), waits until the
 leader has seen all three, kills one follower with SIGKILL, and prints what the leader
 reports: ``node_joined`` for each node, then ``node_lost`` for the killed one about
-three heartbeats later. Run a node alone with ``... node --id n1`` to watch it.
+three heartbeats later. Run the nodes yourself, a second replica in another terminal::
+
+    python examples/heartbeat_monitor.py --dsn postgresql://... node --id n1
+    python examples/heartbeat_monitor.py --dsn postgresql://... node --id n2
+
+Nodes with the same ``--name`` (default ``$RSELECTION_NAME``, else
+``heartbeat-example``) are one lease's. Without ``--dsn`` (or ``RSELECTION_DSN``) one
+node runs alone (a ``SingleNodeLeader``): it leads and its monitor announces itself
+only. Ctrl-C or SIGTERM stops a node gracefully.
 """
 
 from __future__ import annotations
@@ -24,8 +32,10 @@ import rselection as rs
 HEARTBEAT = 0.5  # seconds: short, so the example runs in a few seconds
 
 
-def run_node(dsn: str, node_id: str) -> None:
-    """One node: follows or leads; while leading, its monitor prints membership changes."""
+def run_node(dsn: str | None, node_id: str, name: str = "heartbeat-example") -> None:
+    """One node: follows or leads; while leading, its monitor prints membership changes.
+
+    Without ``dsn`` it leads alone (a ``SingleNodeLeader``)."""
     tasks = rs.TaskHandler()
     tasks.register("heartbeat-monitor", rs.HeartbeatMonitor(poll_interval=0.2))
 
@@ -37,23 +47,31 @@ def run_node(dsn: str, node_id: str) -> None:
 
     rs.signals.node_joined.connect(joined)
     rs.signals.node_lost.connect(lost)
-    leader = rs.PostgresLeader(
-        dsn, tasks, name="heartbeat-example", node_id=node_id, heartbeat_interval=HEARTBEAT
-    )
+    leader: rs.Leader
+    if dsn:
+        leader = rs.PostgresLeader(
+            dsn, tasks, name=name, node_id=node_id, heartbeat_interval=HEARTBEAT
+        )
+    else:
+        leader = rs.SingleNodeLeader(tasks, name=name, node_id=node_id)
     rs.signals.elected.connect(
         lambda sender, **kw: print(f"[{node_id}] leads (term {kw['term']})", flush=True),
         weak=False,
     )
+    # SIGTERM (systemd, Docker, Kubernetes) stops as gracefully as Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     leader.lead()  # until Ctrl-C or SIGTERM
+    print(f"[{node_id}] stopped cleanly", flush=True)
 
 
-def run_demo(dsn: str) -> int:
+def run_demo(dsn: str, name: str = "heartbeat-example") -> int:
     """Start three nodes, kill a follower, show what the leader saw."""
     lines: queue.Queue[str] = queue.Queue()
     procs: dict[str, subprocess.Popen[str]] = {}
     for node_id in ("n1", "n2", "n3"):
         proc = subprocess.Popen(
-            [sys.executable, __file__, "--dsn", dsn, "node", "--id", node_id],
+            [sys.executable, __file__, "--name", name, "node", "--id", node_id],
+            env={**os.environ, "RSELECTION_DSN": dsn},  # not on the command line: ps shows it
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -109,14 +127,22 @@ def _pump(proc: subprocess.Popen[str], lines: queue.Queue[str]) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dsn", default=os.environ.get("RSELECTION_DSN"))
+    parser.add_argument(
+        "--dsn", default=os.environ.get("RSELECTION_DSN"), help="Postgres (default: run alone)"
+    )
+    parser.add_argument(
+        "--name",
+        default=os.environ.get("RSELECTION_NAME") or "heartbeat-example",
+        help="the lease name (default $RSELECTION_NAME, else heartbeat-example)",
+    )
     sub = parser.add_subparsers(dest="command")
     node = sub.add_parser("node", help="run one node")
-    node.add_argument("--id", required=True)
+    node.add_argument("--id", required=True, help="this node's id")
     args = parser.parse_args()
-    if not args.dsn:
-        parser.error("pass --dsn postgresql://... or set RSELECTION_DSN")
     if args.command == "node":
-        run_node(args.dsn, args.id)
+        run_node(args.dsn, args.id, args.name)
+    elif not args.dsn:
+        print("no --dsn (or RSELECTION_DSN): one node runs alone", flush=True)
+        run_node(None, "alone", args.name)
     else:
-        sys.exit(run_demo(args.dsn))
+        sys.exit(run_demo(args.dsn, args.name))

@@ -1,9 +1,16 @@
-"""Run this in three terminals: one node leads, stop it (Ctrl-C) and another takes over.
+"""Run this in two or three terminals: one node leads, stop it (Ctrl-C) and another takes over.
 
     python examples/postgres_leader.py --dsn postgresql://postgres@127.0.0.1:5432/test
+    python examples/postgres_leader.py --dsn postgresql://postgres@127.0.0.1:5432/test
 
-Each node prints when it is elected or demoted; the leader prints a line every second
-from an interval task and keeps a persistent task that writes fenced rows.
+A second (or third) replica is the same command in another terminal: every copy with
+the same ``--name`` (default ``$RSELECTION_NAME``, else ``example``) competes for one
+lease. Each node prints when it is elected or demoted; the leader prints a line every
+second from an interval task and keeps a persistent task that writes a fenced row into
+``<prefix>audit`` (``--table-prefix``, default ``$RSELECTION_TABLE_PREFIX``, else
+``example_``) every 2 s. Without ``--dsn`` (or ``RSELECTION_DSN``) it leads alone (a
+``SingleNodeLeader``, no database) and only prints the rows it would write.
+Ctrl-C or SIGTERM stops a node gracefully: its tasks are joined, the lease released.
 """
 
 from __future__ import annotations
@@ -11,12 +18,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-
-import psycopg
+import signal
 
 import rselection as rs
 
 tasks = rs.TaskHandler()
+settings = argparse.Namespace(dsn=None, table="example_audit")
 
 
 @tasks.interval(1, name="report")
@@ -27,13 +34,28 @@ def report(ctx: rs.TaskContext) -> None:
 @tasks.persistent("audit-writer")
 def audit_writer(ctx: rs.TaskContext) -> None:
     """Writes one row every 2 s; the fence refuses the write once this term is over."""
-    with psycopg.connect(DSN) as conn:
-        conn.execute("CREATE TABLE IF NOT EXISTS example_audit (term bigint, node text)")
+    if not settings.dsn:
+        while ctx.sleep(2):  # no database: show what would be written
+            print(
+                f"[{ctx.node_id}] audit row (term {ctx.term}): no database, not written", flush=True
+            )
+        return
+    import psycopg
+    from psycopg import sql
+
+    table = sql.Identifier(settings.table)
+    with psycopg.connect(settings.dsn) as conn:
+        conn.execute(
+            sql.SQL("CREATE TABLE IF NOT EXISTS {} (term bigint, node text)").format(table)
+        )
         conn.commit()
         while ctx.sleep(2):
             with conn.transaction():
                 ctx.fence(conn)  # raises StaleLeaderError if another term took over
-                conn.execute("INSERT INTO example_audit VALUES (%s, %s)", (ctx.term, ctx.node_id))
+                conn.execute(
+                    sql.SQL("INSERT INTO {} VALUES (%s, %s)").format(table),
+                    (ctx.term, ctx.node_id),
+                )
 
 
 def on_elected(sender: object, **kw: object) -> None:
@@ -44,16 +66,39 @@ def on_demoted(sender: object, **kw: object) -> None:
     print(f"*** {kw['node_id']} stopped leading ({kw['reason']})", flush=True)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    """Follow or lead until Ctrl-C or SIGTERM; return the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dsn", default=os.environ.get("RSELECTION_DSN"), required=False)
-    args = parser.parse_args()
-    if not args.dsn:
-        parser.error("pass --dsn postgresql://... or set RSELECTION_DSN")
-    DSN = args.dsn
+    parser.add_argument(
+        "--dsn", default=os.environ.get("RSELECTION_DSN"), help="Postgres (default: lead alone)"
+    )
+    parser.add_argument(
+        "--name",
+        default=os.environ.get("RSELECTION_NAME") or "example",
+        help="the lease the nodes compete for (default $RSELECTION_NAME, else example)",
+    )
+    parser.add_argument(
+        "--table-prefix",
+        default=os.environ.get("RSELECTION_TABLE_PREFIX") or "example_",
+        help="prefix of the table this example creates (default example_: example_audit)",
+    )
+    args = parser.parse_args(argv)
+    settings.dsn, settings.table = args.dsn, f"{args.table_prefix}audit"
     logging.basicConfig(level=logging.WARNING)
     rs.signals.elected.connect(on_elected)
     rs.signals.demoted.connect(on_demoted)
-    leader = rs.PostgresLeader(DSN, tasks, name="example")
+    leader: rs.Leader
+    if args.dsn:
+        leader = rs.PostgresLeader(args.dsn, tasks, name=args.name)
+    else:
+        leader = rs.SingleNodeLeader(tasks, name=args.name)
+    # SIGTERM (systemd, Docker, Kubernetes) stops as gracefully as Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     print(f"node {leader.node_id} is following; Ctrl-C stops it", flush=True)
     leader.lead()  # returns after Ctrl-C, once tasks are joined and the lease released
+    print("stopped cleanly", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

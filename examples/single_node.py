@@ -15,6 +15,11 @@ or for a fixed time, and with the publisher going quiet after 3 beats to see the
 monitor complain::
 
     python examples/single_node.py --seconds 5 --silent-after 3
+
+``--name`` (default ``$RSELECTION_NAME``, else ``single-node``) names the lease in the
+logs and signals. A second replica is the same command in another terminal, but it has
+no lease to share: a ``SingleNodeLeader`` always leads, so both lead, each in its own
+process. For replicas that compete, run ``examples/worker.py`` with ``--dsn``.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
+import os
 import signal
 import threading
 import time
@@ -89,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="stop publishing after N heartbeats, so the monitor flags them as missed",
     )
+    parser.add_argument(
+        "--name",
+        default=os.environ.get("RSELECTION_NAME") or "single-node",
+        help="the lease name, for logs and signals (default $RSELECTION_NAME, else single-node)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -96,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
     broadcaster = rs.Broadcaster()
     tasks = build_tasks(args.interval, args.silent_after)
-    leader = rs.SingleNodeLeader(tasks, broadcaster=broadcaster)
+    leader = rs.SingleNodeLeader(tasks, broadcaster=broadcaster, name=args.name)
 
     def elected(sender: object, **kw: Any) -> None:
         print(f"elected: node {kw['node_id']} leads with term {kw['term']}", flush=True)

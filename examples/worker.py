@@ -3,9 +3,14 @@
 With ``RSELECTION_DSN`` (or ``--dsn``) set, the workers compete for a lease in
 Postgres; without it the worker leads alone (a single node, no database)::
 
+    python examples/worker.py                                   # leads alone
     RSELECTION_DSN=postgresql://app@db/app python examples/worker.py --node-id w1
     RSELECTION_DSN=postgresql://app@db/app python examples/worker.py --node-id w2
     kill -TERM <pid of the leader>     # w2 takes over within milliseconds
+
+A second replica is the same command in another terminal (or on another host), with
+the same ``--name`` (default ``$RSELECTION_NAME``, else ``worker``): the lease they
+compete for.
 
 SIGTERM (what systemd, Docker and Kubernetes send) and Ctrl-C stop the worker
 gracefully: its tasks are cancelled and joined, then the lease is released, which wakes
@@ -44,25 +49,34 @@ def build_tasks() -> rs.TaskHandler:
     return tasks
 
 
-def build_leader(tasks: rs.TaskHandler, dsn: str | None, node_id: str | None) -> rs.Leader:
+def build_leader(
+    tasks: rs.TaskHandler, dsn: str | None, node_id: str | None, name: str = "worker"
+) -> rs.Leader:
     """A PostgresLeader when a DSN is given, else a SingleNodeLeader."""
     if dsn:
-        return rs.PostgresLeader(dsn, tasks, name="worker", node_id=node_id)
-    return rs.SingleNodeLeader(tasks, name="worker", node_id=node_id or "local")
+        return rs.PostgresLeader(dsn, tasks, name=name, node_id=node_id)
+    return rs.SingleNodeLeader(tasks, name=name, node_id=node_id or "local")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the worker until SIGTERM or Ctrl-C; return the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dsn", default=os.environ.get("RSELECTION_DSN"))
-    parser.add_argument("--node-id", default=None)
+    parser.add_argument(
+        "--dsn", default=os.environ.get("RSELECTION_DSN"), help="Postgres (default: lead alone)"
+    )
+    parser.add_argument("--node-id", default=None, help="this worker's id (default: a new one)")
+    parser.add_argument(
+        "--name",
+        default=os.environ.get("RSELECTION_NAME") or "worker",
+        help="the lease the workers compete for (default $RSELECTION_NAME, else worker)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
 
     tasks = build_tasks()
-    leader = build_leader(tasks, args.dsn, args.node_id)
+    leader = build_leader(tasks, args.dsn, args.node_id, args.name)
 
     def elected(sender: object, **kw: Any) -> None:
         print(f"elected: {kw['node_id']} leads with term {kw['term']}", flush=True)

@@ -7,13 +7,21 @@ and ``run``: ``status`` (leases, handover requests, nodes, last fires), ``migrat
 ``--dsn``, else ``$RSELECTION_DSN``, else the libpq ``PG*`` variables (``PGHOST``,
 ``PGPORT``, ``PGDATABASE``, ``PGUSER``, ``PGPASSWORD``, ``PGSERVICE``, ...). Passwords are
 never printed.
+
+Exit codes: 0 done (``status``: every lease judged has a leader); 1 refused or failed
+(``status``: a lease has no leader); 2 the command line cannot be used as given (as
+argparse does: a bad option, no database, a connection string that cannot be parsed);
+3 the database (or Redis) could not be reached or read.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 
 from .commands import demo, forget, migrate, resign, status
+from .commands.output import EXIT_USAGE, UsageError
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main"]
 
@@ -26,6 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rselection",
         description="Leader-scoped tasks over a Postgres lease: inspect and operate a fleet.",
+        epilog="Exit codes: 0 done (status: every lease shown has a leader); 1 refused or "
+        "failed (status: a lease has no leader); 2 usage error (bad options, no database, "
+        "a connection string that cannot be parsed); 3 the database or Redis cannot be "
+        "reached or read.",
+    )
+    import rselection
+
+    parser.add_argument(
+        "--version", action="version", version=f"rselection {rselection.__version__}"
     )
     subparsers = parser.add_subparsers(dest="command", required=True)
     for command in SUBCOMMANDS:
@@ -40,5 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         argv: the arguments after the program name (default: ``sys.argv[1:]``).
     """
     args = build_parser().parse_args(argv)
-    code: int = args.run(args)
+    try:
+        code: int = args.run(args)
+    except UsageError as exc:
+        # Reported as argparse reports a usage error: on stderr, exit code 2.
+        print(f"rselection {args.command}: error: {exc}", file=sys.stderr)
+        if getattr(args, "json", False):  # scripts parse stdout: they get a document too
+            print(json.dumps({"error": str(exc), "exit_code": EXIT_USAGE}), flush=True)
+        return EXIT_USAGE
     return code

@@ -369,6 +369,9 @@ class LeaseLeader:
             self._watchdog = threading.Thread(
                 target=self._watch, name=f"rselection-watchdog-{self._name}", daemon=True
             )
+        # Before any election: a receiver (the metrics' is_leader gauge) sees every node,
+        # followers included, from its start.
+        signals.emit(signals.started, self, node_id=self._node_id, name=self._name)
         try:
             self._watchdog.start()
             self._keeper.start()

@@ -20,7 +20,10 @@ Example::
 
 What is measured (``rselection`` is the default ``namespace``):
 
-- ``rselection_is_leader{lease}``: 1 while a leader of this process leads the lease.
+- ``rselection_is_leader{lease}``: 1 while a leader of this process leads the lease, 0
+  otherwise, exported by every node from the moment its leader starts (followers
+  included, from ``signals.started``), so ``sum by (lease) (rselection_is_leader) == 0``
+  means that no node leads the lease.
 - ``rselection_term{lease}``: the highest fencing term this process has seen for the
   lease, as leader (``elected``) or follower (``leader_changed``).
 - ``rselection_leadership_transitions_total{lease, reason}``: ``reason`` is
@@ -122,7 +125,7 @@ class Metrics:
         self.namespace = namespace
         self.is_leader: Gauge = Gauge(
             "is_leader",
-            "1 while a leader in this process leads the lease, else 0.",
+            "1 while a leader in this process leads the lease, 0 while it only follows.",
             ["lease"],
             namespace=namespace,
             registry=None,
@@ -243,6 +246,7 @@ class Metrics:
                 self.registry.unregister(collector)
             raise
         for signal, receiver in (
+            (signals.started, self._on_started),
             (signals.elected, self._on_elected),
             (signals.demoted, self._on_demoted),
             (signals.leader_changed, self._on_leader_changed),
@@ -275,12 +279,18 @@ class Metrics:
 
     # -- receivers (run in the thread that sends; keep them short) --------------------
 
+    def _on_started(self, sender: object, **kw: Any) -> None:
+        # A follower exports 0 at once: an alert on the sum over the fleet sees every node.
+        lease = str(kw["name"])
+        with self._state_lock:
+            self.is_leader.labels(lease=lease).set(1 if self._leading.get(lease) else 0)
+
     def _on_elected(self, sender: object, **kw: Any) -> None:
         lease = str(kw["name"])
         with self._state_lock:
             self._leading.setdefault(lease, set()).add((id(sender), str(kw["node_id"])))
             self._see_term(lease, int(kw["term"]))
-        self.is_leader.labels(lease=lease).set(1)
+            self.is_leader.labels(lease=lease).set(1)
         self.transitions.labels(lease=lease, reason="elected").inc()
         broadcaster = getattr(sender, "broadcaster", None)
         if broadcaster is not None and callable(getattr(broadcaster, "stats", None)):
@@ -291,8 +301,7 @@ class Metrics:
         with self._state_lock:
             holders = self._leading.setdefault(lease, set())
             holders.discard((id(sender), str(kw["node_id"])))
-            leading = bool(holders)
-        self.is_leader.labels(lease=lease).set(1 if leading else 0)
+            self.is_leader.labels(lease=lease).set(1 if holders else 0)
         self.transitions.labels(lease=lease, reason=str(kw["reason"])).inc()
 
     def _on_leader_changed(self, sender: object, **kw: Any) -> None:

@@ -3,7 +3,9 @@
 Every signal is sent with the leader (or task handler) as sender and these keyword
 arguments:
 
-- ``elected``: ``node_id``, ``term``, ``name`` (lease name).
+- ``started``: ``node_id``, ``name`` (lease name), when a leader starts competing for
+  its lease (it follows until ``elected``).
+- ``elected``: ``node_id``, ``term``, ``name``.
 - ``demoted``: ``node_id``, ``term``, ``name``, ``reason`` (``"stopped"``, ``"lost"``,
   ``"deadline"``, ``"connection"``, ``"step_down"``, ``"handover"``: an operator asked
   with ``rselection resign``).
@@ -44,6 +46,7 @@ __all__ = [
     "namespace",
     "node_joined",
     "node_lost",
+    "started",
     "task_failed",
     "task_finished",
     "task_started",
@@ -53,6 +56,9 @@ __all__ = [
 namespace = Namespace()
 """The blinker namespace that holds every rselection signal."""
 
+started = namespace.signal(
+    "started", doc="A leader started competing for its lease (kwargs: node_id, name)."
+)
 elected = namespace.signal("elected", doc="This node became leader (kwargs: node_id, term, name).")
 demoted = namespace.signal(
     "demoted", doc="This node stopped leading (kwargs: node_id, term, name, reason)."

@@ -1,7 +1,13 @@
 """A minimal Django project whose ``runleader`` command runs rselection's leader.
 
     python examples/django_app/manage.py runleader            # leads alone
-    RSELECTION_DSN=postgresql://app@db/app python examples/django_app/manage.py runleader
+    export RSELECTION_DSN=postgresql://app@db/app
+    python examples/django_app/manage.py runleader --node-id a
+    python examples/django_app/manage.py runleader --node-id b
+
+The second replica is the same command in another terminal (or on another host): the
+processes with the same ``--name`` (default ``$RSELECTION_NAME``, else ``django-app``)
+compete for one lease.
 
 Run ``runleader`` as its own process (next to the web workers, one per host or
 several): the processes compete for the lease, one runs the tasks of
@@ -25,7 +31,7 @@ settings.configure(
     DATABASES={},
     # rselection: the lease lives in Postgres when a DSN is set, else lead alone.
     RSELECTION_DSN=os.environ.get("RSELECTION_DSN") or None,
-    RSELECTION_LEASE="django-app",
+    RSELECTION_LEASE=os.environ.get("RSELECTION_NAME") or "django-app",
 )
 
 if __name__ == "__main__":

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
+
+from .output import UsageError
 
 if TYPE_CHECKING:
     import psycopg
@@ -19,6 +22,7 @@ __all__ = [
     "CONNECT_TIMEOUT",
     "PG_VARS",
     "Unreachable",
+    "check_dsn",
     "connect",
     "describe",
     "first_line",
@@ -37,7 +41,7 @@ CONNECT_TIMEOUT = 5
 
 
 class Unreachable(Exception):
-    """The database could not be reached or read (exit code 2); the message is redacted."""
+    """The database could not be reached or read (exit code 3); the message is redacted."""
 
 
 def resolve_dsn(args: argparse.Namespace) -> str:
@@ -49,17 +53,49 @@ def resolve_dsn(args: argparse.Namespace) -> str:
         args: the parsed command line (its ``dsn`` attribute).
 
     Raises:
-        SystemExit: no database was given at all; the message says how to give one.
+        UsageError: no database was given at all, or the connection string cannot be
+            parsed; the message says how to fix it, without quoting the string.
     """
-    dsn: str | None = args.dsn if args.dsn is not None else os.environ.get("RSELECTION_DSN")
+    dsn: str
+    if args.dsn is not None:
+        dsn, source = str(args.dsn), "--dsn"
+    else:
+        dsn, source = os.environ.get("RSELECTION_DSN") or "", "$RSELECTION_DSN"
     if dsn:
+        check_dsn(dsn, source)
         return dsn
     if any(os.environ.get(var) for var in PG_VARS):
         return ""  # an empty conninfo: libpq takes everything from the PG* variables
-    raise SystemExit(
+    raise UsageError(
         "no database given: pass --dsn postgresql://..., set RSELECTION_DSN, "
         "or set the libpq variables (PGHOST, PGPORT, PGDATABASE, PGUSER, ...)"
     )
+
+
+def check_dsn(dsn: str, source: str = "--dsn") -> None:
+    """Refuse a connection string libpq cannot parse, without repeating it.
+
+    libpq's own message quotes the offending part, which may be the password (an
+    ``invalid percent-encoded token`` in a URI, say), so it is never shown.
+
+    Args:
+        dsn: the connection string.
+        source: where it came from (``--dsn``, ``$RSELECTION_DSN``), for the message.
+
+    Raises:
+        UsageError: ``dsn`` cannot be parsed.
+    """
+    import psycopg
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        conninfo_to_dict(dsn)
+    except psycopg.Error:
+        raise UsageError(
+            f"the connection string of {source} cannot be parsed (not shown: it may hold a "
+            "password); write it as 'postgresql://user:password@host:port/dbname' or "
+            "'host=... port=... dbname=... user=...', with a '%' in a URI written '%25'"
+        ) from None
 
 
 def describe(dsn: str) -> str:
@@ -76,13 +112,39 @@ def describe(dsn: str) -> str:
 def redact(text: str, dsn: str) -> str:
     """``text`` with the password of ``dsn`` (or ``$PGPASSWORD``) replaced by ``***``.
 
+    A string libpq cannot parse is searched for its password as written (the
+    ``user:password@`` of a URI, a ``password=`` pair), so even a message about a
+    malformed string never shows it.
+
     Args:
         text: a message that may quote the connection string (a driver error).
         dsn: the connection string whose password must not leak.
     """
     from ..postgres._conn import redact as redact_conninfo
 
-    return redact_conninfo(text, dsn)
+    text = redact_conninfo(text, dsn)
+    for password in _written_passwords(dsn):
+        text = text.replace(password, "***")
+    return text
+
+
+_PASSWORD_PAIR = re.compile(r"\bpassword\s*=\s*(?:'((?:[^'\\]|\\.)*)'|(\S+))")
+
+
+def _written_passwords(dsn: str) -> list[str]:
+    """The password of ``dsn`` as written in it (raw, and percent-decoded for a URI)."""
+    found: list[str] = []
+    if "://" in dsn:
+        netloc = re.split(r"[/?#]", dsn.split("://", 1)[1], maxsplit=1)[0]
+        userinfo = netloc.rpartition("@")[0]
+        if ":" in userinfo:
+            raw = userinfo.split(":", 1)[1]
+            found += [raw, unquote(raw)]
+    for match in _PASSWORD_PAIR.finditer(dsn):
+        value = match.group(1) if match.group(1) is not None else match.group(2)
+        found += [value, unquote(value)]
+    # Longest first, so a password is never left half replaced by a shorter variant.
+    return sorted({p for p in found if p}, key=len, reverse=True)
 
 
 def redact_url(text: str, url: str) -> str:
@@ -152,7 +214,7 @@ def redis_client(url: str) -> Any:
         url: a ``redis://``, ``rediss://`` or ``unix://`` URL.
 
     Raises:
-        SystemExit: ``url`` is not a Redis URL.
+        UsageError: ``url`` is not a Redis URL.
         Unreachable: the server did not answer.
     """
     import redis
@@ -162,14 +224,14 @@ def redis_client(url: str) -> Any:
 
     if not url.startswith(("redis://", "rediss://", "unix://")):
         shown = redact_url(url, url)
-        raise SystemExit(
+        raise UsageError(
             f"--redis-url needs a redis://, rediss:// or unix:// URL, got {shown!r:.40}"
         )
     options = {"socket_timeout": CONNECT_TIMEOUT, "socket_connect_timeout": CONNECT_TIMEOUT}
     try:
         client = redis.Redis.from_url(url, **options)
     except ValueError as exc:
-        raise SystemExit(f"bad --redis-url: {redact_url(str(exc), url)}") from exc
+        raise UsageError(f"bad --redis-url: {redact_url(str(exc), url)}") from exc
     where = describe_redis(client)
     try:
         info = client.info("cluster")

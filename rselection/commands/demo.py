@@ -4,8 +4,10 @@ The demo starts node processes (:mod:`rselection.commands.demo_fleet`), each a
 :class:`~rselection.PostgresLeader` with a ticking task and a fenced ledger writer,
 prints what they report, kills the leader with SIGKILL and measures how long the fleet
 takes to elect another one, then stops the new leader gracefully and measures the
-handover. At the end it retires its lease (as ``rselection forget`` does), so a demo
-run against a shared database leaves no headless lease in ``rselection status``.
+handover. At the end it cleans up what it created: it retires its lease (as
+``rselection forget`` does: the row and its term stay, hidden from ``rselection
+status``) and drops its ledger table, so a demo run against a shared database leaves no
+headless lease behind.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import os
 import signal
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from .demo_fleet import Fleet
+from .output import UsageError
 
 __all__ = ["add_parser", "run", "run_demo"]
 
@@ -32,12 +36,27 @@ def add_parser(
     Args:
         subparsers: the ``rselection`` command's subparsers.
     """
-    parser = subparsers.add_parser("demo", help="three nodes, a crash and a handover, measured")
+    parser = subparsers.add_parser(
+        "demo",
+        help="three nodes, a crash and a handover, measured",
+        description="Start node processes that compete for one lease, kill the leader "
+        "(kill -9) and measure the failover, then stop the next leader gracefully and "
+        "measure the handover. On a database of yours (--dsn) it cleans up at the end: "
+        "its lease is retired (as `rselection forget` does) and its ledger table dropped.",
+    )
     parser.add_argument(
         "--dsn",
-        help="Postgres to use (default: $RSELECTION_DSN, else a private one from pgserver)",
+        help="Postgres to use (default: $RSELECTION_DSN, else a private one from pgserver, "
+        "deleted at the end)",
     )
-    parser.add_argument("--nodes", type=int, default=3, help="node processes (default 3)")
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=3,
+        metavar="N",
+        help="how many node processes compete for the lease (default 3, at least 3: one is "
+        "killed, one stopped, one takes over)",
+    )
     parser.add_argument("--forever", action="store_true", help="keep running until Ctrl-C")
     parser.set_defaults(run=run)
     return parser
@@ -49,9 +68,21 @@ def run(args: argparse.Namespace) -> int:
     Args:
         args: the parsed ``demo`` command line.
     """
-    if args.nodes < 2:
-        raise SystemExit(f"--nodes needs at least 2 nodes to show a failover, got {args.nodes}")
-    return run_demo(args.dsn or os.environ.get("RSELECTION_DSN"), args.nodes, args.forever)
+    from .connections import check_dsn
+
+    if args.nodes < 3:
+        # One node is killed, the next is stopped: a third must be there to take over.
+        raise UsageError(
+            f"--nodes needs at least 3 nodes (one is killed, one stopped, one takes over), "
+            f"got {args.nodes}"
+        )
+    if args.dsn is not None:
+        dsn, source = args.dsn, "--dsn"
+    else:
+        dsn, source = os.environ.get("RSELECTION_DSN"), "$RSELECTION_DSN"
+    if dsn:
+        check_dsn(dsn, source)
+    return run_demo(dsn or None, args.nodes, args.forever)
 
 
 @contextlib.contextmanager
@@ -59,16 +90,24 @@ def _database(dsn: str | None) -> Iterator[str]:
     if dsn:
         yield dsn
         return
-    try:
-        from pgserver.postgres_server import get_server
-    except ImportError:
-        raise SystemExit(
-            "rselection demo needs a Postgres: pass --dsn postgresql://... (or set "
-            "RSELECTION_DSN), or install the embedded server: pip install 'rselection[embedded]'"
-        ) from None
+    with warnings.catch_warnings():
+        # pgserver finds its lock directory with platformdirs, which warns when
+        # XDG_RUNTIME_DIR is unset (containers, cron, sudo) and falls back to a private
+        # directory that works: nothing for the user to act on.
+        warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
+        try:
+            from pgserver.postgres_server import get_server
+        except ImportError:
+            raise UsageError(
+                "rselection demo needs a Postgres: pass --dsn postgresql://... (or set "
+                "RSELECTION_DSN), or install the embedded server: "
+                "pip install 'rselection[embedded]'"
+            ) from None
     with tempfile.TemporaryDirectory(prefix="rselection-demo-") as data:
         print("starting a private Postgres (pgserver) ...", flush=True)
-        server = get_server(data, cleanup_mode="stop")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
+            server = get_server(data, cleanup_mode="stop")
         try:
             yield server.get_uri()
         finally:
@@ -122,9 +161,11 @@ def run_demo(dsn: str | None, nodes: int = 3, forever: bool = False) -> int:
     import uuid
 
     with _database(dsn) as url:
-        name = f"demo-{uuid.uuid4().hex[:6]}"
+        suffix = uuid.uuid4().hex[:6]
+        name = f"demo-{suffix}"
+        ledger = f"rselection_demo_ledger_{suffix}"  # this run's own: dropped at the end
         try:
-            with Fleet(url, name) as fleet:
+            with Fleet(url, name, ["--ledger", ledger]) as fleet:
                 for i in range(1, nodes + 1):
                     fleet.spawn(f"node-{i}")
                 leader = _await_leader(fleet, 30)
@@ -145,19 +186,24 @@ def run_demo(dsn: str | None, nodes: int = 3, forever: bool = False) -> int:
                 handover_ms = (heir["t"] - stopped_at) * 1000
                 print(f"*** graceful handover took {handover_ms:.0f} ms ***\n")
                 _watch(fleet, 2)
-                while forever:
-                    _watch(fleet, 3600)
+                if forever:
+                    print("running until Ctrl-C", flush=True)
+                    with contextlib.suppress(KeyboardInterrupt):
+                        while True:
+                            _watch(fleet, 3600)
+            rows, terms, late = _ledger_summary(url, name, ledger)
         finally:
-            _retire(url, name)
-        rows, terms, late = _ledger_summary(url, name)
+            _clean_up(url, name, ledger)
         print(f"summary: crash failover {crash_ms:.0f} ms, graceful handover {handover_ms:.0f} ms")
         print(f"ledger: {rows} fenced writes in {terms} terms, {late} written after a newer term")
     return 0 if late == 0 else 1
 
 
-def _retire(dsn: str, name: str) -> None:
-    """Retire the demo's lease once its nodes stopped (its row and term stay)."""
+def _clean_up(dsn: str, name: str, ledger: str) -> None:
+    """Retire the demo's lease once its nodes stopped (its row and term stay, as with
+    ``rselection forget``) and drop its ledger table."""
     import psycopg
+    from psycopg import sql
 
     from .connections import first_line, redact, table_exists
     from .forget import Refused, retire_postgres_lease
@@ -168,18 +214,26 @@ def _retire(dsn: str, name: str) -> None:
                 retire_postgres_lease(conn, name)
     except (Refused, psycopg.Error) as exc:
         print(f"could not retire the demo's lease {name!r}: {redact(first_line(exc), dsn)}")
+    try:
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+            conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(ledger)))
+    except psycopg.Error as exc:
+        print(f"could not drop the demo's table {ledger!r}: {redact(first_line(exc), dsn)}")
 
 
-def _ledger_summary(dsn: str, lease: str) -> tuple[int, int, int]:
+def _ledger_summary(dsn: str, lease: str, ledger: str) -> tuple[int, int, int]:
     """Rows, terms, and rows of an older term written after a newer term's row."""
     import psycopg
+    from psycopg import sql
 
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(
-            "SELECT count(*), count(DISTINCT term),"
-            " (SELECT count(*) FROM rselection_demo_ledger a JOIN rselection_demo_ledger b"
-            "  ON a.lease = b.lease AND a.term < b.term AND a.id > b.id WHERE a.lease = %s)"
-            " FROM rselection_demo_ledger WHERE lease = %s",
+            sql.SQL(
+                "SELECT count(*), count(DISTINCT term),"
+                " (SELECT count(*) FROM {t} a JOIN {t} b"
+                "  ON a.lease = b.lease AND a.term < b.term AND a.id > b.id WHERE a.lease = %s)"
+                " FROM {t} WHERE lease = %s"
+            ).format(t=sql.Identifier(ledger)),
             (lease, lease),
         ).fetchone()
     assert row is not None

@@ -30,7 +30,7 @@ from .connections import (
 )
 from .leases import has_columns, lease_nodes
 from .options import add_database_options, add_nodes_options, add_redis_options, lease_name
-from .output import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE
+from .output import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, UsageError
 
 if TYPE_CHECKING:
     import psycopg
@@ -282,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
     """
     if args.redis_url is not None:
         if args.dsn is not None:
-            raise SystemExit("pass either --dsn (Postgres) or --redis-url (Redis), not both")
+            raise UsageError("pass either --dsn (Postgres) or --redis-url (Redis), not both")
         return _forget_redis(args)
     import psycopg
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import psycopg
 
-__all__ = ["has_columns", "lease_nodes", "live_holder"]
+__all__ = ["has_columns", "lease_exists", "lease_nodes", "live_holder"]
 
 
 def live_holder(conn: psycopg.Connection[Any], table: str, name: str) -> tuple[str, int] | None:
@@ -30,6 +30,24 @@ def live_holder(conn: psycopg.Connection[Any], table: str, name: str) -> tuple[s
         (name,),
     ).fetchone()
     return (row[0], row[1]) if row is not None else None
+
+
+def lease_exists(conn: psycopg.Connection[Any], table: str, name: str) -> bool:
+    """Whether lease ``name`` has a row in ``table`` (held, released or retired).
+
+    Args:
+        conn: an open autocommit connection.
+        table: the lease table.
+        name: the lease name.
+    """
+    from psycopg import sql
+
+    from ..postgres.schema import table_identifier
+
+    row = conn.execute(
+        sql.SQL("SELECT 1 FROM {} WHERE name = %s").format(table_identifier(table)), (name,)
+    ).fetchone()
+    return row is not None
 
 
 def lease_nodes(

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-__all__ = ["EXIT_NO_LEADER", "EXIT_OK", "EXIT_REFUSED", "EXIT_UNREACHABLE", "ago", "grid", "iso"]
+__all__ = [
+    "EXIT_NO_LEADER",
+    "EXIT_OK",
+    "EXIT_REFUSED",
+    "EXIT_UNREACHABLE",
+    "EXIT_USAGE",
+    "UsageError",
+    "ago",
+    "grid",
+    "iso",
+]
 
 EXIT_OK = 0
 """Done; for ``status``: every lease judged has a leader."""
@@ -15,8 +25,17 @@ EXIT_NO_LEADER = 1
 EXIT_REFUSED = 1
 """For the other subcommands: refused or failed; the message on stderr says why."""
 
-EXIT_UNREACHABLE = 2
+EXIT_USAGE = 2
+"""The command line cannot be used as given (argparse's code for usage errors): a bad or
+missing option, no database given, a connection string that cannot be parsed."""
+
+EXIT_UNREACHABLE = 3
 """The database (or Redis) could not be reached or read."""
+
+
+class UsageError(Exception):
+    """The command line cannot be used as given (exit code 2); the message says how to fix
+    it and never quotes a connection string."""
 
 
 def iso(value: datetime | None) -> str | None:

@@ -17,12 +17,13 @@ from .connections import (
     describe,
     first_line,
     redact,
+    redact_url,
     redis_client,
     resolve_dsn,
 )
-from .leases import lease_nodes, live_holder
+from .leases import lease_exists, lease_nodes, live_holder
 from .options import add_database_options, add_nodes_options, add_redis_options, lease_name
-from .output import EXIT_UNREACHABLE
+from .output import EXIT_REFUSED, EXIT_UNREACHABLE, UsageError
 
 __all__ = ["add_parser", "run"]
 
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     """Ask the leader of ``args.name`` to hand over, wait for the new term, return the code."""
     if args.redis_url is not None:
         if args.dsn is not None:
-            raise SystemExit("pass either --dsn (Postgres) or --redis-url (Redis), not both")
+            raise UsageError("pass either --dsn (Postgres) or --redis-url (Redis), not both")
         return _resign_redis(args)
     import psycopg
     from psycopg import sql
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     if not args.timeout > 0:
-        raise SystemExit(f"--timeout needs a positive number of seconds, got {args.timeout}")
+        raise UsageError(f"--timeout needs a positive number of seconds, got {args.timeout}")
     dsn = resolve_dsn(args)
     name = args.name
     try:
@@ -92,8 +93,15 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             holder = live_holder(conn, args.table, name)
             if holder is None:
+                if not lease_exists(conn, args.table, name):
+                    print(
+                        f"no lease {name!r} in {args.table!r} on {describe(dsn)}: check the "
+                        "name (`rselection status` lists the leases) and --table",
+                        file=sys.stderr,
+                    )
+                    return EXIT_REFUSED
                 print(f"lease {name!r} has no leader: nothing to hand over", file=sys.stderr)
-                return 1
+                return EXIT_REFUSED
             nodes = lease_nodes(conn, args.nodes_table, name, args.node_timeout)
             alive = [n for n, ok in nodes or [] if ok]
             if args.to is not None:
@@ -129,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
                     conn, name, table=args.table, to=args.to, timeout=args.timeout
                 )
             except ConfigError as exc:
-                print(str(exc), file=sys.stderr)
+                print(redact(str(exc), dsn), file=sys.stderr)
                 return 1
             if asked is None:
                 print(f"lease {name!r} has no leader: nothing to hand over", file=sys.stderr)
@@ -176,7 +184,7 @@ def _resign_redis(args: argparse.Namespace) -> int:
     from ..redis.handover import cancel_handover, current_holder, live_nodes, request_handover
 
     if not args.timeout > 0:
-        raise SystemExit(f"--timeout needs a positive number of seconds, got {args.timeout}")
+        raise UsageError(f"--timeout needs a positive number of seconds, got {args.timeout}")
     name, prefix = args.name, args.key_prefix
     try:
         client = redis_client(args.redis_url)
@@ -186,8 +194,15 @@ def _resign_redis(args: argparse.Namespace) -> int:
     try:
         holder = current_holder(client, name, key_prefix=prefix)
         if holder is None:
+            if not _redis_lease_exists(client, name, prefix):
+                print(
+                    f"no lease {name!r} with key prefix {prefix!r} in this Redis: check the "
+                    "name and --key-prefix",
+                    file=sys.stderr,
+                )
+                return EXIT_REFUSED
             print(f"lease {name!r} has no leader: nothing to hand over", file=sys.stderr)
-            return 1
+            return EXIT_REFUSED
         nodes = live_nodes(client, name, key_prefix=prefix)
         if args.to is not None:
             if args.to == holder.node_id:
@@ -254,10 +269,23 @@ def _resign_redis(args: argparse.Namespace) -> int:
             return 1
         return 0
     except BackendUnavailable as exc:
-        print(f"resign failed: {exc}", file=sys.stderr)
+        print(f"resign failed: {redact_url(str(exc), args.redis_url)}", file=sys.stderr)
         return EXIT_UNREACHABLE
     finally:
         client.close()
+
+
+def _redis_lease_exists(client: Any, name: str, prefix: str) -> bool:
+    """Whether Redis lease ``name`` ever had a term (its term key outlives every holder)."""
+    import redis
+
+    from ..errors import BackendUnavailable
+    from ..redis.lease import lease_keys
+
+    try:
+        return bool(client.exists(lease_keys(name, prefix)[1]))
+    except redis.RedisError as exc:
+        raise BackendUnavailable(f"cannot read the term of lease {name!r}: {exc}") from exc
 
 
 class _RedisTermWatch:

@@ -4,7 +4,7 @@ Without names it shows every lease but the retired ones (``rselection forget``);
 names, only those leases (retired or not), their nodes and their fires; ``--all`` also
 shows the retired leases. The exit code is judged on the leases shown, retired ones
 only when named: 0 when each has a live leader, 1 when one has none (a named lease
-that does not exist has none), 2 when the database cannot be read.
+that does not exist has none), 3 when the database cannot be read (2: a usage error).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .connections import (
 )
 from .leases import has_columns
 from .options import add_database_options, add_nodes_options, lease_name
-from .output import EXIT_NO_LEADER, EXIT_OK, EXIT_UNREACHABLE, ago, grid, iso
+from .output import EXIT_NO_LEADER, EXIT_OK, EXIT_UNREACHABLE, UsageError, ago, grid, iso
 
 if TYPE_CHECKING:
     import psycopg
@@ -51,12 +51,12 @@ def add_parser(
     parser = subparsers.add_parser(
         "status",
         help="leases, holders, handover requests, nodes and last fires; exit 0 when every "
-        "lease shown has a leader, 1 when one has none, 2 when the database cannot be read",
+        "lease shown has a leader, 1 when one has none, 3 when the database cannot be read",
         description="Show leases, their holders, pending handover requests, nodes and last "
         "fires. Retired leases (rselection forget) are hidden unless named or --all is "
         "given. The exit code is judged on the leases shown (retired ones only when "
         "named): 0 when each has a leader, 1 when one has none (a named lease that does "
-        "not exist has none), 2 when the database cannot be read.",
+        "not exist has none), 3 when the database cannot be read, 2 on a usage error.",
     )
     parser.add_argument(
         "names",
@@ -400,9 +400,9 @@ def run(args: argparse.Namespace) -> int:
     dsn = resolve_dsn(args)
     watch = args.watch
     if watch is not None and not watch > 0:
-        raise SystemExit(f"--watch needs a positive number of seconds, got {watch}")
+        raise UsageError(f"--watch needs a positive number of seconds, got {watch}")
     if args.count is not None and (watch is None or args.count < 1):
-        raise SystemExit("--count needs --watch and a positive number of refreshes")
+        raise UsageError("--count needs --watch and a positive number of refreshes")
     refreshes = args.count if args.count is not None else (None if watch is not None else 1)
     clear = watch is not None and not args.json and sys.stdout.isatty()
     code = EXIT_OK

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
+import json
 import pathlib
 import subprocess
 import sys
@@ -11,6 +13,7 @@ import pytest
 
 from rselection import cli
 from rselection.commands import connections
+from rselection.commands.output import UsageError
 
 COMMANDS = pathlib.Path(cli.__file__).parent / "commands"
 
@@ -66,12 +69,10 @@ def test_forget_needs_a_name_and_takes_dsn_or_redis() -> None:
     assert (args.name, args.redis_url, args.key_prefix) == ("old", "redis://h/0", "p:")
 
 
-def test_forget_refuses_dsn_and_redis_url_together() -> None:
-    args = cli.build_parser().parse_args(
-        ["forget", "old", "--dsn", "postgresql://h/x", "--redis-url", "redis://h/0"]
-    )
-    with pytest.raises(SystemExit, match="not both"):
-        args.run(args)
+def test_forget_refuses_dsn_and_redis_url_together(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["forget", "old", "--dsn", "postgresql://h/x", "--redis-url", "redis://h/0"]
+    assert cli.main(argv) == 2  # a usage error
+    assert "not both" in capsys.readouterr().err
 
 
 def test_redis_url_passwords_are_redacted() -> None:
@@ -80,9 +81,9 @@ def test_redis_url_passwords_are_redacted() -> None:
         "cannot reach redis://user:***@127.0.0.1:1/0"
     )
     assert connections.redact_url("no password here", "redis://127.0.0.1/0") == "no password here"
-    with pytest.raises(SystemExit) as exited:
+    with pytest.raises(UsageError) as refused:
         connections.redis_client("http://:hunter2@h")
-    assert "hunter2" not in str(exited.value)
+    assert "hunter2" not in str(refused.value)
 
 
 def test_the_command_line_loads_no_driver_until_a_subcommand_runs() -> None:
@@ -93,3 +94,119 @@ def test_the_command_line_loads_no_driver_until_a_subcommand_runs() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# -- exit codes, passwords in connection strings that cannot be parsed ----------------------
+
+# libpq refuses this URI with `invalid percent-encoded token: "s3cret%zz"`: its message
+# quotes the password.
+UNPARSABLE = "postgresql://u:s3cret%zz@db.example/app"
+NO_DATABASE = ("RSELECTION_DSN", "PGHOST", "PGHOSTADDR", "PGPORT", "PGDATABASE", "PGUSER")
+COMMAND_LINES = [
+    ["status"],
+    ["status", "--json"],
+    ["status", "--json", "--watch", "0.1", "--count", "2"],
+    ["migrate"],
+    ["resign", "billing"],
+    ["forget", "billing"],
+    ["demo"],
+]
+
+
+@pytest.fixture
+def no_database(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No database in the environment: neither RSELECTION_DSN nor the PG* variables."""
+    for var in (*NO_DATABASE, "PGSERVICE", "PGPASSWORD"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.mark.parametrize("command", COMMAND_LINES, ids=" ".join)
+@pytest.mark.parametrize("source", ["--dsn", "RSELECTION_DSN"])
+@pytest.mark.usefixtures("no_database")
+def test_an_unparsable_connection_string_is_a_usage_error_that_hides_the_password(
+    command: list[str],
+    source: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    if source == "--dsn":
+        argv = [*command, "--dsn", UNPARSABLE]
+    else:
+        monkeypatch.setenv("RSELECTION_DSN", UNPARSABLE)
+        argv = command
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert "s3cret" not in out + err
+    assert "cannot be parsed" in err and "it may hold a password" in err
+    assert f"of {'--dsn' if source == '--dsn' else '$RSELECTION_DSN'}" in err
+    if "--json" in command:  # a script parsing stdout gets a document, without it too
+        assert json.loads(out) == {"error": err.split(": error: ", 1)[1].strip(), "exit_code": 2}
+
+
+@pytest.mark.parametrize(
+    "dsn, shown",
+    [
+        (UNPARSABLE, 'invalid percent-encoded token: "s3cret%zz"'),
+        ("postgresql://u:s3%41cret%zz@h/db", "s3%41cret%zz, decoded s3Acret%zz"),
+        ("host=h password=s3cret port='1", "s3cret"),
+        ("host=h password='s3 cret' port='1", "s3 cret"),
+    ],
+)
+def test_redact_hides_the_password_of_a_string_libpq_cannot_parse(dsn: str, shown: str) -> None:
+    assert "s3" not in connections.redact(f"libpq said: {shown}", dsn)
+
+
+@pytest.mark.usefixtures("no_database")
+@pytest.mark.parametrize("command", [["status"], ["migrate"], ["resign", "x"], ["forget", "x"]])
+def test_no_database_is_a_usage_error_with_exit_code_2_not_a_missing_leader(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(command) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"rselection {command[0]}: error: no database given")
+
+
+def test_the_exit_codes_are_distinct_and_documented() -> None:
+    from rselection.commands import output
+
+    codes = {
+        "EXIT_OK": 0,
+        "EXIT_NO_LEADER": 1,
+        "EXIT_REFUSED": 1,
+        "EXIT_USAGE": 2,
+        "EXIT_UNREACHABLE": 3,
+    }
+    assert {name: getattr(output, name) for name in codes} == codes
+    page = (pathlib.Path(__file__).parents[2] / "docs" / "reference" / "cli.md").read_text()
+    section = page.split("## Exit codes", 1)[1]
+    for code in (0, 1, 2, 3):
+        assert f"\n| {code} | " in section
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import rselection
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"rselection {rselection.__version__}"
+
+
+def test_every_option_of_every_subcommand_has_help_text() -> None:
+    parser = cli.build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [
+        f"{name} {action.option_strings or action.dest}"
+        for name, sub in subparsers.choices.items()
+        for action in sub._actions
+        if not isinstance(action, argparse._HelpAction) and not action.help
+    ]
+    assert not missing, f"options without help text: {missing}"
+
+
+def test_the_demo_refuses_fewer_nodes_than_its_story_needs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # One node is killed, the next one stopped: with two nodes nobody is left to lead.
+    assert cli.main(["demo", "--nodes", "2"]) == 2
+    assert "--nodes needs at least 3 nodes" in capsys.readouterr().err

@@ -2,7 +2,10 @@
 
 - ``python`` blocks are type-checked with ``mypy --strict`` (names a snippet uses without
   defining, such as ``ctx`` or ``conn``, are declared with their types first); blocks
-  after a ``<!-- test: run -->`` line are also run, each in its own process.
+  after a ``<!-- test: run -->`` line are also run, each in its own process, and blocks
+  after a ``<!-- test: pytest -->`` line are pytest test modules, run by pytest in their
+  own process (which must collect and pass at least one test). The snippets of "Test
+  your tasks" are all pytest modules.
 - ``sh`` blocks and the ``$`` lines of ``console`` blocks are commands: ``rselection``
   commands must parse with the command's own parser, scripts and their options must
   exist, extras must be in ``pyproject.toml``.
@@ -96,6 +99,8 @@ def blocks_of(page: Path) -> list[Block]:
 BLOCKS = [b for page in PAGES for b in blocks_of(page)]
 PYTHON = [b for b in BLOCKS if b.lang == "python"]
 RUN = [b for b in PYTHON if b.directive == "run"]
+PYTEST = [b for b in PYTHON if b.directive == "pytest"]
+TESTING_PAGE = DOCS / "how-to" / "testing.md"
 COMMANDS = [b for b in BLOCKS if b.lang in ("sh", "console")]
 CHECKED = {"python", "sh", "console", "yaml", "ini", "toml", "text"}
 
@@ -103,12 +108,13 @@ CHECKED = {"python", "sh", "console", "yaml", "ini", "toml", "text"}
 def test_every_block_has_a_language_the_test_checks() -> None:
     unknown = [f"{b.id} ({b.lang or 'no language'})" for b in BLOCKS if b.lang not in CHECKED]
     assert not unknown, f"code blocks nobody checks: {unknown}"
-    assert {b.directive for b in BLOCKS} <= {None, "run"}, "unknown <!-- test: ... --> directive"
+    directives = {b.directive for b in BLOCKS}
+    assert directives <= {None, "run", "pytest"}, "unknown <!-- test: ... --> directive"
     assert all(b.lang == "python" for b in BLOCKS if b.directive), "only python blocks run"
 
 
 def test_the_docs_have_code_to_check() -> None:
-    assert len(PYTHON) >= 30 and len(RUN) >= 5 and len(COMMANDS) >= 15
+    assert len(PYTHON) >= 30 and len(RUN) >= 2 and len(PYTEST) >= 4 and len(COMMANDS) >= 15
 
 
 # -- python: type-checked, and run where marked --------------------------------------------
@@ -260,6 +266,59 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
     )
     assert result.returncode == 0, f"{block.id} failed:\n{result.stdout}\n{result.stderr}"
     assert "Traceback" not in result.stderr, result.stderr
+
+
+# Stand-ins a pytest snippet may use for the reader's own code, made to really run here.
+RUN_GIVEN = {
+    "MyLease": (
+        "from rselection.lease import MemoryLease\n"
+        "_LEASES: dict[str, MemoryLease] = {}\n"
+        "def MyLease(name: str, ttl: float) -> rs.LeaseBackend:\n"
+        "    # one in-memory lease per name, shared by the nodes of a scenario\n"
+        "    return _LEASES.setdefault(name, MemoryLease(name, ttl=ttl))\n"
+    ),
+}
+
+
+def test_every_snippet_of_the_testing_page_is_a_pytest_module() -> None:
+    blocks = [b for b in PYTHON if b.page == TESTING_PAGE]
+    assert blocks, "the testing page lost its snippets"
+    for block in blocks:
+        assert block.directive == "pytest", f"{block.id}: mark it <!-- test: pytest -->"
+        tree = ast.parse(block.code)
+        tests = [
+            node.name
+            for node in tree.body
+            if isinstance(node, ast.FunctionDef | ast.ClassDef)
+            and node.name.startswith(("test_", "Test"))
+        ]
+        assert tests, f"{block.id}: no test function or Test class for pytest to collect"
+
+
+@pytest.mark.parametrize("block", PYTEST, ids=lambda b: b.id)
+def test_python_block_passes_as_a_pytest_module(block: Block, tmp_path: Path) -> None:
+    free = free_names(block.code)
+    assert free <= RUN_GIVEN.keys(), f"{block.id} must define {sorted(free - RUN_GIVEN.keys())}"
+    head = "".join(RUN_GIVEN[name] for name in sorted(free))
+    if head:
+        head = "from __future__ import annotations\nimport rselection as rs\n" + head
+    module = tmp_path / f"test_{block.module}.py"
+    module.write_text(head + block.code)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", module.name],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    report = f"{block.id}:\n{result.stdout}\n{result.stderr}"
+    assert result.returncode == 0, report  # 5 would mean that pytest collected nothing
+    passed = re.search(r"(\d+) passed", result.stdout)
+    assert passed and int(passed.group(1)) >= 1, report
+    assert not re.search(r"\d+ (failed|error|skipped)", result.stdout), report
 
 
 # -- shell commands -----------------------------------------------------------------------

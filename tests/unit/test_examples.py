@@ -6,6 +6,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -96,3 +97,98 @@ def test_single_node_example_stops_cleanly_on_a_signal(signum: signal.Signals) -
             proc.stdout.close()
         if proc.stderr:
             proc.stderr.close()
+
+
+# -- every example leads alone without a database, and stops cleanly on a signal -------------
+
+EXAMPLES = EXAMPLE.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+# Each example: its command line after the interpreter, and a line it prints once it leads.
+ALONE: dict[str, tuple[list[str], str]] = {
+    "single_node.py": (["--name", "solo"], "elected: node local leads with term 1"),
+    "worker.py": (["--name", "solo"], "elected: local leads with term 1"),
+    "postgres_leader.py": (["--name", "solo"], "is now the leader (term 1)"),
+    "resumable_queue.py": (
+        ["--name", "solo", "--items", "3", "--delay", "0.05"],
+        "processed item 1",
+    ),
+    "heartbeat_monitor.py": (["--name", "solo"], "[alone] node_joined alone"),
+    "claims_with_apscheduler.py": (["--name", "solo", "--node", "a"], "[a] ran tick@"),
+    "fastapi_app.py": (["--name", "solo", "--metrics"], "leads 'solo' with term 1"),
+    "django_app/manage.py": (["runleader", "--name", "solo"], "elected: local leads with term 1"),
+}
+
+
+def test_every_example_is_run_alone_here() -> None:
+    found = {p.relative_to(EXAMPLES).as_posix() for p in EXAMPLES.glob("*.py")}
+    found.add("django_app/manage.py")
+    assert found == set(ALONE)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+@pytest.mark.parametrize("example", sorted(ALONE))
+def test_the_example_leads_alone_without_a_database_and_stops_cleanly_on_a_signal(
+    example: str, signum: signal.Signals
+) -> None:
+    args, leads = ALONE[example]
+    if example == "fastapi_app.py":
+        pytest.importorskip("uvicorn")
+        port = free_port()
+        args = [*args, "--port", str(port)]
+    env = {k: v for k, v in ENV.items() if k != "RSELECTION_DSN" and not k.startswith("PG")}
+    proc = subprocess.Popen(
+        [sys.executable, str(EXAMPLES / example), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    output: list[str] = []
+    try:
+        deadline = time.monotonic() + 45
+        while not any(leads in line for line in output):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or (proc.poll() is not None and lines.empty()):
+                pytest.fail(f"{example} did not lead alone within 45 s:\n{''.join(output)}")
+            try:
+                output.append(lines.get(timeout=min(remaining, 0.5)))
+            except queue.Empty:
+                continue
+        if example == "fastapi_app.py":
+            import httpx
+
+            # Served at /metrics itself: a scraper that does not follow redirects works.
+            got = httpx.get(f"http://127.0.0.1:{port}/metrics", follow_redirects=False)
+            assert got.status_code == 200, got.headers
+            assert 'rselection_is_leader{lease="solo"} 1.0' in got.text
+        proc.send_signal(signum)
+        assert proc.wait(timeout=30) == 0, "".join(output)
+        reader.join(10)
+        while not lines.empty():
+            output.append(lines.get_nowait())
+        text = "".join(output)
+        assert "Traceback" not in text, text
+        assert re.search(r"\bstopped( cleanly)?$", text.strip().splitlines()[-1]), text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        if proc.stdout:
+            proc.stdout.close()

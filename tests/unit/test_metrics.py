@@ -269,3 +269,33 @@ def test_namespace_prefixes_every_name() -> None:
         metrics.disable()
     names = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
     assert names and all(n.startswith("billing_") for n in names), names
+
+
+def test_a_follower_exports_is_leader_0_from_its_start_so_a_headless_lease_alerts(
+    registry: CollectorRegistry,
+) -> None:
+    from rselection.lease import MemoryLease
+
+    lease = MemoryLease("alerting", ttl=3.0)
+    outside = lease.try_acquire("another-process")  # the holder lives elsewhere
+    assert outside.holder is not None
+    follower = rs.LeaseLeader(
+        lease,
+        rs.TaskHandler(),
+        node_id="follower",
+        renew_interval=0.2,
+        renew_deadline=1.0,
+        retry_interval=0.2,
+    )
+    name = "rselection_is_leader"
+    assert registry.get_sample_value(name, {"lease": "alerting"}) is None
+    follower.start()
+    try:
+        # Exported at once, before any election: `sum by (lease) (...) == 0` sees it.
+        assert registry.get_sample_value(name, {"lease": "alerting"}) == 0.0
+        assert not follower.is_leader
+        lease.release("another-process", outside.holder.term)
+        wait_until(lambda: value(registry, name, lease="alerting") == 1.0, 10, "elected")
+    finally:
+        follower.stop(timeout=10)
+    assert registry.get_sample_value(name, {"lease": "alerting"}) == 0.0

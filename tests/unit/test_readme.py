@@ -39,14 +39,26 @@ def test_quickstart_runs_and_its_tasks_do_something(capsys: Any) -> None:
     leader = namespace["leader"]
     try:
         assert leader.wait_until_leader(5)
-        # The monitor subscribes once its term starts: publish until it has printed.
+        # The purge log subscribes once its term starts: publish until it has printed.
         deadline = time.monotonic() + 5
         out = ""
         while "saw hello" not in out:
-            assert time.monotonic() < deadline, "the monitor never printed the heartbeat"
-            leader.broadcaster.publish("heartbeats", "hello")
+            assert time.monotonic() < deadline, "the purge log never printed the message"
+            leader.broadcaster.publish("purges", "hello")
             time.sleep(0.05)
             out += capsys.readouterr().out
     finally:
         leader.stop(timeout=10)
     assert not [t for t in threading.enumerate() if t.name.startswith("rselection-")]
+
+
+def test_the_quickstart_tasks_are_not_named_like_a_built_in_task() -> None:
+    import rselection as rs
+
+    built_in = {rs.HeartbeatMonitor().name}
+    pages = [README, ROOT / "docs" / "tutorial" / "index.md", ROOT / "docs" / "how-to" / "tasks.md"]
+    for page in pages:
+        names = set(re.findall(r'@tasks\.\w+\((?:"([^"]+)"|[^)]*name="([^"]+)")', page.read_text()))
+        found = {n for pair in names for n in pair if n}
+        assert found, f"{page.name}: no task found"
+        assert not found & built_in, f"{page.name} names a task like a built-in: {found & built_in}"

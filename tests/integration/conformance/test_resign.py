@@ -164,7 +164,8 @@ def test_resign_without_a_holder_fails_at_once(
 ) -> None:
     backend.create_tables()
     out = cli("resign", name, *backend.cli_args, "--timeout", "30")  # never held
-    assert out.returncode == 1 and "has no leader" in out.stderr, out.stdout + out.stderr
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"no lease {name!r}" in out.stderr, out.stderr  # not a lease without a leader
     lease = make_lease()
     got = lease.try_acquire("A")
     assert got.holder is not None
@@ -173,13 +174,13 @@ def test_resign_without_a_holder_fails_at_once(
     assert out.returncode == 1 and "has no leader" in out.stderr, out.stdout + out.stderr
 
 
-def test_resign_on_an_unreachable_server_exits_2_and_hides_the_password(
+def test_resign_on_an_unreachable_server_exits_3_and_hides_the_password(
     backend: Backend,
 ) -> None:
     url, port = backend.unreachable(password="hunter2")
     flag = "--redis-url" if backend.kind == "redis" else "--dsn"
     out = cli("resign", "any", flag, url)
-    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.returncode == 3, out.stdout + out.stderr
     assert "127.0.0.1" in out.stderr and str(port) in out.stderr
     assert "hunter2" not in out.stdout + out.stderr
 

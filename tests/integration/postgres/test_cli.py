@@ -97,9 +97,9 @@ def test_migrate_then_status_shows_the_holder(pg_dsn: str) -> None:
     assert "(none)" in released.stdout
 
 
-def test_status_on_an_unreachable_server_exits_2() -> None:
+def test_status_on_an_unreachable_server_exits_3() -> None:
     out = run("status", "--dsn", "postgresql://u:hunter2@127.0.0.1:1/x?connect_timeout=2")
-    assert out.returncode == 2
+    assert out.returncode == 3
     assert "hunter2" not in out.stderr + out.stdout
     assert "127.0.0.1" in out.stderr
 
@@ -112,7 +112,7 @@ def test_no_dsn_is_a_clear_error() -> None:
         timeout=60,
         env={"PATH": "/usr/bin:/bin"},
     )
-    assert out.returncode != 0
+    assert out.returncode == 2  # a usage error, not "a lease has no leader" (1)
     assert "RSELECTION_DSN" in out.stderr
 
 
@@ -127,11 +127,43 @@ def test_demo_runs_to_the_end_and_reports_its_measurements(pg_dsn: str) -> None:
     assert "failover after a crash took" in out.stdout
     assert "graceful handover took" in out.stdout
     assert ", 0 written after a newer term" in out.stdout
-    # The demo retires its lease: a shared database keeps no headless lease from it.
+    # The demo cleans up: its lease is retired (the row and its term stay), its ledger
+    # table is dropped, so a shared database keeps no headless lease and no table from it.
     code, doc = status_json(pg_dsn)
     assert code == 0 and doc["leases"] == []
     (hidden,) = doc["hidden"]
     assert hidden.startswith("demo-")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT term, retired_term FROM rselection_leases WHERE name = %s", (hidden,)
+        ).fetchone()
+        tables = [
+            r[0]
+            for r in conn.execute(
+                "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()"
+                " AND tablename LIKE 'rselection_demo%%'"
+            )
+        ]
+    assert row is not None and row[0] >= 3 and row[1] == row[0]
+    assert tables == []
+
+
+def test_demo_on_its_own_postgres_shows_no_runtime_directory_warning(tmp_path: Any) -> None:
+    pytest.importorskip("pgserver")
+    env = clean_env()
+    env.pop("XDG_RUNTIME_DIR", None)  # as in containers, cron jobs and sudo
+    out = subprocess.run(
+        [sys.executable, "-m", "rselection", "demo"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "graceful handover took" in out.stdout
+    assert "XDG_RUNTIME_DIR" not in out.stdout + out.stderr
+    assert "Warning" not in out.stderr, out.stderr
 
 
 # ------------------------------------------------------------------------- status
@@ -219,18 +251,18 @@ def test_status_finds_the_fires_of_a_lease_with_a_slash_in_its_name(pg_dsn: str)
     ]
 
 
-def test_status_json_on_an_unreachable_server_exits_2() -> None:
+def test_status_json_on_an_unreachable_server_exits_3() -> None:
     out = run("status", "--dsn", CLOSED, "--json")
-    assert out.returncode == 2
+    assert out.returncode == 3
     assert "cannot connect to host=127.0.0.1 port=1" in out.stderr
     doc = json.loads(out.stdout)
-    assert doc["exit_code"] == 2 and "127.0.0.1" in doc["error"]
+    assert doc["exit_code"] == 3 and "127.0.0.1" in doc["error"]
     assert "hunter2" not in out.stdout + out.stderr
 
 
-def test_status_on_a_missing_lease_table_exits_2(pg_dsn: str) -> None:
+def test_status_on_a_missing_lease_table_exits_3(pg_dsn: str) -> None:
     out = run("status", "--dsn", pg_dsn, "--table", "nope")
-    assert out.returncode == 2
+    assert out.returncode == 3
     assert "lease table 'nope' does not exist" in out.stderr
 
 
@@ -250,9 +282,9 @@ def test_status_watch_prints_every_refresh_then_stops(pg_dsn: str) -> None:
     assert table.stdout.count("host=127.0.0.1") == 2
 
     errors = run("status", "--dsn", CLOSED, "--json", "--watch", "0.2", "--count", "2")
-    assert errors.returncode == 2
+    assert errors.returncode == 3
     lines = [json.loads(line) for line in errors.stdout.splitlines()]
-    assert [d["exit_code"] for d in lines] == [2, 2]
+    assert [d["exit_code"] for d in lines] == [3, 3]
     assert "hunter2" not in errors.stdout + errors.stderr
 
 
@@ -308,7 +340,7 @@ def test_status_takes_the_database_from_rselection_dsn_and_pg_variables(pg_dsn: 
     assert "hunter2" not in from_pg.stdout + from_pg.stderr + table.stdout + table.stderr
 
     unreachable = run("status", env=clean_env(PGHOST="127.0.0.1", PGPORT="1", PGPASSWORD="hunter2"))
-    assert unreachable.returncode == 2
+    assert unreachable.returncode == 3
     assert "host=127.0.0.1 port=1" in unreachable.stderr
     assert "hunter2" not in unreachable.stdout + unreachable.stderr
 
@@ -555,8 +587,8 @@ def test_forget_a_redis_lease_keeps_its_term_key_and_a_new_leader_brings_it_back
 
 def test_forget_never_prints_a_password() -> None:
     pg = run("forget", "x", "--dsn", CLOSED)
-    assert pg.returncode == 2 and "127.0.0.1" in pg.stderr
+    assert pg.returncode == 3 and "127.0.0.1" in pg.stderr
     rd = run("forget", "x", "--redis-url", "redis://u:hunter2@127.0.0.1:1/0")
-    assert rd.returncode == 2 and "127.0.0.1:1" in rd.stderr
+    assert rd.returncode == 3 and "127.0.0.1:1" in rd.stderr
     for out in (pg, rd):
         assert "hunter2" not in out.stdout + out.stderr

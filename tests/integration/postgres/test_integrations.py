@@ -284,12 +284,16 @@ def test_fastapi_serves_metrics(fastapi_app: ModuleType) -> None:
             wait_until(
                 lambda: (
                     'rselection_task_runs_total{task="refresh-cache"}'
-                    in client.get("/metrics/").text
+                    in client.get("/metrics").text
                 ),
                 10,
                 "refresh-cache runs in /metrics",
             )
-            text = client.get("/metrics/").text
+            # Served at /metrics itself, not by a redirect to /metrics/.
+            got = client.get("/metrics", follow_redirects=False)
+            assert got.status_code == 200, got.headers
+            assert got.headers["content-type"].startswith("text/plain")
+            text = got.text
             assert 'rselection_is_leader{lease="fastapi-app"} 1.0' in text
             assert 'rselection_task_duration_seconds_count{task="refresh-cache"}' in text
     finally:

@@ -24,10 +24,15 @@ class Command(BaseCommand):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--seconds", type=float, default=None, help="stop after this long")
         parser.add_argument("--node-id", default=None, help="this node's id")
+        parser.add_argument(
+            "--name",
+            default=None,
+            help="the lease (default: settings.RSELECTION_LEASE, from $RSELECTION_NAME)",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         dsn = getattr(settings, "RSELECTION_DSN", None)
-        name = getattr(settings, "RSELECTION_LEASE", "django")
+        name = options["name"] or getattr(settings, "RSELECTION_LEASE", "django")
         if dsn:
             leader: rs.PostgresLeader | rs.SingleNodeLeader = rs.PostgresLeader(
                 dsn, handler, name=name, node_id=options["node_id"]
