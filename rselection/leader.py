@@ -369,15 +369,16 @@ class LeaseLeader:
             self._watchdog = threading.Thread(
                 target=self._watch, name=f"rselection-watchdog-{self._name}", daemon=True
             )
-        # Before any election: a receiver (the metrics' is_leader gauge) sees every node,
-        # followers included, from its start.
-        signals.emit(signals.started, self, node_id=self._node_id, name=self._name)
         try:
+            # Before any election: a receiver (the metrics' is_leader gauge) sees every
+            # node, followers included, from its start.
+            signals.emit(signals.started, self, node_id=self._node_id, name=self._name)
             self._watchdog.start()
             self._keeper.start()
-        except BaseException:
+        except BaseException:  # Ctrl-C included: the keeper, if it started, winds down
             self._stopping.set()
-            self._handler.detach()
+            if not self._keeper.is_alive():
+                self._handler.detach()
             raise
 
     def lead(self) -> None:
@@ -388,10 +389,11 @@ class LeaseLeader:
                 example a connection pooler that is not in session mode); no task ran
                 after the problem was found.
         """
-        self.start()
-        keeper = self._keeper
-        assert keeper is not None
         try:
+            # Ctrl-C may come while starting, when the first term may already run.
+            self.start()
+            keeper = self._keeper
+            assert keeper is not None
             while keeper.is_alive():
                 keeper.join(0.5)
         except KeyboardInterrupt:
@@ -428,7 +430,7 @@ class LeaseLeader:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         for thread in (self._keeper, self._watchdog):
-            if thread is not None:
+            if thread is not None and thread.ident is not None:  # started
                 thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def step_down(self, *, hold: float = 0.0, wait: bool = True) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -129,6 +130,40 @@ def test_lead_blocks_until_stop_from_another_thread(
     thread.join(5)
     assert not thread.is_alive()
     wait_until(lambda: not runtime_threads(), 2.0, "every rselection thread to end")
+
+
+@pytest.mark.parametrize("at", ["started", "elected"])
+def test_ctrl_c_while_lead_starts_stops_the_leader_cleanly(
+    leaders: Callable[..., rs.SingleNodeLeader], at: str
+) -> None:
+    # Ctrl-C can land while lead() is still in start(), when the first term may already
+    # run (a loaded machine): a real SIGINT, handled by Python's default handler in the
+    # main thread (this one), from a receiver of `started` (sent in start(), on this
+    # thread) or of `elected` (on the keeper, while this thread may still be starting).
+    handler = idle_handler()
+    leader = leaders(handler)
+    main = threading.main_thread().ident
+    assert main is not None and threading.get_ident() == main
+    sent = threading.Event()
+
+    def interrupt(sender: Any, **kw: Any) -> None:
+        if sender is leader and not sent.is_set():
+            sent.set()
+            signal.pthread_kill(main, signal.SIGINT)
+
+    signal_ = getattr(signals, at)
+    signal_.connect(interrupt)
+    try:
+        leader.lead()  # returns: the KeyboardInterrupt does not escape
+    finally:
+        signal_.disconnect(interrupt)
+    assert sent.is_set()
+    assert not leader.is_leader
+    wait_until(lambda: not runtime_threads(), 5.0, "every rselection thread to end")
+    again = leaders(handler)  # the handler was given back
+    again.start()
+    assert again.wait_until_leader(5)
+    again.stop(10)
 
 
 def test_start_twice_is_refused_and_stop_is_idempotent(
