@@ -497,10 +497,9 @@ class Connections:
 
     * a connection string: with ``pooled=True``, the process's pooled sessions for that
       string (:class:`~.session_pool.SessionPool`, shared with every other pooled object
-      of the process); otherwise connections of its own, opened on first use
-      (:func:`open_session`), at most ``size`` at once (calls beyond that wait for one to
-      be free). Either way one that failed is closed and replaced by the next call, and
-      idle ones are kept for the next calls;
+      of the process); otherwise a connection of its own, opened on first use
+      (:func:`open_session`), one call at a time. Either way one that failed is closed
+      and replaced by the next call, and idle ones are kept for the next calls;
     * a pool (anything with a ``connection()`` context manager, such as
       ``psycopg_pool.ConnectionPool``): each call borrows a connection;
     * a ``psycopg.Connection``: calls take turns on it under a lock. A call that runs
@@ -514,7 +513,6 @@ class Connections:
         connect_timeout: seconds to wait for a connection it opens itself.
         statement_timeout: bound of one statement on connections it opens itself; a call
             on one of them is aborted after ``statement_timeout + connect_timeout``.
-        size: how many connections of its own it may have open at once (not pooled).
         pooled: borrow the process's pooled sessions instead of opening its own.
 
     Raises:
@@ -529,7 +527,6 @@ class Connections:
         application_name: str,
         connect_timeout: float = 5.0,
         statement_timeout: float = 10.0,
-        size: int = 1,
         pooled: bool = False,
     ) -> None:
         """Check ``source`` (raises :class:`ConfigError`); opens nothing yet."""
@@ -557,7 +554,7 @@ class Connections:
         self._app = application_name
         self._connect_timeout = connect_timeout
         self._statement_timeout = statement_timeout
-        self._slots = threading.BoundedSemaphore(size)
+        self._slots = threading.BoundedSemaphore(1)
         self._shared_lock = threading.Lock()
         self._lock = threading.Lock()  # guards what follows
         self._idle: list[psycopg.Connection[Any]] = []
