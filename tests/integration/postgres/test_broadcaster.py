@@ -403,6 +403,58 @@ def test_publish_whose_commit_was_not_confirmed_is_never_written_twice(
     assert row == (1,)
 
 
+def test_batch_confirmed_before_the_writer_session_was_cut_is_counted_once(
+    pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster]
+) -> None:
+    table = f"bc_{uuid.uuid4().hex[:12]}"
+    # Purges every second; a purge blocked on a row lock gives up after `timeout`.
+    publisher = make_bc(table=table, retention=0.5, timeout=4.0)
+    publisher.publish("c", "old")
+    assert publisher.flush(20)
+
+    def purgeable() -> bool:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            row = conn.execute(
+                f"SELECT count(*) FROM {table}"
+                " WHERE created_at < clock_timestamp() - interval '0.6 s'"
+            ).fetchone()
+        return row == (1,)
+
+    def purges_blocked() -> list[tuple[int, Any]]:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT pid, query_start FROM pg_stat_activity"
+                " WHERE application_name = 'rselection:broadcast' AND wait_event_type = 'Lock'"
+                " AND query LIKE %s",
+                (f'%DELETE FROM "{table}"%',),
+            ).fetchall()
+        return [(int(pid), start) for pid, start in rows]
+
+    wait_until(purgeable, 10, "the first message older than the retention")
+    with psycopg.connect(pg_dsn, autocommit=True) as blocker:
+        with blocker.transaction():
+            # Lock the old row: the writer's purges wait on it until their timeout.
+            blocker.execute(f"SELECT id FROM {table} FOR UPDATE")
+            wait_until(purges_blocked, 10, "a purge blocked")
+            [(_, first_start)] = purges_blocked()
+            publisher.publish("c", "confirmed")  # written once that purge gives up
+            # The next loop writes it (commit confirmed) and, the purge being due, purges
+            # again in the same round: cut the session there.
+            wait_until(
+                lambda: any(start > first_start for _, start in purges_blocked()),
+                15,
+                "the purge after the confirmed write",
+            )
+            [(pid, _)] = purges_blocked()
+            assert terminate(pg_dsn, pid) == 1
+        publisher.publish("c", "after the reconnect")
+        assert publisher.flush(30)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        row = conn.execute(f"SELECT count(*) FROM {table} WHERE payload <> '\"old\"'").fetchone()
+    assert row == (2,), "each message written once"
+    assert publisher.stats().published == 3, "each message counted once"
+
+
 def waiting_on_lock(dsn: str, key: int) -> list[int]:
     """Backend pids waiting for the bigint advisory lock ``key`` (the blocked writer)."""
     unsigned = key & 0xFFFF_FFFF_FFFF_FFFF
