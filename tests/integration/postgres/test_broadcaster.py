@@ -408,17 +408,9 @@ def test_batch_confirmed_before_the_writer_session_was_cut_is_counted_once(
 ) -> None:
     table = f"bc_{uuid.uuid4().hex[:12]}"
     # Purges every second; a purge blocked on a row lock gives up after `timeout`.
-    publisher = make_bc(table=table, retention=0.5, timeout=4.0)
+    publisher = make_bc(table=table, retention=1.0, timeout=4.0)
     publisher.publish("c", "old")
     assert publisher.flush(20)
-
-    def purgeable() -> bool:
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            row = conn.execute(
-                f"SELECT count(*) FROM {table}"
-                " WHERE created_at < clock_timestamp() - interval '0.6 s'"
-            ).fetchone()
-        return row == (1,)
 
     def purges_blocked() -> list[tuple[int, Any]]:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
@@ -430,11 +422,12 @@ def test_batch_confirmed_before_the_writer_session_was_cut_is_counted_once(
             ).fetchall()
         return [(int(pid), start) for pid, start in rows]
 
-    wait_until(purgeable, 10, "the first message older than the retention")
     with psycopg.connect(pg_dsn, autocommit=True) as blocker:
         with blocker.transaction():
-            # Lock the old row: the writer's purges wait on it until their timeout.
-            blocker.execute(f"SELECT id FROM {table} FOR UPDATE")
+            # Lock the row while it is younger than the retention: once it is older, the
+            # writer's purges wait on it until their timeout.
+            locked = blocker.execute(f"SELECT id FROM {table} FOR UPDATE").fetchall()
+            assert len(locked) == 1, "the first message is still there"
             wait_until(purges_blocked, 10, "a purge blocked")
             [(_, first_start)] = purges_blocked()
             publisher.publish("c", "confirmed")  # written once that purge gives up
