@@ -76,7 +76,8 @@ class PostgresBroadcaster(Broadcaster):
     one included, once), in the same order everywhere. Local fan-out is the
     :class:`~rselection.Broadcaster`'s: bounded per-subscription buffers, overflow counted
     and reported, a slow subscriber never holds up the others. Receivers connected with
-    :meth:`connect` run in the listener thread: keep them short. See the module docstring
+    :meth:`connect` run in the listener thread, which every broadcaster of the process
+    on the same connection string shares: keep them short. See the module docstring
     for how delivery, ordering, catch-up and gaps work.
 
     The listener connects in the background at construction, and LISTENs only while
@@ -87,9 +88,10 @@ class PostgresBroadcaster(Broadcaster):
 
     Args:
         conninfo: a libpq connection string or URI, a ``psycopg.Connection`` or a pool
-            (``psycopg_pool.ConnectionPool``). The broadcaster opens two sessions of its
-            own with the same parameters (listener and writer, the writer on first
-            publish): LISTEN needs a session kept for it, which a pool cannot lend.
+            (``psycopg_pool.ConnectionPool``). The broadcaster opens its sessions with the
+            same parameters: a writer of its own (on first publish), and the listener,
+            which LISTEN needs kept for it (a pool cannot lend that) and which every
+            broadcaster of the process on the same connection string shares.
         table: outbox table, optionally schema-qualified (``"ops.broadcast"``); every
             node that should hear each other uses the same one.
         retention: seconds a message stays in the outbox (server time), i.e. how long a
@@ -98,9 +100,11 @@ class PostgresBroadcaster(Broadcaster):
             :func:`~rselection.postgres.migrate` (or ``rselection migrate``) once with a
             role that may run DDL.
         probe_interval: seconds of silence after which the listener polls the outbox,
-            which also checks that its connection is alive.
+            which also checks that its connection is alive (a shared listening session
+            polls after the shortest of its broadcasters').
         timeout: bound of one round trip (connect, write, fetch, probe), seconds; a
-            connection that overruns it is dropped and reconnected.
+            connection that overruns it is dropped and reconnected (a shared listening
+            session uses the longest of its broadcasters').
         max_message_bytes: largest message accepted, as UTF-8 JSON (default 1 MiB).
         max_pending: messages that may wait for the writer; when that many wait,
             :meth:`publish` waits for room, and raises

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import queue
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from rselection.postgres.broadcast.outbox import Outbox, text_array
 from tests.support.broadcast_node import body
 from tests.support.pg import with_host_port
 from tests.support.proxy import TcpProxy
+from tests.support.sessions import process_sessions
 from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -298,6 +300,55 @@ def test_tables_and_schemas_do_not_hear_each_other(
     assert drain(subs[2], 1, 20) == [3]
     for sub in subs:
         assert_quiet(sub)
+
+
+def broadcast_sessions(dsn: str) -> int:
+    """The ``rselection:broadcast`` sessions this test process holds on the server."""
+    return process_sessions(dsn, os.getpid())["rselection:broadcast"]
+
+
+def test_broadcasters_of_a_process_share_one_listening_session(
+    pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster]
+) -> None:
+    base = broadcast_sessions(pg_dsn)
+    first, second = make_bc(), make_bc()
+    third = make_bc(table="bc_third")  # another outbox table, on the same session
+    subs = {
+        "first": first.subscribe("a"),
+        "second": second.subscribe("b"),
+        "second-too": second.subscribe("a"),
+        "third": third.subscribe("a"),
+    }
+    assert {bc.stats().listening for bc in (first, second, third)} == {True}
+    pids = {bc.stats().listener_pid for bc in (first, second, third)}
+    assert len(pids) == 1 and None not in pids, f"listener sessions {pids}"
+    # Nothing published yet, so no writer is connected: one session for the three.
+    assert broadcast_sessions(pg_dsn) == base + 1
+
+    first.publish("a", "a from first")
+    second.publish("b", "b from second")
+    third.publish("a", "a on the third table")
+    for bc in (first, second, third):
+        assert bc.flush(20)
+    assert drain(subs["first"], 1, 20) == ["a from first"]
+    assert drain(subs["second"], 1, 20) == ["b from second"]
+    assert drain(subs["second-too"], 1, 20) == ["a from first"]
+    assert drain(subs["third"], 1, 20) == ["a on the third table"]
+    for sub in subs.values():
+        assert_quiet(sub, 0.3)
+    assert first.stats().received == second.stats().received == 2, "its own table's rows"
+    assert third.stats().received == 1
+
+    # Reference-counted: the session stays while one broadcaster is left...
+    first.close()
+    second.close()
+    assert not third.closed
+    third.publish("a", "still heard")
+    assert drain(subs["third"], 1, 20) == ["still heard"]
+    assert third.stats().listener_pid in pids
+    # ...and closes with the last one (writers included).
+    third.close()
+    wait_until(lambda: broadcast_sessions(pg_dsn) == base, 10, "every broadcast session closed")
 
 
 def test_listener_killed_while_publishing_catches_up_in_order(
