@@ -59,6 +59,16 @@ highest id they deleted. A listener that finds rows it never read among the dele
 ones reports a *gap*: a warning log, ``stats().gaps``, and the ``on_gap`` hook. Nothing
 is dropped silently.
 
+**Ids that go back.** Should the outbox's ids ever go back (the table dropped and created
+again, its sequence reset, a restore from a backup), "fetch ``id > last``" would skip
+the new messages. Every fetch therefore also reads, in its snapshot, the newest id and
+the table's oid: when the table is another one than where the position was taken, or
+every id up to the last one delivered is gone without the purge watermark covering it,
+the listener resynchronises on the new ids, delivers every message the table holds, and
+reports a :class:`Gap` with ``reset=True`` (``stats().resets``). A NOTIFY whose ids are
+not above the previous one's (commits are ordered by id, so that happens only when the
+ids went back) makes it fetch at once.
+
 **One listening session per process.** Every broadcaster of a process on one connection
 string shares one listening session and thread (reference-counted, closed with the last
 broadcaster): it LISTENs on the channel of each table one of them reads, and hands every

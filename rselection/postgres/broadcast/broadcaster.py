@@ -49,6 +49,9 @@ class PostgresBroadcastStats(BroadcastStats):
     :param gaps: gaps reported (see :class:`Gap`); 0 unless a listener fell behind by more
         than the retention.
     :param missed: upper bound of the messages lost in those gaps.
+    :param resets: times the outbox's ids went back (the table created again, its
+        sequence reset, a restore from a backup) and the listener resynchronised on the
+        new ids, each reported as a :class:`Gap` with ``reset=True``.
     :param reconnects: times the listener lost its connection and connected again.
     :param listening: whether the listener LISTENs (this node has readers) and has
         caught up.
@@ -62,6 +65,7 @@ class PostgresBroadcastStats(BroadcastStats):
     received: int = 0
     gaps: int = 0
     missed: int = 0
+    resets: int = 0
     reconnects: int = 0
     listening: bool = False
     last_id: int = 0
@@ -310,6 +314,7 @@ class PostgresBroadcaster(Broadcaster):
             received=listener.received,
             gaps=listener.gaps,
             missed=listener.missed,
+            resets=listener.resets,
             reconnects=listener.reconnects,
             listening=listener.listening,
             last_id=listener.last_id,

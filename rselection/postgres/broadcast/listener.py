@@ -39,22 +39,31 @@ _FETCH_ROWS = 1000
 
 @dataclass(frozen=True)
 class Gap:
-    """Messages this node can no longer deliver: they were deleted by retention unread.
+    """Messages this node can no longer deliver: they were deleted by retention unread;
+    or, with ``reset``, the outbox's ids went back.
 
-    :param after_id: the last outbox id delivered before the gap.
+    :param after_id: the last outbox id delivered before the gap (or the reset).
     :param through_id: the highest id the gap may cover; ids ``after_id + 1`` through
         ``through_id`` were not delivered (some may be ids of failed publishes, which
-        never held a message).
-    :param missed: an upper bound of the messages lost: ``through_id - after_id``.
+        never held a message). After a reset: the id of the new sequence that delivery
+        resumed after (every message above it is delivered).
+    :param reset: the outbox's ids went back below ``after_id`` (the table was dropped
+        and created again, its sequence reset, or it was restored from a backup): ids
+        above ``after_id`` of the old sequence will never come, and the listener
+        resynchronised on the new one, delivering every message the table holds from
+        ``through_id`` on (after a restore, some may be messages delivered before it).
+    :param missed: an upper bound of the messages lost: ``through_id - after_id`` (0
+        for a reset: the messages lost with the old table, if any, cannot be counted).
     """
 
     after_id: int
     through_id: int
+    reset: bool = False
 
     @property
     def missed(self) -> int:
         """At most this many messages were lost."""
-        return self.through_id - self.after_id
+        return 0 if self.reset else self.through_id - self.after_id
 
 
 # Defined here, where gaps are found, and public as rselection.postgres.broadcast.Gap:
@@ -133,6 +142,12 @@ class Listener:
         """Outbox rows read (every channel)."""
         self.gaps = 0
         """Gaps reported."""
+        self.resets = 0
+        """Times the outbox's ids went back and the listener resynchronised."""
+        self._oid: int | None = None  # the outbox table's oid where the position was taken
+        self._regclass = ""  # the table's name as SQL text, for to_regclass()
+        self._notified = 0  # the highest id a NOTIFY carried since this LISTEN began
+        self._stale_watermark = 0  # a purge watermark left from before a reset
         self.missed = 0
         """Upper bound of the messages lost in those gaps."""
         self.reconnects = 0
@@ -213,6 +228,7 @@ class Listener:
         with session.guard(conn):
             self.sessions.prepare(conn)
             self.channel, _ = self._outbox.resolve(conn)
+        self._regclass = self._outbox.ident.as_string(conn)
         self.generation = session.generation
         self.pid = conn.info.backend_pid
         self._failures, self._error = 0, ""
@@ -226,8 +242,11 @@ class Listener:
         if not self.positioned.is_set():
             # A new start: from the newest row (older ones had no reader here).
             with session.guard(conn):
-                row = conn.execute(self._outbox.start_position()).fetchone()
+                row = conn.execute(self._outbox.start_position(), (self._regclass,)).fetchone()
             self.last_id = int(row[0]) if row else 0
+            self._oid = None if row is None or row[1] is None else int(row[1])
+            self._stale_watermark = 0
+        self._notified = 0
         # Catch up on what was published while not listening (LISTEN came first, so
         # nothing committed after this fetch's snapshot can be missed).
         self.catch_up(session, conn)
@@ -280,6 +299,10 @@ class Listener:
             except ValueError:
                 logger.warning("broadcast: ignoring a malformed NOTIFY payload %r", payload[:80])
                 return True
+            if not rows:
+                return True
+            if self._went_back(int(rows[0][0]), int(rows[-1][0])):
+                return True
             for row in rows:
                 row_id = int(row[0])
                 if row_id <= self.last_id:
@@ -291,21 +314,41 @@ class Listener:
                 self._deliver(row_id, row[1], row[2])
             return False
         try:
-            return int(payload) > self.last_id
+            top = int(payload)
         except ValueError:
             return True
+        return self._went_back(top, top) or top > self.last_id
+
+    def _went_back(self, first: int, last: int) -> bool:
+        """Note the ids of a NOTIFY; return whether they are not above the previous
+        NOTIFY's. The publish lock orders commits by id, so on one session each NOTIFY
+        carries higher ids than the one before, unless the outbox's ids went back: a
+        fetch then finds out (see :meth:`catch_up`)."""
+        back = first <= self._notified
+        self._notified = last if back else max(self._notified, last)
+        return back
 
     def catch_up(self, session: ListeningSession, conn: psycopg.Connection[Any]) -> None:
         """Fetch and deliver every row after the last id, in order, reporting gaps."""
         while not self._stop.is_set():
             with session.guard(conn):
-                cursor = conn.execute(self._outbox.fetch(), (self.last_id, self._fetch_rows))
+                cursor = conn.execute(
+                    self._outbox.fetch(), (self._regclass, self.last_id, self._fetch_rows)
+                )
                 rows = cursor.fetchall()
-            purged = int(rows[0][0]) if rows else 0
+            purged, newest, oid = (int(v) if v is not None else 0 for v in rows[0][:3])
+            if (self._oid is not None and oid != self._oid) or max(purged, newest) < self.last_id:
+                # Another table under the same name, or every id at and below the last
+                # one delivered is gone without retention deleting it: the ids went back.
+                self._reset(purged, oid)
+                continue
+            self._oid = oid
+            if purged <= self._stale_watermark:
+                purged = 0  # the watermark of the old sequence says nothing of the new one
             if purged > self.last_id:
                 self._report_gap(Gap(self.last_id, purged))
             got = 0
-            for _, row_id, channel, payload in rows:
+            for _, _, _, row_id, channel, payload in rows:
                 if row_id is None:
                     continue
                 got += 1
@@ -315,6 +358,26 @@ class Listener:
                 self.last_id = purged
             if got < self._fetch_rows:
                 return
+
+    def _reset(self, purged: int, oid: int) -> None:
+        """Resynchronise on a new outbox sequence: deliver everything it holds."""
+        gap = Gap(self.last_id, 0, reset=True)
+        self.last_id = 0
+        self._oid = oid
+        self._notified = 0
+        # A state table kept across the reset keeps the old sequence's watermark: it
+        # covers none of the new ids until purges of the new sequence move it up.
+        self._stale_watermark = purged
+        self.resets += 1
+        logger.warning(
+            "broadcast table %r on %s went back: the ids restarted below id %d, the last "
+            "this node delivered (the table was created again, its sequence reset, or it "
+            "was restored from a backup); delivering every message it holds now",
+            self._outbox.table,
+            self.sessions.where,
+            gap.after_id,
+        )
+        self._call_hook(gap)
 
     def _deliver(self, row_id: int, channel: str, payload: str) -> None:
         self.last_id = row_id
@@ -345,6 +408,9 @@ class Listener:
             gap.through_id,
             gap.missed,
         )
+        self._call_hook(gap)
+
+    def _call_hook(self, gap: Gap) -> None:
         hook = self._on_gap
         if hook is not None:
             try:

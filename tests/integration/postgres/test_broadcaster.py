@@ -29,6 +29,7 @@ from rselection.errors import ConfigError
 from rselection.postgres import PostgresBroadcaster, PostgresLeader
 from rselection.postgres.broadcast import Gap, MessageEncodeError, PostgresBroadcastStats
 from rselection.postgres.broadcast.outbox import Outbox, text_array
+from rselection.postgres.schema import create_tables
 from tests.support.broadcast_node import body
 from tests.support.pg import with_host_port
 from tests.support.proxy import TcpProxy
@@ -617,6 +618,78 @@ def test_gap_past_retention_is_reported(
     assert gaps[0].through_id >= seen + 5 and stats.missed == gaps[0].missed >= 5
     assert "fell behind by more than retention" in caplog.text
     assert_quiet(sub)
+
+
+@pytest.mark.parametrize("how", ["recreated", "truncated"])
+def test_outbox_ids_going_back_are_reported_and_the_listener_delivers_the_new_ones(
+    pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster], how: str
+) -> None:
+    table = f"bc_{uuid.uuid4().hex[:12]}"
+    gaps: list[Gap] = []
+    publisher = make_bc(table=table)
+    listener = make_bc(table=table, on_gap=gaps.append, probe_interval=0.3)
+    sub = listener.subscribe("r", maxsize=1_000)
+    for i in range(30):
+        publisher.publish("r", f"before {i}")
+    assert drain(sub, 30, 20) == [f"before {i}" for i in range(30)]
+    old_last = listener.stats().last_id
+    assert old_last >= 30
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        if how == "recreated":
+            with conn.transaction():  # as a restore would: another table, same name
+                conn.execute(f"DROP TABLE {table}")
+                create_tables(conn, broadcast=table)
+        else:
+            conn.execute(f"TRUNCATE {table} RESTART IDENTITY")
+    for i in range(5):
+        publisher.publish("r", f"after {i}")
+    assert publisher.flush(30)
+    # The new ids (1, 2, ...) are below the last one delivered: still delivered.
+    assert drain(sub, 5, 30) == [f"after {i}" for i in range(5)]
+    assert_quiet(sub)
+    wait_until(lambda: len(gaps) == 1, 10, "the reset reported")
+    [gap] = gaps
+    assert gap.reset and gap.after_id == old_last and gap.missed == 0
+    stats = listener.stats()
+    assert stats.resets == 1 and stats.gaps == 0 and stats.missed == 0
+    assert stats.last_id < old_last
+    publisher.publish("r", "later")
+    assert drain(sub, 1, 20) == ["later"]
+    assert_quiet(sub)
+    assert len(gaps) == 1
+
+
+def test_outbox_recreated_while_the_listener_was_cut_off_is_found_by_its_identity(
+    pg_dsn: str,
+    make_bc: Callable[..., PostgresBroadcaster],
+    make_tcp_proxy: Callable[[str, int], TcpProxy],
+) -> None:
+    proxy = proxy_for(pg_dsn, make_tcp_proxy)
+    table = f"bc_{uuid.uuid4().hex[:12]}"
+    gaps: list[Gap] = []
+    publisher = make_bc(table=table)
+    listener = make_bc(proxied(pg_dsn, proxy), table=table, on_gap=gaps.append, **QUICK)
+    sub = listener.subscribe("r", maxsize=1_000)
+    for i in range(10):
+        publisher.publish("r", f"before {i}")
+    assert drain(sub, 10, 20) == [f"before {i}" for i in range(10)]
+    old_last = listener.stats().last_id
+    proxy.blackhole()
+    wait_until(lambda: not listener.stats().listening, 15, "the listener cut off")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn, conn.transaction():
+        conn.execute(f"DROP TABLE {table}")
+        create_tables(conn, broadcast=table)
+    # More new messages than old ones: the new ids pass the last one delivered, so
+    # only the table's identity tells the listener that ids 1..old_last are new too.
+    after = [f"after {i}" for i in range(old_last + 20)]
+    for msg in after:
+        publisher.publish("r", msg)
+    assert publisher.flush(30)
+    proxy.heal()
+    assert drain(sub, len(after), 30) == after
+    assert_quiet(sub)
+    assert len(gaps) == 1 and gaps[0].reset and gaps[0].after_id == old_last
+    assert listener.stats().resets == 1
 
 
 def test_retention_purge_runs_by_itself(
