@@ -478,9 +478,8 @@ def _python_events(call: Callable[[], object]) -> int:
 
 def test_channels_used_once_cost_no_memory_and_no_work_per_wake_up() -> None:
     b = Broadcaster()
-    keep = b.subscribe("kept")  # one live reader, as on a listening node
     # What the Postgres listener asks on every wake-up, before any channel was used.
-    baseline = _python_events(b.has_readers)
+    idle = _python_events(b.has_readers)
 
     def use_channels(first: int, count: int) -> None:
         for i in range(first, first + count):
@@ -497,11 +496,15 @@ def test_channels_used_once_cost_no_memory_and_no_work_per_wake_up() -> None:
         grown = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
+    assert b.stats().receivers == {} and b.stats().subscribers == {}
+    # An idle node's listener asks on every probe; one with a reader on every message.
+    after = _python_events(b.has_readers)
+    assert after <= idle + 5, f"has_readers() ran {after} trace events, {idle} before"
+    disconnect = b.connect("late", lambda channel, message: None)
+    with_reader = _python_events(b.has_readers)
+    assert with_reader <= idle + 10, f"has_readers() ran {with_reader} trace events"
+    assert b.has_readers() and not b.has_readers("once-7")
+    disconnect()
+    assert not b.has_readers()
     # 20,000 forgotten channels kept about 24 MB before; a handful of bytes is noise.
     assert grown < 64 * 1024, f"{grown} bytes kept for channels nobody reads"
-    assert b.stats().receivers == {} and b.stats().subscribers == {"kept": 1}
-    after = _python_events(b.has_readers)
-    assert after <= baseline + 5, f"has_readers() ran {after} trace events, {baseline} before"
-    assert b.has_readers() and not b.has_readers("once-7")
-    keep.close()
-    assert not b.has_readers()
