@@ -243,9 +243,15 @@ class Listener:
             # A new start: from the newest row (older ones had no reader here).
             with session.guard(conn):
                 row = conn.execute(self._outbox.start_position(), (self._regclass,)).fetchone()
-            self.last_id = int(row[0]) if row else 0
-            self._oid = None if row is None or row[1] is None else int(row[1])
-            self._stale_watermark = 0
+            newest, purged, oid = row if row is not None else (0, 0, None)
+            if 0 < newest <= purged:
+                # Retention leaves only ids above its watermark: this one was left by an
+                # older table of the same name (its state table kept); new ids come
+                # after the newest row, not after it.
+                self.last_id, self._stale_watermark = newest, purged
+            else:
+                self.last_id, self._stale_watermark = max(newest, purged), 0
+            self._oid = None if oid is None else int(oid)
         self._notified = 0
         # Catch up on what was published while not listening (LISTEN came first, so
         # nothing committed after this fetch's snapshot can be missed).

@@ -227,13 +227,14 @@ class Outbox:
         ).format(t=self.ident)
 
     def start_position(self) -> sql.Composed:
-        """The id a new listener starts after: the newest row, or the purge watermark.
+        """Where a new listener starts: after the newest row, or the purge watermark.
 
-        Parameter: the table's name as SQL text. Returns ``(id, table oid)``.
+        Parameter: the table's name as SQL text. Returns ``(newest id, purge watermark,
+        table oid)``.
         """
         return sql.SQL(
-            "SELECT greatest((SELECT coalesce(max(id), 0) FROM {t}),"
-            " (SELECT coalesce(max(purged_through), 0) FROM {s})), to_regclass(%s)::oid"
+            "SELECT (SELECT coalesce(max(id), 0) FROM {t}),"
+            " (SELECT coalesce(max(purged_through), 0) FROM {s}), to_regclass(%s)::oid"
         ).format(t=self.ident, s=self.state_ident)
 
     def fetch(self) -> sql.Composed:

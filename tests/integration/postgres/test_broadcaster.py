@@ -692,6 +692,37 @@ def test_outbox_recreated_while_the_listener_was_cut_off_is_found_by_its_identit
     assert listener.stats().resets == 1
 
 
+def test_listener_starting_on_a_recreated_outbox_ignores_the_old_watermark(
+    pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster]
+) -> None:
+    table = f"bc_{uuid.uuid4().hex[:12]}"
+    old = make_bc(table=table, retention=0.2)
+    for i in range(20):
+        old.publish("w", i)
+    assert old.flush(20)
+
+    def watermark() -> int:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            row = conn.execute(f"SELECT purged_through FROM {table}_state").fetchone()
+        assert row is not None
+        return int(row[0])
+
+    wait_until(lambda: old.purge() >= 0 and watermark() >= 20, 10, "the old rows purged")
+    old.close()
+    with psycopg.connect(pg_dsn, autocommit=True) as conn, conn.transaction():
+        conn.execute(f"DROP TABLE {table}")  # the state table, and its watermark, stay
+        create_tables(conn, broadcast=table)
+    publisher = make_bc(table=table)
+    publisher.publish("w", "first of the new table")
+    assert publisher.flush(20)
+    listener = make_bc(table=table)
+    sub = listener.subscribe("w")
+    publisher.publish("w", "after subscribe")  # id 2, below the old watermark
+    assert drain(sub, 1, 20) == ["after subscribe"]
+    assert_quiet(sub)
+    assert listener.stats().gaps == 0
+
+
 def test_retention_purge_runs_by_itself(
     make_bc: Callable[..., PostgresBroadcaster], pg_dsn: str
 ) -> None:
