@@ -2,9 +2,9 @@
 
 The writer keeps one session of its own, and the listeners of a process share one per
 connection string (:mod:`.listening`); :class:`Sessions` opens them (keepalives,
-timeouts, tables ready). What both need around it lives
-here too: bounding each round trip (:class:`Deadlines`), aborting a socket a thread is
-blocked on, reconnect backoff, and error text safe to log.
+timeouts, tables ready). What they need around them lives here too: bounding each round
+trip (:class:`Deadlines`), aborting a socket a thread is blocked on, reconnect backoff,
+and error text safe to log.
 """
 
 from __future__ import annotations
