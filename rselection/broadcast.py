@@ -460,6 +460,10 @@ class Broadcaster(Closeable):
         def disconnect() -> None:
             with self._lock:
                 signal.disconnect(deliver)
+                # A channel nobody reads costs nothing: forget its signal (a later
+                # connect makes a new one), so channels used once do not pile up.
+                if not signal.receivers and self._signals.get(channel) is signal:
+                    del self._signals[channel]
 
         return disconnect
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import logging
+import sys
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable
 
 import pytest
@@ -454,3 +457,54 @@ def test_has_readers_sees_subscriptions_and_receivers() -> None:
     with b:
         b.subscribe("c")
     assert b.closed and not b.has_readers()
+
+
+def _python_events(call: Callable[[], object]) -> int:
+    """How many Python-level trace events (calls, lines, returns) ``call()`` causes."""
+    events = 0
+
+    def tracer(frame: object, event: str, arg: object) -> Callable[..., object]:
+        nonlocal events
+        events += 1
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        call()
+    finally:
+        sys.settrace(None)
+    return events
+
+
+def test_channels_used_once_cost_no_memory_and_no_work_per_wake_up() -> None:
+    b = Broadcaster()
+    # What the Postgres listener asks on every wake-up, before any channel was used.
+    idle = _python_events(b.has_readers)
+
+    def use_channels(first: int, count: int) -> None:
+        for i in range(first, first + count):
+            b.connect(f"once-{i}", lambda channel, message: None)()
+            b.subscribe(f"sub-once-{i}").close()
+
+    use_channels(0, 100)  # warm-up: caches, interned code, the dicts' first growth
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        use_channels(100, 20_000)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert b.stats().receivers == {} and b.stats().subscribers == {}
+    # An idle node's listener asks on every probe; one with a reader on every message.
+    after = _python_events(b.has_readers)
+    assert after <= idle + 5, f"has_readers() ran {after} trace events, {idle} before"
+    disconnect = b.connect("late", lambda channel, message: None)
+    with_reader = _python_events(b.has_readers)
+    assert with_reader <= idle + 10, f"has_readers() ran {with_reader} trace events"
+    assert b.has_readers() and not b.has_readers("once-7")
+    disconnect()
+    assert not b.has_readers()
+    # 20,000 forgotten channels kept about 24 MB before; a handful of bytes is noise.
+    assert grown < 64 * 1024, f"{grown} bytes kept for channels nobody reads"

@@ -3,7 +3,9 @@
 A package of one concept in parts, each an object that owns its state:
 :class:`~rselection.postgres.broadcast.broadcaster.PostgresBroadcaster` (the public
 API), its :class:`~rselection.postgres.broadcast.writer.Writer` and
-:class:`~rselection.postgres.broadcast.listener.Listener` (a thread and a session each),
+:class:`~rselection.postgres.broadcast.listener.Listener` (the writer with a thread and a
+session of its own; the listeners of a process share one
+:class:`~rselection.postgres.broadcast.listening.ListeningSession` per connection string),
 the :class:`~rselection.postgres.broadcast.sessions.Sessions` they open, the
 :class:`~rselection.postgres.broadcast.outbox.Outbox` statements and the checked
 :class:`~rselection.postgres.broadcast.settings.Settings`.
@@ -57,7 +59,24 @@ highest id they deleted. A listener that finds rows it never read among the dele
 ones reports a *gap*: a warning log, ``stats().gaps``, and the ``on_gap`` hook. Nothing
 is dropped silently.
 
-**Dead connections.** The listener has its own connection (never a lease's), with TCP
+**Ids that go back.** Should the outbox's ids ever go back (the table dropped and created
+again, its sequence reset, a restore from a backup), "fetch ``id > last``" would skip
+the new messages. Every fetch therefore also reads, in its snapshot, the newest id and
+the table's oid: when the table is another one than where the position was taken, or
+every id up to the last one delivered is gone without the purge watermark covering it,
+the listener resynchronises on the new ids, delivers every message the table holds, and
+reports a :class:`Gap` with ``reset=True`` (``stats().resets``). A NOTIFY whose ids are
+not above the previous one's (commits are ordered by id, so that happens only when the
+ids went back) makes it fetch at once.
+
+**One listening session per process.** Every broadcaster of a process on one connection
+string shares one listening session and thread (reference-counted, closed with the last
+broadcaster): it LISTENs on the channel of each table one of them reads, and hands every
+NOTIFY to the listeners of that table, each with its own position, counters and readers.
+The session polls after the shortest ``probe_interval`` of its broadcasters and bounds
+its round trips by the longest ``timeout``; receivers of all of them run in its thread.
+
+**Dead connections.** The listening session has its own connection (never a lease's), with TCP
 keepalives and ``tcp_user_timeout``. When it has heard nothing for ``probe_interval``
 seconds it polls the outbox, and a round trip that overruns ``timeout`` aborts the
 connection, so a half-open connection (a silent partition) is found within

@@ -49,6 +49,9 @@ class PostgresBroadcastStats(BroadcastStats):
     :param gaps: gaps reported (see :class:`Gap`); 0 unless a listener fell behind by more
         than the retention.
     :param missed: upper bound of the messages lost in those gaps.
+    :param resets: times the outbox's ids went back (the table created again, its
+        sequence reset, a restore from a backup) and the listener resynchronised on the
+        new ids, each reported as a :class:`Gap` with ``reset=True``.
     :param reconnects: times the listener lost its connection and connected again.
     :param listening: whether the listener LISTENs (this node has readers) and has
         caught up.
@@ -62,6 +65,7 @@ class PostgresBroadcastStats(BroadcastStats):
     received: int = 0
     gaps: int = 0
     missed: int = 0
+    resets: int = 0
     reconnects: int = 0
     listening: bool = False
     last_id: int = 0
@@ -76,7 +80,8 @@ class PostgresBroadcaster(Broadcaster):
     one included, once), in the same order everywhere. Local fan-out is the
     :class:`~rselection.Broadcaster`'s: bounded per-subscription buffers, overflow counted
     and reported, a slow subscriber never holds up the others. Receivers connected with
-    :meth:`connect` run in the listener thread: keep them short. See the module docstring
+    :meth:`connect` run in the listener thread, which every broadcaster of the process
+    on the same connection string shares: keep them short. See the module docstring
     for how delivery, ordering, catch-up and gaps work.
 
     The listener connects in the background at construction, and LISTENs only while
@@ -87,9 +92,10 @@ class PostgresBroadcaster(Broadcaster):
 
     Args:
         conninfo: a libpq connection string or URI, a ``psycopg.Connection`` or a pool
-            (``psycopg_pool.ConnectionPool``). The broadcaster opens two sessions of its
-            own with the same parameters (listener and writer, the writer on first
-            publish): LISTEN needs a session kept for it, which a pool cannot lend.
+            (``psycopg_pool.ConnectionPool``). The broadcaster opens its sessions with the
+            same parameters: a writer of its own (on first publish), and the listener,
+            which LISTEN needs kept for it (a pool cannot lend that) and which every
+            broadcaster of the process on the same connection string shares.
         table: outbox table, optionally schema-qualified (``"ops.broadcast"``); every
             node that should hear each other uses the same one.
         retention: seconds a message stays in the outbox (server time), i.e. how long a
@@ -98,9 +104,11 @@ class PostgresBroadcaster(Broadcaster):
             :func:`~rselection.postgres.migrate` (or ``rselection migrate``) once with a
             role that may run DDL.
         probe_interval: seconds of silence after which the listener polls the outbox,
-            which also checks that its connection is alive.
+            which also checks that its connection is alive (a shared listening session
+            polls after the shortest of its broadcasters').
         timeout: bound of one round trip (connect, write, fetch, probe), seconds; a
-            connection that overruns it is dropped and reconnected.
+            connection that overruns it is dropped and reconnected (a shared listening
+            session uses the longest of its broadcasters').
         max_message_bytes: largest message accepted, as UTF-8 JSON (default 1 MiB).
         max_pending: messages that may wait for the writer; when that many wait,
             :meth:`publish` waits for room, and raises
@@ -306,6 +314,7 @@ class PostgresBroadcaster(Broadcaster):
             received=listener.received,
             gaps=listener.gaps,
             missed=listener.missed,
+            resets=listener.resets,
             reconnects=listener.reconnects,
             listening=listener.listening,
             last_id=listener.last_id,

@@ -1,12 +1,14 @@
 """The listener of :class:`~rselection.postgres.PostgresBroadcaster`: delivers every node's
 messages to this one.
 
-The listener owns a thread, a session and its position in the outbox (the last id it
-delivered). It LISTENs only while its node has subscriptions or receivers, catches up
-by fetching every row after the last id it delivered (after every (re)connect, on a
-NOTIFY that does not carry the rows, and on silence, which also probes the
-connection), reports gaps left by retention, and reconnects with backoff.
-:mod:`rselection.postgres.broadcast` explains the design.
+The listener owns its position in the outbox (the last id it delivered), its counters
+and its gap reports. It wants the table LISTENed only while its broadcaster has
+subscriptions or receivers, catches up by fetching every row after the last id it
+delivered (after every (re)connect, on a NOTIFY that does not carry the rows, and on
+silence, which also probes the connection), and reports gaps left by retention. The
+thread and the Postgres session are not its own: every broadcaster of a process on one
+connection string shares one :class:`~rselection.postgres.broadcast.listening.ListeningSession`,
+which reconnects with backoff. :mod:`rselection.postgres.broadcast` explains the design.
 """
 
 from __future__ import annotations
@@ -21,11 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
 from ...broadcast import BroadcasterClosed
-from ...errors import BackendUnavailable, ConfigError
-from .sessions import Sessions, abort_socket, backoff
+from .listening import ListeningSession
+from .sessions import Sessions, backoff
 
 __all__ = ["Gap", "GapHook", "Listener"]
 
@@ -38,22 +39,31 @@ _FETCH_ROWS = 1000
 
 @dataclass(frozen=True)
 class Gap:
-    """Messages this node can no longer deliver: they were deleted by retention unread.
+    """Messages this node can no longer deliver: they were deleted by retention unread;
+    or, with ``reset``, the outbox's ids went back.
 
-    :param after_id: the last outbox id delivered before the gap.
+    :param after_id: the last outbox id delivered before the gap (or the reset).
     :param through_id: the highest id the gap may cover; ids ``after_id + 1`` through
         ``through_id`` were not delivered (some may be ids of failed publishes, which
-        never held a message).
-    :param missed: an upper bound of the messages lost: ``through_id - after_id``.
+        never held a message). After a reset: the id of the new sequence that delivery
+        resumed after (every message above it is delivered).
+    :param reset: the outbox's ids went back below ``after_id`` (the table was dropped
+        and created again, its sequence reset, or it was restored from a backup): ids
+        above ``after_id`` of the old sequence will never come, and the listener
+        resynchronised on the new one, delivering every message the table holds from
+        ``through_id`` on (after a restore, some may be messages delivered before it).
+    :param missed: an upper bound of the messages lost: ``through_id - after_id`` (0
+        for a reset: the messages lost with the old table, if any, cannot be counted).
     """
 
     after_id: int
     through_id: int
+    reset: bool = False
 
     @property
     def missed(self) -> int:
         """At most this many messages were lost."""
-        return self.through_id - self.after_id
+        return 0 if self.reset else self.through_id - self.after_id
 
 
 # Defined here, where gaps are found, and public as rselection.postgres.broadcast.Gap:
@@ -72,11 +82,16 @@ Deliver = Callable[[str, object], object]
 
 
 class Listener:
-    """Delivers every node's messages to this node's readers, in outbox id order, from a
-    thread and a session of its own.
+    """Delivers every node's messages to this broadcaster's readers, in outbox id order,
+    through the :class:`~.listening.ListeningSession` of its process and conninfo.
+
+    The listener owns its position in the outbox (the last id it delivered), its
+    counters and its gap reports; the session it attaches to owns the thread and the
+    Postgres session, shared by every broadcaster of the process on the same conninfo,
+    and calls :meth:`resolve`, :meth:`begin`, :meth:`on_notify` and :meth:`catch_up`.
 
     Args:
-        sessions: opens the listener's session.
+        sessions: the broadcaster's sessions (its settings and outbox).
         has_readers: whether this node has readers (of a channel, or of any).
         deliver: hands a message to this node's subscriptions and receivers.
         on_gap: called in the listener thread for each :class:`Gap`.
@@ -89,20 +104,18 @@ class Listener:
         deliver: Deliver,
         on_gap: GapHook | None,
     ) -> None:
-        """Create the listener's state and thread (:meth:`start` starts it)."""
-        self._sessions = sessions
-        self._settings = sessions.settings
+        """Create the listener's state (:meth:`start` attaches it to its session)."""
+        self.sessions = sessions
+        self.settings = sessions.settings
+        """The broadcaster's settings."""
         self._outbox = sessions.outbox
-        self._deadlines = sessions.deadlines
         self._has_readers = has_readers
         self._deliver_local = deliver
         self._on_gap = on_gap
-        self._fetch_rows = max(
-            1, min(_FETCH_ROWS, _FETCH_BYTES // self._settings.max_message_bytes)
-        )
+        self._fetch_rows = max(1, min(_FETCH_ROWS, _FETCH_BYTES // self.settings.max_message_bytes))
         self._stop = threading.Event()
-        self._conn_lock = threading.Lock()
-        self._conn: psycopg.Connection[Any] | None = None
+        self._session: ListeningSession | None = None
+        self._last_of_session = False  # stop() detached the session's last listener
 
         self.connected = threading.Event()
         """Set once the listener connected (its tables ready)."""
@@ -112,15 +125,29 @@ class Listener:
         """Set while the listener LISTENs from a known position: every message committed
         from then on is delivered."""
         self._lstate = threading.Lock()
-        self._wake = threading.Event()  # a reader arrived: the idle listener starts
 
-        # Written by the listener thread only; read by stats() and the writer.
+        # Written by the session's thread only; read by the session, stats(), the writer.
+        self.generation = 0
+        """The session connection this listener's table is resolved on (0: none)."""
+        self.channel = ""
+        """The NOTIFY channel of its outbox table, once resolved."""
+        self.retry_at = 0.0
+        """When to resolve again after a failure of its own (monotonic seconds)."""
+        self._failures = 0
+        self._error = ""
+        self._lost = False  # served on a session that broke: count the reconnect
         self.last_id = 0
         """The outbox id of the last message delivered (or skipped by a gap)."""
         self.received = 0
         """Outbox rows read (every channel)."""
         self.gaps = 0
         """Gaps reported."""
+        self.resets = 0
+        """Times the outbox's ids went back and the listener resynchronised."""
+        self._oid: int | None = None  # the outbox table's oid where the position was taken
+        self._regclass = ""  # the table's name as SQL text, for to_regclass()
+        self._notified = 0  # the highest id a NOTIFY carried since this LISTEN began
+        self._stale_watermark = 0  # a purge watermark left from before a reset
         self.missed = 0
         """Upper bound of the messages lost in those gaps."""
         self.reconnects = 0
@@ -130,28 +157,25 @@ class Listener:
         self.pid: int | None = None
         """The backend pid of the listener's session (``None`` while disconnected)."""
 
-        self._thread = threading.Thread(
-            target=self._listen_loop, name="rselection-broadcast-listen", daemon=True
-        )
-
     def start(self) -> None:
-        """Start the listener thread (it connects at once, and LISTENs once needed)."""
-        self._thread.start()
+        """Attach to the process's listening session (it connects at once if new)."""
+        self._session = ListeningSession.attach(self)
 
     def stop(self) -> None:
-        """Stop the thread: wake it, and abort a round trip it is blocked on."""
+        """Detach; the last listener of the session stops it (waking its thread)."""
         self._stop.set()
-        self._wake.set()  # an idle listener waits on it, not on its session
-        with self._conn_lock:
-            if self._conn is not None:
-                abort_socket(self._conn)
+        session = self._session
+        if session is not None:
+            self._last_of_session = session.detach(self)
 
     def join(self, timeout: float) -> None:
-        """Wait for the thread to end (not when called from it)."""
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        """Wait for the session's thread to end, once this was its last listener (not
+        when called from that thread)."""
+        session = self._session
+        if session is not None and self._last_of_session:
+            session.join(timeout)
 
-    def _keep_listening(self) -> bool:
+    def keep_listening(self) -> bool:
         """Whether the listener should LISTEN; forget the position when it should not.
 
         Checked and cleared under ``_lstate``, which :meth:`await_position` also holds
@@ -175,10 +199,13 @@ class Listener:
         with self._lstate:
             if self.positioned.is_set():
                 return
-        self._wake.set()
-        if threading.current_thread() is self._thread:
+        session = self._session
+        if session is None:
+            return
+        session.wake()
+        if threading.current_thread() is session.thread:
             return  # a receiver subscribing: the listener starts after it returns
-        timeout = self._settings.timeout
+        timeout = self.settings.timeout
         deadline = time.monotonic() + timeout
         while not self.positioned.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
             if self._stop.is_set():
@@ -188,143 +215,99 @@ class Listener:
                     "broadcast: %s() returns before the listener could LISTEN on %s (not "
                     "within timeout=%s s); messages are delivered from when it connects",
                     action,
-                    self._sessions.where,
+                    self.sessions.where,
                     timeout,
                 )
                 return
 
-    def _listen_loop(self) -> None:
-        failures = 0
-        down_since: float | None = None
-        last_error = ""
+    # -- steps run by the session's thread ---------------------------------------------
 
-        def healthy() -> None:
-            nonlocal failures, down_since, last_error
-            if down_since is not None:
-                self.reconnects += 1
-                logger.info(
-                    "broadcast listener reconnected to %s after %.1f s; caught up to id %d",
-                    self._sessions.where,
-                    time.monotonic() - down_since,
-                    self.last_id,
-                )
-            failures, down_since, last_error = 0, None, ""
+    def resolve(self, session: ListeningSession, conn: psycopg.Connection[Any]) -> None:
+        """Make the tables ready (``create_tables``) and find the table's NOTIFY channel
+        on the session's (new) connection."""
+        with session.guard(conn):
+            self.sessions.prepare(conn)
+            self.channel, _ = self._outbox.resolve(conn)
+        self._regclass = self._outbox.ident.as_string(conn)
+        self.generation = session.generation
+        self.pid = conn.info.backend_pid
+        self._failures, self._error = 0, ""
+        self.connected.set()
+        if self._lost and not self._has_readers(None):
+            self._reconnected()  # connected; nothing to catch up on for nobody
 
-        while not self._stop.is_set():
-            conn: psycopg.Connection[Any] | None = None
-            try:
-                conn = self._sessions.connect("listen for broadcasts", listen=True)
-                with self._conn_lock:
-                    if self._stop.is_set():
-                        break
-                    self._conn = conn
-                with self._deadlines.guard(conn, self._settings.timeout):
-                    channel, _ = self._outbox.resolve(conn)
-                self.pid = conn.info.backend_pid
-                self.connected.set()
-                self._serve(conn, channel, healthy)
-            except (psycopg.Error, OSError, BackendUnavailable, ConfigError) as exc:
-                if self._stop.is_set():
-                    break
-                failures += 1
-                detail = self._sessions.error_text(exc)
-                if down_since is None:
-                    down_since = time.monotonic()
-                    logger.warning(
-                        "broadcast listener lost its connection to %s (%s); reconnecting "
-                        "with backoff, messages published meanwhile are fetched afterwards",
-                        self._sessions.where,
-                        detail,
-                    )
-                elif detail != last_error:
-                    logger.warning(
-                        "broadcast listener cannot reconnect to %s: %s",
-                        self._sessions.where,
-                        detail,
-                    )
-                last_error = detail
-            except Exception:
-                # A bug must not silently end delivery: log it and start over.
-                failures += 1
-                if down_since is None:
-                    down_since = time.monotonic()
-                logger.exception("broadcast listener failed; restarting it")
-            finally:
-                self.listening = False
-                self.pid = None
-                with self._conn_lock:
-                    self._conn = None
-                if conn is not None:
-                    with contextlib.suppress(Exception):
-                        conn.close()
-            if failures:
-                self._stop.wait(backoff(failures))
-
-    def _serve(
-        self, conn: psycopg.Connection[Any], channel: str, healthy: Callable[[], None]
-    ) -> None:
-        """LISTEN while this node has readers, deliver NOTIFYs, poll on silence; idle
-        otherwise. Returns when we stop; raises when the connection fails."""
-        listen = sql.SQL("LISTEN {}").format(sql.Identifier(channel))
-        unlisten = sql.SQL("UNLISTEN {}").format(sql.Identifier(channel))
-        listening = False
-        quiet_since = time.monotonic()
-        if not self._has_readers(None):
-            healthy()  # connected; nothing to catch up on for nobody
-        while not self._stop.is_set():
-            wait = max(0.0, quiet_since + self._settings.probe_interval - time.monotonic())
-            if not listening:
-                self._wake.clear()
-                if not self._keep_listening():
-                    # Idle: no NOTIFY wakes this node. Wait for a reader; probe the
-                    # connection on silence so a dead one is replaced before it is needed.
-                    if not self._wake.wait(wait):
-                        with self._deadlines.guard(conn, self._settings.timeout):
-                            conn.execute("SELECT 1")
-                        quiet_since = time.monotonic()
-                    continue
-                with self._deadlines.guard(conn, self._settings.timeout):
-                    conn.execute(listen)
-                    if not self.positioned.is_set():
-                        # A new start: from the newest row (older ones had no reader here).
-                        row = conn.execute(self._outbox.start_position()).fetchone()
-                        self.last_id = int(row[0]) if row else 0
-                # Catch up on what was published while not listening (LISTEN came first,
-                # so nothing committed after this fetch's snapshot can be missed).
-                self._catch_up(conn)
-                listening = True
-                self.listening = True
-                self.positioned.set()
-                quiet_since = time.monotonic()
-                healthy()
-                continue
-            notes = list(conn.notifies(timeout=wait, stop_after=1))
-            if self._stop.is_set():
-                return
-            if not notes:
-                # Silence: poll. The round trip is bounded by the watchdog, so a
-                # half-open connection fails here instead of waiting forever.
-                self._catch_up(conn)
+    def begin(self, session: ListeningSession, conn: psycopg.Connection[Any]) -> None:
+        """Start delivering, once the session LISTENs on the table's channel: from the
+        newest row on a new start, else catch up from the last id delivered."""
+        if not self.positioned.is_set():
+            # A new start: from the newest row (older ones had no reader here).
+            with session.guard(conn):
+                row = conn.execute(self._outbox.start_position(), (self._regclass,)).fetchone()
+            newest, purged, oid = row if row is not None else (0, 0, None)
+            if 0 < newest <= purged:
+                # Retention leaves only ids above its watermark: this one was left by an
+                # older table of the same name (its state table kept); new ids come
+                # after the newest row, not after it.
+                self.last_id, self._stale_watermark = newest, purged
             else:
-                fetch = False
-                for note in notes:
-                    fetch = self._on_notify(note.payload) or fetch
-                if fetch:
-                    self._catch_up(conn)
-            quiet_since = time.monotonic()
-            if not self._keep_listening():
-                # The last reader left: stop waking for every message.
-                with self._deadlines.guard(conn, self._settings.timeout):
-                    conn.execute(unlisten)
-                listening = False
+                self.last_id, self._stale_watermark = max(newest, purged), 0
+            self._oid = None if oid is None else int(oid)
+        self._notified = 0
+        # Catch up on what was published while not listening (LISTEN came first, so
+        # nothing committed after this fetch's snapshot can be missed).
+        self.catch_up(session, conn)
+        self.listening = True
+        self.positioned.set()
+        if self._lost:
+            self._reconnected()
 
-    def _on_notify(self, payload: str) -> bool:
+    def lose(self, generation: int) -> None:
+        """The session's connection ``generation`` ended: resolve again on the next."""
+        if generation and self.generation == generation:
+            self._lost = True
+        self.generation = 0
+        self.listening = False
+        self.pid = None
+
+    def fail(self, exc: BaseException) -> None:
+        """A step of this listener failed on a working session (its table is missing,
+        a statement timed out): retry it with backoff, the other listeners go on."""
+        self.generation = 0
+        self.listening = False
+        self._failures += 1
+        self.retry_at = time.monotonic() + backoff(self._failures)
+        detail = self.sessions.error_text(exc)
+        if detail != self._error:
+            logger.warning(
+                "broadcast listener cannot read broadcast table %r on %s: %s; retrying "
+                "with backoff",
+                self._outbox.table,
+                self.sessions.where,
+                detail,
+            )
+        self._error = detail
+
+    def _reconnected(self) -> None:
+        self._lost = False
+        self.reconnects += 1
+        logger.info(
+            "broadcast listener of table %r back on %s; caught up to id %d",
+            self._outbox.table,
+            self.sessions.where,
+            self.last_id,
+        )
+
+    def on_notify(self, payload: str) -> bool:
         """Deliver the rows a NOTIFY carries; return whether a fetch is needed."""
         if payload.startswith("["):
             try:
                 rows = json.loads(payload)
             except ValueError:
                 logger.warning("broadcast: ignoring a malformed NOTIFY payload %r", payload[:80])
+                return True
+            if not rows:
+                return True
+            if self._went_back(int(rows[0][0]), int(rows[-1][0])):
                 return True
             for row in rows:
                 row_id = int(row[0])
@@ -337,21 +320,41 @@ class Listener:
                 self._deliver(row_id, row[1], row[2])
             return False
         try:
-            return int(payload) > self.last_id
+            top = int(payload)
         except ValueError:
             return True
+        return self._went_back(top, top) or top > self.last_id
 
-    def _catch_up(self, conn: psycopg.Connection[Any]) -> None:
+    def _went_back(self, first: int, last: int) -> bool:
+        """Note the ids of a NOTIFY; return whether they are not above the previous
+        NOTIFY's. The publish lock orders commits by id, so on one session each NOTIFY
+        carries higher ids than the one before, unless the outbox's ids went back: a
+        fetch then finds out (see :meth:`catch_up`)."""
+        back = first <= self._notified
+        self._notified = last if back else max(self._notified, last)
+        return back
+
+    def catch_up(self, session: ListeningSession, conn: psycopg.Connection[Any]) -> None:
         """Fetch and deliver every row after the last id, in order, reporting gaps."""
         while not self._stop.is_set():
-            with self._deadlines.guard(conn, self._settings.timeout):
-                cursor = conn.execute(self._outbox.fetch(), (self.last_id, self._fetch_rows))
+            with session.guard(conn):
+                cursor = conn.execute(
+                    self._outbox.fetch(), (self._regclass, self.last_id, self._fetch_rows)
+                )
                 rows = cursor.fetchall()
-            purged = int(rows[0][0]) if rows else 0
+            purged, newest, oid = (int(v) if v is not None else 0 for v in rows[0][:3])
+            if (self._oid is not None and oid != self._oid) or max(purged, newest) < self.last_id:
+                # Another table under the same name, or every id at and below the last
+                # one delivered is gone without retention deleting it: the ids went back.
+                self._reset(purged, oid)
+                continue
+            self._oid = oid
+            if purged <= self._stale_watermark:
+                purged = 0  # the watermark of the old sequence says nothing of the new one
             if purged > self.last_id:
                 self._report_gap(Gap(self.last_id, purged))
             got = 0
-            for _, row_id, channel, payload in rows:
+            for _, _, _, row_id, channel, payload in rows:
                 if row_id is None:
                     continue
                 got += 1
@@ -361,6 +364,26 @@ class Listener:
                 self.last_id = purged
             if got < self._fetch_rows:
                 return
+
+    def _reset(self, purged: int, oid: int) -> None:
+        """Resynchronise on a new outbox sequence: deliver everything it holds."""
+        gap = Gap(self.last_id, 0, reset=True)
+        self.last_id = 0
+        self._oid = oid
+        self._notified = 0
+        # A state table kept across the reset keeps the old sequence's watermark: it
+        # covers none of the new ids until purges of the new sequence move it up.
+        self._stale_watermark = purged
+        self.resets += 1
+        logger.warning(
+            "broadcast table %r on %s went back: the ids restarted below id %d, the last "
+            "this node delivered (the table was created again, its sequence reset, or it "
+            "was restored from a backup); delivering every message it holds now",
+            self._outbox.table,
+            self.sessions.where,
+            gap.after_id,
+        )
+        self._call_hook(gap)
 
     def _deliver(self, row_id: int, channel: str, payload: str) -> None:
         self.last_id = row_id
@@ -386,11 +409,14 @@ class Listener:
             "broadcast listener fell behind by more than retention=%s s: messages with ids "
             "%d..%d were deleted before this node read them (at most %d lost); raise "
             "retention or keep nodes connected",
-            self._settings.retention,
+            self.settings.retention,
             gap.after_id + 1,
             gap.through_id,
             gap.missed,
         )
+        self._call_hook(gap)
+
+    def _call_hook(self, gap: Gap) -> None:
         hook = self._on_gap
         if hook is not None:
             try:

@@ -227,21 +227,28 @@ class Outbox:
         ).format(t=self.ident)
 
     def start_position(self) -> sql.Composed:
-        """The id a new listener starts after: the newest row, or the purge watermark."""
+        """Where a new listener starts: after the newest row, or the purge watermark.
+
+        Parameter: the table's name as SQL text. Returns ``(newest id, purge watermark,
+        table oid)``.
+        """
         return sql.SQL(
-            "SELECT greatest((SELECT coalesce(max(id), 0) FROM {t}),"
-            " (SELECT coalesce(max(purged_through), 0) FROM {s}))"
+            "SELECT (SELECT coalesce(max(id), 0) FROM {t}),"
+            " (SELECT coalesce(max(purged_through), 0) FROM {s}), to_regclass(%s)::oid"
         ).format(t=self.ident, s=self.state_ident)
 
     def fetch(self) -> sql.Composed:
-        """Rows after a cursor, in id order, with the purge watermark, in one snapshot.
+        """Rows after a cursor, in id order, with the purge watermark, the newest id and
+        the table's oid, in one snapshot (the last two show when the ids went back).
 
-        Parameters: last seen id, row limit. Returns ``(purged_through, id, channel,
-        payload)`` rows; ``id`` is NULL in the one row returned when nothing is new.
+        Parameters: the table's name as SQL text, last seen id, row limit. Returns
+        ``(purged_through, newest id, table oid, id, channel, payload)`` rows; ``id`` is
+        NULL in the one row returned when nothing is new.
         """
         return sql.SQL(
-            "SELECT m.p, r.id, r.channel, r.payload"
-            " FROM (SELECT coalesce((SELECT max(purged_through) FROM {s}), 0) AS p) m"
+            "SELECT m.p, m.top, m.oid, r.id, r.channel, r.payload"
+            " FROM (SELECT coalesce((SELECT max(purged_through) FROM {s}), 0) AS p,"
+            "  coalesce((SELECT max(id) FROM {t}), 0) AS top, to_regclass(%s)::oid AS oid) m"
             " LEFT JOIN LATERAL (SELECT id, channel, payload FROM {t}"
             "  WHERE id > %s ORDER BY id LIMIT %s) r ON true"
             " ORDER BY r.id"

@@ -1,9 +1,10 @@
 """The sessions of :class:`~rselection.postgres.PostgresBroadcaster`: opened and bounded.
 
-The writer and the listener each keep one session of their own, opened by
-:class:`Sessions` (keepalives, timeouts, tables ready). What both need around it lives
-here too: bounding each round trip (:class:`Deadlines`), aborting a socket a thread is
-blocked on, reconnect backoff, and error text safe to log.
+The writer keeps one session of its own, and the listeners of a process share one per
+connection string (:mod:`.listening`); :class:`Sessions` opens them (keepalives,
+timeouts, tables ready). What they need around them lives here too: bounding each round
+trip (:class:`Deadlines`), aborting a socket a thread is blocked on, reconnect backoff,
+and error text safe to log.
 """
 
 from __future__ import annotations
@@ -133,12 +134,23 @@ class Sessions:
         """The first line of ``exc``, without the password, for logs and messages."""
         return first_line(exc, self.conninfo)
 
-    def connect(self, what: str, *, listen: bool) -> psycopg.Connection[Any]:
+    def connect(
+        self,
+        what: str,
+        *,
+        listen: bool,
+        tables: bool = True,
+        deadlines: Deadlines | None = None,
+    ) -> psycopg.Connection[Any]:
         """Open an autocommit session with keepalives and timeouts, tables ready.
 
         Args:
             what: what the session is for, for messages (``"publish broadcasts"``).
             listen: whether it will wait for NOTIFYs (its idle waits are longer).
+            tables: create the tables (with ``create_tables``); the shared listening
+                session prepares each broadcaster's tables itself (:meth:`prepare`).
+            deadlines: the watchdog that bounds the session's first round trips; this
+                broadcaster's own by default.
 
         Raises:
             BackendUnavailable: the server cannot be reached.
@@ -168,7 +180,7 @@ class Sessions:
                 f"cannot {what}: cannot connect ({self.where}): {self.error_text(exc)}"
             ) from exc
         try:
-            with self.deadlines.guard(conn, settings.timeout):
+            with (deadlines or self.deadlines).guard(conn, settings.timeout):
                 conn.execute(
                     "SELECT set_config('statement_timeout', %s, false),"
                     " set_config('idle_session_timeout', '0', false),"
@@ -178,12 +190,22 @@ class Sessions:
                         "on" if settings.synchronous_commit else "off",
                     ),
                 )
-                if settings.create_tables:
-                    create_tables(conn, broadcast=self.outbox.table, timeout=settings.timeout)
+                if tables:
+                    self.prepare(conn)
         except BaseException:
             conn.close()
             raise
         return conn
+
+    def prepare(self, conn: psycopg.Connection[Any]) -> None:
+        """Create (or upgrade) the outbox tables on ``conn`` when ``create_tables`` is set.
+
+        Raises:
+            ConfigError: the tables are newer than this release.
+            BackendUnavailable: the migration could not run within ``timeout``.
+        """
+        if self.settings.create_tables:
+            create_tables(conn, broadcast=self.outbox.table, timeout=self.settings.timeout)
 
     def close(self) -> None:
         """Stop the round-trip watchdog."""

@@ -269,6 +269,9 @@ class Writer:
                         # last id bounds the committed ids too.
                         floor = max(floor, self._listener.last_id, self._written_id)
                         self.write(conn, batch)
+                        # Confirmed and counted: a failure from here on (the purge) leaves
+                        # nothing in doubt, so the batch is never settled and counted again.
+                        batch = ()
                     if time.monotonic() >= next_purge:
                         next_purge = time.monotonic() + self._purge_every * random.uniform(0.8, 1.2)
                         self.purge(conn)

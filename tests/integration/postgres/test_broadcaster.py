@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import queue
 import subprocess
 import sys
@@ -28,9 +29,11 @@ from rselection.errors import ConfigError
 from rselection.postgres import PostgresBroadcaster, PostgresLeader
 from rselection.postgres.broadcast import Gap, MessageEncodeError, PostgresBroadcastStats
 from rselection.postgres.broadcast.outbox import Outbox, text_array
+from rselection.postgres.schema import create_tables
 from tests.support.broadcast_node import body
 from tests.support.pg import with_host_port
 from tests.support.proxy import TcpProxy
+from tests.support.sessions import process_sessions
 from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -300,6 +303,55 @@ def test_tables_and_schemas_do_not_hear_each_other(
         assert_quiet(sub)
 
 
+def broadcast_sessions(dsn: str) -> int:
+    """The ``rselection:broadcast`` sessions this test process holds on the server."""
+    return process_sessions(dsn, os.getpid())["rselection:broadcast"]
+
+
+def test_broadcasters_of_a_process_share_one_listening_session(
+    pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster]
+) -> None:
+    base = broadcast_sessions(pg_dsn)
+    first, second = make_bc(), make_bc()
+    third = make_bc(table="bc_third")  # another outbox table, on the same session
+    subs = {
+        "first": first.subscribe("a"),
+        "second": second.subscribe("b"),
+        "second-too": second.subscribe("a"),
+        "third": third.subscribe("a"),
+    }
+    assert {bc.stats().listening for bc in (first, second, third)} == {True}
+    pids = {bc.stats().listener_pid for bc in (first, second, third)}
+    assert len(pids) == 1 and None not in pids, f"listener sessions {pids}"
+    # Nothing published yet, so no writer is connected: one session for the three.
+    assert broadcast_sessions(pg_dsn) == base + 1
+
+    first.publish("a", "a from first")
+    second.publish("b", "b from second")
+    third.publish("a", "a on the third table")
+    for bc in (first, second, third):
+        assert bc.flush(20)
+    assert drain(subs["first"], 1, 20) == ["a from first"]
+    assert drain(subs["second"], 1, 20) == ["b from second"]
+    assert drain(subs["second-too"], 1, 20) == ["a from first"]
+    assert drain(subs["third"], 1, 20) == ["a on the third table"]
+    for sub in subs.values():
+        assert_quiet(sub, 0.3)
+    assert first.stats().received == second.stats().received == 2, "its own table's rows"
+    assert third.stats().received == 1
+
+    # Reference-counted: the session stays while one broadcaster is left...
+    first.close()
+    second.close()
+    assert not third.closed
+    third.publish("a", "still heard")
+    assert drain(subs["third"], 1, 20) == ["still heard"]
+    assert third.stats().listener_pid in pids
+    # ...and closes with the last one (writers included).
+    third.close()
+    wait_until(lambda: broadcast_sessions(pg_dsn) == base, 10, "every broadcast session closed")
+
+
 def test_listener_killed_while_publishing_catches_up_in_order(
     pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster]
 ) -> None:
@@ -401,6 +453,51 @@ def test_publish_whose_commit_was_not_confirmed_is_never_written_twice(
             "SELECT count(*) FROM rselection_broadcast WHERE payload = %s", ('"once"',)
         ).fetchone()
     assert row == (1,)
+
+
+def test_batch_confirmed_before_the_writer_session_was_cut_is_counted_once(
+    pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster]
+) -> None:
+    table = f"bc_{uuid.uuid4().hex[:12]}"
+    # Purges every second; a purge blocked on a row lock gives up after `timeout`.
+    publisher = make_bc(table=table, retention=1.0, timeout=4.0)
+    publisher.publish("c", "old")
+    assert publisher.flush(20)
+
+    def purges_blocked() -> list[tuple[int, Any]]:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT pid, query_start FROM pg_stat_activity"
+                " WHERE application_name = 'rselection:broadcast' AND wait_event_type = 'Lock'"
+                " AND query LIKE %s",
+                (f'%DELETE FROM "{table}"%',),
+            ).fetchall()
+        return [(int(pid), start) for pid, start in rows]
+
+    with psycopg.connect(pg_dsn, autocommit=True) as blocker:
+        with blocker.transaction():
+            # Lock the row while it is younger than the retention: once it is older, the
+            # writer's purges wait on it until their timeout.
+            locked = blocker.execute(f"SELECT id FROM {table} FOR UPDATE").fetchall()
+            assert len(locked) == 1, "the first message is still there"
+            wait_until(purges_blocked, 10, "a purge blocked")
+            [(_, first_start)] = purges_blocked()
+            publisher.publish("c", "confirmed")  # written once that purge gives up
+            # The next loop writes it (commit confirmed) and, the purge being due, purges
+            # again in the same round: cut the session there.
+            wait_until(
+                lambda: any(start > first_start for _, start in purges_blocked()),
+                15,
+                "the purge after the confirmed write",
+            )
+            [(pid, _)] = purges_blocked()
+            assert terminate(pg_dsn, pid) == 1
+        publisher.publish("c", "after the reconnect")
+        assert publisher.flush(30)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        row = conn.execute(f"SELECT count(*) FROM {table} WHERE payload <> '\"old\"'").fetchone()
+    assert row == (2,), "each message written once"
+    assert publisher.stats().published == 3, "each message counted once"
 
 
 def waiting_on_lock(dsn: str, key: int) -> list[int]:
@@ -521,6 +618,109 @@ def test_gap_past_retention_is_reported(
     assert gaps[0].through_id >= seen + 5 and stats.missed == gaps[0].missed >= 5
     assert "fell behind by more than retention" in caplog.text
     assert_quiet(sub)
+
+
+@pytest.mark.parametrize("how", ["recreated", "truncated"])
+def test_outbox_ids_going_back_are_reported_and_the_listener_delivers_the_new_ones(
+    pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster], how: str
+) -> None:
+    table = f"bc_{uuid.uuid4().hex[:12]}"
+    gaps: list[Gap] = []
+    publisher = make_bc(table=table)
+    listener = make_bc(table=table, on_gap=gaps.append, probe_interval=0.3)
+    sub = listener.subscribe("r", maxsize=1_000)
+    for i in range(30):
+        publisher.publish("r", f"before {i}")
+    assert drain(sub, 30, 20) == [f"before {i}" for i in range(30)]
+    old_last = listener.stats().last_id
+    assert old_last >= 30
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        if how == "recreated":
+            with conn.transaction():  # as a restore would: another table, same name
+                conn.execute(f"DROP TABLE {table}")
+                create_tables(conn, broadcast=table)
+        else:
+            conn.execute(f"TRUNCATE {table} RESTART IDENTITY")
+    for i in range(5):
+        publisher.publish("r", f"after {i}")
+    assert publisher.flush(30)
+    # The new ids (1, 2, ...) are below the last one delivered: still delivered.
+    assert drain(sub, 5, 30) == [f"after {i}" for i in range(5)]
+    assert_quiet(sub)
+    wait_until(lambda: len(gaps) == 1, 10, "the reset reported")
+    [gap] = gaps
+    assert gap.reset and gap.after_id == old_last and gap.missed == 0
+    stats = listener.stats()
+    assert stats.resets == 1 and stats.gaps == 0 and stats.missed == 0
+    assert stats.last_id < old_last
+    publisher.publish("r", "later")
+    assert drain(sub, 1, 20) == ["later"]
+    assert_quiet(sub)
+    assert len(gaps) == 1
+
+
+def test_outbox_recreated_while_the_listener_was_cut_off_is_found_by_its_identity(
+    pg_dsn: str,
+    make_bc: Callable[..., PostgresBroadcaster],
+    make_tcp_proxy: Callable[[str, int], TcpProxy],
+) -> None:
+    proxy = proxy_for(pg_dsn, make_tcp_proxy)
+    table = f"bc_{uuid.uuid4().hex[:12]}"
+    gaps: list[Gap] = []
+    publisher = make_bc(table=table)
+    listener = make_bc(proxied(pg_dsn, proxy), table=table, on_gap=gaps.append, **QUICK)
+    sub = listener.subscribe("r", maxsize=1_000)
+    for i in range(10):
+        publisher.publish("r", f"before {i}")
+    assert drain(sub, 10, 20) == [f"before {i}" for i in range(10)]
+    old_last = listener.stats().last_id
+    proxy.blackhole()
+    wait_until(lambda: not listener.stats().listening, 15, "the listener cut off")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn, conn.transaction():
+        conn.execute(f"DROP TABLE {table}")
+        create_tables(conn, broadcast=table)
+    # More new messages than old ones: the new ids pass the last one delivered, so
+    # only the table's identity tells the listener that ids 1..old_last are new too.
+    after = [f"after {i}" for i in range(old_last + 20)]
+    for msg in after:
+        publisher.publish("r", msg)
+    assert publisher.flush(30)
+    proxy.heal()
+    assert drain(sub, len(after), 30) == after
+    assert_quiet(sub)
+    assert len(gaps) == 1 and gaps[0].reset and gaps[0].after_id == old_last
+    assert listener.stats().resets == 1
+
+
+def test_listener_starting_on_a_recreated_outbox_ignores_the_old_watermark(
+    pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster]
+) -> None:
+    table = f"bc_{uuid.uuid4().hex[:12]}"
+    old = make_bc(table=table, retention=0.2)
+    for i in range(20):
+        old.publish("w", i)
+    assert old.flush(20)
+
+    def watermark() -> int:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            row = conn.execute(f"SELECT purged_through FROM {table}_state").fetchone()
+        assert row is not None
+        return int(row[0])
+
+    wait_until(lambda: old.purge() >= 0 and watermark() >= 20, 10, "the old rows purged")
+    old.close()
+    with psycopg.connect(pg_dsn, autocommit=True) as conn, conn.transaction():
+        conn.execute(f"DROP TABLE {table}")  # the state table, and its watermark, stay
+        create_tables(conn, broadcast=table)
+    publisher = make_bc(table=table)
+    publisher.publish("w", "first of the new table")
+    assert publisher.flush(20)
+    listener = make_bc(table=table)
+    sub = listener.subscribe("w")
+    publisher.publish("w", "after subscribe")  # id 2, below the old watermark
+    assert drain(sub, 1, 20) == ["after subscribe"]
+    assert_quiet(sub)
+    assert listener.stats().gaps == 0
 
 
 def test_retention_purge_runs_by_itself(

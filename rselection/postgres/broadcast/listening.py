@@ -1,0 +1,308 @@
+"""The listening session of a process: one per connection string, whatever the number of
+:class:`~rselection.postgres.PostgresBroadcaster` objects on it.
+
+Every broadcaster's :class:`~rselection.postgres.broadcast.listener.Listener` attaches to
+the :class:`ListeningSession` of its process and connection string. The session owns
+the thread and the Postgres session that LISTEN for all of them (one NOTIFY channel per
+outbox table, LISTENed while one of its listeners has readers), and hands each NOTIFY to
+the listeners of that table; each listener keeps its own position, counters and
+readers. The session connects with the first listener, reconnects with backoff, and
+closes with the last one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import psycopg
+from psycopg import sql
+
+from ...errors import BackendUnavailable, ConfigError
+from .sessions import Deadlines, abort_socket, backoff
+
+if TYPE_CHECKING:
+    from .listener import Listener
+
+__all__ = ["ROUND_TRIP_ERRORS", "ListeningSession"]
+
+logger = logging.getLogger(__name__)
+
+ROUND_TRIP_ERRORS = (psycopg.Error, OSError, BackendUnavailable, ConfigError)
+"""What a round trip of the listening session raises when it fails (not a bug)."""
+
+Step = Callable[["ListeningSession", "psycopg.Connection[Any]"], None]
+"""A listener's part of a wake-up: ``step(session, conn)``."""
+
+
+class ListeningSession:
+    """The thread and Postgres session that listen for every broadcaster of a process on
+    one connection string. Get it with :meth:`attach`; safe from any thread.
+
+    Args:
+        conninfo: the connection string (the registry key, with the process id).
+        where: the server, for messages.
+        tick: how often the round-trip watchdog checks, seconds.
+    """
+
+    _registry: ClassVar[dict[tuple[int, str], ListeningSession]] = {}
+    _registry_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, conninfo: str, where: str, tick: float) -> None:
+        """Create the session's state and thread; :meth:`attach` starts it."""
+        self.conninfo = conninfo
+        self.where = where
+        self.deadlines = Deadlines(tick)
+        self.timeout = 1.0
+        """Bound of one round trip: the longest ``timeout`` of the listeners."""
+        self.generation = 0
+        """Bumped by every connect: listeners resolved on an older one resolve again."""
+        self._state = threading.Lock()  # guards _listeners
+        self._listeners: list[Listener] = []
+        self._stop = threading.Event()
+        self._conn_lock = threading.Lock()
+        self._conn: psycopg.Connection[Any] | None = None
+        # A byte on this pair wakes the thread from its wait on the session's socket.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self.thread = threading.Thread(
+            target=self._run, name="rselection-broadcast-listen", daemon=True
+        )
+
+    # -- listeners -----------------------------------------------------------------------
+
+    @classmethod
+    def attach(cls, listener: Listener) -> ListeningSession:
+        """The session of this process and ``listener``'s conninfo, with it attached."""
+        sessions = listener.sessions
+        key = (os.getpid(), sessions.conninfo)
+        with cls._registry_lock:
+            session = cls._registry.get(key)
+            if session is None:
+                tick = min(0.5, sessions.settings.timeout / 4)
+                session = cls._registry[key] = cls(sessions.conninfo, sessions.where, tick)
+                session._listeners.append(listener)
+                session.thread.start()
+                return session
+            with session._state:
+                session._listeners.append(listener)
+        session.wake()
+        return session
+
+    def detach(self, listener: Listener) -> bool:
+        """Forget ``listener``; return whether it was the last (the session then stops)."""
+        key = (os.getpid(), self.conninfo)
+        with self._registry_lock, self._state:
+            with contextlib.suppress(ValueError):
+                self._listeners.remove(listener)
+            last = not self._listeners and not self._stop.is_set()
+            if last:
+                if self._registry.get(key) is self:
+                    del self._registry[key]
+                self._stop.set()
+        if last:
+            self.wake()
+            with self._conn_lock:
+                if self._conn is not None:
+                    abort_socket(self._conn)
+        return last
+
+    def join(self, timeout: float) -> None:
+        """Wait for the thread to end (not when called from it)."""
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+
+    def wake(self) -> None:
+        """Make the thread look at its listeners now (a reader arrived, or one left)."""
+        # OSError: the session ended and closed the pair; BlockingIOError: bytes wait.
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+
+    def guard(self, conn: psycopg.Connection[Any]) -> contextlib.AbstractContextManager[None]:
+        """Bound a round trip on ``conn`` by :attr:`timeout` (see :class:`Deadlines`)."""
+        return self.deadlines.guard(conn, self.timeout)
+
+    def _attached(self) -> list[Listener]:
+        with self._state:
+            return list(self._listeners)
+
+    # -- the thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        failures = 0
+        down_since: float | None = None
+        last_error = ""
+
+        def healthy() -> None:
+            nonlocal failures, down_since, last_error
+            if down_since is not None:
+                logger.info(
+                    "broadcast listener reconnected to %s after %.1f s",
+                    self.where,
+                    time.monotonic() - down_since,
+                )
+            failures, down_since, last_error = 0, None, ""
+
+        try:
+            while not self._stop.is_set():
+                listeners = self._attached()
+                if not listeners:
+                    break
+                # The session of the most patient broadcaster: its timeouts bound all.
+                chosen = max(listeners, key=lambda each: each.settings.timeout).sessions
+                self.timeout = chosen.settings.timeout
+                conn: psycopg.Connection[Any] | None = None
+                try:
+                    conn = chosen.connect(
+                        "listen for broadcasts", listen=True, tables=False, deadlines=self.deadlines
+                    )
+                    with self._conn_lock:
+                        if self._stop.is_set():
+                            break
+                        self._conn = conn
+                    self.generation += 1
+                    self._serve(conn, healthy)
+                except ROUND_TRIP_ERRORS as exc:
+                    if self._stop.is_set():
+                        break
+                    failures += 1
+                    detail = chosen.error_text(exc)
+                    if down_since is None:
+                        down_since = time.monotonic()
+                        logger.warning(
+                            "broadcast listener lost its connection to %s (%s); reconnecting "
+                            "with backoff, messages published meanwhile are fetched afterwards",
+                            self.where,
+                            detail,
+                        )
+                    elif detail != last_error:
+                        logger.warning(
+                            "broadcast listener cannot reconnect to %s: %s", self.where, detail
+                        )
+                    last_error = detail
+                except Exception:
+                    # A bug must not silently end delivery: log it and start over.
+                    failures += 1
+                    if down_since is None:
+                        down_since = time.monotonic()
+                    logger.exception("broadcast listener failed; restarting it")
+                finally:
+                    for listener in self._attached():
+                        listener.lose(self.generation)
+                    with self._conn_lock:
+                        self._conn = None
+                    if conn is not None:
+                        with contextlib.suppress(Exception):
+                            conn.close()
+                if failures:
+                    self._stop.wait(backoff(failures))
+        finally:
+            self.deadlines.close()
+            for end in (self._wake_r, self._wake_w):
+                end.close()
+
+    def _serve(self, conn: psycopg.Connection[Any], healthy: Callable[[], None]) -> None:
+        """LISTEN for the tables whose listeners have readers, hand them their NOTIFYs,
+        poll on silence. Returns when the session stops; raises when the connection fails.
+        """
+        generation = self.generation
+        listened: set[str] = set()
+        quiet_since = time.monotonic()
+        first = True
+        while not self._stop.is_set():
+            listeners = self._attached()
+            if not listeners:
+                return
+            self.timeout = max(each.settings.timeout for each in listeners)
+            probe = min(each.settings.probe_interval for each in listeners)
+            now = time.monotonic()
+            for listener in listeners:
+                if listener.generation != generation and now >= listener.retry_at:
+                    self._step(conn, listener, listener.resolve)
+            wanted: dict[str, list[Listener]] = {}
+            for listener in listeners:
+                if listener.generation == generation and listener.keep_listening():
+                    wanted.setdefault(listener.channel, []).append(listener)
+            for channel in sorted(wanted.keys() - listened):
+                with self.guard(conn):
+                    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+                listened.add(channel)
+            for channel in sorted(listened - wanted.keys()):
+                # No reader of that table is left: stop waking for its every message.
+                with self.guard(conn):
+                    conn.execute(sql.SQL("UNLISTEN {}").format(sql.Identifier(channel)))
+                listened.discard(channel)
+            for group in wanted.values():
+                for listener in group:
+                    if not listener.listening:
+                        # LISTEN came first: nothing committed after its fetch is missed.
+                        self._step(conn, listener, listener.begin)
+            if first:
+                healthy()
+                first = False
+            wait = max(0.0, quiet_since + probe - time.monotonic())
+            retry = [each.retry_at for each in listeners if each.generation != generation]
+            if retry:
+                wait = min(wait, max(0.0, min(retry) - time.monotonic()))
+            notes, woken = self._next(conn, wait)
+            if self._stop.is_set():
+                return
+            if notes:
+                fetch: list[Listener] = []
+                for note in notes:
+                    for listener in wanted.get(note.channel, ()):
+                        if (
+                            listener.listening
+                            and listener.on_notify(note.payload)
+                            and listener not in fetch
+                        ):
+                            fetch.append(listener)
+                for listener in fetch:
+                    self._step(conn, listener, listener.catch_up)
+                quiet_since = time.monotonic()
+            elif not woken and time.monotonic() >= quiet_since + probe:
+                # Silence: poll. The round trips are bounded by the watchdog, so a
+                # half-open connection fails here instead of waiting forever.
+                polled = [each for group in wanted.values() for each in group if each.listening]
+                for listener in polled:
+                    self._step(conn, listener, listener.catch_up)
+                if not polled:
+                    with self.guard(conn):
+                        conn.execute("SELECT 1")
+                quiet_since = time.monotonic()
+
+    def _step(self, conn: psycopg.Connection[Any], listener: Listener, step: Step) -> None:
+        """Run one listener's step; a failure of its own (its table is missing, a
+        statement timed out) is its alone, a broken connection ends the session."""
+        try:
+            step(self, conn)
+        except ROUND_TRIP_ERRORS as exc:
+            if conn.broken or conn.closed or self._stop.is_set():
+                raise
+            listener.fail(exc)
+
+    def _next(self, conn: psycopg.Connection[Any], wait: float) -> tuple[list[Any], bool]:
+        """The NOTIFYs that arrive within ``wait`` seconds, and whether :meth:`wake` was
+        called meanwhile (then it returns at once)."""
+        notes = list(conn.notifies(timeout=0.0))  # received during the last statements
+        if notes:
+            return notes, False
+        fd = conn.fileno()
+        wake_fd = self._wake_r.fileno()
+        ready, _, _ = select.select([fd, wake_fd], [], [], wait)
+        woken = wake_fd in ready
+        if woken:
+            with contextlib.suppress(OSError):
+                while self._wake_r.recv(4096):
+                    pass
+        if fd in ready:
+            notes = list(conn.notifies(timeout=0.0))
+        return notes, woken
