@@ -517,6 +517,10 @@ class LeaseLeader:
                     else:
                         self._lead_step()
                 except BackendUnavailable as exc:
+                    if self._stopping.is_set():
+                        # stop() interrupted the round trip: not an outage; the clean-up
+                        # below ends the term and releases the lease.
+                        break
                     failures += 1
                     # Log once per state change; the rest at debug level, so an outage
                     # does not flood the log.

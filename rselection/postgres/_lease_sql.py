@@ -51,6 +51,7 @@ __all__ = [
     "server_identity",
     "session_sql",
     "states_sql",
+    "unlock_next_terms_sql",
     "unlock_sql",
     "utc",
 ]
@@ -365,6 +366,7 @@ STATE_COLUMNS = (
     "lock_held",
     "reserved",
     "protocol",
+    "takeable",
 )
 
 
@@ -393,7 +395,10 @@ def states_sql(
     """Read each requested lease row as its requesting node sees it (see
     :data:`STATE_COLUMNS`): seconds until expiry, whether the holder's lock is held (on
     this server), seconds the row stays reserved against that node by a handover request
-    (0 when it may take the lease), and the protocol the holder speaks.
+    (0 when it may take the lease), the protocol the holder speaks, and whether the node
+    may take the lease now (free, expired or its holder's session gone, and not reserved):
+    true for a lease an attempt did not take only when another transaction held its row
+    (fenced transactions of the old term, another node's attempt), so look again soon.
 
     The protocol is the row's, except for a holder whose session holds its lease lock
     but no ring lock: that is a node of protocol 1, which never writes the column (a row
@@ -407,12 +412,14 @@ def states_sql(
         " CASE WHEN NOT {open} THEN greatest(0, extract(epoch FROM"
         " t.resign_until - clock_timestamp()))::float8 ELSE 0::float8 END,"
         " CASE WHEN {same} AND " + LOCK_HELD + " AND NOT " + RING_HELD + " THEN 1"
-        " ELSE t.protocol END"
+        " ELSE t.protocol END,"
+        " ({free} AND {open})"
         " FROM {t} AS t JOIN (VALUES {req}) AS r(name, node, ttl, channel) ON r.name = t.name"
     ).format(
         t=table,
         req=_requests(requests),
         same=same_server(server),
+        free=free_condition(server),
         open=not_reserved(node),
         ring=sql.Literal(ring),
     )
@@ -497,8 +504,13 @@ def renew_batch_sql(
 
     Only the holder's own session renews: same pid on the same server, as recorded at
     acquisition, so a backend that reuses the pid after a restart or on a promoted
-    standby cannot. Each row returned: name, term, whether a handover request is pending
-    for that term, the node it names and the seconds left of its window.
+    standby cannot. A row another transaction holds locked against updates (an
+    operator's ``SELECT ... FOR UPDATE``, a long ``UPDATE`` by hand) is skipped, not
+    waited for: its lease is not renewed this time, and the other leases of the batch,
+    whose renewals must never wait behind it, are. Fenced transactions lock rows
+    ``FOR KEY SHARE``, which a renewal does not conflict with. Each row returned: name,
+    term, whether a handover request is pending for that term, the node it names and
+    the seconds left of its window.
     """
     values = sql.SQL(", ").join(
         sql.SQL("({}::text, {}::text, {}::bigint, {}::float8)").format(
@@ -506,16 +518,36 @@ def renew_batch_sql(
         )
         for r in requests
     )
-    return sql.SQL(
-        "UPDATE {t} AS t SET renewed_at = now(), expires_at = now() + r.ttl * interval '1 second'"
-        " FROM (VALUES {values}) AS r(name, node, term, ttl)"
-        " WHERE t.name = r.name AND t.holder = r.node AND t.term = r.term"
+    guard = sql.SQL(
+        "t.name = r.name AND t.holder = r.node AND t.term = r.term"
         " AND t.holder_pid = pg_backend_pid() AND t.expires_at > now()"
         " AND t.holder_server = {server}"
+    ).format(server=sql.Literal(server))
+    return sql.SQL(
+        "WITH r(name, node, term, ttl) AS (VALUES {values}),"
+        " lockable AS MATERIALIZED (SELECT t.name FROM {t} AS t JOIN r ON {guard}"
+        " FOR NO KEY UPDATE OF t SKIP LOCKED)"
+        " UPDATE {t} AS t SET renewed_at = now(), expires_at = now() + r.ttl * interval '1 second'"
+        " FROM r JOIN lockable ON lockable.name = r.name"
+        " WHERE {guard}"
         " RETURNING t.name, t.term,"
         " coalesce(t.resign_term = t.term AND t.resign_until > now(), false), t.resign_to,"
         " greatest(0, extract(epoch FROM t.resign_until - now()))::float8"
-    ).format(t=table, values=values, server=sql.Literal(server))
+    ).format(t=table, values=values, guard=guard)
+
+
+def unlock_next_terms_sql(table: sql.Composable, names: Sequence[str]) -> sql.Composed:
+    """Free the locks a failed acquisition may have left: the advisory lock of the next
+    term of each lease named (``pg_advisory_lock`` is not undone by a rollback).
+
+    Safe for any lease: a session holds the next term's lock only through an
+    acquisition of that term, and a failed one committed nothing, so the row's term is
+    still the one before it.
+    """
+    return sql.SQL(
+        "SELECT pg_advisory_unlock(t.lock_key, ((t.term + 1) % 2147483648)::integer)"
+        " FROM {t} AS t WHERE t.name = ANY({names})"
+    ).format(t=table, names=sql.Literal(list(names)))
 
 
 def release_sql(
@@ -541,11 +573,14 @@ def release_sql(
     )
 
 
-def bounded_sql(seconds: float) -> sql.Composed:
+def bounded_sql(seconds: float, *, statement: bool = True) -> sql.Composed:
     """Bound the rest of the implicit transaction (the statements sent with it in one
-    query) by ``statement_timeout`` and ``lock_timeout`` of ``seconds``, on a session
-    pinned to no timeouts: ``set_config(..., true)`` lasts until the transaction ends."""
+    query) by ``lock_timeout`` and, with ``statement``, ``statement_timeout`` of
+    ``seconds``, on a session pinned to no timeouts: ``set_config(..., true)`` lasts
+    until the transaction ends."""
     millis = sql.Literal(f"{max(1, round(seconds * 1000))}ms")
+    if not statement:
+        return sql.SQL("SELECT set_config('lock_timeout', {ms}, true)").format(ms=millis)
     return sql.SQL(
         "SELECT set_config('statement_timeout', {ms}, true), set_config('lock_timeout', {ms}, true)"
     ).format(ms=millis)

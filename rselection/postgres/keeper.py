@@ -79,6 +79,7 @@ from ._lease_sql import (
     renew_batch_sql,
     server_identity,
     session_sql,
+    unlock_next_terms_sql,
     unlock_sql,
 )
 from .pooler import BACKEND_PID, check_bound, check_same_backend, check_session_pooling
@@ -102,6 +103,11 @@ HEARTBEAT_BOUND = 1.0
 lock waits included, before the server cancels it: renewals queue behind it, and a
 locked nodes table (``VACUUM FULL``, a migration, a row locked by hand) must never make
 the leases of a process pass their deadlines. The heartbeat is retried a second later."""
+
+LOCK_BOUND = 1.0
+"""Seconds an acquisition or a release may wait for a lock on the keeper session before
+the server cancels it (renewals queue behind it; a release that fails leaves the lease
+to expire)."""
 
 _T = TypeVar("_T")
 
@@ -135,8 +141,15 @@ class _Queued:
     node_id: str
     term: int = 0
     done: threading.Event = field(default_factory=threading.Event)
+    """Set by :meth:`fill`, or by the client giving up (then ``filled`` stays false)."""
     result: Any = None
     error: BaseException | None = None
+    filled: bool = False
+
+    def fill(self, result: Any = None, error: BaseException | None = None) -> None:
+        """The batch's answer for this entry; wakes its client."""
+        self.result, self.error, self.filled = result, error, True
+        self.done.set()
 
 
 @dataclass(frozen=True)
@@ -665,7 +678,9 @@ class SharedKeeper:
 
         The keeper's own thread sends every batch (it is idle otherwise): the callers
         wait on their own entry, never on the statement lock, so a round of a thousand
-        renewals wakes each waiting thread once.
+        renewals wakes each waiting thread once. A client that sets ``item.done`` itself
+        gives up (``BackendUnavailable``): a batch in flight goes on for the others, and
+        its answer for ``item`` is dropped.
         """
         with self._state:
             queue.append(item)
@@ -675,6 +690,14 @@ class SharedKeeper:
                 gone = self._closed or self._pump is None or not self._pump.is_alive()
             if gone and not item.done.is_set():
                 raise self._lost()
+        if not item.filled:
+            with self._state:
+                if item in queue:
+                    queue.remove(item)
+            raise BackendUnavailable(
+                f"lease {item.lease.name!r}: interrupted while the shared keeper session "
+                f"({self.where}) was busy with a round trip"
+            )
         if item.error is not None:
             raise item.error
         return item.result
@@ -703,34 +726,64 @@ class SharedKeeper:
                 except BaseException as exc:  # every caller in the batch learns of it
                     for queued in batch:
                         if not queued.done.is_set():
-                            queued.error = exc
-                            queued.done.set()
+                            queued.fill(error=exc)
 
-    def renew(self, lease: PostgresLease, node_id: str, term: int) -> tuple[Any, ...] | None:
+    def renew(
+        self,
+        lease: PostgresLease,
+        node_id: str,
+        term: int,
+        *,
+        done: threading.Event | None = None,
+    ) -> tuple[Any, ...] | None:
         """Renew ``term``; the row (name, term, handover columns) or ``None`` when lost.
 
         Only the client that took ``term`` for ``node_id`` through this session renews it
         (not another client of the same lease and node, and not after its term ended).
+        ``done``: the event the call waits on; a client that sets it gives up waiting
+        (see :meth:`_batch`).
         """
         self.ensure(lease)
         with self._state:
             if self._holds.get((lease, node_id), (None, 0))[0] != term:
                 return None
-        queued = _Queued(lease, node_id, term)
+        queued = _Queued(lease, node_id, term, done=done or threading.Event())
         row: tuple[Any, ...] | None = self._batch(self._renewals, queued, self._send_renewals)
         return row
 
     def _send_renewals(self, batch: list[_Queued]) -> None:
         requests = [RenewRequest(q.lease.name, q.node_id, q.term, q.lease.ttl) for q in batch]
-        results = self._run(
-            renew_batch_sql(self._ident, requests, server=self._server),
-            "renew the leases",
-            limit=max(q.lease.renew_deadline for q in batch),
-        )
+        try:
+            results = self._run(
+                renew_batch_sql(self._ident, requests, server=self._server),
+                "renew the leases",
+                limit=max(q.lease.renew_deadline for q in batch),
+                tolerate=True,
+            )
+        except psycopg.Error as exc:
+            # The statement failed on a healthy session (a trigger or a constraint on a
+            # row): it renewed nothing. Halves are sent again until the lease at fault
+            # is alone, so that only its renewal fails.
+            if len(batch) > 1:
+                self._split(batch, self._send_renewals)
+                return
+            (queued,) = batch
+            logger.warning(
+                "lease %r: the server refused its renewal (%s); its term is lost",
+                queued.lease.name,
+                _first_line(exc),
+            )
+            queued.fill(None)
+            return
         renewed = {(row[0], row[1]): row for row in results[0] or []}
         for queued in batch:
-            queued.result = renewed.get((queued.lease.name, queued.term))
-            queued.done.set()
+            queued.fill(renewed.get((queued.lease.name, queued.term)))
+
+    @staticmethod
+    def _split(batch: list[_Queued], send: Callable[[list[_Queued]], None]) -> None:
+        middle = len(batch) // 2
+        send(batch[:middle])
+        send(batch[middle:])
 
     def acquire(self, lease: PostgresLease, node_id: str) -> Attempt:
         """Attempt ``lease`` for ``node_id`` (batched with the other attempts due)."""
@@ -763,13 +816,39 @@ class SharedKeeper:
                 )
             )
         assert self._found is not None
-        results = self._run(
-            acquire_batch_sql(
-                self._ident, requests, server=self._server, ring=ring_class(self._found.oid)
-            ),
-            "acquire the leases",
-            limit=max(q.lease.connect_timeout + q.lease.renew_deadline for q in batch),
-        )
+        try:
+            results = self._run(
+                sql.SQL("{}; {}").format(
+                    # A wait for a row another node inserts, or for a lock another
+                    # session left, must not hold up the renewals queued behind.
+                    bounded_sql(LOCK_BOUND, statement=False),
+                    acquire_batch_sql(
+                        self._ident, requests, server=self._server, ring=ring_class(self._found.oid)
+                    ),
+                ),
+                "acquire the leases",
+                limit=max(q.lease.connect_timeout + q.lease.renew_deadline for q in batch),
+                tolerate=True,
+            )
+        except psycopg.Error as exc:
+            # Failed on a healthy session: nothing was taken, but the locks of the new
+            # terms it took before the error stay (a rollback does not free them).
+            self._run(
+                unlock_next_terms_sql(self._ident, [r.name for r in requests]),
+                "free the locks of a failed acquisition",
+                limit=LOCK_BOUND + 1.0,
+            )
+            if len(batch) > 1:
+                self._split(batch, self._send_attempts)
+                return
+            (queued,) = batch
+            queued.fill(
+                error=BackendUnavailable(
+                    f"cannot acquire lease {queued.lease.name!r}: the server refused "
+                    f"({_first_line(exc)}); trying again later"
+                )
+            )
+            return
         taken = {row[0]: int(row[1]) for row in results[-2] or []}
         states = {row[0]: row for row in results[-1] or []}
         with self._state:
@@ -778,8 +857,7 @@ class SharedKeeper:
                     assert q.lease.lock_key is not None
                     self._holds[(q.lease, q.node_id)] = (taken[q.lease.name], q.lease.lock_key)
         for q in batch:
-            q.result = Attempt(q.lease.name in taken, states.get(q.lease.name))
-            q.done.set()
+            q.fill(Attempt(q.lease.name in taken, states.get(q.lease.name)))
 
     def release(self, lease: PostgresLease, node_id: str, term: int) -> bool:
         """Give ``term`` back (row cleared, followers notified, its lock freed); ``True``
@@ -790,8 +868,11 @@ class SharedKeeper:
             held = self._holds.get((lease, node_id))
         key = held[1] if held is not None and held[0] == term else lease.lock_key
         results = self._run(
-            release_sql(
-                self._ident, lease.name, node_id, term, channel=lease.channel, lock_key=key
+            sql.SQL("{}; {}").format(
+                bounded_sql(LOCK_BOUND, statement=False),
+                release_sql(
+                    self._ident, lease.name, node_id, term, channel=lease.channel, lock_key=key
+                ),
             ),
             "release the lease",
             limit=lease,
@@ -800,7 +881,7 @@ class SharedKeeper:
             if self._holds.get((lease, node_id), (None, 0))[0] == term:
                 del self._holds[(lease, node_id)]
         self._io.recheck()
-        return bool(results[0])
+        return bool(results[-2])
 
     # -- slots ---------------------------------------------------------------------------
 

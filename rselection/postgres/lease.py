@@ -290,6 +290,9 @@ class PostgresLease(Closeable):
         self._held: int | None = None  # the term we hold, while we hold it
         self._node_id: str | None = None  # the node of the last attempt
         self._wake = threading.Event()  # sticky: interrupt(), a notification, a failure
+        # A renewal waiting on the shared session (a round trip of other leases' renewals
+        # in flight) waits on this; interrupt() sets it, so the renewal gives up at once.
+        self._renewal_done: threading.Event | None = None
         self._handover_hint = False
         self._handover: HandoverRequest | None = None
         # A holder is read in one short statement: bound each read by about twice the
@@ -407,7 +410,7 @@ class PostgresLease(Closeable):
             # A free lease reserved for another node: expires_in says for how long.
             reserved = float(row[8]) if row is not None and not acquired else 0.0
             return Acquisition(acquired, None, max(0.0, reserved))
-        _, holder, term, _, acquired_at, expires_at, expires_in, lock_held, _, protocol = row
+        _, holder, term, _, acquired_at, expires_at, expires_in, lock_held, _, protocol, free = row
         info = LeaderInfo(holder, term, utc(acquired_at), utc(expires_at))
         if not acquired and protocol != LEASE_PROTOCOL and (lock_held or expires_in > 0):
             raise ConfigError(
@@ -416,6 +419,11 @@ class PostgresLease(Closeable):
                 f"{LEASE_PROTOCOL}. Nodes of both could lead at once: stop every node of the "
                 "other release before starting this one"
             )
+        if not acquired and free:
+            # Takeable, but another transaction held the row (fenced transactions of the
+            # gone holder's term, another node's attempt): no live leader; look again
+            # soon rather than at the dead holder's expiry.
+            return Acquisition(False, None, 0.0)
         return Acquisition(acquired, info, max(0.0, float(expires_in)))
 
     def try_acquire(self, node_id: str) -> Acquisition:
@@ -434,9 +442,10 @@ class PostgresLease(Closeable):
 
         Raises:
             ConfigError: the statement ran on another backend than the keeper's session
-                (a pooler in transaction mode), or the holder speaks another lease
-                protocol.
-            BackendUnavailable: connection problem.
+                (a pooler in transaction mode), the holder speaks another lease
+                protocol, or the lease's row was deleted since this object last saw it.
+            BackendUnavailable: connection problem, or the server refused the attempt
+                (the other leases of the process attempt on).
         """
         check_node_id(node_id)
         keeper = self._shared()
@@ -445,6 +454,13 @@ class PostgresLease(Closeable):
         self._handover_hint = False
         self._handover = None
         attempt = keeper.acquire(self, node_id)
+        if self.row_seen and attempt.row is None:
+            raise ConfigError(
+                f"the row of lease {self.name!r} in table {self.table!r} was deleted: its "
+                "terms (the fencing tokens) would start again from 1. A lease row is "
+                "retired (`rselection forget`), never deleted; stop every leader of this "
+                "lease and insert the row again with a term above the last one issued"
+            )
         self.row_seen = self.row_seen or attempt.row is not None
         acq = self._acquisition(attempt.row, attempt.acquired)
         if attempt.acquired and acq.holder is not None:
@@ -473,7 +489,11 @@ class PostgresLease(Closeable):
         keeper = self._shared()
         self._handover_hint = False
         self._handover = None
-        row = keeper.renew(self, node_id, term)
+        self._renewal_done = done = threading.Event()
+        try:
+            row = keeper.renew(self, node_id, term, done=done)
+        finally:
+            self._renewal_done = None
         if row is not None:
             self._handover = renewal_request(term, row[2:])
             return True
@@ -570,10 +590,17 @@ class PostgresLease(Closeable):
         keeper.check_alive()
 
     def interrupt(self) -> None:
-        """Wake the keeper thread blocked in :meth:`wait_for_change`; safe from any thread.
+        """Wake the keeper thread blocked in :meth:`wait_for_change` or :meth:`renew`;
+        safe from any thread.
 
-        Sticky: an interrupt that arrives just before the wait makes it return at once.
+        Sticky: an interrupt that arrives just before the wait makes it return at once. A
+        renewal waiting for the shared session (whose round trip may hang on a silent
+        server) raises ``BackendUnavailable`` at once; the round trip goes on for the
+        other leases of the process.
         """
+        done = self._renewal_done
+        if done is not None:
+            done.set()
         self._wake.set()
 
     def close(self) -> None:

@@ -127,15 +127,17 @@ def test_severed_lease_connection(
         demoted = next_of(fleet, "demoted", 5, node=first["node"])
         assert demoted["reason"] == "connection"
         assert demoted["t"] - cut_at < 1.0, "a broken connection must end the term at once"
-        # The server frees the lease with the session, so a follower may be elected a
-        # few ms before the old leader has joined its tasks and reported "demoted";
-        # the fenced ledger below proves no write of the old term landed after that.
+        # A reset on a working network ends the session on the server too: the
+        # documented exception of a session ended from outside. The server frees the
+        # lease with it, so a follower may start while the old leader still cancels and
+        # joins its tasks (for their cancel time); the fenced ledger below proves that
+        # no write of the old term landed after the new term's.
         elected_since(fleet, cut_at, first["node"], 10)
         settle(fleet, 1.0)
         assert len(current_leaders(fleet)) == 1
     assert ledger.overlaps(pg_dsn) == 0
     assert all(len(nodes) == 1 for nodes in ledger.terms(pg_dsn).values())
-    activity.assert_no_overlap(fleet)
+    activity.assert_no_overlap(fleet, allowance=activity.KILLED_SESSION_ALLOWANCE)
 
 
 def test_silent_partition_of_the_leader(

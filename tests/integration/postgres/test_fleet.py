@@ -23,9 +23,6 @@ from tests.support import activity, ledger
 
 pytestmark = pytest.mark.slow
 
-# A terminated keeper session is the documented exception: the old node's tasks may run
-# for their cancel time (here: at once) while the successor starts.
-KILLED_SESSION_ALLOWANCE = 1.0
 # A resumed process needs a moment to learn that its term ended while it was frozen.
 RESUME_GRACE = 0.25
 
@@ -156,7 +153,7 @@ def test_terminated_keeper_session_gives_one_leader(pg_dsn: str) -> None:
         assert successor is not None, f"no node was elected: {fleet.history[-60:]}"
         time.sleep(1.0)
     assert ledger.overlaps(pg_dsn) == 0
-    activity.assert_no_overlap(fleet, allowance=KILLED_SESSION_ALLOWANCE)
+    activity.assert_no_overlap(fleet, allowance=activity.KILLED_SESSION_ALLOWANCE)
     assert all(len(nodes) == 1 for nodes in ledger.terms(pg_dsn).values())
 
 

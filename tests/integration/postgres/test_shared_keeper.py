@@ -8,9 +8,14 @@ heartbeat waiting for a locked row) must not hold up the renewals of every lease
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -18,8 +23,10 @@ import pytest
 
 import rselection as rs
 from rselection import signals
-from rselection.postgres import PostgresLeader
+from rselection.postgres import PostgresLeader, fenced
 from tests.support.waiting import wait_until
+
+ROOT = Path(__file__).resolve().parents[3]
 
 TIMINGS: dict[str, Any] = {
     "ttl": 8.0,
@@ -168,3 +175,165 @@ def test_a_locked_nodes_row_does_not_stop_the_renewals(
         10,
         "heartbeats to go on once the row is free",
     )
+
+
+def four_leaders(pg_dsn: str, made: list[PostgresLeader]) -> list[PostgresLeader]:
+    leaders = [
+        PostgresLeader(pg_dsn, idle_handler(), name=f"l{i}", node_id="n", claimer=None, **TIMINGS)
+        for i in range(4)
+    ]
+    made.extend(leaders)
+    for leader in leaders:
+        leader.start()
+    wait_until(lambda: all(x.is_leader for x in leaders), 20, "every lease to be led")
+    return leaders
+
+
+def led_all_along(leaders: list[PostgresLeader], seconds: float) -> list[list[bool]]:
+    """Sample who leads for ``seconds``; the samples in which a lease was not led."""
+    gaps = []
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        sample = [x.is_leader for x in leaders]
+        if not all(sample):
+            gaps.append(sample)
+        time.sleep(0.05)
+    return gaps
+
+
+@pytest.mark.parametrize("fault", ["trigger", "check"])
+def test_a_row_the_server_refuses_to_update_costs_only_its_own_lease(
+    pg_dsn: str, made: list[PostgresLeader], fault: str
+) -> None:
+    leaders = four_leaders(pg_dsn, made)
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        if fault == "trigger":
+            admin.execute(
+                "CREATE FUNCTION refuse_l0() RETURNS trigger LANGUAGE plpgsql AS"
+                " $$ BEGIN RAISE EXCEPTION 'no renewals of l0'; END $$"
+            )
+            admin.execute(
+                "CREATE TRIGGER refuse_l0 BEFORE UPDATE ON rselection_leases FOR EACH ROW"
+                " WHEN (OLD.name = 'l0') EXECUTE FUNCTION refuse_l0()"
+            )
+        else:  # a constraint every renewal of l0 violates (NOT VALID: rows stay as they are)
+            admin.execute(
+                "ALTER TABLE rselection_leases ADD CONSTRAINT only_short"
+                " CHECK (name <> 'l0' OR expires_at < acquired_at) NOT VALID"
+            )
+        # Longer than a term lasts unrenewed: l0 is lost, the others are led all along.
+        gaps = led_all_along(leaders[1:], TIMINGS["renew_deadline"] + 2.0)
+        assert not gaps, f"the other leases were not led all along: {gaps[:3]}"
+        assert not leaders[0].is_leader
+        assert [x.term for x in leaders[1:]] == [1, 1, 1]
+        if fault == "trigger":
+            admin.execute("DROP TRIGGER refuse_l0 ON rselection_leases")
+        else:
+            admin.execute("ALTER TABLE rselection_leases DROP CONSTRAINT only_short")
+    wait_until(lambda: leaders[0].is_leader, 15, "l0 to be led again once the fault is gone")
+
+
+def test_a_locked_lease_row_costs_only_its_own_lease(
+    pg_dsn: str, made: list[PostgresLeader]
+) -> None:
+    leaders = four_leaders(pg_dsn, made)
+    with psycopg.connect(pg_dsn) as locker:
+        locker.execute("SELECT 1 FROM rselection_leases WHERE name = 'l0' FOR UPDATE")
+        gaps = led_all_along(leaders[1:], TIMINGS["renew_deadline"] + 2.0)
+        assert not gaps, f"the other leases were not led all along: {gaps[:3]}"
+        assert [x.term for x in leaders[1:]] == [1, 1, 1]
+        locker.rollback()
+    wait_until(lambda: leaders[0].is_leader, 15, "l0 to be led again once its row is free")
+
+
+def test_a_deleted_lease_row_stops_its_leaders_with_a_clear_error(
+    pg_dsn: str, made: list[PostgresLeader]
+) -> None:
+    # Terms would start again from 1 with a new row: a leader that saw the row refuses to
+    # go on (before the fix it attempted about 15 times a second, forever).
+    leaders = four_leaders(pg_dsn, made)
+    follower = PostgresLeader(
+        pg_dsn, idle_handler(), name="l0", node_id="x", claimer=None, **TIMINGS
+    )
+    made.append(follower)
+    saw: list[Any] = []
+
+    def changed(sender: Any, **kw: Any) -> None:
+        if sender is follower:
+            saw.append(kw["leader"])
+
+    signals.leader_changed.connect(changed)
+    raised: list[BaseException] = []
+
+    def lead() -> None:
+        try:
+            follower.lead()
+        except rs.ConfigError as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=lead, daemon=True)
+    try:
+        thread.start()
+        wait_until(lambda: bool(saw), 10, "the follower's first attempt")
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            admin.execute("DELETE FROM rselection_leases WHERE name = 'l0'")
+        thread.join(TIMINGS["ttl"] + 15)
+    finally:
+        signals.leader_changed.disconnect(changed)
+    assert not thread.is_alive(), "the follower still competes for a deleted lease row"
+    assert raised and "was deleted" in str(raised[0]), raised
+    assert all(x.is_leader for x in leaders[1:])
+
+
+def test_a_fenced_transaction_open_at_a_crash_delays_the_takeover_only_until_it_ends(
+    pg_dsn: str, made: list[PostgresLeader]
+) -> None:
+    # The holder's process is killed while a transaction fenced to its term is open: the
+    # takeover waits for that transaction (fencing), then happens at once, not at expiry.
+    ttl = 20.0
+    timings = ["--ttl", str(ttl), "--renew-interval", "1", "--renew-deadline", "10"]
+    env = {**os.environ, "SCALE_NODE_DSN": pg_dsn, "PYTHONPATH": str(ROOT)}
+    node = [str(ROOT / "tests/support/scale_node.py"), "--prefix", "f", "--count", "1"]
+    holder = subprocess.Popen(
+        [sys.executable, *node, "--node", "a", "--idle-task", "none", *timings],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert holder.stdout is not None
+        for line in holder.stdout:  # bounded by the pytest timeout
+            if json.loads(line)["event"] == "elected":
+                break
+        follower = PostgresLeader(
+            pg_dsn,
+            idle_handler(),
+            name="f/0",
+            node_id="b",
+            claimer=None,
+            ttl=ttl,
+            renew_interval=1,
+            renew_deadline=10,
+            retry_interval=2,
+        )
+        made.append(follower)
+        follower.start()
+        wait_until(lambda: follower.leader() is not None, 10, "the follower to see a")
+        with psycopg.connect(pg_dsn) as fence:
+            fenced(fence, "f/0", 1)  # a task's transaction of term 1, still open
+            holder.kill()
+            holder.wait(10)
+            time.sleep(1.0)  # the transaction stays open for a second after the crash
+            assert not follower.is_leader, "took over while a fenced transaction was open"
+            fence.commit()
+            ended = time.monotonic()
+        took = wait_until(lambda: follower.is_leader, ttl, "the follower to take over")
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(10)
+        if holder.stdout is not None:
+            holder.stdout.close()
+    # At once once the transaction ended (retry_interval is 2 s; expiry ~19 s away).
+    assert time.monotonic() - ended < 3.0, f"took over {took:.1f}s after the fence ended"
+    assert follower.term == 2
