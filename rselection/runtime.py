@@ -20,14 +20,14 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import signals
 from .claiming import claim_missed
 from .context import TaskContext, Term, running_term
 from .errors import LeadershipLost
-from .misfire import due_fires, split_by_policy, window
+from .misfire import due_fires, split_behind, split_by_policy, too_old, window
 from .schedules import format_fire_key
 from .specs import StuckPolicy, TaskSpec, TaskType
 
@@ -467,18 +467,19 @@ class TermRunner:
         """Run the fire due at ``first``, and any later ones already due, as far as the
         grace and the misfire policy let them; return the newest due.
 
-        A single due fire is on time (if late by less than a period); several mean this
-        node fell behind, and all but the newest are missed fires.
+        The newest fire due is on time (its successor is not due yet) and runs whatever
+        the policy; the older ones mean this node fell behind by whole periods: they are
+        missed, and the policy decides (see :func:`~rselection.misfire.split_behind`).
         """
         now = datetime.now(UTC)
         due, dropped = due_fires(_schedule(spec), first, now)
-        limit = now - timedelta(seconds=spec.misfire_grace)
-        for at in dropped + [at for at in due if at < limit]:
+        run, missed = split_behind(spec.misfire, due)
+        stale = [at for at in run if too_old(at, now, spec.misfire_grace)]
+        for at in sorted(dropped + missed + stale):
             self._skip(spec, at, "misfire")
-        fresh = [at for at in due if at >= limit]
-        run = fresh if len(due) == 1 else self._select(spec, fresh)
-        if run:
-            self._fire(spec, run, claimed=False)
+        fresh = [at for at in run if at not in stale]
+        if fresh:
+            self._fire(spec, fresh, claimed=False)
         return due[-1]
 
     def _select(self, spec: TaskSpec, missed: list[datetime]) -> list[datetime]:
@@ -603,9 +604,19 @@ class TermRunner:
             spec.name, self.term, scheduled_at=at, fire_key=format_fire_key(spec.name, at)
         )
 
+    def _stale(self, spec: TaskSpec, at: datetime) -> bool:
+        """Whether the fire at ``at`` is past its grace now, when it is about to start
+        (reported as a misfire): a catch-up's later fires age while the earlier run."""
+        if not too_old(at, datetime.now(UTC), spec.misfire_grace):
+            return False
+        self._skip(spec, at, "misfire")
+        return True
+
     def _fire_sync(self, spec: TaskSpec, fires: list[datetime], claimed: bool) -> None:
         try:
             for at in fires:
+                if self._stale(spec, at):
+                    continue
                 if claimed or self._claim_fire(spec, at):
                     self._run_sync(spec, self._context(spec, at))
         finally:
@@ -615,6 +626,8 @@ class TermRunner:
         loop = asyncio.get_running_loop()
         try:
             for at in fires:
+                if self._stale(spec, at):
+                    continue
                 # A claim is a database round trip: keep it off the event loop.
                 if claimed or await loop.run_in_executor(None, self._claim_fire, spec, at):
                     await self._run_async(spec, self._context(spec, at))
