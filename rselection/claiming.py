@@ -91,14 +91,25 @@ def check_fire_key(value: object) -> str:
 def check_fire_keys(values: object) -> list[str]:
     """Return ``values`` as a list of checked fire keys (see :func:`check_fire_key`).
 
-    A single string is refused rather than taken as a sequence of one-character keys.
+    A single string is refused rather than taken as a sequence of one-character keys,
+    and so is a key given twice: the keys are one task's fires, oldest first, each once.
 
     Args:
         values: a list (or other iterable) of fire keys.
     """
     if isinstance(values, str | bytes) or not hasattr(values, "__iter__"):
         raise ConfigError(f"fire_keys must be a list of fire keys, got {values!r:.80}")
-    return [check_fire_key(value) for value in values]
+    keys: list[str] = []
+    seen: set[str] = set()
+    for value in values:
+        key = check_fire_key(value)
+        if key in seen:
+            raise ConfigError(
+                f"fire_keys must name each fire once (oldest first); {key!r:.80} is given twice"
+            )
+        seen.add(key)
+        keys.append(key)
+    return keys
 
 
 class MemoryClaimer:
@@ -125,7 +136,12 @@ class MemoryClaimer:
 
     def claim_missed(self, fire_keys: list[str], *, term: int | None = None) -> list[str]:
         """Claim every key of ``fire_keys`` (oldest first) newer than the newest one
-        already held; return those won, oldest first (see :class:`FireClaimer`)."""
+        already held; return those won, oldest first (see :class:`MissedFireClaimer`).
+
+        Raises:
+            ConfigError: a bad or repeated key (see :func:`check_fire_keys`).
+        """
+        fire_keys = check_fire_keys(fire_keys)
         now = time.monotonic()
         with self._lock:
             held = [i for i, key in enumerate(fire_keys) if self._holds(key, now)]
@@ -139,9 +155,12 @@ class MemoryClaimer:
         return held is not None and held[0] > now
 
     def claim(self, fire_key: str, *, term: int | None = None) -> bool:
-        """Claim ``fire_key`` unless an unexpired claim holds it."""
-        if not isinstance(fire_key, str) or not fire_key:
-            raise ConfigError(f"fire_key must be a non-empty string, got {fire_key!r}")
+        """Claim ``fire_key`` unless an unexpired claim holds it.
+
+        Raises:
+            ConfigError: a bad key (see :func:`check_fire_key`).
+        """
+        check_fire_key(fire_key)
         now = time.monotonic()
         with self._lock:
             if self._holds(fire_key, now):
@@ -161,7 +180,11 @@ def claim_missed(claimer: FireClaimer, fire_keys: list[str], *, term: int | None
 
     Uses the claimer's own ``claim_missed`` (one round trip) when it has one; else walks
     back from the newest key with :meth:`FireClaimer.claim` until a key is already held.
+
+    Raises:
+        ConfigError: a bad or repeated key (see :func:`check_fire_keys`).
     """
+    fire_keys = check_fire_keys(fire_keys)
     if isinstance(claimer, MissedFireClaimer):
         return claimer.claim_missed(fire_keys, term=term)
     won: list[str] = []
