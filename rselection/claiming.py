@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from typing import Protocol, runtime_checkable
@@ -11,14 +12,18 @@ from .errors import ConfigError
 from .keys import lease_scoped
 
 __all__ = [
+    "CLEANUP_BATCH",
     "MAX_FIRE_KEY_BYTES",
+    "CleanupClaimer",
     "FireClaimer",
+    "FireHistory",
     "LeaseClaims",
     "MemoryClaimer",
     "MissedFireClaimer",
     "check_fire_key",
     "check_fire_keys",
     "claim_missed",
+    "series_of",
 ]
 
 
@@ -57,6 +62,58 @@ class MissedFireClaimer(FireClaimer, Protocol):
         Raises on a backend problem, as :meth:`claim`.
         """
         ...
+
+
+@runtime_checkable
+class CleanupClaimer(FireClaimer, Protocol):
+    """A :class:`FireClaimer` whose expired claims stay until deleted (a table, a dict).
+
+    A leader that claims through one deletes the expired claims itself, in batches of
+    :data:`CLEANUP_BATCH`, at least once per claim ttl. What :class:`FireHistory` needs
+    stays (:class:`~rselection.postgres.PostgresClaimer` keeps the newest claim of each
+    task, each :func:`series_of`).
+    """
+
+    def cleanup(self, *, batch: int | None = None) -> int:
+        """Delete expired claims, at most ``batch`` of them (all with ``None``, batch
+        by batch); return how many. Never deletes a claim that still binds.
+
+        Raises on a backend problem.
+        """
+        ...
+
+
+@runtime_checkable
+class FireHistory(Protocol):
+    """A claimer that knows whether a task's fires were claimed before, at any time.
+
+    A leader that starts asks it first: a task that never ran anywhere has missed
+    nothing, so its first term starts at its next instant, with no catch-up and no fire
+    reported skipped.
+    """
+
+    def ran_before(self, series: str) -> bool:
+        """Whether fires of ``series`` (a task's fire keys without the instant, such
+        as ``"billing/purge@"``) were claimed or scheduled before, here or on another
+        node; the answer does not expire with the claims' ttl.
+
+        Raises on a backend problem.
+        """
+        ...
+
+
+CLEANUP_BATCH = 1000
+"""Most expired claims one statement of a leader's clean-up deletes."""
+
+_INSTANT = re.compile(r"@\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{9}Z\Z")
+
+
+def series_of(fire_key: str) -> str | None:
+    """The series of a fire key: the key without its instant (``"purge@"`` for
+    ``"purge@2026-11-30T02:40:00.000000000Z"``), or ``None`` for a key that
+    :func:`~rselection.format_fire_key` did not write."""
+    found = _INSTANT.search(fire_key)
+    return None if found is None else fire_key[: found.start() + 1]
 
 
 MAX_FIRE_KEY_BYTES = 2600
@@ -132,7 +189,29 @@ class MemoryClaimer:
             raise ConfigError(f"ttl must be a positive number of seconds, got {ttl!r}")
         self.ttl = float(ttl)
         self._claims: dict[str, tuple[float, int | None]] = {}
+        self._series: set[str] = set()  # every series ever claimed: see ran_before()
         self._lock = threading.Lock()
+
+    def _record(self, key: str, until: float, term: int | None) -> None:
+        self._claims[key] = (until, term)
+        series = series_of(key)
+        if series is not None:
+            self._series.add(series)
+
+    def ran_before(self, series: str) -> bool:
+        """Whether a fire of ``series`` was claimed here before (see :class:`FireHistory`)."""
+        with self._lock:
+            return series in self._series
+
+    def cleanup(self, *, batch: int | None = None) -> int:
+        """Forget expired claims, at most ``batch`` of them; return how many (see
+        :class:`CleanupClaimer`; the series stay known, so nothing is kept for them)."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [key for key, (until, _) in self._claims.items() if until <= now]
+            for key in expired[:batch]:
+                del self._claims[key]
+            return len(expired[:batch])
 
     def claim_missed(self, fire_keys: list[str], *, term: int | None = None) -> list[str]:
         """Claim every key of ``fire_keys`` (oldest first) newer than the newest one
@@ -147,7 +226,7 @@ class MemoryClaimer:
             held = [i for i, key in enumerate(fire_keys) if self._holds(key, now)]
             newer = fire_keys[held[-1] + 1 :] if held else fire_keys
             for key in newer:
-                self._claims[key] = (now + self.ttl, term)
+                self._record(key, now + self.ttl, term)
             return list(newer)
 
     def _holds(self, key: str, now: float) -> bool:
@@ -165,7 +244,7 @@ class MemoryClaimer:
         with self._lock:
             if self._holds(fire_key, now):
                 return False
-            self._claims[fire_key] = (now + self.ttl, term)
+            self._record(fire_key, now + self.ttl, term)
             return True
 
     def claims(self) -> dict[str, int | None]:
@@ -227,6 +306,21 @@ class LeaseClaims:
         keys = [self.prefix + key for key in fire_keys]
         won = claim_missed(self.claimer, keys, term=term)
         return [key[len(self.prefix) :] for key in won]
+
+    def cleanup(self, *, batch: int | None = None) -> int:
+        """Delete expired claims through the claimer (of every lease: it is safe from any
+        node); 0 when its claims expire by themselves (see :class:`CleanupClaimer`)."""
+        if isinstance(self.claimer, CleanupClaimer):
+            return self.claimer.cleanup(batch=batch)
+        return 0
+
+    def ran_before(self, series: str) -> bool:
+        """Whether fires of ``series`` ran before under this lease (see
+        :class:`FireHistory`); ``True`` when the claimer cannot tell, so that missed
+        fires are looked for as ever."""
+        if isinstance(self.claimer, FireHistory):
+            return self.claimer.ran_before(self.prefix + series)
+        return True
 
     def __repr__(self) -> str:
         return f"LeaseClaims({self.claimer!r}, prefix={self.prefix!r})"

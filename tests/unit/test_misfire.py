@@ -64,8 +64,7 @@ def run_across_gap(
     """Lead, step down for ``gap`` seconds, lead again; return runs, skips, term 2 start."""
     handler = rs.TaskHandler(stop_grace=2.0)
     runs = Runs()
-    # A short grace: at its first start a leader also catches up the fires of the grace
-    # window before it (nothing tells a first start from an outage).
+    # A short grace keeps the catch-up after the gap small.
     handler.interval(PERIOD, name="tick", misfire=misfire, misfire_grace=1.0)(runs)  # type: ignore[arg-type]
     leader = leaders(handler, claimer=rs.MemoryClaimer())
     skipped = Recorder()
@@ -646,3 +645,38 @@ def test_split_by_policy() -> None:
     assert split_by_policy("skip", missed) == ([], missed)
     many = [missed[0] + timedelta(seconds=i) for i in range(MAX_CATCH_UP + 3)]
     assert split_by_policy("all", many) == (many[3:], many[:3])
+
+
+def test_a_task_that_never_ran_starts_at_its_next_instant_and_reports_nothing(
+    leaders: Callable[..., rs.SingleNodeLeader],
+) -> None:
+    """A first start is no outage: no catch-up and no misfire, with claims as without."""
+    for claimer in (rs.MemoryClaimer(), None):
+        handler = rs.TaskHandler(stop_grace=2.0)
+        runs = Runs()
+        handler.interval(PERIOD, name="tick", misfire_grace=5.0)(runs)  # type: ignore[arg-type]
+        leader = leaders(handler, claimer=claimer)
+        skipped = Recorder()
+        with signals.fire_skipped.connected_to(skipped, sender=handler):
+            started = datetime.now(UTC)
+            leader.start()
+            wait_until(lambda r=runs: len(r.instants()) >= 3, 10.0, "three runs")
+            leader.stop(timeout=10)
+        assert skipped.of("tick", reason="misfire") == [], claimer
+        assert min(runs.instants()) > started, claimer
+
+
+def test_memory_claimer_remembers_each_task_that_ran_and_forgets_expired_claims() -> None:
+    claimer = rs.MemoryClaimer(ttl=0.05)
+    keys = [
+        rs.format_fire_key("a/tick", datetime(2026, 1, 1, second=i, tzinfo=UTC)) for i in range(5)
+    ]
+    assert not claimer.ran_before("a/tick@")
+    assert claimer.claim_missed(keys[:3]) == keys[:3] and claimer.claim(keys[3])
+    assert claimer.claim("not-a-fire-key")
+    assert claimer.ran_before("a/tick@") and not claimer.ran_before("a/tock@")
+    wait_until(lambda: claimer.claims() == {}, 5.0, "the claims to expire")
+    assert claimer.cleanup(batch=2) == 2
+    assert claimer.cleanup() == 3
+    assert claimer.cleanup() == 0
+    assert claimer.ran_before("a/tick@")  # kept beyond the claims' ttl
