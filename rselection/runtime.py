@@ -94,8 +94,10 @@ class TermRunner:
         # Claims run here, so that one stuck on a dead connection never holds the term's
         # end: the runner stops waiting for it the moment the term ends.
         self._claim_waits: set[threading.Event] = set()
+        # Two workers for claims, one more for the clean-up of expired claims (at most one
+        # at a time), so that a clean-up never holds up a claim.
         self._claims = ThreadPoolExecutor(
-            max_workers=2, thread_name_prefix=f"rselection-claims-term-{term.number}"
+            max_workers=3, thread_name_prefix=f"rselection-claims-term-{term.number}"
         )
         self._cleanup: Future[None] | None = None
 

@@ -60,8 +60,10 @@ claimed fire::
 with an index on ``fire_key COLLATE "C"`` (one lease's or one task's keys are one range
 of it, whatever the database's collation: ``rselection status`` and a starting leader
 read those) and one on ``expires_at`` (the leader's clean-up). Both are kept outside the
-version numbers (:attr:`TableKind.indexes`): a migration that finds one missing adds it
-to the existing table, and the table keeps schema version 1.
+version numbers (:attr:`TableKind.indexes`): a new table gets them, and
+:func:`migrate` (``rselection migrate``) adds them to an existing table, which keeps
+schema version 1 (an object created with ``create_tables=True`` only warns about a
+missing one: building an index blocks the table's writes meanwhile).
 
 The elections table (:class:`~rselection.postgres.PostgresElector`) holds one row per
 election name: ``name``, ``holder`` (NULL after a resign), ``term`` (+1 on every change
@@ -363,8 +365,9 @@ class TableKind:
         tables: the table names one name (or prefix) makes, the first one the main
             table; every one must exist for the kind to be present.
         indexes: indexes every table of the kind has whatever its version, as (name,
-            ``CREATE INDEX IF NOT EXISTS`` statement) for a table name: a migration that
-            finds one missing creates it, and no version number records it (an index
+            ``CREATE INDEX IF NOT EXISTS`` statement) for a table name: created with the
+            table, and added to an existing one by an explicit migration; no version
+            number records it (an index
             changes no row and no column; every release works with or without it, so
             adding one never makes a table too new for an older release).
 
@@ -763,7 +766,11 @@ def _run_step(
 
 
 def _migrate_one(
-    conn: psycopg.Connection[Any], kind: TableKind, table: str, deadline: float
+    conn: psycopg.Connection[Any],
+    kind: TableKind,
+    table: str,
+    deadline: float,
+    add_indexes: bool,
 ) -> TableChange:
     names = kind.tables(table)
     version_ident = version_table_identifier(names[0])
@@ -798,11 +805,13 @@ def _migrate_one(
         qualified = ".".join((*validate_table_name(names[0])[:-1], name))
         if _exists(conn, [qualified]):
             continue
-        if existed:
+        if not existed:
+            conn.execute(statement)
+        elif add_indexes:
             _run_step(conn, [statement], deadline, kind.describe(table))
             logger.info("%s: added the index %s", kind.describe(table), name)
         else:
-            conn.execute(statement)
+            _warn_missing_index(kind, table, name)
     if recorded != kind.version:
         conn.execute(
             sql.SQL(
@@ -873,10 +882,38 @@ def _bounded(conn: psycopg.Connection[Any], timeout: float) -> Iterator[None]:
         )
 
 
-def _current(conn: psycopg.Connection[Any], kind: TableKind, table: str) -> bool:
-    """Whether ``table`` is at its kind's version with every table and index in place."""
-    names = [*kind.tables(table), *kind.index_names(table)]
-    return _recorded(conn, kind, table) == kind.version and _exists(conn, names)
+def _current(conn: psycopg.Connection[Any], kind: TableKind, table: str, add_indexes: bool) -> bool:
+    """Whether ``table`` is at its kind's version with every table in place, and its
+    indexes too (``add_indexes``; else a missing one is only warned about)."""
+    if _recorded(conn, kind, table) != kind.version or not _exists(conn, kind.tables(table)):
+        return False
+    missing = [
+        (qualified, name)
+        for qualified, (name, _) in zip(kind.index_names(table), kind.indexes(table), strict=True)
+        if not _exists(conn, [qualified])
+    ]
+    if add_indexes:
+        return not missing
+    for _, name in missing:
+        _warn_missing_index(kind, table, name)
+    return True
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_missing_index(kind: TableKind, table: str, name: str) -> None:
+    """Once per process and index: an existing table lacks an index, which only an
+    explicit migration adds (building it blocks the table's writes meanwhile)."""
+    if (table, name) in _warned:
+        return
+    _warned.add((table, name))
+    logger.warning(
+        "%s has no index %s: run `rselection migrate` (or rselection.postgres.migrate()) "
+        "once to add it; until then some reads of it scan the whole table",
+        kind.describe(table),
+        name,
+    )
 
 
 def run_migrations(
@@ -891,15 +928,18 @@ def run_migrations(
     The building block of :func:`create_tables` and :func:`migrate`. When every table
     exists at its version already, this is a few catalog reads and takes no lock. Else
     it runs the missing steps in one transaction under the migration lock: a savepoint
-    inside the caller's open transaction with ``join=True``; with ``join=False`` an open
-    transaction is refused instead, so that the lock is never held until a caller's
-    transaction ends.
+    inside the caller's open transaction with ``join=True`` (an explicit migration);
+    with ``join=False`` (an object's ``create_tables=True``) an open transaction is
+    refused instead, so that the lock is never held until a caller's transaction ends,
+    and an index missing on an existing table is only warned about: building it would
+    block the table's writes, so only an explicit migration adds it.
 
     Args:
         conn: an open psycopg connection (autocommit or not).
         wanted: the kinds of table and their names (for checkpoints, the prefix).
         timeout: bound of every wait, seconds (see the module docstring).
-        join: whether work to do may run inside the caller's open transaction.
+        join: an explicit migration: it may run inside the caller's open transaction and
+            adds the indexes an existing table lacks.
 
     Raises:
         ConfigError: an unsafe table name, a schema version newer than this release, or
@@ -924,7 +964,7 @@ def run_migrations(
         with _bounded(conn, timeout):
             # Every (re)connect of every node gets here: when all is current, no lock
             # and no DDL (even CREATE INDEX IF NOT EXISTS locks a table against writes).
-            current = [_current(conn, kind, table) for kind, table in wanted]
+            current = [_current(conn, kind, table, join) for kind, table in wanted]
         if all(current):
             return [
                 TableChange(
@@ -944,7 +984,7 @@ def run_migrations(
         with _bounded(conn, timeout):
             lock_migrations(conn)
             waiting = "a statement to finish"
-            changes = [_migrate_one(conn, kind, table, deadline) for kind, table in wanted]
+            changes = [_migrate_one(conn, kind, table, deadline, join) for kind, table in wanted]
     except _Waited as exc:
         raise BackendUnavailable(
             f"cannot migrate {what}: waited {timeout:g} s for {exc.what}; nothing was "

@@ -72,15 +72,19 @@ def test_a_task_that_never_ran_starts_at_its_next_instant_and_reports_nothing(
     name = f"first-{uuid.uuid4().hex[:8]}"
     first = lead_once(backend, name)
     assert first.elected is not None
-    # With a 5 s grace, a catch-up would have claimed 50 fires, run one, skipped 49.
-    assert first.misfires == []
+    # With a 5 s grace, a catch-up would have claimed the 50 fires before the term,
+    # run one, skipped 49. (A fire of the term itself may be skipped as a misfire if a
+    # busy machine holds the scheduler up by a whole period.)
+    assert [at for at in first.misfires if at < first.elected - STEP] == []
     assert all(at > first.elected - STEP for at in first.runs)
     # Once it ran, fires missed while no node led are caught up, as ever: no node leads
     # for 0.6 s (a gap made on purpose, not a wait for something).
     time.sleep(0.6)
     second = lead_once(backend, name)
     assert second.elected is not None
-    caught_up = [at for at in second.runs if at < second.elected]
-    assert len(caught_up) == 1 and caught_up[0] > max(first.runs)
-    assert len(second.misfires) >= 2
-    assert all(at > max(first.runs) for at in second.misfires)
+    # "latest": the fires missed in the gap (about six) were found: the newest ran (or,
+    # when the next one was due already, was skipped too), the others were skipped.
+    caught_up = [at for at in second.runs if at < second.elected - STEP]
+    assert len(caught_up) <= 1
+    assert len(caught_up) + len(second.misfires) >= 4
+    assert all(at > max(first.runs) for at in caught_up + second.misfires)
