@@ -508,10 +508,12 @@ class TermRunner:
     def _recover(self, spec: TaskSpec, started: datetime) -> None:
         """At the start of a term: find and handle fires no node ran while none led.
 
-        Claims, in one call, the fires due at ``started`` (within the grace) newer than
-        the newest one already claimed: up to there the previous leader got. The fires
-        won are missed; the policy picks which to run, the rest stay claimed so that no
-        node runs them late.
+        A task that never ran anywhere (the claimer's ``ran_before`` says so) has missed
+        nothing: it starts at its next instant, with no catch-up and nothing reported.
+        Else claims, in one call, the fires due at ``started`` (within the grace) newer
+        than the newest one already claimed: up to there the previous leader got. The
+        fires won are missed; the policy picks which to run, the rest stay claimed so
+        that no node runs them late.
         """
         claimer = self.term.claimer
         assert claimer is not None
