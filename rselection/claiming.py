@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from typing import Protocol, runtime_checkable
@@ -11,14 +12,18 @@ from .errors import ConfigError
 from .keys import lease_scoped
 
 __all__ = [
+    "CLEANUP_BATCH",
     "MAX_FIRE_KEY_BYTES",
+    "CleanupClaimer",
     "FireClaimer",
+    "FireHistory",
     "LeaseClaims",
     "MemoryClaimer",
     "MissedFireClaimer",
     "check_fire_key",
     "check_fire_keys",
     "claim_missed",
+    "series_of",
 ]
 
 
@@ -59,6 +64,58 @@ class MissedFireClaimer(FireClaimer, Protocol):
         ...
 
 
+@runtime_checkable
+class CleanupClaimer(FireClaimer, Protocol):
+    """A :class:`FireClaimer` whose expired claims stay until deleted (a table, a dict).
+
+    A leader that claims through one deletes the expired claims itself, in batches of
+    :data:`CLEANUP_BATCH`, at least once per claim ttl. What :class:`FireHistory` needs
+    stays (:class:`~rselection.postgres.PostgresClaimer` keeps the newest claim of each
+    task, each :func:`series_of`).
+    """
+
+    def cleanup(self, *, batch: int | None = None) -> int:
+        """Delete expired claims, at most ``batch`` of them (all with ``None``, batch
+        by batch); return how many. Never deletes a claim that still binds.
+
+        Raises on a backend problem.
+        """
+        ...
+
+
+@runtime_checkable
+class FireHistory(Protocol):
+    """A claimer that knows whether a task's fires were claimed before, at any time.
+
+    A leader that starts asks it first: a task that never ran anywhere has missed
+    nothing, so its first term starts at its next instant, with no catch-up and no fire
+    reported skipped.
+    """
+
+    def ran_before(self, series: str) -> bool:
+        """Whether fires of ``series`` (a task's fire keys without the instant, such
+        as ``"billing/purge@"``) were claimed or scheduled before, here or on another
+        node; the answer does not expire with the claims' ttl.
+
+        Raises on a backend problem.
+        """
+        ...
+
+
+CLEANUP_BATCH = 1000
+"""Most expired claims one statement of a leader's clean-up deletes."""
+
+_INSTANT = re.compile(r"@\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{9}Z\Z")
+
+
+def series_of(fire_key: str) -> str | None:
+    """The series of a fire key: the key without its instant (``"purge@"`` for
+    ``"purge@2026-11-30T02:40:00.000000000Z"``), or ``None`` for a key that
+    :func:`~rselection.format_fire_key` did not write."""
+    found = _INSTANT.search(fire_key)
+    return None if found is None else fire_key[: found.start() + 1]
+
+
 MAX_FIRE_KEY_BYTES = 2600
 """Longest fire key a claimer accepts, in bytes as UTF-8.
 
@@ -91,14 +148,25 @@ def check_fire_key(value: object) -> str:
 def check_fire_keys(values: object) -> list[str]:
     """Return ``values`` as a list of checked fire keys (see :func:`check_fire_key`).
 
-    A single string is refused rather than taken as a sequence of one-character keys.
+    A single string is refused rather than taken as a sequence of one-character keys,
+    and so is a key given twice: the keys are one task's fires, oldest first, each once.
 
     Args:
         values: a list (or other iterable) of fire keys.
     """
     if isinstance(values, str | bytes) or not hasattr(values, "__iter__"):
         raise ConfigError(f"fire_keys must be a list of fire keys, got {values!r:.80}")
-    return [check_fire_key(value) for value in values]
+    keys: list[str] = []
+    seen: set[str] = set()
+    for value in values:
+        key = check_fire_key(value)
+        if key in seen:
+            raise ConfigError(
+                f"fire_keys must name each fire once (oldest first); {key!r:.80} is given twice"
+            )
+        seen.add(key)
+        keys.append(key)
+    return keys
 
 
 class MemoryClaimer:
@@ -121,17 +189,44 @@ class MemoryClaimer:
             raise ConfigError(f"ttl must be a positive number of seconds, got {ttl!r}")
         self.ttl = float(ttl)
         self._claims: dict[str, tuple[float, int | None]] = {}
+        self._series: set[str] = set()  # every series ever claimed: see ran_before()
         self._lock = threading.Lock()
+
+    def _record(self, key: str, until: float, term: int | None) -> None:
+        self._claims[key] = (until, term)
+        series = series_of(key)
+        if series is not None:
+            self._series.add(series)
+
+    def ran_before(self, series: str) -> bool:
+        """Whether a fire of ``series`` was claimed here before (see :class:`FireHistory`)."""
+        with self._lock:
+            return series in self._series
+
+    def cleanup(self, *, batch: int | None = None) -> int:
+        """Forget expired claims, at most ``batch`` of them; return how many (see
+        :class:`CleanupClaimer`; the series stay known, so nothing is kept for them)."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [key for key, (until, _) in self._claims.items() if until <= now]
+            for key in expired[:batch]:
+                del self._claims[key]
+            return len(expired[:batch])
 
     def claim_missed(self, fire_keys: list[str], *, term: int | None = None) -> list[str]:
         """Claim every key of ``fire_keys`` (oldest first) newer than the newest one
-        already held; return those won, oldest first (see :class:`FireClaimer`)."""
+        already held; return those won, oldest first (see :class:`MissedFireClaimer`).
+
+        Raises:
+            ConfigError: a bad or repeated key (see :func:`check_fire_keys`).
+        """
+        fire_keys = check_fire_keys(fire_keys)
         now = time.monotonic()
         with self._lock:
             held = [i for i, key in enumerate(fire_keys) if self._holds(key, now)]
             newer = fire_keys[held[-1] + 1 :] if held else fire_keys
             for key in newer:
-                self._claims[key] = (now + self.ttl, term)
+                self._record(key, now + self.ttl, term)
             return list(newer)
 
     def _holds(self, key: str, now: float) -> bool:
@@ -139,14 +234,17 @@ class MemoryClaimer:
         return held is not None and held[0] > now
 
     def claim(self, fire_key: str, *, term: int | None = None) -> bool:
-        """Claim ``fire_key`` unless an unexpired claim holds it."""
-        if not isinstance(fire_key, str) or not fire_key:
-            raise ConfigError(f"fire_key must be a non-empty string, got {fire_key!r}")
+        """Claim ``fire_key`` unless an unexpired claim holds it.
+
+        Raises:
+            ConfigError: a bad key (see :func:`check_fire_key`).
+        """
+        check_fire_key(fire_key)
         now = time.monotonic()
         with self._lock:
             if self._holds(fire_key, now):
                 return False
-            self._claims[fire_key] = (now + self.ttl, term)
+            self._record(fire_key, now + self.ttl, term)
             return True
 
     def claims(self) -> dict[str, int | None]:
@@ -161,7 +259,11 @@ def claim_missed(claimer: FireClaimer, fire_keys: list[str], *, term: int | None
 
     Uses the claimer's own ``claim_missed`` (one round trip) when it has one; else walks
     back from the newest key with :meth:`FireClaimer.claim` until a key is already held.
+
+    Raises:
+        ConfigError: a bad or repeated key (see :func:`check_fire_keys`).
     """
+    fire_keys = check_fire_keys(fire_keys)
     if isinstance(claimer, MissedFireClaimer):
         return claimer.claim_missed(fire_keys, term=term)
     won: list[str] = []
@@ -204,6 +306,21 @@ class LeaseClaims:
         keys = [self.prefix + key for key in fire_keys]
         won = claim_missed(self.claimer, keys, term=term)
         return [key[len(self.prefix) :] for key in won]
+
+    def cleanup(self, *, batch: int | None = None) -> int:
+        """Delete expired claims through the claimer (of every lease: it is safe from any
+        node); 0 when its claims expire by themselves (see :class:`CleanupClaimer`)."""
+        if isinstance(self.claimer, CleanupClaimer):
+            return self.claimer.cleanup(batch=batch)
+        return 0
+
+    def ran_before(self, series: str) -> bool:
+        """Whether fires of ``series`` ran before under this lease (see
+        :class:`FireHistory`); ``True`` when the claimer cannot tell, so that missed
+        fires are looked for as ever."""
+        if isinstance(self.claimer, FireHistory):
+            return self.claimer.ran_before(self.prefix + series)
+        return True
 
     def __repr__(self) -> str:
         return f"LeaseClaims({self.claimer!r}, prefix={self.prefix!r})"

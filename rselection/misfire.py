@@ -3,8 +3,11 @@
 A fire is *missed* when it came due while no node led (found by a new leader) or while
 this node's scheduler fell behind by whole periods. The task's policy decides which of
 them run: ``"latest"`` the newest once, ``"all"`` each (at most :data:`MAX_CATCH_UP`),
-``"skip"`` none. A fire older than the task's ``misfire_grace`` never runs. The runner
-(:mod:`rselection.runtime`) reports every fire these functions leave out.
+``"skip"`` none. A fire is missed only when it is a whole period behind: of the fires a
+scheduler that fell behind finds due, the newest is on time (its successor is not due
+yet) and runs whatever the policy. A fire older than the task's ``misfire_grace`` never
+starts: each one is checked when it is about to start, also one by one in a catch-up.
+The runner (:mod:`rselection.runtime`) reports every fire these functions leave out.
 """
 
 from __future__ import annotations
@@ -17,7 +20,15 @@ if TYPE_CHECKING:
     from .schedules import Schedule
     from .specs import MisfirePolicy
 
-__all__ = ["MAX_CATCH_UP", "MAX_SCAN", "due_fires", "split_by_policy", "window"]
+__all__ = [
+    "MAX_CATCH_UP",
+    "MAX_SCAN",
+    "due_fires",
+    "split_behind",
+    "split_by_policy",
+    "too_old",
+    "window",
+]
 
 MAX_SCAN = 1000
 """Missed fires examined one by one; older ones are dropped in bulk."""
@@ -62,3 +73,26 @@ def split_by_policy(
     keep = {"latest": 1, "all": MAX_CATCH_UP, "skip": 0}[policy]
     cut = max(0, len(missed) - keep)
     return missed[cut:], missed[:cut]
+
+
+def split_behind(
+    policy: MisfirePolicy, due: list[datetime]
+) -> tuple[list[datetime], list[datetime]]:
+    """Split the fires a scheduler finds due at once (oldest first) into those to run and
+    those ``policy`` skips.
+
+    The newest is on time and always runs; the older ones are missed (each is a whole
+    period behind: its successor is due). ``"all"`` runs them too (the newest
+    :data:`MAX_CATCH_UP` in all); ``"latest"`` and ``"skip"`` skip them, as the on-time
+    fire is newer than any of them.
+    """
+    if not due:
+        return [], []
+    if policy == "all":
+        return split_by_policy(policy, due)
+    return due[-1:], due[:-1]
+
+
+def too_old(at: datetime, now: datetime, grace: float) -> bool:
+    """Whether a fire scheduled ``at`` is more than ``grace`` seconds old at ``now``."""
+    return now - at > timedelta(seconds=grace)

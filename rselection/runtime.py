@@ -19,22 +19,22 @@ import random
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime, timedelta
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import signals
-from .claiming import claim_missed
+from .claiming import CLEANUP_BATCH, CleanupClaimer, FireHistory, claim_missed
 from .context import TaskContext, Term, running_term
 from .errors import LeadershipLost
-from .misfire import due_fires, split_by_policy, window
-from .schedules import format_fire_key
+from .misfire import due_fires, split_behind, split_by_policy, too_old, window
+from .schedules import fire_series, format_fire_key
 from .specs import StuckPolicy, TaskSpec, TaskType
 
 if TYPE_CHECKING:
     from .schedules import Schedule
 
-__all__ = ["TermRunner", "restart_delay"]
+__all__ = ["TermRunner", "cleanup_period", "restart_delay"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,12 @@ _RESTART_CAP = 30.0
 _T = TypeVar("_T")
 _CLAIM_POLL_MAX = 1.0  # seconds between liveness checks while a claim is in flight
 _LOOP_DRAIN = 1.0  # seconds a stopped private loop gets to unwind cancelled tasks
+
+
+def cleanup_period(ttl: float) -> float:
+    """Seconds between a leader's clean-ups of expired claims: half the claim ttl, at
+    least a second unless the ttl is shorter (so at least once per ttl)."""
+    return min(ttl, max(ttl / 2, 1.0))
 
 
 def restart_delay(attempt: int) -> float:
@@ -88,9 +94,12 @@ class TermRunner:
         # Claims run here, so that one stuck on a dead connection never holds the term's
         # end: the runner stops waiting for it the moment the term ends.
         self._claim_waits: set[threading.Event] = set()
+        # Two workers for claims, one more for the clean-up of expired claims (at most one
+        # at a time), so that a clean-up never holds up a claim.
         self._claims = ThreadPoolExecutor(
-            max_workers=2, thread_name_prefix=f"rselection-claims-term-{term.number}"
+            max_workers=3, thread_name_prefix=f"rselection-claims-term-{term.number}"
         )
+        self._cleanup: Future[None] | None = None
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -425,10 +434,17 @@ class TermRunner:
                         # here, before any newer fire, so that they run in order.
                         self._recover(spec, now)
                     self._push(heap, spec, _schedule(spec).next_fire(now), order)
+        cleaning = term.claimer if isinstance(term.claimer, CleanupClaimer) else None
+        next_cleanup = time.monotonic()  # at the start of the term, then every period
         while heap and term.live():
+            if cleaning is not None and time.monotonic() >= next_cleanup:
+                self._start_cleanup(cleaning)
+                next_cleanup = time.monotonic() + cleanup_period(cleaning.ttl)
             at, _, spec = heap[0]
             delay = at.timestamp() - time.time()
             if delay > 0:
+                if cleaning is not None:
+                    delay = min(delay, max(0.0, next_cleanup - time.monotonic()))
                 if term.cancelled.wait(min(delay, term.remaining())):
                     return
                 continue
@@ -467,18 +483,19 @@ class TermRunner:
         """Run the fire due at ``first``, and any later ones already due, as far as the
         grace and the misfire policy let them; return the newest due.
 
-        A single due fire is on time (if late by less than a period); several mean this
-        node fell behind, and all but the newest are missed fires.
+        The newest fire due is on time (its successor is not due yet) and runs whatever
+        the policy; the older ones mean this node fell behind by whole periods: they are
+        missed, and the policy decides (see :func:`~rselection.misfire.split_behind`).
         """
         now = datetime.now(UTC)
         due, dropped = due_fires(_schedule(spec), first, now)
-        limit = now - timedelta(seconds=spec.misfire_grace)
-        for at in dropped + [at for at in due if at < limit]:
+        run, missed = split_behind(spec.misfire, due)
+        stale = [at for at in run if too_old(at, now, spec.misfire_grace)]
+        for at in sorted(dropped + missed + stale):
             self._skip(spec, at, "misfire")
-        fresh = [at for at in due if at >= limit]
-        run = fresh if len(due) == 1 else self._select(spec, fresh)
-        if run:
-            self._fire(spec, run, claimed=False)
+        fresh = [at for at in run if at not in stale]
+        if fresh:
+            self._fire(spec, fresh, claimed=False)
         return due[-1]
 
     def _select(self, spec: TaskSpec, missed: list[datetime]) -> list[datetime]:
@@ -491,10 +508,12 @@ class TermRunner:
     def _recover(self, spec: TaskSpec, started: datetime) -> None:
         """At the start of a term: find and handle fires no node ran while none led.
 
-        Claims, in one call, the fires due at ``started`` (within the grace) newer than
-        the newest one already claimed: up to there the previous leader got. The fires
-        won are missed; the policy picks which to run, the rest stay claimed so that no
-        node runs them late.
+        A task that never ran anywhere (the claimer's ``ran_before`` says so) has missed
+        nothing: it starts at its next instant, with no catch-up and nothing reported.
+        Else claims, in one call, the fires due at ``started`` (within the grace) newer
+        than the newest one already claimed: up to there the previous leader got. The
+        fires won are missed; the policy picks which to run, the rest stay claimed so
+        that no node runs them late.
         """
         claimer = self.term.claimer
         assert claimer is not None
@@ -502,6 +521,22 @@ class TermRunner:
         candidates = window(schedule, started, spec.misfire_grace)
         if not candidates:
             return
+        if isinstance(claimer, FireHistory):
+            # A task that never ran anywhere has missed nothing: its first term starts
+            # at its next instant, as on a leader without claims, and reports nothing.
+            try:
+                ran = self._in_claim_pool(claimer.ran_before, fire_series(spec.name))
+            except Exception as exc:
+                logger.warning(
+                    "missed fires of %r not recovered: its claims could not be read: %s",
+                    spec.name,
+                    exc,
+                )
+                return
+            if not ran:  # never ran, or the term ended meanwhile (None)
+                if ran is not None:
+                    logger.debug("task %r never ran before: no fire was missed", spec.name)
+                return
         keys = {format_fire_key(spec.name, at): at for at in candidates}
         what = f"{len(keys)} fires of {spec.name!r} due since {candidates[0].isoformat()}"
         try:
@@ -524,6 +559,29 @@ class TermRunner:
         else:
             for at in run:
                 self._skip(spec, at, "not-leader")
+
+    def _start_cleanup(self, claimer: CleanupClaimer) -> None:
+        """Delete expired claims on the claim pool, batch by batch while the term lasts;
+        the scheduler does not wait for it, and one clean-up runs at a time."""
+        if self._cleanup is not None and not self._cleanup.done():
+            return
+        try:
+            self._cleanup = self._claims.submit(self._clean_up, claimer)
+        except RuntimeError:  # the pool is shut down: the term is over
+            self._cleanup = None
+
+    def _clean_up(self, claimer: CleanupClaimer) -> None:
+        deleted = 0
+        try:
+            while self.term.live():
+                count = claimer.cleanup(batch=CLEANUP_BATCH)
+                deleted += count
+                if count < CLEANUP_BATCH:
+                    break
+        except Exception as exc:
+            logger.warning("expired claims not deleted (tried again later): %s", exc)
+        if deleted:
+            logger.debug("term %d: deleted %d expired claims", self.term.number, deleted)
 
     def _in_claim_pool(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T | None:
         """``fn(*args, **kwargs)`` on the claim pool; ``None`` if the term ends first.
@@ -603,9 +661,19 @@ class TermRunner:
             spec.name, self.term, scheduled_at=at, fire_key=format_fire_key(spec.name, at)
         )
 
+    def _stale(self, spec: TaskSpec, at: datetime) -> bool:
+        """Whether the fire at ``at`` is past its grace now, when it is about to start
+        (reported as a misfire): a catch-up's later fires age while the earlier run."""
+        if not too_old(at, datetime.now(UTC), spec.misfire_grace):
+            return False
+        self._skip(spec, at, "misfire")
+        return True
+
     def _fire_sync(self, spec: TaskSpec, fires: list[datetime], claimed: bool) -> None:
         try:
             for at in fires:
+                if self._stale(spec, at):
+                    continue
                 if claimed or self._claim_fire(spec, at):
                     self._run_sync(spec, self._context(spec, at))
         finally:
@@ -615,6 +683,8 @@ class TermRunner:
         loop = asyncio.get_running_loop()
         try:
             for at in fires:
+                if self._stale(spec, at):
+                    continue
                 # A claim is a database round trip: keep it off the event loop.
                 if claimed or await loop.run_in_executor(None, self._claim_fire, spec, at):
                     await self._run_async(spec, self._context(spec, at))

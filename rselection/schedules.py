@@ -23,6 +23,7 @@ __all__ = [
     "IntervalSchedule",
     "Schedule",
     "as_timedelta",
+    "fire_series",
     "format_fire_key",
 ]
 
@@ -397,6 +398,14 @@ class CronSchedule:
     def __repr__(self) -> str:
         """Constructor-like representation."""
         return f"CronSchedule({self._expr!r}, tz={self._tz.key!r})"
+
+
+def fire_series(task_name: str) -> str:
+    """What every fire key of a task starts with: ``"<task>@"`` (see
+    :func:`format_fire_key`; :func:`rselection.claiming.series_of` goes back)."""
+    if not isinstance(task_name, str) or not task_name:
+        raise ConfigError(f"task_name must be a non-empty str, got {_describe(task_name)}")
+    return f"{task_name}@"
 
 
 def format_fire_key(task_name: str, scheduled_at: datetime) -> str:

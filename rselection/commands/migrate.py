@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from .connections import Unreachable, connect, describe, first_line, redact, resolve_dsn
 from .options import add_database_options
 from .output import EXIT_UNREACHABLE
+
+MIGRATION_TIMEOUT = 30.0
+"""Default of ``--timeout``, seconds (that of :func:`rselection.postgres.migrate`)."""
 
 __all__ = ["add_parser", "run"]
 
@@ -24,8 +28,26 @@ def add_parser(
         "migrate", help="create or upgrade the tables; say what was done"
     )
     add_database_options(parser)
+    parser.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=MIGRATION_TIMEOUT,
+        metavar="SECONDS",
+        help="longest wait for a lock another process holds (default: %(default)g s)",
+    )
     parser.set_defaults(run=run)
     return parser
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds, for ``--timeout``."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_UNREACHABLE
     try:
         with conn:
-            changes = migrate(conn, table=args.table)
+            changes = migrate(conn, table=args.table, timeout=args.timeout)
     except (BackendUnavailable, ConfigError) as exc:
         print(f"migrate failed on {where}: {redact(str(exc), dsn)}", file=sys.stderr)
         return 1

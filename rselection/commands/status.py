@@ -127,6 +127,59 @@ def _lease_rows(conn: psycopg.Connection[Any], table: str) -> list[tuple[Any, ..
     ).fetchall()
 
 
+def _last_fires_sql() -> Any:
+    """The newest claimed fire of each task of each lease, as (lease, task, fire, node,
+    term, claimed_at), in a few index probes per task whatever the table's size.
+
+    Claim keys are ``"<lease>/<task>@<UTC RFC 3339 nanos>"``, with ``%`` and ``/`` in the
+    lease name written ``%25`` and ``%2F`` (:mod:`rselection.keys`): in byte order (the
+    claims table's ``fire_key COLLATE "C"`` index) one lease's keys are one range, one
+    task's keys are one range within it, and its newest fire sorts last. The walk visits
+    each task once: the first key of the lease's range, the newest key of that key's
+    task (same length, before ``"<lease>/<task>@["``), then the first key after it, and
+    so on. A key that is not a fire key (no instant) counts as a task of its own.
+    """
+    from psycopg import sql
+
+    key = '(c.fire_key COLLATE "C")'
+    end = "((left(p.prefix, -1) || '0') COLLATE \"C\")"  # "/" + 1: past the lease's keys
+    instant = "'@[0-9]{{4}}-[0-9]{{2}}-[0-9]{{2}}T[0-9]{{2}}:[0-9]{{2}}:[0-9]{{2}}[.][0-9]{{9}}Z$'"
+    newest = (
+        f"CASE WHEN s.k ~ {instant} THEN (SELECT c.fire_key FROM {{c}} c"
+        f' WHERE {key} >= (s.k COLLATE "C")'
+        f" AND {key} < ((left(s.k, -30) || '[') COLLATE \"C\")"
+        f" AND length(c.fire_key) = length(s.k) ORDER BY {key} DESC LIMIT 1) ELSE s.k END"
+    )
+
+    def first(op: str, bound: str) -> str:
+        return (
+            f'(SELECT c.fire_key FROM {{c}} c WHERE {key} {op} ({bound} COLLATE "C")'
+            f" AND {key} < {end} ORDER BY {key} LIMIT 1)"
+        )
+
+    return sql.SQL(
+        "WITH RECURSIVE p AS ("
+        " SELECT l.name, replace(replace(l.name, '%', '%25'), '/', '%2F') || '/' AS prefix"
+        " FROM {l} l"
+        "), walk(name, prefix, newest) AS ("
+        " SELECT p.name, p.prefix, f.newest FROM p"
+        f" CROSS JOIN LATERAL (SELECT {first('>=', 'p.prefix')} AS k) s"
+        f" CROSS JOIN LATERAL (SELECT {newest} AS newest) f WHERE s.k IS NOT NULL"
+        " UNION ALL"
+        " SELECT p.name, p.prefix, f.newest FROM walk p"
+        f" CROSS JOIN LATERAL (SELECT {first('>', 'p.newest')} AS k) s"
+        f" CROSS JOIN LATERAL (SELECT {newest} AS newest) f WHERE s.k IS NOT NULL"
+        ") SELECT DISTINCT ON (w.name, k.task) w.name, k.task, k.fire,"
+        " c.holder, c.term, c.claimed_at"
+        " FROM walk w CROSS JOIN LATERAL (SELECT c.holder, c.term, c.claimed_at"
+        " FROM {c} c WHERE c.fire_key = w.newest LIMIT 1) c"
+        " CROSS JOIN LATERAL (SELECT"
+        " regexp_replace(substr(w.newest, length(w.prefix) + 1), '@[^@]*$', '') AS task,"
+        " substring(w.newest FROM '@([^@]*)$') AS fire) k"
+        " ORDER BY w.name, k.task, k.fire DESC"
+    )
+
+
 def read_status(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
     """One snapshot of the leases, handover requests, nodes and last fires asked for.
 
@@ -163,22 +216,13 @@ def read_status(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
                 ).fetchall()
             fire_rows = None
             if table_exists(conn, args.claims_table):
-                # Claim keys are "<lease>/<task>@<UTC RFC 3339 nanos>", with "%" and "/"
-                # in the lease name written "%25" and "%2F" (rselection.keys): the key of
-                # the latest fire sorts last, and its holder is the node that ran it.
+                # A few index probes per task: compiling the query (JIT, tempted by the
+                # recursive walk's estimates) would take longer than running it.
+                conn.execute("SET jit = off")
                 fire_rows = conn.execute(
-                    sql.SQL(
-                        "SELECT DISTINCT ON (l.name, k.task) l.name, k.task, k.fire,"
-                        " c.holder, c.term, c.claimed_at"
-                        " FROM {l} l CROSS JOIN LATERAL (SELECT"
-                        " replace(replace(l.name, '%', '%25'), '/', '%2F') || '/' AS prefix) p"
-                        " JOIN {c} c ON left(c.fire_key, length(p.prefix)) = p.prefix"
-                        " CROSS JOIN LATERAL (SELECT"
-                        " regexp_replace(substr(c.fire_key, length(p.prefix) + 1),"
-                        " '@[^@]*$', '') AS task,"
-                        " substring(c.fire_key FROM '@([^@]*)$') AS fire) k"
-                        " ORDER BY l.name, k.task, k.fire DESC"
-                    ).format(l=table_identifier(args.table), c=table_identifier(args.claims_table))
+                    _last_fires_sql().format(
+                        l=table_identifier(args.table), c=table_identifier(args.claims_table)
+                    )
                 ).fetchall()
         except psycopg.Error as exc:
             raise Unreachable(

@@ -22,7 +22,9 @@ A claim is **kept until its ttl** (600 s by default), also after the run ends: a
 replica whose scheduler fires late (a GC pause, a slow start, a skewed clock) must not
 run the same fire again. So ``ttl`` must be longer than the latest a fire may start
 anywhere in the fleet (for APScheduler, its ``misfire_grace_time``). :meth:`cleanup`
-deletes claims that expired more than a minute ago; call it now and then (any node).
+deletes claims that expired more than a minute ago, in bounded batches, but the newest
+of each task; a leader calls it itself at least once per claim ttl (elsewhere, call it
+now and then from any node).
 
 **Fail closed.** :meth:`PostgresClaimer.claim` returns ``False`` only when another
 claim holds the key. Any backend problem (no connection, a broken session, a timeout)
@@ -67,7 +69,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ..claiming import check_fire_key, check_fire_keys
+from ..claiming import CLEANUP_BATCH, check_fire_key, check_fire_keys
 from ..closeable import Closeable
 from ..errors import ConfigError
 from ..validation import check_node_id, check_seconds, new_node_id
@@ -91,6 +93,9 @@ microsecond precision."""
 
 
 _MAX_TERM = 2**63 - 1
+
+# What rselection.format_fire_key ends a key with, as a Postgres regular expression.
+_INSTANT_SQL = r"@[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{9}Z$"
 
 
 def _check_term(term: object) -> None:
@@ -201,9 +206,27 @@ class PostgresClaimer(Closeable):
             ") SELECT array(SELECT fire_key FROM claimed),"
             " (SELECT format_version FROM foreign_format)"
         ).format(t=self._ident)
+        # Expired claims, oldest first (the expiry index), a batch at a time; the newest
+        # claim of each task stays (ran_before() reads it), found by one probe of the
+        # key index: a newer key of the same task, same length, in the same key range.
         self._cleanup_sql = sql.SQL(
-            "DELETE FROM {} WHERE expires_at < clock_timestamp() - interval '1 minute'"
-        ).format(self._ident)
+            "DELETE FROM {t} d USING ("
+            " SELECT c.fire_key FROM {t} c"
+            " WHERE c.expires_at < clock_timestamp() - interval '1 minute'"
+            " AND (c.fire_key !~ %(instant)s OR EXISTS (SELECT 1 FROM {t} n"
+            '  WHERE (n.fire_key COLLATE "C") > (c.fire_key COLLATE "C")'
+            '  AND (n.fire_key COLLATE "C") < ((left(c.fire_key, -30) || \'[\') COLLATE "C")'
+            "  AND length(n.fire_key) = length(c.fire_key)))"
+            " ORDER BY c.expires_at LIMIT %(batch)s FOR UPDATE OF c SKIP LOCKED"
+            ") old WHERE d.fire_key = old.fire_key"
+        ).format(t=self._ident)
+        # Any claim of a task's series, expired or not: the key index's range of it.
+        self._ran_before_sql = sql.SQL(
+            "SELECT EXISTS (SELECT 1 FROM {t}"
+            ' WHERE (fire_key COLLATE "C") > (%(series)s::text COLLATE "C")'
+            ' AND (fire_key COLLATE "C") < ((%(series)s::text || \'[\') COLLATE "C")'
+            " AND length(fire_key) = length(%(series)s::text) + 30)"
+        ).format(t=self._ident)
 
     def __repr__(self) -> str:
         return (
@@ -319,16 +342,55 @@ class PostgresClaimer(Closeable):
         logger.debug("%s: %s", what, "won" if won else "held by another claim")
         return bool(won)
 
-    def cleanup(self) -> int:
+    def cleanup(self, *, batch: int | None = None) -> int:
         """Delete claims that expired more than a minute ago; return how many.
 
-        Safe from any node at any time: a claim that still binds is never deleted.
+        Safe from any node at any time: a claim that still binds is never deleted, nor
+        the newest claim of each task (a key :func:`~rselection.format_fire_key` wrote):
+        it tells a starting leader that the task ran before (:meth:`ran_before`). Each
+        statement deletes at most ``batch`` claims (:data:`~rselection.claiming.
+        CLEANUP_BATCH` when ``None``), oldest expiry first, skipping rows locked by a
+        claim in progress; with ``batch=None`` statements follow until none is left.
+        A leader calls this itself, at least once per claim ttl.
+
+        Args:
+            batch: at most this many claims (one statement); ``None``: all of them.
 
         Raises:
-            ConfigError: the claims table does not exist.
+            ConfigError: the claims table does not exist, or a bad ``batch``.
             BackendUnavailable: the database cannot be reached.
         """
+        if batch is not None and (
+            isinstance(batch, bool) or not isinstance(batch, int) or batch < 1
+        ):
+            raise ConfigError(f"batch must be None or a positive int, got {batch!r:.40}")
+        size = CLEANUP_BATCH if batch is None else batch
+        params = {"batch": size, "instant": _INSTANT_SQL}
+        total = 0
+        while True:
+            with self._conns.connection() as conn:
+                count = int(self._run("clean up claims", conn, self._cleanup_sql, params))
+            total += count
+            if batch is not None or count < size:
+                break
+        logger.debug("claims table %s: deleted %s expired claims", self.table, total)
+        return total
+
+    def ran_before(self, series: str) -> bool:
+        """Whether a fire of ``series`` (a task's fire keys without the instant, such as
+        ``"billing/purge@"``) was ever claimed in this table, expired claims included
+        (:meth:`cleanup` keeps the newest of each task). One probe of the key index.
+
+        Raises:
+            ConfigError: a bad ``series`` or a missing claims table.
+            BackendUnavailable: the database cannot be reached.
+        """
+        check_fire_key(series)
         with self._conns.connection() as conn:
-            count = self._run("clean up claims", conn, self._cleanup_sql, None)
-        logger.debug("claims table %s: deleted %s expired claims", self.table, count)
-        return int(count)
+            row = self._run(
+                f"look up the claims of {series[:80]!r}",
+                conn,
+                self._ran_before_sql,
+                {"series": series},
+            )
+        return bool(row[0])

@@ -57,6 +57,14 @@ claimed fire::
     claimed_at      timestamptz        -- server time of the claim
     expires_at      timestamptz        -- server time until which the claim binds
 
+with an index on ``fire_key COLLATE "C"`` (one lease's or one task's keys are one range
+of it, whatever the database's collation: ``rselection status`` and a starting leader
+read those) and one on ``expires_at`` (the leader's clean-up). Both are kept outside the
+version numbers (:attr:`TableKind.indexes`): a new table gets them, and
+:func:`migrate` (``rselection migrate``) adds them to an existing table, which keeps
+schema version 1 (an object created with ``create_tables=True`` only warns about a
+missing one: building an index blocks the table's writes meanwhile).
+
 The elections table (:class:`~rselection.postgres.PostgresElector`) holds one row per
 election name: ``name``, ``holder`` (NULL after a resign), ``term`` (+1 on every change
 of holder), ``acquired_at``, ``renewed_at``, ``expires_at``. It is not a lease table: an
@@ -95,7 +103,7 @@ import hashlib
 import logging
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -341,6 +349,10 @@ def _one_table(table: str) -> tuple[str, ...]:
     return (table,)
 
 
+def _no_indexes(table: str) -> tuple[tuple[str, sql.Composed], ...]:
+    return ()
+
+
 @dataclass(frozen=True)
 class TableKind:
     """A kind of rselection table: its default name, its tables and its numbered steps.
@@ -352,6 +364,12 @@ class TableKind:
         steps: the steps, numbered 1..n in order.
         tables: the table names one name (or prefix) makes, the first one the main
             table; every one must exist for the kind to be present.
+        indexes: indexes every table of the kind has whatever its version, as (name,
+            ``CREATE INDEX IF NOT EXISTS`` statement) for a table name: created with the
+            table, and added to an existing one by an explicit migration; no version
+            number records it (an index
+            changes no row and no column; every release works with or without it, so
+            adding one never makes a table too new for an older release).
 
     Raises:
         ConfigError: the steps are not numbered 1..n in order.
@@ -362,6 +380,7 @@ class TableKind:
     default: str
     steps: tuple[Step, ...]
     tables: Callable[[str], tuple[str, ...]] = _one_table
+    indexes: Callable[[str], Sequence[tuple[str, sql.Composed]]] = _no_indexes
 
     def __post_init__(self) -> None:
         """Check that the steps are numbered 1..n in order."""
@@ -373,6 +392,11 @@ class TableKind:
     def version(self) -> int:
         """The schema version this release creates and understands."""
         return len(self.steps)
+
+    def index_names(self, table: str) -> tuple[str, ...]:
+        """The kind's indexes (see ``indexes``) as schema-qualified names, for lookups."""
+        schema = validate_table_name(table)[:-1]
+        return tuple(".".join((*schema, name)) for name, _ in self.indexes(table))
 
     def component(self, table: str) -> str:
         """The row recorded in the version table: the kind, plus the name if not default."""
@@ -568,8 +592,38 @@ LEASES = TableKind(
 )
 """The lease table of :class:`~rselection.PostgresLeader`."""
 
-CLAIMS = TableKind("claims", "claims table", CLAIMS_TABLE, (Step(1, "create", _claims_v1),))
-"""The claims table of :class:`~rselection.postgres.PostgresClaimer`."""
+
+def _claims_indexes(table: str) -> tuple[tuple[str, sql.Composed], ...]:
+    ident = table_identifier(table)
+    key_name = validate_table_name(suffixed_name(table, "fire_key_c_idx"))[-1]
+    expiry_name = validate_table_name(suffixed_name(table, "expires_at_idx"))[-1]
+    by_key, by_expiry = sql.Identifier(key_name), sql.Identifier(expiry_name)
+    return (
+        # Byte order of the keys whatever the database's collation, so a range of keys
+        # (one lease's, one task's) is one index range: `rselection status` reads the
+        # newest fire of each task, and a starting leader asks whether a task ever ran.
+        (
+            key_name,
+            sql.SQL('CREATE INDEX IF NOT EXISTS {} ON {} ((fire_key COLLATE "C"))').format(
+                by_key, ident
+            ),
+        ),
+        # The leader's clean-up deletes expired claims oldest first, in batches.
+        (
+            expiry_name,
+            sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (expires_at)").format(by_expiry, ident),
+        ),
+    )
+
+
+CLAIMS = TableKind(
+    "claims",
+    "claims table",
+    CLAIMS_TABLE,
+    (Step(1, "create", _claims_v1),),
+    indexes=_claims_indexes,
+)
+"""The claims table of :class:`~rselection.postgres.PostgresClaimer` (and its indexes)."""
 
 ELECTIONS = TableKind(
     "elections", "elections table", ELECTIONS_TABLE, (Step(1, "create", _elections_v1),)
@@ -712,7 +766,11 @@ def _run_step(
 
 
 def _migrate_one(
-    conn: psycopg.Connection[Any], kind: TableKind, table: str, deadline: float
+    conn: psycopg.Connection[Any],
+    kind: TableKind,
+    table: str,
+    deadline: float,
+    add_indexes: bool,
 ) -> TableChange:
     names = kind.tables(table)
     version_ident = version_table_identifier(names[0])
@@ -743,6 +801,17 @@ def _migrate_one(
         else:
             for statement in statements:
                 conn.execute(statement)
+    for name, statement in kind.indexes(table):
+        qualified = ".".join((*validate_table_name(names[0])[:-1], name))
+        if _exists(conn, [qualified]):
+            continue
+        if not existed:
+            conn.execute(statement)
+        elif add_indexes:
+            _run_step(conn, [statement], deadline, kind.describe(table))
+            logger.info("%s: added the index %s", kind.describe(table), name)
+        else:
+            _warn_missing_index(kind, table, name)
     if recorded != kind.version:
         conn.execute(
             sql.SQL(
@@ -790,26 +859,91 @@ def lock_migrations(conn: psycopg.Connection[Any]) -> None:
     conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
 
 
+@contextlib.contextmanager
+def _bounded(conn: psycopg.Connection[Any], timeout: float) -> Iterator[None]:
+    """A transaction (a savepoint inside an open one) whose lock and statement waits
+    are bounded by ``timeout``; the caller's settings are back once it ends."""
+    with conn.transaction():
+        previous = conn.execute(
+            "SELECT current_setting('lock_timeout'), current_setting('statement_timeout'),"
+            " current_setting('idle_in_transaction_session_timeout')"
+        ).fetchone()
+        assert previous is not None
+        _set_local(conn, "lock_timeout", timeout)
+        _set_local(conn, "statement_timeout", timeout)
+        yield
+        # A savepoint released keeps its SET LOCALs for the rest of the caller's
+        # transaction: put the caller's back (a rolled back one drops them itself).
+        conn.execute(
+            "SELECT set_config('lock_timeout', %s, true),"
+            " set_config('statement_timeout', %s, true),"
+            " set_config('idle_in_transaction_session_timeout', %s, true)",
+            previous,
+        )
+
+
+def _current(conn: psycopg.Connection[Any], kind: TableKind, table: str, add_indexes: bool) -> bool:
+    """Whether ``table`` is at its kind's version with every table in place, and its
+    indexes too (``add_indexes``; else a missing one is only warned about)."""
+    if _recorded(conn, kind, table) != kind.version or not _exists(conn, kind.tables(table)):
+        return False
+    missing = [
+        (qualified, name)
+        for qualified, (name, _) in zip(kind.index_names(table), kind.indexes(table), strict=True)
+        if not _exists(conn, [qualified])
+    ]
+    if add_indexes:
+        return not missing
+    for _, name in missing:
+        _warn_missing_index(kind, table, name)
+    return True
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_missing_index(kind: TableKind, table: str, name: str) -> None:
+    """Once per process and index: an existing table lacks an index, which only an
+    explicit migration adds (building it blocks the table's writes meanwhile)."""
+    if (table, name) in _warned:
+        return
+    _warned.add((table, name))
+    logger.warning(
+        "%s has no index %s: run `rselection migrate` (or rselection.postgres.migrate()) "
+        "once to add it; until then some reads of it scan the whole table",
+        kind.describe(table),
+        name,
+    )
+
+
 def run_migrations(
     conn: psycopg.Connection[Any],
     wanted: Sequence[tuple[TableKind, str]],
     *,
     timeout: float = MIGRATION_TIMEOUT,
+    join: bool = True,
 ) -> list[TableChange]:
     """Bring each ``(kind, table)`` to its kind's version; one :class:`TableChange` each.
 
     The building block of :func:`create_tables` and :func:`migrate`. When every table
     exists at its version already, this is a few catalog reads and takes no lock. Else
-    it runs the missing steps in one transaction (a savepoint inside the caller's open
-    transaction) under the migration lock.
+    it runs the missing steps in one transaction under the migration lock: a savepoint
+    inside the caller's open transaction with ``join=True`` (an explicit migration);
+    with ``join=False`` (an object's ``create_tables=True``) an open transaction is
+    refused instead, so that the lock is never held until a caller's transaction ends,
+    and an index missing on an existing table is only warned about: building it would
+    block the table's writes, so only an explicit migration adds it.
 
     Args:
         conn: an open psycopg connection (autocommit or not).
         wanted: the kinds of table and their names (for checkpoints, the prefix).
         timeout: bound of every wait, seconds (see the module docstring).
+        join: an explicit migration: it may run inside the caller's open transaction and
+            adds the indexes an existing table lacks.
 
     Raises:
-        ConfigError: an unsafe table name, or a schema version newer than this release.
+        ConfigError: an unsafe table name, a schema version newer than this release, or
+            (``join=False``) tables to create or upgrade inside an open transaction.
         BackendUnavailable: a wait ran past ``timeout``, or the database refused
             (missing schema, no privilege); the message says which.
         psycopg.Error: another driver error; the caller wraps it.
@@ -824,40 +958,33 @@ def run_migrations(
         what = f"the {wanted[0][0].describe(wanted[0][1])}"
     else:
         what = "the tables (" + ", ".join(kind.kind for kind, _ in wanted) + ")"
-    with conn.transaction():
-        # Every (re)connect of every node gets here: when all is current, no lock and
-        # no DDL (even CREATE INDEX IF NOT EXISTS locks a table against writes).
-        current = [
-            _recorded(conn, kind, table) == kind.version and _exists(conn, kind.tables(table))
-            for kind, table in wanted
-        ]
-    if all(current):
-        return [
-            TableChange(
-                kind.kind, table, "present", kind.version, kind.version, kind.describe(table)
-            )
-            for kind, table in wanted
-        ]
     deadline = time.monotonic() + timeout
-    waiting = "the migration lock"
+    waiting = "the catalog"
     try:
-        with conn.transaction():
-            previous = conn.execute(
-                "SELECT current_setting('lock_timeout'), current_setting('statement_timeout'),"
-                " current_setting('idle_in_transaction_session_timeout')"
-            ).fetchone()
-            assert previous is not None
-            _set_local(conn, "lock_timeout", timeout)
-            _set_local(conn, "statement_timeout", timeout)
+        with _bounded(conn, timeout):
+            # Every (re)connect of every node gets here: when all is current, no lock
+            # and no DDL (even CREATE INDEX IF NOT EXISTS locks a table against writes).
+            current = [_current(conn, kind, table, join) for kind, table in wanted]
+        if all(current):
+            return [
+                TableChange(
+                    kind.kind, table, "present", kind.version, kind.version, kind.describe(table)
+                )
+                for kind, table in wanted
+            ]
+        if not join and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            raise ConfigError(
+                f"cannot create or upgrade {what} inside the caller's open transaction: "
+                "the migration lock would be held until that transaction ends, and every "
+                "other rselection process would wait for it. Run "
+                "rselection.postgres.migrate(conninfo) (or `rselection migrate`) once, "
+                "make the first call outside a transaction, or pass create_tables=False"
+            )
+        waiting = "the migration lock"
+        with _bounded(conn, timeout):
             lock_migrations(conn)
             waiting = "a statement to finish"
-            changes = [_migrate_one(conn, kind, table, deadline) for kind, table in wanted]
-            conn.execute(
-                "SELECT set_config('lock_timeout', %s, true),"
-                " set_config('statement_timeout', %s, true),"
-                " set_config('idle_in_transaction_session_timeout', %s, true)",
-                previous,
-            )
+            changes = [_migrate_one(conn, kind, table, deadline, join) for kind, table in wanted]
     except _Waited as exc:
         raise BackendUnavailable(
             f"cannot migrate {what}: waited {timeout:g} s for {exc.what}; nothing was "
@@ -865,6 +992,8 @@ def run_migrations(
         ) from None
     except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
         holder = _lock_holder(conn) if waiting == "the migration lock" else ""
+        if conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
+            holder = ""  # the caller's transaction is aborted: no query can tell
         raise BackendUnavailable(
             f"cannot migrate {what}: waited {timeout:g} s for {waiting}{holder}; nothing "
             "was changed. Try again, or pass a longer timeout"
@@ -889,7 +1018,10 @@ def create_tables(
 
     Returns one :class:`TableChange` per table, in the order given. What an object
     created with ``create_tables=True`` runs on first use, for its own tables only.
-    Same guarantees as :func:`migrate`.
+    Same guarantees as :func:`migrate`, but never inside the caller's open transaction:
+    there, tables that are current are fine (catalog reads only), and tables to create
+    or upgrade raise :class:`~rselection.errors.ConfigError`, as the migration lock
+    would be held until that transaction ends and block every other process.
 
     Args:
         conn: an open psycopg connection (autocommit or not).
@@ -899,19 +1031,23 @@ def create_tables(
             that kind.
 
     Raises:
-        ConfigError: unknown keyword, unsafe table name, or a schema version newer than
-            this release understands.
+        ConfigError: unknown keyword, unsafe table name, a schema version newer than
+            this release understands, or tables to create inside an open transaction.
         BackendUnavailable: a wait ran past ``timeout``, or the database refused; the
             message says which.
         psycopg.Error: the connection failed.
     """
+    return run_migrations(conn, _wanted(tables), timeout=timeout, join=False)
+
+
+def _wanted(tables: dict[str, str | None]) -> list[tuple[TableKind, str]]:
     wanted: list[tuple[TableKind, str]] = []
     for name, table in tables.items():
         if name not in KINDS:
             raise ConfigError(f"unknown table kind {name!r}: use {', '.join(KINDS)}")
         if table is not None:
             wanted.append((KINDS[name], table))
-    return run_migrations(conn, wanted, timeout=timeout)
+    return wanted
 
 
 def migrate(
@@ -972,17 +1108,20 @@ def migrate(
         statement_timeout=timeout,
     )
     try:
+        wanted = _wanted(
+            {
+                "leases": table,
+                "claims": claims_table,
+                "elections": elections_table,
+                "nodes": nodes_table,
+                "broadcast": broadcast_table,
+                "checkpoints": checkpoint_prefix,
+            }
+        )
         with conns.connection() as conn:
-            return create_tables(
-                conn,
-                timeout=timeout,
-                leases=table,
-                claims=claims_table,
-                elections=elections_table,
-                nodes=nodes_table,
-                broadcast=broadcast_table,
-                checkpoints=checkpoint_prefix,
-            )
+            # Asked for explicitly, a migration may join the caller's transaction (a
+            # migration tool's, whose DDL commits or rolls back as one).
+            return run_migrations(conn, wanted, timeout=timeout, join=True)
     except psycopg.Error as exc:
         raise conns.wrap("migrate the rselection tables", exc) from exc
     finally:

@@ -14,6 +14,8 @@ not run it again; ``ttl`` must therefore exceed the latest a fire may start anyw
 
 :meth:`RedisClaimer.claim_missed` claims a task's missed fires in one round trip: one
 script finds the newest fire an unexpired claim holds and claims every fire after it.
+Claims need no clean-up: each expires by itself. One key per task and lease has no
+expiry: :meth:`RedisClaimer.ran_before` records there that a leader scheduled the task.
 
 **Fail closed.** :meth:`RedisClaimer.claim` returns ``False`` only when another claim
 holds the key. Any backend problem raises :class:`~rselection.errors.BackendUnavailable`.
@@ -233,6 +235,28 @@ class RedisClaimer(Closeable):
         for key in keys[first:]:
             pipe.set(key, value, nx=True, px=ttl_ms)
         return [first + i for i, ok in enumerate(pipe.execute()) if ok]
+
+    def ran_before(self, series: str) -> bool:
+        """Whether a leader scheduled the fires of ``series`` (a task's fire keys without
+        the instant, such as ``"billing/purge@"``) before; records that one does now.
+
+        One ``SET <key_prefix><series> ... NX`` without expiry: claims expire by
+        themselves, so the series keeps this one key (per task and lease) to tell a
+        task that never ran anywhere (nothing missed) from one whose fires were missed.
+
+        Raises:
+            ConfigError: a bad ``series``.
+            BackendUnavailable: Redis cannot be reached or failed.
+        """
+        check_fire_key(series)
+        value = json.dumps({"node_id": self.node_id, "format": str(FIRE_KEY_FORMAT)})
+        try:
+            first = self._client.set(self.key(series), value, nx=True)
+        except redis.RedisError as exc:
+            raise unavailable(
+                f"record the series {series!r:.80}", describe(self._client), exc
+            ) from exc
+        return not first
 
     def holder_of(self, fire_key: str) -> dict[str, Any] | None:
         """The unexpired claim of ``fire_key`` (``node_id``, ``term``, ``format``,

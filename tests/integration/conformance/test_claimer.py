@@ -5,7 +5,8 @@
 holder), then taken again; each claim records its node id and term; keys are
 independent and used verbatim; concurrent claimers win each key exactly once.
 ``claim_missed(fire_keys)`` (a starting leader's look back) claims every key after the
-newest one held, atomically, and takes expired claims again. Bad input is refused with
+newest one held, atomically, and takes expired claims again. Bad input (a key given
+twice included, on every claimer: memory, Postgres, Redis) is refused with
 ``ConfigError`` before any I/O; a backend problem raises ``BackendUnavailable`` (fail
 closed, never "someone else has it") and the claimer recovers with the server.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import random
 import threading
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,7 +28,8 @@ from typing import Any
 
 import pytest
 
-from rselection.claiming import FireClaimer, MissedFireClaimer
+import rselection as rs
+from rselection.claiming import FireClaimer, MissedFireClaimer, claim_missed
 from rselection.errors import BackendUnavailable, ConfigError
 from rselection.schedules import format_fire_key
 from rselection.validation import MAX_NAME
@@ -301,6 +304,37 @@ def test_claim_missed_refuses_a_single_string(
 ) -> None:
     with pytest.raises(ConfigError, match="list"):
         offline.claim_missed("tick@01")
+
+
+@pytest.fixture(params=["memory", "postgres", "redis"])
+def every_claimer(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A claimer of each kind rselection ships: in memory, in Postgres, in Redis."""
+    if request.param == "memory":
+        yield rs.MemoryClaimer()
+        return
+    if request.param == "redis":
+        found = Backend(
+            "redis",
+            request.getfixturevalue("redis_url"),
+            key_prefix=f"t-{uuid.uuid4().hex[:10]}:",
+        )
+        claimer = found.claimer()
+        yield claimer
+        claimer.close()
+        found.forget_keys()
+        return
+    claimer = Backend("postgres", request.getfixturevalue("pg_dsn")).claimer()
+    yield claimer
+    claimer.close()
+
+
+def test_every_claimer_refuses_a_fire_key_given_twice_before_any_io(every_claimer: Any) -> None:
+    keys = ["dup@1", "dup@2", "dup@1"]
+    for call in (every_claimer.claim_missed, lambda k: claim_missed(every_claimer, k, term=1)):
+        with pytest.raises(ConfigError, match="'dup@1' is given twice"):
+            call(keys)
+    # Nothing was claimed: each key is still free.
+    assert every_claimer.claim_missed(["dup@1", "dup@2"]) == ["dup@1", "dup@2"]
 
 
 # -- fail closed ---------------------------------------------------------------------------

@@ -378,3 +378,79 @@ def test_closed_connection_and_bad_conninfo_are_refused(pg_dsn: str) -> None:
         PostgresClaimer(conn)
     with pytest.raises(ConfigError, match="cannot be parsed"):
         PostgresClaimer("host=x port")
+
+
+def test_cleanup_goes_in_bounded_batches_and_keeps_each_tasks_newest_claim(
+    make_claimer: Callable[..., PostgresClaimer], dsn: str
+) -> None:
+    claimer = make_claimer(ttl=600)
+    assert claimer.claim("live@2026-01-01T00:00:00.000000000Z")
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    old = [
+        format_fire_key(f"l/task{t}", start + timedelta(seconds=i))
+        for t in range(5)
+        for i in range(500)
+    ]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO rselection_claims"
+            " (fire_key, format_version, holder, term, claimed_at, expires_at)"
+            " SELECT k, 1, 'old', 1, now() - interval '3 hours', now() - interval '2 hours'"
+            " FROM unnest(%s::text[]) AS k",
+            ([*old, "plain-1", "plain-2"],),
+        )
+    assert claimer.cleanup(batch=1000) == 1000  # one statement, at most one batch
+    assert claimer.cleanup() == 2500 + 2 - 5 - 1000
+    assert claimer.cleanup() == 0
+    # The newest claim of each task stays: it tells a starting leader the task ran.
+    newest = {format_fire_key(f"l/task{t}", start + timedelta(seconds=499)) for t in range(5)}
+    assert set(rows(dsn)) == newest | {"live@2026-01-01T00:00:00.000000000Z"}
+    assert all(claimer.ran_before(f"l/task{t}@") for t in range(5))
+    assert not claimer.ran_before("l/task5@") and not claimer.ran_before("l/task@")
+    with pytest.raises(ConfigError, match="batch"):
+        claimer.cleanup(batch=0)
+
+
+def test_a_leader_deletes_expired_claims_itself_at_least_once_per_claim_ttl(dsn: str) -> None:
+    import rselection as rs
+    from rselection.postgres.leader import PostgresLeader
+
+    ttl = 2.0
+    claimer = PostgresClaimer(dsn, ttl=ttl)
+    handler = rs.TaskHandler()
+    handler.interval(0.1, name="tick", misfire_grace=1.0)(lambda ctx: None)
+    timings = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
+    leader = PostgresLeader(dsn, handler, claimer=claimer, **timings)
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+
+    def add_expired(task: str, count: int) -> None:
+        keys = [format_fire_key(task, start + timedelta(seconds=i)) for i in range(count)]
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO rselection_claims"
+                " (fire_key, format_version, holder, term, claimed_at, expires_at)"
+                " SELECT k, 1, 'old', 1, now() - interval '3 hours', now() - interval '2 hours'"
+                " FROM unnest(%s::text[]) AS k",
+                (keys,),
+            )
+
+    def left(task: str) -> int:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM rselection_claims WHERE fire_key LIKE %s", (task + "@%",)
+            ).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    try:
+        assert claimer.claim("warm-up")  # creates the table
+        add_expired("gone/before", 3000)
+        leader.start()
+        assert leader.wait_until_leader(20)
+        wait_until(lambda: left("gone/before") == 1, 30, "the expired claims to be deleted")
+        add_expired("gone/during", 500)
+        waited = wait_until(lambda: left("gone/during") == 1, 30, "the next clean-up")
+        assert waited < ttl + 3  # once per half ttl here; 3 s for a busy machine
+    finally:
+        leader.stop(timeout=10)
+        claimer.close()

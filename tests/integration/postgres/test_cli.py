@@ -10,6 +10,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -249,6 +250,68 @@ def test_status_finds_the_fires_of_a_lease_with_a_slash_in_its_name(pg_dsn: str)
         ("x", "y/tock"),
         ("x/y", "tick"),
     ]
+
+
+def test_status_reads_the_newest_fire_of_each_task_through_the_key_index(pg_dsn: str) -> None:
+    """Every task of every lease, its newest fire and who claimed it, also for names with
+    "@", "/" or "%"; read in a few index probes per task, not a scan of the claims."""
+    assert run("migrate", "--dsn", pg_dsn).returncode == 0
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    expected = {}
+    keys: list[tuple[str, str, int]] = []
+    for lease, prefix, task, count in (
+        ("a", "a/", "t", 30),
+        ("a", "a/", "t@1", 3),  # its keys sort among those of task "t"
+        ("a", "a/", "b/c", 4),
+        ("a/b", "a%2Fb/", "c", 5),
+        ("x%y", "x%25y/", "t", 2),
+        ("quiet", "quiet/", "", 0),
+    ):
+        for i in range(count):
+            keys.append((prefix + rs.format_fire_key(task, start + timedelta(seconds=i)), lease, i))
+        if count:
+            newest = rs.format_fire_key(task, start + timedelta(seconds=count - 1))
+            expected[(lease, task)] = (newest.rsplit("@", 1)[1], f"node-{count - 1}")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for i, lease in enumerate(("a", "a/b", "x%y", "quiet", "ab")):
+            conn.execute(
+                "INSERT INTO rselection_leases (name, lock_key, term) VALUES (%s, %s, 1)",
+                (lease, i),
+            )
+        conn.execute(
+            "INSERT INTO rselection_claims"
+            " (fire_key, format_version, holder, term, claimed_at, expires_at)"
+            " SELECT k, 1, 'node-' || n, 1, now(), now() FROM unnest(%s::text[], %s::int[]) AS"
+            " x(k, n)",
+            ([k for k, _, _ in keys] + ["a/plain", "ab/t"], [n for _, _, n in keys] + [7, 8]),
+        )
+        # Enough rows for the planner to prefer the index whatever the statistics.
+        conn.execute(
+            "INSERT INTO rselection_claims"
+            " (fire_key, format_version, holder, term, claimed_at, expires_at)"
+            " SELECT 'other/t@' || g, 1, 'n', 1, now(), now() FROM generate_series(1, 20000) g"
+        )
+        conn.execute("ANALYZE rselection_claims")
+        from psycopg import sql
+
+        from rselection.commands.status import _last_fires_sql
+
+        conn.execute("SET jit = off")
+        plan = "\n".join(
+            row[0]
+            for row in conn.execute(
+                sql.SQL("EXPLAIN ")
+                + _last_fires_sql().format(
+                    l=sql.Identifier("rselection_leases"), c=sql.Identifier("rselection_claims")
+                )
+            ).fetchall()
+        )
+    assert "Seq Scan on rselection_claims" not in plan, plan
+    _, doc = status_json(pg_dsn, "--all")
+    got = {(t["lease"], t["task"]): (t["last_fire"], t["node"]) for t in doc["tasks"]}
+    expected[("a", "plain")] = (None, "node-7")
+    expected[("ab", "t")] = (None, "node-8")
+    assert got == expected
 
 
 def test_status_json_on_an_unreachable_server_exits_3() -> None:

@@ -168,3 +168,41 @@ def test_an_upgrade_retries_a_busy_table_until_its_timeout(pg_dsn: str) -> None:
     wait_until(lambda: bool(done), 1, "the upgrade to finish")
     (change,) = done[0]
     assert (change.action, change.previous, change.version) == ("upgraded", 1, LEASES_VERSION)
+
+
+def test_a_claims_table_without_its_indexes_gets_them_without_a_new_version(
+    pg_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A claims table made by an earlier release (schema version 1, no key or expiry
+    index) gets both indexes from the next migration and keeps version 1, so that a
+    node of the earlier release still accepts it. A claimer does not build them on its
+    first call (that would block every claim meanwhile): it says to migrate."""
+    from rselection.postgres import PostgresClaimer
+    from rselection.postgres.schema import CLAIMS, create_tables
+
+    names = CLAIMS.index_names("old_claims")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        create_tables(conn, claims="old_claims")
+        assert all(_index_exists(conn, name) for name in names)  # a new table has them
+        for name in names:
+            conn.execute(f"DROP INDEX {name}")
+        claimer = PostgresClaimer(pg_dsn, table="old_claims")
+        try:
+            with caplog.at_level("WARNING", logger="rselection.postgres.schema"):
+                assert claimer.claim("purge@1")
+        finally:
+            claimer.close()
+        assert "run `rselection migrate`" in caplog.text
+        assert not any(_index_exists(conn, name) for name in names)
+        changes = {c.kind: c for c in migrate(conn, claims_table="old_claims")}
+        assert all(_index_exists(conn, name) for name in names)
+        assert (changes["claims"].action, changes["claims"].version) == ("present", 1)
+        row = conn.execute(
+            "SELECT version FROM rselection_schema_version WHERE component = 'claims:old_claims'"
+        ).fetchone()
+        assert row == (1,)
+
+
+def _index_exists(conn: psycopg.Connection[Any], name: str) -> bool:
+    row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (name,)).fetchone()
+    return bool(row and row[0])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -11,6 +13,8 @@ from typing import Any
 import psycopg
 import pytest
 
+from rselection.errors import ConfigError
+from rselection.postgres import PostgresClaimer, migrate
 from rselection.postgres.schema import MIGRATION_LOCK_KEY, create_tables
 from tests.support.pg import with_host_port
 from tests.support.waiting import wait_until
@@ -69,3 +73,61 @@ def _swallow(fn: Callable[[], object]) -> None:
 
 
 pytestmark = pytest.mark.slow
+
+
+def test_a_claimer_in_an_open_transaction_never_holds_the_migration_lock(pg_dsn: str) -> None:
+    """Creating tables inside the application's transaction would hold the migration
+    lock until that transaction ends, and every new leader and ``rselection migrate``
+    would wait for it: the claimer refuses instead, and claims in it once they exist."""
+    app = psycopg.connect(pg_dsn)  # not autocommit: the application's transaction
+    try:
+        app.execute("SELECT 1")
+        assert app.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+        claimer = PostgresClaimer(app)
+        with pytest.raises(ConfigError, match="inside the caller's open transaction"):
+            claimer.claim("purge@1")
+        assert app.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+        # The application's transaction is still open, and holds no lock of ours.
+        began = time.monotonic()
+        changes = migrate(pg_dsn, timeout=5)
+        assert time.monotonic() - began < 5
+        assert {c.kind: c.action for c in changes}["claims"] == "created"
+        app.rollback()
+        app.execute("SELECT 1")  # the application's next transaction
+        assert claimer.claim("purge@1")  # now it joins the transaction, as documented
+        app.commit()
+    finally:
+        app.close()
+    with psycopg.connect(pg_dsn, autocommit=True) as check:
+        row = check.execute("SELECT count(*) FROM rselection_claims").fetchone()
+        assert row == (1,)
+
+
+def test_rselection_migrate_waits_for_the_migration_lock_at_most_its_timeout(
+    pg_dsn: str,
+) -> None:
+    admin = psycopg.connect(pg_dsn, autocommit=True)
+    try:
+        admin.execute("BEGIN")
+        admin.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
+        began = time.monotonic()
+        out = subprocess.run(
+            [sys.executable, "-m", "rselection", "migrate", "--dsn", pg_dsn, "--timeout", "1"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        took = time.monotonic() - began
+        admin.execute("COMMIT")
+    finally:
+        admin.close()
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert "waited 1 s for the migration lock (held by pid" in out.stderr
+    assert took < 15, f"rselection migrate --timeout 1 took {took:.1f} s"
+    bad = subprocess.run(
+        [sys.executable, "-m", "rselection", "migrate", "--dsn", pg_dsn, "--timeout", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "positive number of seconds" in bad.stderr

@@ -21,6 +21,7 @@ import redis
 from rselection.errors import ConfigError
 from rselection.redis import RedisClaimer, RedisElector
 from rselection.validation import MAX_NAME
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture
@@ -177,3 +178,26 @@ def test_claim_missed_is_one_script_so_one_starting_leader_takes_every_key(
         t.join(30)
     # One script runs first and takes every key; the other then finds the newest held.
     assert sorted([results["a"], results["b"]], key=len) == [[], keys]
+
+
+def test_claims_expire_by_themselves_and_each_task_keeps_one_key(
+    client: redis.Redis, prefix: str
+) -> None:
+    """Nothing to clean up in Redis: every claim expires on its own; the one key a task
+    keeps (``ran_before``) has no expiry."""
+    claimer = RedisClaimer(client, key_prefix=prefix, ttl=1.0)
+    keys = [f"tick@2026-01-01T00:00:{i:02d}.000000000Z" for i in range(50)]
+    assert claimer.claim_missed(keys[:40]) == keys[:40]
+    assert all(claimer.claim(k) for k in keys[40:])
+    assert claimer.ran_before("tick@") is False  # first asked: recorded now
+    assert claimer.ran_before("tick@") is True
+    assert 1 < len(list(client.scan_iter(match=prefix + "*"))) <= 51
+
+    def left() -> list[bytes]:
+        return list(client.scan_iter(match=prefix + "*"))
+
+    wait_until(lambda: len(left()) == 1, 10, "the claims to expire")
+    assert left() == [(prefix + "tick@").encode()]
+    assert client.pttl(prefix + "tick@") == -1
+    assert not hasattr(claimer, "cleanup")
+    client.delete(prefix + "tick@")
