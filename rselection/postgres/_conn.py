@@ -426,6 +426,7 @@ def open_session(
     keepalive_idle: float,
     user_timeout: float,
     statement_timeout: float | None = None,
+    **options: Any,
 ) -> psycopg.Connection[Any]:
     """Open an autocommit session with every bound of the library's sessions set.
 
@@ -443,6 +444,7 @@ def open_session(
         keepalive_idle: seconds of silence before the first keepalive probe.
         user_timeout: seconds sent data may stay unacknowledged.
         statement_timeout: bound of one statement on the server, seconds.
+        options: more libpq parameters (``client_encoding``).
 
     Raises:
         BackendUnavailable: the session could not be opened or prepared (the message
@@ -459,6 +461,7 @@ def open_session(
             keepalives_interval=1,
             keepalives_count=3,
             tcp_user_timeout=math.ceil(user_timeout * 1000),
+            **options,
         )
     except psycopg.Error as exc:
         raise unavailable("connect to Postgres", conninfo, exc) from exc

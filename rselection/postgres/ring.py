@@ -36,7 +36,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ._conn import unavailable
+from ..errors import BackendUnavailable
+from ._conn import open_session, unavailable
 
 __all__ = ["RING_RECHECK", "RingWatcher", "ring_channel", "ring_class", "ring_key"]
 
@@ -220,7 +221,7 @@ class RingWatcher:
                 else:
                     self._wait_on(conn, own, target)
                 failures = 0
-            except psycopg.Error as exc:
+            except (psycopg.Error, BackendUnavailable) as exc:
                 failures += 1
                 with self._lock:
                     self._target = None
@@ -229,7 +230,12 @@ class RingWatcher:
                     with contextlib.suppress(Exception):
                         conn_.close()
                 log = logger.warning if failures == 1 else logger.debug
-                log("ring watcher: %s", unavailable("watch the ring", self._conninfo, exc))
+                why = (
+                    exc
+                    if isinstance(exc, BackendUnavailable)
+                    else unavailable("watch the ring", self._conninfo, exc)
+                )
+                log("ring watcher: %s", why)
                 self._moved.wait(min(_RECONNECT_CAP, _RECONNECT_FIRST * 2 ** (failures - 1)))
             except Exception:  # never let the watcher die: it only speeds failover up
                 failures += 1
@@ -241,15 +247,13 @@ class RingWatcher:
             conn = self._conn
         if conn is not None and not conn.closed and not conn.broken:
             return conn
-        conn = psycopg.Connection.connect(
+        # Its lock wait sends nothing for long: a dead server is found by keepalives.
+        conn = open_session(
             self._conninfo,
-            autocommit=True,
-            connect_timeout=max(2, math.ceil(self._connect_timeout)),
             application_name="rselection:watcher",
-            keepalives=1,
-            keepalives_idle=10,
-            keepalives_interval=2,
-            keepalives_count=3,
+            connect_timeout=self._connect_timeout,
+            keepalive_idle=10,
+            user_timeout=16,
         )
         with self._lock:
             if self._stopped:

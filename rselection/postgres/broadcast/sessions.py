@@ -21,7 +21,7 @@ from typing import Any
 import psycopg
 
 from ...errors import BackendUnavailable
-from .._conn import describe_conninfo, redact, shutdown_socket
+from .._conn import describe_conninfo, open_session, redact, shutdown_socket
 from ..schema import create_tables
 from .outbox import Outbox
 from .settings import Settings
@@ -160,25 +160,19 @@ class Sessions:
         settings = self.settings
         bound = settings.probe_interval + settings.timeout if listen else settings.timeout
         try:
-            conn = psycopg.Connection.connect(
+            conn = open_session(
                 self.conninfo,
-                autocommit=True,
-                connect_timeout=max(2, math.ceil(settings.timeout)),
                 application_name="rselection:broadcast",
-                # Publish parameters are sent as UTF-8 bytes (see Writer.write).
-                client_encoding="UTF8",
+                connect_timeout=settings.timeout,
                 # A silent network ends a blocked call within about `bound` seconds even
                 # where the watchdog is not armed (the listener's idle wait).
-                keepalives=1,
-                keepalives_idle=max(1, math.ceil(bound / 2)),
-                keepalives_interval=1,
-                keepalives_count=3,
-                tcp_user_timeout=math.ceil(settings.timeout * 1000) + 1000,
+                keepalive_idle=bound / 2,
+                user_timeout=settings.timeout + 1.0,
+                # Publish parameters are sent as UTF-8 bytes (see Writer.write).
+                client_encoding="UTF8",
             )
-        except psycopg.Error as exc:
-            raise BackendUnavailable(
-                f"cannot {what}: cannot connect ({self.where}): {self.error_text(exc)}"
-            ) from exc
+        except BackendUnavailable as exc:
+            raise BackendUnavailable(f"cannot {what}: {exc}") from exc
         try:
             with (deadlines or self.deadlines).guard(conn, settings.timeout):
                 conn.execute(

@@ -26,10 +26,9 @@ import pytest
 import rselection as rs
 from rselection.broadcast import BroadcasterClosed, Subscription
 from rselection.errors import ConfigError
-from rselection.postgres import PostgresBroadcaster, PostgresLeader
+from rselection.postgres import PostgresBroadcaster, PostgresLeader, migrate
 from rselection.postgres.broadcast import Gap, MessageEncodeError, PostgresBroadcastStats
 from rselection.postgres.broadcast.outbox import Outbox, text_array
-from rselection.postgres.schema import create_tables
 from tests.support.broadcast_node import body
 from tests.support.pg import with_host_port
 from tests.support.proxy import TcpProxy
@@ -620,6 +619,22 @@ def test_gap_past_retention_is_reported(
     assert_quiet(sub)
 
 
+def recreate_outbox(conn: psycopg.Connection[Any], table: str) -> None:
+    """Drop the outbox table and create it again in one transaction (its ``_state`` table
+    stays); ``migrate()`` joins the open transaction, where ``create_tables()`` refuses."""
+    with conn.transaction():
+        conn.execute(f"DROP TABLE {table}")
+        migrate(
+            conn,
+            table=None,
+            claims_table=None,
+            elections_table=None,
+            nodes_table=None,
+            broadcast_table=table,
+            checkpoint_prefix=None,
+        )
+
+
 @pytest.mark.parametrize("how", ["recreated", "truncated"])
 def test_outbox_ids_going_back_are_reported_and_the_listener_delivers_the_new_ones(
     pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster], how: str
@@ -636,9 +651,7 @@ def test_outbox_ids_going_back_are_reported_and_the_listener_delivers_the_new_on
     assert old_last >= 30
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         if how == "recreated":
-            with conn.transaction():  # as a restore would: another table, same name
-                conn.execute(f"DROP TABLE {table}")
-                create_tables(conn, broadcast=table)
+            recreate_outbox(conn, table)  # as a restore would: another table, same name
         else:
             conn.execute(f"TRUNCATE {table} RESTART IDENTITY")
     for i in range(5):
@@ -676,9 +689,8 @@ def test_outbox_recreated_while_the_listener_was_cut_off_is_found_by_its_identit
     old_last = listener.stats().last_id
     proxy.blackhole()
     wait_until(lambda: not listener.stats().listening, 15, "the listener cut off")
-    with psycopg.connect(pg_dsn, autocommit=True) as conn, conn.transaction():
-        conn.execute(f"DROP TABLE {table}")
-        create_tables(conn, broadcast=table)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        recreate_outbox(conn, table)
     # More new messages than old ones: the new ids pass the last one delivered, so
     # only the table's identity tells the listener that ids 1..old_last are new too.
     after = [f"after {i}" for i in range(old_last + 20)]
@@ -709,9 +721,8 @@ def test_listener_starting_on_a_recreated_outbox_ignores_the_old_watermark(
 
     wait_until(lambda: old.purge() >= 0 and watermark() >= 20, 10, "the old rows purged")
     old.close()
-    with psycopg.connect(pg_dsn, autocommit=True) as conn, conn.transaction():
-        conn.execute(f"DROP TABLE {table}")  # the state table, and its watermark, stay
-        create_tables(conn, broadcast=table)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        recreate_outbox(conn, table)  # the state table, and its watermark, stay
     publisher = make_bc(table=table)
     publisher.publish("w", "first of the new table")
     assert publisher.flush(20)

@@ -19,7 +19,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg.conninfo import make_conninfo
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import rselection as rs
 from rselection.checkpoints import decode_state, encode_state
@@ -31,6 +31,8 @@ from rselection.postgres.leader import PostgresLeader
 from rselection.postgres.schema import Step, TableKind, run_migrations
 from rselection.postgres.session_pool import POOL_SIZE
 from tests.support.node_process import NodeProcess, count
+from tests.support.pg import with_host_port
+from tests.support.proxy import TcpProxy
 
 FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
 
@@ -852,3 +854,37 @@ def test_decode_state_is_what_jsonb_returns(store: PostgresCheckpointStore) -> N
     assert loaded is not None
     expected = decode_state(encode_state("k", state, store.max_state_bytes))
     assert json.dumps(loaded.state) == json.dumps(expected)
+
+
+def test_a_save_during_a_silent_partition_fails_within_its_bounds(
+    pg_dsn: str, make_tcp_proxy: Callable[[str, int], TcpProxy]
+) -> None:
+    # Every session the library opens has a connect timeout, keepalives,
+    # tcp_user_timeout and a statement_timeout, and each call is bounded: a checkpoint
+    # save into a network that drops everything fails in about connect_timeout +
+    # statement_timeout, not after the kernel's TCP timeout (about 15 minutes).
+    params = conninfo_to_dict(pg_dsn)
+    proxy = make_tcp_proxy(str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+    store = PostgresCheckpointStore(
+        with_host_port(pg_dsn, proxy.host, proxy.port), connect_timeout=1, statement_timeout=1
+    )
+    try:
+        assert store.save("k", 1).version == 1  # a pooled session is open and idle
+        proxy.blackhole()
+        started = time.monotonic()
+        with pytest.raises(BackendUnavailable):
+            store.save("k", 2)
+        took = time.monotonic() - started
+        assert took < 10.0, f"the save took {took:.1f}s in a silent partition"
+        proxy.heal()
+        wait_until(lambda: _saves(store), 15, "saves to work again once the network heals")
+    finally:
+        store.close()
+
+
+def _saves(store: PostgresCheckpointStore) -> bool:
+    try:
+        store.save("k", 3)
+    except BackendUnavailable:
+        return False
+    return True
