@@ -761,23 +761,42 @@ class SharedKeeper:
                 tolerate=True,
             )
         except psycopg.Error as exc:
-            # The statement failed on a healthy session (a trigger or a constraint on a
-            # row): it renewed nothing. Halves are sent again until the lease at fault
-            # is alone, so that only its renewal fails.
-            if len(batch) > 1:
+            # The statement failed on a healthy session: it renewed nothing. One row at
+            # fault (a trigger, a constraint): halves are sent again until that lease is
+            # alone, so that only its renewal fails. Otherwise (cancelled by hand, a
+            # deadlock) every renewal of the batch is refused: those terms end.
+            if len(batch) > 1 and _row_at_fault(exc):
                 self._split(batch, self._send_renewals)
                 return
-            (queued,) = batch
-            logger.warning(
-                "lease %r: the server refused its renewal (%s); its term is lost",
-                queued.lease.name,
-                _first_line(exc),
-            )
-            queued.fill(None)
+            for queued in batch:
+                logger.warning(
+                    "lease %r: the server refused its renewal (%s); its term is lost",
+                    queued.lease.name,
+                    _first_line(exc),
+                )
+                queued.fill(None)
             return
         renewed = {(row[0], row[1]): row for row in results[0] or []}
         for queued in batch:
             queued.fill(renewed.get((queued.lease.name, queued.term)))
+
+    def _free_next_terms(self, names: list[str]) -> None:
+        """Free the next-term locks a failed acquisition may have taken (bounded: under a
+        table lock they stay, which only keeps those leases held until the session
+        ends, never frees one early)."""
+        try:
+            self._run(
+                sql.SQL("{}; {}").format(
+                    bounded_sql(LOCK_BOUND), unlock_next_terms_sql(self._ident, names)
+                ),
+                "free the locks of a failed acquisition",
+                limit=LOCK_BOUND + 1.0,
+                tolerate=True,
+            )
+        except psycopg.Error as exc:
+            logger.warning(
+                "keeper: could not free the locks of a failed acquisition: %s", _first_line(exc)
+            )
 
     @staticmethod
     def _split(batch: list[_Queued], send: Callable[[list[_Queued]], None]) -> None:
@@ -833,21 +852,17 @@ class SharedKeeper:
         except psycopg.Error as exc:
             # Failed on a healthy session: nothing was taken, but the locks of the new
             # terms it took before the error stay (a rollback does not free them).
-            self._run(
-                unlock_next_terms_sql(self._ident, [r.name for r in requests]),
-                "free the locks of a failed acquisition",
-                limit=LOCK_BOUND + 1.0,
-            )
-            if len(batch) > 1:
+            self._free_next_terms([r.name for r in requests])
+            if len(batch) > 1 and _row_at_fault(exc):
                 self._split(batch, self._send_attempts)
                 return
-            (queued,) = batch
-            queued.fill(
-                error=BackendUnavailable(
-                    f"cannot acquire lease {queued.lease.name!r}: the server refused "
-                    f"({_first_line(exc)}); trying again later"
+            for queued in batch:
+                queued.fill(
+                    error=BackendUnavailable(
+                        f"cannot acquire lease {queued.lease.name!r}: the server refused "
+                        f"({_first_line(exc)}); trying again later"
+                    )
                 )
-            )
             return
         taken = {row[0]: int(row[1]) for row in results[-2] or []}
         states = {row[0]: row for row in results[-1] or []}
@@ -1027,6 +1042,20 @@ class SharedKeeper:
         own = sender == self._pid
         for client in clients:
             client.notified(event, own_session=own)
+
+
+def _row_at_fault(exc: psycopg.Error) -> bool:
+    """Whether ``exc`` may come from one row of a batch (a trigger, a constraint, a value
+    out of range), so that sending the rows apart isolates it; not a lock or statement
+    timeout, a cancel or a deadlock, which say nothing about a row and would only
+    repeat."""
+    transient = (
+        psycopg.errors.LockNotAvailable,
+        psycopg.errors.QueryCanceled,
+        psycopg.errors.DeadlockDetected,
+        psycopg.errors.SerializationFailure,
+    )
+    return not isinstance(exc, transient)
 
 
 def _one_per_lease(queue: list[_Queued]) -> tuple[list[_Queued], list[_Queued]]:

@@ -138,15 +138,17 @@ def lead_and_lock_the_row(
     admin: psycopg.Connection[Any],
     finish: Finish,
 ) -> tuple[int, psycopg.Connection[Any]]:
-    """Start ``leader``; once it leads, hold its lease row locked from another session so
-    its next renewal hangs. Returns the keeper's backend pid and the blocking session."""
+    """Start ``leader``; once it leads, hold its lease table locked from another session
+    (as a migration or ``VACUUM FULL`` would) so its next renewal hangs (a renewal skips
+    a locked row, but waits for the table). Returns the keeper's backend pid and the
+    blocking session."""
     leader.start()
     assert finish.started.wait(10)
     pid = leader._backend.backend_pid  # type: ignore[attr-defined]
     assert pid is not None
     blocker = psycopg.connect(pg_dsn)
-    blocker.execute("SELECT 1 FROM rselection_leases WHERE name = %s FOR UPDATE", (leader.name,))
-    wait_until(renewal_blocked(admin, pid), 5, "the renewal to wait for the row lock")
+    blocker.execute("LOCK TABLE rselection_leases IN ACCESS EXCLUSIVE MODE")
+    wait_until(renewal_blocked(admin, pid), 5, "the renewal to wait for the table lock")
     return pid, blocker
 
 
