@@ -50,6 +50,7 @@ __all__ = [
     "resolve_lease_table",
     "server_identity",
     "session_sql",
+    "give_back_sql",
     "states_sql",
     "unlock_next_terms_sql",
     "unlock_sql",
@@ -534,6 +535,23 @@ def renew_batch_sql(
         " coalesce(t.resign_term = t.term AND t.resign_until > now(), false), t.resign_to,"
         " greatest(0, extract(epoch FROM t.resign_until - now()))::float8"
     ).format(t=table, values=values, guard=guard)
+
+
+def give_back_sql(
+    table: sql.Composable, requests: Sequence[AcquireRequest], pid: int
+) -> sql.Composed:
+    """Clear the holder of every requested lease that an acquisition took on backend
+    ``pid`` (not the keeper's: a transaction pooler moved it), so that no term lives on
+    a session that holds nothing for it; followers then take the lease at once."""
+    pairs = sql.SQL(", ").join(
+        sql.SQL("({}::text, {}::text)").format(sql.Literal(r.name), sql.Literal(r.node_id))
+        for r in requests
+    )
+    return sql.SQL(
+        "UPDATE {t} AS t SET holder = NULL, holder_pid = NULL, expires_at = now()"
+        " FROM (VALUES {pairs}) AS r(name, node)"
+        " WHERE t.name = r.name AND t.holder = r.node AND t.holder_pid = {pid}"
+    ).format(t=table, pairs=pairs, pid=sql.Literal(pid))
 
 
 def unlock_next_terms_sql(table: sql.Composable, names: Sequence[str]) -> sql.Composed:

@@ -72,6 +72,7 @@ from ._lease_sql import (
     acquire_batch_sql,
     bounded_sql,
     describe_lease_table,
+    give_back_sql,
     lease_channel,
     lease_lock_key,
     listen_sql,
@@ -613,11 +614,14 @@ class SharedKeeper:
         *,
         limit: PostgresLease | float,
         tolerate: bool = False,
+        undo: Callable[[int], sql.Composable] | None = None,
     ) -> list[list[tuple[Any, ...]] | None]:
         """Run a (multi-statement) query on the session, with the freed locks of ended
         terms first and the backend pid last; one entry per statement, pid popped and
         checked. An error marks the session failed (see :meth:`_fail`), except, with
-        ``tolerate``, an error of the statement on a healthy session (it is raised)."""
+        ``tolerate``, an error of the statement on a healthy session (it is raised).
+        When the query ran on another backend (a transaction pooler), ``undo(pid)`` of
+        that backend's pid is run first, to give back what it took there."""
         bound = limit.renew_deadline if not isinstance(limit, float) else limit
         with self._lock:
             with self._state:
@@ -664,6 +668,11 @@ class SharedKeeper:
             assert pid_rows, "SELECT pg_backend_pid() returns one row"
             seen = int(pid_rows[0][0])
             if seen != self._pid:
+                if undo is not None:
+                    try:
+                        conn.execute(undo(seen))
+                    except psycopg.Error as exc:
+                        logger.warning("keeper: could not give back: %s", _first_line(exc))
                 self._fail()
                 check_same_backend(self._pid, seen, self.where)  # raises ConfigError
             return results
@@ -848,6 +857,7 @@ class SharedKeeper:
                 "acquire the leases",
                 limit=max(q.lease.connect_timeout + q.lease.renew_deadline for q in batch),
                 tolerate=True,
+                undo=lambda pid: give_back_sql(self._ident, requests, pid),
             )
         except psycopg.Error as exc:
             # Failed on a healthy session: nothing was taken, but the locks of the new

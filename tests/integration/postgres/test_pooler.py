@@ -32,7 +32,7 @@ from rselection.postgres import (
     PostgresClaimer,
     PostgresElector,
 )
-from rselection.postgres import lease as lease_module
+from rselection.postgres import keeper as keeper_module
 from rselection.postgres._conn import IoWatchdog
 from rselection.postgres.leader import PostgresLeader
 from rselection.postgres.lease import PostgresLease
@@ -208,7 +208,7 @@ def test_lease_behind_a_session_pooler_passes_the_check_every_time(
                 "SELECT application_name FROM pg_stat_activity WHERE pid = %s",
                 (lease.backend_pid,),
             ).fetchone()
-        assert row == (f"rselection:{lease_name}",)
+        assert row == ("rselection:keeper",)  # the process's shared keeper session
         attempt = lease.try_acquire("node-a")
         assert attempt.acquired
         assert attempt.holder is not None
@@ -252,6 +252,50 @@ def test_a_lost_notification_alone_shows_a_transaction_pooler(
         io.close()
 
 
+def connect_and_acquire(
+    leases: Callable[..., PostgresLease], dsn: str, name: str, node: str | None
+) -> tuple[PostgresLease, Any]:
+    """A lease connected through the transaction pooler (and, with ``node``, its
+    acquisition), retried while its statements land on another backend: an idle pool
+    mostly keeps the keeper's backend, but the ring watcher's statements through the same
+    pooler may move it, and that is refused (the defence under test) before anything is
+    taken."""
+    for _ in range(20):
+        lease = leases(dsn, name)
+        try:
+            lease.connect()
+            return lease, lease.try_acquire(node) if node is not None else None
+        except ConfigError as exc:
+            assert "does not keep one database session" in str(exc)
+            lease.close()
+    pytest.fail("the keeper's statements never kept one backend in 20 connects")
+
+
+@contextlib.contextmanager
+def holding_backend(dsn: str, pid: int | None, tries: int = 4) -> Iterator[None]:
+    """Hold server backend ``pid`` in another client's open transaction (transaction
+    mode), so that the keeper's next statement runs on another one: open clients, each
+    in a transaction, until one of them got ``pid``."""
+    others: list[psycopg.Connection[Any]] = []
+    seen: list[Any] = []
+    try:
+        for _ in range(tries):
+            other = psycopg.connect(dsn)
+            others.append(other)
+            row = other.execute("SELECT pg_backend_pid()").fetchone()
+            seen.append(row)
+            if row == (pid,):
+                break
+        else:
+            pytest.fail(f"no client got the keeper's backend {pid} in {tries} tries: {seen}")
+        yield
+    finally:
+        for other in others:
+            with contextlib.suppress(Exception):
+                other.rollback()
+                other.close()
+
+
 def test_a_renewal_or_acquisition_on_another_backend_is_refused(
     make_pgbouncer: Callable[..., PgBouncer],
     pooled_database: str,
@@ -267,8 +311,10 @@ def test_a_renewal_or_acquisition_on_another_backend_is_refused(
         assert row is not None
         return int(row[0])
 
-    monkeypatch.setattr(lease_module, "check_session_pooling", only_the_pid)
-    bouncer = make_pgbouncer(pool_mode="transaction", pool_size=2)
+    monkeypatch.setattr(keeper_module, "check_session_pooling", only_the_pid)
+    # Room for the keeper's statements and the ring watcher's while other clients hold
+    # up to four backends (holding_backend).
+    bouncer = make_pgbouncer(pool_mode="transaction", pool_size=6)
     dsn = bouncer.dsn(pooled_database)
     direct = direct_dsn(pg_server_dsn, pooled_database)
 
@@ -278,20 +324,15 @@ def test_a_renewal_or_acquisition_on_another_backend_is_refused(
                 "SELECT holder, renewed_at FROM rselection_leases WHERE name = %s", (lease_name,)
             ).fetchone()
 
-    lease = leases(dsn, lease_name)
-    lease.connect()
-    taken = lease.try_acquire("node-a")  # an idle pool: it runs on the keeper's backend
+    lease, taken = connect_and_acquire(leases, dsn, lease_name, "node-a")
     assert taken.acquired and taken.holder is not None
     before = renewed_at()
     # Another client holds the keeper's backend in a transaction: the renewal must run
     # on another server connection.
-    with psycopg.connect(dsn) as other:
-        row = other.execute("SELECT pg_backend_pid()").fetchone()
-        assert row == (lease.backend_pid,)
+    with holding_backend(dsn, lease.backend_pid):
         with pytest.raises(ConfigError, match="session mode") as caught:
             lease.renew("node-a", taken.holder.term)
         assert "then on backend" in str(caught.value)
-        other.rollback()
     assert renewed_at() == before, "a renewal on another backend must renew nothing"
     # The keeper is unusable from now on; it is closed once its term is over (a leader
     # first joins the term's tasks).
@@ -299,11 +340,8 @@ def test_a_renewal_or_acquisition_on_another_backend_is_refused(
         lease.renew("node-a", taken.holder.term)
     lease.term_ended(taken.holder.term)
 
-    lease = leases(dsn, lease_name)
-    lease.connect()
-    with psycopg.connect(dsn) as other:
-        row = other.execute("SELECT pg_backend_pid()").fetchone()
-        assert row == (lease.backend_pid,)
+    lease, _ = connect_and_acquire(leases, dsn, lease_name, None)
+    with holding_backend(dsn, lease.backend_pid):
         # node-a's term expires now, so that node-b's acquisition takes the lease
         with psycopg.connect(direct, autocommit=True) as conn:
             conn.execute(
@@ -311,7 +349,6 @@ def test_a_renewal_or_acquisition_on_another_backend_is_refused(
             )
         with pytest.raises(ConfigError, match="session mode"):
             lease.try_acquire("node-b")
-        other.rollback()
     holder, _ = renewed_at()
     assert holder is None, "a term taken on another backend is given back"
 
