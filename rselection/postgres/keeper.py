@@ -614,7 +614,7 @@ class SharedKeeper:
         *,
         limit: PostgresLease | float,
         tolerate: bool = False,
-        undo: Callable[[int], sql.Composable] | None = None,
+        undo: Callable[[int], sql.Composed] | None = None,
     ) -> list[list[tuple[Any, ...]] | None]:
         """Run a (multi-statement) query on the session, with the freed locks of ended
         terms first and the backend pid last; one entry per statement, pid popped and
