@@ -521,6 +521,8 @@ class LeaseLeader:
                         # stop() interrupted the round trip: not an outage; the clean-up
                         # below ends the term and releases the lease.
                         break
+                    if self._step_down_pending():
+                        continue  # step_down() interrupted it: the next step hands over
                     failures += 1
                     # Log once per state change; the rest at debug level, so an outage
                     # does not flood the log.
@@ -546,6 +548,12 @@ class LeaseLeader:
                     self._recover("error", failures)
         finally:
             self._shutdown()
+
+    def _step_down_pending(self) -> bool:
+        """A step-down is asked of the term still led (its interrupt ended a round trip)."""
+        with self._cond:
+            term, request = self._term, self._step_down
+        return term is not None and request is not None and request.term == term.number
 
     def _recover(self, reason: str, failures: int) -> None:
         """After a failed step: end the term (tasks joined), only then drop the session."""

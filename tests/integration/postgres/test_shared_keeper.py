@@ -337,3 +337,35 @@ def test_a_fenced_transaction_open_at_a_crash_delays_the_takeover_only_until_it_
     # At once once the transaction ended (retry_interval is 2 s; expiry ~19 s away).
     assert time.monotonic() - ended < 3.0, f"took over {took:.1f}s after the fence ended"
     assert follower.term == 2
+
+
+def test_a_step_down_during_a_renewal_still_hands_over(
+    pg_dsn: str, made: list[PostgresLeader], events: Events
+) -> None:
+    # step_down() interrupts the renewal waiting on the shared session (here: behind a
+    # table lock): that is no outage; the term ends as asked and the lease is released.
+    a = PostgresLeader(pg_dsn, idle_handler(), name="s", node_id="a", claimer=None, **TIMINGS)
+    made.append(a)
+    a.start()
+    wait_until(lambda: a.is_leader, 15, "a to lead")
+    b = PostgresLeader(pg_dsn, idle_handler(), name="s", node_id="b", claimer=None, **TIMINGS)
+    made.append(b)
+    b.start()
+    pid = a.lease.backend_pid  # type: ignore[attr-defined]
+    with psycopg.connect(pg_dsn) as blocker, psycopg.connect(pg_dsn, autocommit=True) as admin:
+        blocker.execute("LOCK TABLE rselection_leases IN ACCESS EXCLUSIVE MODE")
+
+        def renewal_waits() -> bool:
+            row = admin.execute(
+                "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)
+            ).fetchone()
+            return row == ("Lock",)
+
+        wait_until(renewal_waits, 5, "a's renewal to wait for the table lock")
+        a.step_down(hold=30, wait=False)
+        time.sleep(0.2)  # the interrupted renewal is handled while the lock is held
+        blocker.rollback()
+    wait_until(lambda: b.is_leader, 10, "b to take over the released lease")
+    reasons = [e[4] for e in events.of("demoted") if e[2] == "s" and e[3] == 1]
+    assert reasons == ["step_down"], reasons
+    assert b.term == 2
