@@ -554,18 +554,32 @@ def give_back_sql(
     ).format(t=table, pairs=pairs, pid=sql.Literal(pid))
 
 
-def unlock_next_terms_sql(table: sql.Composable, names: Sequence[str]) -> sql.Composed:
+def unlock_next_terms_sql(
+    table: sql.Composable, names: Sequence[str], held: Sequence[tuple[int, int]]
+) -> sql.Composed:
     """Free the locks a failed acquisition may have left: the advisory lock of the next
-    term of each lease named (``pg_advisory_lock`` is not undone by a rollback).
+    term of each lease named (``pg_advisory_lock`` is not undone by a rollback), except
+    the ``(lock_key, term)`` locks in ``held``, which terms of this session hold.
 
-    Safe for any lease: a session holds the next term's lock only through an
-    acquisition of that term, and a failed one committed nothing, so the row's term is
-    still the one before it.
+    A session holds a lease's next-term lock only through an acquisition of that term,
+    and a failed one committed nothing, so the row's term is still the one before it;
+    but two leases' lock keys may collide (they are hashes), and then one lease's next
+    term is the lock of the other's running term: ``held`` keeps those.
     """
+    keep = (
+        sql.SQL(" AND (t.lock_key, ((t.term + 1) % 2147483648)::integer) NOT IN ({})").format(
+            sql.SQL(", ").join(
+                sql.SQL("({}, {})").format(sql.Literal(key), sql.Literal(term % 2**31))
+                for key, term in held
+            )
+        )
+        if held
+        else sql.SQL("")
+    )
     return sql.SQL(
         "SELECT pg_advisory_unlock(t.lock_key, ((t.term + 1) % 2147483648)::integer)"
-        " FROM {t} AS t WHERE t.name = ANY({names})"
-    ).format(t=table, names=sql.Literal(list(names)))
+        " FROM {t} AS t WHERE t.name = ANY({names}){keep}"
+    ).format(t=table, names=sql.Literal(list(names)), keep=keep)
 
 
 def release_sql(

@@ -793,10 +793,12 @@ class SharedKeeper:
         """Free the next-term locks a failed acquisition may have taken (bounded: under a
         table lock they stay, which only keeps those leases held until the session
         ends, never frees one early)."""
+        with self._state:
+            held = [(key, term) for term, key in self._holds.values()]
         try:
             self._run(
                 sql.SQL("{}; {}").format(
-                    bounded_sql(LOCK_BOUND), unlock_next_terms_sql(self._ident, names)
+                    bounded_sql(LOCK_BOUND), unlock_next_terms_sql(self._ident, names, held)
                 ),
                 "free the locks of a failed acquisition",
                 limit=LOCK_BOUND + 1.0,

@@ -8,6 +8,7 @@ heartbeat waiting for a locked row) must not hold up the renewals of every lease
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -24,6 +25,8 @@ import pytest
 import rselection as rs
 from rselection import signals
 from rselection.postgres import PostgresLeader, fenced
+from rselection.postgres._lease_sql import lease_lock_key
+from rselection.postgres.schema import create_tables
 from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -369,3 +372,73 @@ def test_a_step_down_during_a_renewal_still_hands_over(
     reasons = [e[4] for e in events.of("demoted") if e[2] == "s" and e[3] == 1]
     assert reasons == ["step_down"], reasons
     assert b.term == 2
+
+
+def test_a_failed_acquisition_never_frees_the_lock_of_a_lease_whose_key_collides(
+    pg_dsn: str, made: list[PostgresLeader]
+) -> None:
+    # Lock keys are 32-bit hashes of the lease name: with enough leases two collide, and
+    # the next term of one is the lock of the other's running term. Freeing what a failed
+    # acquisition may have left must keep the locks of this session's running terms.
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        create_tables(admin, leases="rselection_leases", timeout=10)
+        oid = admin.execute("SELECT 'rselection_leases'::regclass::oid").fetchone()[0]  # type: ignore[index]
+    seen: dict[int, str] = {}
+    for i in itertools.count():  # about 80,000 names for a collision (birthday bound)
+        key = lease_lock_key(oid, f"x{i}")
+        if key in seen:
+            a_name, b_name = seen[key], f"x{i}"
+            break
+        seen[key] = f"x{i}"
+    a = PostgresLeader(pg_dsn, idle_handler(), name=a_name, node_id="n", claimer=None, **TIMINGS)
+    made.append(a)
+    a.start()
+    wait_until(lambda: a.is_leader, 15, "a to lead")
+    assert a.term == 1
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        # b's row, at term 0, and a fault on its acquisition only (a user's trigger)
+        admin.execute(
+            "INSERT INTO rselection_leases (name, lock_key) VALUES (%s, %s)", (b_name, key)
+        )
+        # (a sequence counts its attempts: nextval() is not undone by the rollback)
+        admin.execute("CREATE SEQUENCE b_attempts")
+        admin.execute(
+            "CREATE FUNCTION refuse_b() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+            f" IF NEW.name = '{b_name}' AND NEW.holder IS NOT NULL THEN"
+            " PERFORM nextval('b_attempts'); RAISE EXCEPTION 'refused'; END IF;"
+            " RETURN NEW; END $$"
+        )
+        admin.execute(
+            "CREATE TRIGGER refuse_b BEFORE UPDATE ON rselection_leases FOR EACH ROW"
+            " EXECUTE FUNCTION refuse_b()"
+        )
+        b = PostgresLeader(
+            pg_dsn, idle_handler(), name=b_name, node_id="n", claimer=None, **TIMINGS
+        )
+        made.append(b)
+        b.start()
+
+        def attempts() -> int:
+            row = admin.execute(
+                "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM b_attempts"
+            ).fetchone()
+            return int(row[0]) if row else 0
+
+        def a_holds_its_lock() -> bool:
+            row = admin.execute(
+                "SELECT count(*) FROM pg_locks l JOIN rselection_leases t ON t.name = %s"
+                " WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted"
+                " AND l.classid::bigint = (t.lock_key::bigint & 4294967295)"
+                " AND l.objid::bigint = t.term AND l.pid = t.holder_pid",
+                (a_name,),
+            ).fetchone()
+            return row == (1,)
+
+        # Each failed attempt of b frees the next-term locks it may have left.
+        until = time.monotonic() + 30
+        while attempts() < 3 and time.monotonic() < until:
+            assert a_holds_its_lock(), "the lock of a's running term was freed"
+            time.sleep(0.02)
+        assert attempts() >= 3, "b did not attempt"
+        assert a_holds_its_lock(), "the lock of a's running term was freed"
+        assert a.is_leader and a.term == 1 and not b.is_leader
