@@ -510,8 +510,9 @@ def renew_batch_sql(
     waited for: its lease is not renewed this time, and the other leases of the batch,
     whose renewals must never wait behind it, are. Fenced transactions lock rows
     ``FOR KEY SHARE``, which a renewal does not conflict with. Each row returned: name,
-    term, whether a handover request is pending for that term, the node it names and
-    the seconds left of its window.
+    term, whether a handover request is pending for that term, the node it names, the
+    seconds left of its window, and whether the row was skipped (still held, not
+    renewed: try again).
     """
     values = sql.SQL(", ").join(
         sql.SQL("({}::text, {}::text, {}::bigint, {}::float8)").format(
@@ -527,13 +528,18 @@ def renew_batch_sql(
     return sql.SQL(
         "WITH r(name, node, term, ttl) AS (VALUES {values}),"
         " lockable AS MATERIALIZED (SELECT t.name FROM {t} AS t JOIN r ON {guard}"
-        " FOR NO KEY UPDATE OF t SKIP LOCKED)"
-        " UPDATE {t} AS t SET renewed_at = now(), expires_at = now() + r.ttl * interval '1 second'"
+        " FOR NO KEY UPDATE OF t SKIP LOCKED),"
+        " renewed AS (UPDATE {t} AS t"
+        " SET renewed_at = now(), expires_at = now() + r.ttl * interval '1 second'"
         " FROM r JOIN lockable ON lockable.name = r.name"
         " WHERE {guard}"
         " RETURNING t.name, t.term,"
-        " coalesce(t.resign_term = t.term AND t.resign_until > now(), false), t.resign_to,"
-        " greatest(0, extract(epoch FROM t.resign_until - now()))::float8"
+        " coalesce(t.resign_term = t.term AND t.resign_until > now(), false) AS pending,"
+        " t.resign_to,"
+        " greatest(0, extract(epoch FROM t.resign_until - now()))::float8 AS time_left)"
+        " SELECT name, term, pending, resign_to, time_left, false FROM renewed"
+        " UNION ALL SELECT r.name, r.term, false, NULL::text, 0::float8, true"
+        " FROM r JOIN {t} AS t ON {guard} WHERE r.name NOT IN (SELECT name FROM lockable)"
     ).format(t=table, values=values, guard=guard)
 
 

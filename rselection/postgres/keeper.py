@@ -91,7 +91,7 @@ from .session_pool import SessionPool
 if TYPE_CHECKING:
     from .lease import PostgresLease
 
-__all__ = ["GATHER", "SharedKeeper"]
+__all__ = ["GATHER", "RENEWAL_SKIPPED", "SharedKeeper"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +104,11 @@ HEARTBEAT_BOUND = 1.0
 lock waits included, before the server cancels it: renewals queue behind it, and a
 locked nodes table (``VACUUM FULL``, a migration, a row locked by hand) must never make
 the leases of a process pass their deadlines. The heartbeat is retried a second later."""
+
+RENEWAL_SKIPPED = ("skipped",)
+"""What :meth:`SharedKeeper.renew` returns for a term still held whose row another
+transaction holds locked: not renewed this time; try again (the deadline counts from the
+last renewal that went through)."""
 
 LOCK_BOUND = 1.0
 """Seconds an acquisition or a release may wait for a lock on the keeper session before
@@ -745,7 +750,8 @@ class SharedKeeper:
         *,
         done: threading.Event | None = None,
     ) -> tuple[Any, ...] | None:
-        """Renew ``term``; the row (name, term, handover columns) or ``None`` when lost.
+        """Renew ``term``; the row (name, term, handover columns), ``None`` when lost, or
+        :data:`RENEWAL_SKIPPED`.
 
         Only the client that took ``term`` for ``node_id`` through this session renews it
         (not another client of the same lease and node, and not after its term ended).
@@ -787,7 +793,8 @@ class SharedKeeper:
             return
         renewed = {(row[0], row[1]): row for row in results[0] or []}
         for queued in batch:
-            queued.fill(renewed.get((queued.lease.name, queued.term)))
+            row = renewed.get((queued.lease.name, queued.term))
+            queued.fill(RENEWAL_SKIPPED if row is not None and row[5] else row)
 
     def _free_next_terms(self, names: list[str]) -> None:
         """Free the next-term locks a failed acquisition may have taken (bounded: under a

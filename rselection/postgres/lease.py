@@ -171,7 +171,7 @@ from typing import Any
 import psycopg
 
 from ..closeable import Closeable
-from ..errors import ConfigError
+from ..errors import BackendUnavailable, ConfigError
 from ..lease import Acquisition, HandoverRequest, LeaderInfo
 from ..timing import MAX_TIMING
 from ..validation import check_name, check_node_id, check_seconds
@@ -192,7 +192,7 @@ from ._lease_sql import (
     utc,
 )
 from .handover import cancel_handover, renewal_request, request_handover
-from .keeper import SharedKeeper
+from .keeper import RENEWAL_SKIPPED, SharedKeeper
 from .schema import DEFAULT_TABLE, table_identifier
 
 __all__ = [
@@ -205,6 +205,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+SKIPPED_RETRY = 0.1
+"""Seconds between renewals of a term whose row another transaction holds locked."""
 
 
 class PostgresLease(Closeable):
@@ -489,13 +492,24 @@ class PostgresLease(Closeable):
         keeper = self._shared()
         self._handover_hint = False
         self._handover = None
-        self._renewal_done = done = threading.Event()
         try:
-            row = keeper.renew(self, node_id, term, done=done)
+            while True:
+                self._renewal_done = done = threading.Event()
+                row = keeper.renew(self, node_id, term, done=done)
+                if row is not RENEWAL_SKIPPED:
+                    break
+                # Another transaction holds the row (an operator's lock, `rselection
+                # forget` looking at it): still ours, not renewed; again soon. The
+                # deadline still counts from the last renewal that went through.
+                self._renewal_done = pause = threading.Event()
+                if pause.wait(SKIPPED_RETRY):
+                    raise BackendUnavailable(
+                        f"lease {self.name!r}: interrupted while its row was locked"
+                    )
         finally:
             self._renewal_done = None
         if row is not None:
-            self._handover = renewal_request(term, row[2:])
+            self._handover = renewal_request(term, row[2:5])
             return True
         logger.debug("lease %r: renewal of term %s by %s refused", self.name, term, node_id)
         return False

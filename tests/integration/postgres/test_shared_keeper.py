@@ -442,3 +442,18 @@ def test_a_failed_acquisition_never_frees_the_lock_of_a_lease_whose_key_collides
         assert attempts() >= 3, "b did not attempt"
         assert a_holds_its_lock(), "the lock of a's running term was freed"
         assert a.is_leader and a.term == 1 and not b.is_leader
+
+
+def test_a_short_lock_on_a_lease_row_costs_no_term(
+    pg_dsn: str, made: list[PostgresLeader], events: Events
+) -> None:
+    # An operator's lock on the row (or `rselection forget` looking at it) shorter than
+    # the time left before the deadline: the renewal is tried again until it goes through.
+    leaders = four_leaders(pg_dsn, made)
+    with psycopg.connect(pg_dsn) as locker:
+        locker.execute("SELECT 1 FROM rselection_leases WHERE name = 'l0' FOR UPDATE")
+        gaps = led_all_along(leaders, TIMINGS["renew_deadline"] / 2)
+        locker.rollback()
+    assert not gaps, f"a lease was not led all along: {gaps[:3]}"
+    assert not events.of("demoted"), events.of("demoted")
+    assert [x.term for x in leaders] == [1, 1, 1, 1]
