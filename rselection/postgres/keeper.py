@@ -211,6 +211,7 @@ class SharedKeeper:
         self._created: set[str] = set()  # nodes tables created through this session
         self._ring: RingWatcher | None = None
         self._ring_channel = ""
+        self._reading = threading.Lock()  # a read in flight on the session (read())
 
     # -- clients -------------------------------------------------------------------------
 
@@ -540,14 +541,19 @@ class SharedKeeper:
                 and not self._conn.closed
                 and not self._conn.broken
             )
-        if not usable:
+        # One read at a time: more (many threads asking leader()) go to the pool rather
+        # than queue on the session ahead of the process's attempts.
+        if not usable or not self._reading.acquire(blocking=False):
             return None
-        results = self._run(
-            sql.SQL("{}; {}").format(bounded_sql(HEARTBEAT_BOUND), query),
-            what,
-            limit=HEARTBEAT_BOUND + 1.0,
-            tolerate=True,
-        )
+        try:
+            results = self._run(
+                sql.SQL("{}; {}").format(bounded_sql(HEARTBEAT_BOUND), query),
+                what,
+                limit=HEARTBEAT_BOUND + 1.0,
+                tolerate=True,
+            )
+        finally:
+            self._reading.release()
         return results[-1] or []
 
     def _lost(self) -> BackendUnavailable:

@@ -206,6 +206,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+TAKEABLE_RETRY = 0.25
+"""Seconds before a follower attempts again a lease it may take whose row another
+transaction held (reported as free, reserved that long)."""
+
 SKIPPED_RETRY = 0.1
 """Seconds between renewals of a term whose row another transaction holds locked."""
 
@@ -425,8 +429,9 @@ class PostgresLease(Closeable):
         if not acquired and free:
             # Takeable, but another transaction held the row (fenced transactions of the
             # gone holder's term, another node's attempt): no live leader; look again
-            # soon rather than at the dead holder's expiry.
-            return Acquisition(False, None, 0.0)
+            # soon rather than at the dead holder's expiry (but not in a busy loop while
+            # a long fenced statement of the old term runs on).
+            return Acquisition(False, None, TAKEABLE_RETRY)
         return Acquisition(acquired, info, max(0.0, float(expires_in)))
 
     def try_acquire(self, node_id: str) -> Acquisition:
