@@ -53,15 +53,8 @@ def test_single_node_example_flags_missed_heartbeats() -> None:
     assert re.search(r"WARNING single_node: missed heartbeats: none for [\d.]+ s", result.stderr)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_single_node_example_stops_cleanly_on_a_signal(signum: signal.Signals) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLE), "--interval", "0.1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=ENV,
-    )
+def read_lines(proc: subprocess.Popen[str]) -> tuple[queue.Queue[str], threading.Thread]:
+    """Read ``proc``'s stdout in a thread, a line at a time, into a queue."""
     lines: queue.Queue[str] = queue.Queue()
 
     def read() -> None:
@@ -71,6 +64,19 @@ def test_single_node_example_stops_cleanly_on_a_signal(signum: signal.Signals) -
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
+    return lines, reader
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_single_node_example_stops_cleanly_on_a_signal(signum: signal.Signals) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, str(EXAMPLE), "--interval", "0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    lines, reader = read_lines(proc)
     try:
         deadline = time.monotonic() + 30
         output: list[str] = []
@@ -151,15 +157,7 @@ def test_the_example_leads_alone_without_a_database_and_stops_cleanly_on_a_signa
         text=True,
         env=env,
     )
-    lines: queue.Queue[str] = queue.Queue()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    lines, reader = read_lines(proc)
     output: list[str] = []
     try:
         deadline = time.monotonic() + 45
