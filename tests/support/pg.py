@@ -716,7 +716,10 @@ class PrivatePostgres(_ServerProcess):
             "max_connections": "200",
             "shared_buffers": "32MB",
             "fsync": "off",
-            "synchronous_commit": "off",
+            # on: a commit is written to the kernel before it is acknowledged, so
+            # it survives a kill of the server (fsync=off only risks a machine
+            # crash). Off, a kill lost the lease row written just before it.
+            "synchronous_commit": "on",
             "full_page_writes": "off",
             "log_min_messages": "warning",
             "log_line_prefix": "'%m [%p] '",

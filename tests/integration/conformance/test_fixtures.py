@@ -126,6 +126,29 @@ def test_private_postgres_start_restart_kill() -> None:
     assert not pg.data_dir.exists()
 
 
+def test_a_commit_acknowledged_just_before_a_kill_survives_it(
+    private_pg: PrivatePostgres,
+) -> None:
+    """Chaos tests kill the server right after a term starts: its row must be kept.
+
+    With ``synchronous_commit=off`` the WAL writer flushed commits up to 200 ms
+    late, so a kill lost the lease row written just before it and the fleet saw
+    the row as deleted.
+    """
+    with psycopg.connect(private_pg.dsn, autocommit=True, connect_timeout=5) as conn:
+        conn.execute("create table acknowledged (n int)")
+    for mode in ("immediate", "kill"):
+        with psycopg.connect(private_pg.dsn, autocommit=True, connect_timeout=5) as conn:
+            conn.execute("insert into acknowledged values (1)")
+            if mode == "kill":
+                private_pg.kill()
+            else:
+                private_pg.stop("immediate")
+        private_pg.start()
+    with psycopg.connect(private_pg.dsn, autocommit=True, connect_timeout=5) as conn:
+        assert conn.execute("select count(*) from acknowledged").fetchone() == (2,)
+
+
 def test_private_pg_fixture(private_pg: PrivatePostgres) -> None:
     assert private_pg.is_running()
     with psycopg.connect(private_pg.dsn, connect_timeout=5) as conn:
