@@ -509,13 +509,15 @@ class LeaseLeader:
                     if not self._connected:
                         self._backend.connect()
                         self._connected = True
-                        if failures:
-                            logger.info("lease %r: backend reachable again", self._name)
-                        failures = 0
                     if self._term is None:
                         self._follow_step()
                     else:
                         self._lead_step()
+                    # Only a step that worked ends the backoff: a server that accepts the
+                    # connection but refuses the attempt (a user's trigger) is an outage.
+                    if failures:
+                        logger.info("lease %r: backend reachable again", self._name)
+                    failures = 0
                 except BackendUnavailable as exc:
                     if self._stopping.is_set():
                         # stop() interrupted the round trip: not an outage; the clean-up

@@ -240,6 +240,47 @@ def test_a_row_the_server_refuses_to_update_costs_only_its_own_lease(
     wait_until(lambda: leaders[0].is_leader, 15, "l0 to be led again once the fault is gone")
 
 
+def test_a_refused_acquisition_backs_off_instead_of_retrying_ten_times_a_second(
+    pg_dsn: str, made: list[PostgresLeader]
+) -> None:
+    # A user's trigger refuses every write of one lease's row. Before the fix the
+    # backoff restarted after each successful reconnect: about 10 attempts a second,
+    # forever, each one a warning-level round trip.
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        create_tables(admin, leases="rselection_leases", timeout=10)
+        # A sequence is not rolled back with the refused statement: it counts attempts.
+        admin.execute("CREATE SEQUENCE refused_writes")
+        admin.execute(
+            "CREATE FUNCTION refuse_lx() RETURNS trigger LANGUAGE plpgsql AS"
+            " $$ BEGIN PERFORM nextval('refused_writes'); RAISE EXCEPTION 'no lx'; END $$"
+        )
+        admin.execute(
+            "CREATE TRIGGER refuse_lx BEFORE INSERT OR UPDATE ON rselection_leases"
+            " FOR EACH ROW WHEN (NEW.name = 'lx') EXECUTE FUNCTION refuse_lx()"
+        )
+        leader = PostgresLeader(
+            pg_dsn, idle_handler(), name="lx", node_id="n", claimer=None, **TIMINGS
+        )
+        made.append(leader)
+        leader.start()
+        wait_until(
+            lambda: admin.execute("SELECT last_value FROM refused_writes").fetchone() != (1,),
+            10,
+            "the first refused acquisitions",
+        )
+        start = int(admin.execute("SELECT nextval('refused_writes')").fetchone()[0])
+        time.sleep(4.0)  # the span over which attempts are counted
+        end = int(admin.execute("SELECT nextval('refused_writes')").fetchone()[0])
+        assert not leader.is_leader
+        # Backoff doubling from 0.1 s (jitter 0.5 to 1) makes about 6 attempts in 4 s;
+        # without it there were about 40.
+        attempts = end - start - 1
+        assert attempts <= 15, f"{attempts} refused acquisitions in 4 s"
+        admin.execute("DROP TRIGGER refuse_lx ON rselection_leases")
+        # Led once the fault is gone (backoff is capped at 5 s).
+        wait_until(lambda: leader.is_leader, 20, "lx to be led once writes are allowed")
+
+
 def test_a_locked_lease_row_costs_only_its_own_lease(
     pg_dsn: str, made: list[PostgresLeader]
 ) -> None:
