@@ -92,7 +92,7 @@ from ._scripts import CANCEL_HANDOVER as CANCEL_HANDOVER  # re-exported
 from ._scripts import REQUEST_HANDOVER as REQUEST_HANDOVER  # re-exported
 from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
 
-__all__ = ["RedisLease", "handover_key", "lease_keys", "node_channel"]
+__all__ = ["RedisLease", "handover_key", "lease_keys", "node_channel", "term_origin_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,20 @@ def handover_key(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
         key_prefix: prefix of every key.
     """
     return f"{key_prefix}{{{name}}}:resign"
+
+
+def term_origin_key(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    """The key holding the replication id of the server that last wrote the term counter.
+
+    The acquire script compares it with the server's ``master_replid``: a mismatch means
+    the counter may lack terms issued on another server (a promoted replica), so the next
+    term jumps (see the module docstring). Same hash slot as the lease's other keys.
+
+    Args:
+        name: the lease name.
+        key_prefix: prefix of every key.
+    """
+    return f"{key_prefix}{{{name}}}:origin"
 
 
 def node_channel(name: str, node_id: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
@@ -234,6 +248,7 @@ class RedisLease(Closeable):
         self.key_prefix = key_prefix
         self.key, self.term_key, self.channel = lease_keys(name, key_prefix)
         self.handover_key = handover_key(name, key_prefix)
+        self.origin_key = term_origin_key(name, key_prefix)
         self._client, self._owns_client = check_client(client, "RedisLease")
         self._factory = ConnectionFactory(
             self._client,
@@ -488,10 +503,11 @@ class RedisLease(Closeable):
         reply = self._call(
             "EVAL",
             ACQUIRE,
-            3,
+            4,
             self.key,
             self.term_key,
             self.handover_key,
+            self.origin_key,
             token,
             node_id,
             self._ttl_ms,
