@@ -6,7 +6,7 @@ How the lease works
 Three names per lease, all with the lease name as hash tag so that a cluster keeps them
 in one slot (``<prefix>{<name>}:lease``, ``<prefix>{<name>}:term``, and the pub/sub
 channel ``<prefix>{<name>}:events``), plus ``<prefix>{<name>}:resign`` while a handover
-request is pending.
+request is pending and ``<prefix>{<name>}:origin`` (see "Terms across a failover").
 
 * **Acquire** is one Lua script: when the lease key does not exist it ``INCR``\\ s the
   term counter and ``SET``\\ s the key ``NX PX ttl`` to a small JSON document: a random
@@ -22,6 +22,22 @@ request is pending.
   ``PUBLISH``, so followers try at once.
 * **Expiry** is Redis's own (``PX``): no client clock is compared. The leader's local
   deadline (see :mod:`rselection.leader`) stops it before the key can expire.
+
+Terms across a failover
+-----------------------
+
+Replication is asynchronous: a replica promoted after its primary died may lack the last
+acquisitions, and a plain ``INCR`` would issue their terms again. So the acquire script
+also keeps ``<prefix>{<name>}:origin``, the ``master_replid`` (``INFO replication``) of
+the server that wrote the term counter. When it is not this server's id (a promoted
+replica, a restart, a moved cluster slot), or the counter has no origin, or there is no
+counter on a server that was promoted since its start (``master_replid2`` set), the new
+term is ``max(INCR, TIME in microseconds)``; then terms count by one again. Terms issued
+before a lease's first jump are small counters, so at the first failover the promoted
+server's term is larger than any lost one whatever the clocks; at later failovers it is
+larger while the promoted server's clock is not behind the lost primary's by more than
+the failover took. The manual's page on the Redis backend says what a lost write still
+allows.
 
 Handover on request
 -------------------
