@@ -23,8 +23,9 @@ __all__ = ["ACQUIRE", "CANCEL_HANDOVER", "READ", "RELEASE", "RENEW", "REQUEST_HA
 #: on another server: the origin key holds the replication id (``master_replid``) of the
 #: server that last wrote the counter, and when that is not this server's (a promoted
 #: replica, a restart, a slot moved), or the counter or this server came from elsewhere
-#: without one, the term jumps to at least the server's ``TIME`` in microseconds (the
-#: lease module's docstring says what that guarantees).
+#: without one, or the counter vanished while its origin stayed (evicted, deleted), the
+#: term jumps to at least the server's ``TIME`` in microseconds (the lease module's
+#: docstring says what that guarantees).
 ACQUIRE = """
 local function run_id()
   return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or ''
@@ -62,17 +63,24 @@ local term = redis.call('INCR', KEYS[2])
 local repl = redis.call('INFO', 'replication')
 local id = string.match(repl, 'master_replid:(%x+)') or ''
 local origin = redis.call('GET', KEYS[4])
-if id ~= '' and origin ~= id then
-  -- Promoted since its start: master_replid2 names the master it followed.
-  local id2 = string.match(repl, 'master_replid2:(%x+)') or ''
-  if origin or counted or string.find(id2, '[^0]') then
+if id ~= '' then
+  local foreign
+  if origin == id then
+    -- Our own counter is gone (evicted, deleted): its terms are unknown.
+    foreign = not counted
+  else
+    -- Promoted since its start: master_replid2 names the master it followed.
+    local id2 = string.match(repl, 'master_replid2:(%x+)') or ''
+    foreign = origin or counted or string.find(id2, '[^0]')
+    redis.call('SET', KEYS[4], id)
+  end
+  if foreign then
     local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
     if term < floor then
       term = floor
       redis.call('SET', KEYS[2], string.format('%d', term))
     end
   end
-  redis.call('SET', KEYS[4], id)
 end
 -- string.format, not tostring: Lua prints numbers of 15 digits and more as 1.8e+15.
 local ts = string.format('%d', term)

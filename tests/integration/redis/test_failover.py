@@ -16,11 +16,13 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+import redis
 
 import rselection as rs
 from rselection.errors import StaleLeaderError
 from rselection.redis import RedisFence, RedisLeader
 from rselection.redis.lease import RedisLease, lease_keys
+from tests.support.pg import PrivateRedis
 from tests.support.redis_replica import RedisReplicaSet
 from tests.support.waiting import wait_until
 
@@ -199,3 +201,19 @@ def test_a_follower_on_the_replica_leads_after_promotion_with_a_larger_term(
         a.stop(timeout=10)
     assert terms["b"][0] > max(terms["a"]), terms
     assert len(set(terms["a"] + terms["b"])) == len(terms["a"]) + len(terms["b"])
+
+
+def test_a_term_counter_that_vanished_does_not_restart_terms_at_one(
+    private_redis: PrivateRedis, name: str
+) -> None:
+    """A counter evicted (``maxmemory``) or deleted while its origin key stayed."""
+    with lease_on(private_redis.url, name) as a:
+        first = take(a, "a")
+        assert first == 1  # a fresh lease on a server never promoted starts at 1
+        a.release("a", first)
+        with redis.Redis.from_url(private_redis.url) as client:
+            client.delete(lease_keys(name)[1])
+        again = take(a, "a")
+        assert again > first, again
+        a.release("a", again)
+        assert take(a, "a") == again + 1
