@@ -25,7 +25,7 @@ __all__ = ["ACQUIRE", "CANCEL_HANDOVER", "READ", "RELEASE", "RENEW", "REQUEST_HA
 #: replica, a restart, a slot moved), or the counter or this server came from elsewhere
 #: without one, or the counter vanished while its origin stayed (evicted, deleted), the
 #: term jumps to at least the server's ``TIME`` in microseconds (the lease module's
-#: docstring says what that guarantees).
+#: docstring says what that guarantees). Refused with a ``READONLY`` error on a replica.
 ACQUIRE = """
 local function run_id()
   return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or ''
@@ -57,10 +57,14 @@ if r then
     end
   end
 end
+local repl = redis.call('INFO', 'replication')
+if string.find(repl, 'role:slave', 1, true) then
+  -- A writable replica (replica-read-only no) would count terms its primary never sees.
+  return redis.error_reply('READONLY this server is a replica: the lease is taken on its primary')
+end
 if run == '' then run = run_id() end
 local counted = redis.call('EXISTS', KEYS[2]) == 1
 local term = redis.call('INCR', KEYS[2])
-local repl = redis.call('INFO', 'replication')
 local id = string.match(repl, 'master_replid:(%x+)') or ''
 local origin = redis.call('GET', KEYS[4])
 if id ~= '' then

@@ -217,3 +217,17 @@ def test_a_term_counter_that_vanished_does_not_restart_terms_at_one(
         assert again > first, again
         a.release("a", again)
         assert take(a, "a") == again + 1
+
+
+def test_a_writable_replica_refuses_the_lease(pair: RedisReplicaSet, name: str) -> None:
+    """With ``replica-read-only no`` a replica accepts writes it never passes on: a term
+    counted there would be counted again by its primary."""
+    pair.client(1).config_set("replica-read-only", "no")
+    with (
+        lease_on(pair.url(1), name) as on_replica,
+        pytest.raises(rs.BackendUnavailable, match="replica"),
+    ):
+        on_replica.try_acquire("r")
+    assert pair.client(1).get(lease_keys(name)[1]) is None
+    with lease_on(pair.url(0), name) as a:
+        assert take(a, "a") == 1
