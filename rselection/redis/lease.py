@@ -32,13 +32,12 @@ also keeps ``<prefix>{<name>}:origin``, the ``master_replid`` (``INFO replicatio
 the server that wrote the term counter. When it is not this server's id (a promoted
 replica, a restart, a moved cluster slot), or the counter has no origin, or there is no
 counter on a server that was promoted since its start (``master_replid2`` set) or under
-an origin that stayed (the counter was evicted or deleted), the new term is
-``max(INCR, TIME in microseconds)``; then terms count by one again. Terms issued before a
-lease's first jump are small counters, so at the first failover the promoted server's
-term is larger than any lost one whatever the clocks; at later failovers it is larger
-while the promoted server's clock is not behind the lost primary's by more than the
-failover took. The manual's page on the Redis backend says what a lost write still
-allows.
+an origin that stayed (the counter was evicted or deleted), the new term is ``max(INCR,
+TIME in microseconds)``; then terms count by one again. Terms issued before a lease's
+first jump are small counters, so at the first jump the promoted server's term is larger
+than any lost one whatever the clocks; at later jumps it is larger while the promoted
+server's clock is not behind the lost primary's by more than the failover took. The
+manual's page on the Redis backend says what a lost write still allows.
 
 Handover on request
 -------------------
