@@ -231,3 +231,16 @@ def test_a_writable_replica_refuses_the_lease(pair: RedisReplicaSet, name: str) 
     assert pair.client(1).get(lease_keys(name)[1]) is None
     with lease_on(pair.url(0), name) as a:
         assert take(a, "a") == 1
+
+
+def test_a_restarted_server_jumps_the_next_term(private_redis: PrivateRedis, name: str) -> None:
+    """A restart gives the server a new replication id: with ``appendfsync everysec`` it
+    may have lost the last acquisitions, so the next term jumps as after a promotion."""
+    with lease_on(private_redis.url, name) as a:
+        a.release("a", before := take(a, "a"))
+    private_redis.restart()
+    with lease_on(private_redis.url, name) as a:
+        after = take(a, "a")
+        assert after > 10**15 > before, (before, after)
+        a.release("a", after)
+        assert take(a, "a") == after + 1
