@@ -12,11 +12,20 @@ __all__ = ["ACQUIRE", "CANCEL_HANDOVER", "READ", "RELEASE", "RENEW", "REQUEST_HA
 
 #: Take the lease if it is free, or if its holder's connection is known gone, unless a
 #: handover request reserves it against this node.
-#: KEYS: lease key, term key, handover key. ARGV: token, node id, ttl (ms), this keeper's
-#: client id, "1" when it offers fast takeover (else "0"), the dead holder's client id and
-#: term ('' when none), this keeper's server run_id, channel. Returns {1 when acquired
-#: (else 0), lease value ('' when free but reserved by a handover request), PTTL (ms) of
-#: the lease key (of the handover key when reserved), server time (ms)}.
+#: KEYS: lease key, term key, handover key, term origin key. ARGV: token, node id, ttl
+#: (ms), this keeper's client id, "1" when it offers fast takeover (else "0"), the dead
+#: holder's client id and term ('' when none), this keeper's server run_id, channel.
+#: Returns {1 when acquired (else 0), lease value ('' when free but reserved by a handover
+#: request), PTTL (ms) of the lease key (of the handover key when reserved), server time
+#: (ms)}.
+#:
+#: The new term is the counter's ``INCR``, except when the counter may lack terms issued
+#: on another server: the origin key holds the replication id (``master_replid``) of the
+#: server that last wrote the counter, and when that is not this server's (a promoted
+#: replica, a restart, a slot moved), or the counter or this server came from elsewhere
+#: without one, or the counter vanished while its origin stayed (evicted, deleted), the
+#: term jumps to at least the server's ``TIME`` in microseconds (the lease module's
+#: docstring says what that guarantees). Refused with a ``READONLY`` error on a replica.
 ACQUIRE = """
 local function run_id()
   return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or ''
@@ -48,9 +57,38 @@ if r then
     end
   end
 end
+local repl = redis.call('INFO', 'replication')
+if string.find(repl, 'role:slave', 1, true) then
+  -- A writable replica (replica-read-only no) would count terms its primary never sees.
+  return redis.error_reply('READONLY this server is a replica: the lease is taken on its primary')
+end
 if run == '' then run = run_id() end
+local counted = redis.call('EXISTS', KEYS[2]) == 1
 local term = redis.call('INCR', KEYS[2])
-local v = cjson.encode({token = ARGV[1], node = ARGV[2], term = tostring(term),
+local id = string.match(repl, 'master_replid:(%x+)') or ''
+local origin = redis.call('GET', KEYS[4])
+if id ~= '' then
+  local foreign
+  if origin == id then
+    -- Our own counter is gone (evicted, deleted): its terms are unknown.
+    foreign = not counted
+  else
+    -- Promoted since its start: master_replid2 names the master it followed.
+    local id2 = string.match(repl, 'master_replid2:(%x+)') or ''
+    foreign = origin or counted or string.find(id2, '[^0]')
+    redis.call('SET', KEYS[4], id)
+  end
+  if foreign then
+    local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    if term < floor then
+      term = floor
+      redis.call('SET', KEYS[2], string.format('%d', term))
+    end
+  end
+end
+-- string.format, not tostring: Lua prints numbers of 15 digits and more as 1.8e+15.
+local ts = string.format('%d', term)
+local v = cjson.encode({token = ARGV[1], node = ARGV[2], term = ts,
   client = ARGV[4], run = run, fast = ARGV[5], at = now})
 if cur then
   redis.call('SET', KEYS[1], v, 'PX', ARGV[3], 'XX')
@@ -58,7 +96,7 @@ else
   redis.call('SET', KEYS[1], v, 'NX', 'PX', ARGV[3])
 end
 redis.call('DEL', KEYS[3])
-redis.call('PUBLISH', ARGV[9], 'acquired:' .. tostring(term))
+redis.call('PUBLISH', ARGV[9], 'acquired:' .. ts)
 return {1, v, tonumber(ARGV[3]), now}
 """
 

@@ -18,8 +18,9 @@ Postgres leader and :func:`rselection.postgres.fenced`.
 
 In a Redis Cluster the keys a fenced command writes must be in the lease's hash slot:
 give them the lease name as hash tag (``"{billing}:state"``). With replicas, a write
-acknowledged by a master that fails before replicating it is lost like any other
-(see the README's Redis section).
+acknowledged by a master that fails before replicating it is lost like any other. A
+replica promoted after missing an acquisition refuses the lost term's writes: its next
+term is larger than the lost one (see :mod:`rselection.redis.lease`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ How the lease works
 Three names per lease, all with the lease name as hash tag so that a cluster keeps them
 in one slot (``<prefix>{<name>}:lease``, ``<prefix>{<name>}:term``, and the pub/sub
 channel ``<prefix>{<name>}:events``), plus ``<prefix>{<name>}:resign`` while a handover
-request is pending.
+request is pending and ``<prefix>{<name>}:origin`` (see "Terms across a failover").
 
 * **Acquire** is one Lua script: when the lease key does not exist it ``INCR``\\ s the
   term counter and ``SET``\\ s the key ``NX PX ttl`` to a small JSON document: a random
@@ -22,6 +22,22 @@ request is pending.
   ``PUBLISH``, so followers try at once.
 * **Expiry** is Redis's own (``PX``): no client clock is compared. The leader's local
   deadline (see :mod:`rselection.leader`) stops it before the key can expire.
+
+Terms across a failover
+-----------------------
+
+Replication is asynchronous: a replica promoted after its primary died may lack the last
+acquisitions, and a plain ``INCR`` would issue their terms again. So the acquire script
+also keeps ``<prefix>{<name>}:origin``, the ``master_replid`` (``INFO replication``) of
+the server that wrote the term counter. When it is not this server's id (a promoted
+replica, a restart, a moved cluster slot), or the counter has no origin, or there is no
+counter on a server that was promoted since its start (``master_replid2`` set) or under
+an origin that stayed (the counter was evicted or deleted), the new term is ``max(INCR,
+TIME in microseconds)``; then terms count by one again. Terms issued before a lease's
+first jump are small counters, so at the first jump the promoted server's term is larger
+than any lost one whatever the clocks; at later jumps it is larger while the promoted
+server's clock is not behind the lost primary's by more than the failover took. The
+manual's page on the Redis backend says what a lost write still allows.
 
 Handover on request
 -------------------
@@ -92,7 +108,7 @@ from ._scripts import CANCEL_HANDOVER as CANCEL_HANDOVER  # re-exported
 from ._scripts import REQUEST_HANDOVER as REQUEST_HANDOVER  # re-exported
 from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
 
-__all__ = ["RedisLease", "handover_key", "lease_keys", "node_channel"]
+__all__ = ["RedisLease", "handover_key", "lease_keys", "node_channel", "term_origin_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +135,20 @@ def handover_key(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
         key_prefix: prefix of every key.
     """
     return f"{key_prefix}{{{name}}}:resign"
+
+
+def term_origin_key(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    """The key holding the replication id of the server that last wrote the term counter.
+
+    The acquire script compares it with the server's ``master_replid``: a mismatch means
+    the counter may lack terms issued on another server (a promoted replica), so the next
+    term jumps (see the module docstring). Same hash slot as the lease's other keys.
+
+    Args:
+        name: the lease name.
+        key_prefix: prefix of every key.
+    """
+    return f"{key_prefix}{{{name}}}:origin"
 
 
 def node_channel(name: str, node_id: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
@@ -234,6 +264,7 @@ class RedisLease(Closeable):
         self.key_prefix = key_prefix
         self.key, self.term_key, self.channel = lease_keys(name, key_prefix)
         self.handover_key = handover_key(name, key_prefix)
+        self.origin_key = term_origin_key(name, key_prefix)
         self._client, self._owns_client = check_client(client, "RedisLease")
         self._factory = ConnectionFactory(
             self._client,
@@ -488,10 +519,11 @@ class RedisLease(Closeable):
         reply = self._call(
             "EVAL",
             ACQUIRE,
-            3,
+            4,
             self.key,
             self.term_key,
             self.handover_key,
+            self.origin_key,
             token,
             node_id,
             self._ttl_ms,
