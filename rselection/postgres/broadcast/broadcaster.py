@@ -18,7 +18,6 @@ import psycopg
 
 from ...broadcast import Broadcaster, BroadcastStats, OverflowHook, Receiver, Subscription
 from ...errors import BackendUnavailable, ConfigError
-from .._conn import session_conninfo
 from .listener import GapHook, Listener
 from .outbox import BROADCAST_TABLE, Outbox, inline_cost
 from .sessions import Sessions
@@ -143,7 +142,6 @@ class PostgresBroadcaster(Broadcaster):
         on_overflow: OverflowHook | None = None,
         on_gap: GapHook | None = None,
     ) -> None:
-        conninfo = session_conninfo(conninfo, "PostgresBroadcaster")
         outbox = Outbox(table)  # validates the name
         settings = Settings(
             retention=retention,
@@ -161,7 +159,7 @@ class PostgresBroadcaster(Broadcaster):
         self.table = table
         self.settings = settings
         """The checked configuration (retention, timeouts, limits)."""
-        self._sessions = Sessions(conninfo, outbox, settings)
+        self._sessions = Sessions(conninfo, outbox, settings)  # validates conninfo
         self._listener = Listener(self._sessions, self.has_readers, self._deliver_here, on_gap)
         self._writer = Writer(self._sessions, self._listener, self.has_readers)
         self._listener.start()
@@ -246,7 +244,7 @@ class PostgresBroadcaster(Broadcaster):
         :returns: whether the broadcaster is ready.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._listener.connected.wait(timeout):
+        if not self._writer.ready.wait(timeout):
             return False
         if not self.has_readers():
             return True
@@ -280,7 +278,12 @@ class PostgresBroadcaster(Broadcaster):
         """
         disconnect = super().connect(channel, receiver)
         self._listener.await_position("connect")
-        return disconnect
+
+        def disconnect_and_release() -> None:
+            disconnect()
+            self._listener.reader_left()
+
+        return disconnect_and_release
 
     def purge(self) -> int:
         """Delete the messages older than ``retention`` now; return how many.
@@ -290,16 +293,20 @@ class PostgresBroadcaster(Broadcaster):
 
         :raises BackendUnavailable: the database could not be reached.
         """
-        conn = self._sessions.connect("purge the broadcast table", listen=False)
         try:
-            return self._writer.purge(conn)
+            with self._sessions.borrow("purge the broadcast table") as conn:
+                return self._writer.purge(conn)
         except psycopg.Error as exc:
             raise BackendUnavailable(
                 f"cannot purge the broadcast table {self.table!r} ({self._sessions.where}): "
                 f"{self._sessions.error_text(exc)}"
             ) from exc
-        finally:
-            conn.close()
+
+    def _discard(self, sub: Subscription) -> None:
+        """Forget a subscription that closed itself; the last reader of the process
+        releases the listening session."""
+        super()._discard(sub)
+        self._listener.reader_left()
 
     def stats(self) -> PostgresBroadcastStats:
         """Return local fan-out counts plus the cross-node counters (see the class)."""

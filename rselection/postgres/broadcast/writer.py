@@ -1,24 +1,28 @@
 """The writer of :class:`~rselection.postgres.PostgresBroadcaster`: the outbox's one writer.
 
 The writer owns the queue that :meth:`~rselection.postgres.PostgresBroadcaster.publish`
-fills, a thread and a session. It appends every message waiting at that moment in one
-transaction, through statements prepared once per session; it purges old rows now and
-then; and when a session breaks before a commit was confirmed, it finds out whether the
-batch committed before writing it again, so no batch is written twice.
-:mod:`rselection.postgres.broadcast` explains the design.
+fills and a thread, but no session: each round (a batch, a purge, settling a batch in
+doubt) borrows one of the process's pooled sessions, or a connection of the user's pool
+(:meth:`~.sessions.Sessions.borrow`), and gives it back at once. It appends every
+message waiting at that moment in one transaction, through statements prepared once
+per lent session; it purges old rows now and then; and when a session breaks before a
+commit was confirmed, it finds out whether the batch committed before writing it
+again, so no batch is written twice. :mod:`rselection.postgres.broadcast` explains the
+design.
 """
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
 import logging
 import random
 import secrets
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -26,6 +30,7 @@ from psycopg import pq
 
 from ...broadcast import BroadcasterClosed
 from ...errors import BackendUnavailable, ConfigError
+from ..session_pool import IDLE_CLOSE, SessionPool
 from .listener import Listener
 from .outbox import INLINE_LIMIT, inline_row, text_array
 from .sessions import Sessions, abort_socket, backoff
@@ -41,17 +46,30 @@ _BATCH_ROWS = 1000
 #: Rows a purge deletes per statement; it repeats until nothing old is left.
 _PURGE_ROWS = 10_000
 
-#: Names of the publish statements prepared on every writer connection.
-_ONE_INLINE = b"rselection_bc_one_inline"
-_ONE = b"rselection_bc_one"
-_MANY_INLINE = b"rselection_bc_many_inline"
-_MANY = b"rselection_bc_many"
+#: The four publish statements (each prepared under a name made from its text).
+_ONE_INLINE = "one_inline"
+_ONE = "one"
+_MANY_INLINE = "many_inline"
+_MANY = "many"
+
+#: How often a writer applies the pool's idle rule (:data:`IDLE_CLOSE`), seconds.
+_IDLE_CHECK = IDLE_CLOSE / 4
 
 
-def _check_result(conn: psycopg.Connection[Any], result: pq.abc.PGresult, ok: int) -> None:
-    """Raise the ``psycopg.Error`` a libpq result reports unless its status is ``ok``."""
-    if result.status != ok:
-        raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
+@dataclass
+class _Loaned:
+    """What the process knows of a session it borrows: asked once per session."""
+
+    identity: tuple[int, Any]  # (backend pid, backend_start), to end it after a cut
+    prepared: set[bytes] = field(default_factory=set)  # publish statements prepared on it
+
+
+# Per session lent to any writer of the process (the pooled sessions are shared, a
+# session is lent to one writer at a time); forgotten with the session.
+_LOANED: weakref.WeakKeyDictionary[psycopg.Connection[Any], _Loaned] = (
+    weakref.WeakKeyDictionary()
+)
+_LOANED_LOCK = threading.Lock()
 
 
 @dataclass
@@ -70,10 +88,14 @@ class Pending:
 
 
 class Writer:
-    """Commits the messages a broadcaster publishes to the outbox, from a thread of its own.
+    """Commits the messages a broadcaster publishes to the outbox, from a thread of its own,
+    on sessions it borrows for one round at a time.
+
+    The thread starts by checking the tables (``create_tables``) on a borrowed session,
+    which sets :attr:`ready`, and retries that with backoff while it fails.
 
     Args:
-        sessions: opens the writer's session.
+        sessions: lends the writer its sessions.
         listener: this node's listener: while the node has readers, the writer writes
             only once the listener knows where it starts (own messages must reach own
             subscribers), and the listener's position bounds the committed ids.
@@ -104,9 +126,12 @@ class Writer:
         # at most once a second and at least once a minute.
         self._purge_every = min(60.0, max(1.0, self._settings.retention / 10))
         self._origin = secrets.randbits(63)
-        self._resolved_cache: tuple[str, int] | None = None  # (notify channel, lock key)
         self._written_id = 0  # the last outbox id this writer committed
-        self._fixed_params: list[bytes] = []  # lock key, origin, NOTIFY channel
+        self._fixed_params: list[bytes] = []  # lock key, origin, NOTIFY channel, sync
+        self._statements: dict[str, tuple[bytes, bytes]] = {}  # kind -> (name, text)
+        self._not_ready = ""  # the last error of the table check, logged once
+        self.ready = threading.Event()
+        """Set once the tables were found ready (created with ``create_tables``)."""
         self._thread = threading.Thread(
             target=self._write_loop, name="rselection-broadcast-write", daemon=True
         )
@@ -226,55 +251,76 @@ class Writer:
     # -- the thread ------------------------------------------------------------------
 
     def _write_loop(self) -> None:
-        conn: psycopg.Connection[Any] | None = None
-        identity: tuple[int, Any] | None = None  # (backend pid, backend_start) of conn
+        identity: tuple[int, Any] | None = None  # (backend pid, backend_start) of the loan
         doubtful: tuple[Pending, ...] = ()  # a batch whose commit is unknown
         doubtful_from: tuple[int, Any] | None = None
         floor = 0  # every id <= floor was committed before the doubtful batch started
         failures = 0
-        next_purge = time.monotonic() + self._purge_every * random.uniform(0.5, 1.0)
+        next_purge: float | None = None  # purges start with the first write
+        next_idle_check = time.monotonic() + _IDLE_CHECK
         down_since: float | None = None
         try:
             while True:
+                ready = self.ready.is_set()
                 with self._cond:
-                    while not self._pending and not self._stop.is_set():
-                        wait = None if conn is None else max(0.0, next_purge - time.monotonic())
-                        if wait is not None and wait <= 0:
+                    while ready and not self._pending and not doubtful and not self._stop.is_set():
+                        due = min(t for t in (next_purge, next_idle_check) if t is not None)
+                        wait = due - time.monotonic()
+                        if wait <= 0:
                             break
                         self._cond.wait(wait)
                     if self._stop.is_set():
                         return
-                    batch = self._take_batch()
-                # Own messages must reach own subscribers: while this node has some,
-                # write only once the listener knows where it starts.
-                positioned = self._listener.positioned
-                while not positioned.is_set() and self._has_readers():
-                    if positioned.wait(0.5):
-                        break
-                    if self._stop.is_set():
-                        return
+                    batch = self._take_batch() if ready and not doubtful else ()
+                if batch and not self._await_listener():
+                    return
+                in_flight: psycopg.Connection[Any] | None = None
                 try:
-                    if conn is None:
-                        conn = self._sessions.connect("publish broadcasts", listen=False)
-                        identity = self._identity(conn)
-                        self._prepare(conn)
+                    if not ready:
+                        self._check_tables()
+                        failures = 0
+                        continue
+                    now = time.monotonic()
+                    if now >= next_idle_check:
+                        # A process that only publishes has no keeper to apply the
+                        # pool's idle rule: a quiet publisher gives its sessions back.
+                        next_idle_check = now + _IDLE_CHECK
+                        if not self._sessions.user_pool:
+                            SessionPool.close_idle(self._sessions.conninfo)
+                    purge_due = next_purge is not None and now >= next_purge
+                    if not (batch or doubtful or purge_due):
+                        continue
+                    with self._sessions.borrow("publish broadcasts") as conn:
                         with self._conn_lock:
                             self._conn = conn
-                    if doubtful:
-                        self._settle(conn, doubtful, doubtful_from, floor)
-                        doubtful, doubtful_from = (), None
-                        continue  # the pending queue changed: take a fresh batch
-                    if batch:
-                        # The listener may be idle (no readers here): the writer's own
-                        # last id bounds the committed ids too.
-                        floor = max(floor, self._listener.last_id, self._written_id)
-                        self.write(conn, batch)
-                        # Confirmed and counted: a failure from here on (the purge) leaves
-                        # nothing in doubt, so the batch is never settled and counted again.
-                        batch = ()
-                    if time.monotonic() >= next_purge:
-                        next_purge = time.monotonic() + self._purge_every * random.uniform(0.8, 1.2)
-                        self.purge(conn)
+                        try:
+                            identity = self._loan(conn).identity
+                            if doubtful:
+                                self._settle(conn, doubtful, doubtful_from, floor)
+                                doubtful, doubtful_from = (), None
+                                continue  # the pending queue changed: take a fresh batch
+                            if batch:
+                                # The listener may be idle (no readers here): the writer's
+                                # own last id bounds the committed ids too.
+                                floor = max(floor, self._listener.last_id, self._written_id)
+                                in_flight = conn
+                                self.write(conn, batch)
+                                # Confirmed and counted: a failure from here on (the purge)
+                                # leaves nothing in doubt, so the batch is never settled and
+                                # counted again.
+                                batch, in_flight = (), None
+                                if next_purge is None:
+                                    next_purge = time.monotonic() + self._purge_every * (
+                                        random.uniform(0.5, 1.0)
+                                    )
+                            if next_purge is not None and time.monotonic() >= next_purge:
+                                next_purge = time.monotonic() + self._purge_every * (
+                                    random.uniform(0.8, 1.2)
+                                )
+                                self.purge(conn)
+                        finally:
+                            with self._conn_lock:
+                                self._conn = None
                     if down_since is not None:
                         logger.info(
                             "broadcast writer reconnected to %s after %.1f s",
@@ -285,18 +331,13 @@ class Writer:
                 except (psycopg.Error, OSError, BackendUnavailable, ConfigError) as exc:
                     if self._stop.is_set():
                         return
-                    if conn is not None and (conn.broken or conn.closed) and batch and not doubtful:
-                        # The connection broke while the batch was in flight: it may have
+                    broke = in_flight is not None and (in_flight.broken or in_flight.closed)
+                    if broke and batch and not doubtful:
+                        # The session broke while the batch was in flight: it may have
                         # committed. Settle that before writing anything again.
                         doubtful, doubtful_from = batch, identity
-                    if conn is not None and (conn.broken or conn.closed):
-                        with self._conn_lock:
-                            self._conn = None
-                        with contextlib.suppress(Exception):
-                            conn.close()
-                        conn, identity = None, None
                     failures += 1
-                    if down_since is None:
+                    if down_since is None and ready:
                         down_since = time.monotonic()
                         logger.warning(
                             "broadcast writer cannot write to %s (%s); %d message(s) wait, "
@@ -305,6 +346,8 @@ class Writer:
                             self._sessions.error_text(exc),
                             len(self._pending),
                         )
+                    elif not ready:
+                        self._report_not_ready(exc)
                     self._stop.wait(backoff(failures))
         except Exception:
             logger.exception("broadcast writer failed; messages published from now on are lost")
@@ -314,9 +357,38 @@ class Writer:
         finally:
             with self._conn_lock:
                 self._conn = None
-            if conn is not None:
-                with contextlib.suppress(Exception):
-                    conn.close()
+
+    def _await_listener(self) -> bool:
+        """Own messages must reach own subscribers: while this node has some, wait until
+        the listener knows where it starts. ``False`` when the writer stops meanwhile."""
+        positioned = self._listener.positioned
+        while not positioned.is_set() and self._has_readers():
+            if positioned.wait(0.5):
+                break
+            if self._stop.is_set():
+                return False
+        return True
+
+    def _check_tables(self) -> None:
+        """Make the tables ready (``create_tables``) and resolve the table's NOTIFY
+        channel and publish lock, on a borrowed session; then :attr:`ready` is set."""
+        with self._sessions.borrow("check the broadcast tables", check=True) as conn:
+            with self._deadlines.guard(conn, self._settings.timeout):
+                self._sessions.prepare(conn)
+            self._resolve(conn)
+        self._not_ready = ""
+        self.ready.set()
+
+    def _report_not_ready(self, exc: BaseException) -> None:
+        detail = self._sessions.error_text(exc)
+        if detail != self._not_ready:
+            logger.warning(
+                "broadcaster cannot use broadcast table %r on %s: %s; retrying with backoff",
+                self._outbox.table,
+                self._sessions.where,
+                detail,
+            )
+        self._not_ready = detail
 
     def _take_batch(self) -> tuple[Pending, ...]:
         """The oldest pending messages that fit in one transaction (caller holds _cond)."""
@@ -329,43 +401,70 @@ class Writer:
             size += item.size
         return tuple(batch)
 
-    def _identity(self, conn: psycopg.Connection[Any]) -> tuple[int, Any]:
+    def _loan(self, conn: psycopg.Connection[Any]) -> _Loaned:
+        """What this process knows of a lent session: its identity (asked once), and
+        the publish statements prepared on it."""
+        with _LOANED_LOCK:
+            known = _LOANED.get(conn)
+        if known is not None:
+            return known
         with self._deadlines.guard(conn, self._settings.timeout):
             row = conn.execute(
                 "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
             ).fetchone()
-        if row is None:
-            return conn.info.backend_pid, None
-        return int(row[0]), row[1]
+        identity = (conn.info.backend_pid, None) if row is None else (int(row[0]), row[1])
+        known = _Loaned(identity)
+        with _LOANED_LOCK:
+            return _LOANED.setdefault(conn, known)
 
-    def _prepare(self, conn: psycopg.Connection[Any]) -> None:
-        """Prepare the publish statements on a new writer connection.
-
-        A publish runs one of them through libpq with text parameters: no statement to
-        compose, no parameter adaptation, no parsing or planning per publish, which
-        saves more time than the server spends on the statement's extra work.
-        """
-        notify_channel, lock_key = self._resolved(conn)
+    def _resolve(self, conn: psycopg.Connection[Any]) -> None:
+        """Resolve the table on the server and build the publish statements' names and
+        fixed parameters (once)."""
+        if self._statements:
+            return
+        with self._deadlines.guard(conn, self._settings.timeout):
+            notify_channel, lock_key = self._outbox.resolve(conn)
         self._fixed_params = [
             str(lock_key).encode(),
             str(self._origin).encode(),
             notify_channel.encode(),
+            b"on" if self._settings.synchronous_commit else b"off",
         ]
-        for name, statement in (
-            (_ONE_INLINE, self._outbox.insert_one(True)),
-            (_ONE, self._outbox.insert_one(False)),
-            (_MANY_INLINE, self._outbox.insert_many(True)),
-            (_MANY, self._outbox.insert_many(False)),
-        ):
-            with self._deadlines.guard(conn, self._settings.timeout):
-                result = conn.pgconn.prepare(name, statement.as_bytes(conn))
-            _check_result(conn, result, pq.ExecStatus.COMMAND_OK)
+        statements = {
+            _ONE_INLINE: self._outbox.insert_one(True),
+            _ONE: self._outbox.insert_one(False),
+            _MANY_INLINE: self._outbox.insert_many(True),
+            _MANY: self._outbox.insert_many(False),
+        }
+        for kind, statement in statements.items():
+            text = statement.as_bytes(conn)
+            # Named after the text: every writer of the process that publishes to the
+            # same table shares them on a pooled session, and no two texts share a name.
+            name = b"rselection_bc_" + hashlib.blake2b(text, digest_size=10).hexdigest().encode()
+            self._statements[kind] = (name, text)
+
+    def _prepare(
+        self, conn: psycopg.Connection[Any], loaned: _Loaned, name: bytes, text: bytes
+    ) -> None:
+        """Prepare one publish statement on a lent session (once per session).
+
+        A publish runs it through libpq with text parameters: no statement to compose,
+        no parameter adaptation, no parsing or planning per publish, which saves more
+        time than the server spends on the statement's extra work.
+        """
+        with self._deadlines.guard(conn, self._settings.timeout):
+            result = conn.pgconn.prepare(name, text)
+        if result.status != pq.ExecStatus.COMMAND_OK:
+            error = psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
+            if not isinstance(error, psycopg.errors.DuplicatePreparedStatement):
+                raise error
+        loaned.prepared.add(name)
 
     def write(self, conn: psycopg.Connection[Any], batch: Iterable[Pending]) -> None:
         """Commit ``batch`` to the outbox in one statement and wake flush() waiters.
 
         Args:
-            conn: a writer session (see :meth:`Sessions.connect`), prepared.
+            conn: a lent session (see :meth:`Sessions.borrow`).
             batch: the messages, in publishing order.
         """
         items = tuple(batch)
@@ -374,30 +473,38 @@ class Writer:
             item = items[0]
             params = [item.channel.encode(), item.payload, str(item.seq).encode()]
             if inline:
-                name = _ONE_INLINE
+                kind = _ONE_INLINE
                 params.append(inline_row(item.channel, item.payload))
             else:
-                name = _ONE
+                kind = _ONE
         else:
-            name = _MANY_INLINE if inline else _MANY
+            kind = _MANY_INLINE if inline else _MANY
             params = [
                 text_array(i.channel.encode() for i in items),
                 text_array(i.payload for i in items),
                 b"{" + ",".join(str(i.seq) for i in items).encode() + b"}",
             ]
-        with self._deadlines.guard(conn, self._settings.timeout):
-            result = conn.pgconn.exec_prepared(name, [*self._fixed_params, *params])
-        _check_result(conn, result, pq.ExecStatus.TUPLES_OK)
+        if not self._statements:
+            self._resolve(conn)
+        name, text = self._statements[kind]
+        loaned = self._loan(conn)
+        for attempt in (1, 2):
+            if name not in loaned.prepared:
+                self._prepare(conn, loaned, name, text)
+            with self._deadlines.guard(conn, self._settings.timeout):
+                result = conn.pgconn.exec_prepared(name, [*self._fixed_params, *params])
+            if result.status == pq.ExecStatus.TUPLES_OK:
+                break
+            error = psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
+            if attempt == 1 and isinstance(error, psycopg.errors.InvalidSqlStatementName):
+                # Deallocated behind this process's back (DEALLOCATE ALL): nothing ran.
+                loaned.prepared.clear()
+                continue
+            raise error
         last = result.get_value(0, 1)
         if last is not None:
             self._written_id = int(last)
         self._committed_through(items[-1].seq, len(items))
-
-    def _resolved(self, conn: psycopg.Connection[Any]) -> tuple[str, int]:
-        if self._resolved_cache is None:
-            with self._deadlines.guard(conn, self._settings.timeout):
-                self._resolved_cache = self._outbox.resolve(conn)
-        return self._resolved_cache
 
     def _committed_through(self, seq: int, count: int) -> None:
         """Drop messages up to ``seq`` from the queue and wake flush() waiters."""
