@@ -55,8 +55,9 @@ class PostgresBroadcastStats(BroadcastStats):
     :param listening: whether the listener LISTENs (this node has readers) and has
         caught up.
     :param last_id: the outbox id of the last message delivered.
-    :param listener_pid: the backend pid of the listener's session (``None`` while
-        disconnected), to find it in ``pg_stat_activity``.
+    :param listener_pid: the backend pid of the process's listening session, to find it
+        in ``pg_stat_activity``; ``None`` while it is disconnected, which it is while no
+        broadcaster of the process on this connection string has readers.
     """
 
     published: int = 0
@@ -83,18 +84,26 @@ class PostgresBroadcaster(Broadcaster):
     on the same connection string shares: keep them short. See the module docstring
     for how delivery, ordering, catch-up and gaps work.
 
-    The listener connects in the background at construction, and LISTENs only while
-    this node has subscriptions or receivers: a node that only publishes is not woken
-    by every message. :meth:`subscribe` and :meth:`connect` return once the listener
-    knows where it starts (a round trip or two when it is not listening yet, at most
+    Publishes hold no session of their own: each batch borrows one of the process's
+    pooled sessions (at most 2 per connection string, shared with claims, checkpoints
+    and membership), or a connection of the pool given as ``conninfo``. The listener
+    holds a session only while the process has subscriptions or receivers (one per
+    process and connection string, however many broadcasters and readers), and closes
+    it as soon as the last of them has gone: a node that only publishes never listens.
+    :meth:`subscribe` and :meth:`connect` return once the listener knows where it starts
+    (connecting, and a round trip or two, when it is not listening yet; at most
     ``timeout`` seconds), so every message committed after they return is delivered.
 
     Args:
         conninfo: a libpq connection string or URI, a ``psycopg.Connection`` or a pool
-            (``psycopg_pool.ConnectionPool``). The broadcaster opens its sessions with the
-            same parameters: a writer of its own (on first publish), and the listener,
-            which LISTEN needs kept for it (a pool cannot lend that) and which every
-            broadcaster of the process on the same connection string shares.
+            (``psycopg_pool.ConnectionPool``). With a string or a connection, publishes
+            borrow the process's pooled sessions for that string (for a connection: the
+            parameters it connected with; the connection itself is never used). With a
+            pool, publishes and purges borrow its connections (one in autocommit mode or
+            not; its settings are left as they were). The listening session, which LISTEN
+            needs kept for it (a pool cannot lend that), and the table check at
+            construction use the same parameters (a pool's ``conninfo`` and libpq
+            ``kwargs``).
         table: outbox table, optionally schema-qualified (``"ops.broadcast"``); every
             node that should hear each other uses the same one.
         retention: seconds a message stays in the outbox (server time), i.e. how long a
@@ -234,8 +243,9 @@ class PostgresBroadcaster(Broadcaster):
         return self._writer.flush(timeout)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Wait until the broadcaster has connected to Postgres once (its tables ready)
-        and, while this node has subscriptions or receivers, until its listener LISTENs.
+        """Wait until the broadcaster has reached Postgres once (its tables checked, on a
+        pooled session) and, while this node has subscriptions or receivers, until its
+        listener LISTENs. A node that only publishes never waits for a listening session.
 
         Subscribing needs no ``wait_ready()`` first: :meth:`subscribe` itself waits
         until messages published from then on are delivered.
@@ -257,8 +267,10 @@ class PostgresBroadcaster(Broadcaster):
         Same as :meth:`rselection.Broadcaster.subscribe`, except that when this node's
         listener is not LISTENing yet (no subscription or receiver before), it waits
         until the listener knows where it starts: every message committed after this
-        returns is delivered. That takes a round trip or two (plus connecting, right
-        after construction); while Postgres cannot be reached it waits at most
+        returns is delivered. That takes a round trip or two, plus connecting the
+        listening session when no broadcaster of the process had readers; closing the
+        process's last subscription or receiver closes that session again. While
+        Postgres cannot be reached it waits at most
         ``timeout`` seconds, logs a warning and returns, and messages are then delivered
         from the moment the listener connects. Later calls do not wait while the
         listener LISTENs.
@@ -288,8 +300,9 @@ class PostgresBroadcaster(Broadcaster):
     def purge(self) -> int:
         """Delete the messages older than ``retention`` now; return how many.
 
-        The writer does this on its own every ``retention / 10`` seconds (1 to 60 s) while
-        it has a connection; call it to purge from a node that never publishes.
+        The writer does this on its own every ``retention / 10`` seconds (1 to 60 s) once
+        it has published, on a borrowed session; call it to purge from a node that never
+        publishes.
 
         :raises BackendUnavailable: the database could not be reached.
         """

@@ -66,9 +66,7 @@ class _Loaned:
 
 # Per session lent to any writer of the process (the pooled sessions are shared, a
 # session is lent to one writer at a time); forgotten with the session.
-_LOANED: weakref.WeakKeyDictionary[psycopg.Connection[Any], _Loaned] = (
-    weakref.WeakKeyDictionary()
-)
+_LOANED: weakref.WeakKeyDictionary[psycopg.Connection[Any], _Loaned] = weakref.WeakKeyDictionary()
 _LOANED_LOCK = threading.Lock()
 
 

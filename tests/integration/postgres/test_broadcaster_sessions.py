@@ -80,9 +80,7 @@ def _node(dsn: str) -> None:  # pragma: no cover - runs in the node process
                     bc.publish(channel, i)
                     i += 1
 
-            threading.Thread(
-                target=stream, args=(bcs[args[0]], args[1], stop), daemon=True
-            ).start()
+            threading.Thread(target=stream, args=(bcs[args[0]], args[1], stop), daemon=True).start()
             reply(ok=True)
         elif cmd == "calm":
             for stop in streams:
