@@ -55,6 +55,12 @@ _MANY = "many"
 #: How often a writer applies the pool's idle rule (:data:`IDLE_CLOSE`), seconds.
 _IDLE_CHECK = IDLE_CLOSE / 4
 
+#: Seconds a writer keeps a lent session waiting for its next batch, and (at most, and
+#: at most a quarter of ``timeout``) that it keeps one for consecutive batches, before
+#: giving it back to the other users of the pool.
+_LINGER = 0.02
+_LOAN_MAX = 1.0
+
 
 @dataclass
 class _Loaned:
@@ -123,6 +129,8 @@ class Writer:
         # Purge often enough that the table holds little more than the retention, but
         # at most once a second and at least once a minute.
         self._purge_every = min(60.0, max(1.0, self._settings.retention / 10))
+        # Well inside the pool's bound of a loan (its connect_timeout + statement_timeout).
+        self._loan_max = min(_LOAN_MAX, self._settings.timeout / 4)
         self._origin = secrets.randbits(63)
         self._written_id = 0  # the last outbox id this writer committed
         self._fixed_params: list[bytes] = []  # lock key, origin, NOTIFY channel, sync
@@ -293,29 +301,41 @@ class Writer:
                             self._conn = conn
                         try:
                             identity = self._loan(conn).identity
-                            if doubtful:
-                                self._settle(conn, doubtful, doubtful_from, floor)
-                                doubtful, doubtful_from = (), None
-                                continue  # the pending queue changed: take a fresh batch
-                            if batch:
-                                # The listener may be idle (no readers here): the writer's
-                                # own last id bounds the committed ids too.
-                                floor = max(floor, self._listener.last_id, self._written_id)
-                                in_flight = conn
-                                self.write(conn, batch)
-                                # Confirmed and counted: a failure from here on (the purge)
-                                # leaves nothing in doubt, so the batch is never settled and
-                                # counted again.
-                                batch, in_flight = (), None
-                                if next_purge is None:
+                            loan_ends = time.monotonic() + self._loan_max
+                            while True:
+                                if doubtful:
+                                    self._settle(conn, doubtful, doubtful_from, floor)
+                                    doubtful, doubtful_from = (), None
+                                elif batch:
+                                    # The listener may be idle (no readers here): the
+                                    # writer's own last id bounds the committed ids too.
+                                    floor = max(floor, self._listener.last_id, self._written_id)
+                                    in_flight = conn
+                                    self.write(conn, batch)
+                                    # Confirmed and counted: a failure from here on (the
+                                    # purge) leaves nothing in doubt, so the batch is never
+                                    # settled and counted again.
+                                    batch, in_flight = (), None
+                                    if next_purge is None:
+                                        next_purge = time.monotonic() + self._purge_every * (
+                                            random.uniform(0.5, 1.0)
+                                        )
+                                if next_purge is not None and time.monotonic() >= next_purge:
                                     next_purge = time.monotonic() + self._purge_every * (
-                                        random.uniform(0.5, 1.0)
+                                        random.uniform(0.8, 1.2)
                                     )
-                            if next_purge is not None and time.monotonic() >= next_purge:
-                                next_purge = time.monotonic() + self._purge_every * (
-                                    random.uniform(0.8, 1.2)
-                                )
-                                self.purge(conn)
+                                    self.purge(conn)
+                                if time.monotonic() >= loan_ends:
+                                    break
+                                # A steady stream keeps the session for its next batches
+                                # (a loan per batch would add to every message's latency);
+                                # a pause of _LINGER gives it back.
+                                batch = self._next_batch(_LINGER)
+                                if not batch:
+                                    break
+                                if not self._listener_ready():
+                                    batch = ()  # taken again once the listener is ready
+                                    break
                         finally:
                             with self._conn_lock:
                                 self._conn = None
@@ -355,6 +375,24 @@ class Writer:
         finally:
             with self._conn_lock:
                 self._conn = None
+
+    def _next_batch(self, linger: float) -> tuple[Pending, ...]:
+        """The next batch, waiting at most ``linger`` seconds for one; ``()`` if none came
+        or the writer stops."""
+        deadline = time.monotonic() + linger
+        with self._cond:
+            while not self._pending and not self._stop.is_set():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            if self._stop.is_set():
+                return ()
+            return self._take_batch()
+
+    def _listener_ready(self) -> bool:
+        """Whether the writer may write now (see :meth:`_await_listener`)."""
+        return self._listener.positioned.is_set() or not self._has_readers()
 
     def _await_listener(self) -> bool:
         """Own messages must reach own subscribers: while this node has some, wait until
