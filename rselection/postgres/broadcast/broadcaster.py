@@ -51,7 +51,8 @@ class PostgresBroadcastStats(BroadcastStats):
     :param resets: times the outbox's ids went back (the table created again, its
         sequence reset, a restore from a backup) and the listener resynchronised on the
         new ids, each reported as a :class:`Gap` with ``reset=True``.
-    :param reconnects: times the listener lost its connection and connected again.
+    :param reconnects: times the listener lost its connection and connected again (closing
+        it when the process's last reader has gone is not counted).
     :param listening: whether the listener LISTENs (this node has readers) and has
         caught up.
     :param last_id: the outbox id of the last message delivered.
