@@ -13,20 +13,17 @@ design.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
 import secrets
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from psycopg import pq
 
 from ...broadcast import BroadcasterClosed
 from ...errors import BackendUnavailable, ConfigError
@@ -34,6 +31,7 @@ from ..session_pool import IDLE_CLOSE, SessionPool
 from .listener import Listener
 from .outbox import INLINE_LIMIT, inline_row, text_array
 from .sessions import Sessions, abort_socket, backoff
+from .statements import MANY, MANY_INLINE, ONE, ONE_INLINE, PublishStatements
 
 __all__ = ["Pending", "Writer"]
 
@@ -46,12 +44,6 @@ _BATCH_ROWS = 1000
 #: Rows a purge deletes per statement; it repeats until nothing old is left.
 _PURGE_ROWS = 10_000
 
-#: The four publish statements (each prepared under a name made from its text).
-_ONE_INLINE = "one_inline"
-_ONE = "one"
-_MANY_INLINE = "many_inline"
-_MANY = "many"
-
 #: How often a writer applies the pool's idle rule (:data:`IDLE_CLOSE`), seconds.
 _IDLE_CHECK = IDLE_CLOSE / 4
 
@@ -60,20 +52,6 @@ _IDLE_CHECK = IDLE_CLOSE / 4
 #: giving it back to the other users of the pool.
 _LINGER = 0.02
 _LOAN_MAX = 1.0
-
-
-@dataclass
-class _Loaned:
-    """What the process knows of a session it borrows: asked once per session."""
-
-    identity: tuple[int, Any]  # (backend pid, backend_start), to end it after a cut
-    prepared: set[bytes] = field(default_factory=set)  # publish statements prepared on it
-
-
-# Per session lent to any writer of the process (the pooled sessions are shared, a
-# session is lent to one writer at a time); forgotten with the session.
-_LOANED: weakref.WeakKeyDictionary[psycopg.Connection[Any], _Loaned] = weakref.WeakKeyDictionary()
-_LOANED_LOCK = threading.Lock()
 
 
 @dataclass
@@ -133,8 +111,13 @@ class Writer:
         self._loan_max = min(_LOAN_MAX, self._settings.timeout / 4)
         self._origin = secrets.randbits(63)
         self._written_id = 0  # the last outbox id this writer committed
-        self._fixed_params: list[bytes] = []  # lock key, origin, NOTIFY channel, sync
-        self._statements: dict[str, tuple[bytes, bytes]] = {}  # kind -> (name, text)
+        self._statements = PublishStatements(
+            self._outbox,
+            self._origin,
+            self._settings.synchronous_commit,
+            self._deadlines,
+            self._settings.timeout,
+        )
         self._not_ready = ""  # the last error of the table check, logged once
         self.ready = threading.Event()
         """Set once the tables were found ready (created with ``create_tables``)."""
@@ -300,7 +283,7 @@ class Writer:
                         with self._conn_lock:
                             self._conn = conn
                         try:
-                            identity = self._loan(conn).identity
+                            identity = self._statements.lent(conn).identity
                             loan_ends = time.monotonic() + self._loan_max
                             while True:
                                 if doubtful:
@@ -411,7 +394,7 @@ class Writer:
         with self._sessions.borrow("check the broadcast tables", check=True) as conn:
             with self._deadlines.guard(conn, self._settings.timeout):
                 self._sessions.prepare(conn)
-            self._resolve(conn)
+            self._statements.resolve(conn)
         self._not_ready = ""
         self.ready.set()
 
@@ -437,65 +420,6 @@ class Writer:
             size += item.size
         return tuple(batch)
 
-    def _loan(self, conn: psycopg.Connection[Any]) -> _Loaned:
-        """What this process knows of a lent session: its identity (asked once), and
-        the publish statements prepared on it."""
-        with _LOANED_LOCK:
-            known = _LOANED.get(conn)
-        if known is not None:
-            return known
-        with self._deadlines.guard(conn, self._settings.timeout):
-            row = conn.execute(
-                "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
-            ).fetchone()
-        identity = (conn.info.backend_pid, None) if row is None else (int(row[0]), row[1])
-        known = _Loaned(identity)
-        with _LOANED_LOCK:
-            return _LOANED.setdefault(conn, known)
-
-    def _resolve(self, conn: psycopg.Connection[Any]) -> None:
-        """Resolve the table on the server and build the publish statements' names and
-        fixed parameters (once)."""
-        if self._statements:
-            return
-        with self._deadlines.guard(conn, self._settings.timeout):
-            notify_channel, lock_key = self._outbox.resolve(conn)
-        self._fixed_params = [
-            str(lock_key).encode(),
-            str(self._origin).encode(),
-            notify_channel.encode(),
-            b"on" if self._settings.synchronous_commit else b"off",
-        ]
-        statements = {
-            _ONE_INLINE: self._outbox.insert_one(True),
-            _ONE: self._outbox.insert_one(False),
-            _MANY_INLINE: self._outbox.insert_many(True),
-            _MANY: self._outbox.insert_many(False),
-        }
-        for kind, statement in statements.items():
-            text = statement.as_bytes(conn)
-            # Named after the text: every writer of the process that publishes to the
-            # same table shares them on a pooled session, and no two texts share a name.
-            name = b"rselection_bc_" + hashlib.blake2b(text, digest_size=10).hexdigest().encode()
-            self._statements[kind] = (name, text)
-
-    def _prepare(
-        self, conn: psycopg.Connection[Any], loaned: _Loaned, name: bytes, text: bytes
-    ) -> None:
-        """Prepare one publish statement on a lent session (once per session).
-
-        A publish runs it through libpq with text parameters: no statement to compose,
-        no parameter adaptation, no parsing or planning per publish, which saves more
-        time than the server spends on the statement's extra work.
-        """
-        with self._deadlines.guard(conn, self._settings.timeout):
-            result = conn.pgconn.prepare(name, text)
-        if result.status != pq.ExecStatus.COMMAND_OK:
-            error = psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
-            if not isinstance(error, psycopg.errors.DuplicatePreparedStatement):
-                raise error
-        loaned.prepared.add(name)
-
     def write(self, conn: psycopg.Connection[Any], batch: Iterable[Pending]) -> None:
         """Commit ``batch`` to the outbox in one statement and wake flush() waiters.
 
@@ -509,34 +433,18 @@ class Writer:
             item = items[0]
             params = [item.channel.encode(), item.payload, str(item.seq).encode()]
             if inline:
-                kind = _ONE_INLINE
+                kind = ONE_INLINE
                 params.append(inline_row(item.channel, item.payload))
             else:
-                kind = _ONE
+                kind = ONE
         else:
-            kind = _MANY_INLINE if inline else _MANY
+            kind = MANY_INLINE if inline else MANY
             params = [
                 text_array(i.channel.encode() for i in items),
                 text_array(i.payload for i in items),
                 b"{" + ",".join(str(i.seq) for i in items).encode() + b"}",
             ]
-        if not self._statements:
-            self._resolve(conn)
-        name, text = self._statements[kind]
-        loaned = self._loan(conn)
-        for attempt in (1, 2):
-            if name not in loaned.prepared:
-                self._prepare(conn, loaned, name, text)
-            with self._deadlines.guard(conn, self._settings.timeout):
-                result = conn.pgconn.exec_prepared(name, [*self._fixed_params, *params])
-            if result.status == pq.ExecStatus.TUPLES_OK:
-                break
-            error = psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
-            if attempt == 1 and isinstance(error, psycopg.errors.InvalidSqlStatementName):
-                # Deallocated behind this process's back (DEALLOCATE ALL): nothing ran.
-                loaned.prepared.clear()
-                continue
-            raise error
+        result = self._statements.run(conn, kind, params)
         last = result.get_value(0, 1)
         if last is not None:
             self._written_id = int(last)
