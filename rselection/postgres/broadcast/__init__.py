@@ -7,7 +7,8 @@ API), its :class:`~rselection.postgres.broadcast.writer.Writer` and
 own that borrows the process's pooled sessions; the listeners of a process share one
 :class:`~rselection.postgres.broadcast.listening.ListeningSession` per connection string,
 held only while the process reads), the
-:class:`~rselection.postgres.broadcast.sessions.Sessions` they use, the
+:class:`~rselection.postgres.broadcast.sessions.Sessions` they use, the writer's
+:class:`~rselection.postgres.broadcast.statements.PublishStatements`, the
 :class:`~rselection.postgres.broadcast.outbox.Outbox` statements and the checked
 :class:`~rselection.postgres.broadcast.settings.Settings`.
 

@@ -2,11 +2,11 @@
 
 A writer holds no session of its own (see :mod:`.writer`), so what it used to do once
 per connection it now does once per lent session, and remembers per session for every
-writer of the process: the session's identity (to end its backend when it was cut
-with a batch in doubt, see :class:`~.writer.Writer`), and which publish statements are prepared on it. Statements
-are named after their text, so every writer of the process that publishes to the same
-table shares them on a pooled session, and no two texts share a name.
-"""
+writer of the process: the session's identity (to end its backend when it was cut with
+a batch in doubt, see :class:`~.writer.Writer`), and which publish statements are
+prepared on it. Statements are named after their text, so every writer of the process
+that publishes to the same table shares them on a pooled session, and no two texts
+share a name."""
 
 from __future__ import annotations
 
