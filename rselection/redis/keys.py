@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..errors import ConfigError
 from ..validation import MAX_NAME
 
-__all__ = ["DEFAULT_KEY_PREFIX", "check_key_prefix", "membership_keys"]
+__all__ = ["DEFAULT_KEY_PREFIX", "check_key_prefix", "liveness_channel", "membership_keys"]
 
 DEFAULT_KEY_PREFIX = "rselection:"
 """The ``key_prefix`` of every Redis object unless told otherwise."""
@@ -48,3 +48,16 @@ def membership_keys(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> tuple[st
     """
     base = f"{key_prefix}{{{name}}}"
     return f"{base}:nodes", f"{base}:nodeinfo"
+
+
+def liveness_channel(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    """The channel on which the holder of lease ``name`` publishes its liveness beats.
+
+    ``<prefix>{<name>}:alive``, apart from the lease's events channel, so that a follower
+    that does not listen to beats is never woken by them.
+
+    Args:
+        name: the lease name.
+        key_prefix: prefix of every key.
+    """
+    return f"{key_prefix}{{{name}}}:alive"
