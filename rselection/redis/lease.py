@@ -750,6 +750,7 @@ class RedisLease(Closeable):
                     if probe and seen is not None and now >= live.probe_at:
                         if self._holder_gone(seen):
                             return
+                        probe = self._can_probe  # refused: the lease's expiry will do
                         live.probed(self._silence_limit())
         finally:
             self._wakeup.clear()

@@ -21,7 +21,7 @@ import redis
 
 import rselection as rs
 from rselection.commands.demo_fleet import Fleet
-from rselection.redis import RedisLeader
+from rselection.redis import RedisLeader, RedisLease
 from rselection.redis.keys import liveness_channel, membership_keys
 from tests.support.pg import PrivateRedis
 from tests.support.waiting import wait_until
@@ -135,3 +135,34 @@ def test_a_killed_holder_is_replaced_within_seconds_at_the_default_timings(
     # Measured: 0.3-0.6 s; the bound is several times that for a busy 2-core machine,
     # and far below the 15 s a failover by expiry would take.
     assert max(failovers) < 3.0
+
+
+def test_a_silent_holder_costs_a_few_checks_never_a_poll(
+    private_redis: PrivateRedis, admin: redis.Redis
+) -> None:
+    name = f"t-{uuid.uuid4().hex[:6]}"
+    # A holder that sends no beats: a paused process, or one of a version without them.
+    a = RedisLease(private_redis.url, name=name, ttl=30.0, renew_deadline=20.0)
+    b = RedisLease(
+        private_redis.url, name=name, ttl=30.0, renew_deadline=20.0, liveness_interval=0.1
+    )
+    try:
+        assert a.try_acquire("a").acquired and a.fast_failover
+        assert not b.try_acquire("b").acquired
+        before = commandstats(admin)["client|list"]
+        b.wait_for_change(3.0)  # returns at its timeout: the holder's connection lives
+        checks = commandstats(admin)["client|list"] - before
+        # Checks after 0.1, 0.3, 0.7 and 1.5 s (each wait twice the last); a poll every
+        # liveness_interval would have made 30.
+        print(f"\nchecks of a silent holder in 3 s: {checks}")
+        assert 1 <= checks <= 6
+        admin.client_kill_filter(_id=a.client_id)  # now it is gone for real
+        began = time.monotonic()
+        b.wait_for_change(10.0)
+        noticed = time.monotonic() - began
+        assert b.try_acquire("b").acquired
+        # Within the longest wait between checks (4 s), with a margin.
+        assert noticed < 5.0, f"took {noticed:.2f}s"
+    finally:
+        a.close()
+        b.close()
