@@ -26,6 +26,7 @@ from rselection.redis import (
     live_nodes,
     request_handover,
 )
+from rselection.redis.keys import membership_keys
 from rselection.redis.lease import handover_key, lease_keys
 from tests.support.redis_cluster import PrivateRedisCluster, redis_cluster_fixture
 from tests.support.waiting import wait_until
@@ -197,6 +198,28 @@ def test_one_leader_on_the_slot_master_handovers_and_fenced_writes(
         leader.stop(timeout=10)
     terms = ledger.check(client)
     assert {term, term + 1, term + 2} <= set(terms)
+
+
+def test_membership_on_a_cluster_lists_every_node_from_any_node(
+    make_client: Callable[[], RedisCluster], fleet: tuple[str, Ledger, list[RedisLeader]]
+) -> None:
+    name, _, leaders = fleet
+    client = make_client()
+    nodes_key, info_key = membership_keys(name)
+    # The membership keys share the lease's slot: one script reads them and the holder.
+    assert len({client.keyslot(k) for k in (lease_keys(name)[0], nodes_key, info_key)}) == 1
+    first = the_leader(leaders)
+    ids = {x.node_id for x in leaders}
+    wait_until(
+        lambda: all({n.node_id for n in x.nodes() if n.alive} == ids for x in leaders),
+        30,
+        "every node listing all three",
+    )
+    for leader in leaders:
+        assert [n.node_id for n in leader.nodes() if n.is_leader] == [first.node_id]
+    leaving = next(x for x in leaders if x is not first)
+    leaving.stop(timeout=10)
+    assert {n.node_id for n in first.nodes()} == ids - {leaving.node_id}
 
 
 def test_resign_command_on_a_cluster(
