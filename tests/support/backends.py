@@ -399,7 +399,13 @@ class Backend:
         """Redis: delete lease ``name``'s keys and ledger (Postgres: its schema goes)."""
         if self.kind != "redis":
             return
+        from rselection.redis.keys import membership_keys
         from rselection.redis.lease import handover_key, lease_keys
 
         with self._redis() as client:
-            client.delete(*lease_keys(name)[:2], handover_key(name), redis_ledger_key(LEDGER, name))
+            client.delete(
+                *lease_keys(name)[:2],
+                handover_key(name),
+                *membership_keys(name),
+                redis_ledger_key(LEDGER, name),
+            )
