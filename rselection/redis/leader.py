@@ -169,6 +169,7 @@ class RedisLeader(LeaseLeader):
         # Whatever ends the keeper (stop(), or an error it cannot go on after), the node
         # leaves the membership with it, before an owned client is disconnected.
         cleanup: list[Any] = [self._membership.stop]
+        self._owns_client, self._membership_client = owns_client, redis_client
         if owns_client:
 
             def disconnect() -> None:
@@ -212,4 +213,9 @@ class RedisLeader(LeaseLeader):
         Raises:
             BackendUnavailable: Redis could not be reached.
         """
-        return self._membership.nodes()
+        try:
+            return self._membership.nodes()
+        finally:
+            if self._owns_client and self._membership.stopped:
+                # After stop() a read leaves no connection open (as leader() does).
+                self._membership_client.connection_pool.disconnect()

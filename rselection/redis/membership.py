@@ -174,6 +174,11 @@ class RedisMembership:
         self._purge_due = 0.0  # monotonic time of the next purging heartbeat
         self._addr: str | None = None
 
+    @property
+    def stopped(self) -> bool:
+        """Whether :meth:`stop` was called (this node no longer heartbeats)."""
+        return self._stopped
+
     def start(self) -> None:
         """Heartbeat now and then every ``heartbeat_interval`` until :meth:`stop`.
 
