@@ -108,8 +108,9 @@ def test_an_idle_follower_sends_at_most_one_command_per_second_and_never_polls(
     assert rate <= 1.0
     assert both["zadd"] >= 1  # its heartbeats were counted
     # Not polled: a check of the holder's connection only when its beats stop (a busy
-    # machine may delay one now and then), never every liveness_interval (40 here).
-    assert both["client|list"] <= 2
+    # machine may delay one now and then; none in 5 runs here), never every
+    # liveness_interval (40 in this window before the beats).
+    assert both["client|list"] <= 5
 
 
 def test_a_killed_holder_is_replaced_within_seconds_at_the_default_timings(
