@@ -108,7 +108,7 @@ def test_an_idle_follower_sends_at_most_one_command_per_second_and_never_polls(
     assert rate <= 1.0
     assert both["zadd"] >= 1  # its heartbeats were counted
     # Not polled: a check of the holder's connection only when its beats stop (a busy
-    # machine may delay one now and then; none in 5 runs here), never every
+    # machine may delay one now and then; none in the runs measured), never every
     # liveness_interval (40 in this window before the beats).
     assert both["client|list"] <= 5
 
