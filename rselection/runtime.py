@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import inspect
 import itertools
@@ -24,12 +25,21 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import signals
-from .claiming import CLEANUP_BATCH, CleanupClaimer, FireHistory, claim_missed
+from .claiming import (
+    CLEANUP_BATCH,
+    CleanupClaimer,
+    FireClaimer,
+    FireHistory,
+    LeaseClaims,
+    claim_each,
+    claim_missed,
+)
 from .context import TaskContext, Term, running_term
 from .errors import LeadershipLost
-from .misfire import due_fires, split_behind, split_by_policy, too_old, window
+from .misfire import scan_due, split_behind, split_by_policy, too_old, window
 from .schedules import fire_series, format_fire_key
 from .specs import StuckPolicy, TaskSpec, TaskType
+from .task_threads import TaskThreads
 
 if TYPE_CHECKING:
     from .schedules import Schedule
@@ -46,6 +56,12 @@ _RESTART_CAP = 30.0
 _T = TypeVar("_T")
 _CLAIM_POLL_MAX = 1.0  # seconds between liveness checks while a claim is in flight
 _LOOP_DRAIN = 1.0  # seconds a stopped private loop gets to unwind cancelled tasks
+
+# A unit of fires ready to start: its unit id, its task, its fires (oldest first).
+_Ready = tuple[int, TaskSpec, list[datetime]]
+# An async unit handed to the event loop: unit id, task name, coroutine, and the task
+# whose running slot the coroutine releases (None: it takes and releases its own).
+_Coro = tuple[int, str, Coroutine[Any, Any, None], TaskSpec | None]
 
 
 def cleanup_period(ttl: float) -> float:
@@ -100,6 +116,10 @@ class TermRunner:
             max_workers=3, thread_name_prefix=f"rselection-claims-term-{term.number}"
         )
         self._cleanup: Future[None] | None = None
+        # Scheduled fires of plain def tasks: a thread each, reused between instants.
+        self._threads = TaskThreads(f"rselection-task-term-{term.number}")
+        # Claims of the fires due at one instant, in flight (see _claim_batch).
+        self._batches: set[_ClaimBatch] = set()
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -127,6 +147,9 @@ class TermRunner:
         with self._cond:
             for settled in self._claim_waits:
                 settled.set()  # claim waits look at the term again and give up
+            batches = list(self._batches)
+        for batch in batches:  # claims in flight: their fires will not run now
+            self._settle(batch)
         if self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the caller's loop may be closed
                 self._loop.call_soon_threadsafe(self._cancel_async_tasks)
@@ -142,6 +165,7 @@ class TermRunner:
             self._cond.wait_for(lambda: not self._units, max(0.0, deadline - time.monotonic()))
             stuck = sorted(set(self._units.values()))
         self._claims.shutdown(wait=False, cancel_futures=True)
+        self._threads.close(max(0.0, deadline - time.monotonic()))
         if self._own_loop:
             self._stop_private_loop(deadline)
         if stuck:
@@ -244,29 +268,41 @@ class TermRunner:
         thread.start()
 
     def _submit_async(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
+        self._submit_many([(self._enter(name), name, coro, None)])
+
+    def _submit_many(self, coros: list[_Coro]) -> None:
+        """Start the coroutines on the term's loop, in order, with one hand-over to it
+        (a thousand fires due at one instant wake the loop once, not a thousand times)."""
         loop = self._loop
         assert loop is not None
-        unit = self._enter(name)
-
-        async def tracked() -> None:
-            task = asyncio.current_task()
-            assert task is not None
-            running_term.set(self.term)  # in this task's own context only
-            self._async_tasks.add(task)
-            try:
-                await coro
-            except asyncio.CancelledError:
-                pass
-            finally:
-                self._async_tasks.discard(task)
-                self._leave(unit)
-
         try:
-            asyncio.run_coroutine_threadsafe(tracked(), loop)
+            loop.call_soon_threadsafe(self._create_tasks, coros)
         except RuntimeError:
-            coro.close()
+            for unit, name, coro, reserved in coros:
+                coro.close()
+                if reserved is not None:
+                    self._release(reserved)
+                self._leave(unit)
+                logger.error("task %r not started: its event loop is closed", name)
+
+    def _create_tasks(self, coros: list[_Coro]) -> None:
+        loop = self._loop
+        assert loop is not None
+        for unit, _, coro, _ in coros:
+            loop.create_task(self._tracked(unit, coro))
+
+    async def _tracked(self, unit: int, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        running_term.set(self.term)  # in this task's own context only
+        self._async_tasks.add(task)
+        try:
+            await coro
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._async_tasks.discard(task)
             self._leave(unit)
-            logger.error("task %r not started: its event loop is closed", name)
 
     # -- one run ----------------------------------------------------------------------
 
@@ -293,13 +329,14 @@ class TermRunner:
             spec.stats.runs += 1
             if ctx.scheduled_at is not None:
                 spec.stats.last_fire = ctx.scheduled_at
-        signals.emit(
-            signals.task_started,
-            self.sender,
-            task=ctx.name,
-            term=ctx.term,
-            scheduled_at=ctx.scheduled_at,
-        )
+        if signals.task_started.receivers:
+            signals.emit(
+                signals.task_started,
+                self.sender,
+                task=ctx.name,
+                term=ctx.term,
+                scheduled_at=ctx.scheduled_at,
+            )
         return time.monotonic()
 
     def _record(
@@ -327,15 +364,16 @@ class TermRunner:
                 term=self.term.number,
                 error=error,
             )
-        signals.emit(
-            signals.task_finished,
-            self.sender,
-            task=spec.name,
-            term=self.term.number,
-            scheduled_at=ctx.scheduled_at,
-            duration=duration,
-            error=error,
-        )
+        if signals.task_finished.receivers:
+            signals.emit(
+                signals.task_finished,
+                self.sender,
+                task=spec.name,
+                term=self.term.number,
+                scheduled_at=ctx.scheduled_at,
+                duration=duration,
+                error=error,
+            )
 
     def _may_start(self, spec: TaskSpec, ctx: TaskContext) -> bool:
         if self.term.live():
@@ -440,20 +478,22 @@ class TermRunner:
             if cleaning is not None and time.monotonic() >= next_cleanup:
                 self._start_cleanup(cleaning)
                 next_cleanup = time.monotonic() + cleanup_period(cleaning.ttl)
-            at, _, spec = heap[0]
-            delay = at.timestamp() - time.time()
+            delay = heap[0][0].timestamp() - time.time()
             if delay > 0:
                 if cleaning is not None:
                     delay = min(delay, max(0.0, next_cleanup - time.monotonic()))
                 if term.cancelled.wait(min(delay, term.remaining())):
                     return
                 continue
-            heapq.heappop(heap)
+            # Every fire due now, of every task, in one go: epoch-aligned intervals make
+            # all of a period's fires due at the same instant.
+            now = datetime.now(UTC)
+            due = [heapq.heappop(heap)]  # due by time.time(), even if the clock stepped
+            while heap and heap[0][0] <= now:
+                due.append(heapq.heappop(heap))
             if not term.live():
                 return
-            with self._survive(spec):
-                newest = self._dispatch(spec, at)
-                self._push(heap, spec, _schedule(spec).next_fire(newest), order)
+            self._dispatch(due, now, heap, order)
 
     @contextlib.contextmanager
     def _survive(self, spec: TaskSpec) -> Iterator[None]:
@@ -479,24 +519,60 @@ class TermRunner:
         if at is not None:
             heapq.heappush(heap, (at, next(order), spec))
 
-    def _dispatch(self, spec: TaskSpec, first: datetime) -> datetime:
-        """Run the fire due at ``first``, and any later ones already due, as far as the
-        grace and the misfire policy let them; return the newest due.
+    def _dispatch(
+        self,
+        due: list[tuple[datetime, int, TaskSpec]],
+        now: datetime,
+        heap: list[tuple[datetime, int, TaskSpec]],
+        order: itertools.count[int],
+    ) -> None:
+        """Start the fires due at ``now`` (each task's first one given), claimed together
+        in one call when the term claims; put each task's next fire on the heap.
 
-        The newest fire due is on time (its successor is not due yet) and runs whatever
-        the policy; the older ones mean this node fell behind by whole periods: they are
-        missed, and the policy decides (see :func:`~rselection.misfire.split_behind`).
+        Of each task, the newest fire due is on time (its successor is not due yet) and
+        runs whatever the policy; the older ones mean this node fell behind by whole
+        periods: they are missed, and the policy decides (see
+        :func:`~rselection.misfire.split_behind`). Fires older than the grace are skipped.
         """
-        now = datetime.now(UTC)
-        due, dropped = due_fires(_schedule(spec), first, now)
-        run, missed = split_behind(spec.misfire, due)
-        stale = [at for at in run if too_old(at, now, spec.misfire_grace)]
-        for at in sorted(dropped + missed + stale):
-            self._skip(spec, at, "misfire")
-        fresh = [at for at in run if at not in stale]
-        if fresh:
-            self._fire(spec, fresh, claimed=False)
-        return due[-1]
+        ready: list[tuple[TaskSpec, list[datetime]]] = []
+        for first, _, spec in due:
+            try:
+                fires, dropped, following = scan_due(_schedule(spec), first, now)
+                if len(fires) == 1 and not dropped:  # on time: no policy to apply
+                    run, skipped = fires, dropped
+                else:
+                    run, skipped = split_behind(spec.misfire, fires)
+                    skipped = dropped + skipped
+                stale = [at for at in run if too_old(at, now, spec.misfire_grace)]
+                for at in sorted(skipped + stale):
+                    self._skip(spec, at, "misfire")
+                fresh = [at for at in run if at not in stale] if stale else run
+                if fresh:
+                    if self._reserve(spec):
+                        ready.append((spec, fresh))
+                    else:
+                        for at in fresh:
+                            self._skip(spec, at, "overlap")
+                self._push(heap, spec, following, order)
+            except Exception:
+                # That task fires no more this term; the others go on.
+                logger.exception(
+                    "task %r: scheduling it failed in term %d; it fires no more this term",
+                    spec.name,
+                    self.term.number,
+                )
+        if ready:
+            self._start_fires(ready)
+
+    def _start_fires(self, ready: list[tuple[TaskSpec, list[datetime]]]) -> None:
+        """Start reserved fires: at once without a claimer, else once claimed (all in
+        one call, see :meth:`_claim_batch`)."""
+        with self._cond:
+            units = [(self._enter(spec.name), spec, fires) for spec, fires in ready]
+        if self.term.claimer is None:
+            self._launch(units)
+        else:
+            self._claim_batch(self.term.claimer, units)
 
     def _select(self, spec: TaskSpec, missed: list[datetime]) -> list[datetime]:
         """Of missed fires (oldest first), the ones ``spec.misfire`` runs; skip the rest."""
@@ -555,7 +631,7 @@ class TermRunner:
                 # catch-up would only hold it up (or get it skipped as an overlap).
                 self._skip(spec, run.pop(), "misfire")
         if run and self.term.live():
-            self._fire(spec, run, claimed=True)
+            self._fire(spec, run)
         else:
             for at in run:
                 self._skip(spec, at, "not-leader")
@@ -607,54 +683,149 @@ class TermRunner:
             with self._cond:
                 self._claim_waits.discard(settled)
 
-    def _claim_fire(self, spec: TaskSpec, at: datetime) -> bool:
-        """Claim one fire: ``True`` if won; else ``False``, reported as held by another,
-        as a failed claim (claims fail closed) or as a fire of an ended term."""
-        claimer = self.term.claimer
-        if claimer is None:
-            return True
-        won: bool | None = None
-        if self.term.live():  # never claim a fire this node can no longer run
-            key = format_fire_key(spec.name, at)
-            try:
-                won = self._in_claim_pool(claimer.claim, key, term=self.term.number)
-            except Exception as exc:
-                logger.warning(
-                    "fire of %r at %s skipped: its claim failed: %s", spec.name, at.isoformat(), exc
-                )
-                self._skip(spec, at, "claim-error")
+    def _claim_batch(self, claimer: FireClaimer, units: list[_Ready]) -> None:
+        """Claim every fire of ``units`` in one call on the claim pool; start the units
+        with the fires won once it answers (see :meth:`_claimed`).
+
+        The scheduler never waits for the claim: it goes on to the next instant. The
+        units are joined like running ones meanwhile, and the end of the term settles
+        them at once (:meth:`cancel`): nothing of theirs runs then.
+        """
+        batch = _ClaimBatch(units)
+        with self._cond:
+            self._batches.add(batch)
+        if not self.term.live():  # never claim a fire this node can no longer run
+            self._settle(batch)
+            return
+        try:
+            future = self._claims.submit(self._claim_keys, claimer, list(batch.keys))
+        except RuntimeError:  # the pool is shut down: the term is over
+            self._settle(batch)
+            return
+        future.add_done_callback(functools.partial(self._claimed, batch))
+
+    def _claim_keys(
+        self, claimer: FireClaimer, keys: list[str]
+    ) -> tuple[set[str], dict[str, Exception]] | None:
+        """On the claim pool: claim ``keys``; ``None`` when the term ended meanwhile."""
+        if not self.term.live():
+            return None
+        if isinstance(claimer, LeaseClaims):
+            return claimer.claim_each(keys, term=self.term.number)
+        return claim_each(claimer, keys, term=self.term.number)
+
+    def _take(self, batch: _ClaimBatch) -> bool:
+        """Whether this caller settles ``batch`` (the claim's answer or the term's end,
+        whichever comes first)."""
+        with self._cond:
+            if batch not in self._batches:
                 return False
-        if won is None:
-            self._skip(spec, at, "not-leader")
-            return False
-        if not won:
-            self._skip(spec, at, "already-claimed")
-        return bool(won)
+            self._batches.discard(batch)
+            return True
+
+    def _settle(self, batch: _ClaimBatch) -> None:
+        """The term ended before ``batch`` was claimed: report its fires, free its units."""
+        if not self._take(batch):
+            return
+        for unit, spec, fires in batch.units:
+            for at in fires:
+                self._skip(spec, at, "not-leader")
+            self._release(spec)
+            self._leave(unit)
+
+    def _claimed(
+        self,
+        batch: _ClaimBatch,
+        future: Future[tuple[set[str], dict[str, Exception]] | None],
+    ) -> None:
+        """The claim of ``batch`` answered: start the fires won, report the others (held
+        by another claim, a failed claim: claims fail closed, or a term that ended)."""
+        if future.cancelled() or not self.term.live():
+            self._settle(batch)
+            return
+        try:
+            outcome = future.result()
+        except Exception as exc:  # claim_each reports backend errors; this is anything else
+            outcome = set(), dict.fromkeys(batch.keys, exc)
+        if outcome is None:
+            self._settle(batch)
+            return
+        if not self._take(batch):
+            return
+        won, failed = outcome
+        if failed:
+            key, error = next(iter(failed.items()))
+            logger.warning(
+                "%d fires skipped (of %s and others): their claims failed: %s",
+                len(failed),
+                key,
+                error,
+            )
+        start: list[_Ready] = []
+        for unit, spec, fires in batch.units:
+            keep: list[datetime] = []
+            for at in fires:
+                key = batch.key_of[spec.name, at]
+                if key in won:
+                    keep.append(at)
+                else:
+                    self._skip(spec, at, "claim-error" if key in failed else "already-claimed")
+            if keep:
+                start.append((unit, spec, keep))
+            else:
+                self._release(spec)
+                self._leave(unit)
+        self._launch(start)
 
     def _skip(self, spec: TaskSpec, at: datetime, reason: str) -> None:
         with self._cond:
             spec.stats.skipped += 1
-        logger.debug("fire of %r at %s skipped: %s", spec.name, at.isoformat(), reason)
-        signals.emit(
-            signals.fire_skipped,
-            self.sender,
-            task=spec.name,
-            scheduled_at=at,
-            reason=reason,
-            fire_key=format_fire_key(spec.name, at),
-        )
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("fire of %r at %s skipped: %s", spec.name, at.isoformat(), reason)
+        if signals.fire_skipped.receivers:  # no payload to build for no one
+            signals.emit(
+                signals.fire_skipped,
+                self.sender,
+                task=spec.name,
+                scheduled_at=at,
+                reason=reason,
+                fire_key=format_fire_key(spec.name, at),
+            )
 
-    def _fire(self, spec: TaskSpec, fires: list[datetime], *, claimed: bool) -> None:
-        """Run ``fires`` one after another in one unit, claiming each first unless
-        ``claimed``; with overlap="skip" all are skipped while a run is going."""
+    def _fire(self, spec: TaskSpec, fires: list[datetime]) -> None:
+        """Run ``fires`` (already claimed, if the term claims) one after another in one
+        unit; with overlap="skip" all are skipped while a run is going."""
         if not self._reserve(spec):
             for at in fires:
                 self._skip(spec, at, "overlap")
             return
-        if spec.is_async:
-            self._submit_async(spec.name, self._fire_async(spec, fires, claimed))
-        else:
-            self._spawn(spec.name, self._fire_sync, spec, fires, claimed)
+        self._launch([(self._enter(spec.name), spec, fires)])
+
+    def _launch(self, units: list[_Ready]) -> None:
+        """Start reserved units: plain ``def`` ones each on a thread, ``async def`` ones
+        on the loop, all of them in one hand-over to it."""
+        coros: list[_Coro] = []
+        for unit, spec, fires in units:
+            if spec.is_async:
+                coros.append((unit, spec.name, self._fire_async(spec, fires), spec))
+                continue
+            try:
+                self._threads.run(functools.partial(self._run_unit, unit, spec, fires))
+            except RuntimeError:  # closed: the term is over
+                for at in fires:
+                    self._skip(spec, at, "not-leader")
+                self._release(spec)
+                self._leave(unit)
+        if coros:
+            self._submit_many(coros)
+
+    def _run_unit(self, unit: int, spec: TaskSpec, fires: list[datetime]) -> None:
+        threading.current_thread().name = f"rselection-task-{spec.name}"
+        running_term.set(self.term)
+        try:
+            self._fire_sync(spec, fires)
+        finally:
+            self._leave(unit)
 
     def _context(self, spec: TaskSpec, at: datetime) -> TaskContext:
         return TaskContext(
@@ -669,27 +840,40 @@ class TermRunner:
         self._skip(spec, at, "misfire")
         return True
 
-    def _fire_sync(self, spec: TaskSpec, fires: list[datetime], claimed: bool) -> None:
+    def _fire_sync(self, spec: TaskSpec, fires: list[datetime]) -> None:
         try:
             for at in fires:
-                if self._stale(spec, at):
-                    continue
-                if claimed or self._claim_fire(spec, at):
+                if not self._stale(spec, at):
                     self._run_sync(spec, self._context(spec, at))
         finally:
             self._release(spec)
 
-    async def _fire_async(self, spec: TaskSpec, fires: list[datetime], claimed: bool) -> None:
-        loop = asyncio.get_running_loop()
+    async def _fire_async(self, spec: TaskSpec, fires: list[datetime]) -> None:
         try:
             for at in fires:
-                if self._stale(spec, at):
-                    continue
-                # A claim is a database round trip: keep it off the event loop.
-                if claimed or await loop.run_in_executor(None, self._claim_fire, spec, at):
+                if not self._stale(spec, at):
                     await self._run_async(spec, self._context(spec, at))
         finally:
             self._release(spec)
+
+
+class _ClaimBatch:
+    """The units of fires due at one instant, while their claim is in flight.
+
+    Args:
+        units: the units, each reserved and entered.
+    """
+
+    def __init__(self, units: list[_Ready]) -> None:
+        self.units = units
+        self.key_of = {
+            (spec.name, at): format_fire_key(spec.name, at)
+            for _, spec, fires in units
+            for at in fires
+        }
+        """The fire key of each fire, by task name and instant."""
+        self.keys = list(self.key_of.values())
+        """The fire keys to claim."""
 
 
 def _schedule(spec: TaskSpec) -> Schedule:
