@@ -538,6 +538,10 @@ class TermRunner:
         for first, _, spec in due:
             try:
                 fires, dropped, following = scan_due(_schedule(spec), first, now)
+                if following is not None and following.timestamp() <= time.time():
+                    # The scan itself took a period or more (a slow schedule): the fires
+                    # that came due meanwhile belong to this unit, in order.
+                    fires, dropped, following = scan_due(_schedule(spec), first, datetime.now(UTC))
                 if len(fires) == 1 and not dropped:  # on time: no policy to apply
                     run, skipped = fires, dropped
                 else:
