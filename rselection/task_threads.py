@@ -108,6 +108,11 @@ class TaskThreads:
             if thread is not threading.current_thread():  # work may close its own pool
                 thread.join(max(0.0, deadline - time.monotonic()))
 
+    def idle(self) -> int:
+        """Threads waiting for work now."""
+        with self._lock:
+            return self._idle
+
     def count(self) -> int:
         """Threads alive now, idle or running work."""
         with self._lock:
