@@ -56,6 +56,7 @@ _RESTART_CAP = 30.0
 _T = TypeVar("_T")
 _CLAIM_POLL_MAX = 1.0  # seconds between liveness checks while a claim is in flight
 _LOOP_DRAIN = 1.0  # seconds a stopped private loop gets to unwind cancelled tasks
+_MAX_LEAD = 0.05  # seconds ahead of an instant at most that its fires are prepared
 
 # A unit of fires ready to start: its unit id, its task, its fires (oldest first).
 _Ready = tuple[int, TaskSpec, list[datetime]]
@@ -268,7 +269,8 @@ class TermRunner:
         thread.start()
 
     def _submit_async(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
-        self._submit_many([(self._enter(name), name, coro, None)])
+        unit = self._enter(name)
+        self._submit_many([(unit, name, self._tracked(unit, coro), None)])
 
     def _submit_many(self, coros: list[_Coro]) -> None:
         """Start the coroutines on the term's loop, in order, with one hand-over to it
@@ -286,10 +288,9 @@ class TermRunner:
                 logger.error("task %r not started: its event loop is closed", name)
 
     def _create_tasks(self, coros: list[_Coro]) -> None:
-        loop = self._loop
-        assert loop is not None
-        for unit, _, coro, _ in coros:
-            loop.create_task(self._tracked(unit, coro))
+        create = self._loop.create_task  # type: ignore[union-attr]
+        for _, _, coro, _ in coros:
+            create(coro)
 
     async def _tracked(self, unit: int, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.current_task()
@@ -316,12 +317,16 @@ class TermRunner:
             stats.state = "running"
             return True
 
-    def _release(self, spec: TaskSpec) -> None:
+    def _release(self, spec: TaskSpec, unit: int | None = None) -> None:
+        """Give the running slot back (and leave ``unit``, if given: one lock for both)."""
         with self._cond:
             stats = spec.stats
             stats.running -= 1
             if not stats.running:
                 stats.state = "failed" if stats.last_failed else "idle"
+            if unit is not None:
+                self._units.pop(unit, None)
+                self._cond.notify_all()
 
     def _started(self, spec: TaskSpec, ctx: TaskContext) -> float:
         """Count the run and announce it; return its start (monotonic)."""
@@ -474,26 +479,42 @@ class TermRunner:
                     self._push(heap, spec, _schedule(spec).next_fire(now), order)
         cleaning = term.claimer if isinstance(term.claimer, CleanupClaimer) else None
         next_cleanup = time.monotonic()  # at the start of the term, then every period
+        # Seconds the last instant took to prepare: the next one is prepared that much
+        # ahead of time (twice, at most _MAX_LEAD), and its fires start on the instant.
+        lead = 0.0
         while heap and term.live():
             if cleaning is not None and time.monotonic() >= next_cleanup:
                 self._start_cleanup(cleaning)
                 next_cleanup = time.monotonic() + cleanup_period(cleaning.ttl)
-            delay = heap[0][0].timestamp() - time.time()
-            if delay > 0:
+            at = heap[0][0]
+            delay = at.timestamp() - time.time()
+            if delay > lead:
+                wait = delay - lead
                 if cleaning is not None:
-                    delay = min(delay, max(0.0, next_cleanup - time.monotonic()))
-                if term.cancelled.wait(min(delay, term.remaining())):
+                    wait = min(wait, max(0.0, next_cleanup - time.monotonic()))
+                if term.cancelled.wait(min(wait, term.remaining())):
                     return
                 continue
-            # Every fire due now, of every task, in one go: epoch-aligned intervals make
-            # all of a period's fires due at the same instant.
-            now = datetime.now(UTC)
+            # Every fire due at the instant, of every task, in one go: epoch-aligned
+            # intervals make all of a period's fires due at the same instant.
+            early = delay > 0
+            now = at if early else datetime.now(UTC)
             due = [heapq.heappop(heap)]  # due by time.time(), even if the clock stepped
             while heap and heap[0][0] <= now:
                 due.append(heapq.heappop(heap))
             if not term.live():
                 return
-            self._dispatch(due, now, heap, order)
+            began = time.perf_counter()
+            ready = self._prepare(due, now, heap, order)
+            lead = min(_MAX_LEAD, 2 * (time.perf_counter() - began))
+            if early:
+                left = at.timestamp() - time.time()
+                if left > 0 and term.cancelled.wait(min(left, term.remaining())):
+                    return
+                if not term.live():
+                    return
+            if ready:
+                self._start(ready)
 
     @contextlib.contextmanager
     def _survive(self, spec: TaskSpec) -> Iterator[None]:
@@ -519,15 +540,15 @@ class TermRunner:
         if at is not None:
             heapq.heappush(heap, (at, next(order), spec))
 
-    def _dispatch(
+    def _prepare(
         self,
         due: list[tuple[datetime, int, TaskSpec]],
         now: datetime,
         heap: list[tuple[datetime, int, TaskSpec]],
         order: itertools.count[int],
-    ) -> None:
-        """Start the fires due at ``now`` (each task's first one given), claimed together
-        in one call when the term claims; put each task's next fire on the heap.
+    ) -> list[tuple[TaskSpec, list[datetime]]]:
+        """The fires to start at ``now`` (each task's first one given), by task; put each
+        task's next fire on the heap.
 
         Of each task, the newest fire due is on time (its successor is not due yet) and
         runs whatever the policy; the older ones mean this node fell behind by whole
@@ -552,11 +573,7 @@ class TermRunner:
                     self._skip(spec, at, "misfire")
                 fresh = [at for at in run if at not in stale] if stale else run
                 if fresh:
-                    if self._reserve(spec):
-                        ready.append((spec, fresh))
-                    else:
-                        for at in fresh:
-                            self._skip(spec, at, "overlap")
+                    ready.append((spec, fresh))
                 self._push(heap, spec, following, order)
             except Exception:
                 # That task fires no more this term; the others go on.
@@ -565,14 +582,23 @@ class TermRunner:
                     spec.name,
                     self.term.number,
                 )
-        if ready:
-            self._start_fires(ready)
+        return ready
 
-    def _start_fires(self, ready: list[tuple[TaskSpec, list[datetime]]]) -> None:
-        """Start reserved fires: at once without a claimer, else once claimed (all in
+    def _start(self, ready: list[tuple[TaskSpec, list[datetime]]]) -> None:
+        """Start the fires of ``ready`` (with overlap="skip", not those of a task whose
+        previous fire still runs): at once without a claimer, else once claimed (all in
         one call, see :meth:`_claim_batch`)."""
+        reserved = []
+        for spec, fires in ready:
+            if self._reserve(spec):
+                reserved.append((spec, fires))
+            else:
+                for at in fires:
+                    self._skip(spec, at, "overlap")
+        if not reserved:
+            return
         with self._cond:
-            units = [(self._enter(spec.name), spec, fires) for spec, fires in ready]
+            units = [(self._enter(spec.name), spec, fires) for spec, fires in reserved]
         if self.term.claimer is None:
             self._launch(units)
         else:
@@ -811,7 +837,7 @@ class TermRunner:
         coros: list[_Coro] = []
         for unit, spec, fires in units:
             if spec.is_async:
-                coros.append((unit, spec.name, self._fire_async(spec, fires), spec))
+                coros.append((unit, spec.name, self._fire_async(unit, spec, fires), spec))
                 continue
             try:
                 self._threads.run(functools.partial(self._run_unit, unit, spec, fires))
@@ -827,9 +853,11 @@ class TermRunner:
         threading.current_thread().name = f"rselection-task-{spec.name}"
         running_term.set(self.term)
         try:
-            self._fire_sync(spec, fires)
+            for at in fires:
+                if not self._stale(spec, at):
+                    self._run_sync(spec, self._context(spec, at))
         finally:
-            self._leave(unit)
+            self._release(spec, unit)
 
     def _context(self, spec: TaskSpec, at: datetime) -> TaskContext:
         return TaskContext(
@@ -839,26 +867,27 @@ class TermRunner:
     def _stale(self, spec: TaskSpec, at: datetime) -> bool:
         """Whether the fire at ``at`` is past its grace now, when it is about to start
         (reported as a misfire): a catch-up's later fires age while the earlier run."""
-        if not too_old(at, datetime.now(UTC), spec.misfire_grace):
+        if time.time() - at.timestamp() <= spec.misfire_grace:  # too_old(), cheaper
             return False
         self._skip(spec, at, "misfire")
         return True
 
-    def _fire_sync(self, spec: TaskSpec, fires: list[datetime]) -> None:
-        try:
-            for at in fires:
-                if not self._stale(spec, at):
-                    self._run_sync(spec, self._context(spec, at))
-        finally:
-            self._release(spec)
-
-    async def _fire_async(self, spec: TaskSpec, fires: list[datetime]) -> None:
+    async def _fire_async(self, unit: int, spec: TaskSpec, fires: list[datetime]) -> None:
+        """One unit of ``async def`` fires, as its own asyncio task (tracked, so that the
+        end of the term cancels it)."""
+        task = asyncio.current_task()
+        assert task is not None
+        running_term.set(self.term)  # in this task's own context only
+        self._async_tasks.add(task)
         try:
             for at in fires:
                 if not self._stale(spec, at):
                     await self._run_async(spec, self._context(spec, at))
+        except asyncio.CancelledError:
+            pass
         finally:
-            self._release(spec)
+            self._async_tasks.discard(task)
+            self._release(spec, unit)
 
 
 class _ClaimBatch:
