@@ -318,3 +318,42 @@ def test_claim_missed_on_a_cluster_across_slots_and_in_one_slot(
         t.join(30)
     assert not set(results["a"]) & set(results["b"])
     assert set(results["a"]) | set(results["b"]) <= set(race)
+
+
+def test_claim_many_on_a_cluster_across_slots_and_in_one_slot(
+    make_client: Callable[[], RedisCluster],
+) -> None:
+    """The fires due at one instant, of many tasks (keys in many slots): each won by one
+    claimer only, in one call each; with a hash-tagged prefix (one slot), one script."""
+    client = make_client()
+    run = uuid.uuid4().hex[:8]
+    keys = [f"lease/task-{i}@2026-12-01T00:00:00.000000000Z" for i in range(60)]
+    for prefix in (f"c-many:{run}:", f"c-many:{{{run}}}:"):
+        a = RedisClaimer(make_client(), key_prefix=prefix, node_id="a")
+        b = RedisClaimer(make_client(), key_prefix=prefix, node_id="b")
+        slots = {client.keyslot(a.key(k)) for k in keys}
+        assert (len(slots) > 1) == ("{" not in prefix)
+        assert b.claim(keys[3])
+        results: dict[str, set[str]] = {}
+        barrier = threading.Barrier(2)
+
+        def go(
+            label: str,
+            claimer: RedisClaimer,
+            barrier: threading.Barrier = barrier,
+            results: dict[str, set[str]] = results,
+        ) -> None:
+            barrier.wait(10)
+            results[label] = claimer.claim_many(keys, term=2)
+
+        threads = [threading.Thread(target=go, args=(n, c)) for n, c in (("a", a), ("b", b))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not results["a"] & results["b"]
+        assert results["a"] | results["b"] == set(keys) - {keys[3]}
+        won = next(iter(results["a"] or results["b"]))
+        doc = a.holder_of(won)
+        assert doc is not None and doc["term"] == 2 and doc["format"] == "1"
+        assert a.claim_many(keys) == set()
