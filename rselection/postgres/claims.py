@@ -18,6 +18,11 @@ row lock of the upsert makes two replacements of one expired claim impossible: t
 second sees the first one's fresh expiry and fails). Every time is the server's
 (``clock_timestamp()``); no client clock is ever compared.
 
+:meth:`PostgresClaimer.claim_many` claims many fires (those due at one instant, of any
+tasks) in one such statement, each key as :meth:`~PostgresClaimer.claim` would, and
+returns the keys won; the keys go in sorted order, so that two nodes claiming the same
+instant wait for each other's rows in one order and never deadlock.
+
 A claim is **kept until its ttl** (600 s by default), also after the run ends: a
 replica whose scheduler fires late (a GC pause, a slow start, a skewed clock) must not
 run the same fire again. So ``ttl`` must be longer than the latest a fire may start
