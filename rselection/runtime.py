@@ -29,10 +29,10 @@ from .claiming import (
     CLEANUP_BATCH,
     CleanupClaimer,
     FireClaimer,
-    FireHistory,
     LeaseClaims,
     claim_each,
-    claim_missed,
+    claim_missed_each,
+    ran_before_each,
 )
 from .context import TaskContext, Term, running_term
 from .errors import LeadershipLost
@@ -469,14 +469,14 @@ class TermRunner:
         order = itertools.count()
         heap: list[tuple[datetime, int, TaskSpec]] = []
         now = datetime.now(UTC)
-        for spec in self.specs:
-            if spec.type is TaskType.SCHEDULED:
-                with self._survive(spec):
-                    if term.claimer is not None:
-                        # Fires that came due while no node led, found through the claims;
-                        # here, before any newer fire, so that they run in order.
-                        self._recover(spec, now)
-                    self._push(heap, spec, _schedule(spec).next_fire(now), order)
+        scheduled = [spec for spec in self.specs if spec.type is TaskType.SCHEDULED]
+        if term.claimer is not None:
+            # Fires that came due while no node led, found through the claims; here,
+            # before any newer fire, so that they run in order.
+            self._recover(scheduled, now)
+        for spec in scheduled:
+            with self._survive(spec):
+                self._push(heap, spec, _schedule(spec).next_fire(now), order)
         cleaning = term.claimer if isinstance(term.claimer, CleanupClaimer) else None
         next_cleanup = time.monotonic()  # at the start of the term, then every period
         # Seconds the last instant took to prepare: the next one is prepared that much
@@ -611,51 +611,75 @@ class TermRunner:
             self._skip(spec, at, "misfire")
         return run
 
-    def _recover(self, spec: TaskSpec, started: datetime) -> None:
+    def _recover(self, specs: list[TaskSpec], started: datetime) -> None:
         """At the start of a term: find and handle fires no node ran while none led.
 
         A task that never ran anywhere (the claimer's ``ran_before`` says so) has missed
         nothing: it starts at its next instant, with no catch-up and nothing reported.
-        Else claims, in one call, the fires due at ``started`` (within the grace) newer
-        than the newest one already claimed: up to there the previous leader got. The
-        fires won are missed; the policy picks which to run, the rest stay claimed so
-        that no node runs them late.
+        Else claims the fires due at ``started`` (within the grace) newer than the newest
+        one already claimed: up to there the previous leader got. The fires won are
+        missed; the policy picks which to run, the rest stay claimed so that no node
+        runs them late. Every task is asked about, and looked back for, in one call
+        each when the claimer can (``ran_before_many``, ``claim_missed_many``), so a
+        term with a thousand tasks starts after two round trips, not two thousand.
         """
         claimer = self.term.claimer
         assert claimer is not None
-        schedule = _schedule(spec)
-        candidates = window(schedule, started, spec.misfire_grace)
-        if not candidates:
+        found: list[tuple[TaskSpec, list[datetime]]] = []
+        for spec in specs:
+            with self._survive(spec):
+                candidates = window(_schedule(spec), started, spec.misfire_grace)
+                if candidates:
+                    found.append((spec, candidates))
+        if not found:
             return
-        if isinstance(claimer, FireHistory):
-            # A task that never ran anywhere has missed nothing: its first term starts
-            # at its next instant, as on a leader without claims, and reports nothing.
-            try:
-                ran = self._in_claim_pool(claimer.ran_before, fire_series(spec.name))
-            except Exception as exc:
-                logger.warning(
-                    "missed fires of %r not recovered: its claims could not be read: %s",
-                    spec.name,
-                    exc,
-                )
-                return
-            if not ran:  # never ran, or the term ended meanwhile (None)
-                if ran is not None:
-                    logger.debug("task %r never ran before: no fire was missed", spec.name)
-                return
-        keys = {format_fire_key(spec.name, at): at for at in candidates}
-        what = f"{len(keys)} fires of {spec.name!r} due since {candidates[0].isoformat()}"
+        # A task that never ran anywhere has missed nothing: its first term starts at
+        # its next instant, as on a leader without claims, and reports nothing.
+        series = {fire_series(spec.name): spec for spec, _ in found}
         try:
-            won_keys = self._in_claim_pool(claim_missed, claimer, list(keys), term=self.term.number)
+            ran = self._in_claim_pool(ran_before_each, claimer, list(series))
         except Exception as exc:
-            logger.warning("missed fires not recovered: claiming %s failed: %s", what, exc)
+            logger.warning(
+                "missed fires of %d tasks (%r...) not recovered: their claims could not "
+                "be read: %s",
+                len(found),
+                found[0][0].name,
+                exc,
+            )
             return
-        if won_keys is None:  # the term ended meanwhile
+        if ran is None:  # the term ended meanwhile
             return
-        won = [keys[key] for key in won_keys]
+        for one in set(series) - ran:
+            logger.debug("task %r never ran before: no fire was missed", series[one].name)
+        found = [(spec, candidates) for spec, candidates in found if fire_series(spec.name) in ran]
+        if not found:
+            return
+        groups = [
+            {format_fire_key(spec.name, at): at for at in candidates} for spec, candidates in found
+        ]
+        try:
+            won = self._in_claim_pool(
+                claim_missed_each, claimer, [list(keys) for keys in groups], term=self.term.number
+            )
+        except Exception as exc:
+            logger.warning(
+                "missed fires of %d tasks (%r...) not recovered: claiming them failed: %s",
+                len(found),
+                found[0][0].name,
+                exc,
+            )
+            return
+        if won is None:  # the term ended meanwhile
+            return
+        for (spec, _), keys, won_keys in zip(found, groups, won, strict=True):
+            with self._survive(spec):
+                self._catch_up(spec, [keys[key] for key in won_keys])
+
+    def _catch_up(self, spec: TaskSpec, won: list[datetime]) -> None:
+        """Run the missed fires ``won`` (claimed, oldest first) as the policy says."""
         run = self._select(spec, won)
         if run and spec.misfire == "latest":
-            following = schedule.next_fire(run[-1])
+            following = _schedule(spec).next_fire(run[-1])
             if following is not None and following <= datetime.now(UTC):
                 # A newer fire is already due and the scheduler runs it next: the
                 # catch-up would only hold it up (or get it skipped as an overlap).

@@ -319,6 +319,59 @@ class RedisClaimer(Closeable):
             ) from exc
         return not first
 
+    def ran_before_many(self, series: list[str]) -> set[str]:
+        """Those of ``series`` that :meth:`ran_before` says ran before, recording each
+        as it does: one pipeline (a round trip, per master in a cluster).
+
+        Raises:
+            ConfigError: a bad series.
+            BackendUnavailable: Redis cannot be reached or failed.
+        """
+        series = check_fire_keys(series)
+        if not series:
+            return set()
+        value = json.dumps({"node_id": self.node_id, "format": str(FIRE_KEY_FORMAT)})
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for one in series:
+                pipe.set(self.key(one), value, nx=True)
+            first = pipe.execute()
+        except redis.RedisError as exc:
+            raise unavailable(
+                f"record {len(series)} series from {series[0]!r:.80}", describe(self._client), exc
+            ) from exc
+        return {one for one, new in zip(series, first, strict=True) if not new}
+
+    def claim_missed_many(
+        self, fire_keys: list[list[str]], *, term: int | None = None
+    ) -> list[list[str]]:
+        """:meth:`claim_missed` of each list (one task's fires each, oldest first);
+        return the keys won of each list. One pipeline of the script (one round trip);
+        in a cluster, one :meth:`claim_missed` per list.
+
+        Raises:
+            ConfigError: a bad key, a key given twice, or a bad term (before any I/O).
+            BackendUnavailable: as :meth:`claim_missed`.
+        """
+        check_fire_keys([key for keys in fire_keys for key in keys])
+        _check_term(term)
+        if self._cluster:
+            return [self.claim_missed(keys, term=term) for keys in fire_keys]
+        groups = [keys for keys in fire_keys if keys]
+        if not groups:
+            return [[] for _ in fire_keys]
+        what = f"claim the missed fires of {len(groups)} tasks from {groups[0][0]!r:.80}"
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for keys in groups:
+                self._claim_missed(
+                    keys=[self.key(k) for k in keys], args=self._args(term), client=pipe
+                )
+            answers = iter(pipe.execute())
+        except redis.RedisError as exc:
+            raise unavailable(what, describe(self._client), exc) from exc
+        return [[keys[int(i) - 1] for i in next(answers)] if keys else [] for keys in fire_keys]
+
     def holder_of(self, fire_key: str) -> dict[str, Any] | None:
         """The unexpired claim of ``fire_key`` (``node_id``, ``term``, ``format``,
         ``at``), or ``None``.
