@@ -32,6 +32,8 @@ import pytest
 import rselection as rs
 from rselection.claiming import (
     BatchFireClaimer,
+    BatchFireHistory,
+    BatchMissedFireClaimer,
     FireClaimer,
     MissedFireClaimer,
     claim_each,
@@ -479,3 +481,37 @@ def test_claim_each_calls_a_batch_claimer_once_and_reports_its_failure_on_every_
         assert all(isinstance(exc, BackendUnavailable) for exc in failed.values())
     finally:
         claimer.close()
+
+
+# -- a starting leader's look back, for every task in one call ------------------------------
+
+
+def test_every_claimer_claims_the_missed_fires_of_many_tasks_in_one_call(
+    every_claimer: Any,
+) -> None:
+    assert isinstance(every_claimer, BatchMissedFireClaimer)
+    tasks = [[f"task-{t}@{i:02d}" for i in range(6)] for t in range(4)]
+    assert every_claimer.claim(tasks[0][2])  # task 0: up to fire 2 was claimed
+    assert every_claimer.claim(tasks[1][5])  # task 1: the newest was claimed
+    won = every_claimer.claim_missed_many(tasks, term=3)
+    assert won == [tasks[0][3:], [], tasks[2], tasks[3]]
+    assert every_claimer.claim_missed_many(tasks, term=4) == [[], [], [], []]
+    assert every_claimer.claim_missed_many([[], ["alone@1"]]) == [[], ["alone@1"]]
+    assert every_claimer.claim_missed_many([]) == []
+    with pytest.raises(ConfigError, match="given twice"):
+        every_claimer.claim_missed_many([["x@1"], ["x@1"]])
+
+
+def test_every_claimer_tells_which_of_many_tasks_ran_before(every_claimer: Any) -> None:
+    """``ran_before_many`` answers as ``ran_before`` of each would (Redis records a
+    series when a leader asks about it; Postgres and memory look at the claims)."""
+    assert isinstance(every_claimer, BatchFireHistory)
+    assert every_claimer.claim("ran@2026-12-01T00:00:00.000000000Z")
+    every_claimer.ran_before("ran@")  # as a leader that scheduled it asked
+    assert every_claimer.ran_before_many(["ran@", "never@"]) == {"ran@"}
+    series = ["ran@", "never@", "other@"]
+    every_claimer.ran_before_many(series)  # Redis records these; the others do not
+    assert every_claimer.ran_before_many(series) == {
+        one for one in series if every_claimer.ran_before(one)
+    }
+    assert every_claimer.ran_before_many([]) == set()

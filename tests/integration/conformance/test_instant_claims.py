@@ -53,6 +53,20 @@ class CountingClaimer:
         self._note("ran_before", 1)
         return bool(self.inner.ran_before(series))
 
+    def ran_before_many(self, series: list[str]) -> set[str]:
+        self._note("ran_before_many", len(series))
+        return set(self.inner.ran_before_many(series))
+
+    def claim_missed_many(
+        self, fire_keys: list[list[str]], *, term: int | None = None
+    ) -> list[list[str]]:
+        self._note("claim_missed_many", len(fire_keys))
+        return [list(won) for won in self.inner.claim_missed_many(fire_keys, term=term)]
+
+    def of(self, method: str) -> list[int]:
+        with self.lock:
+            return [count for name, count in self.calls if name == method]
+
     def cleanup(self, *, batch: int | None = None) -> int:
         cleanup = getattr(self.inner, "cleanup", None)
         return int(cleanup(batch=batch)) if cleanup is not None else 0
@@ -162,3 +176,21 @@ def test_two_leaders_sharing_the_claims_run_each_fire_exactly_once(
         assert len(ran) == TASKS and set(ran.values()) == {1}, at
     winners = {who for _, when, who in fires if when in instants[1:]}
     assert winners <= {"a", "b"}
+
+
+def test_a_leader_with_many_tasks_starts_after_one_look_back_for_all(
+    make_claimer: Callable[..., CountingClaimer],
+) -> None:
+    """A new leader asks whether its tasks ran before, and claims their missed fires,
+    in one call each for all its tasks, not one per task."""
+    runs = Runs()
+    with rs.SingleNodeLeader(handler_of(runs, "a"), claimer=make_claimer(), node_id="a"):
+        wait_until(lambda: len(complete_instants(runs, TASKS)) >= 1, 60, "a whole instant")
+    claimer = make_claimer()
+    with rs.SingleNodeLeader(handler_of(runs, "b"), claimer=claimer, node_id="b"):
+        wait_until(
+            lambda: any(who == "b" for _, _, who in runs.snapshot()), 60, "a fire of the new leader"
+        )
+    assert claimer.of("ran_before_many") == [TASKS]
+    assert claimer.of("claim_missed_many") == [TASKS]
+    assert claimer.of("ran_before") == [] and claimer.of("claim_missed") == []
