@@ -357,3 +357,21 @@ def test_claim_many_on_a_cluster_across_slots_and_in_one_slot(
         doc = a.holder_of(won)
         assert doc is not None and doc["term"] == 2 and doc["format"] == "1"
         assert a.claim_many(keys) == set()
+
+
+def test_a_starting_leaders_look_back_on_a_cluster(
+    make_client: Callable[[], RedisCluster],
+) -> None:
+    """ran_before_many and claim_missed_many with tasks in many slots."""
+    client = make_client()
+    run = uuid.uuid4().hex[:8]
+    claimer = RedisClaimer(make_client(), key_prefix=f"c-back:{run}:", node_id="b")
+    series = [f"lease/task-{i}@" for i in range(20)]
+    assert len({client.keyslot(claimer.key(one)) for one in series}) > 1
+    assert claimer.ran_before_many(series) == set()  # first asked: recorded now
+    assert claimer.ran_before_many(series) == set(series)
+    tasks = [[f"{one}{n:02d}" for n in range(4)] for one in series]
+    assert claimer.claim(tasks[0][1])
+    won = claimer.claim_missed_many(tasks, term=3)
+    assert won[0] == tasks[0][2:] and won[1:] == tasks[1:]
+    assert claimer.claim_missed_many(tasks, term=4) == [[] for _ in tasks]
