@@ -341,3 +341,60 @@ def test_claim_missed_on_a_cluster_across_slots_and_in_one_slot(
         t.join(30)
     assert not set(results["a"]) & set(results["b"])
     assert set(results["a"]) | set(results["b"]) <= set(race)
+
+
+def test_claim_many_on_a_cluster_across_slots_and_in_one_slot(
+    make_client: Callable[[], RedisCluster],
+) -> None:
+    """The fires due at one instant, of many tasks (keys in many slots): each won by one
+    claimer only, in one call each; with a hash-tagged prefix (one slot), one script."""
+    client = make_client()
+    run = uuid.uuid4().hex[:8]
+    keys = [f"lease/task-{i}@2026-12-01T00:00:00.000000000Z" for i in range(60)]
+    for prefix in (f"c-many:{run}:", f"c-many:{{{run}}}:"):
+        a = RedisClaimer(make_client(), key_prefix=prefix, node_id="a")
+        b = RedisClaimer(make_client(), key_prefix=prefix, node_id="b")
+        slots = {client.keyslot(a.key(k)) for k in keys}
+        assert (len(slots) > 1) == ("{" not in prefix)
+        assert b.claim(keys[3])
+        results: dict[str, set[str]] = {}
+        barrier = threading.Barrier(2)
+
+        def go(
+            label: str,
+            claimer: RedisClaimer,
+            barrier: threading.Barrier = barrier,
+            results: dict[str, set[str]] = results,
+        ) -> None:
+            barrier.wait(10)
+            results[label] = claimer.claim_many(keys, term=2)
+
+        threads = [threading.Thread(target=go, args=(n, c)) for n, c in (("a", a), ("b", b))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not results["a"] & results["b"]
+        assert results["a"] | results["b"] == set(keys) - {keys[3]}
+        won = next(iter(results["a"] or results["b"]))
+        doc = a.holder_of(won)
+        assert doc is not None and doc["term"] == 2 and doc["format"] == "1"
+        assert a.claim_many(keys) == set()
+
+
+def test_a_starting_leaders_look_back_on_a_cluster(
+    make_client: Callable[[], RedisCluster],
+) -> None:
+    """ran_before_many and claim_missed_many with tasks in many slots."""
+    client = make_client()
+    run = uuid.uuid4().hex[:8]
+    claimer = RedisClaimer(make_client(), key_prefix=f"c-back:{run}:", node_id="b")
+    series = [f"lease/task-{i}@" for i in range(20)]
+    assert len({client.keyslot(claimer.key(one)) for one in series}) > 1
+    assert claimer.ran_before_many(series) == set()  # first asked: recorded now
+    assert claimer.ran_before_many(series) == set(series)
+    tasks = [[f"{one}{n:02d}" for n in range(4)] for one in series]
+    assert claimer.claim(tasks[0][1])
+    won = claimer.claim_missed_many(tasks, term=3)
+    assert won[0] == tasks[0][2:] and won[1:] == tasks[1:]
+    assert claimer.claim_missed_many(tasks, term=4) == [[] for _ in tasks]
