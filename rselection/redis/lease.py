@@ -55,10 +55,17 @@ which nodes are connected.
 Fast crash failover
 -------------------
 
-A follower that knows the holder's connection id asks ``CLIENT LIST ID <id>`` every
-``liveness_interval`` (0.5 s by default) while it waits. When the holder's process dies,
-its kernel closes the connection and Redis forgets the client at once; the follower then
-runs the acquire script with that dead id, which takes the lease over only if the key
+A holder that offers fast takeover publishes a liveness beat ``alive:<term>:<its
+liveness_interval in ms>`` on ``<prefix>{<name>}:alive`` every ``liveness_interval / 2``.
+A follower that knows the holder's connection id listens to them and asks ``CLIENT LIST
+ID <id>`` only after ``liveness_interval`` (0.5 s by default) without one. A holder that
+beat and went silent (paused) is checked with waits doubling up to a second; one never
+heard to beat (a release without beats, an ACL that refuses the channel, lost pub/sub)
+is checked every ``liveness_interval``, the cost of the polling of old, in that case
+only. A refused ``PUBLISH`` or ``SUBSCRIBE`` on the channel is logged once per
+connection and never ends a term. When the holder's process dies, its kernel closes the
+connection and Redis forgets the client at once; the follower then runs the acquire
+script with that dead id, which takes the lease over only if the key
 still names that connection and term, and was written under the same server
 ``run_id`` (client ids are unique only within one server run).
 
@@ -112,7 +119,9 @@ __all__ = ["RedisLease", "handover_key", "lease_keys", "node_channel", "term_ori
 
 logger = logging.getLogger(__name__)
 
-_PROBE_CAP = 4.0  # longest wait, seconds, between checks of a silent holder's connection
+# Longest wait, seconds, between checks of a holder that beat before and went silent (a
+# paused process): a kill while it is paused is then noticed within about a second.
+_PROBE_CAP = 1.0
 
 
 def lease_keys(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> tuple[str, str, str]:
@@ -212,9 +221,12 @@ class _Liveness:
     connection; leading, when to publish the next beat.
 
     A follower checks ``limit`` seconds after the last beat of the holder's term (or
-    after it first saw that holder); each check that finds the holder's connection
-    alive without a beat in between doubles the wait, up to :data:`_PROBE_CAP`, so a
-    paused holder, or one that publishes no beats, costs a few checks, never a poll.
+    after it first saw that holder). A holder never heard to beat (a release without
+    beats, beats refused by an ACL, lost pub/sub) is checked every ``limit``: the
+    polling of old, so that its crash is still noticed within ``limit``. A holder that
+    beat before and went silent (a paused process) is checked with waits doubling up to
+    :data:`_PROBE_CAP`: a few checks while it stays paused, and a kill is still noticed
+    within about a second.
     """
 
     term: str = ""  # the holder's term being timed
@@ -224,18 +236,26 @@ class _Liveness:
     listener: Any = None  # the listener connection subscribed to the beats
     beat_term: int = -1  # leading: the term beats are published for
     beat_at: float = 0.0  # leading: monotonic time of the next beat
+    beaten: bool = False  # following: a beat of the timed term was heard
+    refused: Any = None  # the listener whose SUBSCRIBE to the beats the server refused
+    pending: bool = False  # that SUBSCRIBE was sent, its confirmation not read yet
+    mute: Any = None  # leading: the keeper connection whose PUBLISH of beats was refused
 
     def follow(self, term: str, limit: float) -> None:
         if term != self.term:  # another holder: time it from now
             self.term, self.interval = term, 0.0
             self.heard(limit)
+            self.beaten = False
 
     def heard(self, limit: float) -> None:
         self.gap = limit
         self.probe_at = time.monotonic() + limit
 
     def probed(self, limit: float) -> None:
-        self.gap = min(max(2 * self.gap, limit), max(limit, _PROBE_CAP))
+        if not self.beaten:  # nothing says it beats at all: check at the plain interval
+            self.gap = limit
+        else:
+            self.gap = min(max(2 * self.gap, limit), max(limit, _PROBE_CAP))
         self.probe_at = time.monotonic() + self.gap
 
     def lead(self, term: int) -> None:
@@ -264,9 +284,11 @@ class RedisLease(Closeable):
         key_prefix: prefix of the lease's keys and channel.
         ttl: lease length on the server, seconds.
         renew_deadline: the leader's renew deadline, seconds (``< ttl``).
-        liveness_interval: how often a waiting follower checks that the holder's
-            connection still exists, seconds; ``None`` turns fast crash failover off
-            (takeover then waits for expiry).
+        liveness_interval: how long a waiting follower goes without a liveness beat of
+            the holder before it checks that the holder's connection still exists
+            (``CLIENT LIST ID``), seconds; a holder publishes its beats every half of
+            it. A holder never heard to beat is checked this often. ``None`` turns fast
+            crash failover off (takeover then waits for expiry).
         connect_timeout: bound of opening a connection, seconds.
 
     Raises:
@@ -763,7 +785,7 @@ class RedisLease(Closeable):
 
     def _listen_for_beats(self, listener: Any) -> None:
         """Keep the listener subscribed to the liveness channel (once per connection)."""
-        if self._liveness.listener is listener:
+        if self._liveness.listener is listener or self._liveness.refused is listener:
             return
         try:
             # The confirmation is read (and skipped) with the channel's messages.
@@ -771,7 +793,7 @@ class RedisLease(Closeable):
         except (redis.RedisError, OSError) as exc:
             self._fail()
             raise unavailable("listen for liveness beats", self._factory.where, exc) from exc
-        self._liveness.listener = listener
+        self._liveness.listener, self._liveness.pending = listener, True
 
     def _beat(self) -> None:
         """Publish one liveness beat of the held term (the followers' reason not to probe)."""
@@ -779,9 +801,27 @@ class RedisLease(Closeable):
         interval = self.liveness_interval
         if leading is None or interval is None:
             return
+        live = self._liveness
+        live.beat_at = time.monotonic() + interval / 2
+        if live.mute is not None and live.mute is self._conn:
+            return  # refused on this connection: the followers check it instead
         message = f"alive:{leading[1]}:{round(interval * 1000)}"
-        self._call("PUBLISH", liveness_channel(self.name, self.key_prefix), message)
-        self._liveness.beat_at = time.monotonic() + interval / 2
+        channel = liveness_channel(self.name, self.key_prefix)
+        try:
+            self._call("PUBLISH", channel, message, expected=(redis.ResponseError,))
+        except redis.ResponseError as exc:
+            # An ACL that grants the lease's older channels one by one, not this one: a
+            # refused beat says nothing about the term, which goes on; followers check
+            # the connection every liveness_interval instead.
+            live.mute = self._conn
+            logger.warning(
+                "lease %r: PUBLISH on %r refused (%s); no liveness beats on this "
+                "connection, followers check it every liveness_interval instead (grant "
+                "the channel, see the Redis how-to)",
+                self.name,
+                channel,
+                str(exc).splitlines()[0],
+            )
 
     def _keeper_readable(self, conn: Any) -> None:
         # Nothing is due on an idle keeper: readable means closed (or garbage).
@@ -822,7 +862,18 @@ class RedisLease(Closeable):
         got = False
         try:
             while listener.can_read(0):
-                message = listener.read_response()
+                try:
+                    message = listener.read_response()
+                except redis.ResponseError as exc:
+                    self._refused(listener, exc)
+                    continue
+                if (
+                    isinstance(message, list)
+                    and len(message) > 1
+                    and _text(message[0]) == "subscribe"
+                    and _text(message[1]) == liveness_channel(self.name, self.key_prefix)
+                ):
+                    self._liveness.pending = False
                 if isinstance(message, list) and message and _text(message[0]) == "message":
                     if len(message) > 2 and _text(message[2]).startswith("alive:"):
                         self._heard(_text(message[2]))
@@ -837,6 +888,30 @@ class RedisLease(Closeable):
             raise unavailable("listen for lease changes", self._factory.where, exc) from exc
         return got
 
+    def _refused(self, listener: Any, exc: redis.ResponseError) -> None:
+        """An error reply on the listener: a refused SUBSCRIBE to the liveness channel (an
+        ACL without it) stops listening for beats on this connection; any other error
+        fails the listener as before."""
+        live = self._liveness
+        channel = liveness_channel(self.name, self.key_prefix)
+        # Redis names the channel in the error since 7.2; before, the one subscription
+        # still unconfirmed is the beats' (the lease's own channels were granted before).
+        refused = isinstance(exc, redis.exceptions.NoPermissionError) or str(exc).startswith(
+            "NOPERM"
+        )
+        if not (refused and live.listener is listener and live.pending):
+            self._fail()
+            raise unavailable("listen for lease changes", self._factory.where, exc) from exc
+        live.listener, live.refused, live.pending = None, listener, False
+        logger.warning(
+            "lease %r: SUBSCRIBE to %r refused (%s); this follower checks the holder's "
+            "connection every liveness_interval instead (grant the channel, see the Redis "
+            "how-to)",
+            self.name,
+            channel,
+            str(exc).splitlines()[0],
+        )
+
     def _heard(self, beat: str) -> None:
         """A liveness beat (``alive:<term>:<holder's liveness_interval, ms>``) arrived: the
         holder of that term is alive, so the check of its connection moves back."""
@@ -847,6 +922,7 @@ class RedisLease(Closeable):
         with contextlib.suppress(ValueError):
             self._liveness.interval = max(0.0, int(parts[2]) / 1000)
         self._liveness.heard(self._silence_limit())
+        self._liveness.beaten = True
 
     def _holder_gone(self, seen: _Seen) -> bool:
         try:

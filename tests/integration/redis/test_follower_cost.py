@@ -142,19 +142,28 @@ def test_a_silent_holder_costs_a_few_checks_never_a_poll(
     private_redis: PrivateRedis, admin: redis.Redis
 ) -> None:
     name = f"t-{uuid.uuid4().hex[:6]}"
-    # A holder that sends no beats: a paused process, or one of a version without them.
-    a = RedisLease(private_redis.url, name=name, ttl=30.0, renew_deadline=20.0)
+    # A holder that beat and went silent: a paused process. (One never heard to beat,
+    # of a release without beats, is checked every liveness_interval: see
+    # test_liveness_degraded.py.)
+    a = RedisLease(
+        private_redis.url, name=name, ttl=30.0, renew_deadline=20.0, liveness_interval=0.1
+    )
     b = RedisLease(
         private_redis.url, name=name, ttl=30.0, renew_deadline=20.0, liveness_interval=0.1
     )
     try:
         assert a.try_acquire("a").acquired and a.fast_failover
         assert not b.try_acquire("b").acquired
+        b.wait_for_change(0.05)  # subscribes to the beats
+        time.sleep(0.05)  # the SUBSCRIBE is sent; let the server register it
+        beating = time.monotonic() + 0.2
+        while (left := beating - time.monotonic()) > 0:
+            a.wait_for_change(left)  # beats every 0.05 s, then stops: paused
         before = commandstats(admin)["client|list"]
         b.wait_for_change(3.0)  # returns at its timeout: the holder's connection lives
         checks = commandstats(admin)["client|list"] - before
-        # Checks after 0.1, 0.3, 0.7 and 1.5 s (each wait twice the last); a poll every
-        # liveness_interval would have made 30.
+        # Checks after 0.1, 0.3, 0.7, 1.5 and 2.5 s (each wait twice the last, up to
+        # 1 s); a poll every liveness_interval would have made 30.
         print(f"\nchecks of a silent holder in 3 s: {checks}")
         assert 1 <= checks <= 6
         admin.client_kill_filter(_id=a.client_id)  # now it is gone for real
@@ -162,8 +171,8 @@ def test_a_silent_holder_costs_a_few_checks_never_a_poll(
         b.wait_for_change(10.0)
         noticed = time.monotonic() - began
         assert b.try_acquire("b").acquired
-        # Within the longest wait between checks (4 s), with a margin.
-        assert noticed < 5.0, f"took {noticed:.2f}s"
+        # Within the longest wait between checks (1 s), with a margin.
+        assert noticed < 2.0, f"took {noticed:.2f}s"
     finally:
         a.close()
         b.close()
