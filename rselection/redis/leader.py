@@ -107,8 +107,9 @@ class RedisLeader(LeaseLeader):
             fires unclaimed. Claim keys are ``"<lease name>/<fire key>"`` (``%`` and
             ``/`` in the lease name written ``%25`` and ``%2F``).
         heartbeat_interval: seconds between this node's heartbeats (see :meth:`nodes`),
-            sent by one thread per process on ``client``. Each heartbeat is three
-            commands as Redis counts them (the script, ``TIME``, ``ZADD``); the default,
+            sent by one thread per Redis server with ``client``'s settings, each
+            bounded by ``min(heartbeat_interval, node_timeout / 3)``. Each heartbeat is
+            three commands as Redis counts them (the script, ``TIME``, ``ZADD``); the default,
             10 s, keeps an idle follower's heartbeats and lease checks together at about
             0.6 commands per second.
         node_timeout: a node not seen for this long is lost (default three heartbeats).

@@ -16,14 +16,20 @@ at once; nodes lost for more than a day are purged by the others' heartbeats (on
 node's first heartbeat, then about once an hour), which also keep the two keys from
 expiring (two days after the last such heartbeat, a fleet gone for good leaves nothing).
 
-The heartbeats of every membership of a process are sent by one thread of their own,
-each on its leader's client (its connection pool), so threads do not grow with leases.
-Heartbeats go on through outages (a failed one is retried within a second) until the
-leader stops. The node id, not the client address, identifies a node.
+The heartbeats of every membership on one Redis server (host, port and database) are
+sent by one thread of their own, so threads grow with servers, not with leases, and a
+server that hangs never delays another server's heartbeats. Each membership sends its
+heartbeats on a small pool of its own with the leader's settings and a socket timeout of
+``min(heartbeat_interval, node_timeout / 3)``, so one heartbeat (and the removal on stop)
+is bounded, and a node on a hung server delays the others of that server by at most that
+much. Heartbeats go on through outages (a failed one is retried after 1 s, then 2, 4 and
+so on up to ``heartbeat_interval``) until the leader stops. The node id, not the client
+address, identifies a node.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -34,6 +40,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from ..errors import BackendUnavailable, ConfigError
 from ..members import NodeInfo
@@ -49,12 +57,34 @@ logger = logging.getLogger(__name__)
 _PURGE_AFTER_MS = 86_400_000  # a lost node is kept this long for operators to see
 _KEEP_MS = 2 * _PURGE_AFTER_MS  # the keys' expiry, renewed by every purging heartbeat
 _PURGE_EVERY = 3600.0  # seconds between a node's purging heartbeats
-_RETRY = 1.0  # a failed heartbeat is retried this soon (or at its interval, if shorter)
+_RETRY = 1.0  # a failed heartbeat is first retried this soon, then twice as late each time
 _LEAVE_WAIT = 5.0  # longest a stop waits for this node's heartbeat in flight
 
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _bounded_client(client: Any, timeout: float) -> tuple[Any, bool]:
+    """A client for one membership's heartbeats: ``client``'s settings on a small pool of
+    its own whose round trips are bounded by ``timeout``, and whether it was made here.
+
+    A cluster client, or a pool of a kind we cannot copy (Sentinel), serves as it is.
+    """
+    pool = getattr(client, "connection_pool", None)
+    if type(pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool):
+        return client, False
+    assert pool is not None
+    kwargs = dict(pool.connection_kwargs)
+    for name in list(kwargs):
+        if name.startswith(("retry_on_", "maint_notifications", "oss_cluster_maint")):
+            del kwargs[name]
+    # One attempt per heartbeat: the next heartbeat is the retry.
+    kwargs.update(
+        socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0)
+    )
+    own = redis.ConnectionPool(connection_class=pool.connection_class, max_connections=2, **kwargs)
+    return redis.Redis(connection_pool=own), True
 
 
 def _ms_to_utc(ms: float) -> datetime:
@@ -166,8 +196,13 @@ class RedisMembership:
         self.keys = membership_keys(name, key_prefix)
         self._lease_key = lease_key
         self._client = client
-        self._heartbeat = client.register_script(HEARTBEAT)
-        self._leave = client.register_script(LEAVE)
+        # The server (host, port, db) whose heartbeat thread sends this node's.
+        self._server = describe(client)
+        bound = min(heartbeat_interval, node_timeout / 3)
+        self._beats_client, self._owns_beats_client = _bounded_client(client, bound)
+        self._heartbeat = self._beats_client.register_script(HEARTBEAT)
+        self._leave = self._beats_client.register_script(LEAVE)
+        self._failures = 0  # heartbeats failed in a row
         self._lock = threading.Lock()  # start() and stop() may race at shutdown
         self._started = self._stopped = False
         self._fresh = True  # (re)write the node's info with the next heartbeat
@@ -191,7 +226,11 @@ class RedisMembership:
         _BEATS.add(self)
 
     def stop(self) -> None:
-        """Stop heartbeating and remove this node from the membership (best effort)."""
+        """Stop heartbeating and remove this node from the membership (best effort).
+
+        Bounded: a heartbeat in flight and the removal each take at most the heartbeats'
+        socket timeout (see the module docstring).
+        """
         with self._lock:
             self._stopped = True
             started = self._started
@@ -200,8 +239,12 @@ class RedisMembership:
         _BEATS.remove(self, _LEAVE_WAIT)
         try:
             self._leave(keys=list(self.keys), args=[self.node_id])
-        except redis.RedisError as exc:
+        except (redis.RedisError, OSError, ValueError) as exc:
             logger.info("node %s left without removing its heartbeat: %s", self.node_id, exc)
+        finally:
+            if self._owns_beats_client:
+                with contextlib.suppress(Exception):
+                    self._beats_client.connection_pool.disconnect()
 
     def beat(self) -> None:
         """Record one heartbeat of this node (server time).
@@ -230,23 +273,29 @@ class RedisMembership:
             )
         except redis.RedisError as exc:
             self._fresh = True  # a new connection may have a new address
+            self._failures += 1
             raise unavailable("record a heartbeat", describe(self._client), exc) from exc
         self._fresh = False
+        self._failures = 0
         if purge:
             self._purge_due = time.monotonic() + _PURGE_EVERY
 
     def _address(self) -> str | None:
         """This client's address as the server sees it (``CLIENT INFO``), if allowed."""
         try:
-            addr = _text(self._client.client_info().get("addr", ""))
+            addr = _text(self._beats_client.client_info().get("addr", ""))
         except (redis.RedisError, AttributeError):
             return None  # an ACL without CLIENT: the address only helps operators
         host = addr.rsplit(":", 1)[0]
         return None if not host or host.startswith("/") else host  # Unix socket: none
 
     def due_in(self, ok: bool) -> float:
-        """Seconds until the next heartbeat after one that succeeded (``ok``) or failed."""
-        return self.heartbeat_interval if ok else min(_RETRY, self.heartbeat_interval)
+        """Seconds until the next heartbeat after one that succeeded (``ok``) or failed
+        (then 1 s, doubling with each failure in a row, up to ``heartbeat_interval``)."""
+        if ok:
+            return self.heartbeat_interval
+        backoff: float = _RETRY * 2 ** min(max(self._failures - 1, 0), 16)
+        return min(backoff, self.heartbeat_interval)
 
     def nodes(self) -> list[NodeInfo]:
         """Every node listed for this lease, oldest first; lost ones have ``alive=False``.
@@ -267,12 +316,13 @@ class RedisMembership:
 
 
 class _Beats:
-    """The one thread of a process that sends every Redis membership's heartbeats.
+    """The thread that sends the heartbeats of every membership on one Redis server.
 
-    It runs while any membership is started, and ends when the last one stops.
+    It runs while any of them is started, and ends when the last one stops.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, where: str) -> None:
+        self._where = where
         self._cond = threading.Condition()
         self._due: dict[RedisMembership, float] = {}
         self._busy: RedisMembership | None = None
@@ -283,7 +333,7 @@ class _Beats:
             self._due[member] = time.monotonic()
             if self._thread is None:
                 self._thread = threading.Thread(
-                    target=self._run, name="rselection-redis-heartbeats", daemon=True
+                    target=self._run, name=f"rselection-redis-heartbeats-{self._where}", daemon=True
                 )
                 self._thread.start()
             self._cond.notify_all()
@@ -300,6 +350,11 @@ class _Beats:
                     member.node_id,
                     timeout,
                 )
+
+    def idle(self) -> bool:
+        """No membership left and no thread running."""
+        with self._cond:
+            return not self._due and self._thread is None
 
     def _next(self) -> RedisMembership | None:
         """The next membership due (waiting until it is), or ``None`` when none is left."""
@@ -324,7 +379,10 @@ class _Beats:
             except BackendUnavailable as exc:
                 logger.warning("node %s: heartbeat failed (%s); retrying", member.node_id, exc)
             except Exception:  # the thread serves every membership: survive anything
-                logger.exception("node %s: unexpected error in a heartbeat", member.node_id)
+                if member.stopped:  # its pool closed under it at stop: nothing went wrong
+                    logger.debug("node %s: heartbeat cut short by stop", member.node_id)
+                else:
+                    logger.exception("node %s: unexpected error in a heartbeat", member.node_id)
             finally:
                 with self._cond:
                     self._busy = None
@@ -333,4 +391,27 @@ class _Beats:
                     self._cond.notify_all()
 
 
-_BEATS = _Beats()
+class _Servers:
+    """One :class:`_Beats` per Redis server (its address: host, port and database)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._beats: dict[str, _Beats] = {}
+
+    def add(self, member: RedisMembership) -> None:
+        server = member._server
+        with self._lock:
+            for key, idle in list(self._beats.items()):
+                if idle.idle():  # its last membership stopped
+                    del self._beats[key]
+            beats = self._beats.setdefault(server, _Beats(server))
+            beats.add(member)
+
+    def remove(self, member: RedisMembership, timeout: float) -> None:
+        with self._lock:
+            beats = self._beats.get(member._server)
+        if beats is not None:
+            beats.remove(member, timeout)
+
+
+_BEATS = _Servers()
