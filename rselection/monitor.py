@@ -27,7 +27,8 @@ class HeartbeatMonitor:
 
         tasks.register("heartbeat-monitor", HeartbeatMonitor())
 
-    While this node leads, it reads ``ctx.nodes()`` every ``poll_interval`` seconds. At
+    Works on every backend with membership (Postgres and Redis leaders). While this
+    node leads, it reads ``ctx.nodes()`` every ``poll_interval`` seconds. At
     the start of a term every live node is announced once on ``signals.node_joined``
     (so a receiver can build its view from scratch), then each change: a node that came
     alive (``node_joined``), a node whose heartbeats stopped for ``node_timeout`` or that
@@ -35,7 +36,9 @@ class HeartbeatMonitor:
     ``node_timeout + heartbeat_interval + poll_interval`` after its last heartbeat.
 
     Args:
-        poll_interval: seconds between reads of the nodes table (default 1).
+        poll_interval: seconds between reads of the membership (default 1): the nodes
+            table on Postgres, the nodes sorted set and its info hash on Redis (one
+            script); any leader whose ``ctx.nodes()`` lists its nodes will do.
     """
 
     type = TaskType.PERSISTENT
