@@ -34,7 +34,9 @@ def test_a_hung_server_delays_no_heartbeat_of_another_and_its_node_stops_in_boun
     caplog.set_level(logging.DEBUG, logger="rselection")
     name = f"hung-{uuid.uuid4().hex[:6]}"
     proxy = TcpProxy("127.0.0.1", private_redis.port)
-    hb = dict(heartbeat_interval=0.5, node_timeout=1.5)
+    # node_timeout leaves y five missed heartbeats of room on a busy machine; the
+    # heartbeats' socket timeout is then min(0.5, 3.0 / 3) = 0.5 s.
+    hb = dict(heartbeat_interval=0.5, node_timeout=3.0)
     # Four nodes on the server that will hang (they share its heartbeat thread), one on
     # the healthy one.
     xs = [
@@ -63,7 +65,7 @@ def test_a_hung_server_delays_no_heartbeat_of_another_and_its_node_stops_in_boun
         proxy.blackhole()
         began = time.monotonic()
         lost = []
-        while time.monotonic() - began < 6.0:  # several of A's socket timeouts
+        while time.monotonic() - began < 8.0:  # many of A's socket timeouts
             if not y_alive():
                 lost.append(round(time.monotonic() - began, 2))
             time.sleep(0.2)
