@@ -86,6 +86,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import secrets
 import selectors
 import socket
@@ -184,10 +185,17 @@ class _Seen:
 
 
 def parse_holder(raw: Any, pttl: Any, now_ms: Any) -> tuple[LeaderInfo | None, dict[str, Any]]:
-    """Decode a lease value; ``(None, {})`` for no holder or a value we cannot read."""
+    """Decode a lease value; ``(None, {})`` for no holder or a value we cannot read.
+
+    Raises:
+        ConfigError: the value was written by a node of an earlier rselection release
+            whose term is not a whole number (such a node wrote a 16-digit term as
+            ``"1.7961690294577e+15"``): every node of that release must be stopped.
+    """
     text = _text(raw) if raw is not None else ""
     if not text:
         return None, {}
+    doc: Any = None
     try:
         doc = json.loads(text)
         now = int(_text(now_ms))
@@ -199,9 +207,34 @@ def parse_holder(raw: Any, pttl: Any, now_ms: Any) -> tuple[LeaderInfo | None, d
             _ms_to_utc(now + ttl_ms),
         )
     except (ValueError, KeyError, TypeError):
+        if _earlier_release(doc):
+            raise ConfigError(
+                f"lease value {text:.120} holds a term that is not a whole number: it was "
+                "written by a node of an earlier rselection release, which writes a term "
+                "of 16 digits as 1.7961690294577e+15; stop every node of the earlier "
+                "release before starting this one"
+            ) from None
         logger.warning("lease value %.80r is not an rselection lease; ignoring it", text)
         return None, {}
     return info, doc
+
+
+def _earlier_release(doc: Any) -> bool:
+    """Whether a lease value that failed to parse has every field of an rselection lease
+    and a term string that is not an integer: what the acquire script of an earlier
+    release wrote for a term of 15 digits or more (Lua's ``tostring``)."""
+    return (
+        isinstance(doc, dict)
+        and doc.keys() >= _OURS
+        and isinstance(doc["term"], str)
+        and not _WHOLE.fullmatch(doc["term"])
+    )
+
+
+#: A term as the acquire script writes it.
+_WHOLE = re.compile(r"-?[0-9]+")
+#: Fields every release of the acquire script wrote.
+_OURS = frozenset({"token", "node", "term", "at"})
 
 
 class RedisLease(Closeable):

@@ -186,6 +186,28 @@ def test_a_foreign_value_under_the_lease_key_is_a_clear_error(
         make_lease().try_acquire("a")
 
 
+def test_a_lease_of_an_earlier_release_with_a_jumped_term_is_a_clear_error(
+    make_lease: Callable[..., RedisLease], client: redis.Redis, name: str
+) -> None:
+    """An earlier release wrote a 16-digit term with Lua's ``tostring``: every node must
+    be told to stop the old ones, not take the value for a foreign one and wait."""
+    old = {
+        "token": "ab" * 16,
+        "node": "old-node",
+        "term": "1.7961690294577e+15",
+        "client": "7",
+        "run": "0" * 40,
+        "fast": "1",
+        "at": str(int(time.time() * 1000)),
+    }
+    client.set(lease_keys(name)[0], json.dumps(old), px=5000)
+    lease = make_lease()
+    with pytest.raises(rs.ConfigError, match="earlier rselection release"):
+        lease.try_acquire("a")
+    with pytest.raises(rs.ConfigError, match="stop every node of the earlier release"):
+        lease.current()
+
+
 # -- the leader -----------------------------------------------------------------------
 
 
