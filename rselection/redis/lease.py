@@ -314,6 +314,7 @@ class RedisLease(Closeable):
         self._client_id = ""
         self._run_id = ""
         self._fast = False  # may a follower take over from us when our connection is gone?
+        self._eviction_checked = False  # warned (or found safe) about maxmemory-policy
         self._can_probe = True  # may we run CLIENT LIST ID?
         self._leading: tuple[str, int] | None = None  # (token, term) while we hold it
         # From an acquisition until term_ended()/release()/close(): the term's tasks may
@@ -382,6 +383,7 @@ class RedisLease(Closeable):
             )
             with contextlib.suppress(redis.ResponseError):  # Redis < 7
                 self._call("CLIENT", "NO-EVICT", "on", expected=(redis.ResponseError,))
+            self._check_eviction()
             self._fast = bool(self._client_id) and self._server_keeps_live_connections()
             self._can_probe = bool(self._client_id) and self._probe_allowed()
             listener = self._factory.connect()
@@ -441,9 +443,36 @@ class RedisLease(Closeable):
         return True
 
     def _config(self, name: str) -> int:
+        return int(self._config_text(name) or 0)
+
+    def _config_text(self, name: str) -> str:
         reply = self._call("CONFIG", "GET", name, expected=(redis.ResponseError,))
         values = [_text(v) for v in reply]
-        return int(values[1]) if len(values) >= 2 else 0
+        return values[1] if len(values) >= 2 else ""
+
+    def _check_eviction(self) -> None:
+        """Warn (once per lease) when the server may evict the lease key under memory
+        pressure: another node could then acquire while the holder still runs its tasks,
+        until its next renewal finds the key gone."""
+        if self._eviction_checked:
+            return
+        try:
+            maxmemory = self._config("maxmemory")
+            policy = self._config_text("maxmemory-policy")
+        except redis.ResponseError as exc:
+            logger.debug("lease %r: cannot read the eviction policy (%s)", self.name, exc)
+            return
+        self._eviction_checked = True
+        if maxmemory > 0 and policy.startswith(("allkeys-", "volatile-")):
+            logger.warning(
+                "lease %r: the server evicts keys under memory pressure (maxmemory %s, "
+                "maxmemory-policy %s): an evicted lease key lets another node lead while "
+                "the holder still runs its tasks; set maxmemory-policy noeviction on the "
+                "lease's server",
+                self.name,
+                maxmemory,
+                policy,
+            )
 
     def _probe_allowed(self) -> bool:
         if self.liveness_interval is None:
