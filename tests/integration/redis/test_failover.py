@@ -20,7 +20,8 @@ import redis
 
 import rselection as rs
 from rselection.errors import StaleLeaderError
-from rselection.redis import RedisFence, RedisLeader
+from rselection.redis import RedisElector, RedisFence, RedisLeader
+from rselection.redis.elector import elector_keys
 from rselection.redis.lease import RedisLease, lease_keys, term_origin_key
 from tests.support.pg import PrivateRedis
 from tests.support.redis_replica import RedisReplicaSet
@@ -355,3 +356,45 @@ def test_terms_stay_exact_beyond_two_to_the_53(private_redis: PrivateRedis, name
             terms.append(take(a, "a"))
             a.release("a", terms[-1])
     assert terms == [2**53 - 1 + i for i in range(4)], terms
+
+
+# -- RedisElector keeps a term of its own: the same rule --------------------------------
+
+
+def test_an_election_whose_term_vanished_never_repeats_a_term(
+    private_redis: PrivateRedis, name: str
+) -> None:
+    with redis.Redis.from_url(private_redis.url) as client:
+        a = RedisElector(client, name=name, ttl=30, node_id="a")
+        b = RedisElector(client, name=name, ttl=30, node_id="b")
+        assert a.is_leader() and a.term is not None
+        first = a.term
+        assert a.resign()
+        client.delete(elector_keys(name)[1])  # evicted, deleted
+        assert b.is_leader() and b.term is not None and b.term > first, (first, b.term)
+        jumped = b.term
+        assert b.resign()
+        assert a.is_leader() and a.term == jumped + 1
+
+
+def test_an_election_on_a_replica_promoted_after_missing_a_change_of_holder_goes_higher(
+    pair: RedisReplicaSet, name: str
+) -> None:
+    a = RedisElector(pair.url(0), name=name, ttl=30, node_id="a")
+    b = RedisElector(pair.url(0), name=name, ttl=30, node_id="b")
+    try:
+        assert a.is_leader() and a.term is not None
+        first = a.term
+        assert a.resign()
+        pair.wait_synced()
+        pair.stall(1)
+        assert b.is_leader() and b.term == first + 1  # reaches the primary only
+        lost = b.term
+        pair.kill(0)
+    finally:
+        a.close()
+        b.close()
+    pair.promote(1)
+    with RedisElector(pair.url(1), name=name, ttl=30, node_id="a") as again:
+        # The replica never heard of b's term: a plain HINCRBY would issue it again.
+        assert again.is_leader() and again.term is not None and again.term > lost
