@@ -27,16 +27,18 @@ Terms across a failover
 -----------------------
 
 Replication is asynchronous: a replica promoted after its primary died may lack the last
-acquisitions, and a plain ``INCR`` would issue their terms again. So the acquire script
-also keeps ``<prefix>{<name>}:origin``, the ``master_replid`` (``INFO replication``) of
-the server that wrote the term counter. When it is not this server's id (a promoted
-replica, a restart, a moved cluster slot), or the counter has no origin, or there is no
-counter on a server that was promoted since its start (``master_replid2`` set) or under
-an origin that stayed (the counter was evicted or deleted), the new term is ``max(INCR,
-TIME in microseconds)``; then terms count by one again. Terms issued before a lease's
-first jump are small counters, so at the first jump the promoted server's term is larger
-than any lost one whatever the clocks; at later jumps it is larger while the promoted
-server's clock is not behind the lost primary's by more than the failover took. The
+acquisitions, and a plain ``INCR`` would issue their terms again; so would a counter that
+was evicted, deleted or lost in a crash. So the acquire script also keeps
+``<prefix>{<name>}:origin``, the ``master_replid`` (``INFO replication``) of the server
+that wrote the term counter. When there is no counter, or the origin is not this
+server's id (a promoted replica, a restart, a moved cluster slot), the new term is
+``max(INCR, TIME in microseconds)``; then terms count by one again. A lease's first term
+is therefore the server's clock in microseconds (16 digits). A term is never larger than
+its server's clock when it was issued, so a term repeats only if the server's clock went
+back by more than the time since the lost term was issued. Terms are computed as
+strings, exact up to 2^63 - 1. A lease value whose term is not a whole number was
+written by an earlier release (``1.7961690294577e+15``): :func:`parse_holder` raises
+:class:`~rselection.errors.ConfigError` so that its nodes are stopped first. The
 manual's page on the Redis backend says what a lost write still allows.
 
 Handover on request
