@@ -211,10 +211,10 @@ def parse_holder(raw: Any, pttl: Any, now_ms: Any) -> tuple[LeaderInfo | None, d
     except (ValueError, KeyError, TypeError):
         if _earlier_release(doc):
             raise ConfigError(
-                f"lease value {text:.120} holds a term that is not a whole number: it was "
-                "written by a node of an earlier rselection release, which writes a term "
-                "of 16 digits as 1.7961690294577e+15; stop every node of the earlier "
-                "release before starting this one"
+                f"the lease holds term {doc['term']!r:.40} of node {str(doc['node'])!r:.80}, "
+                "not a whole number: a node of an earlier rselection release is competing "
+                "(it writes a term of 16 digits as 1.7961690294577e+15); stop every node "
+                "of the earlier release before starting this one"
             ) from None
         logger.warning("lease value %.80r is not an rselection lease; ignoring it", text)
         return None, {}
