@@ -741,7 +741,12 @@ How each number was measured:
   {window:g} s window with the fleet of 3 and then over one with the leader alone (the
   followers stopped gracefully in between); (fleet - leader alone) / 2 is the rate per
   follower. Redis counts the commands a Lua script runs as commands too, so one
-  rselection `EVAL` shows up as the `EVAL` and the calls inside it.
+  rselection `EVAL` shows up as the `EVAL` and the calls inside it. An rselection
+  follower's figure includes its membership heartbeats (every 10 s: `EVALSHA`, `TIME`,
+  `ZADD`) and its lease checks (one script per lease period); it does not poll the
+  holder's connection: the holder publishes a liveness beat every 0.25 s (counted in
+  the leader's figure, as `PUBLISH`) and a follower runs `CLIENT LIST ID` only when
+  beats stop for 0.5 s (`client|list` in the per-command figures).
 - **leader**: the leader's own queries (its process's sessions) or commands (the
   leader-alone window) per second, for reference.
 - Ratios are each value divided by rselection (Postgres)'s value in the same row.
@@ -779,7 +784,8 @@ Rounds: {args.rounds} per fast scenario (rselection kill -9 and handover; tooz a
 k8s-style handover with release), {args.slow_rounds} per slow one (tooz kill -9, which
 waits for its 30 s lock expiry; k8s-style kill -9 and handover without release, which
 wait for the 15 s lease on the followers' clocks). Timings: rselection's defaults (ttl
-15 s, renew 2 s, renew deadline 10 s, retry 2 s; Redis liveness probe 0.5 s); tooz's
+15 s, renew 2 s, renew deadline 10 s, retry 2 s; Redis liveness interval 0.5 s, node
+heartbeats every 10 s on Redis and 5 s on Postgres); tooz's
 defaults; client-go's defaults for the k8s-style baseline (lease 15 s, renew deadline
 10 s, retry period 2 s, jitter 1.2).
 

@@ -13,6 +13,9 @@ from .keys import lease_scoped
 
 __all__ = [
     "CLEANUP_BATCH",
+    "BatchFireClaimer",
+    "BatchFireHistory",
+    "BatchMissedFireClaimer",
     "MAX_FIRE_KEY_BYTES",
     "CleanupClaimer",
     "FireClaimer",
@@ -22,7 +25,10 @@ __all__ = [
     "MissedFireClaimer",
     "check_fire_key",
     "check_fire_keys",
+    "claim_each",
     "claim_missed",
+    "claim_missed_each",
+    "ran_before_each",
     "series_of",
 ]
 
@@ -65,6 +71,46 @@ class MissedFireClaimer(FireClaimer, Protocol):
 
 
 @runtime_checkable
+class BatchFireClaimer(FireClaimer, Protocol):
+    """A :class:`FireClaimer` that claims many fires in one call.
+
+    A leader claims every fire due at one instant together: with this method one round
+    trip per instant, instead of one per fire. The three claimers of rselection are
+    ones; a claimer without it is called fire by fire (see :func:`claim_each`).
+    """
+
+    def claim_many(self, fire_keys: list[str], *, term: int | None = None) -> set[str]:
+        """Claim each of ``fire_keys`` (distinct fires, any tasks) as :meth:`claim`
+        would, all in one call; return the keys this call won.
+
+        A key is won when no unexpired claim holds it; the others are held by another
+        claim. Raises on a backend problem (then no fire of the call may run: claims
+        fail closed, although some may have been made).
+        """
+        ...
+
+
+@runtime_checkable
+class BatchMissedFireClaimer(MissedFireClaimer, Protocol):
+    """A :class:`MissedFireClaimer` that looks back for many tasks in one call.
+
+    A leader that starts looks back over every task's missed fires: with this method in
+    one round trip, instead of one per task (see :func:`claim_missed_each`).
+    """
+
+    def claim_missed_many(
+        self, fire_keys: list[list[str]], *, term: int | None = None
+    ) -> list[list[str]]:
+        """:meth:`~MissedFireClaimer.claim_missed` of each list of ``fire_keys`` (one
+        task's fires each, oldest first; no key in two lists), all in one call; return
+        the keys won of each list, in the same order.
+
+        Raises on a backend problem (then no fire of the call may run).
+        """
+        ...
+
+
+@runtime_checkable
 class CleanupClaimer(FireClaimer, Protocol):
     """A :class:`FireClaimer` whose expired claims stay until deleted (a table, a dict).
 
@@ -96,6 +142,19 @@ class FireHistory(Protocol):
         """Whether fires of ``series`` (a task's fire keys without the instant, such
         as ``"billing/purge@"``) were claimed or scheduled before, here or on another
         node; the answer does not expire with the claims' ttl.
+
+        Raises on a backend problem.
+        """
+        ...
+
+
+@runtime_checkable
+class BatchFireHistory(FireHistory, Protocol):
+    """A :class:`FireHistory` that answers for many tasks in one call."""
+
+    def ran_before_many(self, series: list[str]) -> set[str]:
+        """Those of ``series`` whose fires were claimed or scheduled before (see
+        :meth:`FireHistory.ran_before`), all in one call.
 
         Raises on a backend problem.
         """
@@ -203,6 +262,23 @@ class MemoryClaimer:
         with self._lock:
             return series in self._series
 
+    def ran_before_many(self, series: list[str]) -> set[str]:
+        """Those of ``series`` claimed here before (see :class:`BatchFireHistory`)."""
+        with self._lock:
+            return {one for one in series if one in self._series}
+
+    def claim_missed_many(
+        self, fire_keys: list[list[str]], *, term: int | None = None
+    ) -> list[list[str]]:
+        """:meth:`claim_missed` of each list, at once (see :class:`BatchMissedFireClaimer`).
+
+        Raises:
+            ConfigError: a bad key, or a key given twice (see :func:`check_fire_keys`).
+        """
+        check_fire_keys([key for keys in fire_keys for key in keys])
+        with self._lock:
+            return [self._claim_missed(keys, term) for keys in fire_keys]
+
     def cleanup(self, *, batch: int | None = None) -> int:
         """Forget expired claims, at most ``batch`` of them; return how many (see
         :class:`CleanupClaimer`; the series stay known, so nothing is kept for them)."""
@@ -221,13 +297,16 @@ class MemoryClaimer:
             ConfigError: a bad or repeated key (see :func:`check_fire_keys`).
         """
         fire_keys = check_fire_keys(fire_keys)
-        now = time.monotonic()
         with self._lock:
-            held = [i for i, key in enumerate(fire_keys) if self._holds(key, now)]
-            newer = fire_keys[held[-1] + 1 :] if held else fire_keys
-            for key in newer:
-                self._record(key, now + self.ttl, term)
-            return list(newer)
+            return self._claim_missed(fire_keys, term)
+
+    def _claim_missed(self, fire_keys: list[str], term: int | None) -> list[str]:
+        now = time.monotonic()
+        held = [i for i, key in enumerate(fire_keys) if self._holds(key, now)]
+        newer = fire_keys[held[-1] + 1 :] if held else fire_keys
+        for key in newer:
+            self._record(key, now + self.ttl, term)
+        return list(newer)
 
     def _holds(self, key: str, now: float) -> bool:
         held = self._claims.get(key)
@@ -246,6 +325,21 @@ class MemoryClaimer:
                 return False
             self._record(fire_key, now + self.ttl, term)
             return True
+
+    def claim_many(self, fire_keys: list[str], *, term: int | None = None) -> set[str]:
+        """Claim each of ``fire_keys`` unless an unexpired claim holds it, at once;
+        return the keys won (see :class:`BatchFireClaimer`).
+
+        Raises:
+            ConfigError: a bad or repeated key (see :func:`check_fire_keys`).
+        """
+        fire_keys = check_fire_keys(fire_keys)
+        now = time.monotonic()
+        with self._lock:
+            won = {key for key in fire_keys if not self._holds(key, now)}
+            for key in won:
+                self._record(key, now + self.ttl, term)
+            return won
 
     def claims(self) -> dict[str, int | None]:
         """Unexpired claims: fire key -> the term that claimed it."""
@@ -274,6 +368,69 @@ def claim_missed(claimer: FireClaimer, fire_keys: list[str], *, term: int | None
     return won[::-1]
 
 
+def claim_each(
+    claimer: FireClaimer, fire_keys: list[str], *, term: int | None
+) -> tuple[set[str], dict[str, Exception]]:
+    """Claim every key of ``fire_keys``; return the keys won, and the keys whose claim
+    failed with its error (the others are held by another claim).
+
+    Uses the claimer's own ``claim_many`` when it has one (one round trip; an error
+    there fails every key), else :meth:`FireClaimer.claim` key by key (an error fails
+    that key only, and the others are still claimed).
+
+    Raises:
+        ConfigError: a bad or repeated key (see :func:`check_fire_keys`).
+    """
+    fire_keys = check_fire_keys(fire_keys)
+    if not fire_keys:
+        return set(), {}
+    if isinstance(claimer, BatchFireClaimer):
+        try:
+            return claimer.claim_many(fire_keys, term=term), {}
+        except Exception as exc:
+            return set(), dict.fromkeys(fire_keys, exc)
+    won: set[str] = set()
+    failed: dict[str, Exception] = {}
+    for key in fire_keys:
+        try:
+            if claimer.claim(key, term=term):
+                won.add(key)
+        except Exception as exc:
+            failed[key] = exc
+    return won, failed
+
+
+def claim_missed_each(
+    claimer: FireClaimer, fire_keys: list[list[str]], *, term: int | None
+) -> list[list[str]]:
+    """:func:`claim_missed` of each list of ``fire_keys`` (one task's fires each, oldest
+    first); the keys won of each list. One call for all when the claimer has
+    ``claim_missed_many``, else one per list.
+
+    Raises:
+        ConfigError: a bad key, or a key given twice.
+    """
+    check_fire_keys([key for keys in fire_keys for key in keys])
+    if not fire_keys:
+        return []
+    if isinstance(claimer, BatchMissedFireClaimer):
+        return claimer.claim_missed_many(fire_keys, term=term)
+    return [claim_missed(claimer, keys, term=term) for keys in fire_keys]
+
+
+def ran_before_each(claimer: object, series: list[str]) -> set[str]:
+    """Those of ``series`` that ran before (see :class:`FireHistory`): one call when the
+    claimer has ``ran_before_many``, else one per series; all of them when it cannot
+    tell (so that missed fires are looked for as ever)."""
+    if not series:
+        return set()
+    if isinstance(claimer, BatchFireHistory):
+        return claimer.ran_before_many(series)
+    if isinstance(claimer, FireHistory):
+        return {one for one in series if claimer.ran_before(one)}
+    return set(series)
+
+
 class LeaseClaims:
     """A claimer seen through one lease: claim keys are ``"<lease name>/<fire key>"``.
 
@@ -283,7 +440,8 @@ class LeaseClaims:
     ``/`` in it become ``%25`` and ``%2F``, so lease ``a/b`` with task ``c`` and lease
     ``a`` with task ``b/c`` never claim the same key (a name without them is kept as is).
     Missed fires are claimed in one call when the claimer can (a
-    :class:`MissedFireClaimer`), else fire by fire (see :func:`claim_missed`).
+    :class:`MissedFireClaimer`), else fire by fire (see :func:`claim_missed`); so are
+    the fires due at one instant (a :class:`BatchFireClaimer`, see :func:`claim_each`).
 
     Args:
         claimer: the claimer to claim through.
@@ -300,6 +458,17 @@ class LeaseClaims:
         encoded as in the class description)."""
         return self.claimer.claim(self.prefix + fire_key, term=term)
 
+    def claim_each(
+        self, fire_keys: list[str], *, term: int | None = None
+    ) -> tuple[set[str], dict[str, Exception]]:
+        """Claim ``fire_keys`` under this lease, in one round trip when the claimer can
+        (see :func:`claim_each`); return the fire keys won and those that failed with
+        their errors, without the prefix."""
+        prefix = self.prefix
+        cut = len(prefix)
+        won, failed = claim_each(self.claimer, [prefix + key for key in fire_keys], term=term)
+        return {key[cut:] for key in won}, {key[cut:]: exc for key, exc in failed.items()}
+
     def claim_missed(self, fire_keys: list[str], *, term: int | None = None) -> list[str]:
         """Claim the missed fires among ``fire_keys`` (oldest first) under this lease;
         return the fire keys won, oldest first, without the prefix."""
@@ -313,6 +482,24 @@ class LeaseClaims:
         if isinstance(self.claimer, CleanupClaimer):
             return self.claimer.cleanup(batch=batch)
         return 0
+
+    def ran_before_many(self, series: list[str]) -> set[str]:
+        """Those of ``series`` that ran before under this lease, in one call when the
+        claimer can (see :func:`ran_before_each`)."""
+        prefix = self.prefix
+        found = ran_before_each(self.claimer, [prefix + one for one in series])
+        return {one[len(prefix) :] for one in found}
+
+    def claim_missed_many(
+        self, fire_keys: list[list[str]], *, term: int | None = None
+    ) -> list[list[str]]:
+        """Claim the missed fires of many tasks under this lease, in one call when the
+        claimer can (see :func:`claim_missed_each`); the fire keys won of each list."""
+        prefix = self.prefix
+        cut = len(prefix)
+        groups = [[prefix + key for key in keys] for keys in fire_keys]
+        won = claim_missed_each(self.claimer, groups, term=term)
+        return [[key[cut:] for key in keys] for keys in won]
 
     def ran_before(self, series: str) -> bool:
         """Whether fires of ``series`` ran before under this lease (see

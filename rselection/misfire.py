@@ -24,6 +24,7 @@ __all__ = [
     "MAX_CATCH_UP",
     "MAX_SCAN",
     "due_fires",
+    "scan_due",
     "split_behind",
     "split_by_policy",
     "too_old",
@@ -44,15 +45,27 @@ def due_fires(
 ) -> tuple[list[datetime], list[datetime]]:
     """``first`` and every later fire due by ``now``, oldest first, at most
     :data:`MAX_SCAN` of them; and the older ones beyond that cap (dropped)."""
+    due, dropped, _ = scan_due(schedule, first, now)
+    return due, dropped
+
+
+def scan_due(
+    schedule: Schedule, first: datetime, now: datetime
+) -> tuple[list[datetime], list[datetime], datetime | None]:
+    """What :func:`due_fires` returns, and the first fire after them (not due by
+    ``now``; ``None`` when the schedule has none): a scheduler's next wake-up for the
+    task, found by the same scan."""
+    nxt = schedule.next_fire(first)
+    if nxt is None or nxt > now:  # the usual case: one fire due, on time
+        return [first], [], nxt
     due: deque[datetime] = deque([first])
     dropped: list[datetime] = []
-    nxt = schedule.next_fire(first)
     while nxt is not None and nxt <= now:
         due.append(nxt)
         if len(due) > MAX_SCAN:
             dropped.append(due.popleft())
         nxt = schedule.next_fire(nxt)
-    return list(due), dropped
+    return list(due), dropped, nxt
 
 
 def window(schedule: Schedule, started: datetime, grace: float) -> list[datetime]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import inspect
 import itertools
@@ -24,12 +25,21 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import signals
-from .claiming import CLEANUP_BATCH, CleanupClaimer, FireHistory, claim_missed
+from .claiming import (
+    CLEANUP_BATCH,
+    CleanupClaimer,
+    FireClaimer,
+    LeaseClaims,
+    claim_each,
+    claim_missed_each,
+    ran_before_each,
+)
 from .context import TaskContext, Term, running_term
 from .errors import LeadershipLost
-from .misfire import due_fires, split_behind, split_by_policy, too_old, window
+from .misfire import scan_due, split_behind, split_by_policy, too_old, window
 from .schedules import fire_series, format_fire_key
 from .specs import StuckPolicy, TaskSpec, TaskType
+from .task_threads import TaskThreads
 
 if TYPE_CHECKING:
     from .schedules import Schedule
@@ -46,6 +56,13 @@ _RESTART_CAP = 30.0
 _T = TypeVar("_T")
 _CLAIM_POLL_MAX = 1.0  # seconds between liveness checks while a claim is in flight
 _LOOP_DRAIN = 1.0  # seconds a stopped private loop gets to unwind cancelled tasks
+_MAX_LEAD = 0.05  # seconds ahead of an instant at most that its fires are prepared
+
+# A unit of fires ready to start: its unit id, its task, its fires (oldest first).
+_Ready = tuple[int, TaskSpec, list[datetime]]
+# An async unit handed to the event loop: unit id, task name, coroutine, and the task
+# whose running slot the coroutine releases (None: it takes and releases its own).
+_Coro = tuple[int, str, Coroutine[Any, Any, None], TaskSpec | None]
 
 
 def cleanup_period(ttl: float) -> float:
@@ -100,6 +117,10 @@ class TermRunner:
             max_workers=3, thread_name_prefix=f"rselection-claims-term-{term.number}"
         )
         self._cleanup: Future[None] | None = None
+        # Scheduled fires of plain def tasks: a thread each, reused between instants.
+        self._threads = TaskThreads(f"rselection-task-term-{term.number}")
+        # Claims of the fires due at one instant, in flight (see _claim_batch).
+        self._batches: set[_ClaimBatch] = set()
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -127,6 +148,9 @@ class TermRunner:
         with self._cond:
             for settled in self._claim_waits:
                 settled.set()  # claim waits look at the term again and give up
+            batches = list(self._batches)
+        for batch in batches:  # claims in flight: their fires will not run now
+            self._settle(batch)
         if self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the caller's loop may be closed
                 self._loop.call_soon_threadsafe(self._cancel_async_tasks)
@@ -142,6 +166,7 @@ class TermRunner:
             self._cond.wait_for(lambda: not self._units, max(0.0, deadline - time.monotonic()))
             stuck = sorted(set(self._units.values()))
         self._claims.shutdown(wait=False, cancel_futures=True)
+        self._threads.close(max(0.0, deadline - time.monotonic()))
         if self._own_loop:
             self._stop_private_loop(deadline)
         if stuck:
@@ -244,29 +269,41 @@ class TermRunner:
         thread.start()
 
     def _submit_async(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
+        unit = self._enter(name)
+        self._submit_many([(unit, name, self._tracked(unit, coro), None)])
+
+    def _submit_many(self, coros: list[_Coro]) -> None:
+        """Start the coroutines on the term's loop, in order, with one hand-over to it
+        (a thousand fires due at one instant wake the loop once, not a thousand times)."""
         loop = self._loop
         assert loop is not None
-        unit = self._enter(name)
-
-        async def tracked() -> None:
-            task = asyncio.current_task()
-            assert task is not None
-            running_term.set(self.term)  # in this task's own context only
-            self._async_tasks.add(task)
-            try:
-                await coro
-            except asyncio.CancelledError:
-                pass
-            finally:
-                self._async_tasks.discard(task)
-                self._leave(unit)
-
         try:
-            asyncio.run_coroutine_threadsafe(tracked(), loop)
+            loop.call_soon_threadsafe(self._create_tasks, coros)
         except RuntimeError:
-            coro.close()
+            for unit, name, coro, reserved in coros:
+                coro.close()
+                if reserved is not None:
+                    self._release(reserved)
+                self._leave(unit)
+                logger.error("task %r not started: its event loop is closed", name)
+
+    def _create_tasks(self, coros: list[_Coro]) -> None:
+        create = self._loop.create_task  # type: ignore[union-attr]
+        for _, _, coro, _ in coros:
+            create(coro)
+
+    async def _tracked(self, unit: int, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        running_term.set(self.term)  # in this task's own context only
+        self._async_tasks.add(task)
+        try:
+            await coro
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._async_tasks.discard(task)
             self._leave(unit)
-            logger.error("task %r not started: its event loop is closed", name)
 
     # -- one run ----------------------------------------------------------------------
 
@@ -280,12 +317,16 @@ class TermRunner:
             stats.state = "running"
             return True
 
-    def _release(self, spec: TaskSpec) -> None:
+    def _release(self, spec: TaskSpec, unit: int | None = None) -> None:
+        """Give the running slot back (and leave ``unit``, if given: one lock for both)."""
         with self._cond:
             stats = spec.stats
             stats.running -= 1
             if not stats.running:
                 stats.state = "failed" if stats.last_failed else "idle"
+            if unit is not None:
+                self._units.pop(unit, None)
+                self._cond.notify_all()
 
     def _started(self, spec: TaskSpec, ctx: TaskContext) -> float:
         """Count the run and announce it; return its start (monotonic)."""
@@ -293,13 +334,14 @@ class TermRunner:
             spec.stats.runs += 1
             if ctx.scheduled_at is not None:
                 spec.stats.last_fire = ctx.scheduled_at
-        signals.emit(
-            signals.task_started,
-            self.sender,
-            task=ctx.name,
-            term=ctx.term,
-            scheduled_at=ctx.scheduled_at,
-        )
+        if signals.task_started.receivers:
+            signals.emit(
+                signals.task_started,
+                self.sender,
+                task=ctx.name,
+                term=ctx.term,
+                scheduled_at=ctx.scheduled_at,
+            )
         return time.monotonic()
 
     def _record(
@@ -327,15 +369,16 @@ class TermRunner:
                 term=self.term.number,
                 error=error,
             )
-        signals.emit(
-            signals.task_finished,
-            self.sender,
-            task=spec.name,
-            term=self.term.number,
-            scheduled_at=ctx.scheduled_at,
-            duration=duration,
-            error=error,
-        )
+        if signals.task_finished.receivers:
+            signals.emit(
+                signals.task_finished,
+                self.sender,
+                task=spec.name,
+                term=self.term.number,
+                scheduled_at=ctx.scheduled_at,
+                duration=duration,
+                error=error,
+            )
 
     def _may_start(self, spec: TaskSpec, ctx: TaskContext) -> bool:
         if self.term.live():
@@ -426,34 +469,52 @@ class TermRunner:
         order = itertools.count()
         heap: list[tuple[datetime, int, TaskSpec]] = []
         now = datetime.now(UTC)
-        for spec in self.specs:
-            if spec.type is TaskType.SCHEDULED:
-                with self._survive(spec):
-                    if term.claimer is not None:
-                        # Fires that came due while no node led, found through the claims;
-                        # here, before any newer fire, so that they run in order.
-                        self._recover(spec, now)
-                    self._push(heap, spec, _schedule(spec).next_fire(now), order)
+        scheduled = [spec for spec in self.specs if spec.type is TaskType.SCHEDULED]
+        if term.claimer is not None:
+            # Fires that came due while no node led, found through the claims; here,
+            # before any newer fire, so that they run in order.
+            self._recover(scheduled, now)
+        for spec in scheduled:
+            with self._survive(spec):
+                self._push(heap, spec, _schedule(spec).next_fire(now), order)
         cleaning = term.claimer if isinstance(term.claimer, CleanupClaimer) else None
         next_cleanup = time.monotonic()  # at the start of the term, then every period
+        # Seconds the last instant took to prepare: the next one is prepared that much
+        # ahead of time (twice, at most _MAX_LEAD), and its fires start on the instant.
+        lead = 0.0
         while heap and term.live():
             if cleaning is not None and time.monotonic() >= next_cleanup:
                 self._start_cleanup(cleaning)
                 next_cleanup = time.monotonic() + cleanup_period(cleaning.ttl)
-            at, _, spec = heap[0]
+            at = heap[0][0]
             delay = at.timestamp() - time.time()
-            if delay > 0:
+            if delay > lead:
+                wait = delay - lead
                 if cleaning is not None:
-                    delay = min(delay, max(0.0, next_cleanup - time.monotonic()))
-                if term.cancelled.wait(min(delay, term.remaining())):
+                    wait = min(wait, max(0.0, next_cleanup - time.monotonic()))
+                if term.cancelled.wait(min(wait, term.remaining())):
                     return
                 continue
-            heapq.heappop(heap)
+            # Every fire due at the instant, of every task, in one go: epoch-aligned
+            # intervals make all of a period's fires due at the same instant.
+            early = delay > 0
+            now = at if early else datetime.now(UTC)
+            due = [heapq.heappop(heap)]  # due by time.time(), even if the clock stepped
+            while heap and heap[0][0] <= now:
+                due.append(heapq.heappop(heap))
             if not term.live():
                 return
-            with self._survive(spec):
-                newest = self._dispatch(spec, at)
-                self._push(heap, spec, _schedule(spec).next_fire(newest), order)
+            began = time.perf_counter()
+            ready = self._prepare(due, now, heap, order)
+            lead = min(_MAX_LEAD, 2 * (time.perf_counter() - began))
+            if early:
+                left = at.timestamp() - time.time()
+                if left > 0 and term.cancelled.wait(min(left, term.remaining())):
+                    return
+                if not term.live():
+                    return
+            if ready:
+                self._start(ready)
 
     @contextlib.contextmanager
     def _survive(self, spec: TaskSpec) -> Iterator[None]:
@@ -479,24 +540,69 @@ class TermRunner:
         if at is not None:
             heapq.heappush(heap, (at, next(order), spec))
 
-    def _dispatch(self, spec: TaskSpec, first: datetime) -> datetime:
-        """Run the fire due at ``first``, and any later ones already due, as far as the
-        grace and the misfire policy let them; return the newest due.
+    def _prepare(
+        self,
+        due: list[tuple[datetime, int, TaskSpec]],
+        now: datetime,
+        heap: list[tuple[datetime, int, TaskSpec]],
+        order: itertools.count[int],
+    ) -> list[tuple[TaskSpec, list[datetime]]]:
+        """The fires to start at ``now`` (each task's first one given), by task; put each
+        task's next fire on the heap.
 
-        The newest fire due is on time (its successor is not due yet) and runs whatever
-        the policy; the older ones mean this node fell behind by whole periods: they are
-        missed, and the policy decides (see :func:`~rselection.misfire.split_behind`).
+        Of each task, the newest fire due is on time (its successor is not due yet) and
+        runs whatever the policy; the older ones mean this node fell behind by whole
+        periods: they are missed, and the policy decides (see
+        :func:`~rselection.misfire.split_behind`). Fires older than the grace are skipped.
         """
-        now = datetime.now(UTC)
-        due, dropped = due_fires(_schedule(spec), first, now)
-        run, missed = split_behind(spec.misfire, due)
-        stale = [at for at in run if too_old(at, now, spec.misfire_grace)]
-        for at in sorted(dropped + missed + stale):
-            self._skip(spec, at, "misfire")
-        fresh = [at for at in run if at not in stale]
-        if fresh:
-            self._fire(spec, fresh, claimed=False)
-        return due[-1]
+        ready: list[tuple[TaskSpec, list[datetime]]] = []
+        for first, _, spec in due:
+            try:
+                fires, dropped, following = scan_due(_schedule(spec), first, now)
+                if following is not None and following.timestamp() <= time.time():
+                    # The scan itself took a period or more (a slow schedule): the fires
+                    # that came due meanwhile belong to this unit, in order.
+                    fires, dropped, following = scan_due(_schedule(spec), first, datetime.now(UTC))
+                if len(fires) == 1 and not dropped:  # on time: no policy to apply
+                    run, skipped = fires, dropped
+                else:
+                    run, skipped = split_behind(spec.misfire, fires)
+                    skipped = dropped + skipped
+                stale = [at for at in run if too_old(at, now, spec.misfire_grace)]
+                for at in sorted(skipped + stale):
+                    self._skip(spec, at, "misfire")
+                fresh = [at for at in run if at not in stale] if stale else run
+                if fresh:
+                    ready.append((spec, fresh))
+                self._push(heap, spec, following, order)
+            except Exception:
+                # That task fires no more this term; the others go on.
+                logger.exception(
+                    "task %r: scheduling it failed in term %d; it fires no more this term",
+                    spec.name,
+                    self.term.number,
+                )
+        return ready
+
+    def _start(self, ready: list[tuple[TaskSpec, list[datetime]]]) -> None:
+        """Start the fires of ``ready`` (with overlap="skip", not those of a task whose
+        previous fire still runs): at once without a claimer, else once claimed (all in
+        one call, see :meth:`_claim_batch`)."""
+        reserved = []
+        for spec, fires in ready:
+            if self._reserve(spec):
+                reserved.append((spec, fires))
+            else:
+                for at in fires:
+                    self._skip(spec, at, "overlap")
+        if not reserved:
+            return
+        with self._cond:
+            units = [(self._enter(spec.name), spec, fires) for spec, fires in reserved]
+        if self.term.claimer is None:
+            self._launch(units)
+        else:
+            self._claim_batch(self.term.claimer, units)
 
     def _select(self, spec: TaskSpec, missed: list[datetime]) -> list[datetime]:
         """Of missed fires (oldest first), the ones ``spec.misfire`` runs; skip the rest."""
@@ -505,57 +611,81 @@ class TermRunner:
             self._skip(spec, at, "misfire")
         return run
 
-    def _recover(self, spec: TaskSpec, started: datetime) -> None:
+    def _recover(self, specs: list[TaskSpec], started: datetime) -> None:
         """At the start of a term: find and handle fires no node ran while none led.
 
         A task that never ran anywhere (the claimer's ``ran_before`` says so) has missed
         nothing: it starts at its next instant, with no catch-up and nothing reported.
-        Else claims, in one call, the fires due at ``started`` (within the grace) newer
-        than the newest one already claimed: up to there the previous leader got. The
-        fires won are missed; the policy picks which to run, the rest stay claimed so
-        that no node runs them late.
+        Else claims the fires due at ``started`` (within the grace) newer than the newest
+        one already claimed: up to there the previous leader got. The fires won are
+        missed; the policy picks which to run, the rest stay claimed so that no node
+        runs them late. Every task is asked about, and looked back for, in one call
+        each when the claimer can (``ran_before_many``, ``claim_missed_many``), so a
+        term with a thousand tasks starts after two round trips, not two thousand.
         """
         claimer = self.term.claimer
         assert claimer is not None
-        schedule = _schedule(spec)
-        candidates = window(schedule, started, spec.misfire_grace)
-        if not candidates:
+        found: list[tuple[TaskSpec, list[datetime]]] = []
+        for spec in specs:
+            with self._survive(spec):
+                candidates = window(_schedule(spec), started, spec.misfire_grace)
+                if candidates:
+                    found.append((spec, candidates))
+        if not found:
             return
-        if isinstance(claimer, FireHistory):
-            # A task that never ran anywhere has missed nothing: its first term starts
-            # at its next instant, as on a leader without claims, and reports nothing.
-            try:
-                ran = self._in_claim_pool(claimer.ran_before, fire_series(spec.name))
-            except Exception as exc:
-                logger.warning(
-                    "missed fires of %r not recovered: its claims could not be read: %s",
-                    spec.name,
-                    exc,
-                )
-                return
-            if not ran:  # never ran, or the term ended meanwhile (None)
-                if ran is not None:
-                    logger.debug("task %r never ran before: no fire was missed", spec.name)
-                return
-        keys = {format_fire_key(spec.name, at): at for at in candidates}
-        what = f"{len(keys)} fires of {spec.name!r} due since {candidates[0].isoformat()}"
+        # A task that never ran anywhere has missed nothing: its first term starts at
+        # its next instant, as on a leader without claims, and reports nothing.
+        series = {fire_series(spec.name): spec for spec, _ in found}
         try:
-            won_keys = self._in_claim_pool(claim_missed, claimer, list(keys), term=self.term.number)
+            ran = self._in_claim_pool(ran_before_each, claimer, list(series))
         except Exception as exc:
-            logger.warning("missed fires not recovered: claiming %s failed: %s", what, exc)
+            logger.warning(
+                "missed fires of %d tasks (%r...) not recovered: their claims could not "
+                "be read: %s",
+                len(found),
+                found[0][0].name,
+                exc,
+            )
             return
-        if won_keys is None:  # the term ended meanwhile
+        if ran is None:  # the term ended meanwhile
             return
-        won = [keys[key] for key in won_keys]
+        for one in set(series) - ran:
+            logger.debug("task %r never ran before: no fire was missed", series[one].name)
+        found = [(spec, candidates) for spec, candidates in found if fire_series(spec.name) in ran]
+        if not found:
+            return
+        groups = [
+            {format_fire_key(spec.name, at): at for at in candidates} for spec, candidates in found
+        ]
+        try:
+            won = self._in_claim_pool(
+                claim_missed_each, claimer, [list(keys) for keys in groups], term=self.term.number
+            )
+        except Exception as exc:
+            logger.warning(
+                "missed fires of %d tasks (%r...) not recovered: claiming them failed: %s",
+                len(found),
+                found[0][0].name,
+                exc,
+            )
+            return
+        if won is None:  # the term ended meanwhile
+            return
+        for (spec, _), keys, won_keys in zip(found, groups, won, strict=True):
+            with self._survive(spec):
+                self._catch_up(spec, [keys[key] for key in won_keys])
+
+    def _catch_up(self, spec: TaskSpec, won: list[datetime]) -> None:
+        """Run the missed fires ``won`` (claimed, oldest first) as the policy says."""
         run = self._select(spec, won)
         if run and spec.misfire == "latest":
-            following = schedule.next_fire(run[-1])
+            following = _schedule(spec).next_fire(run[-1])
             if following is not None and following <= datetime.now(UTC):
                 # A newer fire is already due and the scheduler runs it next: the
                 # catch-up would only hold it up (or get it skipped as an overlap).
                 self._skip(spec, run.pop(), "misfire")
         if run and self.term.live():
-            self._fire(spec, run, claimed=True)
+            self._fire(spec, run)
         else:
             for at in run:
                 self._skip(spec, at, "not-leader")
@@ -607,54 +737,151 @@ class TermRunner:
             with self._cond:
                 self._claim_waits.discard(settled)
 
-    def _claim_fire(self, spec: TaskSpec, at: datetime) -> bool:
-        """Claim one fire: ``True`` if won; else ``False``, reported as held by another,
-        as a failed claim (claims fail closed) or as a fire of an ended term."""
-        claimer = self.term.claimer
-        if claimer is None:
-            return True
-        won: bool | None = None
-        if self.term.live():  # never claim a fire this node can no longer run
-            key = format_fire_key(spec.name, at)
-            try:
-                won = self._in_claim_pool(claimer.claim, key, term=self.term.number)
-            except Exception as exc:
-                logger.warning(
-                    "fire of %r at %s skipped: its claim failed: %s", spec.name, at.isoformat(), exc
-                )
-                self._skip(spec, at, "claim-error")
+    def _claim_batch(self, claimer: FireClaimer, units: list[_Ready]) -> None:
+        """Claim every fire of ``units`` in one call on the claim pool; start the units
+        with the fires won once it answers (see :meth:`_claimed`).
+
+        The scheduler never waits for the claim: it goes on to the next instant. The
+        units are joined like running ones meanwhile, and the end of the term settles
+        them at once (:meth:`cancel`): nothing of theirs runs then.
+        """
+        batch = _ClaimBatch(units)
+        with self._cond:
+            self._batches.add(batch)
+        if not self.term.live():  # never claim a fire this node can no longer run
+            self._settle(batch)
+            return
+        try:
+            future = self._claims.submit(self._claim_keys, claimer, list(batch.keys))
+        except RuntimeError:  # the pool is shut down: the term is over
+            self._settle(batch)
+            return
+        future.add_done_callback(functools.partial(self._claimed, batch))
+
+    def _claim_keys(
+        self, claimer: FireClaimer, keys: list[str]
+    ) -> tuple[set[str], dict[str, Exception]] | None:
+        """On the claim pool: claim ``keys``; ``None`` when the term ended meanwhile."""
+        if not self.term.live():
+            return None
+        if isinstance(claimer, LeaseClaims):
+            return claimer.claim_each(keys, term=self.term.number)
+        return claim_each(claimer, keys, term=self.term.number)
+
+    def _take(self, batch: _ClaimBatch) -> bool:
+        """Whether this caller settles ``batch`` (the claim's answer or the term's end,
+        whichever comes first)."""
+        with self._cond:
+            if batch not in self._batches:
                 return False
-        if won is None:
-            self._skip(spec, at, "not-leader")
-            return False
-        if not won:
-            self._skip(spec, at, "already-claimed")
-        return bool(won)
+            self._batches.discard(batch)
+            return True
+
+    def _settle(self, batch: _ClaimBatch) -> None:
+        """The term ended before ``batch`` was claimed: report its fires, free its units."""
+        if not self._take(batch):
+            return
+        for unit, spec, fires in batch.units:
+            for at in fires:
+                self._skip(spec, at, "not-leader")
+            self._release(spec)
+            self._leave(unit)
+
+    def _claimed(
+        self,
+        batch: _ClaimBatch,
+        future: Future[tuple[set[str], dict[str, Exception]] | None],
+    ) -> None:
+        """The claim of ``batch`` answered: start the fires won, report the others (held
+        by another claim, a failed claim: claims fail closed, or a term that ended)."""
+        if future.cancelled() or not self.term.live():
+            self._settle(batch)
+            return
+        try:
+            outcome = future.result()
+        except Exception as exc:  # claim_each reports backend errors; this is anything else
+            outcome = set(), dict.fromkeys(batch.keys, exc)
+        if outcome is None:
+            self._settle(batch)
+            return
+        if not self._take(batch):
+            return
+        won, failed = outcome
+        if failed:
+            key, error = next(iter(failed.items()))
+            logger.warning(
+                "%d fires skipped (of %s and others): their claims failed: %s",
+                len(failed),
+                key,
+                error,
+            )
+        start: list[_Ready] = []
+        for unit, spec, fires in batch.units:
+            keep: list[datetime] = []
+            for at in fires:
+                key = batch.key_of[spec.name, at]
+                if key in won:
+                    keep.append(at)
+                else:
+                    self._skip(spec, at, "claim-error" if key in failed else "already-claimed")
+            if keep:
+                start.append((unit, spec, keep))
+            else:
+                self._release(spec)
+                self._leave(unit)
+        self._launch(start)
 
     def _skip(self, spec: TaskSpec, at: datetime, reason: str) -> None:
         with self._cond:
             spec.stats.skipped += 1
-        logger.debug("fire of %r at %s skipped: %s", spec.name, at.isoformat(), reason)
-        signals.emit(
-            signals.fire_skipped,
-            self.sender,
-            task=spec.name,
-            scheduled_at=at,
-            reason=reason,
-            fire_key=format_fire_key(spec.name, at),
-        )
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("fire of %r at %s skipped: %s", spec.name, at.isoformat(), reason)
+        if signals.fire_skipped.receivers:  # no payload to build for no one
+            signals.emit(
+                signals.fire_skipped,
+                self.sender,
+                task=spec.name,
+                scheduled_at=at,
+                reason=reason,
+                fire_key=format_fire_key(spec.name, at),
+            )
 
-    def _fire(self, spec: TaskSpec, fires: list[datetime], *, claimed: bool) -> None:
-        """Run ``fires`` one after another in one unit, claiming each first unless
-        ``claimed``; with overlap="skip" all are skipped while a run is going."""
+    def _fire(self, spec: TaskSpec, fires: list[datetime]) -> None:
+        """Run ``fires`` (already claimed, if the term claims) one after another in one
+        unit; with overlap="skip" all are skipped while a run is going."""
         if not self._reserve(spec):
             for at in fires:
                 self._skip(spec, at, "overlap")
             return
-        if spec.is_async:
-            self._submit_async(spec.name, self._fire_async(spec, fires, claimed))
-        else:
-            self._spawn(spec.name, self._fire_sync, spec, fires, claimed)
+        self._launch([(self._enter(spec.name), spec, fires)])
+
+    def _launch(self, units: list[_Ready]) -> None:
+        """Start reserved units: plain ``def`` ones each on a thread, ``async def`` ones
+        on the loop, all of them in one hand-over to it."""
+        coros: list[_Coro] = []
+        for unit, spec, fires in units:
+            if spec.is_async:
+                coros.append((unit, spec.name, self._fire_async(unit, spec, fires), spec))
+                continue
+            try:
+                self._threads.run(functools.partial(self._run_unit, unit, spec, fires))
+            except RuntimeError:  # closed: the term is over
+                for at in fires:
+                    self._skip(spec, at, "not-leader")
+                self._release(spec)
+                self._leave(unit)
+        if coros:
+            self._submit_many(coros)
+
+    def _run_unit(self, unit: int, spec: TaskSpec, fires: list[datetime]) -> None:
+        threading.current_thread().name = f"rselection-task-{spec.name}"
+        running_term.set(self.term)
+        try:
+            for at in fires:
+                if not self._stale(spec, at):
+                    self._run_sync(spec, self._context(spec, at))
+        finally:
+            self._release(spec, unit)
 
     def _context(self, spec: TaskSpec, at: datetime) -> TaskContext:
         return TaskContext(
@@ -664,32 +891,46 @@ class TermRunner:
     def _stale(self, spec: TaskSpec, at: datetime) -> bool:
         """Whether the fire at ``at`` is past its grace now, when it is about to start
         (reported as a misfire): a catch-up's later fires age while the earlier run."""
-        if not too_old(at, datetime.now(UTC), spec.misfire_grace):
+        if time.time() - at.timestamp() <= spec.misfire_grace:  # too_old(), cheaper
             return False
         self._skip(spec, at, "misfire")
         return True
 
-    def _fire_sync(self, spec: TaskSpec, fires: list[datetime], claimed: bool) -> None:
+    async def _fire_async(self, unit: int, spec: TaskSpec, fires: list[datetime]) -> None:
+        """One unit of ``async def`` fires, as its own asyncio task (tracked, so that the
+        end of the term cancels it)."""
+        task = asyncio.current_task()
+        assert task is not None
+        running_term.set(self.term)  # in this task's own context only
+        self._async_tasks.add(task)
         try:
             for at in fires:
-                if self._stale(spec, at):
-                    continue
-                if claimed or self._claim_fire(spec, at):
-                    self._run_sync(spec, self._context(spec, at))
-        finally:
-            self._release(spec)
-
-    async def _fire_async(self, spec: TaskSpec, fires: list[datetime], claimed: bool) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            for at in fires:
-                if self._stale(spec, at):
-                    continue
-                # A claim is a database round trip: keep it off the event loop.
-                if claimed or await loop.run_in_executor(None, self._claim_fire, spec, at):
+                if not self._stale(spec, at):
                     await self._run_async(spec, self._context(spec, at))
+        except asyncio.CancelledError:
+            pass
         finally:
-            self._release(spec)
+            self._async_tasks.discard(task)
+            self._release(spec, unit)
+
+
+class _ClaimBatch:
+    """The units of fires due at one instant, while their claim is in flight.
+
+    Args:
+        units: the units, each reserved and entered.
+    """
+
+    def __init__(self, units: list[_Ready]) -> None:
+        self.units = units
+        self.key_of = {
+            (spec.name, at): format_fire_key(spec.name, at)
+            for _, spec, fires in units
+            for at in fires
+        }
+        """The fire key of each fire, by task name and instant."""
+        self.keys = list(self.key_of.values())
+        """The fire keys to claim."""
 
 
 def _schedule(spec: TaskSpec) -> Schedule:

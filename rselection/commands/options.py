@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_database_options", "add_nodes_options", "add_redis_options", "lease_name"]
+__all__ = [
+    "add_database_options",
+    "add_nodes_options",
+    "add_redis_options",
+    "lease_name",
+    "node_timeout",
+]
 
 
 def add_database_options(parser: argparse.ArgumentParser) -> None:
@@ -17,20 +23,34 @@ def add_database_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--table", default="rselection_leases", help="lease table")
 
 
-def add_nodes_options(parser: argparse.ArgumentParser) -> None:
+def add_nodes_options(parser: argparse.ArgumentParser, *, redis: bool = False) -> None:
     """``--nodes-table`` and ``--node-timeout``: where node heartbeats are, and when alive.
 
     Args:
         parser: the subcommand's parser.
+        redis: the command also reads Redis leases, whose leaders' default node timeout
+            is 30 s: ``--node-timeout`` then defaults to ``None`` (resolve it with
+            :func:`node_timeout`).
     """
     parser.add_argument("--nodes-table", default="rselection_nodes", help="node heartbeats table")
     parser.add_argument(
         "--node-timeout",
         type=float,
-        default=15.0,
-        help="a node is alive when seen within this many seconds (default 15: the leaders' "
-        "default, three heartbeats)",
+        default=None if redis else 15.0,
+        help="a node is alive when seen within this many seconds (default: the leaders' "
+        "default, three heartbeats: 15 on Postgres" + (", 30 with --redis-url)" if redis else ")"),
     )
+
+
+def node_timeout(args: argparse.Namespace) -> float:
+    """The ``--node-timeout`` given, else the leaders' default for the backend read.
+
+    Args:
+        args: a parsed command line with ``--node-timeout`` (and maybe ``--redis-url``).
+    """
+    if args.node_timeout is not None:
+        return float(args.node_timeout)
+    return 30.0 if getattr(args, "redis_url", None) else 15.0
 
 
 def add_redis_options(parser: argparse.ArgumentParser) -> None:

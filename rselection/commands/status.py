@@ -5,6 +5,8 @@ names, only those leases (retired or not), their nodes and their fires; ``--all`
 shows the retired leases. The exit code is judged on the leases shown, retired ones
 only when named: 0 when each has a live leader, 1 when one has none (a named lease
 that does not exist has none), 3 when the database cannot be read (2: a usage error).
+With ``--redis-url`` it reads the Redis leases under ``--key-prefix`` instead
+(:mod:`rselection.commands.redis_status`), their nodes from the leases' heartbeats.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .connections import (
@@ -25,7 +28,13 @@ from .connections import (
     table_exists,
 )
 from .leases import has_columns
-from .options import add_database_options, add_nodes_options, lease_name
+from .options import (
+    add_database_options,
+    add_nodes_options,
+    add_redis_options,
+    lease_name,
+    node_timeout,
+)
 from .output import EXIT_NO_LEADER, EXIT_OK, EXIT_UNREACHABLE, UsageError, ago, grid, iso
 
 if TYPE_CHECKING:
@@ -56,7 +65,8 @@ def add_parser(
         "fires. Retired leases (rselection forget) are hidden unless named or --all is "
         "given. The exit code is judged on the leases shown (retired ones only when "
         "named): 0 when each has a leader, 1 when one has none (a named lease that does "
-        "not exist has none), 3 when the database cannot be read, 2 on a usage error.",
+        "not exist has none), 3 when the database cannot be read, 2 on a usage error. "
+        "With --redis-url, the Redis leases under --key-prefix and their nodes.",
     )
     parser.add_argument(
         "names",
@@ -72,7 +82,8 @@ def add_parser(
         help="also show retired leases (rselection forget); they do not count for the exit code",
     )
     add_database_options(parser)
-    add_nodes_options(parser)
+    add_redis_options(parser)
+    add_nodes_options(parser, redis=True)
     parser.add_argument("--claims-table", default="rselection_claims", help="fire claims table")
     parser.add_argument("--json", action="store_true", help="one JSON document (per refresh)")
     parser.add_argument(
@@ -289,7 +300,7 @@ def read_status(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
                 "started_at": iso(started),
                 "last_seen": iso(seen),
                 "seen_ago": round(seen_ago, 3),
-                "alive": seen_ago <= args.node_timeout,
+                "alive": seen_ago <= node_timeout(args),
                 "is_leader": holders.get(lease) == node_id,
             }
             for lease, node_id, hostname, pid, addr, started, seen, seen_ago in node_rows
@@ -341,6 +352,8 @@ def render(status: dict[str, Any], args: argparse.Namespace) -> list[str]:
         args: the parsed ``status`` command line.
     """
     lines = [f"{status['database']}  at {status['checked_at']}", ""]
+    redis_url = getattr(args, "redis_url", None)
+    where = f"key prefix {args.key_prefix!r}" if redis_url else repr(args.table)
     if status["leases"]:
         rows = [
             [
@@ -354,9 +367,9 @@ def render(status: dict[str, Any], args: argparse.Namespace) -> list[str]:
         ]
         lines += grid(["LEASE", "HOLDER", "TERM", "ACQUIRED", "EXPIRES IN"], rows)
     elif status["unknown"]:
-        lines.append(f"no lease named {', '.join(status['unknown'])} in {args.table!r}")
+        lines.append(f"no lease named {', '.join(status['unknown'])} in {where}")
     else:
-        lines.append(f"no leases in {args.table!r} yet")
+        lines.append(f"no leases in {where} yet")
     if status["hidden"]:
         count = len(status["hidden"])
         lines.append(
@@ -395,7 +408,7 @@ def render(status: dict[str, Any], args: argparse.Namespace) -> list[str]:
         alive = sum(1 for n in nodes if n["alive"])
         lines.append(
             f"nodes: {alive} alive, {len(nodes) - alive} lost "
-            f"(alive = seen within {args.node_timeout:g}s)"
+            f"(alive = seen within {node_timeout(args):g}s)"
         )
         rows = [
             [
@@ -415,7 +428,9 @@ def render(status: dict[str, Any], args: argparse.Namespace) -> list[str]:
         )
     lines.append("")
     fires = status["tasks"]
-    if fires is None:
+    if fires is None and redis_url:
+        lines.append("tasks:")
+    elif fires is None:
         lines.append(f"tasks: no claims table {args.claims_table!r}, no fires recorded")
     elif not fires:
         lines.append("tasks: no claimed fires recorded")
@@ -431,8 +446,29 @@ def render(status: dict[str, Any], args: argparse.Namespace) -> list[str]:
     if headless:
         lines.append("NO LEADER: " + ", ".join(headless))
     if unknown:
-        lines.append(f"NO SUCH LEASE in {args.table!r}: " + ", ".join(unknown))
+        lines.append(f"NO SUCH LEASE in {where}: " + ", ".join(unknown))
     return lines
+
+
+def _reader(args: argparse.Namespace) -> Callable[[], dict[str, Any]]:
+    """What reads one snapshot: from Postgres, or from Redis with ``--redis-url``.
+
+    Raises:
+        UsageError: both ``--dsn`` and ``--redis-url``, or a bad URL.
+        Unreachable: Redis did not answer.
+    """
+    if args.redis_url is None:
+        dsn = resolve_dsn(args)
+        return lambda: read_status(dsn, args)
+    if args.dsn is not None:
+        raise UsageError("pass either --dsn (Postgres) or --redis-url (Redis), not both")
+    from .connections import redis_client
+    from .redis_status import read_redis_status
+
+    url = args.redis_url
+    client = redis_client(url)
+    args.node_timeout = node_timeout(args)
+    return lambda: read_redis_status(client, url, args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -441,13 +477,17 @@ def run(args: argparse.Namespace) -> int:
     Args:
         args: the parsed ``status`` command line.
     """
-    dsn = resolve_dsn(args)
     watch = args.watch
     if watch is not None and not watch > 0:
         raise UsageError(f"--watch needs a positive number of seconds, got {watch}")
     if args.count is not None and (watch is None or args.count < 1):
         raise UsageError("--count needs --watch and a positive number of refreshes")
     refreshes = args.count if args.count is not None else (None if watch is not None else 1)
+    try:
+        read = _reader(args)
+    except Unreachable as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_UNREACHABLE
     clear = watch is not None and not args.json and sys.stdout.isatty()
     code = EXIT_OK
     done = 0
@@ -455,7 +495,7 @@ def run(args: argparse.Namespace) -> int:
         while True:
             began = time.monotonic()
             try:
-                status = read_status(dsn, args)
+                status = read()
             except Unreachable as exc:
                 code = EXIT_UNREACHABLE
                 print(str(exc), file=sys.stderr)

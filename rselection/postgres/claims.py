@@ -18,6 +18,11 @@ row lock of the upsert makes two replacements of one expired claim impossible: t
 second sees the first one's fresh expiry and fails). Every time is the server's
 (``clock_timestamp()``); no client clock is ever compared.
 
+:meth:`PostgresClaimer.claim_many` claims many fires (those due at one instant, of any
+tasks) in one such statement, each key as :meth:`~PostgresClaimer.claim` would, and
+returns the keys won; the keys go in sorted order, so that two nodes claiming the same
+instant wait for each other's rows in one order and never deadlock.
+
 A claim is **kept until its ttl** (600 s by default), also after the run ends: a
 replica whose scheduler fires late (a GC pause, a slow start, a skewed clock) must not
 run the same fire again. So ``ttl`` must be longer than the latest a fire may start
@@ -206,6 +211,68 @@ class PostgresClaimer(Closeable):
             ") SELECT array(SELECT fire_key FROM claimed),"
             " (SELECT format_version FROM foreign_format)"
         ).format(t=self._ident)
+        # Many fires at once (those due at one instant): each key as in a claim. The
+        # keys go in one order on every node (sorted), so two nodes claiming the same
+        # batch wait for each other's rows in that order and never deadlock.
+        self._claim_many_sql = sql.SQL(
+            "WITH foreign_format AS ("
+            " SELECT f.format_version FROM {t} f"
+            " WHERE (f.format_version < %(fv)s OR f.format_version > %(fv)s)"
+            " AND f.expires_at > clock_timestamp() LIMIT 1"
+            "), claimed AS ("
+            " INSERT INTO {t} AS c"
+            " (fire_key, format_version, holder, term, claimed_at, expires_at)"
+            " SELECT k.key, %(fv)s::int, %(holder)s::text, %(term)s::bigint,"
+            " clock_timestamp(), clock_timestamp() + make_interval(secs => %(ttl)s::float8)"
+            " FROM unnest(%(keys)s::text[]) WITH ORDINALITY AS k(key, ord)"
+            " WHERE NOT EXISTS (SELECT 1 FROM foreign_format) ORDER BY k.ord"
+            " ON CONFLICT (fire_key) DO UPDATE SET"
+            " format_version = EXCLUDED.format_version, holder = EXCLUDED.holder,"
+            " term = EXCLUDED.term, claimed_at = clock_timestamp(),"
+            " expires_at = clock_timestamp() + make_interval(secs => %(ttl)s::float8)"
+            " WHERE c.expires_at <= clock_timestamp()"
+            " RETURNING c.fire_key"
+            ") SELECT array(SELECT fire_key FROM claimed),"
+            " (SELECT format_version FROM foreign_format)"
+        ).format(t=self._ident)
+        # Missed fires of many tasks: keys numbered by task (grp) and age (ord); each
+        # task's keys newer than its newest one already claimed.
+        self._claim_missed_many_sql = sql.SQL(
+            "WITH foreign_format AS ("
+            " SELECT f.format_version FROM {t} f"
+            " WHERE (f.format_version < %(fv)s OR f.format_version > %(fv)s)"
+            " AND f.expires_at > clock_timestamp() LIMIT 1"
+            "), keys AS ("
+            " SELECT k.key, k.grp, k.ord"
+            " FROM unnest(%(keys)s::text[], %(grps)s::int[], %(ords)s::int[]) AS k(key, grp, ord)"
+            "), held AS ("
+            " SELECT keys.grp, max(keys.ord) AS ord FROM keys JOIN {t} h"
+            " ON h.fire_key = keys.key AND h.expires_at > clock_timestamp() GROUP BY keys.grp"
+            "), claimed AS ("
+            " INSERT INTO {t} AS c"
+            " (fire_key, format_version, holder, term, claimed_at, expires_at)"
+            " SELECT keys.key, %(fv)s::int, %(holder)s::text, %(term)s::bigint,"
+            " clock_timestamp(), clock_timestamp() + make_interval(secs => %(ttl)s::float8)"
+            " FROM keys LEFT JOIN held ON held.grp = keys.grp"
+            " WHERE keys.ord > coalesce(held.ord, 0)"
+            " AND NOT EXISTS (SELECT 1 FROM foreign_format) ORDER BY keys.key"
+            " ON CONFLICT (fire_key) DO UPDATE SET"
+            " format_version = EXCLUDED.format_version, holder = EXCLUDED.holder,"
+            " term = EXCLUDED.term, claimed_at = clock_timestamp(),"
+            " expires_at = clock_timestamp() + make_interval(secs => %(ttl)s::float8)"
+            " WHERE c.expires_at <= clock_timestamp()"
+            " RETURNING c.fire_key"
+            ") SELECT array(SELECT fire_key FROM claimed),"
+            " (SELECT format_version FROM foreign_format)"
+        ).format(t=self._ident)
+        # Many series at once: the series (of those given) that have a claim.
+        self._ran_before_many_sql = sql.SQL(
+            "SELECT array(SELECT s.series FROM unnest(%(series)s::text[]) AS s(series)"
+            " WHERE EXISTS (SELECT 1 FROM {t}"
+            ' WHERE (fire_key COLLATE "C") > (s.series COLLATE "C")'
+            ' AND (fire_key COLLATE "C") < ((s.series || \'[\') COLLATE "C")'
+            " AND length(fire_key) = length(s.series) + 30))"
+        ).format(t=self._ident)
         # Expired claims, oldest first (the expiry index), a batch at a time; the newest
         # claim of each task stays (ran_before() reads it), found by one probe of the
         # key index: a newer key of the same task, same length, in the same key range.
@@ -295,6 +362,37 @@ class PostgresClaimer(Closeable):
         order = {key: i for i, key in enumerate(fire_keys)}
         return sorted(won, key=order.__getitem__)
 
+    def claim_missed_many(
+        self, fire_keys: list[list[str]], *, term: int | None = None
+    ) -> list[list[str]]:
+        """:meth:`claim_missed` of each list (one task's fires each, oldest first), all in
+        one statement; return the keys won of each list, oldest first. A leader that
+        starts calls this once for all its tasks.
+
+        Raises:
+            ConfigError: as :meth:`claim`, or a key given twice (in one list or two).
+            BackendUnavailable: as :meth:`claim`.
+        """
+        flat = check_fire_keys([key for keys in fire_keys for key in keys])
+        _check_term(term)
+        if not flat:
+            return [[] for _ in fire_keys]
+        params = {
+            "keys": flat,
+            "grps": [grp for grp, keys in enumerate(fire_keys) for _ in keys],
+            "ords": [ord_ + 1 for keys in fire_keys for ord_ in range(len(keys))],
+            "fv": FIRE_KEY_FORMAT,
+            "holder": self.node_id,
+            "term": term,
+            "ttl": self.ttl,
+        }
+        what = f"claim the missed fires of {len(fire_keys)} tasks from {flat[0][:80]!r}"
+        with self._conns.connection() as conn:
+            won, foreign = self._run(what, conn, self._claim_missed_many_sql, params)
+        self._refuse_foreign_format(what, foreign)
+        got = set(won)
+        return [[key for key in keys if key in got] for keys in fire_keys]
+
     def _refuse_foreign_format(self, what: str, foreign: int | None) -> None:
         if foreign is not None:
             raise ConfigError(
@@ -342,6 +440,37 @@ class PostgresClaimer(Closeable):
         logger.debug("%s: %s", what, "won" if won else "held by another claim")
         return bool(won)
 
+    def claim_many(self, fire_keys: list[str], *, term: int | None = None) -> set[str]:
+        """Claim many fires in one statement; return the keys this call won.
+
+        Each key is claimed as by :meth:`claim` (won when never claimed or its claim
+        expired), all in one transaction: a leader claims every fire due at one instant
+        this way, one round trip per instant instead of one per fire. The keys are
+        independent fires (of any tasks), each given once.
+
+        Raises:
+            ConfigError: as :meth:`claim`, or a key given twice.
+            BackendUnavailable: the claims could not be made or their outcome is
+                unknown; run none of the fires.
+        """
+        fire_keys = check_fire_keys(fire_keys)
+        _check_term(term)
+        if not fire_keys:
+            return set()
+        params = {
+            "keys": sorted(fire_keys),
+            "fv": FIRE_KEY_FORMAT,
+            "holder": self.node_id,
+            "term": term,
+            "ttl": self.ttl,
+        }
+        what = f"claim {len(fire_keys)} fires from {fire_keys[0][:80]!r}"
+        with self._conns.connection() as conn:
+            won, foreign = self._run(what, conn, self._claim_many_sql, params)
+        self._refuse_foreign_format(what, foreign)
+        logger.debug("%s: won %d", what, len(won))
+        return set(won)
+
     def cleanup(self, *, batch: int | None = None) -> int:
         """Delete claims that expired more than a minute ago; return how many.
 
@@ -375,6 +504,26 @@ class PostgresClaimer(Closeable):
                 break
         logger.debug("claims table %s: deleted %s expired claims", self.table, total)
         return total
+
+    def ran_before_many(self, series: list[str]) -> set[str]:
+        """Those of ``series`` that :meth:`ran_before` says ran before, in one statement
+        (one probe of the key index each).
+
+        Raises:
+            ConfigError: a bad series or a missing claims table.
+            BackendUnavailable: the database cannot be reached.
+        """
+        series = check_fire_keys(series)
+        if not series:
+            return set()
+        with self._conns.connection() as conn:
+            row = self._run(
+                f"look up the claims of {len(series)} tasks from {series[0][:80]!r}",
+                conn,
+                self._ran_before_many_sql,
+                {"series": series},
+            )
+        return set(row[0])
 
     def ran_before(self, series: str) -> bool:
         """Whether a fire of ``series`` (a task's fire keys without the instant, such as

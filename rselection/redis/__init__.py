@@ -1,5 +1,5 @@
-"""Redis backend: lease, leader, fenced writes, elections, fire claims and handover
-requests.
+"""Redis backend: lease, leader, fenced writes, elections, fire claims, handover
+requests and node membership.
 
 Needs redis-py (extra ``redis``: ``pip install 'rselection[redis]'``) and Redis 6.2 or
 later.

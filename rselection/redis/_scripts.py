@@ -1,5 +1,6 @@
-"""The Lua scripts of the Redis lease (:mod:`rselection.redis.lease`) and its handover
-requests (:mod:`rselection.redis.handover`).
+"""The Lua scripts of the Redis lease (:mod:`rselection.redis.lease`), its handover
+requests (:mod:`rselection.redis.handover`) and its membership
+(:mod:`rselection.redis.membership`).
 
 Each script runs atomically on the server and touches only keys of one lease, which share
 a hash slot. The lease value is a JSON document written by :data:`ACQUIRE`; the lease
@@ -8,7 +9,17 @@ module's docstring explains the protocol.
 
 from __future__ import annotations
 
-__all__ = ["ACQUIRE", "CANCEL_HANDOVER", "READ", "RELEASE", "RENEW", "REQUEST_HANDOVER"]
+__all__ = [
+    "ACQUIRE",
+    "CANCEL_HANDOVER",
+    "HEARTBEAT",
+    "LEAVE",
+    "NODES",
+    "READ",
+    "RELEASE",
+    "RENEW",
+    "REQUEST_HANDOVER",
+]
 
 #: Take the lease if it is free, or if its holder's connection is known gone, unless a
 #: handover request reserves it against this node.
@@ -175,4 +186,54 @@ READ = """
 local t = redis.call('TIME')
 return {redis.call('GET', KEYS[1]) or '', redis.call('PTTL', KEYS[1]),
   tostring(t[1] * 1000 + math.floor(t[2] / 1000))}
+"""
+
+#: Record a node's heartbeat at the server's time. KEYS: nodes (sorted set: node id ->
+#: last heartbeat, ms), node info (hash: node id -> JSON). ARGV: node id, its info (JSON:
+#: host, pid, addr), "1" to rewrite the info (a new connection), "1" to purge, purge age
+#: (ms), keys' idle expiry (ms). Steady state is TIME and ZADD; the info is written when
+#: the node is new or asks, and lost nodes older than the purge age go on a purge beat.
+#: Returns the server time (ms).
+HEARTBEAT = """
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local new = redis.call('ZADD', KEYS[1], now, ARGV[1])
+if new == 1 or ARGV[3] == '1' then
+  local doc = cjson.decode(ARGV[2])
+  doc.started = now
+  if new == 0 then
+    local old = redis.call('HGET', KEYS[2], ARGV[1])
+    local ok, o = pcall(cjson.decode, old or '')
+    if ok and type(o) == 'table' and o.started then doc.started = o.started end
+  end
+  redis.call('HSET', KEYS[2], ARGV[1], cjson.encode(doc))
+end
+if ARGV[4] == '1' then
+  local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[5]))
+  for _, node in ipairs(gone) do
+    if node ~= ARGV[1] then
+      redis.call('ZREM', KEYS[1], node)
+      redis.call('HDEL', KEYS[2], node)
+    end
+  end
+  redis.call('PEXPIRE', KEYS[1], ARGV[6])
+  redis.call('PEXPIRE', KEYS[2], ARGV[6])
+end
+return tostring(now)
+"""
+
+#: Remove a node from the membership at once (a graceful stop). KEYS: nodes, node info.
+#: ARGV: node id. Returns 1 when it was listed, else 0.
+LEAVE = """
+redis.call('HDEL', KEYS[2], ARGV[1])
+return redis.call('ZREM', KEYS[1], ARGV[1])
+"""
+
+#: List the membership. KEYS: nodes, node info, lease key. Returns {server time (ms),
+#: {node id, last heartbeat (ms), ...}, {node id, info JSON, ...}, the lease value or ''}.
+NODES = """
+local t = redis.call('TIME')
+return {tostring(t[1] * 1000 + math.floor(t[2] / 1000)),
+  redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES'), redis.call('HGETALL', KEYS[2]),
+  redis.call('GET', KEYS[3]) or ''}
 """

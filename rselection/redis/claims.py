@@ -14,6 +14,8 @@ not run it again; ``ttl`` must therefore exceed the latest a fire may start anyw
 
 :meth:`RedisClaimer.claim_missed` claims a task's missed fires in one round trip: one
 script finds the newest fire an unexpired claim holds and claims every fire after it.
+:meth:`RedisClaimer.claim_many` claims the fires due at one instant (of every task) in
+one round trip, a ``SET NX PX`` of each in one script.
 Claims need no clean-up: each expires by itself. One key per task and lease has no
 expiry: :meth:`RedisClaimer.ran_before` records there that a leader scheduled the task.
 
@@ -25,7 +27,8 @@ masters. A script can only touch keys of one hash slot, so there
 :meth:`~RedisClaimer.claim_missed` takes one script when every key lands in one slot (a
 ``key_prefix`` with a hash tag, such as ``"rselection:{claims}:"``), and otherwise two
 pipelines (which claims are held; then ``SET NX PX`` of the newer ones) and one
-``TIME``: each claim is still won by one node only.
+``TIME``: each claim is still won by one node only. :meth:`~RedisClaimer.claim_many`
+likewise: one script for keys of one slot, else one ``TIME`` and one pipeline.
 """
 
 from __future__ import annotations
@@ -84,6 +87,19 @@ end
 return won
 """
 
+#: KEYS: claim keys of distinct fires. ARGV: as CLAIM. Claims each key no unexpired
+#: claim holds; returns the (1-based) positions won.
+CLAIM_MANY = """
+local t = redis.call('TIME')
+local v = cjson.encode({node_id = ARGV[1], term = ARGV[2], format = ARGV[3],
+  at = tostring(t[1] * 1000 + math.floor(t[2] / 1000))})
+local won = {}
+for i = 1, #KEYS do
+  if redis.call('SET', KEYS[i], v, 'NX', 'PX', ARGV[4]) then won[#won + 1] = i end
+end
+return won
+"""
+
 
 def _check_term(term: object) -> None:
     if term is not None and (
@@ -95,7 +111,8 @@ def _check_term(term: object) -> None:
 class RedisClaimer(Closeable):
     """Claims each fire of a schedule in Redis, so a fleet runs it once.
 
-    A :class:`~rselection.claiming.MissedFireClaimer`. Thread-safe (uses the client's
+    A :class:`~rselection.claiming.MissedFireClaimer` and a
+    :class:`~rselection.claiming.BatchFireClaimer`. Thread-safe (uses the client's
     pool).
 
     Args:
@@ -128,6 +145,7 @@ class RedisClaimer(Closeable):
         self._ttl_ms = max(1, round(self.ttl * 1000))
         self._claim = self._client.register_script(CLAIM)
         self._claim_missed = self._client.register_script(CLAIM_MISSED)
+        self._claim_many = self._client.register_script(CLAIM_MANY)
 
     def __repr__(self) -> str:
         return (
@@ -210,6 +228,62 @@ class RedisClaimer(Closeable):
         logger.debug("%s: won %d", what, len(won))
         return [fire_keys[i] for i in won]
 
+    def claim_many(self, fire_keys: list[str], *, term: int | None = None) -> set[str]:
+        """Claim many fires in one round trip; return the keys this call won.
+
+        Each key is claimed as by :meth:`claim` (``SET NX PX``: won when no unexpired
+        claim holds it): one script when the keys share a hash slot (always, outside a
+        cluster), else one ``TIME`` and one pipeline (a round trip per master). A leader
+        claims every fire due at one instant this way.
+
+        Args:
+            fire_keys: distinct fires (of any tasks); each a name, as in :meth:`claim`.
+            term: the fencing term the claims are made under, recorded in each.
+
+        Raises:
+            ConfigError: a bad or repeated key, or a bad term (before any I/O).
+            BackendUnavailable: Redis cannot be reached or failed (fail closed: run
+                none of the fires, although some claims may have been made).
+        """
+        fire_keys = check_fire_keys(fire_keys)
+        _check_term(term)
+        if not fire_keys:
+            return set()
+        keys = [self.key(k) for k in fire_keys]
+        what = f"claim {len(fire_keys)} fires from {fire_keys[0]!r:.80}"
+        try:
+            if self._cluster and len({self._client.keyslot(k) for k in keys}) > 1:
+                won = self._set_each(keys, term)
+            else:
+                won = [int(i) - 1 for i in self._claim_many(keys=keys, args=self._args(term))]
+        except redis.RedisError as exc:
+            raise unavailable(what, describe(self._client), exc) from exc
+        logger.debug("%s: won %d", what, len(won))
+        return {fire_keys[i] for i in won}
+
+    def _value(self, term: int | None) -> tuple[str, int]:
+        """The JSON value of a claim made now (server time), and the ttl in ms."""
+        seconds, micros = self._client.time()
+        node_id, term_text, fmt, ttl_ms = self._args(term)
+        value = json.dumps(
+            {
+                "node_id": node_id,
+                "term": term_text,
+                "format": str(fmt),
+                "at": str(int(seconds) * 1000 + int(micros) // 1000),
+            }
+        )
+        return value, ttl_ms
+
+    def _set_each(self, keys: list[str], term: int | None) -> list[int]:
+        """``SET NX PX`` of each key in one pipeline (keys in several hash slots of a
+        cluster): the positions won."""
+        value, ttl_ms = self._value(term)
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.set(key, value, nx=True, px=ttl_ms)
+        return [i for i, ok in enumerate(pipe.execute()) if ok]
+
     def _claim_missed_across_slots(self, keys: list[str], term: int | None) -> list[int]:
         """:meth:`claim_missed` on a cluster where the keys lie in several hash slots: the
         positions won."""
@@ -221,20 +295,7 @@ class RedisClaimer(Closeable):
         first = held[-1] + 1 if held else 0
         if first == len(keys):
             return []
-        seconds, micros = client.time()
-        node_id, term_text, fmt, ttl_ms = self._args(term)
-        value = json.dumps(
-            {
-                "node_id": node_id,
-                "term": term_text,
-                "format": str(fmt),
-                "at": str(int(seconds) * 1000 + int(micros) // 1000),
-            }
-        )
-        pipe = client.pipeline(transaction=False)
-        for key in keys[first:]:
-            pipe.set(key, value, nx=True, px=ttl_ms)
-        return [first + i for i, ok in enumerate(pipe.execute()) if ok]
+        return [first + i for i in self._set_each(keys[first:], term)]
 
     def ran_before(self, series: str) -> bool:
         """Whether a leader scheduled the fires of ``series`` (a task's fire keys without
@@ -257,6 +318,59 @@ class RedisClaimer(Closeable):
                 f"record the series {series!r:.80}", describe(self._client), exc
             ) from exc
         return not first
+
+    def ran_before_many(self, series: list[str]) -> set[str]:
+        """Those of ``series`` that :meth:`ran_before` says ran before, recording each
+        as it does: one pipeline (a round trip, per master in a cluster).
+
+        Raises:
+            ConfigError: a bad series.
+            BackendUnavailable: Redis cannot be reached or failed.
+        """
+        series = check_fire_keys(series)
+        if not series:
+            return set()
+        value = json.dumps({"node_id": self.node_id, "format": str(FIRE_KEY_FORMAT)})
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for one in series:
+                pipe.set(self.key(one), value, nx=True)
+            first = pipe.execute()
+        except redis.RedisError as exc:
+            raise unavailable(
+                f"record {len(series)} series from {series[0]!r:.80}", describe(self._client), exc
+            ) from exc
+        return {one for one, new in zip(series, first, strict=True) if not new}
+
+    def claim_missed_many(
+        self, fire_keys: list[list[str]], *, term: int | None = None
+    ) -> list[list[str]]:
+        """:meth:`claim_missed` of each list (one task's fires each, oldest first);
+        return the keys won of each list. One pipeline of the script (one round trip);
+        in a cluster, one :meth:`claim_missed` per list.
+
+        Raises:
+            ConfigError: a bad key, a key given twice, or a bad term (before any I/O).
+            BackendUnavailable: as :meth:`claim_missed`.
+        """
+        check_fire_keys([key for keys in fire_keys for key in keys])
+        _check_term(term)
+        if self._cluster:
+            return [self.claim_missed(keys, term=term) for keys in fire_keys]
+        groups = [keys for keys in fire_keys if keys]
+        if not groups:
+            return [[] for _ in fire_keys]
+        what = f"claim the missed fires of {len(groups)} tasks from {groups[0][0]!r:.80}"
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for keys in groups:
+                self._claim_missed(
+                    keys=[self.key(k) for k in keys], args=self._args(term), client=pipe
+                )
+            answers = iter(pipe.execute())
+        except redis.RedisError as exc:
+            raise unavailable(what, describe(self._client), exc) from exc
+        return [[keys[int(i) - 1] for i in next(answers)] if keys else [] for keys in fire_keys]
 
     def holder_of(self, fire_key: str) -> dict[str, Any] | None:
         """The unexpired claim of ``fire_key`` (``node_id``, ``term``, ``format``,

@@ -3,7 +3,7 @@ API).
 
 Every object of the backend takes ``key_prefix`` (``"rselection:"`` by default), so that
 several applications can share one Redis; the leases' own keys are laid out in
-:mod:`rselection.redis.lease`.
+:mod:`rselection.redis.lease`, their members' keys here (:func:`membership_keys`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..errors import ConfigError
 from ..validation import MAX_NAME
 
-__all__ = ["DEFAULT_KEY_PREFIX", "check_key_prefix"]
+__all__ = ["DEFAULT_KEY_PREFIX", "check_key_prefix", "liveness_channel", "membership_keys"]
 
 DEFAULT_KEY_PREFIX = "rselection:"
 """The ``key_prefix`` of every Redis object unless told otherwise."""
@@ -31,3 +31,33 @@ def check_key_prefix(value: object) -> str:
             f"key_prefix must be a string of at most {MAX_NAME} characters, got {value!r:.60}"
         )
     return value
+
+
+def membership_keys(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> tuple[str, str]:
+    """The keys of lease ``name``'s members: heartbeats and node info.
+
+    ``<prefix>{<name>}:nodes`` is a sorted set of node ids scored by their last heartbeat
+    (server time, ms); ``<prefix>{<name>}:nodeinfo`` a hash of node id to a JSON document
+    (host, pid, address, first heartbeat). The lease name is their hash tag, as for the
+    lease's own keys, so a Redis Cluster keeps them all in one slot (one script reads the
+    members and the holder).
+
+    Args:
+        name: the lease name.
+        key_prefix: prefix of every key.
+    """
+    base = f"{key_prefix}{{{name}}}"
+    return f"{base}:nodes", f"{base}:nodeinfo"
+
+
+def liveness_channel(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    """The channel on which the holder of lease ``name`` publishes its liveness beats.
+
+    ``<prefix>{<name>}:alive``, apart from the lease's events channel, so that a follower
+    that does not listen to beats is never woken by them.
+
+    Args:
+        name: the lease name.
+        key_prefix: prefix of every key.
+    """
+    return f"{key_prefix}{{{name}}}:alive"

@@ -10,15 +10,23 @@ from ..claiming import FireClaimer
 from ..context import NoTransactionFence
 from ..leader import LeaseLeader
 from ..timing import Timings
-from ..validation import check_name, check_node_id, new_node_id
+from ..validation import (
+    check_name,
+    check_node_id,
+    check_optional_seconds,
+    check_seconds,
+    new_node_id,
+)
 from ._conn import check_client
 from .claims import RedisClaimer
 from .fencing import RedisFence
 from .keys import DEFAULT_KEY_PREFIX
 from .lease import RedisLease
+from .membership import RedisMembership
 
 if TYPE_CHECKING:
     from ..broadcast import Broadcaster
+    from ..members import NodeInfo
     from ..tasks import TaskHandler
 
 __all__ = ["DEFAULT_CLAIMER", "RedisLeader"]
@@ -65,7 +73,8 @@ class RedisLeader(LeaseLeader):
     ``leader.fence.call(ctx.term, ...)`` and ``rselection.redis.afenced_call``.
 
     A :class:`~rselection.LeaseLeader` over a :class:`~rselection.redis.RedisLease`
-    with a :class:`~rselection.redis.RedisClaimer` on the same Redis.
+    with a :class:`~rselection.redis.RedisClaimer` and node heartbeats (:meth:`nodes`,
+    :mod:`rselection.redis.membership`) on the same Redis.
 
     Args:
         client: a ``redis://`` URL, a ``redis.Redis`` or a
@@ -83,9 +92,12 @@ class RedisLeader(LeaseLeader):
         renew_interval: seconds between renewals.
         renew_deadline: step down when no renewal succeeded for this long.
         retry_interval: a follower's polling period (jittered).
-        liveness_interval: how often a follower checks that the holder's connection
-            exists (``CLIENT LIST ID``), seconds; ``None`` turns fast crash failover
-            off, so takeover after a crash waits for the ttl.
+        liveness_interval: how soon a follower notices that the holder's connection is
+            gone, seconds. The holder's keeper publishes a liveness beat on the lease's
+            channel every ``liveness_interval / 2``; a follower that heard nothing from
+            the holder for ``liveness_interval`` checks its connection once
+            (``CLIENT LIST ID``). ``None`` turns fast crash failover off, so takeover
+            after a crash waits for the ttl.
         connect_timeout: bound of opening a connection, seconds.
         broadcaster: handed to tasks as ``ctx.broadcaster``.
         claimer: claims each scheduled fire before it runs, so a fire runs once across
@@ -94,6 +106,12 @@ class RedisLeader(LeaseLeader):
             your own (any :class:`~rselection.FireClaimer`) or ``None`` to run
             fires unclaimed. Claim keys are ``"<lease name>/<fire key>"`` (``%`` and
             ``/`` in the lease name written ``%25`` and ``%2F``).
+        heartbeat_interval: seconds between this node's heartbeats (see :meth:`nodes`),
+            sent by one thread per process on ``client``. Each heartbeat is three
+            commands as Redis counts them (the script, ``TIME``, ``ZADD``); the default,
+            10 s, keeps an idle follower's heartbeats and lease checks together at about
+            0.6 commands per second.
+        node_timeout: a node not seen for this long is lost (default three heartbeats).
 
     Raises:
         ConfigError: bad arguments (the message says which and why).
@@ -115,6 +133,8 @@ class RedisLeader(LeaseLeader):
         connect_timeout: float = 5.0,
         broadcaster: Broadcaster | None = None,
         claimer: FireClaimer | _Default | None = DEFAULT_CLAIMER,
+        heartbeat_interval: float = 10.0,
+        node_timeout: float | None = None,
     ) -> None:
         check_name(name, "lease name")
         node_id = check_node_id(node_id) if node_id is not None else new_node_id()
@@ -135,7 +155,21 @@ class RedisLeader(LeaseLeader):
         self._fence_writes = RedisFence(redis_client, name, key_prefix=key_prefix)
         if claimer is DEFAULT_CLAIMER:
             claimer = RedisClaimer(redis_client, key_prefix=f"{key_prefix}claim:", node_id=node_id)
-        cleanup = []
+        heartbeat = check_seconds(heartbeat_interval, "heartbeat_interval")
+        timeout = check_optional_seconds(node_timeout, "node_timeout")
+        self._membership = RedisMembership(
+            redis_client,
+            name=name,
+            node_id=node_id,
+            key_prefix=key_prefix,
+            lease_key=lease.key,
+            heartbeat_interval=heartbeat,
+            node_timeout=3 * heartbeat if timeout is None else timeout,
+        )
+        # Whatever ends the keeper (stop(), or an error it cannot go on after), the node
+        # leaves the membership with it, before an owned client is disconnected.
+        cleanup: list[Any] = [self._membership.stop]
+        self._owns_client, self._membership_client = owns_client, redis_client
         if owns_client:
 
             def disconnect() -> None:
@@ -162,3 +196,26 @@ class RedisLeader(LeaseLeader):
     def fence(self) -> RedisFence:
         """Runs Redis commands only while a term holds this lease: ``fence.call(ctx.term, ...)``."""
         return self._fence_writes
+
+    def start(self) -> None:
+        """Start heartbeating and competing for the lease in background threads."""
+        super().start()
+        self._membership.start()
+
+    def nodes(self) -> list[NodeInfo]:
+        """Every node of this lease from its heartbeats, oldest first.
+
+        Each :class:`~rselection.NodeInfo` has the node's id, host, pid, address (as
+        the server saw it, when ``CLIENT INFO`` is allowed), first and last heartbeat
+        (server time), ``alive`` (seen within ``node_timeout``) and ``is_leader``. Works
+        on any node, leader or follower; ``ctx.nodes()`` is the same list.
+
+        Raises:
+            BackendUnavailable: Redis could not be reached.
+        """
+        try:
+            return self._membership.nodes()
+        finally:
+            if self._owns_client and self._membership.stopped:
+                # After stop() a read leaves no connection open (as leader() does).
+                self._membership_client.connection_pool.disconnect()

@@ -109,11 +109,13 @@ from ._conn import MIN_TTL, ConnectionFactory, check_client, client_name, unavai
 from ._scripts import ACQUIRE, READ, RELEASE, RENEW
 from ._scripts import CANCEL_HANDOVER as CANCEL_HANDOVER  # re-exported
 from ._scripts import REQUEST_HANDOVER as REQUEST_HANDOVER  # re-exported
-from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
+from .keys import DEFAULT_KEY_PREFIX, check_key_prefix, liveness_channel
 
 __all__ = ["RedisLease", "handover_key", "lease_keys", "node_channel", "term_origin_key"]
 
 logger = logging.getLogger(__name__)
+
+_PROBE_CAP = 4.0  # longest wait, seconds, between checks of a silent holder's connection
 
 
 def lease_keys(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> tuple[str, str, str]:
@@ -239,6 +241,43 @@ _WHOLE = re.compile(r"-?[0-9]+")
 _OURS = frozenset({"token", "node", "term", "at"})
 
 
+@dataclass
+class _Liveness:
+    """Liveness beats as one keeper sees them: following, when to check the holder's
+    connection; leading, when to publish the next beat.
+
+    A follower checks ``limit`` seconds after the last beat of the holder's term (or
+    after it first saw that holder); each check that finds the holder's connection
+    alive without a beat in between doubles the wait, up to :data:`_PROBE_CAP`, so a
+    paused holder, or one that publishes no beats, costs a few checks, never a poll.
+    """
+
+    term: str = ""  # the holder's term being timed
+    probe_at: float = 0.0  # monotonic time of the next check of its connection
+    gap: float = 0.0  # the current wait between checks
+    interval: float = 0.0  # the holder's liveness_interval from its beats (0: unknown)
+    listener: Any = None  # the listener connection subscribed to the beats
+    beat_term: int = -1  # leading: the term beats are published for
+    beat_at: float = 0.0  # leading: monotonic time of the next beat
+
+    def follow(self, term: str, limit: float) -> None:
+        if term != self.term:  # another holder: time it from now
+            self.term, self.interval = term, 0.0
+            self.heard(limit)
+
+    def heard(self, limit: float) -> None:
+        self.gap = limit
+        self.probe_at = time.monotonic() + limit
+
+    def probed(self, limit: float) -> None:
+        self.gap = min(max(2 * self.gap, limit), max(limit, _PROBE_CAP))
+        self.probe_at = time.monotonic() + self.gap
+
+    def lead(self, term: int) -> None:
+        if term != self.beat_term:  # a new term: beat at once
+            self.beat_term, self.beat_at = term, 0.0
+
+
 class RedisLease(Closeable):
     """A lease kept in one Redis key, with ``PX`` expiry, fencing terms and fast failover.
 
@@ -329,6 +368,7 @@ class RedisLease(Closeable):
         self._handover: HandoverRequest | None = None
 
         self._wakeup = Wakeup()
+        self._liveness = _Liveness()
 
     def __enter__(self) -> RedisLease:
         """Connect; the ``with`` block closes the lease on exit."""
@@ -713,7 +753,10 @@ class RedisLease(Closeable):
 
         Returns on a publish on the lease channel, on :meth:`interrupt` (also one that
         came just before the call), or, while following, when the holder's connection
-        is found gone (checked every ``liveness_interval``).
+        is found gone. A follower does not poll for that: it listens to the holder's
+        liveness beats and checks the connection (``CLIENT LIST ID``) only after
+        ``liveness_interval`` without one. While leading, this keeper publishes those
+        beats, every ``liveness_interval / 2``, when it offers fast takeover.
 
         Raises:
             BackendUnavailable: a keeper connection broke.
@@ -736,6 +779,13 @@ class RedisLease(Closeable):
                 and seen.run == self._run_id
                 and self.liveness_interval is not None
             )
+            live = self._liveness
+            if probe and seen is not None:
+                self._listen_for_beats(listener)
+                live.follow(seen.term, self._silence_limit())
+            beating = self._leading is not None and self._fast
+            if beating and self._leading is not None:
+                live.lead(self._leading[1])
             deadline = time.monotonic() + timeout
             with selectors.DefaultSelector() as sel:
                 sel.register(_sock(conn), selectors.EVENT_READ, "keeper")
@@ -744,9 +794,12 @@ class RedisLease(Closeable):
                 if wake is not None:
                     sel.register(wake, selectors.EVENT_READ, "wake")
                 while (remaining := deadline - time.monotonic()) > 0:
+                    now = time.monotonic()
                     step = remaining
-                    if probe and self.liveness_interval is not None:
-                        step = min(step, self.liveness_interval)
+                    if probe:
+                        step = min(step, max(0.0, live.probe_at - now))
+                    if beating:
+                        step = min(step, max(0.0, live.beat_at - now))
                     events = sel.select(step)
                     for key, _ in events:
                         if key.data == "wake":
@@ -755,10 +808,44 @@ class RedisLease(Closeable):
                             self._keeper_readable(conn)
                         elif self._drain(listener):
                             return
-                    if probe and not events and seen is not None and self._holder_gone(seen):
-                        return
+                    now = time.monotonic()
+                    if beating and now >= live.beat_at:
+                        self._beat()
+                    if probe and seen is not None and now >= live.probe_at:
+                        if self._holder_gone(seen):
+                            return
+                        probe = self._can_probe  # refused: the lease's expiry will do
+                        live.probed(self._silence_limit())
         finally:
             self._wakeup.clear()
+
+    def _silence_limit(self) -> float:
+        """How long a follower waits for a beat before it checks the holder's connection:
+        its own ``liveness_interval``, or the holder's if that is longer."""
+        own = self.liveness_interval or 0.0
+        return max(own, self._liveness.interval)
+
+    def _listen_for_beats(self, listener: Any) -> None:
+        """Keep the listener subscribed to the liveness channel (once per connection)."""
+        if self._liveness.listener is listener:
+            return
+        try:
+            # The confirmation is read (and skipped) with the channel's messages.
+            listener.send_command("SUBSCRIBE", liveness_channel(self.name, self.key_prefix))
+        except (redis.RedisError, OSError) as exc:
+            self._fail()
+            raise unavailable("listen for liveness beats", self._factory.where, exc) from exc
+        self._liveness.listener = listener
+
+    def _beat(self) -> None:
+        """Publish one liveness beat of the held term (the followers' reason not to probe)."""
+        leading = self._leading
+        interval = self.liveness_interval
+        if leading is None or interval is None:
+            return
+        message = f"alive:{leading[1]}:{round(interval * 1000)}"
+        self._call("PUBLISH", liveness_channel(self.name, self.key_prefix), message)
+        self._liveness.beat_at = time.monotonic() + interval / 2
 
     def _keeper_readable(self, conn: Any) -> None:
         # Nothing is due on an idle keeper: readable means closed (or garbage).
@@ -801,6 +888,9 @@ class RedisLease(Closeable):
             while listener.can_read(0):
                 message = listener.read_response()
                 if isinstance(message, list) and message and _text(message[0]) == "message":
+                    if len(message) > 2 and _text(message[2]).startswith("alive:"):
+                        self._heard(_text(message[2]))
+                        continue
                     if len(message) > 2 and _text(message[2]).startswith("resign:"):
                         self._handover_hint = True
                         if self._leading is None:
@@ -810,6 +900,17 @@ class RedisLease(Closeable):
             self._fail()
             raise unavailable("listen for lease changes", self._factory.where, exc) from exc
         return got
+
+    def _heard(self, beat: str) -> None:
+        """A liveness beat (``alive:<term>:<holder's liveness_interval, ms>``) arrived: the
+        holder of that term is alive, so the check of its connection moves back."""
+        seen = self._seen
+        parts = beat.split(":")
+        if self._leading is not None or seen is None or len(parts) != 3 or parts[1] != seen.term:
+            return  # our own beat, or an older holder's
+        with contextlib.suppress(ValueError):
+            self._liveness.interval = max(0.0, int(parts[2]) / 1000)
+        self._liveness.heard(self._silence_limit())
 
     def _holder_gone(self, seen: _Seen) -> bool:
         try:

@@ -17,6 +17,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from types import ModuleType
 from typing import Any
 
@@ -340,11 +341,71 @@ class Backend:
             return []  # the first heartbeat creates it
         return sorted(str(r[0]) for r in rows)
 
+    # -- membership -------------------------------------------------------------------
+
+    @property
+    def member_options(self) -> dict[str, Any]:
+        """Leader options that keep this test's membership apart (Redis: its key prefix)."""
+        return {"key_prefix": self.key_prefix} if self.kind == "redis" else {}
+
+    @property
+    def member_args(self) -> list[str]:
+        """``tests.support.member_node`` options that select this backend and namespace."""
+        if self.kind == "redis":
+            return ["--backend", "redis", "--key-prefix", self.key_prefix]
+        return []
+
+    def last_seen(self, name: str, node_id: str) -> Any:
+        """The node's last heartbeat as stored (server time), or ``None`` when not listed."""
+        if self.kind == "redis":
+            from rselection.redis.keys import membership_keys
+
+            with self._redis() as client:
+                score = client.zscore(membership_keys(name, self.key_prefix)[0], node_id)
+            return None if score is None else datetime.fromtimestamp(score / 1000, UTC)
+        try:
+            rows = self._pg(
+                "SELECT last_seen FROM rselection_nodes WHERE name = %s AND node_id = %s",
+                (name, node_id),
+            )
+        except psycopg.errors.UndefinedTable:  # before the first heartbeat creates it
+            return None
+        return rows[0][0] if rows else None
+
+    def server_now(self) -> datetime:
+        """The server's clock now."""
+        if self.kind == "redis":
+            with self._redis() as client:
+                seconds, micros = client.time()
+            return datetime.fromtimestamp(seconds + micros / 1e6, UTC)
+        rows = self._pg("SELECT clock_timestamp()")
+        return rows[0][0]  # type: ignore[no-any-return]
+
+    def member_ids(self, name: str) -> set[str]:
+        """The node ids stored as members of lease ``name`` (alive or lost)."""
+        if self.kind == "redis":
+            from rselection.redis.keys import membership_keys
+
+            with self._redis() as client:
+                raw = client.zrange(membership_keys(name, self.key_prefix)[0], 0, -1)
+            return {r.decode() for r in raw}
+        try:
+            rows = self._pg("SELECT node_id FROM rselection_nodes WHERE name = %s", (name,))
+        except psycopg.errors.UndefinedTable:
+            return set()
+        return {str(r[0]) for r in rows}
+
     def forget(self, name: str) -> None:
         """Redis: delete lease ``name``'s keys and ledger (Postgres: its schema goes)."""
         if self.kind != "redis":
             return
+        from rselection.redis.keys import membership_keys
         from rselection.redis.lease import handover_key, lease_keys
 
         with self._redis() as client:
-            client.delete(*lease_keys(name)[:2], handover_key(name), redis_ledger_key(LEDGER, name))
+            client.delete(
+                *lease_keys(name)[:2],
+                handover_key(name),
+                *membership_keys(name),
+                redis_ledger_key(LEDGER, name),
+            )

@@ -1,10 +1,12 @@
-"""A node for the membership tests: a PostgresLeader with a HeartbeatMonitor.
+"""A node for the membership tests: a PostgresLeader (or, with ``--backend redis``, a
+RedisLeader) with a HeartbeatMonitor.
 
 Prints one JSON line per event on stdout: ``started``, ``elected``, ``joined`` and
 ``lost`` (from the HeartbeatMonitor while it leads, with the node id), ``view`` (its own
 ``nodes()``, every 0.2 s) and ``stopped``. Stops gracefully when stdin closes.
 
-    python -m tests.support.member_node DSN --lease NAME --node ID
+    python -m tests.support.member_node DSN --lease NAME --node ID [--backend redis]
+    [--key-prefix PREFIX]
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("dsn")
     parser.add_argument("--lease", required=True)
     parser.add_argument("--node", required=True)
+    parser.add_argument("--backend", choices=["postgres", "redis"], default="postgres")
+    parser.add_argument("--key-prefix", default="rselection:")
     args = parser.parse_args(argv)
 
     handler = rs.TaskHandler()
@@ -41,18 +45,23 @@ def main(argv: list[str] | None = None) -> int:
 
     rs.signals.node_joined.connect(joined)
     rs.signals.node_lost.connect(lost)
-    leader = PostgresLeader(
-        args.dsn,
-        handler,
-        name=args.lease,
-        node_id=args.node,
-        ttl=3,
-        renew_interval=0.5,
-        renew_deadline=2,
-        retry_interval=0.5,
-        heartbeat_interval=HEARTBEAT,
-        node_timeout=NODE_TIMEOUT,
-    )
+    options: dict[str, Any] = {
+        "name": args.lease,
+        "node_id": args.node,
+        "ttl": 3,
+        "renew_interval": 0.5,
+        "renew_deadline": 2,
+        "retry_interval": 0.5,
+        "heartbeat_interval": HEARTBEAT,
+        "node_timeout": NODE_TIMEOUT,
+    }
+    leader: Any
+    if args.backend == "redis":
+        from rselection.redis import RedisLeader
+
+        leader = RedisLeader(args.dsn, handler, key_prefix=args.key_prefix, **options)
+    else:
+        leader = PostgresLeader(args.dsn, handler, **options)
     rs.signals.elected.connect(lambda sender, **kw: emit("elected", term=kw["term"]), weak=False)
     stopping = threading.Event()
 

@@ -5,8 +5,9 @@
 holder), then taken again; each claim records its node id and term; keys are
 independent and used verbatim; concurrent claimers win each key exactly once.
 ``claim_missed(fire_keys)`` (a starting leader's look back) claims every key after the
-newest one held, atomically, and takes expired claims again. Bad input (a key given
-twice included, on every claimer: memory, Postgres, Redis) is refused with
+newest one held, atomically, and takes expired claims again. ``claim_many(fire_keys)``
+(the fires due at one instant) claims each key as ``claim`` would, in one call. Bad
+input (a key given twice included, on every claimer: memory, Postgres, Redis) is refused with
 ``ConfigError`` before any I/O; a backend problem raises ``BackendUnavailable`` (fail
 closed, never "someone else has it") and the claimer recovers with the server.
 
@@ -29,7 +30,15 @@ from typing import Any
 import pytest
 
 import rselection as rs
-from rselection.claiming import FireClaimer, MissedFireClaimer, claim_missed
+from rselection.claiming import (
+    BatchFireClaimer,
+    BatchFireHistory,
+    BatchMissedFireClaimer,
+    FireClaimer,
+    MissedFireClaimer,
+    claim_each,
+    claim_missed,
+)
 from rselection.errors import BackendUnavailable, ConfigError
 from rselection.schedules import format_fire_key
 from rselection.validation import MAX_NAME
@@ -369,3 +378,140 @@ def test_a_server_down_mid_use_raises_then_recovers(private_backend: Backend) ->
         assert claimer.claim("b") and not claimer.claim("a")  # nothing claimed meanwhile
     finally:
         claimer.close()
+
+
+# -- claim_many: every fire due at one instant in one call ----------------------------------
+
+
+def instant_keys(count: int, *, lease: str = "") -> list[str]:
+    """The keys of ``count`` tasks' fires due at one instant, as a leader claims them."""
+    at = datetime(2026, 12, 1, 0, 0, tzinfo=UTC)
+    return [lease + format_fire_key(f"task-{i}", at) for i in range(count)]
+
+
+def test_every_claimer_claims_many_fires_in_one_call(every_claimer: Any) -> None:
+    assert isinstance(every_claimer, BatchFireClaimer)
+    keys = instant_keys(50)
+    assert every_claimer.claim(keys[7]) is True  # held before: not won again
+    won = every_claimer.claim_many(keys, term=4)
+    assert won == set(keys) - {keys[7]}
+    assert every_claimer.claim_many(keys, term=5) == set()  # kept, also by their holder
+    assert every_claimer.claim_many([], term=5) == set()
+
+
+def test_claim_many_records_node_id_and_term_and_takes_expired_claims_again(
+    backend: Backend, make_claimer: Callable[..., Any]
+) -> None:
+    a = make_claimer(ttl=0.5, node_id="node-a")
+    b = make_claimer(ttl=0.5, node_id="node-b")
+    keys = instant_keys(20)
+    assert a.claim_many(keys, term=3) == set(keys)
+    assert backend.claim_of(keys[0]) == ("node-a", 3)
+    assert backend.claim_of(keys[-1]) == ("node-a", 3)
+    assert b.claim_many(keys, term=4) == set()
+    wait_until(lambda: backend.claim_expired(keys[-1]), 10, "the claims to expire")
+    assert b.claim_many(keys, term=4) == set(keys)
+    assert backend.claim_of(keys[5]) == ("node-b", 4)
+
+
+def test_claim_many_and_claim_agree_on_each_key(make_claimer: Callable[..., Any]) -> None:
+    a, b = make_claimer(), make_claimer()
+    keys = instant_keys(30)
+    assert a.claim_many(keys[::3]) == set(keys[::3])
+    assert {k for k in keys if b.claim(k)} == set(keys) - set(keys[::3])
+    assert a.claim_many(keys) == set()
+
+
+def test_concurrent_claim_many_wins_each_key_exactly_once(
+    make_claimer: Callable[..., Any],
+) -> None:
+    """Leaders that claim the same instant's fires at once, in different orders, each
+    win some, never the same one, and never deadlock."""
+    threads = 6
+    keys = instant_keys(300)
+    claimers = [make_claimer(node_id=f"node-{i}") for i in range(threads)]
+    barrier = threading.Barrier(threads)
+
+    def run(index: int) -> set[str]:
+        order = keys[:]
+        random.Random(index).shuffle(order)
+        barrier.wait(timeout=30)
+        won: set[str] = set()
+        for start in range(0, len(order), 100):  # three batches each, overlapping others
+            won |= claimers[index].claim_many(order[start : start + 100], term=index)
+        return won
+
+    with ThreadPoolExecutor(threads) as pool:
+        won = [f.result(timeout=90) for f in [pool.submit(run, i) for i in range(threads)]]
+    counts = Counter(k for keys_won in won for k in keys_won)
+    assert set(counts) == set(keys)
+    assert set(counts.values()) == {1}
+
+
+def test_claim_many_refuses_bad_keys_before_any_io(offline: Any) -> None:
+    with pytest.raises(ConfigError, match="given twice"):
+        offline.claim_many(["a@1", "a@2", "a@1"])
+    with pytest.raises(ConfigError, match="list"):
+        offline.claim_many("a@1")
+    with pytest.raises(ConfigError, match="term"):
+        offline.claim_many(["a@1"], term=-1)
+    with pytest.raises(ConfigError):
+        offline.claim_many(["ok@1", ""])
+
+
+def test_claim_many_of_an_unreachable_server_raises(backend: Backend) -> None:
+    url, _ = backend.unreachable()
+    claimer = backend.claimer(url)
+    try:
+        with pytest.raises(BackendUnavailable):
+            claimer.claim_many(instant_keys(3))
+    finally:
+        claimer.close()
+
+
+def test_claim_each_calls_a_batch_claimer_once_and_reports_its_failure_on_every_key(
+    backend: Backend,
+) -> None:
+    url, _ = backend.unreachable()
+    claimer = backend.claimer(url)
+    try:
+        keys = instant_keys(4)
+        won, failed = claim_each(claimer, keys, term=1)
+        assert won == set() and set(failed) == set(keys)
+        assert all(isinstance(exc, BackendUnavailable) for exc in failed.values())
+    finally:
+        claimer.close()
+
+
+# -- a starting leader's look back, for every task in one call ------------------------------
+
+
+def test_every_claimer_claims_the_missed_fires_of_many_tasks_in_one_call(
+    every_claimer: Any,
+) -> None:
+    assert isinstance(every_claimer, BatchMissedFireClaimer)
+    tasks = [[f"task-{t}@{i:02d}" for i in range(6)] for t in range(4)]
+    assert every_claimer.claim(tasks[0][2])  # task 0: up to fire 2 was claimed
+    assert every_claimer.claim(tasks[1][5])  # task 1: the newest was claimed
+    won = every_claimer.claim_missed_many(tasks, term=3)
+    assert won == [tasks[0][3:], [], tasks[2], tasks[3]]
+    assert every_claimer.claim_missed_many(tasks, term=4) == [[], [], [], []]
+    assert every_claimer.claim_missed_many([[], ["alone@1"]]) == [[], ["alone@1"]]
+    assert every_claimer.claim_missed_many([]) == []
+    with pytest.raises(ConfigError, match="given twice"):
+        every_claimer.claim_missed_many([["x@1"], ["x@1"]])
+
+
+def test_every_claimer_tells_which_of_many_tasks_ran_before(every_claimer: Any) -> None:
+    """``ran_before_many`` answers as ``ran_before`` of each would (Redis records a
+    series when a leader asks about it; Postgres and memory look at the claims)."""
+    assert isinstance(every_claimer, BatchFireHistory)
+    assert every_claimer.claim("ran@2026-12-01T00:00:00.000000000Z")
+    every_claimer.ran_before("ran@")  # as a leader that scheduled it asked
+    assert every_claimer.ran_before_many(["ran@", "never@"]) == {"ran@"}
+    series = ["ran@", "never@", "other@"]
+    every_claimer.ran_before_many(series)  # Redis records these; the others do not
+    assert every_claimer.ran_before_many(series) == {
+        one for one in series if every_claimer.ran_before(one)
+    }
+    assert every_claimer.ran_before_many([]) == set()

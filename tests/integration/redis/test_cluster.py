@@ -26,6 +26,7 @@ from rselection.redis import (
     live_nodes,
     request_handover,
 )
+from rselection.redis.keys import membership_keys
 from rselection.redis.lease import handover_key, lease_keys
 from tests.support.redis_cluster import PrivateRedisCluster, redis_cluster_fixture
 from tests.support.waiting import wait_until
@@ -199,6 +200,28 @@ def test_one_leader_on_the_slot_master_handovers_and_fenced_writes(
     assert {term, term + 1, term + 2} <= set(terms)
 
 
+def test_membership_on_a_cluster_lists_every_node_from_any_node(
+    make_client: Callable[[], RedisCluster], fleet: tuple[str, Ledger, list[RedisLeader]]
+) -> None:
+    name, _, leaders = fleet
+    client = make_client()
+    nodes_key, info_key = membership_keys(name)
+    # The membership keys share the lease's slot: one script reads them and the holder.
+    assert len({client.keyslot(k) for k in (lease_keys(name)[0], nodes_key, info_key)}) == 1
+    first = the_leader(leaders)
+    ids = {x.node_id for x in leaders}
+    wait_until(
+        lambda: all({n.node_id for n in x.nodes() if n.alive} == ids for x in leaders),
+        30,
+        "every node listing all three",
+    )
+    for leader in leaders:
+        assert [n.node_id for n in leader.nodes() if n.is_leader] == [first.node_id]
+    leaving = next(x for x in leaders if x is not first)
+    leaving.stop(timeout=10)
+    assert {n.node_id for n in first.nodes()} == ids - {leaving.node_id}
+
+
 def test_resign_command_on_a_cluster(
     cluster: PrivateRedisCluster,
     make_client: Callable[[], RedisCluster],
@@ -318,3 +341,60 @@ def test_claim_missed_on_a_cluster_across_slots_and_in_one_slot(
         t.join(30)
     assert not set(results["a"]) & set(results["b"])
     assert set(results["a"]) | set(results["b"]) <= set(race)
+
+
+def test_claim_many_on_a_cluster_across_slots_and_in_one_slot(
+    make_client: Callable[[], RedisCluster],
+) -> None:
+    """The fires due at one instant, of many tasks (keys in many slots): each won by one
+    claimer only, in one call each; with a hash-tagged prefix (one slot), one script."""
+    client = make_client()
+    run = uuid.uuid4().hex[:8]
+    keys = [f"lease/task-{i}@2026-12-01T00:00:00.000000000Z" for i in range(60)]
+    for prefix in (f"c-many:{run}:", f"c-many:{{{run}}}:"):
+        a = RedisClaimer(make_client(), key_prefix=prefix, node_id="a")
+        b = RedisClaimer(make_client(), key_prefix=prefix, node_id="b")
+        slots = {client.keyslot(a.key(k)) for k in keys}
+        assert (len(slots) > 1) == ("{" not in prefix)
+        assert b.claim(keys[3])
+        results: dict[str, set[str]] = {}
+        barrier = threading.Barrier(2)
+
+        def go(
+            label: str,
+            claimer: RedisClaimer,
+            barrier: threading.Barrier = barrier,
+            results: dict[str, set[str]] = results,
+        ) -> None:
+            barrier.wait(10)
+            results[label] = claimer.claim_many(keys, term=2)
+
+        threads = [threading.Thread(target=go, args=(n, c)) for n, c in (("a", a), ("b", b))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not results["a"] & results["b"]
+        assert results["a"] | results["b"] == set(keys) - {keys[3]}
+        won = next(iter(results["a"] or results["b"]))
+        doc = a.holder_of(won)
+        assert doc is not None and doc["term"] == 2 and doc["format"] == "1"
+        assert a.claim_many(keys) == set()
+
+
+def test_a_starting_leaders_look_back_on_a_cluster(
+    make_client: Callable[[], RedisCluster],
+) -> None:
+    """ran_before_many and claim_missed_many with tasks in many slots."""
+    client = make_client()
+    run = uuid.uuid4().hex[:8]
+    claimer = RedisClaimer(make_client(), key_prefix=f"c-back:{run}:", node_id="b")
+    series = [f"lease/task-{i}@" for i in range(20)]
+    assert len({client.keyslot(claimer.key(one)) for one in series}) > 1
+    assert claimer.ran_before_many(series) == set()  # first asked: recorded now
+    assert claimer.ran_before_many(series) == set(series)
+    tasks = [[f"{one}{n:02d}" for n in range(4)] for one in series]
+    assert claimer.claim(tasks[0][1])
+    won = claimer.claim_missed_many(tasks, term=3)
+    assert won[0] == tasks[0][2:] and won[1:] == tasks[1:]
+    assert claimer.claim_missed_many(tasks, term=4) == [[] for _ in tasks]

@@ -297,6 +297,8 @@ def test_leader_after_stop_leaves_no_connection_open(
     wait_until(lambda: not connections(), 5, "the client's connections to close on stop")
     assert leader.leader() is None  # still answers...
     wait_until(lambda: not connections(), 5, "the connection leader() opened to close")
+    assert leader.nodes() == []  # it left the membership; the read closes its connection
+    wait_until(lambda: not connections(), 5, "the connection nodes() opened to close")
 
 
 def test_leader_answers_from_other_threads_while_the_keeper_reconnects(

@@ -1,0 +1,289 @@
+"""Fires due at one instant start together: claimed in one call, started in one go.
+
+What the scheduler promises when many fires are due at once (epoch-aligned intervals
+make all of a period's fires due at the same instant): ``async def`` fires start on the
+term's loop without a detour through the default executor; ``def`` fires run on threads
+that are reused from one instant to the next; with a claimer, the fires are claimed in
+one call, and a claim that fails, or is lost to another node, or is still in flight when
+the term ends, never runs a fire (claims fail closed) and is reported per fire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+
+import rselection as rs
+from rselection import signals
+from rselection.claiming import claim_each
+from rselection.errors import BackendUnavailable
+from rselection.task_threads import TaskThreads
+from tests.support.recording import Recorder
+from tests.support.waiting import wait_until
+
+EVERY = 0.2
+
+
+class Ran:
+    """Each fire that ran: (task, instant, thread)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.fires: list[tuple[str, datetime, threading.Thread]] = []
+
+    def add(self, ctx: rs.TaskContext) -> None:
+        assert ctx.scheduled_at is not None
+        with self.lock:
+            self.fires.append((ctx.name, ctx.scheduled_at, threading.current_thread()))
+
+    def __len__(self) -> int:
+        with self.lock:
+            return len(self.fires)
+
+    def names(self) -> set[str]:
+        with self.lock:
+            return {name for name, _, _ in self.fires}
+
+
+def tasks(ran: Ran, count: int, *, every: float = EVERY) -> rs.TaskHandler:
+    """``count`` interval tasks, even ones ``def``, odd ones ``async def``."""
+    handler = rs.TaskHandler(stop_grace=2.0)
+    for i in range(count):
+        if i % 2:
+
+            async def run_async(ctx: rs.TaskContext) -> None:
+                ran.add(ctx)
+
+            handler.interval(every, name=f"task-{i}")(run_async)
+        else:
+
+            def run_sync(ctx: rs.TaskContext) -> None:
+                ran.add(ctx)
+
+            handler.interval(every, name=f"task-{i}")(run_sync)
+    return handler
+
+
+class NoHistory:
+    """Tells the leader that no task ran before: no look-back for missed fires."""
+
+    ttl = 600.0
+
+    def ran_before(self, series: str) -> bool:
+        return False
+
+
+class FailingBatch(NoHistory):
+    """A batch claimer whose backend is down."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def claim(self, fire_key: str, *, term: int | None = None) -> bool:
+        raise BackendUnavailable("the claims server is down")
+
+    def claim_many(self, fire_keys: list[str], *, term: int | None = None) -> set[str]:
+        self.calls += 1
+        raise BackendUnavailable("the claims server is down")
+
+
+class OneByOne(NoHistory):
+    """A claimer without claim_many: one key always fails, one is always held."""
+
+    def __init__(self, failing: str, held: str) -> None:
+        self.failing = failing
+        self.held = held
+        self.inner = rs.MemoryClaimer()
+
+    def claim(self, fire_key: str, *, term: int | None = None) -> bool:
+        if self.failing in fire_key:
+            raise BackendUnavailable("this key's shard is down")
+        if self.held in fire_key:
+            return False
+        return self.inner.claim(fire_key, term=term)
+
+
+class Stalled(NoHistory):
+    """A batch claimer whose claims hang until released."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def claim(self, fire_key: str, *, term: int | None = None) -> bool:
+        return self.claim_many([fire_key], term=term) == {fire_key}
+
+    def claim_many(self, fire_keys: list[str], *, term: int | None = None) -> set[str]:
+        self.entered.set()
+        self.release.wait(30)
+        return set(fire_keys)
+
+
+def test_async_fires_start_while_the_loops_default_executor_is_busy() -> None:
+    """A fire of an ``async def`` task is started on the loop itself: application code
+    that fills the loop's default executor never holds fires up."""
+    ran = Ran()
+    handler = rs.TaskHandler(stop_grace=2.0)
+
+    @handler.interval(0.05, name="tick")
+    async def tick(ctx: rs.TaskContext) -> None:
+        ran.add(ctx)
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(1))
+        gate = threading.Event()
+        busy = loop.run_in_executor(None, gate.wait, 30)  # the executor's one thread
+        try:
+            async with rs.SingleNodeLeader(handler):
+                deadline = time.monotonic() + 10
+                while len(ran) < 5 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                count = len(ran)
+                gate.set()  # before the leader stops: stopping may use the executor too
+                await busy
+                return count
+        finally:
+            gate.set()
+
+    assert asyncio.run(main()) >= 5
+
+
+def test_a_failed_batch_claim_runs_none_of_the_instants_fires_and_reports_each(
+    leaders: Callable[..., rs.SingleNodeLeader],
+) -> None:
+    ran = Ran()
+    claimer = FailingBatch()
+    handler = tasks(ran, 20)
+    skipped = Recorder()
+    with signals.fire_skipped.connected_to(skipped, sender=handler):
+        leaders(handler, claimer=claimer).start()
+        wait_until(
+            lambda: all(len(skipped.of(f"task-{i}", reason="claim-error")) >= 2 for i in range(20)),
+            10,
+            "two instants of fires skipped for their failed claims",
+        )
+    assert len(ran) == 0
+    # One call per instant, not one per fire.
+    instants = {c["scheduled_at"] for c in skipped.calls if c["reason"] == "claim-error"}
+    assert claimer.calls <= len(instants) + 1
+
+
+def test_a_claimer_without_claim_many_is_called_fire_by_fire(
+    leaders: Callable[..., rs.SingleNodeLeader],
+) -> None:
+    ran = Ran()
+    handler = tasks(ran, 10)
+    skipped = Recorder()
+    claimer = OneByOne(failing="task-3@", held="task-4@")
+    with signals.fire_skipped.connected_to(skipped, sender=handler):
+        leaders(handler, claimer=claimer).start()
+        wait_until(
+            lambda: (
+                len(skipped.of("task-3", reason="claim-error")) >= 2
+                and len(skipped.of("task-4", reason="already-claimed")) >= 2
+                and ran.names() >= {f"task-{i}" for i in range(10)} - {"task-3", "task-4"}
+            ),
+            10,
+            "fires claimed one by one",
+        )
+    # A failed claim or one held elsewhere keeps only its own fire from running.
+    assert not ran.names() & {"task-3", "task-4"}
+
+
+def test_claim_each_falls_back_to_one_claim_per_key() -> None:
+    claimer = OneByOne(failing="b@", held="c@")
+    won, failed = claim_each(claimer, ["a@1", "b@1", "c@1", "d@1"], term=1)
+    assert won == {"a@1", "d@1"}
+    assert set(failed) == {"b@1"} and isinstance(failed["b@1"], BackendUnavailable)
+
+
+def test_fires_whose_claim_is_in_flight_when_the_term_ends_never_run(
+    leaders: Callable[..., rs.SingleNodeLeader],
+) -> None:
+    ran = Ran()
+    claimer = Stalled()
+    handler = tasks(ran, 10, every=0.1)
+    skipped = Recorder()
+    stuck = Recorder()
+    with (
+        signals.fire_skipped.connected_to(skipped, sender=handler),
+        signals.task_stuck.connected_to(stuck, sender=handler),
+    ):
+        leader = leaders(handler, claimer=claimer)
+        leader.start()
+        assert claimer.entered.wait(10)
+        began = time.monotonic()
+        leader.stop(timeout=10)
+        took = time.monotonic() - began
+        claimer.release.set()  # the claim lands after the term: still nothing runs
+        # Nothing to poll for: give a late answer the time it would need to start fires.
+        time.sleep(0.3)
+    assert took < 1.5, f"stop() waited {took:.2f}s for a claim in flight"
+    assert len(ran) == 0
+    assert not stuck.calls
+    assert all(skipped.of(f"task-{i}", reason="not-leader") for i in range(10))
+
+
+def test_def_fires_of_successive_instants_reuse_their_threads(
+    leaders: Callable[..., rs.SingleNodeLeader],
+) -> None:
+    ran = Ran()
+    handler = rs.TaskHandler(stop_grace=2.0)
+    for i in range(20):
+
+        def run(ctx: rs.TaskContext) -> None:
+            ran.add(ctx)
+
+        handler.interval(EVERY, name=f"task-{i}")(run)
+    leaders(handler).start()
+    wait_until(lambda: len(ran) >= 100, 20, "five instants of fires")
+    with ran.lock:
+        threads = {id(thread) for _, _, thread in ran.fires}
+        names = {thread.name for _, _, thread in ran.fires}
+    assert len(threads) <= 40, f"{len(threads)} threads for 20 tasks"
+    assert all(name.startswith("rselection-task-task-") for name in names)
+
+
+def test_task_threads_start_a_thread_when_none_is_idle_and_end_idle_ones_on_close() -> None:
+    threads = TaskThreads("rselection-test-threads", idle_timeout=30)
+    gate = threading.Event()
+    started = threading.Semaphore(0)
+
+    def block() -> None:
+        started.release()
+        gate.wait(10)
+
+    try:
+        for _ in range(3):  # a busy thread never holds up new work
+            threads.run(block)
+        for _ in range(3):
+            assert started.acquire(timeout=5)
+        assert threads.count() == 3
+        gate.set()
+        done = threading.Event()
+        wait_until(lambda: threads.idle() == 3, 5, "the three threads to be idle")
+        threads.run(done.set)  # an idle thread takes it: no fourth thread
+        assert done.wait(5)
+        assert threads.count() == 3
+    finally:
+        gate.set()
+        threads.close(5)
+    assert threads.count() == 0
+    assert not [t for t in threading.enumerate() if t.name == "rselection-test-threads"]
+
+
+def test_task_threads_end_when_idle_for_their_timeout() -> None:
+    threads = TaskThreads("rselection-test-idle", idle_timeout=0.1)
+    done = threading.Event()
+    threads.run(done.set)
+    assert done.wait(5)
+    wait_until(lambda: threads.count() == 0, 5, "the idle thread to end")
+    again = threading.Event()
+    threads.run(again.set)  # a new one starts
+    assert again.wait(5)
+    threads.close(5)
