@@ -148,12 +148,23 @@ class TermRunner:
         with self._cond:
             for settled in self._claim_waits:
                 settled.set()  # claim waits look at the term again and give up
+            # Claims in flight: their fires will not run now. Settled here, under the
+            # lock, so that their units no longer hold up the join.
             batches = list(self._batches)
-        for batch in batches:  # claims in flight: their fires will not run now
-            self._settle(batch)
+            self._batches.clear()
+            skipped = [self._free(batch) for batch in batches]
         if self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the caller's loop may be closed
                 self._loop.call_soon_threadsafe(self._cancel_async_tasks)
+        if any(skipped):
+            # The caller is the leader's keeper or watchdog, or stop(): a receiver of
+            # fire_skipped must never hold up the term's end, so it runs elsewhere.
+            threading.Thread(
+                target=self._send_skipped,
+                args=([fire for fires in skipped for fire in fires], "not-leader"),
+                name=f"rselection-skipped-term-{self.term.number}",
+                daemon=True,
+            ).start()
 
     def stop(self, grace: float) -> list[str]:
         """Cancel, wait up to ``grace`` seconds for every task, report the stuck ones."""
@@ -779,13 +790,27 @@ class TermRunner:
 
     def _settle(self, batch: _ClaimBatch) -> None:
         """The term ended before ``batch`` was claimed: report its fires, free its units."""
-        if not self._take(batch):
-            return
+        with self._cond:
+            if batch not in self._batches:
+                return
+            self._batches.discard(batch)
+            skipped = self._free(batch)
+        self._send_skipped(skipped, "not-leader")
+
+    def _free(self, batch: _ClaimBatch) -> list[tuple[TaskSpec, datetime]]:
+        """Under the lock: give back the running slots of ``batch``'s units, leave them,
+        and count their fires skipped; return the fires, to report (outside the lock)."""
+        skipped: list[tuple[TaskSpec, datetime]] = []
         for unit, spec, fires in batch.units:
-            for at in fires:
-                self._skip(spec, at, "not-leader")
-            self._release(spec)
-            self._leave(unit)
+            spec.stats.skipped += len(fires)
+            skipped.extend((spec, at) for at in fires)
+            self._release(spec, unit)  # the lock is reentrant
+        return skipped
+
+    def _send_skipped(self, fires: list[tuple[TaskSpec, datetime]], reason: str) -> None:
+        """Report ``fires`` skipped for ``reason``, already counted (see :meth:`_skip`)."""
+        for spec, at in fires:
+            self._announce_skip(spec, at, reason)
 
     def _claimed(
         self,
@@ -834,6 +859,10 @@ class TermRunner:
     def _skip(self, spec: TaskSpec, at: datetime, reason: str) -> None:
         with self._cond:
             spec.stats.skipped += 1
+        self._announce_skip(spec, at, reason)
+
+    def _announce_skip(self, spec: TaskSpec, at: datetime, reason: str) -> None:
+        """Log and send the skip of the fire at ``at`` (counted already)."""
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("fire of %r at %s skipped: %s", spec.name, at.isoformat(), reason)
         if signals.fire_skipped.receivers:  # no payload to build for no one

@@ -287,3 +287,45 @@ def test_task_threads_end_when_idle_for_their_timeout() -> None:
     threads.run(again.set)  # a new one starts
     assert again.wait(5)
     threads.close(5)
+
+
+def test_a_slow_fire_skipped_receiver_never_holds_up_the_end_of_a_term(
+    leaders: Callable[..., rs.SingleNodeLeader],
+) -> None:
+    """The fires of a claim still in flight when the term ends are reported off the
+    thread that ends it: the term's async tasks are cancelled at once."""
+    claimer = Stalled()
+    handler = rs.TaskHandler(stop_grace=1.0)
+    cancelled = threading.Event()
+    in_receiver = threading.Event()
+
+    @handler.interval(EVERY, name="tick")
+    def tick(ctx: rs.TaskContext) -> None:
+        pass
+
+    @handler.persistent(name="forever")
+    async def forever(ctx: rs.TaskContext) -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    def slow(sender: object, **kwargs: object) -> None:
+        in_receiver.set()
+        time.sleep(2)
+
+    signals.fire_skipped.connect(slow, sender=handler)
+    try:
+        leader = leaders(handler, claimer=claimer)
+        leader.start()
+        assert claimer.entered.wait(10)
+        began = time.monotonic()
+        leader.step_down()
+        assert cancelled.wait(5)
+        took = time.monotonic() - began
+        assert in_receiver.wait(5)  # the fires were reported, elsewhere
+    finally:
+        claimer.release.set()
+        signals.fire_skipped.disconnect(slow, sender=handler)
+    assert took < 0.5, f"the async task was cancelled {took:.2f}s after the term ended"
