@@ -159,29 +159,38 @@ class TermRunner:
         if any(skipped):
             # The caller is the leader's keeper or watchdog, or stop(): a receiver of
             # fire_skipped must never hold up the term's end, so it runs elsewhere.
-            threading.Thread(
-                target=self._send_skipped,
-                args=([fire for fires in skipped for fire in fires], "not-leader"),
-                name=f"rselection-skipped-term-{self.term.number}",
-                daemon=True,
-            ).start()
+            self._off_thread(
+                f"rselection-skipped-term-{self.term.number}",
+                self._send_skipped,
+                [fire for fires in skipped for fire in fires],
+                "not-leader",
+            )
 
     def stop(self, grace: float) -> list[str]:
         """Cancel, wait up to ``grace`` seconds for every task, report the stuck ones."""
-        self.cancel()
         deadline = time.monotonic() + grace
-        # The scheduler first: a fire it dispatches while we wait adds a unit to join.
-        if self._scheduler is not None:
-            self._scheduler.join(max(0.0, deadline - time.monotonic()))
-        with self._cond:
-            self._cond.wait_for(lambda: not self._units, max(0.0, deadline - time.monotonic()))
-            stuck = sorted(set(self._units.values()))
-        self._claims.shutdown(wait=False, cancel_futures=True)
-        self._threads.close(max(0.0, deadline - time.monotonic()))
-        if self._own_loop:
-            self._stop_private_loop(deadline)
-        if stuck:
-            self._report_stuck(stuck, grace)
+        stuck: list[str] | None = None
+        try:
+            self.cancel()
+            # The scheduler first: a fire it dispatches while we wait adds a unit to join.
+            if self._scheduler is not None:
+                self._scheduler.join(max(0.0, deadline - time.monotonic()))
+            with self._cond:
+                self._cond.wait_for(lambda: not self._units, max(0.0, deadline - time.monotonic()))
+                stuck = sorted(set(self._units.values()))
+            self._claims.shutdown(wait=False, cancel_futures=True)
+            self._threads.close(max(0.0, deadline - time.monotonic()))
+        finally:
+            # Whatever went wrong above, the loop stops and what still runs is reported.
+            if stuck is None:
+                with self._cond:
+                    stuck = sorted(set(self._units.values()))
+            try:
+                if self._own_loop:
+                    self._stop_private_loop(deadline)
+            finally:
+                if stuck:
+                    self._report_stuck(stuck, grace)
         return stuck
 
     def _report_stuck(self, stuck: list[str], grace: float) -> None:
@@ -206,12 +215,17 @@ class TermRunner:
             )
         # Receivers run on a thread of their own: the caller is the leader's keeper or
         # watchdog, which a slow receiver must never hold up.
-        threading.Thread(
-            target=self._send_stuck,
-            args=(stuck, grace),
-            name=f"rselection-stuck-term-{self.term.number}",
-            daemon=True,
-        ).start()
+        self._off_thread(
+            f"rselection-stuck-term-{self.term.number}", self._send_stuck, stuck, grace
+        )
+
+    def _off_thread(self, name: str, target: Callable[..., None], *args: Any) -> None:
+        """Run ``target(*args)`` (signal receivers) on a thread of its own; when no
+        thread can start, log that and drop it: the caller must go on."""
+        try:
+            threading.Thread(target=target, args=args, name=name, daemon=True).start()
+        except RuntimeError as exc:
+            logger.error("signals of term %d not sent: %s", self.term.number, exc)
 
     def _send_stuck(self, stuck: list[str], grace: float) -> None:
         for name in stuck:
@@ -277,7 +291,11 @@ class TermRunner:
                 self._leave(unit)
 
         thread = threading.Thread(target=run, name=f"rselection-task-{name}", daemon=True)
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError as exc:
+            self._leave(unit)
+            logger.error("task %r not started: no thread could be started for it: %s", name, exc)
 
     def _submit_async(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
         unit = self._enter(name)
@@ -894,11 +912,20 @@ class TermRunner:
                 continue
             try:
                 self._threads.run(functools.partial(self._run_unit, unit, spec, fires))
-            except RuntimeError:  # closed: the term is over
+            except RuntimeError as exc:
+                if self._threads.closed:  # the term is over
+                    reason = "not-leader"
+                else:
+                    reason = "no-thread"
+                    logger.error(
+                        "%d fires of %r skipped: no thread could be started for them: %s",
+                        len(fires),
+                        spec.name,
+                        exc,
+                    )
                 for at in fires:
-                    self._skip(spec, at, "not-leader")
-                self._release(spec)
-                self._leave(unit)
+                    self._skip(spec, at, reason)
+                self._release(spec, unit)
         if coros:
             self._submit_many(coros)
 

@@ -49,7 +49,8 @@ class TaskThreads:
         ``work`` must catch its own exceptions (one that escapes is logged).
 
         Raises:
-            RuntimeError: after :meth:`close`.
+            RuntimeError: after :meth:`close` (then :attr:`closed` is true), or when no
+                thread can be started (the process is out of threads or memory).
         """
         with self._lock:
             if self._closed:
@@ -61,8 +62,20 @@ class TaskThreads:
             thread = threading.Thread(
                 target=self._serve, args=(work,), name=self.prefix, daemon=True
             )
+            # Known before it runs, so that its end (which forgets it) comes after.
             self._threads.add(thread)
-        thread.start()
+        try:
+            thread.start()
+        except BaseException:
+            with self._lock:
+                self._threads.discard(thread)
+            raise
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (then :meth:`run` refuses work)."""
+        with self._lock:
+            return self._closed
 
     def _serve(self, work: _Work | None) -> None:
         try:
@@ -105,7 +118,9 @@ class TaskThreads:
             threads = list(self._threads)
         deadline = time.monotonic() + timeout
         for thread in threads:
-            if thread is not threading.current_thread():  # work may close its own pool
+            # Work may close its own pool; a thread that never started has nothing to
+            # wait for (and join() would raise).
+            if thread is not threading.current_thread() and thread.ident is not None:
                 thread.join(max(0.0, deadline - time.monotonic()))
 
     def idle(self) -> int:

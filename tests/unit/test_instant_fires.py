@@ -17,6 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
+import pytest
+
 import rselection as rs
 from rselection import signals
 from rselection.claiming import claim_each
@@ -329,3 +331,56 @@ def test_a_slow_fire_skipped_receiver_never_holds_up_the_end_of_a_term(
         claimer.release.set()
         signals.fire_skipped.disconnect(slow, sender=handler)
     assert took < 0.5, f"the async task was cancelled {took:.2f}s after the term ended"
+
+
+def refuse_task_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make starting a def fire's thread fail, as when the process is out of threads."""
+    start = threading.Thread.start
+
+    def failing_start(self: threading.Thread) -> None:
+        if self.name.startswith("rselection-task-term-") or self.name == "rselection-test":
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", failing_start)
+
+
+def test_task_threads_forget_a_thread_that_could_not_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    threads = TaskThreads("rselection-test")
+    refuse_task_threads(monkeypatch)
+    with pytest.raises(RuntimeError, match="can't start"):
+        threads.run(lambda: None)
+    assert threads.count() == 0
+    assert not threads.closed
+    threads.close(1)  # nothing to join, and no error
+    assert threads.closed
+
+
+def test_def_fires_without_a_thread_are_reported_and_the_term_still_ends_cleanly(
+    leaders: Callable[..., rs.SingleNodeLeader], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ran = Ran()
+    handler = tasks(ran, 4)
+    skipped = Recorder()
+    refuse_task_threads(monkeypatch)
+    with signals.fire_skipped.connected_to(skipped, sender=handler):
+        leader = leaders(handler)
+        leader.start()
+        wait_until(
+            lambda: all(len(skipped.of(f"task-{i}", reason="no-thread")) >= 2 for i in (0, 2)),
+            10,
+            "def fires reported for want of a thread",
+        )
+        leader.stop(timeout=10)
+    # The async fires ran; the def ones did not, and nothing else was reported of them.
+    assert ran.names() >= {"task-1", "task-3"}
+    assert not ran.names() & {"task-0", "task-2"}
+    assert not skipped.of("task-0", reason="not-leader")
+    # The term's end went all the way: its private loop stopped.
+    wait_until(
+        lambda: not [t for t in threading.enumerate() if t.name.startswith("rselection-loop-")],
+        5,
+        "the term's event loop to stop",
+    )
