@@ -11,6 +11,8 @@ the term ends, never runs a fire (claims fail closed) and is reported per fire.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import decimal
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +24,7 @@ import pytest
 import rselection as rs
 from rselection import signals
 from rselection.claiming import claim_each
+from rselection.context import running_term
 from rselection.errors import BackendUnavailable
 from rselection.task_threads import TaskThreads
 from tests.support.recording import Recorder
@@ -384,3 +387,42 @@ def test_def_fires_without_a_thread_are_reported_and_the_term_still_ends_cleanly
         5,
         "the term's event loop to stop",
     )
+
+
+def test_a_def_fire_on_a_reused_thread_sees_none_of_the_previous_fires_context(
+    leaders: Callable[..., rs.SingleNodeLeader],
+) -> None:
+    """Context variables (and the decimal context) one fire sets never reach the next
+    fire that its thread runs; the term is still known to each."""
+    user: contextvars.ContextVar[str | None] = contextvars.ContextVar("user", default=None)
+    handler = rs.TaskHandler(stop_grace=2.0)
+    lock = threading.Lock()
+    threads: list[threading.Thread] = []
+    readings: list[tuple[str | None, int, int | None]] = []
+
+    @handler.interval(EVERY, name="writer")
+    def writer(ctx: rs.TaskContext) -> None:
+        user.set("the writer's secret")
+        decimal.getcontext().prec = 3
+        with lock:
+            threads.append(threading.current_thread())
+
+    @handler.interval(EVERY, name="reader")
+    def reader(ctx: rs.TaskContext) -> None:
+        term = running_term.get()
+        with lock:
+            threads.append(threading.current_thread())
+            readings.append(
+                (user.get(), decimal.getcontext().prec, None if term is None else term.number)
+            )
+
+    leaders(handler).start()
+
+    def reused() -> bool:
+        with lock:
+            return len(threads) > len(set(threads)) + 6
+
+    wait_until(reused, 20, "fires on reused threads")
+    with lock:
+        assert readings
+        assert set(readings) == {(None, 28, 1)}
