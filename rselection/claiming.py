@@ -376,21 +376,22 @@ def claim_each(
 
     Uses the claimer's own ``claim_many`` when it has one (one round trip; an error
     there fails every key), else :meth:`FireClaimer.claim` key by key (an error fails
-    that key only, and the others are still claimed).
+    that key only, and the others are still claimed). A key that is not a usable fire
+    key (see :func:`check_fire_key`) fails with its :class:`ConfigError`, and only that
+    one: the others are claimed.
 
     Raises:
-        ConfigError: a bad or repeated key (see :func:`check_fire_keys`).
+        ConfigError: ``fire_keys`` is not a list of keys, or names a key twice.
     """
-    fire_keys = check_fire_keys(fire_keys)
+    fire_keys, failed = _split_bad(fire_keys)
     if not fire_keys:
-        return set(), {}
+        return set(), failed
     if isinstance(claimer, BatchFireClaimer):
         try:
-            return claimer.claim_many(fire_keys, term=term), {}
+            return claimer.claim_many(fire_keys, term=term), failed
         except Exception as exc:
-            return set(), dict.fromkeys(fire_keys, exc)
+            return set(), failed | dict.fromkeys(fire_keys, exc)
     won: set[str] = set()
-    failed: dict[str, Exception] = {}
     for key in fire_keys:
         try:
             if claimer.claim(key, term=term):
@@ -398,6 +399,29 @@ def claim_each(
         except Exception as exc:
             failed[key] = exc
     return won, failed
+
+
+def _split_bad(values: object) -> tuple[list[str], dict[str, Exception]]:
+    """The usable fire keys of ``values``, and the others with the error that refuses
+    each (see :func:`check_fire_key`).
+
+    Raises:
+        ConfigError: ``values`` is not a list of keys, or names a key twice.
+    """
+    if isinstance(values, str | bytes) or not hasattr(values, "__iter__"):
+        raise ConfigError(f"fire_keys must be a list of fire keys, got {values!r:.80}")
+    good: list[str] = []
+    bad: dict[str, Exception] = {}
+    seen: set[object] = set()
+    for value in values:
+        if value in seen:
+            raise ConfigError(f"fire_keys must name each fire once; {value!r:.80} is given twice")
+        seen.add(value)
+        try:
+            good.append(check_fire_key(value))
+        except ConfigError as exc:
+            bad[str(value)] = exc
+    return good, bad
 
 
 def claim_missed_each(

@@ -23,7 +23,7 @@ import pytest
 
 import rselection as rs
 from rselection import signals
-from rselection.claiming import claim_each
+from rselection.claiming import MAX_FIRE_KEY_BYTES, claim_each
 from rselection.context import running_term
 from rselection.errors import BackendUnavailable
 from rselection.task_threads import TaskThreads
@@ -426,3 +426,43 @@ def test_a_def_fire_on_a_reused_thread_sees_none_of_the_previous_fires_context(
     with lock:
         assert readings
         assert set(readings) == {(None, 28, 1)}
+
+
+def test_claim_each_fails_a_bad_key_alone_and_claims_the_others() -> None:
+    claimer = rs.MemoryClaimer()
+    long = "x" * (MAX_FIRE_KEY_BYTES + 1)
+    won, failed = claim_each(claimer, ["a@1", long, "b@1"], term=1)
+    assert won == {"a@1", "b@1"}
+    assert set(failed) == {long} and isinstance(failed[long], rs.ConfigError)
+    with pytest.raises(rs.ConfigError, match="twice"):
+        claim_each(claimer, ["c@1", "c@1"], term=1)
+
+
+def test_one_task_with_a_fire_key_too_long_keeps_only_its_own_fires_from_running(
+    leaders: Callable[..., rs.SingleNodeLeader],
+) -> None:
+    """A lease name and a task name each within the 1,000 characters allowed can make a
+    claim key over the bytes a claimer takes: that task's fires fail their claims, and
+    the other tasks' fires due at the same instants still run."""
+    ran = Ran()
+    handler = rs.TaskHandler(stop_grace=2.0)
+    long_name = "é" * 1000
+
+    @handler.interval(EVERY, name="normal")
+    def normal(ctx: rs.TaskContext) -> None:
+        ran.add(ctx)
+
+    @handler.interval(EVERY, name=long_name)
+    def long(ctx: rs.TaskContext) -> None:
+        ran.add(ctx)
+
+    skipped = Recorder()
+    with signals.fire_skipped.connected_to(skipped, sender=handler):
+        leaders(handler, claimer=rs.MemoryClaimer(), name="L" * 1000).start()
+        wait_until(
+            lambda: len(ran) >= 3 and len(skipped.of(long_name, reason="claim-error")) >= 3,
+            10,
+            "fires of the normal task run, those of the long one fail their claims",
+        )
+    assert ran.names() == {"normal"}
+    assert not skipped.of("normal", reason="claim-error")
