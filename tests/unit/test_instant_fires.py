@@ -23,7 +23,7 @@ import pytest
 
 import rselection as rs
 from rselection import signals
-from rselection.claiming import MAX_FIRE_KEY_BYTES, claim_each
+from rselection.claiming import MAX_FIRE_KEY_BYTES, ClaimsPartlyFailed, claim_each
 from rselection.context import running_term
 from rselection.errors import BackendUnavailable
 from rselection.task_threads import TaskThreads
@@ -466,3 +466,50 @@ def test_one_task_with_a_fire_key_too_long_keeps_only_its_own_fires_from_running
         )
     assert ran.names() == {"normal"}
     assert not skipped.of("normal", reason="claim-error")
+
+
+class HalfDown(NoHistory):
+    """A batch claimer whose claims of some tasks' fires fail (their master is down),
+    and which says so key by key."""
+
+    def __init__(self, down: set[str]) -> None:
+        self.down = down
+        self.inner = rs.MemoryClaimer()
+
+    def claim(self, fire_key: str, *, term: int | None = None) -> bool:
+        return self.claim_many([fire_key], term=term) == {fire_key}
+
+    def claim_many(self, fire_keys: list[str], *, term: int | None = None) -> set[str]:
+        failed = [key for key in fire_keys if key.split("/")[-1].split("@")[0] in self.down]
+        won = self.inner.claim_many([k for k in fire_keys if k not in failed], term=term)
+        if failed:
+            error = BackendUnavailable("that master is down")
+            raise ClaimsPartlyFailed(
+                "some claims failed", won=won, failed=dict.fromkeys(failed, error)
+            )
+        return won
+
+
+def test_a_batch_claim_that_fails_in_part_runs_the_fires_won_and_skips_the_others(
+    leaders: Callable[..., rs.SingleNodeLeader],
+) -> None:
+    ran = Ran()
+    handler = tasks(ran, 10)
+    skipped = Recorder()
+    claimer = HalfDown({"task-3", "task-4"})
+    with signals.fire_skipped.connected_to(skipped, sender=handler):
+        leaders(handler, claimer=claimer).start()
+        wait_until(
+            lambda: (
+                all(len(skipped.of(f"task-{i}", reason="claim-error")) >= 2 for i in (3, 4))
+                and ran.names() == {f"task-{i}" for i in range(10)} - {"task-3", "task-4"}
+            ),
+            10,
+            "the fires won run, the failed ones are skipped",
+        )
+    assert not ran.names() & {"task-3", "task-4"}
+    assert not [
+        c
+        for c in skipped.calls
+        if c["reason"] == "claim-error" and c["task"] not in ("task-3", "task-4")
+    ]
