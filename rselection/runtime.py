@@ -30,12 +30,13 @@ from .claiming import (
     CleanupClaimer,
     FireClaimer,
     LeaseClaims,
+    check_fire_key,
     claim_each,
     claim_missed_each,
     ran_before_each,
 )
 from .context import TaskContext, Term, running_term
-from .errors import LeadershipLost
+from .errors import ConfigError, LeadershipLost
 from .misfire import scan_due, split_behind, split_by_policy, too_old, window
 from .schedules import fire_series, format_fire_key
 from .specs import StuckPolicy, TaskSpec, TaskType
@@ -658,7 +659,7 @@ class TermRunner:
         for spec in specs:
             with self._survive(spec):
                 candidates = window(_schedule(spec), started, spec.misfire_grace)
-                if candidates:
+                if candidates and self._claimable(claimer, spec, candidates[-1]):
                     found.append((spec, candidates))
         if not found:
             return
@@ -703,6 +704,20 @@ class TermRunner:
         for (spec, _), keys, won_keys in zip(found, groups, won, strict=True):
             with self._survive(spec):
                 self._catch_up(spec, [keys[key] for key in won_keys])
+
+    def _claimable(self, claimer: FireClaimer, spec: TaskSpec, at: datetime) -> bool:
+        """Whether the claimer takes the fire keys of ``spec`` (their claim key is within
+        the bytes allowed); a task whose keys it refuses is not looked back for, so that
+        it never keeps the other tasks' missed fires from being recovered."""
+        key = format_fire_key(spec.name, at)
+        if isinstance(claimer, LeaseClaims):
+            key = claimer.prefix + key
+        try:
+            check_fire_key(key)
+        except ConfigError as exc:
+            logger.warning("task %.120r: missed fires not looked for: %s", spec.name, exc)
+            return False
+        return True
 
     def _catch_up(self, spec: TaskSpec, won: list[datetime]) -> None:
         """Run the missed fires ``won`` (claimed, oldest first) as the policy says."""
@@ -853,7 +868,7 @@ class TermRunner:
         if failed:
             key, error = next(iter(failed.items()))
             logger.warning(
-                "%d fires skipped (of %s and others): their claims failed: %s",
+                "%d fires skipped (of %.120s and others): their claims failed: %s",
                 len(failed),
                 key,
                 error,

@@ -17,13 +17,18 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
+from datetime import UTC, datetime
 
 import pytest
 
 import rselection as rs
 from rselection import signals
-from rselection.claiming import MAX_FIRE_KEY_BYTES, ClaimsPartlyFailed, claim_each
+from rselection.claiming import (
+    MAX_FIRE_KEY_BYTES,
+    ClaimsPartlyFailed,
+    check_fire_keys,
+    claim_each,
+)
 from rselection.context import running_term
 from rselection.errors import BackendUnavailable
 from rselection.task_threads import TaskThreads
@@ -513,3 +518,49 @@ def test_a_batch_claim_that_fails_in_part_runs_the_fires_won_and_skips_the_other
         for c in skipped.calls
         if c["reason"] == "claim-error" and c["task"] not in ("task-3", "task-4")
     ]
+
+
+class CheckingSeries(rs.MemoryClaimer):
+    """Refuses a bad series in ``ran_before_many``, as the Postgres and Redis claimers
+    do."""
+
+    def ran_before_many(self, series: list[str]) -> set[str]:
+        return super().ran_before_many(check_fire_keys(series))
+
+
+def test_a_task_with_a_fire_key_too_long_never_keeps_the_others_missed_fires_from_recovery(
+    leaders: Callable[..., rs.SingleNodeLeader],
+) -> None:
+    """A new leader looks back for every task's missed fires in one call: a task whose
+    claim keys no claimer takes is left out of it, and the others' are recovered."""
+    claimer = CheckingSeries()
+    long_name = "é" * 1000
+    every = 0.5
+
+    def handler_of(ran: Ran) -> rs.TaskHandler:
+        handler = rs.TaskHandler(stop_grace=2.0)
+
+        @handler.interval(every, name="normal")
+        def normal(ctx: rs.TaskContext) -> None:
+            ran.add(ctx)
+
+        @handler.interval(every, name=long_name)
+        def long(ctx: rs.TaskContext) -> None:
+            ran.add(ctx)
+
+        return handler
+
+    first = Ran()
+    leader = leaders(handler_of(first), claimer=claimer, name="L" * 1000)
+    leader.start()
+    wait_until(lambda: len(first) >= 1, 10, "a fire of the first leader")
+    leader.stop(timeout=10)
+    time.sleep(2 * every)  # fires due while no node leads: nothing to poll for
+    second = Ran()
+    started = datetime.now(UTC)
+    leaders(handler_of(second), claimer=claimer, name="L" * 1000).start()
+    wait_until(lambda: len(second) >= 1, 10, "a fire of the second leader")
+    with second.lock:
+        caught_up = [at for name, at, _ in second.fires if name == "normal" and at <= started]
+    assert caught_up, "the normal task's missed fire was not recovered"
+    assert second.names() == {"normal"}
