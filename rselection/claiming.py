@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Protocol, runtime_checkable
 
-from .errors import ConfigError
+from .errors import BackendUnavailable, ConfigError
 from .keys import lease_scoped
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "BatchFireHistory",
     "BatchMissedFireClaimer",
     "MAX_FIRE_KEY_BYTES",
+    "ClaimsPartlyFailed",
     "CleanupClaimer",
     "FireClaimer",
     "FireHistory",
@@ -85,9 +86,33 @@ class BatchFireClaimer(FireClaimer, Protocol):
 
         A key is won when no unexpired claim holds it; the others are held by another
         claim. Raises on a backend problem (then no fire of the call may run: claims
-        fail closed, although some may have been made).
+        fail closed, although some may have been made), or :class:`ClaimsPartlyFailed`
+        when only some claims failed and it knows which (then the keys it won may run).
         """
         ...
+
+
+class ClaimsPartlyFailed(BackendUnavailable):
+    """A claim of many fires in one call failed for some of them only.
+
+    :meth:`BatchFireClaimer.claim_many` raises it when it knows which claims were made
+    and which failed (keys spread over the masters of a Redis Cluster, one of which is
+    down). The keys won may run; those failed may not (claims fail closed); the others
+    are held by another claim. A caller that only catches
+    :class:`~rselection.errors.BackendUnavailable` runs none, which is safe too.
+
+    Args:
+        message: what failed, and where.
+        won: the keys this call won.
+        failed: the keys whose claim failed, each with its error.
+    """
+
+    def __init__(self, message: str, *, won: set[str], failed: dict[str, Exception]) -> None:
+        super().__init__(message)
+        self.won = won
+        """The keys this call won."""
+        self.failed = failed
+        """The keys whose claim failed, each with its error."""
 
 
 @runtime_checkable
@@ -375,22 +400,26 @@ def claim_each(
     failed with its error (the others are held by another claim).
 
     Uses the claimer's own ``claim_many`` when it has one (one round trip; an error
-    there fails every key), else :meth:`FireClaimer.claim` key by key (an error fails
-    that key only, and the others are still claimed).
+    there fails every key, except the keys a :class:`ClaimsPartlyFailed` tells were won
+    or held), else :meth:`FireClaimer.claim` key by key (an error fails
+    that key only, and the others are still claimed). A key that is not a usable fire
+    key (see :func:`check_fire_key`) fails with its :class:`ConfigError`, and only that
+    one: the others are claimed.
 
     Raises:
-        ConfigError: a bad or repeated key (see :func:`check_fire_keys`).
+        ConfigError: ``fire_keys`` is not a list of keys, or names a key twice.
     """
-    fire_keys = check_fire_keys(fire_keys)
+    fire_keys, failed = _split_bad(fire_keys)
     if not fire_keys:
-        return set(), {}
+        return set(), failed
     if isinstance(claimer, BatchFireClaimer):
         try:
-            return claimer.claim_many(fire_keys, term=term), {}
+            return claimer.claim_many(fire_keys, term=term), failed
+        except ClaimsPartlyFailed as exc:
+            return exc.won & set(fire_keys), failed | exc.failed
         except Exception as exc:
-            return set(), dict.fromkeys(fire_keys, exc)
+            return set(), failed | dict.fromkeys(fire_keys, exc)
     won: set[str] = set()
-    failed: dict[str, Exception] = {}
     for key in fire_keys:
         try:
             if claimer.claim(key, term=term):
@@ -398,6 +427,29 @@ def claim_each(
         except Exception as exc:
             failed[key] = exc
     return won, failed
+
+
+def _split_bad(values: object) -> tuple[list[str], dict[str, Exception]]:
+    """The usable fire keys of ``values``, and the others with the error that refuses
+    each (see :func:`check_fire_key`).
+
+    Raises:
+        ConfigError: ``values`` is not a list of keys, or names a key twice.
+    """
+    if isinstance(values, str | bytes) or not hasattr(values, "__iter__"):
+        raise ConfigError(f"fire_keys must be a list of fire keys, got {values!r:.80}")
+    good: list[str] = []
+    bad: dict[str, Exception] = {}
+    seen: set[object] = set()
+    for value in values:
+        if value in seen:
+            raise ConfigError(f"fire_keys must name each fire once; {value!r:.80} is given twice")
+        seen.add(value)
+        try:
+            good.append(check_fire_key(value))
+        except ConfigError as exc:
+            bad[str(value)] = exc
+    return good, bad
 
 
 def claim_missed_each(

@@ -30,12 +30,13 @@ from .claiming import (
     CleanupClaimer,
     FireClaimer,
     LeaseClaims,
+    check_fire_key,
     claim_each,
     claim_missed_each,
     ran_before_each,
 )
 from .context import TaskContext, Term, running_term
-from .errors import LeadershipLost
+from .errors import ConfigError, LeadershipLost
 from .misfire import scan_due, split_behind, split_by_policy, too_old, window
 from .schedules import fire_series, format_fire_key
 from .specs import StuckPolicy, TaskSpec, TaskType
@@ -148,29 +149,49 @@ class TermRunner:
         with self._cond:
             for settled in self._claim_waits:
                 settled.set()  # claim waits look at the term again and give up
+            # Claims in flight: their fires will not run now. Settled here, under the
+            # lock, so that their units no longer hold up the join.
             batches = list(self._batches)
-        for batch in batches:  # claims in flight: their fires will not run now
-            self._settle(batch)
+            self._batches.clear()
+            skipped = [self._free(batch) for batch in batches]
         if self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the caller's loop may be closed
                 self._loop.call_soon_threadsafe(self._cancel_async_tasks)
+        if any(skipped):
+            # The caller is the leader's keeper or watchdog, or stop(): a receiver of
+            # fire_skipped must never hold up the term's end, so it runs elsewhere.
+            self._off_thread(
+                f"rselection-skipped-term-{self.term.number}",
+                self._send_skipped,
+                [fire for fires in skipped for fire in fires],
+                "not-leader",
+            )
 
     def stop(self, grace: float) -> list[str]:
         """Cancel, wait up to ``grace`` seconds for every task, report the stuck ones."""
-        self.cancel()
         deadline = time.monotonic() + grace
-        # The scheduler first: a fire it dispatches while we wait adds a unit to join.
-        if self._scheduler is not None:
-            self._scheduler.join(max(0.0, deadline - time.monotonic()))
-        with self._cond:
-            self._cond.wait_for(lambda: not self._units, max(0.0, deadline - time.monotonic()))
-            stuck = sorted(set(self._units.values()))
-        self._claims.shutdown(wait=False, cancel_futures=True)
-        self._threads.close(max(0.0, deadline - time.monotonic()))
-        if self._own_loop:
-            self._stop_private_loop(deadline)
-        if stuck:
-            self._report_stuck(stuck, grace)
+        stuck: list[str] | None = None
+        try:
+            self.cancel()
+            # The scheduler first: a fire it dispatches while we wait adds a unit to join.
+            if self._scheduler is not None:
+                self._scheduler.join(max(0.0, deadline - time.monotonic()))
+            with self._cond:
+                self._cond.wait_for(lambda: not self._units, max(0.0, deadline - time.monotonic()))
+                stuck = sorted(set(self._units.values()))
+            self._claims.shutdown(wait=False, cancel_futures=True)
+            self._threads.close(max(0.0, deadline - time.monotonic()))
+        finally:
+            # Whatever went wrong above, the loop stops and what still runs is reported.
+            if stuck is None:
+                with self._cond:
+                    stuck = sorted(set(self._units.values()))
+            try:
+                if self._own_loop:
+                    self._stop_private_loop(deadline)
+            finally:
+                if stuck:
+                    self._report_stuck(stuck, grace)
         return stuck
 
     def _report_stuck(self, stuck: list[str], grace: float) -> None:
@@ -195,12 +216,17 @@ class TermRunner:
             )
         # Receivers run on a thread of their own: the caller is the leader's keeper or
         # watchdog, which a slow receiver must never hold up.
-        threading.Thread(
-            target=self._send_stuck,
-            args=(stuck, grace),
-            name=f"rselection-stuck-term-{self.term.number}",
-            daemon=True,
-        ).start()
+        self._off_thread(
+            f"rselection-stuck-term-{self.term.number}", self._send_stuck, stuck, grace
+        )
+
+    def _off_thread(self, name: str, target: Callable[..., None], *args: Any) -> None:
+        """Run ``target(*args)`` (signal receivers) on a thread of its own; when no
+        thread can start, log that and drop it: the caller must go on."""
+        try:
+            threading.Thread(target=target, args=args, name=name, daemon=True).start()
+        except RuntimeError as exc:
+            logger.error("signals of term %d not sent: %s", self.term.number, exc)
 
     def _send_stuck(self, stuck: list[str], grace: float) -> None:
         for name in stuck:
@@ -266,7 +292,11 @@ class TermRunner:
                 self._leave(unit)
 
         thread = threading.Thread(target=run, name=f"rselection-task-{name}", daemon=True)
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError as exc:
+            self._leave(unit)
+            logger.error("task %r not started: no thread could be started for it: %s", name, exc)
 
     def _submit_async(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
         unit = self._enter(name)
@@ -629,7 +659,7 @@ class TermRunner:
         for spec in specs:
             with self._survive(spec):
                 candidates = window(_schedule(spec), started, spec.misfire_grace)
-                if candidates:
+                if candidates and self._claimable(claimer, spec, candidates[-1]):
                     found.append((spec, candidates))
         if not found:
             return
@@ -674,6 +704,20 @@ class TermRunner:
         for (spec, _), keys, won_keys in zip(found, groups, won, strict=True):
             with self._survive(spec):
                 self._catch_up(spec, [keys[key] for key in won_keys])
+
+    def _claimable(self, claimer: FireClaimer, spec: TaskSpec, at: datetime) -> bool:
+        """Whether the claimer takes the fire keys of ``spec`` (their claim key is within
+        the bytes allowed); a task whose keys it refuses is not looked back for, so that
+        it never keeps the other tasks' missed fires from being recovered."""
+        key = format_fire_key(spec.name, at)
+        if isinstance(claimer, LeaseClaims):
+            key = claimer.prefix + key
+        try:
+            check_fire_key(key)
+        except ConfigError as exc:
+            logger.warning("task %.120r: missed fires not looked for: %s", spec.name, exc)
+            return False
+        return True
 
     def _catch_up(self, spec: TaskSpec, won: list[datetime]) -> None:
         """Run the missed fires ``won`` (claimed, oldest first) as the policy says."""
@@ -779,13 +823,27 @@ class TermRunner:
 
     def _settle(self, batch: _ClaimBatch) -> None:
         """The term ended before ``batch`` was claimed: report its fires, free its units."""
-        if not self._take(batch):
-            return
+        with self._cond:
+            if batch not in self._batches:
+                return
+            self._batches.discard(batch)
+            skipped = self._free(batch)
+        self._send_skipped(skipped, "not-leader")
+
+    def _free(self, batch: _ClaimBatch) -> list[tuple[TaskSpec, datetime]]:
+        """Under the lock: give back the running slots of ``batch``'s units, leave them,
+        and count their fires skipped; return the fires, to report (outside the lock)."""
+        skipped: list[tuple[TaskSpec, datetime]] = []
         for unit, spec, fires in batch.units:
-            for at in fires:
-                self._skip(spec, at, "not-leader")
-            self._release(spec)
-            self._leave(unit)
+            spec.stats.skipped += len(fires)
+            skipped.extend((spec, at) for at in fires)
+            self._release(spec, unit)  # the lock is reentrant
+        return skipped
+
+    def _send_skipped(self, fires: list[tuple[TaskSpec, datetime]], reason: str) -> None:
+        """Report ``fires`` skipped for ``reason``, already counted (see :meth:`_skip`)."""
+        for spec, at in fires:
+            self._announce_skip(spec, at, reason)
 
     def _claimed(
         self,
@@ -810,7 +868,7 @@ class TermRunner:
         if failed:
             key, error = next(iter(failed.items()))
             logger.warning(
-                "%d fires skipped (of %s and others): their claims failed: %s",
+                "%d fires skipped (of %.120s and others): their claims failed: %s",
                 len(failed),
                 key,
                 error,
@@ -834,6 +892,10 @@ class TermRunner:
     def _skip(self, spec: TaskSpec, at: datetime, reason: str) -> None:
         with self._cond:
             spec.stats.skipped += 1
+        self._announce_skip(spec, at, reason)
+
+    def _announce_skip(self, spec: TaskSpec, at: datetime, reason: str) -> None:
+        """Log and send the skip of the fire at ``at`` (counted already)."""
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("fire of %r at %s skipped: %s", spec.name, at.isoformat(), reason)
         if signals.fire_skipped.receivers:  # no payload to build for no one
@@ -865,11 +927,20 @@ class TermRunner:
                 continue
             try:
                 self._threads.run(functools.partial(self._run_unit, unit, spec, fires))
-            except RuntimeError:  # closed: the term is over
+            except RuntimeError as exc:
+                if self._threads.closed:  # the term is over
+                    reason = "not-leader"
+                else:
+                    reason = "no-thread"
+                    logger.error(
+                        "%d fires of %r skipped: no thread could be started for them: %s",
+                        len(fires),
+                        spec.name,
+                        exc,
+                    )
                 for at in fires:
-                    self._skip(spec, at, "not-leader")
-                self._release(spec)
-                self._leave(unit)
+                    self._skip(spec, at, reason)
+                self._release(spec, unit)
         if coros:
             self._submit_many(coros)
 

@@ -16,7 +16,8 @@ arguments:
   ``error`` (``None`` unless it failed), after every run.
 - ``task_stuck``: ``task``, ``term``, ``waited`` (seconds waited after cancelling).
 - ``fire_skipped``: ``task``, ``scheduled_at``, ``fire_key``, ``reason`` (``"overlap"``,
-  ``"not-leader"``, ``"already-claimed"``, ``"misfire"``, ``"claim-error"``).
+  ``"not-leader"``, ``"already-claimed"``, ``"misfire"``, ``"claim-error"``,
+  ``"no-thread"``: no thread could be started to run it).
 - ``node_joined``: ``name`` (lease name), ``node`` (:class:`~rselection.NodeInfo`), sent
   by a :class:`~rselection.HeartbeatMonitor` on the leader.
 - ``node_lost``: ``name``, ``node`` (its last heartbeat), sent the same way.

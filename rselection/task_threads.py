@@ -6,10 +6,15 @@ it a thousand times in a row. A thread that finished a fire waits a while for th
 one instead, so that an instant's fires are handed to threads that already run. A fire
 never waits for a busy thread: when no thread is idle, a new one starts. So there is
 still one thread per running fire, and no more threads than fires ran at once.
+
+Each call runs in a fresh, empty :class:`contextvars.Context`, as on a new thread, so a
+fire never sees the context variables (nor the :mod:`decimal` context) that an earlier
+fire on the same thread set. ``threading.local`` values do stay with the thread.
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import queue
 import threading
@@ -44,12 +49,14 @@ class TaskThreads:
         self._closed = False
 
     def run(self, work: _Work) -> None:
-        """Run ``work()`` on an idle thread, or on a new one if none is idle.
+        """Run ``work()`` on an idle thread, or on a new one if none is idle, in a fresh
+        :class:`contextvars.Context` (empty, as on a new thread).
 
         ``work`` must catch its own exceptions (one that escapes is logged).
 
         Raises:
-            RuntimeError: after :meth:`close`.
+            RuntimeError: after :meth:`close` (then :attr:`closed` is true), or when no
+                thread can be started (the process is out of threads or memory).
         """
         with self._lock:
             if self._closed:
@@ -61,14 +68,27 @@ class TaskThreads:
             thread = threading.Thread(
                 target=self._serve, args=(work,), name=self.prefix, daemon=True
             )
+            # Known before it runs, so that its end (which forgets it) comes after.
             self._threads.add(thread)
-        thread.start()
+        try:
+            thread.start()
+        except BaseException:
+            with self._lock:
+                self._threads.discard(thread)
+            raise
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (then :meth:`run` refuses work)."""
+        with self._lock:
+            return self._closed
 
     def _serve(self, work: _Work | None) -> None:
         try:
             while work is not None:
                 try:
-                    work()
+                    # Each call in a context of its own, as a new thread would give it.
+                    contextvars.Context().run(work)
                 except Exception:
                     logger.exception("a task thread's work raised; ignored")
                 work = self._next()
@@ -105,7 +125,9 @@ class TaskThreads:
             threads = list(self._threads)
         deadline = time.monotonic() + timeout
         for thread in threads:
-            if thread is not threading.current_thread():  # work may close its own pool
+            # Work may close its own pool; a thread that never started has nothing to
+            # wait for (and join() would raise).
+            if thread is not threading.current_thread() and thread.ident is not None:
                 thread.join(max(0.0, deadline - time.monotonic()))
 
     def idle(self) -> int:

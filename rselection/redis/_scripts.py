@@ -31,15 +31,21 @@ __all__ = [
 #: (ms)}.
 #:
 #: The new term is the counter's ``INCR``, except when the counter may lack terms issued
-#: on another server: the origin key holds the replication id (``master_replid``) of the
-#: server that last wrote the counter, and when that is not this server's (a promoted
-#: replica, a restart, a slot moved), or the counter or this server came from elsewhere
-#: without one, or the counter vanished while its origin stayed (evicted, deleted), the
-#: term jumps to at least the server's ``TIME`` in microseconds (the lease module's
-#: docstring says what that guarantees). Refused with a ``READONLY`` error on a replica.
+#: before: when there is no counter (a new lease, or its counter was evicted, deleted or
+#: lost in a restart) or the origin key does not hold this server's replication id
+#: (``master_replid``: a promoted replica, a restart, a slot moved), the term is at least
+#: the server's ``TIME`` in microseconds (the lease module's docstring says what that
+#: guarantees). Terms are computed as strings, exact to 2^63 - 1. Refused with a
+#: ``READONLY`` error on a replica.
 ACQUIRE = """
 local function run_id()
   return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or ''
+end
+-- a < b for decimal integers as strings (b non-negative, neither with leading zeros).
+local function below(a, b)
+  if string.sub(a, 1, 1) == '-' then return true end
+  if #a ~= #b then return #a < #b end
+  return a < b
 end
 local cur = redis.call('GET', KEYS[1])
 local run = ''
@@ -75,30 +81,23 @@ if string.find(repl, 'role:slave', 1, true) then
 end
 if run == '' then run = run_id() end
 local counted = redis.call('EXISTS', KEYS[2]) == 1
-local term = redis.call('INCR', KEYS[2])
 local id = string.match(repl, 'master_replid:(%x+)') or ''
 local origin = redis.call('GET', KEYS[4])
-if id ~= '' then
-  local foreign
-  if origin == id then
-    -- Our own counter is gone (evicted, deleted): its terms are unknown.
-    foreign = not counted
-  else
-    -- Promoted since its start: master_replid2 names the master it followed.
-    local id2 = string.match(repl, 'master_replid2:(%x+)') or ''
-    foreign = origin or counted or string.find(id2, '[^0]')
-    redis.call('SET', KEYS[4], id)
-  end
-  if foreign then
-    local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
-    if term < floor then
-      term = floor
-      redis.call('SET', KEYS[2], string.format('%d', term))
-    end
+-- A missing counter (a new lease, or one evicted, deleted, lost in a restart) or one
+-- written under another replication id (a promoted replica, a restart, a moved slot)
+-- may lack terms issued before: start from the clock instead.
+local foreign = not counted or (id ~= '' and origin ~= id)
+if id ~= '' and origin ~= id then redis.call('SET', KEYS[4], id) end
+redis.call('INCR', KEYS[2])
+-- Terms stay strings: Lua numbers are doubles, exact only up to 2^53.
+local ts = redis.call('GET', KEYS[2])
+if foreign then
+  local floor = t[1] .. string.format('%06d', tonumber(t[2]))
+  if below(ts, floor) then
+    ts = floor
+    redis.call('SET', KEYS[2], floor)
   end
 end
--- string.format, not tostring: Lua prints numbers of 15 digits and more as 1.8e+15.
-local ts = string.format('%d', term)
 local v = cjson.encode({token = ARGV[1], node = ARGV[2], term = ts,
   client = ARGV[4], run = run, fast = ARGV[5], at = now})
 if cur then

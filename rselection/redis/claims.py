@@ -40,7 +40,7 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
-from ..claiming import check_fire_key, check_fire_keys
+from ..claiming import ClaimsPartlyFailed, check_fire_key, check_fire_keys
 from ..closeable import Closeable
 from ..errors import ConfigError
 from ..validation import check_node_id, check_seconds, new_node_id
@@ -242,6 +242,8 @@ class RedisClaimer(Closeable):
 
         Raises:
             ConfigError: a bad or repeated key, or a bad term (before any I/O).
+            ClaimsPartlyFailed: in a cluster, the claims on some masters failed (run
+                only its ``won`` keys; the failed ones are skipped: fail closed).
             BackendUnavailable: Redis cannot be reached or failed (fail closed: run
                 none of the fires, although some claims may have been made).
         """
@@ -251,14 +253,29 @@ class RedisClaimer(Closeable):
             return set()
         keys = [self.key(k) for k in fire_keys]
         what = f"claim {len(fire_keys)} fires from {fire_keys[0]!r:.80}"
+        failed: dict[int, Exception] = {}
         try:
             if self._cluster and len({self._client.keyslot(k) for k in keys}) > 1:
-                won = self._set_each(keys, term)
+                won, failed = self._set_each(keys, term)
             else:
                 won = [int(i) - 1 for i in self._claim_many(keys=keys, args=self._args(term))]
         except redis.RedisError as exc:
             raise unavailable(what, describe(self._client), exc) from exc
-        logger.debug("%s: won %d", what, len(won))
+        logger.debug("%s: won %d, failed %d", what, len(won), len(failed))
+        if failed:
+            # Some masters answered: what they claimed may run, the others' fires not.
+            first = next(iter(failed.values()))
+            error = unavailable(what, describe(self._client), first)
+            raise ClaimsPartlyFailed(
+                f"{error} ({len(failed)} of {len(fire_keys)} claims failed)",
+                won={fire_keys[i] for i in won},
+                failed={
+                    fire_keys[i]: unavailable(
+                        f"claim {fire_keys[i]!r:.80}", describe(self._client), exc
+                    )
+                    for i, exc in failed.items()
+                },
+            ) from first
         return {fire_keys[i] for i in won}
 
     def _value(self, term: int | None) -> tuple[str, int]:
@@ -275,14 +292,24 @@ class RedisClaimer(Closeable):
         )
         return value, ttl_ms
 
-    def _set_each(self, keys: list[str], term: int | None) -> list[int]:
+    def _set_each(
+        self, keys: list[str], term: int | None
+    ) -> tuple[list[int], dict[int, Exception]]:
         """``SET NX PX`` of each key in one pipeline (keys in several hash slots of a
-        cluster): the positions won."""
+        cluster): the positions won, and those whose ``SET`` failed with its error (a
+        master that is down fails its keys only)."""
         value, ttl_ms = self._value(term)
         pipe = self._client.pipeline(transaction=False)
         for key in keys:
             pipe.set(key, value, nx=True, px=ttl_ms)
-        return [i for i, ok in enumerate(pipe.execute()) if ok]
+        won: list[int] = []
+        failed: dict[int, Exception] = {}
+        for i, result in enumerate(pipe.execute(raise_on_error=False)):
+            if isinstance(result, Exception):
+                failed[i] = result
+            elif result:
+                won.append(i)
+        return won, failed
 
     def _claim_missed_across_slots(self, keys: list[str], term: int | None) -> list[int]:
         """:meth:`claim_missed` on a cluster where the keys lie in several hash slots: the
@@ -295,7 +322,10 @@ class RedisClaimer(Closeable):
         first = held[-1] + 1 if held else 0
         if first == len(keys):
             return []
-        return [first + i for i in self._set_each(keys[first:], term)]
+        won, failed = self._set_each(keys[first:], term)
+        if failed:  # a missed fire after a failed claim could run out of order: none runs
+            raise next(iter(failed.values()))
+        return [first + i for i in won]
 
     def ran_before(self, series: str) -> bool:
         """Whether a leader scheduled the fires of ``series`` (a task's fire keys without

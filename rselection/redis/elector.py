@@ -13,7 +13,8 @@ How it works
 
 An election ``name`` lives in two keys with the name as hash tag, so a Redis Cluster
 keeps them in one slot: ``<key_prefix>{<name>}:elector`` holds the leading node id, and
-the hash ``<key_prefix>{<name>}:elector:term`` the term and the last holder.
+the hash ``<key_prefix>{<name>}:elector:term`` the term, the last holder and the
+replication id of the server that wrote them.
 
 :meth:`RedisElector.is_leader` is one Lua script on those keys: when the election key
 holds this elector's node id it extends it (``PEXPIRE``); when the key does not exist
@@ -47,19 +48,47 @@ __all__ = ["RedisElector"]
 
 logger = logging.getLogger(__name__)
 
+#: Acquire or renew election KEYS[1] (term hash KEYS[2]) for node ARGV[1], ttl ARGV[2]
+#: (ms). Returns the term as a string while leading, else -1. A new holder's term is the
+#: hash's ``HINCRBY``, except when there is no term or the hash's ``origin`` is not this
+#: server's replication id (a promoted replica, a restart, a moved slot): then it is at
+#: least the server's ``TIME`` in microseconds, as for the lease's terms
+#: (:mod:`rselection.redis.lease`); the same holder gets a new term then too. Terms are
+#: computed as strings, exact to 2^63 - 1. Refused with a ``READONLY`` error on a replica.
 ELECT = """
+local repl = redis.call('INFO', 'replication')
+if string.find(repl, 'role:slave', 1, true) then
+  -- A writable replica (replica-read-only no) would count terms its primary never sees.
+  return redis.error_reply('READONLY this server is a replica: elections run on its primary')
+end
 local cur = redis.call('GET', KEYS[1])
 if cur == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return tonumber(redis.call('HGET', KEYS[2], 'term') or '0')
+  return redis.call('HGET', KEYS[2], 'term') or '0'
 end
 if cur then return -1 end
 redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
-if redis.call('HGET', KEYS[2], 'holder') == ARGV[1] then
-  return tonumber(redis.call('HGET', KEYS[2], 'term') or '0')
-end
+local id = string.match(repl, 'master_replid:(%x+)') or ''
+local h = redis.call('HMGET', KEYS[2], 'term', 'holder', 'origin')
+-- No term (a new election, or one evicted, deleted, lost in a restart) or one written
+-- under another replication id may lack terms issued before: start from the clock.
+local foreign = not h[1] or (id ~= '' and h[3] ~= id)
+if not foreign and h[2] == ARGV[1] then return h[1] end
 redis.call('HSET', KEYS[2], 'holder', ARGV[1])
-return redis.call('HINCRBY', KEYS[2], 'term', 1)
+if id ~= '' and h[3] ~= id then redis.call('HSET', KEYS[2], 'origin', id) end
+redis.call('HINCRBY', KEYS[2], 'term', 1)
+local term = redis.call('HGET', KEYS[2], 'term')
+if foreign then
+  local t = redis.call('TIME')
+  local floor = t[1] .. string.format('%06d', tonumber(t[2]))
+  local below = string.sub(term, 1, 1) == '-' or #term < #floor
+    or (#term == #floor and term < floor)
+  if below then
+    term = floor
+    redis.call('HSET', KEYS[2], 'term', floor)
+  end
+end
+return term
 """
 
 RESIGN = """

@@ -27,16 +27,18 @@ Terms across a failover
 -----------------------
 
 Replication is asynchronous: a replica promoted after its primary died may lack the last
-acquisitions, and a plain ``INCR`` would issue their terms again. So the acquire script
-also keeps ``<prefix>{<name>}:origin``, the ``master_replid`` (``INFO replication``) of
-the server that wrote the term counter. When it is not this server's id (a promoted
-replica, a restart, a moved cluster slot), or the counter has no origin, or there is no
-counter on a server that was promoted since its start (``master_replid2`` set) or under
-an origin that stayed (the counter was evicted or deleted), the new term is ``max(INCR,
-TIME in microseconds)``; then terms count by one again. Terms issued before a lease's
-first jump are small counters, so at the first jump the promoted server's term is larger
-than any lost one whatever the clocks; at later jumps it is larger while the promoted
-server's clock is not behind the lost primary's by more than the failover took. The
+acquisitions, and a plain ``INCR`` would issue their terms again; so would a counter that
+was evicted, deleted or lost in a crash. So the acquire script also keeps
+``<prefix>{<name>}:origin``, the ``master_replid`` (``INFO replication``) of the server
+that wrote the term counter. When there is no counter, or the origin is not this
+server's id (a promoted replica, a restart, a moved cluster slot), the new term is
+``max(INCR, TIME in microseconds)``; then terms count by one again. A lease's first term
+is therefore the server's clock in microseconds (16 digits). A term is never larger than
+its server's clock when it was issued, so a term repeats only if the server's clock went
+back by more than the time since the lost term was issued. Terms are computed as
+strings, exact up to 2^63 - 1. A lease value whose term is not a whole number was
+written by an earlier release (``1.7961690294577e+15``): :func:`parse_holder` raises
+:class:`~rselection.errors.ConfigError` so that its nodes are stopped first. The
 manual's page on the Redis backend says what a lost write still allows.
 
 Handover on request
@@ -93,6 +95,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import secrets
 import selectors
 import socket
@@ -195,10 +198,17 @@ class _Seen:
 
 
 def parse_holder(raw: Any, pttl: Any, now_ms: Any) -> tuple[LeaderInfo | None, dict[str, Any]]:
-    """Decode a lease value; ``(None, {})`` for no holder or a value we cannot read."""
+    """Decode a lease value; ``(None, {})`` for no holder or a value we cannot read.
+
+    Raises:
+        ConfigError: the value was written by a node of an earlier rselection release
+            whose term is not a whole number (such a node wrote a 16-digit term as
+            ``"1.7961690294577e+15"``): every node of that release must be stopped.
+    """
     text = _text(raw) if raw is not None else ""
     if not text:
         return None, {}
+    doc: Any = None
     try:
         doc = json.loads(text)
         now = int(_text(now_ms))
@@ -210,9 +220,34 @@ def parse_holder(raw: Any, pttl: Any, now_ms: Any) -> tuple[LeaderInfo | None, d
             _ms_to_utc(now + ttl_ms),
         )
     except (ValueError, KeyError, TypeError):
+        if _earlier_release(doc):
+            raise ConfigError(
+                f"the lease holds term {doc['term']!r:.40} of node {str(doc['node'])!r:.80}, "
+                "not a whole number: a node of an earlier rselection release is competing "
+                "(it writes a term of 16 digits as 1.7961690294577e+15); stop every node "
+                "of the earlier release before starting this one"
+            ) from None
         logger.warning("lease value %.80r is not an rselection lease; ignoring it", text)
         return None, {}
     return info, doc
+
+
+def _earlier_release(doc: Any) -> bool:
+    """Whether a lease value that failed to parse has every field of an rselection lease
+    and a term string that is not an integer: what the acquire script of an earlier
+    release wrote for a term of 15 digits or more (Lua's ``tostring``)."""
+    return (
+        isinstance(doc, dict)
+        and doc.keys() >= _OURS
+        and isinstance(doc["term"], str)
+        and not _WHOLE.fullmatch(doc["term"])
+    )
+
+
+#: A term as the acquire script writes it.
+_WHOLE = re.compile(r"-?[0-9]+")
+#: Fields every release of the acquire script wrote.
+_OURS = frozenset({"token", "node", "term", "at"})
 
 
 @dataclass
@@ -342,6 +377,7 @@ class RedisLease(Closeable):
         self._client_id = ""
         self._run_id = ""
         self._fast = False  # may a follower take over from us when our connection is gone?
+        self._eviction_checked = False  # warned (or found safe) about maxmemory-policy
         self._can_probe = True  # may we run CLIENT LIST ID?
         self._leading: tuple[str, int] | None = None  # (token, term) while we hold it
         # From an acquisition until term_ended()/release()/close(): the term's tasks may
@@ -411,6 +447,7 @@ class RedisLease(Closeable):
             )
             with contextlib.suppress(redis.ResponseError):  # Redis < 7
                 self._call("CLIENT", "NO-EVICT", "on", expected=(redis.ResponseError,))
+            self._check_eviction()
             self._fast = bool(self._client_id) and self._server_keeps_live_connections()
             self._can_probe = bool(self._client_id) and self._probe_allowed()
             listener = self._factory.connect()
@@ -470,9 +507,36 @@ class RedisLease(Closeable):
         return True
 
     def _config(self, name: str) -> int:
+        return int(self._config_text(name) or 0)
+
+    def _config_text(self, name: str) -> str:
         reply = self._call("CONFIG", "GET", name, expected=(redis.ResponseError,))
         values = [_text(v) for v in reply]
-        return int(values[1]) if len(values) >= 2 else 0
+        return values[1] if len(values) >= 2 else ""
+
+    def _check_eviction(self) -> None:
+        """Warn (once per lease) when the server may evict the lease key under memory
+        pressure: another node could then acquire while the holder still runs its tasks,
+        until its next renewal finds the key gone."""
+        if self._eviction_checked:
+            return
+        try:
+            maxmemory = self._config("maxmemory")
+            policy = self._config_text("maxmemory-policy")
+        except redis.ResponseError as exc:
+            logger.debug("lease %r: cannot read the eviction policy (%s)", self.name, exc)
+            return
+        self._eviction_checked = True
+        if maxmemory > 0 and policy.startswith(("allkeys-", "volatile-")):
+            logger.warning(
+                "lease %r: the server evicts keys under memory pressure (maxmemory %s, "
+                "maxmemory-policy %s): an evicted lease key lets another node lead while "
+                "the holder still runs its tasks; set maxmemory-policy noeviction on the "
+                "lease's server",
+                self.name,
+                maxmemory,
+                policy,
+            )
 
     def _probe_allowed(self) -> bool:
         if self.liveness_interval is None:

@@ -11,15 +11,25 @@ the term ends, never runs a fire (claims fail closed) and is reported per fire.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import decimal
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
+from datetime import UTC, datetime
+
+import pytest
 
 import rselection as rs
 from rselection import signals
-from rselection.claiming import claim_each
+from rselection.claiming import (
+    MAX_FIRE_KEY_BYTES,
+    ClaimsPartlyFailed,
+    check_fire_keys,
+    claim_each,
+)
+from rselection.context import running_term
 from rselection.errors import BackendUnavailable
 from rselection.task_threads import TaskThreads
 from tests.support.recording import Recorder
@@ -287,3 +297,270 @@ def test_task_threads_end_when_idle_for_their_timeout() -> None:
     threads.run(again.set)  # a new one starts
     assert again.wait(5)
     threads.close(5)
+
+
+def test_a_slow_fire_skipped_receiver_never_holds_up_the_end_of_a_term(
+    leaders: Callable[..., rs.SingleNodeLeader],
+) -> None:
+    """The fires of a claim still in flight when the term ends are reported off the
+    thread that ends it: the term's async tasks are cancelled at once."""
+    claimer = Stalled()
+    handler = rs.TaskHandler(stop_grace=1.0)
+    cancelled = threading.Event()
+    in_receiver = threading.Event()
+
+    @handler.interval(EVERY, name="tick")
+    def tick(ctx: rs.TaskContext) -> None:
+        pass
+
+    @handler.persistent(name="forever")
+    async def forever(ctx: rs.TaskContext) -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    def slow(sender: object, **kwargs: object) -> None:
+        in_receiver.set()
+        time.sleep(2)
+
+    signals.fire_skipped.connect(slow, sender=handler)
+    try:
+        leader = leaders(handler, claimer=claimer)
+        leader.start()
+        assert claimer.entered.wait(10)
+        began = time.monotonic()
+        leader.step_down()
+        assert cancelled.wait(5)
+        took = time.monotonic() - began
+        assert in_receiver.wait(5)  # the fires were reported, elsewhere
+    finally:
+        claimer.release.set()
+        signals.fire_skipped.disconnect(slow, sender=handler)
+    assert took < 0.5, f"the async task was cancelled {took:.2f}s after the term ended"
+
+
+def refuse_task_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make starting a def fire's thread fail, as when the process is out of threads."""
+    start = threading.Thread.start
+
+    def failing_start(self: threading.Thread) -> None:
+        if self.name.startswith("rselection-task-term-") or self.name == "rselection-test":
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", failing_start)
+
+
+def test_task_threads_forget_a_thread_that_could_not_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    threads = TaskThreads("rselection-test")
+    refuse_task_threads(monkeypatch)
+    with pytest.raises(RuntimeError, match="can't start"):
+        threads.run(lambda: None)
+    assert threads.count() == 0
+    assert not threads.closed
+    threads.close(1)  # nothing to join, and no error
+    assert threads.closed
+
+
+def test_def_fires_without_a_thread_are_reported_and_the_term_still_ends_cleanly(
+    leaders: Callable[..., rs.SingleNodeLeader], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ran = Ran()
+    handler = tasks(ran, 4)
+    skipped = Recorder()
+    refuse_task_threads(monkeypatch)
+    with signals.fire_skipped.connected_to(skipped, sender=handler):
+        leader = leaders(handler)
+        leader.start()
+        wait_until(
+            lambda: all(len(skipped.of(f"task-{i}", reason="no-thread")) >= 2 for i in (0, 2)),
+            10,
+            "def fires reported for want of a thread",
+        )
+        leader.stop(timeout=10)
+    # The async fires ran; the def ones did not, and nothing else was reported of them.
+    assert ran.names() >= {"task-1", "task-3"}
+    assert not ran.names() & {"task-0", "task-2"}
+    assert not skipped.of("task-0", reason="not-leader")
+    # The term's end went all the way: its private loop stopped.
+    wait_until(
+        lambda: not [t for t in threading.enumerate() if t.name.startswith("rselection-loop-")],
+        5,
+        "the term's event loop to stop",
+    )
+
+
+def test_a_def_fire_on_a_reused_thread_sees_none_of_the_previous_fires_context(
+    leaders: Callable[..., rs.SingleNodeLeader],
+) -> None:
+    """Context variables (and the decimal context) one fire sets never reach the next
+    fire that its thread runs; the term is still known to each."""
+    user: contextvars.ContextVar[str | None] = contextvars.ContextVar("user", default=None)
+    handler = rs.TaskHandler(stop_grace=2.0)
+    lock = threading.Lock()
+    threads: list[threading.Thread] = []
+    readings: list[tuple[str | None, int, int | None]] = []
+
+    @handler.interval(EVERY, name="writer")
+    def writer(ctx: rs.TaskContext) -> None:
+        user.set("the writer's secret")
+        decimal.getcontext().prec = 3
+        with lock:
+            threads.append(threading.current_thread())
+
+    @handler.interval(EVERY, name="reader")
+    def reader(ctx: rs.TaskContext) -> None:
+        term = running_term.get()
+        with lock:
+            threads.append(threading.current_thread())
+            readings.append(
+                (user.get(), decimal.getcontext().prec, None if term is None else term.number)
+            )
+
+    leaders(handler).start()
+
+    def reused() -> bool:
+        with lock:
+            return len(threads) > len(set(threads)) + 6
+
+    wait_until(reused, 20, "fires on reused threads")
+    with lock:
+        assert readings
+        assert set(readings) == {(None, 28, 1)}
+
+
+def test_claim_each_fails_a_bad_key_alone_and_claims_the_others() -> None:
+    claimer = rs.MemoryClaimer()
+    long = "x" * (MAX_FIRE_KEY_BYTES + 1)
+    won, failed = claim_each(claimer, ["a@1", long, "b@1"], term=1)
+    assert won == {"a@1", "b@1"}
+    assert set(failed) == {long} and isinstance(failed[long], rs.ConfigError)
+    with pytest.raises(rs.ConfigError, match="twice"):
+        claim_each(claimer, ["c@1", "c@1"], term=1)
+
+
+def test_one_task_with_a_fire_key_too_long_keeps_only_its_own_fires_from_running(
+    leaders: Callable[..., rs.SingleNodeLeader],
+) -> None:
+    """A lease name and a task name each within the 1,000 characters allowed can make a
+    claim key over the bytes a claimer takes: that task's fires fail their claims, and
+    the other tasks' fires due at the same instants still run."""
+    ran = Ran()
+    handler = rs.TaskHandler(stop_grace=2.0)
+    long_name = "é" * 1000
+
+    @handler.interval(EVERY, name="normal")
+    def normal(ctx: rs.TaskContext) -> None:
+        ran.add(ctx)
+
+    @handler.interval(EVERY, name=long_name)
+    def long(ctx: rs.TaskContext) -> None:
+        ran.add(ctx)
+
+    skipped = Recorder()
+    with signals.fire_skipped.connected_to(skipped, sender=handler):
+        leaders(handler, claimer=rs.MemoryClaimer(), name="L" * 1000).start()
+        wait_until(
+            lambda: len(ran) >= 3 and len(skipped.of(long_name, reason="claim-error")) >= 3,
+            10,
+            "fires of the normal task run, those of the long one fail their claims",
+        )
+    assert ran.names() == {"normal"}
+    assert not skipped.of("normal", reason="claim-error")
+
+
+class HalfDown(NoHistory):
+    """A batch claimer whose claims of some tasks' fires fail (their master is down),
+    and which says so key by key."""
+
+    def __init__(self, down: set[str]) -> None:
+        self.down = down
+        self.inner = rs.MemoryClaimer()
+
+    def claim(self, fire_key: str, *, term: int | None = None) -> bool:
+        return self.claim_many([fire_key], term=term) == {fire_key}
+
+    def claim_many(self, fire_keys: list[str], *, term: int | None = None) -> set[str]:
+        failed = [key for key in fire_keys if key.split("/")[-1].split("@")[0] in self.down]
+        won = self.inner.claim_many([k for k in fire_keys if k not in failed], term=term)
+        if failed:
+            error = BackendUnavailable("that master is down")
+            raise ClaimsPartlyFailed(
+                "some claims failed", won=won, failed=dict.fromkeys(failed, error)
+            )
+        return won
+
+
+def test_a_batch_claim_that_fails_in_part_runs_the_fires_won_and_skips_the_others(
+    leaders: Callable[..., rs.SingleNodeLeader],
+) -> None:
+    ran = Ran()
+    handler = tasks(ran, 10)
+    skipped = Recorder()
+    claimer = HalfDown({"task-3", "task-4"})
+    with signals.fire_skipped.connected_to(skipped, sender=handler):
+        leaders(handler, claimer=claimer).start()
+        wait_until(
+            lambda: (
+                all(len(skipped.of(f"task-{i}", reason="claim-error")) >= 2 for i in (3, 4))
+                and ran.names() == {f"task-{i}" for i in range(10)} - {"task-3", "task-4"}
+            ),
+            10,
+            "the fires won run, the failed ones are skipped",
+        )
+    assert not ran.names() & {"task-3", "task-4"}
+    assert not [
+        c
+        for c in skipped.calls
+        if c["reason"] == "claim-error" and c["task"] not in ("task-3", "task-4")
+    ]
+
+
+class CheckingSeries(rs.MemoryClaimer):
+    """Refuses a bad series in ``ran_before_many``, as the Postgres and Redis claimers
+    do."""
+
+    def ran_before_many(self, series: list[str]) -> set[str]:
+        return super().ran_before_many(check_fire_keys(series))
+
+
+def test_a_task_with_a_fire_key_too_long_never_keeps_the_others_missed_fires_from_recovery(
+    leaders: Callable[..., rs.SingleNodeLeader],
+) -> None:
+    """A new leader looks back for every task's missed fires in one call: a task whose
+    claim keys no claimer takes is left out of it, and the others' are recovered."""
+    claimer = CheckingSeries()
+    long_name = "é" * 1000
+    every = 0.5
+
+    def handler_of(ran: Ran) -> rs.TaskHandler:
+        handler = rs.TaskHandler(stop_grace=2.0)
+
+        @handler.interval(every, name="normal")
+        def normal(ctx: rs.TaskContext) -> None:
+            ran.add(ctx)
+
+        @handler.interval(every, name=long_name)
+        def long(ctx: rs.TaskContext) -> None:
+            ran.add(ctx)
+
+        return handler
+
+    first = Ran()
+    leader = leaders(handler_of(first), claimer=claimer, name="L" * 1000)
+    leader.start()
+    wait_until(lambda: len(first) >= 1, 10, "a fire of the first leader")
+    leader.stop(timeout=10)
+    time.sleep(2 * every)  # fires due while no node leads: nothing to poll for
+    second = Ran()
+    started = datetime.now(UTC)
+    leaders(handler_of(second), claimer=claimer, name="L" * 1000).start()
+    wait_until(lambda: len(second) >= 1, 10, "a fire of the second leader")
+    with second.lock:
+        caught_up = [at for name, at, _ in second.fires if name == "normal" and at <= started]
+    assert caught_up, "the normal task's missed fire was not recovered"
+    assert second.names() == {"normal"}

@@ -36,18 +36,24 @@ LINGER = 1.0  # the task's cleanup after cancellation, within stop_grace
 
 
 class Finish:
-    """When the task of term 1 finished (monotonic), from inside the task."""
+    """When the task of the first term finished (monotonic), from inside the task.
+
+    The first term is 1 on Postgres; on Redis it is the server's clock in microseconds.
+    """
 
     def __init__(self) -> None:
         self.started = threading.Event()
         self.at: float | None = None
+        self.first: int | None = None
 
     def handler(self) -> rs.TaskHandler:
         handler = rs.TaskHandler(stop_grace=1.5)
 
         @handler.persistent("work")
         def work(ctx: rs.TaskContext) -> None:
-            if ctx.term != 1:
+            if self.first is None:
+                self.first = ctx.term  # terms run one after another: the first is first
+            if ctx.term != self.first:
                 return
             self.started.set()
             try:

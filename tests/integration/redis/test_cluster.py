@@ -6,6 +6,8 @@ resign command, and RedisElector / RedisClaimer through ``redis.cluster.RedisClu
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -15,9 +17,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
+from redis.retry import Retry
 
 import rselection as rs
+from rselection.claiming import claim_each
 from rselection.redis import (
     RedisClaimer,
     RedisElector,
@@ -398,3 +403,50 @@ def test_a_starting_leaders_look_back_on_a_cluster(
     won = claimer.claim_missed_many(tasks, term=3)
     assert won[0] == tasks[0][2:] and won[1:] == tasks[1:]
     assert claimer.claim_missed_many(tasks, term=4) == [[] for _ in tasks]
+
+
+own_cluster = pytest.fixture(redis_cluster_fixture)  # this test's own: it stops a master
+
+
+def test_claim_many_across_masters_with_one_master_hung_fails_only_that_masters_fires(
+    own_cluster: PrivateRedisCluster,
+) -> None:
+    """A master that hangs (SIGSTOP) fails the claims of its keys only: the fires
+    claimed on the masters that answered are won (they may run) and the caller is told
+    which failed (they are skipped: claims fail closed)."""
+    # Short timeouts and no retries: the call must end before the other masters mark
+    # the hung one failed (cluster-node-timeout) and refuse every command.
+    client = RedisCluster.from_url(
+        own_cluster.url,
+        socket_timeout=0.25,
+        socket_connect_timeout=0.25,
+        retry=Retry(NoBackoff(), 0),
+    )
+    try:
+        claimer = RedisClaimer(client, key_prefix="c-hung:", node_id="a")
+        keys = [f"lease/task-{i}@2026-12-01T00:00:00.000000000Z" for i in range(30)]
+        claimer.claim_many([f"lease/warm-{i}@x" for i in range(30)])  # a connection to each
+        # Not the client's default node: the server time of the claims is read there.
+        default: Any = client.get_default_node()  # type: ignore[no-untyped-call]
+        victim = next(i for i, port in enumerate(own_cluster.ports) if port != default.port)
+        port = own_cluster.ports[victim]
+        on_victim = {k for k in keys if slot_master_port(client, claimer.key(k)) == port}
+        assert on_victim and on_victim != set(keys)
+        held = next(k for k in keys if k not in on_victim)
+        assert claimer.claim(held)  # held before: neither won nor failed
+        os.kill(own_cluster.procs[victim].pid, signal.SIGSTOP)
+        try:
+            began = time.monotonic()
+            won, failed = claim_each(claimer, keys, term=2)
+            took = time.monotonic() - began
+        finally:
+            os.kill(own_cluster.procs[victim].pid, signal.SIGCONT)
+        assert won == set(keys) - on_victim - {held}
+        assert set(failed) == on_victim
+        assert all(isinstance(e, rs.BackendUnavailable) for e in failed.values())
+        assert took < 4.5, f"the claims took {took:.2f}s"
+        for key in won:
+            doc = claimer.holder_of(key)
+            assert doc is not None and doc["term"] == 2
+    finally:
+        client.close()

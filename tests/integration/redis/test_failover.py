@@ -20,8 +20,9 @@ import redis
 
 import rselection as rs
 from rselection.errors import StaleLeaderError
-from rselection.redis import RedisFence, RedisLeader
-from rselection.redis.lease import RedisLease, lease_keys
+from rselection.redis import RedisElector, RedisFence, RedisLeader
+from rselection.redis.elector import elector_keys
+from rselection.redis.lease import RedisLease, lease_keys, term_origin_key
 from tests.support.pg import PrivateRedis
 from tests.support.redis_replica import RedisReplicaSet
 from tests.support.waiting import wait_until
@@ -203,20 +204,117 @@ def test_a_follower_on_the_replica_leads_after_promotion_with_a_larger_term(
     assert len(set(terms["a"] + terms["b"])) == len(terms["a"]) + len(terms["b"])
 
 
-def test_a_term_counter_that_vanished_does_not_restart_terms_at_one(
+def server_micros(url: str) -> int:
+    """The server's ``TIME`` in microseconds."""
+    with redis.Redis.from_url(url) as client:
+        seconds, micros = client.time()
+    return seconds * 1_000_000 + micros
+
+
+def test_a_fresh_lease_starts_at_the_servers_clock(private_redis: PrivateRedis, name: str) -> None:
+    """A lease with no counter cannot tell a new lease from one whose counter was lost, so
+    its first term is the server's clock in microseconds, then one more per acquisition."""
+    with lease_on(private_redis.url, name) as a:
+        before = server_micros(private_redis.url)
+        first = take(a, "a")
+        assert before <= first <= server_micros(private_redis.url)
+        a.release("a", first)
+        assert take(a, "a") == first + 1
+
+
+@pytest.mark.parametrize("lost", ["counter", "counter and origin", "flushdb"])
+def test_a_term_counter_that_vanished_never_repeats_or_lowers_a_term(
+    private_redis: PrivateRedis, name: str, lost: str
+) -> None:
+    """A counter evicted (``maxmemory``) or deleted, with or without its origin key (a
+    ``DEL`` of the lease's keys, ``FLUSHDB``): the next term is still larger."""
+    _, term_key, _ = lease_keys(name)
+    with lease_on(private_redis.url, name) as a, redis.Redis.from_url(private_redis.url) as client:
+        issued = [take(a, "a")]
+        a.release("a", issued[-1])
+        if lost == "flushdb":
+            client.flushdb()
+        else:
+            client.delete(term_key, *([term_origin_key(name)] if "origin" in lost else []))
+        issued.append(take(a, "a"))
+        a.release("a", issued[-1])
+        issued.append(take(a, "a"))
+    assert issued[1] > issued[0], issued
+    assert issued[2] == issued[1] + 1
+
+
+def test_a_lease_evicted_under_memory_pressure_never_repeats_a_term(
     private_redis: PrivateRedis, name: str
 ) -> None:
-    """A counter evicted (``maxmemory``) or deleted while its origin key stayed."""
-    with lease_on(private_redis.url, name) as a:
-        first = take(a, "a")
-        assert first == 1  # a fresh lease on a server never promoted starts at 1
-        a.release("a", first)
-        with redis.Redis.from_url(private_redis.url) as client:
-            client.delete(lease_keys(name)[1])
-        again = take(a, "a")
-        assert again > first, again
-        a.release("a", again)
-        assert take(a, "a") == again + 1
+    """``maxmemory`` with ``allkeys-lru`` evicts the counter and its origin together."""
+    with lease_on(private_redis.url, name) as a, redis.Redis.from_url(private_redis.url) as client:
+        issued = [take(a, "a")]
+        a.release("a", issued[-1])
+        client.config_set("maxmemory-policy", "allkeys-lru")
+        client.config_set("maxmemory", 1)  # below any use: every key is evicted
+        with pytest.raises(redis.ResponseError, match="maxmemory"):
+            client.set("filler", "x")
+        assert client.dbsize() == 0 and int(client.info("stats")["evicted_keys"]) >= 2
+        client.config_set("maxmemory", 0)
+        issued.append(take(a, "a"))
+    assert issued[1] > issued[0], issued
+
+
+def test_a_lease_newer_than_the_last_snapshot_never_repeats_a_term_after_a_crash(
+    name: str,
+) -> None:
+    """Snapshots only (no append-only file): a lease first acquired after the last
+    ``SAVE`` is gone, counter and origin, when the server crashes and loads the snapshot."""
+    server = PrivateRedis(appendonly=False).start()
+    try:
+        with redis.Redis.from_url(server.url) as client:
+            client.set("other", "kept")
+            client.save()
+        with lease_on(server.url, name) as a:
+            issued = [take(a, "a")]
+            a.release("a", issued[-1])
+        server.kill()
+        server.start()
+        with redis.Redis.from_url(server.url) as client:
+            assert client.get("other") == b"kept"  # the snapshot was loaded
+            assert client.get(lease_keys(name)[1]) is None
+        with lease_on(server.url, name) as a:
+            assert take(a, "a") > issued[0]
+    finally:
+        server.close()
+
+
+def test_a_promoted_server_restarted_before_any_acquisition_never_repeats_a_term(
+    pair: RedisReplicaSet, name: str
+) -> None:
+    """The lease's only acquisitions reached the lost primary; the promoted replica,
+    restarted before anyone acquired on it, has neither counter nor origin, and its
+    restart forgot that it was promoted."""
+    pair.servers[1].appendonly = True
+    pair.client(1).config_set("appendonly", "yes")
+    wait_until(
+        lambda: (
+            pair.client(1).info("persistence")["aof_rewrite_in_progress"] == 0
+            and pair.client(1).info("persistence")["aof_enabled"] == 1
+        ),
+        10,
+        "the replica's append-only file",
+        interval=0.05,
+    )
+    pair.client(0).set("other", "kept")
+    pair.wait_synced()
+    pair.stall(1)
+    with lease_on(pair.url(0), name) as a:
+        lost = [take(a, "a")]
+        a.release("a", lost[-1])
+        lost.append(take(a, "a"))
+    pair.kill(0)
+    pair.promote(1)
+    pair.servers[1].kill()
+    pair.servers[1].start()
+    assert pair.client(1).get("other") == b"kept"
+    with lease_on(pair.url(1), name) as b:
+        assert take(b, "b") > max(lost), lost
 
 
 def test_a_writable_replica_refuses_the_lease(pair: RedisReplicaSet, name: str) -> None:
@@ -230,7 +328,8 @@ def test_a_writable_replica_refuses_the_lease(pair: RedisReplicaSet, name: str) 
         on_replica.try_acquire("r")
     assert pair.client(1).get(lease_keys(name)[1]) is None
     with lease_on(pair.url(0), name) as a:
-        assert take(a, "a") == 1
+        before = server_micros(pair.url(0))
+        assert take(a, "a") >= before  # the primary starts the lease afresh
 
 
 def test_a_restarted_server_jumps_the_next_term(private_redis: PrivateRedis, name: str) -> None:
@@ -241,6 +340,61 @@ def test_a_restarted_server_jumps_the_next_term(private_redis: PrivateRedis, nam
     private_redis.restart()
     with lease_on(private_redis.url, name) as a:
         after = take(a, "a")
-        assert after > 10**15 > before, (before, after)
+        # It jumped to the clock: a restart takes far longer than a microsecond.
+        assert after > before + 1_000, (before, after)
         a.release("a", after)
         assert take(a, "a") == after + 1
+
+
+def test_terms_stay_exact_beyond_two_to_the_53(private_redis: PrivateRedis, name: str) -> None:
+    """Lua numbers are doubles: terms are computed as strings, exact to 2^63 - 1."""
+    with lease_on(private_redis.url, name) as a, redis.Redis.from_url(private_redis.url) as client:
+        a.release("a", take(a, "a"))  # the origin is this server's: no more jumps
+        client.set(lease_keys(name)[1], 2**53 - 2)
+        terms = []
+        for _ in range(4):
+            terms.append(take(a, "a"))
+            a.release("a", terms[-1])
+    assert terms == [2**53 - 1 + i for i in range(4)], terms
+
+
+# -- RedisElector keeps a term of its own: the same rule --------------------------------
+
+
+def test_an_election_whose_term_vanished_never_repeats_a_term(
+    private_redis: PrivateRedis, name: str
+) -> None:
+    with redis.Redis.from_url(private_redis.url) as client:
+        a = RedisElector(client, name=name, ttl=30, node_id="a")
+        b = RedisElector(client, name=name, ttl=30, node_id="b")
+        assert a.is_leader() and a.term is not None
+        first = a.term
+        assert a.resign()
+        client.delete(elector_keys(name)[1])  # evicted, deleted
+        assert b.is_leader() and b.term is not None and b.term > first, (first, b.term)
+        jumped = b.term
+        assert b.resign()
+        assert a.is_leader() and a.term == jumped + 1
+
+
+def test_an_election_on_a_replica_promoted_after_missing_a_change_of_holder_goes_higher(
+    pair: RedisReplicaSet, name: str
+) -> None:
+    a = RedisElector(pair.url(0), name=name, ttl=30, node_id="a")
+    b = RedisElector(pair.url(0), name=name, ttl=30, node_id="b")
+    try:
+        assert a.is_leader() and a.term is not None
+        first = a.term
+        assert a.resign()
+        pair.wait_synced()
+        pair.stall(1)
+        assert b.is_leader() and b.term == first + 1  # reaches the primary only
+        lost = b.term
+        pair.kill(0)
+    finally:
+        a.close()
+        b.close()
+    pair.promote(1)
+    with RedisElector(pair.url(1), name=name, ttl=30, node_id="a") as again:
+        # The replica never heard of b's term: a plain HINCRBY would issue it again.
+        assert again.is_leader() and again.term is not None and again.term > lost

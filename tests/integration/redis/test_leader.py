@@ -186,6 +186,28 @@ def test_a_foreign_value_under_the_lease_key_is_a_clear_error(
         make_lease().try_acquire("a")
 
 
+def test_a_lease_of_an_earlier_release_with_a_jumped_term_is_a_clear_error(
+    make_lease: Callable[..., RedisLease], client: redis.Redis, name: str
+) -> None:
+    """An earlier release wrote a 16-digit term with Lua's ``tostring``: every node must
+    be told to stop the old ones, not take the value for a foreign one and wait."""
+    old = {
+        "token": "ab" * 16,
+        "node": "old-node",
+        "term": "1.7961690294577e+15",
+        "client": "7",
+        "run": "0" * 40,
+        "fast": "1",
+        "at": str(int(time.time() * 1000)),
+    }
+    client.set(lease_keys(name)[0], json.dumps(old), px=5000)
+    lease = make_lease()
+    with pytest.raises(rs.ConfigError, match="earlier rselection release"):
+        lease.try_acquire("a")
+    with pytest.raises(rs.ConfigError, match="stop every node of the earlier release"):
+        lease.current()
+
+
 # -- the leader -----------------------------------------------------------------------
 
 
@@ -386,3 +408,29 @@ def test_the_fence_refusal_names_a_non_default_key_prefix() -> None:
 
     assert "key_prefix" not in no_transaction_fence("jobs", "rselection:").reason
     assert ", key_prefix='app:'))" in no_transaction_fence("jobs", "app:").reason
+
+
+def test_a_server_that_may_evict_the_lease_key_is_warned_about_once(
+    private_redis: PrivateRedis, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under memory pressure an evicting policy can drop a held lease key: another node
+    would acquire while the holder still runs its tasks."""
+    with redis.Redis.from_url(private_redis.url) as admin:
+        with RedisLease(private_redis.url, name=name, ttl=3.0, renew_deadline=2.0) as safe:
+            safe.try_acquire("a")
+        evicting = [r for r in caplog.records if "maxmemory-policy" in r.getMessage()]
+        assert evicting == []  # the default: noeviction, no maxmemory
+        admin.config_set("maxmemory", 100 * 2**20)
+        admin.config_set("maxmemory-policy", "allkeys-lru")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="rselection.redis.lease"):
+            lease = RedisLease(private_redis.url, name=name, ttl=3.0, renew_deadline=2.0)
+            try:
+                lease.connect()
+                lease.connect()  # a reconnect: no second warning
+            finally:
+                lease.close()
+    warned = [r for r in caplog.records if "maxmemory-policy allkeys-lru" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+    assert warned[0].levelno == logging.WARNING
+    assert "noeviction" in warned[0].getMessage() and repr(name) in warned[0].getMessage()
