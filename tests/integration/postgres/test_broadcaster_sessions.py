@@ -1,0 +1,344 @@
+"""The Postgres sessions a process holds for its broadcasters, counted by the server.
+
+A node process (this module run as a program) creates broadcasters, publishes,
+subscribes and leads on command; the tests count its sessions in ``pg_stat_activity``
+by ``application_name`` (see ``tests/support/sessions.py``): a process that only
+publishes holds no listener and publishes on the pooled sessions, a process that reads
+holds one listener however many broadcasters and readers, released with its last
+reader, and a leader that publishes stays within the sessions budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import queue
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from rselection.postgres import PostgresBroadcaster
+from tests.support.sessions import process_sessions
+from tests.support.waiting import wait_until
+
+ROOT = Path(__file__).resolve().parents[3]
+
+LISTENER = "rselection:broadcast"
+POOL = "rselection:pool"
+
+#: Seconds within which the listening session must be gone after the last reader left:
+#: released at once when the reader goes (measured well below 0.1 s on a busy 2-core
+#: machine); the bound leaves room for a stalled scheduler.
+RELEASE_BOUND = 3.0
+
+
+# --------------------------------------------------------------------------- the node
+
+
+def _node(dsn: str) -> None:  # pragma: no cover - runs in the node process
+    """Read commands on stdin, one per line, and answer each with one JSON line."""
+    import rselection as rs
+    from rselection.postgres import PostgresLeader
+
+    bcs: dict[str, PostgresBroadcaster] = {}
+    readers: dict[str, Callable[[], None]] = {}
+    subs: dict[str, Any] = {}
+    leaders: list[PostgresLeader] = []
+    streams: list[threading.Event] = []
+
+    def reply(**fields: object) -> None:
+        sys.stdout.write(json.dumps(fields) + "\n")
+        sys.stdout.flush()
+
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        if cmd == "make":  # make NAME TABLE
+            bc = bcs[args[0]] = PostgresBroadcaster(dsn, table=args[1], max_pending=100_000)
+            reply(ready=bc.wait_ready(20))
+        elif cmd == "publish":  # publish NAME CHANNEL N
+            bc = bcs[args[0]]
+            for i in range(int(args[2])):
+                bc.publish(args[1], i)
+            reply(flushed=bc.flush(20), published=bc.stats().published)
+        elif cmd == "stream":  # stream NAME CHANNEL: publish every 2 ms until "calm"
+            stop = threading.Event()
+            streams.append(stop)
+
+            def stream(bc: PostgresBroadcaster, channel: str, stop: threading.Event) -> None:
+                i = 0
+                while not stop.wait(0.002):
+                    bc.publish(channel, i)
+                    i += 1
+
+            threading.Thread(target=stream, args=(bcs[args[0]], args[1], stop), daemon=True).start()
+            reply(ok=True)
+        elif cmd == "calm":
+            for stop in streams:
+                stop.set()
+            reply(flushed=all(bc.flush(20) for bc in bcs.values()))
+        elif cmd == "sub":  # sub ID NAME CHANNEL
+            subs[args[0]] = bcs[args[1]].subscribe(args[2], maxsize=100_000)
+            reply(listening=bcs[args[1]].stats().listening)
+        elif cmd == "get":  # get ID N: the next N messages of a subscription
+            sub = subs[args[0]]
+            reply(got=[sub.get(20) for _ in range(int(args[1]))])
+        elif cmd == "unsub":  # unsub ID
+            subs.pop(args[0]).close()
+            reply(ok=True)
+        elif cmd == "connect":  # connect ID NAME CHANNEL
+            readers[args[0]] = bcs[args[1]].connect(args[2], lambda channel, msg: None)
+            reply(listening=bcs[args[1]].stats().listening)
+        elif cmd == "disconnect":  # disconnect ID
+            readers.pop(args[0])()
+            reply(ok=True)
+        elif cmd == "stats":  # stats NAME
+            stats = bcs[args[0]].stats()
+            reply(listening=stats.listening, pid=stats.listener_pid, published=stats.published)
+        elif cmd == "lead":  # lead LEASE NAME: a leader whose task publishes every 5 ms
+            tasks = rs.TaskHandler()
+
+            @tasks.persistent("publish")
+            def publish(ctx: rs.TaskContext) -> None:
+                assert ctx.broadcaster is not None
+                i = 0
+                while not ctx.cancelled.wait(0.005):
+                    ctx.broadcaster.publish("from-leader", i)
+                    i += 1
+
+            leader = PostgresLeader(
+                dsn,
+                tasks,
+                name=args[0],
+                ttl=3.0,
+                renew_interval=0.5,
+                renew_deadline=2.0,
+                retry_interval=0.5,
+                heartbeat_interval=0.3,
+                broadcaster=bcs[args[1]],
+            )
+            leaders.append(leader)
+            leader.start()
+            reply(leads=leader.wait_until_leader(20))
+        elif cmd == "nodes":
+            reply(nodes=[len(leader.nodes()) for leader in leaders])
+        elif cmd == "quit":
+            for leader in leaders:
+                leader.stop(timeout=10)
+            for bc in bcs.values():
+                bc.close()
+            reply(ok=True)
+            return
+
+
+class Node:
+    """This module run as a node process; :meth:`ask` sends a command, returns the answer."""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.integration.postgres.test_broadcaster_sessions", dsn],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self._answers: queue.Queue[dict[str, Any]] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._answers.put(json.loads(line))
+
+    def ask(self, command: str, timeout: float = 30.0) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        try:
+            return self._answers.get(timeout=timeout)
+        except queue.Empty:
+            pytest.fail(f"the node did not answer {command!r} within {timeout} s")
+
+    def sessions(self) -> Counter[str]:
+        """The node's sessions on the server, by application_name."""
+        return process_sessions(self.dsn, self.proc.pid)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(Exception):
+                self.ask("quit", 20)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def node(pg_dsn: str) -> Iterator[Node]:
+    """A node process on this test's schema, stopped after the test."""
+    started = Node(pg_dsn)
+    yield started
+    started.stop()
+
+
+def sample(node: Node, seconds: float) -> list[Counter[str]]:
+    """The node's sessions, taken every 50 ms for ``seconds`` (a bounded loop)."""
+    counts: list[Counter[str]] = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        counts.append(node.sessions())
+        time.sleep(0.05)
+    return counts
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_publish_only_process_holds_no_listener_and_publishes_on_the_pooled_sessions(
+    node: Node,
+) -> None:
+    assert node.ask("make a bc_a") == {"ready": True}
+    assert node.ask("make b bc_b") == {"ready": True}
+    assert node.sessions()[LISTENER] == 0, "no listener on a node that only publishes"
+    assert node.ask("publish a news 500") == {"flushed": True, "published": 500}
+    assert node.ask("publish b news 500") == {"flushed": True, "published": 500}
+    assert node.ask("stream a news")["ok"] and node.ask("stream b news")["ok"]
+    while_publishing = sample(node, 1.5)
+    assert node.ask("calm") == {"flushed": True}
+    for counts in while_publishing:
+        # No writer session of its own, no listener: the two broadcasters' publishes
+        # share the process's pool of at most 2 sessions.
+        assert set(counts) <= {POOL} and 1 <= counts[POOL] <= 2, dict(counts)
+    stats = node.ask("stats a")
+    assert stats["pid"] is None and not stats["listening"]
+    assert stats["published"] > 500
+
+
+def test_reading_process_holds_one_listener_released_with_its_last_reader(
+    node: Node, pg_dsn: str
+) -> None:
+    for name, table in (("a", "bc_a"), ("b", "bc_a"), ("c", "bc_c")):
+        assert node.ask(f"make {name} {table}") == {"ready": True}
+    assert node.sessions()[LISTENER] == 0, "no reader yet"
+    # Readers of three broadcasters on two tables: subscriptions and a receiver.
+    assert node.ask("sub s1 a x") == {"listening": True}
+    assert node.ask("sub s2 b y") == {"listening": True}
+    assert node.ask("sub s3 c x") == {"listening": True}
+    assert node.ask("connect r1 c z") == {"listening": True}
+    assert node.sessions()[LISTENER] == 1
+    with PostgresBroadcaster(pg_dsn, table="bc_a") as other:
+        other.publish("x", "to s1")
+        assert other.flush(20)
+    assert node.ask("get s1 1") == {"got": ["to s1"]}
+    for reader in ("unsub s1", "unsub s2", "unsub s3"):
+        assert node.ask(reader) == {"ok": True}
+        assert node.sessions()[LISTENER] == 1, f"a reader is left after {reader!r}"
+    assert node.ask("disconnect r1") == {"ok": True}
+    took = wait_until(
+        lambda: node.sessions()[LISTENER] == 0, RELEASE_BOUND, "the listener released"
+    )
+    print(f"listener released {took * 1000:.0f} ms after the last reader left")
+    for name in ("a", "b", "c"):
+        assert node.ask(f"stats {name}")["pid"] is None
+    # A new reader listens again, and gets what is published after it subscribed.
+    assert node.ask("sub s4 b x") == {"listening": True}
+    assert node.sessions()[LISTENER] == 1
+    assert node.ask("publish a x 3") == {"flushed": True, "published": 3}
+    assert node.ask("get s4 3") == {"got": [0, 1, 2]}
+    assert node.ask("unsub s4") == {"ok": True}
+    wait_until(lambda: node.sessions()[LISTENER] == 0, RELEASE_BOUND, "released again")
+
+
+def test_process_that_leads_and_publishes_stays_within_4_sessions_and_1_more_to_read(
+    node: Node,
+) -> None:
+    assert node.ask("make a bc_a") == {"ready": True}
+    assert node.ask(f"lead bc-{uuid.uuid4().hex[:8]} a") == {"leads": True}
+    assert node.ask("stream a news")["ok"]
+    assert node.ask("nodes") == {"nodes": [1]}
+    leading = sample(node, 2.0)
+    for counts in leading:
+        assert counts[LISTENER] == 0 and sum(counts.values()) <= 4, dict(counts)
+    assert any(counts[POOL] for counts in leading), "publishes on the pooled sessions"
+    assert node.ask("sub s1 a from-leader") == {"listening": True}
+    assert len(node.ask("get s1 5")["got"]) == 5, "the leader's task publishes"
+    reading = sample(node, 2.0)
+    for counts in reading:
+        assert counts[LISTENER] == 1 and sum(counts.values()) <= 5, dict(counts)
+    assert node.ask("calm") == {"flushed": True}
+
+
+class LendingPool:
+    """A pool of one connection, not in autocommit mode (psycopg_pool's default), that
+    counts its loans."""
+
+    def __init__(self, dsn: str) -> None:
+        self.conninfo = dsn
+        self.conn = psycopg.connect(dsn)
+        self.lock = threading.Lock()
+        self.loans = 0
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[psycopg.Connection[Any]]:
+        with self.lock:
+            self.loans += 1
+            yield self.conn
+            assert self.conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+
+def test_publishes_borrow_from_a_pool_given_as_conninfo_and_leave_its_settings(
+    pg_dsn: str,
+) -> None:
+    pool = LendingPool(pg_dsn)
+    try:
+        with PostgresBroadcaster(pg_dsn) as reader, PostgresBroadcaster(pool) as writer:
+            sub = reader.subscribe("p")
+            assert writer.wait_ready(20)
+            assert pool.loans == 0, "the table check does not borrow from the user's pool"
+            for i in range(50):
+                writer.publish("p", i)
+            assert writer.flush(20)
+            got = [sub.get(20) for _ in range(50)]
+            assert got == list(range(50))
+            assert pool.loans >= 1
+            assert writer.stats().published == 50
+            assert writer.purge() == 0
+        with pool.lock:
+            assert not pool.conn.autocommit, "given back in the mode it was lent in"
+            row = pool.conn.execute("SHOW synchronous_commit").fetchone()
+            pool.conn.rollback()
+        assert row == ("on",), "synchronous_commit=False is set per publish, not per session"
+    finally:
+        pool.conn.close()
+
+
+def test_pooled_sessions_keep_the_servers_synchronous_commit(pg_dsn: str) -> None:
+    from rselection.postgres.session_pool import SessionPool
+
+    with PostgresBroadcaster(pg_dsn, synchronous_commit=False) as bc:
+        for i in range(100):
+            bc.publish("s", i)
+        assert bc.flush(20)
+        pool = SessionPool.attach(pg_dsn)
+        try:
+            # Given back once no batch followed for a moment (the writer lingers 20 ms).
+            wait_until(pool.idle_connections, 5, "the writer's session back in the pool")
+            with pool.connection(owner="test", connect_timeout=5, statement_timeout=5) as conn:
+                assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
+        finally:
+            pool.detach()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("dsn")
+    _node(parser.parse_args().dsn)
