@@ -354,7 +354,13 @@ def _kind_of(source: object, owner: str) -> str:
             "a connection string instead"
         )
     if callable(getattr(source, "connection", None)):
-        if inspect.iscoroutinefunction(getattr(type(source), "connection", None)):
+        method = getattr(type(source), "connection", None)
+        # An async pool's connection() is an async context manager (its function, once
+        # unwrapped, an async generator): refused here, not at its first use.
+        if method is not None and (
+            inspect.iscoroutinefunction(method)
+            or inspect.isasyncgenfunction(inspect.unwrap(method))
+        ):
             raise ConfigError(
                 f"{owner} needs a synchronous pool, got {type(source).__name__}: pass a "
                 "psycopg_pool.ConnectionPool or a connection string instead"

@@ -39,6 +39,7 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
+from psycopg.rows import tuple_row
 
 from ...errors import ConfigError
 from ..schema import BROADCAST_TABLE, suffixed_name, table_identifier
@@ -135,12 +136,13 @@ class Outbox:
             ConfigError: the table does not exist (``create_tables=False`` and no
                 migration ran).
         """
-        row = conn.execute(
-            "SELECT n.nspname, c.relname FROM pg_class c"
-            " JOIN pg_namespace n ON n.oid = c.relnamespace"
-            " WHERE c.oid = to_regclass(%s)",
-            (self.ident.as_string(conn),),
-        ).fetchone()
+        with conn.cursor(row_factory=tuple_row) as cur:  # whatever the connection's own
+            row = cur.execute(
+                "SELECT n.nspname, c.relname FROM pg_class c"
+                " JOIN pg_namespace n ON n.oid = c.relnamespace"
+                " WHERE c.oid = to_regclass(%s)",
+                (self.ident.as_string(conn),),
+            ).fetchone()
         if row is None:
             raise ConfigError(
                 f"broadcast table {self.table!r} does not exist: create the broadcaster with "

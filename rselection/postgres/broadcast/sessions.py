@@ -24,6 +24,7 @@ from typing import Any
 
 import psycopg
 from psycopg.pq import TransactionStatus
+from psycopg.rows import tuple_row
 
 from ...errors import BackendUnavailable
 from .._conn import (
@@ -38,7 +39,15 @@ from ..schema import create_tables
 from .outbox import Outbox
 from .settings import Settings
 
-__all__ = ["APPLICATION_NAME", "Deadlines", "Sessions", "abort_socket", "backoff", "first_line"]
+__all__ = [
+    "APPLICATION_NAME",
+    "Deadlines",
+    "Sessions",
+    "abort_socket",
+    "backoff",
+    "first_line",
+    "query_one",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +63,19 @@ def backoff(failures: int) -> float:
     """Capped exponential backoff with jitter after ``failures`` failed attempts (>= 1)."""
     base = min(_BACKOFF_CAP, _BACKOFF_FIRST * float(2 ** min(failures - 1, 16)))
     return base * random.uniform(0.5, 1.0)
+
+
+def query_one(
+    conn: psycopg.Connection[Any], query: Any, params: Any = None
+) -> tuple[Any, ...] | None:
+    """Run ``query`` on ``conn`` and return its first row as a tuple (``None``: no row).
+
+    Through a cursor of its own with ``tuple_row``: a user's pool may lend connections
+    whose row factory makes dicts or objects (``row_factory=dict_row``), and the
+    broadcaster reads its rows by position.
+    """
+    with conn.cursor(row_factory=tuple_row) as cur:
+        return cur.execute(query, params).fetchone()
 
 
 def abort_socket(conn: psycopg.Connection[Any]) -> None:

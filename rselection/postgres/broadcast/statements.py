@@ -21,7 +21,7 @@ import psycopg
 from psycopg import pq
 
 from .outbox import Outbox
-from .sessions import Deadlines
+from .sessions import Deadlines, query_one
 
 __all__ = ["MANY", "MANY_INLINE", "ONE", "ONE_INLINE", "LentSession", "PublishStatements"]
 
@@ -124,9 +124,9 @@ class PublishStatements:
         if known is not None:
             return known
         with self._deadlines.guard(conn, self._timeout):
-            row = conn.execute(
-                "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
-            ).fetchone()
+            row = query_one(
+                conn, "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+            )
         identity = (conn.info.backend_pid, None) if row is None else (int(row[0]), row[1])
         with _LENT_LOCK:
             return _LENT.setdefault(conn, LentSession(identity))

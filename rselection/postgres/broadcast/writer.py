@@ -30,7 +30,7 @@ from ...errors import BackendUnavailable, ConfigError
 from ..session_pool import IDLE_CLOSE, SessionPool
 from .listener import Listener
 from .outbox import INLINE_LIMIT, inline_row, text_array
-from .sessions import Sessions, abort_socket, backoff
+from .sessions import Sessions, abort_socket, backoff, query_one
 from .statements import MANY, MANY_INLINE, ONE, ONE_INLINE, PublishStatements
 
 __all__ = ["Pending", "Writer"]
@@ -240,6 +240,25 @@ class Writer:
     # -- the thread ------------------------------------------------------------------
 
     def _write_loop(self) -> None:
+        # The writer thread never ends before stop(): an error nobody foresaw is logged
+        # and the rounds start again after a backoff (publish must not start refusing,
+        # as if closed, while the broadcaster is open).
+        failures = 0
+        try:
+            while True:
+                try:
+                    self._write_rounds()
+                    return
+                except Exception:
+                    failures += 1
+                    logger.exception("broadcast writer failed; starting again with backoff")
+                    if self._stop.wait(backoff(failures)):
+                        return
+        finally:
+            with self._conn_lock:
+                self._conn = None
+
+    def _write_rounds(self) -> None:
         identity: tuple[int, Any] | None = None  # (backend pid, backend_start) of the loan
         doubtful: tuple[Pending, ...] = ()  # a batch whose commit is unknown
         doubtful_from: tuple[int, Any] | None = None
@@ -329,14 +348,21 @@ class Writer:
                             time.monotonic() - down_since,
                         )
                     failures, down_since = 0, None
-                except (psycopg.Error, OSError, BackendUnavailable, ConfigError) as exc:
+                except Exception as exc:
                     if self._stop.is_set():
                         return
+                    expected = isinstance(
+                        exc, psycopg.Error | OSError | BackendUnavailable | ConfigError
+                    )
                     broke = in_flight is not None and (in_flight.broken or in_flight.closed)
-                    if broke and batch and not doubtful:
-                        # The session broke while the batch was in flight: it may have
-                        # committed. Settle that before writing anything again.
-                        doubtful, doubtful_from = batch, identity
+                    if in_flight is not None and batch and not doubtful and (broke or not expected):
+                        # The session broke while the batch was in flight, or something
+                        # failed that nobody foresaw: it may have committed. Settle that
+                        # before writing anything again (a session still intact has no
+                        # statement left running: no backend to end).
+                        doubtful, doubtful_from = batch, identity if broke else None
+                    if not expected:
+                        logger.exception("broadcast writer: unexpected error; retrying")
                     failures += 1
                     if down_since is None and ready:
                         down_since = time.monotonic()
@@ -350,11 +376,6 @@ class Writer:
                     elif not ready:
                         self._report_not_ready(exc)
                     self._stop.wait(backoff(failures))
-        except Exception:
-            logger.exception("broadcast writer failed; messages published from now on are lost")
-            with self._cond:
-                self._stop.set()
-                self._cond.notify_all()
         finally:
             with self._conn_lock:
                 self._conn = None
@@ -472,16 +493,18 @@ class Writer:
             # did not): end it and wait until it is gone, so it cannot commit later.
             deadline = time.monotonic() + self._settings.timeout
             with self._deadlines.guard(conn, self._settings.timeout + 1.0):
-                conn.execute(
+                query_one(
+                    conn,
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
                     " WHERE pid = %s AND backend_start IS NOT DISTINCT FROM %s",
                     old,
                 )
-                while conn.execute(
+                while query_one(
+                    conn,
                     "SELECT 1 FROM pg_stat_activity"
                     " WHERE pid = %s AND backend_start IS NOT DISTINCT FROM %s",
                     old,
-                ).fetchone():
+                ):
                     if time.monotonic() > deadline:
                         raise BackendUnavailable(
                             f"the broadcast writer's previous session (pid {old[0]}) did "
@@ -489,7 +512,7 @@ class Writer:
                         )
                     time.sleep(0.02)
         with self._deadlines.guard(conn, self._settings.timeout):
-            row = conn.execute(self._outbox.committed_seq(), (floor, self._origin)).fetchone()
+            row = query_one(conn, self._outbox.committed_seq(), (floor, self._origin))
         done = 0 if row is None or row[0] is None else int(row[0])
         if done >= batch[-1].seq:
             logger.info(
@@ -515,7 +538,7 @@ class Writer:
         total = 0
         while True:
             with self._deadlines.guard(conn, self._settings.timeout):
-                row = conn.execute(self._outbox.purge(), (retention, _PURGE_ROWS)).fetchone()
+                row = query_one(conn, self._outbox.purge(), (retention, _PURGE_ROWS))
             deleted = 0 if row is None else int(row[0])
             total += deleted
             if deleted < _PURGE_ROWS or self._stop.is_set():

@@ -338,6 +338,76 @@ def test_pooled_sessions_keep_the_servers_synchronous_commit(pg_dsn: str) -> Non
             pool.detach()
 
 
+# ------------------------------------------------------------- a user's pool, its ways
+
+
+def test_pool_with_dict_rows_publishes_and_purges(pg_dsn: str) -> None:
+    from psycopg.rows import dict_row
+    from psycopg_pool import ConnectionPool
+
+    kwargs: dict[str, Any] = {"autocommit": True, "row_factory": dict_row}
+    pool = ConnectionPool(pg_dsn, min_size=1, max_size=2, kwargs=kwargs, open=True)
+    try:
+        with PostgresBroadcaster(pg_dsn) as reader, PostgresBroadcaster(pool) as writer:
+            sub = reader.subscribe("d")
+            for i in range(5):
+                writer.publish("d", i)
+            assert writer.flush(20), "the writer reads its rows by position on any pool"
+            assert [sub.get(20) for _ in range(5)] == list(range(5))
+            assert writer.purge() == 0
+            writer.publish("d", "later")
+            assert writer.flush(20)
+            assert not writer.stats().closed
+    finally:
+        pool.close()
+
+
+def test_async_pool_is_refused_at_construction(pg_dsn: str) -> None:
+    from psycopg_pool import AsyncConnectionPool
+
+    from rselection.errors import ConfigError
+
+    pool = AsyncConnectionPool(pg_dsn, open=False)
+    with pytest.raises(ConfigError, match="synchronous pool"):
+        PostgresBroadcaster(pool)
+
+
+class FailingPool:
+    """A user's pool whose first loans fail with an error nobody foresaw."""
+
+    def __init__(self, dsn: str, failures: int) -> None:
+        from psycopg_pool import ConnectionPool
+
+        self.conninfo = dsn
+        self.pool = ConnectionPool(
+            dsn, min_size=1, max_size=1, kwargs={"autocommit": True}, open=True
+        )
+        self.failures = failures
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[psycopg.Connection[Any]]:
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("the pool's own bug")
+        with self.pool.connection() as conn:
+            yield conn
+
+
+def test_an_unforeseen_error_does_not_end_the_writer(pg_dsn: str) -> None:
+    pool = FailingPool(pg_dsn, failures=2)
+    try:
+        with PostgresBroadcaster(pool) as bc:
+            bc.publish("u", 1)
+            assert bc.flush(20), "the writer retries after an error it did not foresee"
+            assert pool.failures == 0
+            assert not bc.stats().closed
+            bc.publish("u", 2)  # not refused as if closed
+            assert bc.flush(20)
+            assert bc.stats().published == 2
+    finally:
+        pool.pool.close()
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("dsn")
