@@ -136,21 +136,14 @@ class Outbox:
             ConfigError: the table does not exist (``create_tables=False`` and no
                 migration ran).
         """
-        with conn.cursor(row_factory=tuple_row) as cur:  # whatever the connection's own
-            row = cur.execute(
-                "SELECT n.nspname, c.relname FROM pg_class c"
-                " JOIN pg_namespace n ON n.oid = c.relnamespace"
-                " WHERE c.oid = to_regclass(%s)",
-                (self.ident.as_string(conn),),
-            ).fetchone()
-        if row is None:
+        qualified = self.qualified(conn)
+        if qualified is None:
             raise ConfigError(
                 f"broadcast table {self.table!r} does not exist: create the broadcaster with "
                 "create_tables=True, or run rselection.postgres.migrate(conninfo, "
                 "broadcast_table=...) (or `rselection migrate`) once with a role that may "
                 "run DDL"
             )
-        qualified = f"{row[0]}.{row[1]}"
         digest = hashlib.blake2b(qualified.encode(), digest_size=8)
         # NOTIFY channel names are identifiers (at most 63 bytes): a fixed prefix and a
         # hash of the qualified table name always fit, whatever the logical channels are.
@@ -161,6 +154,18 @@ class Outbox:
             signed=True,
         )
         return channel, lock_key
+
+    def qualified(self, conn: psycopg.Connection[Any]) -> str | None:
+        """``schema.table`` of this table as ``conn`` resolves it (its ``search_path``);
+        ``None`` when it does not exist there."""
+        with conn.cursor(row_factory=tuple_row) as cur:  # whatever the connection's own
+            row = cur.execute(
+                "SELECT n.nspname, c.relname FROM pg_class c"
+                " JOIN pg_namespace n ON n.oid = c.relnamespace"
+                " WHERE c.oid = to_regclass(%s)",
+                (self.ident.as_string(conn),),
+            ).fetchone()
+        return None if row is None else f"{row[0]}.{row[1]}"
 
     # -- statements ------------------------------------------------------------------
 

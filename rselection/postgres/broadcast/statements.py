@@ -20,6 +20,7 @@ from typing import Any
 import psycopg
 from psycopg import pq
 
+from ...errors import ConfigError
 from .outbox import Outbox
 from .sessions import Deadlines, query_one
 
@@ -40,6 +41,9 @@ class LentSession:
     """``(backend pid, backend_start)``, to end the backend after a cut."""
     prepared: set[bytes] = field(default_factory=set)
     """Names of the publish statements prepared on it."""
+    tables: dict[str, str] = field(default_factory=dict)
+    """Table names as given, and the ``schema.table`` each was found to resolve to on
+    it: the one the broadcaster resolved on its own sessions (a mismatch is not kept)."""
 
 
 # Per session lent to any writer of the process (the pooled sessions are shared, and a
@@ -79,6 +83,7 @@ class PublishStatements:
         self._timeout = timeout
         self._fixed: list[bytes] = []  # lock key, origin, NOTIFY channel, sync
         self._named: dict[str, tuple[bytes, bytes]] = {}  # kind -> (name, text)
+        self._qualified = ""  # schema.table, as the broadcaster's own sessions see it
 
     @property
     def resolved(self) -> bool:
@@ -97,6 +102,7 @@ class PublishStatements:
             return
         with self._deadlines.guard(conn, self._timeout):
             notify_channel, lock_key = self._outbox.resolve(conn)
+            self._qualified = self._outbox.qualified(conn) or ""
         self._fixed = [
             str(lock_key).encode(),
             str(self._origin).encode(),
@@ -144,6 +150,8 @@ class PublishStatements:
         self.resolve(conn)
         name, text = self._named[kind]
         lent = self.lent(conn)
+        if lent.tables.get(self._outbox.table) != self._qualified:
+            self._check_table(conn, lent)
         for attempt in (1, 2):
             if name not in lent.prepared:
                 self._prepare(conn, lent, name, text)
@@ -158,6 +166,28 @@ class PublishStatements:
                 continue
             raise error
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _check_table(self, conn: psycopg.Connection[Any], lent: LentSession) -> None:
+        """Check that the table resolves on ``conn`` to the table the broadcaster resolved
+        on its own sessions, which its listener reads: a user's pool may lend connections
+        with another ``search_path`` (set by its ``configure`` callback, say).
+
+        Raises:
+            ConfigError: it resolves to another table, or to none.
+            psycopg.Error: the round trip failed.
+        """
+        with self._deadlines.guard(conn, self._timeout):
+            found = self._outbox.qualified(conn)
+        if found != self._qualified:
+            raise ConfigError(
+                f"broadcast table {self._outbox.table!r} is {self._qualified} on the "
+                "broadcaster's own sessions (its listener's) but "
+                f"{found or 'does not exist'} on a connection of the pool given as "
+                "conninfo (another search_path): give the table with its schema "
+                f"(table={self._qualified!r}), or the pool's connections the same "
+                "search_path"
+            )
+        lent.tables[self._outbox.table] = found
 
     def _prepare(
         self, conn: psycopg.Connection[Any], lent: LentSession, name: bytes, text: bytes

@@ -408,6 +408,53 @@ def test_an_unforeseen_error_does_not_end_the_writer(pg_dsn: str) -> None:
         pool.pool.close()
 
 
+def test_pool_whose_search_path_finds_another_table_is_refused_for_publishes(
+    pg_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from psycopg_pool import ConnectionPool
+
+    other = f"bc_other_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        own = admin.execute("SELECT current_schema()").fetchone()
+        assert own is not None
+        admin.execute(f"CREATE SCHEMA {other}")
+    try:
+        with PostgresBroadcaster(pg_dsn, table=f"{other}.bc_sp") as there:
+            assert there.wait_ready(20)  # the same name in another schema
+
+        def configure(conn: psycopg.Connection[Any]) -> None:
+            conn.execute(f"SET search_path TO {other}")
+
+        pool = ConnectionPool(
+            pg_dsn,
+            min_size=1,
+            max_size=1,
+            configure=configure,
+            kwargs={"autocommit": True},
+            open=True,
+        )
+        try:
+            with PostgresBroadcaster(pg_dsn, table="bc_sp") as reader:
+                sub = reader.subscribe("c")
+                with PostgresBroadcaster(pool, table="bc_sp", close_timeout=0.5) as writer:
+                    writer.publish("c", "misrouted?")
+                    wait_until(
+                        lambda: "another search_path" in caplog.text, 20, "the refusal logged"
+                    )
+                    assert writer.stats().published == 0
+                with PostgresBroadcaster(pool, table=f"{own[0]}.bc_sp") as qualified:
+                    qualified.publish("c", "qualified")
+                    assert qualified.flush(20)
+                assert sub.get(20) == "qualified"
+        finally:
+            pool.close()
+        with psycopg.connect(pg_dsn) as admin:
+            assert admin.execute(f"SELECT count(*) FROM {other}.bc_sp").fetchone() == (0,)
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            admin.execute(f"DROP SCHEMA {other} CASCADE")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("dsn")
