@@ -299,12 +299,12 @@ class Writer:
                     if not (batch or doubtful or purge_due):
                         continue
                     with self._sessions.borrow("publish broadcasts") as conn:
-                        with self._conn_lock:
-                            self._conn = conn
-                        try:
-                            identity = self._statements.lent(conn).identity
-                            loan_ends = time.monotonic() + self._loan_max
-                            while True:
+                        loan_ends = time.monotonic() + self._loan_max
+                        while self._arm(conn):
+                            # Armed: close() aborts a round trip in flight; it never
+                            # aborts a lingering session, which goes back intact.
+                            try:
+                                identity = self._statements.lent(conn).identity
                                 if doubtful:
                                     self._settle(conn, doubtful, doubtful_from, floor)
                                     doubtful, doubtful_from = (), None
@@ -327,20 +327,19 @@ class Writer:
                                         random.uniform(0.8, 1.2)
                                     )
                                     self.purge(conn)
-                                if time.monotonic() >= loan_ends:
-                                    break
-                                # A steady stream keeps the session for its next batches
-                                # (a loan per batch would add to every message's latency);
-                                # a pause of _LINGER gives it back.
-                                batch = self._next_batch(_LINGER)
-                                if not batch:
-                                    break
-                                if not self._listener_ready():
-                                    batch = ()  # taken again once the listener is ready
-                                    break
-                        finally:
-                            with self._conn_lock:
-                                self._conn = None
+                            finally:
+                                self._disarm()
+                            if time.monotonic() >= loan_ends:
+                                break
+                            # A steady stream keeps the session for its next batches
+                            # (a loan per batch would add to every message's latency);
+                            # a pause of _LINGER gives it back.
+                            batch = self._next_batch(_LINGER)
+                            if not batch:
+                                break
+                            if not self._listener_ready():
+                                batch = ()  # taken again once the listener is ready
+                                break
                     if down_since is not None:
                         logger.info(
                             "broadcast writer reconnected to %s after %.1f s",
@@ -379,6 +378,21 @@ class Writer:
         finally:
             with self._conn_lock:
                 self._conn = None
+
+    def _arm(self, conn: psycopg.Connection[Any]) -> bool:
+        """Let :meth:`stop` abort ``conn`` until :meth:`_disarm`; ``False`` (not armed)
+        once the writer stops."""
+        with self._conn_lock:
+            # stop() sets _stop before it takes the lock: either it is seen here, or
+            # stop() sees the connection armed and aborts the round trip.
+            if self._stop.is_set():
+                return False
+            self._conn = conn
+            return True
+
+    def _disarm(self) -> None:
+        with self._conn_lock:
+            self._conn = None
 
     def _next_batch(self, linger: float) -> tuple[Pending, ...]:
         """The next batch, waiting at most ``linger`` seconds for one; ``()`` if none came

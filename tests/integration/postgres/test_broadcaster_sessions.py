@@ -455,6 +455,24 @@ def test_pool_whose_search_path_finds_another_table_is_refused_for_publishes(
             admin.execute(f"DROP SCHEMA {other} CASCADE")
 
 
+def test_close_gives_a_lingering_writers_connection_back_intact(pg_dsn: str) -> None:
+    from psycopg_pool import ConnectionPool
+
+    pool = ConnectionPool(pg_dsn, min_size=1, max_size=1, kwargs={"autocommit": True}, open=True)
+    try:
+        for i in range(5):
+            before = pool.get_stats().get("returns_bad", 0)
+            bc = PostgresBroadcaster(pool)
+            bc.publish("l", i)
+            assert bc.flush(20)
+            bc.close()  # while the writer lingers on the pool's one connection
+            with pool.connection() as conn:
+                assert conn.execute("SELECT 1").fetchone() == (1,), f"round {i}"
+            assert pool.get_stats().get("returns_bad", 0) == before, f"round {i}"
+    finally:
+        pool.close()
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("dsn")
