@@ -175,6 +175,7 @@ class Sessions:
         self.user_pool = not isinstance(source, str | psycopg.Connection)
         """Whether publishes borrow from the user's pool (else the process's pool)."""
         self._lender = self._lender_for(source if self.user_pool else self.conninfo)
+        self._lender_id = id(source)
 
     def _lender_for(self, source: object) -> Connections:
         timeout = self.settings.timeout
@@ -186,6 +187,16 @@ class Sessions:
             statement_timeout=timeout,
             pooled=True,
         )
+
+    @property
+    def pool_key(self) -> object:
+        """What identifies the pool publishes borrow from (the writers of a process take
+        turns on it, see :mod:`.turns`)."""
+        return ("user pool", self._lender_id) if self.user_pool else ("pooled", self.conninfo)
+
+    def waiting(self) -> int:
+        """Callers waiting now for a session of the pool publishes borrow from."""
+        return self._lender.waiting()
 
     def error_text(self, exc: BaseException) -> str:
         """The first line of ``exc``, without the password, for logs and messages."""

@@ -32,6 +32,7 @@ from .listener import Listener
 from .outbox import INLINE_LIMIT, inline_row, text_array
 from .sessions import Sessions, abort_socket, backoff, query_one
 from .statements import MANY, MANY_INLINE, ONE, ONE_INLINE, PublishStatements
+from .turns import Turn
 
 __all__ = ["Pending", "Writer"]
 
@@ -119,6 +120,8 @@ class Writer:
             self._settings.timeout,
         )
         self._not_ready = ""  # the last error of the table check, logged once
+        # The writers of the process take turns on one session of their pool.
+        self._turn = Turn.of(sessions.pool_key)
         self.ready = threading.Event()
         """Set once the tables were found ready (created with ``create_tables``)."""
         self._thread = threading.Thread(
@@ -228,6 +231,7 @@ class Writer:
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
+        self._turn.wake()
         with self._conn_lock:
             if self._conn is not None:
                 abort_socket(self._conn)
@@ -298,7 +302,10 @@ class Writer:
                     purge_due = next_purge is not None and now >= next_purge
                     if not (batch or doubtful or purge_due):
                         continue
-                    with self._sessions.borrow("publish broadcasts") as conn:
+                    with (
+                        self._turn.held(self._stop.is_set),
+                        self._sessions.borrow("publish broadcasts") as conn,
+                    ):
                         loan_ends = time.monotonic() + self._loan_max
                         while self._arm(conn):
                             # Armed: close() aborts a round trip in flight; it never
@@ -330,6 +337,10 @@ class Writer:
                             finally:
                                 self._disarm()
                             if time.monotonic() >= loan_ends:
+                                break
+                            if self._turn.waiting or self._sessions.waiting():
+                                # Another writer, a claim or a checkpoint waits: the
+                                # session goes back between two batches.
                                 break
                             # A steady stream keeps the session for its next batches
                             # (a loan per batch would add to every message's latency);

@@ -473,6 +473,55 @@ def test_close_gives_a_lingering_writers_connection_back_intact(pg_dsn: str) -> 
         pool.close()
 
 
+def test_two_streaming_broadcasters_leave_a_pooled_session_to_claims(pg_dsn: str) -> None:
+    from rselection.postgres import PostgresClaimer
+
+    stop = threading.Event()
+
+    def stream(bc: PostgresBroadcaster) -> None:
+        i = 0
+        while not stop.wait(0.003):
+            bc.publish("s", i)
+            i += 1
+
+    with (
+        PostgresBroadcaster(pg_dsn, table="bc_s1") as one,
+        PostgresBroadcaster(pg_dsn, table="bc_s2") as two,
+        PostgresClaimer(pg_dsn, table="bc_claims") as claimer,
+    ):
+        assert one.wait_ready(20) and two.wait_ready(20)
+        claimer.claim("warm")
+        streams = [threading.Thread(target=stream, args=(bc,)) for bc in (one, two)]
+        for thread in streams:
+            thread.start()
+        try:
+            wait_until(
+                lambda: one.stats().published > 50 and two.stats().published > 50,
+                20,
+                "both streams under way",
+            )
+            waits = []
+            for k in range(40):
+                start = time.monotonic()
+                claimer.claim(f"k-{k}")
+                waits.append(time.monotonic() - start)
+                time.sleep(0.02)
+        finally:
+            stop.set()
+            for thread in streams:
+                thread.join()
+        waits.sort()
+        p50, p90 = waits[len(waits) // 2], waits[int(len(waits) * 0.9)]
+        print(
+            f"claims while two broadcasters stream: p50 {p50 * 1000:.1f} ms, "
+            f"p90 {p90 * 1000:.1f} ms"
+        )
+        # Measured p90 about 3 ms on a busy 2-core machine; a claim that waited for a
+        # writer's loan to end took about 1 s.
+        assert p90 < 0.3, waits
+        assert one.flush(20) and two.flush(20)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("dsn")
