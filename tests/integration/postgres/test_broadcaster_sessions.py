@@ -62,8 +62,11 @@ def _node(dsn: str) -> None:  # pragma: no cover - runs in the node process
 
     for line in sys.stdin:
         cmd, *args = line.split()
-        if cmd == "make":  # make NAME TABLE
-            bc = bcs[args[0]] = PostgresBroadcaster(dsn, table=args[1], max_pending=100_000)
+        if cmd == "make":  # make NAME TABLE [PROBE_INTERVAL]
+            probe = float(args[2]) if len(args) > 2 else 5.0
+            bc = bcs[args[0]] = PostgresBroadcaster(
+                dsn, table=args[1], max_pending=100_000, probe_interval=probe
+            )
             reply(ready=bc.wait_ready(20))
         elif cmd == "publish":  # publish NAME CHANNEL N
             bc = bcs[args[0]]
@@ -100,6 +103,9 @@ def _node(dsn: str) -> None:  # pragma: no cover - runs in the node process
             reply(listening=bcs[args[1]].stats().listening)
         elif cmd == "disconnect":  # disconnect ID
             readers.pop(args[0])()
+            reply(ok=True)
+        elif cmd == "close":  # close NAME
+            bcs.pop(args[0]).close()
             reply(ok=True)
         elif cmd == "stats":  # stats NAME
             stats = bcs[args[0]].stats()
@@ -520,6 +526,20 @@ def test_two_streaming_broadcasters_leave_a_pooled_session_to_claims(pg_dsn: str
         # writer's loan to end took about 1 s.
         assert p90 < 0.3, waits
         assert one.flush(20) and two.flush(20)
+
+
+def test_closing_the_broadcaster_of_the_last_reader_releases_the_listener(node: Node) -> None:
+    # Probes far apart: the session must not wait for its next probe to look again.
+    assert node.ask("make a bc_a 30") == {"ready": True}
+    assert node.ask("make b bc_b 30") == {"ready": True}
+    assert node.ask("sub s1 a x") == {"listening": True}
+    assert node.sessions()[LISTENER] == 1
+    assert node.ask("close a") == {"ok": True}  # b, which has no reader, stays
+    took = wait_until(
+        lambda: node.sessions()[LISTENER] == 0, RELEASE_BOUND, "the listener released"
+    )
+    print(f"listener released {took * 1000:.0f} ms after its last reader's broadcaster closed")
+    assert node.ask("stats b")["pid"] is None
 
 
 if __name__ == "__main__":
