@@ -26,15 +26,17 @@ import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 
-from ...errors import BackendUnavailable
+from ...errors import BackendUnavailable, ConfigError
 from .._conn import (
     Connections,
+    IoWatchdog,
     describe_conninfo,
     open_session,
     redact,
     session_conninfo,
     shutdown_socket,
 )
+from ..pooler import check_bound, check_session_pooling
 from ..schema import create_tables
 from .outbox import Outbox
 from .settings import Settings
@@ -176,6 +178,7 @@ class Sessions:
         """Whether publishes borrow from the user's pool (else the process's pool)."""
         self._lender = self._lender_for(source if self.user_pool else self.conninfo)
         self._lender_id = id(source)
+        self._probe_io = IoWatchdog(APPLICATION_NAME)  # bounds the pooler check's probe
 
     def _lender_for(self, source: object) -> Connections:
         timeout = self.settings.timeout
@@ -297,7 +300,48 @@ class Sessions:
         if self.settings.create_tables:
             create_tables(conn, broadcast=self.outbox.table, timeout=self.settings.timeout)
 
+    def check_pooling(self, conn: psycopg.Connection[Any]) -> None:
+        """Refuse a pooler in transaction or statement mode between the process and
+        Postgres (the check of :mod:`rselection.postgres.pooler`, run on ``conn``, a
+        session lent for the table check, with a short-lived second connection).
+
+        Behind such a pooler a lent session's backend serves other clients between two
+        statements: settling a publish cut in flight would end another client's backend
+        (the writer ends the backend that may still hold the batch), and whether the
+        batch committed could not be known for certain.
+
+        Raises:
+            ConfigError: a pooler that does not keep one session per connection.
+            BackendUnavailable: the check could not be run (the probe got no answer).
+            psycopg.Error: a round trip failed.
+        """
+        timeout = self.settings.timeout
+        try:
+            with self.deadlines.guard(conn, check_bound(timeout)):
+                check_session_pooling(
+                    conn,
+                    lambda: open_session(
+                        self.conninfo,
+                        application_name=APPLICATION_NAME + ":probe",
+                        connect_timeout=timeout,
+                        keepalive_idle=timeout / 2,
+                        user_timeout=timeout + 1.0,
+                    ),
+                    where=self.where,
+                    io=self._probe_io,
+                    timeout=timeout,
+                )
+        except ConfigError as exc:
+            raise ConfigError(
+                f"PostgresBroadcaster cannot publish through {self.where}: its sessions "
+                "are not kept by a pooler in transaction or statement mode (a cut publish "
+                "could not be settled exactly once, and settling it would end another "
+                "client's backend); run the pooler in session mode (PgBouncer: pool_mode "
+                f"= session) for the broadcaster, or connect to Postgres directly ({exc})"
+            ) from exc
+
     def close(self) -> None:
-        """Stop the round-trip watchdog and leave the process's pool."""
+        """Stop the round-trip watchdogs and leave the process's pool."""
         self._lender.close()
         self.deadlines.close()
+        self._probe_io.close()

@@ -124,6 +124,8 @@ class Writer:
         self._turn = Turn.of(sessions.pool_key)
         self.ready = threading.Event()
         """Set once the tables were found ready (created with ``create_tables``)."""
+        self.refused: ConfigError | None = None
+        """Why publishes are refused (a pooler in transaction mode), while they are."""
         self._thread = threading.Thread(
             target=self._write_loop, name="rselection-broadcast-write", daemon=True
         )
@@ -164,8 +166,12 @@ class Writer:
         Raises:
             BroadcasterClosed: the broadcaster is closing.
             BackendUnavailable: no room within ``timeout`` (Postgres unreachable or slow).
+            ConfigError: the sessions go through a pooler in transaction mode.
         """
         settings = self._settings
+        refused = self.refused
+        if refused is not None:
+            raise ConfigError(str(refused))
         item = Pending(0, channel, payload, inline)
         with self._cond:
             deadline = None
@@ -438,6 +444,12 @@ class Writer:
         """Make the tables ready (``create_tables``) and resolve the table's NOTIFY
         channel and publish lock, on a borrowed session; then :attr:`ready` is set."""
         with self._sessions.borrow("check the broadcast tables", check=True) as conn:
+            try:
+                self._sessions.check_pooling(conn)
+            except ConfigError as exc:
+                self.refused = exc
+                raise
+            self.refused = None
             with self._deadlines.guard(conn, self._settings.timeout):
                 self._sessions.prepare(conn)
             self._statements.resolve(conn)

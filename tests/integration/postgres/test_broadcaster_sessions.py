@@ -28,6 +28,7 @@ import psycopg
 import pytest
 
 from rselection.postgres import PostgresBroadcaster
+from tests.support.pgbouncer import PgBouncer
 from tests.support.sessions import process_sessions
 from tests.support.waiting import wait_until
 
@@ -540,6 +541,37 @@ def test_closing_the_broadcaster_of_the_last_reader_releases_the_listener(node: 
     )
     print(f"listener released {took * 1000:.0f} ms after its last reader's broadcaster closed")
     assert node.ask("stats b")["pid"] is None
+
+
+def test_publishes_through_a_transaction_pooler_are_refused(
+    make_pgbouncer: Callable[..., PgBouncer], pooled_database: str
+) -> None:
+    from psycopg_pool import ConnectionPool
+
+    from rselection.errors import ConfigError
+
+    bouncer = make_pgbouncer(pool_mode="transaction", pool_size=2)
+    dsn = bouncer.dsn(pooled_database)
+    kwargs: dict[str, Any] = {"autocommit": True, "prepare_threshold": None}
+    pool = ConnectionPool(dsn, min_size=1, max_size=1, kwargs=kwargs, open=True)
+    try:
+        for source in (dsn, pool):
+            with PostgresBroadcaster(source, timeout=5.0, close_timeout=0.5) as bc:
+
+                def refused(bc: PostgresBroadcaster = bc) -> str:
+                    try:
+                        bc.publish("t", 1)
+                    except ConfigError as exc:
+                        return str(exc)
+                    return ""
+
+                wait_until(refused, 20, f"publishes refused ({type(source).__name__})")
+                message = refused()
+                assert "transaction" in message and "session mode" in message, message
+                assert not bc.wait_ready(0.1)
+                assert bc.stats().published == 0
+    finally:
+        pool.close()
 
 
 if __name__ == "__main__":
