@@ -237,11 +237,21 @@ class Sessions:
                 conn.autocommit = True
                 stack.callback(self._restore_transactions, conn)
             if conn.info.encoding != "utf-8":
-                # Publish parameters are sent as UTF-8 bytes (see Writer.write); psycopg
-                # follows the change for the connection's other users.
+                # Publish parameters are sent as UTF-8 bytes (see Writer.write); the
+                # connection goes back in its own encoding (psycopg follows both changes).
+                encoding = conn.info.parameter_status("client_encoding")
                 with self.deadlines.guard(conn, self.settings.timeout):
                     conn.execute("SET client_encoding TO 'UTF8'")
+                if encoding is not None:
+                    stack.callback(self._restore_encoding, conn, encoding)
             yield conn
+
+    def _restore_encoding(self, conn: psycopg.Connection[Any], encoding: str) -> None:
+        """Give a pool's connection back in the encoding it was lent in (when usable)."""
+        if conn.closed or conn.broken or conn.info.transaction_status != TransactionStatus.IDLE:
+            return
+        with contextlib.suppress(psycopg.Error), self.deadlines.guard(conn, self.settings.timeout):
+            conn.execute("SELECT set_config('client_encoding', %s, false)", (encoding,))
 
     @staticmethod
     def _restore_transactions(conn: psycopg.Connection[Any]) -> None:

@@ -574,6 +574,24 @@ def test_publishes_through_a_transaction_pooler_are_refused(
         pool.close()
 
 
+def test_a_pools_connection_goes_back_in_its_own_client_encoding(pg_dsn: str) -> None:
+    from psycopg_pool import ConnectionPool
+
+    kwargs: dict[str, Any] = {"autocommit": True, "client_encoding": "LATIN1"}
+    pool = ConnectionPool(pg_dsn, min_size=1, max_size=1, kwargs=kwargs, open=True)
+    try:
+        with PostgresBroadcaster(pg_dsn) as reader, PostgresBroadcaster(pool) as writer:
+            sub = reader.subscribe("e")
+            writer.publish("e", "é ✓")
+            assert writer.flush(20)
+            assert sub.get(20) == "é ✓"
+            with pool.connection() as conn:  # the writer gave it back: one connection
+                assert conn.execute("SHOW client_encoding").fetchone() == ("LATIN1",)
+                assert conn.info.encoding == "iso8859-1"
+    finally:
+        pool.close()
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("dsn")
