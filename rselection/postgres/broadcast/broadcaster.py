@@ -104,9 +104,9 @@ class PostgresBroadcaster(Broadcaster):
             not; its settings are left as they were). The listening session, which LISTEN
             needs kept for it (a pool cannot lend that), and the table check at
             construction use the same parameters (a pool's ``conninfo`` and libpq
-            ``kwargs``): each connection the pool lends must resolve ``table`` to the
-            same ``schema.table`` (else publishes are refused, logged as a
-            ``ConfigError``; give the table with its schema). An async pool is refused.
+            ``kwargs``), which resolve ``table`` to the ``schema.table`` every statement
+            on the pool's connections names (their ``search_path`` does not matter).
+            An async pool is refused.
             Publishes through a pooler in transaction or statement mode are refused
             (:meth:`publish` raises ``ConfigError``).
         table: outbox table, optionally schema-qualified (``"ops.broadcast"``); every

@@ -6,7 +6,14 @@ writer of the process: the session's identity (to end its backend when it was cu
 a batch in doubt, see :class:`~.writer.Writer`), and which publish statements are
 prepared on it. Statements are named after their text, so every writer of the process
 that publishes to the same table shares them on a pooled session, and no two texts
-share a name."""
+share a name.
+
+Every statement a writer runs on a lent session names the tables with the schema the
+broadcaster resolved them in on its own sessions, which its listener reads
+(:attr:`PublishStatements.outbox`): a user's pool may lend connections with another
+``search_path`` (set by its ``configure`` callback, or by the user's code on a
+connection it had from the pool), and an unqualified name would then mean another
+schema's table of the same name."""
 
 from __future__ import annotations
 
@@ -41,9 +48,6 @@ class LentSession:
     """``(backend pid, backend_start)``, to end the backend after a cut."""
     prepared: set[bytes] = field(default_factory=set)
     """Names of the publish statements prepared on it."""
-    tables: dict[str, str] = field(default_factory=dict)
-    """Table names as given, and the ``schema.table`` each was found to resolve to on
-    it: the one the broadcaster resolved on its own sessions (a mismatch is not kept)."""
 
 
 # Per session lent to any writer of the process (the pooled sessions are shared, and a
@@ -83,7 +87,9 @@ class PublishStatements:
         self._timeout = timeout
         self._fixed: list[bytes] = []  # lock key, origin, NOTIFY channel, sync
         self._named: dict[str, tuple[bytes, bytes]] = {}  # kind -> (name, text)
-        self._qualified = ""  # schema.table, as the broadcaster's own sessions see it
+        self.outbox = outbox
+        """The outbox with its tables schema-qualified once resolved (:meth:`resolve`):
+        what every statement on a lent session uses."""
 
     @property
     def resolved(self) -> bool:
@@ -102,7 +108,10 @@ class PublishStatements:
             return
         with self._deadlines.guard(conn, self._timeout):
             notify_channel, lock_key = self._outbox.resolve(conn)
-            self._qualified = self._outbox.qualified(conn) or ""
+            schema = self._outbox.schema(conn)
+        if schema is None:  # dropped between the two queries
+            raise ConfigError(f"broadcast table {self._outbox.table!r} does not exist")
+        pinned = self._outbox.in_schema(schema)
         self._fixed = [
             str(lock_key).encode(),
             str(self._origin).encode(),
@@ -110,14 +119,15 @@ class PublishStatements:
             self._sync,
         ]
         for kind, statement in (
-            (ONE_INLINE, self._outbox.insert_one(True)),
-            (ONE, self._outbox.insert_one(False)),
-            (MANY_INLINE, self._outbox.insert_many(True)),
-            (MANY, self._outbox.insert_many(False)),
+            (ONE_INLINE, pinned.insert_one(True)),
+            (ONE, pinned.insert_one(False)),
+            (MANY_INLINE, pinned.insert_many(True)),
+            (MANY, pinned.insert_many(False)),
         ):
             text = statement.as_bytes(conn)
             name = b"rselection_bc_" + hashlib.blake2b(text, digest_size=10).hexdigest().encode()
             self._named[kind] = (name, text)
+        self.outbox = pinned
 
     def lent(self, conn: psycopg.Connection[Any]) -> LentSession:
         """What the process knows of ``conn``, asking its identity on first use.
@@ -150,8 +160,6 @@ class PublishStatements:
         self.resolve(conn)
         name, text = self._named[kind]
         lent = self.lent(conn)
-        if lent.tables.get(self._outbox.table) != self._qualified:
-            self._check_table(conn, lent)
         for attempt in (1, 2):
             if name not in lent.prepared:
                 self._prepare(conn, lent, name, text)
@@ -166,28 +174,6 @@ class PublishStatements:
                 continue
             raise error
         raise AssertionError("unreachable")  # pragma: no cover
-
-    def _check_table(self, conn: psycopg.Connection[Any], lent: LentSession) -> None:
-        """Check that the table resolves on ``conn`` to the table the broadcaster resolved
-        on its own sessions, which its listener reads: a user's pool may lend connections
-        with another ``search_path`` (set by its ``configure`` callback, say).
-
-        Raises:
-            ConfigError: it resolves to another table, or to none.
-            psycopg.Error: the round trip failed.
-        """
-        with self._deadlines.guard(conn, self._timeout):
-            found = self._outbox.qualified(conn)
-        if found != self._qualified:
-            raise ConfigError(
-                f"broadcast table {self._outbox.table!r} is {self._qualified} on the "
-                "broadcaster's own sessions (its listener's) but "
-                f"{found or 'does not exist'} on a connection of the pool given as "
-                "conninfo (another search_path): give the table with its schema "
-                f"(table={self._qualified!r}), or the pool's connections the same "
-                "search_path"
-            )
-        lent.tables[self._outbox.table] = found
 
     def _prepare(
         self, conn: psycopg.Connection[Any], lent: LentSession, name: bytes, text: bytes

@@ -54,6 +54,10 @@ _IDLE_CHECK = IDLE_CLOSE / 4
 _LINGER = 0.02
 _LOAN_MAX = 1.0
 
+#: Seconds after a "cannot write" warning within which a new failure with the same error
+#: is the same outage (logged at debug level).
+_WARN_AGAIN = 60.0
+
 
 @dataclass
 class Pending:
@@ -120,6 +124,7 @@ class Writer:
             self._settings.timeout,
         )
         self._not_ready = ""  # the last error of the table check, logged once
+        self._warned: tuple[str, float] = ("", 0.0)  # last "cannot write": error, when
         # The writers of the process take turns on one session of their pool.
         self._turn = Turn.of(sessions.pool_key)
         self.ready = threading.Event()
@@ -382,13 +387,7 @@ class Writer:
                     failures += 1
                     if down_since is None and ready:
                         down_since = time.monotonic()
-                        logger.warning(
-                            "broadcast writer cannot write to %s (%s); %d message(s) wait, "
-                            "retrying with backoff",
-                            self._sessions.where,
-                            self._sessions.error_text(exc),
-                            len(self._pending),
-                        )
+                        self._report_down(exc, down_since)
                     elif not ready:
                         self._report_not_ready(exc)
                     self._stop.wait(backoff(failures))
@@ -455,6 +454,22 @@ class Writer:
             self._statements.resolve(conn)
         self._not_ready = ""
         self.ready.set()
+
+    def _report_down(self, exc: BaseException, now: float) -> None:
+        """Warn that the writer cannot write: once per outage, where rounds that fail
+        with the same error between short successes are one outage."""
+        detail = self._sessions.error_text(exc)
+        last_detail, last_at = self._warned
+        self._warned = (detail, now)
+        if detail == last_detail and now - last_at < _WARN_AGAIN:
+            logger.debug("broadcast writer cannot write to %s (%s)", self._sessions.where, detail)
+            return
+        logger.warning(
+            "broadcast writer cannot write to %s (%s); %d message(s) wait, retrying with backoff",
+            self._sessions.where,
+            detail,
+            len(self._pending),
+        )
 
     def _report_not_ready(self, exc: BaseException) -> None:
         detail = self._sessions.error_text(exc)
@@ -549,7 +564,7 @@ class Writer:
                         )
                     time.sleep(0.02)
         with self._deadlines.guard(conn, self._settings.timeout):
-            row = query_one(conn, self._outbox.committed_seq(), (floor, self._origin))
+            row = query_one(conn, self._statements.outbox.committed_seq(), (floor, self._origin))
         done = 0 if row is None or row[0] is None else int(row[0])
         if done >= batch[-1].seq:
             logger.info(
@@ -575,7 +590,7 @@ class Writer:
         total = 0
         while True:
             with self._deadlines.guard(conn, self._settings.timeout):
-                row = query_one(conn, self._outbox.purge(), (retention, _PURGE_ROWS))
+                row = query_one(conn, self._statements.outbox.purge(), (retention, _PURGE_ROWS))
             deleted = 0 if row is None else int(row[0])
             total += deleted
             if deleted < _PURGE_ROWS or self._stop.is_set():

@@ -415,51 +415,58 @@ def test_an_unforeseen_error_does_not_end_the_writer(pg_dsn: str) -> None:
         pool.pool.close()
 
 
-def test_pool_whose_search_path_finds_another_table_is_refused_for_publishes(
-    pg_dsn: str, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_statements_on_a_pools_connections_name_the_resolved_schema(pg_dsn: str) -> None:
     from psycopg_pool import ConnectionPool
 
     other = f"bc_other_{uuid.uuid4().hex[:8]}"
+    table = f"bc_sp_{uuid.uuid4().hex[:8]}"
+    old = "now() - interval '1 hour'"
     with psycopg.connect(pg_dsn, autocommit=True) as admin:
         own = admin.execute("SELECT current_schema()").fetchone()
         assert own is not None
         admin.execute(f"CREATE SCHEMA {other}")
+    pool = ConnectionPool(pg_dsn, min_size=1, max_size=1, kwargs={"autocommit": True}, open=True)
     try:
-        with PostgresBroadcaster(pg_dsn, table=f"{other}.bc_sp") as there:
-            assert there.wait_ready(20)  # the same name in another schema
-
-        def configure(conn: psycopg.Connection[Any]) -> None:
-            conn.execute(f"SET search_path TO {other}")
-
-        pool = ConnectionPool(
-            pg_dsn,
-            min_size=1,
-            max_size=1,
-            configure=configure,
-            kwargs={"autocommit": True},
-            open=True,
-        )
-        try:
-            with PostgresBroadcaster(pg_dsn, table="bc_sp") as reader:
-                sub = reader.subscribe("c")
-                with PostgresBroadcaster(pool, table="bc_sp", close_timeout=0.5) as writer:
-                    writer.publish("c", "misrouted?")
-                    wait_until(
-                        lambda: "another search_path" in caplog.text, 20, "the refusal logged"
+        with PostgresBroadcaster(pool, table=table, retention=2.0) as bc:
+            assert bc.wait_ready(20)
+            sub = bc.subscribe("c")
+            bc.publish("c", 0)
+            assert bc.flush(20)
+            with psycopg.connect(pg_dsn, autocommit=True) as admin:
+                # The same name in another schema, with old rows a purge would delete.
+                admin.execute(f"CREATE TABLE {other}.{table} (LIKE {own[0]}.{table} INCLUDING ALL)")
+                for schema in (other, own[0]):
+                    admin.execute(
+                        f"INSERT INTO {schema}.{table} (channel, payload, origin, origin_seq,"
+                        f" created_at) SELECT 'x', '1', 1, g, {old} FROM generate_series(1, 50) g"
                     )
-                    assert writer.stats().published == 0
-                with PostgresBroadcaster(pool, table=f"{own[0]}.bc_sp") as qualified:
-                    qualified.publish("c", "qualified")
-                    assert qualified.flush(20)
-                assert sub.get(20) == "qualified"
-        finally:
-            pool.close()
+            with pool.connection() as conn:  # the user's code, after the first publish
+                conn.execute(f"SET search_path TO {other}, {own[0]}")
+            for i in range(1, 6):
+                bc.publish("c", i)
+            assert bc.flush(20)
+            assert [sub.get(20) for _ in range(6)] == list(range(6))
+
+            def purged() -> bool:
+                with psycopg.connect(pg_dsn) as admin:
+                    row = admin.execute(
+                        f"SELECT count(*) FROM {own[0]}.{table} WHERE channel = 'x'"
+                    ).fetchone()
+                return row == (0,)
+
+            wait_until(purged, 20, "the resolved table's old rows purged")
+            with pool.connection() as conn:
+                assert conn.execute("SHOW search_path").fetchone() == (f"{other}, {own[0]}",)
         with psycopg.connect(pg_dsn) as admin:
-            assert admin.execute(f"SELECT count(*) FROM {other}.bc_sp").fetchone() == (0,)
+            assert admin.execute(f"SELECT count(*) FROM {other}.{table}").fetchone() == (50,)
+            assert admin.execute(
+                f"SELECT count(*) FROM {own[0]}.{table} WHERE channel = 'c'"
+            ).fetchone() == (6,)
     finally:
+        pool.close()
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
             admin.execute(f"DROP SCHEMA {other} CASCADE")
+            admin.execute(f"DROP TABLE IF EXISTS {own[0]}.{table}, {own[0]}.{table}_state")
 
 
 def test_close_gives_a_lingering_writers_connection_back_intact(pg_dsn: str) -> None:
