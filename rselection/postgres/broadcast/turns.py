@@ -7,7 +7,9 @@ stream of batches (see :mod:`.writer`), so two streaming broadcasters would hold
 and every claim would wait for one of them to pause. A writer takes the turn of its
 pool (:class:`Turn`) before it borrows and gives it back with the session, and gives
 both back after its current batch as soon as another writer waits for the turn or any
-caller waits for the pool (:meth:`Turn.contended`).
+caller waits for the pool. The turn goes to the writers in the order they asked for it:
+a writer that gave it back because another waits asks again behind that one, so a
+writer that never runs out of batches cannot keep the others from their turn.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable, Hashable, Iterator
 from typing import ClassVar
 
@@ -34,7 +37,8 @@ class Turn:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._held = False
-        self._waiting = 0
+        # Writers waiting for the turn, oldest first: only the oldest may take it.
+        self._queue: deque[object] = deque()
 
     @classmethod
     def of(cls, key: Hashable) -> Turn:
@@ -50,25 +54,29 @@ class Turn:
     def waiting(self) -> int:
         """Writers waiting for the turn."""
         with self._cond:
-            return self._waiting
+            return len(self._queue)
 
     @contextlib.contextmanager
     def held(self, stopping: Callable[[], bool]) -> Iterator[None]:
-        """Hold the turn for the ``with`` body.
+        """Hold the turn for the ``with`` body, after every writer that asked for it
+        before (first in, first served).
 
         Raises:
             Stopping: ``stopping()`` became true while waiting (see :meth:`wake`).
         """
+        me = object()
         with self._cond:
-            self._waiting += 1
+            self._queue.append(me)
             try:
-                while self._held and not stopping():
+                while (self._held or self._queue[0] is not me) and not stopping():
                     self._cond.wait(1.0)
-                taken = not self._held
+                taken = not self._held and self._queue[0] is me
                 if taken:
                     self._held = True
             finally:
-                self._waiting -= 1
+                self._queue.remove(me)
+                # The next oldest may take the turn now (or once it is given back).
+                self._cond.notify_all()
         if not taken:
             raise Stopping
         try:

@@ -603,3 +603,49 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("dsn")
     _node(parser.parse_args().dsn)
+
+
+def test_a_flooding_broadcaster_leaves_the_others_their_turn(pg_dsn: str) -> None:
+    stop = threading.Event()
+    flooded = [0]
+
+    def flood(bc: PostgresBroadcaster) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(Exception):  # backpressure may refuse a publish
+                bc.publish("a", "x" * 200)
+                flooded[0] += 1
+
+    table = f"bc_fair_{uuid.uuid4().hex[:8]}"
+    with PostgresBroadcaster(pg_dsn, table="bc_flood") as flooder:
+        quiet = PostgresBroadcaster(pg_dsn, table=table)
+        try:
+            assert flooder.wait_ready(20) and quiet.wait_ready(20)
+            thread = threading.Thread(target=flood, args=(flooder,))
+            thread.start()
+            try:
+                wait_until(lambda: flooder.stats().pending > 100, 20, "the flood under way")
+                latencies = []
+                for i in range(20):
+                    start = time.monotonic()
+                    quiet.publish("b", i)
+                    assert quiet.flush(20)
+                    latencies.append(time.monotonic() - start)
+                    time.sleep(0.02)
+                for i in range(100):
+                    quiet.publish("c", i)
+                quiet.close()  # within its close_timeout, while the flood goes on
+            finally:
+                stop.set()
+                thread.join()
+        finally:
+            quiet.close()
+        latencies.sort()
+        p50, p90 = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.9)]
+        print(f"publish+flush beside a flood: p50 {p50 * 1000:.1f} ms, p90 {p90 * 1000:.1f} ms")
+        # Measured p90 16 to 45 ms on a busy 2-core machine; the flooder re-took the
+        # turn before the other writer woke, and its publishes waited seconds.
+        assert p90 < 0.5, latencies
+        with psycopg.connect(pg_dsn) as admin:
+            rows = admin.execute(f"SELECT count(*) FROM {table} WHERE channel = 'c'").fetchone()
+            admin.execute(f"DROP TABLE {table}, {table}_state")
+        assert rows == (100,), "nothing dropped at close"
