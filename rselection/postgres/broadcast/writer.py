@@ -116,6 +116,12 @@ class Writer:
         self._loan_max = min(_LOAN_MAX, self._settings.timeout / 4)
         self._origin = secrets.randbits(63)
         self._written_id = 0  # the last outbox id this writer committed
+        # A batch whose commit is unknown, the session it was sent on (to end, when it
+        # broke), and an id below every row it may have written: kept on the writer, so
+        # that rounds started again after an error nobody foresaw settle it first.
+        self._doubtful: tuple[Pending, ...] = ()
+        self._doubtful_from: tuple[int, Any] | None = None
+        self._floor = 0  # every id <= floor was committed before the doubtful batch started
         self._statements = PublishStatements(
             self._outbox,
             self._origin,
@@ -275,9 +281,6 @@ class Writer:
 
     def _write_rounds(self) -> None:
         identity: tuple[int, Any] | None = None  # (backend pid, backend_start) of the loan
-        doubtful: tuple[Pending, ...] = ()  # a batch whose commit is unknown
-        doubtful_from: tuple[int, Any] | None = None
-        floor = 0  # every id <= floor was committed before the doubtful batch started
         failures = 0
         next_purge: float | None = None  # purges start with the first write
         next_idle_check = time.monotonic() + _IDLE_CHECK
@@ -286,7 +289,8 @@ class Writer:
             while True:
                 ready = self.ready.is_set()
                 with self._cond:
-                    while ready and not self._pending and not doubtful and not self._stop.is_set():
+                    idle = ready and not self._doubtful
+                    while idle and not self._pending and not self._stop.is_set():
                         due = min(t for t in (next_purge, next_idle_check) if t is not None)
                         wait = due - time.monotonic()
                         if wait <= 0:
@@ -294,7 +298,7 @@ class Writer:
                         self._cond.wait(wait)
                     if self._stop.is_set():
                         return
-                    batch = self._take_batch() if ready and not doubtful else ()
+                    batch = self._take_batch() if ready and not self._doubtful else ()
                 if batch and not self._await_listener():
                     return
                 in_flight: psycopg.Connection[Any] | None = None
@@ -311,7 +315,7 @@ class Writer:
                         if not self._sessions.user_pool:
                             SessionPool.close_idle(self._sessions.conninfo)
                     purge_due = next_purge is not None and now >= next_purge
-                    if not (batch or doubtful or purge_due):
+                    if not (batch or self._doubtful or purge_due):
                         continue
                     with (
                         self._turn.held(self._stop.is_set),
@@ -323,13 +327,17 @@ class Writer:
                             # aborts a lingering session, which goes back intact.
                             try:
                                 identity = self._statements.lent(conn).identity
-                                if doubtful:
-                                    self._settle(conn, doubtful, doubtful_from, floor)
-                                    doubtful, doubtful_from = (), None
+                                if self._doubtful:
+                                    self._settle(
+                                        conn, self._doubtful, self._doubtful_from, self._floor
+                                    )
+                                    self._doubtful, self._doubtful_from = (), None
                                 elif batch:
                                     # The listener may be idle (no readers here): the
                                     # writer's own last id bounds the committed ids too.
-                                    floor = max(floor, self._listener.last_id, self._written_id)
+                                    self._floor = max(
+                                        self._floor, self._listener.last_id, self._written_id
+                                    )
                                     in_flight = conn
                                     self.write(conn, batch)
                                     # Confirmed and counted: a failure from here on (the
@@ -376,12 +384,18 @@ class Writer:
                         exc, psycopg.Error | OSError | BackendUnavailable | ConfigError
                     )
                     broke = in_flight is not None and (in_flight.broken or in_flight.closed)
-                    if in_flight is not None and batch and not doubtful and (broke or not expected):
+                    if (
+                        in_flight is not None
+                        and batch
+                        and not self._doubtful
+                        and (broke or not expected)
+                    ):
                         # The session broke while the batch was in flight, or something
                         # failed that nobody foresaw: it may have committed. Settle that
                         # before writing anything again (a session still intact has no
                         # statement left running: no backend to end).
-                        doubtful, doubtful_from = batch, identity if broke else None
+                        self._doubtful = batch
+                        self._doubtful_from = identity if broke else None
                     if not expected:
                         logger.exception("broadcast writer: unexpected error; retrying")
                     failures += 1

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -28,7 +29,11 @@ import psycopg
 import pytest
 
 from rselection.postgres import PostgresBroadcaster
+from rselection.postgres.broadcast.outbox import Outbox
+from rselection.postgres.broadcast.sessions import Sessions
+from tests.support.pg import with_host_port
 from tests.support.pgbouncer import PgBouncer
+from tests.support.proxy import TcpProxy
 from tests.support.sessions import process_sessions
 from tests.support.waiting import wait_until
 
@@ -649,3 +654,67 @@ def test_a_flooding_broadcaster_leaves_the_others_their_turn(pg_dsn: str) -> Non
             rows = admin.execute(f"SELECT count(*) FROM {table} WHERE channel = 'c'").fetchone()
             admin.execute(f"DROP TABLE {table}, {table}_state")
         assert rows == (100,), "nothing dropped at close"
+
+
+def _waiting_on_lock(dsn: str, key: int) -> list[int]:
+    """Backend pids waiting for the bigint advisory lock ``key``."""
+    unsigned = key & 0xFFFF_FFFF_FFFF_FFFF
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            " AND classid::bigint = %s AND objid::bigint = %s AND objsubid = 1",
+            (unsigned >> 32, unsigned & 0xFFFF_FFFF),
+        ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def test_a_batch_in_doubt_is_settled_after_the_writer_starts_again(
+    pg_dsn: str,
+    make_tcp_proxy: Callable[[str, int], TcpProxy],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parts = urllib.parse.urlsplit(pg_dsn)
+    proxy = make_tcp_proxy(parts.hostname or "127.0.0.1", parts.port or 5432)
+    table = f"bc_doubt_{uuid.uuid4().hex[:8]}"
+    real = Sessions.error_text
+    injected = []
+
+    def error_text(self: Sessions, exc: BaseException) -> str:
+        if not injected:
+            # An error nobody foresaw, after the cut batch was found in doubt: the
+            # writer's rounds end and start again.
+            injected.append(exc)
+            raise RuntimeError("injected")
+        return real(self, exc)
+
+    with PostgresBroadcaster(pg_dsn, table=table) as reader:
+        sub = reader.subscribe("c")
+        publisher = PostgresBroadcaster(
+            with_host_port(pg_dsn, proxy.host, proxy.port), table=table, timeout=5.0
+        )
+        try:
+            publisher.publish("c", "warm-up")
+            assert publisher.flush(20)
+            assert sub.get(20) == "warm-up"
+            monkeypatch.setattr(Sessions, "error_text", error_text)
+            with psycopg.connect(pg_dsn, autocommit=True) as blocker:
+                _, lock_key = Outbox(table).resolve(blocker)
+                with blocker.transaction():
+                    # The batch waits for the publish lock on the server; the client's
+                    # connection is cut; the server commits it once the lock is free.
+                    blocker.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key,))
+                    publisher.publish("c", "once")
+                    wait_until(lambda: _waiting_on_lock(pg_dsn, lock_key), 20, "the writer blocked")
+                    proxy.sever()
+                    wait_until(lambda: injected, 20, "the writer's rounds failed")
+            assert publisher.flush(30)
+        finally:
+            publisher.close()
+        assert sub.get(20) == "once"
+        with psycopg.connect(pg_dsn) as admin:
+            row = admin.execute(
+                f"SELECT count(*) FROM {table} WHERE payload = %s", ('"once"',)
+            ).fetchone()
+            admin.execute(f"DROP TABLE {table}, {table}_state")
+        assert row == (1,), "written once"
