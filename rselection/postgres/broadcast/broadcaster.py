@@ -351,8 +351,10 @@ class PostgresBroadcaster(Broadcaster):
     def close(self) -> None:
         """Write what is pending (up to ``close_timeout``), stop, close every subscription.
 
-        Calling it again does nothing. Messages still unwritten after ``close_timeout``
-        are dropped with a warning log that says how many.
+        Calling it again does nothing. Messages whose commit was not confirmed within
+        ``close_timeout`` are given up with a warning log that says how many: those not
+        sent are never written, but a batch whose round trip close() cut may still
+        commit on the server.
         """
         if not self._writer.begin_close():
             return
@@ -361,8 +363,9 @@ class PostgresBroadcaster(Broadcaster):
             lost = self._writer.pending
             if lost:
                 logger.warning(
-                    "broadcaster closed with %d message(s) not written to %s within "
-                    "close_timeout=%s s; they are dropped",
+                    "broadcaster closed with %d message(s) not confirmed written to %s "
+                    "within close_timeout=%s s; they may not have been written (a batch "
+                    "in flight may still commit)",
                     lost,
                     self._sessions.where,
                     close_timeout,

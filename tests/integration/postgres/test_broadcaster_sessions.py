@@ -718,3 +718,31 @@ def test_a_batch_in_doubt_is_settled_after_the_writer_starts_again(
             ).fetchone()
             admin.execute(f"DROP TABLE {table}, {table}_state")
         assert row == (1,), "written once"
+
+
+def test_close_does_not_call_a_batch_in_flight_dropped(
+    pg_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    table = f"bc_cut_{uuid.uuid4().hex[:8]}"
+    publisher = PostgresBroadcaster(pg_dsn, table=table, close_timeout=0.5)
+    try:
+        assert publisher.wait_ready(20)
+        with psycopg.connect(pg_dsn, autocommit=True) as blocker:
+            _, lock_key = Outbox(table).resolve(blocker)
+            with blocker.transaction():
+                blocker.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key,))
+                publisher.publish("c", "in flight")
+                wait_until(lambda: _waiting_on_lock(pg_dsn, lock_key), 20, "the writer blocked")
+                publisher.close()  # cuts the round trip; the server still runs it
+        assert "may not have been written" in caplog.text
+        assert "dropped" not in caplog.text
+
+        def committed() -> bool:
+            with psycopg.connect(pg_dsn) as admin:
+                return admin.execute(f"SELECT count(*) FROM {table}").fetchone() == (1,)
+
+        wait_until(committed, 20, "the cut batch committed once the lock was free")
+    finally:
+        publisher.close()
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            admin.execute(f"DROP TABLE IF EXISTS {table}, {table}_state")
