@@ -285,6 +285,7 @@ class Writer:
         next_purge: float | None = None  # purges start with the first write
         next_idle_check = time.monotonic() + _IDLE_CHECK
         down_since: float | None = None
+        warned = False  # whether the outage since down_since was warned of
         try:
             while True:
                 ready = self.ready.is_set()
@@ -371,7 +372,8 @@ class Writer:
                                 batch = ()  # taken again once the listener is ready
                                 break
                     if down_since is not None:
-                        logger.info(
+                        logger.log(
+                            logging.INFO if warned else logging.DEBUG,
                             "broadcast writer reconnected to %s after %.1f s",
                             self._sessions.where,
                             time.monotonic() - down_since,
@@ -401,7 +403,7 @@ class Writer:
                     failures += 1
                     if down_since is None and ready:
                         down_since = time.monotonic()
-                        self._report_down(exc, down_since)
+                        warned = self._report_down(exc, down_since)
                     elif not ready:
                         self._report_not_ready(exc)
                     self._stop.wait(backoff(failures))
@@ -469,21 +471,23 @@ class Writer:
         self._not_ready = ""
         self.ready.set()
 
-    def _report_down(self, exc: BaseException, now: float) -> None:
+    def _report_down(self, exc: BaseException, now: float) -> bool:
         """Warn that the writer cannot write: once per outage, where rounds that fail
-        with the same error between short successes are one outage."""
+        with the same error between short successes are one outage; ``False`` when
+        that was done already (logged at debug level)."""
         detail = self._sessions.error_text(exc)
         last_detail, last_at = self._warned
         self._warned = (detail, now)
         if detail == last_detail and now - last_at < _WARN_AGAIN:
             logger.debug("broadcast writer cannot write to %s (%s)", self._sessions.where, detail)
-            return
+            return False
         logger.warning(
             "broadcast writer cannot write to %s (%s); %d message(s) wait, retrying with backoff",
             self._sessions.where,
             detail,
             len(self._pending),
         )
+        return True
 
     def _report_not_ready(self, exc: BaseException) -> None:
         detail = self._sessions.error_text(exc)

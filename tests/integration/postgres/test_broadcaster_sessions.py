@@ -746,3 +746,40 @@ def test_close_does_not_call_a_batch_in_flight_dropped(
         publisher.close()
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
             admin.execute(f"DROP TABLE IF EXISTS {table}, {table}_state")
+
+
+class FlakyPool(FailingPool):
+    """A user's pool every other loan of which fails as when the server is unreachable."""
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[psycopg.Connection[Any]]:
+        self.failures += 1
+        if self.failures % 2:
+            raise psycopg.OperationalError("connection refused")
+        with self.pool.connection() as conn:
+            yield conn
+
+
+def test_cannot_write_is_warned_once_while_the_same_error_recurs(
+    pg_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    pool = FlakyPool(pg_dsn, failures=0)
+    try:
+        with PostgresBroadcaster(pool) as bc:
+            assert bc.wait_ready(20)
+            for i in range(6):
+                bc.publish("f", i)
+                assert bc.flush(20)
+                # The writer's loan ends: the next publish borrows again.
+                wait_until(
+                    lambda: pool.pool.get_stats().get("pool_available") == 1, 20, "loan back"
+                )
+            assert pool.failures >= 10  # each publish failed once, then went through
+    finally:
+        pool.pool.close()
+    warnings = [
+        r for r in caplog.records if r.levelname == "WARNING" and "cannot write" in r.message
+    ]
+    assert len(warnings) == 1, [r.message for r in warnings]
+    recovered = [r for r in caplog.records if r.levelname == "INFO" and "reconnected" in r.message]
+    assert len(recovered) <= 1, [r.message for r in recovered]
