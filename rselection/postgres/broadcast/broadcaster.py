@@ -104,7 +104,11 @@ class PostgresBroadcaster(Broadcaster):
             not; its settings are left as they were). The listening session, which LISTEN
             needs kept for it (a pool cannot lend that), and the table check at
             construction use the same parameters (a pool's ``conninfo`` and libpq
-            ``kwargs``).
+            ``kwargs``), which resolve ``table`` to the ``schema.table`` every statement
+            on the pool's connections names (their ``search_path`` does not matter).
+            An async pool is refused.
+            Publishes through a pooler in transaction or statement mode are refused
+            (:meth:`publish` raises ``ConfigError``).
         table: outbox table, optionally schema-qualified (``"ops.broadcast"``); every
             node that should hear each other uses the same one.
         retention: seconds a message stays in the outbox (server time), i.e. how long a
@@ -132,8 +136,9 @@ class PostgresBroadcaster(Broadcaster):
             :class:`Gap`; an exception it raises is logged and ignored.
 
     Raises:
-        ConfigError: a bad ``conninfo``, unsafe table name, non-positive or non-finite
-            timings, bad limits, or hooks that are not callable.
+        ConfigError: a bad ``conninfo`` (an async pool among them), unsafe table name,
+            non-positive or non-finite timings, bad limits, or hooks that are not
+            callable.
     """
 
     def __init__(
@@ -210,8 +215,9 @@ class PostgresBroadcaster(Broadcaster):
         :returns: how many messages of this broadcaster wait to be written, this one
             included (local deliveries happen later, when the message comes back from
             Postgres).
-        :raises ConfigError: bad channel, or the message is larger than
-            ``max_message_bytes``.
+        :raises ConfigError: bad channel, the message is larger than
+            ``max_message_bytes``, or the sessions publishes ride on go through a pooler
+            in transaction or statement mode.
         :raises MessageEncodeError: the message has no JSON form.
         :raises BroadcasterClosed: the broadcaster is closed.
         :raises BackendUnavailable: ``max_pending`` messages have waited ``timeout``
@@ -345,8 +351,10 @@ class PostgresBroadcaster(Broadcaster):
     def close(self) -> None:
         """Write what is pending (up to ``close_timeout``), stop, close every subscription.
 
-        Calling it again does nothing. Messages still unwritten after ``close_timeout``
-        are dropped with a warning log that says how many.
+        Calling it again does nothing. Messages whose commit was not confirmed within
+        ``close_timeout`` are given up with a warning log that says how many: those not
+        sent are never written, but a batch whose round trip close() cut may still
+        commit on the server.
         """
         if not self._writer.begin_close():
             return
@@ -355,8 +363,9 @@ class PostgresBroadcaster(Broadcaster):
             lost = self._writer.pending
             if lost:
                 logger.warning(
-                    "broadcaster closed with %d message(s) not written to %s within "
-                    "close_timeout=%s s; they are dropped",
+                    "broadcaster closed with %d message(s) not confirmed written to %s "
+                    "within close_timeout=%s s; they may not have been written (a batch "
+                    "in flight may still commit)",
                     lost,
                     self._sessions.where,
                     close_timeout,

@@ -120,6 +120,10 @@ class ListeningSession:
             with self._conn_lock:
                 if self._conn is not None:
                     abort_socket(self._conn)
+        else:
+            # It may have held the process's last reader: the thread looks again now,
+            # and closes its Postgres session if no listener left has readers.
+            self.wake()
         return last
 
     def join(self, timeout: float) -> None:

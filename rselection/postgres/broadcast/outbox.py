@@ -39,9 +39,10 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
+from psycopg.rows import tuple_row
 
 from ...errors import ConfigError
-from ..schema import BROADCAST_TABLE, suffixed_name, table_identifier
+from ..schema import BROADCAST_TABLE, suffixed_name, table_identifier, validate_table_name
 
 __all__ = [
     "BROADCAST_TABLE",
@@ -135,20 +136,14 @@ class Outbox:
             ConfigError: the table does not exist (``create_tables=False`` and no
                 migration ran).
         """
-        row = conn.execute(
-            "SELECT n.nspname, c.relname FROM pg_class c"
-            " JOIN pg_namespace n ON n.oid = c.relnamespace"
-            " WHERE c.oid = to_regclass(%s)",
-            (self.ident.as_string(conn),),
-        ).fetchone()
-        if row is None:
+        qualified = self.qualified(conn)
+        if qualified is None:
             raise ConfigError(
                 f"broadcast table {self.table!r} does not exist: create the broadcaster with "
                 "create_tables=True, or run rselection.postgres.migrate(conninfo, "
                 "broadcast_table=...) (or `rselection migrate`) once with a role that may "
                 "run DDL"
             )
-        qualified = f"{row[0]}.{row[1]}"
         digest = hashlib.blake2b(qualified.encode(), digest_size=8)
         # NOTIFY channel names are identifiers (at most 63 bytes): a fixed prefix and a
         # hash of the qualified table name always fit, whatever the logical channels are.
@@ -159,6 +154,37 @@ class Outbox:
             signed=True,
         )
         return channel, lock_key
+
+    def qualified(self, conn: psycopg.Connection[Any]) -> str | None:
+        """``schema.table`` of this table as ``conn`` resolves it (its ``search_path``);
+        ``None`` when it does not exist there."""
+        schema = self.schema(conn)
+        return None if schema is None else f"{schema}.{validate_table_name(self.table)[-1]}"
+
+    def schema(self, conn: psycopg.Connection[Any]) -> str | None:
+        """The schema of this table as ``conn`` resolves it (its ``search_path``);
+        ``None`` when it does not exist there."""
+        with conn.cursor(row_factory=tuple_row) as cur:  # whatever the connection's own
+            row = cur.execute(
+                "SELECT n.nspname FROM pg_class c"
+                " JOIN pg_namespace n ON n.oid = c.relnamespace"
+                " WHERE c.oid = to_regclass(%s)",
+                (self.ident.as_string(conn),),
+            ).fetchone()
+        return None if row is None else str(row[0])
+
+    def in_schema(self, schema: str) -> Outbox:
+        """This outbox with both tables named in ``schema``: its statements then mean
+        the same tables on every session, whatever its ``search_path``.
+
+        Args:
+            schema: the schema the table was resolved in (see :meth:`schema`).
+        """
+        pinned = Outbox(self.table)
+        pinned.ident = sql.Identifier(schema, validate_table_name(self.table)[-1])
+        state = validate_table_name(suffixed_name(self.table, "state"))[-1]
+        pinned.state_ident = sql.Identifier(schema, state)
+        return pinned
 
     # -- statements ------------------------------------------------------------------
 

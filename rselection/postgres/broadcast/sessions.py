@@ -24,21 +24,32 @@ from typing import Any
 
 import psycopg
 from psycopg.pq import TransactionStatus
+from psycopg.rows import tuple_row
 
-from ...errors import BackendUnavailable
+from ...errors import BackendUnavailable, ConfigError
 from .._conn import (
     Connections,
+    IoWatchdog,
     describe_conninfo,
     open_session,
     redact,
     session_conninfo,
     shutdown_socket,
 )
+from ..pooler import check_bound, check_session_pooling
 from ..schema import create_tables
 from .outbox import Outbox
 from .settings import Settings
 
-__all__ = ["APPLICATION_NAME", "Deadlines", "Sessions", "abort_socket", "backoff", "first_line"]
+__all__ = [
+    "APPLICATION_NAME",
+    "Deadlines",
+    "Sessions",
+    "abort_socket",
+    "backoff",
+    "first_line",
+    "query_one",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +65,19 @@ def backoff(failures: int) -> float:
     """Capped exponential backoff with jitter after ``failures`` failed attempts (>= 1)."""
     base = min(_BACKOFF_CAP, _BACKOFF_FIRST * float(2 ** min(failures - 1, 16)))
     return base * random.uniform(0.5, 1.0)
+
+
+def query_one(
+    conn: psycopg.Connection[Any], query: Any, params: Any = None
+) -> tuple[Any, ...] | None:
+    """Run ``query`` on ``conn`` and return its first row as a tuple (``None``: no row).
+
+    Through a cursor of its own with ``tuple_row``: a user's pool may lend connections
+    whose row factory makes dicts or objects (``row_factory=dict_row``), and the
+    broadcaster reads its rows by position.
+    """
+    with conn.cursor(row_factory=tuple_row) as cur:
+        return cur.execute(query, params).fetchone()
 
 
 def abort_socket(conn: psycopg.Connection[Any]) -> None:
@@ -153,6 +177,8 @@ class Sessions:
         self.user_pool = not isinstance(source, str | psycopg.Connection)
         """Whether publishes borrow from the user's pool (else the process's pool)."""
         self._lender = self._lender_for(source if self.user_pool else self.conninfo)
+        self._lender_id = id(source)
+        self._probe_io = IoWatchdog(APPLICATION_NAME)  # bounds the pooler check's probe
 
     def _lender_for(self, source: object) -> Connections:
         timeout = self.settings.timeout
@@ -164,6 +190,16 @@ class Sessions:
             statement_timeout=timeout,
             pooled=True,
         )
+
+    @property
+    def pool_key(self) -> object:
+        """What identifies the pool publishes borrow from (the writers of a process take
+        turns on it, see :mod:`.turns`)."""
+        return ("user pool", self._lender_id) if self.user_pool else ("pooled", self.conninfo)
+
+    def waiting(self) -> int:
+        """Callers waiting now for a session of the pool publishes borrow from."""
+        return self._lender.waiting()
 
     def error_text(self, exc: BaseException) -> str:
         """The first line of ``exc``, without the password, for logs and messages."""
@@ -201,11 +237,21 @@ class Sessions:
                 conn.autocommit = True
                 stack.callback(self._restore_transactions, conn)
             if conn.info.encoding != "utf-8":
-                # Publish parameters are sent as UTF-8 bytes (see Writer.write); psycopg
-                # follows the change for the connection's other users.
+                # Publish parameters are sent as UTF-8 bytes (see Writer.write); the
+                # connection goes back in its own encoding (psycopg follows both changes).
+                encoding = conn.info.parameter_status("client_encoding")
                 with self.deadlines.guard(conn, self.settings.timeout):
                     conn.execute("SET client_encoding TO 'UTF8'")
+                if encoding is not None:
+                    stack.callback(self._restore_encoding, conn, encoding)
             yield conn
+
+    def _restore_encoding(self, conn: psycopg.Connection[Any], encoding: str) -> None:
+        """Give a pool's connection back in the encoding it was lent in (when usable)."""
+        if conn.closed or conn.broken or conn.info.transaction_status != TransactionStatus.IDLE:
+            return
+        with contextlib.suppress(psycopg.Error), self.deadlines.guard(conn, self.settings.timeout):
+            conn.execute("SELECT set_config('client_encoding', %s, false)", (encoding,))
 
     @staticmethod
     def _restore_transactions(conn: psycopg.Connection[Any]) -> None:
@@ -264,7 +310,48 @@ class Sessions:
         if self.settings.create_tables:
             create_tables(conn, broadcast=self.outbox.table, timeout=self.settings.timeout)
 
+    def check_pooling(self, conn: psycopg.Connection[Any]) -> None:
+        """Refuse a pooler in transaction or statement mode between the process and
+        Postgres (the check of :mod:`rselection.postgres.pooler`, run on ``conn``, a
+        session lent for the table check, with a short-lived second connection).
+
+        Behind such a pooler a lent session's backend serves other clients between two
+        statements: settling a publish cut in flight would end another client's backend
+        (the writer ends the backend that may still hold the batch), and whether the
+        batch committed could not be known for certain.
+
+        Raises:
+            ConfigError: a pooler that does not keep one session per connection.
+            BackendUnavailable: the check could not be run (the probe got no answer).
+            psycopg.Error: a round trip failed.
+        """
+        timeout = self.settings.timeout
+        try:
+            with self.deadlines.guard(conn, check_bound(timeout)):
+                check_session_pooling(
+                    conn,
+                    lambda: open_session(
+                        self.conninfo,
+                        application_name=APPLICATION_NAME + ":probe",
+                        connect_timeout=timeout,
+                        keepalive_idle=timeout / 2,
+                        user_timeout=timeout + 1.0,
+                    ),
+                    where=self.where,
+                    io=self._probe_io,
+                    timeout=timeout,
+                )
+        except ConfigError as exc:
+            raise ConfigError(
+                f"PostgresBroadcaster cannot publish through {self.where}: its sessions "
+                "are not kept by a pooler in transaction or statement mode (a cut publish "
+                "could not be settled exactly once, and settling it would end another "
+                "client's backend); run the pooler in session mode (PgBouncer: pool_mode "
+                f"= session) for the broadcaster, or connect to Postgres directly ({exc})"
+            ) from exc
+
     def close(self) -> None:
-        """Stop the round-trip watchdog and leave the process's pool."""
+        """Stop the round-trip watchdogs and leave the process's pool."""
         self._lender.close()
         self.deadlines.close()
+        self._probe_io.close()

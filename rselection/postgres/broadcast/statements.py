@@ -6,7 +6,14 @@ writer of the process: the session's identity (to end its backend when it was cu
 a batch in doubt, see :class:`~.writer.Writer`), and which publish statements are
 prepared on it. Statements are named after their text, so every writer of the process
 that publishes to the same table shares them on a pooled session, and no two texts
-share a name."""
+share a name.
+
+Every statement a writer runs on a lent session names the tables with the schema the
+broadcaster resolved them in on its own sessions, which its listener reads
+(:attr:`PublishStatements.outbox`): a user's pool may lend connections with another
+``search_path`` (set by its ``configure`` callback, or by the user's code on a
+connection it had from the pool), and an unqualified name would then mean another
+schema's table of the same name."""
 
 from __future__ import annotations
 
@@ -20,8 +27,9 @@ from typing import Any
 import psycopg
 from psycopg import pq
 
+from ...errors import ConfigError
 from .outbox import Outbox
-from .sessions import Deadlines
+from .sessions import Deadlines, query_one
 
 __all__ = ["MANY", "MANY_INLINE", "ONE", "ONE_INLINE", "LentSession", "PublishStatements"]
 
@@ -79,6 +87,9 @@ class PublishStatements:
         self._timeout = timeout
         self._fixed: list[bytes] = []  # lock key, origin, NOTIFY channel, sync
         self._named: dict[str, tuple[bytes, bytes]] = {}  # kind -> (name, text)
+        self.outbox = outbox
+        """The outbox with its tables schema-qualified once resolved (:meth:`resolve`):
+        what every statement on a lent session uses."""
 
     @property
     def resolved(self) -> bool:
@@ -97,6 +108,10 @@ class PublishStatements:
             return
         with self._deadlines.guard(conn, self._timeout):
             notify_channel, lock_key = self._outbox.resolve(conn)
+            schema = self._outbox.schema(conn)
+        if schema is None:  # dropped between the two queries
+            raise ConfigError(f"broadcast table {self._outbox.table!r} does not exist")
+        pinned = self._outbox.in_schema(schema)
         self._fixed = [
             str(lock_key).encode(),
             str(self._origin).encode(),
@@ -104,14 +119,15 @@ class PublishStatements:
             self._sync,
         ]
         for kind, statement in (
-            (ONE_INLINE, self._outbox.insert_one(True)),
-            (ONE, self._outbox.insert_one(False)),
-            (MANY_INLINE, self._outbox.insert_many(True)),
-            (MANY, self._outbox.insert_many(False)),
+            (ONE_INLINE, pinned.insert_one(True)),
+            (ONE, pinned.insert_one(False)),
+            (MANY_INLINE, pinned.insert_many(True)),
+            (MANY, pinned.insert_many(False)),
         ):
             text = statement.as_bytes(conn)
             name = b"rselection_bc_" + hashlib.blake2b(text, digest_size=10).hexdigest().encode()
             self._named[kind] = (name, text)
+        self.outbox = pinned
 
     def lent(self, conn: psycopg.Connection[Any]) -> LentSession:
         """What the process knows of ``conn``, asking its identity on first use.
@@ -124,9 +140,9 @@ class PublishStatements:
         if known is not None:
             return known
         with self._deadlines.guard(conn, self._timeout):
-            row = conn.execute(
-                "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
-            ).fetchone()
+            row = query_one(
+                conn, "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+            )
         identity = (conn.info.backend_pid, None) if row is None else (int(row[0]), row[1])
         with _LENT_LOCK:
             return _LENT.setdefault(conn, LentSession(identity))

@@ -30,8 +30,9 @@ from ...errors import BackendUnavailable, ConfigError
 from ..session_pool import IDLE_CLOSE, SessionPool
 from .listener import Listener
 from .outbox import INLINE_LIMIT, inline_row, text_array
-from .sessions import Sessions, abort_socket, backoff
+from .sessions import Sessions, abort_socket, backoff, query_one
 from .statements import MANY, MANY_INLINE, ONE, ONE_INLINE, PublishStatements
+from .turns import Turn
 
 __all__ = ["Pending", "Writer"]
 
@@ -52,6 +53,10 @@ _IDLE_CHECK = IDLE_CLOSE / 4
 #: giving it back to the other users of the pool.
 _LINGER = 0.02
 _LOAN_MAX = 1.0
+
+#: Seconds after a "cannot write" warning within which a new failure with the same error
+#: is the same outage (logged at debug level).
+_WARN_AGAIN = 60.0
 
 
 @dataclass
@@ -111,6 +116,12 @@ class Writer:
         self._loan_max = min(_LOAN_MAX, self._settings.timeout / 4)
         self._origin = secrets.randbits(63)
         self._written_id = 0  # the last outbox id this writer committed
+        # A batch whose commit is unknown, the session it was sent on (to end, when it
+        # broke), and an id below every row it may have written: kept on the writer, so
+        # that rounds started again after an error nobody foresaw settle it first.
+        self._doubtful: tuple[Pending, ...] = ()
+        self._doubtful_from: tuple[int, Any] | None = None
+        self._floor = 0  # every id <= floor was committed before the doubtful batch started
         self._statements = PublishStatements(
             self._outbox,
             self._origin,
@@ -119,8 +130,13 @@ class Writer:
             self._settings.timeout,
         )
         self._not_ready = ""  # the last error of the table check, logged once
+        self._warned: tuple[str, float] = ("", 0.0)  # last "cannot write": error, when
+        # The writers of the process take turns on one session of their pool.
+        self._turn = Turn.of(sessions.pool_key)
         self.ready = threading.Event()
         """Set once the tables were found ready (created with ``create_tables``)."""
+        self.refused: ConfigError | None = None
+        """Why publishes are refused (a pooler in transaction mode), while they are."""
         self._thread = threading.Thread(
             target=self._write_loop, name="rselection-broadcast-write", daemon=True
         )
@@ -161,8 +177,12 @@ class Writer:
         Raises:
             BroadcasterClosed: the broadcaster is closing.
             BackendUnavailable: no room within ``timeout`` (Postgres unreachable or slow).
+            ConfigError: the sessions go through a pooler in transaction mode.
         """
         settings = self._settings
+        refused = self.refused
+        if refused is not None:
+            raise ConfigError(str(refused))
         item = Pending(0, channel, payload, inline)
         with self._cond:
             deadline = None
@@ -228,6 +248,7 @@ class Writer:
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
+        self._turn.wake()
         with self._conn_lock:
             if self._conn is not None:
                 abort_socket(self._conn)
@@ -240,19 +261,37 @@ class Writer:
     # -- the thread ------------------------------------------------------------------
 
     def _write_loop(self) -> None:
+        # The writer thread never ends before stop(): an error nobody foresaw is logged
+        # and the rounds start again after a backoff (publish must not start refusing,
+        # as if closed, while the broadcaster is open).
+        failures = 0
+        try:
+            while True:
+                try:
+                    self._write_rounds()
+                    return
+                except Exception:
+                    failures += 1
+                    logger.exception("broadcast writer failed; starting again with backoff")
+                    if self._stop.wait(backoff(failures)):
+                        return
+        finally:
+            with self._conn_lock:
+                self._conn = None
+
+    def _write_rounds(self) -> None:
         identity: tuple[int, Any] | None = None  # (backend pid, backend_start) of the loan
-        doubtful: tuple[Pending, ...] = ()  # a batch whose commit is unknown
-        doubtful_from: tuple[int, Any] | None = None
-        floor = 0  # every id <= floor was committed before the doubtful batch started
         failures = 0
         next_purge: float | None = None  # purges start with the first write
         next_idle_check = time.monotonic() + _IDLE_CHECK
         down_since: float | None = None
+        warned = False  # whether the outage since down_since was warned of
         try:
             while True:
                 ready = self.ready.is_set()
                 with self._cond:
-                    while ready and not self._pending and not doubtful and not self._stop.is_set():
+                    idle = ready and not self._doubtful
+                    while idle and not self._pending and not self._stop.is_set():
                         due = min(t for t in (next_purge, next_idle_check) if t is not None)
                         wait = due - time.monotonic()
                         if wait <= 0:
@@ -260,7 +299,7 @@ class Writer:
                         self._cond.wait(wait)
                     if self._stop.is_set():
                         return
-                    batch = self._take_batch() if ready and not doubtful else ()
+                    batch = self._take_batch() if ready and not self._doubtful else ()
                 if batch and not self._await_listener():
                     return
                 in_flight: psycopg.Connection[Any] | None = None
@@ -277,22 +316,29 @@ class Writer:
                         if not self._sessions.user_pool:
                             SessionPool.close_idle(self._sessions.conninfo)
                     purge_due = next_purge is not None and now >= next_purge
-                    if not (batch or doubtful or purge_due):
+                    if not (batch or self._doubtful or purge_due):
                         continue
-                    with self._sessions.borrow("publish broadcasts") as conn:
-                        with self._conn_lock:
-                            self._conn = conn
-                        try:
-                            identity = self._statements.lent(conn).identity
-                            loan_ends = time.monotonic() + self._loan_max
-                            while True:
-                                if doubtful:
-                                    self._settle(conn, doubtful, doubtful_from, floor)
-                                    doubtful, doubtful_from = (), None
+                    with (
+                        self._turn.held(self._stop.is_set),
+                        self._sessions.borrow("publish broadcasts") as conn,
+                    ):
+                        loan_ends = time.monotonic() + self._loan_max
+                        while self._arm(conn):
+                            # Armed: close() aborts a round trip in flight; it never
+                            # aborts a lingering session, which goes back intact.
+                            try:
+                                identity = self._statements.lent(conn).identity
+                                if self._doubtful:
+                                    self._settle(
+                                        conn, self._doubtful, self._doubtful_from, self._floor
+                                    )
+                                    self._doubtful, self._doubtful_from = (), None
                                 elif batch:
                                     # The listener may be idle (no readers here): the
                                     # writer's own last id bounds the committed ids too.
-                                    floor = max(floor, self._listener.last_id, self._written_id)
+                                    self._floor = max(
+                                        self._floor, self._listener.last_id, self._written_id
+                                    )
                                     in_flight = conn
                                     self.write(conn, batch)
                                     # Confirmed and counted: a failure from here on (the
@@ -308,56 +354,77 @@ class Writer:
                                         random.uniform(0.8, 1.2)
                                     )
                                     self.purge(conn)
-                                if time.monotonic() >= loan_ends:
-                                    break
-                                # A steady stream keeps the session for its next batches
-                                # (a loan per batch would add to every message's latency);
-                                # a pause of _LINGER gives it back.
-                                batch = self._next_batch(_LINGER)
-                                if not batch:
-                                    break
-                                if not self._listener_ready():
-                                    batch = ()  # taken again once the listener is ready
-                                    break
-                        finally:
-                            with self._conn_lock:
-                                self._conn = None
+                            finally:
+                                self._disarm()
+                            if time.monotonic() >= loan_ends:
+                                break
+                            if self._turn.waiting or self._sessions.waiting():
+                                # Another writer, a claim or a checkpoint waits: the
+                                # session goes back between two batches.
+                                break
+                            # A steady stream keeps the session for its next batches
+                            # (a loan per batch would add to every message's latency);
+                            # a pause of _LINGER gives it back.
+                            batch = self._next_batch(_LINGER)
+                            if not batch:
+                                break
+                            if not self._listener_ready():
+                                batch = ()  # taken again once the listener is ready
+                                break
                     if down_since is not None:
-                        logger.info(
+                        logger.log(
+                            logging.INFO if warned else logging.DEBUG,
                             "broadcast writer reconnected to %s after %.1f s",
                             self._sessions.where,
                             time.monotonic() - down_since,
                         )
                     failures, down_since = 0, None
-                except (psycopg.Error, OSError, BackendUnavailable, ConfigError) as exc:
+                except Exception as exc:
                     if self._stop.is_set():
                         return
+                    expected = isinstance(
+                        exc, psycopg.Error | OSError | BackendUnavailable | ConfigError
+                    )
                     broke = in_flight is not None and (in_flight.broken or in_flight.closed)
-                    if broke and batch and not doubtful:
-                        # The session broke while the batch was in flight: it may have
-                        # committed. Settle that before writing anything again.
-                        doubtful, doubtful_from = batch, identity
+                    if (
+                        in_flight is not None
+                        and batch
+                        and not self._doubtful
+                        and (broke or not expected)
+                    ):
+                        # The session broke while the batch was in flight, or something
+                        # failed that nobody foresaw: it may have committed. Settle that
+                        # before writing anything again (a session still intact has no
+                        # statement left running: no backend to end).
+                        self._doubtful = batch
+                        self._doubtful_from = identity if broke else None
+                    if not expected:
+                        logger.exception("broadcast writer: unexpected error; retrying")
                     failures += 1
                     if down_since is None and ready:
                         down_since = time.monotonic()
-                        logger.warning(
-                            "broadcast writer cannot write to %s (%s); %d message(s) wait, "
-                            "retrying with backoff",
-                            self._sessions.where,
-                            self._sessions.error_text(exc),
-                            len(self._pending),
-                        )
+                        warned = self._report_down(exc, down_since)
                     elif not ready:
                         self._report_not_ready(exc)
                     self._stop.wait(backoff(failures))
-        except Exception:
-            logger.exception("broadcast writer failed; messages published from now on are lost")
-            with self._cond:
-                self._stop.set()
-                self._cond.notify_all()
         finally:
             with self._conn_lock:
                 self._conn = None
+
+    def _arm(self, conn: psycopg.Connection[Any]) -> bool:
+        """Let :meth:`stop` abort ``conn`` until :meth:`_disarm`; ``False`` (not armed)
+        once the writer stops."""
+        with self._conn_lock:
+            # stop() sets _stop before it takes the lock: either it is seen here, or
+            # stop() sees the connection armed and aborts the round trip.
+            if self._stop.is_set():
+                return False
+            self._conn = conn
+            return True
+
+    def _disarm(self) -> None:
+        with self._conn_lock:
+            self._conn = None
 
     def _next_batch(self, linger: float) -> tuple[Pending, ...]:
         """The next batch, waiting at most ``linger`` seconds for one; ``()`` if none came
@@ -392,11 +459,35 @@ class Writer:
         """Make the tables ready (``create_tables``) and resolve the table's NOTIFY
         channel and publish lock, on a borrowed session; then :attr:`ready` is set."""
         with self._sessions.borrow("check the broadcast tables", check=True) as conn:
+            try:
+                self._sessions.check_pooling(conn)
+            except ConfigError as exc:
+                self.refused = exc
+                raise
+            self.refused = None
             with self._deadlines.guard(conn, self._settings.timeout):
                 self._sessions.prepare(conn)
             self._statements.resolve(conn)
         self._not_ready = ""
         self.ready.set()
+
+    def _report_down(self, exc: BaseException, now: float) -> bool:
+        """Warn that the writer cannot write: once per outage, where rounds that fail
+        with the same error between short successes are one outage; ``False`` when
+        that was done already (logged at debug level)."""
+        detail = self._sessions.error_text(exc)
+        last_detail, last_at = self._warned
+        self._warned = (detail, now)
+        if detail == last_detail and now - last_at < _WARN_AGAIN:
+            logger.debug("broadcast writer cannot write to %s (%s)", self._sessions.where, detail)
+            return False
+        logger.warning(
+            "broadcast writer cannot write to %s (%s); %d message(s) wait, retrying with backoff",
+            self._sessions.where,
+            detail,
+            len(self._pending),
+        )
+        return True
 
     def _report_not_ready(self, exc: BaseException) -> None:
         detail = self._sessions.error_text(exc)
@@ -472,16 +563,18 @@ class Writer:
             # did not): end it and wait until it is gone, so it cannot commit later.
             deadline = time.monotonic() + self._settings.timeout
             with self._deadlines.guard(conn, self._settings.timeout + 1.0):
-                conn.execute(
+                query_one(
+                    conn,
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
                     " WHERE pid = %s AND backend_start IS NOT DISTINCT FROM %s",
                     old,
                 )
-                while conn.execute(
+                while query_one(
+                    conn,
                     "SELECT 1 FROM pg_stat_activity"
                     " WHERE pid = %s AND backend_start IS NOT DISTINCT FROM %s",
                     old,
-                ).fetchone():
+                ):
                     if time.monotonic() > deadline:
                         raise BackendUnavailable(
                             f"the broadcast writer's previous session (pid {old[0]}) did "
@@ -489,7 +582,7 @@ class Writer:
                         )
                     time.sleep(0.02)
         with self._deadlines.guard(conn, self._settings.timeout):
-            row = conn.execute(self._outbox.committed_seq(), (floor, self._origin)).fetchone()
+            row = query_one(conn, self._statements.outbox.committed_seq(), (floor, self._origin))
         done = 0 if row is None or row[0] is None else int(row[0])
         if done >= batch[-1].seq:
             logger.info(
@@ -515,7 +608,7 @@ class Writer:
         total = 0
         while True:
             with self._deadlines.guard(conn, self._settings.timeout):
-                row = conn.execute(self._outbox.purge(), (retention, _PURGE_ROWS)).fetchone()
+                row = query_one(conn, self._statements.outbox.purge(), (retention, _PURGE_ROWS))
             deleted = 0 if row is None else int(row[0])
             total += deleted
             if deleted < _PURGE_ROWS or self._stop.is_set():

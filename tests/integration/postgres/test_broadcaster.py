@@ -396,7 +396,7 @@ def test_writer_connection_killed_while_publishing_writes_each_message_once(
             rows = conn.execute(
                 "SELECT pid FROM pg_stat_activity WHERE application_name = 'rselection:pool'"
                 " AND query LIKE %s",
-                (f'%INSERT INTO "{table}"%',),
+                (f'%INSERT INTO %."{table}"%',),  # schema-qualified
             ).fetchall()
         return [int(r[0]) for r in rows if r[0] not in own]
 
@@ -469,7 +469,7 @@ def test_batch_confirmed_before_the_writer_session_was_cut_is_counted_once(
                 "SELECT pid, query_start FROM pg_stat_activity"
                 " WHERE application_name = 'rselection:pool' AND wait_event_type = 'Lock'"
                 " AND query LIKE %s",
-                (f'%DELETE FROM "{table}"%',),
+                (f'%DELETE FROM %."{table}"%',),  # schema-qualified
             ).fetchall()
         return [(int(pid), start) for pid, start in rows]
 
