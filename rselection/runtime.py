@@ -20,7 +20,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -36,6 +36,7 @@ from .claiming import (
     ran_before_each,
 )
 from .context import TaskContext, Term, running_term
+from .daemon_pool import DaemonExecutor
 from .errors import ConfigError, LeadershipLost
 from .misfire import scan_due, split_behind, split_by_policy, too_old, window
 from .schedules import fire_series, format_fire_key
@@ -113,10 +114,9 @@ class TermRunner:
         # end: the runner stops waiting for it the moment the term ends.
         self._claim_waits: set[threading.Event] = set()
         # Two workers for claims, one more for the clean-up of expired claims (at most one
-        # at a time), so that a clean-up never holds up a claim.
-        self._claims = ThreadPoolExecutor(
-            max_workers=3, thread_name_prefix=f"rselection-claims-term-{term.number}"
-        )
+        # at a time), so that a clean-up never holds up a claim. Daemon threads: a claim
+        # stuck on a dead connection never keeps the process from exiting after stop().
+        self._claims = DaemonExecutor(3, f"rselection-claims-term-{term.number}")
         self._cleanup: Future[None] | None = None
         # Scheduled fires of plain def tasks: a thread each, reused between instants.
         self._threads = TaskThreads(f"rselection-task-term-{term.number}")
@@ -867,12 +867,15 @@ class TermRunner:
         won, failed = outcome
         if failed:
             key, error = next(iter(failed.items()))
-            logger.warning(
-                "%d fires skipped (of %.120s and others): their claims failed: %s",
-                len(failed),
-                key,
-                error,
-            )
+            if len(failed) == 1:
+                logger.warning("fire %.120s skipped: its claim failed: %s", key, error)
+            else:
+                logger.warning(
+                    "%d fires skipped (of %.120s and others): their claims failed: %s",
+                    len(failed),
+                    key,
+                    error,
+                )
         start: list[_Ready] = []
         for unit, spec, fires in batch.units:
             keep: list[datetime] = []

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import decimal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +32,7 @@ from rselection.claiming import (
     claim_each,
 )
 from rselection.context import running_term
+from rselection.daemon_pool import DaemonExecutor
 from rselection.errors import BackendUnavailable
 from rselection.task_threads import TaskThreads
 from tests.support.recording import Recorder
@@ -564,3 +567,66 @@ def test_a_task_with_a_fire_key_too_long_never_keeps_the_others_missed_fires_fro
         caught_up = [at for name, at, _ in second.fires if name == "normal" and at <= started]
     assert caught_up, "the normal task's missed fire was not recovered"
     assert second.names() == {"normal"}
+
+
+_STUCK_CLAIM_SCRIPT = """
+import threading, time
+import rselection as rs
+
+class StuckClaimer:
+    # A claimer whose connection went silent: every claim waits far longer than the test.
+    ttl = 600.0
+    def __init__(self):
+        self.entered = threading.Event()
+    def ran_before(self, series):
+        return False
+    def claim(self, key, *, term=None):
+        return key in self.claim_many([key], term=term)
+    def claim_many(self, keys, *, term=None):
+        self.entered.set()
+        time.sleep(120)
+        return set(keys)
+
+handler = rs.TaskHandler(stop_grace=1.0)
+handler.interval(0.2, name="tick")(lambda ctx: None)
+claimer = StuckClaimer()
+leader = rs.SingleNodeLeader(handler, claimer=claimer)
+leader.start()
+assert claimer.entered.wait(10), "no claim was made"
+leader.stop(timeout=5)
+print("stopped", flush=True)
+"""
+
+
+def test_a_claim_stuck_on_a_dead_connection_never_keeps_the_process_from_exiting() -> None:
+    # The claim pool's workers were joined at interpreter exit: after stop() returned, a
+    # process whose claim hung (a Redis client without a socket timeout) never exited.
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", _STUCK_CLAIM_SCRIPT], capture_output=True, text=True, timeout=60
+    )
+    took = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    assert "stopped" in done.stdout
+    # Start-up, one claim and stop() take about 1.5 s; before the fix it took 120 s.
+    assert took < 20, f"the process took {took:.1f} s to exit after stop()"
+
+
+def test_the_daemon_executor_runs_calls_hands_back_errors_and_cancels_the_rest() -> None:
+    pool = DaemonExecutor(2, "test-daemon")
+    release = threading.Event()
+    blocked = [pool.submit(release.wait, 10) for _ in range(2)]  # both workers busy
+    queued = pool.submit(lambda: "never")
+    wait_until(lambda: all(f.running() for f in blocked), 5, "both workers to run")
+    pool.shutdown(wait=False, cancel_futures=True)
+    assert queued.cancelled()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        pool.submit(lambda: None)
+    release.set()
+    assert [f.result(5) for f in blocked] == [True, True]
+    failing = DaemonExecutor(1, "test-daemon-fail")
+    with pytest.raises(ZeroDivisionError):
+        failing.submit(lambda: 1 / 0).result(5)
+    assert failing.submit(lambda: 42).result(5) == 42  # the worker survived
+    failing.shutdown()
+    assert all(t.daemon for t in threading.enumerate() if t.name.startswith("test-daemon"))
