@@ -24,7 +24,10 @@ arguments:
 - ``lease_renewed``: ``name``, ``term``, ``latency`` (seconds the renewal took),
   ``remaining`` (seconds left on the lease once renewed, by the leader's own deadline).
 
-Receivers run in the thread that sends the signal: keep them short and never block. A
+Receivers run in the thread that sends the signal: keep them short and never block. The
+task signals of an ``async def`` task are sent on the term's event loop, which every
+async task of the term shares: a receiver that blocks there delays the others, and their
+cancellation when the term ends (they may then be reported stuck). A
 receiver that raises is logged with its traceback and ignored: it cannot stop the leader's
 machinery nor keep the other receivers from running.
 """
