@@ -600,7 +600,7 @@ def test_forget_a_redis_lease_keeps_its_term_key_and_a_new_leader_brings_it_back
 
     from rselection.commands.forget import retired_key
     from rselection.redis import RedisLeader
-    from rselection.redis.lease import lease_keys
+    from rselection.redis.lease import lease_keys, term_origin_key
 
     prefix = f"forget-{uuid.uuid4().hex[:6]}:"
     where = ["--redis-url", redis_url, "--key-prefix", prefix]
@@ -621,6 +621,8 @@ def test_forget_a_redis_lease_keeps_its_term_key_and_a_new_leader_brings_it_back
     client = redis.Redis.from_url(redis_url)
     try:
         first = leader("r1")
+        term = first.term
+        assert term is not None
         try:
             out = run("forget", "r", *where)
             assert out.returncode == 1
@@ -630,21 +632,23 @@ def test_forget_a_redis_lease_keeps_its_term_key_and_a_new_leader_brings_it_back
             first.stop(timeout=10)
         out = run("forget", "r", *where)
         assert out.returncode == 0, out.stderr
-        assert "retired lease 'r' at term 1" in out.stdout
+        assert f"retired lease 'r' at term {term}" in out.stdout
         term_key = lease_keys("r", prefix)[1]
-        assert client.get(term_key) == b"1" and client.get(retired_key("r", prefix)) == b"1"
+        kept = str(term).encode()
+        assert client.get(term_key) == kept and client.get(retired_key("r", prefix)) == kept
         assert "already retired" in run("forget", "r", *where).stdout
 
         second = leader("r2")
-        assert second.term == 2  # the kept term key: a new leader gets a higher term
+        assert second.term == term + 1  # the kept term key: a new leader gets a higher term
         second.stop(timeout=10)
         out = run("forget", "r", *where)
-        assert out.returncode == 0 and "retired lease 'r' at term 2" in out.stdout
+        assert out.returncode == 0 and f"retired lease 'r' at term {term + 1}" in out.stdout
 
         missing = run("forget", "never-was", *where)
         assert missing.returncode == 1 and "no lease 'never-was'" in missing.stderr
     finally:
-        client.delete(*lease_keys("r", prefix)[:2], retired_key("r", prefix))
+        client.delete(*lease_keys("r", prefix), term_origin_key("r", prefix))
+        client.delete(retired_key("r", prefix))
         client.close()
 
 
