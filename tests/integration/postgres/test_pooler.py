@@ -272,10 +272,13 @@ def connect_and_acquire(
 
 
 @contextlib.contextmanager
-def holding_backend(dsn: str, pid: int | None, tries: int = 4) -> Iterator[None]:
-    """Hold server backend ``pid`` in another client's open transaction (transaction
-    mode), so that the keeper's next statement runs on another one: open clients, each
-    in a transaction, until one of them got ``pid``."""
+def holding_backend(dsn: str, pid: int | None, direct: str, tries: int = 5) -> Iterator[None]:
+    """Keep server backend ``pid`` from the keeper's next statement (transaction mode), so
+    that it runs on another one: open clients, each in a transaction, until one of them
+    got ``pid``. The pooler may instead have lent ``pid`` to the ring watcher's lock wait
+    (it lasts up to 30 s): then ``pid`` is busy already and nobody else can get it. Five
+    tries take every server connection of the pool (6) but the watcher's, never waiting
+    for one."""
     others: list[psycopg.Connection[Any]] = []
     seen: list[Any] = []
     try:
@@ -287,7 +290,15 @@ def holding_backend(dsn: str, pid: int | None, tries: int = 4) -> Iterator[None]
             if row == (pid,):
                 break
         else:
-            pytest.fail(f"no client got the keeper's backend {pid} in {tries} tries: {seen}")
+            with psycopg.connect(direct, autocommit=True) as conn:
+                waiting = conn.execute(
+                    "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)
+                ).fetchone()
+            if waiting != ("Lock",):
+                pytest.fail(
+                    f"no client got the keeper's backend {pid} in {tries} tries, and it is "
+                    f"not waiting on a lock ({waiting}): {seen}"
+                )
         yield
     finally:
         for other in others:
@@ -329,7 +340,7 @@ def test_a_renewal_or_acquisition_on_another_backend_is_refused(
     before = renewed_at()
     # Another client holds the keeper's backend in a transaction: the renewal must run
     # on another server connection.
-    with holding_backend(dsn, lease.backend_pid):
+    with holding_backend(dsn, lease.backend_pid, direct):
         with pytest.raises(ConfigError, match="session mode") as caught:
             lease.renew("node-a", taken.holder.term)
         assert "then on backend" in str(caught.value)
@@ -341,7 +352,7 @@ def test_a_renewal_or_acquisition_on_another_backend_is_refused(
     lease.term_ended(taken.holder.term)
 
     lease, _ = connect_and_acquire(leases, dsn, lease_name, None)
-    with holding_backend(dsn, lease.backend_pid):
+    with holding_backend(dsn, lease.backend_pid, direct):
         # node-a's term expires now, so that node-b's acquisition takes the lease
         with psycopg.connect(direct, autocommit=True) as conn:
             conn.execute(
