@@ -277,8 +277,8 @@ def holding_backend(dsn: str, pid: int | None, direct: str, tries: int = 5) -> I
     that it runs on another one: open clients, each in a transaction, until one of them
     got ``pid``. The pooler may instead have lent ``pid`` to the ring watcher's lock wait
     (it lasts up to 30 s): then ``pid`` is busy already and nobody else can get it. Five
-    tries take every server connection of the pool (6) but the watcher's, never waiting
-    for one."""
+    tries take every server connection of the pool (7) but the watcher's and one left for
+    the keeper, never waiting for one."""
     others: list[psycopg.Connection[Any]] = []
     seen: list[Any] = []
     try:
@@ -299,6 +299,11 @@ def holding_backend(dsn: str, pid: int | None, direct: str, tries: int = 5) -> I
                     f"no client got the keeper's backend {pid} in {tries} tries, and it is "
                     f"not waiting on a lock ({waiting}): {seen}"
                 )
+            # The watcher holds it: give the others back, or the keeper finds no room.
+            for other in others:
+                other.rollback()
+                other.close()
+            others.clear()
         yield
     finally:
         for other in others:
@@ -324,8 +329,8 @@ def test_a_renewal_or_acquisition_on_another_backend_is_refused(
 
     monkeypatch.setattr(keeper_module, "check_session_pooling", only_the_pid)
     # Room for the keeper's statements and the ring watcher's while other clients hold
-    # up to four backends (holding_backend).
-    bouncer = make_pgbouncer(pool_mode="transaction", pool_size=6)
+    # up to five backends (holding_backend).
+    bouncer = make_pgbouncer(pool_mode="transaction", pool_size=7)
     dsn = bouncer.dsn(pooled_database)
     direct = direct_dsn(pg_server_dsn, pooled_database)
 
