@@ -110,6 +110,27 @@ def _check_term(term: object) -> None:
         raise ConfigError(f"term must be None or an int in [0, 2**63), got {term!r}")
 
 
+# The parts every claim statement shares. A live claim written in another key format
+# (another release) makes the statement claim nothing and report that format.
+_FOREIGN_FORMAT = (
+    "WITH foreign_format AS ("
+    " SELECT f.format_version FROM {t} f"
+    " WHERE (f.format_version < %(fv)s OR f.format_version > %(fv)s)"
+    " AND f.expires_at > clock_timestamp() LIMIT 1"
+)
+_INSERT_CLAIM = (
+    " INSERT INTO {t} AS c (fire_key, format_version, holder, term, claimed_at, expires_at)"
+)
+# A key already claimed is taken only once its claim expired.
+_TAKE_EXPIRED = (
+    " ON CONFLICT (fire_key) DO UPDATE SET"
+    " format_version = EXCLUDED.format_version, holder = EXCLUDED.holder,"
+    " term = EXCLUDED.term, claimed_at = clock_timestamp(),"
+    " expires_at = clock_timestamp() + make_interval(secs => %(ttl)s::float8)"
+    " WHERE c.expires_at <= clock_timestamp()"
+)
+
+
 class PostgresClaimer(Closeable):
     """Claims fires in Postgres so that each one runs at most once across a fleet.
 
@@ -166,48 +187,29 @@ class PostgresClaimer(Closeable):
         )
         self._ready = not self.create_tables
         self._claim_sql = sql.SQL(
-            "WITH foreign_format AS ("
-            " SELECT f.format_version FROM {t} f"
-            " WHERE (f.format_version < %(fv)s OR f.format_version > %(fv)s)"
-            " AND f.expires_at > clock_timestamp() LIMIT 1"
-            "), claimed AS ("
-            " INSERT INTO {t} AS c"
-            " (fire_key, format_version, holder, term, claimed_at, expires_at)"
-            " SELECT %(key)s::text, %(fv)s::int, %(holder)s::text, %(term)s::bigint,"
+            _FOREIGN_FORMAT
+            + "), claimed AS ("
+            + _INSERT_CLAIM
+            + " SELECT %(key)s::text, %(fv)s::int, %(holder)s::text, %(term)s::bigint,"
             " clock_timestamp(), clock_timestamp() + make_interval(secs => %(ttl)s::float8)"
-            " WHERE NOT EXISTS (SELECT 1 FROM foreign_format)"
-            " ON CONFLICT (fire_key) DO UPDATE SET"
-            " format_version = EXCLUDED.format_version, holder = EXCLUDED.holder,"
-            " term = EXCLUDED.term, claimed_at = clock_timestamp(),"
-            " expires_at = clock_timestamp() + make_interval(secs => %(ttl)s::float8)"
-            " WHERE c.expires_at <= clock_timestamp()"
-            " RETURNING 1"
+            " WHERE NOT EXISTS (SELECT 1 FROM foreign_format)" + _TAKE_EXPIRED + " RETURNING 1"
             ") SELECT (SELECT count(*) FROM claimed), (SELECT format_version FROM foreign_format)"
         ).format(t=self._ident)
         # Missed fires: keys (oldest first) newer than the newest one already claimed.
         self._claim_missed_sql = sql.SQL(
-            "WITH foreign_format AS ("
-            " SELECT f.format_version FROM {t} f"
-            " WHERE (f.format_version < %(fv)s OR f.format_version > %(fv)s)"
-            " AND f.expires_at > clock_timestamp() LIMIT 1"
-            "), keys AS ("
+            _FOREIGN_FORMAT + "), keys AS ("
             " SELECT k.key, k.ord FROM unnest(%(keys)s::text[]) WITH ORDINALITY AS k(key, ord)"
             "), held AS ("
             " SELECT coalesce(max(keys.ord), 0) AS ord FROM keys JOIN {t} h"
             " ON h.fire_key = keys.key AND h.expires_at > clock_timestamp()"
             "), claimed AS ("
-            " INSERT INTO {t} AS c"
-            " (fire_key, format_version, holder, term, claimed_at, expires_at)"
-            " SELECT keys.key, %(fv)s::int, %(holder)s::text, %(term)s::bigint,"
+            + _INSERT_CLAIM
+            + " SELECT keys.key, %(fv)s::int, %(holder)s::text, %(term)s::bigint,"
             " clock_timestamp(), clock_timestamp() + make_interval(secs => %(ttl)s::float8)"
             " FROM keys, held WHERE keys.ord > held.ord"
             " AND NOT EXISTS (SELECT 1 FROM foreign_format)"
-            " ON CONFLICT (fire_key) DO UPDATE SET"
-            " format_version = EXCLUDED.format_version, holder = EXCLUDED.holder,"
-            " term = EXCLUDED.term, claimed_at = clock_timestamp(),"
-            " expires_at = clock_timestamp() + make_interval(secs => %(ttl)s::float8)"
-            " WHERE c.expires_at <= clock_timestamp()"
-            " RETURNING c.fire_key"
+            + _TAKE_EXPIRED
+            + " RETURNING c.fire_key"
             ") SELECT array(SELECT fire_key FROM claimed),"
             " (SELECT format_version FROM foreign_format)"
         ).format(t=self._ident)
@@ -215,53 +217,36 @@ class PostgresClaimer(Closeable):
         # keys go in one order on every node (sorted), so two nodes claiming the same
         # batch wait for each other's rows in that order and never deadlock.
         self._claim_many_sql = sql.SQL(
-            "WITH foreign_format AS ("
-            " SELECT f.format_version FROM {t} f"
-            " WHERE (f.format_version < %(fv)s OR f.format_version > %(fv)s)"
-            " AND f.expires_at > clock_timestamp() LIMIT 1"
-            "), claimed AS ("
-            " INSERT INTO {t} AS c"
-            " (fire_key, format_version, holder, term, claimed_at, expires_at)"
-            " SELECT k.key, %(fv)s::int, %(holder)s::text, %(term)s::bigint,"
+            _FOREIGN_FORMAT
+            + "), claimed AS ("
+            + _INSERT_CLAIM
+            + " SELECT k.key, %(fv)s::int, %(holder)s::text, %(term)s::bigint,"
             " clock_timestamp(), clock_timestamp() + make_interval(secs => %(ttl)s::float8)"
             " FROM unnest(%(keys)s::text[]) WITH ORDINALITY AS k(key, ord)"
             " WHERE NOT EXISTS (SELECT 1 FROM foreign_format) ORDER BY k.ord"
-            " ON CONFLICT (fire_key) DO UPDATE SET"
-            " format_version = EXCLUDED.format_version, holder = EXCLUDED.holder,"
-            " term = EXCLUDED.term, claimed_at = clock_timestamp(),"
-            " expires_at = clock_timestamp() + make_interval(secs => %(ttl)s::float8)"
-            " WHERE c.expires_at <= clock_timestamp()"
-            " RETURNING c.fire_key"
+            + _TAKE_EXPIRED
+            + " RETURNING c.fire_key"
             ") SELECT array(SELECT fire_key FROM claimed),"
             " (SELECT format_version FROM foreign_format)"
         ).format(t=self._ident)
         # Missed fires of many tasks: keys numbered by task (grp) and age (ord); each
         # task's keys newer than its newest one already claimed.
         self._claim_missed_many_sql = sql.SQL(
-            "WITH foreign_format AS ("
-            " SELECT f.format_version FROM {t} f"
-            " WHERE (f.format_version < %(fv)s OR f.format_version > %(fv)s)"
-            " AND f.expires_at > clock_timestamp() LIMIT 1"
-            "), keys AS ("
+            _FOREIGN_FORMAT + "), keys AS ("
             " SELECT k.key, k.grp, k.ord"
             " FROM unnest(%(keys)s::text[], %(grps)s::int[], %(ords)s::int[]) AS k(key, grp, ord)"
             "), held AS ("
             " SELECT keys.grp, max(keys.ord) AS ord FROM keys JOIN {t} h"
             " ON h.fire_key = keys.key AND h.expires_at > clock_timestamp() GROUP BY keys.grp"
             "), claimed AS ("
-            " INSERT INTO {t} AS c"
-            " (fire_key, format_version, holder, term, claimed_at, expires_at)"
-            " SELECT keys.key, %(fv)s::int, %(holder)s::text, %(term)s::bigint,"
+            + _INSERT_CLAIM
+            + " SELECT keys.key, %(fv)s::int, %(holder)s::text, %(term)s::bigint,"
             " clock_timestamp(), clock_timestamp() + make_interval(secs => %(ttl)s::float8)"
             " FROM keys LEFT JOIN held ON held.grp = keys.grp"
             " WHERE keys.ord > coalesce(held.ord, 0)"
             " AND NOT EXISTS (SELECT 1 FROM foreign_format) ORDER BY keys.key"
-            " ON CONFLICT (fire_key) DO UPDATE SET"
-            " format_version = EXCLUDED.format_version, holder = EXCLUDED.holder,"
-            " term = EXCLUDED.term, claimed_at = clock_timestamp(),"
-            " expires_at = clock_timestamp() + make_interval(secs => %(ttl)s::float8)"
-            " WHERE c.expires_at <= clock_timestamp()"
-            " RETURNING c.fire_key"
+            + _TAKE_EXPIRED
+            + " RETURNING c.fire_key"
             ") SELECT array(SELECT fire_key FROM claimed),"
             " (SELECT format_version FROM foreign_format)"
         ).format(t=self._ident)
