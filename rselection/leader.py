@@ -32,12 +32,14 @@ from . import clock, signals
 from .checkpoints import CheckpointStore, LeaseFencedStore
 from .claiming import FireClaimer, LeaseClaims
 from .context import Term, TransactionFence, running_term
+from .driven import DrivenKeeper
 from .errors import BackendUnavailable, ConfigError
 from .lease import (
     Acquisition,
     HandoverRequest,
     LeaderInfo,
     LeaseBackend,
+    NonBlockingLease,
     SharedSchedule,
     SupportsHandover,
 )
@@ -253,6 +255,10 @@ class LeaseLeader:
         self._unannounced: list[tuple[int, str]] = []
         self._keeper: threading.Thread | None = None
         self._watchdog: threading.Thread | None = None
+        # A lease that never blocks a round trip is driven with the process's other
+        # leaders (no keeper or watchdog thread of its own).
+        self._driven = DrivenKeeper(self, lease) if isinstance(lease, NonBlockingLease) else None
+        self._started = False
         self._cleaning: threading.Thread | None = None  # the clean-up running on stop
         self._observer_lock = threading.Lock()
 
@@ -358,26 +364,37 @@ class LeaseLeader:
     def start(self) -> None:
         """Start competing for the lease in background threads; return at once."""
         with self._cond:
-            if self._keeper is not None:
+            if self._started:
                 raise RuntimeError("this leader was already started; create a new one")
             if self._claims is not None:  # tasks may have been registered since __init__
                 self._handler.check_claims(self._claims.ttl)
             self._handler.attach()
-            self._keeper = threading.Thread(
-                target=self._keep, name=f"rselection-keeper-{self._name}", daemon=True
-            )
-            self._watchdog = threading.Thread(
-                target=self._watch, name=f"rselection-watchdog-{self._name}", daemon=True
-            )
+            self._started = True
+            if self._driven is None:
+                self._keeper = threading.Thread(
+                    target=self._keep, name=f"rselection-keeper-{self._name}", daemon=True
+                )
+                self._watchdog = threading.Thread(
+                    target=self._watch, name=f"rselection-watchdog-{self._name}", daemon=True
+                )
         try:
             # Before any election: a receiver (the metrics' is_leader gauge) sees every
             # node, followers included, from its start.
             signals.emit(signals.started, self, node_id=self._node_id, name=self._name)
-            self._watchdog.start()
-            self._keeper.start()
+            if self._driven is not None:
+                self._driven.start()
+            else:
+                assert self._watchdog is not None and self._keeper is not None
+                self._watchdog.start()
+                self._keeper.start()
         except BaseException:  # Ctrl-C included: the keeper, if it started, winds down
             self._stopping.set()
-            if not self._keeper.is_alive():
+            if self._driven is not None:
+                if not self._driven.running:
+                    self._handler.detach()
+                else:
+                    self._driven.poke()
+            elif self._keeper is not None and not self._keeper.is_alive():
                 self._handler.detach()
             raise
 
@@ -392,10 +409,8 @@ class LeaseLeader:
         try:
             # Ctrl-C may come while starting, when the first term may already run.
             self.start()
-            keeper = self._keeper
-            assert keeper is not None
-            while keeper.is_alive():
-                keeper.join(0.5)
+            while not self._wait_stopped(0.5):
+                pass
         except KeyboardInterrupt:
             logger.info("interrupted; stopping leader %r", self._name)
             self.stop()
@@ -426,12 +441,27 @@ class LeaseLeader:
         with self._cond:
             self._cond.notify_all()  # the watchdog ends a term the keeper cannot reach
         self._interrupt_backend()
+        if self._driven is not None:
+            self._driven.poke()
         if self._called_from_inside():
             return
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self._driven is not None:
+            if self._driven.running:
+                self._driven.done.wait(timeout)
+            return
         for thread in (self._keeper, self._watchdog):
             if thread is not None and thread.ident is not None:  # started
                 thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def _wait_stopped(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the keeper to end; ``True`` once it has."""
+        if self._driven is not None:
+            return self._driven.done.wait(timeout)
+        keeper = self._keeper
+        assert keeper is not None
+        keeper.join(timeout)
+        return not keeper.is_alive()
 
     def step_down(self, *, hold: float = 0.0, wait: bool = True) -> None:
         """Give leadership up now: cancel and join tasks, release, then compete again.
@@ -456,6 +486,8 @@ class LeaseLeader:
         """True on a thread or loop whose work this leader's stop would wait for."""
         current = threading.current_thread()
         if current in (self._keeper, self._watchdog, self._cleaning):
+            return True
+        if self._driven is not None and self._driven.inside():
             return True
         running = running_term.get()
         if running is not None and running in (self._term, self._last_term):
@@ -558,13 +590,19 @@ class LeaseLeader:
         return term is not None and request is not None and request.term == term.number
 
     def _recover(self, reason: str, failures: int) -> None:
-        """After a failed step: end the term (tasks joined), only then drop the session."""
+        """After a failed step: end the term (tasks joined), only then drop the session;
+        then back off."""
+        self._pause(self._recover_session(reason, failures))
+
+    def _recover_session(self, reason: str, failures: int) -> float:
+        """End the term (tasks joined), only then drop the session; the seconds to back
+        off before the next attempt."""
         self._connected = False
         self._end_term(reason)
         self._announce()
         self._held_term = None  # the server ends a dead session's lease
         self._close_backend()
-        self._pause(reconnect_delay(failures))
+        return reconnect_delay(failures)
 
     def _pause(self, seconds: float) -> None:
         if self._wake.wait(seconds):
@@ -623,11 +661,7 @@ class LeaseLeader:
             self._hold_until = clock.monotonic() + request.hold
             return
         handovers = self._handovers
-        due = self._last_sent + self._timings.renew_interval
-        if self._schedule is not None:
-            # Earlier, never later: renew with the backend's other leases.
-            due = self._schedule.renewal_slot(due, self._timings.renew_interval, self._last_sent)
-        wait = due - clock.monotonic()
+        wait = self._renewal_due() - clock.monotonic()
         # A handover request is noticed by a renewal; a notification about one makes
         # the renewal happen now instead of at the next interval.
         if wait > 0 and not (handovers is not None and handovers.handover_hinted()):
@@ -638,13 +672,9 @@ class LeaseLeader:
             self._end_term("lost")
             self._held_term = None
             return
-        with self._cond:
-            if self._term is not term:
-                return  # the watchdog ended the term while the renewal was in flight
-            # A passed deadline is final: tasks may already have seen the term as over.
-            extended = term.extend(sent + self._timings.renew_deadline)
-            if extended:
-                self._last_sent = sent
+        extended = self._extend(term, sent)
+        if extended is None:
+            return  # the watchdog ended the term while the renewal was in flight
         if not extended:
             self._end_term("deadline", expected=term)
             return
@@ -661,6 +691,26 @@ class LeaseLeader:
         handover = handovers.handover_requested() if handovers is not None else None
         if handover is not None:
             self._hand_over(term, handover)
+
+    def _renewal_due(self) -> float:
+        """When the term's next renewal is due (:func:`rselection.clock.monotonic`)."""
+        due = self._last_sent + self._timings.renew_interval
+        if self._schedule is not None:
+            # Earlier, never later: renew with the backend's other leases.
+            due = self._schedule.renewal_slot(due, self._timings.renew_interval, self._last_sent)
+        return due
+
+    def _extend(self, term: Term, sent: float) -> bool | None:
+        """Move ``term``'s deadline after a renewal sent at ``sent``; ``None`` when the
+        term is no longer the current one, ``False`` when its deadline had passed."""
+        with self._cond:
+            if self._term is not term:
+                return None
+            # A passed deadline is final: tasks may already have seen the term as over.
+            extended = term.extend(sent + self._timings.renew_deadline)
+            if extended:
+                self._last_sent = sent
+        return extended
 
     def _hand_over(self, term: Term, request: HandoverRequest) -> None:
         """Step down because an operator asked (the next keeper step does it).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Protocol, runtime_checkable
@@ -22,6 +23,8 @@ __all__ = [
     "LeaderInfo",
     "LeaseBackend",
     "MemoryLease",
+    "NonBlockingLease",
+    "RenewOutcome",
     "SharedSchedule",
     "SupportsHandover",
 ]
@@ -177,6 +180,40 @@ class SharedSchedule(Protocol):
 
     def attempt_slot(self, due: float, interval: float) -> float:
         """The time to attempt a lease due at ``due``: at or after it, within ``interval``."""
+
+
+RenewOutcome = bool | None | BaseException
+"""What a non-blocking renewal reports: ``True`` renewed, ``False`` the term is lost,
+``None`` not renewed this time but still held (try again soon; the deadline counts from
+the last renewal that went through), or the exception the blocking call would raise."""
+
+
+@runtime_checkable
+class NonBlockingLease(Protocol):
+    """A lease backend whose round trips can be started without blocking a thread.
+
+    Optional. A leader over such a backend has no keeper or watchdog thread of its own:
+    one driver thread per process (:mod:`rselection.driver`) starts the renewals and
+    attempts of every such leader, and the backend sends them together (one statement
+    for all that are due, on :class:`~rselection.postgres.PostgresLease`). Everything
+    else (connecting, releasing, ending terms) still goes through the blocking methods
+    of :class:`LeaseBackend`, on a thread of a shared pool.
+    """
+
+    def renew_soon(self, node_id: str, term: int, done: Callable[[RenewOutcome], None]) -> bool:
+        """Start :meth:`LeaseBackend.renew`; ``done(outcome)`` is called once, from any
+        thread, with its :data:`RenewOutcome`. ``False`` (nothing started, ``done`` never
+        called) when the round trip cannot start without blocking: call :meth:`renew`."""
+
+    def acquire_soon(
+        self, node_id: str, done: Callable[[Acquisition | BaseException], None]
+    ) -> bool:
+        """Start :meth:`LeaseBackend.try_acquire`, as :meth:`renew_soon` does."""
+
+    def on_wake(self, waker: Callable[[], None] | None) -> None:
+        """Call ``waker`` (from any thread, quickly) whenever :meth:`wait_for_change`
+        would return early: a notification, a broken session, :meth:`interrupt`.
+        ``None`` stops the calls."""
 
 
 class MemoryLease:

@@ -91,7 +91,7 @@ from .session_pool import SessionPool
 if TYPE_CHECKING:
     from .lease import PostgresLease
 
-__all__ = ["GATHER", "RENEWAL_SKIPPED", "SharedKeeper"]
+__all__ = ["GATHER", "RENEWAL_SKIPPED", "Attempt", "Queued", "SharedKeeper"]
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class Heartbeat(Protocol):
 
 
 @dataclass
-class _Queued:
+class Queued:
     """A client's renewal or attempt waiting for the next batch."""
 
     lease: PostgresLease
@@ -151,11 +151,33 @@ class _Queued:
     result: Any = None
     error: BaseException | None = None
     filled: bool = False
+    on_done: Callable[[Queued], None] | None = None
+    """Called once, after ``done`` is set, by whoever settles the entry first (a batch's
+    answer, or the client giving up): how a non-blocking caller learns of it."""
+    _settled: threading.Lock = field(default_factory=threading.Lock)
 
     def fill(self, result: Any = None, error: BaseException | None = None) -> None:
-        """The batch's answer for this entry; wakes its client."""
+        """The batch's answer for this entry; wakes its client (once: a client that gave
+        up first keeps its own answer)."""
+        if not self._settled.acquire(blocking=False):
+            return
         self.result, self.error, self.filled = result, error, True
+        self._finish()
+
+    def give_up(self, error: BaseException) -> None:
+        """The client stops waiting: ``error`` is its answer unless the batch's came first."""
+        if not self._settled.acquire(blocking=False):
+            return
+        self.error = error
+        self._finish()
+
+    def _finish(self) -> None:
         self.done.set()
+        if self.on_done is not None:
+            try:
+                self.on_done(self)
+            except Exception:  # the sender goes on with the rest of its batch
+                logger.exception("keeper: error handing over the answer of %r", self.lease.name)
 
 
 @dataclass(frozen=True)
@@ -199,8 +221,8 @@ class SharedKeeper:
         self._broken = False
         self._pinned = 0.0  # the wind-down the session's keepalives are sized for
         self._unlocks: list[tuple[int, int]] = []  # locks of ended terms, freed next trip
-        self._renewals: list[_Queued] = []
-        self._attempts: list[_Queued] = []
+        self._renewals: list[Queued] = []
+        self._attempts: list[Queued] = []
         self._phase = clock.monotonic()  # renewal and attempt slots count from here
         self._io = IoWatchdog(f"keeper-{table}")
         self._wakeup = Wakeup()
@@ -283,18 +305,10 @@ class SharedKeeper:
             BackendUnavailable: the server cannot be reached, or the session broke and
                 terms taken through it have not ended yet.
         """
-        with self._state:
-            # The common case, without the statement lock: a batch in flight holds it,
-            # and every lease due now must queue its renewal while that batch is out.
-            ready = (
-                self._conn is not None
-                and not self._broken
-                and lease.channel is not None
-                and lease in self._by_channel.get(lease.channel, ())
-                and self._want <= self._pinned
-            )
-            if ready:
-                return self.generation
+        # The common case, without the statement lock: a batch in flight holds it,
+        # and every lease due now must queue its renewal while that batch is out.
+        if self.ready(lease):
+            return self.generation
         with self._lock:
             with self._state:
                 conn = self._conn
@@ -321,6 +335,19 @@ class SharedKeeper:
             if self._want > self._pinned:
                 self._pin(conn)
             return self.generation
+
+    def ready(self, lease: PostgresLease) -> bool:
+        """True when ``lease`` can queue a round trip without connecting or listening
+        first (never waits for the session's statement lock)."""
+        with self._state:
+            return (
+                self._conn is not None
+                and not self._broken
+                and not self._closed
+                and lease.channel is not None
+                and lease in self._by_channel.get(lease.channel, ())
+                and self._want <= self._pinned
+            )
 
     def _connect_kwargs(self, role: str, hold: float) -> dict[str, Any]:
         ka = server_keepalives(hold)
@@ -606,6 +633,11 @@ class SharedKeeper:
                     conn.close()
 
     def _shut(self) -> None:
+        with self._state:
+            queued = self._renewals + self._attempts
+            self._renewals, self._attempts = [], []
+        for item in queued:  # nobody sends them any more
+            item.give_up(self._lost())
         self._drop()
         if self._ring is not None:
             self._ring.stop()
@@ -690,9 +722,9 @@ class SharedKeeper:
 
     def _batch(
         self,
-        queue: list[_Queued],
-        item: _Queued,
-        send: Callable[[list[_Queued]], None],
+        queue: list[Queued],
+        item: Queued,
+        send: Callable[[list[Queued]], None],
     ) -> Any:
         """Queue ``item`` for the keeper's thread and wait until a batch sent it.
 
@@ -702,9 +734,7 @@ class SharedKeeper:
         gives up (``BackendUnavailable``): a batch in flight goes on for the others, and
         its answer for ``item`` is dropped.
         """
-        with self._state:
-            queue.append(item)
-        self._wakeup.wake()
+        self._enqueue(queue, item)
         while not item.done.wait(1.0):
             with self._state:
                 gone = self._closed or self._pump is None or not self._pump.is_alive()
@@ -721,6 +751,17 @@ class SharedKeeper:
         if item.error is not None:
             raise item.error
         return item.result
+
+    def _enqueue(self, queue: list[Queued], item: Queued) -> None:
+        """Queue ``item`` for the keeper's thread, which sends it with the next batch."""
+        with self._state:
+            closed = self._closed
+            if not closed:
+                queue.append(item)
+        if closed:
+            item.give_up(self._lost())
+            return
+        self._wakeup.wake()
 
     def _send_queued(self) -> None:
         """Send the queued renewals, then the queued attempts, in as few batches as the
@@ -768,11 +809,38 @@ class SharedKeeper:
         with self._state:
             if self._holds.get((lease, node_id), (None, 0))[0] != term:
                 return None
-        queued = _Queued(lease, node_id, term, done=done or threading.Event())
+        queued = Queued(lease, node_id, term, done=done or threading.Event())
         row: tuple[Any, ...] | None = self._batch(self._renewals, queued, self._send_renewals)
         return row
 
-    def _send_renewals(self, batch: list[_Queued]) -> None:
+    def renew_soon(
+        self, lease: PostgresLease, node_id: str, term: int, on_done: Callable[[Queued], None]
+    ) -> Queued | None:
+        """Queue a renewal of ``term`` without waiting: ``on_done(entry)`` is called once
+        with its answer (as :meth:`renew` returns or raises it). ``None`` (nothing
+        queued) when the session is not ready (see :meth:`ready`) or ``term`` is not held
+        through it for ``node_id`` (the blocking :meth:`renew` answers that)."""
+        if not self.ready(lease):
+            return None
+        with self._state:
+            if self._holds.get((lease, node_id), (None, 0))[0] != term:
+                return None
+        queued = Queued(lease, node_id, term, on_done=on_done)
+        self._enqueue(self._renewals, queued)
+        return queued
+
+    def acquire_soon(
+        self, lease: PostgresLease, node_id: str, on_done: Callable[[Queued], None]
+    ) -> Queued | None:
+        """Queue an attempt without waiting, as :meth:`renew_soon` does (its answer is
+        an :class:`Attempt`)."""
+        if not self.ready(lease):
+            return None
+        queued = Queued(lease, node_id, on_done=on_done)
+        self._enqueue(self._attempts, queued)
+        return queued
+
+    def _send_renewals(self, batch: list[Queued]) -> None:
         requests = [RenewRequest(q.lease.name, q.node_id, q.term, q.lease.ttl) for q in batch]
         try:
             results = self._run(
@@ -823,7 +891,7 @@ class SharedKeeper:
             )
 
     @staticmethod
-    def _split(batch: list[_Queued], send: Callable[[list[_Queued]], None]) -> None:
+    def _split(batch: list[Queued], send: Callable[[list[Queued]], None]) -> None:
         middle = len(batch) // 2
         send(batch[:middle])
         send(batch[middle:])
@@ -831,10 +899,10 @@ class SharedKeeper:
     def acquire(self, lease: PostgresLease, node_id: str) -> Attempt:
         """Attempt ``lease`` for ``node_id`` (batched with the other attempts due)."""
         self.ensure(lease)
-        attempt: Attempt = self._batch(self._attempts, _Queued(lease, node_id), self._send_attempts)
+        attempt: Attempt = self._batch(self._attempts, Queued(lease, node_id), self._send_attempts)
         return attempt
 
-    def _send_attempts(self, batch: list[_Queued]) -> None:
+    def _send_attempts(self, batch: list[Queued]) -> None:
         with self._state:
             for q in batch:
                 # A lease object that asks again while it holds a term gives that term
@@ -907,16 +975,26 @@ class SharedKeeper:
         with self._state:
             held = self._holds.get((lease, node_id))
         key = held[1] if held is not None and held[0] == term else lease.lock_key
-        results = self._run(
-            sql.SQL("{}; {}").format(
-                bounded_sql(LOCK_BOUND, statement=False),
-                release_sql(
-                    self._ident, lease.name, node_id, term, channel=lease.channel, lock_key=key
+        try:
+            results = self._run(
+                sql.SQL("{}; {}").format(
+                    bounded_sql(LOCK_BOUND, statement=False),
+                    release_sql(
+                        self._ident, lease.name, node_id, term, channel=lease.channel, lock_key=key
+                    ),
                 ),
-            ),
-            "release the lease",
-            limit=lease,
-        )
+                "release the lease",
+                limit=lease,
+                tolerate=True,
+            )
+        except psycopg.Error as exc:
+            # Refused on a healthy session (its row locked past LOCK_BOUND, a trigger):
+            # this lease only; the session and every other lease's term go on, and this
+            # one passes on by expiry.
+            raise BackendUnavailable(
+                f"cannot release lease {lease.name!r}: the server refused "
+                f"({_first_line(exc)}); it passes on when it expires"
+            ) from exc
         with self._state:
             if self._holds.get((lease, node_id), (None, 0))[0] == term:
                 del self._holds[(lease, node_id)]
@@ -1083,10 +1161,10 @@ def _row_at_fault(exc: psycopg.Error) -> bool:
     return not isinstance(exc, transient)
 
 
-def _one_per_lease(queue: list[_Queued]) -> tuple[list[_Queued], list[_Queued]]:
+def _one_per_lease(queue: list[Queued]) -> tuple[list[Queued], list[Queued]]:
     """Split the queue: at most one entry per lease name in a batch, the rest wait."""
-    batch: list[_Queued] = []
-    rest: list[_Queued] = []
+    batch: list[Queued] = []
+    rest: list[Queued] = []
     names: set[str] = set()
     for queued in queue:
         if queued.lease.name in names:

@@ -166,13 +166,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 
 from ..closeable import Closeable
 from ..errors import BackendUnavailable, ConfigError
-from ..lease import Acquisition, HandoverRequest, LeaderInfo
+from ..lease import Acquisition, HandoverRequest, LeaderInfo, RenewOutcome
 from ..timing import MAX_TIMING
 from ..validation import check_name, check_node_id, check_seconds
 from ._conn import (
@@ -192,7 +193,7 @@ from ._lease_sql import (
     utc,
 )
 from .handover import cancel_handover, renewal_request, request_handover
-from .keeper import RENEWAL_SKIPPED, SharedKeeper
+from .keeper import RENEWAL_SKIPPED, Attempt, Queued, SharedKeeper
 from .schema import DEFAULT_TABLE, table_identifier
 
 __all__ = [
@@ -300,6 +301,8 @@ class PostgresLease(Closeable):
         # A renewal waiting on the shared session (a round trip of other leases' renewals
         # in flight) waits on this; interrupt() sets it, so the renewal gives up at once.
         self._renewal_done: threading.Event | None = None
+        self._pending: Queued | None = None  # a renewal started by renew_soon, unanswered
+        self._waker: Callable[[], None] | None = None  # see on_wake
         self._handover_hint = False
         self._handover: HandoverRequest | None = None
         # A holder is read in one short statement: bound each read by about twice the
@@ -343,7 +346,7 @@ class PostgresLease(Closeable):
     def wake(self) -> None:
         """Wake :meth:`wait_for_change` (the shared keeper calls it when a keeper session
         is announced dead, or its own session failed)."""
-        self._wake.set()
+        self._set_wake()
 
     def notified(self, event: dict[str, Any], *, own_session: bool) -> None:
         """A notification on this lease's channel (the shared keeper calls it): wake
@@ -353,7 +356,7 @@ class PostgresLease(Closeable):
             return
         if event.get("event") == "resign":
             self._handover_hint = True
-        self._wake.set()
+        self._set_wake()
 
     def renewal_slot(self, due: float, interval: float, after: float) -> float:
         """The shared keeper's renewal tick at or before ``due`` (see
@@ -455,13 +458,39 @@ class PostgresLease(Closeable):
             BackendUnavailable: connection problem, or the server refused the attempt
                 (the other leases of the process attempt on).
         """
+        keeper = self._before_attempt(node_id)
+        return self._after_attempt(keeper, node_id, keeper.acquire(self, node_id))
+
+    def acquire_soon(
+        self, node_id: str, done: Callable[[Acquisition | BaseException], None]
+    ) -> bool:
+        """Start :meth:`try_acquire` with the attempts of the process's other leases due
+        now, without blocking: ``done`` gets what it would return or raise (see
+        :class:`~rselection.lease.NonBlockingLease`). ``False`` when the shared session
+        is not connected and listening for this lease yet: call :meth:`try_acquire`."""
+        keeper = self._before_attempt(node_id)
+
+        def answered(queued: Queued) -> None:
+            if queued.error is not None:
+                done(queued.error)
+                return
+            try:
+                done(self._after_attempt(keeper, node_id, queued.result))
+            except Exception as exc:  # ConfigError: the caller raises it
+                done(exc)
+
+        return keeper.acquire_soon(self, node_id, answered) is not None
+
+    def _before_attempt(self, node_id: str) -> SharedKeeper:
         check_node_id(node_id)
         keeper = self._shared()
         self._node_id = node_id
         self._wake.clear()
         self._handover_hint = False
         self._handover = None
-        attempt = keeper.acquire(self, node_id)
+        return keeper
+
+    def _after_attempt(self, keeper: SharedKeeper, node_id: str, attempt: Attempt) -> Acquisition:
         if self.row_seen and attempt.row is None:
             raise ConfigError(
                 f"the row of lease {self.name!r} in table {self.table!r} was deleted: its "
@@ -494,9 +523,7 @@ class PostgresLease(Closeable):
             BackendUnavailable: connection problem (the term is lost as well: a new
                 session cannot renew it).
         """
-        keeper = self._shared()
-        self._handover_hint = False
-        self._handover = None
+        keeper = self._before_renewal()
         try:
             while True:
                 self._renewal_done = done = threading.Event()
@@ -513,11 +540,59 @@ class PostgresLease(Closeable):
                     )
         finally:
             self._renewal_done = None
+        return self._after_renewal(node_id, term, row)
+
+    def renew_soon(self, node_id: str, term: int, done: Callable[[RenewOutcome], None]) -> bool:
+        """Start :meth:`renew` with the renewals of the process's other leases due now,
+        without blocking: ``done`` gets ``True``, ``False``, ``None`` (the row was locked
+        by another transaction: not renewed this time, try again in a moment) or what
+        :meth:`renew` would raise (see :class:`~rselection.lease.NonBlockingLease`).
+        :meth:`interrupt` makes it answer ``BackendUnavailable`` at once. ``False`` when
+        the shared session is not ready: call :meth:`renew`."""
+        keeper = self._before_renewal()
+
+        def answered(queued: Queued) -> None:
+            self._pending = None
+            if queued.error is not None:
+                done(queued.error)
+            elif queued.result is RENEWAL_SKIPPED:
+                done(None)
+            else:
+                done(self._after_renewal(node_id, term, queued.result))
+
+        queued = keeper.renew_soon(self, node_id, term, answered)
+        if queued is None:
+            return False
+        self._pending = queued
+        if queued.done.is_set():  # answered before it was recorded
+            self._pending = None
+        return True
+
+    def _before_renewal(self) -> SharedKeeper:
+        keeper = self._shared()
+        self._handover_hint = False
+        self._handover = None
+        return keeper
+
+    def _after_renewal(self, node_id: str, term: int, row: tuple[Any, ...] | None) -> bool:
         if row is not None:
             self._handover = renewal_request(term, row[2:5])
             return True
         logger.debug("lease %r: renewal of term %s by %s refused", self.name, term, node_id)
         return False
+
+    def on_wake(self, waker: Callable[[], None] | None) -> None:
+        """Call ``waker`` whenever :meth:`wait_for_change` would return early (see
+        :class:`~rselection.lease.NonBlockingLease`)."""
+        self._waker = waker
+        if waker is not None and self._wake.is_set():
+            waker()
+
+    def _set_wake(self) -> None:
+        self._wake.set()
+        waker = self._waker
+        if waker is not None:
+            waker()
 
     def handover_hinted(self) -> bool:
         """True when a notification announced a handover request since the last renewal."""
@@ -620,7 +695,12 @@ class PostgresLease(Closeable):
         done = self._renewal_done
         if done is not None:
             done.set()
-        self._wake.set()
+        pending = self._pending
+        if pending is not None:
+            pending.give_up(
+                BackendUnavailable(f"lease {self.name!r}: renewal interrupted while in flight")
+            )
+        self._set_wake()
 
     def close(self) -> None:
         """Leave the shared keeper (the last lease of the process closes its sessions) and

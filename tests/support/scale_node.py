@@ -13,6 +13,8 @@ every process of the machine shares) and ``t`` (``time.time()``):
 - ``renewed`` (with ``--renewals``): ``lease``, ``index``, ``term``, ``latency`` and
   ``remaining``, from ``signals.lease_renewed``.
 - ``stuck``: a task ignored cancellation past ``stop_grace`` (``lease``, ``task``).
+- ``threads``: on SIGUSR2, the process's threads by name with digits taken out
+  (``names``: name -> count).
 - ``stopping``: SIGTERM or SIGINT arrived; every leader is asked to stop at once;
   ``asked``: every leader was asked (``seconds`` since ``stopping``).
 - ``released``: one leader's ``stop()`` returned (``lease``, ``index``, ``seconds`` since
@@ -49,10 +51,12 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -92,6 +96,13 @@ def parse_indices(text: str, count: int) -> set[int]:
             raise SystemExit(f"index range {part!r} is outside 0..{count - 1}")
         out.update(range(lo, hi + 1))
     return out
+
+
+def thread_names() -> dict[str, int]:
+    """The process's threads now, counted by name with the digits taken out (so a
+    thread per term or per lease shows as one name with its count)."""
+    names = Counter(re.sub(r"\d+", "N", t.name) for t in threading.enumerate())
+    return dict(sorted(names.items()))
 
 
 def make_handler(kind: str, args: argparse.Namespace, go: threading.Event) -> rs.TaskHandler:
@@ -223,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         go.set()
     # Blocked in every thread (threads inherit the mask) and taken by sigwait() in the
     # main thread below: no handler runs at an arbitrary point while locks are held.
-    wanted = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
+    wanted = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2}
     signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
 
     # Receivers filter by lease name: other leaders in the process (none today) are not ours.
@@ -306,8 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.pooled_work:
         threading.Thread(target=ask_leaders, name="scale-ask-leader", daemon=True).start()
 
-    while (signum := signal.sigwait(wanted)) == signal.SIGUSR1:
-        if not go.is_set():
+    while (signum := signal.sigwait(wanted)) in (signal.SIGUSR1, signal.SIGUSR2):
+        if signum == signal.SIGUSR2:
+            out.emit("threads", names=thread_names())
+        elif not go.is_set():
             go.set()
             out.emit("go")
     asking.set()

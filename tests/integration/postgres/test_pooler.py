@@ -574,10 +574,7 @@ def test_background_leader_behind_a_transaction_pooler_logs_the_refusal_and_stop
         leader.start()
         wait_until(refusal_logged, 10, "an ERROR log naming session mode")
 
-        def keeper_runs() -> bool:
-            return any(t.name == f"rselection-keeper-{lease_name}" for t in threading.enumerate())
-
-        wait_until(lambda: not keeper_runs(), 10, "the leader to stop after the refusal")
+        wait_until(lambda: leader._wait_stopped(0), 10, "the leader to stop after the refusal")
         assert not ran.is_set() and not leader.is_leader
     finally:
         leader.stop(timeout=10)

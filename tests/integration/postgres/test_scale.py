@@ -287,6 +287,36 @@ def test_sessions_per_process_stay_within_the_budget(fleet: ScaleFleet, scale_ds
     assert not problems, "sessions over DESIGN.md's budget:\n" + "\n".join(problems)
 
 
+# Threads that belong to tasks, not to the machinery: a plain def task's own thread, and
+# the event loop a term's async tasks run on; and the test node's own threads.
+TASK_THREADS = ("rselection-task-", "rselection-loop-term-", "scale-", "MainThread")
+# The machinery's threads of a process, whatever its number of leases: the driver, its
+# pool, the shared keeper's session thread, the ring watcher, the I/O watchdogs and
+# the like. The one-keeper-per-lease design had 2 per lease (keeper and watchdog), 200
+# here; the driven leaders measured 6 to 9.
+MACHINERY_THREADS_BOUND = 20
+
+
+def machinery_threads(node: ScaleNode) -> dict[str, int]:
+    """The machinery's threads of ``node`` now (by name, digits taken out)."""
+    asked = node.signal(signal.SIGUSR2)
+    node.wait_for(lambda evs: bool(node.of("threads", since=asked)), 10, "the threads report")
+    report = node.of("threads", since=asked)[0]
+    names: dict[str, int] = report["names"]
+    return {name: n for name, n in names.items() if not name.startswith(TASK_THREADS)}
+
+
+def test_the_machinerys_threads_do_not_grow_with_the_leases(fleet: ScaleFleet) -> None:
+    nodes = start(fleet)
+    for node in nodes:
+        threads = machinery_threads(node)
+        total = sum(threads.values())
+        print(f"{node.node} leads {len(node.leading())} of {LEASES}: {total} threads {threads}")
+        assert total <= MACHINERY_THREADS_BOUND, (
+            f"{node.node}: {total} machinery threads for {LEASES} leases: {threads}"
+        )
+
+
 def test_kill_9_of_the_busiest_process_moves_each_of_its_leases_within_2s(
     fleet: ScaleFleet,
 ) -> None:

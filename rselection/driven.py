@@ -1,0 +1,419 @@
+"""The keeper and watchdog of a leader over a non-blocking lease, stepped by the driver.
+
+:class:`DrivenKeeper` is what a :class:`~rselection.leader.LeaseLeader` runs instead of
+its own keeper and watchdog threads when its lease is a
+:class:`~rselection.lease.NonBlockingLease`: the same state machine (follow, lead, step
+down, recover with backoff, stop), made of steps that never block, called by the
+process's :class:`~rselection.driver.LeaseDriver`:
+
+* the deadline is checked at every step, whatever is in flight, and a passed one (or a
+  ``stop()``) ends the term at once on a pool thread, as the watchdog thread does;
+* renewals and attempts are started with ``renew_soon`` / ``acquire_soon`` (the backend
+  sends those of every lease due together), and their answers come back to the driver's
+  thread; when the backend cannot start one without blocking (not connected yet), the
+  blocking call runs on a pool thread instead;
+* everything else that may block, or that runs a user's code (connecting, beginning and
+  ending terms, releasing, the signals), runs on a pool thread, one such piece of work at
+  a time per leader, in the order the keeper thread would do it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from . import clock, signals
+from .context import Term
+from .driver import LeaseDriver
+from .errors import BackendUnavailable, ConfigError
+from .lease import Acquisition, LeaseBackend, NonBlockingLease, RenewOutcome
+
+if TYPE_CHECKING:
+    from .leader import LeaseLeader
+
+__all__ = ["DrivenKeeper", "SKIPPED_RETRY"]
+
+logger = logging.getLogger("rselection.leader")
+
+SKIPPED_RETRY = 0.1
+"""Seconds before a renewal the backend skipped (its row locked by another transaction)
+is sent again."""
+
+_IN_FLIGHT_CHECK = 1.0  # seconds between deadline checks while work is in flight
+
+
+class DrivenKeeper:
+    """The driven keeper of one leader (see the module docstring).
+
+    Its state is read and written on the driver's thread only, but for the pool work,
+    which runs one piece at a time and only while the driver starts nothing else for
+    this leader.
+    """
+
+    def __init__(self, leader: LeaseLeader, lease: NonBlockingLease) -> None:
+        self._leader = leader
+        self._lease = lease
+        self._backend: LeaseBackend = leader.lease
+        self._driver = LeaseDriver.shared()
+        self.done = threading.Event()
+        """Set once the leader has shut down (released, closed, cleaned up)."""
+        self._running = False  # added to the driver
+        self._busy = False  # pool work of this leader runs (one at a time)
+        self._in_flight = False  # a renewal or attempt was started, not answered yet
+        self._woken = False  # the lease said a wait would have returned early
+        self._finished = False
+        self._failures = 0
+        self._follow_at = 0.0  # a follower's next attempt
+        self._renew_after = 0.0  # not before this (a skipped renewal)
+        self._pause_until = 0.0  # the backoff after a failed step
+        self._ending: Term | None = None  # a term the deadline or a stop ended
+        self._threads: set[threading.Thread] = set()  # pool threads working for us
+        self._threads_lock = threading.Lock()
+
+    # -- the leader's side -------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start being driven (from ``LeaseLeader.start``)."""
+        self._lease.on_wake(self._on_wake)
+        self._running = True
+        self._driver.add(self)
+
+    @property
+    def running(self) -> bool:
+        """Whether :meth:`start` got as far as the driver."""
+        return self._running
+
+    def poke(self) -> None:
+        """Step soon (a stop, a step-down)."""
+        self._driver.poke(self)
+
+    def inside(self) -> bool:
+        """True on the driver's thread or a pool thread doing this leader's work."""
+        if self._driver.on_thread():
+            return True
+        with self._threads_lock:
+            return threading.current_thread() in self._threads
+
+    def _on_wake(self) -> None:
+        self._woken = True
+        self._driver.poke(self)
+
+    # -- steps (the driver's thread) -----------------------------------------------------
+
+    def drive(self, now: float) -> float | None:
+        """One step that never blocks; when to step again (``None``: done)."""
+        leader = self._leader
+        if self._finished:
+            self._lease.on_wake(None)
+            return None
+        term = leader._term
+        watch = self._watch(term, now)
+        if self._busy or self._in_flight:
+            return watch
+        try:
+            return min(watch, self._step(now))
+        except BaseException as exc:
+            self._failed(exc)
+            return watch
+
+    def _watch(self, term: Term | None, now: float) -> float:
+        """The watchdog: end a term whose deadline passed, or that a stop ends; return
+        when to look again."""
+        if term is None or term is self._ending or term.cancelled.is_set():
+            return now + _IN_FLIGHT_CHECK
+        stopping = self._leader._stopping.is_set()
+        if not stopping and term.live():
+            # Capped: a timed wait does not count time suspended.
+            return min(term.deadline, now + _IN_FLIGHT_CHECK)
+        self._ending = term
+        reason = "stopped" if stopping else "deadline"
+
+        def end() -> None:
+            self._leader._end_term(reason, expected=term, announce=False)
+            self._leader._interrupt_backend()  # a renewal in flight gives up
+
+        self._pool(end, serial=False)
+        return now + _IN_FLIGHT_CHECK
+
+    def _step(self, now: float) -> float:
+        leader = self._leader
+        if leader._stopping.is_set():
+            self._work(self._shut_down)
+            return now + _IN_FLIGHT_CHECK
+        if now < self._pause_until:  # backing off after a failure (a stop cuts it short)
+            return self._pause_until
+        with leader._cond:
+            unannounced = bool(leader._unannounced)
+        if unannounced:
+            self._work(leader._announce)
+            return now + _IN_FLIGHT_CHECK
+        if not leader._connected:
+            self._work(self._connect)
+            return now + _IN_FLIGHT_CHECK
+        term = leader._term
+        if term is None:
+            return self._follow_step(now)
+        if term is self._ending:  # being ended on the pool: then the follower's steps
+            return now + _IN_FLIGHT_CHECK
+        return self._lead_step(term, now)
+
+    def _follow_step(self, now: float) -> float:
+        leader = self._leader
+        if leader._held_term is not None:
+            self._work(leader._release)
+            return now + _IN_FLIGHT_CHECK
+        if leader._hold_until > now:
+            return leader._hold_until
+        woken, self._woken = self._woken, False
+        if woken:
+            self._backend.wait_for_change(0)  # raises when the session broke
+        elif now < self._follow_at:
+            return self._follow_at
+        sent = clock.monotonic()
+        self._round_trip(
+            lambda done: self._lease.acquire_soon(leader.node_id, done),
+            lambda: self._backend.try_acquire(leader.node_id),
+            lambda outcome: self._attempted(sent, outcome),
+        )
+        return now + _IN_FLIGHT_CHECK
+
+    def _lead_step(self, term: Term, now: float) -> float:
+        leader = self._leader
+        with leader._cond:
+            request = leader._step_down
+            if request is not None and request.term == term.number:
+                leader._step_down = None
+            else:
+                request = None
+        if request is not None:
+
+            def step_down() -> None:
+                leader._end_term(request.reason)
+                leader._release()
+                leader._hold_until = clock.monotonic() + request.hold
+
+            self._work(step_down)
+            return now + _IN_FLIGHT_CHECK
+        woken, self._woken = self._woken, False
+        if woken:
+            self._backend.wait_for_change(0)  # raises when the session broke
+        due = max(leader._renewal_due(), self._renew_after)
+        handovers = leader._handovers
+        if due > now and not (handovers is not None and handovers.handover_hinted()):
+            return due
+        sent = clock.monotonic()
+        self._round_trip(
+            lambda done: self._lease.renew_soon(leader.node_id, term.number, done),
+            lambda: self._backend.renew(leader.node_id, term.number),
+            lambda outcome: self._renewed(term, sent, outcome),
+        )
+        return now + _IN_FLIGHT_CHECK
+
+    def _round_trip(
+        self,
+        start: Callable[[Callable[[Any], None]], bool],
+        blocking: Callable[[], Any],
+        answered: Callable[[Any], None],
+    ) -> None:
+        """Start a renewal or attempt; ``answered(outcome)`` runs on the driver's thread
+        (outcome: what the blocking call returns, or the exception it raises)."""
+        self._in_flight = True
+
+        def done(outcome: Any) -> None:
+            self._driver.call(lambda: self._answered(answered, outcome))
+
+        try:
+            started = start(done)
+        except BaseException:
+            self._in_flight = False
+            raise
+        if started:
+            return
+        self._in_flight = False
+
+        def call() -> None:
+            try:
+                outcome: Any = blocking()
+            except BaseException as exc:
+                outcome = exc
+            self._driver.call(lambda: answered(outcome))
+
+        self._work(call)
+
+    def _answered(self, answered: Callable[[Any], None], outcome: Any) -> None:
+        self._in_flight = False
+        answered(outcome)
+        self._driver.poke(self)
+
+    def _attempted(self, sent: float, outcome: Acquisition | BaseException) -> None:
+        if isinstance(outcome, BaseException):
+            self._failed(outcome)
+            return
+        leader = self._leader
+        self._failures = 0
+        holder = outcome.holder
+        if outcome.acquired and holder is not None:
+            if leader._stopping.is_set():
+                leader._held_term = holder.term  # never begun: the shut-down releases it
+                return
+
+            def begin() -> None:
+                leader._observe(holder)
+                leader._begin_term(holder, sent)
+
+            self._work(begin)
+            return
+        seen = (holder.node_id, holder.term) if holder is not None else None
+        if seen != leader._last_seen:
+            self._work(lambda: leader._observe(holder))
+        self._follow_at = clock.monotonic() + leader._follow_timeout(outcome)
+
+    def _renewed(self, term: Term, sent: float, outcome: RenewOutcome) -> None:
+        if isinstance(outcome, BaseException):
+            self._failed(outcome)
+            return
+        leader = self._leader
+        if outcome is None:  # the row was locked: still ours, not renewed; again soon
+            self._renew_after = clock.monotonic() + SKIPPED_RETRY
+            return
+        self._renew_after = 0.0
+        if not outcome:
+
+            def lost() -> None:
+                leader._end_term("lost")
+                leader._held_term = None
+
+            self._work(lost)
+            return
+        self._failures = 0
+        extended = leader._extend(term, sent)
+        if extended is None:
+            return  # the watchdog ended the term while the renewal was in flight
+        if not extended:
+            self._work(lambda: leader._end_term("deadline", expected=term))
+            return
+        if signals.lease_renewed.receivers:
+            done = clock.monotonic()
+            latency, remaining = done - sent, term.deadline - done
+            # On the driver's signal thread: a slow receiver never holds up a renewal.
+            self._driver.notify(
+                lambda: signals.emit(
+                    signals.lease_renewed,
+                    leader,
+                    name=leader.name,
+                    term=term.number,
+                    latency=latency,
+                    remaining=remaining,
+                )
+            )
+        handovers = leader._handovers
+        request = handovers.handover_requested() if handovers is not None else None
+        if request is not None:
+            leader._hand_over(term, request)
+
+    def _failed(self, exc: BaseException) -> None:
+        """What the keeper thread does with an exception of a step."""
+        leader = self._leader
+        if isinstance(exc, BackendUnavailable):
+            if leader._stopping.is_set() or leader._step_down_pending():
+                return  # interrupted by stop() or step_down(): the next step does it
+            self._failures += 1
+            log = logger.warning if self._failures == 1 else logger.debug
+            log("lease %r: backend unavailable (%s); retrying with backoff", leader.name, exc)
+            self._recover("connection")
+        elif isinstance(exc, ConfigError):
+            leader._fatal = exc
+            logger.error("lease %r: cannot lead safely, stopping: %s", leader.name, exc)
+
+            def fatal() -> None:
+                leader._end_term("error")
+                leader._held_term = None  # not through this backend: the lease expires
+                self._shut_down()
+
+            self._work(fatal)
+        elif isinstance(exc, Exception):
+            self._failures += 1
+            logger.error(
+                "lease %r: unexpected error in the keeper; the term (if any) ends and the "
+                "keeper retries",
+                leader.name,
+                exc_info=exc,
+            )
+            self._recover("error")
+        else:  # KeyboardInterrupt, SystemExit: never swallowed, the leader stops
+            leader._stopping.set()
+            self._driver.poke(self)
+
+    def _recover(self, reason: str) -> None:
+        failures = self._failures
+        leader = self._leader
+
+        def recover() -> None:
+            pause = leader._recover_session(reason, failures)
+            self._pause_until = clock.monotonic() + pause
+
+        self._work(recover)
+
+    # -- pool work -----------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        self._backend.connect()
+        self._leader._connected = True
+
+    def _shut_down(self) -> None:
+        try:
+            self._leader._shutdown()
+        finally:
+            self._finished = True
+            self.done.set()
+
+    def _work(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the pool as this leader's one piece of pool work; an exception
+        of it is handled as the keeper thread would (on the driver's thread)."""
+        self._busy = True
+
+        def run() -> None:
+            error: BaseException | None = None
+            try:
+                fn()
+            except BaseException as exc:
+                error = exc
+            self._driver.call(lambda: self._worked(error))
+
+        self._pool(run, serial=True)
+
+    def _worked(self, error: BaseException | None) -> None:
+        self._busy = False
+        if error is not None:
+            self._failed(error)
+        self._driver.poke(self)
+
+    def _pool(self, fn: Callable[[], None], *, serial: bool) -> None:
+        """Run ``fn`` on the driver's threads, known as this leader's while it runs:
+        ``serial`` work on its workers, the rest (ending a term) on a thread at once."""
+
+        def run() -> None:
+            current = threading.current_thread()
+            with self._threads_lock:
+                self._threads.add(current)
+            try:
+                fn()
+            except BaseException:
+                logger.exception("lease %r: error in the leader's work", self._leader.name)
+            finally:
+                with self._threads_lock:
+                    self._threads.discard(current)
+
+        try:
+            if serial:
+                self._driver.work(run)
+            else:
+                self._driver.urgent(run)
+        except RuntimeError:
+            # No thread could start. Serial work stays queued for a worker; a term's end
+            # is tried again on the next step (the deadline is still checked).
+            logger.error("lease %r: no thread for the leader's work", self._leader.name)
+            if not serial:
+                self._ending = None

@@ -1,0 +1,233 @@
+"""One thread that drives every leader of the process whose lease never blocks.
+
+A leader over a :class:`~rselection.lease.NonBlockingLease` (a ``PostgresLeader``) has
+no keeper or watchdog thread of its own. The process's :class:`LeaseDriver` calls each
+such leader's step when it is due (a renewal, an attempt, a deadline) or was woken (a
+notification, ``stop()``), and a step never blocks: it starts round trips that the
+backend sends together and answers on another thread (:meth:`LeaseDriver.call` hands
+the answer back to the driver's thread), checks the term's local deadline, and moves
+whatever may block (connecting, ending a term and joining its tasks, releasing, the
+signals to user receivers) to a thread of the driver's pool, one at a time per leader.
+
+So the process's machinery threads are the driver's one thread, whatever its number of
+leases, plus one pool thread per leader that is changing state at that moment (pool
+threads are reused, and end after :data:`IDLE_TIMEOUT` idle). With no leader left to
+drive, the driver's thread and the pool's idle threads end. The deadline is enforced
+by the driver's thread itself, which never waits for a round trip, a lock held across
+I/O, or a user's code.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import ClassVar, Protocol
+
+from . import clock
+from .daemon_pool import DaemonExecutor
+from .task_threads import TaskThreads
+
+__all__ = ["IDLE_TIMEOUT", "WORKERS", "Driven", "LeaseDriver"]
+
+logger = logging.getLogger(__name__)
+
+IDLE_TIMEOUT = 10.0
+"""Seconds an idle thread ending a term waits for another before it ends."""
+
+WORKERS = 8
+"""The most threads that run leaders' steps that may block at once (connecting,
+beginning a term, releasing): more wait for one of them. Ends of terms that a deadline
+or a stop forced do not wait: each gets a thread at once."""
+
+_MAX_WAIT = 1.0  # a timed wait does not count time suspended: look again this often
+_RETRY_AFTER_ERROR = 0.1  # seconds before a step that raised is called again
+
+
+class Driven(Protocol):
+    """Something the driver steps: a leader over a non-blocking lease."""
+
+    def drive(self, now: float) -> float | None:
+        """One step that never blocks, at :func:`rselection.clock.monotonic` ``now``;
+        return when to be called next (sooner on :meth:`LeaseDriver.poke`), or ``None``
+        to be forgotten."""
+
+
+class LeaseDriver:
+    """The process's driver of non-blocking leaders; get it with :meth:`shared`.
+
+    Every method is safe from any thread.
+    """
+
+    _shared: ClassVar[LeaseDriver | None] = None
+    _shared_pid = 0
+    _shared_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: dict[Driven, float] = {}  # each item's next call (the heap may be stale)
+        self._heap: list[tuple[float, int, Driven]] = []
+        self._order = itertools.count()
+        self._poked: dict[Driven, None] = {}  # ordered: first poked, first stepped
+        self._calls: list[Callable[[], None]] = []
+        self._thread: threading.Thread | None = None
+        self._pools: _Pools | None = None
+
+    @classmethod
+    def shared(cls) -> LeaseDriver:
+        """This process's driver (a new one after ``fork()``)."""
+        with cls._shared_lock:
+            if cls._shared is None or cls._shared_pid != os.getpid():
+                cls._shared = LeaseDriver()
+                cls._shared_pid = os.getpid()
+            return cls._shared
+
+    def add(self, item: Driven) -> None:
+        """Step ``item`` at once, then whenever it asks.
+
+        Raises:
+            RuntimeError: the driver's thread cannot start (out of threads or memory).
+        """
+        self.poke(item)
+
+    def poke(self, item: Driven) -> None:
+        """Step ``item`` as soon as possible (it is added if it is not known yet)."""
+        with self._cond:
+            self._poked[item] = None
+            self._start()
+            self._cond.notify()
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` on the driver's thread soon (it must not block; one that raises
+        is logged)."""
+        with self._cond:
+            self._calls.append(fn)
+            self._start()
+            self._cond.notify()
+
+    def work(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` (a leader's step that may block) on one of at most
+        :data:`WORKERS` threads; it must catch its own exceptions.
+
+        Raises:
+            RuntimeError: no thread could start (``fn`` may still run later).
+        """
+        self._pools_now().work.submit(fn)
+
+    def urgent(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` (the end of a term that must not wait for a worker) on a thread
+        of its own, reused when idle; it must catch its own exceptions.
+
+        Raises:
+            RuntimeError: no thread could start (``fn`` does not run).
+        """
+        self._pools_now().urgent.run(fn)
+
+    def notify(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` (signals to users' receivers, which may be slow) on the driver's
+        one signal thread, in order; it must catch its own exceptions."""
+        self._pools_now().signals.submit(fn)
+
+    def _pools_now(self) -> _Pools:
+        with self._cond:
+            if self._pools is None:
+                self._pools = _Pools()
+            return self._pools
+
+    def on_thread(self) -> bool:
+        """True on the driver's own thread."""
+        return threading.current_thread() is self._thread
+
+    def count(self) -> int:
+        """How many items the driver steps now."""
+        with self._cond:
+            return len(self._due) + sum(1 for item in self._poked if item not in self._due)
+
+    def _start(self) -> None:
+        """Under the lock: start the driver's thread unless it runs."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        thread = threading.Thread(target=self._run, name="rselection-driver", daemon=True)
+        thread.start()
+        self._thread = thread
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                work = self._wait()
+                if work is None:
+                    self._thread = None
+                    return
+            calls, items = work
+            for fn in calls:
+                try:
+                    fn()
+                except Exception:  # never let the driver die: it enforces deadlines
+                    logger.exception("driver: a hand-over raised; going on")
+            now = clock.monotonic()
+            for item in items:
+                try:
+                    after = item.drive(now)
+                except Exception:
+                    logger.exception("driver: a leader's step raised; it is stepped again soon")
+                    after = now + _RETRY_AFTER_ERROR
+                with self._cond:
+                    if after is None:
+                        self._due.pop(item, None)
+                        self._poked.pop(item, None)
+                    elif item not in self._poked:
+                        self._due[item] = after
+                        heapq.heappush(self._heap, (after, next(self._order), item))
+
+    def _wait(self) -> tuple[list[Callable[[], None]], list[Driven]] | None:
+        """Under the lock: wait for calls, pokes or items due; ``None`` when the thread
+        may end (nothing is driven any more: the pool's idle threads end too)."""
+        while True:
+            now = clock.monotonic()
+            self._drop_stale()
+            due: list[Driven] = list(self._poked)
+            self._poked.clear()
+            while self._heap and self._heap[0][0] <= now:
+                _, _, item = heapq.heappop(self._heap)
+                if item not in due:
+                    due.append(item)
+                self._due.pop(item, None)
+                self._drop_stale()
+            if due or self._calls:
+                calls, self._calls = self._calls, []
+                for item in due:
+                    self._due.pop(item, None)
+                return calls, due
+            if not self._due:
+                # Nothing left to drive (every leader stopped): no thread is left behind.
+                if self._pools is not None:
+                    self._pools.close()
+                    self._pools = None
+                return None
+            self._cond.wait(min(_MAX_WAIT, self._heap[0][0] - now))
+
+    def _drop_stale(self) -> None:
+        """Under the lock: pop heap entries that no longer are their item's next call."""
+        while self._heap:
+            at, _, item = self._heap[0]
+            if self._due.get(item) == at:
+                return
+            heapq.heappop(self._heap)
+
+
+class _Pools:
+    """The driver's threads for what may block (see :class:`LeaseDriver`)."""
+
+    def __init__(self) -> None:
+        self.work = DaemonExecutor(WORKERS, "rselection-driver-work")
+        self.urgent = TaskThreads("rselection-driver-end", idle_timeout=IDLE_TIMEOUT)
+        self.signals = DaemonExecutor(1, "rselection-driver-signals")
+
+    def close(self) -> None:
+        """End the idle threads; work that still runs finishes on its thread."""
+        self.work.shutdown(wait=False)
+        self.urgent.close(0.0)
+        self.signals.shutdown(wait=False)
