@@ -294,6 +294,24 @@ def test_a_locked_lease_row_costs_only_its_own_lease(
     wait_until(lambda: leaders[0].is_leader, 15, "l0 to be led again once its row is free")
 
 
+def test_a_release_refused_on_a_locked_row_costs_only_its_own_lease(
+    pg_dsn: str, made: list[PostgresLeader]
+) -> None:
+    # A stop() whose release waits for a locked row past the lock bound: that release
+    # fails alone. It failed the shared session, and every other lease lost its term.
+    leaders = four_leaders(pg_dsn, made)
+    with psycopg.connect(pg_dsn) as locker:
+        locker.execute("SELECT 1 FROM rselection_leases WHERE name = 'l0' FOR UPDATE")
+        stopping = threading.Thread(target=leaders[0].stop, args=(15,))
+        stopping.start()
+        gaps = led_all_along(leaders[1:], 3.0)
+        stopping.join(15)
+        assert not stopping.is_alive()
+        assert not gaps, f"the other leases were not led all along: {gaps[:3]}"
+        assert [x.term for x in leaders[1:]] == [1, 1, 1]
+        locker.rollback()
+
+
 def test_a_deleted_lease_row_stops_its_leaders_with_a_clear_error(
     pg_dsn: str, made: list[PostgresLeader]
 ) -> None:
