@@ -233,14 +233,13 @@ class DrivenKeeper:
             return
         self._in_flight = False
 
-        def call() -> None:
+        def call() -> Any:
             try:
-                outcome: Any = blocking()
-            except BaseException as exc:
-                outcome = exc
-            self._driver.call(lambda: answered(outcome))
+                return blocking()
+            except BaseException as exc:  # handed to the driver's thread
+                return exc
 
-        self._work(call)
+        self._work(call, then=answered)
 
     def _answered(self, answered: Callable[[Any], None], outcome: Any) -> None:
         self._in_flight = False
@@ -369,25 +368,34 @@ class DrivenKeeper:
             self._finished = True
             self.done.set()
 
-    def _work(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the pool as this leader's one piece of pool work; an exception
-        of it is handled as the keeper thread would (on the driver's thread)."""
+    def _work(self, fn: Callable[[], Any], *, then: Callable[[Any], None] | None = None) -> None:
+        """Run ``fn`` on the driver's workers as this leader's one piece of work; then,
+        on the driver's thread, ``then(result)``, or the keeper's handling of the
+        exception it raised. Nothing else of this leader starts meanwhile."""
         self._busy = True
 
         def run() -> None:
+            result: Any = None
             error: BaseException | None = None
             try:
-                fn()
-            except BaseException as exc:
+                result = fn()
+            except BaseException as exc:  # handed to the driver's thread
                 error = exc
-            self._driver.call(lambda: self._worked(error))
+            self._driver.call(lambda: self._worked(result, error, then))
 
         self._pool(run, serial=True)
 
-    def _worked(self, error: BaseException | None) -> None:
+    def _worked(
+        self, result: Any, error: BaseException | None, then: Callable[[Any], None] | None
+    ) -> None:
         self._busy = False
-        if error is not None:
+        if self._finished:
+            if error is not None:
+                logger.error("lease %r: error while stopping", self._leader.name, exc_info=error)
+        elif error is not None:
             self._failed(error)
+        elif then is not None:
+            then(result)
         self._driver.poke(self)
 
     def _pool(self, fn: Callable[[], None], *, serial: bool) -> None:
