@@ -59,6 +59,7 @@ from . import signals
 from .context import TaskContext, Term
 from .errors import ConfigError
 from .leader import LeaseLeader
+from .lease import NonBlockingLease, RenewOutcome
 from .schedules import Schedule, format_fire_key
 from .single_node import SingleNodeLeader
 from .specs import TaskSpec, TaskType
@@ -599,7 +600,9 @@ class _FrozenRenewals:
     """A leader's renewals, stopped after the next successful one: its keeper then blocks
     inside ``renew()`` (as a paused or crashed process would) until :meth:`thaw`.
 
-    Installed by replacing ``renew`` and ``term_ended`` on the leader's lease object; the
+    Installed by replacing ``renew`` and ``term_ended`` (and ``renew_soon`` of a
+    :class:`~rselection.lease.NonBlockingLease`, whose frozen renewal is then never
+    answered until :meth:`thaw`) on the leader's lease object; the
     lease is neither released nor closed meanwhile, nor told that the term ended (a
     paused or crashed process tells its backend nothing: the lease may then only pass
     on by expiry); :meth:`thaw` tells it.
@@ -618,6 +621,9 @@ class _FrozenRenewals:
         self.thawed = threading.Event()
         lease.renew = self.renew  # on this lease object only
         lease.term_ended = self.term_ended
+        if isinstance(lease, NonBlockingLease):  # a driven leader renews through this
+            self.real_soon = lease.renew_soon
+            setattr(lease, "renew_soon", self.renew_soon)  # noqa: B010 - a method, replaced
 
     def renew(self, node_id: str, term: int) -> bool:
         with self.lock:
@@ -633,6 +639,29 @@ class _FrozenRenewals:
                 self.last = (sent, time.monotonic())
                 self.frozen = not self.thawed.is_set()
         return renewed
+
+    def renew_soon(self, node_id: str, term: int, done: Callable[[RenewOutcome], None]) -> bool:
+        with self.lock:
+            frozen = self.frozen
+        if frozen:
+            self.stuck.set()
+            # Never answered until thawed (the round trip of a paused process).
+            threading.Thread(target=self._answer_at_thaw, args=(done,), daemon=True).start()
+            return True
+        sent = time.monotonic()
+
+        def answered(outcome: RenewOutcome) -> None:
+            if outcome is True:
+                with self.lock:
+                    self.last = (sent, time.monotonic())
+                    self.frozen = not self.thawed.is_set()
+            done(outcome)
+
+        return bool(self.real_soon(node_id, term, answered))
+
+    def _answer_at_thaw(self, done: Callable[[RenewOutcome], None]) -> None:
+        self.thawed.wait(self.bound)
+        done(False)  # the term is lost by now
 
     def term_ended(self, term: int) -> None:
         with self.lock:

@@ -417,20 +417,11 @@ MISBEHAVIOURS = {
 }
 
 
-GIL_STARVED = (
-    "CPU-bound def tasks hold the GIL for a switch interval (5 ms) each time another thread "
-    "needs it; every renewal wakes each lease's keeper thread several times, so with 100 "
-    "leases a round of renewals waits seconds behind them and terms pass their deadline. "
-    "Needs the leader to be driven by the shared keeper's thread instead of one keeper "
-    "thread per lease."
-)
-
-
 @pytest.mark.parametrize(
     "misbehaviour",
     [
         "blocking-and-failing",
-        pytest.param("cpu-bound", marks=pytest.mark.xfail(strict=True, reason=GIL_STARVED)),
+        "cpu-bound",
     ],
 )
 def test_misbehaving_tasks_do_not_slow_the_other_leases_renewals(
