@@ -63,6 +63,7 @@ class DrivenKeeper:
         self._busy = False  # pool work of this leader runs (one at a time)
         self._in_flight = False  # a renewal or attempt was started, not answered yet
         self._woken = False  # the lease said a wait would have returned early
+        self._wake_lock = threading.Lock()
         self._finished = False
         self._failures = 0
         self._follow_at = 0.0  # a follower's next attempt
@@ -97,8 +98,15 @@ class DrivenKeeper:
             return threading.current_thread() in self._threads
 
     def _on_wake(self) -> None:
-        self._woken = True
+        with self._wake_lock:
+            self._woken = True
         self._driver.poke(self)
+
+    def _take_wake(self) -> bool:
+        """Whether the lease woke us since the last call (and forget it)."""
+        with self._wake_lock:
+            woken, self._woken = self._woken, False
+        return woken
 
     # -- steps (the driver's thread) -----------------------------------------------------
 
@@ -166,8 +174,7 @@ class DrivenKeeper:
             return now + _IN_FLIGHT_CHECK
         if leader._hold_until > now:
             return leader._hold_until
-        woken, self._woken = self._woken, False
-        if woken:
+        if self._take_wake():
             self._backend.wait_for_change(0)  # raises when the session broke
         elif now < self._follow_at:
             return self._follow_at
@@ -196,8 +203,7 @@ class DrivenKeeper:
 
             self._work(step_down)
             return now + _IN_FLIGHT_CHECK
-        woken, self._woken = self._woken, False
-        if woken:
+        if self._take_wake():
             self._backend.wait_for_change(0)  # raises when the session broke
         due = max(leader._renewal_due(), self._renew_after)
         handovers = leader._handovers
