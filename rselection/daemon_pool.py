@@ -152,6 +152,7 @@ class SharedPool:
         self._idle: list[_Idle] = []  # waiting for a call, the latest last
         self._promised = 0  # workers woken or started for a call, not there yet
         self._promised_new = 0  # of which started, not running yet
+        self._standby = False  # a worker waits for busy ones to count as stuck
         self._ending: set[threading.Thread] = set()  # workers told to end, or ending
         self._queued = 0  # calls waiting in the lanes
         self._open = 0  # lanes open
@@ -168,7 +169,7 @@ class SharedPool:
     def threads(self) -> int:
         """Workers alive now."""
         with self._lock:
-            return len(self._busy) + len(self._idle) + self._promised_new
+            return len(self._busy) + len(self._idle) + self._promised_new + self._standby
 
     def _submit(self, lane: Lane, item: _Item) -> None:
         with self._lock:
@@ -180,39 +181,76 @@ class SharedPool:
             start = self._ensure()
         self._start(start)
 
-    def _ensure(self) -> int:
+    def _ensure(self) -> tuple[int, bool]:
         """Under the lock: wake idle workers for the runnable calls; return how many
-        workers to start for the rest (counted as alive already)."""
-        start = 0
+        workers to start for the rest (counted as alive already), and whether to start
+        the standby too."""
+        start, standby = 0, False
         while len(self._ready) > self._promised:
             if self._idle:
                 idle = self._idle.pop()
                 idle.woken = True
+                self._busy[idle.thread] = time.monotonic()  # counted until it looks
                 idle.event.set()
             elif self._may_grow():
                 self._promised_new += 1
                 start += 1
             else:
-                break  # a busy worker takes it when it is done
+                if not self._standby and self._alive() < self.most:
+                    # Busy workers may be stuck: one more waits until they count as such.
+                    self._standby = standby = True
+                break  # else a busy worker takes it when it is done
             self._promised += 1
-        return start
+        return start, standby
 
-    def _start(self, count: int) -> None:
-        for _ in range(count):
+    def _start(self, started: tuple[int, bool]) -> None:
+        """Start the workers :meth:`_ensure` counted."""
+        count, standby_too = started
+        for index in range(count + standby_too):
+            standby = index == count
             thread = threading.Thread(
-                target=self._work, name=f"{self.prefix}_{next(self._names)}", daemon=True
+                target=self._stand_by if standby else self._work,
+                name=f"{self.prefix}_{next(self._names)}",
+                daemon=True,
             )
             try:
                 thread.start()
             except BaseException:
                 with self._lock:
-                    self._promised_new -= 1
-                    self._promised -= 1
+                    if standby:
+                        self._standby = False
+                    else:
+                        self._promised_new -= 1
+                        self._promised -= 1
                 raise
+
+    def _alive(self) -> int:
+        return len(self._busy) + len(self._idle) + self._promised_new + self._standby
+
+    def _stand_by(self) -> None:
+        """The standby worker: wait while calls wait and every busy worker that counts
+        is not stuck yet; when one is, become a worker (or end when nothing waits)."""
+        while True:
+            with self._lock:
+                self._standby = False  # not counted while it looks
+                if not self._ready:
+                    return
+                if self._may_grow():
+                    self._promised_new += 1
+                    self._promised += 1
+                    break
+                now = time.monotonic()
+                young = [since for since in self._busy.values() if now - since < self.stuck_after]
+                if not young:
+                    return  # the pool is full of stuck workers: nothing more to do
+                self._standby = True
+                wait = min(young) + self.stuck_after - now
+            time.sleep(max(0.001, wait))
+        self._work()
 
     def _may_grow(self) -> bool:
         """Under the lock: whether another worker may start."""
-        alive = len(self._busy) + len(self._idle) + self._promised_new
+        alive = self._alive()
         if alive >= self.most:
             return False
         if alive < self.workers:

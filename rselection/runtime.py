@@ -1033,7 +1033,10 @@ class _Timetable:
         """On the claim pool, at the start of a term with claims: run the fires missed
         while no node led (see :meth:`TermRunner._recover`); then fire the rest."""
         runner = self.runner
-        runner._recover(self.specs, self.started)
+        try:
+            runner._recover(self.specs, self.started)
+        except Exception:  # the newer fires still run
+            logger.exception("term %d: looking for missed fires failed", runner.term.number)
         if not runner.term.live():
             return
         if self.inline:

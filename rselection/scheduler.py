@@ -102,6 +102,7 @@ class Scheduler:
         self._cleanups: list[tuple[float, int, Timetable]] = []  # (when, monotonic)
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
+        self._retired: threading.Thread | None = None  # the last thread let go
         # Seconds the last instant's inline preparation took, twice (at most MAX_LEAD):
         # the next instant is prepared that much ahead and its fires start on it.
         self._lead = 0.0
@@ -127,7 +128,10 @@ class Scheduler:
         last one, the thread ends: return it, to join."""
         with self._cond:
             self._terms.discard(table)
-            return self._retire()
+            thread = self._retire()
+            if thread is None and not self._terms:
+                thread = self._retired  # let go already, maybe still ending
+            return thread if thread is not None and thread.is_alive() else None
 
     def running(self) -> bool:
         """Whether the scheduler's thread runs (some timetable is registered)."""
@@ -139,6 +143,7 @@ class Scheduler:
         if self._terms or self._thread is None:
             return None
         thread, self._thread = self._thread, None
+        self._retired = thread
         self._cond.notify()
         return thread
 
@@ -251,6 +256,7 @@ class Scheduler:
         self._ready.clear()
         self._cleanups.clear()
         self._thread = None
+        self._retired = None
 
 
 class _Done:
