@@ -357,6 +357,15 @@ class SharedPool:
                 self._busy.pop(me, None)
                 self._ending.discard(me)
 
+    def after_fork(self) -> None:
+        """In a child process: none of the parent's workers runs there."""
+        self._lock = threading.Lock()
+        self._busy.clear()
+        self._idle.clear()
+        self._ending.clear()
+        self._promised = self._promised_new = 0
+        self._standby = False
+
     def _wait(self, idle: _Idle) -> bool:
         """Wait for a call; whether this worker goes on (else it ends)."""
         idle.event.wait(self.idle_timeout)
