@@ -70,6 +70,7 @@ _RESTART_CAP = 30.0
 _T = TypeVar("_T")
 _LOOP_DRAIN = 1.0  # seconds a stopped private loop gets to unwind cancelled tasks
 _CLAIMS_PER_TERM = 2  # a term's claims running at once, at most
+_MAX_PENDING_SKIPS = 10_000  # skips waiting for a slow fire_skipped receiver, at most
 _JOIN_SHARED = 0.1  # seconds at least that stop() waits for idle shared threads to end
 
 # The process's pools, shared by every term (each term has lanes of its own): claims,
@@ -159,6 +160,8 @@ class TermRunner:
         self._cleanup: Future[None] | None = None
         # Signal receivers that must not run on the caller's thread, in order.
         self._signals = _SIGNAL_POOL.lane(1)
+        self._pending_skips: list[tuple[TaskSpec, datetime, str]] = []  # to send there
+        self._sending_skips = False
         # Scheduled fires of plain def tasks: a thread each, reused between instants.
         self._threads = TaskThreads(f"rselection-task-term-{term.number}")
         # Claims of the fires due at one instant, in flight (see _claim_batch).
@@ -276,14 +279,16 @@ class TermRunner:
         # watchdog, which a slow receiver must never hold up.
         self._off_thread(self._send_stuck, stuck, grace)
 
-    def _off_thread(self, target: Callable[..., None], *args: Any) -> None:
+    def _off_thread(self, target: Callable[..., None], *args: Any) -> bool:
         """Run ``target(*args)`` (signal receivers) on the term's signal lane, after the
-        signals sent there before; when that cannot be, log it and drop them: the
-        caller must go on."""
+        signals sent there before; when that cannot be, log it and drop them (return
+        false): the caller must go on."""
         try:
             self._signals.submit(target, *args)
         except RuntimeError as exc:
             logger.error("signals of term %d not sent: %s", self.term.number, exc)
+            return False
+        return True
 
     @contextlib.contextmanager
     def _deferring(self) -> Iterator[None]:
@@ -300,11 +305,37 @@ class TermRunner:
         finally:
             _deferred.skips = None
             if skips:
-                self._off_thread(self._send_skips, skips)
+                self._post_skips(skips)
 
-    def _send_skips(self, skips: list[tuple[TaskSpec, datetime, str]]) -> None:
-        for spec, at, reason in skips:
-            self._announce_skip(spec, at, reason)
+    def _post_skips(self, skips: list[tuple[TaskSpec, datetime, str]]) -> None:
+        """Send ``skips`` on the signal lane: one sender at a time takes every skip
+        waiting, so a slow receiver makes a backlog of skips (at most
+        ``_MAX_PENDING_SKIPS``, the newer dropped and logged), not of calls."""
+        with self._cond:
+            room = max(0, _MAX_PENDING_SKIPS - len(self._pending_skips))
+            dropped = len(skips) - room
+            self._pending_skips.extend(skips[:room])
+            start = not self._sending_skips
+            self._sending_skips = True
+        if dropped > 0:
+            logger.warning(
+                "term %d: %d fire_skipped signals dropped: a receiver is too slow",
+                self.term.number,
+                dropped,
+            )
+        if start and not self._off_thread(self._send_pending_skips):
+            with self._cond:
+                self._sending_skips = False
+
+    def _send_pending_skips(self) -> None:
+        while True:
+            with self._cond:
+                skips, self._pending_skips = self._pending_skips, []
+                if not skips:
+                    self._sending_skips = False
+                    return
+            for spec, at, reason in skips:
+                self._announce_skip(spec, at, reason)
 
     def _send_stuck(self, stuck: list[str], grace: float) -> None:
         for name in stuck:

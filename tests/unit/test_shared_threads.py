@@ -28,9 +28,14 @@ MACHINERY_BOUND = 16
 # Lateness of a fire (its start after its instant): with 300 terms (300 fires every
 # 0.2 s, half of them claimed) measured p50 about 40 ms, p99 and worst about 90 ms on a
 # 2-core machine (a scheduler thread per term: p99 0.85 s, worst 1.6 s, fires lost);
-# the bounds leave room for a machine busy with other work.
-LATE_P99 = 0.25
-LATE_MOST = 1.0
+# the bounds leave room for a machine busy with other work (at a load average of 10 on
+# 2 cores: p99 0.4 s, worst 0.6 s, and 0.3% of the fires skipped as a period late).
+LATE_P99 = 0.6
+LATE_MOST = 1.5
+# With a few terms, a fire starts within this, whatever another term's schedule,
+# claimer or receiver does (measured under 20 ms).
+FEW_LATE_MOST = 0.5
+MISSED_MOST = 0.05  # of the fires due, skipped as missed on an overloaded machine
 
 
 def machinery_threads() -> list[str]:
@@ -132,7 +137,9 @@ def test_three_hundred_terms_share_a_few_threads_and_every_fire_starts_on_time(
         f"worst {worst * 1000:.1f} ms over {len(late)} fires"
     )
     assert most <= MACHINERY_BOUND, f"{most} machinery threads: {sorted(machinery_threads())}"
-    assert not missing, f"terms missed fires: {dict(list(missing.items())[:10])}"
+    due = len(expected) * TERMS
+    assert sum(missing.values()) <= MISSED_MOST * due, f"fires missed: {missing}"
+    assert max(missing.values(), default=0) <= len(expected) // 2, f"fires missed: {missing}"
     assert p99 <= LATE_P99, f"lateness p99 {p99 * 1000:.1f} ms"
     assert worst <= LATE_MOST, f"worst lateness {worst * 1000:.1f} ms"
 
@@ -193,7 +200,58 @@ def test_a_term_whose_claims_hang_never_delays_another_terms_fires(
             got = {at: lateness for at, lateness in fires.since(index, start) if at < end}
             assert expected <= set(got), f"term {index} missed {sorted(expected - set(got))}"
             worst = max(got.values())
-            assert worst <= LATE_MOST / 2, f"term {index}: a fire {worst * 1000:.0f} ms late"
+            assert worst <= FEW_LATE_MOST, f"term {index}: a fire {worst * 1000:.0f} ms late"
         assert hanging.hanging >= 4
     finally:
         hanging.release.set()
+
+
+class Sluggish:
+    """An aligned interval schedule of a second whose every ``next_fire`` takes 0.8 s."""
+
+    aligned = True
+
+    def __init__(self) -> None:
+        self.inner = rs.IntervalSchedule(1.0)
+        self.calls = 0
+
+    def next_fire(self, after: datetime) -> datetime | None:
+        self.calls += 1
+        time.sleep(0.8)
+        return self.inner.next_fire(after)
+
+
+def test_a_slow_schedule_and_a_slow_receiver_of_one_term_never_delay_another_terms_fires(
+    running: list[rs.TaskHandler],
+) -> None:
+    schedule = Sluggish()
+    slow = rs.TaskHandler(stop_grace=1.0)
+    task = rs.GenericTask("sluggish", rs.TaskType.SCHEDULED, schedule)
+    task.run = lambda ctx: None  # type: ignore[method-assign]
+    slow.register("sluggish", task)
+    slow.interval(EVERY, name="lagging", overlap="skip")(lambda ctx: time.sleep(EVERY * 3))
+    skipped = threading.Event()
+
+    def receiver(sender: object, **kwargs: object) -> None:
+        if not skipped.is_set():
+            skipped.set()
+            time.sleep(1.0)  # the first one, while the other term fires
+
+    with rs.signals.fire_skipped.connected_to(receiver, sender=slow):
+        slow.start_term(Term(1, "node", "slow"))
+        running.append(slow)
+        fires = Fires()
+        healthy = fires.task(0)
+        healthy.start_term(Term(1, "node", "healthy"))
+        running.append(healthy)
+        assert skipped.wait(10.0), "no fire of the slow term was skipped"
+        wait_until(lambda: schedule.calls >= 3, 10.0, "the slow schedule to be asked thrice")
+        start = datetime.now(UTC)
+        time.sleep(2.0)
+        end = datetime.now(UTC)
+        time.sleep(0.5)
+    expected = set(instants(start, end))
+    got = {at: lateness for at, lateness in fires.since(0, start) if at < end}
+    assert expected <= set(got), f"missed {sorted(expected - set(got))}"
+    worst = max(got.values())
+    assert worst <= FEW_LATE_MOST, f"a fire {worst * 1000:.0f} ms late"
