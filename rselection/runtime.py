@@ -4,6 +4,17 @@ Plain ``def`` tasks run in their own threads, so a CPU-bound task or an ``async 
 task that blocks the event loop never holds up the others. ``async def`` tasks run on
 one event loop: the caller's under ``async with leader``, else a private loop thread
 that lives exactly as long as the term.
+
+The machinery's threads are shared by every term of the process, so that they do not
+grow with the number of leases: one scheduler thread fires every term's scheduled tasks
+(:mod:`rselection.scheduler`; each term keeps its own timetable), one pool of daemon
+workers runs every term's claims (and the look-back for missed fires, and the
+preparation of fires of schedules that are not the library's own), one more the
+clean-ups of expired claims, and one more the signals sent off the caller's thread.
+Each term has a lane of its own in each pool (see
+:class:`~rselection.daemon_pool.SharedPool`): at most two of its claims run at once and
+the lanes are served in turn, so a term whose claims hang on a dead connection holds
+two workers, and the pool starts more (up to a bound) once those count as stuck.
 """
 
 from __future__ import annotations
@@ -36,10 +47,11 @@ from .claiming import (
     ran_before_each,
 )
 from .context import TaskContext, Term, running_term
-from .daemon_pool import DaemonExecutor
+from .daemon_pool import SharedPool
 from .errors import ConfigError, LeadershipLost
 from .misfire import scan_due, split_behind, split_by_policy, too_old, window
-from .schedules import fire_series, format_fire_key
+from .scheduler import MAX_LEAD, SCHEDULER, Prepared
+from .schedules import CronSchedule, IntervalSchedule, fire_series, format_fire_key
 from .specs import StuckPolicy, TaskSpec, TaskType
 from .task_threads import TaskThreads
 
@@ -56,9 +68,31 @@ STUCK_EXIT_CODE = 70
 _RESTART_BASE = 0.1
 _RESTART_CAP = 30.0
 _T = TypeVar("_T")
-_CLAIM_POLL_MAX = 1.0  # seconds between liveness checks while a claim is in flight
 _LOOP_DRAIN = 1.0  # seconds a stopped private loop gets to unwind cancelled tasks
-_MAX_LEAD = 0.05  # seconds ahead of an instant at most that its fires are prepared
+_CLAIMS_PER_TERM = 2  # a term's claims running at once, at most
+_MAX_PENDING_SKIPS = 10_000  # skips waiting for a slow fire_skipped receiver, at most
+_JOIN_SHARED = 0.1  # seconds at least that stop() waits for idle shared threads to end
+
+# The process's pools, shared by every term (each term has lanes of its own): claims,
+# the look-back for missed fires and off-thread preparations; clean-ups of expired
+# claims (so that one never holds up a claim); signals sent off the caller's thread.
+# Workers start on demand; a call running for a second counts as stuck and lets the
+# pool start one more, up to ``most``.
+_CLAIM_POOL = SharedPool("rselection-claims", 4, most=32)
+_CLEANUP_POOL = SharedPool("rselection-cleanup", 1, most=4)
+_SIGNAL_POOL = SharedPool("rselection-signals", 2, most=8)
+_SHARED_POOLS = (_CLAIM_POOL, _CLEANUP_POOL, _SIGNAL_POOL)
+if hasattr(os, "register_at_fork"):
+    for _pool in _SHARED_POOLS:
+        os.register_at_fork(after_in_child=_pool.after_fork)
+
+# Schedules whose next_fire is the library's own (fast, never blocks): their fires are
+# prepared on the scheduler's thread; any other schedule's on its term's lane.
+_OWN_SCHEDULES = (IntervalSchedule, CronSchedule)
+
+# Skips announced on the scheduler's thread, by the term it works for: their signals
+# are sent on the term's signal lane instead (see TermRunner._deferring).
+_deferred = threading.local()
 
 # A unit of fires ready to start: its unit id, its task, its fires (oldest first).
 _Ready = tuple[int, TaskSpec, list[datetime]]
@@ -105,19 +139,29 @@ class TermRunner:
         self._loop = loop
         self._own_loop = False
         self._loop_thread: threading.Thread | None = None
-        self._scheduler: threading.Thread | None = None
+        self._table: _Timetable | None = None
+        self._scheduler: threading.Thread | None = None  # the shared one, when it ends
+        # Held while fires are started from elsewhere than a unit (the scheduler, the
+        # look-back): stop() takes it once the term ended, so that every unit that will
+        # ever be entered is entered before it waits for them.
+        self._dispatch = threading.Lock()
         self._cond = threading.Condition()
         self._units: dict[int, str] = {}
         self._unit_ids = itertools.count()
         self._async_tasks: set[asyncio.Task[Any]] = set()
-        # Claims run here, so that one stuck on a dead connection never holds the term's
-        # end: the runner stops waiting for it the moment the term ends.
-        self._claim_waits: set[threading.Event] = set()
-        # Two workers for claims, one more for the clean-up of expired claims (at most one
-        # at a time), so that a clean-up never holds up a claim. Daemon threads: a claim
-        # stuck on a dead connection never keeps the process from exiting after stop().
-        self._claims = DaemonExecutor(3, f"rselection-claims-term-{term.number}")
+        # Claims run on the shared claim pool, so that one stuck on a dead connection
+        # never holds the term's end (nothing waits for it), nor another term's claims.
+        # Daemon threads: a stuck claim never keeps the process from exiting after stop().
+        self._claims = _CLAIM_POOL.lane(_CLAIMS_PER_TERM)
+        # Preparations of fires whose schedule is not the library's own, in order.
+        self._preps = _CLAIM_POOL.lane(1)
+        # The clean-up of expired claims (one at a time), never in a claim's way.
+        self._cleanups = _CLEANUP_POOL.lane(1)
         self._cleanup: Future[None] | None = None
+        # Signal receivers that must not run on the caller's thread, in order.
+        self._signals = _SIGNAL_POOL.lane(1)
+        self._pending_skips: list[tuple[TaskSpec, datetime, str]] = []  # to send there
+        self._sending_skips = False
         # Scheduled fires of plain def tasks: a thread each, reused between instants.
         self._threads = TaskThreads(f"rselection-task-term-{term.number}")
         # Claims of the fires due at one instant, in flight (see _claim_batch).
@@ -135,20 +179,26 @@ class TermRunner:
                     self._submit_async(spec.name, self._supervise_async(spec))
                 else:
                     self._spawn(spec.name, self._supervise_sync, spec)
-        if any(spec.type is TaskType.SCHEDULED for spec in self.specs):
-            self._scheduler = threading.Thread(
-                target=self._schedule_loop,
-                name=f"rselection-scheduler-term-{self.term.number}",
-                daemon=True,
-            )
-            self._scheduler.start()
+        scheduled = [spec for spec in self.specs if spec.type is TaskType.SCHEDULED]
+        if scheduled:
+            table = self._table = _Timetable(self, scheduled)
+            if self.term.claimer is not None:
+                # Fires that came due while no node led, found through the claims (round
+                # trips: on the claim pool), before any newer fire, so they run in order.
+                self._claims.submit(table.recover)
+            elif table.inline:
+                SCHEDULER.add(table, setup=True)
+            else:
+                self._preps.submit(table.set_up_elsewhere)
 
     def cancel(self) -> None:
         """Signal every task to stop: set ``cancelled`` and cancel async tasks."""
         self.term.cancel()
+        if self._table is not None:
+            thread = SCHEDULER.remove(self._table)  # nothing of the term fires any more
+            if thread is not None:
+                self._scheduler = thread
         with self._cond:
-            for settled in self._claim_waits:
-                settled.set()  # claim waits look at the term again and give up
             # Claims in flight: their fires will not run now. Settled here, under the
             # lock, so that their units no longer hold up the join.
             batches = list(self._batches)
@@ -161,10 +211,7 @@ class TermRunner:
             # The caller is the leader's keeper or watchdog, or stop(): a receiver of
             # fire_skipped must never hold up the term's end, so it runs elsewhere.
             self._off_thread(
-                f"rselection-skipped-term-{self.term.number}",
-                self._send_skipped,
-                [fire for fires in skipped for fire in fires],
-                "not-leader",
+                self._send_skipped, [fire for fires in skipped for fire in fires], "not-leader"
             )
 
     def stop(self, grace: float) -> list[str]:
@@ -173,13 +220,15 @@ class TermRunner:
         stuck: list[str] | None = None
         try:
             self.cancel()
-            # The scheduler first: a fire it dispatches while we wait adds a unit to join.
-            if self._scheduler is not None:
-                self._scheduler.join(max(0.0, deadline - time.monotonic()))
+            # Fires being started first (by the scheduler, or a look-back's catch-up): they
+            # add units to join. They see the term over once this lock is free.
+            if self._dispatch.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                self._dispatch.release()
             with self._cond:
                 self._cond.wait_for(lambda: not self._units, max(0.0, deadline - time.monotonic()))
                 stuck = sorted(set(self._units.values()))
-            self._claims.shutdown(wait=False, cancel_futures=True)
+            for lane in (self._claims, self._preps, self._cleanups):
+                lane.shutdown(wait=False, cancel_futures=True)
             self._threads.close(max(0.0, deadline - time.monotonic()))
         finally:
             # Whatever went wrong above, the loop stops and what still runs is reported.
@@ -192,7 +241,19 @@ class TermRunner:
             finally:
                 if stuck:
                     self._report_stuck(stuck, grace)
+                self._signals.shutdown(wait=False)  # what was sent off is still sent
+                self._end_shared(deadline)
         return stuck
+
+    def _end_shared(self, deadline: float) -> None:
+        """When this was the last term: wait briefly for the shared threads that have
+        nothing left to do to end (a call still running ends after it)."""
+        timeout = max(_JOIN_SHARED, deadline - time.monotonic())
+        thread, self._scheduler = self._scheduler, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        for pool in _SHARED_POOLS:
+            pool.quiesce(max(_JOIN_SHARED, deadline - time.monotonic()))
 
     def _report_stuck(self, stuck: list[str], grace: float) -> None:
         if self.on_stuck == "exit":
@@ -216,17 +277,65 @@ class TermRunner:
             )
         # Receivers run on a thread of their own: the caller is the leader's keeper or
         # watchdog, which a slow receiver must never hold up.
-        self._off_thread(
-            f"rselection-stuck-term-{self.term.number}", self._send_stuck, stuck, grace
-        )
+        self._off_thread(self._send_stuck, stuck, grace)
 
-    def _off_thread(self, name: str, target: Callable[..., None], *args: Any) -> None:
-        """Run ``target(*args)`` (signal receivers) on a thread of its own; when no
-        thread can start, log that and drop it: the caller must go on."""
+    def _off_thread(self, target: Callable[..., None], *args: Any) -> bool:
+        """Run ``target(*args)`` (signal receivers) on the term's signal lane, after the
+        signals sent there before; when that cannot be, log it and drop them (return
+        false): the caller must go on."""
         try:
-            threading.Thread(target=target, args=args, name=name, daemon=True).start()
+            self._signals.submit(target, *args)
         except RuntimeError as exc:
             logger.error("signals of term %d not sent: %s", self.term.number, exc)
+            return False
+        return True
+
+    @contextlib.contextmanager
+    def _deferring(self) -> Iterator[None]:
+        """Skips announced in this block on this thread are sent on the term's signal
+        lane afterwards: the scheduler's thread never runs a receiver (a slow one would
+        hold up every term's fires)."""
+        if getattr(_deferred, "skips", None) is not None:
+            yield  # the outer block sends them
+            return
+        skips: list[tuple[TaskSpec, datetime, str]] = []
+        _deferred.skips = skips
+        try:
+            yield
+        finally:
+            _deferred.skips = None
+            if skips:
+                self._post_skips(skips)
+
+    def _post_skips(self, skips: list[tuple[TaskSpec, datetime, str]]) -> None:
+        """Send ``skips`` on the signal lane: one sender at a time takes every skip
+        waiting, so a slow receiver makes a backlog of skips (at most
+        ``_MAX_PENDING_SKIPS``, the newer dropped and logged), not of calls."""
+        with self._cond:
+            room = max(0, _MAX_PENDING_SKIPS - len(self._pending_skips))
+            dropped = len(skips) - room
+            self._pending_skips.extend(skips[:room])
+            start = not self._sending_skips
+            self._sending_skips = True
+        if dropped > 0:
+            logger.warning(
+                "term %d: %d fire_skipped signals dropped: a receiver is too slow",
+                self.term.number,
+                dropped,
+            )
+        if start and not self._off_thread(self._send_pending_skips):
+            with self._cond:
+                self._sending_skips = False
+
+    def _send_pending_skips(self) -> None:
+        while True:
+            with self._cond:
+                skips, self._pending_skips = self._pending_skips, []
+                if not skips:
+                    self._sending_skips = False
+                    return
+            for spec, at, reason in skips:
+                self._announce_skip(spec, at, reason)
 
     def _send_stuck(self, stuck: list[str], grace: float) -> None:
         for name in stuck:
@@ -494,58 +603,6 @@ class TermRunner:
 
     # -- scheduled tasks ----------------------------------------------------------------
 
-    def _schedule_loop(self) -> None:
-        term = self.term
-        order = itertools.count()
-        heap: list[tuple[datetime, int, TaskSpec]] = []
-        now = datetime.now(UTC)
-        scheduled = [spec for spec in self.specs if spec.type is TaskType.SCHEDULED]
-        if term.claimer is not None:
-            # Fires that came due while no node led, found through the claims; here,
-            # before any newer fire, so that they run in order.
-            self._recover(scheduled, now)
-        for spec in scheduled:
-            with self._survive(spec):
-                self._push(heap, spec, _schedule(spec).next_fire(now), order)
-        cleaning = term.claimer if isinstance(term.claimer, CleanupClaimer) else None
-        next_cleanup = time.monotonic()  # at the start of the term, then every period
-        # Seconds the last instant took to prepare: the next one is prepared that much
-        # ahead of time (twice, at most _MAX_LEAD), and its fires start on the instant.
-        lead = 0.0
-        while heap and term.live():
-            if cleaning is not None and time.monotonic() >= next_cleanup:
-                self._start_cleanup(cleaning)
-                next_cleanup = time.monotonic() + cleanup_period(cleaning.ttl)
-            at = heap[0][0]
-            delay = at.timestamp() - time.time()
-            if delay > lead:
-                wait = delay - lead
-                if cleaning is not None:
-                    wait = min(wait, max(0.0, next_cleanup - time.monotonic()))
-                if term.cancelled.wait(min(wait, term.remaining())):
-                    return
-                continue
-            # Every fire due at the instant, of every task, in one go: epoch-aligned
-            # intervals make all of a period's fires due at the same instant.
-            early = delay > 0
-            now = at if early else datetime.now(UTC)
-            due = [heapq.heappop(heap)]  # due by time.time(), even if the clock stepped
-            while heap and heap[0][0] <= now:
-                due.append(heapq.heappop(heap))
-            if not term.live():
-                return
-            began = time.perf_counter()
-            ready = self._prepare(due, now, heap, order)
-            lead = min(_MAX_LEAD, 2 * (time.perf_counter() - began))
-            if early:
-                left = at.timestamp() - time.time()
-                if left > 0 and term.cancelled.wait(min(left, term.remaining())):
-                    return
-                if not term.live():
-                    return
-            if ready:
-                self._start(ready)
-
     @contextlib.contextmanager
     def _survive(self, spec: TaskSpec) -> Iterator[None]:
         """Keep the scheduler going when one task's schedule or claimer raises: that task
@@ -667,7 +724,7 @@ class TermRunner:
         # its next instant, as on a leader without claims, and reports nothing.
         series = {fire_series(spec.name): spec for spec, _ in found}
         try:
-            ran = self._in_claim_pool(ran_before_each, claimer, list(series))
+            ran = self._claim_call(ran_before_each, claimer, list(series))
         except Exception as exc:
             logger.warning(
                 "missed fires of %d tasks (%r...) not recovered: their claims could not "
@@ -688,7 +745,7 @@ class TermRunner:
             {format_fire_key(spec.name, at): at for at in candidates} for spec, candidates in found
         ]
         try:
-            won = self._in_claim_pool(
+            won = self._claim_call(
                 claim_missed_each, claimer, [list(keys) for keys in groups], term=self.term.number
             )
         except Exception as exc:
@@ -728,11 +785,12 @@ class TermRunner:
                 # A newer fire is already due and the scheduler runs it next: the
                 # catch-up would only hold it up (or get it skipped as an overlap).
                 self._skip(spec, run.pop(), "misfire")
-        if run and self.term.live():
-            self._fire(spec, run)
-        else:
-            for at in run:
-                self._skip(spec, at, "not-leader")
+        with self._dispatch:  # stop() waits for the units entered here
+            if run and self.term.live():
+                self._fire(spec, run)
+                return
+        for at in run:
+            self._skip(spec, at, "not-leader")
 
     def _start_cleanup(self, claimer: CleanupClaimer) -> None:
         """Delete expired claims on the claim pool, batch by batch while the term lasts;
@@ -740,7 +798,7 @@ class TermRunner:
         if self._cleanup is not None and not self._cleanup.done():
             return
         try:
-            self._cleanup = self._claims.submit(self._clean_up, claimer)
+            self._cleanup = self._cleanups.submit(self._clean_up, claimer)
         except RuntimeError:  # the pool is shut down: the term is over
             self._cleanup = None
 
@@ -757,29 +815,17 @@ class TermRunner:
         if deleted:
             logger.debug("term %d: deleted %d expired claims", self.term.number, deleted)
 
-    def _in_claim_pool(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T | None:
-        """``fn(*args, **kwargs)`` on the claim pool; ``None`` if the term ends first.
+    def _claim_call(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T | None:
+        """``fn(*args, **kwargs)``, on the claim pool already; ``None`` if the term ended
+        before it answered (nothing waits for it: the end of a term is seen at once).
 
-        A claim abandoned this way may still land: its fire then stays claimed but unrun,
-        and the caller reports it as skipped by a node that stopped leading.
+        A claim answered too late this way may still have landed: its fire then stays
+        claimed but unrun, as for a node that stopped leading.
         """
-        future = self._claims.submit(fn, *args, **kwargs)
-        settled = threading.Event()
-        future.add_done_callback(lambda _: settled.set())
-        with self._cond:
-            self._claim_waits.add(settled)
-        try:
-            # cancel() sets every pending wait, so the end of a term is seen at once;
-            # the timeout covers a term whose local deadline passes with no cancel.
-            while not settled.wait(min(self.term.remaining(), _CLAIM_POLL_MAX)):
-                if not self.term.live():
-                    return None
-            if not future.done():  # woken by cancel(): the term ended
-                return None
-            return future.result()
-        finally:
-            with self._cond:
-                self._claim_waits.discard(settled)
+        if not self.term.live():
+            return None
+        result = fn(*args, **kwargs)
+        return result if self.term.live() else None
 
     def _claim_batch(self, claimer: FireClaimer, units: list[_Ready]) -> None:
         """Claim every fire of ``units`` in one call on the claim pool; start the units
@@ -899,6 +945,11 @@ class TermRunner:
 
     def _announce_skip(self, spec: TaskSpec, at: datetime, reason: str) -> None:
         """Log and send the skip of the fire at ``at`` (counted already)."""
+        skips = getattr(_deferred, "skips", None)
+        if skips is not None:  # on the scheduler's thread: sent elsewhere, afterwards
+            if signals.fire_skipped.receivers or logger.isEnabledFor(logging.DEBUG):
+                skips.append((spec, at, reason))
+            return
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("fire of %r at %s skipped: %s", spec.name, at.isoformat(), reason)
         if signals.fire_skipped.receivers:  # no payload to build for no one
@@ -986,6 +1037,120 @@ class TermRunner:
         finally:
             self._async_tasks.discard(task)
             self._release(spec, unit)
+
+
+class _Timetable:
+    """One term's scheduled tasks, as the process's scheduler fires them (see
+    :class:`~rselection.scheduler.Timetable`): their next fires, by instant.
+
+    Args:
+        runner: the term's runner.
+        specs: its scheduled tasks.
+    """
+
+    def __init__(self, runner: TermRunner, specs: list[TaskSpec]) -> None:
+        self.runner = runner
+        self.specs = specs
+        self.heap: list[tuple[datetime, int, TaskSpec]] = []
+        self.order = itertools.count()
+        self.inline = all(type(spec.schedule) in _OWN_SCHEDULES for spec in specs)
+        self.lead = 0.0
+        claimer = runner.term.claimer
+        self.cleaning = claimer if isinstance(claimer, CleanupClaimer) else None
+        self._next_cleanup = time.monotonic()  # at the start of the term, then every period
+        self.started = datetime.now(UTC)
+
+    def live(self) -> bool:
+        return self.runner.term.live()
+
+    def recover(self) -> None:
+        """On the claim pool, at the start of a term with claims: run the fires missed
+        while no node led (see :meth:`TermRunner._recover`); then fire the rest."""
+        runner = self.runner
+        try:
+            runner._recover(self.specs, self.started)
+        except Exception:  # the newer fires still run
+            logger.exception("term %d: looking for missed fires failed", runner.term.number)
+        if not runner.term.live():
+            return
+        if self.inline:
+            SCHEDULER.add(self, setup=True)
+        else:
+            self.set_up_elsewhere()
+
+    def set_up_elsewhere(self) -> None:
+        """Off the scheduler's thread: :meth:`setup`, then fire."""
+        self.setup()
+        if self.runner.term.live():
+            SCHEDULER.add(self)
+
+    def setup(self) -> None:
+        runner = self.runner
+        with runner._deferring():
+            for spec in self.specs:
+                with runner._survive(spec):
+                    first = _schedule(spec).next_fire(self.started)
+                    runner._push(self.heap, spec, first, self.order)
+
+    def head(self) -> float | None:
+        return self.heap[0][0].timestamp() if self.heap else None
+
+    def prepare(self, lead: float) -> Prepared | None:
+        """The fires due at the next instant, if it is at most ``lead`` seconds away."""
+        runner, heap = self.runner, self.heap
+        if not heap or not runner.term.live():
+            return None
+        at = heap[0][0]
+        delay = at.timestamp() - time.time()
+        if delay > lead:  # the clock stepped back
+            return None
+        # Every fire due at the instant, of every task, in one go: epoch-aligned
+        # intervals make all of a period's fires due at the same instant.
+        now = at if delay > 0 else datetime.now(UTC)
+        due = [heapq.heappop(heap)]  # due by time.time(), even if the clock stepped
+        while heap and heap[0][0] <= now:
+            due.append(heapq.heappop(heap))
+        with runner._deferring():
+            ready = runner._prepare(due, now, heap, self.order)
+        return (at.timestamp(), ready) if ready else None
+
+    def prepare_elsewhere(self, lead: float, done: Callable[[Prepared | None], None]) -> None:
+        """:meth:`prepare` on the term's lane of the claim pool (a schedule that is not
+        the library's own may be slow); the time it took is the next :attr:`lead`."""
+        began = time.perf_counter()
+
+        def prepare() -> None:
+            try:
+                prepared = self.prepare(lead)
+            except Exception:
+                logger.exception(
+                    "term %d: preparing its fires failed; its tasks fire no more",
+                    self.runner.term.number,
+                )
+                SCHEDULER.remove(self)
+                return
+            self.lead = min(MAX_LEAD, 2 * (time.perf_counter() - began))
+            done(prepared)
+
+        try:
+            self.runner._preps.submit(prepare)
+        except RuntimeError:  # the term is over
+            done(None)
+
+    def launch(self, prepared: Prepared) -> None:
+        runner = self.runner
+        with runner._dispatch:  # stop() waits for the units entered here
+            if runner.term.live():
+                with runner._deferring():
+                    runner._start(prepared[1])
+
+    def next_cleanup(self) -> float | None:
+        return None if self.cleaning is None else self._next_cleanup
+
+    def clean_up(self) -> None:
+        if self.cleaning is not None:
+            self.runner._start_cleanup(self.cleaning)
+            self._next_cleanup = time.monotonic() + cleanup_period(self.cleaning.ttl)
 
 
 class _ClaimBatch:

@@ -32,7 +32,7 @@ from rselection.claiming import (
     claim_each,
 )
 from rselection.context import running_term
-from rselection.daemon_pool import DaemonExecutor
+from rselection.daemon_pool import DaemonExecutor, SharedPool
 from rselection.errors import BackendUnavailable
 from rselection.task_threads import TaskThreads
 from tests.support.recording import Recorder
@@ -630,3 +630,29 @@ def test_the_daemon_executor_runs_calls_hands_back_errors_and_cancels_the_rest()
     assert failing.submit(lambda: 42).result(5) == 42  # the worker survived
     failing.shutdown()
     assert all(t.daemon for t in threading.enumerate() if t.name.startswith("test-daemon"))
+
+
+def test_a_lane_whose_calls_hang_holds_only_its_limit_of_the_pools_workers() -> None:
+    pool = SharedPool("test-shared", 2, most=4, stuck_after=0.2, idle_timeout=1.0)
+    release = threading.Event()
+    stuck, other = pool.lane(1), pool.lane(1)
+    try:
+        hung = [stuck.submit(release.wait, 30) for _ in range(3)]  # one runs, two wait
+        wait_until(lambda: hung[0].running(), 5.0, "the first hanging call to run")
+        assert not hung[1].running() and not hung[2].running()
+        assert [other.submit(lambda i=i: i).result(5) for i in range(5)] == list(range(5))
+        # A second lane that hangs too: the pool starts workers past the two that count
+        # once those calls count as stuck, so a third lane still gets served.
+        more = pool.lane(1)
+        more.submit(release.wait, 30)
+        third = pool.lane(1)
+        assert third.submit(lambda: "served").result(5) == "served"
+        assert pool.threads() <= 4
+    finally:
+        release.set()
+        for lane in (stuck, other):
+            lane.shutdown()
+    assert [f.result(5) for f in hung] == [True, True, True]  # in order, one at a time
+    more.shutdown()
+    third.shutdown()
+    wait_until(lambda: pool.threads() == 0, 5.0, "the workers to end once no lane is open")
