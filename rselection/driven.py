@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import clock, signals
 from .context import Term
+from .daemon_pool import Lane
 from .driver import LeaseDriver
 from .errors import BackendUnavailable, ConfigError
 from .lease import Acquisition, LeaseBackend, NonBlockingLease, RenewOutcome
@@ -72,6 +73,7 @@ class DrivenKeeper:
         self._ending: Term | None = None  # a term the deadline or a stop ended
         self._threads: set[threading.Thread] = set()  # pool threads working for us
         self._threads_lock = threading.Lock()
+        self._lane: Lane | None = None  # this leader's steps on the driver's workers
 
     # -- the leader's side -------------------------------------------------------------
 
@@ -115,6 +117,9 @@ class DrivenKeeper:
         leader = self._leader
         if self._finished:
             self._lease.on_wake(None)
+            if self._lane is not None:
+                self._lane.shutdown()
+                self._lane = None
             return None
         term = leader._term
         watch = self._watch(term, now)
@@ -422,7 +427,9 @@ class DrivenKeeper:
 
         try:
             if serial:
-                self._driver.work(run)
+                if self._lane is None:
+                    self._lane = self._driver.lane()
+                self._lane.submit(run)
             else:
                 self._driver.urgent(run)
         except RuntimeError:

@@ -28,10 +28,10 @@ from collections.abc import Callable
 from typing import ClassVar, Protocol
 
 from . import clock
-from .daemon_pool import DaemonExecutor
+from .daemon_pool import DaemonExecutor, Lane, SharedPool
 from .task_threads import TaskThreads
 
-__all__ = ["IDLE_TIMEOUT", "WORKERS", "Driven", "LeaseDriver"]
+__all__ = ["IDLE_TIMEOUT", "MOST_WORKERS", "STUCK_AFTER", "WORKERS", "Driven", "LeaseDriver"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +39,17 @@ IDLE_TIMEOUT = 10.0
 """Seconds an idle thread ending a term waits for another before it ends."""
 
 WORKERS = 8
-"""The most threads that run leaders' steps that may block at once (connecting,
-beginning a term, releasing): more wait for one of them. Ends of terms that a deadline
-or a stop forced do not wait: each gets a thread at once."""
+"""The most threads that run leaders' steps that may block (connecting, beginning a
+term, releasing, the receivers of ``elected``, ``demoted`` and ``leader_changed``) at
+once, not counting stuck ones (see :data:`STUCK_AFTER`). Ends of terms that a deadline
+or a stop forced never wait for one: each gets a thread at once."""
+
+STUCK_AFTER = 1.0
+"""Seconds after which a running step no longer counts against :data:`WORKERS`."""
+
+MOST_WORKERS = 256
+"""The most worker threads, stuck or not (only steps stuck in users' receivers or on a
+silent server make more than :data:`WORKERS` run)."""
 
 _MAX_WAIT = 1.0  # a timed wait does not count time suspended: look again this often
 _RETRY_AFTER_ERROR = 0.1  # seconds before a step that raised is called again
@@ -75,6 +83,10 @@ class LeaseDriver:
         self._calls: list[Callable[[], None]] = []
         self._thread: threading.Thread | None = None
         self._pools: _Pools | None = None
+        # Kept for the process's life: its idle workers end once no lane is open.
+        self._work = SharedPool(
+            "rselection-driver-work", WORKERS, most=MOST_WORKERS, stuck_after=STUCK_AFTER
+        )
 
     @classmethod
     def shared(cls) -> LeaseDriver:
@@ -108,14 +120,13 @@ class LeaseDriver:
             self._start()
             self._cond.notify()
 
-    def work(self, fn: Callable[[], None]) -> None:
-        """Run ``fn()`` (a leader's step that may block) on one of at most
-        :data:`WORKERS` threads; it must catch its own exceptions.
-
-        Raises:
-            RuntimeError: no thread could start (``fn`` may still run later).
+    def lane(self) -> Lane:
+        """A leader's own queue of steps that may block: they run in order, one at a time,
+        on the driver's workers (at most :data:`WORKERS` that are not stuck; a step
+        running for :data:`STUCK_AFTER` seconds, a slow receiver say, no longer counts,
+        so one leader's slow step never holds up the others'). Shut it down when done.
         """
-        self._pools_now().work.submit(fn)
+        return self._work.lane(1)
 
     def urgent(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` (the end of a term that must not wait for a worker) on a thread
@@ -222,12 +233,10 @@ class _Pools:
     """The driver's threads for what may block (see :class:`LeaseDriver`)."""
 
     def __init__(self) -> None:
-        self.work = DaemonExecutor(WORKERS, "rselection-driver-work")
         self.urgent = TaskThreads("rselection-driver-end", idle_timeout=IDLE_TIMEOUT)
         self.signals = DaemonExecutor(1, "rselection-driver-signals")
 
     def close(self) -> None:
         """End the idle threads; work that still runs finishes on its thread."""
-        self.work.shutdown(wait=False)
         self.urgent.close(0.0)
         self.signals.shutdown(wait=False)

@@ -222,3 +222,37 @@ def test_stop_from_a_task_and_from_a_receiver_only_asks(
         assert leader._wait_stopped(0)
     finally:
         signals.demoted.disconnect(on_demoted)
+
+
+def test_receivers_that_block_in_many_leaders_never_hold_up_another_leader(
+    answerer: Answerer, made: list[LeaseLeader]
+) -> None:
+    # More leaders whose leader_changed receivers block than the driver has workers: each
+    # blocked step stops counting against them, so the next leader still leads and stops.
+    blocked = [
+        make(made, NonBlockingMemoryLease(WakingMemoryLease(f"b{i}", ttl=3.0), answerer))
+        for i in range(12)
+    ]
+    letting_go = threading.Event()
+    waiting: list[object] = []
+
+    def on_changed(sender: Any, **kw: Any) -> None:
+        if sender in blocked:
+            waiting.append(sender)
+            letting_go.wait(20)
+
+    signals.leader_changed.connect(on_changed)
+    try:
+        for leader in blocked:
+            leader.start()
+        wait_until(lambda: len(waiting) == len(blocked), 10, "every blocked receiver")
+        other = make(made, NonBlockingMemoryLease(WakingMemoryLease("other", ttl=3.0), answerer))
+        began = time.monotonic()
+        other.start()
+        assert other.wait_until_leader(3), "a leader waited behind others' receivers"
+        other.stop(3)
+        assert other._wait_stopped(0), "stop() waited behind others' receivers"
+        assert time.monotonic() - began < 4.0
+    finally:
+        letting_go.set()
+        signals.leader_changed.disconnect(on_changed)
