@@ -3,7 +3,8 @@ messages to this one.
 
 The listener owns its position in the outbox (the last id it delivered), its counters
 and its gap reports. It wants the table LISTENed only while its broadcaster has
-subscriptions or receivers, catches up by fetching every row after the last id it
+subscriptions or receivers (and the process holds a listening session only while one
+of its broadcasters has some), catches up by fetching every row after the last id it
 delivered (after every (re)connect, on a NOTIFY that does not carry the rows, and on
 silence, which also probes the connection), and reports gaps left by retention. The
 thread and the Postgres session are not its own: every broadcaster of a process on one
@@ -117,8 +118,6 @@ class Listener:
         self._session: ListeningSession | None = None
         self._last_of_session = False  # stop() detached the session's last listener
 
-        self.connected = threading.Event()
-        """Set once the listener connected (its tables ready)."""
         # Set while the listener LISTENs (or reconnects to LISTEN again) from a known
         # position; cleared, under _lstate, only when this node has no readers left.
         self.positioned = threading.Event()
@@ -158,7 +157,8 @@ class Listener:
         """The backend pid of the listener's session (``None`` while disconnected)."""
 
     def start(self) -> None:
-        """Attach to the process's listening session (it connects at once if new)."""
+        """Attach to the process's listening session (it connects only once a
+        broadcaster of the process has readers)."""
         self._session = ListeningSession.attach(self)
 
     def stop(self) -> None:
@@ -202,7 +202,7 @@ class Listener:
         session = self._session
         if session is None:
             return
-        session.wake()
+        session.want()
         if threading.current_thread() is session.thread:
             return  # a receiver subscribing: the listener starts after it returns
         timeout = self.settings.timeout
@@ -220,6 +220,14 @@ class Listener:
                 )
                 return
 
+    def reader_left(self) -> None:
+        """A subscription closed or a receiver disconnected: when it was this
+        broadcaster's last reader, wake the session, which closes its Postgres session
+        if no broadcaster of the process has readers left."""
+        session = self._session
+        if session is not None and not self._has_readers(None):
+            session.wake()
+
     # -- steps run by the session's thread ---------------------------------------------
 
     def resolve(self, session: ListeningSession, conn: psycopg.Connection[Any]) -> None:
@@ -232,7 +240,6 @@ class Listener:
         self.generation = session.generation
         self.pid = conn.info.backend_pid
         self._failures, self._error = 0, ""
-        self.connected.set()
         if self._lost and not self._has_readers(None):
             self._reconnected()  # connected; nothing to catch up on for nobody
 
@@ -265,6 +272,13 @@ class Listener:
         """The session's connection ``generation`` ended: resolve again on the next."""
         if generation and self.generation == generation:
             self._lost = True
+        self.generation = 0
+        self.listening = False
+        self.pid = None
+
+    def release(self) -> None:
+        """The session was closed on purpose (no reader left in the process): resolve
+        again on the next, without counting a reconnect."""
         self.generation = 0
         self.listening = False
         self.pid = None

@@ -6,8 +6,12 @@ the :class:`ListeningSession` of its process and connection string. The session 
 the thread and the Postgres session that LISTEN for all of them (one NOTIFY channel per
 outbox table, LISTENed while one of its listeners has readers), and hands each NOTIFY to
 the listeners of that table; each listener keeps its own position, counters and
-readers. The session connects with the first listener, reconnects with backoff, and
-closes with the last one.
+readers. It holds its Postgres session only while the process reads: the first
+subscription or receiver of any of its broadcasters starts the thread and connects,
+the session reconnects with backoff while readers are left, and it is closed as soon
+as the last reader of the process on that connection string has gone (a later reader
+connects again). A process that only publishes never listens. The thread ends with
+the last broadcaster.
 """
 
 from __future__ import annotations
@@ -56,16 +60,19 @@ class ListeningSession:
     _registry_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, conninfo: str, where: str, tick: float) -> None:
-        """Create the session's state and thread; :meth:`attach` starts it."""
+        """Create the session's state and thread; the first reader starts it (:meth:`want`)."""
         self.conninfo = conninfo
         self.where = where
-        self.deadlines = Deadlines(tick)
+        self._tick = tick
+        self.deadlines: Deadlines | None = None
+        """The round-trip watchdog, while the thread runs."""
         self.timeout = 1.0
         """Bound of one round trip: the longest ``timeout`` of the listeners."""
         self.generation = 0
         """Bumped by every connect: listeners resolved on an older one resolve again."""
-        self._state = threading.Lock()  # guards _listeners
+        self._state = threading.Lock()  # guards _listeners and _started
         self._listeners: list[Listener] = []
+        self._started = False
         self._stop = threading.Event()
         self._conn_lock = threading.Lock()
         self._conn: psycopg.Connection[Any] | None = None
@@ -89,9 +96,6 @@ class ListeningSession:
             if session is None:
                 tick = min(0.5, sessions.settings.timeout / 4)
                 session = cls._registry[key] = cls(sessions.conninfo, sessions.where, tick)
-                session._listeners.append(listener)
-                session.thread.start()
-                return session
             with session._state:
                 session._listeners.append(listener)
         session.wake()
@@ -108,17 +112,35 @@ class ListeningSession:
                 if self._registry.get(key) is self:
                     del self._registry[key]
                 self._stop.set()
-        if last:
+            started = self._started
+        if last and not started:
+            self._close_wake_pair()  # no thread ever ran: nothing else to end
+        elif last:
             self.wake()
             with self._conn_lock:
                 if self._conn is not None:
                     abort_socket(self._conn)
+        else:
+            # It may have held the process's last reader: the thread looks again now,
+            # and closes its Postgres session if no listener left has readers.
+            self.wake()
         return last
 
     def join(self, timeout: float) -> None:
-        """Wait for the thread to end (not when called from it)."""
-        if self.thread is not threading.current_thread():
+        """Wait for the thread to end (not when called from it, nor if it never ran)."""
+        with self._state:
+            started = self._started
+        if started and self.thread is not threading.current_thread():
             self.thread.join(timeout)
+
+    def want(self) -> None:
+        """A listener has readers: start the thread (it connects) if it is not running,
+        else wake it to LISTEN for them."""
+        with self._state:
+            if not self._started and not self._stop.is_set():
+                self._started = True
+                self.thread.start()
+        self.wake()
 
     def wake(self) -> None:
         """Make the thread look at its listeners now (a reader arrived, or one left)."""
@@ -127,12 +149,31 @@ class ListeningSession:
             self._wake_w.send(b"\0")
 
     def guard(self, conn: psycopg.Connection[Any]) -> contextlib.AbstractContextManager[None]:
-        """Bound a round trip on ``conn`` by :attr:`timeout` (see :class:`Deadlines`)."""
+        """Bound a round trip on ``conn`` by :attr:`timeout` (see :class:`Deadlines`);
+        from the session's thread."""
+        assert self.deadlines is not None, "round trips run in the session's thread"
         return self.deadlines.guard(conn, self.timeout)
 
     def _attached(self) -> list[Listener]:
         with self._state:
             return list(self._listeners)
+
+    def _close_wake_pair(self) -> None:
+        for end in (self._wake_r, self._wake_w):
+            end.close()
+
+    @staticmethod
+    def _reading(listeners: list[Listener]) -> list[Listener]:
+        """The listeners whose broadcasters have readers (the others forget their
+        position, see :meth:`Listener.keep_listening`)."""
+        return [listener for listener in listeners if listener.keep_listening()]
+
+    def _idle(self) -> None:
+        """Wait, with no session, until :meth:`wake` is called (a reader or a detach)."""
+        select.select([self._wake_r.fileno()], [], [])
+        with contextlib.suppress(OSError):
+            while self._wake_r.recv(4096):
+                pass
 
     # -- the thread ----------------------------------------------------------------------
 
@@ -151,25 +192,29 @@ class ListeningSession:
                 )
             failures, down_since, last_error = 0, None, ""
 
+        self.deadlines = Deadlines(self._tick)
         try:
             while not self._stop.is_set():
                 listeners = self._attached()
                 if not listeners:
                     break
+                if not self._reading(listeners):
+                    # Nobody in the process reads: hold no session until someone does.
+                    self._idle()
+                    continue
                 # The session of the most patient broadcaster: its timeouts bound all.
                 chosen = max(listeners, key=lambda each: each.settings.timeout).sessions
                 self.timeout = chosen.settings.timeout
                 conn: psycopg.Connection[Any] | None = None
+                released = False
                 try:
-                    conn = chosen.connect(
-                        "listen for broadcasts", listen=True, tables=False, deadlines=self.deadlines
-                    )
+                    conn = chosen.connect("listen for broadcasts", deadlines=self.deadlines)
                     with self._conn_lock:
                         if self._stop.is_set():
                             break
                         self._conn = conn
                     self.generation += 1
-                    self._serve(conn, healthy)
+                    released = self._serve(conn, healthy)
                 except ROUND_TRIP_ERRORS as exc:
                     if self._stop.is_set():
                         break
@@ -196,7 +241,10 @@ class ListeningSession:
                     logger.exception("broadcast listener failed; restarting it")
                 finally:
                     for listener in self._attached():
-                        listener.lose(self.generation)
+                        if released:
+                            listener.release()
+                        else:
+                            listener.lose(self.generation)
                     with self._conn_lock:
                         self._conn = None
                     if conn is not None:
@@ -206,12 +254,12 @@ class ListeningSession:
                     self._stop.wait(backoff(failures))
         finally:
             self.deadlines.close()
-            for end in (self._wake_r, self._wake_w):
-                end.close()
+            self._close_wake_pair()
 
-    def _serve(self, conn: psycopg.Connection[Any], healthy: Callable[[], None]) -> None:
+    def _serve(self, conn: psycopg.Connection[Any], healthy: Callable[[], None]) -> bool:
         """LISTEN for the tables whose listeners have readers, hand them their NOTIFYs,
-        poll on silence. Returns when the session stops; raises when the connection fails.
+        poll on silence. Returns ``True`` once no listener has readers (the session is
+        then closed), ``False`` when the session stops; raises when the connection fails.
         """
         generation = self.generation
         listened: set[str] = set()
@@ -220,7 +268,12 @@ class ListeningSession:
         while not self._stop.is_set():
             listeners = self._attached()
             if not listeners:
-                return
+                return False
+            reading = self._reading(listeners)
+            if not reading:
+                # The last reader of the process has gone (it woke this thread): release
+                # the session now rather than LISTEN for nobody.
+                return True
             self.timeout = max(each.settings.timeout for each in listeners)
             probe = min(each.settings.probe_interval for each in listeners)
             now = time.monotonic()
@@ -228,8 +281,8 @@ class ListeningSession:
                 if listener.generation != generation and now >= listener.retry_at:
                     self._step(conn, listener, listener.resolve)
             wanted: dict[str, list[Listener]] = {}
-            for listener in listeners:
-                if listener.generation == generation and listener.keep_listening():
+            for listener in reading:
+                if listener.generation == generation:
                     wanted.setdefault(listener.channel, []).append(listener)
             for channel in sorted(wanted.keys() - listened):
                 with self.guard(conn):
@@ -254,7 +307,7 @@ class ListeningSession:
                 wait = min(wait, max(0.0, min(retry) - time.monotonic()))
             notes, woken = self._next(conn, wait)
             if self._stop.is_set():
-                return
+                return False
             if notes:
                 fetch: list[Listener] = []
                 for note in notes:
@@ -278,6 +331,7 @@ class ListeningSession:
                     with self.guard(conn):
                         conn.execute("SELECT 1")
                 quiet_since = time.monotonic()
+        return False
 
     def _step(self, conn: psycopg.Connection[Any], listener: Listener, step: Step) -> None:
         """Run one listener's step; a failure of its own (its table is missing, a

@@ -39,9 +39,10 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
+from psycopg.rows import tuple_row
 
 from ...errors import ConfigError
-from ..schema import BROADCAST_TABLE, suffixed_name, table_identifier
+from ..schema import BROADCAST_TABLE, suffixed_name, table_identifier, validate_table_name
 
 __all__ = [
     "BROADCAST_TABLE",
@@ -135,20 +136,14 @@ class Outbox:
             ConfigError: the table does not exist (``create_tables=False`` and no
                 migration ran).
         """
-        row = conn.execute(
-            "SELECT n.nspname, c.relname FROM pg_class c"
-            " JOIN pg_namespace n ON n.oid = c.relnamespace"
-            " WHERE c.oid = to_regclass(%s)",
-            (self.ident.as_string(conn),),
-        ).fetchone()
-        if row is None:
+        qualified = self.qualified(conn)
+        if qualified is None:
             raise ConfigError(
                 f"broadcast table {self.table!r} does not exist: create the broadcaster with "
                 "create_tables=True, or run rselection.postgres.migrate(conninfo, "
                 "broadcast_table=...) (or `rselection migrate`) once with a role that may "
                 "run DDL"
             )
-        qualified = f"{row[0]}.{row[1]}"
         digest = hashlib.blake2b(qualified.encode(), digest_size=8)
         # NOTIFY channel names are identifiers (at most 63 bytes): a fixed prefix and a
         # hash of the qualified table name always fit, whatever the logical channels are.
@@ -160,19 +155,56 @@ class Outbox:
         )
         return channel, lock_key
 
+    def qualified(self, conn: psycopg.Connection[Any]) -> str | None:
+        """``schema.table`` of this table as ``conn`` resolves it (its ``search_path``);
+        ``None`` when it does not exist there."""
+        schema = self.schema(conn)
+        return None if schema is None else f"{schema}.{validate_table_name(self.table)[-1]}"
+
+    def schema(self, conn: psycopg.Connection[Any]) -> str | None:
+        """The schema of this table as ``conn`` resolves it (its ``search_path``);
+        ``None`` when it does not exist there."""
+        with conn.cursor(row_factory=tuple_row) as cur:  # whatever the connection's own
+            row = cur.execute(
+                "SELECT n.nspname FROM pg_class c"
+                " JOIN pg_namespace n ON n.oid = c.relnamespace"
+                " WHERE c.oid = to_regclass(%s)",
+                (self.ident.as_string(conn),),
+            ).fetchone()
+        return None if row is None else str(row[0])
+
+    def in_schema(self, schema: str) -> Outbox:
+        """This outbox with both tables named in ``schema``: its statements then mean
+        the same tables on every session, whatever its ``search_path``.
+
+        Args:
+            schema: the schema the table was resolved in (see :meth:`schema`).
+        """
+        pinned = Outbox(self.table)
+        pinned.ident = sql.Identifier(schema, validate_table_name(self.table)[-1])
+        state = validate_table_name(suffixed_name(self.table, "state"))[-1]
+        pinned.state_ident = sql.Identifier(schema, state)
+        return pinned
+
     # -- statements ------------------------------------------------------------------
 
-    # Publish statements are prepared once per writer connection and executed with text
-    # parameters through libpq (see Writer.write), hence ``$n`` placeholders.
-    # Parameters of both: $1 lock key, $2 origin, $3 NOTIFY channel, then the message(s):
-    # $4 channel, $5 payload (JSON text), $6 origin_seq, or arrays of each. One row comes
-    # back: ``(first id, last id, ...)``.
+    # Publish statements are prepared once per session that publishes (the process's
+    # pooled sessions, or a user's pool's) and executed with text parameters through
+    # libpq (see Writer.write), hence ``$n`` placeholders.
+    # Parameters of both: $1 lock key, $2 origin, $3 NOTIFY channel, $4 the transaction's
+    # synchronous_commit ('on' or 'off'), then the message(s): $5 channel, $6 payload
+    # (JSON text), $7 origin_seq, or arrays of each. One row comes back:
+    # ``(first id, last id, ...)``.
+    #
+    # synchronous_commit is set for the statement's own transaction (set_config(...,
+    # true), read when it commits), never for the session: a pooled session carries
+    # claims and checkpoints too, which must keep the server's setting.
 
     def insert_one(self, inline: bool) -> sql.Composed:
         """Write one message and NOTIFY listeners, in one statement and one transaction.
 
         With ``inline`` the NOTIFY carries the row (``[[id, channel, payload]]``), else
-        only its id (a wake-up: listeners fetch). The inline form takes a seventh
+        only its id (a wake-up: listeners fetch). The inline form takes an eighth
         parameter, ``"channel","payload"``: both as JSON strings, made by the client
         (:func:`inline_row`), so the server only splices in the id. The ``CASE`` keeps
         a wrong size estimate from ever failing the publish on the 8000-byte NOTIFY
@@ -181,17 +213,18 @@ class Outbox:
         steady trickle of publishes sends.
         """
         note = (
-            "CASE WHEN octet_length($7::text) < 7960"
-            " THEN '[[' || ins.id || ',' || $7::text || ']]' ELSE ins.id::text END"
+            "CASE WHEN octet_length($8::text) < 7960"
+            " THEN '[[' || ins.id || ',' || $8::text || ']]' ELSE ins.id::text END"
             if inline
             else "ins.id::text"
         )
         return sql.SQL(
             # The lock CTE is the row source of the INSERT, so it is taken before the id
             # is drawn; it is held until the transaction has committed.
-            "WITH l AS (SELECT pg_advisory_xact_lock($1::bigint)),"
+            "WITH l AS (SELECT pg_advisory_xact_lock($1::bigint),"
+            "  set_config('synchronous_commit', $4::text, true)),"
             " ins AS (INSERT INTO {t} (channel, payload, origin, origin_seq)"
-            "  SELECT $4::text, $5::text, $2::bigint, $6::bigint FROM l"
+            "  SELECT $5::text, $6::text, $2::bigint, $7::bigint FROM l"
             "  RETURNING id)"
             " SELECT ins.id, ins.id, pg_notify($3::text, " + note + ") FROM ins"
         ).format(t=self.ident)
@@ -199,7 +232,7 @@ class Outbox:
     def insert_many(self, inline: bool) -> sql.Composed:
         """Write a batch and NOTIFY listeners, in one statement and one transaction.
 
-        ``$4``, ``$5`` and ``$6`` are arrays (text, text, bigint) of the same length, in
+        ``$5``, ``$6`` and ``$7`` are arrays (text, text, bigint) of the same length, in
         publishing order. With ``inline`` the NOTIFY carries the rows (``[[id, channel,
         payload], ...]``), else only the last id.
         """
@@ -216,10 +249,11 @@ class Outbox:
         return sql.SQL(
             # The lock CTE is joined to every input row, so it is taken before the first
             # id is drawn; it is held until the transaction has committed.
-            "WITH l AS (SELECT pg_advisory_xact_lock($1::bigint)),"
+            "WITH l AS (SELECT pg_advisory_xact_lock($1::bigint),"
+            "  set_config('synchronous_commit', $4::text, true)),"
             " ins AS (INSERT INTO {t} (channel, payload, origin, origin_seq)"
             "  SELECT u.c, u.p, $2::bigint, u.s FROM l,"
-            "   unnest($4::text[], $5::text[], $6::bigint[]) WITH ORDINALITY AS u(c, p, s, n)"
+            "   unnest($5::text[], $6::text[], $7::bigint[]) WITH ORDINALITY AS u(c, p, s, n)"
             "  ORDER BY u.n"
             "  RETURNING id, channel, payload),"
             " j AS (SELECT min(id) AS first, max(id) AS last, " + rows + " AS rows FROM ins)"

@@ -384,7 +384,7 @@ def test_listener_killed_while_publishing_catches_up_in_order(
 def test_writer_connection_killed_while_publishing_writes_each_message_once(
     pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster]
 ) -> None:
-    table = f"bc_{uuid.uuid4().hex[:12]}"  # names this test's writer in pg_stat_activity
+    table = f"bc_{uuid.uuid4().hex[:12]}"  # names the pooled session that publishes
     publisher = make_bc(table=table, **QUICK)
     listener = make_bc(table=table)
     sub = listener.subscribe("w", maxsize=10_000)
@@ -394,9 +394,9 @@ def test_writer_connection_killed_while_publishing_writes_each_message_once(
         own = {listener.stats().listener_pid, publisher.stats().listener_pid}
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             rows = conn.execute(
-                "SELECT pid FROM pg_stat_activity WHERE application_name = 'rselection:broadcast'"
+                "SELECT pid FROM pg_stat_activity WHERE application_name = 'rselection:pool'"
                 " AND query LIKE %s",
-                (f'%INSERT INTO "{table}"%',),
+                (f'%INSERT INTO %."{table}"%',),  # schema-qualified
             ).fetchall()
         return [int(r[0]) for r in rows if r[0] not in own]
 
@@ -467,9 +467,9 @@ def test_batch_confirmed_before_the_writer_session_was_cut_is_counted_once(
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             rows = conn.execute(
                 "SELECT pid, query_start FROM pg_stat_activity"
-                " WHERE application_name = 'rselection:broadcast' AND wait_event_type = 'Lock'"
+                " WHERE application_name = 'rselection:pool' AND wait_event_type = 'Lock'"
                 " AND query LIKE %s",
-                (f'%DELETE FROM "{table}"%',),
+                (f'%DELETE FROM %."{table}"%',),  # schema-qualified
             ).fetchall()
         return [(int(pid), start) for pid, start in rows]
 
