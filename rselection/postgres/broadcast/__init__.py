@@ -101,8 +101,9 @@ connection, so a half-open connection (a silent partition) is found within
 **Exactly once on writer failures.** A publish whose session breaks before the commit
 was confirmed may or may not have committed. The writer then borrows another session,
 ends the old backend (``pg_terminate_backend``, waiting until it is gone so it cannot
-commit later), and looks up the last ``origin_seq`` its origin committed before writing
-the batch again, so a batch is never written twice nor counted twice.
+commit later), and looks for the batch itself (its origin and the ``origin_seq`` of its
+last message, never an id: ids go back when the table is created again) before writing
+it again, so a batch is never written twice nor counted twice.
 """
 
 from __future__ import annotations

@@ -288,14 +288,18 @@ class Outbox:
             " ORDER BY r.id"
         ).format(t=self.ident, s=self.state_ident)
 
-    def committed_seq(self) -> sql.Composed:
-        """Highest ``origin_seq`` of one origin among rows after an id (for retries).
+    def committed(self) -> sql.Composed:
+        """Whether one message of a writer is in the table (to settle a batch in doubt).
 
-        Parameters: floor id, origin. Returns one row: the seq or NULL.
+        Parameters: origin, origin_seq. Returns one row: a boolean. By the writer's
+        identity, never by ids (they go back when the table is created again or its
+        sequence reset); it reads the table (no index on the origin: every insert would
+        pay for one), which is bounded by the retention and happens only after a
+        session broke with a batch in flight.
         """
-        return sql.SQL("SELECT max(origin_seq) FROM {t} WHERE id > %s AND origin = %s").format(
-            t=self.ident
-        )
+        return sql.SQL(
+            "SELECT EXISTS (SELECT FROM {t} WHERE origin = %s AND origin_seq = %s)"
+        ).format(t=self.ident)
 
     def purge(self) -> sql.Composed:
         """Delete up to a limit of rows older than the retention; advance the watermark.

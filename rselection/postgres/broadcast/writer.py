@@ -115,13 +115,12 @@ class Writer:
         # Well inside the pool's bound of a loan (its connect_timeout + statement_timeout).
         self._loan_max = min(_LOAN_MAX, self._settings.timeout / 4)
         self._origin = secrets.randbits(63)
-        self._written_id = 0  # the last outbox id this writer committed
-        # A batch whose commit is unknown, the session it was sent on (to end, when it
-        # broke), and an id below every row it may have written: kept on the writer, so
-        # that rounds started again after an error nobody foresaw settle it first.
+        # A batch whose commit is unknown and the session it was sent on (to end, when
+        # it broke): kept on the writer, so that rounds started again after an error
+        # nobody foresaw settle it first. The batch is found by its own identity (origin
+        # and origin_seq), never by ids, which go back when the table is created again.
         self._doubtful: tuple[Pending, ...] = ()
         self._doubtful_from: tuple[int, Any] | None = None
-        self._floor = 0  # every id <= floor was committed before the doubtful batch started
         self._statements = PublishStatements(
             self._outbox,
             self._origin,
@@ -329,16 +328,9 @@ class Writer:
                             try:
                                 identity = self._statements.lent(conn).identity
                                 if self._doubtful:
-                                    self._settle(
-                                        conn, self._doubtful, self._doubtful_from, self._floor
-                                    )
+                                    self._settle(conn, self._doubtful, self._doubtful_from)
                                     self._doubtful, self._doubtful_from = (), None
                                 elif batch:
-                                    # The listener may be idle (no readers here): the
-                                    # writer's own last id bounds the committed ids too.
-                                    self._floor = max(
-                                        self._floor, self._listener.last_id, self._written_id
-                                    )
                                     in_flight = conn
                                     self.write(conn, batch)
                                     # Confirmed and counted: a failure from here on (the
@@ -535,10 +527,7 @@ class Writer:
                 text_array(i.payload for i in items),
                 b"{" + ",".join(str(i.seq) for i in items).encode() + b"}",
             ]
-        result = self._statements.run(conn, kind, params)
-        last = result.get_value(0, 1)
-        if last is not None:
-            self._written_id = int(last)
+        self._statements.run(conn, kind, params)
         self._committed_through(items[-1].seq, len(items))
 
     def _committed_through(self, seq: int, count: int) -> None:
@@ -555,9 +544,10 @@ class Writer:
         conn: psycopg.Connection[Any],
         batch: tuple[Pending, ...],
         old: tuple[int, Any] | None,
-        floor: int,
     ) -> None:
-        """Find out whether a batch whose commit was never confirmed did commit."""
+        """Find out whether a batch whose commit was never confirmed did commit: whether
+        the outbox holds its last message (its origin and origin_seq; a batch commits
+        whole or not at all)."""
         if old is not None:
             # The old session may still hold the batch (its client gave up, the server
             # did not): end it and wait until it is gone, so it cannot commit later.
@@ -582,9 +572,10 @@ class Writer:
                         )
                     time.sleep(0.02)
         with self._deadlines.guard(conn, self._settings.timeout):
-            row = query_one(conn, self._statements.outbox.committed_seq(), (floor, self._origin))
-        done = 0 if row is None or row[0] is None else int(row[0])
-        if done >= batch[-1].seq:
+            row = query_one(
+                conn, self._statements.outbox.committed(), (self._origin, batch[-1].seq)
+            )
+        if row is not None and row[0]:
             logger.info(
                 "broadcast writer: a batch of %d message(s) whose commit was not confirmed "
                 "was committed; not writing it again",

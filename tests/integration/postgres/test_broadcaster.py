@@ -1137,3 +1137,34 @@ def test_missing_table_without_create_tables_is_reported(
             assert "migrate(conninfo, broadcast_table=" in caplog.text
         finally:
             bc.close()
+
+
+def test_batch_cut_after_its_commit_is_written_once_after_the_ids_were_reset(
+    pg_dsn: str,
+    make_bc: Callable[..., PostgresBroadcaster],
+    make_tcp_proxy: Callable[[str, int], TcpProxy],
+) -> None:
+    proxy = proxy_for(pg_dsn, make_tcp_proxy)
+    table = f"bc_{uuid.uuid4().hex[:12]}"
+    publisher = make_bc(proxied(pg_dsn, proxy), table=table, probe_interval=0.3, timeout=5.0)
+    for i in range(50):
+        publisher.publish("amb", i)
+    assert publisher.flush(20)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"TRUNCATE {table} RESTART IDENTITY")
+    publisher.publish("amb", "after the reset")  # ids start at 1 again
+    assert publisher.flush(20)
+    with psycopg.connect(pg_dsn, autocommit=True) as blocker:
+        _, lock_key = Outbox(table).resolve(blocker)
+        with blocker.transaction():
+            blocker.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key,))
+            publisher.publish("amb", "once")
+            wait_until(lambda: waiting_on_lock(pg_dsn, lock_key), 20, "the writer blocked")
+            proxy.sever()  # its server session commits the batch once the lock is free
+    assert publisher.flush(30)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        row = conn.execute(
+            f"SELECT count(*) FROM {table} WHERE payload = %s", ('"once"',)
+        ).fetchone()
+    assert row == (1,), "settled on the batch itself, not on ids from before the reset"
+    assert publisher.stats().published == 52
