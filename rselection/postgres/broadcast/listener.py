@@ -204,7 +204,10 @@ class Listener:
             return
         session.want()
         if threading.current_thread() is session.thread:
-            return  # a receiver subscribing: the listener starts after it returns
+            # A receiver subscribing: the thread that would start the listener is this
+            # one, which cannot wait for itself; it starts it now.
+            session.position(self)
+            return
         timeout = self.settings.timeout
         deadline = time.monotonic() + timeout
         while not self.positioned.wait(min(0.1, max(0.0, deadline - time.monotonic()))):

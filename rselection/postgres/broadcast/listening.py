@@ -45,6 +45,9 @@ ROUND_TRIP_ERRORS = (psycopg.Error, OSError, BackendUnavailable, ConfigError)
 Step = Callable[["ListeningSession", "psycopg.Connection[Any]"], None]
 """A listener's part of a wake-up: ``step(session, conn)``."""
 
+#: Marks the threads of the listening sessions (see :meth:`ListeningSession.in_a_thread`).
+_THREAD = threading.local()
+
 
 class ListeningSession:
     """The thread and Postgres session that listen for every broadcaster of a process on
@@ -76,6 +79,7 @@ class ListeningSession:
         self._stop = threading.Event()
         self._conn_lock = threading.Lock()
         self._conn: psycopg.Connection[Any] | None = None
+        self._listened: set[str] = set()  # NOTIFY channels LISTENed on the connection
         # A byte on this pair wakes the thread from its wait on the session's socket.
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -148,6 +152,45 @@ class ListeningSession:
         with contextlib.suppress(OSError):
             self._wake_w.send(b"\0")
 
+    @staticmethod
+    def in_a_thread() -> bool:
+        """Whether the caller runs in the thread of a listening session (a receiver, an
+        ``on_gap`` hook), which delivers every broadcaster's messages of its process
+        and connection string: it must not wait for anything that takes a round trip."""
+        return bool(getattr(_THREAD, "listening", False))
+
+    def position(self, listener: Listener) -> None:
+        """Start ``listener`` now, from the session's own thread: a receiver subscribed
+        to a broadcaster that had no reader. Resolve its table, LISTEN, take its
+        position, so that every message committed after the subscription returns is
+        delivered (the thread cannot wait for itself). A failed round trip is logged;
+        the thread's loop then goes on as usual (it reconnects when the connection
+        broke, and starts the listener from the newest row then)."""
+        conn = self._conn
+        if conn is None or conn.closed or conn.broken or self._stop.is_set():
+            return
+        try:
+            if listener.generation != self.generation:
+                self._step(conn, listener, listener.resolve)
+            if listener.generation != self.generation:
+                return  # failed on its own (logged): retried by the loop
+            self._listen(conn, listener.channel)
+            if not listener.listening:
+                self._step(conn, listener, listener.begin)
+        except ROUND_TRIP_ERRORS as exc:
+            logger.warning(
+                "broadcast: a subscription made in the listener thread could not start "
+                "listening on %s (%s); messages are delivered from when it reconnects",
+                self.where,
+                listener.sessions.error_text(exc),
+            )
+
+    def _listen(self, conn: psycopg.Connection[Any], channel: str) -> None:
+        if channel not in self._listened:
+            with self.guard(conn):
+                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+            self._listened.add(channel)
+
     def guard(self, conn: psycopg.Connection[Any]) -> contextlib.AbstractContextManager[None]:
         """Bound a round trip on ``conn`` by :attr:`timeout` (see :class:`Deadlines`);
         from the session's thread."""
@@ -192,6 +235,7 @@ class ListeningSession:
                 )
             failures, down_since, last_error = 0, None, ""
 
+        _THREAD.listening = True
         self.deadlines = Deadlines(self._tick)
         try:
             while not self._stop.is_set():
@@ -262,7 +306,8 @@ class ListeningSession:
         then closed), ``False`` when the session stops; raises when the connection fails.
         """
         generation = self.generation
-        listened: set[str] = set()
+        listened = self._listened
+        listened.clear()  # a new connection LISTENs on nothing yet
         quiet_since = time.monotonic()
         first = True
         while not self._stop.is_set():
@@ -285,9 +330,7 @@ class ListeningSession:
                 if listener.generation == generation:
                     wanted.setdefault(listener.channel, []).append(listener)
             for channel in sorted(wanted.keys() - listened):
-                with self.guard(conn):
-                    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
-                listened.add(channel)
+                self._listen(conn, channel)
             for channel in sorted(listened - wanted.keys()):
                 # No reader of that table is left: stop waking for its every message.
                 with self.guard(conn):

@@ -1168,3 +1168,28 @@ def test_batch_cut_after_its_commit_is_written_once_after_the_ids_were_reset(
         ).fetchone()
     assert row == (1,), "settled on the batch itself, not on ids from before the reset"
     assert publisher.stats().published == 52
+
+
+def test_a_receiver_subscribing_to_another_broadcaster_gets_every_later_message(
+    pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster]
+) -> None:
+    first = make_bc(table=f"bc_{uuid.uuid4().hex[:12]}")
+    other_table = f"bc_{uuid.uuid4().hex[:12]}"
+    other = make_bc(table=other_table)  # no reader yet
+    other_publisher = make_bc(table=other_table)
+    subscribed = threading.Event()
+    published = threading.Event()
+    subs: list[Subscription] = []
+
+    def receiver(channel: str, message: object) -> None:
+        subs.append(other.subscribe("late"))  # from the listener thread
+        subscribed.set()
+        published.wait(20)  # meanwhile another node publishes, after subscribe returned
+
+    first.connect("go", receiver)
+    first.publish("go", 1)
+    assert subscribed.wait(20)
+    other_publisher.publish("late", "after subscribe")
+    assert other_publisher.flush(20)
+    published.set()
+    assert drain(subs[0], 1, 20) == ["after subscribe"]
