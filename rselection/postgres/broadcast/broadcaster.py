@@ -19,6 +19,7 @@ import psycopg
 from ...broadcast import Broadcaster, BroadcastStats, OverflowHook, Receiver, Subscription
 from ...errors import BackendUnavailable, ConfigError
 from .listener import GapHook, Listener
+from .listening import ListeningSession
 from .outbox import BROADCAST_TABLE, Outbox, inline_cost
 from .sessions import Sessions
 from .settings import Settings
@@ -177,6 +178,7 @@ class PostgresBroadcaster(Broadcaster):
         self._sessions = Sessions(conninfo, outbox, settings)  # validates conninfo
         self._listener = Listener(self._sessions, self.has_readers, self._deliver_here, on_gap)
         self._writer = Writer(self._sessions, self._listener, self.has_readers)
+        self._flush_warned = False  # flush() was called in the listener thread
         self._listener.start()
         self._writer.start()
 
@@ -243,10 +245,28 @@ class PostgresBroadcaster(Broadcaster):
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every message published so far is committed to the outbox.
 
+        Called from a listener thread (in a receiver or an ``on_gap`` hook), it does not
+        wait, whatever ``timeout``: it returns at once whether they are committed
+        already, as ``flush(0)`` would (logged once per broadcaster). That thread
+        delivers the messages of every broadcaster of the process on its connection
+        string; waiting there for a commit would hold all of them up (forever with
+        ``timeout=None`` while Postgres is unreachable). The messages are written all
+        the same; flush from another thread to wait for them.
+
         :param timeout: seconds to wait at most; ``None`` waits as long as it takes.
-        :returns: ``True`` when they are committed, ``False`` on timeout or when the
-            broadcaster closed with messages unwritten.
+        :returns: ``True`` when they are committed, ``False`` on timeout, when the
+            broadcaster closed with messages unwritten, or, in a listener thread, when
+            they are not committed yet.
         """
+        if ListeningSession.in_a_thread():
+            if not self._flush_warned:
+                self._flush_warned = True
+                logger.warning(
+                    "PostgresBroadcaster.flush() called in the listener thread (a "
+                    "receiver) does not wait: it returns whether the messages are "
+                    "written already; flush from another thread to wait for them"
+                )
+            return self._writer.flush(0)
         return self._writer.flush(timeout)
 
     def wait_ready(self, timeout: float | None = None) -> bool:

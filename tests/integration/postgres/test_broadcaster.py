@@ -1193,3 +1193,32 @@ def test_a_receiver_subscribing_to_another_broadcaster_gets_every_later_message(
     assert other_publisher.flush(20)
     published.set()
     assert drain(subs[0], 1, 20) == ["after subscribe"]
+
+
+def test_flush_from_a_receiver_returns_at_once_and_delivery_goes_on(
+    pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster]
+) -> None:
+    reader = make_bc(table=f"bc_{uuid.uuid4().hex[:12]}")
+    blocked = make_bc(table=f"bc_{uuid.uuid4().hex[:12]}")
+    results: list[tuple[bool, float]] = []
+
+    def receiver(channel: str, message: object) -> None:
+        started = time.monotonic()
+        results.append((blocked.flush(), time.monotonic() - started))
+
+    reader.connect("flush", receiver)
+    sub = reader.subscribe("other")
+    with psycopg.connect(pg_dsn, autocommit=True) as blocker:
+        _, lock_key = Outbox(blocked.table).resolve(blocker)
+        with blocker.transaction():
+            # The blocked broadcaster's batch waits on the server: flush() cannot succeed.
+            blocker.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key,))
+            blocked.publish("b", "waits")
+            wait_until(lambda: waiting_on_lock(pg_dsn, lock_key), 20, "the writer blocked")
+            reader.publish("flush", 1)
+            reader.publish("other", "delivered meanwhile")
+            assert drain(sub, 1, 10) == ["delivered meanwhile"], "the listener is not stalled"
+            assert len(results) == 1
+            [(flushed, took)] = results
+            assert not flushed and took < 1.0
+    assert blocked.flush(20)
