@@ -9,7 +9,8 @@ own that borrows the process's pooled sessions; the listeners of a process share
 held only while the process reads), the
 :class:`~rselection.postgres.broadcast.sessions.Sessions` they use, the writer's
 :class:`~rselection.postgres.broadcast.statements.PublishStatements`, the
-:class:`~rselection.postgres.broadcast.outbox.Outbox` statements and the checked
+:class:`~rselection.postgres.broadcast.outbox.Outbox` statements, the
+:class:`~rselection.postgres.broadcast.location.Locator` that finds the table, and the checked
 :class:`~rselection.postgres.broadcast.settings.Settings`.
 
 Every node of a fleet creates one on the same database and table::
@@ -80,7 +81,12 @@ the new messages. Every fetch therefore also reads, in its snapshot, the newest 
 the table's oid: when the table is another one than where the position was taken, or
 every id up to the last one delivered is gone without the purge watermark covering it,
 the listener resynchronises on the new ids, delivers every message the table holds, and
-reports a :class:`Gap` with ``reset=True`` (``stats().resets``). A NOTIFY whose ids are
+reports a :class:`Gap` with ``reset=True`` (``stats().resets``).
+
+**Where the table is.** The writer and the listener find the table the same way, through
+the search path the broadcaster read once on a session of its own, and follow it
+together when its name finds another table (or the table moved): see
+:mod:`rselection.postgres.broadcast.location`. A NOTIFY whose ids are
 not above the previous one's (commits are ordered by id, so that happens only when the
 ids went back) makes it fetch at once.
 

@@ -111,7 +111,10 @@ class PostgresBroadcaster(Broadcaster):
             Publishes through a pooler in transaction or statement mode are refused
             (:meth:`publish` raises ``ConfigError``).
         table: outbox table, optionally schema-qualified (``"ops.broadcast"``); every
-            node that should hear each other uses the same one.
+            node that should hear each other uses the same one. Without a schema, the
+            first schema of the search path of the broadcaster's own sessions (read
+            once) that holds it; the writer and the listener follow it there when that
+            changes (see :mod:`rselection.postgres.broadcast.location`).
         retention: seconds a message stays in the outbox (server time), i.e. how long a
             node may be disconnected and still catch up without a gap. Default 600.
         create_tables: create the tables on first connect; else run

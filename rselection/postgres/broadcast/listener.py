@@ -27,6 +27,7 @@ import psycopg
 
 from ...broadcast import BroadcasterClosed
 from .listening import ListeningSession
+from .location import Location
 from .sessions import Sessions, backoff
 
 __all__ = ["Gap", "GapHook", "Listener"]
@@ -144,7 +145,7 @@ class Listener:
         self.resets = 0
         """Times the outbox's ids went back and the listener resynchronised."""
         self._oid: int | None = None  # the outbox table's oid where the position was taken
-        self._regclass = ""  # the table's name as SQL text, for to_regclass()
+        self._location: Location | None = None  # where the table was found
         self._notified = 0  # the highest id a NOTIFY carried since this LISTEN began
         self._stale_watermark = 0  # a purge watermark left from before a reset
         self.missed = 0
@@ -236,10 +237,31 @@ class Listener:
     def resolve(self, session: ListeningSession, conn: psycopg.Connection[Any]) -> None:
         """Make the tables ready (``create_tables``) and find the table's NOTIFY channel
         on the session's (new) connection."""
+        locator = self.sessions.locator
         with session.guard(conn):
             self.sessions.prepare(conn)
-            self.channel, _ = self._outbox.resolve(conn)
-        self._regclass = self._outbox.ident.as_string(conn)
+            locator.read_path(conn)  # on a session of the broadcaster's own
+            location = locator.find(conn)
+        previous = self._location
+        if previous is not None and previous.oid != location.oid:
+            logger.warning(
+                "broadcast table %r on %s is another table now, in schema %r (it was in "
+                "%r); reading that one",
+                self._outbox.table,
+                self.sessions.where,
+                location.schema,
+                previous.schema,
+            )
+        elif previous is not None and previous.schema != location.schema:
+            logger.info(
+                "broadcast table %r on %s moved from schema %r to %r; following it",
+                self._outbox.table,
+                self.sessions.where,
+                previous.schema,
+                location.schema,
+            )
+        self._location = location
+        self.channel = location.channel
         self.generation = session.generation
         self.pid = conn.info.backend_pid
         self._failures, self._error = 0, ""
@@ -249,11 +271,16 @@ class Listener:
     def begin(self, session: ListeningSession, conn: psycopg.Connection[Any]) -> None:
         """Start delivering, once the session LISTENs on the table's channel: from the
         newest row on a new start, else catch up from the last id delivered."""
+        location = self._location
+        assert location is not None, "resolve() first"
         if not self.positioned.is_set():
             # A new start: from the newest row (older ones had no reader here).
             with session.guard(conn):
-                row = conn.execute(self._outbox.start_position(), (self._regclass,)).fetchone()
+                row = conn.execute(location.outbox.start_position(), self._finds()).fetchone()
             newest, purged, oid = row if row is not None else (0, 0, None)
+            if oid != location.oid:
+                self._relocate()  # the name finds another table since resolve()
+                return
             if 0 < newest <= purged:
                 # Retention leaves only ids above its watermark: this one was left by an
                 # older table of the same name (its state table kept); new ids come
@@ -351,15 +378,35 @@ class Listener:
         self._notified = last if back else max(self._notified, last)
         return back
 
+    def _finds(self) -> tuple[list[str], str]:
+        """The parameters that find the table (see :mod:`.location`)."""
+        locator = self.sessions.locator
+        return list(locator.path), locator.name
+
+    def _relocate(self) -> None:
+        """The table's name finds another table, or none: find it again (on the next
+        turn of the session's loop, which LISTENs on its channel before this listener
+        fetches again; a position taken stays, and a new table is a reset)."""
+        self.generation = 0
+        self.listening = False
+
     def catch_up(self, session: ListeningSession, conn: psycopg.Connection[Any]) -> None:
         """Fetch and deliver every row after the last id, in order, reporting gaps."""
+        location = self._location
+        assert location is not None, "resolve() first"
         while not self._stop.is_set():
             with session.guard(conn):
                 cursor = conn.execute(
-                    self._outbox.fetch(), (self._regclass, self.last_id, self._fetch_rows)
+                    location.outbox.fetch(), (*self._finds(), self.last_id, self._fetch_rows)
                 )
                 rows = cursor.fetchall()
-            purged, newest, oid = (int(v) if v is not None else 0 for v in rows[0][:3])
+            purged, newest, found = (int(v) if v is not None else 0 for v in rows[0][:3])
+            if found != location.oid:
+                # The name finds another table (or none) now: these rows may come from
+                # either; find the table again and read it from there.
+                self._relocate()
+                return
+            oid = location.oid
             if (self._oid is not None and oid != self._oid) or max(purged, newest) < self.last_id:
                 # Another table under the same name, or every id at and below the last
                 # one delivered is gone without retention deleting it: the ids went back.

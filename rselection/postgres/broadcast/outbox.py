@@ -46,6 +46,7 @@ from ..schema import BROADCAST_TABLE, suffixed_name, table_identifier, validate_
 
 __all__ = [
     "BROADCAST_TABLE",
+    "FIND_TABLE",
     "INLINE_LIMIT",
     "Outbox",
     "inline_cost",
@@ -57,6 +58,17 @@ __all__ = [
 #: (an upper bound computed by :func:`inline_cost`) travels inside the NOTIFY itself, so
 #: listeners need no extra round trip for small messages.
 INLINE_LIMIT = 7000
+
+FIND_TABLE = (
+    "SELECT c.oid FROM unnest({path}::name[]) WITH ORDINALITY AS p(name, pos)"
+    " JOIN pg_namespace n ON n.nspname = p.name"
+    " JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = {rel}::name"
+    " ORDER BY p.pos LIMIT 1"
+)
+"""The oid of the table a name finds through a search path (``{path}``: the schemas
+in order, ``{rel}``: the table's own name), as Postgres finds a relation (temporary
+tables never count): formatted with the placeholders of the statement it is part of
+(see :mod:`rselection.postgres.broadcast.location`)."""
 
 #: Bytes an inline row costs besides its channel and payload: the id (up to 19 digits),
 #: JSON punctuation and the separators ``json_agg`` adds between elements.
@@ -144,6 +156,15 @@ class Outbox:
                 "broadcast_table=...) (or `rselection migrate`) once with a role that may "
                 "run DDL"
             )
+        return self.keys(qualified)
+
+    @staticmethod
+    def keys(qualified: str) -> tuple[str, int]:
+        """``(notify channel, publish lock key)`` of the table ``schema.table``.
+
+        Args:
+            qualified: the table's schema and name, joined by a dot (unquoted).
+        """
         digest = hashlib.blake2b(qualified.encode(), digest_size=8)
         # NOTIFY channel names are identifiers (at most 63 bytes): a fixed prefix and a
         # hash of the qualified table name always fit, whatever the logical channels are.
@@ -192,19 +213,24 @@ class Outbox:
     # pooled sessions, or a user's pool's) and executed with text parameters through
     # libpq (see Writer.write), hence ``$n`` placeholders.
     # Parameters of both: $1 lock key, $2 origin, $3 NOTIFY channel, $4 the transaction's
-    # synchronous_commit ('on' or 'off'), then the message(s): $5 channel, $6 payload
-    # (JSON text), $7 origin_seq, or arrays of each. One row comes back:
-    # ``(first id, last id, ...)``.
+    # synchronous_commit ('on' or 'off'), $5 the search path (schemas, a name[]), $6 the
+    # table's own name and $7 the oid of the table they found (see
+    # rselection.postgres.broadcast.location), then the message(s): $8 channel, $9
+    # payload (JSON text), $10 origin_seq, or arrays of each. One row comes back,
+    # ``(first id, last id, ...)``, or none when the name no longer finds that table:
+    # nothing was inserted nor notified.
     #
     # synchronous_commit is set for the statement's own transaction (set_config(...,
     # true), read when it commits), never for the session: a pooled session carries
     # claims and checkpoints too, which must keep the server's setting.
 
+    _FOUND = "(" + FIND_TABLE.format(path="$5", rel="$6") + ") = $7::oid"
+
     def insert_one(self, inline: bool) -> sql.Composed:
         """Write one message and NOTIFY listeners, in one statement and one transaction.
 
         With ``inline`` the NOTIFY carries the row (``[[id, channel, payload]]``), else
-        only its id (a wake-up: listeners fetch). The inline form takes an eighth
+        only its id (a wake-up: listeners fetch). The inline form takes an eleventh
         parameter, ``"channel","payload"``: both as JSON strings, made by the client
         (:func:`inline_row`), so the server only splices in the id. The ``CASE`` keeps
         a wrong size estimate from ever failing the publish on the 8000-byte NOTIFY
@@ -213,8 +239,8 @@ class Outbox:
         steady trickle of publishes sends.
         """
         note = (
-            "CASE WHEN octet_length($8::text) < 7960"
-            " THEN '[[' || ins.id || ',' || $8::text || ']]' ELSE ins.id::text END"
+            "CASE WHEN octet_length($11::text) < 7960"
+            " THEN '[[' || ins.id || ',' || $11::text || ']]' ELSE ins.id::text END"
             if inline
             else "ins.id::text"
         )
@@ -224,17 +250,17 @@ class Outbox:
             "WITH l AS (SELECT pg_advisory_xact_lock($1::bigint),"
             "  set_config('synchronous_commit', $4::text, true)),"
             " ins AS (INSERT INTO {t} (channel, payload, origin, origin_seq)"
-            "  SELECT $5::text, $6::text, $2::bigint, $7::bigint FROM l"
-            "  RETURNING id)"
+            "  SELECT $8::text, $9::text, $2::bigint, $10::bigint FROM l"
+            "  WHERE " + self._FOUND + "  RETURNING id)"
             " SELECT ins.id, ins.id, pg_notify($3::text, " + note + ") FROM ins"
         ).format(t=self.ident)
 
     def insert_many(self, inline: bool) -> sql.Composed:
         """Write a batch and NOTIFY listeners, in one statement and one transaction.
 
-        ``$5``, ``$6`` and ``$7`` are arrays (text, text, bigint) of the same length, in
-        publishing order. With ``inline`` the NOTIFY carries the rows (``[[id, channel,
-        payload], ...]``), else only the last id.
+        ``$8``, ``$9`` and ``$10`` are arrays (text, text, bigint) of the same length,
+        in publishing order. With ``inline`` the NOTIFY carries the rows (``[[id,
+        channel, payload], ...]``), else only the last id.
         """
         note = (
             "CASE WHEN octet_length(j.rows) < 7990 THEN j.rows ELSE j.last::text END"
@@ -253,43 +279,53 @@ class Outbox:
             "  set_config('synchronous_commit', $4::text, true)),"
             " ins AS (INSERT INTO {t} (channel, payload, origin, origin_seq)"
             "  SELECT u.c, u.p, $2::bigint, u.s FROM l,"
-            "   unnest($5::text[], $6::text[], $7::bigint[]) WITH ORDINALITY AS u(c, p, s, n)"
-            "  ORDER BY u.n"
+            "   unnest($8::text[], $9::text[], $10::bigint[]) WITH ORDINALITY AS u(c, p, s, n)"
+            "  WHERE " + self._FOUND + "  ORDER BY u.n"
             "  RETURNING id, channel, payload),"
             " j AS (SELECT min(id) AS first, max(id) AS last, " + rows + " AS rows FROM ins)"
             " SELECT j.first, j.last, pg_notify($3::text, " + note + ") FROM j"
+            " WHERE j.last IS NOT NULL"
         ).format(t=self.ident)
+
+    # The listener's statements name the table it found too, and read the oid of the
+    # table the name finds now in the same snapshot (a change of table shows there).
+    _FINDS = "(" + FIND_TABLE.format(path="%s", rel="%s") + ")"
 
     def start_position(self) -> sql.Composed:
         """Where a new listener starts: after the newest row, or the purge watermark.
 
-        Parameter: the table's name as SQL text. Returns ``(newest id, purge watermark,
-        table oid)``.
+        Parameters: the search path (schemas) and the table's own name. Returns
+        ``(newest id, purge watermark, oid of the table the name finds)``.
         """
         return sql.SQL(
             "SELECT (SELECT coalesce(max(id), 0) FROM {t}),"
-            " (SELECT coalesce(max(purged_through), 0) FROM {s}), to_regclass(%s)::oid"
+            " (SELECT coalesce(max(purged_through), 0) FROM {s}), " + self._FINDS
         ).format(t=self.ident, s=self.state_ident)
 
     def fetch(self) -> sql.Composed:
         """Rows after a cursor, in id order, with the purge watermark, the newest id and
-        the table's oid, in one snapshot (the last two show when the ids went back).
+        the oid of the table the name finds, in one snapshot (the last two show when
+        the ids went back, or the name finds another table).
 
-        Parameters: the table's name as SQL text, last seen id, row limit. Returns
-        ``(purged_through, newest id, table oid, id, channel, payload)`` rows; ``id`` is
-        NULL in the one row returned when nothing is new.
+        Parameters: the search path (schemas), the table's own name, last seen id, row
+        limit. Returns ``(purged_through, newest id, table oid, id, channel, payload)``
+        rows; ``id`` is NULL in the one row returned when nothing is new.
         """
         return sql.SQL(
             "SELECT m.p, m.top, m.oid, r.id, r.channel, r.payload"
             " FROM (SELECT coalesce((SELECT max(purged_through) FROM {s}), 0) AS p,"
-            "  coalesce((SELECT max(id) FROM {t}), 0) AS top, to_regclass(%s)::oid AS oid) m"
+            "  coalesce((SELECT max(id) FROM {t}), 0) AS top, " + self._FINDS + " AS oid) m"
             " LEFT JOIN LATERAL (SELECT id, channel, payload FROM {t}"
             "  WHERE id > %s ORDER BY id LIMIT %s) r ON true"
             " ORDER BY r.id"
         ).format(t=self.ident, s=self.state_ident)
 
-    def committed(self) -> sql.Composed:
+    @staticmethod
+    def committed(table: sql.Identifier) -> sql.Composed:
         """Whether one message of a writer is in the table (to settle a batch in doubt).
+
+        Args:
+            table: the table, wherever it is now (see :meth:`.Locator.at`).
 
         Parameters: origin, origin_seq. Returns one row: a boolean. By the writer's
         identity, never by ids (they go back when the table is created again or its
@@ -299,7 +335,7 @@ class Outbox:
         """
         return sql.SQL(
             "SELECT EXISTS (SELECT FROM {t} WHERE origin = %s AND origin_seq = %s)"
-        ).format(t=self.ident)
+        ).format(t=table)
 
     def purge(self) -> sql.Composed:
         """Delete up to a limit of rows older than the retention; advance the watermark.

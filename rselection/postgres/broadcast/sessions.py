@@ -38,6 +38,7 @@ from .._conn import (
 )
 from ..pooler import check_bound, check_session_pooling
 from ..schema import create_tables
+from .location import Locator
 from .outbox import Outbox
 from .settings import Settings
 
@@ -172,6 +173,8 @@ class Sessions:
         """The connection string of the sessions the broadcaster opens or pools itself."""
         self.where = describe_conninfo(self.conninfo)
         self.outbox = outbox
+        self.locator = Locator(outbox)
+        """Finds the outbox table, the same way for the writer and the listener."""
         self.settings = settings
         self.deadlines = Deadlines(min(0.5, settings.timeout / 4))
         self.user_pool = not isinstance(source, str | psycopg.Connection)

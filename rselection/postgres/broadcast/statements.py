@@ -8,12 +8,14 @@ prepared on it. Statements are named after their text, so every writer of the pr
 that publishes to the same table shares them on a pooled session, and no two texts
 share a name.
 
-Every statement a writer runs on a lent session names the tables with the schema the
-broadcaster resolved them in on its own sessions, which its listener reads
-(:attr:`PublishStatements.outbox`): a user's pool may lend connections with another
-``search_path`` (set by its ``configure`` callback, or by the user's code on a
-connection it had from the pool), and an unqualified name would then mean another
-schema's table of the same name."""
+Every statement a writer runs on a lent session names the tables with the schema its
+:class:`~.location.Locator` found them in, through the search path of the
+broadcaster's own sessions, as its listener does (:attr:`PublishStatements.outbox`): a
+user's pool may lend connections with another ``search_path`` (set by its
+``configure`` callback, or by the user's code on a connection it had from the pool),
+and an unqualified name would then mean another schema's table of the same name. Each
+publish checks that the name still finds that table; when it does not, it inserts
+nothing and the writer finds the table again (see :mod:`.location`)."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from typing import Any
 import psycopg
 from psycopg import pq
 
-from ...errors import ConfigError
+from .location import Location, Locator
 from .outbox import Outbox
 from .sessions import Deadlines, query_one
 
@@ -65,6 +67,7 @@ class PublishStatements:
 
     Args:
         outbox: the outbox table.
+        locator: finds it (the same for the broadcaster's listener).
         origin: the writer's origin (a parameter of every publish).
         synchronous_commit: the publishes' ``synchronous_commit``, set per transaction.
         deadlines: bounds each round trip.
@@ -74,6 +77,7 @@ class PublishStatements:
     def __init__(
         self,
         outbox: Outbox,
+        locator: Locator,
         origin: int,
         synchronous_commit: bool,
         deadlines: Deadlines,
@@ -81,24 +85,33 @@ class PublishStatements:
     ) -> None:
         """Nothing resolved yet (see :meth:`resolve`)."""
         self._outbox = outbox
+        self._locator = locator
         self._origin = origin
         self._sync = b"on" if synchronous_commit else b"off"
         self._deadlines = deadlines
         self._timeout = timeout
-        self._fixed: list[bytes] = []  # lock key, origin, NOTIFY channel, sync
+        self._fixed: list[bytes] = []  # lock key, origin, NOTIFY channel, sync, the table
         self._named: dict[str, tuple[bytes, bytes]] = {}  # kind -> (name, text)
         self.outbox = outbox
         """The outbox with its tables schema-qualified once resolved (:meth:`resolve`):
         what every statement on a lent session uses."""
+        self.location: Location | None = None
+        """Where the table was found (:meth:`resolve`)."""
 
     @property
     def resolved(self) -> bool:
         """Whether :meth:`resolve` ran."""
         return bool(self._named)
 
+    def forget(self) -> None:
+        """The table is not where it was found (a publish found another, or none): find
+        it again before the next publish."""
+        self._named = {}
+
     def resolve(self, conn: psycopg.Connection[Any]) -> None:
-        """Resolve the table on the server (its NOTIFY channel and publish lock) and
-        name the statements; once.
+        """Find the table (see :class:`~.location.Locator`: its schema, NOTIFY channel
+        and publish lock) and name the statements; once, and again after
+        :meth:`forget`.
 
         Raises:
             ConfigError: the table does not exist.
@@ -107,17 +120,19 @@ class PublishStatements:
         if self._named:
             return
         with self._deadlines.guard(conn, self._timeout):
-            notify_channel, lock_key = self._outbox.resolve(conn)
-            schema = self._outbox.schema(conn)
-        if schema is None:  # dropped between the two queries
-            raise ConfigError(f"broadcast table {self._outbox.table!r} does not exist")
-        pinned = self._outbox.in_schema(schema)
+            self._locator.read_path(conn)  # on a session of the broadcaster's own first
+            location = self._locator.find(conn)
+        pinned = location.outbox
         self._fixed = [
-            str(lock_key).encode(),
+            str(location.lock_key).encode(),
             str(self._origin).encode(),
-            notify_channel.encode(),
+            location.channel.encode(),
             self._sync,
+            self._locator.path_param,
+            self._locator.name.encode(),
+            str(location.oid).encode(),
         ]
+        named: dict[str, tuple[bytes, bytes]] = {}
         for kind, statement in (
             (ONE_INLINE, pinned.insert_one(True)),
             (ONE, pinned.insert_one(False)),
@@ -126,8 +141,10 @@ class PublishStatements:
         ):
             text = statement.as_bytes(conn)
             name = b"rselection_bc_" + hashlib.blake2b(text, digest_size=10).hexdigest().encode()
-            self._named[kind] = (name, text)
+            named[kind] = (name, text)
         self.outbox = pinned
+        self.location = location
+        self._named = named
 
     def lent(self, conn: psycopg.Connection[Any]) -> LentSession:
         """What the process knows of ``conn``, asking its identity on first use.

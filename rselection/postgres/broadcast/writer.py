@@ -29,7 +29,8 @@ from ...broadcast import BroadcasterClosed
 from ...errors import BackendUnavailable, ConfigError
 from ..session_pool import IDLE_CLOSE, SessionPool
 from .listener import Listener
-from .outbox import INLINE_LIMIT, inline_row, text_array
+from .location import Locator, Relocated
+from .outbox import INLINE_LIMIT, Outbox, inline_row, text_array
 from .sessions import Sessions, abort_socket, backoff, query_one
 from .statements import MANY, MANY_INLINE, ONE, ONE_INLINE, PublishStatements
 from .turns import Turn
@@ -121,8 +122,10 @@ class Writer:
         # and origin_seq), never by ids, which go back when the table is created again.
         self._doubtful: tuple[Pending, ...] = ()
         self._doubtful_from: tuple[int, Any] | None = None
+        self._doubtful_in = 0  # the oid of the table the batch in doubt was sent to
         self._statements = PublishStatements(
             self._outbox,
+            sessions.locator,
             self._origin,
             self._settings.synchronous_commit,
             self._deadlines,
@@ -285,6 +288,7 @@ class Writer:
         next_idle_check = time.monotonic() + _IDLE_CHECK
         down_since: float | None = None
         warned = False  # whether the outage since down_since was warned of
+        relocations = 0  # publishes in a row that found the table elsewhere
         try:
             while True:
                 ready = self.ready.is_set()
@@ -307,6 +311,10 @@ class Writer:
                         self._check_tables()
                         failures = 0
                         continue
+                    if not self._statements.resolved and (batch or self._doubtful):
+                        # The table is not where it was: find it (and create it, with
+                        # create_tables) on a session of the broadcaster's own.
+                        self._find_tables()
                     now = time.monotonic()
                     if now >= next_idle_check:
                         # A process that only publishes has no keeper to apply the
@@ -341,7 +349,11 @@ class Writer:
                                         next_purge = time.monotonic() + self._purge_every * (
                                             random.uniform(0.5, 1.0)
                                         )
-                                if next_purge is not None and time.monotonic() >= next_purge:
+                                if (
+                                    next_purge is not None
+                                    and time.monotonic() >= next_purge
+                                    and self._statements.resolved
+                                ):
                                     next_purge = time.monotonic() + self._purge_every * (
                                         random.uniform(0.8, 1.2)
                                     )
@@ -370,10 +382,20 @@ class Writer:
                             self._sessions.where,
                             time.monotonic() - down_since,
                         )
-                    failures, down_since = 0, None
+                    failures, down_since, relocations = 0, None, 0
                 except Exception as exc:
                     if self._stop.is_set():
                         return
+                    if isinstance(exc, Relocated):
+                        # Nothing was written: write the batch where the table is now
+                        # (at once; with backoff if the table keeps changing).
+                        logger.info("broadcast writer: %s; finding it again", exc)
+                        relocations += 1
+                        if relocations > 1:
+                            self._stop.wait(backoff(relocations - 1))
+                        continue
+                    if isinstance(exc, psycopg.errors.UndefinedTable):
+                        self._statements.forget()  # found again (or created) next round
                     expected = isinstance(
                         exc, psycopg.Error | OSError | BackendUnavailable | ConfigError
                     )
@@ -390,6 +412,8 @@ class Writer:
                         # statement left running: no backend to end).
                         self._doubtful = batch
                         self._doubtful_from = identity if broke else None
+                        location = self._statements.location
+                        self._doubtful_in = 0 if location is None else location.oid
                     if not expected:
                         logger.exception("broadcast writer: unexpected error; retrying")
                     failures += 1
@@ -463,6 +487,14 @@ class Writer:
         self._not_ready = ""
         self.ready.set()
 
+    def _find_tables(self) -> None:
+        """Find the table again after a publish found it gone or elsewhere, on a session
+        of the broadcaster's own (``create_tables`` creates it again there)."""
+        with self._sessions.borrow("find the broadcast tables", check=True) as conn:
+            with self._deadlines.guard(conn, self._settings.timeout):
+                self._sessions.prepare(conn)
+            self._statements.resolve(conn)
+
     def _report_down(self, exc: BaseException, now: float) -> bool:
         """Warn that the writer cannot write: once per outage, where rounds that fail
         with the same error between short successes are one outage; ``False`` when
@@ -527,7 +559,12 @@ class Writer:
                 text_array(i.payload for i in items),
                 b"{" + ",".join(str(i.seq) for i in items).encode() + b"}",
             ]
-        self._statements.run(conn, kind, params)
+        result = self._statements.run(conn, kind, params)
+        if result.ntuples == 0:
+            # The name finds another table now, or none: nothing was inserted.
+            where = self._statements.outbox.ident.as_string(conn)
+            self._statements.forget()
+            raise Relocated(f"broadcast table {self._outbox.table!r} is no longer {where}")
         self._committed_through(items[-1].seq, len(items))
 
     def _committed_through(self, seq: int, count: int) -> None:
@@ -572,8 +609,13 @@ class Writer:
                         )
                     time.sleep(0.02)
         with self._deadlines.guard(conn, self._settings.timeout):
-            row = query_one(
-                conn, self._statements.outbox.committed(), (self._origin, batch[-1].seq)
+            # Wherever the table the batch was sent to is now; none: it was dropped,
+            # with the batch if it had committed.
+            table = Locator.at(conn, self._doubtful_in) if self._doubtful_in else None
+            row = (
+                None
+                if table is None
+                else query_one(conn, Outbox.committed(table), (self._origin, batch[-1].seq))
             )
         if row is not None and row[0]:
             logger.info(

@@ -30,7 +30,7 @@ from rselection.postgres import PostgresBroadcaster, PostgresLeader, migrate
 from rselection.postgres.broadcast import Gap, MessageEncodeError, PostgresBroadcastStats
 from rselection.postgres.broadcast.outbox import Outbox, text_array
 from tests.support.broadcast_node import body
-from tests.support.pg import with_host_port
+from tests.support.pg import with_host_port, with_search_path
 from tests.support.proxy import TcpProxy
 from tests.support.sessions import process_sessions
 from tests.support.waiting import wait_until
@@ -1137,6 +1137,135 @@ def test_missing_table_without_create_tables_is_reported(
             assert "migrate(conninfo, broadcast_table=" in caplog.text
         finally:
             bc.close()
+
+
+def current_schema(dsn: str) -> str:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT current_schema()").fetchone()
+    assert row is not None and row[0]
+    return str(row[0])
+
+
+def create_outbox(conn: psycopg.Connection[Any], table: str) -> None:
+    """Create the outbox tables ``table`` (schema-qualified) as ``migrate()`` does."""
+    migrate(
+        conn,
+        table=None,
+        claims_table=None,
+        elections_table=None,
+        nodes_table=None,
+        broadcast_table=table,
+        checkpoint_prefix=None,
+    )
+
+
+def rows_in(dsn: str, table: str, channel: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            f"SELECT count(*) FROM {table} WHERE channel = %s", (channel,)
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_writer_and_listener_follow_a_table_that_a_schema_earlier_in_the_path_now_holds(
+    pg_server_dsn: str,
+    make_pg_dsn: Callable[[], str],
+    make_bc: Callable[..., PostgresBroadcaster],
+) -> None:
+    home = current_schema(make_pg_dsn())
+    early = f"t_{uuid.uuid4().hex[:16]}"  # first in the path, created later
+    dsn = with_search_path(pg_server_dsn, f"{early},{home}")
+    table = f"bc_{uuid.uuid4().hex[:12]}"
+    gaps: list[Gap] = []
+    publisher = make_bc(dsn, table=table)
+    listener = make_bc(dsn, table=table, on_gap=gaps.append, probe_interval=0.3)
+    sub = listener.subscribe("s")
+    publisher.publish("s", "before")
+    assert drain(sub, 1, 20) == ["before"]
+    try:
+        with psycopg.connect(pg_server_dsn, autocommit=True) as admin:
+            admin.execute(f"CREATE SCHEMA {early}")
+            create_outbox(admin, f"{early}.{table}")
+        # The name now means the table of the earlier schema, for every new session too.
+        sub.close()
+        wait_until(lambda: not listener.stats().listening, 10, "the listener released")
+        sub = listener.subscribe("s")
+        after = [f"after {i}" for i in range(3)]
+        for msg in after:
+            publisher.publish("s", msg)
+        assert publisher.flush(20)
+        assert drain(sub, 3, 20) == after, "written where the listener reads"
+        assert_quiet(sub)
+        assert rows_in(pg_server_dsn, f"{early}.{table}", "s") == 3
+        assert rows_in(pg_server_dsn, f"{home}.{table}", "s") == 1
+    finally:
+        for bc in (publisher, listener):
+            bc.close()
+        with psycopg.connect(pg_server_dsn, autocommit=True) as admin:
+            admin.execute(f"DROP SCHEMA IF EXISTS {early} CASCADE")
+
+
+def test_a_listening_node_follows_the_table_to_an_earlier_schema_with_the_writer(
+    pg_server_dsn: str,
+    make_pg_dsn: Callable[[], str],
+    make_bc: Callable[..., PostgresBroadcaster],
+) -> None:
+    home = current_schema(make_pg_dsn())
+    early = f"t_{uuid.uuid4().hex[:16]}"
+    dsn = with_search_path(pg_server_dsn, f"{early},{home}")
+    table = f"bc_{uuid.uuid4().hex[:12]}"
+    gaps: list[Gap] = []
+    publisher = make_bc(dsn, table=table)
+    listener = make_bc(dsn, table=table, on_gap=gaps.append, probe_interval=0.3)
+    sub = listener.subscribe("s")
+    publisher.publish("s", "before")
+    assert drain(sub, 1, 20) == ["before"]
+    try:
+        with psycopg.connect(pg_server_dsn, autocommit=True) as admin:
+            admin.execute(f"CREATE SCHEMA {early}")
+            create_outbox(admin, f"{early}.{table}")
+        after = [f"after {i}" for i in range(3)]
+        for msg in after:
+            publisher.publish("s", msg)
+        assert publisher.flush(20)
+        assert drain(sub, 3, 20) == after, "the listener followed the writer"
+        assert_quiet(sub)
+        assert rows_in(pg_server_dsn, f"{early}.{table}", "s") == 3
+        wait_until(lambda: len(gaps) == 1, 10, "the change of table reported")
+        assert gaps[0].reset
+    finally:
+        for bc in (publisher, listener):
+            bc.close()
+        with psycopg.connect(pg_server_dsn, autocommit=True) as admin:
+            admin.execute(f"DROP SCHEMA IF EXISTS {early} CASCADE")
+
+
+def test_writer_and_listener_follow_the_table_moved_to_another_schema_of_the_path(
+    pg_server_dsn: str,
+    make_pg_dsn: Callable[[], str],
+    make_bc: Callable[..., PostgresBroadcaster],
+) -> None:
+    first, second = current_schema(make_pg_dsn()), current_schema(make_pg_dsn())
+    dsn = with_search_path(pg_server_dsn, f"{first},{second}")
+    table = f"bc_{uuid.uuid4().hex[:12]}"
+    gaps: list[Gap] = []
+    publisher = make_bc(dsn, table=table)
+    listener = make_bc(dsn, table=table, on_gap=gaps.append, probe_interval=0.3)
+    sub = listener.subscribe("m")
+    publisher.publish("m", "before")
+    assert drain(sub, 1, 20) == ["before"]
+    with psycopg.connect(pg_server_dsn, autocommit=True) as admin, admin.transaction():
+        for name in (table, f"{table}_state"):
+            admin.execute(f"ALTER TABLE {first}.{name} SET SCHEMA {second}")
+    after = [f"after {i}" for i in range(3)]
+    for msg in after:
+        publisher.publish("m", msg)
+    assert publisher.flush(20), "the writer follows the table"
+    assert drain(sub, 3, 20) == after
+    assert_quiet(sub)
+    assert rows_in(pg_server_dsn, f"{second}.{table}", "m") == 4
+    assert not gaps, "the same table: nothing to resynchronise"
 
 
 def test_batch_cut_after_its_commit_is_written_once_after_the_ids_were_reset(
