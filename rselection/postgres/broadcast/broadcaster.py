@@ -280,9 +280,17 @@ class PostgresBroadcaster(Broadcaster):
         Subscribing needs no ``wait_ready()`` first: :meth:`subscribe` itself waits
         until messages published from then on are delivered.
 
+        Called from a listener thread (in a receiver or an ``on_gap`` hook), it does not
+        wait, whatever ``timeout``: it returns at once whether the broadcaster is ready
+        (see :meth:`flush`).
+
         :param timeout: seconds to wait at most; ``None`` waits as long as it takes.
         :returns: whether the broadcaster is ready.
         """
+        if ListeningSession.in_a_thread():
+            return self._writer.ready.is_set() and (
+                not self.has_readers() or self._listener.positioned.is_set()
+            )
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._writer.ready.wait(timeout):
             return False

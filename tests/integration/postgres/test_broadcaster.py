@@ -1351,3 +1351,27 @@ def test_flush_from_a_receiver_returns_at_once_and_delivery_goes_on(
             [(flushed, took)] = results
             assert not flushed and took < 1.0
     assert blocked.flush(20)
+
+
+def test_wait_ready_from_a_receiver_returns_at_once_and_delivery_goes_on(
+    pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster]
+) -> None:
+    reader = make_bc()
+    # Never ready: its table does not exist and it may not create it.
+    missing = PostgresBroadcaster(pg_dsn, table=f"bc_{uuid.uuid4().hex[:12]}", create_tables=False)
+    results: list[tuple[bool, float]] = []
+
+    def receiver(channel: str, message: object) -> None:
+        started = time.monotonic()
+        results.append((missing.wait_ready(), time.monotonic() - started))
+
+    try:
+        reader.connect("ready", receiver)
+        sub = reader.subscribe("other")
+        reader.publish("ready", 1)
+        reader.publish("other", "delivered meanwhile")
+        assert drain(sub, 1, 10) == ["delivered meanwhile"], "the listener is not stalled"
+        [(ready, took)] = results
+        assert not ready and took < 1.0
+    finally:
+        missing.close()
