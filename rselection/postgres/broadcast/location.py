@@ -163,7 +163,8 @@ class Locator:
         """
         query = sql.SQL(
             "SELECT f.oid, n.nspname FROM (" + FIND_TABLE.format(path="%s", rel="%s") + ") f"
-            " JOIN pg_class c ON c.oid = f.oid JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " JOIN pg_catalog.pg_class c ON c.oid = f.oid"
+            " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
         )
         row = _one(conn, query, (list(self.path), self.name))
         if row is None:
@@ -183,8 +184,8 @@ class Locator:
         """The table of oid ``oid`` wherever it is now (``None``: it was dropped)."""
         row = _one(
             conn,
-            "SELECT n.nspname, c.relname FROM pg_class c"
-            " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = %s",
+            "SELECT n.nspname, c.relname FROM pg_catalog.pg_class c"
+            " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = %s",
             (oid,),
         )
         return None if row is None else sql.Identifier(str(row[0]), str(row[1]))

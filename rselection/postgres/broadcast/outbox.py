@@ -61,8 +61,8 @@ INLINE_LIMIT = 7000
 
 FIND_TABLE = (
     "SELECT c.oid FROM unnest({path}::name[]) WITH ORDINALITY AS p(name, pos)"
-    " JOIN pg_namespace n ON n.nspname = p.name"
-    " JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = {rel}::name"
+    " JOIN pg_catalog.pg_namespace n ON n.nspname = p.name"
+    " JOIN pg_catalog.pg_class c ON c.relnamespace = n.oid AND c.relname = {rel}::name"
     " ORDER BY p.pos LIMIT 1"
 )
 """The oid of the table a name finds through a search path (``{path}``: the schemas
