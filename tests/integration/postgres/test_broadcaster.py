@@ -1328,7 +1328,8 @@ def test_flush_from_a_receiver_returns_at_once_and_delivery_goes_on(
     pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster]
 ) -> None:
     reader = make_bc(table=f"bc_{uuid.uuid4().hex[:12]}")
-    blocked = make_bc(table=f"bc_{uuid.uuid4().hex[:12]}")
+    # Another connection string: another pool, whose writers' turn the blocked one holds.
+    blocked = make_bc(f"{pg_dsn}&connect_timeout=11", table=f"bc_{uuid.uuid4().hex[:12]}")
     results: list[tuple[bool, float]] = []
 
     def receiver(channel: str, message: object) -> None:
