@@ -54,8 +54,9 @@ class PostgresBroadcastStats(BroadcastStats):
         new ids, each reported as a :class:`Gap` with ``reset=True``.
     :param reconnects: times the listener lost its connection and connected again (closing
         it when the process's last reader has gone is not counted).
-    :param listening: whether the listener LISTENs (this node has readers) and has
-        caught up.
+    :param listening: whether the listener LISTENs (this node has readers) from a known
+        position: every message committed from then on is delivered (a backlog is
+        fetched a page per turn of the listening thread, so it may still be catching up).
     :param last_id: the outbox id of the last message delivered.
     :param listener_pid: the backend pid of the process's listening session, to find it
         in ``pg_stat_activity``; ``None`` while it is disconnected, which it is while no

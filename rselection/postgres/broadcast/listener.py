@@ -153,7 +153,12 @@ class Listener:
         self.reconnects = 0
         """Times the listener lost its session and connected again."""
         self.listening = False
-        """Whether the listener LISTENs and has caught up."""
+        """Whether the listener LISTENs from a known position (it may still be behind)."""
+        self.behind = False
+        """Whether its last fetch was a full page: the session fetches again on its next
+        turn, without waiting for a NOTIFY (one page per turn, so that a catch-up, however
+        long, never holds up the other broadcasters of the process, nor a new reader's
+        start)."""
         self.pid: int | None = None
         """The backend pid of the listener's session (``None`` while disconnected)."""
 
@@ -291,11 +296,16 @@ class Listener:
             self._oid = None if oid is None else int(oid)
         self._notified = 0
         # Catch up on what was published while not listening (LISTEN came first, so
-        # nothing committed after this fetch's snapshot can be missed).
+        # nothing committed after this fetch's snapshot can be missed): a first page
+        # now, the rest on the session's next turns (see :attr:`behind`). The position
+        # is known from here on, so a reader waiting for it returns at once, even while
+        # a stream keeps this listener behind.
         self.catch_up(session, conn)
+        if self.generation != session.generation:
+            return  # the name finds another table now: found again on the next turn
         self.listening = True
         self.positioned.set()
-        if self._lost:
+        if self._lost and not self.behind:
             self._reconnected()
 
     def lose(self, generation: int) -> None:
@@ -304,6 +314,7 @@ class Listener:
             self._lost = True
         self.generation = 0
         self.listening = False
+        self.behind = False
         self.pid = None
 
     def release(self) -> None:
@@ -311,6 +322,7 @@ class Listener:
         again on the next, without counting a reconnect."""
         self.generation = 0
         self.listening = False
+        self.behind = False
         self.pid = None
 
     def fail(self, exc: BaseException) -> None:
@@ -318,6 +330,7 @@ class Listener:
         a statement timed out): retry it with backoff, the other listeners go on."""
         self.generation = 0
         self.listening = False
+        self.behind = False
         self._failures += 1
         self.retry_at = time.monotonic() + backoff(self._failures)
         detail = self.sessions.error_text(exc)
@@ -389,11 +402,16 @@ class Listener:
         fetches again; a position taken stays, and a new table is a reset)."""
         self.generation = 0
         self.listening = False
+        self.behind = False
 
     def catch_up(self, session: ListeningSession, conn: psycopg.Connection[Any]) -> None:
-        """Fetch and deliver every row after the last id, in order, reporting gaps."""
+        """Fetch and deliver the next page of rows after the last id, in order, reporting
+        gaps; :attr:`behind` tells whether more may wait (the session's next turn
+        fetches them). One page per call: the session's thread serves every broadcaster
+        of the process, and new readers wait for it to start them."""
         location = self._location
         assert location is not None, "resolve() first"
+        self.behind = False
         while not self._stop.is_set():
             with session.guard(conn):
                 cursor = conn.execute(
@@ -426,8 +444,10 @@ class Listener:
                     self._deliver(int(row_id), channel, payload)
             if purged > self.last_id:
                 self.last_id = purged
-            if got < self._fetch_rows:
-                return
+            self.behind = got >= self._fetch_rows
+            if not self.behind and self._lost and self.listening:
+                self._reconnected()
+            return
 
     def _reset(self, purged: int, oid: int) -> None:
         """Resynchronise on a new outbox sequence: deliver everything it holds."""

@@ -344,15 +344,23 @@ class ListeningSession:
             if first:
                 healthy()
                 first = False
-            wait = max(0.0, quiet_since + probe - time.monotonic())
+            # Listeners left behind by their last page fetch their next one this turn,
+            # without waiting: one page each per turn, so a new reader (above) starts
+            # within a turn however long another listener's catch-up is.
+            fetch: list[Listener] = [
+                each
+                for group in wanted.values()
+                for each in group
+                if each.listening and each.behind
+            ]
+            wait = 0.0 if fetch else max(0.0, quiet_since + probe - time.monotonic())
             retry = [each.retry_at for each in listeners if each.generation != generation]
             if retry:
                 wait = min(wait, max(0.0, min(retry) - time.monotonic()))
             notes, woken = self._next(conn, wait)
             if self._stop.is_set():
                 return False
-            if notes:
-                fetch: list[Listener] = []
+            if notes or fetch:
                 for note in notes:
                     for listener in wanted.get(note.channel, ()):
                         if (

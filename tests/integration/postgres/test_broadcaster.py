@@ -829,6 +829,32 @@ def test_late_subscriber_gets_everything_published_after_subscribe_returned(
     assert publisher.stats().gaps == late_node.stats().gaps == 0
 
 
+def test_subscribe_does_not_wait_for_another_broadcasters_catch_up(
+    make_bc: Callable[..., PostgresBroadcaster],
+) -> None:
+    # One row per fetch (the fetch is bounded by bytes of max_message_bytes): the
+    # publisher's listener needs one round trip per message to catch up on a backlog,
+    # and the broadcasters of this process share its listening thread.
+    publisher = make_bc(max_message_bytes=256 * 1024 * 1024, max_pending=20_000)
+    late_node = make_bc()
+    total = 5_000
+    own = publisher.subscribe("backlog", maxsize=total + 100)
+    for i in range(total):
+        publisher.publish("backlog", i)
+    assert publisher.flush(30)
+    assert drain(own, 1, 20) == [0], "the catch-up under way"
+    other = late_node.subscribe("backlog")
+    behind = total - publisher.stats().received
+    # A new reader starts within a turn of the shared thread, not after the backlog
+    # another broadcaster of the process is still fetching.
+    assert behind > 0, "subscribe() waited for the other listener's whole catch-up"
+    publisher.publish("backlog", "after")
+    assert drain(other, 1, 20) == ["after"]
+    assert_quiet(other)
+    assert drain(own, total, 60) == [*range(1, total), "after"]
+    assert publisher.stats().gaps == late_node.stats().gaps == 0
+
+
 def test_listener_stops_with_the_last_reader_and_starts_again(
     make_bc: Callable[..., PostgresBroadcaster],
 ) -> None:
