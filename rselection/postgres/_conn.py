@@ -354,7 +354,13 @@ def _kind_of(source: object, owner: str) -> str:
             "a connection string instead"
         )
     if callable(getattr(source, "connection", None)):
-        if inspect.iscoroutinefunction(getattr(type(source), "connection", None)):
+        method = getattr(type(source), "connection", None)
+        # An async pool's connection() is an async context manager (its function, once
+        # unwrapped, an async generator): refused here, not at its first use.
+        if method is not None and (
+            inspect.iscoroutinefunction(method)
+            or inspect.isasyncgenfunction(inspect.unwrap(method))
+        ):
             raise ConfigError(
                 f"{owner} needs a synchronous pool, got {type(source).__name__}: pass a "
                 "psycopg_pool.ConnectionPool or a connection string instead"
@@ -590,6 +596,23 @@ class Connections:
         with self._lock:
             sessions, idle = self._sessions, list(self._idle)
         return sessions.idle_connections() if sessions is not None else idle
+
+    def waiting(self) -> int:
+        """Callers waiting now for a connection of the pool this lends from: the
+        process's pooled sessions, or a ``psycopg_pool`` pool (its ``requests_waiting``);
+        0 when that cannot be known."""
+        if self._pool is not None:
+            get_stats = getattr(self._pool, "get_stats", None)
+            if not callable(get_stats):
+                return 0
+            try:
+                waiting = get_stats().get("requests_waiting", 0)
+            except Exception:
+                return 0
+            return waiting if isinstance(waiting, int) else 0
+        with self._lock:
+            sessions = self._sessions
+        return sessions.waiting if sessions is not None else 0
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:

@@ -87,6 +87,7 @@ class SessionPool:
         self._idle: list[_Session] = []
         self._busy = 0
         self._generation = 0  # bumped when the last user detaches
+        self._waiting = 0  # callers waiting for a session to come free
         self._io = IoWatchdog(APPLICATION_NAME)
 
     @classmethod
@@ -143,6 +144,13 @@ class SessionPool:
             with contextlib.suppress(Exception):
                 session.conn.close()
 
+    @property
+    def waiting(self) -> int:
+        """Callers waiting now for a session to come free (a holder that could give its
+        session back early, such as a broadcast writer, does so when this is not 0)."""
+        with self._lock:
+            return self._waiting
+
     def idle_connections(self) -> list[psycopg.Connection[Any]]:
         """The sessions kept for the next calls (for checks and tests)."""
         with self._lock:
@@ -164,7 +172,17 @@ class SessionPool:
                 or prepared.
         """
         wait = connect_timeout + statement_timeout
-        if not self._slots.acquire(timeout=wait):
+        if not self._slots.acquire(blocking=False):
+            with self._lock:
+                self._waiting += 1
+            try:
+                acquired = self._slots.acquire(timeout=wait)
+            finally:
+                with self._lock:
+                    self._waiting -= 1
+        else:
+            acquired = True
+        if not acquired:
             raise BackendUnavailable(
                 f"{owner}: all {POOL_SIZE} pooled sessions ({self.where}) stayed busy for {wait:g}s"
             )

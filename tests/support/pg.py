@@ -122,11 +122,12 @@ def with_search_path(dsn: str, schema: str) -> str:
 
     Parameters:
         dsn: a libpq connection string or URI.
-        schema: the schema name; must be a plain identifier (letters, digits,
-            underscores), which is what the fixtures generate.
+        schema: the schema name, or several separated by commas (a search path);
+            each a plain identifier (letters, digits, underscores), which is what
+            the fixtures generate.
     """
-    if not schema or not all(c.isalnum() or c == "_" for c in schema):
-        raise ValueError(f"schema must be a plain identifier, got {schema!r}")
+    if not all(part and all(c.isalnum() or c == "_" for c in part) for part in schema.split(",")):
+        raise ValueError(f"schema must be plain identifiers (comma-separated), got {schema!r}")
     option = f"-csearch_path={schema}"
 
     def add_option(params: dict[str, str]) -> None:

@@ -508,3 +508,20 @@ def test_channels_used_once_cost_no_memory_and_no_work_per_wake_up() -> None:
     assert not b.has_readers()
     # 20,000 forgotten channels kept about 24 MB before; a handful of bytes is noise.
     assert grown < 64 * 1024, f"{grown} bytes kept for channels nobody reads"
+
+
+@pytest.mark.parametrize(
+    ("setting", "expected"),
+    [
+        ('"$user", public', ("pg_catalog", "alice", "public")),
+        ("$user,public", ("pg_catalog", "alice", "public")),
+        ('a, "My ""S""", B ,c', ("pg_catalog", "a", 'My "S"', "b", "c")),
+        ('"a,b", x', ("pg_catalog", "a,b", "x")),
+        ("x, pg_catalog", ("x", "pg_catalog")),
+        ("", ("pg_catalog",)),
+    ],
+)
+def test_search_path_is_read_as_postgres_reads_it(setting: str, expected: tuple[str, ...]) -> None:
+    from rselection.postgres.broadcast.location import parse_search_path
+
+    assert parse_search_path(setting, "alice") == expected

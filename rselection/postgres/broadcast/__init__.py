@@ -3,11 +3,14 @@
 A package of one concept in parts, each an object that owns its state:
 :class:`~rselection.postgres.broadcast.broadcaster.PostgresBroadcaster` (the public
 API), its :class:`~rselection.postgres.broadcast.writer.Writer` and
-:class:`~rselection.postgres.broadcast.listener.Listener` (the writer with a thread and a
-session of its own; the listeners of a process share one
-:class:`~rselection.postgres.broadcast.listening.ListeningSession` per connection string),
-the :class:`~rselection.postgres.broadcast.sessions.Sessions` they open, the
-:class:`~rselection.postgres.broadcast.outbox.Outbox` statements and the checked
+:class:`~rselection.postgres.broadcast.listener.Listener` (the writer with a thread of its
+own that borrows the process's pooled sessions; the listeners of a process share one
+:class:`~rselection.postgres.broadcast.listening.ListeningSession` per connection string,
+held only while the process reads), the
+:class:`~rselection.postgres.broadcast.sessions.Sessions` they use, the writer's
+:class:`~rselection.postgres.broadcast.statements.PublishStatements`, the
+:class:`~rselection.postgres.broadcast.outbox.Outbox` statements, the
+:class:`~rselection.postgres.broadcast.location.Locator` that finds the table, and the checked
 :class:`~rselection.postgres.broadcast.settings.Settings`.
 
 Every node of a fleet creates one on the same database and table::
@@ -27,8 +30,18 @@ in the same transaction. ``publish`` never waits for Postgres (it is safe in ``a
 def`` code); :meth:`PostgresBroadcaster.flush` waits until what was published is
 committed. The writer puts every message waiting at that moment in one transaction, so
 a burst costs one round trip per batch, not per message. Its statements are prepared
-once per connection and run through libpq with text parameters (a lone message uses a
+once per session and run through libpq with text parameters (a lone message uses a
 simpler statement than a batch), so a publish costs little more than a bare NOTIFY.
+
+**No session of its own to publish.** Each round of the writer (a batch, a purge)
+borrows one of the process's pooled sessions for its connection string
+(:class:`~rselection.postgres.session_pool.SessionPool`, at most 2, shared with claims,
+checkpoints, electors and membership; ``application_name`` ``rselection:pool``) and
+gives it back at once; with a pool as ``conninfo`` it borrows the pool's connections
+instead. ``synchronous_commit`` is set inside each publish's own transaction, never on
+the session, which other users share. At construction the writer checks the tables
+(``create_tables``) on a pooled session; :meth:`PostgresBroadcaster.wait_ready` waits
+for that.
 
 **One order for everyone.** A publish takes a transaction-level advisory lock before its
 ids are drawn and holds it through its commit, so ids become visible strictly in
@@ -44,12 +57,15 @@ characters). A batch whose rows fit in a few kilobytes travels inside the NOTIFY
 payload; larger ones send only the last id and listeners fetch the rows. So a message
 of any size (up to ``max_message_bytes``) is delivered whole.
 
-**LISTEN only for readers.** The listener connects at construction but LISTENs only
-while its node has subscriptions or receivers, so a node that only publishes is not
-woken by every message. The first :meth:`~PostgresBroadcaster.subscribe` or
-:meth:`~PostgresBroadcaster.connect` makes it LISTEN and read the newest id, and returns
-once it has: every message committed after that is delivered. When the last reader has
-gone, the listener UNLISTENs at its next wake-up.
+**A session to LISTEN only for readers.** A node that only publishes holds no listening
+session and is not woken by any message. The first
+:meth:`~PostgresBroadcaster.subscribe` or :meth:`~PostgresBroadcaster.connect` of the
+process connects the listening session, LISTENs and reads the newest id, and returns
+once it has: every message committed after that is delivered. When the last reader of a
+table in the process has gone, the session UNLISTENs that table; when the last reader of
+the process has gone (a subscription closed, a receiver disconnected, a broadcaster
+closed), it closes its Postgres session at once, and the next reader connects again
+(from the newest id: messages published while nobody read are not delivered).
 
 **Nothing lost while disconnected.** NOTIFY is dropped for a listener that is not
 connected. After every (re)connect the listener LISTENs first and then fetches every
@@ -65,13 +81,19 @@ the new messages. Every fetch therefore also reads, in its snapshot, the newest 
 the table's oid: when the table is another one than where the position was taken, or
 every id up to the last one delivered is gone without the purge watermark covering it,
 the listener resynchronises on the new ids, delivers every message the table holds, and
-reports a :class:`Gap` with ``reset=True`` (``stats().resets``). A NOTIFY whose ids are
+reports a :class:`Gap` with ``reset=True`` (``stats().resets``).
+
+**Where the table is.** The writer and the listener find the table the same way, through
+the search path the broadcaster read once on a session of its own, and follow it
+together when its name finds another table (or the table moved): see
+:mod:`rselection.postgres.broadcast.location`. A NOTIFY whose ids are
 not above the previous one's (commits are ordered by id, so that happens only when the
 ids went back) makes it fetch at once.
 
 **One listening session per process.** Every broadcaster of a process on one connection
-string shares one listening session and thread (reference-counted, closed with the last
-broadcaster): it LISTENs on the channel of each table one of them reads, and hands every
+string shares one listening session and thread (the thread starts with the first
+reader and ends with the last broadcaster; the session is held while there are
+readers): it LISTENs on the channel of each table one of them reads, and hands every
 NOTIFY to the listeners of that table, each with its own position, counters and readers.
 The session polls after the shortest ``probe_interval`` of its broadcasters and bounds
 its round trips by the longest ``timeout``; receivers of all of them run in its thread.
@@ -82,11 +104,12 @@ seconds it polls the outbox, and a round trip that overruns ``timeout`` aborts t
 connection, so a half-open connection (a silent partition) is found within
 ``probe_interval + timeout``. It reconnects with capped exponential backoff and jitter.
 
-**Exactly once on writer failures.** A publish whose connection breaks before the commit
-was confirmed may or may not have committed. The writer then reconnects, ends the old
-backend (``pg_terminate_backend``, waiting until it is gone so it cannot commit later),
-and looks up the last ``origin_seq`` its origin committed before writing the batch
-again, so a batch is never written twice.
+**Exactly once on writer failures.** A publish whose session breaks before the commit
+was confirmed may or may not have committed. The writer then borrows another session,
+ends the old backend (``pg_terminate_backend``, waiting until it is gone so it cannot
+commit later), and looks for the batch itself (its origin and the ``origin_seq`` of its
+last message, never an id: ids go back when the table is created again) before writing
+it again, so a batch is never written twice nor counted twice.
 """
 
 from __future__ import annotations

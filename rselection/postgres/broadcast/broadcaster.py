@@ -18,8 +18,8 @@ import psycopg
 
 from ...broadcast import Broadcaster, BroadcastStats, OverflowHook, Receiver, Subscription
 from ...errors import BackendUnavailable, ConfigError
-from .._conn import session_conninfo
 from .listener import GapHook, Listener
+from .listening import ListeningSession
 from .outbox import BROADCAST_TABLE, Outbox, inline_cost
 from .sessions import Sessions
 from .settings import Settings
@@ -52,12 +52,15 @@ class PostgresBroadcastStats(BroadcastStats):
     :param resets: times the outbox's ids went back (the table created again, its
         sequence reset, a restore from a backup) and the listener resynchronised on the
         new ids, each reported as a :class:`Gap` with ``reset=True``.
-    :param reconnects: times the listener lost its connection and connected again.
-    :param listening: whether the listener LISTENs (this node has readers) and has
-        caught up.
+    :param reconnects: times the listener lost its connection and connected again (closing
+        it when the process's last reader has gone is not counted).
+    :param listening: whether the listener LISTENs (this node has readers) from a known
+        position: every message committed from then on is delivered (a backlog is
+        fetched a page per turn of the listening thread, so it may still be catching up).
     :param last_id: the outbox id of the last message delivered.
-    :param listener_pid: the backend pid of the listener's session (``None`` while
-        disconnected), to find it in ``pg_stat_activity``.
+    :param listener_pid: the backend pid of the process's listening session, to find it
+        in ``pg_stat_activity``; ``None`` while it is disconnected, which it is while no
+        broadcaster of the process on this connection string has readers.
     """
 
     published: int = 0
@@ -84,20 +87,35 @@ class PostgresBroadcaster(Broadcaster):
     on the same connection string shares: keep them short. See the module docstring
     for how delivery, ordering, catch-up and gaps work.
 
-    The listener connects in the background at construction, and LISTENs only while
-    this node has subscriptions or receivers: a node that only publishes is not woken
-    by every message. :meth:`subscribe` and :meth:`connect` return once the listener
-    knows where it starts (a round trip or two when it is not listening yet, at most
+    Publishes hold no session of their own: each batch borrows one of the process's
+    pooled sessions (at most 2 per connection string, shared with claims, checkpoints
+    and membership), or a connection of the pool given as ``conninfo``. The listener
+    holds a session only while the process has subscriptions or receivers (one per
+    process and connection string, however many broadcasters and readers), and closes
+    it as soon as the last of them has gone: a node that only publishes never listens.
+    :meth:`subscribe` and :meth:`connect` return once the listener knows where it starts
+    (connecting, and a round trip or two, when it is not listening yet; at most
     ``timeout`` seconds), so every message committed after they return is delivered.
 
     Args:
         conninfo: a libpq connection string or URI, a ``psycopg.Connection`` or a pool
-            (``psycopg_pool.ConnectionPool``). The broadcaster opens its sessions with the
-            same parameters: a writer of its own (on first publish), and the listener,
-            which LISTEN needs kept for it (a pool cannot lend that) and which every
-            broadcaster of the process on the same connection string shares.
+            (``psycopg_pool.ConnectionPool``). With a string or a connection, publishes
+            borrow the process's pooled sessions for that string (for a connection: the
+            parameters it connected with; the connection itself is never used). With a
+            pool, publishes and purges borrow its connections (one in autocommit mode or
+            not; its settings are left as they were). The listening session, which LISTEN
+            needs kept for it (a pool cannot lend that), and the table check at
+            construction use the same parameters (a pool's ``conninfo`` and libpq
+            ``kwargs``), which resolve ``table`` to the ``schema.table`` every statement
+            on the pool's connections names (their ``search_path`` does not matter).
+            An async pool is refused.
+            Publishes through a pooler in transaction or statement mode are refused
+            (:meth:`publish` raises ``ConfigError``).
         table: outbox table, optionally schema-qualified (``"ops.broadcast"``); every
-            node that should hear each other uses the same one.
+            node that should hear each other uses the same one. Without a schema, the
+            first schema of the search path of the broadcaster's own sessions (read
+            once) that holds it; the writer and the listener follow it there when that
+            changes (see :mod:`rselection.postgres.broadcast.location`).
         retention: seconds a message stays in the outbox (server time), i.e. how long a
             node may be disconnected and still catch up without a gap. Default 600.
         create_tables: create the tables on first connect; else run
@@ -123,8 +141,9 @@ class PostgresBroadcaster(Broadcaster):
             :class:`Gap`; an exception it raises is logged and ignored.
 
     Raises:
-        ConfigError: a bad ``conninfo``, unsafe table name, non-positive or non-finite
-            timings, bad limits, or hooks that are not callable.
+        ConfigError: a bad ``conninfo`` (an async pool among them), unsafe table name,
+            non-positive or non-finite timings, bad limits, or hooks that are not
+            callable.
     """
 
     def __init__(
@@ -143,7 +162,6 @@ class PostgresBroadcaster(Broadcaster):
         on_overflow: OverflowHook | None = None,
         on_gap: GapHook | None = None,
     ) -> None:
-        conninfo = session_conninfo(conninfo, "PostgresBroadcaster")
         outbox = Outbox(table)  # validates the name
         settings = Settings(
             retention=retention,
@@ -161,9 +179,10 @@ class PostgresBroadcaster(Broadcaster):
         self.table = table
         self.settings = settings
         """The checked configuration (retention, timeouts, limits)."""
-        self._sessions = Sessions(conninfo, outbox, settings)
+        self._sessions = Sessions(conninfo, outbox, settings)  # validates conninfo
         self._listener = Listener(self._sessions, self.has_readers, self._deliver_here, on_gap)
         self._writer = Writer(self._sessions, self._listener, self.has_readers)
+        self._flush_warned = False  # flush() was called in the listener thread
         self._listener.start()
         self._writer.start()
 
@@ -202,8 +221,9 @@ class PostgresBroadcaster(Broadcaster):
         :returns: how many messages of this broadcaster wait to be written, this one
             included (local deliveries happen later, when the message comes back from
             Postgres).
-        :raises ConfigError: bad channel, or the message is larger than
-            ``max_message_bytes``.
+        :raises ConfigError: bad channel, the message is larger than
+            ``max_message_bytes``, or the sessions publishes ride on go through a pooler
+            in transaction or statement mode.
         :raises MessageEncodeError: the message has no JSON form.
         :raises BroadcasterClosed: the broadcaster is closed.
         :raises BackendUnavailable: ``max_pending`` messages have waited ``timeout``
@@ -229,24 +249,51 @@ class PostgresBroadcaster(Broadcaster):
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every message published so far is committed to the outbox.
 
+        Called from a listener thread (in a receiver or an ``on_gap`` hook), it does not
+        wait, whatever ``timeout``: it returns at once whether they are committed
+        already, as ``flush(0)`` would (logged once per broadcaster). That thread
+        delivers the messages of every broadcaster of the process on its connection
+        string; waiting there for a commit would hold all of them up (forever with
+        ``timeout=None`` while Postgres is unreachable). The messages are written all
+        the same; flush from another thread to wait for them.
+
         :param timeout: seconds to wait at most; ``None`` waits as long as it takes.
-        :returns: ``True`` when they are committed, ``False`` on timeout or when the
-            broadcaster closed with messages unwritten.
+        :returns: ``True`` when they are committed, ``False`` on timeout, when the
+            broadcaster closed with messages unwritten, or, in a listener thread, when
+            they are not committed yet.
         """
+        if ListeningSession.in_a_thread():
+            if not self._flush_warned:
+                self._flush_warned = True
+                logger.warning(
+                    "PostgresBroadcaster.flush() called in the listener thread (a "
+                    "receiver) does not wait: it returns whether the messages are "
+                    "written already; flush from another thread to wait for them"
+                )
+            return self._writer.flush(0)
         return self._writer.flush(timeout)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Wait until the broadcaster has connected to Postgres once (its tables ready)
-        and, while this node has subscriptions or receivers, until its listener LISTENs.
+        """Wait until the broadcaster has reached Postgres once (its tables checked, on a
+        pooled session) and, while this node has subscriptions or receivers, until its
+        listener LISTENs. A node that only publishes never waits for a listening session.
 
         Subscribing needs no ``wait_ready()`` first: :meth:`subscribe` itself waits
         until messages published from then on are delivered.
 
+        Called from a listener thread (in a receiver or an ``on_gap`` hook), it does not
+        wait, whatever ``timeout``: it returns at once whether the broadcaster is ready
+        (see :meth:`flush`).
+
         :param timeout: seconds to wait at most; ``None`` waits as long as it takes.
         :returns: whether the broadcaster is ready.
         """
+        if ListeningSession.in_a_thread():
+            return self._writer.ready.is_set() and (
+                not self.has_readers() or self._listener.positioned.is_set()
+            )
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._listener.connected.wait(timeout):
+        if not self._writer.ready.wait(timeout):
             return False
         if not self.has_readers():
             return True
@@ -259,8 +306,10 @@ class PostgresBroadcaster(Broadcaster):
         Same as :meth:`rselection.Broadcaster.subscribe`, except that when this node's
         listener is not LISTENing yet (no subscription or receiver before), it waits
         until the listener knows where it starts: every message committed after this
-        returns is delivered. That takes a round trip or two (plus connecting, right
-        after construction); while Postgres cannot be reached it waits at most
+        returns is delivered. That takes a round trip or two, plus connecting the
+        listening session when no broadcaster of the process had readers; closing the
+        process's last subscription or receiver closes that session again. While
+        Postgres cannot be reached it waits at most
         ``timeout`` seconds, logs a warning and returns, and messages are then delivered
         from the moment the listener connects. Later calls do not wait while the
         listener LISTENs.
@@ -280,26 +329,36 @@ class PostgresBroadcaster(Broadcaster):
         """
         disconnect = super().connect(channel, receiver)
         self._listener.await_position("connect")
-        return disconnect
+
+        def disconnect_and_release() -> None:
+            disconnect()
+            self._listener.reader_left()
+
+        return disconnect_and_release
 
     def purge(self) -> int:
         """Delete the messages older than ``retention`` now; return how many.
 
-        The writer does this on its own every ``retention / 10`` seconds (1 to 60 s) while
-        it has a connection; call it to purge from a node that never publishes.
+        The writer does this on its own every ``retention / 10`` seconds (1 to 60 s) once
+        it has published, on a borrowed session; call it to purge from a node that never
+        publishes.
 
         :raises BackendUnavailable: the database could not be reached.
         """
-        conn = self._sessions.connect("purge the broadcast table", listen=False)
         try:
-            return self._writer.purge(conn)
+            with self._sessions.borrow("purge the broadcast table") as conn:
+                return self._writer.purge(conn)
         except psycopg.Error as exc:
             raise BackendUnavailable(
                 f"cannot purge the broadcast table {self.table!r} ({self._sessions.where}): "
                 f"{self._sessions.error_text(exc)}"
             ) from exc
-        finally:
-            conn.close()
+
+    def _discard(self, sub: Subscription) -> None:
+        """Forget a subscription that closed itself; the last reader of the process
+        releases the listening session."""
+        super()._discard(sub)
+        self._listener.reader_left()
 
     def stats(self) -> PostgresBroadcastStats:
         """Return local fan-out counts plus the cross-node counters (see the class)."""
@@ -324,8 +383,10 @@ class PostgresBroadcaster(Broadcaster):
     def close(self) -> None:
         """Write what is pending (up to ``close_timeout``), stop, close every subscription.
 
-        Calling it again does nothing. Messages still unwritten after ``close_timeout``
-        are dropped with a warning log that says how many.
+        Calling it again does nothing. Messages whose commit was not confirmed within
+        ``close_timeout`` are given up with a warning log that says how many: those not
+        sent are never written, but a batch whose round trip close() cut may still
+        commit on the server.
         """
         if not self._writer.begin_close():
             return
@@ -334,8 +395,9 @@ class PostgresBroadcaster(Broadcaster):
             lost = self._writer.pending
             if lost:
                 logger.warning(
-                    "broadcaster closed with %d message(s) not written to %s within "
-                    "close_timeout=%s s; they are dropped",
+                    "broadcaster closed with %d message(s) not confirmed written to %s "
+                    "within close_timeout=%s s; they may not have been written (a batch "
+                    "in flight may still commit)",
                     lost,
                     self._sessions.where,
                     close_timeout,

@@ -3,7 +3,8 @@ messages to this one.
 
 The listener owns its position in the outbox (the last id it delivered), its counters
 and its gap reports. It wants the table LISTENed only while its broadcaster has
-subscriptions or receivers, catches up by fetching every row after the last id it
+subscriptions or receivers (and the process holds a listening session only while one
+of its broadcasters has some), catches up by fetching every row after the last id it
 delivered (after every (re)connect, on a NOTIFY that does not carry the rows, and on
 silence, which also probes the connection), and reports gaps left by retention. The
 thread and the Postgres session are not its own: every broadcaster of a process on one
@@ -26,6 +27,7 @@ import psycopg
 
 from ...broadcast import BroadcasterClosed
 from .listening import ListeningSession
+from .location import Location
 from .sessions import Sessions, backoff
 
 __all__ = ["Gap", "GapHook", "Listener"]
@@ -117,8 +119,6 @@ class Listener:
         self._session: ListeningSession | None = None
         self._last_of_session = False  # stop() detached the session's last listener
 
-        self.connected = threading.Event()
-        """Set once the listener connected (its tables ready)."""
         # Set while the listener LISTENs (or reconnects to LISTEN again) from a known
         # position; cleared, under _lstate, only when this node has no readers left.
         self.positioned = threading.Event()
@@ -145,7 +145,7 @@ class Listener:
         self.resets = 0
         """Times the outbox's ids went back and the listener resynchronised."""
         self._oid: int | None = None  # the outbox table's oid where the position was taken
-        self._regclass = ""  # the table's name as SQL text, for to_regclass()
+        self._location: Location | None = None  # where the table was found
         self._notified = 0  # the highest id a NOTIFY carried since this LISTEN began
         self._stale_watermark = 0  # a purge watermark left from before a reset
         self.missed = 0
@@ -153,12 +153,18 @@ class Listener:
         self.reconnects = 0
         """Times the listener lost its session and connected again."""
         self.listening = False
-        """Whether the listener LISTENs and has caught up."""
+        """Whether the listener LISTENs from a known position (it may still be behind)."""
+        self.behind = False
+        """Whether its last fetch was a full page: the session fetches again on its next
+        turn, without waiting for a NOTIFY (one page per turn, so that a catch-up, however
+        long, never holds up the other broadcasters of the process, nor a new reader's
+        start)."""
         self.pid: int | None = None
         """The backend pid of the listener's session (``None`` while disconnected)."""
 
     def start(self) -> None:
-        """Attach to the process's listening session (it connects at once if new)."""
+        """Attach to the process's listening session (it connects only once a
+        broadcaster of the process has readers)."""
         self._session = ListeningSession.attach(self)
 
     def stop(self) -> None:
@@ -202,9 +208,12 @@ class Listener:
         session = self._session
         if session is None:
             return
-        session.wake()
+        session.want()
         if threading.current_thread() is session.thread:
-            return  # a receiver subscribing: the listener starts after it returns
+            # A receiver subscribing: the thread that would start the listener is this
+            # one, which cannot wait for itself; it starts it now.
+            session.position(self)
+            return
         timeout = self.settings.timeout
         deadline = time.monotonic() + timeout
         while not self.positioned.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
@@ -220,30 +229,63 @@ class Listener:
                 )
                 return
 
+    def reader_left(self) -> None:
+        """A subscription closed or a receiver disconnected: when it was this
+        broadcaster's last reader, wake the session, which closes its Postgres session
+        if no broadcaster of the process has readers left."""
+        session = self._session
+        if session is not None and not self._has_readers(None):
+            session.wake()
+
     # -- steps run by the session's thread ---------------------------------------------
 
     def resolve(self, session: ListeningSession, conn: psycopg.Connection[Any]) -> None:
         """Make the tables ready (``create_tables``) and find the table's NOTIFY channel
         on the session's (new) connection."""
+        locator = self.sessions.locator
         with session.guard(conn):
             self.sessions.prepare(conn)
-            self.channel, _ = self._outbox.resolve(conn)
-        self._regclass = self._outbox.ident.as_string(conn)
+            locator.read_path(conn)  # on a session of the broadcaster's own
+            location = locator.find(conn)
+        previous = self._location
+        if previous is not None and previous.oid != location.oid:
+            logger.warning(
+                "broadcast table %r on %s is another table now, in schema %r (it was in "
+                "%r); reading that one",
+                self._outbox.table,
+                self.sessions.where,
+                location.schema,
+                previous.schema,
+            )
+        elif previous is not None and previous.schema != location.schema:
+            logger.info(
+                "broadcast table %r on %s moved from schema %r to %r; following it",
+                self._outbox.table,
+                self.sessions.where,
+                previous.schema,
+                location.schema,
+            )
+        self._location = location
+        self.channel = location.channel
         self.generation = session.generation
         self.pid = conn.info.backend_pid
         self._failures, self._error = 0, ""
-        self.connected.set()
         if self._lost and not self._has_readers(None):
             self._reconnected()  # connected; nothing to catch up on for nobody
 
     def begin(self, session: ListeningSession, conn: psycopg.Connection[Any]) -> None:
         """Start delivering, once the session LISTENs on the table's channel: from the
         newest row on a new start, else catch up from the last id delivered."""
+        location = self._location
+        assert location is not None, "resolve() first"
         if not self.positioned.is_set():
             # A new start: from the newest row (older ones had no reader here).
             with session.guard(conn):
-                row = conn.execute(self._outbox.start_position(), (self._regclass,)).fetchone()
+                row = conn.execute(location.outbox.start_position(), self._finds()).fetchone()
             newest, purged, oid = row if row is not None else (0, 0, None)
+            if oid != location.oid:
+                self._relocate()  # the name finds another table since resolve()
+                return
             if 0 < newest <= purged:
                 # Retention leaves only ids above its watermark: this one was left by an
                 # older table of the same name (its state table kept); new ids come
@@ -254,11 +296,16 @@ class Listener:
             self._oid = None if oid is None else int(oid)
         self._notified = 0
         # Catch up on what was published while not listening (LISTEN came first, so
-        # nothing committed after this fetch's snapshot can be missed).
+        # nothing committed after this fetch's snapshot can be missed): a first page
+        # now, the rest on the session's next turns (see :attr:`behind`). The position
+        # is known from here on, so a reader waiting for it returns at once, even while
+        # a stream keeps this listener behind.
         self.catch_up(session, conn)
+        if self.generation != session.generation:
+            return  # the name finds another table now: found again on the next turn
         self.listening = True
         self.positioned.set()
-        if self._lost:
+        if self._lost and not self.behind:
             self._reconnected()
 
     def lose(self, generation: int) -> None:
@@ -267,6 +314,15 @@ class Listener:
             self._lost = True
         self.generation = 0
         self.listening = False
+        self.behind = False
+        self.pid = None
+
+    def release(self) -> None:
+        """The session was closed on purpose (no reader left in the process): resolve
+        again on the next, without counting a reconnect."""
+        self.generation = 0
+        self.listening = False
+        self.behind = False
         self.pid = None
 
     def fail(self, exc: BaseException) -> None:
@@ -274,6 +330,7 @@ class Listener:
         a statement timed out): retry it with backoff, the other listeners go on."""
         self.generation = 0
         self.listening = False
+        self.behind = False
         self._failures += 1
         self.retry_at = time.monotonic() + backoff(self._failures)
         detail = self.sessions.error_text(exc)
@@ -334,15 +391,40 @@ class Listener:
         self._notified = last if back else max(self._notified, last)
         return back
 
+    def _finds(self) -> tuple[list[str], str]:
+        """The parameters that find the table (see :mod:`.location`)."""
+        locator = self.sessions.locator
+        return list(locator.path), locator.name
+
+    def _relocate(self) -> None:
+        """The table's name finds another table, or none: find it again (on the next
+        turn of the session's loop, which LISTENs on its channel before this listener
+        fetches again; a position taken stays, and a new table is a reset)."""
+        self.generation = 0
+        self.listening = False
+        self.behind = False
+
     def catch_up(self, session: ListeningSession, conn: psycopg.Connection[Any]) -> None:
-        """Fetch and deliver every row after the last id, in order, reporting gaps."""
+        """Fetch and deliver the next page of rows after the last id, in order, reporting
+        gaps; :attr:`behind` tells whether more may wait (the session's next turn
+        fetches them). One page per call: the session's thread serves every broadcaster
+        of the process, and new readers wait for it to start them."""
+        location = self._location
+        assert location is not None, "resolve() first"
+        self.behind = False
         while not self._stop.is_set():
             with session.guard(conn):
                 cursor = conn.execute(
-                    self._outbox.fetch(), (self._regclass, self.last_id, self._fetch_rows)
+                    location.outbox.fetch(), (*self._finds(), self.last_id, self._fetch_rows)
                 )
                 rows = cursor.fetchall()
-            purged, newest, oid = (int(v) if v is not None else 0 for v in rows[0][:3])
+            purged, newest, found = (int(v) if v is not None else 0 for v in rows[0][:3])
+            if found != location.oid:
+                # The name finds another table (or none) now: these rows may come from
+                # either; find the table again and read it from there.
+                self._relocate()
+                return
+            oid = location.oid
             if (self._oid is not None and oid != self._oid) or max(purged, newest) < self.last_id:
                 # Another table under the same name, or every id at and below the last
                 # one delivered is gone without retention deleting it: the ids went back.
@@ -362,8 +444,10 @@ class Listener:
                     self._deliver(int(row_id), channel, payload)
             if purged > self.last_id:
                 self.last_id = purged
-            if got < self._fetch_rows:
-                return
+            self.behind = got >= self._fetch_rows
+            if not self.behind and self._lost and self.listening:
+                self._reconnected()
+            return
 
     def _reset(self, purged: int, oid: int) -> None:
         """Resynchronise on a new outbox sequence: deliver everything it holds."""

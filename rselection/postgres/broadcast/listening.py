@@ -6,8 +6,12 @@ the :class:`ListeningSession` of its process and connection string. The session 
 the thread and the Postgres session that LISTEN for all of them (one NOTIFY channel per
 outbox table, LISTENed while one of its listeners has readers), and hands each NOTIFY to
 the listeners of that table; each listener keeps its own position, counters and
-readers. The session connects with the first listener, reconnects with backoff, and
-closes with the last one.
+readers. It holds its Postgres session only while the process reads: the first
+subscription or receiver of any of its broadcasters starts the thread and connects,
+the session reconnects with backoff while readers are left, and it is closed as soon
+as the last reader of the process on that connection string has gone (a later reader
+connects again). A process that only publishes never listens. The thread ends with
+the last broadcaster.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ ROUND_TRIP_ERRORS = (psycopg.Error, OSError, BackendUnavailable, ConfigError)
 Step = Callable[["ListeningSession", "psycopg.Connection[Any]"], None]
 """A listener's part of a wake-up: ``step(session, conn)``."""
 
+#: Marks the threads of the listening sessions (see :meth:`ListeningSession.in_a_thread`).
+_THREAD = threading.local()
+
 
 class ListeningSession:
     """The thread and Postgres session that listen for every broadcaster of a process on
@@ -56,19 +63,23 @@ class ListeningSession:
     _registry_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, conninfo: str, where: str, tick: float) -> None:
-        """Create the session's state and thread; :meth:`attach` starts it."""
+        """Create the session's state and thread; the first reader starts it (:meth:`want`)."""
         self.conninfo = conninfo
         self.where = where
-        self.deadlines = Deadlines(tick)
+        self._tick = tick
+        self.deadlines: Deadlines | None = None
+        """The round-trip watchdog, while the thread runs."""
         self.timeout = 1.0
         """Bound of one round trip: the longest ``timeout`` of the listeners."""
         self.generation = 0
         """Bumped by every connect: listeners resolved on an older one resolve again."""
-        self._state = threading.Lock()  # guards _listeners
+        self._state = threading.Lock()  # guards _listeners and _started
         self._listeners: list[Listener] = []
+        self._started = False
         self._stop = threading.Event()
         self._conn_lock = threading.Lock()
         self._conn: psycopg.Connection[Any] | None = None
+        self._listened: set[str] = set()  # NOTIFY channels LISTENed on the connection
         # A byte on this pair wakes the thread from its wait on the session's socket.
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -89,9 +100,6 @@ class ListeningSession:
             if session is None:
                 tick = min(0.5, sessions.settings.timeout / 4)
                 session = cls._registry[key] = cls(sessions.conninfo, sessions.where, tick)
-                session._listeners.append(listener)
-                session.thread.start()
-                return session
             with session._state:
                 session._listeners.append(listener)
         session.wake()
@@ -108,17 +116,35 @@ class ListeningSession:
                 if self._registry.get(key) is self:
                     del self._registry[key]
                 self._stop.set()
-        if last:
+            started = self._started
+        if last and not started:
+            self._close_wake_pair()  # no thread ever ran: nothing else to end
+        elif last:
             self.wake()
             with self._conn_lock:
                 if self._conn is not None:
                     abort_socket(self._conn)
+        else:
+            # It may have held the process's last reader: the thread looks again now,
+            # and closes its Postgres session if no listener left has readers.
+            self.wake()
         return last
 
     def join(self, timeout: float) -> None:
-        """Wait for the thread to end (not when called from it)."""
-        if self.thread is not threading.current_thread():
+        """Wait for the thread to end (not when called from it, nor if it never ran)."""
+        with self._state:
+            started = self._started
+        if started and self.thread is not threading.current_thread():
             self.thread.join(timeout)
+
+    def want(self) -> None:
+        """A listener has readers: start the thread (it connects) if it is not running,
+        else wake it to LISTEN for them."""
+        with self._state:
+            if not self._started and not self._stop.is_set():
+                self._started = True
+                self.thread.start()
+        self.wake()
 
     def wake(self) -> None:
         """Make the thread look at its listeners now (a reader arrived, or one left)."""
@@ -126,13 +152,71 @@ class ListeningSession:
         with contextlib.suppress(OSError):
             self._wake_w.send(b"\0")
 
+    @staticmethod
+    def in_a_thread() -> bool:
+        """Whether the caller runs in the thread of a listening session (a receiver, an
+        ``on_gap`` hook), which delivers every broadcaster's messages of its process
+        and connection string: it must not wait for anything that takes a round trip."""
+        return bool(getattr(_THREAD, "listening", False))
+
+    def position(self, listener: Listener) -> None:
+        """Start ``listener`` now, from the session's own thread: a receiver subscribed
+        to a broadcaster that had no reader. Resolve its table, LISTEN, take its
+        position, so that every message committed after the subscription returns is
+        delivered (the thread cannot wait for itself). A failed round trip is logged;
+        the thread's loop then goes on as usual (it reconnects when the connection
+        broke, and starts the listener from the newest row then)."""
+        conn = self._conn
+        if conn is None or conn.closed or conn.broken or self._stop.is_set():
+            return
+        try:
+            if listener.generation != self.generation:
+                self._step(conn, listener, listener.resolve)
+            if listener.generation != self.generation:
+                return  # failed on its own (logged): retried by the loop
+            self._listen(conn, listener.channel)
+            if not listener.listening:
+                self._step(conn, listener, listener.begin)
+        except ROUND_TRIP_ERRORS as exc:
+            logger.warning(
+                "broadcast: a subscription made in the listener thread could not start "
+                "listening on %s (%s); messages are delivered from when it reconnects",
+                self.where,
+                listener.sessions.error_text(exc),
+            )
+
+    def _listen(self, conn: psycopg.Connection[Any], channel: str) -> None:
+        if channel not in self._listened:
+            with self.guard(conn):
+                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+            self._listened.add(channel)
+
     def guard(self, conn: psycopg.Connection[Any]) -> contextlib.AbstractContextManager[None]:
-        """Bound a round trip on ``conn`` by :attr:`timeout` (see :class:`Deadlines`)."""
+        """Bound a round trip on ``conn`` by :attr:`timeout` (see :class:`Deadlines`);
+        from the session's thread."""
+        assert self.deadlines is not None, "round trips run in the session's thread"
         return self.deadlines.guard(conn, self.timeout)
 
     def _attached(self) -> list[Listener]:
         with self._state:
             return list(self._listeners)
+
+    def _close_wake_pair(self) -> None:
+        for end in (self._wake_r, self._wake_w):
+            end.close()
+
+    @staticmethod
+    def _reading(listeners: list[Listener]) -> list[Listener]:
+        """The listeners whose broadcasters have readers (the others forget their
+        position, see :meth:`Listener.keep_listening`)."""
+        return [listener for listener in listeners if listener.keep_listening()]
+
+    def _idle(self) -> None:
+        """Wait, with no session, until :meth:`wake` is called (a reader or a detach)."""
+        select.select([self._wake_r.fileno()], [], [])
+        with contextlib.suppress(OSError):
+            while self._wake_r.recv(4096):
+                pass
 
     # -- the thread ----------------------------------------------------------------------
 
@@ -151,25 +235,30 @@ class ListeningSession:
                 )
             failures, down_since, last_error = 0, None, ""
 
+        _THREAD.listening = True
+        self.deadlines = Deadlines(self._tick)
         try:
             while not self._stop.is_set():
                 listeners = self._attached()
                 if not listeners:
                     break
+                if not self._reading(listeners):
+                    # Nobody in the process reads: hold no session until someone does.
+                    self._idle()
+                    continue
                 # The session of the most patient broadcaster: its timeouts bound all.
                 chosen = max(listeners, key=lambda each: each.settings.timeout).sessions
                 self.timeout = chosen.settings.timeout
                 conn: psycopg.Connection[Any] | None = None
+                released = False
                 try:
-                    conn = chosen.connect(
-                        "listen for broadcasts", listen=True, tables=False, deadlines=self.deadlines
-                    )
+                    conn = chosen.connect("listen for broadcasts", deadlines=self.deadlines)
                     with self._conn_lock:
                         if self._stop.is_set():
                             break
                         self._conn = conn
                     self.generation += 1
-                    self._serve(conn, healthy)
+                    released = self._serve(conn, healthy)
                 except ROUND_TRIP_ERRORS as exc:
                     if self._stop.is_set():
                         break
@@ -196,7 +285,10 @@ class ListeningSession:
                     logger.exception("broadcast listener failed; restarting it")
                 finally:
                     for listener in self._attached():
-                        listener.lose(self.generation)
+                        if released:
+                            listener.release()
+                        else:
+                            listener.lose(self.generation)
                     with self._conn_lock:
                         self._conn = None
                     if conn is not None:
@@ -206,21 +298,27 @@ class ListeningSession:
                     self._stop.wait(backoff(failures))
         finally:
             self.deadlines.close()
-            for end in (self._wake_r, self._wake_w):
-                end.close()
+            self._close_wake_pair()
 
-    def _serve(self, conn: psycopg.Connection[Any], healthy: Callable[[], None]) -> None:
+    def _serve(self, conn: psycopg.Connection[Any], healthy: Callable[[], None]) -> bool:
         """LISTEN for the tables whose listeners have readers, hand them their NOTIFYs,
-        poll on silence. Returns when the session stops; raises when the connection fails.
+        poll on silence. Returns ``True`` once no listener has readers (the session is
+        then closed), ``False`` when the session stops; raises when the connection fails.
         """
         generation = self.generation
-        listened: set[str] = set()
+        listened = self._listened
+        listened.clear()  # a new connection LISTENs on nothing yet
         quiet_since = time.monotonic()
         first = True
         while not self._stop.is_set():
             listeners = self._attached()
             if not listeners:
-                return
+                return False
+            reading = self._reading(listeners)
+            if not reading:
+                # The last reader of the process has gone (it woke this thread): release
+                # the session now rather than LISTEN for nobody.
+                return True
             self.timeout = max(each.settings.timeout for each in listeners)
             probe = min(each.settings.probe_interval for each in listeners)
             now = time.monotonic()
@@ -228,13 +326,11 @@ class ListeningSession:
                 if listener.generation != generation and now >= listener.retry_at:
                     self._step(conn, listener, listener.resolve)
             wanted: dict[str, list[Listener]] = {}
-            for listener in listeners:
-                if listener.generation == generation and listener.keep_listening():
+            for listener in reading:
+                if listener.generation == generation:
                     wanted.setdefault(listener.channel, []).append(listener)
             for channel in sorted(wanted.keys() - listened):
-                with self.guard(conn):
-                    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
-                listened.add(channel)
+                self._listen(conn, channel)
             for channel in sorted(listened - wanted.keys()):
                 # No reader of that table is left: stop waking for its every message.
                 with self.guard(conn):
@@ -248,15 +344,23 @@ class ListeningSession:
             if first:
                 healthy()
                 first = False
-            wait = max(0.0, quiet_since + probe - time.monotonic())
+            # Listeners left behind by their last page fetch their next one this turn,
+            # without waiting: one page each per turn, so a new reader (above) starts
+            # within a turn however long another listener's catch-up is.
+            fetch: list[Listener] = [
+                each
+                for group in wanted.values()
+                for each in group
+                if each.listening and each.behind
+            ]
+            wait = 0.0 if fetch else max(0.0, quiet_since + probe - time.monotonic())
             retry = [each.retry_at for each in listeners if each.generation != generation]
             if retry:
                 wait = min(wait, max(0.0, min(retry) - time.monotonic()))
             notes, woken = self._next(conn, wait)
             if self._stop.is_set():
-                return
-            if notes:
-                fetch: list[Listener] = []
+                return False
+            if notes or fetch:
                 for note in notes:
                     for listener in wanted.get(note.channel, ()):
                         if (
@@ -278,6 +382,7 @@ class ListeningSession:
                     with self.guard(conn):
                         conn.execute("SELECT 1")
                 quiet_since = time.monotonic()
+        return False
 
     def _step(self, conn: psycopg.Connection[Any], listener: Listener, step: Step) -> None:
         """Run one listener's step; a failure of its own (its table is missing, a

@@ -39,12 +39,14 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
+from psycopg.rows import tuple_row
 
 from ...errors import ConfigError
-from ..schema import BROADCAST_TABLE, suffixed_name, table_identifier
+from ..schema import BROADCAST_TABLE, suffixed_name, table_identifier, validate_table_name
 
 __all__ = [
     "BROADCAST_TABLE",
+    "FIND_TABLE",
     "INLINE_LIMIT",
     "Outbox",
     "inline_cost",
@@ -56,6 +58,17 @@ __all__ = [
 #: (an upper bound computed by :func:`inline_cost`) travels inside the NOTIFY itself, so
 #: listeners need no extra round trip for small messages.
 INLINE_LIMIT = 7000
+
+FIND_TABLE = (
+    "SELECT c.oid FROM unnest({path}::name[]) WITH ORDINALITY AS p(name, pos)"
+    " JOIN pg_catalog.pg_namespace n ON n.nspname = p.name"
+    " JOIN pg_catalog.pg_class c ON c.relnamespace = n.oid AND c.relname = {rel}::name"
+    " ORDER BY p.pos LIMIT 1"
+)
+"""The oid of the table a name finds through a search path (``{path}``: the schemas
+in order, ``{rel}``: the table's own name), as Postgres finds a relation (temporary
+tables never count): formatted with the placeholders of the statement it is part of
+(see :mod:`rselection.postgres.broadcast.location`)."""
 
 #: Bytes an inline row costs besides its channel and payload: the id (up to 19 digits),
 #: JSON punctuation and the separators ``json_agg`` adds between elements.
@@ -135,20 +148,23 @@ class Outbox:
             ConfigError: the table does not exist (``create_tables=False`` and no
                 migration ran).
         """
-        row = conn.execute(
-            "SELECT n.nspname, c.relname FROM pg_class c"
-            " JOIN pg_namespace n ON n.oid = c.relnamespace"
-            " WHERE c.oid = to_regclass(%s)",
-            (self.ident.as_string(conn),),
-        ).fetchone()
-        if row is None:
+        qualified = self.qualified(conn)
+        if qualified is None:
             raise ConfigError(
                 f"broadcast table {self.table!r} does not exist: create the broadcaster with "
                 "create_tables=True, or run rselection.postgres.migrate(conninfo, "
                 "broadcast_table=...) (or `rselection migrate`) once with a role that may "
                 "run DDL"
             )
-        qualified = f"{row[0]}.{row[1]}"
+        return self.keys(qualified)
+
+    @staticmethod
+    def keys(qualified: str) -> tuple[str, int]:
+        """``(notify channel, publish lock key)`` of the table ``schema.table``.
+
+        Args:
+            qualified: the table's schema and name, joined by a dot (unquoted).
+        """
         digest = hashlib.blake2b(qualified.encode(), digest_size=8)
         # NOTIFY channel names are identifiers (at most 63 bytes): a fixed prefix and a
         # hash of the qualified table name always fit, whatever the logical channels are.
@@ -160,19 +176,61 @@ class Outbox:
         )
         return channel, lock_key
 
+    def qualified(self, conn: psycopg.Connection[Any]) -> str | None:
+        """``schema.table`` of this table as ``conn`` resolves it (its ``search_path``);
+        ``None`` when it does not exist there."""
+        schema = self.schema(conn)
+        return None if schema is None else f"{schema}.{validate_table_name(self.table)[-1]}"
+
+    def schema(self, conn: psycopg.Connection[Any]) -> str | None:
+        """The schema of this table as ``conn`` resolves it (its ``search_path``);
+        ``None`` when it does not exist there."""
+        with conn.cursor(row_factory=tuple_row) as cur:  # whatever the connection's own
+            row = cur.execute(
+                "SELECT n.nspname FROM pg_class c"
+                " JOIN pg_namespace n ON n.oid = c.relnamespace"
+                " WHERE c.oid = to_regclass(%s)",
+                (self.ident.as_string(conn),),
+            ).fetchone()
+        return None if row is None else str(row[0])
+
+    def in_schema(self, schema: str) -> Outbox:
+        """This outbox with both tables named in ``schema``: its statements then mean
+        the same tables on every session, whatever its ``search_path``.
+
+        Args:
+            schema: the schema the table was resolved in (see :meth:`schema`).
+        """
+        pinned = Outbox(self.table)
+        pinned.ident = sql.Identifier(schema, validate_table_name(self.table)[-1])
+        state = validate_table_name(suffixed_name(self.table, "state"))[-1]
+        pinned.state_ident = sql.Identifier(schema, state)
+        return pinned
+
     # -- statements ------------------------------------------------------------------
 
-    # Publish statements are prepared once per writer connection and executed with text
-    # parameters through libpq (see Writer.write), hence ``$n`` placeholders.
-    # Parameters of both: $1 lock key, $2 origin, $3 NOTIFY channel, then the message(s):
-    # $4 channel, $5 payload (JSON text), $6 origin_seq, or arrays of each. One row comes
-    # back: ``(first id, last id, ...)``.
+    # Publish statements are prepared once per session that publishes (the process's
+    # pooled sessions, or a user's pool's) and executed with text parameters through
+    # libpq (see Writer.write), hence ``$n`` placeholders.
+    # Parameters of both: $1 lock key, $2 origin, $3 NOTIFY channel, $4 the transaction's
+    # synchronous_commit ('on' or 'off'), $5 the search path (schemas, a name[]), $6 the
+    # table's own name and $7 the oid of the table they found (see
+    # rselection.postgres.broadcast.location), then the message(s): $8 channel, $9
+    # payload (JSON text), $10 origin_seq, or arrays of each. One row comes back,
+    # ``(first id, last id, ...)``, or none when the name no longer finds that table:
+    # nothing was inserted nor notified.
+    #
+    # synchronous_commit is set for the statement's own transaction (set_config(...,
+    # true), read when it commits), never for the session: a pooled session carries
+    # claims and checkpoints too, which must keep the server's setting.
+
+    _FOUND = "(" + FIND_TABLE.format(path="$5", rel="$6") + ") = $7::oid"
 
     def insert_one(self, inline: bool) -> sql.Composed:
         """Write one message and NOTIFY listeners, in one statement and one transaction.
 
         With ``inline`` the NOTIFY carries the row (``[[id, channel, payload]]``), else
-        only its id (a wake-up: listeners fetch). The inline form takes a seventh
+        only its id (a wake-up: listeners fetch). The inline form takes an eleventh
         parameter, ``"channel","payload"``: both as JSON strings, made by the client
         (:func:`inline_row`), so the server only splices in the id. The ``CASE`` keeps
         a wrong size estimate from ever failing the publish on the 8000-byte NOTIFY
@@ -181,27 +239,28 @@ class Outbox:
         steady trickle of publishes sends.
         """
         note = (
-            "CASE WHEN octet_length($7::text) < 7960"
-            " THEN '[[' || ins.id || ',' || $7::text || ']]' ELSE ins.id::text END"
+            "CASE WHEN octet_length($11::text) < 7960"
+            " THEN '[[' || ins.id || ',' || $11::text || ']]' ELSE ins.id::text END"
             if inline
             else "ins.id::text"
         )
         return sql.SQL(
             # The lock CTE is the row source of the INSERT, so it is taken before the id
             # is drawn; it is held until the transaction has committed.
-            "WITH l AS (SELECT pg_advisory_xact_lock($1::bigint)),"
+            "WITH l AS (SELECT pg_advisory_xact_lock($1::bigint),"
+            "  set_config('synchronous_commit', $4::text, true)),"
             " ins AS (INSERT INTO {t} (channel, payload, origin, origin_seq)"
-            "  SELECT $4::text, $5::text, $2::bigint, $6::bigint FROM l"
-            "  RETURNING id)"
+            "  SELECT $8::text, $9::text, $2::bigint, $10::bigint FROM l"
+            "  WHERE " + self._FOUND + "  RETURNING id)"
             " SELECT ins.id, ins.id, pg_notify($3::text, " + note + ") FROM ins"
         ).format(t=self.ident)
 
     def insert_many(self, inline: bool) -> sql.Composed:
         """Write a batch and NOTIFY listeners, in one statement and one transaction.
 
-        ``$4``, ``$5`` and ``$6`` are arrays (text, text, bigint) of the same length, in
-        publishing order. With ``inline`` the NOTIFY carries the rows (``[[id, channel,
-        payload], ...]``), else only the last id.
+        ``$8``, ``$9`` and ``$10`` are arrays (text, text, bigint) of the same length,
+        in publishing order. With ``inline`` the NOTIFY carries the rows (``[[id,
+        channel, payload], ...]``), else only the last id.
         """
         note = (
             "CASE WHEN octet_length(j.rows) < 7990 THEN j.rows ELSE j.last::text END"
@@ -216,52 +275,67 @@ class Outbox:
         return sql.SQL(
             # The lock CTE is joined to every input row, so it is taken before the first
             # id is drawn; it is held until the transaction has committed.
-            "WITH l AS (SELECT pg_advisory_xact_lock($1::bigint)),"
+            "WITH l AS (SELECT pg_advisory_xact_lock($1::bigint),"
+            "  set_config('synchronous_commit', $4::text, true)),"
             " ins AS (INSERT INTO {t} (channel, payload, origin, origin_seq)"
             "  SELECT u.c, u.p, $2::bigint, u.s FROM l,"
-            "   unnest($4::text[], $5::text[], $6::bigint[]) WITH ORDINALITY AS u(c, p, s, n)"
-            "  ORDER BY u.n"
+            "   unnest($8::text[], $9::text[], $10::bigint[]) WITH ORDINALITY AS u(c, p, s, n)"
+            "  WHERE " + self._FOUND + "  ORDER BY u.n"
             "  RETURNING id, channel, payload),"
             " j AS (SELECT min(id) AS first, max(id) AS last, " + rows + " AS rows FROM ins)"
             " SELECT j.first, j.last, pg_notify($3::text, " + note + ") FROM j"
+            " WHERE j.last IS NOT NULL"
         ).format(t=self.ident)
+
+    # The listener's statements name the table it found too, and read the oid of the
+    # table the name finds now in the same snapshot (a change of table shows there).
+    _FINDS = "(" + FIND_TABLE.format(path="%s", rel="%s") + ")"
 
     def start_position(self) -> sql.Composed:
         """Where a new listener starts: after the newest row, or the purge watermark.
 
-        Parameter: the table's name as SQL text. Returns ``(newest id, purge watermark,
-        table oid)``.
+        Parameters: the search path (schemas) and the table's own name. Returns
+        ``(newest id, purge watermark, oid of the table the name finds)``.
         """
         return sql.SQL(
             "SELECT (SELECT coalesce(max(id), 0) FROM {t}),"
-            " (SELECT coalesce(max(purged_through), 0) FROM {s}), to_regclass(%s)::oid"
+            " (SELECT coalesce(max(purged_through), 0) FROM {s}), " + self._FINDS
         ).format(t=self.ident, s=self.state_ident)
 
     def fetch(self) -> sql.Composed:
         """Rows after a cursor, in id order, with the purge watermark, the newest id and
-        the table's oid, in one snapshot (the last two show when the ids went back).
+        the oid of the table the name finds, in one snapshot (the last two show when
+        the ids went back, or the name finds another table).
 
-        Parameters: the table's name as SQL text, last seen id, row limit. Returns
-        ``(purged_through, newest id, table oid, id, channel, payload)`` rows; ``id`` is
-        NULL in the one row returned when nothing is new.
+        Parameters: the search path (schemas), the table's own name, last seen id, row
+        limit. Returns ``(purged_through, newest id, table oid, id, channel, payload)``
+        rows; ``id`` is NULL in the one row returned when nothing is new.
         """
         return sql.SQL(
             "SELECT m.p, m.top, m.oid, r.id, r.channel, r.payload"
             " FROM (SELECT coalesce((SELECT max(purged_through) FROM {s}), 0) AS p,"
-            "  coalesce((SELECT max(id) FROM {t}), 0) AS top, to_regclass(%s)::oid AS oid) m"
+            "  coalesce((SELECT max(id) FROM {t}), 0) AS top, " + self._FINDS + " AS oid) m"
             " LEFT JOIN LATERAL (SELECT id, channel, payload FROM {t}"
             "  WHERE id > %s ORDER BY id LIMIT %s) r ON true"
             " ORDER BY r.id"
         ).format(t=self.ident, s=self.state_ident)
 
-    def committed_seq(self) -> sql.Composed:
-        """Highest ``origin_seq`` of one origin among rows after an id (for retries).
+    @staticmethod
+    def committed(table: sql.Identifier) -> sql.Composed:
+        """Whether one message of a writer is in the table (to settle a batch in doubt).
 
-        Parameters: floor id, origin. Returns one row: the seq or NULL.
+        Args:
+            table: the table, wherever it is now (see :meth:`.Locator.at`).
+
+        Parameters: origin, origin_seq. Returns one row: a boolean. By the writer's
+        identity, never by ids (they go back when the table is created again or its
+        sequence reset); it reads the table (no index on the origin: every insert would
+        pay for one), which is bounded by the retention and happens only after a
+        session broke with a batch in flight.
         """
-        return sql.SQL("SELECT max(origin_seq) FROM {t} WHERE id > %s AND origin = %s").format(
-            t=self.ident
-        )
+        return sql.SQL(
+            "SELECT EXISTS (SELECT FROM {t} WHERE origin = %s AND origin_seq = %s)"
+        ).format(t=table)
 
     def purge(self) -> sql.Composed:
         """Delete up to a limit of rows older than the retention; advance the watermark.

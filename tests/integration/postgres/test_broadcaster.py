@@ -30,7 +30,7 @@ from rselection.postgres import PostgresBroadcaster, PostgresLeader, migrate
 from rselection.postgres.broadcast import Gap, MessageEncodeError, PostgresBroadcastStats
 from rselection.postgres.broadcast.outbox import Outbox, text_array
 from tests.support.broadcast_node import body
-from tests.support.pg import with_host_port
+from tests.support.pg import with_host_port, with_search_path
 from tests.support.proxy import TcpProxy
 from tests.support.sessions import process_sessions
 from tests.support.waiting import wait_until
@@ -384,7 +384,7 @@ def test_listener_killed_while_publishing_catches_up_in_order(
 def test_writer_connection_killed_while_publishing_writes_each_message_once(
     pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster]
 ) -> None:
-    table = f"bc_{uuid.uuid4().hex[:12]}"  # names this test's writer in pg_stat_activity
+    table = f"bc_{uuid.uuid4().hex[:12]}"  # names the pooled session that publishes
     publisher = make_bc(table=table, **QUICK)
     listener = make_bc(table=table)
     sub = listener.subscribe("w", maxsize=10_000)
@@ -394,9 +394,9 @@ def test_writer_connection_killed_while_publishing_writes_each_message_once(
         own = {listener.stats().listener_pid, publisher.stats().listener_pid}
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             rows = conn.execute(
-                "SELECT pid FROM pg_stat_activity WHERE application_name = 'rselection:broadcast'"
+                "SELECT pid FROM pg_stat_activity WHERE application_name = 'rselection:pool'"
                 " AND query LIKE %s",
-                (f'%INSERT INTO "{table}"%',),
+                (f'%INSERT INTO %."{table}"%',),  # schema-qualified
             ).fetchall()
         return [int(r[0]) for r in rows if r[0] not in own]
 
@@ -467,9 +467,9 @@ def test_batch_confirmed_before_the_writer_session_was_cut_is_counted_once(
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             rows = conn.execute(
                 "SELECT pid, query_start FROM pg_stat_activity"
-                " WHERE application_name = 'rselection:broadcast' AND wait_event_type = 'Lock'"
+                " WHERE application_name = 'rselection:pool' AND wait_event_type = 'Lock'"
                 " AND query LIKE %s",
-                (f'%DELETE FROM "{table}"%',),
+                (f'%DELETE FROM %."{table}"%',),  # schema-qualified
             ).fetchall()
         return [(int(pid), start) for pid, start in rows]
 
@@ -829,6 +829,32 @@ def test_late_subscriber_gets_everything_published_after_subscribe_returned(
     assert publisher.stats().gaps == late_node.stats().gaps == 0
 
 
+def test_subscribe_does_not_wait_for_another_broadcasters_catch_up(
+    make_bc: Callable[..., PostgresBroadcaster],
+) -> None:
+    # One row per fetch (the fetch is bounded by bytes of max_message_bytes): the
+    # publisher's listener needs one round trip per message to catch up on a backlog,
+    # and the broadcasters of this process share its listening thread.
+    publisher = make_bc(max_message_bytes=256 * 1024 * 1024, max_pending=20_000)
+    late_node = make_bc()
+    total = 5_000
+    own = publisher.subscribe("backlog", maxsize=total + 100)
+    for i in range(total):
+        publisher.publish("backlog", i)
+    assert publisher.flush(30)
+    assert drain(own, 1, 20) == [0], "the catch-up under way"
+    other = late_node.subscribe("backlog")
+    behind = total - publisher.stats().received
+    # A new reader starts within a turn of the shared thread, not after the backlog
+    # another broadcaster of the process is still fetching.
+    assert behind > 0, "subscribe() waited for the other listener's whole catch-up"
+    publisher.publish("backlog", "after")
+    assert drain(other, 1, 20) == ["after"]
+    assert_quiet(other)
+    assert drain(own, total, 60) == [*range(1, total), "after"]
+    assert publisher.stats().gaps == late_node.stats().gaps == 0
+
+
 def test_listener_stops_with_the_last_reader_and_starts_again(
     make_bc: Callable[..., PostgresBroadcaster],
 ) -> None:
@@ -1137,3 +1163,242 @@ def test_missing_table_without_create_tables_is_reported(
             assert "migrate(conninfo, broadcast_table=" in caplog.text
         finally:
             bc.close()
+
+
+def current_schema(dsn: str) -> str:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT current_schema()").fetchone()
+    assert row is not None and row[0]
+    return str(row[0])
+
+
+def create_outbox(conn: psycopg.Connection[Any], table: str) -> None:
+    """Create the outbox tables ``table`` (schema-qualified) as ``migrate()`` does."""
+    migrate(
+        conn,
+        table=None,
+        claims_table=None,
+        elections_table=None,
+        nodes_table=None,
+        broadcast_table=table,
+        checkpoint_prefix=None,
+    )
+
+
+def rows_in(dsn: str, table: str, channel: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            f"SELECT count(*) FROM {table} WHERE channel = %s", (channel,)
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_writer_and_listener_follow_a_table_that_a_schema_earlier_in_the_path_now_holds(
+    pg_server_dsn: str,
+    make_pg_dsn: Callable[[], str],
+    make_bc: Callable[..., PostgresBroadcaster],
+) -> None:
+    home = current_schema(make_pg_dsn())
+    early = f"t_{uuid.uuid4().hex[:16]}"  # first in the path, created later
+    dsn = with_search_path(pg_server_dsn, f"{early},{home}")
+    table = f"bc_{uuid.uuid4().hex[:12]}"
+    gaps: list[Gap] = []
+    publisher = make_bc(dsn, table=table)
+    listener = make_bc(dsn, table=table, on_gap=gaps.append, probe_interval=0.3)
+    sub = listener.subscribe("s")
+    publisher.publish("s", "before")
+    assert drain(sub, 1, 20) == ["before"]
+    try:
+        with psycopg.connect(pg_server_dsn, autocommit=True) as admin:
+            admin.execute(f"CREATE SCHEMA {early}")
+            create_outbox(admin, f"{early}.{table}")
+        # The name now means the table of the earlier schema, for every new session too.
+        sub.close()
+        wait_until(lambda: not listener.stats().listening, 10, "the listener released")
+        sub = listener.subscribe("s")
+        after = [f"after {i}" for i in range(3)]
+        for msg in after:
+            publisher.publish("s", msg)
+        assert publisher.flush(20)
+        assert drain(sub, 3, 20) == after, "written where the listener reads"
+        assert_quiet(sub)
+        assert rows_in(pg_server_dsn, f"{early}.{table}", "s") == 3
+        assert rows_in(pg_server_dsn, f"{home}.{table}", "s") == 1
+    finally:
+        for bc in (publisher, listener):
+            bc.close()
+        with psycopg.connect(pg_server_dsn, autocommit=True) as admin:
+            admin.execute(f"DROP SCHEMA IF EXISTS {early} CASCADE")
+
+
+def test_a_listening_node_follows_the_table_to_an_earlier_schema_with_the_writer(
+    pg_server_dsn: str,
+    make_pg_dsn: Callable[[], str],
+    make_bc: Callable[..., PostgresBroadcaster],
+) -> None:
+    home = current_schema(make_pg_dsn())
+    early = f"t_{uuid.uuid4().hex[:16]}"
+    dsn = with_search_path(pg_server_dsn, f"{early},{home}")
+    table = f"bc_{uuid.uuid4().hex[:12]}"
+    gaps: list[Gap] = []
+    publisher = make_bc(dsn, table=table)
+    listener = make_bc(dsn, table=table, on_gap=gaps.append, probe_interval=0.3)
+    sub = listener.subscribe("s")
+    publisher.publish("s", "before")
+    assert drain(sub, 1, 20) == ["before"]
+    try:
+        with psycopg.connect(pg_server_dsn, autocommit=True) as admin:
+            admin.execute(f"CREATE SCHEMA {early}")
+            create_outbox(admin, f"{early}.{table}")
+        after = [f"after {i}" for i in range(3)]
+        for msg in after:
+            publisher.publish("s", msg)
+        assert publisher.flush(20)
+        assert drain(sub, 3, 20) == after, "the listener followed the writer"
+        assert_quiet(sub)
+        assert rows_in(pg_server_dsn, f"{early}.{table}", "s") == 3
+        wait_until(lambda: len(gaps) == 1, 10, "the change of table reported")
+        assert gaps[0].reset
+    finally:
+        for bc in (publisher, listener):
+            bc.close()
+        with psycopg.connect(pg_server_dsn, autocommit=True) as admin:
+            admin.execute(f"DROP SCHEMA IF EXISTS {early} CASCADE")
+
+
+def test_writer_and_listener_follow_the_table_moved_to_another_schema_of_the_path(
+    pg_server_dsn: str,
+    make_pg_dsn: Callable[[], str],
+    make_bc: Callable[..., PostgresBroadcaster],
+) -> None:
+    first, second = current_schema(make_pg_dsn()), current_schema(make_pg_dsn())
+    dsn = with_search_path(pg_server_dsn, f"{first},{second}")
+    table = f"bc_{uuid.uuid4().hex[:12]}"
+    gaps: list[Gap] = []
+    publisher = make_bc(dsn, table=table)
+    listener = make_bc(dsn, table=table, on_gap=gaps.append, probe_interval=0.3)
+    sub = listener.subscribe("m")
+    publisher.publish("m", "before")
+    assert drain(sub, 1, 20) == ["before"]
+    with psycopg.connect(pg_server_dsn, autocommit=True) as admin, admin.transaction():
+        for name in (table, f"{table}_state"):
+            admin.execute(f"ALTER TABLE {first}.{name} SET SCHEMA {second}")
+    after = [f"after {i}" for i in range(3)]
+    for msg in after:
+        publisher.publish("m", msg)
+    assert publisher.flush(20), "the writer follows the table"
+    assert drain(sub, 3, 20) == after
+    assert_quiet(sub)
+    assert rows_in(pg_server_dsn, f"{second}.{table}", "m") == 4
+    assert not gaps, "the same table: nothing to resynchronise"
+
+
+def test_batch_cut_after_its_commit_is_written_once_after_the_ids_were_reset(
+    pg_dsn: str,
+    make_bc: Callable[..., PostgresBroadcaster],
+    make_tcp_proxy: Callable[[str, int], TcpProxy],
+) -> None:
+    proxy = proxy_for(pg_dsn, make_tcp_proxy)
+    table = f"bc_{uuid.uuid4().hex[:12]}"
+    publisher = make_bc(proxied(pg_dsn, proxy), table=table, probe_interval=0.3, timeout=5.0)
+    for i in range(50):
+        publisher.publish("amb", i)
+    assert publisher.flush(20)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"TRUNCATE {table} RESTART IDENTITY")
+    publisher.publish("amb", "after the reset")  # ids start at 1 again
+    assert publisher.flush(20)
+    with psycopg.connect(pg_dsn, autocommit=True) as blocker:
+        _, lock_key = Outbox(table).resolve(blocker)
+        with blocker.transaction():
+            blocker.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key,))
+            publisher.publish("amb", "once")
+            wait_until(lambda: waiting_on_lock(pg_dsn, lock_key), 20, "the writer blocked")
+            proxy.sever()  # its server session commits the batch once the lock is free
+    assert publisher.flush(30)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        row = conn.execute(
+            f"SELECT count(*) FROM {table} WHERE payload = %s", ('"once"',)
+        ).fetchone()
+    assert row == (1,), "settled on the batch itself, not on ids from before the reset"
+    assert publisher.stats().published == 52
+
+
+def test_a_receiver_subscribing_to_another_broadcaster_gets_every_later_message(
+    pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster]
+) -> None:
+    first = make_bc(table=f"bc_{uuid.uuid4().hex[:12]}")
+    other_table = f"bc_{uuid.uuid4().hex[:12]}"
+    other = make_bc(table=other_table)  # no reader yet
+    other_publisher = make_bc(table=other_table)
+    subscribed = threading.Event()
+    published = threading.Event()
+    subs: list[Subscription] = []
+
+    def receiver(channel: str, message: object) -> None:
+        subs.append(other.subscribe("late"))  # from the listener thread
+        subscribed.set()
+        published.wait(20)  # meanwhile another node publishes, after subscribe returned
+
+    first.connect("go", receiver)
+    first.publish("go", 1)
+    assert subscribed.wait(20)
+    other_publisher.publish("late", "after subscribe")
+    assert other_publisher.flush(20)
+    published.set()
+    assert drain(subs[0], 1, 20) == ["after subscribe"]
+
+
+def test_flush_from_a_receiver_returns_at_once_and_delivery_goes_on(
+    pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster]
+) -> None:
+    reader = make_bc(table=f"bc_{uuid.uuid4().hex[:12]}")
+    # Another connection string: another pool, whose writers' turn the blocked one holds.
+    blocked = make_bc(f"{pg_dsn}&connect_timeout=11", table=f"bc_{uuid.uuid4().hex[:12]}")
+    results: list[tuple[bool, float]] = []
+
+    def receiver(channel: str, message: object) -> None:
+        started = time.monotonic()
+        results.append((blocked.flush(), time.monotonic() - started))
+
+    reader.connect("flush", receiver)
+    sub = reader.subscribe("other")
+    with psycopg.connect(pg_dsn, autocommit=True) as blocker:
+        _, lock_key = Outbox(blocked.table).resolve(blocker)
+        with blocker.transaction():
+            # The blocked broadcaster's batch waits on the server: flush() cannot succeed.
+            blocker.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key,))
+            blocked.publish("b", "waits")
+            wait_until(lambda: waiting_on_lock(pg_dsn, lock_key), 20, "the writer blocked")
+            reader.publish("flush", 1)
+            reader.publish("other", "delivered meanwhile")
+            assert drain(sub, 1, 10) == ["delivered meanwhile"], "the listener is not stalled"
+            assert len(results) == 1
+            [(flushed, took)] = results
+            assert not flushed and took < 1.0
+    assert blocked.flush(20)
+
+
+def test_wait_ready_from_a_receiver_returns_at_once_and_delivery_goes_on(
+    pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster]
+) -> None:
+    reader = make_bc()
+    # Never ready: its table does not exist and it may not create it.
+    missing = PostgresBroadcaster(pg_dsn, table=f"bc_{uuid.uuid4().hex[:12]}", create_tables=False)
+    results: list[tuple[bool, float]] = []
+
+    def receiver(channel: str, message: object) -> None:
+        started = time.monotonic()
+        results.append((missing.wait_ready(), time.monotonic() - started))
+
+    try:
+        reader.connect("ready", receiver)
+        sub = reader.subscribe("other")
+        reader.publish("ready", 1)
+        reader.publish("other", "delivered meanwhile")
+        assert drain(sub, 1, 10) == ["delivered meanwhile"], "the listener is not stalled"
+        [(ready, took)] = results
+        assert not ready and took < 1.0
+    finally:
+        missing.close()
