@@ -2,8 +2,8 @@
 
 Plain ``def`` tasks run in their own threads, so a CPU-bound task or an ``async def``
 task that blocks the event loop never holds up the others. ``async def`` tasks run on
-one event loop: the caller's under ``async with leader``, else the loop that the terms
-of the process share while it answers (:mod:`rselection.event_loops`).
+one event loop: the caller's under ``async with leader``, else a private loop thread
+that lives exactly as long as the term.
 
 The machinery's threads are shared by every term of the process, so that they do not
 grow with the number of leases: one scheduler thread fires every term's scheduled tasks
@@ -49,7 +49,6 @@ from .claiming import (
 from .context import TaskContext, Term, running_term
 from .daemon_pool import SharedPool
 from .errors import ConfigError, LeadershipLost
-from .event_loops import SharedLoops
 from .misfire import scan_due, split_behind, split_by_policy, too_old, window
 from .scheduler import MAX_LEAD, SCHEDULER, Prepared
 from .schedules import CronSchedule, IntervalSchedule, fire_series, format_fire_key
@@ -69,6 +68,7 @@ STUCK_EXIT_CODE = 70
 _RESTART_BASE = 0.1
 _RESTART_CAP = 30.0
 _T = TypeVar("_T")
+_LOOP_DRAIN = 1.0  # seconds a stopped private loop gets to unwind cancelled tasks
 _CLAIMS_PER_TERM = 2  # a term's claims running at once, at most
 _MAX_PENDING_SKIPS = 10_000  # skips waiting for a slow fire_skipped receiver, at most
 _JOIN_SHARED = 0.1  # seconds at least that stop() waits for idle shared threads to end
@@ -121,7 +121,7 @@ class TermRunner:
         on_stuck: ``"exit"`` ends the process when a task outlives the grace.
         specs: the registered tasks.
         term: the term to run.
-        loop: event loop for ``async def`` tasks; ``None``: the process's shared one.
+        loop: event loop for ``async def`` tasks; ``None`` starts a private one.
     """
 
     def __init__(
@@ -138,6 +138,7 @@ class TermRunner:
         self.term = term
         self._loop = loop
         self._own_loop = False
+        self._loop_thread: threading.Thread | None = None
         self._table: _Timetable | None = None
         self._scheduler: threading.Thread | None = None  # the shared one, when it ends
         # Held while fires are started from elsewhere than a unit (the scheduler, the
@@ -171,7 +172,7 @@ class TermRunner:
     def start(self) -> None:
         """Start persistent tasks and the scheduler."""
         if any(spec.is_async for spec in self.specs) and self._loop is None:
-            self._take_shared_loop()
+            self._start_private_loop()
         for spec in self.specs:
             if spec.type is TaskType.PERSISTENT:
                 if spec.is_async:
@@ -236,7 +237,7 @@ class TermRunner:
                     stuck = sorted(set(self._units.values()))
             try:
                 if self._own_loop:
-                    self._give_shared_loop_back(deadline)
+                    self._stop_private_loop(deadline)
             finally:
                 if stuck:
                     self._report_stuck(stuck, grace)
@@ -344,17 +345,33 @@ class TermRunner:
 
     # -- event loop -----------------------------------------------------------------
 
-    def _take_shared_loop(self) -> None:
-        # The loop every term of the process shares (see rselection.event_loops).
-        self._loop = SharedLoops.shared().acquire()
-        self._own_loop = True
+    def _start_private_loop(self) -> None:
+        loop = asyncio.new_event_loop()
+        ready = threading.Event()
 
-    def _give_shared_loop_back(self, deadline: float) -> None:
-        loop = self._loop
-        assert loop is not None
-        # The last term on the loop stops it; a task that blocks it was reported as
-        # stuck, and the loop's thread closes it once that task lets go.
-        SharedLoops.shared().release(loop, deadline - time.monotonic())
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            loop.call_soon(ready.set)
+            try:
+                loop.run_forever()
+            finally:
+                _close_loop(loop)
+
+        self._loop = loop
+        self._own_loop = True
+        self._loop_thread = threading.Thread(
+            target=run, name=f"rselection-loop-term-{self.term.number}", daemon=True
+        )
+        self._loop_thread.start()
+        ready.wait(5.0)
+
+    def _stop_private_loop(self, deadline: float) -> None:
+        loop, thread = self._loop, self._loop_thread
+        assert loop is not None and thread is not None
+        loop.call_soon_threadsafe(loop.stop)
+        # A task that blocks the loop keeps it from stopping; it was reported as stuck,
+        # and the loop thread closes the loop itself once that task lets go.
+        thread.join(max(0.1, deadline - time.monotonic()))
 
     def _cancel_async_tasks(self) -> None:
         for task in list(self._async_tasks):
@@ -1159,6 +1176,19 @@ def _schedule(spec: TaskSpec) -> Schedule:
     schedule = spec.schedule
     assert schedule is not None
     return schedule
+
+
+def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel what is left on a stopped private loop, let it unwind briefly, close it."""
+    try:
+        pending = asyncio.all_tasks(loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.wait(pending, timeout=_LOOP_DRAIN))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    finally:
+        loop.close()
 
 
 def _close_awaitable(obj: Any) -> None:

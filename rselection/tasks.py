@@ -390,7 +390,7 @@ class TaskHandler:
             self._attached = max(0, self._attached - 1)
 
     def start_term(self, term: Term, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Start every task for ``term``; ``loop`` runs async tasks (else the shared one)."""
+        """Start every task for ``term``; ``loop`` runs async tasks (else a private one)."""
         with self._lock:
             if self._runner is not None:
                 raise RuntimeError("a term is already running; end it first")
