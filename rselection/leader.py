@@ -6,7 +6,10 @@ default claimer, checkpoint store and fence) and hand them to it.
 
 One keeper thread talks to the lease backend (its own connection, never the event loop
 that runs tasks); a watchdog thread enforces the local deadline even while the keeper
-is stuck in network I/O. The deadline is ``renew_deadline`` after the last successful
+is stuck in network I/O. A leader over a :class:`~rselection.lease.NonBlockingLease`
+(``PostgresLeader``) has neither: the process's one driver thread runs the same state
+machine for every such leader (:mod:`rselection.driven`) and checks each deadline at
+every step, never waiting for I/O. The deadline is ``renew_deadline`` after the last successful
 renewal was *sent*, measured with :func:`rselection.clock.monotonic` (a clock that keeps
 counting through suspend); because ``renew_deadline + stop_grace + 0.5 s <= ttl``, the
 leader has cancelled and joined its tasks before the server lets the lease expire, and

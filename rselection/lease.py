@@ -78,9 +78,11 @@ class HandoverRequest:
 class LeaseBackend(Protocol):
     """What a leader needs from a lease server.
 
-    Every method except :meth:`current` and :meth:`interrupt` is called only from the
-    leader's keeper thread. Connection problems raise
-    :class:`~rselection.errors.BackendUnavailable`; the keeper reconnects with backoff.
+    Every method except :meth:`current`, :meth:`interrupt` and :meth:`term_ended` is
+    called by one thread at a time: the leader's keeper thread (or, for a
+    :class:`NonBlockingLease`, the process's driver and its workers, in turn).
+    Connection problems raise :class:`~rselection.errors.BackendUnavailable`; the
+    keeper reconnects with backoff.
     """
 
     name: str
