@@ -152,11 +152,6 @@ class LeaseDriver:
         """True on the driver's own thread."""
         return threading.current_thread() is self._thread
 
-    def count(self) -> int:
-        """How many items the driver steps now."""
-        with self._cond:
-            return len(self._due) + sum(1 for item in self._poked if item not in self._due)
-
     def _start(self) -> None:
         """Under the lock: start the driver's thread unless it runs."""
         if self._thread is not None and self._thread.is_alive():
