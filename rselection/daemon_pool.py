@@ -97,14 +97,7 @@ class DaemonExecutor(Executor):
             item = self._queue.get()
             if item is None:
                 return
-            future, fn, args, kwargs = item
-            if future.set_running_or_notify_cancel():
-                try:
-                    result = fn(*args, **kwargs)
-                except BaseException as exc:  # handed to the caller, as an executor does
-                    future.set_exception(exc)
-                else:
-                    future.set_result(result)
+            _run_item(item)
             with self._lock:
                 if self._shutdown:
                     continue  # its stop mark is queued
@@ -340,15 +333,9 @@ class SharedPool:
                     promised = True
                     continue
                 self._start(start)
-                lane, (future, fn, args, kwargs) = taken
-                if future.set_running_or_notify_cancel():
-                    try:
-                        result = fn(*args, **kwargs)
-                    except BaseException as exc:  # handed to the caller, as an executor does
-                        future.set_exception(exc)
-                    else:
-                        future.set_result(result)
-                del future, fn, args, kwargs
+                lane, item = taken
+                _run_item(item)
+                del item
                 with self._lock:
                     lane._running -= 1
                     self._mark_ready(lane)
@@ -421,3 +408,15 @@ class Lane(Executor):
         others still run). ``wait`` is ignored: a call in a worker is never waited for."""
         for future, _, _, _ in self.pool._close(self, cancel_futures):
             future.cancel()
+
+
+def _run_item(item: _Item) -> None:
+    """Run a submitted call and settle its future (unless it was cancelled)."""
+    future, fn, args, kwargs = item
+    if future.set_running_or_notify_cancel():
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as exc:  # handed to the caller, as an executor does
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
