@@ -2,8 +2,9 @@
 
 Plain ``def`` tasks run in their own threads, so a CPU-bound task or an ``async def``
 task that blocks the event loop never holds up the others. ``async def`` tasks run on
-one event loop: the caller's under ``async with leader``, else a private loop thread
-that lives exactly as long as the term.
+one event loop: the caller's under ``async with leader``, else the loop that the
+process's terms share (:mod:`rselection.event_loops`), on which nothing of a term runs
+once it has ended.
 
 The machinery's threads are shared by every term of the process, so that they do not
 grow with the number of leases: one scheduler thread fires every term's scheduled tasks
@@ -49,6 +50,7 @@ from .claiming import (
 from .context import TaskContext, Term, running_term
 from .daemon_pool import SharedPool
 from .errors import ConfigError, LeadershipLost
+from .event_loops import LoopGuard, SharedLoops
 from .misfire import scan_due, split_behind, split_by_policy, too_old, window
 from .scheduler import MAX_LEAD, SCHEDULER, Prepared
 from .schedules import CronSchedule, IntervalSchedule, fire_series, format_fire_key
@@ -68,10 +70,10 @@ STUCK_EXIT_CODE = 70
 _RESTART_BASE = 0.1
 _RESTART_CAP = 30.0
 _T = TypeVar("_T")
-_LOOP_DRAIN = 1.0  # seconds a stopped private loop gets to unwind cancelled tasks
 _CLAIMS_PER_TERM = 2  # a term's claims running at once, at most
 _MAX_PENDING_SKIPS = 10_000  # skips waiting for a slow fire_skipped receiver, at most
 _JOIN_SHARED = 0.1  # seconds at least that stop() waits for idle shared threads to end
+_LOOP_HEALTH_POLL = 0.05  # seconds between looks at the shared loop while waiting on it
 
 # The process's pools, shared by every term (each term has lanes of its own): claims,
 # the look-back for missed fires and off-thread preparations; clean-ups of expired
@@ -121,7 +123,7 @@ class TermRunner:
         on_stuck: ``"exit"`` ends the process when a task outlives the grace.
         specs: the registered tasks.
         term: the term to run.
-        loop: event loop for ``async def`` tasks; ``None`` starts a private one.
+        loop: event loop for ``async def`` tasks; ``None``: the process's shared one.
     """
 
     def __init__(
@@ -137,8 +139,7 @@ class TermRunner:
         self.specs = specs
         self.term = term
         self._loop = loop
-        self._own_loop = False
-        self._loop_thread: threading.Thread | None = None
+        self._guard: LoopGuard | None = None  # the term's place on the shared loop
         self._table: _Timetable | None = None
         self._scheduler: threading.Thread | None = None  # the shared one, when it ends
         # Held while fires are started from elsewhere than a unit (the scheduler, the
@@ -147,6 +148,7 @@ class TermRunner:
         self._dispatch = threading.Lock()
         self._cond = threading.Condition()
         self._units: dict[int, str] = {}
+        self._async_units: set[int] = set()  # those of _units that run on the loop
         self._unit_ids = itertools.count()
         self._async_tasks: set[asyncio.Task[Any]] = set()
         # Claims run on the shared claim pool, so that one stuck on a dead connection
@@ -172,7 +174,8 @@ class TermRunner:
     def start(self) -> None:
         """Start persistent tasks and the scheduler."""
         if any(spec.is_async for spec in self.specs) and self._loop is None:
-            self._start_private_loop()
+            self._guard = SharedLoops.shared().enter()
+            self._loop = self._guard.loop
         for spec in self.specs:
             if spec.type is TaskType.PERSISTENT:
                 if spec.is_async:
@@ -224,8 +227,8 @@ class TermRunner:
             # add units to join. They see the term over once this lock is free.
             if self._dispatch.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 self._dispatch.release()
+            self._wait_for_units(deadline)
             with self._cond:
-                self._cond.wait_for(lambda: not self._units, max(0.0, deadline - time.monotonic()))
                 stuck = sorted(set(self._units.values()))
             for lane in (self._claims, self._preps, self._cleanups):
                 lane.shutdown(wait=False, cancel_futures=True)
@@ -236,8 +239,8 @@ class TermRunner:
                 with self._cond:
                     stuck = sorted(set(self._units.values()))
             try:
-                if self._own_loop:
-                    self._stop_private_loop(deadline)
+                if self._guard is not None:
+                    stuck = self._leave_the_loop(deadline, stuck)
             finally:
                 if stuck:
                     self._report_stuck(stuck, grace)
@@ -345,33 +348,49 @@ class TermRunner:
 
     # -- event loop -----------------------------------------------------------------
 
-    def _start_private_loop(self) -> None:
-        loop = asyncio.new_event_loop()
-        ready = threading.Event()
+    def _wait_for_units(self, deadline: float) -> None:
+        """Wait until every unit has left, or ``deadline``; on a shared loop that does not
+        answer (a task blocks it), not for the term's async tasks: they cannot run."""
+        guard = self._guard
 
-        def run() -> None:
-            asyncio.set_event_loop(loop)
-            loop.call_soon(ready.set)
-            try:
-                loop.run_forever()
-            finally:
-                _close_loop(loop)
+        def done() -> bool:
+            if not self._units:
+                return True
+            return (
+                guard is not None
+                and not guard.answers()
+                and self._async_units.issuperset(self._units)
+            )
 
-        self._loop = loop
-        self._own_loop = True
-        self._loop_thread = threading.Thread(
-            target=run, name=f"rselection-loop-term-{self.term.number}", daemon=True
-        )
-        self._loop_thread.start()
-        ready.wait(5.0)
+        with self._cond:
+            while not done():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(min(left, _LOOP_HEALTH_POLL) if guard is not None else left)
 
-    def _stop_private_loop(self, deadline: float) -> None:
-        loop, thread = self._loop, self._loop_thread
-        assert loop is not None and thread is not None
-        loop.call_soon_threadsafe(loop.stop)
-        # A task that blocks the loop keeps it from stopping; it was reported as stuck,
-        # and the loop thread closes the loop itself once that task lets go.
-        thread.join(max(0.1, deadline - time.monotonic()))
+    def _leave_the_loop(self, deadline: float, stuck: list[str]) -> list[str]:
+        """Close the term's guard on the shared loop (nothing of the term runs there
+        again); return ``stuck`` without the async tasks that were stopped that way."""
+        guard = self._guard
+        assert guard is not None
+        if guard.close(deadline):
+            with self._cond:
+                stopped = {self._units[u] for u in self._async_units if u in self._units}
+                running = {n for u, n in self._units.items() if u not in self._async_units}
+            stopped -= running
+            if stopped:
+                logger.warning(
+                    "async task %s of term %d did not unwind within its grace (it ignored "
+                    "cancellation, or the shared event loop was blocked): stopped without "
+                    "running to its end",
+                    ", ".join(repr(name) for name in sorted(stopped)),
+                    self.term.number,
+                )
+                return [name for name in stuck if name not in stopped]
+        # A step of the term still runs (one of its async tasks blocks the loop): every
+        # async task left counts as stuck.
+        return stuck
 
     def _cancel_async_tasks(self) -> None:
         for task in list(self._async_tasks):
@@ -388,6 +407,7 @@ class TermRunner:
     def _leave(self, unit: int) -> None:
         with self._cond:
             self._units.pop(unit, None)
+            self._async_units.discard(unit)
             self._cond.notify_all()
 
     def _spawn(self, name: str, target: Callable[..., object], *args: Any) -> None:
@@ -416,6 +436,8 @@ class TermRunner:
         (a thousand fires due at one instant wake the loop once, not a thousand times)."""
         loop = self._loop
         assert loop is not None
+        with self._cond:
+            self._async_units.update(unit for unit, _, _, _ in coros)
         try:
             loop.call_soon_threadsafe(self._create_tasks, coros)
         except RuntimeError:
@@ -427,7 +449,8 @@ class TermRunner:
                 logger.error("task %r not started: its event loop is closed", name)
 
     def _create_tasks(self, coros: list[_Coro]) -> None:
-        create = self._loop.create_task  # type: ignore[union-attr]
+        guard = self._guard
+        create = guard.create_task if guard is not None else self._loop.create_task  # type: ignore[union-attr]
         for _, _, coro, _ in coros:
             create(coro)
 
@@ -440,6 +463,14 @@ class TermRunner:
             await coro
         except asyncio.CancelledError:
             pass
+        except (SystemExit, KeyboardInterrupt) as exc:
+            # Raised on, it would leave the loop's run_forever under the other tasks.
+            logger.error(
+                "task %r of term %d raised %s: it ends; the other tasks go on",
+                self._units.get(unit),
+                self.term.number,
+                type(exc).__name__,
+            )
         finally:
             self._async_tasks.discard(task)
             self._leave(unit)
@@ -465,6 +496,7 @@ class TermRunner:
                 stats.state = "failed" if stats.last_failed else "idle"
             if unit is not None:
                 self._units.pop(unit, None)
+                self._async_units.discard(unit)
                 self._cond.notify_all()
 
     def _started(self, spec: TaskSpec, ctx: TaskContext) -> float:
@@ -1176,19 +1208,6 @@ def _schedule(spec: TaskSpec) -> Schedule:
     schedule = spec.schedule
     assert schedule is not None
     return schedule
-
-
-def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
-    """Cancel what is left on a stopped private loop, let it unwind briefly, close it."""
-    try:
-        pending = asyncio.all_tasks(loop)
-        for task in pending:
-            task.cancel()
-        if pending:
-            loop.run_until_complete(asyncio.wait(pending, timeout=_LOOP_DRAIN))
-        loop.run_until_complete(loop.shutdown_asyncgens())
-    finally:
-        loop.close()
 
 
 def _close_awaitable(obj: Any) -> None:
