@@ -287,9 +287,10 @@ def test_sessions_per_process_stay_within_the_budget(fleet: ScaleFleet, scale_ds
     assert not problems, "sessions over DESIGN.md's budget:\n" + "\n".join(problems)
 
 
-# Threads that belong to tasks, not to the machinery: a plain def task's own thread, and
-# the event loop a term's async tasks run on; and the test node's own threads.
-TASK_THREADS = ("rselection-task-", "rselection-loop-term-", "scale-", "MainThread")
+# Threads that belong to tasks, not to the machinery: a plain def task's own thread; and
+# the test node's own threads. (The event loop of every term's async tasks is one of the
+# machinery's: rselection-loop-N.)
+TASK_THREADS = ("rselection-task-", "scale-", "MainThread")
 # The machinery's threads of a process, whatever its number of leases: the driver, its
 # pool, the shared keeper's session thread, the ring watcher, the I/O watchdogs and
 # the like. The one-keeper-per-lease design had 2 per lease (keeper and watchdog), 200
