@@ -20,6 +20,7 @@ process's :class:`~rselection.driver.LeaseDriver`:
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -124,7 +125,7 @@ class DrivenKeeper:
         term = leader._term
         watch = self._watch(term, now)
         if self._busy or self._in_flight:
-            return watch
+            return min(watch, now + _IN_FLIGHT_CHECK)
         try:
             return min(watch, self._step(now))
         except BaseException as exc:
@@ -133,13 +134,16 @@ class DrivenKeeper:
 
     def _watch(self, term: Term | None, now: float) -> float:
         """The watchdog: end a term whose deadline passed, or that a stop ends; return
-        when to look again."""
-        if term is None or term is self._ending or term.cancelled.is_set():
+        when to look again (a follower has nothing to watch: never, unless poked)."""
+        if term is None:
+            return math.inf
+        if term is self._ending or term.cancelled.is_set():
             return now + _IN_FLIGHT_CHECK
         stopping = self._leader._stopping.is_set()
         if not stopping and term.live():
-            # Capped: a timed wait does not count time suspended.
-            return min(term.deadline, now + _IN_FLIGHT_CHECK)
+            # On the driver's clock, which counts suspended time (the driver looks at it
+            # at least every second); a stop() or a notification pokes us sooner.
+            return term.deadline
         self._ending = term
         reason = "stopped" if stopping else "deadline"
 
