@@ -51,6 +51,7 @@ import argparse
 import asyncio
 import json
 import os
+import queue
 import re
 import signal
 import sys
@@ -64,26 +65,52 @@ from typing import Any
 import rselection as rs
 from rselection import signals
 
-_out_lock = threading.Lock()
 
 
 class Reporter:
-    """Writes the node's events, one locked write per line (many threads report)."""
+    """Writes the node's events, one line each, from a thread of its own.
+
+    Many threads report (every leader's ``elected`` receiver runs on the library's
+    threads): a write on the caller's thread would make those threads queue for the
+    output and for the GIL behind one another, and a reader slow to drain the pipe would
+    hold up the library's work, so a benchmark would measure its own output. Each event
+    takes its clocks when it happens; :meth:`close` writes out what is queued.
+    """
 
     def __init__(self, node: str) -> None:
         self.node = node
+        self._lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, name="reporter", daemon=True)
+        self._writer.start()
 
     def emit(self, event: str, **fields: Any) -> None:
-        """Print one event line with the node id and both clocks."""
+        """Queue one event line with the node id and both clocks."""
         record = {"event": event, "node": self.node, "mono": time.monotonic(), "t": time.time()}
         record.update(fields)
-        line = json.dumps(record) + "\n"
-        with _out_lock:
+        self._lines.put(json.dumps(record) + "\n")
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Write every queued line, then stop the writer (bounded by ``timeout``)."""
+        self._lines.put(None)
+        self._writer.join(timeout)
+
+    def _write(self) -> None:
+        while True:
+            line = self._lines.get()
+            batch = []
+            while line is not None:
+                batch.append(line)
+                try:
+                    line = self._lines.get_nowait()
+                except queue.Empty:
+                    break
             try:
-                sys.stdout.write(line)
+                sys.stdout.write("".join(batch))
                 sys.stdout.flush()
             except (BrokenPipeError, ValueError):
                 pass  # the reader went away; the node goes on until it is stopped
+            if line is None:
+                return
 
 
 def parse_indices(text: str, count: int) -> set[int]:
@@ -349,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     out.emit("stopped", seconds=time.monotonic() - stopping)
     for sig, receiver in receivers:
         sig.disconnect(receiver)
+    out.close()
     return 0
 
 
