@@ -66,7 +66,6 @@ import rselection as rs
 from rselection import signals
 
 
-
 class Reporter:
     """Writes the node's events, one line each, from a thread of its own.
 
