@@ -45,6 +45,8 @@ __all__ = [
     "lease_lock_key",
     "listen_sql",
     "not_reserved",
+    "ReleaseRequest",
+    "release_batch_sql",
     "release_sql",
     "renew_batch_sql",
     "resolve_lease_table",
@@ -609,6 +611,59 @@ def release_sql(
         channel=sql.Literal(channel),
         unlock=unlock_sql([(lock_key, term)]),
     )
+
+
+@dataclass(frozen=True)
+class ReleaseRequest:
+    """One term to give back in a batch: the lease, its holder, the term, the channel
+    its followers listen on, and the advisory lock that term holds."""
+
+    name: str
+    node_id: str
+    term: int
+    channel: str
+    lock_key: int
+
+
+def release_batch_sql(table: sql.Composable, requests: Sequence[ReleaseRequest]) -> sql.Composed:
+    """:func:`release_sql` for many terms in one statement; one row per request: name,
+    whether it was released (and its channel notified), and whether its row was locked
+    by another transaction (skipped, not waited for: release it alone).
+
+    The advisory lock of each term whose row is no longer ours or was released is freed;
+    a skipped term keeps its lock until it is released alone, so its lease never looks
+    free while its row still names this node.
+    """
+    values = sql.SQL(", ").join(
+        sql.SQL("({}::text, {}::text, {}::bigint, {}::text, {}::integer)").format(
+            sql.Literal(r.name),
+            sql.Literal(r.node_id),
+            sql.Literal(r.term),
+            sql.Literal(r.channel),
+            sql.Literal(r.lock_key),
+        )
+        for r in requests
+    )
+    guard = sql.SQL("t.name = r.name AND t.holder = r.node AND t.term = r.term")
+    # Notified and unlocked in the outer query, whose every row is computed: a SELECT
+    # in a WITH may be read only in part.
+    return sql.SQL(
+        "WITH r(name, node, term, channel, lock_key) AS (VALUES {values}),"
+        " lockable AS MATERIALIZED (SELECT t.name FROM {t} AS t JOIN r ON {guard}"
+        " FOR NO KEY UPDATE OF t SKIP LOCKED),"
+        " released AS (UPDATE {t} AS t SET holder = NULL, holder_pid = NULL,"
+        " expires_at = now() FROM r JOIN lockable ON lockable.name = r.name"
+        " WHERE {guard} RETURNING t.name),"
+        " skipped AS (SELECT r.name FROM r JOIN {t} AS t ON {guard}"
+        " WHERE r.name NOT IN (SELECT name FROM lockable))"
+        " SELECT r.name, rel.name IS NOT NULL, sk.name IS NOT NULL,"
+        " CASE WHEN rel.name IS NOT NULL THEN pg_notify(r.channel, json_build_object("
+        "'event', 'released', 'name', r.name, 'node_id', r.node, 'term', r.term)::text) END,"
+        " CASE WHEN sk.name IS NULL"
+        " THEN pg_advisory_unlock(r.lock_key, (r.term % 2147483648)::integer) END"
+        " FROM r LEFT JOIN released AS rel ON rel.name = r.name"
+        " LEFT JOIN skipped AS sk ON sk.name = r.name"
+    ).format(t=table, values=values, guard=guard)
 
 
 def bounded_sql(seconds: float, *, statement: bool = True) -> sql.Composed:

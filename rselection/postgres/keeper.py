@@ -68,6 +68,7 @@ from ._lease_sql import (
     SERVER_START_SQL,
     AcquireRequest,
     LeaseTable,
+    ReleaseRequest,
     RenewRequest,
     acquire_batch_sql,
     bounded_sql,
@@ -76,6 +77,7 @@ from ._lease_sql import (
     lease_channel,
     lease_lock_key,
     listen_sql,
+    release_batch_sql,
     release_sql,
     renew_batch_sql,
     server_identity,
@@ -109,6 +111,17 @@ RENEWAL_SKIPPED = ("skipped",)
 """What :meth:`SharedKeeper.renew` returns for a term still held whose row another
 transaction holds locked: not renewed this time; try again (the deadline counts from the
 last renewal that went through)."""
+
+RELEASE_LOCKED = ("locked",)
+"""A batch's answer for a release whose row another transaction holds locked: skipped
+(nothing done, its lock kept); sent again with a later batch."""
+
+RELEASE_REFUSED = ("refused",)
+"""A batch's answer when the server refused the whole batch (a trigger, say): each
+release is sent in a round trip of its own, so that only a row at fault fails."""
+
+RELEASE_RETRY = 0.05
+"""Seconds between two tries of a release whose row is locked."""
 
 LOCK_BOUND = 1.0
 """Seconds an acquisition or a release may wait for a lock on the keeper session before
@@ -223,6 +236,7 @@ class SharedKeeper:
         self._unlocks: list[tuple[int, int]] = []  # locks of ended terms, freed next trip
         self._renewals: list[Queued] = []
         self._attempts: list[Queued] = []
+        self._releases: list[Queued] = []
         self._phase = clock.monotonic()  # renewal and attempt slots count from here
         self._io = IoWatchdog(f"keeper-{table}")
         self._wakeup = Wakeup()
@@ -767,13 +781,14 @@ class SharedKeeper:
         """Send the queued renewals, then the queued attempts, in as few batches as the
         one-entry-per-lease rule allows (on the keeper's thread)."""
         with self._state:
-            if not (self._renewals or self._attempts):
+            if not (self._renewals or self._attempts or self._releases):
                 return
             several = len(self._clients) > 1
         if several:
             time.sleep(GATHER)  # let the others due now join these batches
         for queue, send in (
             (self._renewals, self._send_renewals),
+            (self._releases, self._send_releases),
             (self._attempts, self._send_attempts),
         ):
             while True:
@@ -969,12 +984,86 @@ class SharedKeeper:
 
     def release(self, lease: PostgresLease, node_id: str, term: int) -> bool:
         """Give ``term`` back (row cleared, followers notified, its lock freed); ``True``
-        when the row was still ours."""
+        when the row was still ours.
+
+        Sent with the other releases queued now (a process stopping a thousand leaders
+        releases them in a few round trips). A row another transaction holds locked is
+        skipped, not waited for, and tried again with the next batches for up to
+        ``LOCK_BOUND`` seconds: the session never waits for a row lock, so no renewal
+        waits behind a release.
+
+        Raises:
+            BackendUnavailable: the session broke, or the row stayed locked (the lease
+                then passes on when it expires).
+        """
         self.ensure(lease)
-        assert lease.channel is not None and lease.lock_key is not None
+        give_up = clock.monotonic() + LOCK_BOUND
+        while True:
+            queued = Queued(lease, node_id, term)
+            outcome = self._batch(self._releases, queued, self._send_releases)
+            if outcome is RELEASE_REFUSED:
+                return self._release_alone(lease, node_id, term)
+            if outcome is not RELEASE_LOCKED:
+                released: bool = outcome
+                return released
+            if clock.monotonic() >= give_up:
+                raise BackendUnavailable(
+                    f"cannot release lease {lease.name!r}: its row stayed locked by another "
+                    f"transaction for {LOCK_BOUND:g} s; it passes on when it expires"
+                )
+            time.sleep(RELEASE_RETRY)
+
+    def _lock_key(self, lease: PostgresLease, node_id: str, term: int) -> int:
+        """Under ``_state``: the advisory lock that ``term`` of ``lease`` holds."""
+        assert lease.lock_key is not None
+        held = self._holds.get((lease, node_id))
+        return held[1] if held is not None and held[0] == term else lease.lock_key
+
+    def _released(self, lease: PostgresLease, node_id: str, term: int) -> None:
         with self._state:
-            held = self._holds.get((lease, node_id))
-        key = held[1] if held is not None and held[0] == term else lease.lock_key
+            if self._holds.get((lease, node_id), (None, 0))[0] == term:
+                del self._holds[(lease, node_id)]
+        self._io.recheck()
+
+    def _send_releases(self, batch: list[Queued]) -> None:
+        with self._state:
+            requests = []
+            for q in batch:
+                assert q.lease.channel is not None
+                key = self._lock_key(q.lease, q.node_id, q.term)
+                requests.append(
+                    ReleaseRequest(q.lease.name, q.node_id, q.term, q.lease.channel, key)
+                )
+        try:
+            results = self._run(
+                sql.SQL("{}; {}").format(
+                    bounded_sql(LOCK_BOUND), release_batch_sql(self._ident, requests)
+                ),
+                "release the leases",
+                limit=max(q.lease.renew_deadline for q in batch),
+                tolerate=True,
+            )
+        except psycopg.Error as exc:
+            # Refused on a healthy session (a trigger, say): nothing was released, and no
+            # lock freed; each is sent alone, so that only a row at fault fails.
+            logger.debug("keeper: a batch of releases was refused (%s)", _first_line(exc))
+            for queued in batch:
+                queued.fill(RELEASE_REFUSED)
+            return
+        answers = {row[0]: (bool(row[1]), bool(row[2])) for row in results[-1] or []}
+        for q in batch:
+            released, skipped = answers.get(q.lease.name, (False, False))
+            if skipped:
+                q.fill(RELEASE_LOCKED)
+                continue
+            self._released(q.lease, q.node_id, q.term)
+            q.fill(released)
+
+    def _release_alone(self, lease: PostgresLease, node_id: str, term: int) -> bool:
+        """:meth:`release` in a round trip of its own (after a refused batch)."""
+        assert lease.channel is not None
+        with self._state:
+            key = self._lock_key(lease, node_id, term)
         try:
             results = self._run(
                 sql.SQL("{}; {}").format(
@@ -995,10 +1084,7 @@ class SharedKeeper:
                 f"cannot release lease {lease.name!r}: the server refused "
                 f"({_first_line(exc)}); it passes on when it expires"
             ) from exc
-        with self._state:
-            if self._holds.get((lease, node_id), (None, 0))[0] == term:
-                del self._holds[(lease, node_id)]
-        self._io.recheck()
+        self._released(lease, node_id, term)
         return bool(results[-2])
 
     # -- slots ---------------------------------------------------------------------------

@@ -312,6 +312,66 @@ def test_a_release_refused_on_a_locked_row_costs_only_its_own_lease(
         locker.rollback()
 
 
+def test_a_release_waiting_for_a_locked_row_holds_up_no_renewal_and_no_other_release(
+    pg_dsn: str, made: list[PostgresLeader], events: Events
+) -> None:
+    # Before, the release of a locked row waited for it on the shared session, for up
+    # to a second: every renewal of the process, and every other release, queued behind.
+    leaders = [
+        PostgresLeader(pg_dsn, idle_handler(), name=f"l{i}", node_id="a", claimer=None, **TIMINGS)
+        for i in range(6)
+    ]
+    made.extend(leaders)
+    for leader in leaders:
+        leader.start()
+    wait_until(lambda: all(x.is_leader for x in leaders), 20, "every lease to be led by a")
+    followers = [
+        PostgresLeader(pg_dsn, idle_handler(), name=f"l{i}", node_id="b", claimer=None, **TIMINGS)
+        for i in range(3)
+    ]
+    made.extend(followers)
+    for follower in followers:
+        follower.start()
+    renewals: list[tuple[float, str, float]] = []
+
+    def renewed(sender: Any, **kw: Any) -> None:
+        renewals.append((time.monotonic(), kw["name"], kw["latency"]))
+
+    signals.lease_renewed.connect(renewed)
+    try:
+        with psycopg.connect(pg_dsn) as locker:
+            locker.execute("SELECT 1 FROM rselection_leases WHERE name = 'l0' FOR UPDATE")
+            stopping = [threading.Thread(target=leaders[0].stop, args=(15,))]
+            stopping[0].start()
+            time.sleep(0.1)  # l0's release is under way (its row locked) before the others
+            asked = time.monotonic()
+            for leader in leaders[1:3]:
+                stopping.append(threading.Thread(target=leader.stop, args=(15,)))
+                stopping[-1].start()
+            wait_until(
+                lambda: followers[1].is_leader and followers[2].is_leader,
+                10,
+                "l1 and l2 to be handed over",
+            )
+            handed_over = time.monotonic() - asked
+            watched_from = time.monotonic()
+            time.sleep(0.8)  # l0's release keeps trying meanwhile (for up to 1 s)
+            for thread in stopping:
+                thread.join(15)
+            assert not any(t.is_alive() for t in stopping)
+            locker.rollback()
+    finally:
+        signals.lease_renewed.disconnect(renewed)
+    # A graceful handover takes tens of milliseconds here; behind a release waiting for
+    # its row it took over a second.
+    assert handed_over < 0.7, f"l1 and l2 were handed over {handed_over:.2f} s after stop()"
+    assert not followers[0].is_leader  # l0 was never released: it passes on by expiry
+    slow = [(n, round(lat, 3)) for t, n, lat in renewals if t >= watched_from and lat > 0.5]
+    assert not slow, f"renewals waited behind a release: {slow}"
+    assert {n for t, n, _ in renewals if t >= watched_from} >= {"l3", "l4", "l5"}
+    assert [x.term for x in leaders[3:]] == [1, 1, 1]
+
+
 def test_a_deleted_lease_row_stops_its_leaders_with_a_clear_error(
     pg_dsn: str, made: list[PostgresLeader]
 ) -> None:
