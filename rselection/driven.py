@@ -157,7 +157,7 @@ class DrivenKeeper:
     def _step(self, now: float) -> float:
         leader = self._leader
         if leader._stopping.is_set():
-            self._work(self._shut_down)
+            self._shut_down()
             return now + _IN_FLIGHT_CHECK
         if now < self._pause_until:  # backing off after a failure (a stop cuts it short)
             return self._pause_until
@@ -344,7 +344,11 @@ class DrivenKeeper:
             def fatal() -> None:
                 leader._end_term("error")
                 leader._held_term = None  # not through this backend: the lease expires
-                self._shut_down()
+                try:
+                    leader._shutdown()
+                finally:
+                    self._finished = True
+                    self.done.set()
 
             self._work(fatal)
         elif isinstance(exc, Exception):
@@ -377,8 +381,15 @@ class DrivenKeeper:
         self._leader._connected = True
 
     def _shut_down(self) -> None:
+        """Release first, then close and clean up as a second piece of work: when many
+        leaders stop at once, every release is queued on the driver's workers before any
+        leader's clean-ups (membership, claimer, store), so followers take over without
+        waiting for the others' clean-ups."""
+        self._work(self._leader._stop_leading, then=lambda _: self._work(self._close))
+
+    def _close(self) -> None:
         try:
-            self._leader._shutdown()
+            self._leader._close()
         finally:
             self._finished = True
             self.done.set()

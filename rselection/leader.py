@@ -758,6 +758,14 @@ class LeaseLeader:
 
     def _shutdown(self) -> None:
         try:
+            self._stop_leading()
+        finally:
+            self._close()
+
+    def _stop_leading(self) -> None:
+        """The first half of a shut-down: end the term, announce it, release the lease
+        (errors logged: the lease then passes on when it expires)."""
+        try:
             self._end_term("stopped")
             self._announce()
             self._release()
@@ -765,18 +773,21 @@ class LeaseLeader:
             logger.warning("lease %r: could not release on stop (%s)", self._name, exc)
         except Exception:
             logger.exception("lease %r: error while stopping", self._name)
+
+    def _close(self) -> None:
+        """The second half of a shut-down, whatever the first did: close the backend,
+        free the handler, run the clean-ups, and let ``stop()`` return."""
+        # Whatever a clean-up does, the handler is free again and the threads end.
+        try:
+            self._close_backend()
+            self._handler.detach()
         finally:
-            # Whatever a clean-up does, the handler is free again and the threads end.
             try:
-                self._close_backend()
-                self._handler.detach()
+                self._run_cleanup()
             finally:
-                try:
-                    self._run_cleanup()
-                finally:
-                    with self._cond:
-                        self._closed = True
-                        self._cond.notify_all()
+                with self._cond:
+                    self._closed = True
+                    self._cond.notify_all()
 
     def _close_backend(self) -> None:
         try:

@@ -155,7 +155,15 @@ class Membership:
             return
         keeper.stop_beating(self)
         try:
-            self._execute("leave the membership table", self._leave_sql, (self.name, self.node_id))
+            # Heartbeats created the table (a leave from a table that never was raises,
+            # and is logged): a process stopping a thousand leaders checks no schema
+            # a thousand times.
+            self._execute(
+                "leave the membership table",
+                self._leave_sql,
+                (self.name, self.node_id),
+                create=False,
+            )
         except BackendUnavailable as exc:
             logger.info("node %s left without deleting its heartbeat row: %s", self.node_id, exc)
         self._conns.close()
@@ -232,11 +240,17 @@ class Membership:
         ]
 
     def _execute(
-        self, what: str, statement: sql.Composed, params: Any, *, fetch: bool = False
+        self,
+        what: str,
+        statement: sql.Composed,
+        params: Any,
+        *,
+        fetch: bool = False,
+        create: bool = True,
     ) -> list[tuple[Any, ...]]:
         try:
             with self._conns.connection() as conn:
-                if self._create:
+                if self._create and create:
                     create_tables(conn, nodes=self.table, timeout=self._statement_timeout)
                     self._create = False
                 cur = conn.execute(statement, params)
