@@ -373,12 +373,26 @@ STATE_COLUMNS = (
 )
 
 
+def _rows(columns: str, *arrays: tuple[Sequence[Any], str]) -> sql.Composed:
+    """``SELECT`` of ``unnest`` over one array literal per column (``(values, type)``):
+    a batch of a thousand rows is a few array literals, not thousands of literals to
+    compose every round."""
+    return sql.SQL("SELECT * FROM unnest({}) AS {}").format(
+        sql.SQL(", ").join(
+            sql.SQL("{}::{}[]").format(sql.Literal(list(values)), sql.SQL(kind))
+            for values, kind in arrays
+        ),
+        sql.SQL(columns),
+    )
+
+
 def _requests(requests: Sequence[AcquireRequest]) -> sql.Composed:
-    return sql.SQL(", ").join(
-        sql.SQL("({}::text, {}::text, {}::float8, {}::text)").format(
-            sql.Literal(r.name), sql.Literal(r.node_id), sql.Literal(r.ttl), sql.Literal(r.channel)
-        )
-        for r in requests
+    return _rows(
+        "x(name, node, ttl, channel)",
+        ([r.name for r in requests], "text"),
+        ([r.node_id for r in requests], "text"),
+        ([r.ttl for r in requests], "float8"),
+        ([r.channel for r in requests], "text"),
     )
 
 
@@ -417,7 +431,7 @@ def states_sql(
         " CASE WHEN {same} AND " + LOCK_HELD + " AND NOT " + RING_HELD + " THEN 1"
         " ELSE t.protocol END,"
         " ({free} AND {open})"
-        " FROM {t} AS t JOIN (VALUES {req}) AS r(name, node, ttl, channel) ON r.name = t.name"
+        " FROM {t} AS t JOIN ({req}) AS r(name, node, ttl, channel) ON r.name = t.name"
     ).format(
         t=table,
         req=_requests(requests),
@@ -458,7 +472,7 @@ def acquire_batch_sql(
     )
     return sql.SQL(
         "{insert}"
-        "WITH r(name, node, ttl, channel) AS (VALUES {req}),"
+        "WITH r(name, node, ttl, channel) AS ({req}),"
         " locked AS MATERIALIZED ("
         "  SELECT t.name FROM {t} AS t JOIN r ON r.name = t.name"
         "  WHERE {free} AND {open} FOR UPDATE OF t SKIP LOCKED"
@@ -516,11 +530,12 @@ def renew_batch_sql(
     seconds left of its window, and whether the row was skipped (still held, not
     renewed: try again).
     """
-    values = sql.SQL(", ").join(
-        sql.SQL("({}::text, {}::text, {}::bigint, {}::float8)").format(
-            sql.Literal(r.name), sql.Literal(r.node_id), sql.Literal(r.term), sql.Literal(r.ttl)
-        )
-        for r in requests
+    values = _rows(
+        "x(name, node, term, ttl)",
+        ([r.name for r in requests], "text"),
+        ([r.node_id for r in requests], "text"),
+        ([r.term for r in requests], "bigint"),
+        ([r.ttl for r in requests], "float8"),
     )
     guard = sql.SQL(
         "t.name = r.name AND t.holder = r.node AND t.term = r.term"
@@ -528,7 +543,7 @@ def renew_batch_sql(
         " AND t.holder_server = {server}"
     ).format(server=sql.Literal(server))
     return sql.SQL(
-        "WITH r(name, node, term, ttl) AS (VALUES {values}),"
+        "WITH r(name, node, term, ttl) AS ({values}),"
         " lockable AS MATERIALIZED (SELECT t.name FROM {t} AS t JOIN r ON {guard}"
         " FOR NO KEY UPDATE OF t SKIP LOCKED),"
         " renewed AS (UPDATE {t} AS t"
@@ -634,21 +649,19 @@ def release_batch_sql(table: sql.Composable, requests: Sequence[ReleaseRequest])
     a skipped term keeps its lock until it is released alone, so its lease never looks
     free while its row still names this node.
     """
-    values = sql.SQL(", ").join(
-        sql.SQL("({}::text, {}::text, {}::bigint, {}::text, {}::integer)").format(
-            sql.Literal(r.name),
-            sql.Literal(r.node_id),
-            sql.Literal(r.term),
-            sql.Literal(r.channel),
-            sql.Literal(r.lock_key),
-        )
-        for r in requests
+    values = _rows(
+        "x(name, node, term, channel, lock_key)",
+        ([r.name for r in requests], "text"),
+        ([r.node_id for r in requests], "text"),
+        ([r.term for r in requests], "bigint"),
+        ([r.channel for r in requests], "text"),
+        ([r.lock_key for r in requests], "integer"),
     )
     guard = sql.SQL("t.name = r.name AND t.holder = r.node AND t.term = r.term")
     # Notified and unlocked in the outer query, whose every row is computed: a SELECT
     # in a WITH may be read only in part.
     return sql.SQL(
-        "WITH r(name, node, term, channel, lock_key) AS (VALUES {values}),"
+        "WITH r(name, node, term, channel, lock_key) AS ({values}),"
         " lockable AS MATERIALIZED (SELECT t.name FROM {t} AS t JOIN r ON {guard}"
         " FOR NO KEY UPDATE OF t SKIP LOCKED),"
         " released AS (UPDATE {t} AS t SET holder = NULL, holder_pid = NULL,"
