@@ -30,7 +30,14 @@ from .context import Term
 from .daemon_pool import Lane
 from .driver import LeaseDriver
 from .errors import BackendUnavailable, ConfigError
-from .lease import Acquisition, LeaseBackend, NonBlockingLease, RenewOutcome
+from .lease import (
+    Acquisition,
+    LeaseBackend,
+    NonBlockingLease,
+    NonBlockingRelease,
+    ReleaseOutcome,
+    RenewOutcome,
+)
 
 if TYPE_CHECKING:
     from .leader import LeaseLeader
@@ -381,11 +388,55 @@ class DrivenKeeper:
         self._leader._connected = True
 
     def _shut_down(self) -> None:
-        """Release first, then close and clean up as a second piece of work: when many
-        leaders stop at once, every release is queued on the driver's workers before any
-        leader's clean-ups (membership, claimer, store), so followers take over without
-        waiting for the others' clean-ups."""
-        self._work(self._leader._stop_leading, then=lambda _: self._work(self._close))
+        """End the term, release, then close and clean up (membership, claimer, store),
+        each a piece of work of its own, so that when many leaders stop at once every
+        release is under way before any leader's clean-ups. A lease that starts a
+        release without blocking (:class:`~rselection.lease.NonBlockingRelease`) is
+        released like a renewal, with no worker waiting for it (leaders stopping
+        together are released in one round trip; a locked row holds up nobody)."""
+        if not isinstance(self._lease, NonBlockingRelease):
+            self._work(self._leader._stop_leading, then=lambda _: self._work(self._close))
+            return
+        self._work(self._end_for_release, then=self._release_soon)
+
+    def _end_for_release(self) -> int | None:
+        """Pool work: end the term and announce it; the term to give back, if any."""
+        leader = self._leader
+        try:
+            leader._end_term("stopped")
+            leader._announce()
+            return leader._releasable()
+        except Exception as exc:
+            leader._stop_failed(exc)
+            return None
+
+    def _release_soon(self, held: int | None) -> None:
+        """Driver thread: start the release of ``held``, then close."""
+        if held is None:
+            self._work(self._close)
+            return
+        lease = self._lease
+        assert isinstance(lease, NonBlockingRelease)
+        node_id = self._leader.node_id
+        self._round_trip(
+            lambda done: lease.release_soon(node_id, held, done),
+            lambda: None,  # not started: the blocking release runs on a worker instead
+            lambda outcome: self._work(lambda: self._after_release(held, outcome)),
+        )
+
+    def _after_release(self, held: int, outcome: ReleaseOutcome) -> None:
+        """Pool work: the blocking release if the round trip left it undone, then close."""
+        leader = self._leader
+        try:
+            if outcome is None:
+                self._backend.release(leader.node_id, held)
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            leader._observe(None)
+        except Exception as exc:
+            leader._stop_failed(exc)
+        finally:
+            self._close()
 
     def _close(self) -> None:
         try:

@@ -737,9 +737,18 @@ class LeaseLeader:
 
     def _release(self) -> None:
         """Give the held term back, never before that term's tasks are joined."""
+        held = self._releasable()
+        if held is None:
+            return
+        self._backend.release(self._node_id, held)
+        self._observe(None)
+
+    def _releasable(self) -> int | None:
+        """Take the held term to give back, once its tasks are joined and its end
+        announced; ``None`` when there is none, or it must not be given back."""
         held, self._held_term = self._held_term, None
         if held is None or not self._connected:
-            return
+            return None
         last = self._last_term
         if last is not None and last.number == held and not last.ended.wait(self._join_bound()):
             # Its tasks are neither joined nor reported stuck: keep the lease until it
@@ -747,10 +756,9 @@ class LeaseLeader:
             logger.error(
                 "lease %r: term %d did not finish ending; not releasing it", self._name, held
             )
-            return
+            return None
         self._announce()  # the demotion, before anyone else can lead
-        self._backend.release(self._node_id, held)
-        self._observe(None)
+        return held
 
     def _join_bound(self) -> float:
         """Longest an ending term can take: ``stop_grace`` plus time to unwind."""
@@ -769,10 +777,15 @@ class LeaseLeader:
             self._end_term("stopped")
             self._announce()
             self._release()
-        except BackendUnavailable as exc:
+        except Exception as exc:
+            self._stop_failed(exc)
+
+    def _stop_failed(self, exc: Exception) -> None:
+        """Log what kept a shut-down from releasing (the lease then passes on by itself)."""
+        if isinstance(exc, BackendUnavailable):
             logger.warning("lease %r: could not release on stop (%s)", self._name, exc)
-        except Exception:
-            logger.exception("lease %r: error while stopping", self._name)
+        else:
+            logger.error("lease %r: error while stopping", self._name, exc_info=exc)
 
     def _close(self) -> None:
         """The second half of a shut-down, whatever the first did: close the backend,

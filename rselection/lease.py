@@ -24,6 +24,8 @@ __all__ = [
     "LeaseBackend",
     "MemoryLease",
     "NonBlockingLease",
+    "NonBlockingRelease",
+    "ReleaseOutcome",
     "RenewOutcome",
     "SharedSchedule",
     "SupportsHandover",
@@ -216,6 +218,28 @@ class NonBlockingLease(Protocol):
         """Call ``waker`` (from any thread, quickly) whenever :meth:`wait_for_change`
         would return early: a notification, a broken session, :meth:`interrupt`.
         ``None`` stops the calls."""
+
+
+ReleaseOutcome = bool | None | BaseException
+"""What a non-blocking release reports: ``True`` released, ``False`` the term was no
+longer held (nothing to release), ``None`` not done: call the blocking
+:meth:`LeaseBackend.release`, or the exception the blocking call would raise."""
+
+
+@runtime_checkable
+class NonBlockingRelease(Protocol):
+    """A :class:`NonBlockingLease` that can also start a release without blocking.
+
+    Optional: the driver then releases the leases of leaders stopping together in one
+    round trip, and no worker thread waits for a release in flight (one whose row is
+    locked, say).
+    """
+
+    def release_soon(self, node_id: str, term: int, done: Callable[[ReleaseOutcome], None]) -> bool:
+        """Start :meth:`LeaseBackend.release` of ``term`` (its tasks joined); ``done``
+        is called once, from any thread, with its :data:`ReleaseOutcome`. ``False``
+        (nothing started, ``done`` never called) when it cannot start without blocking:
+        call :meth:`LeaseBackend.release`."""
 
 
 class MemoryLease:

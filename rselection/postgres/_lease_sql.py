@@ -645,9 +645,9 @@ def release_batch_sql(table: sql.Composable, requests: Sequence[ReleaseRequest])
     whether it was released (and its channel notified), and whether its row was locked
     by another transaction (skipped, not waited for: release it alone).
 
-    The advisory lock of each term whose row is no longer ours or was released is freed;
-    a skipped term keeps its lock until it is released alone, so its lease never looks
-    free while its row still names this node.
+    The advisory lock of each term is freed, but that of a skipped one (its term has
+    ended, its tasks are joined: the session frees it anyway once the term's end is
+    recorded, and a follower may then take the lease as soon as the row is free).
     """
     values = _rows(
         "x(name, node, term, channel, lock_key)",

@@ -93,7 +93,14 @@ from .session_pool import SessionPool
 if TYPE_CHECKING:
     from .lease import PostgresLease
 
-__all__ = ["GATHER", "RENEWAL_SKIPPED", "Attempt", "Queued", "SharedKeeper"]
+__all__ = [
+    "GATHER",
+    "RELEASE_REFUSED",
+    "RENEWAL_SKIPPED",
+    "Attempt",
+    "Queued",
+    "SharedKeeper",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -111,10 +118,6 @@ RENEWAL_SKIPPED = ("skipped",)
 """What :meth:`SharedKeeper.renew` returns for a term still held whose row another
 transaction holds locked: not renewed this time; try again (the deadline counts from the
 last renewal that went through)."""
-
-RELEASE_LOCKED = ("locked",)
-"""A batch's answer for a release whose row another transaction holds locked: skipped
-(nothing done, its lock kept); sent again with a later batch."""
 
 RELEASE_REFUSED = ("refused",)
 """A batch's answer when the server refused the whole batch (a trigger, say): each
@@ -165,6 +168,9 @@ class Queued:
     error: BaseException | None = None
     filled: bool = False
     on_done: Callable[[Queued], None] | None = None
+    give_up_at: float = 0.0
+    """A release whose row is locked is sent again with later batches until this
+    :func:`rselection.clock.monotonic` time, then answered with an error."""
     """Called once, after ``done`` is set, by whoever settles the entry first (a batch's
     answer, or the client giving up): how a non-blocking caller learns of it."""
     _settled: threading.Lock = field(default_factory=threading.Lock)
@@ -237,6 +243,7 @@ class SharedKeeper:
         self._renewals: list[Queued] = []
         self._attempts: list[Queued] = []
         self._releases: list[Queued] = []
+        self._retries: list[tuple[float, Queued]] = []  # locked releases: when to resend
         self._phase = clock.monotonic()  # renewal and attempt slots count from here
         self._io = IoWatchdog(f"keeper-{table}")
         self._wakeup = Wakeup()
@@ -648,8 +655,9 @@ class SharedKeeper:
 
     def _shut(self) -> None:
         with self._state:
-            queued = self._renewals + self._attempts
-            self._renewals, self._attempts = [], []
+            queued = self._renewals + self._attempts + self._releases
+            queued += [item for _, item in self._retries]
+            self._renewals, self._attempts, self._releases, self._retries = [], [], [], []
         for item in queued:  # nobody sends them any more
             item.give_up(self._lost())
         self._drop()
@@ -781,6 +789,10 @@ class SharedKeeper:
         """Send the queued renewals, then the queued attempts, in as few batches as the
         one-entry-per-lease rule allows (on the keeper's thread)."""
         with self._state:
+            now = clock.monotonic()
+            # Locked releases whose next try is due join this round (unless given up).
+            self._releases += [q for at, q in self._retries if at <= now and not q.done.is_set()]
+            self._retries = [(at, q) for at, q in self._retries if at > now]
             if not (self._renewals or self._attempts or self._releases):
                 return
             several = len(self._clients) > 1
@@ -997,21 +1009,27 @@ class SharedKeeper:
                 then passes on when it expires).
         """
         self.ensure(lease)
-        give_up = clock.monotonic() + LOCK_BOUND
-        while True:
-            queued = Queued(lease, node_id, term)
-            outcome = self._batch(self._releases, queued, self._send_releases)
-            if outcome is RELEASE_REFUSED:
-                return self._release_alone(lease, node_id, term)
-            if outcome is not RELEASE_LOCKED:
-                released: bool = outcome
-                return released
-            if clock.monotonic() >= give_up:
-                raise BackendUnavailable(
-                    f"cannot release lease {lease.name!r}: its row stayed locked by another "
-                    f"transaction for {LOCK_BOUND:g} s; it passes on when it expires"
-                )
-            time.sleep(RELEASE_RETRY)
+        queued = Queued(lease, node_id, term, give_up_at=clock.monotonic() + LOCK_BOUND)
+        outcome = self._batch(self._releases, queued, self._send_releases)
+        if outcome is RELEASE_REFUSED:
+            return self._release_alone(lease, node_id, term)
+        released: bool = outcome
+        return released
+
+    def release_soon(
+        self, lease: PostgresLease, node_id: str, term: int, on_done: Callable[[Queued], None]
+    ) -> Queued | None:
+        """Queue a release without waiting, as :meth:`renew_soon` does: ``on_done`` gets
+        the entry once it is settled (a bool, :data:`RELEASE_REFUSED`, or an error; a
+        locked row is retried by the keeper's thread meanwhile, as for :meth:`release`).
+        """
+        if not self.ready(lease):
+            return None
+        queued = Queued(
+            lease, node_id, term, on_done=on_done, give_up_at=clock.monotonic() + LOCK_BOUND
+        )
+        self._enqueue(self._releases, queued)
+        return queued
 
     def _lock_key(self, lease: PostgresLease, node_id: str, term: int) -> int:
         """Under ``_state``: the advisory lock that ``term`` of ``lease`` holds."""
@@ -1054,7 +1072,18 @@ class SharedKeeper:
         for q in batch:
             released, skipped = answers.get(q.lease.name, (False, False))
             if skipped:
-                q.fill(RELEASE_LOCKED)
+                now = clock.monotonic()
+                if now < q.give_up_at:
+                    with self._state:  # sent again with a later round: nobody waits here
+                        self._retries.append((now + RELEASE_RETRY, q))
+                else:
+                    q.fill(
+                        error=BackendUnavailable(
+                            f"cannot release lease {q.lease.name!r}: its row stayed locked by "
+                            f"another transaction for {LOCK_BOUND:g} s; it passes on once the "
+                            "row is free, at the latest when it expires"
+                        )
+                    )
                 continue
             self._released(q.lease, q.node_id, q.term)
             q.fill(released)
@@ -1142,8 +1171,12 @@ class SharedKeeper:
                 time.sleep(0.1)
 
     def _until_beat(self, cap: float) -> float:
+        """Seconds until the next heartbeat or locked release is due (at most ``cap``)."""
         with self._state:
             due = min(self._beats.values(), default=None)
+            retry = min((at for at, _ in self._retries), default=None)
+        if retry is not None:
+            due = retry if due is None else min(due, retry)
         return cap if due is None else max(0.0, min(cap, due - clock.monotonic()))
 
     def _beat_due(self) -> None:

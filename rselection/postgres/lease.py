@@ -173,7 +173,7 @@ import psycopg
 
 from ..closeable import Closeable
 from ..errors import BackendUnavailable, ConfigError
-from ..lease import Acquisition, HandoverRequest, LeaderInfo, RenewOutcome
+from ..lease import Acquisition, HandoverRequest, LeaderInfo, ReleaseOutcome, RenewOutcome
 from ..timing import MAX_TIMING
 from ..validation import check_name, check_node_id, check_seconds
 from ._conn import (
@@ -193,7 +193,7 @@ from ._lease_sql import (
     utc,
 )
 from .handover import cancel_handover, renewal_request, request_handover
-from .keeper import RENEWAL_SKIPPED, Attempt, Queued, SharedKeeper
+from .keeper import RELEASE_REFUSED, RENEWAL_SKIPPED, Attempt, Queued, SharedKeeper
 from .schema import DEFAULT_TABLE, table_identifier
 
 __all__ = [
@@ -480,6 +480,27 @@ class PostgresLease(Closeable):
                 done(exc)
 
         return keeper.acquire_soon(self, node_id, answered) is not None
+
+    def release_soon(self, node_id: str, term: int, done: Callable[[ReleaseOutcome], None]) -> bool:
+        """Start :meth:`release` with the releases of the process's other leases queued
+        now, without blocking: ``done`` gets ``True`` (released), ``False`` (no longer
+        held), ``None`` (the batch was refused: call :meth:`release`, which sends it
+        alone) or what :meth:`release` would raise, a row locked past the bound
+        included (see :class:`~rselection.lease.NonBlockingRelease`). ``False`` when the
+        shared session is not ready: call :meth:`release`."""
+        keeper = self._shared()
+
+        def answered(queued: Queued) -> None:
+            if queued.error is not None:
+                done(queued.error)
+            elif queued.result is RELEASE_REFUSED:
+                done(None)
+            else:
+                if self._held == term:
+                    self._held = None
+                done(bool(queued.result))
+
+        return keeper.release_soon(self, node_id, term, answered) is not None
 
     def _before_attempt(self, node_id: str) -> SharedKeeper:
         check_node_id(node_id)

@@ -372,6 +372,41 @@ def test_a_release_waiting_for_a_locked_row_holds_up_no_renewal_and_no_other_rel
     assert [x.term for x in leaders[3:]] == [1, 1, 1]
 
 
+def test_releases_of_many_locked_rows_hold_up_no_other_release(
+    pg_dsn: str, made: list[PostgresLeader]
+) -> None:
+    # Before, each release of a locked row kept a worker of the driver for up to a
+    # second: with 8 of them (the driver's workers), the other leases' releases waited
+    # for a second (measured 1.1 s); now the keeper retries them without a worker.
+    locked = [f"locked{i}" for i in range(10)]
+    free = [f"free{i}" for i in range(12)]
+
+    def leader(name: str, node: str) -> PostgresLeader:
+        made.append(
+            PostgresLeader(pg_dsn, idle_handler(), name=name, node_id=node, claimer=None, **TIMINGS)
+        )
+        made[-1].start()
+        return made[-1]
+
+    leaders = [leader(name, "a") for name in locked + free]
+    wait_until(lambda: all(x.is_leader for x in leaders), 20, "every lease to be led by a")
+    followers = [leader(name, "b") for name in free]
+    with psycopg.connect(pg_dsn) as locker:
+        locker.execute("SELECT 1 FROM rselection_leases WHERE name = ANY(%s) FOR UPDATE", (locked,))
+        asked = time.monotonic()
+        stopping = [threading.Thread(target=x.stop, args=(15,)) for x in leaders]
+        for thread in stopping:
+            thread.start()
+        wait_until(lambda: all(x.is_leader for x in followers), 10, "the free leases to move")
+        handed_over = time.monotonic() - asked
+        for thread in stopping:
+            thread.join(15)
+        assert not any(t.is_alive() for t in stopping)
+        locker.rollback()
+    # About 0.1 s here; a second or more when locked releases held the workers.
+    assert handed_over < 0.7, f"the free leases were handed over {handed_over:.2f} s after stop()"
+
+
 def test_a_deleted_lease_row_stops_its_leaders_with_a_clear_error(
     pg_dsn: str, made: list[PostgresLeader]
 ) -> None:
