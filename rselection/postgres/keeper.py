@@ -168,11 +168,11 @@ class Queued:
     error: BaseException | None = None
     filled: bool = False
     on_done: Callable[[Queued], None] | None = None
+    """Called once, after ``done`` is set, by whoever settles the entry first (a batch's
+    answer, or the client giving up): how a non-blocking caller learns of it."""
     give_up_at: float = 0.0
     """A release whose row is locked is sent again with later batches until this
     :func:`rselection.clock.monotonic` time, then answered with an error."""
-    """Called once, after ``done`` is set, by whoever settles the entry first (a batch's
-    answer, or the client giving up): how a non-blocking caller learns of it."""
     _settled: threading.Lock = field(default_factory=threading.Lock)
 
     def fill(self, result: Any = None, error: BaseException | None = None) -> None:
@@ -1046,12 +1046,16 @@ class SharedKeeper:
     def _send_releases(self, batch: list[Queued]) -> None:
         with self._state:
             requests = []
-            for q in batch:
-                assert q.lease.channel is not None
+            for q in batch[:]:
+                channel = q.lease.channel
+                if channel is None:  # the session that held the term is gone
+                    batch.remove(q)
+                    q.fill(error=self._lost())
+                    continue
                 key = self._lock_key(q.lease, q.node_id, q.term)
-                requests.append(
-                    ReleaseRequest(q.lease.name, q.node_id, q.term, q.lease.channel, key)
-                )
+                requests.append(ReleaseRequest(q.lease.name, q.node_id, q.term, channel, key))
+        if not batch:
+            return
         try:
             results = self._run(
                 sql.SQL("{}; {}").format(
@@ -1073,9 +1077,14 @@ class SharedKeeper:
             released, skipped = answers.get(q.lease.name, (False, False))
             if skipped:
                 now = clock.monotonic()
-                if now < q.give_up_at:
-                    with self._state:  # sent again with a later round: nobody waits here
+                with self._state:
+                    closed = self._closed
+                    if not closed and now < q.give_up_at:
+                        # Sent again with a later round: nobody waits for it meanwhile.
                         self._retries.append((now + RELEASE_RETRY, q))
+                        continue
+                if closed:
+                    q.fill(error=self._lost())
                 else:
                     q.fill(
                         error=BackendUnavailable(
@@ -1090,7 +1099,9 @@ class SharedKeeper:
 
     def _release_alone(self, lease: PostgresLease, node_id: str, term: int) -> bool:
         """:meth:`release` in a round trip of its own (after a refused batch)."""
-        assert lease.channel is not None
+        channel = lease.channel
+        if channel is None:  # the session that held the term is gone
+            raise self._lost()
         with self._state:
             key = self._lock_key(lease, node_id, term)
         try:
@@ -1098,7 +1109,7 @@ class SharedKeeper:
                 sql.SQL("{}; {}").format(
                     bounded_sql(LOCK_BOUND, statement=False),
                     release_sql(
-                        self._ident, lease.name, node_id, term, channel=lease.channel, lock_key=key
+                        self._ident, lease.name, node_id, term, channel=channel, lock_key=key
                     ),
                 ),
                 "release the lease",

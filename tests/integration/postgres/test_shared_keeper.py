@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import pytest
 
 import rselection as rs
 from rselection import signals
-from rselection.postgres import PostgresLeader, fenced
+from rselection.postgres import PostgresLeader, PostgresLease, fenced
 from rselection.postgres._lease_sql import lease_lock_key
 from rselection.postgres.schema import create_tables
 from tests.support.waiting import wait_until
@@ -405,6 +406,34 @@ def test_releases_of_many_locked_rows_hold_up_no_other_release(
         locker.rollback()
     # About 0.1 s here; a second or more when locked releases held the workers.
     assert handed_over < 0.7, f"the free leases were handed over {handed_over:.2f} s after stop()"
+
+
+def test_a_keeper_session_killed_while_a_locked_release_retries_is_a_lost_session(
+    pg_dsn: str, made: list[PostgresLeader], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before, the retry after the kill failed an assertion: stop() logged an unexpected
+    # error (AssertionError) where the session was simply gone.
+    leaders = four_leaders(pg_dsn, made)
+    lease = leaders[0]._backend
+    assert isinstance(lease, PostgresLease)
+    keeper_pid = lease.backend_pid
+    assert keeper_pid is not None
+    with psycopg.connect(pg_dsn) as locker:
+        locker.execute("SELECT 1 FROM rselection_leases WHERE name = 'l0' FOR UPDATE")
+        stopping = [threading.Thread(target=x.stop, args=(15,)) for x in leaders[:3]]
+        with caplog.at_level(logging.WARNING, logger="rselection"):
+            for thread in stopping:
+                thread.start()
+            time.sleep(0.3)  # l0's release is being retried
+            with psycopg.connect(pg_dsn, autocommit=True) as admin:
+                admin.execute("SELECT pg_terminate_backend(%s)", (keeper_pid,))
+            for thread in stopping:
+                thread.join(15)
+        assert not any(t.is_alive() for t in stopping)
+        locker.rollback()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+    assert any("could not release on stop" in r.getMessage() for r in caplog.records)
 
 
 def test_a_deleted_lease_row_stops_its_leaders_with_a_clear_error(
