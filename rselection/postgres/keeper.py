@@ -1089,8 +1089,8 @@ class SharedKeeper:
                     q.fill(
                         error=BackendUnavailable(
                             f"cannot release lease {q.lease.name!r}: its row stayed locked by "
-                            f"another transaction for {LOCK_BOUND:g} s; it passes on once the "
-                            "row is free, at the latest when it expires"
+                            f"another transaction for {LOCK_BOUND:g} s; it passes on at the "
+                            "latest when it expires"
                         )
                     )
                 continue
