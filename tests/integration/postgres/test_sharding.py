@@ -1,0 +1,186 @@
+"""Sharded leadership with real processes: balance, crash failover, joins and pauses.
+
+Every node is ``tests/support/shard_node.py``: one ``PostgresShardedLeader`` whose task
+records, per shard, when each term's run started and ended (the activity ledger). Who
+holds what comes from the lease table; when it changed, from the nodes' ``elected`` and
+``demoted`` events, stamped with ``time.monotonic()``, which every process of the
+machine shares.
+
+Bounds are several times what this 2-core machine measured (kept in the comments), so a
+loaded machine does not fail them; the figures are printed (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import uuid
+from collections.abc import Iterable
+
+import pytest
+
+from tests.support.activity import check
+from tests.support.scale_fleet import percentile
+from tests.support.shard_fleet import Event, ShardFleet
+from tests.support.waiting import wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+TTL = 3.0
+HEARTBEAT = 0.5  # node_timeout is three heartbeats: 1.5 s
+ARGS = [
+    *("--ttl", str(TTL), "--renew-interval", "0.5", "--renew-deadline", "2"),
+    *("--retry-interval", "0.5", "--heartbeat-interval", str(HEARTBEAT)),
+    *("--rebalance-interval", "0.25"),
+]
+START_BOUND = 30.0  # every node started and the fleet balanced (measured about 3-5 s)
+FAILOVER_P95_BOUND = 2.0  # the issue's test bound (the target is 1 s; measured below)
+REBALANCE_BOUND = 15.0  # balanced again after a death or a join (measured about 0.5-2 s)
+
+
+def balanced(fleet: ShardFleet, nodes: Iterable[str]) -> bool:
+    counts = fleet.counts(nodes)
+    if sum(counts.values()) != fleet.shards or set(counts) != set(nodes):
+        return False
+    share = fleet.shards // len(counts)
+    return all(share <= c <= share + 1 for c in counts.values())
+
+
+def changes(fleet: ShardFleet, since: float) -> dict[int, list[Event]]:
+    """Each shard's ``elected`` events after ``since``, in order."""
+    out: dict[int, list[Event]] = {}
+    for event in fleet.events():
+        if event["event"] == "elected" and event["mono"] > since:
+            out.setdefault(event["shard"], []).append(event)
+    return out
+
+
+def assert_no_overlap_per_shard(fleet: ShardFleet, resume_grace: float = 0.0) -> int:
+    events = fleet.events()
+    ended = {n: node.ended_at for n, node in fleet.nodes.items() if node.ended_at is not None}
+    paused = {n: node.paused for n, node in fleet.nodes.items() if node.paused}
+    runs = 0
+    for shard in range(fleet.shards):
+        mine = [e for e in events if e.get("ev") == "activity" and e["shard"] == shard]
+        report = check(mine, ended_at=ended, paused=paused, resume_grace=resume_grace)
+        assert not report.violations, f"shard {shard}: {report.summary()}"
+        runs += len(report.runs)
+    return runs
+
+
+def test_four_nodes_balance_a_killed_nodes_shards_move_and_a_fifth_joins_with_few_moves(
+    pg_dsn: str,
+) -> None:
+    shards = 32
+    name = f"pollers-{uuid.uuid4().hex[:6]}"
+    with ShardFleet(pg_dsn, name, shards, ARGS) as fleet:
+        start = time.monotonic()
+        for i in range(4):
+            fleet.add(f"n{i}")
+        for node in fleet.nodes.values():
+            node.ready()
+        took = wait_until(
+            lambda: balanced(fleet, ["n0", "n1", "n2", "n3"]), START_BOUND, "8 shards each", 0.1
+        )
+        print(f"\n4 nodes x 32 shards balanced {time.monotonic() - start:.2f} s after start")
+        assert took < START_BOUND
+        assert fleet.counts(["n0", "n1", "n2", "n3"]) == dict.fromkeys(["n0", "n1", "n2", "n3"], 8)
+
+        # kill -9 of a node: only its shards move, each led elsewhere at once.
+        before = fleet.holders()
+        victim = "n3"
+        theirs = {shard for shard, node in before.items() if node == victim}
+        killed = fleet.nodes[victim].kill()
+        survivors = ["n0", "n1", "n2"]
+
+        def all_taken() -> bool:
+            moved = changes(fleet, killed)
+            return all(shard in moved for shard in theirs)
+
+        wait_until(all_taken, 10.0, "the killed node's shards led elsewhere", 0.05)
+        moved = changes(fleet, killed)
+        latency = [moved[shard][0]["mono"] - killed for shard in theirs]
+        p50, p95 = statistics.median(latency), percentile(latency, 95)
+        print(f"killed node's shards led elsewhere: p50 {p50 * 1000:.0f}, p95 {p95 * 1000:.0f} ms")
+        assert p95 <= FAILOVER_P95_BOUND
+        wait_until(lambda: balanced(fleet, survivors), REBALANCE_BOUND, "10/11/11", 0.1)
+        after = fleet.holders()
+        assert sorted(fleet.counts(survivors).values()) == [10, 11, 11]
+        assert {s for s in range(shards) if after[s] != before[s]} == theirs, (
+            "only the killed node's shards may change owner"
+        )
+        assert set(changes(fleet, killed)) == theirs
+
+        # A new node joins: it reaches its share, and only that many shards move, each by
+        # a graceful handover.
+        time.sleep(1.0)  # let the coordinator's last moves settle
+        before = fleet.holders()
+        joined = time.monotonic()
+        fleet.add("n4").ready()
+        nodes = [*survivors, "n4"]
+        wait_until(lambda: balanced(fleet, nodes), REBALANCE_BOUND, "8 shards each", 0.1)
+        share_at = time.monotonic()
+        after = fleet.holders()
+        moved_shards = {s for s in range(shards) if after[s] != before[s]}
+        print(
+            f"a joining node reached its share in {share_at - joined:.2f} s (process start incl.)"
+        )
+        assert len(moved_shards) == 8 <= math.ceil(shards / 4)
+        assert all(after[s] == "n4" for s in moved_shards)
+        moves = changes(fleet, joined)
+        assert set(moves) == moved_shards  # nothing else changed hands, not even twice
+        gaps = []
+        for shard in moved_shards:
+            demoted = [
+                e
+                for e in fleet.events()
+                if e["event"] == "demoted" and e["shard"] == shard and e["mono"] > joined
+            ]
+            assert [e["reason"] for e in demoted] == ["handover"]
+            gaps.append(moves[shard][0]["mono"] - demoted[0]["mono"])
+        print(
+            f"handover (old owner's demotion to new owner's election): "
+            f"p50 {statistics.median(gaps) * 1000:.0f} ms, max {max(gaps) * 1000:.0f} ms"
+        )
+        assert max(gaps) < 2.0
+    runs = assert_no_overlap_per_shard(fleet)
+    assert runs >= shards + 8 + 8
+
+
+def test_a_paused_node_loses_its_shards_and_gets_a_share_back_after_it_resumes(
+    pg_dsn: str,
+) -> None:
+    shards = 12
+    name = f"paused-{uuid.uuid4().hex[:6]}"
+    nodes = ["p0", "p1", "p2"]
+    with ShardFleet(pg_dsn, name, shards, ARGS) as fleet:
+        for node in nodes:
+            fleet.add(node)
+        for process in fleet.nodes.values():
+            process.ready()
+        wait_until(lambda: balanced(fleet, nodes), START_BOUND, "4 shards each", 0.1)
+        frozen = fleet.nodes["p1"]
+        theirs = {s for s, n in fleet.holders().items() if n == "p1"}
+        frozen.pause()
+        # Beyond the ttl: its leases expire and the others take them (expiry, not the
+        # session: the paused process's session lives).
+        wait_until(
+            lambda: (
+                not ({s for s, n in fleet.holders().items() if n == "p1"})
+                and len(fleet.holders()) == shards
+            ),
+            TTL + 10.0,
+            "the paused node's shards led elsewhere",
+            0.1,
+        )
+        time.sleep(1.0)
+        assert "p1" not in fleet.holders().values()
+        resumed = frozen.resume()
+        wait_until(lambda: balanced(fleet, nodes), REBALANCE_BOUND, "4 shards each again", 0.1)
+        print(f"\nresumed node back at its share {time.monotonic() - resumed:.2f} s after SIGCONT")
+        assert fleet.counts(nodes)["p1"] == 4
+        assert theirs  # it had a share before
+    # A run frozen while its lease passed on may run the few instructions that tell it
+    # its term is over after SIGCONT: that tail is excused, nothing else is.
+    assert_no_overlap_per_shard(fleet, resume_grace=1.0)
