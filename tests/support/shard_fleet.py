@@ -180,6 +180,16 @@ class ShardFleet:
             return {}
         return {int(name.rsplit("/", 1)[1]): holder for name, holder in rows}
 
+    def coordinator(self) -> str | None:
+        """The node that holds the coordinator's lease (the sharded name itself)."""
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT holder FROM rselection_leases WHERE name = %s"
+                " AND expires_at > clock_timestamp()",
+                (self.name,),
+            ).fetchone()
+        return None if row is None else str(row[0])
+
     def counts(self, nodes: Iterable[str]) -> dict[str, int]:
         """Shards held by each of ``nodes`` (0 for none)."""
         out = dict.fromkeys(nodes, 0)

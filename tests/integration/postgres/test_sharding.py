@@ -87,12 +87,14 @@ def test_four_nodes_balance_a_killed_nodes_shards_move_and_a_fifth_joins_with_fe
         assert took < START_BOUND
         assert fleet.counts(["n0", "n1", "n2", "n3"]) == dict.fromkeys(["n0", "n1", "n2", "n3"], 8)
 
-        # kill -9 of a node: only its shards move, each led elsewhere at once.
+        # kill -9 of the node that balances the shards: only its shards move, each led
+        # elsewhere at once, without waiting for a new coordinator.
         before = fleet.holders()
-        victim = "n3"
+        victim = fleet.coordinator()
+        assert victim is not None
         theirs = {shard for shard, node in before.items() if node == victim}
         killed = fleet.nodes[victim].kill()
-        survivors = ["n0", "n1", "n2"]
+        survivors = [n for n in ["n0", "n1", "n2", "n3"] if n != victim]
 
         def all_taken() -> bool:
             moved = changes(fleet, killed)
@@ -112,6 +114,8 @@ def test_four_nodes_balance_a_killed_nodes_shards_move_and_a_fifth_joins_with_fe
         )
         assert set(changes(fleet, killed)) == theirs
 
+        assert fleet.coordinator() in survivors
+
         # A new node joins: it reaches its share, and only that many shards move, each by
         # a graceful handover.
         time.sleep(1.0)  # let the coordinator's last moves settle
@@ -123,9 +127,7 @@ def test_four_nodes_balance_a_killed_nodes_shards_move_and_a_fifth_joins_with_fe
         share_at = time.monotonic()
         after = fleet.holders()
         moved_shards = {s for s in range(shards) if after[s] != before[s]}
-        print(
-            f"a joining node reached its share in {share_at - joined:.2f} s (process start incl.)"
-        )
+        print(f"a joining node reached its share in {share_at - joined:.2f} s (from its start)")
         assert len(moved_shards) == 8 <= math.ceil(shards / 4)
         assert all(after[s] == "n4" for s in moved_shards)
         moves = changes(fleet, joined)
@@ -144,8 +146,27 @@ def test_four_nodes_balance_a_killed_nodes_shards_move_and_a_fifth_joins_with_fe
             f"p50 {statistics.median(gaps) * 1000:.0f} ms, max {max(gaps) * 1000:.0f} ms"
         )
         assert max(gaps) < 2.0
+
+        # A node stops gracefully: it hands each of its shards straight to a node below
+        # its share, so only its shards move, each once.
+        time.sleep(1.0)
+        before = fleet.holders()
+        leaving = survivors[0]
+        theirs = {shard for shard, node in before.items() if node == leaving}
+        stopped = time.monotonic()
+        fleet.nodes[leaving].stop()
+        rest = [n for n in nodes if n != leaving]
+        wait_until(lambda: balanced(fleet, rest), REBALANCE_BOUND, "10/11/11 again", 0.1)
+        took = time.monotonic() - stopped
+        time.sleep(1.0)  # any further move would show now
+        after = fleet.holders()
+        assert sorted(fleet.counts(rest).values()) == [10, 11, 11]
+        assert {s for s in range(shards) if after[s] != before[s]} == theirs
+        moves = changes(fleet, stopped)
+        assert set(moves) == theirs and all(len(e) == 1 for e in moves.values()), moves
+        print(f"a stopping node's shards handed over and balanced in {took:.2f} s")
     runs = assert_no_overlap_per_shard(fleet)
-    assert runs >= shards + 8 + 8
+    assert runs >= shards + 8 + 8 + 8
 
 
 def test_a_paused_node_loses_its_shards_and_gets_a_share_back_after_it_resumes(
