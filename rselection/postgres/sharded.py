@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -459,6 +459,17 @@ class PostgresShardedLeader:
         self._node_timeout = (
             3 * self.heartbeat_interval if given_node_timeout is None else given_node_timeout
         )
+        # One statement per read: the holders, the nodes and the server's clock (a row
+        # of its own, so that it comes back even when both tables are empty).
+        self._state_sql = sql.SQL(
+            "SELECT 'h', name, holder, term, acquired_at, expires_at, NULL::boolean,"
+            " clock_timestamp() FROM {leases} WHERE name = ANY(%s) AND holder IS NOT NULL"
+            " AND expires_at > clock_timestamp()"
+            " UNION ALL SELECT 'n', node_id, NULL, NULL, started_at, last_seen,"
+            " last_seen >= clock_timestamp() - make_interval(secs => %s), clock_timestamp()"
+            " FROM {nodes} WHERE name = %s"
+            " UNION ALL SELECT 't', NULL, NULL, NULL, NULL, NULL, NULL, clock_timestamp()"
+        ).format(leases=table_identifier(table), nodes=table_identifier(nodes_table))
         self._leaders: list[_ShardLeader] = []
         self._lock = threading.Lock()
         self._started = False
@@ -542,35 +553,23 @@ class PostgresShardedLeader:
         prefix = len(self._name) + 1
         try:
             with self._reads.connection() as conn:
-                now = _one(conn, sql.SQL("SELECT clock_timestamp()"), ())[0]
-                holders = _rows(
-                    conn,
-                    sql.SQL(
-                        "SELECT name, holder, term, acquired_at, expires_at FROM {}"
-                        " WHERE name = ANY(%s) AND holder IS NOT NULL"
-                        " AND expires_at > clock_timestamp()"
-                    ).format(table_identifier(self.table)),
-                    (names,),
-                )
-                nodes = _rows(
-                    conn,
-                    sql.SQL(
-                        "SELECT node_id, started_at, last_seen,"
-                        " last_seen >= clock_timestamp() - make_interval(secs => %s)"
-                        " FROM {} WHERE name = %s"
-                    ).format(table_identifier(self.nodes_table)),
-                    (self._node_timeout, self._name),
-                )
+                rows = conn.execute(self._state_sql, (names, self._node_timeout, self._name))
+                found = rows.fetchall()
+        except psycopg.errors.UndefinedTable:
+            # Not created yet (a leader's first connect creates them): nothing to read.
+            return ShardState({}, {}, datetime.now(UTC))
         except psycopg.Error as exc:
             raise self._reads.wrap(f"read the shards of {self._name!r}", exc) from exc
-        return ShardState(
-            holders={
-                int(row[0][prefix:]): LeaderInfo(row[1], row[2], utc(row[3]), utc(row[4]))
-                for row in holders
-            },
-            nodes={row[0]: (utc(row[1]), utc(row[2]), bool(row[3])) for row in nodes},
-            now=utc(now),
-        )
+        holders: dict[int, LeaderInfo] = {}
+        nodes: dict[str, tuple[datetime, datetime, bool]] = {}
+        now = datetime.now(UTC)
+        for kind, key, holder, term, first, last, alive, clock in found:
+            now = utc(clock)
+            if kind == "h":
+                holders[int(key[prefix:])] = LeaderInfo(holder, term, utc(first), utc(last))
+            elif kind == "n":
+                nodes[key] = (utc(first), utc(last), bool(alive))
+        return ShardState(holders, nodes, now)
 
     def balanced(self) -> bool:
         """True when every shard is led by a live node and every live node leads
@@ -788,21 +787,3 @@ class PostgresShardedLeader:
             f"PostgresShardedLeader(name={self._name!r}, shards={self._shards}, "
             f"node_id={self._node_id!r}, owned={len(self.owned())})"
         )
-
-
-def _one(conn: psycopg.Connection[Any], statement: sql.SQL | sql.Composed, params: Any) -> Any:
-    row = conn.execute(statement, params).fetchone()
-    assert row is not None
-    return row
-
-
-def _rows(
-    conn: psycopg.Connection[Any], statement: sql.SQL | sql.Composed, params: Any
-) -> list[tuple[Any, ...]]:
-    try:
-        rows: list[tuple[Any, ...]] = conn.execute(statement, params).fetchall()
-        return rows
-    except psycopg.errors.UndefinedTable:
-        # Not created yet (the first leader's connect creates it): nothing to read. The
-        # failed statement aborted nothing else: reads run outside a transaction.
-        return []
