@@ -12,6 +12,7 @@ loaded machine does not fail them; the figures are printed (``pytest -s``).
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
@@ -20,7 +21,9 @@ from collections.abc import Iterable
 
 import pytest
 
+import rselection as rs
 from tests.support.activity import check
+from tests.support.resign_cli import cli
 from tests.support.scale_fleet import percentile
 from tests.support.shard_fleet import Event, ShardFleet
 from tests.support.waiting import wait_until
@@ -205,3 +208,36 @@ def test_a_paused_node_loses_its_shards_and_gets_a_share_back_after_it_resumes(
     # A run frozen while its lease passed on may run the few instructions that tell it
     # its term is over after SIGCONT: that tail is excused, nothing else is.
     assert_no_overlap_per_shard(fleet, resume_grace=1.0)
+
+
+def test_status_shows_the_shards_each_node_leads(pg_dsn: str) -> None:
+    fast = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
+    leaders = []
+    for node in ("a", "b"):
+        tasks = rs.TaskHandler()
+
+        @tasks.persistent("work")
+        def work(ctx: rs.TaskContext) -> None:
+            ctx.cancelled.wait()
+
+        leaders.append(
+            rs.PostgresShardedLeader(
+                pg_dsn, tasks, name="st", shards=6, node_id=node, heartbeat_interval=0.5, **fast
+            )
+        )
+    try:
+        for leader in leaders:
+            leader.start()
+        assert leaders[1].wait_until_balanced(20)
+        result = cli("status", "--dsn", pg_dsn, "st", "--json")
+        assert result.returncode == 0, result.stderr
+        status = json.loads(result.stdout)
+        [sharded] = status["shards"]
+        assert sharded["name"] == "st" and sharded["shards"] == 6 and not sharded["unled"]
+        assert {node: len(mine) for node, mine in sharded["nodes"].items()} == {"a": 3, "b": 3}
+        assert sorted(s for mine in sharded["nodes"].values() for s in mine) == list(range(6))
+        text = cli("status", "--dsn", pg_dsn).stdout
+        assert "shards of 'st': 6 of 6 led, by 2 nodes" in text, text
+    finally:
+        for leader in leaders:
+            leader.stop()
