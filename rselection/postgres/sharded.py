@@ -516,6 +516,15 @@ class PostgresShardedLeader:
                 out[shard] = term
         return out
 
+    def health(self) -> dict[int, dict[str, dict[str, Any]]]:
+        """Per shard this node leads now, its tasks' health (see
+        :meth:`~rselection.TaskHandler.health`: state, runs, failures, last error...)."""
+        return {
+            shard: leader.handler.health()
+            for shard, leader in enumerate(self._leaders)
+            if leader.is_leader
+        }
+
     def owned(self) -> frozenset[int]:
         """The shards this node leads now."""
         return frozenset(shard for shard, leader in enumerate(self._leaders) if leader.is_leader)

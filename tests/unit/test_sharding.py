@@ -8,12 +8,14 @@ import random
 import subprocess
 import sys
 from collections import Counter
+from typing import Any
 
 import pytest
 
 import rselection as rs
 from rselection.context import TaskContext, Term
 from rselection.errors import ConfigError
+from rselection.postgres.sharded import PostgresShardedLeader
 from rselection.sharding import (
     MAX_SHARDS,
     Move,
@@ -199,3 +201,41 @@ def test_a_handler_copy_has_the_same_tasks_and_counters_of_its_own() -> None:
     assert copy.spec("work").stats is not tasks.spec("work").stats
     copy.attach()
     tasks.attach()  # the copy runs apart from the original
+
+
+def sharded(**options: Any) -> PostgresShardedLeader:
+    settings: dict[str, Any] = {"name": "pollers", "shards": 8, **options}
+    return PostgresShardedLeader("postgresql://nowhere/db", rs.TaskHandler(), **settings)
+
+
+def test_a_sharded_leader_is_a_leader_and_connects_to_nothing_until_started() -> None:
+    leader = sharded(node_id="n1")
+    assert isinstance(leader, rs.Leader)
+    assert (leader.node_id, leader.shards, leader.name) == ("n1", 8, "pollers")
+    assert leader.owned() == frozenset() and not leader.is_leader and leader.term is None
+    leader.stop()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"shards": 0}, "shards must be"),
+        ({"shards": "8"}, "shards must be"),
+        ({"name": "a/b"}, "may not contain '/'"),
+        ({"name": " "}, "non-blank"),
+        ({"max_moves": 0}, "max_moves"),
+        ({"rebalance_interval": 0}, "rebalance_interval"),
+        ({"ttl": 5, "renew_deadline": 4.9}, "ttl - renew_deadline"),
+        ({"table": "bad name;"}, "table"),
+    ],
+)
+def test_bad_sharded_leader_arguments_are_refused_at_construction(
+    options: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        sharded(**options)
+
+
+def test_a_sharded_leader_needs_a_connection_string() -> None:
+    with pytest.raises(ConfigError, match="connection string"):
+        PostgresShardedLeader(object(), rs.TaskHandler(), name="p", shards=2)  # type: ignore[arg-type]
