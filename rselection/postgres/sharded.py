@@ -117,8 +117,8 @@ class _Track:
     """What the coordinator knows of one node's liveness."""
 
     last_seen: datetime
-    old: bool  # already settled when first seen
-    proven_at: datetime | None = None  # when its heartbeat was seen to advance
+    alive_since: datetime | None  # start of its current run of heartbeats (None: lost)
+    proven: bool = False  # a heartbeat was seen to advance in this run: it runs now
     suspect_since: datetime | None = None  # lost shards no one moved; cleared by a beat
 
 
@@ -188,11 +188,12 @@ class Rebalancer:
             track = memory.tracks[node]
             if not alive or track.suspect_since is not None:
                 continue
-            if node in owning or track.proven_at is not None:
+            if node in owning or track.proven:
                 members.append(node)
             if (
-                track.proven_at is not None
-                and now - track.proven_at >= settle
+                track.proven
+                and track.alive_since is not None
+                and now - track.alive_since >= settle
                 and now - last_seen <= fresh
             ):
                 targets.append(node)
@@ -235,26 +236,28 @@ class Rebalancer:
         return asked
 
     def _track(self, memory: _Round, state: ShardState) -> None:
-        """Follow each node's heartbeats: proven once one advances, cleared of suspicion
-        by a heartbeat after it."""
-        settle = timedelta(seconds=self.leader.settle)
+        """Follow each node's heartbeats: a run of them starts when a node is first seen
+        alive (from its first heartbeat, for a node the coordinator finds running) or
+        heartbeats again after it was lost or suspect; it is proven once a heartbeat is
+        seen to advance."""
         now = state.now
         for node, (started_at, last_seen, alive) in state.nodes.items():
             track = memory.tracks.get(node)
             if track is None:
-                memory.tracks[node] = _Track(last_seen, old=now - started_at >= settle)
+                memory.tracks[node] = _Track(last_seen, started_at if alive else None)
                 continue
+            if not alive:
+                track.alive_since, track.proven = None, False
+                continue
+            if track.alive_since is None:
+                track.alive_since = now
             if last_seen > track.last_seen:
                 track.last_seen = last_seen
                 if track.suspect_since is not None and last_seen > track.suspect_since:
                     logger.info("shards of %r: node %s heartbeats again", self.leader.name, node)
                     track.suspect_since = None
-                    track.proven_at = now
-                elif track.proven_at is None:
-                    track.proven_at = now - settle if track.old else now
-            if not alive:
-                track.proven_at = None
-                track.old = False
+                    track.alive_since = now  # a new run: it settles again
+                track.proven = True
         for node in set(memory.tracks) - set(state.nodes):
             del memory.tracks[node]
 
@@ -349,7 +352,7 @@ class PostgresShardedLeader:
         node_timeout: a node not seen for this long is lost (default three heartbeats).
         nodes_table: the nodes table, optionally schema-qualified.
         rebalance_interval: seconds between the coordinator's rounds.
-        settle: seconds a node must have been seen alive before it is given shards
+        settle: seconds a node must have been heartbeating before it is given shards
             (default: ``heartbeat_interval``), so that a node that comes and goes does
             not make shards bounce.
         max_moves: most handovers in flight at once.
@@ -378,7 +381,7 @@ class PostgresShardedLeader:
         broadcaster: Broadcaster | None = None,
         checkpoint_store: PostgresCheckpointStore | None = None,
         claimer: object = DEFAULT_CLAIMER,
-        heartbeat_interval: float = 1.0,
+        heartbeat_interval: float = 2.0,
         node_timeout: float | None = None,
         nodes_table: str = NODES_TABLE,
         rebalance_interval: float = 0.5,
