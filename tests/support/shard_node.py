@@ -14,6 +14,11 @@ Prints one JSON object per line on stdout (from a writer thread of its own, see
   ``end``, wall clock; see ``tests/support/activity.py``), plus ``shard``.
 - ``stopping`` / ``stopped``: SIGTERM or SIGINT arrived; the leader's ``stop()`` returned.
 
+With ``--ledger TABLE`` each shard's task also writes a row ``(shard, term, node)`` into
+``TABLE`` every ``--ledger-every`` seconds, each in a transaction fenced to the shard's
+term (``ctx.fence``), on one connection of the process that the tasks take in turn; the
+table's ``id`` and ``written_at`` (server clock) give the order of the writes.
+
 The task of each shard runs until its term is cancelled, checking ``ctx.shard`` and
 ``ctx.shards``. The connection string comes from ``SHARD_NODE_DSN``. Run it from the
 repository's root (it imports ``tests.support``):
@@ -33,9 +38,52 @@ import threading
 import time
 from typing import Any
 
+import psycopg
+from psycopg import sql
+
 import rselection as rs
 from rselection import signals
 from tests.support.scale_node import Reporter
+
+
+class Ledger:
+    """Fenced writes of every shard's task, on one connection the tasks take in turn."""
+
+    def __init__(self, dsn: str, table: str, node: str) -> None:
+        self.dsn = dsn
+        self.table = sql.Identifier(table)
+        self.node = node
+        self.lock = threading.Lock()
+        self.conn: psycopg.Connection[Any] | None = None
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL(
+                    "CREATE TABLE IF NOT EXISTS {} (id bigserial PRIMARY KEY, shard int NOT NULL,"
+                    " term bigint NOT NULL, node text NOT NULL,"
+                    " written_at timestamptz NOT NULL DEFAULT clock_timestamp())"
+                ).format(self.table)
+            )
+
+    def write(self, ctx: rs.TaskContext) -> None:
+        """One row for this shard's term, committed only while the term holds the shard."""
+        with self.lock:
+            try:
+                if self.conn is None or self.conn.closed:
+                    self.conn = psycopg.connect(self.dsn)
+                with self.conn.transaction():
+                    ctx.fence(self.conn)
+                    self.conn.execute(
+                        sql.SQL("INSERT INTO {} (shard, term, node) VALUES (%s, %s, %s)").format(
+                            self.table
+                        ),
+                        (ctx.shard, ctx.term, self.node),
+                    )
+            except rs.StaleLeaderError:
+                pass  # the shard moved on: the write was refused, as it must be
+            except psycopg.Error:
+                if self.conn is not None:  # a broken session: a new one next time
+                    self.conn.close()
+                self.conn = None
 
 
 def main() -> None:
@@ -51,7 +99,11 @@ def main() -> None:
     parser.add_argument("--rebalance-interval", type=float, default=0.5)
     parser.add_argument("--settle", type=float, default=None)
     parser.add_argument("--task", choices=("def", "async"), default="def")
+    parser.add_argument("--ledger", default=None, help="table for fenced writes per shard")
+    parser.add_argument("--ledger-every", type=float, default=0.25)
     args = parser.parse_args()
+    dsn = os.environ["SHARD_NODE_DSN"]
+    ledger = Ledger(dsn, args.ledger, args.node) if args.ledger else None
 
     out = Reporter(args.node)
     runs = itertools.count(1)
@@ -76,8 +128,12 @@ def main() -> None:
         def work(ctx: rs.TaskContext) -> None:
             start = time.time()
             run = begin(ctx)
-            ctx.cancelled.wait()
-            end(ctx, run, start)
+            try:
+                while not ctx.cancelled.wait(args.ledger_every if ledger else 3600):
+                    if ledger is not None:
+                        ledger.write(ctx)
+            finally:
+                end(ctx, run, start)
 
     else:
 
@@ -92,7 +148,7 @@ def main() -> None:
                 end(ctx, run, start)
 
     leader = rs.PostgresShardedLeader(
-        os.environ["SHARD_NODE_DSN"],
+        dsn,
         tasks,
         name=args.name,
         shards=args.shards,
