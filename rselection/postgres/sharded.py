@@ -142,13 +142,14 @@ class Rebalancer:
     """The coordinator's task: moves surplus shards to the nodes below their share.
 
     Runs on the holder of the lease ``"<name>"`` only. Every ``rebalance_interval`` it
-    reads the shards' holders and the nodes' heartbeats (:meth:`PostgresShardedLeader.
-    state`), then plans (:func:`~rselection.sharding.plan_moves`) and asks for at most
-    ``max_moves`` handovers at a time. A node receives shards only once its heartbeat was
-    seen to advance, it has been alive for ``settle`` seconds and its last heartbeat is
-    fresh; a node that lost shards no handover explains (it died, or its session broke)
-    is counted out until its next heartbeat. A move that does not complete within
-    ``handover_timeout`` counts its target out the same way.
+    reads the shards' holders and the nodes' heartbeats
+    (:meth:`PostgresShardedLeader.state`), then plans
+    (:func:`~rselection.sharding.plan_moves`) and asks for at most ``max_moves``
+    handovers at a time from any one node. A node receives shards only once its
+    heartbeat was seen to advance, it has been heartbeating for ``settle`` seconds and
+    its last heartbeat is fresh; a node that lost shards no handover explains (it died,
+    or its session broke) is counted out until its next heartbeat. A move that does not
+    complete within ``handover_timeout`` counts its target out the same way.
 
     Args:
         leader: the sharded leader it balances.
@@ -163,13 +164,13 @@ class Rebalancer:
         leader = self.leader
         while ctx.is_live():
             try:
-                self.step(memory)
+                self._step(memory)
             except BackendUnavailable as exc:
                 logger.warning("shards of %r: cannot rebalance now (%s)", leader.name, exc)
             if not ctx.sleep(leader.rebalance_interval):
                 return
 
-    def step(self, memory: _Round) -> list[Move]:
+    def _step(self, memory: _Round) -> list[Move]:
         """One round: read, plan, ask for the moves; return the moves asked for."""
         leader = self.leader
         state = leader.state()
@@ -202,17 +203,15 @@ class Rebalancer:
         for shard, pending in memory.pending.items():
             planned[shard] = pending.move.target
         recent = {shard: info.acquired_at.timestamp() for shard, info in state.holders.items()}
-        moves = plan_moves(
-            leader.shards,
-            planned,
-            members,
-            targets=targets,
-            recent=recent,
-            limit=leader.max_moves - len(memory.pending),
-        )
+        moves = plan_moves(leader.shards, planned, members, targets=targets, recent=recent)
+        # Each old owner cancels, joins and releases what it gives: bound that work per
+        # node, not across the fleet, so that a join is served by every owner at once.
+        in_flight: dict[str, int] = {}
+        for pending in memory.pending.values():
+            in_flight[pending.move.source] = in_flight.get(pending.move.source, 0) + 1
         asked: list[Move] = []
         for move in moves:
-            if move.shard in memory.pending:
+            if move.shard in memory.pending or in_flight.get(move.source, 0) >= leader.max_moves:
                 continue
             info = request_handover(
                 leader.conninfo,
@@ -221,8 +220,11 @@ class Rebalancer:
                 to=move.target,
                 timeout=leader.handover_timeout,
             )
-            if info is None or info.node_id != move.source:
+            if info is None or info.node_id == move.target:
                 continue  # freed or taken meanwhile: the next round sees it
+            # Asked of whoever holds it now (it may have changed since the read).
+            move = Move(move.shard, info.node_id, move.target)
+            in_flight[move.source] = in_flight.get(move.source, 0) + 1
             logger.info(
                 "shards of %r: moving shard %d from %s to %s",
                 leader.name,
@@ -355,7 +357,8 @@ class PostgresShardedLeader:
         settle: seconds a node must have been heartbeating before it is given shards
             (default: ``heartbeat_interval``), so that a node that comes and goes does
             not make shards bounce.
-        max_moves: most handovers in flight at once.
+        max_moves: most handovers in flight at once from any one node (each old owner
+            cancels, joins and releases the shards it gives).
         handover_timeout: seconds a moved shard stays reserved for its target (default:
             ``stop_grace + 1``); a target that has not taken it by then gets no more
             shards until it heartbeats again.
@@ -386,7 +389,7 @@ class PostgresShardedLeader:
         nodes_table: str = NODES_TABLE,
         rebalance_interval: float = 0.5,
         settle: float | None = None,
-        max_moves: int = 64,
+        max_moves: int = 32,
         handover_timeout: float | None = None,
     ) -> None:
         if not isinstance(conninfo, str):

@@ -98,6 +98,7 @@ def main() -> None:
     parser.add_argument("--heartbeat-interval", type=float, default=1.0)
     parser.add_argument("--rebalance-interval", type=float, default=0.5)
     parser.add_argument("--settle", type=float, default=None)
+    parser.add_argument("--max-moves", type=int, default=32)
     parser.add_argument("--task", choices=("def", "async"), default="def")
     parser.add_argument("--ledger", default=None, help="table for fenced writes per shard")
     parser.add_argument("--ledger-every", type=float, default=0.25)
@@ -160,6 +161,7 @@ def main() -> None:
         heartbeat_interval=args.heartbeat_interval,
         rebalance_interval=args.rebalance_interval,
         settle=args.settle,
+        max_moves=args.max_moves,
     )
 
     def on_elected(sender: Any, **kw: Any) -> None:
