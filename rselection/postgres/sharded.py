@@ -125,7 +125,7 @@ class _Track:
 @dataclass
 class _Pending:
     move: Move
-    until: float  # time.monotonic() after which the move has failed
+    until: datetime  # server time after which the move has failed (its reservation lapsed)
 
 
 @dataclass
@@ -174,10 +174,10 @@ class Rebalancer:
         """One round: read, plan, ask for the moves; return the moves asked for."""
         leader = self.leader
         state = leader.state()
-        now, mono = state.now, time.monotonic()
+        now = state.now
         holders = {shard: info.node_id for shard, info in state.holders.items()}
         self._track(memory, state)
-        self._settle_pending(memory, holders, now, mono)
+        self._settle_pending(memory, holders, now)
         self._find_losses(memory, holders, now)
 
         settle = timedelta(seconds=leader.settle)
@@ -232,7 +232,10 @@ class Rebalancer:
                 move.source,
                 move.target,
             )
-            memory.pending[move.shard] = _Pending(move, mono + leader.handover_timeout + 1.0)
+            # The reservation lasts handover_timeout from the request, by the server's
+            # clock; a second more for the target's attempt to land.
+            until = now + timedelta(seconds=leader.handover_timeout + 1.0)
+            memory.pending[move.shard] = _Pending(move, until)
             memory.moved_away.setdefault(move.source, set()).add(move.shard)
             asked.append(move)
         return asked
@@ -263,15 +266,13 @@ class Rebalancer:
         for node in set(memory.tracks) - set(state.nodes):
             del memory.tracks[node]
 
-    def _settle_pending(
-        self, memory: _Round, holders: dict[int, str], now: datetime, mono: float
-    ) -> None:
+    def _settle_pending(self, memory: _Round, holders: dict[int, str], now: datetime) -> None:
         """Forget completed moves; a move that timed out counts its target out."""
         for shard, pending in list(memory.pending.items()):
             move, holder = pending.move, holders.get(shard)
             if holder == move.target:
                 del memory.pending[shard]
-            elif mono > pending.until:
+            elif now > pending.until:
                 del memory.pending[shard]
                 if holder == move.source:
                     memory.moved_away.get(move.source, set()).discard(shard)
