@@ -17,6 +17,7 @@ import math
 import statistics
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterable
 
 import psycopg
@@ -267,3 +268,46 @@ def test_status_shows_the_shards_each_node_leads(pg_dsn: str) -> None:
     finally:
         for leader in leaders:
             leader.stop()
+
+
+def test_each_shard_claims_its_own_fires_and_keeps_its_own_checkpoint(pg_dsn: str) -> None:
+    fast = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
+    ran: list[tuple[str, int, str]] = []
+    leaders = []
+    for node in ("a", "b"):
+        tasks = rs.TaskHandler()
+
+        @tasks.interval(0.2, name="tick")
+        def tick(ctx: rs.TaskContext, node: str = node) -> None:
+            assert ctx.shard is not None and ctx.fire_key is not None
+            ran.append((node, ctx.shard, ctx.fire_key))
+            last = ctx.checkpoint.load()
+            ctx.checkpoint.save(
+                {"shard": ctx.shard, "fires": (last.state["fires"] if last else 0) + 1}
+            )
+
+        leaders.append(
+            rs.PostgresShardedLeader(
+                pg_dsn, tasks, name="ticks", shards=4, node_id=node, heartbeat_interval=0.5, **fast
+            )
+        )
+    try:
+        for leader in leaders:
+            leader.start()
+        assert leaders[1].wait_until_balanced(20)
+        time.sleep(1.5)
+    finally:
+        for leader in leaders:
+            leader.stop()
+    # One run per shard and fire across both nodes, whoever owned the shard then.
+    per_fire = Counter((shard, key) for _, shard, key in ran)
+    assert per_fire and max(per_fire.values()) == 1, per_fire.most_common(3)
+    assert {shard for _, shard, _ in ran} == set(range(4))
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        keys = [k for (k,) in conn.execute("SELECT fire_key FROM rselection_claims")]
+        saved = dict(conn.execute("SELECT key[1], state FROM rselection_checkpoints").fetchall())
+    assert {k.split("/tick@")[0] for k in keys} == {f"ticks%2F{shard}" for shard in range(4)}
+    # Every run was claimed under its shard's lease name ("ticks/2" -> "ticks%2F2/...").
+    assert {f"ticks%2F{shard}/{key}" for _, shard, key in ran} <= set(keys)
+    # Checkpoints are kept per shard (keyed by the shard's lease name and the task).
+    assert {state["shard"] for state in saved.values()} == set(range(4)), saved
