@@ -480,6 +480,7 @@ class PostgresShardedLeader:
         self._leaders: list[_ShardLeader] = []
         self._lock = threading.Lock()
         self._started = False
+        self._stop_asked = False
         self._stopped = threading.Event()
 
     # -- public ---------------------------------------------------------------------
@@ -576,6 +577,9 @@ class PostgresShardedLeader:
             return ShardState({}, {}, datetime.now(UTC))
         except psycopg.Error as exc:
             raise self._reads.wrap(f"read the shards of {self._name!r}", exc) from exc
+        finally:
+            if self._stopped.is_set():
+                self._reads.close()  # after stop(), a read leaves no session behind
         holders: dict[int, LeaderInfo] = {}
         nodes: dict[str, tuple[datetime, datetime, bool]] = {}
         now = datetime.now(UTC)
@@ -644,6 +648,10 @@ class PostgresShardedLeader:
             RuntimeError: this leader was started before, or the handler runs under
                 another leader.
         """
+        self._start(coordinator=True)
+
+    def _start(self, *, coordinator: bool) -> None:
+        """Build and start every shard's leader (and the coordinator's, if asked)."""
         with self._lock:
             if self._started:
                 raise RuntimeError("this leader was already started; create a new one")
@@ -665,20 +673,30 @@ class PostgresShardedLeader:
             except BaseException:
                 self._handler.detach()
                 raise
-        self._coordinator.start()
+        if coordinator:
+            self._coordinator.start()
         for leader in self._leaders:
             leader.start()
         logger.info("node %s competes for %d shards of %r", self._node_id, self._shards, self._name)
 
     def lead(self) -> None:
-        """Compete and lead in this thread until :meth:`stop` or Ctrl-C, then clean up."""
+        """Compete and lead in this thread until :meth:`stop` or Ctrl-C, then clean up.
+
+        Raises:
+            ConfigError: the lease server cannot be used safely as configured (a
+                connection pooler that is not in session mode, for one); every shard
+                was stopped first.
+        """
         try:
-            self.start()
-            while not self._stopped.wait(0.5):
-                pass
+            self._start(coordinator=False)
+            # The coordinator's leader runs in this thread: it returns once stopped (by
+            # stop() or Ctrl-C) and raises what made leading unsafe, which holds for
+            # every shard too (they share its keeper session).
+            self._coordinator.lead()
         except KeyboardInterrupt:
             logger.info("interrupted; stopping sharded leader %r", self._name)
-            self.stop()
+        finally:
+            self.stop()  # waits for a stop() called elsewhere rather than repeat it
 
     def step_down(self, *, hold: float = 0.0, wait: bool = True) -> None:
         """Give up every shard this node leads (each cancelled, joined and released).
@@ -705,12 +723,17 @@ class PostgresShardedLeader:
         Args:
             timeout: seconds this call may take in all (default: until stopped).
         """
+        with self._lock:
+            asked, self._stop_asked = self._stop_asked, True
+        if asked:  # another call does the work: wait for it
+            self._stopped.wait(timeout)
+            return
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def left() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
-        if self._started and not self._stopped.is_set():
+        if self._started:
             self._hand_off()
         everyone: list[LeaseLeader] = [self._coordinator, *self._leaders]
         for leader in everyone:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import threading
 import time
 import uuid
 from collections import Counter
@@ -311,3 +312,27 @@ def test_each_shard_claims_its_own_fires_and_keeps_its_own_checkpoint(pg_dsn: st
     assert {f"ticks%2F{shard}/{key}" for _, shard, key in ran} <= set(keys)
     # Checkpoints are kept per shard (keyed by the shard's lease name and the task).
     assert {state["shard"] for state in saved.values()} == set(range(4)), saved
+
+
+def test_lead_returns_once_stop_is_called_from_another_thread(pg_dsn: str) -> None:
+    tasks = rs.TaskHandler()
+
+    @tasks.persistent("work")
+    def work(ctx: rs.TaskContext) -> None:
+        ctx.cancelled.wait()
+
+    leader = rs.PostgresShardedLeader(
+        pg_dsn, tasks, name="leads", shards=3, ttl=3.0, renew_interval=0.5, renew_deadline=2.0
+    )
+    thread = threading.Thread(target=leader.lead)
+    thread.start()
+    try:
+        assert leader.wait_until_leader(20)
+        wait_until(lambda: leader.owned() == {0, 1, 2}, 20, "every shard led")
+        assert leader.leader() is not None  # the coordinator is this node
+    finally:
+        started = time.monotonic()
+        leader.stop(timeout=20)
+        thread.join(20)
+    assert not thread.is_alive() and time.monotonic() - started < 10
+    assert leader.owned() == frozenset() and leader.assignment() == {}
