@@ -21,11 +21,32 @@ from typing import IO, Any
 
 import psycopg
 
-__all__ = ["REPO_ROOT", "ShardFleet", "ShardNode"]
+from tests.support.activity import check
+
+__all__ = [
+    "ARGS",
+    "REPO_ROOT",
+    "TTL",
+    "ShardFleet",
+    "ShardNode",
+    "assert_fenced_ledger_per_shard",
+    "assert_no_overlap_per_shard",
+    "balanced",
+]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 Event = dict[str, Any]
+
+TTL = 3.0
+"""The tests' lease ttl (seconds): short, so that a pause beyond it is short too."""
+HEARTBEAT = 0.5  # node_timeout is three heartbeats: 1.5 s
+ARGS = [  # the tests' node options: fast timings and a fenced ledger per shard
+    *("--ttl", str(TTL), "--renew-interval", "0.5", "--renew-deadline", "2"),
+    *("--retry-interval", "0.5", "--heartbeat-interval", str(HEARTBEAT)),
+    *("--rebalance-interval", "0.25"),
+    *("--ledger", "shard_ledger"),
+]
 
 
 class ShardNode:
@@ -216,3 +237,49 @@ class ShardFleet:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def balanced(fleet: ShardFleet, nodes: Iterable[str]) -> bool:
+    """Every shard held by one of ``nodes``, each holding ``floor(S/N)`` or ``ceil(S/N)``."""
+    counts = fleet.counts(nodes)
+    if sum(counts.values()) != fleet.shards or set(counts) != set(nodes):
+        return False
+    share = fleet.shards // len(counts)
+    return all(share <= c <= share + 1 for c in counts.values())
+
+
+def assert_no_overlap_per_shard(fleet: ShardFleet, resume_grace: float = 0.0) -> int:
+    """Per shard, no run of one term overlapped a run of another (the activity ledger,
+    frozen windows cut out); returns the number of runs."""
+    events = fleet.events()
+    ended = {n: node.ended_at for n, node in fleet.nodes.items() if node.ended_at is not None}
+    paused = {n: node.paused for n, node in fleet.nodes.items() if node.paused}
+    runs = 0
+    for shard in range(fleet.shards):
+        mine = [e for e in events if e.get("ev") == "activity" and e["shard"] == shard]
+        report = check(mine, ended_at=ended, paused=paused, resume_grace=resume_grace)
+        assert not report.violations, f"shard {shard}: {report.summary()}"
+        runs += len(report.runs)
+    return runs
+
+
+def assert_fenced_ledger_per_shard(dsn: str, shards: int) -> int:
+    """Per shard, no write of a term committed after one of a newer term, and each term
+    written by one node; returns the number of writes."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        late = conn.execute(
+            "SELECT count(*) FROM shard_ledger a JOIN shard_ledger b ON a.shard = b.shard"
+            " AND a.term < b.term AND (a.id > b.id OR a.written_at > b.written_at)"
+        ).fetchone()
+        shared = conn.execute(
+            "SELECT shard, term FROM shard_ledger GROUP BY shard, term"
+            " HAVING count(DISTINCT node) > 1"
+        ).fetchall()
+        written = conn.execute(
+            "SELECT count(DISTINCT shard), count(*) FROM shard_ledger"
+        ).fetchone()
+    assert late is not None and written is not None
+    assert late[0] == 0, f"{late[0]} fenced writes of an older term after a newer term's"
+    assert not shared, f"terms written by two nodes: {shared}"
+    assert written[0] == shards, "every shard's task wrote"
+    return int(written[1])

@@ -31,6 +31,7 @@ repository's root (it imports ``tests.support``):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import signal
@@ -55,11 +56,13 @@ class Ledger:
         self.node = node
         self.lock = threading.Lock()
         self.conn: psycopg.Connection[Any] | None = None
-        with psycopg.connect(dsn, autocommit=True) as conn:
+        # Another node may create it at the same moment: IF NOT EXISTS races then.
+        races = (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateTable)
+        with psycopg.connect(dsn, autocommit=True) as conn, contextlib.suppress(*races):
             conn.execute(
                 sql.SQL(
-                    "CREATE TABLE IF NOT EXISTS {} (id bigserial PRIMARY KEY, shard int NOT NULL,"
-                    " term bigint NOT NULL, node text NOT NULL,"
+                    "CREATE TABLE IF NOT EXISTS {} (id bigserial PRIMARY KEY,"
+                    " shard int NOT NULL, term bigint NOT NULL, node text NOT NULL,"
                     " written_at timestamptz NOT NULL DEFAULT clock_timestamp())"
                 ).format(self.table)
             )

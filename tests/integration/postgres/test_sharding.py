@@ -19,39 +19,29 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterable
 
 import psycopg
 import pytest
 
 import rselection as rs
-from tests.support.activity import check
 from tests.support.resign_cli import cli
 from tests.support.scale_fleet import percentile
-from tests.support.shard_fleet import Event, ShardFleet
+from tests.support.shard_fleet import (
+    ARGS,
+    TTL,
+    Event,
+    ShardFleet,
+    assert_fenced_ledger_per_shard,
+    assert_no_overlap_per_shard,
+    balanced,
+)
 from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-TTL = 3.0
-HEARTBEAT = 0.5  # node_timeout is three heartbeats: 1.5 s
-ARGS = [
-    *("--ttl", str(TTL), "--renew-interval", "0.5", "--renew-deadline", "2"),
-    *("--retry-interval", "0.5", "--heartbeat-interval", str(HEARTBEAT)),
-    *("--rebalance-interval", "0.25"),
-    *("--ledger", "shard_ledger"),
-]
 START_BOUND = 30.0  # every node started and the fleet balanced (measured about 3-5 s)
 FAILOVER_P95_BOUND = 2.0  # the issue's test bound (the target is 1 s; measured below)
 REBALANCE_BOUND = 15.0  # balanced again after a death or a join (measured about 0.5-2 s)
-
-
-def balanced(fleet: ShardFleet, nodes: Iterable[str]) -> bool:
-    counts = fleet.counts(nodes)
-    if sum(counts.values()) != fleet.shards or set(counts) != set(nodes):
-        return False
-    share = fleet.shards // len(counts)
-    return all(share <= c <= share + 1 for c in counts.values())
 
 
 def changes(fleet: ShardFleet, since: float) -> dict[int, list[Event]]:
@@ -61,41 +51,6 @@ def changes(fleet: ShardFleet, since: float) -> dict[int, list[Event]]:
         if event["event"] == "elected" and event["mono"] > since:
             out.setdefault(event["shard"], []).append(event)
     return out
-
-
-def assert_no_overlap_per_shard(fleet: ShardFleet, resume_grace: float = 0.0) -> int:
-    events = fleet.events()
-    ended = {n: node.ended_at for n, node in fleet.nodes.items() if node.ended_at is not None}
-    paused = {n: node.paused for n, node in fleet.nodes.items() if node.paused}
-    runs = 0
-    for shard in range(fleet.shards):
-        mine = [e for e in events if e.get("ev") == "activity" and e["shard"] == shard]
-        report = check(mine, ended_at=ended, paused=paused, resume_grace=resume_grace)
-        assert not report.violations, f"shard {shard}: {report.summary()}"
-        runs += len(report.runs)
-    return runs
-
-
-def assert_fenced_ledger_per_shard(dsn: str, shards: int) -> int:
-    """Per shard, no write of a term committed after one of a newer term, and each term
-    written by one node; returns the number of writes."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        late = conn.execute(
-            "SELECT count(*) FROM shard_ledger a JOIN shard_ledger b ON a.shard = b.shard"
-            " AND a.term < b.term AND (a.id > b.id OR a.written_at > b.written_at)"
-        ).fetchone()
-        shared = conn.execute(
-            "SELECT shard, term FROM shard_ledger GROUP BY shard, term"
-            " HAVING count(DISTINCT node) > 1"
-        ).fetchall()
-        written = conn.execute(
-            "SELECT count(DISTINCT shard), count(*) FROM shard_ledger"
-        ).fetchone()
-    assert late is not None and written is not None
-    assert late[0] == 0, f"{late[0]} fenced writes of an older term after a newer term's"
-    assert not shared, f"terms written by two nodes: {shared}"
-    assert written[0] == shards, "every shard's task wrote"
-    return int(written[1])
 
 
 def test_four_nodes_balance_a_killed_nodes_shards_move_and_a_fifth_joins_with_few_moves(
