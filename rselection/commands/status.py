@@ -41,7 +41,16 @@ from .output import EXIT_NO_LEADER, EXIT_OK, EXIT_UNREACHABLE, UsageError, ago, 
 if TYPE_CHECKING:
     import psycopg
 
-__all__ = ["NOT_RECORDED", "add_parser", "exit_code", "read_status", "render", "run"]
+__all__ = [
+    "NOT_RECORDED",
+    "add_parser",
+    "exit_code",
+    "read_status",
+    "render",
+    "run",
+    "shard_ranges",
+    "sharded_names",
+]
 
 NOT_RECORDED = (
     "next fires, failures and persistent tasks are not recorded in the database "
@@ -309,7 +318,7 @@ def read_status(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
             for lease, node_id, hostname, pid, addr, started, seen, seen_ago in node_rows
             if selected(lease)
         ]
-    shards = _sharded(lease_rows, {lease["name"] for lease in leases}, selected)
+    shards = sharded_names(lease_rows, {lease["name"] for lease in leases}, selected)
     fires = None
     if fire_rows is not None:
         fires = [
@@ -340,13 +349,19 @@ def read_status(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _sharded(
+def sharded_names(
     lease_rows: list[tuple[Any, ...]], shown: set[str], selected: Callable[[str], bool]
 ) -> list[dict[str, Any]]:
     """The sharded names among the leases, with the shards each node leads.
 
     A sharded name is a lease ``NAME`` (its coordinator) with leases ``NAME/<k>`` beside
     it (its shards, see ``PostgresShardedLeader``).
+
+    Args:
+        lease_rows: the lease rows (name, holder, term, acquired_at, expires_at, seconds
+            to expiry, ...).
+        shown: the leases the status shows.
+        selected: whether a lease was asked for.
     """
     held: dict[str, dict[int, str | None]] = {}
     for row in lease_rows:
@@ -486,9 +501,9 @@ def render(status: dict[str, Any], args: argparse.Namespace) -> list[str]:
             f"shards of {sharded['name']!r}: {led} of {sharded['shards']} led, by "
             f"{len(nodes_of)} node{'s' if len(nodes_of) != 1 else ''}"
         )
-        rows = [[node, str(len(mine)), _ranges(mine)] for node, mine in nodes_of.items()]
+        rows = [[node, str(len(mine)), shard_ranges(mine)] for node, mine in nodes_of.items()]
         if sharded["unled"]:
-            rows.append(["(none)", str(len(sharded["unled"])), _ranges(sharded["unled"])])
+            rows.append(["(none)", str(len(sharded["unled"])), shard_ranges(sharded["unled"])])
         lines += grid(["NODE", "SHARDS", "WHICH"], rows)
     unknown = status["unknown"]
     headless = [name for name in status["headless"] if name not in unknown]
@@ -501,7 +516,7 @@ def render(status: dict[str, Any], args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def _ranges(numbers: list[int]) -> str:
+def shard_ranges(numbers: list[int]) -> str:
     """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"``."""
     runs: list[list[int]] = []
     for n in sorted(numbers):

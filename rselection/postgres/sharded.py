@@ -157,21 +157,32 @@ class Rebalancer:
 
     def __init__(self, leader: PostgresShardedLeader) -> None:
         self.leader = leader
+        self._memory = _Round()
 
     def __call__(self, ctx: TaskContext) -> None:
         """Rebalance until the coordinator's term ends."""
-        memory = _Round()
+        self._memory = _Round()  # a new term starts from the table alone
         leader = self.leader
         while ctx.is_live():
             try:
-                self._step(memory)
+                self.step()
             except BackendUnavailable as exc:
                 logger.warning("shards of %r: cannot rebalance now (%s)", leader.name, exc)
             if not ctx.sleep(leader.rebalance_interval):
                 return
 
-    def _step(self, memory: _Round) -> list[Move]:
-        """One round: read, plan, ask for the moves; return the moves asked for."""
+    def suspects(self) -> set[str]:
+        """The nodes counted out until their next heartbeat (they lost shards no
+        handover explains, or did not take a shard handed to them)."""
+        return {n for n, t in self._memory.tracks.items() if t.suspect_since is not None}
+
+    def step(self) -> list[Move]:
+        """One round: read, plan, ask for the moves; return the moves asked for.
+
+        Raises:
+            BackendUnavailable: the database could not be reached.
+        """
+        memory = self._memory
         leader = self.leader
         state = leader.state()
         now = state.now

@@ -82,12 +82,12 @@ def fleet(monkeypatch: pytest.MonkeyPatch) -> Fleet:
     return made
 
 
-def run(fleet: Fleet, rebalancer: Rebalancer, memory: Any, *beating: str) -> list[Move]:
+def run(fleet: Fleet, rebalancer: Rebalancer, *beating: str) -> list[Move]:
     """One heartbeat interval: the nodes named heartbeat, then one round."""
     fleet.tick(1.0)
     fleet.beat(*beating)
     fleet.asked.clear()
-    rebalancer._step(memory)
+    rebalancer.step()
     return list(fleet.asked)
 
 
@@ -97,16 +97,16 @@ def apply(fleet: Fleet, moves: list[Move]) -> None:
 
 
 def test_a_new_node_gets_shards_only_once_it_heartbeats_and_settles(fleet: Fleet) -> None:
-    rebalancer, memory = Rebalancer(fleet), sharded._Round()  # type: ignore[arg-type]
+    rebalancer = Rebalancer(fleet)  # type: ignore[arg-type]
     for node in ("a", "b"):
         fleet.join(node)
     fleet.take("a", *range(6))
     fleet.take("b", *range(6, 12))
-    assert run(fleet, rebalancer, memory, "a", "b") == []
+    assert run(fleet, rebalancer, "a", "b") == []
     fleet.join("c")
     # First seen: not yet proven to run now (its heartbeat has not advanced).
-    assert run(fleet, rebalancer, memory, "a", "b") == []
-    moves = run(fleet, rebalancer, memory, "a", "b", "c")
+    assert run(fleet, rebalancer, "a", "b") == []
+    moves = run(fleet, rebalancer, "a", "b", "c")
     assert len(moves) == 4 and {m.target for m in moves} == {"c"}
     assert {m.source for m in moves} == {"a", "b"}
 
@@ -114,58 +114,58 @@ def test_a_new_node_gets_shards_only_once_it_heartbeats_and_settles(fleet: Fleet
 def test_a_node_that_lost_shards_without_a_handover_stops_counting_at_once(
     fleet: Fleet,
 ) -> None:
-    rebalancer, memory = Rebalancer(fleet), sharded._Round()  # type: ignore[arg-type]
+    rebalancer = Rebalancer(fleet)  # type: ignore[arg-type]
     for node in ("a", "b", "c"):
         fleet.join(node)
     fleet.take("a", 0, 1, 2, 3)
     fleet.take("b", 4, 5, 6, 7)
     fleet.take("c", 8, 9, 10, 11)
     for _ in range(3):
-        assert run(fleet, rebalancer, memory, "a", "b", "c") == []
+        assert run(fleet, rebalancer, "a", "b", "c") == []
     # c is killed: a takes all its shards over at once; c's heartbeat row still looks
     # alive for a while, but c lost shards that no handover explains.
     fleet.take("a", 8, 9, 10, 11)
-    moves = run(fleet, rebalancer, memory, "a", "b")
+    moves = run(fleet, rebalancer, "a", "b")
     assert moves and all(m.source == "a" and m.target == "b" for m in moves)
     assert {m.shard for m in moves} <= {8, 9, 10, 11}  # a's own shards stay with it
     assert len(moves) == 2  # 6 and 6 over a and b: c is not counted
     apply(fleet, moves)
-    assert run(fleet, rebalancer, memory, "a", "b") == []
+    assert run(fleet, rebalancer, "a", "b") == []
 
 
 def test_a_target_that_does_not_take_its_shard_gets_no_more(fleet: Fleet) -> None:
-    rebalancer, memory = Rebalancer(fleet), sharded._Round()  # type: ignore[arg-type]
+    rebalancer = Rebalancer(fleet)  # type: ignore[arg-type]
     for node in ("a", "b"):
         fleet.join(node)
     fleet.take("a", *range(12))
     for _ in range(2):
-        moves = run(fleet, rebalancer, memory, "a", "b")
+        moves = run(fleet, rebalancer, "a", "b")
     assert len(moves) == 6 and {m.target for m in moves} == {"b"}
     # b never takes them (it died just after its last heartbeat): a released them, and
     # they stay free until their reservations for b lapse.
     for move in moves:
         del fleet.holders[move.shard]
     for _ in range(5):
-        assert run(fleet, rebalancer, memory, "a") == []
-    assert memory.tracks["b"].suspect_since is not None
+        assert run(fleet, rebalancer, "a") == []
+    assert rebalancer.suspects() == {"b"}
     fleet.take("a", *(move.shard for move in moves))  # after the lapse, a takes them back
-    assert run(fleet, rebalancer, memory, "a") == []
+    assert run(fleet, rebalancer, "a") == []
 
 
 def test_a_paused_node_gets_a_share_again_once_it_heartbeats_and_settles(
     fleet: Fleet,
 ) -> None:
-    rebalancer, memory = Rebalancer(fleet), sharded._Round()  # type: ignore[arg-type]
+    rebalancer = Rebalancer(fleet)  # type: ignore[arg-type]
     for node in ("a", "b"):
         fleet.join(node)
     fleet.take("a", *range(6))
     fleet.take("b", *range(6, 12))
-    assert run(fleet, rebalancer, memory, "a", "b") == []
+    assert run(fleet, rebalancer, "a", "b") == []
     # b pauses beyond the ttl: its leases expire and a takes them; b's heartbeats stop.
     fleet.take("a", *range(6, 12))
     for _ in range(4):
-        assert run(fleet, rebalancer, memory, "a") == []
+        assert run(fleet, rebalancer, "a") == []
     # b resumes: its first heartbeat clears it, then it settles for one interval.
-    assert run(fleet, rebalancer, memory, "a", "b") == []
-    moves = run(fleet, rebalancer, memory, "a", "b")
+    assert run(fleet, rebalancer, "a", "b") == []
+    moves = run(fleet, rebalancer, "a", "b")
     assert len(moves) == 6 and {m.target for m in moves} == {"b"}

@@ -239,3 +239,22 @@ def test_bad_sharded_leader_arguments_are_refused_at_construction(
 def test_a_sharded_leader_needs_a_connection_string() -> None:
     with pytest.raises(ConfigError, match="connection string"):
         PostgresShardedLeader(object(), rs.TaskHandler(), name="p", shards=2)  # type: ignore[arg-type]
+
+
+def test_status_finds_sharded_names_and_the_shards_each_node_leads() -> None:
+    from rselection.commands.status import shard_ranges, sharded_names
+
+    assert shard_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert shard_ranges([]) == ""
+    rows = [
+        # name, holder, term, acquired, expires, expires_in, ...
+        ("pollers", "a", 1, None, None, 10.0),
+        ("pollers/0", "a", 3, None, None, 10.0),
+        ("pollers/1", "b", 2, None, None, 10.0),
+        ("pollers/2", "b", 2, None, None, -1.0),  # expired: nobody leads it
+        ("scale/0", "a", 1, None, None, 10.0),  # no lease "scale": not a sharded name
+        ("pollers/01", "a", 1, None, None, 10.0),  # not a shard's number as written
+    ]
+    shown = {row[0] for row in rows}
+    [found] = sharded_names(rows, shown, lambda name: True)
+    assert found == {"name": "pollers", "shards": 3, "unled": [2], "nodes": {"a": [0], "b": [1]}}
