@@ -4,10 +4,10 @@ A fleet of processes competes for a lease (Postgres, Redis, or memory for a sing
 node); the holder runs the registered tasks, and every task is cancelled the moment
 leadership is lost or in doubt.
 
-The core never imports psycopg or redis; ``PostgresLeader`` and ``RedisLeader`` load
-their backend on first use (so they are not in ``__all__``: ``from rselection import *``
-needs neither driver), and ``rs.RedisLeader`` without redis-py raises an ``ImportError``
-that says what to install.
+The core never imports psycopg or redis; ``PostgresLeader``, ``PostgresShardedLeader`` and
+``RedisLeader`` load their backend on first use (so they are not in ``__all__``: ``from
+rselection import *`` needs neither driver), and ``rs.RedisLeader`` without redis-py
+raises an ``ImportError`` that says what to install.
 """
 
 from __future__ import annotations
@@ -32,11 +32,13 @@ from .lease import Acquisition, LeaderInfo, LeaseBackend
 from .members import NodeInfo
 from .monitor import HeartbeatMonitor
 from .schedules import CronSchedule, IntervalSchedule, Schedule, format_fire_key
+from .sharding import shard_of
 from .single_node import SingleNodeLeader
 from .tasks import GenericTask, Task, TaskHandler, TaskType
 
 if TYPE_CHECKING:
     from .postgres.leader import PostgresLeader as PostgresLeader
+    from .postgres.sharded import PostgresShardedLeader as PostgresShardedLeader
     from .redis.leader import RedisLeader as RedisLeader
 
 __all__ = [
@@ -72,6 +74,7 @@ __all__ = [
     "TaskType",
     "TransactionFence",
     "format_fire_key",
+    "shard_of",
     "signals",
 ]
 
@@ -83,6 +86,11 @@ __version__ = "0.1.0.dev0"
 #: ``dir(rselection)`` lists them.
 _LAZY = {
     "PostgresLeader": (".postgres.leader", "psycopg", "pip install 'rselection[binary]'"),
+    "PostgresShardedLeader": (
+        ".postgres.sharded",
+        "psycopg",
+        "pip install 'rselection[binary]'",
+    ),
     "RedisLeader": (".redis.leader", "redis", "pip install 'rselection[redis]'"),
 }
 

@@ -118,6 +118,8 @@ class Term:
             without claiming (claims switched off).
         checkpoint_store: keeps ``ctx.checkpoint``; ``None`` when the leader has none.
         nodes: lists the lease's nodes (the leader's ``nodes()``), for ``ctx.nodes()``.
+        shard: the shard this term leads, under a sharded leader (else ``None``).
+        shards: the sharded leader's number of shards (else ``None``).
     """
 
     def __init__(
@@ -132,8 +134,12 @@ class Term:
         claimer: FireClaimer | None = None,
         checkpoint_store: CheckpointStore | None = None,
         nodes: Callable[[], list[NodeInfo]] | None = None,
+        shard: int | None = None,
+        shards: int | None = None,
     ) -> None:
         self.number = number
+        self.shard = shard
+        self.shards = shards
         self.node_id = node_id
         self.name = name
         self.deadline = deadline
@@ -279,6 +285,17 @@ class TaskContext:
     def node_id(self) -> str:
         """This node's id."""
         return self._term.node_id
+
+    @property
+    def shard(self) -> int | None:
+        """The shard this run belongs to (``0 .. shards - 1``) under a sharded leader
+        (:class:`~rselection.PostgresShardedLeader`), else ``None``."""
+        return self._term.shard
+
+    @property
+    def shards(self) -> int | None:
+        """The sharded leader's number of shards, else ``None``."""
+        return self._term.shards
 
     @property
     def cancelled(self) -> threading.Event:

@@ -238,6 +238,9 @@ class LeaseLeader:
         self._cleanup = list(cleanup)
         self._created_at = datetime.now(UTC)
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Set by a sharded leader on each shard's leader: its terms' ctx.shard/ctx.shards.
+        self._shard: int | None = None
+        self._shards: int | None = None
 
         self._cond = threading.Condition()  # guards the fields below and wakes waiters
         self._term: Term | None = None
@@ -866,7 +869,13 @@ class LeaseLeader:
         seen = (holder.node_id, holder.term) if holder is not None else None
         if seen != self._last_seen:
             self._last_seen = seen
-            signals.emit(signals.leader_changed, self, name=self._name, leader=holder)
+            signals.emit(
+                signals.leader_changed,
+                self,
+                name=self._name,
+                leader=holder,
+                **self._shard_signal(),
+            )
 
     # -- terms ------------------------------------------------------------------------
 
@@ -881,6 +890,8 @@ class LeaseLeader:
             claimer=self._claims,
             checkpoint_store=self._checkpoint_store,
             nodes=self.nodes,
+            shard=self._shard,
+            shards=self._shards,
         )
         with self._transition:
             # Whatever the watchdog ended meanwhile is announced before this term.
@@ -905,7 +916,12 @@ class LeaseLeader:
             self._handler.start_term(term, self._loop)
         logger.info("node %s leads %r with term %d", self._node_id, self._name, term.number)
         signals.emit(
-            signals.elected, self, node_id=self._node_id, term=term.number, name=self._name
+            signals.elected,
+            self,
+            node_id=self._node_id,
+            term=term.number,
+            name=self._name,
+            **self._shard_signal(),
         )
 
     def _end_term(
@@ -962,7 +978,13 @@ class LeaseLeader:
             term=term,
             name=self._name,
             reason=reason,
+            **self._shard_signal(),
         )
+
+    def _shard_signal(self) -> dict[str, int]:
+        """``shard=`` for the signals of a shard's leader; nothing for any other leader
+        (receivers written before sharding keep their signatures)."""
+        return {} if self._shard is None else {"shard": self._shard}
 
     # -- watchdog thread --------------------------------------------------------------
 

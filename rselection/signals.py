@@ -24,6 +24,10 @@ arguments:
 - ``lease_renewed``: ``name``, ``term``, ``latency`` (seconds the renewal took),
   ``remaining`` (seconds left on the lease once renewed, by the leader's own deadline).
 
+The leaders of a sharded leader's shards (:class:`~rselection.PostgresShardedLeader`)
+also send ``shard`` (the shard number) with ``elected``, ``demoted`` and
+``leader_changed``; their ``name`` is the shard's lease, ``"<name>/<shard>"``.
+
 Receivers run in the thread that sends the signal: keep them short and never block. The
 task signals of an ``async def`` task are sent on the term's event loop, which every
 async task of the term shares: a receiver that blocks there delays the others, and their

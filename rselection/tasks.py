@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import threading
@@ -24,6 +25,7 @@ from .specs import (
     StuckPolicy,
     Task,
     TaskSpec,
+    TaskStats,
     TaskType,
 )
 from .timing import STOP_GRACE_CAP
@@ -276,6 +278,20 @@ class TaskHandler:
             return fn
 
         return decorate
+
+    def copy(self) -> TaskHandler:
+        """A new handler with the same tasks, options and broadcaster, and counters of
+        its own (a sharded leader runs one per shard).
+
+        The tasks themselves (functions or :class:`Task` objects) are shared, not copied.
+        """
+        copy = TaskHandler(stop_grace=self.stop_grace, on_stuck=self.on_stuck)
+        with self._lock:
+            specs = list(self._specs.values())
+        copy._broadcaster = self._broadcaster
+        for spec in specs:
+            copy._specs[spec.name] = dataclasses.replace(spec, stats=TaskStats())
+        return copy
 
     # -- observation ----------------------------------------------------------------
 

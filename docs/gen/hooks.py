@@ -241,6 +241,7 @@ SETTINGS_CLASSES = [
     "rselection.SingleNodeLeader",
     "rselection.LeaseLeader",
     "rselection.postgres.PostgresLeader",
+    "rselection.postgres.PostgresShardedLeader",
     "rselection.redis.RedisLeader",
     "rselection.HeartbeatMonitor",
     "rselection.postgres.PostgresBroadcaster",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -40,13 +41,24 @@ from .output import EXIT_NO_LEADER, EXIT_OK, EXIT_UNREACHABLE, UsageError, ago, 
 if TYPE_CHECKING:
     import psycopg
 
-__all__ = ["NOT_RECORDED", "add_parser", "exit_code", "read_status", "render", "run"]
+__all__ = [
+    "NOT_RECORDED",
+    "add_parser",
+    "exit_code",
+    "read_status",
+    "render",
+    "run",
+    "shard_ranges",
+    "sharded_names",
+]
 
 NOT_RECORDED = (
     "next fires, failures and persistent tasks are not recorded in the database "
     "(see TaskHandler.health() on the leader); last fires come from the claims table"
 )
 """What ``status`` cannot show, said in its output so nobody looks for it there."""
+
+_SHARD = re.compile(r"0|[1-9][0-9]*")  # a shard's number in its lease name, as written
 
 
 def add_parser(
@@ -306,6 +318,7 @@ def read_status(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
             for lease, node_id, hostname, pid, addr, started, seen, seen_ago in node_rows
             if selected(lease)
         ]
+    shards = sharded_names(lease_rows, {lease["name"] for lease in leases}, selected)
     fires = None
     if fire_rows is not None:
         fires = [
@@ -331,8 +344,49 @@ def read_status(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
         "handovers": handovers if handovers_recorded else None,
         "nodes": nodes,
         "tasks": fires,
+        "shards": shards,
         "not_recorded": NOT_RECORDED,
     }
+
+
+def sharded_names(
+    lease_rows: list[tuple[Any, ...]], shown: set[str], selected: Callable[[str], bool]
+) -> list[dict[str, Any]]:
+    """The sharded names among the leases, with the shards each node leads.
+
+    A sharded name is a lease ``NAME`` (its coordinator) with leases ``NAME/<k>`` beside
+    it (its shards, see ``PostgresShardedLeader``).
+
+    Args:
+        lease_rows: the lease rows (name, holder, term, acquired_at, expires_at, seconds
+            to expiry, ...).
+        shown: the leases the status shows.
+        selected: whether a lease was asked for.
+    """
+    held: dict[str, dict[int, str | None]] = {}
+    for row in lease_rows:
+        name, holder, expires_in = row[0], row[1], row[5]
+        base, _, tail = name.rpartition("/")
+        if base and "/" not in base and _SHARD.fullmatch(tail):
+            live = holder is not None and expires_in is not None and expires_in > 0
+            held.setdefault(base, {})[int(tail)] = holder if live else None
+    out = []
+    for name in sorted(held):
+        if name not in shown or not selected(name):
+            continue
+        owners: dict[str, list[int]] = {}
+        for shard, holder in sorted(held[name].items()):
+            if holder is not None:
+                owners.setdefault(holder, []).append(shard)
+        out.append(
+            {
+                "name": name,
+                "shards": len(held[name]),
+                "unled": sorted(k for k, v in held[name].items() if v is None),
+                "nodes": {node: mine for node, mine in sorted(owners.items())},
+            }
+        )
+    return out
 
 
 def exit_code(status: dict[str, Any]) -> int:
@@ -439,6 +493,18 @@ def render(status: dict[str, Any], args: argparse.Namespace) -> list[str]:
         rows = [[f["lease"], f["task"], f["last_fire"], f["node"], str(f["term"])] for f in fires]
         lines += grid(["LEASE", "TASK", "LAST FIRE", "BY NODE", "TERM"], rows)
     lines.append(f"  ({status['not_recorded']})")
+    for sharded in status.get("shards") or []:
+        lines.append("")
+        nodes_of = sharded["nodes"]
+        led = sum(len(mine) for mine in nodes_of.values())
+        lines.append(
+            f"shards of {sharded['name']!r}: {led} of {sharded['shards']} led, by "
+            f"{len(nodes_of)} node{'s' if len(nodes_of) != 1 else ''}"
+        )
+        rows = [[node, str(len(mine)), shard_ranges(mine)] for node, mine in nodes_of.items()]
+        if sharded["unled"]:
+            rows.append(["(none)", str(len(sharded["unled"])), shard_ranges(sharded["unled"])])
+        lines += grid(["NODE", "SHARDS", "WHICH"], rows)
     unknown = status["unknown"]
     headless = [name for name in status["headless"] if name not in unknown]
     if headless or unknown:
@@ -448,6 +514,17 @@ def render(status: dict[str, Any], args: argparse.Namespace) -> list[str]:
     if unknown:
         lines.append(f"NO SUCH LEASE in {where}: " + ", ".join(unknown))
     return lines
+
+
+def shard_ranges(numbers: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"``."""
+    runs: list[list[int]] = []
+    for n in sorted(numbers):
+        if runs and runs[-1][1] == n - 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _reader(args: argparse.Namespace) -> Callable[[], dict[str, Any]]:

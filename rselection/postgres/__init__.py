@@ -3,7 +3,8 @@
 Needs psycopg 3.
 
 Importing :mod:`rselection` does not import this package (nor psycopg); importing this
-package does. :class:`PostgresLeader` is loaded on first use.
+package does. :class:`PostgresLeader` and :class:`PostgresShardedLeader` are loaded on
+first use.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .schema import migrate
 if TYPE_CHECKING:
     from ..monitor import HeartbeatMonitor
     from .leader import PostgresLeader
+    from .sharded import PostgresShardedLeader
 
 __all__ = [
     "HeartbeatMonitor",
@@ -31,6 +33,7 @@ __all__ = [
     "PostgresElector",
     "PostgresLeader",
     "PostgresLease",
+    "PostgresShardedLeader",
     "Snapshot",
     "TaskCheckpoint",
     "afenced",
@@ -48,6 +51,10 @@ def __getattr__(name: str) -> Any:
         from .leader import PostgresLeader
 
         return PostgresLeader
+    if name == "PostgresShardedLeader":
+        from .sharded import PostgresShardedLeader
+
+        return PostgresShardedLeader
     if name == "HeartbeatMonitor":
         from ..monitor import HeartbeatMonitor
 

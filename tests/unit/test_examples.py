@@ -122,6 +122,7 @@ ALONE: dict[str, tuple[list[str], str]] = {
     "single_node.py": (["--name", "solo"], "elected: node local leads with term 1"),
     "worker.py": (["--name", "solo"], "elected: local leads with term 1"),
     "postgres_leader.py": (["--name", "solo"], "is now the leader (term 1)"),
+    "sharded_pollers.py": (["--name", "solo"], "every tenant (term 1): poll 1 of 40 tenants"),
     "resumable_queue.py": (
         ["--name", "solo", "--items", "3", "--delay", "0.05"],
         "processed item 1",

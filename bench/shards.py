@@ -1,0 +1,345 @@
+"""Sharded leadership: balance, churn, failover and cost, against independent leases.
+
+For each S (shards) and N (node processes), two fleets run in turn on a fresh schema:
+
+* **sharded**: N ``tests/support/shard_node.py`` processes, one ``PostgresShardedLeader``
+  of S shards each;
+* **baseline**: N ``tests/support/scale_node.py`` processes, each running S independent
+  ``PostgresLeader``s of the same names (first come, first served: no balance).
+
+Measured, for each:
+
+* **balance**: shards held per node (max / min) once the fleet settled (sharded: after
+  ``wait_until_balanced``'s condition held, by the lease table; baseline: once every
+  lease was led and 3 s passed), and the seconds from the last node's start to it.
+* **idle cost** over ``--window`` seconds: sessions per process (the process's TCP
+  connections to the server, largest sample, psutil) and transactions per second of the
+  whole fleet (``pg_stat_database.xact_commit`` of the benchmark's own database).
+* **crash**: ``kill -9`` of the node that holds the most shards (sharded: the
+  coordinator's node); per shard it held, from the kill to another node's ``elected``
+  (CLOCK_MONOTONIC, shared by the processes): p50 / p95 / max. Sharded: then the seconds
+  until balanced again over N - 1 nodes, and the moves (ownership changes after the
+  kill) against the minimum (the killed node's shards).
+* **join**: one node more; sharded: seconds from its start until balanced, moves against
+  the minimum (``floor(S / N)``: the new node's share), and each move's handover time
+  (the old owner's demotion to the new owner's election, p50 / p95); baseline: how many
+  shards the new node got (none: every lease is held).
+
+Usage::
+
+    python bench/shards.py [--sizes 16,256,1024] [--nodes 2,4,8] [--window 10]
+                           [--max-leaders 6144] [--dsn DSN] [--no-baseline]
+
+Configurations with more than ``--max-leaders`` leaders in all (S x (N + 1), the joining
+node included) are skipped. Library timings are the defaults (ttl 15 s,
+renewal every 2 s; heartbeats every 1 s for the sharded leader).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import psycopg
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.support.pg import with_search_path  # noqa: E402
+from tests.support.scale_fleet import ScaleFleet, percentile  # noqa: E402
+from tests.support.shard_fleet import ShardFleet  # noqa: E402
+
+DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
+DATABASE = "rselection_bench_shards"
+SETTLE_TIMEOUT = 120.0
+
+
+def wait(predicate: Callable[[], bool], timeout: float, what: str) -> float:
+    """Poll ``predicate`` until it holds; the seconds it took (raises on timeout)."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise TimeoutError(f"no {what} within {timeout:g} s")
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def holders(dsn: str, prefix: str) -> dict[int, str]:
+    """Who holds each lease ``<prefix>/<i>`` now, from the lease table."""
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT name, holder FROM rselection_leases WHERE name LIKE %s"
+                " AND holder IS NOT NULL AND expires_at > clock_timestamp()",
+                (prefix + "/%",),
+            ).fetchall()
+    except psycopg.errors.UndefinedTable:
+        return {}
+    return {int(name.rsplit("/", 1)[1]): holder for name, holder in rows}
+
+
+def counts(table: dict[int, str], nodes: list[str]) -> dict[str, int]:
+    out = dict.fromkeys(nodes, 0)
+    for node in table.values():
+        out[node] = out.get(node, 0) + 1
+    return out
+
+
+def is_balanced(dsn: str, prefix: str, shards: int, nodes: list[str]) -> bool:
+    table = holders(dsn, prefix)
+    held = counts(table, nodes)
+    return (
+        len(table) == shards
+        and set(held) == set(nodes)
+        and max(held.values()) - min(held.values()) <= 1
+    )
+
+
+def idle_cost(server: str, pids: list[int], window: float) -> tuple[int, float]:
+    """Largest sessions count of any process, and the fleet's transactions per second."""
+
+    def xacts() -> int:
+        with psycopg.connect(server, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = %s",
+                (DATABASE,),
+            ).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    time.sleep(1.5)  # the counters of the settling phase reach the view first
+    first, start = xacts(), time.monotonic()
+    sessions = 0
+    while time.monotonic() - start < window:
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                conns = psutil.Process(pid).net_connections(kind="inet")
+                sessions = max(sessions, sum(1 for c in conns if c.raddr and c.raddr.port == 5432))
+        time.sleep(0.5)
+    time.sleep(1.0)
+    rate = (xacts() - first) / (time.monotonic() - start)
+    return sessions, rate
+
+
+def pct(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return (
+        f"{statistics.median(values) * 1000:.0f} / {percentile(values, 95) * 1000:.0f} / "
+        f"{max(values) * 1000:.0f} ms"
+    )
+
+
+def sharded(server: str, dsn: str, shards: int, nodes: int, window: float) -> dict[str, Any]:
+    name = f"bench-{uuid.uuid4().hex[:6]}"
+    out: dict[str, Any] = {}
+    with ShardFleet(dsn, name, shards, ["--task", "async"]) as fleet:
+        names = [f"s{i}" for i in range(nodes)]
+        for node in names:
+            fleet.add(node)
+        for node in fleet.nodes.values():
+            node.ready(120)
+        started = time.monotonic()
+        wait(lambda: is_balanced(dsn, name, shards, names), SETTLE_TIMEOUT, "balance")
+        held = counts(holders(dsn, name), names)
+        out["balance"] = f"{max(held.values())} / {min(held.values())}"
+        out["settle"] = time.monotonic() - started
+        pids = [node.proc.pid for node in fleet.nodes.values()]
+        out["sessions"], out["xacts"] = idle_cost(server, pids, window)
+
+        before = holders(dsn, name)
+        victim = fleet.coordinator() or names[0]
+        theirs = {s for s, n in before.items() if n == victim}
+        killed = fleet.nodes[victim].kill()
+        rest = [n for n in names if n != victim]
+        wait(
+            lambda: (
+                {
+                    e["shard"]
+                    for e in fleet.events()
+                    if e["event"] == "elected" and e["mono"] > killed
+                }
+                >= theirs
+            ),
+            SETTLE_TIMEOUT,
+            "takeover",
+        )
+        firsts: dict[int, float] = {}
+        for e in fleet.events():
+            if e["event"] == "elected" and e["mono"] > killed and e["shard"] in theirs:
+                firsts.setdefault(e["shard"], e["mono"] - killed)
+        out["failover"] = pct(list(firsts.values()))
+        out["rebalance"] = wait(lambda: is_balanced(dsn, name, shards, rest), 60, "rebalance")
+        time.sleep(2.0)
+        moved = sum(1 for e in fleet.events() if e["event"] == "elected" and e["mono"] > killed)
+        out["moves_leave"] = f"{moved} (min {len(theirs)})"
+
+        joined = time.monotonic()
+        fleet.add("joiner").ready(120)
+        after = [*rest, "joiner"]
+        wait(lambda: is_balanced(dsn, name, shards, after), 60, "balance after the join")
+        out["join"] = time.monotonic() - joined
+        time.sleep(2.0)
+        events = fleet.events()
+        moves = [e for e in events if e["event"] == "elected" and e["mono"] > joined]
+        out["moves_join"] = f"{len(moves)} (min {shards // len(after)})"
+        gaps = []
+        for e in moves:
+            released = [
+                d["mono"]
+                for d in events
+                if d["event"] == "demoted"
+                and d["shard"] == e["shard"]
+                and joined < d["mono"] <= e["mono"]
+            ]
+            if released:
+                gaps.append(e["mono"] - max(released))
+        out["handover"] = pct(gaps)
+    return out
+
+
+def baseline(server: str, dsn: str, shards: int, nodes: int, window: float) -> dict[str, Any]:
+    prefix = f"base-{uuid.uuid4().hex[:6]}"
+    out: dict[str, Any] = {}
+    with ScaleFleet(dsn, prefix, shards, ["--idle-task", "async"]) as fleet:
+        names = [f"b{i}" for i in range(nodes)]
+        for node in names:
+            fleet.add(node)
+        for node in fleet.nodes.values():
+            node.ready(120)
+        started = time.monotonic()
+        wait(lambda: len(holders(dsn, prefix)) == shards, SETTLE_TIMEOUT, "every lease led")
+        time.sleep(3.0)
+        out["settle"] = time.monotonic() - started
+        held = counts(holders(dsn, prefix), names)
+        out["balance"] = f"{max(held.values())} / {min(held.values())}"
+        pids = [node.proc.pid for node in fleet.nodes.values()]
+        out["sessions"], out["xacts"] = idle_cost(server, pids, window)
+
+        victim = max(held, key=lambda n: held[n])
+        theirs = {s for s, n in holders(dsn, prefix).items() if n == victim}
+        killed = fleet.nodes[victim].kill()
+        leases = {f"{prefix}/{s}" for s in theirs}
+
+        def taken() -> dict[str, float]:
+            firsts: dict[str, float] = {}
+            for node in fleet.nodes.values():
+                for e in node.of("elected", since=killed):
+                    if e["lease"] in leases:
+                        firsts[e["lease"]] = min(firsts.get(e["lease"], math.inf), e["mono"])
+            return firsts
+
+        wait(lambda: set(taken()) >= leases, SETTLE_TIMEOUT, "takeover")
+        out["failover"] = pct([t - killed for t in taken().values()])
+        out["rebalance"] = "never"
+        out["moves_leave"] = f"{len(theirs)} (min {len(theirs)})"
+        joined = time.monotonic()
+        fleet.add("joiner").ready(120)
+        time.sleep(5.0)
+        got = counts(holders(dsn, prefix), ["joiner"])["joiner"]
+        out["join"] = f"never (got {got})"
+        out["moves_join"] = f"{got} (min {shards // nodes})"
+        out["handover"] = "-"
+        del joined
+    return out
+
+
+@contextlib.contextmanager
+def bench_schema(server: str) -> Iterator[str]:
+    """A fresh schema in the benchmark's own database, dropped afterwards."""
+    with psycopg.connect(server, autocommit=True) as conn:
+        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,))
+        if exists.fetchone() is None:
+            conn.execute(f"CREATE DATABASE {DATABASE}")
+    base = psycopg.conninfo.make_conninfo(server, dbname=DATABASE)
+    schema = f"b_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(base, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+    try:
+        yield with_search_path(base, schema)
+    finally:
+        with psycopg.connect(base, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+def seconds(value: Any) -> str:
+    return f"{value:.2f} s" if isinstance(value, float) else str(value)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="16,256,1024")
+    parser.add_argument("--nodes", default="2,4,8")
+    parser.add_argument("--window", type=float, default=10.0)
+    parser.add_argument("--max-leaders", type=int, default=6144)
+    parser.add_argument("--dsn", default=DEFAULT_DSN, help="a server (any database on it)")
+    parser.add_argument("--no-baseline", action="store_true")
+    args = parser.parse_args()
+    rows = [
+        (
+            "fleet",
+            "S",
+            "N",
+            "balance max/min",
+            "settle",
+            "sessions/proc",
+            "xact/s",
+            "crash p50/p95/max",
+            "rebalance",
+            "moves on crash",
+            "join",
+            "moves on join",
+            "handover p50/p95/max",
+        ),
+    ]
+    for shards in (int(s) for s in args.sizes.split(",")):
+        for nodes in (int(n) for n in args.nodes.split(",")):
+            if shards * (nodes + 1) > args.max_leaders:
+                print(f"skipping S={shards} N={nodes}: over --max-leaders", flush=True)
+                continue
+            kinds = [("sharded", sharded)] + ([] if args.no_baseline else [("baseline", baseline)])
+            for kind, run in kinds:
+                print(f"running {kind} S={shards} N={nodes} ...", flush=True)
+                try:
+                    with bench_schema(args.dsn) as dsn:
+                        r = run(args.dsn, dsn, shards, nodes, args.window)
+                except Exception as exc:  # report and go on with the next configuration
+                    print(f"  failed: {exc}", flush=True)
+                    continue
+                row = (
+                    kind,
+                    str(shards),
+                    str(nodes),
+                    r["balance"],
+                    seconds(r["settle"]),
+                    str(r["sessions"]),
+                    f"{r['xacts']:.1f}",
+                    r["failover"],
+                    seconds(r["rebalance"]),
+                    r["moves_leave"],
+                    seconds(r["join"]),
+                    r["moves_join"],
+                    r["handover"],
+                )
+                print("  " + " | ".join(row), flush=True)
+                rows.append(row)
+    print()
+    print("| " + " | ".join(rows[0]) + " |")
+    print("|" + " --- |" * len(rows[0]))
+    for row in rows[1:]:
+        print("| " + " | ".join(row) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,839 @@
+"""``PostgresShardedLeader``: a fixed set of shards, each led by one node, spread evenly.
+
+Each shard ``k`` is an ordinary Postgres lease, ``"<name>/<k>"``, with a
+:class:`~rselection.PostgresLeader` of its own on every node (all with the node's one
+``node_id``; they share the process's keeper session and driver thread, so S shards cost
+no more sessions than one lease). Every node competes for every shard: a dead node's
+shards are taken over at once by dead-session takeover, with no one to compute anything
+first.
+
+Balance is the job of a *coordinator*: an ordinary lease ``"<name>"`` whose holder runs
+one task, :class:`Rebalancer`. It reads who holds each shard and which nodes heartbeat
+(every node of the sharded leader is a member of the lease ``"<name>"``), computes a
+sticky balanced plan (:func:`rselection.sharding.plan_moves`) and moves each surplus
+shard by a handover reserved for its target (:func:`~.handover.request_handover`): the
+old owner cancels and joins its tasks, releases, and only the target may take the shard.
+It keeps no state that matters: a new coordinator starts from the table.
+
+See ``docs/explanation/sharding.md`` for the design and its failure cases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import sql
+
+from ..errors import BackendUnavailable, ConfigError
+from ..leader import LeaseLeader
+from ..lease import LeaderInfo
+from ..sharding import (
+    Move,
+    check_shard_name,
+    check_shards,
+    plan_moves,
+    quotas,
+    shard_lease_name,
+)
+from ..tasks import TaskHandler
+from ..timing import Timings
+from ..validation import check_node_id, check_optional_seconds, check_seconds, new_node_id
+from ._conn import Connections
+from ._lease_sql import utc
+from .checkpoint import PostgresCheckpointStore
+from .claims import PostgresClaimer
+from .handover import request_handover
+from .leader import DEFAULT_CLAIMER, PostgresLeader
+from .schema import DEFAULT_TABLE, NODES_TABLE, table_identifier
+
+if TYPE_CHECKING:
+    from ..broadcast import Broadcaster
+    from ..context import TaskContext
+    from ..members import NodeInfo
+
+__all__ = ["PostgresShardedLeader", "Rebalancer", "ShardState"]
+
+logger = logging.getLogger(__name__)
+
+_POLL = 0.05  # seconds between looks of the bounded waits on this node's own state
+
+
+class _ShardLeader(PostgresLeader):
+    """The leader of one shard: a ``PostgresLeader`` whose terms know their shard.
+
+    It sends no heartbeats of its own (the node heartbeats once, as a member of the
+    lease ``"<name>"``), and ``ctx.nodes()`` lists the sharded leader's nodes.
+    """
+
+    def __init__(
+        self,
+        owner: PostgresShardedLeader,
+        shard: int,
+        shards: int,
+        conninfo: str,
+        handler: TaskHandler,
+        **options: Any,
+    ) -> None:
+        super().__init__(conninfo, handler, **options)
+        self._owner = owner
+        self._shard = shard
+        self._shards = shards
+
+    def start(self) -> None:
+        """Compete for the shard's lease (no heartbeats: the node has them once)."""
+        LeaseLeader.start(self)
+
+    def nodes(self) -> list[NodeInfo]:
+        """The sharded leader's nodes (see :meth:`PostgresShardedLeader.nodes`)."""
+        return self._owner.nodes()
+
+
+@dataclass(frozen=True)
+class ShardState:
+    """What the lease and nodes tables say about a sharded name, read in one go.
+
+    Attributes:
+        holders: each held shard's holder (lease rows not expired).
+        nodes: each node of the name with its first and last heartbeat and whether it
+            is alive (seen within ``node_timeout``), server time.
+        now: the server's clock when read.
+    """
+
+    holders: dict[int, LeaderInfo]
+    nodes: dict[str, tuple[datetime, datetime, bool]]
+    now: datetime
+
+
+@dataclass
+class _Track:
+    """What the coordinator knows of one node's liveness."""
+
+    last_seen: datetime
+    alive_since: datetime | None  # start of its current run of heartbeats (None: lost)
+    proven: bool = False  # a heartbeat was seen to advance in this run: it runs now
+    suspect_since: datetime | None = None  # lost shards no one moved; cleared by a beat
+
+
+@dataclass
+class _Pending:
+    move: Move
+    until: datetime  # server time after which the move has failed (its reservation lapsed)
+
+
+@dataclass
+class _Round:
+    """The coordinator's memory over one of its terms (a new term starts empty)."""
+
+    tracks: dict[str, _Track] = field(default_factory=dict)
+    pending: dict[int, _Pending] = field(default_factory=dict)
+    held: dict[str, set[int]] = field(default_factory=dict)
+    moved_away: dict[str, set[int]] = field(default_factory=dict)
+
+
+class Rebalancer:
+    """The coordinator's task: moves surplus shards to the nodes below their share.
+
+    Runs on the holder of the lease ``"<name>"`` only. Every ``rebalance_interval`` it
+    reads the shards' holders and the nodes' heartbeats
+    (:meth:`PostgresShardedLeader.state`), then plans
+    (:func:`~rselection.sharding.plan_moves`) and asks for at most ``max_moves``
+    handovers at a time from any one node. A node receives shards only once its
+    heartbeat was seen to advance, it has been heartbeating for ``settle`` seconds and
+    its last heartbeat is fresh; a node that lost shards no handover explains (it died,
+    or its session broke) is counted out until its next heartbeat. A move that does not
+    complete within ``handover_timeout`` counts its target out the same way.
+
+    Args:
+        leader: the sharded leader it balances.
+    """
+
+    def __init__(self, leader: PostgresShardedLeader) -> None:
+        self.leader = leader
+        self._memory = _Round()
+
+    def __call__(self, ctx: TaskContext) -> None:
+        """Rebalance until the coordinator's term ends."""
+        self._memory = _Round()  # a new term starts from the table alone
+        leader = self.leader
+        while ctx.is_live():
+            try:
+                self.step()
+            except BackendUnavailable as exc:
+                logger.warning("shards of %r: cannot rebalance now (%s)", leader.name, exc)
+            if not ctx.sleep(leader.rebalance_interval):
+                return
+
+    def suspects(self) -> set[str]:
+        """The nodes counted out until their next heartbeat (they lost shards no
+        handover explains, or did not take a shard handed to them)."""
+        return {n for n, t in self._memory.tracks.items() if t.suspect_since is not None}
+
+    def step(self) -> list[Move]:
+        """One round: read, plan, ask for the moves; return the moves asked for.
+
+        Raises:
+            BackendUnavailable: the database could not be reached.
+        """
+        memory = self._memory
+        leader = self.leader
+        state = leader.state()
+        now = state.now
+        holders = {shard: info.node_id for shard, info in state.holders.items()}
+        self._track(memory, state)
+        self._settle_pending(memory, holders, now)
+        self._find_losses(memory, holders, now)
+
+        settle = timedelta(seconds=leader.settle)
+        fresh = timedelta(seconds=2 * leader.heartbeat_interval + 0.5)
+        owning = {node for node in holders.values()}
+        members: list[str] = []
+        targets: list[str] = []
+        for node, (_, last_seen, alive) in state.nodes.items():
+            track = memory.tracks[node]
+            if not alive or track.suspect_since is not None:
+                continue
+            if node in owning or track.proven:
+                members.append(node)
+            if (
+                track.proven
+                and track.alive_since is not None
+                and now - track.alive_since >= settle
+                and now - last_seen <= fresh
+            ):
+                targets.append(node)
+
+        planned = dict(holders)
+        for shard, pending in memory.pending.items():
+            planned[shard] = pending.move.target
+        recent = {shard: info.acquired_at.timestamp() for shard, info in state.holders.items()}
+        moves = plan_moves(leader.shards, planned, members, targets=targets, recent=recent)
+        # Each old owner cancels, joins and releases what it gives: bound that work per
+        # node, not across the fleet, so that a join is served by every owner at once.
+        in_flight: dict[str, int] = {}
+        for pending in memory.pending.values():
+            in_flight[pending.move.source] = in_flight.get(pending.move.source, 0) + 1
+        asked: list[Move] = []
+        for move in moves:
+            if move.shard in memory.pending or in_flight.get(move.source, 0) >= leader.max_moves:
+                continue
+            info = request_handover(
+                leader.conninfo,
+                shard_lease_name(leader.name, move.shard),
+                table=leader.table,
+                to=move.target,
+                timeout=leader.handover_timeout,
+            )
+            if info is None or info.node_id == move.target:
+                continue  # freed or taken meanwhile: the next round sees it
+            # Asked of whoever holds it now (it may have changed since the read).
+            move = Move(move.shard, info.node_id, move.target)
+            in_flight[move.source] = in_flight.get(move.source, 0) + 1
+            logger.info(
+                "shards of %r: moving shard %d from %s to %s",
+                leader.name,
+                move.shard,
+                move.source,
+                move.target,
+            )
+            # The reservation lasts handover_timeout from the request, by the server's
+            # clock; a second more for the target's attempt to land.
+            until = now + timedelta(seconds=leader.handover_timeout + 1.0)
+            memory.pending[move.shard] = _Pending(move, until)
+            memory.moved_away.setdefault(move.source, set()).add(move.shard)
+            asked.append(move)
+        return asked
+
+    def _track(self, memory: _Round, state: ShardState) -> None:
+        """Follow each node's heartbeats: a run of them starts when a node is first seen
+        alive (from its first heartbeat, for a node the coordinator finds running) or
+        heartbeats again after it was lost or suspect; it is proven once a heartbeat is
+        seen to advance."""
+        now = state.now
+        for node, (started_at, last_seen, alive) in state.nodes.items():
+            track = memory.tracks.get(node)
+            if track is None:
+                memory.tracks[node] = _Track(last_seen, started_at if alive else None)
+                continue
+            if not alive:
+                track.alive_since, track.proven = None, False
+                continue
+            if track.alive_since is None:
+                track.alive_since = now
+            if last_seen > track.last_seen:
+                track.last_seen = last_seen
+                if track.suspect_since is not None and last_seen > track.suspect_since:
+                    logger.info("shards of %r: node %s heartbeats again", self.leader.name, node)
+                    track.suspect_since = None
+                    track.alive_since = now  # a new run: it settles again
+                track.proven = True
+        for node in set(memory.tracks) - set(state.nodes):
+            del memory.tracks[node]
+
+    def _settle_pending(self, memory: _Round, holders: dict[int, str], now: datetime) -> None:
+        """Forget completed moves; a move that timed out counts its target out."""
+        for shard, pending in list(memory.pending.items()):
+            move, holder = pending.move, holders.get(shard)
+            if holder == move.target:
+                del memory.pending[shard]
+            elif now > pending.until:
+                del memory.pending[shard]
+                if holder == move.source:
+                    memory.moved_away.get(move.source, set()).discard(shard)
+                else:
+                    track = memory.tracks.get(move.target)
+                    if track is not None:
+                        logger.warning(
+                            "shards of %r: node %s did not take shard %d in time; no more "
+                            "shards go to it until it heartbeats again",
+                            self.leader.name,
+                            move.target,
+                            shard,
+                        )
+                        track.suspect_since = now
+
+    def _find_losses(self, memory: _Round, holders: dict[int, str], now: datetime) -> None:
+        """Count out a node that lost shards no handover explains (until it heartbeats)."""
+        held: dict[str, set[int]] = {}
+        for shard, node in holders.items():
+            held.setdefault(node, set()).add(shard)
+        for node, before in memory.held.items():
+            gone = before - held.get(node, set())
+            moved = memory.moved_away.get(node, set())
+            unexplained = gone - moved
+            moved -= gone
+            track = memory.tracks.get(node)
+            if unexplained and track is not None and track.suspect_since is None:
+                logger.warning(
+                    "shards of %r: node %s lost %d shard(s) without a handover; no shards "
+                    "go to it until it heartbeats again",
+                    self.leader.name,
+                    node,
+                    len(unexplained),
+                )
+                track.suspect_since = now
+        memory.held = held
+
+
+class PostgresShardedLeader:
+    """Leads a fixed set of shards across a fleet: each shard run by one live node.
+
+    The handler's tasks run once per shard this node owns, with ``ctx.shard`` and
+    ``ctx.shards`` set. Each shard is a Postgres lease of its own (``"<name>/<shard>"``)
+    with its own term, fencing (``ctx.fence`` fences to the shard's term), claims, and
+    checkpoints (keyed by task and shard), and losing a shard cancels and joins only
+    that shard's tasks. A coordinator (the holder of the lease ``"<name>"``) moves shards
+    by graceful handovers so that every live node owns ``floor(S/N)`` or ``ceil(S/N)``,
+    moving only the shards that must move; every node competes for every shard, so a
+    dead node's shards are taken over within a second without waiting for it.
+
+    Example::
+
+        leader = rs.PostgresShardedLeader(dsn, tasks, name="pollers", shards=64)
+        leader.lead()
+
+    Args:
+        conninfo: a libpq connection string or URI.
+        handler: the tasks to run for each owned shard (copied per shard at
+            :meth:`start`: register every task before).
+        name: the sharded name (no ``/``); the shards' leases are ``"<name>/<shard>"``
+            and the coordinator's lease is ``"<name>"``.
+        shards: the number of shards (1 to 4,096); every node must use the same.
+        node_id: this node's id (default: host, pid and a random suffix).
+        ttl: lease length on the server, seconds (every shard and the coordinator).
+        renew_interval: seconds between renewals.
+        renew_deadline: a shard's leader steps down when no renewal succeeded for this long.
+        retry_interval: a follower's polling period (jittered).
+        table: lease table, optionally schema-qualified.
+        create_tables: create the tables on first connect (else run ``rselection migrate``).
+        broadcaster: handed to tasks as ``ctx.broadcaster``.
+        checkpoint_store: where ``ctx.checkpoint`` keeps task state (one store for every
+            shard; keys include the shard's lease name). By default a
+            :class:`~rselection.postgres.PostgresCheckpointStore` on ``conninfo``,
+            closed with the leader.
+        claimer: claims each scheduled fire (claim keys include the shard's lease name);
+            by default one :class:`~rselection.postgres.PostgresClaimer` on ``conninfo``
+            for every shard, closed with the leader; ``None`` runs fires unclaimed.
+        heartbeat_interval: seconds between this node's heartbeats (as a member of the
+            lease ``"<name>"``); the coordinator tells live nodes by them.
+        node_timeout: a node not seen for this long is lost (default three heartbeats).
+        nodes_table: the nodes table, optionally schema-qualified.
+        rebalance_interval: seconds between the coordinator's rounds.
+        settle: seconds a node must have been heartbeating before it is given shards
+            (default: ``heartbeat_interval``), so that a node that comes and goes does
+            not make shards bounce.
+        max_moves: most handovers in flight at once from any one node (each old owner
+            cancels, joins and releases the shards it gives).
+        handover_timeout: seconds a moved shard stays reserved for its target (default:
+            ``stop_grace + 1``); a target that has not taken it by then gets no more
+            shards until it heartbeats again.
+
+    Raises:
+        ConfigError: bad arguments or inconsistent timings (the message shows the math).
+    """
+
+    def __init__(
+        self,
+        conninfo: str,
+        handler: TaskHandler,
+        *,
+        name: str,
+        shards: int,
+        node_id: str | None = None,
+        ttl: float = 15.0,
+        renew_interval: float = 2.0,
+        renew_deadline: float = 10.0,
+        retry_interval: float = 2.0,
+        table: str = DEFAULT_TABLE,
+        create_tables: bool = True,
+        broadcaster: Broadcaster | None = None,
+        checkpoint_store: PostgresCheckpointStore | None = None,
+        claimer: object = DEFAULT_CLAIMER,
+        heartbeat_interval: float = 2.0,
+        node_timeout: float | None = None,
+        nodes_table: str = NODES_TABLE,
+        rebalance_interval: float = 0.5,
+        settle: float | None = None,
+        max_moves: int = 32,
+        handover_timeout: float | None = None,
+    ) -> None:
+        if not isinstance(conninfo, str):
+            raise ConfigError(
+                "PostgresShardedLeader needs a connection string (its shards share the "
+                f"process's keeper session), got {type(conninfo).__name__}"
+            )
+        if not isinstance(handler, TaskHandler):
+            raise ConfigError(f"handler must be a TaskHandler, got {type(handler).__name__}")
+        self._shards = check_shards(shards)
+        self._name = check_shard_name(name, self._shards)
+        self._node_id = check_node_id(node_id) if node_id is not None else new_node_id()
+        timings = Timings(ttl, renew_interval, renew_deadline, retry_interval)
+        stop_grace = timings.stop_grace(handler.stop_grace)  # refuses one that does not fit
+        table_identifier(table)  # validates
+        table_identifier(nodes_table)
+        self.heartbeat_interval = check_seconds(heartbeat_interval, "heartbeat_interval")
+        self.rebalance_interval = check_seconds(rebalance_interval, "rebalance_interval")
+        given_settle = check_optional_seconds(settle, "settle", allow_zero=True)
+        self.settle = self.heartbeat_interval if given_settle is None else given_settle
+        if isinstance(max_moves, bool) or not isinstance(max_moves, int) or max_moves < 1:
+            raise ConfigError(f"max_moves must be a positive int, got {max_moves!r:.40}")
+        self.max_moves = max_moves
+        given_timeout = check_optional_seconds(handover_timeout, "handover_timeout")
+        self.handover_timeout = stop_grace + 1.0 if given_timeout is None else given_timeout
+        self.conninfo = conninfo
+        self.table = table
+        self.nodes_table = nodes_table
+        self._handler = handler
+        self._timings = timings
+        self._cleanup: list[Any] = []
+
+        if checkpoint_store is None:
+            checkpoint_store = PostgresCheckpointStore(
+                conninfo, lease_table=table, create_tables=create_tables
+            )
+            self._cleanup.append(checkpoint_store.close)
+        if claimer is DEFAULT_CLAIMER:
+            owned = PostgresClaimer(conninfo, node_id=self._node_id, create_tables=create_tables)
+            self._cleanup.append(owned.close)
+            claimer = owned
+        self._options: dict[str, Any] = {
+            "node_id": self._node_id,
+            "ttl": timings.ttl,
+            "renew_interval": timings.renew_interval,
+            "renew_deadline": timings.renew_deadline,
+            "retry_interval": timings.retry_interval,
+            "table": table,
+            "create_tables": create_tables,
+            "broadcaster": broadcaster,
+            "checkpoint_store": checkpoint_store,
+            "claimer": claimer,
+            "nodes_table": nodes_table,
+        }
+        coordinator_tasks = TaskHandler()
+        coordinator_tasks.persistent("rebalance", restart="always")(Rebalancer(self))
+        self._coordinator = PostgresLeader(
+            conninfo,
+            coordinator_tasks,
+            name=self._name,
+            heartbeat_interval=self.heartbeat_interval,
+            node_timeout=node_timeout,
+            **{**self._options, "claimer": None},
+        )
+        self._reads = Connections(
+            conninfo,
+            owner="PostgresShardedLeader",
+            application_name="rselection:shards",
+            statement_timeout=10.0,
+            pooled=True,
+        )
+        given_node_timeout = check_optional_seconds(node_timeout, "node_timeout")
+        self._node_timeout = (
+            3 * self.heartbeat_interval if given_node_timeout is None else given_node_timeout
+        )
+        # One statement per read: the holders, the nodes and the server's clock (a row
+        # of its own, so that it comes back even when both tables are empty).
+        self._state_sql = sql.SQL(
+            "SELECT 'h', name, holder, term, acquired_at, expires_at, NULL::boolean,"
+            " clock_timestamp() FROM {leases} WHERE name = ANY(%s) AND holder IS NOT NULL"
+            " AND expires_at > clock_timestamp()"
+            " UNION ALL SELECT 'n', node_id, NULL, NULL, started_at, last_seen,"
+            " last_seen >= clock_timestamp() - make_interval(secs => %s), clock_timestamp()"
+            " FROM {nodes} WHERE name = %s"
+            " UNION ALL SELECT 't', NULL, NULL, NULL, NULL, NULL, NULL, clock_timestamp()"
+        ).format(leases=table_identifier(table), nodes=table_identifier(nodes_table))
+        self._leaders: list[_ShardLeader] = []
+        self._lock = threading.Lock()
+        self._started = False
+        self._stop_asked = False
+        self._stopped = threading.Event()
+
+    # -- public ---------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The sharded name (the shards' leases are ``"<name>/<shard>"``)."""
+        return self._name
+
+    @property
+    def shards(self) -> int:
+        """The number of shards."""
+        return self._shards
+
+    @property
+    def node_id(self) -> str:
+        """This node's id."""
+        return self._node_id
+
+    @property
+    def timings(self) -> Timings:
+        """The validated timings of every shard's lease."""
+        return self._timings
+
+    @property
+    def is_leader(self) -> bool:
+        """True while this node leads at least one shard."""
+        return any(leader.is_leader for leader in self._leaders)
+
+    @property
+    def term(self) -> int | None:
+        """Always ``None``: each shard has a term of its own (see :meth:`terms`)."""
+        return None
+
+    def terms(self) -> dict[int, int]:
+        """The term of each shard this node leads now."""
+        out: dict[int, int] = {}
+        for shard, leader in enumerate(self._leaders):
+            term = leader.term
+            if term is not None:
+                out[shard] = term
+        return out
+
+    def health(self) -> dict[int, dict[str, dict[str, Any]]]:
+        """Per shard this node leads now, its tasks' health (see
+        :meth:`~rselection.TaskHandler.health`: state, runs, failures, last error...)."""
+        return {
+            shard: leader.handler.health()
+            for shard, leader in enumerate(self._leaders)
+            if leader.is_leader
+        }
+
+    def owned(self) -> frozenset[int]:
+        """The shards this node leads now."""
+        return frozenset(shard for shard, leader in enumerate(self._leaders) if leader.is_leader)
+
+    def leader(self) -> LeaderInfo | None:
+        """The coordinator (the holder of the lease ``"<name>"``), from any node."""
+        return self._coordinator.leader()
+
+    def nodes(self) -> list[NodeInfo]:
+        """Every node of this sharded name from its heartbeats, oldest first
+        (``is_leader`` flags the coordinator).
+
+        Raises:
+            BackendUnavailable: the database could not be reached.
+        """
+        return self._coordinator.nodes()
+
+    def assignment(self) -> dict[int, LeaderInfo]:
+        """Who leads each shard now, from the lease table (works on any node).
+
+        Shards nobody holds are missing.
+
+        Raises:
+            BackendUnavailable: the database could not be reached.
+        """
+        return self.state().holders
+
+    def state(self) -> ShardState:
+        """The shards' holders and the nodes' heartbeats, read in one go (server time).
+
+        Raises:
+            BackendUnavailable: the database could not be reached.
+        """
+        names = [shard_lease_name(self._name, shard) for shard in range(self._shards)]
+        prefix = len(self._name) + 1
+        try:
+            with self._reads.connection() as conn:
+                rows = conn.execute(self._state_sql, (names, self._node_timeout, self._name))
+                found = rows.fetchall()
+        except psycopg.errors.UndefinedTable:
+            # Not created yet (a leader's first connect creates them): nothing to read.
+            return ShardState({}, {}, datetime.now(UTC))
+        except psycopg.Error as exc:
+            raise self._reads.wrap(f"read the shards of {self._name!r}", exc) from exc
+        finally:
+            if self._stopped.is_set():
+                self._reads.close()  # after stop(), a read leaves no session behind
+        holders: dict[int, LeaderInfo] = {}
+        nodes: dict[str, tuple[datetime, datetime, bool]] = {}
+        now = datetime.now(UTC)
+        for kind, key, holder, term, first, last, alive, clock in found:
+            now = utc(clock)
+            if kind == "h":
+                holders[int(key[prefix:])] = LeaderInfo(holder, term, utc(first), utc(last))
+            elif kind == "n":
+                nodes[key] = (utc(first), utc(last), bool(alive))
+        return ShardState(holders, nodes, now)
+
+    def balanced(self) -> bool:
+        """True when every shard is led by a live node and every live node leads
+        ``floor(S/N)`` or ``ceil(S/N)`` shards (N: nodes alive by their heartbeats, this
+        one included while it runs).
+
+        Raises:
+            BackendUnavailable: the database could not be reached.
+        """
+        state = self.state()
+        alive = {node for node, (_, _, up) in state.nodes.items() if up}
+        if not alive or len(state.holders) < self._shards:
+            return False
+        if self._started and not self._stopped.is_set() and self._node_id not in alive:
+            return False  # this node counts too, from its first heartbeat on
+        counts = dict.fromkeys(alive, 0)
+        for info in state.holders.values():
+            if info.node_id not in counts:
+                return False
+            counts[info.node_id] += 1
+        # Every shard held and no two nodes more than one apart: floor(S/N) or ceil(S/N).
+        return max(counts.values()) - min(counts.values()) <= 1
+
+    def wait_until_balanced(self, timeout: float | None = None) -> bool:
+        """Block until :meth:`balanced`; return ``False`` after ``timeout`` seconds.
+
+        A database that cannot be reached counts as not balanced (the wait goes on).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                if self.balanced():
+                    return True
+            except BackendUnavailable as exc:
+                logger.debug("shards of %r: cannot check the balance (%s)", self._name, exc)
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+
+    def wait_until_leader(self, timeout: float | None = None) -> bool:
+        """Block until this node leads at least one shard; ``False`` on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.is_leader:
+            if self._stopped.is_set():
+                return False
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(_POLL)
+        return True
+
+    def start(self) -> None:
+        """Heartbeat and compete for every shard and the coordinator's lease, in the
+        background; return at once.
+
+        Raises:
+            RuntimeError: this leader was started before, or the handler runs under
+                another leader.
+        """
+        self._start(coordinator=True)
+
+    def _start(self, *, coordinator: bool) -> None:
+        """Build and start every shard's leader (and the coordinator's, if asked)."""
+        with self._lock:
+            if self._started:
+                raise RuntimeError("this leader was already started; create a new one")
+            self._handler.attach()  # registration is closed from now on
+            self._started = True
+            try:
+                self._leaders = [
+                    _ShardLeader(
+                        self,
+                        shard,
+                        self._shards,
+                        self.conninfo,
+                        self._handler.copy(),
+                        name=shard_lease_name(self._name, shard),
+                        **self._options,
+                    )
+                    for shard in range(self._shards)
+                ]
+            except BaseException:
+                self._handler.detach()
+                raise
+        if coordinator:
+            self._coordinator.start()
+        for leader in self._leaders:
+            leader.start()
+        logger.info("node %s competes for %d shards of %r", self._node_id, self._shards, self._name)
+
+    def lead(self) -> None:
+        """Compete and lead in this thread until :meth:`stop` or Ctrl-C, then clean up.
+
+        Raises:
+            ConfigError: the lease server cannot be used safely as configured (a
+                connection pooler that is not in session mode, for one); every shard
+                was stopped first.
+        """
+        try:
+            self._start(coordinator=False)
+            # The coordinator's leader runs in this thread: it returns once stopped (by
+            # stop() or Ctrl-C) and raises what made leading unsafe, which holds for
+            # every shard too (they share its keeper session).
+            self._coordinator.lead()
+        except KeyboardInterrupt:
+            logger.info("interrupted; stopping sharded leader %r", self._name)
+        finally:
+            self.stop()  # waits for a stop() called elsewhere rather than repeat it
+
+    def step_down(self, *, hold: float = 0.0, wait: bool = True) -> None:
+        """Give up every shard this node leads (each cancelled, joined and released).
+
+        Args:
+            hold: seconds each shard's leader stays a follower before competing again.
+            wait: block until every shard's term has ended.
+        """
+        leading = [leader for leader in self._leaders if leader.is_leader]
+        for leader in leading:
+            leader.step_down(hold=hold, wait=False)
+        if wait:
+            for leader in leading:
+                leader.step_down(hold=hold, wait=True)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Hand this node's shards to the others, then stop every shard and the
+        coordinator, and leave the membership.
+
+        Each shard this node leads is handed over to a live node below its share (the
+        plan without this node), so that only this node's shards move, once each; the
+        shards' tasks are cancelled and joined, and the leases released.
+
+        Args:
+            timeout: seconds this call may take in all (default: until stopped).
+        """
+        with self._lock:
+            asked, self._stop_asked = self._stop_asked, True
+        if asked:  # another call does the work: wait for it
+            self._stopped.wait(timeout)
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        if self._started:
+            self._hand_off()
+        everyone: list[LeaseLeader] = [self._coordinator, *self._leaders]
+        for leader in everyone:
+            leader.stop(timeout=0)  # ask them all at once: they wind down together
+        for leader in everyone:
+            leader.stop(timeout=left())
+        for fn in self._cleanup:
+            try:
+                fn()
+            except Exception:  # best effort, as a leader's own clean-up
+                logger.exception("shards of %r: error in a clean-up on stop", self._name)
+        self._cleanup = []
+        self._reads.close()
+        if self._started:
+            self._handler.detach()
+        self._stopped.set()
+
+    def _hand_off(self) -> None:
+        """Ask for a handover of each shard this node leads, to the live nodes below
+        their share without this node; best effort (a shard not handed over is released
+        by the stop and taken by any node)."""
+        mine = sorted(self.owned())
+        if not mine:
+            return
+        try:
+            state = self.state()
+        except BackendUnavailable as exc:
+            logger.info("shards of %r: stopping without handing over (%s)", self._name, exc)
+            return
+        fresh = timedelta(seconds=2 * self.heartbeat_interval + 0.5)
+        others = [
+            node
+            for node, (_, last_seen, alive) in state.nodes.items()
+            if alive and node != self._node_id and state.now - last_seen <= fresh
+        ]
+        if not others:
+            return
+        holders = {shard: info.node_id for shard, info in state.holders.items()}
+        for shard in mine:
+            holders[shard] = self._node_id
+        # Plan as though this node were a member that owns nothing more: its shards are
+        # the surplus, and the others fill up to their share.
+        counts = dict.fromkeys(others, 0)
+        for node in holders.values():
+            if node in counts:
+                counts[node] += 1
+        share = quotas(self._shards, counts)
+        for shard in mine:
+            target = min(others, key=lambda n: (counts[n] - share[n], counts[n], n))
+            counts[target] += 1
+            try:
+                request_handover(
+                    self.conninfo,
+                    shard_lease_name(self._name, shard),
+                    table=self.table,
+                    to=target,
+                    timeout=self.handover_timeout,
+                )
+            except BackendUnavailable as exc:
+                logger.info("shards of %r: stopping without handing over (%s)", self._name, exc)
+                return
+
+    def __enter__(self) -> PostgresShardedLeader:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> PostgresShardedLeader:
+        self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # Stopping joins async tasks that may run on this very loop: wait in a thread.
+        await asyncio.to_thread(self.stop)
+
+    def __repr__(self) -> str:
+        return (
+            f"PostgresShardedLeader(name={self._name!r}, shards={self._shards}, "
+            f"node_id={self._node_id!r}, owned={len(self.owned())})"
+        )

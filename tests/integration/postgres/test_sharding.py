@@ -1,0 +1,293 @@
+"""Sharded leadership with real processes: balance, crash failover, joins and pauses.
+
+Every node is ``tests/support/shard_node.py``: one ``PostgresShardedLeader`` whose task
+records, per shard, when each term's run started and ended (the activity ledger). Who
+holds what comes from the lease table; when it changed, from the nodes' ``elected`` and
+``demoted`` events, stamped with ``time.monotonic()``, which every process of the
+machine shares.
+
+Bounds are several times what this 2-core machine measured (kept in the comments), so a
+loaded machine does not fail them; the figures are printed (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import threading
+import time
+import uuid
+from collections import Counter
+
+import psycopg
+import pytest
+
+import rselection as rs
+from tests.support.resign_cli import cli
+from tests.support.scale_fleet import percentile
+from tests.support.shard_fleet import (
+    ARGS,
+    TTL,
+    Event,
+    ShardFleet,
+    assert_fenced_ledger_per_shard,
+    assert_no_overlap_per_shard,
+    balanced,
+)
+from tests.support.waiting import wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+START_BOUND = 30.0  # every node started and the fleet balanced (measured about 3-5 s)
+FAILOVER_P95_BOUND = 2.0  # the issue's test bound (the target is 1 s; measured below)
+REBALANCE_BOUND = 15.0  # balanced again after a death or a join (measured about 0.5-2 s)
+
+
+def changes(fleet: ShardFleet, since: float) -> dict[int, list[Event]]:
+    """Each shard's ``elected`` events after ``since``, in order."""
+    out: dict[int, list[Event]] = {}
+    for event in fleet.events():
+        if event["event"] == "elected" and event["mono"] > since:
+            out.setdefault(event["shard"], []).append(event)
+    return out
+
+
+def test_four_nodes_balance_a_killed_nodes_shards_move_and_a_fifth_joins_with_few_moves(
+    pg_dsn: str,
+) -> None:
+    shards = 32
+    name = f"pollers-{uuid.uuid4().hex[:6]}"
+    with ShardFleet(pg_dsn, name, shards, ARGS) as fleet:
+        start = time.monotonic()
+        for i in range(4):
+            fleet.add(f"n{i}")
+        for node in fleet.nodes.values():
+            node.ready()
+        took = wait_until(
+            lambda: balanced(fleet, ["n0", "n1", "n2", "n3"]), START_BOUND, "8 shards each", 0.1
+        )
+        print(f"\n4 nodes x 32 shards balanced {time.monotonic() - start:.2f} s after start")
+        assert took < START_BOUND
+        assert fleet.counts(["n0", "n1", "n2", "n3"]) == dict.fromkeys(["n0", "n1", "n2", "n3"], 8)
+
+        # kill -9 of the node that balances the shards: only its shards move, each led
+        # elsewhere at once, without waiting for a new coordinator.
+        before = fleet.holders()
+        victim = fleet.coordinator()
+        assert victim is not None
+        theirs = {shard for shard, node in before.items() if node == victim}
+        killed = fleet.nodes[victim].kill()
+        survivors = [n for n in ["n0", "n1", "n2", "n3"] if n != victim]
+
+        def all_taken() -> bool:
+            moved = changes(fleet, killed)
+            return all(shard in moved for shard in theirs)
+
+        wait_until(all_taken, 10.0, "the killed node's shards led elsewhere", 0.05)
+        moved = changes(fleet, killed)
+        latency = [moved[shard][0]["mono"] - killed for shard in theirs]
+        p50, p95 = statistics.median(latency), percentile(latency, 95)
+        print(f"killed node's shards led elsewhere: p50 {p50 * 1000:.0f}, p95 {p95 * 1000:.0f} ms")
+        assert p95 <= FAILOVER_P95_BOUND
+        wait_until(lambda: balanced(fleet, survivors), REBALANCE_BOUND, "10/11/11", 0.1)
+        after = fleet.holders()
+        assert sorted(fleet.counts(survivors).values()) == [10, 11, 11]
+        assert {s for s in range(shards) if after[s] != before[s]} == theirs, (
+            "only the killed node's shards may change owner"
+        )
+        assert set(changes(fleet, killed)) == theirs
+
+        assert fleet.coordinator() in survivors
+
+        # A new node joins: it reaches its share, and only that many shards move, each by
+        # a graceful handover.
+        time.sleep(1.0)  # let the coordinator's last moves settle
+        before = fleet.holders()
+        joined = time.monotonic()
+        fleet.add("n4").ready()
+        nodes = [*survivors, "n4"]
+        wait_until(lambda: balanced(fleet, nodes), REBALANCE_BOUND, "8 shards each", 0.1)
+        share_at = time.monotonic()
+        after = fleet.holders()
+        moved_shards = {s for s in range(shards) if after[s] != before[s]}
+        print(f"a joining node reached its share in {share_at - joined:.2f} s (from its start)")
+        assert len(moved_shards) == 8 <= math.ceil(shards / 4)
+        assert all(after[s] == "n4" for s in moved_shards)
+        moves = changes(fleet, joined)
+        assert set(moves) == moved_shards  # nothing else changed hands, not even twice
+        gaps = []
+        for shard in moved_shards:
+            demoted = [
+                e
+                for e in fleet.events()
+                if e["event"] == "demoted" and e["shard"] == shard and e["mono"] > joined
+            ]
+            assert [e["reason"] for e in demoted] == ["handover"]
+            gaps.append(moves[shard][0]["mono"] - demoted[0]["mono"])
+        print(
+            f"handover (old owner's demotion to new owner's election): "
+            f"p50 {statistics.median(gaps) * 1000:.0f} ms, max {max(gaps) * 1000:.0f} ms"
+        )
+        assert max(gaps) < 2.0
+
+        # A node stops gracefully: it hands each of its shards straight to a node below
+        # its share, so only its shards move, each once.
+        time.sleep(1.0)
+        before = fleet.holders()
+        leaving = survivors[0]
+        theirs = {shard for shard, node in before.items() if node == leaving}
+        stopped = time.monotonic()
+        fleet.nodes[leaving].stop()
+        rest = [n for n in nodes if n != leaving]
+        wait_until(lambda: balanced(fleet, rest), REBALANCE_BOUND, "10/11/11 again", 0.1)
+        took = time.monotonic() - stopped
+        time.sleep(1.0)  # any further move would show now
+        after = fleet.holders()
+        assert sorted(fleet.counts(rest).values()) == [10, 11, 11]
+        assert {s for s in range(shards) if after[s] != before[s]} == theirs
+        moves = changes(fleet, stopped)
+        assert set(moves) == theirs and all(len(e) == 1 for e in moves.values()), moves
+        print(f"a stopping node's shards handed over and balanced in {took:.2f} s")
+    runs = assert_no_overlap_per_shard(fleet)
+    assert runs >= shards + 8 + 8 + 8
+    assert assert_fenced_ledger_per_shard(pg_dsn, shards) > shards
+
+
+def test_a_paused_node_loses_its_shards_and_gets_a_share_back_after_it_resumes(
+    pg_dsn: str,
+) -> None:
+    shards = 12
+    name = f"paused-{uuid.uuid4().hex[:6]}"
+    nodes = ["p0", "p1", "p2"]
+    with ShardFleet(pg_dsn, name, shards, ARGS) as fleet:
+        for node in nodes:
+            fleet.add(node)
+        for process in fleet.nodes.values():
+            process.ready()
+        wait_until(lambda: balanced(fleet, nodes), START_BOUND, "4 shards each", 0.1)
+        frozen = fleet.nodes["p1"]
+        theirs = {s for s, n in fleet.holders().items() if n == "p1"}
+        frozen.pause()
+        # Beyond the ttl: its leases expire and the others take them (expiry, not the
+        # session: the paused process's session lives).
+        wait_until(
+            lambda: (
+                not ({s for s, n in fleet.holders().items() if n == "p1"})
+                and len(fleet.holders()) == shards
+            ),
+            TTL + 10.0,
+            "the paused node's shards led elsewhere",
+            0.1,
+        )
+        time.sleep(1.0)
+        assert "p1" not in fleet.holders().values()
+        resumed = frozen.resume()
+        wait_until(lambda: balanced(fleet, nodes), REBALANCE_BOUND, "4 shards each again", 0.1)
+        print(f"\nresumed node back at its share {time.monotonic() - resumed:.2f} s after SIGCONT")
+        assert fleet.counts(nodes)["p1"] == 4
+        assert theirs  # it had a share before
+    # A run frozen while its lease passed on may run the few instructions that tell it
+    # its term is over after SIGCONT: that tail is excused, nothing else is.
+    assert_no_overlap_per_shard(fleet, resume_grace=1.0)
+    assert_fenced_ledger_per_shard(pg_dsn, shards)
+
+
+def test_status_shows_the_shards_each_node_leads(pg_dsn: str) -> None:
+    fast = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
+    leaders = []
+    for node in ("a", "b"):
+        tasks = rs.TaskHandler()
+
+        @tasks.persistent("work")
+        def work(ctx: rs.TaskContext) -> None:
+            ctx.cancelled.wait()
+
+        leaders.append(
+            rs.PostgresShardedLeader(
+                pg_dsn, tasks, name="st", shards=6, node_id=node, heartbeat_interval=0.5, **fast
+            )
+        )
+    try:
+        for leader in leaders:
+            leader.start()
+        assert leaders[1].wait_until_balanced(20)
+        result = cli("status", "--dsn", pg_dsn, "st", "--json")
+        assert result.returncode == 0, result.stderr
+        status = json.loads(result.stdout)
+        [sharded] = status["shards"]
+        assert sharded["name"] == "st" and sharded["shards"] == 6 and not sharded["unled"]
+        assert {node: len(mine) for node, mine in sharded["nodes"].items()} == {"a": 3, "b": 3}
+        assert sorted(s for mine in sharded["nodes"].values() for s in mine) == list(range(6))
+        text = cli("status", "--dsn", pg_dsn).stdout
+        assert "shards of 'st': 6 of 6 led, by 2 nodes" in text, text
+    finally:
+        for leader in leaders:
+            leader.stop()
+
+
+def test_each_shard_claims_its_own_fires_and_keeps_its_own_checkpoint(pg_dsn: str) -> None:
+    fast = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
+    ran: list[tuple[str, int, str]] = []
+    leaders = []
+    for node in ("a", "b"):
+        tasks = rs.TaskHandler()
+
+        @tasks.interval(0.2, name="tick")
+        def tick(ctx: rs.TaskContext, node: str = node) -> None:
+            assert ctx.shard is not None and ctx.fire_key is not None
+            ran.append((node, ctx.shard, ctx.fire_key))
+            last = ctx.checkpoint.load()
+            ctx.checkpoint.save(
+                {"shard": ctx.shard, "fires": (last.state["fires"] if last else 0) + 1}
+            )
+
+        leaders.append(
+            rs.PostgresShardedLeader(
+                pg_dsn, tasks, name="ticks", shards=4, node_id=node, heartbeat_interval=0.5, **fast
+            )
+        )
+    try:
+        for leader in leaders:
+            leader.start()
+        assert leaders[1].wait_until_balanced(20)
+        time.sleep(1.5)
+    finally:
+        for leader in leaders:
+            leader.stop()
+    # One run per shard and fire across both nodes, whoever owned the shard then.
+    per_fire = Counter((shard, key) for _, shard, key in ran)
+    assert per_fire and max(per_fire.values()) == 1, per_fire.most_common(3)
+    assert {shard for _, shard, _ in ran} == set(range(4))
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        keys = [k for (k,) in conn.execute("SELECT fire_key FROM rselection_claims")]
+        saved = dict(conn.execute("SELECT key[1], state FROM rselection_checkpoints").fetchall())
+    assert {k.split("/tick@")[0] for k in keys} == {f"ticks%2F{shard}" for shard in range(4)}
+    # Every run was claimed under its shard's lease name ("ticks/2" -> "ticks%2F2/...").
+    assert {f"ticks%2F{shard}/{key}" for _, shard, key in ran} <= set(keys)
+    # Checkpoints are kept per shard (keyed by the shard's lease name and the task).
+    assert {state["shard"] for state in saved.values()} == set(range(4)), saved
+
+
+def test_lead_returns_once_stop_is_called_from_another_thread(pg_dsn: str) -> None:
+    tasks = rs.TaskHandler()
+
+    @tasks.persistent("work")
+    def work(ctx: rs.TaskContext) -> None:
+        ctx.cancelled.wait()
+
+    leader = rs.PostgresShardedLeader(
+        pg_dsn, tasks, name="leads", shards=3, ttl=3.0, renew_interval=0.5, renew_deadline=2.0
+    )
+    thread = threading.Thread(target=leader.lead)
+    thread.start()
+    try:
+        assert leader.wait_until_leader(20)
+        wait_until(lambda: leader.owned() == {0, 1, 2}, 20, "every shard led")
+        assert leader.leader() is not None  # the coordinator is this node
+    finally:
+        started = time.monotonic()
+        leader.stop(timeout=20)
+        thread.join(20)
+    assert not thread.is_alive() and time.monotonic() - started < 10
+    assert leader.owned() == frozenset() and leader.assignment() == {}

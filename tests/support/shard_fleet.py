@@ -1,0 +1,285 @@
+"""Drive ``shard_node`` processes: start them, read their events, kill, pause or stop them.
+
+``ShardNode`` is one node process (one ``PostgresShardedLeader``); a reader thread keeps
+its events. ``ShardFleet`` holds the nodes of one sharded name and reads who holds each
+shard from the lease table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import IO, Any
+
+import psycopg
+
+from tests.support.activity import check
+
+__all__ = [
+    "ARGS",
+    "REPO_ROOT",
+    "TTL",
+    "ShardFleet",
+    "ShardNode",
+    "assert_fenced_ledger_per_shard",
+    "assert_no_overlap_per_shard",
+    "balanced",
+]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+Event = dict[str, Any]
+
+TTL = 3.0
+"""The tests' lease ttl (seconds): short, so that a pause beyond it is short too."""
+HEARTBEAT = 0.5  # node_timeout is three heartbeats: 1.5 s
+ARGS = [  # the tests' node options: fast timings and a fenced ledger per shard
+    *("--ttl", str(TTL), "--renew-interval", "0.5", "--renew-deadline", "2"),
+    *("--retry-interval", "0.5", "--heartbeat-interval", str(HEARTBEAT)),
+    *("--rebalance-interval", "0.25"),
+    *("--ledger", "shard_ledger"),
+]
+
+
+class ShardNode:
+    """One ``shard_node`` process and the events it printed.
+
+    Args:
+        node: its node id.
+        dsn: the connection string (handed over in the environment).
+        name: the sharded name.
+        shards: the number of shards.
+        args: more ``shard_node`` options (timings).
+        log_dir: where its stderr goes (``<node>.log``).
+    """
+
+    def __init__(
+        self,
+        node: str,
+        dsn: str,
+        name: str,
+        shards: int,
+        args: Iterable[str] = (),
+        *,
+        log_dir: Path,
+    ) -> None:
+        self.node = node
+        self.events: list[Event] = []
+        self.paused: list[tuple[float, float]] = []  # wall-clock SIGSTOP..SIGCONT windows
+        self.ended_at: float | None = None  # wall clock of a kill -9
+        self._cond = threading.Condition()
+        self.log_path = log_dir / f"{node}.log"
+        env = dict(os.environ, SHARD_NODE_DSN=dsn, PYTHONPATH=str(REPO_ROOT))
+        cmd = [sys.executable, "-m", "tests.support.shard_node"]
+        cmd += ["--name", name, "--shards", str(shards), "--node", node, *args]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                cmd,
+                cwd=REPO_ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                bufsize=1,
+                env=env,
+            )
+        assert self.proc.stdout is not None
+        threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True).start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            with self._cond:
+                self.events.append(event)
+                self._cond.notify_all()
+
+    def of(self, event: str, since: float = float("-inf")) -> list[Event]:
+        """This node's events of one kind at or after ``since`` (``time.monotonic()``)."""
+        with self._cond:
+            return [e for e in self.events if e["event"] == event and e["mono"] >= since]
+
+    def wait_for(self, predicate: Callable[[list[Event]], bool], timeout: float, what: str) -> None:
+        """Wait (bounded) until ``predicate(events)`` holds; fail with the log's tail."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not predicate(self.events):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"{self.node}: no {what} in {timeout} s\n{self.tail()}")
+                self._cond.wait(min(left, 0.1))
+
+    def ready(self, timeout: float = 30.0) -> None:
+        """Wait until the leader was started."""
+        self.wait_for(lambda ev: any(e["event"] == "ready" for e in ev), timeout, "ready")
+
+    def kill(self) -> float:
+        """kill -9; return ``time.monotonic()`` just before."""
+        mono = time.monotonic()
+        self.ended_at = time.time()
+        self.proc.kill()
+        self.proc.wait(10)
+        return mono
+
+    def pause(self) -> float:
+        """SIGSTOP; return ``time.monotonic()`` just before."""
+        mono = time.monotonic()
+        self._stopped_at = time.time()
+        self.proc.send_signal(signal.SIGSTOP)
+        return mono
+
+    def resume(self) -> float:
+        """SIGCONT; return ``time.monotonic()`` just before."""
+        mono = time.monotonic()
+        self.paused.append((self._stopped_at, time.time()))
+        self.proc.send_signal(signal.SIGCONT)
+        return mono
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM and wait for the exit (kill -9 after ``timeout``)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def tail(self, lines: int = 20) -> str:
+        """The last lines of its log."""
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class ShardFleet:
+    """The nodes of one sharded name, and the lease table's view of them.
+
+    Args:
+        dsn: the connection string (its schema holds the tables).
+        name: the sharded name.
+        shards: the number of shards.
+        args: ``shard_node`` options every node gets.
+    """
+
+    def __init__(self, dsn: str, name: str, shards: int, args: Iterable[str] = ()) -> None:
+        self.dsn = dsn
+        self.name = name
+        self.shards = shards
+        self.args = list(args)
+        self.nodes: dict[str, ShardNode] = {}
+        self.log_dir = Path(tempfile.mkdtemp("-shards"))
+
+    def add(self, node: str) -> ShardNode:
+        """Start one more node."""
+        started = ShardNode(node, self.dsn, self.name, self.shards, self.args, log_dir=self.log_dir)
+        self.nodes[node] = started
+        return started
+
+    def holders(self) -> dict[int, str]:
+        """Who holds each shard, from the lease table (unexpired rows only)."""
+        try:
+            with psycopg.connect(self.dsn, autocommit=True) as conn:
+                rows = conn.execute(
+                    "SELECT name, holder FROM rselection_leases WHERE name LIKE %s"
+                    " AND holder IS NOT NULL AND expires_at > clock_timestamp()",
+                    (self.name + "/%",),
+                ).fetchall()
+        except psycopg.errors.UndefinedTable:
+            return {}
+        return {int(name.rsplit("/", 1)[1]): holder for name, holder in rows}
+
+    def coordinator(self) -> str | None:
+        """The node that holds the coordinator's lease (the sharded name itself)."""
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT holder FROM rselection_leases WHERE name = %s"
+                " AND expires_at > clock_timestamp()",
+                (self.name,),
+            ).fetchone()
+        return None if row is None else str(row[0])
+
+    def counts(self, nodes: Iterable[str]) -> dict[str, int]:
+        """Shards held by each of ``nodes`` (0 for none)."""
+        out = dict.fromkeys(nodes, 0)
+        for holder in self.holders().values():
+            out[holder] = out.get(holder, 0) + 1
+        return out
+
+    def events(self) -> list[Event]:
+        """Every node's events, in time order."""
+        out = [e for node in self.nodes.values() for e in node.events]
+        return sorted(out, key=lambda e: e["mono"])
+
+    def close(self) -> None:
+        """Stop every node still running (SIGTERM, at once for all, then wait)."""
+        for node in self.nodes.values():
+            if node.proc.poll() is None:
+                node.proc.send_signal(signal.SIGCONT)
+                node.proc.terminate()
+        for node in self.nodes.values():
+            node.stop()
+
+    def __enter__(self) -> ShardFleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def balanced(fleet: ShardFleet, nodes: Iterable[str]) -> bool:
+    """Every shard held by one of ``nodes``, each holding ``floor(S/N)`` or ``ceil(S/N)``."""
+    counts = fleet.counts(nodes)
+    if sum(counts.values()) != fleet.shards or set(counts) != set(nodes):
+        return False
+    share = fleet.shards // len(counts)
+    return all(share <= c <= share + 1 for c in counts.values())
+
+
+def assert_no_overlap_per_shard(fleet: ShardFleet, resume_grace: float = 0.0) -> int:
+    """Per shard, no run of one term overlapped a run of another (the activity ledger,
+    frozen windows cut out); returns the number of runs."""
+    events = fleet.events()
+    ended = {n: node.ended_at for n, node in fleet.nodes.items() if node.ended_at is not None}
+    paused = {n: node.paused for n, node in fleet.nodes.items() if node.paused}
+    runs = 0
+    for shard in range(fleet.shards):
+        mine = [e for e in events if e.get("ev") == "activity" and e["shard"] == shard]
+        report = check(mine, ended_at=ended, paused=paused, resume_grace=resume_grace)
+        assert not report.violations, f"shard {shard}: {report.summary()}"
+        runs += len(report.runs)
+    return runs
+
+
+def assert_fenced_ledger_per_shard(dsn: str, shards: int) -> int:
+    """Per shard, no write of a term committed after one of a newer term, and each term
+    written by one node; returns the number of writes."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        late = conn.execute(
+            "SELECT count(*) FROM shard_ledger a JOIN shard_ledger b ON a.shard = b.shard"
+            " AND a.term < b.term AND (a.id > b.id OR a.written_at > b.written_at)"
+        ).fetchone()
+        shared = conn.execute(
+            "SELECT shard, term FROM shard_ledger GROUP BY shard, term"
+            " HAVING count(DISTINCT node) > 1"
+        ).fetchall()
+        written = conn.execute(
+            "SELECT count(DISTINCT shard), count(*) FROM shard_ledger"
+        ).fetchone()
+    assert late is not None and written is not None
+    assert late[0] == 0, f"{late[0]} fenced writes of an older term after a newer term's"
+    assert not shared, f"terms written by two nodes: {shared}"
+    assert written[0] == shards, "every shard's task wrote"
+    return int(written[1])

@@ -1,0 +1,171 @@
+"""The coordinator's rounds without a server: who counts, who may receive, what moves.
+
+A stand-in sharded leader serves scripted reads (``state()``) and records the handovers
+the rebalancer asks for instead of sending them; the clock is the reads' server time.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from rselection.lease import LeaderInfo
+from rselection.postgres import sharded
+from rselection.postgres.sharded import Rebalancer, ShardState
+from rselection.sharding import Move
+
+T0 = datetime(2026, 12, 1, tzinfo=UTC)
+
+
+class Fleet:
+    """What the rebalancer reads: shard holders and heartbeats, on a scripted clock."""
+
+    def __init__(self, shards: int) -> None:
+        self.name = "pollers"
+        self.shards = shards
+        self.settle = 1.0
+        self.heartbeat_interval = 1.0
+        self.max_moves = 32
+        self.handover_timeout = 3.0
+        self.conninfo = "postgresql://nowhere/db"
+        self.table = "rselection_leases"
+        self.now = T0
+        self.holders: dict[int, str] = {}
+        self.acquired: dict[int, datetime] = {}
+        self.beats: dict[str, tuple[datetime, datetime]] = {}  # node: (started, last seen)
+        self.asked: list[Move] = []
+
+    def join(self, node: str) -> None:
+        self.beats[node] = (self.now, self.now)
+
+    def beat(self, *nodes: str) -> None:
+        for node in nodes:
+            self.beats[node] = (self.beats[node][0], self.now)
+
+    def take(self, node: str, *shards: int) -> None:
+        for shard in shards:
+            self.holders[shard] = node
+            self.acquired[shard] = self.now
+
+    def tick(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+    def state(self) -> ShardState:
+        timeout = timedelta(seconds=3 * self.heartbeat_interval)
+        return ShardState(
+            holders={
+                shard: LeaderInfo(node, 1, self.acquired[shard], self.now + timedelta(seconds=15))
+                for shard, node in self.holders.items()
+            },
+            nodes={
+                node: (started, seen, self.now - seen <= timeout)
+                for node, (started, seen) in self.beats.items()
+            },
+            now=self.now,
+        )
+
+    def request(self, conninfo: str, name: str, **kw: Any) -> LeaderInfo | None:
+        shard = int(name.rsplit("/", 1)[1])
+        holder = self.holders.get(shard)
+        if holder is None:
+            return None
+        self.asked.append(Move(shard, holder, kw["to"]))
+        return LeaderInfo(holder, 1, self.acquired[shard], self.now)
+
+
+@pytest.fixture
+def fleet(monkeypatch: pytest.MonkeyPatch) -> Fleet:
+    made = Fleet(12)
+    monkeypatch.setattr(sharded, "request_handover", made.request)
+    return made
+
+
+def run(fleet: Fleet, rebalancer: Rebalancer, *beating: str) -> list[Move]:
+    """One heartbeat interval: the nodes named heartbeat, then one round."""
+    fleet.tick(1.0)
+    fleet.beat(*beating)
+    fleet.asked.clear()
+    rebalancer.step()
+    return list(fleet.asked)
+
+
+def apply(fleet: Fleet, moves: list[Move]) -> None:
+    for move in moves:
+        fleet.take(move.target, move.shard)
+
+
+def test_a_new_node_gets_shards_only_once_it_heartbeats_and_settles(fleet: Fleet) -> None:
+    rebalancer = Rebalancer(fleet)  # type: ignore[arg-type]
+    for node in ("a", "b"):
+        fleet.join(node)
+    fleet.take("a", *range(6))
+    fleet.take("b", *range(6, 12))
+    assert run(fleet, rebalancer, "a", "b") == []
+    fleet.join("c")
+    # First seen: not yet proven to run now (its heartbeat has not advanced).
+    assert run(fleet, rebalancer, "a", "b") == []
+    moves = run(fleet, rebalancer, "a", "b", "c")
+    assert len(moves) == 4 and {m.target for m in moves} == {"c"}
+    assert {m.source for m in moves} == {"a", "b"}
+
+
+def test_a_node_that_lost_shards_without_a_handover_stops_counting_at_once(
+    fleet: Fleet,
+) -> None:
+    rebalancer = Rebalancer(fleet)  # type: ignore[arg-type]
+    for node in ("a", "b", "c"):
+        fleet.join(node)
+    fleet.take("a", 0, 1, 2, 3)
+    fleet.take("b", 4, 5, 6, 7)
+    fleet.take("c", 8, 9, 10, 11)
+    for _ in range(3):
+        assert run(fleet, rebalancer, "a", "b", "c") == []
+    # c is killed: a takes all its shards over at once; c's heartbeat row still looks
+    # alive for a while, but c lost shards that no handover explains.
+    fleet.take("a", 8, 9, 10, 11)
+    moves = run(fleet, rebalancer, "a", "b")
+    assert moves and all(m.source == "a" and m.target == "b" for m in moves)
+    assert {m.shard for m in moves} <= {8, 9, 10, 11}  # a's own shards stay with it
+    assert len(moves) == 2  # 6 and 6 over a and b: c is not counted
+    apply(fleet, moves)
+    assert run(fleet, rebalancer, "a", "b") == []
+
+
+def test_a_target_that_does_not_take_its_shard_gets_no_more(fleet: Fleet) -> None:
+    rebalancer = Rebalancer(fleet)  # type: ignore[arg-type]
+    for node in ("a", "b"):
+        fleet.join(node)
+    fleet.take("a", *range(12))
+    for _ in range(2):
+        moves = run(fleet, rebalancer, "a", "b")
+    assert len(moves) == 6 and {m.target for m in moves} == {"b"}
+    # b never takes them (it died just after its last heartbeat): a released them, and
+    # they stay free until their reservations for b lapse.
+    for move in moves:
+        del fleet.holders[move.shard]
+    for _ in range(5):
+        assert run(fleet, rebalancer, "a") == []
+    assert rebalancer.suspects() == {"b"}
+    fleet.take("a", *(move.shard for move in moves))  # after the lapse, a takes them back
+    assert run(fleet, rebalancer, "a") == []
+
+
+def test_a_paused_node_gets_a_share_again_once_it_heartbeats_and_settles(
+    fleet: Fleet,
+) -> None:
+    rebalancer = Rebalancer(fleet)  # type: ignore[arg-type]
+    for node in ("a", "b"):
+        fleet.join(node)
+    fleet.take("a", *range(6))
+    fleet.take("b", *range(6, 12))
+    assert run(fleet, rebalancer, "a", "b") == []
+    # b pauses beyond the ttl: its leases expire and a takes them; b's heartbeats stop.
+    fleet.take("a", *range(6, 12))
+    for _ in range(4):
+        assert run(fleet, rebalancer, "a") == []
+    # b resumes: its first heartbeat clears it, then it settles for one interval.
+    assert run(fleet, rebalancer, "a", "b") == []
+    moves = run(fleet, rebalancer, "a", "b")
+    assert len(moves) == 6 and {m.target for m in moves} == {"b"}
