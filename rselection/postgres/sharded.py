@@ -745,7 +745,7 @@ class PostgresShardedLeader:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
         if self._started:
-            self._hand_off()
+            self._hand_off_within(left())
         everyone: list[LeaseLeader] = [self._coordinator, *self._leaders]
         for leader in everyone:
             leader.stop(timeout=0)  # ask them all at once: they wind down together
@@ -761,6 +761,33 @@ class PostgresShardedLeader:
         if self._started:
             self._handler.detach()
         self._stopped.set()
+
+    def _hand_off_within(self, timeout: float | None) -> None:
+        """:meth:`_hand_off`, waited for at most ``timeout`` seconds: a database that
+        stops answering must not hold ``stop(timeout)`` past its bound (the hand-off is
+        best effort; the shards are released, or expire, all the same)."""
+
+        def hand_off() -> None:
+            try:
+                self._hand_off()
+            except Exception:  # best effort: the stop goes on
+                logger.exception("shards of %r: error while handing the shards over", self._name)
+
+        if timeout is None:
+            hand_off()
+            return
+        thread = threading.Thread(
+            target=hand_off, name=f"rselection-shards-hand-off-{self._name}", daemon=True
+        )
+        thread.start()
+        thread.join(timeout)
+        if thread.is_alive():
+            logger.info(
+                "shards of %r: stopping without waiting for the hand-off (the database did "
+                "not answer within %.1f s)",
+                self._name,
+                timeout,
+            )
 
     def _hand_off(self) -> None:
         """Ask for a handover of each shard this node leads, to the live nodes below

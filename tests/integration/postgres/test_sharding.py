@@ -19,11 +19,15 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 
 import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict
 
 import rselection as rs
+from tests.support.pg import with_host_port
+from tests.support.proxy import TcpProxy
 from tests.support.resign_cli import cli
 from tests.support.scale_fleet import percentile
 from tests.support.shard_fleet import (
@@ -291,3 +295,47 @@ def test_lead_returns_once_stop_is_called_from_another_thread(pg_dsn: str) -> No
         thread.join(20)
     assert not thread.is_alive() and time.monotonic() - started < 10
     assert leader.owned() == frozenset() and leader.assignment() == {}
+
+
+def test_stop_with_a_timeout_returns_within_it_while_the_database_is_silent(
+    pg_dsn: str, make_tcp_proxy: Callable[[str, int], TcpProxy]
+) -> None:
+    # Before, the hand-off that starts stop() read the shards' holders before the
+    # timeout applied: with a database that stopped answering, stop(timeout=3) took 15 s.
+    params = conninfo_to_dict(pg_dsn)
+    proxy = make_tcp_proxy(str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+    tasks = rs.TaskHandler()
+
+    @tasks.persistent("work")
+    def work(ctx: rs.TaskContext) -> None:
+        ctx.cancelled.wait()
+
+    timings = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
+    silent = rs.PostgresShardedLeader(
+        with_host_port(pg_dsn, proxy.host, proxy.port),
+        tasks,
+        name="silent",
+        shards=4,
+        node_id="behind-the-proxy",
+        heartbeat_interval=0.5,
+        **timings,
+    )
+    other = rs.PostgresShardedLeader(
+        pg_dsn, tasks.copy(), name="silent", shards=4, node_id="direct", **timings
+    )
+    try:
+        silent.start()
+        wait_until(lambda: silent.owned() == {0, 1, 2, 3}, 20, "every shard led")
+        other.start()
+        assert silent.wait_until_balanced(20)
+        proxy.blackhole()  # connections stay open; nothing gets through
+        started = time.monotonic()
+        silent.stop(timeout=3)
+        took = time.monotonic() - started
+        # About 3 s; 15 s before.
+        assert took < 4.5, f"stop(timeout=3) took {took:.1f} s"
+        wait_until(lambda: other.owned() == {0, 1, 2, 3}, 20, "the other node to lead every shard")
+    finally:
+        proxy.heal()
+        other.stop(timeout=10)
+        silent.stop(timeout=5)
