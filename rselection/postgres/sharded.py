@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import sql
 
-from ..errors import BackendUnavailable, ConfigError
+from ..errors import BackendUnavailable, ConfigError, StaleLeaderError
 from ..leader import LeaseLeader
 from ..lease import LeaderInfo
 from ..sharding import (
@@ -50,7 +50,7 @@ from ._conn import Connections
 from ._lease_sql import utc
 from .checkpoint import PostgresCheckpointStore
 from .claims import PostgresClaimer
-from .handover import request_handover
+from .handover import current_holder, request_handover
 from .leader import DEFAULT_CLAIMER, PostgresLeader
 from .schema import DEFAULT_TABLE, NODES_TABLE, table_identifier
 
@@ -59,7 +59,12 @@ if TYPE_CHECKING:
     from ..context import TaskContext
     from ..members import NodeInfo
 
-__all__ = ["PostgresShardedLeader", "Rebalancer", "ShardState"]
+__all__ = ["SHARDS_RECORD", "PostgresShardedLeader", "Rebalancer", "ShardState"]
+
+SHARDS_RECORD = "rselection-shards"
+"""The checkpoint key (``(SHARDS_RECORD, name)``) under which the coordinator records
+the number of shards of a sharded name, fenced by its term: a node built with another
+number refuses to start while that coordinator leads."""
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +168,7 @@ class Rebalancer:
         """Rebalance until the coordinator's term ends."""
         self._memory = _Round()  # a new term starts from the table alone
         leader = self.leader
+        leader._record_shards(ctx.term)
         while ctx.is_live():
             try:
                 self.step()
@@ -439,6 +445,7 @@ class PostgresShardedLeader:
                 conninfo, lease_table=table, create_tables=create_tables
             )
             self._cleanup.append(checkpoint_store.close)
+        self._store = checkpoint_store
         if claimer is DEFAULT_CLAIMER:
             owned = PostgresClaimer(conninfo, node_id=self._node_id, create_tables=create_tables)
             self._cleanup.append(owned.close)
@@ -661,11 +668,47 @@ class PostgresShardedLeader:
         """
         self._start(coordinator=True)
 
+    def _check_shards(self) -> None:
+        """Refuse to start while a coordinator of this name leads with another number of
+        shards: its plan would hand this node shards it never competes for, and they
+        would bounce between it and the others for ever."""
+        try:
+            snapshot = self._store.load((SHARDS_RECORD, self._name))
+            state = snapshot.state if snapshot is not None else None
+            recorded = state.get("shards") if isinstance(state, dict) else None
+            if recorded is None or recorded == self._shards:
+                return
+            holder = current_holder(self.conninfo, self._name, table=self.table)
+        except (BackendUnavailable, ConfigError):
+            return  # nothing readable recorded yet: the coordinator records it when it can
+        if holder is not None and holder.node_id != self._node_id:
+            raise ConfigError(
+                f"the sharded leader {self._name!r} runs with shards={recorded} (its "
+                f"coordinator is node {holder.node_id!r}), but this node was built with "
+                f"shards={self._shards}: every node must use the same number; to change it, "
+                "stop every node, then start them with the new number"
+            )
+
+    def _record_shards(self, term: int) -> None:
+        """The coordinator's record of the number of shards (fenced by its ``term``)."""
+        try:
+            self._store.save(
+                (SHARDS_RECORD, self._name),
+                {"shards": self._shards, "node_id": self._node_id},
+                term=term,
+                name=self._name,
+            )
+        except (BackendUnavailable, StaleLeaderError) as exc:
+            logger.warning(
+                "shards of %r: could not record the number of shards (%s)", self._name, exc
+            )
+
     def _start(self, *, coordinator: bool) -> None:
         """Build and start every shard's leader (and the coordinator's, if asked)."""
         with self._lock:
             if self._started:
                 raise RuntimeError("this leader was already started; create a new one")
+            self._check_shards()
             self._handler.attach()  # registration is closed from now on
             self._started = True
             try:

@@ -26,6 +26,8 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 import rselection as rs
+from rselection.postgres import PostgresCheckpointStore
+from rselection.postgres.sharded import SHARDS_RECORD
 from tests.support.pg import with_host_port
 from tests.support.proxy import TcpProxy
 from tests.support.resign_cli import cli
@@ -265,7 +267,12 @@ def test_each_shard_claims_its_own_fires_and_keeps_its_own_checkpoint(pg_dsn: st
     assert {shard for _, shard, _ in ran} == set(range(4))
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         keys = [k for (k,) in conn.execute("SELECT fire_key FROM rselection_claims")]
-        saved = dict(conn.execute("SELECT key[1], state FROM rselection_checkpoints").fetchall())
+        saved = dict(
+            conn.execute(  # not the coordinator's record of the number of shards
+                "SELECT key[1], state FROM rselection_checkpoints WHERE key[1] <> %s",
+                (SHARDS_RECORD,),
+            ).fetchall()
+        )
     assert {k.split("/tick@")[0] for k in keys} == {f"ticks%2F{shard}" for shard in range(4)}
     # Every run was claimed under its shard's lease name ("ticks/2" -> "ticks%2F2/...").
     assert {f"ticks%2F{shard}/{key}" for _, shard, key in ran} <= set(keys)
@@ -339,3 +346,51 @@ def test_stop_with_a_timeout_returns_within_it_while_the_database_is_silent(
         proxy.heal()
         other.stop(timeout=10)
         silent.stop(timeout=5)
+
+
+def test_a_node_built_with_another_number_of_shards_is_refused_while_the_fleet_runs(
+    pg_dsn: str,
+) -> None:
+    # Before, a node with shards=4 joined a coordinator planning for 8: it was handed
+    # shards it never competes for, and they bounced for ever (led 36 % of the time),
+    # with nothing logged.
+    tasks = rs.TaskHandler()
+
+    @tasks.persistent("work")
+    def work(ctx: rs.TaskContext) -> None:
+        ctx.cancelled.wait()
+
+    timings = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
+    records = PostgresCheckpointStore(pg_dsn)
+
+    def recorded() -> object:
+        snapshot = records.load((SHARDS_RECORD, "mixed"))
+        return None if snapshot is None else snapshot.state
+
+    eight = rs.PostgresShardedLeader(
+        pg_dsn, tasks, name="mixed", shards=8, node_id="eight", **timings
+    )
+    try:
+        eight.start()
+        wait_until(lambda: recorded() is not None, 20, "the number of shards to be recorded")
+        four = rs.PostgresShardedLeader(
+            pg_dsn, tasks.copy(), name="mixed", shards=4, node_id="four", **timings
+        )
+        with pytest.raises(rs.ConfigError, match=r"shards=8 .*shards=4"):
+            four.start()
+        four.stop(timeout=5)
+    finally:
+        eight.stop(timeout=10)
+    # Once the fleet is stopped, it may start again with another number.
+    again = rs.PostgresShardedLeader(
+        pg_dsn, tasks.copy(), name="mixed", shards=4, node_id="four", **timings
+    )
+    try:
+        again.start()
+        wait_until(lambda: again.owned() == {0, 1, 2, 3}, 20, "every shard of four led")
+        wait_until(
+            lambda: recorded() == {"shards": 4, "node_id": "four"}, 20, "the new number recorded"
+        )
+    finally:
+        again.stop(timeout=10)
+        records.close()
