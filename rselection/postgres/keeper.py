@@ -1006,7 +1006,7 @@ class SharedKeeper:
 
         Raises:
             BackendUnavailable: the session broke, or the row stayed locked (the lease
-                then passes on when it expires).
+                then passes on at the latest when it expires).
         """
         self.ensure(lease)
         queued = Queued(lease, node_id, term, give_up_at=clock.monotonic() + LOCK_BOUND)
