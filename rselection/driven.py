@@ -352,10 +352,9 @@ class DrivenKeeper:
                 leader._end_term("error")
                 leader._held_term = None  # not through this backend: the lease expires
                 try:
-                    leader._shutdown()
+                    leader._stop_leading()
                 finally:
-                    self._finished = True
-                    self.done.set()
+                    self._close()
 
             self._work(fatal)
         elif isinstance(exc, Exception):
@@ -397,18 +396,7 @@ class DrivenKeeper:
         if not isinstance(self._lease, NonBlockingRelease):
             self._work(self._leader._stop_leading, then=lambda _: self._work(self._close))
             return
-        self._work(self._end_for_release, then=self._release_soon)
-
-    def _end_for_release(self) -> int | None:
-        """Pool work: end the term and announce it; the term to give back, if any."""
-        leader = self._leader
-        try:
-            leader._end_term("stopped")
-            leader._announce()
-            return leader._releasable()
-        except Exception as exc:
-            leader._stop_failed(exc)
-            return None
+        self._work(self._leader._end_for_release, then=self._release_soon)
 
     def _release_soon(self, held: int | None) -> None:
         """Driver thread: start the release of ``held``, then close."""
@@ -429,10 +417,11 @@ class DrivenKeeper:
         leader = self._leader
         try:
             if outcome is None:
-                self._backend.release(leader.node_id, held)
+                leader._give_back(held)
             elif isinstance(outcome, BaseException):
                 raise outcome
-            leader._observe(None)
+            else:
+                leader._observe(None)
         except Exception as exc:
             leader._stop_failed(exc)
         finally:

@@ -741,8 +741,11 @@ class LeaseLeader:
     def _release(self) -> None:
         """Give the held term back, never before that term's tasks are joined."""
         held = self._releasable()
-        if held is None:
-            return
+        if held is not None:
+            self._give_back(held)
+
+    def _give_back(self, held: int) -> None:
+        """Release ``held`` (its tasks joined, its end announced) through the backend."""
         self._backend.release(self._node_id, held)
         self._observe(None)
 
@@ -776,12 +779,24 @@ class LeaseLeader:
     def _stop_leading(self) -> None:
         """The first half of a shut-down: end the term, announce it, release the lease
         (errors logged: the lease then passes on when it expires)."""
+        held = self._end_for_release()
+        if held is None:
+            return
+        try:
+            self._give_back(held)
+        except Exception as exc:
+            self._stop_failed(exc)
+
+    def _end_for_release(self) -> int | None:
+        """End the term on stop and announce it; the term to give back, if any (errors
+        logged)."""
         try:
             self._end_term("stopped")
             self._announce()
-            self._release()
+            return self._releasable()
         except Exception as exc:
             self._stop_failed(exc)
+            return None
 
     def _stop_failed(self, exc: Exception) -> None:
         """Log what kept a shut-down from releasing (the lease then passes on by itself)."""
