@@ -78,6 +78,7 @@ class DrivenKeeper:
         self._follow_at = 0.0  # a follower's next attempt
         self._renew_after = 0.0  # not before this (a skipped renewal)
         self._pause_until = 0.0  # the backoff after a failed step
+        self._deferred = False  # a wake's attempt waits for _follow_at (a takeover delay)
         self._ending: Term | None = None  # a term the deadline or a stop ended
         self._threads: set[threading.Thread] = set()  # pool threads working for us
         self._threads_lock = threading.Lock()
@@ -190,10 +191,17 @@ class DrivenKeeper:
             return now + _IN_FLIGHT_CHECK
         if leader._hold_until > now:
             return leader._hold_until
-        if self._take_wake():
+        woken = self._take_wake()
+        if woken:
             self._backend.wait_for_change(0)  # raises when the session broke
-        elif now < self._follow_at:
+            if not self._deferred:
+                delay = leader._takeover_delay()
+                if delay > 0:  # another node takes it over first, unless it cannot
+                    self._deferred = True
+                    self._follow_at = now + delay
+        if now < self._follow_at and (not woken or self._deferred):
             return self._follow_at
+        self._deferred = False
         sent = clock.monotonic()
         self._round_trip(
             lambda done: self._lease.acquire_soon(leader.node_id, done),
@@ -211,13 +219,7 @@ class DrivenKeeper:
             else:
                 request = None
         if request is not None:
-
-            def step_down() -> None:
-                leader._end_term(request.reason)
-                leader._release()
-                leader._hold_until = clock.monotonic() + request.hold
-
-            self._work(step_down)
+            self._step_down(request.reason, request.hold)
             return now + _IN_FLIGHT_CHECK
         if self._take_wake():
             self._backend.wait_for_change(0)  # raises when the session broke
@@ -386,46 +388,68 @@ class DrivenKeeper:
         self._backend.connect()
         self._leader._connected = True
 
+    def _step_down(self, reason: str, hold: float) -> None:
+        """End the term (a step-down or a handover asked for), release it as a stop does
+        (no worker waits for the release: many shards handed over at once are released
+        together), then hold off competing for ``hold`` seconds."""
+        leader = self._leader
+
+        def end() -> int | None:
+            leader._end_term(reason)
+            return leader._releasable()
+
+        def after(held: int | None, outcome: ReleaseOutcome) -> None:
+            if held is not None:
+                self._settle_release(held, outcome)  # an error: the keeper's handling
+            leader._hold_until = clock.monotonic() + hold
+
+        self._work(end, then=lambda held: self._release_soon(held, after))
+
     def _shut_down(self) -> None:
         """End the term, release, then close and clean up (membership, claimer, store),
         each a piece of work of its own, so that when many leaders stop at once every
-        release is under way before any leader's clean-ups. A lease that starts a
-        release without blocking (:class:`~rselection.lease.NonBlockingRelease`) is
-        released like a renewal, with no worker waiting for it (leaders stopping
-        together are released in one round trip; a locked row holds up nobody)."""
-        if not isinstance(self._lease, NonBlockingRelease):
-            self._work(self._leader._stop_leading, then=lambda _: self._work(self._close))
-            return
-        self._work(self._leader._end_for_release, then=self._release_soon)
+        release is under way before any leader's clean-ups (see :meth:`_release_soon`)."""
 
-    def _release_soon(self, held: int | None) -> None:
-        """Driver thread: start the release of ``held``, then close."""
-        if held is None:
-            self._work(self._close)
-            return
+        def after(held: int | None, outcome: ReleaseOutcome) -> None:
+            try:
+                if held is not None:
+                    self._settle_release(held, outcome)
+            except Exception as exc:
+                self._leader._stop_failed(exc)
+            finally:
+                self._close()
+
+        self._work(self._leader._end_for_release, then=lambda held: self._release_soon(held, after))
+
+    def _release_soon(
+        self, held: int | None, after: Callable[[int | None, ReleaseOutcome], None]
+    ) -> None:
+        """Driver thread: start the release of ``held`` (if any), then run
+        ``after(held, outcome)`` as pool work. A lease that starts a release without
+        blocking (:class:`~rselection.lease.NonBlockingRelease`) is released like a
+        renewal, with no worker waiting for it (leases released together go in one
+        round trip; a locked row holds up nobody); with any other lease, or when the
+        round trip could not start, ``outcome`` is ``None``: ``after`` releases."""
         lease = self._lease
-        assert isinstance(lease, NonBlockingRelease)
+        if held is None or not isinstance(lease, NonBlockingRelease):
+            self._work(lambda: after(held, None))
+            return
         node_id = self._leader.node_id
         self._round_trip(
             lambda done: lease.release_soon(node_id, held, done),
             lambda: None,  # not started: the blocking release runs on a worker instead
-            lambda outcome: self._work(lambda: self._after_release(held, outcome)),
+            lambda outcome: self._work(lambda: after(held, outcome)),
         )
 
-    def _after_release(self, held: int, outcome: ReleaseOutcome) -> None:
-        """Pool work: the blocking release if the round trip left it undone, then close."""
-        leader = self._leader
-        try:
-            if outcome is None:
-                leader._give_back(held)
-            elif isinstance(outcome, BaseException):
-                raise outcome
-            else:
-                leader._observe(None)
-        except Exception as exc:
-            leader._stop_failed(exc)
-        finally:
-            self._close()
+    def _settle_release(self, held: int, outcome: ReleaseOutcome) -> None:
+        """Pool work: the blocking release if the round trip left it undone (``None``),
+        or what the round trip answered (an exception is raised here)."""
+        if outcome is None:
+            self._leader._give_back(held)
+        elif isinstance(outcome, BaseException):
+            raise outcome
+        else:
+            self._leader._observe(None)
 
     def _close(self) -> None:
         try:

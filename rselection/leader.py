@@ -656,6 +656,12 @@ class LeaseLeader:
             wait = schedule.attempt_slot(now + wait, t.retry_interval / 2) - now
         return wait
 
+    def _takeover_delay(self) -> float:
+        """Seconds a follower woken by a possible change waits before it attempts (the
+        driven keeper asks once per wake); 0: at once. A sharded leader's shard waits
+        when another node is planned to take it over."""
+        return 0.0
+
     def _lead_step(self) -> None:
         term = self._term
         assert term is not None

@@ -4,12 +4,15 @@ Both are pure functions, shared by every backend: :func:`shard_of` maps a user's
 (a tenant, a queue partition) to a shard number the same way in every process, Python
 version and language; :func:`plan_moves` decides which shards a sharded leader's
 coordinator moves, and to which nodes, so that every node owns ``floor(S/N)`` or
-``ceil(S/N)`` shards with as few moves as possible.
+``ceil(S/N)`` shards with as few moves as possible; :func:`takeover_plan` decides which
+node takes each shard over first when its holder dies, so that a dead node's shards are
+spread over the others at once rather than moved twice.
 """
 
 from __future__ import annotations
 
 import hashlib
+import zlib
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -25,6 +28,7 @@ __all__ = [
     "quotas",
     "shard_lease_name",
     "shard_of",
+    "takeover_plan",
 ]
 
 MAX_SHARDS = 4096
@@ -211,3 +215,36 @@ def plan_moves(
                 moves.append(Move(shard, source, node))
                 need[node] -= 1
     return moves if limit is None else moves[: max(0, limit)]
+
+
+def takeover_plan(held: Mapping[str, Collection[int]]) -> dict[int, str]:
+    """For each held shard, the node that takes it over first if its holder dies.
+
+    Each node's shards are spread over the other nodes as the coordinator would balance
+    them: in order, each to the node that then owns the fewest (ties broken by a stable
+    hash of shard and node, so that every process that sees the same holders computes the
+    same plan). A node that is not the planned one waits a little before it competes
+    (see ``docs/explanation/sharding.md``).
+
+    Args:
+        held: the shards each node holds, as this node last saw them (nodes that hold
+            nothing may be listed with an empty collection: they take shards too).
+
+    Returns:
+        The planned taker of every shard in ``held`` (none when there is one node only).
+    """
+    plan: dict[int, str] = {}
+    for holder, shards in held.items():
+        others = {node: len(theirs) for node, theirs in held.items() if node != holder}
+        if not others:
+            continue
+        for shard in sorted(shards):
+            taker = min(others, key=lambda node: (others[node], _tiebreak(shard, node)))
+            plan[shard] = taker
+            others[taker] += 1
+    return plan
+
+
+def _tiebreak(shard: int, node: str) -> int:
+    """A stable pseudo-random order of the nodes for one shard (the same everywhere)."""
+    return zlib.crc32(f"{shard}/{node}".encode())

@@ -373,7 +373,7 @@ STATE_COLUMNS = (
 )
 
 
-def _rows(columns: str, *arrays: tuple[Sequence[Any], str]) -> sql.Composed:
+def rows_sql(columns: str, *arrays: tuple[Sequence[Any], str]) -> sql.Composed:
     """``SELECT`` of ``unnest`` over one array literal per column (``(values, type)``):
     a batch of a thousand rows is a few array literals, not thousands of literals to
     compose every round."""
@@ -387,7 +387,7 @@ def _rows(columns: str, *arrays: tuple[Sequence[Any], str]) -> sql.Composed:
 
 
 def _requests(requests: Sequence[AcquireRequest]) -> sql.Composed:
-    return _rows(
+    return rows_sql(
         "x(name, node, ttl, channel)",
         ([r.name for r in requests], "text"),
         ([r.node_id for r in requests], "text"),
@@ -530,7 +530,7 @@ def renew_batch_sql(
     seconds left of its window, and whether the row was skipped (still held, not
     renewed: try again).
     """
-    values = _rows(
+    values = rows_sql(
         "x(name, node, term, ttl)",
         ([r.name for r in requests], "text"),
         ([r.node_id for r in requests], "text"),
@@ -649,7 +649,7 @@ def release_batch_sql(table: sql.Composable, requests: Sequence[ReleaseRequest])
     ended, its tasks are joined: the session frees it anyway once the term's end is
     recorded, and a follower may then take the lease as soon as the row is free).
     """
-    values = _rows(
+    values = rows_sql(
         "x(name, node, term, channel, lock_key)",
         ([r.name for r in requests], "text"),
         ([r.node_id for r in requests], "text"),

@@ -33,7 +33,7 @@ from ..errors import ConfigError
 from ..lease import HandoverRequest, LeaderInfo
 from ..validation import check_name, check_node_id, check_seconds
 from ._conn import Connections
-from ._lease_sql import lease_channel, resolve_lease_table, utc
+from ._lease_sql import lease_channel, resolve_lease_table, rows_sql, utc
 from .schema import DEFAULT_TABLE, table_identifier
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "current_holder",
     "renewal_request",
     "request_handover",
+    "request_handovers",
 ]
 
 #: The shortest request ``timeout``, seconds (as on Redis, whose expiries are whole
@@ -131,10 +132,7 @@ def _request(
     """The request statement of :func:`request_handover`: the holder's row, or ``None``."""
     _, qualified, handovers = _lease_table(conn, table)
     if not handovers:
-        raise ConfigError(
-            f"lease table {table!r} has schema version 1, without handover requests: "
-            "run `rselection migrate` to upgrade it (rows are kept)"
-        )
+        raise _too_old(table)
     return conn.execute(
         sql.SQL(
             "WITH asked AS ("
@@ -155,6 +153,74 @@ def _request(
             "channel": lease_channel(qualified, name),
         },
     ).fetchone()
+
+
+def request_handovers(
+    conninfo: Any,
+    targets: dict[str, str],
+    *,
+    table: str = DEFAULT_TABLE,
+    timeout: float = 10.0,
+) -> dict[str, LeaderInfo]:
+    """:func:`request_handover` of many leases, each to a node of its own, in one
+    statement; return the holder asked of each lease a request was recorded for.
+
+    A lease nobody holds, or that its target holds already, is left alone (and missing
+    from the answer).
+
+    Args:
+        conninfo: the leases' database: a connection string, a ``psycopg.Connection``
+            or a pool.
+        targets: the node that should take over each lease, by lease name.
+        table: the lease table, optionally schema-qualified.
+        timeout: seconds each request (and its reservation) stays valid (at least 1 ms).
+
+    Raises:
+        ConfigError: the table does not exist or predates handovers, or bad arguments.
+        BackendUnavailable: the database cannot be reached or the statement failed.
+    """
+    names = [check_name(name, "lease name") for name in targets]
+    nodes = [check_node_id(node) for node in targets.values()]
+    timeout = check_seconds(timeout, "timeout", minimum=MIN_TIMEOUT)
+    if not names:
+        return {}
+    with _one_call(conninfo, "request_handover", "record the handover requests") as conn:
+        _, qualified, handovers = _lease_table(conn, table)
+        if not handovers:
+            raise _too_old(table)
+        rows = conn.execute(
+            sql.SQL(
+                "WITH r(name, target, channel) AS ({values}),"
+                " asked AS ("
+                " UPDATE {t} AS t SET resign_term = t.term, resign_from = t.holder,"
+                " resign_to = r.target,"
+                " resign_until = clock_timestamp() + %(timeout)s * interval '1 second'"
+                " FROM r WHERE t.name = r.name AND t.holder IS NOT NULL"
+                " AND t.holder <> r.target AND t.expires_at > clock_timestamp()"
+                " RETURNING t.name, t.holder, t.term, t.acquired_at, t.expires_at,"
+                " r.target, r.channel)"
+                " SELECT name, holder, term, acquired_at, expires_at,"
+                " pg_notify(channel, json_build_object('event', 'resign', 'name', name,"
+                " 'term', term, 'to', target)::text) FROM asked"
+            ).format(
+                t=table_identifier(table),
+                values=rows_sql(
+                    "x(name, target, channel)",
+                    (names, "text"),
+                    (nodes, "text"),
+                    ([lease_channel(qualified, name) for name in names], "text"),
+                ),
+            ),
+            {"timeout": timeout},
+        ).fetchall()
+    return {row[0]: LeaderInfo(row[1], row[2], utc(row[3]), utc(row[4])) for row in rows}
+
+
+def _too_old(table: str) -> ConfigError:
+    return ConfigError(
+        f"lease table {table!r} has schema version 1, without handover requests: "
+        "run `rselection migrate` to upgrade it (rows are kept)"
+    )
 
 
 def cancel_handover(conninfo: Any, name: str, term: int, *, table: str = DEFAULT_TABLE) -> bool:

@@ -345,14 +345,29 @@ class SharedKeeper:
                 self._connect(lease)
             conn = self._conn
             assert conn is not None and self._found is not None
-            if lease.channel is None or lease.lock_key is None:
-                lease.lock_key = lease_lock_key(self._found.oid, lease.name)
-                lease.channel = lease_channel(self._found.qualified, lease.name)
+            # Every client not listening yet, not only this one: leases started together
+            # (a sharded leader's) listen in one round trip, not one each.
             with self._state:
-                listening = lease.channel in self._by_channel
-                self._by_channel.setdefault(lease.channel, set()).add(lease)
-            if not listening:
-                self._run(listen_sql([lease.channel]), "listen for the lease", limit=lease)
+                waiting = {lease} | {
+                    c
+                    for c in self._clients
+                    if c.channel is None or c not in self._by_channel.get(c.channel, ())
+                }
+            for client in waiting:
+                if client.channel is None or client.lock_key is None:
+                    client.lock_key = lease_lock_key(self._found.oid, client.name)
+                    client.channel = lease_channel(self._found.qualified, client.name)
+            new: list[str] = []
+            with self._state:
+                for client in waiting:
+                    if client is not lease and client not in self._clients:
+                        continue  # closed meanwhile
+                    assert client.channel is not None
+                    if client.channel not in self._by_channel and client.channel not in new:
+                        new.append(client.channel)
+                    self._by_channel.setdefault(client.channel, set()).add(client)
+            if new:
+                self._run(listen_sql(new), "listen for the leases", limit=lease)
             if self._want > self._pinned:
                 self._pin(conn)
             return self.generation

@@ -297,6 +297,7 @@ class PostgresLease(Closeable):
         self._generation = 0  # the keeper session our last acquisition went through
         self._held: int | None = None  # the term we hold, while we hold it
         self._node_id: str | None = None  # the node of the last attempt
+        self._death_announced = False  # a keeper session died since the last attempt
         self._wake = threading.Event()  # sticky: interrupt(), a notification, a failure
         # A renewal waiting on the shared session (a round trip of other leases' renewals
         # in flight) waits on this; interrupt() sets it, so the renewal gives up at once.
@@ -346,7 +347,14 @@ class PostgresLease(Closeable):
     def wake(self) -> None:
         """Wake :meth:`wait_for_change` (the shared keeper calls it when a keeper session
         is announced dead, or its own session failed)."""
+        self._death_announced = True
         self._set_wake()
+
+    @property
+    def death_announced(self) -> bool:
+        """True when a keeper session (the holder's, maybe) was announced dead since this
+        lease's last attempt: an attempt now may take the lease over."""
+        return self._death_announced
 
     def notified(self, event: dict[str, Any], *, own_session: bool) -> None:
         """A notification on this lease's channel (the shared keeper calls it): wake
@@ -356,6 +364,11 @@ class PostgresLease(Closeable):
             return
         if event.get("event") == "resign":
             self._handover_hint = True
+            if self._held is None:
+                # Only the holder has something to do: a follower's attempt would find
+                # the row held (and, in a busy fleet, lock it while the holder's release
+                # goes by). The release that follows wakes the followers.
+                return
         self._set_wake()
 
     def renewal_slot(self, due: float, interval: float, after: float) -> float:
@@ -376,6 +389,15 @@ class PostgresLease(Closeable):
         if keeper is None:
             keeper = self._keeper = SharedKeeper.attach(self)
         return keeper
+
+    def join_keeper(self) -> None:
+        """Become a client of the process's shared keeper session, without connecting.
+
+        Leases that join before any of them connects listen for their notifications in
+        one round trip, at the first connect (a sharded leader joins its shards' leases
+        before it starts them). :meth:`connect` joins by itself.
+        """
+        self._shared()
 
     def connect(self) -> None:
         """Join the process's shared keeper session, connecting it when needed.
@@ -509,6 +531,7 @@ class PostgresLease(Closeable):
         self._wake.clear()
         self._handover_hint = False
         self._handover = None
+        self._death_announced = False
         return keeper
 
     def _after_attempt(self, keeper: SharedKeeper, node_id: str, attempt: Attempt) -> Acquisition:
@@ -686,9 +709,10 @@ class PostgresLease(Closeable):
     def wait_for_change(self, timeout: float) -> None:
         """Block up to ``timeout`` seconds or until the holder may have changed.
 
-        Returns early on a notification on :attr:`channel` (a release, an acquisition, a
-        handover request), when a keeper session is announced dead (the holder's, maybe),
-        and on :meth:`interrupt` (also one that came just before the call).
+        Returns early on a notification on :attr:`channel` (a release, an acquisition,
+        and, while this lease holds a term, a handover request), when a keeper session is
+        announced dead (the holder's, maybe), and on :meth:`interrupt` (also one that came
+        just before the call).
 
         Args:
             timeout: seconds to wait at most.

@@ -42,6 +42,7 @@ from ..sharding import (
     plan_moves,
     quotas,
     shard_lease_name,
+    takeover_plan,
 )
 from ..tasks import TaskHandler
 from ..timing import Timings
@@ -50,8 +51,9 @@ from ._conn import Connections
 from ._lease_sql import utc
 from .checkpoint import PostgresCheckpointStore
 from .claims import PostgresClaimer
-from .handover import current_holder, request_handover
+from .handover import current_holder, request_handover, request_handovers
 from .leader import DEFAULT_CLAIMER, PostgresLeader
+from .lease import PostgresLease
 from .schema import DEFAULT_TABLE, NODES_TABLE, table_identifier
 
 if TYPE_CHECKING:
@@ -67,6 +69,16 @@ the number of shards of a sharded name, fenced by its term: a node built with an
 number refuses to start while that coordinator leads."""
 
 logger = logging.getLogger(__name__)
+
+TAKEOVER_WAIT = 0.2
+"""Seconds a node waits, when a keeper session died, before it competes for a shard
+another node is planned to take over (the planned node then takes it first)."""
+
+_PLAN_TTL = 0.2  # seconds a takeover plan is reused (the shards of one death ask at once)
+
+PENDING_POLL = 0.1
+"""Seconds between the coordinator's rounds while moves it asked for are under way (it
+waits ``rebalance_interval`` otherwise)."""
 
 _POLL = 0.05  # seconds between looks of the bounded waits on this node's own state
 
@@ -99,6 +111,25 @@ class _ShardLeader(PostgresLeader):
     def nodes(self) -> list[NodeInfo]:
         """The sharded leader's nodes (see :meth:`PostgresShardedLeader.nodes`)."""
         return self._owner.nodes()
+
+    def _takeover_delay(self) -> float:
+        """When a keeper session died (the holder's, maybe), wait :data:`TAKEOVER_WAIT`
+        unless this node is planned to take the shard over (see
+        :func:`~rselection.sharding.takeover_plan`): a dead node's shards are spread
+        over the others at once, not all taken by the fastest and moved again."""
+        lease = self._backend
+        if not isinstance(lease, PostgresLease) or not lease.death_announced:
+            return 0.0
+        assert self._shard is not None
+        taker = self._owner._takeover_plan().get(self._shard, self.node_id)
+        return 0.0 if taker == self.node_id else TAKEOVER_WAIT
+
+    def _seen_holder(self) -> str | None:
+        """The node that holds this shard, as this node last saw it."""
+        if self.is_leader:
+            return self.node_id
+        seen = self._last_seen
+        return seen[0] if seen is not None else None
 
 
 @dataclass(frozen=True)
@@ -174,7 +205,12 @@ class Rebalancer:
                 self.step()
             except BackendUnavailable as exc:
                 logger.warning("shards of %r: cannot rebalance now (%s)", leader.name, exc)
-            if not ctx.sleep(leader.rebalance_interval):
+            # While moves are under way, look again soon: the next moves of a node wait
+            # for its earlier ones to complete.
+            pause = leader.rebalance_interval
+            if self._memory.pending:
+                pause = min(pause, PENDING_POLL)
+            if not ctx.sleep(pause):
                 return
 
     def suspects(self) -> set[str]:
@@ -226,35 +262,41 @@ class Rebalancer:
         in_flight: dict[str, int] = {}
         for pending in memory.pending.values():
             in_flight[pending.move.source] = in_flight.get(pending.move.source, 0) + 1
-        asked: list[Move] = []
+        chosen: dict[int, Move] = {}
         for move in moves:
             if move.shard in memory.pending or in_flight.get(move.source, 0) >= leader.max_moves:
                 continue
-            info = request_handover(
-                leader.conninfo,
-                shard_lease_name(leader.name, move.shard),
-                table=leader.table,
-                to=move.target,
-                timeout=leader.handover_timeout,
-            )
-            if info is None or info.node_id == move.target:
-                continue  # freed or taken meanwhile: the next round sees it
-            # Asked of whoever holds it now (it may have changed since the read).
-            move = Move(move.shard, info.node_id, move.target)
             in_flight[move.source] = in_flight.get(move.source, 0) + 1
-            logger.info(
-                "shards of %r: moving shard %d from %s to %s",
-                leader.name,
-                move.shard,
-                move.source,
-                move.target,
-            )
-            # The reservation lasts handover_timeout from the request, by the server's
-            # clock; a second more for the target's attempt to land.
-            until = now + timedelta(seconds=leader.handover_timeout + 1.0)
-            memory.pending[move.shard] = _Pending(move, until)
-            memory.moved_away.setdefault(move.source, set()).add(move.shard)
+            chosen[move.shard] = move
+        if not chosen:
+            return []
+        # Every move of the round in one statement (each old owner is woken at once).
+        answers = request_handovers(
+            leader.conninfo,
+            {shard_lease_name(leader.name, k): move.target for k, move in chosen.items()},
+            table=leader.table,
+            timeout=leader.handover_timeout,
+        )
+        # The reservation lasts handover_timeout from the request, by the server's
+        # clock; a second more for the target's attempt to land.
+        until = now + timedelta(seconds=leader.handover_timeout + 1.0)
+        asked: list[Move] = []
+        for shard, move in chosen.items():
+            info = answers.get(shard_lease_name(leader.name, shard))
+            if info is None:
+                continue  # freed, or taken by its target meanwhile: the next round sees it
+            # Asked of whoever holds it now (it may have changed since the read).
+            move = Move(shard, info.node_id, move.target)
+            memory.pending[shard] = _Pending(move, until)
+            memory.moved_away.setdefault(move.source, set()).add(shard)
             asked.append(move)
+        if asked:
+            logger.info(
+                "shards of %r: moving %d shard(s): %s",
+                leader.name,
+                len(asked),
+                ", ".join(f"{m.shard} from {m.source} to {m.target}" for m in asked),
+            )
         return asked
 
     def _track(self, memory: _Round, state: ShardState) -> None:
@@ -497,6 +539,8 @@ class PostgresShardedLeader:
         ).format(leases=table_identifier(table), nodes=table_identifier(nodes_table))
         self._leaders: list[_ShardLeader] = []
         self._lock = threading.Lock()
+        self._plan_lock = threading.Lock()
+        self._plan: tuple[float, dict[int, str]] | None = None  # (when, takeover plan)
         self._started = False
         self._stop_asked = False
         self._stopped = threading.Event()
@@ -703,6 +747,23 @@ class PostgresShardedLeader:
                 "shards of %r: could not record the number of shards (%s)", self._name, exc
             )
 
+    def _takeover_plan(self) -> dict[int, str]:
+        """Who takes each shard over first if its holder dies, from this node's view of
+        the holders (computed at most every ``_PLAN_TTL``: every shard of a dead node
+        asks at the same moment)."""
+        now = time.monotonic()
+        with self._plan_lock:
+            if self._plan is not None and now - self._plan[0] < _PLAN_TTL:
+                return self._plan[1]
+            held: dict[str, list[int]] = {self._node_id: []}
+            for shard, leader in enumerate(self._leaders):
+                holder = leader._seen_holder()
+                if holder is not None:
+                    held.setdefault(holder, []).append(shard)
+            plan = takeover_plan(held)
+            self._plan = (now, plan)
+            return plan
+
     def _start(self, *, coordinator: bool) -> None:
         """Build and start every shard's leader (and the coordinator's, if asked)."""
         with self._lock:
@@ -727,6 +788,10 @@ class PostgresShardedLeader:
             except BaseException:
                 self._handler.detach()
                 raise
+        for leader in self._leaders:
+            # Before any connects: the first connect listens for every shard at once.
+            assert isinstance(leader.lease, PostgresLease)
+            leader.lease.join_keeper()
         if coordinator:
             self._coordinator.start()
         for leader in self._leaders:

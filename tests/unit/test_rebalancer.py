@@ -66,19 +66,24 @@ class Fleet:
             now=self.now,
         )
 
-    def request(self, conninfo: str, name: str, **kw: Any) -> LeaderInfo | None:
-        shard = int(name.rsplit("/", 1)[1])
-        holder = self.holders.get(shard)
-        if holder is None:
-            return None
-        self.asked.append(Move(shard, holder, kw["to"]))
-        return LeaderInfo(holder, 1, self.acquired[shard], self.now)
+    def requests(self, conninfo: str, targets: dict[str, str], **kw: Any) -> dict[str, LeaderInfo]:
+        """What ``request_handovers`` answers: the holder asked of each shard held by
+        another node than its target."""
+        answers = {}
+        for name, target in targets.items():
+            shard = int(name.rsplit("/", 1)[1])
+            holder = self.holders.get(shard)
+            if holder is None or holder == target:
+                continue
+            self.asked.append(Move(shard, holder, target))
+            answers[name] = LeaderInfo(holder, 1, self.acquired[shard], self.now)
+        return answers
 
 
 @pytest.fixture
 def fleet(monkeypatch: pytest.MonkeyPatch) -> Fleet:
     made = Fleet(12)
-    monkeypatch.setattr(sharded, "request_handover", made.request)
+    monkeypatch.setattr(sharded, "request_handovers", made.requests)
     return made
 
 

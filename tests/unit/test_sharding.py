@@ -24,6 +24,7 @@ from rselection.sharding import (
     plan_moves,
     quotas,
     shard_lease_name,
+    takeover_plan,
 )
 
 # Computed once (SHA-256, first 8 bytes big-endian, modulo shards) and written here: a
@@ -258,3 +259,30 @@ def test_status_finds_sharded_names_and_the_shards_each_node_leads() -> None:
     shown = {row[0] for row in rows}
     [found] = sharded_names(rows, shown, lambda name: True)
     assert found == {"name": "pollers", "shards": 3, "unled": [2], "nodes": {"a": [0], "b": [1]}}
+
+
+# ----------------------------------------------------------------- takeover_plan
+
+
+def test_takeover_plan_spreads_each_nodes_shards_over_the_others_in_balance() -> None:
+    held = {"a": list(range(0, 11)), "b": list(range(11, 22)), "c": list(range(22, 32)), "d": []}
+    plan = takeover_plan(held)
+    assert set(plan) == set(range(32))
+    for dead, theirs in held.items():
+        counts = {node: len(shards) for node, shards in held.items() if node != dead}
+        for shard in theirs:
+            assert plan[shard] != dead
+            counts[plan[shard]] += 1
+        # After the takeover the survivors are balanced: no second move is needed.
+        assert max(counts.values()) - min(counts.values()) <= 1, (dead, counts)
+
+
+def test_takeover_plan_is_the_same_whatever_the_order_it_is_given_in() -> None:
+    held = {f"n{i}": list(range(i * 100, i * 100 + 100)) for i in range(6)}
+    reordered = {node: list(reversed(held[node])) for node in reversed(list(held))}
+    assert takeover_plan(held) == takeover_plan(reordered)
+
+
+def test_takeover_plan_has_no_taker_with_one_node() -> None:
+    assert takeover_plan({"a": [0, 1, 2]}) == {}
+    assert takeover_plan({}) == {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,7 +20,12 @@ import pytest
 import rselection as rs
 from rselection.errors import ConfigError
 from rselection.postgres import migrate
-from rselection.postgres.handover import cancel_handover, current_holder, request_handover
+from rselection.postgres.handover import (
+    cancel_handover,
+    current_holder,
+    request_handover,
+    request_handovers,
+)
 from rselection.postgres.leader import PostgresLeader
 from rselection.postgres.lease import PostgresLease
 from rselection.postgres.schema import LEASES_VERSION
@@ -149,6 +155,69 @@ def test_the_handover_functions_take_a_connection_or_a_pool_as_conninfo(
         pool.conn.close()
     with pytest.raises(rs.ConfigError, match="does not exist"):
         current_holder(pg_dsn, "direct", table="nope")
+
+
+def test_a_request_wakes_the_holder_and_no_follower(
+    pg_dsn: str, make_lease: Callable[..., PostgresLease]
+) -> None:
+    # Before, a request woke every follower, which attempted at once only to find the
+    # lease held: in a sharded fleet moving hundreds of shards, those attempts took the
+    # rows' locks while the holders released. Only the release wakes them now.
+    a, b = make_lease(), make_lease()
+    got = a.try_acquire("A")
+    assert got.holder is not None
+    assert not b.try_acquire("B").acquired
+    b.wait_for_change(0.3)  # forget the wake of A's acquisition, if it came late
+    request_handover(pg_dsn, "direct", to="B", timeout=10)
+    started = time.monotonic()
+    a.wait_for_change(10)
+    assert time.monotonic() - started < 5, "the holder was not woken by the request"
+    started = time.monotonic()
+    b.wait_for_change(1.0)
+    assert time.monotonic() - started >= 0.9, "a follower was woken by the request"
+    assert a.renew("A", got.holder.term)
+    assert a.handover_requested() is not None
+    a.release("A", got.holder.term)
+    started = time.monotonic()
+    b.wait_for_change(10)
+    assert time.monotonic() - started < 5, "the follower was not woken by the release"
+    assert b.try_acquire("B").acquired
+
+
+def test_request_handovers_asks_many_leases_in_one_statement(pg_dsn: str) -> None:
+    leases = [
+        PostgresLease(pg_dsn, name=f"many{i}", ttl=10.0, renew_deadline=5.0) for i in range(5)
+    ]
+    try:
+        terms = []
+        for lease in leases[:4]:
+            lease.connect()
+            got = lease.try_acquire("A")
+            assert got.holder is not None
+            terms.append(got.holder.term)
+        asked = request_handovers(
+            pg_dsn,
+            {"many0": "B", "many1": "C", "many2": "A", "many4": "B", "missing": "B"},
+            timeout=10,
+        )
+        # many2's target holds it already, many4 and "missing" are not held.
+        assert sorted(asked) == ["many0", "many1"]
+        assert (asked["many0"].node_id, asked["many0"].term) == ("A", terms[0])
+        assert [lease_row(pg_dsn, f"many{i}")[2:] for i in range(3)] == [  # type: ignore[index]
+            (terms[0], "B"),
+            (terms[1], "C"),
+            (None, None),
+        ]
+        for lease, term, to in zip(leases[:2], terms[:2], ("B", "C"), strict=True):
+            assert lease.renew("A", term)
+            request = lease.handover_requested()
+            assert request is not None and (request.term, request.to) == (term, to)
+        with pytest.raises(rs.ConfigError, match="lease name"):
+            request_handovers(pg_dsn, {"": "B"})
+        assert request_handovers(pg_dsn, {}) == {}
+    finally:
+        for lease in leases:
+            lease.close()
 
 
 # ------------------------------------------------------------- lease_renewed signal
