@@ -32,6 +32,7 @@ from .driver import LeaseDriver
 from .errors import BackendUnavailable, ConfigError
 from .lease import (
     Acquisition,
+    AnnouncesHolder,
     LeaseBackend,
     NonBlockingLease,
     NonBlockingRelease,
@@ -194,6 +195,13 @@ class DrivenKeeper:
         woken = self._take_wake()
         if woken:
             self._backend.wait_for_change(0)  # raises when the session broke
+            lease = self._lease
+            announced = lease.take_announced() if isinstance(lease, AnnouncesHolder) else None
+            if announced is not None:
+                # Only another node's acquisition woke us: follow it without an attempt.
+                if (announced.node_id, announced.term) != leader._last_seen:
+                    self._work(lambda: leader._observe(announced))
+                return max(now, self._follow_at)
             if not self._deferred:
                 delay = leader._takeover_delay()
                 if delay > 0:  # another node takes it over first, unless it cannot
@@ -402,6 +410,10 @@ class DrivenKeeper:
             if held is not None:
                 self._settle_release(held, outcome)  # an error: the keeper's handling
             leader._hold_until = clock.monotonic() + hold
+            if reason == "handover":
+                # Reserved for another node now: an attempt at once would only find it
+                # so. The new holder's acquisition is announced; attempt as a follower.
+                self._follow_at = clock.monotonic() + leader._timings.retry_interval
 
         self._work(end, then=lambda held: self._release_soon(held, after))
 

@@ -18,6 +18,7 @@ from typing import Protocol, runtime_checkable
 from .validation import check_name, check_seconds
 
 __all__ = [
+    "AnnouncesHolder",
     "Acquisition",
     "HandoverRequest",
     "LeaderInfo",
@@ -218,6 +219,20 @@ class NonBlockingLease(Protocol):
         """Call ``waker`` (from any thread, quickly) whenever :meth:`wait_for_change`
         would return early: a notification, a broken session, :meth:`interrupt`.
         ``None`` stops the calls."""
+
+
+@runtime_checkable
+class AnnouncesHolder(Protocol):
+    """A :class:`NonBlockingLease` whose notifications can name a new holder.
+
+    Optional: a follower woken only by another node's acquisition then learns the new
+    holder from the notification (``leader_changed``), with no attempt of its own; in a
+    fleet that moves many leases at once, those attempts would compete for the rows.
+    """
+
+    def take_announced(self) -> LeaderInfo | None:
+        """The holder a notification announced since the last call, when nothing else
+        woke the lease since its last attempt (else ``None``: attempt); forgets it."""
 
 
 ReleaseOutcome = bool | None | BaseException

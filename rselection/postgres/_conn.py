@@ -15,6 +15,7 @@ Postgres modules of this package to use them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import math
@@ -118,11 +119,18 @@ def server_user_timeout(hold: float) -> int:
     return server_keepalives(hold).total * 1000
 
 
-def _params(conninfo: str) -> dict[str, Any]:
+@functools.lru_cache(maxsize=64)
+def _parsed(conninfo: str) -> tuple[tuple[str, Any], ...] | None:
+    """``conninfo_to_dict``, once per string (a sharded leader builds thousands of objects
+    on one); ``None`` when it cannot be parsed."""
     try:
-        return dict(conninfo_to_dict(conninfo))
+        return tuple(conninfo_to_dict(conninfo).items())
     except psycopg.Error:
-        return {}
+        return None
+
+
+def _params(conninfo: str) -> dict[str, Any]:
+    return dict(_parsed(conninfo) or ())
 
 
 def check_conninfo(conninfo: str) -> None:
@@ -135,13 +143,11 @@ def check_conninfo(conninfo: str) -> None:
     """
     if not isinstance(conninfo, str):
         raise ConfigError(f"conninfo must be a str, got {type(conninfo).__name__}")
-    try:
-        conninfo_to_dict(conninfo)
-    except psycopg.Error:
+    if _parsed(conninfo) is None:
         raise ConfigError(
             "the connection string cannot be parsed; write it as 'host=... port=... "
             "dbname=... user=...' or 'postgresql://user@host:port/dbname'"
-        ) from None
+        )
 
 
 def describe_conninfo(conninfo: str) -> str:

@@ -104,7 +104,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-GATHER = 0.01
+GATHER = 0.002
 """Seconds the keeper waits, before sending a batch, for more of its clients' renewals
 or attempts that are due at the same moment (only when it has several clients)."""
 

@@ -167,6 +167,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -298,6 +299,8 @@ class PostgresLease(Closeable):
         self._held: int | None = None  # the term we hold, while we hold it
         self._node_id: str | None = None  # the node of the last attempt
         self._death_announced = False  # a keeper session died since the last attempt
+        self._announced: LeaderInfo | None = None  # a new holder a notification named
+        self._must_attempt = False  # a wake since the last attempt that needs one
         self._wake = threading.Event()  # sticky: interrupt(), a notification, a failure
         # A renewal waiting on the shared session (a round trip of other leases' renewals
         # in flight) waits on this; interrupt() sets it, so the renewal gives up at once.
@@ -362,13 +365,26 @@ class PostgresLease(Closeable):
         release through the shared session."""
         if own_session and event.get("node_id") == self._node_id:
             return
-        if event.get("event") == "resign":
-            self._handover_hint = True
-            if self._held is None:
-                # Only the holder has something to do: a follower's attempt would find
-                # the row held (and, in a busy fleet, lock it while the holder's release
-                # goes by). The release that follows wakes the followers.
+        kind = event.get("event")
+        if kind == "acquired":
+            holder = _announced_holder(event)
+            if holder is not None:
+                self._announced = holder
+                self._set_wake(attempt=False)
                 return
+        elif kind == "resign":
+            self._handover_hint = True
+            if self._held is not None:
+                self._set_wake(attempt=False)  # the holder renews at once to see it
+            # Only the holder has something to do: a follower's attempt would find the
+            # row held (and, in a busy fleet, lock it while the holder's release goes
+            # by). The release that follows wakes the followers.
+            return
+        elif kind == "released" and event.get("to") not in (None, self._node_id):
+            # Reserved for another node by a handover: only that one may take it now.
+            # Should it not, the others find the lease free at their next attempt (or
+            # at once if its keeper session dies).
+            return
         self._set_wake()
 
     def renewal_slot(self, due: float, interval: float, after: float) -> float:
@@ -532,6 +548,7 @@ class PostgresLease(Closeable):
         self._handover_hint = False
         self._handover = None
         self._death_announced = False
+        self._must_attempt = False
         return keeper
 
     def _after_attempt(self, keeper: SharedKeeper, node_id: str, attempt: Attempt) -> Acquisition:
@@ -616,6 +633,7 @@ class PostgresLease(Closeable):
         keeper = self._shared()
         self._handover_hint = False
         self._handover = None
+        self._must_attempt = False  # a wake while leading is answered by the renewal
         return keeper
 
     def _after_renewal(self, node_id: str, term: int, row: tuple[Any, ...] | None) -> bool:
@@ -632,7 +650,16 @@ class PostgresLease(Closeable):
         if waker is not None and self._wake.is_set():
             waker()
 
-    def _set_wake(self) -> None:
+    def take_announced(self) -> LeaderInfo | None:
+        """The holder an acquisition's notification announced since the last call, when
+        nothing else woke this lease since its last attempt (see
+        :class:`~rselection.lease.AnnouncesHolder`); forgets it."""
+        announced, self._announced = self._announced, None
+        return None if self._must_attempt else announced
+
+    def _set_wake(self, *, attempt: bool = True) -> None:
+        if attempt:
+            self._must_attempt = True
         self._wake.set()
         waker = self._waker
         if waker is not None:
@@ -759,3 +786,23 @@ class PostgresLease(Closeable):
         if keeper is not None:
             keeper.detach(self)
         self._observer.close()
+
+
+def _announced_holder(event: dict[str, Any]) -> LeaderInfo | None:
+    """The holder an ``acquired`` notification names, or ``None`` when it does not say
+    enough (a notification of an older release of the library)."""
+    node, term = event.get("node_id"), event.get("term")
+    acquired_at, expires_at = event.get("acquired_at"), event.get("expires_at")
+    if not (isinstance(node, str) and isinstance(term, int)):
+        return None
+    if not (isinstance(acquired_at, str) and isinstance(expires_at, str)):
+        return None
+    try:
+        return LeaderInfo(
+            node,
+            term,
+            utc(datetime.fromisoformat(acquired_at)),
+            utc(datetime.fromisoformat(expires_at)),
+        )
+    except ValueError:
+        return None

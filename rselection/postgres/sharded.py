@@ -24,6 +24,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
@@ -257,16 +258,21 @@ class Rebalancer:
             planned[shard] = pending.move.target
         recent = {shard: info.acquired_at.timestamp() for shard, info in state.holders.items()}
         moves = plan_moves(leader.shards, planned, members, targets=targets, recent=recent)
-        # Each old owner cancels, joins and releases what it gives: bound that work per
-        # node, not across the fleet, so that a join is served by every owner at once.
-        in_flight: dict[str, int] = {}
+        # Each old owner cancels, joins and releases what it gives, and each new owner
+        # takes and begins what it gets: bound that work per node, not across the
+        # fleet, so that a join is served by every owner at once, each move promptly.
+        busy: Counter[str] = Counter()
         for pending in memory.pending.values():
-            in_flight[pending.move.source] = in_flight.get(pending.move.source, 0) + 1
+            busy[pending.move.source] += 1
+            busy[pending.move.target] += 1
         chosen: dict[int, Move] = {}
         for move in moves:
-            if move.shard in memory.pending or in_flight.get(move.source, 0) >= leader.max_moves:
+            if move.shard in memory.pending:
                 continue
-            in_flight[move.source] = in_flight.get(move.source, 0) + 1
+            if max(busy[move.source], busy[move.target]) >= leader.max_moves:
+                continue
+            busy[move.source] += 1
+            busy[move.target] += 1
             chosen[move.shard] = move
         if not chosen:
             return []

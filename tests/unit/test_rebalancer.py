@@ -6,6 +6,7 @@ the rebalancer asks for instead of sending them; the clock is the reads' server 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -174,3 +175,65 @@ def test_a_paused_node_gets_a_share_again_once_it_heartbeats_and_settles(
     assert run(fleet, rebalancer, "a", "b") == []
     moves = run(fleet, rebalancer, "a", "b")
     assert len(moves) == 6 and {m.target for m in moves} == {"b"}
+
+
+def test_moves_in_flight_are_bounded_per_target_as_well_as_per_source(fleet: Fleet) -> None:
+    # Before, only each old owner was bounded: three owners gave a joining node 3 x
+    # max_moves shards at once, and its attempts and beginnings queued (handovers of
+    # 1,024 shards took up to 200 ms each instead of about 50).
+    fleet.max_moves = 2
+    rebalancer = Rebalancer(fleet)  # type: ignore[arg-type]
+    for node in ("a", "b", "c"):
+        fleet.join(node)
+    fleet.take("a", 0, 1, 2, 3)
+    fleet.take("b", 4, 5, 6, 7)
+    fleet.take("c", 8, 9, 10, 11)
+    assert run(fleet, rebalancer, "a", "b", "c") == []
+    fleet.join("d")
+    assert run(fleet, rebalancer, "a", "b", "c") == []  # not proven yet
+    first = run(fleet, rebalancer, "a", "b", "c", "d")
+    assert len(first) == 2 and {m.target for m in first} == {"d"}
+    assert run(fleet, rebalancer, "a", "b", "c", "d") == []  # both still in flight
+    apply(fleet, first)
+    second = run(fleet, rebalancer, "a", "b", "c", "d")
+    assert len(second) == 1 and second[0].target == "d"  # 3 each: one more to go
+
+
+class Ctx:
+    """The coordinator's task context: live for ``rounds`` sleeps, which it records;
+    each sleep is a heartbeat interval of the fleet (``between()``)."""
+
+    def __init__(self, rounds: int, between: Callable[[], None]) -> None:
+        self.term = 1
+        self.rounds = rounds
+        self.between = between
+        self.sleeps: list[float] = []
+
+    def is_live(self) -> bool:
+        return len(self.sleeps) < self.rounds
+
+    def sleep(self, seconds: float) -> bool:
+        self.sleeps.append(seconds)
+        self.between()
+        return self.is_live()
+
+
+def test_the_coordinator_looks_again_soon_while_moves_are_under_way(fleet: Fleet) -> None:
+    # Before, it waited rebalance_interval between rounds whatever was in flight: each
+    # node's next moves waited up to half a second after its earlier ones completed.
+    fleet.rebalance_interval = 0.5
+    fleet._record_shards = lambda term: None  # type: ignore[attr-defined]
+    for node in ("a", "b"):
+        fleet.join(node)
+    fleet.take("a", *range(12))
+
+    def beat() -> None:
+        fleet.tick(1.0)
+        fleet.beat("a", "b")
+
+    ctx = Ctx(rounds=4, between=beat)
+    Rebalancer(fleet)(ctx)  # type: ignore[arg-type]
+    # Round 1: b not proven yet, nothing asked; round 2: 6 moves asked; rounds 3 and 4:
+    # still in flight (b never takes them here).
+    assert len(fleet.asked) == 6
+    assert ctx.sleeps == [0.5, sharded.PENDING_POLL, sharded.PENDING_POLL, sharded.PENDING_POLL]

@@ -184,6 +184,57 @@ def test_a_request_wakes_the_holder_and_no_follower(
     assert b.try_acquire("B").acquired
 
 
+def test_a_handover_costs_the_other_nodes_no_attempt_and_they_learn_the_new_leader(
+    pg_dsn: str,
+) -> None:
+    # Before, the request, the release and the new holder's acquisition each woke every
+    # follower, which attempted at once, and the old holder attempted just after its
+    # release: in a sharded fleet moving hundreds of shards, those attempts took the
+    # rows' locks and the servers' time while the target attempted. Now the target alone
+    # attempts; the others learn the new holder from its acquisition's notification.
+    timings = {"ttl": 10.0, "renew_interval": 1.0, "renew_deadline": 5.0, "retry_interval": 5.0}
+    seen: dict[str, list[str | None]] = {"a": [], "b": []}
+
+    def on_changed(sender: Any, **kw: Any) -> None:
+        node = getattr(sender, "node_id", None)
+        if node in seen:
+            seen[node].append(kw["leader"].node_id if kw["leader"] is not None else None)
+
+    rs.signals.leader_changed.connect(on_changed, weak=False)
+    leaders = []
+    try:
+        for node in ("a", "b", "c"):
+            leader = PostgresLeader(
+                pg_dsn, rs.TaskHandler(), name="quiet", node_id=node, claimer=None, **timings
+            )
+            leader.start()
+            leaders.append(leader)
+            if node == "a":
+                assert leader.wait_until_leader(10)
+        a, b, c = leaders
+        wait_until(lambda: seen["b"][-1:] == ["a"], 10, "b to follow a")
+        attempts: dict[str, int] = {"a": 0, "b": 0}
+        for leader in (a, b):
+            lease = leader.lease
+            assert isinstance(lease, PostgresLease)
+
+            def counted(node_id: str, done: Any, lease: PostgresLease = lease) -> Any:
+                attempts[node_id] += 1
+                return PostgresLease.acquire_soon(lease, node_id, done)
+
+            lease.acquire_soon = counted  # type: ignore[method-assign]
+        request_handover(pg_dsn, "quiet", to="c", timeout=10)
+        wait_until(lambda: c.is_leader, 10, "c to lead")
+        wait_until(
+            lambda: seen["b"][-1:] == ["c"] and seen["a"][-1:] == ["c"], 5, "a and b to see c"
+        )
+        assert attempts == {"a": 0, "b": 0}
+    finally:
+        rs.signals.leader_changed.disconnect(on_changed)
+        for leader in leaders:
+            leader.stop()
+
+
 def test_request_handovers_asks_many_leases_in_one_statement(pg_dsn: str) -> None:
     leases = [
         PostgresLease(pg_dsn, name=f"many{i}", ttl=10.0, renew_deadline=5.0) for i in range(5)
