@@ -28,7 +28,7 @@ Measured, for each:
 Usage::
 
     python bench/shards.py [--sizes 16,256,1024] [--nodes 2,4,8] [--window 10]
-                           [--max-leaders 6144] [--dsn DSN] [--no-baseline]
+                           [--max-leaders 10000] [--dsn DSN] [--no-baseline]
 
 Configurations with more than ``--max-leaders`` leaders in all (S x (N + 1), the joining
 node included) are skipped. Library timings are the defaults (ttl 15 s,
@@ -179,10 +179,12 @@ def sharded(server: str, dsn: str, shards: int, nodes: int, window: float) -> di
             if e["event"] == "elected" and e["mono"] > killed and e["shard"] in theirs:
                 firsts.setdefault(e["shard"], e["mono"] - killed)
         out["failover"] = pct(list(firsts.values()))
+        out["failover_p95"] = percentile(list(firsts.values()), 95)
         out["rebalance"] = wait(lambda: is_balanced(dsn, name, shards, rest), 60, "rebalance")
         time.sleep(2.0)
         moved = sum(1 for e in fleet.events() if e["event"] == "elected" and e["mono"] > killed)
         out["moves_leave"] = f"{moved} (min {len(theirs)})"
+        out["extra_on_crash"] = moved - len(theirs)
 
         joined = time.monotonic()
         fleet.add("joiner").ready(120)
@@ -193,6 +195,7 @@ def sharded(server: str, dsn: str, shards: int, nodes: int, window: float) -> di
         events = fleet.events()
         moves = [e for e in events if e["event"] == "elected" and e["mono"] > joined]
         out["moves_join"] = f"{len(moves)} (min {shards // len(after)})"
+        out["extra_on_join"] = len(moves) - shards // len(after)
         gaps = []
         for e in moves:
             released = [
@@ -205,7 +208,32 @@ def sharded(server: str, dsn: str, shards: int, nodes: int, window: float) -> di
             if released:
                 gaps.append(e["mono"] - max(released))
         out["handover"] = pct(gaps)
+        out["handover_p95"] = percentile(gaps, 95) if gaps else float("inf")
     return out
+
+
+#: The issue's targets for a sharded fleet: (what, the result's key, bound, unit).
+TARGETS = (
+    ("crash failover p95", "failover_p95", 1.0, "s"),
+    ("join at its share", "join", 5.0, "s"),
+    ("handover p95", "handover_p95", 0.1, "s"),
+    ("moves on crash beyond the dead node's shards", "extra_on_crash", 0, ""),
+    ("moves on join beyond the new node's share", "extra_on_join", 0, ""),
+    ("sessions per process", "sessions", 3, ""),
+)
+
+
+def verdicts(results: list[tuple[int, int, dict[str, Any]]]) -> list[str]:
+    """One line per sharded configuration and target: the figure against its bound."""
+    lines = []
+    for shards, nodes, r in results:
+        for what, key, bound, unit in TARGETS:
+            value = r[key]
+            shown = f"{value * 1000:.0f} ms" if unit == "s" and value < 1 else f"{value:g}{unit}"
+            limit = f"{bound * 1000:.0f} ms" if unit == "s" and bound < 1 else f"{bound:g}{unit}"
+            verdict = "PASS" if value <= bound else "FAIL"
+            lines.append(f"S={shards} N={nodes}: {what}: {shown} (bound {limit}) {verdict}")
+    return lines
 
 
 def baseline(server: str, dsn: str, shards: int, nodes: int, window: float) -> dict[str, Any]:
@@ -281,7 +309,7 @@ def main() -> int:
     parser.add_argument("--sizes", default="16,256,1024")
     parser.add_argument("--nodes", default="2,4,8")
     parser.add_argument("--window", type=float, default=10.0)
-    parser.add_argument("--max-leaders", type=int, default=6144)
+    parser.add_argument("--max-leaders", type=int, default=10000)
     parser.add_argument("--dsn", default=DEFAULT_DSN, help="a server (any database on it)")
     parser.add_argument("--no-baseline", action="store_true")
     args = parser.parse_args()
@@ -302,6 +330,7 @@ def main() -> int:
             "handover p50/p95/max",
         ),
     ]
+    results: list[tuple[int, int, dict[str, Any]]] = []
     for shards in (int(s) for s in args.sizes.split(",")):
         for nodes in (int(n) for n in args.nodes.split(",")):
             if shards * (nodes + 1) > args.max_leaders:
@@ -333,12 +362,20 @@ def main() -> int:
                 )
                 print("  " + " | ".join(row), flush=True)
                 rows.append(row)
+                if kind == "sharded":
+                    results.append((shards, nodes, r))
     print()
     print("| " + " | ".join(rows[0]) + " |")
     print("|" + " --- |" * len(rows[0]))
     for row in rows[1:]:
         print("| " + " | ".join(row) + " |")
-    return 0
+    lines = verdicts(results)
+    if lines:
+        print()
+        print("Targets of the sharded fleet:")
+        for line in lines:
+            print("  " + line)
+    return 1 if any(line.endswith("FAIL") for line in lines) else 0
 
 
 if __name__ == "__main__":

@@ -198,8 +198,10 @@ class DrivenKeeper:
             lease = self._lease
             announced = lease.take_announced() if isinstance(lease, AnnouncesHolder) else None
             if announced is not None:
-                # Only another node's acquisition woke us: follow it without an attempt.
-                if (announced.node_id, announced.term) != leader._last_seen:
+                # Only another node's acquisition woke us: follow it without an attempt
+                # (unless an attempt already saw as new a term, or a newer one).
+                seen = leader._last_seen
+                if seen is None or announced.term > seen[1]:
                     self._work(lambda: leader._observe(announced))
                 return max(now, self._follow_at)
             if not self._deferred:

@@ -373,6 +373,7 @@ STATE_COLUMNS = (
     "reserved",
     "protocol",
     "takeable",
+    "holder_pid",
 )
 
 
@@ -433,7 +434,7 @@ def states_sql(
         " t.resign_until - clock_timestamp()))::float8 ELSE 0::float8 END,"
         " CASE WHEN {same} AND " + LOCK_HELD + " AND NOT " + RING_HELD + " THEN 1"
         " ELSE t.protocol END,"
-        " ({free} AND {open})"
+        " ({free} AND {open}), t.holder_pid"
         " FROM {t} AS t JOIN ({req}) AS r(name, node, ttl, channel) ON r.name = t.name"
     ).format(
         t=table,
@@ -495,7 +496,7 @@ def acquire_batch_sql(
         " pg_advisory_lock(taken.lock_key, (taken.term % 2147483648)::integer),"
         " pg_notify(taken.channel, json_build_object('event', 'acquired', 'name', taken.name,"
         " 'node_id', taken.node, 'term', taken.term, 'acquired_at', taken.acquired_at,"
-        " 'expires_at', taken.expires_at)::text)"
+        " 'expires_at', taken.expires_at, 'holder_pid', pg_backend_pid())::text)"
         " FROM taken; {states}"
     ).format(
         insert=insert,

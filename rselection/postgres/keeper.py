@@ -1280,8 +1280,13 @@ class SharedKeeper:
                 if self._ring is not None:
                     self._ring.ring_changed(int(pid))
                 return
-            for client in clients:  # "down": a keeper died; followers attempt at once
-                client.wake()
+            # "down": a keeper died; the followers of its leases attempt at once.
+            dead = int(pid) if kind == "down" and pid.isdigit() else None
+            for client in clients:
+                if dead is None:
+                    client.wake()
+                else:
+                    client.holder_died(dead)
             return
         event: dict[str, Any] = {}
         with contextlib.suppress(ValueError):

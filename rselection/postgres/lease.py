@@ -300,6 +300,7 @@ class PostgresLease(Closeable):
         self._node_id: str | None = None  # the node of the last attempt
         self._death_announced = False  # a keeper session died since the last attempt
         self._announced: LeaderInfo | None = None  # a new holder a notification named
+        self._holder_pid: int | None = None  # the holder's keeper session, as last seen
         self._must_attempt = False  # a wake since the last attempt that needs one
         self._wake = threading.Event()  # sticky: interrupt(), a notification, a failure
         # A renewal waiting on the shared session (a round trip of other leases' renewals
@@ -348,10 +349,19 @@ class PostgresLease(Closeable):
         return self._keeper
 
     def wake(self) -> None:
-        """Wake :meth:`wait_for_change` (the shared keeper calls it when a keeper session
-        is announced dead, or its own session failed)."""
+        """Wake :meth:`wait_for_change` (the shared keeper calls it when its own session
+        failed, or a keeper session it cannot tell is announced dead)."""
         self._death_announced = True
         self._set_wake()
+
+    def holder_died(self, pid: int) -> None:
+        """A keeper session (backend ``pid``) was announced dead: wake
+        :meth:`wait_for_change` unless this lease's holder, as last seen, has another
+        session (its lease is not the dead one's: an attempt would only find it held)."""
+        known = self._holder_pid
+        if known is not None and known != pid:
+            return
+        self.wake()
 
     @property
     def death_announced(self) -> bool:
@@ -368,9 +378,18 @@ class PostgresLease(Closeable):
         kind = event.get("event")
         if kind == "acquired":
             holder = _announced_holder(event)
+            pid = event.get("holder_pid")
+            self._holder_pid = pid if isinstance(pid, int) else None
             if holder is not None:
                 self._announced = holder
                 self._set_wake(attempt=False)
+                return
+        elif kind == "released":
+            self._holder_pid = None
+            if event.get("to") not in (None, self._node_id):
+                # Reserved for another node by a handover: only that one may take it
+                # now. Should it not, the others find the lease free at their next
+                # attempt (or at once if its keeper session dies).
                 return
         elif kind == "resign":
             self._handover_hint = True
@@ -379,11 +398,6 @@ class PostgresLease(Closeable):
             # Only the holder has something to do: a follower's attempt would find the
             # row held (and, in a busy fleet, lock it while the holder's release goes
             # by). The release that follows wakes the followers.
-            return
-        elif kind == "released" and event.get("to") not in (None, self._node_id):
-            # Reserved for another node by a handover: only that one may take it now.
-            # Should it not, the others find the lease free at their next attempt (or
-            # at once if its keeper session dies).
             return
         self._set_wake()
 
@@ -455,10 +469,14 @@ class PostgresLease(Closeable):
 
     def _acquisition(self, row: tuple[Any, ...] | None, acquired: bool) -> Acquisition:
         if row is None or row[1] is None:
+            self._holder_pid = None
             # A free lease reserved for another node: expires_in says for how long.
             reserved = float(row[8]) if row is not None and not acquired else 0.0
             return Acquisition(acquired, None, max(0.0, reserved))
-        _, holder, term, _, acquired_at, expires_at, expires_in, lock_held, _, protocol, free = row
+        _, holder, term, _, acquired_at, expires_at, expires_in, lock_held, _, protocol, free = row[
+            :11
+        ]
+        self._holder_pid = row[11]
         info = LeaderInfo(holder, term, utc(acquired_at), utc(expires_at))
         if not acquired and protocol != LEASE_PROTOCOL and (lock_held or expires_in > 0):
             raise ConfigError(

@@ -140,3 +140,24 @@ class NonBlockingMemoryLease:
             done(outcome)
 
         self._answerer.put(run)
+
+
+class AnnouncingMemoryLease(NonBlockingMemoryLease):
+    """A view whose test can announce a holder, as a Postgres lease's acquisition
+    notification does (:class:`~rselection.lease.AnnouncesHolder`)."""
+
+    def __init__(self, shared: WakingMemoryLease, answerer: Answerer) -> None:
+        super().__init__(shared, answerer)
+        self._announced: LeaderInfo | None = None
+
+    def announce(self, holder: LeaderInfo) -> None:
+        """Announce ``holder`` and wake the leader (nothing else woke it)."""
+        self._announced = holder
+        with self.shared._cond:
+            waker = self.shared.wakers.get(self)
+        if waker is not None:
+            waker()
+
+    def take_announced(self) -> LeaderInfo | None:
+        announced, self._announced = self._announced, None
+        return announced

@@ -22,7 +22,12 @@ from rselection import signals
 from rselection.errors import BackendUnavailable
 from rselection.leader import LeaseLeader
 from rselection.timing import Timings
-from tests.support.nonblocking_lease import Answerer, NonBlockingMemoryLease, WakingMemoryLease
+from tests.support.nonblocking_lease import (
+    AnnouncingMemoryLease,
+    Answerer,
+    NonBlockingMemoryLease,
+    WakingMemoryLease,
+)
 from tests.support.waiting import wait_until
 
 # ttl 3 s, deadline 1 s: a renewal may be late by up to 2 s before the lease expires.
@@ -255,4 +260,38 @@ def test_receivers_that_block_in_many_leaders_never_hold_up_another_leader(
         assert time.monotonic() - began < 4.0
     finally:
         letting_go.set()
+        signals.leader_changed.disconnect(on_changed)
+
+
+def test_a_follower_follows_an_announced_holder_and_never_an_older_term(
+    answerer: Answerer, made: list[LeaseLeader]
+) -> None:
+    # An announcement (a Postgres acquisition's notification) that arrives after an
+    # attempt already saw a newer term must not make leader_changed go back in time.
+    shared = WakingMemoryLease("ann", ttl=FAST.ttl)
+    view = AnnouncingMemoryLease(shared, answerer)
+    seen: list[tuple[str, int]] = []
+
+    def on_changed(sender: Any, **kw: Any) -> None:
+        if sender is follower and kw["leader"] is not None:
+            seen.append((kw["leader"].node_id, kw["leader"].term))
+
+    signals.leader_changed.connect(on_changed)
+    try:
+        holder = make(made, NonBlockingMemoryLease(shared, answerer), node_id="a")
+        holder.start()
+        assert holder.wait_until_leader(5)
+        follower = make(made, view, node_id="b")
+        follower.start()
+        wait_until(lambda: seen[-1:] == [("a", 1)], 5, "b to see a")
+        now = shared.current()
+        assert now is not None
+        view.announce(rs.LeaderInfo("c", 7, now.acquired_at, now.expires_at))
+        wait_until(lambda: seen[-1:] == [("c", 7)], 5, "b to follow the announced holder")
+        view.announce(rs.LeaderInfo("d", 5, now.acquired_at, now.expires_at))
+        wait_until(lambda: view._announced is None, 5, "b to take the stale announcement")
+        view.announce(rs.LeaderInfo("e", 9, now.acquired_at, now.expires_at))
+        wait_until(lambda: seen[-1:] == [("e", 9)], 5, "b to follow the next holder")
+        assert ("d", 5) not in seen, seen
+    finally:
         signals.leader_changed.disconnect(on_changed)
