@@ -223,14 +223,19 @@ TARGETS = (
 )
 
 
+def _figure(value: float, unit: str) -> str:
+    if unit != "s":
+        return f"{value:g}"
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+
+
 def verdicts(results: list[tuple[int, int, dict[str, Any]]]) -> list[str]:
     """One line per sharded configuration and target: the figure against its bound."""
     lines = []
     for shards, nodes, r in results:
         for what, key, bound, unit in TARGETS:
             value = r[key]
-            shown = f"{value * 1000:.0f} ms" if unit == "s" and value < 1 else f"{value:g}{unit}"
-            limit = f"{bound * 1000:.0f} ms" if unit == "s" and bound < 1 else f"{bound:g}{unit}"
+            shown, limit = (_figure(value, unit), _figure(bound, unit))
             verdict = "PASS" if value <= bound else "FAIL"
             lines.append(f"S={shards} N={nodes}: {what}: {shown} (bound {limit}) {verdict}")
     return lines
