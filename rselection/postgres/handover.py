@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import psycopg
@@ -157,7 +157,7 @@ def _request(
 
 def request_handovers(
     conninfo: Any,
-    targets: dict[str, str],
+    targets: Mapping[str, str],
     *,
     table: str = DEFAULT_TABLE,
     timeout: float = 10.0,
@@ -179,6 +179,8 @@ def request_handovers(
         ConfigError: the table does not exist or predates handovers, or bad arguments.
         BackendUnavailable: the database cannot be reached or the statement failed.
     """
+    if not isinstance(targets, Mapping):
+        raise ConfigError(f"targets must map lease names to node ids, got {type(targets).__name__}")
     names = [check_name(name, "lease name") for name in targets]
     nodes = [check_node_id(node) for node in targets.values()]
     timeout = check_seconds(timeout, "timeout", minimum=MIN_TIMEOUT)

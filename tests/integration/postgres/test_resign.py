@@ -265,6 +265,8 @@ def test_request_handovers_asks_many_leases_in_one_statement(pg_dsn: str) -> Non
             assert request is not None and (request.term, request.to) == (term, to)
         with pytest.raises(rs.ConfigError, match="lease name"):
             request_handovers(pg_dsn, {"": "B"})
+        with pytest.raises(rs.ConfigError, match="map lease names"):
+            request_handovers(pg_dsn, [("many0", "B")])  # type: ignore[arg-type]
         assert request_handovers(pg_dsn, {}) == {}
     finally:
         for lease in leases:
