@@ -196,7 +196,11 @@ class DrivenKeeper:
         if woken:
             self._backend.wait_for_change(0)  # raises when the session broke
             lease = self._lease
-            announced = lease.take_announced() if isinstance(lease, AnnouncesHolder) else None
+            announced = (
+                lease.take_announced()
+                if leader._follows_announcements and isinstance(lease, AnnouncesHolder)
+                else None
+            )
             if announced is not None:
                 # Only another node's acquisition woke us: follow it without an attempt
                 # (unless an attempt already saw as new a term, or a newer one).

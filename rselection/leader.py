@@ -656,6 +656,15 @@ class LeaseLeader:
             wait = schedule.attempt_slot(now + wait, t.retry_interval / 2) - now
         return wait
 
+    #: Whether a follower woken only by another node's acquisition follows the holder
+    #: its notification announces instead of attempting (see
+    #: :class:`~rselection.lease.AnnouncesHolder`). On for a sharded leader's shards,
+    #: whose moves would otherwise cost every node an attempt each; off elsewhere: with a
+    #: thousand leases per process it left the followers' attempts out of step with the
+    #: keeper's attempt slots (measured: 18 statements per second per idle follower
+    #: against 7, and a graceful handover of 1,000 leases 40 % slower).
+    _follows_announcements = False
+
     def _takeover_delay(self) -> float:
         """Seconds a follower woken by a possible change waits before it attempts (the
         driven keeper asks once per wake); 0: at once. A sharded leader's shard waits

@@ -104,9 +104,15 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-GATHER = 0.002
-"""Seconds the keeper waits, before sending a batch, for more of its clients' renewals
-or attempts that are due at the same moment (only when it has several clients)."""
+GATHER = 0.01
+"""Most seconds the keeper waits, before sending a batch, for more of its clients'
+renewals, attempts and releases that are due at the same moment (only when it has
+several clients)."""
+
+GATHER_QUIET = 0.001
+"""The keeper stops gathering once this many seconds passed with nothing more queued: a
+few leases due together go out at once, a thousand stepped by the driver in one pass
+still go in one batch."""
 
 HEARTBEAT_BOUND = 1.0
 """Seconds a heartbeat (or the nodes table's creation) may take on the keeper session,
@@ -812,7 +818,7 @@ class SharedKeeper:
                 return
             several = len(self._clients) > 1
         if several:
-            time.sleep(GATHER)  # let the others due now join these batches
+            self._gather()  # let the others due now join these batches
         for queue, send in (
             (self._renewals, self._send_renewals),
             (self._releases, self._send_releases),
@@ -830,6 +836,19 @@ class SharedKeeper:
                     for queued in batch:
                         if not queued.done.is_set():
                             queued.fill(error=exc)
+
+    def _gather(self) -> None:
+        """Wait while more round trips are being queued (see :data:`GATHER_QUIET`), at
+        most :data:`GATHER` seconds."""
+        deadline = clock.monotonic() + GATHER
+        seen = -1
+        while True:
+            with self._state:
+                queued = len(self._renewals) + len(self._attempts) + len(self._releases)
+            if queued == seen or clock.monotonic() >= deadline:
+                return
+            seen = queued
+            time.sleep(GATHER_QUIET)
 
     def renew(
         self,

@@ -113,6 +113,8 @@ class _ShardLeader(PostgresLeader):
         """The sharded leader's nodes (see :meth:`PostgresShardedLeader.nodes`)."""
         return self._owner.nodes()
 
+    _follows_announcements = True
+
     def _takeover_delay(self) -> float:
         """When a keeper session died (the holder's, maybe), wait :data:`TAKEOVER_WAIT`
         unless this node is planned to take the shard over (see

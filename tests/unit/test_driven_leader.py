@@ -263,6 +263,12 @@ def test_receivers_that_block_in_many_leaders_never_hold_up_another_leader(
         signals.leader_changed.disconnect(on_changed)
 
 
+class Following(LeaseLeader):
+    """A leader that follows announced holders (as a sharded leader's shards do)."""
+
+    _follows_announcements = True
+
+
 def test_a_follower_follows_an_announced_holder_and_never_an_older_term(
     answerer: Answerer, made: list[LeaseLeader]
 ) -> None:
@@ -281,7 +287,8 @@ def test_a_follower_follows_an_announced_holder_and_never_an_older_term(
         holder = make(made, NonBlockingMemoryLease(shared, answerer), node_id="a")
         holder.start()
         assert holder.wait_until_leader(5)
-        follower = make(made, view, node_id="b")
+        follower = Following(view, rs.TaskHandler(), node_id="b", timings=FAST)
+        made.append(follower)
         follower.start()
         wait_until(lambda: seen[-1:] == [("a", 1)], 5, "b to see a")
         now = shared.current()
