@@ -300,7 +300,9 @@ class PostgresLease(Closeable):
         self._node_id: str | None = None  # the node of the last attempt
         self._death_announced = False  # a keeper session died since the last attempt
         self._announced: LeaderInfo | None = None  # a new holder a notification named
-        self._holder_pid: int | None = None  # the holder's keeper session, as last seen
+        # The holder's keeper session as last seen, with the term it was seen for (a
+        # row read before a newer acquisition's notification must not replace it).
+        self._holder_seen: tuple[int, int | None] = (0, None)
         self._must_attempt = False  # a wake since the last attempt that needs one
         self._wake = threading.Event()  # sticky: interrupt(), a notification, a failure
         # A renewal waiting on the shared session (a round trip of other leases' renewals
@@ -358,10 +360,21 @@ class PostgresLease(Closeable):
         """A keeper session (backend ``pid``) was announced dead: wake
         :meth:`wait_for_change` unless this lease's holder, as last seen, has another
         session (its lease is not the dead one's: an attempt would only find it held)."""
-        known = self._holder_pid
+        known = self._holder_seen[1]
         if known is not None and known != pid:
             return
         self.wake()
+
+    def _saw_holder(self, term: object, pid: int | None) -> None:
+        """Record the holder's keeper session ``pid`` (``None``: free) seen for ``term``,
+        unless a newer term was seen already; for one term, free wins (a release comes
+        after the acquisition it ends). A term that is not a number forgets the pid."""
+        if isinstance(term, bool) or not isinstance(term, int):
+            self._holder_seen = (0, None)
+            return
+        seen = self._holder_seen[0]
+        if term > seen or (term == seen and pid is None):
+            self._holder_seen = (term, pid)
 
     @property
     def death_announced(self) -> bool:
@@ -379,13 +392,13 @@ class PostgresLease(Closeable):
         if kind == "acquired":
             holder = _announced_holder(event)
             pid = event.get("holder_pid")
-            self._holder_pid = pid if isinstance(pid, int) else None
+            self._saw_holder(event.get("term"), pid if isinstance(pid, int) else None)
             if holder is not None:
                 self._announced = holder
                 self._set_wake(attempt=False)
                 return
         elif kind == "released":
-            self._holder_pid = None
+            self._saw_holder(event.get("term"), None)
             if event.get("to") not in (None, self._node_id):
                 # Reserved for another node by a handover: only that one may take it
                 # now. Should it not, the others find the lease free at their next
@@ -469,14 +482,14 @@ class PostgresLease(Closeable):
 
     def _acquisition(self, row: tuple[Any, ...] | None, acquired: bool) -> Acquisition:
         if row is None or row[1] is None:
-            self._holder_pid = None
+            self._saw_holder(row[2] if row is not None else None, None)
             # A free lease reserved for another node: expires_in says for how long.
             reserved = float(row[8]) if row is not None and not acquired else 0.0
             return Acquisition(acquired, None, max(0.0, reserved))
         _, holder, term, _, acquired_at, expires_at, expires_in, lock_held, _, protocol, free = row[
             :11
         ]
-        self._holder_pid = row[11]
+        self._saw_holder(term, row[11])
         info = LeaderInfo(holder, term, utc(acquired_at), utc(expires_at))
         if not acquired and protocol != LEASE_PROTOCOL and (lock_held or expires_in > 0):
             raise ConfigError(
