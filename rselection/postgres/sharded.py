@@ -52,7 +52,7 @@ from ._conn import Connections
 from ._lease_sql import utc
 from .checkpoint import PostgresCheckpointStore
 from .claims import PostgresClaimer
-from .handover import current_holder, request_handover, request_handovers
+from .handover import current_holder, request_handovers
 from .leader import DEFAULT_CLAIMER, PostgresLeader
 from .lease import PostgresLease
 from .schema import DEFAULT_TABLE, NODES_TABLE, table_identifier
@@ -935,20 +935,17 @@ class PostgresShardedLeader:
             if node in counts:
                 counts[node] += 1
         share = quotas(self._shards, counts)
+        targets: dict[str, str] = {}
         for shard in mine:
             target = min(others, key=lambda n: (counts[n] - share[n], counts[n], n))
             counts[target] += 1
-            try:
-                request_handover(
-                    self.conninfo,
-                    shard_lease_name(self._name, shard),
-                    table=self.table,
-                    to=target,
-                    timeout=self.handover_timeout,
-                )
-            except BackendUnavailable as exc:
-                logger.info("shards of %r: stopping without handing over (%s)", self._name, exc)
-                return
+            targets[shard_lease_name(self._name, shard)] = target
+        try:
+            request_handovers(
+                self.conninfo, targets, table=self.table, timeout=self.handover_timeout
+            )
+        except BackendUnavailable as exc:
+            logger.info("shards of %r: stopping without handing over (%s)", self._name, exc)
 
     def __enter__(self) -> PostgresShardedLeader:
         self.start()

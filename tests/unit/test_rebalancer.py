@@ -102,6 +102,14 @@ def apply(fleet: Fleet, moves: list[Move]) -> None:
         fleet.take(move.target, move.shard)
 
 
+def three_nodes_with_four_shards_each(fleet: Fleet) -> None:
+    for node in ("a", "b", "c"):
+        fleet.join(node)
+    fleet.take("a", 0, 1, 2, 3)
+    fleet.take("b", 4, 5, 6, 7)
+    fleet.take("c", 8, 9, 10, 11)
+
+
 def test_a_new_node_gets_shards_only_once_it_heartbeats_and_settles(fleet: Fleet) -> None:
     rebalancer = Rebalancer(fleet)  # type: ignore[arg-type]
     for node in ("a", "b"):
@@ -121,11 +129,7 @@ def test_a_node_that_lost_shards_without_a_handover_stops_counting_at_once(
     fleet: Fleet,
 ) -> None:
     rebalancer = Rebalancer(fleet)  # type: ignore[arg-type]
-    for node in ("a", "b", "c"):
-        fleet.join(node)
-    fleet.take("a", 0, 1, 2, 3)
-    fleet.take("b", 4, 5, 6, 7)
-    fleet.take("c", 8, 9, 10, 11)
+    three_nodes_with_four_shards_each(fleet)
     for _ in range(3):
         assert run(fleet, rebalancer, "a", "b", "c") == []
     # c is killed: a takes all its shards over at once; c's heartbeat row still looks
@@ -183,11 +187,7 @@ def test_moves_in_flight_are_bounded_per_target_as_well_as_per_source(fleet: Fle
     # 1,024 shards took up to 200 ms each instead of about 50).
     fleet.max_moves = 2
     rebalancer = Rebalancer(fleet)  # type: ignore[arg-type]
-    for node in ("a", "b", "c"):
-        fleet.join(node)
-    fleet.take("a", 0, 1, 2, 3)
-    fleet.take("b", 4, 5, 6, 7)
-    fleet.take("c", 8, 9, 10, 11)
+    three_nodes_with_four_shards_each(fleet)
     assert run(fleet, rebalancer, "a", "b", "c") == []
     fleet.join("d")
     assert run(fleet, rebalancer, "a", "b", "c") == []  # not proven yet

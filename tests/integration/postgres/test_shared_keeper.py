@@ -376,12 +376,11 @@ def test_a_release_waiting_for_a_locked_row_holds_up_no_renewal_and_no_other_rel
     assert [x.term for x in leaders[3:]] == [1, 1, 1]
 
 
-def test_releases_of_many_locked_rows_hold_up_no_other_release(
+def locked_and_free(
     pg_dsn: str, made: list[PostgresLeader]
-) -> None:
-    # Before, each release of a locked row kept a worker of the driver for up to a
-    # second: with 8 of them (the driver's workers), the other leases' releases waited
-    # for a second (measured 1.1 s); now the keeper retries them without a worker.
+) -> tuple[list[str], list[PostgresLeader], list[PostgresLeader]]:
+    """Node a leads 10 leases to be locked and 12 free ones; node b follows the free ones.
+    Returns the locked names, a's leaders and b's."""
     locked = [f"locked{i}" for i in range(10)]
     free = [f"free{i}" for i in range(12)]
 
@@ -394,7 +393,16 @@ def test_releases_of_many_locked_rows_hold_up_no_other_release(
 
     leaders = [leader(name, "a") for name in locked + free]
     wait_until(lambda: all(x.is_leader for x in leaders), 20, "every lease to be led by a")
-    followers = [leader(name, "b") for name in free]
+    return locked, leaders, [leader(name, "b") for name in free]
+
+
+def test_releases_of_many_locked_rows_hold_up_no_other_release(
+    pg_dsn: str, made: list[PostgresLeader]
+) -> None:
+    # Before, each release of a locked row kept a worker of the driver for up to a
+    # second: with 8 of them (the driver's workers), the other leases' releases waited
+    # for a second (measured 1.1 s); now the keeper retries them without a worker.
+    locked, leaders, followers = locked_and_free(pg_dsn, made)
     with psycopg.connect(pg_dsn) as locker:
         locker.execute("SELECT 1 FROM rselection_leases WHERE name = ANY(%s) FOR UPDATE", (locked,))
         asked = time.monotonic()
@@ -418,19 +426,7 @@ def test_step_downs_of_many_locked_rows_hold_up_no_other_step_down(
     # driver's 8 workers and held it while the row stayed locked, for up to a second:
     # the other leases' step-downs waited (measured 1.0 s); now they release as a stop
     # does, with no worker waiting.
-    locked = [f"locked{i}" for i in range(10)]
-    free = [f"free{i}" for i in range(12)]
-
-    def leader(name: str, node: str) -> PostgresLeader:
-        made.append(
-            PostgresLeader(pg_dsn, idle_handler(), name=name, node_id=node, claimer=None, **TIMINGS)
-        )
-        made[-1].start()
-        return made[-1]
-
-    leaders = [leader(name, "a") for name in locked + free]
-    wait_until(lambda: all(x.is_leader for x in leaders), 20, "every lease to be led by a")
-    followers = [leader(name, "b") for name in free]
+    locked, leaders, followers = locked_and_free(pg_dsn, made)
     with psycopg.connect(pg_dsn) as locker:
         locker.execute("SELECT 1 FROM rselection_leases WHERE name = ANY(%s) FOR UPDATE", (locked,))
         asked = time.monotonic()
