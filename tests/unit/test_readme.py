@@ -30,13 +30,18 @@ def test_readme_links_point_at_files_that_exist() -> None:
         assert (ROOT / target).exists(), target
 
 
-def test_quickstart_runs_and_its_tasks_do_something(capsys: Any) -> None:
+def start_quickstart() -> Any:
+    """Run the README's quickstart with ``leader.start()`` for ``leader.lead()``; its leader."""
     code = re.search(r"## Quickstart\n\n```python\n(.*?)```", README.read_text(), re.S)
     assert code is not None, "the README lost its quickstart"
     source = code.group(1).replace("leader.lead()", "leader.start()")
     namespace: dict[str, Any] = {}
     exec(compile(source, "README quickstart", "exec"), namespace)
-    leader = namespace["leader"]
+    return namespace["leader"]
+
+
+def test_quickstart_runs_and_its_tasks_do_something(capsys: Any) -> None:
+    leader = start_quickstart()
     try:
         assert leader.wait_until_leader(5)
         # The purge log subscribes once its term starts: publish until it has printed.
@@ -50,6 +55,21 @@ def test_quickstart_runs_and_its_tasks_do_something(capsys: Any) -> None:
     finally:
         leader.stop(timeout=10)
     assert not [t for t in threading.enumerate() if t.name.startswith("rselection-")]
+
+
+def test_the_quickstart_prints_within_a_second_without_waiting_for_a_fire(capsys: Any) -> None:
+    # Its interval task first fires up to 30 s after start: a reader trying it must see
+    # at once that it runs, from the tasks themselves (on stdout, not only in the logs).
+    started = time.monotonic()
+    leader = start_quickstart()
+    try:
+        out = ""
+        while not [line for line in out.splitlines() if " saw " not in line]:
+            assert time.monotonic() - started < 1.0, f"nothing printed within 1 s: {out!r}"
+            time.sleep(0.01)
+            out += capsys.readouterr().out
+    finally:
+        leader.stop(timeout=10)
 
 
 def test_the_quickstart_tasks_are_not_named_like_a_built_in_task() -> None:
