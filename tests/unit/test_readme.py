@@ -22,7 +22,11 @@ def test_readme_is_a_short_landing_page() -> None:
         assert f"\n{heading}\n" in text, heading
     assert "logging.basicConfig(level=logging.INFO)" in text
     assert "pytest tests/unit" in text and "rselection demo" in text
-    assert "pip install ." in text, "say how to install from a clone"
+    # One command per purpose, in a virtual environment: use it, or work on it.
+    assert "python -m venv .venv && . .venv/bin/activate" in text
+    assert "pip install 'rselection[" in text, "say how to install it to use it"
+    assert "pip install -e '.[dev]'" in text, "say how to install a clone to work on it"
+    assert "`embedded` |" in text, "say what the embedded extra is for"
 
 
 def test_readme_links_point_at_files_that_exist() -> None:
