@@ -47,6 +47,7 @@ from .lease import (
     SupportsHandover,
 )
 from .members import NodeInfo
+from .stop_signals import stop_on_signals
 from .timing import Timings
 from .validation import check_name, check_node_id, check_seconds, new_node_id
 
@@ -405,21 +406,29 @@ class LeaseLeader:
             raise
 
     def lead(self) -> None:
-        """Compete and lead in this thread until :meth:`stop` or Ctrl-C, then clean up.
+        """Compete and lead in this thread until :meth:`stop`, SIGTERM or Ctrl-C, then
+        clean up and return.
+
+        In the main thread, SIGTERM and SIGINT (Ctrl-C) stop the leader gracefully
+        (tasks cancelled and joined, the lease released so a follower takes over at once)
+        and ``lead()`` returns: a program whose last line is ``leader.lead()`` exits 0.
+        The program's own handlers of both signals are put back on return.
+        :meth:`start` and the context managers install no handler.
 
         Raises:
             ConfigError: the lease server cannot be used safely as configured (for
                 example a connection pooler that is not in session mode); no task ran
                 after the problem was found.
         """
-        try:
-            # Ctrl-C may come while starting, when the first term may already run.
-            self.start()
-            while not self._wait_stopped(0.5):
-                pass
-        except KeyboardInterrupt:
-            logger.info("interrupted; stopping leader %r", self._name)
-            self.stop()
+        with stop_on_signals(f"leader {self._name!r}") as signalled:
+            try:
+                # A signal may come while starting, when the first term may already run.
+                self.start()
+                while not self._wait_stopped(0.5):
+                    pass
+            except KeyboardInterrupt:
+                signalled.stop_begins()
+                self.stop()
         if self._fatal is not None:
             raise self._fatal
 

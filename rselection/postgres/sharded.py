@@ -45,6 +45,7 @@ from ..sharding import (
     shard_lease_name,
     takeover_plan,
 )
+from ..stop_signals import stop_on_signals
 from ..tasks import TaskHandler
 from ..timing import Timings
 from ..validation import check_node_id, check_optional_seconds, check_seconds, new_node_id
@@ -807,23 +808,30 @@ class PostgresShardedLeader:
         logger.info("node %s competes for %d shards of %r", self._node_id, self._shards, self._name)
 
     def lead(self) -> None:
-        """Compete and lead in this thread until :meth:`stop` or Ctrl-C, then clean up.
+        """Compete and lead in this thread until :meth:`stop`, SIGTERM or Ctrl-C, then
+        hand this node's shards over, clean up and return.
+
+        In the main thread, SIGTERM and SIGINT (Ctrl-C) are a graceful stop, as for
+        :meth:`rselection.LeaseLeader.lead`; the program's own handlers are put back on
+        return. :meth:`start` and the context managers install no handler.
 
         Raises:
             ConfigError: the lease server cannot be used safely as configured (a
                 connection pooler that is not in session mode, for one); every shard
                 was stopped first.
         """
-        try:
-            self._start(coordinator=False)
-            # The coordinator's leader runs in this thread: it returns once stopped (by
-            # stop() or Ctrl-C) and raises what made leading unsafe, which holds for
-            # every shard too (they share its keeper session).
-            self._coordinator.lead()
-        except KeyboardInterrupt:
-            logger.info("interrupted; stopping sharded leader %r", self._name)
-        finally:
-            self.stop()  # waits for a stop() called elsewhere rather than repeat it
+        with stop_on_signals(f"sharded leader {self._name!r}") as signalled:
+            try:
+                self._start(coordinator=False)
+                # The coordinator's leader runs in this thread: it returns once stopped
+                # (by stop() or a signal) and raises what made leading unsafe, which
+                # holds for every shard too (they share its keeper session).
+                self._coordinator.lead()
+            except KeyboardInterrupt:
+                pass
+            finally:
+                signalled.stop_begins()
+                self.stop()  # waits for a stop() called elsewhere rather than repeat it
 
     def step_down(self, *, hold: float = 0.0, wait: bool = True) -> None:
         """Give up every shard this node leads (each cancelled, joined and released).
