@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -33,7 +34,8 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import sql
 
-from ..errors import BackendUnavailable, ConfigError, StaleLeaderError
+from .. import forks
+from ..errors import BackendUnavailable, ConfigError, RSelectionError, StaleLeaderError
 from ..leader import LeaseLeader
 from ..lease import LeaderInfo
 from ..sharding import (
@@ -497,10 +499,11 @@ class PostgresShardedLeader:
             )
             self._cleanup.append(checkpoint_store.close)
         self._store = checkpoint_store
+        self._owned_claimer: PostgresClaimer | None = None
         if claimer is DEFAULT_CLAIMER:
             owned = PostgresClaimer(conninfo, node_id=self._node_id, create_tables=create_tables)
             self._cleanup.append(owned.close)
-            claimer = owned
+            claimer = self._owned_claimer = owned
         self._options: dict[str, Any] = {
             "node_id": self._node_id,
             "ttl": timings.ttl,
@@ -522,8 +525,11 @@ class PostgresShardedLeader:
             name=self._name,
             heartbeat_interval=self.heartbeat_interval,
             node_timeout=node_timeout,
-            **{**self._options, "claimer": None},
+            # The coordinator's leader keeps this node's id: a default one is taken anew
+            # in a forked child (see reset_after_fork).
+            **{**self._options, "claimer": None, "node_id": node_id},
         )
+        self._adopt_node_id()
         self._reads = Connections(
             conninfo,
             owner="PostgresShardedLeader",
@@ -553,6 +559,8 @@ class PostgresShardedLeader:
         self._started = False
         self._stop_asked = False
         self._stopped = threading.Event()
+        self._forked = False  # started in a parent process: unusable in this one
+        forks.register(self)
 
     # -- public ---------------------------------------------------------------------
 
@@ -773,8 +781,35 @@ class PostgresShardedLeader:
             self._plan = (now, plan)
             return plan
 
+    def reset_after_fork(self) -> None:
+        """In a forked child (see :mod:`rselection.forks`): not yet started, it takes
+        the node id its coordinator's leader takes here; started, it is the parent's
+        and refuses to run here (its shards' leaders do the same)."""
+        if self._started:
+            self._forked = True
+            self._stopped = threading.Event()
+            self._stopped.set()
+        else:
+            self._coordinator.reset_after_fork()
+            self._adopt_node_id()
+
+    def _adopt_node_id(self) -> None:
+        """This node's id is its coordinator's leader's (a default one is per process)."""
+        self._node_id = self._options["node_id"] = self._coordinator.node_id
+        if self._owned_claimer is not None:
+            self._owned_claimer.node_id = self._node_id
+
+    def _refuse_if_forked(self) -> None:
+        if self._forked:
+            raise RSelectionError(
+                f"sharded leader {self._name!r} was started in the process this one "
+                f"({os.getpid()}) was forked from: it cannot go on in a forked child; "
+                f"{forks.FORK_ADVICE}"
+            )
+
     def _start(self, *, coordinator: bool) -> None:
         """Build and start every shard's leader (and the coordinator's, if asked)."""
+        self._refuse_if_forked()
         with self._lock:
             if self._started:
                 raise RuntimeError("this leader was already started; create a new one")
@@ -820,6 +855,7 @@ class PostgresShardedLeader:
                 connection pooler that is not in session mode, for one); every shard
                 was stopped first.
         """
+        self._refuse_if_forked()
         with stop_on_signals(f"sharded leader {self._name!r}") as signalled:
             try:
                 self._start(coordinator=False)
@@ -858,6 +894,8 @@ class PostgresShardedLeader:
         Args:
             timeout: seconds this call may take in all (default: until stopped).
         """
+        if self._forked:  # the parent's threads are not in this process: nothing runs
+            return
         with self._lock:
             asked, self._stop_asked = self._stop_asked, True
         if asked:  # another call does the work: wait for it
