@@ -196,13 +196,12 @@ class PostgresLeader(LeaseLeader):
             fence=_LeaseFence(name, table, timings.margin),
             cleanup=cleanup,
         )
+        self._adopt_node_id(self.node_id)
 
     @property
     def checkpoint_store(self) -> PostgresCheckpointStore:
         """The store behind ``ctx.checkpoint`` (to inspect or seed task state)."""
         return self._postgres_store
-
-        self._adopt_node_id(self.node_id)
 
     def _adopt_node_id(self, node_id: str) -> None:
         self._membership.node_id = node_id

@@ -135,3 +135,18 @@ def test_a_leader_started_before_fork_refuses_to_run_in_the_child(
         # The parent never noticed: it leads on in the same term, its session intact.
         time.sleep(2 * FAST["renew_interval"])
         assert leader.is_leader and getattr(leader, "term", None) == term
+
+
+@pytest.mark.parametrize("kind", [0, 1, 2], ids=["postgres", "redis", "sharded"])
+def test_a_default_node_id_is_the_one_its_heartbeats_and_claims_carry(
+    pg_dsn: str, redis_url: str, kind: int
+) -> None:
+    leader = _leaders(pg_dsn, redis_url)[kind]
+    claimer = getattr(leader, "claimer", None) or leader._options["claimer"]  # type: ignore[attr-defined]
+    assert claimer.node_id == leader.node_id
+    with leader:
+        assert leader.wait_until_leader(20)  # the tables exist from here on
+        deadline = time.monotonic() + 20
+        while leader.node_id not in [n.node_id for n in leader.nodes()]:
+            assert time.monotonic() < deadline, [n.node_id for n in leader.nodes()]
+            time.sleep(0.05)
