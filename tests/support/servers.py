@@ -190,12 +190,13 @@ def status(dsn: str, name: str) -> dict[str, Any] | None:
 def worker_nodes(document: dict[str, Any], pids: Iterable[int]) -> list[dict[str, Any]]:
     """The nodes of a status document that are processes among ``pids``, alive."""
     wanted = set(pids)
-    return [n for n in document["nodes"] if n["pid"] in wanted and n["alive"]]
+    # "nodes" is None while the nodes table does not exist yet
+    return [n for n in document["nodes"] or [] if n["pid"] in wanted and n["alive"]]
 
 
 def leading_nodes(document: dict[str, Any]) -> list[dict[str, Any]]:
     """The nodes of a status document that hold the lease."""
-    return [n for n in document["nodes"] if n["is_leader"]]
+    return [n for n in document["nodes"] or [] if n["is_leader"]]
 
 
 # -- Postgres sessions --------------------------------------------------------------------
