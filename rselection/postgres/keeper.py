@@ -239,7 +239,10 @@ class SharedKeeper:
         self._found: LeaseTable | None = None
         self.generation = 0  # bumped by every connect: terms of older sessions are lost
         # Terms taken through the session whose tasks may still run: (lease, node) ->
-        # (term, lock key). The session is never closed while this is not empty.
+        # (term, lock key). The key is the one the acquisition locked, its row's: a row
+        # keeps its key when the table is copied under a new OID, so it may differ from
+        # the lease's own lock_key (which only new rows get). The session is never
+        # closed while this is not empty.
         self._holds: dict[tuple[PostgresLease, str], tuple[int, int]] = {}
         self._want = 0.0  # the longest wind-down (renew_deadline + stop_grace) of a client
         self._timeout = 0.0  # the longest connect_timeout of a client
@@ -1018,13 +1021,13 @@ class SharedKeeper:
                     )
                 )
             return
-        taken = {row[0]: int(row[1]) for row in results[-2] or []}
+        # Each term taken locked its row's key: that one is freed when the term ends.
+        taken = {row[0]: (int(row[1]), int(row[2])) for row in results[-2] or []}
         states = {row[0]: row for row in results[-1] or []}
         with self._state:
             for q in batch:
                 if q.lease.name in taken:
-                    assert q.lease.lock_key is not None
-                    self._holds[(q.lease, q.node_id)] = (taken[q.lease.name], q.lease.lock_key)
+                    self._holds[(q.lease, q.node_id)] = taken[q.lease.name]
         for q in batch:
             q.fill(Attempt(q.lease.name in taken, states.get(q.lease.name)))
 
@@ -1065,11 +1068,12 @@ class SharedKeeper:
         self._enqueue(self._releases, queued)
         return queued
 
-    def _lock_key(self, lease: PostgresLease, node_id: str, term: int) -> int:
-        """Under ``_state``: the advisory lock that ``term`` of ``lease`` holds."""
-        assert lease.lock_key is not None
+    def _lock_key(self, lease: PostgresLease, node_id: str, term: int) -> int | None:
+        """Under ``_state``: the key of the advisory lock that ``term`` of ``lease`` holds
+        through the session (the one its acquisition locked), or ``None`` when it holds
+        none any more (its end already queued the unlock): nothing to free then."""
         held = self._holds.get((lease, node_id))
-        return held[1] if held is not None and held[0] == term else lease.lock_key
+        return held[1] if held is not None and held[0] == term else None
 
     def _released(self, lease: PostgresLease, node_id: str, term: int) -> None:
         with self._state:
