@@ -54,6 +54,7 @@ __all__ = [
     "session_sql",
     "give_back_sql",
     "states_sql",
+    "unlisten_sql",
     "unlock_next_terms_sql",
     "unlock_sql",
     "utc",
@@ -283,6 +284,13 @@ def listen_sql(channels: Iterable[str]) -> sql.Composed:
     """``LISTEN`` on every channel, in one round trip."""
     return sql.SQL("; ").join(
         sql.SQL("LISTEN {}").format(sql.Identifier(channel)) for channel in channels
+    )
+
+
+def unlisten_sql(channels: Iterable[str]) -> sql.Composed:
+    """``UNLISTEN`` every channel, in one round trip."""
+    return sql.SQL("; ").join(
+        sql.SQL("UNLISTEN {}").format(sql.Identifier(channel)) for channel in channels
     )
 
 
