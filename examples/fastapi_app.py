@@ -9,6 +9,12 @@ The second replica is the same command with another ``--port``: both serve reque
 one leads. ``uvicorn examples.fastapi_app:app --port 8001`` runs the same app, with the
 lease name from ``RSELECTION_NAME`` (default ``fastapi-app``). Without
 ``RSELECTION_DSN`` (or ``--dsn``) the app leads alone (a single node, no database).
+With several workers, each worker is a node of its own and one of them leads;
+``logging.json`` makes the servers show rselection's INFO lines (elections)::
+
+    uvicorn examples.fastapi_app:app --workers 3 --log-config examples/logging.json
+    gunicorn -k uvicorn.workers.UvicornWorker -w 3 --preload \
+        --log-config-json examples/logging.json examples.fastapi_app:app
 The lifespan starts the leader with ``async with``, so ``async def`` tasks run on the
 app's own event loop, and stops it on shutdown (Ctrl-C or SIGTERM): tasks are cancelled
 and joined and the lease is released, so another replica takes over at once.

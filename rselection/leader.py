@@ -31,12 +31,12 @@ from datetime import UTC, datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from . import clock, signals
+from . import clock, forks, signals
 from .checkpoints import CheckpointStore, LeaseFencedStore
 from .claiming import FireClaimer, LeaseClaims
 from .context import Term, TransactionFence, running_term
 from .driven import DrivenKeeper
-from .errors import BackendUnavailable, ConfigError
+from .errors import BackendUnavailable, ConfigError, RSelectionError
 from .lease import (
     Acquisition,
     HandoverRequest,
@@ -47,6 +47,7 @@ from .lease import (
     SupportsHandover,
 )
 from .members import NodeInfo
+from .stop_signals import stop_on_signals
 from .timing import Timings
 from .validation import check_name, check_node_id, check_seconds, new_node_id
 
@@ -222,6 +223,10 @@ class LeaseLeader:
                 f"{type(fence).__name__}"
             )
         self._node_id = check_node_id(node_id) if node_id is not None else new_node_id()
+        # A default id names the process that starts (host, pid): a leader built before a
+        # fork (gunicorn --preload) takes a new one in each child (see _fix_node_id).
+        self._default_node_id = node_id is None
+        self._node_id_pid = os.getpid()
         if claimer is not None:
             handler.check_claims(claimer.ttl)
         if isinstance(checkpoint_store, LeaseFencedStore):
@@ -267,6 +272,8 @@ class LeaseLeader:
         self._started = False
         self._cleaning: threading.Thread | None = None  # the clean-up running on stop
         self._observer_lock = threading.Lock()
+        self._forked = False  # started in a parent process: unusable in this one
+        forks.register(self)
 
     # -- public ---------------------------------------------------------------------
 
@@ -333,6 +340,7 @@ class LeaseLeader:
 
         After :meth:`stop` this still answers, but leaves no connection or thread open.
         """
+        self._refuse_if_forked()
         with self._observer_lock:
             try:
                 return self._backend.current()
@@ -368,10 +376,17 @@ class LeaseLeader:
             return self._term is not None
 
     def start(self) -> None:
-        """Start competing for the lease in background threads; return at once."""
+        """Start competing for the lease in background threads; return at once.
+
+        Raises:
+            RSelectionError: the leader was started in the process this one was forked
+                from (build or start it in each worker instead).
+        """
+        self._refuse_if_forked()
         with self._cond:
             if self._started:
                 raise RuntimeError("this leader was already started; create a new one")
+            self._fix_node_id()
             if self._claims is not None:  # tasks may have been registered since __init__
                 self._handler.check_claims(self._claims.ttl)
             self._handler.attach()
@@ -405,21 +420,30 @@ class LeaseLeader:
             raise
 
     def lead(self) -> None:
-        """Compete and lead in this thread until :meth:`stop` or Ctrl-C, then clean up.
+        """Compete and lead in this thread until :meth:`stop`, SIGTERM or Ctrl-C, then
+        clean up and return.
+
+        In the main thread, SIGTERM and SIGINT (Ctrl-C) stop the leader gracefully
+        (tasks cancelled and joined, the lease released so a follower takes over at once)
+        and ``lead()`` returns: a program whose last line is ``leader.lead()`` exits 0.
+        The program's own handlers of both signals are put back on return.
+        :meth:`start` and the context managers install no handler.
 
         Raises:
             ConfigError: the lease server cannot be used safely as configured (for
                 example a connection pooler that is not in session mode); no task ran
                 after the problem was found.
         """
-        try:
-            # Ctrl-C may come while starting, when the first term may already run.
-            self.start()
-            while not self._wait_stopped(0.5):
-                pass
-        except KeyboardInterrupt:
-            logger.info("interrupted; stopping leader %r", self._name)
-            self.stop()
+        self._refuse_if_forked()
+        with stop_on_signals(f"leader {self._name!r}") as signalled:
+            try:
+                # A signal may come while starting, when the first term may already run.
+                self.start()
+                while not self._wait_stopped(0.5):
+                    pass
+            except KeyboardInterrupt:
+                signalled.stop_begins()
+                self.stop()
         if self._fatal is not None:
             raise self._fatal
 
@@ -442,6 +466,8 @@ class LeaseLeader:
                 backend fails to :meth:`~rselection.LeaseBackend.interrupt` its wait,
                 also the rest of that wait, at most the lease's ``ttl``).
         """
+        if self._forked:  # the parent's threads are not in this process: nothing runs
+            return
         self._stopping.set()
         self._wake.set()
         with self._cond:
@@ -459,6 +485,38 @@ class LeaseLeader:
         for thread in (self._keeper, self._watchdog):
             if thread is not None and thread.ident is not None:  # started
                 thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def reset_after_fork(self) -> None:
+        """In a forked child (see :mod:`rselection.forks`): a leader not yet started
+        takes a node id of this process if its id was the default; a started one is
+        the parent's and refuses to run here (``is_leader`` False, :meth:`start` and
+        :meth:`lead` raise, :meth:`stop` returns at once)."""
+        if self._started:
+            self._forked = True
+            self._term = None
+            self._cond = threading.Condition()  # a parent's thread may have held it
+            self._closed = True
+        else:
+            self._fix_node_id()
+
+    def _refuse_if_forked(self) -> None:
+        if self._forked:
+            raise RSelectionError(
+                f"leader {self._name!r} was started in process {self._node_id_pid}, and "
+                f"this process ({os.getpid()}) is a fork of it: a leader cannot go on "
+                f"in a forked child; {forks.FORK_ADVICE}"
+            )
+
+    def _fix_node_id(self) -> None:
+        """A default node id is this process's: taken anew in a forked child."""
+        if self._default_node_id and self._node_id_pid != os.getpid():
+            self._node_id_pid = os.getpid()
+            self._node_id = new_node_id()
+            self._adopt_node_id(self._node_id)
+
+    def _adopt_node_id(self, node_id: str) -> None:
+        """Pass a new default ``node_id`` on to what was built with the old one (the
+        factories' membership and claimer)."""
 
     def _wait_stopped(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the keeper to end; ``True`` once it has."""

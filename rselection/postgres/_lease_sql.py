@@ -54,6 +54,7 @@ __all__ = [
     "session_sql",
     "give_back_sql",
     "states_sql",
+    "unlisten_sql",
     "unlock_next_terms_sql",
     "unlock_sql",
     "utc",
@@ -72,12 +73,16 @@ one lease table (see :mod:`rselection.postgres.lease`)."""
 
 
 def lease_lock_key(table_oid: int, name: str) -> int:
-    """The first advisory-lock key of a lease: a stable signed 32-bit hash.
+    """The first advisory-lock key of a new lease row: a stable signed 32-bit hash.
 
     Derived from the lease table's OID (unique in its database; advisory locks are per
     database) and the lease name, so leases in different schemas or tables never share
-    a lock. It is stored in the row's ``lock_key`` when the row is created, and every
-    node uses the stored value.
+    a lock. It is stored in the row's ``lock_key`` when the row is created, and from
+    then on the stored value is the only one any node uses: a term locks the key of its
+    row, the holder frees that key when the term ends, and followers look for that key
+    in ``pg_locks``. A copy of the table under a new OID (a dump and restore, a table
+    rebuilt by hand) keeps its rows' keys, which then differ from what this function
+    gives for the new OID; nothing depends on their being equal.
 
     Args:
         table_oid: OID of the lease table.
@@ -282,6 +287,13 @@ def listen_sql(channels: Iterable[str]) -> sql.Composed:
     )
 
 
+def unlisten_sql(channels: Iterable[str]) -> sql.Composed:
+    """``UNLISTEN`` every channel, in one round trip."""
+    return sql.SQL("; ").join(
+        sql.SQL("UNLISTEN {}").format(sql.Identifier(channel)) for channel in channels
+    )
+
+
 def same_server(server: str | None) -> sql.Composable:
     """True when row ``t``'s holder session is on this server (``server``); never NULL.
 
@@ -456,8 +468,9 @@ def acquire_batch_sql(
     another node's acquisition, is left for a later attempt, so a takeover never blocks
     the shared keeper session): new term, this session as holder, the new term's
     advisory lock, this session's ``server``, :data:`LEASE_PROTOCOL`, a NOTIFY on the
-    lease's channel; then :func:`states_sql`. Rows come back as ``(name, term)`` for
-    each lease taken, then the states.
+    lease's channel; then :func:`states_sql`. Rows come back as ``(name, term,
+    lock_key)`` for each lease taken (the key the new term locked: the row's, which is
+    the one to free when the term ends), then the states.
     """
     node = sql.SQL("r.node")
     created = [r for r in requests if r.create]
@@ -492,7 +505,7 @@ def acquire_batch_sql(
         "  RETURNING t.name, t.term, t.lock_key, r.node, r.channel, t.acquired_at,"
         "  t.expires_at"
         " )"
-        " SELECT taken.name, taken.term,"
+        " SELECT taken.name, taken.term, taken.lock_key,"
         " pg_advisory_lock(taken.lock_key, (taken.term % 2147483648)::integer),"
         " pg_notify(taken.channel, json_build_object('event', 'acquired', 'name', taken.name,"
         " 'node_id', taken.node, 'term', taken.term, 'acquired_at', taken.acquired_at,"
@@ -618,10 +631,21 @@ RESERVED_FOR = "CASE WHEN t.resign_until > clock_timestamp() THEN t.resign_to EN
 
 
 def release_sql(
-    table: sql.Composable, name: str, node_id: str, term: int, *, channel: str, lock_key: int
+    table: sql.Composable,
+    name: str,
+    node_id: str,
+    term: int,
+    *,
+    channel: str,
+    lock_key: int | None,
 ) -> sql.Composed:
     """Clear the holder if ``node_id`` holds ``term``, notify ``channel``, and free that
-    term's advisory lock (only that one: the session holds every lease of its process)."""
+    term's advisory lock (only that one: the session holds every lease of its process).
+
+    ``lock_key`` is the key that term locked (its row's, as the acquisition returned
+    it); ``None`` when this session holds no lock of that term (already freed): then
+    nothing is freed.
+    """
     return sql.SQL(
         "WITH released AS ("
         " UPDATE {t} AS t SET holder = NULL, holder_pid = NULL, expires_at = now()"
@@ -630,27 +654,30 @@ def release_sql(
         " SELECT pg_notify({channel}, json_build_object('event', 'released',"
         " 'name', {name}, 'node_id', {node}, 'term', released.term,"
         " 'to', released.reserved_for)::text)"
-        " FROM released; {unlock}"
+        " FROM released; SELECT pg_advisory_unlock({key}::integer, {part})"
     ).format(
         t=table,
         name=sql.Literal(name),
         node=sql.Literal(node_id),
         term=sql.Literal(term),
         channel=sql.Literal(channel),
-        unlock=unlock_sql([(lock_key, term)]),
+        key=sql.Literal(lock_key),  # NULL: pg_advisory_unlock() is strict, frees nothing
+        part=sql.Literal(term % 2**31),
     )
 
 
 @dataclass(frozen=True)
 class ReleaseRequest:
     """One term to give back in a batch: the lease, its holder, the term, the channel
-    its followers listen on, and the advisory lock that term holds."""
+    its followers listen on, and the key of the advisory lock that term holds through
+    this session (its row's, as its acquisition returned it; ``None`` when the session
+    holds no lock of that term any more: nothing to free)."""
 
     name: str
     node_id: str
     term: int
     channel: str
-    lock_key: int
+    lock_key: int | None
 
 
 def release_batch_sql(table: sql.Composable, requests: Sequence[ReleaseRequest]) -> sql.Composed:
@@ -658,9 +685,10 @@ def release_batch_sql(table: sql.Composable, requests: Sequence[ReleaseRequest])
     whether it was released (and its channel notified), and whether its row was locked
     by another transaction (skipped, not waited for: release it alone).
 
-    The advisory lock of each term is freed, but that of a skipped one (its term has
-    ended, its tasks are joined: the session frees it anyway once the term's end is
-    recorded, and a follower may then take the lease as soon as the row is free).
+    The advisory lock of each term is freed (the request's ``lock_key``; none when it is
+    ``None``), but that of a skipped one (its term has ended, its tasks are joined: the
+    session frees it anyway once the term's end is recorded, and a follower may then
+    take the lease as soon as the row is free).
     """
     values = rows_sql(
         "x(name, node, term, channel, lock_key)",

@@ -82,6 +82,7 @@ from ._lease_sql import (
     renew_batch_sql,
     server_identity,
     session_sql,
+    unlisten_sql,
     unlock_next_terms_sql,
     unlock_sql,
 )
@@ -239,13 +240,20 @@ class SharedKeeper:
         self._found: LeaseTable | None = None
         self.generation = 0  # bumped by every connect: terms of older sessions are lost
         # Terms taken through the session whose tasks may still run: (lease, node) ->
-        # (term, lock key). The session is never closed while this is not empty.
+        # (term, lock key). The key is the one the acquisition locked, its row's: a row
+        # keeps its key when the table is copied under a new OID, so it may differ from
+        # the lease's own lock_key (which only new rows get). The session is never
+        # closed while this is not empty.
         self._holds: dict[tuple[PostgresLease, str], tuple[int, int]] = {}
         self._want = 0.0  # the longest wind-down (renew_deadline + stop_grace) of a client
         self._timeout = 0.0  # the longest connect_timeout of a client
         self._broken = False
         self._pinned = 0.0  # the wind-down the session's keepalives are sized for
         self._unlocks: list[tuple[int, int]] = []  # locks of ended terms, freed next trip
+        # Channels no client listens on any more (their leases closed): the keeper's
+        # thread sends UNLISTEN soon, so that a process that opens and closes leases
+        # does not listen on ever more channels.
+        self._unlistens: set[str] = set()
         self._renewals: list[Queued] = []
         self._attempts: list[Queued] = []
         self._releases: list[Queued] = []
@@ -309,17 +317,24 @@ class SharedKeeper:
         return True
 
     def detach(self, lease: PostgresLease) -> None:
-        """``lease`` is closed: end its holds; the last client closes the session."""
+        """``lease`` is closed: end its holds and stop listening on its channel unless
+        another client listens there; the last client closes the session."""
         with self._registry_lock, self._state:
             self._clients.discard(lease)
-            for clients in self._by_channel.values():
+            for channel, clients in list(self._by_channel.items()):
                 clients.discard(lease)
+                if not clients:
+                    del self._by_channel[channel]
+                    self._unlistens.add(channel)
             for key in [k for k in self._holds if k[0] is lease]:
                 term, lock_key = self._holds.pop(key)
                 self._unlocks.append((lock_key, term))
             last = self._last_client()
+            leave = bool(self._unlistens) and not last
         if last:
             self._shut()
+        elif leave:
+            self._wakeup.wake()  # the keeper's thread sends the UNLISTEN
 
     # -- connecting ----------------------------------------------------------------------
 
@@ -369,7 +384,12 @@ class SharedKeeper:
                     if client is not lease and client not in self._clients:
                         continue  # closed meanwhile
                     assert client.channel is not None
-                    if client.channel not in self._by_channel and client.channel not in new:
+                    if client.channel in self._unlistens:
+                        # Its lease was closed and opened again before the keeper's
+                        # thread left the channel (it does so holding the statement
+                        # lock, which we hold): still listening, so stay.
+                        self._unlistens.discard(client.channel)
+                    elif client.channel not in self._by_channel and client.channel not in new:
                         new.append(client.channel)
                     self._by_channel.setdefault(client.channel, set()).add(client)
             if new:
@@ -460,6 +480,7 @@ class SharedKeeper:
             self._broken = False
             self._pinned = 0.0
             self._by_channel = {}
+            self._unlistens = set()
             self._holds = {}
             self._unlocks = []
             self._created = set()
@@ -664,6 +685,7 @@ class SharedKeeper:
                 self._holds = {}
                 self._unlocks = []
                 self._by_channel = {}
+                self._unlistens = set()
                 self._broken = False
                 clients = list(self._clients)
             if self._ring is not None:
@@ -1018,13 +1040,13 @@ class SharedKeeper:
                     )
                 )
             return
-        taken = {row[0]: int(row[1]) for row in results[-2] or []}
+        # Each term taken locked its row's key: that one is freed when the term ends.
+        taken = {row[0]: (int(row[1]), int(row[2])) for row in results[-2] or []}
         states = {row[0]: row for row in results[-1] or []}
         with self._state:
             for q in batch:
                 if q.lease.name in taken:
-                    assert q.lease.lock_key is not None
-                    self._holds[(q.lease, q.node_id)] = (taken[q.lease.name], q.lease.lock_key)
+                    self._holds[(q.lease, q.node_id)] = taken[q.lease.name]
         for q in batch:
             q.fill(Attempt(q.lease.name in taken, states.get(q.lease.name)))
 
@@ -1065,11 +1087,12 @@ class SharedKeeper:
         self._enqueue(self._releases, queued)
         return queued
 
-    def _lock_key(self, lease: PostgresLease, node_id: str, term: int) -> int:
-        """Under ``_state``: the advisory lock that ``term`` of ``lease`` holds."""
-        assert lease.lock_key is not None
+    def _lock_key(self, lease: PostgresLease, node_id: str, term: int) -> int | None:
+        """Under ``_state``: the key of the advisory lock that ``term`` of ``lease`` holds
+        through the session (the one its acquisition locked), or ``None`` when it holds
+        none any more (its end already queued the unlock): nothing to free then."""
         held = self._holds.get((lease, node_id))
-        return held[1] if held is not None and held[0] == term else lease.lock_key
+        return held[1] if held is not None and held[0] == term else None
 
     def _released(self, lease: PostgresLease, node_id: str, term: int) -> None:
         with self._state:
@@ -1209,11 +1232,40 @@ class SharedKeeper:
                     self._poll(conn)
                 self._send_queued()
                 if conn is not None:
+                    self._leave_channels()
                     self._beat_due()
                 SessionPool.close_idle(self._conninfo)
             except Exception:  # never let the pump die: it wakes every follower
                 logger.exception("keeper: error reading notifications; going on")
                 time.sleep(0.1)
+
+    def _leave_channels(self) -> None:
+        """``UNLISTEN`` the channels of closed leases (on the keeper's thread).
+
+        Taken from the queue under the statement lock, which :meth:`ensure` holds while
+        it decides what to listen on: a lease opened again meanwhile either finds its
+        channel still queued (and keeps it) or listens again after this round trip.
+        """
+        with self._state:
+            if not self._unlistens:
+                return  # the common case: no wait for the statement lock
+        with self._lock:
+            with self._state:
+                channels, self._unlistens = sorted(self._unlistens), set()
+                usable = self._conn is not None and not self._broken
+            if not channels or not usable:
+                return
+            try:
+                self._run(
+                    unlisten_sql(channels),
+                    "stop listening for closed leases",
+                    limit=HEARTBEAT_BOUND + 1.0,
+                    tolerate=True,
+                )
+            except (BackendUnavailable, ConfigError, psycopg.Error) as exc:
+                # Still listening there at worst: notifications for a channel without
+                # a client are dropped, and a new session listens afresh.
+                logger.debug("keeper: could not stop listening: %s", _first_line(exc))
 
     def _until_beat(self, cap: float) -> float:
         """Seconds until the next heartbeat or locked release is due (at most ``cap``)."""

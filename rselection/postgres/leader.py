@@ -128,6 +128,8 @@ class PostgresLeader(LeaseLeader):
         nodes_table: str = NODES_TABLE,
     ) -> None:
         check_name(name, "lease name")
+        given_node_id = node_id
+        # What is built here gets the leader's id once it has one (_adopt_node_id).
         node_id = check_node_id(node_id) if node_id is not None else new_node_id()
         timings = Timings(ttl, renew_interval, renew_deadline, retry_interval)
         lease = PostgresLease(
@@ -159,10 +161,11 @@ class PostgresLeader(LeaseLeader):
             )
         self._postgres_store = checkpoint_store
 
+        self._owned_claimer: PostgresClaimer | None = None
         if claimer is DEFAULT_CLAIMER:
             owned = PostgresClaimer(conninfo, node_id=node_id, create_tables=create_tables)
             cleanup.append(owned.close)
-            claimer = owned
+            claimer = self._owned_claimer = owned
 
         heartbeat = check_seconds(heartbeat_interval, "heartbeat_interval")
         timeout = check_optional_seconds(node_timeout, "node_timeout")
@@ -183,7 +186,7 @@ class PostgresLeader(LeaseLeader):
         super().__init__(
             lease,
             handler,
-            node_id=node_id,
+            node_id=given_node_id,
             timings=timings,
             claimer=claimer,
             # A leader paused inside a save holds a takeover back no longer than one
@@ -193,11 +196,17 @@ class PostgresLeader(LeaseLeader):
             fence=_LeaseFence(name, table, timings.margin),
             cleanup=cleanup,
         )
+        self._adopt_node_id(self.node_id)
 
     @property
     def checkpoint_store(self) -> PostgresCheckpointStore:
         """The store behind ``ctx.checkpoint`` (to inspect or seed task state)."""
         return self._postgres_store
+
+    def _adopt_node_id(self, node_id: str) -> None:
+        self._membership.node_id = node_id
+        if self._owned_claimer is not None:
+            self._owned_claimer.node_id = node_id
 
     def start(self) -> None:
         """Start heartbeating and competing for the lease in background threads."""

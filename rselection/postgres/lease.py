@@ -27,7 +27,8 @@ lock (tested against the previous release in
 ``tests/integration/postgres/test_protocol_upgrade.py``).
 
 **Session liveness.** The holder's keeper session holds the session advisory lock
-``pg_advisory_lock(lock_key, term % 2**31)`` (two-int form) for as long as it leads, so
+``pg_advisory_lock(lock_key, term % 2**31)`` (two-int form, ``lock_key`` as stored in the
+row: a copy of the table under a new OID keeps it) for as long as it leads, so
 "the holder's session is alive" is exactly "that lock is granted to ``holder_pid``" in
 ``pg_locks`` *of the server that session is on*. When the holder's process dies, its
 connection closes, or an admin terminates its backend, the server frees the lock at
@@ -282,7 +283,9 @@ class PostgresLease(Closeable):
         self.table = table
         self.create_tables = create_tables
         self.lock_key: int | None = None
-        """First advisory-lock key for new rows (known once connected)."""
+        """The advisory-lock key a new row of this lease gets (known once connected). A
+        row keeps the key it was created with, also in a copy of the table: the stored
+        key is the one every node locks, frees and looks for."""
         self.channel: str | None = None
         """LISTEN/NOTIFY channel of this lease (known once connected)."""
         self.row_seen = False

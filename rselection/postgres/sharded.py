@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -33,7 +34,8 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import sql
 
-from ..errors import BackendUnavailable, ConfigError, StaleLeaderError
+from .. import forks
+from ..errors import BackendUnavailable, ConfigError, RSelectionError, StaleLeaderError
 from ..leader import LeaseLeader
 from ..lease import LeaderInfo
 from ..sharding import (
@@ -45,6 +47,7 @@ from ..sharding import (
     shard_lease_name,
     takeover_plan,
 )
+from ..stop_signals import stop_on_signals
 from ..tasks import TaskHandler
 from ..timing import Timings
 from ..validation import check_node_id, check_optional_seconds, check_seconds, new_node_id
@@ -496,10 +499,11 @@ class PostgresShardedLeader:
             )
             self._cleanup.append(checkpoint_store.close)
         self._store = checkpoint_store
+        self._owned_claimer: PostgresClaimer | None = None
         if claimer is DEFAULT_CLAIMER:
             owned = PostgresClaimer(conninfo, node_id=self._node_id, create_tables=create_tables)
             self._cleanup.append(owned.close)
-            claimer = owned
+            claimer = self._owned_claimer = owned
         self._options: dict[str, Any] = {
             "node_id": self._node_id,
             "ttl": timings.ttl,
@@ -521,8 +525,11 @@ class PostgresShardedLeader:
             name=self._name,
             heartbeat_interval=self.heartbeat_interval,
             node_timeout=node_timeout,
-            **{**self._options, "claimer": None},
+            # The coordinator's leader keeps this node's id: a default one is taken anew
+            # in a forked child (see reset_after_fork).
+            **{**self._options, "claimer": None, "node_id": node_id},
         )
+        self._adopt_node_id()
         self._reads = Connections(
             conninfo,
             owner="PostgresShardedLeader",
@@ -552,6 +559,8 @@ class PostgresShardedLeader:
         self._started = False
         self._stop_asked = False
         self._stopped = threading.Event()
+        self._forked = False  # started in a parent process: unusable in this one
+        forks.register(self)
 
     # -- public ---------------------------------------------------------------------
 
@@ -772,8 +781,35 @@ class PostgresShardedLeader:
             self._plan = (now, plan)
             return plan
 
+    def reset_after_fork(self) -> None:
+        """In a forked child (see :mod:`rselection.forks`): not yet started, it takes
+        the node id its coordinator's leader takes here; started, it is the parent's
+        and refuses to run here (its shards' leaders do the same)."""
+        if self._started:
+            self._forked = True
+            self._stopped = threading.Event()
+            self._stopped.set()
+        else:
+            self._coordinator.reset_after_fork()
+            self._adopt_node_id()
+
+    def _adopt_node_id(self) -> None:
+        """This node's id is its coordinator's leader's (a default one is per process)."""
+        self._node_id = self._options["node_id"] = self._coordinator.node_id
+        if self._owned_claimer is not None:
+            self._owned_claimer.node_id = self._node_id
+
+    def _refuse_if_forked(self) -> None:
+        if self._forked:
+            raise RSelectionError(
+                f"sharded leader {self._name!r} was started in the process this one "
+                f"({os.getpid()}) was forked from: it cannot go on in a forked child; "
+                f"{forks.FORK_ADVICE}"
+            )
+
     def _start(self, *, coordinator: bool) -> None:
         """Build and start every shard's leader (and the coordinator's, if asked)."""
+        self._refuse_if_forked()
         with self._lock:
             if self._started:
                 raise RuntimeError("this leader was already started; create a new one")
@@ -807,23 +843,31 @@ class PostgresShardedLeader:
         logger.info("node %s competes for %d shards of %r", self._node_id, self._shards, self._name)
 
     def lead(self) -> None:
-        """Compete and lead in this thread until :meth:`stop` or Ctrl-C, then clean up.
+        """Compete and lead in this thread until :meth:`stop`, SIGTERM or Ctrl-C, then
+        hand this node's shards over, clean up and return.
+
+        In the main thread, SIGTERM and SIGINT (Ctrl-C) are a graceful stop, as for
+        :meth:`rselection.LeaseLeader.lead`; the program's own handlers are put back on
+        return. :meth:`start` and the context managers install no handler.
 
         Raises:
             ConfigError: the lease server cannot be used safely as configured (a
                 connection pooler that is not in session mode, for one); every shard
                 was stopped first.
         """
-        try:
-            self._start(coordinator=False)
-            # The coordinator's leader runs in this thread: it returns once stopped (by
-            # stop() or Ctrl-C) and raises what made leading unsafe, which holds for
-            # every shard too (they share its keeper session).
-            self._coordinator.lead()
-        except KeyboardInterrupt:
-            logger.info("interrupted; stopping sharded leader %r", self._name)
-        finally:
-            self.stop()  # waits for a stop() called elsewhere rather than repeat it
+        self._refuse_if_forked()
+        with stop_on_signals(f"sharded leader {self._name!r}") as signalled:
+            try:
+                self._start(coordinator=False)
+                # The coordinator's leader runs in this thread: it returns once stopped
+                # (by stop() or a signal) and raises what made leading unsafe, which
+                # holds for every shard too (they share its keeper session).
+                self._coordinator.lead()
+            except KeyboardInterrupt:
+                pass
+            finally:
+                signalled.stop_begins()
+                self.stop()  # waits for a stop() called elsewhere rather than repeat it
 
     def step_down(self, *, hold: float = 0.0, wait: bool = True) -> None:
         """Give up every shard this node leads (each cancelled, joined and released).
@@ -850,6 +894,8 @@ class PostgresShardedLeader:
         Args:
             timeout: seconds this call may take in all (default: until stopped).
         """
+        if self._forked:  # the parent's threads are not in this process: nothing runs
+            return
         with self._lock:
             asked, self._stop_asked = self._stop_asked, True
         if asked:  # another call does the work: wait for it

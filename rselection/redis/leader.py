@@ -138,6 +138,8 @@ class RedisLeader(LeaseLeader):
         node_timeout: float | None = None,
     ) -> None:
         check_name(name, "lease name")
+        given_node_id = node_id
+        # What is built here gets the leader's id once it has one (_adopt_node_id).
         node_id = check_node_id(node_id) if node_id is not None else new_node_id()
         timings = Timings(ttl, renew_interval, renew_deadline, retry_interval)
         redis_client, owns_client = check_client(client, "RedisLeader")
@@ -154,8 +156,11 @@ class RedisLeader(LeaseLeader):
         )
         self._redis_lease = lease
         self._fence_writes = RedisFence(redis_client, name, key_prefix=key_prefix)
+        self._owned_claimer: RedisClaimer | None = None
         if claimer is DEFAULT_CLAIMER:
-            claimer = RedisClaimer(redis_client, key_prefix=f"{key_prefix}claim:", node_id=node_id)
+            claimer = self._owned_claimer = RedisClaimer(
+                redis_client, key_prefix=f"{key_prefix}claim:", node_id=node_id
+            )
         heartbeat = check_seconds(heartbeat_interval, "heartbeat_interval")
         timeout = check_optional_seconds(node_timeout, "node_timeout")
         self._membership = RedisMembership(
@@ -180,13 +185,20 @@ class RedisLeader(LeaseLeader):
         super().__init__(
             lease,
             handler,
-            node_id=node_id,
+            node_id=given_node_id,
             timings=timings,
             claimer=claimer,
             broadcaster=broadcaster,
             fence=no_transaction_fence(name, key_prefix),
             cleanup=cleanup,
         )
+
+        self._adopt_node_id(self.node_id)
+
+    def _adopt_node_id(self, node_id: str) -> None:
+        self._membership.node_id = node_id
+        if self._owned_claimer is not None:
+            self._owned_claimer.node_id = node_id
 
     @property
     def lease(self) -> RedisLease:

@@ -77,8 +77,9 @@ server, except when the server's idle ``timeout`` or its TCP keepalive would clo
 A cut-off leader has cancelled and joined its tasks ``renew_deadline + stop_grace +
 0.5`` s after its last renewal, which is at most ``ttl``. So a holder offers fast
 takeover (``"fast": "1"`` in the key) only when it read the server's ``timeout`` (0, or
-longer than ``ttl``) and ``tcp-keepalive`` (0, or one whose dead-peer time, twice the
-setting on Linux, exceeds ``ttl``) with ``CONFIG GET``, and it marks its keeper
+longer than ``ttl``) and ``tcp-keepalive`` (0, or one whose dead-peer time exceeds
+``ttl``: ``k + 3 * max(1, k // 3)`` seconds on Linux, see :mod:`.keepalive`) with
+``CONFIG GET``, and it marks its keeper
 ``CLIENT NO-EVICT``. When the server forbids ``CONFIG GET`` or a follower may not run
 ``CLIENT LIST``, takeover waits for the key to expire (``ttl``), which is always safe.
 ``CLIENT KILL`` of a partitioned leader's keeper (client name ``rselection:<name>``)
@@ -116,6 +117,7 @@ from ._conn import MIN_TTL, ConnectionFactory, check_client, client_name, unavai
 from ._scripts import ACQUIRE, READ, RELEASE, RENEW
 from ._scripts import CANCEL_HANDOVER as CANCEL_HANDOVER  # re-exported
 from ._scripts import REQUEST_HANDOVER as REQUEST_HANDOVER  # re-exported
+from .keepalive import keepalive_refusal
 from .keys import DEFAULT_KEY_PREFIX, check_key_prefix, liveness_channel
 
 __all__ = ["RedisLease", "handover_key", "lease_keys", "node_channel", "term_origin_key"]
@@ -496,13 +498,9 @@ class RedisLease(Closeable):
                 timeout,
             )
             return False
-        if keepalive and 2 * keepalive <= bound:
-            logger.warning(
-                "lease %r: the server's tcp-keepalive %s s could drop a partitioned leader "
-                "before its tasks are joined; crash failover waits for the ttl",
-                self.name,
-                keepalive,
-            )
+        refusal = keepalive_refusal(keepalive, bound)
+        if refusal is not None:
+            logger.warning("lease %r: %s; crash failover waits for the ttl", self.name, refusal)
             return False
         return True
 

@@ -9,7 +9,10 @@
 - ``sh`` blocks and the ``$`` lines of ``console`` blocks are commands: ``rselection``
   commands must parse with the command's own parser, scripts and their options must
   exist, extras must be in ``pyproject.toml``.
-- ``yaml``, ``ini`` and ``toml`` blocks must parse; ``text`` blocks are output, not code.
+- ``gunicorn`` and ``uvicorn`` commands must parse with the server's own parser, name an
+  app that exists (``module:attribute``) and files that exist.
+- ``yaml``, ``ini``, ``toml`` and ``json`` blocks must parse; ``text`` blocks are output,
+  not code. The logging page's JSON block is ``examples/logging.json``, verbatim.
 
 CHANGELOG.md follows Keep a Changelog with lines of at most 100 characters and working
 link references.
@@ -21,8 +24,10 @@ import argparse
 import ast
 import builtins
 import configparser
+import contextlib
 import importlib.util
 import inspect
+import json
 import os
 import re
 import shlex
@@ -30,6 +35,7 @@ import subprocess
 import sys
 import textwrap
 import tomllib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,7 +108,7 @@ RUN = [b for b in PYTHON if b.directive == "run"]
 PYTEST = [b for b in PYTHON if b.directive == "pytest"]
 TESTING_PAGE = DOCS / "how-to" / "testing.md"
 COMMANDS = [b for b in BLOCKS if b.lang in ("sh", "console")]
-CHECKED = {"python", "sh", "console", "yaml", "ini", "toml", "text"}
+CHECKED = {"python", "sh", "console", "yaml", "ini", "toml", "json", "text"}
 
 
 def test_every_block_has_a_language_the_test_checks() -> None:
@@ -338,7 +344,18 @@ EXTRAS = set(
     tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
 )
 # Programs the docs may run whose arguments there is nothing here to check against.
-OTHER_PROGRAMS = {"cd", "curl", "export", "kill", "kubectl", "psql", ".", "git"}
+OTHER_PROGRAMS = {
+    "cd",
+    "curl",
+    "docker",
+    "export",
+    "kill",
+    "kubectl",
+    "psql",
+    ".",
+    "git",
+    "systemctl",
+}
 
 
 def commands(block: Block) -> Iterator[list[str]]:
@@ -389,6 +406,55 @@ def check_script(block: Block, args: list[str]) -> None:
         previous = arg if "=" not in arg else ""
 
 
+def check_app(target: str, *where: Path) -> None:
+    """``module:attribute``: a module found in one of ``where`` assigns ``attribute``."""
+    module, _, attr = target.partition(":")
+    relative = module.replace(".", "/") + ".py"
+    sources = [base / relative for base in where if (base / relative).is_file()]
+    assert sources, f"{target}: no {relative} in {[str(b.relative_to(ROOT)) for b in where]}"
+    assert attr and re.search(rf"^{re.escape(attr)}\b.*=", sources[0].read_text(), re.M), (
+        f"{target}: {relative} assigns no {attr!r}"
+    )
+
+
+def check_uvicorn(args: list[str]) -> None:
+    """uvicorn's own parser accepts the command (files it names exist, from the root of
+    the repository, where the docs' commands run); the app exists."""
+    import click
+    from uvicorn.main import main as uvicorn_main
+
+    with contextlib.chdir(ROOT):
+        try:
+            context = uvicorn_main.make_context("uvicorn", list(args))
+        except click.ClickException as exc:
+            raise AssertionError(f"`uvicorn {shlex.join(args)}`: {exc.format_message()}") from None
+    check_app(context.params["app"], ROOT / context.params["app_dir"])
+
+
+def check_gunicorn(args: list[str]) -> None:
+    """gunicorn's own parser accepts the command; its app, worker class and the files it
+    names exist (paths from the root of the repository, or ``--chdir``)."""
+    from gunicorn.config import Config
+
+    try:
+        options = Config().parser().parse_args(args)
+    except SystemExit:
+        raise AssertionError(f"`gunicorn {shlex.join(args)}` does not parse") from None
+    here = ROOT / options.chdir if options.chdir else ROOT
+    paths = [here / p for p in (options.pythonpath or "").split(",") if p]
+    assert len(options.args) == 1, f"one app, not {options.args}"
+    check_app(options.args[0], *paths, here)
+    for name in (options.config, options.logconfig, options.logconfig_json):
+        if name is not None and not name.startswith("python:"):
+            assert (here / name).is_file(), f"gunicorn: no such file {name}"
+    if options.worker_class and "." in options.worker_class:
+        module, _, cls = options.worker_class.rpartition(".")
+        with warnings.catch_warnings():  # uvicorn.workers says it is deprecated
+            warnings.simplefilter("ignore", DeprecationWarning)
+            loaded = importlib.import_module(module)
+        assert hasattr(loaded, cls), f"gunicorn: no worker class {options.worker_class}"
+
+
 def check_command(block: Block, argv: list[str]) -> None:
     while argv and re.match(r"^[A-Z_][A-Z0-9_]*=", argv[0]):
         argv = argv[1:]  # VAR=value prefixes
@@ -414,10 +480,9 @@ def check_command(block: Block, argv: list[str]) -> None:
         for arg in args:
             assert arg.startswith("-") or (ROOT / arg).exists(), f"no such test path {arg}"
     elif program == "uvicorn":
-        module, _, attr = args[0].partition(":")
-        source = ROOT / (module.replace(".", "/") + ".py")
-        assert source.is_file() and re.search(rf"^{attr} = ", source.read_text(), re.M), args[0]
-        assert all(a.startswith("--") or a.isdigit() for a in args[1:])
+        check_uvicorn(args)
+    elif program == "gunicorn":
+        check_gunicorn(args)
     elif program == "mkdocs":
         assert args[0] in ("build", "serve"), args
     elif program.startswith((".ci/", "./")):
@@ -438,11 +503,13 @@ def test_commands_exist_and_parse(block: Block) -> None:
 
 
 @pytest.mark.parametrize(
-    "block", [b for b in BLOCKS if b.lang in ("yaml", "ini", "toml")], ids=lambda b: b.id
+    "block", [b for b in BLOCKS if b.lang in ("yaml", "ini", "toml", "json")], ids=lambda b: b.id
 )
 def test_config_blocks_parse(block: Block) -> None:
     if block.lang == "ini":
         configparser.ConfigParser(inline_comment_prefixes=(";",)).read_string(block.code)
+    elif block.lang == "json":
+        json.loads(block.code)
     elif block.lang == "toml":
         tomllib.loads(block.code)
     else:
@@ -455,6 +522,11 @@ def test_config_blocks_parse(block: Block) -> None:
 
                 spec = doc["spec"]["template"]["spec"]
                 assert spec["terminationGracePeriodSeconds"] >= Timings().stop_grace(None) + 5
+
+
+def test_the_logging_page_shows_the_logging_configuration_of_the_examples() -> None:
+    shown = [json.loads(b.code) for b in BLOCKS if b.lang == "json" and b.page.name == "logging.md"]
+    assert json.loads((ROOT / "examples" / "logging.json").read_text()) in shown
 
 
 # -- generated pages ----------------------------------------------------------------------

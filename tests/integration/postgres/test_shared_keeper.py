@@ -23,6 +23,8 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 import rselection as rs
 from rselection import signals
@@ -477,6 +479,75 @@ def test_leases_that_joined_the_keeper_together_listen_in_one_round_trip(
         assert time.monotonic() - started < 5
     finally:
         for lease in leases:
+            lease.close()
+
+
+def listening(lease: PostgresLease) -> list[str]:
+    """The channels the keeper session of ``lease`` (which holds no term) listens on,
+    read on that very session."""
+    keeper = lease.keeper
+    assert keeper is not None
+    rows = keeper.read(
+        sql.SQL("SELECT c FROM pg_listening_channels() AS c ORDER BY c"), "read the channels"
+    )
+    assert rows is not None, "the keeper session is not free for a read"
+    return [row[0] for row in rows]
+
+
+def test_the_keeper_stops_listening_for_closed_leases(pg_dsn: str) -> None:
+    stays = PostgresLease(pg_dsn, name="stays", ttl=10.0, renew_deadline=5.0)
+    try:
+        stays.connect()
+        ring = [c for c in listening(stays) if c != stays.channel]
+        assert len(ring) == 1, ring  # the ring channel
+        for i in range(300):
+            lease = PostgresLease(pg_dsn, name=f"gone{i}", ttl=10.0, renew_deadline=5.0)
+            lease.connect()
+            if i == 0:
+                assert lease.channel in listening(stays)
+            lease.close()
+        seen: list[list[str]] = []
+
+        def only_the_open_lease() -> bool:
+            seen.append(listening(stays))
+            return seen[-1] == sorted([*ring, str(stays.channel)])
+
+        until = time.monotonic() + 5.0
+        while not only_the_open_lease() and time.monotonic() < until:
+            time.sleep(0.05)
+        left = seen[-1] == sorted([*ring, str(stays.channel)])
+        assert left, (
+            f"after 300 leases opened and closed the keeper session listens on "
+            f"{len(seen[-1])} channels: {seen[-1][:3]}..."
+        )
+    finally:
+        stays.close()
+
+
+@pytest.mark.parametrize("when", ["at once", "after the keeper stopped listening"])
+def test_a_lease_opened_again_after_it_was_closed_is_woken(pg_dsn: str, when: str) -> None:
+    stays = PostgresLease(pg_dsn, name="stays", ttl=10.0, renew_deadline=5.0)
+    other = PostgresLease(
+        make_conninfo(pg_dsn, application_name="other"), name="x", ttl=10.0, renew_deadline=5.0
+    )
+    again = PostgresLease(pg_dsn, name="x", ttl=10.0, renew_deadline=5.0)
+    try:
+        stays.connect()
+        first = PostgresLease(pg_dsn, name="x", ttl=10.0, renew_deadline=5.0)
+        first.connect()
+        channel = first.channel
+        first.close()
+        if when != "at once":
+            wait_until(lambda: channel not in listening(stays), 5, "the channel to be left")
+        again.connect()
+        assert channel in listening(stays)
+        started = time.monotonic()
+        held = other.try_acquire("holder")
+        assert held.acquired and held.holder is not None
+        again.wait_for_change(10)  # the acquisition's notification wakes it
+        assert time.monotonic() - started < 5
+    finally:
+        for lease in (again, other, stays):
             lease.close()
 
 

@@ -9,11 +9,10 @@ import time
 from types import FrameType
 from typing import Any
 
-from django.conf import settings
 from django.core.management.base import BaseCommand
 
 import rselection as rs
-from leaderapp.tasks import handler
+from leaderapp.leading import build_leader
 
 
 class Command(BaseCommand):
@@ -31,14 +30,7 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        dsn = getattr(settings, "RSELECTION_DSN", None)
-        name = options["name"] or getattr(settings, "RSELECTION_LEASE", "django")
-        if dsn:
-            leader: rs.PostgresLeader | rs.SingleNodeLeader = rs.PostgresLeader(
-                dsn, handler, name=name, node_id=options["node_id"]
-            )
-        else:
-            leader = rs.SingleNodeLeader(handler, name=name, node_id=options["node_id"] or "local")
+        leader = build_leader(name=options["name"], node_id=options["node_id"])
 
         def elected(sender: object, **kw: Any) -> None:
             self.stdout.write(f"elected: {kw['node_id']} leads with term {kw['term']}")

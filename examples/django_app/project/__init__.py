@@ -1,0 +1,1 @@
+"""The Django project of the example: settings, URLs and the ASGI application."""
