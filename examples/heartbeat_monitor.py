@@ -58,9 +58,7 @@ def run_node(dsn: str | None, node_id: str, name: str = "heartbeat-example") -> 
         lambda sender, **kw: print(f"[{node_id}] leads (term {kw['term']})", flush=True),
         weak=False,
     )
-    # SIGTERM (systemd, Docker, Kubernetes) stops as gracefully as Ctrl-C does.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    leader.lead()  # until Ctrl-C or SIGTERM
+    leader.lead()  # until Ctrl-C or SIGTERM (systemd, Docker, Kubernetes): a graceful stop
     print(f"[{node_id}] stopped cleanly", flush=True)
 
 

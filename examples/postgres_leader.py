@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 
 import rselection as rs
 
@@ -92,10 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         leader = rs.PostgresLeader(args.dsn, tasks, name=args.name)
     else:
         leader = rs.SingleNodeLeader(tasks, name=args.name)
-    # SIGTERM (systemd, Docker, Kubernetes) stops as gracefully as Ctrl-C does.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     print(f"node {leader.node_id} is following; Ctrl-C stops it", flush=True)
-    leader.lead()  # returns after Ctrl-C, once tasks are joined and the lease released
+    # Ctrl-C or SIGTERM (systemd, Docker, Kubernetes) stops it gracefully: lead() returns
+    # once the tasks are joined and the lease released.
+    leader.lead()
     print("stopped cleanly", flush=True)
     return 0
 

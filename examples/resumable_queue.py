@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 from typing import Any
 
 import rselection as rs
@@ -207,10 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         MEMORY_QUEUE[:] = [MemoryQueue(args.items)]
         leader = rs.SingleNodeLeader(tasks, name=args.name)
-    # SIGTERM (systemd, Docker, Kubernetes) stops as gracefully as Ctrl-C does.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     say(f"node {leader.node_id} is following; Ctrl-C stops it")
-    leader.lead()  # returns after Ctrl-C, once the task is joined and the lease released
+    # Ctrl-C or SIGTERM (systemd, Docker, Kubernetes) stops it gracefully: lead() returns
+    # once the task is joined and the lease released.
+    leader.lead()
     say("stopped cleanly")
     return 0
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import threading
 
 import rselection as rs
@@ -66,8 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards", type=int, default=8, help="number of shards (default 8)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    # SIGTERM (systemd, Docker, Kubernetes) stops as gracefully as Ctrl-C does.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     if not args.dsn:
         alone = rs.SingleNodeLeader(tasks, name=args.name)
         print(f"node {alone.node_id} polls every tenant alone; Ctrl-C stops it", flush=True)
@@ -88,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"node {leader.node_id} joins {args.name!r}; Ctrl-C stops it", flush=True)
     threading.Thread(target=report, daemon=True).start()
     try:
-        leader.lead()  # returns after Ctrl-C, once every shard is handed over and released
+        # Ctrl-C or SIGTERM (systemd, Docker, Kubernetes): lead() returns once every
+        # shard is handed over and released.
+        leader.lead()
     finally:
         done.set()
     print("stopped cleanly", flush=True)

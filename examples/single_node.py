@@ -7,7 +7,7 @@ Two leader-scoped tasks share a broadcaster channel:
 - ``heartbeat-monitor`` (a persistent ``async def`` task) reads the channel and logs a
   warning whenever no heartbeat arrived within three intervals.
 
-Run it until Ctrl-C::
+Run it until Ctrl-C (or SIGTERM)::
 
     python examples/single_node.py
 
@@ -28,7 +28,6 @@ import argparse
 import itertools
 import logging
 import os
-import signal
 import threading
 import time
 from typing import Any
@@ -122,14 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     rs.signals.demoted.connect(demoted, sender=leader)
     rs.signals.task_failed.connect(failed, sender=tasks)
 
-    # SIGTERM stops as cleanly as Ctrl-C does.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     if args.seconds is not None:
         timer = threading.Timer(args.seconds, leader.stop)
         timer.daemon = True
         timer.start()
     print("leading; press Ctrl-C to stop", flush=True)
-    leader.lead()  # returns after stop() or Ctrl-C, with every task cancelled and joined
+    leader.lead()  # returns after stop(), Ctrl-C or SIGTERM, every task cancelled and joined
     broadcaster.close()
 
     for name, report in tasks.health().items():

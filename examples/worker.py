@@ -22,9 +22,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
-import threading
-from types import FrameType
 from typing import Any
 
 import rselection as rs
@@ -87,21 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     rs.signals.elected.connect(elected, sender=leader)
     rs.signals.demoted.connect(demoted, sender=leader)
 
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        # Only set a flag here: stopping joins threads, which a signal handler must not.
-        log.info("got %s; handing over", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-
-    leader.start()
     print(f"worker {leader.node_id} started; SIGTERM or Ctrl-C stops it", flush=True)
-    while not stop.wait(0.5):
-        pass
-    leader.stop()  # cancel and join tasks, then release the lease: a follower leads now
+    # In the main thread, lead() takes SIGTERM and Ctrl-C as a graceful stop: it cancels
+    # and joins the tasks, releases the lease (a follower leads now), then returns.
+    leader.lead()
     print("stopped cleanly", flush=True)
     return 0
 

@@ -134,6 +134,14 @@ ALONE: dict[str, tuple[list[str], str]] = {
 }
 
 
+def test_examples_that_lead_leave_the_stop_signals_to_lead() -> None:
+    # lead() takes SIGTERM like Ctrl-C; an example ending in it needs no handler of its own.
+    for path in sorted(EXAMPLES.rglob("*.py")):
+        text = path.read_text()
+        if ".lead()" in text:
+            assert "signal.signal(" not in text, f"{path.name} installs a signal handler"
+
+
 def test_every_example_is_run_alone_here() -> None:
     found = {p.relative_to(EXAMPLES).as_posix() for p in EXAMPLES.glob("*.py")}
     found.add("django_app/manage.py")

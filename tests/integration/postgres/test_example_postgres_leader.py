@@ -1,4 +1,4 @@
-"""examples/postgres_leader.py: two copies, one leads; Ctrl-C on it hands over."""
+"""examples/postgres_leader.py: two copies, one leads; Ctrl-C or SIGTERM on it hands over."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+import pytest
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "postgres_leader.py"
 
@@ -44,13 +46,14 @@ def _expect(lines: queue.Queue[tuple[int, str]], needle: str, timeout: float) ->
     raise AssertionError(f"{needle!r} not printed within {timeout}s; got {seen}")
 
 
-def test_two_nodes_hand_over_on_ctrl_c(pg_dsn: str) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_two_nodes_hand_over_on_ctrl_c_or_sigterm(pg_dsn: str, signum: signal.Signals) -> None:
     lines: queue.Queue[tuple[int, str]] = queue.Queue()
     procs = [_start(pg_dsn, lines, i) for i in range(2)]
     try:
         first = _expect(lines, "is now the leader", 30)
         _expect(lines, "fire report@", 10)
-        procs[first].send_signal(signal.SIGINT)
+        procs[first].send_signal(signum)
         assert procs[first].wait(15) == 0
         second = _expect(lines, "is now the leader", 10)
         assert second != first

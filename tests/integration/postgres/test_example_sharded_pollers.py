@@ -1,4 +1,5 @@
-"""examples/sharded_pollers.py: two copies share the shards; Ctrl-C on one hands its over."""
+"""examples/sharded_pollers.py: two copies share the shards; Ctrl-C or SIGTERM on one hands
+its shards over."""
 
 from __future__ import annotations
 
@@ -49,7 +50,10 @@ def _expect(lines: queue.Queue[tuple[int, str]], needle: str, timeout: float) ->
     raise AssertionError(f"{needle!r} not printed within {timeout}s; got {seen[-20:]}")
 
 
-def test_two_copies_split_the_shards_and_ctrl_c_hands_them_over(pg_dsn: str) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_two_copies_split_the_shards_and_a_stop_signal_hands_them_over(
+    pg_dsn: str, signum: signal.Signals
+) -> None:
     lines: queue.Queue[tuple[int, str]] = queue.Queue()
     first = _start(pg_dsn, lines, 0)
     procs = [first]
@@ -59,7 +63,7 @@ def test_two_copies_split_the_shards_and_ctrl_c_hands_them_over(pg_dsn: str) -> 
         procs.append(_start(pg_dsn, lines, 1))
         assert _expect(lines, "owns 4 shards", 30) in (0, 1)
         _expect(lines, "owns 4 shards", 10)
-        first.send_signal(signal.SIGINT)
+        first.send_signal(signum)
         assert first.wait(15) == 0
         assert _expect(lines, "owns 8 shards", 15) == 1
         # The checkpoint comes along with a shard: the new owner's count goes on from the
