@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import psycopg
@@ -34,13 +34,14 @@ from ..lease import HandoverRequest, LeaderInfo
 from ..validation import check_name, check_node_id, check_seconds
 from ._conn import Connections
 from ._lease_sql import lease_channel, resolve_lease_table, rows_sql, utc
-from .schema import DEFAULT_TABLE, table_identifier
+from .schema import DEFAULT_TABLE, NODES_TABLE, table_identifier
 
 __all__ = [
     "announces_handover",
     "cancel_handover",
     "current_holder",
     "renewal_request",
+    "reopen_handovers",
     "request_handover",
     "request_handovers",
 ]
@@ -161,6 +162,9 @@ def request_handovers(
     *,
     table: str = DEFAULT_TABLE,
     timeout: float = 10.0,
+    members_of: str | None = None,
+    nodes_table: str = NODES_TABLE,
+    fence: tuple[str, int] | None = None,
 ) -> dict[str, LeaderInfo]:
     """:func:`request_handover` of many leases, each to a node of its own, in one
     statement; return the holder asked of each lease a request was recorded for.
@@ -174,6 +178,18 @@ def request_handovers(
         targets: the node that should take over each lease, by lease name.
         table: the lease table, optionally schema-qualified.
         timeout: seconds each request (and its reservation) stays valid (at least 1 ms).
+        members_of: when given, a lease name: a request is recorded only if its target
+            has a row of that lease in ``nodes_table`` (it heartbeats as one of its
+            nodes and has not left). The rows are locked ``FOR KEY SHARE`` by the
+            statement, so a node that leaves (deletes its row) at the same moment either
+            is skipped or leaves after the request committed, and then sees it (see
+            :func:`reopen_handovers`).
+        nodes_table: the nodes table ``members_of`` is looked up in.
+        fence: when given, ``(lease name, term)``: the requests are recorded only while
+            that term still holds that lease (as :func:`~rselection.postgres.fenced`
+            checks, in the same statement), else nothing is and the answer is empty. A
+            sharded leader's coordinator fences its moves by its own term, so that a
+            deposed coordinator cannot move shards from a stale view.
 
     Raises:
         ConfigError: the table does not exist or predates handovers, or bad arguments.
@@ -184,8 +200,32 @@ def request_handovers(
     names = [check_name(name, "lease name") for name in targets]
     nodes = [check_node_id(node) for node in targets.values()]
     timeout = check_seconds(timeout, "timeout", minimum=MIN_TIMEOUT)
+    if members_of is not None:
+        members_of = check_name(members_of, "lease name")
+        table_identifier(nodes_table)  # validates
+    if fence is not None:
+        fence = (check_name(fence[0], "lease name"), _check_term(fence[1]))
     if not names:
         return {}
+    conditions: list[sql.Composable] = []
+    if members_of is not None:
+        # Locked: a node deleting its row (leaving) waits for this statement, or this
+        # statement sees the row gone.
+        conditions.append(
+            sql.SQL(
+                " AND r.target IN (SELECT m.node_id FROM {n} AS m WHERE m.name = %(members)s"
+                " AND m.node_id IN (SELECT target FROM r) FOR KEY SHARE)"
+            ).format(n=table_identifier(nodes_table))
+        )
+    if fence is not None:
+        # As fenced(): a takeover of the fencing lease waits for this statement.
+        conditions.append(
+            sql.SQL(
+                " AND EXISTS (SELECT 1 FROM {t} AS f WHERE f.name = %(fence_name)s"
+                " AND f.term = %(fence_term)s AND f.holder IS NOT NULL"
+                " AND f.expires_at > clock_timestamp() FOR KEY SHARE)"
+            ).format(t=table_identifier(table))
+        )
     with _one_call(conninfo, "request_handover", "record the handover requests") as conn:
         _, qualified, handovers = _lease_table(conn, table)
         if not handovers:
@@ -198,7 +238,7 @@ def request_handovers(
                 " resign_to = r.target,"
                 " resign_until = clock_timestamp() + %(timeout)s * interval '1 second'"
                 " FROM r WHERE t.name = r.name AND t.holder IS NOT NULL"
-                " AND t.holder <> r.target AND t.expires_at > clock_timestamp()"
+                " AND t.holder <> r.target AND t.expires_at > clock_timestamp(){conditions}"
                 " RETURNING t.name, t.holder, t.term, t.acquired_at, t.expires_at,"
                 " r.target, r.channel)"
                 " SELECT name, holder, term, acquired_at, expires_at,"
@@ -212,10 +252,69 @@ def request_handovers(
                     (nodes, "text"),
                     ([lease_channel(qualified, name) for name in names], "text"),
                 ),
+                conditions=sql.Composed(conditions),
             ),
-            {"timeout": timeout},
+            {
+                "timeout": timeout,
+                "members": members_of,
+                "fence_name": fence[0] if fence is not None else None,
+                "fence_term": fence[1] if fence is not None else None,
+            },
         ).fetchall()
     return {row[0]: LeaderInfo(row[1], row[2], utc(row[3]), utc(row[4])) for row in rows}
+
+
+def reopen_handovers(
+    conninfo: Any, names: Sequence[str], node_id: str, *, table: str = DEFAULT_TABLE
+) -> list[str]:
+    """Open to every node the handover requests of leases ``names`` reserved for
+    ``node_id``; return the leases whose request was opened.
+
+    What a node that leaves does once it no longer counts as a member (after its row in
+    the nodes table is gone, see ``members_of`` of :func:`request_handovers`): a lease
+    handed to it meanwhile is not left reserved for a node that will never take it. The
+    old holder still may not take the lease back; any other node may, and the lease's
+    channel is notified so that waiting followers attempt at once.
+
+    Args:
+        conninfo: the leases' database: a connection string, a ``psycopg.Connection``
+            or a pool.
+        names: the lease names to look at.
+        node_id: the node the requests were reserved for.
+        table: the lease table, optionally schema-qualified.
+
+    Raises:
+        ConfigError: the table does not exist or predates handovers, or bad arguments.
+        BackendUnavailable: the database cannot be reached or the statement failed.
+    """
+    names = [check_name(name, "lease name") for name in names]
+    node_id = check_node_id(node_id)
+    if not names:
+        return []
+    with _one_call(conninfo, "reopen_handovers", "open the handover requests") as conn:
+        _, qualified, handovers = _lease_table(conn, table)
+        if not handovers:
+            return []  # no requests without the columns
+        rows = conn.execute(
+            sql.SQL(
+                "WITH r(name, channel) AS ({values}),"
+                " opened AS ("
+                " UPDATE {t} AS t SET resign_to = NULL FROM r WHERE t.name = r.name"
+                " AND t.resign_to = %(node)s AND t.resign_until > clock_timestamp()"
+                " RETURNING t.name, t.term, r.channel)"
+                " SELECT name, pg_notify(channel, json_build_object('event', 'reopened',"
+                " 'name', name, 'term', term)::text) FROM opened"
+            ).format(
+                t=table_identifier(table),
+                values=rows_sql(
+                    "x(name, channel)",
+                    (names, "text"),
+                    ([lease_channel(qualified, name) for name in names], "text"),
+                ),
+            ),
+            {"node": node_id},
+        ).fetchall()
+    return [row[0] for row in rows]
 
 
 def _too_old(table: str) -> ConfigError:

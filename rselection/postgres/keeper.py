@@ -115,6 +115,8 @@ GATHER_QUIET = 0.001
 few leases due together go out at once, a thousand stepped by the driver in one pass
 still go in one batch."""
 
+HEARTBEAT_LIMIT = 10.0  # seconds a batch of heartbeats may take on the client's side
+
 HEARTBEAT_BOUND = 1.0
 """Seconds a heartbeat (or the nodes table's creation) may take on the keeper session,
 lock waits included, before the server cancels it: renewals queue behind it, and a
@@ -265,6 +267,7 @@ class SharedKeeper:
         self._closed = False
         # Nodes that heartbeat through the session: node -> when its next beat is due.
         self._beats: dict[Heartbeat, float] = {}
+        self._beating = threading.RLock()  # held while a batch of heartbeats is sent
         self._created: set[str] = set()  # nodes tables created through this session
         self._ring: RingWatcher | None = None
         self._ring_channel = ""
@@ -301,12 +304,19 @@ class SharedKeeper:
         return keeper
 
     def stop_beating(self, node: Heartbeat) -> None:
-        """No more heartbeats of ``node``; the last client closes the session."""
+        """No more heartbeats of ``node``; the last client closes the session.
+
+        Returns once a batch in flight, which may hold a heartbeat of ``node``, has ended
+        (waited for as long as the batch may last): a row deleted after this call is not
+        written back by it.
+        """
         with self._registry_lock, self._state:
             self._beats.pop(node, None)
             last = self._last_client()
         if last:
             self._shut()
+        elif self._beating.acquire(timeout=HEARTBEAT_LIMIT):
+            self._beating.release()
 
     def _last_client(self) -> bool:
         """Under both locks: with no client left, leave the registry (then shut)."""
@@ -1297,14 +1307,18 @@ class SharedKeeper:
                         with self._io.guard(conn, self._timeout + 10.0, held=self.holding):
                             create_tables(conn, nodes=table, timeout=HEARTBEAT_BOUND)
                     self._created.add(table)
-                self._run(
-                    sql.SQL("{}; {}").format(
-                        bounded_sql(HEARTBEAT_BOUND), batch[0].heartbeat_sql(batch)
-                    ),
-                    "record heartbeats",
-                    limit=10.0,
-                    tolerate=True,
-                )
+                with self._beating:
+                    with self._state:  # a node that stopped beating meanwhile is left out
+                        batch = [node for node in batch if node in self._beats]
+                    if batch:
+                        self._run(
+                            sql.SQL("{}; {}").format(
+                                bounded_sql(HEARTBEAT_BOUND), batch[0].heartbeat_sql(batch)
+                            ),
+                            "record heartbeats",
+                            limit=HEARTBEAT_LIMIT,
+                            tolerate=True,
+                        )
                 failed = False
             except (BackendUnavailable, ConfigError, psycopg.Error) as exc:
                 failed = True

@@ -23,13 +23,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import psycopg
 from psycopg import sql
@@ -55,7 +57,7 @@ from ._conn import Connections
 from ._lease_sql import utc
 from .checkpoint import PostgresCheckpointStore
 from .claims import PostgresClaimer
-from .handover import current_holder, request_handovers
+from .handover import current_holder, reopen_handovers, request_handovers
 from .leader import DEFAULT_CLAIMER, PostgresLeader
 from .lease import PostgresLease
 from .schema import DEFAULT_TABLE, NODES_TABLE, table_identifier
@@ -85,6 +87,14 @@ PENDING_POLL = 0.1
 waits ``rebalance_interval`` otherwise)."""
 
 _POLL = 0.05  # seconds between looks of the bounded waits on this node's own state
+
+HAND_OFF_WAIT = 1.0
+"""Seconds :meth:`PostgresShardedLeader.stop` waits at most for its hand-off (leaving
+the membership, then asking for a handover of each shard it leads; a few round trips).
+A database that does not answer by then does not hold the stop up: the shards are
+released, or expire, all the same."""
+
+_T = TypeVar("_T")
 
 
 class _ShardLeader(PostgresLeader):
@@ -136,6 +146,69 @@ class _ShardLeader(PostgresLeader):
             return self.node_id
         seen = self._last_seen
         return seen[0] if seen is not None else None
+
+
+class _Coordinator(PostgresLeader):
+    """The leader of the coordinator's lease ``"<name>"``, whose membership is the
+    sharded leader's: every node heartbeats as one of its nodes."""
+
+    def leave(self) -> None:
+        """Stop heartbeating and delete this node's row now (best effort): from then on
+        the other nodes no longer count it, nor hand it shards."""
+        self._membership.stop()
+
+
+class _Abandonable(Generic[_T]):
+    """One call of the coordinator's, run on a thread of its own so that the task can
+    return as soon as its term is cancelled: a call that waits for a database that does
+    not answer is abandoned (it ends by its own timeouts; what it would still write is
+    fenced by the term)."""
+
+    def __init__(self, fn: Callable[[], _T]) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.value: _T | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn()
+        except BaseException as exc:  # handed to the waiting task
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+class _Rounds:
+    """The coordinator's thread for its blocking calls, for one term (see
+    :class:`_Abandonable`)."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[_Abandonable[Any] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._serve, name=f"rselection-rebalance-{name}", daemon=True
+        )
+        self._thread.start()
+
+    def call(self, ctx: TaskContext, fn: Callable[[], _T]) -> tuple[bool, _T | None]:
+        """``(True, fn())`` (its exception raised here), or ``(False, None)`` once the
+        term is cancelled first."""
+        call = _Abandonable(fn)
+        self._calls.put(call)
+        while not call.done.wait(_POLL):
+            if ctx.cancelled.is_set():
+                return False, None
+        if call.error is not None:
+            raise call.error
+        return True, call.value
+
+    def close(self) -> None:
+        """End the thread once the call it runs, if any, has ended."""
+        self._calls.put(None)
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            call.run()
 
 
 @dataclass(frozen=True)
@@ -202,30 +275,44 @@ class Rebalancer:
         self._memory = _Round()
 
     def __call__(self, ctx: TaskContext) -> None:
-        """Rebalance until the coordinator's term ends."""
+        """Rebalance until the coordinator's term ends.
+
+        Each round's reads and requests run on a thread of their own: once the term is
+        cancelled the task returns within ``_POLL`` seconds, even while the database does
+        not answer (the round is abandoned; its requests are fenced by the term).
+        """
         self._memory = _Round()  # a new term starts from the table alone
         leader = self.leader
-        leader._record_shards(ctx.term)
-        while ctx.is_live():
-            try:
-                self.step()
-            except BackendUnavailable as exc:
-                logger.warning("shards of %r: cannot rebalance now (%s)", leader.name, exc)
-            # While moves are under way, look again soon: the next moves of a node wait
-            # for its earlier ones to complete.
-            pause = leader.rebalance_interval
-            if self._memory.pending:
-                pause = min(pause, PENDING_POLL)
-            if not ctx.sleep(pause):
-                return
+        rounds = _Rounds(leader.name)
+        try:
+            done, _ = rounds.call(ctx, lambda: leader._record_shards(ctx.term))
+            while done and ctx.is_live():
+                try:
+                    done, _ = rounds.call(ctx, lambda: self.step(ctx.term))
+                except BackendUnavailable as exc:
+                    logger.warning("shards of %r: cannot rebalance now (%s)", leader.name, exc)
+                # While moves are under way, look again soon: the next moves of a node
+                # wait for its earlier ones to complete.
+                pause = leader.rebalance_interval
+                if self._memory.pending:
+                    pause = min(pause, PENDING_POLL)
+                if not done or not ctx.sleep(pause):
+                    return
+        finally:
+            rounds.close()
 
     def suspects(self) -> set[str]:
         """The nodes counted out until their next heartbeat (they lost shards no
         handover explains, or did not take a shard handed to them)."""
         return {n for n, t in self._memory.tracks.items() if t.suspect_since is not None}
 
-    def step(self) -> list[Move]:
+    def step(self, term: int | None = None) -> list[Move]:
         """One round: read, plan, ask for the moves; return the moves asked for.
+
+        Args:
+            term: the coordinator's term: the moves are recorded only while it still
+                holds the lease ``"<name>"`` (checked in the statement that records
+                them), so that a deposed coordinator moves nothing. ``None``: not fenced.
 
         Raises:
             BackendUnavailable: the database could not be reached.
@@ -282,11 +369,15 @@ class Rebalancer:
         if not chosen:
             return []
         # Every move of the round in one statement (each old owner is woken at once).
+        # Only to nodes that have not left meanwhile, and only while this term holds.
         answers = request_handovers(
             leader.conninfo,
             {shard_lease_name(leader.name, k): move.target for k, move in chosen.items()},
             table=leader.table,
             timeout=leader.handover_timeout,
+            members_of=leader.name,
+            nodes_table=leader.nodes_table,
+            fence=None if term is None else (leader.name, term),
         )
         # The reservation lasts handover_timeout from the request, by the server's
         # clock; a second more for the target's attempt to land.
@@ -519,7 +610,7 @@ class PostgresShardedLeader:
         }
         coordinator_tasks = TaskHandler()
         coordinator_tasks.persistent("rebalance", restart="always")(Rebalancer(self))
-        self._coordinator = PostgresLeader(
+        self._coordinator = _Coordinator(
             conninfo,
             coordinator_tasks,
             name=self._name,
@@ -559,6 +650,7 @@ class PostgresShardedLeader:
         self._started = False
         self._stop_asked = False
         self._stopped = threading.Event()
+        self._stopper: threading.Thread | None = None  # a stop asked from inside runs here
         self._forked = False  # started in a parent process: unusable in this one
         forks.register(self)
 
@@ -813,6 +905,12 @@ class PostgresShardedLeader:
         with self._lock:
             if self._started:
                 raise RuntimeError("this leader was already started; create a new one")
+            if self._stop_asked:
+                # A stop() before start() is final, as for any leader: nothing starts
+                # (lead() then returns at once: the coordinator was stopped too).
+                self._started = True
+                logger.info("sharded leader %r was stopped before it started", self._name)
+                return
             self._check_shards()
             self._handler.attach()  # registration is closed from now on
             self._started = True
@@ -884,30 +982,62 @@ class PostgresShardedLeader:
                 leader.step_down(hold=hold, wait=True)
 
     def stop(self, timeout: float | None = None) -> None:
-        """Hand this node's shards to the others, then stop every shard and the
-        coordinator, and leave the membership.
+        """Leave the membership, hand this node's shards to the nodes that stay, then
+        stop every shard and the coordinator.
 
-        Each shard this node leads is handed over to a live node below its share (the
-        plan without this node), so that only this node's shards move, once each; the
-        shards' tasks are cancelled and joined, and the leases released.
+        The node first deletes its heartbeat row, so that no other node hands it shards
+        any more (and a shard handed to it meanwhile is opened to every node); then each
+        shard it leads is handed over to a live node below its share (the plan without
+        this node), so that only this node's shards move, once each; the shards' tasks
+        are cancelled and joined, and the leases released. Several nodes that stop at
+        once hand shards only to the nodes that stay.
+
+        Works from any thread. Called from inside the sharded leader (one of its tasks,
+        a signal receiver running on the machinery of one of its shards or of its
+        coordinator, the event loop of its async tasks), it only asks for the stop,
+        which runs on a thread of its own, and returns at once (waiting there would wait
+        for itself); :meth:`lead` returns once that stop is done. A stop before
+        :meth:`start` is final: nothing starts afterwards.
 
         Args:
             timeout: seconds this call may take in all (default: until stopped).
         """
         if self._forked:  # the parent's threads are not in this process: nothing runs
             return
+        inside = self._called_from_inside()
         with self._lock:
             asked, self._stop_asked = self._stop_asked, True
+            if inside and not asked:
+                self._stopper = threading.Thread(
+                    target=self._stop, name=f"rselection-shards-stop-{self._name}", daemon=True
+                )
+        if inside:
+            if self._stopper is not None and not asked:
+                self._stopper.start()
+            return
         if asked:  # another call does the work: wait for it
             self._stopped.wait(timeout)
             return
+        self._stop(timeout)
+
+    def _called_from_inside(self) -> bool:
+        """True on a thread or loop whose work this leader's stop would wait for: one of
+        its shards' or its coordinator's (their tasks, receivers and event loops), or the
+        thread that runs a stop asked from there."""
+        if self._stopper is not None and threading.current_thread() is self._stopper:
+            return True
+        return any(leader._called_from_inside() for leader in (self._coordinator, *self._leaders))
+
+    def _stop(self, timeout: float | None = None) -> None:
+        """The work of :meth:`stop` (once)."""
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def left() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
         if self._started:
-            self._hand_off_within(left())
+            wait = left()
+            self._hand_off_within(HAND_OFF_WAIT if wait is None else min(wait, HAND_OFF_WAIT))
         everyone: list[LeaseLeader] = [self._coordinator, *self._leaders]
         for leader in everyone:
             leader.stop(timeout=0)  # ask them all at once: they wind down together
@@ -924,20 +1054,18 @@ class PostgresShardedLeader:
             self._handler.detach()
         self._stopped.set()
 
-    def _hand_off_within(self, timeout: float | None) -> None:
-        """:meth:`_hand_off`, waited for at most ``timeout`` seconds: a database that
-        stops answering must not hold ``stop(timeout)`` past its bound (the hand-off is
-        best effort; the shards are released, or expire, all the same)."""
+    def _hand_off_within(self, timeout: float) -> None:
+        """:meth:`_leave` then :meth:`_hand_off`, waited for at most ``timeout`` seconds:
+        a database that stops answering must not hold the stop up (the hand-off is best
+        effort; the shards are released, or expire, all the same)."""
 
         def hand_off() -> None:
             try:
+                self._leave()
                 self._hand_off()
             except Exception:  # best effort: the stop goes on
                 logger.exception("shards of %r: error while handing the shards over", self._name)
 
-        if timeout is None:
-            hand_off()
-            return
         thread = threading.Thread(
             target=hand_off, name=f"rselection-shards-hand-off-{self._name}", daemon=True
         )
@@ -951,10 +1079,35 @@ class PostgresShardedLeader:
                 timeout,
             )
 
+    def _leave(self) -> None:
+        """Leave the membership, then open to every node the handovers reserved for this
+        node: from then on no node hands it a shard (:func:`request_handovers` skips a
+        target without its row, and a request that committed before the row was deleted
+        is opened here), so that two nodes stopping at once never reserve shards for
+        each other."""
+        self._coordinator.leave()
+        names = [shard_lease_name(self._name, shard) for shard in range(self._shards)]
+        try:
+            reopened = reopen_handovers(self.conninfo, names, self._node_id, table=self.table)
+        except BackendUnavailable as exc:
+            logger.info(
+                "shards of %r: could not open handovers reserved for %s (%s)",
+                self._name,
+                self._node_id,
+                exc,
+            )
+            return
+        if reopened:
+            logger.info(
+                "shards of %r: %d shard(s) handed to this stopping node opened to every node",
+                self._name,
+                len(reopened),
+            )
+
     def _hand_off(self) -> None:
         """Ask for a handover of each shard this node leads, to the live nodes below
-        their share without this node; best effort (a shard not handed over is released
-        by the stop and taken by any node)."""
+        their share without this node, that have not left; best effort (a shard not
+        handed over is released by the stop and taken by any node)."""
         mine = sorted(self.owned())
         if not mine:
             return
@@ -988,7 +1141,12 @@ class PostgresShardedLeader:
             targets[shard_lease_name(self._name, shard)] = target
         try:
             request_handovers(
-                self.conninfo, targets, table=self.table, timeout=self.handover_timeout
+                self.conninfo,
+                targets,
+                table=self.table,
+                timeout=self.handover_timeout,
+                members_of=self._name,
+                nodes_table=self.nodes_table,
             )
         except BackendUnavailable as exc:
             logger.info("shards of %r: stopping without handing over (%s)", self._name, exc)

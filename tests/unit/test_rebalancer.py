@@ -6,6 +6,7 @@ the rebalancer asks for instead of sending them; the clock is the reads' server 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -32,6 +33,7 @@ class Fleet:
         self.handover_timeout = 3.0
         self.conninfo = "postgresql://nowhere/db"
         self.table = "rselection_leases"
+        self.nodes_table = "rselection_nodes"
         self.now = T0
         self.holders: dict[int, str] = {}
         self.acquired: dict[int, datetime] = {}
@@ -205,6 +207,7 @@ class Ctx:
 
     def __init__(self, rounds: int, between: Callable[[], None]) -> None:
         self.term = 1
+        self.cancelled = threading.Event()
         self.rounds = rounds
         self.between = between
         self.sleeps: list[float] = []
