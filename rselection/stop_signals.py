@@ -54,7 +54,7 @@ class StopSignals:
 def stop_on_signals(what: str) -> Iterator[StopSignals]:
     """While the block runs in the main thread, SIGTERM and SIGINT raise
     :class:`KeyboardInterrupt` in it (see :class:`StopSignals`); the previous handlers
-    are put back after.
+    are put back after. A signal the program ignores (``SIG_IGN``) stays ignored.
 
     Elsewhere (another thread, or inside a block of this kind already) no handler is
     installed, and the object yielded only records :meth:`StopSignals.stop_begins`.
@@ -68,7 +68,13 @@ def stop_on_signals(what: str) -> Iterator[StopSignals]:
     ):
         yield handler
         return
-    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    # A signal the program ignores stays ignored (a shell's background job ignores
+    # Ctrl-C): the program chose not to be stopped by it.
+    previous = {
+        sig: signal.signal(sig, handler)
+        for sig in STOP_SIGNALS
+        if signal.getsignal(sig) is not signal.SIG_IGN
+    }
     try:
         yield handler
     finally:

@@ -54,3 +54,14 @@ def test_no_handler_outside_the_main_thread() -> None:
     thread.start()
     thread.join(10)
     assert seen == [before]
+
+
+def test_an_ignored_signal_stays_ignored() -> None:
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with pytest.raises(KeyboardInterrupt), stop_on_signals("test"):
+            signal.raise_signal(signal.SIGINT)  # ignored: nothing happens
+            signal.raise_signal(signal.SIGTERM)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
