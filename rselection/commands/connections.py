@@ -90,7 +90,7 @@ def check_dsn(dsn: str, source: str = "--dsn") -> None:
 
     try:
         conninfo_to_dict(dsn)
-    except psycopg.Error:
+    except (psycopg.Error, ValueError):  # ValueError: bytes that are not UTF-8 (%80)
         raise UsageError(
             f"the connection string of {source} cannot be parsed (not shown: it may hold a "
             "password); write it as 'postgresql://user:password@host:port/dbname' or "

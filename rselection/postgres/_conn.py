@@ -125,7 +125,7 @@ def _parsed(conninfo: str) -> tuple[tuple[str, Any], ...] | None:
     on one); ``None`` when it cannot be parsed."""
     try:
         return tuple(conninfo_to_dict(conninfo).items())
-    except psycopg.Error:
+    except (psycopg.Error, ValueError):  # ValueError: bytes that are not UTF-8 (%80)
         return None
 
 

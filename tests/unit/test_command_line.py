@@ -143,6 +143,27 @@ def test_an_unparsable_connection_string_is_a_usage_error_that_hides_the_passwor
         assert json.loads(out) == {"error": err.split(": error: ", 1)[1].strip(), "exit_code": 2}
 
 
+@pytest.mark.parametrize("source", ["--dsn", "RSELECTION_DSN"])
+@pytest.mark.usefixtures("no_database")
+def test_bytes_that_are_not_utf8_are_a_usage_error_not_a_crash(
+    source: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rselection.errors import ConfigError
+    from rselection.postgres._conn import check_conninfo
+
+    dsn = "postgresql://u:s3cret%80@127.0.0.1/db"  # psycopg raised UnicodeDecodeError
+    if source == "--dsn":
+        argv = ["status", "--dsn", dsn]
+    else:
+        monkeypatch.setenv("RSELECTION_DSN", dsn)
+        argv = ["status"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "cannot be parsed" in err and "s3cret" not in err
+    with pytest.raises(ConfigError, match="cannot be parsed"):
+        check_conninfo(dsn)
+
+
 @pytest.mark.parametrize(
     "dsn, shown",
     [
