@@ -14,6 +14,7 @@ import pytest
 from rselection import cli
 from rselection.commands import connections
 from rselection.commands.output import UsageError
+from rselection.redaction import redact
 
 COMMANDS = pathlib.Path(cli.__file__).parent / "commands"
 
@@ -77,10 +78,9 @@ def test_forget_refuses_dsn_and_redis_url_together(capsys: pytest.CaptureFixture
 
 def test_redis_url_passwords_are_redacted() -> None:
     url = "redis://user:hunter2@127.0.0.1:1/0"
-    assert connections.redact_url(f"cannot reach {url}", url) == (
-        "cannot reach redis://user:***@127.0.0.1:1/0"
-    )
-    assert connections.redact_url("no password here", "redis://127.0.0.1/0") == "no password here"
+    # The whole user-info goes: the user name is part of it.
+    assert redact(f"cannot reach {url}", url) == "cannot reach redis://***@127.0.0.1:1/0"
+    assert redact("no password here", "redis://127.0.0.1/0") == "no password here"
     with pytest.raises(UsageError) as refused:
         connections.redis_client("http://:hunter2@h")
     assert "hunter2" not in str(refused.value)
@@ -174,7 +174,7 @@ def test_bytes_that_are_not_utf8_are_a_usage_error_not_a_crash(
     ],
 )
 def test_redact_hides_the_password_of_a_string_libpq_cannot_parse(dsn: str, shown: str) -> None:
-    assert "s3" not in connections.redact(f"libpq said: {shown}", dsn)
+    assert "s3" not in redact(f"libpq said: {shown}", dsn)
 
 
 @pytest.mark.usefixtures("no_database")
