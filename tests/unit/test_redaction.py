@@ -42,9 +42,9 @@ PG_MISREAD = {
     "postgresql://u:p@ss@127.0.0.1:5432/test": ("ss@",),
 }
 REDIS_MISREAD = {
-    "redis://:S3cr3t/pw@127.0.0.1:6379/0": ("S3cr3t", "pw@"),
-    "redis://:S3cr3t?pw@127.0.0.1:6379/0": ("S3cr3t", "pw@"),
-    "redis://:S3cr3t#pw@127.0.0.1:6379/0": ("S3cr3t", "pw@"),
+    "redis://:S3cr3t/pw@127.0.0.1:6379/0": ("S3cr3t", "pw"),
+    "redis://:S3cr3t?pw@127.0.0.1:6379/0": ("S3cr3t", "pw"),
+    "redis://:S3cr3t#pw@127.0.0.1:6379/0": ("S3cr3t", "pw"),
 }
 
 

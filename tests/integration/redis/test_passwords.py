@@ -32,9 +32,9 @@ from rselection.redis import (
 from tests.support.waiting import wait_until
 
 MISREAD = {
-    "redis://:S3cr3t/pw@127.0.0.1:6379/0": ("S3cr3t", "pw@"),
-    "redis://:S3cr3t?pw@127.0.0.1:6379/0": ("S3cr3t", "pw@"),
-    "redis://:S3cr3t#pw@127.0.0.1:6379/0": ("S3cr3t", "pw@"),
+    "redis://:S3cr3t/pw@127.0.0.1:6379/0": ("S3cr3t", "pw"),
+    "redis://:S3cr3t?pw@127.0.0.1:6379/0": ("S3cr3t", "pw"),
+    "redis://:S3cr3t#pw@127.0.0.1:6379/0": ("S3cr3t", "pw"),
 }
 # The same passwords percent-encoded, as they should be written, for a server that is
 # not there: every path that reports a failure runs.
