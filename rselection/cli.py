@@ -6,7 +6,9 @@ and ``run``: ``status`` (leases, handover requests, nodes, last fires), ``migrat
 (retire a lease no service uses any more) and ``demo``. The database comes from
 ``--dsn``, else ``$RSELECTION_DSN``, else the libpq ``PG*`` variables (``PGHOST``,
 ``PGPORT``, ``PGDATABASE``, ``PGUSER``, ``PGPASSWORD``, ``PGSERVICE``, ...). Passwords are
-never printed.
+never printed, however the connection string is spelled; a password given on the
+command line (``--dsn``, ``--redis-url``), where any local user can read it, is warned
+about once on stderr.
 
 Exit codes: 0 done (``status``: every lease judged has a leader); 1 refused or failed
 (``status``: a lease has no leader); 2 the command line cannot be used as given (as
@@ -21,6 +23,7 @@ import json
 import sys
 
 from .commands import demo, forget, migrate, resign, status
+from .commands.connections import warn_of_passwords
 from .commands.output import EXIT_USAGE, UsageError
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main"]
@@ -57,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         argv: the arguments after the program name (default: ``sys.argv[1:]``).
     """
     args = build_parser().parse_args(argv)
+    warn_of_passwords(args)
     try:
         code: int = args.run(args)
     except UsageError as exc:

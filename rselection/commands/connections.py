@@ -2,17 +2,20 @@
 
 The Postgres database comes from ``--dsn``, else ``$RSELECTION_DSN``, else the libpq
 ``PG*`` variables; a Redis lease from ``--redis-url``. Every message that may quote a
-connection string goes through :func:`redact` (Postgres) or :func:`redact_url` (Redis).
+connection string goes through :func:`~rselection.redaction.redact`; a string whose
+driver would misread it (a password with an unescaped ``/``, ``@``, ``?`` or ``#``) is a
+usage error, reported with the string redacted.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
+import sys
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote, urlsplit
 
+from ..errors import ConfigError
+from ..redaction import check_userinfo, has_password, parser_message, redact, redact_dsn
 from .output import UsageError
 
 if TYPE_CHECKING:
@@ -26,11 +29,10 @@ __all__ = [
     "connect",
     "describe",
     "first_line",
-    "redact",
-    "redact_url",
     "redis_client",
     "resolve_dsn",
     "table_exists",
+    "warn_of_passwords",
 ]
 
 PG_VARS = ("PGHOST", "PGHOSTADDR", "PGPORT", "PGDATABASE", "PGUSER", "PGSERVICE")
@@ -73,24 +75,27 @@ def resolve_dsn(args: argparse.Namespace) -> str:
 
 
 def check_dsn(dsn: str, source: str = "--dsn") -> None:
-    """Refuse a connection string libpq cannot parse, without repeating it.
+    """Refuse a connection string libpq cannot parse, or would misread, without repeating it.
 
     libpq's own message quotes the offending part, which may be the password (an
-    ``invalid percent-encoded token`` in a URI, say), so it is never shown.
+    ``invalid percent-encoded token`` in a URI, say), so it is never shown. A URI whose
+    password holds an unescaped ``/`` or ``@`` parses, but into pieces of the password
+    taken for a host, port or database: it is refused with the URI redacted.
 
     Args:
         dsn: the connection string.
         source: where it came from (``--dsn``, ``$RSELECTION_DSN``), for the message.
 
     Raises:
-        UsageError: ``dsn`` cannot be parsed.
+        UsageError: ``dsn`` cannot be parsed, or would be misread.
     """
     import psycopg
     from psycopg.conninfo import conninfo_to_dict
 
+    _check_userinfo(dsn, f"the connection string of {source}")
     try:
         conninfo_to_dict(dsn)
-    except psycopg.Error:
+    except (psycopg.Error, ValueError):  # ValueError: bytes that are not UTF-8 (%80)
         raise UsageError(
             f"the connection string of {source} cannot be parsed (not shown: it may hold a "
             "password); write it as 'postgresql://user:password@host:port/dbname' or "
@@ -109,56 +114,40 @@ def describe(dsn: str) -> str:
     return describe_conninfo(dsn)
 
 
-def redact(text: str, dsn: str) -> str:
-    """``text`` with the password of ``dsn`` (or ``$PGPASSWORD``) replaced by ``***``.
-
-    A string libpq cannot parse is searched for its password as written (the
-    ``user:password@`` of a URI, a ``password=`` pair), so even a message about a
-    malformed string never shows it.
-
-    Args:
-        text: a message that may quote the connection string (a driver error).
-        dsn: the connection string whose password must not leak.
-    """
-    from ..postgres._conn import redact as redact_conninfo
-
-    text = redact_conninfo(text, dsn)
-    for password in _written_passwords(dsn):
-        text = text.replace(password, "***")
-    return text
-
-
-_PASSWORD_PAIR = re.compile(r"\bpassword\s*=\s*(?:'((?:[^'\\]|\\.)*)'|(\S+))")
-
-
-def _written_passwords(dsn: str) -> list[str]:
-    """The password of ``dsn`` as written in it (raw, and percent-decoded for a URI)."""
-    found: list[str] = []
-    if "://" in dsn:
-        netloc = re.split(r"[/?#]", dsn.split("://", 1)[1], maxsplit=1)[0]
-        userinfo = netloc.rpartition("@")[0]
-        if ":" in userinfo:
-            raw = userinfo.split(":", 1)[1]
-            found += [raw, unquote(raw)]
-    for match in _PASSWORD_PAIR.finditer(dsn):
-        value = match.group(1) if match.group(1) is not None else match.group(2)
-        found += [value, unquote(value)]
-    # Longest first, so a password is never left half replaced by a shorter variant.
-    return sorted({p for p in found if p}, key=len, reverse=True)
-
-
-def redact_url(text: str, url: str) -> str:
-    """``text`` with the password of the Redis ``url`` (if any) replaced by ``***``.
-
-    Args:
-        text: a message that may quote the URL.
-        url: the ``--redis-url`` given.
-    """
+def _check_userinfo(conninfo: str, what: str) -> None:
+    """:func:`~rselection.redaction.check_userinfo`, as a usage error."""
     try:
-        password = urlsplit(url).password
-    except ValueError:
-        password = None
-    return text.replace(password, "***") if password else text
+        check_userinfo(conninfo, what)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def warn_of_passwords(args: argparse.Namespace) -> None:
+    """Warn on stderr, once, of a password given on the command line.
+
+    Any local user can read a command line (``ps``, ``/proc/PID/cmdline``); the
+    environment of a process is private to its user. The warning never shows the
+    password.
+
+    Args:
+        args: the parsed command line (its ``dsn`` and ``redis_url``, where present).
+    """
+    command = getattr(args, "command", None) or "rselection"
+    dsn = getattr(args, "dsn", None)
+    if isinstance(dsn, str) and has_password(dsn):
+        print(
+            f"rselection {command}: warning: --dsn holds a password, which other users of "
+            "this machine can read (ps, /proc); set RSELECTION_DSN instead, or leave the "
+            "password out and use PGPASSWORD or ~/.pgpass",
+            file=sys.stderr,
+        )
+    url = getattr(args, "redis_url", None)
+    if isinstance(url, str) and has_password(url):
+        print(
+            f"rselection {command}: warning: --redis-url holds a password, which other "
+            "users of this machine can read (ps, /proc)",
+            file=sys.stderr,
+        )
 
 
 def first_line(exc: BaseException) -> str:
@@ -223,15 +212,18 @@ def redis_client(url: str) -> Any:
     from ..redis._conn import describe as describe_redis
 
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        shown = redact_url(url, url)
+        shown = redact_dsn(url)
         raise UsageError(
             f"--redis-url needs a redis://, rediss:// or unix:// URL, got {shown!r:.40}"
         )
+    _check_userinfo(url, "--redis-url")
     options = {"socket_timeout": CONNECT_TIMEOUT, "socket_connect_timeout": CONNECT_TIMEOUT}
     try:
         client = redis.Redis.from_url(url, **options)
     except ValueError as exc:
-        raise UsageError(f"bad --redis-url: {redact_url(str(exc), url)}") from exc
+        # redis-py's message may quote pieces of the password.
+        shown = f"{redact_dsn(url)}: {parser_message(str(exc), url)}"
+        raise UsageError(f"bad --redis-url {shown}") from None
     where = describe_redis(client)
     try:
         info = client.info("cluster")
@@ -241,6 +233,6 @@ def redis_client(url: str) -> Any:
     except redis.RedisError as exc:
         client.close()
         raise Unreachable(
-            f"cannot connect to Redis {where}: {redact_url(first_line(exc), url)}"
+            f"cannot connect to Redis {where}: {redact(first_line(exc), url)}"
         ) from exc
     return client

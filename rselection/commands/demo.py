@@ -205,7 +205,8 @@ def _clean_up(dsn: str, name: str, ledger: str) -> None:
     import psycopg
     from psycopg import sql
 
-    from .connections import first_line, redact, table_exists
+    from ..redaction import redact
+    from .connections import first_line, table_exists
     from .forget import Refused, retire_postgres_lease
 
     try:

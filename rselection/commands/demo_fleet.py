@@ -33,6 +33,9 @@ import time
 from collections.abc import Iterator
 from typing import IO, TYPE_CHECKING, Any
 
+from ..errors import ConfigError
+from ..redaction import check_userinfo
+
 if TYPE_CHECKING:
     import rselection as rs
 
@@ -513,7 +516,15 @@ def main(argv: list[str] | None = None) -> int:
         description="One node of the demo's fleet: leads or follows a lease, reports JSON lines.",
     )
     add_node_arguments(parser)
-    return run_node(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    for option in ("dsn", "lease_dsn", "redis_url"):
+        # Checked before the node's own connections, whose errors would quote the pieces.
+        if value := getattr(args, option):
+            try:
+                check_userinfo(value, "--" + option.replace("_", "-"))
+            except ConfigError as exc:
+                parser.error(str(exc))
+    return run_node(args)
 
 
 if __name__ == "__main__":

@@ -19,12 +19,12 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
+from ..redaction import redact
 from .connections import (
     Unreachable,
     connect,
     describe,
     first_line,
-    redact,
     redis_client,
     resolve_dsn,
 )
@@ -328,7 +328,6 @@ def _forget_redis(args: argparse.Namespace) -> int:
     import redis
 
     from ..errors import BackendUnavailable
-    from .connections import redact_url
 
     name, prefix, url = args.name, args.key_prefix, args.redis_url
     try:
@@ -342,7 +341,7 @@ def _forget_redis(args: argparse.Namespace) -> int:
         print(str(exc), file=sys.stderr)
         return EXIT_REFUSED
     except (BackendUnavailable, redis.RedisError) as exc:
-        print(f"forget failed: {redact_url(first_line(exc), url)}", file=sys.stderr)
+        print(f"forget failed: {redact(first_line(exc), url)}", file=sys.stderr)
         return EXIT_UNREACHABLE
     finally:
         client.close()

@@ -6,7 +6,8 @@ import argparse
 import math
 import sys
 
-from .connections import Unreachable, connect, describe, first_line, redact, resolve_dsn
+from ..redaction import redact
+from .connections import Unreachable, connect, describe, first_line, resolve_dsn
 from .options import add_database_options
 from .output import EXIT_UNREACHABLE
 

@@ -14,7 +14,8 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from .connections import Unreachable, first_line, redact_url
+from ..redaction import redact
+from .connections import Unreachable, first_line
 from .output import iso
 
 __all__ = ["NOT_RECORDED_REDIS", "lease_names", "read_redis_status"]
@@ -142,8 +143,7 @@ def read_redis_status(client: Any, url: str, args: argparse.Namespace) -> dict[s
         }
     except (redis.RedisError, BackendUnavailable) as exc:
         raise Unreachable(
-            f"cannot read the leases from Redis {describe(client)}: "
-            f"{redact_url(first_line(exc), url)}"
+            f"cannot read the leases from Redis {describe(client)}: {redact(first_line(exc), url)}"
         ) from exc
     leases, handovers, hidden, judged, unknown = [], [], [], [], []
     for name in names:

@@ -11,13 +11,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import psycopg
 
+from ..redaction import redact
 from .connections import (
     Unreachable,
     connect,
     describe,
     first_line,
-    redact,
-    redact_url,
     redis_client,
     resolve_dsn,
 )
@@ -269,7 +268,7 @@ def _resign_redis(args: argparse.Namespace) -> int:
             return 1
         return 0
     except BackendUnavailable as exc:
-        print(f"resign failed: {redact_url(str(exc), args.redis_url)}", file=sys.stderr)
+        print(f"resign failed: {redact(str(exc), args.redis_url)}", file=sys.stderr)
         return EXIT_UNREACHABLE
     finally:
         client.close()

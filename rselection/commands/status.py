@@ -19,12 +19,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..redaction import redact
 from .connections import (
     Unreachable,
     connect,
     describe,
     first_line,
-    redact,
     resolve_dsn,
     table_exists,
 )

@@ -6,7 +6,7 @@ such as ``psycopg_pool.ConnectionPool``). :class:`Connections` lends connections
 any of the three for one call each; :func:`session_conninfo` turns any of the three into
 a connection string for objects that need sessions of their own (LISTEN). Also the
 server-side keepalive arithmetic of the keeper session and error texts that never show
-a password.
+a password (:mod:`rselection.redaction`).
 
 Nothing here is public API; the names are stable enough for the CLI and the other
 Postgres modules of this package to use them.
@@ -33,6 +33,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.pq import TransactionStatus
 
 from ..errors import BackendUnavailable, ConfigError
+from ..redaction import check_userinfo, misread, redact, redact_dsn
 
 if TYPE_CHECKING:
     from .session_pool import SessionPool
@@ -44,7 +45,6 @@ __all__ = [
     "check_conninfo",
     "connection_is_usable",
     "describe_conninfo",
-    "redact",
     "server_keepalives",
     "server_user_timeout",
     "session_conninfo",
@@ -125,7 +125,7 @@ def _parsed(conninfo: str) -> tuple[tuple[str, Any], ...] | None:
     on one); ``None`` when it cannot be parsed."""
     try:
         return tuple(conninfo_to_dict(conninfo).items())
-    except psycopg.Error:
+    except (psycopg.Error, ValueError):  # ValueError: bytes that are not UTF-8 (%80)
         return None
 
 
@@ -133,16 +133,22 @@ def _params(conninfo: str) -> dict[str, Any]:
     return dict(_parsed(conninfo) or ())
 
 
-def check_conninfo(conninfo: str) -> None:
+def check_conninfo(conninfo: str, owner: str | None = None) -> None:
     """Raise :class:`ConfigError` when ``conninfo`` is not a valid libpq string or URI.
 
-    The message never repeats the string, which may hold a password.
+    A URI whose password holds an unescaped ``/`` or ``@`` is refused too: libpq would
+    read pieces of the password as the host, port or database, and its messages would
+    quote them. The message never shows the password, nor the string unredacted.
 
     Args:
         conninfo: a libpq ``key=value`` string or ``postgresql://`` URI.
+        owner: the class or function that got it, for the message.
     """
     if not isinstance(conninfo, str):
         raise ConfigError(f"conninfo must be a str, got {type(conninfo).__name__}")
+    check_userinfo(
+        conninfo, f"{owner}: the connection string" if owner else "the connection string"
+    )
     if _parsed(conninfo) is None:
         raise ConfigError(
             "the connection string cannot be parsed; write it as 'host=... port=... "
@@ -154,11 +160,15 @@ def describe_conninfo(conninfo: str) -> str:
     """Name the server a connection string points at, without its password.
 
     Returns ``"host=H port=P dbname=D user=U"`` (defaults from the ``PG*`` environment
-    variables and libpq's own defaults), suitable for error messages and logs.
+    variables and libpq's own defaults), suitable for error messages and logs. A URI
+    that libpq misreads (:func:`~rselection.redaction.misread`), whose host or port may
+    be pieces of its password, is named by the URI redacted instead.
 
     Args:
         conninfo: a libpq ``key=value`` string or ``postgresql://`` URI.
     """
+    if misread(conninfo):
+        return redact_dsn(conninfo)
     params = _params(conninfo)
     host = params.get("host") or params.get("hostaddr") or os.environ.get("PGHOST")
     port = params.get("port") or os.environ.get("PGPORT") or "5432"
@@ -170,19 +180,6 @@ def describe_conninfo(conninfo: str) -> str:
     if user:
         parts.append(f"user={user}")
     return " ".join(parts)
-
-
-def redact(text: str, conninfo: str) -> str:
-    """Return ``text`` with the password of ``conninfo`` (if any) replaced by ``***``.
-
-    Args:
-        text: a message that may quote the connection string (a driver error).
-        conninfo: the connection string whose password must not leak.
-    """
-    password = _params(conninfo).get("password") or os.environ.get("PGPASSWORD")
-    if password:
-        text = text.replace(str(password), "***")
-    return text
 
 
 def unavailable(what: str, conninfo: str, exc: BaseException) -> BackendUnavailable:
@@ -348,7 +345,7 @@ def _kind_of(source: object, owner: str) -> str:
             f"Connection or a connection pool, got {source!r}"
         )
     if isinstance(source, str):
-        check_conninfo(source)
+        check_conninfo(source, owner)
         return "conninfo"
     if isinstance(source, psycopg.Connection):
         if source.closed:
@@ -371,6 +368,10 @@ def _kind_of(source: object, owner: str) -> str:
                 f"{owner} needs a synchronous pool, got {type(source).__name__}: pass a "
                 "psycopg_pool.ConnectionPool or a connection string instead"
             )
+        conninfo = getattr(source, "conninfo", None)
+        if isinstance(conninfo, str):
+            # Its connections fail anyway, with messages quoting pieces of the password.
+            check_userinfo(conninfo, f"{owner}: the pool's connection string")
         return "pool"
     raise ConfigError(
         f"{owner} needs a conninfo: a connection string, a psycopg Connection or a pool "
@@ -419,7 +420,7 @@ def session_conninfo(source: object, owner: str) -> str:
             f"but {type(source).__name__} has no str attribute 'conninfo': pass a "
             "connection string instead"
         )
-    check_conninfo(conninfo)
+    check_conninfo(conninfo, owner)
     extra = getattr(source, "kwargs", None) or {}
     known = _libpq_keywords()
     params: dict[str, str | int] = {
@@ -701,7 +702,10 @@ class Connections:
         if self._conninfo is not None:
             return unavailable(what, self._conninfo, exc)
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return BackendUnavailable(f"cannot {what} ({self.where}): {detail}")
+        # A pool's errors may be about its connection string.
+        conninfo = getattr(self._pool, "conninfo", None)
+        known = [conninfo] if isinstance(conninfo, str) else []
+        return BackendUnavailable(f"cannot {what} ({self.where}): {redact(detail, *known)}")
 
     def close(self) -> None:
         """Close the connections it opened itself (idempotent; a later call opens new ones).

@@ -263,7 +263,7 @@ class PostgresLease(Closeable):
         create_tables: bool = True,
         connect_timeout: float = 5.0,
     ) -> None:
-        check_conninfo(conninfo)
+        check_conninfo(conninfo, type(self).__name__)
         self.name = check_name(name, "lease name")
         self.ttl = check_seconds(ttl, "ttl")
         if self.ttl > MAX_TIMING:

@@ -20,6 +20,7 @@ from redis.connection import ConnectionPool
 from redis.retry import Retry
 
 from ..errors import BackendUnavailable, ConfigError
+from ..redaction import check_userinfo, misread, parser_message, redact, redact_dsn
 
 __all__ = [
     "MIN_TTL",
@@ -75,11 +76,16 @@ def hash_slot_key(key: str, suffix: str) -> str:
 def describe(client: object) -> str:
     """Where a client (or a URL) points, for messages: ``host:port/db``, never a password.
 
+    A URL that redis-py misreads (:func:`~rselection.redaction.misread`), whose host or
+    port may be pieces of its password, is named by the URL redacted instead.
+
     Args:
         client: a ``redis://`` URL, a ``redis.Redis`` (sync or asyncio) or a
             ``RedisCluster``.
     """
     try:
+        if isinstance(client, str) and misread(client):
+            return redact_dsn(client)
         if isinstance(client, str):
             kw = ConnectionPool.from_url(client).connection_kwargs
         elif isinstance(client, RedisCluster):
@@ -106,7 +112,7 @@ def unavailable(what: str, where: str, exc: BaseException) -> BackendUnavailable
     """
     text = str(exc).strip()
     detail = text.splitlines()[0] if text else type(exc).__name__
-    return BackendUnavailable(f"cannot {what} ({where}): {detail}")
+    return BackendUnavailable(f"cannot {what} ({where}): {redact(detail)}")
 
 
 def check_client(client: object, owner: str) -> tuple[Any, bool]:
@@ -119,15 +125,21 @@ def check_client(client: object, owner: str) -> tuple[Any, bool]:
         owner: the class or function that got it, for the message.
 
     Raises:
-        ConfigError: anything else, or a URL redis-py cannot parse.
+        ConfigError: anything else, a URL redis-py cannot parse, or one it would misread
+            (a password with an unescaped ``/``, ``?`` or ``#``); the message shows the
+            URL redacted, never its password.
     """
     if isinstance(client, str):
         if not client.strip():
             raise ConfigError(f"{owner} needs a Redis URL (redis://host:port/0), got ''")
+        check_userinfo(client, f"{owner}: the Redis URL")
         try:
             return redis.Redis.from_url(client), True
         except ValueError as exc:
-            raise ConfigError(f"{owner}: bad Redis URL: {exc}") from exc
+            # redis-py's message may quote pieces of the password.
+            raise ConfigError(
+                f"{owner}: bad Redis URL {redact_dsn(client)}: {parser_message(str(exc), client)}"
+            ) from None
     if isinstance(client, redis.Redis | RedisCluster):
         return client, False
     raise ConfigError(

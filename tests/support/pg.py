@@ -80,19 +80,11 @@ def find_free_port(host: str = "127.0.0.1") -> int:
 
 
 def redact(dsn: str) -> str:
-    """Return ``dsn`` with any password replaced by ``***`` (for messages)."""
-    if "://" in dsn:
-        parts = urllib.parse.urlsplit(dsn)
-        if parts.password is not None:
-            netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-            return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-        return dsn
-    words = []
-    for word in dsn.split():
-        if word.startswith("password="):
-            word = "password=***"
-        words.append(word)
-    return " ".join(words)
+    """Return ``dsn`` fit for messages: the library's own redaction (no password, no
+    user-info of a URI)."""
+    from rselection.redaction import redact_dsn
+
+    return redact_dsn(dsn)
 
 
 def _is_uri(dsn: str) -> bool:

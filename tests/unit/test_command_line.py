@@ -14,6 +14,7 @@ import pytest
 from rselection import cli
 from rselection.commands import connections
 from rselection.commands.output import UsageError
+from rselection.redaction import redact
 
 COMMANDS = pathlib.Path(cli.__file__).parent / "commands"
 
@@ -77,10 +78,9 @@ def test_forget_refuses_dsn_and_redis_url_together(capsys: pytest.CaptureFixture
 
 def test_redis_url_passwords_are_redacted() -> None:
     url = "redis://user:hunter2@127.0.0.1:1/0"
-    assert connections.redact_url(f"cannot reach {url}", url) == (
-        "cannot reach redis://user:***@127.0.0.1:1/0"
-    )
-    assert connections.redact_url("no password here", "redis://127.0.0.1/0") == "no password here"
+    # The whole user-info goes: the user name is part of it.
+    assert redact(f"cannot reach {url}", url) == "cannot reach redis://***@127.0.0.1:1/0"
+    assert redact("no password here", "redis://127.0.0.1/0") == "no password here"
     with pytest.raises(UsageError) as refused:
         connections.redis_client("http://:hunter2@h")
     assert "hunter2" not in str(refused.value)
@@ -143,6 +143,27 @@ def test_an_unparsable_connection_string_is_a_usage_error_that_hides_the_passwor
         assert json.loads(out) == {"error": err.split(": error: ", 1)[1].strip(), "exit_code": 2}
 
 
+@pytest.mark.parametrize("source", ["--dsn", "RSELECTION_DSN"])
+@pytest.mark.usefixtures("no_database")
+def test_bytes_that_are_not_utf8_are_a_usage_error_not_a_crash(
+    source: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rselection.errors import ConfigError
+    from rselection.postgres._conn import check_conninfo
+
+    dsn = "postgresql://u:s3cret%80@127.0.0.1/db"  # psycopg raised UnicodeDecodeError
+    if source == "--dsn":
+        argv = ["status", "--dsn", dsn]
+    else:
+        monkeypatch.setenv("RSELECTION_DSN", dsn)
+        argv = ["status"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "cannot be parsed" in err and "s3cret" not in err
+    with pytest.raises(ConfigError, match="cannot be parsed"):
+        check_conninfo(dsn)
+
+
 @pytest.mark.parametrize(
     "dsn, shown",
     [
@@ -153,7 +174,7 @@ def test_an_unparsable_connection_string_is_a_usage_error_that_hides_the_passwor
     ],
 )
 def test_redact_hides_the_password_of_a_string_libpq_cannot_parse(dsn: str, shown: str) -> None:
-    assert "s3" not in connections.redact(f"libpq said: {shown}", dsn)
+    assert "s3" not in redact(f"libpq said: {shown}", dsn)
 
 
 @pytest.mark.usefixtures("no_database")

@@ -362,6 +362,7 @@ def test_with_host_port() -> None:
 
 
 def test_redact_hides_passwords() -> None:
-    assert redact("postgresql://u:secret@h/db") == "postgresql://u:***@h/db"
+    assert redact("postgresql://u:secret@h/db") == "postgresql://***@h/db"
     assert redact("host=h password=secret") == "host=h password=***"
-    assert redact("postgresql://u@h/db") == "postgresql://u@h/db"
+    assert redact("postgresql://u@h/db") == "postgresql://***@h/db"  # user-info: all of it
+    assert redact("postgresql://h/db") == "postgresql://h/db"

@@ -27,12 +27,12 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 
 from ...errors import BackendUnavailable, ConfigError
+from ...redaction import redact
 from .._conn import (
     Connections,
     IoWatchdog,
     describe_conninfo,
     open_session,
-    redact,
     session_conninfo,
     shutdown_socket,
 )
