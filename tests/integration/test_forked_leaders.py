@@ -7,48 +7,16 @@ children are real ``os.fork()`` children reporting through a pipe.
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 import rselection as rs
+from tests.support.forking import in_child
 
 FAST = {"ttl": 6.0, "renew_interval": 0.5, "renew_deadline": 3.0, "retry_interval": 0.5}
-
-
-def _in_child(body: Callable[[], dict[str, Any]], timeout: float = 30.0) -> dict[str, Any]:
-    """Run ``body`` in a forked child; return what it returned (or raised, as text)."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report, then leave without running the parent's clean-ups
-        os.close(read)
-        try:
-            result = body()
-        except BaseException as exc:  # reported to the parent, which fails the test
-            result = {"error": f"{type(exc).__name__}: {exc}"}
-        os.write(write, json.dumps(result).encode())
-        os._exit(0)
-    os.close(write)
-    deadline = time.monotonic() + timeout
-    chunks = []
-    while time.monotonic() < deadline:
-        waited, status = os.waitpid(pid, os.WNOHANG)
-        if waited:
-            break
-        time.sleep(0.02)
-    else:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        pytest.fail(f"the forked child did not finish within {timeout} s")
-    while chunk := os.read(read, 65536):
-        chunks.append(chunk)
-    os.close(read)
-    assert os.waitstatus_to_exitcode(status) == 0
-    return dict(json.loads(b"".join(chunks)))
 
 
 def _idle_tasks() -> rs.TaskHandler:
@@ -91,7 +59,7 @@ def test_a_leader_built_before_fork_is_a_node_of_its_own_in_each_child(
         finally:
             leader.stop()
 
-    first, second = _in_child(child), _in_child(child)
+    first, second = in_child(child), in_child(child)
     assert "error" not in first and "error" not in second, (first, second)
     ids = {built_as, first["node_id"], second["node_id"]}
     assert len(ids) == 3, ids
@@ -102,7 +70,7 @@ def test_a_leader_built_before_fork_is_a_node_of_its_own_in_each_child(
 
 def test_an_explicit_node_id_stays_in_a_child(pg_dsn: str) -> None:
     leader = rs.PostgresLeader(pg_dsn, _idle_tasks(), name="forked", node_id="web-1", **FAST)
-    assert _in_child(lambda: {"node_id": leader.node_id}) == {"node_id": "web-1"}
+    assert in_child(lambda: {"node_id": leader.node_id}) == {"node_id": "web-1"}
 
 
 @pytest.mark.parametrize("kind", [0, 1, 2], ids=["postgres", "redis", "sharded"])
@@ -127,7 +95,7 @@ def test_a_leader_started_before_fork_refuses_to_run_in_the_child(
             report["stop_took"] = time.monotonic() - began
             return report
 
-        report = _in_child(child)
+        report = in_child(child)
         assert report["is_leader"] is False, report
         for call in ("start", "lead"):
             assert "fork" in report[call] and "post_fork" in report[call], report
