@@ -30,6 +30,7 @@ from typing import Any
 
 from blinker import Namespace, Signal
 
+from rselection import forks
 from rselection.closeable import Closeable
 from rselection.errors import ConfigError, RSelectionError
 
@@ -356,6 +357,16 @@ class Broadcaster(Closeable):
         self._subs: dict[str, tuple[Subscription, ...]] = {}
         self._signals = Namespace()
         self._overflow_total = 0
+        forks.register(self)
+
+    def reset_after_fork(self) -> None:
+        """In a forked child (see :mod:`rselection.forks`): the locks of the broadcaster
+        and of its subscriptions are made anew (a parent's thread, a publisher, may have
+        held one); subscriptions and receivers carry on in the child."""
+        self._lock = threading.Lock()
+        for subs in self._subs.values():
+            for sub in subs:
+                sub._cond = threading.Condition(threading.Lock())
 
     @property
     def closed(self) -> bool:

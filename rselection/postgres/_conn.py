@@ -32,7 +32,8 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.pq import TransactionStatus
 
-from ..errors import BackendUnavailable, ConfigError
+from .. import forks
+from ..errors import BackendUnavailable, ConfigError, RSelectionError
 from ..redaction import check_userinfo, misread, redact, redact_dsn
 
 if TYPE_CHECKING:
@@ -580,6 +581,27 @@ class Connections:
         # Keepalives and tcp_user_timeout cannot see a peer that accepts bytes and never
         # answers (a stuck proxy or pooler): bound each call on our own connections.
         self._io = IoWatchdog(application_name)
+        self._inherited: str | None = None  # the parent's connection or pool, in a child
+        forks.register(self)
+
+    def reset_after_fork(self) -> None:
+        """In a forked child (see :mod:`rselection.forks`): forget the parent's sessions
+        (kept open and unused: closing one would end the parent's session) and open new
+        ones on the next call; the locks and the watchdog are made anew (a parent's
+        thread may have held them). A ``psycopg.Connection`` or a pool passed in is the
+        parent's: every call refuses it from now on."""
+        forks.keep_inherited(self._sessions, self._io, *self._idle)
+        self._sessions = None
+        self._idle = []
+        self._busy = 0
+        self._closing = False
+        self._generation += 1
+        self._slots = threading.BoundedSemaphore(1)
+        self._shared_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._io = IoWatchdog(self._app)
+        if self._shared is not None or self._pool is not None:
+            self._inherited = "psycopg Connection" if self._shared is not None else "pool"
 
     def _open(self) -> psycopg.Connection[Any]:
         assert self._conninfo is not None
@@ -627,7 +649,18 @@ class Connections:
 
         Driver errors are left to the caller (see :meth:`wrap`); a connection of its own
         that failed is closed, and a later call opens a new one.
+
+        Raises:
+            RSelectionError: in a forked child, for a ``psycopg.Connection`` or a pool
+                passed in (they are the parent's).
         """
+        if self._inherited is not None:
+            raise RSelectionError(
+                f"{self.owner} was given a {self._inherited} in the process this one "
+                f"({os.getpid()}) was forked from: it is that process's, and a statement "
+                f"on it would run in its sessions; {forks.FORK_ADVICE}, on a connection "
+                "string or a connection (or pool) opened there"
+            )
         if self._pool is not None:
             with self._pool.connection() as lent:
                 yield lent

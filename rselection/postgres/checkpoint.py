@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg import sql
 
+from .. import forks
 from ..checkpoints import (
     DEFAULT_MAX_STATE_BYTES,
     FORMAT_VERSION,
@@ -157,6 +158,12 @@ class PostgresCheckpointStore(Closeable):
         )
         self._migrated = not self.create_tables
         self._migrate_lock = threading.Lock()
+        forks.register(self)
+
+    def reset_after_fork(self) -> None:
+        """In a forked child (see :mod:`rselection.forks`): its lock is made anew (a
+        parent's thread may have held it); the connections reset themselves."""
+        self._migrate_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return (
@@ -182,6 +189,7 @@ class PostgresCheckpointStore(Closeable):
         seconds = check_seconds(idle_timeout, "idle_timeout", minimum=0.001)
         view = copy.copy(self)
         view.idle_timeout = min(self.idle_timeout, seconds)
+        forks.register(view)
         return view
 
     def close(self) -> None:

@@ -74,6 +74,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from .. import forks
 from ..claiming import CLEANUP_BATCH, check_fire_key, check_fire_keys
 from ..closeable import Closeable
 from ..errors import ConfigError
@@ -145,7 +146,8 @@ class PostgresClaimer(Closeable):
             than the latest any node may start a fire.
         table: claims table, optionally schema-qualified (``"ops.claims"``).
         node_id: who claims, recorded with each claim; a new node id
-            (:func:`~rselection.validation.new_node_id`) by default.
+            (:func:`~rselection.validation.new_node_id`) by default, taken anew in a
+            process forked from this one.
         create_tables: create the table on first use. Pass ``False`` where the
             application role may not run DDL, and run :func:`~rselection.postgres.migrate`
             (or ``rselection migrate``) once with one that may.
@@ -174,6 +176,7 @@ class PostgresClaimer(Closeable):
         self.table = table
         self.node_id = new_node_id() if node_id is None else check_node_id(node_id)
         """Who claims: recorded with each claim (in the ``holder`` column)."""
+        self._default_node_id = node_id is None
         self.create_tables = bool(create_tables)
         # The first call may create the table: its waits are bounded like a claim's.
         self._statement_timeout = check_seconds(statement_timeout, "statement_timeout")
@@ -279,6 +282,14 @@ class PostgresClaimer(Closeable):
             ' AND (fire_key COLLATE "C") < ((%(series)s::text || \'[\') COLLATE "C")'
             " AND length(fire_key) = length(%(series)s::text) + 30)"
         ).format(t=self._ident)
+        forks.register(self)
+
+    def reset_after_fork(self) -> None:
+        """In a forked child (see :mod:`rselection.forks`): a default node id is the
+        parent's, so the child's claims are recorded under one of its own. The
+        connections reset themselves."""
+        if self._default_node_id:
+            self.node_id = new_node_id()
 
     def __repr__(self) -> str:
         return (

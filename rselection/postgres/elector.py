@@ -43,6 +43,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from .. import forks
 from ..closeable import Closeable
 from ..errors import ConfigError
 from ..validation import check_name, check_node_id, check_seconds, new_node_id
@@ -69,7 +70,8 @@ class PostgresElector(Closeable):
         ttl: seconds a call keeps the leadership, server time (at least 1 ms; default 30).
         table: elections table, optionally schema-qualified.
         node_id: this candidate's node id; a new one
-            (:func:`~rselection.validation.new_node_id`) by default.
+            (:func:`~rselection.validation.new_node_id`) by default, taken anew in a
+            process forked from this one (which is another candidate).
         create_tables: create the table on first use. Pass ``False`` where the
             application role may not run DDL, and run :func:`~rselection.postgres.migrate`
             (or ``rselection migrate``) once with one that may.
@@ -100,6 +102,7 @@ class PostgresElector(Closeable):
         self.table = table
         self.node_id: str = new_node_id() if node_id is None else check_node_id(node_id)
         """This candidate's node id, recorded as the holder (in the ``holder`` column)."""
+        self._default_node_id = node_id is None
         self.term: int | None = None
         """The term this elector leads with after a ``True`` from :meth:`is_leader`, else None."""
         self.create_tables = bool(create_tables)
@@ -133,6 +136,15 @@ class PostgresElector(Closeable):
             " expires_at = clock_timestamp() WHERE name = %(name)s AND holder = %(me)s"
             " RETURNING term"
         ).format(self._ident)
+        forks.register(self)
+
+    def reset_after_fork(self) -> None:
+        """In a forked child (see :mod:`rselection.forks`): a default node id is the
+        parent's, so the child takes one of its own (with the same id, both processes
+        would lead at once); it leads nothing yet. The connections reset themselves."""
+        if self._default_node_id:
+            self.node_id = new_node_id()
+        self.term = None
 
     def __repr__(self) -> str:
         return (

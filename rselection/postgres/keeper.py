@@ -50,7 +50,7 @@ import psycopg
 from psycopg import sql
 from psycopg.pq import ConnStatus
 
-from .. import clock
+from .. import clock, forks
 from ..errors import BackendUnavailable, ConfigError
 from ..wakeup import Wakeup
 from ._conn import (
@@ -274,6 +274,14 @@ class SharedKeeper:
         self._reading = threading.Lock()  # a read in flight on the session (read())
 
     # -- clients -------------------------------------------------------------------------
+
+    @classmethod
+    def reset_after_fork(cls) -> None:
+        """In a forked child (see :mod:`rselection.forks`): the registry's lock is made
+        anew (a parent's thread may have held it). The parent's keepers stay in the
+        registry, under its process id, and their clients forget them: their sessions
+        are never used here, nor closed."""
+        cls._registry_lock = threading.Lock()
 
     @classmethod
     def attach(cls, lease: PostgresLease) -> SharedKeeper:
@@ -1380,6 +1388,9 @@ class SharedKeeper:
         own = sender == self._pid
         for client in clients:
             client.notified(event, own_session=own)
+
+
+forks.register(SharedKeeper)
 
 
 def _row_at_fault(exc: psycopg.Error) -> bool:

@@ -173,6 +173,7 @@ from typing import Any
 
 import psycopg
 
+from .. import forks
 from ..closeable import Closeable
 from ..errors import BackendUnavailable, ConfigError
 from ..lease import Acquisition, HandoverRequest, LeaderInfo, ReleaseOutcome, RenewOutcome
@@ -325,6 +326,29 @@ class PostgresLease(Closeable):
             statement_timeout=self.connect_timeout,
             pooled=True,
         )
+        forks.register(self)
+
+    def reset_after_fork(self) -> None:
+        """In a forked child (see :mod:`rselection.forks`): the shared keeper, its
+        sessions and threads are the parent's. Forget them (never close them: that
+        would end the parent's session and free its leases) and hold nothing; the next
+        call joins this process's own keeper."""
+        forks.keep_inherited(self._keeper)
+        self._keeper = None
+        self._generation = 0
+        self._held = None
+        self._node_id = None
+        self.channel = None
+        self._death_announced = False
+        self._announced = None
+        self._holder_seen = (0, None)
+        self._must_attempt = False
+        self._wake = threading.Event()
+        self._renewal_done = None
+        self._pending = None
+        self._waker = None
+        self._handover_hint = False
+        self._handover = None
 
     def __repr__(self) -> str:
         return (

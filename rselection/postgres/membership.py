@@ -27,6 +27,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from .. import forks
 from ..errors import BackendUnavailable, ConfigError
 from ..members import NodeInfo
 from ..validation import check_name, check_node_id, check_seconds
@@ -121,6 +122,18 @@ class Membership:
         self._lock = threading.Lock()  # start() and stop() may race at shutdown
         self._keeper: SharedKeeper | None = None
         self._stopped = False
+        forks.register(self)
+
+    def reset_after_fork(self) -> None:
+        """In a forked child (see :mod:`rselection.forks`): the keeper session its
+        heartbeats ride on is the parent's; forget it (:meth:`nodes` reads on this
+        process's sessions). Heartbeats started in the parent are the parent's node's:
+        here it neither sends them nor deletes its row."""
+        forks.keep_inherited(self._keeper)
+        if self._keeper is not None:
+            self._stopped = True
+        self._keeper = None
+        self._lock = threading.Lock()
 
     @property
     def create_tables(self) -> bool:

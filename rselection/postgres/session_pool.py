@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 import psycopg
 from psycopg.pq import TransactionStatus
 
+from .. import forks
 from ..errors import BackendUnavailable
 from ._conn import IoWatchdog, connection_is_usable, describe_conninfo, open_session, unavailable
 
@@ -89,6 +90,13 @@ class SessionPool:
         self._generation = 0  # bumped when the last user detaches
         self._waiting = 0  # callers waiting for a session to come free
         self._io = IoWatchdog(APPLICATION_NAME)
+
+    @classmethod
+    def reset_after_fork(cls) -> None:
+        """In a forked child (see :mod:`rselection.forks`): the registry's lock is made
+        anew (a parent's thread may have held it). The parent's pools stay in the
+        registry, under its process id: never used here, never closed."""
+        cls._registry_lock = threading.Lock()
 
     @classmethod
     def attach(cls, conninfo: str) -> SessionPool:
@@ -249,3 +257,6 @@ class SessionPool:
         if session is not None and not keep:
             with contextlib.suppress(Exception):
                 session.conn.close()
+
+
+forks.register(SessionPool)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -16,8 +18,9 @@ from typing import Any
 
 import psycopg
 
+from ... import forks
 from ...broadcast import Broadcaster, BroadcastStats, OverflowHook, Receiver, Subscription
-from ...errors import BackendUnavailable, ConfigError
+from ...errors import BackendUnavailable, ConfigError, RSelectionError
 from .listener import GapHook, Listener
 from .listening import ListeningSession
 from .outbox import BROADCAST_TABLE, Outbox, inline_cost
@@ -183,8 +186,39 @@ class PostgresBroadcaster(Broadcaster):
         self._listener = Listener(self._sessions, self.has_readers, self._deliver_here, on_gap)
         self._writer = Writer(self._sessions, self._listener, self.has_readers)
         self._flush_warned = False  # flush() was called in the listener thread
+        # Set in a forked child: the next call starts a writer and a listener there.
+        self._restart = False
+        self._restart_lock = threading.Lock()
+        self._pool_inherited = False  # in a forked child: the pool given is the parent's
         self._listener.start()
         self._writer.start()
+
+    def reset_after_fork(self) -> None:
+        """In a forked child (see :mod:`rselection.forks`): the writer's and the
+        listener's threads and sessions are the parent's. What the parent published and
+        had not written yet stays the parent's to write; the child's next call starts a
+        writer of its own and attaches its listener to the child's listening session
+        (which starts from the newest message, as for a new reader)."""
+        super().reset_after_fork()
+        self._sessions.reset_after_fork()
+        self._listener.reset_after_fork()
+        self._restart_lock = threading.Lock()
+        self._restart = True
+        self._pool_inherited = self._sessions.user_pool
+
+    def _here(self) -> None:
+        """After a fork, start this process's writer and listener (once)."""
+        if not self._restart:
+            return
+        with self._restart_lock:
+            if not self._restart:
+                return
+            if not self._writer.closing:  # one closed in the parent stays closed here
+                self._writer = Writer(self._sessions, self._listener, self.has_readers)
+                self._listener.start()
+                self._writer.start()
+                self._listener.resume()
+            self._restart = False
 
     def _deliver_here(self, channel: str, message: object) -> object:
         """Hand a message read from the outbox to this node's readers."""
@@ -226,14 +260,23 @@ class PostgresBroadcaster(Broadcaster):
             in transaction or statement mode.
         :raises MessageEncodeError: the message has no JSON form.
         :raises BroadcasterClosed: the broadcaster is closed.
+        :raises RSelectionError: in a process forked from the one that built the
+            broadcaster with a pool: the pool is that process's.
         :raises BackendUnavailable: ``max_pending`` messages have waited ``timeout``
             seconds for the writer (Postgres is unreachable or too slow); nothing is
             queued. Never raised for a message that fits: publishing never blocks on
             Postgres round trips.
         """
         self._check_pg_channel(channel)
+        self._here()
         if self.closed:
             raise self._closed_error("publish")
+        if self._pool_inherited:
+            raise RSelectionError(
+                f"PostgresBroadcaster was given a pool in the process this one "
+                f"({os.getpid()}) was forked from: its connections are that process's, "
+                f"and a publish on one would run in its sessions; {forks.FORK_ADVICE}"
+            )
         payload = self._encode(channel, message)
         data = payload.encode()
         size = len(data)
@@ -262,6 +305,7 @@ class PostgresBroadcaster(Broadcaster):
             broadcaster closed with messages unwritten, or, in a listener thread, when
             they are not committed yet.
         """
+        self._here()
         if ListeningSession.in_a_thread():
             if not self._flush_warned:
                 self._flush_warned = True
@@ -288,6 +332,7 @@ class PostgresBroadcaster(Broadcaster):
         :param timeout: seconds to wait at most; ``None`` waits as long as it takes.
         :returns: whether the broadcaster is ready.
         """
+        self._here()
         if ListeningSession.in_a_thread():
             return self._writer.ready.is_set() and (
                 not self.has_readers() or self._listener.positioned.is_set()
@@ -317,6 +362,7 @@ class PostgresBroadcaster(Broadcaster):
         :raises ConfigError: bad ``channel`` or ``maxsize``.
         :raises BroadcasterClosed: the broadcaster is closed.
         """
+        self._here()
         sub = super().subscribe(channel, maxsize=maxsize)
         self._listener.await_position("subscribe")
         return sub
@@ -327,6 +373,7 @@ class PostgresBroadcaster(Broadcaster):
         Same as :meth:`rselection.Broadcaster.connect`; like :meth:`subscribe`, it
         starts the listener and waits until it knows where it starts.
         """
+        self._here()
         disconnect = super().connect(channel, receiver)
         self._listener.await_position("connect")
 
@@ -345,6 +392,7 @@ class PostgresBroadcaster(Broadcaster):
 
         :raises BackendUnavailable: the database could not be reached.
         """
+        self._here()
         try:
             with self._sessions.borrow("purge the broadcast table") as conn:
                 return self._writer.purge(conn)
@@ -362,6 +410,7 @@ class PostgresBroadcaster(Broadcaster):
 
     def stats(self) -> PostgresBroadcastStats:
         """Return local fan-out counts plus the cross-node counters (see the class)."""
+        self._here()
         base = super().stats()
         common = {f.name: getattr(base, f.name) for f in fields(BroadcastStats)}
         common["closed"] = self.closed
@@ -388,6 +437,7 @@ class PostgresBroadcaster(Broadcaster):
         sent are never written, but a batch whose round trip close() cut may still
         commit on the server.
         """
+        self._here()
         if not self._writer.begin_close():
             return
         close_timeout = self.settings.close_timeout

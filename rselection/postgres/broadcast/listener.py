@@ -25,6 +25,7 @@ from typing import Any
 
 import psycopg
 
+from ... import forks
 from ...broadcast import BroadcasterClosed
 from .listening import ListeningSession
 from .location import Location
@@ -166,6 +167,32 @@ class Listener:
         """Attach to the process's listening session (it connects only once a
         broadcaster of the process has readers)."""
         self._session = ListeningSession.attach(self)
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: the listening session (its thread, its Postgres session)
+        is the parent's; forget it, and the position with it. :meth:`start` attaches
+        to this process's session, which starts from the newest row."""
+        forks.keep_inherited(self._session)
+        self._session = None
+        self._last_of_session = False
+        self._lstate = threading.Lock()
+        self.positioned = threading.Event()
+        if not self._stop.is_set():  # one stopped in the parent (closed) stays stopped
+            self._stop = threading.Event()
+        self.generation = 0
+        self.retry_at = 0.0
+        self._lost = False
+        self.listening = False
+        self.behind = False
+        self.pid = None
+
+    def resume(self) -> None:
+        """Listen again, without waiting, when the broadcaster has readers (those a
+        forked child inherited): the session connects and takes its position in its
+        own thread."""
+        session = self._session
+        if session is not None and self._has_readers(None):
+            session.want()
 
     def stop(self) -> None:
         """Detach; the last listener of the session stops it (waking its thread)."""

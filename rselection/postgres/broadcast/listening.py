@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import psycopg
 from psycopg import sql
 
+from ... import forks
 from ...errors import BackendUnavailable, ConfigError
 from .sessions import Deadlines, abort_socket, backoff
 
@@ -89,6 +90,14 @@ class ListeningSession:
         )
 
     # -- listeners -----------------------------------------------------------------------
+
+    @classmethod
+    def reset_after_fork(cls) -> None:
+        """In a forked child (see :mod:`rselection.forks`): the registry's lock is made
+        anew (a parent's thread may have held it). The parent's sessions stay in the
+        registry, under its process id, and their listeners forget them: their sockets
+        (the Postgres session and the wake-up pair) are never used here."""
+        cls._registry_lock = threading.Lock()
 
     @classmethod
     def attach(cls, listener: Listener) -> ListeningSession:
@@ -411,3 +420,6 @@ class ListeningSession:
         if fd in ready:
             notes = list(conn.notifies(timeout=0.0))
         return notes, woken
+
+
+forks.register(ListeningSession)

@@ -123,6 +123,10 @@ class Locator:
         self._lock = threading.Lock()
         self._path: tuple[str, ...] | None = (parts[0],) if len(parts) == 2 else None
 
+    def reset_after_fork(self) -> None:
+        """In a forked child: the lock is made anew (a parent's thread may have held it)."""
+        self._lock = threading.Lock()
+
     @property
     def path(self) -> tuple[str, ...]:
         """The schemas searched, in order (read by :meth:`read_path`)."""

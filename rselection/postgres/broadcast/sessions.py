@@ -26,6 +26,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 
+from ... import forks
 from ...errors import BackendUnavailable, ConfigError
 from ...redaction import redact
 from .._conn import (
@@ -101,7 +102,8 @@ class Deadlines:
     never answers must not hang a thread forever), but arming is a plain assignment and
     one thread checks every ``tick`` seconds: a publish costs no extra thread switch,
     which matters at thousands of messages a second. A round trip is aborted between
-    ``bound`` and ``bound + tick`` seconds after it started.
+    ``bound`` and ``bound + tick`` seconds after it started. The thread starts with
+    the first guard.
 
     Args:
         tick: seconds between checks.
@@ -112,14 +114,18 @@ class Deadlines:
         self._armed: dict[int, tuple[float, psycopg.Connection[Any]]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name="rselection-broadcast-deadlines", daemon=True
-        )
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def tick(self) -> float:
+        """Seconds between checks."""
+        return self._tick
 
     @contextlib.contextmanager
     def guard(self, conn: psycopg.Connection[Any], seconds: float) -> Iterator[None]:
         """Abort ``conn``'s socket if the ``with`` body runs longer than about ``seconds``."""
+        if self._thread is None:
+            self._start()
         key = threading.get_ident()
         self._armed[key] = (time.monotonic() + seconds, conn)
         try:
@@ -129,6 +135,14 @@ class Deadlines:
             # disarmed here, a connection is never touched again (no reused socket hit).
             with self._lock:
                 self._armed.pop(key, None)
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None and not self._stop.is_set():
+                self._thread = threading.Thread(
+                    target=self._run, name="rselection-broadcast-deadlines", daemon=True
+                )
+                self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self._tick):
@@ -142,9 +156,11 @@ class Deadlines:
 
     def close(self) -> None:
         """Stop the checker thread."""
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(self._tick + 5.0)
+        with self._lock:
+            self._stop.set()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(self._tick + 5.0)
 
 
 def first_line(exc: BaseException, conninfo: str) -> str:
@@ -182,6 +198,14 @@ class Sessions:
         self._lender = self._lender_for(source if self.user_pool else self.conninfo)
         self._lender_id = id(source)
         self._probe_io = IoWatchdog(APPLICATION_NAME)  # bounds the pooler check's probe
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: the watchdogs' threads (and what they watch) are the
+        parent's; new ones start on first use. The lender resets itself."""
+        forks.keep_inherited(self.deadlines, self._probe_io)
+        self.deadlines = Deadlines(self.deadlines.tick)
+        self._probe_io = IoWatchdog(APPLICATION_NAME)
+        self.locator.reset_after_fork()
 
     def _lender_for(self, source: object) -> Connections:
         timeout = self.settings.timeout

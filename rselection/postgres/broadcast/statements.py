@@ -29,6 +29,7 @@ from typing import Any
 import psycopg
 from psycopg import pq
 
+from ... import forks
 from .location import Location, Locator
 from .outbox import Outbox
 from .sessions import Deadlines, query_one
@@ -146,6 +147,13 @@ class PublishStatements:
         self.location = location
         self._named = named
 
+    @classmethod
+    def reset_after_fork(cls) -> None:
+        """In a forked child (see :mod:`rselection.forks`): the lock of what the process
+        knows of its lent sessions is made anew (a parent's writer may have held it)."""
+        global _LENT_LOCK
+        _LENT_LOCK = threading.Lock()
+
     def lent(self, conn: psycopg.Connection[Any]) -> LentSession:
         """What the process knows of ``conn``, asking its identity on first use.
 
@@ -203,3 +211,6 @@ class PublishStatements:
             if not isinstance(error, psycopg.errors.DuplicatePreparedStatement):
                 raise error
         lent.prepared.add(name)
+
+
+forks.register(PublishStatements)

@@ -21,6 +21,8 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterator
 from typing import ClassVar
 
+from ... import forks
+
 __all__ = ["Stopping", "Turn"]
 
 
@@ -39,6 +41,14 @@ class Turn:
         self._held = False
         # Writers waiting for the turn, oldest first: only the oldest may take it.
         self._queue: deque[object] = deque()
+
+    @classmethod
+    def reset_after_fork(cls) -> None:
+        """In a forked child (see :mod:`rselection.forks`): the parent's turns (held, or
+        waited for, by its writers) stay the parent's; the child's writers share new
+        ones, and the registry's lock is made anew."""
+        cls._registry = weakref.WeakValueDictionary()
+        cls._registry_lock = threading.Lock()
 
     @classmethod
     def of(cls, key: Hashable) -> Turn:
@@ -90,3 +100,6 @@ class Turn:
         """Wake the writers waiting for the turn (one of them is stopping)."""
         with self._cond:
             self._cond.notify_all()
+
+
+forks.register(Turn)
