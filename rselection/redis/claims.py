@@ -40,6 +40,7 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
+from .. import forks
 from ..claiming import ClaimsPartlyFailed, check_fire_key, check_fire_keys
 from ..closeable import Closeable
 from ..errors import ConfigError
@@ -120,7 +121,8 @@ class RedisClaimer(Closeable):
             URL (a client made from a URL is closed by :meth:`close`).
         key_prefix: prefix of every claim key (used verbatim; may be empty).
         ttl: seconds a claim binds (at least 1 ms; default 600).
-        node_id: who claims, recorded in each claim; unique per instance by default.
+        node_id: who claims, recorded in each claim; unique per instance by default (and
+            taken anew in a process forked from this one).
 
     Raises:
         ConfigError: a bad client, key prefix, ttl or node id.
@@ -140,12 +142,21 @@ class RedisClaimer(Closeable):
         """Seconds a claim binds."""
         self.node_id: str = new_node_id() if node_id is None else check_node_id(node_id)
         """Who this claimer claims as."""
+        self._default_node_id = node_id is None
         self._client, self._owned = check_client(client, "RedisClaimer")
         self._cluster = isinstance(self._client, RedisCluster)
         self._ttl_ms = max(1, round(self.ttl * 1000))
         self._claim = self._client.register_script(CLAIM)
         self._claim_missed = self._client.register_script(CLAIM_MISSED)
         self._claim_many = self._client.register_script(CLAIM_MANY)
+        forks.register(self)
+
+    def reset_after_fork(self) -> None:
+        """In a forked child (see :mod:`rselection.forks`): a default node id is the
+        parent's, so the child's claims are recorded under one of its own. redis-py's
+        pool opens the child's own connections."""
+        if self._default_node_id:
+            self.node_id = new_node_id()
 
     def __repr__(self) -> str:
         return (

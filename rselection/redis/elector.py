@@ -39,6 +39,7 @@ from typing import Any
 
 import redis
 
+from .. import forks
 from ..closeable import Closeable
 from ..validation import check_name, check_node_id, check_seconds, new_node_id
 from ._conn import check_client, describe, unavailable
@@ -124,7 +125,8 @@ class RedisElector(Closeable):
         name: the election's name; electors with the same name and key prefix compete.
         key_prefix: prefix of the election's keys.
         ttl: seconds a call keeps the leadership (at least 1 ms; default 30).
-        node_id: this candidate's node id; unique per instance by default.
+        node_id: this candidate's node id; unique per instance by default (and taken
+            anew in a process forked from this one, which is another candidate).
 
     Raises:
         ConfigError: a bad client, name, key prefix or node id, or a ttl below 1 ms.
@@ -145,12 +147,23 @@ class RedisElector(Closeable):
         self.ttl = check_seconds(ttl, "ttl", minimum=0.001)
         self.node_id: str = new_node_id() if node_id is None else check_node_id(node_id)
         """This candidate's node id, stored as the election key's value."""
+        self._default_node_id = node_id is None
         self.term: int | None = None
         """The term this elector leads with after a ``True`` from :meth:`is_leader`, else None."""
         self._client, self._owned = check_client(client, "RedisElector")
         self._ttl_ms = max(1, round(self.ttl * 1000))
         self._elect = self._client.register_script(ELECT)
         self._resign = self._client.register_script(RESIGN)
+        forks.register(self)
+
+    def reset_after_fork(self) -> None:
+        """In a forked child (see :mod:`rselection.forks`): a default node id is the
+        parent's, so the child takes one of its own (with the same id, both processes
+        would lead at once); it leads nothing yet. redis-py's pool opens the child's
+        own connections."""
+        if self._default_node_id:
+            self.node_id = new_node_id()
+        self.term = None
 
     def __repr__(self) -> str:
         return (

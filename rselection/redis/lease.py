@@ -107,6 +107,7 @@ from typing import Any
 
 import redis
 
+from .. import forks
 from ..closeable import Closeable
 from ..errors import BackendUnavailable, ConfigError
 from ..lease import Acquisition, HandoverRequest, LeaderInfo
@@ -391,6 +392,24 @@ class RedisLease(Closeable):
         self._handover_hint = False  # a request was announced since the last renewal
         self._handover: HandoverRequest | None = None
 
+        self._wakeup = Wakeup()
+        self._liveness = _Liveness()
+        forks.register(self)
+
+    def reset_after_fork(self) -> None:
+        """In a forked child (see :mod:`rselection.forks`): the keeper and listener
+        connections and the wake-up pair are the parent's (a command on them would run
+        in the parent's connection, and the parent's listener would lose its messages
+        to the child). Forget them, unused, and hold nothing: the next keeper call
+        connects anew. redis-py's pool gives :meth:`current` connections of the child."""
+        forks.keep_inherited(self._conn, self._listener, self._wakeup)
+        self._conn = self._listener = None
+        self._client_id = ""
+        self._leading = self._seen = self._dead = None
+        self._hold = SessionHold()
+        self._presence = None
+        self._handover_hint = False
+        self._handover = None
         self._wakeup = Wakeup()
         self._liveness = _Liveness()
 

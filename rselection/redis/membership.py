@@ -43,6 +43,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from .. import forks
 from ..errors import BackendUnavailable, ConfigError
 from ..members import NodeInfo
 from ..validation import check_name, check_node_id, check_seconds
@@ -208,6 +209,15 @@ class RedisMembership:
         self._fresh = True  # (re)write the node's info with the next heartbeat
         self._purge_due = 0.0  # monotonic time of the next purging heartbeat
         self._addr: str | None = None
+        forks.register(self)
+
+    def reset_after_fork(self) -> None:
+        """In a forked child (see :mod:`rselection.forks`): heartbeats started in the
+        parent are the parent's node's; the child neither sends them nor removes the
+        node. Not started yet, it heartbeats normally once started here."""
+        self._lock = threading.Lock()
+        if self._started:
+            self._started, self._stopped = False, True
 
     @property
     def stopped(self) -> bool:
@@ -398,6 +408,13 @@ class _Servers:
         self._lock = threading.Lock()
         self._beats: dict[str, _Beats] = {}
 
+    def reset_after_fork(self) -> None:
+        """In a forked child: the heartbeat threads (and the memberships they serve) are
+        the parent's; the child's memberships get threads of their own."""
+        forks.keep_inherited(*self._beats.values())
+        self._lock = threading.Lock()
+        self._beats = {}
+
     def add(self, member: RedisMembership) -> None:
         server = member._server
         with self._lock:
@@ -415,3 +432,4 @@ class _Servers:
 
 
 _BEATS = _Servers()
+forks.register(_BEATS)

@@ -374,3 +374,188 @@ def test_a_connection_or_pool_given_before_fork_is_refused_in_the_child(
         assert claimer.claim(f"given/parent-after-{kind}"), kind
     bc.publish("given", "parent again")
     assert sub.get(timeout=10) == "parent again"
+
+
+# --------------------------------------------------------------------------- Redis
+
+
+def _client_list(redis_url: str) -> list[dict[str, Any]]:
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return list(client.client_list())
+    finally:
+        client.close()
+
+
+def _parents_connections(redis_url: str, ports: set[int]) -> dict[str, dict[str, Any]]:
+    """``CLIENT LIST`` entries of this process's connections whose port is in ``ports``."""
+    out = {}
+    for entry in _client_list(redis_url):
+        port = int(str(entry["addr"]).rsplit(":", 1)[1])
+        if port in ports:
+            out[str(entry["id"])] = entry
+    return out
+
+
+def _redis_ports(redis_url: str) -> set[int]:
+    from redis.connection import ConnectionPool
+
+    port = int(ConnectionPool.from_url(redis_url).connection_kwargs.get("port", 6379))
+    return local_ports(os.getpid(), port)
+
+
+def _untouched(
+    before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]], waited: float
+) -> list[str]:
+    """What the child did to the parent's connections (see the module docstring)."""
+    wrong = []
+    for cid, was in before.items():
+        now = after.get(cid)
+        if now is None:
+            wrong.append(f"client {cid} ({was['name'] or 'no name'}) was closed")
+            continue
+        for field in ("cmd", "sub", "psub"):
+            if now[field] != was[field]:
+                wrong.append(f"client {cid} {field}: {was[field]} -> {now[field]}")
+        if int(now["idle"]) < int(was["idle"]) + int(waited) - 1:
+            wrong.append(
+                f"client {cid} ({was['name'] or 'no name'}) ran {now['cmd']} while only "
+                f"the child could (idle {was['idle']} -> {now['idle']} s over {waited:.1f} s)"
+            )
+    return wrong
+
+
+def _quiet(redis_url: str, ports: set[int], exclude: Callable[[dict[str, Any]], bool]) -> None:
+    """Wait until the parent's connections (but ``exclude``\\ d ones) are idle for 2 s, so
+    that a command on them resets an idle time that can only have grown otherwise."""
+    wait_until(
+        lambda: all(
+            int(e["idle"]) >= 2
+            for e in _parents_connections(redis_url, ports).values()
+            if not exclude(e)
+        ),
+        timeout=10,
+        interval=0.2,
+        what="the parent's Redis connections to be idle",
+    )
+
+
+def test_a_redis_lease_connected_before_fork_leaves_the_parents_connections_alone(
+    redis_url: str,
+) -> None:
+    from rselection.redis import RedisLease
+
+    name = f"forked-{uuid.uuid4().hex[:12]}"
+    lease = RedisLease(redis_url, name=name, ttl=30, renew_deadline=20, liveness_interval=0.2)
+    lease.connect()
+    try:
+        got = lease.try_acquire("parent")
+        assert got.acquired and got.holder is not None
+        term = got.holder.term
+        assert lease.renew("parent", term)
+        ports = _redis_ports(redis_url)
+        _quiet(redis_url, ports, lambda e: False)
+        before = _parents_connections(redis_url, ports)
+        assert len([e for e in before.values() if e["name"] == f"rselection:{name}"]) == 2
+        began = time.monotonic()
+
+        def child() -> dict[str, Any]:
+            report: dict[str, Any] = {}
+            _attempt(report, "holder", lambda: getattr(lease.current(), "node_id", None))
+            _attempt(
+                report, "attempt", lambda: getattr(lease.try_acquire("child").holder, "node_id", "")
+            )
+            _attempt(report, "wait", lambda: lease.wait_for_change(0.5))
+            report["client_id"] = lease.client_id
+            _attempt(report, "close", lease.close)
+            time.sleep(1.5)  # a command on the parent's connections shows in its idle time
+            return report
+
+        report = in_child(child, timeout=60)
+        waited = time.monotonic() - began
+        after = _parents_connections(redis_url, ports)
+        assert not _untouched(before, after, waited), (_untouched(before, after, waited), report)
+        assert report["holder"] == "parent" and report["attempt"] == "parent", report
+        assert report["wait"] is None and report["close"] is None, report
+        assert report["client_id"] not in (None, lease.client_id), report
+        assert lease.renew("parent", term), "the parent's keeper connection was lost"
+    finally:
+        lease.close()
+
+
+def test_redis_objects_used_before_fork_work_in_the_child_on_connections_of_their_own(
+    redis_url: str, closing: ExitStack
+) -> None:
+    import redis
+
+    from rselection.redis import RedisClaimer, RedisElector
+
+    name = f"forked-{uuid.uuid4().hex[:12]}"
+    client = redis.Redis.from_url(redis_url)
+    closing.callback(client.close)
+    claimer = RedisClaimer(client)
+    elector = RedisElector(client, name=name)
+    # Heartbeats far apart: the parent's heartbeat connection stays quiet meanwhile.
+    slow_beats = {"heartbeat_interval": 60.0}
+    leader = rs.RedisLeader(client, _idle_tasks(), name=name, claimer=claimer, **FAST, **slow_beats)
+    closing.callback(leader.stop)
+    built = rs.RedisLeader(redis_url, _idle_tasks(), name=name, **FAST)  # not started here
+    leader.start()
+    assert leader.wait_until_leader(20)
+    term = leader.term
+    assert claimer.claim(f"{name}/parent")
+    assert elector.is_leader()
+    wait_until(
+        lambda: leader.node_id in [n.node_id for n in leader.nodes()],
+        timeout=10,
+        what="the leader's heartbeat",
+    )
+    assert built.leader() is not None
+    ports = _redis_ports(redis_url)
+    keeper_name = f"rselection:{name}"
+    _quiet(redis_url, ports, lambda e: e["name"] == keeper_name)
+    before = {
+        cid: e
+        for cid, e in _parents_connections(redis_url, ports).items()
+        if e["name"] != keeper_name
+    }
+    assert before
+    began = time.monotonic()
+
+    def child() -> dict[str, Any]:
+        report: dict[str, Any] = {"is_leader": leader.is_leader}
+        _attempt(report, "claim", lambda: claimer.claim(f"{name}/child"))
+        _attempt(report, "elected", elector.is_leader)
+        report["elector_id"] = elector.node_id
+        _attempt(report, "holder", lambda: getattr(built.leader(), "node_id", None))
+        _attempt(report, "leader.nodes", lambda: [n.node_id for n in leader.nodes()])
+        built.start()
+        try:
+            deadline = time.monotonic() + 10
+            nodes: list[str] = []
+            while built.node_id not in nodes and time.monotonic() < deadline:
+                nodes = [n.node_id for n in built.nodes()]
+                time.sleep(0.05)
+            report["built"] = built.node_id
+            report["nodes"] = nodes
+        finally:
+            built.stop()
+        _attempt(report, "stop leader", leader.stop)
+        return report
+
+    report = in_child(child, timeout=90)
+    waited = time.monotonic() - began
+    after = _parents_connections(redis_url, ports)
+    assert not _untouched(before, after, waited), (_untouched(before, after, waited), report)
+    assert "error" not in report, report
+    assert report["is_leader"] is False and report["claim"] is True, report
+    assert report["elector_id"] != elector.node_id and report["elected"] is False, report
+    assert report["holder"] == leader.node_id, report
+    assert leader.node_id in report["leader.nodes"], report
+    # The leader built before the fork and started in the child heartbeats there.
+    assert report["built"] in report["nodes"], report
+    assert leader.is_leader and leader.term == term
+    assert leader.node_id in [n.node_id for n in leader.nodes()]
+    assert elector.is_leader()
