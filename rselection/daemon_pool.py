@@ -20,6 +20,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
+from . import forks
+
 __all__ = ["DaemonExecutor", "Lane", "SharedPool"]
 
 logger = logging.getLogger(__name__)
@@ -150,6 +152,7 @@ class SharedPool:
         self._queued = 0  # calls waiting in the lanes
         self._open = 0  # lanes open
         self._names = itertools.count()
+        forks.register(self)
 
     def lane(self, limit: int) -> Lane:
         """A new lane: an :class:`Executor` whose calls run here, ``limit`` at a time."""
@@ -344,9 +347,13 @@ class SharedPool:
                 self._busy.pop(me, None)
                 self._ending.discard(me)
 
-    def after_fork(self) -> None:
-        """In a child process: none of the parent's workers runs there."""
+    def reset_after_fork(self) -> None:
+        """In a forked child (see :mod:`rselection.forks`): none of the parent's workers
+        runs there, and the calls its lanes queued are the parent's (a term's claims):
+        the child's workers never run them."""
         self._lock = threading.Lock()
+        self._ready.clear()
+        self._queued = 0
         self._busy.clear()
         self._idle.clear()
         self._ending.clear()

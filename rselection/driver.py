@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable
 from typing import ClassVar, Protocol
 
-from . import clock
+from . import clock, forks
 from .daemon_pool import DaemonExecutor, Lane, SharedPool
 from .task_threads import TaskThreads
 
@@ -87,6 +87,12 @@ class LeaseDriver:
         self._work = SharedPool(
             "rselection-driver-work", WORKERS, most=MOST_WORKERS, stuck_after=STUCK_AFTER
         )
+
+    @classmethod
+    def reset_after_fork(cls) -> None:
+        """In a forked child (see :mod:`rselection.forks`): the lock is made anew (a
+        parent's thread may have held it); :meth:`shared` makes the child's driver."""
+        cls._shared_lock = threading.Lock()
 
     @classmethod
     def shared(cls) -> LeaseDriver:
@@ -222,6 +228,9 @@ class LeaseDriver:
             if self._due.get(item) == at:
                 return
             heapq.heappop(self._heap)
+
+
+forks.register(LeaseDriver)
 
 
 class _Pools:

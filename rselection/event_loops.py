@@ -41,6 +41,8 @@ import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, ClassVar
 
+from . import forks
+
 __all__ = ["TICK", "UNRESPONSIVE", "LoopGuard", "SharedLoops"]
 
 logger = logging.getLogger(__name__)
@@ -341,6 +343,12 @@ class SharedLoops:
         self._numbers = 0
 
     @classmethod
+    def reset_after_fork(cls) -> None:
+        """In a forked child (see :mod:`rselection.forks`): the lock is made anew (a
+        parent's thread may have held it); :meth:`shared` makes the child's loops."""
+        cls._class_lock = threading.Lock()
+
+    @classmethod
     def shared(cls) -> SharedLoops:
         """This process's shared loops (new ones after ``fork()``)."""
         with cls._class_lock:
@@ -387,3 +395,6 @@ class SharedLoops:
         """Loop threads alive now."""
         with self._lock:
             return sum(1 for loop in self._loops if loop._thread and loop._thread.is_alive())
+
+
+forks.register(SharedLoops)

@@ -83,10 +83,7 @@ _LOOP_HEALTH_POLL = 0.05  # seconds between looks at the shared loop while waiti
 _CLAIM_POOL = SharedPool("rselection-claims", 4, most=32)
 _CLEANUP_POOL = SharedPool("rselection-cleanup", 1, most=4)
 _SIGNAL_POOL = SharedPool("rselection-signals", 2, most=8)
-_SHARED_POOLS = (_CLAIM_POOL, _CLEANUP_POOL, _SIGNAL_POOL)
-if hasattr(os, "register_at_fork"):
-    for _pool in _SHARED_POOLS:
-        os.register_at_fork(after_in_child=_pool.after_fork)
+_SHARED_POOLS = (_CLAIM_POOL, _CLEANUP_POOL, _SIGNAL_POOL)  # reset in a forked child
 
 # Schedules whose next_fire is the library's own (fast, never blocks): their fires are
 # prepared on the scheduler's thread; any other schedule's on its term's lane.

@@ -19,11 +19,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
+
+from . import forks
 
 __all__ = ["MAX_LEAD", "SCHEDULER", "Prepared", "Scheduler", "Timetable"]
 
@@ -247,8 +248,9 @@ class Scheduler:
                 self._retire()
             return None
 
-    def _after_fork(self) -> None:
-        """In a child process: no thread runs there, and no term was ever started there."""
+    def reset_after_fork(self) -> None:
+        """In a forked child (see :mod:`rselection.forks`): no thread runs there, and no
+        term was ever started there."""
         self._cond = threading.Condition(threading.Lock())
         self._terms.clear()
         self._setups.clear()
@@ -273,5 +275,4 @@ class _Done:
 SCHEDULER = Scheduler()
 """The process's scheduler."""
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=SCHEDULER._after_fork)
+forks.register(SCHEDULER)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -376,6 +377,80 @@ def test_a_connection_or_pool_given_before_fork_is_refused_in_the_child(
     assert sub.get(timeout=10) == "parent again"
 
 
+def test_locks_held_by_a_parents_thread_at_the_fork_do_not_hang_the_child(
+    pg_dsn: str, closing: ExitStack
+) -> None:
+    """A thread of the parent that holds a process-wide lock at the moment of the fork
+    does not exist in the child: the lock must not stay held there for ever."""
+    from rselection.driver import LeaseDriver
+    from rselection.event_loops import SharedLoops
+    from rselection.postgres.broadcast.listening import ListeningSession
+    from rselection.postgres.broadcast.turns import Turn
+    from rselection.postgres.keeper import SharedKeeper
+    from rselection.postgres.session_pool import SessionPool
+
+    tasks = rs.TaskHandler(stop_grace=1.0)
+    ran = threading.Event()
+
+    @tasks.persistent("work")
+    async def work(ctx: rs.TaskContext) -> None:  # on the shared event loops
+        ran.set()
+        await ctx.asleep(3600)
+
+    leader = rs.PostgresLeader(pg_dsn, tasks, name="locked", **FAST)  # not started
+    claimer = PostgresClaimer(pg_dsn)
+    closing.callback(claimer.close)
+    bc = PostgresBroadcaster(pg_dsn, probe_interval=3600)
+    closing.callback(bc.close)
+    locks = [
+        SessionPool._registry_lock,
+        SharedKeeper._registry_lock,
+        ListeningSession._registry_lock,
+        Turn._registry_lock,
+        LeaseDriver._shared_lock,
+        SharedLoops._class_lock,
+    ]
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        for lock in locks:
+            lock.acquire()
+        held.set()
+        release.wait(60)
+        for lock in locks:
+            lock.release()
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(5)
+
+    def child() -> dict[str, Any]:
+        report: dict[str, Any] = {}
+        _attempt(report, "claim", lambda: claimer.claim("locked/child"))
+        leader.start()
+        try:
+            report["led"] = leader.wait_until_leader(20)
+            report["ran"] = ran.wait(10)
+        finally:
+            leader.stop()
+
+        def broadcast() -> Any:
+            sub = bc.subscribe("child")
+            bc.publish("child", 1)
+            return sub.get(timeout=10)
+
+        _attempt(report, "broadcast", broadcast)
+        bc.close()
+        return report
+
+    try:
+        report = in_child(child, timeout=90)
+    finally:
+        release.set()
+        holder.join(5)
+    assert report == {"claim": True, "led": True, "ran": True, "broadcast": 1}, report
+
+
 # --------------------------------------------------------------------------- Redis
 
 
@@ -559,3 +634,33 @@ def test_redis_objects_used_before_fork_work_in_the_child_on_connections_of_thei
     assert leader.is_leader and leader.term == term
     assert leader.node_id in [n.node_id for n in leader.nodes()]
     assert elector.is_leader()
+
+
+# --------------------------------------------------------------------------- threads
+
+
+def test_a_child_never_runs_the_calls_its_parent_queued_for_its_workers() -> None:
+    """A shared pool's calls queued in the parent (a term's claims waiting for a busy
+    worker) are the parent's: a child's first call does not run them there."""
+    from rselection.daemon_pool import SharedPool
+
+    pool = SharedPool("rselection-test-forked", 1, most=1)
+    parents, gate = pool.lane(2), threading.Event()
+    ran: list[str] = []
+    parents.submit(gate.wait, 30)  # holds the pool's only worker
+    parents.submit(ran.append, "parent's queued call")  # waits for a worker
+    try:
+
+        def child() -> dict[str, Any]:
+            own = pool.lane(1)
+            own.submit(ran.append, "child's call").result(10)
+            time.sleep(0.2)  # a queued call of the parent's would run now
+            own.shutdown()
+            return {"ran": list(ran)}
+
+        report = in_child(child, timeout=30)
+    finally:
+        gate.set()
+        parents.shutdown()
+    assert report == {"ran": ["child's call"]}, report
+    wait_until(lambda: ran == ["parent's queued call"], timeout=5, what="the parent's call")
