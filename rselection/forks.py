@@ -5,7 +5,7 @@ A server that forks its workers (gunicorn ``--preload``, uvicorn ``--workers``,
 whose sockets the parent still uses, and threads, locks and events that only the parent's
 threads could ever release. One byte written by a child on an inherited socket corrupts
 the parent's session (its lease with it), so an object that holds any of these registers
-here, and in each forked child :func:`reset_in_child` is called on it before the child's
+here, and in each forked child its ``reset_after_fork()`` runs before the child's
 code runs again: the object forgets what it inherited, without closing it (closing a
 connection sends on its socket), and opens its own on its next use. What it forgets is
 kept referenced for the child's life (:data:`_INHERITED`), so no finaliser ever runs on
