@@ -89,6 +89,8 @@ class DrivenKeeper:
 
     def start(self) -> None:
         """Start being driven (from ``LeaseLeader.start``)."""
+        # The starting process's driver: one taken before a fork is the parent's.
+        self._driver = LeaseDriver.shared()
         self._lease.on_wake(self._on_wake)
         self._running = True
         self._driver.add(self)
@@ -100,6 +102,8 @@ class DrivenKeeper:
 
     def poke(self) -> None:
         """Step soon (a stop, a step-down)."""
+        if not self._running:  # a stop before any start: this process's driver
+            self._driver = LeaseDriver.shared()
         self._driver.poke(self)
 
     def inside(self) -> bool:
