@@ -491,10 +491,13 @@ class LeaseLeader:
         takes a node id of this process if its id was the default; a started one is
         the parent's and refuses to run here (``is_leader`` False, :meth:`start` and
         :meth:`lead` raise, :meth:`stop` returns at once)."""
+        # A parent's thread may have held these at the fork (leader() holds its lock
+        # across a round trip): in this process nothing would ever let go of them.
+        self._cond = threading.Condition()
+        self._observer_lock = threading.Lock()
         if self._started:
             self._forked = True
             self._term = None
-            self._cond = threading.Condition()  # a parent's thread may have held it
             self._closed = True
         else:
             self._fix_node_id()

@@ -1,10 +1,10 @@
-"""A forked child of a busy process: the parent leads one leader, and the child uses
-leaders built before the fork.
+"""A forked child of a busy process: the parent leads one leader, another thread of it
+is inside a call, and the child starts leaders built before the fork.
 
 The parent's started leaders must stay still in the child (never stepped there, never
 released or renewed from there), and the leaders not started yet must work there as in
-any process: what threads of the parent ran at the fork (the process's driver) are not
-in the child.
+any process: what a thread of the parent held at the fork (a lock, the process's
+driver) is not in the child.
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import psycopg
 import pytest
 
 import rselection as rs
 from rselection import signals
+from tests.support.waiting import wait_until
 
 FAST = {"ttl": 6.0, "renew_interval": 0.5, "renew_deadline": 3.0, "retry_interval": 0.5}
 
@@ -77,6 +79,16 @@ def _returns_within(call: Callable[[], object], timeout: float) -> bool:
     thread.start()
     thread.join(timeout)
     return not thread.is_alive()
+
+
+def _wait_for_a_waiter(blocker: psycopg.Connection[Any], table: str) -> None:
+    """Wait until a session waits for ``table``, which ``blocker`` has locked."""
+    waiting = "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = %s::regclass"
+    wait_until(
+        lambda: blocker.execute(waiting, (table,)).fetchone() == (1,),
+        10,
+        f"a session to wait for the table {table}",
+    )
 
 
 class _Naming(logging.Handler):
@@ -138,3 +150,53 @@ def test_a_child_uses_leaders_built_before_fork_while_the_parent_leads(pg_dsn: s
     finally:
         logging.getLogger("rselection").removeHandler(naming)
         signals.lease_renewed.disconnect(on_renewed)
+
+
+def test_a_child_reads_the_holder_while_a_parent_thread_was_reading_it(pg_dsn: str) -> None:
+    with rs.PostgresLeader(pg_dsn, _idle_tasks(), name="observed", **FAST) as holder:
+        assert holder.wait_until_leader(20)  # the lease table exists from here on
+        observer = rs.PostgresLeader(pg_dsn, _idle_tasks(), name="observed", **FAST)
+        reading = threading.Thread(target=observer.leader, daemon=True)
+        with psycopg.connect(pg_dsn) as blocker:
+            # The parent's thread waits inside leader() until the lock is let go.
+            blocker.execute("LOCK TABLE rselection_leases IN ACCESS EXCLUSIVE MODE")
+            reading.start()
+            _wait_for_a_waiter(blocker, "rselection_leases")
+
+            def child() -> dict[str, Any]:
+                seen: list[object] = []
+                # The blocker lets go right after the fork: the read itself is quick.
+                answered = _returns_within(lambda: seen.append(observer.leader()), 10)
+                node = seen[0].node_id if seen else None  # type: ignore[attr-defined]
+                return {"answered": answered, "holder": node}
+
+            forked = _fork(child)
+            blocker.commit()
+        report = _report(*forked)
+        reading.join(10)
+        assert report == {"answered": True, "holder": holder.node_id}
+
+
+def test_a_child_starts_a_sharded_leader_a_parent_thread_was_starting(pg_dsn: str) -> None:
+    with rs.PostgresShardedLeader(pg_dsn, _idle_tasks(), name="split", shards=2, **FAST) as fleet:
+        assert fleet.wait_until_leader(20)  # the tables exist from here on
+        joiner = rs.PostgresShardedLeader(pg_dsn, _idle_tasks(), name="split", shards=2, **FAST)
+        starting = threading.Thread(target=joiner.start, daemon=True)
+        with psycopg.connect(pg_dsn) as blocker:
+            # The parent's thread waits inside start(), reading the number of shards the
+            # coordinator recorded, until the lock is let go.
+            blocker.execute("LOCK TABLE rselection_checkpoints IN ACCESS EXCLUSIVE MODE")
+            starting.start()
+            _wait_for_a_waiter(blocker, "rselection_checkpoints")
+
+            def child() -> dict[str, Any]:
+                started = _returns_within(joiner.start, 10)
+                stopped = started and _returns_within(lambda: joiner.stop(timeout=10), 15)
+                return {"started": started, "stopped": stopped}
+
+            forked = _fork(child)
+            blocker.commit()
+        report = _report(*forked)
+        starting.join(10)
+        joiner.stop()
+        assert report == {"started": True, "stopped": True}
