@@ -490,13 +490,17 @@ class LeaseLeader:
         """In a forked child (see :mod:`rselection.forks`): a leader not yet started
         takes a node id of this process if its id was the default; a started one is
         the parent's and refuses to run here (``is_leader`` False, :meth:`start` and
-        :meth:`lead` raise, :meth:`stop` returns at once)."""
+        :meth:`lead` raise, :meth:`stop` returns at once), and its terms are over here
+        (the contexts of its tasks in a process a task forked see them ended)."""
         # A parent's thread may have held these at the fork (leader() holds its lock
         # across a round trip): in this process nothing would ever let go of them.
         self._cond = threading.Condition()
         self._observer_lock = threading.Lock()
         if self._started:
             self._forked = True
+            for term in (self._term, self._last_term):
+                if term is not None:  # seen over by the tasks' contexts in this process
+                    term.reset_after_fork()
             self._term = None
             self._closed = True
         else:

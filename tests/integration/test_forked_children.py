@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -200,3 +201,40 @@ def test_a_child_starts_a_sharded_leader_a_parent_thread_was_starting(pg_dsn: st
         starting.join(10)
         joiner.stop()
         assert report == {"started": True, "stopped": True}
+
+
+@pytest.mark.parametrize("kind", ["postgres", "single"])
+def test_a_process_a_task_forks_does_not_lead(pg_dsn: str, kind: str) -> None:
+    reports: queue.Queue[dict[str, Any]] = queue.Queue()
+    tasks = rs.TaskHandler(stop_grace=1.0)
+
+    @tasks.persistent("work")
+    def work(ctx: rs.TaskContext) -> None:
+        # What multiprocessing's fork start method does: the worker gets the task's ctx.
+        def worker() -> dict[str, Any]:
+            try:
+                ctx.check()
+                checked = "passed"
+            except rs.LeadershipLost:
+                checked = "raised"
+            slept = ctx.sleep(0.01)
+            return {
+                "live": ctx.is_live(),
+                "slept": slept,
+                "cancelled": ctx.cancelled.is_set(),
+                "check": checked,
+            }
+
+        reports.put(_report(*_fork(worker)))
+        ctx.sleep(3600)
+
+    leader: rs.Leader = (
+        rs.PostgresLeader(pg_dsn, tasks, name="forking", **FAST)
+        if kind == "postgres"
+        else rs.SingleNodeLeader(tasks)
+    )
+    with leader:
+        report = reports.get(timeout=30)
+        assert leader.is_leader  # the parent's term goes on
+    # The worker is not joined when the term ends: it must not believe it leads.
+    assert report == {"live": False, "slept": False, "cancelled": True, "check": "raised"}
