@@ -14,12 +14,18 @@ import contextlib
 import logging
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import Any
+
+from . import forks
 
 logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+"""What ``signal.signal`` returns: a handler to put back."""
 
 
 class StopSignals:
@@ -34,6 +40,8 @@ class StopSignals:
     def __init__(self, what: str) -> None:
         self.what = what
         self.stopping = False
+        # The handlers this one replaced, while it is installed.
+        self.previous: dict[signal.Signals, _Handler] = {}
 
     def stop_begins(self) -> None:
         """The stop has begun: a SIGTERM from now on is only logged."""
@@ -49,12 +57,22 @@ class StopSignals:
             raise KeyboardInterrupt
         logger.info("%s received; %s is already stopping", name, self.what)
 
+    def reset_after_fork(self) -> None:
+        """In a forked child (see :mod:`rselection.forks`): no ``lead()`` runs here (a
+        worker a task forked): the program's own handlers are put back, so that SIGTERM
+        (``multiprocessing``'s ``terminate()``) ends the child as the program says."""
+        for sig, old in self.previous.items():
+            if signal.getsignal(sig) is self:
+                # None: a handler not installed from Python, which cannot be put back.
+                signal.signal(sig, signal.SIG_DFL if old is None else old)
+
 
 @contextlib.contextmanager
 def stop_on_signals(what: str) -> Iterator[StopSignals]:
     """While the block runs in the main thread, SIGTERM and SIGINT raise
     :class:`KeyboardInterrupt` in it (see :class:`StopSignals`); the previous handlers
-    are put back after. A signal the program ignores (``SIG_IGN``) stays ignored.
+    are put back after, and at once in a process forked meanwhile. A signal the
+    program ignores (``SIG_IGN``) stays ignored.
 
     Elsewhere (another thread, or inside a block of this kind already) no handler is
     installed, and the object yielded only records :meth:`StopSignals.stop_begins`.
@@ -70,14 +88,15 @@ def stop_on_signals(what: str) -> Iterator[StopSignals]:
         return
     # A signal the program ignores stays ignored (a shell's background job ignores
     # Ctrl-C): the program chose not to be stopped by it.
-    previous = {
+    handler.previous = {
         sig: signal.signal(sig, handler)
         for sig in STOP_SIGNALS
         if signal.getsignal(sig) is not signal.SIG_IGN
     }
+    forks.register(handler)
     try:
         yield handler
     finally:
-        for sig, old in previous.items():
+        for sig, old in handler.previous.items():
             # None: a handler not installed from Python, which cannot be put back.
             signal.signal(sig, signal.SIG_DFL if old is None else old)

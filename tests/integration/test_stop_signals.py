@@ -7,6 +7,7 @@ returns with the program's own handlers back in place, the process exits 0, and 
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 import uuid
@@ -122,3 +123,40 @@ def test_sharded_leader_hands_its_shards_over_on_sigterm(pg_dsn: str) -> None:
     finally:
         _reap(node)
     assert took < HANDED_OVER_WITHIN, f"the shards were led {took:.2f} s after the signal"
+
+
+def test_a_process_forked_while_lead_runs_has_the_programs_own_handlers() -> None:
+    """A worker a task forks (multiprocessing's fork start method) runs no ``lead()``:
+    SIGTERM (``Process.terminate()``) ends it as the program's own handler says."""
+    statuses: list[int] = []
+    handlers: list[bool] = []
+    tasks = rs.TaskHandler(stop_grace=1.0)
+
+    @tasks.persistent("work")
+    def work(ctx: rs.TaskContext) -> None:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the worker: report its handlers, then be terminated
+            try:
+                own = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and (
+                    signal.getsignal(signal.SIGINT) is signal.default_int_handler
+                )
+                os.write(write, b"1" if own else b"0")
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(10)
+            finally:
+                os._exit(3)  # not terminated by the signal (nor back in the task's code)
+        os.close(write)
+        handlers.append(os.read(read, 1) == b"1")
+        os.close(read)
+        statuses.append(os.waitpid(pid, 0)[1])
+        leader.stop()
+
+    leader = rs.SingleNodeLeader(tasks)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        leader.lead()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert handlers == [True]
+    assert [os.waitstatus_to_exitcode(s) for s in statuses] == [-signal.SIGTERM]
