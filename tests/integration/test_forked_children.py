@@ -1,20 +1,17 @@
-"""A forked child of a busy process: the parent leads one leader, another thread of it
-is inside a call, and the child starts leaders built before the fork.
+"""Forked children of a busy process: the parent leads one leader, another thread of it
+is inside a call at the fork, or a task of the parent forks.
 
-The parent's started leaders must stay still in the child (never stepped there, never
-released or renewed from there), and the leaders not started yet must work there as in
-any process: what a thread of the parent held at the fork (a lock, the process's
-driver) is not in the child.
+The parent's started leaders, and their terms, must stay still in the child (never
+stepped there, never released, renewed or led from there), and the leaders not started
+yet must work there as in any process: what a thread of the parent held at the fork (a
+lock, the process's driver) is not in the child.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import queue
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,45 +20,10 @@ import pytest
 
 import rselection as rs
 from rselection import signals
+from tests.support.forking import fork_child, in_child
 from tests.support.waiting import wait_until
 
 FAST = {"ttl": 6.0, "renew_interval": 0.5, "renew_deadline": 3.0, "retry_interval": 0.5}
-
-
-def _fork(body: Callable[[], dict[str, Any]]) -> tuple[int, int]:
-    """Run ``body`` in a forked child; its pid and the pipe its report comes on."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report, then leave without running the parent's clean-ups
-        os.close(read)
-        try:
-            result = body()
-        except BaseException as exc:  # reported to the parent, which fails the test
-            result = {"error": f"{type(exc).__name__}: {exc}"}
-        os.write(write, json.dumps(result).encode())
-        os._exit(0)
-    os.close(write)
-    return pid, read
-
-
-def _report(pid: int, read: int, timeout: float = 60.0) -> dict[str, Any]:
-    """What the child ``pid`` returned (see :func:`_fork`), once it has exited."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        waited, status = os.waitpid(pid, os.WNOHANG)
-        if waited:
-            break
-        time.sleep(0.02)
-    else:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        pytest.fail(f"the forked child did not finish within {timeout} s")
-    chunks = []
-    while chunk := os.read(read, 65536):
-        chunks.append(chunk)
-    os.close(read)
-    assert os.waitstatus_to_exitcode(status) == 0
-    return dict(json.loads(b"".join(chunks)))
 
 
 def _idle_tasks() -> rs.TaskHandler:
@@ -142,7 +104,7 @@ def test_a_child_uses_leaders_built_before_fork_while_the_parent_leads(pg_dsn: s
                 naming.seen.wait(parents.stop_grace + 5.0 + 2.0)
                 return {"led": led, "stopped": stopped, "about the parent's": naming.lines}
 
-            report = _report(*_fork(child))
+            report = in_child(child, timeout=60)
             assert report == {"led": True, "stopped": True, "about the parent's": []}
             # The parent leads on in the same term, renewing through its own session.
             renewed.clear()
@@ -171,9 +133,9 @@ def test_a_child_reads_the_holder_while_a_parent_thread_was_reading_it(pg_dsn: s
                 node = seen[0].node_id if seen else None  # type: ignore[attr-defined]
                 return {"answered": answered, "holder": node}
 
-            forked = _fork(child)
+            forked = fork_child(child)
             blocker.commit()
-        report = _report(*forked)
+        report = forked.report(60)
         reading.join(10)
         assert report == {"answered": True, "holder": holder.node_id}
 
@@ -195,9 +157,9 @@ def test_a_child_starts_a_sharded_leader_a_parent_thread_was_starting(pg_dsn: st
                 stopped = started and _returns_within(lambda: joiner.stop(timeout=10), 15)
                 return {"started": started, "stopped": stopped}
 
-            forked = _fork(child)
+            forked = fork_child(child)
             blocker.commit()
-        report = _report(*forked)
+        report = forked.report(60)
         starting.join(10)
         joiner.stop()
         assert report == {"started": True, "stopped": True}
@@ -225,7 +187,7 @@ def test_a_process_a_task_forks_does_not_lead(pg_dsn: str, kind: str) -> None:
                 "check": checked,
             }
 
-        reports.put(_report(*_fork(worker)))
+        reports.put(in_child(worker))
         ctx.sleep(3600)
 
     leader: rs.Leader = (

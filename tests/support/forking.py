@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-__all__ = ["in_child"]
+__all__ = ["Child", "fork_child", "in_child"]
 
 
 def in_child(body: Callable[[], dict[str, Any]], timeout: float = 30.0) -> dict[str, Any]:
@@ -25,6 +25,12 @@ def in_child(body: Callable[[], dict[str, Any]], timeout: float = 30.0) -> dict[
     handlers or fixtures run there); one still running after ``timeout`` seconds is
     killed and the test fails.
     """
+    return fork_child(body).report(timeout)
+
+
+def fork_child(body: Callable[[], dict[str, Any]]) -> Child:
+    """Start ``body`` in a forked child and return at once (the parent may act while
+    the child runs); :meth:`Child.report` waits for what it returned."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report, then leave without running the parent's clean-ups
@@ -38,28 +44,42 @@ def in_child(body: Callable[[], dict[str, Any]], timeout: float = 30.0) -> dict[
             data = data[os.write(write, data) :]
         os._exit(0)
     os.close(write)
-    deadline = time.monotonic() + timeout
-    chunks = []
-    # Read while waiting: a report larger than the pipe's buffer would block the child.
-    os.set_blocking(read, False)
-    while True:
-        try:
-            while chunk := os.read(read, 65536):
-                chunks.append(chunk)
-        except BlockingIOError:
-            pass
-        waited, status = os.waitpid(pid, os.WNOHANG)
-        if waited:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            os.close(read)
-            pytest.fail(f"the forked child did not finish within {timeout} s")
-        time.sleep(0.02)
-    os.set_blocking(read, True)
-    while chunk := os.read(read, 65536):
-        chunks.append(chunk)
-    os.close(read)
-    assert os.waitstatus_to_exitcode(status) == 0
-    return dict(json.loads(b"".join(chunks)))
+    return Child(pid, read)
+
+
+class Child:
+    """A child :func:`fork_child` started: its pid and the pipe its report comes on."""
+
+    def __init__(self, pid: int, read: int) -> None:
+        self.pid = pid
+        self._read = read
+
+    def report(self, timeout: float = 30.0) -> dict[str, Any]:
+        """What the child's body returned, once it has exited; one still running after
+        ``timeout`` seconds is killed and the test fails."""
+        pid, read = self.pid, self._read
+        deadline = time.monotonic() + timeout
+        chunks = []
+        # Read while waiting: a report larger than the pipe's buffer would block the child.
+        os.set_blocking(read, False)
+        while True:
+            try:
+                while chunk := os.read(read, 65536):
+                    chunks.append(chunk)
+            except BlockingIOError:
+                pass
+            waited, status = os.waitpid(pid, os.WNOHANG)
+            if waited:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                os.close(read)
+                pytest.fail(f"the forked child did not finish within {timeout} s")
+            time.sleep(0.02)
+        os.set_blocking(read, True)
+        while chunk := os.read(read, 65536):
+            chunks.append(chunk)
+        os.close(read)
+        assert os.waitstatus_to_exitcode(status) == 0
+        return dict(json.loads(b"".join(chunks)))
