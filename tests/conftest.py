@@ -224,3 +224,54 @@ def make_tcp_proxy() -> Iterator[Callable[[str, int], TcpProxy]]:
     for proxy in proxies:
         with contextlib.suppress(Exception):
             proxy.close()
+
+
+# --------------------------------------------------------------------------- attackers
+
+
+@pytest.fixture
+def login_only_dsn(pg_server_dsn: str) -> Iterator[str]:
+    """A DSN of a role with LOGIN and nothing else, on the test database: the client the
+    security tests attack from (it can NOTIFY, LISTEN and take advisory locks, and read
+    or write none of rselection's tables). The role is dropped after the test."""
+    import psycopg
+    from psycopg import sql
+    from psycopg.conninfo import make_conninfo
+
+    role = f"rs_attacker_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg_server_dsn, autocommit=True, connect_timeout=10) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+    try:
+        yield make_conninfo(pg_server_dsn, user=role)
+    finally:
+        with psycopg.connect(pg_server_dsn, autocommit=True, connect_timeout=10) as conn:
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
+                (role,),
+            )
+            conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
+
+
+@pytest.fixture
+def publish_only_redis_url(redis_url: str) -> Iterator[str]:
+    """A URL of a Redis user allowed PUBLISH (and PING) and nothing else: the client the
+    security tests attack from. The user is deleted after the test."""
+    import redis
+
+    user, password = f"rs-attacker-{uuid.uuid4().hex[:12]}", uuid.uuid4().hex
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        admin.acl_setuser(
+            user,
+            enabled=True,
+            passwords=[f"+{password}"],
+            channels=["*"],
+            commands=["-@all", "+publish", "+ping"],
+            reset=True,
+        )
+        pool = admin.connection_pool.connection_kwargs
+        db = pool.get("db", 0)
+        yield f"redis://{user}:{password}@{pool.get('host', '127.0.0.1')}:{pool.get('port', 6379)}/{db}"
+    finally:
+        admin.acl_deluser(user)
+        admin.close()
