@@ -269,9 +269,9 @@ def publish_only_redis_url(redis_url: str) -> Iterator[str]:
             commands=["-@all", "+publish", "+ping"],
             reset=True,
         )
-        pool = admin.connection_pool.connection_kwargs
-        db = pool.get("db", 0)
-        yield f"redis://{user}:{password}@{pool.get('host', '127.0.0.1')}:{pool.get('port', 6379)}/{db}"
+        kw = admin.connection_pool.connection_kwargs
+        where = f"{kw.get('host', '127.0.0.1')}:{kw.get('port', 6379)}/{kw.get('db', 0)}"
+        yield f"redis://{user}:{password}@{where}"
     finally:
         admin.acl_deluser(user)
         admin.close()
