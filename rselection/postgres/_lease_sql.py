@@ -1,15 +1,16 @@
 """The SQL of :class:`~rselection.postgres.lease.PostgresLease`.
 
-How a lease table is found and what its lock key and channel are called, and builders
-for the statements the keeper runs. The builders only compose text; the lease runs
-them on its keeper session (several statements in one round trip, so literals are
-inlined: such a query cannot take parameters). The design, and why each condition is
-there, is in :mod:`rselection.postgres.lease`.
+How a lease table is found, how lock keys are drawn and what a lease's channel is
+called, and builders for the statements the keeper runs. The builders only compose
+text; the lease runs them on its keeper session (several statements in one round trip,
+so literals are inlined: such a query cannot take parameters). The design, and why each
+condition is there, is in :mod:`rselection.postgres.lease`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -42,8 +43,8 @@ __all__ = [
     "describe_lease_table",
     "free_condition",
     "lease_channel",
-    "lease_lock_key",
     "listen_sql",
+    "new_lock_key",
     "not_reserved",
     "ReleaseRequest",
     "release_batch_sql",
@@ -72,24 +73,21 @@ that announces a dead keeper session. Nodes of different protocols must never co
 one lease table (see :mod:`rselection.postgres.lease`)."""
 
 
-def lease_lock_key(table_oid: int, name: str) -> int:
-    """The first advisory-lock key of a new lease row: a stable signed 32-bit hash.
+def new_lock_key() -> int:
+    """A fresh advisory-lock key for the next term of a lease: 32 random bits, signed.
 
-    Derived from the lease table's OID (unique in its database; advisory locks are per
-    database) and the lease name, so leases in different schemas or tables never share
-    a lock. It is stored in the row's ``lock_key`` when the row is created, and from
-    then on the stored value is the only one any node uses: a term locks the key of its
-    row, the holder frees that key when the term ends, and followers look for that key
-    in ``pg_locks``. A copy of the table under a new OID (a dump and restore, a table
-    rebuilt by hand) keeps its rows' keys, which then differ from what this function
-    gives for the new OID; nothing depends on their being equal.
-
-    Args:
-        table_oid: OID of the lease table.
-        name: the lease name.
+    Every acquisition draws one and stores it in the row's ``lock_key`` in the statement
+    that takes the lease, so a term locks ``(lock_key, term % 2**31)`` under a key that
+    nobody knew before that term began: a role that may not read the lease table cannot
+    take the lock of a term to come (the lock of the running term, which ``pg_locks``
+    shows to every role, says nothing about the next one). The stored value stays the
+    only one any node uses for that term: the holder locks it, frees it when the term
+    ends, and followers look for it in ``pg_locks``. Before this, a row kept for ever a
+    key derived from the table's OID and the lease name, which any role could compute
+    (such a row gets a random key at its next acquisition; see
+    :func:`acquire_batch_sql`).
     """
-    digest = hashlib.blake2b(f"rselection:{table_oid}:{name}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "big", signed=True)
+    return secrets.randbits(32) - 2**31
 
 
 def lease_channel(qualified_table: str, name: str) -> str:
@@ -113,7 +111,7 @@ class LeaseTable:
     """A lease table as the server resolved it.
 
     Attributes:
-        oid: its OID (names the lock key, see :func:`lease_lock_key`).
+        oid: its OID (names the ring, see :mod:`rselection.postgres.ring`).
         qualified: its ``schema.table`` name (names the channel, see :func:`lease_channel`).
         handovers: it has the handover columns (schema version 2).
         servers: it has the ``holder_server`` column (schema version 3).
@@ -359,7 +357,8 @@ class AcquireRequest:
         name: the lease name (at most one request per name in a batch).
         node_id: the node asking.
         ttl: the lease's ttl, seconds.
-        lock_key: the lease's lock key for a new row.
+        lock_key: the key of the term this attempt would take (and of a new row): drawn
+            afresh for every attempt (:func:`new_lock_key`).
         channel: the lease's channel (notified on acquisition).
         create: insert the row first (the lease was not seen yet).
     """
@@ -404,11 +403,12 @@ def rows_sql(columns: str, *arrays: tuple[Sequence[Any], str]) -> sql.Composed:
 
 def _requests(requests: Sequence[AcquireRequest]) -> sql.Composed:
     return rows_sql(
-        "x(name, node, ttl, channel)",
+        "x(name, node, ttl, channel, lock_key)",
         ([r.name for r in requests], "text"),
         ([r.node_id for r in requests], "text"),
         ([r.ttl for r in requests], "float8"),
         ([r.channel for r in requests], "text"),
+        ([r.lock_key for r in requests], "integer"),
     )
 
 
@@ -447,7 +447,8 @@ def states_sql(
         " CASE WHEN {same} AND " + LOCK_HELD + " AND NOT " + RING_HELD + " THEN 1"
         " ELSE t.protocol END,"
         " ({free} AND {open}), t.holder_pid"
-        " FROM {t} AS t JOIN ({req}) AS r(name, node, ttl, channel) ON r.name = t.name"
+        " FROM {t} AS t JOIN ({req}) AS r(name, node, ttl, channel, lock_key)"
+        " ON r.name = t.name"
     ).format(
         t=table,
         req=_requests(requests),
@@ -466,11 +467,23 @@ def acquire_batch_sql(
     Statements: create the missing rows; take over each row that is free for its node and
     not locked (``SKIP LOCKED``: a row held by fenced transactions of the old term, or by
     another node's acquisition, is left for a later attempt, so a takeover never blocks
-    the shared keeper session): new term, this session as holder, the new term's
-    advisory lock, this session's ``server``, :data:`LEASE_PROTOCOL`, a NOTIFY on the
-    lease's channel; then :func:`states_sql`. Rows come back as ``(name, term,
-    lock_key)`` for each lease taken (the key the new term locked: the row's, which is
-    the one to free when the term ends), then the states.
+    the shared keeper session) and whose new term's advisory lock this session gets at
+    once (``pg_try_advisory_lock`` under the request's fresh ``lock_key``: a lock that
+    another session holds is never waited for, and only that lease is left for a later
+    attempt, under another key): new term, the new key, this session as holder, this
+    session's ``server``, :data:`LEASE_PROTOCOL`, a NOTIFY on the lease's channel; then
+    :func:`states_sql`. Rows come back as ``(name, term, lock_key)`` for each row locked,
+    with ``term`` and ``lock_key`` NULL where the lease was not taken (its lock was held
+    elsewhere: the lock got meanwhile, if any, is freed in the statement), then the
+    states.
+
+    The key is changed only together with the term, by the statement that takes the
+    lease, when no term of the row holds a lock any node still looks for: the previous
+    holder frees the key its own acquisition returned, and followers and the old
+    release (one keeper session per lease) read the key from the row, with its term. So
+    nodes that do not draw keys (an older release) and nodes that do can share a table,
+    and a row's old key (derived from public information before keys were drawn) is
+    replaced at its next acquisition, with no migration.
     """
     node = sql.SQL("r.node")
     created = [r for r in requests if r.create]
@@ -487,30 +500,39 @@ def acquire_batch_sql(
         if created
         else sql.SQL("")
     )
+    # `tried` is materialised and read whole by the outer query (the driving side of a
+    # LEFT JOIN), so every lock it takes is either the taken term's or freed below.
     return sql.SQL(
         "{insert}"
-        "WITH r(name, node, ttl, channel) AS ({req}),"
+        "WITH r(name, node, ttl, channel, lock_key) AS ({req}),"
         " locked AS MATERIALIZED ("
-        "  SELECT t.name FROM {t} AS t JOIN r ON r.name = t.name"
+        "  SELECT t.name, t.term FROM {t} AS t JOIN r ON r.name = t.name"
         "  WHERE {free} AND {open} FOR UPDATE OF t SKIP LOCKED"
+        " ), tried AS MATERIALIZED ("
+        "  SELECT locked.name, r.lock_key, locked.term + 1 AS term,"
+        "  pg_try_advisory_lock(r.lock_key, ((locked.term + 1) % 2147483648)::integer) AS got"
+        "  FROM locked JOIN r ON r.name = locked.name"
         " ), taken AS ("
-        "  UPDATE {t} AS t SET holder = r.node, term = t.term + 1,"
+        "  UPDATE {t} AS t SET holder = r.node, term = tried.term, lock_key = tried.lock_key,"
         "  holder_pid = pg_backend_pid(), acquired_at = clock_timestamp(),"
         "  renewed_at = clock_timestamp(),"
         "  expires_at = clock_timestamp() + r.ttl * interval '1 second',"
         "  holder_server = {server}, protocol = {protocol},"
         "  resign_term = NULL, resign_from = NULL, resign_to = NULL, resign_until = NULL"
-        "  FROM locked JOIN r ON r.name = locked.name"
-        "  WHERE t.name = locked.name AND {free} AND {open}"
+        "  FROM tried JOIN r ON r.name = tried.name"
+        "  WHERE t.name = tried.name AND tried.got AND t.term + 1 = tried.term"
+        "  AND {free} AND {open}"
         "  RETURNING t.name, t.term, t.lock_key, r.node, r.channel, t.acquired_at,"
         "  t.expires_at"
         " )"
-        " SELECT taken.name, taken.term, taken.lock_key,"
-        " pg_advisory_lock(taken.lock_key, (taken.term % 2147483648)::integer),"
-        " pg_notify(taken.channel, json_build_object('event', 'acquired', 'name', taken.name,"
-        " 'node_id', taken.node, 'term', taken.term, 'acquired_at', taken.acquired_at,"
-        " 'expires_at', taken.expires_at, 'holder_pid', pg_backend_pid())::text)"
-        " FROM taken; {states}"
+        " SELECT tried.name, taken.term, taken.lock_key,"
+        " CASE WHEN taken.name IS NOT NULL THEN pg_notify(taken.channel, json_build_object("
+        "'event', 'acquired', 'name', taken.name, 'node_id', taken.node, 'term', taken.term,"
+        " 'acquired_at', taken.acquired_at, 'expires_at', taken.expires_at,"
+        " 'holder_pid', pg_backend_pid())::text) END,"
+        " CASE WHEN taken.name IS NULL AND tried.got THEN pg_advisory_unlock(tried.lock_key,"
+        " (tried.term % 2147483648)::integer) END"
+        " FROM tried LEFT JOIN taken ON taken.name = tried.name; {states}"
     ).format(
         insert=insert,
         t=table,
@@ -597,19 +619,20 @@ def give_back_sql(
 
 
 def unlock_next_terms_sql(
-    table: sql.Composable, names: Sequence[str], held: Sequence[tuple[int, int]]
+    table: sql.Composable, requests: Sequence[AcquireRequest], held: Sequence[tuple[int, int]]
 ) -> sql.Composed:
     """Free the locks a failed acquisition may have left: the advisory lock of the next
-    term of each lease named (``pg_advisory_lock`` is not undone by a rollback), except
-    the ``(lock_key, term)`` locks in ``held``, which terms of this session hold.
+    term of each lease requested, under the key its request drew (``pg_advisory_lock``
+    is not undone by a rollback), except the ``(lock_key, term)`` locks in ``held``,
+    which terms of this session hold.
 
     A session holds a lease's next-term lock only through an acquisition of that term,
     and a failed one committed nothing, so the row's term is still the one before it;
-    but two leases' lock keys may collide (they are hashes), and then one lease's next
-    term is the lock of the other's running term: ``held`` keeps those.
+    but two keys drawn at random may be equal, and then one lease's next term is the
+    lock of another's running term: ``held`` keeps those.
     """
     keep = (
-        sql.SQL(" AND (t.lock_key, ((t.term + 1) % 2147483648)::integer) NOT IN ({})").format(
+        sql.SQL(" AND (r.lock_key, ((t.term + 1) % 2147483648)::integer) NOT IN ({})").format(
             sql.SQL(", ").join(
                 sql.SQL("({}, {})").format(sql.Literal(key), sql.Literal(term % 2**31))
                 for key, term in held
@@ -619,9 +642,10 @@ def unlock_next_terms_sql(
         else sql.SQL("")
     )
     return sql.SQL(
-        "SELECT pg_advisory_unlock(t.lock_key, ((t.term + 1) % 2147483648)::integer)"
-        " FROM {t} AS t WHERE t.name = ANY({names}){keep}"
-    ).format(t=table, names=sql.Literal(list(names)), keep=keep)
+        "SELECT pg_advisory_unlock(r.lock_key, ((t.term + 1) % 2147483648)::integer)"
+        " FROM {t} AS t JOIN ({req}) AS r(name, node, ttl, channel, lock_key)"
+        " ON r.name = t.name WHERE true{keep}"
+    ).format(t=table, req=_requests(requests), keep=keep)
 
 
 #: The node a released row stays reserved for (a handover request's ``resign_to`` whose

@@ -75,8 +75,8 @@ from ._lease_sql import (
     describe_lease_table,
     give_back_sql,
     lease_channel,
-    lease_lock_key,
     listen_sql,
+    new_lock_key,
     release_batch_sql,
     release_sql,
     renew_batch_sql,
@@ -242,10 +242,8 @@ class SharedKeeper:
         self._found: LeaseTable | None = None
         self.generation = 0  # bumped by every connect: terms of older sessions are lost
         # Terms taken through the session whose tasks may still run: (lease, node) ->
-        # (term, lock key). The key is the one the acquisition locked, its row's: a row
-        # keeps its key when the table is copied under a new OID, so it may differ from
-        # the lease's own lock_key (which only new rows get). The session is never
-        # closed while this is not empty.
+        # (term, lock key). The key is the one the acquisition drew and locked, stored
+        # in the row with the term. The session is never closed while this is not empty.
         self._holds: dict[tuple[PostgresLease, str], tuple[int, int]] = {}
         self._want = 0.0  # the longest wind-down (renew_deadline + stop_grace) of a client
         self._timeout = 0.0  # the longest connect_timeout of a client
@@ -393,8 +391,7 @@ class SharedKeeper:
                     if c.channel is None or c not in self._by_channel.get(c.channel, ())
                 }
             for client in waiting:
-                if client.channel is None or client.lock_key is None:
-                    client.lock_key = lease_lock_key(self._found.oid, client.name)
+                if client.channel is None:
                     client.channel = lease_channel(self._found.qualified, client.name)
             new: list[str] = []
             with self._state:
@@ -971,7 +968,7 @@ class SharedKeeper:
             row = renewed.get((queued.lease.name, queued.term))
             queued.fill(RENEWAL_SKIPPED if row is not None and row[5] else row)
 
-    def _free_next_terms(self, names: list[str]) -> None:
+    def _free_next_terms(self, requests: list[AcquireRequest]) -> None:
         """Free the next-term locks a failed acquisition may have taken (bounded: under a
         table lock they stay, which only keeps those leases held until the session
         ends, never frees one early)."""
@@ -980,7 +977,7 @@ class SharedKeeper:
         try:
             self._run(
                 sql.SQL("{}; {}").format(
-                    bounded_sql(LOCK_BOUND), unlock_next_terms_sql(self._ident, names, held)
+                    bounded_sql(LOCK_BOUND), unlock_next_terms_sql(self._ident, requests, held)
                 ),
                 "free the locks of a failed acquisition",
                 limit=LOCK_BOUND + 1.0,
@@ -1016,13 +1013,13 @@ class SharedKeeper:
         requests = []
         for q in batch:
             self.ensure(q.lease)
-            assert q.lease.lock_key is not None and q.lease.channel is not None
+            assert q.lease.channel is not None
             requests.append(
                 AcquireRequest(
                     q.lease.name,
                     q.node_id,
                     q.lease.ttl,
-                    q.lease.lock_key,
+                    new_lock_key(),  # nobody can know the next term's lock beforehand
                     q.lease.channel,
                     create=not q.lease.row_seen,
                 )
@@ -1046,7 +1043,7 @@ class SharedKeeper:
         except psycopg.Error as exc:
             # Failed on a healthy session: nothing was taken, but the locks of the new
             # terms it took before the error stay (a rollback does not free them).
-            self._free_next_terms([r.name for r in requests])
+            self._free_next_terms(requests)
             if len(batch) > 1 and _row_at_fault(exc):
                 self._split(batch, self._send_attempts)
                 return
@@ -1058,8 +1055,11 @@ class SharedKeeper:
                     )
                 )
             return
-        # Each term taken locked its row's key: that one is freed when the term ends.
-        taken = {row[0]: (int(row[1]), int(row[2])) for row in results[-2] or []}
+        # Each term taken locked the key it drew, now its row's: freed when the term ends.
+        # A row locked but not taken (its new lock held by another session) has no term.
+        taken = {
+            row[0]: (int(row[1]), int(row[2])) for row in results[-2] or [] if row[1] is not None
+        }
         states = {row[0]: row for row in results[-1] or []}
         with self._state:
             for q in batch:

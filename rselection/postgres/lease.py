@@ -27,8 +27,9 @@ lock (tested against the previous release in
 ``tests/integration/postgres/test_protocol_upgrade.py``).
 
 **Session liveness.** The holder's keeper session holds the session advisory lock
-``pg_advisory_lock(lock_key, term % 2**31)`` (two-int form, ``lock_key`` as stored in the
-row: a copy of the table under a new OID keeps it) for as long as it leads, so
+``(lock_key, term % 2**31)`` (two-int form, ``lock_key`` as stored in the row with the
+term, drawn at random by the acquisition that began the term) for as long as it leads,
+so
 "the holder's session is alive" is exactly "that lock is granted to ``holder_pid``" in
 ``pg_locks`` *of the server that session is on*. When the holder's process dies, its
 connection closes, or an admin terminates its backend, the server frees the lock at
@@ -49,7 +50,12 @@ soon, and the shared session never waits), then re-checked under the lock and up
 clock_timestamp() + ttl``, measured after any wait for the row lock, so a takeover that
 waited still gets a full ttl (never less than the ttl from when the request was sent);
 the new holder takes its advisory lock in the same transaction, before commit, so nobody
-can see the new holder without its lock. The ``FOR UPDATE`` lock serialises acquirers,
+can see the new holder without its lock. That lock's key is drawn at random for the new
+term and stored with it, so no role that cannot read the table can take the lock of a
+term before it begins; and it is taken with ``pg_try_advisory_lock``: should another
+session hold it all the same, that lease is not taken this time (the others of the batch
+are) and is attempted again soon under another key, so the shared session never waits
+for an advisory lock. The ``FOR UPDATE`` lock serialises acquirers,
 and a row held by fenced transactions of the old term (``FOR KEY SHARE``, see
 :mod:`rselection.postgres.fencing`) is not taken until they end. Followers that find a
 live holder take no row lock, so they never block renewals or fenced transactions, and
@@ -191,7 +197,6 @@ from ._lease_sql import (
     LEASE_PROTOCOL,
     current_sql,
     lease_channel,
-    lease_lock_key,
     resolve_lease_table,
     utc,
 )
@@ -203,7 +208,6 @@ __all__ = [
     "PostgresLease",
     "cancel_handover",
     "lease_channel",
-    "lease_lock_key",
     "request_handover",
     "resolve_lease_table",
 ]
@@ -283,10 +287,6 @@ class PostgresLease(Closeable):
         self._ident = table_identifier(table)  # validates
         self.table = table
         self.create_tables = create_tables
-        self.lock_key: int | None = None
-        """The advisory-lock key a new row of this lease gets (known once connected). A
-        row keeps the key it was created with, also in a copy of the table: the stored
-        key is the one every node locks, frees and looks for."""
         self.channel: str | None = None
         """LISTEN/NOTIFY channel of this lease (known once connected)."""
         self.row_seen = False

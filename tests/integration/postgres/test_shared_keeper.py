@@ -8,7 +8,6 @@ heartbeat waiting for a locked row) must not hold up the renewals of every lease
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
@@ -30,7 +29,6 @@ import rselection as rs
 from rselection import signals
 from rselection.postgres import PostgresLeader, PostgresLease, fenced
 from rselection.postgres import keeper as keeper_module
-from rselection.postgres._lease_sql import lease_lock_key
 from rselection.postgres.schema import create_tables
 from tests.support.scale_fleet import ScaleFleet
 from tests.support.waiting import wait_until
@@ -760,27 +758,24 @@ def test_a_step_down_during_a_renewal_still_hands_over(
 
 
 def test_a_failed_acquisition_never_frees_the_lock_of_a_lease_whose_key_collides(
-    pg_dsn: str, made: list[PostgresLeader]
+    pg_dsn: str, made: list[PostgresLeader], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Lock keys are 32-bit hashes of the lease name: with enough leases two collide, and
-    # the next term of one is the lock of the other's running term. Freeing what a failed
+    # Lock keys are 32 random bits drawn for each term: two may be equal, and then the
+    # next term of one lease is the lock of another's running term. Freeing what a failed
     # acquisition may have left must keep the locks of this session's running terms.
-    with psycopg.connect(pg_dsn, autocommit=True) as admin:
-        create_tables(admin, leases="rselection_leases", timeout=10)
-        oid = admin.execute("SELECT 'rselection_leases'::regclass::oid").fetchone()[0]  # type: ignore[index]
-    seen: dict[int, str] = {}
-    for i in itertools.count():  # about 80,000 names for a collision (birthday bound)
-        key = lease_lock_key(oid, f"x{i}")
-        if key in seen:
-            a_name, b_name = seen[key], f"x{i}"
-            break
-        seen[key] = f"x{i}"
+    a_name, b_name = "x0", "x1"
     a = PostgresLeader(pg_dsn, idle_handler(), name=a_name, node_id="n", claimer=None, **TIMINGS)
     made.append(a)
     a.start()
     wait_until(lambda: a.is_leader, 15, "a to lead")
     assert a.term == 1
     with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        found = admin.execute(
+            "SELECT lock_key FROM rselection_leases WHERE name = %s", (a_name,)
+        ).fetchone()
+        assert found is not None
+        key = found[0]
+        monkeypatch.setattr(keeper_module, "new_lock_key", lambda: key)  # b draws a's key
         # b's row, at term 0, and a fault on its acquisition only (a user's trigger)
         admin.execute(
             "INSERT INTO rselection_leases (name, lock_key) VALUES (%s, %s)", (b_name, key)
