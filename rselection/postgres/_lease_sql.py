@@ -413,10 +413,11 @@ def _requests(requests: Sequence[AcquireRequest]) -> sql.Composed:
 
 
 #: True when the holder's session of row ``t`` holds a ring lock (``{ring}``: the ring
-#: locks' upper 32 bits): every keeper session of protocol 2 does, none of protocol 1.
+#: locks' upper 32 bits, whatever the lower): every keeper session of protocol 2 does,
+#: none of protocol 1. Another session's lock cannot count for the holder's.
 RING_HELD = (
-    "COALESCE((t.holder_pid, t.holder_pid::bigint) IN"
-    " (SELECT k.pid, k.objid::bigint FROM pg_catalog.pg_locks k"
+    "COALESCE(t.holder_pid IN"
+    " (SELECT k.pid FROM pg_catalog.pg_locks k"
     " WHERE k.locktype = 'advisory' AND k.objsubid = 1 AND k.granted"
     " AND k.classid::bigint = {ring} AND k.pid IS NOT NULL), false)"
 )

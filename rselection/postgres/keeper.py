@@ -87,7 +87,7 @@ from ._lease_sql import (
     unlock_sql,
 )
 from .pooler import BACKEND_PID, check_bound, check_same_backend, check_session_pooling
-from .ring import RingWatcher, ring_channel, ring_class, ring_key
+from .ring import RingWatcher, new_ring_key, ring_channel, ring_class
 from .schema import create_tables, table_identifier
 from .session_pool import SessionPool
 
@@ -134,6 +134,10 @@ release is sent in a round trip of its own, so that only a row at fault fails.""
 
 RELEASE_RETRY = 0.05
 """Seconds between two tries of a release whose row is locked."""
+
+RING_DRAWS = 8
+"""Random ring locks a connecting keeper tries before it gives up (one is taken already
+only by chance, 1 in 2**32 per lock held)."""
 
 LOCK_BOUND = 1.0
 """Seconds an acquisition or a release may wait for a lock on the keeper session before
@@ -468,15 +472,10 @@ class SharedKeeper:
                 found = self._resolve_table(conn)
                 server = self._read_server(conn)
                 ring = ring_channel(found.qualified)
+                self._take_ring_lock(conn, found.oid)
                 conn.execute(
-                    sql.SQL(
-                        "SELECT pg_advisory_lock({key}); {listen};"
-                        " SELECT pg_notify({ring}, 'up:' || {pid}::text)"
-                    ).format(
-                        key=sql.Literal(ring_key(found.oid, pid)),
-                        listen=listen_sql([ring]),
-                        ring=sql.Literal(ring),
-                        pid=sql.Literal(pid),
+                    sql.SQL("{listen}; SELECT pg_notify({ring}, 'up:' || {pid}::text)").format(
+                        listen=listen_sql([ring]), ring=sql.Literal(ring), pid=sql.Literal(pid)
                     )
                 )
             conn.add_notify_handler(self._on_notify)
@@ -515,6 +514,22 @@ class SharedKeeper:
         self._ring.watch_from(pid)
         self._start_pump()
         logger.debug("keeper connected (%s, pid %s)", self.where, pid)
+
+    def _take_ring_lock(self, conn: psycopg.Connection[Any], table_oid: int) -> None:
+        """Join the ring: hold a ring lock of a random tag, never waiting for one (a tag
+        someone holds already is drawn again)."""
+        for _ in range(RING_DRAWS):
+            row = conn.execute(
+                sql.SQL("SELECT pg_try_advisory_lock({})").format(
+                    sql.Literal(new_ring_key(table_oid))
+                )
+            ).fetchone()
+            if row is not None and row[0]:
+                return
+        raise BackendUnavailable(
+            f"cannot join the ring of keeper sessions ({self.where}): {RING_DRAWS} random "
+            "ring locks in a row were held by other sessions; trying again later"
+        )
 
     def _pin(self, conn: psycopg.Connection[Any]) -> None:
         """Size the session's keepalives for the longest wind-down of the clients."""

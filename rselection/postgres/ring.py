@@ -1,24 +1,42 @@
 """The ring of keeper sessions: one watcher session per process sees a dead keeper at once.
 
 Every process's shared keeper session (:mod:`rselection.postgres.keeper`) holds one
-session advisory lock, its *ring lock*: the bigint key ``ring_class << 32 | pid``, where
-``ring_class`` is derived from the lease table and ``pid`` is the keeper's backend pid.
-The live keepers of a lease table are thus listed in ``pg_locks``, in the order of their
-pids, and form a ring. Each process's :class:`RingWatcher` blocks on the ring lock of the
-next keeper after its own (wrapping around) with a server-side bound. When that keeper's
-session ends (its process died, its connection closed, an administrator terminated it)
-the server grants the lock at once; the watcher frees it and sends ``down`` on the ring
-channel, which every keeper session listens to, and every follower then attempts its
-leases at once (an attempt takes only leases whose holder's per-lease lock is gone, see
-:func:`rselection.postgres._lease_sql.free_condition`, so a false alarm costs one round
-trip and never a leader).
+session advisory lock, its *ring lock*: the bigint key ``ring_class << 32 | tag``, where
+``ring_class`` is derived from the lease table and ``tag`` is drawn at random when the
+session connects (:func:`new_ring_key`). The members of the ring are the sessions that
+hold a ring lock of the table *and* whose role may update the lease table, in the order
+of their backend pids (``pg_locks`` shows who holds each lock, ``pg_stat_activity`` their
+role; both are readable by every role). Each process's :class:`RingWatcher` blocks on the
+ring lock of the next member after its own keeper (wrapping around) with a server-side
+bound. When that keeper's session ends (its process died, its connection closed, an
+administrator terminated it) the server grants the lock at once; the watcher frees it
+and sends ``down`` on the ring channel, which every keeper session listens to, and every
+follower then attempts its leases at once (an attempt takes only leases whose holder's
+per-lease lock is gone, see :func:`rselection.postgres._lease_sql.free_condition`, so a
+false alarm costs one round trip and never a leader).
 
 A keeper that connects announces ``up`` on the ring channel: the watchers whose arc it
-falls into move on to it, so each keeper is watched by its predecessor. Each watcher's
-wait is bounded (:data:`RING_RECHECK`), after which it reads the ring again: a watcher
-that missed an announcement covers the new keeper within that bound; until then, and
-while a watcher reconnects, a dead keeper's leases are taken when followers next attempt
-them (at the latest when they expire).
+falls into read the ring again and move on to it, so each keeper is watched by its
+predecessor. Each watcher's wait is bounded (:data:`RING_RECHECK`), after which it reads
+the ring again: a watcher that missed an announcement covers the new keeper within that
+bound. Whenever it reads the ring, a watcher also checks that the keeper it waited on is
+still a member, and announces it ``down`` if not, so a death during a re-read, or a lock
+granted to someone else, is announced at the next read. Until then, and while a watcher
+reconnects, a dead keeper's leases are taken when followers next attempt them (at the
+latest when they expire).
+
+**What a client without privileges can do to the ring: nothing that lasts.** Any role
+can take advisory locks, NOTIFY on the ring channel and read ``pg_locks``. A ring lock
+held by a session whose role may not update the lease table (one named for another
+pid, one of its own) is no member, so an ``up`` announcing it makes watchers read the
+ring and stay where they are. A keeper's tag is drawn when it connects, so nobody can
+hold it beforehand (the key of a keeper's pid would be easy to guess), and a tag taken
+already is drawn again. What remains is the lock of a live member, which anyone can see
+and queue on: queued ahead of the watcher (an ``up`` makes the watcher queue again), it
+would be granted to the attacker when the keeper dies. So a watcher that sees a session
+without the privilege queued on its target's lock, or that was just moved by an ``up``
+that changed nothing, bounds its wait by :data:`RING_POLL` instead, and the check above
+announces the dead keeper at the next read.
 
 One session per process, whatever the number of leases: the watcher takes and frees
 only transient locks and holds none between waits.
@@ -30,7 +48,9 @@ import contextlib
 import hashlib
 import logging
 import math
+import secrets
 import threading
+import time
 from typing import Any
 
 import psycopg
@@ -39,12 +59,24 @@ from psycopg import sql
 from ..errors import BackendUnavailable
 from ._conn import open_session, unavailable
 
-__all__ = ["RING_RECHECK", "RingWatcher", "ring_channel", "ring_class", "ring_key"]
+__all__ = [
+    "RING_POLL",
+    "RING_RECHECK",
+    "RingWatcher",
+    "new_ring_key",
+    "ring_channel",
+    "ring_class",
+]
 
 logger = logging.getLogger(__name__)
 
 RING_RECHECK = 30.0
 """Seconds a watcher waits on one keeper before reading the ring again."""
+
+RING_POLL = 0.25
+"""Seconds a watcher waits on one keeper before reading the ring again while the wait is
+contested: a session without privileges queued on the same lock, or an ``up`` that
+changed nothing moved the watcher less than :data:`RING_RECHECK` ago."""
 
 _RECONNECT_FIRST = 0.2
 _RECONNECT_CAP = 5.0
@@ -56,14 +88,21 @@ def ring_class(table_oid: int) -> int:
     return int.from_bytes(digest, "big")
 
 
-def ring_key(table_oid: int, pid: int) -> int:
-    """The ring lock of the keeper session with backend pid ``pid`` (a signed bigint).
+def ring_key(table_oid: int, tag: int) -> int:
+    """The ring lock of the lease table ``table_oid`` with the tag ``tag`` (its lower 32
+    bits, unsigned), as a signed bigint.
 
     One-key advisory locks show as ``objsubid = 1`` in ``pg_locks``; per-lease locks use
     the two-key form (``objsubid = 2``), so the two never collide.
     """
-    key = (ring_class(table_oid) << 32) | (pid & 0xFFFFFFFF)
+    key = (ring_class(table_oid) << 32) | (tag & 0xFFFFFFFF)
     return key - 2**64 if key >= 2**63 else key
+
+
+def new_ring_key(table_oid: int) -> int:
+    """A ring lock for a keeper session that connects: a random tag, so that nobody can
+    hold it before the session takes it."""
+    return ring_key(table_oid, secrets.randbits(32))
 
 
 def ring_channel(qualified_table: str) -> str:
@@ -72,16 +111,55 @@ def ring_channel(qualified_table: str) -> str:
     return f"rselection-ring:{digest}"
 
 
-def next_keeper_sql(table_oid: int, own_pid: int) -> sql.Composed:
-    """The backend pid of the next keeper after ``own_pid`` in the ring (no row: alone)."""
+#: The ring-class locks of the lease table ``{oid}`` (ring class ``{cls}``) held by a
+#: session whose role may update the table: the members (pid, tag). Only such roles are
+#: trusted peers; anyone can hold an advisory lock.
+_MEMBERS = (
+    "SELECT l.pid, l.objid::bigint AS tag FROM pg_catalog.pg_locks l"
+    " JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid"
+    " WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted"
+    " AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d"
+    " WHERE d.datname = current_database())"
+    " AND l.classid::bigint = {cls} AND l.pid IS NOT NULL"
+    " AND coalesce(has_table_privilege(a.usesysid, {oid}::oid, 'UPDATE'), false)"
+)
+
+#: True when a session whose role may not update the table waits for the ring lock
+#: ``({cls}, m.tag)`` (``m``: a member).
+_CONTESTED = (
+    "EXISTS (SELECT 1 FROM pg_catalog.pg_locks w"
+    " LEFT JOIN pg_catalog.pg_stat_activity wa ON wa.pid = w.pid"
+    " WHERE w.locktype = 'advisory' AND w.objsubid = 1 AND NOT w.granted"
+    " AND w.classid::bigint = {cls} AND w.objid::bigint = m.tag"
+    " AND NOT coalesce(has_table_privilege(wa.usesysid, {oid}::oid, 'UPDATE'), false))"
+)
+
+
+def next_keeper_sql(
+    table_oid: int, own_pid: int, *, previous: int | None = None, channel: str = ""
+) -> sql.Composed:
+    """Read the ring from ``own_pid``: one row of the next member after it (pid, tag, and
+    whether the wait for its lock is contested: all NULL when alone), having announced
+    ``down`` on ``channel`` for the member ``previous`` (the one waited on last) when it
+    is not a member any more.
+    """
+    cls, oid = sql.Literal(ring_class(table_oid)), sql.Literal(table_oid)
+    gone = (
+        sql.SQL(
+            "SELECT pg_notify({channel}, 'down:' || {prev}::text)"
+            " WHERE {prev} NOT IN (SELECT pid FROM members)"
+        ).format(channel=sql.Literal(channel), prev=sql.Literal(previous))
+        if previous is not None
+        else sql.SQL("SELECT NULL::void WHERE false")
+    )
     return sql.SQL(
-        "SELECT l.objid::bigint FROM pg_catalog.pg_locks l"
-        " WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted"
-        " AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d"
-        " WHERE d.datname = current_database())"
-        " AND l.classid::bigint = {cls} AND l.objid::bigint <> {own}"
-        " ORDER BY (l.objid::bigint < {own}), l.objid::bigint LIMIT 1"
-    ).format(cls=sql.Literal(ring_class(table_oid)), own=sql.Literal(own_pid))
+        "WITH members AS MATERIALIZED (" + _MEMBERS + "),"
+        " gone AS MATERIALIZED ({gone})"
+        " SELECT n.pid, n.tag, n.contested, (SELECT count(*) FROM gone)"
+        " FROM (SELECT 1) AS one LEFT JOIN LATERAL ("
+        " SELECT m.pid, m.tag, " + _CONTESTED + " AS contested FROM members m"
+        " WHERE m.pid <> {own} ORDER BY (m.pid < {own}), m.pid LIMIT 1) AS n ON true"
+    ).format(cls=cls, oid=oid, own=sql.Literal(own_pid), gone=gone)
 
 
 def between(own: int, target: int, pid: int) -> bool:
@@ -113,6 +191,9 @@ class RingWatcher:
         self._lock = threading.Lock()  # guards the fields below
         self._own_pid: int | None = None  # the keeper's pid: where this watcher sits
         self._target: int | None = None  # the keeper waited on now
+        self._previous: int | None = None  # waited on last, its end not announced yet
+        self._announced: int | None = None  # an `up` moved us: the pid it named
+        self._guarded_until = 0.0  # until then (monotonic), waits are short
         self._waiting = False  # a lock wait is in flight on _conn
         self._moved = threading.Event()  # the ring changed near us: look again
         self._ended = threading.Event()  # the lock wait in flight ended
@@ -152,6 +233,8 @@ class RingWatcher:
             known = pid is not None and own is not None and target is not None
             if known and not between(own, target, pid):  # type: ignore[arg-type]
                 return  # it joined elsewhere in the ring: this watch stands
+            if pid is not None:
+                self._announced = pid
             self._moved.set()
             cancel = self._waiting and not self._cancelling
             self._cancelling = self._cancelling or cancel
@@ -212,14 +295,31 @@ class RingWatcher:
                     continue
                 conn = self._connection()
                 self._moved.clear()  # before reading: a change after it is seen next time
-                row = conn.execute(next_keeper_sql(self._oid, own)).fetchone()
-                target = None if row is None else int(row[0])
                 with self._lock:
-                    self._target = target
+                    before, previous = self._target, self._previous
+                    announced, self._announced = self._announced, None
+                query = next_keeper_sql(self._oid, own, previous=previous, channel=self._channel)
+                row = conn.execute(query).fetchone()
+                assert row is not None  # one row, also when alone
+                if row[3]:
+                    logger.info(
+                        "ring watcher: keeper session %d is gone; followers attempt now", previous
+                    )
+                target = None if row[0] is None else int(row[0])
+                now = time.monotonic()
+                with self._lock:
+                    if announced is not None and target == before:
+                        # An `up` moved us and nothing changed: someone announces what
+                        # is not (see the module docstring). Stay on guard a while.
+                        self._guarded_until = now + RING_RECHECK
+                    self._target = self._previous = target
+                    short = bool(row[2]) or now < self._guarded_until
                 if target is None:
                     self._moved.wait(RING_RECHECK)  # alone in the ring: wait for a joiner
-                else:
-                    self._wait_on(conn, own, target)
+                elif self._wait_on(conn, target, int(row[1]), short):
+                    with self._lock:
+                        if self._previous == target:
+                            self._previous = None  # announced already
                 failures = 0
             except (psycopg.Error, BackendUnavailable) as exc:
                 failures += 1
@@ -262,32 +362,36 @@ class RingWatcher:
             self._conn = conn
         return conn
 
-    def _wait_on(self, conn: psycopg.Connection[Any], own: int, target: int) -> None:
-        """Block until keeper ``target``'s session ends (then announce it), the ring
-        moves, or :data:`RING_RECHECK` passes."""
-        key = sql.Literal(ring_key(self._oid, target))
+    def _wait_on(self, conn: psycopg.Connection[Any], target: int, tag: int, short: bool) -> bool:
+        """Block until keeper ``target``'s session ends (then announce it and return
+        ``True``), the ring moves, or :data:`RING_RECHECK` passes (:data:`RING_POLL` when
+        ``short``)."""
+        key = sql.Literal(ring_key(self._oid, tag))
+        bound = RING_POLL if short else RING_RECHECK
         query = sql.SQL(
             "SET LOCAL lock_timeout = {ms}; SELECT pg_advisory_lock({key});"
             " SELECT pg_advisory_unlock({key}),"
             " pg_notify({channel}, 'down:' || {target}::text)"
         ).format(
-            ms=sql.Literal(f"{math.ceil(RING_RECHECK * 1000)}ms"),
+            ms=sql.Literal(f"{math.ceil(bound * 1000)}ms"),
             key=key,
             channel=sql.Literal(self._channel),
             target=sql.Literal(target),
         )
         with self._lock:
             if self._moved.is_set() or self._stopped:
-                return
+                return False
             self._waiting = True
             self._ended.clear()
         try:
             conn.execute(query)
             logger.info("ring watcher: keeper session %d is gone; followers attempt now", target)
+            return True
         except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled):
             # Bound reached, or the ring moved: a cancel may have landed between lock and
             # unlock, and a session lock outlives its aborted transaction.
             conn.execute("SELECT pg_advisory_unlock_all()")
+            return False
         finally:
             with self._lock:
                 self._waiting = False

@@ -252,8 +252,10 @@ def test_a_dead_holder_on_a_copied_table_is_taken_over_long_before_the_ttl(
 
         def watched() -> bool:  # b's process's ring watcher waits on the holder's keeper
             row = admin.execute(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-                " AND objsubid = 1 AND objid::bigint = %s",
+                "SELECT count(*) FROM pg_locks w JOIN pg_locks h"
+                " ON (h.classid, h.objid, h.objsubid) = (w.classid, w.objid, w.objsubid)"
+                " WHERE w.locktype = 'advisory' AND h.locktype = 'advisory'"
+                " AND NOT w.granted AND h.granted AND w.objsubid = 1 AND h.pid = %s",
                 (doomed,),
             ).fetchone()
             return row == (1,)
