@@ -9,7 +9,7 @@ The lease table holds one row per lease name::
     holder       text null          -- node id of the holder; NULL when free
     term         bigint not null    -- fencing term: +1 on every change of holder, never reused
     holder_pid   int null           -- backend pid of the holder's keeper session
-    lock_key     int not null       -- first key of the holder's session advisory lock
+    lock_key     int not null       -- first key of the term's session advisory lock (random)
     acquired_at  timestamptz        -- server time of the acquisition
     renewed_at   timestamptz        -- server time of the last renewal
     expires_at   timestamptz        -- server time at which the lease lapses
