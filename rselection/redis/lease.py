@@ -331,7 +331,7 @@ class RedisLease(Closeable):
             copied for the keeper's own connections; the client itself serves
             :meth:`current`.
         name: the lease name; nodes with the same name and prefix compete. Not blank,
-            at most 1,000 characters, used as given (never trimmed).
+            at most 1,000 bytes as UTF-8, used as given (never trimmed).
         key_prefix: prefix of the lease's keys and channel.
         ttl: lease length on the server, seconds.
         renew_deadline: the leader's renew deadline, seconds (``< ttl``).
@@ -665,7 +665,7 @@ class RedisLease(Closeable):
         is rechecked by the script). A successful acquisition increments the term.
 
         Args:
-            node_id: this node's id (non-empty, at most 1000 characters).
+            node_id: this node's id (non-empty, at most 1,000 bytes as UTF-8).
 
         Raises:
             BackendUnavailable: connection problem.
