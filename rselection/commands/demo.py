@@ -90,6 +90,7 @@ def _database(dsn: str | None) -> Iterator[str]:
     if dsn:
         yield dsn
         return
+    _refuse_root()
     with warnings.catch_warnings():
         # pgserver finds its lock directory with platformdirs, which warns when
         # XDG_RUNTIME_DIR is unset (containers, cron, sudo) and falls back to a private
@@ -112,6 +113,22 @@ def _database(dsn: str | None) -> Iterator[str]:
             yield server.get_uri()
         finally:
             server.cleanup()
+
+
+def _refuse_root() -> None:
+    """Refuse to start the embedded server as root, before anything is touched.
+
+    Postgres does not run as root, so pgserver then adds a system user to run it as and
+    makes every directory above its data directory (under ``$TMPDIR``) and above its
+    binaries readable and searchable by all users: a private home (0700) became 0755.
+    """
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        raise UsageError(
+            "the demo's embedded Postgres (pgserver) does not run as root: it would add a "
+            "system user and make every directory above $TMPDIR readable by all users. "
+            "Run the demo as a normal user, or give it a Postgres: --dsn postgresql://... "
+            "(or RSELECTION_DSN)"
+        )
 
 
 def _describe(event: dict[str, Any]) -> str | None:
