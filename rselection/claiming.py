@@ -204,7 +204,7 @@ MAX_FIRE_KEY_BYTES = 2600
 """Longest fire key a claimer accepts, in bytes as UTF-8.
 
 A leader's claim key holds a lease name and a task name (each up to
-:data:`~rselection.validation.MAX_NAME` characters) and the instant; the bound stays
+:data:`~rselection.validation.MAX_NAME` bytes) and the instant; the bound stays
 below what a Postgres btree index can hold.
 """
 

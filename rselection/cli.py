@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+from typing import NoReturn
 
 from .commands import demo, forget, migrate, resign, status
 from .commands.connections import warn_of_passwords
-from .commands.output import EXIT_USAGE, UsageError
+from .commands.output import EXIT_USAGE, UsageError, printable, say
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main"]
 
@@ -32,9 +32,17 @@ SUBCOMMANDS = (status, migrate, resign, forget, demo)
 """The subcommand modules, in the order ``rselection --help`` lists them."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose error messages (which quote what was typed, a name
+    with an escape sequence too) are escaped like every other line for people."""
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        super().exit(status, None if message is None else printable(message, lines=True))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``rselection`` argument parser, with every subcommand's options."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="rselection",
         description="Leader-scoped tasks over a Postgres lease: inspect and operate a fleet.",
         epilog="Exit codes: 0 done (status: every lease shown has a leader); 1 refused or "
@@ -65,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         code: int = args.run(args)
     except UsageError as exc:
         # Reported as argparse reports a usage error: on stderr, exit code 2.
-        print(f"rselection {args.command}: error: {exc}", file=sys.stderr)
+        say(f"rselection {args.command}: error: {exc}", err=True)
         if getattr(args, "json", False):  # scripts parse stdout: they get a document too
             print(json.dumps({"error": str(exc), "exit_code": EXIT_USAGE}), flush=True)
         return EXIT_USAGE

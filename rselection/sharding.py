@@ -17,7 +17,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from .errors import ConfigError
-from .validation import MAX_NAME, check_name
+from .validation import MAX_NAME, check_name, name_bytes
 
 __all__ = [
     "MAX_SHARDS",
@@ -69,10 +69,10 @@ def check_shard_name(name: object, shards: int) -> str:
             f"a sharded leader's name may not contain '/', got {name!r:.60}: its shards "
             f"are the leases '<name>/<shard>'; use another separator such as '.' or ':'"
         )
-    if len(shard_lease_name(name, shards - 1)) > MAX_NAME:
+    if name_bytes(shard_lease_name(name, shards - 1)) > MAX_NAME:
         raise ConfigError(
             f"sharded leader name {name[:40]!r}... is too long: its shards' lease names "
-            f"'<name>/<shard>' must have at most {MAX_NAME} characters"
+            f"'<name>/<shard>' must have at most {MAX_NAME} bytes as UTF-8"
         )
     return name
 

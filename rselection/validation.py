@@ -7,6 +7,7 @@ surrounding spaces is a different name, on Postgres and Redis alike.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import secrets
@@ -21,36 +22,64 @@ __all__ = [
     "check_node_id",
     "check_optional_seconds",
     "check_seconds",
+    "name_bytes",
     "new_node_id",
 ]
 
 MAX_NAME = 1000
-"""Longest name (lease, node id, task, claim key) any backend accepts, in characters.
+"""Longest name (lease name, node id, task name) any backend accepts, in bytes as a
+notification carries it (see :func:`name_bytes`): 1,000 ASCII characters, 250 four-byte
+ones.
 
-It keeps every lease notification far below Postgres' 8,000-byte NOTIFY limit.
+Postgres refuses a ``NOTIFY`` payload of 8,000 bytes or more, and the largest lease
+notification (a release) carries three names (the lease, its holder and the node the
+lease is reserved for) and under 100 bytes of event, term and field names: at most
+3,092 bytes. A limit in characters let 1,000 four-byte characters through, which no
+notification could carry. (A claim key holds a lease name, a task name and an instant,
+about 2,030 bytes, within :data:`~rselection.claiming.MAX_FIRE_KEY_BYTES`; only a lease
+name full of ``%`` or ``/``, written as three bytes each there, can take it over.)
 """
+
+
+def name_bytes(value: str) -> int:
+    """The size of a name as a notification carries it: its UTF-8 bytes, with the
+    characters JSON escapes counted escaped (``"``, ``\\`` and ``\b \f \n \r \t``
+    count 2 bytes, other control characters 6).
+
+    Args:
+        value: the name (valid Unicode, as :func:`check_name` makes sure).
+    """
+    return len(json.dumps(value, ensure_ascii=False).encode()) - 2
 
 
 def check_name(value: object, what: str = "name") -> str:
     """Return ``value`` if it is a usable name, else raise :class:`ConfigError`.
 
-    A name is a string that is not blank, has at most :data:`MAX_NAME` characters, no
-    NUL character (Postgres text cannot hold one) and no lone surrogate (no server can
+    A name is a string that is not blank, has at most :data:`MAX_NAME` bytes (as
+    :func:`name_bytes` counts them: UTF-8, 1 to 4 bytes a character, escapes counted),
+    no NUL character (Postgres text cannot hold one) and no lone surrogate (no server can
     store it as UTF-8).
 
     Args:
         value: the name to check.
         what: what the name names, for the message (``"lease name"``, ``"node_id"``).
     """
-    if not isinstance(value, str) or not value.strip() or len(value) > MAX_NAME or "\x00" in value:
+    if not isinstance(value, str) or not value.strip() or "\x00" in value:
         raise ConfigError(
-            f"{what} must be a non-blank string of at most {MAX_NAME} characters without "
-            f"NUL, got {value!r:.60}"
+            f"{what} must be a non-blank string without NUL of at most {MAX_NAME} bytes "
+            f"as UTF-8, got {value!r:.60}"
         )
     try:
         value.encode()
     except UnicodeEncodeError as exc:  # a lone surrogate: no server can store it
         raise ConfigError(f"{what} must be valid Unicode text, got {value!r:.60}") from exc
+    size = name_bytes(value)
+    if size > MAX_NAME:
+        raise ConfigError(
+            f"{what} must have at most {MAX_NAME} bytes as UTF-8, got {size} (a character "
+            "takes 1 to 4 bytes; quotes, backslashes and control characters count as "
+            f"notifications escape them, 2 or 6): {value!r:.60}..."
+        )
     return value
 
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from ..redaction import check_userinfo, has_password, parser_message, redact, redact_dsn
-from .output import UsageError
+from .output import UsageError, say
 
 if TYPE_CHECKING:
     import psycopg
@@ -135,18 +134,18 @@ def warn_of_passwords(args: argparse.Namespace) -> None:
     command = getattr(args, "command", None) or "rselection"
     dsn = getattr(args, "dsn", None)
     if isinstance(dsn, str) and has_password(dsn):
-        print(
+        say(
             f"rselection {command}: warning: --dsn holds a password, which other users of "
             "this machine can read (ps, /proc); set RSELECTION_DSN instead, or leave the "
             "password out and use PGPASSWORD or ~/.pgpass",
-            file=sys.stderr,
+            err=True,
         )
     url = getattr(args, "redis_url", None)
     if isinstance(url, str) and has_password(url):
-        print(
+        say(
             f"rselection {command}: warning: --redis-url holds a password, which other "
             "users of this machine can read (ps, /proc)",
-            file=sys.stderr,
+            err=True,
         )
 
 

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .demo_fleet import Fleet
-from .output import UsageError
+from .output import UsageError, say
 
 __all__ = ["add_parser", "run", "run_demo"]
 
@@ -90,6 +90,7 @@ def _database(dsn: str | None) -> Iterator[str]:
     if dsn:
         yield dsn
         return
+    _refuse_root()
     with warnings.catch_warnings():
         # pgserver finds its lock directory with platformdirs, which warns when
         # XDG_RUNTIME_DIR is unset (containers, cron, sudo) and falls back to a private
@@ -104,7 +105,7 @@ def _database(dsn: str | None) -> Iterator[str]:
                 "pip install 'rselection[embedded]'"
             ) from None
     with tempfile.TemporaryDirectory(prefix="rselection-demo-") as data:
-        print("starting a private Postgres (pgserver) ...", flush=True)
+        say("starting a private Postgres (pgserver) ...")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
             server = get_server(data, cleanup_mode="stop")
@@ -112,6 +113,22 @@ def _database(dsn: str | None) -> Iterator[str]:
             yield server.get_uri()
         finally:
             server.cleanup()
+
+
+def _refuse_root() -> None:
+    """Refuse to start the embedded server as root, before anything is touched.
+
+    Postgres does not run as root, so pgserver then adds a system user to run it as and
+    makes every directory above its data directory (under ``$TMPDIR``) and above its
+    binaries readable and searchable by all users: a private home (0700) became 0755.
+    """
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        raise UsageError(
+            "the demo's embedded Postgres (pgserver) does not run as root: it would add a "
+            "system user and make every directory above $TMPDIR readable by all users. "
+            "Run the demo as a normal user, or give it a Postgres: --dsn postgresql://... "
+            "(or RSELECTION_DSN)"
+        )
 
 
 def _describe(event: dict[str, Any]) -> str | None:
@@ -131,7 +148,7 @@ def _describe(event: dict[str, Any]) -> str | None:
 
 def _show(event: dict[str, Any] | None) -> dict[str, Any] | None:
     if event is not None and (text := _describe(event)):
-        print(text, flush=True)
+        say(text)
     return event
 
 
@@ -171,31 +188,31 @@ def run_demo(dsn: str | None, nodes: int = 3, forever: bool = False) -> int:
                 leader = _await_leader(fleet, 30)
                 _watch(fleet, 3)
 
-                print(f"\n*** kill -9 {leader['node']} (the leader) ***", flush=True)
+                say(f"\n*** kill -9 {leader['node']} (the leader) ***")
                 killed_at = time.time()
                 fleet.kill(leader["node"])
                 successor = _await_leader(fleet, 30, exclude=leader["node"])
                 crash_ms = (successor["t"] - killed_at) * 1000
-                print(f"*** failover after a crash took {crash_ms:.0f} ms (ttl is 15 s) ***\n")
+                say(f"*** failover after a crash took {crash_ms:.0f} ms (ttl is 15 s) ***\n")
                 _watch(fleet, 3)
 
-                print(f"*** graceful stop of {successor['node']} ***", flush=True)
+                say(f"*** graceful stop of {successor['node']} ***")
                 stopped_at = time.time()
                 fleet.kill(successor["node"], signal.SIGTERM)
                 heir = _await_leader(fleet, 30, exclude=successor["node"])
                 handover_ms = (heir["t"] - stopped_at) * 1000
-                print(f"*** graceful handover took {handover_ms:.0f} ms ***\n")
+                say(f"*** graceful handover took {handover_ms:.0f} ms ***\n")
                 _watch(fleet, 2)
                 if forever:
-                    print("running until Ctrl-C", flush=True)
+                    say("running until Ctrl-C")
                     with contextlib.suppress(KeyboardInterrupt):
                         while True:
                             _watch(fleet, 3600)
             rows, terms, late = _ledger_summary(url, name, ledger)
         finally:
             _clean_up(url, name, ledger)
-        print(f"summary: crash failover {crash_ms:.0f} ms, graceful handover {handover_ms:.0f} ms")
-        print(f"ledger: {rows} fenced writes in {terms} terms, {late} written after a newer term")
+        say(f"summary: crash failover {crash_ms:.0f} ms, graceful handover {handover_ms:.0f} ms")
+        say(f"ledger: {rows} fenced writes in {terms} terms, {late} written after a newer term")
     return 0 if late == 0 else 1
 
 
@@ -214,12 +231,12 @@ def _clean_up(dsn: str, name: str, ledger: str) -> None:
             if table_exists(conn, "rselection_leases"):
                 retire_postgres_lease(conn, name)
     except (Refused, psycopg.Error) as exc:
-        print(f"could not retire the demo's lease {name!r}: {redact(first_line(exc), dsn)}")
+        say(f"could not retire the demo's lease {name!r}: {redact(first_line(exc), dsn)}")
     try:
         with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
             conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(ledger)))
     except psycopg.Error as exc:
-        print(f"could not drop the demo's table {ledger!r}: {redact(first_line(exc), dsn)}")
+        say(f"could not drop the demo's table {ledger!r}: {redact(first_line(exc), dsn)}")
 
 
 def _ledger_summary(dsn: str, lease: str, ledger: str) -> tuple[int, int, int]:

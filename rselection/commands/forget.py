@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import TYPE_CHECKING, Any
 
 from ..redaction import redact
@@ -30,7 +29,7 @@ from .connections import (
 )
 from .leases import has_columns, lease_nodes
 from .options import add_database_options, add_nodes_options, add_redis_options, lease_name
-from .output import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, UsageError
+from .output import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, UsageError, printable, say
 
 if TYPE_CHECKING:
     import psycopg
@@ -165,9 +164,9 @@ def retire_postgres_lease(
             holder, term, live, expires_in, retired = row
             if live:
                 raise Refused(
-                    f"lease {name!r} has a live holder: {holder} leads term {term} (lease "
-                    f"expires in {expires_in:.1f}s unless renewed); stop the service's nodes "
-                    "first: forget only retires a lease no service uses any more"
+                    f"lease {name!r} has a live holder: {printable(holder)} leads term {term} "
+                    f"(lease expires in {expires_in:.1f}s unless renewed); stop the service's "
+                    "nodes first: forget only retires a lease no service uses any more"
                 )
             if nodes_table is not None:
                 nodes = lease_nodes(conn, nodes_table, name, node_timeout)
@@ -252,7 +251,7 @@ def _held(name: str, raw: Any, pttl_ms: int) -> str:
     except (ValueError, TypeError, KeyError):
         holder, term = "a node", "?"
     return (
-        f"lease {name!r} has a live holder: {holder} leads term {term} (lease expires "
+        f"lease {name!r} has a live holder: {printable(holder)} leads term {term} (lease expires "
         f"in {pttl_ms / 1000:.1f}s unless renewed); stop the service's nodes first: "
         "forget only retires a lease no service uses any more"
     )
@@ -269,8 +268,8 @@ def _retired(name: str, term: int, already: bool, hidden: str) -> str:
 
 def _busy_nodes(name: str, nodes: list[str], how: str) -> str:
     return (
-        f"lease {name!r} still has live nodes ({how}): {', '.join(nodes)}; stop them first: "
-        "forget only retires a lease no service uses any more"
+        f"lease {name!r} still has live nodes ({how}): {', '.join(map(printable, nodes))}; "
+        "stop them first: forget only retires a lease no service uses any more"
     )
 
 
@@ -294,15 +293,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         conn = connect(dsn)
     except Unreachable as exc:
-        print(str(exc), file=sys.stderr)
+        say(str(exc), err=True)
         return EXIT_UNREACHABLE
     try:
         with conn:
             if not table_exists(conn, args.table):
-                print(
+                say(
                     f"lease table {args.table!r} does not exist on {describe(dsn)}: "
                     "pass the right --table",
-                    file=sys.stderr,
+                    err=True,
                 )
                 return EXIT_REFUSED
             term, already = retire_postgres_lease(
@@ -313,13 +312,13 @@ def run(args: argparse.Namespace) -> int:
                 node_timeout=args.node_timeout,
             )
     except (Refused, ConfigError) as exc:
-        print(redact(str(exc), dsn), file=sys.stderr)
+        say(redact(str(exc), dsn), err=True)
         return EXIT_REFUSED
     except psycopg.Error as exc:
-        print(f"forget failed on {describe(dsn)}: {redact(first_line(exc), dsn)}", file=sys.stderr)
+        say(f"forget failed on {describe(dsn)}: {redact(first_line(exc), dsn)}", err=True)
         return EXIT_UNREACHABLE
     hidden = "hidden from `rselection status` (name it, or pass --all, to see it)"
-    print(_retired(name, term, already, hidden))
+    say(_retired(name, term, already, hidden))
     return EXIT_OK
 
 
@@ -333,17 +332,17 @@ def _forget_redis(args: argparse.Namespace) -> int:
     try:
         client = redis_client(url)
     except Unreachable as exc:
-        print(str(exc), file=sys.stderr)
+        say(str(exc), err=True)
         return EXIT_UNREACHABLE
     try:
         term, already = retire_redis_lease(client, name, key_prefix=prefix)
     except Refused as exc:
-        print(str(exc), file=sys.stderr)
+        say(str(exc), err=True)
         return EXIT_REFUSED
     except (BackendUnavailable, redis.RedisError) as exc:
-        print(f"forget failed: {redact(first_line(exc), url)}", file=sys.stderr)
+        say(f"forget failed: {redact(first_line(exc), url)}", err=True)
         return EXIT_UNREACHABLE
     finally:
         client.close()
-    print(_retired(name, term, already, f"marked by {retired_key(name, prefix)!r}"))
+    say(_retired(name, term, already, f"marked by {retired_key(name, prefix)!r}"))
     return EXIT_OK

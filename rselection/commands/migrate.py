@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 
 from ..redaction import redact
 from .connections import Unreachable, connect, describe, first_line, resolve_dsn
 from .options import add_database_options
-from .output import EXIT_UNREACHABLE
+from .output import EXIT_UNREACHABLE, say
 
 MIGRATION_TIMEOUT = 30.0
 """Default of ``--timeout``, seconds (that of :func:`rselection.postgres.migrate`)."""
@@ -63,17 +62,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         conn = connect(dsn)
     except Unreachable as exc:
-        print(str(exc), file=sys.stderr)
+        say(str(exc), err=True)
         return EXIT_UNREACHABLE
     try:
         with conn:
             changes = migrate(conn, table=args.table, timeout=args.timeout)
     except (BackendUnavailable, ConfigError) as exc:
-        print(f"migrate failed on {where}: {redact(str(exc), dsn)}", file=sys.stderr)
+        say(f"migrate failed on {where}: {redact(str(exc), dsn)}", err=True)
         return 1
     except psycopg.Error as exc:
-        print(f"migrate failed on {where}: {redact(first_line(exc), dsn)}", file=sys.stderr)
+        say(f"migrate failed on {where}: {redact(first_line(exc), dsn)}", err=True)
         return EXIT_UNREACHABLE
     for change in changes:
-        print(change.describe())
+        say(change.describe())
     return 0

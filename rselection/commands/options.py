@@ -70,7 +70,7 @@ def add_redis_options(parser: argparse.ArgumentParser) -> None:
 
 
 def lease_name(value: str) -> str:
-    """An argparse ``type`` for lease names: non-blank, at most 1,000 characters, kept as is.
+    """An argparse ``type`` for lease names: non-blank, at most 1,000 bytes, kept as is.
 
     Args:
         value: the name as typed.

@@ -1,7 +1,15 @@
-"""What the subcommands report: their exit codes, and times and tables for people."""
+"""What the subcommands report: their exit codes, and times, tables and lines for people.
+
+Everything the command line prints for people goes through :func:`say` (tables through
+:func:`grid`), which escapes with :func:`printable` every character a terminal could act
+on: lease names, node ids and hostnames are anyone's text, and an escape sequence in one
+must never set a window title, hide text or move the cursor. ``--json`` output is
+printed as JSON, whose strings escape such characters themselves.
+"""
 
 from __future__ import annotations
 
+import sys
 from datetime import UTC, datetime
 
 __all__ = [
@@ -14,6 +22,8 @@ __all__ = [
     "ago",
     "grid",
     "iso",
+    "printable",
+    "say",
 ]
 
 EXIT_OK = 0
@@ -50,8 +60,42 @@ def ago(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.1f}s ago"
 
 
+def printable(text: str, *, lines: bool = False) -> str:
+    """``text`` with every character a terminal could act on written as an escape.
+
+    Escaped as Python writes them in a ``repr`` (``\\x1b``, ``\\x9b``, ``\\u202e``):
+    control characters (``ESC``, ``CR``, tab, newline, ...), C1 controls, format
+    characters such as bidirectional overrides and zero-width joiners, and separators
+    other than the space (what :meth:`str.isprintable` refuses). A backslash is kept as
+    it is.
+
+    Args:
+        text: what to show.
+        lines: keep newlines (``text`` is several lines of our own).
+    """
+    if text.isprintable():
+        return text
+    return "".join(
+        c if c.isprintable() or (lines and c == "\n") else c.encode("unicode_escape").decode()
+        for c in text
+    )
+
+
+def say(text: object = "", *, err: bool = False) -> None:
+    """Print ``text`` for people (stdout, or stderr with ``err``), escaped by
+    :func:`printable` (its newlines kept), and flush.
+
+    Args:
+        text: the message; ``str(text)`` for anything else (an exception).
+        err: print on stderr.
+    """
+    print(printable(str(text), lines=True), file=sys.stderr if err else sys.stdout, flush=True)
+
+
 def grid(headers: list[str], rows: list[list[str]]) -> list[str]:
-    """Lines of a table: ``headers`` then ``rows``, columns padded to their widest cell."""
+    """Lines of a table: ``headers`` then ``rows``, columns padded to their widest cell;
+    each cell escaped by :func:`printable` (a newline too), so that it stays one line."""
+    rows = [[printable(cell) for cell in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in rows:
         widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]

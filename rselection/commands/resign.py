@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +21,7 @@ from .connections import (
 )
 from .leases import lease_exists, lease_nodes, live_holder
 from .options import add_database_options, add_nodes_options, add_redis_options, lease_name
-from .output import EXIT_REFUSED, EXIT_UNREACHABLE, UsageError
+from .output import EXIT_REFUSED, EXIT_UNREACHABLE, UsageError, printable, say
 
 __all__ = ["add_parser", "run"]
 
@@ -54,6 +53,14 @@ def add_parser(
     return parser
 
 
+def _took_over(node: str, name: str, term: int, took: float) -> str:
+    """The line that reports a handover (tests read its time)."""
+    return (
+        f"{printable(node)} leads {name!r} now with term {term} "
+        f"(handover took {took * 1000:.0f} ms)"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Ask the leader of ``args.name`` to hand over, wait for the new term, return the code."""
     if args.redis_url is not None:
@@ -78,55 +85,55 @@ def run(args: argparse.Namespace) -> int:
     try:
         conn = connect(dsn)
     except Unreachable as exc:
-        print(str(exc), file=sys.stderr)
+        say(str(exc), err=True)
         return EXIT_UNREACHABLE
     try:
         with conn:
             found = resolve_lease_table(conn, args.table)
             if found is None:
-                print(
+                say(
                     f"lease table {args.table!r} does not exist on {describe(dsn)}: "
                     "run `rselection migrate`, or pass the right --table",
-                    file=sys.stderr,
+                    err=True,
                 )
                 return 1
             holder = live_holder(conn, args.table, name)
             if holder is None:
                 if not lease_exists(conn, args.table, name):
-                    print(
+                    say(
                         f"no lease {name!r} in {args.table!r} on {describe(dsn)}: check the "
                         "name (`rselection status` lists the leases) and --table",
-                        file=sys.stderr,
+                        err=True,
                     )
                     return EXIT_REFUSED
-                print(f"lease {name!r} has no leader: nothing to hand over", file=sys.stderr)
+                say(f"lease {name!r} has no leader: nothing to hand over", err=True)
                 return EXIT_REFUSED
             nodes = lease_nodes(conn, args.nodes_table, name, args.node_timeout)
             alive = [n for n, ok in nodes or [] if ok]
             if args.to is not None:
                 if args.to == holder[0]:
-                    print(f"{args.to} already leads {name!r} (term {holder[1]})")
+                    say(f"{printable(args.to)} already leads {name!r} (term {holder[1]})")
                     return 0
                 if nodes is None:
-                    print(
-                        f"cannot check that {args.to} is a live node: no nodes table "
+                    say(
+                        f"cannot check that {printable(args.to)} is a live node: no nodes table "
                         f"{args.nodes_table!r} (run `rselection migrate`)",
-                        file=sys.stderr,
+                        err=True,
                     )
                     return 1
                 if args.to not in alive:
-                    others = ", ".join(n for n in alive if n != holder[0]) or "none"
-                    print(
-                        f"{args.to} is not a live node of lease {name!r} (no heartbeat within "
-                        f"{args.node_timeout:g}s); live followers: {others}",
-                        file=sys.stderr,
+                    others = ", ".join(printable(n) for n in alive if n != holder[0]) or "none"
+                    say(
+                        f"{printable(args.to)} is not a live node of lease {name!r} (no "
+                        f"heartbeat within {args.node_timeout:g}s); live followers: {others}",
+                        err=True,
                     )
                     return 1
             elif nodes and not [n for n in alive if n != holder[0]]:
-                print(
+                say(
                     f"no other live node of lease {name!r} to hand over to "
-                    f"({holder[0]} leads term {holder[1]}); start another node first",
-                    file=sys.stderr,
+                    f"({printable(holder[0])} leads term {holder[1]}); start another node first",
+                    err=True,
                 )
                 return 1
             conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(lease_channel(found[1], name))))
@@ -136,43 +143,40 @@ def run(args: argparse.Namespace) -> int:
                     conn, name, table=args.table, to=args.to, timeout=args.timeout
                 )
             except ConfigError as exc:
-                print(redact(str(exc), dsn), file=sys.stderr)
+                say(redact(str(exc), dsn), err=True)
                 return 1
             if asked is None:
-                print(f"lease {name!r} has no leader: nothing to hand over", file=sys.stderr)
+                say(f"lease {name!r} has no leader: nothing to hand over", err=True)
                 return 1
-            print(
-                f"asked {asked.node_id} to hand {name!r} over (term {asked.term}"
-                + (f", to {args.to}" if args.to else "")
+            say(
+                f"asked {printable(asked.node_id)} to hand {name!r} over (term {asked.term}"
+                + (f", to {printable(args.to)}" if args.to else "")
                 + ")",
-                flush=True,
             )
             new = _await_new_term(conn, args, asked.term, asked_at + args.timeout)
             took = time.monotonic() - asked_at
             if new is None:
                 cancel_handover(conn, name, asked.term, table=args.table)
-                print(
-                    f"no new term within {args.timeout:g}s: {asked.node_id} did not hand "
-                    f"{name!r} over (not running, paused, or an rselection without "
+                say(
+                    f"no new term within {args.timeout:g}s: {printable(asked.node_id)} did "
+                    f"not hand {name!r} over (not running, paused, or an rselection without "
                     "handover support); the request was withdrawn",
-                    file=sys.stderr,
+                    err=True,
                 )
                 return 1
             node, term = new
-            print(
-                f"{node} leads {name!r} now with term {term} (handover took {took * 1000:.0f} ms)"
-            )
+            say(_took_over(node, name, term, took))
             if args.to is not None and node != args.to:
-                print(f"{args.to} did not take over within {args.timeout:g}s", file=sys.stderr)
+                say(f"{printable(args.to)} did not take over within {args.timeout:g}s", err=True)
                 return 1
             if node == asked.node_id:
-                print(f"no other node took over: {node} leads again", file=sys.stderr)
+                say(f"no other node took over: {printable(node)} leads again", err=True)
                 return 1
             return 0
     except (psycopg.Error, BackendUnavailable) as exc:
-        print(
+        say(
             f"resign failed on {describe(dsn)}: {redact(first_line(exc), dsn)}",
-            file=sys.stderr,
+            err=True,
         )
         return EXIT_UNREACHABLE
 
@@ -188,45 +192,45 @@ def _resign_redis(args: argparse.Namespace) -> int:
     try:
         client = redis_client(args.redis_url)
     except Unreachable as exc:
-        print(str(exc), file=sys.stderr)
+        say(str(exc), err=True)
         return EXIT_UNREACHABLE
     try:
         holder = current_holder(client, name, key_prefix=prefix)
         if holder is None:
             if not _redis_lease_exists(client, name, prefix):
-                print(
+                say(
                     f"no lease {name!r} with key prefix {prefix!r} in this Redis: check the "
                     "name and --key-prefix",
-                    file=sys.stderr,
+                    err=True,
                 )
                 return EXIT_REFUSED
-            print(f"lease {name!r} has no leader: nothing to hand over", file=sys.stderr)
+            say(f"lease {name!r} has no leader: nothing to hand over", err=True)
             return EXIT_REFUSED
         nodes = live_nodes(client, name, key_prefix=prefix)
         if args.to is not None:
             if args.to == holder.node_id:
-                print(f"{args.to} already leads {name!r} (term {holder.term})")
+                say(f"{printable(args.to)} already leads {name!r} (term {holder.term})")
                 return 0
             if nodes is None:
-                print(
-                    f"cannot check that {args.to} is a live node (PUBSUB CHANNELS is not "
-                    "allowed); asking anyway: if it is not running, no node takes over "
+                say(
+                    f"cannot check that {printable(args.to)} is a live node (PUBSUB CHANNELS "
+                    "is not allowed); asking anyway: if it is not running, no node takes over "
                     "until --timeout",
-                    file=sys.stderr,
+                    err=True,
                 )
             elif args.to not in nodes:
-                others = ", ".join(n for n in nodes if n != holder.node_id) or "none"
-                print(
-                    f"{args.to} is not a live node of lease {name!r} (no keeper connected); "
-                    f"live followers: {others}",
-                    file=sys.stderr,
+                others = ", ".join(printable(n) for n in nodes if n != holder.node_id) or "none"
+                say(
+                    f"{printable(args.to)} is not a live node of lease {name!r} (no keeper "
+                    f"connected); live followers: {others}",
+                    err=True,
                 )
                 return 1
         elif nodes and not [n for n in nodes if n != holder.node_id]:
-            print(
+            say(
                 f"no other live node of lease {name!r} to hand over to "
-                f"({holder.node_id} leads term {holder.term}); start another node first",
-                file=sys.stderr,
+                f"({printable(holder.node_id)} leads term {holder.term}); start another node first",
+                err=True,
             )
             return 1
         with _RedisTermWatch(client, name, prefix) as watch:
@@ -236,39 +240,38 @@ def _resign_redis(args: argparse.Namespace) -> int:
                     client, name, to=args.to, timeout=args.timeout, key_prefix=prefix
                 )
             except ConfigError as exc:
-                print(str(exc), file=sys.stderr)
+                say(str(exc), err=True)
                 return 1
             if asked is None:
-                print(f"lease {name!r} has no leader: nothing to hand over", file=sys.stderr)
+                say(f"lease {name!r} has no leader: nothing to hand over", err=True)
                 return 1
-            print(
-                f"asked {asked.node_id} to hand {name!r} over (term {asked.term}"
-                + (f", to {args.to}" if args.to else "")
+            say(
+                f"asked {printable(asked.node_id)} to hand {name!r} over (term {asked.term}"
+                + (f", to {printable(args.to)}" if args.to else "")
                 + ")",
-                flush=True,
             )
             new = watch.wait(asked.term, asked_at + args.timeout)
             took = time.monotonic() - asked_at
         if new is None:
             cancel_handover(client, name, asked.term, key_prefix=prefix)
-            print(
-                f"no new term within {args.timeout:g}s: {asked.node_id} did not hand "
+            say(
+                f"no new term within {args.timeout:g}s: {printable(asked.node_id)} did not hand "
                 f"{name!r} over (not running, paused, or an rselection without "
                 "handover support); the request was withdrawn",
-                file=sys.stderr,
+                err=True,
             )
             return 1
         node, term = new
-        print(f"{node} leads {name!r} now with term {term} (handover took {took * 1000:.0f} ms)")
+        say(_took_over(node, name, term, took))
         if args.to is not None and node != args.to:
-            print(f"{args.to} did not take over within {args.timeout:g}s", file=sys.stderr)
+            say(f"{printable(args.to)} did not take over within {args.timeout:g}s", err=True)
             return 1
         if node == asked.node_id:
-            print(f"no other node took over: {node} leads again", file=sys.stderr)
+            say(f"no other node took over: {printable(node)} leads again", err=True)
             return 1
         return 0
     except BackendUnavailable as exc:
-        print(f"resign failed: {redact(str(exc), args.redis_url)}", file=sys.stderr)
+        say(f"resign failed: {redact(str(exc), args.redis_url)}", err=True)
         return EXIT_UNREACHABLE
     finally:
         client.close()

@@ -36,7 +36,17 @@ from .options import (
     lease_name,
     node_timeout,
 )
-from .output import EXIT_NO_LEADER, EXIT_OK, EXIT_UNREACHABLE, UsageError, ago, grid, iso
+from .output import (
+    EXIT_NO_LEADER,
+    EXIT_OK,
+    EXIT_UNREACHABLE,
+    UsageError,
+    ago,
+    grid,
+    iso,
+    printable,
+    say,
+)
 
 if TYPE_CHECKING:
     import psycopg
@@ -421,7 +431,7 @@ def render(status: dict[str, Any], args: argparse.Namespace) -> list[str]:
         ]
         lines += grid(["LEASE", "HOLDER", "TERM", "ACQUIRED", "EXPIRES IN"], rows)
     elif status["unknown"]:
-        lines.append(f"no lease named {', '.join(status['unknown'])} in {where}")
+        lines.append(f"no lease named {', '.join(map(printable, status['unknown']))} in {where}")
     else:
         lines.append(f"no leases in {where} yet")
     if status["hidden"]:
@@ -510,9 +520,9 @@ def render(status: dict[str, Any], args: argparse.Namespace) -> list[str]:
     if headless or unknown:
         lines.append("")
     if headless:
-        lines.append("NO LEADER: " + ", ".join(headless))
+        lines.append("NO LEADER: " + ", ".join(map(printable, headless)))
     if unknown:
-        lines.append(f"NO SUCH LEASE in {where}: " + ", ".join(unknown))
+        lines.append(f"NO SUCH LEASE in {where}: " + ", ".join(map(printable, unknown)))
     return lines
 
 
@@ -563,7 +573,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         read = _reader(args)
     except Unreachable as exc:
-        print(str(exc), file=sys.stderr)
+        say(str(exc), err=True)
         return EXIT_UNREACHABLE
     clear = watch is not None and not args.json and sys.stdout.isatty()
     code = EXIT_OK
@@ -575,7 +585,7 @@ def run(args: argparse.Namespace) -> int:
                 status = read()
             except Unreachable as exc:
                 code = EXIT_UNREACHABLE
-                print(str(exc), file=sys.stderr)
+                say(str(exc), err=True)
                 if args.json:  # scripts parse stdout: they get a document here too
                     print(json.dumps({"error": str(exc), "exit_code": code}), flush=True)
             else:
@@ -588,8 +598,8 @@ def run(args: argparse.Namespace) -> int:
                     if clear:
                         sys.stdout.write("\x1b[H\x1b[2J")
                     elif done:
-                        print()
-                    print("\n".join(render(status, args)), flush=True)
+                        say()
+                    say("\n".join(render(status, args)))
             done += 1
             if refreshes is not None and done >= refreshes:
                 return code

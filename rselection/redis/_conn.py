@@ -182,6 +182,9 @@ class ConnectionFactory:
             # RESP2: channel messages arrive as plain replies on the listener, which
             # the keeper reads itself (RESP3 would hand them to push handlers).
             "protocol": 2,
+            # Raw bytes, whatever the user's client decodes: a message on a channel is
+            # anyone's bytes, and decoding one that is not UTF-8 would raise.
+            "decode_responses": False,
         }
         self.where = describe(client)
         self._no_setname = False

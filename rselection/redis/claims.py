@@ -188,8 +188,8 @@ class RedisClaimer(Closeable):
         One script: wins when the key was never claimed or its last claim expired.
 
         Args:
-            fire_key: the fire (``format_fire_key(task, scheduled_at)``); a name (not
-                blank, at most 1,000 characters).
+            fire_key: the fire (``format_fire_key(task, scheduled_at)``); not blank,
+                at most :data:`~rselection.claiming.MAX_FIRE_KEY_BYTES` bytes as UTF-8.
             term: the fencing term the claim is made under, recorded in the claim.
 
         Raises:

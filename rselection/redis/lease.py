@@ -57,10 +57,11 @@ which nodes are connected.
 Fast crash failover
 -------------------
 
-A holder that offers fast takeover publishes a liveness beat ``alive:<term>:<its
-liveness_interval in ms>`` on ``<prefix>{<name>}:alive`` every ``liveness_interval / 2``.
+A holder that offers fast takeover publishes a liveness beat, signed with its token
+(:mod:`.messages`), on ``<prefix>{<name>}:alive`` every ``liveness_interval / 2``.
 A follower that knows the holder's connection id listens to them and asks ``CLIENT LIST
-ID <id>`` only after ``liveness_interval`` (0.5 s by default) without one. A holder that
+ID <id>`` only after ``liveness_interval`` (0.5 s by default) without one; forged or
+replayed beats are dropped, and messages wake a keeper at most once per 50 ms. A holder that
 beat and went silent (paused) is checked with waits doubling up to a second; one never
 heard to beat (a release without beats, an ACL that refuses the channel, lost pub/sub)
 is checked every ``liveness_interval``, the cost of the polling of old, in that case
@@ -96,6 +97,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import re
 import secrets
 import selectors
@@ -120,6 +122,7 @@ from ._scripts import CANCEL_HANDOVER as CANCEL_HANDOVER  # re-exported
 from ._scripts import REQUEST_HANDOVER as REQUEST_HANDOVER  # re-exported
 from .keepalive import keepalive_refusal
 from .keys import DEFAULT_KEY_PREFIX, check_key_prefix, liveness_channel
+from .messages import beat_term, event_kind, read_beat, sign_beat, unsigned_beat
 
 __all__ = ["RedisLease", "handover_key", "lease_keys", "node_channel", "term_origin_key"]
 
@@ -128,6 +131,12 @@ logger = logging.getLogger(__name__)
 # Longest wait, seconds, between checks of a holder that beat before and went silent (a
 # paused process): a kill while it is paused is then noticed within about a second.
 _PROBE_CAP = 1.0
+# Shortest time, seconds, between two wake-ups caused by messages: anyone allowed to
+# PUBLISH can send them, and each costs an attempt (or a renewal) round trip. A release
+# or a handover request is still acted on within this.
+_WAKE_GAP = 0.05
+# Seconds between two log lines about dropped messages (each is counted).
+_DROPPED_LOG_EVERY = 60.0
 
 
 def lease_keys(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> tuple[str, str, str]:
@@ -187,7 +196,8 @@ def _ms_to_utc(ms: int) -> datetime:
 
 
 def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    # Never raises: a message on a channel is anyone's bytes.
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 @dataclass(frozen=True)
@@ -198,6 +208,7 @@ class _Seen:
     client: str
     run: str
     fast: bool
+    token: str  # signs the holder's liveness beats (see :mod:`.messages`)
 
 
 def parse_holder(raw: Any, pttl: Any, now_ms: Any) -> tuple[LeaderInfo | None, dict[str, Any]]:
@@ -271,9 +282,11 @@ class _Liveness:
     probe_at: float = 0.0  # monotonic time of the next check of its connection
     gap: float = 0.0  # the current wait between checks
     interval: float = 0.0  # the holder's liveness_interval from its beats (0: unknown)
+    seq: int = -1  # following: the highest beat number taken for the timed term
     listener: Any = None  # the listener connection subscribed to the beats
     beat_term: int = -1  # leading: the term beats are published for
     beat_at: float = 0.0  # leading: monotonic time of the next beat
+    beat_seq: int = 0  # leading: the number of the next beat of the term
     beaten: bool = False  # following: a beat of the timed term was heard
     refused: Any = None  # the listener whose SUBSCRIBE to the beats the server refused
     pending: bool = False  # that SUBSCRIBE was sent, its confirmation not read yet
@@ -281,7 +294,7 @@ class _Liveness:
 
     def follow(self, term: str, limit: float) -> None:
         if term != self.term:  # another holder: time it from now
-            self.term, self.interval = term, 0.0
+            self.term, self.interval, self.seq = term, 0.0, -1
             self.heard(limit)
             self.beaten = False
 
@@ -298,7 +311,7 @@ class _Liveness:
 
     def lead(self, term: int) -> None:
         if term != self.beat_term:  # a new term: beat at once
-            self.beat_term, self.beat_at = term, 0.0
+            self.beat_term, self.beat_at, self.beat_seq = term, 0.0, 0
 
 
 class RedisLease(Closeable):
@@ -318,7 +331,7 @@ class RedisLease(Closeable):
             copied for the keeper's own connections; the client itself serves
             :meth:`current`.
         name: the lease name; nodes with the same name and prefix compete. Not blank,
-            at most 1,000 characters, used as given (never trimmed).
+            at most 1,000 bytes as UTF-8, used as given (never trimmed).
         key_prefix: prefix of the lease's keys and channel.
         ttl: lease length on the server, seconds.
         renew_deadline: the leader's renew deadline, seconds (``< ttl``).
@@ -394,6 +407,12 @@ class RedisLease(Closeable):
 
         self._wakeup = Wakeup()
         self._liveness = _Liveness()
+        # The listener reads raw bytes (see ConnectionFactory): channels as bytes.
+        self._events_channel = self.channel.encode()
+        self._beats_channel = liveness_channel(name, key_prefix).encode()
+        self._wake_after = 0.0  # a message may wake the keeper again from then on
+        self._dropped_messages = 0
+        self._dropped_logged_at = -math.inf
         forks.register(self)
 
     def reset_after_fork(self) -> None:
@@ -646,7 +665,7 @@ class RedisLease(Closeable):
         is rechecked by the script). A successful acquisition increments the term.
 
         Args:
-            node_id: this node's id (non-empty, at most 1000 characters).
+            node_id: this node's id (non-empty, at most 1,000 bytes as UTF-8).
 
         Raises:
             BackendUnavailable: connection problem.
@@ -709,6 +728,7 @@ class RedisLease(Closeable):
                 str(doc.get("client", "")),
                 str(doc.get("run", "")),
                 doc.get("fast") == "1",
+                str(doc.get("token", "")),
             )
         return Acquisition(acquired, info, max(0.0, int(reply[2]) / 1000))
 
@@ -826,6 +846,7 @@ class RedisLease(Closeable):
             if beating and self._leading is not None:
                 live.lead(self._leading[1])
             deadline = time.monotonic() + timeout
+            woken = False  # a message asked for a wake-up
             with selectors.DefaultSelector() as sel:
                 sel.register(_sock(conn), selectors.EVENT_READ, "keeper")
                 sel.register(_sock(listener), selectors.EVENT_READ, "listener")
@@ -839,6 +860,8 @@ class RedisLease(Closeable):
                         step = min(step, max(0.0, live.probe_at - now))
                     if beating:
                         step = min(step, max(0.0, live.beat_at - now))
+                    if woken:
+                        step = min(step, max(0.0, self._wake_after - now))
                     events = sel.select(step)
                     for key, _ in events:
                         if key.data == "wake":
@@ -846,7 +869,9 @@ class RedisLease(Closeable):
                         if key.data == "keeper":
                             self._keeper_readable(conn)
                         elif self._drain(listener):
-                            return
+                            woken = True
+                    # Beats and checks come before a wake-up: a flood of messages must
+                    # never starve them (it would delay a takeover to the ttl).
                     now = time.monotonic()
                     if beating and now >= live.beat_at:
                         self._beat()
@@ -855,6 +880,9 @@ class RedisLease(Closeable):
                             return
                         probe = self._can_probe  # refused: the lease's expiry will do
                         live.probed(self._silence_limit())
+                    if woken and now >= self._wake_after:
+                        self._wake_after = now + _WAKE_GAP
+                        return
         finally:
             self._wakeup.clear()
 
@@ -886,7 +914,8 @@ class RedisLease(Closeable):
         live.beat_at = time.monotonic() + interval / 2
         if live.mute is not None and live.mute is self._conn:
             return  # refused on this connection: the followers check it instead
-        message = f"alive:{leading[1]}:{round(interval * 1000)}"
+        message = sign_beat(leading[0], leading[1], round(interval * 1000), live.beat_seq)
+        live.beat_seq += 1
         channel = liveness_channel(self.name, self.key_prefix)
         try:
             self._call("PUBLISH", channel, message, expected=(redis.ResponseError,))
@@ -935,10 +964,13 @@ class RedisLease(Closeable):
         self._presence = node_id
 
     def _drain(self, listener: Any) -> bool:
-        """Read the channel's messages; ``True`` if one may concern this keeper.
+        """Read the channels' messages; ``True`` if one may concern this keeper.
 
-        A handover request sets the hint; it wakes only a leader (a follower has nothing
-        to do until the leader releases).
+        Anyone allowed to PUBLISH can send anything here: a message is only a wake-up
+        (the keeper then reads the lease itself), or a beat whose signature checks out;
+        anything else is dropped and counted (see :mod:`.messages`). A handover request
+        sets the hint; it wakes only a leader (a follower has nothing to do until the
+        leader releases).
         """
         got = False
         try:
@@ -948,26 +980,56 @@ class RedisLease(Closeable):
                 except redis.ResponseError as exc:
                     self._refused(listener, exc)
                     continue
-                if (
-                    isinstance(message, list)
-                    and len(message) > 1
-                    and _text(message[0]) == "subscribe"
-                    and _text(message[1]) == liveness_channel(self.name, self.key_prefix)
-                ):
+                if not isinstance(message, list) or len(message) != 3:
+                    continue
+                kind, channel, payload = message
+                if kind == b"subscribe" and channel == self._beats_channel:
                     self._liveness.pending = False
-                if isinstance(message, list) and message and _text(message[0]) == "message":
-                    if len(message) > 2 and _text(message[2]).startswith("alive:"):
-                        self._heard(_text(message[2]))
+                if kind != b"message":
+                    continue
+                if channel == self._beats_channel:
+                    self._heard(payload)
+                    continue
+                if channel != self._events_channel:
+                    continue  # a node's presence channel: nothing is sent there
+                event = event_kind(payload)
+                if event is None:
+                    if not unsigned_beat(payload):
+                        self._dropped(channel, payload)
+                    continue
+                if event == "resign":
+                    self._handover_hint = True
+                    if self._leading is None:
                         continue
-                    if len(message) > 2 and _text(message[2]).startswith("resign:"):
-                        self._handover_hint = True
-                        if self._leading is None:
-                            continue
-                    got = True
+                got = True
         except (redis.RedisError, OSError) as exc:
             self._fail()
             raise unavailable("listen for lease changes", self._factory.where, exc) from exc
         return got
+
+    def _dropped(self, channel: bytes, payload: Any) -> None:
+        """Count a message no rselection node sends; log it at most once a minute."""
+        self._dropped_messages += 1
+        now = time.monotonic()
+        if now < self._dropped_logged_at + _DROPPED_LOG_EVERY:
+            return
+        self._dropped_logged_at = now
+        logger.warning(
+            "lease %r: dropped a message on %s that no rselection node sends (%.40r; %d so "
+            "far): a client allowed to PUBLISH on the lease's channels sent it; it "
+            "changes nothing (restrict PUBLISH on them, see the Redis how-to)",
+            self.name,
+            _text(channel),
+            payload,
+            self._dropped_messages,
+        )
+
+    @property
+    def dropped_messages(self) -> int:
+        """Messages on the lease's channels that were dropped unread since construction:
+        malformed ones, and beats whose signature or number did not check out (forged or
+        replayed by a client allowed to PUBLISH; see :mod:`rselection.redis.messages`)."""
+        return self._dropped_messages
 
     def _refused(self, listener: Any, exc: redis.ResponseError) -> None:
         """An error reply on the listener: a refused SUBSCRIBE to the liveness channel (an
@@ -993,17 +1055,29 @@ class RedisLease(Closeable):
             str(exc).splitlines()[0],
         )
 
-    def _heard(self, beat: str) -> None:
-        """A liveness beat (``alive:<term>:<holder's liveness_interval, ms>``) arrived: the
-        holder of that term is alive, so the check of its connection moves back."""
+    def _heard(self, payload: Any) -> None:
+        """A message on the liveness channel: when it is a beat of the timed holder's term,
+        signed with its token and numbered above every beat taken before, the holder is
+        alive, so the check of its connection moves back.
+
+        Anything else changes nothing: a forged beat (no token), a replayed one (its
+        number was taken), one of an older holder or an older release (unsigned). The
+        interval a beat advertises counts up to a quarter of the ttl only.
+        """
         seen = self._seen
-        parts = beat.split(":")
-        if self._leading is not None or seen is None or len(parts) != 3 or parts[1] != seen.term:
-            return  # our own beat, or an older holder's
-        with contextlib.suppress(ValueError):
-            self._liveness.interval = max(0.0, int(parts[2]) / 1000)
-        self._liveness.heard(self._silence_limit())
-        self._liveness.beaten = True
+        if self._leading is not None or seen is None:
+            return  # our own beat, or nobody to time
+        beat = read_beat(payload, seen.token)
+        live = self._liveness
+        if beat is None or str(beat.term) != seen.term or beat.seq <= live.seq:
+            term = beat_term(payload)
+            if not unsigned_beat(payload) and (term is None or str(term) == seen.term):
+                self._dropped(self._beats_channel, payload)  # forged, replayed or garbage
+            return
+        live.seq = beat.seq
+        live.interval = min(beat.interval, self.ttl / 4)
+        live.heard(self._silence_limit())
+        live.beaten = True
 
     def _holder_gone(self, seen: _Seen) -> bool:
         try:

@@ -13,7 +13,7 @@ import pytest
 
 from rselection import cli
 from rselection.commands import connections
-from rselection.commands.output import UsageError
+from rselection.commands.output import UsageError, grid, printable, say
 from rselection.redaction import redact
 
 COMMANDS = pathlib.Path(cli.__file__).parent / "commands"
@@ -231,3 +231,42 @@ def test_the_demo_refuses_fewer_nodes_than_its_story_needs(
     # One node is killed, the next one stopped: with two nodes nobody is left to lead.
     assert cli.main(["demo", "--nodes", "2"]) == 2
     assert "--nodes needs at least 3 nodes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("raw", "shown"),
+    [
+        ("jobs", "jobs"),
+        ("ünïcode 🦆 a\\b", "ünïcode 🦆 a\\b"),  # printable text, a backslash included
+        ("t\x1b]0;pwned\x07", r"t\x1b]0;pwned\x07"),  # OSC: sets the window title
+        ("\x1b[8mhidden", r"\x1b[8mhidden"),  # SGR 8: hides what follows
+        ("a\rb\tc\nd", r"a\rb\tc\nd"),
+        ("c1\x9b31m", r"c1\x9b31m"),  # a C1 CSI
+        ("\u202eevil\u2066", r"\u202eevil\u2066"),  # bidirectional override and isolate
+        ("nb\u00a0sp\u2028", r"nb\xa0sp\u2028"),  # separators other than the space
+    ],
+)
+def test_printable_escapes_what_a_terminal_acts_on(raw: str, shown: str) -> None:
+    assert printable(raw) == shown
+    assert printable(shown) == shown  # escaped text is printable: escaping twice is once
+
+
+def test_say_keeps_its_own_newlines_and_escapes_the_rest(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    say("one\ntwo \x1b[2J")
+    say(ValueError("bad \x07"), err=True)
+    out, err = capsys.readouterr()
+    assert out == "one\ntwo \\x1b[2J\n" and err == "bad \\x07\n"
+
+
+def test_grid_escapes_each_cell_so_columns_stay_aligned() -> None:
+    lines = grid(["NAME", "NODE"], [["a\x1b[8m", "n\nx"], ["bb", "m"]])
+    assert lines == ["NAME      NODE", "a\\x1b[8m  n\\nx", "bb        m"]
+
+
+def test_argparse_errors_escape_what_was_typed(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["status", "--bogus\x1b[31m"])
+    err = capsys.readouterr().err
+    assert "--bogus\\x1b[31m" in err and "\x1b" not in err

@@ -449,12 +449,13 @@ def test_claim_each_fails_a_bad_key_alone_and_claims_the_others() -> None:
 def test_one_task_with_a_fire_key_too_long_keeps_only_its_own_fires_from_running(
     leaders: Callable[..., rs.SingleNodeLeader],
 ) -> None:
-    """A lease name and a task name each within the 1,000 characters allowed can make a
-    claim key over the bytes a claimer takes: that task's fires fail their claims, and
-    the other tasks' fires due at the same instants still run."""
+    """A lease name and a task name each within the 1,000 bytes allowed can make a
+    claim key over the bytes a claimer takes (the key writes a lease name's ``%`` as
+    three bytes): that task's fires fail their claims, and the other tasks' fires due at
+    the same instants still run."""
     ran = Ran()
     handler = rs.TaskHandler(stop_grace=2.0)
-    long_name = "é" * 1000
+    long_name = "é" * 500
 
     @handler.interval(EVERY, name="normal")
     def normal(ctx: rs.TaskContext) -> None:
@@ -466,7 +467,9 @@ def test_one_task_with_a_fire_key_too_long_keeps_only_its_own_fires_from_running
 
     skipped = Recorder()
     with signals.fire_skipped.connected_to(skipped, sender=handler):
-        leaders(handler, claimer=rs.MemoryClaimer(), name="L" * 1000).start()
+        # 1,000 bytes, 1,800 in a claim key: the normal task's keys fit, the long one's not.
+        lease = "%" * 400 + "L" * 600
+        leaders(handler, claimer=rs.MemoryClaimer(), name=lease).start()
         wait_until(
             lambda: len(ran) >= 3 and len(skipped.of(long_name, reason="claim-error")) >= 3,
             10,
@@ -537,7 +540,9 @@ def test_a_task_with_a_fire_key_too_long_never_keeps_the_others_missed_fires_fro
     """A new leader looks back for every task's missed fires in one call: a task whose
     claim keys no claimer takes is left out of it, and the others' are recovered."""
     claimer = CheckingSeries()
-    long_name = "é" * 1000
+    long_name = "é" * 500  # 1,000 bytes, the longest task name
+    # 1,000 bytes, 1,800 in a claim key: the normal task's keys fit, the long one's not.
+    lease = "%" * 400 + "L" * 600
     every = 0.5
 
     def handler_of(ran: Ran) -> rs.TaskHandler:
@@ -554,14 +559,14 @@ def test_a_task_with_a_fire_key_too_long_never_keeps_the_others_missed_fires_fro
         return handler
 
     first = Ran()
-    leader = leaders(handler_of(first), claimer=claimer, name="L" * 1000)
+    leader = leaders(handler_of(first), claimer=claimer, name=lease)
     leader.start()
     wait_until(lambda: len(first) >= 1, 10, "a fire of the first leader")
     leader.stop(timeout=10)
     time.sleep(2 * every)  # fires due while no node leads: nothing to poll for
     second = Ran()
     started = datetime.now(UTC)
-    leaders(handler_of(second), claimer=claimer, name="L" * 1000).start()
+    leaders(handler_of(second), claimer=claimer, name=lease).start()
     wait_until(lambda: len(second) >= 1, 10, "a fire of the second leader")
     with second.lock:
         caught_up = [at for name, at, _ in second.fires if name == "normal" and at <= started]

@@ -13,6 +13,7 @@ from rselection.validation import (
     check_node_id,
     check_optional_seconds,
     check_seconds,
+    name_bytes,
     new_node_id,
 )
 
@@ -51,3 +52,27 @@ def test_durations() -> None:
             check_seconds(bad, "ttl")
     with pytest.raises(ConfigError, match=r"at least 0.001 s"):
         check_seconds(0.0001, "ttl", minimum=0.001)
+
+
+@pytest.mark.parametrize(
+    ("longest", "what"),
+    [
+        ("x" * MAX_NAME, "ASCII: one byte each"),
+        ("é" * (MAX_NAME // 2), "two bytes each"),
+        ("\U0001f986" * (MAX_NAME // 4), "four bytes each"),
+        ('"' * (MAX_NAME // 2), "escaped as two bytes in a notification"),
+        ("\b" * (MAX_NAME // 2), "escaped as two bytes in a notification"),
+        ("\x01" * (MAX_NAME // 6), "escaped as six bytes in a notification"),
+    ],
+)
+def test_names_are_limited_in_bytes_as_notifications_carry_them(longest: str, what: str) -> None:
+    assert check_name(longest, "lease name") == longest, what
+    assert name_bytes(longest) <= MAX_NAME
+    with pytest.raises(ConfigError, match=rf"lease name must have at most {MAX_NAME} bytes"):
+        check_name(longest + longest[0], "lease name")
+    with pytest.raises(ConfigError, match="node_id"):
+        check_node_id(longest + longest[0])
+
+
+def test_a_names_size_is_what_json_makes_of_it() -> None:
+    assert name_bytes('a"b\\c\x01\t\U0001f986é') == 1 + 2 + 1 + 2 + 1 + 6 + 2 + 4 + 2

@@ -1,6 +1,6 @@
 """Lease names and node ids follow one rule on Postgres and Redis alike.
 
-A name is a non-blank string of at most 1,000 characters without NUL, used exactly as
+A name is a non-blank string of at most 1,000 bytes as UTF-8, without NUL, used exactly as
 given: nothing is trimmed, so ``" jobs "`` and ``"jobs"`` are two leases on both
 backends (Redis used to refuse what Postgres took, and the other way round).
 """
@@ -13,10 +13,16 @@ from typing import Any
 
 import pytest
 
+import rselection as rs
 from rselection.errors import ConfigError
 from rselection.lease import LeaseBackend
 from rselection.postgres import PostgresLease
 from rselection.redis import RedisLease
+from rselection.validation import MAX_NAME, check_name
+from tests.support.backends import Backend
+from tests.support.waiting import wait_until
+
+FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
 
 MakeLease = Callable[..., LeaseBackend]
 
@@ -92,3 +98,56 @@ def test_a_node_id_is_taken_as_given_and_a_blank_one_refused(make_lease: MakeLea
     attempt = lease.try_acquire(" node a ")
     assert attempt.acquired and attempt.holder is not None
     assert attempt.holder.node_id == " node a "
+
+
+def _longest_accepted(char: str) -> int:
+    """How many ``char`` the name rule accepts at most (whatever unit it counts in)."""
+    count = 0
+    for step in (1024, 256, 64, 16, 4, 1):
+        while True:
+            try:
+                check_name(char * (count + step))
+            except ConfigError:
+                break
+            count += step
+    return count
+
+
+def test_the_longest_names_in_four_byte_characters_lead_and_hand_over(
+    backend: Backend,
+) -> None:
+    """A lease name and node ids of the most four-byte characters the rule accepts: they
+    are acquired and handed over on both backends. When the rule counted characters,
+    1,000 of them (4,000 bytes) were accepted and never acquired on Postgres ("payload
+    string too long": its notifications carry the names)."""
+    n = _longest_accepted("\U0001f986")
+    name = "\U0001f986" * n
+    node_a, node_b = "\U0001d51e" * n, "\U0001d51f" * n
+    first: rs.Leader = backend.leader(rs.TaskHandler(), name, node_id=node_a, **FAST)
+    second: rs.Leader = backend.leader(rs.TaskHandler(), name, node_id=node_b, **FAST)
+    try:
+        first.start()
+        assert first.wait_until_leader(10), f"a name of {n} four-byte characters never led"
+        second.start()
+        wait_until(lambda: second.leader() is not None, 10, "the follower to see the leader")
+        asked = backend.handover.request_handover(backend.url, name, to=node_b, timeout=10)
+        assert asked is not None and asked.node_id == node_a
+        assert second.wait_until_leader(10), "the handover to the longest node id failed"
+        holder = second.leader()
+        assert holder is not None and holder.node_id == node_b
+    finally:
+        second.stop(timeout=10)
+        first.stop(timeout=10)
+        backend.forget(name)
+
+
+def test_one_byte_over_the_limit_is_refused_at_construction(backend: Backend) -> None:
+    n = _longest_accepted("\U0001f986")
+    assert n * 4 == MAX_NAME
+    longest = "\U0001f986" * n
+    with pytest.raises(ConfigError, match=rf"lease name .*at most {MAX_NAME} bytes"):
+        backend.leader(rs.TaskHandler(), longest + "x", node_id="a")
+    with pytest.raises(ConfigError, match=rf"node_id .*at most {MAX_NAME} bytes"):
+        backend.leader(rs.TaskHandler(), "jobs", node_id=longest + "x")
+    with pytest.raises(ConfigError, match=rf"task name .*at most {MAX_NAME} bytes"):
+        rs.TaskHandler().register(longest + "x", rs.GenericTask(longest + "x"))

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -149,6 +152,10 @@ def test_demo_runs_to_the_end_and_reports_its_measurements(pg_dsn: str) -> None:
     assert tables == []
 
 
+@pytest.mark.skipif(
+    os.geteuid() == 0,
+    reason="as root the demo refuses its embedded server (the test below); run as a user",
+)
 def test_demo_on_its_own_postgres_shows_no_runtime_directory_warning(tmp_path: Any) -> None:
     pytest.importorskip("pgserver")
     env = clean_env()
@@ -165,6 +172,35 @@ def test_demo_on_its_own_postgres_shows_no_runtime_directory_warning(tmp_path: A
     assert "graceful handover took" in out.stdout
     assert "XDG_RUNTIME_DIR" not in out.stdout + out.stderr
     assert "Warning" not in out.stderr, out.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="what the embedded server does as root")
+def test_the_demo_as_root_refuses_the_embedded_server_and_changes_no_directory() -> None:
+    """As root, pgserver adds a system user and makes every directory above the data
+    directory readable by all (a 0700 home became 0755); the demo refuses instead, before
+    it touches anything, and says what to do."""
+    with tempfile.TemporaryDirectory() as top:
+        home = pathlib.Path(top) / "home"
+        tmp = home / "tmp"
+        tmp.mkdir(parents=True)
+        for private in (home, tmp):
+            private.chmod(0o700)
+        modes = {d: stat.S_IMODE(d.stat().st_mode) for d in (home, tmp)}
+        out = subprocess.run(
+            [sys.executable, "-m", "rselection", "demo"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=clean_env(TMPDIR=str(tmp)),
+            cwd=top,
+        )
+        after = {d: stat.S_IMODE(d.stat().st_mode) for d in (home, tmp)}
+        left = list(tmp.iterdir())
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "as root" in out.stderr and "--dsn" in out.stderr, out.stderr
+    assert "starting a private Postgres" not in out.stdout
+    assert after == modes, {str(d): oct(m) for d, m in after.items()}
+    assert left == []
 
 
 # ------------------------------------------------------------------------- status
