@@ -28,12 +28,17 @@ inside), and a publish writes a whole batch of messages under it.
 
 ``purged_through`` tells a listener that rows it never read were deleted (gaps in ``id``
 alone prove nothing: a failed publish leaves unused ids behind).
+
+What a NOTIFY carries: the last id of the publish's transaction, as decimal digits, and
+nothing else. Any role that can connect may LISTEN on the table's channel and NOTIFY on
+it, so no message's channel or body ever travels in a NOTIFY, and a listener takes one
+as a wake-up only: what it delivers, where its position is, and any gap or reset are
+read from these two tables.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable
 from typing import Any
 
@@ -44,20 +49,7 @@ from psycopg.rows import tuple_row
 from ...errors import ConfigError
 from ..schema import BROADCAST_TABLE, suffixed_name, table_identifier, validate_table_name
 
-__all__ = [
-    "BROADCAST_TABLE",
-    "FIND_TABLE",
-    "INLINE_LIMIT",
-    "Outbox",
-    "inline_cost",
-    "inline_row",
-    "text_array",
-]
-
-#: NOTIFY payloads must stay below 8000 bytes; a batch whose rows fit in this many bytes
-#: (an upper bound computed by :func:`inline_cost`) travels inside the NOTIFY itself, so
-#: listeners need no extra round trip for small messages.
-INLINE_LIMIT = 7000
+__all__ = ["BROADCAST_TABLE", "FIND_TABLE", "Outbox", "text_array"]
 
 FIND_TABLE = (
     "SELECT c.oid FROM unnest({path}::name[]) WITH ORDINALITY AS p(name, pos)"
@@ -69,41 +61,6 @@ FIND_TABLE = (
 in order, ``{rel}``: the table's own name), as Postgres finds a relation (temporary
 tables never count): formatted with the placeholders of the statement it is part of
 (see :mod:`rselection.postgres.broadcast.location`)."""
-
-#: Bytes an inline row costs besides its channel and payload: the id (up to 19 digits),
-#: JSON punctuation and the separators ``json_agg`` adds between elements.
-_ROW_OVERHEAD = 40
-
-
-def inline_cost(channel: str, payload: str) -> int:
-    """An upper bound of the bytes one row adds to an inline NOTIFY payload.
-
-    Postgres escapes ``"``, ``\\`` and control characters when it embeds text in JSON
-    and leaves other characters as UTF-8. ``payload`` is JSON made by :func:`json.dumps`
-    (no raw control characters), so it grows by one byte per quote or backslash; the
-    channel may hold anything, and its ASCII-escaped JSON form is never shorter than
-    what Postgres writes.
-
-    Args:
-        channel: the logical channel.
-        payload: the message as JSON text.
-    """
-    if len(payload) > INLINE_LIMIT:  # cheap exit before encoding large payloads
-        return INLINE_LIMIT + 1
-    size = len(payload.encode()) + payload.count('"') + payload.count("\\")
-    return size + len(json.dumps(channel)) + _ROW_OVERHEAD
-
-
-def inline_row(channel: str, payload: bytes) -> bytes:
-    """``"channel","payload"``: the tail of an inline NOTIFY row, as JSON (UTF-8).
-
-    ``payload`` is JSON text made by :func:`json.dumps` (no raw control characters), so
-    quoting it as a JSON string only needs its ``\\`` and ``"`` escaped; the channel
-    may hold anything and goes through :func:`json.dumps`. Listeners read the same
-    ``[id, channel, payload]`` as from Postgres's own JSON functions.
-    """
-    quoted = payload.replace(b"\\", b"\\\\").replace(b'"', b'\\"')
-    return json.dumps(channel, ensure_ascii=False).encode() + b',"' + quoted + b'"'
 
 
 def text_array(values: Iterable[bytes]) -> bytes:
@@ -220,30 +177,26 @@ class Outbox:
     # ``(first id, last id, ...)``, or none when the name no longer finds that table:
     # nothing was inserted nor notified.
     #
+    # The NOTIFY carries the last id of the transaction and nothing else: any role that
+    # can connect may LISTEN on the channel (its name is a hash of the table's name), so
+    # a message's channel or body never travels in it, and any role may NOTIFY on it, so
+    # listeners take it as a wake-up and read the rows from the table (see
+    # Listener.on_notify).
+    #
     # synchronous_commit is set for the statement's own transaction (set_config(...,
     # true), read when it commits), never for the session: a pooled session carries
     # claims and checkpoints too, which must keep the server's setting.
 
     _FOUND = "(" + FIND_TABLE.format(path="$5", rel="$6") + ") = $7::oid"
 
-    def insert_one(self, inline: bool) -> sql.Composed:
-        """Write one message and NOTIFY listeners, in one statement and one transaction.
+    def insert_one(self) -> sql.Composed:
+        """Write one message and NOTIFY listeners (its id), in one statement and one
+        transaction.
 
-        With ``inline`` the NOTIFY carries the row (``[[id, channel, payload]]``), else
-        only its id (a wake-up: listeners fetch). The inline form takes an eleventh
-        parameter, ``"channel","payload"``: both as JSON strings, made by the client
-        (:func:`inline_row`), so the server only splices in the id. The ``CASE`` keeps
-        a wrong size estimate from ever failing the publish on the 8000-byte NOTIFY
-        limit. Cheaper for the server than :meth:`insert_many` with one element (no
-        arrays to parse and unnest, no aggregate, no JSON to build), which is what a
-        steady trickle of publishes sends.
+        Cheaper for the server than :meth:`insert_many` with one element (no arrays to
+        parse and unnest, no aggregate), which is what a steady trickle of publishes
+        sends.
         """
-        note = (
-            "CASE WHEN octet_length($11::text) < 7960"
-            " THEN '[[' || ins.id || ',' || $11::text || ']]' ELSE ins.id::text END"
-            if inline
-            else "ins.id::text"
-        )
         return sql.SQL(
             # The lock CTE is the row source of the INSERT, so it is taken before the id
             # is drawn; it is held until the transaction has committed.
@@ -252,26 +205,16 @@ class Outbox:
             " ins AS (INSERT INTO {t} (channel, payload, origin, origin_seq)"
             "  SELECT $8::text, $9::text, $2::bigint, $10::bigint FROM l"
             "  WHERE " + self._FOUND + "  RETURNING id)"
-            " SELECT ins.id, ins.id, pg_notify($3::text, " + note + ") FROM ins"
+            " SELECT ins.id, ins.id, pg_notify($3::text, ins.id::text) FROM ins"
         ).format(t=self.ident)
 
-    def insert_many(self, inline: bool) -> sql.Composed:
-        """Write a batch and NOTIFY listeners, in one statement and one transaction.
+    def insert_many(self) -> sql.Composed:
+        """Write a batch and NOTIFY listeners (its last id), in one statement and one
+        transaction.
 
         ``$8``, ``$9`` and ``$10`` are arrays (text, text, bigint) of the same length,
-        in publishing order. With ``inline`` the NOTIFY carries the rows (``[[id,
-        channel, payload], ...]``), else only the last id.
+        in publishing order.
         """
-        note = (
-            "CASE WHEN octet_length(j.rows) < 7990 THEN j.rows ELSE j.last::text END"
-            if inline
-            else "j.last::text"
-        )
-        rows = (
-            "json_agg(json_build_array(id, channel, payload) ORDER BY id)::text"
-            if inline
-            else "NULL::text"
-        )
         return sql.SQL(
             # The lock CTE is joined to every input row, so it is taken before the first
             # id is drawn; it is held until the transaction has committed.
@@ -281,9 +224,9 @@ class Outbox:
             "  SELECT u.c, u.p, $2::bigint, u.s FROM l,"
             "   unnest($8::text[], $9::text[], $10::bigint[]) WITH ORDINALITY AS u(c, p, s, n)"
             "  WHERE " + self._FOUND + "  ORDER BY u.n"
-            "  RETURNING id, channel, payload),"
-            " j AS (SELECT min(id) AS first, max(id) AS last, " + rows + " AS rows FROM ins)"
-            " SELECT j.first, j.last, pg_notify($3::text, " + note + ") FROM j"
+            "  RETURNING id),"
+            " j AS (SELECT min(id) AS first, max(id) AS last FROM ins)"
+            " SELECT j.first, j.last, pg_notify($3::text, j.last::text) FROM j"
             " WHERE j.last IS NOT NULL"
         ).format(t=self.ident)
 
@@ -302,23 +245,52 @@ class Outbox:
             " (SELECT coalesce(max(purged_through), 0) FROM {s}), " + self._FINDS
         ).format(t=self.ident, s=self.state_ident)
 
+    # The listener's fetches are prepared once per listening connection and run through
+    # libpq with text parameters, as the publishes are (see .fetches), hence ``$n``.
+
     def fetch(self) -> sql.Composed:
         """Rows after a cursor, in id order, with the purge watermark, the newest id and
         the oid of the table the name finds, in one snapshot (the last two show when
         the ids went back, or the name finds another table).
 
-        Parameters: the search path (schemas), the table's own name, last seen id, row
-        limit. Returns ``(purged_through, newest id, table oid, id, channel, payload)``
-        rows; ``id`` is NULL in the one row returned when nothing is new.
+        Parameters: ``$1`` last seen id, ``$2`` row limit, ``$3`` byte limit (see
+        :meth:`fetch_next`), ``$4`` the search path (schemas, a ``name[]``), ``$5`` the
+        table's own name. Returns ``(purged_through, newest id, table oid, id, channel,
+        payload)`` rows; ``id`` is NULL in the one row returned when nothing is new.
         """
+        return self._page(sql.SQL("(" + FIND_TABLE.format(path="$4", rel="$5") + ")"))
+
+    def fetch_next(self) -> sql.Composed:
+        """:meth:`fetch` without finding the table through the search path: the oid is
+        this outbox's own table's, so it shows only that table replaced. What a listener
+        runs after a wake-up, once per message at a steady pace, where the search costs
+        as much as the rest of the statement; its polls run :meth:`fetch`.
+
+        A page holds at most a number of rows and about a number of bytes: rows are
+        taken while the payloads before them add up to less than the bytes (so at least
+        one, whatever its size). ``octet_length`` reads a stored value's size from its
+        header, without decompressing or fetching it.
+
+        Parameters: ``$1`` last seen id, ``$2`` row limit, ``$3`` byte limit. Returns
+        what :meth:`fetch` returns.
+        """
+        name = sql.Literal(self.ident.as_string())
+        return self._page(sql.SQL("to_regclass({})::oid").format(name))
+
+    def _page(self, oid: sql.Composable) -> sql.Composed:
+        """The statement of :meth:`fetch` and :meth:`fetch_next`, ``oid`` the expression
+        of the table's oid."""
         return sql.SQL(
             "SELECT m.p, m.top, m.oid, r.id, r.channel, r.payload"
             " FROM (SELECT coalesce((SELECT max(purged_through) FROM {s}), 0) AS p,"
-            "  coalesce((SELECT max(id) FROM {t}), 0) AS top, " + self._FINDS + " AS oid) m"
-            " LEFT JOIN LATERAL (SELECT id, channel, payload FROM {t}"
-            "  WHERE id > %s ORDER BY id LIMIT %s) r ON true"
+            "  coalesce((SELECT max(id) FROM {t}), 0) AS top, {oid} AS oid) m"
+            " LEFT JOIN LATERAL (SELECT w.id, w.channel, w.payload FROM ("
+            "   SELECT id, channel, payload,"
+            "    sum(octet_length(payload)) OVER (ORDER BY id) - octet_length(payload) AS before"
+            "   FROM {t} WHERE id > $1::bigint ORDER BY id LIMIT $2::bigint) w"
+            "  WHERE w.before < $3::bigint) r ON true"
             " ORDER BY r.id"
-        ).format(t=self.ident, s=self.state_ident)
+        ).format(t=self.ident, s=self.state_ident, oid=oid)
 
     @staticmethod
     def committed(table: sql.Identifier) -> sql.Composed:

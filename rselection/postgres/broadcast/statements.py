@@ -34,12 +34,10 @@ from .location import Location, Locator
 from .outbox import Outbox
 from .sessions import Deadlines, query_one
 
-__all__ = ["MANY", "MANY_INLINE", "ONE", "ONE_INLINE", "LentSession", "PublishStatements"]
+__all__ = ["MANY", "ONE", "LentSession", "PublishStatements"]
 
-#: The four publish statements (see :class:`~.outbox.Outbox`).
-ONE_INLINE = "one_inline"
+#: The two publish statements (see :class:`~.outbox.Outbox`): a lone message, a batch.
 ONE = "one"
-MANY_INLINE = "many_inline"
 MANY = "many"
 
 
@@ -134,12 +132,7 @@ class PublishStatements:
             str(location.oid).encode(),
         ]
         named: dict[str, tuple[bytes, bytes]] = {}
-        for kind, statement in (
-            (ONE_INLINE, pinned.insert_one(True)),
-            (ONE, pinned.insert_one(False)),
-            (MANY_INLINE, pinned.insert_many(True)),
-            (MANY, pinned.insert_many(False)),
-        ):
+        for kind, statement in ((ONE, pinned.insert_one()), (MANY, pinned.insert_many())):
             text = statement.as_bytes(conn)
             name = b"rselection_bc_" + hashlib.blake2b(text, digest_size=10).hexdigest().encode()
             named[kind] = (name, text)

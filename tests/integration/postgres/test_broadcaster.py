@@ -28,7 +28,9 @@ from rselection.broadcast import BroadcasterClosed, Subscription
 from rselection.errors import ConfigError
 from rselection.postgres import PostgresBroadcaster, PostgresLeader, migrate
 from rselection.postgres.broadcast import Gap, MessageEncodeError, PostgresBroadcastStats
-from rselection.postgres.broadcast.outbox import Outbox, text_array
+from rselection.postgres.broadcast.fetches import Fetches
+from rselection.postgres.broadcast.location import Locator
+from rselection.postgres.broadcast.outbox import BROADCAST_TABLE, Outbox, text_array
 from tests.support.broadcast_node import body
 from tests.support.pg import with_host_port, with_search_path
 from tests.support.proxy import TcpProxy
@@ -830,11 +832,13 @@ def test_late_subscriber_gets_everything_published_after_subscribe_returned(
 
 
 def test_subscribe_does_not_wait_for_another_broadcasters_catch_up(
-    make_bc: Callable[..., PostgresBroadcaster],
+    make_bc: Callable[..., PostgresBroadcaster], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # One row per fetch (the fetch is bounded by bytes of max_message_bytes): the
-    # publisher's listener needs one round trip per message to catch up on a backlog,
-    # and the broadcasters of this process share its listening thread.
+    # One row per fetch (a page is bounded by the bytes of its rows, and by a number of
+    # rows set to 1 here): the publisher's listener needs one round trip per message to
+    # catch up on a backlog, and the broadcasters of this process share its listening
+    # thread.
+    monkeypatch.setattr("rselection.postgres.broadcast.listener._FETCH_ROWS", 1)
     publisher = make_bc(max_message_bytes=256 * 1024 * 1024, max_pending=20_000)
     late_node = make_bc()
     total = 5_000
@@ -853,6 +857,56 @@ def test_subscribe_does_not_wait_for_another_broadcasters_catch_up(
     assert_quiet(other)
     assert drain(own, total, 60) == [*range(1, total), "after"]
     assert publisher.stats().gaps == late_node.stats().gaps == 0
+
+
+def test_a_fetch_page_holds_the_rows_that_fit_in_its_bytes_and_at_least_one(
+    make_bc: Callable[..., PostgresBroadcaster], pg_dsn: str
+) -> None:
+    bc = make_bc()
+    for size in (100, 100, 5000, 100):
+        bc.publish("pages", "a" * (size - 2))  # `size` bytes of JSON
+    assert bc.flush(10)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        locator = Locator(Outbox(BROADCAST_TABLE))
+        locator.read_path(conn)
+        location = locator.find(conn)
+        fetches = Fetches(conn, location, locator)
+
+        def page(after: int, rows: int, size: int, woken: bool) -> list[int | None]:
+            got = fetches.run(after, rows, size, woken=woken)
+            assert {row[:3] for row in got} == {(0, 4, location.oid)}
+            return [row[3] for row in got]
+
+        for woken in (True, False):
+            # Rows while the payloads before them add up to less than the bytes.
+            assert page(0, 1000, 150, woken) == [1, 2]
+            assert page(0, 1000, 201, woken) == [1, 2, 3]
+            assert page(0, 1000, 5201, woken) == [1, 2, 3, 4]
+            assert page(0, 3, 10**9, woken) == [1, 2, 3]
+            # At least one row, whatever its size.
+            assert page(2, 1000, 1, woken) == [3]
+            assert page(4, 1000, 1, woken) == [None]
+
+
+def test_notifications_received_during_a_fetch_wait_for_the_listener(
+    make_bc: Callable[..., PostgresBroadcaster], pg_dsn: str
+) -> None:
+    """The fetch runs through libpq, which keeps the NOTIFYs that arrive meanwhile: they
+    are handed to psycopg, so the listener's next wait sees them at once."""
+    make_bc()
+    with (
+        psycopg.connect(pg_dsn, autocommit=True) as conn,
+        psycopg.connect(pg_dsn, autocommit=True) as other,
+    ):
+        locator = Locator(Outbox(BROADCAST_TABLE))
+        locator.read_path(conn)
+        fetches = Fetches(conn, locator.find(conn), locator)
+        conn.execute("LISTEN wake")
+        for n in range(3):
+            other.execute("SELECT pg_notify('wake', %s)", (str(n),))
+            fetches.run(0, 10, 1000, woken=n % 2 == 0)  # reads the NOTIFY off the socket
+            notes = list(conn.notifies(timeout=0.0))
+            assert [(note.channel, note.payload) for note in notes] == [("wake", str(n))]
 
 
 def test_listener_stops_with_the_last_reader_and_starts_again(
