@@ -45,13 +45,14 @@ the session, which other users share. At construction the writer checks the tabl
 (``create_tables``) on a pooled session; :meth:`PostgresBroadcaster.wait_ready` waits
 for that.
 
-**One order for everyone.** A publish takes a transaction-level advisory lock before its
-ids are drawn and holds it through its commit, so ids become visible strictly in
-increasing order. Each node's listener thread keeps the last id it delivered and
-fetches ``id > last`` in order: no message is skipped, none is delivered twice, and
-every node delivers the messages in the same order (the order of the ids); messages of
-one publisher keep the order in which it published them. The publisher's own
-subscribers get its messages the same way, exactly once.
+**One order for everyone.** A publish locks the row of the outbox's state table before
+its ids are drawn and holds the lock through its commit, so ids become visible strictly
+in increasing order (only a role that may update that table can take the lock; an
+advisory lock's key would be anyone's to take). Each node's listener thread keeps the
+last id it delivered and fetches ``id > last`` in order: no message is skipped, none is
+delivered twice, and every node delivers the messages in the same order (the order of
+the ids); messages of one publisher keep the order in which it published them. The
+publisher's own subscribers get its messages the same way, exactly once.
 
 **NOTIFY is only a wake-up.** One NOTIFY channel per table (its name is a hash of the
 schema-qualified table name, so logical channel names may be of any length and

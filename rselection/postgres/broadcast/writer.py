@@ -471,7 +471,7 @@ class Writer:
 
     def _check_tables(self) -> None:
         """Make the tables ready (``create_tables``) and resolve the table's NOTIFY
-        channel and publish lock, on a borrowed session; then :attr:`ready` is set."""
+        channel, on a borrowed session; then :attr:`ready` is set."""
         with self._sessions.borrow("check the broadcast tables", check=True) as conn:
             try:
                 self._sessions.check_pooling(conn)
@@ -557,7 +557,10 @@ class Writer:
             # The name finds another table now, or none: nothing was inserted.
             where = self._statements.outbox.ident.as_string(conn)
             self._statements.forget()
-            raise Relocated(f"broadcast table {self._outbox.table!r} is no longer {where}")
+            raise Relocated(
+                f"broadcast table {self._outbox.table!r} is no longer {where}, or its state "
+                "table lost its row"
+            )
         self._committed_through(items[-1].seq, len(items))
 
     def _committed_through(self, seq: int, count: int) -> None:

@@ -34,6 +34,7 @@ from rselection.postgres.broadcast.outbox import BROADCAST_TABLE, Outbox, text_a
 from tests.support.broadcast_node import body
 from tests.support.pg import with_host_port, with_search_path
 from tests.support.proxy import TcpProxy
+from tests.support.publish_lock import blocked_by, hold_publish_lock
 from tests.support.sessions import process_sessions
 from tests.support.waiting import wait_until
 
@@ -432,20 +433,18 @@ def test_publish_whose_commit_was_not_confirmed_is_never_written_twice(
     publisher.publish("amb", "warm-up")  # the writer connects and resolves the table
     assert publisher.flush(20)
     assert drain(sub, 1, 20) == ["warm-up"]
-    with psycopg.connect(pg_dsn, autocommit=True) as blocker:
-        _, lock_key = Outbox(publisher.table).resolve(blocker)
-        with blocker.transaction():
-            # Hold the publish lock: the writer's next batch waits for it on the server.
-            blocker.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key,))
-            publisher.publish("amb", "once")
-            wait_until(lambda: waiting_on_lock(pg_dsn, lock_key), 20, "the writer blocked")
-            [old_pid] = waiting_on_lock(pg_dsn, lock_key)
-            # The client sees its connection reset; its server session still holds the
-            # batch and will commit it once the lock is free, unless it is ended first.
-            proxy.sever()
-            if not old_session_commits:
-                wait_until(lambda: not alive(pg_dsn, old_pid), 20, "the old session ended")
-        # Lock released: an old session still alive commits the batch now.
+    with psycopg.connect(pg_dsn, autocommit=True) as blocker, blocker.transaction():
+        # Hold the publish lock: the writer's next batch waits for it on the server.
+        hold_publish_lock(blocker, publisher.table)
+        publisher.publish("amb", "once")
+        wait_until(lambda: blocked_by(pg_dsn, blocker), 20, "the writer blocked")
+        [old_pid] = blocked_by(pg_dsn, blocker)
+        # The client sees its connection reset; its server session still holds the
+        # batch and will commit it once the lock is free, unless it is ended first.
+        proxy.sever()
+        if not old_session_commits:
+            wait_until(lambda: not alive(pg_dsn, old_pid), 20, "the old session ended")
+    # Lock released: an old session still alive commits the batch now.
     assert publisher.flush(30)
     assert drain(sub, 1, 20) == ["once"]
     assert_quiet(sub, 1.0)
@@ -499,19 +498,6 @@ def test_batch_confirmed_before_the_writer_session_was_cut_is_counted_once(
         row = conn.execute(f"SELECT count(*) FROM {table} WHERE payload <> '\"old\"'").fetchone()
     assert row == (2,), "each message written once"
     assert publisher.stats().published == 3, "each message counted once"
-
-
-def waiting_on_lock(dsn: str, key: int) -> list[int]:
-    """Backend pids waiting for the bigint advisory lock ``key`` (the blocked writer)."""
-    unsigned = key & 0xFFFF_FFFF_FFFF_FFFF
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        rows = conn.execute(
-            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-            " AND classid::bigint = %s AND objid::bigint = %s AND objsubid = 1",
-            (unsigned >> 32, unsigned & 0xFFFF_FFFF),
-        ).fetchall()
-    return [int(r[0]) for r in rows]
 
 
 def alive(dsn: str, pid: int) -> bool:
@@ -734,6 +720,24 @@ def test_listener_starting_on_a_recreated_outbox_ignores_the_old_watermark(
     assert drain(sub, 1, 20) == ["after subscribe"]
     assert_quiet(sub)
     assert listener.stats().gaps == 0
+
+
+def test_publishes_go_on_after_the_state_row_was_deleted(
+    make_bc: Callable[..., PostgresBroadcaster], pg_dsn: str
+) -> None:
+    """Publishes lock the state table's row to keep ids in commit order: a row deleted
+    by hand is put back, and nothing waits for it."""
+    bc = make_bc(create_tables=True)
+    sub = bc.subscribe("state")
+    bc.publish("state", 1)
+    assert drain(sub, 1, 20) == [1]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("DELETE FROM rselection_broadcast_state")
+    bc.publish("state", 2)
+    assert bc.flush(10)
+    assert drain(sub, 1, 10) == [2]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM rselection_broadcast_state").fetchone() == (1,)
 
 
 def test_retention_purge_runs_by_itself(
@@ -1363,13 +1367,11 @@ def test_batch_cut_after_its_commit_is_written_once_after_the_ids_were_reset(
         conn.execute(f"TRUNCATE {table} RESTART IDENTITY")
     publisher.publish("amb", "after the reset")  # ids start at 1 again
     assert publisher.flush(20)
-    with psycopg.connect(pg_dsn, autocommit=True) as blocker:
-        _, lock_key = Outbox(table).resolve(blocker)
-        with blocker.transaction():
-            blocker.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key,))
-            publisher.publish("amb", "once")
-            wait_until(lambda: waiting_on_lock(pg_dsn, lock_key), 20, "the writer blocked")
-            proxy.sever()  # its server session commits the batch once the lock is free
+    with psycopg.connect(pg_dsn, autocommit=True) as blocker, blocker.transaction():
+        hold_publish_lock(blocker, table)
+        publisher.publish("amb", "once")
+        wait_until(lambda: blocked_by(pg_dsn, blocker), 20, "the writer blocked")
+        proxy.sever()  # its server session commits the batch once the lock is free
     assert publisher.flush(30)
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         row = conn.execute(
@@ -1418,19 +1420,17 @@ def test_flush_from_a_receiver_returns_at_once_and_delivery_goes_on(
 
     reader.connect("flush", receiver)
     sub = reader.subscribe("other")
-    with psycopg.connect(pg_dsn, autocommit=True) as blocker:
-        _, lock_key = Outbox(blocked.table).resolve(blocker)
-        with blocker.transaction():
-            # The blocked broadcaster's batch waits on the server: flush() cannot succeed.
-            blocker.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key,))
-            blocked.publish("b", "waits")
-            wait_until(lambda: waiting_on_lock(pg_dsn, lock_key), 20, "the writer blocked")
-            reader.publish("flush", 1)
-            reader.publish("other", "delivered meanwhile")
-            assert drain(sub, 1, 10) == ["delivered meanwhile"], "the listener is not stalled"
-            assert len(results) == 1
-            [(flushed, took)] = results
-            assert not flushed and took < 1.0
+    with psycopg.connect(pg_dsn, autocommit=True) as blocker, blocker.transaction():
+        # The blocked broadcaster's batch waits on the server: flush() cannot succeed.
+        hold_publish_lock(blocker, blocked.table)
+        blocked.publish("b", "waits")
+        wait_until(lambda: blocked_by(pg_dsn, blocker), 20, "the writer blocked")
+        reader.publish("flush", 1)
+        reader.publish("other", "delivered meanwhile")
+        assert drain(sub, 1, 10) == ["delivered meanwhile"], "the listener is not stalled"
+        assert len(results) == 1
+        [(flushed, took)] = results
+        assert not flushed and took < 1.0
     assert blocked.flush(20)
 
 
