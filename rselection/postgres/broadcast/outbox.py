@@ -146,7 +146,7 @@ class Outbox:
     # a CTE that sets synchronous_commit too. set_config is volatile, so the CTE is
     # evaluated once, where the INSERT reads it, never folded into the INSERT.
     _LOCK = (
-        "WITH l AS (SELECT set_config('synchronous_commit', $3::text, true)  FROM {s} FOR UPDATE),"
+        "WITH l AS (SELECT set_config('synchronous_commit', $3::text, true) FROM {s} FOR UPDATE),"
     )
 
     def insert_one(self) -> sql.Composed:
