@@ -55,7 +55,10 @@ def channel(pg_dsn: str) -> str:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         row = conn.execute("SELECT current_schema()").fetchone()
     assert row is not None
-    return Outbox.channel(f"{row[0]}.{BROADCAST_TABLE}")
+    qualified = f"{row[0]}.{BROADCAST_TABLE}"
+    channel = "rselection_bc_" + hashlib.blake2b(qualified.encode(), digest_size=8).hexdigest()
+    assert channel == Outbox.channel(qualified)
+    return channel
 
 
 @pytest.fixture
