@@ -170,6 +170,19 @@ def test_postgres_objects_used_before_fork_take_sessions_of_their_own_in_the_chi
     follower_info = follower.leader()
     assert follower_info is not None and follower_info.node_id == leader.node_id
     assert leader.node_id in [n.node_id for n in follower.nodes()]
+    # The child's publish NOTIFYs the parent's listener too, which would read the row
+    # from the table on its session: the parent's listening thread waits in a receiver
+    # until the child is done, so its session stays silent.
+    parked, release = threading.Event(), threading.Event()
+    closing.callback(release.set)
+
+    def park(channel: str, message: object) -> None:
+        parked.set()
+        release.wait(150)
+
+    bc.connect("park", park)
+    bc.publish("park", None)
+    assert parked.wait(10), "the parent's listening thread did not reach the receiver"
     before = _backends(pg_dsn, os.getpid())
     assert {"rselection:pool", "rselection:broadcast", "rselection:keeper"} <= {
         b.application_name for b in before.values()
@@ -203,6 +216,7 @@ def test_postgres_objects_used_before_fork_take_sessions_of_their_own_in_the_chi
 
     report = in_child(child, timeout=120)
     after = _backends(pg_dsn, os.getpid())
+    release.set()
 
     assert not _left_alone(before, after), (_left_alone(before, after), report)
     assert "error" not in report, report

@@ -8,7 +8,9 @@ own that borrows the process's pooled sessions; the listeners of a process share
 :class:`~rselection.postgres.broadcast.listening.ListeningSession` per connection string,
 held only while the process reads), the
 :class:`~rselection.postgres.broadcast.sessions.Sessions` they use, the writer's
-:class:`~rselection.postgres.broadcast.statements.PublishStatements`, the
+:class:`~rselection.postgres.broadcast.statements.PublishStatements`, the listener's
+:class:`~rselection.postgres.broadcast.fetches.Fetches` and its reading of a NOTIFY
+(:mod:`~rselection.postgres.broadcast.wakeups`), the
 :class:`~rselection.postgres.broadcast.outbox.Outbox` statements, the
 :class:`~rselection.postgres.broadcast.location.Locator` that finds the table, and the checked
 :class:`~rselection.postgres.broadcast.settings.Settings`.
@@ -43,19 +45,30 @@ the session, which other users share. At construction the writer checks the tabl
 (``create_tables``) on a pooled session; :meth:`PostgresBroadcaster.wait_ready` waits
 for that.
 
-**One order for everyone.** A publish takes a transaction-level advisory lock before its
-ids are drawn and holds it through its commit, so ids become visible strictly in
-increasing order. Each node's listener thread keeps the last id it delivered and
-fetches ``id > last`` in order: no message is skipped, none is delivered twice, and
-every node delivers the messages in the same order (the order of the ids); messages of
-one publisher keep the order in which it published them. The publisher's own
-subscribers get its messages the same way, exactly once.
+**One order for everyone.** A publish locks the row of the outbox's state table before
+its ids are drawn and holds the lock through its commit, so ids become visible strictly
+in increasing order (only a role that may update that table can take the lock; an
+advisory lock's key would be anyone's to take). Each node's listener thread keeps the
+last id it delivered and fetches ``id > last`` in order: no message is skipped, none is
+delivered twice, and every node delivers the messages in the same order (the order of
+the ids); messages of one publisher keep the order in which it published them. The
+publisher's own subscribers get its messages the same way, exactly once.
 
 **NOTIFY is only a wake-up.** One NOTIFY channel per table (its name is a hash of the
 schema-qualified table name, so logical channel names may be of any length and
-characters). A batch whose rows fit in a few kilobytes travels inside the NOTIFY
-payload; larger ones send only the last id and listeners fetch the rows. So a message
-of any size (up to ``max_message_bytes``) is delivered whole.
+characters). A NOTIFY carries the last id of the publish's transaction and nothing
+else: any role that can connect may LISTEN on that channel, so no message's channel or
+body travels in it, and any role may NOTIFY on it, so a listener takes it as a wake-up
+only (:mod:`~rselection.postgres.broadcast.wakeups`). It delivers only rows it read from
+the outbox table, and its position, its gaps and its resets follow only what it read
+from the outbox and its state table, which only roles with privileges on them can
+write. The id in a NOTIFY only spares a fetch that could find nothing new; a payload
+that is not an id is ignored, counted (``stats().ignored_notifies``) and reported in a
+warning at most once a minute. Each wake-up costs one round trip, a statement prepared
+once per listening connection (:mod:`~rselection.postgres.broadcast.fetches`); a page of
+rows is bounded by the bytes of its payloads, so a message of any size (up to
+``max_message_bytes``) is delivered whole and a backlog of small ones comes in a few
+pages.
 
 **A session to LISTEN only for readers.** A node that only publishes holds no listening
 session and is not woken by any message. The first
@@ -86,9 +99,10 @@ reports a :class:`Gap` with ``reset=True`` (``stats().resets``).
 **Where the table is.** The writer and the listener find the table the same way, through
 the search path the broadcaster read once on a session of its own, and follow it
 together when its name finds another table (or the table moved): see
-:mod:`rselection.postgres.broadcast.location`. A NOTIFY whose ids are
-not above the previous one's (commits are ordered by id, so that happens only when the
-ids went back) makes it fetch at once.
+:mod:`rselection.postgres.broadcast.location`. A NOTIFY whose id is not above the
+previous ones' (commits are ordered by id, so that happens only when the ids went back,
+or when someone else sent it) makes it fetch at once, as does one above the last id
+delivered.
 
 **One listening session per process.** Every broadcaster of a process on one connection
 string shares one listening session and thread (the thread starts with the first

@@ -23,7 +23,7 @@ from ...broadcast import Broadcaster, BroadcastStats, OverflowHook, Receiver, Su
 from ...errors import BackendUnavailable, ConfigError, RSelectionError
 from .listener import GapHook, Listener
 from .listening import ListeningSession
-from .outbox import BROADCAST_TABLE, Outbox, inline_cost
+from .outbox import BROADCAST_TABLE, Outbox
 from .sessions import Sessions
 from .settings import Settings
 from .writer import Writer
@@ -57,6 +57,10 @@ class PostgresBroadcastStats(BroadcastStats):
         new ids, each reported as a :class:`Gap` with ``reset=True``.
     :param reconnects: times the listener lost its connection and connected again (closing
         it when the process's last reader has gone is not counted).
+    :param ignored_notifies: NOTIFYs on the table's channel whose payload was not an
+        outbox id, ignored (no broadcaster sends one: another client of the database
+        did, see the warning log); a NOTIFY is only ever a wake-up, and what is
+        delivered is read from the outbox table.
     :param listening: whether the listener LISTENs (this node has readers) from a known
         position: every message committed from then on is delivered (a backlog is
         fetched a page per turn of the listening thread, so it may still be catching up).
@@ -73,6 +77,7 @@ class PostgresBroadcastStats(BroadcastStats):
     missed: int = 0
     resets: int = 0
     reconnects: int = 0
+    ignored_notifies: int = 0
     listening: bool = False
     last_id: int = 0
     listener_pid: int | None = None
@@ -287,7 +292,7 @@ class PostgresBroadcaster(Broadcaster):
                 f"max_message_bytes={limit}: send less (a key to the data rather than the "
                 "data), or raise the limit"
             )
-        return self._writer.submit(channel, data, inline_cost(channel, payload))
+        return self._writer.submit(channel, data)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every message published so far is committed to the outbox.
@@ -424,6 +429,7 @@ class PostgresBroadcaster(Broadcaster):
             missed=listener.missed,
             resets=listener.resets,
             reconnects=listener.reconnects,
+            ignored_notifies=listener.ignored,
             listening=listener.listening,
             last_id=listener.last_id,
             listener_pid=listener.pid,

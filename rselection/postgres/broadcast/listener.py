@@ -4,9 +4,10 @@ messages to this one.
 The listener owns its position in the outbox (the last id it delivered), its counters
 and its gap reports. It wants the table LISTENed only while its broadcaster has
 subscriptions or receivers (and the process holds a listening session only while one
-of its broadcasters has some), catches up by fetching every row after the last id it
-delivered (after every (re)connect, on a NOTIFY that does not carry the rows, and on
-silence, which also probes the connection), and reports gaps left by retention. The
+of its broadcasters has some), delivers only rows it read from the outbox table,
+fetching every row after the last id it delivered (after every (re)connect, on a NOTIFY,
+which is only a wake-up, see :mod:`.wakeups`, and on silence, which also probes the
+connection), and reports gaps left by retention. The
 thread and the Postgres session are not its own: every broadcaster of a process on one
 connection string shares one :class:`~rselection.postgres.broadcast.listening.ListeningSession`,
 which reconnects with backoff. :mod:`rselection.postgres.broadcast` explains the design.
@@ -27,15 +28,18 @@ import psycopg
 
 from ... import forks
 from ...broadcast import BroadcasterClosed
+from .fetches import Fetches
 from .listening import ListeningSession
 from .location import Location
 from .sessions import Sessions, backoff
+from .wakeups import IgnoredPayloads, notified_id
 
 __all__ = ["Gap", "GapHook", "Listener"]
 
 logger = logging.getLogger(__name__)
 
-#: Bytes of rows a listener fetches per round trip at most (it fetches again for more).
+#: Bytes of payloads a listener fetches per round trip, about (a page holds at least one
+#: row, whatever its size), and rows at most; it fetches again for more.
 _FETCH_BYTES = 16 * 1024 * 1024
 _FETCH_ROWS = 1000
 
@@ -115,7 +119,7 @@ class Listener:
         self._has_readers = has_readers
         self._deliver_local = deliver
         self._on_gap = on_gap
-        self._fetch_rows = max(1, min(_FETCH_ROWS, _FETCH_BYTES // self.settings.max_message_bytes))
+        self._fetches: Fetches | None = None  # on the session's connection (resolve())
         self._stop = threading.Event()
         self._session: ListeningSession | None = None
         self._last_of_session = False  # stop() detached the session's last listener
@@ -147,7 +151,10 @@ class Listener:
         """Times the outbox's ids went back and the listener resynchronised."""
         self._oid: int | None = None  # the outbox table's oid where the position was taken
         self._location: Location | None = None  # where the table was found
-        self._notified = 0  # the highest id a NOTIFY carried since this LISTEN began
+        # The highest id a NOTIFY named since this LISTEN began, at most the newest id
+        # of the last fetch (see on_notify): it only decides whether to fetch.
+        self._notified = 0
+        self._ignored = IgnoredPayloads(self._outbox.table, sessions.where)
         self._stale_watermark = 0  # a purge watermark left from before a reset
         self.missed = 0
         """Upper bound of the messages lost in those gaps."""
@@ -274,6 +281,7 @@ class Listener:
             self.sessions.prepare(conn)
             locator.read_path(conn)  # on a session of the broadcaster's own
             location = locator.find(conn)
+        self._fetches = Fetches(conn, location, locator)
         previous = self._location
         if previous is not None and previous.oid != location.oid:
             logger.warning(
@@ -381,42 +389,39 @@ class Listener:
             self.last_id,
         )
 
-    def on_notify(self, payload: str) -> bool:
-        """Deliver the rows a NOTIFY carries; return whether a fetch is needed."""
-        if payload.startswith("["):
-            try:
-                rows = json.loads(payload)
-            except ValueError:
-                logger.warning("broadcast: ignoring a malformed NOTIFY payload %r", payload[:80])
-                return True
-            if not rows:
-                return True
-            if self._went_back(int(rows[0][0]), int(rows[-1][0])):
-                return True
-            for row in rows:
-                row_id = int(row[0])
-                if row_id <= self.last_id:
-                    continue
-                if row_id != self.last_id + 1:
-                    # An id in between is unused (a failed publish) or was not seen: the
-                    # table knows which; fetching also delivers the rest of this batch.
-                    return True
-                self._deliver(row_id, row[1], row[2])
-            return False
-        try:
-            top = int(payload)
-        except ValueError:
-            return True
-        return self._went_back(top, top) or top > self.last_id
+    @property
+    def ignored(self) -> int:
+        """NOTIFY payloads on the table's channel that were not ids, ignored."""
+        return self._ignored.count
 
-    def _went_back(self, first: int, last: int) -> bool:
-        """Note the ids of a NOTIFY; return whether they are not above the previous
-        NOTIFY's. The publish lock orders commits by id, so on one session each NOTIFY
-        carries higher ids than the one before, unless the outbox's ids went back: a
-        fetch then finds out (see :meth:`catch_up`)."""
-        back = first <= self._notified
-        self._notified = last if back else max(self._notified, last)
-        return back
+    def on_notify(self, payload: str, pid: int = 0) -> bool:
+        """Whether a NOTIFY on the table's channel calls for a fetch now. Never raises.
+
+        A NOTIFY is a wake-up, never data: any role that can connect may send one on
+        this channel (see :mod:`.wakeups`). Nothing in it is delivered, and nothing in
+        it moves the position, resets it, or counts a gap: :meth:`catch_up` reads all of
+        that from the table. Its payload, the last id a publish committed, only spares
+        a fetch that could find nothing new: an id at most the last one delivered, when
+        the ids did not go back. A payload that is not an id (no broadcaster sends one)
+        is counted and reported (:class:`~.wakeups.IgnoredPayloads`) and wakes nothing:
+        the next NOTIFY, or the poll after ``probe_interval``, fetches.
+
+        Args:
+            payload: the NOTIFY's payload.
+            pid: the backend pid that sent it, for the report.
+        """
+        notified = notified_id(payload)
+        if notified is None:
+            self._ignored.add(payload, pid)
+            return False
+        # The publish lock orders commits by id, so each publish's NOTIFY names a higher
+        # id than the ones before it: an id not above the highest one named since the
+        # last fetch means that the ids went back (or that someone else sent it), and
+        # a fetch finds out which. A forged high id can only cost fetches: every fetch
+        # lowers the mark to the newest id the table holds.
+        back = notified <= self._notified
+        self._notified = max(self._notified, notified)
+        return back or notified > self.last_id
 
     def _finds(self) -> tuple[list[str], str]:
         """The parameters that find the table (see :mod:`.location`)."""
@@ -433,19 +438,41 @@ class Listener:
 
     def catch_up(self, session: ListeningSession, conn: psycopg.Connection[Any]) -> None:
         """Fetch and deliver the next page of rows after the last id, in order, reporting
-        gaps; :attr:`behind` tells whether more may wait (the session's next turn
-        fetches them). One page per call: the session's thread serves every broadcaster
-        of the process, and new readers wait for it to start them."""
-        location = self._location
-        assert location is not None, "resolve() first"
+        gaps; :attr:`behind` tells whether more wait (the session's next turn fetches
+        them). One page per call: the session's thread serves every broadcaster of the
+        process, and new readers wait for it to start them.
+
+        Only rows read here are delivered, and the position, gaps and resets follow
+        what this fetch reads, in one snapshot, from the outbox table and its state
+        table, which only roles with privileges on them can write."""
+        self._page(session, conn, woken=False)
+
+    def fetch_next(self, session: ListeningSession, conn: psycopg.Connection[Any]) -> None:
+        """:meth:`catch_up` after a wake-up (a NOTIFY, or a page that left more): the
+        rows that follow the last id, read without searching the table's name through
+        the search path (see :meth:`~.outbox.Outbox.fetch_next`). Whatever else such a
+        page shows (no new row, another table, ids that went back), the listener fetches
+        again as :meth:`catch_up` does, which finds out."""
+        self._page(session, conn, woken=True)
+
+    def _page(self, session: ListeningSession, conn: psycopg.Connection[Any], woken: bool) -> None:
+        location, fetches = self._location, self._fetches
+        assert location is not None and fetches is not None, "resolve() first"
         self.behind = False
         while not self._stop.is_set():
             with session.guard(conn):
-                cursor = conn.execute(
-                    location.outbox.fetch(), (*self._finds(), self.last_id, self._fetch_rows)
-                )
-                rows = cursor.fetchall()
-            purged, newest, found = (int(v) if v is not None else 0 for v in rows[0][:3])
+                rows = fetches.run(self.last_id, _FETCH_ROWS, _FETCH_BYTES, woken=woken)
+            purged, newest, found = rows[0][:3]
+            if woken and (
+                rows[0][3] is None
+                or found != location.oid
+                or found != self._oid
+                or max(purged, newest) < self.last_id
+            ):
+                # Nothing new (the NOTIFY was not a publish's, or its rows are
+                # elsewhere), or a table or ids that changed: a full fetch tells.
+                woken = False
+                continue
             if found != location.oid:
                 # The name finds another table (or none) now: these rows may come from
                 # either; find the table again and read it from there.
@@ -458,20 +485,24 @@ class Listener:
                 self._reset(purged, oid)
                 continue
             self._oid = oid
+            # Every NOTIFY of a publish seen so far names at most the newest id: a
+            # higher mark was forged, and would only make the next NOTIFYs fetch.
+            self._notified = min(self._notified, newest)
             if purged <= self._stale_watermark:
                 purged = 0  # the watermark of the old sequence says nothing of the new one
             if purged > self.last_id:
                 self._report_gap(Gap(self.last_id, purged))
-            got = 0
+            last_read = 0
             for _, _, _, row_id, channel, payload in rows:
                 if row_id is None:
                     continue
-                got += 1
+                last_read = row_id
                 if row_id > self.last_id:
-                    self._deliver(int(row_id), channel, payload)
+                    self._deliver(row_id, channel, payload)
             if purged > self.last_id:
                 self.last_id = purged
-            self.behind = got >= self._fetch_rows
+            # The page stopped short of the newest row (its limits): more wait.
+            self.behind = 0 < last_read < newest
             if not self.behind and self._lost and self.listening:
                 self._reconnected()
             return
@@ -503,7 +534,7 @@ class Listener:
             return  # nobody here listens: skip decoding
         try:
             message = json.loads(payload)
-        except ValueError:
+        except (ValueError, RecursionError):
             logger.warning(
                 "broadcast: outbox row %d on channel %r does not hold JSON; skipped",
                 row_id,

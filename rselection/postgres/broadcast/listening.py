@@ -374,12 +374,12 @@ class ListeningSession:
                     for listener in wanted.get(note.channel, ()):
                         if (
                             listener.listening
-                            and listener.on_notify(note.payload)
+                            and listener.on_notify(note.payload, note.pid)
                             and listener not in fetch
                         ):
                             fetch.append(listener)
                 for listener in fetch:
-                    self._step(conn, listener, listener.catch_up)
+                    self._step(conn, listener, listener.fetch_next)
                 quiet_since = time.monotonic()
             elif not woken and time.monotonic() >= quiet_since + probe:
                 # Silence: poll. The round trips are bounded by the watchdog, so a

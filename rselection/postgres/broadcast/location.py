@@ -103,8 +103,6 @@ class Location:
     """Both tables named in :attr:`schema`: what every statement runs on."""
     channel: str
     """Its NOTIFY channel."""
-    lock_key: int
-    """Its publish lock."""
 
 
 class Locator:
@@ -180,8 +178,8 @@ class Locator:
                 "run DDL"
             )
         oid, schema = int(row[0]), str(row[1])
-        channel, lock_key = Outbox.keys(f"{schema}.{self.name}")
-        return Location(schema, oid, self._outbox.in_schema(schema), channel, lock_key)
+        channel = Outbox.channel(f"{schema}.{self.name}")
+        return Location(schema, oid, self._outbox.in_schema(schema), channel)
 
     @staticmethod
     def at(conn: psycopg.Connection[Any], oid: int) -> sql.Identifier | None:

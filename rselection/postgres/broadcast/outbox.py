@@ -19,45 +19,35 @@ schema of the table name given (``schema.table`` or the first schema of
 Why a lock orders publishes: ``id`` comes from a sequence, and sequence values are
 handed out when a transaction runs, not when it commits. Two publishers could take ids
 10 and 11 and commit 11 first; a listener that read 11 and moved its cursor past it
-would never see 10. Every publish therefore takes one transaction-level advisory lock
-(:func:`publish_lock_key`) *before* its ids are drawn and holds it through its commit,
-so ids become visible strictly in increasing order: a listener that has seen id N has
-seen every committed id below N, and "fetch id > last seen" never skips a row. The lock
-is held only while the server runs one statement and commits it (no client round trip
-inside), and a publish writes a whole batch of messages under it.
+would never see 10. Every publish therefore locks the state table's one row (``FOR
+UPDATE``) *before* its ids are drawn and holds the lock through its commit, so ids
+become visible strictly in increasing order: a listener that has seen id N has seen
+every committed id below N, and "fetch id > last seen" never skips a row. The lock is
+held only while the server runs one statement and commits it (no client round trip
+inside), and a publish writes a whole batch of messages under it. Only a role that may
+update the state table can take it: an advisory lock, whose key anyone can compute
+from the table's name, would let a role that can merely connect hold every publish up.
 
 ``purged_through`` tells a listener that rows it never read were deleted (gaps in ``id``
 alone prove nothing: a failed publish leaves unused ids behind).
+
+What a NOTIFY carries: the last id of the publish's transaction, as decimal digits, and
+nothing else. Any role that can connect may LISTEN on the table's channel and NOTIFY on
+it, so no message's channel or body ever travels in a NOTIFY, and a listener takes one
+as a wake-up only: what it delivers, where its position is, and any gap or reset are
+read from these two tables.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable
-from typing import Any
 
-import psycopg
 from psycopg import sql
-from psycopg.rows import tuple_row
 
-from ...errors import ConfigError
 from ..schema import BROADCAST_TABLE, suffixed_name, table_identifier, validate_table_name
 
-__all__ = [
-    "BROADCAST_TABLE",
-    "FIND_TABLE",
-    "INLINE_LIMIT",
-    "Outbox",
-    "inline_cost",
-    "inline_row",
-    "text_array",
-]
-
-#: NOTIFY payloads must stay below 8000 bytes; a batch whose rows fit in this many bytes
-#: (an upper bound computed by :func:`inline_cost`) travels inside the NOTIFY itself, so
-#: listeners need no extra round trip for small messages.
-INLINE_LIMIT = 7000
+__all__ = ["BROADCAST_TABLE", "FIND_TABLE", "Outbox", "text_array"]
 
 FIND_TABLE = (
     "SELECT c.oid FROM unnest({path}::name[]) WITH ORDINALITY AS p(name, pos)"
@@ -69,41 +59,6 @@ FIND_TABLE = (
 in order, ``{rel}``: the table's own name), as Postgres finds a relation (temporary
 tables never count): formatted with the placeholders of the statement it is part of
 (see :mod:`rselection.postgres.broadcast.location`)."""
-
-#: Bytes an inline row costs besides its channel and payload: the id (up to 19 digits),
-#: JSON punctuation and the separators ``json_agg`` adds between elements.
-_ROW_OVERHEAD = 40
-
-
-def inline_cost(channel: str, payload: str) -> int:
-    """An upper bound of the bytes one row adds to an inline NOTIFY payload.
-
-    Postgres escapes ``"``, ``\\`` and control characters when it embeds text in JSON
-    and leaves other characters as UTF-8. ``payload`` is JSON made by :func:`json.dumps`
-    (no raw control characters), so it grows by one byte per quote or backslash; the
-    channel may hold anything, and its ASCII-escaped JSON form is never shorter than
-    what Postgres writes.
-
-    Args:
-        channel: the logical channel.
-        payload: the message as JSON text.
-    """
-    if len(payload) > INLINE_LIMIT:  # cheap exit before encoding large payloads
-        return INLINE_LIMIT + 1
-    size = len(payload.encode()) + payload.count('"') + payload.count("\\")
-    return size + len(json.dumps(channel)) + _ROW_OVERHEAD
-
-
-def inline_row(channel: str, payload: bytes) -> bytes:
-    """``"channel","payload"``: the tail of an inline NOTIFY row, as JSON (UTF-8).
-
-    ``payload`` is JSON text made by :func:`json.dumps` (no raw control characters), so
-    quoting it as a JSON string only needs its ``\\`` and ``"`` escaped; the channel
-    may hold anything and goes through :func:`json.dumps`. Listeners read the same
-    ``[id, channel, payload]`` as from Postgres's own JSON functions.
-    """
-    quoted = payload.replace(b"\\", b"\\\\").replace(b'"', b'\\"')
-    return json.dumps(channel, ensure_ascii=False).encode() + b',"' + quoted + b'"'
 
 
 def text_array(values: Iterable[bytes]) -> bytes:
@@ -135,32 +90,11 @@ class Outbox:
         self.ident = table_identifier(table)
         self.state_ident = table_identifier(suffixed_name(table, "state"))
 
-    # -- names resolved on the server ---------------------------------------------------
-
-    def resolve(self, conn: psycopg.Connection[Any]) -> tuple[str, int]:
-        """Return ``(notify channel, publish lock key)`` of this table as the server sees it.
-
-        An unqualified name is resolved through the session's ``search_path``, so two
-        schemas with a table of the same name get different channels and locks (NOTIFY
-        channels and advisory locks are per database, not per schema).
-
-        Raises:
-            ConfigError: the table does not exist (``create_tables=False`` and no
-                migration ran).
-        """
-        qualified = self.qualified(conn)
-        if qualified is None:
-            raise ConfigError(
-                f"broadcast table {self.table!r} does not exist: create the broadcaster with "
-                "create_tables=True, or run rselection.postgres.migrate(conninfo, "
-                "broadcast_table=...) (or `rselection migrate`) once with a role that may "
-                "run DDL"
-            )
-        return self.keys(qualified)
+    # -- its NOTIFY channel -------------------------------------------------------------
 
     @staticmethod
-    def keys(qualified: str) -> tuple[str, int]:
-        """``(notify channel, publish lock key)`` of the table ``schema.table``.
+    def channel(qualified: str) -> str:
+        """The NOTIFY channel of the table ``schema.table``.
 
         Args:
             qualified: the table's schema and name, joined by a dot (unquoted).
@@ -168,31 +102,7 @@ class Outbox:
         digest = hashlib.blake2b(qualified.encode(), digest_size=8)
         # NOTIFY channel names are identifiers (at most 63 bytes): a fixed prefix and a
         # hash of the qualified table name always fit, whatever the logical channels are.
-        channel = f"rselection_bc_{digest.hexdigest()}"
-        lock_key = int.from_bytes(
-            hashlib.blake2b(b"rselection:broadcast:" + qualified.encode(), digest_size=8).digest(),
-            "big",
-            signed=True,
-        )
-        return channel, lock_key
-
-    def qualified(self, conn: psycopg.Connection[Any]) -> str | None:
-        """``schema.table`` of this table as ``conn`` resolves it (its ``search_path``);
-        ``None`` when it does not exist there."""
-        schema = self.schema(conn)
-        return None if schema is None else f"{schema}.{validate_table_name(self.table)[-1]}"
-
-    def schema(self, conn: psycopg.Connection[Any]) -> str | None:
-        """The schema of this table as ``conn`` resolves it (its ``search_path``);
-        ``None`` when it does not exist there."""
-        with conn.cursor(row_factory=tuple_row) as cur:  # whatever the connection's own
-            row = cur.execute(
-                "SELECT n.nspname FROM pg_class c"
-                " JOIN pg_namespace n ON n.oid = c.relnamespace"
-                " WHERE c.oid = to_regclass(%s)",
-                (self.ident.as_string(conn),),
-            ).fetchone()
-        return None if row is None else str(row[0])
+        return f"rselection_bc_{digest.hexdigest()}"
 
     def in_schema(self, schema: str) -> Outbox:
         """This outbox with both tables named in ``schema``: its statements then mean
@@ -212,80 +122,69 @@ class Outbox:
     # Publish statements are prepared once per session that publishes (the process's
     # pooled sessions, or a user's pool's) and executed with text parameters through
     # libpq (see Writer.write), hence ``$n`` placeholders.
-    # Parameters of both: $1 lock key, $2 origin, $3 NOTIFY channel, $4 the transaction's
-    # synchronous_commit ('on' or 'off'), $5 the search path (schemas, a name[]), $6 the
-    # table's own name and $7 the oid of the table they found (see
-    # rselection.postgres.broadcast.location), then the message(s): $8 channel, $9
-    # payload (JSON text), $10 origin_seq, or arrays of each. One row comes back,
-    # ``(first id, last id, ...)``, or none when the name no longer finds that table:
-    # nothing was inserted nor notified.
+    # Parameters of both: $1 origin, $2 NOTIFY channel, $3 the transaction's
+    # synchronous_commit ('on' or 'off'), $4 the search path (schemas, a name[]), $5 the
+    # table's own name and $6 the oid of the table they found (see
+    # rselection.postgres.broadcast.location), then the message(s): $7 channel, $8
+    # payload (JSON text), $9 origin_seq, or arrays of each. One row comes back,
+    # ``(first id, last id, ...)``, or none when the name no longer finds that table (or
+    # its state table holds no row): nothing was inserted nor notified.
+    #
+    # The NOTIFY carries the last id of the transaction and nothing else: any role that
+    # can connect may LISTEN on the channel (its name is a hash of the table's name), so
+    # a message's channel or body never travels in it, and any role may NOTIFY on it, so
+    # listeners take it as a wake-up and read the rows from the table (see
+    # Listener.on_notify).
     #
     # synchronous_commit is set for the statement's own transaction (set_config(...,
     # true), read when it commits), never for the session: a pooled session carries
     # claims and checkpoints too, which must keep the server's setting.
 
-    _FOUND = "(" + FIND_TABLE.format(path="$5", rel="$6") + ") = $7::oid"
+    _FOUND = "(" + FIND_TABLE.format(path="$4", rel="$5") + ") = $6::oid"
 
-    def insert_one(self, inline: bool) -> sql.Composed:
-        """Write one message and NOTIFY listeners, in one statement and one transaction.
+    # The publish lock (see the module's docstring): the state table's row, locked by
+    # a CTE that sets synchronous_commit too. set_config is volatile, so the CTE is
+    # evaluated once, where the INSERT reads it, never folded into the INSERT.
+    _LOCK = (
+        "WITH l AS (SELECT set_config('synchronous_commit', $3::text, true) FROM {s} FOR UPDATE),"
+    )
 
-        With ``inline`` the NOTIFY carries the row (``[[id, channel, payload]]``), else
-        only its id (a wake-up: listeners fetch). The inline form takes an eleventh
-        parameter, ``"channel","payload"``: both as JSON strings, made by the client
-        (:func:`inline_row`), so the server only splices in the id. The ``CASE`` keeps
-        a wrong size estimate from ever failing the publish on the 8000-byte NOTIFY
-        limit. Cheaper for the server than :meth:`insert_many` with one element (no
-        arrays to parse and unnest, no aggregate, no JSON to build), which is what a
-        steady trickle of publishes sends.
+    def insert_one(self) -> sql.Composed:
+        """Write one message and NOTIFY listeners (its id), in one statement and one
+        transaction.
+
+        Cheaper for the server than :meth:`insert_many` with one element (no arrays to
+        parse and unnest, no aggregate), which is what a steady trickle of publishes
+        sends.
         """
-        note = (
-            "CASE WHEN octet_length($11::text) < 7960"
-            " THEN '[[' || ins.id || ',' || $11::text || ']]' ELSE ins.id::text END"
-            if inline
-            else "ins.id::text"
-        )
         return sql.SQL(
             # The lock CTE is the row source of the INSERT, so it is taken before the id
             # is drawn; it is held until the transaction has committed.
-            "WITH l AS (SELECT pg_advisory_xact_lock($1::bigint),"
-            "  set_config('synchronous_commit', $4::text, true)),"
-            " ins AS (INSERT INTO {t} (channel, payload, origin, origin_seq)"
-            "  SELECT $8::text, $9::text, $2::bigint, $10::bigint FROM l"
+            self._LOCK + " ins AS (INSERT INTO {t} (channel, payload, origin, origin_seq)"
+            "  SELECT $7::text, $8::text, $1::bigint, $9::bigint FROM l"
             "  WHERE " + self._FOUND + "  RETURNING id)"
-            " SELECT ins.id, ins.id, pg_notify($3::text, " + note + ") FROM ins"
-        ).format(t=self.ident)
+            " SELECT ins.id, ins.id, pg_notify($2::text, ins.id::text) FROM ins"
+        ).format(t=self.ident, s=self.state_ident)
 
-    def insert_many(self, inline: bool) -> sql.Composed:
-        """Write a batch and NOTIFY listeners, in one statement and one transaction.
+    def insert_many(self) -> sql.Composed:
+        """Write a batch and NOTIFY listeners (its last id), in one statement and one
+        transaction.
 
-        ``$8``, ``$9`` and ``$10`` are arrays (text, text, bigint) of the same length,
-        in publishing order. With ``inline`` the NOTIFY carries the rows (``[[id,
-        channel, payload], ...]``), else only the last id.
+        ``$7``, ``$8`` and ``$9`` are arrays (text, text, bigint) of the same length, in
+        publishing order.
         """
-        note = (
-            "CASE WHEN octet_length(j.rows) < 7990 THEN j.rows ELSE j.last::text END"
-            if inline
-            else "j.last::text"
-        )
-        rows = (
-            "json_agg(json_build_array(id, channel, payload) ORDER BY id)::text"
-            if inline
-            else "NULL::text"
-        )
         return sql.SQL(
             # The lock CTE is joined to every input row, so it is taken before the first
             # id is drawn; it is held until the transaction has committed.
-            "WITH l AS (SELECT pg_advisory_xact_lock($1::bigint),"
-            "  set_config('synchronous_commit', $4::text, true)),"
-            " ins AS (INSERT INTO {t} (channel, payload, origin, origin_seq)"
-            "  SELECT u.c, u.p, $2::bigint, u.s FROM l,"
-            "   unnest($8::text[], $9::text[], $10::bigint[]) WITH ORDINALITY AS u(c, p, s, n)"
+            self._LOCK + " ins AS (INSERT INTO {t} (channel, payload, origin, origin_seq)"
+            "  SELECT u.c, u.p, $1::bigint, u.s FROM l,"
+            "   unnest($7::text[], $8::text[], $9::bigint[]) WITH ORDINALITY AS u(c, p, s, n)"
             "  WHERE " + self._FOUND + "  ORDER BY u.n"
-            "  RETURNING id, channel, payload),"
-            " j AS (SELECT min(id) AS first, max(id) AS last, " + rows + " AS rows FROM ins)"
-            " SELECT j.first, j.last, pg_notify($3::text, " + note + ") FROM j"
+            "  RETURNING id),"
+            " j AS (SELECT min(id) AS first, max(id) AS last FROM ins)"
+            " SELECT j.first, j.last, pg_notify($2::text, j.last::text) FROM j"
             " WHERE j.last IS NOT NULL"
-        ).format(t=self.ident)
+        ).format(t=self.ident, s=self.state_ident)
 
     # The listener's statements name the table it found too, and read the oid of the
     # table the name finds now in the same snapshot (a change of table shows there).
@@ -302,23 +201,64 @@ class Outbox:
             " (SELECT coalesce(max(purged_through), 0) FROM {s}), " + self._FINDS
         ).format(t=self.ident, s=self.state_ident)
 
+    # The listener's fetches are prepared once per listening connection and run through
+    # libpq with text parameters, as the publishes are (see .fetches), hence ``$n``.
+
     def fetch(self) -> sql.Composed:
         """Rows after a cursor, in id order, with the purge watermark, the newest id and
         the oid of the table the name finds, in one snapshot (the last two show when
         the ids went back, or the name finds another table).
 
-        Parameters: the search path (schemas), the table's own name, last seen id, row
-        limit. Returns ``(purged_through, newest id, table oid, id, channel, payload)``
-        rows; ``id`` is NULL in the one row returned when nothing is new.
+        Parameters: ``$1`` last seen id, ``$2`` row limit, ``$3`` byte limit (see
+        :meth:`fetch_next`), ``$4`` the search path (schemas, a ``name[]``), ``$5`` the
+        table's own name. Returns ``(purged_through, newest id, table oid, id, channel,
+        payload)`` rows; ``id`` is NULL in the one row returned when nothing is new.
         """
+        return self._page(sql.SQL("(" + FIND_TABLE.format(path="$4", rel="$5") + ")"))
+
+    def fetch_next(self) -> sql.Composed:
+        """:meth:`fetch` without finding the table through the search path: the oid is
+        this outbox's own table's, so it shows only that table replaced. What a listener
+        runs after a wake-up, once per message at a steady pace, where the search costs
+        as much as the rest of the statement; its polls run :meth:`fetch`.
+
+        A page holds at most a number of rows and about a number of bytes: rows are
+        taken while the payloads before them add up to less than the bytes (so at least
+        one, whatever its size). ``octet_length`` reads a stored value's size from its
+        header, without decompressing or fetching it.
+
+        Parameters: ``$1`` last seen id, ``$2`` row limit, ``$3`` byte limit. Returns
+        what :meth:`fetch` returns.
+        """
+        name = sql.Literal(self.ident.as_string())
+        return self._page(sql.SQL("to_regclass({})::oid").format(name))
+
+    def _page(self, oid: sql.Composable) -> sql.Composed:
+        """The statement of :meth:`fetch` and :meth:`fetch_next`, ``oid`` the expression
+        of the table's oid."""
         return sql.SQL(
             "SELECT m.p, m.top, m.oid, r.id, r.channel, r.payload"
             " FROM (SELECT coalesce((SELECT max(purged_through) FROM {s}), 0) AS p,"
-            "  coalesce((SELECT max(id) FROM {t}), 0) AS top, " + self._FINDS + " AS oid) m"
-            " LEFT JOIN LATERAL (SELECT id, channel, payload FROM {t}"
-            "  WHERE id > %s ORDER BY id LIMIT %s) r ON true"
+            "  coalesce((SELECT max(id) FROM {t}), 0) AS top, {oid} AS oid) m"
+            " LEFT JOIN LATERAL (SELECT w.id, w.channel, w.payload FROM ("
+            "   SELECT id, channel, payload,"
+            "    sum(octet_length(payload)) OVER (ORDER BY id) - octet_length(payload) AS before"
+            "   FROM {t} WHERE id > $1::bigint ORDER BY id LIMIT $2::bigint) w"
+            "  WHERE w.before < $3::bigint) r ON true"
             " ORDER BY r.id"
-        ).format(t=self.ident, s=self.state_ident)
+        ).format(t=self.ident, s=self.state_ident, oid=oid)
+
+    def state_row(self) -> sql.Composed:
+        """Whether the state table holds its row, which every publish locks. Returns one
+        row: a boolean."""
+        return sql.SQL("SELECT EXISTS (SELECT FROM {s})").format(s=self.state_ident)
+
+    def add_state_row(self) -> sql.Composed:
+        """Put the state table's row back (``purged_through`` 0: see the listener's
+        handling of a watermark left by older ids)."""
+        return sql.SQL("INSERT INTO {s} DEFAULT VALUES ON CONFLICT DO NOTHING").format(
+            s=self.state_ident
+        )
 
     @staticmethod
     def committed(table: sql.Identifier) -> sql.Composed:

@@ -34,12 +34,10 @@ from .location import Location, Locator
 from .outbox import Outbox
 from .sessions import Deadlines, query_one
 
-__all__ = ["MANY", "MANY_INLINE", "ONE", "ONE_INLINE", "LentSession", "PublishStatements"]
+__all__ = ["MANY", "ONE", "LentSession", "PublishStatements"]
 
-#: The four publish statements (see :class:`~.outbox.Outbox`).
-ONE_INLINE = "one_inline"
+#: The two publish statements (see :class:`~.outbox.Outbox`): a lone message, a batch.
 ONE = "one"
-MANY_INLINE = "many_inline"
 MANY = "many"
 
 
@@ -91,7 +89,7 @@ class PublishStatements:
         self._sync = b"on" if synchronous_commit else b"off"
         self._deadlines = deadlines
         self._timeout = timeout
-        self._fixed: list[bytes] = []  # lock key, origin, NOTIFY channel, sync, the table
+        self._fixed: list[bytes] = []  # origin, NOTIFY channel, sync, the table
         self._named: dict[str, tuple[bytes, bytes]] = {}  # kind -> (name, text)
         self.outbox = outbox
         """The outbox with its tables schema-qualified once resolved (:meth:`resolve`):
@@ -110,9 +108,8 @@ class PublishStatements:
         self._named = {}
 
     def resolve(self, conn: psycopg.Connection[Any]) -> None:
-        """Find the table (see :class:`~.location.Locator`: its schema, NOTIFY channel
-        and publish lock) and name the statements; once, and again after
-        :meth:`forget`.
+        """Find the table (see :class:`~.location.Locator`: its schema and NOTIFY
+        channel) and name the statements; once, and again after :meth:`forget`.
 
         Raises:
             ConfigError: the table does not exist.
@@ -123,9 +120,13 @@ class PublishStatements:
         with self._deadlines.guard(conn, self._timeout):
             self._locator.read_path(conn)  # on a session of the broadcaster's own first
             location = self._locator.find(conn)
-        pinned = location.outbox
+            pinned = location.outbox
+            # Publishes lock the state table's row (see .outbox), and insert nothing
+            # without it: a row deleted by hand is put back.
+            present = query_one(conn, pinned.state_row())
+            if present is not None and not present[0]:
+                conn.execute(pinned.add_state_row())
         self._fixed = [
-            str(location.lock_key).encode(),
             str(self._origin).encode(),
             location.channel.encode(),
             self._sync,
@@ -134,12 +135,7 @@ class PublishStatements:
             str(location.oid).encode(),
         ]
         named: dict[str, tuple[bytes, bytes]] = {}
-        for kind, statement in (
-            (ONE_INLINE, pinned.insert_one(True)),
-            (ONE, pinned.insert_one(False)),
-            (MANY_INLINE, pinned.insert_many(True)),
-            (MANY, pinned.insert_many(False)),
-        ):
+        for kind, statement in ((ONE, pinned.insert_one()), (MANY, pinned.insert_many())):
             text = statement.as_bytes(conn)
             name = b"rselection_bc_" + hashlib.blake2b(text, digest_size=10).hexdigest().encode()
             named[kind] = (name, text)

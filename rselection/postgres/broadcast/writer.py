@@ -30,9 +30,9 @@ from ...errors import BackendUnavailable, ConfigError
 from ..session_pool import IDLE_CLOSE, SessionPool
 from .listener import Listener
 from .location import Locator, Relocated
-from .outbox import INLINE_LIMIT, Outbox, inline_row, text_array
+from .outbox import Outbox, text_array
 from .sessions import Sessions, abort_socket, backoff, query_one
-from .statements import MANY, MANY_INLINE, ONE, ONE_INLINE, PublishStatements
+from .statements import MANY, ONE, PublishStatements
 from .turns import Turn
 
 __all__ = ["Pending", "Writer"]
@@ -67,7 +67,6 @@ class Pending:
     seq: int
     channel: str
     payload: bytes  # the message as UTF-8 JSON
-    inline: int  # upper bound of its bytes in an inline NOTIFY
 
     @property
     def size(self) -> int:
@@ -166,7 +165,7 @@ class Writer:
         with self._cond:
             return self._committed_count
 
-    def submit(self, channel: str, payload: bytes, inline: int) -> int:
+    def submit(self, channel: str, payload: bytes) -> int:
         """Queue one message; return how many wait to be written, this one included.
 
         Waits for room while ``max_pending`` messages wait, at most ``timeout`` seconds.
@@ -174,7 +173,6 @@ class Writer:
         Args:
             channel: the logical channel.
             payload: the message as UTF-8 JSON.
-            inline: upper bound of its bytes in an inline NOTIFY.
 
         Raises:
             BroadcasterClosed: the broadcaster is closing.
@@ -185,7 +183,7 @@ class Writer:
         refused = self.refused
         if refused is not None:
             raise ConfigError(str(refused))
-        item = Pending(0, channel, payload, inline)
+        item = Pending(0, channel, payload)
         with self._cond:
             deadline = None
             while len(self._pending) >= settings.max_pending and not self._refusing():
@@ -473,7 +471,7 @@ class Writer:
 
     def _check_tables(self) -> None:
         """Make the tables ready (``create_tables``) and resolve the table's NOTIFY
-        channel and publish lock, on a borrowed session; then :attr:`ready` is set."""
+        channel, on a borrowed session; then :attr:`ready` is set."""
         with self._sessions.borrow("check the broadcast tables", check=True) as conn:
             try:
                 self._sessions.check_pooling(conn)
@@ -543,17 +541,12 @@ class Writer:
             batch: the messages, in publishing order.
         """
         items = tuple(batch)
-        inline = sum(item.inline for item in items) <= INLINE_LIMIT
         if len(items) == 1:
             item = items[0]
+            kind = ONE
             params = [item.channel.encode(), item.payload, str(item.seq).encode()]
-            if inline:
-                kind = ONE_INLINE
-                params.append(inline_row(item.channel, item.payload))
-            else:
-                kind = ONE
         else:
-            kind = MANY_INLINE if inline else MANY
+            kind = MANY
             params = [
                 text_array(i.channel.encode() for i in items),
                 text_array(i.payload for i in items),
@@ -564,7 +557,10 @@ class Writer:
             # The name finds another table now, or none: nothing was inserted.
             where = self._statements.outbox.ident.as_string(conn)
             self._statements.forget()
-            raise Relocated(f"broadcast table {self._outbox.table!r} is no longer {where}")
+            raise Relocated(
+                f"broadcast table {self._outbox.table!r} is no longer {where}, or its state "
+                "table lost its row"
+            )
         self._committed_through(items[-1].seq, len(items))
 
     def _committed_through(self, seq: int, count: int) -> None:

@@ -28,10 +28,13 @@ from rselection.broadcast import BroadcasterClosed, Subscription
 from rselection.errors import ConfigError
 from rselection.postgres import PostgresBroadcaster, PostgresLeader, migrate
 from rselection.postgres.broadcast import Gap, MessageEncodeError, PostgresBroadcastStats
-from rselection.postgres.broadcast.outbox import Outbox, text_array
+from rselection.postgres.broadcast.fetches import Fetches
+from rselection.postgres.broadcast.location import Locator
+from rselection.postgres.broadcast.outbox import BROADCAST_TABLE, Outbox, text_array
 from tests.support.broadcast_node import body
 from tests.support.pg import with_host_port, with_search_path
 from tests.support.proxy import TcpProxy
+from tests.support.publish_lock import blocked_by, hold_publish_lock
 from tests.support.sessions import process_sessions
 from tests.support.waiting import wait_until
 
@@ -430,20 +433,18 @@ def test_publish_whose_commit_was_not_confirmed_is_never_written_twice(
     publisher.publish("amb", "warm-up")  # the writer connects and resolves the table
     assert publisher.flush(20)
     assert drain(sub, 1, 20) == ["warm-up"]
-    with psycopg.connect(pg_dsn, autocommit=True) as blocker:
-        _, lock_key = Outbox(publisher.table).resolve(blocker)
-        with blocker.transaction():
-            # Hold the publish lock: the writer's next batch waits for it on the server.
-            blocker.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key,))
-            publisher.publish("amb", "once")
-            wait_until(lambda: waiting_on_lock(pg_dsn, lock_key), 20, "the writer blocked")
-            [old_pid] = waiting_on_lock(pg_dsn, lock_key)
-            # The client sees its connection reset; its server session still holds the
-            # batch and will commit it once the lock is free, unless it is ended first.
-            proxy.sever()
-            if not old_session_commits:
-                wait_until(lambda: not alive(pg_dsn, old_pid), 20, "the old session ended")
-        # Lock released: an old session still alive commits the batch now.
+    with psycopg.connect(pg_dsn, autocommit=True) as blocker, blocker.transaction():
+        # Hold the publish lock: the writer's next batch waits for it on the server.
+        hold_publish_lock(blocker, publisher.table)
+        publisher.publish("amb", "once")
+        wait_until(lambda: blocked_by(pg_dsn, blocker), 20, "the writer blocked")
+        [old_pid] = blocked_by(pg_dsn, blocker)
+        # The client sees its connection reset; its server session still holds the
+        # batch and will commit it once the lock is free, unless it is ended first.
+        proxy.sever()
+        if not old_session_commits:
+            wait_until(lambda: not alive(pg_dsn, old_pid), 20, "the old session ended")
+    # Lock released: an old session still alive commits the batch now.
     assert publisher.flush(30)
     assert drain(sub, 1, 20) == ["once"]
     assert_quiet(sub, 1.0)
@@ -497,19 +498,6 @@ def test_batch_confirmed_before_the_writer_session_was_cut_is_counted_once(
         row = conn.execute(f"SELECT count(*) FROM {table} WHERE payload <> '\"old\"'").fetchone()
     assert row == (2,), "each message written once"
     assert publisher.stats().published == 3, "each message counted once"
-
-
-def waiting_on_lock(dsn: str, key: int) -> list[int]:
-    """Backend pids waiting for the bigint advisory lock ``key`` (the blocked writer)."""
-    unsigned = key & 0xFFFF_FFFF_FFFF_FFFF
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        rows = conn.execute(
-            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-            " AND classid::bigint = %s AND objid::bigint = %s AND objsubid = 1",
-            (unsigned >> 32, unsigned & 0xFFFF_FFFF),
-        ).fetchall()
-    return [int(r[0]) for r in rows]
 
 
 def alive(dsn: str, pid: int) -> bool:
@@ -734,6 +722,24 @@ def test_listener_starting_on_a_recreated_outbox_ignores_the_old_watermark(
     assert listener.stats().gaps == 0
 
 
+def test_publishes_go_on_after_the_state_row_was_deleted(
+    make_bc: Callable[..., PostgresBroadcaster], pg_dsn: str
+) -> None:
+    """Publishes lock the state table's row to keep ids in commit order: a row deleted
+    by hand is put back, and nothing waits for it."""
+    bc = make_bc(create_tables=True)
+    sub = bc.subscribe("state")
+    bc.publish("state", 1)
+    assert drain(sub, 1, 20) == [1]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("DELETE FROM rselection_broadcast_state")
+    bc.publish("state", 2)
+    assert bc.flush(10)
+    assert drain(sub, 1, 10) == [2]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM rselection_broadcast_state").fetchone() == (1,)
+
+
 def test_retention_purge_runs_by_itself(
     make_bc: Callable[..., PostgresBroadcaster], pg_dsn: str
 ) -> None:
@@ -830,11 +836,13 @@ def test_late_subscriber_gets_everything_published_after_subscribe_returned(
 
 
 def test_subscribe_does_not_wait_for_another_broadcasters_catch_up(
-    make_bc: Callable[..., PostgresBroadcaster],
+    make_bc: Callable[..., PostgresBroadcaster], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # One row per fetch (the fetch is bounded by bytes of max_message_bytes): the
-    # publisher's listener needs one round trip per message to catch up on a backlog,
-    # and the broadcasters of this process share its listening thread.
+    # One row per fetch (a page is bounded by the bytes of its rows, and by a number of
+    # rows set to 1 here): the publisher's listener needs one round trip per message to
+    # catch up on a backlog, and the broadcasters of this process share its listening
+    # thread.
+    monkeypatch.setattr("rselection.postgres.broadcast.listener._FETCH_ROWS", 1)
     publisher = make_bc(max_message_bytes=256 * 1024 * 1024, max_pending=20_000)
     late_node = make_bc()
     total = 5_000
@@ -853,6 +861,56 @@ def test_subscribe_does_not_wait_for_another_broadcasters_catch_up(
     assert_quiet(other)
     assert drain(own, total, 60) == [*range(1, total), "after"]
     assert publisher.stats().gaps == late_node.stats().gaps == 0
+
+
+def test_a_fetch_page_holds_the_rows_that_fit_in_its_bytes_and_at_least_one(
+    make_bc: Callable[..., PostgresBroadcaster], pg_dsn: str
+) -> None:
+    bc = make_bc()
+    for size in (100, 100, 5000, 100):
+        bc.publish("pages", "a" * (size - 2))  # `size` bytes of JSON
+    assert bc.flush(10)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        locator = Locator(Outbox(BROADCAST_TABLE))
+        locator.read_path(conn)
+        location = locator.find(conn)
+        fetches = Fetches(conn, location, locator)
+
+        def page(after: int, rows: int, size: int, woken: bool) -> list[int | None]:
+            got = fetches.run(after, rows, size, woken=woken)
+            assert {row[:3] for row in got} == {(0, 4, location.oid)}
+            return [row[3] for row in got]
+
+        for woken in (True, False):
+            # Rows while the payloads before them add up to less than the bytes.
+            assert page(0, 1000, 150, woken) == [1, 2]
+            assert page(0, 1000, 201, woken) == [1, 2, 3]
+            assert page(0, 1000, 5201, woken) == [1, 2, 3, 4]
+            assert page(0, 3, 10**9, woken) == [1, 2, 3]
+            # At least one row, whatever its size.
+            assert page(2, 1000, 1, woken) == [3]
+            assert page(4, 1000, 1, woken) == [None]
+
+
+def test_notifications_received_during_a_fetch_wait_for_the_listener(
+    make_bc: Callable[..., PostgresBroadcaster], pg_dsn: str
+) -> None:
+    """The fetch runs through libpq, which keeps the NOTIFYs that arrive meanwhile: they
+    are handed to psycopg, so the listener's next wait sees them at once."""
+    make_bc()
+    with (
+        psycopg.connect(pg_dsn, autocommit=True) as conn,
+        psycopg.connect(pg_dsn, autocommit=True) as other,
+    ):
+        locator = Locator(Outbox(BROADCAST_TABLE))
+        locator.read_path(conn)
+        fetches = Fetches(conn, locator.find(conn), locator)
+        conn.execute("LISTEN wake")
+        for n in range(3):
+            other.execute("SELECT pg_notify('wake', %s)", (str(n),))
+            fetches.run(0, 10, 1000, woken=n % 2 == 0)  # reads the NOTIFY off the socket
+            notes = list(conn.notifies(timeout=0.0))
+            assert [(note.channel, note.payload) for note in notes] == [("wake", str(n))]
 
 
 def test_listener_stops_with_the_last_reader_and_starts_again(
@@ -1309,13 +1367,11 @@ def test_batch_cut_after_its_commit_is_written_once_after_the_ids_were_reset(
         conn.execute(f"TRUNCATE {table} RESTART IDENTITY")
     publisher.publish("amb", "after the reset")  # ids start at 1 again
     assert publisher.flush(20)
-    with psycopg.connect(pg_dsn, autocommit=True) as blocker:
-        _, lock_key = Outbox(table).resolve(blocker)
-        with blocker.transaction():
-            blocker.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key,))
-            publisher.publish("amb", "once")
-            wait_until(lambda: waiting_on_lock(pg_dsn, lock_key), 20, "the writer blocked")
-            proxy.sever()  # its server session commits the batch once the lock is free
+    with psycopg.connect(pg_dsn, autocommit=True) as blocker, blocker.transaction():
+        hold_publish_lock(blocker, table)
+        publisher.publish("amb", "once")
+        wait_until(lambda: blocked_by(pg_dsn, blocker), 20, "the writer blocked")
+        proxy.sever()  # its server session commits the batch once the lock is free
     assert publisher.flush(30)
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         row = conn.execute(
@@ -1364,19 +1420,17 @@ def test_flush_from_a_receiver_returns_at_once_and_delivery_goes_on(
 
     reader.connect("flush", receiver)
     sub = reader.subscribe("other")
-    with psycopg.connect(pg_dsn, autocommit=True) as blocker:
-        _, lock_key = Outbox(blocked.table).resolve(blocker)
-        with blocker.transaction():
-            # The blocked broadcaster's batch waits on the server: flush() cannot succeed.
-            blocker.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key,))
-            blocked.publish("b", "waits")
-            wait_until(lambda: waiting_on_lock(pg_dsn, lock_key), 20, "the writer blocked")
-            reader.publish("flush", 1)
-            reader.publish("other", "delivered meanwhile")
-            assert drain(sub, 1, 10) == ["delivered meanwhile"], "the listener is not stalled"
-            assert len(results) == 1
-            [(flushed, took)] = results
-            assert not flushed and took < 1.0
+    with psycopg.connect(pg_dsn, autocommit=True) as blocker, blocker.transaction():
+        # The blocked broadcaster's batch waits on the server: flush() cannot succeed.
+        hold_publish_lock(blocker, blocked.table)
+        blocked.publish("b", "waits")
+        wait_until(lambda: blocked_by(pg_dsn, blocker), 20, "the writer blocked")
+        reader.publish("flush", 1)
+        reader.publish("other", "delivered meanwhile")
+        assert drain(sub, 1, 10) == ["delivered meanwhile"], "the listener is not stalled"
+        assert len(results) == 1
+        [(flushed, took)] = results
+        assert not flushed and took < 1.0
     assert blocked.flush(20)
 
 

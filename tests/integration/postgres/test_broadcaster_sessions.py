@@ -29,11 +29,11 @@ import psycopg
 import pytest
 
 from rselection.postgres import PostgresBroadcaster
-from rselection.postgres.broadcast.outbox import Outbox
 from rselection.postgres.broadcast.sessions import Sessions
 from tests.support.pg import with_host_port
 from tests.support.pgbouncer import PgBouncer
 from tests.support.proxy import TcpProxy
+from tests.support.publish_lock import blocked_by, hold_publish_lock
 from tests.support.sessions import process_sessions
 from tests.support.waiting import wait_until
 
@@ -656,19 +656,6 @@ def test_a_flooding_broadcaster_leaves_the_others_their_turn(pg_dsn: str) -> Non
         assert rows == (100,), "nothing dropped at close"
 
 
-def _waiting_on_lock(dsn: str, key: int) -> list[int]:
-    """Backend pids waiting for the bigint advisory lock ``key``."""
-    unsigned = key & 0xFFFF_FFFF_FFFF_FFFF
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        rows = conn.execute(
-            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-            " AND classid::bigint = %s AND objid::bigint = %s AND objsubid = 1",
-            (unsigned >> 32, unsigned & 0xFFFF_FFFF),
-        ).fetchall()
-    return [int(r[0]) for r in rows]
-
-
 def test_a_batch_in_doubt_is_settled_after_the_writer_starts_again(
     pg_dsn: str,
     make_tcp_proxy: Callable[[str, int], TcpProxy],
@@ -698,16 +685,14 @@ def test_a_batch_in_doubt_is_settled_after_the_writer_starts_again(
             assert publisher.flush(20)
             assert sub.get(20) == "warm-up"
             monkeypatch.setattr(Sessions, "error_text", error_text)
-            with psycopg.connect(pg_dsn, autocommit=True) as blocker:
-                _, lock_key = Outbox(table).resolve(blocker)
-                with blocker.transaction():
-                    # The batch waits for the publish lock on the server; the client's
-                    # connection is cut; the server commits it once the lock is free.
-                    blocker.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key,))
-                    publisher.publish("c", "once")
-                    wait_until(lambda: _waiting_on_lock(pg_dsn, lock_key), 20, "the writer blocked")
-                    proxy.sever()
-                    wait_until(lambda: injected, 20, "the writer's rounds failed")
+            with psycopg.connect(pg_dsn, autocommit=True) as blocker, blocker.transaction():
+                # The batch waits for the publish lock on the server; the client's
+                # connection is cut; the server commits it once the lock is free.
+                hold_publish_lock(blocker, table)
+                publisher.publish("c", "once")
+                wait_until(lambda: blocked_by(pg_dsn, blocker), 20, "the writer blocked")
+                proxy.sever()
+                wait_until(lambda: injected, 20, "the writer's rounds failed")
             assert publisher.flush(30)
         finally:
             publisher.close()
@@ -727,13 +712,11 @@ def test_close_does_not_call_a_batch_in_flight_dropped(
     publisher = PostgresBroadcaster(pg_dsn, table=table, close_timeout=0.5)
     try:
         assert publisher.wait_ready(20)
-        with psycopg.connect(pg_dsn, autocommit=True) as blocker:
-            _, lock_key = Outbox(table).resolve(blocker)
-            with blocker.transaction():
-                blocker.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key,))
-                publisher.publish("c", "in flight")
-                wait_until(lambda: _waiting_on_lock(pg_dsn, lock_key), 20, "the writer blocked")
-                publisher.close()  # cuts the round trip; the server still runs it
+        with psycopg.connect(pg_dsn, autocommit=True) as blocker, blocker.transaction():
+            hold_publish_lock(blocker, table)
+            publisher.publish("c", "in flight")
+            wait_until(lambda: blocked_by(pg_dsn, blocker), 20, "the writer blocked")
+            publisher.close()  # cuts the round trip; the server still runs it
         assert "may not have been written" in caplog.text
         assert "dropped" not in caplog.text
 
