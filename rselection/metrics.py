@@ -40,6 +40,9 @@ What is measured (``rselection`` is the default ``namespace``):
 - ``rselection_fires_skipped_total{task, reason}``: from ``fire_skipped``.
 - ``rselection_nodes_joined_total{lease}`` and ``rselection_nodes_lost_total{lease}``:
   from a :class:`~rselection.HeartbeatMonitor`.
+- ``rselection_notifications_dropped_total``: notifications on a lease table's
+  channels whose payload rselection does not send (any role that can connect may
+  NOTIFY; see :mod:`rselection.postgres.notices`).
 - ``rselection_broadcast_overflowed_total{broadcaster}`` and
   ``rselection_broadcast_subscribers{broadcaster, channel}``: read from
   :meth:`~rselection.Broadcaster.stats` at each scrape, for every broadcaster passed to
@@ -211,6 +214,7 @@ class Metrics:
             registry=None,
         )
         self._broadcasts = _BroadcastCollector(namespace)
+        self._dropped = _DroppedCollector(namespace)
         self._state_lock = threading.Lock()
         self._leading: dict[str, set[tuple[int, str]]] = {}
         self._terms: dict[str, int] = {}
@@ -233,6 +237,7 @@ class Metrics:
             self.nodes_joined,
             self.nodes_lost,
             self._broadcasts,
+            self._dropped,
         ]
 
     def _start(self) -> None:
@@ -343,6 +348,31 @@ class Metrics:
 
     def _on_node_lost(self, sender: object, **kw: Any) -> None:
         self.nodes_lost.labels(lease=str(kw["name"])).inc()
+
+
+class _DroppedCollector:
+    """Reads the count of dropped notifications at scrape time."""
+
+    def __init__(self, namespace: str) -> None:
+        self._name = f"{namespace}_notifications_dropped" if namespace else "notifications_dropped"
+
+    def describe(self) -> Iterable[Metric]:
+        return [self._family()]
+
+    def _family(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily
+
+        return CounterMetricFamily(
+            self._name,
+            "Notifications on rselection's channels that rselection does not send, dropped.",
+        )
+
+    def collect(self) -> Iterator[Metric]:
+        from .postgres.notices import dropped
+
+        family = self._family()
+        family.add_metric([], dropped.count)
+        yield family
 
 
 class _BroadcastCollector:

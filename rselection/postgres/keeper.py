@@ -34,7 +34,6 @@ one joins.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -48,7 +47,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import psycopg
 from psycopg import sql
-from psycopg.pq import ConnStatus
+from psycopg.pq import ConnStatus, TransactionStatus
 
 from .. import clock, forks
 from ..errors import BackendUnavailable, ConfigError
@@ -86,8 +85,10 @@ from ._lease_sql import (
     unlock_next_terms_sql,
     unlock_sql,
 )
+from .notice_gate import NoticeGate
+from .notices import lease_notice, ring_notice
 from .pooler import BACKEND_PID, check_bound, check_same_backend, check_session_pooling
-from .ring import RingWatcher, new_ring_key, ring_channel, ring_class
+from .ring import RingWatcher, members_sql, new_ring_key, ring_channel, ring_class
 from .schema import create_tables, table_identifier
 from .session_pool import SessionPool
 
@@ -274,6 +275,7 @@ class SharedKeeper:
         self._ring: RingWatcher | None = None
         self._ring_channel = ""
         self._reading = threading.Lock()  # a read in flight on the session (read())
+        self._gate = NoticeGate()  # whom notifications are believed from, and how often
 
     # -- clients -------------------------------------------------------------------------
 
@@ -500,6 +502,7 @@ class SharedKeeper:
             self._created = set()
             self.generation += 1
             clients = list(self._clients)
+        self._gate.connected(pid)
         for client in clients:
             client.channel = None  # listened to again on the client's next call
         self._pin(conn)
@@ -782,9 +785,13 @@ class SharedKeeper:
                         results.append(cur.fetchall() if cur.description is not None else None)
                         if not cur.nextset():
                             break
-            except psycopg.Error as exc:
-                healthy = not conn.broken and conn.pgconn.status == ConnStatus.OK
-                if tolerate and healthy and not fired[0]:
+            except Exception as exc:
+                if not isinstance(exc, psycopg.Error):
+                    # Raised in the middle of the round trip (by a notification handler,
+                    # say): what the session has sent or read is unknown.
+                    self._fail()
+                    raise unavailable(what, self._conninfo, exc) from exc
+                if tolerate and self._healthy(conn) and not fired[0]:
                     with self._state:
                         self._unlocks[:0] = unlocks  # perhaps not freed: again next time
                     raise
@@ -814,6 +821,18 @@ class SharedKeeper:
                 self._fail()
                 check_same_backend(self._pid, seen, self.where)  # raises ConfigError
             return results
+
+    @staticmethod
+    def _healthy(conn: psycopg.Connection[Any]) -> bool:
+        """After an error: the session is usable (a statement left running, say after
+        a handler raised while reading its result, makes every later one fail with
+        "another command is already in progress": a lost session, never tolerated)."""
+        pgconn = conn.pgconn
+        return (
+            not conn.broken
+            and pgconn.status == ConnStatus.OK
+            and pgconn.transaction_status != TransactionStatus.ACTIVE
+        )
 
     def _batch(
         self,
@@ -1264,8 +1283,10 @@ class SharedKeeper:
                 if conn is not None and any(key.data == "db" for key, _ in events):
                     self._poll(conn)
                 self._send_queued()
+                self._wake_deferred()
                 if conn is not None:
                     self._leave_channels()
+                    self._read_members()
                     self._beat_due()
                 SessionPool.close_idle(self._conninfo)
             except Exception:  # never let the pump die: it wakes every follower
@@ -1288,6 +1309,7 @@ class SharedKeeper:
                 usable = self._conn is not None and not self._broken
             if not channels or not usable:
                 return
+            self._gate.forget(channels)
             try:
                 self._run(
                     unlisten_sql(channels),
@@ -1305,8 +1327,9 @@ class SharedKeeper:
         with self._state:
             due = min(self._beats.values(), default=None)
             retry = min((at for at, _ in self._retries), default=None)
-        if retry is not None:
-            due = retry if due is None else min(due, retry)
+        for at in (retry, self._gate.next_due()):
+            if at is not None:
+                due = at if due is None else min(due, at)
         return cap if due is None else max(0.0, min(cap, due - clock.monotonic()))
 
     def _beat_due(self) -> None:
@@ -1379,30 +1402,89 @@ class SharedKeeper:
         self._dispatch(notify.channel, notify.payload, notify.pid)
 
     def _dispatch(self, channel: str, payload: str, sender: int) -> None:
+        """Act on one notification; never raises (raised in psycopg's notification
+        handler, an error would leave the session busy for good)."""
+        try:
+            self._notice(channel, payload, sender)
+        except Exception:
+            logger.exception("keeper: error acting on a notification; going on")
+
+    def _notice(self, channel: str, payload: str, sender: int) -> None:
+        """Wake the clients ``channel``'s notice concerns, believing what it says only
+        from a proven sender (see :mod:`.notice_gate`)."""
         with self._state:
             ring = channel == self._ring_channel
             clients = list(self._clients) if ring else list(self._by_channel.get(channel, ()))
+        proven = self._gate.proven(sender)
         if ring:
-            kind, _, pid = payload.partition(":")
-            if kind == "up" and pid.isdigit() and int(pid) != self._pid:
-                if self._ring is not None:
-                    self._ring.ring_changed(int(pid))
+            announced = ring_notice(channel, payload, sender)
+            if announced is None:
+                return
+            if announced.kind == "up":
+                self._gate.joined()
+                if self._ring is not None and not self._gate.is_own(announced.pid):
+                    self._ring.ring_changed(announced.pid)
+                self._wakeup.wake()  # the pump reads the members
                 return
             # "down": a keeper died; the followers of its leases attempt at once.
-            dead = int(pid) if kind == "down" and pid.isdigit() else None
+            if self._admit(channel, proven):
+                for client in clients:
+                    client.holder_died(announced.pid)
+            return
+        notice = lease_notice(channel, payload, sender)
+        if notice is None or not self._admit(channel, proven):
+            return
+        own = self._gate.is_own(sender)
+        for client in clients:
+            client.notified(notice, sender=sender, own_session=own, proven=proven)
+
+    def _admit(self, channel: str, proven: bool) -> bool:
+        """Whether a notice may wake now (else the pump wakes for it later)."""
+        if self._gate.admit(channel, proven):
+            return True
+        self._wakeup.wake()  # the pump's next wait ends when the deferred wake-up is due
+        return False
+
+    def _wake_deferred(self) -> None:
+        """Deliver the wake-ups the rate limit held back, now due: on the ring, as a
+        keeper's death that names nobody; on a lease channel, as any notice."""
+        channels = self._gate.due()
+        if not channels:
+            return
+        with self._state:
+            ring = self._ring_channel
+            woken = [
+                (
+                    channel,
+                    list(self._clients if channel == ring else self._by_channel.get(channel, ())),
+                )
+                for channel in channels
+            ]
+        for channel, clients in woken:
             for client in clients:
-                if dead is None:
+                if channel == ring:
                     client.wake()
                 else:
-                    client.holder_died(dead)
+                    client.nudged()
+
+    def _read_members(self) -> None:
+        """Read the ring's members on the session, when due (see :mod:`.notice_gate`)."""
+        with self._state:
+            found = self._found
+        if found is None or not self._gate.read_now():
             return
-        event: dict[str, Any] = {}
-        with contextlib.suppress(ValueError):
-            loaded = json.loads(payload)
-            event = loaded if isinstance(loaded, dict) else {}
-        own = sender == self._pid
-        for client in clients:
-            client.notified(event, own_session=own)
+        try:
+            results = self._run(
+                members_sql(found.oid),
+                "read the members of the ring",
+                limit=HEARTBEAT_BOUND + 1.0,
+                tolerate=True,
+            )
+        except (BackendUnavailable, ConfigError, psycopg.Error) as exc:
+            self._gate.read_failed()
+            logger.debug("keeper: could not read the ring's members: %s", _first_line(exc))
+            return
+        self._gate.members_read(int(row[0]) for row in results[0] or [])
 
 
 forks.register(SharedKeeper)

@@ -174,7 +174,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -202,6 +201,7 @@ from ._lease_sql import (
 )
 from .handover import cancel_handover, renewal_request, request_handover
 from .keeper import RELEASE_REFUSED, RENEWAL_SKIPPED, Attempt, Queued, SharedKeeper
+from .notices import LeaseNotice
 from .schema import DEFAULT_TABLE, table_identifier
 
 __all__ = [
@@ -409,37 +409,54 @@ class PostgresLease(Closeable):
         lease's last attempt: an attempt now may take the lease over."""
         return self._death_announced
 
-    def notified(self, event: dict[str, Any], *, own_session: bool) -> None:
+    def notified(
+        self, notice: LeaseNotice, *, sender: int, own_session: bool, proven: bool
+    ) -> None:
         """A notification on this lease's channel (the shared keeper calls it): wake
         :meth:`wait_for_change`, unless it only reports this node's own acquisition or
-        release through the shared session."""
-        if own_session and event.get("node_id") == self._node_id:
+        release through the shared session.
+
+        What it says is believed only when ``proven`` (its ``sender`` is a trusted peer's
+        keeper session, see :mod:`.notice_gate`): then an ``acquired`` notice from the
+        holder's own session names the holder, and a ``released`` one may reserve the
+        lease for another node. Otherwise it is a wake-up: an attempt reads the row.
+        """
+        if own_session and notice.node_id == self._node_id:
             return
-        kind = event.get("event")
-        if kind == "acquired":
-            holder = _announced_holder(event)
-            pid = event.get("holder_pid")
-            self._saw_holder(event.get("term"), pid if isinstance(pid, int) else None)
-            if holder is not None:
-                self._announced = holder
+        if notice.event == "acquired" and proven and notice.holder_pid == sender:
+            self._saw_holder(notice.term, sender)
+            if notice.holder is not None:
+                self._announced = notice.holder
                 self._set_wake(attempt=False)
                 return
-        elif kind == "released":
-            self._saw_holder(event.get("term"), None)
-            if event.get("to") not in (None, self._node_id):
+        elif notice.event == "released" and proven:
+            self._saw_holder(notice.term, None)
+            if notice.to not in (None, self._node_id):
                 # Reserved for another node by a handover: only that one may take it
                 # now. Should it not, the others find the lease free at their next
                 # attempt (or at once if its keeper session dies).
                 return
-        elif kind == "resign":
-            self._handover_hint = True
-            if self._held is not None:
-                self._set_wake(attempt=False)  # the holder renews at once to see it
+        elif notice.event == "resign":
+            self._hint_handover()
             # Only the holder has something to do: a follower's attempt would find the
             # row held (and, in a busy fleet, lock it while the holder's release goes
             # by). The release that follows wakes the followers.
             return
         self._set_wake()
+
+    def nudged(self) -> None:
+        """Notifications on this lease's channel were held back by the keeper's rate
+        limit: act as on any of them (the holder renews at once and reads a handover
+        request from the row; a follower attempts)."""
+        if self._held is not None:
+            self._hint_handover()
+        else:
+            self._set_wake()
+
+    def _hint_handover(self) -> None:
+        self._handover_hint = True
+        if self._held is not None:
+            self._set_wake(attempt=False)  # the holder renews at once to see it
 
     def renewal_slot(self, due: float, interval: float, after: float) -> float:
         """The shared keeper's renewal tick at or before ``due`` (see
@@ -844,23 +861,3 @@ class PostgresLease(Closeable):
         if keeper is not None:
             keeper.detach(self)
         self._observer.close()
-
-
-def _announced_holder(event: dict[str, Any]) -> LeaderInfo | None:
-    """The holder an ``acquired`` notification names, or ``None`` when it does not say
-    enough (a notification of an older release of the library)."""
-    node, term = event.get("node_id"), event.get("term")
-    acquired_at, expires_at = event.get("acquired_at"), event.get("expires_at")
-    if not (isinstance(node, str) and isinstance(term, int)):
-        return None
-    if not (isinstance(acquired_at, str) and isinstance(expires_at, str)):
-        return None
-    try:
-        return LeaderInfo(
-            node,
-            term,
-            utc(datetime.fromisoformat(acquired_at)),
-            utc(datetime.fromisoformat(expires_at)),
-        )
-    except ValueError:
-        return None

@@ -63,6 +63,7 @@ __all__ = [
     "RING_POLL",
     "RING_RECHECK",
     "RingWatcher",
+    "members_sql",
     "new_ring_key",
     "ring_channel",
     "ring_class",
@@ -133,6 +134,12 @@ _CONTESTED = (
     " AND w.classid::bigint = {cls} AND w.objid::bigint = m.tag"
     " AND NOT coalesce(has_table_privilege(wa.usesysid, {oid}::oid, 'UPDATE'), false))"
 )
+
+
+def members_sql(table_oid: int) -> sql.Composed:
+    """The backend pids of the ring's members: the keeper sessions of trusted peers."""
+    cls, oid = sql.Literal(ring_class(table_oid)), sql.Literal(table_oid)
+    return sql.SQL("SELECT m.pid FROM (" + _MEMBERS + ") AS m").format(cls=cls, oid=oid)
 
 
 def next_keeper_sql(

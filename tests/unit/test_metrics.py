@@ -299,3 +299,12 @@ def test_a_follower_exports_is_leader_0_from_its_start_so_a_headless_lease_alert
     finally:
         follower.stop(timeout=10)
     assert registry.get_sample_value(name, {"lease": "alerting"}) == 0.0
+
+
+def test_dropped_notifications_are_counted(registry: CollectorRegistry) -> None:
+    from rselection.postgres.notices import lease_notice
+
+    before = value(registry, "rselection_notifications_dropped_total")
+    for payload in ("[" * 7990, "not json", '{"event": "forged"}'):
+        assert lease_notice("rselection:public.rselection_leases:x", payload, 1) is None
+    assert value(registry, "rselection_notifications_dropped_total") == before + 3
