@@ -469,9 +469,13 @@ def test_leases_that_joined_the_keeper_together_listen_in_one_round_trip(
         assert None not in channels and len(channels) == 40
         of_leases = [batch for batch in listens if set(batch) & channels]
         assert len(of_leases) == 1 and set(of_leases[0]) == channels, listens
-        # Each is listening: another session's notification wakes it.
+        # Each is listening: another session's notification (of a kind rselection
+        # sends: others are dropped) wakes it.
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute("SELECT pg_notify(%s, '{}')", (leases[-1].channel,))
+            conn.execute(
+                "SELECT pg_notify(%s, %s)",
+                (leases[-1].channel, '{"event": "released", "node_id": "x", "term": 1}'),
+            )
         started = time.monotonic()
         leases[-1].wait_for_change(10)
         assert time.monotonic() - started < 5
