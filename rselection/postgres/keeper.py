@@ -1427,45 +1427,51 @@ class SharedKeeper:
                 self._wakeup.wake()  # the pump reads the members
                 return
             # "down": a keeper died; the followers of its leases attempt at once.
-            if self._admit(channel, proven):
+            if self._admit(channel, proven, "down"):
                 for client in clients:
                     client.holder_died(announced.pid)
             return
         notice = lease_notice(channel, payload, sender)
-        if notice is None or not self._admit(channel, proven):
+        if notice is None:
+            return
+        if not proven and notice.event == "acquired" and notice.holder_pid == sender:
+            self._gate.joined()  # a keeper not known yet, perhaps: the next one counts
+        if not self._admit(channel, proven, notice.event):
             return
         own = self._gate.is_own(sender)
         for client in clients:
             client.notified(notice, sender=sender, own_session=own, proven=proven)
 
-    def _admit(self, channel: str, proven: bool) -> bool:
+    def _admit(self, channel: str, proven: bool, kind: str) -> bool:
         """Whether a notice may wake now (else the pump wakes for it later)."""
-        if self._gate.admit(channel, proven):
+        if self._gate.admit(channel, proven, kind):
             return True
         self._wakeup.wake()  # the pump's next wait ends when the deferred wake-up is due
         return False
 
     def _wake_deferred(self) -> None:
         """Deliver the wake-ups the rate limit held back, now due: on the ring, as a
-        keeper's death that names nobody; on a lease channel, as any notice."""
-        channels = self._gate.due()
-        if not channels:
+        keeper's death that names nobody; on a lease channel, as notices of the kinds
+        held back, believing none."""
+        due = self._gate.due()
+        if not due:
             return
         with self._state:
             ring = self._ring_channel
             woken = [
                 (
                     channel,
+                    kinds,
                     list(self._clients if channel == ring else self._by_channel.get(channel, ())),
                 )
-                for channel in channels
+                for channel, kinds in due
             ]
-        for channel, clients in woken:
+        for channel, kinds, clients in woken:
             for client in clients:
                 if channel == ring:
                     client.wake()
                 else:
-                    client.nudged()
+                    client.nudged(kinds)
 
     def _read_members(self) -> None:
         """Read the ring's members on the session, when due (see :mod:`.notice_gate`)."""

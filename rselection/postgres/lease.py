@@ -444,13 +444,14 @@ class PostgresLease(Closeable):
             return
         self._set_wake()
 
-    def nudged(self) -> None:
-        """Notifications on this lease's channel were held back by the keeper's rate
-        limit: act as on any of them (the holder renews at once and reads a handover
-        request from the row; a follower attempts)."""
-        if self._held is not None:
+    def nudged(self, kinds: frozenset[str]) -> None:
+        """Notifications of ``kinds`` on this lease's channel were held back by the
+        keeper's rate limit: act as on any of them, believing none (a ``resign``
+        makes the holder renew at once and read a request from the row; the others
+        make a follower attempt)."""
+        if "resign" in kinds:
             self._hint_handover()
-        else:
+        if kinds - {"resign"}:
             self._set_wake()
 
     def _hint_handover(self) -> None:

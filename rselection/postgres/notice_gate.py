@@ -12,9 +12,9 @@ each process a few round trips a second, and delays a real wake-up it hides by a
 :data:`SPACING`.
 
 The members are read on the keeper session (:func:`~.ring.members_sql`) when it
-connects, when a keeper announces ``up``, and when a notice comes from a pid not known
-yet; at most once each :data:`MEMBERS_EVERY` seconds, so announcing ``up`` in a loop
-costs the keeper little.
+connects, when a keeper announces ``up``, and when a session not known yet announces
+itself the holder of a lease; at most once each :data:`MEMBERS_EVERY` seconds, so
+announcing either in a loop costs the keeper little.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ class NoticeGate:
         self._read_due = False
         self._read_at = 0.0  # monotonic: the next read of the members, not before
         self._budgets: dict[str, _Budget] = {}
-        self._deferred: dict[str, float] = {}  # channel -> when its wake-up is due
+        # channel -> when its wake-up is due, and the kinds of the notices held back
+        self._deferred: dict[str, tuple[float, frozenset[str]]] = {}
 
     def connected(self, pid: int) -> None:
         """A new keeper session (backend ``pid``): read the members again."""
@@ -84,23 +85,20 @@ class NoticeGate:
             return sender == self._own
 
     def proven(self, sender: int) -> bool:
-        """True when ``sender`` is the keeper's own session or a member of the ring; else
-        the members are read again soon (it may be a keeper that just joined)."""
+        """True when ``sender`` is the keeper's own session or a member of the ring."""
         with self._lock:
-            if sender == self._own or sender in self._members:
-                return True
-            self._read_due = True
-            return False
+            return sender == self._own or sender in self._members
 
     def joined(self) -> None:
-        """A keeper announced ``up``: read the members soon, before its notices come."""
+        """A keeper announced ``up``, or a session not known yet announced itself a
+        holder (it may be a keeper that just joined): read the members soon."""
         with self._lock:
             self._read_due = True
 
-    def admit(self, channel: str, proven: bool) -> bool:
-        """Whether a notice on ``channel`` may wake its clients now; if not, a wake-up is
-        deferred to when the budget allows one (see :meth:`due`). Proven notices always
-        may."""
+    def admit(self, channel: str, proven: bool, kind: str) -> bool:
+        """Whether a notice of ``kind`` on ``channel`` may wake its clients now; if
+        not, a wake-up is deferred to when the budget allows one (see :meth:`due`).
+        Proven notices always may."""
         if proven:
             return True
         now = clock.monotonic()
@@ -108,29 +106,33 @@ class NoticeGate:
             budget = self._budgets.get(channel)
             if budget is None:
                 budget = self._budgets[channel] = _Budget(now)
-            if channel not in self._deferred and budget.take(now):
+            deferred = self._deferred.get(channel)
+            if deferred is None and budget.take(now):
                 return True
-            self._deferred.setdefault(channel, budget.next_at())
+            at, kinds = deferred or (budget.next_at(), frozenset())
+            self._deferred[channel] = (at, kinds | {kind})
             return False
 
-    def due(self) -> list[str]:
-        """The channels whose deferred wake-up is due now (each spends its token)."""
+    def due(self) -> list[tuple[str, frozenset[str]]]:
+        """The channels whose deferred wake-up is due now (each spends its token), with
+        the kinds of the notices it stands for."""
         now = clock.monotonic()
         with self._lock:
-            ready = [c for c, at in self._deferred.items() if at <= now]
+            ready = [(c, kinds) for c, (at, kinds) in self._deferred.items() if at <= now]
             woken = []
-            for channel in ready:
-                if self._budgets[channel].take(now):
+            for channel, kinds in ready:
+                budget = self._budgets[channel]
+                if budget.take(now):
                     del self._deferred[channel]
-                    woken.append(channel)
+                    woken.append((channel, kinds))
                 else:
-                    self._deferred[channel] = self._budgets[channel].next_at()
+                    self._deferred[channel] = (budget.next_at(), kinds)
             return woken
 
     def next_due(self) -> float | None:
         """When :meth:`due` or a read of the members is next due (monotonic), if ever."""
         with self._lock:
-            times = list(self._deferred.values())
+            times = [at for at, _ in self._deferred.values()]
             if self._read_due:
                 times.append(self._read_at)
         return min(times, default=None)

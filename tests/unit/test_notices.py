@@ -101,17 +101,17 @@ def fake_clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
 def test_unproven_wake_ups_are_rate_limited_and_deferred_never_lost(fake_clock: Clock) -> None:
     gate = NoticeGate()
     gate.connected(10)
-    admitted = sum(gate.admit(CHANNEL, gate.proven(666)) for _ in range(100))
+    admitted = sum(gate.admit(CHANNEL, gate.proven(666), "released") for _ in range(100))
     assert admitted == BURST
     assert gate.due() == []  # held back: one deferred wake-up for the channel
     due = gate.next_due()
     assert due is not None and due <= fake_clock.now + SPACING
     fake_clock.now += SPACING
-    assert gate.due() == [CHANNEL]
+    assert gate.due() == [(CHANNEL, frozenset({"released"}))]
     assert gate.due() == []
     # The own session and the ring's members are believed, and never held back.
     gate.members_read([20])
-    assert all(gate.admit(CHANNEL, gate.proven(pid)) for pid in (10, 20) * 50)
+    assert all(gate.admit(CHANNEL, gate.proven(pid), "released") for pid in (10, 20) * 50)
 
 
 def test_unknown_senders_and_announced_keepers_read_the_members_at_a_bounded_rate(
@@ -123,7 +123,7 @@ def test_unknown_senders_and_announced_keepers_read_the_members_at_a_bounded_rat
     gate.members_read([10, 20])
     assert not gate.read_now()
     for _ in range(100):
-        gate.proven(666)
+        assert not gate.proven(666)
         gate.joined()
     assert not gate.read_now()  # at most once each MEMBERS_EVERY
     fake_clock.now += notice_gate.MEMBERS_EVERY
