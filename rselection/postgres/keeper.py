@@ -86,6 +86,7 @@ from ._lease_sql import (
     unlock_sql,
 )
 from .notice_gate import NoticeGate
+from . import notices
 from .notices import lease_notice, ring_notice
 from .pooler import BACKEND_PID, check_bound, check_same_backend, check_session_pooling
 from .ring import RingWatcher, members_sql, new_ring_key, ring_channel, ring_class
@@ -1327,7 +1328,8 @@ class SharedKeeper:
         with self._state:
             due = min(self._beats.values(), default=None)
             retry = min((at for at, _ in self._retries), default=None)
-        for at in (retry, self._gate.next_due()):
+            usable = self._conn is not None and not self._broken
+        for at in (retry, self._gate.next_due(reading=usable)):
             if at is not None:
                 due = at if due is None else min(due, at)
         return cap if due is None else max(0.0, min(cap, due - clock.monotonic()))
@@ -1406,8 +1408,9 @@ class SharedKeeper:
         handler, an error would leave the session busy for good)."""
         try:
             self._notice(channel, payload, sender)
-        except Exception:
-            logger.exception("keeper: error acting on a notification; going on")
+        except Exception:  # counted and reported as a dropped notice: at most once a minute
+            logger.debug("keeper: error acting on a notification", exc_info=True)
+            notices.dropped.add(channel, payload, sender)
 
     def _notice(self, channel: str, payload: str, sender: int) -> None:
         """Wake the clients ``channel``'s notice concerns, believing what it says only

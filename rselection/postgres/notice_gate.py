@@ -129,11 +129,12 @@ class NoticeGate:
                     self._deferred[channel] = (budget.next_at(), kinds)
             return woken
 
-    def next_due(self) -> float | None:
-        """When :meth:`due` or a read of the members is next due (monotonic), if ever."""
+    def next_due(self, *, reading: bool) -> float | None:
+        """When :meth:`due` or, if ``reading`` (the session can read the members now),
+        a read of the members is next due (monotonic), if ever."""
         with self._lock:
             times = [at for at, _ in self._deferred.values()]
-            if self._read_due:
+            if reading and self._read_due:
                 times.append(self._read_at)
         return min(times, default=None)
 

@@ -6,7 +6,7 @@ so a payload may hold anything. The functions here read one without ever raising
 what is not a well-formed notice of a kind rselection sends is ``None``, counted in
 :data:`dropped` and reported in a log line at most once a minute. What a well-formed
 notice says is still only a claim: the keeper decides whom to believe (see
-:meth:`~.keeper.SharedKeeper.sender_proven`).
+:mod:`.notice_gate`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from .. import forks
 from ..lease import LeaderInfo
 from ._lease_sql import utc
 
@@ -83,6 +84,10 @@ class _Dropped:
         self._unreported = 0
         self._report_at = 0.0
 
+    def reset_after_fork(self) -> None:
+        """In a forked child: a parent's thread may have held the lock at the fork."""
+        self._lock = threading.Lock()
+
     def add(self, channel: str, payload: str, sender: int) -> None:
         with self._lock:
             self.count += 1
@@ -106,6 +111,7 @@ class _Dropped:
 
 dropped = _Dropped()
 """The process's count of dropped notifications (:attr:`_Dropped.count`)."""
+forks.register(dropped)
 
 
 def _shown(payload: str) -> str:
@@ -178,5 +184,5 @@ def _holder(node: str | None, term: int | None, event: dict[str, Any]) -> Leader
             utc(datetime.fromisoformat(acquired_at)),
             utc(datetime.fromisoformat(expires_at)),
         )
-    except ValueError:
+    except (ValueError, OverflowError):  # a year 9999 with an offset overflows in UTC
         return None
