@@ -52,6 +52,7 @@ from psycopg.pq import ConnStatus, TransactionStatus
 from .. import clock, forks
 from ..errors import BackendUnavailable, ConfigError
 from ..wakeup import Wakeup
+from . import notices
 from ._conn import (
     SESSION_MARGIN,
     IoWatchdog,
@@ -86,7 +87,6 @@ from ._lease_sql import (
     unlock_sql,
 )
 from .notice_gate import NoticeGate
-from . import notices
 from .notices import lease_notice, ring_notice
 from .pooler import BACKEND_PID, check_bound, check_same_backend, check_session_pooling
 from .ring import RingWatcher, members_sql, new_ring_key, ring_channel, ring_class
