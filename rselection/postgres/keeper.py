@@ -33,6 +33,7 @@ one joins.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
@@ -118,6 +119,12 @@ few leases due together go out at once, a thousand stepped by the driver in one 
 still go in one batch."""
 
 HEARTBEAT_LIMIT = 10.0  # seconds a batch of heartbeats may take on the client's side
+
+INBOX_LIMIT = 10_000
+"""Notifications received and not read yet that the keeper keeps; more (a flood) are
+dropped, counted, and stand for one wake-up of every client (rate-limited as any)."""
+
+_READ_PER_ROUND = 500  # notifications read between two sends of the queued batches
 
 HEARTBEAT_BOUND = 1.0
 """Seconds a heartbeat (or the nodes table's creation) may take on the keeper session,
@@ -277,6 +284,11 @@ class SharedKeeper:
         self._ring_channel = ""
         self._reading = threading.Lock()  # a read in flight on the session (read())
         self._gate = NoticeGate()  # whom notifications are believed from, and how often
+        # Notifications as received (channel, payload, sender), read by the keeper's
+        # thread between its round trips: receiving one costs the round trip that
+        # brought it next to nothing, however many a flood brings.
+        self._inbox: collections.deque[tuple[str, str, int]] = collections.deque()
+        self._overflow: tuple[int, str, str, int] | None = None  # dropped: count, last
 
     # -- clients -------------------------------------------------------------------------
 
@@ -1279,10 +1291,11 @@ class SharedKeeper:
                         sel.register(wake, selectors.EVENT_READ, "wake")
                     if conn is not None and not conn.closed:
                         sel.register(conn.pgconn.socket, selectors.EVENT_READ, "db")
-                    events = sel.select(self._until_beat(1.0))
+                    events = sel.select(0.0 if self._inbox else self._until_beat(1.0))
                 self._wakeup.clear()
                 if conn is not None and any(key.data == "db" for key, _ in events):
                     self._poll(conn)
+                self._read_inbox()
                 self._send_queued()
                 self._wake_deferred()
                 if conn is not None:
@@ -1388,7 +1401,7 @@ class SharedKeeper:
             try:
                 pgconn.consume_input()
                 while (notify := pgconn.notifies()) is not None:
-                    self._dispatch(
+                    self._receive(
                         notify.relname.decode(errors="replace"),
                         notify.extra.decode(errors="replace"),
                         notify.be_pid,
@@ -1401,7 +1414,38 @@ class SharedKeeper:
                 self._fail()
 
     def _on_notify(self, notify: psycopg.Notify) -> None:
-        self._dispatch(notify.channel, notify.payload, notify.pid)
+        self._receive(notify.channel, notify.payload, notify.pid)
+
+    def _receive(self, channel: str, payload: str, sender: int) -> None:
+        """Keep a notification for the keeper's thread (called inside the round trip
+        that brought it: never raises, and costs next to nothing)."""
+        inbox = self._inbox
+        if len(inbox) >= INBOX_LIMIT:
+            dropped = self._overflow[0] if self._overflow is not None else 0
+            self._overflow = (dropped + 1, channel, payload, sender)
+            return
+        inbox.append((channel, payload, sender))
+        if len(inbox) == 1:
+            self._wakeup.wake()
+
+    def _read_inbox(self) -> None:
+        """Act on the notifications received, at most :data:`_READ_PER_ROUND` of them
+        (then the queued batches go out, and the rest are read next round)."""
+        inbox = self._inbox
+        for _ in range(min(len(inbox), _READ_PER_ROUND)):
+            self._dispatch(*inbox.popleft())
+        overflow, self._overflow = self._overflow, None
+        if overflow is None:
+            return
+        count, channel, payload, sender = overflow
+        notices.dropped.add(channel, payload, sender, count=count)
+        # Which of them mattered is unknown: every client looks, as after a death.
+        with self._state:
+            ring = self._ring_channel
+            clients = list(self._clients)
+        if self._admit(ring, False, "down"):
+            for client in clients:
+                client.wake()
 
     def _dispatch(self, channel: str, payload: str, sender: int) -> None:
         """Act on one notification; never raises (raised in psycopg's notification

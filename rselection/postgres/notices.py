@@ -88,10 +88,12 @@ class _Dropped:
         """In a forked child: a parent's thread may have held the lock at the fork."""
         self._lock = threading.Lock()
 
-    def add(self, channel: str, payload: str, sender: int) -> None:
+    def add(self, channel: str, payload: str, sender: int, *, count: int = 1) -> None:
+        """Count ``count`` notifications dropped, the last ``payload`` on ``channel``
+        from backend ``sender``; log when due."""
         with self._lock:
-            self.count += 1
-            self._unreported += 1
+            self.count += count
+            self._unreported += count
             now = time.monotonic()
             if now < self._report_at:
                 return

@@ -61,6 +61,7 @@ WAKE_RATE = 4.0
 WAKE_BURST = 10
 FLOOD_SECONDS = 5.0
 FLOOD_RATE = 100.0  # NOTIFYs a second
+BURST = 200_000  # NOTIFYs committed in one transaction
 
 
 # ----------------------------------------------------------------- what the attacker knows
@@ -239,6 +240,42 @@ def test_malformed_notifications_do_not_wedge_the_shared_keeper(
     assert after is None, f"a leader lost its lease after the flood: {state}, {seen}"
     assert not seen, f"leaders were demoted or elected again: {seen}"
     assert [leader.term for leader in leaders] == terms
+
+
+def test_a_burst_of_notifications_does_not_end_a_term(
+    pg_dsn: str, attacker: Attacker, made: list[Any]
+) -> None:
+    # Before the fix: the keeper's thread read every notification of a burst under the
+    # session's statement lock before it sent the next renewal. 200,000 NOTIFYs that
+    # the attacker committed in one transaction (0.5 s of its time) held the renewals
+    # up for 7 s: the leader stepped down at its renew_deadline (4 s), 3.9 s after.
+    leader = node(pg_dsn, "node-a")
+    made.append(leader)
+    demotions: list[str] = []
+
+    def demoted(sender: Any, **kw: Any) -> None:
+        if sender is leader:
+            demotions.append(kw["reason"])
+
+    with receiving(rs.signals.demoted, demoted):
+        leader.start()
+        wait_until(lambda: leader.is_leader, 15, "node-a to lead")
+        term = leader.term
+        channel = public_lease_channel(attacker.qualified, "jobs")
+        started = time.monotonic()
+        attacker.conn.execute(
+            'SELECT count(pg_notify(%s, \'{"event": "released", "n": \' || i || \'}\'))'
+            " FROM generate_series(1, %s) AS i",
+            (channel, BURST),
+        )
+        sent = time.monotonic() - started
+        # Twice the renew_deadline: a term the burst ends has ended by then.
+        lost = measure(lambda: leader.term != term, 2 * TIMINGS["renew_deadline"])
+    print(f"\n{BURST} NOTIFYs committed in {sent:.2f} s: term lost after {lost} s, {demotions}")
+    assert lost is None and not demotions, (
+        f"a burst of {BURST} notifications ended term {term} {lost:.2f} s after it was sent "
+        f"(demotions {demotions})"
+    )
 
 
 # ------------------------------------------------------------- a forged `acquired` event
