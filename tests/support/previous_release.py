@@ -207,6 +207,10 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _without_pythonpath(env: Mapping[str, str]) -> dict[str, str]:
+    return {name: value for name, value in env.items() if name != "PYTHONPATH"}
+
+
 def _build(repo: Path, commit: str, root: Path) -> None:
     src, venv = root / "src", root / "venv"
     src.mkdir(parents=True)
@@ -236,7 +240,9 @@ def _build(repo: Path, commit: str, root: Path) -> None:
             "--no-deps",
             str(wheel),
         ],
-        env={**os.environ, "PIP_NO_INPUT": "1"},
+        # Without PYTHONPATH: pip would find this checkout's package there, take it
+        # for the one installed, and install nothing.
+        env={**_without_pythonpath(os.environ), "PIP_NO_INPUT": "1"},
     )
 
 
