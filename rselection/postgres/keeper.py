@@ -17,7 +17,10 @@ time:
 * releases, one per lease.
 
 It ``LISTEN``\\ s on every client's lease channel and on the ring channel; a thread of its
-own reads notifications while the session is idle and wakes the clients concerned. Its
+own takes notifications in while the session is idle (or as a round trip brings them),
+and reads them between round trips: it believes what they say only from a trusted
+peer's keeper session and rate-limits what the others wake (see
+:mod:`~rselection.postgres.notice_gate`). Its
 session also holds the process's *ring lock*, and a :class:`~.ring.RingWatcher` (the one
 other session) waits on the next keeper's, so a keeper that dies is announced within
 milliseconds to every follower (see :mod:`rselection.postgres.ring`).
@@ -1448,8 +1451,7 @@ class SharedKeeper:
                 client.wake()
 
     def _dispatch(self, channel: str, payload: str, sender: int) -> None:
-        """Act on one notification; never raises (raised in psycopg's notification
-        handler, an error would leave the session busy for good)."""
+        """Act on one notification (on the keeper's thread); never raises."""
         try:
             self._notice(channel, payload, sender)
         except Exception:  # counted and reported as a dropped notice: at most once a minute
