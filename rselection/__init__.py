@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from . import signals
 from .broadcast import Broadcaster, BroadcasterClosed, Subscription, SubscriptionClosed
-from .checkpoints import CheckpointStore, MemoryCheckpointStore, Snapshot
-from .claiming import FireClaimer, MemoryClaimer
+from .checkpoints import CheckpointStore, Snapshot
+from .claiming import FireClaimer
 from .context import TaskContext, TransactionFence
 from .errors import (
     BackendUnavailable,
@@ -30,6 +30,7 @@ from .errors import (
 from .leader import Leader, LeaseLeader
 from .lease import Acquisition, LeaderInfo, LeaseBackend
 from .members import NodeInfo
+from .memory import MemoryCheckpointStore, MemoryClaimer, MemoryLease
 from .monitor import HeartbeatMonitor
 from .schedules import CronSchedule, IntervalSchedule, Schedule, format_fire_key
 from .sharding import shard_of
@@ -60,6 +61,7 @@ __all__ = [
     "LeaseLeader",
     "MemoryCheckpointStore",
     "MemoryClaimer",
+    "MemoryLease",
     "NodeInfo",
     "RSelectionError",
     "Schedule",

@@ -12,7 +12,7 @@ leader hands it to its tasks as ``ctx.checkpoint`` (a :class:`TaskCheckpoint`: t
 task's name scoped to the lease as key, ``lease_scoped(name, task)``, the task's term as
 fence). Two ship with rselection:
 :class:`~rselection.postgres.PostgresCheckpointStore` (durable, next to the Postgres
-lease) and :class:`MemoryCheckpointStore` (this process only; the default of
+lease) and :class:`~rselection.MemoryCheckpointStore` (this process only; the default of
 :class:`~rselection.SingleNodeLeader`), which keep the same rules: versions that grow by
 one on every save and delete and never repeat, JSON states with the same limits, and
 saves refused once their term no longer holds the lease.
@@ -23,14 +23,12 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import threading
-from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from decimal import Decimal
 from typing import Any, Protocol, runtime_checkable
 
-from .errors import ConfigError, StaleLeaderError
+from .errors import ConfigError
 from .keys import lease_scoped
 from .lease import LeaseBackend
 from .validation import check_name
@@ -41,7 +39,6 @@ __all__ = [
     "CheckpointStore",
     "Key",
     "LeaseFencedStore",
-    "MemoryCheckpointStore",
     "Snapshot",
     "TaskCheckpoint",
     "check_key",
@@ -208,7 +205,7 @@ class CheckpointStore(Protocol):
     """Where ``ctx.checkpoint`` keeps task state: snapshots by key, saves fenced by term.
 
     :class:`~rselection.postgres.PostgresCheckpointStore` and
-    :class:`MemoryCheckpointStore` are two. A store of your own must keep their rules:
+    :class:`~rselection.MemoryCheckpointStore` are two. A store of your own must keep their rules:
     ``save(key, state, term=T, name=lease_name)`` commits only while term ``T`` holds the
     lease called ``lease_name``, atomically with the write (a takeover never lands
     between the check and the write), else raises
@@ -264,178 +261,6 @@ class LeaseFencedStore(CheckpointStore, Protocol):
                 its terms would be taken for the first one's).
         """
         ...
-
-
-class MemoryCheckpointStore:
-    """Checkpoints kept in this process, with the rules of the Postgres store.
-
-    The default store of :class:`~rselection.SingleNodeLeader`, so ``ctx.checkpoint``
-    works in local development and tests. States are stored as JSON text and come back
-    as Postgres ``jsonb`` returns them (:func:`decode_state`), so a task sees what it
-    would see from Postgres: tuples come back as lists, ``1e16`` as an int, ``-0.0`` as
-    ``0.0``, dict keys in ``jsonb`` order, and a state JSON cannot encode is refused at
-    the save; versions grow by one on every save and delete and
-    are never reused; ``save(key, state, term=T, name=lease_name)`` commits only while
-    ``T`` is the live holder's term of the lease called ``lease_name``, checked and written under
-    one lock, so a save of an ended term is refused with
-    :class:`~rselection.errors.StaleLeaderError`. Thread-safe.
-
-    Args:
-        leases: the leases fenced saves are checked against, one per name (a leader
-            built with this store adds its own lease; see :meth:`add_lease`).
-        max_state_bytes: largest encoded state :meth:`save` accepts (UTF-8 bytes of the
-            JSON text).
-
-    Raises:
-        ConfigError: a bad lease or limit, or two lease objects of one name.
-    """
-
-    def __init__(
-        self,
-        *,
-        leases: Iterable[LeaseBackend] = (),
-        max_state_bytes: int = DEFAULT_MAX_STATE_BYTES,
-    ) -> None:
-        if (
-            isinstance(max_state_bytes, bool)
-            or not isinstance(max_state_bytes, int)
-            or max_state_bytes <= 0
-        ):
-            raise ConfigError(f"max_state_bytes must be a positive int, got {max_state_bytes!r}")
-        self.max_state_bytes = max_state_bytes
-        self._lock = threading.Lock()
-        self._leases: dict[str, LeaseBackend] = {}
-        # key parts -> (JSON text or None once deleted, version, term, updated_at)
-        self._rows: dict[tuple[str, ...], tuple[str | None, int, int | None, datetime]] = {}
-        for lease in leases:
-            self.add_lease(lease)
-
-    def add_lease(self, lease: LeaseBackend) -> None:
-        """Fence saves of ``lease.name`` against ``lease`` from now on.
-
-        One lease object per name: adding the same object again does nothing, another
-        object of a name the store already fences is refused (its terms would be taken
-        for the first one's, so an ended term could pass and a live one be refused).
-
-        Raises:
-            ConfigError: ``lease`` is not a :class:`~rselection.LeaseBackend`, or the
-                store already fences another lease object of the same name.
-        """
-        if not isinstance(lease, LeaseBackend):
-            raise ConfigError(
-                f"a MemoryCheckpointStore fences against a LeaseBackend, got {type(lease).__name__}"
-            )
-        name = check_name(lease.name, "lease name")
-        with self._lock:
-            known = self._leases.setdefault(name, lease)
-        if known is not lease:
-            raise ConfigError(
-                f"this MemoryCheckpointStore already fences lease {name!r} against another "
-                f"lease object ({type(known).__name__}), and one store fences one lease per "
-                "name: give each leader sharing the store its own name=, or give each its "
-                "own store"
-            )
-
-    def load(self, key: Key) -> Snapshot | None:
-        """The last saved snapshot of ``key``, or ``None`` if never saved (or deleted).
-
-        Raises:
-            ConfigError: a bad key.
-        """
-        parts = check_key(key)
-        with self._lock:
-            row = self._rows.get(tuple(parts))
-        if row is None:
-            return None
-        text, version, term, updated_at = row
-        if text is None:
-            return None
-        return Snapshot(key_of(parts), decode_state(text), version, term, updated_at)
-
-    def save(
-        self, key: Key, state: Any, *, term: int | None = None, name: str = "default"
-    ) -> Snapshot:
-        """Store ``state`` as the new snapshot of ``key``; fenced when ``term`` is given.
-
-        Args:
-            key: a string or a tuple of strings.
-            state: a JSON-encodable value.
-            term: commit only while this term holds the lease called ``name``.
-            name: the name of the lease whose term fences the write (the leader's
-                ``name``).
-
-        Returns:
-            The snapshot just written (its new version).
-
-        Raises:
-            StaleLeaderError: ``term`` no longer holds the lease; nothing was written.
-            TypeError: ``state`` holds a value JSON cannot encode.
-            ConfigError: a bad key or term, a state refused as JSON or too large, or a
-                lease this store was not given.
-        """
-        parts = check_key(key)
-        text = encode_state(key_of(parts), state, self.max_state_bytes)
-        with self._lock:
-            self._fence(term, name)
-            version = self._next_version(parts)
-            now = datetime.now(UTC)
-            self._rows[tuple(parts)] = (text, version, term, now)
-        return Snapshot(key_of(parts), decode_state(text), version, term, now)
-
-    def delete(self, key: Key, *, term: int | None = None, name: str = "default") -> bool:
-        """Delete the snapshot of ``key``; fenced like :meth:`save`.
-
-        The version counter of the key is kept (the next save continues from it).
-
-        Args:
-            key: a string or a tuple of strings.
-            term: delete only while this term holds the lease called ``name``.
-            name: the name of the lease whose term fences the delete.
-
-        Returns:
-            ``True`` if a snapshot was deleted, ``False`` if there was none.
-
-        Raises:
-            StaleLeaderError: ``term`` no longer holds the lease; nothing was deleted.
-            ConfigError: a bad key or term, or a lease this store was not given.
-        """
-        parts = check_key(key)
-        with self._lock:
-            self._fence(term, name)
-            row = self._rows.get(tuple(parts))
-            if row is None or row[0] is None:
-                return False
-            self._rows[tuple(parts)] = (None, row[1] + 1, term, datetime.now(UTC))
-            return True
-
-    def _next_version(self, parts: list[str]) -> int:
-        row = self._rows.get(tuple(parts))
-        return 1 if row is None else row[1] + 1
-
-    def _fence(self, term: int | None, name: str) -> None:
-        """Refuse unless ``term`` is the live holder's term of the lease called ``name``
-        (under the lock, so no save lands after a check that a later term would fail)."""
-        if term is None:
-            return
-        number = check_term(term)
-        backend = self._leases.get(name)
-        if backend is None:
-            known = ", ".join(repr(other) for other in self._leases) or "none"
-            raise ConfigError(
-                f"this MemoryCheckpointStore cannot fence against lease {name!r} (it knows "
-                f"{known}): build it with MemoryCheckpointStore(leases=[lease]) or hand it "
-                "to the leader of that lease as checkpoint_store="
-            )
-        holder = backend.current()
-        if holder is None or holder.term != number:
-            raise StaleLeaderError(
-                f"term {number} no longer holds lease {name!r} (it was taken over, released "
-                "or expired): nothing was written; stop acting as leader, the new leader's "
-                "term is higher"
-            )
-
-    def __repr__(self) -> str:
-        return f"MemoryCheckpointStore(leases={sorted(self._leases)!r}, keys={len(self._rows)})"
 
 
 class TaskCheckpoint:

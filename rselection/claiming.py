@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import math
 import re
-import threading
-import time
 from typing import Protocol, runtime_checkable
 
 from .errors import BackendUnavailable, ConfigError
@@ -22,7 +19,6 @@ __all__ = [
     "FireClaimer",
     "FireHistory",
     "LeaseClaims",
-    "MemoryClaimer",
     "MissedFireClaimer",
     "check_fire_key",
     "check_fire_keys",
@@ -251,126 +247,6 @@ def check_fire_keys(values: object) -> list[str]:
         seen.add(key)
         keys.append(key)
     return keys
-
-
-class MemoryClaimer:
-    """Claims kept in this process: one run per fire among leaders that share it.
-
-    For tests, and for several leaders inside one process. Claims bind for ``ttl``
-    seconds of this process's monotonic clock, like the Postgres claimer's server time.
-
-    Args:
-        ttl: seconds a claim binds (positive).
-    """
-
-    def __init__(self, *, ttl: float = 600.0) -> None:
-        if (
-            isinstance(ttl, bool)
-            or not isinstance(ttl, int | float)
-            or not math.isfinite(ttl)
-            or ttl <= 0
-        ):
-            raise ConfigError(f"ttl must be a positive number of seconds, got {ttl!r}")
-        self.ttl = float(ttl)
-        self._claims: dict[str, tuple[float, int | None]] = {}
-        self._series: set[str] = set()  # every series ever claimed: see ran_before()
-        self._lock = threading.Lock()
-
-    def _record(self, key: str, until: float, term: int | None) -> None:
-        self._claims[key] = (until, term)
-        series = series_of(key)
-        if series is not None:
-            self._series.add(series)
-
-    def ran_before(self, series: str) -> bool:
-        """Whether a fire of ``series`` was claimed here before (see :class:`FireHistory`)."""
-        with self._lock:
-            return series in self._series
-
-    def ran_before_many(self, series: list[str]) -> set[str]:
-        """Those of ``series`` claimed here before (see :class:`BatchFireHistory`)."""
-        with self._lock:
-            return {one for one in series if one in self._series}
-
-    def claim_missed_many(
-        self, fire_keys: list[list[str]], *, term: int | None = None
-    ) -> list[list[str]]:
-        """:meth:`claim_missed` of each list, at once (see :class:`BatchMissedFireClaimer`).
-
-        Raises:
-            ConfigError: a bad key, or a key given twice (see :func:`check_fire_keys`).
-        """
-        check_fire_keys([key for keys in fire_keys for key in keys])
-        with self._lock:
-            return [self._claim_missed(keys, term) for keys in fire_keys]
-
-    def cleanup(self, *, batch: int | None = None) -> int:
-        """Forget expired claims, at most ``batch`` of them; return how many (see
-        :class:`CleanupClaimer`; the series stay known, so nothing is kept for them)."""
-        now = time.monotonic()
-        with self._lock:
-            expired = [key for key, (until, _) in self._claims.items() if until <= now]
-            for key in expired[:batch]:
-                del self._claims[key]
-            return len(expired[:batch])
-
-    def claim_missed(self, fire_keys: list[str], *, term: int | None = None) -> list[str]:
-        """Claim every key of ``fire_keys`` (oldest first) newer than the newest one
-        already held; return those won, oldest first (see :class:`MissedFireClaimer`).
-
-        Raises:
-            ConfigError: a bad or repeated key (see :func:`check_fire_keys`).
-        """
-        fire_keys = check_fire_keys(fire_keys)
-        with self._lock:
-            return self._claim_missed(fire_keys, term)
-
-    def _claim_missed(self, fire_keys: list[str], term: int | None) -> list[str]:
-        now = time.monotonic()
-        held = [i for i, key in enumerate(fire_keys) if self._holds(key, now)]
-        newer = fire_keys[held[-1] + 1 :] if held else fire_keys
-        for key in newer:
-            self._record(key, now + self.ttl, term)
-        return list(newer)
-
-    def _holds(self, key: str, now: float) -> bool:
-        held = self._claims.get(key)
-        return held is not None and held[0] > now
-
-    def claim(self, fire_key: str, *, term: int | None = None) -> bool:
-        """Claim ``fire_key`` unless an unexpired claim holds it.
-
-        Raises:
-            ConfigError: a bad key (see :func:`check_fire_key`).
-        """
-        check_fire_key(fire_key)
-        now = time.monotonic()
-        with self._lock:
-            if self._holds(fire_key, now):
-                return False
-            self._record(fire_key, now + self.ttl, term)
-            return True
-
-    def claim_many(self, fire_keys: list[str], *, term: int | None = None) -> set[str]:
-        """Claim each of ``fire_keys`` unless an unexpired claim holds it, at once;
-        return the keys won (see :class:`BatchFireClaimer`).
-
-        Raises:
-            ConfigError: a bad or repeated key (see :func:`check_fire_keys`).
-        """
-        fire_keys = check_fire_keys(fire_keys)
-        now = time.monotonic()
-        with self._lock:
-            won = {key for key in fire_keys if not self._holds(key, now)}
-            for key in won:
-                self._record(key, now + self.ttl, term)
-            return won
-
-    def claims(self) -> dict[str, int | None]:
-        """Unexpired claims: fire key -> the term that claimed it."""
-        now = time.monotonic()
-        with self._lock:
-            return {key: term for key, (until, term) in self._claims.items() if until > now}
 
 
 def claim_missed(claimer: FireClaimer, fire_keys: list[str], *, term: int | None) -> list[str]:

@@ -8,14 +8,10 @@ backend gets the same safety rules.
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from typing import Protocol, runtime_checkable
-
-from .validation import check_name, check_seconds
 
 __all__ = [
     "AnnouncesHolder",
@@ -23,7 +19,6 @@ __all__ = [
     "HandoverRequest",
     "LeaderInfo",
     "LeaseBackend",
-    "MemoryLease",
     "NonBlockingLease",
     "NonBlockingRelease",
     "ReleaseOutcome",
@@ -255,109 +250,3 @@ class NonBlockingRelease(Protocol):
         is called once, from any thread, with its :data:`ReleaseOutcome`. ``False``
         (nothing started, ``done`` never called) when it cannot start without blocking:
         call :meth:`LeaseBackend.release`."""
-
-
-class MemoryLease:
-    """A lease kept in process memory, for :class:`~rselection.SingleNodeLeader` and tests.
-
-    Several leaders in one process may share one ``MemoryLease`` to exercise elections
-    without a database. Time is this process's wall clock (one process, one clock).
-    """
-
-    def __init__(self, name: str = "default", ttl: float = 15.0) -> None:
-        """Create an empty lease called ``name`` whose holder expires after ``ttl`` seconds.
-
-        Raises:
-            ConfigError: a blank or overlong name, or a ttl that is not a positive number.
-        """
-        self.name = check_name(name, "lease name")
-        self.ttl = check_seconds(ttl, "ttl")
-        self._cond = threading.Condition()
-        self._holder: LeaderInfo | None = None
-        self._expires_mono = 0.0
-        self._term = 0
-        self._generation = 0
-        self._interrupted = False
-
-    def connect(self) -> None:
-        """Nothing to connect: the lease lives in memory."""
-
-    def _live_holder(self) -> LeaderInfo | None:
-        if self._holder is not None and time.monotonic() >= self._expires_mono:
-            self._holder = None
-            self._generation += 1
-        return self._holder
-
-    def _changed(self) -> None:
-        self._generation += 1
-        self._cond.notify_all()
-
-    def try_acquire(self, node_id: str) -> Acquisition:
-        """Take the lease if nobody holds it or the holder's ttl ran out."""
-        with self._cond:
-            holder = self._live_holder()
-            if holder is None:
-                self._term += 1
-                now = datetime.now(UTC)
-                holder = LeaderInfo(node_id, self._term, now, now + timedelta(seconds=self.ttl))
-                self._holder = holder
-                self._expires_mono = time.monotonic() + self.ttl
-                self._changed()
-                return Acquisition(True, holder, self.ttl)
-            return Acquisition(False, holder, max(0.0, self._expires_mono - time.monotonic()))
-
-    def renew(self, node_id: str, term: int) -> bool:
-        """Extend the lease when ``node_id`` still holds ``term``."""
-        with self._cond:
-            holder = self._live_holder()
-            if holder is None or holder.node_id != node_id or holder.term != term:
-                return False
-            expires_at = datetime.now(UTC) + timedelta(seconds=self.ttl)
-            self._holder = LeaderInfo(node_id, term, holder.acquired_at, expires_at)
-            self._expires_mono = time.monotonic() + self.ttl
-            return True
-
-    def release(self, node_id: str, term: int) -> None:
-        """Clear the holder when it is ``node_id`` at ``term``; the term counter is kept."""
-        with self._cond:
-            holder = self._live_holder()
-            if holder is not None and holder.node_id == node_id and holder.term == term:
-                self._holder = None
-                self._changed()
-
-    def revoke(self) -> None:
-        """Drop the current holder at once, as if its session died (for tests)."""
-        with self._cond:
-            self._holder = None
-            self._changed()
-
-    def current(self) -> LeaderInfo | None:
-        """The live holder, or ``None``."""
-        with self._cond:
-            return self._live_holder()
-
-    def wait_for_change(self, timeout: float) -> None:
-        """Wait until the holder changes, :meth:`interrupt` is called, or ``timeout``.
-
-        An interrupt that came while nobody waited makes this return at once. With
-        several leaders on one lease, any one waiter may consume it (an early return
-        only makes a keeper look again).
-        """
-        with self._cond:
-            generation = self._generation
-            self._cond.wait_for(
-                lambda: self._interrupted or self._generation != generation, timeout
-            )
-            self._interrupted = False
-
-    def interrupt(self) -> None:
-        """Wake every waiter, or the next one if nobody is waiting now."""
-        with self._cond:
-            self._interrupted = True
-            self._changed()
-
-    def term_ended(self, term: int) -> None:
-        """Nothing to do: a memory lease has no session to keep."""
-
-    def close(self) -> None:
-        """Nothing to close."""

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .checkpoints import CheckpointStore, LeaseFencedStore, MemoryCheckpointStore
+from .checkpoints import CheckpointStore, LeaseFencedStore
 from .errors import ConfigError
 from .leader import LeaseLeader
-from .lease import MemoryLease
+from .memory import MemoryCheckpointStore, MemoryLease
 from .timing import Timings
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ class SingleNodeLeader(LeaseLeader):
     """Leads at once with term 1, over an in-memory lease; no database needed.
 
     It is a :class:`~rselection.LeaseLeader` over a
-    :class:`~rselection.lease.MemoryLease`: the same state machine as the Postgres
+    :class:`~rselection.MemoryLease`: the same state machine as the Postgres
     leader, so cancellation, joins and signals behave as in production.
     :meth:`step_down` ends the term (tasks are cancelled and joined) and the next term
     starts with the next number. ``ctx.checkpoint`` keeps task state in memory, fenced

@@ -20,7 +20,7 @@ import dataclasses
 import threading
 
 from rselection import Acquisition, LeaderInfo
-from rselection.lease import MemoryLease
+from rselection.memory import MemoryLease
 
 _shared: dict[str, MemoryLease] = {}
 _lock = threading.Lock()

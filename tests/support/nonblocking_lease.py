@@ -16,7 +16,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from rselection.lease import Acquisition, LeaderInfo, MemoryLease, RenewOutcome
+from rselection.lease import Acquisition, LeaderInfo, RenewOutcome
+from rselection.memory import MemoryLease
 
 
 class WakingMemoryLease(MemoryLease):

@@ -16,7 +16,7 @@ import rselection as rs
 from rselection.checkpoints import LeaseFencedStore, TaskCheckpoint
 from rselection.errors import ConfigError, StaleLeaderError
 from rselection.keys import lease_scoped
-from rselection.lease import MemoryLease
+from rselection.memory import MemoryLease
 from tests.support.waiting import wait_until
 
 

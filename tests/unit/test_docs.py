@@ -277,7 +277,7 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
 # Stand-ins a pytest snippet may use for the reader's own code, made to really run here.
 RUN_GIVEN = {
     "MyLease": (
-        "from rselection.lease import MemoryLease\n"
+        "from rselection.memory import MemoryLease\n"
         "_LEASES: dict[str, MemoryLease] = {}\n"
         "def MyLease(name: str, ttl: float) -> rs.LeaseBackend:\n"
         "    # one in-memory lease per name, shared by the nodes of a scenario\n"

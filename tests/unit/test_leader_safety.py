@@ -27,7 +27,7 @@ import rselection as rs
 from rselection import signals
 from rselection.errors import BackendUnavailable, ConfigError
 from rselection.leader import LeaseLeader
-from rselection.lease import MemoryLease
+from rselection.memory import MemoryLease
 from rselection.timing import Timings
 from tests.support.waiting import wait_until
 
@@ -544,7 +544,7 @@ def test_on_stuck_exit_exits_before_calling_receivers_that_could_block(tmp_path:
         import rselection as rs
         from rselection import signals
         from rselection.leader import LeaseLeader
-        from rselection.lease import MemoryLease
+        from rselection.memory import MemoryLease
         from rselection.timing import Timings
 
         handler = rs.TaskHandler(stop_grace=0.3, on_stuck="exit")

@@ -18,7 +18,7 @@ import pytest
 
 import rselection as rs
 import rselection.leader
-from rselection.lease import MemoryLease
+from rselection.memory import MemoryLease
 from rselection.timing import Timings
 from tests.support.waiting import wait_until
 

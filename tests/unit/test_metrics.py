@@ -274,7 +274,7 @@ def test_namespace_prefixes_every_name() -> None:
 def test_a_follower_exports_is_leader_0_from_its_start_so_a_headless_lease_alerts(
     registry: CollectorRegistry,
 ) -> None:
-    from rselection.lease import MemoryLease
+    from rselection.memory import MemoryLease
 
     lease = MemoryLease("alerting", ttl=3.0)
     outside = lease.try_acquire("another-process")  # the holder lives elsewhere

@@ -18,7 +18,7 @@ import rselection as rs
 from rselection import signals
 from rselection.context import TaskContext
 from rselection.leader import LeaseLeader
-from rselection.lease import MemoryLease
+from rselection.memory import MemoryLease
 from rselection.schedules import format_fire_key
 from rselection.timing import Timings
 from tests.support.waiting import wait_until

@@ -14,7 +14,7 @@ import rselection as rs
 from rselection import clock
 from rselection.context import TaskContext, Term
 from rselection.leader import LeaseLeader
-from rselection.lease import MemoryLease
+from rselection.memory import MemoryLease
 from rselection.timing import Timings
 
 # Short timings: the deadline is 0.5 s after each renewal, renewals every 0.1 s.

@@ -15,7 +15,7 @@ import rselection as rs
 from rselection import clock
 from rselection.context import NoTransactionFence, TaskContext, Term
 from rselection.errors import ConfigError, LeadershipLost, StaleLeaderError
-from rselection.lease import MemoryLease
+from rselection.memory import MemoryLease
 from rselection.schedules import format_fire_key
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import rselection as rs
-from rselection.lease import MemoryLease
+from rselection.memory import MemoryLease
 
 
 @dataclass

@@ -1,0 +1,433 @@
+"""The in-memory backends: a lease, a fire claimer and a checkpoint store that live in
+this process.
+
+They keep the rules of the Postgres and Redis backends (terms, expiry, fencing, claims
+that bind for a ``ttl``), so that :class:`~rselection.SingleNodeLeader` runs tasks in
+local development exactly as a fleet would, and tests exercise every path of the
+leadership machine without a server. Several leaders of one process may share one of
+each, to hold elections among themselves.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from .checkpoints import (
+    DEFAULT_MAX_STATE_BYTES,
+    Key,
+    Snapshot,
+    check_key,
+    check_term,
+    decode_state,
+    encode_state,
+    key_of,
+)
+from .claiming import check_fire_key, check_fire_keys, series_of
+from .errors import ConfigError, StaleLeaderError
+from .lease import Acquisition, LeaderInfo, LeaseBackend
+from .validation import check_name, check_seconds
+
+__all__ = ["MemoryCheckpointStore", "MemoryClaimer", "MemoryLease"]
+
+
+class MemoryLease:
+    """A lease kept in process memory, for :class:`~rselection.SingleNodeLeader` and tests.
+
+    Several leaders in one process may share one ``MemoryLease`` to exercise elections
+    without a database. Time is this process's wall clock (one process, one clock).
+    """
+
+    def __init__(self, name: str = "default", ttl: float = 15.0) -> None:
+        """Create an empty lease called ``name`` whose holder expires after ``ttl`` seconds.
+
+        Raises:
+            ConfigError: a blank or overlong name, or a ttl that is not a positive number.
+        """
+        self.name = check_name(name, "lease name")
+        self.ttl = check_seconds(ttl, "ttl")
+        self._cond = threading.Condition()
+        self._holder: LeaderInfo | None = None
+        self._expires_mono = 0.0
+        self._term = 0
+        self._generation = 0
+        self._interrupted = False
+
+    def connect(self) -> None:
+        """Nothing to connect: the lease lives in memory."""
+
+    def _live_holder(self) -> LeaderInfo | None:
+        if self._holder is not None and time.monotonic() >= self._expires_mono:
+            self._holder = None
+            self._generation += 1
+        return self._holder
+
+    def _changed(self) -> None:
+        self._generation += 1
+        self._cond.notify_all()
+
+    def try_acquire(self, node_id: str) -> Acquisition:
+        """Take the lease if nobody holds it or the holder's ttl ran out."""
+        with self._cond:
+            holder = self._live_holder()
+            if holder is None:
+                self._term += 1
+                now = datetime.now(UTC)
+                holder = LeaderInfo(node_id, self._term, now, now + timedelta(seconds=self.ttl))
+                self._holder = holder
+                self._expires_mono = time.monotonic() + self.ttl
+                self._changed()
+                return Acquisition(True, holder, self.ttl)
+            return Acquisition(False, holder, max(0.0, self._expires_mono - time.monotonic()))
+
+    def renew(self, node_id: str, term: int) -> bool:
+        """Extend the lease when ``node_id`` still holds ``term``."""
+        with self._cond:
+            holder = self._live_holder()
+            if holder is None or holder.node_id != node_id or holder.term != term:
+                return False
+            expires_at = datetime.now(UTC) + timedelta(seconds=self.ttl)
+            self._holder = LeaderInfo(node_id, term, holder.acquired_at, expires_at)
+            self._expires_mono = time.monotonic() + self.ttl
+            return True
+
+    def release(self, node_id: str, term: int) -> None:
+        """Clear the holder when it is ``node_id`` at ``term``; the term counter is kept."""
+        with self._cond:
+            holder = self._live_holder()
+            if holder is not None and holder.node_id == node_id and holder.term == term:
+                self._holder = None
+                self._changed()
+
+    def revoke(self) -> None:
+        """Drop the current holder at once, as if its session died (for tests)."""
+        with self._cond:
+            self._holder = None
+            self._changed()
+
+    def current(self) -> LeaderInfo | None:
+        """The live holder, or ``None``."""
+        with self._cond:
+            return self._live_holder()
+
+    def wait_for_change(self, timeout: float) -> None:
+        """Wait until the holder changes, :meth:`interrupt` is called, or ``timeout``.
+
+        An interrupt that came while nobody waited makes this return at once. With
+        several leaders on one lease, any one waiter may consume it (an early return
+        only makes a keeper look again).
+        """
+        with self._cond:
+            generation = self._generation
+            self._cond.wait_for(
+                lambda: self._interrupted or self._generation != generation, timeout
+            )
+            self._interrupted = False
+
+    def interrupt(self) -> None:
+        """Wake every waiter, or the next one if nobody is waiting now."""
+        with self._cond:
+            self._interrupted = True
+            self._changed()
+
+    def term_ended(self, term: int) -> None:
+        """Nothing to do: a memory lease has no session to keep."""
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+class MemoryClaimer:
+    """Claims kept in this process: one run per fire among leaders that share it.
+
+    For tests, and for several leaders inside one process. Claims bind for ``ttl``
+    seconds of this process's monotonic clock, like the Postgres claimer's server time.
+
+    Args:
+        ttl: seconds a claim binds (positive).
+    """
+
+    def __init__(self, *, ttl: float = 600.0) -> None:
+        if (
+            isinstance(ttl, bool)
+            or not isinstance(ttl, int | float)
+            or not math.isfinite(ttl)
+            or ttl <= 0
+        ):
+            raise ConfigError(f"ttl must be a positive number of seconds, got {ttl!r}")
+        self.ttl = float(ttl)
+        self._claims: dict[str, tuple[float, int | None]] = {}
+        self._series: set[str] = set()  # every series ever claimed: see ran_before()
+        self._lock = threading.Lock()
+
+    def _record(self, key: str, until: float, term: int | None) -> None:
+        self._claims[key] = (until, term)
+        series = series_of(key)
+        if series is not None:
+            self._series.add(series)
+
+    def ran_before(self, series: str) -> bool:
+        """Whether a fire of ``series`` was claimed here before (see :class:`FireHistory`)."""
+        with self._lock:
+            return series in self._series
+
+    def ran_before_many(self, series: list[str]) -> set[str]:
+        """Those of ``series`` claimed here before (see :class:`BatchFireHistory`)."""
+        with self._lock:
+            return {one for one in series if one in self._series}
+
+    def claim_missed_many(
+        self, fire_keys: list[list[str]], *, term: int | None = None
+    ) -> list[list[str]]:
+        """:meth:`claim_missed` of each list, at once (see :class:`BatchMissedFireClaimer`).
+
+        Raises:
+            ConfigError: a bad key, or a key given twice (see :func:`check_fire_keys`).
+        """
+        check_fire_keys([key for keys in fire_keys for key in keys])
+        with self._lock:
+            return [self._claim_missed(keys, term) for keys in fire_keys]
+
+    def cleanup(self, *, batch: int | None = None) -> int:
+        """Forget expired claims, at most ``batch`` of them; return how many (see
+        :class:`CleanupClaimer`; the series stay known, so nothing is kept for them)."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [key for key, (until, _) in self._claims.items() if until <= now]
+            for key in expired[:batch]:
+                del self._claims[key]
+            return len(expired[:batch])
+
+    def claim_missed(self, fire_keys: list[str], *, term: int | None = None) -> list[str]:
+        """Claim every key of ``fire_keys`` (oldest first) newer than the newest one
+        already held; return those won, oldest first (see :class:`MissedFireClaimer`).
+
+        Raises:
+            ConfigError: a bad or repeated key (see :func:`check_fire_keys`).
+        """
+        fire_keys = check_fire_keys(fire_keys)
+        with self._lock:
+            return self._claim_missed(fire_keys, term)
+
+    def _claim_missed(self, fire_keys: list[str], term: int | None) -> list[str]:
+        now = time.monotonic()
+        held = [i for i, key in enumerate(fire_keys) if self._holds(key, now)]
+        newer = fire_keys[held[-1] + 1 :] if held else fire_keys
+        for key in newer:
+            self._record(key, now + self.ttl, term)
+        return list(newer)
+
+    def _holds(self, key: str, now: float) -> bool:
+        held = self._claims.get(key)
+        return held is not None and held[0] > now
+
+    def claim(self, fire_key: str, *, term: int | None = None) -> bool:
+        """Claim ``fire_key`` unless an unexpired claim holds it.
+
+        Raises:
+            ConfigError: a bad key (see :func:`check_fire_key`).
+        """
+        check_fire_key(fire_key)
+        now = time.monotonic()
+        with self._lock:
+            if self._holds(fire_key, now):
+                return False
+            self._record(fire_key, now + self.ttl, term)
+            return True
+
+    def claim_many(self, fire_keys: list[str], *, term: int | None = None) -> set[str]:
+        """Claim each of ``fire_keys`` unless an unexpired claim holds it, at once;
+        return the keys won (see :class:`BatchFireClaimer`).
+
+        Raises:
+            ConfigError: a bad or repeated key (see :func:`check_fire_keys`).
+        """
+        fire_keys = check_fire_keys(fire_keys)
+        now = time.monotonic()
+        with self._lock:
+            won = {key for key in fire_keys if not self._holds(key, now)}
+            for key in won:
+                self._record(key, now + self.ttl, term)
+            return won
+
+    def claims(self) -> dict[str, int | None]:
+        """Unexpired claims: fire key -> the term that claimed it."""
+        now = time.monotonic()
+        with self._lock:
+            return {key: term for key, (until, term) in self._claims.items() if until > now}
+
+
+class MemoryCheckpointStore:
+    """Checkpoints kept in this process, with the rules of the Postgres store.
+
+    The default store of :class:`~rselection.SingleNodeLeader`, so ``ctx.checkpoint``
+    works in local development and tests. States are stored as JSON text and come back
+    as Postgres ``jsonb`` returns them (:func:`decode_state`), so a task sees what it
+    would see from Postgres: tuples come back as lists, ``1e16`` as an int, ``-0.0`` as
+    ``0.0``, dict keys in ``jsonb`` order, and a state JSON cannot encode is refused at
+    the save; versions grow by one on every save and delete and
+    are never reused; ``save(key, state, term=T, name=lease_name)`` commits only while
+    ``T`` is the live holder's term of the lease called ``lease_name``, checked and written under
+    one lock, so a save of an ended term is refused with
+    :class:`~rselection.errors.StaleLeaderError`. Thread-safe.
+
+    Args:
+        leases: the leases fenced saves are checked against, one per name (a leader
+            built with this store adds its own lease; see :meth:`add_lease`).
+        max_state_bytes: largest encoded state :meth:`save` accepts (UTF-8 bytes of the
+            JSON text).
+
+    Raises:
+        ConfigError: a bad lease or limit, or two lease objects of one name.
+    """
+
+    def __init__(
+        self,
+        *,
+        leases: Iterable[LeaseBackend] = (),
+        max_state_bytes: int = DEFAULT_MAX_STATE_BYTES,
+    ) -> None:
+        if (
+            isinstance(max_state_bytes, bool)
+            or not isinstance(max_state_bytes, int)
+            or max_state_bytes <= 0
+        ):
+            raise ConfigError(f"max_state_bytes must be a positive int, got {max_state_bytes!r}")
+        self.max_state_bytes = max_state_bytes
+        self._lock = threading.Lock()
+        self._leases: dict[str, LeaseBackend] = {}
+        # key parts -> (JSON text or None once deleted, version, term, updated_at)
+        self._rows: dict[tuple[str, ...], tuple[str | None, int, int | None, datetime]] = {}
+        for lease in leases:
+            self.add_lease(lease)
+
+    def add_lease(self, lease: LeaseBackend) -> None:
+        """Fence saves of ``lease.name`` against ``lease`` from now on.
+
+        One lease object per name: adding the same object again does nothing, another
+        object of a name the store already fences is refused (its terms would be taken
+        for the first one's, so an ended term could pass and a live one be refused).
+
+        Raises:
+            ConfigError: ``lease`` is not a :class:`~rselection.LeaseBackend`, or the
+                store already fences another lease object of the same name.
+        """
+        if not isinstance(lease, LeaseBackend):
+            raise ConfigError(
+                f"a MemoryCheckpointStore fences against a LeaseBackend, got {type(lease).__name__}"
+            )
+        name = check_name(lease.name, "lease name")
+        with self._lock:
+            known = self._leases.setdefault(name, lease)
+        if known is not lease:
+            raise ConfigError(
+                f"this MemoryCheckpointStore already fences lease {name!r} against another "
+                f"lease object ({type(known).__name__}), and one store fences one lease per "
+                "name: give each leader sharing the store its own name=, or give each its "
+                "own store"
+            )
+
+    def load(self, key: Key) -> Snapshot | None:
+        """The last saved snapshot of ``key``, or ``None`` if never saved (or deleted).
+
+        Raises:
+            ConfigError: a bad key.
+        """
+        parts = check_key(key)
+        with self._lock:
+            row = self._rows.get(tuple(parts))
+        if row is None:
+            return None
+        text, version, term, updated_at = row
+        if text is None:
+            return None
+        return Snapshot(key_of(parts), decode_state(text), version, term, updated_at)
+
+    def save(
+        self, key: Key, state: Any, *, term: int | None = None, name: str = "default"
+    ) -> Snapshot:
+        """Store ``state`` as the new snapshot of ``key``; fenced when ``term`` is given.
+
+        Args:
+            key: a string or a tuple of strings.
+            state: a JSON-encodable value.
+            term: commit only while this term holds the lease called ``name``.
+            name: the name of the lease whose term fences the write (the leader's
+                ``name``).
+
+        Returns:
+            The snapshot just written (its new version).
+
+        Raises:
+            StaleLeaderError: ``term`` no longer holds the lease; nothing was written.
+            TypeError: ``state`` holds a value JSON cannot encode.
+            ConfigError: a bad key or term, a state refused as JSON or too large, or a
+                lease this store was not given.
+        """
+        parts = check_key(key)
+        text = encode_state(key_of(parts), state, self.max_state_bytes)
+        with self._lock:
+            self._fence(term, name)
+            version = self._next_version(parts)
+            now = datetime.now(UTC)
+            self._rows[tuple(parts)] = (text, version, term, now)
+        return Snapshot(key_of(parts), decode_state(text), version, term, now)
+
+    def delete(self, key: Key, *, term: int | None = None, name: str = "default") -> bool:
+        """Delete the snapshot of ``key``; fenced like :meth:`save`.
+
+        The version counter of the key is kept (the next save continues from it).
+
+        Args:
+            key: a string or a tuple of strings.
+            term: delete only while this term holds the lease called ``name``.
+            name: the name of the lease whose term fences the delete.
+
+        Returns:
+            ``True`` if a snapshot was deleted, ``False`` if there was none.
+
+        Raises:
+            StaleLeaderError: ``term`` no longer holds the lease; nothing was deleted.
+            ConfigError: a bad key or term, or a lease this store was not given.
+        """
+        parts = check_key(key)
+        with self._lock:
+            self._fence(term, name)
+            row = self._rows.get(tuple(parts))
+            if row is None or row[0] is None:
+                return False
+            self._rows[tuple(parts)] = (None, row[1] + 1, term, datetime.now(UTC))
+            return True
+
+    def _next_version(self, parts: list[str]) -> int:
+        row = self._rows.get(tuple(parts))
+        return 1 if row is None else row[1] + 1
+
+    def _fence(self, term: int | None, name: str) -> None:
+        """Refuse unless ``term`` is the live holder's term of the lease called ``name``
+        (under the lock, so no save lands after a check that a later term would fail)."""
+        if term is None:
+            return
+        number = check_term(term)
+        backend = self._leases.get(name)
+        if backend is None:
+            known = ", ".join(repr(other) for other in self._leases) or "none"
+            raise ConfigError(
+                f"this MemoryCheckpointStore cannot fence against lease {name!r} (it knows "
+                f"{known}): build it with MemoryCheckpointStore(leases=[lease]) or hand it "
+                "to the leader of that lease as checkpoint_store="
+            )
+        holder = backend.current()
+        if holder is None or holder.term != number:
+            raise StaleLeaderError(
+                f"term {number} no longer holds lease {name!r} (it was taken over, released "
+                "or expired): nothing was written; stop acting as leader, the new leader's "
+                "term is higher"
+            )
+
+    def __repr__(self) -> str:
+        return f"MemoryCheckpointStore(leases={sorted(self._leases)!r}, keys={len(self._rows)})"
