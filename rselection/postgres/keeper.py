@@ -161,7 +161,7 @@ _T = TypeVar("_T")
 
 class Heartbeat(Protocol):
     """A node whose heartbeats ride on the keeper session (see
-    :class:`~rselection.postgres.membership.Membership`)."""
+    :class:`~rselection.postgres.membership.PostgresMembership`)."""
 
     @property
     def table(self) -> str:

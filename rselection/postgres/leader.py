@@ -20,7 +20,7 @@ from .checkpoint import PostgresCheckpointStore
 from .claims import PostgresClaimer
 from .fencing import afenced, fenced
 from .lease import PostgresLease
-from .membership import Membership
+from .membership import PostgresMembership
 from .schema import NODES_TABLE
 
 if TYPE_CHECKING:
@@ -169,7 +169,7 @@ class PostgresLeader(LeaseLeader):
 
         heartbeat = check_seconds(heartbeat_interval, "heartbeat_interval")
         timeout = check_optional_seconds(node_timeout, "node_timeout")
-        self._membership = Membership(
+        self._membership = PostgresMembership(
             conninfo,
             name=name,
             node_id=node_id,

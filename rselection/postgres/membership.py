@@ -35,14 +35,14 @@ from ._conn import Connections
 from .keeper import Heartbeat, SharedKeeper
 from .schema import create_tables, table_identifier
 
-__all__ = ["Membership"]
+__all__ = ["PostgresMembership"]
 
 logger = logging.getLogger(__name__)
 
 _PURGE_AFTER = 86_400.0  # seconds a lost node's row is kept for operators to see
 
 
-class Membership:
+class PostgresMembership:
     """Heartbeats of one node, and the list of a lease's nodes.
 
     Args:
@@ -186,7 +186,9 @@ class Membership:
         this table), and purging rows of their leases' nodes lost for a day."""
         # One row per (lease, node): two leaders of one lease and node id in a process
         # would make the upsert affect a row twice, and fail for every node.
-        keys = dict.fromkeys((m.name, m.node_id) for m in batch if isinstance(m, Membership))
+        keys = dict.fromkeys(
+            (m.name, m.node_id) for m in batch if isinstance(m, PostgresMembership)
+        )
         # Two array literals, not two literals a node: a process of a thousand leases
         # composes this every heartbeat.
         names = sql.Literal([name for name, _ in keys])
