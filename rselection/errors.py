@@ -29,3 +29,10 @@ class StaleLeaderError(RSelectionError):
 
 class BackendUnavailable(RSelectionError):
     """The lease server (Postgres or Redis) cannot be reached or answered with an error."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (its type's name when it has none): what a
+    log line or an error of ours quotes of a driver's error."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -32,6 +32,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from . import clock, forks, signals
+from .backoff import backoff
 from .checkpoints import CheckpointStore, LeaseFencedStore
 from .claiming import FireClaimer, LeaseClaims
 from .context import Term, TransactionFence, running_term
@@ -76,16 +77,6 @@ _LEASE_MEMBERS = (
     "term_ended",
     "close",
 )
-
-_RECONNECT_FIRST = 0.1
-_RECONNECT_CAP = 5.0
-
-
-def reconnect_delay(failures: int) -> float:
-    """Capped exponential backoff with jitter after ``failures`` failed attempts (>= 1)."""
-    return float(min(_RECONNECT_CAP, _RECONNECT_FIRST * 2 ** (failures - 1))) * random.uniform(
-        0.5, 1.0
-    )
 
 
 @runtime_checkable
@@ -673,7 +664,7 @@ class LeaseLeader:
         self._announce()
         self._held_term = None  # the server ends a dead session's lease
         self._close_backend()
-        return reconnect_delay(failures)
+        return backoff(failures)
 
     def _pause(self, seconds: float) -> None:
         if self._wake.wait(seconds):

@@ -28,7 +28,6 @@ import inspect
 import itertools
 import logging
 import os
-import random
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -37,6 +36,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import signals
+from .backoff import backoff
 from .claiming import (
     CLEANUP_BATCH,
     CleanupClaimer,
@@ -108,7 +108,7 @@ def cleanup_period(ttl: float) -> float:
 
 def restart_delay(attempt: int) -> float:
     """Backoff before restart number ``attempt`` (0-based): capped exponential, jittered."""
-    return float(min(_RESTART_CAP, _RESTART_BASE * 2**attempt)) * random.uniform(0.5, 1.0)
+    return backoff(attempt + 1, first=_RESTART_BASE, cap=_RESTART_CAP)
 
 
 class TermRunner:

@@ -13,7 +13,7 @@ import argparse
 import os
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, first_line
 from ..redaction import check_userinfo, has_password, parser_message, redact, redact_dsn
 from .output import UsageError, say
 
@@ -147,12 +147,6 @@ def warn_of_passwords(args: argparse.Namespace) -> None:
             "users of this machine can read (ps, /proc)",
             err=True,
         )
-
-
-def first_line(exc: BaseException) -> str:
-    """The first line of an error's message (a driver's message can run for many lines)."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def connect(dsn: str) -> psycopg.Connection[Any]:

@@ -33,7 +33,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.pq import TransactionStatus
 
 from .. import forks
-from ..errors import BackendUnavailable, ConfigError, RSelectionError
+from ..errors import BackendUnavailable, ConfigError, RSelectionError, first_line
 from ..redaction import check_userinfo, misread, redact, redact_dsn
 
 if TYPE_CHECKING:
@@ -193,7 +193,7 @@ def unavailable(what: str, conninfo: str, exc: BaseException) -> BackendUnavaila
         conninfo: the connection string used.
         exc: the driver error; chain it with ``raise ... from exc``.
     """
-    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    detail = first_line(exc)
     return BackendUnavailable(
         f"cannot {what} ({describe_conninfo(conninfo)}): {redact(detail, conninfo)}"
     )
@@ -734,7 +734,7 @@ class Connections:
         """
         if self._conninfo is not None:
             return unavailable(what, self._conninfo, exc)
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        detail = first_line(exc)
         # A pool's errors may be about its connection string.
         conninfo = getattr(self._pool, "conninfo", None)
         known = [conninfo] if isinstance(conninfo, str) else []

@@ -77,7 +77,7 @@ from psycopg import sql
 from .. import forks
 from ..claiming import CLEANUP_BATCH, check_fire_key, check_fire_keys
 from ..closeable import Closeable
-from ..errors import ConfigError
+from ..errors import ConfigError, first_line
 from ..validation import check_node_id, check_seconds, new_node_id
 from ._conn import Connections
 from .schema import CLAIMS_TABLE, create_tables, table_identifier
@@ -324,7 +324,7 @@ class PostgresClaimer(Closeable):
         except (psycopg.errors.UndefinedColumn, psycopg.errors.NotNullViolation) as exc:
             raise ConfigError(
                 f"cannot {what}: {self.table!r} is not a claims table made by migrate() "
-                f"({str(exc).strip().splitlines()[0]})"
+                f"({first_line(exc)})"
             ) from exc
         except psycopg.Error as exc:
             raise self._conns.wrap(what, exc) from exc

@@ -45,7 +45,7 @@ from psycopg import sql
 
 from .. import forks
 from ..closeable import Closeable
-from ..errors import ConfigError
+from ..errors import ConfigError, first_line
 from ..validation import check_name, check_node_id, check_seconds, new_node_id
 from ._conn import Connections
 from .claims import MIN_TTL
@@ -194,7 +194,7 @@ class PostgresElector(Closeable):
             except (psycopg.errors.UndefinedColumn, psycopg.errors.NotNullViolation) as exc:
                 raise ConfigError(
                     f"cannot {what}: {self.table!r} is not an elections table made by "
-                    f"migrate() ({str(exc).strip().splitlines()[0]}); a PostgresLeader lease "
+                    f"migrate() ({first_line(exc)}); a PostgresLeader lease "
                     "table cannot be shared with an elector"
                 ) from exc
             except psycopg.Error as exc:

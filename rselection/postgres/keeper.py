@@ -54,7 +54,7 @@ from psycopg import sql
 from psycopg.pq import ConnStatus, TransactionStatus
 
 from .. import clock, forks
-from ..errors import BackendUnavailable, ConfigError
+from ..errors import BackendUnavailable, ConfigError, first_line
 from ..wakeup import Wakeup
 from . import notices
 from ._conn import (
@@ -599,7 +599,7 @@ class SharedKeeper:
                 raise
             # A hardened or managed server may refuse pg_control_system() or the WAL
             # functions: the postmaster start time alone still tells servers apart.
-            logger.info("keeper: recording the server's start time only (%s)", _first_line(exc))
+            logger.info("keeper: recording the server's start time only (%s)", first_line(exc))
             row = conn.execute(SERVER_START_SQL).fetchone()
         assert row is not None
         in_recovery, system_id, walfile, started = row
@@ -833,7 +833,7 @@ class SharedKeeper:
                     try:
                         conn.execute(undo(seen))
                     except psycopg.Error as exc:
-                        logger.warning("keeper: could not give back: %s", _first_line(exc))
+                        logger.warning("keeper: could not give back: %s", first_line(exc))
                 self._fail()
                 check_same_backend(self._pid, seen, self.where)  # raises ConfigError
             return results
@@ -1009,7 +1009,7 @@ class SharedKeeper:
                 logger.warning(
                     "lease %r: the server refused its renewal (%s); its term is lost",
                     queued.lease.name,
-                    _first_line(exc),
+                    first_line(exc),
                 )
                 queued.fill(None)
             return
@@ -1035,7 +1035,7 @@ class SharedKeeper:
             )
         except psycopg.Error as exc:
             logger.warning(
-                "keeper: could not free the locks of a failed acquisition: %s", _first_line(exc)
+                "keeper: could not free the locks of a failed acquisition: %s", first_line(exc)
             )
 
     @staticmethod
@@ -1101,7 +1101,7 @@ class SharedKeeper:
                 queued.fill(
                     error=BackendUnavailable(
                         f"cannot acquire lease {queued.lease.name!r}: the server refused "
-                        f"({_first_line(exc)}); trying again later"
+                        f"({first_line(exc)}); trying again later"
                     )
                 )
             return
@@ -1193,7 +1193,7 @@ class SharedKeeper:
         except psycopg.Error as exc:
             # Refused on a healthy session (a trigger, say): nothing was released, and no
             # lock freed; each is sent alone, so that only a row at fault fails.
-            logger.debug("keeper: a batch of releases was refused (%s)", _first_line(exc))
+            logger.debug("keeper: a batch of releases was refused (%s)", first_line(exc))
             for queued in batch:
                 queued.fill(RELEASE_REFUSED)
             return
@@ -1247,7 +1247,7 @@ class SharedKeeper:
             # one passes on by expiry.
             raise BackendUnavailable(
                 f"cannot release lease {lease.name!r}: the server refused "
-                f"({_first_line(exc)}); it passes on when it expires"
+                f"({first_line(exc)}); it passes on when it expires"
             ) from exc
         self._released(lease, node_id, term)
         return bool(results[-2])
@@ -1337,7 +1337,7 @@ class SharedKeeper:
             except (BackendUnavailable, ConfigError, psycopg.Error) as exc:
                 # Still listening there at worst: notifications for a channel without
                 # a client are dropped, and a new session listens afresh.
-                logger.debug("keeper: could not stop listening: %s", _first_line(exc))
+                logger.debug("keeper: could not stop listening: %s", first_line(exc))
 
     def _until_beat(self, cap: float) -> float:
         """Seconds until the next heartbeat or locked release is due (at most ``cap``)."""
@@ -1386,7 +1386,7 @@ class SharedKeeper:
                 failed = False
             except (BackendUnavailable, ConfigError, psycopg.Error) as exc:
                 failed = True
-                logger.warning("keeper: could not record heartbeats: %s", _first_line(exc))
+                logger.warning("keeper: could not record heartbeats: %s", first_line(exc))
             with self._state:
                 for node in batch:
                     if node in self._beats:
@@ -1537,7 +1537,7 @@ class SharedKeeper:
             )
         except (BackendUnavailable, ConfigError, psycopg.Error) as exc:
             self._gate.read_failed()
-            logger.debug("keeper: could not read the ring's members: %s", _first_line(exc))
+            logger.debug("keeper: could not read the ring's members: %s", first_line(exc))
             return
         self._gate.members_read(int(row[0]) for row in results[0] or [])
 
@@ -1589,8 +1589,3 @@ def _set_client_keepalives(
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, ka.interval)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, ka.count)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, user_timeout)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -56,6 +56,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from ..backoff import backoff
 from ..errors import BackendUnavailable
 from ._conn import open_session, unavailable
 
@@ -343,7 +344,9 @@ class RingWatcher:
                     else unavailable("watch the ring", self._conninfo, exc)
                 )
                 log("ring watcher: %s", why)
-                self._moved.wait(min(_RECONNECT_CAP, _RECONNECT_FIRST * 2 ** (failures - 1)))
+                self._moved.wait(
+                    backoff(failures, first=_RECONNECT_FIRST, cap=_RECONNECT_CAP, jitter=False)
+                )
             except Exception:  # never let the watcher die: it only speeds failover up
                 failures += 1
                 logger.exception("ring watcher: unexpected error; it goes on")

@@ -19,7 +19,7 @@ from redis.cluster import RedisCluster
 from redis.connection import ConnectionPool
 from redis.retry import Retry
 
-from ..errors import BackendUnavailable, ConfigError
+from ..errors import BackendUnavailable, ConfigError, first_line
 from ..redaction import check_userinfo, misread, parser_message, redact, redact_dsn
 
 __all__ = [
@@ -110,9 +110,7 @@ def unavailable(what: str, where: str, exc: BaseException) -> BackendUnavailable
         where: :func:`describe` of the server.
         exc: the driver error; chain it with ``raise ... from exc``.
     """
-    text = str(exc).strip()
-    detail = text.splitlines()[0] if text else type(exc).__name__
-    return BackendUnavailable(f"cannot {what} ({where}): {redact(detail)}")
+    return BackendUnavailable(f"cannot {what} ({where}): {redact(first_line(exc))}")
 
 
 def check_client(client: object, owner: str) -> tuple[Any, bool]:

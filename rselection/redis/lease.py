@@ -111,7 +111,7 @@ import redis
 
 from .. import forks
 from ..closeable import Closeable
-from ..errors import BackendUnavailable, ConfigError
+from ..errors import BackendUnavailable, ConfigError, first_line
 from ..lease import Acquisition, HandoverRequest, LeaderInfo
 from ..session_hold import SessionHold
 from ..validation import check_name, check_node_id, check_optional_seconds, check_seconds
@@ -521,7 +521,7 @@ class RedisLease(Closeable):
                 "lease %r: cannot read the server's timeout settings (%s); crash failover "
                 "waits for the ttl",
                 self.name,
-                str(exc).splitlines()[0],
+                first_line(exc),
             )
             return False
         # A leader cut off from the server has joined its tasks by renew_deadline +
@@ -584,7 +584,7 @@ class RedisLease(Closeable):
                 "lease %r: CLIENT LIST is not allowed (%s); this node takes over only when "
                 "a lease expires",
                 self.name,
-                str(exc).splitlines()[0],
+                first_line(exc),
             )
             return False
         return True
@@ -930,7 +930,7 @@ class RedisLease(Closeable):
                 "the channel, see the Redis how-to)",
                 self.name,
                 channel,
-                str(exc).splitlines()[0],
+                first_line(exc),
             )
 
     def _keeper_readable(self, conn: Any) -> None:
@@ -1052,7 +1052,7 @@ class RedisLease(Closeable):
             "how-to)",
             self.name,
             channel,
-            str(exc).splitlines()[0],
+            first_line(exc),
         )
 
     def _heard(self, payload: Any) -> None:

@@ -44,6 +44,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .. import forks
+from ..backoff import backoff
 from ..errors import BackendUnavailable, ConfigError
 from ..members import NodeInfo
 from ..validation import check_name, check_node_id, check_seconds
@@ -304,8 +305,7 @@ class RedisMembership:
         (then 1 s, doubling with each failure in a row, up to ``heartbeat_interval``)."""
         if ok:
             return self.heartbeat_interval
-        backoff: float = _RETRY * 2 ** min(max(self._failures - 1, 0), 16)
-        return min(backoff, self.heartbeat_interval)
+        return backoff(self._failures, first=_RETRY, cap=self.heartbeat_interval, jitter=False)
 
     def nodes(self) -> list[NodeInfo]:
         """Every node listed for this lease, oldest first; lost ones have ``alive=False``.

@@ -27,11 +27,12 @@ from typing import Any
 import psycopg
 
 from ... import forks
+from ...backoff import backoff
 from ...broadcast import BroadcasterClosed
 from .fetches import Fetches
 from .listening import ListeningSession
 from .location import Location
-from .sessions import Sessions, backoff
+from .sessions import Sessions
 from .wakeups import IgnoredPayloads, notified_id
 
 __all__ = ["Gap", "GapHook", "Listener"]

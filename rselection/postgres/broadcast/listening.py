@@ -30,8 +30,9 @@ import psycopg
 from psycopg import sql
 
 from ... import forks
+from ...backoff import backoff
 from ...errors import BackendUnavailable, ConfigError
-from .sessions import Deadlines, abort_socket, backoff
+from .sessions import Deadlines, abort_socket
 
 if TYPE_CHECKING:
     from .listener import Listener

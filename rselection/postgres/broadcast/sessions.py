@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import random
 import threading
 import time
 from collections.abc import Iterator
@@ -27,7 +26,7 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 
 from ... import forks
-from ...errors import BackendUnavailable, ConfigError
+from ...errors import BackendUnavailable, ConfigError, first_line
 from ...redaction import redact
 from .._conn import (
     Connections,
@@ -48,25 +47,14 @@ __all__ = [
     "Deadlines",
     "Sessions",
     "abort_socket",
-    "backoff",
-    "first_line",
     "query_one",
+    "redacted_line",
 ]
 
 logger = logging.getLogger(__name__)
 
 APPLICATION_NAME = "rselection:broadcast"
 """``application_name`` of the listening session, as ``pg_stat_activity`` shows it."""
-
-#: Reconnect backoff: the first wait, doubling to the cap, each jittered to 50-100%.
-_BACKOFF_FIRST = 0.1
-_BACKOFF_CAP = 5.0
-
-
-def backoff(failures: int) -> float:
-    """Capped exponential backoff with jitter after ``failures`` failed attempts (>= 1)."""
-    base = min(_BACKOFF_CAP, _BACKOFF_FIRST * float(2 ** min(failures - 1, 16)))
-    return base * random.uniform(0.5, 1.0)
 
 
 def query_one(
@@ -163,10 +151,9 @@ class Deadlines:
             thread.join(self._tick + 5.0)
 
 
-def first_line(exc: BaseException, conninfo: str) -> str:
+def redacted_line(exc: BaseException, conninfo: str) -> str:
     """The first line of an error, without the password of ``conninfo``, for logs."""
-    text = str(exc).strip()
-    return redact(text.splitlines()[0], conninfo) if text else type(exc).__name__
+    return redact(first_line(exc), conninfo)
 
 
 class Sessions:
@@ -230,7 +217,7 @@ class Sessions:
 
     def error_text(self, exc: BaseException) -> str:
         """The first line of ``exc``, without the password, for logs and messages."""
-        return first_line(exc, self.conninfo)
+        return redacted_line(exc, self.conninfo)
 
     @contextlib.contextmanager
     def borrow(self, what: str, *, check: bool = False) -> Iterator[psycopg.Connection[Any]]:
