@@ -20,7 +20,6 @@ import contextlib
 import logging
 import os
 import select
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from psycopg import sql
 from ... import forks
 from ...backoff import backoff
 from ...errors import BackendUnavailable, ConfigError
+from ...wakeup import Wakeup
 from .sessions import Deadlines, abort_socket
 
 if TYPE_CHECKING:
@@ -82,10 +82,9 @@ class ListeningSession:
         self._conn_lock = threading.Lock()
         self._conn: psycopg.Connection[Any] | None = None
         self._listened: set[str] = set()  # NOTIFY channels LISTENed on the connection
-        # A byte on this pair wakes the thread from its wait on the session's socket.
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
+        # Wakes the thread from its wait on the session's socket.
+        self._wakeup = Wakeup()
+        self._wakeup.open()
         self.thread = threading.Thread(
             target=self._run, name="rselection-broadcast-listen", daemon=True
         )
@@ -158,9 +157,7 @@ class ListeningSession:
 
     def wake(self) -> None:
         """Make the thread look at its listeners now (a reader arrived, or one left)."""
-        # OSError: the session ended and closed the pair; BlockingIOError: bytes wait.
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"\0")
+        self._wakeup.wake()
 
     @staticmethod
     def in_a_thread() -> bool:
@@ -212,8 +209,7 @@ class ListeningSession:
             return list(self._listeners)
 
     def _close_wake_pair(self) -> None:
-        for end in (self._wake_r, self._wake_w):
-            end.close()
+        self._wakeup.close()
 
     @staticmethod
     def _reading(listeners: list[Listener]) -> list[Listener]:
@@ -223,10 +219,10 @@ class ListeningSession:
 
     def _idle(self) -> None:
         """Wait, with no session, until :meth:`wake` is called (a reader or a detach)."""
-        select.select([self._wake_r.fileno()], [], [])
-        with contextlib.suppress(OSError):
-            while self._wake_r.recv(4096):
-                pass
+        wake = self._wakeup.socket
+        if wake is not None and not self._wakeup.pending:
+            select.select([wake], [], [])
+        self._wakeup.clear()
 
     # -- the thread ----------------------------------------------------------------------
 
@@ -411,13 +407,12 @@ class ListeningSession:
         if notes:
             return notes, False
         fd = conn.fileno()
-        wake_fd = self._wake_r.fileno()
-        ready, _, _ = select.select([fd, wake_fd], [], [], wait)
-        woken = wake_fd in ready
+        wake = self._wakeup.socket
+        wake_fd = wake.fileno() if wake is not None else None
+        ready, _, _ = select.select([fd] if wake_fd is None else [fd, wake_fd], [], [], wait)
+        woken = wake_fd is not None and wake_fd in ready
         if woken:
-            with contextlib.suppress(OSError):
-                while self._wake_r.recv(4096):
-                    pass
+            self._wakeup.clear()
         if fd in ready:
             notes = list(conn.notifies(timeout=0.0))
         return notes, woken
