@@ -31,7 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 from .errors import ConfigError
 from .keys import lease_scoped
 from .lease import LeaseBackend
-from .validation import check_name
+from .validation import check_name, check_term
 
 __all__ = [
     "DEFAULT_MAX_STATE_BYTES",
@@ -42,7 +42,6 @@ __all__ = [
     "Snapshot",
     "TaskCheckpoint",
     "check_key",
-    "check_term",
     "decode_state",
     "encode_state",
     "key_of",
@@ -109,13 +108,6 @@ def check_key(key: object) -> list[str]:
 def key_of(parts: list[str]) -> Key:
     """The key made of ``parts``: a ``str`` for one part, else a tuple."""
     return parts[0] if len(parts) == 1 else tuple(parts)
-
-
-def check_term(term: object) -> int:
-    """Return ``term`` if it is a non-negative int, else raise :class:`ConfigError`."""
-    if isinstance(term, bool) or not isinstance(term, int) or term < 0:
-        raise ConfigError(f"term must be a non-negative int, got {term!r}")
-    return term
 
 
 def encode_state(key: Key, state: Any, max_bytes: int) -> str:

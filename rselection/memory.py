@@ -22,7 +22,6 @@ from .checkpoints import (
     Key,
     Snapshot,
     check_key,
-    check_term,
     decode_state,
     encode_state,
     key_of,
@@ -30,7 +29,7 @@ from .checkpoints import (
 from .claiming import check_fire_key, check_fire_keys, series_of
 from .errors import ConfigError, StaleLeaderError
 from .lease import Acquisition, LeaderInfo, LeaseBackend
-from .validation import check_name, check_seconds
+from .validation import check_name, check_optional_term, check_seconds, check_term
 
 __all__ = ["MemoryCheckpointStore", "MemoryClaimer", "MemoryLease"]
 
@@ -189,6 +188,7 @@ class MemoryClaimer:
             ConfigError: a bad key, or a key given twice (see :func:`check_fire_keys`).
         """
         check_fire_keys([key for keys in fire_keys for key in keys])
+        check_optional_term(term)
         with self._lock:
             return [self._claim_missed(keys, term) for keys in fire_keys]
 
@@ -210,6 +210,7 @@ class MemoryClaimer:
             ConfigError: a bad or repeated key (see :func:`check_fire_keys`).
         """
         fire_keys = check_fire_keys(fire_keys)
+        check_optional_term(term)
         with self._lock:
             return self._claim_missed(fire_keys, term)
 
@@ -232,6 +233,7 @@ class MemoryClaimer:
             ConfigError: a bad key (see :func:`check_fire_key`).
         """
         check_fire_key(fire_key)
+        check_optional_term(term)
         now = time.monotonic()
         with self._lock:
             if self._holds(fire_key, now):
@@ -247,6 +249,7 @@ class MemoryClaimer:
             ConfigError: a bad or repeated key (see :func:`check_fire_keys`).
         """
         fire_keys = check_fire_keys(fire_keys)
+        check_optional_term(term)
         now = time.monotonic()
         with self._lock:
             won = {key for key in fire_keys if not self._holds(key, now)}

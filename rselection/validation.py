@@ -18,10 +18,13 @@ from .errors import ConfigError
 
 __all__ = [
     "MAX_NAME",
+    "MAX_TERM",
     "check_name",
     "check_node_id",
     "check_optional_seconds",
+    "check_optional_term",
     "check_seconds",
+    "check_term",
     "name_bytes",
     "new_node_id",
 ]
@@ -50,6 +53,24 @@ def name_bytes(value: str) -> int:
         value: the name (valid Unicode, as :func:`check_name` makes sure).
     """
     return len(json.dumps(value, ensure_ascii=False).encode()) - 2
+
+
+MAX_TERM = 2**63 - 1
+"""The largest fencing term (a Postgres ``bigint``, a Redis integer)."""
+
+
+def check_term(value: object) -> int:
+    """Return ``value`` if it is a fencing term, else raise :class:`ConfigError`: an
+    ``int`` from 1 to :data:`MAX_TERM` (a ``bool`` is refused), as every class takes one
+    (``ctx.term``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TERM:
+        raise ConfigError(f"term must be an int from 1 to 2**63 - 1 (ctx.term), got {value!r:.40}")
+    return value
+
+
+def check_optional_term(value: object) -> int | None:
+    """:func:`check_term`, where ``None`` says that no term applies."""
+    return None if value is None else check_term(value)
 
 
 def check_name(value: object, what: str = "name") -> str:

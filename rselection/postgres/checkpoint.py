@@ -51,14 +51,13 @@ from ..checkpoints import (
     Snapshot,
     TaskCheckpoint,
     check_key,
-    check_term,
     decode_state,
     encode_state,
     key_of,
 )
 from ..closeable import Closeable
 from ..errors import ConfigError, StaleLeaderError
-from ..validation import check_name, check_node_id, check_seconds
+from ..validation import check_name, check_node_id, check_seconds, check_term
 from ._conn import Connections
 from .claims import MIN_TTL
 from .fencing import fenced

@@ -78,7 +78,7 @@ from .. import forks
 from ..claiming import CLEANUP_BATCH, check_fire_key, check_fire_keys
 from ..closeable import Closeable
 from ..errors import ConfigError, first_line
-from ..validation import check_node_id, check_seconds, new_node_id
+from ..validation import check_node_id, check_optional_term, check_seconds, new_node_id
 from ._conn import Connections
 from .schema import CLAIMS_TABLE, create_tables, table_identifier
 
@@ -98,17 +98,8 @@ MIN_TTL = 0.001
 microsecond precision."""
 
 
-_MAX_TERM = 2**63 - 1
-
 # What rselection.format_fire_key ends a key with, as a Postgres regular expression.
 _INSTANT_SQL = r"@[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{9}Z$"
-
-
-def _check_term(term: object) -> None:
-    if term is not None and (
-        isinstance(term, bool) or not isinstance(term, int) or not 0 <= term <= _MAX_TERM
-    ):
-        raise ConfigError(f"term must be None or an int in [0, 2**63), got {term!r}")
 
 
 # The parts every claim statement shares. A live claim written in another key format
@@ -341,7 +332,7 @@ class PostgresClaimer(Closeable):
             ConfigError, BackendUnavailable: as :meth:`claim`.
         """
         fire_keys = check_fire_keys(fire_keys)
-        _check_term(term)
+        check_optional_term(term)
         if not fire_keys:
             return []
         params = {
@@ -370,7 +361,7 @@ class PostgresClaimer(Closeable):
             BackendUnavailable: as :meth:`claim`.
         """
         flat = check_fire_keys([key for keys in fire_keys for key in keys])
-        _check_term(term)
+        check_optional_term(term)
         if not flat:
             return [[] for _ in fire_keys]
         params = {
@@ -420,7 +411,7 @@ class PostgresClaimer(Closeable):
                 do not run the fire.
         """
         check_fire_key(fire_key)
-        _check_term(term)
+        check_optional_term(term)
         params = {
             "key": fire_key,
             "fv": FIRE_KEY_FORMAT,
@@ -450,7 +441,7 @@ class PostgresClaimer(Closeable):
                 unknown; run none of the fires.
         """
         fire_keys = check_fire_keys(fire_keys)
-        _check_term(term)
+        check_optional_term(term)
         if not fire_keys:
             return set()
         params = {

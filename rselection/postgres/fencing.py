@@ -48,7 +48,7 @@ from psycopg import sql
 from psycopg.pq import TransactionStatus
 
 from ..errors import BackendUnavailable, ConfigError, StaleLeaderError
-from ..validation import check_name, check_optional_seconds
+from ..validation import check_name, check_optional_seconds, check_term
 from .schema import DEFAULT_TABLE, table_identifier
 
 __all__ = ["afenced", "fenced"]
@@ -80,8 +80,7 @@ def _prepare(
     name: str, term: int, table: str, idle_timeout: float | None
 ) -> tuple[sql.Composed, tuple[Any, ...]]:
     check_name(name, "lease name")
-    if isinstance(term, bool) or not isinstance(term, int) or term < 0:
-        raise ConfigError(f"term must be a non-negative int, got {term!r}")
+    check_term(term)
     seconds = check_optional_seconds(idle_timeout, "idle_timeout", minimum=0.001)
     if seconds is None:
         return _query(table, False), (name, term)

@@ -31,7 +31,7 @@ from psycopg import sql
 
 from ..errors import ConfigError
 from ..lease import HandoverRequest, LeaderInfo
-from ..validation import check_name, check_node_id, check_seconds
+from ..validation import check_name, check_node_id, check_seconds, check_term
 from ._conn import Connections
 from ._lease_sql import lease_channel, resolve_lease_table, rows_sql, utc
 from .schema import DEFAULT_TABLE, NODES_TABLE, table_identifier
@@ -74,12 +74,6 @@ def _lease_table(conn: psycopg.Connection[Any], table: str) -> tuple[int, str, b
     if found is None:
         raise ConfigError(f"lease table {table!r} does not exist: run `rselection migrate`")
     return found
-
-
-def _check_term(term: object) -> int:
-    if isinstance(term, bool) or not isinstance(term, int) or term < 1:
-        raise ConfigError(f"term must be a positive int, got {term!r:.40}")
-    return term
 
 
 def request_handover(
@@ -204,7 +198,7 @@ def request_handovers(
         members_of = check_name(members_of, "lease name")
         table_identifier(nodes_table)  # validates
     if fence is not None:
-        fence = (check_name(fence[0], "lease name"), _check_term(fence[1]))
+        fence = (check_name(fence[0], "lease name"), check_term(fence[1]))
     if not names:
         return {}
     conditions: list[sql.Composable] = []
@@ -340,7 +334,7 @@ def cancel_handover(conninfo: Any, name: str, term: int, *, table: str = DEFAULT
         BackendUnavailable: the database cannot be reached or the statement failed.
     """
     name = check_name(name, "lease name")
-    term = _check_term(term)
+    term = check_term(term)
     with _one_call(conninfo, "cancel_handover", "withdraw the handover request") as conn:
         _lease_table(conn, table)
         row = conn.execute(

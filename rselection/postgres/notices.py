@@ -21,6 +21,7 @@ from typing import Any
 
 from .. import forks
 from ..lease import LeaderInfo
+from ..validation import MAX_TERM
 from ._lease_sql import utc
 
 __all__ = [
@@ -41,7 +42,6 @@ _MAX_PAYLOAD = 8000
 #: Digits of a backend pid (a 32-bit int) and of a term (a bigint).
 _PID_DIGITS = 10
 _MAX_PID = 2**31 - 1
-_MAX_TERM = 2**63 - 1
 
 #: Seconds between two reports of dropped notices.
 _REPORT_EVERY = 60.0
@@ -158,7 +158,7 @@ def _parse(payload: str) -> LeaseNotice | None:
         return None
     kind: str = event["event"]
     node, to = _text(event.get("node_id")), _text(event.get("to"))
-    term, pid = _number(event.get("term"), _MAX_TERM), _number(event.get("holder_pid"), _MAX_PID)
+    term, pid = _number(event.get("term"), MAX_TERM), _number(event.get("holder_pid"), _MAX_PID)
     holder = _holder(node, term, event) if kind == "acquired" else None
     return LeaseNotice(kind, node, term, pid, holder, to)
 

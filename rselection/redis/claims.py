@@ -43,8 +43,7 @@ from redis.cluster import RedisCluster
 from .. import forks
 from ..claiming import ClaimsPartlyFailed, check_fire_key, check_fire_keys
 from ..closeable import Closeable
-from ..errors import ConfigError
-from ..validation import check_node_id, check_seconds, new_node_id
+from ..validation import check_node_id, check_optional_term, check_seconds, new_node_id
 from ._conn import check_client, describe, unavailable
 from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
 
@@ -54,8 +53,6 @@ logger = logging.getLogger(__name__)
 
 FIRE_KEY_FORMAT = 1
 """Format of the fire keys this release writes (see :func:`rselection.format_fire_key`)."""
-
-_MAX_TERM = 2**63 - 1
 
 #: KEYS: the claim key. ARGV: node id, term ('' for none), fire-key format, ttl (ms).
 #: Returns 1 when claimed, 0 when an unexpired claim holds the key.
@@ -100,13 +97,6 @@ for i = 1, #KEYS do
 end
 return won
 """
-
-
-def _check_term(term: object) -> None:
-    if term is not None and (
-        isinstance(term, bool) or not isinstance(term, int) or not 0 <= term <= _MAX_TERM
-    ):
-        raise ConfigError(f"term must be None or an int in [0, 2**63), got {term!r:.40}")
 
 
 class RedisClaimer(Closeable):
@@ -197,7 +187,7 @@ class RedisClaimer(Closeable):
             BackendUnavailable: Redis cannot be reached or failed (fail closed).
         """
         check_fire_key(fire_key)
-        _check_term(term)
+        check_optional_term(term)
         try:
             won = int(self._claim(keys=[self.key(fire_key)], args=self._args(term)))
         except redis.RedisError as exc:
@@ -224,7 +214,7 @@ class RedisClaimer(Closeable):
                 nothing may run, although some claims may have been made).
         """
         fire_keys = check_fire_keys(fire_keys)
-        _check_term(term)
+        check_optional_term(term)
         if not fire_keys:
             return []
         keys = [self.key(k) for k in fire_keys]
@@ -259,7 +249,7 @@ class RedisClaimer(Closeable):
                 none of the fires, although some claims may have been made).
         """
         fire_keys = check_fire_keys(fire_keys)
-        _check_term(term)
+        check_optional_term(term)
         if not fire_keys:
             return set()
         keys = [self.key(k) for k in fire_keys]
@@ -395,7 +385,7 @@ class RedisClaimer(Closeable):
             BackendUnavailable: as :meth:`claim_missed`.
         """
         check_fire_keys([key for keys in fire_keys for key in keys])
-        _check_term(term)
+        check_optional_term(term)
         if self._cluster:
             return [self.claim_missed(keys, term=term) for keys in fire_keys]
         groups = [keys for keys in fire_keys if keys]

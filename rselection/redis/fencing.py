@@ -33,7 +33,7 @@ import redis.asyncio
 
 from ..closeable import Closeable
 from ..errors import BackendUnavailable, ConfigError, StaleLeaderError
-from ..validation import check_name
+from ..validation import check_name, check_term
 from ._conn import check_client, describe, unavailable
 from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
 from .lease import lease_keys
@@ -94,7 +94,7 @@ class RedisFence(Closeable):
             redis.ResponseError: the command itself failed (it ran in the script; Redis
                 does not roll earlier commands back, but a single command fails whole).
         """
-        _check_term(term)
+        check_term(term)
         try:
             ok, reply = self._script(keys=[self.key], args=[str(term), *command])
         except redis.RedisError as exc:
@@ -119,11 +119,6 @@ class RedisFence(Closeable):
                 self._client.close()
             except Exception as exc:  # best effort
                 logger.debug("fence %r: error closing the client: %s", self.name, exc)
-
-
-def _check_term(term: int) -> None:
-    if isinstance(term, bool) or not isinstance(term, int) or term < 1:
-        raise ConfigError(f"term must be a positive int (ctx.term), got {term!r}")
 
 
 def _unavailable(exc: redis.RedisError, client: Any) -> BackendUnavailable | None:
@@ -181,7 +176,7 @@ async def afenced_call(
         )
     check_name(name, "lease name")
     key = lease_keys(name, check_key_prefix(key_prefix))[0]
-    _check_term(term)
+    check_term(term)
     script = client.register_script(FENCED)
     try:
         ok, reply = await script(keys=[key], args=[str(term), *command])

@@ -25,7 +25,7 @@ from redis.cluster import RedisCluster
 from ..closeable import Closeable
 from ..errors import BackendUnavailable, ConfigError
 from ..lease import LeaderInfo
-from ..validation import check_name, check_node_id, check_seconds
+from ..validation import check_name, check_node_id, check_seconds, check_term
 from ._conn import check_client, describe, unavailable
 from ._scripts import CANCEL_HANDOVER, READ, REQUEST_HANDOVER
 from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
@@ -135,8 +135,7 @@ def cancel_handover(
         BackendUnavailable: Redis cannot be reached or refused the script.
     """
     name, key_prefix = _lease(name, key_prefix)
-    if isinstance(term, bool) or not isinstance(term, int) or term < 1:
-        raise ConfigError(f"term must be a positive int, got {term!r:.40}")
+    check_term(term)
     _, _, channel = lease_keys(name, key_prefix)
     with _OneCall(client, "cancel_handover") as call:
         try:

@@ -1,4 +1,4 @@
-"""The one set of checks every backend uses for names, node ids and durations."""
+"""The one set of checks every backend uses for names, node ids, durations and terms."""
 
 from __future__ import annotations
 
@@ -6,13 +6,16 @@ from datetime import timedelta
 
 import pytest
 
+import rselection as rs
 from rselection.errors import ConfigError
 from rselection.validation import (
     MAX_NAME,
     check_name,
     check_node_id,
     check_optional_seconds,
+    check_optional_term,
     check_seconds,
+    check_term,
     name_bytes,
     new_node_id,
 )
@@ -76,3 +79,20 @@ def test_names_are_limited_in_bytes_as_notifications_carry_them(longest: str, wh
 
 def test_a_names_size_is_what_json_makes_of_it() -> None:
     assert name_bytes('a"b\\c\x01\t\U0001f986é') == 1 + 2 + 1 + 2 + 1 + 6 + 2 + 4 + 2
+
+
+@pytest.mark.parametrize("term", [0, -1, 2**63, True, False, 1.0, "1", None])
+def test_a_fencing_term_is_an_int_from_1_to_2_63_minus_1(term: object) -> None:
+    with pytest.raises(ConfigError, match="term must be an int from 1 to 2"):
+        check_term(term)
+
+
+def test_every_class_takes_the_same_terms() -> None:
+    assert check_term(1) == 1 and check_term(2**63 - 1) == 2**63 - 1
+    assert check_optional_term(None) is None and check_optional_term(7) == 7
+    with pytest.raises(ConfigError, match="term must be"):
+        check_optional_term(0)
+    store, claimer = rs.MemoryCheckpointStore(), rs.MemoryClaimer()
+    for refused in (lambda: store.save("k", 1, term=0), lambda: claimer.claim("f", term=0)):
+        with pytest.raises(ConfigError, match="term must be an int from 1"):
+            refused()

@@ -101,11 +101,15 @@ def test_a_claim_records_its_node_id_and_term(
 ) -> None:
     claimer = make_claimer(node_id="worker-7")
     assert claimer.claim(KEY, term=9)
-    assert claimer.claim("other", term=0)
+    assert claimer.claim("other", term=1)
     assert claimer.claim("no-term")
+    # Terms start at 1 (DESIGN's one term check): 0 is no term, as for every class.
+    with pytest.raises(ConfigError, match="term must be"):
+        claimer.claim("zero", term=0)
     assert backend.claim_of(KEY) == ("worker-7", 9)
-    assert backend.claim_of("other") == ("worker-7", 0)
+    assert backend.claim_of("other") == ("worker-7", 1)
     assert backend.claim_of("no-term") == ("worker-7", None)
+    assert backend.claim_of("zero") is None
     assert backend.claim_of("never") is None
 
 
