@@ -1,11 +1,13 @@
-"""The ``with`` block of every object that owns a connection: close on exit."""
+"""The ``with`` blocks of the objects that own connections or run in the background:
+:class:`Closeable` closes on exit, :class:`Service` starts on entry and stops on exit."""
 
 from __future__ import annotations
 
+import asyncio
 from types import TracebackType
 from typing import Self
 
-__all__ = ["Closeable"]
+__all__ = ["Closeable", "Service"]
 
 
 class Closeable:
@@ -32,3 +34,49 @@ class Closeable:
     ) -> None:
         """Close what the object opened itself (see :meth:`close`)."""
         self.close()
+
+
+class Service:
+    """Base of the objects that run in the background between :meth:`start` and
+    :meth:`stop` (the leaders).
+
+    ``with leader:`` and ``async with leader:`` start it on entry and stop it on exit,
+    whatever ends the block; the ``async`` exit waits for the stop in a thread, since
+    stopping joins async tasks that may run on the very loop that awaits it.
+    """
+
+    def start(self) -> None:
+        """Start running in the background; return at once."""
+        raise NotImplementedError
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop, and wait up to ``timeout`` seconds (``None``: until stopped)."""
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        """Start, and return the object itself."""
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Stop (see :meth:`stop`)."""
+        self.stop()
+
+    async def __aenter__(self) -> Self:
+        """Start, and return the object itself."""
+        self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Stop, waiting in a thread (see the class)."""
+        await asyncio.to_thread(self.stop)

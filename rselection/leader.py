@@ -28,13 +28,13 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from types import TracebackType
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, Self, runtime_checkable
 
 from . import clock, forks, signals
 from .backoff import backoff
 from .checkpoints import CheckpointStore, LeaseFencedStore
 from .claiming import FireClaimer, LeaseClaims
+from .closeable import Service
 from .context import Term, TransactionFence, running_term
 from .driven import DrivenKeeper
 from .errors import BackendUnavailable, ConfigError, RSelectionError
@@ -114,7 +114,7 @@ class Leader(Protocol):
         """Block until this node leads; ``False`` on timeout."""
 
 
-class LeaseLeader:
+class LeaseLeader(Service):
     """Leadership over any :class:`~rselection.LeaseBackend`: the one state machine.
 
     Competes for ``lease`` and, while it holds it, runs ``handler``'s tasks; every task
@@ -560,31 +560,11 @@ class LeaseLeader:
             return False
         return loop is self._loop
 
-    def __enter__(self) -> LeaseLeader:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    async def __aenter__(self) -> LeaseLeader:
+    async def __aenter__(self) -> Self:
+        """Start, and run async tasks on the loop that entered the block."""
         self._loop = asyncio.get_running_loop()
         self.start()
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        # Stopping joins async tasks that run on this very loop: wait in a thread.
-        await asyncio.to_thread(self.stop)
 
     def __repr__(self) -> str:
         return (

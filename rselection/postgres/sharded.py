@@ -20,7 +20,6 @@ See ``docs/explanation/sharding.md`` for the design and its failure cases.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import queue
@@ -30,13 +29,13 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import psycopg
 from psycopg import sql
 
 from .. import forks
+from ..closeable import Service
 from ..errors import BackendUnavailable, ConfigError, RSelectionError, StaleLeaderError
 from ..leader import LeaseLeader
 from ..lease import LeaderInfo
@@ -472,7 +471,7 @@ class Rebalancer:
         memory.held = held
 
 
-class PostgresShardedLeader:
+class PostgresShardedLeader(Service):
     """Leads a fixed set of shards across a fleet: each shard run by one live node.
 
     The handler's tasks run once per shard this node owns, with ``ctx.shard`` and
@@ -1153,31 +1152,6 @@ class PostgresShardedLeader:
             )
         except BackendUnavailable as exc:
             logger.info("shards of %r: stopping without handing over (%s)", self._name, exc)
-
-    def __enter__(self) -> PostgresShardedLeader:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    async def __aenter__(self) -> PostgresShardedLeader:
-        self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        # Stopping joins async tasks that may run on this very loop: wait in a thread.
-        await asyncio.to_thread(self.stop)
 
     def __repr__(self) -> str:
         return (
