@@ -142,7 +142,7 @@ def test_concurrent_claimers_win_each_key_exactly_once(
         order = keys[:]
         random.Random(index).shuffle(order)
         barrier.wait(timeout=30)
-        return [k for k in order if claimers[index].claim(k, term=index)]
+        return [k for k in order if claimers[index].claim(k, term=index + 1)]
 
     with ThreadPoolExecutor(threads) as pool:
         futures: list[Future[list[str]]] = [pool.submit(run, i) for i in range(threads)]
@@ -152,7 +152,7 @@ def test_concurrent_claimers_win_each_key_exactly_once(
     assert set(counts.values()) == {1}
     for index, keys_won in enumerate(won):
         for k in keys_won[:10]:
-            assert backend.claim_of(k) == (claimers[index].node_id, index)
+            assert backend.claim_of(k) == (claimers[index].node_id, index + 1)
 
 
 def test_fire_keys_and_node_ids_are_used_verbatim(
@@ -442,7 +442,7 @@ def test_concurrent_claim_many_wins_each_key_exactly_once(
         barrier.wait(timeout=30)
         won: set[str] = set()
         for start in range(0, len(order), 100):  # three batches each, overlapping others
-            won |= claimers[index].claim_many(order[start : start + 100], term=index)
+            won |= claimers[index].claim_many(order[start : start + 100], term=index + 1)
         return won
 
     with ThreadPoolExecutor(threads) as pool:
