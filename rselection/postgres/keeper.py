@@ -1523,23 +1523,27 @@ class SharedKeeper:
                     client.nudged(kinds)
 
     def _read_members(self) -> None:
-        """Read the ring's members on the session, when due (see :mod:`.notice_gate`)."""
+        """Read the ring's members on the session, when due (see :mod:`.notice_gate`).
+
+        Not through :meth:`_run`: the members are the server's, whichever backend reads
+        them, so a pooler that lends the session's statements to another backend is left
+        to the renewals and attempts to find (they refuse it as a configuration error).
+        """
         with self._state:
-            found = self._found
-        if found is None or not self._gate.read_now():
+            found, conn = self._found, self._conn
+        if found is None or conn is None or not self._gate.read_now():
             return
         try:
-            results = self._run(
-                members_sql(found.oid),
-                "read the members of the ring",
-                limit=HEARTBEAT_BOUND + 1.0,
-                tolerate=True,
-            )
-        except (BackendUnavailable, ConfigError, psycopg.Error) as exc:
+            with self._lock:
+                if conn is not self._conn or self._broken or conn.closed or conn.broken:
+                    raise self._lost()
+                with self._io.guard(conn, HEARTBEAT_BOUND + 1.0, held=self.holding):
+                    rows = conn.execute(members_sql(found.oid)).fetchall()
+        except (BackendUnavailable, psycopg.Error) as exc:
             self._gate.read_failed()
             logger.debug("keeper: could not read the ring's members: %s", first_line(exc))
             return
-        self._gate.members_read(int(row[0]) for row in results[0] or [])
+        self._gate.members_read(int(row[0]) for row in rows)
 
 
 forks.register(SharedKeeper)
