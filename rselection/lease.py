@@ -119,9 +119,12 @@ class LeaseBackend(Protocol):
         """Block up to ``timeout`` seconds or until the holder may have changed.
 
         Returns early on :meth:`interrupt`, on a release notification, or when the
-        holder's session ended. While leading, raise ``BackendUnavailable`` at once if
-        the keeper's connection breaks: that is how a leader learns of a dead session
-        without waiting for its next renewal.
+        holder's session ended. A change that came after this node's last call (a
+        release between its ``try_acquire`` and this wait) counts: return at once then,
+        or the follower sleeps through it until the holder's ttl would have run out.
+        While leading, raise ``BackendUnavailable`` at once if the keeper's connection
+        breaks: that is how a leader learns of a dead session without waiting for its
+        next renewal.
         """
 
     def interrupt(self) -> None:

@@ -55,6 +55,9 @@ class MemoryLease:
         self._term = 0
         self._generation = 0
         self._interrupted = False
+        # The generation each keeper thread last saw: a change between its call and its
+        # next wait_for_change() must wake that wait (leaders may share this object).
+        self._seen = threading.local()
 
     def connect(self) -> None:
         """Nothing to connect: the lease lives in memory."""
@@ -63,10 +66,12 @@ class MemoryLease:
         if self._holder is not None and time.monotonic() >= self._expires_mono:
             self._holder = None
             self._generation += 1
+        self._seen.generation = self._generation
         return self._holder
 
     def _changed(self) -> None:
         self._generation += 1
+        self._seen.generation = self._generation  # this thread's own change
         self._cond.notify_all()
 
     def try_acquire(self, node_id: str) -> Acquisition:
@@ -116,16 +121,18 @@ class MemoryLease:
     def wait_for_change(self, timeout: float) -> None:
         """Wait until the holder changes, :meth:`interrupt` is called, or ``timeout``.
 
-        An interrupt that came while nobody waited makes this return at once. With
+        A change since this thread's last call, or an interrupt that came while nobody
+        waited, makes this return at once. With
         several leaders on one lease, any one waiter may consume it (an early return
         only makes a keeper look again).
         """
         with self._cond:
-            generation = self._generation
+            generation = getattr(self._seen, "generation", self._generation)
             self._cond.wait_for(
                 lambda: self._interrupted or self._generation != generation, timeout
             )
             self._interrupted = False
+            self._seen.generation = self._generation
 
     def interrupt(self) -> None:
         """Wake every waiter, or the next one if nobody is waiting now."""

@@ -633,15 +633,23 @@ class PostgresShardedLeader(Service):
         )
         # One statement per read: the holders, the nodes and the server's clock (a row
         # of its own, so that it comes back even when both tables are empty).
-        self._state_sql = sql.SQL(
+        holders_sql = sql.SQL(
             "SELECT 'h', name, holder, term, acquired_at, expires_at, NULL::boolean,"
-            " clock_timestamp() FROM {leases} WHERE name = ANY(%s) AND holder IS NOT NULL"
-            " AND expires_at > clock_timestamp()"
+            " clock_timestamp() FROM {leases} WHERE name = ANY(%(names)s)"
+            " AND holder IS NOT NULL AND expires_at > clock_timestamp()"
+        ).format(leases=table_identifier(table))
+        nodes_sql = sql.SQL(
             " UNION ALL SELECT 'n', node_id, NULL, NULL, started_at, last_seen,"
-            " last_seen >= clock_timestamp() - make_interval(secs => %s), clock_timestamp()"
-            " FROM {nodes} WHERE name = %s"
+            " last_seen >= clock_timestamp() - make_interval(secs => %(node_timeout)s),"
+            " clock_timestamp() FROM {nodes} WHERE name = %(name)s"
+        ).format(nodes=table_identifier(nodes_table))
+        clock_sql = sql.SQL(
             " UNION ALL SELECT 't', NULL, NULL, NULL, NULL, NULL, NULL, clock_timestamp()"
-        ).format(leases=table_identifier(table), nodes=table_identifier(nodes_table))
+        )
+        self._state_sql = holders_sql + nodes_sql + clock_sql
+        # The shards' leases may be held before the first heartbeat created the nodes
+        # table: the holders are read without the nodes then.
+        self._holders_sql = holders_sql + clock_sql
         self._leaders: list[_ShardLeader] = []
         self._lock = threading.Lock()
         self._plan_lock = threading.Lock()
@@ -738,13 +746,14 @@ class PostgresShardedLeader(Service):
         """
         names = [shard_lease_name(self._name, shard) for shard in range(self._shards)]
         prefix = len(self._name) + 1
+        params = {"names": names, "node_timeout": self._node_timeout, "name": self._name}
         try:
-            with self._reads.connection() as conn:
-                rows = conn.execute(self._state_sql, (names, self._node_timeout, self._name))
-                found = rows.fetchall()
-        except psycopg.errors.UndefinedTable:
-            # Not created yet (a leader's first connect creates them): nothing to read.
-            return ShardState({}, {}, datetime.now(UTC))
+            found = self._read_state(self._state_sql, params)
+            if found is None:
+                found = self._read_state(self._holders_sql, params)
+            if found is None:
+                # Not created yet (a leader's first connect creates them): nothing to read.
+                return ShardState({}, {}, datetime.now(UTC))
         except psycopg.Error as exc:
             raise self._reads.wrap(f"read the shards of {self._name!r}", exc) from exc
         finally:
@@ -760,6 +769,14 @@ class PostgresShardedLeader(Service):
             elif kind == "n":
                 nodes[key] = (utc(first), utc(last), bool(alive))
         return ShardState(holders, nodes, now)
+
+    def _read_state(self, query: sql.Composed, params: dict[str, Any]) -> list[Any] | None:
+        """The rows of ``query``; ``None`` when a table it reads does not exist yet."""
+        try:
+            with self._reads.connection() as conn:
+                return conn.execute(query, params).fetchall()
+        except psycopg.errors.UndefinedTable:
+            return None
 
     def balanced(self) -> bool:
         """True when every shard is led by a live node and every live node leads

@@ -40,6 +40,9 @@ class FileLease:
         self.poll = poll
         self.path = directory / f"{name}.json"
         self._wake = threading.Event()
+        # The holder and term this object last saw under the lock: a change that lands
+        # between a call and the next wait_for_change() is a change all the same.
+        self._last_seen: tuple[Any, ...] | None = None
 
     # -- the file ---------------------------------------------------------------------
 
@@ -56,6 +59,7 @@ class FileLease:
                     tmp = self.path.with_suffix(".tmp")
                     tmp.write_text(json.dumps(state))
                     os.replace(tmp, self.path)  # readers see the old or the new state
+                self._last_seen = state["holder"], state["term"]
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
@@ -115,10 +119,12 @@ class FileLease:
 
     def wait_for_change(self, timeout: float) -> None:
         """Return when the holder changed, on :meth:`interrupt`, or after ``timeout``."""
-        seen = self._seen()
+        seen = self._last_seen if self._last_seen is not None else self._seen()
         deadline = time.monotonic() + timeout
         while not self._wake.wait(min(self.poll, max(0.0, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline or self._seen() != seen:
+            now_seen = self._seen()
+            if time.monotonic() >= deadline or now_seen != seen:
+                self._last_seen = now_seen
                 return
         self._wake.clear()  # an interrupt that came while nobody waited is not lost
 

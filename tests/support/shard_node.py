@@ -56,8 +56,13 @@ class Ledger:
         self.node = node
         self.lock = threading.Lock()
         self.conn: psycopg.Connection[Any] | None = None
-        # Another node may create it at the same moment: IF NOT EXISTS races then.
-        races = (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateTable)
+        # Another node may create it at the same moment: IF NOT EXISTS races then, on the
+        # table's name or on the name of its row type.
+        races = (
+            psycopg.errors.UniqueViolation,
+            psycopg.errors.DuplicateTable,
+            psycopg.errors.DuplicateObject,
+        )
         with psycopg.connect(dsn, autocommit=True) as conn, contextlib.suppress(*races):
             conn.execute(
                 sql.SQL(

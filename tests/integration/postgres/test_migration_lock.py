@@ -28,16 +28,16 @@ def test_a_client_cut_off_mid_migration_frees_the_migration_lock(
     admin = psycopg.connect(pg_dsn, autocommit=True)
     cut_off = psycopg.connect(with_host_port(pg_dsn, proxy.host, proxy.port), autocommit=True)
     pid = cut_off.info.backend_pid
+    worker = threading.Thread(
+        target=lambda: _swallow(lambda: create_tables(cut_off, nodes="cut_off_nodes")),
+        daemon=True,
+    )
     try:
         # Hold the migration lock so that the other client waits for it, then cut its
         # link: it gets the lock the moment we let go, but never hears of it, so its
         # transaction sits idle on the server holding the lock.
         admin.execute("BEGIN")
         admin.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
-        worker = threading.Thread(
-            target=lambda: _swallow(lambda: create_tables(cut_off, nodes="cut_off_nodes")),
-            daemon=True,
-        )
         worker.start()
 
         def waiting() -> bool:
@@ -61,6 +61,12 @@ def test_a_client_cut_off_mid_migration_frees_the_migration_lock(
         took = time.monotonic() - began
         assert took < 10.0, f"the migration lock was freed after {took:.1f} s"
     finally:
+        # End the cut-off client's round trip and its thread before closing its
+        # connection: a connection closed under a thread still inside libpq can crash.
+        proxy.sever()
+        if worker.ident is not None:  # started
+            worker.join(10)
+            assert not worker.is_alive(), "the cut-off client did not return when its link was cut"
         proxy.heal()
         admin.close()
         cut_off.close()
