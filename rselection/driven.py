@@ -41,7 +41,7 @@ from .lease import (
 )
 
 if TYPE_CHECKING:
-    from .leader import LeaseLeader
+    from .leader import LeaseLeader, _StepDown
 
 __all__ = ["DrivenKeeper", "SKIPPED_RETRY"]
 
@@ -62,10 +62,10 @@ class DrivenKeeper:
     this leader.
     """
 
-    def __init__(self, leader: LeaseLeader, lease: NonBlockingLease) -> None:
+    def __init__(self, leader: LeaseLeader, lease: NonBlockingLease, backend: LeaseBackend) -> None:
         self._leader = leader
-        self._lease = lease
-        self._backend: LeaseBackend = leader.lease
+        self._lease = lease  # the same object as ``backend``, seen as non-blocking
+        self._backend = backend
         self._driver = LeaseDriver.shared()
         self.done = threading.Event()
         """Set once the leader has shut down (released, closed, cleaned up)."""
@@ -237,7 +237,7 @@ class DrivenKeeper:
             else:
                 request = None
         if request is not None:
-            self._step_down(request.reason, request.hold)
+            self._step_down(request)
             return now + _IN_FLIGHT_CHECK
         if self._take_wake():
             self._backend.wait_for_change(0)  # raises when the session broke
@@ -406,24 +406,33 @@ class DrivenKeeper:
         self._backend.connect()
         self._leader._connected = True
 
-    def _step_down(self, reason: str, hold: float) -> None:
+    def _step_down(self, request: _StepDown) -> None:
         """End the term (a step-down or a handover asked for), release it as a stop does
         (no worker waits for the release: many shards handed over at once are released
-        together), then hold off competing for ``hold`` seconds."""
+        together), then hold off competing for ``request.hold`` seconds; ``request.done``
+        is set once released (or once that failed)."""
         leader = self._leader
 
         def end() -> int | None:
-            leader._end_term(reason)
-            return leader._releasable()
+            try:
+                leader._end_term(request.reason)
+                return leader._releasable()
+            except BaseException:
+                request.done.set()
+                raise
 
         def after(held: int | None, outcome: ReleaseOutcome) -> None:
-            if held is not None:
-                self._settle_release(held, outcome)  # an error: the keeper's handling
-            leader._hold_until = clock.monotonic() + hold
-            if reason == "handover":
-                # Reserved for another node now: an attempt at once would only find it
-                # so. The new holder's acquisition is announced; attempt as a follower.
-                self._follow_at = clock.monotonic() + leader._timings.retry_interval
+            try:
+                if held is not None:
+                    self._settle_release(held, outcome)  # an error: the keeper's handling
+                leader._hold_until = clock.monotonic() + request.hold
+                if request.reason == "handover":
+                    # Reserved for another node now: an attempt at once would only find
+                    # it so. The new holder's acquisition is announced; attempt as a
+                    # follower.
+                    self._follow_at = clock.monotonic() + leader._timings.retry_interval
+            finally:
+                request.done.set()
 
         self._work(end, then=lambda held: self._release_soon(held, after))
 
@@ -477,8 +486,11 @@ class DrivenKeeper:
         try:
             self._leader._close()
         finally:
-            self._finished = True
-            self.done.set()
+            try:
+                self._lease.on_wake(None)  # its waiting thread, if any, ends now
+            finally:
+                self._finished = True
+                self.done.set()
 
     def _work(self, fn: Callable[[], Any], *, then: Callable[[Any], None] | None = None) -> None:
         """Run ``fn`` on the driver's workers as this leader's one piece of work; then,

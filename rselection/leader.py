@@ -4,15 +4,16 @@
 ``PostgresLeader``, ``RedisLeader`` and ``SingleNodeLeader`` build a backend (and its
 default claimer, checkpoint store and fence) and hand them to it.
 
-One keeper thread talks to the lease backend (its own connection, never the event loop
-that runs tasks); a watchdog thread enforces the local deadline even while the keeper
-is stuck in network I/O. A leader over a :class:`~rselection.lease.NonBlockingLease`
-(``PostgresLeader``) has neither: the process's one driver thread runs the same state
-machine for every such leader (:mod:`rselection.driven`) and checks each deadline at
-every step, never waiting for I/O. The deadline is ``renew_deadline`` after the last successful
-renewal was *sent*, measured with :func:`rselection.clock.monotonic` (a clock that keeps
-counting through suspend); because ``renew_deadline + stop_grace + 0.5 s <= ttl``, the
-leader has cancelled and joined its tasks before the server lets the lease expire, and
+A leader has no keeper or watchdog thread of its own: the process's one driver thread
+runs the state machine for every leader (:mod:`rselection.driven`) and checks each
+deadline at every step, never waiting for I/O. A lease whose round trips start without
+blocking (:class:`~rselection.lease.NonBlockingLease`, Postgres's) is stepped directly;
+any other lease (Redis, memory, a user's) through one adapter,
+:class:`~rselection.blocking_lease.BlockingLease`, whose calls run on the driver's
+workers. The deadline is ``renew_deadline`` after the last successful renewal was
+*sent*, measured with :func:`rselection.clock.monotonic` (a clock that keeps counting
+through suspend); because ``renew_deadline + stop_grace + 0.5 s <= ttl``, the leader has
+cancelled and joined its tasks before the server lets the lease expire, and
 no two nodes' wall clocks are ever compared.
 """
 
@@ -24,14 +25,14 @@ import os
 import random
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Protocol, Self, runtime_checkable
 
 from . import clock, forks, signals
 from .backoff import backoff
+from .blocking_lease import BlockingLease
 from .checkpoints import CheckpointStore, LeaseFencedStore
 from .claiming import FireClaimer, LeaseClaims
 from .closeable import Service
@@ -222,7 +223,17 @@ class LeaseLeader(Service):
             handler.check_claims(claimer.ttl)
         if isinstance(checkpoint_store, LeaseFencedStore):
             checkpoint_store.add_lease(lease)
-        self._backend = lease
+        self._lease = lease
+        # What the driven keeper steps: the lease itself when its round trips start
+        # without blocking, else the one adapter of blocking leases.
+        backend: LeaseBackend
+        driven: NonBlockingLease
+        if isinstance(lease, NonBlockingLease):
+            backend, driven = lease, lease
+        else:
+            adapter = BlockingLease(lease)
+            backend, driven = adapter, adapter
+        self._backend = backend
         self._handovers = lease if isinstance(lease, SupportsHandover) else None
         self._schedule = lease if isinstance(lease, SharedSchedule) else None
         self._handler = handler
@@ -244,7 +255,6 @@ class LeaseLeader(Service):
         self._closed = False
         self._transition = threading.RLock()  # one term change at a time
         self._stopping = threading.Event()
-        self._wake = threading.Event()
         self._step_down: _StepDown | None = None  # asked for one term, acted on by the keeper
         self._held_term: int | None = None  # a term we hold on the server, not yet released
         self._hold_until = 0.0
@@ -252,14 +262,10 @@ class LeaseLeader(Service):
         self._connected = False
         self._last_seen: tuple[str, int] | None = None
         self._fatal: ConfigError | None = None
-        # Demotions the watchdog made, announced by the keeper: user receivers never run
-        # on the watchdog, which must stay free to enforce the next term's deadline.
+        # Demotions a deadline or a stop forced, announced by the keeper's next step:
+        # user receivers never hold up the driver, which enforces every deadline.
         self._unannounced: list[tuple[int, str]] = []
-        self._keeper: threading.Thread | None = None
-        self._watchdog: threading.Thread | None = None
-        # A lease that never blocks a round trip is driven with the process's other
-        # leaders (no keeper or watchdog thread of its own).
-        self._driven = DrivenKeeper(self, lease) if isinstance(lease, NonBlockingLease) else None
+        self._driven = DrivenKeeper(self, driven, self._backend)
         self._started = False
         self._cleaning: threading.Thread | None = None  # the clean-up running on stop
         self._observer_lock = threading.Lock()
@@ -281,7 +287,7 @@ class LeaseLeader(Service):
     @property
     def lease(self) -> LeaseBackend:
         """The lease backend this leader competes for."""
-        return self._backend
+        return self._lease
 
     @property
     def claimer(self) -> FireClaimer | None:
@@ -382,32 +388,17 @@ class LeaseLeader(Service):
                 self._handler.check_claims(self._claims.ttl)
             self._handler.attach()
             self._started = True
-            if self._driven is None:
-                self._keeper = threading.Thread(
-                    target=self._keep, name=f"rselection-keeper-{self._name}", daemon=True
-                )
-                self._watchdog = threading.Thread(
-                    target=self._watch, name=f"rselection-watchdog-{self._name}", daemon=True
-                )
         try:
             # Before any election: a receiver (the metrics' is_leader gauge) sees every
             # node, followers included, from its start.
             signals.emit(signals.started, self, node_id=self._node_id, name=self._name)
-            if self._driven is not None:
-                self._driven.start()
-            else:
-                assert self._watchdog is not None and self._keeper is not None
-                self._watchdog.start()
-                self._keeper.start()
+            self._driven.start()
         except BaseException:  # Ctrl-C included: the keeper, if it started, winds down
             self._stopping.set()
-            if self._driven is not None:
-                if not self._driven.running:
-                    self._handler.detach()
-                else:
-                    self._driven.poke()
-            elif self._keeper is not None and not self._keeper.is_alive():
+            if not self._driven.running:
                 self._handler.detach()
+            else:
+                self._driven.poke()
             raise
 
     def lead(self) -> None:
@@ -460,22 +451,14 @@ class LeaseLeader(Service):
         if self._forked:  # the parent's threads are not in this process: nothing runs
             return
         self._stopping.set()
-        self._wake.set()
         with self._cond:
-            self._cond.notify_all()  # the watchdog ends a term the keeper cannot reach
+            self._cond.notify_all()
         self._interrupt_backend()
-        if self._driven is not None:
-            self._driven.poke()
+        self._driven.poke()
         if self._called_from_inside():
             return
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if self._driven is not None:
-            if self._driven.running:
-                self._driven.done.wait(timeout)
-            return
-        for thread in (self._keeper, self._watchdog):
-            if thread is not None and thread.ident is not None:  # started
-                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if self._driven.running:
+            self._driven.done.wait(timeout)
 
     def reset_after_fork(self) -> None:
         """In a forked child (see :mod:`rselection.forks`): a leader not yet started
@@ -518,12 +501,7 @@ class LeaseLeader(Service):
 
     def _wait_stopped(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the keeper to end; ``True`` once it has."""
-        if self._driven is not None:
-            return self._driven.done.wait(timeout)
-        keeper = self._keeper
-        assert keeper is not None
-        keeper.join(timeout)
-        return not keeper.is_alive()
+        return self._driven.done.wait(timeout)
 
     def step_down(self, *, hold: float = 0.0, wait: bool = True) -> None:
         """Give leadership up now: cancel and join tasks, release, then compete again.
@@ -538,18 +516,18 @@ class LeaseLeader(Service):
             term = self._term
             if term is None:
                 return
-            self._step_down = _StepDown(term.number, hold, "step_down")
-        self._wake.set()
+            request = self._step_down = _StepDown(term.number, hold, "step_down")
         self._interrupt_backend()
+        self._driven.poke()
         if wait and not self._called_from_inside():
             term.ended.wait()
+            # The release follows the tasks' end: once it is done another node may lead
+            # (bounded: a lease that cannot be released passes on when it expires).
+            request.done.wait(self._timings.ttl)
 
     def _called_from_inside(self) -> bool:
         """True on a thread or loop whose work this leader's stop would wait for."""
-        current = threading.current_thread()
-        if current in (self._keeper, self._watchdog, self._cleaning):
-            return True
-        if self._driven is not None and self._driven.inside():
+        if threading.current_thread() is self._cleaning or self._driven.inside():
             return True
         running = running_term.get()
         if running is not None and running in (self._term, self._last_term):
@@ -572,69 +550,13 @@ class LeaseLeader(Service):
             f"term={self.term})"
         )
 
-    # -- keeper thread ----------------------------------------------------------------
-
-    def _keep(self) -> None:
-        failures = 0
-        try:
-            while not self._stopping.is_set():
-                try:
-                    self._announce()
-                    if not self._connected:
-                        self._backend.connect()
-                        self._connected = True
-                    if self._term is None:
-                        self._follow_step()
-                    else:
-                        self._lead_step()
-                    # Only a step that worked ends the backoff: a server that accepts the
-                    # connection but refuses the attempt (a user's trigger) is an outage.
-                    if failures:
-                        logger.info("lease %r: backend reachable again", self._name)
-                    failures = 0
-                except BackendUnavailable as exc:
-                    if self._stopping.is_set():
-                        # stop() interrupted the round trip: not an outage; the clean-up
-                        # below ends the term and releases the lease.
-                        break
-                    if self._step_down_pending():
-                        continue  # step_down() interrupted it: the next step hands over
-                    failures += 1
-                    # Log once per state change; the rest at debug level, so an outage
-                    # does not flood the log.
-                    log = logger.warning if failures == 1 else logger.debug
-                    log(
-                        "lease %r: backend unavailable (%s); retrying with backoff", self._name, exc
-                    )
-                    self._recover("connection", failures)
-                except ConfigError as exc:
-                    # Not a passing fault: competing on would be unsafe. lead() raises it.
-                    self._fatal = exc
-                    logger.error("lease %r: cannot lead safely, stopping: %s", self._name, exc)
-                    self._end_term("error")
-                    self._held_term = None  # not through this backend: the lease expires
-                    return
-                except Exception:
-                    failures += 1
-                    logger.exception(
-                        "lease %r: unexpected error in the keeper; the term (if any) ends and "
-                        "the keeper retries",
-                        self._name,
-                    )
-                    self._recover("error", failures)
-        finally:
-            self._shutdown()
+    # -- the keeper's state, stepped by the driven keeper --------------------------------
 
     def _step_down_pending(self) -> bool:
         """A step-down is asked of the term still led (its interrupt ended a round trip)."""
         with self._cond:
             term, request = self._term, self._step_down
         return term is not None and request is not None and request.term == term.number
-
-    def _recover(self, reason: str, failures: int) -> None:
-        """After a failed step: end the term (tasks joined), only then drop the session;
-        then back off."""
-        self._pause(self._recover_session(reason, failures))
 
     def _recover_session(self, reason: str, failures: int) -> float:
         """End the term (tasks joined), only then drop the session; the seconds to back
@@ -645,25 +567,6 @@ class LeaseLeader(Service):
         self._held_term = None  # the server ends a dead session's lease
         self._close_backend()
         return backoff(failures)
-
-    def _pause(self, seconds: float) -> None:
-        if self._wake.wait(seconds):
-            self._wake.clear()
-
-    def _follow_step(self) -> None:
-        if self._held_term is not None:
-            self._release()
-        delay = self._hold_until - clock.monotonic()
-        if delay > 0:
-            self._pause(delay)
-            return
-        sent = clock.monotonic()
-        attempt = self._backend.try_acquire(self._node_id)
-        self._observe(attempt.holder)
-        if attempt.acquired and attempt.holder is not None:
-            self._begin_term(attempt.holder, sent)
-            return
-        self._backend.wait_for_change(self._follow_timeout(attempt))
 
     def _follow_timeout(self, attempt: Acquisition) -> float:
         """How long a follower may wait before trying again.
@@ -706,48 +609,6 @@ class LeaseLeader(Service):
         driven keeper asks once per wake); 0: at once. A sharded leader's shard waits
         when another node is planned to take it over."""
         return 0.0
-
-    def _lead_step(self) -> None:
-        term = self._term
-        assert term is not None
-        with self._cond:
-            request, self._step_down = self._step_down, None
-        if request is not None and request.term == term.number:
-            self._end_term(request.reason)
-            self._release()
-            self._hold_until = clock.monotonic() + request.hold
-            return
-        handovers = self._handovers
-        wait = self._renewal_due() - clock.monotonic()
-        # A handover request is noticed by a renewal; a notification about one makes
-        # the renewal happen now instead of at the next interval.
-        if wait > 0 and not (handovers is not None and handovers.handover_hinted()):
-            self._backend.wait_for_change(wait)
-            return
-        sent = clock.monotonic()
-        if not self._backend.renew(self._node_id, term.number):
-            self._end_term("lost")
-            self._held_term = None
-            return
-        extended = self._extend(term, sent)
-        if extended is None:
-            return  # the watchdog ended the term while the renewal was in flight
-        if not extended:
-            self._end_term("deadline", expected=term)
-            return
-        if signals.lease_renewed.receivers:
-            done = clock.monotonic()
-            signals.emit(
-                signals.lease_renewed,
-                self,
-                name=self._name,
-                term=term.number,
-                latency=done - sent,
-                remaining=term.deadline - done,
-            )
-        handover = handovers.handover_requested() if handovers is not None else None
-        if handover is not None:
-            self._hand_over(term, handover)
 
     def _renewal_due(self) -> float:
         """When the term's next renewal is due (:func:`rselection.clock.monotonic`)."""
@@ -1005,6 +866,7 @@ class LeaseLeader(Service):
                 with self._cond:
                     self._term = None
                     if self._step_down is not None and self._step_down.term == term.number:
+                        self._step_down.done.set()
                         self._step_down = None  # asked of this term only
                     self._cond.notify_all()
                 log = (
@@ -1052,40 +914,6 @@ class LeaseLeader(Service):
         (receivers written before sharding keep their signatures)."""
         return {} if self._shard is None else {"shard": self._shard}
 
-    # -- watchdog thread --------------------------------------------------------------
-
-    def _watch(self) -> None:
-        while True:
-            try:
-                if not self._watch_step():
-                    return
-            except (Exception, SystemExit):  # never let the deadline go unenforced
-                logger.exception("lease %r: error in the watchdog; it goes on", self._name)
-                time.sleep(0.05)
-
-    def _watch_step(self) -> bool:
-        """Wait for the current term's deadline (or a stop) and end the term then;
-        ``False`` once the leader is closed."""
-        with self._cond:
-            if self._closed:
-                return False
-            term = self._term
-            if term is None or term.cancelled.is_set():
-                self._cond.wait(1.0)
-                return True
-            stopping = self._stopping.is_set()
-            remaining = term.deadline - clock.monotonic()
-            if not stopping and remaining > 0:
-                # Capped: a timed wait does not count time suspended; a resumed machine
-                # is noticed within a second.
-                self._cond.wait(min(remaining, 1.0))
-                return True
-        # The keeper may be stuck in network I/O: end the term from here.
-        self._end_term("stopped" if stopping else "deadline", expected=term, announce=False)
-        self._wake.set()
-        self._interrupt_backend()
-        return True
-
 
 @dataclass(frozen=True)
 class _StepDown:
@@ -1094,6 +922,8 @@ class _StepDown:
     term: int
     hold: float
     reason: str  # "step_down", or "handover" when an operator asked
+    done: threading.Event = field(default_factory=threading.Event, compare=False)
+    """Set once the term is released (or the request lapsed, or failed)."""
 
 
 def _leader_timings(

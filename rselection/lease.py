@@ -77,10 +77,13 @@ class LeaseBackend(Protocol):
     """What a leader needs from a lease server.
 
     Every method except :meth:`current`, :meth:`interrupt` and :meth:`term_ended` is
-    called by one thread at a time: the leader's keeper thread (or, for a
-    :class:`NonBlockingLease`, the process's driver and its workers, in turn).
-    Connection problems raise :class:`~rselection.errors.BackendUnavailable`; the
-    keeper reconnects with backoff.
+    called by one thread at a time: the process's driver workers, in turn, and between
+    their calls one waiting thread of the leader's, in :meth:`wait_for_change` (each
+    call first interrupts that wait and lets it return). A backend whose calls may run
+    while another thread waits in it says so with a class attribute
+    ``concurrent_calls = True`` (:class:`~rselection.MemoryLease` does); its waits are
+    then not interrupted. Connection problems raise
+    :class:`~rselection.errors.BackendUnavailable`; the keeper reconnects with backoff.
     """
 
     name: str

@@ -235,7 +235,7 @@ def test_a_raising_receiver_is_logged_and_ignored(
         wait_until(lambda: leader.term is not None and leader.term > 1, 8, "a next term")
         before = len(fires)
         wait_until(lambda: len(fires) >= before + 3, 5, "fires in the next term")
-        assert leader._keeper is not None and leader._keeper.is_alive()
+        assert not leader._driven.done.is_set()  # the keeper goes on
     finally:
         getattr(signals, name).disconnect(receiver)
     assert any("receiver" in r.getMessage() and r.exc_info for r in caplog.records)
@@ -312,8 +312,7 @@ def test_a_backend_hook_that_raises_does_not_break_stop(
         (1, "stopped")
     ]
     assert lease.current() is None and len(lease.released_at) == 1  # released, not expiring
-    assert leader._keeper is not None and not leader._keeper.is_alive()
-    assert leader._watchdog is not None and not leader._watchdog.is_alive()
+    assert leader._driven.done.is_set()  # the keeper is done
 
 
 def test_a_step_down_goes_on_when_the_backends_term_ended_raises(
@@ -402,9 +401,7 @@ def test_stop_from_a_receiver_on_the_keeper_thread_does_not_deadlock(
             assert leader.wait_until_leader(5)
             leader.step_down(wait=False)
         assert stopped.wait(5), "stop() from a receiver did not return"
-        assert leader._keeper is not None
-        leader._keeper.join(5)
-        assert not leader._keeper.is_alive()
+        assert leader._driven.done.wait(5), "the keeper did not end"
     finally:
         getattr(signals, signal_name).disconnect(stop_it)
 
@@ -424,10 +421,8 @@ def test_stop_from_a_sync_task_does_not_wait_for_itself(made: list[LeaseLeader])
     began = time.monotonic()
     leader.start()
     assert returned.wait(5)
-    assert leader._keeper is not None
-    leader._keeper.join(5)
+    assert leader._driven.done.wait(5), "the keeper did not end"
     took = time.monotonic() - began
-    assert not leader._keeper.is_alive()
     assert took < 1.0, f"stop() from a task took {took:.2f} s (it waited for itself)"
 
 
@@ -450,8 +445,7 @@ def test_stop_from_an_async_task_does_not_block_its_loop(made: list[LeaseLeader]
         holder.append(leader)
         began = time.monotonic()
         leader.start()
-        assert leader._keeper is not None
-        wait_until(lambda: not leader._keeper.is_alive(), 5, "the keeper to end")  # type: ignore[union-attr]
+        assert leader._driven.done.wait(5), "the keeper did not end"
         took = time.monotonic() - began
     finally:
         signals.task_stuck.disconnect(on_stuck)

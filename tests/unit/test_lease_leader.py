@@ -253,8 +253,12 @@ def test_a_cleanup_that_exits_skips_nothing_and_frees_the_handler(
     assert leader.wait_until_leader(5)
     leader.stop(timeout=10)
     assert calls == ["exits", "next"]
-    assert leader._keeper is not None and not leader._keeper.is_alive()
-    assert leader._watchdog is not None and not leader._watchdog.is_alive()
+    assert leader._driven.done.is_set()  # the keeper is done
+    wait_until(
+        lambda: not any(t.name == "rselection-wait-exits" for t in threading.enumerate()),
+        5,
+        "the lease's waiting thread to end",
+    )
     again = lease_leaders(MemoryLease("exits-again", ttl=3.0), handler, **FAST)
     again.start()  # the handler was detached
     assert again.wait_until_leader(5)

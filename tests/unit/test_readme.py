@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.support.waiting import wait_until
+
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 
@@ -58,7 +60,12 @@ def test_quickstart_runs_and_its_tasks_do_something(capsys: Any) -> None:
             out += capsys.readouterr().out
     finally:
         leader.stop(timeout=10)
-    assert not [t for t in threading.enumerate() if t.name.startswith("rselection-")]
+    # The driver's threads end once nothing is left to drive, just after stop() returned.
+    wait_until(
+        lambda: not [t for t in threading.enumerate() if t.name.startswith("rselection-")],
+        5,
+        "every rselection thread to end",
+    )
 
 
 def test_the_quickstart_prints_within_a_second_without_waiting_for_a_fire(capsys: Any) -> None:

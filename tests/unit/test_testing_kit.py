@@ -103,7 +103,7 @@ def test_run_tasks_an_error_in_the_block_wins_and_the_leader_stops() -> None:
     with pytest.raises(RuntimeError, match="from the test"), run_tasks(tasks) as running:
         raise RuntimeError("from the test")
     assert not running.leader.is_leader
-    assert not [t for t in threading.enumerate() if t.name.startswith("rselection-keeper")]
+    assert not [t for t in threading.enumerate() if t.name.startswith("rselection-wait-")]
 
 
 def test_run_tasks_wait_runs_times_out_with_a_clear_message() -> None:

@@ -217,7 +217,7 @@ def test_a_hung_redis_renewal_keeps_the_connection_until_the_old_tasks_are_joine
     try:
         leader.start()
         assert finish.started.wait(10)
-        client_id = leader._backend.client_id  # type: ignore[attr-defined]
+        client_id = leader.lease.client_id  # type: ignore[attr-defined]
         assert client_id
 
         def gone() -> bool:

@@ -1,0 +1,226 @@
+"""How the driven keeper leads over a lease whose calls block: one adapter for all.
+
+A :class:`~rselection.lease.LeaseBackend` of Redis, of memory, of a file or of a user's
+own blocks in every call, and learns of a change (a release, a dead holder, a broken
+session) only while a thread blocks in its ``wait_for_change``. :class:`BlockingLease`
+gives such a lease the :class:`~rselection.lease.NonBlockingLease` face that the driven
+keeper (:mod:`rselection.driven`) steps, so that one engine serves every backend:
+
+* ``renew_soon`` and ``acquire_soon`` start nothing: the keeper makes the blocking call
+  on its lane of the driver's workers;
+* one waiting thread per lease blocks in ``wait_for_change`` whenever no call of the
+  keeper is under way, and turns a wait that ended early into a wake-up (``on_wake``);
+  a wait that raised (a broken session) is kept, and raised by the keeper's next
+  ``wait_for_change(0)``, as the lease's own wait would have raised in a keeper thread;
+* the calls that use the lease's session (``connect``, ``try_acquire``, ``renew``,
+  ``release``, ``close``) first take the session from the waiting thread: they
+  interrupt its wait and run once it has returned, so the lease sees one caller at a
+  time, as its contract promises. A wait those calls interrupted wakes nobody: the
+  call itself reads the lease.
+
+The waiting thread is the only thread of its own a leader keeps; the deadline, the
+renewals and the attempts are the driver's, as for a Postgres lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from .lease import Acquisition, LeaderInfo, LeaseBackend, RenewOutcome
+
+__all__ = ["WAIT_SLICE", "BlockingLease"]
+
+logger = logging.getLogger("rselection.leader")
+
+WAIT_SLICE = 1.0
+"""Seconds of one wait of the waiting thread: a lease whose ``interrupt()`` fails holds
+up a call of the keeper at most this long."""
+
+_EARLY = 0.95  # a wait that returned before this share of its timeout ended early
+
+
+class BlockingLease:
+    """A blocking lease as the driven keeper steps it (see the module docstring).
+
+    Args:
+        lease: the lease whose calls block.
+    """
+
+    def __init__(self, lease: LeaseBackend) -> None:
+        self.lease = lease
+        self.name = lease.name
+        self._cond = threading.Condition()
+        self._waker: Callable[[], None] | None = None
+        self._thread: threading.Thread | None = None
+        self._connected = False  # the session is open: the waiting thread may wait
+        self._calls = 0  # calls of the keeper holding the session now
+        self._waiting = False  # the waiting thread is inside the lease's wait
+        self._taken = 0  # how many times a call took the session from a wait
+        self._error: BaseException | None = None  # what a wait raised, for the keeper
+        self._broken = False  # a wait raised: no more waits until the next connect()
+        # A lease whose calls may run while another thread waits in it (a memory lease)
+        # is not interrupted for each call: its other waiters would wake for nothing.
+        self._concurrent = bool(getattr(lease, "concurrent_calls", False))
+
+    # -- LeaseBackend ---------------------------------------------------------------------
+
+    @property
+    def ttl(self) -> float:
+        """The lease's ttl."""
+        return self.lease.ttl
+
+    def connect(self) -> None:
+        """Open the lease's session; the waiting thread waits on it from then on."""
+        with self._session():
+            self.lease.connect()
+            with self._cond:
+                self._connected, self._broken, self._error = True, False, None
+                self._cond.notify_all()
+
+    def try_acquire(self, node_id: str) -> Acquisition:
+        """The lease's ``try_acquire``, with the session taken from the waiting thread."""
+        with self._session():
+            return self.lease.try_acquire(node_id)
+
+    def renew(self, node_id: str, term: int) -> bool:
+        """The lease's ``renew``, with the session taken from the waiting thread."""
+        with self._session():
+            return self.lease.renew(node_id, term)
+
+    def release(self, node_id: str, term: int) -> None:
+        """The lease's ``release``, with the session taken from the waiting thread."""
+        with self._session():
+            self.lease.release(node_id, term)
+
+    def current(self) -> LeaderInfo | None:
+        """The lease's ``current`` (safe from any thread by the lease's contract)."""
+        return self.lease.current()
+
+    def wait_for_change(self, timeout: float) -> None:
+        """Never blocks (the keeper is driven): raise what the waiting thread's last wait
+        raised, once; else return."""
+        with self._cond:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def interrupt(self) -> None:
+        """The lease's ``interrupt``: a wait under way returns (and wakes the keeper)."""
+        self.lease.interrupt()
+
+    def term_ended(self, term: int) -> None:
+        """The lease's ``term_ended`` (safe from any thread by the lease's contract)."""
+        self.lease.term_ended(term)
+
+    def close(self) -> None:
+        """Close the lease's session; the waiting thread waits no more until the next
+        :meth:`connect`."""
+        with self._session():
+            with self._cond:
+                self._connected = False
+            self.lease.close()
+
+    # -- NonBlockingLease -----------------------------------------------------------------
+
+    def renew_soon(self, node_id: str, term: int, done: Callable[[RenewOutcome], None]) -> bool:
+        """Nothing starts without blocking: the keeper calls :meth:`renew` on its lane."""
+        return False
+
+    def acquire_soon(
+        self, node_id: str, done: Callable[[Acquisition | BaseException], None]
+    ) -> bool:
+        """Nothing starts without blocking: the keeper calls :meth:`try_acquire`."""
+        return False
+
+    def on_wake(self, waker: Callable[[], None] | None) -> None:
+        """Wake ``waker`` when a wait ends early; ``None``: the waiting thread ends (and
+        is joined, unless the lease is still connected and waiting)."""
+        with self._cond:
+            self._waker = waker
+            self._cond.notify_all()
+            thread = self._thread
+            if waker is not None and thread is None:
+                thread = self._thread = threading.Thread(
+                    target=self._wait_loop, name=f"rselection-wait-{self.name}", daemon=True
+                )
+                thread.start()
+            if waker is not None or thread is None or thread is threading.current_thread():
+                return
+        thread.join(2 * WAIT_SLICE)
+
+    # -- the session, shared with the waiting thread --------------------------------------
+
+    @contextmanager
+    def _session(self) -> Iterator[None]:
+        """Hold the lease's session for one call of the keeper: a wait under way is
+        interrupted, and the call runs once the wait has returned."""
+        if self._concurrent:
+            yield
+            return
+        with self._cond:
+            self._calls += 1
+            self._taken += 1
+            interrupt = self._waiting
+        try:
+            if interrupt:
+                self._interrupt_wait()
+            with self._cond:
+                # A lease whose interrupt() failed ends its wait by its timeout.
+                if not self._cond.wait_for(lambda: not self._waiting, 2 * WAIT_SLICE):
+                    logger.warning(
+                        "lease %r: the wait did not end on interrupt(); calling the lease "
+                        "while it waits",
+                        self.lease.name,
+                    )
+            yield
+        finally:
+            with self._cond:
+                self._calls -= 1
+                self._cond.notify_all()
+
+    def _interrupt_wait(self) -> None:
+        try:
+            self.lease.interrupt()
+        except Exception:
+            logger.warning(
+                "lease %r: interrupt() failed; the call waits for the wait's end",
+                self.lease.name,
+                exc_info=True,
+            )
+
+    def _may_wait(self) -> bool:
+        return self._connected and self._calls == 0 and not self._broken
+
+    def _wait_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._waker is None or self._may_wait())
+                if self._waker is None:
+                    self._thread = None
+                    return
+                self._waiting = True
+                taken = self._taken
+            outcome = self._wait_once()
+            with self._cond:
+                self._waiting = False
+                self._cond.notify_all()
+                # A wait a call took over wakes nobody: the call reads the lease itself.
+                woken = outcome is True and self._taken == taken
+                if isinstance(outcome, BaseException):
+                    self._error, self._broken, woken = outcome, True, True
+                waker = self._waker
+            if woken and waker is not None:
+                waker()
+
+    def _wait_once(self) -> BaseException | bool | None:
+        """One wait: the exception it raised, ``True`` when it ended early, else ``None``."""
+        began = time.monotonic()
+        try:
+            self.lease.wait_for_change(WAIT_SLICE)
+        except BaseException as exc:  # handed to the keeper, which recovers
+            return exc
+        return True if time.monotonic() - began < _EARLY * WAIT_SLICE else None
