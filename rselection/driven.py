@@ -1,20 +1,21 @@
-"""The keeper and watchdog of a leader over a non-blocking lease, stepped by the driver.
+"""The keeper and watchdog of every leader, stepped by the driver.
 
-:class:`DrivenKeeper` is what a :class:`~rselection.leader.LeaseLeader` runs instead of
-its own keeper and watchdog threads when its lease is a
-:class:`~rselection.lease.NonBlockingLease`: the same state machine (follow, lead, step
-down, recover with backoff, stop), made of steps that never block, called by the
-process's :class:`~rselection.driver.LeaseDriver`:
+:class:`DrivenKeeper` is the one leadership state machine of a
+:class:`~rselection.leader.LeaseLeader`, whatever its lease (follow, lead, step down,
+recover with backoff, stop), made of steps that never block, called by the process's
+:class:`~rselection.driver.LeaseDriver`. It steps a
+:class:`~rselection.lease.NonBlockingLease`: Postgres's lease is one, and any other
+lease is adapted by :class:`~rselection.blocking_lease.BlockingLease`.
 
 * the deadline is checked at every step, whatever is in flight, and a passed one (or a
-  ``stop()``) ends the term at once on a pool thread, as the watchdog thread does;
+  ``stop()``) ends the term at once on a thread of its own;
 * renewals and attempts are started with ``renew_soon`` / ``acquire_soon`` (the backend
   sends those of every lease due together), and their answers come back to the driver's
   thread; when the backend cannot start one without blocking (not connected yet), the
   blocking call runs on a pool thread instead;
 * everything else that may block, or that runs a user's code (connecting, beginning and
   ending terms, releasing, the signals), runs on a pool thread, one such piece of work at
-  a time per leader, in the order the keeper thread would do it.
+  a time per leader, in the order a keeper would do it.
 """
 
 from __future__ import annotations
@@ -355,7 +356,7 @@ class DrivenKeeper:
             leader._hand_over(term, request)
 
     def _failed(self, exc: BaseException) -> None:
-        """What the keeper thread does with an exception of a step."""
+        """What the keeper does with an exception of a step: recover, or stop."""
         leader = self._leader
         if isinstance(exc, BackendUnavailable):
             if leader._stopping.is_set() or leader._step_down_pending():

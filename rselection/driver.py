@@ -1,20 +1,21 @@
-"""One thread that drives every leader of the process whose lease never blocks.
+"""One thread that drives every leader of the process.
 
-A leader over a :class:`~rselection.lease.NonBlockingLease` (a ``PostgresLeader``) has
-no keeper or watchdog thread of its own. The process's :class:`LeaseDriver` calls each
-such leader's step when it is due (a renewal, an attempt, a deadline) or was woken (a
-notification, ``stop()``), and a step never blocks: it starts round trips that the
-backend sends together and answers on another thread (:meth:`LeaseDriver.call` hands
-the answer back to the driver's thread), checks the term's local deadline, and moves
-whatever may block (connecting, ending a term and joining its tasks, releasing, the
-signals to user receivers) to a thread of the driver's pool, one at a time per leader.
+A leader has no keeper or watchdog thread of its own. The process's
+:class:`LeaseDriver` calls each leader's step when it is due (a renewal, an attempt, a
+deadline) or was woken (a notification, ``stop()``), and a step never blocks: it starts
+round trips that the backend sends together and answers on another thread
+(:meth:`LeaseDriver.call` hands the answer back to the driver's thread), checks the
+term's local deadline, and moves whatever may block (connecting, ending a term and
+joining its tasks, releasing, the signals to user receivers) to a thread of the
+driver's pool, one at a time per leader.
 
 So the process's machinery threads are the driver's one thread, whatever its number of
 leases, plus one pool thread per leader that is changing state at that moment (pool
-threads are reused, and end after :data:`IDLE_TIMEOUT` idle). With no leader left to
-drive, the driver's thread and the pool's idle threads end. The deadline is enforced
-by the driver's thread itself, which never waits for a round trip, a lock held across
-I/O, or a user's code.
+threads are reused, and end after :data:`IDLE_TIMEOUT` idle), plus, for a lease whose
+calls block, one thread per leader waiting in it (:mod:`rselection.blocking_lease`).
+With no leader left to drive, the driver's thread and the pool's idle threads end. The
+deadline is enforced by the driver's thread itself, which never waits for a round trip,
+a lock held across I/O, or a user's code.
 """
 
 from __future__ import annotations

@@ -892,7 +892,7 @@ class LeaseLeader(Service):
             self._send_demoted(term.number, reason)
 
     def _announce(self) -> None:
-        """Send the demotions the watchdog made (on the keeper thread, in order)."""
+        """Send the demotions a deadline or a stop forced (on the keeper's lane, in order)."""
         with self._cond:
             pending, self._unannounced = self._unannounced, []
         for number, reason in pending:

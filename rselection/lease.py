@@ -198,11 +198,12 @@ the last renewal that went through), or the exception the blocking call would ra
 class NonBlockingLease(Protocol):
     """A lease backend whose round trips can be started without blocking a thread.
 
-    Optional. A leader over such a backend has no keeper or watchdog thread of its own:
-    one driver thread per process (:mod:`rselection.driver`) starts the renewals and
-    attempts of every such leader, and the backend sends them together (one statement
-    for all that are due, on :class:`~rselection.postgres.PostgresLease`). Everything
-    else (connecting, releasing, ending terms) still goes through the blocking methods
+    Optional. A leader over such a backend has no thread of its own (a blocking lease
+    has one, waiting in :meth:`LeaseBackend.wait_for_change`): one driver thread per
+    process (:mod:`rselection.driver`) starts the renewals and attempts of every such
+    leader, and the backend sends them together (one statement for all that are due, on
+    :class:`~rselection.postgres.PostgresLease`). Everything else (connecting, releasing,
+    ending terms) still goes through the blocking methods
     of :class:`LeaseBackend`, on a thread of a shared pool.
     """
 

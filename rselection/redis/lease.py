@@ -317,8 +317,9 @@ class _Liveness:
 class RedisLease(Closeable):
     """A lease kept in one Redis key, with ``PX`` expiry, fencing terms and fast failover.
 
-    One instance is used by one keeper thread (:meth:`connect`, :meth:`try_acquire`,
-    :meth:`renew`, :meth:`release`, :meth:`wait_for_change`, :meth:`close`);
+    One instance is used by one caller at a time (:meth:`connect`, :meth:`try_acquire`,
+    :meth:`renew`, :meth:`release`, :meth:`wait_for_change`, :meth:`close`: a leader's
+    driven keeper, and its waiting thread in between);
     :meth:`current` and :meth:`interrupt` are safe from any thread. Keeper methods raise
     :class:`~rselection.errors.BackendUnavailable` on any connection or server error;
     the keeper connections are then closed (once no term acquired through them may still
@@ -1093,7 +1094,7 @@ class RedisLease(Closeable):
         return True
 
     def interrupt(self) -> None:
-        """Wake the keeper thread blocked in :meth:`wait_for_change`; safe from any thread.
+        """Wake the thread blocked in :meth:`wait_for_change`; safe from any thread.
 
         Sticky: an interrupt that arrives just before the wait makes it return at once.
         """
