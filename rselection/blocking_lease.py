@@ -122,6 +122,9 @@ class BlockingLease:
         with self._session():
             with self._cond:
                 self._connected = False
+                waiting = self._waiting  # only a lease with concurrent calls still waits
+            if waiting:
+                self._interrupt_wait()  # the waiting thread leaves the closed lease now
             self.lease.close()
 
     # -- NonBlockingLease -----------------------------------------------------------------

@@ -306,3 +306,24 @@ def test_a_cleanup_that_calls_stop_does_not_wait_for_itself(
     took = time.monotonic() - start
     assert stopped_in and stopped_in[0] < 1.0, f"stop() inside the clean-up took {stopped_in}"
     assert took < rselection.leader.CLEANUP_TIMEOUT, f"stop() took {took:.2f}s"
+
+
+def test_a_follower_over_a_shared_memory_lease_stops_at_once(
+    lease_leaders: Callable[..., rs.LeaseLeader],
+) -> None:
+    # Its waiting thread sits in the shared lease's wait, which a call does not
+    # interrupt (concurrent_calls): before, stop() waited for that wait to time out (1 s).
+    lease = MemoryLease("shared-stop", ttl=3.0)
+    chief = lease_leaders(lease, rs.TaskHandler(), node_id="chief", **FAST)
+    follower = lease_leaders(lease, rs.TaskHandler(), node_id="follower", **FAST)
+    chief.start()
+    assert chief.wait_until_leader(5)
+    follower.start()
+    wait_until(lambda: follower.leader() is not None, 5, "the follower to see the leader")
+    waiting = follower._backend
+    wait_until(lambda: waiting._waiting, 5, "the follower's thread to wait in the lease")  # type: ignore[attr-defined]
+    began = time.monotonic()
+    follower.stop(timeout=10)
+    took = time.monotonic() - began
+    assert took < 0.5, f"a follower's stop() took {took:.2f} s"
+    assert chief.is_leader
