@@ -9,7 +9,7 @@ keeper (:mod:`rselection.driven`) steps, so that one engine serves every backend
 * ``renew_soon`` and ``acquire_soon`` start nothing: the keeper makes the blocking call
   on its lane of the driver's workers;
 * one waiting thread per lease blocks in ``wait_for_change`` whenever no call of the
-  keeper is under way, and turns a wait that ended early into a wake-up (``on_wake``);
+  keeper is under way, and turns the wait's end into a wake-up (``on_wake``);
   a wait that raised (a broken session) is kept, and raised by the keeper's next
   ``wait_for_change(0)``, as the lease's own wait would have raised in a keeper thread;
 * the calls that use the lease's session (``connect``, ``try_acquire``, ``renew``,
@@ -26,21 +26,22 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from .lease import Acquisition, LeaderInfo, LeaseBackend, RenewOutcome
+from .wait_pump import WaitPump, Watchable
 
 __all__ = ["WAIT_SLICE", "BlockingLease"]
 
 logger = logging.getLogger("rselection.leader")
 
-WAIT_SLICE = 1.0
-"""Seconds of one wait of the waiting thread: a lease whose ``interrupt()`` fails holds
-up a call of the keeper at most this long."""
-
-_EARLY = 0.95  # a wait that returned before this share of its timeout ended early
+WAIT_SLICE = 5.0
+"""Seconds of one wait of the waiting thread. A wait's return wakes the keeper whether a
+change or the timeout ended it (a lease cannot tell which, and a change taken for a
+timeout would leave a follower asleep until the lease expires), so a follower attempts
+at least this often; a lease whose ``interrupt()`` fails holds up a call of the keeper
+at most this long."""
 
 
 class BlockingLease:
@@ -65,6 +66,10 @@ class BlockingLease:
         # A lease whose calls may run while another thread waits in it (a memory lease)
         # is not interrupted for each call: its other waiters would wake for nothing.
         self._concurrent = bool(getattr(lease, "concurrent_calls", False))
+        # A lease that can be waited on in steps (a Redis lease) has no waiting thread of
+        # its own: the process's WaitPump waits in it, between the keeper's calls.
+        self._pumped = isinstance(lease, Watchable)
+        self._use = threading.Lock()  # pumped: a call, or a watch being armed, uses it
 
     # -- LeaseBackend ---------------------------------------------------------------------
 
@@ -110,7 +115,10 @@ class BlockingLease:
 
     def interrupt(self) -> None:
         """The lease's ``interrupt``: a wait under way returns (and wakes the keeper)."""
-        self.lease.interrupt()
+        if self._pumped:
+            self._wake()  # what an interrupted wait does; the pump's wait goes on
+        else:
+            self.lease.interrupt()
 
     def term_ended(self, term: int) -> None:
         """The lease's ``term_ended`` (safe from any thread by the lease's contract)."""
@@ -140,20 +148,24 @@ class BlockingLease:
         return False
 
     def on_wake(self, waker: Callable[[], None] | None) -> None:
-        """Wake ``waker`` when a wait ends early; ``None``: the waiting thread ends (and
-        is joined, unless the lease is still connected and waiting)."""
+        """Wake ``waker`` when a wait ends; ``None``: no more waits (the waiting thread
+        ends once its wait under way returns; never blocks, the driver calls it)."""
+        if self._pumped:
+            with self._cond:
+                self._waker = waker
+            if waker is None:
+                WaitPump.shared().discard(self)
+            else:
+                self._arm()
+            return
         with self._cond:
             self._waker = waker
             self._cond.notify_all()
-            thread = self._thread
-            if waker is not None and thread is None:
-                thread = self._thread = threading.Thread(
+            if waker is not None and self._thread is None:
+                self._thread = threading.Thread(
                     target=self._wait_loop, name=f"rselection-wait-{self.name}", daemon=True
                 )
-                thread.start()
-            if waker is not None or thread is None or thread is threading.current_thread():
-                return
-        thread.join(2 * WAIT_SLICE)
+                self._thread.start()
 
     # -- the session, shared with the waiting thread --------------------------------------
 
@@ -161,6 +173,10 @@ class BlockingLease:
     def _session(self) -> Iterator[None]:
         """Hold the lease's session for one call of the keeper: a wait under way is
         interrupted, and the call runs once the wait has returned."""
+        if self._pumped:
+            with self._pumped_session():
+                yield
+            return
         if self._concurrent:
             yield
             return
@@ -172,18 +188,62 @@ class BlockingLease:
             if interrupt:
                 self._interrupt_wait()
             with self._cond:
-                # A lease whose interrupt() failed ends its wait by its timeout.
-                if not self._cond.wait_for(lambda: not self._waiting, 2 * WAIT_SLICE):
+                # Never two callers at once: a lease whose interrupt() fails is called
+                # when its wait returns by itself (the deadline is the driver's meanwhile).
+                if not self._cond.wait_for(lambda: not self._waiting, WAIT_SLICE + 1.0):
                     logger.warning(
-                        "lease %r: the wait did not end on interrupt(); calling the lease "
-                        "while it waits",
+                        "lease %r: the wait did not end on interrupt(); the call waits for it",
                         self.lease.name,
                     )
+                    self._cond.wait_for(lambda: not self._waiting)
             yield
         finally:
             with self._cond:
                 self._calls -= 1
                 self._cond.notify_all()
+
+    @contextmanager
+    def _pumped_session(self) -> Iterator[None]:
+        """The lease taken out of the pump for one call; then watched again."""
+        with self._use:
+            WaitPump.shared().remove(self)
+            yield
+        self._arm()
+
+    def _arm(self) -> None:
+        """Pumped: watch the lease for a change, when it is connected and no call uses it
+        (a call that holds it arms it when done)."""
+        if not self._use.acquire(blocking=False):
+            return
+        try:
+            with self._cond:
+                if self._waker is None or not self._connected or self._broken:
+                    return
+            assert isinstance(self.lease, Watchable)
+            try:
+                watch = self.lease.watch_for_change()
+            except BaseException as exc:  # handed to the keeper, which recovers
+                self._watch_ended(exc)
+                return
+            WaitPump.shared().add(self, watch, self._watch_ended)
+        finally:
+            self._use.release()
+
+    def _watch_ended(self, outcome: BaseException | None) -> None:
+        """Pumped: a wait ended early (``None``) or raised; wake the keeper, and watch
+        again unless the lease broke."""
+        if outcome is not None:
+            with self._cond:
+                self._error, self._broken = outcome, True
+        self._wake()
+        if outcome is None:
+            self._arm()
+
+    def _wake(self) -> None:
+        with self._cond:
+            waker = self._waker
+        if waker is not None:
+            waker()
 
     def _interrupt_wait(self) -> None:
         try:
@@ -211,19 +271,19 @@ class BlockingLease:
             with self._cond:
                 self._waiting = False
                 self._cond.notify_all()
-                # A wait a call took over wakes nobody: the call reads the lease itself.
-                woken = outcome is True and self._taken == taken
+                # A wait a call took over wakes nobody: the call reads the lease itself,
+                # after the wait returned.
+                woken = self._taken == taken
                 if isinstance(outcome, BaseException):
                     self._error, self._broken, woken = outcome, True, True
                 waker = self._waker
             if woken and waker is not None:
                 waker()
 
-    def _wait_once(self) -> BaseException | bool | None:
-        """One wait: the exception it raised, ``True`` when it ended early, else ``None``."""
-        began = time.monotonic()
+    def _wait_once(self) -> BaseException | None:
+        """One wait: the exception it raised, else ``None``."""
         try:
             self.lease.wait_for_change(WAIT_SLICE)
         except BaseException as exc:  # handed to the keeper, which recovers
             return exc
-        return True if time.monotonic() - began < _EARLY * WAIT_SLICE else None
+        return None

@@ -821,71 +821,62 @@ class RedisLease(Closeable):
         Raises:
             BackendUnavailable: a keeper connection broke.
         """
-        conn = self._keeper()
-        listener = self._listener
-        assert listener is not None
         try:
-            if self._wakeup.pending:
+            self._keeper()  # a broken keeper connection raises at once
+            if self._wakeup.pending or not timeout > 0:
                 return
-            if not timeout > 0:
-                return
-            seen = self._seen
-            probe = (
-                self._leading is None
-                and seen is not None
-                and seen.fast
-                and self._can_probe
-                and bool(seen.client)
-                and seen.run == self._run_id
-                and self.liveness_interval is not None
-            )
-            live = self._liveness
-            if probe and seen is not None:
-                self._listen_for_beats(listener)
-                live.follow(seen.term, self._silence_limit())
-            beating = self._leading is not None and self._fast
-            if beating and self._leading is not None:
-                live.lead(self._leading[1])
+            watch = self.watch_for_change()
             deadline = time.monotonic() + timeout
-            woken = False  # a message asked for a wake-up
             with selectors.DefaultSelector() as sel:
-                sel.register(_sock(conn), selectors.EVENT_READ, "keeper")
-                sel.register(_sock(listener), selectors.EVENT_READ, "listener")
+                for sock in watch.sockets:
+                    sel.register(sock, selectors.EVENT_READ)
                 wake = self._wakeup.socket
                 if wake is not None:
-                    sel.register(wake, selectors.EVENT_READ, "wake")
+                    sel.register(wake, selectors.EVENT_READ)
                 while (remaining := deadline - time.monotonic()) > 0:
-                    now = time.monotonic()
-                    step = remaining
-                    if probe:
-                        step = min(step, max(0.0, live.probe_at - now))
-                    if beating:
-                        step = min(step, max(0.0, live.beat_at - now))
-                    if woken:
-                        step = min(step, max(0.0, self._wake_after - now))
-                    events = sel.select(step)
-                    for key, _ in events:
-                        if key.data == "wake":
-                            return
-                        if key.data == "keeper":
-                            self._keeper_readable(conn)
-                        elif self._drain(listener):
-                            woken = True
-                    # Beats and checks come before a wake-up: a flood of messages must
-                    # never starve them (it would delay a takeover to the ttl).
-                    now = time.monotonic()
-                    if beating and now >= live.beat_at:
-                        self._beat()
-                    if probe and seen is not None and now >= live.probe_at:
-                        if self._holder_gone(seen):
-                            return
-                        probe = self._can_probe  # refused: the lease's expiry will do
-                        live.probed(self._silence_limit())
-                    if woken and now >= self._wake_after:
-                        self._wake_after = now + _WAKE_GAP
+                    step = min(remaining, max(0.0, watch.due() - time.monotonic()))
+                    ready = {key.fileobj for key, _ in sel.select(step)}
+                    if wake is not None and wake in ready:
+                        return
+                    if watch.step(ready):
                         return
         finally:
             self._wakeup.clear()
+
+    def watch_for_change(self) -> LeaseWatch:
+        """Begin a wait of :meth:`wait_for_change` that another thread steps: the sockets
+        to watch, when it is due, and what a readable socket or a due time does (see
+        :class:`LeaseWatch`). The caller holds the lease (no other call runs) until it
+        stops stepping the watch.
+
+        Raises:
+            BackendUnavailable: a keeper connection broke.
+        """
+        conn = self._conn
+        if conn is None or self._hold.stale:  # never reconnects here (the caller does)
+            raise BackendUnavailable(
+                f"the keeper connection to the lease server ({self._factory.where}) is closed"
+            )
+        conn = self._keeper()  # raises when broken
+        listener = self._listener
+        assert listener is not None
+        seen = self._seen
+        probe = (
+            self._leading is None
+            and seen is not None
+            and seen.fast
+            and self._can_probe
+            and bool(seen.client)
+            and seen.run == self._run_id
+            and self.liveness_interval is not None
+        )
+        if probe and seen is not None:
+            self._listen_for_beats(listener)
+            self._liveness.follow(seen.term, self._silence_limit())
+        beating = self._leading is not None and self._fast
+        if beating and self._leading is not None:
+            self._liveness.lead(self._leading[1])
+        return LeaseWatch(self, conn, listener, seen if probe else None, beating)
 
     def _silence_limit(self) -> float:
         """How long a follower waits for a beat before it checks the holder's connection:
@@ -1113,6 +1104,70 @@ class RedisLease(Closeable):
             with contextlib.suppress(Exception):
                 self._client.connection_pool.disconnect(inuse_connections=False)
         self._wakeup.close()
+
+
+class LeaseWatch:
+    """One wait of a :class:`RedisLease` for a change, in steps that another thread runs
+    (:meth:`RedisLease.wait_for_change` runs them itself; a process's leases may share
+    one thread instead, see :mod:`rselection.blocking_lease`).
+
+    The stepping thread watches :attr:`sockets` for reading, and calls :meth:`step`
+    with the readable ones whenever one is, or when :meth:`due` has come.
+    """
+
+    def __init__(
+        self, lease: RedisLease, conn: Any, listener: Any, probe: _Seen | None, beating: bool
+    ) -> None:
+        self._lease = lease
+        self._conn = conn
+        self._listener = listener
+        self._probe = probe  # the holder whose connection to check, while following
+        self._beating = beating  # leading: publish liveness beats
+        self._woken = False  # a message asked for a wake-up
+        self.sockets = (_sock(conn), _sock(listener))
+        """The keeper's and the listener's sockets."""
+
+    def due(self) -> float:
+        """The monotonic time of the next beat, check or wake-up (``inf``: none)."""
+        lease, live = self._lease, self._lease._liveness
+        due = math.inf
+        if self._probe is not None:
+            due = min(due, live.probe_at)
+        if self._beating:
+            due = min(due, live.beat_at)
+        if self._woken:
+            due = min(due, lease._wake_after)
+        return due
+
+    def step(self, readable: set[Any]) -> bool:
+        """Read what ``readable`` holds of :attr:`sockets`, then beat or check when due;
+        ``True`` when the wait ends (the holder may have changed).
+
+        Raises:
+            BackendUnavailable: a keeper connection broke.
+        """
+        lease, live = self._lease, self._lease._liveness
+        keeper, listening = self.sockets
+        if keeper in readable:
+            lease._keeper_readable(self._conn)
+        if listening in readable and lease._drain(self._listener):
+            self._woken = True
+        # Beats and checks come before a wake-up: a flood of messages must never starve
+        # them (it would delay a takeover to the ttl).
+        now = time.monotonic()
+        if self._beating and now >= live.beat_at:
+            lease._beat()
+        seen = self._probe
+        if seen is not None and now >= live.probe_at:
+            if lease._holder_gone(seen):
+                return True
+            if not lease._can_probe:
+                self._probe = None  # refused: the lease's expiry will do
+            live.probed(lease._silence_limit())
+        if self._woken and now >= lease._wake_after:
+            lease._wake_after = now + _WAKE_GAP
+            return True
+        return False
 
 
 def _sock(conn: Any) -> socket.socket:

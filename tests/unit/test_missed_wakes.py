@@ -9,15 +9,20 @@ conformance suite's step-down handover took 3.05 s against a bound of 1 s).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import rselection as rs
+from rselection import blocking_lease
+from rselection.timing import Timings
 from tests.support.file_lease import FileLease
+from tests.support.waiting import wait_until
 
 TTL = 5.0
 PROMPT = 1.0  # a wait woken by the release returns within milliseconds
@@ -65,3 +70,50 @@ def test_a_wait_after_a_change_it_already_saw_still_sleeps() -> None:
     began = time.monotonic()
     lease.wait_for_change(0.3)
     assert time.monotonic() - began >= 0.25
+
+
+class LateWake:
+    """One node's view of a shared memory lease whose wait returns late in its timeout, as
+    a wait ended by a change that came then would (a blocking lease of one's own)."""
+
+    def __init__(self, shared: rs.MemoryLease) -> None:
+        self._shared = shared
+        self._interrupted = threading.Event()
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._shared, attr)
+
+    def wait_for_change(self, timeout: float) -> None:
+        self._interrupted.wait(0.97 * timeout)
+        self._interrupted.clear()
+
+    def interrupt(self) -> None:
+        self._interrupted.set()
+
+
+def test_a_change_late_in_a_wait_still_wakes_the_follower(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, a wait that returned after 95 % of its timeout was taken for a timeout and
+    # woke nobody: a release that ended it left the follower asleep until the lease would
+    # have expired (the conformance suite's step-down handover took 3.01 s once).
+    monkeypatch.setattr(blocking_lease, "WAIT_SLICE", 0.5)
+    timings = Timings(ttl=3.0, renew_interval=0.5, renew_deadline=2.0, retry_interval=0.5)
+    shared = rs.MemoryLease("late", ttl=3.0)
+    chief = rs.LeaseLeader(shared, rs.TaskHandler(), node_id="chief", timings=timings)
+    follower_lease: Any = LateWake(shared)
+    follower = rs.LeaseLeader(follower_lease, rs.TaskHandler(), node_id="f", timings=timings)
+    try:
+        chief.start()
+        assert chief.wait_until_leader(5)
+        follower.start()
+        wait_until(lambda: follower.leader() is not None, 5, "the follower to see the leader")
+        time.sleep(0.6)  # the follower's first attempt is behind it: it waits for a change
+        chief.step_down(hold=10)
+        began = time.monotonic()
+        assert follower.wait_until_leader(5)
+        took = time.monotonic() - began
+        assert took < 1.5, f"the follower led {took:.2f} s after the release"
+    finally:
+        follower.stop(timeout=10)
+        chief.stop(timeout=10)

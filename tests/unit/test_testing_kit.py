@@ -24,6 +24,7 @@ from rselection.testing import (
     fires,
     run_tasks,
 )
+from tests.support.waiting import wait_until
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 
@@ -103,7 +104,11 @@ def test_run_tasks_an_error_in_the_block_wins_and_the_leader_stops() -> None:
     with pytest.raises(RuntimeError, match="from the test"), run_tasks(tasks) as running:
         raise RuntimeError("from the test")
     assert not running.leader.is_leader
-    assert not [t for t in threading.enumerate() if t.name.startswith("rselection-wait-")]
+    wait_until(
+        lambda: not [t for t in threading.enumerate() if t.name.startswith("rselection-wait-")],
+        5,
+        "the leader's waiting thread to end",
+    )
 
 
 def test_run_tasks_wait_runs_times_out_with_a_clear_message() -> None:

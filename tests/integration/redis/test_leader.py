@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import threading
 import time
 import uuid
@@ -434,3 +436,41 @@ def test_a_server_that_may_evict_the_lease_key_is_warned_about_once(
     assert len(warned) == 1, [r.getMessage() for r in caplog.records]
     assert warned[0].levelno == logging.WARNING
     assert "noeviction" in warned[0].getMessage() and repr(name) in warned[0].getMessage()
+
+
+def test_a_server_paused_shorter_than_renew_deadline_costs_no_term(
+    private_redis: PrivateRedis, name: str
+) -> None:
+    # The lease's liveness beat and the renewal share the keeper connection. Before, a
+    # renewal that waited more than 2 s for the lease's wait to return (a beat blocked on
+    # the paused server) went ahead on the same connection: it read the beat's reply, and
+    # the leader lost its term 6.3 s into a 4 s pause (renew_deadline 10 s).
+    timings = {"ttl": 15.0, "renew_interval": 2.0, "renew_deadline": 10.0, "retry_interval": 2.0}
+    leaders = [
+        RedisLeader(private_redis.url, rs.TaskHandler(), name=name, node_id=node, **timings)
+        for node in ("l", "f")
+    ]
+    pid = private_redis.pid
+    assert pid is not None
+    try:
+        leaders[0].start()
+        assert leaders[0].wait_until_leader(10)
+        term = leaders[0].term
+        leaders[1].start()
+        wait_until(lambda: leaders[1].leader() is not None, 10, "the follower to see the leader")
+        time.sleep(2.3)  # a beat and a renewal are due during the pause
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(4.0)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # Through the next renewals after the pause: still the same term, nobody else.
+        until = time.monotonic() + 2 * timings["renew_interval"] + 1.0
+        while time.monotonic() < until:
+            assert leaders[0].term == term, "the leader lost its term to a 4 s pause"
+            assert not leaders[1].is_leader
+            time.sleep(0.05)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        for leader in leaders:
+            leader.stop(timeout=15)
