@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 from .checkpoints import CheckpointStore, LeaseFencedStore
@@ -17,6 +18,9 @@ if TYPE_CHECKING:
 
 __all__ = ["SingleNodeLeader"]
 
+
+FIRST_TERM_WAIT = 5.0
+"""Seconds :meth:`SingleNodeLeader.start` waits at most for its first term."""
 
 class SingleNodeLeader(LeaseLeader):
     """Leads at once with term 1, over an in-memory lease; no database needed.
@@ -84,3 +88,13 @@ class SingleNodeLeader(LeaseLeader):
     def checkpoint_store(self) -> CheckpointStore:
         """The store behind ``ctx.checkpoint`` (to inspect or seed task state)."""
         return self._store
+
+    def start(self) -> None:
+        """Start, and return once the first term has begun (it leads at once; within
+        :data:`FIRST_TERM_WAIT` seconds at most). Under ``async with`` it returns at once:
+        the term begins on the loop the block runs."""
+        super().start()
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop in this thread: nothing it waits for runs here
+            self.wait_until_leader(FIRST_TERM_WAIT)
