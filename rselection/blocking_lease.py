@@ -8,18 +8,20 @@ keeper (:mod:`rselection.driven`) steps, so that one engine serves every backend
 
 * ``renew_soon`` and ``acquire_soon`` start nothing: the keeper makes the blocking call
   on its lane of the driver's workers;
-* one waiting thread per lease blocks in ``wait_for_change`` whenever no call of the
-  keeper is under way, and turns the wait's end into a wake-up (``on_wake``);
-  a wait that raised (a broken session) is kept, and raised by the keeper's next
-  ``wait_for_change(0)``, as the lease's own wait would have raised in a keeper thread;
+* between the keeper's calls something waits in the lease for a change, and turns the
+  wait's end into a wake-up (``on_wake``); a wait that raised (a broken session) is
+  kept, and raised by the keeper's next ``wait_for_change(0)``, as the lease's own wait
+  would have raised in a keeper thread. A lease that can be waited on in steps (a
+  Redis lease, see :class:`~rselection.wait_pump.Watchable`) is waited on by the
+  process's one :class:`~rselection.wait_pump.WaitPump`; any other by a waiting thread
+  of its own, in ``wait_for_change``;
 * the calls that use the lease's session (``connect``, ``try_acquire``, ``renew``,
-  ``release``, ``close``) first take the session from the waiting thread: they
-  interrupt its wait and run once it has returned, so the lease sees one caller at a
-  time, as its contract promises. A wait those calls interrupted wakes nobody: the
-  call itself reads the lease.
+  ``release``, ``close``) first take the session from the waiter: they take the lease
+  out of the pump, or interrupt the waiting thread's wait, and run once no wait is
+  under way, so the lease sees one caller at a time, as its contract promises. A wait
+  a call took over wakes nobody: the call itself reads the lease.
 
-The waiting thread is the only thread of its own a leader keeps; the deadline, the
-renewals and the attempts are the driver's, as for a Postgres lease.
+The deadline, the renewals and the attempts are the driver's, as for a Postgres lease.
 """
 
 from __future__ import annotations
