@@ -22,6 +22,7 @@ __all__ = ["SingleNodeLeader"]
 FIRST_TERM_WAIT = 5.0
 """Seconds :meth:`SingleNodeLeader.start` waits at most for its first term."""
 
+
 class SingleNodeLeader(LeaseLeader):
     """Leads at once with term 1, over an in-memory lease; no database needed.
 
