@@ -8,20 +8,18 @@ keeper (:mod:`rselection.driven`) steps, so that one engine serves every backend
 
 * ``renew_soon`` and ``acquire_soon`` start nothing: the keeper makes the blocking call
   on its lane of the driver's workers;
-* between the keeper's calls something waits in the lease for a change, and turns the
-  wait's end into a wake-up (``on_wake``); a wait that raised (a broken session) is
-  kept, and raised by the keeper's next ``wait_for_change(0)``, as the lease's own wait
-  would have raised in a keeper thread. A lease that can be waited on in steps (a
-  Redis lease, see :class:`~rselection.wait_pump.Watchable`) is waited on by the
-  process's one :class:`~rselection.wait_pump.WaitPump`; any other by a waiting thread
-  of its own, in ``wait_for_change``;
+* one waiting thread per lease blocks in ``wait_for_change`` whenever no call of the
+  keeper is under way, and turns each return of the wait into a wake-up (``on_wake``);
+  a wait that raised (a broken session) is kept, and raised by the keeper's next
+  ``wait_for_change(0)``, as the lease's own wait would have raised in a keeper thread;
 * the calls that use the lease's session (``connect``, ``try_acquire``, ``renew``,
-  ``release``, ``close``) first take the session from the waiter: they take the lease
-  out of the pump, or interrupt the waiting thread's wait, and run once no wait is
-  under way, so the lease sees one caller at a time, as its contract promises. A wait
-  a call took over wakes nobody: the call itself reads the lease.
+  ``release``, ``close``) first take the session from the waiting thread: they
+  interrupt its wait and run once it has returned (never while it waits), so the lease
+  sees one caller at a time, as its contract promises. A wait those calls took over
+  wakes nobody: the call itself reads the lease.
 
-The deadline, the renewals and the attempts are the driver's, as for a Postgres lease.
+The waiting thread is the only thread of its own a leader keeps; the deadline, the
+renewals and the attempts are the driver's, as for a Postgres lease.
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from .lease import Acquisition, LeaderInfo, LeaseBackend, RenewOutcome
-from .wait_pump import WaitPump, Watchable
 
 __all__ = ["WAIT_SLICE", "BlockingLease"]
 
@@ -68,10 +65,6 @@ class BlockingLease:
         # A lease whose calls may run while another thread waits in it (a memory lease)
         # is not interrupted for each call: its other waiters would wake for nothing.
         self._concurrent = bool(getattr(lease, "concurrent_calls", False))
-        # A lease that can be waited on in steps (a Redis lease) has no waiting thread of
-        # its own: the process's WaitPump waits in it, between the keeper's calls.
-        self._pumped = isinstance(lease, Watchable)
-        self._use = threading.Lock()  # pumped: a call, or a watch being armed, uses it
 
     # -- LeaseBackend ---------------------------------------------------------------------
 
@@ -117,10 +110,7 @@ class BlockingLease:
 
     def interrupt(self) -> None:
         """The lease's ``interrupt``: a wait under way returns (and wakes the keeper)."""
-        if self._pumped:
-            self._wake()  # what an interrupted wait does; the pump's wait goes on
-        else:
-            self.lease.interrupt()
+        self.lease.interrupt()
 
     def term_ended(self, term: int) -> None:
         """The lease's ``term_ended`` (safe from any thread by the lease's contract)."""
@@ -152,14 +142,6 @@ class BlockingLease:
     def on_wake(self, waker: Callable[[], None] | None) -> None:
         """Wake ``waker`` when a wait ends; ``None``: no more waits (the waiting thread
         ends once its wait under way returns; never blocks, the driver calls it)."""
-        if self._pumped:
-            with self._cond:
-                self._waker = waker
-            if waker is None:
-                WaitPump.shared().discard(self)
-            else:
-                self._arm()
-            return
         with self._cond:
             self._waker = waker
             self._cond.notify_all()
@@ -175,10 +157,6 @@ class BlockingLease:
     def _session(self) -> Iterator[None]:
         """Hold the lease's session for one call of the keeper: a wait under way is
         interrupted, and the call runs once the wait has returned."""
-        if self._pumped:
-            with self._pumped_session():
-                yield
-            return
         if self._concurrent:
             yield
             return
@@ -203,49 +181,6 @@ class BlockingLease:
             with self._cond:
                 self._calls -= 1
                 self._cond.notify_all()
-
-    @contextmanager
-    def _pumped_session(self) -> Iterator[None]:
-        """The lease taken out of the pump for one call; then watched again."""
-        with self._use:
-            WaitPump.shared().remove(self)
-            yield
-        self._arm()
-
-    def _arm(self) -> None:
-        """Pumped: watch the lease for a change, when it is connected and no call uses it
-        (a call that holds it arms it when done)."""
-        if not self._use.acquire(blocking=False):
-            return
-        try:
-            with self._cond:
-                if self._waker is None or not self._connected or self._broken:
-                    return
-            assert isinstance(self.lease, Watchable)
-            try:
-                watch = self.lease.watch_for_change()
-            except BaseException as exc:  # handed to the keeper, which recovers
-                self._watch_ended(exc)
-                return
-            WaitPump.shared().add(self, watch, self._watch_ended)
-        finally:
-            self._use.release()
-
-    def _watch_ended(self, outcome: BaseException | None) -> None:
-        """Pumped: a wait ended early (``None``) or raised; wake the keeper, and watch
-        again unless the lease broke."""
-        if outcome is not None:
-            with self._cond:
-                self._error, self._broken = outcome, True
-        self._wake()
-        if outcome is None:
-            self._arm()
-
-    def _wake(self) -> None:
-        with self._cond:
-            waker = self._waker
-        if waker is not None:
-            waker()
 
     def _interrupt_wait(self) -> None:
         try:

@@ -844,7 +844,7 @@ class RedisLease(Closeable):
             self._wakeup.clear()
 
     def watch_for_change(self) -> LeaseWatch:
-        """Begin a wait of :meth:`wait_for_change` that another thread steps: the sockets
+        """Begin a wait of :meth:`wait_for_change` in steps: the sockets
         to watch, when it is due, and what a readable socket or a due time does (see
         :class:`LeaseWatch`). The caller holds the lease (no other call runs) until it
         stops stepping the watch.
@@ -1107,9 +1107,9 @@ class RedisLease(Closeable):
 
 
 class LeaseWatch:
-    """One wait of a :class:`RedisLease` for a change, in steps that another thread runs
-    (:meth:`RedisLease.wait_for_change` runs them itself; a process's leases may share
-    one thread instead, see :mod:`rselection.blocking_lease`).
+    """One wait of a :class:`RedisLease` for a change, in steps:
+    :meth:`RedisLease.wait_for_change` is a loop over them (a loop that could step the
+    waits of many leases at once).
 
     The stepping thread watches :attr:`sockets` for reading, and calls :meth:`step`
     with the readable ones whenever one is, or when :meth:`due` has come.
