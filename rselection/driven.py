@@ -419,7 +419,7 @@ class DrivenKeeper:
                 leader._end_term(request.reason)
                 return leader._releasable()
             except BaseException:
-                request.done.set()
+                request.finish()
                 raise
 
         def after(held: int | None, outcome: ReleaseOutcome) -> None:
@@ -433,7 +433,7 @@ class DrivenKeeper:
                     # follower.
                     self._follow_at = clock.monotonic() + leader._timings.retry_interval
             finally:
-                request.done.set()
+                request.finish()
 
         self._work(end, then=lambda held: self._release_soon(held, after))
 

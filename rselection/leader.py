@@ -516,7 +516,11 @@ class LeaseLeader(Service):
             term = self._term
             if term is None:
                 return
+            earlier = self._step_down
             request = self._step_down = _StepDown(term.number, hold, "step_down")
+            if earlier is not None and earlier.term == term.number:
+                # One step-down answers both callers (the latest hold counts).
+                request.superseded.append(earlier)
         self._interrupt_backend()
         self._driven.poke()
         if wait and not self._called_from_inside():
@@ -866,7 +870,7 @@ class LeaseLeader(Service):
                 with self._cond:
                     self._term = None
                     if self._step_down is not None and self._step_down.term == term.number:
-                        self._step_down.done.set()
+                        self._step_down.finish()
                         self._step_down = None  # asked of this term only
                     self._cond.notify_all()
                 log = (
@@ -924,6 +928,14 @@ class _StepDown:
     reason: str  # "step_down", or "handover" when an operator asked
     done: threading.Event = field(default_factory=threading.Event, compare=False)
     """Set once the term is released (or the request lapsed, or failed)."""
+    superseded: list[_StepDown] = field(default_factory=list, compare=False)
+    """Earlier requests of the same term this one replaced: done when this one is."""
+
+    def finish(self) -> None:
+        """Set :attr:`done`, and that of every request this one replaced."""
+        self.done.set()
+        for earlier in self.superseded:
+            earlier.finish()
 
 
 def _leader_timings(

@@ -581,3 +581,31 @@ def test_a_with_block_leads_from_its_first_line() -> None:
     for _ in range(20):
         with rs.SingleNodeLeader(rs.TaskHandler()) as leader:
             assert leader.is_leader and leader.term is not None
+
+
+def test_step_downs_from_several_threads_at_once_all_return_promptly() -> None:
+    # Before, a second step_down() of the same term replaced the first one's request,
+    # whose caller then waited for a release that was never reported: the lease's ttl.
+    leader = rs.SingleNodeLeader(rs.TaskHandler())
+    took: list[float] = []
+
+    def slow_elected(sender: Any, **kw: Any) -> None:
+        if sender is leader:
+            time.sleep(0.5)  # the keeper is busy: both requests come before it looks
+
+    def step_down() -> None:
+        began = time.monotonic()
+        leader.step_down()
+        took.append(time.monotonic() - began)
+
+    signals.elected.connect(slow_elected)
+    try:
+        with leader:
+            threads = [threading.Thread(target=step_down) for _ in range(2)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(30)
+    finally:
+        signals.elected.disconnect(slow_elected)
+    assert len(took) == 2 and max(took) < 5.0, f"step_down() took {max(took):.2f} s"
