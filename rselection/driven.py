@@ -488,7 +488,7 @@ class DrivenKeeper:
             self._leader._close()
         finally:
             try:
-                self._lease.on_wake(None)  # its waiting thread, if any, ends now
+                self._lease.on_wake(None)  # no more waits: a waiting thread, if any, ends
             finally:
                 self._finished = True
                 self.done.set()
