@@ -825,7 +825,7 @@ class RedisLease(Closeable):
             self._keeper()  # a broken keeper connection raises at once
             if self._wakeup.pending or not timeout > 0:
                 return
-            watch = self.watch_for_change()
+            watch = self._watch_for_change()
             deadline = time.monotonic() + timeout
             with selectors.DefaultSelector() as sel:
                 for sock in watch.sockets:
@@ -843,20 +843,15 @@ class RedisLease(Closeable):
         finally:
             self._wakeup.clear()
 
-    def watch_for_change(self) -> LeaseWatch:
+    def _watch_for_change(self) -> _LeaseWatch:
         """Begin a wait of :meth:`wait_for_change` in steps: the sockets
         to watch, when it is due, and what a readable socket or a due time does (see
-        :class:`LeaseWatch`). The caller holds the lease (no other call runs) until it
+        :class:`_LeaseWatch`). The caller holds the lease (no other call runs) until it
         stops stepping the watch.
 
         Raises:
             BackendUnavailable: a keeper connection broke.
         """
-        conn = self._conn
-        if conn is None or self._hold.stale:  # never reconnects here (the caller does)
-            raise BackendUnavailable(
-                f"the keeper connection to the lease server ({self._factory.where}) is closed"
-            )
         conn = self._keeper()  # raises when broken
         listener = self._listener
         assert listener is not None
@@ -876,7 +871,7 @@ class RedisLease(Closeable):
         beating = self._leading is not None and self._fast
         if beating and self._leading is not None:
             self._liveness.lead(self._leading[1])
-        return LeaseWatch(self, conn, listener, seen if probe else None, beating)
+        return _LeaseWatch(self, conn, listener, seen if probe else None, beating)
 
     def _silence_limit(self) -> float:
         """How long a follower waits for a beat before it checks the holder's connection:
@@ -1106,10 +1101,9 @@ class RedisLease(Closeable):
         self._wakeup.close()
 
 
-class LeaseWatch:
+class _LeaseWatch:
     """One wait of a :class:`RedisLease` for a change, in steps:
-    :meth:`RedisLease.wait_for_change` is a loop over them (a loop that could step the
-    waits of many leases at once).
+    :meth:`RedisLease.wait_for_change` is a loop over them.
 
     The stepping thread watches :attr:`sockets` for reading, and calls :meth:`step`
     with the readable ones whenever one is, or when :meth:`due` has come.
