@@ -9,25 +9,13 @@ only, as a paused process stops its own renewals and nobody else's).
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 import rselection as rs
 from rselection.testing import LeaderConformance
+from tests.support.lease_view import LeaseView
 
 pytestmark = pytest.mark.slow
-
-
-class MemoryLeaseView:
-    """One node's handle on a shared :class:`~rselection.MemoryLease`: every call goes to
-    the shared lease, and an attribute set here stays here."""
-
-    def __init__(self, shared: rs.MemoryLease) -> None:
-        self._shared = shared
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self._shared, attr)
 
 
 class TestMemoryLease(LeaderConformance):
@@ -39,5 +27,4 @@ class TestMemoryLease(LeaderConformance):
 
     def make_lease(self, name: str) -> rs.LeaseBackend:
         shared = self.shared.setdefault(name, rs.MemoryLease(name, ttl=self.timings.ttl))
-        view: Any = MemoryLeaseView(shared)
-        return view  # type: ignore[no-any-return]
+        return LeaseView(shared)

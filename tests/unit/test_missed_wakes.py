@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -22,6 +21,7 @@ import rselection as rs
 from rselection import blocking_lease
 from rselection.timing import Timings
 from tests.support.file_lease import FileLease
+from tests.support.lease_view import LeaseView
 from tests.support.waiting import wait_until
 
 TTL = 5.0
@@ -72,16 +72,13 @@ def test_a_wait_after_a_change_it_already_saw_still_sleeps() -> None:
     assert time.monotonic() - began >= 0.25
 
 
-class LateWake:
+class LateWake(LeaseView):
     """One node's view of a shared memory lease whose wait returns late in its timeout, as
     a wait ended by a change that came then would (a blocking lease of one's own)."""
 
     def __init__(self, shared: rs.MemoryLease) -> None:
-        self._shared = shared
+        super().__init__(shared)
         self._interrupted = threading.Event()
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self._shared, attr)
 
     def wait_for_change(self, timeout: float) -> None:
         self._interrupted.wait(0.97 * timeout)
@@ -101,8 +98,7 @@ def test_a_change_late_in_a_wait_still_wakes_the_follower(
     timings = Timings(ttl=3.0, renew_interval=0.5, renew_deadline=2.0, retry_interval=0.5)
     shared = rs.MemoryLease("late", ttl=3.0)
     chief = rs.LeaseLeader(shared, rs.TaskHandler(), node_id="chief", timings=timings)
-    follower_lease: Any = LateWake(shared)
-    follower = rs.LeaseLeader(follower_lease, rs.TaskHandler(), node_id="f", timings=timings)
+    follower = rs.LeaseLeader(LateWake(shared), rs.TaskHandler(), node_id="f", timings=timings)
     try:
         chief.start()
         assert chief.wait_until_leader(5)
