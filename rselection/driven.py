@@ -3,7 +3,9 @@
 :class:`DrivenKeeper` is the one leadership state machine of a
 :class:`~rselection.leader.LeaseLeader`, whatever its lease (follow, lead, step down,
 recover with backoff, stop), made of steps that never block, called by the process's
-:class:`~rselection.driver.LeaseDriver`. It steps a
+:class:`~rselection.driver.LeaseDriver`. What it steps is the leader's
+:class:`~rselection.leadership.Leadership` (its terms and the work on them), never the
+leader itself. It steps a
 :class:`~rselection.lease.NonBlockingLease`: Postgres's lease is one, and any other
 lease is adapted by :class:`~rselection.blocking_lease.BlockingLease`.
 
@@ -24,13 +26,14 @@ import logging
 import math
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import clock, signals
 from .context import Term
 from .daemon_pool import Lane
 from .driver import LeaseDriver
 from .errors import BackendUnavailable, ConfigError
+from .leadership import Leadership, StepDown
 from .lease import (
     Acquisition,
     AnnouncesHolder,
@@ -40,9 +43,6 @@ from .lease import (
     ReleaseOutcome,
     RenewOutcome,
 )
-
-if TYPE_CHECKING:
-    from .leader import LeaseLeader, _StepDown
 
 __all__ = ["DrivenKeeper", "SKIPPED_RETRY"]
 
@@ -63,8 +63,8 @@ class DrivenKeeper:
     this leader.
     """
 
-    def __init__(self, leader: LeaseLeader, lease: NonBlockingLease, backend: LeaseBackend) -> None:
-        self._leader = leader
+    def __init__(self, state: Leadership, lease: NonBlockingLease, backend: LeaseBackend) -> None:
+        self._state = state
         self._lease = lease  # the same object as ``backend``, seen as non-blocking
         self._backend = backend
         self._driver = LeaseDriver.shared()
@@ -129,14 +129,14 @@ class DrivenKeeper:
 
     def drive(self, now: float) -> float | None:
         """One step that never blocks; when to step again (``None``: done)."""
-        leader = self._leader
+        state = self._state
         if self._finished:
             self._lease.on_wake(None)
             if self._lane is not None:
                 self._lane.shutdown()
                 self._lane = None
             return None
-        term = leader._term
+        term = state.term
         watch = self._watch(term, now)
         if self._busy or self._in_flight:
             return min(watch, now + _IN_FLIGHT_CHECK)
@@ -153,7 +153,7 @@ class DrivenKeeper:
             return math.inf
         if term is self._ending or term.cancelled.is_set():
             return now + _IN_FLIGHT_CHECK
-        stopping = self._leader._stopping.is_set()
+        stopping = self._state.stopping.is_set()
         if not stopping and term.live():
             # On the driver's clock, which counts suspended time (the driver looks at it
             # at least every second); a stop() or a notification pokes us sooner.
@@ -162,28 +162,26 @@ class DrivenKeeper:
         reason = "stopped" if stopping else "deadline"
 
         def end() -> None:
-            self._leader._end_term(reason, expected=term, announce=False)
-            self._leader._interrupt_backend()  # a renewal in flight gives up
+            self._state.end_term(reason, expected=term, announce=False)
+            self._state.interrupt_backend()  # a renewal in flight gives up
 
         self._pool(end, serial=False)
         return now + _IN_FLIGHT_CHECK
 
     def _step(self, now: float) -> float:
-        leader = self._leader
-        if leader._stopping.is_set():
+        state = self._state
+        if state.stopping.is_set():
             self._shut_down()
             return now + _IN_FLIGHT_CHECK
         if now < self._pause_until:  # backing off after a failure (a stop cuts it short)
             return self._pause_until
-        with leader._cond:
-            unannounced = bool(leader._unannounced)
-        if unannounced:
-            self._work(leader._announce)
+        if state.has_unannounced():
+            self._work(state.announce)
             return now + _IN_FLIGHT_CHECK
-        if not leader._connected:
+        if not state.connected:
             self._work(self._connect)
             return now + _IN_FLIGHT_CHECK
-        term = leader._term
+        term = state.term
         if term is None:
             return self._follow_step(now)
         if term is self._ending:  # being ended on the pool: then the follower's steps
@@ -191,30 +189,30 @@ class DrivenKeeper:
         return self._lead_step(term, now)
 
     def _follow_step(self, now: float) -> float:
-        leader = self._leader
-        if leader._held_term is not None:
-            self._work(leader._release)
+        state = self._state
+        if state.held_term is not None:
+            self._work(state.release)
             return now + _IN_FLIGHT_CHECK
-        if leader._hold_until > now:
-            return leader._hold_until
+        if state.hold_until > now:
+            return state.hold_until
         woken = self._take_wake()
         if woken:
             self._backend.wait_for_change(0)  # raises when the session broke
             lease = self._lease
             announced = (
                 lease.take_announced()
-                if leader._follows_announcements and isinstance(lease, AnnouncesHolder)
+                if state.follows_announcements and isinstance(lease, AnnouncesHolder)
                 else None
             )
             if announced is not None:
                 # Only another node's acquisition woke us: follow it without an attempt
                 # (unless an attempt already saw as new a term, or a newer one).
-                seen = leader._last_seen
+                seen = state.last_seen
                 if seen is None or announced.term > seen[1]:
-                    self._work(lambda: leader._observe(announced))
+                    self._work(lambda: state.observe(announced))
                 return max(now, self._follow_at)
             if not self._deferred:
-                delay = leader._takeover_delay()
+                delay = state.takeover_delay()
                 if delay > 0:  # another node takes it over first, unless it cannot
                     self._deferred = True
                     self._follow_at = now + delay
@@ -223,33 +221,28 @@ class DrivenKeeper:
         self._deferred = False
         sent = clock.monotonic()
         self._round_trip(
-            lambda done: self._lease.acquire_soon(leader.node_id, done),
-            lambda: self._backend.try_acquire(leader.node_id),
+            lambda done: self._lease.acquire_soon(state.node_id, done),
+            lambda: self._backend.try_acquire(state.node_id),
             lambda outcome: self._attempted(sent, outcome),
         )
         return now + _IN_FLIGHT_CHECK
 
     def _lead_step(self, term: Term, now: float) -> float:
-        leader = self._leader
-        with leader._cond:
-            request = leader._step_down
-            if request is not None and request.term == term.number:
-                leader._step_down = None
-            else:
-                request = None
+        state = self._state
+        request = state.take_step_down(term)
         if request is not None:
             self._step_down(request)
             return now + _IN_FLIGHT_CHECK
         if self._take_wake():
             self._backend.wait_for_change(0)  # raises when the session broke
-        due = max(leader._renewal_due(), self._renew_after)
-        handovers = leader._handovers
+        due = max(state.renewal_due(), self._renew_after)
+        handovers = state.handovers
         if due > now and not (handovers is not None and handovers.handover_hinted()):
             return due
         sent = clock.monotonic()
         self._round_trip(
-            lambda done: self._lease.renew_soon(leader.node_id, term.number, done),
-            lambda: self._backend.renew(leader.node_id, term.number),
+            lambda done: self._lease.renew_soon(state.node_id, term.number, done),
+            lambda: self._backend.renew(state.node_id, term.number),
             lambda outcome: self._renewed(term, sent, outcome),
         )
         return now + _IN_FLIGHT_CHECK
@@ -293,30 +286,30 @@ class DrivenKeeper:
         if isinstance(outcome, BaseException):
             self._failed(outcome)
             return
-        leader = self._leader
+        state = self._state
         self._failures = 0
         holder = outcome.holder
         if outcome.acquired and holder is not None:
-            if leader._stopping.is_set():
-                leader._held_term = holder.term  # never begun: the shut-down releases it
+            if state.stopping.is_set():
+                state.held_term = holder.term  # never begun: the shut-down releases it
                 return
 
             def begin() -> None:
-                leader._observe(holder)
-                leader._begin_term(holder, sent)
+                state.observe(holder)
+                state.begin_term(holder, sent)
 
             self._work(begin)
             return
         seen = (holder.node_id, holder.term) if holder is not None else None
-        if seen != leader._last_seen:
-            self._work(lambda: leader._observe(holder))
-        self._follow_at = clock.monotonic() + leader._follow_timeout(outcome)
+        if seen != state.last_seen:
+            self._work(lambda: state.observe(holder))
+        self._follow_at = clock.monotonic() + state.follow_timeout(outcome)
 
     def _renewed(self, term: Term, sent: float, outcome: RenewOutcome) -> None:
         if isinstance(outcome, BaseException):
             self._failed(outcome)
             return
-        leader = self._leader
+        state = self._state
         if outcome is None:  # the row was locked: still ours, not renewed; again soon
             self._renew_after = clock.monotonic() + SKIPPED_RETRY
             return
@@ -324,17 +317,17 @@ class DrivenKeeper:
         if not outcome:
 
             def lost() -> None:
-                leader._end_term("lost")
-                leader._held_term = None
+                state.end_term("lost")
+                state.held_term = None
 
             self._work(lost)
             return
         self._failures = 0
-        extended = leader._extend(term, sent)
+        extended = state.extend(term, sent)
         if extended is None:
             return  # the watchdog ended the term while the renewal was in flight
         if not extended:
-            self._work(lambda: leader._end_term("deadline", expected=term))
+            self._work(lambda: state.end_term("deadline", expected=term))
             return
         if signals.lease_renewed.receivers:
             done = clock.monotonic()
@@ -343,37 +336,37 @@ class DrivenKeeper:
             self._driver.notify(
                 lambda: signals.emit(
                     signals.lease_renewed,
-                    leader,
-                    name=leader.name,
+                    state.sender,
+                    name=state.name,
                     term=term.number,
                     latency=latency,
                     remaining=remaining,
                 )
             )
-        handovers = leader._handovers
+        handovers = state.handovers
         request = handovers.handover_requested() if handovers is not None else None
         if request is not None:
-            leader._hand_over(term, request)
+            state.hand_over(term, request)
 
     def _failed(self, exc: BaseException) -> None:
         """What the keeper does with an exception of a step: recover, or stop."""
-        leader = self._leader
+        state = self._state
         if isinstance(exc, BackendUnavailable):
-            if leader._stopping.is_set() or leader._step_down_pending():
+            if state.stopping.is_set() or state.step_down_pending():
                 return  # interrupted by stop() or step_down(): the next step does it
             self._failures += 1
             log = logger.warning if self._failures == 1 else logger.debug
-            log("lease %r: backend unavailable (%s); retrying with backoff", leader.name, exc)
+            log("lease %r: backend unavailable (%s); retrying with backoff", state.name, exc)
             self._recover("connection")
         elif isinstance(exc, ConfigError):
-            leader._fatal = exc
-            logger.error("lease %r: cannot lead safely, stopping: %s", leader.name, exc)
+            state.fatal = exc
+            logger.error("lease %r: cannot lead safely, stopping: %s", state.name, exc)
 
             def fatal() -> None:
-                leader._end_term("error")
-                leader._held_term = None  # not through this backend: the lease expires
+                state.end_term("error")
+                state.held_term = None  # not through this backend: the lease expires
                 try:
-                    leader._stop_leading()
+                    state.stop_leading()
                 finally:
                     self._close()
 
@@ -383,20 +376,20 @@ class DrivenKeeper:
             logger.error(
                 "lease %r: unexpected error in the keeper; the term (if any) ends and the "
                 "keeper retries",
-                leader.name,
+                state.name,
                 exc_info=exc,
             )
             self._recover("error")
         else:  # KeyboardInterrupt, SystemExit: never swallowed, the leader stops
-            leader._stopping.set()
+            state.stopping.set()
             self._driver.poke(self)
 
     def _recover(self, reason: str) -> None:
         failures = self._failures
-        leader = self._leader
+        state = self._state
 
         def recover() -> None:
-            pause = leader._recover_session(reason, failures)
+            pause = state.recover_session(reason, failures)
             self._pause_until = clock.monotonic() + pause
 
         self._work(recover)
@@ -405,19 +398,19 @@ class DrivenKeeper:
 
     def _connect(self) -> None:
         self._backend.connect()
-        self._leader._connected = True
+        self._state.connected = True
 
-    def _step_down(self, request: _StepDown) -> None:
+    def _step_down(self, request: StepDown) -> None:
         """End the term (a step-down or a handover asked for), release it as a stop does
         (no worker waits for the release: many shards handed over at once are released
         together), then hold off competing for ``request.hold`` seconds; ``request.done``
         is set once released (or once that failed)."""
-        leader = self._leader
+        state = self._state
 
         def end() -> int | None:
             try:
-                leader._end_term(request.reason)
-                return leader._releasable()
+                state.end_term(request.reason)
+                return state.releasable()
             except BaseException:
                 request.finish()
                 raise
@@ -426,12 +419,12 @@ class DrivenKeeper:
             try:
                 if held is not None:
                     self._settle_release(held, outcome)  # an error: the keeper's handling
-                leader._hold_until = clock.monotonic() + request.hold
+                state.hold_until = clock.monotonic() + request.hold
                 if request.reason == "handover":
                     # Reserved for another node now: an attempt at once would only find
                     # it so. The new holder's acquisition is announced; attempt as a
                     # follower.
-                    self._follow_at = clock.monotonic() + leader._timings.retry_interval
+                    self._follow_at = clock.monotonic() + state.timings.retry_interval
             finally:
                 request.finish()
 
@@ -447,11 +440,11 @@ class DrivenKeeper:
                 if held is not None:
                     self._settle_release(held, outcome)
             except Exception as exc:
-                self._leader._stop_failed(exc)
+                self._state.stop_failed(exc)
             finally:
                 self._close()
 
-        self._work(self._leader._end_for_release, then=lambda held: self._release_soon(held, after))
+        self._work(self._state.end_for_release, then=lambda held: self._release_soon(held, after))
 
     def _release_soon(
         self, held: int | None, after: Callable[[int | None, ReleaseOutcome], None]
@@ -466,7 +459,7 @@ class DrivenKeeper:
         if held is None or not isinstance(lease, NonBlockingRelease):
             self._work(lambda: after(held, None))
             return
-        node_id = self._leader.node_id
+        node_id = self._state.node_id
         self._round_trip(
             lambda done: lease.release_soon(node_id, held, done),
             lambda: None,  # not started: the blocking release runs on a worker instead
@@ -477,15 +470,15 @@ class DrivenKeeper:
         """Pool work: the blocking release if the round trip left it undone (``None``),
         or what the round trip answered (an exception is raised here)."""
         if outcome is None:
-            self._leader._give_back(held)
+            self._state.give_back(held)
         elif isinstance(outcome, BaseException):
             raise outcome
         else:
-            self._leader._observe(None)
+            self._state.observe(None)
 
     def _close(self) -> None:
         try:
-            self._leader._close()
+            self._state.close()
         finally:
             try:
                 self._lease.on_wake(None)  # no more waits: a waiting thread, if any, ends
@@ -516,7 +509,7 @@ class DrivenKeeper:
         self._busy = False
         if self._finished:
             if error is not None:
-                logger.error("lease %r: error while stopping", self._leader.name, exc_info=error)
+                logger.error("lease %r: error while stopping", self._state.name, exc_info=error)
         elif error is not None:
             self._failed(error)
         elif then is not None:
@@ -534,7 +527,7 @@ class DrivenKeeper:
             try:
                 fn()
             except BaseException:
-                logger.exception("lease %r: error in the leader's work", self._leader.name)
+                logger.exception("lease %r: error in the leader's work", self._state.name)
             finally:
                 with self._threads_lock:
                     self._threads.discard(current)
@@ -549,6 +542,6 @@ class DrivenKeeper:
         except RuntimeError:
             # No thread could start. Serial work stays queued for a worker; a term's end
             # is tried again on the next step (the deadline is still checked).
-            logger.error("lease %r: no thread for the leader's work", self._leader.name)
+            logger.error("lease %r: no thread for the leader's work", self._state.name)
             if not serial:
                 self._ending = None

@@ -114,8 +114,8 @@ class _ShardLeader(PostgresLeader):
     ) -> None:
         super().__init__(conninfo, handler, **options)
         self._owner = owner
-        self._shard = shard
-        self._shards = shards
+        self._state.shard = shard
+        self._state.shards = shards
 
     def start(self) -> None:
         """Compete for the shard's lease (no heartbeats: the node has them once)."""
@@ -135,15 +135,16 @@ class _ShardLeader(PostgresLeader):
         lease = self._backend
         if not isinstance(lease, PostgresLease) or not lease.death_announced:
             return 0.0
-        assert self._shard is not None
-        taker = self._owner._takeover_plan().get(self._shard, self.node_id)
+        shard = self._state.shard
+        assert shard is not None
+        taker = self._owner._takeover_plan().get(shard, self.node_id)
         return 0.0 if taker == self.node_id else TAKEOVER_WAIT
 
     def _seen_holder(self) -> str | None:
         """The node that holds this shard, as this node last saw it."""
         if self.is_leader:
             return self.node_id
-        seen = self._last_seen
+        seen = self._state.last_seen
         return seen[0] if seen is not None else None
 
 

@@ -627,7 +627,7 @@ def test_a_renewal_that_returns_after_the_deadline_does_not_revive_the_term(
         assert lease.renewing.wait(5)
         # Keep the watchdog from looking until the late renewal has come back: the term's
         # deadline passed meanwhile, and that must be final.
-        with leader._cond:
+        with leader._state.cond:
             time.sleep(1.6)
         wait_until(lambda: (1, "deadline") in reasons, 5, "term 1 to end at its deadline")
     finally:

@@ -18,6 +18,7 @@ import pytest
 
 import rselection as rs
 import rselection.leader
+import rselection.leadership
 from rselection.memory import MemoryLease
 from rselection.timing import Timings
 from tests.support.waiting import wait_until
@@ -211,7 +212,7 @@ def test_cleanup_runs_once_after_the_release_and_survives_errors(
 def test_a_hanging_cleanup_holds_stop_at_most_the_cleanup_timeout(
     lease_leaders: Callable[..., rs.LeaseLeader], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(rselection.leader, "CLEANUP_TIMEOUT", 0.5)
+    monkeypatch.setattr(rselection.leadership, "CLEANUP_TIMEOUT", 0.5)
     lease = MemoryLease("hang", ttl=3.0)
     release = threading.Event()
     calls: list[str] = []

@@ -582,7 +582,7 @@ def test_a_dead_keeper_wakes_only_the_followers_of_its_own_leases(
             leader.start()
             followers[name] = leader
         wait_until(
-            lambda: all(f._last_seen is not None for f in followers.values()),
+            lambda: all(f._state.last_seen is not None for f in followers.values()),
             20,
             "every follower to have seen its holder",
         )
