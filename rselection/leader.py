@@ -367,6 +367,7 @@ class LeaseLeader(Service):
             # Before any election: a receiver (the metrics' is_leader gauge) sees every
             # node, followers included, from its start.
             signals.emit(signals.started, self, node_id=self._state.node_id, name=self._state.name)
+            self._before_driven()
             self._driven.start()
         except BaseException:  # Ctrl-C included: the keeper, if it started, winds down
             self._state.stopping.set()
@@ -539,6 +540,11 @@ class LeaseLeader(Service):
     #: keeper's attempt slots (measured: 18 statements per second per idle follower
     #: against 7, and a graceful handover of 1,000 leases 40 % slower).
     _follows_announcements = False
+
+    def _before_driven(self) -> None:
+        """Called by :meth:`start` right before the engine first steps this leader (a
+        Postgres lease joins its process's keeper session here, so that leases started
+        together listen in one round trip)."""
 
     def _takeover_delay(self) -> float:
         """Seconds a follower woken by a possible change waits before it attempts (the

@@ -203,6 +203,14 @@ class PostgresLeader(LeaseLeader):
         """The store behind ``ctx.checkpoint`` (to inspect or seed task state)."""
         return self._postgres_store
 
+    def _before_driven(self) -> None:
+        # Before the engine connects it: a lease that joined the process's keeper session
+        # is listened for by whichever lease connects first, so leaders started one
+        # after another listen in a few round trips, not one each.
+        lease = self.lease
+        assert isinstance(lease, PostgresLease)
+        lease.join_keeper()
+
     def _adopt_node_id(self, node_id: str) -> None:
         self._membership.node_id = node_id
         if self._owned_claimer is not None:
