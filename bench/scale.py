@@ -25,12 +25,13 @@ Measured, per tree and K:
   ``stop()`` on every leader at once); per lease, from the signal to a follower's
   ``elected``.
 
-The idle window starts once the followers are ready and their session counts held still
-for 3 s. Rounds (``--rounds``, default more for small K so that percentiles have a few
-samples) repeat the crash and the handover with fresh fleets; the idle window is
-measured in the first round. A tree that cannot make one process lead all K leases
-within ``--start-timeout`` is reported as such for that K, and the rest of that K is
-skipped for it.
+The idle window starts once every follower has seen a holder of each lease, its session
+count held still for 3 s, and its statements no longer fall from one 2 s window to the
+next (start-up is over). Rounds (``--rounds``, default more for small K so that
+percentiles have a few samples) repeat the crash and the handover with fresh fleets;
+the idle window is measured in the first round. A tree that cannot make one process
+lead all K leases within ``--start-timeout`` is reported as such for that K, and the
+rest of that K is skipped for it.
 
 Usage::
 
@@ -80,6 +81,7 @@ from tests.support.wire_counter import CountingProxy, Snapshot  # noqa: E402
 SESSIONS_FOLLOWING = 2  # DESIGN.md "Sessions budget"
 SESSIONS_LEADING = 4
 SETTLE_STILL = 3.0  # seconds the followers' session counts must hold still
+QUIET_WINDOW = 2.0  # seconds of each window in which a settling follower's statements are counted
 SAMPLE_EVERY = 1.0  # seconds between session samples in the window
 
 
@@ -273,19 +275,50 @@ def start_fleet(
     return leader, followers
 
 
-def settle(bf: BenchFleet, nodes: list[ScaleNode], timeout: float) -> bool:
-    """Wait until the nodes' proxied session counts held still for ``SETTLE_STILL`` s."""
+def settle(bf: BenchFleet, nodes: list[ScaleNode], timeout: float) -> str | None:
+    """Wait until the followers are idle; ``None`` once they are, else what was missing.
+
+    Idle means: every follower has seen a holder of each of its leases (its "seen_all"
+    event), its proxied session count held still for ``SETTLE_STILL`` s, and its
+    statements in two windows of ``QUIET_WINDOW`` s in a row no longer fall (start-up
+    work is over). Before, the idle window began once session counts held still, while
+    followers were still starting, and counted their start-up as idleness.
+    """
     deadline = time.monotonic() + timeout
+    for node in nodes:
+        try:
+            node.wait_for(
+                lambda events: any(e.get("event") == "seen_all" for e in events),
+                max(0.0, deadline - time.monotonic()),
+                "the follower to see a holder of every lease",
+            )
+        except TimeoutError:
+            return "a follower never saw a holder of every lease"
     last: dict[str, int] = {}
     still_since = time.monotonic()
-    while time.monotonic() < deadline:
+    while True:
+        if time.monotonic() >= deadline:
+            return f"the followers' sessions never held still for {SETTLE_STILL:g} s"
         now = {n.node: sum(bf.proxies[n.node].snapshot().open_sessions().values()) for n in nodes}
         if now != last:
             last, still_since = now, time.monotonic()
         elif time.monotonic() - still_since >= SETTLE_STILL:
-            return True
+            break
         time.sleep(0.25)
-    return False
+    previous = statements_in(bf, nodes, QUIET_WINDOW)
+    while time.monotonic() < deadline:
+        current = statements_in(bf, nodes, QUIET_WINDOW)
+        if all(current[n] >= 0.75 * previous[n] - 2 for n in current):
+            return None
+        previous = current
+    return "the followers' statements never stopped falling"
+
+
+def statements_in(bf: BenchFleet, nodes: list[ScaleNode], seconds: float) -> dict[str, int]:
+    """Statements each node sent in the next ``seconds`` seconds."""
+    before = {n.node: bf.proxies[n.node].snapshot() for n in nodes}
+    time.sleep(seconds)
+    return {n.node: bf.proxies[n.node].snapshot().minus(before[n.node]).statements() for n in nodes}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -372,8 +405,8 @@ def run_round(
         bf = BenchFleet(server_dsn, dsn, tree, k, node_args(args))
         try:
             leader, followers = start_fleet(bf, args.start_timeout, result if idle else None, log)
-            if not settle(bf, followers, args.start_timeout):
-                result.notes.append("the followers' sessions never held still for 3 s")
+            if (unsettled := settle(bf, followers, args.start_timeout)) is not None:
+                result.notes.append(unsettled)
             if idle:
                 measure_idle(bf, leader, followers, args.window, result)
             leases = set(leader.leading())

@@ -289,6 +289,21 @@ def main(argv: list[str] | None = None) -> int:
                 remaining=kw["remaining"],
             )
 
+    # Once every lease has a holder in this node's eyes, the node says so ("seen_all"): a
+    # follower's start-up ends there, and an idle window begins no earlier.
+    seen: set[str] = set()
+    seen_lock = threading.Lock()
+
+    def on_leader_changed(sender: Any, **kw: Any) -> None:
+        name = kw.get("name")
+        if name not in index or kw.get("leader") is None:
+            return
+        with seen_lock:
+            first = name not in seen and len(seen) == args.count - 1
+            seen.add(name)
+        if first:
+            out.emit("seen_all", count=args.count)
+
     def on_stuck(sender: Any, **kw: Any) -> None:
         out.emit("stuck", task=kw.get("task"), term=kw.get("term"))
 
@@ -297,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         (signals.elected, on_elected),
         (signals.demoted, on_demoted),
         (signals.task_stuck, on_stuck),
+        (signals.leader_changed, on_leader_changed),
     ]
     if args.renewals:
         receivers.append((signals.lease_renewed, on_renewed))
