@@ -9,13 +9,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import pytest
 
+from rselection import sharded
 from rselection.lease import LeaderInfo
-from rselection.postgres import sharded
-from rselection.postgres.sharded import Rebalancer, ShardState
+from rselection.sharded import Rebalancer, ShardState
 from rselection.sharding import Move
 
 T0 = datetime(2026, 12, 1, tzinfo=UTC)
@@ -31,9 +30,6 @@ class Fleet:
         self.heartbeat_interval = 1.0
         self.max_moves = 32
         self.handover_timeout = 3.0
-        self.conninfo = "postgresql://nowhere/db"
-        self.table = "rselection_leases"
-        self.nodes_table = "rselection_nodes"
         self.now = T0
         self.holders: dict[int, str] = {}
         self.acquired: dict[int, datetime] = {}
@@ -69,9 +65,11 @@ class Fleet:
             now=self.now,
         )
 
-    def requests(self, conninfo: str, targets: dict[str, str], **kw: Any) -> dict[str, LeaderInfo]:
-        """What ``request_handovers`` answers: the holder asked of each shard held by
-        another node than its target."""
+    def _request_handovers(
+        self, targets: dict[str, str], *, fence: tuple[str, int] | None = None
+    ) -> dict[str, LeaderInfo]:
+        """What the backend's handover requests answer: the holder asked of each shard
+        held by another node than its target."""
         answers = {}
         for name, target in targets.items():
             shard = int(name.rsplit("/", 1)[1])
@@ -84,10 +82,8 @@ class Fleet:
 
 
 @pytest.fixture
-def fleet(monkeypatch: pytest.MonkeyPatch) -> Fleet:
-    made = Fleet(12)
-    monkeypatch.setattr(sharded, "request_handovers", made.requests)
-    return made
+def fleet() -> Fleet:
+    return Fleet(12)
 
 
 def run(fleet: Fleet, rebalancer: Rebalancer, *beating: str) -> list[Move]:

@@ -1,0 +1,1061 @@
+"""The sharded leader over any backend: a fixed set of shards, each led by one node.
+
+Each shard ``k`` of a sharded name is an ordinary lease, ``"<name>/<k>"``, with a leader
+of its own on every node (all with the node's one ``node_id``). Every node competes for
+every shard: a dead node's shards are taken over at once by the lease's own takeover,
+with no one to compute anything first.
+
+Balance is the job of a *coordinator*: an ordinary lease ``"<name>"`` whose holder runs
+one task, :class:`Rebalancer`. It reads who holds each shard and which nodes heartbeat
+(every node of the sharded leader is a member of the lease ``"<name>"``), computes a
+sticky balanced plan (:func:`rselection.sharding.plan_moves`) and moves each surplus
+shard by a handover reserved for its target: the old owner cancels and joins its tasks,
+releases, and only the target may take the shard. It keeps no state that matters: a new
+coordinator starts from what the server says.
+
+:class:`ShardedLeader` is all of that, whatever the backend; a backend's sharded leader
+(:class:`~rselection.postgres.PostgresShardedLeader`) builds the leaders of the shards
+and of the coordinator, and says how to read the shards' state, ask for handovers and
+leave the membership (the methods marked *backend* below).
+
+See ``docs/explanation/sharding.md`` for the design and its failure cases.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from . import forks
+from .checkpoints import CheckpointStore
+from .closeable import Service
+from .errors import BackendUnavailable, ConfigError, RSelectionError, StaleLeaderError
+from .leader import LeaseLeader
+from .lease import LeaderInfo
+from .sharding import (
+    Move,
+    check_shard_name,
+    check_shards,
+    plan_moves,
+    quotas,
+    shard_lease_name,
+    takeover_plan,
+)
+from .stop_signals import stop_on_signals
+from .tasks import TaskHandler
+from .timing import Timings
+from .validation import check_node_id, check_optional_seconds, check_seconds, new_node_id
+
+if TYPE_CHECKING:
+    from .context import TaskContext
+    from .members import NodeInfo
+
+__all__ = [
+    "HAND_OFF_WAIT",
+    "PENDING_POLL",
+    "SHARDS_RECORD",
+    "TAKEOVER_WAIT",
+    "Rebalancer",
+    "ShardLeader",
+    "ShardState",
+    "ShardedLeader",
+]
+
+logger = logging.getLogger("rselection.postgres.sharded")
+
+SHARDS_RECORD = "rselection-shards"
+"""The checkpoint key (``(SHARDS_RECORD, name)``) under which the coordinator records
+the number of shards of a sharded name, fenced by its term: a node built with another
+number refuses to start while that coordinator leads."""
+
+
+TAKEOVER_WAIT = 0.2
+"""Seconds a node waits, when a keeper session died, before it competes for a shard
+another node is planned to take over (the planned node then takes it first)."""
+
+_PLAN_TTL = 0.2  # seconds a takeover plan is reused (the shards of one death ask at once)
+
+PENDING_POLL = 0.1
+"""Seconds between the coordinator's rounds while moves it asked for are under way (it
+waits ``rebalance_interval`` otherwise)."""
+
+_POLL = 0.05  # seconds between looks of the bounded waits on this node's own state
+
+HAND_OFF_WAIT = 1.0
+"""Seconds :meth:`ShardedLeader.stop` waits at most for its hand-off (leaving
+the membership, then asking for a handover of each shard it leads; a few round trips).
+A server that does not answer by then does not hold the stop up: the shards are
+released, or expire, all the same."""
+
+_T = TypeVar("_T")
+
+
+class ShardLeader(LeaseLeader):
+    """The leader of one shard: a backend's leader whose terms know their shard.
+
+    A backend's sharded leader builds one per shard from a class that derives from this
+    one and from the backend's leader (``class _ShardLeader(ShardLeader, PostgresLeader)``),
+    then calls :meth:`place`. Its ``ctx.nodes()`` lists the sharded leader's nodes, and a
+    follower woken by another node's acquisition follows the announced holder.
+    """
+
+    _owner: ShardedLeader
+    _follows_announcements = True
+
+    def place(self, owner: ShardedLeader, shard: int, shards: int) -> None:
+        """Make this the leader of ``shard`` (of ``shards``) of ``owner``."""
+        self._owner = owner
+        self._state.shard = shard
+        self._state.shards = shards
+
+    def nodes(self) -> list[NodeInfo]:
+        """The sharded leader's nodes (see :meth:`ShardedLeader.nodes`)."""
+        return self._owner.nodes()
+
+    def holder_died(self) -> bool:
+        """*Backend*: whether the lease server told that the holder's session died (then
+        the shard goes first to the node planned to take it over). Default: never told."""
+        return False
+
+    def _takeover_delay(self) -> float:
+        """When the holder died, wait :data:`TAKEOVER_WAIT` unless this node is planned
+        to take the shard over (see :func:`~rselection.sharding.takeover_plan`): a dead
+        node's shards are spread over the others at once, not all taken by the fastest
+        and moved again."""
+        shard = self._state.shard
+        if shard is None or not self.holder_died():
+            return 0.0
+        taker = self._owner._takeover_plan().get(shard, self.node_id)
+        return 0.0 if taker == self.node_id else TAKEOVER_WAIT
+
+    def seen_holder(self) -> str | None:
+        """The node that holds this shard, as this node last saw it."""
+        if self.is_leader:
+            return self.node_id
+        seen = self._state.last_seen
+        return seen[0] if seen is not None else None
+
+
+class _Abandonable(Generic[_T]):
+    """One call of the coordinator's, run on a thread of its own so that the task can
+    return as soon as its term is cancelled: a call that waits for a server that does
+    not answer is abandoned (it ends by its own timeouts; what it would still write is
+    fenced by the term)."""
+
+    def __init__(self, fn: Callable[[], _T]) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.value: _T | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn()
+        except BaseException as exc:  # handed to the waiting task
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+class _Rounds:
+    """The coordinator's thread for its blocking calls, for one term (see
+    :class:`_Abandonable`)."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[_Abandonable[Any] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._serve, name=f"rselection-rebalance-{name}", daemon=True
+        )
+        self._thread.start()
+
+    def call(self, ctx: TaskContext, fn: Callable[[], _T]) -> tuple[bool, _T | None]:
+        """``(True, fn())`` (its exception raised here), or ``(False, None)`` once the
+        term is cancelled first."""
+        call = _Abandonable(fn)
+        self._calls.put(call)
+        while not call.done.wait(_POLL):
+            if ctx.cancelled.is_set():
+                return False, None
+        if call.error is not None:
+            raise call.error
+        return True, call.value
+
+    def close(self) -> None:
+        """End the thread once the call it runs, if any, has ended."""
+        self._calls.put(None)
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            call.run()
+
+
+@dataclass(frozen=True)
+class ShardState:
+    """What the lease server says about a sharded name, read in one go.
+
+    Attributes:
+        holders: each held shard's holder (lease rows not expired).
+        nodes: each node of the name with its first and last heartbeat and whether it
+            is alive (seen within ``node_timeout``), server time.
+        now: the server's clock when read.
+    """
+
+    holders: dict[int, LeaderInfo]
+    nodes: dict[str, tuple[datetime, datetime, bool]]
+    now: datetime
+
+
+@dataclass
+class _Track:
+    """What the coordinator knows of one node's liveness."""
+
+    last_seen: datetime
+    alive_since: datetime | None  # start of its current run of heartbeats (None: lost)
+    proven: bool = False  # a heartbeat was seen to advance in this run: it runs now
+    suspect_since: datetime | None = None  # lost shards no one moved; cleared by a beat
+
+
+@dataclass
+class _Pending:
+    move: Move
+    until: datetime  # server time after which the move has failed (its reservation lapsed)
+
+
+@dataclass
+class _Round:
+    """The coordinator's memory over one of its terms (a new term starts empty)."""
+
+    tracks: dict[str, _Track] = field(default_factory=dict)
+    pending: dict[int, _Pending] = field(default_factory=dict)
+    held: dict[str, set[int]] = field(default_factory=dict)
+    moved_away: dict[str, set[int]] = field(default_factory=dict)
+
+
+class Rebalancer:
+    """The coordinator's task: moves surplus shards to the nodes below their share.
+
+    Runs on the holder of the lease ``"<name>"`` only. Every ``rebalance_interval`` it
+    reads the shards' holders and the nodes' heartbeats
+    (:meth:`ShardedLeader.state`), then plans
+    (:func:`~rselection.sharding.plan_moves`) and asks for at most ``max_moves``
+    handovers at a time from any one node. A node receives shards only once its
+    heartbeat was seen to advance, it has been heartbeating for ``settle`` seconds and
+    its last heartbeat is fresh; a node that lost shards no handover explains (it died,
+    or its session broke) is counted out until its next heartbeat. A move that does not
+    complete within ``handover_timeout`` counts its target out the same way.
+
+    Args:
+        leader: the sharded leader it balances.
+    """
+
+    def __init__(self, leader: ShardedLeader) -> None:
+        self.leader = leader
+        self._memory = _Round()
+
+    def __call__(self, ctx: TaskContext) -> None:
+        """Rebalance until the coordinator's term ends.
+
+        Each round's reads and requests run on a thread of their own: once the term is
+        cancelled the task returns within ``_POLL`` seconds, even while the server does
+        not answer (the round is abandoned; its requests are fenced by the term).
+        """
+        self._memory = _Round()  # a new term starts from the server alone
+        leader = self.leader
+        rounds = _Rounds(leader.name)
+        try:
+            done, _ = rounds.call(ctx, lambda: leader._record_shards(ctx.term))
+            while done and ctx.is_live():
+                try:
+                    done, _ = rounds.call(ctx, lambda: self.step(ctx.term))
+                except BackendUnavailable as exc:
+                    logger.warning("shards of %r: cannot rebalance now (%s)", leader.name, exc)
+                # While moves are under way, look again soon: the next moves of a node
+                # wait for its earlier ones to complete.
+                pause = leader.rebalance_interval
+                if self._memory.pending:
+                    pause = min(pause, PENDING_POLL)
+                if not done or not ctx.sleep(pause):
+                    return
+        finally:
+            rounds.close()
+
+    def suspects(self) -> set[str]:
+        """The nodes counted out until their next heartbeat (they lost shards no
+        handover explains, or did not take a shard handed to them)."""
+        return {n for n, t in self._memory.tracks.items() if t.suspect_since is not None}
+
+    def step(self, term: int | None = None) -> list[Move]:
+        """One round: read, plan, ask for the moves; return the moves asked for.
+
+        Args:
+            term: the coordinator's term: the moves are recorded only while it still
+                holds the lease ``"<name>"`` (checked in the statement that records
+                them), so that a deposed coordinator moves nothing. ``None``: not fenced.
+
+        Raises:
+            BackendUnavailable: the lease server could not be reached.
+        """
+        memory = self._memory
+        leader = self.leader
+        state = leader.state()
+        now = state.now
+        holders = {shard: info.node_id for shard, info in state.holders.items()}
+        self._track(memory, state)
+        self._settle_pending(memory, holders, now)
+        self._find_losses(memory, holders, now)
+
+        settle = timedelta(seconds=leader.settle)
+        fresh = timedelta(seconds=2 * leader.heartbeat_interval + 0.5)
+        owning = {node for node in holders.values()}
+        members: list[str] = []
+        targets: list[str] = []
+        for node, (_, last_seen, alive) in state.nodes.items():
+            track = memory.tracks[node]
+            if not alive or track.suspect_since is not None:
+                continue
+            if node in owning or track.proven:
+                members.append(node)
+            if (
+                track.proven
+                and track.alive_since is not None
+                and now - track.alive_since >= settle
+                and now - last_seen <= fresh
+            ):
+                targets.append(node)
+
+        planned = dict(holders)
+        for shard, pending in memory.pending.items():
+            planned[shard] = pending.move.target
+        recent = {shard: info.acquired_at.timestamp() for shard, info in state.holders.items()}
+        moves = plan_moves(leader.shards, planned, members, targets=targets, recent=recent)
+        # Each old owner cancels, joins and releases what it gives, and each new owner
+        # takes and begins what it gets: bound that work per node, not across the
+        # fleet, so that a join is served by every owner at once, each move promptly.
+        busy: Counter[str] = Counter()
+        for pending in memory.pending.values():
+            busy[pending.move.source] += 1
+            busy[pending.move.target] += 1
+        chosen: dict[int, Move] = {}
+        for move in moves:
+            if move.shard in memory.pending:
+                continue
+            if max(busy[move.source], busy[move.target]) >= leader.max_moves:
+                continue
+            busy[move.source] += 1
+            busy[move.target] += 1
+            chosen[move.shard] = move
+        if not chosen:
+            return []
+        # Every move of the round in one statement (each old owner is woken at once).
+        # Only to nodes that have not left meanwhile, and only while this term holds.
+        answers = leader._request_handovers(
+            {shard_lease_name(leader.name, k): move.target for k, move in chosen.items()},
+            fence=None if term is None else (leader.name, term),
+        )
+        # The reservation lasts handover_timeout from the request, by the server's
+        # clock; a second more for the target's attempt to land.
+        until = now + timedelta(seconds=leader.handover_timeout + 1.0)
+        asked: list[Move] = []
+        for shard, move in chosen.items():
+            info = answers.get(shard_lease_name(leader.name, shard))
+            if info is None:
+                continue  # freed, or taken by its target meanwhile: the next round sees it
+            # Asked of whoever holds it now (it may have changed since the read).
+            move = Move(shard, info.node_id, move.target)
+            memory.pending[shard] = _Pending(move, until)
+            memory.moved_away.setdefault(move.source, set()).add(shard)
+            asked.append(move)
+        if asked:
+            logger.info(
+                "shards of %r: moving %d shard(s): %s",
+                leader.name,
+                len(asked),
+                ", ".join(f"{m.shard} from {m.source} to {m.target}" for m in asked),
+            )
+        return asked
+
+    def _track(self, memory: _Round, state: ShardState) -> None:
+        """Follow each node's heartbeats: a run of them starts when a node is first seen
+        alive (from its first heartbeat, for a node the coordinator finds running) or
+        heartbeats again after it was lost or suspect; it is proven once a heartbeat is
+        seen to advance."""
+        now = state.now
+        for node, (started_at, last_seen, alive) in state.nodes.items():
+            track = memory.tracks.get(node)
+            if track is None:
+                memory.tracks[node] = _Track(last_seen, started_at if alive else None)
+                continue
+            if not alive:
+                track.alive_since, track.proven = None, False
+                continue
+            if track.alive_since is None:
+                track.alive_since = now
+            if last_seen > track.last_seen:
+                track.last_seen = last_seen
+                if track.suspect_since is not None and last_seen > track.suspect_since:
+                    logger.info("shards of %r: node %s heartbeats again", self.leader.name, node)
+                    track.suspect_since = None
+                    track.alive_since = now  # a new run: it settles again
+                track.proven = True
+        for node in set(memory.tracks) - set(state.nodes):
+            del memory.tracks[node]
+
+    def _settle_pending(self, memory: _Round, holders: dict[int, str], now: datetime) -> None:
+        """Forget completed moves; a move that timed out counts its target out."""
+        for shard, pending in list(memory.pending.items()):
+            move, holder = pending.move, holders.get(shard)
+            if holder == move.target:
+                del memory.pending[shard]
+            elif now > pending.until:
+                del memory.pending[shard]
+                if holder == move.source:
+                    memory.moved_away.get(move.source, set()).discard(shard)
+                else:
+                    track = memory.tracks.get(move.target)
+                    if track is not None:
+                        logger.warning(
+                            "shards of %r: node %s did not take shard %d in time; no more "
+                            "shards go to it until it heartbeats again",
+                            self.leader.name,
+                            move.target,
+                            shard,
+                        )
+                        track.suspect_since = now
+
+    def _find_losses(self, memory: _Round, holders: dict[int, str], now: datetime) -> None:
+        """Count out a node that lost shards no handover explains (until it heartbeats)."""
+        held: dict[str, set[int]] = {}
+        for shard, node in holders.items():
+            held.setdefault(node, set()).add(shard)
+        for node, before in memory.held.items():
+            gone = before - held.get(node, set())
+            moved = memory.moved_away.get(node, set())
+            unexplained = gone - moved
+            moved -= gone
+            track = memory.tracks.get(node)
+            if unexplained and track is not None and track.suspect_since is None:
+                logger.warning(
+                    "shards of %r: node %s lost %d shard(s) without a handover; no shards "
+                    "go to it until it heartbeats again",
+                    self.leader.name,
+                    node,
+                    len(unexplained),
+                )
+                track.suspect_since = now
+        memory.held = held
+
+
+class ShardedLeader(Service, ABC):
+    """Leads a fixed set of shards across a fleet, whatever the backend (see the module
+    docstring); each shard run by one live node.
+
+    The handler's tasks run once per shard this node owns, with ``ctx.shard`` and
+    ``ctx.shards`` set. Each shard is a lease of its own (``"<name>/<shard>"``) with its
+    own term, fencing, claims and checkpoints, and losing a shard cancels and joins only
+    that shard's tasks. A backend's sharded leader derives from this class: it validates
+    and builds what is its own (the connection, the store, the claimer, the coordinator's
+    leader), then implements the methods marked *backend*.
+
+    Args:
+        handler: the tasks to run for each owned shard (copied per shard at
+            :meth:`start`: register every task before).
+        name: the sharded name (no ``/``).
+        shards: the number of shards (1 to 4,096); every node must use the same.
+        node_id: this node's id (default: host, pid and a random suffix).
+        timings: every shard's and the coordinator's lease timings.
+        heartbeat_interval: seconds between this node's heartbeats.
+        node_timeout: a node not seen for this long is lost (default three heartbeats).
+        rebalance_interval: seconds between the coordinator's rounds.
+        settle: seconds a node must have been heartbeating before it is given shards
+            (default: ``heartbeat_interval``).
+        max_moves: most handovers in flight at once from any one node.
+        handover_timeout: seconds a moved shard stays reserved for its target (default:
+            ``stop_grace + 1``).
+
+    Raises:
+        ConfigError: bad arguments or inconsistent timings (the message shows the math).
+    """
+
+    _coordinator: LeaseLeader
+    """The leader of the coordinator's lease ``"<name>"``, built by the backend's class."""
+    _store: CheckpointStore
+    """Where the coordinator records the number of shards, built by the backend's class."""
+
+    def __init__(
+        self,
+        handler: TaskHandler,
+        *,
+        name: str,
+        shards: int,
+        node_id: str | None,
+        timings: Timings,
+        heartbeat_interval: float,
+        node_timeout: float | None,
+        rebalance_interval: float,
+        settle: float | None,
+        max_moves: int,
+        handover_timeout: float | None,
+    ) -> None:
+        if not isinstance(handler, TaskHandler):
+            raise ConfigError(f"handler must be a TaskHandler, got {type(handler).__name__}")
+        self._shards = check_shards(shards)
+        self._name = check_shard_name(name, self._shards)
+        self._node_id = check_node_id(node_id) if node_id is not None else new_node_id()
+        stop_grace = timings.stop_grace(handler.stop_grace)  # refuses one that does not fit
+        self.heartbeat_interval = check_seconds(heartbeat_interval, "heartbeat_interval")
+        self.rebalance_interval = check_seconds(rebalance_interval, "rebalance_interval")
+        given_settle = check_optional_seconds(settle, "settle", allow_zero=True)
+        self.settle = self.heartbeat_interval if given_settle is None else given_settle
+        if isinstance(max_moves, bool) or not isinstance(max_moves, int) or max_moves < 1:
+            raise ConfigError(f"max_moves must be a positive int, got {max_moves!r:.40}")
+        self.max_moves = max_moves
+        given_timeout = check_optional_seconds(handover_timeout, "handover_timeout")
+        self.handover_timeout = stop_grace + 1.0 if given_timeout is None else given_timeout
+        given_node_timeout = check_optional_seconds(node_timeout, "node_timeout")
+        self._node_timeout = (
+            3 * self.heartbeat_interval if given_node_timeout is None else given_node_timeout
+        )
+        self._handler = handler
+        self._timings = timings
+        self._cleanup: list[Callable[[], object]] = []
+        self._leaders: list[ShardLeader] = []
+        self._lock = threading.Lock()
+        self._plan_lock = threading.Lock()
+        self._plan: tuple[float, dict[int, str]] | None = None  # (when, takeover plan)
+        self._started = False
+        self._stop_asked = False
+        self._stopped = threading.Event()
+        self._stopper: threading.Thread | None = None  # a stop asked from inside runs here
+        self._forked = False  # started in a parent process: unusable in this one
+        forks.register(self)
+
+    def _rebalancing(self) -> TaskHandler:
+        """The coordinator's tasks: its :class:`Rebalancer`."""
+        tasks = TaskHandler()
+        tasks.persistent("rebalance", restart="always")(Rebalancer(self))
+        return tasks
+
+    # -- backend -------------------------------------------------------------------------
+
+    @abstractmethod
+    def state(self) -> ShardState:
+        """*Backend*: the shards' holders and the nodes' heartbeats, read in one go
+        (server time).
+
+        Raises:
+            BackendUnavailable: the lease server could not be reached.
+        """
+
+    @abstractmethod
+    def _new_shard_leader(self, shard: int, handler: TaskHandler) -> ShardLeader:
+        """*Backend*: the leader of ``shard`` on this node, placed (see
+        :meth:`ShardLeader.place`), running ``handler``."""
+
+    @abstractmethod
+    def _request_handovers(
+        self, targets: dict[str, str], *, fence: tuple[str, int] | None = None
+    ) -> dict[str, LeaderInfo]:
+        """*Backend*: ask for a handover of each shard's lease (name -> target node), to
+        nodes that are still members of ``"<name>"`` only, and (with ``fence``, the
+        coordinator's lease name and term) only while that term holds; the holder asked
+        of each lease a request was recorded for.
+
+        Raises:
+            BackendUnavailable: the lease server could not be reached.
+        """
+
+    @abstractmethod
+    def _reopen_handovers(self, names: list[str]) -> list[str]:
+        """*Backend*: open to every node the handovers of ``names`` reserved for this
+        node; the names opened.
+
+        Raises:
+            BackendUnavailable: the lease server could not be reached.
+        """
+
+    @abstractmethod
+    def _current_holder(self, name: str) -> LeaderInfo | None:
+        """*Backend*: the holder of lease ``name`` now, if any.
+
+        Raises:
+            BackendUnavailable: the lease server could not be reached.
+        """
+
+    @abstractmethod
+    def _leave_membership(self) -> None:
+        """*Backend*: stop heartbeating and delete this node's row now (best effort)."""
+
+    def _before_shards_start(self) -> None:
+        """*Backend*: called once every shard's leader is built, before any starts."""
+
+    def _after_stop(self) -> None:
+        """*Backend*: called at the end of :meth:`stop` (close what reads the state)."""
+
+    def _adopted_node_id(self, node_id: str) -> None:
+        """*Backend*: this node's id became ``node_id`` (a default one is per process):
+        pass it on to what was built with the old one."""
+
+    # -- public ---------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The sharded name (the shards' leases are ``"<name>/<shard>"``)."""
+        return self._name
+
+    @property
+    def shards(self) -> int:
+        """The number of shards."""
+        return self._shards
+
+    @property
+    def node_id(self) -> str:
+        """This node's id."""
+        return self._node_id
+
+    @property
+    def timings(self) -> Timings:
+        """The validated timings of every shard's lease."""
+        return self._timings
+
+    @property
+    def is_leader(self) -> bool:
+        """True while this node leads at least one shard."""
+        return any(leader.is_leader for leader in self._leaders)
+
+    @property
+    def term(self) -> int | None:
+        """Always ``None``: each shard has a term of its own (see :meth:`terms`)."""
+        return None
+
+    def terms(self) -> dict[int, int]:
+        """The term of each shard this node leads now."""
+        out: dict[int, int] = {}
+        for shard, leader in enumerate(self._leaders):
+            term = leader.term
+            if term is not None:
+                out[shard] = term
+        return out
+
+    def health(self) -> dict[int, dict[str, dict[str, Any]]]:
+        """Per shard this node leads now, its tasks' health (see
+        :meth:`~rselection.TaskHandler.health`: state, runs, failures, last error...)."""
+        return {
+            shard: leader.handler.health()
+            for shard, leader in enumerate(self._leaders)
+            if leader.is_leader
+        }
+
+    def owned(self) -> frozenset[int]:
+        """The shards this node leads now."""
+        return frozenset(shard for shard, leader in enumerate(self._leaders) if leader.is_leader)
+
+    def leader(self) -> LeaderInfo | None:
+        """The coordinator (the holder of the lease ``"<name>"``), from any node."""
+        return self._coordinator.leader()
+
+    def nodes(self) -> list[NodeInfo]:
+        """Every node of this sharded name from its heartbeats, oldest first
+        (``is_leader`` flags the coordinator).
+
+        Raises:
+            BackendUnavailable: the lease server could not be reached.
+        """
+        return self._coordinator.nodes()
+
+    def assignment(self) -> dict[int, LeaderInfo]:
+        """Who leads each shard now, from the lease server (works on any node).
+
+        Shards nobody holds are missing.
+
+        Raises:
+            BackendUnavailable: the lease server could not be reached.
+        """
+        return self.state().holders
+
+    def balanced(self) -> bool:
+        """True when every shard is led by a live node and every live node leads
+        ``floor(S/N)`` or ``ceil(S/N)`` shards (N: nodes alive by their heartbeats, this
+        one included while it runs).
+
+        Raises:
+            BackendUnavailable: the lease server could not be reached.
+        """
+        state = self.state()
+        alive = {node for node, (_, _, up) in state.nodes.items() if up}
+        if not alive or len(state.holders) < self._shards:
+            return False
+        if self._started and not self._stopped.is_set() and self._node_id not in alive:
+            return False  # this node counts too, from its first heartbeat on
+        counts = dict.fromkeys(alive, 0)
+        for info in state.holders.values():
+            if info.node_id not in counts:
+                return False
+            counts[info.node_id] += 1
+        # Every shard held and no two nodes more than one apart: floor(S/N) or ceil(S/N).
+        return max(counts.values()) - min(counts.values()) <= 1
+
+    def wait_until_balanced(self, timeout: float | None = None) -> bool:
+        """Block until :meth:`balanced`; return ``False`` after ``timeout`` seconds.
+
+        A lease server that cannot be reached counts as not balanced (the wait goes on).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                if self.balanced():
+                    return True
+            except BackendUnavailable as exc:
+                logger.debug("shards of %r: cannot check the balance (%s)", self._name, exc)
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+
+    def wait_until_leader(self, timeout: float | None = None) -> bool:
+        """Block until this node leads at least one shard; ``False`` on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.is_leader:
+            if self._stopped.is_set():
+                return False
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(_POLL)
+        return True
+
+    def start(self) -> None:
+        """Heartbeat and compete for every shard and the coordinator's lease, in the
+        background; return at once.
+
+        Raises:
+            RuntimeError: this leader was started before, or the handler runs under
+                another leader.
+        """
+        self._start(coordinator=True)
+
+    def _check_shards(self) -> None:
+        """Refuse to start while a coordinator of this name leads with another number of
+        shards: its plan would hand this node shards it never competes for, and they
+        would bounce between it and the others for ever."""
+        try:
+            snapshot = self._store.load((SHARDS_RECORD, self._name))
+            state = snapshot.state if snapshot is not None else None
+            recorded = state.get("shards") if isinstance(state, dict) else None
+            if recorded is None or recorded == self._shards:
+                return
+            holder = self._current_holder(self._name)
+        except (BackendUnavailable, ConfigError):
+            return  # nothing readable recorded yet: the coordinator records it when it can
+        if holder is not None and holder.node_id != self._node_id:
+            raise ConfigError(
+                f"the sharded leader {self._name!r} runs with shards={recorded} (its "
+                f"coordinator is node {holder.node_id!r}), but this node was built with "
+                f"shards={self._shards}: every node must use the same number; to change it, "
+                "stop every node, then start them with the new number"
+            )
+
+    def _record_shards(self, term: int) -> None:
+        """The coordinator's record of the number of shards (fenced by its ``term``)."""
+        try:
+            self._store.save(
+                (SHARDS_RECORD, self._name),
+                {"shards": self._shards, "node_id": self._node_id},
+                term=term,
+                name=self._name,
+            )
+        except (BackendUnavailable, StaleLeaderError) as exc:
+            logger.warning(
+                "shards of %r: could not record the number of shards (%s)", self._name, exc
+            )
+
+    def _takeover_plan(self) -> dict[int, str]:
+        """Who takes each shard over first if its holder dies, from this node's view of
+        the holders (computed at most every ``_PLAN_TTL``: every shard of a dead node
+        asks at the same moment)."""
+        now = time.monotonic()
+        with self._plan_lock:
+            if self._plan is not None and now - self._plan[0] < _PLAN_TTL:
+                return self._plan[1]
+            held: dict[str, list[int]] = {self._node_id: []}
+            for shard, leader in enumerate(self._leaders):
+                holder = leader.seen_holder()
+                if holder is not None:
+                    held.setdefault(holder, []).append(shard)
+            plan = takeover_plan(held)
+            self._plan = (now, plan)
+            return plan
+
+    def reset_after_fork(self) -> None:
+        """In a forked child (see :mod:`rselection.forks`): not yet started, it takes
+        the node id its coordinator's leader takes here; started, it is the parent's
+        and refuses to run here (its shards' leaders do the same)."""
+        # A parent's thread may have held it at the fork (start() holds it across the
+        # read of the recorded number of shards): here nothing would let go of it.
+        self._lock = threading.Lock()
+        if self._started:
+            self._forked = True
+            self._stopped = threading.Event()
+            self._stopped.set()
+        else:
+            self._coordinator.reset_after_fork()
+            self._adopt_node_id()
+
+    def _adopt_node_id(self) -> None:
+        """This node's id is its coordinator's leader's (a default one is per process)."""
+        self._node_id = self._coordinator.node_id
+        self._adopted_node_id(self._node_id)
+
+    def _refuse_if_forked(self) -> None:
+        if self._forked:
+            raise RSelectionError(
+                f"sharded leader {self._name!r} was started in the process this one "
+                f"({os.getpid()}) was forked from: it cannot go on in a forked child; "
+                f"{forks.FORK_ADVICE}"
+            )
+
+    def _start(self, *, coordinator: bool) -> None:
+        """Build and start every shard's leader (and the coordinator's, if asked)."""
+        self._refuse_if_forked()
+        with self._lock:
+            if self._started:
+                raise RuntimeError("this leader was already started; create a new one")
+            if self._stop_asked:
+                # A stop() before start() is final, as for any leader: nothing starts
+                # (lead() then returns at once: the coordinator was stopped too).
+                self._started = True
+                logger.info("sharded leader %r was stopped before it started", self._name)
+                return
+            self._check_shards()
+            self._handler.attach()  # registration is closed from now on
+            self._started = True
+            try:
+                self._leaders = [
+                    self._new_shard_leader(shard, self._handler.copy())
+                    for shard in range(self._shards)
+                ]
+            except BaseException:
+                self._handler.detach()
+                raise
+        self._before_shards_start()
+        if coordinator:
+            self._coordinator.start()
+        for leader in self._leaders:
+            leader.start()
+        logger.info("node %s competes for %d shards of %r", self._node_id, self._shards, self._name)
+
+    def lead(self) -> None:
+        """Compete and lead in this thread until :meth:`stop`, SIGTERM or Ctrl-C, then
+        hand this node's shards over, clean up and return.
+
+        In the main thread, SIGTERM and SIGINT (Ctrl-C) are a graceful stop, as for
+        :meth:`rselection.LeaseLeader.lead`; the program's own handlers are put back on
+        return. :meth:`start` and the context managers install no handler.
+
+        Raises:
+            ConfigError: the lease server cannot be used safely as configured (a
+                connection pooler that is not in session mode, for one); every shard
+                was stopped first.
+        """
+        self._refuse_if_forked()
+        with stop_on_signals(f"sharded leader {self._name!r}") as signalled:
+            try:
+                self._start(coordinator=False)
+                # The coordinator's leader runs in this thread: it returns once stopped
+                # (by stop() or a signal) and raises what made leading unsafe, which
+                # holds for every shard too (they share its keeper session).
+                self._coordinator.lead()
+            except KeyboardInterrupt:
+                pass
+            finally:
+                signalled.stop_begins()
+                self.stop()  # waits for a stop() called elsewhere rather than repeat it
+
+    def step_down(self, *, hold: float = 0.0, wait: bool = True) -> None:
+        """Give up every shard this node leads (each cancelled, joined and released).
+
+        Args:
+            hold: seconds each shard's leader stays a follower before competing again.
+            wait: block until every shard's term has ended.
+        """
+        leading = [leader for leader in self._leaders if leader.is_leader]
+        for leader in leading:
+            leader.step_down(hold=hold, wait=False)
+        if wait:
+            for leader in leading:
+                leader.step_down(hold=hold, wait=True)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Leave the membership, hand this node's shards to the nodes that stay, then
+        stop every shard and the coordinator.
+
+        The node first deletes its heartbeat row, so that no other node hands it shards
+        any more (and a shard handed to it meanwhile is opened to every node); then each
+        shard it leads is handed over to a live node below its share (the plan without
+        this node), so that only this node's shards move, once each; the shards' tasks
+        are cancelled and joined, and the leases released. Several nodes that stop at
+        once hand shards only to the nodes that stay.
+
+        Works from any thread. Called from inside the sharded leader (one of its tasks,
+        a signal receiver running on the machinery of one of its shards or of its
+        coordinator, the event loop of its async tasks), it only asks for the stop,
+        which runs on a thread of its own, and returns at once (waiting there would wait
+        for itself); :meth:`lead` returns once that stop is done. A stop before
+        :meth:`start` is final: nothing starts afterwards.
+
+        Args:
+            timeout: seconds this call may take in all (default: until stopped).
+        """
+        if self._forked:  # the parent's threads are not in this process: nothing runs
+            return
+        inside = self._called_from_inside()
+        with self._lock:
+            asked, self._stop_asked = self._stop_asked, True
+            if inside and not asked:
+                self._stopper = threading.Thread(
+                    target=self._stop, name=f"rselection-shards-stop-{self._name}", daemon=True
+                )
+        if inside:
+            if self._stopper is not None and not asked:
+                self._stopper.start()
+            return
+        if asked:  # another call does the work: wait for it
+            self._stopped.wait(timeout)
+            return
+        self._stop(timeout)
+
+    def _called_from_inside(self) -> bool:
+        """True on a thread or loop whose work this leader's stop would wait for: one of
+        its shards' or its coordinator's (their tasks, receivers and event loops), or the
+        thread that runs a stop asked from there."""
+        if self._stopper is not None and threading.current_thread() is self._stopper:
+            return True
+        return any(leader._called_from_inside() for leader in (self._coordinator, *self._leaders))
+
+    def _stop(self, timeout: float | None = None) -> None:
+        """The work of :meth:`stop` (once)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        if self._started:
+            wait = left()
+            self._hand_off_within(HAND_OFF_WAIT if wait is None else min(wait, HAND_OFF_WAIT))
+        everyone: list[LeaseLeader] = [self._coordinator, *self._leaders]
+        for leader in everyone:
+            leader.stop(timeout=0)  # ask them all at once: they wind down together
+        for leader in everyone:
+            leader.stop(timeout=left())
+        for fn in self._cleanup:
+            try:
+                fn()
+            except Exception:  # best effort, as a leader's own clean-up
+                logger.exception("shards of %r: error in a clean-up on stop", self._name)
+        self._cleanup = []
+        self._after_stop()
+        if self._started:
+            self._handler.detach()
+        self._stopped.set()
+
+    def _hand_off_within(self, timeout: float) -> None:
+        """:meth:`_leave` then :meth:`_hand_off`, waited for at most ``timeout`` seconds:
+        a server that stops answering must not hold the stop up (the hand-off is best
+        effort; the shards are released, or expire, all the same)."""
+
+        def hand_off() -> None:
+            try:
+                self._leave()
+                self._hand_off()
+            except Exception:  # best effort: the stop goes on
+                logger.exception("shards of %r: error while handing the shards over", self._name)
+
+        thread = threading.Thread(
+            target=hand_off, name=f"rselection-shards-hand-off-{self._name}", daemon=True
+        )
+        thread.start()
+        thread.join(timeout)
+        if thread.is_alive():
+            logger.info(
+                "shards of %r: stopping without waiting for the hand-off (the server did "
+                "not answer within %.1f s)",
+                self._name,
+                timeout,
+            )
+
+    def _leave(self) -> None:
+        """Leave the membership, then open to every node the handovers reserved for this
+        node: from then on no node hands it a shard (:meth:`_request_handovers` skips a
+        target without its row, and a request that committed before the row was deleted
+        is opened here), so that two nodes stopping at once never reserve shards for
+        each other."""
+        self._leave_membership()
+        names = [shard_lease_name(self._name, shard) for shard in range(self._shards)]
+        try:
+            reopened = self._reopen_handovers(names)
+        except BackendUnavailable as exc:
+            logger.info(
+                "shards of %r: could not open handovers reserved for %s (%s)",
+                self._name,
+                self._node_id,
+                exc,
+            )
+            return
+        if reopened:
+            logger.info(
+                "shards of %r: %d shard(s) handed to this stopping node opened to every node",
+                self._name,
+                len(reopened),
+            )
+
+    def _hand_off(self) -> None:
+        """Ask for a handover of each shard this node leads, to the live nodes below
+        their share without this node, that have not left; best effort (a shard not
+        handed over is released by the stop and taken by any node)."""
+        mine = sorted(self.owned())
+        if not mine:
+            return
+        try:
+            state = self.state()
+        except BackendUnavailable as exc:
+            logger.info("shards of %r: stopping without handing over (%s)", self._name, exc)
+            return
+        fresh = timedelta(seconds=2 * self.heartbeat_interval + 0.5)
+        others = [
+            node
+            for node, (_, last_seen, alive) in state.nodes.items()
+            if alive and node != self._node_id and state.now - last_seen <= fresh
+        ]
+        if not others:
+            return
+        holders = {shard: info.node_id for shard, info in state.holders.items()}
+        for shard in mine:
+            holders[shard] = self._node_id
+        # Plan as though this node were a member that owns nothing more: its shards are
+        # the surplus, and the others fill up to their share.
+        counts = dict.fromkeys(others, 0)
+        for node in holders.values():
+            if node in counts:
+                counts[node] += 1
+        share = quotas(self._shards, counts)
+        targets: dict[str, str] = {}
+        for shard in mine:
+            target = min(others, key=lambda n: (counts[n] - share[n], counts[n], n))
+            counts[target] += 1
+            targets[shard_lease_name(self._name, shard)] = target
+        try:
+            self._request_handovers(targets)
+        except BackendUnavailable as exc:
+            logger.info("shards of %r: stopping without handing over (%s)", self._name, exc)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(name={self._name!r}, shards={self._shards}, "
+            f"node_id={self._node_id!r}, owned={len(self.owned())})"
+        )
