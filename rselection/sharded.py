@@ -36,7 +36,6 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from . import forks
-from .checkpoints import CheckpointStore
 from .closeable import Service
 from .errors import BackendUnavailable, ConfigError, RSelectionError, StaleLeaderError
 from .leader import LeaseLeader
@@ -487,8 +486,6 @@ class ShardedLeader(Service, ABC):
 
     _coordinator: LeaseLeader
     """The leader of the coordinator's lease ``"<name>"``, built by the backend's class."""
-    _store: CheckpointStore
-    """Where the coordinator records the number of shards, built by the backend's class."""
 
     def __init__(
         self,
@@ -587,6 +584,25 @@ class ShardedLeader(Service, ABC):
         """*Backend*: the holder of lease ``name`` now, if any.
 
         Raises:
+            BackendUnavailable: the lease server could not be reached.
+        """
+
+    @abstractmethod
+    def _load_shards_record(self) -> object:
+        """*Backend*: what the coordinator of this name recorded (see
+        :meth:`_save_shards_record`), or ``None``.
+
+        Raises:
+            BackendUnavailable: the lease server could not be reached.
+        """
+
+    @abstractmethod
+    def _save_shards_record(self, record: dict[str, Any], term: int) -> None:
+        """*Backend*: record ``record`` for this name, only while ``term`` holds the
+        coordinator's lease ``"<name>"``.
+
+        Raises:
+            StaleLeaderError: ``term`` no longer holds it; nothing was written.
             BackendUnavailable: the lease server could not be reached.
         """
 
@@ -745,8 +761,7 @@ class ShardedLeader(Service, ABC):
         shards: its plan would hand this node shards it never competes for, and they
         would bounce between it and the others for ever."""
         try:
-            snapshot = self._store.load((SHARDS_RECORD, self._name))
-            state = snapshot.state if snapshot is not None else None
+            state = self._load_shards_record()
             recorded = state.get("shards") if isinstance(state, dict) else None
             if recorded is None or recorded == self._shards:
                 return
@@ -764,12 +779,7 @@ class ShardedLeader(Service, ABC):
     def _record_shards(self, term: int) -> None:
         """The coordinator's record of the number of shards (fenced by its ``term``)."""
         try:
-            self._store.save(
-                (SHARDS_RECORD, self._name),
-                {"shards": self._shards, "node_id": self._node_id},
-                term=term,
-                name=self._name,
-            )
+            self._save_shards_record({"shards": self._shards, "node_id": self._node_id}, term)
         except (BackendUnavailable, StaleLeaderError) as exc:
             logger.warning(
                 "shards of %r: could not record the number of shards (%s)", self._name, exc

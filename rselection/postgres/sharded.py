@@ -340,6 +340,14 @@ class PostgresShardedLeader(ShardedLeader):
     def _current_holder(self, name: str) -> LeaderInfo | None:
         return current_holder(self.conninfo, name, table=self.table)
 
+    def _load_shards_record(self) -> object:
+        snapshot = self._store.load((SHARDS_RECORD, self._name))
+        return snapshot.state if snapshot is not None else None
+
+    def _save_shards_record(self, record: dict[str, Any], term: int) -> None:
+        # In the checkpoint table, fenced by the coordinator's term.
+        self._store.save((SHARDS_RECORD, self._name), record, term=term, name=self._name)
+
     def _leave_membership(self) -> None:
         self._membership_leader.leave()
 
