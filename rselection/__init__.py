@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from .postgres.leader import PostgresLeader as PostgresLeader
     from .postgres.sharded import PostgresShardedLeader as PostgresShardedLeader
     from .redis.leader import RedisLeader as RedisLeader
+    from .redis.sharded import RedisShardedLeader as RedisShardedLeader
 
 __all__ = [
     "Acquisition",
@@ -94,6 +95,7 @@ _LAZY = {
         "pip install 'rselection[binary]'",
     ),
     "RedisLeader": (".redis.leader", "redis", "pip install 'rselection[redis]'"),
+    "RedisShardedLeader": (".redis.sharded", "redis", "pip install 'rselection[redis]'"),
 }
 
 

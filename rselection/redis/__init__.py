@@ -29,6 +29,7 @@ except ImportError as exc:
 
 if TYPE_CHECKING:
     from .leader import RedisLeader
+    from .sharded import RedisShardedLeader
 
 __all__ = [
     "RedisClaimer",
@@ -36,6 +37,7 @@ __all__ = [
     "RedisFence",
     "RedisLeader",
     "RedisLease",
+    "RedisShardedLeader",
     "afenced_call",
     "cancel_handover",
     "current_holder",
@@ -46,11 +48,15 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # The leader pulls in the task runtime; load it only when asked for.
+    # The leaders pull in the task runtime; load them only when asked for.
     if name == "RedisLeader":
         from .leader import RedisLeader
 
         return RedisLeader
+    if name == "RedisShardedLeader":
+        from .sharded import RedisShardedLeader
+
+        return RedisShardedLeader
     raise AttributeError(f"module 'rselection.redis' has no attribute {name!r}")
 
 

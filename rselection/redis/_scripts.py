@@ -18,6 +18,7 @@ __all__ = [
     "READ",
     "RELEASE",
     "RENEW",
+    "REOPEN_HANDOVER",
     "REQUEST_HANDOVER",
 ]
 
@@ -152,8 +153,10 @@ return 1
 
 #: Record a handover request for the current term and publish it. KEYS: lease key,
 #: handover key. ARGV: node asked to take over ('' for any), the request's ttl (ms),
-#: channel. Returns {0, '', 0, ''} when nobody holds the lease, {-1, value, 0, ''} when the
-#: value cannot be read, else {1, value, PTTL (ms), server time (ms)}.
+#: channel, and optionally "1" to ask nothing of a holder that is that node already.
+#: Returns {0, '', 0, ''} when nobody holds the lease (or, with that "1", the node asked
+#: holds it), {-1, value, 0, ''} when the value cannot be read, else {1, value, PTTL (ms),
+#: server time (ms)}.
 REQUEST_HANDOVER = """
 local cur = redis.call('GET', KEYS[1])
 if not cur then return {0, '', 0, ''} end
@@ -161,6 +164,7 @@ local ok, h = pcall(cjson.decode, cur)
 if not ok or type(h) ~= 'table' or type(h.term) ~= 'string' or type(h.node) ~= 'string' then
   return {-1, cur, 0, ''}
 end
+if ARGV[4] == '1' and h.node == ARGV[1] then return {0, '', 0, ''} end
 local t = redis.call('TIME')
 local now = tostring(t[1] * 1000 + math.floor(t[2] / 1000))
 redis.call('SET', KEYS[2], cjson.encode({term = h.term, from = h.node, to = ARGV[1]}),
@@ -178,6 +182,23 @@ local ok, q = pcall(cjson.decode, r)
 if not ok or type(q) ~= 'table' or q.term ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
 redis.call('PUBLISH', ARGV[2], 'cancelled:' .. ARGV[1])
+return 1
+"""
+
+#: Open to every node (but the one that gave it up) a handover request reserved for a
+#: node. KEYS: handover key. ARGV: the node it is reserved for, channel. Returns 1 when
+#: one was opened (and ``cancelled:<term>`` published, so that waiting nodes attempt),
+#: else 0.
+REOPEN_HANDOVER = """
+local r = redis.call('GET', KEYS[1])
+if not r then return 0 end
+local ok, q = pcall(cjson.decode, r)
+if not ok or type(q) ~= 'table' or q.to ~= ARGV[1] then return 0 end
+local left = redis.call('PTTL', KEYS[1])
+if left <= 0 then return 0 end
+q.to = ''
+redis.call('SET', KEYS[1], cjson.encode(q), 'PX', left)
+redis.call('PUBLISH', ARGV[2], 'cancelled:' .. q.term)
 return 1
 """
 

@@ -27,11 +27,18 @@ from ..errors import BackendUnavailable, ConfigError
 from ..lease import LeaderInfo
 from ..validation import check_name, check_node_id, check_seconds, check_term
 from ._conn import check_client, describe, unavailable
-from ._scripts import CANCEL_HANDOVER, READ, REQUEST_HANDOVER
+from ._scripts import CANCEL_HANDOVER, READ, REOPEN_HANDOVER, REQUEST_HANDOVER
 from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
 from .lease import handover_key, lease_keys, node_channel, parse_holder
 
-__all__ = ["cancel_handover", "current_holder", "live_nodes", "request_handover"]
+__all__ = [
+    "cancel_handover",
+    "current_holder",
+    "live_nodes",
+    "reopen_handovers",
+    "request_handover",
+    "request_handovers",
+]
 
 
 def _text(value: Any) -> str:
@@ -213,3 +220,104 @@ def live_nodes(client: Any, name: str, *, key_prefix: str = DEFAULT_KEY_PREFIX) 
     if not isinstance(reply, list):
         raise BackendUnavailable(f"unexpected PUBSUB CHANNELS reply from {call.where}")
     return sorted({_text(c)[len(prefix) :] for c in reply if _text(c).startswith(prefix)})
+
+
+def request_handovers(
+    client: Any,
+    targets: dict[str, str],
+    *,
+    timeout: float = 10.0,
+    key_prefix: str = DEFAULT_KEY_PREFIX,
+) -> dict[str, LeaderInfo]:
+    """:func:`request_handover` of many leases, each to a node of its own, in one
+    pipeline; return the holder asked of each lease a request was recorded for.
+
+    A lease nobody holds, or that its target holds already, is left alone (and missing
+    from the answer). Each request is one script on its own lease's keys (the leases may
+    live in different hash slots); unlike Postgres's ``request_handovers`` nothing makes
+    the requests of one call atomic together.
+
+    Args:
+        client: a ``redis.Redis``, a ``RedisCluster`` or a ``redis://`` URL.
+        targets: the node that should take over each lease, by lease name.
+        timeout: seconds each request (and its reservation) stays valid.
+        key_prefix: the leaders' ``key_prefix``.
+
+    Raises:
+        ConfigError: bad arguments, or a lease key holds something else.
+        BackendUnavailable: Redis cannot be reached or refused a script.
+    """
+    if not isinstance(targets, dict):
+        raise ConfigError(f"targets must map lease names to node ids, got {type(targets).__name__}")
+    checked = {_lease(name, key_prefix)[0]: check_node_id(to) for name, to in targets.items()}
+    key_prefix = check_key_prefix(key_prefix)
+    timeout = check_seconds(timeout, "timeout", minimum=0.001)
+    px = max(1, round(timeout * 1000))
+    answers: dict[str, LeaderInfo] = {}
+    if not checked:
+        return answers
+    with _OneCall(client, "request_handovers") as call:
+        try:
+            pipe = call.client.pipeline(transaction=False)
+            for name, to in checked.items():
+                key, _, channel = lease_keys(name, key_prefix)
+                pipe.eval(
+                    REQUEST_HANDOVER, 2, key, handover_key(name, key_prefix), to, px, channel, "1"
+                )
+            replies = pipe.execute()
+        except redis.RedisError as exc:
+            raise unavailable("record the handover requests", call.where, exc) from exc
+    for name, reply in zip(checked, replies, strict=True):
+        status = int(reply[0])
+        if status < 0:
+            raise ConfigError(
+                f"key {lease_keys(name, key_prefix)[0]!r} holds a value that is not an "
+                f"rselection lease ({_text(reply[1])!r:.60}); check the lease name and key_prefix"
+            )
+        if status == 1:
+            info, _ = parse_holder(reply[1], reply[2], reply[3])
+            if info is not None:
+                answers[name] = info
+    return answers
+
+
+def reopen_handovers(
+    client: Any, names: list[str], node_id: str, *, key_prefix: str = DEFAULT_KEY_PREFIX
+) -> list[str]:
+    """Open to every node (but the one that gave it up) the handover requests of leases
+    ``names`` reserved for ``node_id``; return the names opened.
+
+    A node that leaves a sharded leader calls this after it stopped heartbeating: a
+    request that reserved a shard for it before it left would otherwise keep every other
+    node from taking that shard until the request lapsed.
+
+    Args:
+        client: a ``redis.Redis``, a ``RedisCluster`` or a ``redis://`` URL.
+        names: the lease names.
+        node_id: the node the requests may be reserved for.
+        key_prefix: the leaders' ``key_prefix``.
+
+    Raises:
+        ConfigError: bad arguments.
+        BackendUnavailable: Redis cannot be reached or refused a script.
+    """
+    checked = [_lease(name, key_prefix)[0] for name in names]
+    key_prefix = check_key_prefix(key_prefix)
+    node_id = check_node_id(node_id)
+    if not checked:
+        return []
+    with _OneCall(client, "reopen_handovers") as call:
+        try:
+            pipe = call.client.pipeline(transaction=False)
+            for name in checked:
+                pipe.eval(
+                    REOPEN_HANDOVER,
+                    1,
+                    handover_key(name, key_prefix),
+                    node_id,
+                    lease_keys(name, key_prefix)[2],
+                )
+            replies = pipe.execute()
+        except redis.RedisError as exc:
+            raise unavailable("open the handover requests", call.where, exc) from exc
+    return [name for name, opened in zip(checked, replies, strict=True) if int(opened) == 1]

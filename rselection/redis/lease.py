@@ -454,6 +454,12 @@ class RedisLease(Closeable):
         """Whether this node's leases let followers take over when its connection is gone."""
         return self._fast
 
+    @property
+    def holder_gone(self) -> bool:
+        """Whether a wait found the holder's connection gone since the last attempt (the
+        next attempt may then take the lease over at once)."""
+        return self._dead is not None
+
     # -- connections ------------------------------------------------------------------
 
     def connect(self) -> None:

@@ -1,8 +1,9 @@
 """Drive ``shard_node`` processes: start them, read their events, kill, pause or stop them.
 
-``ShardNode`` is one node process (one ``PostgresShardedLeader``); a reader thread keeps
-its events. ``ShardFleet`` holds the nodes of one sharded name and reads who holds each
-shard from the lease table.
+``ShardNode`` is one node process (one sharded leader); a reader thread keeps its
+events. ``ShardFleet`` holds the nodes of one sharded name and reads who holds each
+shard from the server: a :class:`PostgresShards` (the lease table) or a
+:class:`RedisShards` (the lease keys).
 """
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ from typing import IO, Any
 import psycopg
 
 from tests.support.activity import check
+from tests.support.shard_node import redis_ledger_key
 
 __all__ = [
     "ARGS",
     "REPO_ROOT",
     "TTL",
+    "PostgresShards",
+    "RedisShards",
     "ShardFleet",
     "ShardNode",
     "assert_fenced_ledger_per_shard",
@@ -49,12 +53,142 @@ ARGS = [  # the tests' node options: fast timings and a fenced ledger per shard
 ]
 
 
+class PostgresShards:
+    """The shards of a Postgres database: where nodes run and how the tests read them.
+
+    Args:
+        dsn: the connection string (its schema holds the tables).
+    """
+
+    backend = "postgres"
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+
+    def env(self) -> dict[str, str]:
+        """What a node process needs in its environment."""
+        return {"SHARD_NODE_DSN": self.dsn}
+
+    def holders(self, name: str) -> dict[int, str]:
+        """Who holds each shard of ``name``, from the lease table (unexpired rows)."""
+        try:
+            with psycopg.connect(self.dsn, autocommit=True) as conn:
+                rows = conn.execute(
+                    "SELECT name, holder FROM rselection_leases WHERE name LIKE %s"
+                    " AND holder IS NOT NULL AND expires_at > clock_timestamp()",
+                    (name + "/%",),
+                ).fetchall()
+        except psycopg.errors.UndefinedTable:
+            return {}
+        return {int(lease.rsplit("/", 1)[1]): holder for lease, holder in rows}
+
+    def coordinator(self, name: str) -> str | None:
+        """The node that holds the coordinator's lease ``name``."""
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT holder FROM rselection_leases WHERE name = %s"
+                " AND expires_at > clock_timestamp()",
+                (name,),
+            ).fetchone()
+        return None if row is None else str(row[0])
+
+    def assert_fenced_ledger(self, name: str, shards: int) -> int:
+        """See :func:`assert_fenced_ledger_per_shard`."""
+        return assert_fenced_ledger_per_shard(self.dsn, shards)
+
+
+class RedisShards:
+    """The shards of a Redis server: where nodes run and how the tests read them.
+
+    Args:
+        url: the ``redis://`` URL.
+    """
+
+    backend = "redis"
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._redis: Any = None  # one client for the tests' reads
+        self.names: set[str] = set()  # the sharded names of the fleets run here
+
+    def forget_keys(self) -> None:
+        """Delete every key of the names run here (their leases, members and ledgers)."""
+        client = self._client()
+        try:
+            for name in self.names:
+                # The shards' keys are "rselection:{<name>/<k>}:...", the coordinator's
+                # "rselection:{<name>}:..."; a glob's special characters are escaped.
+                pattern = (
+                    "rselection:{" + "".join("\\" + c if c in "*?[]\\" else c for c in name) + "*"
+                )
+                keys = list(client.scan_iter(match=pattern, count=1000))
+                if keys:
+                    client.delete(*keys)
+        finally:
+            client.close()
+            self._redis = None
+
+    def env(self) -> dict[str, str]:
+        """What a node process needs in its environment."""
+        return {"SHARD_NODE_REDIS_URL": self.url}
+
+    def holders(self, name: str) -> dict[int, str]:
+        """Who holds each shard of ``name``, from the lease keys (one pipeline)."""
+        from rselection.redis.handover import current_holder
+
+        client = self._client()
+        return {
+            shard: info.node_id
+            for shard in range(_SHARDS[name])
+            if (info := current_holder(client, f"{name}/{shard}")) is not None
+        }
+
+    def coordinator(self, name: str) -> str | None:
+        """The node that holds the coordinator's lease ``name``."""
+        from rselection.redis.handover import current_holder
+
+        info = current_holder(self._client(), name)
+        return None if info is None else info.node_id
+
+    def assert_fenced_ledger(self, name: str, shards: int) -> int:
+        """Per shard, no write of a term pushed after one of a newer term, and each term
+        written by one node; returns the number of writes."""
+        client = self._client()
+        written = 0
+        for shard in range(shards):
+            key = redis_ledger_key(f"{name}/{shard}", "shard_ledger")
+            entries = [json.loads(raw) for raw in client.lrange(key, 0, -1)]
+            assert entries, f"shard {shard}: its task never wrote"
+            terms = [e["term"] for e in entries]
+            assert terms == sorted(terms), f"shard {shard}: an older term wrote after: {terms}"
+            nodes: dict[int, set[str]] = {}
+            for e in entries:
+                nodes.setdefault(e["term"], set()).add(e["node"])
+            shared = {t: n for t, n in nodes.items() if len(n) > 1}
+            assert not shared, f"shard {shard}: terms written by two nodes: {shared}"
+            written += len(entries)
+        return written
+
+    def _client(self) -> Any:
+        if self._redis is None:
+            import redis
+
+            self._redis = redis.Redis.from_url(self.url)
+        return self._redis
+
+
+ShardServer = PostgresShards | RedisShards
+
+# Redis has no table to list a name's shards from: the fleets register theirs.
+_SHARDS: dict[str, int] = {}
+
+
 class ShardNode:
     """One ``shard_node`` process and the events it printed.
 
     Args:
         node: its node id.
-        dsn: the connection string (handed over in the environment).
+        server: where it runs (handed over in the environment).
         name: the sharded name.
         shards: the number of shards.
         args: more ``shard_node`` options (timings).
@@ -64,7 +198,7 @@ class ShardNode:
     def __init__(
         self,
         node: str,
-        dsn: str,
+        server: ShardServer,
         name: str,
         shards: int,
         args: Iterable[str] = (),
@@ -77,8 +211,8 @@ class ShardNode:
         self.ended_at: float | None = None  # wall clock of a kill -9
         self._cond = threading.Condition()
         self.log_path = log_dir / f"{node}.log"
-        env = dict(os.environ, SHARD_NODE_DSN=dsn, PYTHONPATH=str(REPO_ROOT))
-        cmd = [sys.executable, "-m", "tests.support.shard_node"]
+        env = dict(os.environ, **server.env(), PYTHONPATH=str(REPO_ROOT))
+        cmd = [sys.executable, "-m", "tests.support.shard_node", "--backend", server.backend]
         cmd += ["--name", name, "--shards", str(shards), "--node", node, *args]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -165,51 +299,49 @@ class ShardNode:
 
 
 class ShardFleet:
-    """The nodes of one sharded name, and the lease table's view of them.
+    """The nodes of one sharded name, and the server's view of them.
 
     Args:
-        dsn: the connection string (its schema holds the tables).
+        server: where the nodes run: a :class:`PostgresShards`, a :class:`RedisShards`,
+            or a Postgres connection string.
         name: the sharded name.
         shards: the number of shards.
         args: ``shard_node`` options every node gets.
     """
 
-    def __init__(self, dsn: str, name: str, shards: int, args: Iterable[str] = ()) -> None:
-        self.dsn = dsn
+    def __init__(
+        self, server: ShardServer | str, name: str, shards: int, args: Iterable[str] = ()
+    ) -> None:
+        self.server = PostgresShards(server) if isinstance(server, str) else server
         self.name = name
         self.shards = shards
+        _SHARDS[name] = shards
+        if isinstance(self.server, RedisShards):
+            self.server.names.add(name)
         self.args = list(args)
         self.nodes: dict[str, ShardNode] = {}
         self.log_dir = Path(tempfile.mkdtemp("-shards"))
 
     def add(self, node: str) -> ShardNode:
         """Start one more node."""
-        started = ShardNode(node, self.dsn, self.name, self.shards, self.args, log_dir=self.log_dir)
+        started = ShardNode(
+            node, self.server, self.name, self.shards, self.args, log_dir=self.log_dir
+        )
         self.nodes[node] = started
         return started
 
     def holders(self) -> dict[int, str]:
-        """Who holds each shard, from the lease table (unexpired rows only)."""
-        try:
-            with psycopg.connect(self.dsn, autocommit=True) as conn:
-                rows = conn.execute(
-                    "SELECT name, holder FROM rselection_leases WHERE name LIKE %s"
-                    " AND holder IS NOT NULL AND expires_at > clock_timestamp()",
-                    (self.name + "/%",),
-                ).fetchall()
-        except psycopg.errors.UndefinedTable:
-            return {}
-        return {int(name.rsplit("/", 1)[1]): holder for name, holder in rows}
+        """Who holds each shard, from the server."""
+        return self.server.holders(self.name)
 
     def coordinator(self) -> str | None:
         """The node that holds the coordinator's lease (the sharded name itself)."""
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
-            row = conn.execute(
-                "SELECT holder FROM rselection_leases WHERE name = %s"
-                " AND expires_at > clock_timestamp()",
-                (self.name,),
-            ).fetchone()
-        return None if row is None else str(row[0])
+        return self.server.coordinator(self.name)
+
+    def assert_fenced_ledger(self) -> int:
+        """Per shard, no fenced write of a term after a newer term's, and each term
+        written by one node; the number of writes."""
+        return self.server.assert_fenced_ledger(self.name, self.shards)
 
     def counts(self, nodes: Iterable[str]) -> dict[str, int]:
         """Shards held by each of ``nodes`` (0 for none)."""

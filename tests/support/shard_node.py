@@ -1,4 +1,7 @@
-"""A node process that runs one ``PostgresShardedLeader``, for the sharding tests and bench.
+"""A node process that runs one sharded leader, for the sharding tests and bench.
+
+``--backend postgres`` (the default) runs a ``PostgresShardedLeader`` on the database of
+``SHARD_NODE_DSN``; ``--backend redis`` a ``RedisShardedLeader`` on ``SHARD_NODE_REDIS_URL``.
 
 Prints one JSON object per line on stdout (from a writer thread of its own, see
 ``scale_node.Reporter``). Every line carries ``event``, ``node``, ``mono``
@@ -17,7 +20,10 @@ Prints one JSON object per line on stdout (from a writer thread of its own, see
 With ``--ledger TABLE`` each shard's task also writes a row ``(shard, term, node)`` into
 ``TABLE`` every ``--ledger-every`` seconds, each in a transaction fenced to the shard's
 term (``ctx.fence``), on one connection of the process that the tasks take in turn; the
-table's ``id`` and ``written_at`` (server clock) give the order of the writes.
+table's ``id`` and ``written_at`` (server clock) give the order of the writes. On Redis
+the row goes to the list :func:`redis_ledger_key` of the shard, pushed by a script
+fenced to the shard's term (:class:`~rselection.redis.RedisFence`); the list's order is
+the order of the writes.
 
 The task of each shard runs until its term is cancelled, checking ``ctx.shard`` and
 ``ctx.shards``. The connection string comes from ``SHARD_NODE_DSN``. Run it from the
@@ -33,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import json
 import os
 import signal
 import threading
@@ -44,6 +51,7 @@ from psycopg import sql
 
 import rselection as rs
 from rselection import signals
+from rselection.sharding import shard_lease_name
 from tests.support.scale_node import Reporter
 
 
@@ -94,6 +102,41 @@ class Ledger:
                 self.conn = None
 
 
+def redis_ledger_key(lease: str, table: str) -> str:
+    """The list of the fenced writes of one shard's lease on Redis (its hash slot)."""
+    return f"rselection:{{{lease}}}:{table}"
+
+
+class RedisLedger:
+    """Fenced writes of every shard's task on Redis: one push per write, fenced to the
+    shard's term in the same script."""
+
+    def __init__(self, url: str, table: str, node: str, name: str) -> None:
+        import redis  # only the Redis nodes need it
+
+        self.client = redis.Redis.from_url(url)
+        self.name = name
+        self.table = table
+        self.node = node
+        self.fences: dict[str, Any] = {}
+        self.lock = threading.Lock()
+
+    def write(self, ctx: rs.TaskContext) -> None:
+        """One entry for this shard's term, pushed only while the term holds the shard."""
+        from rselection.redis import RedisFence
+
+        assert ctx.shard is not None
+        lease = shard_lease_name(self.name, ctx.shard)
+        with self.lock:
+            fence = self.fences.get(lease)
+            if fence is None:
+                fence = self.fences[lease] = RedisFence(self.client, lease)
+        entry = json.dumps({"shard": ctx.shard, "term": ctx.term, "node": self.node})
+        # Refused once the shard moved on (as it must be), or Redis is away: no entry.
+        with contextlib.suppress(rs.StaleLeaderError, rs.BackendUnavailable):
+            fence.call(ctx.term, "RPUSH", redis_ledger_key(lease, self.table), entry)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--name", required=True)
@@ -110,9 +153,15 @@ def main() -> None:
     parser.add_argument("--task", choices=("def", "async"), default="def")
     parser.add_argument("--ledger", default=None, help="table for fenced writes per shard")
     parser.add_argument("--ledger-every", type=float, default=0.25)
+    parser.add_argument("--backend", choices=("postgres", "redis"), default="postgres")
     args = parser.parse_args()
-    dsn = os.environ["SHARD_NODE_DSN"]
-    ledger = Ledger(dsn, args.ledger, args.node) if args.ledger else None
+    ledger: Ledger | RedisLedger | None = None
+    if args.backend == "redis":
+        url = os.environ["SHARD_NODE_REDIS_URL"]
+        ledger = RedisLedger(url, args.ledger, args.node, args.name) if args.ledger else None
+    else:
+        dsn = os.environ["SHARD_NODE_DSN"]
+        ledger = Ledger(dsn, args.ledger, args.node) if args.ledger else None
 
     out = Reporter(args.node)
     runs = itertools.count(1)
@@ -156,21 +205,24 @@ def main() -> None:
             finally:
                 end(ctx, run, start)
 
-    leader = rs.PostgresShardedLeader(
-        dsn,
-        tasks,
-        name=args.name,
-        shards=args.shards,
-        node_id=args.node,
-        ttl=args.ttl,
-        renew_interval=args.renew_interval,
-        renew_deadline=args.renew_deadline,
-        retry_interval=args.retry_interval,
-        heartbeat_interval=args.heartbeat_interval,
-        rebalance_interval=args.rebalance_interval,
-        settle=args.settle,
-        max_moves=args.max_moves,
-    )
+    options: dict[str, Any] = {
+        "name": args.name,
+        "shards": args.shards,
+        "node_id": args.node,
+        "ttl": args.ttl,
+        "renew_interval": args.renew_interval,
+        "renew_deadline": args.renew_deadline,
+        "retry_interval": args.retry_interval,
+        "heartbeat_interval": args.heartbeat_interval,
+        "rebalance_interval": args.rebalance_interval,
+        "settle": args.settle,
+        "max_moves": args.max_moves,
+    }
+    leader: rs.PostgresShardedLeader | rs.RedisShardedLeader
+    if args.backend == "redis":
+        leader = rs.RedisShardedLeader(url, tasks, **options)
+    else:
+        leader = rs.PostgresShardedLeader(dsn, tasks, **options)
 
     def on_elected(sender: Any, **kw: Any) -> None:
         if "shard" in kw:

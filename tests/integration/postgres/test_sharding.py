@@ -13,11 +13,8 @@ loaded machine does not fail them; the figures are printed (``pytest -s``).
 from __future__ import annotations
 
 import json
-import math
-import statistics
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable
 
@@ -31,15 +28,9 @@ from rselection.postgres.sharded import SHARDS_RECORD
 from tests.support.pg import with_host_port
 from tests.support.proxy import TcpProxy
 from tests.support.resign_cli import cli
-from tests.support.scale_fleet import percentile
 from tests.support.shard_fleet import (
-    ARGS,
-    TTL,
     Event,
     ShardFleet,
-    assert_fenced_ledger_per_shard,
-    assert_no_overlap_per_shard,
-    balanced,
 )
 from tests.support.waiting import wait_until
 
@@ -57,151 +48,6 @@ def changes(fleet: ShardFleet, since: float) -> dict[int, list[Event]]:
         if event["event"] == "elected" and event["mono"] > since:
             out.setdefault(event["shard"], []).append(event)
     return out
-
-
-def test_four_nodes_balance_a_killed_nodes_shards_move_and_a_fifth_joins_with_few_moves(
-    pg_dsn: str,
-) -> None:
-    shards = 32
-    name = f"pollers-{uuid.uuid4().hex[:6]}"
-    with ShardFleet(pg_dsn, name, shards, ARGS) as fleet:
-        start = time.monotonic()
-        for i in range(4):
-            fleet.add(f"n{i}")
-        for node in fleet.nodes.values():
-            node.ready()
-        took = wait_until(
-            lambda: balanced(fleet, ["n0", "n1", "n2", "n3"]), START_BOUND, "8 shards each", 0.1
-        )
-        print(f"\n4 nodes x 32 shards balanced {time.monotonic() - start:.2f} s after start")
-        assert took < START_BOUND
-        assert fleet.counts(["n0", "n1", "n2", "n3"]) == dict.fromkeys(["n0", "n1", "n2", "n3"], 8)
-
-        # kill -9 of the node that balances the shards: only its shards move, each led
-        # elsewhere at once, without waiting for a new coordinator.
-        before = fleet.holders()
-        victim = fleet.coordinator()
-        assert victim is not None
-        theirs = {shard for shard, node in before.items() if node == victim}
-        killed = fleet.nodes[victim].kill()
-        survivors = [n for n in ["n0", "n1", "n2", "n3"] if n != victim]
-
-        def all_taken() -> bool:
-            moved = changes(fleet, killed)
-            return all(shard in moved for shard in theirs)
-
-        wait_until(all_taken, 10.0, "the killed node's shards led elsewhere", 0.05)
-        moved = changes(fleet, killed)
-        latency = [moved[shard][0]["mono"] - killed for shard in theirs]
-        p50, p95 = statistics.median(latency), percentile(latency, 95)
-        print(f"killed node's shards led elsewhere: p50 {p50 * 1000:.0f}, p95 {p95 * 1000:.0f} ms")
-        assert p95 <= FAILOVER_P95_BOUND
-        wait_until(lambda: balanced(fleet, survivors), REBALANCE_BOUND, "10/11/11", 0.1)
-        after = fleet.holders()
-        assert sorted(fleet.counts(survivors).values()) == [10, 11, 11]
-        assert {s for s in range(shards) if after[s] != before[s]} == theirs, (
-            "only the killed node's shards may change owner"
-        )
-        assert set(changes(fleet, killed)) == theirs
-
-        assert fleet.coordinator() in survivors
-
-        # A new node joins: it reaches its share, and only that many shards move, each by
-        # a graceful handover.
-        time.sleep(1.0)  # let the coordinator's last moves settle
-        # Each shard of the killed node moved once: the survivors took them over by one
-        # plan, so the coordinator had nothing to move on (before, the fastest survivor
-        # took most of them, and the coordinator moved them again).
-        twice = {s: len(e) for s, e in changes(fleet, killed).items() if len(e) > 1}
-        assert not twice, f"shards of the killed node that moved more than once: {twice}"
-        before = fleet.holders()
-        joined = time.monotonic()
-        fleet.add("n4").ready()
-        nodes = [*survivors, "n4"]
-        wait_until(lambda: balanced(fleet, nodes), REBALANCE_BOUND, "8 shards each", 0.1)
-        share_at = time.monotonic()
-        after = fleet.holders()
-        moved_shards = {s for s in range(shards) if after[s] != before[s]}
-        print(f"a joining node reached its share in {share_at - joined:.2f} s (from its start)")
-        assert len(moved_shards) == 8 <= math.ceil(shards / 4)
-        assert all(after[s] == "n4" for s in moved_shards)
-        moves = changes(fleet, joined)
-        assert set(moves) == moved_shards  # nothing else changed hands, not even twice
-        gaps = []
-        for shard in moved_shards:
-            demoted = [
-                e
-                for e in fleet.events()
-                if e["event"] == "demoted" and e["shard"] == shard and e["mono"] > joined
-            ]
-            assert [e["reason"] for e in demoted] == ["handover"]
-            gaps.append(moves[shard][0]["mono"] - demoted[0]["mono"])
-        print(
-            f"handover (old owner's demotion to new owner's election): "
-            f"p50 {statistics.median(gaps) * 1000:.0f} ms, max {max(gaps) * 1000:.0f} ms"
-        )
-        assert max(gaps) < 2.0
-
-        # A node stops gracefully: it hands each of its shards straight to a node below
-        # its share, so only its shards move, each once.
-        time.sleep(1.0)
-        before = fleet.holders()
-        leaving = survivors[0]
-        theirs = {shard for shard, node in before.items() if node == leaving}
-        stopped = time.monotonic()
-        fleet.nodes[leaving].stop()
-        rest = [n for n in nodes if n != leaving]
-        wait_until(lambda: balanced(fleet, rest), REBALANCE_BOUND, "10/11/11 again", 0.1)
-        took = time.monotonic() - stopped
-        time.sleep(1.0)  # any further move would show now
-        after = fleet.holders()
-        assert sorted(fleet.counts(rest).values()) == [10, 11, 11]
-        assert {s for s in range(shards) if after[s] != before[s]} == theirs
-        moves = changes(fleet, stopped)
-        assert set(moves) == theirs and all(len(e) == 1 for e in moves.values()), moves
-        print(f"a stopping node's shards handed over and balanced in {took:.2f} s")
-    runs = assert_no_overlap_per_shard(fleet)
-    assert runs >= shards + 8 + 8 + 8
-    assert assert_fenced_ledger_per_shard(pg_dsn, shards) > shards
-
-
-def test_a_paused_node_loses_its_shards_and_gets_a_share_back_after_it_resumes(
-    pg_dsn: str,
-) -> None:
-    shards = 12
-    name = f"paused-{uuid.uuid4().hex[:6]}"
-    nodes = ["p0", "p1", "p2"]
-    with ShardFleet(pg_dsn, name, shards, ARGS) as fleet:
-        for node in nodes:
-            fleet.add(node)
-        for process in fleet.nodes.values():
-            process.ready()
-        wait_until(lambda: balanced(fleet, nodes), START_BOUND, "4 shards each", 0.1)
-        frozen = fleet.nodes["p1"]
-        theirs = {s for s, n in fleet.holders().items() if n == "p1"}
-        frozen.pause()
-        # Beyond the ttl: its leases expire and the others take them (expiry, not the
-        # session: the paused process's session lives).
-        wait_until(
-            lambda: (
-                not ({s for s, n in fleet.holders().items() if n == "p1"})
-                and len(fleet.holders()) == shards
-            ),
-            TTL + 10.0,
-            "the paused node's shards led elsewhere",
-            0.1,
-        )
-        time.sleep(1.0)
-        assert "p1" not in fleet.holders().values()
-        resumed = frozen.resume()
-        wait_until(lambda: balanced(fleet, nodes), REBALANCE_BOUND, "4 shards each again", 0.1)
-        print(f"\nresumed node back at its share {time.monotonic() - resumed:.2f} s after SIGCONT")
-        assert fleet.counts(nodes)["p1"] == 4
-        assert theirs  # it had a share before
-    # A run frozen while its lease passed on may run the few instructions that tell it
-    # its term is over after SIGCONT: that tail is excused, nothing else is.
-    assert_no_overlap_per_shard(fleet, resume_grace=1.0)
-    assert_fenced_ledger_per_shard(pg_dsn, shards)
 
 
 def test_status_shows_the_shards_each_node_leads(pg_dsn: str) -> None:

@@ -1,0 +1,331 @@
+"""``RedisShardedLeader``: the sharded leader (:mod:`rselection.sharded`) on Redis.
+
+Each shard ``k`` is an ordinary Redis lease, ``"<name>/<k>"``, with a
+:class:`~rselection.RedisLeader` of its own on every node (all with the node's one
+``node_id``). A dead node's shards are taken over once the other nodes notice that its
+connection is gone (the liveness beats of :mod:`rselection.redis.lease`, within about a
+second by default). The coordinator (the holder of the lease ``"<name>"``) reads the
+shards' holders and the nodes' heartbeats in two round trips, and moves shards with
+handover requests reserved for their targets, one script per shard in one pipeline.
+
+Unlike Postgres, Redis cannot check in the same step as a move that its target is
+still a member and that the coordinator still holds its term: the shards live in hash
+slots of their own. Both are checked just before the moves are asked for; a move that
+slips past (a target that left a moment before, a coordinator deposed a moment before)
+costs a handover, never safety: a handover only narrows who may take a shard, and a node
+that leaves opens every shard reserved for it (:func:`~.handover.reopen_handovers`).
+
+See ``docs/explanation/sharding.md`` for the design and its failure cases.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import redis
+
+from ..claiming import FireClaimer
+from ..errors import ConfigError
+from ..leader import LeaseLeader
+from ..lease import LeaderInfo
+from ..sharded import SHARDS_RECORD, ShardedLeader, ShardLeader, ShardState
+from ..sharding import shard_lease_name
+from ..tasks import TaskHandler
+from ..timing import Timings
+from ._conn import check_client, describe, unavailable
+from ._scripts import READ
+from .claims import RedisClaimer
+from .fencing import RedisFence
+from .handover import current_holder, reopen_handovers, request_handovers
+from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
+from .leader import DEFAULT_CLAIMER, RedisLeader
+from .lease import lease_keys, parse_holder
+from .membership import read_nodes
+
+if TYPE_CHECKING:
+    from ..broadcast import Broadcaster
+
+__all__ = ["RedisShardedLeader"]
+
+
+class _ShardLeader(ShardLeader, RedisLeader):
+    """The leader of one shard: a ``RedisLeader`` whose terms know their shard.
+
+    It sends no heartbeats of its own (the node heartbeats once, as a member of the
+    lease ``"<name>"``), and ``ctx.nodes()`` lists the sharded leader's nodes.
+    """
+
+    def __init__(
+        self,
+        owner: RedisShardedLeader,
+        shard: int,
+        shards: int,
+        client: Any,
+        handler: TaskHandler,
+        **options: Any,
+    ) -> None:
+        super().__init__(client, handler, **options)
+        self.place(owner, shard, shards)
+
+    def start(self) -> None:
+        """Compete for the shard's lease (no heartbeats: the node has them once)."""
+        LeaseLeader.start(self)
+
+    def holder_died(self) -> bool:
+        """Whether this node found the holder's connection gone since its last attempt."""
+        return self.lease.holder_gone
+
+
+class _Coordinator(RedisLeader):
+    """The leader of the coordinator's lease ``"<name>"``, whose membership is the
+    sharded leader's: every node heartbeats as one of its nodes."""
+
+    def leave(self) -> None:
+        """Stop heartbeating and delete this node's entry now (best effort): from then
+        on the other nodes no longer count it, nor hand it shards."""
+        self._membership.stop()
+
+
+class RedisShardedLeader(ShardedLeader):
+    """Leads a fixed set of shards across a fleet over Redis: each shard run by one
+    live node.
+
+    The same sharded leader as :class:`~rselection.PostgresShardedLeader` (see
+    :mod:`rselection.sharded`): the handler's tasks run once per shard this node owns,
+    with ``ctx.shard`` and ``ctx.shards`` set; each shard is a Redis lease of its own
+    (``"<name>/<shard>"``) with its own term, claims and fenced writes
+    (``leader.fence`` of a shard's leader is not offered: fence a shard's Redis writes
+    with :class:`~rselection.redis.RedisFence` on its lease name and ``ctx.term``); a
+    coordinator (the holder of the lease ``"<name>"``) moves shards by graceful
+    handovers so that every live node owns ``floor(S/N)`` or ``ceil(S/N)``.
+
+    Example::
+
+        leader = rs.RedisShardedLeader("redis://localhost:6379/0", tasks, name="pollers",
+                                       shards=64)
+        leader.lead()
+
+    Args:
+        client: a ``redis://`` URL, a ``redis.Redis`` or a ``redis.cluster.RedisCluster``
+            (each shard's keys share one hash slot). From a URL the sharded leader makes
+            its client itself and closes it on :meth:`stop`.
+        handler: the tasks to run for each owned shard (copied per shard at
+            :meth:`start`: register every task before).
+        name: the sharded name (no ``/``).
+        shards: the number of shards (1 to 4,096); every node must use the same.
+        node_id: this node's id (default: host, pid and a random suffix).
+        key_prefix: prefix of every key.
+        ttl: lease length on the server, seconds (every shard and the coordinator).
+        renew_interval: seconds between renewals.
+        renew_deadline: a shard's leader steps down when no renewal succeeded for this long.
+        retry_interval: a follower's polling period (jittered).
+        liveness_interval: how soon a follower notices that a holder's connection is
+            gone (see :class:`~rselection.RedisLeader`); ``None`` waits for the ttl.
+        connect_timeout: bound of opening a connection, seconds.
+        broadcaster: handed to tasks as ``ctx.broadcaster``.
+        claimer: claims each scheduled fire (claim keys include the shard's lease name);
+            by default one :class:`~rselection.redis.RedisClaimer` on the same Redis for
+            every shard; ``None`` runs fires unclaimed.
+        heartbeat_interval: seconds between this node's heartbeats (as a member of the
+            lease ``"<name>"``); the coordinator tells live nodes by them.
+        node_timeout: a node not seen for this long is lost (default three heartbeats).
+        rebalance_interval: seconds between the coordinator's rounds.
+        settle: seconds a node must have been heartbeating before it is given shards
+            (default: ``heartbeat_interval``).
+        max_moves: most handovers in flight at once from any one node.
+        handover_timeout: seconds a moved shard stays reserved for its target (default:
+            ``stop_grace + 1``).
+
+    Raises:
+        ConfigError: bad arguments or inconsistent timings (the message shows the math).
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        handler: TaskHandler,
+        *,
+        name: str,
+        shards: int,
+        node_id: str | None = None,
+        key_prefix: str = DEFAULT_KEY_PREFIX,
+        ttl: float = 15.0,
+        renew_interval: float = 2.0,
+        renew_deadline: float = 10.0,
+        retry_interval: float = 2.0,
+        liveness_interval: float | None = 0.5,
+        connect_timeout: float = 5.0,
+        broadcaster: Broadcaster | None = None,
+        claimer: object = DEFAULT_CLAIMER,
+        heartbeat_interval: float = 2.0,
+        node_timeout: float | None = None,
+        rebalance_interval: float = 0.5,
+        settle: float | None = None,
+        max_moves: int = 32,
+        handover_timeout: float | None = None,
+    ) -> None:
+        if not (claimer is DEFAULT_CLAIMER or claimer is None or isinstance(claimer, FireClaimer)):
+            raise ConfigError(
+                "claimer must be a FireClaimer (a RedisClaimer, say) or None, got "
+                f"{type(claimer).__name__}"
+            )
+        redis_client, owns_client = check_client(client, "RedisShardedLeader")
+        try:
+            super().__init__(
+                handler,
+                name=name,
+                shards=shards,
+                node_id=node_id,
+                timings=Timings(ttl, renew_interval, renew_deadline, retry_interval),
+                heartbeat_interval=heartbeat_interval,
+                node_timeout=node_timeout,
+                rebalance_interval=rebalance_interval,
+                settle=settle,
+                max_moves=max_moves,
+                handover_timeout=handover_timeout,
+            )
+            self.key_prefix = check_key_prefix(key_prefix)
+        except BaseException:
+            if owns_client:
+                redis_client.close()
+            raise
+        self._client = redis_client
+        if owns_client:
+            self._cleanup.append(redis_client.connection_pool.disconnect)
+        timings = self._timings
+        self._owned_claimer: RedisClaimer | None = None
+        if claimer is DEFAULT_CLAIMER:
+            claimer = self._owned_claimer = RedisClaimer(
+                redis_client, key_prefix=f"{key_prefix}claim:", node_id=self._node_id
+            )
+        self._options: dict[str, Any] = {
+            "node_id": self._node_id,
+            "key_prefix": key_prefix,
+            "ttl": timings.ttl,
+            "renew_interval": timings.renew_interval,
+            "renew_deadline": timings.renew_deadline,
+            "retry_interval": timings.retry_interval,
+            "liveness_interval": liveness_interval,
+            "connect_timeout": connect_timeout,
+            "broadcaster": broadcaster,
+            "claimer": claimer,
+        }
+        self._coordinator = self._membership_leader = _Coordinator(
+            redis_client,
+            self._rebalancing(),
+            name=self._name,
+            heartbeat_interval=self.heartbeat_interval,
+            node_timeout=self._node_timeout,
+            # The coordinator's leader keeps this node's id: a default one is taken anew
+            # in a forked child (see reset_after_fork).
+            **{**self._options, "claimer": None, "node_id": node_id},
+        )
+        self._adopt_node_id()
+        self._coordinator_key = lease_keys(self._name, key_prefix)[0]
+        # The record of the number of shards shares the coordinator lease's hash slot,
+        # so that its write is fenced by the coordinator's term in one script.
+        self._record_key = f"{key_prefix}{{{self._name}}}:{SHARDS_RECORD}"
+        self._record_fence = RedisFence(redis_client, self._name, key_prefix=key_prefix)
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def state(self) -> ShardState:
+        """The shards' holders and the nodes' heartbeats (server time), read in two round
+        trips: the holders in one pipeline, then the nodes.
+
+        Raises:
+            BackendUnavailable: Redis could not be reached.
+        """
+        names = [shard_lease_name(self._name, shard) for shard in range(self._shards)]
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for name in names:
+                pipe.eval(READ, 1, lease_keys(name, self.key_prefix)[0])
+            replies = pipe.execute()
+        except redis.RedisError as exc:
+            raise unavailable(
+                f"read the shards of {self._name!r}", describe(self._client), exc
+            ) from exc
+        holders: dict[int, LeaderInfo] = {}
+        now_ms = 0
+        for shard, (raw, pttl, now) in enumerate(replies):
+            now_ms = max(now_ms, int(now))
+            info, _ = parse_holder(raw, pttl, now)
+            if info is not None:
+                holders[shard] = info
+        listed = read_nodes(
+            self._client,
+            self._name,
+            key_prefix=self.key_prefix,
+            node_timeout=self._node_timeout,
+            lease_key=self._coordinator_key,
+        )
+        nodes = {n.node_id: (n.started_at, n.last_seen, n.alive) for n in listed}
+        now = datetime.fromtimestamp(now_ms / 1000, UTC) if now_ms else datetime.now(UTC)
+        return ShardState(holders, nodes, now)
+
+    # -- the backend's part of the sharded leader ---------------------------------------
+
+    def _new_shard_leader(self, shard: int, handler: TaskHandler) -> ShardLeader:
+        return _ShardLeader(
+            self,
+            shard,
+            self._shards,
+            self._client,
+            handler,
+            name=shard_lease_name(self._name, shard),
+            **self._options,
+        )
+
+    def _request_handovers(
+        self, targets: dict[str, str], *, fence: tuple[str, int] | None = None
+    ) -> dict[str, LeaderInfo]:
+        # Checked just before the requests (see the module docstring): the fence, then
+        # that each target is still listed as a node of "<name>".
+        if fence is not None:
+            holder = current_holder(self._client, fence[0], key_prefix=self.key_prefix)
+            if holder is None or holder.term != fence[1]:
+                return {}
+        listed = read_nodes(
+            self._client,
+            self._name,
+            key_prefix=self.key_prefix,
+            node_timeout=self._node_timeout,
+            lease_key=self._coordinator_key,
+        )
+        members = {node.node_id for node in listed}
+        asked = {name: to for name, to in targets.items() if to in members}
+        return request_handovers(
+            self._client, asked, timeout=self.handover_timeout, key_prefix=self.key_prefix
+        )
+
+    def _reopen_handovers(self, names: list[str]) -> list[str]:
+        return reopen_handovers(self._client, names, self._node_id, key_prefix=self.key_prefix)
+
+    def _current_holder(self, name: str) -> LeaderInfo | None:
+        return current_holder(self._client, name, key_prefix=self.key_prefix)
+
+    def _load_shards_record(self) -> object:
+        try:
+            raw = self._client.get(self._record_key)
+        except redis.RedisError as exc:
+            raise unavailable("read the number of shards", describe(self._client), exc) from exc
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return None  # not ours: the coordinator writes it again
+
+    def _save_shards_record(self, record: dict[str, Any], term: int) -> None:
+        self._record_fence.call(term, "SET", self._record_key, json.dumps(record))
+
+    def _leave_membership(self) -> None:
+        self._membership_leader.leave()
+
+    def _adopted_node_id(self, node_id: str) -> None:
+        self._options["node_id"] = node_id
+        if self._owned_claimer is not None:
+            self._owned_claimer.node_id = node_id
