@@ -16,7 +16,14 @@ try:
     from .claims import RedisClaimer
     from .elector import RedisElector
     from .fencing import RedisFence, afenced_call, fenced_call
-    from .handover import cancel_handover, current_holder, live_nodes, request_handover
+    from .handover import (
+        cancel_handover,
+        current_holder,
+        live_nodes,
+        reopen_handovers,
+        request_handover,
+        request_handovers,
+    )
     from .lease import RedisLease
 except ImportError as exc:
     if exc.name != "redis" and not (exc.name or "").startswith("redis."):
@@ -43,7 +50,9 @@ __all__ = [
     "current_holder",
     "fenced_call",
     "live_nodes",
+    "reopen_handovers",
     "request_handover",
+    "request_handovers",
 ]
 
 
