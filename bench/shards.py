@@ -25,10 +25,18 @@ Measured, for each:
   (the old owner's demotion to the new owner's election, p50 / p95); baseline: how many
   shards the new node got (none: every lease is held).
 
+With ``--backend redis`` the sharded fleet runs ``RedisShardedLeader``s on
+``--redis-url`` (the benchmark's keys are deleted afterwards): sessions per process are
+its TCP connections to Redis, and the rate is Redis's commands per second
+(``INFO stats``, the whole server's: run it on a quiet one). There is no Redis
+baseline, and the sessions target is Postgres's (a Redis lease keeps connections of its
+own): on Redis it is reported, not judged.
+
 Usage::
 
     python bench/shards.py [--sizes 16,256,1024] [--nodes 2,4,8] [--window 10]
                            [--max-leaders 10000] [--dsn DSN] [--no-baseline]
+                           [--backend postgres|redis] [--redis-url URL]
 
 Configurations with more than ``--max-leaders`` leaders in all (S x (N + 1), the joining
 node included) are skipped. Library timings are the defaults (ttl 15 s,
@@ -57,9 +65,16 @@ if str(ROOT) not in sys.path:
 
 from tests.support.pg import with_search_path  # noqa: E402
 from tests.support.scale_fleet import ScaleFleet, percentile  # noqa: E402
-from tests.support.shard_fleet import ShardFleet  # noqa: E402
+from tests.support.shard_fleet import (  # noqa: E402
+    PostgresShards,
+    RedisShards,
+    ShardFleet,
+    ShardServer,
+    balanced,
+)
 
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DATABASE = "rselection_bench_shards"
 SETTLE_TIMEOUT = 120.0
 
@@ -95,16 +110,6 @@ def counts(table: dict[int, str], nodes: list[str]) -> dict[str, int]:
     return out
 
 
-def is_balanced(dsn: str, prefix: str, shards: int, nodes: list[str]) -> bool:
-    table = holders(dsn, prefix)
-    held = counts(table, nodes)
-    return (
-        len(table) == shards
-        and set(held) == set(nodes)
-        and max(held.values()) - min(held.values()) <= 1
-    )
-
-
 def idle_cost(server: str, pids: list[int], window: float) -> tuple[int, float]:
     """Largest sessions count of any process, and the fleet's transactions per second."""
 
@@ -117,17 +122,42 @@ def idle_cost(server: str, pids: list[int], window: float) -> tuple[int, float]:
         assert row is not None
         return int(row[0])
 
+    return sampled_cost(pids, 5432, xacts, window)
+
+
+def redis_idle_cost(url: str, pids: list[int], window: float) -> tuple[int, float]:
+    """Largest connections count of any process to Redis, and the server's commands per
+    second."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    port = int(client.connection_pool.connection_kwargs.get("port", 6379))
+
+    def commands() -> int:
+        return int(client.info("stats")["total_commands_processed"])
+
+    try:
+        return sampled_cost(pids, port, commands, window)
+    finally:
+        client.close()
+
+
+def sampled_cost(
+    pids: list[int], port: int, counter: Callable[[], int], window: float
+) -> tuple[int, float]:
+    """Largest count of any process's connections to ``port`` over ``window`` seconds,
+    and ``counter``'s rate over it."""
     time.sleep(1.5)  # the counters of the settling phase reach the view first
-    first, start = xacts(), time.monotonic()
+    first, start = counter(), time.monotonic()
     sessions = 0
     while time.monotonic() - start < window:
         for pid in pids:
             with contextlib.suppress(psutil.Error):
                 conns = psutil.Process(pid).net_connections(kind="inet")
-                sessions = max(sessions, sum(1 for c in conns if c.raddr and c.raddr.port == 5432))
+                sessions = max(sessions, sum(1 for c in conns if c.raddr and c.raddr.port == port))
         time.sleep(0.5)
     time.sleep(1.0)
-    rate = (xacts() - first) / (time.monotonic() - start)
+    rate = (counter() - first) / (time.monotonic() - start)
     return sessions, rate
 
 
@@ -140,24 +170,26 @@ def pct(values: list[float]) -> str:
     )
 
 
-def sharded(server: str, dsn: str, shards: int, nodes: int, window: float) -> dict[str, Any]:
+def sharded(
+    target: ShardServer, cost: Callable[[list[int]], tuple[int, float]], shards: int, nodes: int
+) -> dict[str, Any]:
     name = f"bench-{uuid.uuid4().hex[:6]}"
     out: dict[str, Any] = {}
-    with ShardFleet(dsn, name, shards, ["--task", "async"]) as fleet:
+    with ShardFleet(target, name, shards, ["--task", "async"]) as fleet:
         names = [f"s{i}" for i in range(nodes)]
         for node in names:
             fleet.add(node)
         for node in fleet.nodes.values():
             node.ready(120)
         started = time.monotonic()
-        wait(lambda: is_balanced(dsn, name, shards, names), SETTLE_TIMEOUT, "balance")
-        held = counts(holders(dsn, name), names)
+        wait(lambda: balanced(fleet, names), SETTLE_TIMEOUT, "balance")
+        held = counts(fleet.holders(), names)
         out["balance"] = f"{max(held.values())} / {min(held.values())}"
         out["settle"] = time.monotonic() - started
         pids = [node.proc.pid for node in fleet.nodes.values()]
-        out["sessions"], out["xacts"] = idle_cost(server, pids, window)
+        out["sessions"], out["xacts"] = cost(pids)
 
-        before = holders(dsn, name)
+        before = fleet.holders()
         victim = fleet.coordinator() or names[0]
         theirs = {s for s, n in before.items() if n == victim}
         killed = fleet.nodes[victim].kill()
@@ -180,7 +212,7 @@ def sharded(server: str, dsn: str, shards: int, nodes: int, window: float) -> di
                 firsts.setdefault(e["shard"], e["mono"] - killed)
         out["failover"] = pct(list(firsts.values()))
         out["failover_p95"] = percentile(list(firsts.values()), 95)
-        out["rebalance"] = wait(lambda: is_balanced(dsn, name, shards, rest), 60, "rebalance")
+        out["rebalance"] = wait(lambda: balanced(fleet, rest), 60, "rebalance")
         time.sleep(2.0)
         moved = sum(1 for e in fleet.events() if e["event"] == "elected" and e["mono"] > killed)
         out["moves_leave"] = f"{moved} (min {len(theirs)})"
@@ -189,7 +221,7 @@ def sharded(server: str, dsn: str, shards: int, nodes: int, window: float) -> di
         joined = time.monotonic()
         fleet.add("joiner").ready(120)
         after = [*rest, "joiner"]
-        wait(lambda: is_balanced(dsn, name, shards, after), 60, "balance after the join")
+        wait(lambda: balanced(fleet, after), 60, "balance after the join")
         out["join"] = time.monotonic() - joined
         time.sleep(2.0)
         events = fleet.events()
@@ -229,7 +261,7 @@ def _figure(value: float, unit: str) -> str:
     return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
 
 
-def verdicts(results: list[tuple[int, int, dict[str, Any]]]) -> list[str]:
+def verdicts(results: list[tuple[int, int, dict[str, Any]]], backend: str) -> list[str]:
     """One line per sharded configuration and target: the figure against its bound."""
     lines = []
     for shards, nodes, r in results:
@@ -237,6 +269,8 @@ def verdicts(results: list[tuple[int, int, dict[str, Any]]]) -> list[str]:
             value = r[key]
             shown, limit = (_figure(value, unit), _figure(bound, unit))
             verdict = "PASS" if value <= bound else "FAIL"
+            if key == "sessions" and backend != "postgres":
+                verdict = "(Postgres's target: reported only)"
             lines.append(f"S={shards} N={nodes}: {what}: {shown} (bound {limit}) {verdict}")
     return lines
 
@@ -305,6 +339,30 @@ def bench_schema(server: str) -> Iterator[str]:
             conn.execute(f"DROP SCHEMA {schema} CASCADE")
 
 
+def run(args: argparse.Namespace, kind: str, shards: int, nodes: int) -> dict[str, Any]:
+    """One configuration of one fleet kind on the chosen backend."""
+    if args.backend == "redis":
+        target = RedisShards(args.redis_url)
+        try:
+            return sharded(
+                target,
+                lambda pids: redis_idle_cost(args.redis_url, pids, args.window),
+                shards,
+                nodes,
+            )
+        finally:
+            target.forget_keys()
+    with bench_schema(args.dsn) as dsn:
+        if kind == "baseline":
+            return baseline(args.dsn, dsn, shards, nodes, args.window)
+        return sharded(
+            PostgresShards(dsn),
+            lambda pids: idle_cost(args.dsn, pids, args.window),
+            shards,
+            nodes,
+        )
+
+
 def seconds(value: Any) -> str:
     return f"{value:.2f} s" if isinstance(value, float) else str(value)
 
@@ -317,6 +375,8 @@ def main() -> int:
     parser.add_argument("--max-leaders", type=int, default=10000)
     parser.add_argument("--dsn", default=DEFAULT_DSN, help="a server (any database on it)")
     parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--backend", choices=("postgres", "redis"), default="postgres")
+    parser.add_argument("--redis-url", default=DEFAULT_REDIS_URL)
     args = parser.parse_args()
     rows = [
         (
@@ -341,12 +401,13 @@ def main() -> int:
             if shards * (nodes + 1) > args.max_leaders:
                 print(f"skipping S={shards} N={nodes}: over --max-leaders", flush=True)
                 continue
-            kinds = [("sharded", sharded)] + ([] if args.no_baseline else [("baseline", baseline)])
-            for kind, run in kinds:
-                print(f"running {kind} S={shards} N={nodes} ...", flush=True)
+            kinds = ["sharded"]
+            if not args.no_baseline and args.backend == "postgres":
+                kinds.append("baseline")
+            for kind in kinds:
+                print(f"running {kind} S={shards} N={nodes} on {args.backend} ...", flush=True)
                 try:
-                    with bench_schema(args.dsn) as dsn:
-                        r = run(args.dsn, dsn, shards, nodes, args.window)
+                    r = run(args, kind, shards, nodes)
                 except Exception as exc:  # report and go on with the next configuration
                     print(f"  failed: {exc}", flush=True)
                     continue
@@ -374,7 +435,7 @@ def main() -> int:
     print("|" + " --- |" * len(rows[0]))
     for row in rows[1:]:
         print("| " + " | ".join(row) + " |")
-    lines = verdicts(results)
+    lines = verdicts(results, args.backend)
     if lines:
         print()
         print("Targets of the sharded fleet:")
