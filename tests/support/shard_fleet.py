@@ -69,6 +69,15 @@ class PostgresShards:
         """What a node process needs in its environment."""
         return {"SHARD_NODE_DSN": self.dsn}
 
+    def register(self, name: str) -> None:
+        """A sharded name run here (its tables go with the test's schema)."""
+
+    def sharded_leader(self, handler: Any, **options: Any) -> Any:
+        """A ``PostgresShardedLeader`` on this database."""
+        import rselection as rs
+
+        return rs.PostgresShardedLeader(self.dsn, handler, **options)
+
     def holders(self, name: str) -> dict[int, str]:
         """Who holds each shard of ``name``, from the lease table (unexpired rows)."""
         try:
@@ -131,6 +140,17 @@ class RedisShards:
     def env(self) -> dict[str, str]:
         """What a node process needs in its environment."""
         return {"SHARD_NODE_REDIS_URL": self.url}
+
+    def register(self, name: str) -> None:
+        """A sharded name run here: its keys are deleted by :meth:`forget_keys`."""
+        self.names.add(name)
+
+    def sharded_leader(self, handler: Any, **options: Any) -> Any:
+        """A ``RedisShardedLeader`` on this server."""
+        import rselection as rs
+
+        self.register(options["name"])
+        return rs.RedisShardedLeader(self.url, handler, **options)
 
     def holders(self, name: str) -> dict[int, str]:
         """Who holds each shard of ``name``, from the lease keys (one pipeline)."""
@@ -316,8 +336,7 @@ class ShardFleet:
         self.name = name
         self.shards = shards
         _SHARDS[name] = shards
-        if isinstance(self.server, RedisShards):
-            self.server.names.add(name)
+        self.server.register(name)
         self.args = list(args)
         self.nodes: dict[str, ShardNode] = {}
         self.log_dir = Path(tempfile.mkdtemp("-shards"))

@@ -1,13 +1,9 @@
-"""Sharded leadership with real processes: balance, crash failover, joins and pauses.
+"""What is Postgres's own in sharded leadership: the status command, claims and
+checkpoints per shard, lead() and stop() against a silent database, and the number of
+shards checked across nodes.
 
-Every node is ``tests/support/shard_node.py``: one ``PostgresShardedLeader`` whose task
-records, per shard, when each term's run started and ended (the activity ledger). Who
-holds what comes from the lease table; when it changed, from the nodes' ``elected`` and
-``demoted`` events, stamped with ``time.monotonic()``, which every process of the
-machine shares.
-
-Bounds are several times what this 2-core machine measured (kept in the comments), so a
-loaded machine does not fail them; the figures are printed (``pytest -s``).
+The fleet scenarios (balance, crash failover, joins, pauses, chaos) run on both backends
+in ``tests/integration/conformance/test_sharding.py``.
 """
 
 from __future__ import annotations
