@@ -43,6 +43,7 @@ __all__ = [
     "Connections",
     "IoWatchdog",
     "Keepalives",
+    "abort_socket",
     "check_conninfo",
     "connection_is_usable",
     "describe_conninfo",
@@ -215,20 +216,34 @@ class IoWatchdog:
     nothing to watch (and the next guard starts a new one), so an object nobody closed
     keeps no thread.
 
+    By default every guard wakes the thread, which aborts a round trip right at its
+    bound. With ``tick``, a guard does not wake it (no thread switch per call, which
+    matters at thousands of round trips a second: the broadcaster's publishes) and the
+    thread looks every ``tick`` seconds instead: a round trip is aborted between its
+    bound and ``tick`` seconds later.
+
     Args:
         name: used in the thread name.
+        tick: seconds between the thread's checks; ``None``: checks at each deadline.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, tick: float | None = None) -> None:
         """Create an idle watchdog; its thread starts on the first :meth:`guard`."""
         self._name = name
+        self._tick = tick
         self._cond = threading.Condition()
-        self._armed: dict[int, tuple[float, int, Callable[[], bool] | None]] = {}
+        self._armed: dict[int, tuple[float, psycopg.Connection[Any], Callable[[], bool] | None]]
+        self._armed = {}
         self._fired: set[int] = set()
         self._next = 0
         self._thread: threading.Thread | None = None
         self._generation = 0  # bumped by close(): tells the current thread to end
         self._idle_since = time.monotonic()  # when the last guard was disarmed
+
+    @property
+    def tick(self) -> float | None:
+        """Seconds between the thread's checks (``None``: it wakes at each deadline)."""
+        return self._tick
 
     @contextlib.contextmanager
     def guard(
@@ -251,11 +266,10 @@ class IoWatchdog:
                 :meth:`recheck` is called.
         """
         fired = [False]
-        fd = conn.pgconn.socket
         with self._cond:
             token = self._next
             self._next += 1
-            self._armed[token] = (time.monotonic() + seconds, fd, held)
+            self._armed[token] = (time.monotonic() + seconds, conn, held)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run,
@@ -264,12 +278,14 @@ class IoWatchdog:
                     daemon=True,
                 )
                 self._thread.start()
-            self._cond.notify_all()
+            if self._tick is None:
+                self._cond.notify_all()
         try:
             yield fired
         finally:
-            # The watchdog shuts sockets down while holding the condition, and the
-            # socket cannot be closed before this disarm: no risk of hitting a reused fd.
+            # The watchdog aborts sockets while holding the condition, and only those of
+            # guards still armed: once disarmed here, a connection is never touched
+            # again (no reused socket hit).
             with self._cond:
                 self._armed.pop(token, None)
                 if not self._armed:
@@ -284,6 +300,8 @@ class IoWatchdog:
             self._cond.notify_all()
 
     def _run(self, generation: int) -> None:
+        # A guard wakes this thread only without a tick: with one, no wait is longer.
+        most = IDLE_EXIT if self._tick is None else min(IDLE_EXIT, self._tick)
         with self._cond:
             while generation == self._generation:
                 now = time.monotonic()
@@ -294,19 +312,19 @@ class IoWatchdog:
                     if idle >= IDLE_EXIT:
                         self._thread = None
                         return
-                    self._cond.wait(IDLE_EXIT - idle)
+                    self._cond.wait(min(most, IDLE_EXIT - idle))
                     continue
                 # Wake at least every IDLE_EXIT to notice that nothing is armed any
                 # more (a disarm does not wake this thread: calls stay cheap).
-                wait = IDLE_EXIT
-                for token, (deadline, fd, held) in list(self._armed.items()):
+                wait = most
+                for token, (deadline, conn, held) in list(self._armed.items()):
                     if deadline > now:
                         wait = min(wait, deadline - now)
                     elif held is None or not held():
                         del self._armed[token]
                         self._fired.add(token)
-                        shutdown_socket(fd)
-                        logger.debug("aborted a round trip that overran its bound (fd %s)", fd)
+                        abort_socket(conn)
+                        logger.debug("%s: aborted a round trip that overran its bound", self._name)
                     # else overrun but held: parked until recheck()
                 self._cond.wait(wait)
 
@@ -318,6 +336,20 @@ class IoWatchdog:
             self._cond.notify_all()
         if thread is not None and thread is not threading.current_thread():
             thread.join(5.0)
+
+
+def abort_socket(conn: psycopg.Connection[Any]) -> None:
+    """Shut ``conn``'s socket down so a thread blocked on it wakes with an error at once.
+
+    The descriptor itself stays open (psycopg closes it later), so it cannot be reused by
+    another socket while the blocked thread still refers to it. A connection closed
+    already has no socket to shut down.
+    """
+    try:
+        fd = conn.pgconn.socket
+    except (OSError, psycopg.Error):
+        return
+    shutdown_socket(fd)
 
 
 def shutdown_socket(fd: int) -> None:

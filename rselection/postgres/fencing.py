@@ -168,9 +168,10 @@ def fenced(
             or no lease table.
         BackendUnavailable: the connection broke.
     """
+    # The arguments first, as every entry point that takes a term checks it.
+    query, params = _prepare(name, term, table, idle_timeout)
     _check_blocking(conn)
     _check_transaction(conn)
-    query, params = _prepare(name, term, table, idle_timeout)
     try:
         row = conn.execute(query, params).fetchone()
     except psycopg.Error as exc:
@@ -203,9 +204,10 @@ async def afenced(
             or no lease table.
         BackendUnavailable: the connection broke.
     """
+    # The arguments first, as every entry point that takes a term checks it.
+    query, params = _prepare(name, term, table, idle_timeout)
     _check_async(conn)
     _check_transaction(conn)
-    query, params = _prepare(name, term, table, idle_timeout)
     try:
         cur = await conn.execute(query, params)
         row = await cur.fetchone()

@@ -26,7 +26,7 @@ other session) waits on the next keeper's, so a keeper that dies is announced wi
 milliseconds to every follower (see :mod:`rselection.postgres.ring`).
 
 The session is never closed while any client holds a term through it (the rule of
-:class:`~rselection.session_hold.SessionHold`, for many terms): an error only marks it
+:class:`~rselection.session_hold.SessionHolds`, for many terms): an error only marks it
 broken; every client's next call then raises ``BackendUnavailable``, and the session is
 closed and reopened once every term taken through it has ended. Its server-side TCP
 keepalives and ``tcp_user_timeout`` are sized for the longest wind-down
@@ -55,6 +55,7 @@ from psycopg.pq import ConnStatus, TransactionStatus
 
 from .. import clock, forks
 from ..errors import BackendUnavailable, ConfigError, first_line
+from ..session_hold import SessionHolds
 from ..wakeup import Wakeup
 from . import notices
 from ._conn import (
@@ -257,13 +258,14 @@ class SharedKeeper:
         self._server = ""
         self._found: LeaseTable | None = None
         self.generation = 0  # bumped by every connect: terms of older sessions are lost
-        # Terms taken through the session whose tasks may still run: (lease, node) ->
-        # (term, lock key). The key is the one the acquisition drew and locked, stored
-        # in the row with the term. The session is never closed while this is not empty.
-        self._holds: dict[tuple[PostgresLease, str], tuple[int, int]] = {}
+        # Terms taken through the session whose tasks may still run, by (lease, node),
+        # with their lock key: the one the acquisition drew and locked, stored in the row
+        # with the term. The session is never closed while it holds one; whether it
+        # failed is kept there too. Changed only under _state, with the fields it goes
+        # with (_unlocks, _conn).
+        self._holds: SessionHolds[tuple[PostgresLease, str], int] = SessionHolds()
         self._want = 0.0  # the longest wind-down (renew_deadline + stop_grace) of a client
         self._timeout = 0.0  # the longest connect_timeout of a client
-        self._broken = False
         self._pinned = 0.0  # the wind-down the session's keepalives are sized for
         self._unlocks: list[tuple[int, int]] = []  # locks of ended terms, freed next trip
         # Channels no client listens on any more (their leases closed): the keeper's
@@ -364,9 +366,10 @@ class SharedKeeper:
                 if not clients:
                     del self._by_channel[channel]
                     self._unlistens.add(channel)
-            for key in [k for k in self._holds if k[0] is lease]:
-                term, lock_key = self._holds.pop(key)
-                self._unlocks.append((lock_key, term))
+            for key in [k for k in self._holds.holders() if k[0] is lease]:
+                held = self._holds.take(key)
+                if held is not None:
+                    self._unlocks.append((held[1], held[0]))
             last = self._last_client()
             leave = bool(self._unlistens) and not last
         if last:
@@ -394,8 +397,8 @@ class SharedKeeper:
                 conn = self._conn
                 # A session the server ended counts as broken even before a round trip
                 # marked it so: reconnecting now would drop the holds of running terms.
-                broken = self._broken or (conn is not None and (conn.closed or conn.broken))
-                holds = bool(self._holds)
+                broken = self._holds.broken or (conn is not None and (conn.closed or conn.broken))
+                holds = self._holds.holding
             if broken and holds:
                 self._fail()
                 raise self._lost()
@@ -441,7 +444,7 @@ class SharedKeeper:
         with self._state:
             return (
                 self._conn is not None
-                and not self._broken
+                and not self._holds.broken
                 and not self._closed
                 and lease.channel is not None
                 and lease in self._by_channel.get(lease.channel, ())
@@ -509,11 +512,10 @@ class SharedKeeper:
             self._server = server
             self._found = found
             self._ring_channel = ring
-            self._broken = False
+            self._holds.reset()
             self._pinned = 0.0
             self._by_channel = {}
             self._unlistens = set()
-            self._holds = {}
             self._unlocks = []
             self._created = set()
             self.generation += 1
@@ -644,19 +646,19 @@ class SharedKeeper:
     def nodes_holding(self, lease: PostgresLease) -> list[str]:
         """The nodes that hold a term of ``lease`` through the session now."""
         with self._state:
-            return [node for (client, node) in self._holds if client is lease]
+            return [node for (client, node) in self._holds.holders() if client is lease]
 
     def check_alive(self) -> None:
         """Raise ``BackendUnavailable`` while the session is broken (terms still held)."""
-        with self._state:
-            broken = self._broken
+        with self._state:  # not in the middle of a change of the session
+            broken = self._holds.broken
         if broken:
             raise self._lost()
 
     def holding(self) -> bool:
         """True while any term taken through the session may still run."""
-        with self._state:
-            return bool(self._holds)
+        with self._state:  # not in the middle of a change of the session
+            return self._holds.holding
 
     def read(self, query: sql.Composable, what: str) -> list[tuple[Any, ...]] | None:
         """The rows of a short read (``query``, parameters inlined) run on the keeper
@@ -674,9 +676,9 @@ class SharedKeeper:
         """
         with self._state:
             usable = (
-                not self._holds
+                not self._holds.holding
                 and self._conn is not None
-                and not self._broken
+                and not self._holds.broken
                 and not self._conn.closed
                 and not self._conn.broken
             )
@@ -705,8 +707,7 @@ class SharedKeeper:
         """The session failed: mark it broken and wake every client; it is closed now
         unless a term taken through it may still run (then once the last one ends)."""
         with self._state:
-            self._broken = True
-            close = not self._holds
+            close = self._holds.fail()
             clients = list(self._clients)
         for client in clients:
             client.wake()
@@ -717,12 +718,11 @@ class SharedKeeper:
         """``term`` of ``node_id`` on ``lease`` ended (its tasks are joined): the session
         may end as far as that term goes, and its lock is freed on the next round trip."""
         with self._state:
-            held = self._holds.get((lease, node_id))
-            if held is None or held[0] != term:
+            held = self._holds.end_term((lease, node_id), term)
+            if held is None:
                 return
-            del self._holds[(lease, node_id)]
             self._unlocks.append((held[1], term))
-            close = self._broken and not self._holds
+            close = self._holds.stale
         self._io.recheck()
         if close:
             self._drop()
@@ -731,11 +731,10 @@ class SharedKeeper:
         with self._lock:
             with self._state:
                 conn, self._conn = self._conn, None
-                self._holds = {}
+                self._holds.reset()
                 self._unlocks = []
                 self._by_channel = {}
                 self._unlistens = set()
-                self._broken = False
                 clients = list(self._clients)
             if self._ring is not None:
                 self._ring.watch_from(None)
@@ -782,7 +781,7 @@ class SharedKeeper:
         bound = limit.renew_deadline if not isinstance(limit, float) else limit
         with self._lock:
             with self._state:
-                conn, broken = self._conn, self._broken
+                conn, broken = self._conn, self._holds.broken
                 unlocks, self._unlocks = self._unlocks, []
             if conn is None or broken or conn.closed or conn.broken:
                 if conn is not None and not broken:
@@ -955,7 +954,7 @@ class SharedKeeper:
         """
         self.ensure(lease)
         with self._state:
-            if self._holds.get((lease, node_id), (None, 0))[0] != term:
+            if self._holds.term_of((lease, node_id)) != term:
                 return None
         queued = Queued(lease, node_id, term, done=done or threading.Event())
         row: tuple[Any, ...] | None = self._batch(self._renewals, queued, self._send_renewals)
@@ -971,7 +970,7 @@ class SharedKeeper:
         if not self.ready(lease):
             return None
         with self._state:
-            if self._holds.get((lease, node_id), (None, 0))[0] != term:
+            if self._holds.term_of((lease, node_id)) != term:
                 return None
         queued = Queued(lease, node_id, term, on_done=on_done)
         self._enqueue(self._renewals, queued)
@@ -1023,7 +1022,7 @@ class SharedKeeper:
         table lock they stay, which only keeps those leases held until the session
         ends, never frees one early)."""
         with self._state:
-            held = [(key, term) for term, key in self._holds.values()]
+            held = [(key, term) for term, key in self._holds.terms()]
         try:
             self._run(
                 sql.SQL("{}; {}").format(
@@ -1057,7 +1056,7 @@ class SharedKeeper:
                 # up (its leader attempts only once the term ended): its lock is freed
                 # first in this round trip, so the attempt takes a fresh term. Another
                 # object's hold of the same lease keeps its lock, and the lease, held.
-                held = self._holds.pop((q.lease, q.node_id), None)
+                held = self._holds.take((q.lease, q.node_id))
                 if held is not None:
                     self._unlocks.append((held[1], held[0]))
         requests = []
@@ -1114,7 +1113,7 @@ class SharedKeeper:
         with self._state:
             for q in batch:
                 if q.lease.name in taken:
-                    self._holds[(q.lease, q.node_id)] = taken[q.lease.name]
+                    self._holds.hold((q.lease, q.node_id), *taken[q.lease.name])
         for q in batch:
             q.fill(Attempt(q.lease.name in taken, states.get(q.lease.name)))
 
@@ -1164,8 +1163,7 @@ class SharedKeeper:
 
     def _released(self, lease: PostgresLease, node_id: str, term: int) -> None:
         with self._state:
-            if self._holds.get((lease, node_id), (None, 0))[0] == term:
-                del self._holds[(lease, node_id)]
+            self._holds.end_term((lease, node_id), term)
         self._io.recheck()
 
     def _send_releases(self, batch: list[Queued]) -> None:
@@ -1286,7 +1284,7 @@ class SharedKeeper:
             with self._state:
                 if self._closed:
                     return
-                conn = self._conn if not self._broken else None
+                conn = self._conn if not self._holds.broken else None
             wake = self._wakeup.socket
             try:
                 with selectors.DefaultSelector() as sel:
@@ -1323,7 +1321,7 @@ class SharedKeeper:
         with self._lock:
             with self._state:
                 channels, self._unlistens = sorted(self._unlistens), set()
-                usable = self._conn is not None and not self._broken
+                usable = self._conn is not None and not self._holds.broken
             if not channels or not usable:
                 return
             self._gate.forget(channels)
@@ -1344,7 +1342,7 @@ class SharedKeeper:
         with self._state:
             due = min(self._beats.values(), default=None)
             retry = min((at for at, _ in self._retries), default=None)
-            usable = self._conn is not None and not self._broken
+            usable = self._conn is not None and not self._holds.broken
         for at in (retry, self._gate.next_due(reading=usable)):
             if at is not None:
                 due = at if due is None else min(due, at)
@@ -1535,7 +1533,7 @@ class SharedKeeper:
             return
         try:
             with self._lock:
-                if conn is not self._conn or self._broken or conn.closed or conn.broken:
+                if conn is not self._conn or self._holds.broken or conn.closed or conn.broken:
                     raise self._lost()
                 with self._io.guard(conn, HEARTBEAT_BOUND + 1.0, held=self.holding):
                     rows = conn.execute(members_sql(found.oid)).fetchall()

@@ -32,7 +32,8 @@ from ... import forks
 from ...backoff import backoff
 from ...errors import BackendUnavailable, ConfigError
 from ...wakeup import Wakeup
-from .sessions import Deadlines, abort_socket
+from .._conn import IoWatchdog, abort_socket
+from .sessions import DEADLINES
 
 if TYPE_CHECKING:
     from .listener import Listener
@@ -69,7 +70,7 @@ class ListeningSession:
         self.conninfo = conninfo
         self.where = where
         self._tick = tick
-        self.deadlines: Deadlines | None = None
+        self.deadlines: IoWatchdog | None = None
         """The round-trip watchdog, while the thread runs."""
         self.timeout = 1.0
         """Bound of one round trip: the longest ``timeout`` of the listeners."""
@@ -198,8 +199,8 @@ class ListeningSession:
                 conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
             self._listened.add(channel)
 
-    def guard(self, conn: psycopg.Connection[Any]) -> contextlib.AbstractContextManager[None]:
-        """Bound a round trip on ``conn`` by :attr:`timeout` (see :class:`Deadlines`);
+    def guard(self, conn: psycopg.Connection[Any]) -> contextlib.AbstractContextManager[list[bool]]:
+        """Bound a round trip on ``conn`` by :attr:`timeout` (see :data:`~.sessions.DEADLINES`);
         from the session's thread."""
         assert self.deadlines is not None, "round trips run in the session's thread"
         return self.deadlines.guard(conn, self.timeout)
@@ -242,7 +243,7 @@ class ListeningSession:
             failures, down_since, last_error = 0, None, ""
 
         _THREAD.listening = True
-        self.deadlines = Deadlines(self._tick)
+        self.deadlines = IoWatchdog(DEADLINES, tick=self._tick)
         try:
             while not self._stop.is_set():
                 listeners = self._attached()

@@ -7,8 +7,8 @@ electors and membership), or a connection of the user's pool when ``conninfo`` i
 for one round at a time (:meth:`Sessions.borrow`). The listeners of a process share one
 listening session per connection string (:mod:`.listening`), which LISTEN needs kept
 for it; :meth:`Sessions.connect` opens it (keepalives, timeouts). What they need around
-them lives here too: bounding each round trip (:class:`Deadlines`), aborting a socket a
-thread is blocked on, reconnect backoff, and error text safe to log.
+them lives here too: bounding each round trip (:data:`DEADLINES`), reconnect backoff,
+and error text safe to log.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,7 +32,6 @@ from .._conn import (
     describe_conninfo,
     open_session,
     session_conninfo,
-    shutdown_socket,
 )
 from ..pooler import check_bound, check_session_pooling
 from ..schema import create_tables
@@ -44,9 +41,8 @@ from .settings import Settings
 
 __all__ = [
     "APPLICATION_NAME",
-    "Deadlines",
+    "DEADLINES",
     "Sessions",
-    "abort_socket",
     "query_one",
     "redacted_line",
 ]
@@ -55,6 +51,11 @@ logger = logging.getLogger(__name__)
 
 APPLICATION_NAME = "rselection:broadcast"
 """``application_name`` of the listening session, as ``pg_stat_activity`` shows it."""
+
+DEADLINES = "broadcast-deadlines"
+"""The name of the broadcaster's round-trip watchdogs (an
+:class:`~rselection.postgres._conn.IoWatchdog` with a ``tick``: a publish wakes no
+thread, and a round trip is aborted between its bound and a tick later)."""
 
 
 def query_one(
@@ -68,87 +69,6 @@ def query_one(
     """
     with conn.cursor(row_factory=tuple_row) as cur:
         return cur.execute(query, params).fetchone()
-
-
-def abort_socket(conn: psycopg.Connection[Any]) -> None:
-    """Shut ``conn``'s socket down so a thread blocked on it wakes with an error at once.
-
-    The descriptor itself stays open (psycopg closes it later), so it cannot be reused by
-    another socket while the blocked thread still refers to it.
-    """
-    try:
-        fd = conn.pgconn.socket
-    except (OSError, psycopg.Error):
-        return
-    shutdown_socket(fd)
-
-
-class Deadlines:
-    """Aborts a connection whose round trip overruns its bound, without a wake-up per call.
-
-    Like :class:`~rselection.postgres._conn.IoWatchdog` (a peer that accepts bytes and
-    never answers must not hang a thread forever), but arming is a plain assignment and
-    one thread checks every ``tick`` seconds: a publish costs no extra thread switch,
-    which matters at thousands of messages a second. A round trip is aborted between
-    ``bound`` and ``bound + tick`` seconds after it started. The thread starts with
-    the first guard.
-
-    Args:
-        tick: seconds between checks.
-    """
-
-    def __init__(self, tick: float) -> None:
-        self._tick = tick
-        self._armed: dict[int, tuple[float, psycopg.Connection[Any]]] = {}
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @property
-    def tick(self) -> float:
-        """Seconds between checks."""
-        return self._tick
-
-    @contextlib.contextmanager
-    def guard(self, conn: psycopg.Connection[Any], seconds: float) -> Iterator[None]:
-        """Abort ``conn``'s socket if the ``with`` body runs longer than about ``seconds``."""
-        if self._thread is None:
-            self._start()
-        key = threading.get_ident()
-        self._armed[key] = (time.monotonic() + seconds, conn)
-        try:
-            yield
-        finally:
-            # The checker aborts under the lock, and only connections still armed: once
-            # disarmed here, a connection is never touched again (no reused socket hit).
-            with self._lock:
-                self._armed.pop(key, None)
-
-    def _start(self) -> None:
-        with self._lock:
-            if self._thread is None and not self._stop.is_set():
-                self._thread = threading.Thread(
-                    target=self._run, name="rselection-broadcast-deadlines", daemon=True
-                )
-                self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._tick):
-            now = time.monotonic()
-            with self._lock:
-                for key, (deadline, conn) in list(self._armed.items()):
-                    if deadline <= now:
-                        del self._armed[key]
-                        logger.debug("broadcast: aborting a round trip that overran its bound")
-                        abort_socket(conn)
-
-    def close(self) -> None:
-        """Stop the checker thread."""
-        with self._lock:
-            self._stop.set()
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(self._tick + 5.0)
 
 
 def redacted_line(exc: BaseException, conninfo: str) -> str:
@@ -179,7 +99,7 @@ class Sessions:
         self.locator = Locator(outbox)
         """Finds the outbox table, the same way for the writer and the listener."""
         self.settings = settings
-        self.deadlines = Deadlines(min(0.5, settings.timeout / 4))
+        self.deadlines = IoWatchdog(DEADLINES, tick=min(0.5, settings.timeout / 4))
         self.user_pool = not isinstance(source, str | psycopg.Connection)
         """Whether publishes borrow from the user's pool (else the process's pool)."""
         self._lender = self._lender_for(source if self.user_pool else self.conninfo)
@@ -190,7 +110,7 @@ class Sessions:
         """In a forked child: the watchdogs' threads (and what they watch) are the
         parent's; new ones start on first use. The lender resets itself."""
         forks.keep_inherited(self.deadlines, self._probe_io)
-        self.deadlines = Deadlines(self.deadlines.tick)
+        self.deadlines = IoWatchdog(DEADLINES, tick=self.deadlines.tick)
         self._probe_io = IoWatchdog(APPLICATION_NAME)
         self.locator.reset_after_fork()
 
@@ -275,7 +195,7 @@ class Sessions:
         with contextlib.suppress(psycopg.Error):
             conn.autocommit = False
 
-    def connect(self, what: str, *, deadlines: Deadlines | None = None) -> psycopg.Connection[Any]:
+    def connect(self, what: str, *, deadlines: IoWatchdog | None = None) -> psycopg.Connection[Any]:
         """Open the listening session: autocommit, with keepalives and timeouts.
 
         Args:

@@ -30,9 +30,10 @@ import psycopg
 from psycopg import pq
 
 from ... import forks
+from .._conn import IoWatchdog
 from .location import Location, Locator
 from .outbox import Outbox
-from .sessions import Deadlines, query_one
+from .sessions import query_one
 
 __all__ = ["MANY", "ONE", "LentSession", "PublishStatements"]
 
@@ -79,7 +80,7 @@ class PublishStatements:
         locator: Locator,
         origin: int,
         synchronous_commit: bool,
-        deadlines: Deadlines,
+        deadlines: IoWatchdog,
         timeout: float,
     ) -> None:
         """Nothing resolved yet (see :meth:`resolve`)."""

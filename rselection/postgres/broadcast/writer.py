@@ -28,11 +28,12 @@ import psycopg
 from ...backoff import backoff
 from ...broadcast import BroadcasterClosed
 from ...errors import BackendUnavailable, ConfigError
+from .._conn import abort_socket
 from ..session_pool import IDLE_CLOSE, SessionPool
 from .listener import Listener
 from .location import Locator, Relocated
 from .outbox import Outbox, text_array
-from .sessions import Sessions, abort_socket, query_one
+from .sessions import Sessions, query_one
 from .statements import MANY, ONE, PublishStatements
 from .turns import Turn
 
