@@ -372,7 +372,10 @@ class LeaseLeader(Service):
         except BaseException:  # Ctrl-C included: the keeper, if it started, winds down
             self._state.stopping.set()
             if not self._driven.running:
+                # Nothing will close it but us: a lease that joined a shared session
+                # (see _before_driven) leaves it now.
                 self._state.handler.detach()
+                self._state.close_backend()
             else:
                 self._driven.poke()
             raise

@@ -806,6 +806,8 @@ class ShardedLeader(Service, ABC):
         """In a forked child (see :mod:`rselection.forks`): not yet started, it takes
         the node id its coordinator's leader takes here; started, it is the parent's
         and refuses to run here (its shards' leaders do the same)."""
+        if not hasattr(self, "_coordinator"):
+            return  # its construction failed before the backend built it: nothing runs
         # A parent's thread may have held it at the fork (start() holds it across the
         # read of the recorded number of shards): here nothing would let go of it.
         self._lock = threading.Lock()

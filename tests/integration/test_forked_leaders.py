@@ -7,6 +7,7 @@ children are real ``os.fork()`` children reporting through a pipe.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -118,3 +119,26 @@ def test_a_default_node_id_is_the_one_its_heartbeats_and_claims_carry(
         while leader.node_id not in [n.node_id for n in leader.nodes()]:
             assert time.monotonic() < deadline, [n.node_id for n in leader.nodes()]
             time.sleep(0.05)
+
+
+def test_a_sharded_leader_whose_construction_failed_is_no_trouble_in_a_child(
+    pg_dsn: str,
+) -> None:
+    # Before, a sharded leader refused at construction (a bad table name) but still
+    # referenced (by the exception's traceback) was reset in every forked child, which
+    # logged "could not reset ... has no attribute '_coordinator'" there.
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    forks_logger = logging.getLogger("rselection.forks")
+    forks_logger.addHandler(handler)
+    try:
+        with pytest.raises(rs.ConfigError) as refused:
+            rs.PostgresShardedLeader(
+                pg_dsn, rs.TaskHandler(), name="half", shards=2, table="no such;table"
+            )
+        report = in_child(lambda: {"errors": [r.getMessage() for r in records]})
+    finally:
+        forks_logger.removeHandler(handler)
+    assert refused.traceback  # the half-built leader was still referenced at the fork
+    assert report == {"errors": []}

@@ -518,6 +518,30 @@ def test_leaders_started_one_after_another_listen_in_a_few_round_trips(
             leader.stop(timeout=20)
 
 
+def test_a_start_that_fails_before_the_engine_runs_leaves_the_keeper(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, a leader whose start() failed after its lease joined the keeper session
+    # (and before the engine ran) stayed a client of it for the life of the process: the
+    # session stayed open and listened on the dead lease's channel.
+    from rselection import driven
+
+    leader = PostgresLeader(pg_dsn, rs.TaskHandler(), name="failed-start", claimer=None)
+
+    def cannot_start(self: Any) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(driven.DrivenKeeper, "start", cannot_start)
+    with pytest.raises(RuntimeError, match="can't start"):
+        leader.start()
+    clients = [
+        lease
+        for keeper in keeper_module.SharedKeeper._registry.values()
+        for lease in keeper._clients
+    ]
+    assert leader.lease not in clients
+
+
 def listening(lease: PostgresLease) -> list[str]:
     """The channels the keeper session of ``lease`` (which holds no term) listens on,
     read on that very session."""
