@@ -38,9 +38,14 @@ Usage::
     python bench/scale.py [--ks 1,10,100,1000] [--baseline-ref main | --no-baseline]
                           [--window 20] [--rounds N] [--ttl 15] [--start-timeout 180]
                           [--start-workers 1] [--dsn DSN]
+                          [--backend postgres|redis] [--redis-url URL]
 
 Without ``--dsn`` a private Postgres (``pgserver`` binaries) with room for the
-baseline's sessions runs for the benchmark. Exit status: 0 when this tree met every
+baseline's sessions runs for the benchmark. With ``--backend redis`` the nodes run
+``RedisLeader``s on a private ``redis-server`` (or ``--redis-url``): sessions are each
+process's TCP connections to Redis, and the statements are the whole server's commands
+(``INFO stats``; Redis does not tell whose they were); the sessions targets are
+Postgres's, reported but not judged. Exit status: 0 when this tree met every
 target, 1 when one was missed, 2 when the benchmark could not run.
 """
 
@@ -63,6 +68,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -134,6 +140,18 @@ def database(dsn: str | None, max_connections: int) -> Iterator[str]:
     settings = {"max_connections": str(max_connections), "shared_buffers": "256MB"}
     with PrivatePostgres(settings=settings) as pg:
         yield pg.dsn
+
+
+@contextlib.contextmanager
+def redis_server(url: str | None) -> Iterator[str]:
+    """``url``, else a private ``redis-server`` (so that its commands are the fleet's)."""
+    if url:
+        yield url
+        return
+    from tests.support.pg import PrivateRedis
+
+    with PrivateRedis(appendonly=False) as server:
+        yield server.url
 
 
 @contextlib.contextmanager
@@ -212,6 +230,24 @@ class BenchFleet:
         """The node's sessions as the server sees them, by application_name."""
         return sessions_on_ports(self.server_dsn, self.proxies[node].upstream_ports())
 
+    def open_sessions(self, node: str) -> int:
+        """The node's sessions open now, as its proxy sees them."""
+        return sum(self.proxies[node].snapshot().open_sessions().values())
+
+    def counters(self, nodes: list[ScaleNode]) -> dict[str, Snapshot]:
+        """What each node's proxy counted so far."""
+        return {n.node: self.proxies[n.node].snapshot() for n in nodes}
+
+    @staticmethod
+    def statements(before: Snapshot, after: Snapshot) -> int:
+        """Statements counted between two of :meth:`counters`' snapshots."""
+        return after.minus(before).statements()
+
+    @staticmethod
+    def detail(before: Snapshot, after: Snapshot, took: float) -> dict[str, float]:
+        """Statements per second by application between two snapshots."""
+        return statements_by_app(after.minus(before), took)
+
     def close(self) -> None:
         """Stop the nodes, then the proxies."""
         try:
@@ -219,6 +255,71 @@ class BenchFleet:
         finally:
             for proxy in self.proxies.values():
                 proxy.close()
+
+
+class RedisBenchFleet:
+    """A :class:`ScaleFleet` of ``RedisLeader``s on one Redis of the benchmark's own.
+
+    Redis cannot tell whose commands it ran: the commands counted are the whole
+    server's (``INFO stats``), reported for the fleet under the key ``"fleet"``; a
+    node's sessions are its process's TCP connections to the server.
+    """
+
+    def __init__(self, url: str, tree: Tree, k: int, args: list[str]) -> None:
+        import redis
+
+        self.client = redis.Redis.from_url(url)
+        self.port = int(self.client.connection_pool.connection_kwargs.get("port", 6379))
+        prefix = f"b{uuid.uuid4().hex[:6]}"
+        self.fleet = ScaleFleet("", prefix, k, [*args, "--redis-url", url], code_tree=tree.path)
+        self.tree = tree
+
+    def add(self, node: str) -> ScaleNode:
+        """Start a node."""
+        return self.fleet.add(node)
+
+    check_tree = BenchFleet.check_tree
+
+    def sessions(self, node: str) -> Counter[str]:
+        """The node's connections to Redis."""
+        return Counter({"redis": self.open_sessions(node)})
+
+    def open_sessions(self, node: str) -> int:
+        """The node's process's TCP connections to Redis now."""
+        try:
+            conns = psutil.Process(self.fleet.nodes[node].pid).net_connections(kind="inet")
+        except psutil.Error:
+            return 0
+        return sum(1 for c in conns if c.raddr and c.raddr.port == self.port)
+
+    def counters(self, nodes: list[ScaleNode]) -> dict[str, int]:
+        """The server's commands so far, for the whole fleet."""
+        return {"fleet": int(self.client.info("stats")["total_commands_processed"])}
+
+    @staticmethod
+    def statements(before: int, after: int) -> int:
+        """Commands run between two of :meth:`counters`' counts."""
+        return after - before
+
+    @staticmethod
+    def detail(before: int, after: int, took: float) -> dict[str, float]:
+        """No detail: Redis does not tell whose commands it ran."""
+        return {}
+
+    def close(self) -> None:
+        """Stop the nodes and delete the fleet's keys."""
+        try:
+            self.fleet.close()
+        finally:
+            keys = list(
+                self.client.scan_iter(match=f"rselection:*{self.fleet.prefix}/*", count=1000)
+            )
+            if keys:
+                self.client.delete(*keys)
+            self.client.close()
+
+
+Fleet = BenchFleet | RedisBenchFleet
 
 
 def start_fleet(
@@ -275,7 +376,7 @@ def start_fleet(
     return leader, followers
 
 
-def settle(bf: BenchFleet, nodes: list[ScaleNode], timeout: float) -> str | None:
+def settle(bf: Fleet, nodes: list[ScaleNode], timeout: float) -> str | None:
     """Wait until the followers are idle; ``None`` once they are, else what was missing.
 
     Idle means: every follower has seen a holder of each of its leases (its "seen_all"
@@ -299,7 +400,7 @@ def settle(bf: BenchFleet, nodes: list[ScaleNode], timeout: float) -> str | None
     while True:
         if time.monotonic() >= deadline:
             return f"the followers' sessions never held still for {SETTLE_STILL:g} s"
-        now = {n.node: sum(bf.proxies[n.node].snapshot().open_sessions().values()) for n in nodes}
+        now = {n.node: bf.open_sessions(n.node) for n in nodes}
         if now != last:
             last, still_since = now, time.monotonic()
         elif time.monotonic() - still_since >= SETTLE_STILL:
@@ -314,11 +415,12 @@ def settle(bf: BenchFleet, nodes: list[ScaleNode], timeout: float) -> str | None
     return "the followers' statements never stopped falling"
 
 
-def statements_in(bf: BenchFleet, nodes: list[ScaleNode], seconds: float) -> dict[str, int]:
-    """Statements each node sent in the next ``seconds`` seconds."""
-    before = {n.node: bf.proxies[n.node].snapshot() for n in nodes}
+def statements_in(bf: Fleet, nodes: list[ScaleNode], seconds: float) -> dict[str, int]:
+    """Statements each node (on Redis: the fleet) sent in the next ``seconds`` seconds."""
+    before: dict[str, Any] = bf.counters(nodes)
     time.sleep(seconds)
-    return {n.node: bf.proxies[n.node].snapshot().minus(before[n.node]).statements() for n in nodes}
+    after: dict[str, Any] = bf.counters(nodes)
+    return {key: bf.statements(before[key], after[key]) for key in after}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -336,12 +438,12 @@ def statements_by_app(snapshot: Snapshot, window: float) -> dict[str, float]:
 
 
 def measure_idle(
-    bf: BenchFleet, leader: ScaleNode, followers: list[ScaleNode], window: float, result: Result
+    bf: Fleet, leader: ScaleNode, followers: list[ScaleNode], window: float, result: Result
 ) -> None:
     """Sessions, statements, CPU and threads of each process over an idle window."""
     nodes = [leader, *followers]
     k = bf.fleet.count
-    before = {n.node: bf.proxies[n.node].snapshot() for n in nodes}
+    before: dict[str, Any] = bf.counters(nodes)
     cpu_before = {n.node: cpu_seconds(n.pid) for n in nodes}
     began = time.monotonic()
     peaks: dict[str, Counter[str]] = {n.node: Counter() for n in nodes}
@@ -352,23 +454,26 @@ def measure_idle(
                 peaks[n.node] = seen
         time.sleep(min(SAMPLE_EVERY, max(0.0, left)))
     took = time.monotonic() - began
-    after = {n.node: bf.proxies[n.node].snapshot() for n in nodes}
+    after: dict[str, Any] = bf.counters(nodes)
     cpu = {n.node: (cpu_seconds(n.pid) - cpu_before[n.node]) / took * 100 for n in nodes}
     threads = {n.node: psutil.Process(n.pid).num_threads() for n in nodes}
     if len(leader.leading()) != k or any(f.leading() for f in followers):
         result.notes.append("leadership moved during the idle window: figures are mixed")
-    stmts = {n: after[n].minus(before[n]).statements() / took for n in after}
-    detail = {n: statements_by_app(after[n].minus(before[n]), took) for n in after}
+    stmts = {n: bf.statements(before[n], after[n]) / took for n in after}
+    detail = {n: bf.detail(before[n], after[n], took) for n in after}
     f_names = [f.node for f in followers]
     result.sessions = {
         "leader": sum(peaks[leader.node].values()),
         "follower": max(sum(peaks[f].values()) for f in f_names),
     }
     result.session_detail = {n: grouped(c) for n, c in peaks.items()}
-    result.statements = {
-        "leader": stmts[leader.node],
-        "follower": statistics.mean(stmts[f] for f in f_names),
-    }
+    if "fleet" in stmts:  # Redis: the whole fleet's commands
+        result.statements = {"fleet": stmts["fleet"]}
+    else:
+        result.statements = {
+            "leader": stmts[leader.node],
+            "follower": statistics.mean(stmts[f] for f in f_names),
+        }
     result.statement_detail = detail
     result.cpu = {"leader": cpu[leader.node], "follower": statistics.mean(cpu[f] for f in f_names)}
     result.threads = {"leader": threads[leader.node], "follower": max(threads[f] for f in f_names)}
@@ -401,8 +506,13 @@ def run_round(
     log: Callable[[str], None],
 ) -> None:
     """One fleet: start it, maybe measure the idle window, then crash or stop the leader."""
-    with fresh_schema(server_dsn) as dsn:
-        bf = BenchFleet(server_dsn, dsn, tree, k, node_args(args))
+    with contextlib.ExitStack() as stack:
+        bf: Fleet
+        if args.backend == "redis":
+            bf = RedisBenchFleet(server_dsn, tree, k, node_args(args))
+        else:
+            dsn = stack.enter_context(fresh_schema(server_dsn))
+            bf = BenchFleet(server_dsn, dsn, tree, k, node_args(args))
         try:
             leader, followers = start_fleet(bf, args.start_timeout, result if idle else None, log)
             if (unsettled := settle(bf, followers, args.start_timeout)) is not None:
@@ -506,6 +616,7 @@ def rows_of(r: Result) -> list[tuple[str, float | None, str, int]]:
         ("sessions, follower process (max)", r.sessions.get("follower"), "", 0),
         ("statements/s, leader process", r.statements.get("leader"), "", 2),
         ("statements/s, follower process (mean)", r.statements.get("follower"), "", 2),
+        ("commands/s, whole fleet (Redis)", r.statements.get("fleet"), "", 2),
         ("CPU, leader process (% of a core)", r.cpu.get("leader"), "%", 2),
         ("CPU, follower process (mean)", r.cpu.get("follower"), "%", 2),
         ("threads, leader process", r.threads.get("leader"), "", 0),
@@ -572,7 +683,9 @@ def report(results: dict[tuple[str, int], Result], trees: list[Tree], ks: list[i
             print(f"  - note: {note}")
 
 
-def targets(results: dict[tuple[str, int], Result], tree: Tree, ks: list[int]) -> bool:
+def targets(
+    results: dict[tuple[str, int], Result], tree: Tree, ks: list[int], backend: str
+) -> bool:
     """The issue's targets for this tree; print PASS / FAIL / SKIP; True when none failed."""
     mine = {k: results[(tree.label, k)] for k in ks}
     lines: list[tuple[str, str, str]] = []
@@ -585,6 +698,9 @@ def targets(results: dict[tuple[str, int], Result], tree: Tree, ks: list[int]) -
             add(f"K={k}: fleet reaches a measurable state", r.incomplete, False)
             continue
         lead, follow = r.sessions.get("leader"), r.sessions.get("follower")
+        if backend != "postgres":  # a Redis lease keeps connections of its own
+            add(f"K={k}: sessions (Postgres's target)", f"{lead} / {follow}", None)
+            continue
         add(
             f"K={k}: sessions <= {SESSIONS_LEADING} leading, <= {SESSIONS_FOLLOWING} following",
             f"{lead} / {follow}",
@@ -593,7 +709,7 @@ def targets(results: dict[tuple[str, int], Result], tree: Tree, ks: list[int]) -
             and lead <= SESSIONS_LEADING
             and follow <= SESSIONS_FOLLOWING,
         )
-    measured = [k for k, r in mine.items() if r.statements]
+    measured = [k for k, r in mine.items() if "leader" in r.statements]
     if len(measured) >= 2:
         lo, hi = min(measured), max(measured)
         a, b = mine[lo].statements["leader"], mine[hi].statements["leader"]
@@ -656,6 +772,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="threads that start each node's leaders (default 1: one after another)",
     )
     p.add_argument("--dsn", help="an existing server instead of a private one")
+    p.add_argument(
+        "--backend",
+        choices=("postgres", "redis"),
+        default="postgres",
+        help="PostgresLeaders (default) or RedisLeaders",
+    )
+    p.add_argument(
+        "--redis-url", help="with --backend redis: an existing Redis instead of a private one"
+    )
     args = p.parse_args(argv)
     try:
         args.ks = [int(k) for k in args.ks.split(",") if k.strip()]
@@ -690,7 +815,10 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.ExitStack() as stack:
             if not args.no_baseline:
                 trees.append(stack.enter_context(baseline_tree(args.baseline_ref)))
-            server = stack.enter_context(database(args.dsn, max_connections))
+            if args.backend == "redis":
+                server = stack.enter_context(redis_server(args.redis_url))
+            else:
+                server = stack.enter_context(database(args.dsn, max_connections))
             for k in args.ks:
                 for tree in trees:
                     results[(tree.label, k)] = run_tree(server, tree, k, args, log)
@@ -702,7 +830,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"(the run took {time.monotonic() - began:.0f} s)")
     report(results, trees, args.ks)
-    return 0 if targets(results, trees[0], args.ks) else 1
+    return 0 if targets(results, trees[0], args.ks, args.backend) else 1
 
 
 if __name__ == "__main__":

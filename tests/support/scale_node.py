@@ -1,4 +1,5 @@
-"""A node process that runs many ``PostgresLeader``s at once, for scale tests and benchmarks.
+"""A node process that runs many ``PostgresLeader``s (or, with ``--redis-url``,
+``RedisLeader``s) at once, for scale tests and benchmarks.
 
 Runs ``--count`` leaders of the leases ``<prefix>/0`` .. ``<prefix>/<count - 1>`` in one
 process, all with one ``--node`` id, and prints one JSON object per line on stdout. Every
@@ -26,7 +27,8 @@ after another (``ready`` reports how long each step took).
 Only the public API is used, so the same program measures any version of the library:
 run it by path with ``PYTHONPATH`` naming the code tree to measure (it imports nothing
 else from this repository). The connection string comes from ``--dsn`` or, so that it
-stays off the command line, the ``SCALE_NODE_DSN`` environment variable.
+stays off the command line, the ``SCALE_NODE_DSN`` environment variable; a Redis URL
+from ``--redis-url`` or ``SCALE_NODE_REDIS_URL``.
 
 Tasks: every lease runs one persistent task (and, with ``--pooled-work SECONDS``, an
 interval task that claims each fire, saves a checkpoint and reads the nodes, while a
@@ -202,6 +204,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--dsn", default=os.environ.get("SCALE_NODE_DSN", ""))
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("SCALE_NODE_REDIS_URL", ""),
+        help="run RedisLeaders on this Redis instead of PostgresLeaders",
+    )
     p.add_argument("--prefix", required=True, help="lease names are <prefix>/<i>")
     p.add_argument("--count", type=int, required=True, help="number of leases (leaders)")
     p.add_argument("--node", required=True, help="node id of every leader")
@@ -239,8 +246,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--stop-timeout", type=float, default=30.0, help="bound on each leader's stop()")
     args = p.parse_args(argv)
-    if not args.dsn:
-        p.error("give --dsn or set SCALE_NODE_DSN")
+    if not args.dsn and not args.redis_url:
+        p.error("give --dsn or set SCALE_NODE_DSN (or --redis-url)")
     if args.count < 1 or args.start_workers < 1:
         p.error("--count and --start-workers must be at least 1")
     return args
@@ -328,8 +335,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         timings["table"] = args.table
 
-    def build(i: int) -> rs.PostgresLeader:
+    def build(i: int) -> rs.LeaseLeader:
         handler = make_handler(kinds.get(i, args.idle_task), args, go)
+        if args.redis_url:
+            redis_timings = {k: v for k, v in timings.items() if k != "table"}
+            return rs.RedisLeader(
+                args.redis_url, handler, name=names[i], node_id=args.node, **redis_timings
+            )
         return rs.PostgresLeader(args.dsn, handler, name=names[i], node_id=args.node, **timings)
 
     began = time.monotonic()
