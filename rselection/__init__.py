@@ -16,6 +16,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import signals
+from .abc import Membership
 from .broadcast import Broadcaster, BroadcasterClosed, Subscription, SubscriptionClosed
 from .checkpoints import CheckpointStore, Snapshot
 from .claiming import FireClaimer
@@ -62,6 +63,7 @@ __all__ = [
     "MemoryCheckpointStore",
     "MemoryClaimer",
     "MemoryLease",
+    "Membership",
     "NodeInfo",
     "RSelectionError",
     "Schedule",

@@ -27,16 +27,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import clock, signals
+from .abc import lease_ability
 from .context import Term
 from .daemon_pool import Lane
 from .driver import LeaseDriver
 from .errors import BackendUnavailable, ConfigError
 from .lease import (
     Acquisition,
-    AnnouncesHolder,
     LeaseBackend,
     NonBlockingLease,
-    NonBlockingRelease,
     ReleaseOutcome,
     RenewOutcome,
 )
@@ -201,11 +200,10 @@ class DrivenKeeper:
         if woken:
             self._backend.wait_for_change(0)  # raises when the session broke
             lease = self._lease
-            announced = (
-                lease.take_announced()
-                if leader._follows_announcements and isinstance(lease, AnnouncesHolder)
-                else None
+            announcer = (
+                lease_ability(lease, "announces_holder") if leader._follows_announcements else None
             )
+            announced = None if announcer is None else announcer.take_announced()
             if announced is not None:
                 # Only another node's acquisition woke us: follow it without an attempt
                 # (unless an attempt already saw as new a term, or a newer one).
@@ -462,8 +460,8 @@ class DrivenKeeper:
         renewal, with no worker waiting for it (leases released together go in one
         round trip; a locked row holds up nobody); with any other lease, or when the
         round trip could not start, ``outcome`` is ``None``: ``after`` releases."""
-        lease = self._lease
-        if held is None or not isinstance(lease, NonBlockingRelease):
+        lease = lease_ability(self._lease, "non_blocking_release")
+        if held is None or lease is None:
             self._work(lambda: after(held, None))
             return
         node_id = self._leader.node_id
