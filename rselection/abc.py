@@ -42,9 +42,9 @@ property, or an instance attribute set in ``__init__``), not forward them throug
 ``__getattr__``.
 
 The in-memory backends (:class:`~rselection.MemoryLease`, :class:`~rselection.MemoryClaimer`,
-:class:`~rselection.MemoryCheckpointStore`, in :mod:`rselection.memory`) are small
-complete examples, and :mod:`rselection.testing` has the conformance checks a lease of
-your own should pass.
+:class:`~rselection.MemoryCheckpointStore`, :class:`~rselection.MemoryMembership`, in
+:mod:`rselection.memory`) are small complete examples, and :mod:`rselection.testing`
+has the conformance checks a lease of your own should pass.
 """
 
 from __future__ import annotations
@@ -811,8 +811,9 @@ class Membership(Protocol):
     A leader with a membership starts it when it starts and stops it when it stops:
     between the two it heartbeats every ``heartbeat_interval`` seconds, and a node is
     alive while its last heartbeat is younger than ``node_timeout``.
-    :class:`~rselection.postgres.PostgresMembership` (a table) and
-    :class:`~rselection.redis.RedisMembership` (a sorted set) are two.
+    :class:`~rselection.postgres.PostgresMembership` (a table),
+    :class:`~rselection.redis.RedisMembership` (a sorted set) and
+    :class:`~rselection.MemoryMembership` (this process) are three.
     """
 
     name: str
