@@ -136,7 +136,12 @@ class DictStore(CheckpointStoreBase):
 class FencingStore(DictStore):
     """A :class:`DictStore` that overrides the ``"add_lease"`` ability."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.given: list[rs.LeaseBackend] = []
+
     def add_lease(self, lease: rs.LeaseBackend) -> None:
+        self.given.append(lease)
         self.inner.add_lease(lease)
 
     def save(
@@ -294,7 +299,7 @@ def test_a_store_on_the_base_is_given_the_lease_only_when_it_fences() -> None:
         rs.SingleNodeLeader(rs.TaskHandler(), checkpoint_store=DictStore())
     fencing = FencingStore()
     leader = rs.SingleNodeLeader(rs.TaskHandler(), checkpoint_store=fencing)
-    assert fencing.inner._leases == {leader.name: leader.lease}
+    assert fencing.given == [leader.lease]
 
 
 def test_the_postgres_and_redis_memberships_play_the_membership_role() -> None:
