@@ -16,6 +16,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import signals
+from .abc import Membership
 from .broadcast import Broadcaster, BroadcasterClosed, Subscription, SubscriptionClosed
 from .checkpoints import CheckpointStore, Snapshot
 from .claiming import FireClaimer
@@ -30,7 +31,7 @@ from .errors import (
 from .leader import Leader, LeaseLeader
 from .lease import Acquisition, LeaderInfo, LeaseBackend
 from .members import NodeInfo
-from .memory import MemoryCheckpointStore, MemoryClaimer, MemoryLease
+from .memory import MemoryCheckpointStore, MemoryClaimer, MemoryLease, MemoryMembership
 from .monitor import HeartbeatMonitor
 from .schedules import CronSchedule, IntervalSchedule, Schedule, format_fire_key
 from .sharding import shard_of
@@ -63,6 +64,8 @@ __all__ = [
     "MemoryCheckpointStore",
     "MemoryClaimer",
     "MemoryLease",
+    "MemoryMembership",
+    "Membership",
     "NodeInfo",
     "RSelectionError",
     "Schedule",

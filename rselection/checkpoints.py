@@ -7,7 +7,9 @@ snapshot and resumes; the old leader can no longer overwrite it, because its sav
 still holds the lease called ``lease_name``, so once the next term exists a stale save is
 refused with :class:`~rselection.errors.StaleLeaderError` and nothing is written.
 
-Any object with ``load``, ``save`` and ``delete`` is a :class:`CheckpointStore`; a
+Any object with ``load``, ``save`` and ``delete`` is a
+:class:`~rselection.abc.CheckpointStore` (the role, in :mod:`rselection.abc` with the
+others; importable from here too); a
 leader hands it to its tasks as ``ctx.checkpoint`` (a :class:`TaskCheckpoint`: the
 task's name scoped to the lease as key, ``lease_scoped(name, task)``, the task's term as
 fence). Two ship with rselection:
@@ -26,11 +28,12 @@ import re
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
+# The store role and its ability moved to one module; their names stay importable here.
+from .abc import CheckpointStore, LeaseFencedStore
 from .errors import ConfigError
 from .keys import lease_scoped
-from .lease import LeaseBackend
 from .validation import check_name, check_term
 
 __all__ = [
@@ -190,69 +193,6 @@ def _jsonb_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def _jsonb_key(key: str) -> tuple[int, bytes]:
     raw = key.encode()
     return len(raw), raw
-
-
-@runtime_checkable
-class CheckpointStore(Protocol):
-    """Where ``ctx.checkpoint`` keeps task state: snapshots by key, saves fenced by term.
-
-    :class:`~rselection.postgres.PostgresCheckpointStore` and
-    :class:`~rselection.MemoryCheckpointStore` are two. A store of your own must keep their rules:
-    ``save(key, state, term=T, name=lease_name)`` commits only while term ``T`` holds the
-    lease called ``lease_name``, atomically with the write (a takeover never lands
-    between the check and the write), else raises
-    :class:`~rselection.errors.StaleLeaderError` and writes nothing; without ``term`` the
-    save is not fenced.
-    """
-
-    def load(self, key: Key) -> Snapshot | None:
-        """The last saved snapshot of ``key``, or ``None`` (never saved, or deleted)."""
-        ...
-
-    def save(
-        self, key: Key, state: Any, *, term: int | None = None, name: str = "default"
-    ) -> Snapshot:
-        """Store ``state`` as the new snapshot of ``key``; with ``term``, only while that
-        term holds the lease called ``name`` (else
-        :class:`~rselection.errors.StaleLeaderError`).
-
-        Args:
-            key: a string or a tuple of strings.
-            state: a JSON-encodable value.
-            term: the fencing term the write is fenced to; ``None``: not fenced.
-            name: the name of the lease whose term fences the write (a leader's ``name``).
-        """
-        ...
-
-    def delete(self, key: Key, *, term: int | None = None, name: str = "default") -> bool:
-        """Delete the snapshot of ``key`` (fenced like :meth:`save`); ``True`` if one
-        existed. The key's version counter is kept: versions never repeat.
-
-        Args:
-            key: a string or a tuple of strings.
-            term: the fencing term the delete is fenced to; ``None``: not fenced.
-            name: the name of the lease whose term fences the delete.
-        """
-        ...
-
-
-@runtime_checkable
-class LeaseFencedStore(CheckpointStore, Protocol):
-    """A checkpoint store that fences against lease objects it is given.
-
-    A leader built with such a store hands it its lease at construction (the Postgres
-    store needs no such step: it reads the lease table).
-    """
-
-    def add_lease(self, lease: LeaseBackend) -> None:
-        """Fence saves of ``lease.name`` against ``lease`` from now on.
-
-        Raises:
-            ConfigError: the store cannot fence against ``lease``, or already fences
-                another lease object of the same name (a second leader of that name:
-                its terms would be taken for the first one's).
-        """
-        ...
 
 
 class TaskCheckpoint:

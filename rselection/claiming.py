@@ -1,10 +1,27 @@
-"""What a leader needs to claim each scheduled fire, so it runs once across the fleet."""
+"""How a leader claims each scheduled fire, so it runs once across the fleet.
+
+The claimer role, :class:`~rselection.abc.FireClaimer`, and its optional abilities
+(:class:`~rselection.abc.MissedFireClaimer`, ...) live in :mod:`rselection.abc` with the
+other roles; they stay importable from here. This module checks fire keys and claims
+through a claimer, with each ability it has (see :func:`~rselection.abc.claimer_ability`)
+or without.
+"""
 
 from __future__ import annotations
 
 import re
-from typing import Protocol, runtime_checkable
 
+# The claimer role and its abilities moved to one module; their names stay importable here.
+from .abc import (
+    BatchFireClaimer,
+    BatchFireHistory,
+    BatchMissedFireClaimer,
+    CleanupClaimer,
+    FireClaimer,
+    FireHistory,
+    MissedFireClaimer,
+    claimer_ability,
+)
 from .errors import BackendUnavailable, ConfigError
 from .keys import lease_scoped
 
@@ -30,64 +47,6 @@ __all__ = [
 ]
 
 
-@runtime_checkable
-class FireClaimer(Protocol):
-    """Claims one fire of a scheduled task before it runs.
-
-    :class:`rselection.postgres.PostgresClaimer` is one. A claim binds for ``ttl``
-    seconds, also after the run ends, so a node that reaches the same fire later (after
-    a handover, or with a late clock) does not run it again.
-    """
-
-    ttl: float
-    """Seconds a claim binds; a task's ``misfire_grace`` must not exceed it."""
-
-    def claim(self, fire_key: str, *, term: int | None = None) -> bool:
-        """Claim ``fire_key``: ``True`` if this call won it, ``False`` if another holds it.
-
-        Raises on a backend problem (the fire is then skipped: claims fail closed).
-        """
-        ...
-
-
-@runtime_checkable
-class MissedFireClaimer(FireClaimer, Protocol):
-    """A :class:`FireClaimer` that also claims a task's missed fires in one call.
-
-    A leader that starts looks back over the fires it may have missed; with this method
-    it needs one round trip per task instead of one per fire.
-    """
-
-    def claim_missed(self, fire_keys: list[str], *, term: int | None = None) -> list[str]:
-        """Claim every key of ``fire_keys`` (one task's fires, oldest first) that is
-        newer than the newest key already held; return the keys won, oldest first.
-
-        Raises on a backend problem, as :meth:`claim`.
-        """
-        ...
-
-
-@runtime_checkable
-class BatchFireClaimer(FireClaimer, Protocol):
-    """A :class:`FireClaimer` that claims many fires in one call.
-
-    A leader claims every fire due at one instant together: with this method one round
-    trip per instant, instead of one per fire. The three claimers of rselection are
-    ones; a claimer without it is called fire by fire (see :func:`claim_each`).
-    """
-
-    def claim_many(self, fire_keys: list[str], *, term: int | None = None) -> set[str]:
-        """Claim each of ``fire_keys`` (distinct fires, any tasks) as :meth:`claim`
-        would, all in one call; return the keys this call won.
-
-        A key is won when no unexpired claim holds it; the others are held by another
-        claim. Raises on a backend problem (then no fire of the call may run: claims
-        fail closed, although some may have been made), or :class:`ClaimsPartlyFailed`
-        when only some claims failed and it knows which (then the keys it won may run).
-        """
-        ...
-
-
 class ClaimsPartlyFailed(BackendUnavailable):
     """A claim of many fires in one call failed for some of them only.
 
@@ -109,77 +68,6 @@ class ClaimsPartlyFailed(BackendUnavailable):
         """The keys this call won."""
         self.failed = failed
         """The keys whose claim failed, each with its error."""
-
-
-@runtime_checkable
-class BatchMissedFireClaimer(MissedFireClaimer, Protocol):
-    """A :class:`MissedFireClaimer` that looks back for many tasks in one call.
-
-    A leader that starts looks back over every task's missed fires: with this method in
-    one round trip, instead of one per task (see :func:`claim_missed_each`).
-    """
-
-    def claim_missed_many(
-        self, fire_keys: list[list[str]], *, term: int | None = None
-    ) -> list[list[str]]:
-        """:meth:`~MissedFireClaimer.claim_missed` of each list of ``fire_keys`` (one
-        task's fires each, oldest first; no key in two lists), all in one call; return
-        the keys won of each list, in the same order.
-
-        Raises on a backend problem (then no fire of the call may run).
-        """
-        ...
-
-
-@runtime_checkable
-class CleanupClaimer(FireClaimer, Protocol):
-    """A :class:`FireClaimer` whose expired claims stay until deleted (a table, a dict).
-
-    A leader that claims through one deletes the expired claims itself, in batches of
-    :data:`CLEANUP_BATCH`, at least once per claim ttl. What :class:`FireHistory` needs
-    stays (:class:`~rselection.postgres.PostgresClaimer` keeps the newest claim of each
-    task, each :func:`series_of`).
-    """
-
-    def cleanup(self, *, batch: int | None = None) -> int:
-        """Delete expired claims, at most ``batch`` of them (all with ``None``, batch
-        by batch); return how many. Never deletes a claim that still binds.
-
-        Raises on a backend problem.
-        """
-        ...
-
-
-@runtime_checkable
-class FireHistory(Protocol):
-    """A claimer that knows whether a task's fires were claimed before, at any time.
-
-    A leader that starts asks it first: a task that never ran anywhere has missed
-    nothing, so its first term starts at its next instant, with no catch-up and no fire
-    reported skipped.
-    """
-
-    def ran_before(self, series: str) -> bool:
-        """Whether fires of ``series`` (a task's fire keys without the instant, such
-        as ``"billing/purge@"``) were claimed or scheduled before, here or on another
-        node; the answer does not expire with the claims' ttl.
-
-        Raises on a backend problem.
-        """
-        ...
-
-
-@runtime_checkable
-class BatchFireHistory(FireHistory, Protocol):
-    """A :class:`FireHistory` that answers for many tasks in one call."""
-
-    def ran_before_many(self, series: list[str]) -> set[str]:
-        """Those of ``series`` whose fires were claimed or scheduled before (see
-        :meth:`FireHistory.ran_before`), all in one call.
-
-        Raises on a backend problem.
-        """
-        ...
 
 
 CLEANUP_BATCH = 1000
@@ -259,8 +147,9 @@ def claim_missed(claimer: FireClaimer, fire_keys: list[str], *, term: int | None
         ConfigError: a bad or repeated key (see :func:`check_fire_keys`).
     """
     fire_keys = check_fire_keys(fire_keys)
-    if isinstance(claimer, MissedFireClaimer):
-        return claimer.claim_missed(fire_keys, term=term)
+    missed = claimer_ability(claimer, "claim_missed")
+    if missed is not None:
+        return missed.claim_missed(fire_keys, term=term)
     won: list[str] = []
     for key in reversed(fire_keys):
         if not claimer.claim(key, term=term):
@@ -288,9 +177,10 @@ def claim_each(
     fire_keys, failed = _split_bad(fire_keys)
     if not fire_keys:
         return set(), failed
-    if isinstance(claimer, BatchFireClaimer):
+    batch = claimer_ability(claimer, "claim_many")
+    if batch is not None:
         try:
-            return claimer.claim_many(fire_keys, term=term), failed
+            return batch.claim_many(fire_keys, term=term), failed
         except ClaimsPartlyFailed as exc:
             return exc.won & set(fire_keys), failed | exc.failed
         except Exception as exc:
@@ -341,8 +231,9 @@ def claim_missed_each(
     check_fire_keys([key for keys in fire_keys for key in keys])
     if not fire_keys:
         return []
-    if isinstance(claimer, BatchMissedFireClaimer):
-        return claimer.claim_missed_many(fire_keys, term=term)
+    batch = claimer_ability(claimer, "claim_missed_many")
+    if batch is not None:
+        return batch.claim_missed_many(fire_keys, term=term)
     return [claim_missed(claimer, keys, term=term) for keys in fire_keys]
 
 
@@ -352,10 +243,12 @@ def ran_before_each(claimer: object, series: list[str]) -> set[str]:
     tell (so that missed fires are looked for as ever)."""
     if not series:
         return set()
-    if isinstance(claimer, BatchFireHistory):
-        return claimer.ran_before_many(series)
-    if isinstance(claimer, FireHistory):
-        return {one for one in series if claimer.ran_before(one)}
+    batch = claimer_ability(claimer, "ran_before_many")
+    if batch is not None:
+        return batch.ran_before_many(series)
+    history = claimer_ability(claimer, "ran_before")
+    if history is not None:
+        return {one for one in series if history.ran_before(one)}
     return set(series)
 
 
@@ -407,8 +300,9 @@ class LeaseClaims:
     def cleanup(self, *, batch: int | None = None) -> int:
         """Delete expired claims through the claimer (of every lease: it is safe from any
         node); 0 when its claims expire by themselves (see :class:`CleanupClaimer`)."""
-        if isinstance(self.claimer, CleanupClaimer):
-            return self.claimer.cleanup(batch=batch)
+        cleaning = claimer_ability(self.claimer, "cleanup")
+        if cleaning is not None:
+            return cleaning.cleanup(batch=batch)
         return 0
 
     def ran_before_many(self, series: list[str]) -> set[str]:
@@ -433,8 +327,9 @@ class LeaseClaims:
         """Whether fires of ``series`` ran before under this lease (see
         :class:`FireHistory`); ``True`` when the claimer cannot tell, so that missed
         fires are looked for as ever."""
-        if isinstance(self.claimer, FireHistory):
-            return self.claimer.ran_before(self.prefix + series)
+        history = claimer_ability(self.claimer, "ran_before")
+        if history is not None:
+            return history.ran_before(self.prefix + series)
         return True
 
     def __repr__(self) -> str:

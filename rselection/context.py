@@ -10,9 +10,12 @@ import math
 import threading
 from collections.abc import Callable
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 from . import clock
+
+# The fence role moved to rselection.abc with the others; its name stays importable here.
+from .abc import TransactionFence
 from .checkpoints import TaskCheckpoint
 from .errors import ConfigError, LeadershipLost
 
@@ -23,30 +26,6 @@ if TYPE_CHECKING:
     from .members import NodeInfo
 
 __all__ = ["NoTransactionFence", "TaskContext", "Term", "TransactionFence", "running_term"]
-
-
-@runtime_checkable
-class TransactionFence(Protocol):
-    """Fences a caller's open transaction to a term: what ``ctx.fence`` and
-    ``ctx.afence`` call.
-
-    A lease backend that can hold a takeover back until a transaction ends (Postgres:
-    the lease row locked ``FOR KEY SHARE``) offers one; a leader without one refuses
-    ``ctx.fence`` with a :class:`~rselection.errors.ConfigError` instead of pretending.
-    """
-
-    def fence(self, conn: Any, term: int) -> None:
-        """Make the open transaction on ``conn`` fail unless ``term`` still holds the lease.
-
-        Raises:
-            StaleLeaderError: ``term`` no longer holds the lease; roll back.
-            ConfigError: the wrong kind of connection, or no transaction open.
-        """
-        ...
-
-    async def afence(self, conn: Any, term: int) -> None:
-        """:meth:`fence` for an async connection."""
-        ...
 
 
 class NoTransactionFence:

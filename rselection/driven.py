@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import clock, signals
+from .abc import lease_ability
 from .context import Term
 from .daemon_pool import Lane
 from .driver import LeaseDriver
@@ -36,10 +37,8 @@ from .errors import BackendUnavailable, ConfigError
 from .leadership import Leadership, StepDown
 from .lease import (
     Acquisition,
-    AnnouncesHolder,
     LeaseBackend,
     NonBlockingLease,
-    NonBlockingRelease,
     ReleaseOutcome,
     RenewOutcome,
 )
@@ -199,11 +198,10 @@ class DrivenKeeper:
         if woken:
             self._backend.wait_for_change(0)  # raises when the session broke
             lease = self._lease
-            announced = (
-                lease.take_announced()
-                if state.follows_announcements and isinstance(lease, AnnouncesHolder)
-                else None
+            announcer = (
+                lease_ability(lease, "announces_holder") if state.follows_announcements else None
             )
+            announced = None if announcer is None else announcer.take_announced()
             if announced is not None:
                 # Only another node's acquisition woke us: follow it without an attempt
                 # (unless an attempt already saw as new a term, or a newer one).
@@ -455,8 +453,8 @@ class DrivenKeeper:
         renewal, with no worker waiting for it (leases released together go in one
         round trip; a locked row holds up nobody); with any other lease, or when the
         round trip could not start, ``outcome`` is ``None``: ``after`` releases."""
-        lease = self._lease
-        if held is None or not isinstance(lease, NonBlockingRelease):
+        lease = lease_ability(self._lease, "non_blocking_release")
+        if held is None or lease is None:
             self._work(lambda: after(held, None))
             return
         node_id = self._state.node_id

@@ -28,8 +28,9 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Protocol, Self, runtime_checkable
 
 from . import forks, signals
+from .abc import lease_ability, store_ability
 from .blocking_lease import BlockingLease
-from .checkpoints import CheckpointStore, LeaseFencedStore
+from .checkpoints import CheckpointStore
 from .claiming import FireClaimer, LeaseClaims
 from .closeable import Service
 from .context import TransactionFence, running_term
@@ -203,15 +204,17 @@ class LeaseLeader(Service):
         self._node_id_pid = os.getpid()
         if claimer is not None:
             handler.check_claims(claimer.ttl)
-        if isinstance(checkpoint_store, LeaseFencedStore):
-            checkpoint_store.add_lease(lease)
+        fenced_store = store_ability(checkpoint_store, "add_lease")
+        if fenced_store is not None:
+            fenced_store.add_lease(lease)
         self._lease = lease
         # What the driven keeper steps: the lease itself when its round trips start
         # without blocking, else the one adapter of blocking leases.
         backend: LeaseBackend
         driven: NonBlockingLease
-        if isinstance(lease, NonBlockingLease):
-            backend, driven = lease, lease
+        non_blocking = lease_ability(lease, "non_blocking")
+        if non_blocking is not None:
+            backend, driven = lease, non_blocking
         else:
             adapter = BlockingLease(lease)
             backend, driven = adapter, adapter

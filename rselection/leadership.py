@@ -20,19 +20,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from . import clock, signals
+from .abc import lease_ability
 from .backoff import backoff
 from .checkpoints import CheckpointStore
 from .claiming import LeaseClaims
 from .context import Term, TransactionFence
 from .errors import BackendUnavailable, ConfigError
-from .lease import (
-    Acquisition,
-    HandoverRequest,
-    LeaderInfo,
-    LeaseBackend,
-    SharedSchedule,
-    SupportsHandover,
-)
+from .lease import Acquisition, HandoverRequest, LeaderInfo, LeaseBackend
 from .members import NodeInfo
 from .timing import Timings
 
@@ -117,8 +111,8 @@ class Leadership:
         self.stop_grace = stop_grace
         self.handler = handler
         self.backend = backend
-        self.handovers = lease if isinstance(lease, SupportsHandover) else None
-        self.schedule = lease if isinstance(lease, SharedSchedule) else None
+        self.handovers = lease_ability(lease, "handover")
+        self.schedule = lease_ability(lease, "shared_schedule")
         self.broadcaster = broadcaster
         self.fence = fence
         self.claims = claims

@@ -1,5 +1,5 @@
-"""The in-memory backends: a lease, a fire claimer and a checkpoint store that live in
-this process.
+"""The in-memory backends: a lease, a fire claimer, a checkpoint store and a membership
+that live in this process.
 
 They keep the rules of the Postgres and Redis backends (terms, expiry, fencing, claims
 that bind for a ``ttl``), so that :class:`~rselection.SingleNodeLeader` runs tasks in
@@ -11,9 +11,13 @@ each, to hold elections among themselves.
 from __future__ import annotations
 
 import math
+import os
+import socket
 import threading
 import time
+import weakref
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -29,9 +33,16 @@ from .checkpoints import (
 from .claiming import check_fire_key, check_fire_keys, series_of
 from .errors import ConfigError, StaleLeaderError
 from .lease import Acquisition, LeaderInfo, LeaseBackend
-from .validation import check_name, check_optional_term, check_seconds, check_term
+from .members import NodeInfo
+from .validation import (
+    check_name,
+    check_node_id,
+    check_optional_term,
+    check_seconds,
+    check_term,
+)
 
-__all__ = ["MemoryCheckpointStore", "MemoryClaimer", "MemoryLease"]
+__all__ = ["MemoryCheckpointStore", "MemoryClaimer", "MemoryLease", "MemoryMembership"]
 
 
 class MemoryLease:
@@ -445,3 +456,176 @@ class MemoryCheckpointStore:
 
     def __repr__(self) -> str:
         return f"MemoryCheckpointStore(leases={sorted(self._leases)!r}, keys={len(self._rows)})"
+
+
+_PURGE_AFTER = 86_400.0  # seconds a lost node stays listed, as on Postgres and Redis
+
+
+@dataclass
+class _Row:
+    """One node's entry in the roster of a lease."""
+
+    started_at: datetime
+    last_seen: datetime
+    seen: float  # time.monotonic() of the last heartbeat: what liveness is measured on
+
+
+class _Roster:
+    """The nodes of one lease object, shared by the memberships of that object."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.rows: dict[str, _Row] = {}
+
+
+_ROSTERS: weakref.WeakKeyDictionary[Any, _Roster] = weakref.WeakKeyDictionary()
+_ROSTERS_LOCK = threading.Lock()
+
+
+def _roster_of(lease: LeaseBackend) -> _Roster:
+    with _ROSTERS_LOCK:
+        try:
+            roster = _ROSTERS.get(lease)
+            if roster is None:
+                roster = _ROSTERS[lease] = _Roster()
+        except TypeError as exc:  # not weakly referenceable, or not hashable
+            raise ConfigError(
+                f"a MemoryMembership lists the nodes of one lease object, and cannot key a "
+                f"{type(lease).__name__}: {exc}"
+            ) from exc
+    return roster
+
+
+class MemoryMembership:
+    """Heartbeats of one node in process memory, and the list of its lease's nodes.
+
+    The :class:`~rselection.abc.Membership` of this process, for tests and for several
+    leaders inside one process, with the rules of
+    :class:`~rselection.postgres.PostgresMembership` and
+    :class:`~rselection.redis.RedisMembership`: :meth:`start` heartbeats now and then
+    every ``heartbeat_interval`` (on a daemon thread of its own) until :meth:`stop`,
+    which removes the node; a node is alive while its last heartbeat is younger than
+    ``node_timeout`` (this process's monotonic clock); a node lost for a day is dropped
+    by the heartbeats of the others. The memberships of one lease object list each other
+    (as leaders sharing a :class:`MemoryLease` compete), and its live holder is
+    flagged ``is_leader``. Thread-safe.
+
+    Args:
+        lease: the lease the node competes for (its ``name`` names the nodes' lease).
+        node_id: this node's id.
+        heartbeat_interval: seconds between heartbeats.
+        node_timeout: a node not seen for this long is lost; longer than
+            ``heartbeat_interval``.
+
+    Raises:
+        ConfigError: bad arguments (the message says which and why).
+    """
+
+    def __init__(
+        self,
+        lease: LeaseBackend,
+        node_id: str,
+        *,
+        heartbeat_interval: float = 5.0,
+        node_timeout: float = 15.0,
+    ) -> None:
+        if not isinstance(lease, LeaseBackend):
+            raise ConfigError(
+                f"a MemoryMembership lists the nodes of a LeaseBackend, got {type(lease).__name__}"
+            )
+        heartbeat_interval = check_seconds(heartbeat_interval, "heartbeat_interval")
+        node_timeout = check_seconds(node_timeout, "node_timeout")
+        if not node_timeout > heartbeat_interval:
+            raise ConfigError(
+                f"node_timeout ({node_timeout:g} s) must be longer than heartbeat_interval "
+                f"({heartbeat_interval:g} s), which must be positive: a node would be lost "
+                "between two of its own heartbeats"
+            )
+        self.name = check_name(lease.name, "lease name")
+        self.node_id = check_node_id(node_id)
+        self.heartbeat_interval = heartbeat_interval
+        self.node_timeout = node_timeout
+        self._lease = lease
+        self._roster = _roster_of(lease)
+        self._lock = threading.Lock()  # start() and stop() may race at shutdown
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    @property
+    def stopped(self) -> bool:
+        """Whether :meth:`stop` was called (this node no longer heartbeats)."""
+        return self._stopped
+
+    def start(self) -> None:
+        """Heartbeat now and then every ``heartbeat_interval`` until :meth:`stop`.
+
+        Does nothing once stopped, or when already started.
+        """
+        with self._lock:
+            if self._stopped or self._thread is not None:
+                return
+            self.beat()
+            self._thread = threading.Thread(
+                target=self._run, name=f"rselection-membership-{self.node_id}", daemon=True
+            )
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self.heartbeat_interval):
+            self.beat()
+
+    def stop(self) -> None:
+        """Stop heartbeating and remove this node from the list. Bounded: the heartbeat
+        thread only takes a lock to write one entry."""
+        with self._lock:
+            self._stopped = True
+            thread, self._thread = self._thread, None
+        self._stopping.set()
+        if thread is None:  # never heartbeated: nothing to remove
+            return
+        if thread is not threading.current_thread():
+            thread.join()
+        with self._roster.lock:
+            self._roster.rows.pop(self.node_id, None)
+
+    def beat(self) -> None:
+        """Record one heartbeat of this node (and drop the nodes lost for a day)."""
+        now, seen = datetime.now(UTC), time.monotonic()
+        with self._roster.lock:
+            rows = self._roster.rows
+            row = rows.get(self.node_id)
+            if row is None:
+                rows[self.node_id] = _Row(started_at=now, last_seen=now, seen=seen)
+            else:
+                row.last_seen, row.seen = now, seen
+            for node_id in [n for n, r in rows.items() if seen - r.seen > _PURGE_AFTER]:
+                del rows[node_id]
+
+    def nodes(self) -> list[NodeInfo]:
+        """Every node listed for this lease, oldest first; lost ones have ``alive=False``."""
+        holder = self._lease.current()
+        leader = None if holder is None else holder.node_id
+        now = time.monotonic()
+        host, pid = socket.gethostname(), os.getpid()
+        with self._roster.lock:
+            rows = list(self._roster.rows.items())
+        nodes = [
+            NodeInfo(
+                node_id=node_id,
+                name=self.name,
+                hostname=host,
+                pid=pid,
+                client_addr=None,
+                started_at=row.started_at,
+                last_seen=row.last_seen,
+                alive=now - row.seen <= self.node_timeout,
+                is_leader=node_id == leader,
+            )
+            for node_id, row in rows
+        ]
+        nodes.sort(key=lambda n: (n.started_at, n.node_id))
+        return nodes
+
+    def __repr__(self) -> str:
+        return f"MemoryMembership(name={self.name!r}, node_id={self.node_id!r})"

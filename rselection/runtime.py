@@ -36,6 +36,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import signals
+from .abc import claimer_ability
 from .backoff import backoff
 from .claiming import (
     CLEANUP_BATCH,
@@ -1085,7 +1086,7 @@ class _Timetable:
         self.inline = all(type(spec.schedule) in _OWN_SCHEDULES for spec in specs)
         self.lead = 0.0
         claimer = runner.term.claimer
-        self.cleaning = claimer if isinstance(claimer, CleanupClaimer) else None
+        self.cleaning = claimer_ability(claimer, "cleanup")
         self._next_cleanup = time.monotonic()  # at the start of the term, then every period
         self.started = datetime.now(UTC)
 

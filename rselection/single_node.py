@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from .checkpoints import CheckpointStore, LeaseFencedStore
+from .abc import store_ability
+from .checkpoints import CheckpointStore
 from .errors import ConfigError
 from .leader import LeaseLeader
 from .memory import MemoryCheckpointStore, MemoryLease
@@ -64,7 +65,7 @@ class SingleNodeLeader(LeaseLeader):
         name: str = "single-node",
         node_id: str = "local",
     ) -> None:
-        if checkpoint_store is not None and not isinstance(checkpoint_store, LeaseFencedStore):
+        if checkpoint_store is not None and store_ability(checkpoint_store, "add_lease") is None:
             raise ConfigError(
                 f"a SingleNodeLeader's checkpoint_store must fence against its own in-memory "
                 f"lease (a store with add_lease(lease), such as MemoryCheckpointStore), got "

@@ -56,10 +56,11 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from . import signals
+from .abc import lease_ability
 from .context import TaskContext, Term
 from .errors import ConfigError
 from .leader import LeaseLeader
-from .lease import NonBlockingLease, RenewOutcome
+from .lease import RenewOutcome
 from .schedules import Schedule, format_fire_key
 from .single_node import SingleNodeLeader
 from .specs import TaskSpec, TaskType
@@ -621,7 +622,7 @@ class _FrozenRenewals:
         self.thawed = threading.Event()
         lease.renew = self.renew  # on this lease object only
         lease.term_ended = self.term_ended
-        if isinstance(lease, NonBlockingLease):  # a driven leader renews through this
+        if lease_ability(lease, "non_blocking") is not None:  # a driven leader renews so
             self.real_soon = lease.renew_soon
             setattr(lease, "renew_soon", self.renew_soon)  # noqa: B010 - a method, replaced
 
