@@ -148,6 +148,9 @@ class WaitPump:
         self._thread: threading.Thread | None = None
         self._wakeup = Wakeup()
         self._woken = False  # a wake-up byte is on its way to the pump's thread
+        # Steps handed to a lane and not back yet: the pump's thread looks for those back
+        # every SLACK seconds (one wake-up for many, not one per step).
+        self._stepping = 0
         self._order = itertools.count()
 
     @classmethod
@@ -194,10 +197,12 @@ class WaitPump:
                     self._entries.pop(key, None)
                     raise
                 self._thread = thread
+            self._stepping += 1
         try:
             lane.submit(self._step, entry, frozenset())
         except BaseException:
             with self._cond:
+                self._stepping -= 1
                 if self._entries.get(key) is entry:
                     self._forget(self._entries.pop(key))
             raise
@@ -243,6 +248,7 @@ class WaitPump:
     def _step(self, entry: _Entry, readable: frozenset[Any]) -> None:
         with self._cond:
             if entry.removed:
+                self._stepping -= 1
                 return
             entry.running = True
         outcome: BaseException | None = None
@@ -261,6 +267,7 @@ class WaitPump:
             ended = True  # the slice is over, as a lease's wait times out
         with self._cond:
             entry.running = False
+            self._stepping -= 1
             self._cond.notify_all()
             if entry.removed:
                 return  # the remover holds the lease now, and reads it itself
@@ -268,10 +275,12 @@ class WaitPump:
                 entry.removed = True
                 if self._entries.get(entry.key) is entry:
                     del self._entries[entry.key]
-                self._wake()  # the thread ends when nothing is left
+                if not self._entries:
+                    self._wake()  # nothing is left: the thread ends
             else:
                 self._ready.append((entry, min(due, entry.slice_end)))
-                self._wake()
+                if due == -math.inf:
+                    self._wake()  # more to read now; else the pump looks within SLACK
         if ended:
             try:
                 entry.ended(outcome)
@@ -305,10 +314,10 @@ class WaitPump:
                         _register(sel, entry)
                         if due < math.inf:
                             heapq.heappush(heap, (due, next(self._order), entry.version, entry))
-                timeout = _MAX_WAIT
+                    timeout = SLACK if self._stepping else _MAX_WAIT
                 if heap:
                     wait = heap[0][0] - time.monotonic()
-                    timeout = 0.0 if wait <= 0 else min(_MAX_WAIT, wait + SLACK)
+                    timeout = 0.0 if wait <= 0 else min(timeout, wait + SLACK)
                 events = sel.select(timeout)
                 due_now: dict[_Entry, set[Any]] = {}
                 for selected, _ in events:
@@ -334,6 +343,7 @@ class WaitPump:
                     continue
                 entry.stepping = True
                 entry.version += 1  # its timer on the heap is stale now
+                self._stepping += 1
                 steps.append((entry, frozenset(readable)))
         for entry, sockets in steps:
             try:
@@ -343,6 +353,7 @@ class WaitPump:
                 # watch ends; its owner is told, and watches again when it may.
                 logger.warning("wait pump: a step could not be handed to a worker")
                 with self._cond:
+                    self._stepping -= 1
                     if entry.removed:
                         continue
                     entry.removed = True
