@@ -321,8 +321,9 @@ class RedisLease(Closeable):
     """A lease kept in one Redis key, with ``PX`` expiry, fencing terms and fast failover.
 
     One instance is used by one caller at a time (:meth:`connect`, :meth:`try_acquire`,
-    :meth:`renew`, :meth:`release`, :meth:`wait_for_change`, :meth:`close`: a leader's
-    driven keeper, and its waiting thread in between);
+    :meth:`renew`, :meth:`release`, :meth:`wait_for_change` or the steps of a
+    :meth:`watch_for_change`, :meth:`close`: a leader's driven keeper, and the steps of
+    its wait on the process's wait pump in between, see :mod:`rselection.wait_pump`);
     :meth:`current` and :meth:`interrupt` are safe from any thread. Keeper methods raise
     :class:`~rselection.errors.BackendUnavailable` on any connection or server error;
     the keeper connections are then closed (once no term acquired through them may still
