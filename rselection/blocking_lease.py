@@ -18,8 +18,17 @@ keeper (:mod:`rselection.driven`) steps, so that one engine serves every backend
   sees one caller at a time, as its contract promises. A wait those calls took over
   wakes nobody: the call itself reads the lease.
 
-The waiting thread is the only thread of its own a leader keeps; the deadline, the
-renewals and the attempts are the driver's, as for a Postgres lease.
+A lease that can do better says so through the same interface: one whose wait can be
+taken in steps (:class:`~rselection.wait_pump.Watchable`, a Redis lease) has no waiting
+thread of its own. The process's one :class:`~rselection.wait_pump.WaitPump` watches its
+sockets, and its steps (reading, beats, checks of a holder, reconnecting) run on a lane
+of the driver's wait workers of its own, between the keeper's calls: a call takes the lease
+out of the pump, waiting only for a step of this lease under way, and watches it again
+when done. A watch's end wakes the keeper as a wait's return does.
+
+The waiting thread is the only thread of its own a leader keeps (none over a watchable
+lease); the deadline, the renewals and the attempts are the driver's, as for a Postgres
+lease.
 """
 
 from __future__ import annotations
@@ -29,7 +38,10 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from .daemon_pool import Lane
+from .driver import LeaseDriver
 from .lease import Acquisition, LeaderInfo, LeaseBackend, RenewOutcome
+from .wait_pump import WaitPump, Watch, Watchable
 
 __all__ = ["WAIT_SLICE", "BlockingLease"]
 
@@ -65,6 +77,10 @@ class BlockingLease:
         # A lease whose calls may run while another thread waits in it (a memory lease)
         # is not interrupted for each call: its other waiters would wake for nothing.
         self._concurrent = bool(getattr(lease, "concurrent_calls", False))
+        # A lease whose wait can be taken in steps (a Redis lease) has no waiting thread:
+        # the process's WaitPump watches it, its steps on a lane of the driver's wait workers.
+        self._pumped = isinstance(lease, Watchable)
+        self._lane: Lane | None = None  # pumped: the lane of the watch's steps
 
     # -- LeaseBackend ---------------------------------------------------------------------
 
@@ -110,7 +126,10 @@ class BlockingLease:
 
     def interrupt(self) -> None:
         """The lease's ``interrupt``: a wait under way returns (and wakes the keeper)."""
-        self.lease.interrupt()
+        if self._pumped:
+            self._wake()  # what an interrupted wait does; the watch goes on
+        else:
+            self.lease.interrupt()
 
     def term_ended(self, term: int) -> None:
         """The lease's ``term_ended`` (safe from any thread by the lease's contract)."""
@@ -142,6 +161,17 @@ class BlockingLease:
     def on_wake(self, waker: Callable[[], None] | None) -> None:
         """Wake ``waker`` when a wait ends; ``None``: no more waits (the waiting thread
         ends once its wait under way returns; never blocks, the driver calls it)."""
+        if self._pumped:
+            with self._cond:
+                self._waker = waker
+                if waker is None:
+                    WaitPump.shared().discard(self)  # a step under way may end
+                    if self._lane is not None:
+                        self._lane.shutdown()
+                        self._lane = None
+                else:
+                    self._arm()
+            return
         with self._cond:
             self._waker = waker
             self._cond.notify_all()
@@ -157,6 +187,10 @@ class BlockingLease:
     def _session(self) -> Iterator[None]:
         """Hold the lease's session for one call of the keeper: a wait under way is
         interrupted, and the call runs once the wait has returned."""
+        if self._pumped:
+            with self._pumped_session():
+                yield
+            return
         if self._concurrent:
             yield
             return
@@ -181,6 +215,57 @@ class BlockingLease:
             with self._cond:
                 self._calls -= 1
                 self._cond.notify_all()
+
+    @contextmanager
+    def _pumped_session(self) -> Iterator[None]:
+        """The lease out of the pump for one call (a step of it under way ends first;
+        no new one starts meanwhile); then watched again."""
+        with self._cond:
+            self._calls += 1
+        try:
+            WaitPump.shared().remove(self)
+            yield
+        finally:
+            with self._cond:
+                self._calls -= 1
+                self._arm()
+
+    def _arm(self) -> None:
+        """Pumped, under the lock: watch the lease when it is connected and no call uses
+        it (the last call arms it when done). The watch begins on the lease's lane."""
+        if self._waker is None or not self._may_wait():
+            return
+        if self._lane is None:
+            self._lane = LeaseDriver.shared().wait_lane()
+        try:
+            WaitPump.shared().add(
+                self, self._lane, self._start_watch, self._watch_ended, WAIT_SLICE
+            )
+        except RuntimeError as exc:  # no thread: the keeper's next call tries again
+            logger.error("lease %r: cannot watch the lease (%s)", self.name, exc)
+            self._error, self._broken = exc, True
+            self._waker()  # the keeper's poke never blocks: it raises the error, recovers
+
+    def _start_watch(self) -> Watch:
+        assert isinstance(self.lease, Watchable)
+        return self.lease.watch_for_change()
+
+    def _watch_ended(self, outcome: BaseException | None) -> None:
+        """Pumped, on the lease's lane: a watch ended (a change, its slice, or ``outcome``
+        raised). Wake the keeper, and watch again unless the lease broke."""
+        with self._cond:
+            if outcome is not None:
+                self._error, self._broken = outcome, True
+            waker = self._waker
+            self._arm()
+        if waker is not None:
+            waker()
+
+    def _wake(self) -> None:
+        with self._cond:
+            waker = self._waker
+        if waker is not None:
+            waker()
 
     def _interrupt_wait(self) -> None:
         try:

@@ -11,8 +11,10 @@ driver's pool, one at a time per leader.
 
 So the process's machinery threads are the driver's one thread, whatever its number of
 leases, plus one pool thread per leader that is changing state at that moment (pool
-threads are reused, and end after :data:`IDLE_TIMEOUT` idle), plus, for a lease whose
-calls block, one thread per leader waiting in it (:mod:`rselection.blocking_lease`).
+threads are reused, and end after :data:`IDLE_TIMEOUT` idle), plus, for leases whose
+calls block, the wait pump's one thread and its few workers (:mod:`rselection.wait_pump`,
+a Redis lease), or one thread per leader waiting in a lease that cannot be waited on in
+steps (:mod:`rselection.blocking_lease`).
 With no leader left to drive, the driver's thread and the pool's idle threads end. The
 deadline is enforced by the driver's thread itself, which never waits for a round trip,
 a lock held across I/O, or a user's code.
@@ -32,7 +34,16 @@ from . import clock, forks
 from .daemon_pool import DaemonExecutor, Lane, SharedPool
 from .task_threads import TaskThreads
 
-__all__ = ["IDLE_TIMEOUT", "MOST_WORKERS", "STUCK_AFTER", "WORKERS", "Driven", "LeaseDriver"]
+__all__ = [
+    "IDLE_TIMEOUT",
+    "MOST_WORKERS",
+    "STUCK_AFTER",
+    "WAIT_STUCK_AFTER",
+    "WAIT_WORKERS",
+    "WORKERS",
+    "Driven",
+    "LeaseDriver",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +62,18 @@ STUCK_AFTER = 1.0
 MOST_WORKERS = 256
 """The most worker threads, stuck or not (only steps stuck in users' receivers or on a
 silent server make more than :data:`WORKERS` run)."""
+
+WAIT_WORKERS = 4
+"""The most threads that run the steps of leases' waits (:mod:`rselection.wait_pump`:
+reading a lease's messages, its liveness beats, checks of a holder) at once, not
+counting stuck ones (see :data:`WAIT_STUCK_AFTER`)."""
+
+WAIT_STUCK_AFTER = 0.25
+"""Seconds after which a running step of a wait no longer counts against
+:data:`WAIT_WORKERS`. Such a step takes a round trip on a healthy server; one that
+takes longer waits for a server that hangs, and the other leases' steps get another
+thread soon (up to :data:`MOST_WORKERS`), so a hung server delays them this long at
+most."""
 
 _MAX_WAIT = 1.0  # a timed wait does not count time suspended: look again this often
 _RETRY_AFTER_ERROR = 0.1  # seconds before a step that raised is called again
@@ -87,6 +110,12 @@ class LeaseDriver:
         # Kept for the process's life: its idle workers end once no lane is open.
         self._work = SharedPool(
             "rselection-driver-work", WORKERS, most=MOST_WORKERS, stuck_after=STUCK_AFTER
+        )
+        self._wait_work = SharedPool(
+            "rselection-driver-wait",
+            WAIT_WORKERS,
+            most=MOST_WORKERS,
+            stuck_after=WAIT_STUCK_AFTER,
         )
 
     @classmethod
@@ -134,6 +163,14 @@ class LeaseDriver:
         so one leader's slow step never holds up the others'). Shut it down when done.
         """
         return self._work.lane(1)
+
+    def wait_lane(self) -> Lane:
+        """A lease's own queue of the steps of its waits (:mod:`rselection.wait_pump`),
+        one at a time, on the driver's wait workers: their own pool, so that a step
+        stuck on a hung server counts as stuck after :data:`WAIT_STUCK_AFTER` (not
+        :data:`STUCK_AFTER`) and holds up the other leases' steps no longer. Shut it
+        down when done."""
+        return self._wait_work.lane(1)
 
     def urgent(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` (the end of a term that must not wait for a worker) on a thread

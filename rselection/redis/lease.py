@@ -135,6 +135,9 @@ _PROBE_CAP = 1.0
 # PUBLISH can send them, and each costs an attempt (or a renewal) round trip. A release
 # or a handover request is still acted on within this.
 _WAKE_GAP = 0.05
+# The most messages one step of a wait reads: the rest is read in the next step, after
+# the steps of other leases that were ready (a flooded channel starves nobody).
+_STEP_MESSAGES = 64
 # Seconds between two log lines about dropped messages (each is counted).
 _DROPPED_LOG_EVERY = 60.0
 
@@ -318,8 +321,9 @@ class RedisLease(Closeable):
     """A lease kept in one Redis key, with ``PX`` expiry, fencing terms and fast failover.
 
     One instance is used by one caller at a time (:meth:`connect`, :meth:`try_acquire`,
-    :meth:`renew`, :meth:`release`, :meth:`wait_for_change`, :meth:`close`: a leader's
-    driven keeper, and its waiting thread in between);
+    :meth:`renew`, :meth:`release`, :meth:`wait_for_change` or the steps of a
+    :meth:`watch_for_change`, :meth:`close`: a leader's driven keeper, and the steps of
+    its wait on the process's wait pump in between, see :mod:`rselection.wait_pump`);
     :meth:`current` and :meth:`interrupt` are safe from any thread. Keeper methods raise
     :class:`~rselection.errors.BackendUnavailable` on any connection or server error;
     the keeper connections are then closed (once no term acquired through them may still
@@ -831,7 +835,7 @@ class RedisLease(Closeable):
             self._keeper()  # a broken keeper connection raises at once
             if self._wakeup.pending or not timeout > 0:
                 return
-            watch = self._watch_for_change()
+            watch = self.watch_for_change()
             deadline = time.monotonic() + timeout
             with selectors.DefaultSelector() as sel:
                 for sock in watch.sockets:
@@ -841,7 +845,7 @@ class RedisLease(Closeable):
                     sel.register(wake, selectors.EVENT_READ)
                 while (remaining := deadline - time.monotonic()) > 0:
                     step = min(remaining, max(0.0, watch.due() - time.monotonic()))
-                    ready = {key.fileobj for key, _ in sel.select(step)}
+                    ready = frozenset(key.fileobj for key, _ in sel.select(step))
                     if wake is not None and wake in ready:
                         return
                     if watch.step(ready):
@@ -849,11 +853,13 @@ class RedisLease(Closeable):
         finally:
             self._wakeup.clear()
 
-    def _watch_for_change(self) -> _LeaseWatch:
-        """Begin a wait of :meth:`wait_for_change` in steps: the sockets
-        to watch, when it is due, and what a readable socket or a due time does (see
-        :class:`_LeaseWatch`). The caller holds the lease (no other call runs) until it
-        stops stepping the watch.
+    def watch_for_change(self) -> _LeaseWatch:
+        """Begin a wait of :meth:`wait_for_change` in steps that another thread takes
+        (:class:`rselection.wait_pump.Watchable`): the sockets to watch, when it is due,
+        and what a readable socket or a due time does (see
+        :class:`rselection.wait_pump.Watch`). The caller holds the lease (no other call
+        runs) until it stops stepping the watch. May reconnect, as
+        :meth:`wait_for_change` does.
 
         Raises:
             BackendUnavailable: a keeper connection broke.
@@ -956,8 +962,9 @@ class RedisLease(Closeable):
             raise unavailable("listen for lease changes", self._factory.where, exc) from exc
         self._presence = node_id
 
-    def _drain(self, listener: Any) -> bool:
-        """Read the channels' messages; ``True`` if one may concern this keeper.
+    def _drain(self, listener: Any, limit: int | None = None) -> tuple[bool, bool]:
+        """Read the channels' messages, at most ``limit`` of them; whether one may
+        concern this keeper, and whether more are there to read.
 
         Anyone allowed to PUBLISH can send anything here: a message is only a wake-up
         (the keeper then reads the lease itself), or a beat whose signature checks out;
@@ -966,8 +973,12 @@ class RedisLease(Closeable):
         leader releases).
         """
         got = False
+        read = 0
         try:
             while listener.can_read(0):
+                if limit is not None and read >= limit:
+                    return got, True
+                read += 1
                 try:
                     message = listener.read_response()
                 except redis.ResponseError as exc:
@@ -998,7 +1009,7 @@ class RedisLease(Closeable):
         except (redis.RedisError, OSError) as exc:
             self._fail()
             raise unavailable("listen for lease changes", self._factory.where, exc) from exc
-        return got
+        return got, False
 
     def _dropped(self, channel: bytes, payload: Any) -> None:
         """Count a message no rselection node sends; log it at most once a minute."""
@@ -1108,8 +1119,9 @@ class RedisLease(Closeable):
 
 
 class _LeaseWatch:
-    """One wait of a :class:`RedisLease` for a change, in steps:
-    :meth:`RedisLease.wait_for_change` is a loop over them.
+    """One wait of a :class:`RedisLease` for a change, in steps (a
+    :class:`rselection.wait_pump.Watch`): :meth:`RedisLease.wait_for_change` is a loop
+    over them, and the process's wait pump takes them for many leases.
 
     The stepping thread watches :attr:`sockets` for reading, and calls :meth:`step`
     with the readable ones whenever one is, or when :meth:`due` has come.
@@ -1124,11 +1136,15 @@ class _LeaseWatch:
         self._probe = probe  # the holder whose connection to check, while following
         self._beating = beating  # leading: publish liveness beats
         self._woken = False  # a message asked for a wake-up
+        self._more = False  # the last step left messages unread
         self.sockets = (_sock(conn), _sock(listener))
         """The keeper's and the listener's sockets."""
 
     def due(self) -> float:
-        """The monotonic time of the next beat, check or wake-up (``inf``: none)."""
+        """The monotonic time of the next beat, check or wake-up (``inf``: none; ``-inf``
+        when messages are left to read)."""
+        if self._more:
+            return -math.inf
         lease, live = self._lease, self._lease._liveness
         due = math.inf
         if self._probe is not None:
@@ -1139,9 +1155,10 @@ class _LeaseWatch:
             due = min(due, lease._wake_after)
         return due
 
-    def step(self, readable: set[Any]) -> bool:
-        """Read what ``readable`` holds of :attr:`sockets`, then beat or check when due;
-        ``True`` when the wait ends (the holder may have changed).
+    def step(self, readable: frozenset[Any]) -> bool:
+        """Read what ``readable`` holds of :attr:`sockets` (at most
+        :data:`_STEP_MESSAGES` messages), then beat or check when due; ``True`` when the
+        wait ends (the holder may have changed).
 
         Raises:
             BackendUnavailable: a keeper connection broke.
@@ -1150,8 +1167,9 @@ class _LeaseWatch:
         keeper, listening = self.sockets
         if keeper in readable:
             lease._keeper_readable(self._conn)
-        if listening in readable and lease._drain(self._listener):
-            self._woken = True
+        if listening in readable or self._more:
+            got, self._more = lease._drain(self._listener, _STEP_MESSAGES)
+            self._woken = self._woken or got
         # Beats and checks come before a wake-up: a flood of messages must never starve
         # them (it would delay a takeover to the ttl).
         now = time.monotonic()

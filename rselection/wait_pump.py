@@ -1,0 +1,391 @@
+"""One thread that watches every lease of the process whose wait for a change can be
+taken in steps (a Redis lease), instead of one waiting thread per lease.
+
+A lease offers such waits with ``watch_for_change()`` (:class:`Watchable`), which returns
+a :class:`Watch`: the sockets to watch, when it is next due (a liveness beat to send, a
+holder's connection to check), and a step that reads what came, does what is due and
+says whether the wait ended. :class:`WaitPump` splits the work so that one slow lease
+holds up no other:
+
+* the pump's own thread only selects on the sockets of the watches that wait and pops
+  the due ones from a heap of timers (a wake-up costs ``O(log n)``, whatever the number
+  of leases); it never reads a socket or calls a lease;
+* every piece that may block (beginning a watch, which may reconnect; a step, which
+  reads, publishes a beat or asks ``CLIENT LIST``) runs on the lease's own lane of the
+  driver's wait workers (:meth:`rselection.driver.LeaseDriver.wait_lane`), one at a time
+  per lease; a lease's sockets and timer are out of the selector while its step runs,
+  and a step that takes long no longer counts against the workers' bound, so a server
+  that hangs holds up the steps of its own leases only;
+* a step reads a bounded number of messages (the watch's business); one that left
+  messages unread says so with a due time that has come, and is stepped again after the
+  others that were ready, so a flooded channel does not starve the other leases.
+
+A watch also ends after :data:`~rselection.blocking_lease.WAIT_SLICE` seconds, as a
+lease's ``wait_for_change`` times out. The lease's owner
+(:class:`~rselection.blocking_lease.BlockingLease`) takes its watch out with
+:meth:`WaitPump.remove` before each of its calls, which waits only for that lease's own
+step under way, so the lease still sees one caller at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import logging
+import math
+import os
+import selectors
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from . import forks
+from .wakeup import Wakeup
+
+__all__ = ["SLACK", "Watch", "Watchable", "WaitPump"]
+
+logger = logging.getLogger("rselection.leader")
+
+SLACK = 0.02
+"""Seconds a due step may be late, so that one wake-up of the pump's thread serves the
+steps that fall due close together (beats of many leaders) rather than one each."""
+
+_MAX_WAIT = 1.0  # seconds; a timed wait does not count time suspended: look again
+
+
+class Watch(Protocol):
+    """One wait for a change, in steps (see the module docstring). Its methods are
+    called one at a time, never on the pump's thread."""
+
+    sockets: tuple[Any, ...]
+    """The sockets to watch for reading (fixed for the watch's life)."""
+
+    def due(self) -> float:
+        """The monotonic time at which :meth:`step` is due even with nothing to read
+        (``inf``: never; a time passed: at once, after the others ready now)."""
+
+    def step(self, readable: frozenset[Any]) -> bool:
+        """Read a bounded amount from the ``readable`` sockets, do what is due; ``True``
+        when the wait ended (the lease may have changed). Raises what the lease's
+        ``wait_for_change`` would raise."""
+
+
+@runtime_checkable
+class Watchable(Protocol):
+    """A lease whose wait for a change can be taken in steps by :class:`WaitPump`.
+
+    Optional: :class:`~rselection.blocking_lease.BlockingLease` then waits in it on the
+    process's one pump thread instead of a thread of the lease's own.
+    """
+
+    def watch_for_change(self) -> Watch:
+        """Begin one wait of ``wait_for_change`` in steps; may block (it may reconnect),
+        and raises what ``wait_for_change`` would raise."""
+
+
+Ended = Callable[[BaseException | None], None]
+"""Called on a worker when a watch ended: ``None`` (a change, or the slice timed out),
+or with what its start or step raised. The watch is out of the pump by then."""
+
+
+class _Entry:
+    """One lease's watch in the pump. ``state`` and ``removed`` are the pump's (under its
+    lock); ``watch`` is the worker's."""
+
+    __slots__ = (
+        "ended",
+        "key",
+        "lane",
+        "registered",
+        "removed",
+        "running",
+        "slice_end",
+        "start",
+        "stepping",
+        "version",
+        "watch",
+    )
+
+    def __init__(
+        self,
+        key: object,
+        lane: Executor,
+        start: Callable[[], Watch],
+        ended: Ended,
+        slice_end: float,
+    ) -> None:
+        self.key = key
+        self.lane = lane
+        self.start = start
+        self.ended = ended
+        self.slice_end = slice_end
+        self.watch: Watch | None = None
+        self.removed = False  # out of the pump: no more steps
+        self.running = False  # a step runs on a worker now
+        self.stepping = True  # submitted to the lane, or running: not in the selector
+        self.registered: tuple[Any, ...] = ()  # its sockets in the pump's selector
+        self.version = 0  # its timer on the heap is current only with this version
+
+
+class WaitPump:
+    """The process's waiting thread for watchable leases; get it with :meth:`shared`.
+
+    Every method is safe from any thread and never calls back into its caller.
+    """
+
+    _shared: ClassVar[WaitPump | None] = None
+    _shared_pid = 0
+    _shared_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._entries: dict[object, _Entry] = {}
+        self._ready: list[tuple[_Entry, float]] = []  # back from a step: (entry, due)
+        self._dropped: list[_Entry] = []  # removed while in the selector
+        self._thread: threading.Thread | None = None
+        self._wakeup = Wakeup()
+        self._woken = False  # a wake-up byte is on its way to the pump's thread
+        # Steps handed to a lane and not back yet: the pump's thread looks for those back
+        # every SLACK seconds (one wake-up for many, not one per step).
+        self._stepping = 0
+        self._order = itertools.count()
+
+    @classmethod
+    def reset_after_fork(cls) -> None:
+        """In a forked child: the lock is made anew; :meth:`shared` makes a new pump."""
+        cls._shared_lock = threading.Lock()
+
+    @classmethod
+    def shared(cls) -> WaitPump:
+        """This process's pump (a new one after ``fork()``)."""
+        with cls._shared_lock:
+            if cls._shared is None or cls._shared_pid != os.getpid():
+                cls._shared = WaitPump()
+                cls._shared_pid = os.getpid()
+            return cls._shared
+
+    def add(
+        self,
+        key: object,
+        lane: Executor,
+        start: Callable[[], Watch],
+        ended: Ended,
+        slice_seconds: float,
+    ) -> None:
+        """Watch ``key``'s lease: ``start()`` on ``lane`` begins a watch, whose steps then
+        run on ``lane`` until it ends (``ended`` is called), ``slice_seconds`` pass (so
+        does it, with ``None``) or :meth:`remove`. Replaces a watch of ``key``.
+
+        Raises:
+            RuntimeError: ``lane`` was shut down, or no thread could start.
+        """
+        entry = _Entry(key, lane, start, ended, time.monotonic() + slice_seconds)
+        with self._cond:
+            self._forget(self._entries.pop(key, None))
+            self._entries[key] = entry
+            if self._thread is None:
+                self._wakeup.open()
+                thread = threading.Thread(
+                    target=self._run, name="rselection-wait-pump", daemon=True
+                )
+                try:
+                    thread.start()
+                except BaseException:
+                    self._entries.pop(key, None)
+                    raise
+                self._thread = thread
+            self._stepping += 1
+        try:
+            lane.submit(self._step, entry, frozenset())
+        except BaseException:
+            with self._cond:
+                self._stepping -= 1
+                if self._entries.get(key) is entry:
+                    self._forget(self._entries.pop(key))
+            raise
+
+    def remove(self, key: object) -> None:
+        """Stop watching ``key``'s lease; returns once no step of its watch runs (a step
+        of another lease is never waited for). Call it from a thread other than the
+        lease's lane (a step runs there)."""
+        with self._cond:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                return
+            self._forget(entry)
+            self._cond.wait_for(lambda: not entry.running)
+
+    def discard(self, key: object) -> None:
+        """Stop watching ``key``'s lease soon; never blocks (a step under way may end)."""
+        with self._cond:
+            self._forget(self._entries.pop(key, None))
+
+    def watching(self) -> int:
+        """How many leases the pump watches now."""
+        with self._cond:
+            return len(self._entries)
+
+    def _forget(self, entry: _Entry | None) -> None:
+        """Under the lock: ``entry`` is out; its sockets leave the selector soon."""
+        if entry is None:
+            return
+        entry.removed = True
+        if not entry.stepping:
+            self._dropped.append(entry)
+            self._wake()
+
+    def _wake(self) -> None:
+        """Under the lock: wake the pump's thread (once until it looks)."""
+        if not self._woken:
+            self._woken = True
+            self._wakeup.wake()
+
+    # -- a worker: one step of one lease --------------------------------------------------
+
+    def _step(self, entry: _Entry, readable: frozenset[Any]) -> None:
+        with self._cond:
+            if entry.removed:
+                self._stepping -= 1
+                return
+            entry.running = True
+        outcome: BaseException | None = None
+        ended = False
+        due = math.inf
+        try:
+            if entry.watch is None:
+                entry.watch = entry.start()  # may reconnect: here, never on the pump
+            else:
+                ended = entry.watch.step(readable)
+            if not ended:
+                due = entry.watch.due()
+        except BaseException as exc:  # handed to the lease's owner
+            outcome, ended = exc, True
+        if not ended and time.monotonic() >= entry.slice_end:
+            ended = True  # the slice is over, as a lease's wait times out
+        with self._cond:
+            entry.running = False
+            self._stepping -= 1
+            self._cond.notify_all()
+            if entry.removed:
+                return  # the remover holds the lease now, and reads it itself
+            if ended:
+                entry.removed = True
+                if self._entries.get(entry.key) is entry:
+                    del self._entries[entry.key]
+                if not self._entries:
+                    self._wake()  # nothing is left: the thread ends
+            else:
+                self._ready.append((entry, min(due, entry.slice_end)))
+                if due == -math.inf:
+                    self._wake()  # more to read now; else the pump looks within SLACK
+        if ended:
+            try:
+                entry.ended(outcome)
+            except Exception:
+                logger.exception("wait pump: the end of a wait raised; going on")
+
+    # -- the pump's thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        heap: list[tuple[float, int, int, _Entry]] = []
+        with selectors.DefaultSelector() as sel:
+            wake = self._wakeup.socket
+            assert wake is not None
+            sel.register(wake, selectors.EVENT_READ, None)
+            while True:
+                with self._cond:
+                    self._woken = False
+                    self._wakeup.clear()
+                    if not self._entries and not self._ready:
+                        self._thread = None
+                        self._wakeup.close()
+                        return
+                    ready, self._ready = self._ready, []
+                    dropped, self._dropped = self._dropped, []
+                    for entry in dropped:
+                        _unregister(sel, entry)
+                    for entry, due in ready:
+                        if entry.removed:
+                            continue
+                        entry.stepping = False
+                        _register(sel, entry)
+                        if due < math.inf:
+                            heapq.heappush(heap, (due, next(self._order), entry.version, entry))
+                    timeout = SLACK if self._stepping else _MAX_WAIT
+                if heap:
+                    wait = heap[0][0] - time.monotonic()
+                    timeout = 0.0 if wait <= 0 else min(timeout, wait + SLACK)
+                events = sel.select(timeout)
+                due_now: dict[_Entry, set[Any]] = {}
+                for selected, _ in events:
+                    if selected.data is not None:
+                        due_now.setdefault(selected.data, set()).add(selected.fileobj)
+                now = time.monotonic()
+                while heap and heap[0][0] <= now:
+                    _, _, version, entry = heapq.heappop(heap)
+                    if version == entry.version:
+                        due_now.setdefault(entry, set())
+                self._submit(sel, due_now)
+
+    def _submit(self, sel: selectors.BaseSelector, due_now: dict[_Entry, set[Any]]) -> None:
+        """Hand the steps that are due to the leases' lanes; their sockets and timers are
+        out until the step is back."""
+        with self._cond:
+            steps: list[tuple[_Entry, frozenset[Any]]] = []
+            for entry, readable in due_now.items():
+                if entry.stepping:
+                    continue
+                _unregister(sel, entry)
+                if entry.removed:
+                    continue
+                entry.stepping = True
+                entry.version += 1  # its timer on the heap is stale now
+                self._stepping += 1
+                steps.append((entry, frozenset(readable)))
+        for entry, sockets in steps:
+            try:
+                entry.lane.submit(self._step, entry, sockets)
+            except RuntimeError:
+                # The lane was shut down (its lease left) or no worker could start: the
+                # watch ends; its owner is told, and watches again when it may.
+                logger.warning("wait pump: a step could not be handed to a worker")
+                with self._cond:
+                    self._stepping -= 1
+                    if entry.removed:
+                        continue
+                    entry.removed = True
+                    if self._entries.get(entry.key) is entry:
+                        del self._entries[entry.key]
+                with contextlib.suppress(Exception):
+                    entry.ended(None)
+
+
+def _register(sel: selectors.BaseSelector, entry: _Entry) -> None:
+    watch = entry.watch
+    assert watch is not None
+    for sock in watch.sockets:
+        try:
+            sel.register(sock, selectors.EVENT_READ, entry)
+        except KeyError:
+            # The same descriptor under a socket closed meanwhile (a lease reconnected):
+            # that registration is stale.
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                sel.unregister(sel.get_map()[sock.fileno()].fileobj)
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                sel.register(sock, selectors.EVENT_READ, entry)
+        except (ValueError, OSError):
+            continue  # closed meanwhile: the next step (or call) finds it broken
+    entry.registered = watch.sockets
+
+
+def _unregister(sel: selectors.BaseSelector, entry: _Entry) -> None:
+    registered, entry.registered = entry.registered, ()
+    for sock in registered:
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            sel.unregister(sock)  # unless closed meanwhile
+
+
+forks.register(WaitPump)

@@ -1,0 +1,218 @@
+"""The wait pump (:mod:`rselection.wait_pump`) with leases of our own that offer their
+wait in steps: a step that hangs holds up no other lease, a lease never sees two callers
+at once, a change wakes the keeper, and the pump's thread ends with the last lease."""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+import rselection as rs
+from rselection.blocking_lease import BlockingLease
+from rselection.memory import MemoryLease
+from rselection.wait_pump import WaitPump, Watchable
+from tests.support.waiting import wait_until
+
+FAST = {"ttl": 3.0, "renew_interval": 0.2, "renew_deadline": 1.0, "retry_interval": 0.2}
+TICK = 0.05  # seconds between two steps of a lease's wait (a beat, say)
+
+
+class SteppedLease(MemoryLease):
+    """A memory lease whose wait is taken in steps: one step every :data:`TICK`, which
+    hangs while ``hang`` is set; ``poke()`` makes its socket readable (a change). It
+    records a second caller that came while one was inside it."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name, ttl=3.0)
+        self.hang = threading.Event()
+        self.let_go = threading.Event()
+        self.hanging = threading.Event()
+        self.steps: list[float] = []
+        self.overlaps = 0
+        self._inside = threading.Lock()
+        self._pair = socket.socketpair()
+        for end in self._pair:
+            end.setblocking(False)
+
+    def _enter(self) -> None:
+        if not self._inside.acquire(blocking=False):
+            self.overlaps += 1
+            self._inside.acquire()
+
+    def poke(self) -> None:
+        self._pair[1].send(b"x")
+
+    def watch_for_change(self) -> _Watch:
+        self._enter()
+        try:
+            return _Watch(self)
+        finally:
+            self._inside.release()
+
+    def connect(self) -> None:
+        self._enter()
+        try:
+            super().connect()
+        finally:
+            self._inside.release()
+
+    def try_acquire(self, node_id: str) -> rs.Acquisition:
+        self._enter()
+        try:
+            return super().try_acquire(node_id)
+        finally:
+            self._inside.release()
+
+    def renew(self, node_id: str, term: int) -> bool:
+        self._enter()
+        try:
+            return super().renew(node_id, term)
+        finally:
+            self._inside.release()
+
+    def release(self, node_id: str, term: int) -> None:
+        self._enter()
+        try:
+            super().release(node_id, term)
+        finally:
+            self._inside.release()
+
+    def close(self) -> None:
+        self._enter()
+        try:
+            super().close()
+        finally:
+            self._inside.release()
+
+
+class _Watch:
+    def __init__(self, lease: SteppedLease) -> None:
+        self.lease = lease
+        self.sockets = (lease._pair[0],)
+        self.next = time.monotonic() + TICK
+
+    def due(self) -> float:
+        return self.next
+
+    def step(self, readable: frozenset[Any]) -> bool:
+        lease = self.lease
+        lease._enter()
+        try:
+            if lease.hang.is_set():
+                lease.hanging.set()
+                lease.let_go.wait(30)
+            lease.steps.append(time.monotonic())
+            self.next = time.monotonic() + TICK
+            if readable:
+                lease._pair[0].recv(64)
+                return True
+            return False
+        finally:
+            lease._inside.release()
+
+
+def pump_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "rselection-wait-pump"]
+
+
+def longest_gap(times: list[float], since: float) -> float:
+    """The longest time without a step from ``since`` until now."""
+    seen = [since, *(t for t in times if t >= since), time.monotonic()]
+    return max(b - a for a, b in itertools.pairwise(seen))
+
+
+def test_a_lease_offering_steps_is_watched_by_the_pump_without_a_thread_of_its_own() -> None:
+    prefix = uuid.uuid4().hex[:6]
+    leases = [SteppedLease(f"s{i}-{prefix}") for i in range(3)]
+    assert all(isinstance(x, Watchable) for x in leases)
+    leaders = [
+        rs.LeaseLeader(x, rs.TaskHandler(), node_id="a", **FAST)  # type: ignore[arg-type]
+        for x in leases
+    ]
+    try:
+        for leader in leaders:
+            leader.start()
+        assert all(x.wait_until_leader(5) for x in leaders)
+        assert not [t for t in threading.enumerate() if t.name.startswith("rselection-wait-s")]
+        assert len(pump_threads()) == 1
+        wait_until(lambda: all(len(x.steps) > 5 for x in leases), 5, "steps of every lease")
+    finally:
+        for leader in leaders:
+            leader.stop(timeout=10)
+    assert all(x.overlaps == 0 for x in leases), [x.overlaps for x in leases]
+    wait_until(lambda: not pump_threads(), 5, "the pump's thread to end")
+
+
+def test_a_step_that_hangs_holds_up_no_other_lease_and_a_change_wakes_the_keeper() -> None:
+    prefix = uuid.uuid4().hex[:6]
+    # More leases that hang than the wait workers: each holds one, the others go on.
+    hung = [SteppedLease(f"h{i}-{prefix}") for i in range(6)]
+    healthy = SteppedLease(f"ok-{prefix}")
+    leaders = [
+        rs.LeaseLeader(x, rs.TaskHandler(), node_id="a", **FAST)  # type: ignore[arg-type]
+        for x in [*hung, healthy]
+    ]
+    try:
+        for leader in leaders:
+            leader.start()
+        assert all(x.wait_until_leader(5) for x in leaders)
+        for lease in hung:
+            lease.hang.set()
+        began = time.monotonic()
+        wait_until(lambda: time.monotonic() - began > 1.5, 5, "a while with hung steps")
+        gap = longest_gap(healthy.steps, began)
+        # Steps come every 0.05 s; a hung step stops counting against the workers after
+        # 0.25 s (WAIT_STUCK_AFTER), and another worker takes the healthy lease's.
+        assert gap < 0.8, f"the healthy lease's steps stalled {gap:.2f} s"
+        assert leaders[-1].is_leader
+    finally:
+        for lease in hung:
+            lease.let_go.set()
+        for leader in leaders:
+            leader.stop(timeout=10)
+    assert all(x.overlaps == 0 for x in [*hung, healthy])
+    wait_until(lambda: not pump_threads(), 5, "the pump's thread to end")
+    assert WaitPump.shared().watching() == 0
+
+
+def test_a_change_wakes_the_keeper_and_a_call_waits_for_its_own_leases_step_only() -> None:
+    prefix = uuid.uuid4().hex[:6]
+    mine, other = SteppedLease(f"m-{prefix}"), SteppedLease(f"o-{prefix}")
+    woken = threading.Event()
+    adapters = [BlockingLease(mine), BlockingLease(other)]
+    adapters[0].on_wake(woken.set)
+    adapters[1].on_wake(lambda: None)
+    calls: list[threading.Thread] = []
+    try:
+        for adapter in adapters:
+            adapter.connect()
+        wait_until(lambda: mine.steps and other.steps, 5, "steps of both leases")
+        assert not woken.is_set()
+        mine.poke()
+        assert woken.wait(2), "a change did not wake the keeper"
+        other.hang.set()
+        assert other.hanging.wait(2)
+        began = time.monotonic()
+        assert adapters[0].try_acquire("n").acquired
+        assert time.monotonic() - began < 0.5, "a call waited for another lease's step"
+        # A call on the hung lease waits for its step: never two callers at once.
+        calls.append(threading.Thread(target=adapters[1].try_acquire, args=("n",)))
+        calls[0].start()
+        calls[0].join(0.3)
+        assert calls[0].is_alive()
+        other.let_go.set()
+        calls[0].join(5)
+        assert not calls[0].is_alive()
+    finally:
+        other.let_go.set()
+        for call in calls:
+            call.join(5)
+        for adapter in adapters:
+            adapter.on_wake(None)
+            adapter.close()
+    assert mine.overlaps == 0 and other.overlaps == 0
+    wait_until(lambda: not pump_threads(), 5, "the pump's thread to end")
