@@ -360,7 +360,13 @@ class LeaseBase(ABC):
 
     def on_wake(self, waker: Callable[[], None] | None) -> None:  # noqa: B027 - a default that does nothing
         """Ability ``"non_blocking"`` (:class:`NonBlockingLease`); by default nothing
-        (the leader waits in :meth:`wait_for_change` instead)."""
+        (the leader waits in :meth:`wait_for_change` instead).
+
+        A non-blocking lease must override it together with :meth:`renew_soon` and
+        :meth:`acquire_soon`: the leader of a non-blocking lease waits in no thread, so
+        this is the only way it learns of a change. A lease that overrides only the
+        other two is taken for a blocking one (:func:`lease_ability` answers ``None``).
+        """
 
     def take_announced(self) -> LeaderInfo | None:
         """Ability ``"announces_holder"`` (:class:`AnnouncesHolder`); by default

@@ -64,7 +64,9 @@ class RedisFence(Closeable):
     Args:
         client: a ``redis.Redis``, a ``RedisCluster`` or a ``redis://`` URL (a client
             made from a URL is closed by :meth:`close`); it must reach the Redis that
-            holds the lease.
+            holds the lease. Give it a ``socket_timeout`` shorter than the leader's
+            ``stop_grace``: a task blocked in a fenced call on a Redis that does not
+            answer cannot see its cancellation, and is reported stuck.
         name: the lease name.
         key_prefix: the lease's key prefix.
 

@@ -10,10 +10,12 @@ handover requests reserved for their targets, one script per shard in one pipeli
 
 Unlike Postgres, Redis cannot check in the same step as a move that its target is
 still a member and that the coordinator still holds its term: the shards live in hash
-slots of their own. Both are checked just before the moves are asked for; a move that
-slips past (a target that left a moment before, a coordinator deposed a moment before)
-costs a handover, never safety: a handover only narrows who may take a shard, and a node
-that leaves opens every shard reserved for it (:func:`~.handover.reopen_handovers`).
+slots of their own. Both are checked just before the moves are asked for, and the
+membership again just after: a move to a node that left meanwhile is withdrawn at once
+(:func:`~.handover.cancel_handover`), and a node that leaves later opens what was
+reserved for it (:func:`~.handover.reopen_handovers`). A move of a coordinator deposed
+a moment before costs a handover, never safety: a handover only narrows who may take a
+shard.
 
 See ``docs/explanation/sharding.md`` for the design and its failure cases.
 """
@@ -38,7 +40,7 @@ from ._conn import check_client, describe, unavailable
 from ._scripts import READ
 from .claims import RedisClaimer
 from .fencing import RedisFence
-from .handover import current_holder, reopen_handovers, request_handovers
+from .handover import cancel_handover, current_holder, reopen_handovers, request_handovers
 from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
 from .leader import DEFAULT_CLAIMER, RedisLeader
 from .lease import lease_keys, parse_holder
@@ -288,6 +290,22 @@ class RedisShardedLeader(ShardedLeader):
             holder = current_holder(self._client, fence[0], key_prefix=self.key_prefix)
             if holder is None or holder.term != fence[1]:
                 return {}
+        members = self._members()
+        asked = {name: to for name, to in targets.items() if to in members}
+        answers = request_handovers(
+            self._client, asked, timeout=self.handover_timeout, key_prefix=self.key_prefix
+        )
+        # A target that left between the read and the requests opened what was reserved
+        # for it before ours landed: withdraw ours now, or its shards would stay unled
+        # until the reservations lapse (a node that leaves after this read opens them
+        # itself). The holder asked keeps its shard, or takes it back.
+        members = self._members()
+        for name in [name for name in answers if asked[name] not in members]:
+            cancel_handover(self._client, name, answers.pop(name).term, key_prefix=self.key_prefix)
+        return answers
+
+    def _members(self) -> set[str]:
+        """The nodes listed for ``"<name>"`` now (alive or not: they have not left)."""
         listed = read_nodes(
             self._client,
             self._name,
@@ -295,11 +313,7 @@ class RedisShardedLeader(ShardedLeader):
             node_timeout=self._node_timeout,
             lease_key=self._coordinator_key,
         )
-        members = {node.node_id for node in listed}
-        asked = {name: to for name, to in targets.items() if to in members}
-        return request_handovers(
-            self._client, asked, timeout=self.handover_timeout, key_prefix=self.key_prefix
-        )
+        return {node.node_id for node in listed}
 
     def _reopen_handovers(self, names: list[str]) -> list[str]:
         return reopen_handovers(self._client, names, self._node_id, key_prefix=self.key_prefix)

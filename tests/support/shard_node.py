@@ -114,7 +114,9 @@ class RedisLedger:
     def __init__(self, url: str, table: str, node: str, name: str) -> None:
         import redis  # only the Redis nodes need it
 
-        self.client = redis.Redis.from_url(url)
+        # Bounded round trips: a task blocked on a paused Redis would not see its
+        # cancellation within stop_grace (and its run would look like an overlap).
+        self.client = redis.Redis.from_url(url, socket_timeout=0.2, socket_connect_timeout=0.2)
         self.name = name
         self.table = table
         self.node = node

@@ -21,6 +21,7 @@ import redis
 
 import rselection as rs
 from rselection.redis import RedisLeader
+from rselection.redis import sharded as redis_sharded
 from rselection.redis.handover import reopen_handovers, request_handovers
 from rselection.redis.lease import handover_key
 from rselection.sharded import Rebalancer
@@ -211,3 +212,41 @@ def test_bad_arguments_are_refused_with_a_clear_message(redis_url: str) -> None:
         rs.RedisShardedLeader(redis_url, idle_tasks(), name="bad", shards=0)
     with pytest.raises(rs.ConfigError, match="Redis URL"):
         rs.RedisShardedLeader("", idle_tasks(), name="bad", shards=2)
+
+
+def test_a_move_to_a_node_that_left_before_the_request_landed_is_opened_at_once(
+    redis_url: str, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, a target that left between the coordinator's read of the members and its
+    # requests had opened nothing (nothing was reserved for it yet), and the requests
+    # that then landed kept its shards unled until they lapsed (1.5 s with these
+    # timings, 5.5 s with the defaults).
+    quick = {**FAST, "heartbeat_interval": 0.5, "rebalance_interval": 0.25}
+    first = rs.RedisShardedLeader(
+        redis_url, idle_tasks(), name=name, shards=4, node_id="A", **quick
+    )
+    joiner = rs.RedisShardedLeader(
+        redis_url, idle_tasks(), name=name, shards=4, node_id="J", **quick
+    )
+    real = redis_sharded.request_handovers
+    left = threading.Event()
+
+    def leave_first(client: Any, targets: dict[str, str], **kw: Any) -> Any:
+        if not left.is_set() and "J" in targets.values():
+            joiner.stop(timeout=15)  # J leaves after the read, before the requests land
+            left.set()
+        return real(client, targets, **kw)
+
+    monkeypatch.setattr(redis_sharded, "request_handovers", leave_first)
+    try:
+        first.start()
+        wait_until(lambda: first.owned() == {0, 1, 2, 3}, 20, "A leads every shard", 0.05)
+        joiner.start()
+        wait_until(left.is_set, 30, "a move planned to J", 0.05)
+        began = time.monotonic()
+        wait_until(lambda: first.owned() == {0, 1, 2, 3}, 10, "A to lead every shard again", 0.02)
+        took = time.monotonic() - began
+        assert took < 1.0, f"shards moved to a node that had left were unled for {took:.2f} s"
+    finally:
+        joiner.stop(timeout=10)
+        first.stop(timeout=10)
