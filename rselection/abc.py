@@ -78,6 +78,7 @@ __all__ = [
     "MissedFireClaimer",
     "NonBlockingLease",
     "NonBlockingRelease",
+    "NotifiesChanges",
     "SharedSchedule",
     "StoreAbility",
     "SupportsHandover",
@@ -272,6 +273,21 @@ class NonBlockingRelease(Protocol):
         blocking: call :meth:`LeaseBackend.release`."""
 
 
+@runtime_checkable
+class NotifiesChanges(Protocol):
+    """Lease ability ``"notifies_changes"`` (of a lease whose calls block): it calls
+    back on every change, so that its leader needs no thread waiting in
+    :meth:`~LeaseBackend.wait_for_change` (a memory lease: the changes happen in this
+    process).
+    """
+
+    def subscribe_changes(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` after every change of the holder (an acquisition, a release,
+        an expiry seen, a revocation) and on :meth:`~LeaseBackend.interrupt`, from the
+        thread that made it, quickly and holding no lock of the lease; return a function
+        that ends the calls. A change a leader made itself calls it too."""
+
+
 class LeaseBase(ABC):
     """A base for a lease of your own: every member of :class:`LeaseBackend`, and every
     optional ability with a default that the leader treats as absent.
@@ -378,9 +394,19 @@ class LeaseBase(ABC):
         ``False``: nothing started, call :meth:`release`."""
         return False
 
+    def subscribe_changes(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Ability ``"notifies_changes"`` (:class:`NotifiesChanges`); by default never
+        calls back (the leader waits in :meth:`wait_for_change` instead)."""
+        return lambda: None
+
 
 LeaseAbility = Literal[
-    "handover", "shared_schedule", "non_blocking", "announces_holder", "non_blocking_release"
+    "handover",
+    "shared_schedule",
+    "non_blocking",
+    "announces_holder",
+    "non_blocking_release",
+    "notifies_changes",
 ]
 """The optional abilities of a lease (see :func:`lease_ability`)."""
 
@@ -390,6 +416,7 @@ _LEASE_ABILITIES: dict[str, tuple[type, tuple[str, ...]]] = {
     "non_blocking": (NonBlockingLease, ("renew_soon", "acquire_soon", "on_wake")),
     "announces_holder": (AnnouncesHolder, ("take_announced",)),
     "non_blocking_release": (NonBlockingRelease, ("release_soon",)),
+    "notifies_changes": (NotifiesChanges, ("subscribe_changes",)),
 }
 
 
@@ -407,6 +434,10 @@ def lease_ability(
 def lease_ability(
     lease: object, ability: Literal["non_blocking_release"]
 ) -> NonBlockingRelease | None: ...
+@overload
+def lease_ability(
+    lease: object, ability: Literal["notifies_changes"]
+) -> NotifiesChanges | None: ...
 def lease_ability(lease: object, ability: LeaseAbility) -> Any:
     """``lease``, typed as having the optional ``ability``, or ``None`` if it has not.
 
@@ -417,8 +448,9 @@ def lease_ability(lease: object, ability: LeaseAbility) -> Any:
         lease: a lease.
         ability: ``"handover"`` (:class:`SupportsHandover`), ``"shared_schedule"``
             (:class:`SharedSchedule`), ``"non_blocking"`` (:class:`NonBlockingLease`),
-            ``"announces_holder"`` (:class:`AnnouncesHolder`) or
-            ``"non_blocking_release"`` (:class:`NonBlockingRelease`).
+            ``"announces_holder"`` (:class:`AnnouncesHolder`),
+            ``"non_blocking_release"`` (:class:`NonBlockingRelease`) or
+            ``"notifies_changes"`` (:class:`NotifiesChanges`).
     """
     return _ability(lease, _LEASE_ABILITIES, LeaseBase, ability)
 

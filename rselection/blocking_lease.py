@@ -26,9 +26,13 @@ of the driver's wait workers of its own, between the keeper's calls: a call take
 out of the pump, waiting only for a step of this lease under way, and watches it again
 when done. A watch's end wakes the keeper as a wait's return does.
 
+A lease that calls back on every change (:class:`~rselection.abc.NotifiesChanges`, a
+memory lease) needs no wait at all: each callback wakes the keeper, which attempts when
+the holder's lease may have expired, as it would after a wait.
+
 The waiting thread is the only thread of its own a leader keeps (none over a watchable
-lease); the deadline, the renewals and the attempts are the driver's, as for a Postgres
-lease.
+lease or one that calls back); the deadline, the renewals and the attempts are the
+driver's, as for a Postgres lease.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from .abc import lease_ability
 from .daemon_pool import Lane
 from .driver import LeaseDriver
 from .lease import Acquisition, LeaderInfo, LeaseBackend, RenewOutcome
@@ -81,6 +86,10 @@ class BlockingLease:
         # the process's WaitPump watches it, its steps on a lane of the driver's wait workers.
         self._pumped = isinstance(lease, Watchable)
         self._lane: Lane | None = None  # pumped: the lane of the watch's steps
+        # A lease that calls back on every change (a memory lease) needs no waiting at all:
+        # each change wakes the keeper, which attempts when the holder's lease may expire.
+        self._notifier = lease_ability(lease, "notifies_changes")
+        self._unsubscribe: Callable[[], None] | None = None
 
     # -- LeaseBackend ---------------------------------------------------------------------
 
@@ -126,7 +135,7 @@ class BlockingLease:
 
     def interrupt(self) -> None:
         """The lease's ``interrupt``: a wait under way returns (and wakes the keeper)."""
-        if self._pumped:
+        if self._pumped or self._notifier is not None:
             self._wake()  # what an interrupted wait does; the watch goes on
         else:
             self.lease.interrupt()
@@ -161,6 +170,15 @@ class BlockingLease:
     def on_wake(self, waker: Callable[[], None] | None) -> None:
         """Wake ``waker`` when a wait ends; ``None``: no more waits (the waiting thread
         ends once its wait under way returns; never blocks, the driver calls it)."""
+        if self._notifier is not None:
+            with self._cond:
+                self._waker = waker
+                unsubscribe, self._unsubscribe = self._unsubscribe, None
+            if unsubscribe is not None:
+                unsubscribe()
+            if waker is not None:
+                self._unsubscribe = self._notifier.subscribe_changes(self._wake)
+            return
         if self._pumped:
             with self._cond:
                 self._waker = waker
@@ -191,8 +209,8 @@ class BlockingLease:
             with self._pumped_session():
                 yield
             return
-        if self._concurrent:
-            yield
+        if self._concurrent or self._notifier is not None:
+            yield  # nobody waits in the lease: nothing to take the session from
             return
         with self._cond:
             self._calls += 1

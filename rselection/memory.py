@@ -16,7 +16,8 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -73,6 +74,10 @@ class MemoryLease:
         # The generation each keeper thread last saw: a change between its call and its
         # next wait_for_change() must wake that wait (leaders may share this object).
         self._seen = threading.local()
+        # Called after every change (see subscribe_changes): a leader needs no thread
+        # waiting in wait_for_change.
+        self._subscribers: dict[int, Callable[[], None]] = {}
+        self._next_subscriber = 0
 
     def connect(self) -> None:
         """Nothing to connect: the lease lives in memory."""
@@ -91,7 +96,7 @@ class MemoryLease:
 
     def try_acquire(self, node_id: str) -> Acquisition:
         """Take the lease if nobody holds it or the holder's ttl ran out."""
-        with self._cond:
+        with self._notifying(), self._cond:
             holder = self._live_holder()
             if holder is None:
                 self._term += 1
@@ -105,7 +110,7 @@ class MemoryLease:
 
     def renew(self, node_id: str, term: int) -> bool:
         """Extend the lease when ``node_id`` still holds ``term``."""
-        with self._cond:
+        with self._notifying(), self._cond:
             holder = self._live_holder()
             if holder is None or holder.node_id != node_id or holder.term != term:
                 return False
@@ -116,7 +121,7 @@ class MemoryLease:
 
     def release(self, node_id: str, term: int) -> None:
         """Clear the holder when it is ``node_id`` at ``term``; the term counter is kept."""
-        with self._cond:
+        with self._notifying(), self._cond:
             holder = self._live_holder()
             if holder is not None and holder.node_id == node_id and holder.term == term:
                 self._holder = None
@@ -124,13 +129,13 @@ class MemoryLease:
 
     def revoke(self) -> None:
         """Drop the current holder at once, as if its session died (for tests)."""
-        with self._cond:
+        with self._notifying(), self._cond:
             self._holder = None
             self._changed()
 
     def current(self) -> LeaderInfo | None:
         """The live holder, or ``None``."""
-        with self._cond:
+        with self._notifying(), self._cond:
             return self._live_holder()
 
     def wait_for_change(self, timeout: float) -> None:
@@ -151,9 +156,39 @@ class MemoryLease:
 
     def interrupt(self) -> None:
         """Wake every waiter, or the next one if nobody is waiting now."""
-        with self._cond:
+        with self._notifying(), self._cond:
             self._interrupted = True
             self._changed()
+
+    def subscribe_changes(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` after every change of the holder and every
+        :meth:`interrupt`, from the thread that made it, holding no lock of the lease;
+        return a function that ends the calls. A leader over this lease then needs no
+        thread waiting in :meth:`wait_for_change`."""
+        with self._cond:
+            key = self._next_subscriber
+            self._next_subscriber += 1
+            self._subscribers[key] = callback
+
+        def unsubscribe() -> None:
+            with self._cond:
+                self._subscribers.pop(key, None)
+
+        return unsubscribe
+
+    @contextmanager
+    def _notifying(self) -> Iterator[None]:
+        """Call the subscribers after the block, when it changed the generation (an
+        expiry seen counts: the holder changed)."""
+        before = self._generation
+        try:
+            yield
+        finally:
+            with self._cond:
+                changed = self._generation != before
+                callbacks = list(self._subscribers.values()) if changed else []
+            for callback in callbacks:
+                callback()
 
     def term_ended(self, term: int) -> None:
         """Nothing to do: a memory lease has no session to keep."""

@@ -12,6 +12,8 @@ pass as a :class:`~rselection.LeaseBackend`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import rselection as rs
 
 
@@ -57,3 +59,11 @@ class LeaseView:
 
     def close(self) -> None:
         self._shared.close()
+
+
+class NotifyingLeaseView(LeaseView):
+    """A :class:`LeaseView` that also calls back on every change of the shared lease
+    (:class:`~rselection.abc.NotifiesChanges`): its leader has no waiting thread."""
+
+    def subscribe_changes(self, callback: Callable[[], None]) -> Callable[[], None]:
+        return self._shared.subscribe_changes(callback)

@@ -21,6 +21,7 @@ from rselection.leader import LeaseLeader
 from rselection.memory import MemoryLease
 from rselection.schedules import format_fire_key
 from rselection.timing import Timings
+from tests.support.lease_view import LeaseView
 from tests.support.waiting import wait_until
 
 FIRE_KEY = re.compile(r"(?P<task>.+)@\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{9}Z")
@@ -525,11 +526,13 @@ def test_async_with_runs_async_tasks_on_the_callers_loop() -> None:
 # -- keeper wake-ups ------------------------------------------------------------------
 
 
-class PausingLease(MemoryLease):
-    """A MemoryLease that can hold the keeper just before it waits, to force a race."""
+class PausingLease(LeaseView):
+    """A memory lease its leader waits in (a thread that blocks in ``wait_for_change``,
+    as over a lease that cannot call back on changes), which can hold that thread just
+    before it waits, to force a race."""
 
     def __init__(self) -> None:
-        super().__init__("race")
+        super().__init__(MemoryLease("race"))
         self.pause = threading.Event()
         self.paused = threading.Event()
         self.resume = threading.Event()
