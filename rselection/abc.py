@@ -82,6 +82,8 @@ __all__ = [
     "SharedSchedule",
     "StoreAbility",
     "SupportsHandover",
+    "Watch",
+    "Watchable",
     "TransactionFence",
     "claimer_ability",
     "lease_ability",
@@ -273,6 +275,37 @@ class NonBlockingRelease(Protocol):
         blocking: call :meth:`LeaseBackend.release`."""
 
 
+class Watch(Protocol):
+    """One wait for a change in steps, of a :class:`Watchable` lease (see
+    :mod:`rselection.wait_pump`). Its methods are called one at a time, never on the
+    pump's thread."""
+
+    sockets: tuple[Any, ...]
+    """The sockets to watch for reading (fixed for the watch's life)."""
+
+    def due(self) -> float:
+        """The monotonic time at which :meth:`step` is due even with nothing to read
+        (``inf``: never; a time passed: at once, after the others ready now)."""
+
+    def step(self, readable: frozenset[Any]) -> bool:
+        """Read a bounded amount from the ``readable`` sockets, do what is due; ``True``
+        when the wait ended (the lease may have changed). Raises what the lease's
+        ``wait_for_change`` would raise."""
+
+
+@runtime_checkable
+class Watchable(Protocol):
+    """Lease ability ``"watchable"`` (of a lease whose calls block): its wait for a
+    change can be taken in steps, so that the process's one wait pump
+    (:mod:`rselection.wait_pump`) watches it instead of a thread of its leader's own (a
+    Redis lease).
+    """
+
+    def watch_for_change(self) -> Watch:
+        """Begin one wait of ``wait_for_change`` in steps; may block (it may reconnect),
+        and raises what ``wait_for_change`` would raise."""
+
+
 @runtime_checkable
 class NotifiesChanges(Protocol):
     """Lease ability ``"notifies_changes"`` (of a lease whose calls block): it calls
@@ -407,6 +440,7 @@ LeaseAbility = Literal[
     "announces_holder",
     "non_blocking_release",
     "notifies_changes",
+    "watchable",
 ]
 """The optional abilities of a lease (see :func:`lease_ability`)."""
 
@@ -417,6 +451,7 @@ _LEASE_ABILITIES: dict[str, tuple[type, tuple[str, ...]]] = {
     "announces_holder": (AnnouncesHolder, ("take_announced",)),
     "non_blocking_release": (NonBlockingRelease, ("release_soon",)),
     "notifies_changes": (NotifiesChanges, ("subscribe_changes",)),
+    "watchable": (Watchable, ("watch_for_change",)),
 }
 
 
@@ -438,6 +473,8 @@ def lease_ability(
 def lease_ability(
     lease: object, ability: Literal["notifies_changes"]
 ) -> NotifiesChanges | None: ...
+@overload
+def lease_ability(lease: object, ability: Literal["watchable"]) -> Watchable | None: ...
 def lease_ability(lease: object, ability: LeaseAbility) -> Any:
     """``lease``, typed as having the optional ``ability``, or ``None`` if it has not.
 
@@ -449,8 +486,9 @@ def lease_ability(lease: object, ability: LeaseAbility) -> Any:
         ability: ``"handover"`` (:class:`SupportsHandover`), ``"shared_schedule"``
             (:class:`SharedSchedule`), ``"non_blocking"`` (:class:`NonBlockingLease`),
             ``"announces_holder"`` (:class:`AnnouncesHolder`),
-            ``"non_blocking_release"`` (:class:`NonBlockingRelease`) or
-            ``"notifies_changes"`` (:class:`NotifiesChanges`).
+            ``"non_blocking_release"`` (:class:`NonBlockingRelease`),
+            ``"notifies_changes"`` (:class:`NotifiesChanges`) or ``"watchable"``
+            (:class:`Watchable`).
     """
     return _ability(lease, _LEASE_ABILITIES, LeaseBase, ability)
 
@@ -920,6 +958,9 @@ class TransactionFence(Protocol):
         ...
 
 
+_NO_DEFAULT = object()
+
+
 def _ability(
     obj: object, table: dict[str, tuple[type, tuple[str, ...]]], base: type, ability: str
 ) -> Any:
@@ -934,6 +975,7 @@ def _ability(
     cls = type(obj)
     # Looked up on the class, as the protocol check of Python 3.12 does: a subclass of
     # the base that did not override the method still has the base's function.
-    if any(getattr(cls, name, None) is getattr(base, name) for name in own):
+    # An ability the base has no default for (a watchable wait) is the object's own.
+    if any(getattr(cls, name, None) is getattr(base, name, _NO_DEFAULT) for name in own):
         return None
     return obj

@@ -19,7 +19,7 @@ keeper (:mod:`rselection.driven`) steps, so that one engine serves every backend
   wakes nobody: the call itself reads the lease.
 
 A lease that can do better says so through the same interface: one whose wait can be
-taken in steps (:class:`~rselection.wait_pump.Watchable`, a Redis lease) has no waiting
+taken in steps (:class:`~rselection.abc.Watchable`, a Redis lease) has no waiting
 thread of its own. The process's one :class:`~rselection.wait_pump.WaitPump` watches its
 sockets, and its steps (reading, beats, checks of a holder, reconnecting) run on a lane
 of the driver's wait workers of its own, between the keeper's calls: a call takes the lease
@@ -42,11 +42,11 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from .abc import lease_ability
+from .abc import Watch, lease_ability
 from .daemon_pool import Lane
 from .driver import LeaseDriver
 from .lease import Acquisition, LeaderInfo, LeaseBackend, RenewOutcome
-from .wait_pump import WaitPump, Watch, Watchable
+from .wait_pump import WaitPump
 
 __all__ = ["WAIT_SLICE", "BlockingLease"]
 
@@ -84,7 +84,8 @@ class BlockingLease:
         self._concurrent = bool(getattr(lease, "concurrent_calls", False))
         # A lease whose wait can be taken in steps (a Redis lease) has no waiting thread:
         # the process's WaitPump watches it, its steps on a lane of the driver's wait workers.
-        self._pumped = isinstance(lease, Watchable)
+        self._watchable = lease_ability(lease, "watchable")
+        self._pumped = self._watchable is not None
         self._lane: Lane | None = None  # pumped: the lane of the watch's steps
         # A lease that calls back on every change (a memory lease) needs no waiting at all:
         # each change wakes the keeper, which attempts when the holder's lease may expire.
@@ -265,8 +266,8 @@ class BlockingLease:
             self._waker()  # the keeper's poke never blocks: it raises the error, recovers
 
     def _start_watch(self) -> Watch:
-        assert isinstance(self.lease, Watchable)
-        return self.lease.watch_for_change()
+        assert self._watchable is not None
+        return self._watchable.watch_for_change()
 
     def _watch_ended(self, outcome: BaseException | None) -> None:
         """Pumped, on the lease's lane: a watch ended (a change, its slice, or ``outcome``

@@ -40,9 +40,10 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar
 
 from . import forks
+from .abc import Watch, Watchable
 from .wakeup import Wakeup
 
 __all__ = ["SLACK", "Watch", "Watchable", "WaitPump"]
@@ -54,36 +55,6 @@ SLACK = 0.02
 steps that fall due close together (beats of many leaders) rather than one each."""
 
 _MAX_WAIT = 1.0  # seconds; a timed wait does not count time suspended: look again
-
-
-class Watch(Protocol):
-    """One wait for a change, in steps (see the module docstring). Its methods are
-    called one at a time, never on the pump's thread."""
-
-    sockets: tuple[Any, ...]
-    """The sockets to watch for reading (fixed for the watch's life)."""
-
-    def due(self) -> float:
-        """The monotonic time at which :meth:`step` is due even with nothing to read
-        (``inf``: never; a time passed: at once, after the others ready now)."""
-
-    def step(self, readable: frozenset[Any]) -> bool:
-        """Read a bounded amount from the ``readable`` sockets, do what is due; ``True``
-        when the wait ended (the lease may have changed). Raises what the lease's
-        ``wait_for_change`` would raise."""
-
-
-@runtime_checkable
-class Watchable(Protocol):
-    """A lease whose wait for a change can be taken in steps by :class:`WaitPump`.
-
-    Optional: :class:`~rselection.blocking_lease.BlockingLease` then waits in it on the
-    process's one pump thread instead of a thread of the lease's own.
-    """
-
-    def watch_for_change(self) -> Watch:
-        """Begin one wait of ``wait_for_change`` in steps; may block (it may reconnect),
-        and raises what ``wait_for_change`` would raise."""
 
 
 Ended = Callable[[BaseException | None], None]

@@ -855,7 +855,7 @@ class RedisLease(Closeable):
 
     def watch_for_change(self) -> _LeaseWatch:
         """Begin a wait of :meth:`wait_for_change` in steps that another thread takes
-        (:class:`rselection.wait_pump.Watchable`): the sockets to watch, when it is due,
+        (:class:`rselection.abc.Watchable`): the sockets to watch, when it is due,
         and what a readable socket or a due time does (see
         :class:`rselection.wait_pump.Watch`). The caller holds the lease (no other call
         runs) until it stops stepping the watch. May reconnect, as

@@ -12,9 +12,10 @@ import uuid
 from typing import Any
 
 import rselection as rs
+from rselection.abc import Watchable
 from rselection.blocking_lease import BlockingLease
 from rselection.memory import MemoryLease
-from rselection.wait_pump import WaitPump, Watchable
+from rselection.wait_pump import WaitPump
 from tests.support.waiting import wait_until
 
 FAST = {"ttl": 3.0, "renew_interval": 0.2, "renew_deadline": 1.0, "retry_interval": 0.2}
