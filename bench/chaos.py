@@ -18,7 +18,8 @@ Fault kinds (``--kinds`` picks some; all by default):
 
 ==================  ====================================================================
 kill9               ``kill -9`` of the leader
-sigstop_short       SIGSTOP of the leader for 0.5 s .. ttl - 0.5 s, then SIGCONT
+sigstop_short       SIGSTOP of the leader for 0.5 s .. ttl - renew_interval - 0.5 s, then
+                    SIGCONT (it resumes before its lease can expire, with time to stop)
 sigstop_long        SIGSTOP of the leader for ttl + 0.5 s .. ttl + 2 s, then SIGCONT
 slow_renewal        the proxy delays the leader's replies so a renewal answers after its
                     deadline but before the keeper's I/O limit
@@ -521,7 +522,15 @@ class Round:
         self._settle()
 
     def _fault_sigstop_short(self, leader: str, term: int) -> None:
-        self._pause(leader, term, self.rng.uniform(0.5, TTL - 0.5), required=False)
+        # A pause short enough that the leader resumes before its lease can expire, with
+        # time to wind its tasks down: the lease lasts ttl after the last renewal, which
+        # may have landed up to renew_interval before the pause began. A longer pause
+        # resumes a process whose lease passes on while it winds down, which nothing can
+        # prevent (it was frozen): that is a sigstop_long round (measured: a 3.50 s pause
+        # begun 0.4 s after the last renewal resumed 0.09 s before the expiry, and the
+        # tasks' 0.2 s wind-down overlapped the next term by 132 ms).
+        longest = TTL - RENEW_INTERVAL - WIND_DOWN - 0.3
+        self._pause(leader, term, self.rng.uniform(0.5, longest), required=False)
 
     def _fault_sigstop_long(self, leader: str, term: int) -> None:
         self._pause(leader, term, self.rng.uniform(TTL + 0.5, TTL + 2.0), required=True)
