@@ -303,7 +303,12 @@ class Watchable(Protocol):
 
     def watch_for_change(self) -> Watch:
         """Begin one wait of ``wait_for_change`` in steps; may block (it may reconnect),
-        and raises what ``wait_for_change`` would raise."""
+        and raises what ``wait_for_change`` would raise.
+
+        A watchable lease may also have a ``server`` attribute (any hashable value
+        naming the server it waits on): the steps of leases of one server run on
+        workers of their own, so that steps stuck on a hung server hold up the leases
+        of that server only."""
 
 
 @runtime_checkable

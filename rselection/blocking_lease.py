@@ -255,7 +255,9 @@ class BlockingLease:
         if self._waker is None or not self._may_wait():
             return
         if self._lane is None:
-            self._lane = LeaseDriver.shared().wait_lane()
+            # Leases of one server share its wait workers: a hung server holds up its own.
+            server = getattr(self._watchable, "server", None)
+            self._lane = LeaseDriver.shared().wait_lane(server)
         try:
             WaitPump.shared().add(
                 self, self._lane, self._start_watch, self._watch_ended, WAIT_SLICE

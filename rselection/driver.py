@@ -111,12 +111,9 @@ class LeaseDriver:
         self._work = SharedPool(
             "rselection-driver-work", WORKERS, most=MOST_WORKERS, stuck_after=STUCK_AFTER
         )
-        self._wait_work = SharedPool(
-            "rselection-driver-wait",
-            WAIT_WORKERS,
-            most=MOST_WORKERS,
-            stuck_after=WAIT_STUCK_AFTER,
-        )
+        # The wait workers, one pool per server (see wait_lane); kept for the process's
+        # life, as their idle workers end.
+        self._wait_pools: dict[object, SharedPool] = {}
 
     @classmethod
     def reset_after_fork(cls) -> None:
@@ -164,13 +161,23 @@ class LeaseDriver:
         """
         return self._work.lane(1)
 
-    def wait_lane(self) -> Lane:
+    def wait_lane(self, server: object = None) -> Lane:
         """A lease's own queue of the steps of its waits (:mod:`rselection.wait_pump`),
-        one at a time, on the driver's wait workers: their own pool, so that a step
-        stuck on a hung server counts as stuck after :data:`WAIT_STUCK_AFTER` (not
-        :data:`STUCK_AFTER`) and holds up the other leases' steps no longer. Shut it
-        down when done."""
-        return self._wait_work.lane(1)
+        one at a time, on the driver's wait workers of ``server`` (the lease's server, or
+        ``None`` for one pool of the leases that name none). A step stuck on a hung
+        server counts as stuck after :data:`WAIT_STUCK_AFTER` (not :data:`STUCK_AFTER`),
+        and steps stuck on one server fill that server's pool only: the leases of
+        another server never queue behind them. Shut it down when done."""
+        with self._cond:
+            pool = self._wait_pools.get(server)
+            if pool is None:
+                pool = self._wait_pools[server] = SharedPool(
+                    "rselection-driver-wait",
+                    WAIT_WORKERS,
+                    most=MOST_WORKERS,
+                    stuck_after=WAIT_STUCK_AFTER,
+                )
+        return pool.lane(1)
 
     def urgent(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` (the end of a term that must not wait for a worker) on a thread

@@ -459,6 +459,13 @@ class RedisLease(Closeable):
         return self._fast
 
     @property
+    def server(self) -> str:
+        """The server this lease waits on (host, port and database, or a cluster's
+        node): its leader's waits share that server's workers (see
+        :class:`rselection.abc.Watchable`)."""
+        return self._factory.where
+
+    @property
     def holder_gone(self) -> bool:
         """Whether a wait found the holder's connection gone since the last attempt (the
         next attempt may then take the lease over at once)."""
