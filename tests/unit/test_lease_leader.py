@@ -21,6 +21,7 @@ import rselection.leader
 import rselection.leadership
 from rselection.memory import MemoryLease
 from rselection.timing import Timings
+from tests.support.lease_view import LeaseView
 from tests.support.waiting import wait_until
 
 FAST = {"ttl": 3.0, "renew_interval": 0.2, "renew_deadline": 1.0, "retry_interval": 0.2}
@@ -314,9 +315,11 @@ def test_a_follower_over_a_shared_memory_lease_stops_at_once(
 ) -> None:
     # Its waiting thread sits in the shared lease's wait, which a call does not
     # interrupt (concurrent_calls): before, stop() waited for that wait to time out (1 s).
+    # Views of the memory lease, which do not call back on changes: its leaders wait in
+    # it (a memory lease itself calls back, and its leaders wait in no thread).
     lease = MemoryLease("shared-stop", ttl=3.0)
-    chief = lease_leaders(lease, rs.TaskHandler(), node_id="chief", **FAST)
-    follower = lease_leaders(lease, rs.TaskHandler(), node_id="follower", **FAST)
+    chief = lease_leaders(LeaseView(lease), rs.TaskHandler(), node_id="chief", **FAST)
+    follower = lease_leaders(LeaseView(lease), rs.TaskHandler(), node_id="follower", **FAST)
     chief.start()
     assert chief.wait_until_leader(5)
     follower.start()

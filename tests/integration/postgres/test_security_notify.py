@@ -335,7 +335,7 @@ def test_a_sharded_follower_does_not_adopt_a_forged_holder(
     )
     shard = min(b.owned())
     follower = a._leaders[shard]  # node a's leader of the shard b leads
-    wait_until(lambda: follower._seen_holder() == "b", 10, f"node a to see b lead shard {shard}")
+    wait_until(lambda: follower.seen_holder() == "b", 10, f"node a to see b lead shard {shard}")
     heard: list[tuple[str, str, str | None, int | None]] = []
 
     def changed(sender: Any, **kw: Any) -> None:
@@ -355,7 +355,7 @@ def test_a_sharded_follower_does_not_adopt_a_forged_holder(
     with receiving(rs.signals.leader_changed, changed):
         attacker.conn.execute("SELECT pg_notify(%s, %s)", (channel, forged_acquired(name, pid)))
         took = measure(lambda: any(who == "ghost" for _, _, who, _ in heard), 2.0)
-    believed = follower._seen_holder()
+    believed = follower.seen_holder()
     print(f"\nforged holder of {name}: leader_changed for 'ghost' after {took} s; {heard}")
     assert took is None, (
         f"node a announced the forged holder of {name} {took:.3f} s after the forged "
