@@ -110,11 +110,24 @@ class ShardLeader(LeaseLeader):
     _owner: ShardedLeader
     _follows_announcements = True
 
+    def __init__(
+        self, owner: ShardedLeader, shard: int, target: Any, handler: TaskHandler, **options: Any
+    ) -> None:
+        """The leader of ``shard`` of ``owner``: the backend's leader built on ``target``
+        (its connection string or client) with ``options``, placed."""
+        super().__init__(target, handler, **options)  # the backend's leader's
+        self.place(owner, shard, owner.shards)
+
     def place(self, owner: ShardedLeader, shard: int, shards: int) -> None:
         """Make this the leader of ``shard`` (of ``shards``) of ``owner``."""
         self._owner = owner
         self._state.shard = shard
         self._state.shards = shards
+
+    def start(self) -> None:
+        """Compete for the shard's lease (no heartbeats: the node has them once, as a
+        member of the coordinator's lease)."""
+        LeaseLeader.start(self)
 
     def nodes(self) -> list[NodeInfo]:
         """The sharded leader's nodes (see :meth:`ShardedLeader.nodes`)."""
@@ -552,10 +565,17 @@ class ShardedLeader(Service, ABC):
             BackendUnavailable: the lease server could not be reached.
         """
 
-    @abstractmethod
+    _shard_leader: type[ShardLeader]
+    """*Backend*: the class of a shard's leader (see :class:`ShardLeader`)."""
+    _target: Any
+    """*Backend*: what its leaders are built on (a connection string, a client)."""
+    _options: dict[str, Any]
+    """*Backend*: the keyword arguments of its shards' leaders (``node_id`` among them)."""
+
     def _new_shard_leader(self, shard: int, handler: TaskHandler) -> ShardLeader:
-        """*Backend*: the leader of ``shard`` on this node, placed (see
-        :meth:`ShardLeader.place`), running ``handler``."""
+        """The leader of ``shard`` on this node, running ``handler``."""
+        name = shard_lease_name(self._name, shard)
+        return self._shard_leader(self, shard, self._target, handler, name=name, **self._options)
 
     @abstractmethod
     def _request_handovers(
@@ -617,8 +637,9 @@ class ShardedLeader(Service, ABC):
         """*Backend*: called at the end of :meth:`stop` (close what reads the state)."""
 
     def _adopted_node_id(self, node_id: str) -> None:
-        """*Backend*: this node's id became ``node_id`` (a default one is per process):
-        pass it on to what was built with the old one."""
+        """This node's id became ``node_id`` (a default one is per process): pass it on
+        to what was built with the old one (a backend adds its own)."""
+        self._options["node_id"] = node_id
 
     # -- public ---------------------------------------------------------------------
 

@@ -20,7 +20,6 @@ import psycopg
 from psycopg import sql
 
 from ..errors import ConfigError
-from ..leader import LeaseLeader
 from ..lease import LeaderInfo
 from ..sharded import (
     HAND_OFF_WAIT,
@@ -64,22 +63,6 @@ class _ShardLeader(ShardLeader, PostgresLeader):
     It sends no heartbeats of its own (the node heartbeats once, as a member of the
     lease ``"<name>"``), and ``ctx.nodes()`` lists the sharded leader's nodes.
     """
-
-    def __init__(
-        self,
-        owner: PostgresShardedLeader,
-        shard: int,
-        shards: int,
-        conninfo: str,
-        handler: TaskHandler,
-        **options: Any,
-    ) -> None:
-        super().__init__(conninfo, handler, **options)
-        self.place(owner, shard, shards)
-
-    def start(self) -> None:
-        """Compete for the shard's lease (no heartbeats: the node has them once)."""
-        LeaseLeader.start(self)
 
     def holder_died(self) -> bool:
         """Whether a keeper session died since the last wake (the holder's, maybe)."""
@@ -154,6 +137,8 @@ class PostgresShardedLeader(ShardedLeader):
         ConfigError: bad arguments or inconsistent timings (the message shows the math).
     """
 
+    _shard_leader = _ShardLeader
+
     def __init__(
         self,
         conninfo: str,
@@ -200,6 +185,7 @@ class PostgresShardedLeader(ShardedLeader):
         table_identifier(table)  # validates
         table_identifier(nodes_table)
         self.conninfo = conninfo
+        self._target = conninfo
         self.table = table
         self.nodes_table = nodes_table
         timings = self._timings
@@ -308,17 +294,6 @@ class PostgresShardedLeader(ShardedLeader):
 
     # -- the backend's part of the sharded leader ---------------------------------------
 
-    def _new_shard_leader(self, shard: int, handler: TaskHandler) -> ShardLeader:
-        return _ShardLeader(
-            self,
-            shard,
-            self._shards,
-            self.conninfo,
-            handler,
-            name=shard_lease_name(self._name, shard),
-            **self._options,
-        )
-
     def _request_handovers(
         self, targets: dict[str, str], *, fence: tuple[str, int] | None = None
     ) -> dict[str, LeaderInfo]:
@@ -361,6 +336,6 @@ class PostgresShardedLeader(ShardedLeader):
         self._reads.close()
 
     def _adopted_node_id(self, node_id: str) -> None:
-        self._options["node_id"] = node_id
+        super()._adopted_node_id(node_id)
         if self._owned_claimer is not None:
             self._owned_claimer.node_id = node_id

@@ -30,7 +30,6 @@ import redis
 
 from ..claiming import FireClaimer
 from ..errors import ConfigError
-from ..leader import LeaseLeader
 from ..lease import LeaderInfo
 from ..sharded import SHARDS_RECORD, ShardedLeader, ShardLeader, ShardState
 from ..sharding import shard_lease_name
@@ -58,22 +57,6 @@ class _ShardLeader(ShardLeader, RedisLeader):
     It sends no heartbeats of its own (the node heartbeats once, as a member of the
     lease ``"<name>"``), and ``ctx.nodes()`` lists the sharded leader's nodes.
     """
-
-    def __init__(
-        self,
-        owner: RedisShardedLeader,
-        shard: int,
-        shards: int,
-        client: Any,
-        handler: TaskHandler,
-        **options: Any,
-    ) -> None:
-        super().__init__(client, handler, **options)
-        self.place(owner, shard, shards)
-
-    def start(self) -> None:
-        """Compete for the shard's lease (no heartbeats: the node has them once)."""
-        LeaseLeader.start(self)
 
     def holder_died(self) -> bool:
         """Whether this node found the holder's connection gone since its last attempt."""
@@ -144,6 +127,8 @@ class RedisShardedLeader(ShardedLeader):
         ConfigError: bad arguments or inconsistent timings (the message shows the math).
     """
 
+    _shard_leader = _ShardLeader
+
     def __init__(
         self,
         client: Any,
@@ -194,6 +179,7 @@ class RedisShardedLeader(ShardedLeader):
                 redis_client.close()
             raise
         self._client = redis_client
+        self._target = redis_client
         if owns_client:
             self._cleanup.append(redis_client.connection_pool.disconnect)
         timings = self._timings
@@ -270,17 +256,6 @@ class RedisShardedLeader(ShardedLeader):
 
     # -- the backend's part of the sharded leader ---------------------------------------
 
-    def _new_shard_leader(self, shard: int, handler: TaskHandler) -> ShardLeader:
-        return _ShardLeader(
-            self,
-            shard,
-            self._shards,
-            self._client,
-            handler,
-            name=shard_lease_name(self._name, shard),
-            **self._options,
-        )
-
     def _request_handovers(
         self, targets: dict[str, str], *, fence: tuple[str, int] | None = None
     ) -> dict[str, LeaderInfo]:
@@ -340,6 +315,6 @@ class RedisShardedLeader(ShardedLeader):
         self._membership_leader.leave()
 
     def _adopted_node_id(self, node_id: str) -> None:
-        self._options["node_id"] = node_id
+        super()._adopted_node_id(node_id)
         if self._owned_claimer is not None:
             self._owned_claimer.node_id = node_id
