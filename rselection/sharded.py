@@ -636,10 +636,15 @@ class ShardedLeader(Service, ABC):
     def _after_stop(self) -> None:
         """*Backend*: called at the end of :meth:`stop` (close what reads the state)."""
 
+    _owned_claimer: Any = None
+    """*Backend*: the claimer it built for its shards (its node id follows this node's)."""
+
     def _adopted_node_id(self, node_id: str) -> None:
         """This node's id became ``node_id`` (a default one is per process): pass it on
-        to what was built with the old one (a backend adds its own)."""
+        to what was built with the old one (the shards' options, the owned claimer)."""
         self._options["node_id"] = node_id
+        if self._owned_claimer is not None:
+            self._owned_claimer.node_id = node_id
 
     # -- public ---------------------------------------------------------------------
 

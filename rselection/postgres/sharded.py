@@ -334,8 +334,3 @@ class PostgresShardedLeader(ShardedLeader):
 
     def _after_stop(self) -> None:
         self._reads.close()
-
-    def _adopted_node_id(self, node_id: str) -> None:
-        super()._adopted_node_id(node_id)
-        if self._owned_claimer is not None:
-            self._owned_claimer.node_id = node_id

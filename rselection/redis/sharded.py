@@ -313,8 +313,3 @@ class RedisShardedLeader(ShardedLeader):
 
     def _leave_membership(self) -> None:
         self._membership_leader.leave()
-
-    def _adopted_node_id(self, node_id: str) -> None:
-        super()._adopted_node_id(node_id)
-        if self._owned_claimer is not None:
-            self._owned_claimer.node_id = node_id
