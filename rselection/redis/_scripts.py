@@ -26,7 +26,9 @@ __all__ = [
 #: handover request reserves it against this node.
 #: KEYS: lease key, term key, handover key, term origin key. ARGV: token, node id, ttl
 #: (ms), this keeper's client id, "1" when it offers fast takeover (else "0"), the dead
-#: holder's client id and term ('' when none), this keeper's server run_id, channel.
+#: holder's client id and term ('' when none), this keeper's server run_id, channel, the
+#: process's liveness identity (``<process>:<secret>``, '' when none; see
+#: :mod:`rselection.redis.liveness`).
 #: Returns {1 when acquired (else 0), lease value ('' when free but reserved by a handover
 #: request), PTTL (ms) of the lease key (of the handover key when reserved), server time
 #: (ms)}.
@@ -100,7 +102,7 @@ if foreign then
   end
 end
 local v = cjson.encode({token = ARGV[1], node = ARGV[2], term = ts,
-  client = ARGV[4], run = run, fast = ARGV[5], at = now})
+  client = ARGV[4], run = run, fast = ARGV[5], at = now, beats = ARGV[10]})
 if cur then
   redis.call('SET', KEYS[1], v, 'PX', ARGV[3], 'XX')
 else

@@ -50,14 +50,14 @@ def membership_keys(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> tuple[st
     return f"{base}:nodes", f"{base}:nodeinfo"
 
 
-def liveness_channel(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
-    """The channel on which the holder of lease ``name`` publishes its liveness beats.
+def liveness_channel(key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    """The channel on which every process publishes its liveness beats: ``<prefix>alive``.
 
-    ``<prefix>{<name>}:alive``, apart from the lease's events channel, so that a follower
-    that does not listen to beats is never woken by them.
+    One channel per key prefix, apart from the leases' events channels, so that a
+    follower that does not listen to beats is never woken by them; a process sends one
+    beat for all the leases it holds (see :mod:`rselection.redis.liveness`).
 
     Args:
-        name: the lease name.
         key_prefix: prefix of every key.
     """
-    return f"{key_prefix}{{{name}}}:alive"
+    return f"{key_prefix}alive"

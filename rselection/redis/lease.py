@@ -57,20 +57,22 @@ which nodes are connected.
 Fast crash failover
 -------------------
 
-A holder that offers fast takeover publishes a liveness beat, signed with its token
-(:mod:`.messages`), on ``<prefix>{<name>}:alive`` every ``liveness_interval / 2``.
-A follower that knows the holder's connection id listens to them and asks ``CLIENT LIST
-ID <id>`` only after ``liveness_interval`` (0.5 s by default) without one; forged or
-replayed beats are dropped, and messages wake a keeper at most once per 50 ms. A holder that
-beat and went silent (paused) is checked with waits doubling up to a second; one never
-heard to beat (a release without beats, an ACL that refuses the channel, lost pub/sub)
-is checked every ``liveness_interval``, the cost of the polling of old, in that case
-only. A refused ``PUBLISH`` or ``SUBSCRIBE`` on the channel is logged once per
-connection and never ends a term. When the holder's process dies, its kernel closes the
-connection and Redis forgets the client at once; the follower then runs the acquire
-script with that dead id, which takes the lease over only if the key
-still names that connection and term, and was written under the same server
-``run_id`` (client ids are unique only within one server run).
+A holder that offers fast takeover writes its process's liveness identity into the
+lease value (``beats``), and its process publishes one liveness beat for all the leases
+it holds on the server (:mod:`.liveness`). Followers time the holder process by its
+beats and ask ``CLIENT LIST ID`` only after ``liveness_interval`` (0.5 s by default)
+without one, for all the leases that process holds in one round trip; forged or replayed
+beats are dropped, and messages wake a keeper at most once per 50 ms. A holder process
+that beat and went silent (paused) is checked with waits doubling up to a second; one
+never heard to beat (a release without beats, an ACL that refuses the channel, lost
+pub/sub) is checked every ``liveness_interval``, the cost of the polling of old, in that
+case only. A refused ``PUBLISH`` or ``SUBSCRIBE`` on the channel is logged once and
+never ends a term. When the holder's process dies, its kernel closes the connection and
+Redis forgets the client at once; the follower then runs the acquire script with that
+dead id, which takes the lease over only if the key still names that connection and
+term, and was written under the same server ``run_id`` (client ids are unique only
+within one server run). A holder whose process lives but whose keeper connection failed
+says so in its next beat (a new epoch), and its followers check at once.
 
 This is safe only if Redis cannot close a *live* leader's connection before that
 leader's own deadline. A paused or partitioned leader's socket stays open on the
@@ -102,6 +104,7 @@ import re
 import secrets
 import selectors
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -121,16 +124,14 @@ from ._scripts import ACQUIRE, READ, RELEASE, RENEW
 from ._scripts import CANCEL_HANDOVER as CANCEL_HANDOVER  # re-exported
 from ._scripts import REQUEST_HANDOVER as REQUEST_HANDOVER  # re-exported
 from .keepalive import keepalive_refusal
-from .keys import DEFAULT_KEY_PREFIX, check_key_prefix, liveness_channel
-from .messages import beat_term, event_kind, read_beat, sign_beat, unsigned_beat
+from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
+from .liveness import LivenessHub
+from .messages import event_kind, unsigned_beat
 
 __all__ = ["RedisLease", "handover_key", "lease_keys", "node_channel", "term_origin_key"]
 
 logger = logging.getLogger(__name__)
 
-# Longest wait, seconds, between checks of a holder that beat before and went silent (a
-# paused process): a kill while it is paused is then noticed within about a second.
-_PROBE_CAP = 1.0
 # Shortest time, seconds, between two wake-ups caused by messages: anyone allowed to
 # PUBLISH can send them, and each costs an attempt (or a renewal) round trip. A release
 # or a handover request is still acted on within this.
@@ -211,7 +212,8 @@ class _Seen:
     client: str
     run: str
     fast: bool
-    token: str  # signs the holder's liveness beats (see :mod:`.messages`)
+    process: str  # the holder's process, whose beats tell it lives (see :mod:`.liveness`)
+    secret: str  # signs those beats
 
 
 def parse_holder(raw: Any, pttl: Any, now_ms: Any) -> tuple[LeaderInfo | None, dict[str, Any]]:
@@ -265,56 +267,6 @@ def _earlier_release(doc: Any) -> bool:
 _WHOLE = re.compile(r"-?[0-9]+")
 #: Fields every release of the acquire script wrote.
 _OURS = frozenset({"token", "node", "term", "at"})
-
-
-@dataclass
-class _Liveness:
-    """Liveness beats as one keeper sees them: following, when to check the holder's
-    connection; leading, when to publish the next beat.
-
-    A follower checks ``limit`` seconds after the last beat of the holder's term (or
-    after it first saw that holder). A holder never heard to beat (a release without
-    beats, beats refused by an ACL, lost pub/sub) is checked every ``limit``: the
-    polling of old, so that its crash is still noticed within ``limit``. A holder that
-    beat before and went silent (a paused process) is checked with waits doubling up to
-    :data:`_PROBE_CAP`: a few checks while it stays paused, and a kill is still noticed
-    within about a second.
-    """
-
-    term: str = ""  # the holder's term being timed
-    probe_at: float = 0.0  # monotonic time of the next check of its connection
-    gap: float = 0.0  # the current wait between checks
-    interval: float = 0.0  # the holder's liveness_interval from its beats (0: unknown)
-    seq: int = -1  # following: the highest beat number taken for the timed term
-    listener: Any = None  # the listener connection subscribed to the beats
-    beat_term: int = -1  # leading: the term beats are published for
-    beat_at: float = 0.0  # leading: monotonic time of the next beat
-    beat_seq: int = 0  # leading: the number of the next beat of the term
-    beaten: bool = False  # following: a beat of the timed term was heard
-    refused: Any = None  # the listener whose SUBSCRIBE to the beats the server refused
-    pending: bool = False  # that SUBSCRIBE was sent, its confirmation not read yet
-    mute: Any = None  # leading: the keeper connection whose PUBLISH of beats was refused
-
-    def follow(self, term: str, limit: float) -> None:
-        if term != self.term:  # another holder: time it from now
-            self.term, self.interval, self.seq = term, 0.0, -1
-            self.heard(limit)
-            self.beaten = False
-
-    def heard(self, limit: float) -> None:
-        self.gap = limit
-        self.probe_at = time.monotonic() + limit
-
-    def probed(self, limit: float) -> None:
-        if not self.beaten:  # nothing says it beats at all: check at the plain interval
-            self.gap = limit
-        else:
-            self.gap = min(max(2 * self.gap, limit), max(limit, _PROBE_CAP))
-        self.probe_at = time.monotonic() + self.gap
-
-    def lead(self, term: int) -> None:
-        if term != self.beat_term:  # a new term: beat at once
-            self.beat_term, self.beat_at, self.beat_seq = term, 0.0, 0
 
 
 class RedisLease(Closeable):
@@ -411,10 +363,11 @@ class RedisLease(Closeable):
         self._handover: HandoverRequest | None = None
 
         self._wakeup = Wakeup()
-        self._liveness = _Liveness()
+        # The process's beats and checks on this lease's server (once connected).
+        self._hub: LivenessHub | None = None
+        self._gone_lock = threading.Lock()  # _dead is set by the hub's thread
         # The listener reads raw bytes (see ConnectionFactory): channels as bytes.
         self._events_channel = self.channel.encode()
-        self._beats_channel = liveness_channel(name, key_prefix).encode()
         self._wake_after = 0.0  # a message may wake the keeper again from then on
         self._dropped_messages = 0
         self._dropped_logged_at = -math.inf
@@ -435,7 +388,8 @@ class RedisLease(Closeable):
         self._handover_hint = False
         self._handover = None
         self._wakeup = Wakeup()
-        self._liveness = _Liveness()
+        self._hub = None  # the parent's; the child's hub is made on connect
+        self._gone_lock = threading.Lock()
 
     def __enter__(self) -> RedisLease:
         """Connect; the ``with`` block closes the lease on exit."""
@@ -512,13 +466,22 @@ class RedisLease(Closeable):
             self._listener = listener
             listener.send_command("SUBSCRIBE", self.channel)
             listener.read_response()
+            if self.liveness_interval is not None:
+                self._hub = LivenessHub.of(
+                    self._client,
+                    self.key,
+                    self._factory.where,
+                    self.key_prefix,
+                    self.connect_timeout,
+                )
         except (redis.RedisError, OSError) as exc:
             self._drop()
             raise unavailable("prepare the keeper connection", self._factory.where, exc) from exc
         except BackendUnavailable:
             self._drop()
             raise
-        self._leading = self._seen = self._dead = None
+        self._lead(None)
+        self._follow(None)
         logger.debug(
             "lease %r: keeper connected (%s, client %s, fast failover %s)",
             self.name,
@@ -609,7 +572,8 @@ class RedisLease(Closeable):
 
     def _drop(self) -> None:
         conns, self._conn, self._listener = (self._conn, self._listener), None, None
-        self._leading = self._seen = self._dead = None
+        self._lead(None)
+        self._follow(None)
         self._hold.reset()
         self._presence = None
         for conn in conns:
@@ -637,6 +601,44 @@ class RedisLease(Closeable):
         still run; then it stays open (broken) until :meth:`term_ended` or :meth:`close`."""
         if self._hold.fail():
             self._drop()
+        elif self._hub is not None:
+            self._hub.connection_failed(self)  # its followers check the connection now
+
+    def _lead(self, leading: tuple[str, int] | None) -> None:
+        """Set the (token, term) this keeper holds; while it holds one with fast
+        takeover, the process beats for it (see :mod:`.liveness`)."""
+        self._leading = leading
+        if self._hub is None:
+            return
+        if leading is not None and self._fast and self.liveness_interval is not None:
+            self._hub.hold(self, self.liveness_interval)
+        else:
+            self._hub.unhold(self)
+
+    def _follow(self, seen: _Seen | None) -> None:
+        """Set the holder the last attempt saw (``None``: nobody, or this keeper); a
+        wait times it (:meth:`watch_for_change`)."""
+        with self._gone_lock:
+            self._seen = seen
+            if seen is None:
+                self._dead = None
+        if seen is None and self._hub is not None:
+            self._hub.unfollow(self)
+
+    def holder_found_gone(self, seen: _Seen) -> None:
+        """The process's liveness hub found the connection of holder ``seen`` gone: the
+        wait ends, and the next attempt takes the lease over (the script checks again).
+        Safe from any thread."""
+        with self._gone_lock:
+            if self._seen is not seen:
+                return  # an attempt saw another holder since
+            self._dead = seen
+        logger.debug("lease %r: holder of term %s has no connection", self.name, seen.term)
+        self._wakeup.wake()
+
+    def probe_refused(self) -> None:
+        """The server refused ``CLIENT LIST``: this node takes over only on expiry."""
+        self._can_probe = False
 
     def term_ended(self, term: int) -> None:
         """The leader ended ``term`` and joined its tasks: the connection may close now.
@@ -691,8 +693,9 @@ class RedisLease(Closeable):
         check_node_id(node_id)
         self._keeper()
         self._join(node_id)
-        dead, self._dead = self._dead, None
-        self._leading = None
+        with self._gone_lock:
+            dead, self._dead = self._dead, None
+        self._lead(None)
         self._handover_hint = False
         self._handover = None
         token = secrets.token_hex(16)
@@ -713,11 +716,12 @@ class RedisLease(Closeable):
             dead.term if dead else "",
             self._run_id,
             self.channel,
+            self._hub.beacon if self._hub is not None else "",
         )
         acquired = int(reply[0]) == 1
         if not acquired and not _text(reply[1]):
             # Free, but a handover request reserves it for another node this long.
-            self._seen = None
+            self._follow(None)
             reserved = max(0.0, int(reply[2]) / 1000)
             logger.debug("lease %r: reserved by a handover request for %.3f s", self.name, reserved)
             return Acquisition(False, None, reserved)
@@ -730,9 +734,9 @@ class RedisLease(Closeable):
                 f"({_text(reply[1])!r:.60}); use another key_prefix or lease name"
             )
         if acquired:
-            self._leading = (token, info.term)
             self._hold.begin(info.term)
-            self._seen = None
+            self._lead((token, info.term))
+            self._follow(None)
             logger.debug("lease %r: acquired by %s, term %s", self.name, node_id, info.term)
             if dead is not None:
                 logger.info(
@@ -741,12 +745,16 @@ class RedisLease(Closeable):
                     dead.term,
                 )
         else:
-            self._seen = _Seen(
-                str(doc.get("term", "")),
-                str(doc.get("client", "")),
-                str(doc.get("run", "")),
-                doc.get("fast") == "1",
-                str(doc.get("token", "")),
+            process, _, secret = str(doc.get("beats", "")).partition(":")
+            self._follow(
+                _Seen(
+                    str(doc.get("term", "")),
+                    str(doc.get("client", "")),
+                    str(doc.get("run", "")),
+                    doc.get("fast") == "1",
+                    process,
+                    secret,
+                )
             )
         return Acquisition(acquired, info, max(0.0, int(reply[2]) / 1000))
 
@@ -770,7 +778,7 @@ class RedisLease(Closeable):
                 self._handover = HandoverRequest(term, to or None, max(0, int(reply[3])) / 1000)
             return True
         logger.debug("lease %r: renewal of term %s by %s refused", self.name, term, node_id)
-        self._leading = None
+        self._lead(None)
         return False
 
     def handover_hinted(self) -> bool:
@@ -800,9 +808,9 @@ class RedisLease(Closeable):
         if leading is None or leading[1] != term:
             return
         reply = self._call("EVAL", RELEASE, 1, self.key, leading[0], str(term), self.channel)
-        self._leading = None
+        self._lead(None)
         self._hold.end(term)
-        self._seen = None
+        self._follow(None)
         logger.debug(
             "lease %r: %s released term %s%s",
             self.name,
@@ -830,10 +838,9 @@ class RedisLease(Closeable):
 
         Returns on a publish on the lease channel, on :meth:`interrupt` (also one that
         came just before the call), or, while following, when the holder's connection
-        is found gone. A follower does not poll for that: it listens to the holder's
-        liveness beats and checks the connection (``CLIENT LIST ID``) only after
-        ``liveness_interval`` without one. While leading, this keeper publishes those
-        beats, every ``liveness_interval / 2``, when it offers fast takeover.
+        is found gone. A follower does not poll for that: the process's liveness hub
+        (:mod:`.liveness`) times the holder's process by its beats and checks the
+        connection (``CLIENT LIST ID``) only after ``liveness_interval`` without one.
 
         Raises:
             BackendUnavailable: a keeper connection broke.
@@ -847,14 +854,9 @@ class RedisLease(Closeable):
             with selectors.DefaultSelector() as sel:
                 for sock in watch.sockets:
                     sel.register(sock, selectors.EVENT_READ)
-                wake = self._wakeup.socket
-                if wake is not None:
-                    sel.register(wake, selectors.EVENT_READ)
                 while (remaining := deadline - time.monotonic()) > 0:
                     step = min(remaining, max(0.0, watch.due() - time.monotonic()))
                     ready = frozenset(key.fileobj for key, _ in sel.select(step))
-                    if wake is not None and wake in ready:
-                        return
                     if watch.step(ready):
                         return
         finally:
@@ -874,70 +876,22 @@ class RedisLease(Closeable):
         conn = self._keeper()  # raises when broken
         listener = self._listener
         assert listener is not None
-        seen = self._seen
-        probe = (
-            self._leading is None
-            and seen is not None
-            and seen.fast
-            and self._can_probe
-            and bool(seen.client)
-            and seen.run == self._run_id
-            and self.liveness_interval is not None
-        )
-        if probe and seen is not None:
-            self._listen_for_beats(listener)
-            self._liveness.follow(seen.term, self._silence_limit())
-        beating = self._leading is not None and self._fast
-        if beating and self._leading is not None:
-            self._liveness.lead(self._leading[1])
-        return _LeaseWatch(self, conn, listener, seen if probe else None, beating)
-
-    def _silence_limit(self) -> float:
-        """How long a follower waits for a beat before it checks the holder's connection:
-        its own ``liveness_interval``, or the holder's if that is longer."""
-        own = self.liveness_interval or 0.0
-        return max(own, self._liveness.interval)
-
-    def _listen_for_beats(self, listener: Any) -> None:
-        """Keep the listener subscribed to the liveness channel (once per connection)."""
-        if self._liveness.listener is listener or self._liveness.refused is listener:
-            return
-        try:
-            # The confirmation is read (and skipped) with the channel's messages.
-            listener.send_command("SUBSCRIBE", liveness_channel(self.name, self.key_prefix))
-        except (redis.RedisError, OSError) as exc:
-            self._fail()
-            raise unavailable("listen for liveness beats", self._factory.where, exc) from exc
-        self._liveness.listener, self._liveness.pending = listener, True
-
-    def _beat(self) -> None:
-        """Publish one liveness beat of the held term (the followers' reason not to probe)."""
-        leading = self._leading
-        interval = self.liveness_interval
-        if leading is None or interval is None:
-            return
-        live = self._liveness
-        live.beat_at = time.monotonic() + interval / 2
-        if live.mute is not None and live.mute is self._conn:
-            return  # refused on this connection: the followers check it instead
-        message = sign_beat(leading[0], leading[1], round(interval * 1000), live.beat_seq)
-        live.beat_seq += 1
-        channel = liveness_channel(self.name, self.key_prefix)
-        try:
-            self._call("PUBLISH", channel, message, expected=(redis.ResponseError,))
-        except redis.ResponseError as exc:
-            # An ACL that grants the lease's older channels one by one, not this one: a
-            # refused beat says nothing about the term, which goes on; followers check
-            # the connection every liveness_interval instead.
-            live.mute = self._conn
-            logger.warning(
-                "lease %r: PUBLISH on %r refused (%s); no liveness beats on this "
-                "connection, followers check it every liveness_interval instead (grant "
-                "the channel, see the Redis how-to)",
-                self.name,
-                channel,
-                first_line(exc),
-            )
+        seen, hub = self._seen, self._hub
+        if hub is not None and self.liveness_interval is not None:
+            if (
+                self._leading is None
+                and seen is not None
+                and seen.fast
+                and self._can_probe
+                and bool(seen.client)
+                and seen.run == self._run_id
+            ):
+                hub.follow(self, seen, self.liveness_interval, self.ttl)
+            else:
+                hub.unfollow(self)
+        wake = self._wakeup.socket
+        assert wake is not None
+        return _LeaseWatch(self, conn, listener, wake)
 
     def _keeper_readable(self, conn: Any) -> None:
         # Nothing is due on an idle keeper: readable means closed (or garbage).
@@ -974,10 +928,9 @@ class RedisLease(Closeable):
         concern this keeper, and whether more are there to read.
 
         Anyone allowed to PUBLISH can send anything here: a message is only a wake-up
-        (the keeper then reads the lease itself), or a beat whose signature checks out;
-        anything else is dropped and counted (see :mod:`.messages`). A handover request
-        sets the hint; it wakes only a leader (a follower has nothing to do until the
-        leader releases).
+        (the keeper then reads the lease itself); anything else is dropped and counted
+        (see :mod:`.messages`). A handover request sets the hint; it wakes only a leader
+        (a follower has nothing to do until the leader releases).
         """
         got = False
         read = 0
@@ -986,23 +939,12 @@ class RedisLease(Closeable):
                 if limit is not None and read >= limit:
                     return got, True
                 read += 1
-                try:
-                    message = listener.read_response()
-                except redis.ResponseError as exc:
-                    self._refused(listener, exc)
-                    continue
+                message = listener.read_response()
                 if not isinstance(message, list) or len(message) != 3:
                     continue
                 kind, channel, payload = message
-                if kind == b"subscribe" and channel == self._beats_channel:
-                    self._liveness.pending = False
-                if kind != b"message":
-                    continue
-                if channel == self._beats_channel:
-                    self._heard(payload)
-                    continue
-                if channel != self._events_channel:
-                    continue  # a node's presence channel: nothing is sent there
+                if kind != b"message" or channel != self._events_channel:
+                    continue  # a confirmation, or a node's presence channel
                 event = event_kind(payload)
                 if event is None:
                     if not unsigned_beat(payload):
@@ -1037,71 +979,13 @@ class RedisLease(Closeable):
 
     @property
     def dropped_messages(self) -> int:
-        """Messages on the lease's channels that were dropped unread since construction:
-        malformed ones, and beats whose signature or number did not check out (forged or
-        replayed by a client allowed to PUBLISH; see :mod:`rselection.redis.messages`)."""
-        return self._dropped_messages
-
-    def _refused(self, listener: Any, exc: redis.ResponseError) -> None:
-        """An error reply on the listener: a refused SUBSCRIBE to the liveness channel (an
-        ACL without it) stops listening for beats on this connection; any other error
-        fails the listener as before."""
-        live = self._liveness
-        channel = liveness_channel(self.name, self.key_prefix)
-        # Redis names the channel in the error since 7.2; before, the one subscription
-        # still unconfirmed is the beats' (the lease's own channels were granted before).
-        refused = isinstance(exc, redis.exceptions.NoPermissionError) or str(exc).startswith(
-            "NOPERM"
-        )
-        if not (refused and live.listener is listener and live.pending):
-            self._fail()
-            raise unavailable("listen for lease changes", self._factory.where, exc) from exc
-        live.listener, live.refused, live.pending = None, listener, False
-        logger.warning(
-            "lease %r: SUBSCRIBE to %r refused (%s); this follower checks the holder's "
-            "connection every liveness_interval instead (grant the channel, see the Redis "
-            "how-to)",
-            self.name,
-            channel,
-            first_line(exc),
-        )
-
-    def _heard(self, payload: Any) -> None:
-        """A message on the liveness channel: when it is a beat of the timed holder's term,
-        signed with its token and numbered above every beat taken before, the holder is
-        alive, so the check of its connection moves back.
-
-        Anything else changes nothing: a forged beat (no token), a replayed one (its
-        number was taken), one of an older holder or an older release (unsigned). The
-        interval a beat advertises counts up to a quarter of the ttl only.
-        """
-        seen = self._seen
-        if self._leading is not None or seen is None:
-            return  # our own beat, or nobody to time
-        beat = read_beat(payload, seen.token)
-        live = self._liveness
-        if beat is None or str(beat.term) != seen.term or beat.seq <= live.seq:
-            term = beat_term(payload)
-            if not unsigned_beat(payload) and (term is None or str(term) == seen.term):
-                self._dropped(self._beats_channel, payload)  # forged, replayed or garbage
-            return
-        live.seq = beat.seq
-        live.interval = min(beat.interval, self.ttl / 4)
-        live.heard(self._silence_limit())
-        live.beaten = True
-
-    def _holder_gone(self, seen: _Seen) -> bool:
-        try:
-            reply = self._call("CLIENT", "LIST", "ID", seen.client, expected=(redis.ResponseError,))
-        except redis.ResponseError as exc:
-            self._can_probe = False
-            logger.info("lease %r: CLIENT LIST refused (%s)", self.name, exc)
-            return False
-        if _text(reply).strip():
-            return False
-        logger.debug("lease %r: holder of term %s has no connection", self.name, seen.term)
-        self._dead = seen
-        return True
+        """Messages dropped unread since construction: malformed ones on the lease's
+        events channel, and beats on the liveness channel whose signature or number did
+        not check out, as this process's hub for the lease's server counted them
+        (forged or replayed by a client allowed to PUBLISH; see
+        :mod:`rselection.redis.messages`)."""
+        hub = self._hub
+        return self._dropped_messages + (hub.dropped_messages if hub is not None else 0)
 
     def interrupt(self) -> None:
         """Wake the thread blocked in :meth:`wait_for_change`; safe from any thread.
@@ -1134,61 +1018,42 @@ class _LeaseWatch:
     with the readable ones whenever one is, or when :meth:`due` has come.
     """
 
-    def __init__(
-        self, lease: RedisLease, conn: Any, listener: Any, probe: _Seen | None, beating: bool
-    ) -> None:
+    def __init__(self, lease: RedisLease, conn: Any, listener: Any, wake: socket.socket) -> None:
         self._lease = lease
         self._conn = conn
         self._listener = listener
-        self._probe = probe  # the holder whose connection to check, while following
-        self._beating = beating  # leading: publish liveness beats
         self._woken = False  # a message asked for a wake-up
         self._more = False  # the last step left messages unread
-        self.sockets = (_sock(conn), _sock(listener))
-        """The keeper's and the listener's sockets."""
+        self.sockets = (_sock(conn), _sock(listener), wake)
+        """The keeper's and the listener's sockets, and the lease's wake-up (the
+        liveness hub wakes it when the holder's connection is gone)."""
 
     def due(self) -> float:
-        """The monotonic time of the next beat, check or wake-up (``inf``: none; ``-inf``
-        when messages are left to read)."""
+        """The monotonic time of the next wake-up (``inf``: none; ``-inf`` when messages
+        are left to read)."""
         if self._more:
             return -math.inf
-        lease, live = self._lease, self._lease._liveness
-        due = math.inf
-        if self._probe is not None:
-            due = min(due, live.probe_at)
-        if self._beating:
-            due = min(due, live.beat_at)
-        if self._woken:
-            due = min(due, lease._wake_after)
-        return due
+        return self._lease._wake_after if self._woken else math.inf
 
     def step(self, readable: frozenset[Any]) -> bool:
         """Read what ``readable`` holds of :attr:`sockets` (at most
-        :data:`_STEP_MESSAGES` messages), then beat or check when due; ``True`` when the
-        wait ends (the holder may have changed).
+        :data:`_STEP_MESSAGES` messages); ``True`` when the wait ends (the holder may
+        have changed).
 
         Raises:
             BackendUnavailable: a keeper connection broke.
         """
-        lease, live = self._lease, self._lease._liveness
-        keeper, listening = self.sockets
+        lease = self._lease
+        keeper, listening, wake = self.sockets
         if keeper in readable:
             lease._keeper_readable(self._conn)
+        if wake in readable:
+            lease._wakeup.clear()
+            return True  # interrupted, or the holder's connection is gone: take it over
         if listening in readable or self._more:
             got, self._more = lease._drain(self._listener, _STEP_MESSAGES)
             self._woken = self._woken or got
-        # Beats and checks come before a wake-up: a flood of messages must never starve
-        # them (it would delay a takeover to the ttl).
         now = time.monotonic()
-        if self._beating and now >= live.beat_at:
-            lease._beat()
-        seen = self._probe
-        if seen is not None and now >= live.probe_at:
-            if lease._holder_gone(seen):
-                return True
-            if not lease._can_probe:
-                self._probe = None  # refused: the lease's expiry will do
-            live.probed(lease._silence_limit())
         if self._woken and now >= lease._wake_after:
             lease._wake_after = now + _WAKE_GAP
             return True

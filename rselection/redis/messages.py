@@ -1,20 +1,23 @@
-"""What a Redis lease's channels carry, parsed without ever raising.
+"""What the Redis backend's channels carry, parsed without ever raising.
 
-Any client allowed to ``PUBLISH`` can send anything on a lease's channels, so a message
-is a wake-up, never data, unless its sender is proven; and parsing one never raises.
+Any client allowed to ``PUBLISH`` can send anything on these channels, so a message is
+a wake-up, never data, unless its sender is proven; and parsing one never raises.
 
-* The events channel (``<prefix>{<name>}:events``) carries ``acquired:<term>``,
+* A lease's events channel (``<prefix>{<name>}:events``) carries ``acquired:<term>``,
   ``released:<term>``, ``cancelled:<term>`` and ``resign:<term>``. :func:`event_kind`
   accepts exactly these (a term of at most 19 ASCII digits); the keeper only wakes up on
   them (rate-limited, see :mod:`rselection.redis.lease`) and reads the lease itself.
-* The liveness channel (``<prefix>{<name>}:alive``) carries the holder's beats,
-  ``alive:<term>:<interval ms>:<seq>:<mac>``: ``seq`` counts the term's beats from 0
-  and ``mac`` is an HMAC-SHA256 (first 128 bits, hex) of the rest keyed by the holder's
-  random token, which is stored in the lease value only (a client that cannot read the
-  lease key cannot sign a beat). :func:`sign_beat` and :func:`read_beat` make and check
-  them; a follower also takes a beat only if its ``seq`` is above every one it took for
-  the term (:class:`rselection.redis.lease.RedisLease` keeps that), so a beat heard
-  once is never taken again.
+* The liveness channel (``<prefix>alive``, one per key prefix) carries one beat per
+  process and server, for every lease that process holds there (see
+  :mod:`rselection.redis.liveness`): ``beat:<process>:<interval ms>:<epoch>:<seq>:<mac>``.
+  ``process`` is the beating process's random id (16 hex digits), ``seq`` counts its
+  beats from 0, ``epoch`` counts the keeper connections of held leases it saw fail, and
+  ``mac`` is an HMAC-SHA256 (first 128 bits, hex) of the rest keyed by the process's
+  random secret, which is stored in the values of the leases it holds only (a client
+  that cannot read a lease key cannot sign a beat). :func:`sign_beat` makes them,
+  :func:`beat_sender` names the sender of one and :func:`read_beat` checks it; a
+  follower also takes a beat only if its ``seq`` is above every one it took from that
+  process, so a beat heard once is never taken again.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 __all__ = [
     "MAX_MESSAGE",
     "Beat",
-    "beat_term",
+    "beat_sender",
     "event_kind",
     "read_beat",
     "sign_beat",
@@ -38,8 +41,9 @@ __all__ = [
 MAX_MESSAGE = 128
 
 _EVENT = re.compile(rb"(acquired|released|cancelled|resign):[0-9]{1,19}")
-_BEAT = re.compile(rb"alive:([0-9]{1,19}):([0-9]{1,9}):([0-9]{1,19}):([0-9a-f]{32})")
-_UNSIGNED_BEAT = re.compile(rb"alive:[0-9]{1,19}:[0-9]{1,9}")
+_BEAT = re.compile(rb"beat:([0-9a-f]{16}):([0-9]{1,9}):([0-9]{1,19}):([0-9]{1,19}):([0-9a-f]{32})")
+# What the holders of earlier releases published, per lease: never taken, not counted.
+_OLD_BEAT = re.compile(rb"alive:[0-9]{1,19}:[0-9]{1,9}(:[0-9]{1,19}:[0-9a-f]{32})?")
 
 
 @dataclass(frozen=True)
@@ -47,13 +51,16 @@ class Beat:
     """A liveness beat whose signature checked out.
 
     Args:
-        term: the holder's term.
-        interval: the holder's ``liveness_interval``, seconds.
-        seq: the beat's number in its term (0, 1, ...).
+        process: the beating process's id.
+        interval: the process's shortest ``liveness_interval`` among the leases it
+            holds, seconds.
+        epoch: how many keeper connections of its held leases it saw fail.
+        seq: the beat's number (0, 1, ...).
     """
 
-    term: int
+    process: str
     interval: float
+    epoch: int
     seq: int
 
 
@@ -77,46 +84,26 @@ def event_kind(message: object) -> str | None:
     return match.group(1).decode("ascii") if match else None
 
 
-def _mac(token: str, signed: bytes) -> str:
-    return hmac.new(token.encode("utf-8"), signed, hashlib.sha256).hexdigest()[:32]
+def _mac(secret: str, signed: bytes) -> str:
+    return hmac.new(secret.encode("utf-8"), signed, hashlib.sha256).hexdigest()[:32]
 
 
-def sign_beat(token: str, term: int, interval_ms: int, seq: int) -> str:
-    """The beat ``seq`` of ``term``, signed with the holder's token.
-
-    Args:
-        token: the holder's token (in the lease value, random per acquisition).
-        term: the held term.
-        interval_ms: the holder's ``liveness_interval``, milliseconds.
-        seq: the beat's number in the term.
-    """
-    signed = f"alive:{term}:{interval_ms}:{seq}"
-    return f"{signed}:{_mac(token, signed.encode('ascii'))}"
-
-
-def read_beat(message: object, token: str) -> Beat | None:
-    """The beat a message carries when it is signed with ``token``, else ``None`` (a
-    beat of another holder, a forgery, an older release's unsigned beat, or anything
-    else; never raises).
+def sign_beat(secret: str, process: str, interval_ms: int, epoch: int, seq: int) -> str:
+    """Beat ``seq`` of ``process``, signed with its secret.
 
     Args:
-        message: the payload as read.
-        token: the token of the holder the follower times (from the lease value).
+        secret: the process's secret (in the values of the leases it holds).
+        process: the process's id (16 hex digits).
+        interval_ms: its shortest ``liveness_interval``, milliseconds.
+        epoch: how many keeper connections of its held leases it saw fail.
+        seq: the beat's number.
     """
-    payload = _payload(message)
-    if payload is None or not token:
-        return None
-    match = _BEAT.fullmatch(payload)
-    if match is None:
-        return None
-    signed, mac = payload[: match.start(4) - 1], match.group(4).decode("ascii")
-    if not hmac.compare_digest(_mac(token, signed), mac):
-        return None
-    return Beat(int(match.group(1)), int(match.group(2)) / 1000, int(match.group(3)))
+    signed = f"beat:{process}:{interval_ms}:{epoch}:{seq}"
+    return f"{signed}:{_mac(secret, signed.encode('ascii'))}"
 
 
-def beat_term(message: object) -> int | None:
-    """The term of a message shaped as a signed beat, whoever signed it; else ``None``
+def beat_sender(message: object) -> str | None:
+    """The process a message shaped as a beat names, whoever signed it; else ``None``
     (never raises).
 
     Args:
@@ -124,15 +111,41 @@ def beat_term(message: object) -> int | None:
     """
     payload = _payload(message)
     match = _BEAT.fullmatch(payload) if payload is not None else None
-    return int(match.group(1)) if match else None
+    return match.group(1).decode("ascii") if match else None
+
+
+def read_beat(message: object, secret: str) -> Beat | None:
+    """The beat a message carries when it is signed with ``secret``, else ``None`` (a
+    forgery, a beat of another process, or anything else; never raises).
+
+    Args:
+        message: the payload as read.
+        secret: the secret of the process the follower times (from a lease value).
+    """
+    payload = _payload(message)
+    if payload is None or not secret:
+        return None
+    match = _BEAT.fullmatch(payload)
+    if match is None:
+        return None
+    signed, mac = payload[: match.start(5) - 1], match.group(5).decode("ascii")
+    if not hmac.compare_digest(_mac(secret, signed), mac):
+        return None
+    return Beat(
+        match.group(1).decode("ascii"),
+        int(match.group(2)) / 1000,
+        int(match.group(3)),
+        int(match.group(4)),
+    )
 
 
 def unsigned_beat(message: object) -> bool:
-    """Whether a message is a beat of an older release (``alive:<term>:<interval ms>``,
-    unsigned): never taken, and not counted as dropped (never raises).
+    """Whether a message is a per-lease beat of an earlier release
+    (``alive:<term>:<interval ms>``, signed or not): never taken, and not counted as
+    dropped (never raises).
 
     Args:
         message: the payload as read.
     """
     payload = _payload(message)
-    return payload is not None and _UNSIGNED_BEAT.fullmatch(payload) is not None
+    return payload is not None and _OLD_BEAT.fullmatch(payload) is not None

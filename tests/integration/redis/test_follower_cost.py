@@ -3,10 +3,11 @@
 An idle follower's commands, as Redis counts them (``INFO commandstats``, the calls
 inside scripts included), are counted on a private ``redis-server`` with one leader and
 one follower at the default timings: at most one per second, membership heartbeats
-included, and no polling of the holder's connection (the holder's liveness beats tell
+included, and no polling of the holder's connection (the holder's process beats tell
 the follower it is alive). A holder killed with SIGKILL is still replaced within a
 second or so: the beats stop, the follower checks the holder's connection once, finds
-it gone, and takes over.
+it gone, and takes over. The holders that stop beating run in processes of their own
+(:mod:`tests.support.redis_holder`): a process beats for all the leases it holds.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from rselection.commands.demo_fleet import Fleet
 from rselection.redis import RedisLeader, RedisLease
 from rselection.redis.keys import liveness_channel, membership_keys
 from tests.support.pg import PrivateRedis
+from tests.support.redis_holder import HolderProcess
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -85,7 +87,7 @@ def test_an_idle_follower_sends_at_most_one_command_per_second_and_never_polls(
         per_renewal = (sum(alone.values()) - alone["publish"]) / alone["pexpire"]
 
         follower.start()
-        channel = liveness_channel(name)
+        channel = liveness_channel()
         wait_until(
             lambda: (
                 admin.zscore(nodes_key, "follower") is not None
@@ -142,23 +144,15 @@ def test_a_silent_holder_costs_a_few_checks_never_a_poll(
     private_redis: PrivateRedis, admin: redis.Redis
 ) -> None:
     name = f"t-{uuid.uuid4().hex[:6]}"
-    # A holder that beat and went silent: a paused process. (One never heard to beat,
-    # of a release without beats, is checked every liveness_interval: see
-    # test_liveness_degraded.py.)
-    a = RedisLease(
-        private_redis.url, name=name, ttl=30.0, renew_deadline=20.0, liveness_interval=0.1
-    )
-    b = RedisLease(
-        private_redis.url, name=name, ttl=30.0, renew_deadline=20.0, liveness_interval=0.1
-    )
+    # A holder that beat and went silent: a paused process. (One never heard to beat is
+    # checked every liveness_interval: see test_liveness_degraded.py.)
+    timings = {"ttl": 30.0, "renew_deadline": 20.0, "liveness_interval": 0.1}
+    a = HolderProcess(private_redis.url, name, **timings)
+    b = RedisLease(private_redis.url, name=name, **timings)
     try:
-        assert a.try_acquire("a").acquired and a.fast_failover
-        assert not b.try_acquire("b").acquired
-        b.wait_for_change(0.05)  # subscribes to the beats
-        time.sleep(0.05)  # the SUBSCRIBE is sent; let the server register it
-        beating = time.monotonic() + 0.2
-        while (left := beating - time.monotonic()) > 0:
-            a.wait_for_change(left)  # beats every 0.05 s, then stops: paused
+        assert a.fast and not b.try_acquire("b").acquired
+        b.wait_for_change(0.3)  # follows the holder; hears its beats
+        a.pause()
         before = commandstats(admin)["client|list"]
         b.wait_for_change(3.0)  # returns at its timeout: the holder's connection lives
         checks = commandstats(admin)["client|list"] - before
@@ -166,8 +160,8 @@ def test_a_silent_holder_costs_a_few_checks_never_a_poll(
         # 1 s); a poll every liveness_interval would have made 30.
         print(f"\nchecks of a silent holder in 3 s: {checks}")
         assert 1 <= checks <= 6
-        admin.client_kill_filter(_id=a.client_id)  # now it is gone for real
         began = time.monotonic()
+        a.kill()  # now it is gone for real
         b.wait_for_change(10.0)
         noticed = time.monotonic() - began
         assert b.try_acquire("b").acquired

@@ -1,8 +1,10 @@
 """What a Redis client allowed only to PUBLISH can do to a fleet: nothing that matters.
 
 The attacker (``publish_only_redis_url``: a user allowed PUBLISH and PING, nothing else)
-knows the lease's channels (``<prefix>{<name>}:events`` and ``:alive``) and its current
-term (terms are shown by ``rselection status``). It forges liveness beats, floods the
+knows the lease's events channel (``<prefix>{<name>}:events``), the liveness channel
+(``<prefix>alive``), the holder's process id and the current term (a reader of the lease
+key sees them; terms are shown by ``rselection status``). It forges liveness beats,
+floods the
 events channel with ``released``/``acquired``/``resign`` messages, and sends bytes that
 are not text. None of it may end a term, delay a crash failover past its bound (about a
 second at the default timings, against the ttl of 15 s that a takeover by expiry takes),
@@ -12,6 +14,7 @@ so that they slow no other test.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -27,7 +30,9 @@ from rselection.commands.demo_fleet import Fleet
 from rselection.redis import RedisLeader, RedisLease
 from rselection.redis.keys import liveness_channel
 from rselection.redis.lease import lease_keys
+from rselection.redis.messages import sign_beat
 from tests.support.pg import PrivateRedis
+from tests.support.redis_holder import HolderProcess
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -107,10 +112,20 @@ def test_forged_liveness_beats_do_not_delay_a_crash_failover(
         first = fleet.start(2)
         _hear_beats(fleet, 0.5)
         term = first["term"]
-        # Beats of the current term that advertise a long interval: on the old code each
-        # follower then waited that long (or the ttl) before checking the holder.
-        forged = [f"alive:{term}:600000", f"alive:{term}:600000:0:{'0' * 32}"]
-        with Forger(publish_only_redis_url, liveness_channel(name), lambda: forged, 0.05) as f:
+        with redis.Redis.from_url(redis_url) as reader:
+            value = json.loads(reader.get(lease_keys(name)[0]) or "{}")
+        process = value["beats"].partition(":")[0]
+        # Beats of the holder's process that advertise a long interval, numbered high,
+        # unsigned or signed with another secret: had a follower taken one, it would
+        # wait that long (or the ttl) before checking the holder; and per-lease beats
+        # of the current term, as an earlier release sent them.
+        forged = [
+            sign_beat("f" * 32, process, 600000, 0, 10**9),
+            f"beat:{process}:600000:0:{10**9 + 1}:{'0' * 32}",
+            f"alive:{term}:600000",
+            f"alive:{term}:600000:0:{'0' * 32}",
+        ]
+        with Forger(publish_only_redis_url, liveness_channel(), lambda: forged, 0.05) as f:
             wait_until(lambda: f.sent >= 20, 10, "forged beats to go out")
             failover = _crash_failover(fleet, first)
         assert f.reached >= 1, "no follower listened to the forged beats"
@@ -238,11 +253,11 @@ def test_a_malformed_message_ends_no_term(
         leader.start()
         assert leader.wait_until_leader(10)
         follower.start()
-        events, beats = lease_keys(name)[2], liveness_channel(name)
+        events, beats = lease_keys(name)[2], liveness_channel()
         wait_until(
             lambda: _listeners(admin, events) == 2 and _listeners(admin, beats) == 1,
             10,
-            "both nodes to listen to the lease's events, the follower to the beats",
+            "both nodes to listen to the lease's events, the process to the beats",
         )
         term = leader.term
         reached = sum(int(attacker.publish(channel, message)) for channel in (events, beats))
@@ -273,27 +288,24 @@ def test_beats_heard_before_and_replayed_after_a_crash_do_not_delay_the_takeover
     holder is gone, publishes them again: a follower that heard them takes none twice."""
     name = f"replay-{uuid.uuid4().hex[:6]}"
     timings: dict[str, Any] = {"ttl": 30.0, "renew_deadline": 20.0, "liveness_interval": 0.1}
-    a, b = RedisLease(redis_url, name=name, **timings), RedisLease(redis_url, name=name, **timings)
     recorder = admin.pubsub()
+    recorder.subscribe(liveness_channel())
+    a = HolderProcess(redis_url, name, **timings)
+    b = RedisLease(redis_url, name=name, **timings)
     try:
-        recorder.subscribe(liveness_channel(name))
-        assert a.try_acquire("a").acquired and a.fast_failover
-        assert not b.try_acquire("b").acquired
-        b.wait_for_change(0.05)  # subscribes to the beats
-        wait_until(lambda: _listeners(admin, liveness_channel(name)) == 2, 10, "b to listen")
-        beating = threading.Thread(target=_wait, args=(a, 0.6))
-        beating.start()
+        assert a.fast and not b.try_acquire("b").acquired
         _wait(b, 0.6)  # hears the beats as they come
-        beating.join(10)
         recorded = []
-        while (message := recorder.get_message(timeout=0.1)) is not None:
-            if message["type"] == "message":
+        until = time.monotonic() + 5.0  # the holder beats on: take what came, and more
+        while len(recorded) < 10 and time.monotonic() < until:
+            message = recorder.get_message(timeout=0.1)
+            if message is not None and message["type"] == "message":
                 recorded.append(message["data"])
         assert len(recorded) >= 5, recorded
-        with Forger(publish_only_redis_url, liveness_channel(name), lambda: recorded, 0.02) as f:
+        with Forger(publish_only_redis_url, liveness_channel(), lambda: recorded, 0.02) as f:
             wait_until(lambda: f.sent >= 2 * len(recorded), 10, "the replay to start")
-            admin.client_kill_filter(_id=a.client_id)  # as the holder's death would
             began = time.monotonic()
+            a.kill()
             b.wait_for_change(10.0)
             noticed = time.monotonic() - began
         print(f"\ncrash noticed under replayed beats after {noticed * 1000:.0f} ms")

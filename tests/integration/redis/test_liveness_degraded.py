@@ -1,10 +1,12 @@
 """Crash failover when the holder's liveness beats are missing, on a private Redis.
 
-Beats may be missing because the holder runs a release without them (a rolling
-upgrade), because an ACL refuses their channel, or because the holder is paused. None
-of these may end a term, and a follower must still notice a crashed holder within
-about a second: a holder never heard to beat is checked every ``liveness_interval``; one
-that beat and went silent is checked with waits growing to at most a second.
+Beats may be missing because an ACL refuses their channel (to the holder's PUBLISH or
+the follower's SUBSCRIBE), or because the holder's process is paused. None of these may
+end a term, and a follower must still notice a crashed holder within about a second: a
+holder process never heard to beat is checked every ``liveness_interval``; one that
+beat and went silent is checked with waits growing to at most a second. The holder runs
+in a process of its own (:mod:`tests.support.redis_holder`), so that a pause or a kill
+stops its beats and its connections together, as in production.
 """
 
 from __future__ import annotations
@@ -17,9 +19,13 @@ import pytest
 import redis
 
 from rselection.redis import RedisLease
+from tests.support.node_process import count
 from tests.support.pg import PrivateRedis
+from tests.support.redis_holder import HolderProcess
 
 pytestmark = pytest.mark.slow
+
+SLOW = {"ttl": 30.0, "renew_deadline": 20.0}
 
 
 @pytest.fixture
@@ -35,33 +41,31 @@ def _checks(admin: redis.Redis) -> int:
 
 
 def _wait(lease: RedisLease, seconds: float) -> None:
-    """Wait as a keeper does, for ``seconds`` (its own acquisition's publish wakes the
-    first wait at once)."""
+    """Wait as a keeper does, for ``seconds`` (a wait may return early on a change)."""
     deadline = time.monotonic() + seconds
     while (left := deadline - time.monotonic()) > 0:
         lease.wait_for_change(left)
 
 
-def _noticed_after_kill(admin: redis.Redis, holder: RedisLease, follower: RedisLease) -> float:
-    """Kill the holder's connection (as its process's death would) and return how long
-    the follower's wait took to notice; it then takes the lease over."""
-    admin.client_kill_filter(_id=holder.client_id)
-    began = time.monotonic()
+def _noticed_after_kill(holder: HolderProcess, follower: RedisLease) -> float:
+    """Kill the holder's process and return how long the follower's wait took to
+    notice; it then takes the lease over with the next term."""
+    began = time.monotonic()  # the follower's hub may notice before the kill returns
+    holder.kill()
     follower.wait_for_change(10.0)
     noticed = time.monotonic() - began
-    assert follower.try_acquire("b").acquired
+    taken = follower.try_acquire("b")
+    assert taken.acquired and taken.holder is not None
+    assert taken.holder.term == holder.term + 1
     return noticed
 
 
-def test_an_acl_granting_only_the_older_channels_ends_no_term_and_a_crash_is_noticed(
-    private_redis: PrivateRedis, admin: redis.Redis
-) -> None:
-    name = f"acl-{uuid.uuid4().hex[:6]}"
-    # The channels a lease used before liveness beats, granted one by one.
+def _acl_without_beats(admin: redis.Redis, user: str, name: str, port: int) -> str:
+    """A user granted the lease's own channels one by one, not the liveness channel."""
     admin.execute_command(
         "ACL",
         "SETUSER",
-        "app",
+        user,
         "on",
         ">pw",
         "~rselection:*",
@@ -69,50 +73,57 @@ def test_an_acl_granting_only_the_older_channels_ends_no_term_and_a_crash_is_not
         f"&rselection:{{{name}}}:node:*",
         "+@all",
     )
-    url = f"redis://app:pw@127.0.0.1:{private_redis.port}/0"
-    a = RedisLease(url, name=name, ttl=30.0, renew_deadline=20.0)
-    b = RedisLease(url, name=name, ttl=30.0, renew_deadline=20.0, liveness_interval=0.2)
+    return f"redis://{user}:pw@127.0.0.1:{port}/0"
+
+
+def test_an_acl_refusing_the_beats_channel_ends_no_term_and_a_crash_is_noticed(
+    private_redis: PrivateRedis, admin: redis.Redis
+) -> None:
+    name = f"acl-{uuid.uuid4().hex[:6]}"
+    url = _acl_without_beats(admin, "app", name, private_redis.port)
+    # The holder's PUBLISH of beats is refused, and so is the follower's SUBSCRIBE.
+    holder = HolderProcess(url, name, **SLOW, liveness_interval=0.5)
+    b = RedisLease(url, name=name, **SLOW, liveness_interval=0.2)
     try:
-        held = a.try_acquire("a").holder
-        assert held is not None and a.fast_failover
-        _wait(a, 1.0)  # its beats are refused: the term goes on
-        assert a.renew("a", held.term)
+        assert holder.fast
         assert not b.try_acquire("b").acquired
-        _wait(b, 1.0)  # its SUBSCRIBE to the beats is refused: it goes on
-        _wait(a, 0.3)
-        assert a.renew("a", held.term)
-        noticed = _noticed_after_kill(admin, a, b)
+        _wait(b, 2.0)  # the holder beat (refused) and renewed meanwhile
+        seen = b.current()
+        assert seen is not None and (seen.node_id, seen.term) == ("holder", holder.term)
+        noticed = _noticed_after_kill(holder, b)
         print(f"\ncrash noticed without beats after {noticed:.2f} s")
         assert noticed < 1.5  # checks every 0.2 s; expiry would take 30 s
     finally:
-        a.close()
+        holder.close()
         b.close()
 
 
-def test_a_holder_that_never_beat_is_checked_every_liveness_interval(
+def test_a_holder_never_heard_to_beat_is_checked_every_liveness_interval(
     private_redis: PrivateRedis, admin: redis.Redis
 ) -> None:
-    name = f"old-{uuid.uuid4().hex[:6]}"
-    # A holder that publishes no beats at all (its keeper never waits here), like a
-    # release without them.
-    a = RedisLease(private_redis.url, name=name, ttl=30.0, renew_deadline=20.0)
-    b = RedisLease(
-        private_redis.url, name=name, ttl=30.0, renew_deadline=20.0, liveness_interval=0.2
+    name = f"mute-{uuid.uuid4().hex[:6]}"
+    # The holder may not publish on the beats channel; the follower hears the channel,
+    # and nothing of that holder on it.
+    holder = HolderProcess(
+        _acl_without_beats(admin, "mute", name, private_redis.port),
+        name,
+        **SLOW,
+        liveness_interval=0.5,
     )
+    b = RedisLease(private_redis.url, name=name, **SLOW, liveness_interval=0.2)
     try:
-        assert a.try_acquire("a").acquired and a.fast_failover
         assert not b.try_acquire("b").acquired
         before = _checks(admin)
         _wait(b, 6.5)  # returns at its timeout: the holder's connection lives
         checks = _checks(admin) - before
         # A check every 0.2 s: the polling cost, in this degraded case only.
         assert checks >= 15, checks
-        noticed = _noticed_after_kill(admin, a, b)
+        noticed = _noticed_after_kill(holder, b)
         print(f"\n{checks} checks in 6.5 s; crash noticed after {noticed:.2f} s")
         # Within a check or two; waits growing to 4 s had made it more than 3 s.
         assert noticed < 1.5
     finally:
-        a.close()
+        holder.close()
         b.close()
 
 
@@ -120,28 +131,52 @@ def test_a_paused_holder_costs_a_few_checks_and_its_kill_is_noticed_within_a_sec
     private_redis: PrivateRedis, admin: redis.Redis
 ) -> None:
     name = f"pause-{uuid.uuid4().hex[:6]}"
-    a = RedisLease(
-        private_redis.url, name=name, ttl=30.0, renew_deadline=20.0, liveness_interval=0.2
-    )
-    b = RedisLease(
-        private_redis.url, name=name, ttl=30.0, renew_deadline=20.0, liveness_interval=0.2
-    )
+    holder = HolderProcess(private_redis.url, name, **SLOW, liveness_interval=0.2)
+    b = RedisLease(private_redis.url, name=name, **SLOW, liveness_interval=0.2)
     try:
-        assert a.try_acquire("a").acquired and a.fast_failover
         assert not b.try_acquire("b").acquired
-        b.wait_for_change(0.05)  # subscribes to the beats
-        time.sleep(0.05)  # the SUBSCRIBE is sent; let the server register it
-        _wait(a, 0.3)  # beats (three, every 0.1 s), then pauses: no more
+        _wait(b, 0.5)  # hears the holder's beats (every 0.1 s)
         before = _checks(admin)
-        b.wait_for_change(6.5)  # hears the beats, then times the silence
+        _wait(b, 1.0)
+        assert _checks(admin) == before  # beats heard: no check
+        holder.pause()
+        before = _checks(admin)
+        _wait(b, 6.5)  # times the silence
         checks = _checks(admin) - before
         # Waits 0.2, 0.4, 0.8, then 1 s: about eight checks, never one per 0.2 s (32).
         assert 3 <= checks <= 15, checks
-        noticed = _noticed_after_kill(admin, a, b)
+        noticed = _noticed_after_kill(holder, b)
         print(f"\n{checks} checks of a paused holder in 6.5 s; kill noticed after {noticed:.2f} s")
         # Within the longest wait (1 s) and a margin; waits growing to 4 s had made it
         # more than 3 s.
         assert noticed < 2.0
     finally:
-        a.close()
+        holder.close()
+        b.close()
+
+
+def test_a_holder_that_lost_its_connection_is_checked_at_once_while_its_process_beats(
+    private_redis: PrivateRedis, admin: redis.Redis
+) -> None:
+    """The holder's process lives and beats on, but the server closed the lease's keeper
+    connection: the holder says so in its next beat (a new epoch), and the follower
+    checks at once instead of waiting for the lease to expire."""
+    name = f"cut-{uuid.uuid4().hex[:6]}"
+    holder = HolderProcess(private_redis.url, name, **SLOW, liveness_interval=0.2)
+    b = RedisLease(private_redis.url, name=name, **SLOW, liveness_interval=0.2)
+    try:
+        assert not b.try_acquire("b").acquired
+        _wait(b, 0.5)  # hears the holder's beats
+        began = time.monotonic()
+        admin.client_kill_filter(_id=holder.client)  # its waiting keeper notices
+        b.wait_for_change(10.0)
+        noticed = time.monotonic() - began
+        holder.node.wait_for("the holder to see it", count("lost", 1), 10)
+        assert holder.node.proc.poll() is None  # alive, and beating
+        taken = b.try_acquire("b")
+        assert taken.acquired, taken
+        print(f"\na lost keeper connection noticed after {noticed:.2f} s")
+        assert noticed < 2.0  # expiry would take 30 s
+    finally:
+        holder.close()
         b.close()

@@ -1,0 +1,495 @@
+"""One liveness beat per process and Redis server, for every lease the process holds there.
+
+A follower takes a lease over from a crashed holder as soon as it finds the holder's
+keeper connection gone (``CLIENT LIST ID``; see :mod:`rselection.redis.lease`). Beats
+tell it when not to look. :class:`LivenessHub` does both sides of that for one process,
+one server and one key prefix:
+
+* While any lease of the process holds a term with fast failover on that server, the
+  hub publishes a beat on ``<prefix>alive`` every half of the shortest
+  ``liveness_interval`` among them: one message per process, however many leases it
+  holds (a beat per lease made 4,000 messages a second at 1,000 leases, each read by
+  every follower).
+* It times the holders its leases follow, per holder process. After ``liveness_interval``
+  without a beat of a holder process, it checks the keeper connections of every lease
+  that process holds in one ``CLIENT LIST ID`` and wakes the leases whose holder's
+  connection is gone; their next attempt takes them over. A holder process that beat
+  and went silent (paused) is checked with waits doubling up to a second; one never
+  heard to beat (a release without process beats, an ACL that refuses the channel) is
+  checked every ``liveness_interval``.
+* A beat carries an epoch: the number of keeper connections of held leases the process
+  saw fail. A process that is alive but lost one lease's connection (the server closed
+  it) beats on with a new epoch, and its followers check at once, as they would had the
+  whole process died.
+
+The wire format and its signature are :mod:`rselection.redis.messages`'. A beat only
+says when to look: a takeover still needs the holder's connection gone and the acquire
+script's checks, so a forged, replayed or lost beat can delay a takeover (to the ttl at
+worst) but never cause one.
+
+Each hub has one thread and two connections (one for beats and checks, one listening),
+opened while it has leases; a server that hangs holds up only its own hub.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import selectors
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+import redis
+
+from .. import forks
+from ..errors import first_line
+from ..wakeup import Wakeup
+from ._conn import ConnectionFactory
+from .keys import liveness_channel
+from .messages import beat_sender, read_beat, sign_beat, unsigned_beat
+
+__all__ = ["Follower", "LivenessHub"]
+
+logger = logging.getLogger("rselection.redis.lease")
+
+# Longest wait, seconds, between checks of a holder process that beat before and went
+# silent (paused): a kill while it is paused is then noticed within about a second.
+PROBE_CAP = 1.0
+# Bound of one round trip of the hub's connections, seconds.
+_IO_TIMEOUT = 2.0
+# Seconds before a hub whose connection failed tries again.
+_RETRY = 1.0
+# The most messages one turn of the hub's thread reads (then beats and checks run).
+_READ_LIMIT = 256
+# Seconds between two log lines about dropped beats (each is counted).
+_DROPPED_LOG_EVERY = 60.0
+
+
+class Follower(Protocol):
+    """What the hub needs of a lease that follows a holder (a :class:`RedisLease`)."""
+
+    name: str
+
+    def holder_found_gone(self, seen: Any) -> None:
+        """The hub found the connection of holder ``seen`` gone: take it over."""
+
+    def probe_refused(self) -> None:
+        """The server refused ``CLIENT LIST``: wait for expiry instead."""
+
+
+@dataclass
+class _Following:
+    seen: Any  # the holder as the lease saw it: .client, .process, .secret
+    limit: float  # the lease's liveness_interval
+    cap: float  # the longest interval a beat may advertise to this lease (ttl / 4)
+
+
+@dataclass
+class _Holder:
+    """A holder process being timed, and the leases that follow it."""
+
+    secret: str
+    probe_at: float
+    gap: float
+    seq: int = -1  # the highest beat number taken
+    epoch: int | None = None
+    interval: float = 0.0  # advertised by its beats (0: unknown)
+    beaten: bool = False  # a beat was heard
+    leases: dict[Follower, _Following] = field(default_factory=dict)
+
+    def limit(self) -> float:
+        """How long it may go without a beat: the followers' shortest
+        ``liveness_interval``, or its own if longer (up to their ttl / 4)."""
+        own = min(f.limit for f in self.leases.values())
+        cap = min(f.cap for f in self.leases.values())
+        return max(own, min(self.interval, cap))
+
+    def heard(self, now: float) -> None:
+        self.gap = self.limit()
+        self.probe_at = now + self.gap
+
+    def probed(self, now: float) -> None:
+        limit = self.limit()
+        if not self.beaten:  # nothing says it beats at all: check at the plain interval
+            self.gap = limit
+        else:
+            self.gap = min(max(2 * self.gap, limit), max(limit, PROBE_CAP))
+        self.probe_at = now + self.gap
+
+
+class LivenessHub:
+    """This process's beats and checks on one Redis server, for one key prefix; get it
+    with :meth:`of`. Every method is safe from any thread and never blocks on the
+    server.
+
+    Args:
+        client: a ``redis.Redis`` or ``RedisCluster`` whose settings the hub's
+            connections copy.
+        key: for a cluster, a key in a slot of the server (a lease's key).
+        key_prefix: the leases' key prefix; beats go on ``<prefix>alive``.
+        connect_timeout: bound of opening a connection, seconds.
+    """
+
+    _hubs: ClassVar[dict[tuple[str, str], LivenessHub]] = {}
+    _hubs_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, client: Any, key: str, key_prefix: str, connect_timeout: float) -> None:
+        self._factory = ConnectionFactory(
+            client,
+            key=key,
+            socket_timeout=_IO_TIMEOUT,
+            connect_timeout=connect_timeout,
+            client_name="rselection:liveness",
+        )
+        self.process = secrets.token_hex(8)
+        """This process's id in its beats and in the values of the leases it holds."""
+        self._secret = secrets.token_hex(16)
+        self.channel = liveness_channel(key_prefix)
+        self._channel_bytes = self.channel.encode()
+        self._lock = threading.Lock()
+        self._wakeup = Wakeup()
+        self._thread: threading.Thread | None = None
+        # Leading: the held leases' liveness_interval, the next beat, its number, and
+        # how many held leases' connections failed.
+        self._held: dict[object, float] = {}
+        self._beat_at = 0.0
+        self._seq = 0
+        self._epoch = 0
+        # Following: holder processes by id ("" for holders that name no process).
+        self._holders: dict[str, _Holder] = {}
+        self._following: dict[Follower, str] = {}
+        self._conn: Any = None
+        self._listener: Any = None
+        self._subscribed = False
+        self._retry_at = 0.0
+        self._muted = False  # PUBLISH on the channel refused: no beats
+        self._deaf = False  # SUBSCRIBE to the channel refused: every holder is polled
+        self.dropped_messages = 0
+        """Beats dropped unread since the hub was made: forged, replayed or garbled."""
+        self._dropped_logged_at = -math.inf
+
+    @classmethod
+    def of(cls, client: Any, key: str, where: str, key_prefix: str, timeout: float) -> LivenessHub:
+        """The process's hub for server ``where`` and ``key_prefix`` (made on first use).
+
+        Args:
+            client: the lease's client (its settings are copied).
+            key: the lease's key (routes a cluster's connections to its slot's server).
+            where: the server, as the lease's connection factory names it.
+            key_prefix: the lease's key prefix.
+            timeout: bound of opening a connection, seconds.
+        """
+        with cls._hubs_lock:
+            hub = cls._hubs.get((where, key_prefix))
+            if hub is None:
+                hub = cls._hubs[(where, key_prefix)] = cls(client, key, key_prefix, timeout)
+            return hub
+
+    @classmethod
+    def reset_after_fork(cls) -> None:
+        """In a forked child: the parent's hubs (their connections, threads and process
+        id) are not the child's; it makes its own."""
+        for hub in cls._hubs.values():
+            forks.keep_inherited(hub._conn, hub._listener, hub._wakeup)
+        cls._hubs = {}
+        cls._hubs_lock = threading.Lock()
+
+    @property
+    def beacon(self) -> str:
+        """``<process>:<secret>``, written into the value of each lease this process
+        acquires on the server: how followers know whose beats to take."""
+        return f"{self.process}:{self._secret}"
+
+    # -- the leases' side -------------------------------------------------------------
+
+    def hold(self, lease: object, interval: float) -> None:
+        """``lease`` holds a term with fast failover: beat for it every ``interval / 2``."""
+        with self._lock:
+            if not self._held:
+                self._beat_at = 0.0  # the first held lease: beat at once
+            self._held[lease] = interval
+            self._start()
+
+    def unhold(self, lease: object) -> None:
+        """``lease`` holds no term any more (beats stop with the last one)."""
+        with self._lock:
+            self._held.pop(lease, None)
+
+    def connection_failed(self, lease: object) -> None:
+        """A held lease's keeper connection failed: the next beat, at once, carries a new
+        epoch, so that followers check its connection now."""
+        with self._lock:
+            if lease not in self._held:
+                return
+            self._epoch += 1
+            self._beat_at = 0.0
+        self._wakeup.wake()
+
+    def follow(self, lease: Follower, seen: Any, limit: float, ttl: float) -> None:
+        """Time holder ``seen`` for ``lease`` until :meth:`unfollow` or another ``seen``;
+        when its connection is found gone, ``lease.holder_found_gone(seen)`` is called
+        (on the hub's thread). Following the same holder again keeps its timers.
+
+        Args:
+            lease: the follower.
+            seen: the holder: ``.client`` (its connection id), ``.process`` and
+                ``.secret`` (from its lease value; empty when it names none).
+            limit: the lease's ``liveness_interval``, seconds.
+            ttl: the lease's ttl (a beat's interval counts up to a quarter of it).
+        """
+        process = seen.process or ""
+        with self._lock:
+            current = self._following.get(lease)
+            if current is not None:
+                entry = self._holders[current].leases.get(lease)
+                if entry is not None and entry.seen is seen:
+                    return
+            self._forget(lease)
+            holder = self._holders.get(process)
+            now = time.monotonic()
+            if holder is None:
+                holder = self._holders[process] = _Holder(seen.secret, now + limit, limit)
+            elif not holder.leases:
+                holder.probe_at = min(holder.probe_at, now + limit)
+            holder.leases[lease] = _Following(seen, limit, ttl / 4)
+            self._following[lease] = process
+            self._start()
+
+    def unfollow(self, lease: Follower) -> None:
+        """``lease`` follows nobody (it acquired, closed, or sees no holder)."""
+        with self._lock:
+            self._forget(lease)
+
+    def _forget(self, lease: Follower) -> None:
+        process = self._following.pop(lease, None)
+        if process is None:
+            return
+        holder = self._holders.get(process)
+        if holder is not None:
+            holder.leases.pop(lease, None)
+            if not holder.leases:
+                del self._holders[process]
+
+    def _start(self) -> None:
+        """Under the lock: run the hub's thread, or wake it to look at the change."""
+        if self._thread is not None:
+            self._wakeup.wake()
+            return
+        self._wakeup.open()
+        thread = threading.Thread(target=self._run, name="rselection-liveness", daemon=True)
+        thread.start()
+        self._thread = thread
+
+    # -- the hub's thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                self._wakeup.clear()
+                if not self._held and not self._holders:
+                    self._thread = None
+                    self._close()
+                    return
+                listen = bool(self._holders) and not self._deaf
+                if not listen and self._listener is not None:
+                    self._drop_listener()
+            now = time.monotonic()
+            if now >= self._retry_at:
+                try:
+                    self._connect(listen)
+                    self._turn(now)
+                except (redis.RedisError, OSError) as exc:
+                    logger.debug("liveness on %s: %s", self._factory.where, first_line(exc))
+                    self._close()
+                    self._retry_at = time.monotonic() + _RETRY
+            self._sleep()
+
+    def _connect(self, listen: bool) -> None:
+        if self._conn is None:
+            self._conn = self._factory.connect()
+        if listen and self._listener is None:
+            self._listener = self._factory.connect()
+            self._listener.send_command("SUBSCRIBE", self.channel)
+            self._subscribed = False
+
+    def _turn(self, now: float) -> None:
+        """Read what came, beat when due, check the holders that are due."""
+        if self._listener is not None:
+            self._read()
+        with self._lock:
+            beat = bool(self._held) and not self._muted and now >= self._beat_at
+            if beat:
+                interval = min(self._held.values())
+                self._beat_at = now + interval / 2
+                message = sign_beat(
+                    self._secret, self.process, round(interval * 1000), self._epoch, self._seq
+                )
+                self._seq += 1
+            due = [p for p, h in self._holders.items() if now >= h.probe_at]
+        if beat:
+            self._publish(message)
+        for process in due:
+            self._probe(process)
+
+    def _sleep(self) -> None:
+        """Wait for a message, a wake-up, or the next beat or check (at most a second)."""
+        with self._lock:
+            due = [holder.probe_at for holder in self._holders.values()]
+            if self._held and not self._muted:
+                due.append(self._beat_at)
+            until = max(self._retry_at, min(due, default=math.inf))
+        timeout = min(1.0, max(0.0, until - time.monotonic()))
+        with selectors.DefaultSelector() as sel:
+            wake = self._wakeup.socket
+            if wake is not None:
+                sel.register(wake, selectors.EVENT_READ)
+            sock = getattr(self._listener, "_sock", None)
+            if sock is not None:
+                sel.register(sock, selectors.EVENT_READ)
+            sel.select(timeout)
+
+    def _read(self) -> None:
+        listener = self._listener
+        for _ in range(_READ_LIMIT):
+            if not listener.can_read(0):
+                return
+            try:
+                message = listener.read_response()
+            except redis.ResponseError as exc:
+                self._refused(exc)
+                return
+            if not isinstance(message, list) or len(message) != 3:
+                continue
+            kind, channel, payload = message
+            if kind == b"subscribe":
+                self._subscribed = True
+            elif kind == b"message" and channel == self._channel_bytes:
+                self._heard(payload)
+
+    def _refused(self, exc: redis.ResponseError) -> None:
+        """The server refused the SUBSCRIBE (an ACL without the channel): every holder
+        is checked every ``liveness_interval`` instead; no term is affected."""
+        if self._subscribed:
+            raise exc  # not the subscription: the connection is in doubt
+        self._deaf = True
+        self._drop_listener()
+        logger.warning(
+            "SUBSCRIBE to %r refused on %s (%s); followers check each holder's connection "
+            "every liveness_interval instead (grant the channel, see the Redis how-to)",
+            self.channel,
+            self._factory.where,
+            first_line(exc),
+        )
+
+    def _heard(self, payload: Any) -> None:
+        """A message on the channel: a beat of a timed holder process, signed with its
+        secret and numbered above every beat taken before, moves its check back (or
+        brings it forward, when the epoch changed). Anything else changes nothing."""
+        sender = beat_sender(payload)
+        if sender is None:
+            if not unsigned_beat(payload):
+                self._dropped(payload)
+            return
+        now = time.monotonic()
+        with self._lock:
+            holder = self._holders.get(sender)
+            if holder is None:
+                return  # a process none of our leases follows
+            beat = read_beat(payload, holder.secret)
+            if beat is None or beat.seq <= holder.seq:
+                dropped = True
+            else:
+                dropped = False
+                holder.seq, holder.interval, holder.beaten = beat.seq, beat.interval, True
+                if holder.epoch is not None and beat.epoch != holder.epoch:
+                    holder.gap, holder.probe_at = holder.limit(), now  # one connection failed
+                else:
+                    holder.heard(now)
+                holder.epoch = beat.epoch
+        if dropped:
+            self._dropped(payload)
+
+    def _dropped(self, payload: Any) -> None:
+        self.dropped_messages += 1
+        now = time.monotonic()
+        if now < self._dropped_logged_at + _DROPPED_LOG_EVERY:
+            return
+        self._dropped_logged_at = now
+        logger.warning(
+            "dropped a message on %s that no rselection node sends (%.40r; %d so far): a "
+            "client allowed to PUBLISH on the channel sent it; it changes nothing "
+            "(restrict PUBLISH on it, see the Redis how-to)",
+            self.channel,
+            payload,
+            self.dropped_messages,
+        )
+
+    def _publish(self, message: str) -> None:
+        try:
+            self._call("PUBLISH", self.channel, message)
+        except redis.ResponseError as exc:
+            # An ACL that grants the leases' channels but not this one: a refused beat
+            # says nothing about the terms, which go on; followers check every
+            # liveness_interval instead.
+            self._muted = True
+            logger.warning(
+                "PUBLISH on %r refused on %s (%s); no liveness beats from this process, "
+                "followers check its connections every liveness_interval instead (grant "
+                "the channel, see the Redis how-to)",
+                self.channel,
+                self._factory.where,
+                first_line(exc),
+            )
+
+    def _probe(self, process: str) -> None:
+        """Check the connections of every lease holder process ``process`` holds for our
+        followers, in one round trip; wake the followers whose holder is gone."""
+        with self._lock:
+            holder = self._holders.get(process)
+            if holder is None:
+                return
+            following = list(holder.leases.items())
+        clients = sorted({f.seen.client for _, f in following})
+        try:
+            reply = self._call("CLIENT", "LIST", "ID", *clients)
+        except redis.ResponseError as exc:
+            if not str(exc).startswith("NOPERM"):
+                raise  # not a refusal: the connection is in doubt, and is made anew
+            logger.info("CLIENT LIST refused on %s (%s)", self._factory.where, exc)
+            for lease, _ in following:
+                self.unfollow(lease)
+                lease.probe_refused()
+            return
+        text = reply.decode("utf-8", "replace") if isinstance(reply, bytes) else str(reply)
+        alive = {line.split(" ", 1)[0].removeprefix("id=") for line in text.splitlines()}
+        gone = [(lease, f) for lease, f in following if f.seen.client not in alive]
+        with self._lock:
+            for lease, f in gone:
+                if holder.leases.get(lease) is f:
+                    self._forget(lease)
+            if holder.leases:
+                holder.probed(time.monotonic())
+        for lease, f in gone:
+            lease.holder_found_gone(f.seen)
+
+    def _call(self, *args: Any) -> Any:
+        conn = self._conn
+        conn.send_command(*args)
+        return conn.read_response(disconnect_on_error=False)
+
+    def _drop_listener(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.disconnect()
+
+    def _close(self) -> None:
+        self._drop_listener()
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.disconnect()
+
+
+forks.register(LivenessHub)
