@@ -3,7 +3,9 @@
 The same snapshot as over Postgres (:func:`rselection.commands.status.read_status`), read
 from the leases' keys: without names, every lease under the key prefix that ever had a
 term or has members (found with ``SCAN``); with names, those leases. Nodes come from the
-leases' heartbeats (:mod:`rselection.redis.membership`). Last fires are not read from
+leases' heartbeats (:mod:`rselection.redis.membership`). The shards of each sharded name
+shown (its leases ``NAME/<k>``, see ``RedisShardedLeader``) are summed up as over
+Postgres (:func:`rselection.commands.status.sharded_names`). Last fires are not read from
 Redis (claims are one key each, with no index to walk).
 """
 
@@ -17,6 +19,7 @@ from typing import Any
 from ..redaction import redact
 from .connections import Unreachable, first_line
 from .output import iso
+from .status import sharded_names
 
 __all__ = ["NOT_RECORDED_REDIS", "lease_names", "read_redis_status"]
 
@@ -53,6 +56,15 @@ def lease_names(client: Any, key_prefix: str) -> list[str]:
             if text.startswith(head) and text.endswith("}" + suffix):
                 names.add(text[len(head) : -len("}" + suffix)])
     return sorted(names)
+
+
+def _shard_leases(client: Any, key_prefix: str, names: list[str], named: list[str]) -> list[str]:
+    """The leases ``NAME/...`` of the names among ``names`` (the shards of a sharded
+    ``NAME``, which :func:`~.status.sharded_names` picks): among ``names`` themselves,
+    or, with names given, found with ``SCAN``."""
+    found = lease_names(client, key_prefix) if named else names
+    bases = set(names)
+    return [name for name in found if name.rpartition("/")[0] in bases]
 
 
 def _lease(client: Any, name: str, key_prefix: str) -> dict[str, Any]:
@@ -141,6 +153,10 @@ def read_redis_status(client: Any, url: str, args: argparse.Namespace) -> dict[s
             )
             for name in names
         }
+        shard_leases = _shard_leases(client, prefix, names, named)
+        found.update(
+            (name, _lease(client, name, prefix)) for name in shard_leases if name not in found
+        )
     except (redis.RedisError, BackendUnavailable) as exc:
         raise Unreachable(
             f"cannot read the leases from Redis {describe(client)}: {redact(first_line(exc), url)}"
@@ -181,6 +197,15 @@ def read_redis_status(client: Any, url: str, args: argparse.Namespace) -> dict[s
                     "is_leader": node.is_leader,
                 }
             )
+    hidden_set = set(hidden)
+
+    def selected(lease: str) -> bool:
+        return lease in named if named else lease not in hidden_set
+
+    rows = [
+        (name, found[name]["lease"]["holder"], None, None, None, found[name]["lease"]["expires_in"])
+        for name in sorted(set(names) | set(shard_leases))
+    ]
     return {
         "database": f"Redis {describe(client)}, key prefix {prefix!r}",
         "checked_at": iso(checked_at),
@@ -192,5 +217,6 @@ def read_redis_status(client: Any, url: str, args: argparse.Namespace) -> dict[s
         "handovers": handovers,
         "nodes": nodes,
         "tasks": None,
+        "shards": sharded_names(rows, shown, selected),
         "not_recorded": NOT_RECORDED_REDIS,
     }

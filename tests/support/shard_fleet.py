@@ -16,13 +16,17 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 
+from rselection.keys import lease_scoped
 from tests.support.activity import check
+from tests.support.pg import with_host_port
 from tests.support.shard_node import redis_ledger_key
 
 __all__ = [
@@ -65,18 +69,77 @@ class PostgresShards:
     def __init__(self, dsn: str) -> None:
         self.dsn = dsn
 
-    def env(self) -> dict[str, str]:
-        """What a node process needs in its environment."""
-        return {"SHARD_NODE_DSN": self.dsn}
+    def env(self, via: tuple[str, int] | None = None) -> dict[str, str]:
+        """What a node process needs in its environment (to connect through ``via``, a
+        proxy's host and port, if given)."""
+        return {"SHARD_NODE_DSN": self.url(via)}
+
+    def url(self, via: tuple[str, int] | None = None) -> str:
+        """The connection string (through ``via``, a proxy's host and port, if given)."""
+        return self.dsn if via is None else with_host_port(self.dsn, *via)
+
+    def host_port(self) -> tuple[str, int]:
+        """The server's host and port (for a proxy in front of it)."""
+        params = conninfo_to_dict(self.dsn)
+        return str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432)
+
+    @property
+    def cli_args(self) -> list[str]:
+        """The ``rselection`` options that point a command at this server."""
+        return ["--dsn", self.dsn]
 
     def register(self, name: str) -> None:
         """A sharded name run here (its tables go with the test's schema)."""
 
-    def sharded_leader(self, handler: Any, **options: Any) -> Any:
-        """A ``PostgresShardedLeader`` on this database."""
+    def sharded_leader(
+        self, handler: Any, *, via: tuple[str, int] | None = None, **options: Any
+    ) -> Any:
+        """A ``PostgresShardedLeader`` on this database (through ``via``, if given)."""
         import rselection as rs
 
-        return rs.PostgresShardedLeader(self.dsn, handler, **options)
+        return rs.PostgresShardedLeader(self.url(via), handler, **options)
+
+    def leader(self, handler: Any, name: str, **options: Any) -> Any:
+        """A ``PostgresLeader`` of lease ``name`` on this database."""
+        import rselection as rs
+
+        return rs.PostgresLeader(self.dsn, handler, name=name, **options)
+
+    def claimed(self, name: str) -> list[str]:
+        """The fire keys claimed under the shards of ``name`` (their claims table rows)."""
+        prefix = lease_scoped(name + "/", "")[:-1]  # "<name>%2F": every shard's lease name
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT fire_key FROM rselection_claims WHERE starts_with(fire_key, %s)",
+                (prefix,),
+            ).fetchall()
+        return [key for (key,) in rows]
+
+    def shards_record(self, name: str) -> object:
+        """What the coordinator of ``name`` recorded of its number of shards, or ``None``."""
+        from rselection.postgres import PostgresCheckpointStore
+        from rselection.sharded import SHARDS_RECORD
+
+        records = PostgresCheckpointStore(self.dsn)
+        try:
+            snapshot = records.load((SHARDS_RECORD, name))
+        finally:
+            records.close()
+        return None if snapshot is None else snapshot.state
+
+    def requests(self, name: str) -> dict[str, str | None]:
+        """The handover requests recorded on the shards of ``name``: lease name -> the
+        node it is reserved for (``None``: open to every node but its old holder)."""
+        try:
+            with psycopg.connect(self.dsn, autocommit=True) as conn:
+                rows = conn.execute(
+                    "SELECT name, resign_to FROM rselection_leases WHERE starts_with(name, %s)"
+                    " AND resign_term IS NOT NULL",
+                    (name + "/",),
+                ).fetchall()
+        except psycopg.errors.UndefinedTable:
+            return {}
+        return {lease: to for lease, to in rows}
 
     def holders(self, name: str) -> dict[int, str]:
         """Who holds each shard of ``name``, from the lease table (unexpired rows)."""
@@ -127,30 +190,91 @@ class RedisShards:
             for name in self.names:
                 # The shards' keys are "rselection:{<name>/<k>}:...", the coordinator's
                 # "rselection:{<name>}:..."; a glob's special characters are escaped.
-                pattern = (
-                    "rselection:{" + "".join("\\" + c if c in "*?[]\\" else c for c in name) + "*"
-                )
-                keys = list(client.scan_iter(match=pattern, count=1000))
+                # The claims of its shards' fires are "rselection:claim:<name>%2F<k>/...".
+                claims = CLAIM_PREFIX + lease_scoped(name + "/", "")[:-1]
+                keys = [
+                    key
+                    for pattern in ("rselection:{" + _glob_escape(name), _glob_escape(claims))
+                    for key in client.scan_iter(match=pattern + "*", count=1000)
+                ]
                 if keys:
                     client.delete(*keys)
         finally:
             client.close()
             self._redis = None
 
-    def env(self) -> dict[str, str]:
-        """What a node process needs in its environment."""
-        return {"SHARD_NODE_REDIS_URL": self.url}
+    def env(self, via: tuple[str, int] | None = None) -> dict[str, str]:
+        """What a node process needs in its environment (to connect through ``via``, a
+        proxy's host and port, if given)."""
+        return {"SHARD_NODE_REDIS_URL": self.through(via)}
+
+    def through(self, via: tuple[str, int] | None = None) -> str:
+        """The URL (through ``via``, a proxy's host and port, if given)."""
+        if via is None:
+            return self.url
+        parts = urllib.parse.urlsplit(self.url)
+        userinfo = parts.netloc.rpartition("@")[0]
+        netloc = f"{via[0]}:{via[1]}"
+        return urllib.parse.urlunsplit(
+            parts._replace(netloc=f"{userinfo}@{netloc}" if userinfo else netloc)
+        )
+
+    def host_port(self) -> tuple[str, int]:
+        """The server's host and port (for a proxy in front of it)."""
+        parts = urllib.parse.urlsplit(self.url)
+        return parts.hostname or "127.0.0.1", parts.port or 6379
+
+    @property
+    def cli_args(self) -> list[str]:
+        """The ``rselection`` options that point a command at this server."""
+        return ["--redis-url", self.url]
 
     def register(self, name: str) -> None:
         """A sharded name run here: its keys are deleted by :meth:`forget_keys`."""
         self.names.add(name)
 
-    def sharded_leader(self, handler: Any, **options: Any) -> Any:
-        """A ``RedisShardedLeader`` on this server."""
+    def sharded_leader(
+        self, handler: Any, *, via: tuple[str, int] | None = None, **options: Any
+    ) -> Any:
+        """A ``RedisShardedLeader`` on this server (through ``via``, if given)."""
         import rselection as rs
 
         self.register(options["name"])
-        return rs.RedisShardedLeader(self.url, handler, **options)
+        return rs.RedisShardedLeader(self.through(via), handler, **options)
+
+    def leader(self, handler: Any, name: str, **options: Any) -> Any:
+        """A ``RedisLeader`` of lease ``name`` on this server (its keys go with those of
+        the sharded name it is under, see :meth:`register`)."""
+        from rselection.redis import RedisLeader
+
+        return RedisLeader(self.url, handler, name=name, **options)
+
+    def claimed(self, name: str) -> list[str]:
+        """The fire keys claimed under the shards of ``name`` (their claim keys; not the
+        keys of their series, ``"<lease>/<task>@"``: see ``RedisClaimer.ran_before``)."""
+        prefix = CLAIM_PREFIX + lease_scoped(name + "/", "")[:-1]  # every shard's lease name
+        keys = self._client().scan_iter(match=_glob_escape(prefix) + "*", count=1000)
+        found = (key.decode()[len(CLAIM_PREFIX) :] for key in keys)
+        return [key for key in found if not key.endswith("@")]
+
+    def shards_record(self, name: str) -> object:
+        """What the coordinator of ``name`` recorded of its number of shards, or ``None``."""
+        from rselection.sharded import SHARDS_RECORD
+
+        raw = self._client().get(f"rselection:{{{name}}}:{SHARDS_RECORD}")
+        return None if raw is None else json.loads(raw)
+
+    def requests(self, name: str) -> dict[str, str | None]:
+        """The handover requests recorded on the shards of ``name``: lease name -> the
+        node it is reserved for (``None``: open to every node but its old holder)."""
+        pattern = "rselection:{" + _glob_escape(name + "/") + "*}:resign"
+        out: dict[str, str | None] = {}
+        for key in self._client().scan_iter(match=pattern, count=1000):
+            raw = self._client().get(key)
+            if raw is not None:
+                lease = key.decode()[len("rselection:{") : -len("}:resign")]
+                out[lease] = json.loads(raw).get("to") or None
+        return out
 
     def holders(self, name: str) -> dict[int, str]:
         """Who holds each shard of ``name``, from the lease keys (one pipeline)."""
@@ -198,6 +322,15 @@ class RedisShards:
 
 
 ShardServer = PostgresShards | RedisShards
+
+CLAIM_PREFIX = "rselection:claim:"
+"""The key prefix of a ``RedisShardedLeader``'s claims (by default)."""
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` as a ``SCAN MATCH`` pattern that matches it alone."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
 
 # Redis has no table to list a name's shards from: the fleets register theirs.
 _SHARDS: dict[str, int] = {}

@@ -1,10 +1,12 @@
-"""A process that stops its ``PostgresShardedLeader`` in one of the hard ways, for the tests.
+"""A process that stops its sharded leader in one of the hard ways, for the tests.
 
 Its tasks' handler has ``on_stuck="exit"``: a task still running ``stop_grace`` after
 its term was cancelled makes the process exit with code 70, so a stop that leaves a task
 (the coordinator's included) running shows as the exit code. Prints one line per event
 on stdout (``ready``, ``stop-returned`` with ``took``, ``lead-returned``), flushed at
-once. The connection string comes from ``SHARD_NODE_DSN``. Modes:
+once. ``--backend postgres`` (the default) runs a ``PostgresShardedLeader`` on the
+database of ``SHARD_NODE_DSN``; ``--backend redis`` a ``RedisShardedLeader`` on
+``SHARD_NODE_REDIS_URL``. Modes:
 
 - ``--stop-in def`` / ``--stop-in async``: every shard's task calls ``leader.stop()``
   from inside the task (a ``def`` task, or an ``async def`` one on its event loop)
@@ -21,6 +23,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 import rselection as rs
 
@@ -32,7 +35,7 @@ def say(event: str, **fields: object) -> None:
     sys.stdout.flush()
 
 
-def coordinates(leader: rs.PostgresShardedLeader) -> bool:
+def coordinates(leader: rs.PostgresShardedLeader | rs.RedisShardedLeader) -> bool:
     """Whether this node holds the coordinator's lease (its rebalancer runs here)."""
     holder = leader.leader()
     return holder is not None and holder.node_id == leader.node_id
@@ -48,11 +51,11 @@ def main() -> None:
     parser.add_argument("--renew-deadline", type=float, default=2.0)
     parser.add_argument("--retry-interval", type=float, default=0.5)
     parser.add_argument("--rebalance-interval", type=float, default=0.5)
+    parser.add_argument("--backend", choices=("postgres", "redis"), default="postgres")
     args = parser.parse_args()
-    dsn = os.environ["SHARD_NODE_DSN"]
 
     tasks = rs.TaskHandler(on_stuck="exit")
-    leader: rs.PostgresShardedLeader | None = None
+    leader: rs.PostgresShardedLeader | rs.RedisShardedLeader | None = None
 
     def stop_from_inside() -> None:
         assert leader is not None
@@ -83,19 +86,21 @@ def main() -> None:
         def idle(ctx: rs.TaskContext) -> None:
             ctx.cancelled.wait()
 
-    leader = rs.PostgresShardedLeader(
-        dsn,
-        tasks,
-        name=args.name,
-        shards=args.shards,
-        node_id="stopper",
-        ttl=args.ttl,
-        renew_interval=args.renew_interval,
-        renew_deadline=args.renew_deadline,
-        retry_interval=args.retry_interval,
-        heartbeat_interval=0.5,
-        rebalance_interval=args.rebalance_interval,
-    )
+    options: dict[str, Any] = {
+        "name": args.name,
+        "shards": args.shards,
+        "node_id": "stopper",
+        "ttl": args.ttl,
+        "renew_interval": args.renew_interval,
+        "renew_deadline": args.renew_deadline,
+        "retry_interval": args.retry_interval,
+        "heartbeat_interval": 0.5,
+        "rebalance_interval": args.rebalance_interval,
+    }
+    if args.backend == "redis":
+        leader = rs.RedisShardedLeader(os.environ["SHARD_NODE_REDIS_URL"], tasks, **options)
+    else:
+        leader = rs.PostgresShardedLeader(os.environ["SHARD_NODE_DSN"], tasks, **options)
     if args.stop_in == "stdin":
         leader.start()
         deadline = time.monotonic() + 30.0

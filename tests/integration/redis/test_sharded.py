@@ -1,10 +1,13 @@
 """``RedisShardedLeader`` in one process: what is Redis's own in the sharded leader.
 
-The fleet scenarios (balance, crash failover, joins, pauses, graceful stops, chaos) run
-on both backends in ``tests/integration/conformance/test_sharding.py``. Here: the
-handover requests (only to members, never to a holder, fenced by the coordinator's
-term), the opening of requests reserved for a node that left, a stop before start, and
-the refusal of another number of shards.
+The fleet scenarios, the status command, claims, lead() and stop() against a silent
+server and the refusal of another number of shards run on both backends in
+``tests/integration/conformance/test_sharding.py``; stopping the hard ways and the
+coordinator's handover requests (fenced by its term, only to members, opened when their
+target leaves) in ``tests/integration/conformance/test_sharding_stop.py``. Here: the
+handover requests never go to a lease's holder, a node that left opens what was
+reserved for it, arguments are checked, and a move to a node that left before the
+request landed leaves no shard unled.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from rselection.redis import RedisLeader
 from rselection.redis import sharded as redis_sharded
 from rselection.redis.handover import reopen_handovers, request_handovers
 from rselection.redis.lease import handover_key
-from rselection.sharded import Rebalancer
 from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -92,117 +94,6 @@ def test_requests_skip_a_lease_its_target_holds_and_a_node_that_left_opens_its_o
     finally:
         for leader in holders:
             leader.stop(timeout=10)
-
-
-def test_a_deposed_coordinators_moves_are_not_recorded_nor_those_to_a_node_that_left(
-    redis_url: str, name: str
-) -> None:
-    shards = [
-        RedisLeader(redis_url, idle_tasks(), name=f"{name}/{k}", node_id="a", **FAST)
-        for k in range(4)
-    ]
-    coordinators = {
-        node: RedisLeader(
-            redis_url, rs.TaskHandler(), name=name, node_id=node, heartbeat_interval=0.5, **FAST
-        )
-        for node in ("a", "b")
-    }
-    view = rs.RedisShardedLeader(
-        redis_url, idle_tasks(), name=name, shards=4, node_id="a", heartbeat_interval=0.5, settle=0
-    )
-    try:
-        for leader in shards:
-            leader.start()
-        coordinators["a"].start()
-        assert coordinators["a"].wait_until_leader(20)
-        coordinators["b"].start()
-        stale = coordinators["a"].term
-        assert stale is not None
-        coordinators["a"].step_down(hold=30)  # deposed: b coordinates from now on
-        assert coordinators["b"].wait_until_leader(20)
-        current = coordinators["b"].term
-        assert current is not None and current > stale
-        wait_until(lambda: all(leader.is_leader for leader in shards), 20, "a leads every shard")
-        wait_until(
-            lambda: {n.node_id for n in coordinators["b"].nodes() if n.alive} == {"a", "b"},
-            20,
-            "both nodes heartbeat",
-        )
-        names = [f"{name}/{k}" for k in range(4)]
-        # A's rebalancer, deposed: it plans moves to b (a holds every shard) but none is
-        # recorded, round after round, while b heartbeats and settles.
-        rebalancer = Rebalancer(view)
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            assert rebalancer.step(stale) == []
-            time.sleep(0.1)
-        assert all(reservation(redis_url, lease) is None for lease in names)
-        moved = rebalancer.step(current)  # the same round under the live term is recorded
-        assert [m.target for m in moved] == ["b", "b"], moved
-        assert {(reservation(redis_url, m) or {}).get("to") for m in names} >= {"b"}
-        # A node that is not a member of the name is never asked to take a shard.
-        left = next(f"{name}/{k}" for k in range(4) if k not in {m.shard for m in moved})
-        assert view._request_handovers({left: "ghost"}, fence=(name, current)) == {}
-        assert reservation(redis_url, left) is None
-    finally:
-        for leader in [*shards, *coordinators.values()]:
-            leader.stop(timeout=10)
-        view.stop(timeout=10)
-
-
-def test_a_stop_before_start_is_final(redis_url: str, name: str) -> None:
-    stopped = rs.RedisShardedLeader(
-        redis_url, idle_tasks(), name=name, shards=3, node_id="stopped", **FAST
-    )
-    other = rs.RedisShardedLeader(
-        redis_url, idle_tasks(), name=name, shards=3, node_id="other", **FAST
-    )
-    try:
-        stopped.stop()
-        stopped.start()  # as LeaseLeader: no error, and nothing starts
-        with pytest.raises(RuntimeError, match="already started"):
-            stopped.start()
-        other.start()
-        wait_until(lambda: other.owned() == {0, 1, 2}, 20, "the other node to lead all", 0.05)
-        assert stopped.owned() == frozenset()
-        assert {info.node_id for info in other.assignment().values()} == {"other"}
-    finally:
-        stopped.stop(timeout=10)
-        other.stop(timeout=10)
-    again = rs.RedisShardedLeader(redis_url, idle_tasks(), name=name, shards=3, **FAST)
-    again.stop()
-    thread = threading.Thread(target=again.lead, daemon=True)
-    thread.start()
-    thread.join(10)
-    assert not thread.is_alive(), "lead() after stop() did not return"
-    assert again.owned() == frozenset()
-
-
-def test_a_node_built_with_another_number_of_shards_is_refused_while_the_fleet_runs(
-    redis_url: str, name: str
-) -> None:
-    running = rs.RedisShardedLeader(
-        redis_url, idle_tasks(), name=name, shards=4, node_id="first", **FAST
-    )
-    odd = rs.RedisShardedLeader(redis_url, idle_tasks(), name=name, shards=5, node_id="odd")
-    try:
-        running.start()
-        assert running.wait_until_balanced(20)
-        # The coordinator records its number of shards, fenced by its term.
-        client = redis.Redis.from_url(redis_url)
-        try:
-            wait_until(
-                lambda: client.get(f"rselection:{{{name}}}:rselection-shards") is not None,
-                10,
-                "the coordinator's record of the number of shards",
-            )
-        finally:
-            client.close()
-        with pytest.raises(rs.ConfigError, match="shards=4"):
-            odd.start()
-    finally:
-        running.stop(timeout=10)
-        odd.stop(timeout=10)
 
 
 def test_bad_arguments_are_refused_with_a_clear_message(redis_url: str) -> None:

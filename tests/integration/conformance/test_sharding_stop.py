@@ -1,6 +1,6 @@
-"""Stopping a Postgres sharded leader the hard ways: from its own tasks, before it
-started, and while the database does not answer (stops from its receivers and of two
-nodes at once run on both backends, in ``tests/integration/conformance/test_sharding.py``).
+"""Stopping a sharded leader the hard ways, on every backend: from its own tasks, before
+it started, and while the server does not answer; and the coordinator's handover
+requests: fenced by its term, only to members, opened when their target leaves.
 
 Figures are printed (``pytest -s``); bounds are several times what this 2-core machine
 measured (kept in the comments), so that a loaded machine does not fail them.
@@ -13,24 +13,25 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 
-import psycopg
 import pytest
-from psycopg.conninfo import conninfo_to_dict
 
 import rselection as rs
-from rselection.postgres.handover import reopen_handovers, request_handovers
-from rselection.postgres.sharded import HAND_OFF_WAIT, Rebalancer
-from tests.support.pg import with_host_port
+from rselection.sharded import HAND_OFF_WAIT, Rebalancer
 from tests.support.proxy import TcpProxy
-from tests.support.shard_fleet import REPO_ROOT
+from tests.support.shard_fleet import REPO_ROOT, ShardServer
 from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
 INSIDE_BOUND = 1.0  # a stop() from inside only asks (measured a few ms)
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
 
 
 def idle_tasks() -> rs.TaskHandler:
@@ -43,13 +44,22 @@ def idle_tasks() -> rs.TaskHandler:
     return tasks
 
 
+def stop_node(server: ShardServer, name: str, *args: str) -> list[str]:
+    """The command line of a ``tests.support.shard_stop_node`` process of ``name`` on
+    ``server`` (whose keys go with the test's)."""
+    server.register(name)
+    cmd = [sys.executable, "-m", "tests.support.shard_stop_node", "--backend", server.backend]
+    return [*cmd, "--name", name, *args]
+
+
 @pytest.mark.parametrize("kind", ["def", "async"])
-def test_stop_from_a_task_only_asks_and_no_task_is_reported_stuck(pg_dsn: str, kind: str) -> None:
+def test_stop_from_a_task_only_asks_and_no_task_is_reported_stuck(
+    shard_server: ShardServer, kind: str
+) -> None:
     # Before, the tasks that called stop() waited in it for their own join: reported stuck
     # after stop_grace, and with on_stuck="exit" the process exited with code 70 mid-stop.
-    env = dict(os.environ, SHARD_NODE_DSN=pg_dsn, PYTHONPATH=str(REPO_ROOT))
-    cmd = [sys.executable, "-m", "tests.support.shard_stop_node"]
-    cmd += ["--name", f"task-stop-{kind}", "--stop-in", kind]
+    env = dict(os.environ, **shard_server.env(), PYTHONPATH=str(REPO_ROOT))
+    cmd = stop_node(shard_server, unique(f"task-stop-{kind}"), "--stop-in", kind)
     result = subprocess.run(
         cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60, check=False
     )
@@ -60,15 +70,14 @@ def test_stop_from_a_task_only_asks_and_no_task_is_reported_stuck(pg_dsn: str, k
     assert "still running" not in result.stderr, result.stderr[-3000:]
 
 
-def test_a_stop_before_start_is_final(pg_dsn: str) -> None:
+def test_a_stop_before_start_is_final(shard_server: ShardServer) -> None:
     # Before, start() after stop() started every shard's leader, and a second stop()
     # returned at once with the shards still owned.
-    stopped = rs.PostgresShardedLeader(
-        pg_dsn, idle_tasks(), name="final", shards=3, node_id="stopped", **FAST
+    name = unique("final")
+    stopped = shard_server.sharded_leader(
+        idle_tasks(), name=name, shards=3, node_id="stopped", **FAST
     )
-    other = rs.PostgresShardedLeader(
-        pg_dsn, idle_tasks(), name="final", shards=3, node_id="other", **FAST
-    )
+    other = shard_server.sharded_leader(idle_tasks(), name=name, shards=3, node_id="other", **FAST)
     try:
         stopped.stop()
         stopped.start()  # as LeaseLeader: no error, and nothing starts
@@ -86,7 +95,7 @@ def test_a_stop_before_start_is_final(pg_dsn: str) -> None:
         stopped.stop(timeout=10)
         other.stop(timeout=10)
     # lead() after stop() returns at once, and leads nothing.
-    again = rs.PostgresShardedLeader(pg_dsn, idle_tasks(), name="final", shards=3, **FAST)
+    again = shard_server.sharded_leader(idle_tasks(), name=name, shards=3, **FAST)
     again.stop()
     thread = threading.Thread(target=again.lead, daemon=True)
     began = time.monotonic()
@@ -97,55 +106,19 @@ def test_a_stop_before_start_is_final(pg_dsn: str) -> None:
     assert again.assignment() == {}
 
 
-def test_the_assignment_is_read_before_the_first_heartbeat_made_the_nodes_table(
-    pg_dsn: str,
-) -> None:
-    # Before, assignment() read the holders and the nodes in one statement, and answered
-    # "nobody holds a shard" while the nodes table did not exist yet: shards led before
-    # the first heartbeat created it looked unled (seen on a loaded machine).
-    leader = rs.PostgresShardedLeader(
-        pg_dsn, idle_tasks(), name="early", shards=2, node_id="early-node", **FAST
-    )
-    reader = rs.PostgresShardedLeader(
-        pg_dsn, idle_tasks(), name="early", shards=2, nodes_table="no_heartbeat_yet"
-    )
-    try:
-        leader.start()
-        wait_until(lambda: leader.owned() == {0, 1}, 20, "the node to lead both shards", 0.05)
-        holders = reader.assignment()
-        assert {shard: info.node_id for shard, info in holders.items()} == {
-            0: "early-node",
-            1: "early-node",
-        }
-        assert reader.state().nodes == {}
-    finally:
-        leader.stop(timeout=10)
-        reader.stop(timeout=10)
-
-
-# -- two nodes stopped together ----------------------------------------------------------
-
-# -- the rebalancer's term -----------------------------------------------------------------
-
-
 # stop_grace (0.5 s) + renew_deadline (2 s) + HAND_OFF_WAIT (1 s) + a margin for load.
 OUTAGE_STOP_BOUND = 0.5 + 2.0 + HAND_OFF_WAIT + 2.5
 
 
-def test_stop_during_a_database_outage_leaves_no_task_stuck_and_ends_in_bounded_time(
-    pg_dsn: str, make_tcp_proxy: Callable[[str, int], TcpProxy]
+def test_stop_during_an_outage_leaves_no_task_stuck_and_ends_in_bounded_time(
+    shard_server: ShardServer, make_tcp_proxy: Callable[[str, int], TcpProxy]
 ) -> None:
     # Before, the coordinator's rebalancer blocked in its reads and requests: it was
     # reported stuck, and with on_stuck="exit" the process exited with code 70 mid-stop.
-    params = conninfo_to_dict(pg_dsn)
-    proxy = make_tcp_proxy(str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
-    env = dict(
-        os.environ,
-        SHARD_NODE_DSN=with_host_port(pg_dsn, proxy.host, proxy.port),
-        PYTHONPATH=str(REPO_ROOT),
-    )
-    cmd = [sys.executable, "-m", "tests.support.shard_stop_node", "--name", "outage"]
-    cmd += ["--stop-in", "stdin", "--rebalance-interval", "0.05"]
+    proxy = make_tcp_proxy(*shard_server.host_port())
+    env = dict(os.environ, **shard_server.env(via=proxy.address), PYTHONPATH=str(REPO_ROOT))
+    cmd = stop_node(shard_server, unique("outage"), "--stop-in", "stdin")
+    cmd += ["--rebalance-interval", "0.05"]
     node = subprocess.Popen(
         cmd,
         cwd=REPO_ROOT,
@@ -171,28 +144,38 @@ def test_stop_during_a_database_outage_leaves_no_task_stuck_and_ends_in_bounded_
     assert node.returncode == 0, f"exit code {node.returncode}\n{err[-3000:]}"
     assert "task 'rebalance'" not in err, err[-3000:]
     took = float(out.split("took=")[1].split()[0])
-    print(f"\nstop() during a database outage took {took:.2f} s")
-    # The shards' releases wait for the keeper session's round trip in flight, which
-    # ends at the renew deadline (2 s here); the hand-off waits HAND_OFF_WAIT at most.
-    # Measured 1.9 s (32 s before: the hand-off and the rebalancer waited for answers).
+    print(f"\n{shard_server.backend}: stop() during an outage took {took:.2f} s")
+    # The shards' releases wait for the round trip in flight, which ends at the renew
+    # deadline (2 s here); the hand-off waits HAND_OFF_WAIT at most. Measured 1.9 s on
+    # Postgres (32 s before: the hand-off and the rebalancer waited for answers). On
+    # Redis 4.3 s: after the renewal in flight timed out, the lease's watch began again
+    # (a reconnect, bounded by the same 2 s) before the lease could be closed, and the
+    # node's heartbeat was deleted twice (the hand-off, then the coordinator's clean-up:
+    # 0.5 s each).
     assert took < OUTAGE_STOP_BOUND
 
 
-def test_a_deposed_coordinators_moves_are_not_recorded(pg_dsn: str) -> None:
+# -- the coordinator's handover requests ---------------------------------------------------
+
+
+def test_a_deposed_coordinators_moves_are_not_recorded_nor_those_to_a_node_that_left(
+    shard_server: ShardServer,
+) -> None:
     # Before, a coordinator whose term had ended could still record a round of moves
-    # planned from its stale view. Its requests are fenced by its term, in the statement.
+    # planned from its stale view. Its requests are fenced by its term.
+    name = unique("dep")
+    shard_server.register(name)
     shards = [
-        rs.PostgresLeader(pg_dsn, idle_tasks(), name=f"dep/{k}", node_id="a", **FAST)
-        for k in range(4)
+        shard_server.leader(idle_tasks(), f"{name}/{k}", node_id="a", **FAST) for k in range(4)
     ]
     coordinators = {
-        node: rs.PostgresLeader(
-            pg_dsn, rs.TaskHandler(), name="dep", node_id=node, heartbeat_interval=0.5, **FAST
+        node: shard_server.leader(
+            rs.TaskHandler(), name, node_id=node, heartbeat_interval=0.5, **FAST
         )
         for node in ("a", "b")
     }
-    view = rs.PostgresShardedLeader(
-        pg_dsn, idle_tasks(), name="dep", shards=4, node_id="a", heartbeat_interval=0.5, settle=0
+    view = shard_server.sharded_leader(
+        idle_tasks(), name=name, shards=4, node_id="a", heartbeat_interval=0.5, settle=0
     )
     try:
         for leader in shards:
@@ -207,11 +190,15 @@ def test_a_deposed_coordinators_moves_are_not_recorded(pg_dsn: str) -> None:
         current = coordinators["b"].term
         assert current is not None and current > stale
         wait_until(lambda: all(leader.is_leader for leader in shards), 20, "a leads every shard")
+        wait_until(
+            lambda: {n.node_id for n in coordinators["b"].nodes() if n.alive} == {"a", "b"},
+            20,
+            "both nodes heartbeat",
+        )
 
-        # The statement itself: nothing written under the stale term, written under the
-        # current one.
-        assert request_handovers(pg_dsn, {"dep/0": "b"}, fence=("dep", stale)) == {}
-        assert requested(pg_dsn) == {}
+        # The request itself: nothing written under the stale term (to a member).
+        assert view._request_handovers({f"{name}/0": "b"}, fence=(name, stale)) == {}
+        assert shard_server.requests(name) == {}
         # A's rebalancer, deposed: it plans moves to b (a holds every shard) but none is
         # recorded, round after round, while b heartbeats and settles.
         rebalancer = Rebalancer(view)
@@ -219,60 +206,48 @@ def test_a_deposed_coordinators_moves_are_not_recorded(pg_dsn: str) -> None:
         while time.monotonic() < deadline:
             assert rebalancer.step(stale) == []
             time.sleep(0.1)
-        assert requested(pg_dsn) == {}
+        assert shard_server.requests(name) == {}
         moved = rebalancer.step(current)  # the same round under the live term is recorded
         assert [m.target for m in moved] == ["b", "b"], moved
-        assert set(requested(pg_dsn).values()) == {"b"}
+        assert set(shard_server.requests(name).values()) == {"b"}
+        # A node that is not a member of the name is never asked to take a shard.
+        left = next(f"{name}/{k}" for k in range(4) if k not in {m.shard for m in moved})
+        assert view._request_handovers({left: "ghost"}, fence=(name, current)) == {}
+        assert left not in shard_server.requests(name)
     finally:
         for leader in [*shards, *coordinators.values()]:
             leader.stop(timeout=10)
         view.stop(timeout=10)
 
 
-def requested(dsn: str) -> dict[str, str]:
-    """The handover requests recorded on the shards of ``dep``: lease name -> target."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        rows = conn.execute(
-            "SELECT name, resign_to FROM rselection_leases WHERE name LIKE 'dep/%'"
-            " AND resign_term IS NOT NULL"
-        ).fetchall()
-    return {name: to for name, to in rows}
-
-
 def test_requests_go_only_to_members_and_a_node_that_left_opens_what_was_reserved_for_it(
-    pg_dsn: str,
+    shard_server: ShardServer,
 ) -> None:
+    name = unique("mem")
+    shard_server.register(name)
     holders = [
-        rs.PostgresLeader(pg_dsn, idle_tasks(), name=f"mem/{k}", node_id="a", **FAST)
-        for k in range(2)
+        shard_server.leader(idle_tasks(), f"{name}/{k}", node_id="a", **FAST) for k in range(2)
     ]
-    member = rs.PostgresLeader(
-        pg_dsn, rs.TaskHandler(), name="mem", node_id="b", heartbeat_interval=0.5, **FAST
+    member = shard_server.leader(
+        rs.TaskHandler(), name, node_id="b", heartbeat_interval=0.5, **FAST
     )
+    # Node b's view of the sharded name (never started): its requests and its leaving.
+    view = shard_server.sharded_leader(idle_tasks(), name=name, shards=2, node_id="b", **FAST)
+    names = [f"{name}/0", f"{name}/1"]
     try:
         for leader in [*holders, member]:
             leader.start()
         wait_until(lambda: all(h.is_leader for h in holders), 20, "a leads both leases")
         wait_until(lambda: [n.node_id for n in member.nodes()] == ["b"], 20, "b's heartbeat")
-        # "c" has no row of "mem": it is not asked to take anything.
-        asked = request_handovers(pg_dsn, {"mem/0": "b", "mem/1": "c"}, members_of="mem")
-        assert set(asked) == {"mem/0"}
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            rows = dict(
-                conn.execute(
-                    "SELECT name, resign_to FROM rselection_leases WHERE name LIKE 'mem/%'"
-                ).fetchall()
-            )
-        assert rows == {"mem/0": "b", "mem/1": None}
+        # "c" is no member of the name: it is not asked to take anything.
+        asked = view._request_handovers({names[0]: "b", names[1]: "c"})
+        assert set(asked) == {names[0]}
+        assert shard_server.requests(name) == {names[0]: "b"}
         # b leaves: the lease reserved for it is opened to every node but its old holder.
-        assert reopen_handovers(pg_dsn, ["mem/0", "mem/1"], "b") == ["mem/0"]
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            opened = conn.execute(
-                "SELECT resign_term IS NOT NULL, resign_to FROM rselection_leases"
-                " WHERE name = 'mem/0'"
-            ).fetchone()
-        assert opened == (True, None)
-        assert reopen_handovers(pg_dsn, ["mem/0", "mem/1"], "b") == []
+        assert view._reopen_handovers(names) == [names[0]]
+        assert shard_server.requests(name) == {names[0]: None}
+        assert view._reopen_handovers(names) == []
     finally:
         for leader in [*holders, member]:
             leader.stop(timeout=10)
+        view.stop(timeout=10)
