@@ -57,7 +57,8 @@ WAIT_SLICE = 5.0
 change or the timeout ended it (a lease cannot tell which, and a change taken for a
 timeout would leave a follower asleep until the lease expires), so a follower attempts
 at least this often; a lease whose ``interrupt()`` fails holds up a call of the keeper
-at most this long."""
+at most this long. A watched lease's watch ends after this long too, but wakes nobody
+then: its steps report every change."""
 
 
 class BlockingLease:
@@ -271,15 +272,18 @@ class BlockingLease:
         assert self._watchable is not None
         return self._watchable.watch_for_change()
 
-    def _watch_ended(self, outcome: BaseException | None) -> None:
+    def _watch_ended(self, outcome: BaseException | None, sliced: bool) -> None:
         """Pumped, on the lease's lane: a watch ended (a change, its slice, or ``outcome``
-        raised). Wake the keeper, and watch again unless the lease broke."""
+        raised). Watch again unless the lease broke, and wake the keeper, unless only the
+        slice ran out: a watch's step reports every change, so a slice's end is none (a
+        wake would cost every follower an attempt per slice: 200 a second at 1,000
+        leases)."""
         with self._cond:
             if outcome is not None:
                 self._error, self._broken = outcome, True
             waker = self._waker
             self._arm()
-        if waker is not None:
+        if waker is not None and not (sliced and outcome is None):
             waker()
 
     def _wake(self) -> None:

@@ -57,9 +57,10 @@ steps that fall due close together (beats of many leaders) rather than one each.
 _MAX_WAIT = 1.0  # seconds; a timed wait does not count time suspended: look again
 
 
-Ended = Callable[[BaseException | None], None]
-"""Called on a worker when a watch ended: ``None`` (a change, or the slice timed out),
-or with what its start or step raised. The watch is out of the pump by then."""
+Ended = Callable[[BaseException | None, bool], None]
+"""Called on a worker when a watch ended: with what its start or step raised, or
+``None``; and whether only its slice ran out (no change was seen). The watch is out of
+the pump by then."""
 
 
 class _Entry:
@@ -148,7 +149,7 @@ class WaitPump:
     ) -> None:
         """Watch ``key``'s lease: ``start()`` on ``lane`` begins a watch, whose steps then
         run on ``lane`` until it ends (``ended`` is called), ``slice_seconds`` pass (so
-        does it, with ``None``) or :meth:`remove`. Replaces a watch of ``key``.
+        is it, saying so) or :meth:`remove`. Replaces a watch of ``key``.
 
         Raises:
             RuntimeError: ``lane`` was shut down, or no thread could start.
@@ -223,7 +224,7 @@ class WaitPump:
                 return
             entry.running = True
         outcome: BaseException | None = None
-        ended = False
+        ended = sliced = False
         due = math.inf
         try:
             if entry.watch is None:
@@ -235,7 +236,7 @@ class WaitPump:
         except BaseException as exc:  # handed to the lease's owner
             outcome, ended = exc, True
         if not ended and time.monotonic() >= entry.slice_end:
-            ended = True  # the slice is over, as a lease's wait times out
+            ended = sliced = True  # the slice is over, as a lease's wait times out
         with self._cond:
             entry.running = False
             self._stepping -= 1
@@ -254,7 +255,7 @@ class WaitPump:
                     self._wake()  # more to read now; else the pump looks within SLACK
         if ended:
             try:
-                entry.ended(outcome)
+                entry.ended(outcome, sliced)
             except Exception:
                 logger.exception("wait pump: the end of a wait raised; going on")
 
@@ -331,7 +332,7 @@ class WaitPump:
                     if self._entries.get(entry.key) is entry:
                         del self._entries[entry.key]
                 with contextlib.suppress(Exception):
-                    entry.ended(None)
+                    entry.ended(None, False)
 
 
 def _register(sel: selectors.BaseSelector, entry: _Entry) -> None:

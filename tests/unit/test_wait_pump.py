@@ -9,11 +9,12 @@ import socket
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import rselection as rs
 from rselection.abc import Watchable
-from rselection.blocking_lease import BlockingLease
+from rselection.blocking_lease import WAIT_SLICE, BlockingLease
 from rselection.memory import MemoryLease
 from rselection.wait_pump import WaitPump
 from tests.support.waiting import wait_until
@@ -217,3 +218,51 @@ def test_a_change_wakes_the_keeper_and_a_call_waits_for_its_own_leases_step_only
             adapter.close()
     assert mine.overlaps == 0 and other.overlaps == 0
     wait_until(lambda: not pump_threads(), 5, "the pump's thread to end")
+
+
+def test_the_pump_says_whether_a_watch_ended_by_a_change_or_by_its_slice() -> None:
+    lease = SteppedLease(f"slice-{uuid.uuid4().hex[:6]}")
+    lane = ThreadPoolExecutor(1)
+    ends: list[tuple[BaseException | None, bool]] = []
+    ended = threading.Event()
+
+    def on_end(outcome: BaseException | None, sliced: bool) -> None:
+        ends.append((outcome, sliced))
+        ended.set()
+
+    pump = WaitPump.shared()
+    try:
+        pump.add(lease, lane, lease.watch_for_change, on_end, 0.2)
+        assert ended.wait(5)
+        assert ends == [(None, True)]  # only its slice ran out
+        ended.clear()
+        pump.add(lease, lane, lease.watch_for_change, on_end, 30.0)
+        wait_until(lambda: len(lease.steps) > 3, 5, "steps of the second watch")
+        lease.poke()
+        assert ended.wait(5)
+        assert ends[1] == (None, False)  # a change
+    finally:
+        pump.discard(lease)
+        lane.shutdown(wait=True)
+
+
+def test_a_watch_whose_slice_ran_out_does_not_wake_the_keeper() -> None:
+    """Each slice's end woke the keeper of every watched follower into an attempt: 200
+    attempts a second at 1,000 leases, each lease's every WAIT_SLICE seconds."""
+    lease = SteppedLease(f"quiet-{uuid.uuid4().hex[:6]}")
+    adapter = BlockingLease(lease)
+    wakes: list[float] = []
+    adapter.on_wake(lambda: wakes.append(time.monotonic()))
+    try:
+        adapter.connect()
+        began = time.monotonic()
+        wait_until(lambda: time.monotonic() - began > WAIT_SLICE + 0.5, WAIT_SLICE + 5, "a slice")
+        steps = [t for t in lease.steps if t > began + WAIT_SLICE + 0.1]
+        assert steps, "the lease was not watched again after its slice"
+        assert wakes == [], "a slice's end woke the keeper"
+        lease.poke()
+        wait_until(lambda: wakes, 5, "a change to wake the keeper")
+    finally:
+        adapter.on_wake(None)
+        adapter.close()
+    assert lease.overlaps == 0
