@@ -65,7 +65,7 @@ silent server make more than :data:`WORKERS` run)."""
 
 WAIT_WORKERS = 4
 """The most threads that run the steps of leases' waits (:mod:`rselection.wait_pump`:
-reading a lease's messages, its liveness beats, checks of a holder) at once, not
+reading a lease's messages, reconnecting) at once, not
 counting stuck ones (see :data:`WAIT_STUCK_AFTER`)."""
 
 WAIT_STUCK_AFTER = 0.25

@@ -93,9 +93,10 @@ class RedisLeader(LeaseLeader):
         renew_deadline: step down when no renewal succeeded for this long.
         retry_interval: a follower's polling period (jittered).
         liveness_interval: how soon a follower notices that the holder's connection is
-            gone, seconds. The holder's keeper publishes a liveness beat on the lease's
-            channel every ``liveness_interval / 2``; a follower that heard nothing from
-            the holder for ``liveness_interval`` checks its connection once
+            gone, seconds. The holder's process publishes one liveness beat for all
+            the leases it holds every ``liveness_interval / 2`` (see
+            :mod:`rselection.redis.liveness`); a follower that heard nothing from the
+            holder's process for ``liveness_interval`` checks its connection once
             (``CLIENT LIST ID``). ``None`` turns fast crash failover off, so takeover
             after a crash waits for the ttl.
         connect_timeout: bound of opening a connection, seconds.

@@ -263,6 +263,9 @@ def _earlier_release(doc: Any) -> bool:
     )
 
 
+#: A client id as Redis writes it (``CLIENT ID``): anything else in a lease value is not
+#: checked (the server would refuse the whole ``CLIENT LIST ID``).
+_CLIENT_ID = re.compile(r"[1-9][0-9]{0,18}")
 #: A term as the acquire script writes it.
 _WHOLE = re.compile(r"-?[0-9]+")
 #: Fields every release of the acquire script wrote.
@@ -630,7 +633,7 @@ class RedisLease(Closeable):
         wait ends, and the next attempt takes the lease over (the script checks again).
         Safe from any thread."""
         with self._gone_lock:
-            if self._seen is not seen:
+            if self._seen != seen:
                 return  # an attempt saw another holder since
             self._dead = seen
         logger.debug("lease %r: holder of term %s has no connection", self.name, seen.term)
@@ -883,7 +886,7 @@ class RedisLease(Closeable):
                 and seen is not None
                 and seen.fast
                 and self._can_probe
-                and bool(seen.client)
+                and _CLIENT_ID.fullmatch(seen.client) is not None
                 and seen.run == self._run_id
             ):
                 hub.follow(self, seen, self.liveness_interval, self.ttl)

@@ -165,6 +165,7 @@ class LivenessHub:
         self._listener: Any = None
         self._subscribed = False
         self._retry_at = 0.0
+        self._listen_at = 0.0  # the listener failed: listen again from then on
         self._muted = False  # PUBLISH on the channel refused: no beats
         self._deaf = False  # SUBSCRIBE to the channel refused: every holder is polled
         self.dropped_messages = 0
@@ -231,7 +232,8 @@ class LivenessHub:
     def follow(self, lease: Follower, seen: Any, limit: float, ttl: float) -> None:
         """Time holder ``seen`` for ``lease`` until :meth:`unfollow` or another ``seen``;
         when its connection is found gone, ``lease.holder_found_gone(seen)`` is called
-        (on the hub's thread). Following the same holder again keeps its timers.
+        (on the hub's thread). Following a holder of the same process again keeps
+        its timers.
 
         Args:
             lease: the follower.
@@ -242,11 +244,12 @@ class LivenessHub:
         """
         process = seen.process or ""
         with self._lock:
-            current = self._following.get(lease)
-            if current is not None:
-                entry = self._holders[current].leases.get(lease)
-                if entry is not None and entry.seen is seen:
-                    return
+            if self._following.get(lease) == process:
+                # The same holder process (each attempt reads the holder anew, and anyone
+                # may PUBLISH a wake-up into an attempt): its timers and the beats taken
+                # from it go on, so that a check that is due is never put off.
+                self._holders[process].leases[lease] = _Following(seen, limit, ttl / 4)
+                return
             self._forget(lease)
             holder = self._holders.get(process)
             now = time.monotonic()
@@ -310,15 +313,15 @@ class LivenessHub:
     def _connect(self, listen: bool) -> None:
         if self._conn is None:
             self._conn = self._factory.connect()
-        if listen and self._listener is None:
+            self._muted = self._deaf = False  # an ACL may have changed: try again
+        if listen and self._listener is None and time.monotonic() >= self._listen_at:
             self._listener = self._factory.connect()
             self._listener.send_command("SUBSCRIBE", self.channel)
             self._subscribed = False
 
     def _turn(self, now: float) -> None:
-        """Read what came, beat when due, check the holders that are due."""
-        if self._listener is not None:
-            self._read()
+        """Beat when due, check the holders that are due, then read what came (a flood
+        on the channel never holds up a beat or a check)."""
         with self._lock:
             beat = bool(self._held) and not self._muted and now >= self._beat_at
             if beat:
@@ -333,6 +336,15 @@ class LivenessHub:
             self._publish(message)
         for process in due:
             self._probe(process)
+        if self._listener is not None:
+            try:
+                self._read()
+            except (redis.RedisError, OSError) as exc:
+                # The server may drop a listener that a flood put over its output buffer
+                # limit: listen again soon; beats and checks go on meanwhile.
+                logger.debug("liveness on %s: %s", self._factory.where, first_line(exc))
+                self._drop_listener()
+                self._listen_at = time.monotonic() + _RETRY
 
     def _sleep(self) -> None:
         """Wait for a message, a wake-up, or the next beat or check (at most a second)."""
@@ -372,8 +384,8 @@ class LivenessHub:
     def _refused(self, exc: redis.ResponseError) -> None:
         """The server refused the SUBSCRIBE (an ACL without the channel): every holder
         is checked every ``liveness_interval`` instead; no term is affected."""
-        if self._subscribed:
-            raise exc  # not the subscription: the connection is in doubt
+        if self._subscribed or not _refusal(exc):
+            raise exc  # not a refused subscription: the connection is in doubt
         self._deaf = True
         self._drop_listener()
         logger.warning(
@@ -431,6 +443,8 @@ class LivenessHub:
         try:
             self._call("PUBLISH", self.channel, message)
         except redis.ResponseError as exc:
+            if not _refusal(exc):
+                raise  # BUSY, LOADING...: the connection is in doubt, and is made anew
             # An ACL that grants the leases' channels but not this one: a refused beat
             # says nothing about the terms, which go on; followers check every
             # liveness_interval instead.
@@ -446,34 +460,65 @@ class LivenessHub:
 
     def _probe(self, process: str) -> None:
         """Check the connections of every lease holder process ``process`` holds for our
-        followers, in one round trip; wake the followers whose holder is gone."""
+        followers, in one round trip; wake the followers whose holder is gone.
+
+        The server that answers must be the one the holders connected to (its
+        ``run_id`` is in each lease value): client ids mean nothing on another server,
+        and a cluster's slot may have moved since this hub connected.
+        """
         with self._lock:
             holder = self._holders.get(process)
             if holder is None:
                 return
-            following = list(holder.leases.items())
-        clients = sorted({f.seen.client for _, f in following})
+            following = [(lease, f.seen) for lease, f in holder.leases.items()]
+        clients = sorted({seen.client for _, seen in following}, key=int)
+        conn = self._conn
+        conn.send_command("CLIENT", "LIST", "ID", *clients)
+        conn.send_command("INFO", "server")
         try:
-            reply = self._call("CLIENT", "LIST", "ID", *clients)
+            reply = conn.read_response(disconnect_on_error=False)
         except redis.ResponseError as exc:
-            if not str(exc).startswith("NOPERM"):
-                raise  # not a refusal: the connection is in doubt, and is made anew
+            conn.read_response(disconnect_on_error=False)  # INFO's reply
+            self._unanswered(process, following, exc)
+            return
+        info = _text(conn.read_response(disconnect_on_error=False))
+        run = next((ln[7:].strip() for ln in info.splitlines() if ln.startswith("run_id:")), "")
+        alive = {line.split(" ", 1)[0].removeprefix("id=") for line in _text(reply).splitlines()}
+        gone = [(lease, seen) for lease, seen in following if seen.client not in alive]
+        with self._lock:
+            for lease, seen in gone:
+                entry = holder.leases.get(lease)
+                if entry is not None and entry.seen == seen and seen.run == run:
+                    self._forget(lease)
+            if holder.leases:
+                holder.probed(time.monotonic())
+        for lease, seen in gone:
+            if seen.run == run:
+                lease.holder_found_gone(seen)
+            else:
+                logger.debug("liveness on %s: a holder of another server run", self._factory.where)
+
+    def _unanswered(
+        self, process: str, following: list[tuple[Follower, Any]], exc: redis.ResponseError
+    ) -> None:
+        """``CLIENT LIST ID`` answered an error: refused (an ACL), the followers wait
+        for expiry; anything else (a client id the server will not take) puts off this
+        holder's next check only, never another's."""
+        if _refusal(exc):
             logger.info("CLIENT LIST refused on %s (%s)", self._factory.where, exc)
             for lease, _ in following:
                 self.unfollow(lease)
                 lease.probe_refused()
             return
-        text = reply.decode("utf-8", "replace") if isinstance(reply, bytes) else str(reply)
-        alive = {line.split(" ", 1)[0].removeprefix("id=") for line in text.splitlines()}
-        gone = [(lease, f) for lease, f in following if f.seen.client not in alive]
+        logger.warning(
+            "CLIENT LIST ID on %s answered %s; the holder is checked again later",
+            self._factory.where,
+            first_line(exc),
+        )
         with self._lock:
-            for lease, f in gone:
-                if holder.leases.get(lease) is f:
-                    self._forget(lease)
-            if holder.leases:
+            holder = self._holders.get(process)
+            if holder is not None:
                 holder.probed(time.monotonic())
-        for lease, f in gone:
-            lease.holder_found_gone(f.seen)
 
     def _call(self, *args: Any) -> Any:
         conn = self._conn
@@ -490,6 +535,15 @@ class LivenessHub:
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.disconnect()
+
+
+def _refusal(exc: redis.ResponseError) -> bool:
+    """Whether an error reply is an ACL's refusal (which no retry changes)."""
+    return isinstance(exc, redis.exceptions.NoPermissionError) or str(exc).startswith("NOPERM")
+
+
+def _text(reply: Any) -> str:
+    return reply.decode("utf-8", "replace") if isinstance(reply, bytes) else str(reply)
 
 
 forks.register(LivenessHub)

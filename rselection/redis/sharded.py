@@ -3,7 +3,7 @@
 Each shard ``k`` is an ordinary Redis lease, ``"<name>/<k>"``, with a
 :class:`~rselection.RedisLeader` of its own on every node (all with the node's one
 ``node_id``). A dead node's shards are taken over once the other nodes notice that its
-connection is gone (the liveness beats of :mod:`rselection.redis.lease`, within about a
+connection is gone (the liveness beats of :mod:`rselection.redis.liveness`, within about a
 second by default). The coordinator (the holder of the lease ``"<name>"``) reads the
 shards' holders and the nodes' heartbeats in two round trips, and moves shards with
 handover requests reserved for their targets, one script per shard in one pipeline.

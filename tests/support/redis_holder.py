@@ -1,6 +1,7 @@
 """A Redis lease holder in a process of its own, for tests that pause or kill it.
 
-``python -m tests.support.redis_holder URL NAME TTL RENEW_DEADLINE LIVENESS_INTERVAL``
+``python -m tests.support.redis_holder URL NAME TTL RENEW_DEADLINE LIVENESS_INTERVAL
+single|cluster``
 acquires lease ``NAME`` as node ``"holder"``, prints ``{"event": "held", "term": ...,
 "client": ...}`` and keeps it as a leader's keeper does: it waits for changes and renews
 every third of the ttl, while its process beats for it (see
@@ -19,14 +20,18 @@ import sys
 import threading
 import time
 
+from redis.cluster import RedisCluster
+
 from rselection.errors import BackendUnavailable
 from rselection.redis import RedisLease
 from tests.support.node_process import NodeProcess, count, emit
 
 
-def main(url: str, name: str, ttl: str, renew_deadline: str, liveness_interval: str) -> None:
+def main(
+    url: str, name: str, ttl: str, renew_deadline: str, liveness_interval: str, cluster: str
+) -> None:
     lease = RedisLease(
-        url,
+        RedisCluster.from_url(url) if cluster == "cluster" else url,
         name=name,
         ttl=float(ttl),
         renew_deadline=float(renew_deadline),
@@ -63,10 +68,18 @@ class HolderProcess:
         url: the Redis URL.
         name: the lease name.
         ttl, renew_deadline, liveness_interval: the lease's timings, seconds.
+        cluster: ``url`` is a Redis Cluster's.
     """
 
     def __init__(
-        self, url: str, name: str, *, ttl: float, renew_deadline: float, liveness_interval: float
+        self,
+        url: str,
+        name: str,
+        *,
+        ttl: float,
+        renew_deadline: float,
+        liveness_interval: float,
+        cluster: bool = False,
     ) -> None:
         self.node = NodeProcess(
             "tests.support.redis_holder",
@@ -75,6 +88,7 @@ class HolderProcess:
             str(ttl),
             str(renew_deadline),
             str(liveness_interval),
+            "cluster" if cluster else "single",
         )
         self.node.wait_for("the lease held", count("held", 1), 30)
         held = self.node.of("held")[0]

@@ -5,6 +5,7 @@ resign command, and RedisElector / RedisClaimer through ``redis.cluster.RedisClu
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
@@ -28,12 +30,14 @@ from rselection.redis import (
     RedisElector,
     RedisFence,
     RedisLeader,
+    RedisLease,
     live_nodes,
     request_handover,
 )
 from rselection.redis.keys import membership_keys
 from rselection.redis.lease import handover_key, lease_keys
 from tests.support.redis_cluster import PrivateRedisCluster, redis_cluster_fixture
+from tests.support.redis_holder import HolderProcess
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -450,3 +454,48 @@ def test_claim_many_across_masters_with_one_master_hung_fails_only_that_masters_
             assert doc is not None and doc["term"] == 2
     finally:
         client.close()
+
+
+def test_a_moved_slot_never_makes_a_paused_holder_look_gone() -> None:
+    """A process's liveness hub for a cluster node was routed by the key of the lease
+    that made it. Once that lease's slot moved to another node, the hub asked that node
+    about the holders of the first node's leases, found none, and a follower took over
+    from a paused holder whose keeper connection was alive: two leaders after 0.5 s."""
+    with PrivateRedisCluster() as fresh:  # its slots are moved: not the module's cluster
+        admin = RedisCluster.from_url(fresh.url)
+        home: Any = admin.get_node_from_key("{x}")  # type: ignore[no-untyped-call]
+        names = (f"moved-{uuid.uuid4().hex[:6]}-{i}" for i in itertools.count())
+        same = (n for n in names if slot_master_port(admin, f"{{{n}}}") == home.port)
+        first, second = next(same), next(same)  # two leases of one node
+        made_hub = RedisLease(RedisCluster.from_url(fresh.url), name=first)
+        made_hub.connect()
+        # first's (empty) slot moves to another master, as resharding does.
+        slot = admin.keyslot(lease_keys(first)[0])
+        other = next(p for p in fresh.ports if p != home.port)
+        target = redis.Redis(port=other).execute_command("CLUSTER", "MYID")
+        for port in fresh.ports:
+            redis.Redis(port=port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", target)
+        moved = lease_keys(first)[0]
+        # A command on the slot (answered MOVED by its old node) refreshes the slot map.
+        wait_until(
+            lambda: admin.exists(moved) == 0 and slot_master_port(admin, moved) == other,
+            10,
+            "the slot to move",
+        )
+        holder = HolderProcess(
+            fresh.url, second, ttl=15.0, renew_deadline=10.0, liveness_interval=0.5, cluster=True
+        )
+        follower = RedisLease(RedisCluster.from_url(fresh.url), name=second)
+        try:
+            assert not follower.try_acquire("f").acquired
+            follower.wait_for_change(1.0)
+            holder.pause()  # its keeper connection stays open on its node
+            until = time.monotonic() + 4.0  # the takeover came after 0.5 s
+            while (left := until - time.monotonic()) > 0:
+                follower.wait_for_change(left)
+                assert not follower.try_acquire("f").acquired, "took over a live holder"
+        finally:
+            holder.close()
+            follower.close()
+            made_hub.close()
+            admin.close()

@@ -325,3 +325,68 @@ def _wait(lease: RedisLease, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while (left := deadline - time.monotonic()) > 0:
         lease.wait_for_change(left)
+
+
+def test_forged_wakeups_of_a_follower_do_not_put_off_the_check_of_a_killed_holder(
+    redis_url: str, publish_only_redis_url: str
+) -> None:
+    """Each wake-up made the follower attempt and follow the holder anew, which restarted
+    its timer: a forged ``acquired`` every 0.3 s kept the check from ever coming due,
+    and the takeover waited for expiry (14 s)."""
+    name = f"nudge-{uuid.uuid4().hex[:6]}"
+    timings: dict[str, Any] = {"ttl": 15.0, "renew_deadline": 10.0, "liveness_interval": 0.5}
+    holder = HolderProcess(redis_url, name, **timings)
+    follower = RedisLease(redis_url, name=name, **timings)
+    try:
+        assert not follower.try_acquire("b").acquired
+        _wait(follower, 1.0)  # hears the holder's process beat
+        with Forger(publish_only_redis_url, lease_keys(name)[2], lambda: ["acquired:1"], 0.3):
+            began = time.monotonic()
+            holder.kill()
+            while not follower.try_acquire("b").acquired:
+                assert time.monotonic() - began < 30, "never taken over"
+                follower.wait_for_change(1.0)
+            took = time.monotonic() - began
+    finally:
+        holder.close()
+        follower.close()
+    print(f"\nkill -9 failover under forged wake-ups: {took * 1000:.0f} ms")
+    assert took < FAILOVER_BOUND
+
+
+def test_a_lease_value_with_a_bad_client_id_holds_up_no_other_leases_failover(
+    redis_url: str, admin: redis.Redis
+) -> None:
+    """A client id the server refuses in ``CLIENT LIST ID`` (written into one lease's
+    value by a client with write access) failed the process's whole check: the takeover
+    of another lease, whose holder was killed, waited for expiry (14 s)."""
+    tag = uuid.uuid4().hex[:6]
+    timings: dict[str, Any] = {"ttl": 15.0, "renew_deadline": 10.0, "liveness_interval": 0.5}
+    odd, killed = HolderProcess(redis_url, f"odd-{tag}", **timings), None
+    odd_follower = RedisLease(redis_url, name=f"odd-{tag}", **timings)
+    follower = RedisLease(redis_url, name=f"y-{tag}", **timings)
+    try:
+        key = lease_keys(f"odd-{tag}")[0]
+        doc = json.loads(admin.get(key) or "{}")
+        doc["client"] = "0196"  # not as Redis writes a client id,
+        doc["beats"] = f"{'0' * 16}:{'0' * 32}"  # of a process never heard: checked often
+        admin.set(key, json.dumps(doc), keepttl=True)
+        assert not odd_follower.try_acquire("b").acquired
+        killed = HolderProcess(redis_url, f"y-{tag}", **timings)
+        assert not follower.try_acquire("b").acquired
+        _wait(follower, 1.0)
+        began = time.monotonic()
+        killed.kill()
+        while not follower.try_acquire("b").acquired:
+            assert time.monotonic() - began < 30, "never taken over"
+            odd_follower.wait_for_change(0.01)  # the odd lease is watched as well
+            follower.wait_for_change(1.0)
+        took = time.monotonic() - began
+    finally:
+        odd.close()
+        if killed is not None:
+            killed.close()
+        odd_follower.close()
+        follower.close()
+    print(f"\nkill -9 failover beside a lease with a bad client id: {took * 1000:.0f} ms")
+    assert took < FAILOVER_BOUND

@@ -11,6 +11,7 @@ stops its beats and its connections together, as in production.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,9 +20,11 @@ import pytest
 import redis
 
 from rselection.redis import RedisLease
+from rselection.redis.keys import liveness_channel
 from tests.support.node_process import count
 from tests.support.pg import PrivateRedis
 from tests.support.redis_holder import HolderProcess
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -180,3 +183,39 @@ def test_a_holder_that_lost_its_connection_is_checked_at_once_while_its_process_
     finally:
         holder.close()
         b.close()
+
+
+def _beats_in(url: str, seconds: float) -> int:
+    """Beats published on the liveness channel during the next ``seconds`` (a window)."""
+    client = redis.Redis.from_url(url)
+    listener = client.pubsub(ignore_subscribe_messages=True)
+    listener.subscribe(liveness_channel())
+    heard, until = 0, time.monotonic() + seconds
+    while (left := until - time.monotonic()) > 0:
+        heard += listener.get_message(timeout=min(left, 0.1)) is not None
+    listener.close()
+    client.close()
+    return heard
+
+
+def test_a_busy_server_does_not_stop_the_beats_for_good(
+    private_redis: PrivateRedis, admin: redis.Redis
+) -> None:
+    """A ``BUSY`` reply to a beat's PUBLISH (a long script ran) was taken for an ACL's
+    refusal: the process never beat again, and its followers polled its connections."""
+    lease = RedisLease(private_redis.url, name=f"busy-{uuid.uuid4().hex[:6]}", **SLOW)
+    admin.config_set("busy-reply-threshold", 100)
+    try:
+        held = lease.try_acquire("a").holder
+        assert held is not None and lease.fast_failover
+        assert _beats_in(private_redis.url, 1.0) >= 2  # every 0.25 s
+        with contextlib.suppress(redis.ResponseError):
+            admin.eval(
+                "local t = tonumber(redis.call('TIME')[1]) + 2 "
+                "while tonumber(redis.call('TIME')[1]) < t do end",
+                0,
+            )
+        wait_until(lambda: _beats_in(private_redis.url, 1.0) >= 2, 10, "the beats to resume")
+        assert lease.renew("a", held.term)
+    finally:
+        lease.close()
