@@ -575,6 +575,9 @@ class RedisLease(Closeable):
 
     def _drop(self) -> None:
         conns, self._conn, self._listener = (self._conn, self._listener), None, None
+        if self._leading is not None and self._hub is not None:
+            # The term goes with its connection, unreleased: followers check it now.
+            self._hub.connection_failed(self)
         self._lead(None)
         self._follow(None)
         self._hold.reset()

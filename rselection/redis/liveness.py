@@ -18,9 +18,10 @@ one server and one key prefix:
   heard to beat (a release without process beats, an ACL that refuses the channel) is
   checked every ``liveness_interval``.
 * A beat carries an epoch: the number of keeper connections of held leases the process
-  saw fail. A process that is alive but lost one lease's connection (the server closed
-  it) beats on with a new epoch, and its followers check at once, as they would had the
-  whole process died.
+  saw fail or closed with a term unreleased. A process that is alive but lost one
+  lease's connection beats on with a new epoch, and its followers check at once and
+  keep checking for a lease period whatever its beats say, as they would had the whole
+  process died (a failed connection is closed only once the term's tasks are joined).
 
 The wire format and its signature are :mod:`rselection.redis.messages`'. A beat only
 says when to look: a takeover still needs the holder's connection gone and the acquire
@@ -98,6 +99,7 @@ class _Holder:
     epoch: int | None = None
     interval: float = 0.0  # advertised by its beats (0: unknown)
     beaten: bool = False  # a beat was heard
+    suspect_until: float = 0.0  # after a new epoch: checked whatever its beats say
     leases: dict[Follower, _Following] = field(default_factory=dict)
 
     def limit(self) -> float:
@@ -417,8 +419,13 @@ class LivenessHub:
                 dropped = False
                 holder.seq, holder.interval, holder.beaten = beat.seq, beat.interval, True
                 if holder.epoch is not None and beat.epoch != holder.epoch:
-                    holder.gap, holder.probe_at = holder.limit(), now  # one connection failed
-                else:
+                    # A connection of one of its leases failed: check at once, and keep
+                    # checking (waits doubling up to a second) for a lease period, since
+                    # the holder may close that connection only once the term's tasks
+                    # are joined, while the process beats on.
+                    holder.gap, holder.probe_at = holder.limit(), now
+                    holder.suspect_until = now + 4 * max(f.cap for f in holder.leases.values())
+                elif now >= holder.suspect_until:
                     holder.heard(now)
                 holder.epoch = beat.epoch
         if dropped:

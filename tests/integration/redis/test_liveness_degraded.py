@@ -72,8 +72,8 @@ def _acl_without_beats(admin: redis.Redis, user: str, name: str, port: int) -> s
         "on",
         ">pw",
         "~rselection:*",
-        f"&rselection:{{{name}}}:events",
-        f"&rselection:{{{name}}}:node:*",
+        f"&rselection:{{{name}*}}:events",  # and the holder's companion lease's
+        f"&rselection:{{{name}*}}:node:*",
         "+@all",
     )
     return f"redis://{user}:pw@127.0.0.1:{port}/0"
@@ -219,3 +219,30 @@ def test_a_busy_server_does_not_stop_the_beats_for_good(
         assert lease.renew("a", held.term)
     finally:
         lease.close()
+
+
+def test_a_term_closed_unreleased_is_taken_over_at_once_while_its_process_beats(
+    private_redis: PrivateRedis,
+) -> None:
+    """The holder's process closed one lease's connection without releasing it (a
+    release that failed, a term that ended with its connection) and beats on for its
+    other leases: its next beat carries a new epoch, so the follower checks at once.
+    Before, the beats put the check off and the takeover waited for expiry."""
+    name = f"drop-{uuid.uuid4().hex[:6]}"
+    holder = HolderProcess(private_redis.url, name, **SLOW, liveness_interval=0.2)
+    b = RedisLease(private_redis.url, name=name, **SLOW, liveness_interval=0.2)
+    try:
+        assert not b.try_acquire("b").acquired
+        _wait(b, 0.5)  # hears the holder's beats
+        began = time.monotonic()
+        holder.abandon()
+        while not b.try_acquire("b").acquired:
+            assert time.monotonic() - began < 40, "never taken over"
+            b.wait_for_change(1.0)
+        took = time.monotonic() - began
+        assert holder.node.proc.poll() is None  # alive, and beating for its companion
+        print(f"\nan unreleased term taken over after {took:.2f} s")
+        assert took < 2.0  # expiry would take 30 s
+    finally:
+        holder.close()
+        b.close()
