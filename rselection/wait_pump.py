@@ -20,8 +20,8 @@ holds up no other:
   messages unread says so with a due time that has come, and is stepped again after the
   others that were ready, so a flooded channel does not starve the other leases.
 
-A watch also ends after :data:`~rselection.blocking_lease.WAIT_SLICE` seconds, as a
-lease's ``wait_for_change`` times out. The lease's owner
+A watch also ends after :data:`~rselection.blocking_lease.WATCH_SLICE` seconds, as a
+lease's ``wait_for_change`` times out (it wakes nobody then). The lease's owner
 (:class:`~rselection.blocking_lease.BlockingLease`) takes its watch out with
 :meth:`WaitPump.remove` before each of its calls, which waits only for that lease's own
 step under way, so the lease still sees one caller at a time.

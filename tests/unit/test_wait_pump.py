@@ -12,9 +12,12 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import pytest
+
 import rselection as rs
+from rselection import blocking_lease
 from rselection.abc import Watchable
-from rselection.blocking_lease import WAIT_SLICE, BlockingLease
+from rselection.blocking_lease import BlockingLease
 from rselection.memory import MemoryLease
 from rselection.wait_pump import WaitPump
 from tests.support.waiting import wait_until
@@ -246,9 +249,13 @@ def test_the_pump_says_whether_a_watch_ended_by_a_change_or_by_its_slice() -> No
         lane.shutdown(wait=True)
 
 
-def test_a_watch_whose_slice_ran_out_does_not_wake_the_keeper() -> None:
+def test_a_watch_whose_slice_ran_out_does_not_wake_the_keeper(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Each slice's end woke the keeper of every watched follower into an attempt: 200
-    attempts a second at 1,000 leases, each lease's every WAIT_SLICE seconds."""
+    attempts a second at 1,000 leases, each lease's every 5 s."""
+    slice_seconds = 0.5
+    monkeypatch.setattr(blocking_lease, "WATCH_SLICE", slice_seconds)
     lease = SteppedLease(f"quiet-{uuid.uuid4().hex[:6]}")
     adapter = BlockingLease(lease)
     wakes: list[float] = []
@@ -256,8 +263,8 @@ def test_a_watch_whose_slice_ran_out_does_not_wake_the_keeper() -> None:
     try:
         adapter.connect()
         began = time.monotonic()
-        wait_until(lambda: time.monotonic() - began > WAIT_SLICE + 0.5, WAIT_SLICE + 5, "a slice")
-        steps = [t for t in lease.steps if t > began + WAIT_SLICE + 0.1]
+        wait_until(lambda: time.monotonic() - began > 3 * slice_seconds, 5, "three slices")
+        steps = [t for t in lease.steps if t > began + 2 * slice_seconds]
         assert steps, "the lease was not watched again after its slice"
         assert wakes == [], "a slice's end woke the keeper"
         lease.poke()
