@@ -30,6 +30,8 @@ address, identifies a node.
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import json
 import logging
 import os
@@ -335,12 +337,21 @@ class _Beats:
         self._where = where
         self._cond = threading.Condition()
         self._due: dict[RedisMembership, float] = {}
+        # The due times as a heap (an entry whose time is no longer the member's in
+        # _due is stale): the next of 1,000 memberships in O(log n), not a scan of all.
+        self._heap: list[tuple[float, int, RedisMembership]] = []
+        self._order = itertools.count()
         self._busy: RedisMembership | None = None
         self._thread: threading.Thread | None = None
 
+    def _schedule(self, member: RedisMembership, at: float) -> None:
+        """Under the lock: ``member``'s next heartbeat is due at ``at``."""
+        self._due[member] = at
+        heapq.heappush(self._heap, (at, next(self._order), member))
+
     def add(self, member: RedisMembership) -> None:
         with self._cond:
-            self._due[member] = time.monotonic()
+            self._schedule(member, time.monotonic())
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name=f"rselection-redis-heartbeats-{self._where}", daemon=True
@@ -372,10 +383,15 @@ class _Beats:
             while True:
                 if not self._due:
                     self._thread = None
+                    self._heap.clear()
                     return None
-                member, at = min(self._due.items(), key=lambda item: item[1])
+                at, _, member = self._heap[0]
+                if self._due.get(member) != at:
+                    heapq.heappop(self._heap)  # stale: stopped, or due at another time
+                    continue
                 wait = at - time.monotonic()
                 if wait <= 0:
+                    heapq.heappop(self._heap)
                     self._busy = member
                     return member
                 self._cond.wait(wait)
@@ -397,7 +413,7 @@ class _Beats:
                 with self._cond:
                     self._busy = None
                     if member in self._due:
-                        self._due[member] = time.monotonic() + member.due_in(ok)
+                        self._schedule(member, time.monotonic() + member.due_in(ok))
                     self._cond.notify_all()
 
 
