@@ -4,9 +4,9 @@
 single|cluster`` acquires lease ``NAME`` (and ``NAME-companion``) as node ``"holder"``,
 prints ``{"event": "held", "term": ..., "client": ...}`` and keeps it as a leader's
 keeper does: it waits for changes and renews every third of the ttl, while its process
-beats for it (see :mod:`rselection.redis.liveness`). When its keeper connection fails it prints ``lost``
-and lives on. On SIGUSR1 it closes the lease without releasing it and keeps the
-companion (its process beats on). It runs until it is killed, or its stdin closes.
+beats for it (see :mod:`rselection.redis.liveness`). When its keeper connection fails it
+prints ``lost`` and lives on. On SIGUSR1 it closes the lease without releasing it and
+keeps the companion (its process beats on). It runs until it is killed, or its stdin closes.
 
 A follower in the test's process then sees a holder that lives, pauses (SIGSTOP) or dies
 (SIGKILL) as a whole process does: its beats and its keeper connection together.
