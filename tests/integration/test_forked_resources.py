@@ -17,7 +17,8 @@ How a parent's session is seen to be left alone, from the servers' side:
   the child sent while closing an object.
 * Redis: ``CLIENT LIST`` entries of the parent's connections keep their id, their last
   command, their subscriptions, and an ``idle`` time that went on growing while the
-  child ran.
+  child ran. The parent's liveness beats (``rselection:liveness``) and a leading
+  parent's keeper go on while the child runs: those keep their id.
 """
 
 from __future__ import annotations
@@ -516,6 +517,23 @@ def _untouched(
     return wrong
 
 
+#: The client name of a process's liveness hub (:mod:`rselection.redis.liveness`): the
+#: parent beats on it while the child runs.
+LIVENESS = "rselection:liveness"
+
+
+def _split_busy(
+    connections: dict[str, dict[str, Any]], busy: Callable[[dict[str, Any]], bool]
+) -> tuple[dict[str, dict[str, Any]], set[str]]:
+    """The parent's connections it leaves idle, and the ids of those it uses itself."""
+    idle = {cid: e for cid, e in connections.items() if not busy(e)}
+    return idle, set(connections) - set(idle)
+
+
+def _named(name: str, entry: dict[str, Any]) -> bool:
+    return str(entry["name"]) == name
+
+
 def _quiet(redis_url: str, ports: set[int], exclude: Callable[[dict[str, Any]], bool]) -> None:
     """Wait until the parent's connections (but ``exclude``\\ d ones) are idle for 2 s, so
     that a command on them resets an idle time that can only have grown otherwise."""
@@ -545,9 +563,11 @@ def test_a_redis_lease_connected_before_fork_leaves_the_parents_connections_alon
         term = got.holder.term
         assert lease.renew("parent", term)
         ports = _redis_ports(redis_url)
-        _quiet(redis_url, ports, lambda e: False)
-        before = _parents_connections(redis_url, ports)
+        beating = functools.partial(_named, LIVENESS)
+        _quiet(redis_url, ports, beating)
+        before, busy = _split_busy(_parents_connections(redis_url, ports), beating)
         assert len([e for e in before.values() if e["name"] == f"rselection:{name}"]) == 2
+        assert busy  # the parent beats for the lease it holds
         began = time.monotonic()
 
         def child() -> dict[str, Any]:
@@ -566,6 +586,7 @@ def test_a_redis_lease_connected_before_fork_leaves_the_parents_connections_alon
         waited = time.monotonic() - began
         after = _parents_connections(redis_url, ports)
         assert not _untouched(before, after, waited), (_untouched(before, after, waited), report)
+        assert busy <= set(after), "the child closed the parent's liveness connections"
         assert report["holder"] == "parent" and report["attempt"] == "parent", report
         assert report["wait"] is None and report["close"] is None, report
         assert report["client_id"] not in (None, lease.client_id), report
@@ -604,13 +625,13 @@ def test_redis_objects_used_before_fork_work_in_the_child_on_connections_of_thei
     assert built.leader() is not None
     ports = _redis_ports(redis_url)
     keeper_name = f"rselection:{name}"
-    _quiet(redis_url, ports, lambda e: e["name"] == keeper_name)
-    before = {
-        cid: e
-        for cid, e in _parents_connections(redis_url, ports).items()
-        if e["name"] != keeper_name
-    }
-    assert before
+
+    def busy_in_parent(entry: dict[str, Any]) -> bool:
+        return str(entry["name"]) in (keeper_name, LIVENESS)
+
+    _quiet(redis_url, ports, busy_in_parent)
+    before, busy = _split_busy(_parents_connections(redis_url, ports), busy_in_parent)
+    assert before and busy
     began = time.monotonic()
 
     def child() -> dict[str, Any]:
@@ -638,6 +659,7 @@ def test_redis_objects_used_before_fork_work_in_the_child_on_connections_of_thei
     waited = time.monotonic() - began
     after = _parents_connections(redis_url, ports)
     assert not _untouched(before, after, waited), (_untouched(before, after, waited), report)
+    assert busy <= set(after), "the child closed the parent's keeper or liveness connections"
     assert "error" not in report, report
     assert report["is_leader"] is False and report["claim"] is True, report
     assert report["elector_id"] != elector.node_id and report["elected"] is False, report
