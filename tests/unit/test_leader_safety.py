@@ -186,8 +186,30 @@ def test_default_stop_grace_takes_what_the_timings_allow() -> None:
 
 
 def test_stop_grace_is_honoured_with_default_timings(made: list[LeaseLeader]) -> None:
-    handler = rs.TaskHandler(stop_grace=4.5)
-    build(made, MemoryLease(), handler, timings=Timings())  # 10 + 4.5 + 0.5 = 15: fits
+    activity = Activity()
+    stuck: list[Any] = []
+
+    def on_stuck(sender: Any, **kw: Any) -> None:
+        stuck.append(kw)
+
+    # 10 + 4.5 + 0.5 = 15: the longest stop_grace the default timings allow is taken.
+    handler = stubborn_handler(activity, linger=1.0, stop_grace=4.5)
+    leader = build(made, MemoryLease(), handler, timings=Timings())
+    assert leader.stop_grace == 4.5
+    rs.signals.task_stuck.connect(on_stuck)
+    try:
+        leader.start()
+        assert leader.wait_until_leader(5)
+        term = leader.term
+        wait_until(lambda: term in activity.started, 5, "the task to start")
+        leader.stop(timeout=10)
+        # A clean-up of 1 s, well inside the grace, is waited for: the task finished
+        # before stop() returned, and nobody reported it stuck.
+        assert term in activity.finished
+        assert activity.finished[term] - activity.started[term] >= 1.0
+    finally:
+        rs.signals.task_stuck.disconnect(on_stuck)
+    assert stuck == []
 
 
 # -- 3. receivers and callers cannot break the machinery --------------------------------
