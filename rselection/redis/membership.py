@@ -239,15 +239,16 @@ class RedisMembership:
         _BEATS.add(self)
 
     def stop(self) -> None:
-        """Stop heartbeating and remove this node from the membership (best effort).
+        """Stop heartbeating and remove this node from the membership (best effort); a
+        second call does nothing.
 
         Bounded: a heartbeat in flight and the removal each take at most the heartbeats'
         socket timeout (see the module docstring).
         """
         with self._lock:
-            self._stopped = True
+            again, self._stopped = self._stopped, True
             started = self._started
-        if not started:  # never heartbeated: nothing to remove
+        if not started or again:  # never heartbeated, or removed (or tried to) already
             return
         _BEATS.remove(self, _LEAVE_WAIT)
         try:
