@@ -442,6 +442,9 @@ class DrivenKeeper:
             finally:
                 self._close()
 
+        # No more waits: a wait begun after a call that failed would only reconnect (in
+        # an outage, up to the connect timeout) before the release could run.
+        self._lease.on_wake(None)
         self._work(self._state.end_for_release, then=lambda held: self._release_soon(held, after))
 
     def _release_soon(
