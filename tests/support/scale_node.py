@@ -256,6 +256,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the leaders until SIGTERM or SIGINT, then stop them all at once."""
     args = parse_args(argv)
+    # Blocked in every thread (threads inherit the mask; the reporter's too, so it is
+    # blocked first) and taken by sigwait() in the main thread below: no handler runs at
+    # an arbitrary point while locks are held. A thread started before the mask would be
+    # the one thread the kernel could hand SIGUSR2 to while the main thread is not in
+    # sigwait(), and SIGUSR2's default action ends the process.
+    wanted = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2}
+    signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
     out = Reporter(args.node)
     names = [f"{args.prefix}/{i}" for i in range(args.count)]
     index = {name: i for i, name in enumerate(names)}
@@ -265,10 +272,6 @@ def main(argv: list[str] | None = None) -> int:
     go = threading.Event()
     if not args.misbehave_on_usr1:
         go.set()
-    # Blocked in every thread (threads inherit the mask) and taken by sigwait() in the
-    # main thread below: no handler runs at an arbitrary point while locks are held.
-    wanted = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2}
-    signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
 
     # Receivers filter by lease name: other leaders in the process (none today) are not ours.
     def on_elected(sender: Any, **kw: Any) -> None:
