@@ -126,7 +126,7 @@ from ._scripts import REQUEST_HANDOVER as REQUEST_HANDOVER  # re-exported
 from .keepalive import keepalive_refusal
 from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
 from .liveness import LivenessHub
-from .messages import event_kind, unsigned_beat
+from .messages import Dropped, event_kind, unsigned_beat
 
 __all__ = ["RedisLease", "handover_key", "lease_keys", "node_channel", "term_origin_key"]
 
@@ -139,8 +139,6 @@ _WAKE_GAP = 0.05
 # The most messages one step of a wait reads: the rest is read in the next step, after
 # the steps of other leases that were ready (a flooded channel starves nobody).
 _STEP_MESSAGES = 64
-# Seconds between two log lines about dropped messages (each is counted).
-_DROPPED_LOG_EVERY = 60.0
 
 
 def lease_keys(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> tuple[str, str, str]:
@@ -372,8 +370,7 @@ class RedisLease(Closeable):
         # The listener reads raw bytes (see ConnectionFactory): channels as bytes.
         self._events_channel = self.channel.encode()
         self._wake_after = 0.0  # a message may wake the keeper again from then on
-        self._dropped_messages = 0
-        self._dropped_logged_at = -math.inf
+        self._dropped = Dropped(f"lease {name!r}")
         forks.register(self)
 
     def reset_after_fork(self) -> None:
@@ -954,7 +951,7 @@ class RedisLease(Closeable):
                 event = event_kind(payload)
                 if event is None:
                     if not unsigned_beat(payload):
-                        self._dropped(channel, payload)
+                        self._dropped.drop(channel, payload)
                     continue
                 if event == "resign":
                     self._handover_hint = True
@@ -966,23 +963,6 @@ class RedisLease(Closeable):
             raise unavailable("listen for lease changes", self._factory.where, exc) from exc
         return got, False
 
-    def _dropped(self, channel: bytes, payload: Any) -> None:
-        """Count a message no rselection node sends; log it at most once a minute."""
-        self._dropped_messages += 1
-        now = time.monotonic()
-        if now < self._dropped_logged_at + _DROPPED_LOG_EVERY:
-            return
-        self._dropped_logged_at = now
-        logger.warning(
-            "lease %r: dropped a message on %s that no rselection node sends (%.40r; %d so "
-            "far): a client allowed to PUBLISH on the lease's channels sent it; it "
-            "changes nothing (restrict PUBLISH on them, see the Redis how-to)",
-            self.name,
-            _text(channel),
-            payload,
-            self._dropped_messages,
-        )
-
     @property
     def dropped_messages(self) -> int:
         """Messages dropped unread since construction: malformed ones on the lease's
@@ -991,7 +971,7 @@ class RedisLease(Closeable):
         (forged or replayed by a client allowed to PUBLISH; see
         :mod:`rselection.redis.messages`)."""
         hub = self._hub
-        return self._dropped_messages + (hub.dropped_messages if hub is not None else 0)
+        return self._dropped.count + (hub.dropped.count if hub is not None else 0)
 
     def interrupt(self) -> None:
         """Wake the thread blocked in :meth:`wait_for_change`; safe from any thread.

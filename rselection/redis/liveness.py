@@ -50,7 +50,7 @@ from ..errors import first_line
 from ..wakeup import Wakeup
 from ._conn import ConnectionFactory
 from .keys import liveness_channel
-from .messages import beat_sender, read_beat, sign_beat, unsigned_beat
+from .messages import Dropped, beat_sender, read_beat, sign_beat, unsigned_beat
 
 __all__ = ["Follower", "LivenessHub"]
 
@@ -65,8 +65,6 @@ _IO_TIMEOUT = 2.0
 _RETRY = 1.0
 # The most messages one turn of the hub's thread reads (then beats and checks run).
 _READ_LIMIT = 256
-# Seconds between two log lines about dropped beats (each is counted).
-_DROPPED_LOG_EVERY = 60.0
 
 
 class Follower(Protocol):
@@ -170,9 +168,8 @@ class LivenessHub:
         self._listen_at = 0.0  # the listener failed: listen again from then on
         self._muted = False  # PUBLISH on the channel refused: no beats
         self._deaf = False  # SUBSCRIBE to the channel refused: every holder is polled
-        self.dropped_messages = 0
+        self.dropped = Dropped(f"liveness on {self._factory.where}")
         """Beats dropped unread since the hub was made: forged, replayed or garbled."""
-        self._dropped_logged_at = -math.inf
 
     @classmethod
     def of(cls, client: Any, key: str, where: str, key_prefix: str, timeout: float) -> LivenessHub:
@@ -405,7 +402,7 @@ class LivenessHub:
         sender = beat_sender(payload)
         if sender is None:
             if not unsigned_beat(payload):
-                self._dropped(payload)
+                self.dropped.drop(self.channel, payload)
             return
         now = time.monotonic()
         with self._lock:
@@ -429,22 +426,7 @@ class LivenessHub:
                     holder.heard(now)
                 holder.epoch = beat.epoch
         if dropped:
-            self._dropped(payload)
-
-    def _dropped(self, payload: Any) -> None:
-        self.dropped_messages += 1
-        now = time.monotonic()
-        if now < self._dropped_logged_at + _DROPPED_LOG_EVERY:
-            return
-        self._dropped_logged_at = now
-        logger.warning(
-            "dropped a message on %s that no rselection node sends (%.40r; %d so far): a "
-            "client allowed to PUBLISH on the channel sent it; it changes nothing "
-            "(restrict PUBLISH on it, see the Redis how-to)",
-            self.channel,
-            payload,
-            self.dropped_messages,
-        )
+            self.dropped.drop(self.channel, payload)
 
     def _publish(self, message: str) -> None:
         try:

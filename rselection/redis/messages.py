@@ -24,12 +24,17 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
+import math
 import re
+import time
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "MAX_MESSAGE",
     "Beat",
+    "Dropped",
     "beat_sender",
     "event_kind",
     "read_beat",
@@ -39,6 +44,11 @@ __all__ = [
 
 #: Longest message either channel carries, bytes; anything longer is dropped unread.
 MAX_MESSAGE = 128
+
+logger = logging.getLogger("rselection.redis.lease")
+
+# Seconds between two log lines about dropped messages (each is counted).
+_DROPPED_LOG_EVERY = 60.0
 
 _EVENT = re.compile(rb"(acquired|released|cancelled|resign):[0-9]{1,19}")
 _BEAT = re.compile(rb"beat:([0-9a-f]{16}):([0-9]{1,9}):([0-9]{1,19}):([0-9]{1,19}):([0-9a-f]{32})")
@@ -62,6 +72,39 @@ class Beat:
     interval: float
     epoch: int
     seq: int
+
+
+class Dropped:
+    """Messages dropped unread (no rselection node sends them): counted, and logged at
+    most once a minute (anyone allowed to PUBLISH may send thousands a second).
+
+    Args:
+        who: what dropped them, for the log (``"lease 'x'"``, ``"liveness on host"``).
+    """
+
+    def __init__(self, who: str) -> None:
+        self.who = who
+        self.count = 0
+        """Messages dropped so far."""
+        self._logged_at = -math.inf
+
+    def drop(self, channel: object, payload: Any) -> None:
+        """Count one message dropped on ``channel``; log it unless one was lately."""
+        self.count += 1
+        now = time.monotonic()
+        if now < self._logged_at + _DROPPED_LOG_EVERY:
+            return
+        self._logged_at = now
+        name = channel.decode("utf-8", "replace") if isinstance(channel, bytes) else channel
+        logger.warning(
+            "%s: dropped a message on %s that no rselection node sends (%.40r; %d so far): "
+            "a client allowed to PUBLISH on the channel sent it; it changes nothing "
+            "(restrict PUBLISH on it, see the Redis how-to)",
+            self.who,
+            name,
+            payload,
+            self.count,
+        )
 
 
 def _payload(message: object) -> bytes | None:

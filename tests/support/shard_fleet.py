@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
+import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
@@ -24,6 +25,7 @@ from typing import IO, Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
+import rselection as rs
 from rselection.keys import lease_scoped
 from tests.support.activity import check
 from tests.support.pg import with_host_port
@@ -55,6 +57,26 @@ ARGS = [  # the tests' node options: fast timings and a fenced ledger per shard
     *("--rebalance-interval", "0.25"),
     *("--ledger", "shard_ledger"),
 ]
+
+
+FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
+"""Fast timings of the one-process sharding tests' leaders."""
+
+
+def unique(prefix: str) -> str:
+    """A sharded lease name of its own (the Redis server is shared by the tests)."""
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+def idle_tasks() -> rs.TaskHandler:
+    """A handler with one persistent task that waits for its cancellation."""
+    tasks = rs.TaskHandler()
+
+    @tasks.persistent("work")
+    def work(ctx: rs.TaskContext) -> None:
+        ctx.cancelled.wait()
+
+    return tasks
 
 
 class PostgresShards:

@@ -41,6 +41,7 @@ from tests.support.resign_cli import cli
 from tests.support.scale_fleet import percentile
 from tests.support.shard_fleet import (
     ARGS,
+    FAST,
     TTL,
     Event,
     PostgresShards,
@@ -48,6 +49,8 @@ from tests.support.shard_fleet import (
     ShardServer,
     assert_no_overlap_per_shard,
     balanced,
+    idle_tasks,
+    unique,
 )
 from tests.support.waiting import wait_until
 
@@ -266,23 +269,8 @@ def test_kills_pauses_and_stops_never_let_two_terms_of_a_shard_run_at_once(
 
 # -- stopping: from a receiver, two nodes at once ---------------------------------------
 
-FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
 INSIDE_BOUND = 1.0  # a stop() from inside only asks (measured a few ms)
 STOPPED_BOUND = 15.0  # lead() returned after such a stop (measured about 0.1-0.5 s)
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:6]}"
-
-
-def idle_tasks() -> rs.TaskHandler:
-    tasks = rs.TaskHandler()
-
-    @tasks.persistent("work")
-    def work(ctx: rs.TaskContext) -> None:
-        ctx.cancelled.wait()
-
-    return tasks
 
 
 @pytest.fixture

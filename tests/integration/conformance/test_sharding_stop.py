@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable
 
 import pytest
@@ -21,27 +20,12 @@ import pytest
 import rselection as rs
 from rselection.sharded import HAND_OFF_WAIT, Rebalancer
 from tests.support.proxy import TcpProxy
-from tests.support.shard_fleet import REPO_ROOT, ShardServer
+from tests.support.shard_fleet import FAST, REPO_ROOT, ShardServer, idle_tasks, unique
 from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
 INSIDE_BOUND = 1.0  # a stop() from inside only asks (measured a few ms)
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:6]}"
-
-
-def idle_tasks() -> rs.TaskHandler:
-    tasks = rs.TaskHandler()
-
-    @tasks.persistent("work")
-    def work(ctx: rs.TaskContext) -> None:
-        ctx.cancelled.wait()
-
-    return tasks
 
 
 def stop_node(server: ShardServer, name: str, *args: str) -> list[str]:

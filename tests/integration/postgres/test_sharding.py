@@ -13,21 +13,10 @@ from __future__ import annotations
 import pytest
 
 import rselection as rs
+from tests.support.shard_fleet import FAST, idle_tasks
 from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-
-FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
-
-
-def idle_tasks() -> rs.TaskHandler:
-    tasks = rs.TaskHandler()
-
-    @tasks.persistent("work")
-    def work(ctx: rs.TaskContext) -> None:
-        ctx.cancelled.wait()
-
-    return tasks
 
 
 def test_the_assignment_is_read_before_the_first_heartbeat_made_the_nodes_table(
