@@ -172,7 +172,9 @@ class LivenessHub:
         """Beats dropped unread since the hub was made: forged, replayed or garbled."""
 
     @classmethod
-    def of(cls, client: Any, key: str, where: str, key_prefix: str, timeout: float) -> LivenessHub:
+    def of(
+        cls, client: Any, key: str, where: str, key_prefix: str, connect_timeout: float
+    ) -> LivenessHub:
         """The process's hub for server ``where`` and ``key_prefix`` (made on first use).
 
         Args:
@@ -180,12 +182,12 @@ class LivenessHub:
             key: the lease's key (routes a cluster's connections to its slot's server).
             where: the server, as the lease's connection factory names it.
             key_prefix: the lease's key prefix.
-            timeout: bound of opening a connection, seconds.
+            connect_timeout: bound of opening a connection, seconds.
         """
         with cls._hubs_lock:
             hub = cls._hubs.get((where, key_prefix))
             if hub is None:
-                hub = cls._hubs[(where, key_prefix)] = cls(client, key, key_prefix, timeout)
+                hub = cls._hubs[(where, key_prefix)] = cls(client, key, key_prefix, connect_timeout)
             return hub
 
     @classmethod
