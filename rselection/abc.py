@@ -82,9 +82,10 @@ __all__ = [
     "SharedSchedule",
     "StoreAbility",
     "SupportsHandover",
+    "TransactionFence",
     "Watch",
     "Watchable",
-    "TransactionFence",
+    "WatchesExpiry",
     "claimer_ability",
     "lease_ability",
     "store_ability",
@@ -326,6 +327,21 @@ class NotifiesChanges(Protocol):
         that ends the calls. A change a leader made itself calls it too."""
 
 
+@runtime_checkable
+class WatchesExpiry(Protocol):
+    """Lease ability ``"watches_expiry"``: its wait also ends when the lease of the
+    holder that its last attempt saw expires (or changes), so that its leader need not
+    attempt at each expiry of a live holder's lease (a Redis lease: its process reads
+    the leases due to expire in one round trip). The leader then attempts when woken,
+    and only every :data:`rselection.leadership.EXPIRY_BACKSTOP` lease periods by
+    itself.
+    """
+
+    def expiry_watched(self) -> bool:
+        """Whether the expiry of the holder's lease that the last attempt saw is
+        watched (asked after each attempt that saw another holder)."""
+
+
 class LeaseBase(ABC):
     """A base for a lease of your own: every member of :class:`LeaseBackend`, and every
     optional ability with a default that the leader treats as absent.
@@ -437,6 +453,11 @@ class LeaseBase(ABC):
         calls back (the leader waits in :meth:`wait_for_change` instead)."""
         return lambda: None
 
+    def expiry_watched(self) -> bool:
+        """Ability ``"watches_expiry"`` (:class:`WatchesExpiry`); by default ``False``:
+        the leader attempts when the holder's lease may have expired."""
+        return False
+
 
 LeaseAbility = Literal[
     "handover",
@@ -446,6 +467,7 @@ LeaseAbility = Literal[
     "non_blocking_release",
     "notifies_changes",
     "watchable",
+    "watches_expiry",
 ]
 """The optional abilities of a lease (see :func:`lease_ability`)."""
 
@@ -457,6 +479,7 @@ _LEASE_ABILITIES: dict[str, tuple[type, tuple[str, ...]]] = {
     "non_blocking_release": (NonBlockingRelease, ("release_soon",)),
     "notifies_changes": (NotifiesChanges, ("subscribe_changes",)),
     "watchable": (Watchable, ("watch_for_change",)),
+    "watches_expiry": (WatchesExpiry, ("expiry_watched",)),
 }
 
 
@@ -480,6 +503,8 @@ def lease_ability(
 ) -> NotifiesChanges | None: ...
 @overload
 def lease_ability(lease: object, ability: Literal["watchable"]) -> Watchable | None: ...
+@overload
+def lease_ability(lease: object, ability: Literal["watches_expiry"]) -> WatchesExpiry | None: ...
 def lease_ability(lease: object, ability: LeaseAbility) -> Any:
     """``lease``, typed as having the optional ``ability``, or ``None`` if it has not.
 
@@ -492,8 +517,8 @@ def lease_ability(lease: object, ability: LeaseAbility) -> Any:
             (:class:`SharedSchedule`), ``"non_blocking"`` (:class:`NonBlockingLease`),
             ``"announces_holder"`` (:class:`AnnouncesHolder`),
             ``"non_blocking_release"`` (:class:`NonBlockingRelease`),
-            ``"notifies_changes"`` (:class:`NotifiesChanges`) or ``"watchable"``
-            (:class:`Watchable`).
+            ``"notifies_changes"`` (:class:`NotifiesChanges`), ``"watchable"``
+            (:class:`Watchable`) or ``"watches_expiry"`` (:class:`WatchesExpiry`).
     """
     return _ability(lease, _LEASE_ABILITIES, LeaseBase, ability)
 

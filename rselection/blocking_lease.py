@@ -96,6 +96,7 @@ class BlockingLease:
         # A lease that calls back on every change (a memory lease) needs no waiting at all:
         # each change wakes the keeper, which attempts when the holder's lease may expire.
         self._notifier = lease_ability(lease, "notifies_changes")
+        self._expiry = lease_ability(lease, "watches_expiry")
         self._unsubscribe: Callable[[], None] | None = None
 
     # -- LeaseBackend ---------------------------------------------------------------------
@@ -161,6 +162,10 @@ class BlockingLease:
             if waiting:
                 self._interrupt_wait()  # the waiting thread leaves the closed lease now
             self.lease.close()
+
+    def expiry_watched(self) -> bool:
+        """The lease's ``expiry_watched`` (ability ``"watches_expiry"``), else ``False``."""
+        return self._expiry is not None and self._expiry.expiry_watched()
 
     # -- NonBlockingLease -----------------------------------------------------------------
 

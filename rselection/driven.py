@@ -66,6 +66,7 @@ class DrivenKeeper:
         self._state = state
         self._lease = lease  # the same object as ``backend``, seen as non-blocking
         self._backend = backend
+        self._expiry = lease_ability(lease, "watches_expiry")
         self._driver = LeaseDriver.shared()
         self.done = threading.Event()
         """Set once the leader has shut down (released, closed, cleaned up)."""
@@ -301,7 +302,8 @@ class DrivenKeeper:
         seen = (holder.node_id, holder.term) if holder is not None else None
         if seen != state.last_seen:
             self._work(lambda: state.observe(holder))
-        self._follow_at = clock.monotonic() + state.follow_timeout(outcome)
+        watched = holder is not None and self._expiry is not None and self._expiry.expiry_watched()
+        self._follow_at = clock.monotonic() + state.follow_timeout(outcome, watched=watched)
 
     def _renewed(self, term: Term, sent: float, outcome: RenewOutcome) -> None:
         if isinstance(outcome, BaseException):

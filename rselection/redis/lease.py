@@ -212,6 +212,7 @@ class _Seen:
     fast: bool
     process: str  # the holder's process, whose beats tell it lives (see :mod:`.liveness`)
     secret: str  # signs those beats
+    value: bytes  # the lease value: unchanged (renewals only extend it) while it holds
 
 
 def parse_holder(raw: Any, pttl: Any, now_ms: Any) -> tuple[LeaderInfo | None, dict[str, Any]]:
@@ -358,6 +359,7 @@ class RedisLease(Closeable):
         # run, so an error never closes the keeper connection (see term_ended()).
         self._hold = SessionHold()
         self._seen: _Seen | None = None
+        self._seen_expires = 0.0  # monotonic time at which _seen's lease would expire
         self._dead: _Seen | None = None
         self._presence: str | None = None  # the node id whose channel the listener joined
         self._handover_hint = False  # a request was announced since the last renewal
@@ -643,6 +645,21 @@ class RedisLease(Closeable):
         """The server refused ``CLIENT LIST``: this node takes over only on expiry."""
         self._can_probe = False
 
+    def lease_may_be_free(self, seen: _Seen) -> None:
+        """The process's liveness hub found holder ``seen``'s lease expired or changed,
+        or could not read it: the wait ends, and the keeper attempts. Safe from any
+        thread."""
+        with self._gone_lock:
+            if self._seen != seen:
+                return  # an attempt saw another holder since
+        self._wakeup.wake()
+
+    def expiry_watched(self) -> bool:
+        """Lease ability ``"watches_expiry"``: whether a wait ends when the lease of the
+        holder the last attempt saw expires (the liveness hub reads it then), so that
+        the keeper need not attempt at that expiry."""
+        return self._hub is not None and self._leading is None and self._seen is not None
+
     def term_ended(self, term: int) -> None:
         """The leader ended ``term`` and joined its tasks: the connection may close now.
 
@@ -749,6 +766,7 @@ class RedisLease(Closeable):
                 )
         else:
             process, _, secret = str(doc.get("beats", "")).partition(":")
+            self._seen_expires = time.monotonic() + max(0, int(reply[2])) / 1000
             self._follow(
                 _Seen(
                     str(doc.get("term", "")),
@@ -757,6 +775,7 @@ class RedisLease(Closeable):
                     doc.get("fast") == "1",
                     process,
                     secret,
+                    reply[1] if isinstance(reply[1], bytes) else str(reply[1]).encode(),
                 )
             )
         return Acquisition(acquired, info, max(0.0, int(reply[2]) / 1000))
@@ -881,17 +900,19 @@ class RedisLease(Closeable):
         assert listener is not None
         seen, hub = self._seen, self._hub
         if hub is not None and self.liveness_interval is not None:
-            if (
-                self._leading is None
-                and seen is not None
-                and seen.fast
-                and self._can_probe
-                and _CLIENT_ID.fullmatch(seen.client) is not None
-                and seen.run == self._run_id
-            ):
-                hub.follow(self, seen, self.liveness_interval, self.ttl)
-            else:
+            if self._leading is not None or seen is None:
                 hub.unfollow(self)
+            else:
+                hub.watch_expiry(self, seen, self._seen_expires)
+                if (
+                    seen.fast
+                    and self._can_probe
+                    and _CLIENT_ID.fullmatch(seen.client) is not None
+                    and seen.run == self._run_id
+                ):
+                    hub.follow(self, seen, self.liveness_interval, self.ttl)
+                else:
+                    hub.stop_timing(self)
         wake = self._wakeup.socket
         assert wake is not None
         return _LeaseWatch(self, conn, listener, wake)

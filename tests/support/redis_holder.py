@@ -48,12 +48,15 @@ def main(
     lease, term = _hold(url, name, timings, cluster == "cluster")
     # A second lease of the process, so that it beats on once the first is abandoned.
     companion, companion_term = _hold(url, f"{name}-companion", timings, cluster == "cluster")
-    stopped, abandon = threading.Event(), threading.Event()
+    stopped, abandon, neglect = threading.Event(), threading.Event(), threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), stopped.set()), daemon=True).start()
     signal.signal(signal.SIGUSR1, lambda *_: abandon.set())
+    signal.signal(signal.SIGUSR2, lambda *_: neglect.set())
     emit("held", term=term, client=lease.client_id, fast=lease.fast_failover)
     renew_every = float(ttl) / 3
     kept = True
+    last_renewal = time.time()
+    neglected = False
     try:
         while not stopped.is_set():
             renew_at = time.monotonic() + renew_every
@@ -66,9 +69,15 @@ def main(
                     lease.wait_for_change(min(left, 0.1))
                 else:
                     stopped.wait(min(left, 0.1))
-            if kept and not lease.renew("holder", term):
+            if kept and neglect.is_set():
+                if not neglected:
+                    emit("neglected", renewed=last_renewal)
+                    neglected = True
+            elif kept and not lease.renew("holder", term):
                 emit("lost", why="renewal refused")
                 break
+            else:
+                last_renewal = time.time()
             if not companion.renew("holder", companion_term):
                 emit("lost", why="the companion's renewal refused")
                 break
@@ -120,6 +129,14 @@ class HolderProcess:
         its process beats on for a second lease (``<name>-companion``)."""
         os.kill(self.node.proc.pid, signal.SIGUSR1)
         self.node.wait_for("the lease abandoned", count("abandoned", 1), 10)
+
+    def neglect(self) -> float:
+        """SIGUSR2: the holder stops renewing the lease, keeping its connection and its
+        process's beats; returns the wall-clock time of its last renewal (the lease
+        expires a ttl later)."""
+        os.kill(self.node.proc.pid, signal.SIGUSR2)
+        self.node.wait_for("the lease neglected", count("neglected", 1), 10)
+        return float(self.node.of("neglected")[0]["renewed"])
 
     def pause(self) -> None:
         """SIGSTOP: the process, its beats and its renewals stop; its connections stay."""

@@ -1,0 +1,122 @@
+"""A Redis follower does not attempt at each expiry of a live holder's lease.
+
+The process's liveness hub reads the followed leases when they are due to expire (one
+round trip for all of them) and wakes only the followers whose lease is gone or changed
+(:mod:`rselection.redis.liveness`); the keeper attempts then, and otherwise only every
+``EXPIRY_BACKSTOP`` lease periods. These tests check both sides on a real server: an
+idle follower's keeper connection stays idle across many lease periods, and a lease
+that its live holder stops renewing (its process beats on, its connection stays open)
+is still taken over at its expiry, also when the hub's connection was cut.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+import rselection as rs
+from rselection.redis import RedisLeader
+from tests.support.pg import PrivateRedis
+from tests.support.redis_holder import HolderProcess
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.slow
+
+TTL = 2.0
+TIMINGS = {"ttl": TTL, "renew_deadline": 1.0, "renew_interval": 0.3, "retry_interval": 0.3}
+
+
+@pytest.fixture
+def admin(private_redis: PrivateRedis) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(private_redis.url)
+    yield client
+    client.close()
+
+
+def keeper_idle(admin: redis.Redis, name: str) -> list[int]:
+    """Seconds since the last command of each keeper connection of lease ``name`` (its
+    listeners, subscribed, left out)."""
+    return [
+        int(c["idle"])
+        for c in admin.client_list()
+        if c.get("name") == f"rselection:{name}" and "P" not in c.get("flags", "")
+    ]
+
+
+def test_an_idle_follower_does_not_attempt_at_each_expiry_of_a_live_holder(
+    private_redis: PrivateRedis, admin: redis.Redis
+) -> None:
+    name = f"exp-{uuid.uuid4().hex[:6]}"
+    leader = RedisLeader(
+        private_redis.url, rs.TaskHandler(), name=name, node_id="leader", **TIMINGS
+    )
+    follower = RedisLeader(
+        private_redis.url, rs.TaskHandler(), name=name, node_id="follower", **TIMINGS
+    )
+    try:
+        leader.start()
+        assert leader.wait_until_leader(10)
+        follower.start()
+        wait_until(lambda: len(keeper_idle(admin, name)) == 2, 10, "both keepers connected")
+        # Five lease periods: a follower attempting at each expiry (every 2 s here)
+        # never lets its keeper connection idle for more than 2 s.
+        longest = 0
+        deadline = time.monotonic() + 5 * TTL
+        while time.monotonic() < deadline:
+            longest = max(longest, *keeper_idle(admin, name))
+            time.sleep(0.25)
+        print(f"\nlongest idle of a keeper connection over {5 * TTL:g} s: {longest} s")
+        assert longest >= 6, "the follower attempted at the holder's expiries"
+        assert leader.is_leader and not follower.is_leader
+        # Still a follower that takes over at once on a release.
+        leader.stop(timeout=10)
+        assert follower.wait_until_leader(5)
+    finally:
+        follower.stop(timeout=10)
+        leader.stop(timeout=10)
+
+
+@pytest.mark.parametrize("cut_hub", [False, True], ids=["hub", "hub-cut"])
+def test_a_lease_its_live_holder_stops_renewing_is_taken_over_at_its_expiry(
+    private_redis: PrivateRedis, admin: redis.Redis, cut_hub: bool
+) -> None:
+    name = f"exp-{uuid.uuid4().hex[:6]}"
+    ttl = TTL
+    holder = HolderProcess(
+        private_redis.url, name, ttl=ttl, renew_deadline=1.0, liveness_interval=0.2
+    )
+    follower = RedisLeader(
+        private_redis.url,
+        rs.TaskHandler(),
+        name=name,
+        node_id="follower",
+        ttl=ttl,
+        renew_deadline=1.0,
+        renew_interval=0.3,
+        liveness_interval=0.2,
+    )
+    try:
+        assert holder.fast
+        follower.start()
+        wait_until(lambda: len(keeper_idle(admin, name)) == 2, 10, "the follower connected")
+        time.sleep(2 * ttl)  # a measuring wait: the follower follows for a while
+        last_renewal = holder.neglect()
+        if cut_hub:
+            # Both processes' hubs lose their connections: the follower's reads of the
+            # leases due to expire fail, so the keeper attempts by itself.
+            for client in admin.client_list():
+                if client.get("name") == "rselection:liveness":
+                    admin.client_kill_filter(_id=client["id"])
+        assert follower.wait_until_leader(ttl + 10), "the expired lease was not taken over"
+        late = time.time() - (last_renewal + ttl)
+        print(f"\ntaken over {late * 1000:.0f} ms after the lease expired")
+        # Measured: 10-60 ms; a missing wake-up would leave it to the keeper's own
+        # attempt, EXPIRY_BACKSTOP lease periods (20 s) later.
+        assert late < 2.0
+    finally:
+        follower.stop(timeout=10)
+        holder.close()
