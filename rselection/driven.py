@@ -297,6 +297,7 @@ class DrivenKeeper:
                 state.observe(holder)
                 state.begin_term(holder, sent)
 
+            self._follow_at = 0.0  # once the term is over, attempt at once
             self._work(begin)
             return
         seen = (holder.node_id, holder.term) if holder is not None else None
@@ -399,6 +400,9 @@ class DrivenKeeper:
     def _connect(self) -> None:
         self._backend.connect()
         self._state.connected = True
+        # A new session knows no holder (a lease watching the holder's expiry forgot
+        # it): attempt at once rather than when the last session's attempt said.
+        self._follow_at = 0.0
 
     def _step_down(self, request: StepDown) -> None:
         """End the term (a step-down or a handover asked for), release it as a stop does
