@@ -650,8 +650,8 @@ class RedisLease(Closeable):
         or could not read it: the wait ends, and the keeper attempts. Safe from any
         thread."""
         with self._gone_lock:
-            if self._seen != seen:
-                return  # an attempt saw another holder since
+            if self._seen is not seen:
+                return  # an attempt saw the holder since
         self._wakeup.wake()
 
     def expiry_watched(self) -> bool:

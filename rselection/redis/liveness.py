@@ -294,11 +294,13 @@ class LivenessHub:
         """Read ``lease``'s key when holder ``seen``'s lease is due to expire (monotonic
         ``expires_at``), and again at each new expiry while ``seen.value`` holds it;
         once it does not (or the read fails), ``lease.lease_may_be_free(seen)`` is
-        called (on the hub's thread), and the watch ends. Watching the same holder
-        again keeps the expiry its reads found; :meth:`unfollow` ends the watch."""
+        called (on the hub's thread) once, and nothing is read until the lease's next
+        attempt gives a new ``seen``. Watching the same ``seen`` again (the same object:
+        a watch begun anew, no attempt between) keeps the expiry its reads found, or
+        the wake-up; :meth:`unfollow` ends the watch."""
         with self._lock:
             current = self._expiry.get(lease)
-            if current is not None and current.seen == seen:
+            if current is not None and current.seen is seen:
                 return
             self._expiry[lease] = entry = _Expiry(seen, expires_at)
             heapq.heappush(self._expiry_heap, (expires_at, next(self._order), lease, entry))
@@ -407,15 +409,9 @@ class LivenessHub:
                 self._listen_at = time.monotonic() + _RETRY
 
     def _sleep(self) -> None:
-        """Wait for a message, a wake-up, or the next beat or check (at most a second)."""
-        with self._lock:
-            due = [holder.probe_at for holder in self._holders.values()]
-            if self._held and not self._muted:
-                due.append(self._beat_at)
-            if self._expiry_heap:
-                due.append(self._expiry_heap[0][0])
-            until = max(self._retry_at, min(due, default=math.inf))
-        timeout = min(1.0, max(0.0, until - time.monotonic()))
+        """Wait for a message, a wake-up, or the next beat, check or read (at most a
+        second)."""
+        timeout = min(1.0, max(0.0, self._next_turn() - time.monotonic()))
         with selectors.DefaultSelector() as sel:
             wake = self._wakeup.socket
             if wake is not None:
@@ -424,6 +420,19 @@ class LivenessHub:
             if sock is not None:
                 sel.register(sock, selectors.EVENT_READ)
             sel.select(timeout)
+
+    def _next_turn(self) -> float:
+        """When the thread has something to do: the next beat or check (after a failed
+        connection, not before its retry), or the next lease due to expire (then, with
+        no connection, its follower is woken to attempt by itself)."""
+        with self._lock:
+            due = [holder.probe_at for holder in self._holders.values()]
+            if self._held and not self._muted:
+                due.append(self._beat_at)
+            until = max(self._retry_at, min(due, default=math.inf))
+            if self._expiry_heap:
+                until = min(until, self._expiry_heap[0][0])
+        return until
 
     def _read(self) -> None:
         listener = self._listener
@@ -568,11 +577,11 @@ class LivenessHub:
         attempts on its own connection), and the error is raised."""
         conn = self._conn
         answered = 0
+        free: list[tuple[Follower, _Expiry]] = []
         try:
             conn.send_packed_command(
                 conn.pack_commands([("EVAL", READ, 1, lease.key) for lease, _ in due])
             )
-            free: list[tuple[Follower, _Expiry]] = []
             for lease, entry in due:
                 try:
                     reply = conn.read_response(disconnect_on_error=False)
@@ -584,21 +593,18 @@ class LivenessHub:
                 with self._lock:
                     if self._expiry.get(lease) is not entry:
                         continue  # an attempt or an unfollow came meanwhile
-                    if pttl is not None:
-                        # Still the holder's: read again at its new expiry (a value
-                        # without one, which no holder writes, once a second).
-                        entry.due = now + max(pttl / 1000 if pttl > 0 else 1.0, _REREAD_GAP)
-                        heapq.heappush(
-                            self._expiry_heap, (entry.due, next(self._order), lease, entry)
-                        )
+                    if pttl is None:
+                        entry.due = math.inf  # woken: read no more until it attempts
+                        free.append((lease, entry))
                         continue
-                    del self._expiry[lease]
-                free.append((lease, entry))
+                    entry.due = now + reread_after(pttl)  # still the holder's
+                    heapq.heappush(self._expiry_heap, (entry.due, next(self._order), lease, entry))
         except BaseException:
             self._give_up_expiries(due[answered:])
             raise
-        for lease, entry in free:
-            lease.lease_may_be_free(entry.seen)
+        finally:
+            for lease, entry in free:
+                lease.lease_may_be_free(entry.seen)
 
     def _give_up_expiries(self, due: list[tuple[Follower, _Expiry]]) -> None:
         """Wake the followers of ``due`` unread: they attempt themselves."""
@@ -606,7 +612,7 @@ class LivenessHub:
         with self._lock:
             for lease, entry in due:
                 if self._expiry.get(lease) is entry:
-                    del self._expiry[lease]
+                    entry.due = math.inf  # woken: read no more until it attempts
                     woken.append((lease, entry))
         for lease, entry in woken:
             lease.lease_may_be_free(entry.seen)
@@ -653,6 +659,14 @@ class LivenessHub:
 def _refusal(exc: redis.ResponseError) -> bool:
     """Whether an error reply is an ACL's refusal (which no retry changes)."""
     return isinstance(exc, redis.exceptions.NoPermissionError) or str(exc).startswith("NOPERM")
+
+
+def reread_after(pttl: int) -> float:
+    """Seconds until a lease found still held, ``pttl`` ms from expiry, is read again:
+    at its expiry (``PTTL`` 0 expires within the millisecond), but not sooner than
+    :data:`_REREAD_GAP`; a value without an expiry (-1, which no holder writes) once a
+    second."""
+    return 1.0 if pttl < 0 else max(pttl / 1000, _REREAD_GAP)
 
 
 def _held_for(reply: Any, value: bytes) -> int | None:

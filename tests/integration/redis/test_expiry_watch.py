@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
 import redis
 
 import rselection as rs
-from rselection.redis import RedisLeader
+from rselection.redis import RedisLeader, RedisLease
 from tests.support.pg import PrivateRedis
 from tests.support.redis_holder import HolderProcess
 from tests.support.waiting import wait_until
@@ -35,6 +36,12 @@ def admin(private_redis: PrivateRedis) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(private_redis.url)
     yield client
     client.close()
+
+
+def commandstats(client: redis.Redis) -> Counter[str]:
+    """Calls per command name so far (the calls inside scripts included)."""
+    stats = client.info("commandstats")
+    return Counter({k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()})
 
 
 def keeper_idle(admin: redis.Redis, name: str) -> list[int]:
@@ -156,4 +163,35 @@ def test_a_follower_whose_connection_was_cut_follows_the_holder_again_at_once(
         assert took < 1.8
     finally:
         follower.stop(timeout=10)
+        holder.close()
+
+
+def test_a_woken_follower_that_has_not_attempted_yet_is_not_read_or_woken_again(
+    private_redis: PrivateRedis, admin: redis.Redis
+) -> None:
+    # Between the hub's wake-up and the keeper's attempt (a busy process: many leases
+    # woken at once) the lease's watch begins anew: that must not make the hub read
+    # the lease again and wake it again, in a loop until the attempt.
+    name = f"exp-{uuid.uuid4().hex[:6]}"
+    holder = HolderProcess(
+        private_redis.url, name, ttl=TTL, renew_deadline=1.0, liveness_interval=0.2
+    )
+    follower = RedisLease(
+        private_redis.url, name=name, ttl=TTL, renew_deadline=1.0, liveness_interval=0.2
+    )
+    try:
+        assert not follower.try_acquire("follower").acquired
+        holder.neglect()
+        began = time.monotonic()
+        follower.wait_for_change(3 * TTL)  # woken when the hub finds the lease expired
+        assert time.monotonic() - began < 2 * TTL, "the expired lease woke nobody"
+        reads = commandstats(admin)["pttl"]
+        began = time.monotonic()
+        follower.wait_for_change(0.5)  # a new watch, no attempt yet: nothing to wake it
+        waited = time.monotonic() - began
+        reads = commandstats(admin)["pttl"] - reads
+        assert reads == 0 and waited >= 0.45, f"{reads} reads, woken after {waited:.3f}s"
+        assert follower.try_acquire("follower").acquired
+    finally:
+        follower.close()
         holder.close()
