@@ -1,50 +1,17 @@
 """The roles a backend plays, in one file: what to implement to bring your own backend.
 
-A leader works through five roles: the **lease** (:class:`LeaseBackend`: who leads),
-the **fire claimer** (:class:`FireClaimer`: each scheduled fire runs once across the
-fleet), the **checkpoint store** (:class:`CheckpointStore`: task state fenced by term),
-the **membership** (:class:`Membership`: heartbeats, who is alive) and the
-**transaction fence** (:class:`TransactionFence`: ``ctx.fence``). Each role has
-required members, and some have optional *abilities*: methods a backend may add to do
-the same work with fewer round trips or threads (a batch of claims in one call, a
-renewal that does not block a thread, ...). Without them the leader falls back to the
-required members and behaves the same, only slower.
+A leader works through five roles: the lease (:class:`LeaseBackend`), the fire claimer
+(:class:`FireClaimer`), the checkpoint store (:class:`CheckpointStore`), the membership
+(:class:`Membership`) and the transaction fence (:class:`TransactionFence`). A role is a
+protocol of its required members; its optional *abilities* do the same work with fewer
+round trips or threads. A role's base class (:class:`LeaseBase`, :class:`ClaimerBase`,
+:class:`CheckpointStoreBase`) gives every ability a safe default; ask whether an object
+has an ability with :func:`lease_ability`, :func:`claimer_ability` or
+:func:`store_ability`, never ``isinstance``.
 
-How a role is spelt, and why:
-
-* **The role is a protocol of its required members** (``rs.LeaseBackend``,
-  ``rs.FireClaimer``, ...). Backends are duck-typed: a class with the members is one,
-  whether or not it inherits anything, both for ``isinstance`` (a leader refuses an
-  object that is not, naming the missing members) and for a type checker. A pure
-  abstract class would have made every existing backend subclass it.
-* **One base class per role carries every optional ability, with a default**
-  (:class:`LeaseBase`, :class:`ClaimerBase`, :class:`CheckpointStoreBase`): subclass it,
-  implement the abstract (required) methods and override the abilities your backend
-  has; a type checker then checks your overrides against the role. A default is what
-  the leader does without the ability (a claimer's ``claim_many`` claims key by key; a
-  lease's ``renew_soon`` says it cannot start without blocking), so calling it is
-  always safe. Membership and the fence have no optional abilities, so no base.
-* **One helper per role asks whether an object has an ability**
-  (:func:`lease_ability`, :func:`claimer_ability`, :func:`store_ability`): it returns
-  the object, typed as having the ability, or ``None``. An ability counts when the
-  object has its methods and they are not the base class's defaults, so a subclass of a
-  base that overrides nothing is treated exactly as a duck-typed backend without the
-  methods. rselection asks these helpers, never ``isinstance`` against an ability.
-* **The abilities' own protocols stay** (:class:`SupportsHandover`,
-  :class:`MissedFireClaimer`, ...): they name the methods of each ability, are the types
-  the helpers return, and keep their old import paths (:mod:`rselection.lease`,
-  :mod:`rselection.claiming`, :mod:`rselection.checkpoints`). ``isinstance`` against one
-  is true for every subclass of a base (it inherits the defaults): ask the helper.
-
-The protocols are ``runtime_checkable``; from Python 3.12 their ``isinstance`` looks
-members up statically, so a backend must define them (a class attribute, a method, a
-property, or an instance attribute set in ``__init__``), not forward them through
-``__getattr__``.
-
-The in-memory backends (:class:`~rselection.MemoryLease`, :class:`~rselection.MemoryClaimer`,
-:class:`~rselection.MemoryCheckpointStore`, :class:`~rselection.MemoryMembership`, in
-:mod:`rselection.memory`) are small complete examples, and :mod:`rselection.testing`
-has the conformance checks a lease of your own should pass.
+How to write a backend, with the in-memory backends as examples and the conformance
+checks: ``docs/how-to/backends.md``. Why the roles are spelt so:
+``docs/explanation/how-it-works.md``, "The roles a backend plays".
 """
 
 from __future__ import annotations

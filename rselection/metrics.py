@@ -4,52 +4,9 @@ Off by default and free while off: importing this module imports nothing from
 ``prometheus_client`` and connects no receiver, so no signal does any extra work.
 :func:`enable` (extra ``prometheus``: ``pip install 'rselection[prometheus]'``) creates
 the collectors, registers them and connects receivers to :mod:`rselection.signals`;
-:func:`disable` undoes all of it.
+:func:`disable` undoes all of it. Labels are lease and task names, never node ids.
 
-Example::
-
-    import rselection as rs
-    import rselection.metrics
-    from prometheus_client import start_http_server
-
-    rselection.metrics.enable()          # the default registry
-    tasks = rs.TaskHandler()
-    ...                                  # register tasks
-    start_http_server(9108)
-    rs.SingleNodeLeader(tasks).lead()
-
-What is measured (``rselection`` is the default ``namespace``):
-
-- ``rselection_is_leader{lease}``: 1 while a leader of this process leads the lease, 0
-  otherwise, exported by every node from the moment its leader starts (followers
-  included, from ``signals.started``), so ``sum by (lease) (rselection_is_leader) == 0``
-  means that no node leads the lease.
-- ``rselection_term{lease}``: the highest fencing term this process has seen for the
-  lease, as leader (``elected``) or follower (``leader_changed``).
-- ``rselection_leadership_transitions_total{lease, reason}``: ``reason`` is
-  ``"elected"`` or the ``demoted`` reason (``"stopped"``, ``"lost"``, ``"deadline"``,
-  ``"connection"``, ``"step_down"``, ``"handover"``).
-- ``rselection_lease_renew_latency_seconds{lease}`` and
-  ``rselection_lease_remaining_seconds{lease}``: histograms of each renewal's round
-  trip and of the time left on the lease once renewed (``signals.lease_renewed``).
-- ``rselection_task_runs_total{task}``, ``rselection_task_failures_total{task}``,
-  ``rselection_task_stuck_total{task}``: from ``task_started``, ``task_failed`` and
-  ``task_stuck``.
-- ``rselection_task_duration_seconds{task}``: a histogram of run times, from
-  ``task_finished``.
-- ``rselection_fires_skipped_total{task, reason}``: from ``fire_skipped``.
-- ``rselection_nodes_joined_total{lease}`` and ``rselection_nodes_lost_total{lease}``:
-  from a :class:`~rselection.HeartbeatMonitor`.
-- ``rselection_notifications_dropped_total``: notifications on a lease table's
-  channels whose payload rselection does not send (any role that can connect may
-  NOTIFY; see :mod:`rselection.postgres.notices`).
-- ``rselection_broadcast_overflowed_total{broadcaster}`` and
-  ``rselection_broadcast_subscribers{broadcaster, channel}``: read from
-  :meth:`~rselection.Broadcaster.stats` at each scrape, for every broadcaster passed to
-  :func:`watch_broadcaster` and the broadcaster of every leader elected in this process.
-
-Labels are lease and task names, never node ids: every process is scraped as its own
-target, and a node id changes with every restart.
+Every metric, what it measures, and an example: ``docs/how-to/metrics.md``.
 """
 
 from __future__ import annotations

@@ -8,62 +8,9 @@ Before it runs a fire, it *claims* the fire's key::
     if claimer.claim(key):
         purge()
 
-How a claim works
------------------
-
-A claim is one ``INSERT ... ON CONFLICT DO UPDATE`` on the claims table (see
-:mod:`rselection.postgres.schema`). It succeeds when no unexpired claim exists for the
-key: a new key is inserted, an expired claim is replaced in the same statement (the
-row lock of the upsert makes two replacements of one expired claim impossible: the
-second sees the first one's fresh expiry and fails). Every time is the server's
-(``clock_timestamp()``); no client clock is ever compared.
-
-:meth:`PostgresClaimer.claim_many` claims many fires (those due at one instant, of any
-tasks) in one such statement, each key as :meth:`~PostgresClaimer.claim` would, and
-returns the keys won; the keys go in sorted order, so that two nodes claiming the same
-instant wait for each other's rows in one order and never deadlock.
-
-A claim is **kept until its ttl** (600 s by default), also after the run ends: a
-replica whose scheduler fires late (a GC pause, a slow start, a skewed clock) must not
-run the same fire again. So ``ttl`` must be longer than the latest a fire may start
-anywhere in the fleet (for APScheduler, its ``misfire_grace_time``). :meth:`cleanup`
-deletes claims that expired more than a minute ago, in bounded batches, but the newest
-of each task; a leader calls it itself at least once per claim ttl (elsewhere, call it
-now and then from any node).
-
-**Fail closed.** :meth:`PostgresClaimer.claim` returns ``False`` only when another
-claim holds the key. Any backend problem (no connection, a broken session, a timeout)
-raises :class:`~rselection.errors.BackendUnavailable`, whose message names the server
-but never the password; so ``if claimer.claim(key): run()`` never runs a fire it could
-not claim, and never hides an outage as "someone else has it".
-
-**Fire-key format.** Each claim records the ``format_version`` of its key
-(:data:`FIRE_KEY_FORMAT`, 1 for :func:`~rselection.format_fire_key`'s
-``"<task>@<UTC RFC 3339 nanos>Z"``). Two releases that spelled the same fire
-differently would both win their claims, silently. So a claim first looks for
-unexpired claims written in another format (an index makes that one probe), and if it
-finds one it raises :class:`~rselection.errors.ConfigError` instead of claiming: stop
-the nodes of the other release, or wait one ttl after the last of them stopped.
-
-**Node id and term.** Each claim records who made it (``node_id``, stored in the
-``holder`` column: a new node id per claimer by default) and, when given, the fencing
-``term`` under which it was made, for audits and debugging.
-
-Connections
------------
-
-``conninfo`` is one of:
-
-* a connection string: the claimer opens one autocommit connection of its own (on first
-  use; reopened after a failure), and calls take turns on it;
-* a pool, anything with a ``connection()`` context manager (``psycopg_pool.
-  ConnectionPool``): each call borrows a connection and runs in its own transaction;
-* a ``psycopg.Connection``: calls take turns on it under a lock. If it is inside an open
-  transaction, the claim joins it (as a savepoint) and binds others only once that
-  transaction commits, so the claim and the fire's own writes commit or roll back
-  together; other claimers of the same key wait for it meanwhile.
-
-Every instance is thread-safe.
+See ``docs/explanation/how-it-works.md``, "Claims: one run per fire", for how a claim
+works (kept until its ttl, server time, fail closed, the fire-key format) and the three
+kinds of ``conninfo``.
 """
 
 from __future__ import annotations
@@ -126,9 +73,9 @@ _TAKE_EXPIRED = (
 class PostgresClaimer(Closeable):
     """Claims fires in Postgres so that each one runs at most once across a fleet.
 
-    See the module docstring for the semantics (kept until ttl, expired claims replaced
-    atomically, server time, fail closed, fire-key format version) and the three kinds
-    of ``conninfo``. Thread-safe.
+    See ``docs/explanation/how-it-works.md``, "Claims: one run per fire", for the
+    semantics (kept until ttl, expired claims replaced atomically, server time, fail
+    closed, fire-key format version) and the three kinds of ``conninfo``. Thread-safe.
 
     Args:
         conninfo: a libpq connection string or URI, a ``psycopg.Connection``, or a pool

@@ -1,60 +1,14 @@
 """Refuse a connection pooler that does not keep one session per client connection.
 
-Fast failover rests on session state: the keeper's session advisory lock, its pinned
-settings and its ``LISTEN``. A pooler in *transaction* or *statement* mode (PgBouncer,
-Supavisor, RDS Proxy, pgcat, ...) hands a client's next transaction to whichever server
-connection is free, so that state stays on a server connection that other clients then
-use: another node's statement runs as "the session that holds the lock", every node
-takes the lease, and every node leads at once. A pooler in *session* mode keeps one
-server connection per client connection and works.
+Fast failover rests on the keeper's session state (its advisory lock, pinned settings
+and ``LISTEN``), which a pooler in transaction or statement mode does not keep: every
+node would lead at once. :func:`check_session_pooling` runs when the keeper connects,
+before anything is acquired, and raises :class:`~rselection.errors.ConfigError` when the
+keeper's statements do not keep one backend. :func:`check_same_backend` is the second
+line of defence, run at every acquisition and renewal.
 
-:func:`check_session_pooling` runs when the keeper connects, before anything is
-acquired, and raises :class:`~rselection.errors.ConfigError` when the keeper's statements
-do not keep one backend. Each round of the check looks for three signs, any one of which
-proves there is no session (none of them can happen on a real session):
-
-* two consecutive statements of the keeper ran on different backends
-  (``pg_backend_pid()`` changed): a pooler that hands out its idle server connections in
-  turn (PgBouncer's ``server_round_robin = 1``) shows this at once;
-* a second, short-lived connection (the *probe*) ran on the keeper's backend: a pooler
-  that hands out the server connection freed last (PgBouncer's default) shows this at
-  once;
-* a ``NOTIFY`` that the probe sends to a channel only the keeper's session listens on
-  does not reach the idle keeper. On a session it arrives at once. Behind a transaction
-  pooler an idle client has no server connection a notification could come through
-  (PgBouncer drops it: "got packet 'A' from server when not linked"), whatever the
-  pooler's policy and whatever other clients do meanwhile.
-
-None of the signs can show on a real session, and a false refusal would stop a healthy
-node for good, so the third sign is read with care. A notification counts only when it
-reaches the keeper while the keeper is idle; one that comes only with a later result (the
-listening backend was slow to send it, and the pooler had linked the keeper to that
-backend again by then) proves nothing, and the round is repeated; one that never comes,
-after ``wait`` seconds idle and one more statement, means no session. On Postgres 14 and
-later a session cannot fail this whatever the timing: the probe's commit has signalled
-the keeper's backend before the probe's statement returns, and that backend sends
-pending notifications before the ``ReadyForQuery`` of the keeper's next statement. Both
-connections must reach the same server and database (checked), or the signs say nothing.
-
-Measured with PgBouncer 1.18 (pool sizes 2 and 10, last-freed-first and round robin, an
-idle pool or 4 to 8 other clients running statements and short transactions): 1,200 of
-1,200 checks in transaction mode refused, up to 17 % of them by the third sign alone,
-within 2.1 s at worst; 600 of 600 in session mode passed. On a session the check costs
-one extra connection and a few round trips (9 ms direct, 2 ms through PgBouncer, on one
-machine); only when the first two signs miss does it wait (``wait`` seconds, twice).
-
-Limits: the first two signs are certain only on a pool nobody else uses at that moment;
-otherwise the third decides, and it relies on the pooler not passing a notification to a
-client that is not running a transaction (PgBouncer drops it, logging "got packet 'A' from
-server when not linked"); a pooler that routed notifications to idle clients would pass
-it, leaving the first two signs and the second line of defence below. In session mode
-the probe needs a free server connection for a moment (else it waits up to ``timeout``,
-and the keeper retries later). The check runs at every (re)connect: a pooler switched to
-transaction mode under a connected keeper is seen only by the second line of defence.
-
-:func:`check_same_backend` is that second line: every acquisition and renewal reads
-``pg_backend_pid()`` in the same round trip and refuses a statement that ran on another
-backend the same way (it renews nothing there, and a term taken there is given back).
+See ``docs/explanation/how-it-works.md``, "Connection poolers", for the signs the check
+reads, its limits and its measurements.
 """
 
 from __future__ import annotations

@@ -1,45 +1,14 @@
 """The ring of keeper sessions: one watcher session per process sees a dead keeper at once.
 
-Every process's shared keeper session (:mod:`rselection.postgres.keeper`) holds one
-session advisory lock, its *ring lock*: the bigint key ``ring_class << 32 | tag``, where
-``ring_class`` is derived from the lease table and ``tag`` is drawn at random when the
-session connects (:func:`new_ring_key`). The members of the ring are the sessions that
-hold a ring lock of the table *and* whose role may update the lease table, in the order
-of their backend pids (``pg_locks`` shows who holds each lock, ``pg_stat_activity`` their
-role; both are readable by every role). Each process's :class:`RingWatcher` blocks on the
-ring lock of the next member after its own keeper (wrapping around) with a server-side
-bound. When that keeper's session ends (its process died, its connection closed, an
-administrator terminated it) the server grants the lock at once; the watcher frees it
-and sends ``down`` on the ring channel, which every keeper session listens to, and every
-follower then attempts its leases at once (an attempt takes only leases whose holder's
-per-lease lock is gone, see :func:`rselection.postgres._lease_sql.free_condition`, so a
-false alarm costs one round trip and never a leader).
+Every process's shared keeper session (:mod:`rselection.postgres.keeper`) holds a *ring
+lock* (:func:`ring_key`). The sessions that hold one and whose role may update the lease
+table form a ring, in the order of their backend pids. Each process's
+:class:`RingWatcher` waits on the ring lock of the next member; when the server grants
+it (that keeper's session ended), the watcher announces ``down`` on the ring channel and
+every follower attempts at once. A keeper that connects announces ``up``.
 
-A keeper that connects announces ``up`` on the ring channel: the watchers whose arc it
-falls into read the ring again and move on to it, so each keeper is watched by its
-predecessor. Each watcher's wait is bounded (:data:`RING_RECHECK`), after which it reads
-the ring again: a watcher that missed an announcement covers the new keeper within that
-bound. Whenever it reads the ring, a watcher also checks that the keeper it waited on is
-still a member, and announces it ``down`` if not, so a death during a re-read, or a lock
-granted to someone else, is announced at the next read. Until then, and while a watcher
-reconnects, a dead keeper's leases are taken when followers next attempt them (at the
-latest when they expire).
-
-**What a client without privileges can do to the ring: nothing that lasts.** Any role
-can take advisory locks, NOTIFY on the ring channel and read ``pg_locks``. A ring lock
-held by a session whose role may not update the lease table (one named for another
-pid, one of its own) is no member, so an ``up`` announcing it makes watchers read the
-ring and stay where they are. A keeper's tag is drawn when it connects, so nobody can
-hold it beforehand (the key of a keeper's pid would be easy to guess), and a tag taken
-already is drawn again. What remains is the lock of a live member, which anyone can see
-and queue on: queued ahead of the watcher (an ``up`` makes the watcher queue again), it
-would be granted to the attacker when the keeper dies. So a watcher that sees a session
-without the privilege queued on its target's lock, or that was just moved by an ``up``
-that changed nothing, bounds its wait by :data:`RING_POLL` instead, and the check above
-announces the dead keeper at the next read.
-
-One session per process, whatever the number of leases: the watcher takes and frees
-only transient locks and holds none between waits.
+See ``docs/explanation/how-it-works.md``, "Fast failover after a crash", for the design
+and what a client without privileges can do to the ring.
 """
 
 from __future__ import annotations

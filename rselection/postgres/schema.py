@@ -1,99 +1,12 @@
 """Tables of the Postgres backend: names, validation and :func:`migrate`.
 
 Every table name a user gives is validated here (:func:`validate_table_name`) and
-always reaches SQL as :class:`psycopg.sql.Identifier`, never by string formatting.
+always reaches SQL as :class:`psycopg.sql.Identifier`, never by string formatting. Each
+kind of table (:data:`KINDS`) has numbered steps; :func:`migrate` applies those a table
+lacks, under one advisory lock, with every wait bounded by its ``timeout``.
 
-The lease table holds one row per lease name::
-
-    name         text primary key   -- the lease name
-    holder       text null          -- node id of the holder; NULL when free
-    term         bigint not null    -- fencing term: +1 on every change of holder, never reused
-    holder_pid   int null           -- backend pid of the holder's keeper session
-    lock_key     int not null       -- first key of the term's session advisory lock (random)
-    acquired_at  timestamptz        -- server time of the acquisition
-    renewed_at   timestamptz        -- server time of the last renewal
-    expires_at   timestamptz        -- server time at which the lease lapses
-    resign_term  bigint null        -- term asked to hand over (``rselection resign``)
-    resign_from  text null          -- its holder, kept out until another node took over
-    resign_to    text null          -- node the lease is reserved for, if one was named
-    resign_until timestamptz null   -- server time at which the request lapses
-    holder_server text null         -- identity of the server of the holder's session
-    retired_term bigint null        -- term at which ``rselection forget`` retired the lease
-
-Where the Python API says ``node_id``, the columns of every table keep the name
-``holder`` (and ``resign_from`` / ``resign_to``): renaming a column of a live table would
-lock it against a running fleet for nothing.
-
-The four ``resign_*`` columns came with schema version 2, ``holder_server`` with version
-3, ``retired_term`` with version 4; :func:`migrate` adds what an older table lacks
-(``ALTER TABLE ... ADD COLUMN IF NOT EXISTS``, nullable, no default: a catalog-only
-change) and records the version. Code of
-this release also works on an older table that was not upgraded (``create_tables=False``):
-on version 1 handover requests are unavailable; on versions 1 and 2 the lease cannot
-record which server its holder's session is on, so a crashed holder is replaced only
-when its lease expires (no fast failover) until ``rselection migrate`` runs.
-
-``holder_server`` is ``"<system identifier>/<timeline>/<postmaster start time>"`` of
-the server the holder's keeper session was on when it acquired the lease (see
-:mod:`rselection.postgres.lease`): a holder's ``holder_pid`` and advisory lock mean
-something only on that server. A row without it (acquired before the upgrade) counts
-as held on an unknown server.
-
-A lease is retired (``rselection forget``: no service uses it any more) while
-``retired_term = term``: its row stays, so its term never restarts, and the next
-acquisition, which increments the term, brings it back without touching the column.
-
-Only ``name`` is a key column: ``term`` must never be part of a unique index, so that a
-renewal (a plain ``UPDATE`` of non-key columns, row lock ``FOR NO KEY UPDATE``) does not
-conflict with the ``FOR KEY SHARE`` lock of fenced transactions.
-
-The claims table (:class:`~rselection.postgres.PostgresClaimer`) holds one row per
-claimed fire::
-
-    fire_key        text primary key   -- e.g. "purge@2026-11-30T02:40:00.000000000Z"
-    format_version  int not null       -- fire key format the claimer wrote (1 today)
-    holder          text not null      -- node_id of the claimer (the column keeps its name)
-    term            bigint null        -- fencing term given with the claim, if any
-    claimed_at      timestamptz        -- server time of the claim
-    expires_at      timestamptz        -- server time until which the claim binds
-
-with an index on ``fire_key COLLATE "C"`` (one lease's or one task's keys are one range
-of it, whatever the database's collation: ``rselection status`` and a starting leader
-read those) and one on ``expires_at`` (the leader's clean-up). Both are kept outside the
-version numbers (:attr:`TableKind.indexes`): a new table gets them, and
-:func:`migrate` (``rselection migrate``) adds them to an existing table, which keeps
-schema version 1 (an object created with ``create_tables=True`` only warns about a
-missing one: building an index blocks the table's writes meanwhile).
-
-The elections table (:class:`~rselection.postgres.PostgresElector`) holds one row per
-election name: ``name``, ``holder`` (NULL after a resign), ``term`` (+1 on every change
-of holder), ``acquired_at``, ``renewed_at``, ``expires_at``. It is not a lease table: an
-elector holds no session lock, so it never shares a table with :class:`PostgresLease`.
-
-The nodes table holds one row per ``(lease name, node id)``: heartbeats of every node
-(see :mod:`rselection.postgres.membership`). The broadcast tables (the outbox of
-:class:`~rselection.postgres.PostgresBroadcaster` and its one-row state table) are
-described in :mod:`rselection.postgres.broadcast.outbox`; the checkpoint tables
-(snapshots and per-key leases of :class:`~rselection.postgres.PostgresCheckpointStore`)
-below, at :data:`CHECKPOINTS`.
-
-**Schema versions, one way for every table.** Each kind of table has numbered steps:
-step 1 creates it, each later step upgrades it (the lease table has four). The table
-``rselection_schema_version`` (in the same schema as each table) keeps one row per kind
-and table, with the number of the last step applied: ``('leases', 4)``, ``('claims',
-1)``, ``('elections', 1)``, ``('nodes', 1)``, ``('broadcast', 1)``, ``('checkpoints',
-1)`` (a custom table name is recorded as ``'leases:<table>'`` and so on). A migration
-applies the steps above the recorded number, in order, in one transaction under one
-advisory lock, and records the new number: a second run changes nothing, two processes
-migrating at once run one after the other, a failing step rolls the whole run back,
-and a number newer than this release knows is refused instead of downgraded.
-:func:`migrate` returns a :class:`TableChange` per kind saying what it did.
-
-Every wait of a migration is bounded by its ``timeout``: the wait for the migration lock
-held by another process, and for the table locks an upgrade needs (taken at most
-:data:`UPGRADE_LOCK_TIMEOUT` at a time, so the renewals of a running fleet never stall
-behind it, and retried until the timeout). Past it, nothing is changed and
-:class:`~rselection.errors.BackendUnavailable` says what was waited for.
+See ``docs/explanation/how-it-works.md``, "Tables and their schema versions", for the
+columns of every table and how a migration works.
 """
 
 from __future__ import annotations

@@ -1,97 +1,14 @@
 """``RedisLease``: a :class:`~rselection.lease.LeaseBackend` over one Redis key.
 
-How the lease works
--------------------
+Each lease has a key, a term counter and a pub/sub channel, all with the lease name as
+hash tag, so a cluster keeps them in one slot. Acquire, renew and release are one Lua
+script each: the term and the key change in one atomic step, a renewal never extends
+someone else's key, and expiry is Redis's own (``PX``). Terms stay larger across a
+failover to a replica or a lost counter; a handover request wakes the leader; a
+follower takes a crashed holder's lease over as soon as its keeper connection is gone.
 
-Three names per lease, all with the lease name as hash tag so that a cluster keeps them
-in one slot (``<prefix>{<name>}:lease``, ``<prefix>{<name>}:term``, and the pub/sub
-channel ``<prefix>{<name>}:events``), plus ``<prefix>{<name>}:resign`` while a handover
-request is pending and ``<prefix>{<name>}:origin`` (see "Terms across a failover").
-
-* **Acquire** is one Lua script: when the lease key does not exist it ``INCR``\\ s the
-  term counter and ``SET``\\ s the key ``NX PX ttl`` to a small JSON document: a random
-  holder token (fresh per acquisition), node id, term, the keeper connection's
-  ``CLIENT ID``, the server's ``run_id`` and the server time (``TIME``). The term and
-  the key change in one atomic step, and the term counter never expires, so terms never
-  decrease (also across release and re-acquire). The script ``PUBLISH``\\ es on the
-  channel.
-* **Renew** is one script: ``PEXPIRE`` only if the key still holds this token and term.
-  It never extends someone else's key (the bug of RedBeat and other Redis locks that
-  renew with a bare ``PEXPIRE``), and never revives an expired key.
-* **Release** is one script: ``DEL`` only if the key holds this token and term, then
-  ``PUBLISH``, so followers try at once.
-* **Expiry** is Redis's own (``PX``): no client clock is compared. The leader's local
-  deadline (see :mod:`rselection.leader`) stops it before the key can expire.
-
-Terms across a failover
------------------------
-
-Replication is asynchronous: a replica promoted after its primary died may lack the last
-acquisitions, and a plain ``INCR`` would issue their terms again; so would a counter that
-was evicted, deleted or lost in a crash. So the acquire script also keeps
-``<prefix>{<name>}:origin``, the ``master_replid`` (``INFO replication``) of the server
-that wrote the term counter. When there is no counter, or the origin is not this
-server's id (a promoted replica, a restart, a moved cluster slot), the new term is
-``max(INCR, TIME in microseconds)``; then terms count by one again. A lease's first term
-is therefore the server's clock in microseconds (16 digits). A term is never larger than
-its server's clock when it was issued, so a term repeats only if the server's clock went
-back by more than the time since the lost term was issued. Terms are computed as
-strings, exact up to 2^63 - 1. A lease value whose term is not a whole number was
-written by an earlier release (``1.7961690294577e+15``): :func:`parse_holder` raises
-:class:`~rselection.errors.ConfigError` so that its nodes are stopped first. The
-manual's page on the Redis backend says what a lost write still allows.
-
-Handover on request
--------------------
-
-:func:`rselection.redis.request_handover` (``rselection resign --redis-url``) stores a
-request for the current term in ``<prefix>{<name>}:resign`` (``PX`` = its timeout) and
-publishes ``resign:<term>``. A leader waiting on the channel wakes and renews at once;
-the renew script also returns a request found for the term it renewed, and the leader
-steps down through the normal release. The acquire script refuses the lease to the
-node that resigned (with a named node: to every other node) while the request's key
-lives and names the current term counter; every acquisition deletes it. The keeper's
-listener also joins ``<prefix>{<name>}:node:<node id>``, so ``PUBSUB CHANNELS`` tells
-which nodes are connected.
-
-Fast crash failover
--------------------
-
-A holder that offers fast takeover writes its process's liveness identity into the
-lease value (``beats``), and its process publishes one liveness beat for all the leases
-it holds on the server (:mod:`.liveness`). Followers time the holder process by its
-beats and ask ``CLIENT LIST ID`` only after ``liveness_interval`` (0.5 s by default)
-without one, for all the leases that process holds in one round trip; forged or replayed
-beats are dropped, and messages wake a keeper at most once per 50 ms. A holder process
-that beat and went silent (paused) is checked with waits doubling up to a second; one
-never heard to beat (a release without beats, an ACL that refuses the channel, lost
-pub/sub) is checked every ``liveness_interval``, the cost of the polling of old, in that
-case only. A refused ``PUBLISH`` or ``SUBSCRIBE`` on the channel is logged once and
-never ends a term. When the holder's process dies, its kernel closes the connection and
-Redis forgets the client at once; the follower then runs the acquire script with that
-dead id, which takes the lease over only if the key still names that connection and
-term, and was written under the same server ``run_id`` (client ids are unique only
-within one server run). A holder whose process lives but whose keeper connection failed
-says so in its next beat (a new epoch), and its followers check at once.
-
-This is safe only if Redis cannot close a *live* leader's connection before that
-leader's own deadline. A paused or partitioned leader's socket stays open on the
-server, except when the server's idle ``timeout`` or its TCP keepalive would close it.
-A cut-off leader has cancelled and joined its tasks ``renew_deadline + stop_grace +
-0.5`` s after its last renewal, which is at most ``ttl``. So a holder offers fast
-takeover (``"fast": "1"`` in the key) only when it read the server's ``timeout`` (0, or
-longer than ``ttl``) and ``tcp-keepalive`` (0, or one whose dead-peer time exceeds
-``ttl``: ``k + 3 * max(1, k // 3)`` seconds on Linux, see :mod:`.keepalive`) with
-``CONFIG GET``, and it marks its keeper
-``CLIENT NO-EVICT``. When the server forbids ``CONFIG GET`` or a follower may not run
-``CLIENT LIST``, takeover waits for the key to expire (``ttl``), which is always safe.
-``CLIENT KILL`` of a partitioned leader's keeper (client name ``rselection:<name>``)
-defeats the argument: don't.
-
-A leader waits on its keeper socket (plus a self-pipe for :meth:`RedisLease.interrupt`),
-so a connection closed by the server is seen at once and the leader steps down. The
-keeper connections never reconnect or retry by themselves: a keeper that lost its
-connection has lost its term.
+See ``docs/explanation/redis.md`` ("How the lease works", "Terms across a failover",
+"Handover on request") for the keys, the scripts and why each step is safe.
 """
 
 from __future__ import annotations

@@ -92,8 +92,9 @@ class PostgresBroadcaster(Broadcaster):
     :class:`~rselection.Broadcaster`'s: bounded per-subscription buffers, overflow counted
     and reported, a slow subscriber never holds up the others. Receivers connected with
     :meth:`connect` run in the listener thread, which every broadcaster of the process
-    on the same connection string shares: keep them short. See the module docstring
-    for how delivery, ordering, catch-up and gaps work.
+    on the same connection string shares: keep them short. See
+    ``docs/explanation/broadcaster.md`` for how delivery, ordering, catch-up and gaps
+    work.
 
     Publishes hold no session of their own: each batch borrows one of the process's
     pooled sessions (at most 2 per connection string, shared with claims, checkpoints
