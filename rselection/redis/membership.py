@@ -17,19 +17,15 @@ node's first heartbeat, then about once an hour), which also keep the two keys f
 expiring (two days after the last such heartbeat, a fleet gone for good leaves nothing).
 
 The heartbeats of every membership on one Redis server (host, port and database) are
-sent by one thread of their own, so threads grow with servers, not with leases, and a
-server that hangs never delays another server's heartbeats. When one is due, the thread
-sends it with every other due within a second (a tenth of ``heartbeat_interval`` if
-shorter) whose client has the same settings, in one pipeline on one connection of its
-own: one round trip, and one connection per server for all of a process's leases. Each
-membership's reply counts for it alone, and heartbeats sent together are due together
-again. The thread also sends the removals on stop, after any heartbeat of the node in
-flight. Its connection has the clients' settings and a socket timeout of
-``min(heartbeat_interval, node_timeout / 3)``, which bounds a batch; a cluster client
-(or a Sentinel pool) sends its heartbeats one by one, as it is. Heartbeats go on through
-outages (a failed one is retried after 1 s, then 2, 4 and so on up to
-``heartbeat_interval``) until the leader stops. The node id, not the client address,
-identifies a node.
+sent by one thread of their own, so a server that hangs never delays another server's.
+The thread sends those due within a second (a tenth of ``heartbeat_interval`` if
+shorter) of memberships whose clients have the same settings in one pipeline, on one
+connection of its own with a socket timeout of
+``min(heartbeat_interval, node_timeout / 3)``; each reply counts for its membership
+alone. It also sends the removals on stop, after any heartbeat of the node in flight.
+A cluster client (or a Sentinel pool) sends its heartbeats one by one. A failed
+heartbeat is retried after 1 s, then 2, 4 and so on up to ``heartbeat_interval``. The
+node id, not the client address, identifies a node.
 """
 
 from __future__ import annotations
