@@ -320,7 +320,8 @@ class RedisMembership:
             if self._stopped or self._started:
                 return
             self._started = True
-        _BEATS.add(self)
+            # Under the lock: a stop() racing this one removes what this added.
+            _BEATS.add(self)
 
     def stop(self) -> None:
         """Stop heartbeating and remove this node from the membership (best effort); a
