@@ -13,6 +13,7 @@ __all__ = [
     "ACQUIRE",
     "CANCEL_HANDOVER",
     "HEARTBEAT",
+    "HELD_FOR",
     "LEAVE",
     "NODES",
     "READ",
@@ -209,6 +210,14 @@ READ = """
 local t = redis.call('TIME')
 return {redis.call('GET', KEYS[1]) or '', redis.call('PTTL', KEYS[1]),
   tostring(t[1] * 1000 + math.floor(t[2] / 1000))}
+"""
+
+#: How long the lease still holds a value (a follower's check at its expiry). KEYS: lease
+#: key. ARGV: the value. Returns its PTTL (ms; -1 without an expiry) while the key holds
+#: that value, else -3. One integer back: the value is sent, never read.
+HELD_FOR = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PTTL', KEYS[1]) end
+return -3
 """
 
 #: Record a node's heartbeat at the server's time. KEYS: nodes (sorted set: node id ->

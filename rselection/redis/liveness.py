@@ -18,11 +18,11 @@ one server and one key prefix:
   heard to beat (a release without process beats, an ACL that refuses the channel) is
   checked every ``liveness_interval``.
 * It watches the expiry of the leases its followers' holders hold: when a followed
-  holder's lease is due to expire, it reads the lease keys due (``GET`` and ``PTTL``)
-  in one pipelined round trip and wakes the followers whose lease is gone or changed;
-  a renewed one is read again at its new expiry. Followers therefore attempt only when
-  woken (an attempt per lease and lease period made 67 round trips a second at 1,000
-  leases, each through the keeper's workers).
+  lease is due to expire, it asks how long the lease still holds the value its follower
+  saw (``HELD_FOR``; one round trip for all those due), reads a renewed one again at
+  its new expiry, and wakes the followers of the others, which attempt. So followers
+  do not attempt at each expiry (67 round trips a second at 1,000 leases, each through
+  the keeper's workers).
 * A beat carries an epoch: the number of keeper connections of held leases the process
   saw fail or closed with a term unreleased. A process that is alive but lost one
   lease's connection beats on with a new epoch, and its followers check at once and
@@ -57,7 +57,7 @@ from .. import forks
 from ..errors import first_line
 from ..wakeup import Wakeup
 from ._conn import ConnectionFactory
-from ._scripts import READ
+from ._scripts import HELD_FOR
 from .keys import liveness_channel
 from .messages import Dropped, beat_sender, read_beat, sign_beat, unsigned_beat
 
@@ -580,7 +580,9 @@ class LivenessHub:
         free: list[tuple[Follower, _Expiry]] = []
         try:
             conn.send_packed_command(
-                conn.pack_commands([("EVAL", READ, 1, lease.key) for lease, _ in due])
+                conn.pack_commands(
+                    [("EVAL", HELD_FOR, 1, lease.key, entry.seen.value) for lease, entry in due]
+                )
             )
             for lease, entry in due:
                 try:
@@ -588,7 +590,7 @@ class LivenessHub:
                 except redis.ResponseError:  # a moved cluster slot, a refused read...
                     reply = None
                 answered += 1
-                pttl = _held_for(reply, entry.seen.value)
+                pttl = _held_for(reply)
                 now = time.monotonic()
                 with self._lock:
                     if self._expiry.get(lease) is not entry:
@@ -669,18 +671,10 @@ def reread_after(pttl: int) -> float:
     return 1.0 if pttl < 0 else max(pttl / 1000, _REREAD_GAP)
 
 
-def _held_for(reply: Any, value: bytes) -> int | None:
-    """The ``PTTL`` (ms) of a lease read by ``READ`` that still holds ``value``, else
-    ``None`` (gone, changed, or an answer that is not a read)."""
-    if not isinstance(reply, list) or len(reply) != 3:
-        return None
-    held = reply[0].encode() if isinstance(reply[0], str) else reply[0]
-    if held != value:
-        return None
-    try:
-        return int(reply[1])
-    except (TypeError, ValueError):
-        return None
+def _held_for(reply: Any) -> int | None:
+    """The ``PTTL`` (ms) that ``HELD_FOR`` answered for a lease still holding the value
+    its follower saw, else ``None`` (gone, changed, or an answer that is not one)."""
+    return reply if isinstance(reply, int) and reply != -3 else None
 
 
 def _text(reply: Any) -> str:
