@@ -111,9 +111,7 @@ def run_node(args: argparse.Namespace) -> int:
 
     import rselection as rs
 
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop = _StopRequest.install()
 
     ledger = sql.Identifier(args.ledger)
     with psycopg.connect(args.dsn, autocommit=True) as conn:
@@ -170,9 +168,7 @@ def _run_redis_node(args: argparse.Namespace) -> int:
     url = args.redis_url or args.dsn
     if not url:
         raise SystemExit(f"--redis-url (or --dsn, or {DSN_ENV}) is required with --backend redis")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop = _StopRequest.install()
 
     key = redis_ledger_key(args.ledger, args.name)
     tasks = _task_handler(args)
@@ -241,7 +237,27 @@ def _tick_tasks(tasks: rs.TaskHandler, args: argparse.Namespace) -> None:
             _emit("unblocked", node=ctx.node_id, term=ctx.term)
 
 
-def _serve(leader: Any, stop: threading.Event, raising: bool = False) -> int:
+class _StopRequest:
+    """Set by SIGTERM or SIGINT. The handler only sets an attribute: it runs in the main
+    thread, between any two of its bytecodes, and setting a ``threading.Event`` there
+    deadlocked once when the signal came while the main thread was inside that
+    Event's own ``wait()`` (holding its lock)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    @classmethod
+    def install(cls) -> _StopRequest:
+        stop = cls()
+        signal.signal(signal.SIGTERM, stop._handle)
+        signal.signal(signal.SIGINT, stop._handle)
+        return stop
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+
+def _serve(leader: Any, stop: _StopRequest, raising: bool = False) -> int:
     import rselection as rs
 
     # A node that will not stop can be asked where its threads are (Fleet.stop_all does
@@ -270,8 +286,8 @@ def _serve(leader: Any, stop: threading.Event, raising: bool = False) -> int:
             signal_.connect(_raise_in_receiver, weak=False)
     leader.start()
     _emit("ready", node=leader.node_id, pid=os.getpid())
-    while not stop.wait(0.2):
-        pass
+    while not stop.requested:
+        time.sleep(0.1)  # the flag is looked at ten times a second
     began = time.monotonic()
     leader.stop()
     _emit("stopped", node=leader.node_id, took=time.monotonic() - began)
