@@ -804,13 +804,14 @@ def run_tooz_node(url: str, group: str, node_id: str) -> int:
 
     from tooz import coordination
 
+    from rselection.commands.demo_fleet import StopFlag
+
     def emit(event: str, **fields: Any) -> None:
         fields.update(ev=event, t=time.time())
         sys.stdout.write(json.dumps(fields) + "\n")
         sys.stdout.flush()
 
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop = StopFlag.on_stop_signals()
     coord = coordination.get_coordinator(url, node_id.encode())
     coord.start(start_heart=True)
     with contextlib.suppress(coordination.GroupAlreadyExist):

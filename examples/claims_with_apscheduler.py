@@ -30,6 +30,7 @@ Each process prints ``ran <fire key>`` or ``skipped <fire key>`` for every fire 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -172,12 +173,14 @@ def main() -> None:
     if args.dsn:  # any node may delete long-expired claims now and then
         scheduler.add_job(claimer.cleanup, IntervalTrigger(minutes=5, start_date=ANCHOR), id="gc")
 
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+    # SIGTERM stops the node as Ctrl-C does: by raising KeyboardInterrupt in the main
+    # thread. (A handler that sets a threading.Event can deadlock: it runs in the main
+    # thread, which may be inside that Event's own wait(), holding its lock.)
+    signal.signal(signal.SIGTERM, _interrupt)
     scheduler.start()
     print(f"[{args.node}] scheduler started (mode {args.mode})", flush=True)
-    stop.wait(args.seconds)
+    with contextlib.suppress(KeyboardInterrupt):
+        threading.Event().wait(args.seconds)  # None: until a signal
     scheduler.shutdown(wait=True)
     if elector.term is not None:
         elector.resign()  # the next process takes over at once
@@ -185,6 +188,10 @@ def main() -> None:
     if args.dsn:
         claimer.close()
     print(f"[{args.node}] stopped", flush=True)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -111,7 +111,7 @@ def run_node(args: argparse.Namespace) -> int:
 
     import rselection as rs
 
-    stop = _StopRequest.install()
+    stop = StopFlag.on_stop_signals()
 
     ledger = sql.Identifier(args.ledger)
     with psycopg.connect(args.dsn, autocommit=True) as conn:
@@ -168,7 +168,7 @@ def _run_redis_node(args: argparse.Namespace) -> int:
     url = args.redis_url or args.dsn
     if not url:
         raise SystemExit(f"--redis-url (or --dsn, or {DSN_ENV}) is required with --backend redis")
-    stop = _StopRequest.install()
+    stop = StopFlag.on_stop_signals()
 
     key = redis_ledger_key(args.ledger, args.name)
     tasks = _task_handler(args)
@@ -237,27 +237,40 @@ def _tick_tasks(tasks: rs.TaskHandler, args: argparse.Namespace) -> None:
             _emit("unblocked", node=ctx.node_id, term=ctx.term)
 
 
-class _StopRequest:
-    """Set by SIGTERM or SIGINT. The handler only sets an attribute: it runs in the main
-    thread, between any two of its bytecodes, and setting a ``threading.Event`` there
-    deadlocked once when the signal came while the main thread was inside that
-    Event's own ``wait()`` (holding its lock)."""
+class StopFlag:
+    """Set by SIGTERM or SIGINT (see :meth:`on_stop_signals`); like a
+    ``threading.Event`` without its lock. A handler runs in the main thread between any
+    two of its bytecodes, so one that sets an Event deadlocks when the signal comes
+    while the main thread is inside that Event's own ``wait()``, holding its lock (it
+    happened once in 200 chaos rounds)."""
 
     def __init__(self) -> None:
-        self.requested = False
+        self._set = False
 
     @classmethod
-    def install(cls) -> _StopRequest:
-        stop = cls()
-        signal.signal(signal.SIGTERM, stop._handle)
-        signal.signal(signal.SIGINT, stop._handle)
-        return stop
+    def on_stop_signals(cls) -> StopFlag:
+        """A flag that SIGTERM and SIGINT set (their handlers replaced)."""
+        flag = cls()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: flag.set())
+        return flag
 
-    def _handle(self, signum: int, frame: object) -> None:
-        self.requested = True
+    def set(self) -> None:
+        """Set it (takes no lock)."""
+        self._set = True
+
+    def is_set(self) -> bool:
+        """Whether it was set."""
+        return self._set
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep ``timeout`` seconds unless set; whether it is set."""
+        if not self._set:
+            time.sleep(timeout)
+        return self._set
 
 
-def _serve(leader: Any, stop: _StopRequest, raising: bool = False) -> int:
+def _serve(leader: Any, stop: StopFlag, raising: bool = False) -> int:
     import rselection as rs
 
     # A node that will not stop can be asked where its threads are (Fleet.stop_all does
@@ -286,8 +299,8 @@ def _serve(leader: Any, stop: _StopRequest, raising: bool = False) -> int:
             signal_.connect(_raise_in_receiver, weak=False)
     leader.start()
     _emit("ready", node=leader.node_id, pid=os.getpid())
-    while not stop.requested:
-        time.sleep(0.1)  # the flag is looked at ten times a second
+    while not stop.wait(0.1):
+        pass
     began = time.monotonic()
     leader.stop()
     _emit("stopped", node=leader.node_id, took=time.monotonic() - began)

@@ -28,7 +28,6 @@ import argparse
 import json
 import logging
 import math
-import signal
 import subprocess
 import sys
 import threading
@@ -43,7 +42,7 @@ from typing import IO, Any
 import psycopg
 from psycopg import errors, sql
 
-from rselection.commands.demo_fleet import Fleet
+from rselection.commands.demo_fleet import Fleet, StopFlag
 
 __all__ = [
     "SCHEMES",
@@ -129,7 +128,7 @@ def _report_skip(node: str) -> Any:
     return receiver
 
 
-def _run_leader(args: argparse.Namespace, ledger: Ledger, stop: threading.Event) -> None:
+def _run_leader(args: argparse.Namespace, ledger: Ledger, stop: StopFlag) -> None:
     import rselection as rs
 
     tasks = rs.TaskHandler(stop_grace=args.stop_grace)
@@ -180,7 +179,7 @@ def _run_leader(args: argparse.Namespace, ledger: Ledger, stop: threading.Event)
     leader.stop()
 
 
-def _run_apscheduler(args: argparse.Namespace, ledger: Ledger, stop: threading.Event) -> None:
+def _run_apscheduler(args: argparse.Namespace, ledger: Ledger, stop: StopFlag) -> None:
     from apscheduler.events import (
         EVENT_JOB_EXECUTED,
         EVENT_JOB_MAX_INSTANCES,
@@ -237,9 +236,7 @@ def run_node(argv: list[str] | None = None) -> int:
     """Run one node until SIGTERM/SIGINT (see the module docstring)."""
     args = node_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=f"{args.node_id} %(levelname)s %(message)s")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop = StopFlag.on_stop_signals()
     ledger = Ledger(args.dsn, args.ledger, args.node_id)
     if args.scheme == "apscheduler":
         _run_apscheduler(args, ledger, stop)
