@@ -573,8 +573,8 @@ class LivenessHub:
     def _read_expiries(self, due: list[tuple[Follower, _Expiry]]) -> None:
         """Read the lease keys of ``due`` in one round trip: a lease still held by the
         holder its follower saw is read again at its new expiry; the followers of the
-        others are woken. If the round trip fails, every one of them is woken (each
-        attempts on its own connection), and the error is raised."""
+        others are woken, and so are those left unread when the round trip fails (each
+        attempts on its own connection; the error is raised)."""
         conn = self._conn
         answered = 0
         free: list[tuple[Follower, _Expiry]] = []
@@ -591,25 +591,21 @@ class LivenessHub:
                     reply = None
                 answered += 1
                 pttl = _held_for(reply)
-                now = time.monotonic()
+                if pttl is None:
+                    free.append((lease, entry))
+                    continue
                 with self._lock:
-                    if self._expiry.get(lease) is not entry:
-                        continue  # an attempt or an unfollow came meanwhile
-                    if pttl is None:
-                        entry.due = math.inf  # woken: read no more until it attempts
-                        free.append((lease, entry))
-                        continue
-                    entry.due = now + reread_after(pttl)  # still the holder's
-                    heapq.heappush(self._expiry_heap, (entry.due, next(self._order), lease, entry))
-        except BaseException:
-            self._give_up_expiries(due[answered:])
-            raise
+                    if self._expiry.get(lease) is entry:  # else an attempt came meanwhile
+                        entry.due = time.monotonic() + reread_after(pttl)
+                        heapq.heappush(
+                            self._expiry_heap, (entry.due, next(self._order), lease, entry)
+                        )
         finally:
-            for lease, entry in free:
-                lease.lease_may_be_free(entry.seen)
+            self._give_up_expiries(free + due[answered:])
 
     def _give_up_expiries(self, due: list[tuple[Follower, _Expiry]]) -> None:
-        """Wake the followers of ``due`` unread: they attempt themselves."""
+        """Wake the followers of ``due`` (unless an attempt came meanwhile): they
+        attempt; nothing is read for them until then."""
         woken = []
         with self._lock:
             for lease, entry in due:
