@@ -25,7 +25,9 @@ import json
 import logging
 import os
 import queue
+import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -242,15 +244,20 @@ class StopFlag:
     ``threading.Event`` without its lock. A handler runs in the main thread between any
     two of its bytecodes, so one that sets an Event deadlocks when the signal comes
     while the main thread is inside that Event's own ``wait()``, holding its lock (it
-    happened once in 200 chaos rounds)."""
+    happened once in 200 chaos rounds). :meth:`wait` still returns at once: the
+    signal's arrival writes to a socket it selects on (``signal.set_wakeup_fd``)."""
 
     def __init__(self) -> None:
         self._set = False
+        self._read, self._write = socket.socketpair()
+        for sock in (self._read, self._write):
+            sock.setblocking(False)
 
     @classmethod
     def on_stop_signals(cls) -> StopFlag:
-        """A flag that SIGTERM and SIGINT set (their handlers replaced)."""
+        """A flag that SIGTERM and SIGINT set (their handlers replaced; main thread)."""
         flag = cls()
+        signal.set_wakeup_fd(flag._write.fileno(), warn_on_full_buffer=False)
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: flag.set())
         return flag
@@ -258,15 +265,17 @@ class StopFlag:
     def set(self) -> None:
         """Set it (takes no lock)."""
         self._set = True
+        with contextlib.suppress(OSError):  # full: a wake-up is pending anyway
+            self._write.send(b"\0")
 
     def is_set(self) -> bool:
         """Whether it was set."""
         return self._set
 
     def wait(self, timeout: float) -> bool:
-        """Sleep ``timeout`` seconds unless set; whether it is set."""
+        """Wait up to ``timeout`` seconds unless set; whether it is set."""
         if not self._set:
-            time.sleep(timeout)
+            select.select([self._read], [], [], timeout)
         return self._set
 
 
