@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow
 
 TTL = 2.0
 TIMINGS = {"ttl": TTL, "renew_deadline": 1.0, "renew_interval": 0.3, "retry_interval": 0.3}
+LEASE = {"ttl": TTL, "renew_deadline": 1.0, "liveness_interval": 0.2}  # a holder's, a lease's
 
 
 @pytest.fixture
@@ -86,9 +87,7 @@ def test_a_lease_its_live_holder_stops_renewing_is_taken_over_at_its_expiry(
 ) -> None:
     name = f"exp-{uuid.uuid4().hex[:6]}"
     ttl = TTL
-    holder = HolderProcess(
-        private_redis.url, name, ttl=ttl, renew_deadline=1.0, liveness_interval=0.2
-    )
+    holder = HolderProcess(private_redis.url, name, **LEASE)
     follower = RedisLeader(
         private_redis.url,
         rs.TaskHandler(),
@@ -129,9 +128,7 @@ def test_a_follower_whose_connection_was_cut_follows_the_holder_again_at_once(
     # attempts at once instead of when the last connection's attempt said (up to
     # EXPIRY_BACKSTOP lease periods later), and a crash of the holder is noticed.
     name = f"exp-{uuid.uuid4().hex[:6]}"
-    holder = HolderProcess(
-        private_redis.url, name, ttl=TTL, renew_deadline=1.0, liveness_interval=0.2
-    )
+    holder = HolderProcess(private_redis.url, name, **LEASE)
     follower = RedisLeader(
         private_redis.url, rs.TaskHandler(), name=name, node_id="follower", **TIMINGS
     )
@@ -166,12 +163,8 @@ def test_a_woken_follower_that_has_not_attempted_yet_is_not_read_or_woken_again(
     # woken at once) the lease's watch begins anew: that must not make the hub read
     # the lease again and wake it again, in a loop until the attempt.
     name = f"exp-{uuid.uuid4().hex[:6]}"
-    holder = HolderProcess(
-        private_redis.url, name, ttl=TTL, renew_deadline=1.0, liveness_interval=0.2
-    )
-    follower = RedisLease(
-        private_redis.url, name=name, ttl=TTL, renew_deadline=1.0, liveness_interval=0.2
-    )
+    holder = HolderProcess(private_redis.url, name, **LEASE)
+    follower = RedisLease(private_redis.url, name=name, **LEASE)
     try:
         assert not follower.try_acquire("follower").acquired
         holder.neglect()
