@@ -76,6 +76,10 @@ _RETRY = 1.0
 _READ_LIMIT = 256
 # Shortest wait, seconds, before a lease found about to expire is read again.
 _REREAD_GAP = 0.005
+# Seconds ahead of the first watched expiry due whose leases are read with it: leases
+# renewed at scattered moments then share round trips (an early read costs nothing but
+# the read: a lease still held is read again at its new expiry).
+_GATHER = 0.5
 
 
 class Follower(Protocol):
@@ -560,11 +564,15 @@ class LivenessHub:
                 logger.debug("liveness on %s: a holder of another server run", self._factory.where)
 
     def _expiries_due(self, now: float) -> list[tuple[Follower, _Expiry]]:
-        """Take the watched expiries due by ``now`` off the heap (their reads decide)."""
+        """Take the watched expiries due by ``now`` off the heap (their reads decide),
+        with those due within :data:`_GATHER` after the first."""
         due: list[tuple[Follower, _Expiry]] = []
         with self._lock:
             heap = self._expiry_heap
-            while heap and heap[0][0] <= now:
+            if not heap or heap[0][0] > now:
+                return due
+            until = heap[0][0] + _GATHER
+            while heap and heap[0][0] <= until:
                 at, _, lease, entry = heapq.heappop(heap)
                 if self._expiry.get(lease) is entry and entry.due == at:
                     due.append((lease, entry))
