@@ -16,9 +16,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import signals
-from .abc import Membership
+from .abc import CheckpointStore, LeaseBackend, Membership
 from .broadcast import Broadcaster, BroadcasterClosed, Subscription, SubscriptionClosed
-from .checkpoints import CheckpointStore, Snapshot
+from .checkpoints import Snapshot
 from .claiming import FireClaimer
 from .context import TaskContext, TransactionFence
 from .errors import (
@@ -29,7 +29,7 @@ from .errors import (
     StaleLeaderError,
 )
 from .leader import Leader, LeaseLeader
-from .lease import Acquisition, LeaderInfo, LeaseBackend
+from .lease import Acquisition, LeaderInfo
 from .members import NodeInfo
 from .memory import MemoryCheckpointStore, MemoryClaimer, MemoryLease, MemoryMembership
 from .monitor import HeartbeatMonitor

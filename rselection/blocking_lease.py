@@ -1,9 +1,9 @@
 """How the driven keeper leads over a lease whose calls block: one adapter for all.
 
-A :class:`~rselection.lease.LeaseBackend` of Redis, of memory, of a file or of a user's
+A :class:`~rselection.abc.LeaseBackend` of Redis, of memory, of a file or of a user's
 own blocks in every call, and learns of a change (a release, a dead holder, a broken
 session) only while a thread blocks in its ``wait_for_change``. :class:`BlockingLease`
-gives such a lease the :class:`~rselection.lease.NonBlockingLease` face that the driven
+gives such a lease the :class:`~rselection.abc.NonBlockingLease` face that the driven
 keeper (:mod:`rselection.driven`) steps, so that one engine serves every backend:
 
 * ``renew_soon`` and ``acquire_soon`` start nothing: the keeper makes the blocking call
@@ -42,10 +42,10 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from .abc import Watch, lease_ability
+from .abc import LeaseBackend, Watch, lease_ability
 from .daemon_pool import Lane
 from .driver import LeaseDriver
-from .lease import Acquisition, LeaderInfo, LeaseBackend, RenewOutcome
+from .lease import Acquisition, LeaderInfo, RenewOutcome
 from .wait_pump import WaitPump
 
 __all__ = ["WAIT_SLICE", "WATCH_SLICE", "BlockingLease"]

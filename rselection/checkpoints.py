@@ -1,4 +1,4 @@
-"""Durable task state fenced by term: the checkpoint store role and ``ctx.checkpoint``.
+"""Durable task state fenced by term: snapshots, keys and the encoding of states.
 
 A persistent task keeps its progress (a queue cursor, counters) in a *snapshot*: a JSON
 document stored under a key. When leadership moves, the new leader loads the last
@@ -9,10 +9,11 @@ refused with :class:`~rselection.errors.StaleLeaderError` and nothing is written
 
 Any object with ``load``, ``save`` and ``delete`` is a
 :class:`~rselection.abc.CheckpointStore` (the role, in :mod:`rselection.abc` with the
-others; importable from here too); a
-leader hands it to its tasks as ``ctx.checkpoint`` (a :class:`TaskCheckpoint`: the
-task's name scoped to the lease as key, ``lease_scoped(name, task)``, the task's term as
-fence). Two ship with rselection:
+others); a leader hands it to its tasks as ``ctx.checkpoint`` (a
+:class:`~rselection.task_checkpoint.TaskCheckpoint`: the task's name scoped to the lease
+as key, ``lease_scoped(name, task)``, the task's term as fence). This module holds the
+values they exchange (:class:`Snapshot`, :data:`Key`) and how states are encoded. Two
+stores ship with rselection:
 :class:`~rselection.postgres.PostgresCheckpointStore` (durable, next to the Postgres
 lease) and :class:`~rselection.MemoryCheckpointStore` (this process only; the default of
 :class:`~rselection.SingleNodeLeader`), which keep the same rules: versions that grow by
@@ -22,7 +23,6 @@ saves refused once their term no longer holds the lease.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from dataclasses import dataclass
@@ -31,19 +31,13 @@ from decimal import Decimal
 from typing import Any
 
 # The store role and its ability moved to one module; their names stay importable here.
-from .abc import CheckpointStore, LeaseFencedStore
 from .errors import ConfigError
-from .keys import lease_scoped
-from .validation import check_name, check_term
 
 __all__ = [
     "DEFAULT_MAX_STATE_BYTES",
     "FORMAT_VERSION",
-    "CheckpointStore",
     "Key",
-    "LeaseFencedStore",
     "Snapshot",
-    "TaskCheckpoint",
     "check_key",
     "decode_state",
     "encode_state",
@@ -193,81 +187,3 @@ def _jsonb_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def _jsonb_key(key: str) -> tuple[int, bytes]:
     raw = key.encode()
     return len(raw), raw
-
-
-class TaskCheckpoint:
-    """``ctx.checkpoint``: the snapshot of one task, fenced to the term that runs it.
-
-    The key is the task's name scoped to the leader's lease,
-    :func:`~rselection.keys.lease_scoped` ``(name, task)`` (``"billing/cursor"`` for the
-    task ``cursor`` of the lease ``billing``), so tasks of the same name under two
-    leases keep two snapshots. Every save and delete commits only while the term still
-    holds the lease called ``name``, so a deposed leader can never overwrite what its
-    successor saved. The async variants run the call in a worker thread, so an
-    ``async def`` task does not block its event loop.
-
-    Args:
-        store: the leader's checkpoint store.
-        task: the task's name.
-        term: the fencing term of the task's run.
-        name: the name of the lease whose term fences the writes (the leader's ``name``).
-
-    Raises:
-        ConfigError: a bad task name, term or lease name.
-    """
-
-    def __init__(self, store: CheckpointStore, task: str, term: int, name: str) -> None:
-        self.store = store
-        self._name = check_name(name, "lease name")
-        self._key: Key = lease_scoped(self._name, check_name(task, "task name"))
-        self._term = check_term(term)
-
-    @property
-    def key(self) -> Key:
-        """The key the task's snapshot is stored under (``lease_scoped(name, task)``)."""
-        return self._key
-
-    @property
-    def term(self) -> int:
-        """The term saves are fenced to."""
-        return self._term
-
-    @property
-    def name(self) -> str:
-        """The name of the lease whose term fences the saves."""
-        return self._name
-
-    def load(self) -> Snapshot | None:
-        """The task's last snapshot (from any term), or ``None``."""
-        return self.store.load(self._key)
-
-    def save(self, state: Any) -> Snapshot:
-        """Save ``state``; :class:`~rselection.errors.StaleLeaderError` once the term is over.
-
-        Args:
-            state: a JSON-encodable value.
-        """
-        return self.store.save(self._key, state, term=self._term, name=self._name)
-
-    def delete(self) -> bool:
-        """Delete the task's snapshot (fenced like :meth:`save`); ``True`` if one existed."""
-        return self.store.delete(self._key, term=self._term, name=self._name)
-
-    async def aload(self) -> Snapshot | None:
-        """:meth:`load` for ``async def`` tasks (runs in a worker thread)."""
-        return await asyncio.to_thread(self.load)
-
-    async def asave(self, state: Any) -> Snapshot:
-        """:meth:`save` for ``async def`` tasks (runs in a worker thread).
-
-        Args:
-            state: a JSON-encodable value.
-        """
-        return await asyncio.to_thread(self.save, state)
-
-    async def adelete(self) -> bool:
-        """:meth:`delete` for ``async def`` tasks (runs in a worker thread)."""
-        return await asyncio.to_thread(self.delete)
-
-    def __repr__(self) -> str:
-        return f"TaskCheckpoint({self._key!r}, term={self._term}, name={self._name!r})"

@@ -16,12 +16,12 @@ from . import clock
 
 # The fence role moved to rselection.abc with the others; its name stays importable here.
 from .abc import TransactionFence
-from .checkpoints import TaskCheckpoint
 from .errors import ConfigError, LeadershipLost
+from .task_checkpoint import TaskCheckpoint
 
 if TYPE_CHECKING:
+    from .abc import CheckpointStore
     from .broadcast import Broadcaster
-    from .checkpoints import CheckpointStore
     from .claiming import FireClaimer
     from .members import NodeInfo
 
@@ -415,7 +415,7 @@ class TaskContext:
         only while this term still holds the lease (else
         :class:`~rselection.StaleLeaderError`). A :class:`~rselection.PostgresLeader`
         keeps it in Postgres, a :class:`~rselection.SingleNodeLeader` in memory; see
-        :class:`~rselection.checkpoints.CheckpointStore`.
+        :class:`~rselection.abc.CheckpointStore`.
 
         Raises:
             ConfigError: the leader has no checkpoint store (the message says what to do:

@@ -6,7 +6,7 @@ recover with backoff, stop), made of steps that never block, called by the proce
 :class:`~rselection.driver.LeaseDriver`. What it steps is the leader's
 :class:`~rselection.leadership.Leadership` (its terms and the work on them), never the
 leader itself. It steps a
-:class:`~rselection.lease.NonBlockingLease`: Postgres's lease is one, and any other
+:class:`~rselection.abc.NonBlockingLease`: Postgres's lease is one, and any other
 lease is adapted by :class:`~rselection.blocking_lease.BlockingLease`.
 
 * the deadline is checked at every step, whatever is in flight, and a passed one (or a
@@ -29,19 +29,13 @@ from collections.abc import Callable
 from typing import Any
 
 from . import clock, signals
-from .abc import lease_ability
+from .abc import LeaseBackend, NonBlockingLease, lease_ability
 from .context import Term
 from .daemon_pool import Lane
 from .driver import LeaseDriver
 from .errors import BackendUnavailable, ConfigError
 from .leadership import Leadership, StepDown
-from .lease import (
-    Acquisition,
-    LeaseBackend,
-    NonBlockingLease,
-    ReleaseOutcome,
-    RenewOutcome,
-)
+from .lease import Acquisition, ReleaseOutcome, RenewOutcome
 
 __all__ = ["DrivenKeeper", "SKIPPED_RETRY"]
 
@@ -458,7 +452,7 @@ class DrivenKeeper:
     ) -> None:
         """Driver thread: start the release of ``held`` (if any), then run
         ``after(held, outcome)`` as pool work. A lease that starts a release without
-        blocking (:class:`~rselection.lease.NonBlockingRelease`) is released like a
+        blocking (:class:`~rselection.abc.NonBlockingRelease`) is released like a
         renewal, with no worker waiting for it (leases released together go in one
         round trip; a locked row holds up nobody); with any other lease, or when the
         round trip could not start, ``outcome`` is ``None``: ``after`` releases."""

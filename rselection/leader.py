@@ -1,13 +1,13 @@
 """The leadership state machine shared by every backend: follow, lead, step down.
 
-:class:`LeaseLeader` is the leader over any :class:`~rselection.lease.LeaseBackend`;
+:class:`LeaseLeader` is the leader over any :class:`~rselection.abc.LeaseBackend`;
 ``PostgresLeader``, ``RedisLeader`` and ``SingleNodeLeader`` build a backend (and its
 default claimer, checkpoint store and fence) and hand them to it.
 
 A leader has no keeper or watchdog thread of its own: the process's one driver thread
 runs the state machine for every leader (:mod:`rselection.driven`) and checks each
 deadline at every step, never waiting for I/O. A lease whose round trips start without
-blocking (:class:`~rselection.lease.NonBlockingLease`, Postgres's) is stepped directly;
+blocking (:class:`~rselection.abc.NonBlockingLease`, Postgres's) is stepped directly;
 any other lease (Redis, memory, a user's) through one adapter,
 :class:`~rselection.blocking_lease.BlockingLease`, whose calls run on the driver's
 workers. The deadline is ``renew_deadline`` after the last successful renewal was
@@ -28,16 +28,15 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Protocol, Self, runtime_checkable
 
 from . import forks, signals
-from .abc import lease_ability, store_ability
+from .abc import CheckpointStore, LeaseBackend, NonBlockingLease, lease_ability, store_ability
 from .blocking_lease import BlockingLease
-from .checkpoints import CheckpointStore
 from .claiming import FireClaimer, LeaseClaims
 from .closeable import Service
 from .context import TransactionFence, running_term
 from .driven import DrivenKeeper
 from .errors import ConfigError, RSelectionError
 from .leadership import CLEANUP_TIMEOUT, Leadership, StepDown
-from .lease import LeaderInfo, LeaseBackend, NonBlockingLease
+from .lease import LeaderInfo
 from .members import NodeInfo
 from .stop_signals import stop_on_signals
 from .timing import Timings
@@ -136,7 +135,7 @@ class LeaseLeader(Service):
             name written ``%25`` and ``%2F``; missed fires are claimed in one call when
             the claimer has ``claim_missed``, else fire by fire.
         checkpoint_store: keeps ``ctx.checkpoint`` (a
-            :class:`~rselection.checkpoints.CheckpointStore`; ``None``: tasks have no
+            :class:`~rselection.abc.CheckpointStore`; ``None``: tasks have no
             checkpoint). A store that fences against lease objects (a
             :class:`~rselection.MemoryCheckpointStore`) is given this lease.
         broadcaster: handed to tasks as ``ctx.broadcaster``.
@@ -540,7 +539,7 @@ class LeaseLeader(Service):
 
     #: Whether a follower woken only by another node's acquisition follows the holder
     #: its notification announces instead of attempting (see
-    #: :class:`~rselection.lease.AnnouncesHolder`). On for a sharded leader's shards,
+    #: :class:`~rselection.abc.AnnouncesHolder`). On for a sharded leader's shards,
     #: whose moves would otherwise cost every node an attempt each; off elsewhere: with a
     #: thousand leases per process it left the followers' attempts out of step with the
     #: keeper's attempt slots (measured: 18 statements per second per idle follower

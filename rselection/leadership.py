@@ -20,13 +20,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from . import clock, signals
-from .abc import lease_ability
+from .abc import CheckpointStore, LeaseBackend, lease_ability
 from .backoff import backoff
-from .checkpoints import CheckpointStore
 from .claiming import LeaseClaims
 from .context import Term, TransactionFence
 from .errors import BackendUnavailable, ConfigError
-from .lease import Acquisition, HandoverRequest, LeaderInfo, LeaseBackend
+from .lease import Acquisition, HandoverRequest, LeaderInfo
 from .members import NodeInfo
 from .timing import Timings
 
@@ -87,7 +86,7 @@ class Leadership:
             attempts (asked once per wake; 0: at once).
         follows_announcements: whether a follower woken only by another node's
             acquisition follows the holder its notification announces instead of
-            attempting (see :class:`~rselection.lease.AnnouncesHolder`).
+            attempting (see :class:`~rselection.abc.AnnouncesHolder`).
     """
 
     def __init__(

@@ -2,7 +2,7 @@
 
 The lease role itself, :class:`~rselection.abc.LeaseBackend`, and its optional
 abilities (:class:`~rselection.abc.SupportsHandover`, ...) live in :mod:`rselection.abc`
-with the other roles; they stay importable from here. A backend only knows how to
+with the other roles; this module holds the values they exchange. A backend only knows how to
 acquire, renew, release and observe one named lease (and, optionally, how to pass on an
 operator's request to hand over). Everything about leading (deadlines, terms, cancelling
 tasks) lives in :mod:`rselection.leader`, so every backend gets the same safety rules.
@@ -13,28 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-# The roles moved to one module; their names stay importable from here.
-from .abc import (
-    AnnouncesHolder,
-    LeaseBackend,
-    NonBlockingLease,
-    NonBlockingRelease,
-    SharedSchedule,
-    SupportsHandover,
-)
-
 __all__ = [
-    "AnnouncesHolder",
     "Acquisition",
     "HandoverRequest",
     "LeaderInfo",
-    "LeaseBackend",
-    "NonBlockingLease",
-    "NonBlockingRelease",
     "ReleaseOutcome",
     "RenewOutcome",
-    "SharedSchedule",
-    "SupportsHandover",
 ]
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from .abc import LeaseBackend
 from .checkpoints import (
     DEFAULT_MAX_STATE_BYTES,
     Key,
@@ -33,7 +34,7 @@ from .checkpoints import (
 )
 from .claiming import check_fire_key, check_fire_keys, series_of
 from .errors import ConfigError, StaleLeaderError
-from .lease import Acquisition, LeaderInfo, LeaseBackend
+from .lease import Acquisition, LeaderInfo
 from .members import NodeInfo
 from .validation import (
     check_name,

@@ -2,7 +2,7 @@
 
 Followers take a lease over the moment its holder's session is gone (Postgres frees the
 holder's advisory lock, Redis forgets its client id). So from an acquisition until the
-leader reports the term over (:meth:`~rselection.lease.LeaseBackend.term_ended`, once
+leader reports the term over (:meth:`~rselection.abc.LeaseBackend.term_ended`, once
 the term's tasks are joined), or the backend releases the term or is closed, a backend
 must not close that session, whatever fails: an error only marks the session broken,
 every later call reports it (``BackendUnavailable``), and the session is closed once the

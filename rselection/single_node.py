@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from .abc import store_ability
-from .checkpoints import CheckpointStore
+from .abc import CheckpointStore, store_ability
 from .errors import ConfigError
 from .leader import LeaseLeader
 from .memory import MemoryCheckpointStore, MemoryLease
@@ -45,7 +44,7 @@ class SingleNodeLeader(LeaseLeader):
         checkpoint_store: keeps ``ctx.checkpoint`` (default: a new
             :class:`~rselection.MemoryCheckpointStore`). One you pass must fence against
             this leader's in-memory lease, which it is given (a
-            :class:`~rselection.checkpoints.LeaseFencedStore` such as a
+            :class:`~rselection.abc.LeaseFencedStore` such as a
             ``MemoryCheckpointStore``); a ``PostgresCheckpointStore`` is refused.
         name: the lease name, for logs and signals.
         node_id: this node's id (default ``"local"``).

@@ -68,10 +68,9 @@ from .tasks import TaskHandler
 from .timing import Timings
 
 if TYPE_CHECKING:
+    from .abc import CheckpointStore, LeaseBackend
     from .broadcast import Broadcaster
-    from .checkpoints import CheckpointStore
     from .claiming import FireClaimer
-    from .lease import LeaseBackend
 
 __all__ = [
     "FakeClock",
@@ -602,7 +601,7 @@ class _FrozenRenewals:
     inside ``renew()`` (as a paused or crashed process would) until :meth:`thaw`.
 
     Installed by replacing ``renew`` and ``term_ended`` (and ``renew_soon`` of a
-    :class:`~rselection.lease.NonBlockingLease`, whose frozen renewal is then never
+    :class:`~rselection.abc.NonBlockingLease`, whose frozen renewal is then never
     answered until :meth:`thaw`) on the leader's lease object; the
     lease is neither released nor closed meanwhile, nor told that the term ended (a
     paused or crashed process tells its backend nothing: the lease may then only pass

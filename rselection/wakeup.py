@@ -1,7 +1,7 @@
 """A wake-up for a lease keeper blocked on its sockets: a sticky flag and a socket pair.
 
-A backend's :meth:`~rselection.lease.LeaseBackend.wait_for_change` waits in a selector
-on its connection's socket; :meth:`~rselection.lease.LeaseBackend.interrupt` must wake
+A backend's :meth:`~rselection.abc.LeaseBackend.wait_for_change` waits in a selector
+on its connection's socket; :meth:`~rselection.abc.LeaseBackend.interrupt` must wake
 it from another thread, and must not be lost when it comes just before the wait. The
 flag is what counts (checked before waiting); the socket pair wakes a selector that is
 already waiting.

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..task_checkpoint import TaskCheckpoint
 from .broadcast import PostgresBroadcaster
-from .checkpoint import PostgresCheckpointStore, Snapshot, TaskCheckpoint
+from .checkpoint import PostgresCheckpointStore, Snapshot
 from .claims import PostgresClaimer
 from .elector import PostgresElector
 from .fencing import afenced, fenced

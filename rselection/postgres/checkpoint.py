@@ -17,8 +17,8 @@ snapshot and resumes; the old leader can no longer overwrite it, because its sav
   takeover (only possible after expiry) waits for the save to end.
 * Without ``term`` or ``node_id`` the save is not fenced.
 
-The store is a :class:`~rselection.checkpoints.CheckpointStore`: inside a task,
-``ctx.checkpoint`` (a :class:`~rselection.checkpoints.TaskCheckpoint`) does the first
+The store is a :class:`~rselection.abc.CheckpointStore`: inside a task,
+``ctx.checkpoint`` (a :class:`~rselection.task_checkpoint.TaskCheckpoint`) does the first
 kind for you: the key is the task's name scoped to the leader's lease
 (:func:`~rselection.keys.lease_scoped`), the term is ``ctx.term`` and the lease is the
 leader's. Keys, states and their limits follow :mod:`rselection.checkpoints`.
@@ -49,7 +49,6 @@ from ..checkpoints import (
     FORMAT_VERSION,
     Key,
     Snapshot,
-    TaskCheckpoint,
     check_key,
     decode_state,
     encode_state,
@@ -74,7 +73,6 @@ __all__ = [
     "Key",
     "PostgresCheckpointStore",
     "Snapshot",
-    "TaskCheckpoint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -298,7 +296,7 @@ class PostgresCheckpointStore(Closeable):
                 holds the lease called ``name`` (in ``lease_table``), in the same
                 transaction.
             name: the name of the lease whose term fences the write (the leader's
-                ``name``), as in :class:`~rselection.checkpoints.CheckpointStore`.
+                ``name``), as in :class:`~rselection.abc.CheckpointStore`.
             node_id: fence against the key's own lease instead: commit only if
                 ``node_id`` holds it (:meth:`acquire_lease`) and it has not expired.
 

@@ -1,4 +1,4 @@
-"""``PostgresLease``: a :class:`~rselection.lease.LeaseBackend` over one Postgres row.
+"""``PostgresLease``: a :class:`~rselection.abc.LeaseBackend` over one Postgres row.
 
 One row per lease name holds the holder, the fencing term, the holder's keeper backend
 pid and the identity of its server; every time is the server's. Every lease of a process
@@ -303,7 +303,7 @@ class PostgresLease(Closeable):
 
     def renewal_slot(self, due: float, interval: float, after: float) -> float:
         """The shared keeper's renewal tick at or before ``due`` (see
-        :class:`~rselection.lease.SharedSchedule`)."""
+        :class:`~rselection.abc.SharedSchedule`)."""
         keeper = self._keeper
         return due if keeper is None else keeper.renewal_slot(due, interval, after)
 
@@ -422,7 +422,7 @@ class PostgresLease(Closeable):
     ) -> bool:
         """Start :meth:`try_acquire` with the attempts of the process's other leases due
         now, without blocking: ``done`` gets what it would return or raise (see
-        :class:`~rselection.lease.NonBlockingLease`). ``False`` when the shared session
+        :class:`~rselection.abc.NonBlockingLease`). ``False`` when the shared session
         is not connected and listening for this lease yet: call :meth:`try_acquire`."""
         keeper = self._before_attempt(node_id)
 
@@ -442,7 +442,7 @@ class PostgresLease(Closeable):
         now, without blocking: ``done`` gets ``True`` (released), ``False`` (no longer
         held), ``None`` (the batch was refused: call :meth:`release`, which sends it
         alone) or what :meth:`release` would raise, a row locked past the bound
-        included (see :class:`~rselection.lease.NonBlockingRelease`). ``False`` when the
+        included (see :class:`~rselection.abc.NonBlockingRelease`). ``False`` when the
         shared session is not ready: call :meth:`release`."""
         keeper = self._shared()
 
@@ -525,7 +525,7 @@ class PostgresLease(Closeable):
         """Start :meth:`renew` with the renewals of the process's other leases due now,
         without blocking: ``done`` gets ``True``, ``False``, ``None`` (the row was locked
         by another transaction: not renewed this time, try again in a moment) or what
-        :meth:`renew` would raise (see :class:`~rselection.lease.NonBlockingLease`).
+        :meth:`renew` would raise (see :class:`~rselection.abc.NonBlockingLease`).
         :meth:`interrupt` makes it answer ``BackendUnavailable`` at once. ``False`` when
         the shared session is not ready: call :meth:`renew`."""
         keeper = self._before_renewal()
@@ -563,7 +563,7 @@ class PostgresLease(Closeable):
 
     def on_wake(self, waker: Callable[[], None] | None) -> None:
         """Call ``waker`` whenever :meth:`wait_for_change` would return early (see
-        :class:`~rselection.lease.NonBlockingLease`)."""
+        :class:`~rselection.abc.NonBlockingLease`)."""
         self._waker = waker
         if waker is not None and self._wake.is_set():
             waker()
@@ -571,7 +571,7 @@ class PostgresLease(Closeable):
     def take_announced(self) -> LeaderInfo | None:
         """The holder an acquisition's notification announced since the last call, when
         nothing else woke this lease since its last attempt (see
-        :class:`~rselection.lease.AnnouncesHolder`); forgets it."""
+        :class:`~rselection.abc.AnnouncesHolder`); forgets it."""
         announced, self._announced = self._announced, None
         return None if self._must_attempt else announced
 

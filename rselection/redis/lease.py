@@ -1,4 +1,4 @@
-"""``RedisLease``: a :class:`~rselection.lease.LeaseBackend` over one Redis key.
+"""``RedisLease``: a :class:`~rselection.abc.LeaseBackend` over one Redis key.
 
 Each lease has a key, a term counter and a pub/sub channel, all with the lease name as
 hash tag, so a cluster keeps them in one slot. Acquire, renew and release are one Lua

@@ -2,7 +2,7 @@
 
 :class:`NonBlockingMemoryLease` is one leader's view of a :class:`WakingMemoryLease`
 shared by the competing leaders of a test. It has the
-:class:`~rselection.lease.NonBlockingLease` methods, so a ``LeaseLeader`` over it is
+:class:`~rselection.abc.NonBlockingLease` methods, so a ``LeaseLeader`` over it is
 driven by the process's driver (as a ``PostgresLeader`` is), without a database: the
 leader's own machinery is what is tested here. Its answers come from one
 :class:`Answerer` thread, like the shared keeper's batches; a test can hold a view's
@@ -145,7 +145,7 @@ class NonBlockingMemoryLease:
 
 class AnnouncingMemoryLease(NonBlockingMemoryLease):
     """A view whose test can announce a holder, as a Postgres lease's acquisition
-    notification does (:class:`~rselection.lease.AnnouncesHolder`)."""
+    notification does (:class:`~rselection.abc.AnnouncesHolder`)."""
 
     def __init__(self, shared: WakingMemoryLease, answerer: Answerer) -> None:
         super().__init__(shared, answerer)

@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 
 import rselection as rs
-from rselection.checkpoints import LeaseFencedStore, TaskCheckpoint
+from rselection.abc import LeaseFencedStore
 from rselection.errors import ConfigError, StaleLeaderError
 from rselection.keys import lease_scoped
 from rselection.memory import MemoryLease
+from rselection.task_checkpoint import TaskCheckpoint
 from tests.support.waiting import wait_until
 
 

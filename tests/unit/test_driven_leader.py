@@ -1,6 +1,6 @@
 """Leaders driven by the process's one driver thread (leases that never block).
 
-A ``LeaseLeader`` over a :class:`~rselection.lease.NonBlockingLease` has no keeper or
+A ``LeaseLeader`` over a :class:`~rselection.abc.NonBlockingLease` has no keeper or
 watchdog thread of its own (``PostgresLeader`` is one). These tests run such leaders over
 an in-memory lease that answers on another thread, so what is checked is the driven
 state machine itself: the deadline ends a term whose renewal hangs and the lease passes

@@ -20,9 +20,9 @@ import redis.asyncio
 import rselection as rs
 from rselection import postgres as pg
 from rselection import redis as rr
-from rselection.checkpoints import TaskCheckpoint
 from rselection.errors import ConfigError
 from rselection.postgres.handover import request_handovers
+from rselection.task_checkpoint import TaskCheckpoint
 
 _NOWHERE_PG = "postgresql://nobody@127.0.0.1:9/none?connect_timeout=1"
 _NOWHERE_REDIS = "redis://127.0.0.1:9/0"

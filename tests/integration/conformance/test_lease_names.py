@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 import rselection as rs
+from rselection.abc import LeaseBackend
 from rselection.errors import ConfigError
-from rselection.lease import LeaseBackend
 from rselection.postgres import PostgresLease
 from rselection.redis import RedisLease
 from rselection.validation import MAX_NAME, check_name

@@ -28,8 +28,9 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+from rselection.abc import LeaseBackend
 from rselection.errors import BackendUnavailable, ConfigError, StaleLeaderError
-from rselection.lease import Acquisition, LeaseBackend
+from rselection.lease import Acquisition
 from rselection.postgres import PostgresLease, afenced, fenced, migrate
 from rselection.postgres.lease import TAKEABLE_RETRY
 from rselection.postgres.schema import LEASES_VERSION
