@@ -57,8 +57,8 @@ from ..checkpoints import (
 from ..closeable import Closeable
 from ..errors import ConfigError, StaleLeaderError
 from ..validation import check_name, check_node_id, check_seconds, check_term
-from ._conn import Connections
 from .claims import MIN_TTL
+from .connections import Connections
 from .fencing import fenced
 from .schema import (
     CHECKPOINT_PREFIX,

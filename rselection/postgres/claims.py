@@ -26,7 +26,7 @@ from ..claiming import CLEANUP_BATCH, check_fire_key, check_fire_keys
 from ..closeable import Closeable
 from ..errors import ConfigError, first_line
 from ..validation import check_node_id, check_optional_term, check_seconds, new_node_id
-from ._conn import Connections
+from .connections import Connections
 from .schema import CLAIMS_TABLE, create_tables, table_identifier
 
 __all__ = [

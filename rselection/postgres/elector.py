@@ -47,8 +47,8 @@ from .. import forks
 from ..closeable import Closeable
 from ..errors import ConfigError, first_line
 from ..validation import check_name, check_node_id, check_seconds, new_node_id
-from ._conn import Connections
 from .claims import MIN_TTL
+from .connections import Connections
 from .schema import ELECTIONS_TABLE, create_tables, table_identifier
 
 __all__ = ["PostgresElector"]

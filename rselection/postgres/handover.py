@@ -32,8 +32,8 @@ from psycopg import sql
 from ..errors import ConfigError
 from ..lease import HandoverRequest, LeaderInfo
 from ..validation import check_name, check_node_id, check_seconds, check_term
-from ._conn import Connections
 from ._lease_sql import lease_channel, resolve_lease_table, rows_sql, utc
+from .connections import Connections
 from .schema import DEFAULT_TABLE, NODES_TABLE, table_identifier
 
 __all__ = [

@@ -27,7 +27,6 @@ from ..lease import Acquisition, HandoverRequest, LeaderInfo, ReleaseOutcome, Re
 from ..timing import MAX_TIMING
 from ..validation import check_name, check_node_id, check_seconds
 from ._conn import (
-    Connections,
     Keepalives,
     check_conninfo,
     describe_conninfo,
@@ -41,6 +40,7 @@ from ._lease_sql import (
     resolve_lease_table,
     utc,
 )
+from .connections import Connections
 from .handover import cancel_handover, renewal_request, request_handover
 from .keeper import RELEASE_REFUSED, RENEWAL_SKIPPED, Attempt, Queued, SharedKeeper
 from .notices import LeaseNotice

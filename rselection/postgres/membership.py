@@ -31,7 +31,7 @@ from .. import forks
 from ..errors import BackendUnavailable, ConfigError
 from ..members import NodeInfo
 from ..validation import check_name, check_node_id, check_seconds
-from ._conn import Connections
+from .connections import Connections
 from .keeper import Heartbeat, SharedKeeper
 from .schema import create_tables, table_identifier
 

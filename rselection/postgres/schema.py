@@ -25,7 +25,7 @@ from psycopg import sql
 
 from ..errors import BackendUnavailable, ConfigError
 from ..validation import check_seconds
-from ._conn import Connections
+from .connections import Connections
 
 __all__ = [
     "BROADCAST",

@@ -34,10 +34,10 @@ from ..sharded import (
 from ..sharding import shard_lease_name
 from ..tasks import TaskHandler
 from ..timing import Timings
-from ._conn import Connections
 from ._lease_sql import utc
 from .checkpoint import PostgresCheckpointStore
 from .claims import PostgresClaimer
+from .connections import Connections
 from .handover import current_holder, reopen_handovers, request_handovers
 from .leader import DEFAULT_CLAIMER, PostgresLeader
 from .lease import PostgresLease

@@ -284,7 +284,7 @@ def test_a_demo_node_refuses_a_misread_uri_before_connecting(
 
 
 def test_a_pool_is_held_to_the_same_rules_as_a_connection_string() -> None:
-    from rselection.postgres._conn import Connections
+    from rselection.postgres.connections import Connections
 
     class Pool:
         conninfo = "host=db.example password=hunter2"

@@ -27,12 +27,12 @@ from ... import forks
 from ...errors import BackendUnavailable, ConfigError, first_line
 from ...redaction import redact
 from .._conn import (
-    Connections,
     IoWatchdog,
     describe_conninfo,
     open_session,
     session_conninfo,
 )
+from ..connections import Connections
 from ..pooler import check_bound, check_session_pooling
 from ..schema import create_tables
 from .location import Locator

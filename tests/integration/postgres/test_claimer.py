@@ -26,8 +26,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from rselection.errors import BackendUnavailable, ConfigError
 from rselection.postgres import PostgresClaimer, migrate
-from rselection.postgres._conn import Connections
 from rselection.postgres.claims import FIRE_KEY_FORMAT
+from rselection.postgres.connections import Connections
 from rselection.schedules import format_fire_key
 from tests.support.backends import closed_port
 from tests.support.proxy import TcpProxy

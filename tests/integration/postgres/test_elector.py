@@ -20,7 +20,7 @@ import pytest
 
 from rselection.errors import ConfigError
 from rselection.postgres import PostgresElector, migrate
-from rselection.postgres._conn import Connections
+from rselection.postgres.connections import Connections
 from tests.support.waiting import wait_until
 
 

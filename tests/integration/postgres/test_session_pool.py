@@ -26,7 +26,7 @@ from rselection.postgres import (
     PostgresLease,
     migrate,
 )
-from rselection.postgres._conn import Connections
+from rselection.postgres.connections import Connections
 from rselection.postgres.session_pool import APPLICATION_NAME, POOL_SIZE, SessionPool
 from tests.support.waiting import wait_until
 
