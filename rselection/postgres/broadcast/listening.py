@@ -23,7 +23,7 @@ import select
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import psycopg
 from psycopg import sql
@@ -33,10 +33,8 @@ from ...backoff import backoff
 from ...errors import BackendUnavailable, ConfigError
 from ...wakeup import Wakeup
 from .._conn import IoWatchdog, abort_socket
-from .sessions import DEADLINES
-
-if TYPE_CHECKING:
-    from .listener import Listener
+from .sessions import DEADLINES, Sessions
+from .settings import Settings
 
 __all__ = ["ROUND_TRIP_ERRORS", "ListeningSession"]
 
@@ -47,6 +45,47 @@ ROUND_TRIP_ERRORS = (psycopg.Error, OSError, BackendUnavailable, ConfigError)
 
 Step = Callable[["ListeningSession", "psycopg.Connection[Any]"], None]
 """A listener's part of a wake-up: ``step(session, conn)``."""
+
+class Listener(Protocol):
+    """What a listening session asks of a listener attached to it: a broadcaster's
+    :class:`~rselection.postgres.broadcast.listener.Listener` (which calls the session, so
+    the session names only what it needs of it)."""
+
+    sessions: Sessions
+    settings: Settings
+    generation: int
+    channel: str
+    retry_at: float
+    listening: bool
+    behind: bool
+
+    def keep_listening(self) -> bool:
+        """Whether the session should LISTEN for it (it has readers, or a position)."""
+
+    def resolve(self, session: ListeningSession, conn: psycopg.Connection[Any]) -> None:
+        """Find its table and channel on the session's connection ``conn``."""
+
+    def begin(self, session: ListeningSession, conn: psycopg.Connection[Any]) -> None:
+        """Take its position on a connection that now LISTENs on its channel."""
+
+    def catch_up(self, session: ListeningSession, conn: psycopg.Connection[Any]) -> None:
+        """Fetch what it missed (after a wake-up or a silence)."""
+
+    def fetch_next(self, session: ListeningSession, conn: psycopg.Connection[Any]) -> None:
+        """Fetch its next page (it was behind)."""
+
+    def on_notify(self, payload: str, pid: int = 0) -> bool:
+        """Take a notification of its channel: whether to fetch."""
+
+    def fail(self, exc: BaseException) -> None:
+        """Its own step failed with ``exc`` (the session goes on)."""
+
+    def lose(self, generation: int) -> None:
+        """The session's connection ``generation`` broke."""
+
+    def release(self) -> None:
+        """The session stopped listening for it."""
+
 
 #: Marks the threads of the listening sessions (see :meth:`ListeningSession.in_a_thread`).
 _THREAD = threading.local()
