@@ -47,7 +47,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import psycopg
 from psycopg import sql
@@ -92,14 +92,11 @@ from ._lease_sql import (
     unlock_sql,
 )
 from .notice_gate import NoticeGate
-from .notices import lease_notice, ring_notice
+from .notices import LeaseNotice, lease_notice, ring_notice
 from .pooler import BACKEND_PID, check_bound, check_same_backend, check_session_pooling
 from .ring import RingWatcher, members_sql, new_ring_key, ring_channel, ring_class
 from .schema import create_tables, table_identifier
 from .session_pool import SessionPool
-
-if TYPE_CHECKING:
-    from .lease import PostgresLease
 
 __all__ = [
     "GATHER",
@@ -160,6 +157,41 @@ to expire)."""
 _T = TypeVar("_T")
 
 
+class KeptLease(Protocol):
+    """What the keeper needs of a lease it keeps: a
+    :class:`~rselection.postgres.PostgresLease` (which calls the keeper, so the keeper
+    names only what it needs of it)."""
+
+    name: str
+    ttl: float
+    renew_deadline: float
+    stop_grace: float
+    connect_timeout: float
+    table: str
+    create_tables: bool
+    channel: str | None
+    row_seen: bool
+
+    @property
+    def conninfo(self) -> str:
+        """The connection string the keeper session is opened with."""
+
+    def wake(self) -> None:
+        """Wake the lease's waits (the keeper's session failed, or a dead keeper session
+        could not be told apart)."""
+
+    def holder_died(self, pid: int) -> None:
+        """The keeper session of backend ``pid`` was announced dead."""
+
+    def notified(
+        self, notice: LeaseNotice, *, sender: int, own_session: bool, proven: bool
+    ) -> None:
+        """A notification on the lease's channel."""
+
+    def nudged(self, kinds: frozenset[str]) -> None:
+        """Notifications of ``kinds`` were held back by the rate limit."""
+
+
 class Heartbeat(Protocol):
     """A node whose heartbeats ride on the keeper session (see
     :class:`~rselection.postgres.membership.PostgresMembership`)."""
@@ -185,7 +217,7 @@ class Heartbeat(Protocol):
 class Queued:
     """A client's renewal or attempt waiting for the next batch."""
 
-    lease: PostgresLease
+    lease: KeptLease
     node_id: str
     term: int = 0
     done: threading.Event = field(default_factory=threading.Event)
@@ -251,8 +283,8 @@ class SharedKeeper:
         self.where = describe_conninfo(conninfo)
         self._lock = threading.RLock()  # one round trip at a time on the session
         self._state = threading.Lock()  # guards the fields below (never held in I/O)
-        self._clients: set[PostgresLease] = set()
-        self._by_channel: dict[str, set[PostgresLease]] = {}
+        self._clients: set[KeptLease] = set()
+        self._by_channel: dict[str, set[KeptLease]] = {}
         self._conn: psycopg.Connection[Any] | None = None
         self._pid = 0
         self._server = ""
@@ -263,7 +295,7 @@ class SharedKeeper:
         # with the term. The session is never closed while it holds one; whether it
         # failed is kept there too. Changed only under _state, with the fields it goes
         # with (_unlocks, _conn).
-        self._holds: SessionHolds[tuple[PostgresLease, str], int] = SessionHolds()
+        self._holds: SessionHolds[tuple[KeptLease, str], int] = SessionHolds()
         self._want = 0.0  # the longest wind-down (renew_deadline + stop_grace) of a client
         self._timeout = 0.0  # the longest connect_timeout of a client
         self._pinned = 0.0  # the wind-down the session's keepalives are sized for
@@ -306,7 +338,7 @@ class SharedKeeper:
         cls._registry_lock = threading.Lock()
 
     @classmethod
-    def attach(cls, lease: PostgresLease) -> SharedKeeper:
+    def attach(cls, lease: KeptLease) -> SharedKeeper:
         """The keeper of ``lease``'s process, conninfo and table, with ``lease`` a client."""
         key = (os.getpid(), lease.conninfo, lease.table)
         with cls._registry_lock:
@@ -356,7 +388,7 @@ class SharedKeeper:
         self._closed = True
         return True
 
-    def detach(self, lease: PostgresLease) -> None:
+    def detach(self, lease: KeptLease) -> None:
         """``lease`` is closed: end its holds and stop listening on its channel unless
         another client listens there; the last client closes the session."""
         with self._registry_lock, self._state:
@@ -379,7 +411,7 @@ class SharedKeeper:
 
     # -- connecting ----------------------------------------------------------------------
 
-    def ensure(self, lease: PostgresLease) -> int:
+    def ensure(self, lease: KeptLease) -> int:
         """Connect when needed and make ``lease`` a listener; return the generation.
 
         Raises:
@@ -438,7 +470,7 @@ class SharedKeeper:
                 self._pin(conn)
             return self.generation
 
-    def ready(self, lease: PostgresLease) -> bool:
+    def ready(self, lease: KeptLease) -> bool:
         """True when ``lease`` can queue a round trip without connecting or listening
         first (never waits for the session's statement lock)."""
         with self._state:
@@ -467,7 +499,7 @@ class SharedKeeper:
             "application_name": f"rselection:keeper{role}",
         }
 
-    def _connect(self, lease: PostgresLease) -> None:
+    def _connect(self, lease: KeptLease) -> None:
         hold, timeout = self._want, self._timeout
         try:
             conn = psycopg.Connection.connect(self._conninfo, **self._connect_kwargs("", hold))
@@ -643,7 +675,7 @@ class SharedKeeper:
         with self._state:
             return self._pid if self._conn is not None else None
 
-    def nodes_holding(self, lease: PostgresLease) -> list[str]:
+    def nodes_holding(self, lease: KeptLease) -> list[str]:
         """The nodes that hold a term of ``lease`` through the session now."""
         with self._state:
             return [node for (client, node) in self._holds.holders() if client is lease]
@@ -714,7 +746,7 @@ class SharedKeeper:
         if close:
             self._drop()
 
-    def end_hold(self, lease: PostgresLease, node_id: str, term: int) -> None:
+    def end_hold(self, lease: KeptLease, node_id: str, term: int) -> None:
         """``term`` of ``node_id`` on ``lease`` ended (its tasks are joined): the session
         may end as far as that term goes, and its lock is freed on the next round trip."""
         with self._state:
@@ -768,7 +800,7 @@ class SharedKeeper:
         query: sql.Composable,
         what: str,
         *,
-        limit: PostgresLease | float,
+        limit: KeptLease | float,
         tolerate: bool = False,
         undo: Callable[[int], sql.Composed] | None = None,
     ) -> list[list[tuple[Any, ...]] | None]:
@@ -938,7 +970,7 @@ class SharedKeeper:
 
     def renew(
         self,
-        lease: PostgresLease,
+        lease: KeptLease,
         node_id: str,
         term: int,
         *,
@@ -961,7 +993,7 @@ class SharedKeeper:
         return row
 
     def renew_soon(
-        self, lease: PostgresLease, node_id: str, term: int, on_done: Callable[[Queued], None]
+        self, lease: KeptLease, node_id: str, term: int, on_done: Callable[[Queued], None]
     ) -> Queued | None:
         """Queue a renewal of ``term`` without waiting: ``on_done(entry)`` is called once
         with its answer (as :meth:`renew` returns or raises it). ``None`` (nothing
@@ -977,7 +1009,7 @@ class SharedKeeper:
         return queued
 
     def acquire_soon(
-        self, lease: PostgresLease, node_id: str, on_done: Callable[[Queued], None]
+        self, lease: KeptLease, node_id: str, on_done: Callable[[Queued], None]
     ) -> Queued | None:
         """Queue an attempt without waiting, as :meth:`renew_soon` does (its answer is
         an :class:`Attempt`)."""
@@ -1043,7 +1075,7 @@ class SharedKeeper:
         send(batch[:middle])
         send(batch[middle:])
 
-    def acquire(self, lease: PostgresLease, node_id: str) -> Attempt:
+    def acquire(self, lease: KeptLease, node_id: str) -> Attempt:
         """Attempt ``lease`` for ``node_id`` (batched with the other attempts due)."""
         self.ensure(lease)
         attempt: Attempt = self._batch(self._attempts, Queued(lease, node_id), self._send_attempts)
@@ -1117,7 +1149,7 @@ class SharedKeeper:
         for q in batch:
             q.fill(Attempt(q.lease.name in taken, states.get(q.lease.name)))
 
-    def release(self, lease: PostgresLease, node_id: str, term: int) -> bool:
+    def release(self, lease: KeptLease, node_id: str, term: int) -> bool:
         """Give ``term`` back (row cleared, followers notified, its lock freed); ``True``
         when the row was still ours.
 
@@ -1140,7 +1172,7 @@ class SharedKeeper:
         return released
 
     def release_soon(
-        self, lease: PostgresLease, node_id: str, term: int, on_done: Callable[[Queued], None]
+        self, lease: KeptLease, node_id: str, term: int, on_done: Callable[[Queued], None]
     ) -> Queued | None:
         """Queue a release without waiting, as :meth:`renew_soon` does: ``on_done`` gets
         the entry once it is settled (a bool, :data:`RELEASE_REFUSED`, or an error; a
@@ -1154,14 +1186,14 @@ class SharedKeeper:
         self._enqueue(self._releases, queued)
         return queued
 
-    def _lock_key(self, lease: PostgresLease, node_id: str, term: int) -> int | None:
+    def _lock_key(self, lease: KeptLease, node_id: str, term: int) -> int | None:
         """Under ``_state``: the key of the advisory lock that ``term`` of ``lease`` holds
         through the session (the one its acquisition locked), or ``None`` when it holds
         none any more (its end already queued the unlock): nothing to free then."""
         held = self._holds.get((lease, node_id))
         return held[1] if held is not None and held[0] == term else None
 
-    def _released(self, lease: PostgresLease, node_id: str, term: int) -> None:
+    def _released(self, lease: KeptLease, node_id: str, term: int) -> None:
         with self._state:
             self._holds.end_term((lease, node_id), term)
         self._io.recheck()
@@ -1220,7 +1252,7 @@ class SharedKeeper:
             self._released(q.lease, q.node_id, q.term)
             q.fill(released)
 
-    def _release_alone(self, lease: PostgresLease, node_id: str, term: int) -> bool:
+    def _release_alone(self, lease: KeptLease, node_id: str, term: int) -> bool:
         """:meth:`release` in a round trip of its own (after a refused batch)."""
         channel = lease.channel
         if channel is None:  # the session that held the term is gone
