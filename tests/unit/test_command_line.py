@@ -6,8 +6,6 @@ import argparse
 import ast
 import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
@@ -84,16 +82,6 @@ def test_redis_url_passwords_are_redacted() -> None:
     with pytest.raises(UsageError) as refused:
         connections.redis_client("http://:hunter2@h")
     assert "hunter2" not in str(refused.value)
-
-
-def test_the_command_line_loads_no_driver_until_a_subcommand_runs() -> None:
-    code = (
-        "import sys; from rselection import cli; cli.build_parser(); "
-        "print(sorted(m for m in ('psycopg', 'redis') if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
 
 
 # -- exit codes, passwords in connection strings that cannot be parsed ----------------------

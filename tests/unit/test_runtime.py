@@ -12,9 +12,6 @@ import functools
 import itertools
 import logging
 import statistics
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -640,38 +637,6 @@ def test_stuck_sync_task_is_reported(
         for r in warnings
     )
     assert "rselection-task-deaf" in runtime_threads()  # still there until released
-
-
-def test_stuck_task_with_on_stuck_exit_ends_the_process() -> None:
-    script = textwrap.dedent(
-        """
-        import threading, time
-        import rselection as rs
-
-        handler = rs.TaskHandler(stop_grace=0.2, on_stuck="exit")
-        started = threading.Event()
-
-        @handler.persistent("deaf")
-        def deaf(ctx):
-            started.set()
-            while True:
-                time.sleep(0.01)
-
-        leader = rs.SingleNodeLeader(handler)
-        leader.start()
-        assert started.wait(5)
-        leader.stop(timeout=10)
-        print("stop returned", flush=True)
-        raise SystemExit(0)
-        """
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 70, result.stderr
-    assert "stop returned" not in result.stdout
-    assert "task 'deaf' of term 1 is still running" in result.stderr
-    assert "exiting (code 70)" in result.stderr
 
 
 # -- nothing left behind ------------------------------------------------------------------

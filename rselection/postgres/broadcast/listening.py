@@ -46,6 +46,7 @@ ROUND_TRIP_ERRORS = (psycopg.Error, OSError, BackendUnavailable, ConfigError)
 Step = Callable[["ListeningSession", "psycopg.Connection[Any]"], None]
 """A listener's part of a wake-up: ``step(session, conn)``."""
 
+
 class Listener(Protocol):
     """What a listening session asks of a listener attached to it: a broadcaster's
     :class:`~rselection.postgres.broadcast.listener.Listener` (which calls the session, so
