@@ -56,14 +56,14 @@ class HandoverRequest:
     Attributes:
         term: the term asked to hand over; a request for any other term is ignored.
         to: the node the lease is reserved for, or ``None`` for any other node.
-        timeout: seconds (server measured) the request stays valid; until then, or until
-            another node takes the lease, the backend keeps the asked node (and, with
-            ``to``, every node but ``to``) from taking the lease.
+        valid_for: seconds (server measured) the request stays valid; until then, or
+            until another node takes the lease, the backend keeps the asked node (and,
+            with ``to``, every node but ``to``) from taking the lease.
     """
 
     term: int
     to: str | None
-    timeout: float
+    valid_for: float
 
 
 RenewOutcome = bool | None | BaseException

@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
             asked_at = time.monotonic()
             try:
                 asked = request_handover(
-                    conn, name, table=args.table, to=args.to, timeout=args.timeout
+                    conn, name, table=args.table, to=args.to, valid_for=args.timeout
                 )
             except ConfigError as exc:
                 say(redact(str(exc), dsn), err=True)
@@ -237,7 +237,7 @@ def _resign_redis(args: argparse.Namespace) -> int:
             asked_at = time.monotonic()
             try:
                 asked = request_handover(
-                    client, name, to=args.to, timeout=args.timeout, key_prefix=prefix
+                    client, name, to=args.to, valid_for=args.timeout, key_prefix=prefix
                 )
             except ConfigError as exc:
                 say(str(exc), err=True)

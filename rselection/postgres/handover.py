@@ -2,12 +2,12 @@
 
 :func:`request_handover` records a request for the current term on the lease row in one
 statement: ``resign_term`` (the term), ``resign_from`` (its holder), ``resign_to`` (the
-node asked for, or NULL) and ``resign_until`` (server time + its ``timeout``), and notifies
+node asked for, or NULL) and ``resign_until`` (server time + its ``valid_for``), and notifies
 the lease's channel with a ``resign`` event. The leader's keeper wakes on it
 (:func:`announces_handover`), renews at once, and its renewal reports the request when it
 is for the term being renewed (:func:`renewal_request`); the leader then steps down
 through the normal release. Until the next acquisition (which clears the request) or the
-end of its timeout, the acquire statement refuses the lease to the resigning node and,
+end of its ``valid_for``, the acquire statement refuses the lease to the resigning node and,
 when a node was named, to every node but that one. A request only narrows who may
 acquire, so it cannot make two leaders.
 
@@ -46,9 +46,9 @@ __all__ = [
     "request_handovers",
 ]
 
-#: The shortest request ``timeout``, seconds (as on Redis, whose expiries are whole
+#: The shortest request ``valid_for``, seconds (as on Redis, whose expiries are whole
 #: milliseconds).
-MIN_TIMEOUT = 0.001
+MIN_VALID_FOR = 0.001
 
 
 @contextlib.contextmanager
@@ -82,18 +82,18 @@ def request_handover(
     *,
     table: str = DEFAULT_TABLE,
     to: str | None = None,
-    timeout: float = 10.0,
+    valid_for: float = 10.0,
 ) -> LeaderInfo | None:
     """Ask the leader of lease ``name`` to hand over; return the holder asked.
 
     One statement: records the request on the lease row (``resign_term`` = the current
     term, ``resign_from`` = its holder, ``resign_to``, ``resign_until`` = server time +
-    ``timeout``) and notifies the lease's channel, which wakes the leader. The leader
+    ``valid_for``) and notifies the lease's channel, which wakes the leader. The leader
     sees the request in its next renewal (at once, thanks to the notification), cancels
     and drains its tasks and releases; a follower takes over. Until the next acquisition
-    or the end of ``timeout``, the lease is reserved: the old holder may not take it
+    or the end of ``valid_for``, the lease is reserved: the old holder may not take it
     back, and with ``to`` only that node may take it. Returns ``None`` when nobody holds
-    the lease. A request for a term that has ended, or one whose timeout passed, is
+    the lease. A request for a term that has ended, or one whose ``valid_for`` passed, is
     ignored.
 
     Args:
@@ -102,7 +102,7 @@ def request_handover(
         name: the lease name.
         table: the lease table, optionally schema-qualified.
         to: node id that should take over, or ``None`` for any other node.
-        timeout: seconds the request (and the reservation for ``to``) stays valid (at
+        valid_for: seconds the request (and the reservation for ``to``) stays valid (at
             least 1 ms).
 
     Raises:
@@ -111,18 +111,18 @@ def request_handover(
         BackendUnavailable: the database cannot be reached or the statement failed.
     """
     name = check_name(name, "lease name")
-    timeout = check_seconds(timeout, "timeout", minimum=MIN_TIMEOUT)
+    valid_for = check_seconds(valid_for, "valid_for", minimum=MIN_VALID_FOR)
     if to is not None:
         to = check_node_id(to)
     with _one_call(conninfo, "request_handover", "record the handover request") as conn:
-        row = _request(conn, name, table, to, timeout)
+        row = _request(conn, name, table, to, valid_for)
     if row is None:
         return None
     return LeaderInfo(row[0], row[1], utc(row[2]), utc(row[3]))
 
 
 def _request(
-    conn: psycopg.Connection[Any], name: str, table: str, to: str | None, timeout: float
+    conn: psycopg.Connection[Any], name: str, table: str, to: str | None, valid_for: float
 ) -> tuple[Any, ...] | None:
     """The request statement of :func:`request_handover`: the holder's row, or ``None``."""
     _, qualified, handovers = _lease_table(conn, table)
@@ -133,7 +133,7 @@ def _request(
             "WITH asked AS ("
             " UPDATE {t} AS t SET resign_term = t.term, resign_from = t.holder,"
             " resign_to = %(to)s,"
-            " resign_until = clock_timestamp() + %(timeout)s * interval '1 second'"
+            " resign_until = clock_timestamp() + %(valid_for)s * interval '1 second'"
             " WHERE t.name = %(name)s AND t.holder IS NOT NULL"
             " AND t.expires_at > clock_timestamp()"
             " RETURNING t.holder, t.term, t.acquired_at, t.expires_at)"
@@ -143,7 +143,7 @@ def _request(
         ).format(t=table_identifier(table)),
         {
             "to": to,
-            "timeout": timeout,
+            "valid_for": valid_for,
             "name": name,
             "channel": lease_channel(qualified, name),
         },
@@ -155,7 +155,7 @@ def request_handovers(
     targets: Mapping[str, str],
     *,
     table: str = DEFAULT_TABLE,
-    timeout: float = 10.0,
+    valid_for: float = 10.0,
     members_of: str | None = None,
     nodes_table: str = NODES_TABLE,
     fence: tuple[str, int] | None = None,
@@ -171,7 +171,7 @@ def request_handovers(
             or a pool.
         targets: the node that should take over each lease, by lease name.
         table: the lease table, optionally schema-qualified.
-        timeout: seconds each request (and its reservation) stays valid (at least 1 ms).
+        valid_for: seconds each request (and its reservation) stays valid (at least 1 ms).
         members_of: when given, a lease name: a request is recorded only if its target
             has a row of that lease in ``nodes_table`` (it heartbeats as one of its
             nodes and has not left). The rows are locked ``FOR KEY SHARE`` by the
@@ -193,7 +193,7 @@ def request_handovers(
         raise ConfigError(f"targets must map lease names to node ids, got {type(targets).__name__}")
     names = [check_name(name, "lease name") for name in targets]
     nodes = [check_node_id(node) for node in targets.values()]
-    timeout = check_seconds(timeout, "timeout", minimum=MIN_TIMEOUT)
+    valid_for = check_seconds(valid_for, "valid_for", minimum=MIN_VALID_FOR)
     if members_of is not None:
         members_of = check_name(members_of, "lease name")
         table_identifier(nodes_table)  # validates
@@ -230,7 +230,7 @@ def request_handovers(
                 " asked AS ("
                 " UPDATE {t} AS t SET resign_term = t.term, resign_from = t.holder,"
                 " resign_to = r.target,"
-                " resign_until = clock_timestamp() + %(timeout)s * interval '1 second'"
+                " resign_until = clock_timestamp() + %(valid_for)s * interval '1 second'"
                 " FROM r WHERE t.name = r.name AND t.holder IS NOT NULL"
                 " AND t.holder <> r.target AND t.expires_at > clock_timestamp(){conditions}"
                 " RETURNING t.name, t.holder, t.term, t.acquired_at, t.expires_at,"
@@ -249,7 +249,7 @@ def request_handovers(
                 conditions=sql.Composed(conditions),
             ),
             {
-                "timeout": timeout,
+                "valid_for": valid_for,
                 "members": members_of,
                 "fence_name": fence[0] if fence is not None else None,
                 "fence_term": fence[1] if fence is not None else None,
@@ -393,7 +393,7 @@ def renewal_request(term: int, row: tuple[Any, ...]) -> HandoverRequest | None:
     Args:
         term: the term renewed.
         row: the renewal's row: whether a request for ``term`` is pending, the node it
-            names (or NULL) and the seconds left of its timeout.
+            names (or NULL) and the seconds it stays valid.
     """
     asked, to, left = row
     if not asked:

@@ -303,7 +303,7 @@ class PostgresShardedLeader(ShardedLeader):
             self.conninfo,
             targets,
             table=self.table,
-            timeout=self.handover_timeout,
+            valid_for=self.handover_timeout,
             members_of=self._name,
             nodes_table=self.nodes_table,
             fence=fence,

@@ -2,7 +2,7 @@
 
 :func:`request_handover` records a request for the current term in one script: the key
 ``<prefix>{<name>}:resign`` (same hash slot as the lease) gets the term, the holder and
-the node asked for, with ``PX`` = the timeout, and a ``resign:<term>`` message goes out on
+the node asked for, with ``PX`` = its ``valid_for``, and a ``resign:<term>`` message goes out on
 the lease's channel. The leader's keeper wakes on it, renews at once, and its renewal
 script reports the request when it is for the term being renewed; the leader then steps
 down through the normal release. Until another node acquired (the acquire script deletes
@@ -68,16 +68,16 @@ def request_handover(
     name: str,
     *,
     to: str | None = None,
-    timeout: float = 10.0,
+    valid_for: float = 10.0,
     key_prefix: str = DEFAULT_KEY_PREFIX,
 ) -> LeaderInfo | None:
     """Ask the leader of Redis lease ``name`` to hand over; return the holder asked.
 
     One script: records the request for the current term (``<prefix>{<name>}:resign``,
-    expiring after ``timeout``) and publishes ``resign:<term>`` on the lease's channel,
+    expiring after ``valid_for``) and publishes ``resign:<term>`` on the lease's channel,
     which wakes the leader. The leader sees the request in the renewal that follows,
     cancels and drains its tasks and releases; a follower takes over. Until the next
-    acquisition or the end of ``timeout``, the lease is reserved: the old holder may not
+    acquisition or the end of ``valid_for``, the lease is reserved: the old holder may not
     take it back, and with ``to`` only that node may take it. Returns ``None`` when
     nobody holds the lease. A request for a term that has ended is ignored.
 
@@ -86,7 +86,7 @@ def request_handover(
             made from a URL is closed before the call returns).
         name: the lease name.
         to: node id that should take over, or ``None`` for any other node.
-        timeout: seconds the request (and the reservation for ``to``) stays valid.
+        valid_for: seconds the request (and the reservation for ``to``) stays valid.
         key_prefix: the leaders' ``key_prefix``.
 
     Raises:
@@ -94,7 +94,7 @@ def request_handover(
         BackendUnavailable: Redis cannot be reached or refused the script.
     """
     name, key_prefix = _lease(name, key_prefix)
-    timeout = check_seconds(timeout, "timeout", minimum=0.001)
+    valid_for = check_seconds(valid_for, "valid_for", minimum=0.001)
     if to is not None:
         to = check_node_id(to)
     key, _, channel = lease_keys(name, key_prefix)
@@ -106,7 +106,7 @@ def request_handover(
                 key,
                 handover_key(name, key_prefix),
                 to or "",
-                max(1, round(timeout * 1000)),
+                max(1, round(valid_for * 1000)),
                 channel,
             )
         except redis.RedisError as exc:
@@ -226,7 +226,7 @@ def request_handovers(
     client: Any,
     targets: dict[str, str],
     *,
-    timeout: float = 10.0,
+    valid_for: float = 10.0,
     key_prefix: str = DEFAULT_KEY_PREFIX,
 ) -> dict[str, LeaderInfo]:
     """:func:`request_handover` of many leases, each to a node of its own, in one
@@ -240,7 +240,7 @@ def request_handovers(
     Args:
         client: a ``redis.Redis``, a ``RedisCluster`` or a ``redis://`` URL.
         targets: the node that should take over each lease, by lease name.
-        timeout: seconds each request (and its reservation) stays valid.
+        valid_for: seconds each request (and its reservation) stays valid.
         key_prefix: the leaders' ``key_prefix``.
 
     Raises:
@@ -251,8 +251,8 @@ def request_handovers(
         raise ConfigError(f"targets must map lease names to node ids, got {type(targets).__name__}")
     checked = {_lease(name, key_prefix)[0]: check_node_id(to) for name, to in targets.items()}
     key_prefix = check_key_prefix(key_prefix)
-    timeout = check_seconds(timeout, "timeout", minimum=0.001)
-    px = max(1, round(timeout * 1000))
+    valid_for = check_seconds(valid_for, "valid_for", minimum=0.001)
+    px = max(1, round(valid_for * 1000))
     answers: dict[str, LeaderInfo] = {}
     if not checked:
         return answers

@@ -268,7 +268,7 @@ class RedisShardedLeader(ShardedLeader):
         members = self._members()
         asked = {name: to for name, to in targets.items() if to in members}
         answers = request_handovers(
-            self._client, asked, timeout=self.handover_timeout, key_prefix=self.key_prefix
+            self._client, asked, valid_for=self.handover_timeout, key_prefix=self.key_prefix
         )
         # A target that left between the read and the requests opened what was reserved
         # for it before ours landed: withdraw ours now, or its shards would stay unled

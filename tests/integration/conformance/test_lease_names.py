@@ -130,7 +130,7 @@ def test_the_longest_names_in_four_byte_characters_lead_and_hand_over(
         assert first.wait_until_leader(10), f"a name of {n} four-byte characters never led"
         second.start()
         wait_until(lambda: second.leader() is not None, 10, "the follower to see the leader")
-        asked = backend.handover.request_handover(backend.url, name, to=node_b, timeout=10)
+        asked = backend.handover.request_handover(backend.url, name, to=node_b, valid_for=10)
         assert asked is not None and asked.node_id == node_a
         assert second.wait_until_leader(10), "the handover to the longest node id failed"
         holder = second.leader()

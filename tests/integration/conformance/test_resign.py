@@ -4,7 +4,7 @@
 called the same way on both: ``f(conninfo_or_client, name, ...)``.
 
 A request reserves the lease for the named node (or keeps only the old holder out)
-until the next acquisition or the end of its ``timeout``; it is for the current term
+until the next acquisition or the end of its ``valid_for``; it is for the current term
 only, can be withdrawn, and wakes the leader, which hands over well under a second.
 The command refuses what it cannot do (no holder, no other live node, a node that is
 not live, an unreachable server) with a clear message and exit code.
@@ -213,7 +213,7 @@ def test_an_in_process_leader_hands_over_on_request_and_stays_out(
         assert term is not None
         wait_until(lambda: backend.node_ids(name) == ["p0", "p1"], 10, "both nodes listed")
         began = time.monotonic()
-        asked = backend.handover.request_handover(backend.url, name, timeout=10)
+        asked = backend.handover.request_handover(backend.url, name, valid_for=10)
         assert asked is not None and (asked.node_id, asked.term) == ("p0", term)
         assert leaders[1].wait_until_leader(5)
         took = time.monotonic() - began
@@ -254,11 +254,11 @@ def test_a_request_when_nobody_holds_the_lease_asks_nobody(
     backend: Backend, name: str, make_lease: Callable[..., Any]
 ) -> None:
     a = make_lease()
-    assert backend.handover.request_handover(backend.url, name, timeout=5) is None
+    assert backend.handover.request_handover(backend.url, name, valid_for=5) is None
     got = a.try_acquire("A")
     assert got.holder is not None
     a.release("A", got.holder.term)
-    assert backend.handover.request_handover(backend.url, name, to="B", timeout=5) is None
+    assert backend.handover.request_handover(backend.url, name, to="B", valid_for=5) is None
     assert not backend.handover_pending(name)
     assert a.try_acquire("A").acquired  # nothing reserved
 
@@ -271,12 +271,12 @@ def test_a_request_reserves_the_lease_for_the_named_node_until_its_timeout_ends(
     first = a.try_acquire("A")
     assert first.acquired and first.holder is not None
     term = first.holder.term
-    asked = handover.request_handover(backend.url, name, to="C", timeout=1.0)
+    asked = handover.request_handover(backend.url, name, to="C", valid_for=1.0)
     assert asked is not None and (asked.node_id, asked.term) == ("A", term)
     assert a.renew("A", term)
     request = a.handover_requested()
     assert request is not None and request.term == term and request.to == "C"
-    assert 0 < request.timeout <= 1.0
+    assert 0 < request.valid_for <= 1.0
     assert a.handover_requested() is None  # reported once
     a.release("A", term)
 
@@ -288,8 +288,8 @@ def test_a_request_reserves_the_lease_for_the_named_node_until_its_timeout_ends(
     assert taken.acquired and taken.holder is not None and taken.holder.term == term + 1
     assert not backend.handover_pending(name)  # the acquisition cleared the request
 
-    # A reservation nobody uses ends with its timeout.
-    asked = handover.request_handover(backend.url, name, to="D", timeout=0.5)
+    # A reservation nobody uses ends with its valid_for.
+    asked = handover.request_handover(backend.url, name, to="D", valid_for=0.5)
     assert asked is not None and asked.node_id == "C"
     assert c.renew("C", term + 1) and c.handover_requested() is not None
     c.release("C", term + 1)
@@ -306,7 +306,7 @@ def test_without_a_named_node_only_the_old_holder_is_kept_out(
     first = a.try_acquire("A")
     assert first.holder is not None
     term = first.holder.term
-    assert backend.handover.request_handover(backend.url, name, timeout=5.0) is not None
+    assert backend.handover.request_handover(backend.url, name, valid_for=5.0) is not None
     assert a.renew("A", term)
     request = a.handover_requested()
     assert request is not None and request.to is None
@@ -325,7 +325,7 @@ def test_a_request_binds_until_the_next_acquisition_also_after_the_term_expired(
     got = a.try_acquire("A")
     assert got.holder is not None
     term = got.holder.term
-    assert backend.handover.request_handover(backend.url, name, to="A", timeout=10) is not None
+    assert backend.handover.request_handover(backend.url, name, to="A", valid_for=10) is not None
     backend.expire(name)  # the holder's lease ran out without a handover
     assert not b.try_acquire("B").acquired  # reserved for A while the request lasts
     took = a.try_acquire("A")
@@ -344,14 +344,14 @@ def test_a_withdrawn_or_lapsed_request_is_not_reported(
     got = a.try_acquire("A")  # a second term, so that term - 1 is a term too
     assert got.holder is not None
     term = got.holder.term
-    asked = handover.request_handover(backend.url, name, timeout=10)
+    asked = handover.request_handover(backend.url, name, valid_for=10)
     assert asked is not None and asked.term == term
     assert not handover.cancel_handover(backend.url, name, term - 1)  # not this term's
     assert handover.cancel_handover(backend.url, name, term)
     assert not handover.cancel_handover(backend.url, name, term)  # withdrawn already
     assert a.renew("A", term) and a.handover_requested() is None
-    # A request whose timeout passed is not reported either.
-    assert handover.request_handover(backend.url, name, timeout=0.2) is not None
+    # A request whose valid_for passed is not reported either.
+    assert handover.request_handover(backend.url, name, valid_for=0.2) is not None
     time.sleep(0.4)
     assert a.renew("A", term) and a.handover_requested() is None
     assert not make_lease().try_acquire("B").acquired  # A still holds it
@@ -363,9 +363,9 @@ def test_a_withdrawn_or_lapsed_request_is_not_reported(
 def test_bad_arguments_are_refused_before_any_io(backend: Backend) -> None:
     url, _ = backend.unreachable()
     handover = backend.handover
-    for timeout in (0, -1, 0.0009, float("nan"), float("inf"), True, "10"):
-        with pytest.raises(ConfigError, match="timeout"):
-            handover.request_handover(url, "lease", timeout=timeout)
+    for valid_for in (0, -1, 0.0009, float("nan"), float("inf"), True, "10"):
+        with pytest.raises(ConfigError, match="valid_for"):
+            handover.request_handover(url, "lease", valid_for=valid_for)
     for to in ("", "  ", "x\x00", "x" * 1001, 3):
         with pytest.raises(ConfigError, match="node_id"):
             handover.request_handover(url, "lease", to=to)

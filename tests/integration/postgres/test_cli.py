@@ -526,7 +526,7 @@ def test_status_shows_a_pending_handover_request(pg_dsn: str) -> None:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             # Reserved for a node that is not running: the leader hands over, nobody may
             # take the lease until its timeout ends, and the request stays pending.
-            asked = request_handover(conn, "asked", to="n9", timeout=60)
+            asked = request_handover(conn, "asked", to="n9", valid_for=60)
         assert asked is not None
         wait_until(lambda: not leader.is_leader, 10, "the leader to hand over")
     finally:

@@ -159,7 +159,7 @@ ENTRY_POINTS: dict[str, Callable[[str], Any]] = {
     "PostgresCheckpointStore": lambda dsn: PostgresCheckpointStore(dsn),
     "PostgresBroadcaster": lambda dsn: PostgresBroadcaster(dsn),
     "migrate": lambda dsn: migrate(dsn, timeout=2),
-    "request_handover": lambda dsn: request_handover(dsn, "x", timeout=2),
+    "request_handover": lambda dsn: request_handover(dsn, "x", valid_for=2),
     "cancel_handover": lambda dsn: cancel_handover(dsn, "x", 1),
     "current_holder": lambda dsn: current_holder(dsn, "x"),
 }

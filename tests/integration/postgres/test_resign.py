@@ -141,7 +141,7 @@ def test_the_handover_functions_take_a_connection_or_a_pool_as_conninfo(
     with psycopg.connect(pg_dsn) as conn:  # not autocommit
         holder = current_holder(conn, "direct")
         assert holder is not None and (holder.node_id, holder.term) == ("A", term)
-        asked = request_handover(conn, "direct", to="B", timeout=10)
+        asked = request_handover(conn, "direct", to="B", valid_for=10)
         assert asked is not None and asked.term == term
         assert a.renew("A", term)  # committed at once: the leader sees it
         request = a.handover_requested()
@@ -168,7 +168,7 @@ def test_a_request_wakes_the_holder_and_no_follower(
     assert got.holder is not None
     assert not b.try_acquire("B").acquired
     b.wait_for_change(0.3)  # forget the wake of A's acquisition, if it came late
-    request_handover(pg_dsn, "direct", to="B", timeout=10)
+    request_handover(pg_dsn, "direct", to="B", valid_for=10)
     started = time.monotonic()
     a.wait_for_change(10)
     assert time.monotonic() - started < 5, "the holder was not woken by the request"
@@ -224,7 +224,7 @@ def test_a_handover_costs_each_other_node_one_attempt(
                 return PostgresLease.acquire_soon(lease, node_id, done)
 
             lease.acquire_soon = counted  # type: ignore[method-assign]
-        request_handover(pg_dsn, "quiet", to="c", timeout=10)
+        request_handover(pg_dsn, "quiet", to="c", valid_for=10)
         wait_until(lambda: c.is_leader, 10, "c to lead")
         wait_until(
             lambda: seen["b"][-1:] == ["c"] and seen["a"][-1:] == ["c"], 5, "a and b to see c"
@@ -250,7 +250,7 @@ def test_request_handovers_asks_many_leases_in_one_statement(pg_dsn: str) -> Non
         asked = request_handovers(
             pg_dsn,
             {"many0": "B", "many1": "C", "many2": "A", "many4": "B", "missing": "B"},
-            timeout=10,
+            valid_for=10,
         )
         # many2's target holds it already, many4 and "missing" are not held.
         assert sorted(asked) == ["many0", "many1"]

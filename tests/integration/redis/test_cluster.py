@@ -193,7 +193,7 @@ def test_one_leader_on_the_slot_master_handovers_and_fenced_writes(
     )
     wait_until(lambda: len(live_nodes(client, name) or []) == 2, 10, "two keepers listed")
     began = time.monotonic()
-    asked = request_handover(client, name, timeout=10)
+    asked = request_handover(client, name, valid_for=10)
     assert asked is not None and asked.node_id == second.node_id
     third = the_leader([x for x in rest if x is not second])
     took = time.monotonic() - began

@@ -80,7 +80,7 @@ def test_requests_skip_a_lease_its_target_holds_and_a_node_that_left_opens_its_o
             leader.start()
         wait_until(lambda: all(h.is_leader for h in holders), 20, "a leads both leases")
         # A lease its target holds is left alone; the other is reserved for its target.
-        asked = request_handovers(redis_url, {f"{name}/0": "b", f"{name}/1": "a"}, timeout=30)
+        asked = request_handovers(redis_url, {f"{name}/0": "b", f"{name}/1": "a"}, valid_for=30)
         assert set(asked) == {f"{name}/0"} and asked[f"{name}/0"].node_id == "a"
         assert reservation(redis_url, f"{name}/1") is None
         reserved = reservation(redis_url, f"{name}/0")
