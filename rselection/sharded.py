@@ -263,7 +263,7 @@ class Rebalancer:
     heartbeat was seen to advance, it has been heartbeating for ``settle`` seconds and
     its last heartbeat is fresh; a node that lost shards no handover explains (it died,
     or its session broke) is counted out until its next heartbeat. A move that does not
-    complete within ``handover_timeout`` counts its target out the same way.
+    complete within ``handover_valid_for`` counts its target out the same way.
 
     Args:
         leader: the sharded leader it balances.
@@ -373,9 +373,9 @@ class Rebalancer:
             {shard_lease_name(leader.name, k): move.target for k, move in chosen.items()},
             fence=None if term is None else (leader.name, term),
         )
-        # The reservation lasts handover_timeout from the request, by the server's
+        # The reservation lasts handover_valid_for from the request, by the server's
         # clock; a second more for the target's attempt to land.
-        until = now + timedelta(seconds=leader.handover_timeout + 1.0)
+        until = now + timedelta(seconds=leader.handover_valid_for + 1.0)
         asked: list[Move] = []
         for shard, move in chosen.items():
             info = answers.get(shard_lease_name(leader.name, shard))
@@ -490,7 +490,7 @@ class ShardedLeader(Service, ABC):
         settle: seconds a node must have been heartbeating before it is given shards
             (default: ``heartbeat_interval``).
         max_moves: most handovers in flight at once from any one node.
-        handover_timeout: seconds a moved shard stays reserved for its target (default:
+        handover_valid_for: seconds a moved shard stays reserved for its target (default:
             ``stop_grace + 1``).
 
     Raises:
@@ -513,7 +513,7 @@ class ShardedLeader(Service, ABC):
         rebalance_interval: float,
         settle: float | None,
         max_moves: int,
-        handover_timeout: float | None,
+        handover_valid_for: float | None,
     ) -> None:
         if not isinstance(handler, TaskHandler):
             raise ConfigError(f"handler must be a TaskHandler, got {type(handler).__name__}")
@@ -528,8 +528,8 @@ class ShardedLeader(Service, ABC):
         if isinstance(max_moves, bool) or not isinstance(max_moves, int) or max_moves < 1:
             raise ConfigError(f"max_moves must be a positive int, got {max_moves!r:.40}")
         self.max_moves = max_moves
-        given_timeout = check_optional_seconds(handover_timeout, "handover_timeout")
-        self.handover_timeout = stop_grace + 1.0 if given_timeout is None else given_timeout
+        given_valid_for = check_optional_seconds(handover_valid_for, "handover_valid_for")
+        self.handover_valid_for = stop_grace + 1.0 if given_valid_for is None else given_valid_for
         given_node_timeout = check_optional_seconds(node_timeout, "node_timeout")
         self._node_timeout = (
             3 * self.heartbeat_interval if given_node_timeout is None else given_node_timeout

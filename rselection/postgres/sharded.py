@@ -129,7 +129,7 @@ class PostgresShardedLeader(ShardedLeader):
             not make shards bounce.
         max_moves: most handovers in flight at once from any one node (each old owner
             cancels, joins and releases the shards it gives).
-        handover_timeout: seconds a moved shard stays reserved for its target (default:
+        handover_valid_for: seconds a moved shard stays reserved for its target (default:
             ``stop_grace + 1``); a target that has not taken it by then gets no more
             shards until it heartbeats again.
 
@@ -162,7 +162,7 @@ class PostgresShardedLeader(ShardedLeader):
         rebalance_interval: float = 0.5,
         settle: float | None = None,
         max_moves: int = 32,
-        handover_timeout: float | None = None,
+        handover_valid_for: float | None = None,
     ) -> None:
         if not isinstance(conninfo, str):
             raise ConfigError(
@@ -180,7 +180,7 @@ class PostgresShardedLeader(ShardedLeader):
             rebalance_interval=rebalance_interval,
             settle=settle,
             max_moves=max_moves,
-            handover_timeout=handover_timeout,
+            handover_valid_for=handover_valid_for,
         )
         table_identifier(table)  # validates
         table_identifier(nodes_table)
@@ -303,7 +303,7 @@ class PostgresShardedLeader(ShardedLeader):
             self.conninfo,
             targets,
             table=self.table,
-            valid_for=self.handover_timeout,
+            valid_for=self.handover_valid_for,
             members_of=self._name,
             nodes_table=self.nodes_table,
             fence=fence,

@@ -120,7 +120,7 @@ class RedisShardedLeader(ShardedLeader):
         settle: seconds a node must have been heartbeating before it is given shards
             (default: ``heartbeat_interval``).
         max_moves: most handovers in flight at once from any one node.
-        handover_timeout: seconds a moved shard stays reserved for its target (default:
+        handover_valid_for: seconds a moved shard stays reserved for its target (default:
             ``stop_grace + 1``).
 
     Raises:
@@ -151,7 +151,7 @@ class RedisShardedLeader(ShardedLeader):
         rebalance_interval: float = 0.5,
         settle: float | None = None,
         max_moves: int = 32,
-        handover_timeout: float | None = None,
+        handover_valid_for: float | None = None,
     ) -> None:
         if not (claimer is DEFAULT_CLAIMER or claimer is None or isinstance(claimer, FireClaimer)):
             raise ConfigError(
@@ -171,7 +171,7 @@ class RedisShardedLeader(ShardedLeader):
                 rebalance_interval=rebalance_interval,
                 settle=settle,
                 max_moves=max_moves,
-                handover_timeout=handover_timeout,
+                handover_valid_for=handover_valid_for,
             )
             self.key_prefix = check_key_prefix(key_prefix)
         except BaseException:
@@ -268,7 +268,7 @@ class RedisShardedLeader(ShardedLeader):
         members = self._members()
         asked = {name: to for name, to in targets.items() if to in members}
         answers = request_handovers(
-            self._client, asked, valid_for=self.handover_timeout, key_prefix=self.key_prefix
+            self._client, asked, valid_for=self.handover_valid_for, key_prefix=self.key_prefix
         )
         # A target that left between the read and the requests opened what was reserved
         # for it before ours landed: withdraw ours now, or its shards would stay unled

@@ -29,7 +29,7 @@ class Fleet:
         self.settle = 1.0
         self.heartbeat_interval = 1.0
         self.max_moves = 32
-        self.handover_timeout = 3.0
+        self.handover_valid_for = 3.0
         self.now = T0
         self.holders: dict[int, str] = {}
         self.acquired: dict[int, datetime] = {}
