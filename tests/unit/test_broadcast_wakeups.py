@@ -53,7 +53,7 @@ def make_listener() -> Listener:
     settings = Settings(
         retention=600.0,
         probe_interval=5.0,
-        timeout=10.0,
+        io_timeout=10.0,
         close_timeout=5.0,
         max_message_bytes=1024 * 1024,
         max_pending=10,

@@ -104,7 +104,7 @@ class PostgresBroadcaster(Broadcaster):
     it as soon as the last of them has gone: a node that only publishes never listens.
     :meth:`subscribe` and :meth:`connect` return once the listener knows where it starts
     (connecting, and a round trip or two, when it is not listening yet; at most
-    ``timeout`` seconds), so every message committed after they return is delivered.
+    ``io_timeout`` seconds), so every message committed after they return is delivered.
 
     Args:
         conninfo: a libpq connection string or URI, a ``psycopg.Connection`` or a pool
@@ -133,13 +133,13 @@ class PostgresBroadcaster(Broadcaster):
         probe_interval: seconds of silence after which the listener polls the outbox,
             which also checks that its connection is alive (a shared listening session
             polls after the shortest of its broadcasters').
-        timeout: bound of one round trip (connect, write, fetch, probe), seconds; a
+        io_timeout: bound of one round trip (connect, write, fetch, probe), seconds; a
             connection that overruns it is dropped and reconnected (a shared listening
             session uses the longest of its broadcasters').
         max_message_bytes: largest message accepted, as UTF-8 JSON (default 1 MiB).
         max_pending: messages that may wait for the writer; when that many wait,
             :meth:`publish` waits for room, and raises
-            :class:`~rselection.errors.BackendUnavailable` after ``timeout`` seconds.
+            :class:`~rselection.errors.BackendUnavailable` after ``io_timeout`` seconds.
         synchronous_commit: wait for the WAL flush on every publish. Off by default: a
             Postgres crash may then lose the last fraction of a second of messages
             (NOTIFY itself keeps nothing across a crash), and publishes are about twice
@@ -163,7 +163,7 @@ class PostgresBroadcaster(Broadcaster):
         retention: float = 600.0,
         create_tables: bool = True,
         probe_interval: float = 5.0,
-        timeout: float = 10.0,
+        io_timeout: float = 10.0,
         max_message_bytes: int = 1024 * 1024,
         max_pending: int = 10_000,
         synchronous_commit: bool = False,
@@ -175,7 +175,7 @@ class PostgresBroadcaster(Broadcaster):
         settings = Settings(
             retention=retention,
             probe_interval=probe_interval,
-            timeout=timeout,
+            io_timeout=io_timeout,
             close_timeout=close_timeout,
             max_message_bytes=max_message_bytes,
             max_pending=max_pending,
@@ -238,9 +238,9 @@ class PostgresBroadcaster(Broadcaster):
         return self.settings.retention
 
     @property
-    def timeout(self) -> float:
+    def io_timeout(self) -> float:
         """Bound of one round trip, seconds."""
-        return self.settings.timeout
+        return self.settings.io_timeout
 
     @property
     def closed(self) -> bool:
@@ -268,7 +268,7 @@ class PostgresBroadcaster(Broadcaster):
         :raises BroadcasterClosed: the broadcaster is closed.
         :raises RSelectionError: in a process forked from the one that built the
             broadcaster with a pool: the pool is that process's.
-        :raises BackendUnavailable: ``max_pending`` messages have waited ``timeout``
+        :raises BackendUnavailable: ``max_pending`` messages have waited ``io_timeout``
             seconds for the writer (Postgres is unreachable or too slow); nothing is
             queued. Never raised for a message that fits: publishing never blocks on
             Postgres round trips.
@@ -361,7 +361,7 @@ class PostgresBroadcaster(Broadcaster):
         listening session when no broadcaster of the process had readers; closing the
         process's last subscription or receiver closes that session again. While
         Postgres cannot be reached it waits at most
-        ``timeout`` seconds, logs a warning and returns, and messages are then delivered
+        ``io_timeout`` seconds, logs a warning and returns, and messages are then delivered
         from the moment the listener connects. Later calls do not wait while the
         listener LISTENs.
 
@@ -462,7 +462,7 @@ class PostgresBroadcaster(Broadcaster):
         self._writer.stop()
         self._listener.stop()
         for part in (self._listener, self._writer):
-            part.join(self.settings.timeout + 5.0)
+            part.join(self.settings.io_timeout + 5.0)
         self._sessions.close()
         super().close()
 

@@ -232,7 +232,7 @@ class Listener:
 
     def await_position(self, action: str) -> None:
         """Start listening for a new reader and wait until the listener knows where it
-        starts, at most ``timeout`` seconds (then log a warning and return).
+        starts, at most ``io_timeout`` seconds (then log a warning and return).
 
         Args:
             action: what the reader called (``"subscribe"``), for the warning.
@@ -249,18 +249,18 @@ class Listener:
             # one, which cannot wait for itself; it starts it now.
             session.position(self)
             return
-        timeout = self.settings.timeout
-        deadline = time.monotonic() + timeout
+        io_timeout = self.settings.io_timeout
+        deadline = time.monotonic() + io_timeout
         while not self.positioned.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
             if self._stop.is_set():
                 return
             if time.monotonic() >= deadline:
                 logger.warning(
                     "broadcast: %s() returns before the listener could LISTEN on %s (not "
-                    "within timeout=%s s); messages are delivered from when it connects",
+                    "within io_timeout=%s s); messages are delivered from when it connects",
                     action,
                     self.sessions.where,
-                    timeout,
+                    io_timeout,
                 )
                 return
 

@@ -112,8 +112,8 @@ class ListeningSession:
         self._tick = tick
         self.deadlines: IoWatchdog | None = None
         """The round-trip watchdog, while the thread runs."""
-        self.timeout = 1.0
-        """Bound of one round trip: the longest ``timeout`` of the listeners."""
+        self.io_timeout = 1.0
+        """Bound of one round trip: the longest ``io_timeout`` of the listeners."""
         self.generation = 0
         """Bumped by every connect: listeners resolved on an older one resolve again."""
         self._state = threading.Lock()  # guards _listeners and _started
@@ -148,7 +148,7 @@ class ListeningSession:
         with cls._registry_lock:
             session = cls._registry.get(key)
             if session is None:
-                tick = min(0.5, sessions.settings.timeout / 4)
+                tick = min(0.5, sessions.settings.io_timeout / 4)
                 session = cls._registry[key] = cls(sessions.conninfo, sessions.where, tick)
             with session._state:
                 session._listeners.append(listener)
@@ -240,10 +240,10 @@ class ListeningSession:
             self._listened.add(channel)
 
     def guard(self, conn: psycopg.Connection[Any]) -> contextlib.AbstractContextManager[list[bool]]:
-        """Bound a round trip on ``conn`` by :attr:`timeout` (see :data:`~.sessions.DEADLINES`);
+        """Bound a round trip on ``conn`` by :attr:`io_timeout` (see :data:`~.sessions.DEADLINES`);
         from the session's thread."""
         assert self.deadlines is not None, "round trips run in the session's thread"
-        return self.deadlines.guard(conn, self.timeout)
+        return self.deadlines.guard(conn, self.io_timeout)
 
     def _attached(self) -> list[Listener]:
         with self._state:
@@ -294,8 +294,8 @@ class ListeningSession:
                     self._idle()
                     continue
                 # The session of the most patient broadcaster: its timeouts bound all.
-                chosen = max(listeners, key=lambda each: each.settings.timeout).sessions
-                self.timeout = chosen.settings.timeout
+                chosen = max(listeners, key=lambda each: each.settings.io_timeout).sessions
+                self.io_timeout = chosen.settings.io_timeout
                 conn: psycopg.Connection[Any] | None = None
                 released = False
                 try:
@@ -366,7 +366,7 @@ class ListeningSession:
                 # The last reader of the process has gone (it woke this thread): release
                 # the session now rather than LISTEN for nobody.
                 return True
-            self.timeout = max(each.settings.timeout for each in listeners)
+            self.io_timeout = max(each.settings.io_timeout for each in listeners)
             probe = min(each.settings.probe_interval for each in listeners)
             now = time.monotonic()
             for listener in listeners:

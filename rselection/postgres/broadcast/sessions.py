@@ -99,7 +99,7 @@ class Sessions:
         self.locator = Locator(outbox)
         """Finds the outbox table, the same way for the writer and the listener."""
         self.settings = settings
-        self.deadlines = IoWatchdog(DEADLINES, tick=min(0.5, settings.timeout / 4))
+        self.deadlines = IoWatchdog(DEADLINES, tick=min(0.5, settings.io_timeout / 4))
         self.user_pool = not isinstance(source, str | psycopg.Connection)
         """Whether publishes borrow from the user's pool (else the process's pool)."""
         self._lender = self._lender_for(source if self.user_pool else self.conninfo)
@@ -115,13 +115,13 @@ class Sessions:
         self.locator.reset_after_fork()
 
     def _lender_for(self, source: object) -> Connections:
-        timeout = self.settings.timeout
+        io_timeout = self.settings.io_timeout
         return Connections(
             source,
             owner="PostgresBroadcaster",
             application_name=APPLICATION_NAME,
-            connect_timeout=timeout,
-            statement_timeout=timeout,
+            connect_timeout=io_timeout,
+            statement_timeout=io_timeout,
             pooled=True,
         )
 
@@ -174,7 +174,7 @@ class Sessions:
                 # Publish parameters are sent as UTF-8 bytes (see Writer.write); the
                 # connection goes back in its own encoding (psycopg follows both changes).
                 encoding = conn.info.parameter_status("client_encoding")
-                with self.deadlines.guard(conn, self.settings.timeout):
+                with self.deadlines.guard(conn, self.settings.io_timeout):
                     conn.execute("SET client_encoding TO 'UTF8'")
                 if encoding is not None:
                     stack.callback(self._restore_encoding, conn, encoding)
@@ -184,7 +184,10 @@ class Sessions:
         """Give a pool's connection back in the encoding it was lent in (when usable)."""
         if conn.closed or conn.broken or conn.info.transaction_status != TransactionStatus.IDLE:
             return
-        with contextlib.suppress(psycopg.Error), self.deadlines.guard(conn, self.settings.timeout):
+        with (
+            contextlib.suppress(psycopg.Error),
+            self.deadlines.guard(conn, self.settings.io_timeout),
+        ):
             conn.execute("SELECT set_config('client_encoding', %s, false)", (encoding,))
 
     @staticmethod
@@ -208,26 +211,26 @@ class Sessions:
             psycopg.Error: preparing the session failed.
         """
         settings = self.settings
-        bound = settings.probe_interval + settings.timeout
+        bound = settings.probe_interval + settings.io_timeout
         try:
             conn = open_session(
                 self.conninfo,
                 application_name=APPLICATION_NAME,
-                connect_timeout=settings.timeout,
+                connect_timeout=settings.io_timeout,
                 # A silent network ends a blocked call within about `bound` seconds even
                 # where the watchdog is not armed (the listener's idle wait).
                 keepalive_idle=bound / 2,
-                user_timeout=settings.timeout + 1.0,
+                user_timeout=settings.io_timeout + 1.0,
                 client_encoding="UTF8",
             )
         except BackendUnavailable as exc:
             raise BackendUnavailable(f"cannot {what}: {exc}") from exc
         try:
-            with (deadlines or self.deadlines).guard(conn, settings.timeout):
+            with (deadlines or self.deadlines).guard(conn, settings.io_timeout):
                 conn.execute(
                     "SELECT set_config('statement_timeout', %s, false),"
                     " set_config('idle_session_timeout', '0', false)",
-                    (f"{math.ceil(settings.timeout * 1000)}ms",),
+                    (f"{math.ceil(settings.io_timeout * 1000)}ms",),
                 )
         except BaseException:
             conn.close()
@@ -239,10 +242,10 @@ class Sessions:
 
         Raises:
             ConfigError: the tables are newer than this release.
-            BackendUnavailable: the migration could not run within ``timeout``.
+            BackendUnavailable: the migration could not run within ``io_timeout``.
         """
         if self.settings.create_tables:
-            create_tables(conn, broadcast=self.outbox.table, timeout=self.settings.timeout)
+            create_tables(conn, broadcast=self.outbox.table, timeout=self.settings.io_timeout)
 
     def check_pooling(self, conn: psycopg.Connection[Any]) -> None:
         """Refuse a pooler in transaction or statement mode between the process and
@@ -259,21 +262,21 @@ class Sessions:
             BackendUnavailable: the check could not be run (the probe got no answer).
             psycopg.Error: a round trip failed.
         """
-        timeout = self.settings.timeout
+        io_timeout = self.settings.io_timeout
         try:
-            with self.deadlines.guard(conn, check_bound(timeout)):
+            with self.deadlines.guard(conn, check_bound(io_timeout)):
                 check_session_pooling(
                     conn,
                     lambda: open_session(
                         self.conninfo,
                         application_name=APPLICATION_NAME + ":probe",
-                        connect_timeout=timeout,
-                        keepalive_idle=timeout / 2,
-                        user_timeout=timeout + 1.0,
+                        connect_timeout=io_timeout,
+                        keepalive_idle=io_timeout / 2,
+                        user_timeout=io_timeout + 1.0,
                     ),
                     where=self.where,
                     io=self._probe_io,
-                    timeout=timeout,
+                    timeout=io_timeout,
                 )
         except ConfigError as exc:
             raise ConfigError(

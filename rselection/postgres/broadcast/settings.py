@@ -39,7 +39,7 @@ class Settings:
 
     retention: float
     probe_interval: float
-    timeout: float
+    io_timeout: float
     close_timeout: float
     max_message_bytes: int
     max_pending: int
@@ -48,7 +48,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         """Check and normalise every field (raises :class:`ConfigError`)."""
-        for name in ("retention", "probe_interval", "timeout", "close_timeout"):
+        for name in ("retention", "probe_interval", "io_timeout", "close_timeout"):
             object.__setattr__(self, name, check_seconds(getattr(self, name), name))
         _count(self.max_message_bytes, "max_message_bytes", minimum=1, maximum=MAX_MESSAGE_LIMIT)
         _count(self.max_pending, "max_pending", minimum=1)

@@ -71,7 +71,7 @@ class PublishStatements:
         origin: the writer's origin (a parameter of every publish).
         synchronous_commit: the publishes' ``synchronous_commit``, set per transaction.
         deadlines: bounds each round trip.
-        timeout: the bound, seconds.
+        io_timeout: the bound, seconds.
     """
 
     def __init__(
@@ -81,7 +81,7 @@ class PublishStatements:
         origin: int,
         synchronous_commit: bool,
         deadlines: IoWatchdog,
-        timeout: float,
+        io_timeout: float,
     ) -> None:
         """Nothing resolved yet (see :meth:`resolve`)."""
         self._outbox = outbox
@@ -89,7 +89,7 @@ class PublishStatements:
         self._origin = origin
         self._sync = b"on" if synchronous_commit else b"off"
         self._deadlines = deadlines
-        self._timeout = timeout
+        self._io_timeout = io_timeout
         self._fixed: list[bytes] = []  # origin, NOTIFY channel, sync, the table
         self._named: dict[str, tuple[bytes, bytes]] = {}  # kind -> (name, text)
         self.outbox = outbox
@@ -118,7 +118,7 @@ class PublishStatements:
         """
         if self._named:
             return
-        with self._deadlines.guard(conn, self._timeout):
+        with self._deadlines.guard(conn, self._io_timeout):
             self._locator.read_path(conn)  # on a session of the broadcaster's own first
             location = self._locator.find(conn)
             pinned = location.outbox
@@ -161,7 +161,7 @@ class PublishStatements:
             known = _LENT.get(conn)
         if known is not None:
             return known
-        with self._deadlines.guard(conn, self._timeout):
+        with self._deadlines.guard(conn, self._io_timeout):
             row = query_one(
                 conn, "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
             )
@@ -185,7 +185,7 @@ class PublishStatements:
         for attempt in (1, 2):
             if name not in lent.prepared:
                 self._prepare(conn, lent, name, text)
-            with self._deadlines.guard(conn, self._timeout):
+            with self._deadlines.guard(conn, self._io_timeout):
                 result = conn.pgconn.exec_prepared(name, [*self._fixed, *params])
             if result.status == pq.ExecStatus.TUPLES_OK:
                 return result
@@ -200,7 +200,7 @@ class PublishStatements:
     def _prepare(
         self, conn: psycopg.Connection[Any], lent: LentSession, name: bytes, text: bytes
     ) -> None:
-        with self._deadlines.guard(conn, self._timeout):
+        with self._deadlines.guard(conn, self._io_timeout):
             result = conn.pgconn.prepare(name, text)
         if result.status != pq.ExecStatus.COMMAND_OK:
             error = psycopg.errors.error_from_result(result, encoding=conn.info.encoding)

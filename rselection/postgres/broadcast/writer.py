@@ -52,7 +52,7 @@ _PURGE_ROWS = 10_000
 _IDLE_CHECK = IDLE_CLOSE / 4
 
 #: Seconds a writer keeps a lent session waiting for its next batch, and (at most, and
-#: at most a quarter of ``timeout``) that it keeps one for consecutive batches, before
+#: at most a quarter of ``io_timeout``) that it keeps one for consecutive batches, before
 #: giving it back to the other users of the pool.
 _LINGER = 0.02
 _LOAN_MAX = 1.0
@@ -115,7 +115,7 @@ class Writer:
         # at most once a second and at least once a minute.
         self._purge_every = min(60.0, max(1.0, self._settings.retention / 10))
         # Well inside the pool's bound of a loan (its connect_timeout + statement_timeout).
-        self._loan_max = min(_LOAN_MAX, self._settings.timeout / 4)
+        self._loan_max = min(_LOAN_MAX, self._settings.io_timeout / 4)
         self._origin = secrets.randbits(63)
         # A batch whose commit is unknown and the session it was sent on (to end, when
         # it broke): kept on the writer, so that rounds started again after an error
@@ -130,7 +130,7 @@ class Writer:
             self._origin,
             self._settings.synchronous_commit,
             self._deadlines,
-            self._settings.timeout,
+            self._settings.io_timeout,
         )
         self._not_ready = ""  # the last error of the table check, logged once
         self._warned: tuple[str, float] = ("", 0.0)  # last "cannot write": error, when
@@ -170,7 +170,7 @@ class Writer:
     def submit(self, channel: str, payload: bytes) -> int:
         """Queue one message; return how many wait to be written, this one included.
 
-        Waits for room while ``max_pending`` messages wait, at most ``timeout`` seconds.
+        Waits for room while ``max_pending`` messages wait, at most ``io_timeout`` seconds.
 
         Args:
             channel: the logical channel.
@@ -178,7 +178,7 @@ class Writer:
 
         Raises:
             BroadcasterClosed: the broadcaster is closing.
-            BackendUnavailable: no room within ``timeout`` (Postgres unreachable or slow).
+            BackendUnavailable: no room within ``io_timeout`` (Postgres unreachable or slow).
             ConfigError: the sessions go through a pooler in transaction mode.
         """
         settings = self._settings
@@ -192,7 +192,7 @@ class Writer:
                 # Backpressure: a burst larger than the queue waits for the writer.
                 now = time.monotonic()
                 if deadline is None:
-                    deadline = now + settings.timeout
+                    deadline = now + settings.io_timeout
                 if now >= deadline:
                     break
                 self._cond.wait(deadline - now)
@@ -203,7 +203,7 @@ class Writer:
             if len(self._pending) >= settings.max_pending:
                 raise BackendUnavailable(
                     f"cannot publish on channel {channel!r:.80}: {len(self._pending)} "
-                    f"messages have waited {settings.timeout:g} s to be written to Postgres "
+                    f"messages have waited {settings.io_timeout:g} s to be written to Postgres "
                     f"({self._sessions.where}); the database is unreachable or too slow. "
                     "Retry later, or raise max_pending"
                 )
@@ -481,7 +481,7 @@ class Writer:
                 self.refused = exc
                 raise
             self.refused = None
-            with self._deadlines.guard(conn, self._settings.timeout):
+            with self._deadlines.guard(conn, self._settings.io_timeout):
                 self._sessions.prepare(conn)
             self._statements.resolve(conn)
         self._not_ready = ""
@@ -491,7 +491,7 @@ class Writer:
         """Find the table again after a publish found it gone or elsewhere, on a session
         of the broadcaster's own (``create_tables`` creates it again there)."""
         with self._sessions.borrow("find the broadcast tables", check=True) as conn:
-            with self._deadlines.guard(conn, self._settings.timeout):
+            with self._deadlines.guard(conn, self._settings.io_timeout):
                 self._sessions.prepare(conn)
             self._statements.resolve(conn)
 
@@ -586,8 +586,8 @@ class Writer:
         if old is not None:
             # The old session may still hold the batch (its client gave up, the server
             # did not): end it and wait until it is gone, so it cannot commit later.
-            deadline = time.monotonic() + self._settings.timeout
-            with self._deadlines.guard(conn, self._settings.timeout + 1.0):
+            deadline = time.monotonic() + self._settings.io_timeout
+            with self._deadlines.guard(conn, self._settings.io_timeout + 1.0):
                 query_one(
                     conn,
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
@@ -606,7 +606,7 @@ class Writer:
                             "not end; retrying"
                         )
                     time.sleep(0.02)
-        with self._deadlines.guard(conn, self._settings.timeout):
+        with self._deadlines.guard(conn, self._settings.io_timeout):
             # Wherever the table the batch was sent to is now; none: it was dropped,
             # with the batch if it had committed.
             table = Locator.at(conn, self._doubtful_in) if self._doubtful_in else None
@@ -638,7 +638,7 @@ class Writer:
         retention = self._settings.retention
         total = 0
         while True:
-            with self._deadlines.guard(conn, self._settings.timeout):
+            with self._deadlines.guard(conn, self._settings.io_timeout):
                 row = query_one(conn, self._statements.outbox.purge(), (retention, _PURGE_ROWS))
             deleted = 0 if row is None else int(row[0])
             total += deleted

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[3]
 LOGGER = "rselection.postgres.broadcast"
 
 #: Quick failure detection for fault tests (the defaults are 5 s and 10 s).
-QUICK = {"probe_interval": 0.3, "timeout": 2.0}
+QUICK = {"probe_interval": 0.3, "io_timeout": 2.0}
 
 
 @pytest.fixture
@@ -429,7 +429,7 @@ def test_publish_whose_commit_was_not_confirmed_is_never_written_twice(
     proxy = proxy_for(pg_dsn, make_tcp_proxy)
     listener = make_bc()
     sub = listener.subscribe("amb")
-    publisher = make_bc(proxied(pg_dsn, proxy), probe_interval=0.3, timeout=5.0)
+    publisher = make_bc(proxied(pg_dsn, proxy), probe_interval=0.3, io_timeout=5.0)
     publisher.publish("amb", "warm-up")  # the writer connects and resolves the table
     assert publisher.flush(20)
     assert drain(sub, 1, 20) == ["warm-up"]
@@ -459,8 +459,8 @@ def test_batch_confirmed_before_the_writer_session_was_cut_is_counted_once(
     pg_dsn: str, make_bc: Callable[..., PostgresBroadcaster]
 ) -> None:
     table = f"bc_{uuid.uuid4().hex[:12]}"
-    # Purges every second; a purge blocked on a row lock gives up after `timeout`.
-    publisher = make_bc(table=table, retention=1.0, timeout=4.0)
+    # Purges every second; a purge blocked on a row lock gives up after `io_timeout`.
+    publisher = make_bc(table=table, retention=1.0, io_timeout=4.0)
     publisher.publish("c", "old")
     assert publisher.flush(20)
 
@@ -523,7 +523,7 @@ def test_blackholed_listener_is_found_by_its_probe_and_catches_up(
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         proxy.blackhole()
         started = time.monotonic()
-        # probe_interval + timeout (+ scheduling slack on a busy machine).
+        # probe_interval + io_timeout (+ scheduling slack on a busy machine).
         wait_until(lambda: not listener.stats().listening, 15, "the half-open connection found")
         found_after = time.monotonic() - started
         for i in range(1, 101):
@@ -958,7 +958,7 @@ def test_subscribe_while_postgres_is_unreachable_returns_after_timeout(
 ) -> None:
     proxy = proxy_for(pg_dsn, make_tcp_proxy)
     publisher = make_bc()
-    node = make_bc(proxied(pg_dsn, proxy), probe_interval=0.3, timeout=1.0)
+    node = make_bc(proxied(pg_dsn, proxy), probe_interval=0.3, io_timeout=1.0)
     assert not node.stats().listening
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         proxy.blackhole()
@@ -1145,7 +1145,7 @@ def test_close_wakes_readers_and_is_quick(make_bc: Callable[..., PostgresBroadca
         ({"retention": float("inf")}, "retention"),
         ({"retention": "10"}, "retention"),
         ({"probe_interval": 0}, "probe_interval"),
-        ({"timeout": float("nan")}, "timeout"),
+        ({"io_timeout": float("nan")}, "io_timeout"),
         ({"close_timeout": True}, "close_timeout"),
         ({"max_message_bytes": 0}, "max_message_bytes"),
         ({"max_message_bytes": 2**40}, "max_message_bytes"),
@@ -1359,7 +1359,7 @@ def test_batch_cut_after_its_commit_is_written_once_after_the_ids_were_reset(
 ) -> None:
     proxy = proxy_for(pg_dsn, make_tcp_proxy)
     table = f"bc_{uuid.uuid4().hex[:12]}"
-    publisher = make_bc(proxied(pg_dsn, proxy), table=table, probe_interval=0.3, timeout=5.0)
+    publisher = make_bc(proxied(pg_dsn, proxy), table=table, probe_interval=0.3, io_timeout=5.0)
     for i in range(50):
         publisher.publish("amb", i)
     assert publisher.flush(20)

@@ -568,7 +568,7 @@ def test_publishes_through_a_transaction_pooler_are_refused(
     pool = ConnectionPool(dsn, min_size=1, max_size=1, kwargs=kwargs, open=True)
     try:
         for source in (dsn, pool):
-            with PostgresBroadcaster(source, timeout=5.0, close_timeout=0.5) as bc:
+            with PostgresBroadcaster(source, io_timeout=5.0, close_timeout=0.5) as bc:
 
                 def refused(bc: PostgresBroadcaster = bc) -> str:
                     try:
@@ -678,7 +678,7 @@ def test_a_batch_in_doubt_is_settled_after_the_writer_starts_again(
     with PostgresBroadcaster(pg_dsn, table=table) as reader:
         sub = reader.subscribe("c")
         publisher = PostgresBroadcaster(
-            with_host_port(pg_dsn, proxy.host, proxy.port), table=table, timeout=5.0
+            with_host_port(pg_dsn, proxy.host, proxy.port), table=table, io_timeout=5.0
         )
         try:
             publisher.publish("c", "warm-up")

@@ -377,8 +377,8 @@ def test_broadcaster_and_membership_work_behind_a_session_pooler(
 ) -> None:
     bouncer = make_pgbouncer(pool_mode="session", pool_size=10)
     dsn = bouncer.dsn(pooled_database)
-    reader = PostgresBroadcaster(dsn, timeout=5.0)
-    writer = PostgresBroadcaster(dsn, timeout=5.0)
+    reader = PostgresBroadcaster(dsn, io_timeout=5.0)
+    writer = PostgresBroadcaster(dsn, io_timeout=5.0)
     leader = PostgresLeader(
         dsn,
         rs.TaskHandler(stop_grace=1.0),

@@ -29,7 +29,7 @@ from tests.support.waiting import wait_until
 LOGGER = "rselection.postgres.broadcast"
 
 #: Quick polls, so that a listener misled into a wrong position shows it within a second.
-QUICK = {"probe_interval": 0.3, "timeout": 2.0}
+QUICK = {"probe_interval": 0.3, "io_timeout": 2.0}
 
 
 @pytest.fixture
@@ -307,7 +307,7 @@ def test_a_login_only_role_cannot_hold_up_publishes(
         row = conn.execute("SELECT current_schema()").fetchone()
     assert row is not None
     qualified = f"{row[0]}.{BROADCAST_TABLE}"
-    bc = make_bc(timeout=2.0)
+    bc = make_bc(io_timeout=2.0)
     sub = bc.subscribe("orders", maxsize=100)
     bc.publish("orders", {"n": 0})
     assert receive_until(sub, {"n": 0}, 10) == [{"n": 0}]
