@@ -44,7 +44,7 @@ def measure(backend: str, leaders: int, redis_url: str, idle_cpu: float) -> dict
         if backend == "redis":
             leader = rs.RedisLeader(redis_url, handler, name=name)
         else:
-            leader = rs.LeaseLeader(rs.MemoryLease(name), handler)
+            leader = rs.LeaseLeader(rs.MemoryLease(name=name), handler)
         leader.start()
         made.append(leader)
     deadline = time.monotonic() + 60

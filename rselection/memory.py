@@ -58,7 +58,7 @@ class MemoryLease:
     """Its calls may run while another thread waits in :meth:`wait_for_change` (they
     take one lock each): the leader does not interrupt a wait for each call."""
 
-    def __init__(self, name: str = "default", ttl: float = 15.0) -> None:
+    def __init__(self, *, name: str = "default", ttl: float = 15.0) -> None:
         """Create an empty lease called ``name`` whose holder expires after ``ttl`` seconds.
 
         Raises:

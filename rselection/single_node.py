@@ -76,7 +76,7 @@ class SingleNodeLeader(LeaseLeader):
         store = checkpoint_store if checkpoint_store is not None else MemoryCheckpointStore()
         self._store = store
         super().__init__(
-            MemoryLease(name, ttl=timings.ttl),
+            MemoryLease(name=name, ttl=timings.ttl),
             handler,
             node_id=node_id,
             timings=timings,

@@ -202,7 +202,7 @@ def _run_redis_node(args: argparse.Namespace) -> int:
         retry_interval=args.retry_interval,
     )
     # Ledger writes go straight to Redis (not through a --lease-dsn proxy).
-    fence.append(RedisFence(redis.Redis.from_url(url, socket_timeout=5), args.name))
+    fence.append(RedisFence(redis.Redis.from_url(url, socket_timeout=5), name=args.name))
     return _serve(leader, stop, args.raising_receivers)
 
 

@@ -3,7 +3,7 @@
 ``ctx.term`` is the fencing token. :class:`RedisFence` runs one Redis command inside a
 Lua script that first checks the lease key (see :mod:`rselection.redis.lease`)::
 
-    fence = RedisFence(client, "billing")
+    fence = RedisFence(client, name="billing")
     fence.call(ctx.term, "HSET", "{billing}:state", "cursor", cursor)
 
 The check and the write are one script, and Redis runs scripts one at a time; a
@@ -74,7 +74,7 @@ class RedisFence(Closeable):
         ConfigError: bad arguments.
     """
 
-    def __init__(self, client: Any, name: str, *, key_prefix: str = DEFAULT_KEY_PREFIX) -> None:
+    def __init__(self, client: Any, *, name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> None:
         self.name = check_name(name, "lease name")
         self.key_prefix = check_key_prefix(key_prefix)
         self.key = lease_keys(self.name, self.key_prefix)[0]
@@ -147,14 +147,14 @@ def fenced_call(
 ) -> Any:
     """Run one Redis command only if ``term`` still holds lease ``name``.
 
-    Shorthand for ``RedisFence(client, name, key_prefix=...).call(term, *command)``; a
+    Shorthand for ``RedisFence(client, name=name, key_prefix=...).call(term, *command)``; a
     client made from a URL is closed after the call.
 
     Raises:
         StaleLeaderError: the term no longer holds the lease; nothing was written.
         BackendUnavailable: Redis could not be reached.
     """
-    with RedisFence(client, name, key_prefix=key_prefix) as fence:
+    with RedisFence(client, name=name, key_prefix=key_prefix) as fence:
         return fence.call(term, *command)
 
 

@@ -156,7 +156,7 @@ class RedisLeader(LeaseLeader):
             connect_timeout=connect_timeout,
         )
         self._redis_lease = lease
-        self._fence_writes = RedisFence(redis_client, name, key_prefix=key_prefix)
+        self._fence_writes = RedisFence(redis_client, name=name, key_prefix=key_prefix)
         self._owned_claimer: RedisClaimer | None = None
         if claimer is DEFAULT_CLAIMER:
             claimer = self._owned_claimer = RedisClaimer(

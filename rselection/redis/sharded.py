@@ -215,7 +215,7 @@ class RedisShardedLeader(ShardedLeader):
         # The record of the number of shards shares the coordinator lease's hash slot,
         # so that its write is fenced by the coordinator's term in one script.
         self._record_key = f"{key_prefix}{{{self._name}}}:{SHARDS_RECORD}"
-        self._record_fence = RedisFence(redis_client, self._name, key_prefix=key_prefix)
+        self._record_fence = RedisFence(redis_client, name=self._name, key_prefix=key_prefix)
 
     # -- reads ---------------------------------------------------------------------------
 

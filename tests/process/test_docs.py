@@ -281,7 +281,7 @@ RUN_GIVEN = {
         "_LEASES: dict[str, MemoryLease] = {}\n"
         "def MyLease(name: str, ttl: float) -> rs.LeaseBackend:\n"
         "    # one in-memory lease per name, shared by the nodes of a scenario\n"
-        "    return _LEASES.setdefault(name, MemoryLease(name, ttl=ttl))\n"
+        "    return _LEASES.setdefault(name, MemoryLease(name=name, ttl=ttl))\n"
     ),
 }
 

@@ -104,7 +104,7 @@ def test_on_stuck_exit_exits_before_calling_receivers_that_could_block(tmp_path:
 
         signals.task_stuck.connect(block)
         timings = Timings(ttl=3, renew_interval=0.2, renew_deadline=1, retry_interval=0.2)
-        leader = LeaseLeader(MemoryLease("x"), handler, timings=timings)
+        leader = LeaseLeader(MemoryLease(name="x"), handler, timings=timings)
         leader.start()
         leader.wait_until_leader(5)
         print("leading", flush=True)

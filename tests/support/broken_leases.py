@@ -33,7 +33,9 @@ class HonestLease:
 
     def __init__(self, name: str, ttl: float) -> None:
         with _lock:
-            self.inner = _shared.setdefault(name, MemoryLease(name, ttl=self.server_ttl or ttl))
+            self.inner = _shared.setdefault(
+                name, MemoryLease(name=name, ttl=self.server_ttl or ttl)
+            )
         self.name, self.ttl = name, ttl
 
     def connect(self) -> None:

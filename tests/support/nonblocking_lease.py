@@ -24,7 +24,7 @@ class WakingMemoryLease(MemoryLease):
     """A :class:`MemoryLease` that also calls its views' wakers on every change."""
 
     def __init__(self, name: str = "default", ttl: float = 15.0) -> None:
-        super().__init__(name, ttl)
+        super().__init__(name=name, ttl=ttl)
         self.wakers: dict[object, Callable[[], None]] = {}
 
     def _changed(self) -> None:

@@ -132,7 +132,7 @@ class RedisLedger:
         with self.lock:
             fence = self.fences.get(lease)
             if fence is None:
-                fence = self.fences[lease] = RedisFence(self.client, lease)
+                fence = self.fences[lease] = RedisFence(self.client, name=lease)
         entry = json.dumps({"shard": ctx.shard, "term": ctx.term, "node": self.node})
         # Refused once the shard moved on (as it must be), or Redis is away: no entry.
         with contextlib.suppress(rs.StaleLeaderError, rs.BackendUnavailable):

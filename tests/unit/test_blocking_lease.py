@@ -19,7 +19,7 @@ class HungWait(MemoryLease):
     """A lease whose wait ignores its timeout and interrupt() until the test lets go."""
 
     def __init__(self, name: str, let_go: threading.Event) -> None:
-        super().__init__(name, ttl=3.0)
+        super().__init__(name=name, ttl=3.0)
         self.let_go = let_go
 
     def interrupt(self) -> None:
@@ -34,7 +34,7 @@ class HangingRenewals(MemoryLease):
     successful renewal was sent (the deadline counts from it)."""
 
     def __init__(self, name: str, let_go: threading.Event) -> None:
-        super().__init__(name, ttl=3.0)
+        super().__init__(name=name, ttl=3.0)
         self.hang = threading.Event()
         self.let_go = let_go
         self.sent = 0.0

@@ -72,7 +72,7 @@ def test_bad_keys_are_refused(key: Any) -> None:
 
 
 def test_saves_are_fenced_to_the_live_holders_term() -> None:
-    lease = MemoryLease("billing")
+    lease = MemoryLease(name="billing")
     store = rs.MemoryCheckpointStore(leases=[lease])
     first = lease.try_acquire("a").holder
     assert first is not None
@@ -95,7 +95,7 @@ def test_saves_are_fenced_to_the_live_holders_term() -> None:
 
 
 def test_a_fenced_save_against_a_lease_the_store_was_not_given_is_a_config_error() -> None:
-    store = rs.MemoryCheckpointStore(leases=[MemoryLease("a")])
+    store = rs.MemoryCheckpointStore(leases=[MemoryLease(name="a")])
     with pytest.raises(ConfigError, match=r"cannot fence against lease 'b' \(it knows 'a'\)"):
         store.save("k", 1, term=1, name="b")
     with pytest.raises(ConfigError, match="LeaseBackend"):
@@ -114,7 +114,7 @@ def test_both_stores_are_checkpoint_stores() -> None:
 def test_a_save_never_lands_after_the_next_term_began() -> None:
     """Saves of term 1 race a takeover: each either lands before term 2 exists or is
     refused; none is stored after a save of term 2."""
-    lease = MemoryLease("race")
+    lease = MemoryLease(name="race")
     store = rs.MemoryCheckpointStore(leases=[lease])
     first = lease.try_acquire("a").holder
     assert first is not None
@@ -227,7 +227,7 @@ def test_run_tasks_hands_its_store_to_the_tasks() -> None:
 
 
 def test_task_checkpoint_async_variants_do_not_block_the_loop() -> None:
-    lease = MemoryLease("l")
+    lease = MemoryLease(name="l")
     holder = lease.try_acquire("n").holder
     assert holder is not None
     checkpoint = TaskCheckpoint(rs.MemoryCheckpointStore(leases=[lease]), "k", holder.term, "l")
@@ -243,7 +243,7 @@ def test_task_checkpoint_async_variants_do_not_block_the_loop() -> None:
 
 
 def test_a_store_fences_one_lease_object_per_name() -> None:
-    first, second = MemoryLease("shared"), MemoryLease("shared")
+    first, second = MemoryLease(name="shared"), MemoryLease(name="shared")
     store = rs.MemoryCheckpointStore(leases=[first, first])  # the same object again: fine
     store.add_lease(first)
     with pytest.raises(ConfigError, match="already fences lease 'shared' against another"):

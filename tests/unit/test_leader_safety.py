@@ -37,7 +37,7 @@ class FaultyLease(MemoryLease):
     """A memory lease that can answer one renewal late or fail it, and records events."""
 
     def __init__(self, ttl: float = FAST.ttl) -> None:
-        super().__init__("safety", ttl=ttl)
+        super().__init__(name="safety", ttl=ttl)
         self.renew_delay = 0.0  # next renewal answers this late (then back to 0)
         self.renew_error: BaseException | None = None  # next renewal raises this
         self.acquire_error: BaseException | None = None  # next try_acquire raises this
@@ -168,7 +168,7 @@ def test_a_failed_renewal_closes_the_session_only_after_the_old_tasks_are_joined
 def test_stop_grace_that_outlives_the_lease_is_refused_with_the_math() -> None:
     handler = rs.TaskHandler(stop_grace=5.0)
     with pytest.raises(ConfigError) as err:
-        LeaseLeader(MemoryLease("x"), handler, timings=Timings())
+        LeaseLeader(MemoryLease(name="x"), handler, timings=Timings())
     message = str(err.value)
     assert "renew_deadline + stop_grace + 0.5" in message
     assert "10 + 5 + 0.5 = 15.5" in message and "15" in message
@@ -511,7 +511,7 @@ def test_stop_from_a_signal_handler(made: list[LeaseLeader]) -> None:
 def test_bad_node_ids_are_refused_at_construction(node_id: Any) -> None:
     handler = rs.TaskHandler()
     with pytest.raises(ConfigError, match="node_id"):
-        LeaseLeader(MemoryLease("x"), handler, node_id=node_id, timings=FAST)
+        LeaseLeader(MemoryLease(name="x"), handler, node_id=node_id, timings=FAST)
     with pytest.raises(ConfigError, match="node_id"):
         rs.SingleNodeLeader(handler, node_id=node_id)
 
@@ -624,12 +624,12 @@ def test_wait_until_leader_returns_false_once_the_leader_stopped(made: list[Leas
 
 def test_a_handler_runs_under_one_leader_at_a_time(made: list[LeaseLeader]) -> None:
     handler = stubborn_handler(Activity(), linger=0.0, stop_grace=1.0)
-    first = build(made, MemoryLease("a"), handler)
-    second = build(made, MemoryLease("b"), handler, node_id="n2")
+    first = build(made, MemoryLease(name="a"), handler)
+    second = build(made, MemoryLease(name="b"), handler, node_id="n2")
     first.start()
     with pytest.raises(RuntimeError, match="TaskHandler of its own"):
         second.start()
     first.stop(timeout=5)
-    third = build(made, MemoryLease("c"), handler, node_id="n3")
+    third = build(made, MemoryLease(name="c"), handler, node_id="n3")
     third.start()  # free again once the first leader stopped
     assert third.wait_until_leader(5)

@@ -44,21 +44,21 @@ def lease_leaders() -> Iterator[Callable[..., rs.LeaseLeader]]:
 def test_the_name_comes_from_the_lease_and_the_ttl_too(
     lease_leaders: Callable[..., rs.LeaseLeader],
 ) -> None:
-    lease = MemoryLease("billing", ttl=3.0)
+    lease = MemoryLease(name="billing", ttl=3.0)
     leader = lease_leaders(lease, renew_interval=0.2, renew_deadline=1.0, node_id="n1")
     assert leader.name == "billing" and leader.lease is lease and leader.node_id == "n1"
     assert leader.timings == Timings(3.0, 0.2, 1.0, 2.0)
     assert isinstance(leader, rs.Leader)
-    assert rs.LeaseLeader(MemoryLease("x"), rs.TaskHandler()).node_id  # a fresh id
+    assert rs.LeaseLeader(MemoryLease(name="x"), rs.TaskHandler()).node_id  # a fresh id
 
 
 def test_a_lease_that_expires_sooner_than_the_leaders_ttl_is_refused_with_the_math() -> None:
     with pytest.raises(rs.ConfigError) as err:
-        rs.LeaseLeader(MemoryLease("x", ttl=3.0), rs.TaskHandler(), ttl=15.0)
+        rs.LeaseLeader(MemoryLease(name="x", ttl=3.0), rs.TaskHandler(), ttl=15.0)
     message = str(err.value)
     assert "expires 3s after a renewal, sooner than the leader's ttl of 15s" in message
     assert "pass ttl=3" in message
-    rs.LeaseLeader(MemoryLease("x", ttl=30.0), rs.TaskHandler(), ttl=15.0)  # longer: fine
+    rs.LeaseLeader(MemoryLease(name="x", ttl=30.0), rs.TaskHandler(), ttl=15.0)  # longer: fine
 
 
 class OtherTtl:
@@ -111,7 +111,7 @@ class OtherTtl:
 def test_a_lease_whose_ttl_is_missing_or_too_short_in_any_form_is_refused(
     ttl: object, match: str
 ) -> None:
-    lease = OtherTtl(MemoryLease("short", ttl=1.5), ttl)
+    lease = OtherTtl(MemoryLease(name="short", ttl=1.5), ttl)
     with pytest.raises(rs.ConfigError, match=match):
         rs.LeaseLeader(lease, rs.TaskHandler(), retry_interval=0.1)
     with pytest.raises(rs.ConfigError, match="ttl"):  # the leader's own ttl changes nothing
@@ -119,7 +119,7 @@ def test_a_lease_whose_ttl_is_missing_or_too_short_in_any_form_is_refused(
 
 
 def test_a_lease_ttl_given_as_a_timedelta_is_read_in_seconds() -> None:
-    lease = OtherTtl(MemoryLease("long", ttl=30.0), timedelta(seconds=30))
+    lease = OtherTtl(MemoryLease(name="long", ttl=30.0), timedelta(seconds=30))
     assert rs.LeaseLeader(lease, rs.TaskHandler()).timings.ttl == 30.0
     with pytest.raises(rs.ConfigError, match="expires 30s after a renewal"):
         rs.LeaseLeader(lease, rs.TaskHandler(), ttl=60.0, renew_deadline=40.0)
@@ -127,11 +127,11 @@ def test_a_lease_ttl_given_as_a_timedelta_is_read_in_seconds() -> None:
 
 def test_timings_come_either_as_one_object_or_as_four_values() -> None:
     with pytest.raises(rs.ConfigError, match="not both"):
-        rs.LeaseLeader(MemoryLease("x"), rs.TaskHandler(), timings=Timings(), ttl=15.0)
+        rs.LeaseLeader(MemoryLease(name="x"), rs.TaskHandler(), timings=Timings(), ttl=15.0)
     with pytest.raises(rs.ConfigError, match="timings must be a Timings"):
-        rs.LeaseLeader(MemoryLease("x"), rs.TaskHandler(), timings={"ttl": 15})  # type: ignore[arg-type]
+        rs.LeaseLeader(MemoryLease(name="x"), rs.TaskHandler(), timings={"ttl": 15})  # type: ignore[arg-type]
     with pytest.raises(rs.ConfigError, match="ttl - renew_deadline"):
-        rs.LeaseLeader(MemoryLease("x", ttl=3.0), rs.TaskHandler())  # deadline 10 > ttl 3
+        rs.LeaseLeader(MemoryLease(name="x", ttl=3.0), rs.TaskHandler())  # deadline 10 > ttl 3
 
 
 @pytest.mark.parametrize(
@@ -147,11 +147,11 @@ def test_parts_of_the_wrong_kind_are_refused_at_construction(
     kwargs: dict[str, Any], match: str
 ) -> None:
     with pytest.raises(rs.ConfigError, match=match):
-        rs.LeaseLeader(MemoryLease("x"), rs.TaskHandler(), **kwargs)
+        rs.LeaseLeader(MemoryLease(name="x"), rs.TaskHandler(), **kwargs)
 
 
 def blank_named_lease() -> MemoryLease:
-    lease = MemoryLease("x")
+    lease = MemoryLease(name="x")
     lease.name = " "  # a backend of one's own may not check its name: the leader does
     return lease
 
@@ -167,7 +167,7 @@ def test_a_lease_that_is_no_lease_backend_or_has_a_blank_name_is_refused(
 def test_a_memory_checkpoint_store_is_given_the_lease(
     lease_leaders: Callable[..., rs.LeaseLeader],
 ) -> None:
-    lease = MemoryLease("fenced", ttl=3.0)
+    lease = MemoryLease(name="fenced", ttl=3.0)
     store = rs.MemoryCheckpointStore()
     saved: list[rs.Snapshot] = []
     handler = rs.TaskHandler(stop_grace=0.5)
@@ -189,7 +189,7 @@ def test_a_memory_checkpoint_store_is_given_the_lease(
 def test_cleanup_runs_once_after_the_release_and_survives_errors(
     lease_leaders: Callable[..., rs.LeaseLeader], caplog: pytest.LogCaptureFixture
 ) -> None:
-    lease = MemoryLease("tidy", ttl=3.0)
+    lease = MemoryLease(name="tidy", ttl=3.0)
     calls: list[object] = []
 
     def broken() -> None:
@@ -214,7 +214,7 @@ def test_a_hanging_cleanup_holds_stop_at_most_the_cleanup_timeout(
     lease_leaders: Callable[..., rs.LeaseLeader], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(rselection.leadership, "CLEANUP_TIMEOUT", 0.5)
-    lease = MemoryLease("hang", ttl=3.0)
+    lease = MemoryLease(name="hang", ttl=3.0)
     release = threading.Event()
     calls: list[str] = []
 
@@ -246,7 +246,7 @@ def test_a_cleanup_that_exits_skips_nothing_and_frees_the_handler(
 
     handler = rs.TaskHandler()
     leader = lease_leaders(
-        MemoryLease("exits", ttl=3.0),
+        MemoryLease(name="exits", ttl=3.0),
         handler,
         cleanup=[exits, lambda: calls.append("next")],
         **FAST,
@@ -261,7 +261,7 @@ def test_a_cleanup_that_exits_skips_nothing_and_frees_the_handler(
         5,
         "the lease's waiting thread to end",
     )
-    again = lease_leaders(MemoryLease("exits-again", ttl=3.0), handler, **FAST)
+    again = lease_leaders(MemoryLease(name="exits-again", ttl=3.0), handler, **FAST)
     again.start()  # the handler was detached
     assert again.wait_until_leader(5)
 
@@ -278,7 +278,7 @@ def test_claims_go_through_the_lease_name(
         assert ctx.fire_key is not None
         keys.append(ctx.fire_key)
 
-    leader = lease_leaders(MemoryLease("claims", ttl=3.0), handler, claimer=claimer, **FAST)
+    leader = lease_leaders(MemoryLease(name="claims", ttl=3.0), handler, claimer=claimer, **FAST)
     assert leader.claimer is claimer
     leader.start()
     wait_until(lambda: len(keys) >= 2, 5, "two fires")
@@ -299,7 +299,9 @@ def test_a_cleanup_that_calls_stop_does_not_wait_for_itself(
         leaders[0].stop()
         stopped_in.append(time.monotonic() - start)
 
-    leader = lease_leaders(MemoryLease("stop-in-cleanup", ttl=3.0), cleanup=[shut_down], **FAST)
+    leader = lease_leaders(
+        MemoryLease(name="stop-in-cleanup", ttl=3.0), cleanup=[shut_down], **FAST
+    )
     leaders.append(leader)
     leader.start()
     assert leader.wait_until_leader(5)
@@ -317,7 +319,7 @@ def test_a_follower_over_a_shared_memory_lease_stops_at_once(
     # interrupt (concurrent_calls): before, stop() waited for that wait to time out (1 s).
     # Views of the memory lease, which do not call back on changes: its leaders wait in
     # it (a memory lease itself calls back, and its leaders wait in no thread).
-    lease = MemoryLease("shared-stop", ttl=3.0)
+    lease = MemoryLease(name="shared-stop", ttl=3.0)
     chief = lease_leaders(LeaseView(lease), rs.TaskHandler(), node_id="chief", **FAST)
     follower = lease_leaders(LeaseView(lease), rs.TaskHandler(), node_id="follower", **FAST)
     chief.start()

@@ -30,7 +30,7 @@ class TestMemoryLease(LeaderConformance):
         self.shared: dict[str, rs.MemoryLease] = {}
 
     def make_lease(self, name: str) -> rs.LeaseBackend:
-        shared = self.shared.setdefault(name, rs.MemoryLease(name, ttl=self.timings.ttl))
+        shared = self.shared.setdefault(name, rs.MemoryLease(name=name, ttl=self.timings.ttl))
         return LeaseView(shared)
 
 
@@ -39,7 +39,7 @@ class TestNotifyingMemoryLease(TestMemoryLease):
     thread of their own (:class:`~rselection.abc.NotifiesChanges`)."""
 
     def make_lease(self, name: str) -> rs.LeaseBackend:
-        shared = self.shared.setdefault(name, rs.MemoryLease(name, ttl=self.timings.ttl))
+        shared = self.shared.setdefault(name, rs.MemoryLease(name=name, ttl=self.timings.ttl))
         return NotifyingLeaseView(shared)
 
 
@@ -48,7 +48,7 @@ def test_memory_leaders_add_no_thread_per_leader() -> None:
     # leaders added 207 threads (one "rselection-wait-<name>" each).
     before = threading.active_count()
     leaders = [
-        rs.LeaseLeader(rs.MemoryLease(f"many-{i}", ttl=15.0), rs.TaskHandler(), node_id="n")
+        rs.LeaseLeader(rs.MemoryLease(name=f"many-{i}", ttl=15.0), rs.TaskHandler(), node_id="n")
         for i in range(200)
     ]
     try:

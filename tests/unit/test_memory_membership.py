@@ -35,13 +35,13 @@ def heartbeat_threads() -> list[str]:
 
 
 def test_it_plays_the_membership_role() -> None:
-    assert isinstance(rs.MemoryMembership(rs.MemoryLease("jobs"), "n1"), rs.Membership)
+    assert isinstance(rs.MemoryMembership(rs.MemoryLease(name="jobs"), "n1"), rs.Membership)
 
 
 def test_the_nodes_of_one_lease_list_each_other_oldest_first_with_the_leader(
     memberships: Callable[..., rs.MemoryMembership],
 ) -> None:
-    lease = rs.MemoryLease("jobs")
+    lease = rs.MemoryLease(name="jobs")
     first, second = memberships(lease, "n1"), memberships(lease, "n2")
     assert first.nodes() == []
     first.start()
@@ -59,7 +59,7 @@ def test_the_nodes_of_one_lease_list_each_other_oldest_first_with_the_leader(
         None,
     )
     assert one.started_at <= one.last_seen and one.started_at.tzinfo is not None
-    other = memberships(rs.MemoryLease("jobs"), "n3")  # another lease object: apart
+    other = memberships(rs.MemoryLease(name="jobs"), "n3")  # another lease object: apart
     other.start()
     assert [n.node_id for n in other.nodes()] == ["n3"]
     assert [n.node_id for n in first.nodes()] == ["n1", "n2"]
@@ -68,7 +68,7 @@ def test_the_nodes_of_one_lease_list_each_other_oldest_first_with_the_leader(
 def test_a_stopped_node_leaves_and_does_not_come_back(
     memberships: Callable[..., rs.MemoryMembership],
 ) -> None:
-    lease = rs.MemoryLease("jobs")
+    lease = rs.MemoryLease(name="jobs")
     staying, leaving = memberships(lease, "n1"), memberships(lease, "n2")
     staying.start()
     leaving.start()
@@ -87,7 +87,7 @@ def test_a_stopped_node_leaves_and_does_not_come_back(
 def test_a_heartbeating_node_stays_alive_and_a_silent_one_is_lost(
     memberships: Callable[..., rs.MemoryMembership],
 ) -> None:
-    lease = rs.MemoryLease("jobs")
+    lease = rs.MemoryLease(name="jobs")
     live = memberships(lease, "live", heartbeat_interval=0.05, node_timeout=1.0)
     silent = memberships(lease, "silent", heartbeat_interval=0.05, node_timeout=1.0)
     live.start()
@@ -108,7 +108,7 @@ def test_a_heartbeating_node_stays_alive_and_a_silent_one_is_lost(
 
 
 def test_bad_arguments_are_refused() -> None:
-    lease = rs.MemoryLease("jobs")
+    lease = rs.MemoryLease(name="jobs")
     with pytest.raises(rs.ConfigError, match="node_timeout"):
         rs.MemoryMembership(lease, "n1", heartbeat_interval=5.0, node_timeout=5.0)
     with pytest.raises(rs.ConfigError, match="heartbeat_interval"):

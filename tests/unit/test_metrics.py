@@ -257,7 +257,7 @@ def test_a_follower_exports_is_leader_0_from_its_start_so_a_headless_lease_alert
 ) -> None:
     from rselection.memory import MemoryLease
 
-    lease = MemoryLease("alerting", ttl=3.0)
+    lease = MemoryLease(name="alerting", ttl=3.0)
     outside = lease.try_acquire("another-process")  # the holder lives elsewhere
     assert outside.holder is not None
     follower = rs.LeaseLeader(

@@ -29,7 +29,7 @@ PROMPT = 1.0  # a wait woken by the release returns within milliseconds
 
 
 def memory_pair(tmp_path: Path) -> tuple[rs.LeaseBackend, rs.LeaseBackend]:
-    lease = rs.MemoryLease("wakes", ttl=TTL)
+    lease = rs.MemoryLease(name="wakes", ttl=TTL)
     return lease, lease  # leaders of one process share the object
 
 
@@ -62,7 +62,7 @@ def test_a_release_before_the_wait_wakes_it(
 def test_a_wait_after_a_change_it_already_saw_still_sleeps() -> None:
     # The memory lease remembers what each thread saw: once a wait returned on a change,
     # the next wait does not return at once again (no busy loop of the keeper).
-    lease = rs.MemoryLease("quiet", ttl=TTL)
+    lease = rs.MemoryLease(name="quiet", ttl=TTL)
     lease.try_acquire("a")
     with ThreadPoolExecutor(1) as other:
         other.submit(lease.revoke).result(10)  # a change this thread did not see
@@ -96,7 +96,7 @@ def test_a_change_late_in_a_wait_still_wakes_the_follower(
     # have expired (the conformance suite's step-down handover took 3.01 s once).
     monkeypatch.setattr(blocking_lease, "WAIT_SLICE", 0.5)
     timings = Timings(ttl=3.0, renew_interval=0.5, renew_deadline=2.0, retry_interval=0.5)
-    shared = rs.MemoryLease("late", ttl=3.0)
+    shared = rs.MemoryLease(name="late", ttl=3.0)
     chief = rs.LeaseLeader(shared, rs.TaskHandler(), node_id="chief", timings=timings)
     follower = rs.LeaseLeader(LateWake(shared), rs.TaskHandler(), node_id="f", timings=timings)
     try:

@@ -186,7 +186,7 @@ def test_the_old_names_are_the_roles_of_the_one_module() -> None:
 
 
 def test_the_memory_backends_have_the_abilities_they_had() -> None:
-    memory_lease = MemoryLease("x")
+    memory_lease = MemoryLease(name="x")
     assert all(lease_ability(memory_lease, name) is None for name in LEASE_ABILITIES)  # type: ignore[call-overload]
     claimer = MemoryClaimer()
     assert all(claimer_ability(claimer, name) is claimer for name in CLAIMER_ABILITIES)  # type: ignore[call-overload]
@@ -209,12 +209,12 @@ def test_a_duck_typed_lease_with_an_ability_has_it() -> None:
 
 
 def test_a_base_class_default_is_no_ability_and_an_override_is_one() -> None:
-    plain = BaseLease(MemoryLease("x"))
+    plain = BaseLease(MemoryLease(name="x"))
     assert isinstance(plain, rs.LeaseBackend)
     assert all(lease_ability(plain, name) is None for name in LEASE_ABILITIES)  # type: ignore[call-overload]
     # The old protocols see the inherited defaults: ask the helper, not isinstance().
     assert isinstance(plain, roles.SupportsHandover)
-    handing = HandingOverLease(MemoryLease("x"))
+    handing = HandingOverLease(MemoryLease(name="x"))
     assert lease_ability(handing, "handover") is handing
     assert lease_ability(handing, "non_blocking") is None
 
@@ -233,7 +233,7 @@ def test_a_base_class_default_is_no_ability_and_an_override_is_one() -> None:
 
 def test_an_unknown_ability_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="no such ability 'teleport'"):
-        lease_ability(MemoryLease("x"), "teleport")  # type: ignore[call-overload]
+        lease_ability(MemoryLease(name="x"), "teleport")  # type: ignore[call-overload]
 
 
 def test_a_base_class_requires_its_abstract_members() -> None:
@@ -278,7 +278,7 @@ def test_a_lease_on_the_base_leads_through_the_blocking_adapter(
         ctx.cancelled.wait(10)
 
     leader = lease_leaders(
-        BaseLease(MemoryLease("roles", ttl=3.0)),
+        BaseLease(MemoryLease(name="roles", ttl=3.0)),
         handler,
         renew_interval=0.2,
         renew_deadline=1.0,
@@ -330,5 +330,5 @@ class TestLeaseBase(LeaderConformance):
         self.shared: dict[str, MemoryLease] = {}
 
     def make_lease(self, name: str) -> rs.LeaseBackend:
-        shared = self.shared.setdefault(name, MemoryLease(name, ttl=self.timings.ttl))
+        shared = self.shared.setdefault(name, MemoryLease(name=name, ttl=self.timings.ttl))
         return BaseLease(shared)

@@ -532,7 +532,7 @@ class PausingLease(LeaseView):
     before it waits, to force a race."""
 
     def __init__(self) -> None:
-        super().__init__(MemoryLease("race"))
+        super().__init__(MemoryLease(name="race"))
         self.pause = threading.Event()
         self.paused = threading.Event()
         self.resume = threading.Event()

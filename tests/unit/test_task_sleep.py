@@ -72,7 +72,7 @@ def test_sleep_longer_than_renew_deadline_returns_true_while_leading_and_false_o
 ) -> None:
     results: queue.Queue[tuple[Any, ...]] = queue.Queue()
     leader = LeaseLeader(
-        MemoryLease("sleep", ttl=FAST.ttl),
+        MemoryLease(name="sleep", ttl=FAST.ttl),
         sleeper_handler(is_async, results),
         node_id="n",
         timings=FAST,

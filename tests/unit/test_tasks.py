@@ -446,7 +446,7 @@ def test_checkpoint_needs_a_store() -> None:
 
 
 def test_checkpoint_is_the_task_key_fenced_to_its_term_and_lease() -> None:
-    lease = MemoryLease("billing")
+    lease = MemoryLease(name="billing")
     holder = lease.try_acquire("n").holder
     assert holder is not None
     store = rs.MemoryCheckpointStore(leases=[lease])

@@ -62,7 +62,7 @@ def _entry_points() -> Iterator[tuple[str, Callable[[Any], object]]]:
     )
 
     client = redis.Redis.from_url(_NOWHERE_REDIS)
-    redis_claimer, fence = rr.RedisClaimer(client), rr.RedisFence(client, "lease")
+    redis_claimer, fence = rr.RedisClaimer(client), rr.RedisFence(client, name="lease")
     yield from _claims("redis.RedisClaimer", redis_claimer)
     yield "redis.RedisFence.call", lambda t: fence.call(t, "GET", "k")
     yield "redis.RedisFence.check", lambda t: fence.check(t)

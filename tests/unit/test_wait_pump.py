@@ -32,7 +32,7 @@ class SteppedLease(MemoryLease):
     records a second caller that came while one was inside it."""
 
     def __init__(self, name: str) -> None:
-        super().__init__(name, ttl=3.0)
+        super().__init__(name=name, ttl=3.0)
         self.hang = threading.Event()
         self.let_go = threading.Event()
         self.hanging = threading.Event()

@@ -38,7 +38,7 @@ def setup(request: pytest.FixtureRequest) -> Iterator[Setup]:
         def memory_lease(name: str) -> MemoryLease:
             # Nodes of one process share the lease object: it is the lease server.
             if name not in memory:
-                memory[name] = MemoryLease(name, ttl=3)
+                memory[name] = MemoryLease(name=name, ttl=3)
                 store.add_lease(memory[name])
             return memory[name]
 

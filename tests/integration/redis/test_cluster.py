@@ -184,7 +184,7 @@ def test_one_leader_on_the_slot_master_handovers_and_fenced_writes(
     # The deposed term's fenced write is refused and writes nothing.
     before = client.llen(ledger.key)
     with pytest.raises(rs.StaleLeaderError):
-        RedisFence(client, name).call(term, "RPUSH", ledger.key, "stale")
+        RedisFence(client, name=name).call(term, "RPUSH", ledger.key, "stale")
     assert b"stale" not in client.lrange(ledger.key, before - 1, -1)
 
     # Handover on request: the leader steps down, the other follower takes over.

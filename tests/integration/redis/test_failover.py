@@ -91,12 +91,12 @@ def test_a_fenced_write_of_the_lost_term_is_refused_on_the_promoted_replica(
         pair.wait_synced()
         pair.stall(1)
         lost = take(a, "a")
-        with RedisFence(pair.url(0), name) as fence:
+        with RedisFence(pair.url(0), name=name) as fence:
             fence.call(lost, "SET", state, "a")  # accepted by the primary, never replicated
         pair.kill(0)
     pair.promote(1)
 
-    with lease_on(pair.url(1), name) as b, RedisFence(pair.url(1), name) as fence:
+    with lease_on(pair.url(1), name) as b, RedisFence(pair.url(1), name=name) as fence:
         with pytest.raises(StaleLeaderError):
             fence.call(lost, "SET", state, "stale, before anyone leads")
         term = take(b, "b")

@@ -399,10 +399,10 @@ def test_ctx_fence_is_refused_naming_the_fenced_call_and_fence_call_fences(
     with pytest.raises(rs.StaleLeaderError):
         leader.fence.call(ctx.term, "SET", key, "v2")
     with pytest.raises(rs.StaleLeaderError):
-        RedisFence(client, leader.name).call(ctx.term, "SET", key, "v2")
+        RedisFence(client, name=leader.name).call(ctx.term, "SET", key, "v2")
     assert client.get(key) == b"v1"
     with pytest.raises(rs.ConfigError, match="term"):
-        RedisFence(client, leader.name).call(0, "GET", key)
+        RedisFence(client, name=leader.name).call(0, "GET", key)
 
 
 def test_the_fence_refusal_names_a_non_default_key_prefix() -> None:

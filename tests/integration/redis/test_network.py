@@ -100,7 +100,7 @@ def setup(redis_url: str, make_tcp_proxy: Callable[[str, int], TcpProxy]) -> Ite
         else:
             client = redis.Redis.from_url(redis_url, socket_timeout=5)
         clients.append(client)
-        fence = RedisFence(client, name)
+        fence = RedisFence(client, name=name)
         tasks = rs.TaskHandler()
 
         @tasks.persistent("watch")

@@ -132,7 +132,7 @@ ENTRY_POINTS: dict[str, Callable[[str], Any]] = {
     "RedisLease": lambda url: RedisLease(url),
     "RedisElector": lambda url: RedisElector(url),
     "RedisClaimer": lambda url: RedisClaimer(url),
-    "RedisFence": lambda url: RedisFence(url, "x"),
+    "RedisFence": lambda url: RedisFence(url, name="x"),
     "request_handover": lambda url: request_handover(url, "x", valid_for=2),
     "cancel_handover": lambda url: cancel_handover(url, "x", 1),
     "current_holder": lambda url: current_holder(url, "x"),
