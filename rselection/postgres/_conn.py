@@ -47,6 +47,7 @@ __all__ = [
     "server_user_timeout",
     "session_conninfo",
     "open_session",
+    "per_call_source",
     "shutdown_socket",
     "unavailable",
 ]
@@ -458,6 +459,23 @@ def session_conninfo(source: object, owner: str) -> str:
         if key in known and isinstance(value, str | int) and not isinstance(value, bool)
     }
     return make_conninfo(conninfo, **params) if params else conninfo
+
+
+def per_call_source(source: object, sessions: str) -> object:
+    """Where an object with sessions of its own borrows a connection for each call.
+
+    The user's pool when ``source`` is one (its calls then count against that pool, not
+    the process's pooled sessions); otherwise ``sessions``, the connection string of its
+    own sessions (from :func:`session_conninfo`): a ``psycopg.Connection`` passed in is
+    never used, only the parameters it connected with, so that the object's threads
+    never run inside its owner's transactions.
+
+    Args:
+        source: the ``conninfo`` given: a connection string, a ``psycopg.Connection`` or
+            a pool (checked by :func:`session_conninfo` already).
+        sessions: ``session_conninfo(source, ...)``.
+    """
+    return sessions if isinstance(source, str | psycopg.Connection) else source
 
 
 def open_session(

@@ -16,6 +16,7 @@ from ..validation import (
     check_seconds,
     new_node_id,
 )
+from ._conn import per_call_source, session_conninfo
 from .checkpoint import PostgresCheckpointStore
 from .claims import PostgresClaimer
 from .fencing import afenced, fenced
@@ -72,7 +73,13 @@ class PostgresLeader(LeaseLeader):
     task's transaction to its term (:func:`~rselection.postgres.fenced`).
 
     Args:
-        conninfo: a libpq connection string or URI.
+        conninfo: the lease's database: a libpq connection string or URI, a
+            ``psycopg.Connection`` or a pool (``psycopg_pool.ConnectionPool``). The
+            lease's keeper and watcher sessions are the process's own, opened with the
+            parameters a connection connected with (the connection itself is never
+            used) or with a pool's ``conninfo`` and libpq ``kwargs``. With a pool, the
+            default claimer and checkpoint store and the reads of :meth:`nodes` borrow
+            its connections instead of the process's pooled sessions.
         handler: the tasks to run while leading.
         name: the lease name; nodes with the same name compete with each other.
         node_id: this node's id (default: host, pid and a random suffix).
@@ -109,7 +116,7 @@ class PostgresLeader(LeaseLeader):
 
     def __init__(
         self,
-        conninfo: str,
+        conninfo: str | Any,
         handler: TaskHandler,
         *,
         name: str = "default",
@@ -128,12 +135,14 @@ class PostgresLeader(LeaseLeader):
         nodes_table: str = NODES_TABLE,
     ) -> None:
         check_name(name, "lease name")
+        sessions = session_conninfo(conninfo, type(self).__name__)  # validates
+        source = per_call_source(conninfo, sessions)
         given_node_id = node_id
         # What is built here gets the leader's id once it has one (_adopt_node_id).
         node_id = check_node_id(node_id) if node_id is not None else new_node_id()
         timings = Timings(ttl, renew_interval, renew_deadline, retry_interval)
         lease = PostgresLease(
-            conninfo,
+            source,
             name=name,
             ttl=timings.ttl,
             renew_deadline=timings.renew_deadline,
@@ -145,7 +154,7 @@ class PostgresLeader(LeaseLeader):
 
         if checkpoint_store is None:
             checkpoint_store = PostgresCheckpointStore(
-                conninfo, lease_table=table, create_tables=create_tables
+                source, lease_table=table, create_tables=create_tables
             )
             cleanup.append(checkpoint_store.close)
         elif not isinstance(checkpoint_store, PostgresCheckpointStore):
@@ -163,14 +172,14 @@ class PostgresLeader(LeaseLeader):
 
         self._owned_claimer: PostgresClaimer | None = None
         if claimer is DEFAULT_CLAIMER:
-            owned = PostgresClaimer(conninfo, node_id=node_id, create_tables=create_tables)
+            owned = PostgresClaimer(source, node_id=node_id, create_tables=create_tables)
             cleanup.append(owned.close)
             claimer = self._owned_claimer = owned
 
         heartbeat = check_seconds(heartbeat_interval, "heartbeat_interval")
         timeout = check_optional_seconds(node_timeout, "node_timeout")
         self._membership = PostgresMembership(
-            conninfo,
+            source,
             name=name,
             node_id=node_id,
             table=nodes_table,

@@ -28,10 +28,11 @@ from ..timing import MAX_TIMING
 from ..validation import check_name, check_node_id, check_seconds
 from ._conn import (
     Keepalives,
-    check_conninfo,
     describe_conninfo,
+    per_call_source,
     server_keepalives,
     server_user_timeout,
+    session_conninfo,
 )
 from ._lease_sql import (
     LEASE_PROTOCOL,
@@ -77,8 +78,12 @@ class PostgresLease(Closeable):
     :meth:`term_ended`). ``with PostgresLease(...) as lease:`` connects and closes on exit.
 
     Args:
-        conninfo: a libpq connection string or URI (a direct connection, or a pooler
-            in session mode).
+        conninfo: the lease's database (a direct connection, or a pooler in session
+            mode): a libpq connection string or URI, a ``psycopg.Connection`` or a pool
+            (``psycopg_pool.ConnectionPool``). The keeper and watcher sessions are the
+            lease's own, opened with the parameters a connection connected with (the
+            connection itself is never used) or with a pool's ``conninfo`` and libpq
+            ``kwargs``; a pool lends the connections of :meth:`current`.
         name: the lease name; nodes using the same name and table compete. Not blank,
             at most 1,000 characters, used as given (never trimmed).
         ttl: lease length on the server, seconds.
@@ -100,7 +105,7 @@ class PostgresLease(Closeable):
 
     def __init__(
         self,
-        conninfo: str,
+        conninfo: str | Any,
         *,
         name: str = "default",
         ttl: float = 15.0,
@@ -110,7 +115,7 @@ class PostgresLease(Closeable):
         create_tables: bool = True,
         connect_timeout: float = 5.0,
     ) -> None:
-        check_conninfo(conninfo, type(self).__name__)
+        sessions = session_conninfo(conninfo, type(self).__name__)  # validates
         self.name = check_name(name, "lease name")
         self.ttl = check_seconds(ttl, "ttl")
         if self.ttl > MAX_TIMING:
@@ -138,8 +143,8 @@ class PostgresLease(Closeable):
         self.server_user_timeout: int = server_user_timeout(hold)
         """The keeper session's server-side ``tcp_user_timeout`` this lease needs, ms."""
         self.client_keepalives: Keepalives = self.server_keepalives
-        self._conninfo = conninfo
-        self._where = describe_conninfo(conninfo)
+        self._conninfo = sessions
+        self._where = describe_conninfo(sessions)
         self._keeper: SharedKeeper | None = None
         self._generation = 0  # the keeper session our last acquisition went through
         self._held: int | None = None  # the term we hold, while we hold it
@@ -161,7 +166,7 @@ class PostgresLease(Closeable):
         # A holder is read in one short statement: bound each read by about twice the
         # connect timeout, as a caller of current() expects of a quick look.
         self._observer = Connections(
-            conninfo,
+            per_call_source(conninfo, sessions),
             owner="PostgresLease",
             application_name="rselection:observer",
             connect_timeout=self.connect_timeout,
@@ -205,7 +210,8 @@ class PostgresLease(Closeable):
 
     @property
     def conninfo(self) -> str:
-        """The connection string (the shared keeper is keyed by it and the table)."""
+        """The connection string of the lease's sessions (the shared keeper is keyed by it
+        and the table): the one given, or one made from the connection or pool given."""
         return self._conninfo
 
     @property
@@ -624,8 +630,9 @@ class PostgresLease(Closeable):
         """The live holder (not released, not expired on the server), or ``None``.
 
         Safe from any thread. Read on the keeper session while the process only follows
-        (so a follower holds no other session), else on the process's pooled sessions,
-        so that renewals never wait behind it.
+        (so a follower holds no other session), else on the process's pooled sessions
+        (or a connection of the pool given as ``conninfo``), so that renewals never wait
+        behind it.
 
         Raises:
             BackendUnavailable: connection problem.

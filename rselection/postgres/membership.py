@@ -31,6 +31,7 @@ from .. import forks
 from ..errors import BackendUnavailable, ConfigError
 from ..members import NodeInfo
 from ..validation import check_name, check_node_id, check_seconds
+from ._conn import per_call_source, session_conninfo
 from .connections import Connections
 from .keeper import Heartbeat, SharedKeeper
 from .schema import create_tables, table_identifier
@@ -47,7 +48,10 @@ class PostgresMembership:
 
     Args:
         conninfo: where the nodes table lives (the lease's database): a connection
-            string, a ``psycopg.Connection`` or a pool.
+            string, a ``psycopg.Connection`` or a pool. The heartbeats ride on the
+            keeper session of its connection string (that of a connection's parameters
+            or a pool's, see :func:`~._conn.session_conninfo`); reads and the leave
+            borrow from a pool given, else from the process's pooled sessions.
         name: the name of the lease the node competes for.
         node_id: this node's id.
         table: the nodes table, optionally schema-qualified.
@@ -85,8 +89,9 @@ class PostgresMembership:
         self._create = create_tables
         # A heartbeat stuck longer than its interval is late anyway: give up and retry.
         self._statement_timeout = max(1.0, min(10.0, heartbeat_interval))
+        sessions = session_conninfo(conninfo, "PostgresLeader membership")  # validates
         self._conns = Connections(
-            conninfo,
+            per_call_source(conninfo, sessions),
             owner="PostgresLeader membership",
             application_name="rselection:nodes",
             statement_timeout=self._statement_timeout,
@@ -117,7 +122,7 @@ class PostgresMembership:
             timeout=sql.Literal(float(node_timeout)),
             lease=sql.Literal(self.name),
         )
-        self._conninfo = conninfo
+        self._conninfo = sessions
         self._lease_table = lease_table
         self._lock = threading.Lock()  # start() and stop() may race at shutdown
         self._keeper: SharedKeeper | None = None
@@ -142,17 +147,7 @@ class PostgresMembership:
 
     def start(self) -> None:
         """Heartbeat now and then every ``heartbeat_interval``, on the process's shared
-        keeper session, until :meth:`stop`. Does nothing once stopped.
-
-        Raises:
-            ConfigError: ``conninfo`` is not a connection string (heartbeats ride on the
-                keeper session, which needs one).
-        """
-        if not isinstance(self._conninfo, str):
-            raise ConfigError(
-                "membership heartbeats ride on the lease's keeper session: conninfo must be "
-                f"a connection string, got {type(self._conninfo).__name__}"
-            )
+        keeper session, until :meth:`stop`. Does nothing once stopped."""
         with self._lock:
             if self._stopped or self._keeper is not None:
                 return

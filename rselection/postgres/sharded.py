@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import sql
 
-from ..errors import ConfigError
 from ..lease import LeaderInfo
 from ..sharded import (
     HAND_OFF_WAIT,
@@ -34,6 +33,7 @@ from ..sharded import (
 from ..sharding import shard_lease_name
 from ..tasks import TaskHandler
 from ..timing import Timings
+from ._conn import per_call_source, session_conninfo
 from ._lease_sql import utc
 from .checkpoint import PostgresCheckpointStore
 from .claims import PostgresClaimer
@@ -98,7 +98,12 @@ class PostgresShardedLeader(ShardedLeader):
         leader.lead()
 
     Args:
-        conninfo: a libpq connection string or URI.
+        conninfo: the leases' database: a libpq connection string or URI, a
+            ``psycopg.Connection`` or a pool (``psycopg_pool.ConnectionPool``), as for
+            :class:`~rselection.postgres.PostgresLeader`: every shard's lease shares the
+            process's keeper session, opened with a connection's parameters (the
+            connection itself is never used) or a pool's; with a pool, the claims,
+            checkpoints, handovers and reads borrow its connections.
         handler: the tasks to run for each owned shard (copied per shard at
             :meth:`start`: register every task before).
         name: the sharded name (no ``/``); the shards' leases are ``"<name>/<shard>"``
@@ -141,7 +146,7 @@ class PostgresShardedLeader(ShardedLeader):
 
     def __init__(
         self,
-        conninfo: str,
+        conninfo: str | Any,
         handler: TaskHandler,
         *,
         name: str,
@@ -164,11 +169,8 @@ class PostgresShardedLeader(ShardedLeader):
         max_moves: int = 32,
         handover_valid_for: float | None = None,
     ) -> None:
-        if not isinstance(conninfo, str):
-            raise ConfigError(
-                "PostgresShardedLeader needs a connection string (its shards share the "
-                f"process's keeper session), got {type(conninfo).__name__}"
-            )
+        # Every shard's lease on one keeper session: one connection string for them all.
+        source = per_call_source(conninfo, session_conninfo(conninfo, type(self).__name__))
         super().__init__(
             handler,
             name=name,
@@ -184,21 +186,21 @@ class PostgresShardedLeader(ShardedLeader):
         )
         table_identifier(table)  # validates
         table_identifier(nodes_table)
-        self.conninfo = conninfo
-        self._target = conninfo
+        self.conninfo = source
+        self._target = source
         self.table = table
         self.nodes_table = nodes_table
         timings = self._timings
 
         if checkpoint_store is None:
             checkpoint_store = PostgresCheckpointStore(
-                conninfo, lease_table=table, create_tables=create_tables
+                source, lease_table=table, create_tables=create_tables
             )
             self._cleanup.append(checkpoint_store.close)
         self._store = checkpoint_store
         self._owned_claimer: PostgresClaimer | None = None
         if claimer is DEFAULT_CLAIMER:
-            owned = PostgresClaimer(conninfo, node_id=self._node_id, create_tables=create_tables)
+            owned = PostgresClaimer(source, node_id=self._node_id, create_tables=create_tables)
             self._cleanup.append(owned.close)
             claimer = self._owned_claimer = owned
         self._options: dict[str, Any] = {
@@ -215,7 +217,7 @@ class PostgresShardedLeader(ShardedLeader):
             "nodes_table": nodes_table,
         }
         self._coordinator = self._membership_leader = _Coordinator(
-            conninfo,
+            source,
             self._rebalancing(),
             name=self._name,
             heartbeat_interval=self.heartbeat_interval,
@@ -226,7 +228,7 @@ class PostgresShardedLeader(ShardedLeader):
         )
         self._adopt_node_id()
         self._reads = Connections(
-            conninfo,
+            source,
             owner="PostgresShardedLeader",
             application_name="rselection:shards",
             statement_timeout=10.0,

@@ -25,7 +25,7 @@ import tempfile
 import time
 import urllib.parse
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -36,6 +36,8 @@ __all__ = [
     "PrivatePostgres",
     "PrivateRedis",
     "ServerStartError",
+    "TEST_PASSWORD",
+    "connection_or_pool",
     "find_free_port",
     "pgserver_bin_dir",
     "postgres_answers",
@@ -69,6 +71,33 @@ class ServerStartError(RuntimeError):
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+TEST_PASSWORD = "hunter2"
+"""The password :func:`connection_or_pool` gives (the test servers trust their clients:
+they never ask for it, and libpq reports it as the one a session connected with)."""
+
+
+@contextlib.contextmanager
+def connection_or_pool(kind: str, dsn: str) -> Iterator[Any]:
+    """A ``psycopg.Connection`` (``kind="connection"``) or a ``psycopg_pool.ConnectionPool``
+    (``kind="pool"``) on ``dsn``, given :data:`TEST_PASSWORD` (in the connection's
+    parameters, or in the pool's ``kwargs``); closed after."""
+    import psycopg
+
+    if kind == "connection":
+        with psycopg.connect(dsn, password=TEST_PASSWORD, autocommit=True) as conn:
+            yield conn
+        return
+    from psycopg_pool import ConnectionPool
+
+    pool = ConnectionPool(
+        dsn, min_size=1, max_size=2, kwargs={"password": TEST_PASSWORD}, open=True
+    )
+    try:
+        yield pool
+    finally:
+        pool.close()
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:

@@ -1,4 +1,5 @@
-"""PostgresLeader in one process: election, observers, fencing, bad input, clean stop."""
+"""PostgresLeader in one process: election, observers, fencing, bad input, clean stop, and
+a psycopg connection or pool as ``conninfo``."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import rselection as rs
 from rselection.postgres.leader import PostgresLeader
 from rselection.postgres.lease import PostgresLease
-from tests.support.pg import with_host_port
+from tests.support.pg import TEST_PASSWORD, connection_or_pool, with_host_port
 from tests.support.waiting import wait_until
 
 FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
@@ -257,3 +258,44 @@ def test_stop_returns_for_a_leader_behind_a_silent_link(
     finally:
         proxy.heal()
         leader.stop(timeout=30)
+
+
+# -- a connection or a pool as conninfo -------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["connection", "pool"])
+def test_a_leader_on_a_connection_or_a_pool_leads_and_runs_its_tasks(
+    pg_dsn: str, lease_name: str, kind: str
+) -> None:
+    terms: list[int] = []
+    fires: list[str] = []
+    handler = rs.TaskHandler(stop_grace=0.5)
+
+    @handler.persistent("remember")
+    def remember(ctx: rs.TaskContext) -> None:
+        terms.append(ctx.term)
+        ctx.cancelled.wait(30)
+
+    @handler.interval(0.2, name="tick")  # each fire claimed through the conninfo given
+    def tick(ctx: rs.TaskContext) -> None:
+        fires.append(ctx.fire_key)
+
+    with connection_or_pool(kind, pg_dsn) as source:
+        leader = PostgresLeader(source, handler, name=lease_name, node_id="n1", **FAST)
+        try:
+            leader.start()
+            assert leader.wait_until_leader(10)
+            wait_until(lambda: terms == [leader.term] and len(fires) >= 2, 10, "the tasks")
+            wait_until(lambda: [n.node_id for n in leader.nodes()] == ["n1"], 10, "a heartbeat")
+            lease = leader.lease
+            assert isinstance(lease, PostgresLease)
+            keeper = lease.keeper
+            assert keeper is not None and keeper._conn is not None
+            # A session of the lease's own, opened with the password of the source.
+            assert keeper._conn.info.password == TEST_PASSWORD
+            if kind == "connection":
+                assert lease.backend_pid != source.info.backend_pid  # never used itself
+            else:
+                assert source.get_stats()["requests_num"] > 0  # the claims borrowed from it
+        finally:
+            leader.stop(timeout=10)
