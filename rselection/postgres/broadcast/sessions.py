@@ -30,6 +30,7 @@ from .._conn import (
     IoWatchdog,
     describe_conninfo,
     open_session,
+    per_call_source,
     session_conninfo,
 )
 from ..connections import Connections
@@ -100,9 +101,10 @@ class Sessions:
         """Finds the outbox table, the same way for the writer and the listener."""
         self.settings = settings
         self.deadlines = IoWatchdog(DEADLINES, tick=min(0.5, settings.io_timeout / 4))
-        self.user_pool = not isinstance(source, str | psycopg.Connection)
+        lends = per_call_source(source, self.conninfo)
+        self.user_pool = lends is not self.conninfo
         """Whether publishes borrow from the user's pool (else the process's pool)."""
-        self._lender = self._lender_for(source if self.user_pool else self.conninfo)
+        self._lender = self._lender_for(lends)
         self._lender_id = id(source)
         self._probe_io = IoWatchdog(APPLICATION_NAME)  # bounds the pooler check's probe
 
