@@ -42,7 +42,6 @@ import logging
 import math
 import os
 import selectors
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -59,25 +58,17 @@ from ..session_hold import SessionHolds
 from ..wakeup import Wakeup
 from . import notices
 from ._conn import (
-    SESSION_MARGIN,
     IoWatchdog,
-    Keepalives,
     describe_conninfo,
-    server_keepalives,
-    server_user_timeout,
     unavailable,
 )
 from ._lease_sql import (
-    LEASE_PROTOCOL,
-    SERVER_IDENTITY_SQL,
-    SERVER_START_SQL,
     AcquireRequest,
     LeaseTable,
     ReleaseRequest,
     RenewRequest,
     acquire_batch_sql,
     bounded_sql,
-    describe_lease_table,
     give_back_sql,
     lease_channel,
     listen_sql,
@@ -85,16 +76,22 @@ from ._lease_sql import (
     release_batch_sql,
     release_sql,
     renew_batch_sql,
-    server_identity,
-    session_sql,
     unlisten_sql,
     unlock_next_terms_sql,
     unlock_sql,
 )
+from .keeper_session import (
+    connect_kwargs,
+    pin_session,
+    read_server,
+    refuse_standby,
+    resolve_table,
+    take_ring_lock,
+)
 from .notice_gate import NoticeGate
 from .notices import LeaseNotice, lease_notice, ring_notice
 from .pooler import BACKEND_PID, check_bound, check_same_backend, check_session_pooling
-from .ring import RingWatcher, members_sql, new_ring_key, ring_channel, ring_class
+from .ring import RingWatcher, members_sql, ring_channel, ring_class
 from .schema import create_tables, table_identifier
 from .session_pool import SessionPool
 
@@ -144,10 +141,6 @@ release is sent in a round trip of its own, so that only a row at fault fails.""
 
 RELEASE_RETRY = 0.05
 """Seconds between two tries of a release whose row is locked."""
-
-RING_DRAWS = 8
-"""Random ring locks a connecting keeper tries before it gives up (one is taken already
-only by chance, 1 in 2**32 per lock held)."""
 
 LOCK_BOUND = 1.0
 """Seconds an acquisition or a release may wait for a lock on the keeper session before
@@ -467,7 +460,7 @@ class SharedKeeper:
             if new:
                 self._run(listen_sql(new), "listen for the leases", limit=lease)
             if self._want > self._pinned:
-                self._pin(conn)
+                self._pinned = pin_session(conn, self._want)
             return self.generation
 
     def ready(self, lease: KeptLease) -> bool:
@@ -483,35 +476,21 @@ class SharedKeeper:
                 and self._want <= self._pinned
             )
 
-    def _connect_kwargs(self, role: str, hold: float) -> dict[str, Any]:
-        ka = server_keepalives(hold)
-        return {
-            "autocommit": True,
-            "prepare_threshold": None,
-            "connect_timeout": max(2, math.ceil(self._timeout)),
-            # The client's kernel must not reset the session early either: a keepalive
-            # timeout sends a RST, which can reach the server over a one-way partition.
-            "keepalives": 1,
-            "keepalives_idle": ka.idle,
-            "keepalives_interval": ka.interval,
-            "keepalives_count": ka.count,
-            "tcp_user_timeout": server_user_timeout(hold),
-            "application_name": f"rselection:keeper{role}",
-        }
-
     def _connect(self, lease: KeptLease) -> None:
         hold, timeout = self._want, self._timeout
         try:
-            conn = psycopg.Connection.connect(self._conninfo, **self._connect_kwargs("", hold))
+            conn = psycopg.Connection.connect(
+                self._conninfo, **connect_kwargs("", hold, self._timeout)
+            )
         except psycopg.Error as exc:
             raise unavailable("connect to the lease server", self._conninfo, exc) from exc
         try:
             with self._io.guard(conn, check_bound(timeout)):
-                self._refuse_standby(conn)
+                refuse_standby(conn, self.where)
                 pid = check_session_pooling(
                     conn,
                     lambda: psycopg.Connection.connect(
-                        self._conninfo, **self._connect_kwargs(":probe", hold)
+                        self._conninfo, **connect_kwargs(":probe", hold, timeout)
                     ),
                     where=self.where,
                     io=self._io,
@@ -522,10 +501,10 @@ class SharedKeeper:
                     create = any(c.create_tables for c in self._clients)
                 if create:
                     create_tables(conn, leases=self.table, timeout=lease.renew_deadline)
-                found = self._resolve_table(conn)
-                server = self._read_server(conn)
+                found = resolve_table(conn, self.table, self.where)
+                server = read_server(conn, self.where)
                 ring = ring_channel(found.qualified)
-                self._take_ring_lock(conn, found.oid)
+                take_ring_lock(conn, found.oid, self.where)
                 conn.execute(
                     sql.SQL("{listen}; SELECT pg_notify({ring}, 'up:' || {pid}::text)").format(
                         listen=listen_sql([ring]), ring=sql.Literal(ring), pid=sql.Literal(pid)
@@ -555,7 +534,7 @@ class SharedKeeper:
         self._gate.connected(pid)
         for client in clients:
             client.channel = None  # listened to again on the client's next call
-        self._pin(conn)
+        self._pinned = pin_session(conn, self._want)
         if self._ring is None:
             self._ring = RingWatcher(
                 self._conninfo,
@@ -567,105 +546,6 @@ class SharedKeeper:
         self._ring.watch_from(pid)
         self._start_pump()
         logger.debug("keeper connected (%s, pid %s)", self.where, pid)
-
-    def _take_ring_lock(self, conn: psycopg.Connection[Any], table_oid: int) -> None:
-        """Join the ring: hold a ring lock of a random tag, never waiting for one (a tag
-        someone holds already is drawn again)."""
-        for _ in range(RING_DRAWS):
-            row = conn.execute(
-                sql.SQL("SELECT pg_try_advisory_lock({})").format(
-                    sql.Literal(new_ring_key(table_oid))
-                )
-            ).fetchone()
-            if row is not None and row[0]:
-                return
-        raise BackendUnavailable(
-            f"cannot join the ring of keeper sessions ({self.where}): {RING_DRAWS} random "
-            "ring locks in a row were held by other sessions; trying again later"
-        )
-
-    def _pin(self, conn: psycopg.Connection[Any]) -> None:
-        """Size the session's keepalives for the longest wind-down of the clients."""
-        hold = self._want
-        ka, user_timeout = server_keepalives(hold), server_user_timeout(hold)
-        cur = conn.execute(session_sql(ka, user_timeout))
-        cur.nextset()
-        effective = cur.fetchone()
-        _set_client_keepalives(conn, ka, user_timeout)
-        self._pinned = hold
-        self._check_keepalives(conn, effective, hold)
-
-    def _resolve_table(self, conn: psycopg.Connection[Any]) -> LeaseTable:
-        found = describe_lease_table(conn, self.table)
-        if found is None:
-            raise BackendUnavailable(
-                f"lease table {self.table!r} does not exist ({self.where}, on this "
-                "connection's search_path): run `rselection migrate` or pass "
-                "create_tables=True"
-            )
-        if not (found.handovers and found.servers and found.protocols):
-            raise ConfigError(
-                f"lease table {self.table!r} ({self.where}) predates schema version 5: this "
-                f"release speaks lease protocol {LEASE_PROTOCOL} (one keeper session per "
-                "process), which records itself in the table; stop every node of an older "
-                "release, then run `rselection migrate` (or pass create_tables=True)"
-            )
-        return found
-
-    def _standby(self) -> BackendUnavailable:
-        return BackendUnavailable(
-            f"the lease server ({self.where}) is a standby in recovery (read-only): "
-            "point the connection string at the primary (with several hosts, add "
-            "target_session_attrs=read-write)"
-        )
-
-    def _refuse_standby(self, conn: psycopg.Connection[Any]) -> None:
-        row = conn.execute("SELECT pg_is_in_recovery()").fetchone()
-        if row is not None and row[0]:
-            raise self._standby()
-
-    def _read_server(self, conn: psycopg.Connection[Any]) -> str:
-        """This session's server identity (see :mod:`rselection.postgres.lease`)."""
-        try:
-            row = conn.execute(SERVER_IDENTITY_SQL).fetchone()
-        except psycopg.DatabaseError as exc:
-            if conn.broken or isinstance(exc, psycopg.OperationalError):
-                raise
-            # A hardened or managed server may refuse pg_control_system() or the WAL
-            # functions: the postmaster start time alone still tells servers apart.
-            logger.info("keeper: recording the server's start time only (%s)", first_line(exc))
-            row = conn.execute(SERVER_START_SQL).fetchone()
-        assert row is not None
-        in_recovery, system_id, walfile, started = row
-        if in_recovery:
-            raise self._standby()
-        return server_identity(system_id, walfile, started)
-
-    def _check_keepalives(self, conn: psycopg.Connection[Any], effective: Any, hold: float) -> None:
-        if effective is None or (conn.info.host or "").startswith("/"):
-            return  # a Unix socket cannot be partitioned
-        idle, interval, count, user_timeout = effective
-        bound = hold + SESSION_MARGIN
-        if idle and interval and count and idle + interval * count <= bound:
-            logger.warning(
-                "keeper: the server's TCP keepalives (%s + %s * %s s) would drop a "
-                "partitioned leader before its wind-down of %s s + %s s; failover after a "
-                "partition may overlap",
-                idle,
-                interval,
-                count,
-                hold,
-                SESSION_MARGIN,
-            )
-        if user_timeout and user_timeout <= bound * 1000:
-            logger.warning(
-                "keeper: the server's tcp_user_timeout (%s ms) would drop a partitioned "
-                "leader before its wind-down of %s s + %s s; failover after a partition "
-                "may overlap",
-                user_timeout,
-                hold,
-                SESSION_MARGIN,
-            )
 
     # -- holds and failures --------------------------------------------------------------
 
@@ -1605,21 +1485,3 @@ def _one_per_lease(queue: list[Queued]) -> tuple[list[Queued], list[Queued]]:
             names.add(queued.lease.name)
             batch.append(queued)
     return batch, rest
-
-
-def _set_client_keepalives(
-    conn: psycopg.Connection[Any], ka: Keepalives, user_timeout: int
-) -> None:
-    """Apply keepalives and ``tcp_user_timeout`` to the client's socket (TCP only)."""
-    if (conn.info.host or "").startswith("/"):
-        return
-    try:
-        sock = socket.socket(fileno=os.dup(conn.pgconn.socket))
-    except OSError:
-        return
-    with sock, contextlib.suppress(OSError, AttributeError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, ka.idle)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, ka.interval)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, ka.count)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, user_timeout)
