@@ -1,6 +1,6 @@
 """The README is a short landing page whose quickstart runs as written.
 
-Its other code blocks are checked with the docs' (tests/unit/test_docs.py).
+Its other code blocks are checked with the docs' (tests/process/test_docs.py).
 """
 
 from __future__ import annotations
