@@ -45,7 +45,7 @@ from ..claiming import ClaimsPartlyFailed, check_fire_key, check_fire_keys
 from ..closeable import Closeable
 from ..validation import check_node_id, check_optional_term, check_seconds, new_node_id
 from ._conn import check_client, describe, unavailable
-from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
+from .keys import DEFAULT_KEY_PREFIX, check_key_prefix, claim_key
 
 __all__ = ["FIRE_KEY_FORMAT", "RedisClaimer"]
 
@@ -167,7 +167,7 @@ class RedisClaimer(Closeable):
 
     def key(self, fire_key: str) -> str:
         """The Redis key of a fire's claim: ``key_prefix + fire_key``."""
-        return self.key_prefix + fire_key
+        return claim_key(fire_key, self.key_prefix)
 
     def _args(self, term: int | None) -> list[Any]:
         return [self.node_id, "" if term is None else str(term), FIRE_KEY_FORMAT, self._ttl_ms]

@@ -44,6 +44,7 @@ from ..closeable import Closeable
 from ..validation import check_name, check_node_id, check_seconds, new_node_id
 from ._conn import check_client, describe, unavailable
 from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
+from .keys import elector_keys as elector_keys  # re-exported
 
 __all__ = ["RedisElector"]
 
@@ -100,17 +101,6 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
-
-
-def elector_keys(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> tuple[str, str]:
-    """The election key and the term key of election ``name`` (same hash slot).
-
-    Args:
-        name: the election's name.
-        key_prefix: prefix of every key.
-    """
-    base = f"{key_prefix}{{{name}}}:elector"
-    return base, f"{base}:term"
 
 
 class RedisElector(Closeable):

@@ -35,8 +35,7 @@ from ..closeable import Closeable
 from ..errors import BackendUnavailable, ConfigError, StaleLeaderError
 from ..validation import check_name, check_term
 from ._conn import check_client, describe, unavailable
-from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
-from .lease import lease_keys
+from .keys import DEFAULT_KEY_PREFIX, check_key_prefix, lease_keys
 
 __all__ = ["RedisFence", "afenced_call", "fenced_call"]
 

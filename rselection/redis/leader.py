@@ -20,7 +20,7 @@ from ..validation import (
 from ._conn import check_client
 from .claims import RedisClaimer
 from .fencing import RedisFence
-from .keys import DEFAULT_KEY_PREFIX
+from .keys import DEFAULT_KEY_PREFIX, claims_prefix
 from .lease import RedisLease
 from .membership import RedisMembership
 
@@ -160,7 +160,7 @@ class RedisLeader(LeaseLeader):
         self._owned_claimer: RedisClaimer | None = None
         if claimer is DEFAULT_CLAIMER:
             claimer = self._owned_claimer = RedisClaimer(
-                redis_client, key_prefix=f"{key_prefix}claim:", node_id=node_id
+                redis_client, key_prefix=claims_prefix(key_prefix), node_id=node_id
             )
         heartbeat = check_seconds(heartbeat_interval, "heartbeat_interval")
         timeout = check_optional_seconds(node_timeout, "node_timeout")

@@ -42,6 +42,10 @@ from ._scripts import CANCEL_HANDOVER as CANCEL_HANDOVER  # re-exported
 from ._scripts import REQUEST_HANDOVER as REQUEST_HANDOVER  # re-exported
 from .keepalive import keepalive_refusal
 from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
+from .keys import handover_key as handover_key  # re-exported
+from .keys import lease_keys as lease_keys  # re-exported
+from .keys import node_channel as node_channel  # re-exported
+from .keys import term_origin_key as term_origin_key  # re-exported
 from .liveness import LivenessHub
 from .messages import Dropped, event_kind, unsigned_beat
 
@@ -56,58 +60,6 @@ _WAKE_GAP = 0.05
 # The most messages one step of a wait reads: the rest is read in the next step, after
 # the steps of other leases that were ready (a flooded channel starves nobody).
 _STEP_MESSAGES = 64
-
-
-def lease_keys(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> tuple[str, str, str]:
-    """The lease key, term key and pub/sub channel of lease ``name``.
-
-    All three carry ``{name}`` as hash tag, so a Redis Cluster keeps the keys in one
-    slot (and the fenced-write script may touch both).
-
-    Args:
-        name: the lease name.
-        key_prefix: prefix of every key.
-    """
-    base = f"{key_prefix}{{{name}}}"
-    return f"{base}:lease", f"{base}:term", f"{base}:events"
-
-
-def handover_key(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
-    """The key holding a pending handover request of lease ``name`` (same hash slot).
-
-    Args:
-        name: the lease name.
-        key_prefix: prefix of every key.
-    """
-    return f"{key_prefix}{{{name}}}:resign"
-
-
-def term_origin_key(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
-    """The key holding the replication id of the server that last wrote the term counter.
-
-    The acquire script compares it with the server's ``master_replid``: a mismatch means
-    the counter may lack terms issued on another server (a promoted replica), so the next
-    term jumps (see the module docstring). Same hash slot as the lease's other keys.
-
-    Args:
-        name: the lease name.
-        key_prefix: prefix of every key.
-    """
-    return f"{key_prefix}{{{name}}}:origin"
-
-
-def node_channel(name: str, node_id: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
-    """The channel a node of lease ``name`` stays subscribed to while its keeper runs.
-
-    Nothing is published on it: ``PUBSUB NUMSUB`` on it tells whether node ``node_id``
-    is connected (``rselection resign --to`` checks it).
-
-    Args:
-        name: the lease name.
-        node_id: the node's id.
-        key_prefix: prefix of every key.
-    """
-    return f"{key_prefix}{{{name}}}:node:{node_id}"
 
 
 def _ms_to_utc(ms: int) -> datetime:

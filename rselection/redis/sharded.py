@@ -40,9 +40,15 @@ from ._scripts import READ
 from .claims import RedisClaimer
 from .fencing import RedisFence
 from .handover import cancel_handover, current_holder, reopen_handovers, request_handovers
-from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
+from .keys import (
+    DEFAULT_KEY_PREFIX,
+    check_key_prefix,
+    claims_prefix,
+    lease_keys,
+    shards_record_key,
+)
 from .leader import DEFAULT_CLAIMER, RedisLeader
-from .lease import lease_keys, parse_holder
+from .lease import parse_holder
 from .membership import read_nodes
 
 if TYPE_CHECKING:
@@ -186,7 +192,7 @@ class RedisShardedLeader(ShardedLeader):
         self._owned_claimer: RedisClaimer | None = None
         if claimer is DEFAULT_CLAIMER:
             claimer = self._owned_claimer = RedisClaimer(
-                redis_client, key_prefix=f"{key_prefix}claim:", node_id=self._node_id
+                redis_client, key_prefix=claims_prefix(key_prefix), node_id=self._node_id
             )
         self._options: dict[str, Any] = {
             "node_id": self._node_id,
@@ -214,7 +220,7 @@ class RedisShardedLeader(ShardedLeader):
         self._coordinator_key = lease_keys(self._name, key_prefix)[0]
         # The record of the number of shards shares the coordinator lease's hash slot,
         # so that its write is fenced by the coordinator's term in one script.
-        self._record_key = f"{key_prefix}{{{self._name}}}:{SHARDS_RECORD}"
+        self._record_key = shards_record_key(self._name, SHARDS_RECORD, key_prefix)
         self._record_fence = RedisFence(redis_client, name=self._name, key_prefix=key_prefix)
 
     # -- reads ---------------------------------------------------------------------------
