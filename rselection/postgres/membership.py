@@ -36,11 +36,61 @@ from .connections import Connections
 from .keeper import Heartbeat, SharedKeeper
 from .schema import create_tables, table_identifier
 
-__all__ = ["PostgresMembership"]
+__all__ = ["PostgresMembership", "node_infos", "nodes_sql"]
 
 logger = logging.getLogger(__name__)
 
 _PURGE_AFTER = 86_400.0  # seconds a lost node's row is kept for operators to see
+
+
+def nodes_sql(
+    table: str, lease_table: str, node_timeout: float, name: str | None = None
+) -> sql.Composed:
+    """The statement listing the nodes of lease ``name`` (of every lease: ``None``), by
+    lease, oldest first; its rows make :class:`NodeInfo` (:func:`node_infos`).
+
+    Args:
+        table: the nodes table.
+        lease_table: the lease table, to flag each lease's leader.
+        node_timeout: a node not seen for this long is lost, seconds.
+        name: the lease name, or ``None`` for every lease.
+    """
+    where = sql.SQL("") if name is None else sql.SQL(" WHERE n.name = {}").format(sql.Literal(name))
+    return sql.SQL(
+        "SELECT n.name, n.node_id, n.hostname, n.pid, host(n.client_addr), n.started_at,"
+        " n.last_seen,"
+        " n.last_seen >= clock_timestamp() - make_interval(secs => {timeout}),"
+        " coalesce(l.holder = n.node_id AND l.expires_at > clock_timestamp(), false)"
+        " FROM {n} n LEFT JOIN {l} l ON l.name = n.name"
+        "{where} ORDER BY n.name, n.started_at, n.node_id"
+    ).format(
+        n=table_identifier(table),
+        l=table_identifier(lease_table),
+        timeout=sql.Literal(float(node_timeout)),
+        where=where,
+    )
+
+
+def node_infos(rows: Sequence[Sequence[Any]]) -> list[NodeInfo]:
+    """The nodes of the rows of :func:`nodes_sql`.
+
+    Args:
+        rows: its rows.
+    """
+    return [
+        NodeInfo(
+            node_id=node_id,
+            name=name,
+            hostname=hostname,
+            pid=pid,
+            client_addr=addr,
+            started_at=started,
+            last_seen=seen,
+            alive=bool(alive),
+            is_leader=bool(leads),
+        )
+        for name, node_id, hostname, pid, addr, started, seen, alive, leads in rows
+    ]
 
 
 class PostgresMembership:
@@ -97,7 +147,7 @@ class PostgresMembership:
             statement_timeout=self._statement_timeout,
             pooled=True,
         )
-        nodes, leases = table_identifier(table), table_identifier(lease_table)
+        nodes = table_identifier(table)
         self._beat_sql = sql.SQL(
             "WITH purge AS ("
             " DELETE FROM {n} WHERE name = %(lease)s AND node_id <> %(node)s"
@@ -109,19 +159,7 @@ class PostgresMembership:
             " client_addr = EXCLUDED.client_addr"
         ).format(n=nodes)
         self._leave_sql = sql.SQL("DELETE FROM {} WHERE name = %s AND node_id = %s").format(nodes)
-        self._nodes_sql = sql.SQL(
-            "SELECT n.node_id, n.hostname, n.pid, host(n.client_addr), n.started_at,"
-            " n.last_seen,"
-            " n.last_seen >= clock_timestamp() - make_interval(secs => {timeout}),"
-            " coalesce(l.holder = n.node_id AND l.expires_at > clock_timestamp(), false)"
-            " FROM {n} n LEFT JOIN {l} l ON l.name = n.name"
-            " WHERE n.name = {lease} ORDER BY n.started_at, n.node_id"
-        ).format(
-            n=nodes,
-            l=leases,
-            timeout=sql.Literal(float(node_timeout)),
-            lease=sql.Literal(self.name),
-        )
+        self._nodes_sql = nodes_sql(table, lease_table, node_timeout, self.name)
         self._conninfo = sessions
         self._lease_table = lease_table
         self._lock = threading.Lock()  # start() and stop() may race at shutdown
@@ -234,20 +272,7 @@ class PostgresMembership:
             raise self._conns.wrap("list the nodes", exc) from exc
         if rows is None:  # this process leads (or its keeper is not up): pooled
             rows = self._execute("list the nodes", self._nodes_sql, None, fetch=True)
-        return [
-            NodeInfo(
-                node_id=node_id,
-                name=self.name,
-                hostname=hostname,
-                pid=pid,
-                client_addr=addr,
-                started_at=started,
-                last_seen=seen,
-                alive=bool(alive),
-                is_leader=bool(leads),
-            )
-            for node_id, hostname, pid, addr, started, seen, alive, leads in rows
-        ]
+        return node_infos(rows)
 
     def _execute(
         self,

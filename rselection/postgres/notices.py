@@ -29,6 +29,7 @@ __all__ = [
     "RingNotice",
     "dropped",
     "lease_notice",
+    "parse_lease_notice",
     "pid_of",
     "ring_notice",
 ]
@@ -141,13 +142,18 @@ def ring_notice(channel: str, payload: str, sender: int) -> RingNotice | None:
 
 def lease_notice(channel: str, payload: str, sender: int) -> LeaseNotice | None:
     """The lease notice ``payload`` holds, or ``None`` (counted as dropped)."""
-    notice = _parse(payload)
+    notice = parse_lease_notice(payload)
     if notice is None:
         dropped.add(channel, payload, sender)
     return notice
 
 
-def _parse(payload: str) -> LeaseNotice | None:
+def parse_lease_notice(payload: str) -> LeaseNotice | None:
+    """The lease notice ``payload`` holds, or ``None``; never raises, counts nothing.
+
+    Args:
+        payload: a notification's payload on a lease channel.
+    """
     if len(payload) > _MAX_PAYLOAD or not payload.startswith("{"):
         return None
     try:

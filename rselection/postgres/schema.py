@@ -51,9 +51,11 @@ __all__ = [
     "TableChange",
     "TableKind",
     "create_tables",
+    "has_columns",
     "migrate",
     "run_migrations",
     "suffixed_name",
+    "table_exists",
     "table_identifier",
     "validate_table_name",
     "version_table_identifier",
@@ -642,13 +644,31 @@ def _recorded(conn: psycopg.Connection[Any], kind: TableKind, table: str) -> int
     return recorded
 
 
-def _missing_columns(conn: psycopg.Connection[Any], table: str, columns: tuple[str, ...]) -> bool:
+def table_exists(conn: psycopg.Connection[Any], table: str) -> bool:
+    """Whether ``table`` (optionally schema-qualified) exists as the server resolves it.
+
+    Args:
+        conn: an open connection (its ``search_path`` resolves an unqualified name).
+        table: the table name as the user wrote it.
+    """
+    return _exists(conn, [table])
+
+
+def has_columns(conn: psycopg.Connection[Any], table: str, columns: tuple[str, ...]) -> bool:
+    """Whether the existing ``table`` has every one of ``columns`` (a schema version check,
+    such as :data:`LEASE_RETIRED_COLUMNS`).
+
+    Args:
+        conn: an open connection.
+        table: the table, optionally schema-qualified.
+        columns: column names.
+    """
     row = conn.execute(
         "SELECT count(*) FROM pg_catalog.pg_attribute"
         " WHERE attrelid = to_regclass(%s) AND attname = ANY(%s) AND NOT attisdropped",
         (table_identifier(table).as_string(conn), list(columns)),
     ).fetchone()
-    return row is None or row[0] < len(columns)
+    return row is not None and row[0] == len(columns)
 
 
 def _set_local(conn: psycopg.Connection[Any], name: str, seconds: float) -> None:
@@ -705,7 +725,7 @@ def _migrate_one(
     for step in kind.steps:
         if step.version <= done:
             continue
-        if existed and step.columns and not _missing_columns(conn, names[0], step.columns):
+        if existed and step.columns and has_columns(conn, names[0], step.columns):
             continue
         statements = step.statements(table)
         if existed:
