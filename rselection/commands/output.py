@@ -12,6 +12,8 @@ from __future__ import annotations
 import sys
 from datetime import UTC, datetime
 
+from ..text import printable
+
 __all__ = [
     "EXIT_NO_LEADER",
     "EXIT_OK",
@@ -58,27 +60,6 @@ def iso(value: datetime | None) -> str | None:
 def ago(seconds: float | None) -> str:
     """``"1.5s ago"``, or ``"-"`` when unknown."""
     return "-" if seconds is None else f"{seconds:.1f}s ago"
-
-
-def printable(text: str, *, lines: bool = False) -> str:
-    """``text`` with every character a terminal could act on written as an escape.
-
-    Escaped as Python writes them in a ``repr`` (``\\x1b``, ``\\x9b``, ``\\u202e``):
-    control characters (``ESC``, ``CR``, tab, newline, ...), C1 controls, format
-    characters such as bidirectional overrides and zero-width joiners, and separators
-    other than the space (what :meth:`str.isprintable` refuses). A backslash is kept as
-    it is.
-
-    Args:
-        text: what to show.
-        lines: keep newlines (``text`` is several lines of our own).
-    """
-    if text.isprintable():
-        return text
-    return "".join(
-        c if c.isprintable() or (lines and c == "\n") else c.encode("unicode_escape").decode()
-        for c in text
-    )
 
 
 def say(text: object = "", *, err: bool = False) -> None:

@@ -1,0 +1,162 @@
+"""What the backends' admin APIs answer, whichever the backend.
+
+:class:`~rselection.postgres.PostgresAdmin` and :class:`~rselection.redis.RedisAdmin`
+read and operate a fleet's leases from outside it (what ``rselection status``,
+``resign`` and ``forget`` do); both answer in these shapes. Times are the server's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from .errors import RSelectionError
+from .members import NodeInfo
+from .text import printable
+
+__all__ = ["LastFire", "LeaseStatus", "PendingHandover", "Refused", "Retirement", "StatusSnapshot"]
+
+
+class Refused(RSelectionError):
+    """An admin operation was refused and changed nothing; the message says why and
+    what to do."""
+
+    @classmethod
+    def held(cls, name: str, holder: str, term: object, expires_in: float) -> Refused:
+        """The refusal to retire lease ``name``, held by ``holder`` in ``term``.
+
+        Args:
+            name: the lease name.
+            holder: its holder's node id.
+            term: the holder's term.
+            expires_in: seconds until the lease expires unless renewed.
+        """
+        return cls(
+            f"lease {name!r} has a live holder: {printable(holder)} leads term {term} (lease "
+            f"expires in {expires_in:.1f}s unless renewed); stop the service's nodes first: "
+            "forget only retires a lease no service uses any more"
+        )
+
+    @classmethod
+    def busy(cls, name: str, nodes: list[str], how: str) -> Refused:
+        """The refusal to retire lease ``name``, whose ``nodes`` still run.
+
+        Args:
+            name: the lease name.
+            nodes: the live nodes' ids.
+            how: how they were found alive.
+        """
+        return cls(
+            f"lease {name!r} still has live nodes ({how}): {', '.join(map(printable, nodes))}; "
+            "stop them first: forget only retires a lease no service uses any more"
+        )
+
+
+@dataclass(frozen=True)
+class LeaseStatus:
+    """One lease as stored.
+
+    Attributes:
+        name: the lease name.
+        holder: the node id of its live holder, ``None`` when nobody holds it.
+        term: its latest term (``None``: a Redis lease with members that never led).
+        acquired_at: when the live holder's term began, else ``None``.
+        expires_at: when the live holder's lease expires unless renewed, else ``None``.
+        expires_in: seconds until then, else ``None``.
+        retired: retired at its latest term (see ``retire``); the next term revives it.
+    """
+
+    name: str
+    holder: str | None
+    term: int | None
+    acquired_at: datetime | None
+    expires_at: datetime | None
+    expires_in: float | None
+    retired: bool
+
+    @property
+    def live(self) -> bool:
+        """Whether a node holds the lease now."""
+        return self.holder is not None
+
+
+@dataclass(frozen=True)
+class PendingHandover:
+    """A handover request that still holds (see ``request_handover``).
+
+    Attributes:
+        lease: the lease name.
+        term: the term asked to hand over (``None`` when the request does not say).
+        node_id: the node asked to hand over (its holder then).
+        to: the node the lease is reserved for, ``None`` for any other node.
+        until: when the request lapses unless a new term began before.
+        expires_in: seconds until then.
+    """
+
+    lease: str
+    term: int | None
+    node_id: str | None
+    to: str | None
+    until: datetime
+    expires_in: float
+
+
+@dataclass(frozen=True)
+class LastFire:
+    """The newest claimed fire of one scheduled task of a lease.
+
+    Attributes:
+        lease: the lease name.
+        task: the task's name.
+        fire: the fire's instant as in its fire key (RFC 3339, nanoseconds).
+        node: the node that claimed (and ran) it.
+        term: the term it was claimed in.
+        claimed_at: when it was claimed.
+    """
+
+    lease: str
+    task: str
+    fire: str
+    node: str
+    term: int
+    claimed_at: datetime
+
+
+@dataclass(frozen=True)
+class StatusSnapshot:
+    """The leases asked for, read at one moment; each sequence sorted by lease name.
+
+    Attributes:
+        checked_at: when it was read.
+        leases: the leases that exist among those asked for, and the shards
+            (``NAME/<k>``) of each lease ``NAME`` asked for.
+        handovers: the pending handover requests of those leases; ``None`` when the
+            lease table predates handover requests.
+        nodes: the nodes of those leases, oldest first within each lease; ``None``
+            when there is no nodes table.
+        fires: the last claimed fire of each task of those leases; ``None`` when not
+            recorded (no claims table; Redis has no index to read them from).
+    """
+
+    checked_at: datetime
+    leases: tuple[LeaseStatus, ...]
+    handovers: tuple[PendingHandover, ...] | None
+    nodes: tuple[NodeInfo, ...] | None
+    fires: tuple[LastFire, ...] | None
+
+
+@dataclass(frozen=True)
+class Retirement:
+    """What ``retire`` did.
+
+    Attributes:
+        name: the lease name.
+        term: the term it is retired at (kept: a new leader gets a higher one).
+        already: it was retired at that term before the call.
+        marker: what records it, for people: a column of the lease row, or a key.
+    """
+
+    name: str
+    term: int
+    already: bool
+    marker: str
