@@ -1,4 +1,5 @@
-"""Postgres backend: lease, tables, fenced writes, leader, checkpoints, claims and elections.
+"""Postgres backend: lease, tables, fenced writes, leader, checkpoints, claims, elections
+and the admin API (:class:`PostgresAdmin`).
 
 Needs psycopg 3.
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..task_checkpoint import TaskCheckpoint
+from .admin import PostgresAdmin
 from .broadcast import PostgresBroadcaster
 from .checkpoint import PostgresCheckpointStore, Snapshot
 from .claims import PostgresClaimer
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HeartbeatMonitor",
+    "PostgresAdmin",
     "PostgresBroadcaster",
     "PostgresCheckpointStore",
     "PostgresClaimer",
