@@ -4,10 +4,11 @@ A fleet of processes competes for a lease (Postgres, Redis, or memory for a sing
 node); the holder runs the registered tasks, and every task is cancelled the moment
 leadership is lost or in doubt.
 
-The core never imports psycopg or redis; ``PostgresLeader``, ``PostgresShardedLeader`` and
-``RedisLeader`` load their backend on first use (so they are not in ``__all__``: ``from
-rselection import *`` needs neither driver), and ``rs.RedisLeader`` without redis-py
-raises an ``ImportError`` that says what to install.
+The core never imports psycopg or redis; the backend classes named here
+(``PostgresLeader``, ``RedisLeader``, their sharded leaders and their admin APIs) load
+their backend on first use (so they are not in ``__all__``: ``from rselection import *``
+needs neither driver), and ``rs.RedisLeader`` without redis-py raises an
+``ImportError`` that says what to install.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ from .single_node import SingleNodeLeader
 from .tasks import GenericTask, Task, TaskHandler, TaskType
 
 if TYPE_CHECKING:
+    from .postgres.admin import PostgresAdmin as PostgresAdmin
     from .postgres.leader import PostgresLeader as PostgresLeader
     from .postgres.sharded import PostgresShardedLeader as PostgresShardedLeader
+    from .redis.admin import RedisAdmin as RedisAdmin
     from .redis.leader import RedisLeader as RedisLeader
     from .redis.sharded import RedisShardedLeader as RedisShardedLeader
 
@@ -91,12 +94,14 @@ __version__ = "0.1.0.dev0"
 #: it. They are not in ``__all__``, so ``from rselection import *`` needs no driver;
 #: ``dir(rselection)`` lists them.
 _LAZY = {
+    "PostgresAdmin": (".postgres.admin", "psycopg", "pip install 'rselection[binary]'"),
     "PostgresLeader": (".postgres.leader", "psycopg", "pip install 'rselection[binary]'"),
     "PostgresShardedLeader": (
         ".postgres.sharded",
         "psycopg",
         "pip install 'rselection[binary]'",
     ),
+    "RedisAdmin": (".redis.admin", "redis", "pip install 'rselection[redis]'"),
     "RedisLeader": (".redis.leader", "redis", "pip install 'rselection[redis]'"),
     "RedisShardedLeader": (".redis.sharded", "redis", "pip install 'rselection[redis]'"),
 }

@@ -1,5 +1,5 @@
 """Redis backend: lease, leader, fenced writes, elections, fire claims, handover
-requests and node membership.
+requests, node membership and the admin API (:class:`RedisAdmin`).
 
 Needs redis-py (extra ``redis``: ``pip install 'rselection[redis]'``) and Redis 6.2 or
 later.
@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 try:
+    from .admin import RedisAdmin
     from .claims import RedisClaimer
     from .elector import RedisElector
     from .fencing import RedisFence, afenced_call, fenced_call
@@ -24,6 +25,7 @@ try:
         request_handover,
         request_handovers,
     )
+    from .keys import DEFAULT_KEY_PREFIX
     from .lease import RedisLease
 except ImportError as exc:
     if exc.name != "redis" and not (exc.name or "").startswith("redis."):
@@ -39,6 +41,8 @@ if TYPE_CHECKING:
     from .sharded import RedisShardedLeader
 
 __all__ = [
+    "DEFAULT_KEY_PREFIX",
+    "RedisAdmin",
     "RedisClaimer",
     "RedisElector",
     "RedisFence",

@@ -1,6 +1,6 @@
 """The Lua scripts of the Redis lease (:mod:`rselection.redis.lease`), its handover
-requests (:mod:`rselection.redis.handover`) and its membership
-(:mod:`rselection.redis.membership`).
+requests (:mod:`rselection.redis.handover`), its membership
+(:mod:`rselection.redis.membership`) and its retirement (:mod:`rselection.redis.retire`).
 
 Each script runs atomically on the server and touches only keys of one lease, which share
 a hash slot. The lease value is a JSON document written by :data:`ACQUIRE`; the lease
@@ -21,6 +21,7 @@ __all__ = [
     "RENEW",
     "REOPEN_HANDOVER",
     "REQUEST_HANDOVER",
+    "RETIRE",
 ]
 
 #: Take the lease if it is free, or if its holder's connection is known gone, unless a
@@ -210,6 +211,20 @@ READ = """
 local t = redis.call('TIME')
 return {redis.call('GET', KEYS[1]) or '', redis.call('PTTL', KEYS[1]),
   tostring(t[1] * 1000 + math.floor(t[2] / 1000))}
+"""
+
+#: Retire a lease unless it is held. KEYS: lease key, term key, retired key. Returns
+#: {0, lease value, PTTL (ms)} when held, {-1} when the lease never had a term, {2, term}
+#: when already retired at the current term, else {1, term} once retired.
+RETIRE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return {0, redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1])}
+end
+local term = redis.call('GET', KEYS[2])
+if not term then return {-1} end
+if redis.call('GET', KEYS[3]) == term then return {2, term} end
+redis.call('SET', KEYS[3], term)
+return {1, term}
 """
 
 #: How long the lease still holds a value (a follower's check at its expiry). KEYS: lease
