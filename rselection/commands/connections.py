@@ -13,12 +13,15 @@ import argparse
 import os
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError, first_line
+from ..errors import BackendUnavailable, ConfigError, first_line
 from ..redaction import check_userinfo, has_password, parser_message, redact, redact_dsn
 from .output import UsageError, say
 
 if TYPE_CHECKING:
     import psycopg
+
+    from ..postgres import PostgresAdmin
+    from ..redis import RedisAdmin
 
 __all__ = [
     "CONNECT_TIMEOUT",
@@ -28,9 +31,12 @@ __all__ = [
     "connect",
     "describe",
     "first_line",
+    "key_prefix",
+    "postgres_admin",
+    "reason",
+    "redis_admin",
     "redis_client",
     "resolve_dsn",
-    "table_exists",
     "warn_of_passwords",
 ]
 
@@ -108,9 +114,20 @@ def describe(dsn: str) -> str:
     Args:
         dsn: a Postgres connection string (``""``: the ``PG*`` variables).
     """
-    from ..postgres._conn import describe_conninfo
+    from ..postgres.admin import describe_conninfo
 
     return describe_conninfo(dsn)
+
+
+def reason(exc: BaseException) -> str:
+    """The first line of what failed: of the driver's error a
+    :class:`~rselection.errors.BackendUnavailable` was raised from, else of ``exc``.
+
+    Args:
+        exc: the error caught.
+    """
+    cause = exc.__cause__ if isinstance(exc, BackendUnavailable) else None
+    return first_line(cause if cause is not None else exc)
 
 
 def _check_userinfo(conninfo: str, what: str) -> None:
@@ -174,21 +191,6 @@ def connect(dsn: str) -> psycopg.Connection[Any]:
         ) from exc
 
 
-def table_exists(conn: psycopg.Connection[Any], table: str) -> bool:
-    """Whether ``table`` (optionally schema-qualified) exists as the server resolves it.
-
-    Args:
-        conn: an open connection.
-        table: the table name as the user wrote it (validated).
-    """
-    from ..postgres.schema import table_identifier
-
-    row = conn.execute(
-        "SELECT to_regclass(%s) IS NOT NULL", (table_identifier(table).as_string(conn),)
-    ).fetchone()
-    return bool(row and row[0])
-
-
 def redis_client(url: str) -> Any:
     """A client for the Redis ``url``: a ``RedisCluster`` when the server is a cluster node.
 
@@ -202,7 +204,7 @@ def redis_client(url: str) -> Any:
     import redis
     from redis.cluster import RedisCluster
 
-    from ..redis._conn import describe as describe_redis
+    from ..redis import RedisAdmin
 
     if not url.startswith(("redis://", "rediss://", "unix://")):
         shown = redact_dsn(url)
@@ -217,7 +219,7 @@ def redis_client(url: str) -> Any:
         # redis-py's message may quote pieces of the password.
         shown = f"{redact_dsn(url)}: {parser_message(str(exc), url)}"
         raise UsageError(f"bad --redis-url {shown}") from None
-    where = describe_redis(client)
+    where = RedisAdmin(client).where
     try:
         info = client.info("cluster")
         if info.get("cluster_enabled") in (1, "1"):
@@ -229,3 +231,61 @@ def redis_client(url: str) -> Any:
             f"cannot connect to Redis {where}: {redact(first_line(exc), url)}"
         ) from exc
     return client
+
+
+def key_prefix(args: argparse.Namespace) -> str:
+    """The ``--key-prefix`` given, else the leaders' default (Redis is imported here, not
+    when the command line is assembled).
+
+    Args:
+        args: a parsed command line with ``--key-prefix``.
+    """
+    from ..redis import DEFAULT_KEY_PREFIX
+
+    return DEFAULT_KEY_PREFIX if args.key_prefix is None else str(args.key_prefix)
+
+
+def redis_admin(args: argparse.Namespace, node_timeout: float = 30.0) -> RedisAdmin:
+    """The admin of the Redis leases of ``--redis-url`` under ``--key-prefix``; its client
+    is the caller's to close (``admin.client.close()``).
+
+    Args:
+        args: a parsed command line with ``--redis-url`` and ``--key-prefix``.
+        node_timeout: a node is alive when seen within this many seconds.
+
+    Raises:
+        UsageError: ``--redis-url`` is not a Redis URL.
+        Unreachable: the server did not answer.
+    """
+    from ..redis import RedisAdmin
+
+    client = redis_client(args.redis_url)
+    try:
+        return RedisAdmin(client, key_prefix=key_prefix(args), node_timeout=node_timeout)
+    except ConfigError as exc:
+        client.close()
+        raise UsageError(str(exc)) from None
+
+
+def postgres_admin(conn: psycopg.Connection[Any], args: argparse.Namespace) -> PostgresAdmin:
+    """The admin of the lease table ``--table`` (and ``--nodes-table``, ``--claims-table``
+    and ``--node-timeout`` where the command has them), on ``conn``.
+
+    Args:
+        conn: the command's connection.
+        args: the parsed command line.
+
+    Raises:
+        UsageError: a table name or the node timeout cannot be used.
+    """
+    from ..postgres import PostgresAdmin
+
+    options = {
+        option: getattr(args, option)
+        for option in ("nodes_table", "claims_table", "node_timeout")
+        if getattr(args, option, None) is not None
+    }
+    try:
+        return PostgresAdmin(conn, table=args.table, **options)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None

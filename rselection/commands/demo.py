@@ -222,16 +222,18 @@ def _clean_up(dsn: str, name: str, ledger: str) -> None:
     import psycopg
     from psycopg import sql
 
+    from ..admin import Refused
+    from ..errors import BackendUnavailable
+    from ..postgres import PostgresAdmin
     from ..redaction import redact
-    from .connections import first_line, table_exists
-    from .forget import Refused, retire_postgres_lease
+    from .connections import first_line, reason
 
     try:
-        with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
-            if table_exists(conn, "rselection_leases"):
-                retire_postgres_lease(conn, name)
-    except (Refused, psycopg.Error) as exc:
-        say(f"could not retire the demo's lease {name!r}: {redact(first_line(exc), dsn)}")
+        with PostgresAdmin(dsn) as admin:
+            if admin.lease_table_exists():
+                admin.retire(name, check_nodes=False)
+    except (Refused, BackendUnavailable) as exc:
+        say(f"could not retire the demo's lease {name!r}: {redact(reason(exc), dsn)}")
     try:
         with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
             conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(ledger)))

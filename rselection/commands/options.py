@@ -65,7 +65,8 @@ def add_redis_options(parser: argparse.ArgumentParser) -> None:
         help="a Redis lease (redis://...; a cluster node's URL for Redis Cluster) instead of --dsn",
     )
     parser.add_argument(
-        "--key-prefix", default="rselection:", help="with --redis-url: the leaders' key_prefix"
+        "--key-prefix",
+        help="with --redis-url: the leaders' key_prefix (default: the leaders' default)",
     )
 
 

@@ -1,27 +1,35 @@
-"""``rselection resign``: ask a lease's leader to hand over; wait for the new term."""
+"""``rselection resign``: ask a lease's leader to hand over; wait for the new term.
+
+The backend's admin API does the asking and the waiting (``request_handover``,
+``watch_terms``); this module checks the command line against the lease and its nodes
+and says what happened.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import psycopg
-
+from ..errors import BackendUnavailable, ConfigError
 from ..redaction import redact
 from .connections import (
     Unreachable,
     connect,
     describe,
-    first_line,
-    redis_client,
+    postgres_admin,
+    reason,
+    redis_admin,
     resolve_dsn,
 )
-from .leases import lease_exists, lease_nodes, live_holder
 from .options import add_database_options, add_nodes_options, add_redis_options, lease_name
 from .output import EXIT_REFUSED, EXIT_UNREACHABLE, UsageError, printable, say
+
+if TYPE_CHECKING:
+    from ..lease import LeaderInfo
+    from ..postgres import PostgresAdmin
+    from ..redis import RedisAdmin
 
 __all__ = ["add_parser", "run"]
 
@@ -67,17 +75,6 @@ def run(args: argparse.Namespace) -> int:
         if args.dsn is not None:
             raise UsageError("pass either --dsn (Postgres) or --redis-url (Redis), not both")
         return _resign_redis(args)
-    import psycopg
-    from psycopg import sql
-
-    from ..errors import BackendUnavailable, ConfigError
-    from ..postgres.lease import (
-        cancel_handover,
-        lease_channel,
-        request_handover,
-        resolve_lease_table,
-    )
-
     if not args.timeout > 0:
         raise UsageError(f"--timeout needs a positive number of seconds, got {args.timeout}")
     dsn = resolve_dsn(args)
@@ -87,19 +84,19 @@ def run(args: argparse.Namespace) -> int:
     except Unreachable as exc:
         say(str(exc), err=True)
         return EXIT_UNREACHABLE
-    try:
-        with conn:
-            found = resolve_lease_table(conn, args.table)
-            if found is None:
+    with conn:
+        admin = postgres_admin(conn, args)
+        try:
+            if not admin.lease_table_exists():
                 say(
                     f"lease table {args.table!r} does not exist on {describe(dsn)}: "
                     "run `rselection migrate`, or pass the right --table",
                     err=True,
                 )
                 return 1
-            holder = live_holder(conn, args.table, name)
+            holder = admin.current_holder(name)
             if holder is None:
-                if not lease_exists(conn, args.table, name):
+                if not admin.exists(name):
                     say(
                         f"no lease {name!r} in {args.table!r} on {describe(dsn)}: check the "
                         "name (`rselection status` lists the leases) and --table",
@@ -108,11 +105,11 @@ def run(args: argparse.Namespace) -> int:
                     return EXIT_REFUSED
                 say(f"lease {name!r} has no leader: nothing to hand over", err=True)
                 return EXIT_REFUSED
-            nodes = lease_nodes(conn, args.nodes_table, name, args.node_timeout)
-            alive = [n for n, ok in nodes or [] if ok]
+            nodes = admin.nodes(name)
+            alive = [n.node_id for n in nodes or [] if n.alive]
             if args.to is not None:
-                if args.to == holder[0]:
-                    say(f"{printable(args.to)} already leads {name!r} (term {holder[1]})")
+                if args.to == holder.node_id:
+                    say(f"{printable(args.to)} already leads {name!r} (term {holder.term})")
                     return 0
                 if nodes is None:
                     say(
@@ -122,91 +119,46 @@ def run(args: argparse.Namespace) -> int:
                     )
                     return 1
                 if args.to not in alive:
-                    others = ", ".join(printable(n) for n in alive if n != holder[0]) or "none"
+                    others = ", ".join(printable(n) for n in alive if n != holder.node_id)
                     say(
                         f"{printable(args.to)} is not a live node of lease {name!r} (no "
-                        f"heartbeat within {args.node_timeout:g}s); live followers: {others}",
+                        f"heartbeat within {args.node_timeout:g}s); live followers: "
+                        f"{others or 'none'}",
                         err=True,
                     )
                     return 1
-            elif nodes and not [n for n in alive if n != holder[0]]:
-                say(
-                    f"no other live node of lease {name!r} to hand over to "
-                    f"({printable(holder[0])} leads term {holder[1]}); start another node first",
-                    err=True,
-                )
+            elif nodes and not [n for n in alive if n != holder.node_id]:
+                say(_nobody_else(name, holder), err=True)
                 return 1
-            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(lease_channel(found[1], name))))
-            asked_at = time.monotonic()
-            try:
-                asked = request_handover(
-                    conn, name, table=args.table, to=args.to, valid_for=args.timeout
-                )
-            except ConfigError as exc:
-                say(redact(str(exc), dsn), err=True)
-                return 1
-            if asked is None:
-                say(f"lease {name!r} has no leader: nothing to hand over", err=True)
-                return 1
-            say(
-                f"asked {printable(asked.node_id)} to hand {name!r} over (term {asked.term}"
-                + (f", to {printable(args.to)}" if args.to else "")
-                + ")",
-            )
-            new = _await_new_term(conn, args, asked.term, asked_at + args.timeout)
-            took = time.monotonic() - asked_at
-            if new is None:
-                cancel_handover(conn, name, asked.term, table=args.table)
-                say(
-                    f"no new term within {args.timeout:g}s: {printable(asked.node_id)} did "
-                    f"not hand {name!r} over (not running, paused, or an rselection without "
-                    "handover support); the request was withdrawn",
-                    err=True,
-                )
-                return 1
-            node, term = new
-            say(_took_over(node, name, term, took))
-            if args.to is not None and node != args.to:
-                say(f"{printable(args.to)} did not take over within {args.timeout:g}s", err=True)
-                return 1
-            if node == asked.node_id:
-                say(f"no other node took over: {printable(node)} leads again", err=True)
-                return 1
-            return 0
-    except (psycopg.Error, BackendUnavailable) as exc:
-        say(
-            f"resign failed on {describe(dsn)}: {redact(first_line(exc), dsn)}",
-            err=True,
-        )
-        return EXIT_UNREACHABLE
+            return _hand_over(admin, args, lambda text: redact(text, dsn))
+        except BackendUnavailable as exc:
+            say(f"resign failed on {describe(dsn)}: {redact(reason(exc), dsn)}", err=True)
+            return EXIT_UNREACHABLE
 
 
 def _resign_redis(args: argparse.Namespace) -> int:
     """``resign --redis-url``: the same steps as with Postgres, on a Redis lease."""
-    from ..errors import BackendUnavailable, ConfigError
-    from ..redis.handover import cancel_handover, current_holder, live_nodes, request_handover
-
     if not args.timeout > 0:
         raise UsageError(f"--timeout needs a positive number of seconds, got {args.timeout}")
-    name, prefix = args.name, args.key_prefix
+    name = args.name
     try:
-        client = redis_client(args.redis_url)
+        admin = redis_admin(args)
     except Unreachable as exc:
         say(str(exc), err=True)
         return EXIT_UNREACHABLE
     try:
-        holder = current_holder(client, name, key_prefix=prefix)
+        holder = admin.current_holder(name)
         if holder is None:
-            if not _redis_lease_exists(client, name, prefix):
+            if not admin.exists(name):
                 say(
-                    f"no lease {name!r} with key prefix {prefix!r} in this Redis: check the "
-                    "name and --key-prefix",
+                    f"no lease {name!r} with key prefix {admin.key_prefix!r} in this Redis: "
+                    "check the name and --key-prefix",
                     err=True,
                 )
                 return EXIT_REFUSED
             say(f"lease {name!r} has no leader: nothing to hand over", err=True)
             return EXIT_REFUSED
-        nodes = live_nodes(client, name, key_prefix=prefix)
+        nodes = admin.live_nodes(name)
         if args.to is not None:
             if args.to == holder.node_id:
                 say(f"{printable(args.to)} already leads {name!r} (term {holder.term})")
@@ -227,141 +179,68 @@ def _resign_redis(args: argparse.Namespace) -> int:
                 )
                 return 1
         elif nodes and not [n for n in nodes if n != holder.node_id]:
-            say(
-                f"no other live node of lease {name!r} to hand over to "
-                f"({printable(holder.node_id)} leads term {holder.term}); start another node first",
-                err=True,
-            )
+            say(_nobody_else(name, holder), err=True)
             return 1
-        with _RedisTermWatch(client, name, prefix) as watch:
-            asked_at = time.monotonic()
-            try:
-                asked = request_handover(
-                    client, name, to=args.to, valid_for=args.timeout, key_prefix=prefix
-                )
-            except ConfigError as exc:
-                say(str(exc), err=True)
-                return 1
-            if asked is None:
-                say(f"lease {name!r} has no leader: nothing to hand over", err=True)
-                return 1
-            say(
-                f"asked {printable(asked.node_id)} to hand {name!r} over (term {asked.term}"
-                + (f", to {printable(args.to)}" if args.to else "")
-                + ")",
-            )
-            new = watch.wait(asked.term, asked_at + args.timeout)
-            took = time.monotonic() - asked_at
-        if new is None:
-            cancel_handover(client, name, asked.term, key_prefix=prefix)
-            say(
-                f"no new term within {args.timeout:g}s: {printable(asked.node_id)} did not hand "
-                f"{name!r} over (not running, paused, or an rselection without "
-                "handover support); the request was withdrawn",
-                err=True,
-            )
-            return 1
-        node, term = new
-        say(_took_over(node, name, term, took))
-        if args.to is not None and node != args.to:
-            say(f"{printable(args.to)} did not take over within {args.timeout:g}s", err=True)
-            return 1
-        if node == asked.node_id:
-            say(f"no other node took over: {printable(node)} leads again", err=True)
-            return 1
-        return 0
+        return _hand_over(admin, args, str)
     except BackendUnavailable as exc:
         say(f"resign failed: {redact(str(exc), args.redis_url)}", err=True)
         return EXIT_UNREACHABLE
     finally:
-        client.close()
+        admin.client.close()
 
 
-def _redis_lease_exists(client: Any, name: str, prefix: str) -> bool:
-    """Whether Redis lease ``name`` ever had a term (its term key outlives every holder)."""
-    import redis
-
-    from ..errors import BackendUnavailable
-    from ..redis.lease import lease_keys
-
-    try:
-        return bool(client.exists(lease_keys(name, prefix)[1]))
-    except redis.RedisError as exc:
-        raise BackendUnavailable(f"cannot read the term of lease {name!r}: {exc}") from exc
+def _nobody_else(name: str, holder: LeaderInfo) -> str:
+    return (
+        f"no other live node of lease {name!r} to hand over to "
+        f"({printable(holder.node_id)} leads term {holder.term}); start another node first"
+    )
 
 
-class _RedisTermWatch:
-    """Waits for a new term of a Redis lease: woken by the acquire script's ``PUBLISH``,
-    and re-reading the lease every half second in case a message was missed."""
+def _hand_over(
+    admin: PostgresAdmin | RedisAdmin, args: argparse.Namespace, shown: Callable[[str], str]
+) -> int:
+    """Ask for the handover, wait for the new term, say what happened; the exit code.
 
-    def __init__(self, client: Any, name: str, prefix: str) -> None:
-        from redis.cluster import RedisCluster
+    Args:
+        admin: the lease's backend.
+        args: the parsed ``resign`` command line.
+        shown: what of an error message may be shown (a password redacted).
 
-        from ..redis.lease import lease_keys
-
-        self._client, self._name, self._prefix = client, name, prefix
-        key, _, self._channel = lease_keys(name, prefix)
-        node_client = client
-        if isinstance(client, RedisCluster):
-            # Plain pub/sub reaches every cluster node; listen on the lease slot's master.
-            cluster: Any = client
-            node_client = cluster.get_redis_connection(cluster.get_node_from_key(key))
-        self._pubsub = node_client.pubsub(ignore_subscribe_messages=True)
-
-    def __enter__(self) -> _RedisTermWatch:
-        import redis
-
-        from ..errors import BackendUnavailable
-
+    Raises:
+        BackendUnavailable: the server failed.
+    """
+    name = args.name
+    with admin.watch_terms(name) as watch:
+        asked_at = time.monotonic()
         try:
-            self._pubsub.subscribe(self._channel)
-        except redis.RedisError as exc:
-            raise BackendUnavailable(f"cannot subscribe to {self._channel!r}: {exc}") from exc
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._pubsub.close()
-
-    def wait(self, old_term: int, deadline: float) -> tuple[str, int] | None:
-        import redis
-
-        from ..errors import BackendUnavailable
-        from ..redis.handover import current_holder
-
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                message = self._pubsub.get_message(timeout=min(left, 0.5))
-            except redis.RedisError as exc:
-                raise BackendUnavailable(f"lost the subscription: {exc}") from exc
-            data = message.get("data") if message else None
-            text = data.decode() if isinstance(data, bytes) else str(data or "")
-            if message is not None and not text.startswith("acquired:"):
-                continue  # other news: no need to read the lease
-            holder = current_holder(self._client, self._name, key_prefix=self._prefix)
-            if holder is not None and holder.term > old_term:
-                return holder.node_id, holder.term
-        return None
-
-
-def _await_new_term(
-    conn: psycopg.Connection[Any], args: argparse.Namespace, old_term: int, deadline: float
-) -> tuple[str, int] | None:
-    """Wait for a term after ``old_term``: woken by the acquisition's NOTIFY, and
-    re-reading the row every half second in case a notification was missed."""
-    while (left := deadline - time.monotonic()) > 0:
-        for notify in conn.notifies(timeout=min(left, 0.5)):
-            try:
-                event = json.loads(notify.payload)
-            except ValueError:
-                continue
-            if (
-                isinstance(event, dict)
-                and event.get("event") == "acquired"
-                and isinstance(event.get("term"), int)
-                and event["term"] > old_term
-            ):
-                return str(event.get("node_id")), int(event["term"])
-        current = live_holder(conn, args.table, args.name)
-        if current is not None and current[1] > old_term:
-            return current
-    return None
+            asked = admin.request_handover(name, to=args.to, valid_for=args.timeout)
+        except ConfigError as exc:
+            say(shown(str(exc)), err=True)
+            return 1
+        if asked is None:
+            say(f"lease {name!r} has no leader: nothing to hand over", err=True)
+            return 1
+        say(
+            f"asked {printable(asked.node_id)} to hand {name!r} over (term {asked.term}"
+            + (f", to {printable(args.to)}" if args.to else "")
+            + ")",
+        )
+        new = watch.wait(asked.term, asked_at + args.timeout - time.monotonic())
+        took = time.monotonic() - asked_at
+    if new is None:
+        admin.cancel_handover(name, asked.term)
+        say(
+            f"no new term within {args.timeout:g}s: {printable(asked.node_id)} did not hand "
+            f"{name!r} over (not running, paused, or an rselection without "
+            "handover support); the request was withdrawn",
+            err=True,
+        )
+        return 1
+    say(_took_over(new.node_id, name, new.term, took))
+    if args.to is not None and new.node_id != args.to:
+        say(f"{printable(args.to)} did not take over within {args.timeout:g}s", err=True)
+        return 1
+    if new.node_id == asked.node_id:
+        say(f"no other node took over: {printable(new.node_id)} leads again", err=True)
+        return 1
+    return 0

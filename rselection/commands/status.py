@@ -5,8 +5,9 @@ names, only those leases (retired or not), their nodes and their fires; ``--all`
 shows the retired leases. The exit code is judged on the leases shown, retired ones
 only when named: 0 when each has a live leader, 1 when one has none (a named lease
 that does not exist has none), 3 when the database cannot be read (2: a usage error).
-With ``--redis-url`` it reads the Redis leases under ``--key-prefix`` instead
-(:mod:`rselection.commands.redis_status`), their nodes from the leases' heartbeats.
+With ``--redis-url`` it reads the Redis leases under ``--key-prefix`` instead, their
+nodes from the leases' heartbeats. Both read a snapshot through the backend's admin
+API (:class:`~rselection.postgres.PostgresAdmin`, :class:`~rselection.redis.RedisAdmin`).
 """
 
 from __future__ import annotations
@@ -19,16 +20,17 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..errors import BackendUnavailable
 from ..redaction import redact
 from .connections import (
     Unreachable,
     connect,
     describe,
-    first_line,
+    postgres_admin,
+    reason,
+    redis_admin,
     resolve_dsn,
-    table_exists,
 )
-from .leases import has_columns
 from .options import (
     add_database_options,
     add_nodes_options,
@@ -49,10 +51,11 @@ from .output import (
 )
 
 if TYPE_CHECKING:
-    import psycopg
+    from ..admin import StatusSnapshot
 
 __all__ = [
     "NOT_RECORDED",
+    "NOT_RECORDED_REDIS",
     "add_parser",
     "exit_code",
     "read_status",
@@ -67,6 +70,12 @@ NOT_RECORDED = (
     "(see TaskHandler.health() on the leader); last fires come from the claims table"
 )
 """What ``status`` cannot show, said in its output so nobody looks for it there."""
+
+NOT_RECORDED_REDIS = (
+    "last fires, next fires, failures and persistent tasks are not read from Redis "
+    "(see TaskHandler.health() on the leader)"
+)
+"""What ``status --redis-url`` cannot show, said in its output."""
 
 _SHARD = re.compile(r"0|[1-9][0-9]*")  # a shard's number in its lease name, as written
 
@@ -121,186 +130,51 @@ def add_parser(
     return parser
 
 
-def _lease_rows(conn: psycopg.Connection[Any], table: str) -> list[tuple[Any, ...]]:
-    """Every lease row: name, holder, term, acquired_at, expires_at, seconds to expiry,
-    retired, and the pending handover request (term, node asked, node named, its end,
-    seconds left) or NULLs. Columns a table of an older schema version lacks read NULL."""
-    from psycopg import sql
-
-    from ..postgres.schema import (
-        LEASE_HANDOVER_COLUMNS,
-        LEASE_RETIRED_COLUMNS,
-        table_identifier,
-    )
-
-    retired: sql.Composable
-    handover: sql.Composable
-    if has_columns(conn, table, LEASE_RETIRED_COLUMNS):
-        retired = sql.SQL("coalesce(retired_term = term, false)")
-    else:
-        retired = sql.SQL("false")
-    if has_columns(conn, table, LEASE_HANDOVER_COLUMNS):
-        # A request lasts until its window ends or the next acquisition clears it; the
-        # asked node stays kept out even after it released, so show it until then.
-        pending = sql.SQL("resign_until > clock_timestamp()")
-        handover = sql.SQL(
-            "CASE WHEN {p} THEN resign_term END, CASE WHEN {p} THEN resign_from END,"
-            " CASE WHEN {p} THEN resign_to END, CASE WHEN {p} THEN resign_until END,"
-            " CASE WHEN {p} THEN"
-            " extract(epoch FROM resign_until - clock_timestamp())::float8 END"
-        ).format(p=pending)
-    else:
-        handover = sql.SQL("NULL::bigint, NULL::text, NULL::text, NULL::timestamptz, NULL::float8")
-    return conn.execute(
-        sql.SQL(
-            "SELECT name, holder, term, acquired_at, expires_at,"
-            " extract(epoch FROM expires_at - clock_timestamp())::float8, {retired}, {handover}"
-            " FROM {t} ORDER BY name"
-        ).format(retired=retired, handover=handover, t=table_identifier(table))
-    ).fetchall()
-
-
-def _last_fires_sql() -> Any:
-    """The newest claimed fire of each task of each lease, as (lease, task, fire, node,
-    term, claimed_at), in a few index probes per task whatever the table's size.
-
-    Claim keys are ``"<lease>/<task>@<UTC RFC 3339 nanos>"``, with ``%`` and ``/`` in the
-    lease name written ``%25`` and ``%2F`` (:mod:`rselection.keys`): in byte order (the
-    claims table's ``fire_key COLLATE "C"`` index) one lease's keys are one range, one
-    task's keys are one range within it, and its newest fire sorts last. The walk visits
-    each task once: the first key of the lease's range, the newest key of that key's
-    task (same length, before ``"<lease>/<task>@["``), then the first key after it, and
-    so on. A key that is not a fire key (no instant) counts as a task of its own.
-    """
-    from psycopg import sql
-
-    key = '(c.fire_key COLLATE "C")'
-    end = "((left(p.prefix, -1) || '0') COLLATE \"C\")"  # "/" + 1: past the lease's keys
-    instant = "'@[0-9]{{4}}-[0-9]{{2}}-[0-9]{{2}}T[0-9]{{2}}:[0-9]{{2}}:[0-9]{{2}}[.][0-9]{{9}}Z$'"
-    newest = (
-        f"CASE WHEN s.k ~ {instant} THEN (SELECT c.fire_key FROM {{c}} c"
-        f' WHERE {key} >= (s.k COLLATE "C")'
-        f" AND {key} < ((left(s.k, -30) || '[') COLLATE \"C\")"
-        f" AND length(c.fire_key) = length(s.k) ORDER BY {key} DESC LIMIT 1) ELSE s.k END"
-    )
-
-    def first(op: str, bound: str) -> str:
-        return (
-            f'(SELECT c.fire_key FROM {{c}} c WHERE {key} {op} ({bound} COLLATE "C")'
-            f" AND {key} < {end} ORDER BY {key} LIMIT 1)"
-        )
-
-    return sql.SQL(
-        "WITH RECURSIVE p AS ("
-        " SELECT l.name, replace(replace(l.name, '%', '%25'), '/', '%2F') || '/' AS prefix"
-        " FROM {l} l"
-        "), walk(name, prefix, newest) AS ("
-        " SELECT p.name, p.prefix, f.newest FROM p"
-        f" CROSS JOIN LATERAL (SELECT {first('>=', 'p.prefix')} AS k) s"
-        f" CROSS JOIN LATERAL (SELECT {newest} AS newest) f WHERE s.k IS NOT NULL"
-        " UNION ALL"
-        " SELECT p.name, p.prefix, f.newest FROM walk p"
-        f" CROSS JOIN LATERAL (SELECT {first('>', 'p.newest')} AS k) s"
-        f" CROSS JOIN LATERAL (SELECT {newest} AS newest) f WHERE s.k IS NOT NULL"
-        ") SELECT DISTINCT ON (w.name, k.task) w.name, k.task, k.fire,"
-        " c.holder, c.term, c.claimed_at"
-        " FROM walk w CROSS JOIN LATERAL (SELECT c.holder, c.term, c.claimed_at"
-        " FROM {c} c WHERE c.fire_key = w.newest LIMIT 1) c"
-        " CROSS JOIN LATERAL (SELECT"
-        " regexp_replace(substr(w.newest, length(w.prefix) + 1), '@[^@]*$', '') AS task,"
-        " substring(w.newest FROM '@([^@]*)$') AS fire) k"
-        " ORDER BY w.name, k.task, k.fire DESC"
-    )
-
-
-def read_status(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One snapshot of the leases, handover requests, nodes and last fires asked for.
+def read_status(snapshot: StatusSnapshot, where: str, args: argparse.Namespace) -> dict[str, Any]:
+    """What ``status`` shows of a snapshot: the leases asked for, their handover
+    requests, nodes, last fires and shards, and which leases have no leader.
 
     Args:
-        dsn: the Postgres connection string.
+        snapshot: the snapshot the backend's admin read for ``args.names``.
+        where: the server, for people (never with a password).
         args: the parsed ``status`` command line.
-
-    Raises:
-        Unreachable: the database cannot be reached or read, or has no lease table.
     """
-    import psycopg
-    from psycopg import sql
-
-    from ..postgres.schema import LEASE_HANDOVER_COLUMNS, table_identifier
-
-    with connect(dsn) as conn:
-        try:
-            if not table_exists(conn, args.table):
-                raise Unreachable(
-                    f"lease table {args.table!r} does not exist on {describe(dsn)}: "
-                    "run `rselection migrate`, or pass the right --table"
-                )
-            now_row = conn.execute("SELECT clock_timestamp()").fetchone()
-            handovers_recorded = has_columns(conn, args.table, LEASE_HANDOVER_COLUMNS)
-            lease_rows = _lease_rows(conn, args.table)
-            node_rows = None
-            if table_exists(conn, args.nodes_table):
-                node_rows = conn.execute(
-                    sql.SQL(
-                        "SELECT name, node_id, hostname, pid, host(client_addr), started_at,"
-                        " last_seen, extract(epoch FROM clock_timestamp() - last_seen)::float8"
-                        " FROM {} ORDER BY name, started_at, node_id"
-                    ).format(table_identifier(args.nodes_table))
-                ).fetchall()
-            fire_rows = None
-            if table_exists(conn, args.claims_table):
-                # A few index probes per task: compiling the query (JIT, tempted by the
-                # recursive walk's estimates) would take longer than running it.
-                conn.execute("SET jit = off")
-                fire_rows = conn.execute(
-                    _last_fires_sql().format(
-                        l=table_identifier(args.table), c=table_identifier(args.claims_table)
-                    )
-                ).fetchall()
-        except psycopg.Error as exc:
-            raise Unreachable(
-                f"cannot read the leases from {describe(dsn)}: {redact(first_line(exc), dsn)}"
-            ) from exc
     named: list[str] = list(dict.fromkeys(args.names))  # in the order given, once each
     wanted = set(named)
-    holders: dict[str, str] = {}
-    leases = []
+    pending = {h.lease: h for h in snapshot.handovers or ()}
+    leases: list[dict[str, Any]] = []
     handovers = []
     hidden: list[str] = []
     judged: list[dict[str, Any]] = []
-    for row in lease_rows:
-        name, holder, term, acquired_at, expires_at, expires_in, retired = row[:7]
-        asked_term, asked_node, asked_to, asked_until, asked_left = row[7:]
-        if wanted and name not in wanted:
+    for found in snapshot.leases:
+        if wanted and found.name not in wanted:
             continue
-        if retired and not wanted and not args.all:
-            hidden.append(name)
+        if found.retired and not wanted and not args.all:
+            hidden.append(found.name)
             continue
-        live = holder is not None and expires_in is not None and expires_in > 0
-        if live:
-            holders[name] = holder
         lease = {
-            "name": name,
-            "holder": holder if live else None,
-            "term": term,
-            "acquired_at": iso(acquired_at) if live else None,
-            "expires_at": iso(expires_at) if live else None,
-            "expires_in": round(expires_in, 3) if live else None,
-            "live": live,
-            "retired": bool(retired),
+            "name": found.name,
+            "holder": found.holder,
+            "term": found.term,
+            "acquired_at": iso(found.acquired_at),
+            "expires_at": iso(found.expires_at),
+            "expires_in": None if found.expires_in is None else round(found.expires_in, 3),
+            "live": found.live,
+            "retired": found.retired,
         }
         leases.append(lease)
-        if wanted or not retired:
+        if wanted or not found.retired:
             judged.append(lease)
-        if asked_until is not None:
+        asked = pending.get(found.name)
+        if asked is not None:
             handovers.append(
                 {
-                    "lease": name,
-                    "term": asked_term,
-                    "node_id": asked_node,
-                    "to": asked_to,
-                    "until": iso(asked_until),
-                    "expires_in": round(asked_left, 3),
+                    "lease": asked.lease,
+                    "term": asked.term,
+                    "node_id": asked.node_id,
+                    "to": asked.to,
+                    "until": iso(asked.until),
+                    "expires_in": round(asked.expires_in, 3),
                 }
             )
     shown = {lease["name"] for lease in leases}
@@ -311,51 +185,56 @@ def read_status(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
         return lease in wanted if wanted else lease not in hidden_set
 
     nodes = None
-    if node_rows is not None:
+    if snapshot.nodes is not None:
         nodes = [
             {
-                "lease": lease,
-                "node_id": node_id,
-                "hostname": hostname,
-                "pid": pid,
-                "client_addr": addr,
-                "started_at": iso(started),
-                "last_seen": iso(seen),
-                "seen_ago": round(seen_ago, 3),
-                "alive": seen_ago <= node_timeout(args),
-                "is_leader": holders.get(lease) == node_id,
+                "lease": node.name,
+                "node_id": node.node_id,
+                "hostname": node.hostname,
+                "pid": node.pid,
+                "client_addr": node.client_addr,
+                "started_at": iso(node.started_at),
+                "last_seen": iso(node.last_seen),
+                "seen_ago": round(
+                    max(0.0, (snapshot.checked_at - node.last_seen).total_seconds()), 3
+                ),
+                "alive": node.alive,
+                "is_leader": node.is_leader,
             }
-            for lease, node_id, hostname, pid, addr, started, seen, seen_ago in node_rows
-            if selected(lease)
+            for node in snapshot.nodes
+            if selected(node.name)
         ]
-    shards = sharded_names(lease_rows, {lease["name"] for lease in leases}, selected)
+    rows = [  # every lease read, the shards of a name asked for among them
+        (lease.name, lease.holder, lease.term, None, None, lease.expires_in)
+        for lease in snapshot.leases
+    ]
     fires = None
-    if fire_rows is not None:
+    if snapshot.fires is not None:
         fires = [
             {
-                "lease": lease,
-                "task": task,
-                "last_fire": fire,
-                "node": holder,
-                "term": term,
-                "claimed_at": iso(claimed_at),
+                "lease": fire.lease,
+                "task": fire.task,
+                "last_fire": fire.fire,
+                "node": fire.node,
+                "term": fire.term,
+                "claimed_at": iso(fire.claimed_at),
             }
-            for lease, task, fire, holder, term, claimed_at in fire_rows
-            if selected(lease)
+            for fire in snapshot.fires
+            if selected(fire.lease)
         ]
     return {
-        "database": describe(dsn),
-        "checked_at": iso(now_row[0] if now_row else None),
+        "database": where,
+        "checked_at": iso(snapshot.checked_at),
         "names": named or None,
         "leases": leases,
         "unknown": unknown,
         "hidden": hidden,
         "headless": [lease["name"] for lease in judged if not lease["live"]] + unknown,
-        "handovers": handovers if handovers_recorded else None,
+        "handovers": None if snapshot.handovers is None else handovers,
         "nodes": nodes,
         "tasks": fires,
-        "shards": shards,
-        "not_recorded": NOT_RECORDED,
+        "shards": sharded_names(rows, shown, selected),
+        "not_recorded": NOT_RECORDED_REDIS if args.redis_url else NOT_RECORDED,
     }
 
 
@@ -546,16 +425,47 @@ def _reader(args: argparse.Namespace) -> Callable[[], dict[str, Any]]:
     """
     if args.redis_url is None:
         dsn = resolve_dsn(args)
-        return lambda: read_status(dsn, args)
+        return lambda: _read_postgres(dsn, args)
     if args.dsn is not None:
         raise UsageError("pass either --dsn (Postgres) or --redis-url (Redis), not both")
-    from .connections import redis_client
-    from .redis_status import read_redis_status
+    admin = redis_admin(args, node_timeout(args))
+    args.node_timeout = admin.node_timeout
+    args.key_prefix = admin.key_prefix
+    where = f"Redis {admin.where}, key prefix {admin.key_prefix!r}"
 
-    url = args.redis_url
-    client = redis_client(url)
-    args.node_timeout = node_timeout(args)
-    return lambda: read_redis_status(client, url, args)
+    def read() -> dict[str, Any]:
+        try:
+            snapshot = admin.status(args.names or None)
+        except BackendUnavailable as exc:
+            raise Unreachable(
+                f"cannot read the leases from Redis {admin.where}: "
+                f"{redact(reason(exc), args.redis_url)}"
+            ) from exc
+        return read_status(snapshot, where, args)
+
+    return read
+
+
+def _read_postgres(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One ``status`` of the Postgres leases, on a connection of its own.
+
+    Raises:
+        Unreachable: the database cannot be reached or read, or has no lease table.
+    """
+    with connect(dsn) as conn:
+        admin = postgres_admin(conn, args)
+        try:
+            if not admin.lease_table_exists():
+                raise Unreachable(
+                    f"lease table {args.table!r} does not exist on {describe(dsn)}: "
+                    "run `rselection migrate`, or pass the right --table"
+                )
+            snapshot = admin.status(args.names or None)
+        except BackendUnavailable as exc:
+            raise Unreachable(
+                f"cannot read the leases from {describe(dsn)}: {redact(reason(exc), dsn)}"
+            ) from exc
+    return read_status(snapshot, describe(dsn), args)
 
 
 def run(args: argparse.Namespace) -> int:

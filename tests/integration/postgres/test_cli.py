@@ -330,14 +330,14 @@ def test_status_reads_the_newest_fire_of_each_task_through_the_key_index(pg_dsn:
         conn.execute("ANALYZE rselection_claims")
         from psycopg import sql
 
-        from rselection.commands.status import _last_fires_sql
+        from rselection.postgres.snapshot import last_fires_sql
 
         conn.execute("SET jit = off")
         plan = "\n".join(
             row[0]
             for row in conn.execute(
                 sql.SQL("EXPLAIN ")
-                + _last_fires_sql().format(
+                + last_fires_sql().format(
                     l=sql.Identifier("rselection_leases"), c=sql.Identifier("rselection_claims")
                 )
             ).fetchall()
@@ -634,8 +634,8 @@ def test_forget_a_redis_lease_keeps_its_term_key_and_a_new_leader_brings_it_back
 ) -> None:
     import redis
 
-    from rselection.commands.forget import retired_key
     from rselection.redis import RedisLeader
+    from rselection.redis.keys import retired_key
     from rselection.redis.lease import lease_keys, term_origin_key
 
     prefix = f"forget-{uuid.uuid4().hex[:6]}:"
