@@ -29,7 +29,7 @@ from typing import Any
 
 import redis
 
-from .. import forks
+from .. import clock, forks
 from ..closeable import Closeable
 from ..errors import BackendUnavailable, ConfigError, first_line
 from ..lease import Acquisition, HandoverRequest, LeaderInfo
@@ -228,7 +228,7 @@ class RedisLease(Closeable):
         # run, so an error never closes the keeper connection (see term_ended()).
         self._hold = SessionHold()
         self._seen: _Seen | None = None
-        self._seen_expires = 0.0  # monotonic time at which _seen's lease would expire
+        self._seen_expires = 0.0  # rselection.clock time at which _seen's lease would expire
         self._dead: _Seen | None = None
         self._presence: str | None = None  # the node id whose channel the listener joined
         self._handover_hint = False  # a request was announced since the last renewal
@@ -635,7 +635,7 @@ class RedisLease(Closeable):
                 )
         else:
             process, _, secret = str(doc.get("beats", "")).partition(":")
-            self._seen_expires = time.monotonic() + max(0, int(reply[2])) / 1000
+            self._seen_expires = clock.monotonic() + max(0, int(reply[2])) / 1000
             self._follow(
                 _Seen(
                     str(doc.get("term", "")),

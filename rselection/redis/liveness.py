@@ -53,7 +53,7 @@ from typing import Any, ClassVar, Protocol
 
 import redis
 
-from .. import forks
+from .. import clock, forks
 from ..errors import first_line
 from ..wakeup import Wakeup
 from ._conn import ConnectionFactory
@@ -285,7 +285,7 @@ class LivenessHub:
                 return
             self._forget(lease)
             holder = self._holders.get(process)
-            now = time.monotonic()
+            now = clock.monotonic()
             if holder is None:
                 holder = self._holders[process] = _Holder(seen.secret, now + limit, limit)
             elif not holder.leases:
@@ -345,39 +345,57 @@ class LivenessHub:
     # -- the hub's thread -------------------------------------------------------------
 
     def _run(self) -> None:
-        while True:
+        try:
+            while self._serve():
+                pass
+        finally:
+            # Should the thread end on an error all the same, the next lease that needs
+            # the hub starts it again.
             with self._lock:
-                self._wakeup.clear()
-                if not self._held and not self._holders and not self._expiry:
+                if self._thread is threading.current_thread():
                     self._thread = None
-                    self._close()
-                    return
-                listen = bool(self._holders) and not self._deaf
-                if not listen and self._listener is not None:
-                    self._drop_listener()
-            now = time.monotonic()
+
+    def _serve(self) -> bool:
+        """One turn of the hub's thread and the wait for the next; ``False`` once no
+        lease needs the hub. Nothing ends the thread but that: every follower of the
+        process relies on it to be woken at its holder's expiry."""
+        with self._lock:
+            self._wakeup.clear()
+            if not self._held and not self._holders and not self._expiry:
+                self._thread = None
+                self._close()
+                return False
+            listen = bool(self._holders) and not self._deaf
+            if not listen and self._listener is not None:
+                self._drop_listener()
+        try:
+            now = clock.monotonic()
             if now >= self._retry_at:
-                try:
-                    self._connect(listen)
-                    self._turn(now)
-                except (redis.RedisError, OSError) as exc:
-                    logger.debug("liveness on %s: %s", self._factory.where, first_line(exc))
-                    self._close()
-                    self._retry_at = time.monotonic() + _RETRY
-                except Exception:  # the thread serves every lease: survive anything
-                    logger.exception("liveness on %s: unexpected error", self._factory.where)
-                    self._close()
-                    self._retry_at = time.monotonic() + _RETRY
+                self._connect(listen)
+                self._turn(now)
             else:
                 # No connection: whose expiry is due attempts on its own connection.
                 self._give_up_expiries(self._expiries_due(now))
+        except (redis.RedisError, OSError) as exc:
+            logger.debug("liveness on %s: %s", self._factory.where, first_line(exc))
+            self._close()
+            self._retry_at = clock.monotonic() + _RETRY
+        except Exception:  # the thread serves every lease: survive anything
+            logger.exception("liveness on %s: unexpected error", self._factory.where)
+            self._close()
+            self._retry_at = clock.monotonic() + _RETRY
+        try:
             self._sleep()
+        except (OSError, ValueError) as exc:  # out of file descriptors, a closed socket
+            logger.debug("liveness on %s: %s", self._factory.where, first_line(exc))
+            time.sleep(_RETRY)
+        return True
 
     def _connect(self, listen: bool) -> None:
         if self._conn is None:
             self._conn = self._factory.connect()
             self._muted = self._deaf = False  # an ACL may have changed: try again
-        if listen and self._listener is None and time.monotonic() >= self._listen_at:
+        if listen and self._listener is None and clock.monotonic() >= self._listen_at:
             self._listener = self._factory.connect()
             self._listener.send_command("SUBSCRIBE", self.channel)
             self._subscribed = False
@@ -399,7 +417,7 @@ class LivenessHub:
             self._publish(message)
         for process in due:
             self._probe(process)
-        expiring = self._expiries_due(time.monotonic())
+        expiring = self._expiries_due(clock.monotonic())
         if expiring:
             self._read_expiries(expiring)
         if self._listener is not None:
@@ -410,12 +428,12 @@ class LivenessHub:
                 # limit: listen again soon; beats and checks go on meanwhile.
                 logger.debug("liveness on %s: %s", self._factory.where, first_line(exc))
                 self._drop_listener()
-                self._listen_at = time.monotonic() + _RETRY
+                self._listen_at = clock.monotonic() + _RETRY
 
     def _sleep(self) -> None:
         """Wait for a message, a wake-up, or the next beat, check or read (at most a
         second)."""
-        timeout = min(1.0, max(0.0, self._next_turn() - time.monotonic()))
+        timeout = min(1.0, max(0.0, self._next_turn() - clock.monotonic()))
         with selectors.DefaultSelector() as sel:
             wake = self._wakeup.socket
             if wake is not None:
@@ -480,7 +498,7 @@ class LivenessHub:
             if not unsigned_beat(payload):
                 self.dropped.drop(self.channel, payload)
             return
-        now = time.monotonic()
+        now = clock.monotonic()
         with self._lock:
             holder = self._holders.get(sender)
             if holder is None:
@@ -556,7 +574,7 @@ class LivenessHub:
                 if entry is not None and entry.seen == seen and seen.run == run:
                     self._forget(lease)
             if holder.leases:
-                holder.probed(time.monotonic())
+                holder.probed(clock.monotonic())
         for lease, seen in gone:
             if seen.run == run:
                 lease.holder_found_gone(seen)
@@ -604,7 +622,7 @@ class LivenessHub:
                     continue
                 with self._lock:
                     if self._expiry.get(lease) is entry:  # else an attempt came meanwhile
-                        entry.due = time.monotonic() + reread_after(pttl)
+                        entry.due = clock.monotonic() + reread_after(pttl)
                         heapq.heappush(
                             self._expiry_heap, (entry.due, next(self._order), lease, entry)
                         )
@@ -643,7 +661,7 @@ class LivenessHub:
         with self._lock:
             holder = self._holders.get(process)
             if holder is not None:
-                holder.probed(time.monotonic())
+                holder.probed(clock.monotonic())
 
     def _call(self, *args: Any) -> Any:
         conn = self._conn

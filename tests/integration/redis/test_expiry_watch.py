@@ -11,6 +11,8 @@ is still taken over at its expiry, also when the hub's connection was cut.
 
 from __future__ import annotations
 
+import selectors
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -115,6 +117,50 @@ def test_a_lease_its_live_holder_stops_renewing_is_taken_over_at_its_expiry(
         print(f"\ntaken over {late * 1000:.0f} ms after the lease expired")
         # Measured: 10-60 ms; a missing wake-up would leave it to the keeper's own
         # attempt, EXPIRY_BACKSTOP lease periods (20 s) later.
+        assert late < 2.0
+    finally:
+        follower.stop(timeout=10)
+        holder.close()
+
+
+def test_a_hub_thread_that_met_an_os_error_still_wakes_the_follower_at_expiry(
+    private_redis: PrivateRedis, admin: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Out of file descriptors for a moment (EMFILE), the hub's thread could not make its
+    # selector: the error ended the thread, and every follower of the process was left
+    # to the keeper's own attempt, EXPIRY_BACKSTOP lease periods later.
+    name = f"exp-{uuid.uuid4().hex[:6]}"
+    holder = HolderProcess(private_redis.url, name, **LEASE)
+    follower = RedisLeader(
+        private_redis.url,
+        rs.TaskHandler(),
+        name=name,
+        node_id="follower",
+        ttl=TTL,
+        renew_deadline=1.0,
+        renew_interval=0.3,
+        liveness_interval=0.2,
+    )
+    real_selector = selectors.DefaultSelector
+    failed = threading.Event()
+
+    def out_of_descriptors() -> selectors.BaseSelector:
+        if threading.current_thread().name == "rselection-liveness" and not failed.is_set():
+            failed.set()
+            raise OSError(24, "Too many open files")
+        return real_selector()
+
+    try:
+        assert holder.fast
+        follower.start()
+        wait_until(lambda: len(keeper_idle(admin, name)) == 2, 10, "the follower connected")
+        monkeypatch.setattr(selectors, "DefaultSelector", out_of_descriptors)
+        wait_until(failed.is_set, 10, "the hub's thread to meet the error")
+        last_renewal = holder.neglect()
+        assert follower.wait_until_leader(TTL + 30), "the expired lease was not taken over"
+        late = time.time() - (last_renewal + TTL)
+        print(f"\ntaken over {late * 1000:.0f} ms after the lease expired")
+        # Measured: about 10 ms; left to the keeper's own attempt, 14 to 20 s.
         assert late < 2.0
     finally:
         follower.stop(timeout=10)
