@@ -49,25 +49,42 @@ microsecond precision."""
 _INSTANT_SQL = r"@[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{9}Z$"
 
 
-# The parts every claim statement shares. A live claim written in another key format
-# (another release) makes the statement claim nothing and report that format.
-_FOREIGN_FORMAT = (
-    "WITH foreign_format AS ("
-    " SELECT f.format_version FROM {t} f"
-    " WHERE (f.format_version < %(fv)s OR f.format_version > %(fv)s)"
-    " AND f.expires_at > clock_timestamp() LIMIT 1"
-)
-_INSERT_CLAIM = (
-    " INSERT INTO {t} AS c (fire_key, format_version, holder, term, claimed_at, expires_at)"
-)
-# A key already claimed is taken only once its claim expired.
-_TAKE_EXPIRED = (
-    " ON CONFLICT (fire_key) DO UPDATE SET"
-    " format_version = EXCLUDED.format_version, holder = EXCLUDED.holder,"
-    " term = EXCLUDED.term, claimed_at = clock_timestamp(),"
-    " expires_at = clock_timestamp() + make_interval(secs => %(ttl)s::float8)"
-    " WHERE c.expires_at <= clock_timestamp()"
-)
+def _claim_statement(
+    ident: sql.Composable,
+    *,
+    key: str,
+    source: str = "",
+    keys: str = "",
+    where: str = "",
+    order: str = "",
+) -> sql.Composed:
+    """One claim statement: insert a claim for each key that ``source`` yields (and
+    ``where`` keeps), in ``order``; a key already claimed is taken only once its claim
+    expired. A live claim written in another key format (another release) makes the
+    statement claim nothing: the row it returns is the keys won and that format.
+
+    ``keys`` adds common table expressions before the claims (they may read ``{t}``).
+    """
+    conditions = " AND ".join(filter(None, (where, "NOT EXISTS (SELECT 1 FROM foreign_format)")))
+    return sql.SQL(
+        "WITH foreign_format AS ("
+        " SELECT f.format_version FROM {t} f"
+        " WHERE (f.format_version < %(fv)s OR f.format_version > %(fv)s)"
+        " AND f.expires_at > clock_timestamp() LIMIT 1)"
+        f"{keys}, claimed AS ("
+        " INSERT INTO {t} AS c (fire_key, format_version, holder, term, claimed_at, expires_at)"
+        f" SELECT {key}, %(fv)s::int, %(holder)s::text, %(term)s::bigint,"
+        " clock_timestamp(), clock_timestamp() + make_interval(secs => %(ttl)s::float8)"
+        f" {source} WHERE {conditions} {order}"
+        " ON CONFLICT (fire_key) DO UPDATE SET"
+        " format_version = EXCLUDED.format_version, holder = EXCLUDED.holder,"
+        " term = EXCLUDED.term, claimed_at = clock_timestamp(),"
+        " expires_at = clock_timestamp() + make_interval(secs => %(ttl)s::float8)"
+        " WHERE c.expires_at <= clock_timestamp()"
+        " RETURNING c.fire_key"
+        ") SELECT array(SELECT fire_key FROM claimed),"
+        " (SELECT format_version FROM foreign_format)"
+    ).format(t=ident)
 
 
 class PostgresClaimer(Closeable):
@@ -127,70 +144,43 @@ class PostgresClaimer(Closeable):
             pooled=True,
         )
         self._ready = not self.create_tables
-        self._claim_sql = sql.SQL(
-            _FOREIGN_FORMAT
-            + "), claimed AS ("
-            + _INSERT_CLAIM
-            + " SELECT %(key)s::text, %(fv)s::int, %(holder)s::text, %(term)s::bigint,"
-            " clock_timestamp(), clock_timestamp() + make_interval(secs => %(ttl)s::float8)"
-            " WHERE NOT EXISTS (SELECT 1 FROM foreign_format)" + _TAKE_EXPIRED + " RETURNING 1"
-            ") SELECT (SELECT count(*) FROM claimed), (SELECT format_version FROM foreign_format)"
-        ).format(t=self._ident)
+        self._claim_sql = _claim_statement(self._ident, key="%(key)s::text")
         # Missed fires: keys (oldest first) newer than the newest one already claimed.
-        self._claim_missed_sql = sql.SQL(
-            _FOREIGN_FORMAT + "), keys AS ("
+        self._claim_missed_sql = _claim_statement(
+            self._ident,
+            keys=", keys AS ("
             " SELECT k.key, k.ord FROM unnest(%(keys)s::text[]) WITH ORDINALITY AS k(key, ord)"
             "), held AS ("
             " SELECT coalesce(max(keys.ord), 0) AS ord FROM keys JOIN {t} h"
-            " ON h.fire_key = keys.key AND h.expires_at > clock_timestamp()"
-            "), claimed AS ("
-            + _INSERT_CLAIM
-            + " SELECT keys.key, %(fv)s::int, %(holder)s::text, %(term)s::bigint,"
-            " clock_timestamp(), clock_timestamp() + make_interval(secs => %(ttl)s::float8)"
-            " FROM keys, held WHERE keys.ord > held.ord"
-            " AND NOT EXISTS (SELECT 1 FROM foreign_format)"
-            + _TAKE_EXPIRED
-            + " RETURNING c.fire_key"
-            ") SELECT array(SELECT fire_key FROM claimed),"
-            " (SELECT format_version FROM foreign_format)"
-        ).format(t=self._ident)
+            " ON h.fire_key = keys.key AND h.expires_at > clock_timestamp())",
+            key="keys.key",
+            source="FROM keys, held",
+            where="keys.ord > held.ord",
+        )
         # Many fires at once (those due at one instant): each key as in a claim. The
         # keys go in one order on every node (sorted), so two nodes claiming the same
         # batch wait for each other's rows in that order and never deadlock.
-        self._claim_many_sql = sql.SQL(
-            _FOREIGN_FORMAT
-            + "), claimed AS ("
-            + _INSERT_CLAIM
-            + " SELECT k.key, %(fv)s::int, %(holder)s::text, %(term)s::bigint,"
-            " clock_timestamp(), clock_timestamp() + make_interval(secs => %(ttl)s::float8)"
-            " FROM unnest(%(keys)s::text[]) WITH ORDINALITY AS k(key, ord)"
-            " WHERE NOT EXISTS (SELECT 1 FROM foreign_format) ORDER BY k.ord"
-            + _TAKE_EXPIRED
-            + " RETURNING c.fire_key"
-            ") SELECT array(SELECT fire_key FROM claimed),"
-            " (SELECT format_version FROM foreign_format)"
-        ).format(t=self._ident)
+        self._claim_many_sql = _claim_statement(
+            self._ident,
+            key="k.key",
+            source="FROM unnest(%(keys)s::text[]) WITH ORDINALITY AS k(key, ord)",
+            order="ORDER BY k.ord",
+        )
         # Missed fires of many tasks: keys numbered by task (grp) and age (ord); each
         # task's keys newer than its newest one already claimed.
-        self._claim_missed_many_sql = sql.SQL(
-            _FOREIGN_FORMAT + "), keys AS ("
+        self._claim_missed_many_sql = _claim_statement(
+            self._ident,
+            keys=", keys AS ("
             " SELECT k.key, k.grp, k.ord"
             " FROM unnest(%(keys)s::text[], %(grps)s::int[], %(ords)s::int[]) AS k(key, grp, ord)"
             "), held AS ("
             " SELECT keys.grp, max(keys.ord) AS ord FROM keys JOIN {t} h"
-            " ON h.fire_key = keys.key AND h.expires_at > clock_timestamp() GROUP BY keys.grp"
-            "), claimed AS ("
-            + _INSERT_CLAIM
-            + " SELECT keys.key, %(fv)s::int, %(holder)s::text, %(term)s::bigint,"
-            " clock_timestamp(), clock_timestamp() + make_interval(secs => %(ttl)s::float8)"
-            " FROM keys LEFT JOIN held ON held.grp = keys.grp"
-            " WHERE keys.ord > coalesce(held.ord, 0)"
-            " AND NOT EXISTS (SELECT 1 FROM foreign_format) ORDER BY keys.key"
-            + _TAKE_EXPIRED
-            + " RETURNING c.fire_key"
-            ") SELECT array(SELECT fire_key FROM claimed),"
-            " (SELECT format_version FROM foreign_format)"
-        ).format(t=self._ident)
+            " ON h.fire_key = keys.key AND h.expires_at > clock_timestamp() GROUP BY keys.grp)",
+            key="keys.key",
+            source="FROM keys LEFT JOIN held ON held.grp = keys.grp",
+            where="keys.ord > coalesce(held.ord, 0)",
+            order="ORDER BY keys.key",
+        )
         # Many series at once: the series (of those given) that have a claim.
         self._ran_before_many_sql = sql.SQL(
             "SELECT array(SELECT s.series FROM unnest(%(series)s::text[]) AS s(series)"
@@ -243,29 +233,30 @@ class PostgresClaimer(Closeable):
         """
         self._conns.close()
 
-    def _run(
-        self, what: str, conn: psycopg.Connection[Any], query: sql.Composed, params: Any
-    ) -> Any:
-        try:
-            if not self._ready:
-                create_tables(conn, claims=self.table, timeout=self._statement_timeout)
-                self._ready = True
-            with conn.transaction():
-                cur = conn.execute(query, params)
-                return cur.fetchone() if cur.description is not None else cur.rowcount
-        except psycopg.errors.UndefinedTable as exc:
-            raise ConfigError(
-                f"cannot {what}: the claims table {self.table!r} does not exist in this "
-                "connection's database or search_path: run rselection.postgres.migrate(conninfo) "
-                "(or `rselection migrate`) once, or create the claimer with create_tables=True"
-            ) from exc
-        except (psycopg.errors.UndefinedColumn, psycopg.errors.NotNullViolation) as exc:
-            raise ConfigError(
-                f"cannot {what}: {self.table!r} is not a claims table made by migrate() "
-                f"({first_line(exc)})"
-            ) from exc
-        except psycopg.Error as exc:
-            raise self._conns.wrap(what, exc) from exc
+    def _run(self, what: str, query: sql.Composed, params: dict[str, Any]) -> Any:
+        """Run ``query`` in a transaction of its own: its row, or the rows it changed."""
+        with self._conns.connection() as conn:
+            try:
+                if not self._ready:
+                    create_tables(conn, claims=self.table, timeout=self._statement_timeout)
+                    self._ready = True
+                with conn.transaction():
+                    cur = conn.execute(query, params)
+                    return cur.fetchone() if cur.description is not None else cur.rowcount
+            except psycopg.errors.UndefinedTable as exc:
+                raise ConfigError(
+                    f"cannot {what}: the claims table {self.table!r} does not exist in this "
+                    "connection's database or search_path: run "
+                    "rselection.postgres.migrate(conninfo) (or `rselection migrate`) once, "
+                    "or create the claimer with create_tables=True"
+                ) from exc
+            except (psycopg.errors.UndefinedColumn, psycopg.errors.NotNullViolation) as exc:
+                raise ConfigError(
+                    f"cannot {what}: {self.table!r} is not a claims table made by migrate() "
+                    f"({first_line(exc)})"
+                ) from exc
+            except psycopg.Error as exc:
+                raise self._conns.wrap(what, exc) from exc
 
     def claim_missed(self, fire_keys: list[str], *, term: int | None = None) -> list[str]:
         """Claim the missed fires among ``fire_keys`` in one statement; return those won.
@@ -282,17 +273,8 @@ class PostgresClaimer(Closeable):
         check_optional_term(term)
         if not fire_keys:
             return []
-        params = {
-            "keys": list(fire_keys),
-            "fv": FIRE_KEY_FORMAT,
-            "holder": self.node_id,
-            "term": term,
-            "ttl": self.ttl,
-        }
         what = f"claim {len(fire_keys)} missed fires from {fire_keys[0][:80]!r}"
-        with self._conns.connection() as conn:
-            won, foreign = self._run(what, conn, self._claim_missed_sql, params)
-        self._refuse_foreign_format(what, foreign)
+        won = self._claim(what, self._claim_missed_sql, term, keys=list(fire_keys))
         order = {key: i for i, key in enumerate(fire_keys)}
         return sorted(won, key=order.__getitem__)
 
@@ -311,23 +293,23 @@ class PostgresClaimer(Closeable):
         check_optional_term(term)
         if not flat:
             return [[] for _ in fire_keys]
-        params = {
-            "keys": flat,
-            "grps": [grp for grp, keys in enumerate(fire_keys) for _ in keys],
-            "ords": [ord_ + 1 for keys in fire_keys for ord_ in range(len(keys))],
-            "fv": FIRE_KEY_FORMAT,
-            "holder": self.node_id,
-            "term": term,
-            "ttl": self.ttl,
-        }
         what = f"claim the missed fires of {len(fire_keys)} tasks from {flat[0][:80]!r}"
-        with self._conns.connection() as conn:
-            won, foreign = self._run(what, conn, self._claim_missed_many_sql, params)
-        self._refuse_foreign_format(what, foreign)
+        won = self._claim(
+            what,
+            self._claim_missed_many_sql,
+            term,
+            keys=flat,
+            grps=[grp for grp, keys in enumerate(fire_keys) for _ in keys],
+            ords=[ord_ + 1 for keys in fire_keys for ord_ in range(len(keys))],
+        )
         got = set(won)
         return [[key for key in keys if key in got] for keys in fire_keys]
 
-    def _refuse_foreign_format(self, what: str, foreign: int | None) -> None:
+    def _claim(self, what: str, query: sql.Composed, term: int | None, **keys: Any) -> list[str]:
+        """Run one claim statement with ``keys`` (its key parameters); return the keys
+        won, refusing a table that holds live claims of another key format."""
+        params = {"fv": FIRE_KEY_FORMAT, "holder": self.node_id, "term": term, "ttl": self.ttl}
+        won, foreign = self._run(what, query, params | keys)
         if foreign is not None:
             raise ConfigError(
                 f"cannot {what}: the claims table {self.table!r} holds unexpired claims "
@@ -336,6 +318,7 @@ class PostgresClaimer(Closeable):
                 "one release of rselection across the fleet, or wait one claim ttl after "
                 "the last node of the other release stopped"
             )
+        return list(won)
 
     def claim(self, fire_key: str, *, term: int | None = None) -> bool:
         """Claim one fire: ``True`` if this call won it, ``False`` if a claim holds it.
@@ -359,18 +342,8 @@ class PostgresClaimer(Closeable):
         """
         check_fire_key(fire_key)
         check_optional_term(term)
-        params = {
-            "key": fire_key,
-            "fv": FIRE_KEY_FORMAT,
-            "holder": self.node_id,
-            "term": term,
-            "ttl": self.ttl,
-        }
         what = f"claim {fire_key[:80]!r}"
-        with self._conns.connection() as conn:
-            row = self._run(what, conn, self._claim_sql, params)
-        won, foreign = row
-        self._refuse_foreign_format(what, foreign)
+        won = self._claim(what, self._claim_sql, term, key=fire_key)
         logger.debug("%s: %s", what, "won" if won else "held by another claim")
         return bool(won)
 
@@ -391,17 +364,8 @@ class PostgresClaimer(Closeable):
         check_optional_term(term)
         if not fire_keys:
             return set()
-        params = {
-            "keys": sorted(fire_keys),
-            "fv": FIRE_KEY_FORMAT,
-            "holder": self.node_id,
-            "term": term,
-            "ttl": self.ttl,
-        }
         what = f"claim {len(fire_keys)} fires from {fire_keys[0][:80]!r}"
-        with self._conns.connection() as conn:
-            won, foreign = self._run(what, conn, self._claim_many_sql, params)
-        self._refuse_foreign_format(what, foreign)
+        won = self._claim(what, self._claim_many_sql, term, keys=sorted(fire_keys))
         logger.debug("%s: won %d", what, len(won))
         return set(won)
 
@@ -431,8 +395,7 @@ class PostgresClaimer(Closeable):
         params = {"batch": size, "instant": _INSTANT_SQL}
         total = 0
         while True:
-            with self._conns.connection() as conn:
-                count = int(self._run("clean up claims", conn, self._cleanup_sql, params))
+            count = int(self._run("clean up claims", self._cleanup_sql, params))
             total += count
             if batch is not None or count < size:
                 break
@@ -450,14 +413,8 @@ class PostgresClaimer(Closeable):
         series = check_fire_keys(series)
         if not series:
             return set()
-        with self._conns.connection() as conn:
-            row = self._run(
-                f"look up the claims of {len(series)} tasks from {series[0][:80]!r}",
-                conn,
-                self._ran_before_many_sql,
-                {"series": series},
-            )
-        return set(row[0])
+        what = f"look up the claims of {len(series)} tasks from {series[0][:80]!r}"
+        return set(self._run(what, self._ran_before_many_sql, {"series": series})[0])
 
     def ran_before(self, series: str) -> bool:
         """Whether a fire of ``series`` (a task's fire keys without the instant, such as
@@ -469,11 +426,5 @@ class PostgresClaimer(Closeable):
             BackendUnavailable: the database cannot be reached.
         """
         check_fire_key(series)
-        with self._conns.connection() as conn:
-            row = self._run(
-                f"look up the claims of {series[:80]!r}",
-                conn,
-                self._ran_before_sql,
-                {"series": series},
-            )
-        return bool(row[0])
+        what = f"look up the claims of {series[:80]!r}"
+        return bool(self._run(what, self._ran_before_sql, {"series": series})[0])
