@@ -7,10 +7,37 @@ import asyncio
 from types import TracebackType
 from typing import Self
 
-__all__ = ["Closeable", "Service"]
+__all__ = ["Closeable", "Service", "WithBlock"]
 
 
-class Closeable:
+class WithBlock:
+    """Base of :class:`Closeable` and :class:`Service`: ``with thing:`` calls
+    :meth:`_enter_block` on entry and :meth:`_exit_block` on exit, whatever ends the
+    block, so a subclass names what entering and leaving mean and nothing else."""
+
+    def _enter_block(self) -> None:
+        """What entering the block does (nothing by default)."""
+
+    def _exit_block(self) -> None:
+        """What leaving the block does."""
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        """Enter the block (see :meth:`_enter_block`); return the object itself."""
+        self._enter_block()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Leave the block (see :meth:`_exit_block`)."""
+        self._exit_block()
+
+
+class Closeable(WithBlock):
     """Base of the objects that open connections of their own.
 
     ``with Thing(...) as thing:`` returns the object and calls :meth:`close` on exit,
@@ -22,21 +49,11 @@ class Closeable:
         """Close what this object opened itself."""
         raise NotImplementedError
 
-    def __enter__(self) -> Self:
-        """Return the object itself."""
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Close what the object opened itself (see :meth:`close`)."""
+    def _exit_block(self) -> None:
         self.close()
 
 
-class Service:
+class Service(WithBlock):
     """Base of the objects that run in the background between :meth:`start` and
     :meth:`stop` (the leaders).
 
@@ -53,18 +70,10 @@ class Service:
         """Stop, and wait up to ``timeout`` seconds (``None``: until stopped)."""
         raise NotImplementedError
 
-    def __enter__(self) -> Self:
-        """Start, and return the object itself."""
+    def _enter_block(self) -> None:
         self.start()
-        return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Stop (see :meth:`stop`)."""
+    def _exit_block(self) -> None:
         self.stop()
 
     async def __aenter__(self) -> Self:

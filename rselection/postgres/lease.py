@@ -203,10 +203,9 @@ class PostgresLease(Closeable):
             f"{self._where}, connected={self._keeper is not None})"
         )
 
-    def __enter__(self) -> PostgresLease:
+    def _enter_block(self) -> None:
         """Connect; the ``with`` block closes the lease on exit."""
         self.connect()
-        return self
 
     @property
     def conninfo(self) -> str:

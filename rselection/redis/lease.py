@@ -262,10 +262,9 @@ class RedisLease(Closeable):
         self._hub = None  # the parent's; the child's hub is made on connect
         self._gone_lock = threading.Lock()
 
-    def __enter__(self) -> RedisLease:
+    def _enter_block(self) -> None:
         """Connect; the ``with`` block closes the lease on exit."""
         self.connect()
-        return self
 
     def __repr__(self) -> str:
         return (
