@@ -18,16 +18,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import psycopg
 from psycopg import sql
 
-from .. import forks
 from ..claiming import CLEANUP_BATCH, check_fire_key, check_fire_keys
-from ..closeable import Closeable
-from ..errors import ConfigError, first_line
-from ..validation import check_node_id, check_optional_term, check_seconds, new_node_id
-from .connections import Connections
-from .schema import CLAIMS_TABLE, create_tables, table_identifier
+from ..errors import ConfigError
+from ..node_identity import NodeIdentity
+from ..validation import check_optional_term, check_seconds
+from .schema import CLAIMS_TABLE
+from .table_client import TableClient
 
 __all__ = [
     "FIRE_KEY_FORMAT",
@@ -87,12 +85,13 @@ def _claim_statement(
     ).format(t=ident)
 
 
-class PostgresClaimer(Closeable):
+class PostgresClaimer(TableClient, NodeIdentity):
     """Claims fires in Postgres so that each one runs at most once across a fleet.
 
     See ``docs/explanation/how-it-works.md``, "Claims: one run per fire", for the
     semantics (kept until ttl, expired claims replaced atomically, server time, fail
     closed, fire-key format version) and the three kinds of ``conninfo``. Thread-safe.
+    :meth:`close` leaves the claims made: they bind until their ttl.
 
     Args:
         conninfo: a libpq connection string or URI, a ``psycopg.Connection``, or a pool
@@ -115,6 +114,12 @@ class PostgresClaimer(Closeable):
             node_id, bad timeouts.
     """
 
+    _kind = "claims"
+    _role = "claimer"
+
+    node_id: str
+    """Who claims: recorded with each claim (in the ``holder`` column)."""
+
     def __init__(
         self,
         conninfo: str | Any,
@@ -127,23 +132,16 @@ class PostgresClaimer(Closeable):
         statement_timeout: float = 10.0,
     ) -> None:
         self.ttl = check_seconds(ttl, "ttl", minimum=MIN_TTL)
-        self._ident = table_identifier(table)  # validates
-        self.table = table
-        self.node_id = new_node_id() if node_id is None else check_node_id(node_id)
-        """Who claims: recorded with each claim (in the ``holder`` column)."""
-        self._default_node_id = node_id is None
-        self.create_tables = bool(create_tables)
-        # The first call may create the table: its waits are bounded like a claim's.
-        self._statement_timeout = check_seconds(statement_timeout, "statement_timeout")
-        self._conns = Connections(
+        super().__init__(
             conninfo,
             owner="PostgresClaimer",
             application_name="rselection:claims",
-            connect_timeout=check_seconds(connect_timeout, "connect_timeout"),
-            statement_timeout=self._statement_timeout,
-            pooled=True,
+            table=table,
+            create_tables=create_tables,
+            connect_timeout=connect_timeout,
+            statement_timeout=statement_timeout,
         )
-        self._ready = not self.create_tables
+        self._take_node_id(node_id)
         self._claim_sql = _claim_statement(self._ident, key="%(key)s::text")
         # Missed fires: keys (oldest first) newer than the newest one already claimed.
         self._claim_missed_sql = _claim_statement(
@@ -210,53 +208,12 @@ class PostgresClaimer(Closeable):
             ' AND (fire_key COLLATE "C") < ((%(series)s::text || \'[\') COLLATE "C")'
             " AND length(fire_key) = length(%(series)s::text) + 30)"
         ).format(t=self._ident)
-        forks.register(self)
-
-    def reset_after_fork(self) -> None:
-        """In a forked child (see :mod:`rselection.forks`): a default node id is the
-        parent's, so the child's claims are recorded under one of its own. The
-        connections reset themselves."""
-        if self._default_node_id:
-            self.node_id = new_node_id()
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(table={self.table!r}, ttl={self.ttl}, "
             f"node_id={self.node_id!r}, {self._conns.where})"
         )
-
-    def close(self) -> None:
-        """Close the connection the claimer opened (idempotent; a later call reopens it).
-
-        A pool or connection passed in is left open: it belongs to the caller. Claims are
-        kept: they bind until their ttl.
-        """
-        self._conns.close()
-
-    def _run(self, what: str, query: sql.Composed, params: dict[str, Any]) -> Any:
-        """Run ``query`` in a transaction of its own: its row, or the rows it changed."""
-        with self._conns.connection() as conn:
-            try:
-                if not self._ready:
-                    create_tables(conn, claims=self.table, timeout=self._statement_timeout)
-                    self._ready = True
-                with conn.transaction():
-                    cur = conn.execute(query, params)
-                    return cur.fetchone() if cur.description is not None else cur.rowcount
-            except psycopg.errors.UndefinedTable as exc:
-                raise ConfigError(
-                    f"cannot {what}: the claims table {self.table!r} does not exist in this "
-                    "connection's database or search_path: run "
-                    "rselection.postgres.migrate(conninfo) (or `rselection migrate`) once, "
-                    "or create the claimer with create_tables=True"
-                ) from exc
-            except (psycopg.errors.UndefinedColumn, psycopg.errors.NotNullViolation) as exc:
-                raise ConfigError(
-                    f"cannot {what}: {self.table!r} is not a claims table made by migrate() "
-                    f"({first_line(exc)})"
-                ) from exc
-            except psycopg.Error as exc:
-                raise self._conns.wrap(what, exc) from exc
 
     def claim_missed(self, fire_keys: list[str], *, term: int | None = None) -> list[str]:
         """Claim the missed fires among ``fire_keys`` in one statement; return those won.

@@ -37,30 +37,27 @@ failed call never says ``True``).
 from __future__ import annotations
 
 import logging
-from types import TracebackType
 from typing import Any
 
-import psycopg
 from psycopg import sql
 
-from .. import forks
-from ..closeable import Closeable
-from ..errors import ConfigError, first_line
-from ..validation import check_name, check_node_id, check_seconds, new_node_id
+from ..electing import Elector
+from ..validation import check_name, check_seconds
 from .claims import MIN_TTL
-from .connections import Connections
-from .schema import ELECTIONS_TABLE, create_tables, table_identifier
+from .schema import ELECTIONS_TABLE
+from .table_client import TableClient
 
 __all__ = ["PostgresElector"]
 
 logger = logging.getLogger(__name__)
 
 
-class PostgresElector(Closeable):
+class PostgresElector(TableClient, Elector):
     """Leader election that acquires or renews on each :meth:`is_leader` call.
 
     See the module docstring for how it works. Thread-safe; one instance is one
-    candidate (its :attr:`node_id`), whichever thread calls it.
+    candidate (its :attr:`node_id`), whichever thread calls it. The ``with`` block
+    resigns if leading, then closes; :meth:`close` alone does not resign.
 
     Args:
         conninfo: a libpq connection string or URI, a ``psycopg.Connection``, or a pool
@@ -84,6 +81,10 @@ class PostgresElector(Closeable):
             unsafe table name, bad timeouts.
     """
 
+    _kind = "elections"
+    _role = "elector"
+    _misuse = "; a PostgresLeader lease table cannot be shared with an elector"
+
     def __init__(
         self,
         conninfo: str | Any,
@@ -98,24 +99,16 @@ class PostgresElector(Closeable):
     ) -> None:
         self.name = check_name(name, "name")
         self.ttl = check_seconds(ttl, "ttl", minimum=MIN_TTL)
-        self._ident = table_identifier(table)  # validates
-        self.table = table
-        self.node_id: str = new_node_id() if node_id is None else check_node_id(node_id)
-        """This candidate's node id, recorded as the holder (in the ``holder`` column)."""
-        self._default_node_id = node_id is None
-        self.term: int | None = None
-        """The term this elector leads with after a ``True`` from :meth:`is_leader`, else None."""
-        self.create_tables = bool(create_tables)
-        self._statement_timeout = check_seconds(statement_timeout, "statement_timeout")
-        self._conns = Connections(
+        super().__init__(
             conninfo,
             owner="PostgresElector",
-            application_name=f"rselection:elector:{name}"[:63],
-            connect_timeout=check_seconds(connect_timeout, "connect_timeout"),
-            statement_timeout=self._statement_timeout,
-            pooled=True,
+            application_name=f"rselection:elector:{name}",
+            table=table,
+            create_tables=create_tables,
+            connect_timeout=connect_timeout,
+            statement_timeout=statement_timeout,
         )
-        self._ready = not self.create_tables
+        self._take_node_id(node_id)
         self._elect_sql = sql.SQL(
             "INSERT INTO {t} AS e (name, holder, term, acquired_at, renewed_at, expires_at)"
             " VALUES (%(name)s, %(me)s, 1, clock_timestamp(), clock_timestamp(),"
@@ -136,15 +129,6 @@ class PostgresElector(Closeable):
             " expires_at = clock_timestamp() WHERE name = %(name)s AND holder = %(me)s"
             " RETURNING term"
         ).format(self._ident)
-        forks.register(self)
-
-    def reset_after_fork(self) -> None:
-        """In a forked child (see :mod:`rselection.forks`): a default node id is the
-        parent's, so the child takes one of its own (with the same id, both processes
-        would lead at once); it leads nothing yet. The connections reset themselves."""
-        if self._default_node_id:
-            self.node_id = new_node_id()
-        self.term = None
 
     def __repr__(self) -> str:
         return (
@@ -152,53 +136,8 @@ class PostgresElector(Closeable):
             f"node_id={self.node_id!r}, {self._conns.where})"
         )
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Resign if leading (errors are logged, not raised), then close (the ``with``
-        block of :class:`~rselection.closeable.Closeable`, resigning first)."""
-        try:
-            if self.term is not None:
-                self.resign()
-        except Exception as err:  # the lease then simply expires after ttl
-            logger.warning("elector %r: resign on exit failed: %s", self.name, err)
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        """Close the connection the elector opened (idempotent); does not resign.
-
-        A pool or connection passed in is left open: it belongs to the caller.
-        """
-        self._conns.close()
-
-    def _run(self, what: str, query: sql.Composed) -> Any:
-        params = {"name": self.name, "me": self.node_id, "ttl": self.ttl}
-        with self._conns.connection() as conn:
-            try:
-                if not self._ready:
-                    create_tables(conn, elections=self.table, timeout=self._statement_timeout)
-                    self._ready = True
-                with conn.transaction():
-                    return conn.execute(query, params).fetchone()
-            except psycopg.errors.UndefinedTable as exc:
-                raise ConfigError(
-                    f"cannot {what}: the elections table {self.table!r} does not exist in "
-                    "this connection's database or search_path: run "
-                    "rselection.postgres.migrate(conninfo) (or `rselection migrate`) once, "
-                    "or create the elector with create_tables=True"
-                ) from exc
-            except (psycopg.errors.UndefinedColumn, psycopg.errors.NotNullViolation) as exc:
-                raise ConfigError(
-                    f"cannot {what}: {self.table!r} is not an elections table made by "
-                    f"migrate() ({first_line(exc)}); a PostgresLeader lease "
-                    "table cannot be shared with an elector"
-                ) from exc
-            except psycopg.Error as exc:
-                raise self._conns.wrap(what, exc) from exc
+    def _params(self) -> dict[str, Any]:
+        return {"name": self.name, "me": self.node_id, "ttl": self.ttl}
 
     def is_leader(self) -> bool:
         """Acquire or renew the leadership; ``True`` while this elector holds it.
@@ -213,7 +152,7 @@ class PostgresElector(Closeable):
                 "not leader" (the lease may still be held and expires after ttl).
         """
         self.term = None
-        row = self._run(f"run election {self.name!r}", self._elect_sql)
+        row = self._run(f"run election {self.name!r}", self._elect_sql, self._params())
         if row is None:
             return False
         self.term = int(row[0])
@@ -230,7 +169,7 @@ class PostgresElector(Closeable):
                 after ttl).
         """
         self.term = None
-        row = self._run(f"resign from election {self.name!r}", self._resign_sql)
+        row = self._run(f"resign from election {self.name!r}", self._resign_sql, self._params())
         if row is not None:
             logger.debug("elector %r: %s resigned term %s", self.name, self.node_id, row[0])
         return row is not None

@@ -40,10 +40,10 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
-from .. import forks
 from ..claiming import ClaimsPartlyFailed, check_fire_key, check_fire_keys
 from ..closeable import Closeable
-from ..validation import check_node_id, check_optional_term, check_seconds, new_node_id
+from ..node_identity import NodeIdentity
+from ..validation import check_optional_term, check_seconds
 from ._conn import check_client, describe, unavailable
 from .keys import DEFAULT_KEY_PREFIX, check_key_prefix, claim_key
 
@@ -99,7 +99,7 @@ return won
 """
 
 
-class RedisClaimer(Closeable):
+class RedisClaimer(Closeable, NodeIdentity):
     """Claims each fire of a schedule in Redis, so a fleet runs it once.
 
     A :class:`~rselection.claiming.MissedFireClaimer` and a
@@ -118,6 +118,9 @@ class RedisClaimer(Closeable):
         ConfigError: a bad client, key prefix, ttl or node id.
     """
 
+    node_id: str
+    """Who this claimer claims as."""
+
     def __init__(
         self,
         client: Any,
@@ -130,23 +133,13 @@ class RedisClaimer(Closeable):
         """The prefix of every claim key."""
         self.ttl = check_seconds(ttl, "ttl", minimum=0.001)
         """Seconds a claim binds."""
-        self.node_id: str = new_node_id() if node_id is None else check_node_id(node_id)
-        """Who this claimer claims as."""
-        self._default_node_id = node_id is None
+        self._take_node_id(node_id)
         self._client, self._owned = check_client(client, "RedisClaimer")
         self._cluster = isinstance(self._client, RedisCluster)
         self._ttl_ms = max(1, round(self.ttl * 1000))
         self._claim = self._client.register_script(CLAIM)
         self._claim_missed = self._client.register_script(CLAIM_MISSED)
         self._claim_many = self._client.register_script(CLAIM_MANY)
-        forks.register(self)
-
-    def reset_after_fork(self) -> None:
-        """In a forked child (see :mod:`rselection.forks`): a default node id is the
-        parent's, so the child's claims are recorded under one of its own. redis-py's
-        pool opens the child's own connections."""
-        if self._default_node_id:
-            self.node_id = new_node_id()
 
     def __repr__(self) -> str:
         return (

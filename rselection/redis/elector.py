@@ -34,14 +34,12 @@ Backend errors raise :class:`~rselection.errors.BackendUnavailable` (fail closed
 from __future__ import annotations
 
 import logging
-from types import TracebackType
 from typing import Any
 
 import redis
 
-from .. import forks
-from ..closeable import Closeable
-from ..validation import check_name, check_node_id, check_seconds, new_node_id
+from ..electing import Elector
+from ..validation import check_name, check_seconds
 from ._conn import check_client, describe, unavailable
 from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
 from .keys import elector_keys as elector_keys  # re-exported
@@ -103,7 +101,7 @@ return 0
 """
 
 
-class RedisElector(Closeable):
+class RedisElector(Elector):
     """Leader election that acquires or renews on each :meth:`is_leader` call.
 
     See the module docstring. Thread-safe; one instance is one candidate (its
@@ -135,46 +133,17 @@ class RedisElector(Closeable):
         self.key_prefix = check_key_prefix(key_prefix)
         self.key, self.term_key = elector_keys(self.name, self.key_prefix)
         self.ttl = check_seconds(ttl, "ttl", minimum=0.001)
-        self.node_id: str = new_node_id() if node_id is None else check_node_id(node_id)
-        """This candidate's node id, stored as the election key's value."""
-        self._default_node_id = node_id is None
-        self.term: int | None = None
-        """The term this elector leads with after a ``True`` from :meth:`is_leader`, else None."""
+        self._take_node_id(node_id)
         self._client, self._owned = check_client(client, "RedisElector")
         self._ttl_ms = max(1, round(self.ttl * 1000))
         self._elect = self._client.register_script(ELECT)
         self._resign = self._client.register_script(RESIGN)
-        forks.register(self)
-
-    def reset_after_fork(self) -> None:
-        """In a forked child (see :mod:`rselection.forks`): a default node id is the
-        parent's, so the child takes one of its own (with the same id, both processes
-        would lead at once); it leads nothing yet. redis-py's pool opens the child's
-        own connections."""
-        if self._default_node_id:
-            self.node_id = new_node_id()
-        self.term = None
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(name={self.name!r}, key={self.key!r}, ttl={self.ttl}, "
             f"node_id={self.node_id!r}, {describe(self._client)})"
         )
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Resign if leading (errors are logged, not raised), then close."""
-        try:
-            if self.term is not None:
-                self.resign()
-        except Exception as err:  # the key then simply expires after ttl
-            logger.warning("elector %r: resign on exit failed: %s", self.name, err)
-        finally:
-            self.close()
 
     def close(self) -> None:
         """Close the client if it was made from a URL; a client passed in is left open.
