@@ -326,58 +326,37 @@ class TableKind:
         return f"{self.label}s " + ", ".join(repr(n) for n in names)
 
 
+def _create(ident: sql.Identifier, *columns: str) -> sql.Composed:
+    """``CREATE TABLE IF NOT EXISTS`` with ``columns`` (each one's SQL definition)."""
+    return sql.SQL("CREATE TABLE IF NOT EXISTS {} (" + ", ".join(columns) + ")").format(ident)
+
+
+def _adding(*columns: str) -> Callable[[str], list[sql.Composed]]:
+    """The statements of a step that adds ``columns`` (name and type each) to a table.
+
+    Each is nullable, without a default: Postgres adds such a column without rewriting
+    the table, so the step's exclusive lock is held for an instant.
+    """
+
+    def statements(table: str) -> list[sql.Composed]:
+        adds = ", ".join(f"ADD COLUMN IF NOT EXISTS {column} NULL" for column in columns)
+        return [sql.SQL("ALTER TABLE {} " + adds).format(table_identifier(table))]
+
+    return statements
+
+
 def _lease_v1(table: str) -> list[sql.Composed]:
     return [
-        sql.SQL(
-            "CREATE TABLE IF NOT EXISTS {} ("
-            " name text PRIMARY KEY,"
-            " holder text NULL,"  # the holder's node_id (the column keeps its first name)
-            " term bigint NOT NULL DEFAULT 0 CHECK (term >= 0),"
-            " holder_pid integer NULL,"
-            " lock_key integer NOT NULL,"
-            " acquired_at timestamptz NULL,"
-            " renewed_at timestamptz NULL,"
-            " expires_at timestamptz NULL)"
-        ).format(table_identifier(table))
-    ]
-
-
-def _lease_v2(table: str) -> list[sql.Composed]:
-    """Version 1 -> 2: the handover request columns (nullable, no default: no rewrite)."""
-    return [
-        sql.SQL(
-            "ALTER TABLE {} ADD COLUMN IF NOT EXISTS resign_term bigint NULL,"
-            " ADD COLUMN IF NOT EXISTS resign_from text NULL,"
-            " ADD COLUMN IF NOT EXISTS resign_to text NULL,"
-            " ADD COLUMN IF NOT EXISTS resign_until timestamptz NULL"
-        ).format(table_identifier(table))
-    ]
-
-
-def _lease_v3(table: str) -> list[sql.Composed]:
-    """Version 2 -> 3: the holder's server identity (nullable, no default: no rewrite)."""
-    return [
-        sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS holder_server text NULL").format(
-            table_identifier(table)
-        )
-    ]
-
-
-def _lease_v4(table: str) -> list[sql.Composed]:
-    """Version 3 -> 4: the retired mark (nullable, no default: no rewrite)."""
-    return [
-        sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS retired_term bigint NULL").format(
-            table_identifier(table)
-        )
-    ]
-
-
-def _lease_v5(table: str) -> list[sql.Composed]:
-    """Version 4 -> 5: the holder's lease protocol (nullable, no default: no rewrite; a
-    row without one was written by protocol 1, one keeper session per lease)."""
-    return [
-        sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS protocol smallint NULL").format(
-            table_identifier(table)
+        _create(
+            table_identifier(table),
+            "name text PRIMARY KEY",
+            "holder text NULL",  # the holder's node_id (the column keeps its first name)
+            "term bigint NOT NULL DEFAULT 0 CHECK (term >= 0)",
+            "holder_pid integer NULL",
+            "lock_key integer NOT NULL",
+            "acquired_at timestamptz NULL",
+            "renewed_at timestamptz NULL",
+            "expires_at timestamptz NULL",
         )
     ]
 
@@ -385,15 +364,15 @@ def _lease_v5(table: str) -> list[sql.Composed]:
 def _claims_v1(table: str) -> list[sql.Composed]:
     ident = table_identifier(table)
     return [
-        sql.SQL(
-            "CREATE TABLE IF NOT EXISTS {} ("
-            " fire_key text PRIMARY KEY,"
-            " format_version integer NOT NULL CHECK (format_version >= 1),"
-            " holder text NOT NULL,"  # the claimer's node_id
-            " term bigint NULL CHECK (term >= 0),"
-            " claimed_at timestamptz NOT NULL,"
-            " expires_at timestamptz NOT NULL)"
-        ).format(ident),
+        _create(
+            ident,
+            "fire_key text PRIMARY KEY",
+            "format_version integer NOT NULL CHECK (format_version >= 1)",
+            "holder text NOT NULL",  # the claimer's node_id
+            "term bigint NULL CHECK (term >= 0)",
+            "claimed_at timestamptz NOT NULL",
+            "expires_at timestamptz NOT NULL",
+        ),
         # Lets a claim find claims written in another fire-key format at once.
         sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (format_version)").format(
             _index(table, "format_version_idx"), ident
@@ -403,31 +382,31 @@ def _claims_v1(table: str) -> list[sql.Composed]:
 
 def _elections_v1(table: str) -> list[sql.Composed]:
     return [
-        sql.SQL(
-            "CREATE TABLE IF NOT EXISTS {} ("
-            " name text PRIMARY KEY,"
-            " holder text NULL,"  # the leader's node_id; NULL after a resign
-            " term bigint NOT NULL CHECK (term >= 1),"
-            " acquired_at timestamptz NOT NULL,"
-            " renewed_at timestamptz NOT NULL,"
-            " expires_at timestamptz NOT NULL)"
-        ).format(table_identifier(table))
+        _create(
+            table_identifier(table),
+            "name text PRIMARY KEY",
+            "holder text NULL",  # the leader's node_id; NULL after a resign
+            "term bigint NOT NULL CHECK (term >= 1)",
+            "acquired_at timestamptz NOT NULL",
+            "renewed_at timestamptz NOT NULL",
+            "expires_at timestamptz NOT NULL",
+        )
     ]
 
 
 def _nodes_v1(table: str) -> list[sql.Composed]:
     return [
-        sql.SQL(
-            "CREATE TABLE IF NOT EXISTS {} ("
-            " name text NOT NULL,"
-            " node_id text NOT NULL,"
-            " hostname text NOT NULL,"
-            " pid integer NOT NULL,"
-            " client_addr inet NULL,"
-            " started_at timestamptz NOT NULL,"
-            " last_seen timestamptz NOT NULL,"
-            " PRIMARY KEY (name, node_id))"
-        ).format(table_identifier(table))
+        _create(
+            table_identifier(table),
+            "name text NOT NULL",
+            "node_id text NOT NULL",
+            "hostname text NOT NULL",
+            "pid integer NOT NULL",
+            "client_addr inet NULL",
+            "started_at timestamptz NOT NULL",
+            "last_seen timestamptz NOT NULL",
+            "PRIMARY KEY (name, node_id)",
+        )
     ]
 
 
@@ -439,26 +418,26 @@ def _broadcast_v1(table: str) -> list[sql.Composed]:
     ident = table_identifier(table)
     state = table_identifier(suffixed_name(table, "state"))
     return [
-        sql.SQL(
-            "CREATE TABLE IF NOT EXISTS {} ("
-            " id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,"
-            " channel text NOT NULL,"
-            " payload text NOT NULL,"
-            " origin bigint NOT NULL,"
-            " origin_seq bigint NOT NULL,"
-            " created_at timestamptz NOT NULL DEFAULT clock_timestamp())"
-        ).format(ident),
+        _create(
+            ident,
+            "id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY",
+            "channel text NOT NULL",
+            "payload text NOT NULL",
+            "origin bigint NOT NULL",
+            "origin_seq bigint NOT NULL",
+            "created_at timestamptz NOT NULL DEFAULT clock_timestamp()",
+        ),
         # Retention deletes by age; rows are appended in time order, so the index stays
         # small at its left end and the purge never scans the table.
         sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (created_at)").format(
             _index(table, "created_at_idx"), ident
         ),
-        sql.SQL(
-            "CREATE TABLE IF NOT EXISTS {} ("
-            " singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),"
-            " purged_through bigint NOT NULL DEFAULT 0,"
-            " purged_at timestamptz NULL)"
-        ).format(state),
+        _create(
+            state,
+            "singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton)",
+            "purged_through bigint NOT NULL DEFAULT 0",
+            "purged_at timestamptz NULL",
+        ),
         sql.SQL("INSERT INTO {} DEFAULT VALUES ON CONFLICT DO NOTHING").format(state),
     ]
 
@@ -470,24 +449,24 @@ def _checkpoint_tables(prefix: str) -> tuple[str, ...]:
 def _checkpoints_v1(prefix: str) -> list[sql.Composed]:
     tables = CheckpointTables(prefix)
     return [
-        sql.SQL(
-            "CREATE TABLE IF NOT EXISTS {} ("
-            " key text[] PRIMARY KEY CHECK (cardinality(key) >= 1),"
-            " state jsonb NULL,"
-            " format_version integer NOT NULL,"
-            " version bigint NOT NULL CHECK (version >= 1),"
-            " term bigint NULL,"
-            " updated_at timestamptz NOT NULL DEFAULT clock_timestamp())"
-        ).format(tables.checkpoints),
-        sql.SQL(
-            "CREATE TABLE IF NOT EXISTS {} ("
-            " key text[] PRIMARY KEY CHECK (cardinality(key) >= 1),"
-            " holder text NOT NULL,"  # the node_id holding the key's lease
-            " term bigint NOT NULL CHECK (term >= 1),"
-            " acquired_at timestamptz NOT NULL,"
-            " renewed_at timestamptz NOT NULL,"
-            " expires_at timestamptz NOT NULL)"
-        ).format(tables.leases),
+        _create(
+            tables.checkpoints,
+            "key text[] PRIMARY KEY CHECK (cardinality(key) >= 1)",
+            "state jsonb NULL",
+            "format_version integer NOT NULL",
+            "version bigint NOT NULL CHECK (version >= 1)",
+            "term bigint NULL",
+            "updated_at timestamptz NOT NULL DEFAULT clock_timestamp()",
+        ),
+        _create(
+            tables.leases,
+            "key text[] PRIMARY KEY CHECK (cardinality(key) >= 1)",
+            "holder text NOT NULL",  # the node_id holding the key's lease
+            "term bigint NOT NULL CHECK (term >= 1)",
+            "acquired_at timestamptz NOT NULL",
+            "renewed_at timestamptz NOT NULL",
+            "expires_at timestamptz NOT NULL",
+        ),
     ]
 
 
@@ -497,11 +476,35 @@ LEASES = TableKind(
     DEFAULT_TABLE,
     (
         Step(1, "create the lease table", _lease_v1),
-        Step(2, "add the handover request columns", _lease_v2, LEASE_HANDOVER_COLUMNS),
-        Step(3, "add the holder's server identity", _lease_v3, LEASE_SERVER_COLUMNS),
-        Step(4, "add the retired mark (rselection forget)", _lease_v4, LEASE_RETIRED_COLUMNS),
         Step(
-            5, "add the lease protocol (shared keeper sessions)", _lease_v5, LEASE_PROTOCOL_COLUMNS
+            2,
+            "add the handover request columns",
+            _adding(
+                "resign_term bigint",
+                "resign_from text",
+                "resign_to text",
+                "resign_until timestamptz",
+            ),
+            LEASE_HANDOVER_COLUMNS,
+        ),
+        Step(
+            3,
+            "add the holder's server identity",
+            _adding("holder_server text"),
+            LEASE_SERVER_COLUMNS,
+        ),
+        Step(
+            4,
+            "add the retired mark (rselection forget)",
+            _adding("retired_term bigint"),
+            LEASE_RETIRED_COLUMNS,
+        ),
+        # A row without a protocol was written by protocol 1, one keeper session a lease.
+        Step(
+            5,
+            "add the lease protocol (shared keeper sessions)",
+            _adding("protocol smallint"),
+            LEASE_PROTOCOL_COLUMNS,
         ),
     ),
 )
