@@ -1,11 +1,15 @@
-"""Who is in the fleet: :class:`NodeInfo`, one node competing for a lease."""
+"""Who is in the fleet: :class:`NodeInfo`, one node competing for a lease, and what
+every membership checks about its node (:class:`MembershipBase`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
 
-__all__ = ["NodeInfo"]
+from .errors import ConfigError
+from .validation import check_name, check_node_id, check_optional_seconds, check_seconds
+
+__all__ = ["MembershipBase", "NodeInfo", "node_timeout_or_default"]
 
 
 @dataclass(frozen=True)
@@ -34,3 +38,43 @@ class NodeInfo:
     last_seen: datetime
     alive: bool
     is_leader: bool
+
+
+def node_timeout_or_default(heartbeat_interval: float, node_timeout: float | None) -> float:
+    """The node timeout a leader gives its membership: ``node_timeout`` checked, or three
+    heartbeats when ``None`` (a node is lost only once it missed a few).
+
+    Raises:
+        ConfigError: a bad number.
+    """
+    heartbeat = check_seconds(heartbeat_interval, "heartbeat_interval")
+    given = check_optional_seconds(node_timeout, "node_timeout")
+    return 3 * heartbeat if given is None else given
+
+
+class MembershipBase:
+    """What every membership (:class:`~rselection.abc.Membership`) checks and keeps the
+    same way: the name of the lease its node competes for, the node's id, the seconds
+    between heartbeats and the node timeout, which must be longer (else a node would be
+    lost between two heartbeats of its own). Raises :class:`ConfigError` for bad ones.
+    """
+
+    def __init__(
+        self, name: str, node_id: str, heartbeat_interval: float, node_timeout: float
+    ) -> None:
+        heartbeat_interval = check_seconds(heartbeat_interval, "heartbeat_interval")
+        node_timeout = check_seconds(node_timeout, "node_timeout")
+        if not node_timeout > heartbeat_interval:
+            raise ConfigError(
+                f"node_timeout ({node_timeout:g} s) must be longer than heartbeat_interval "
+                f"({heartbeat_interval:g} s), which must be positive: a node would be lost "
+                "between two of its own heartbeats"
+            )
+        self.name = check_name(name, "lease name")
+        """The name of the lease the node competes for."""
+        self.node_id = check_node_id(node_id)
+        """This node's id (a leader sets it again in a forked child)."""
+        self.heartbeat_interval = heartbeat_interval
+        """Seconds between heartbeats."""
+        self.node_timeout = node_timeout
+        """A node not seen for this long is lost (``alive=False``)."""

@@ -35,10 +35,9 @@ from .checkpoints import (
 from .claiming import check_fire_key, check_fire_keys, series_of
 from .errors import ConfigError, StaleLeaderError
 from .lease import Acquisition, LeaderInfo
-from .members import NodeInfo
+from .members import MembershipBase, NodeInfo
 from .validation import (
     check_name,
-    check_node_id,
     check_optional_term,
     check_seconds,
     check_term,
@@ -532,7 +531,7 @@ def _roster_of(lease: LeaseBackend) -> _Roster:
     return roster
 
 
-class MemoryMembership:
+class MemoryMembership(MembershipBase):
     """Heartbeats of one node in process memory, and the list of its lease's nodes.
 
     The :class:`~rselection.abc.Membership` of this process, for tests and for several
@@ -569,18 +568,7 @@ class MemoryMembership:
             raise ConfigError(
                 f"a MemoryMembership lists the nodes of a LeaseBackend, got {type(lease).__name__}"
             )
-        heartbeat_interval = check_seconds(heartbeat_interval, "heartbeat_interval")
-        node_timeout = check_seconds(node_timeout, "node_timeout")
-        if not node_timeout > heartbeat_interval:
-            raise ConfigError(
-                f"node_timeout ({node_timeout:g} s) must be longer than heartbeat_interval "
-                f"({heartbeat_interval:g} s), which must be positive: a node would be lost "
-                "between two of its own heartbeats"
-            )
-        self.name = check_name(lease.name, "lease name")
-        self.node_id = check_node_id(node_id)
-        self.heartbeat_interval = heartbeat_interval
-        self.node_timeout = node_timeout
+        super().__init__(lease.name, node_id, heartbeat_interval, node_timeout)
         self._lease = lease
         self._roster = _roster_of(lease)
         self._lock = threading.Lock()  # start() and stop() may race at shutdown

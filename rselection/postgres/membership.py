@@ -28,9 +28,8 @@ import psycopg
 from psycopg import sql
 
 from .. import forks
-from ..errors import BackendUnavailable, ConfigError
-from ..members import NodeInfo
-from ..validation import check_name, check_node_id, check_seconds
+from ..errors import BackendUnavailable
+from ..members import MembershipBase, NodeInfo
 from ._conn import per_call_source, session_conninfo
 from .connections import Connections
 from .keeper import Heartbeat, SharedKeeper
@@ -93,7 +92,7 @@ def node_infos(rows: Sequence[Sequence[Any]]) -> list[NodeInfo]:
     ]
 
 
-class PostgresMembership:
+class PostgresMembership(MembershipBase):
     """Heartbeats of one node, and the list of a lease's nodes.
 
     Args:
@@ -123,22 +122,11 @@ class PostgresMembership:
         node_timeout: float,
         create_tables: bool,
     ) -> None:
-        heartbeat_interval = check_seconds(heartbeat_interval, "heartbeat_interval")
-        node_timeout = check_seconds(node_timeout, "node_timeout")
-        if not node_timeout > heartbeat_interval:
-            raise ConfigError(
-                f"node_timeout ({node_timeout:g} s) must be longer than heartbeat_interval "
-                f"({heartbeat_interval:g} s), which must be positive: a node would be lost "
-                "between two of its own heartbeats"
-            )
-        self.name = check_name(name, "lease name")
-        self.node_id = check_node_id(node_id)
+        super().__init__(name, node_id, heartbeat_interval, node_timeout)
         self.table = table
-        self.heartbeat_interval = heartbeat_interval
-        self.node_timeout = node_timeout
         self._create = create_tables
         # A heartbeat stuck longer than its interval is late anyway: give up and retry.
-        self._statement_timeout = max(1.0, min(10.0, heartbeat_interval))
+        self._statement_timeout = max(1.0, min(10.0, self.heartbeat_interval))
         sessions = session_conninfo(conninfo, "PostgresLeader membership")  # validates
         self._conns = Connections(
             per_call_source(conninfo, sessions),
@@ -159,7 +147,7 @@ class PostgresMembership:
             " client_addr = EXCLUDED.client_addr"
         ).format(n=nodes)
         self._leave_sql = sql.SQL("DELETE FROM {} WHERE name = %s AND node_id = %s").format(nodes)
-        self._nodes_sql = nodes_sql(table, lease_table, node_timeout, self.name)
+        self._nodes_sql = nodes_sql(table, lease_table, self.node_timeout, self.name)
         self._conninfo = sessions
         self._lease_table = lease_table
         self._lock = threading.Lock()  # start() and stop() may race at shutdown

@@ -52,9 +52,8 @@ from redis.retry import Retry
 
 from .. import forks
 from ..backoff import backoff
-from ..errors import BackendUnavailable, ConfigError
-from ..members import NodeInfo
-from ..validation import check_name, check_node_id, check_seconds
+from ..errors import BackendUnavailable
+from ..members import MembershipBase, NodeInfo
 from ._conn import describe, unavailable
 from ._scripts import HEARTBEAT, LEAVE, NODES
 from .keys import DEFAULT_KEY_PREFIX, check_key_prefix, membership_keys
@@ -229,7 +228,7 @@ def read_nodes(
     return nodes
 
 
-class RedisMembership:
+class RedisMembership(MembershipBase):
     """Heartbeats of one node in Redis, and the list of a lease's nodes.
 
     Args:
@@ -257,26 +256,15 @@ class RedisMembership:
         heartbeat_interval: float,
         node_timeout: float,
     ) -> None:
-        heartbeat_interval = check_seconds(heartbeat_interval, "heartbeat_interval")
-        node_timeout = check_seconds(node_timeout, "node_timeout")
-        if not node_timeout > heartbeat_interval:
-            raise ConfigError(
-                f"node_timeout ({node_timeout:g} s) must be longer than heartbeat_interval "
-                f"({heartbeat_interval:g} s), which must be positive: a node would be lost "
-                "between two of its own heartbeats"
-            )
-        self.name = check_name(name, "lease name")
-        self.node_id = check_node_id(node_id)
+        super().__init__(name, node_id, heartbeat_interval, node_timeout)
         self.key_prefix = check_key_prefix(key_prefix)
-        self.heartbeat_interval = heartbeat_interval
-        self.node_timeout = node_timeout
         self.keys = membership_keys(name, key_prefix)
         self._lease_key = lease_key
         self._client = client
         # The server (host, port, db) whose heartbeat thread sends this node's.
         self._server = describe(client)
-        self._bound = min(heartbeat_interval, node_timeout / 3)
-        self._window = min(_WINDOW, heartbeat_interval / 10)
+        self._bound = min(self.heartbeat_interval, self.node_timeout / 3)
+        self._window = min(_WINDOW, self.heartbeat_interval / 10)
         # How its heartbeat thread connects (None: one by one on the client as it is).
         self._settings = _bounded_settings(client, self._bound)
         # The thread's connection for every membership with these settings (set by it).
