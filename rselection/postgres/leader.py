@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import enum
 from typing import TYPE_CHECKING, Any
 
 from ..claiming import FireClaimer
 from ..errors import ConfigError
-from ..leader import LeaseLeader
+from ..member_leader import DEFAULT_CLAIMER, DefaultClaimer, MemberLeader
+from ..members import node_timeout_or_default
 from ..timing import Timings
-from ..validation import (
-    check_name,
-    check_node_id,
-    check_optional_seconds,
-    check_seconds,
-    new_node_id,
-)
+from ..validation import check_name
 from ._conn import per_call_source, session_conninfo
 from .checkpoint import PostgresCheckpointStore
 from .claims import PostgresClaimer
@@ -26,18 +20,9 @@ from .schema import NODES_TABLE
 
 if TYPE_CHECKING:
     from ..broadcast import Broadcaster
-    from ..members import NodeInfo
     from ..tasks import TaskHandler
 
 __all__ = ["DEFAULT_CLAIMER", "PostgresLeader"]
-
-
-class _Default(enum.Enum):
-    CLAIMER = "a PostgresClaimer on the lease's database"
-
-
-DEFAULT_CLAIMER = _Default.CLAIMER
-"""The default of ``PostgresLeader(claimer=...)``: claims in the lease's database."""
 
 
 class _LeaseFence:
@@ -58,7 +43,7 @@ class _LeaseFence:
         await afenced(conn, self.name, term, table=self.table, idle_timeout=self.idle_timeout)
 
 
-class PostgresLeader(LeaseLeader):
+class PostgresLeader(MemberLeader):
     """Competes for a lease row in Postgres; the holder runs the handler's tasks.
 
     The lease lives on the server, with server time (``now()``) for every expiry and a
@@ -129,7 +114,7 @@ class PostgresLeader(LeaseLeader):
         create_tables: bool = True,
         broadcaster: Broadcaster | None = None,
         checkpoint_store: PostgresCheckpointStore | None = None,
-        claimer: FireClaimer | _Default | None = DEFAULT_CLAIMER,
+        claimer: FireClaimer | DefaultClaimer | None = DEFAULT_CLAIMER,
         heartbeat_interval: float = 5.0,
         node_timeout: float | None = None,
         nodes_table: str = NODES_TABLE,
@@ -137,9 +122,7 @@ class PostgresLeader(LeaseLeader):
         check_name(name, "lease name")
         sessions = session_conninfo(conninfo, type(self).__name__)  # validates
         source = per_call_source(conninfo, sessions)
-        given_node_id = node_id
-        # What is built here gets the leader's id once it has one (_adopt_node_id).
-        node_id = check_node_id(node_id) if node_id is not None else new_node_id()
+        first_node_id = self._first_node_id(node_id)
         timings = Timings(ttl, renew_interval, renew_deadline, retry_interval)
         lease = PostgresLease(
             source,
@@ -170,32 +153,27 @@ class PostgresLeader(LeaseLeader):
             )
         self._postgres_store = checkpoint_store
 
-        self._owned_claimer: PostgresClaimer | None = None
-        if claimer is DEFAULT_CLAIMER:
-            owned = PostgresClaimer(source, node_id=node_id, create_tables=create_tables)
-            cleanup.append(owned.close)
-            claimer = self._owned_claimer = owned
+        claimer = self._own_claimer(
+            claimer,
+            lambda: PostgresClaimer(source, node_id=first_node_id, create_tables=create_tables),
+            cleanup,
+        )
 
-        heartbeat = check_seconds(heartbeat_interval, "heartbeat_interval")
-        timeout = check_optional_seconds(node_timeout, "node_timeout")
-        self._membership = PostgresMembership(
+        membership = PostgresMembership(
             source,
             name=name,
-            node_id=node_id,
+            node_id=first_node_id,
             table=nodes_table,
             lease_table=table,
-            heartbeat_interval=heartbeat,
-            node_timeout=3 * heartbeat if timeout is None else timeout,
+            heartbeat_interval=heartbeat_interval,
+            node_timeout=node_timeout_or_default(heartbeat_interval, node_timeout),
             create_tables=create_tables,
         )
-        # Whatever ends the keeper (stop(), or an error it cannot go on after), the node
-        # leaves the membership with it: no heartbeats from a node that no longer competes.
-        cleanup.append(self._membership.stop)
-
         super().__init__(
             lease,
             handler,
-            node_id=given_node_id,
+            membership=membership,
+            node_id=node_id,
             timings=timings,
             claimer=claimer,
             # A leader paused inside a save holds a takeover back no longer than one
@@ -205,7 +183,6 @@ class PostgresLeader(LeaseLeader):
             fence=_LeaseFence(name, table, timings.margin),
             cleanup=cleanup,
         )
-        self._adopt_node_id(self.node_id)
 
     @property
     def checkpoint_store(self) -> PostgresCheckpointStore:
@@ -219,25 +196,3 @@ class PostgresLeader(LeaseLeader):
         lease = self.lease
         assert isinstance(lease, PostgresLease)
         lease.join_keeper()
-
-    def _adopt_node_id(self, node_id: str) -> None:
-        self._membership.node_id = node_id
-        if self._owned_claimer is not None:
-            self._owned_claimer.node_id = node_id
-
-    def start(self) -> None:
-        """Start heartbeating and competing for the lease in background threads."""
-        super().start()
-        self._membership.start()
-
-    def nodes(self) -> list[NodeInfo]:
-        """Every node of this lease from the nodes table, oldest first.
-
-        Each :class:`~rselection.NodeInfo` has the node's id, host, pid, client address,
-        first and last heartbeat (server time), ``alive`` (seen within ``node_timeout``)
-        and ``is_leader``. Works on any node, leader or follower.
-
-        Raises:
-            BackendUnavailable: the database could not be reached.
-        """
-        return self._membership.nodes()

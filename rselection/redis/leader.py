@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import enum
 import logging
 from typing import TYPE_CHECKING, Any
 
 from ..claiming import FireClaimer
 from ..context import NoTransactionFence
-from ..leader import LeaseLeader
+from ..member_leader import DEFAULT_CLAIMER, DefaultClaimer, MemberLeader
+from ..members import node_timeout_or_default
 from ..timing import Timings
-from ..validation import (
-    check_name,
-    check_node_id,
-    check_optional_seconds,
-    check_seconds,
-    new_node_id,
-)
+from ..validation import check_name
 from ._conn import check_client
 from .claims import RedisClaimer
 from .fencing import RedisFence
@@ -32,14 +26,6 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_CLAIMER", "RedisLeader"]
 
 logger = logging.getLogger(__name__)
-
-
-class _Default(enum.Enum):
-    CLAIMER = "a RedisClaimer on the lease's Redis"
-
-
-DEFAULT_CLAIMER = _Default.CLAIMER
-"""The default of ``RedisLeader(claimer=...)``: claims in the lease's Redis."""
 
 
 def no_transaction_fence(name: str, key_prefix: str) -> NoTransactionFence:
@@ -59,7 +45,7 @@ def no_transaction_fence(name: str, key_prefix: str) -> NoTransactionFence:
     )
 
 
-class RedisLeader(LeaseLeader):
+class RedisLeader(MemberLeader):
     """Competes for a lease key in Redis; the holder runs the handler's tasks.
 
     Behaves like :class:`~rselection.PostgresLeader`: Redis's own expiry (``PX``), a
@@ -119,6 +105,8 @@ class RedisLeader(LeaseLeader):
         ConfigError: bad arguments (the message says which and why).
     """
 
+    _membership: RedisMembership
+
     def __init__(
         self,
         client: Any,
@@ -134,14 +122,12 @@ class RedisLeader(LeaseLeader):
         liveness_interval: float | None = 0.5,
         connect_timeout: float = 5.0,
         broadcaster: Broadcaster | None = None,
-        claimer: FireClaimer | _Default | None = DEFAULT_CLAIMER,
+        claimer: FireClaimer | DefaultClaimer | None = DEFAULT_CLAIMER,
         heartbeat_interval: float = 10.0,
         node_timeout: float | None = None,
     ) -> None:
         check_name(name, "lease name")
-        given_node_id = node_id
-        # What is built here gets the leader's id once it has one (_adopt_node_id).
-        node_id = check_node_id(node_id) if node_id is not None else new_node_id()
+        first_node_id = self._first_node_id(node_id)
         timings = Timings(ttl, renew_interval, renew_deadline, retry_interval)
         redis_client, owns_client = check_client(client, "RedisLeader")
         lease = RedisLease(
@@ -157,25 +143,23 @@ class RedisLeader(LeaseLeader):
         )
         self._redis_lease = lease
         self._fence_writes = RedisFence(redis_client, name=name, key_prefix=key_prefix)
-        self._owned_claimer: RedisClaimer | None = None
-        if claimer is DEFAULT_CLAIMER:
-            claimer = self._owned_claimer = RedisClaimer(
-                redis_client, key_prefix=claims_prefix(key_prefix), node_id=node_id
-            )
-        heartbeat = check_seconds(heartbeat_interval, "heartbeat_interval")
-        timeout = check_optional_seconds(node_timeout, "node_timeout")
-        self._membership = RedisMembership(
+        membership = RedisMembership(
             redis_client,
             name=name,
-            node_id=node_id,
+            node_id=first_node_id,
             key_prefix=key_prefix,
             lease_key=lease.key,
-            heartbeat_interval=heartbeat,
-            node_timeout=3 * heartbeat if timeout is None else timeout,
+            heartbeat_interval=heartbeat_interval,
+            node_timeout=node_timeout_or_default(heartbeat_interval, node_timeout),
         )
-        # Whatever ends the keeper (stop(), or an error it cannot go on after), the node
-        # leaves the membership with it, before an owned client is disconnected.
-        cleanup: list[Any] = [self._membership.stop]
+        cleanup: list[Any] = []
+        claimer = self._own_claimer(
+            claimer,
+            lambda: RedisClaimer(
+                redis_client, key_prefix=claims_prefix(key_prefix), node_id=first_node_id
+            ),
+            cleanup,
+        )
         self._owns_client, self._membership_client = owns_client, redis_client
         if owns_client:
 
@@ -186,20 +170,14 @@ class RedisLeader(LeaseLeader):
         super().__init__(
             lease,
             handler,
-            node_id=given_node_id,
+            membership=membership,
+            node_id=node_id,
             timings=timings,
             claimer=claimer,
             broadcaster=broadcaster,
             fence=no_transaction_fence(name, key_prefix),
             cleanup=cleanup,
         )
-
-        self._adopt_node_id(self.node_id)
-
-    def _adopt_node_id(self, node_id: str) -> None:
-        self._membership.node_id = node_id
-        if self._owned_claimer is not None:
-            self._owned_claimer.node_id = node_id
 
     @property
     def lease(self) -> RedisLease:
@@ -210,11 +188,6 @@ class RedisLeader(LeaseLeader):
     def fence(self) -> RedisFence:
         """Runs Redis commands only while a term holds this lease: ``fence.call(ctx.term, ...)``."""
         return self._fence_writes
-
-    def start(self) -> None:
-        """Start heartbeating and competing for the lease in background threads."""
-        super().start()
-        self._membership.start()
 
     def nodes(self) -> list[NodeInfo]:
         """Every node of this lease from its heartbeats, oldest first.

@@ -1,0 +1,133 @@
+"""``MemberLeader``: what the leaders of the backends share
+(:class:`~rselection.PostgresLeader`, :class:`~rselection.RedisLeader`).
+
+Such a leader is a :class:`~rselection.LeaseLeader` whose node heartbeats as a member
+of its lease (:meth:`MemberLeader.nodes`), and which claims its fires with a claimer of
+its backend's own unless given another (:data:`DEFAULT_CLAIMER`). What it builds with
+its node id follows that id when a default one is taken anew in a forked child.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .claiming import FireClaimer
+from .leader import LeaseLeader
+from .validation import check_node_id, new_node_id
+
+if TYPE_CHECKING:
+    from .abc import LeaseBackend, Membership
+    from .members import NodeInfo
+    from .tasks import TaskHandler
+
+__all__ = ["DEFAULT_CLAIMER", "DefaultClaimer", "MemberLeader", "OwnClaimer"]
+
+
+class DefaultClaimer(enum.Enum):
+    """The type of :data:`DEFAULT_CLAIMER`, for signatures."""
+
+    CLAIMER = "a claimer of the backend's own, on the lease's server"
+
+
+DEFAULT_CLAIMER = DefaultClaimer.CLAIMER
+"""The default of a backend leader's ``claimer=``: a claimer on the lease's own server
+(claims in a Postgres lease's database, in a Redis lease's Redis), closed with the
+leader."""
+
+
+class OwnClaimer(FireClaimer, Protocol):
+    """A claimer a leader builds itself: it claims under the leader's node id, and the
+    leader closes it."""
+
+    node_id: str
+    """Who claims: the leader's node id."""
+
+    def close(self) -> None:
+        """Close what the claimer opened itself."""
+        ...
+
+
+class MemberLeader(LeaseLeader):
+    """Base of the backends' leaders: a lease leader with a membership and, by default,
+    a claimer of its own.
+
+    A subclass builds its membership and its default claimer (:meth:`_own_claimer`)
+    with the node id it was given or a new one (:meth:`_first_node_id`), then calls this
+    class's constructor.
+
+    Args:
+        lease, handler: as for :class:`~rselection.LeaseLeader`.
+        membership: this node's heartbeats as a member of the lease.
+        node_id: the node id given (``None``: a new one of this process).
+        cleanup: what to run when the keeper ends, after the node left the membership.
+        options: the other keyword arguments of :class:`~rselection.LeaseLeader`.
+    """
+
+    _membership: Membership
+    """This node's heartbeats as a member of the lease."""
+    _owned_claimer: OwnClaimer | None = None
+    """The claimer it built itself (see :meth:`_own_claimer`)."""
+
+    def __init__(
+        self,
+        lease: LeaseBackend,
+        handler: TaskHandler,
+        *,
+        membership: Membership,
+        node_id: str | None,
+        cleanup: list[Callable[[], Any]],
+        **options: Any,
+    ) -> None:
+        self._membership = membership
+        # Whatever ends the keeper (stop(), or an error it cannot go on after), the node
+        # leaves the membership with it: no heartbeats from a node that no longer competes.
+        super().__init__(
+            lease, handler, node_id=node_id, cleanup=[membership.stop, *cleanup], **options
+        )
+        # What was built with a new node id takes the leader's own (see _fix_node_id).
+        self._adopt_node_id(self.node_id)
+
+    @staticmethod
+    def _first_node_id(node_id: str | None) -> str:
+        """The node id to build the membership and the claimer with: the one given, or a
+        new one (which :meth:`_adopt_node_id` replaces by the leader's)."""
+        return check_node_id(node_id) if node_id is not None else new_node_id()
+
+    def _own_claimer(
+        self,
+        claimer: FireClaimer | DefaultClaimer | None,
+        make: Callable[[], OwnClaimer],
+        cleanup: list[Callable[[], Any]],
+    ) -> FireClaimer | None:
+        """``claimer`` as given, or for :data:`DEFAULT_CLAIMER` the backend's own, made
+        by ``make``: its node id follows this leader's, and ``cleanup`` closes it."""
+        if not isinstance(claimer, DefaultClaimer):
+            return claimer
+        self._owned_claimer = owned = make()
+        cleanup.append(owned.close)
+        return owned
+
+    def _adopt_node_id(self, node_id: str) -> None:
+        self._membership.node_id = node_id
+        if self._owned_claimer is not None:
+            self._owned_claimer.node_id = node_id
+
+    def start(self) -> None:
+        """Start heartbeating and competing for the lease in background threads."""
+        super().start()
+        self._membership.start()
+
+    def nodes(self) -> list[NodeInfo]:
+        """Every node of this lease from its heartbeats, oldest first.
+
+        Each :class:`~rselection.NodeInfo` has the node's id, host, pid, client address,
+        first and last heartbeat (server time), ``alive`` (seen within ``node_timeout``)
+        and ``is_leader``. Works on any node, leader or follower; ``ctx.nodes()`` is the
+        same list.
+
+        Raises:
+            BackendUnavailable: the lease's server could not be reached.
+        """
+        return self._membership.nodes()
