@@ -103,16 +103,20 @@ class MemberLeader(LeaseLeader):
     ) -> FireClaimer | None:
         """``claimer`` as given, or for :data:`DEFAULT_CLAIMER` the backend's own, made
         by ``make``: its node id follows this leader's, and ``cleanup`` closes it."""
-        if not isinstance(claimer, DefaultClaimer):
-            return claimer
-        self._owned_claimer = owned = make()
-        cleanup.append(owned.close)
-        return owned
+        if isinstance(claimer, DefaultClaimer):
+            claimer = self._owned_claimer = make()
+            cleanup.append(claimer.close)
+        return claimer
 
     def _adopt_node_id(self, node_id: str) -> None:
         self._membership.node_id = node_id
         if self._owned_claimer is not None:
             self._owned_claimer.node_id = node_id
+
+    def _leave_membership(self) -> None:
+        """Stop heartbeating and delete this node's entry now (best effort): from then on
+        the other nodes no longer count it (a sharded leader hands it no more shards)."""
+        self._membership.stop()
 
     def start(self) -> None:
         """Start heartbeating and competing for the lease in background threads."""

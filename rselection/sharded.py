@@ -40,6 +40,7 @@ from .closeable import Service
 from .errors import BackendUnavailable, ConfigError, RSelectionError, StaleLeaderError
 from .leader import LeaseLeader
 from .lease import LeaderInfo
+from .member_leader import DefaultClaimer, MemberLeader, OwnClaimer
 from .sharding import (
     Move,
     check_shard_name,
@@ -497,8 +498,9 @@ class ShardedLeader(Service, ABC):
         ConfigError: bad arguments or inconsistent timings (the message shows the math).
     """
 
-    _coordinator: LeaseLeader
-    """The leader of the coordinator's lease ``"<name>"``, built by the backend's class."""
+    _coordinator: MemberLeader
+    """The leader of the coordinator's lease ``"<name>"`` (see :meth:`_build_coordinator`),
+    whose membership is this sharded leader's: every node heartbeats as one of its nodes."""
 
     def __init__(
         self,
@@ -548,6 +550,49 @@ class ShardedLeader(Service, ABC):
         self._forked = False  # started in a parent process: unusable in this one
         forks.register(self)
 
+    def _build_coordinator(
+        self,
+        leader: Callable[..., MemberLeader],
+        target: Any,
+        *,
+        node_id: str | None,
+        claimer: object,
+        make_claimer: Callable[[], OwnClaimer],
+        **options: Any,
+    ) -> None:
+        """Set what every shard's leader is built with, then build the coordinator's.
+
+        Each is a ``leader`` on ``target`` (a connection string, a client) with this
+        node's id, the timings, ``claimer`` (for :data:`DEFAULT_CLAIMER` one claimer of
+        the backend's own for every shard, made by ``make_claimer`` and closed with this
+        leader) and the backend's ``options``. The coordinator's leader claims nothing
+        and keeps the ``node_id`` given: a default one is taken anew in a forked child
+        (see :meth:`reset_after_fork`), and this node's id follows it.
+        """
+        self._target = target
+        if isinstance(claimer, DefaultClaimer):
+            claimer = self._owned_claimer = make_claimer()
+            self._cleanup.append(claimer.close)
+        timings = self._timings
+        self._options = {
+            "node_id": self._node_id,
+            "ttl": timings.ttl,
+            "renew_interval": timings.renew_interval,
+            "renew_deadline": timings.renew_deadline,
+            "retry_interval": timings.retry_interval,
+            "claimer": claimer,
+            **options,
+        }
+        self._coordinator = leader(
+            target,
+            self._rebalancing(),
+            name=self._name,
+            heartbeat_interval=self.heartbeat_interval,
+            node_timeout=self._node_timeout,
+            **{**self._options, "claimer": None, "node_id": node_id},
+        )
+        self._adopt_node_id()
+
     def _rebalancing(self) -> TaskHandler:
         """The coordinator's tasks: its :class:`Rebalancer`."""
         tasks = TaskHandler()
@@ -568,9 +613,9 @@ class ShardedLeader(Service, ABC):
     _shard_leader: type[ShardLeader]
     """*Backend*: the class of a shard's leader (see :class:`ShardLeader`)."""
     _target: Any
-    """*Backend*: what its leaders are built on (a connection string, a client)."""
+    """What its leaders are built on (a connection string, a client)."""
     _options: dict[str, Any]
-    """*Backend*: the keyword arguments of its shards' leaders (``node_id`` among them)."""
+    """The keyword arguments of its shards' leaders (``node_id`` among them)."""
 
     def _new_shard_leader(self, shard: int, handler: TaskHandler) -> ShardLeader:
         """The leader of ``shard`` on this node, running ``handler``."""
@@ -626,9 +671,9 @@ class ShardedLeader(Service, ABC):
             BackendUnavailable: the lease server could not be reached.
         """
 
-    @abstractmethod
     def _leave_membership(self) -> None:
-        """*Backend*: stop heartbeating and delete this node's row now (best effort)."""
+        """Stop heartbeating and delete this node's entry now (best effort)."""
+        self._coordinator._leave_membership()
 
     def _before_shards_start(self) -> None:
         """*Backend*: called once every shard's leader is built, before any starts."""
@@ -636,8 +681,8 @@ class ShardedLeader(Service, ABC):
     def _after_stop(self) -> None:
         """*Backend*: called at the end of :meth:`stop` (close what reads the state)."""
 
-    _owned_claimer: Any = None
-    """*Backend*: the claimer it built for its shards (its node id follows this node's)."""
+    _owned_claimer: OwnClaimer | None = None
+    """The claimer it built for its shards (its node id follows this node's)."""
 
     def _adopted_node_id(self, node_id: str) -> None:
         """This node's id became ``node_id`` (a default one is per process): pass it on

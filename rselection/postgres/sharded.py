@@ -70,16 +70,6 @@ class _ShardLeader(ShardLeader, PostgresLeader):
         return isinstance(lease, PostgresLease) and lease.death_announced
 
 
-class _Coordinator(PostgresLeader):
-    """The leader of the coordinator's lease ``"<name>"``, whose membership is the
-    sharded leader's: every node heartbeats as one of its nodes."""
-
-    def leave(self) -> None:
-        """Stop heartbeating and delete this node's row now (best effort): from then on
-        the other nodes no longer count it, nor hand it shards."""
-        self._membership.stop()
-
-
 class PostgresShardedLeader(ShardedLeader):
     """Leads a fixed set of shards across a fleet: each shard run by one live node.
 
@@ -187,46 +177,28 @@ class PostgresShardedLeader(ShardedLeader):
         table_identifier(table)  # validates
         table_identifier(nodes_table)
         self.conninfo = source
-        self._target = source
         self.table = table
         self.nodes_table = nodes_table
-        timings = self._timings
-
         if checkpoint_store is None:
             checkpoint_store = PostgresCheckpointStore(
                 source, lease_table=table, create_tables=create_tables
             )
             self._cleanup.append(checkpoint_store.close)
         self._store = checkpoint_store
-        self._owned_claimer: PostgresClaimer | None = None
-        if claimer is DEFAULT_CLAIMER:
-            owned = PostgresClaimer(source, node_id=self._node_id, create_tables=create_tables)
-            self._cleanup.append(owned.close)
-            claimer = self._owned_claimer = owned
-        self._options: dict[str, Any] = {
-            "node_id": self._node_id,
-            "ttl": timings.ttl,
-            "renew_interval": timings.renew_interval,
-            "renew_deadline": timings.renew_deadline,
-            "retry_interval": timings.retry_interval,
-            "table": table,
-            "create_tables": create_tables,
-            "broadcaster": broadcaster,
-            "checkpoint_store": checkpoint_store,
-            "claimer": claimer,
-            "nodes_table": nodes_table,
-        }
-        self._coordinator = self._membership_leader = _Coordinator(
+        self._build_coordinator(
+            PostgresLeader,
             source,
-            self._rebalancing(),
-            name=self._name,
-            heartbeat_interval=self.heartbeat_interval,
-            node_timeout=node_timeout,
-            # The coordinator's leader keeps this node's id: a default one is taken anew
-            # in a forked child (see reset_after_fork).
-            **{**self._options, "claimer": None, "node_id": node_id},
+            node_id=node_id,
+            claimer=claimer,
+            make_claimer=lambda: PostgresClaimer(
+                source, node_id=self._node_id, create_tables=create_tables
+            ),
+            table=table,
+            create_tables=create_tables,
+            broadcaster=broadcaster,
+            checkpoint_store=checkpoint_store,
+            nodes_table=nodes_table,
         )
-        self._adopt_node_id()
         self._reads = Connections(
             source,
             owner="PostgresShardedLeader",
@@ -324,9 +296,6 @@ class PostgresShardedLeader(ShardedLeader):
     def _save_shards_record(self, record: dict[str, Any], term: int) -> None:
         # In the checkpoint table, fenced by the coordinator's term.
         self._store.save((SHARDS_RECORD, self._name), record, term=term, name=self._name)
-
-    def _leave_membership(self) -> None:
-        self._membership_leader.leave()
 
     def _before_shards_start(self) -> None:
         for leader in self._leaders:

@@ -53,6 +53,7 @@ from .membership import read_nodes
 
 if TYPE_CHECKING:
     from ..broadcast import Broadcaster
+    from ..members import NodeInfo
 
 __all__ = ["RedisShardedLeader"]
 
@@ -67,16 +68,6 @@ class _ShardLeader(ShardLeader, RedisLeader):
     def holder_died(self) -> bool:
         """Whether this node found the holder's connection gone since its last attempt."""
         return self.lease.holder_gone
-
-
-class _Coordinator(RedisLeader):
-    """The leader of the coordinator's lease ``"<name>"``, whose membership is the
-    sharded leader's: every node heartbeats as one of its nodes."""
-
-    def leave(self) -> None:
-        """Stop heartbeating and delete this node's entry now (best effort): from then
-        on the other nodes no longer count it, nor hand it shards."""
-        self._membership.stop()
 
 
 class RedisShardedLeader(ShardedLeader):
@@ -119,15 +110,9 @@ class RedisShardedLeader(ShardedLeader):
         claimer: claims each scheduled fire (claim keys include the shard's lease name);
             by default one :class:`~rselection.redis.RedisClaimer` on the same Redis for
             every shard; ``None`` runs fires unclaimed.
-        heartbeat_interval: seconds between this node's heartbeats (as a member of the
-            lease ``"<name>"``); the coordinator tells live nodes by them.
-        node_timeout: a node not seen for this long is lost (default three heartbeats).
-        rebalance_interval: seconds between the coordinator's rounds.
-        settle: seconds a node must have been heartbeating before it is given shards
-            (default: ``heartbeat_interval``).
-        max_moves: most handovers in flight at once from any one node.
-        handover_valid_for: seconds a moved shard stays reserved for its target (default:
-            ``stop_grace + 1``).
+        heartbeat_interval, node_timeout, rebalance_interval, settle, max_moves,
+            handover_valid_for: how the coordinator balances the shards, as for
+            :class:`~rselection.PostgresShardedLeader`.
 
     Raises:
         ConfigError: bad arguments or inconsistent timings (the message shows the math).
@@ -185,38 +170,21 @@ class RedisShardedLeader(ShardedLeader):
                 redis_client.close()
             raise
         self._client = redis_client
-        self._target = redis_client
         if owns_client:
             self._cleanup.append(redis_client.connection_pool.disconnect)
-        timings = self._timings
-        self._owned_claimer: RedisClaimer | None = None
-        if claimer is DEFAULT_CLAIMER:
-            claimer = self._owned_claimer = RedisClaimer(
-                redis_client, key_prefix=claims_prefix(key_prefix), node_id=self._node_id
-            )
-        self._options: dict[str, Any] = {
-            "node_id": self._node_id,
-            "key_prefix": key_prefix,
-            "ttl": timings.ttl,
-            "renew_interval": timings.renew_interval,
-            "renew_deadline": timings.renew_deadline,
-            "retry_interval": timings.retry_interval,
-            "liveness_interval": liveness_interval,
-            "connect_timeout": connect_timeout,
-            "broadcaster": broadcaster,
-            "claimer": claimer,
-        }
-        self._coordinator = self._membership_leader = _Coordinator(
+        self._build_coordinator(
+            RedisLeader,
             redis_client,
-            self._rebalancing(),
-            name=self._name,
-            heartbeat_interval=self.heartbeat_interval,
-            node_timeout=self._node_timeout,
-            # The coordinator's leader keeps this node's id: a default one is taken anew
-            # in a forked child (see reset_after_fork).
-            **{**self._options, "claimer": None, "node_id": node_id},
+            node_id=node_id,
+            claimer=claimer,
+            make_claimer=lambda: RedisClaimer(
+                redis_client, key_prefix=claims_prefix(key_prefix), node_id=self._node_id
+            ),
+            key_prefix=key_prefix,
+            liveness_interval=liveness_interval,
+            connect_timeout=connect_timeout,
+            broadcaster=broadcaster,
         )
-        self._adopt_node_id()
         self._coordinator_key = lease_keys(self._name, key_prefix)[0]
         # The record of the number of shards shares the coordinator lease's hash slot,
         # so that its write is fenced by the coordinator's term in one script.
@@ -249,14 +217,7 @@ class RedisShardedLeader(ShardedLeader):
             info, _ = parse_holder(raw, pttl, now)
             if info is not None:
                 holders[shard] = info
-        listed = read_nodes(
-            self._client,
-            self._name,
-            key_prefix=self.key_prefix,
-            node_timeout=self._node_timeout,
-            lease_key=self._coordinator_key,
-        )
-        nodes = {n.node_id: (n.started_at, n.last_seen, n.alive) for n in listed}
+        nodes = {n.node_id: (n.started_at, n.last_seen, n.alive) for n in self._nodes()}
         now = datetime.fromtimestamp(now_ms / 1000, UTC) if now_ms else datetime.now(UTC)
         return ShardState(holders, nodes, now)
 
@@ -285,16 +246,19 @@ class RedisShardedLeader(ShardedLeader):
             cancel_handover(self._client, name, answers.pop(name).term, key_prefix=self.key_prefix)
         return answers
 
-    def _members(self) -> set[str]:
-        """The nodes listed for ``"<name>"`` now (alive or not: they have not left)."""
-        listed = read_nodes(
+    def _nodes(self) -> list[NodeInfo]:
+        """The nodes listed for ``"<name>"`` now, read from Redis."""
+        return read_nodes(
             self._client,
             self._name,
             key_prefix=self.key_prefix,
             node_timeout=self._node_timeout,
             lease_key=self._coordinator_key,
         )
-        return {node.node_id for node in listed}
+
+    def _members(self) -> set[str]:
+        """The nodes listed for ``"<name>"`` now (alive or not: they have not left)."""
+        return {node.node_id for node in self._nodes()}
 
     def _reopen_handovers(self, names: list[str]) -> list[str]:
         return reopen_handovers(self._client, names, self._node_id, key_prefix=self.key_prefix)
@@ -316,6 +280,3 @@ class RedisShardedLeader(ShardedLeader):
 
     def _save_shards_record(self, record: dict[str, Any], term: int) -> None:
         self._record_fence.call(term, "SET", self._record_key, json.dumps(record))
-
-    def _leave_membership(self) -> None:
-        self._membership_leader.leave()
