@@ -189,10 +189,7 @@ class _SharedLoop(asyncio.SelectorEventLoop):
         *args: Any,
         context: contextvars.Context | None = None,
     ) -> asyncio.Handle:
-        guard = _guard_of(context)
-        if guard is not None:
-            callback = guard._wrap(callback)
-        return super().call_soon(callback, *args, context=context)
+        return super().call_soon(_guarded(callback, _guard_of(context)), *args, context=context)
 
     def call_soon_threadsafe(  # type: ignore[override]
         self,
@@ -200,10 +197,8 @@ class _SharedLoop(asyncio.SelectorEventLoop):
         *args: Any,
         context: contextvars.Context | None = None,
     ) -> asyncio.Handle:
-        guard = _guard_of(context)
-        if guard is not None:
-            callback = guard._wrap(callback)
-        return super().call_soon_threadsafe(callback, *args, context=context)
+        guarded = _guarded(callback, _guard_of(context))
+        return super().call_soon_threadsafe(guarded, *args, context=context)
 
     def call_at(  # type: ignore[override]
         self,
@@ -212,22 +207,14 @@ class _SharedLoop(asyncio.SelectorEventLoop):
         *args: Any,
         context: contextvars.Context | None = None,
     ) -> asyncio.TimerHandle:
-        guard = _guard_of(context)
-        if guard is not None:
-            callback = guard._wrap(callback)
-        return super().call_at(when, callback, *args, context=context)
+        guarded = _guarded(callback, _guard_of(context))
+        return super().call_at(when, guarded, *args, context=context)
 
     def _add_reader(self, fd: Any, callback: Callable[..., object], *args: Any) -> Any:
-        guard = _guard.get()
-        if guard is not None:
-            callback = guard._wrap(callback)
-        return super()._add_reader(fd, callback, *args)  # type: ignore[misc]
+        return super()._add_reader(fd, _guarded(callback, _guard.get()), *args)  # type: ignore[misc]
 
     def _add_writer(self, fd: Any, callback: Callable[..., object], *args: Any) -> Any:
-        guard = _guard.get()
-        if guard is not None:
-            callback = guard._wrap(callback)
-        return super()._add_writer(fd, callback, *args)  # type: ignore[misc]
+        return super()._add_writer(fd, _guarded(callback, _guard.get()), *args)  # type: ignore[misc]
 
     # -- what a task must not do to the others ------------------------------------------
 
@@ -313,6 +300,12 @@ class _SharedLoop(asyncio.SelectorEventLoop):
             logger.exception("closing a shared event loop")
         finally:
             self.close()
+
+
+def _guarded(callback: Callable[..., object], guard: LoopGuard | None) -> Callable[..., object]:
+    """``callback``, run under the term of ``guard`` when there is one (see
+    :meth:`LoopGuard._wrap`)."""
+    return callback if guard is None else guard._wrap(callback)
 
 
 def _guard_of(context: contextvars.Context | None) -> LoopGuard | None:
