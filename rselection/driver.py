@@ -25,10 +25,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import os
 import threading
 from collections.abc import Callable
-from typing import ClassVar, Protocol
+from typing import Protocol
 
 from . import clock, forks
 from .daemon_pool import DaemonExecutor, Lane, SharedPool
@@ -88,15 +87,11 @@ class Driven(Protocol):
         to be forgotten."""
 
 
-class LeaseDriver:
+class LeaseDriver(forks.PerProcess):
     """The process's driver of non-blocking leaders; get it with :meth:`shared`.
 
     Every method is safe from any thread.
     """
-
-    _shared: ClassVar[LeaseDriver | None] = None
-    _shared_pid = 0
-    _shared_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -114,21 +109,6 @@ class LeaseDriver:
         # The wait workers, one pool per server (see wait_lane); kept for the process's
         # life, as their idle workers end.
         self._wait_pools: dict[object, SharedPool] = {}
-
-    @classmethod
-    def reset_after_fork(cls) -> None:
-        """In a forked child (see :mod:`rselection.forks`): the lock is made anew (a
-        parent's thread may have held it); :meth:`shared` makes the child's driver."""
-        cls._shared_lock = threading.Lock()
-
-    @classmethod
-    def shared(cls) -> LeaseDriver:
-        """This process's driver (a new one after ``fork()``)."""
-        with cls._shared_lock:
-            if cls._shared is None or cls._shared_pid != os.getpid():
-                cls._shared = LeaseDriver()
-                cls._shared_pid = os.getpid()
-            return cls._shared
 
     def add(self, item: Driven) -> None:
         """Step ``item`` at once, then whenever it asks.
@@ -273,9 +253,6 @@ class LeaseDriver:
             if self._due.get(item) == at:
                 return
             heapq.heappop(self._heap)
-
-
-forks.register(LeaseDriver)
 
 
 class _Pools:

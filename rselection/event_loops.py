@@ -34,12 +34,11 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-import os
 import threading
 import time
 import weakref
 from collections.abc import Callable, Coroutine
-from typing import Any, ClassVar
+from typing import Any
 
 from . import forks
 
@@ -322,33 +321,14 @@ def _task_factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> 
     return task
 
 
-class SharedLoops:
+class SharedLoops(forks.PerProcess):
     """The process's shared loops; get the instance with :meth:`shared`."""
-
-    _instance: ClassVar[SharedLoops | None] = None
-    _pid = 0
-    _class_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._current: _SharedLoop | None = None
         self._loops: set[_SharedLoop] = set()
         self._numbers = 0
-
-    @classmethod
-    def reset_after_fork(cls) -> None:
-        """In a forked child (see :mod:`rselection.forks`): the lock is made anew (a
-        parent's thread may have held it); :meth:`shared` makes the child's loops."""
-        cls._class_lock = threading.Lock()
-
-    @classmethod
-    def shared(cls) -> SharedLoops:
-        """This process's shared loops (new ones after ``fork()``)."""
-        with cls._class_lock:
-            if cls._instance is None or cls._pid != os.getpid():
-                cls._instance = SharedLoops()
-                cls._pid = os.getpid()
-            return cls._instance
 
     def enter(self) -> LoopGuard:
         """A place for one more term on a loop that answers; end it with
@@ -388,6 +368,3 @@ class SharedLoops:
         """Loop threads alive now."""
         with self._lock:
             return sum(1 for loop in self._loops if loop._thread and loop._thread.is_alive())
-
-
-forks.register(SharedLoops)

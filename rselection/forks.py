@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, Self, runtime_checkable
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,36 @@ def register(obj: ResetAfterFork) -> None:
 def keep_inherited(*resources: object) -> None:
     """In a forked child: keep ``resources`` referenced for the process's life, unused."""
     _INHERITED.extend(r for r in resources if r is not None)
+
+
+class PerProcess:
+    """Base of the classes with one instance per process (the lease driver, the wait
+    pump, the shared event loops): :meth:`shared` makes it on first use, and makes a new
+    one in a forked child, where the parent's has none of its threads."""
+
+    _shared: ClassVar[Any]
+    _shared_pid: ClassVar[int]
+    _shared_lock: ClassVar[threading.Lock]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._shared, cls._shared_pid, cls._shared_lock = None, 0, threading.Lock()
+        register(cls)
+
+    @classmethod
+    def reset_after_fork(cls) -> None:
+        """In a forked child: the lock is made anew (a parent's thread may have held
+        it); :meth:`shared` makes the child's instance."""
+        cls._shared_lock = threading.Lock()
+
+    @classmethod
+    def shared(cls) -> Self:
+        """This process's instance (a new one after ``fork()``)."""
+        with cls._shared_lock:
+            if cls._shared is None or cls._shared_pid != os.getpid():
+                cls._shared = cls()
+                cls._shared_pid = os.getpid()
+            return cls._shared  # type: ignore[no-any-return]
 
 
 def _after_fork_in_child() -> None:

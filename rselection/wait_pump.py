@@ -34,13 +34,12 @@ import heapq
 import itertools
 import logging
 import math
-import os
 import selectors
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
-from typing import Any, ClassVar
+from typing import Any
 
 from . import forks
 from .abc import Watch, Watchable
@@ -102,15 +101,11 @@ class _Entry:
         self.version = 0  # its timer on the heap is current only with this version
 
 
-class WaitPump:
+class WaitPump(forks.PerProcess):
     """The process's waiting thread for watchable leases; get it with :meth:`shared`.
 
     Every method is safe from any thread and never calls back into its caller.
     """
-
-    _shared: ClassVar[WaitPump | None] = None
-    _shared_pid = 0
-    _shared_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -124,20 +119,6 @@ class WaitPump:
         # every SLACK seconds (one wake-up for many, not one per step).
         self._stepping = 0
         self._order = itertools.count()
-
-    @classmethod
-    def reset_after_fork(cls) -> None:
-        """In a forked child: the lock is made anew; :meth:`shared` makes a new pump."""
-        cls._shared_lock = threading.Lock()
-
-    @classmethod
-    def shared(cls) -> WaitPump:
-        """This process's pump (a new one after ``fork()``)."""
-        with cls._shared_lock:
-            if cls._shared is None or cls._shared_pid != os.getpid():
-                cls._shared = WaitPump()
-                cls._shared_pid = os.getpid()
-            return cls._shared
 
     def add(
         self,
@@ -358,6 +339,3 @@ def _unregister(sel: selectors.BaseSelector, entry: _Entry) -> None:
     for sock in registered:
         with contextlib.suppress(KeyError, ValueError, OSError):
             sel.unregister(sock)  # unless closed meanwhile
-
-
-forks.register(WaitPump)

@@ -435,7 +435,7 @@ def test_locks_held_by_a_parents_thread_at_the_fork_do_not_hang_the_child(
         ListeningSession._registry_lock,
         Turn._registry_lock,
         LeaseDriver._shared_lock,
-        SharedLoops._class_lock,
+        SharedLoops._shared_lock,
     ]
     held, release = threading.Event(), threading.Event()
 
