@@ -753,18 +753,9 @@ class TermRunner:
         # A task that never ran anywhere has missed nothing: its first term starts at
         # its next instant, as on a leader without claims, and reports nothing.
         series = {fire_series(spec.name): spec for spec, _ in found}
-        try:
-            ran = self._claim_call(ran_before_each, claimer, list(series))
-        except Exception as exc:
-            logger.warning(
-                "missed fires of %d tasks (%r...) not recovered: their claims could not "
-                "be read: %s",
-                len(found),
-                found[0][0].name,
-                exc,
-            )
-            return
-        if ran is None:  # the term ended meanwhile
+        failed = "their claims could not be read"
+        ran = self._recovery_call(found, failed, ran_before_each, claimer, list(series))
+        if ran is None:
             return
         for one in set(series) - ran:
             logger.debug("task %r never ran before: no fire was missed", series[one].name)
@@ -774,23 +765,37 @@ class TermRunner:
         groups = [
             {format_fire_key(spec.name, at): at for at in candidates} for spec, candidates in found
         ]
-        try:
-            won = self._claim_call(
-                claim_missed_each, claimer, [list(keys) for keys in groups], term=self.term.number
-            )
-        except Exception as exc:
-            logger.warning(
-                "missed fires of %d tasks (%r...) not recovered: claiming them failed: %s",
-                len(found),
-                found[0][0].name,
-                exc,
-            )
-            return
-        if won is None:  # the term ended meanwhile
+        keys_of, term = [list(keys) for keys in groups], self.term.number
+        failed = "claiming them failed"
+        won = self._recovery_call(found, failed, claim_missed_each, claimer, keys_of, term=term)
+        if won is None:
             return
         for (spec, _), keys, won_keys in zip(found, groups, won, strict=True):
             with self._survive(spec):
                 self._catch_up(spec, [keys[key] for key in won_keys])
+
+    def _recovery_call(
+        self,
+        found: list[tuple[TaskSpec, list[datetime]]],
+        failed: str,
+        fn: Callable[..., _T],
+        *args: Any,
+        **kwargs: Any,
+    ) -> _T | None:
+        """A call of :meth:`_recover` (see :meth:`_claim_call`); ``None`` when the term
+        ended meanwhile, or when it failed: then the missed fires of the tasks ``found``
+        are not recovered, and a warning says why (``failed``)."""
+        try:
+            return self._claim_call(fn, *args, **kwargs)
+        except Exception as exc:
+            logger.warning(
+                "missed fires of %d tasks (%r...) not recovered: %s: %s",
+                len(found),
+                found[0][0].name,
+                failed,
+                exc,
+            )
+            return None
 
     def _claimable(self, claimer: FireClaimer, spec: TaskSpec, at: datetime) -> bool:
         """Whether the claimer takes the fire keys of ``spec`` (their claim key is within
