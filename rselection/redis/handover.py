@@ -187,16 +187,7 @@ def live_nodes(client: Any, name: str, *, key_prefix: str = DEFAULT_KEY_PREFIX) 
 
     ``None`` when the server does not allow ``PUBSUB CHANNELS`` (an ACL without it):
     then nobody can tell. A node counts while its keeper's connection is open, also
-    when its process is paused.
-
-    Args:
-        client: a ``redis.Redis``, a ``RedisCluster`` or a ``redis://`` URL.
-        name: the lease name.
-        key_prefix: the leaders' ``key_prefix``.
-
-    Raises:
-        ConfigError: bad arguments.
-        BackendUnavailable: Redis cannot be reached.
+    when its process is paused. Arguments and errors as for :func:`current_holder`.
     """
     name, key_prefix = _lease(name, key_prefix)
     key = lease_keys(name, key_prefix)[0]
