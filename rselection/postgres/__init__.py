@@ -10,8 +10,9 @@ first use.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ..lazy import lazy_names
 from ..task_checkpoint import TaskCheckpoint
 from .admin import PostgresAdmin
 from .broadcast import PostgresBroadcaster
@@ -49,18 +50,11 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    # The leader pulls in the task runtime; load it only when asked for.
-    if name == "PostgresLeader":
-        from .leader import PostgresLeader
-
-        return PostgresLeader
-    if name == "PostgresShardedLeader":
-        from .sharded import PostgresShardedLeader
-
-        return PostgresShardedLeader
-    if name == "HeartbeatMonitor":
-        from ..monitor import HeartbeatMonitor
-
-        return HeartbeatMonitor
-    raise AttributeError(f"module 'rselection.postgres' has no attribute {name!r}")
+__getattr__ = lazy_names(
+    __name__,
+    {
+        "PostgresLeader": ".leader",
+        "PostgresShardedLeader": ".sharded",
+        "HeartbeatMonitor": "..monitor",
+    },
+)

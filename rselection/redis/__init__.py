@@ -10,7 +10,9 @@ package does. :class:`RedisLeader` is loaded on first use.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..lazy import lazy_names
 
 try:
     from .admin import RedisAdmin
@@ -60,17 +62,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    # The leaders pull in the task runtime; load them only when asked for.
-    if name == "RedisLeader":
-        from .leader import RedisLeader
-
-        return RedisLeader
-    if name == "RedisShardedLeader":
-        from .sharded import RedisShardedLeader
-
-        return RedisShardedLeader
-    raise AttributeError(f"module 'rselection.redis' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, {"RedisLeader": ".leader", "RedisShardedLeader": ".sharded"})
 
 
 def __dir__() -> list[str]:
