@@ -224,6 +224,15 @@ class PostgresCheckpointStore(Closeable):
                 raise self._conns.wrap(what, exc) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _row(self, what: str, query: sql.Composed, params: Any) -> Any:
+        """The row ``query`` returns (or ``None``), run alone in a transaction."""
+
+        def body(conn: psycopg.Connection[Any]) -> Any:
+            with conn.transaction():
+                return conn.execute(query, params).fetchone()
+
+        return self._run(what, body)
+
     def _create_tables(self, conn: psycopg.Connection[Any]) -> None:
         with self._migrate_lock:
             if not self._migrated:
@@ -248,12 +257,7 @@ class PostgresCheckpointStore(Closeable):
             "SELECT state::text, format_version, version, term, updated_at FROM {}"
             " WHERE key = %s::text[] AND state IS NOT NULL"
         ).format(self.tables.checkpoints)
-
-        def body(conn: psycopg.Connection[Any]) -> Any:
-            with conn.transaction():
-                return conn.execute(query, (parts,)).fetchone()
-
-        row = self._run("load a checkpoint", body)
+        row = self._row("load a checkpoint", query, (parts,))
         if row is None:
             return None
         text, format_version, version, term, updated_at = row
@@ -465,12 +469,7 @@ class PostgresCheckpointStore(Closeable):
             " RETURNING term"
         ).format(t=self.tables.leases)
         params = {"key": parts, "holder": holder, "ttl": seconds}
-
-        def body(conn: psycopg.Connection[Any]) -> bool:
-            with conn.transaction():
-                return conn.execute(query, params).fetchone() is not None
-
-        return self._run("acquire a checkpoint lease", body)
+        return self._row("acquire a checkpoint lease", query, params) is not None
 
     def release_lease(self, key: Key, node_id: str) -> bool:
         """Give the lease of ``key`` up now, so another node may take it at once.
@@ -493,9 +492,4 @@ class PostgresCheckpointStore(Closeable):
             " WHERE key = %s::text[] AND holder = %s AND expires_at > clock_timestamp()"
             " RETURNING 1"
         ).format(self.tables.leases)
-
-        def body(conn: psycopg.Connection[Any]) -> bool:
-            with conn.transaction():
-                return conn.execute(query, (parts, holder)).fetchone() is not None
-
-        return self._run("release a checkpoint lease", body)
+        return self._row("release a checkpoint lease", query, (parts, holder)) is not None
