@@ -240,12 +240,7 @@ def request_handovers(
                 " 'term', term, 'to', target)::text) FROM asked"
             ).format(
                 t=table_identifier(table),
-                values=rows_sql(
-                    "x(name, target, channel)",
-                    (names, "text"),
-                    (nodes, "text"),
-                    ([lease_channel(qualified, name) for name in names], "text"),
-                ),
+                values=_lease_rows(qualified, names, target=nodes),
                 conditions=sql.Composed(conditions),
             ),
             {
@@ -298,17 +293,29 @@ def reopen_handovers(
                 " RETURNING t.name, t.term, r.channel)"
                 " SELECT name, pg_notify(channel, json_build_object('event', 'reopened',"
                 " 'name', name, 'term', term)::text) FROM opened"
-            ).format(
-                t=table_identifier(table),
-                values=rows_sql(
-                    "x(name, channel)",
-                    (names, "text"),
-                    ([lease_channel(qualified, name) for name in names], "text"),
-                ),
-            ),
+            ).format(t=table_identifier(table), values=_lease_rows(qualified, names)),
             {"node": node_id},
         ).fetchall()
     return [row[0] for row in rows]
+
+
+def _lease_rows(qualified: str, names: list[str], **columns: list[str]) -> sql.Composed:
+    """The rows ``x(name, <columns>..., channel)`` of leases ``names`` (text each), with
+    the channel each lease's nodes listen on (in the table ``qualified``) last."""
+    heads = ", ".join(["name", *columns, "channel"])
+    channels = [lease_channel(qualified, name) for name in names]
+    texts = [names, *columns.values(), channels]
+    return rows_sql(f"x({heads})", *((values, "text") for values in texts))
+
+
+def _one_row(
+    conninfo: Any, table: str, statement: str, params: tuple[Any, ...], *, owner: str, what: str
+) -> Any:
+    """The row (or ``None``) of one ``statement`` on the lease ``table`` (its ``{}``), in a
+    call of ``owner`` that does ``what`` (see :func:`_one_call`)."""
+    with _one_call(conninfo, owner, what) as conn:
+        _lease_table(conn, table)
+        return conn.execute(sql.SQL(statement).format(table_identifier(table)), params).fetchone()
 
 
 def _too_old(table: str) -> ConfigError:
@@ -335,15 +342,15 @@ def cancel_handover(conninfo: Any, name: str, term: int, *, table: str = DEFAULT
     """
     name = check_name(name, "lease name")
     term = check_term(term)
-    with _one_call(conninfo, "cancel_handover", "withdraw the handover request") as conn:
-        _lease_table(conn, table)
-        row = conn.execute(
-            sql.SQL(
-                "UPDATE {} SET resign_term = NULL, resign_from = NULL, resign_to = NULL,"
-                " resign_until = NULL WHERE name = %s AND resign_term = %s RETURNING 1"
-            ).format(table_identifier(table)),
-            (name, term),
-        ).fetchone()
+    row = _one_row(
+        conninfo,
+        table,
+        "UPDATE {} SET resign_term = NULL, resign_from = NULL, resign_to = NULL,"
+        " resign_until = NULL WHERE name = %s AND resign_term = %s RETURNING 1",
+        (name, term),
+        owner="cancel_handover",
+        what="withdraw the handover request",
+    )
     return row is not None
 
 
@@ -361,15 +368,15 @@ def current_holder(conninfo: Any, name: str, *, table: str = DEFAULT_TABLE) -> L
         BackendUnavailable: the database cannot be reached or the statement failed.
     """
     name = check_name(name, "lease name")
-    with _one_call(conninfo, "current_holder", "read the lease holder") as conn:
-        _lease_table(conn, table)
-        row = conn.execute(
-            sql.SQL(
-                "SELECT holder, term, acquired_at, expires_at FROM {} WHERE name = %s"
-                " AND holder IS NOT NULL AND expires_at > clock_timestamp()"
-            ).format(table_identifier(table)),
-            (name,),
-        ).fetchone()
+    row = _one_row(
+        conninfo,
+        table,
+        "SELECT holder, term, acquired_at, expires_at FROM {} WHERE name = %s"
+        " AND holder IS NOT NULL AND expires_at > clock_timestamp()",
+        (name,),
+        owner="current_holder",
+        what="read the lease holder",
+    )
     if row is None:
         return None
     return LeaderInfo(row[0], row[1], utc(row[2]), utc(row[3]))
