@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -86,6 +87,30 @@ def _prepare(
         return _query(table, False), (name, term)
     millis = f"{max(1, round(seconds * 1000))}ms"
     return _query(table, True), (millis, name, term)
+
+
+def _prepare_on(
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
+    check_kind: Callable[[object], None],
+    name: str,
+    term: int,
+    table: str,
+    idle_timeout: float | None,
+) -> tuple[sql.Composed, tuple[Any, ...]]:
+    """The check's statement and parameters, once the arguments, the kind of
+    connection (``check_kind``) and its open transaction are checked, in that order."""
+    # The arguments first, as every entry point that takes a term checks it.
+    prepared = _prepare(name, term, table, idle_timeout)
+    check_kind(conn)
+    _check_transaction(conn)
+    return prepared
+
+
+def _verdict(row: Any, name: str, term: int) -> None:
+    """Refuse the write unless the check's ``row`` found ``term`` holding ``name``."""
+    if row is None or not row[1]:
+        logger.debug("fenced write refused: lease %r, term %s", name, term)
+        raise _stale(name, term)
 
 
 def _check_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
@@ -168,17 +193,12 @@ def fenced(
             or no lease table.
         BackendUnavailable: the connection broke.
     """
-    # The arguments first, as every entry point that takes a term checks it.
-    query, params = _prepare(name, term, table, idle_timeout)
-    _check_blocking(conn)
-    _check_transaction(conn)
+    query, params = _prepare_on(conn, _check_blocking, name, term, table, idle_timeout)
     try:
         row = conn.execute(query, params).fetchone()
     except psycopg.Error as exc:
         raise _wrap(exc, table, conn) from exc
-    if row is None or not row[1]:
-        logger.debug("fenced write refused: lease %r, term %s", name, term)
-        raise _stale(name, term)
+    _verdict(row, name, term)
 
 
 async def afenced(
@@ -189,30 +209,12 @@ async def afenced(
     table: str = DEFAULT_TABLE,
     idle_timeout: float | None = 5.0,
 ) -> None:
-    """Async version of :func:`fenced` for a :class:`psycopg.AsyncConnection`.
-
-    Args:
-        conn: an async psycopg connection inside the transaction to protect.
-        name: the lease name.
-        term: the term the writer believes it holds.
-        table: the lease table, as given to the leader.
-        idle_timeout: idle bound for the rest of the transaction, seconds, or ``None``.
-
-    Raises:
-        StaleLeaderError: ``term`` no longer holds the lease; roll back.
-        ConfigError: bad arguments, the wrong kind of connection, no transaction open,
-            or no lease table.
-        BackendUnavailable: the connection broke.
-    """
-    # The arguments first, as every entry point that takes a term checks it.
-    query, params = _prepare(name, term, table, idle_timeout)
-    _check_async(conn)
-    _check_transaction(conn)
+    """Async version of :func:`fenced` for a :class:`psycopg.AsyncConnection`: the same
+    arguments (``conn``: an async connection inside the transaction to protect), the
+    same errors."""
+    query, params = _prepare_on(conn, _check_async, name, term, table, idle_timeout)
     try:
-        cur = await conn.execute(query, params)
-        row = await cur.fetchone()
+        row = await (await conn.execute(query, params)).fetchone()
     except psycopg.Error as exc:
         raise _wrap(exc, table, conn) from exc
-    if row is None or not row[1]:
-        logger.debug("fenced write refused: lease %r, term %s", name, term)
-        raise _stale(name, term)
+    _verdict(row, name, term)
