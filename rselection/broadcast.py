@@ -60,6 +60,8 @@ _REPORT_INTERVAL = 10.0
 # Clock used for overflow rate limiting (a module attribute so tests can replace it).
 _clock = time.monotonic
 
+_WAIT = object()  # what a reader finds when it must wait for a message
+
 
 class SubscriptionClosed(RSelectionError):
     """Raised by :meth:`Subscription.get` once the subscription is closed and drained."""
@@ -200,6 +202,25 @@ class Subscription(Closeable):
 
     # -- reading --------------------------------------------------------------------
 
+    def _next(self, remaining: float | None, timeout: float | None) -> object:
+        """Under the lock: the next buffered message, or :data:`_WAIT` when a reader
+        waits ``remaining`` seconds (``None``: no bound) for one.
+
+        Raises:
+            SubscriptionClosed: closed, and every buffered message was read.
+            TimeoutError: none buffered and no time left (of ``timeout``).
+        """
+        if self._buffer:
+            return self._buffer.popleft()
+        if self._closed:
+            raise SubscriptionClosed(
+                f"subscription to channel {self._channel!r} is closed; "
+                "subscribe again to receive more messages"
+            )
+        if remaining is not None and remaining <= 0:
+            raise TimeoutError(f"no message on channel {self._channel!r} within {timeout} s")
+        return _WAIT
+
     def get(self, timeout: float | None = None) -> object:
         """Return the next message, waiting for one if none is buffered.
 
@@ -214,21 +235,10 @@ class Subscription(Closeable):
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
-                if self._buffer:
-                    return self._buffer.popleft()
-                if self._closed:
-                    raise SubscriptionClosed(
-                        f"subscription to channel {self._channel!r} is closed; "
-                        "subscribe again to receive more messages"
-                    )
-                if deadline is None:
-                    remaining = None
-                else:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise TimeoutError(
-                            f"no message on channel {self._channel!r} within {timeout} s"
-                        )
+                remaining = None if deadline is None else deadline - time.monotonic()
+                message = self._next(remaining, timeout)
+                if message is not _WAIT:
+                    return message
                 self._readers_waiting += 1
                 try:
                     self._cond.wait(remaining)
@@ -260,18 +270,10 @@ class Subscription(Closeable):
         deadline = None if timeout is None else loop.time() + timeout
         while True:
             with self._cond:
-                if self._buffer:
-                    return self._buffer.popleft()
-                if self._closed:
-                    raise SubscriptionClosed(
-                        f"subscription to channel {self._channel!r} is closed; "
-                        "subscribe again to receive more messages"
-                    )
                 remaining = None if deadline is None else deadline - loop.time()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError(
-                        f"no message on channel {self._channel!r} within {timeout} s"
-                    )
+                message = self._next(remaining, timeout)
+                if message is not _WAIT:
+                    return message
                 fut: asyncio.Future[None] = loop.create_future()
                 self._async_waiters.append(fut)
                 self._readers_waiting += 1
