@@ -19,11 +19,13 @@ from redis.cluster import RedisCluster
 from redis.connection import ConnectionPool
 from redis.retry import Retry
 
+from ..closeable import Closeable
 from ..errors import BackendUnavailable, ConfigError, first_line
 from ..redaction import check_userinfo, misread, parser_message, redact, redact_dsn
 
 __all__ = [
     "MIN_TTL",
+    "ClientUser",
     "ConnectionFactory",
     "check_client",
     "client_name",
@@ -111,6 +113,26 @@ def unavailable(what: str, where: str, exc: BaseException) -> BackendUnavailable
         exc: the driver error; chain it with ``raise ... from exc``.
     """
     return BackendUnavailable(f"cannot {what} ({where}): {redact(first_line(exc))}")
+
+
+class ClientUser(Closeable):
+    """Base of the Redis objects that make their calls on one client: the one passed in,
+    or one made from a URL, which :meth:`close` closes. A subclass calls
+    :meth:`_use_client` from its constructor."""
+
+    _client: Any
+
+    def _use_client(self, client: object, owner: str) -> None:
+        """Check ``client`` (see :func:`check_client`) and keep it."""
+        self._client, self._owned = check_client(client, owner)
+
+    def close(self) -> None:
+        """Close the client if it was made from a URL; a client passed in is left open."""
+        if self._owned:
+            try:
+                self._client.close()
+            except Exception as exc:  # best effort: nothing is lost with it
+                logger.debug("%r: error closing the client: %s", self, exc)
 
 
 def check_client(client: object, owner: str) -> tuple[Any, bool]:

@@ -41,10 +41,9 @@ import redis
 from redis.cluster import RedisCluster
 
 from ..claiming import ClaimsPartlyFailed, check_fire_key, check_fire_keys
-from ..closeable import Closeable
 from ..node_identity import NodeIdentity
 from ..validation import check_optional_term, check_seconds
-from ._conn import check_client, describe, unavailable
+from ._conn import ClientUser, describe, unavailable
 from .keys import DEFAULT_KEY_PREFIX, check_key_prefix, claim_key
 
 __all__ = ["FIRE_KEY_FORMAT", "RedisClaimer"]
@@ -99,12 +98,12 @@ return won
 """
 
 
-class RedisClaimer(Closeable, NodeIdentity):
+class RedisClaimer(ClientUser, NodeIdentity):
     """Claims each fire of a schedule in Redis, so a fleet runs it once.
 
     A :class:`~rselection.claiming.MissedFireClaimer` and a
     :class:`~rselection.claiming.BatchFireClaimer`. Thread-safe (uses the client's
-    pool).
+    pool). :meth:`close` leaves the claims made: they bind until their ttl.
 
     Args:
         client: a ``redis.Redis``, a ``redis.cluster.RedisCluster`` or a ``redis://``
@@ -134,7 +133,7 @@ class RedisClaimer(Closeable, NodeIdentity):
         self.ttl = check_seconds(ttl, "ttl", minimum=0.001)
         """Seconds a claim binds."""
         self._take_node_id(node_id)
-        self._client, self._owned = check_client(client, "RedisClaimer")
+        self._use_client(client, "RedisClaimer")
         self._cluster = isinstance(self._client, RedisCluster)
         self._ttl_ms = max(1, round(self.ttl * 1000))
         self._claim = self._client.register_script(CLAIM)
@@ -146,17 +145,6 @@ class RedisClaimer(Closeable, NodeIdentity):
             f"{type(self).__name__}(key_prefix={self.key_prefix!r}, ttl={self.ttl}, "
             f"node_id={self.node_id!r}, {describe(self._client)})"
         )
-
-    def close(self) -> None:
-        """Close the client if it was made from a URL; a client passed in is left open.
-
-        Claims are kept: they bind until their ttl.
-        """
-        if self._owned:
-            try:
-                self._client.close()
-            except Exception as exc:  # best effort
-                logger.debug("claimer %r: error closing the client: %s", self.key_prefix, exc)
 
     def key(self, fire_key: str) -> str:
         """The Redis key of a fire's claim: ``key_prefix + fire_key``."""

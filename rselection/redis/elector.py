@@ -33,20 +33,17 @@ Backend errors raise :class:`~rselection.errors.BackendUnavailable` (fail closed
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import redis
 
 from ..electing import Elector
 from ..validation import check_name, check_seconds
-from ._conn import check_client, describe, unavailable
+from ._conn import ClientUser, describe, unavailable
 from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
 from .keys import elector_keys as elector_keys  # re-exported
 
 __all__ = ["RedisElector"]
-
-logger = logging.getLogger(__name__)
 
 #: Acquire or renew election KEYS[1] (term hash KEYS[2]) for node ARGV[1], ttl ARGV[2]
 #: (ms). Returns the term as a string while leading, else -1. A new holder's term is the
@@ -101,11 +98,12 @@ return 0
 """
 
 
-class RedisElector(Elector):
+class RedisElector(ClientUser, Elector):
     """Leader election that acquires or renews on each :meth:`is_leader` call.
 
     See the module docstring. Thread-safe; one instance is one candidate (its
-    :attr:`node_id`). The ``with`` block resigns if leading, then closes.
+    :attr:`node_id`). The ``with`` block resigns if leading, then closes; :meth:`close`
+    alone does not resign (an elector that leads keeps the key until its ttl).
 
     Args:
         client: a ``redis.Redis``, a ``redis.cluster.RedisCluster`` or a ``redis://``
@@ -134,7 +132,7 @@ class RedisElector(Elector):
         self.key, self.term_key = elector_keys(self.name, self.key_prefix)
         self.ttl = check_seconds(ttl, "ttl", minimum=0.001)
         self._take_node_id(node_id)
-        self._client, self._owned = check_client(client, "RedisElector")
+        self._use_client(client, "RedisElector")
         self._ttl_ms = max(1, round(self.ttl * 1000))
         self._elect = self._client.register_script(ELECT)
         self._resign = self._client.register_script(RESIGN)
@@ -144,17 +142,6 @@ class RedisElector(Elector):
             f"{type(self).__name__}(name={self.name!r}, key={self.key!r}, ttl={self.ttl}, "
             f"node_id={self.node_id!r}, {describe(self._client)})"
         )
-
-    def close(self) -> None:
-        """Close the client if it was made from a URL; a client passed in is left open.
-
-        Does not resign: an elector that leads keeps the key until its ttl.
-        """
-        if self._owned:
-            try:
-                self._client.close()
-            except Exception as exc:  # best effort
-                logger.debug("elector %r: error closing the client: %s", self.name, exc)
 
     def is_leader(self) -> bool:
         """Acquire or renew the leadership; ``True`` while this elector holds it.

@@ -25,21 +25,17 @@ term is larger than the lost one (see :mod:`rselection.redis.lease`).
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import redis
 import redis.asyncio
 
-from ..closeable import Closeable
 from ..errors import BackendUnavailable, ConfigError, StaleLeaderError
 from ..validation import check_name, check_term
-from ._conn import check_client, describe, unavailable
+from ._conn import ClientUser, describe, unavailable
 from .keys import DEFAULT_KEY_PREFIX, check_key_prefix, lease_keys
 
 __all__ = ["RedisFence", "afenced_call", "fenced_call"]
-
-logger = logging.getLogger(__name__)
 
 FENCED = """
 local cur = redis.call('GET', KEYS[1])
@@ -53,7 +49,7 @@ return {1, redis.call(unpack(ARGV, 2))}
 """
 
 
-class RedisFence(Closeable):
+class RedisFence(ClientUser):
     """Runs Redis commands only while a term still holds a :class:`RedisLease`.
 
     Thread-safe (uses the client's pool). ``ctx.fence(client)`` in a
@@ -77,7 +73,7 @@ class RedisFence(Closeable):
         self.name = check_name(name, "lease name")
         self.key_prefix = check_key_prefix(key_prefix)
         self.key = lease_keys(self.name, self.key_prefix)[0]
-        self._client, self._owned = check_client(client, "RedisFence")
+        self._use_client(client, "RedisFence")
         self._script = self._client.register_script(FENCED)
 
     def __repr__(self) -> str:
@@ -111,15 +107,6 @@ class RedisFence(Closeable):
         for writes.
         """
         self.call(term)
-
-    def close(self) -> None:
-        """Close the client if this fence made it from a URL; a client passed in is left
-        open."""
-        if self._owned:
-            try:
-                self._client.close()
-            except Exception as exc:  # best effort
-                logger.debug("fence %r: error closing the client: %s", self.name, exc)
 
 
 def _unavailable(exc: redis.RedisError, client: Any) -> BackendUnavailable | None:
