@@ -556,6 +556,13 @@ class TermRunner:
             self._skip(spec, ctx.scheduled_at, "not-leader")
         return False
 
+    def _failure(self, exc: Exception) -> Exception | None:
+        """What a run that raised ``exc`` failed with: nothing when it only saw its term
+        end (:class:`LeadershipLost` once the term is over: it was told to stop)."""
+        if isinstance(exc, LeadershipLost) and not self.term.live():
+            return None
+        return exc
+
     def _run_sync(self, spec: TaskSpec, ctx: TaskContext) -> BaseException | None:
         if not self._may_start(spec, ctx):
             return None
@@ -569,11 +576,8 @@ class TermRunner:
                     f"task {spec.name!r} returned an awaitable from a plain function; "
                     "declare it 'async def' so it runs on the event loop"
                 )
-        except LeadershipLost as exc:
-            if self.term.live():
-                error = exc
         except Exception as exc:
-            error = exc
+            error = self._failure(exc)
         self._record(spec, ctx, began, error)
         return error
 
@@ -587,11 +591,8 @@ class TermRunner:
         except asyncio.CancelledError:
             self._record(spec, ctx, began, None)
             raise
-        except LeadershipLost as exc:
-            if self.term.live():
-                error = exc
         except Exception as exc:
-            error = exc
+            error = self._failure(exc)
         self._record(spec, ctx, began, error)
         return error
 
