@@ -32,6 +32,7 @@ from typing import Any
 
 # The store role and its ability moved to one module; their names stay importable here.
 from .errors import ConfigError
+from .json_text import strict_json
 
 __all__ = [
     "DEFAULT_MAX_STATE_BYTES",
@@ -121,19 +122,7 @@ def encode_state(key: Key, state: Any, max_bytes: int) -> str:
             lone surrogate, a NUL character (Postgres ``jsonb`` cannot hold one, so no
             store accepts it), or more than ``max_bytes``.
     """
-    try:
-        text = json.dumps(state, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
-    except TypeError as exc:
-        raise TypeError(
-            f"checkpoint state for {key!r:.80} cannot be stored as JSON: {exc}; use "
-            "dict (str keys), list, str, int, float, bool and None, and convert other "
-            "values (datetimes, sets, objects) first"
-        ) from exc
-    except (ValueError, RecursionError) as exc:
-        raise ConfigError(
-            f"checkpoint state for {key!r:.80} cannot be stored as JSON: {exc} "
-            "(NaN and infinities, circular or too deeply nested structures are refused)"
-        ) from exc
+    text = strict_json(state, f"checkpoint state for {key!r:.80} cannot be stored")
     try:
         size = len(text.encode())
     except UnicodeEncodeError as exc:

@@ -7,7 +7,6 @@ explains the design.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -21,6 +20,7 @@ import psycopg
 from ... import forks
 from ...broadcast import Broadcaster, BroadcastStats, OverflowHook, Receiver, Subscription
 from ...errors import BackendUnavailable, ConfigError, RSelectionError
+from ...json_text import strict_json
 from .listener import GapHook, Listener
 from .listening import ListeningSession
 from .outbox import BROADCAST_TABLE, Outbox
@@ -494,24 +494,14 @@ class PostgresBroadcaster(Broadcaster):
 
     @staticmethod
     def _encode(channel: str, message: object) -> str:
-        try:
-            text = json.dumps(message, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
-        except TypeError as exc:
-            raise MessageEncodeError(
-                f"message on channel {channel!r:.80} cannot be sent as JSON: {exc}; publish "
-                "dict (str keys), list, str, int, float, bool and None, and convert other "
-                "values (datetimes, sets, objects) first"
-            ) from exc
-        except (ValueError, RecursionError) as exc:
-            raise MessageEncodeError(
-                f"message on channel {channel!r:.80} cannot be sent as JSON: {exc} "
-                "(NaN and infinities, circular or too deeply nested structures are refused)"
-            ) from exc
+        subject = f"message on channel {channel!r:.80} cannot be sent"
+        refused = MessageEncodeError
+        text = strict_json(message, subject, type_error=refused, value_error=refused)
         try:
             text.encode()
         except UnicodeEncodeError:
             # A lone surrogate has no UTF-8 form; JSON can still carry it as an escape.
-            text = json.dumps(message, allow_nan=False, ensure_ascii=True, separators=(",", ":"))
+            text = strict_json(message, subject, ensure_ascii=True)
         return text
 
 
