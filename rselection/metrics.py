@@ -83,92 +83,66 @@ class Metrics:
 
         self.registry = registry
         self.namespace = namespace
-        self.is_leader: Gauge = Gauge(
+
+        def gauge(name: str, doc: str, labels: list[str]) -> Gauge:
+            return Gauge(name, doc, labels, namespace=namespace, registry=None)
+
+        def counter(name: str, doc: str, labels: list[str]) -> Counter:
+            return Counter(name, doc, labels, namespace=namespace, registry=None)
+
+        def histogram(
+            name: str, doc: str, labels: list[str], buckets: tuple[float, ...]
+        ) -> Histogram:
+            return Histogram(name, doc, labels, namespace=namespace, buckets=buckets, registry=None)
+
+        # Registered together by _start(), not each on creation (registry=None).
+        self.is_leader: Gauge = gauge(
             "is_leader",
             "1 while a leader in this process leads the lease, 0 while it only follows.",
             ["lease"],
-            namespace=namespace,
-            registry=None,
         )
-        self.term: Gauge = Gauge(
-            "term",
-            "Highest fencing term of the lease seen by this process.",
-            ["lease"],
-            namespace=namespace,
-            registry=None,
+        self.term: Gauge = gauge(
+            "term", "Highest fencing term of the lease seen by this process.", ["lease"]
         )
-        self.transitions: Counter = Counter(
+        self.transitions: Counter = counter(
             "leadership_transitions",
             "Leadership changes of this process: elected, or the reason it stopped leading.",
             ["lease", "reason"],
-            namespace=namespace,
-            registry=None,
         )
-        self.renew_latency: Histogram = Histogram(
+        self.renew_latency: Histogram = histogram(
             "lease_renew_latency_seconds",
             "Round trip of each successful lease renewal.",
             ["lease"],
-            namespace=namespace,
-            buckets=RENEW_LATENCY_BUCKETS,
-            registry=None,
+            RENEW_LATENCY_BUCKETS,
         )
-        self.remaining: Histogram = Histogram(
+        self.remaining: Histogram = histogram(
             "lease_remaining_seconds",
             "Time left before the leader's own deadline, right after each renewal.",
             ["lease"],
-            namespace=namespace,
-            buckets=REMAINING_BUCKETS,
-            registry=None,
+            REMAINING_BUCKETS,
         )
-        self.task_runs: Counter = Counter(
-            "task_runs",
-            "Task runs started.",
-            ["task"],
-            namespace=namespace,
-            registry=None,
-        )
-        self.task_failures: Counter = Counter(
-            "task_failures",
-            "Task runs that raised.",
-            ["task"],
-            namespace=namespace,
-            registry=None,
-        )
-        self.task_stuck: Counter = Counter(
+        self.task_runs: Counter = counter("task_runs", "Task runs started.", ["task"])
+        self.task_failures: Counter = counter("task_failures", "Task runs that raised.", ["task"])
+        self.task_stuck: Counter = counter(
             "task_stuck",
             "Task runs still going stop_grace after their term was cancelled.",
             ["task"],
-            namespace=namespace,
-            registry=None,
         )
-        self.task_duration: Histogram = Histogram(
-            "task_duration_seconds",
-            "Run time of each task run.",
-            ["task"],
-            namespace=namespace,
-            buckets=DURATION_BUCKETS,
-            registry=None,
+        self.task_duration: Histogram = histogram(
+            "task_duration_seconds", "Run time of each task run.", ["task"], DURATION_BUCKETS
         )
-        self.fires_skipped: Counter = Counter(
-            "fires_skipped",
-            "Scheduled fires that did not run, by reason.",
-            ["task", "reason"],
-            namespace=namespace,
-            registry=None,
+        self.fires_skipped: Counter = counter(
+            "fires_skipped", "Scheduled fires that did not run, by reason.", ["task", "reason"]
         )
-        self.nodes_joined: Counter = Counter(
+        self.nodes_joined: Counter = counter(
             "nodes_joined",
             "Nodes of the lease that came alive, as seen by a heartbeat monitor here.",
             ["lease"],
-            namespace=namespace,
-            registry=None,
         )
-        self.nodes_lost: Counter = Counter(
+        self.nodes_lost: Counter = counter(
             "nodes_lost",
             "Nodes of the lease that stopped heartbeating, as seen by a monitor here.",
             ["lease"],
-            namespace=namespace,
-            registry=None,
         )
         self._broadcasts = _BroadcastCollector(namespace)
         self._dropped = _DroppedCollector(namespace)
