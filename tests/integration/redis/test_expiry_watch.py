@@ -50,6 +50,22 @@ def keeper_idle(admin: redis.Redis, name: str) -> list[int]:
     ]
 
 
+def follower_of(url: str, name: str) -> RedisLeader:
+    """A follower of lease ``name`` with the holders' timings (``LEASE``)."""
+    return RedisLeader(
+        url, rs.TaskHandler(), name=name, node_id="follower", renew_interval=0.3, **LEASE
+    )
+
+
+def lateness_of_takeover(follower: RedisLeader, last_renewal: float) -> float:
+    """Seconds after the expiry of a lease last renewed at ``last_renewal`` (wall clock)
+    until ``follower`` leads it (at most 30 s more are waited for)."""
+    assert follower.wait_until_leader(TTL + 30), "the expired lease was not taken over"
+    late = time.time() - (last_renewal + TTL)
+    print(f"\ntaken over {late * 1000:.0f} ms after the lease expired")
+    return late
+
+
 def test_an_idle_follower_does_not_attempt_at_each_expiry_of_a_live_holder(
     private_redis: PrivateRedis, admin: redis.Redis
 ) -> None:
@@ -88,23 +104,13 @@ def test_a_lease_its_live_holder_stops_renewing_is_taken_over_at_its_expiry(
     private_redis: PrivateRedis, admin: redis.Redis, cut_hub: bool
 ) -> None:
     name = f"exp-{uuid.uuid4().hex[:6]}"
-    ttl = TTL
     holder = HolderProcess(private_redis.url, name, **LEASE)
-    follower = RedisLeader(
-        private_redis.url,
-        rs.TaskHandler(),
-        name=name,
-        node_id="follower",
-        ttl=ttl,
-        renew_deadline=1.0,
-        renew_interval=0.3,
-        liveness_interval=0.2,
-    )
+    follower = follower_of(private_redis.url, name)
     try:
         assert holder.fast
         follower.start()
         wait_until(lambda: len(keeper_idle(admin, name)) == 2, 10, "the follower connected")
-        time.sleep(2 * ttl)  # a measuring wait: the follower follows for a while
+        time.sleep(2 * TTL)  # a measuring wait: the follower follows for a while
         last_renewal = holder.neglect()
         if cut_hub:
             # Both processes' hubs lose their connections: the follower's reads of the
@@ -112,9 +118,7 @@ def test_a_lease_its_live_holder_stops_renewing_is_taken_over_at_its_expiry(
             for client in admin.client_list():
                 if client.get("name") == "rselection:liveness":
                     admin.client_kill_filter(_id=client["id"])
-        assert follower.wait_until_leader(ttl + 10), "the expired lease was not taken over"
-        late = time.time() - (last_renewal + ttl)
-        print(f"\ntaken over {late * 1000:.0f} ms after the lease expired")
+        late = lateness_of_takeover(follower, last_renewal)
         # Measured: 10-60 ms; a missing wake-up would leave it to the keeper's own
         # attempt, EXPIRY_BACKSTOP lease periods (20 s) later.
         assert late < 2.0
@@ -131,16 +135,7 @@ def test_a_hub_thread_that_met_an_os_error_still_wakes_the_follower_at_expiry(
     # to the keeper's own attempt, EXPIRY_BACKSTOP lease periods later.
     name = f"exp-{uuid.uuid4().hex[:6]}"
     holder = HolderProcess(private_redis.url, name, **LEASE)
-    follower = RedisLeader(
-        private_redis.url,
-        rs.TaskHandler(),
-        name=name,
-        node_id="follower",
-        ttl=TTL,
-        renew_deadline=1.0,
-        renew_interval=0.3,
-        liveness_interval=0.2,
-    )
+    follower = follower_of(private_redis.url, name)
     real_selector = selectors.DefaultSelector
     failed = threading.Event()
 
@@ -157,9 +152,7 @@ def test_a_hub_thread_that_met_an_os_error_still_wakes_the_follower_at_expiry(
         monkeypatch.setattr(selectors, "DefaultSelector", out_of_descriptors)
         wait_until(failed.is_set, 10, "the hub's thread to meet the error")
         last_renewal = holder.neglect()
-        assert follower.wait_until_leader(TTL + 30), "the expired lease was not taken over"
-        late = time.time() - (last_renewal + TTL)
-        print(f"\ntaken over {late * 1000:.0f} ms after the lease expired")
+        late = lateness_of_takeover(follower, last_renewal)
         # Measured: about 10 ms; left to the keeper's own attempt, 14 to 20 s.
         assert late < 2.0
     finally:
