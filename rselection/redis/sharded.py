@@ -110,9 +110,9 @@ class RedisShardedLeader(ShardedLeader):
         claimer: claims each scheduled fire (claim keys include the shard's lease name);
             by default one :class:`~rselection.redis.RedisClaimer` on the same Redis for
             every shard; ``None`` runs fires unclaimed.
-        heartbeat_interval, node_timeout, rebalance_interval, settle, max_moves,
-            handover_valid_for: how the coordinator balances the shards, as for
-            :class:`~rselection.PostgresShardedLeader`.
+        heartbeat_interval: the coordinator's balancing (with ``node_timeout``,
+            ``rebalance_interval``, ``settle``, ``max_moves`` and
+            ``handover_valid_for``), as for :class:`~rselection.PostgresShardedLeader`.
 
     Raises:
         ConfigError: bad arguments or inconsistent timings (the message shows the math).
