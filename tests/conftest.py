@@ -198,6 +198,22 @@ def redis_url() -> Iterator[str]:
 
 
 @pytest.fixture
+def redis_prefix(redis_url: str) -> Iterator[str]:
+    """A key prefix of this test's own on the test Redis; its keys are deleted after."""
+    import redis  # the Redis tests' driver: the other tiers need not have it
+
+    made = f"t{uuid.uuid4().hex[:8]}:"
+    yield made
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = list(client.scan_iter(match=made + "*"))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
+
+
+@pytest.fixture
 def private_redis() -> Iterator[PrivateRedis]:
     """A started ``PrivateRedis`` of this test's own, for stop/restart/kill tests."""
     server = _start_private(PrivateRedis, "could not start a private Redis")

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -19,31 +18,18 @@ FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interva
 
 
 @pytest.fixture
-def prefix(redis_url: str) -> Iterator[str]:
-    found = f"adm-{uuid.uuid4().hex[:8]}:"
-    yield found
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = list(client.scan_iter(match=found + "*"))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
-
-
-@pytest.fixture
-def admin(redis_url: str, prefix: str) -> Iterator[RedisAdmin]:
-    with RedisAdmin(redis_url, key_prefix=prefix) as made:
+def admin(redis_url: str, redis_prefix: str) -> Iterator[RedisAdmin]:
+    with RedisAdmin(redis_url, key_prefix=redis_prefix) as made:
         yield made
 
 
-def leader(redis_url: str, prefix: str, node_id: str, name: str = "billing") -> RedisLeader:
+def leader(redis_url: str, redis_prefix: str, node_id: str, name: str = "billing") -> RedisLeader:
     made = RedisLeader(
         redis_url,
         rs.TaskHandler(),
         name=name,
         node_id=node_id,
-        key_prefix=prefix,
+        key_prefix=redis_prefix,
         heartbeat_interval=0.2,
         **FAST,
     )
@@ -63,13 +49,13 @@ def test_the_default_prefix_is_the_leaders(redis_url: str) -> None:
 
 
 def test_status_shows_the_holder_and_every_node(
-    admin: RedisAdmin, redis_url: str, prefix: str
+    admin: RedisAdmin, redis_url: str, redis_prefix: str
 ) -> None:
     assert admin.leases() == [] and admin.status().leases == ()
-    fleet = [leader(redis_url, prefix, "a")]
+    fleet = [leader(redis_url, redis_prefix, "a")]
     try:
         assert fleet[0].wait_until_leader(10)
-        fleet.append(leader(redis_url, prefix, "b"))
+        fleet.append(leader(redis_url, redis_prefix, "b"))
         wait_until(lambda: len(admin.nodes("billing")) == 2, 10, "both heartbeats")
         snapshot = admin.status()
         # A keeper subscribes to its node channel apart from its heartbeats.
@@ -95,12 +81,12 @@ def test_status_shows_the_holder_and_every_node(
 
 
 def test_named_status_keeps_the_shards_of_each_name(
-    admin: RedisAdmin, redis_url: str, prefix: str
+    admin: RedisAdmin, redis_url: str, redis_prefix: str
 ) -> None:
     client = redis.Redis.from_url(redis_url)
     try:
         for name in ("p/0", "p/1", "pq", "q"):
-            client.set(lease_keys(name, prefix)[1], 1)  # a term: a lease that once led
+            client.set(lease_keys(name, redis_prefix)[1], 1)  # a term: a lease that once led
     finally:
         client.close()
     assert [x.name for x in admin.status(["p"]).leases] == ["p/0", "p/1"]
@@ -108,9 +94,9 @@ def test_named_status_keeps_the_shards_of_each_name(
 
 
 def test_a_handover_request_shows_in_status_until_withdrawn(
-    admin: RedisAdmin, redis_url: str, prefix: str
+    admin: RedisAdmin, redis_url: str, redis_prefix: str
 ) -> None:
-    first = leader(redis_url, prefix, "a")
+    first = leader(redis_url, redis_prefix, "a")
     try:
         assert first.wait_until_leader(10)
         asked = admin.request_handover("billing", to="elsewhere", valid_for=30)
@@ -132,12 +118,12 @@ def test_a_handover_request_shows_in_status_until_withdrawn(
 
 
 def test_watch_terms_sees_the_takeover_a_request_asked_for(
-    admin: RedisAdmin, redis_url: str, prefix: str
+    admin: RedisAdmin, redis_url: str, redis_prefix: str
 ) -> None:
-    fleet = [leader(redis_url, prefix, "a")]
+    fleet = [leader(redis_url, redis_prefix, "a")]
     try:
         assert fleet[0].wait_until_leader(10)
-        fleet.append(leader(redis_url, prefix, "b"))
+        fleet.append(leader(redis_url, redis_prefix, "b"))
         wait_until(lambda: admin.live_nodes("billing") == ["a", "b"], 10, "both keepers")
         with admin.watch_terms("billing") as watch:
             asked = admin.request_handover("billing", to="b")
@@ -152,11 +138,11 @@ def test_watch_terms_sees_the_takeover_a_request_asked_for(
 
 
 def test_retire_refuses_a_live_lease_then_marks_it_and_a_new_term_revives_it(
-    admin: RedisAdmin, redis_url: str, prefix: str
+    admin: RedisAdmin, redis_url: str, redis_prefix: str
 ) -> None:
     with pytest.raises(Refused, match="no lease 'billing'"):
         admin.retire("billing")
-    first = leader(redis_url, prefix, "a")
+    first = leader(redis_url, redis_prefix, "a")
     try:
         assert first.wait_until_leader(10)
         with pytest.raises(Refused, match="has a live holder: a leads term"):
@@ -167,11 +153,11 @@ def test_retire_refuses_a_live_lease_then_marks_it_and_a_new_term_revives_it(
     assert (done.name, done.already, done.marker) == (
         "billing",
         False,
-        retired_key("billing", prefix),
+        retired_key("billing", redis_prefix),
     )
     assert admin.retire("billing").already
     assert lease(admin.status(), "billing").retired
-    second = leader(redis_url, prefix, "b")
+    second = leader(redis_url, redis_prefix, "b")
     try:
         assert second.wait_until_leader(10)
         revived = lease(admin.status(), "billing")
@@ -180,10 +166,10 @@ def test_retire_refuses_a_live_lease_then_marks_it_and_a_new_term_revives_it(
         second.stop(timeout=10)
 
 
-def test_a_client_passed_in_stays_open(redis_url: str, prefix: str) -> None:
+def test_a_client_passed_in_stays_open(redis_url: str, redis_prefix: str) -> None:
     client = redis.Redis.from_url(redis_url)
     try:
-        with RedisAdmin(client, key_prefix=prefix) as admin:
+        with RedisAdmin(client, key_prefix=redis_prefix) as admin:
             assert admin.leases() == []
         assert client.ping()
     finally:

@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 import json
-import uuid
-from collections.abc import Iterator
-
-import pytest
-import redis
 
 import rselection as rs
 from rselection.redis import RedisLeader
@@ -17,32 +12,19 @@ from tests.support.waiting import wait_until
 FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
 
 
-@pytest.fixture
-def prefix(redis_url: str) -> Iterator[str]:
-    found = f"st-{uuid.uuid4().hex[:8]}:"
-    yield found
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = list(client.scan_iter(match=found + "*"))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
-
-
-def status(redis_url: str, prefix: str, *names: str) -> tuple[int, dict[str, object]]:
-    out = cli("status", *names, "--redis-url", redis_url, "--key-prefix", prefix, "--json")
+def status(redis_url: str, redis_prefix: str, *names: str) -> tuple[int, dict[str, object]]:
+    out = cli("status", *names, "--redis-url", redis_url, "--key-prefix", redis_prefix, "--json")
     return out.returncode, json.loads(out.stdout)
 
 
-def test_status_shows_the_redis_leases_and_every_node(redis_url: str, prefix: str) -> None:
+def test_status_shows_the_redis_leases_and_every_node(redis_url: str, redis_prefix: str) -> None:
     made = [
         RedisLeader(
             redis_url,
             rs.TaskHandler(),
             name="billing",
             node_id=node_id,
-            key_prefix=prefix,
+            key_prefix=redis_prefix,
             heartbeat_interval=0.2,
             **FAST,
         )
@@ -53,7 +35,7 @@ def test_status_shows_the_redis_leases_and_every_node(redis_url: str, prefix: st
         assert made[0].wait_until_leader(10)
         made[1].start()
         wait_until(lambda: len(made[1].nodes()) == 2, 10, "both heartbeats")
-        code, shown = status(redis_url, prefix)
+        code, shown = status(redis_url, redis_prefix)
         assert code == 0, shown
         (lease,) = shown["leases"]  # type: ignore[misc]
         assert (lease["name"], lease["holder"], lease["live"]) == ("billing", "a", True)
@@ -61,16 +43,16 @@ def test_status_shows_the_redis_leases_and_every_node(redis_url: str, prefix: st
         assert set(nodes) == {"a", "b"}
         assert nodes["a"]["is_leader"] and not nodes["b"]["is_leader"]
         assert all(n["alive"] and n["lease"] == "billing" for n in nodes.values())
-        text = cli("status", "--redis-url", redis_url, "--key-prefix", prefix).stdout
+        text = cli("status", "--redis-url", redis_url, "--key-prefix", redis_prefix).stdout
         assert "nodes: 2 alive, 0 lost (alive = seen within 30s)" in text
         made[1].stop(timeout=10)  # a graceful leave is gone from the list at once
-        code, shown = status(redis_url, prefix, "billing")
+        code, shown = status(redis_url, redis_prefix, "billing")
         assert [n["node_id"] for n in shown["nodes"]] == ["a"]  # type: ignore[attr-defined]
     finally:
         for leader in made:
             leader.stop(timeout=10)
     # No leader: exit 1; a lease that never existed is named as such.
-    code, shown = status(redis_url, prefix, "billing", "nope")
+    code, shown = status(redis_url, redis_prefix, "billing", "nope")
     assert code == 1 and shown["unknown"] == ["nope"] and shown["headless"] == ["billing", "nope"]
 
 
