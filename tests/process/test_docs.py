@@ -477,8 +477,12 @@ def check_command(block: Block, argv: list[str]) -> None:
             else:
                 assert arg in {".", "-e", "-q"} or re.fullmatch(r"[a-z][\w-]*", arg), arg
     elif program == "pytest":
-        for arg in args:
-            assert arg.startswith("-") or (ROOT / arg).exists(), f"no such test path {arg}"
+        paths = iter(args)
+        for arg in paths:
+            if arg in ("-n", "-m"):  # options that take a value
+                next(paths)
+            else:
+                assert arg.startswith("-") or (ROOT / arg).exists(), f"no such test path {arg}"
     elif program == "uvicorn":
         check_uvicorn(args)
     elif program == "gunicorn":

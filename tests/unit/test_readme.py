@@ -23,7 +23,7 @@ def test_readme_is_a_short_landing_page() -> None:
     for heading in ("## Install", "## Quickstart", "## Try it", "## Guarantees by backend"):
         assert f"\n{heading}\n" in text, heading
     assert "logging.basicConfig(level=logging.INFO)" in text
-    assert "pytest tests/unit" in text and "rselection demo" in text
+    assert "pytest -n 4 tests/unit" in text and "rselection demo" in text
     # One command per purpose, in a virtual environment: use it, or work on it.
     assert "python -m venv .venv && . .venv/bin/activate" in text
     assert "pip install 'rselection[" in text, "say how to install it to use it"
