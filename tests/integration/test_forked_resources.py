@@ -508,6 +508,21 @@ def _redis_ports(redis_url: str) -> set[int]:
     return local_ports(os.getpid(), port)
 
 
+def _redis_ports_once_beating(redis_url: str) -> set[int]:
+    """This process's ports to Redis once its liveness hub has connected: the hub
+    connects from its own thread, after the lease is taken, so ports read at once may
+    miss it (and the test would see no beats)."""
+    found: set[int] = set()
+
+    def beating() -> bool:
+        found.clear()
+        found.update(_redis_ports(redis_url))
+        return any(_named(LIVENESS, e) for e in _parents_connections(redis_url, found).values())
+
+    wait_until(beating, timeout=10, interval=0.1, what="the liveness hub's connection")
+    return found
+
+
 def _untouched(
     before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]], waited: float
 ) -> list[str]:
@@ -574,7 +589,7 @@ def test_a_redis_lease_connected_before_fork_leaves_the_parents_connections_alon
         assert got.acquired and got.holder is not None
         term = got.holder.term
         assert lease.renew("parent", term)
-        ports = _redis_ports(redis_url)
+        ports = _redis_ports_once_beating(redis_url)
         beating = functools.partial(_named, LIVENESS)
         _quiet(redis_url, ports, beating)
         before, busy = _split_busy(_parents_connections(redis_url, ports), beating)
@@ -635,7 +650,7 @@ def test_redis_objects_used_before_fork_work_in_the_child_on_connections_of_thei
         what="the leader's heartbeat",
     )
     assert built.leader() is not None
-    ports = _redis_ports(redis_url)
+    ports = _redis_ports_once_beating(redis_url)
     keeper_name = f"rselection:{name}"
 
     def busy_in_parent(entry: dict[str, Any]) -> bool:
