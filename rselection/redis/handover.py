@@ -28,8 +28,8 @@ from ..lease import LeaderInfo
 from ..validation import check_name, check_node_id, check_seconds, check_term
 from ._conn import check_client, describe, unavailable
 from ._scripts import CANCEL_HANDOVER, READ, REOPEN_HANDOVER, REQUEST_HANDOVER
+from .holder import parse_holder
 from .keys import DEFAULT_KEY_PREFIX, check_key_prefix, handover_key, lease_keys, node_channel
-from .lease import parse_holder
 
 __all__ = [
     "cancel_handover",

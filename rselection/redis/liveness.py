@@ -58,6 +58,7 @@ from ..errors import first_line
 from ..wakeup import Wakeup
 from ._conn import ConnectionFactory
 from ._scripts import HELD_FOR
+from .holder import text
 from .keys import liveness_channel
 from .messages import Dropped, beat_sender, read_beat, sign_beat, unsigned_beat
 
@@ -564,9 +565,9 @@ class LivenessHub:
             conn.read_response(disconnect_on_error=False)  # INFO's reply
             self._unanswered(process, following, exc)
             return
-        info = _text(conn.read_response(disconnect_on_error=False))
+        info = text(conn.read_response(disconnect_on_error=False))
         run = next((ln[7:].strip() for ln in info.splitlines() if ln.startswith("run_id:")), "")
-        alive = {line.split(" ", 1)[0].removeprefix("id=") for line in _text(reply).splitlines()}
+        alive = {line.split(" ", 1)[0].removeprefix("id=") for line in text(reply).splitlines()}
         gone = [(lease, seen) for lease, seen in following if seen.client not in alive]
         with self._lock:
             for lease, seen in gone:
@@ -697,10 +698,6 @@ def _held_for(reply: Any) -> int | None:
     """The ``PTTL`` (ms) that ``HELD_FOR`` answered for a lease still holding the value
     its follower saw, else ``None`` (gone, changed, or an answer that is not one)."""
     return reply if isinstance(reply, int) and reply != -3 else None
-
-
-def _text(reply: Any) -> str:
-    return reply.decode("utf-8", "replace") if isinstance(reply, bytes) else str(reply)
 
 
 forks.register(LivenessHub)

@@ -40,6 +40,7 @@ from ._scripts import READ
 from .claims import RedisClaimer
 from .fencing import RedisFence
 from .handover import cancel_handover, current_holder, reopen_handovers, request_handovers
+from .holder import parse_holder
 from .keys import (
     DEFAULT_KEY_PREFIX,
     check_key_prefix,
@@ -48,7 +49,6 @@ from .keys import (
     shards_record_key,
 )
 from .leader import DEFAULT_CLAIMER, RedisLeader
-from .lease import parse_holder
 from .membership import read_nodes
 
 if TYPE_CHECKING:
