@@ -4,6 +4,7 @@ lease backend passes under a :class:`~rselection.LeaseLeader`. See
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -253,6 +254,16 @@ class LeaderConformance:
         """Stop the scenario's leaders (pytest calls it after each test)."""
         self.stop_leaders()
 
+    def start_leaders(
+        self, name: str, nodes: list[str], handler: Callable[[str], TaskHandler] | None = None
+    ) -> tuple[list[LeaseLeader], LeaseLeader]:
+        """Start a leader of lease ``name`` for each of ``nodes`` (with ``handler(node)``,
+        or a handler of no tasks); return them and, once exactly one leads, that one."""
+        leaders = [self.leader(name, node, handler(node) if handler else None) for node in nodes]
+        for leader in leaders:
+            leader.start()
+        return leaders, self.the_leader(leaders)
+
     def the_leader(self, leaders: list[LeaseLeader]) -> LeaseLeader:
         """Wait until exactly one of ``leaders`` leads; return it."""
         _wait_until(lambda: sum(x.is_leader for x in leaders) == 1, self.wait_bound, "one leader")
@@ -263,10 +274,7 @@ class LeaderConformance:
     def test_one_of_three_nodes_leads_and_every_node_agrees(self) -> None:
         """Exactly one node leads; every node's ``leader()`` names it with its term."""
         name = self.new_name()
-        leaders = [self.leader(name, f"node-{i}") for i in range(3)]
-        for leader in leaders:
-            leader.start()
-        chief = self.the_leader(leaders)
+        leaders, chief = self.start_leaders(name, [f"node-{i}" for i in range(3)])
         deadline = time.monotonic() + 2 * self.timings.renew_interval
         while time.monotonic() < deadline:  # through renewals, still one leader
             _expect(sum(x.is_leader for x in leaders) <= 1, "two nodes lead at once")
@@ -287,10 +295,7 @@ class LeaderConformance:
         """While the leader renews, it keeps its term and no other node leads, for longer
         than the ttl: a renewal must extend the lease on the server."""
         name = self.new_name()
-        leaders = [self.leader(name, node) for node in ("a", "b")]
-        for leader in leaders:
-            leader.start()
-        chief = self.the_leader(leaders)
+        leaders, chief = self.start_leaders(name, ["a", "b"])
         term = chief.term
         t = self.timings
         began = time.monotonic()
@@ -323,10 +328,7 @@ class LeaderConformance:
         renewal was sent (less :attr:`expiry_slack`), and within ``retry_interval`` plus
         :attr:`takeover_slack` after that."""
         name = self.new_name()
-        leaders = [self.leader(name, node) for node in ("a", "b")]
-        for leader in leaders:
-            leader.start()
-        chief = self.the_leader(leaders)
+        leaders, chief = self.start_leaders(name, ["a", "b"])
         heir = next(x for x in leaders if x is not chief)
         t = self.timings
         frozen = _FrozenRenewals(chief, self.wait_bound + t.ttl)
@@ -405,12 +407,8 @@ class LeaderConformance:
         ledger = _Ledger()
         grace = self.timings.stop_grace(None)
         linger = 0.6 * grace
-        leaders = [
-            self.leader(name, node, ledger.handler(node, linger, grace)) for node in ("a", "b")
-        ]
-        for leader in leaders:
-            leader.start()
-        chief = self.the_leader(leaders)
+        handler = functools.partial(ledger.handler, linger=linger, stop_grace=grace)
+        leaders, chief = self.start_leaders(name, ["a", "b"], handler)
         chief.step_down(hold=3 * self.handover_bound)  # the other node leads next
         heir = self.the_leader(leaders)
         _expect(heir is not chief, "the node that stepped down with a hold leads again")
@@ -448,10 +446,7 @@ class LeaderConformance:
     def test_a_step_down_with_a_hold_lets_another_node_lead(self) -> None:
         """``step_down(hold=...)`` ends the term, releases, and stays a follower."""
         name = self.new_name()
-        leaders = [self.leader(name, node) for node in ("a", "b")]
-        for leader in leaders:
-            leader.start()
-        chief = self.the_leader(leaders)
+        leaders, chief = self.start_leaders(name, ["a", "b"])
         term = chief.term
         assert term is not None
         chief.step_down(hold=self.wait_bound)
