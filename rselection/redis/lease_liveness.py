@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from .holder import Seen, is_client_id
 from .liveness import LivenessHub
@@ -21,6 +22,7 @@ __all__ = ["LeaseLiveness"]
 logger = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class LeaseLiveness:
     """The beats and the followed holder of one lease (a
     :class:`~rselection.redis.liveness.Follower` of its hub).
@@ -34,25 +36,25 @@ class LeaseLiveness:
         wake: ends the lease's wait; safe from any thread.
     """
 
-    def __init__(
-        self,
-        name: str,
-        key: str,
-        ttl: float,
-        liveness_interval: float | None,
-        wake: Callable[[], None],
-    ) -> None:
-        self.name = name
-        self.key = key
-        self.ttl = ttl
-        self.liveness_interval = liveness_interval
-        self.wake = wake
-        self.fast = False  # may a follower take over from us when our connection is gone?
-        self.can_probe = True  # may we run CLIENT LIST ID?
-        self.run_id = ""  # the server's run id, where the holders followed must be
-        self.hub: LivenessHub | None = None  # the process's, on the lease's server
-        self.seen: Seen | None = None
-        self.seen_expires = 0.0  # rselection.clock time at which seen's lease would expire
+    name: str
+    key: str
+    ttl: float
+    liveness_interval: float | None
+    wake: Callable[[], None]
+    fast: bool = field(default=False, init=False)
+    """Whether a follower may take over from us when our connection is gone."""
+    can_probe: bool = field(default=True, init=False)
+    """Whether the server lets us run ``CLIENT LIST ID``."""
+    run_id: str = field(default="", init=False)
+    """The server's run id: the holders followed must be on that run."""
+    hub: LivenessHub | None = field(default=None, init=False)
+    """The process's hub on the lease's server, once connected."""
+    seen: Seen | None = field(default=None, init=False)
+    """The holder the last attempt saw."""
+    seen_expires: float = field(default=0.0, init=False)
+    """:func:`rselection.clock.monotonic` time at which :attr:`seen`'s lease expires."""
+
+    def __post_init__(self) -> None:
         self._dead: Seen | None = None
         self._lock = threading.Lock()  # _dead is set by the hub's thread
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -45,6 +46,7 @@ def schedule_of(spec: TaskSpec) -> Schedule:
     return schedule
 
 
+@dataclass(eq=False)
 class CatchUp:
     """Finds and runs the fires of one term's tasks that no node ran while none led.
 
@@ -56,19 +58,11 @@ class CatchUp:
         fire: starts fires of a task (already claimed) in one unit.
     """
 
-    def __init__(
-        self,
-        term: Term,
-        claims: TermClaims,
-        reports: TermReports,
-        dispatch: threading.Lock,
-        fire: Callable[[TaskSpec, list[datetime]], None],
-    ) -> None:
-        self.term = term
-        self.claims = claims
-        self.reports = reports
-        self.dispatch = dispatch
-        self.fire = fire
+    term: Term
+    claims: TermClaims
+    reports: TermReports
+    dispatch: threading.Lock
+    fire: Callable[[TaskSpec, list[datetime]], None]
 
     def recover(self, specs: list[TaskSpec], started: datetime) -> None:
         """At the start of a term: find and handle fires no node ran while none led.

@@ -64,7 +64,6 @@ class TermRunner:
         term: Term,
         loop: asyncio.AbstractEventLoop | None,
     ) -> None:
-        self.sender = sender
         self.on_stuck = on_stuck
         self.specs = specs
         self.term = term

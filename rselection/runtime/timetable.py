@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from ..abc import claimer_ability
@@ -37,6 +38,7 @@ _OWN_SCHEDULES = (IntervalSchedule, CronSchedule)
 _Fires = list[tuple[TaskSpec, list[datetime]]]
 
 
+@dataclass(eq=False)
 class TermTimetable:
     """One term's scheduled tasks and their next fires, by instant (a
     :class:`~rselection.scheduler.Timetable`).
@@ -51,29 +53,20 @@ class TermTimetable:
         catch_up: the look-back for missed fires, on a term with a claimer.
     """
 
-    def __init__(
-        self,
-        term: Term,
-        specs: list[TaskSpec],
-        *,
-        reports: TermReports,
-        claims: TermClaims,
-        dispatch: threading.Lock,
-        start: Callable[[_Fires], None],
-        catch_up: CatchUp | None,
-    ) -> None:
-        self.term = term
-        self.specs = specs
-        self.reports = reports
-        self.claims = claims
-        self.dispatch = dispatch
-        self.start = start
-        self.catch_up = catch_up
+    term: Term
+    specs: list[TaskSpec]
+    reports: TermReports
+    claims: TermClaims
+    dispatch: threading.Lock
+    start: Callable[[_Fires], None]
+    catch_up: CatchUp | None
+
+    def __post_init__(self) -> None:
         self.heap: list[tuple[datetime, int, TaskSpec]] = []
         self.order = itertools.count()
-        self.inline = all(type(spec.schedule) in _OWN_SCHEDULES for spec in specs)
+        self.inline = all(type(spec.schedule) in _OWN_SCHEDULES for spec in self.specs)
         self.lead = 0.0
-        self.cleaning = claimer_ability(term.claimer, "cleanup")
+        self.cleaning = claimer_ability(self.term.claimer, "cleanup")
         self._next_cleanup = time.monotonic()  # at the start of the term, then every period
         self.started = datetime.now(UTC)
         self._preps = CLAIM_POOL.lane(1)  # preparations off the scheduler, in order
