@@ -33,9 +33,8 @@ from .options import (
 from .output import EXIT_REFUSED, EXIT_UNREACHABLE, UsageError, printable, say
 
 if TYPE_CHECKING:
+    from ..admin import LeaseAdmin
     from ..lease import LeaderInfo
-    from ..postgres import PostgresAdmin
-    from ..redis import RedisAdmin
 
 __all__ = ["add_parser", "run"]
 
@@ -141,7 +140,7 @@ def _resign_redis(args: argparse.Namespace) -> int:
 
 
 def _checked_hand_over(
-    admin: PostgresAdmin | RedisAdmin,
+    admin: LeaseAdmin,
     args: argparse.Namespace,
     *,
     missing: str,
@@ -209,9 +208,7 @@ def _nobody_else(name: str, holder: LeaderInfo) -> str:
     )
 
 
-def _hand_over(
-    admin: PostgresAdmin | RedisAdmin, args: argparse.Namespace, shown: Callable[[str], str]
-) -> int:
+def _hand_over(admin: LeaseAdmin, args: argparse.Namespace, shown: Callable[[str], str]) -> int:
     """Ask for the handover, wait for the new term, say what happened; the exit code.
 
     Args:
