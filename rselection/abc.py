@@ -824,24 +824,11 @@ class CheckpointStoreBase(ABC):
     def save(
         self, key: Key, state: Any, *, term: int | None = None, name: str = "default"
     ) -> Snapshot:
-        """See :meth:`CheckpointStore.save`.
-
-        Args:
-            key: a string or a tuple of strings.
-            state: a JSON-encodable value.
-            term: the fencing term the write is fenced to; ``None``: not fenced.
-            name: the name of the lease whose term fences the write.
-        """
+        """See :meth:`CheckpointStore.save`."""
 
     @abstractmethod
     def delete(self, key: Key, *, term: int | None = None, name: str = "default") -> bool:
-        """See :meth:`CheckpointStore.delete`.
-
-        Args:
-            key: a string or a tuple of strings.
-            term: the fencing term the delete is fenced to; ``None``: not fenced.
-            name: the name of the lease whose term fences the delete.
-        """
+        """See :meth:`CheckpointStore.delete`."""
 
     def add_lease(self, lease: LeaseBackend) -> None:  # noqa: B027 - a default that does nothing
         """Ability ``"add_lease"`` (:class:`LeaseFencedStore`); by default nothing: the

@@ -1,20 +1,37 @@
-"""What the backends' admin APIs answer, whichever the backend.
+"""The backends' admin APIs, whichever the backend: what they do and what they answer.
 
-:class:`~rselection.postgres.PostgresAdmin` and :class:`~rselection.redis.RedisAdmin`
-read and operate a fleet's leases from outside it (what ``rselection status``,
-``resign`` and ``forget`` do); both answer in these shapes. Times are the server's.
+:class:`LeaseAdmin` is what :class:`~rselection.postgres.PostgresAdmin` and
+:class:`~rselection.redis.RedisAdmin` do: read and operate a fleet's leases from outside
+it (what ``rselection status``, ``resign`` and ``forget`` do); both answer in the shapes
+below. Times are the server's.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TYPE_CHECKING, Self
 
+from .closeable import Closeable
 from .errors import RSelectionError
 from .members import NodeInfo
 from .text import printable
 
-__all__ = ["LastFire", "LeaseStatus", "PendingHandover", "Refused", "Retirement", "StatusSnapshot"]
+if TYPE_CHECKING:
+    from .lease import LeaderInfo
+
+__all__ = [
+    "LastFire",
+    "LeaseAdmin",
+    "LeaseStatus",
+    "PendingHandover",
+    "Refused",
+    "Retirement",
+    "StatusSnapshot",
+    "TermWatch",
+]
 
 
 class Refused(RSelectionError):
@@ -160,3 +177,106 @@ class Retirement:
     term: int
     already: bool
     marker: str
+
+
+class TermWatch(Closeable, ABC):
+    """Waits for a new term of one lease (see :meth:`LeaseAdmin.watch_terms`): woken by
+    the lease's own announcement, and reading the holder again every half second in
+    case one was missed. ``with`` starts listening and stops on exit."""
+
+    @abstractmethod
+    def __enter__(self) -> Self:
+        """Start listening for the lease's announcements."""
+
+    @abstractmethod
+    def wait(self, after_term: int, timeout: float) -> LeaderInfo | None:
+        """The holder of the first term after ``after_term``, or ``None`` when none began
+        within ``timeout`` seconds.
+
+        Args:
+            after_term: the term that should end (the holder asked to hand over).
+            timeout: seconds to wait.
+        """
+
+
+class LeaseAdmin(Closeable, ABC):
+    """A backend's leases, read and operated from outside the fleet.
+
+    Every method raises :class:`~rselection.errors.BackendUnavailable` when the server
+    cannot be reached or fails, :class:`~rselection.errors.ConfigError` on bad
+    arguments. Each ``name`` is a lease name.
+    """
+
+    where: str
+    """Where the leases are, for messages (never with a password)."""
+
+    @abstractmethod
+    def leases(self) -> list[str]:
+        """The names of the leases, sorted."""
+
+    @abstractmethod
+    def exists(self, name: str) -> bool:
+        """Whether lease ``name`` exists (it ever had a term)."""
+
+    @abstractmethod
+    def status(self, names: Iterable[str] | None = None) -> StatusSnapshot:
+        """A snapshot of leases ``names`` and their shards (default: every lease), their
+        pending handover requests, their nodes and their tasks' last claimed fires.
+
+        Args:
+            names: the leases asked for; ``None`` for all.
+        """
+
+    @abstractmethod
+    def nodes(self, name: str) -> list[NodeInfo] | None:
+        """The nodes of lease ``name`` as their heartbeats show them, oldest first
+        (``None``: they cannot be read)."""
+
+    @abstractmethod
+    def live_nodes(self, name: str) -> list[str] | None:
+        """The ids of the live nodes of lease ``name`` (``None``: they cannot be told)."""
+
+    @abstractmethod
+    def current_holder(self, name: str) -> LeaderInfo | None:
+        """The live holder of lease ``name``, or ``None``."""
+
+    @abstractmethod
+    def request_handover(
+        self, name: str, *, to: str | None = None, valid_for: float = 10.0
+    ) -> LeaderInfo | None:
+        """Ask the leader of lease ``name`` to hand over; return the holder asked, or
+        ``None`` when nobody holds it.
+
+        Args:
+            name: the lease name.
+            to: the node that should take over, or ``None`` for any other node.
+            valid_for: seconds the request (and the reservation for ``to``) holds.
+        """
+
+    @abstractmethod
+    def cancel_handover(self, name: str, term: int) -> bool:
+        """Withdraw the handover request for ``term`` of lease ``name``; ``True`` if one was.
+
+        Args:
+            name: the lease name.
+            term: the term asked to hand over (that of :meth:`request_handover`'s answer).
+        """
+
+    @abstractmethod
+    def retire(self, name: str, *, check_nodes: bool = True) -> Retirement:
+        """Retire lease ``name``, which no service uses any more (``rselection forget``):
+        its term stays, marked retired; :meth:`status` snapshots still show it, and the
+        next acquisition brings it back.
+
+        Args:
+            name: the lease name.
+            check_nodes: also refuse while a node of the lease is alive.
+
+        Raises:
+            Refused: no such lease, a live holder, live nodes, or as the backend says.
+        """
+
+    @abstractmethod
+    def watch_terms(self, name: str) -> TermWatch:
+        """A watch for the next term of lease ``name``: enter it before asking for a
+        handover, then :meth:`~TermWatch.wait`."""

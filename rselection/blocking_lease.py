@@ -1,38 +1,14 @@
 """How the driven keeper leads over a lease whose calls block: one adapter for all.
 
-A :class:`~rselection.abc.LeaseBackend` of Redis, of memory, of a file or of a user's
-own blocks in every call, and learns of a change (a release, a dead holder, a broken
-session) only while a thread blocks in its ``wait_for_change``. :class:`BlockingLease`
-gives such a lease the :class:`~rselection.abc.NonBlockingLease` face that the driven
-keeper (:mod:`rselection.driven`) steps, so that one engine serves every backend:
-
-* ``renew_soon`` and ``acquire_soon`` start nothing: the keeper makes the blocking call
-  on its lane of the driver's workers;
-* one waiting thread per lease blocks in ``wait_for_change`` whenever no call of the
-  keeper is under way, and turns each return of the wait into a wake-up (``on_wake``);
-  a wait that raised (a broken session) is kept, and raised by the keeper's next
-  ``wait_for_change(0)``, as the lease's own wait would have raised in a keeper thread;
-* the calls that use the lease's session (``connect``, ``try_acquire``, ``renew``,
-  ``release``, ``close``) first take the session from the waiting thread: they
-  interrupt its wait and run once it has returned (never while it waits), so the lease
-  sees one caller at a time, as its contract promises. A wait those calls took over
-  wakes nobody: the call itself reads the lease.
-
-A lease that can do better says so through the same interface: one whose wait can be
-taken in steps (:class:`~rselection.abc.Watchable`, a Redis lease) has no waiting
-thread of its own. The process's one :class:`~rselection.wait_pump.WaitPump` watches its
-sockets, and its steps (reading, beats, checks of a holder, reconnecting) run on a lane
-of the driver's wait workers of its own, between the keeper's calls: a call takes the lease
-out of the pump, waiting only for a step of this lease under way, and watches it again
-when done. A watch's end wakes the keeper as a wait's return does.
-
-A lease that calls back on every change (:class:`~rselection.abc.NotifiesChanges`, a
-memory lease) needs no wait at all: each callback wakes the keeper, which attempts when
-the holder's lease may have expired, as it would after a wait.
-
-The waiting thread is the only thread of its own a leader keeps (none over a watchable
-lease or one that calls back); the deadline, the renewals and the attempts are the
-driver's, as for a Postgres lease.
+:class:`BlockingLease` gives a :class:`~rselection.abc.LeaseBackend` whose calls block
+(Redis, memory, a user's own) the :class:`~rselection.abc.NonBlockingLease` face that
+the driven keeper (:mod:`rselection.driven`) steps: its calls run on the keeper's lane
+of the driver's workers, and something waits in the lease for a change between them.
+That is one waiting thread per lease; none for a lease whose wait can be taken in steps
+(:class:`~rselection.abc.Watchable`, watched by :mod:`rselection.wait_pump`) or one that
+calls back on every change (:class:`~rselection.abc.NotifiesChanges`). A call first
+takes the session from the wait, so the lease sees one caller at a time. See
+``docs/explanation/sessions.md``.
 """
 
 from __future__ import annotations

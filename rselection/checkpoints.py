@@ -1,24 +1,11 @@
 """Durable task state fenced by term: snapshots, keys and the encoding of states.
 
-A persistent task keeps its progress (a queue cursor, counters) in a *snapshot*: a JSON
-document stored under a key. When leadership moves, the new leader loads the last
-snapshot and resumes; the old leader can no longer overwrite it, because its saves are
-*fenced*: ``save(key, state, term=T, name=lease_name)`` commits only while term ``T``
-still holds the lease called ``lease_name``, so once the next term exists a stale save is
-refused with :class:`~rselection.errors.StaleLeaderError` and nothing is written.
-
-Any object with ``load``, ``save`` and ``delete`` is a
-:class:`~rselection.abc.CheckpointStore` (the role, in :mod:`rselection.abc` with the
-others); a leader hands it to its tasks as ``ctx.checkpoint`` (a
-:class:`~rselection.task_checkpoint.TaskCheckpoint`: the task's name scoped to the lease
-as key, ``lease_scoped(name, task)``, the task's term as fence). This module holds the
-values they exchange (:class:`Snapshot`, :data:`Key`) and how states are encoded. Two
-stores ship with rselection:
-:class:`~rselection.postgres.PostgresCheckpointStore` (durable, next to the Postgres
-lease) and :class:`~rselection.MemoryCheckpointStore` (this process only; the default of
-:class:`~rselection.SingleNodeLeader`), which keep the same rules: versions that grow by
-one on every save and delete and never repeat, JSON states with the same limits, and
-saves refused once their term no longer holds the lease.
+A checkpoint store (:class:`~rselection.abc.CheckpointStore`) keeps snapshots (JSON
+documents under keys) whose saves are fenced: ``save(key, state, term=T, name=lease)``
+commits only while term ``T`` still holds the lease. This module holds the values the
+stores exchange (:class:`Snapshot`, :data:`Key`) and how states are encoded, the same
+for :class:`~rselection.postgres.PostgresCheckpointStore` and
+:class:`~rselection.MemoryCheckpointStore`. See ``docs/how-to/checkpoints.md``.
 """
 
 from __future__ import annotations

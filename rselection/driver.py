@@ -2,22 +2,11 @@
 
 A leader has no keeper or watchdog thread of its own. The process's
 :class:`LeaseDriver` calls each leader's step when it is due (a renewal, an attempt, a
-deadline) or was woken (a notification, ``stop()``), and a step never blocks: it starts
-round trips that the backend sends together and answers on another thread
-(:meth:`LeaseDriver.call` hands the answer back to the driver's thread), checks the
-term's local deadline, and moves whatever may block (connecting, ending a term and
-joining its tasks, releasing, the signals to user receivers) to a thread of the
-driver's pool, one at a time per leader.
-
-So the process's machinery threads are the driver's one thread, whatever its number of
-leases, plus one pool thread per leader that is changing state at that moment (pool
-threads are reused, and end after :data:`IDLE_TIMEOUT` idle), plus, for leases whose
-calls block, the wait pump's one thread and its few workers (:mod:`rselection.wait_pump`,
-a Redis lease), or one thread per leader waiting in a lease that cannot be waited on in
-steps (:mod:`rselection.blocking_lease`).
-With no leader left to drive, the driver's thread and the pool's idle threads end. The
-deadline is enforced by the driver's thread itself, which never waits for a round trip,
-a lock held across I/O, or a user's code.
+deadline) or was woken, and a step never blocks: round trips are answered on another
+thread (:meth:`LeaseDriver.call`), and whatever may block (connecting, ending a term,
+releasing, user receivers) moves to a thread of the driver's pool, one at a time per
+leader. The deadline is enforced by the driver's thread itself, which never waits for
+I/O or a user's code. See ``docs/explanation/sessions.md`` for the threads it keeps.
 """
 
 from __future__ import annotations

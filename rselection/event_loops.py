@@ -1,32 +1,11 @@
 """The event loops that the ``async def`` tasks of a process's terms share.
 
-A term whose leader was not given a loop (``async with leader`` gives it the caller's)
-runs its ``async def`` tasks on a loop that the process's terms share, rather than on a
-loop thread of its own: a process leading a thousand leases runs one loop thread, not a
-thousand (each with its own selector and wake-up pipe).
-
-Sharing must not weaken what a loop of its own gave a term, so every term holds a
-:class:`LoopGuard`:
-
-* **Nothing of an ended term runs again.** The term's tasks start in a context that
-  carries its guard, and what they create (tasks, callbacks, timers, I/O callbacks,
-  done callbacks) inherits it. Once the term's tasks have wound down (or the bound ran
-  out), the guard is closed: the loop skips every callback that carries it, so no task
-  of the term takes another step, not even a helper task that ignores cancellation or a
-  ``call_later`` scheduled long before. A step running at that moment (an ``async def``
-  task blocking the loop) cannot be stopped; the term waits for it within its bound and
-  reports it stuck, as before.
-* **A blocked loop holds up no one.** A tick runs on each loop every :data:`TICK`
-  seconds. A loop whose last tick is older than :data:`UNRESPONSIVE` (an ``async def``
-  task blocking it: ``time.sleep``, a CPU-bound loop, a blocking ``stop()``) is given to
-  no later term, and a term ending on it does not wait for tasks that cannot run: their
-  guard is closed at once.
-* **No task can take the loop from the others.** ``loop.stop()`` and
-  ``loop.set_task_factory()`` from a task raise ``RuntimeError``; a task that raises
-  ``SystemExit`` or ``KeyboardInterrupt`` (which leave ``run_forever``) is logged and the
-  loop runs on.
-
-A loop stops, and is closed, once no term uses it any more.
+A term whose leader was not given a loop runs its ``async def`` tasks on a loop the
+process's terms share. Each term holds a :class:`LoopGuard`: once the term has wound
+down, nothing it created runs again; a loop blocked for :data:`UNRESPONSIVE` seconds is
+given to no later term, and a term ending on it does not wait for tasks that cannot run;
+a task cannot stop the loop or replace its task factory. A loop stops, and is closed,
+once no term uses it. See ``docs/explanation/sessions.md``.
 """
 
 from __future__ import annotations

@@ -2,19 +2,11 @@
 
 :class:`LeaseLeader` is the leader over any :class:`~rselection.abc.LeaseBackend`;
 ``PostgresLeader``, ``RedisLeader`` and ``SingleNodeLeader`` build a backend (and its
-default claimer, checkpoint store and fence) and hand them to it.
-
-A leader has no keeper or watchdog thread of its own: the process's one driver thread
-runs the state machine for every leader (:mod:`rselection.driven`) and checks each
-deadline at every step, never waiting for I/O. A lease whose round trips start without
-blocking (:class:`~rselection.abc.NonBlockingLease`, Postgres's) is stepped directly;
-any other lease (Redis, memory, a user's) through one adapter,
-:class:`~rselection.blocking_lease.BlockingLease`, whose calls run on the driver's
-workers. The deadline is ``renew_deadline`` after the last successful renewal was
-*sent*, measured with :func:`rselection.clock.monotonic` (a clock that keeps counting
-through suspend); because ``renew_deadline + stop_grace + 0.5 s <= ttl``, the leader has
-cancelled and joined its tasks before the server lets the lease expire, and
-no two nodes' wall clocks are ever compared.
+default claimer, checkpoint store and fence) and hand them to it. The process's one
+driver thread runs the state machine for every leader (:mod:`rselection.driven`); a
+lease whose calls block goes through :class:`~rselection.blocking_lease.BlockingLease`.
+See ``docs/explanation/how-it-works.md`` for the deadline and why the leader has
+stopped its tasks before the server lets the lease expire.
 """
 
 from __future__ import annotations

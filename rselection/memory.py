@@ -392,11 +392,8 @@ class MemoryCheckpointStore:
             )
 
     def load(self, key: Key) -> Snapshot | None:
-        """The last saved snapshot of ``key``, or ``None`` if never saved (or deleted).
-
-        Raises:
-            ConfigError: a bad key.
-        """
+        """The last saved snapshot of ``key``, or ``None`` (see
+        :meth:`~rselection.abc.CheckpointStore.load`)."""
         parts = check_key(key)
         with self._lock:
             row = self._rows.get(tuple(parts))
@@ -410,24 +407,9 @@ class MemoryCheckpointStore:
     def save(
         self, key: Key, state: Any, *, term: int | None = None, name: str = "default"
     ) -> Snapshot:
-        """Store ``state`` as the new snapshot of ``key``; fenced when ``term`` is given.
-
-        Args:
-            key: a string or a tuple of strings.
-            state: a JSON-encodable value.
-            term: commit only while this term holds the lease called ``name``.
-            name: the name of the lease whose term fences the write (the leader's
-                ``name``).
-
-        Returns:
-            The snapshot just written (its new version).
-
-        Raises:
-            StaleLeaderError: ``term`` no longer holds the lease; nothing was written.
-            TypeError: ``state`` holds a value JSON cannot encode.
-            ConfigError: a bad key or term, a state refused as JSON or too large, or a
-                lease this store was not given.
-        """
+        """Store ``state`` as the new snapshot of ``key`` (see
+        :meth:`~rselection.abc.CheckpointStore.save`); fenced against the leases this
+        store was given (:meth:`add_lease`)."""
         parts = check_key(key)
         text = encode_state(key_of(parts), state, self.max_state_bytes)
         with self._lock:
@@ -438,22 +420,8 @@ class MemoryCheckpointStore:
         return Snapshot(key_of(parts), decode_state(text), version, term, now)
 
     def delete(self, key: Key, *, term: int | None = None, name: str = "default") -> bool:
-        """Delete the snapshot of ``key``; fenced like :meth:`save`.
-
-        The version counter of the key is kept (the next save continues from it).
-
-        Args:
-            key: a string or a tuple of strings.
-            term: delete only while this term holds the lease called ``name``.
-            name: the name of the lease whose term fences the delete.
-
-        Returns:
-            ``True`` if a snapshot was deleted, ``False`` if there was none.
-
-        Raises:
-            StaleLeaderError: ``term`` no longer holds the lease; nothing was deleted.
-            ConfigError: a bad key or term, or a lease this store was not given.
-        """
+        """Delete the snapshot of ``key``, keeping its version counter (see
+        :meth:`~rselection.abc.CheckpointStore.delete`); fenced like :meth:`save`."""
         parts = check_key(key)
         with self._lock:
             self._fence(term, name)

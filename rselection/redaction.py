@@ -1,21 +1,10 @@
 """Passwords are never shown: connection strings and messages made fit to print.
 
-A password may sit in a libpq ``key=value`` string (``password=...``), in a URI's
-user-info (``postgresql://user:password@host/db``, ``redis://:password@host/0``) or in
-a URI's query (``?password=...``). Whatever rselection prints, logs or raises that may
-quote a connection string, or a driver's message about one, goes through :func:`redact`
-(a message) or :func:`redact_dsn` (the string itself). Both backends and the command
-line use these functions and no other.
-
-Redaction is conservative. A generated password often holds ``/``, ``?``, ``#`` or
-``@``, and written unescaped in a URI it is misread: libpq ends the user-info at the
-first ``/`` or ``@``, urllib (and so redis-py) at the first ``/``, ``?`` or ``#``, and
-takes ``[...]`` for an IPv6 address. The pieces of the password then become a host, a
-port or a database name, and the drivers' messages quote them (``invalid integer value
-"hunter2" for connection option "port"``). So here everything between ``://`` and the
-*last* ``@`` is user-info, never shown, and a string its driver would misread is refused
-where it is given (:func:`check_userinfo`), with a message that shows it redacted and
-says how to percent-encode the password.
+Whatever rselection prints, logs or raises that may quote a connection string goes
+through :func:`redact` (a message) or :func:`redact_dsn` (the string itself); everything
+between ``://`` and the *last* ``@`` of a URI is user-info, never shown, and a string
+its driver would misread is refused where it is given (:func:`check_userinfo`). See
+``docs/how-to/install.md`` for percent-encoding a password.
 
 Not public API; the names are stable enough for the backends and the command line.
 """

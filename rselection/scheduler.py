@@ -1,17 +1,11 @@
 """The process's scheduler: one thread fires the scheduled tasks of every running term.
 
-A process may lead a thousand leases at once; a scheduler thread per term would make
-the machinery's threads grow with them. Instead each term keeps its own timetable (its
-tasks' next fires, its state) and registers it here; one daemon thread waits for the
-earliest instant over all timetables, prepares the fires due then (early, by as long
-as preparing took the last time), and starts them on the instant. The thread starts
-with the first timetable and ends when the last one leaves.
-
-Nothing that can block runs on that thread: a timetable whose schedules are not the
-library's own is prepared on its own lane of a worker pool (a user's ``next_fire`` may
-be slow), claims and the look-back for missed fires run on the claim pool, and signal
-receivers on a lane of their own (see :mod:`rselection.runtime`). So a slow schedule,
-claimer or receiver of one term never delays another term's fires.
+Each term keeps its own timetable (:class:`Timetable`) and registers it here; one
+daemon thread waits for the earliest instant over all timetables, prepares the fires
+due then (early, by as long as preparing took the last time) and starts them on the
+instant. Nothing that can block runs on that thread (see :mod:`rselection.runtime`), so
+a slow schedule, claimer or receiver of one term never delays another term's fires. See
+``docs/explanation/sessions.md``.
 """
 
 from __future__ import annotations

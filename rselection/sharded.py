@@ -1,24 +1,10 @@
 """The sharded leader over any backend: a fixed set of shards, each led by one node.
 
 Each shard ``k`` of a sharded name is an ordinary lease, ``"<name>/<k>"``, with a leader
-of its own on every node (all with the node's one ``node_id``). Every node competes for
-every shard: a dead node's shards are taken over at once by the lease's own takeover,
-with no one to compute anything first.
-
-Balance is the job of a *coordinator*: an ordinary lease ``"<name>"`` whose holder runs
-one task, :class:`Rebalancer`. It reads who holds each shard and which nodes heartbeat
-(every node of the sharded leader is a member of the lease ``"<name>"``), computes a
-sticky balanced plan (:func:`rselection.sharding.plan_moves`) and moves each surplus
-shard by a handover reserved for its target: the old owner cancels and joins its tasks,
-releases, and only the target may take the shard. It keeps no state that matters: a new
-coordinator starts from what the server says.
-
+of its own on every node. The holder of the coordinator lease ``"<name>"`` runs
+:class:`Rebalancer`, which moves surplus shards by handovers reserved for their targets.
 :class:`ShardedLeader` is all of that, whatever the backend; a backend's sharded leader
-(:class:`~rselection.postgres.PostgresShardedLeader`) builds the leaders of the shards
-and of the coordinator, and says how to read the shards' state, ask for handovers and
-leave the membership (the methods marked *backend* below).
-
-See ``docs/explanation/sharding.md`` for the design and its failure cases.
+supplies the methods marked *backend* below. See ``docs/explanation/sharding.md``.
 """
 
 from __future__ import annotations

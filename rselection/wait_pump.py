@@ -1,30 +1,11 @@
 """One thread that watches every lease of the process whose wait for a change can be
 taken in steps (a Redis lease), instead of one waiting thread per lease.
 
-A lease offers such waits with ``watch_for_change()`` (:class:`Watchable`), which returns
-a :class:`Watch`: the sockets to watch, when it is next due (a liveness beat to send, a
-holder's connection to check), and a step that reads what came, does what is due and
-says whether the wait ended. :class:`WaitPump` splits the work so that one slow lease
-holds up no other:
-
-* the pump's own thread only selects on the sockets of the watches that wait and pops
-  the due ones from a heap of timers (a wake-up costs ``O(log n)``, whatever the number
-  of leases); it never reads a socket or calls a lease;
-* every piece that may block (beginning a watch, which may reconnect; a step, which
-  reads, publishes a beat or asks ``CLIENT LIST``) runs on the lease's own lane of the
-  driver's wait workers (:meth:`rselection.driver.LeaseDriver.wait_lane`), one at a time
-  per lease; a lease's sockets and timer are out of the selector while its step runs,
-  and a step that takes long no longer counts against the workers' bound, so a server
-  that hangs holds up the steps of its own leases only;
-* a step reads a bounded number of messages (the watch's business); one that left
-  messages unread says so with a due time that has come, and is stepped again after the
-  others that were ready, so a flooded channel does not starve the other leases.
-
-A watch also ends after :data:`~rselection.blocking_lease.WATCH_SLICE` seconds, as a
-lease's ``wait_for_change`` times out (it wakes nobody then). The lease's owner
-(:class:`~rselection.blocking_lease.BlockingLease`) takes its watch out with
-:meth:`WaitPump.remove` before each of its calls, which waits only for that lease's own
-step under way, so the lease still sees one caller at a time.
+:class:`WaitPump`'s thread only selects on the sockets of the watches (:class:`Watch`)
+and pops due timers; every step that may block runs on the lease's own lane of the
+driver's wait workers, one at a time per lease, and reads a bounded number of messages,
+so one slow or flooded lease holds up no other. :meth:`WaitPump.remove` takes a lease's
+watch out before each of its calls. See ``docs/explanation/sessions.md``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ usage error, reported with the string redacted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..errors import BackendUnavailable, ConfigError, first_line
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CONNECT_TIMEOUT",
     "PG_VARS",
+    "NoLeaseTable",
     "Unreachable",
     "check_dsn",
     "connect",
@@ -33,6 +36,7 @@ __all__ = [
     "first_line",
     "key_prefix",
     "postgres_admin",
+    "postgres_session",
     "reason",
     "redis_admin",
     "redis_client",
@@ -49,6 +53,11 @@ CONNECT_TIMEOUT = 5
 
 class Unreachable(Exception):
     """The database could not be reached or read (exit code 3); the message is redacted."""
+
+
+class NoLeaseTable(Unreachable):
+    """The database has no lease table of the name given (a command that acts on a lease
+    refuses: exit code 1)."""
 
 
 def resolve_dsn(args: argparse.Namespace) -> str:
@@ -289,3 +298,27 @@ def postgres_admin(conn: psycopg.Connection[Any], args: argparse.Namespace) -> P
         return PostgresAdmin(conn, table=args.table, **options)
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
+
+
+@contextlib.contextmanager
+def postgres_session(args: argparse.Namespace, dsn: str, *, hint: str) -> Iterator[PostgresAdmin]:
+    """The admin API of the lease table the command line names (see
+    :func:`postgres_admin`), on a connection to ``dsn`` of its own, closed after the block.
+
+    Args:
+        args: the parsed command line.
+        dsn: the database (:func:`resolve_dsn`).
+        hint: what to do when the lease table does not exist.
+
+    Raises:
+        Unreachable: the database cannot be reached.
+        NoLeaseTable: the lease table does not exist.
+        BackendUnavailable: the database failed while looking for it.
+    """
+    with connect(dsn) as conn:
+        admin = postgres_admin(conn, args)
+        if not admin.lease_table_exists():
+            raise NoLeaseTable(
+                f"lease table {args.table!r} does not exist on {describe(dsn)}: {hint}"
+            )
+        yield admin

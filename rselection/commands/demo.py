@@ -23,27 +23,22 @@ from collections.abc import Iterator
 from typing import Any
 
 from .demo_fleet import Fleet
+from .options import subcommand
 from .output import UsageError, say
 
 __all__ = ["add_parser", "run", "run_demo"]
 
 
-def add_parser(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> argparse.ArgumentParser:
-    """Add ``demo`` and its options to the command line.
-
-    Args:
-        subparsers: the ``rselection`` command's subparsers.
-    """
-    parser = subparsers.add_parser(
-        "demo",
-        help="three nodes, a crash and a handover, measured",
-        description="Start node processes that compete for one lease, kill the leader "
-        "(kill -9) and measure the failover, then stop the next leader gracefully and "
-        "measure the handover. On a database of yours (--dsn) it cleans up at the end: "
-        "its lease is retired (as `rselection forget` does) and its ledger table dropped.",
-    )
+@subcommand(
+    "demo",
+    help="three nodes, a crash and a handover, measured",
+    description="Start node processes that compete for one lease, kill the leader "
+    "(kill -9) and measure the failover, then stop the next leader gracefully and "
+    "measure the handover. On a database of yours (--dsn) it cleans up at the end: "
+    "its lease is retired (as `rselection forget` does) and its ledger table dropped.",
+)
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``demo`` to its parser."""
     parser.add_argument(
         "--dsn",
         help="Postgres to use (default: $RSELECTION_DSN, else a private one from pgserver, "
@@ -59,7 +54,6 @@ def add_parser(
     )
     parser.add_argument("--forever", action="store_true", help="keep running until Ctrl-C")
     parser.set_defaults(run=run)
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:

@@ -138,16 +138,7 @@ def run_node(args: argparse.Namespace) -> int:
                     _emit("stale", node=ctx.node_id, term=ctx.term)
                     return
 
-    leader = rs.PostgresLeader(
-        args.lease_dsn or args.dsn,
-        tasks,
-        name=args.name,
-        node_id=args.node_id,
-        ttl=args.ttl,
-        renew_interval=args.renew_interval,
-        renew_deadline=args.renew_deadline,
-        retry_interval=args.retry_interval,
-    )
+    leader = rs.PostgresLeader(args.lease_dsn or args.dsn, tasks, **_leader_options(args))
     return _serve(leader, stop, args.raising_receivers)
 
 
@@ -191,19 +182,16 @@ def _run_redis_node(args: argparse.Namespace) -> int:
                 except rs.BackendUnavailable:
                     continue  # Redis is away; the lease keeper decides whether we still lead
 
-    leader = RedisLeader(
-        args.lease_dsn or url,
-        tasks,
-        name=args.name,
-        node_id=args.node_id,
-        ttl=args.ttl,
-        renew_interval=args.renew_interval,
-        renew_deadline=args.renew_deadline,
-        retry_interval=args.retry_interval,
-    )
+    leader = RedisLeader(args.lease_dsn or url, tasks, **_leader_options(args))
     # Ledger writes go straight to Redis (not through a --lease-dsn proxy).
     fence.append(RedisFence(redis.Redis.from_url(url, socket_timeout=5), name=args.name))
     return _serve(leader, stop, args.raising_receivers)
+
+
+def _leader_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The options a node's leader takes from its command line, on either backend."""
+    options = ("name", "node_id", "ttl", "renew_interval", "renew_deadline", "retry_interval")
+    return {option: getattr(args, option) for option in options}
 
 
 def _task_handler(args: argparse.Namespace) -> rs.TaskHandler:

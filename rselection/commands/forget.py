@@ -17,43 +17,42 @@ from ..admin import Refused, Retirement
 from ..errors import BackendUnavailable, ConfigError
 from ..redaction import redact
 from .connections import (
+    NoLeaseTable,
     Unreachable,
-    connect,
     describe,
-    postgres_admin,
+    postgres_session,
     reason,
     redis_admin,
     resolve_dsn,
 )
-from .options import add_database_options, add_nodes_options, add_redis_options, lease_name
+from .options import (
+    add_database_options,
+    add_nodes_options,
+    add_redis_options,
+    lease_name,
+    subcommand,
+)
 from .output import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, UsageError, say
 
 __all__ = ["add_parser", "run"]
 
 
-def add_parser(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> argparse.ArgumentParser:
-    """Add ``forget`` and its options to the command line.
-
-    Args:
-        subparsers: the ``rselection`` command's subparsers.
-    """
-    parser = subparsers.add_parser(
-        "forget",
-        help="retire a lease no service uses any more: hidden from status, its term kept",
-        description="Retire a lease that no service uses any more. It is hidden from "
-        "`rselection status` (unless named, or with --all) and no longer counts for its "
-        "exit code. Nothing is deleted: the lease keeps its term, so a new leader gets a "
-        "higher one, and a leader that acquires it again brings it back. Refused (exit 1) "
-        "while the lease has a live holder or a node of it heartbeats.",
-    )
+@subcommand(
+    "forget",
+    help="retire a lease no service uses any more: hidden from status, its term kept",
+    description="Retire a lease that no service uses any more. It is hidden from "
+    "`rselection status` (unless named, or with --all) and no longer counts for its "
+    "exit code. Nothing is deleted: the lease keeps its term, so a new leader gets a "
+    "higher one, and a leader that acquires it again brings it back. Refused (exit 1) "
+    "while the lease has a live holder or a node of it heartbeats.",
+)
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``forget`` to its parser."""
     parser.add_argument("name", type=lease_name, help="the lease name")
     add_database_options(parser)
     add_nodes_options(parser)
     add_redis_options(parser)
     parser.set_defaults(run=run)
-    return parser
 
 
 def _retired(done: Retirement, hidden: str) -> str:
@@ -78,27 +77,20 @@ def run(args: argparse.Namespace) -> int:
         return _forget_redis(args)
     dsn = resolve_dsn(args)
     try:
-        conn = connect(dsn)
+        with postgres_session(args, dsn, hint="pass the right --table") as admin:
+            done = admin.retire(args.name)
+    except NoLeaseTable as exc:
+        say(str(exc), err=True)
+        return EXIT_REFUSED
     except Unreachable as exc:
         say(str(exc), err=True)
         return EXIT_UNREACHABLE
-    with conn:
-        admin = postgres_admin(conn, args)
-        try:
-            if not admin.lease_table_exists():
-                say(
-                    f"lease table {args.table!r} does not exist on {describe(dsn)}: "
-                    "pass the right --table",
-                    err=True,
-                )
-                return EXIT_REFUSED
-            done = admin.retire(args.name)
-        except (Refused, ConfigError) as exc:
-            say(redact(str(exc), dsn), err=True)
-            return EXIT_REFUSED
-        except BackendUnavailable as exc:
-            say(f"forget failed on {describe(dsn)}: {redact(reason(exc), dsn)}", err=True)
-            return EXIT_UNREACHABLE
+    except (Refused, ConfigError) as exc:
+        say(redact(str(exc), dsn), err=True)
+        return EXIT_REFUSED
+    except BackendUnavailable as exc:
+        say(f"forget failed on {describe(dsn)}: {redact(reason(exc), dsn)}", err=True)
+        return EXIT_UNREACHABLE
     hidden = "hidden from `rselection status` (name it, or pass --all, to see it)"
     say(_retired(done, hidden))
     return EXIT_OK

@@ -7,7 +7,7 @@ import math
 
 from ..redaction import redact
 from .connections import Unreachable, connect, describe, first_line, resolve_dsn
-from .options import add_database_options
+from .options import add_database_options, subcommand
 from .output import EXIT_UNREACHABLE, say
 
 MIGRATION_TIMEOUT = 30.0
@@ -16,17 +16,9 @@ MIGRATION_TIMEOUT = 30.0
 __all__ = ["add_parser", "run"]
 
 
-def add_parser(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> argparse.ArgumentParser:
-    """Add ``migrate`` and its options to the command line.
-
-    Args:
-        subparsers: the ``rselection`` command's subparsers.
-    """
-    parser = subparsers.add_parser(
-        "migrate", help="create or upgrade the tables; say what was done"
-    )
+@subcommand("migrate", help="create or upgrade the tables; say what was done")
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``migrate`` to its parser."""
     add_database_options(parser)
     parser.add_argument(
         "--timeout",
@@ -36,7 +28,6 @@ def add_parser(
         help="longest wait for a lock another process holds (default: %(default)g s)",
     )
     parser.set_defaults(run=run)
-    return parser
 
 
 def _seconds(text: str) -> float:

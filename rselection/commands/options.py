@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 __all__ = [
     "add_database_options",
@@ -10,7 +13,33 @@ __all__ = [
     "add_redis_options",
     "lease_name",
     "node_timeout",
+    "subcommand",
 ]
+
+if TYPE_CHECKING:
+    Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
+
+
+def subcommand(
+    name: str, *, help: str, description: str | None = None
+) -> Callable[[Callable[[argparse.ArgumentParser], None]], Callable[[Subparsers], None]]:
+    """Make a subcommand module's ``add_parser(subparsers)`` of the function that adds
+    the subcommand's options (and its ``run``) to its parser.
+
+    Args:
+        name: the subcommand's name.
+        help: its line in ``rselection --help``.
+        description: its ``rselection NAME --help`` text (default: none).
+    """
+
+    def make(options: Callable[[argparse.ArgumentParser], None]) -> Callable[[Subparsers], None]:
+        @functools.wraps(options)
+        def add_parser(subparsers: Subparsers) -> None:
+            options(subparsers.add_parser(name, help=help, description=description))
+
+        return add_parser
+
+    return make
 
 
 def add_database_options(parser: argparse.ArgumentParser) -> None:

@@ -15,36 +15,33 @@ from typing import TYPE_CHECKING
 from ..errors import BackendUnavailable, ConfigError
 from ..redaction import redact
 from .connections import (
+    NoLeaseTable,
     Unreachable,
-    connect,
     describe,
-    postgres_admin,
+    postgres_session,
     reason,
     redis_admin,
     resolve_dsn,
 )
-from .options import add_database_options, add_nodes_options, add_redis_options, lease_name
+from .options import (
+    add_database_options,
+    add_nodes_options,
+    add_redis_options,
+    lease_name,
+    subcommand,
+)
 from .output import EXIT_REFUSED, EXIT_UNREACHABLE, UsageError, printable, say
 
 if TYPE_CHECKING:
+    from ..admin import LeaseAdmin
     from ..lease import LeaderInfo
-    from ..postgres import PostgresAdmin
-    from ..redis import RedisAdmin
 
 __all__ = ["add_parser", "run"]
 
 
-def add_parser(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> argparse.ArgumentParser:
-    """Add ``resign`` and its options to the command line.
-
-    Args:
-        subparsers: the ``rselection`` command's subparsers.
-    """
-    parser = subparsers.add_parser(
-        "resign", help="ask the leader of a lease to hand over; wait for the new term"
-    )
+@subcommand("resign", help="ask the leader of a lease to hand over; wait for the new term")
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``resign`` to its parser."""
     parser.add_argument("name", type=lease_name, help="the lease name")
     add_database_options(parser)
     add_nodes_options(parser)
@@ -58,7 +55,6 @@ def add_parser(
         "reserved for --to",
     )
     parser.set_defaults(run=run)
-    return parser
 
 
 def _took_over(node: str, name: str, term: int, took: float) -> str:
@@ -79,61 +75,35 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--timeout needs a positive number of seconds, got {args.timeout}")
     dsn = resolve_dsn(args)
     name = args.name
+    hint = "run `rselection migrate`, or pass the right --table"
     try:
-        conn = connect(dsn)
+        with postgres_session(args, dsn, hint=hint) as admin:
+
+            def alive() -> tuple[list[str] | None, bool]:
+                nodes = admin.nodes(name)
+                if nodes is None:
+                    return None, False
+                return [n.node_id for n in nodes if n.alive], bool(nodes)
+
+            return _checked_hand_over(
+                admin,
+                args,
+                missing=f"no lease {name!r} in {args.table!r} on {describe(dsn)}: check the "
+                "name (`rselection status` lists the leases) and --table",
+                alive=alive,
+                unchecked=f"no nodes table {args.nodes_table!r} (run `rselection migrate`)",
+                not_live=f"no heartbeat within {args.node_timeout:g}s",
+                shown=lambda text: redact(text, dsn),
+            )
+    except NoLeaseTable as exc:
+        say(str(exc), err=True)
+        return EXIT_REFUSED
     except Unreachable as exc:
         say(str(exc), err=True)
         return EXIT_UNREACHABLE
-    with conn:
-        admin = postgres_admin(conn, args)
-        try:
-            if not admin.lease_table_exists():
-                say(
-                    f"lease table {args.table!r} does not exist on {describe(dsn)}: "
-                    "run `rselection migrate`, or pass the right --table",
-                    err=True,
-                )
-                return 1
-            holder = admin.current_holder(name)
-            if holder is None:
-                if not admin.exists(name):
-                    say(
-                        f"no lease {name!r} in {args.table!r} on {describe(dsn)}: check the "
-                        "name (`rselection status` lists the leases) and --table",
-                        err=True,
-                    )
-                    return EXIT_REFUSED
-                say(f"lease {name!r} has no leader: nothing to hand over", err=True)
-                return EXIT_REFUSED
-            nodes = admin.nodes(name)
-            alive = [n.node_id for n in nodes or [] if n.alive]
-            if args.to is not None:
-                if args.to == holder.node_id:
-                    say(f"{printable(args.to)} already leads {name!r} (term {holder.term})")
-                    return 0
-                if nodes is None:
-                    say(
-                        f"cannot check that {printable(args.to)} is a live node: no nodes table "
-                        f"{args.nodes_table!r} (run `rselection migrate`)",
-                        err=True,
-                    )
-                    return 1
-                if args.to not in alive:
-                    others = ", ".join(printable(n) for n in alive if n != holder.node_id)
-                    say(
-                        f"{printable(args.to)} is not a live node of lease {name!r} (no "
-                        f"heartbeat within {args.node_timeout:g}s); live followers: "
-                        f"{others or 'none'}",
-                        err=True,
-                    )
-                    return 1
-            elif nodes and not [n for n in alive if n != holder.node_id]:
-                say(_nobody_else(name, holder), err=True)
-                return 1
-            return _hand_over(admin, args, lambda text: redact(text, dsn))
-        except BackendUnavailable as exc:
-            say(f"resign failed on {describe(dsn)}: {redact(reason(exc), dsn)}", err=True)
-            return EXIT_UNREACHABLE
+    except BackendUnavailable as exc:
+        say(f"resign failed on {describe(dsn)}: {redact(reason(exc), dsn)}", err=True)
+        return EXIT_UNREACHABLE
 
 
 def _resign_redis(args: argparse.Namespace) -> int:
@@ -147,46 +117,88 @@ def _resign_redis(args: argparse.Namespace) -> int:
         say(str(exc), err=True)
         return EXIT_UNREACHABLE
     try:
-        holder = admin.current_holder(name)
-        if holder is None:
-            if not admin.exists(name):
-                say(
-                    f"no lease {name!r} with key prefix {admin.key_prefix!r} in this Redis: "
-                    "check the name and --key-prefix",
-                    err=True,
-                )
-                return EXIT_REFUSED
-            say(f"lease {name!r} has no leader: nothing to hand over", err=True)
-            return EXIT_REFUSED
-        nodes = admin.live_nodes(name)
-        if args.to is not None:
-            if args.to == holder.node_id:
-                say(f"{printable(args.to)} already leads {name!r} (term {holder.term})")
-                return 0
-            if nodes is None:
-                say(
-                    f"cannot check that {printable(args.to)} is a live node (PUBSUB CHANNELS "
-                    "is not allowed); asking anyway: if it is not running, no node takes over "
-                    "until --timeout",
-                    err=True,
-                )
-            elif args.to not in nodes:
-                others = ", ".join(printable(n) for n in nodes if n != holder.node_id) or "none"
-                say(
-                    f"{printable(args.to)} is not a live node of lease {name!r} (no keeper "
-                    f"connected); live followers: {others}",
-                    err=True,
-                )
-                return 1
-        elif nodes and not [n for n in nodes if n != holder.node_id]:
-            say(_nobody_else(name, holder), err=True)
-            return 1
-        return _hand_over(admin, args, str)
+
+        def alive() -> tuple[list[str] | None, bool]:
+            nodes = admin.live_nodes(name)
+            return nodes, bool(nodes)
+
+        return _checked_hand_over(
+            admin,
+            args,
+            missing=f"no lease {name!r} with key prefix {admin.key_prefix!r} in this Redis: "
+            "check the name and --key-prefix",
+            alive=alive,
+            unchecked=None,
+            not_live="no keeper connected",
+            shown=str,
+        )
     except BackendUnavailable as exc:
         say(f"resign failed: {redact(str(exc), args.redis_url)}", err=True)
         return EXIT_UNREACHABLE
     finally:
         admin.client.close()
+
+
+def _checked_hand_over(
+    admin: LeaseAdmin,
+    args: argparse.Namespace,
+    *,
+    missing: str,
+    alive: Callable[[], tuple[list[str] | None, bool]],
+    unchecked: str | None,
+    not_live: str,
+    shown: Callable[[str], str],
+) -> int:
+    """Check the lease, its holder and ``--to`` against the live nodes, then hand over.
+
+    Args:
+        admin: the backend's admin API.
+        args: the command line.
+        missing: what to say when the lease does not exist.
+        alive: the live nodes' ids (``None``: they cannot be told), and whether the
+            lease has nodes at all.
+        unchecked: why ``--to`` cannot be checked when the live nodes cannot be told
+            (refused); ``None``: ask anyway, with a warning.
+        not_live: why a node that is not live does not count as one.
+        shown: makes a server's message fit to show.
+    """
+    name = args.name
+    holder = admin.current_holder(name)
+    if holder is None:
+        say(
+            missing
+            if not admin.exists(name)
+            else f"lease {name!r} has no leader: nothing to hand over",
+            err=True,
+        )
+        return EXIT_REFUSED
+    nodes, tracked = alive()
+    if args.to is not None:
+        if args.to == holder.node_id:
+            say(f"{printable(args.to)} already leads {name!r} (term {holder.term})")
+            return 0
+        cannot = f"cannot check that {printable(args.to)} is a live node"
+        if nodes is None and unchecked is not None:
+            say(f"{cannot}: {unchecked}", err=True)
+            return 1
+        if nodes is None:
+            say(
+                f"{cannot} (PUBSUB CHANNELS is not allowed); asking anyway: if it is not "
+                "running, no node takes over until --timeout",
+                err=True,
+            )
+        elif args.to not in nodes:
+            others = ", ".join(printable(n) for n in nodes if n != holder.node_id) or "none"
+            say(
+                f"{printable(args.to)} is not a live node of lease {name!r} ({not_live}); "
+                f"live followers: {others}",
+                err=True,
+            )
+            return 1
+    elif tracked and not [n for n in nodes or [] if n != holder.node_id]:
+        say(_nobody_else(name, holder), err=True)
+        return 1
+    return _hand_over(admin, args, shown)
 
 
 def _nobody_else(name: str, holder: LeaderInfo) -> str:
@@ -196,9 +208,7 @@ def _nobody_else(name: str, holder: LeaderInfo) -> str:
     )
 
 
-def _hand_over(
-    admin: PostgresAdmin | RedisAdmin, args: argparse.Namespace, shown: Callable[[str], str]
-) -> int:
+def _hand_over(admin: LeaseAdmin, args: argparse.Namespace, shown: Callable[[str], str]) -> int:
     """Ask for the handover, wait for the new term, say what happened; the exit code.
 
     Args:

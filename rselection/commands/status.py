@@ -24,9 +24,8 @@ from ..errors import BackendUnavailable
 from ..redaction import redact
 from .connections import (
     Unreachable,
-    connect,
     describe,
-    postgres_admin,
+    postgres_session,
     reason,
     redis_admin,
     resolve_dsn,
@@ -37,6 +36,7 @@ from .options import (
     add_redis_options,
     lease_name,
     node_timeout,
+    subcommand,
 )
 from .output import (
     EXIT_NO_LEADER,
@@ -80,25 +80,19 @@ NOT_RECORDED_REDIS = (
 _SHARD = re.compile(r"0|[1-9][0-9]*")  # a shard's number in its lease name, as written
 
 
-def add_parser(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> argparse.ArgumentParser:
-    """Add ``status`` and its options to the command line.
-
-    Args:
-        subparsers: the ``rselection`` command's subparsers.
-    """
-    parser = subparsers.add_parser(
-        "status",
-        help="leases, holders, handover requests, nodes and last fires; exit 0 when every "
-        "lease shown has a leader, 1 when one has none, 3 when the database cannot be read",
-        description="Show leases, their holders, pending handover requests, nodes and last "
-        "fires. Retired leases (rselection forget) are hidden unless named or --all is "
-        "given. The exit code is judged on the leases shown (retired ones only when "
-        "named): 0 when each has a leader, 1 when one has none (a named lease that does "
-        "not exist has none), 3 when the database cannot be read, 2 on a usage error. "
-        "With --redis-url, the Redis leases under --key-prefix and their nodes.",
-    )
+@subcommand(
+    "status",
+    help="leases, holders, handover requests, nodes and last fires; exit 0 when every "
+    "lease shown has a leader, 1 when one has none, 3 when the database cannot be read",
+    description="Show leases, their holders, pending handover requests, nodes and last "
+    "fires. Retired leases (rselection forget) are hidden unless named or --all is "
+    "given. The exit code is judged on the leases shown (retired ones only when "
+    "named): 0 when each has a leader, 1 when one has none (a named lease that does "
+    "not exist has none), 3 when the database cannot be read, 2 on a usage error. "
+    "With --redis-url, the Redis leases under --key-prefix and their nodes.",
+)
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``status`` to its parser."""
     parser.add_argument(
         "names",
         nargs="*",
@@ -127,7 +121,6 @@ def add_parser(
     )
     parser.add_argument("--count", type=int, help="with --watch: stop after this many refreshes")
     parser.set_defaults(run=run)
-    return parser
 
 
 def read_status(snapshot: StatusSnapshot, where: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -452,19 +445,14 @@ def _read_postgres(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
     Raises:
         Unreachable: the database cannot be reached or read, or has no lease table.
     """
-    with connect(dsn) as conn:
-        admin = postgres_admin(conn, args)
-        try:
-            if not admin.lease_table_exists():
-                raise Unreachable(
-                    f"lease table {args.table!r} does not exist on {describe(dsn)}: "
-                    "run `rselection migrate`, or pass the right --table"
-                )
+    hint = "run `rselection migrate`, or pass the right --table"
+    try:
+        with postgres_session(args, dsn, hint=hint) as admin:
             snapshot = admin.status(args.names or None)
-        except BackendUnavailable as exc:
-            raise Unreachable(
-                f"cannot read the leases from {describe(dsn)}: {redact(reason(exc), dsn)}"
-            ) from exc
+    except BackendUnavailable as exc:
+        raise Unreachable(
+            f"cannot read the leases from {describe(dsn)}: {redact(reason(exc), dsn)}"
+        ) from exc
     return read_status(snapshot, describe(dsn), args)
 
 

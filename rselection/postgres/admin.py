@@ -16,8 +16,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ..admin import Retirement, StatusSnapshot
-from ..closeable import Closeable
+from ..admin import LeaseAdmin, Retirement, StatusSnapshot, TermWatch
 from ..errors import ConfigError
 from ..lease import LeaderInfo
 from ..members import NodeInfo
@@ -37,7 +36,7 @@ __all__ = ["PostgresAdmin", "PostgresTermWatch", "describe_conninfo"]
 _OWNER = "PostgresAdmin"
 
 
-class PostgresAdmin(Closeable):
+class PostgresAdmin(LeaseAdmin):
     """The leases of one lease table, read and operated from outside the fleet.
 
     Every method takes a connection for the call (``conninfo`` as the other Postgres
@@ -108,11 +107,7 @@ class PostgresAdmin(Closeable):
         return [row[0] for row in rows]
 
     def exists(self, name: str) -> bool:
-        """Whether lease ``name`` has a row (held, free or retired).
-
-        Args:
-            name: the lease name.
-        """
+        """Whether lease ``name`` has a row (held, free or retired)."""
         name = check_name(name, "lease name")
         with self._call("find the lease") as conn:
             row = conn.execute(
@@ -122,12 +117,7 @@ class PostgresAdmin(Closeable):
         return row is not None
 
     def status(self, names: Iterable[str] | None = None) -> StatusSnapshot:
-        """A snapshot of leases ``names`` and their shards (default: every lease), their
-        pending handover requests, their nodes and their tasks' last claimed fires.
-
-        Args:
-            names: the leases asked for; ``None`` for all.
-        """
+        """See :meth:`~rselection.admin.LeaseAdmin.status`."""
         asked = None if names is None else [check_name(n, "lease name") for n in names]
         with self._call("read the leases") as conn:
             return read_snapshot(
@@ -140,12 +130,7 @@ class PostgresAdmin(Closeable):
             )
 
     def nodes(self, name: str) -> list[NodeInfo] | None:
-        """The nodes of lease ``name`` as their heartbeats show them, oldest first;
-        ``None`` when there is no nodes table.
-
-        Args:
-            name: the lease name.
-        """
+        """See :meth:`~rselection.admin.LeaseAdmin.nodes`; ``None`` when there is no nodes table."""
         name = check_name(name, "lease name")
         with self._call("list the nodes") as conn:
             if not table_exists(conn, self.nodes_table):
@@ -155,46 +140,27 @@ class PostgresAdmin(Closeable):
 
     def live_nodes(self, name: str) -> list[str] | None:
         """The ids of the nodes of lease ``name`` seen within the node timeout; ``None``
-        when there is no nodes table.
-
-        Args:
-            name: the lease name.
-        """
+        when there is no nodes table."""
         nodes = self.nodes(name)
         return None if nodes is None else [node.node_id for node in nodes if node.alive]
 
     def current_holder(self, name: str) -> LeaderInfo | None:
-        """The live holder of lease ``name``, or ``None``.
-
-        Args:
-            name: the lease name.
-        """
+        """See :meth:`~rselection.admin.LeaseAdmin.current_holder`."""
         with self._call("read the lease holder", table=False) as conn:
             return handover.current_holder(conn, name, table=self.table)
 
     def request_handover(
         self, name: str, *, to: str | None = None, valid_for: float = 10.0
     ) -> LeaderInfo | None:
-        """Ask the leader of lease ``name`` to hand over; return the holder asked, or
-        ``None`` when nobody holds it (see :func:`rselection.postgres.request_handover`).
-
-        Args:
-            name: the lease name.
-            to: the node that should take over, or ``None`` for any other node.
-            valid_for: seconds the request (and the reservation for ``to``) holds.
-        """
+        """See :meth:`~rselection.admin.LeaseAdmin.request_handover` and
+        :func:`rselection.postgres.request_handover`."""
         with self._call("record the handover request", table=False) as conn:
             return handover.request_handover(
                 conn, name, table=self.table, to=to, valid_for=valid_for
             )
 
     def cancel_handover(self, name: str, term: int) -> bool:
-        """Withdraw the handover request for ``term`` of lease ``name``; ``True`` if one was.
-
-        Args:
-            name: the lease name.
-            term: the term asked to hand over (that of :meth:`request_handover`'s answer).
-        """
+        """See :meth:`~rselection.admin.LeaseAdmin.cancel_handover`."""
         with self._call("withdraw the handover request", table=False) as conn:
             return handover.cancel_handover(conn, name, term, table=self.table)
 
@@ -223,16 +189,11 @@ class PostgresAdmin(Closeable):
             )
 
     def watch_terms(self, name: str) -> PostgresTermWatch:
-        """A watch for the next term of lease ``name``: enter it before asking for a
-        handover, then :meth:`~PostgresTermWatch.wait`.
-
-        Args:
-            name: the lease name.
-        """
+        """See :meth:`~rselection.admin.LeaseAdmin.watch_terms`."""
         return PostgresTermWatch(self, check_name(name, "lease name"))
 
 
-class PostgresTermWatch(Closeable):
+class PostgresTermWatch(TermWatch):
     """Waits for a new term of one lease: woken by the acquisition's ``NOTIFY``, and
     re-reading the holder every half second in case a notification was missed.
 
@@ -297,13 +258,7 @@ class PostgresTermWatch(Closeable):
         self._channel = None
 
     def wait(self, after_term: int, timeout: float) -> LeaderInfo | None:
-        """The holder of the first term after ``after_term``, or ``None`` when none began
-        within ``timeout`` seconds.
-
-        Args:
-            after_term: the term that should end (the holder asked to hand over).
-            timeout: seconds to wait.
-        """
+        """See :meth:`~rselection.admin.TermWatch.wait`."""
         deadline = time.monotonic() + timeout
         try:
             while (left := deadline - time.monotonic()) > 0:

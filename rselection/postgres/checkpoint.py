@@ -1,33 +1,12 @@
 """``PostgresCheckpointStore``: durable task state in Postgres, fenced by term.
 
-A persistent task keeps its progress (a queue cursor, counters) in a *snapshot*: a JSON
-document stored under a key. When leadership moves, the new leader loads the last
-snapshot and resumes; the old leader can no longer overwrite it, because its saves are
-*fenced*:
-
-* ``save(key, state, term=T, name="billing")`` commits only if term ``T`` still holds
-  the leadership lease called ``"billing"`` (the lease table of
-  :class:`~rselection.PostgresLeader`). The check is :func:`~rselection.postgres.fenced`
-  in the same transaction as the write: it locks the lease row ``FOR KEY SHARE``, so a
-  takeover waits for the save to end, and once the new term exists the save is refused
-  with :class:`~rselection.errors.StaleLeaderError` and nothing is written.
-* ``save(key, state, node_id="worker-1")`` commits only if ``node_id`` holds the key's own
-  lease (:meth:`PostgresCheckpointStore.acquire_lease`), for work split by key instead of
-  by leader. The per-key lease row is locked ``FOR SHARE`` in the same transaction, so a
-  takeover (only possible after expiry) waits for the save to end.
-* Without ``term`` or ``node_id`` the save is not fenced.
-
-The store is a :class:`~rselection.abc.CheckpointStore`: inside a task,
-``ctx.checkpoint`` (a :class:`~rselection.task_checkpoint.TaskCheckpoint`) does the first
-kind for you: the key is the task's name scoped to the leader's lease
-(:func:`~rselection.keys.lease_scoped`), the term is ``ctx.term`` and the lease is the
-leader's. Keys, states and their limits follow :mod:`rselection.checkpoints`.
-
-Every snapshot has a ``version`` that grows by one on every save (and delete) of its key
-and is never reused, the fencing ``term`` it was saved under, and ``updated_at`` in
-server time. The state is stored as ``jsonb`` with an envelope ``format_version``;
-loading a format newer than this release knows raises
-:class:`~rselection.errors.ConfigError` rather than returning a partial state.
+A snapshot (a JSON document under a key) is saved only while term ``T`` still holds the
+named lease (``term=``, checked by :func:`~rselection.postgres.fenced` in the same
+transaction), or while ``node_id`` holds the key's own lease (``node_id=``, see
+:meth:`PostgresCheckpointStore.acquire_lease`); else unfenced. Inside a task,
+``ctx.checkpoint`` (:class:`~rselection.task_checkpoint.TaskCheckpoint`) does the first
+kind. See ``docs/how-to/checkpoints.md``; keys and limits follow
+:mod:`rselection.checkpoints`.
 """
 
 from __future__ import annotations

@@ -9,29 +9,10 @@ should act now::
         if elector.is_leader():
             send_reports()
 
-How it works
-------------
-
-One row per election name in the elections table (see
-:mod:`rselection.postgres.schema`). :meth:`PostgresElector.is_leader` is one
-``INSERT ... ON CONFLICT DO UPDATE``: it renews the row when this elector holds it, takes
-it over when it is free (never held, resigned) or expired, and otherwise changes
-nothing and returns ``False``. Expiry is ``clock_timestamp() + ttl`` on the server; no
-client clock is compared. The row's ``term`` grows by one on every change of holder
-(including a re-acquisition after :meth:`~PostgresElector.resign`) and never
-decreases; the elector exposes it as :attr:`PostgresElector.term` for fencing or logs.
-
-There is no background thread: leadership lasts ``ttl`` seconds from the last
-successful call. Call :meth:`~PostgresElector.is_leader` more often than ``ttl`` (for
-example every ``ttl / 3``) to keep it, and finish the work a ``True`` allows within
-``ttl`` of the call; work that may run longer needs :class:`~rselection.PostgresLeader`,
-which cancels it when leadership ends. :meth:`~PostgresElector.resign` frees the row at
-once, so another elector's next call takes over.
-
-An elector holds no session lock, so its table must not be a
-:class:`~rselection.PostgresLeader` lease table; the default is ``rselection_elections``.
-Backend errors raise :class:`~rselection.errors.BackendUnavailable` (fail closed: a
-failed call never says ``True``).
+Each call is one statement on the elections table (server time, a term that grows on
+every change of holder); leadership lasts ``ttl`` from the last successful call, and a
+failed call never says ``True``. See ``docs/how-to/claims.md`` and
+``docs/explanation/how-it-works.md`` ("The other tables").
 """
 
 from __future__ import annotations

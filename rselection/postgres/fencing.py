@@ -8,33 +8,11 @@ that performs a leader's write::
         conn.execute("UPDATE accounts SET ...")
 
 It reads the lease row ``FOR KEY SHARE`` and raises :class:`StaleLeaderError` when the
-term is not the live holder. How this orders writes:
-
-* A takeover (:meth:`PostgresLease.try_acquire`) locks the row ``FOR UPDATE`` before it
-  changes the term, and ``FOR UPDATE`` conflicts with ``FOR KEY SHARE``: the new term
-  cannot commit until every fenced transaction of the old term has ended. Every write
-  of term ``T`` therefore commits before term ``T + 1`` exists.
-* Once term ``T + 1`` has committed, ``fenced(conn, name, T)`` finds no row (in READ
-  COMMITTED the locking read re-checks the newest row version; in REPEATABLE READ or
-  SERIALIZABLE it fails with a serialization error instead), so a stale leader's
-  transaction cannot write at all. Under REPEATABLE READ or SERIALIZABLE call it
-  first: if the transaction's snapshot is older than the lease row's last change
-  (any renewal), the locking read raises ``SerializationFailure`` even for a live
-  term; retry the transaction then. Driver errors other than a broken connection
-  (``BackendUnavailable``) propagate unchanged, so such retries work as usual.
-* A renewal is a plain ``UPDATE`` of non-key columns (``FOR NO KEY UPDATE``), which
-  does not conflict with ``FOR KEY SHARE``: fenced transactions never delay renewals.
-
-A takeover waits for fenced transactions, so a stale leader that is paused (SIGSTOP, a
-long GC) inside one could hold the lease hostage. :func:`fenced` therefore sets
-``idle_in_transaction_session_timeout`` for the rest of the transaction (default 5 s):
-a transaction idle for longer has its *session* terminated by the server, which rolls
-the write back and frees the lock. It does not bound a statement that is busy on the
-server; keep fenced transactions short, and use ``statement_timeout`` for the rest.
-
-Expiry is compared with ``clock_timestamp()`` (the server's current time) rather than
-``now()`` (the start of the caller's transaction), so a transaction that began long ago
-still sees whether the lease is live at the moment of the check.
+term is not the live holder; a takeover's ``FOR UPDATE`` waits for it, so every write
+of term ``T`` commits before term ``T + 1`` exists. It also bounds how long the
+transaction may stay idle (``idle_in_transaction_session_timeout``). See
+``docs/how-to/fencing.md`` and ``docs/explanation/how-it-works.md`` ("Durable task
+state").
 """
 
 from __future__ import annotations

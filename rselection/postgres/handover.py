@@ -1,22 +1,11 @@
 """Handover on request for Postgres leases (what ``rselection resign --dsn`` does).
 
-:func:`request_handover` records a request for the current term on the lease row in one
-statement: ``resign_term`` (the term), ``resign_from`` (its holder), ``resign_to`` (the
-node asked for, or NULL) and ``resign_until`` (server time + its ``valid_for``), and notifies
-the lease's channel with a ``resign`` event. The leader's keeper wakes on it
-(:func:`announces_handover`), renews at once, and its renewal reports the request when it
-is for the term being renewed (:func:`renewal_request`); the leader then steps down
-through the normal release. Until the next acquisition (which clears the request) or the
-end of its ``valid_for``, the acquire statement refuses the lease to the resigning node and,
-when a node was named, to every node but that one. A request only narrows who may
-acquire, so it cannot make two leaders.
-
-The ``resign_*`` columns come with schema version 2 (``rselection migrate``); leases on
-an older table work, without handover requests.
-
-Every function takes a ``conninfo`` (a connection string, a ``psycopg.Connection`` or a
-pool), as the other Postgres objects do: a connection string opens a connection for the
-call and closes it after; a connection or a pool passed in stays open.
+:func:`request_handover` records a request for the current term on the lease row and
+notifies the lease's channel; the leader's keeper renews at once and its renewal
+reports the request (:func:`renewal_request`), so it steps down through the normal
+release. A request only narrows who may acquire, so it cannot make two leaders. See
+``docs/explanation/how-it-works.md`` ("Handover on request"). Every function takes a
+``conninfo`` (a connection string, a ``psycopg.Connection`` or a pool).
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """What a notification may make the keeper's clients do: whom to believe, and how often.
 
-A notification proves nothing about its sender but the backend pid it came from. The
-keeper believes what a notice says (an ``acquired`` notice's holder, a ``released``
-notice's reservation) only when that pid is its own session's or a *member of the
-ring*: a session that holds a ring lock of the lease table and whose role may update
-the table (see :mod:`.ring`), the keeper session of a trusted peer. Anything else is a
-wake-up, and wake-ups of unproven notices are rate-limited per channel: a burst of
-:data:`BURST`, then one each :data:`SPACING` seconds; those held back are not lost but
-delivered together as one wake-up when the next is allowed. So a flood of NOTIFYs costs
-each process a few round trips a second, and delays a real wake-up it hides by at most
-:data:`SPACING`.
-
-The members are read on the keeper session (:func:`~.ring.members_sql`) when it
-connects, when a keeper announces ``up``, and when a session not known yet announces
-itself the holder of a lease; at most once each :data:`MEMBERS_EVERY` seconds, so
-announcing either in a loop costs the keeper little.
+The keeper believes what a notice says only when its backend pid is its own session's
+or a *member of the ring* (a session holding a ring lock of the lease table whose role
+may update it, see :mod:`.ring`); anything else is a wake-up, rate-limited per channel
+(a burst of :data:`BURST`, then one each :data:`SPACING` seconds, those held back
+delivered together). The members are read at most once each :data:`MEMBERS_EVERY`
+seconds. See ``docs/explanation/security.md``.
 """
 
 from __future__ import annotations

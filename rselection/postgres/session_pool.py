@@ -1,23 +1,12 @@
 """The pooled sessions of a process: at most two per connection string, for every object.
 
-Claims, checkpoint saves and loads, ``leader()`` reads, ``nodes()`` reads, handover
-requests and electors given a connection string do not open sessions of their own:
-every one of them in a process borrows, for one call at a time, one of at most
-:data:`POOL_SIZE` sessions that the process keeps per connection string (the
-``application_name`` is :data:`APPLICATION_NAME`). So their sessions do not grow with
-the number of leaders, shards, claimers or stores in a process.
-
-Each call brings its own bounds: the pooled session's ``statement_timeout`` is set to
-the caller's before its call (only when it differs from what the session has, so a run
-of calls of one kind costs no extra round trip), a call that waits for a free session
-waits at most the caller's ``connect_timeout`` plus ``statement_timeout`` (the longest a
-call in flight can take) and then fails with
-:class:`~rselection.errors.BackendUnavailable`, and an :class:`~._conn.IoWatchdog` aborts
-a call that overruns them. Sessions that failed are closed and replaced by the next
-call; idle ones are kept and closed with the last object that uses the pool.
-
-Never for the keeper (its session state is what makes takeover safe) nor for work that
-waits on the server for long (a lock wait, ``LISTEN``).
+Claims, checkpoint saves and loads, ``leader()`` and ``nodes()`` reads, handover
+requests and electors given a connection string borrow, for one call at a time, one of
+at most :data:`POOL_SIZE` sessions that the process keeps per connection string, so
+their sessions do not grow with the number of objects. Each call brings its own bounds
+(``statement_timeout``, the wait for a free session, an :class:`~._conn.IoWatchdog`).
+Never for the keeper, nor for work that waits on the server (a lock wait, ``LISTEN``).
+See ``docs/explanation/sessions.md``.
 """
 
 from __future__ import annotations

@@ -15,8 +15,7 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
-from ..admin import Retirement, StatusSnapshot
-from ..closeable import Closeable
+from ..admin import LeaseAdmin, Retirement, StatusSnapshot, TermWatch
 from ..errors import BackendUnavailable
 from ..lease import LeaderInfo
 from ..members import NodeInfo
@@ -31,7 +30,7 @@ from .snapshot import lease_names, read_snapshot
 __all__ = ["RedisAdmin", "RedisTermWatch"]
 
 
-class RedisAdmin(Closeable):
+class RedisAdmin(LeaseAdmin):
     """The leases under one key prefix, read and operated from outside the fleet.
 
     Every method raises :class:`~rselection.errors.BackendUnavailable` when Redis
@@ -72,11 +71,7 @@ class RedisAdmin(Closeable):
             raise unavailable("list the leases", self.where, exc) from exc
 
     def exists(self, name: str) -> bool:
-        """Whether lease ``name`` ever had a term (its term key outlives every holder).
-
-        Args:
-            name: the lease name.
-        """
+        """Whether lease ``name`` ever had a term (its term key outlives every holder)."""
         term_key = lease_keys(check_name(name, "lease name"), self.key_prefix)[1]
         try:
             return bool(self.client.exists(term_key))
@@ -84,23 +79,15 @@ class RedisAdmin(Closeable):
             raise unavailable(f"read the term of lease {name!r}", self.where, exc) from exc
 
     def status(self, names: Iterable[str] | None = None) -> StatusSnapshot:
-        """A snapshot of leases ``names`` and their shards (default: every lease), their
-        pending handover requests and their nodes (no last fires: ``fires`` is ``None``).
-
-        Args:
-            names: the leases asked for; ``None`` for all.
-        """
+        """See :meth:`~rselection.admin.LeaseAdmin.status`; no last fires (``fires`` is
+        ``None``)."""
         asked = None if names is None else [check_name(n, "lease name") for n in names]
         return read_snapshot(
             self.client, key_prefix=self.key_prefix, node_timeout=self.node_timeout, names=asked
         )
 
     def nodes(self, name: str) -> list[NodeInfo]:
-        """The nodes of lease ``name`` as their heartbeats show them, oldest first.
-
-        Args:
-            name: the lease name.
-        """
+        """See :meth:`~rselection.admin.LeaseAdmin.nodes`."""
         name = check_name(name, "lease name")
         lease_key = lease_keys(name, self.key_prefix)[0]
         return read_nodes(
@@ -113,43 +100,24 @@ class RedisAdmin(Closeable):
 
     def live_nodes(self, name: str) -> list[str] | None:
         """The ids of the nodes whose keeper for lease ``name`` is connected, sorted;
-        ``None`` when the server does not allow ``PUBSUB CHANNELS``.
-
-        Args:
-            name: the lease name.
-        """
+        ``None`` when the server does not allow ``PUBSUB CHANNELS``."""
         return handover.live_nodes(self.client, name, key_prefix=self.key_prefix)
 
     def current_holder(self, name: str) -> LeaderInfo | None:
-        """The live holder of lease ``name``, or ``None``.
-
-        Args:
-            name: the lease name.
-        """
+        """See :meth:`~rselection.admin.LeaseAdmin.current_holder`."""
         return handover.current_holder(self.client, name, key_prefix=self.key_prefix)
 
     def request_handover(
         self, name: str, *, to: str | None = None, valid_for: float = 10.0
     ) -> LeaderInfo | None:
-        """Ask the leader of lease ``name`` to hand over; return the holder asked, or
-        ``None`` when nobody holds it (see :func:`rselection.redis.request_handover`).
-
-        Args:
-            name: the lease name.
-            to: the node that should take over, or ``None`` for any other node.
-            valid_for: seconds the request (and the reservation for ``to``) holds.
-        """
+        """See :meth:`~rselection.admin.LeaseAdmin.request_handover` and
+        :func:`rselection.redis.request_handover`."""
         return handover.request_handover(
             self.client, name, to=to, valid_for=valid_for, key_prefix=self.key_prefix
         )
 
     def cancel_handover(self, name: str, term: int) -> bool:
-        """Withdraw the handover request for ``term`` of lease ``name``; ``True`` if one was.
-
-        Args:
-            name: the lease name.
-            term: the term asked to hand over (that of :meth:`request_handover`'s answer).
-        """
+        """See :meth:`~rselection.admin.LeaseAdmin.cancel_handover`."""
         return handover.cancel_handover(self.client, name, term, key_prefix=self.key_prefix)
 
     def retire(self, name: str, *, check_nodes: bool = True) -> Retirement:
@@ -169,16 +137,11 @@ class RedisAdmin(Closeable):
         return retire_lease(self.client, name, key_prefix=self.key_prefix, check_nodes=check_nodes)
 
     def watch_terms(self, name: str) -> RedisTermWatch:
-        """A watch for the next term of lease ``name``: enter it before asking for a
-        handover, then :meth:`~RedisTermWatch.wait`.
-
-        Args:
-            name: the lease name.
-        """
+        """See :meth:`~rselection.admin.LeaseAdmin.watch_terms`."""
         return RedisTermWatch(self, check_name(name, "lease name"))
 
 
-class RedisTermWatch(Closeable):
+class RedisTermWatch(TermWatch):
     """Waits for a new term of one lease: woken by the acquire script's ``PUBLISH``, and
     re-reading the lease every half second in case a message was missed.
 
@@ -211,13 +174,7 @@ class RedisTermWatch(Closeable):
         self._pubsub.close()
 
     def wait(self, after_term: int, timeout: float) -> LeaderInfo | None:
-        """The holder of the first term after ``after_term``, or ``None`` when none began
-        within ``timeout`` seconds.
-
-        Args:
-            after_term: the term that should end (the holder asked to hand over).
-            timeout: seconds to wait.
-        """
+        """See :meth:`~rselection.admin.TermWatch.wait`."""
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             try:

@@ -6,29 +6,9 @@ The Redis twin of :class:`~rselection.postgres.PostgresClaimer`::
     if claimer.claim(format_fire_key("purge", scheduled_at)):
         purge()
 
-A claim is one ``SET <key_prefix><fire key> <value> NX PX <ttl>``: it succeeds when no
-unexpired claim exists. The value is JSON recording the node id, the fencing term (when
-given), the fire-key format and the server time. Expiry is Redis's own; a claim binds
-until its ttl, also after the run ends, so a node that reaches the same fire later does
-not run it again; ``ttl`` must therefore exceed the latest a fire may start anywhere.
-
-:meth:`RedisClaimer.claim_missed` claims a task's missed fires in one round trip: one
-script finds the newest fire an unexpired claim holds and claims every fire after it.
-:meth:`RedisClaimer.claim_many` claims the fires due at one instant (of every task) in
-one round trip, a ``SET NX PX`` of each in one script.
-Claims need no clean-up: each expires by itself. One key per task and lease has no
-expiry: :meth:`RedisClaimer.ran_before` records there that a leader scheduled the task.
-
-**Fail closed.** :meth:`RedisClaimer.claim` returns ``False`` only when another claim
-holds the key. Any backend problem raises :class:`~rselection.errors.BackendUnavailable`.
-
-In a Redis Cluster each claim is one key, so claims need no hash tag and spread over the
-masters. A script can only touch keys of one hash slot, so there
-:meth:`~RedisClaimer.claim_missed` takes one script when every key lands in one slot (a
-``key_prefix`` with a hash tag, such as ``"rselection:{claims}:"``), and otherwise two
-pipelines (which claims are held; then ``SET NX PX`` of the newer ones) and one
-``TIME``: each claim is still won by one node only. :meth:`~RedisClaimer.claim_many`
-likewise: one script for keys of one slot, else one ``TIME`` and one pipeline.
+A claim is one ``SET NX PX`` of the fire key (server expiry; claims fail closed). See
+``docs/how-to/claims.md`` ("Redis") for the batch calls, ``ran_before`` and how claims
+spread over a Redis Cluster.
 """
 
 from __future__ import annotations

@@ -8,27 +8,9 @@ The Redis twin of :class:`~rselection.postgres.PostgresElector`::
         if elector.is_leader():
             send_reports()
 
-How it works
-------------
-
-An election ``name`` lives in two keys with the name as hash tag, so a Redis Cluster
-keeps them in one slot: ``<key_prefix>{<name>}:elector`` holds the leading node id, and
-the hash ``<key_prefix>{<name>}:elector:term`` the term, the last holder and the
-replication id of the server that wrote them.
-
-:meth:`RedisElector.is_leader` is one Lua script on those keys: when the election key
-holds this elector's node id it extends it (``PEXPIRE``); when the key does not exist
-it ``SET``\\ s it ``NX PX ttl`` and, for a new holder, increments the term; otherwise it
-changes nothing and returns ``False``. Expiry is Redis's own. The term never decreases
-and grows on every change of holder: a holder whose key expired while nobody else took
-it keeps its term; a re-acquisition after :meth:`~RedisElector.resign` gets a new one.
-:meth:`~RedisElector.resign` deletes the key only if this elector holds it.
-
-There is no background thread: leadership lasts ``ttl`` seconds from the last
-successful call. Call :meth:`~RedisElector.is_leader` more often than ``ttl`` and
-finish the work a ``True`` allows within ``ttl`` of the call; work that may run longer
-needs :class:`~rselection.redis.RedisLeader`, which cancels it when leadership ends.
-Backend errors raise :class:`~rselection.errors.BackendUnavailable` (fail closed).
+Each call is one script on the election's keys (Redis expiry, a term that never
+decreases); leadership lasts ``ttl`` from the last successful call, and backend errors
+fail closed. See ``docs/how-to/claims.md`` ("Redis").
 """
 
 from __future__ import annotations

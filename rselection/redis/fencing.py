@@ -1,26 +1,13 @@
 """Fenced writes in Redis: run a command only while a term still holds the lease.
 
 ``ctx.term`` is the fencing token. :class:`RedisFence` runs one Redis command inside a
-Lua script that first checks the lease key (see :mod:`rselection.redis.lease`)::
+Lua script that first checks the lease key::
 
     fence = RedisFence(client, name="billing")
     fence.call(ctx.term, "HSET", "{billing}:state", "cursor", cursor)
 
-The check and the write are one script, and Redis runs scripts one at a time; a
-takeover is a script too. So every fenced write of term ``T`` runs before term ``T + 1``
-exists, and none runs after: a stale leader's write raises
-:class:`~rselection.errors.StaleLeaderError` and changes nothing.
-
-**Only writes to the same Redis are fenced.** A write to another store (a database, an
-HTTP API) needs a fence of its own there: store ``ctx.term`` next to the data and refuse
-writes whose term is lower than the stored one (a conditional update), or use a
-Postgres leader and :func:`rselection.postgres.fenced`.
-
-In a Redis Cluster the keys a fenced command writes must be in the lease's hash slot:
-give them the lease name as hash tag (``"{billing}:state"``). With replicas, a write
-acknowledged by a master that fails before replicating it is lost like any other. A
-replica promoted after missing an acquisition refuses the lost term's writes: its next
-term is larger than the lost one (see :mod:`rselection.redis.lease`).
+Only writes to the same Redis are fenced, and in a Redis Cluster their keys must be in
+the lease's hash slot. See ``docs/how-to/fencing.md``.
 """
 
 from __future__ import annotations

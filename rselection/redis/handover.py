@@ -1,18 +1,10 @@
 """Handover on request for Redis leases (what ``rselection resign --redis-url`` does).
 
-:func:`request_handover` records a request for the current term in one script: the key
-``<prefix>{<name>}:resign`` (same hash slot as the lease) gets the term, the holder and
-the node asked for, with ``PX`` = its ``valid_for``, and a ``resign:<term>`` message goes out on
-the lease's channel. The leader's keeper wakes on it, renews at once, and its renewal
-script reports the request when it is for the term being renewed; the leader then steps
-down through the normal release. Until another node acquired (the acquire script deletes
-the request) or the key expired, the acquire script refuses the lease to the resigning
-node and, when a node was named, to every node but that one. A request only narrows who
-may acquire, so it cannot make two leaders.
-
-Every node's keeper stays subscribed to ``<prefix>{<name>}:node:<node id>``:
-:func:`live_nodes` lists those channels (``PUBSUB CHANNELS``), which is how the command
-checks that ``--to`` names a connected node.
+:func:`request_handover` records a request for the current term in one script (the
+``:resign`` key, in the lease's hash slot) and publishes it on the lease's channel; the
+leader's renewal reports it and the leader steps down through the normal release. A
+request only narrows who may acquire. :func:`live_nodes` lists the nodes' presence
+channels. See ``docs/explanation/redis.md`` ("Handover on request").
 """
 
 from __future__ import annotations
@@ -28,8 +20,8 @@ from ..lease import LeaderInfo
 from ..validation import check_name, check_node_id, check_seconds, check_term
 from ._conn import check_client, describe, unavailable
 from ._scripts import CANCEL_HANDOVER, READ, REOPEN_HANDOVER, REQUEST_HANDOVER
+from .holder import parse_holder
 from .keys import DEFAULT_KEY_PREFIX, check_key_prefix, handover_key, lease_keys, node_channel
-from .lease import parse_holder
 
 __all__ = [
     "cancel_handover",

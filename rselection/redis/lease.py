@@ -7,24 +7,21 @@ someone else's key, and expiry is Redis's own (``PX``). Terms stay larger across
 failover to a replica or a lost counter; a handover request wakes the leader; a
 follower takes a crashed holder's lease over as soon as its keeper connection is gone.
 
-See ``docs/explanation/redis.md`` ("How the lease works", "Terms across a failover",
+The lease's value is read in :mod:`.holder`; the beats while it holds and the holder
+it follows while it waits are :mod:`.lease_liveness`'s. See
+``docs/explanation/redis.md`` ("How the lease works", "Terms across a failover",
 "Handover on request") for the keys, the scripts and why each step is safe.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
-import re
 import secrets
 import selectors
 import socket
-import threading
 import time
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 import redis
@@ -40,12 +37,14 @@ from ._conn import MIN_TTL, ConnectionFactory, check_client, client_name, unavai
 from ._scripts import ACQUIRE, READ, RELEASE, RENEW
 from ._scripts import CANCEL_HANDOVER as CANCEL_HANDOVER  # re-exported
 from ._scripts import REQUEST_HANDOVER as REQUEST_HANDOVER  # re-exported
+from .holder import Seen, parse_holder, text
 from .keepalive import keepalive_refusal
 from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
 from .keys import handover_key as handover_key  # re-exported
 from .keys import lease_keys as lease_keys  # re-exported
 from .keys import node_channel as node_channel  # re-exported
 from .keys import term_origin_key as term_origin_key  # re-exported
+from .lease_liveness import LeaseLiveness
 from .liveness import LivenessHub
 from .messages import Dropped, event_kind, unsigned_beat
 
@@ -60,84 +59,6 @@ _WAKE_GAP = 0.05
 # The most messages one step of a wait reads: the rest is read in the next step, after
 # the steps of other leases that were ready (a flooded channel starves nobody).
 _STEP_MESSAGES = 64
-
-
-def _ms_to_utc(ms: int) -> datetime:
-    return datetime.fromtimestamp(ms / 1000, UTC)
-
-
-def _text(value: Any) -> str:
-    # Never raises: a message on a channel is anyone's bytes.
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-
-
-@dataclass(frozen=True)
-class _Seen:
-    """Another holder as the last attempt saw it: enough to probe its connection."""
-
-    term: str
-    client: str
-    run: str
-    fast: bool
-    process: str  # the holder's process, whose beats tell it lives (see :mod:`.liveness`)
-    secret: str  # signs those beats
-    value: bytes  # the lease value: unchanged (renewals only extend it) while it holds
-
-
-def parse_holder(raw: Any, pttl: Any, now_ms: Any) -> tuple[LeaderInfo | None, dict[str, Any]]:
-    """Decode a lease value; ``(None, {})`` for no holder or a value we cannot read.
-
-    Raises:
-        ConfigError: the value was written by a node of an earlier rselection release
-            whose term is not a whole number (such a node wrote a 16-digit term as
-            ``"1.7961690294577e+15"``): every node of that release must be stopped.
-    """
-    text = _text(raw) if raw is not None else ""
-    if not text:
-        return None, {}
-    doc: Any = None
-    try:
-        doc = json.loads(text)
-        now = int(_text(now_ms))
-        ttl_ms = max(0, int(pttl))
-        info = LeaderInfo(
-            str(doc["node"]),
-            int(doc["term"]),
-            _ms_to_utc(int(doc["at"])),
-            _ms_to_utc(now + ttl_ms),
-        )
-    except (ValueError, KeyError, TypeError):
-        if _earlier_release(doc):
-            raise ConfigError(
-                f"the lease holds term {doc['term']!r:.40} of node {str(doc['node'])!r:.80}, "
-                "not a whole number: a node of an earlier rselection release is competing "
-                "(it writes a term of 16 digits as 1.7961690294577e+15); stop every node "
-                "of the earlier release before starting this one"
-            ) from None
-        logger.warning("lease value %.80r is not an rselection lease; ignoring it", text)
-        return None, {}
-    return info, doc
-
-
-def _earlier_release(doc: Any) -> bool:
-    """Whether a lease value that failed to parse has every field of an rselection lease
-    and a term string that is not an integer: what the acquire script of an earlier
-    release wrote for a term of 15 digits or more (Lua's ``tostring``)."""
-    return (
-        isinstance(doc, dict)
-        and doc.keys() >= _OURS
-        and isinstance(doc["term"], str)
-        and not _WHOLE.fullmatch(doc["term"])
-    )
-
-
-#: A client id as Redis writes it (``CLIENT ID``): anything else in a lease value is not
-#: checked (the server would refuse the whole ``CLIENT LIST ID``).
-_CLIENT_ID = re.compile(r"[1-9][0-9]{0,18}")
-#: A term as the acquire script writes it.
-_WHOLE = re.compile(r"-?[0-9]+")
-#: Fields every release of the acquire script wrote.
-_OURS = frozenset({"token", "node", "term", "at"})
 
 
 class RedisLease(Closeable):
@@ -219,25 +140,20 @@ class RedisLease(Closeable):
         self._conn: Any = None
         self._listener: Any = None
         self._client_id = ""
-        self._run_id = ""
-        self._fast = False  # may a follower take over from us when our connection is gone?
         self._eviction_checked = False  # warned (or found safe) about maxmemory-policy
-        self._can_probe = True  # may we run CLIENT LIST ID?
         self._leading: tuple[str, int] | None = None  # (token, term) while we hold it
         # From an acquisition until term_ended()/release()/close(): the term's tasks may
         # run, so an error never closes the keeper connection (see term_ended()).
         self._hold = SessionHold()
-        self._seen: _Seen | None = None
-        self._seen_expires = 0.0  # rselection.clock time at which _seen's lease would expire
-        self._dead: _Seen | None = None
         self._presence: str | None = None  # the node id whose channel the listener joined
         self._handover_hint = False  # a request was announced since the last renewal
         self._handover: HandoverRequest | None = None
 
         self._wakeup = Wakeup()
-        # The process's beats and checks on this lease's server (once connected).
-        self._hub: LivenessHub | None = None
-        self._gone_lock = threading.Lock()  # _dead is set by the hub's thread
+        # Beats while it holds, the holder it follows while it waits (once connected).
+        self._liveness = LeaseLiveness(
+            name, self.key, self.ttl, self.liveness_interval, self.interrupt
+        )
         # The listener reads raw bytes (see ConnectionFactory): channels as bytes.
         self._events_channel = self.channel.encode()
         self._wake_after = 0.0  # a message may wake the keeper again from then on
@@ -253,14 +169,13 @@ class RedisLease(Closeable):
         forks.keep_inherited(self._conn, self._listener, self._wakeup)
         self._conn = self._listener = None
         self._client_id = ""
-        self._leading = self._seen = self._dead = None
+        self._leading = None
         self._hold = SessionHold()
         self._presence = None
         self._handover_hint = False
         self._handover = None
         self._wakeup = Wakeup()
-        self._hub = None  # the parent's; the child's hub is made on connect
-        self._gone_lock = threading.Lock()
+        self._liveness.reset_after_fork()
 
     def _enter_block(self) -> None:
         """Connect; the ``with`` block closes the lease on exit."""
@@ -280,7 +195,7 @@ class RedisLease(Closeable):
     @property
     def fast_failover(self) -> bool:
         """Whether this node's leases let followers take over when its connection is gone."""
-        return self._fast
+        return self._liveness.fast
 
     @property
     def server(self) -> str:
@@ -293,7 +208,7 @@ class RedisLease(Closeable):
     def holder_gone(self) -> bool:
         """Whether a wait found the holder's connection gone since the last attempt (the
         next attempt may then take the lease over at once)."""
-        return self._dead is not None
+        return self._liveness.holder_gone
 
     # -- connections ------------------------------------------------------------------
 
@@ -313,13 +228,13 @@ class RedisLease(Closeable):
         self._conn = conn
         try:
             try:
-                self._client_id = _text(self._call("CLIENT", "ID", expected=(redis.ResponseError,)))
+                self._client_id = text(self._call("CLIENT", "ID", expected=(redis.ResponseError,)))
             except redis.ResponseError as exc:
                 # An ACL without CLIENT: followers cannot probe us; they wait for expiry.
                 logger.info("lease %r: CLIENT ID refused (%s)", self.name, exc)
                 self._client_id = ""
-            info = _text(self._call("INFO", "server"))
-            self._run_id = next(
+            info = text(self._call("INFO", "server"))
+            run_id = next(
                 (
                     ln.split(":", 1)[1].strip()
                     for ln in info.splitlines()
@@ -330,14 +245,16 @@ class RedisLease(Closeable):
             with contextlib.suppress(redis.ResponseError):  # Redis < 7
                 self._call("CLIENT", "NO-EVICT", "on", expected=(redis.ResponseError,))
             self._check_eviction()
-            self._fast = bool(self._client_id) and self._server_keeps_live_connections()
-            self._can_probe = bool(self._client_id) and self._probe_allowed()
+            fast = bool(self._client_id) and self._server_keeps_live_connections()
+            can_probe = bool(self._client_id) and self._probe_allowed()
             listener = self._factory.connect()
             self._listener = listener
             listener.send_command("SUBSCRIBE", self.channel)
             listener.read_response()
+            liveness = self._liveness
+            liveness.run_id, liveness.fast, liveness.can_probe = run_id, fast, can_probe
             if self.liveness_interval is not None:
-                self._hub = LivenessHub.of(
+                liveness.hub = LivenessHub.of(
                     self._client,
                     self.key,
                     self._factory.where,
@@ -357,7 +274,7 @@ class RedisLease(Closeable):
             self.name,
             self._factory.where,
             self._client_id,
-            "on" if self._fast else "off",
+            "on" if self._liveness.fast else "off",
         )
 
     def _server_keeps_live_connections(self) -> bool:
@@ -394,11 +311,11 @@ class RedisLease(Closeable):
         return True
 
     def _config(self, name: str) -> int:
-        return int(self._config_text(name) or 0)
+        return int(self._configtext(name) or 0)
 
-    def _config_text(self, name: str) -> str:
+    def _configtext(self, name: str) -> str:
         reply = self._call("CONFIG", "GET", name, expected=(redis.ResponseError,))
-        values = [_text(v) for v in reply]
+        values = [text(v) for v in reply]
         return values[1] if len(values) >= 2 else ""
 
     def _check_eviction(self) -> None:
@@ -409,7 +326,7 @@ class RedisLease(Closeable):
             return
         try:
             maxmemory = self._config("maxmemory")
-            policy = self._config_text("maxmemory-policy")
+            policy = self._configtext("maxmemory-policy")
         except redis.ResponseError as exc:
             logger.debug("lease %r: cannot read the eviction policy (%s)", self.name, exc)
             return
@@ -442,9 +359,9 @@ class RedisLease(Closeable):
 
     def _drop(self) -> None:
         conns, self._conn, self._listener = (self._conn, self._listener), None, None
-        if self._leading is not None and self._hub is not None:
+        if self._leading is not None:
             # The term goes with its connection, unreleased: followers check it now.
-            self._hub.connection_failed(self)
+            self._liveness.connection_failed()
         self._lead(None)
         self._follow(None)
         self._hold.reset()
@@ -474,59 +391,25 @@ class RedisLease(Closeable):
         still run; then it stays open (broken) until :meth:`term_ended` or :meth:`close`."""
         if self._hold.fail():
             self._drop()
-        elif self._hub is not None:
-            self._hub.connection_failed(self)  # its followers check the connection now
+        else:
+            self._liveness.connection_failed()  # its followers check the connection now
 
     def _lead(self, leading: tuple[str, int] | None) -> None:
         """Set the (token, term) this keeper holds; while it holds one with fast
         takeover, the process beats for it (see :mod:`.liveness`)."""
         self._leading = leading
-        if self._hub is None:
-            return
-        if leading is not None and self._fast and self.liveness_interval is not None:
-            self._hub.hold(self, self.liveness_interval)
-        else:
-            self._hub.unhold(self)
+        self._liveness.lead(leading is not None)
 
-    def _follow(self, seen: _Seen | None) -> None:
+    def _follow(self, seen: Seen | None, expires: float = 0.0) -> None:
         """Set the holder the last attempt saw (``None``: nobody, or this keeper); a
         wait times it (:meth:`watch_for_change`)."""
-        with self._gone_lock:
-            self._seen = seen
-            if seen is None:
-                self._dead = None
-        if seen is None and self._hub is not None:
-            self._hub.unfollow(self)
-
-    def holder_found_gone(self, seen: _Seen) -> None:
-        """The process's liveness hub found the connection of holder ``seen`` gone: the
-        wait ends, and the next attempt takes the lease over (the script checks again).
-        Safe from any thread."""
-        with self._gone_lock:
-            if self._seen != seen:
-                return  # an attempt saw another holder since
-            self._dead = seen
-        logger.debug("lease %r: holder of term %s has no connection", self.name, seen.term)
-        self._wakeup.wake()
-
-    def probe_refused(self) -> None:
-        """The server refused ``CLIENT LIST``: this node takes over only on expiry."""
-        self._can_probe = False
-
-    def lease_may_be_free(self, seen: _Seen) -> None:
-        """The process's liveness hub found holder ``seen``'s lease expired or changed,
-        or could not read it: the wait ends, and the keeper attempts. Safe from any
-        thread."""
-        with self._gone_lock:
-            if self._seen is not seen:
-                return  # an attempt saw the holder since
-        self._wakeup.wake()
+        self._liveness.follow(seen, expires)
 
     def expiry_watched(self) -> bool:
         """Lease ability ``"watches_expiry"``: whether a wait ends when the lease of the
         holder the last attempt saw expires (the liveness hub reads it then), so that
         the keeper need not attempt at that expiry."""
-        return self._hub is not None and self._leading is None and self._seen is not None
+        return self._liveness.expiry_watched(self._leading is not None)
 
     def term_ended(self, term: int) -> None:
         """The leader ended ``term`` and joined its tasks: the connection may close now.
@@ -554,13 +437,13 @@ class RedisLease(Closeable):
         except redis.TimeoutError as exc:
             self._fail()
             raise BackendUnavailable(
-                f"cannot {_text(args[0]).lower()} on the lease server ({self._factory.where}): "
+                f"cannot {text(args[0]).lower()} on the lease server ({self._factory.where}): "
                 f"no answer within {self.renew_deadline:g} s; reconnecting"
             ) from exc
         except (redis.RedisError, OSError) as exc:
             self._fail()
             raise unavailable(
-                f"run {_text(args[0])} on the lease server", self._factory.where, exc
+                f"run {text(args[0])} on the lease server", self._factory.where, exc
             ) from exc
         return reply
 
@@ -581,8 +464,7 @@ class RedisLease(Closeable):
         check_node_id(node_id)
         self._keeper()
         self._join(node_id)
-        with self._gone_lock:
-            dead, self._dead = self._dead, None
+        dead = self._liveness.take_gone()
         self._lead(None)
         self._handover_hint = False
         self._handover = None
@@ -599,15 +481,15 @@ class RedisLease(Closeable):
             node_id,
             self._ttl_ms,
             self._client_id,
-            "1" if self._fast else "0",
+            "1" if self._liveness.fast else "0",
             dead.client if dead else "",
             dead.term if dead else "",
-            self._run_id,
+            self._liveness.run_id,
             self.channel,
-            self._hub.beacon if self._hub is not None else "",
+            self._liveness.beacon,
         )
         acquired = int(reply[0]) == 1
-        if not acquired and not _text(reply[1]):
+        if not acquired and not text(reply[1]):
             # Free, but a handover request reserves it for another node this long.
             self._follow(None)
             reserved = max(0.0, int(reply[2]) / 1000)
@@ -619,7 +501,7 @@ class RedisLease(Closeable):
             # backoff) beats spinning on a lease that looks free but cannot be taken.
             raise BackendUnavailable(
                 f"key {self.key!r} holds a value that is not an rselection lease "
-                f"({_text(reply[1])!r:.60}); use another key_prefix or lease name"
+                f"({text(reply[1])!r:.60}); use another key_prefix or lease name"
             )
         if acquired:
             self._hold.begin(info.term)
@@ -633,19 +515,8 @@ class RedisLease(Closeable):
                     dead.term,
                 )
         else:
-            process, _, secret = str(doc.get("beats", "")).partition(":")
-            self._seen_expires = clock.monotonic() + max(0, int(reply[2])) / 1000
-            self._follow(
-                _Seen(
-                    str(doc.get("term", "")),
-                    str(doc.get("client", "")),
-                    str(doc.get("run", "")),
-                    doc.get("fast") == "1",
-                    process,
-                    secret,
-                    reply[1] if isinstance(reply[1], bytes) else str(reply[1]).encode(),
-                )
-            )
+            expires = clock.monotonic() + max(0, int(reply[2])) / 1000
+            self._follow(Seen.of(doc, reply[1]), expires)
         return Acquisition(acquired, info, max(0.0, int(reply[2]) / 1000))
 
     def renew(self, node_id: str, term: int) -> bool:
@@ -664,7 +535,7 @@ class RedisLease(Closeable):
         )
         if isinstance(reply, list) and int(reply[0]) == 1:
             if int(reply[1]) == 1:
-                to = _text(reply[2])
+                to = text(reply[2])
                 self._handover = HandoverRequest(term, to or None, max(0, int(reply[3])) / 1000)
             return True
         logger.debug("lease %r: renewal of term %s by %s refused", self.name, term, node_id)
@@ -766,21 +637,7 @@ class RedisLease(Closeable):
         conn = self._keeper()  # raises when broken
         listener = self._listener
         assert listener is not None
-        seen, hub = self._seen, self._hub
-        if hub is not None and self.liveness_interval is not None:
-            if self._leading is not None or seen is None:
-                hub.unfollow(self)
-            else:
-                hub.watch_expiry(self, seen, self._seen_expires)
-                if (
-                    seen.fast
-                    and self._can_probe
-                    and _CLIENT_ID.fullmatch(seen.client) is not None
-                    and seen.run == self._run_id
-                ):
-                    hub.follow(self, seen, self.liveness_interval, self.ttl)
-                else:
-                    hub.stop_timing(self)
+        self._liveness.watch(self._leading is not None)
         wake = self._wakeup.socket
         assert wake is not None
         return _LeaseWatch(self, conn, listener, wake)
@@ -859,8 +716,7 @@ class RedisLease(Closeable):
         not check out, as this process's hub for the lease's server counted them
         (forged or replayed by a client allowed to PUBLISH; see
         :mod:`rselection.redis.messages`)."""
-        hub = self._hub
-        return self._dropped.count + (hub.dropped.count if hub is not None else 0)
+        return self._dropped.count + self._liveness.dropped
 
     def interrupt(self) -> None:
         """Wake the thread blocked in :meth:`wait_for_change`; safe from any thread.

@@ -1,41 +1,13 @@
 """One liveness beat per process and Redis server, for every lease the process holds there.
 
-A follower takes a lease over from a crashed holder as soon as it finds the holder's
-keeper connection gone (``CLIENT LIST ID``; see :mod:`rselection.redis.lease`). Beats
-tell it when not to look. :class:`LivenessHub` does both sides of that for one process,
-one server and one key prefix:
-
-* While any lease of the process holds a term with fast failover on that server, the
-  hub publishes a beat on ``<prefix>alive`` every half of the shortest
-  ``liveness_interval`` among them: one message per process, however many leases it
-  holds (a beat per lease made 4,000 messages a second at 1,000 leases, each read by
-  every follower).
-* It times the holders its leases follow, per holder process. After ``liveness_interval``
-  without a beat of a holder process, it checks the keeper connections of every lease
-  that process holds in one ``CLIENT LIST ID`` and wakes the leases whose holder's
-  connection is gone; their next attempt takes them over. A holder process that beat
-  and went silent (paused) is checked with waits doubling up to a second; one never
-  heard to beat (a release without process beats, an ACL that refuses the channel) is
-  checked every ``liveness_interval``.
-* It watches the expiry of the leases its followers' holders hold: when a followed
-  lease is due to expire, it asks how long the lease still holds the value its follower
-  saw (``HELD_FOR``; one round trip for all those due), reads a renewed one again at
-  its new expiry, and wakes the followers of the others, which attempt. So followers
-  do not attempt at each expiry (67 round trips a second at 1,000 leases, each through
-  the keeper's workers).
-* A beat carries an epoch: the number of keeper connections of held leases the process
-  saw fail or closed with a term unreleased. A process that is alive but lost one
-  lease's connection beats on with a new epoch, and its followers check at once and
-  keep checking for a lease period whatever its beats say, as they would had the whole
-  process died (a failed connection is closed only once the term's tasks are joined).
-
-The wire format and its signature are :mod:`rselection.redis.messages`'. A beat only
-says when to look: a takeover still needs the holder's connection gone and the acquire
-script's checks, so a forged, replayed or lost beat can delay a takeover (to the ttl at
-worst) but never cause one.
-
-Each hub has one thread and two connections (one for beats and checks, one listening),
-opened while it has leases; a server that hangs holds up only its own hub.
+:class:`LivenessHub` does both sides of fast crash failover for one process, server and
+key prefix: it beats for the leases the process holds (one signed message per process,
+carrying an epoch that grows when a held lease's connection fails), times the holders
+its leases follow and checks their connections (``CLIENT LIST ID``) when their beats
+stop, and reads followed leases when they are due to expire. A beat only says when to
+look: a forged, replayed or lost beat can delay a takeover, never cause one. One thread
+and two connections per hub. See ``docs/explanation/redis.md`` ("How the lease works");
+the wire format is :mod:`rselection.redis.messages`'.
 """
 
 from __future__ import annotations
@@ -58,6 +30,7 @@ from ..errors import first_line
 from ..wakeup import Wakeup
 from ._conn import ConnectionFactory
 from ._scripts import HELD_FOR
+from .holder import text
 from .keys import liveness_channel
 from .messages import Dropped, beat_sender, read_beat, sign_beat, unsigned_beat
 
@@ -564,9 +537,9 @@ class LivenessHub:
             conn.read_response(disconnect_on_error=False)  # INFO's reply
             self._unanswered(process, following, exc)
             return
-        info = _text(conn.read_response(disconnect_on_error=False))
+        info = text(conn.read_response(disconnect_on_error=False))
         run = next((ln[7:].strip() for ln in info.splitlines() if ln.startswith("run_id:")), "")
-        alive = {line.split(" ", 1)[0].removeprefix("id=") for line in _text(reply).splitlines()}
+        alive = {line.split(" ", 1)[0].removeprefix("id=") for line in text(reply).splitlines()}
         gone = [(lease, seen) for lease, seen in following if seen.client not in alive]
         with self._lock:
             for lease, seen in gone:
@@ -697,10 +670,6 @@ def _held_for(reply: Any) -> int | None:
     """The ``PTTL`` (ms) that ``HELD_FOR`` answered for a lease still holding the value
     its follower saw, else ``None`` (gone, changed, or an answer that is not one)."""
     return reply if isinstance(reply, int) and reply != -3 else None
-
-
-def _text(reply: Any) -> str:
-    return reply.decode("utf-8", "replace") if isinstance(reply, bytes) else str(reply)
 
 
 forks.register(LivenessHub)

@@ -1,31 +1,10 @@
 """Node membership in Redis: every node of a lease heartbeats into a sorted set.
 
-Each :class:`~rselection.RedisLeader` (leader and followers alike) records a heartbeat
-every ``heartbeat_interval`` seconds with one script that scores its node id in
-``<prefix>{<name>}:nodes`` by the server's ``TIME`` (milliseconds): the script, ``TIME``
-and ``ZADD`` are all the commands of a heartbeat, so a follower's heartbeats stay well
-inside its budget of one command per second. What changes rarely (host, pid, the address
-the server sees, the first heartbeat) is kept in the hash ``<prefix>{<name>}:nodeinfo``
-and written only when a node is new or has reconnected. Both keys carry the lease name as
-hash tag, like the lease's own keys, so one script lists the members and the holder in
-one slot of a Redis Cluster.
-
-A node is *alive* while its last heartbeat is younger than ``node_timeout`` by the
-server's clock; no client clock is compared. A node that stops gracefully removes itself
-at once; nodes lost for more than a day are purged by the others' heartbeats (on each
-node's first heartbeat, then about once an hour), which also keep the two keys from
-expiring (two days after the last such heartbeat, a fleet gone for good leaves nothing).
-
-The heartbeats of every membership on one Redis server (host, port and database) are
-sent by one thread of their own, so a server that hangs never delays another server's.
-The thread sends those due within a second (a tenth of ``heartbeat_interval`` if
-shorter) of memberships whose clients have the same settings in one pipeline, on one
-connection of its own with a socket timeout of
-``min(heartbeat_interval, node_timeout / 3)``; each reply counts for its membership
-alone. It also sends the removals on stop, after any heartbeat of the node in flight.
-A cluster client (or a Sentinel pool) sends its heartbeats one by one. A failed
-heartbeat is retried after 1 s, then 2, 4 and so on up to ``heartbeat_interval``. The
-node id, not the client address, identifies a node.
+A node is alive while its last heartbeat (scored by the server's ``TIME``) is younger
+than ``node_timeout``. The heartbeats of every membership on one Redis server are sent
+by one thread of their own, those due together in one pipeline. See
+``docs/explanation/redis.md`` ("How the lease works", Membership) for the keys, the
+purge and the retries.
 """
 
 from __future__ import annotations

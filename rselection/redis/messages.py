@@ -1,23 +1,11 @@
 """What the Redis backend's channels carry, parsed without ever raising.
 
 Any client allowed to ``PUBLISH`` can send anything on these channels, so a message is
-a wake-up, never data, unless its sender is proven; and parsing one never raises.
-
-* A lease's events channel (``<prefix>{<name>}:events``) carries ``acquired:<term>``,
-  ``released:<term>``, ``cancelled:<term>`` and ``resign:<term>``. :func:`event_kind`
-  accepts exactly these (a term of at most 19 ASCII digits); the keeper only wakes up on
-  them (rate-limited, see :mod:`rselection.redis.lease`) and reads the lease itself.
-* The liveness channel (``<prefix>alive``, one per key prefix) carries one beat per
-  process and server, for every lease that process holds there (see
-  :mod:`rselection.redis.liveness`): ``beat:<process>:<interval ms>:<epoch>:<seq>:<mac>``.
-  ``process`` is the beating process's random id (16 hex digits), ``seq`` counts its
-  beats from 0, ``epoch`` counts the keeper connections of held leases it saw fail, and
-  ``mac`` is an HMAC-SHA256 (first 128 bits, hex) of the rest keyed by the process's
-  random secret, which is stored in the values of the leases it holds only (a client
-  that cannot read a lease key cannot sign a beat). :func:`sign_beat` makes them,
-  :func:`beat_sender` names the sender of one and :func:`read_beat` checks it; a
-  follower also takes a beat only if its ``seq`` is above every one it took from that
-  process, so a beat heard once is never taken again.
+a wake-up, never data, unless its sender is proven. A lease's events channel carries
+``acquired:<term>``, ``released:<term>``, ``cancelled:<term>`` and ``resign:<term>``
+(:func:`event_kind`); the liveness channel carries signed, numbered beats
+(:func:`sign_beat`, :func:`beat_sender`, :func:`read_beat`), each taken once. See
+``docs/explanation/redis.md`` ("How the lease works", fast crash failover).
 """
 
 from __future__ import annotations

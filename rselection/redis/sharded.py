@@ -1,23 +1,9 @@
 """``RedisShardedLeader``: the sharded leader (:mod:`rselection.sharded`) on Redis.
 
-Each shard ``k`` is an ordinary Redis lease, ``"<name>/<k>"``, with a
-:class:`~rselection.RedisLeader` of its own on every node (all with the node's one
-``node_id``). A dead node's shards are taken over once the other nodes notice that its
-connection is gone (the liveness beats of :mod:`rselection.redis.liveness`, within about a
-second by default). The coordinator (the holder of the lease ``"<name>"``) reads the
-shards' holders and the nodes' heartbeats in two round trips, and moves shards with
-handover requests reserved for their targets, one script per shard in one pipeline.
-
-Unlike Postgres, Redis cannot check in the same step as a move that its target is
-still a member and that the coordinator still holds its term: the shards live in hash
-slots of their own. Both are checked just before the moves are asked for, and the
-membership again just after: a move to a node that left meanwhile is withdrawn at once
-(:func:`~.handover.cancel_handover`), and a node that leaves later opens what was
-reserved for it (:func:`~.handover.reopen_handovers`). A move of a coordinator deposed
-a moment before costs a handover, never safety: a handover only narrows who may take a
-shard.
-
-See ``docs/explanation/sharding.md`` for the design and its failure cases.
+Each shard is an ordinary Redis lease with a :class:`~rselection.RedisLeader` of its own
+on every node; the coordinator moves shards with handover requests reserved for their
+targets, and withdraws (or reopens) those whose target left. See
+``docs/explanation/sharding.md`` for the design and its failure cases.
 """
 
 from __future__ import annotations
@@ -40,6 +26,7 @@ from ._scripts import READ
 from .claims import RedisClaimer
 from .fencing import RedisFence
 from .handover import cancel_handover, current_holder, reopen_handovers, request_handovers
+from .holder import parse_holder
 from .keys import (
     DEFAULT_KEY_PREFIX,
     check_key_prefix,
@@ -48,7 +35,6 @@ from .keys import (
     shards_record_key,
 )
 from .leader import DEFAULT_CLAIMER, RedisLeader
-from .lease import parse_holder
 from .membership import read_nodes
 
 if TYPE_CHECKING:

@@ -19,8 +19,8 @@ from ..admin import LeaseStatus, PendingHandover, StatusSnapshot
 from ..members import NodeInfo
 from ._conn import describe, unavailable
 from ._scripts import READ
+from .holder import parse_holder
 from .keys import handover_key, lease_keys, lease_name_of, lease_name_patterns, retired_key
-from .lease import parse_holder
 from .membership import read_nodes
 
 __all__ = ["lease_names", "read_snapshot"]

@@ -2,15 +2,11 @@
 messages to this one.
 
 The listener owns its position in the outbox (the last id it delivered), its counters
-and its gap reports. It wants the table LISTENed only while its broadcaster has
-subscriptions or receivers (and the process holds a listening session only while one
-of its broadcasters has some), delivers only rows it read from the outbox table,
-fetching every row after the last id it delivered (after every (re)connect, on a NOTIFY,
-which is only a wake-up, see :mod:`.wakeups`, and on silence, which also probes the
-connection), and reports gaps left by retention. The
-thread and the Postgres session are not its own: every broadcaster of a process on one
-connection string shares one :class:`~rselection.postgres.broadcast.listening.ListeningSession`,
-which reconnects with backoff. :mod:`rselection.postgres.broadcast` explains the design.
+and its gap reports; it delivers only rows it read from the outbox table, fetching after
+every (re)connect, on a NOTIFY (a wake-up, see :mod:`.wakeups`) and on silence. Its
+thread and session are the process's shared
+:class:`~rselection.postgres.broadcast.listening.ListeningSession`. See
+``docs/explanation/broadcaster.md``.
 """
 
 from __future__ import annotations

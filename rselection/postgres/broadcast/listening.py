@@ -1,17 +1,11 @@
 """The listening session of a process: one per connection string, whatever the number of
 :class:`~rselection.postgres.PostgresBroadcaster` objects on it.
 
-Every broadcaster's :class:`~rselection.postgres.broadcast.listener.Listener` attaches to
-the :class:`ListeningSession` of its process and connection string. The session owns
-the thread and the Postgres session that LISTEN for all of them (one NOTIFY channel per
-outbox table, LISTENed while one of its listeners has readers), and hands each NOTIFY to
-the listeners of that table; each listener keeps its own position, counters and
-readers. It holds its Postgres session only while the process reads: the first
-subscription or receiver of any of its broadcasters starts the thread and connects,
-the session reconnects with backoff while readers are left, and it is closed as soon
-as the last reader of the process on that connection string has gone (a later reader
-connects again). A process that only publishes never listens. The thread ends with
-the last broadcaster.
+:class:`ListeningSession` owns the thread and the Postgres session that LISTEN for every
+broadcaster's :class:`~rselection.postgres.broadcast.listener.Listener` on that string,
+and hands each NOTIFY to the listeners of its table. It holds the session only while the
+process reads, and the thread ends with the last broadcaster. See
+``docs/explanation/broadcaster.md``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """Where a broadcaster's outbox table is: found the same way by its writer and its listener.
 
-A table name given without a schema means the first schema of a search path that holds
-a table of that name, and which one that is can change while a broadcaster runs: a
-table of the same name created in a schema earlier in the path, the table moved to
-another schema (``ALTER TABLE ... SET SCHEMA``), its schema renamed, the table dropped
-and created again. The writer publishes on lent sessions whose own ``search_path`` may
-be anything (a user's pool), and the listener reads on a session of its own, so neither
-session's ``search_path`` may decide: a broadcaster reads the search path once, on a
-session of its own (its ``conninfo``'s; the same for its writer and its listener), and
-from then on both find the table through that list with the same query
-(:meth:`Locator.find`, :data:`~.outbox.FIND_TABLE`), whatever the session they run on.
-
-Both name the table they found, schema-qualified, in every statement, and every
-publish and every fetch checks in the same statement that the name still finds that
-table (its oid): a publish that finds another one (or none) inserts nothing and the
-writer finds the table again; a fetch that does the listener finds it again, LISTENs on
-its channel and, when it is another table, resynchronises on it (a reset, see
-:class:`~.listener.Gap`). So the writer and the listener follow the table to the same
-place, and refuse (the table is missing; ``create_tables`` creates it again) in the
-same cases. A table given as ``schema.table`` is searched in that schema only.
+A table name without a schema means the first schema of a search path that holds it,
+read once per broadcaster; writer and listener find the table through that list with
+the same query (:meth:`Locator.find`), name it schema-qualified in every statement, and
+check in the same statement that the name still finds that table, so both follow it to
+the same place. See ``docs/explanation/broadcaster.md``.
 """
 
 from __future__ import annotations

@@ -1,41 +1,10 @@
 """The outbox of :class:`~rselection.postgres.PostgresBroadcaster`: its tables and statements.
 
-Two tables (created by :func:`~rselection.postgres.migrate`, or on first connect with
-``create_tables=True``; their DDL is in :mod:`rselection.postgres.schema`), in the
-schema of the table name given (``schema.table`` or the first schema of
-``search_path``)::
-
-    <table>:                 one row per published message
-        id          bigint identity primary key  -- order of delivery, see below
-        channel     text not null                -- the logical channel, any length
-        payload     text not null                -- the message as JSON text
-        origin      bigint not null              -- random id of the publishing broadcaster
-        origin_seq  bigint not null              -- per-origin message number (1, 2, ...)
-        created_at  timestamptz not null         -- server time (clock_timestamp())
-    <table>_state:           one row
-        purged_through  bigint not null          -- highest id ever deleted by retention
-        purged_at       timestamptz null
-
-Why a lock orders publishes: ``id`` comes from a sequence, and sequence values are
-handed out when a transaction runs, not when it commits. Two publishers could take ids
-10 and 11 and commit 11 first; a listener that read 11 and moved its cursor past it
-would never see 10. Every publish therefore locks the state table's one row (``FOR
-UPDATE``) *before* its ids are drawn and holds the lock through its commit, so ids
-become visible strictly in increasing order: a listener that has seen id N has seen
-every committed id below N, and "fetch id > last seen" never skips a row. The lock is
-held only while the server runs one statement and commits it (no client round trip
-inside), and a publish writes a whole batch of messages under it. Only a role that may
-update the state table can take it: an advisory lock, whose key anyone can compute
-from the table's name, would let a role that can merely connect hold every publish up.
-
-``purged_through`` tells a listener that rows it never read were deleted (gaps in ``id``
-alone prove nothing: a failed publish leaves unused ids behind).
-
-What a NOTIFY carries: the last id of the publish's transaction, as decimal digits, and
-nothing else. Any role that can connect may LISTEN on the table's channel and NOTIFY on
-it, so no message's channel or body ever travels in a NOTIFY, and a listener takes one
-as a wake-up only: what it delivers, where its position is, and any gap or reset are
-read from these two tables.
+One row per published message (``id`` orders delivery) and a one-row state table
+(``purged_through``); every publish locks that row before its ids are drawn, so ids
+become visible in order, and a NOTIFY carries only the last id: a wake-up, never data.
+See ``docs/explanation/broadcaster.md`` ("How it works", "What a NOTIFY carries, and
+what a listener trusts"); the DDL is in :mod:`rselection.postgres.schema`.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """The publish statements of a broadcaster's writer, on sessions it borrows.
 
-A writer holds no session of its own (see :mod:`.writer`), so what it used to do once
-per connection it now does once per lent session, and remembers per session for every
-writer of the process: the session's identity (to end its backend when it was cut with
-a batch in doubt, see :class:`~.writer.Writer`), and which publish statements are
-prepared on it. Statements are named after their text, so every writer of the process
-that publishes to the same table shares them on a pooled session, and no two texts
-share a name.
-
-Every statement a writer runs on a lent session names the tables with the schema its
-:class:`~.location.Locator` found them in, through the search path of the
-broadcaster's own sessions, as its listener does (:attr:`PublishStatements.outbox`): a
-user's pool may lend connections with another ``search_path`` (set by its
-``configure`` callback, or by the user's code on a connection it had from the pool),
-and an unqualified name would then mean another schema's table of the same name. Each
-publish checks that the name still finds that table; when it does not, it inserts
-nothing and the writer finds the table again (see :mod:`.location`)."""
+The writer holds no session of its own (see :mod:`.writer`): per lent session, and for
+every writer of the process, this module remembers the session's identity and which
+publish statements are prepared on it (named after their text). Every statement names
+the tables with the schema the broadcaster's :class:`~.location.Locator` found, and
+each publish checks that the name still finds that table. See
+``docs/explanation/broadcaster.md``.
+"""
 
 from __future__ import annotations
 

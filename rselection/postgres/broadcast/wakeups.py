@@ -1,16 +1,11 @@
 """What a NOTIFY on an outbox table's channel tells a listener: that it may fetch.
 
-Any role that can connect to the database may LISTEN and NOTIFY on any channel, and a
-broadcaster's channel name is a hash of its table's name, which anyone can compute. So
-a NOTIFY proves nothing about its sender: a listener takes it as a wake-up, never as
-data. Its payload, the last id a publish committed (see :mod:`.outbox`), serves only to
-skip a fetch that could find nothing new; what is delivered, where a listener's
-position is, and any gap or reset are read from the outbox table
-(:meth:`~.listener.Listener.catch_up`).
-
-:func:`notified_id` reads a payload without ever raising; :class:`IgnoredPayloads`
-counts the payloads that are not ids and reports them in a log line at most once a
-minute, however many arrive.
+Anyone who can connect may NOTIFY on a broadcaster's channel, so a NOTIFY is a wake-up,
+never data; its payload (the last id a publish committed) only lets a listener skip a
+fetch that could find nothing new. :func:`notified_id` reads a payload without ever
+raising; :class:`IgnoredPayloads` counts the others and logs them at most once a
+minute. See ``docs/explanation/broadcaster.md`` ("What a NOTIFY carries, and what a
+listener trusts").
 """
 
 from __future__ import annotations

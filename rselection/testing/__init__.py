@@ -1,0 +1,70 @@
+"""Helpers for testing your own tasks (run them, step down, compute and fire schedules)
+and your own lease backend (:class:`LeaderConformance`).
+
+The first are :mod:`rselection.testing.tasks`, the second
+:mod:`rselection.testing.conformance`; both are imported from here.
+
+The task helpers need no database. :func:`run_tasks` runs a handler under a real
+:class:`~rselection.SingleNodeLeader` (the production state machine over an in-memory
+lease), so cancellation, joins and signals behave as in production. :func:`fire_once`
+calls one task right now with a real :class:`~rselection.TaskContext`. :func:`fires` and
+:class:`FakeClock` compute fire instants from a given moment, without waiting.
+
+The leader's scheduler always uses real time: a :class:`FakeClock` does not speed up a
+running leader; it tells which fires come due between two instants, and
+:func:`fire_once` runs them. Use both to test *what a task does at a given fire*, and
+:func:`run_tasks` to test *that it runs and stops* under a leader.
+
+A lease backend of your own (etcd, ZooKeeper, a cloud lock service) is checked by the
+same scenarios every built-in backend passes: subclass :class:`LeaderConformance` in a
+test module and say how to make a lease::
+
+    from rselection.testing import LeaderConformance
+
+    class TestEtcdLease(LeaderConformance):
+        def make_lease(self, name: str) -> rs.LeaseBackend:
+            return EtcdLease(ETCD_URL, name=name, ttl=self.timings.ttl)
+
+Example::
+
+    from datetime import UTC, datetime, timedelta
+    import rselection as rs
+    from rselection.testing import FakeClock, fire_once, run_tasks
+
+    tasks = rs.TaskHandler()
+
+    @tasks.cron("0 * * * *", name="hourly")
+    def hourly(ctx: rs.TaskContext) -> str:
+        return ctx.fire_key
+
+    clock = FakeClock(datetime(2030, 1, 1, tzinfo=UTC), tasks)
+    due = clock.advance(timedelta(hours=3))
+    assert [fire.at.hour for fire in due] == [1, 2, 3]
+    assert fire_once(tasks, "hourly", at=due[0].at) == "hourly@2030-01-01T01:00:00.000000000Z"
+"""
+
+from __future__ import annotations
+
+from .conformance import LeaderConformance
+from .tasks import (
+    FakeClock,
+    Fire,
+    RunningTasks,
+    TaskFailures,
+    afire_once,
+    fire_once,
+    fires,
+    run_tasks,
+)
+
+__all__ = [
+    "FakeClock",
+    "Fire",
+    "LeaderConformance",
+    "RunningTasks",
+    "TaskFailures",
+    "afire_once",
+    "fire_once",
+    "fires",
+    "run_tasks",
+]
