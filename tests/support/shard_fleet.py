@@ -465,6 +465,21 @@ class ShardNode:
                 self.proc.kill()
                 self.proc.wait(10)
 
+    def exit_code(self, timeout: float) -> int:
+        """Wait (bounded) for the process to exit; past ``timeout``, fail with its last
+        events and the stacks of its threads (SIGUSR1, see ``shard_node``)."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)  # faulthandler writes from a signal handler: no reply to wait on
+            with self._cond:
+                last = [e["event"] for e in self.events[-10:]]
+            raise AssertionError(
+                f"{self.node} still running {timeout} s later; its last events {last}; "
+                f"its log:\n{self.tail(400)}"
+            ) from None
+
     def tail(self, lines: int = 20) -> str:
         """The last lines of its log."""
         try:

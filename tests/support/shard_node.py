@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import itertools
 import json
 import os
@@ -244,6 +245,9 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # SIGUSR1 writes every thread's stack to stderr (the node's log): how a test shows
+    # where a node that does not stop is waiting.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     leader.start()
     out.emit("ready", pid=os.getpid(), shards=args.shards, rselection=rs.__file__)
     while not done.wait(0.2):

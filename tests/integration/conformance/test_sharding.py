@@ -390,7 +390,7 @@ def test_two_nodes_stopped_together_leave_no_shard_unled_for_more_than_a_second(
         for node in leaving:  # Ctrl-C to both at once, as a scale-down does
             fleet.nodes[node].proc.send_signal(signal.SIGINT)
         for node in leaving:
-            assert fleet.nodes[node].proc.wait(60) == 0, fleet.nodes[node].tail()
+            assert fleet.nodes[node].exit_code(60) == 0, fleet.nodes[node].tail()
         wait_until(
             lambda: unled_gaps(fleet, theirs, leaving, began) is not None,
             30,
