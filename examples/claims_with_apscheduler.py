@@ -21,7 +21,9 @@ fire asks Postgres whether this process should run it:
   computes the same key and exactly one claim wins, even when one process fires late.
 * ``--mode elector``: ``elector.is_leader()``. Only the leader runs fires; simpler, but
   around a handover a fire can run twice or not at all.
-* ``--mode both``: the elector picks the process, the claim makes each fire run once.
+* ``--mode both``: the elector picks the process, the claim makes each fire run at
+  most once. A fire due while the process that stops is between its last fire and its
+  resignation runs nowhere: the others still see it lead.
 
 Each process prints ``ran <fire key>`` or ``skipped <fire key>`` for every fire it sees;
 ``--seconds N`` stops it after N seconds (otherwise Ctrl-C).

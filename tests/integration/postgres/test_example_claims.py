@@ -51,7 +51,13 @@ def test_three_schedulers_run_every_fire_exactly_once(pg_dsn: str, mode: str) ->
     duplicates = {key: n for key, n in ran.items() if n > 1}
     missed = sorted(seen - set(ran))
     assert duplicates == {}, events
-    assert missed == [], events
+    if mode == "claim":
+        assert missed == [], events
+    else:
+        # The elector hands over when its holder stops: a fire due between the holder's
+        # last fire and its resignation is seen by the others while it still holds, and
+        # runs nowhere (the example's docstring says so). Any other fire runs.
+        assert all(at_a_handover(key, events) for key in missed), (missed, events)
     # Every process saw the fires it was up for; fires are whole seconds, one key each.
     assert all(key.endswith(".000000000Z") for key in seen)
     if mode == "both":
@@ -62,3 +68,12 @@ def test_three_schedulers_run_every_fire_exactly_once(pg_dsn: str, mode: str) ->
         runners = [node for node, what, _ in sorted(events, key=lambda e: e[2]) if what == "ran"]
         blocks = [node for i, node in enumerate(runners) if i == 0 or runners[i - 1] != node]
         assert len(blocks) == len(set(blocks)), runners
+
+
+def at_a_handover(key: str, events: list[tuple[str, str, str]]) -> bool:
+    """Whether fire ``key`` fell where the running node changed: the last fire run
+    before it and the first run after it ran on different nodes (or none ran after)."""
+    runs = sorted((k, node) for node, what, k in events if what == "ran")
+    before = [node for k, node in runs if k < key]
+    after = [node for k, node in runs if k > key]
+    return bool(before) and (not after or after[0] != before[-1])
