@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..errors import BackendUnavailable, ConfigError, first_line
 from ..redaction import check_userinfo, has_password, parser_message, redact, redact_dsn
-from .output import UsageError, say
+from .output import EXIT_REFUSED, EXIT_UNREACHABLE, UsageError, say
 
 if TYPE_CHECKING:
     import psycopg
@@ -30,6 +30,7 @@ __all__ = [
     "PG_VARS",
     "NoLeaseTable",
     "Unreachable",
+    "act_on_lease",
     "check_dsn",
     "connect",
     "describe",
@@ -41,6 +42,7 @@ __all__ = [
     "redis_admin",
     "redis_client",
     "resolve_dsn",
+    "wants_redis",
     "warn_of_passwords",
 ]
 
@@ -322,3 +324,78 @@ def postgres_session(args: argparse.Namespace, dsn: str, *, hint: str) -> Iterat
                 f"lease table {args.table!r} does not exist on {describe(dsn)}: {hint}"
             )
         yield admin
+
+
+def wants_redis(args: argparse.Namespace) -> bool:
+    """Whether the command line names a Redis lease (``--redis-url``), not a Postgres one.
+
+    Args:
+        args: a parsed command line with ``--dsn`` and ``--redis-url``.
+
+    Raises:
+        UsageError: both were given.
+    """
+    if args.redis_url is None:
+        return False
+    if args.dsn is not None:
+        raise UsageError("pass either --dsn (Postgres) or --redis-url (Redis), not both")
+    return True
+
+
+def act_on_lease(
+    args: argparse.Namespace,
+    command: str,
+    *,
+    hint: str,
+    postgres: Callable[[PostgresAdmin, str], int],
+    redis: Callable[[RedisAdmin], int],
+    refused: tuple[type[Exception], ...] = (),
+) -> int:
+    """Run a command on the admin API of the lease the command line names, on Postgres or
+    on Redis (:func:`wants_redis`), and turn what failed into a message and an exit code.
+
+    Args:
+        args: the parsed command line.
+        command: the command's name, in the message when the server fails.
+        hint: what to do when the Postgres lease table does not exist.
+        postgres: the command on Postgres, given the admin and the connection string;
+            returns the exit code.
+        redis: the command on Redis, given the admin (its client closed after it);
+            returns the exit code.
+        refused: errors that refuse the command (exit 1, their message redacted).
+
+    Raises:
+        UsageError: both ``--dsn`` and ``--redis-url``, or a bad connection string.
+    """
+    if wants_redis(args):
+        try:
+            admin = redis_admin(args)
+        except Unreachable as exc:
+            say(str(exc), err=True)
+            return EXIT_UNREACHABLE
+        try:
+            return redis(admin)
+        except refused as exc:
+            say(redact(str(exc), args.redis_url), err=True)
+            return EXIT_REFUSED
+        except BackendUnavailable as exc:
+            say(f"{command} failed: {redact(reason(exc), args.redis_url)}", err=True)
+            return EXIT_UNREACHABLE
+        finally:
+            admin.client.close()
+    dsn = resolve_dsn(args)
+    try:
+        with postgres_session(args, dsn, hint=hint) as session:
+            return postgres(session, dsn)
+    except NoLeaseTable as exc:
+        say(str(exc), err=True)
+        return EXIT_REFUSED
+    except Unreachable as exc:
+        say(str(exc), err=True)
+        return EXIT_UNREACHABLE
+    except refused as exc:
+        say(redact(str(exc), dsn), err=True)
+        return EXIT_REFUSED
+    except BackendUnavailable as exc:
+        say(f"{command} failed on {describe(dsn)}: {redact(reason(exc), dsn)}", err=True)
+        return EXIT_UNREACHABLE

@@ -12,27 +12,16 @@ nothing to undo. The backend's admin API does it (``retire``).
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from ..admin import Refused, Retirement
-from ..errors import BackendUnavailable, ConfigError
-from ..redaction import redact
-from .connections import (
-    NoLeaseTable,
-    Unreachable,
-    describe,
-    postgres_session,
-    reason,
-    redis_admin,
-    resolve_dsn,
-)
-from .options import (
-    add_database_options,
-    add_nodes_options,
-    add_redis_options,
-    lease_name,
-    subcommand,
-)
-from .output import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, UsageError, say
+from ..errors import ConfigError
+from .connections import act_on_lease
+from .options import add_lease_options, lease_name, subcommand
+from .output import EXIT_OK, say
+
+if TYPE_CHECKING:
+    from ..redis import RedisAdmin
 
 __all__ = ["add_parser", "run"]
 
@@ -49,20 +38,21 @@ __all__ = ["add_parser", "run"]
 def add_parser(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``forget`` to its parser."""
     parser.add_argument("name", type=lease_name, help="the lease name")
-    add_database_options(parser)
-    add_nodes_options(parser)
-    add_redis_options(parser)
+    add_lease_options(parser)
     parser.set_defaults(run=run)
 
 
-def _retired(done: Retirement, hidden: str) -> str:
+def _retired(done: Retirement, hidden: str) -> int:
+    """Say what retiring did; the exit code."""
     name, term = done.name, done.term
     if done.already:
-        return f"lease {name!r} was already retired at term {term}: nothing to do"
-    return (
-        f"retired lease {name!r} at term {term}: {hidden}; its term is kept, so a new "
-        f"leader gets term {term + 1} or later, and acquiring it brings it back"
-    )
+        say(f"lease {name!r} was already retired at term {term}: nothing to do")
+    else:
+        say(
+            f"retired lease {name!r} at term {term}: {hidden}; its term is kept, so a new "
+            f"leader gets term {term + 1} or later, and acquiring it brings it back"
+        )
+    return EXIT_OK
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,47 +61,17 @@ def run(args: argparse.Namespace) -> int:
     Args:
         args: the parsed ``forget`` command line.
     """
-    if args.redis_url is not None:
-        if args.dsn is not None:
-            raise UsageError("pass either --dsn (Postgres) or --redis-url (Redis), not both")
-        return _forget_redis(args)
-    dsn = resolve_dsn(args)
-    try:
-        with postgres_session(args, dsn, hint="pass the right --table") as admin:
-            done = admin.retire(args.name)
-    except NoLeaseTable as exc:
-        say(str(exc), err=True)
-        return EXIT_REFUSED
-    except Unreachable as exc:
-        say(str(exc), err=True)
-        return EXIT_UNREACHABLE
-    except (Refused, ConfigError) as exc:
-        say(redact(str(exc), dsn), err=True)
-        return EXIT_REFUSED
-    except BackendUnavailable as exc:
-        say(f"forget failed on {describe(dsn)}: {redact(reason(exc), dsn)}", err=True)
-        return EXIT_UNREACHABLE
     hidden = "hidden from `rselection status` (name it, or pass --all, to see it)"
-    say(_retired(done, hidden))
-    return EXIT_OK
 
-
-def _forget_redis(args: argparse.Namespace) -> int:
-    """``forget --redis-url``: the same on a Redis lease."""
-    try:
-        admin = redis_admin(args)
-    except Unreachable as exc:
-        say(str(exc), err=True)
-        return EXIT_UNREACHABLE
-    try:
+    def on_redis(admin: RedisAdmin) -> int:
         done = admin.retire(args.name)
-    except Refused as exc:
-        say(str(exc), err=True)
-        return EXIT_REFUSED
-    except BackendUnavailable as exc:
-        say(f"forget failed: {redact(reason(exc), args.redis_url)}", err=True)
-        return EXIT_UNREACHABLE
-    finally:
-        admin.client.close()
-    say(_retired(done, f"marked by {done.marker!r}"))
-    return EXIT_OK
+        return _retired(done, f"marked by {done.marker!r}")
+
+    return act_on_lease(
+        args,
+        "forget",
+        hint="pass the right --table",
+        postgres=lambda admin, _dsn: _retired(admin.retire(args.name), hidden),
+        redis=on_redis,
+        refused=(Refused, ConfigError),
+    )

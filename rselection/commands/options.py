@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 __all__ = [
     "add_database_options",
+    "add_lease_options",
     "add_nodes_options",
     "add_redis_options",
     "lease_name",
@@ -97,6 +98,19 @@ def add_redis_options(parser: argparse.ArgumentParser) -> None:
         "--key-prefix",
         help="with --redis-url: the leaders' key_prefix (default: the leaders' default)",
     )
+
+
+def add_lease_options(parser: argparse.ArgumentParser, *, redis_nodes: bool = False) -> None:
+    """Where a lease is, on Postgres or on Redis: :func:`add_database_options`,
+    :func:`add_nodes_options` and :func:`add_redis_options`, in that order.
+
+    Args:
+        parser: the subcommand's parser.
+        redis_nodes: as ``redis`` of :func:`add_nodes_options`.
+    """
+    add_database_options(parser)
+    add_nodes_options(parser, redis=redis_nodes)
+    add_redis_options(parser)
 
 
 def lease_name(value: str) -> str:

@@ -12,29 +12,17 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..errors import BackendUnavailable, ConfigError
+from ..errors import ConfigError
 from ..redaction import redact
-from .connections import (
-    NoLeaseTable,
-    Unreachable,
-    describe,
-    postgres_session,
-    reason,
-    redis_admin,
-    resolve_dsn,
-)
-from .options import (
-    add_database_options,
-    add_nodes_options,
-    add_redis_options,
-    lease_name,
-    subcommand,
-)
-from .output import EXIT_REFUSED, EXIT_UNREACHABLE, UsageError, printable, say
+from .connections import act_on_lease, describe
+from .options import add_lease_options, lease_name, subcommand
+from .output import EXIT_REFUSED, UsageError, printable, say
 
 if TYPE_CHECKING:
     from ..admin import LeaseAdmin
     from ..lease import LeaderInfo
+    from ..postgres import PostgresAdmin
+    from ..redis import RedisAdmin
 
 __all__ = ["add_parser", "run"]
 
@@ -43,9 +31,7 @@ __all__ = ["add_parser", "run"]
 def add_parser(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``resign`` to its parser."""
     parser.add_argument("name", type=lease_name, help="the lease name")
-    add_database_options(parser)
-    add_nodes_options(parser)
-    add_redis_options(parser)
+    add_lease_options(parser)
     parser.add_argument("--to", metavar="NODE", help="the node that should take over")
     parser.add_argument(
         "--timeout",
@@ -67,57 +53,30 @@ def _took_over(node: str, name: str, term: int, took: float) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Ask the leader of ``args.name`` to hand over, wait for the new term, return the code."""
-    if args.redis_url is not None:
-        if args.dsn is not None:
-            raise UsageError("pass either --dsn (Postgres) or --redis-url (Redis), not both")
-        return _resign_redis(args)
-    if not args.timeout > 0:
-        raise UsageError(f"--timeout needs a positive number of seconds, got {args.timeout}")
-    dsn = resolve_dsn(args)
-    name = args.name
-    hint = "run `rselection migrate`, or pass the right --table"
-    try:
-        with postgres_session(args, dsn, hint=hint) as admin:
-
-            def alive() -> tuple[list[str] | None, bool]:
-                nodes = admin.nodes(name)
-                if nodes is None:
-                    return None, False
-                return [n.node_id for n in nodes if n.alive], bool(nodes)
-
-            return _checked_hand_over(
-                admin,
-                args,
-                missing=f"no lease {name!r} in {args.table!r} on {describe(dsn)}: check the "
-                "name (`rselection status` lists the leases) and --table",
-                alive=alive,
-                unchecked=f"no nodes table {args.nodes_table!r} (run `rselection migrate`)",
-                not_live=f"no heartbeat within {args.node_timeout:g}s",
-                shown=lambda text: redact(text, dsn),
-            )
-    except NoLeaseTable as exc:
-        say(str(exc), err=True)
-        return EXIT_REFUSED
-    except Unreachable as exc:
-        say(str(exc), err=True)
-        return EXIT_UNREACHABLE
-    except BackendUnavailable as exc:
-        say(f"resign failed on {describe(dsn)}: {redact(reason(exc), dsn)}", err=True)
-        return EXIT_UNREACHABLE
-
-
-def _resign_redis(args: argparse.Namespace) -> int:
-    """``resign --redis-url``: the same steps as with Postgres, on a Redis lease."""
-    if not args.timeout > 0:
+    # Both --dsn and --redis-url: that usage error is the one to report (act_on_lease).
+    if not args.timeout > 0 and (args.redis_url is None or args.dsn is None):
         raise UsageError(f"--timeout needs a positive number of seconds, got {args.timeout}")
     name = args.name
-    try:
-        admin = redis_admin(args)
-    except Unreachable as exc:
-        say(str(exc), err=True)
-        return EXIT_UNREACHABLE
-    try:
 
+    def on_postgres(admin: PostgresAdmin, dsn: str) -> int:
+        def alive() -> tuple[list[str] | None, bool]:
+            nodes = admin.nodes(name)
+            if nodes is None:
+                return None, False
+            return [n.node_id for n in nodes if n.alive], bool(nodes)
+
+        return _checked_hand_over(
+            admin,
+            args,
+            missing=f"no lease {name!r} in {args.table!r} on {describe(dsn)}: check the "
+            "name (`rselection status` lists the leases) and --table",
+            alive=alive,
+            unchecked=f"no nodes table {args.nodes_table!r} (run `rselection migrate`)",
+            not_live=f"no heartbeat within {args.node_timeout:g}s",
+            shown=lambda text: redact(text, dsn),
+        )
+
+    def on_redis(admin: RedisAdmin) -> int:
         def alive() -> tuple[list[str] | None, bool]:
             nodes = admin.live_nodes(name)
             return nodes, bool(nodes)
@@ -132,11 +91,14 @@ def _resign_redis(args: argparse.Namespace) -> int:
             not_live="no keeper connected",
             shown=str,
         )
-    except BackendUnavailable as exc:
-        say(f"resign failed: {redact(str(exc), args.redis_url)}", err=True)
-        return EXIT_UNREACHABLE
-    finally:
-        admin.client.close()
+
+    return act_on_lease(
+        args,
+        "resign",
+        hint="run `rselection migrate`, or pass the right --table",
+        postgres=on_postgres,
+        redis=on_redis,
+    )
 
 
 def _checked_hand_over(

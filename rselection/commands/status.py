@@ -29,11 +29,10 @@ from .connections import (
     reason,
     redis_admin,
     resolve_dsn,
+    wants_redis,
 )
 from .options import (
-    add_database_options,
-    add_nodes_options,
-    add_redis_options,
+    add_lease_options,
     lease_name,
     node_timeout,
     subcommand,
@@ -106,9 +105,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also show retired leases (rselection forget); they do not count for the exit code",
     )
-    add_database_options(parser)
-    add_redis_options(parser)
-    add_nodes_options(parser, redis=True)
+    add_lease_options(parser, redis_nodes=True)
     parser.add_argument("--claims-table", default="rselection_claims", help="fire claims table")
     parser.add_argument("--json", action="store_true", help="one JSON document (per refresh)")
     parser.add_argument(
@@ -416,11 +413,9 @@ def _reader(args: argparse.Namespace) -> Callable[[], dict[str, Any]]:
         UsageError: both ``--dsn`` and ``--redis-url``, or a bad URL.
         Unreachable: Redis did not answer.
     """
-    if args.redis_url is None:
+    if not wants_redis(args):
         dsn = resolve_dsn(args)
         return lambda: _read_postgres(dsn, args)
-    if args.dsn is not None:
-        raise UsageError("pass either --dsn (Postgres) or --redis-url (Redis), not both")
     admin = redis_admin(args, node_timeout(args))
     args.node_timeout = admin.node_timeout
     args.key_prefix = admin.key_prefix
