@@ -1,4 +1,5 @@
-"""The keeper's batch statements on a real server: array literals read back as written."""
+"""The keeper's batch statements: array literals read back as written on a real server,
+and where an attempt reads the server's lock table."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import random
 import psycopg
 from psycopg import sql
 
-from rselection.postgres._lease_sql import array_literal, rows_sql
+from rselection.postgres._lease_sql import (
+    AcquireRequest,
+    acquire_batch_sql,
+    array_literal,
+    new_lock_key,
+    rows_sql,
+)
 
 TRICKY = ['"', "\\", "'", "{", "}", ",", " ", "\t", "\n", "NULL", "null", "é", "😀", "$$", "E'"]
 
@@ -45,3 +52,15 @@ def test_rows_read_back_with_nulls_and_numbers(pg_dsn: str) -> None:
         ("c", 1e-05, 2**31 - 1, 2),
         ("d", 3600.5, None, 3),
     ]
+
+
+def test_the_states_read_the_lock_table_once_and_a_takeover_reads_it_again() -> None:
+    requests = [
+        AcquireRequest(f"l/{i}", "n", 15.0, new_lock_key(), f"c{i}", False) for i in range(3)
+    ]
+    text = acquire_batch_sql(sql.Identifier("t"), requests, server="s", ring=7).as_string(None)
+    reads = [s.count("pg_catalog.pg_locks") for s in text.split("; ") if "pg_locks" in s]
+    # The acquisition: once to find the rows it may take, and again, after locking them,
+    # before it takes one (a row locked may be a term begun after the first read). The
+    # states: once, however many of their columns look at locks.
+    assert reads == [2, 1]
