@@ -207,13 +207,15 @@ class WaitPump(forks.PerProcess):
         outcome: BaseException | None = None
         ended = sliced = False
         due = math.inf
+        watch = entry.watch
+        began = watch is None
         try:
-            if entry.watch is None:
-                entry.watch = entry.start()  # may reconnect: here, never on the pump
+            if watch is None:
+                watch = entry.watch = entry.start()  # may reconnect: here, never on the pump
             else:
-                ended = entry.watch.step(readable)
+                ended = watch.step(readable)
             if not ended:
-                due = entry.watch.due()
+                due = watch.due()
         except BaseException as exc:  # handed to the lease's owner
             outcome, ended = exc, True
         if not ended and time.monotonic() >= entry.slice_end:
@@ -232,8 +234,12 @@ class WaitPump(forks.PerProcess):
                     self._wake()  # nothing is left: the thread ends
             else:
                 self._ready.append((entry, min(due, entry.slice_end)))
-                if due == -math.inf:
-                    self._wake()  # more to read now; else the pump looks within SLACK
+                if due == -math.inf or began:
+                    # More to read now, or a watch just begun (added while the pump's
+                    # thread may sleep for up to _MAX_WAIT, not SLACK: its sockets
+                    # would go unwatched that long, and a release unseen); else the
+                    # pump, which handed this step out, looks within SLACK.
+                    self._wake()
         if ended:
             try:
                 entry.ended(outcome, sliced)
