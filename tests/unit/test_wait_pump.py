@@ -325,3 +325,33 @@ def test_a_watch_added_while_the_pump_sleeps_is_watched_at_once() -> None:
         for pair in pairs:
             for end in pair:
                 end.close()
+
+
+def test_the_pumps_thread_stays_across_a_call_and_ends_when_the_lease_leaves() -> None:
+    """A lease out for a call comes back: the thread (and its socket pair and selector)
+    is not ended and made anew for each renewal. A lease that leaves ends it at once."""
+    pump = WaitPump()
+    lane = ThreadPoolExecutor(1)
+    pair = socket.socketpair()
+
+    def threads() -> list[threading.Thread]:
+        thread = pump._thread  # this pump's thread, not the process's pump's
+        return [thread] if thread is not None and thread.is_alive() else []
+
+    try:
+        pump.add("lease", lane, lambda: _QuietWatch(pair[0], []), lambda *_: None, 60.0)
+        wait_until(threads, 5, "the pump's thread")
+        (first,) = threads()
+        pump.remove("lease")  # a call takes the lease out
+        time.sleep(0.3)
+        assert threads() == [first], "the thread ended while the lease was out for a call"
+        pump.add("lease", lane, lambda: _QuietWatch(pair[0], []), lambda *_: None, 60.0)
+        assert threads() == [first]
+        pump.remove("lease")
+        pump.discard("lease")  # the lease leaves for good (its leader stops)
+        wait_until(lambda: not threads(), 2, "the pump's thread to end")
+    finally:
+        pump.discard("lease")
+        lane.shutdown(wait=True)
+        for end in pair:
+            end.close()
