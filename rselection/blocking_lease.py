@@ -238,8 +238,12 @@ class BlockingLease:
 
     def _arm(self) -> None:
         """Pumped, under the lock: watch the lease when it is connected and no call uses
-        it (the last call arms it when done). The watch begins on the lease's lane."""
+        it (the last call arms it when done). The watch begins on the lease's lane. A
+        lease not watched again now, and not used by a call, is not coming back soon: the
+        pump's thread need not wait for it (see :data:`rselection.wait_pump.LINGER`)."""
         if self._waker is None or not self._may_wait():
+            if self._calls == 0:
+                WaitPump.shared().discard(self)
             return
         if self._lane is None:
             # Leases of one server share its wait workers: a hung server holds up its own.

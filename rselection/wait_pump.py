@@ -36,6 +36,14 @@ steps that fall due close together (beats of many leaders) rather than one each.
 
 _MAX_WAIT = 1.0  # seconds; a timed wait does not count time suspended: look again
 
+LINGER = 10.0
+"""Seconds the pump's thread stays, watching no lease, while a lease it watched is out
+for a call of its keeper (:meth:`WaitPump.remove`: a renewal, an attempt) or its watch
+ended (a change), and may come back. Before, the thread of a process with one lease
+ended at every such call and started again right after it, its socket pair and selector
+made anew, on the path from a release to the next holder's first task. Once no lease is
+out either (each left with :meth:`WaitPump.discard`), the thread ends at once."""
+
 
 Ended = Callable[[BaseException | None, bool], None]
 """Called on a worker when a watch ended: with what its start or step raised, or
@@ -93,6 +101,7 @@ class WaitPump(forks.PerProcess):
         self._entries: dict[object, _Entry] = {}
         self._ready: list[tuple[_Entry, float]] = []  # back from a step: (entry, due)
         self._dropped: list[_Entry] = []  # removed while in the selector
+        self._out: set[object] = set()  # keys removed for a call, not added back yet
         self._thread: threading.Thread | None = None
         self._wakeup = Wakeup()
         self._woken = False  # a wake-up byte is on its way to the pump's thread
@@ -119,6 +128,7 @@ class WaitPump(forks.PerProcess):
         entry = _Entry(key, lane, start, ended, time.monotonic() + slice_seconds)
         with self._cond:
             self._forget(self._entries.pop(key, None))
+            self._out.discard(key)
             self._entries[key] = entry
             if self._thread is None:
                 self._wakeup.open()
@@ -149,12 +159,16 @@ class WaitPump(forks.PerProcess):
             entry = self._entries.pop(key, None)
             if entry is None:
                 return
+            self._out.add(key)  # back after the call, most likely: the thread lingers
             self._forget(entry)
             self._cond.wait_for(lambda: not entry.running)
 
     def discard(self, key: object) -> None:
         """Stop watching ``key``'s lease soon; never blocks (a step under way may end)."""
         with self._cond:
+            if key in self._out:
+                self._out.discard(key)
+                self._wake()  # maybe the last one: the thread ends
             self._forget(self._entries.pop(key, None))
 
     def watching(self) -> int:
@@ -188,13 +202,15 @@ class WaitPump(forks.PerProcess):
         outcome: BaseException | None = None
         ended = sliced = False
         due = math.inf
+        watch = entry.watch
+        began = watch is None
         try:
-            if entry.watch is None:
-                entry.watch = entry.start()  # may reconnect: here, never on the pump
+            if watch is None:
+                watch = entry.watch = entry.start()  # may reconnect: here, never on the pump
             else:
-                ended = entry.watch.step(readable)
+                ended = watch.step(readable)
             if not ended:
-                due = entry.watch.due()
+                due = watch.due()
         except BaseException as exc:  # handed to the lease's owner
             outcome, ended = exc, True
         if not ended and time.monotonic() >= entry.slice_end:
@@ -209,12 +225,17 @@ class WaitPump(forks.PerProcess):
                 entry.removed = True
                 if self._entries.get(entry.key) is entry:
                     del self._entries[entry.key]
+                    self._out.add(entry.key)  # its owner watches again, most likely
                 if not self._entries:
-                    self._wake()  # nothing is left: the thread ends
+                    self._wake()  # nothing is left: the thread ends (or lingers)
             else:
                 self._ready.append((entry, min(due, entry.slice_end)))
-                if due == -math.inf:
-                    self._wake()  # more to read now; else the pump looks within SLACK
+                if due == -math.inf or began:
+                    # More to read now, or a watch just begun (added while the pump's
+                    # thread may sleep for up to _MAX_WAIT, not SLACK: its sockets
+                    # would go unwatched that long, and a release unseen); else the
+                    # pump, which handed this step out, looks within SLACK.
+                    self._wake()
         if ended:
             try:
                 entry.ended(outcome, sliced)
@@ -225,6 +246,7 @@ class WaitPump(forks.PerProcess):
 
     def _run(self) -> None:
         heap: list[tuple[float, int, int, _Entry]] = []
+        empty_since: float | None = None  # watching nothing since (monotonic)
         with selectors.DefaultSelector() as sel:
             wake = self._wakeup.socket
             assert wake is not None
@@ -233,10 +255,15 @@ class WaitPump(forks.PerProcess):
                 with self._cond:
                     self._woken = False
                     self._wakeup.clear()
-                    if not self._entries and not self._ready:
-                        self._thread = None
-                        self._wakeup.close()
-                        return
+                    now = time.monotonic()
+                    if self._entries or self._ready:
+                        empty_since = None
+                    else:
+                        empty_since = now if empty_since is None else empty_since
+                        if not self._out or now - empty_since >= LINGER:
+                            self._thread = None
+                            self._wakeup.close()
+                            return
                     ready, self._ready = self._ready, []
                     dropped, self._dropped = self._dropped, []
                     for entry in dropped:
@@ -249,6 +276,8 @@ class WaitPump(forks.PerProcess):
                         if due < math.inf:
                             heapq.heappush(heap, (due, next(self._order), entry.version, entry))
                     timeout = SLACK if self._stepping else _MAX_WAIT
+                if empty_since is not None:  # lingering: end once LINGER has passed
+                    timeout = min(timeout, max(0.0, empty_since + LINGER - time.monotonic()))
                 if heap:
                     wait = heap[0][0] - time.monotonic()
                     timeout = 0.0 if wait <= 0 else min(timeout, wait + SLACK)

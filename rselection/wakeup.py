@@ -29,6 +29,7 @@ class Wakeup:
         """Create a wake-up without its socket pair (see :meth:`open`)."""
         self._lock = threading.Lock()
         self._pending = False
+        self._sent = False  # a byte is on its way to the reading end since the last clear
         self._read: socket.socket | None = None
         self._write: socket.socket | None = None
 
@@ -55,14 +56,18 @@ class Wakeup:
         """Set the flag and wake a selector waiting on :attr:`socket`; never blocks."""
         with self._lock:
             self._pending = True
-            if self._write is not None:
+            if self._write is not None and not self._sent:
+                # One byte until the next clear wakes the selector: many wakes in a row
+                # (a thousand leases queueing their attempts) cost one send, not each.
                 with contextlib.suppress(OSError):  # buffer full: already woken
                     self._write.send(b"\0")
+                    self._sent = True
 
     def clear(self) -> None:
         """Forget the wake-ups so far (flag and bytes); the waiting thread calls it."""
         with self._lock:
             self._pending = False
+            self._sent = False
             if self._read is not None:
                 try:
                     while self._read.recv(256):
@@ -77,3 +82,4 @@ class Wakeup:
                 if sock is not None:
                     sock.close()
             self._read = self._write = None
+            self._sent = False

@@ -10,6 +10,7 @@ condition is there, is in :mod:`rselection.postgres.lease`.
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -29,19 +30,23 @@ from .schema import (
 )
 
 __all__ = [
+    "HELD_LOCKS",
     "LEASE_PROTOCOL",
     "LOCK_HELD",
+    "LOCK_SEEN",
     "RING_HELD",
     "SERVER_IDENTITY_SQL",
     "SERVER_START_SQL",
     "STATE_COLUMNS",
     "AcquireRequest",
+    "array_literal",
     "LeaseTable",
     "RenewRequest",
     "acquire_batch_sql",
     "current_sql",
     "describe_lease_table",
     "free_condition",
+    "held_locks",
     "lease_channel",
     "listen_sql",
     "new_lock_key",
@@ -226,9 +231,13 @@ def utc(value: datetime) -> datetime:
 #: lock (lock_key, term % 2**31) is granted to holder_pid. classid and objid are oids
 #: (unsigned): compare as bigint, the signed lock_key mapped to its unsigned value.
 #: Written as ``IN`` over a subquery that names no column of ``t``: the server reads the
-#: lock table once per statement into a hash table, where ``EXISTS`` with ``t``'s
-#: columns scanned every lock of the server again for each row (a batch of a thousand
-#: leases, with a thousand locks held, took a second).
+#: lock table once per use into a hash table, where ``EXISTS`` with ``t``'s columns
+#: scanned every lock of the server again for each row (a batch of a thousand leases,
+#: with a thousand locks held, took a second).
+#:
+#: Each use reads the lock table anew, when it is first evaluated, and an acquisition
+#: relies on that (see :func:`acquire_batch_sql`); a statement that only reports uses
+#: :data:`HELD_LOCKS` and :data:`LOCK_SEEN` instead.
 LOCK_HELD = (
     "COALESCE((t.lock_key::bigint & 4294967295, t.term % 2147483648, t.holder_pid) IN"
     " (SELECT l.classid::bigint, l.objid::bigint, l.pid FROM pg_catalog.pg_locks l"
@@ -237,6 +246,34 @@ LOCK_HELD = (
     " WHERE d.datname = current_database())"
     " AND l.objsubid = 2 AND l.granted AND l.pid IS NOT NULL), false)"
 )
+
+#: The advisory locks a statement that only reports looks at (:func:`states_sql`), read
+#: from the server's lock table once for the whole statement (a ``WITH`` item,
+#: ``held_locks``): the two-key locks of terms (``objsubid = 2``) in this database, and
+#: the one-key ring locks of the lease table's ring class ``{ring}`` (``objsubid = 1``,
+#: in any database). Each reference to ``pg_locks`` is a call of ``pg_lock_status()``,
+#: which copies the whole lock table: the states of an attempt read it four times, which
+#: took most of a one-lease attempt's time on a server where a thousand locks are held.
+HELD_LOCKS = (
+    "held_locks AS MATERIALIZED (SELECT l.objsubid, l.classid::bigint AS classid,"
+    " l.objid::bigint AS objid, l.pid FROM pg_catalog.pg_locks l"
+    " WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL"
+    " AND ((l.objsubid = 2 AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d"
+    " WHERE d.datname = current_database()))"
+    " OR (l.objsubid = 1 AND l.classid::bigint = {ring})))"
+)
+
+#: :data:`LOCK_HELD` as ``held_locks`` (:data:`HELD_LOCKS`) saw the lock table.
+LOCK_SEEN = (
+    "COALESCE((t.lock_key::bigint & 4294967295, t.term % 2147483648, t.holder_pid) IN"
+    " (SELECT h.classid, h.objid, h.pid FROM held_locks h WHERE h.objsubid = 2), false)"
+)
+
+
+def held_locks(ring: int) -> sql.Composed:
+    """The ``WITH`` item :data:`HELD_LOCKS` of the lease table whose ring class is
+    ``ring`` (:func:`~rselection.postgres.ring.ring_class`)."""
+    return sql.SQL(HELD_LOCKS).format(ring=sql.Literal(ring))
 
 
 def session_sql(keepalives: Keepalives, user_timeout: int) -> sql.Composed:
@@ -304,7 +341,7 @@ def same_server(server: str | None) -> sql.Composable:
     return sql.SQL("coalesce(t.holder_server = {}, false)").format(sql.Literal(server))
 
 
-def free_condition(server: str | None) -> sql.Composed:
+def free_condition(server: str | None, *, held: str = LOCK_HELD) -> sql.Composed:
     """True when row ``t`` may be taken: free, expired, or its holder's session is gone.
 
     The session check (the term's lock not held) only counts for a holder whose session
@@ -320,11 +357,13 @@ def free_condition(server: str | None) -> sql.Composed:
 
     Args:
         server: this session's server identity (``None``: expiry only).
+        held: the condition that the holder's lock is held: :data:`LOCK_HELD`, or
+            :data:`LOCK_SEEN` in a statement that only reports.
     """
     return sql.SQL(
         "(t.holder IS NULL OR t.holder_pid IS NULL OR t.expires_at IS NULL"
         " OR t.expires_at <= clock_timestamp()"
-        " OR ({same} AND NOT " + LOCK_HELD + "))"
+        " OR ({same} AND NOT " + held + "))"
     ).format(same=same_server(server))
 
 
@@ -388,15 +427,40 @@ STATE_COLUMNS = (
 )
 
 
+def array_literal(values: Iterable[str | int | float | None], kind: str) -> sql.Composed:
+    """An array of ``kind`` (``text``, ``bigint``, ``integer``, ``float8``) as one
+    quoted literal, ``'{...}'::kind[]``.
+
+    Written here rather than by psycopg's list adapter, which looks up a dumper and runs
+    a regular expression for each element: the keeper composes arrays of a thousand
+    names every few seconds, and that adapter was most of an idle follower's work on
+    its thread. Each string element is double-quoted with its ``"`` and ``\\``
+    escaped (array input syntax: only those two are special inside quotes, so any text
+    reads back as itself, ``NULL`` included); ``None`` is a SQL NULL; numbers are
+    written as Python spells them (finite ones only: a lease's timings are). The
+    whole is one string literal, quoted by psycopg.
+    """
+    parts = []
+    for value in values:
+        if value is None:
+            parts.append("NULL")
+        elif isinstance(value, str):
+            parts.append('"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"')
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"cannot write {value!r:.40} into an array literal")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"cannot write {value!r} into an array literal")
+        else:
+            parts.append(repr(value))
+    return sql.SQL("{}::{}[]").format(sql.Literal("{" + ",".join(parts) + "}"), sql.SQL(kind))
+
+
 def rows_sql(columns: str, *arrays: tuple[Sequence[Any], str]) -> sql.Composed:
     """``SELECT`` of ``unnest`` over one array literal per column (``(values, type)``):
     a batch of a thousand rows is a few array literals, not thousands of literals to
     compose every round."""
     return sql.SQL("SELECT * FROM unnest({}) AS {}").format(
-        sql.SQL(", ").join(
-            sql.SQL("{}::{}[]").format(sql.Literal(list(values)), sql.SQL(kind))
-            for values, kind in arrays
-        ),
+        sql.SQL(", ").join(array_literal(values, kind) for values, kind in arrays),
         sql.SQL(columns),
     )
 
@@ -412,15 +476,11 @@ def _requests(requests: Sequence[AcquireRequest]) -> sql.Composed:
     )
 
 
-#: True when the holder's session of row ``t`` holds a ring lock (``{ring}``: the ring
-#: locks' upper 32 bits, whatever the lower): every keeper session of protocol 2 does,
-#: none of protocol 1. Another session's lock cannot count for the holder's.
-RING_HELD = (
-    "COALESCE(t.holder_pid IN"
-    " (SELECT k.pid FROM pg_catalog.pg_locks k"
-    " WHERE k.locktype = 'advisory' AND k.objsubid = 1 AND k.granted"
-    " AND k.classid::bigint = {ring} AND k.pid IS NOT NULL), false)"
-)
+#: True when the holder's session of row ``t`` holds a ring lock (of the ring class
+#: :data:`HELD_LOCKS` reads, whatever the lower 32 bits), as ``held_locks`` saw the lock
+#: table: every keeper session of protocol 2 does, none of protocol 1. Another session's
+#: lock cannot count for the holder's.
+RING_HELD = "COALESCE(t.holder_pid IN (SELECT h.pid FROM held_locks h WHERE h.objsubid = 1), false)"
 
 
 def states_sql(
@@ -440,12 +500,13 @@ def states_sql(
     """
     node = sql.SQL("r.node")
     return sql.SQL(
-        "SELECT t.name, t.holder, t.term, t.lock_key, t.acquired_at, t.expires_at,"
+        "WITH {locks}"
+        " SELECT t.name, t.holder, t.term, t.lock_key, t.acquired_at, t.expires_at,"
         " greatest(0, extract(epoch FROM t.expires_at - clock_timestamp()))::float8,"
-        " ({same} AND " + LOCK_HELD + "),"
+        " ({same} AND " + LOCK_SEEN + "),"
         " CASE WHEN NOT {open} THEN greatest(0, extract(epoch FROM"
         " t.resign_until - clock_timestamp()))::float8 ELSE 0::float8 END,"
-        " CASE WHEN {same} AND " + LOCK_HELD + " AND NOT " + RING_HELD + " THEN 1"
+        " CASE WHEN {same} AND " + LOCK_SEEN + " AND NOT " + RING_HELD + " THEN 1"
         " ELSE t.protocol END,"
         " ({free} AND {open}), t.holder_pid"
         " FROM {t} AS t JOIN ({req}) AS r(name, node, ttl, channel, lock_key)"
@@ -454,9 +515,9 @@ def states_sql(
         t=table,
         req=_requests(requests),
         same=same_server(server),
-        free=free_condition(server),
+        free=free_condition(server, held=LOCK_SEEN),
         open=not_reserved(node),
-        ring=sql.Literal(ring),
+        locks=held_locks(ring),
     )
 
 
@@ -503,6 +564,11 @@ def acquire_batch_sql(
     )
     # `tried` is materialised and read whole by the outer query (the driving side of a
     # LEFT JOIN), so every lock it takes is either the taken term's or freed below.
+    # `taken` checks {free} again, reading the lock table anew after the rows are locked:
+    # a row locked FOR UPDATE is its latest version, which may be another node's term
+    # begun after `locked` read the lock table (its lock taken after that read, its row
+    # committed before ours was locked); only a read after the row lock sees that
+    # term's lock. One read for both would take a lease its new holder just took.
     return sql.SQL(
         "{insert}"
         "WITH r(name, node, ttl, channel, lock_key) AS ({req}),"

@@ -308,6 +308,10 @@ class SharedKeeper:
         self._closed = False
         # Nodes that heartbeat through the session: node -> when its next beat is due.
         self._beats: dict[Heartbeat, float] = {}
+        # The most seconds a node's heartbeat goes out before it is due (a quarter of the
+        # longest interval of a node that beat here): none is due while the earliest
+        # beat is further off than this.
+        self._beat_early = 0.0
         self._beating = threading.RLock()  # held while a batch of heartbeats is sent
         self._created: set[str] = set()  # nodes tables created through this session
         self._ring: RingWatcher | None = None
@@ -355,6 +359,7 @@ class SharedKeeper:
                 keeper = cls._registry[key] = SharedKeeper(conninfo, table)
             with keeper._state:
                 keeper._beats[node] = 0.0
+                keeper._beat_early = max(keeper._beat_early, node.heartbeat_interval / 4)
         keeper._wakeup.wake()
         return keeper
 
@@ -1265,6 +1270,8 @@ class SharedKeeper:
         one process beat together), one statement per kind and table."""
         now = clock.monotonic()
         with self._state:
+            if not self._beats or min(self._beats.values()) > now + self._beat_early:
+                return  # the pump loops often: most loops find no beat due, in one pass
             due = [n for n, at in self._beats.items() if at <= now + n.heartbeat_interval / 4]
         groups: dict[tuple[type, str], list[Heartbeat]] = {}
         for node in due:

@@ -464,7 +464,8 @@ class PostgresLease(Closeable):
         return keeper.release_soon(self, node_id, term, answered) is not None
 
     def _before_attempt(self, node_id: str) -> SharedKeeper:
-        check_node_id(node_id)
+        if node_id is not self._node_id:  # the last attempt's was checked already
+            check_node_id(node_id)
         keeper = self._shared()
         self._node_id = node_id
         self._wake.clear()

@@ -31,6 +31,7 @@ from .. import forks
 from ..errors import BackendUnavailable
 from ..members import MembershipBase, NodeInfo
 from ._conn import per_call_source, session_conninfo
+from ._lease_sql import array_literal
 from .connections import Connections
 from .keeper import Heartbeat, SharedKeeper
 from .schema import create_tables, table_identifier
@@ -212,10 +213,10 @@ class PostgresMembership(MembershipBase):
         )
         # Two array literals, not two literals a node: a process of a thousand leases
         # composes this every heartbeat.
-        names = sql.Literal([name for name, _ in keys])
-        nodes = sql.Literal([node for _, node in keys])
+        names = array_literal([name for name, _ in keys], "text")
+        nodes = array_literal([node for _, node in keys], "text")
         return sql.SQL(
-            "WITH beat(name, node) AS (SELECT * FROM unnest({names}::text[], {nodes}::text[])),"
+            "WITH beat(name, node) AS (SELECT * FROM unnest({names}, {nodes})),"
             " purge AS ("
             " DELETE FROM {n} AS d USING (SELECT DISTINCT name FROM beat) AS b"
             " WHERE d.name = b.name AND (d.name, d.node_id) NOT IN (SELECT * FROM beat)"

@@ -5,6 +5,7 @@ at once, a change wakes the keeper, and the pump's thread ends with the last lea
 from __future__ import annotations
 
 import itertools
+import math
 import socket
 import threading
 import time
@@ -273,3 +274,84 @@ def test_a_watch_whose_slice_ran_out_does_not_wake_the_keeper(
         adapter.on_wake(None)
         adapter.close()
     assert lease.overlaps == 0
+
+
+class _QuietWatch:
+    """A watch with nothing due: it steps only when its socket is readable."""
+
+    def __init__(self, sock: socket.socket, seen: list[float]) -> None:
+        self.sockets = (sock,)
+        self._seen = seen
+
+    def due(self) -> float:
+        return math.inf
+
+    def step(self, readable: frozenset[Any]) -> bool:
+        if readable:
+            self.sockets[0].recv(64)
+            self._seen.append(time.monotonic())
+            return True
+        return False
+
+
+def test_a_watch_added_while_the_pump_sleeps_is_watched_at_once() -> None:
+    """A lease watched again after a call (a renewal, an attempt) had its socket out of
+    the selector until the pump's thread next woke by itself, up to a second later when
+    the other leases had nothing due: a release in that time was seen that late."""
+    pump = WaitPump()
+    lane = ThreadPoolExecutor(2)
+    pairs = [socket.socketpair() for _ in range(2)]
+    seen: list[float] = []
+    try:
+        pump.add("quiet", lane, lambda: _QuietWatch(pairs[0][0], []), lambda *_: None, 60.0)
+        time.sleep(0.3)  # the pump's thread sleeps now, with nothing due for a while
+        started = threading.Event()
+
+        def start() -> _QuietWatch:
+            started.set()
+            return _QuietWatch(pairs[1][0], seen)
+
+        pump.add("added", lane, start, lambda *_: None, 60.0)
+        assert started.wait(5)
+        time.sleep(0.05)  # the watch has begun
+        poked = time.monotonic()
+        pairs[1][1].send(b"x")
+        wait_until(lambda: seen, 5, "the added watch to see its socket")
+        assert seen[0] - poked < 0.3, f"seen after {seen[0] - poked:.3f} s"
+    finally:
+        pump.discard("quiet")
+        pump.discard("added")
+        lane.shutdown(wait=True)
+        for pair in pairs:
+            for end in pair:
+                end.close()
+
+
+def test_the_pumps_thread_stays_across_a_call_and_ends_when_the_lease_leaves() -> None:
+    """A lease out for a call comes back: the thread (and its socket pair and selector)
+    is not ended and made anew for each renewal. A lease that leaves ends it at once."""
+    pump = WaitPump()
+    lane = ThreadPoolExecutor(1)
+    pair = socket.socketpair()
+
+    def threads() -> list[threading.Thread]:
+        thread = pump._thread  # this pump's thread, not the process's pump's
+        return [thread] if thread is not None and thread.is_alive() else []
+
+    try:
+        pump.add("lease", lane, lambda: _QuietWatch(pair[0], []), lambda *_: None, 60.0)
+        wait_until(threads, 5, "the pump's thread")
+        (first,) = threads()
+        pump.remove("lease")  # a call takes the lease out
+        time.sleep(0.3)
+        assert threads() == [first], "the thread ended while the lease was out for a call"
+        pump.add("lease", lane, lambda: _QuietWatch(pair[0], []), lambda *_: None, 60.0)
+        assert threads() == [first]
+        pump.remove("lease")
+        pump.discard("lease")  # the lease leaves for good (its leader stops)
+        wait_until(lambda: not threads(), 2, "the pump's thread to end")
+    finally:
+        pump.discard("lease")
+        lane.shutdown(wait=True)
+        for end in pair:
+            end.close()

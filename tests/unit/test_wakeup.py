@@ -51,3 +51,32 @@ def test_many_wakes_never_block_and_close_is_idempotent() -> None:
     wakeup.open()
     assert wakeup.socket is not None
     wakeup.close()
+
+
+def test_wakes_in_a_row_send_one_byte_and_a_wake_after_clear_wakes_again() -> None:
+    wakeup = Wakeup()
+    wakeup.open()
+    sock = wakeup.socket
+    assert sock is not None
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(sock, selectors.EVENT_READ)
+            for _ in range(1_000):
+                wakeup.wake()
+            assert sel.select(0)
+            assert sock.recv(4096) == b"\0", "one byte wakes the selector, not one a wake"
+            # The byte is gone but clear() was not called: wakes still count as pending.
+            assert wakeup.pending
+            wakeup.clear()
+            assert not sel.select(0)
+            wakeup.wake()
+            assert sel.select(0), "a wake after clear() sends a byte again"
+            wakeup.clear()
+            wakeup.close()
+            wakeup.open()
+            new = wakeup.socket
+            assert new is not None
+            wakeup.wake()
+            assert new.recv(16) == b"\0", "a new socket pair gets its own byte"
+    finally:
+        wakeup.close()
