@@ -564,11 +564,15 @@ def acquire_batch_sql(
     )
     # `tried` is materialised and read whole by the outer query (the driving side of a
     # LEFT JOIN), so every lock it takes is either the taken term's or freed below.
-    # `taken` checks {free} again, reading the lock table anew after the rows are locked:
-    # a row locked FOR UPDATE is its latest version, which may be another node's term
+    # A row locked FOR UPDATE is its latest version, which may be another node's term
     # begun after `locked` read the lock table (its lock taken after that read, its row
-    # committed before ours was locked); only a read after the row lock sees that
-    # term's lock. One read for both would take a lease its new holder just took.
+    # committed before ours was locked). Three checks keep that term its holder's: the
+    # server rechecks `locked`'s condition on that version, and the recheck reads the
+    # lock table anew (it evaluates subqueries afresh, but reuses a WITH item: so no
+    # shared read of the locks here); `taken` takes only the term it locked (its scan
+    # sees the older version, `t.term + 1 = tried.term` fails); and `taken` checks
+    # {free} again with a read of its own. With one WITH item read for both, only the
+    # check of the term kept the lease from a follower (test_takeover_race.py).
     return sql.SQL(
         "{insert}"
         "WITH r(name, node, ttl, channel, lock_key) AS ({req}),"
