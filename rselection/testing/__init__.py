@@ -1,19 +1,14 @@
-"""Helpers for testing your own tasks (run them, step down, compute and fire schedules)
-and your own lease backend (:class:`LeaderConformance`).
-
-The first are :mod:`rselection.testing.tasks`, the second
-:mod:`rselection.testing.conformance`; both are imported from here.
+"""Helpers for testing your own tasks (run them, step down, compute and fire schedules:
+:mod:`rselection.testing.tasks`) and your own lease backend (:class:`LeaderConformance`:
+:mod:`rselection.testing.conformance`); both are imported from here.
 
 The task helpers need no database. :func:`run_tasks` runs a handler under a real
 :class:`~rselection.SingleNodeLeader` (the production state machine over an in-memory
 lease), so cancellation, joins and signals behave as in production. :func:`fire_once`
-calls one task right now with a real :class:`~rselection.TaskContext`. :func:`fires` and
-:class:`FakeClock` compute fire instants from a given moment, without waiting.
-
-The leader's scheduler always uses real time: a :class:`FakeClock` does not speed up a
-running leader; it tells which fires come due between two instants, and
-:func:`fire_once` runs them. Use both to test *what a task does at a given fire*, and
-:func:`run_tasks` to test *that it runs and stops* under a leader.
+calls one task now with a real :class:`~rselection.TaskContext`. :func:`fires` and
+:class:`FakeClock` tell which fires come due between two instants, without waiting (a
+running leader's scheduler uses real time): test *what a task does at a given fire* with
+them and :func:`fire_once`, and *that it runs and stops* with :func:`run_tasks`.
 
 A lease backend of your own (etcd, ZooKeeper, a cloud lock service) is checked by the
 same scenarios every built-in backend passes: subclass :class:`LeaderConformance` in a
