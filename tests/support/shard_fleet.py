@@ -472,7 +472,9 @@ class ShardNode:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.send_signal(signal.SIGUSR1)
-            time.sleep(1.0)  # faulthandler writes from a signal handler: no reply to wait on
+            deadline = time.monotonic() + 5.0  # until the stacks are written, bounded
+            while "most recent call first" not in self.tail(400) and time.monotonic() < deadline:
+                time.sleep(0.05)
             with self._cond:
                 last = [e["event"] for e in self.events[-10:]]
             raise AssertionError(
