@@ -66,6 +66,7 @@ class DrivenKeeper:
         """Set once the leader has shut down (released, closed, cleaned up)."""
         self._running = False  # added to the driver
         self._busy = False  # pool work of this leader runs (one at a time)
+        self._connecting = False  # that work is connecting the lease
         self._in_flight = False  # a renewal or attempt was started, not answered yet
         self._woken = False  # the lease said a wait would have returned early
         self._wake_lock = threading.Lock()
@@ -133,6 +134,10 @@ class DrivenKeeper:
         term = state.term
         watch = self._watch(term, now)
         if self._busy or self._in_flight:
+            if self._connecting and state.stopping.is_set():
+                # A backend may let a connect give up when interrupted (Postgres's does);
+                # again each second, in case the stop came as that connect began.
+                state.interrupt_backend()
             return min(watch, now + _IN_FLIGHT_CHECK)
         try:
             return min(watch, self._step(now))
@@ -173,6 +178,7 @@ class DrivenKeeper:
             self._work(state.announce)
             return now + _IN_FLIGHT_CHECK
         if not state.connected:
+            self._connecting = True
             self._work(self._connect)
             return now + _IN_FLIGHT_CHECK
         term = state.term
@@ -392,6 +398,8 @@ class DrivenKeeper:
     # -- pool work -----------------------------------------------------------------------
 
     def _connect(self) -> None:
+        if self._state.stopping.is_set():
+            return  # the next step shuts down: no connect for it to wait for
         self._backend.connect()
         self._state.connected = True
         # A new session knows no holder (a lease watching the holder's expiry forgot
@@ -507,7 +515,7 @@ class DrivenKeeper:
     def _worked(
         self, result: Any, error: BaseException | None, then: Callable[[Any], None] | None
     ) -> None:
-        self._busy = False
+        self._busy = self._connecting = False
         if self._finished:
             if error is not None:
                 logger.error("lease %r: error while stopping", self._state.name, exc_info=error)

@@ -80,18 +80,12 @@ from ._lease_sql import (
     unlock_next_terms_sql,
     unlock_sql,
 )
-from .keeper_session import (
-    connect_kwargs,
-    pin_session,
-    read_server,
-    refuse_standby,
-    resolve_table,
-    take_ring_lock,
-)
+from .keeper_opening import OpenedSession, Opening, open_session
+from .keeper_session import pin_session
 from .notice_gate import NoticeGate
 from .notices import LeaseNotice, lease_notice, ring_notice
-from .pooler import BACKEND_PID, check_bound, check_same_backend, check_session_pooling
-from .ring import RingWatcher, members_sql, ring_channel, ring_class
+from .pooler import BACKEND_PID, check_same_backend
+from .ring import RingWatcher, members_sql, ring_class
 from .schema import create_tables, table_identifier
 from .session_pool import SessionPool
 
@@ -164,6 +158,7 @@ class KeptLease(Protocol):
     create_tables: bool
     channel: str | None
     row_seen: bool
+    interrupts: int  # counts the lease's interrupt() calls
 
     @property
     def conninfo(self) -> str:
@@ -316,6 +311,8 @@ class SharedKeeper:
         self._created: set[str] = set()  # nodes tables created through this session
         self._ring: RingWatcher | None = None
         self._ring_channel = ""
+        self._opening: Opening | None = None  # opening the session (statement lock)
+        self._opened = threading.Condition()  # an opening ended, or a client interrupted
         self._reading = threading.Lock()  # a read in flight on the session (read())
         self._gate = NoticeGate()  # whom notifications are believed from, and how often
         # Notifications as received (channel, payload, sender), read by the keeper's
@@ -412,61 +409,99 @@ class SharedKeeper:
     def ensure(self, lease: KeptLease) -> int:
         """Connect when needed and make ``lease`` a listener; return the generation.
 
+        The session is opened on a thread of its own (see :mod:`.keeper_opening`), which
+        every lease that needs it waits for: a lease interrupted meanwhile
+        (``lease.interrupts`` changed) gives up at once.
+
         Raises:
             ConfigError: a pooler in transaction mode, or a lease table of another
                 protocol or too old a schema.
-            BackendUnavailable: the server cannot be reached, or the session broke and
-                terms taken through it have not ended yet.
+            BackendUnavailable: the server cannot be reached, the session broke and
+                terms taken through it have not ended yet, or ``lease`` was interrupted.
         """
         # The common case, without the statement lock: a batch in flight holds it,
         # and every lease due now must queue its renewal while that batch is out.
         if self.ready(lease):
             return self.generation
-        with self._lock:
-            with self._state:
-                conn = self._conn
-                # A session the server ended counts as broken even before a round trip
-                # marked it so: reconnecting now would drop the holds of running terms.
-                broken = self._holds.broken or (conn is not None and (conn.closed or conn.broken))
-                holds = self._holds.holding
-            if broken and holds:
-                self._fail()
-                raise self._lost()
-            if broken or conn is None:
-                self._drop()
-                self._connect(lease)
+        seen = lease.interrupts
+        while True:
+            with self._lock:
+                opening = self._opening_needed(lease)
+                if opening is None:
+                    return self._listen(lease)
+            opening.wait(lambda: lease.interrupts != seen)
+
+    def interrupted(self) -> None:
+        """A client was interrupted: its wait for the session's opening ends."""
+        with self._opened:
+            self._opened.notify_all()
+
+    def _opening_needed(self, lease: KeptLease) -> Opening | None:
+        """Under the statement lock: ``None`` when the session is up, else the opening
+        to wait for (started now unless one is under way).
+
+        Raises:
+            BackendUnavailable: the session broke and holds terms not ended yet.
+            RuntimeError: no thread could start for the opening.
+        """
+        with self._state:
             conn = self._conn
-            assert conn is not None and self._found is not None
-            # Every client not listening yet, not only this one: leases started together
-            # (a sharded leader's) listen in one round trip, not one each.
+            # A session the server ended counts as broken even before a round trip
+            # marked it so: reconnecting now would drop the holds of running terms.
+            broken = self._holds.broken or (conn is not None and (conn.closed or conn.broken))
+            holds = self._holds.holding
+        if broken and holds:
+            self._fail()
+            raise self._lost()
+        if not broken and conn is not None:
+            return None
+        if self._opening is None:
+            self._drop()
             with self._state:
-                waiting = {lease} | {
-                    c
-                    for c in self._clients
-                    if c.channel is None or c not in self._by_channel.get(c.channel, ())
-                }
+                create = any(c.create_tables for c in self._clients)
+            opening = Opening(self._opened)
+            opening.start(
+                lambda: self._open(opening, create, lease.renew_deadline),
+                name=f"rselection-keeper-open-{self.table}",
+            )
+            self._opening = opening
+        return self._opening
+
+    def _listen(self, lease: KeptLease) -> int:
+        """Under the statement lock, the session up: listen on the channel of ``lease``
+        and of every client not listening yet; return the generation."""
+        conn = self._conn
+        assert conn is not None and self._found is not None
+        # Every client not listening yet, not only this one: leases started together
+        # (a sharded leader's) listen in one round trip, not one each.
+        with self._state:
+            waiting = {lease} | {
+                c
+                for c in self._clients
+                if c.channel is None or c not in self._by_channel.get(c.channel, ())
+            }
+        for client in waiting:
+            if client.channel is None:
+                client.channel = lease_channel(self._found.qualified, client.name)
+        new: list[str] = []
+        with self._state:
             for client in waiting:
-                if client.channel is None:
-                    client.channel = lease_channel(self._found.qualified, client.name)
-            new: list[str] = []
-            with self._state:
-                for client in waiting:
-                    if client is not lease and client not in self._clients:
-                        continue  # closed meanwhile
-                    assert client.channel is not None
-                    if client.channel in self._unlistens:
-                        # Its lease was closed and opened again before the keeper's
-                        # thread left the channel (it does so holding the statement
-                        # lock, which we hold): still listening, so stay.
-                        self._unlistens.discard(client.channel)
-                    elif client.channel not in self._by_channel and client.channel not in new:
-                        new.append(client.channel)
-                    self._by_channel.setdefault(client.channel, set()).add(client)
-            if new:
-                self._run(listen_sql(new), "listen for the leases", limit=lease)
-            if self._want > self._pinned:
-                self._pinned = pin_session(conn, self._want)
-            return self.generation
+                if client is not lease and client not in self._clients:
+                    continue  # closed meanwhile
+                assert client.channel is not None
+                if client.channel in self._unlistens:
+                    # Its lease was closed and opened again before the keeper's
+                    # thread left the channel (it does so holding the statement
+                    # lock, which we hold): still listening, so stay.
+                    self._unlistens.discard(client.channel)
+                elif client.channel not in self._by_channel and client.channel not in new:
+                    new.append(client.channel)
+                self._by_channel.setdefault(client.channel, set()).add(client)
+        if new:
+            self._run(listen_sql(new), "listen for the leases", limit=lease)
+        if self._want > self._pinned:
+            self._pinned = pin_session(conn, self._want)
+        return self.generation
 
     def ready(self, lease: KeptLease) -> bool:
         """True when ``lease`` can queue a round trip without connecting or listening
@@ -481,76 +516,64 @@ class SharedKeeper:
                 and self._want <= self._pinned
             )
 
-    def _connect(self, lease: KeptLease) -> None:
-        hold, timeout = self._want, self._timeout
+    def _open(self, opening: Opening, create: bool, renew_deadline: float) -> None:
+        """The opening's thread: open the session, then make it the keeper's (or close
+        it, the keeper being closed meanwhile). Takes the statement lock only to adopt."""
         try:
-            conn = psycopg.Connection.connect(
-                self._conninfo, **connect_kwargs("", hold, self._timeout)
-            )
-        except psycopg.Error as exc:
-            raise unavailable("connect to the lease server", self._conninfo, exc) from exc
-        try:
-            with self._io.guard(conn, check_bound(timeout)):
-                refuse_standby(conn, self.where)
-                pid = check_session_pooling(
-                    conn,
-                    lambda: psycopg.Connection.connect(
-                        self._conninfo, **connect_kwargs(":probe", hold, timeout)
-                    ),
-                    where=self.where,
-                    io=self._io,
-                    timeout=timeout,
-                )
-            with self._io.guard(conn, lease.renew_deadline + timeout):
-                with self._state:
-                    create = any(c.create_tables for c in self._clients)
-                if create:
-                    create_tables(conn, leases=self.table, timeout=lease.renew_deadline)
-                found = resolve_table(conn, self.table, self.where)
-                server = read_server(conn, self.where)
-                ring = ring_channel(found.qualified)
-                take_ring_lock(conn, found.oid, self.where)
-                conn.execute(
-                    sql.SQL("{listen}; SELECT pg_notify({ring}, 'up:' || {pid}::text)").format(
-                        listen=listen_sql([ring]), ring=sql.Literal(ring), pid=sql.Literal(pid)
-                    )
-                )
-            conn.add_notify_handler(self._on_notify)
-        except psycopg.Error as exc:
-            conn.close()
-            raise unavailable("prepare the keeper session", self._conninfo, exc) from exc
-        except BaseException:
-            conn.close()
-            raise
-        with self._state:
-            self._conn = conn
-            self._pid = pid
-            self._server = server
-            self._found = found
-            self._ring_channel = ring
-            self._holds.reset()
-            self._pinned = 0.0
-            self._by_channel = {}
-            self._unlistens = set()
-            self._unlocks = []
-            self._created = set()
-            self.generation += 1
-            clients = list(self._clients)
-        self._gate.connected(pid)
-        for client in clients:
-            client.channel = None  # listened to again on the client's next call
-        self._pinned = pin_session(conn, self._want)
-        if self._ring is None:
-            self._ring = RingWatcher(
+            opened = open_session(
                 self._conninfo,
-                table_oid=found.oid,
-                channel=ring,
-                connect_timeout=timeout,
-                name=self.table,
+                hold=self._want,
+                timeout=self._timeout,
+                io=self._io,
+                where=self.where,
+                table=self.table,
+                create=create,
+                renew_deadline=renew_deadline,
             )
-        self._ring.watch_from(pid)
-        self._start_pump()
-        logger.debug("keeper connected (%s, pid %s)", self.where, pid)
+            self._adopt(opened)
+        finally:
+            with self._lock:
+                if self._opening is opening:
+                    self._opening = None
+
+    def _adopt(self, opened: OpenedSession) -> None:
+        with self._lock:
+            with self._state:
+                closed = self._closed
+            if closed:
+                opened.conn.close()
+                raise BackendUnavailable("the keeper session was closed while opening")
+            conn, pid = opened.conn, opened.pid
+            conn.add_notify_handler(self._on_notify)
+            with self._state:
+                self._conn = conn
+                self._pid = pid
+                self._server = opened.server
+                self._found = opened.found
+                self._ring_channel = opened.ring
+                self._holds.reset()
+                self._pinned = 0.0
+                self._by_channel = {}
+                self._unlistens = set()
+                self._unlocks = []
+                self._created = set()
+                self.generation += 1
+                clients = list(self._clients)
+            self._gate.connected(pid)
+            for client in clients:
+                client.channel = None  # listened to again on the client's next call
+            self._pinned = pin_session(conn, self._want)
+            if self._ring is None:
+                self._ring = RingWatcher(
+                    self._conninfo,
+                    table_oid=opened.found.oid,
+                    channel=opened.ring,
+                    connect_timeout=self._timeout,
+                    name=self.table,
+                )
+            self._ring.watch_from(pid)
+            self._start_pump()
+            logger.debug("keeper connected (%s, pid %s)", self.where, pid)
 
     # -- holds and failures --------------------------------------------------------------
 

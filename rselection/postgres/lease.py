@@ -138,6 +138,7 @@ class PostgresLease(Closeable):
         """LISTEN/NOTIFY channel of this lease (known once connected)."""
         self.row_seen = False
         """True once an attempt found the lease's row (no need to create it again)."""
+        self.interrupts = 0  # interrupt() calls: a connect waiting for the session gives up
         hold = self.renew_deadline + self.stop_grace  # a cut-off leader's wind-down
         self.server_keepalives: Keepalives = server_keepalives(hold)
         self.server_user_timeout: int = server_user_timeout(hold)
@@ -687,8 +688,14 @@ class PostgresLease(Closeable):
         Sticky: an interrupt that arrives just before the wait makes it return at once. A
         renewal waiting for the shared session (whose round trip may hang on a silent
         server) raises ``BackendUnavailable`` at once; the round trip goes on for the
-        other leases of the process.
+        other leases of the process. So does a :meth:`connect` waiting for the shared
+        session to open (on a server that does not answer, up to ``connect_timeout``):
+        the opening goes on for the other leases.
         """
+        self.interrupts += 1
+        keeper = self._keeper
+        if keeper is not None:
+            keeper.interrupted()
         done = self._renewal_done
         if done is not None:
             done.set()

@@ -94,11 +94,17 @@ def test_a_stop_before_start_is_final(shard_server: ShardServer) -> None:
 OUTAGE_STOP_BOUND = 0.5 + 2.0 + HAND_OFF_WAIT + 2.5
 
 
+@pytest.mark.parametrize("outage_before_stop", [0.5, 1.5, 3.0])
 def test_stop_during_an_outage_leaves_no_task_stuck_and_ends_in_bounded_time(
-    shard_server: ShardServer, make_tcp_proxy: Callable[[str, int], TcpProxy]
+    shard_server: ShardServer,
+    make_tcp_proxy: Callable[[str, int], TcpProxy],
+    outage_before_stop: float,
 ) -> None:
     # Before, the coordinator's rebalancer blocked in its reads and requests: it was
     # reported stuck, and with on_stuck="exit" the process exited with code 70 mid-stop.
+    # A stop arriving later in the outage (1.5 s, 3 s: the renew deadline has passed
+    # and the leases reconnect) waited for each shard's reconnect in turn, up to the
+    # connect timeout each: 20 to 25 s on Postgres.
     proxy = make_tcp_proxy(*shard_server.host_port())
     env = dict(os.environ, **shard_server.env(via=proxy.address), PYTHONPATH=str(REPO_ROOT))
     cmd = stop_node(shard_server, unique("outage"), "--stop-in", "stdin")
@@ -116,7 +122,7 @@ def test_stop_during_an_outage_leaves_no_task_stuck_and_ends_in_bounded_time(
         assert node.stdout is not None and node.stdin is not None
         assert node.stdout.readline().strip() == "ready"
         proxy.blackhole()  # connections stay open; nothing gets through
-        time.sleep(0.5)  # the rebalancer's round in flight waits for an answer now
+        time.sleep(outage_before_stop)  # the rebalancer's round in flight waits now
         node.stdin.write("stop\n")
         node.stdin.flush()
         out, err = node.communicate(timeout=90)
