@@ -32,7 +32,7 @@ from rselection.postgres import (
     PostgresClaimer,
     PostgresElector,
 )
-from rselection.postgres import keeper as keeper_module
+from rselection.postgres import keeper_opening
 from rselection.postgres._conn import IoWatchdog
 from rselection.postgres.leader import PostgresLeader
 from rselection.postgres.lease import PostgresLease
@@ -327,7 +327,7 @@ def test_a_renewal_or_acquisition_on_another_backend_is_refused(
         assert row is not None
         return int(row[0])
 
-    monkeypatch.setattr(keeper_module, "check_session_pooling", only_the_pid)
+    monkeypatch.setattr(keeper_opening, "check_session_pooling", only_the_pid)
     # Room for the keeper's statements and the ring watcher's while other clients hold
     # up to five backends (holding_backend).
     bouncer = make_pgbouncer(pool_mode="transaction", pool_size=7)
