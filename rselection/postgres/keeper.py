@@ -98,6 +98,8 @@ __all__ = [
     "SharedKeeper",
 ]
 
+_LOCK_POLL = 0.05  # seconds between looks at an interrupt while the statement lock is busy
+
 logger = logging.getLogger(__name__)
 
 GATHER = 0.01
@@ -424,12 +426,24 @@ class SharedKeeper:
         if self.ready(lease):
             return self.generation
         seen = lease.interrupts
+
+        def interrupted() -> bool:
+            return lease.interrupts != seen
+
         while True:
-            with self._lock:
+            # The statement lock may be held by a round trip that hangs on a silent
+            # server (left alone while a term taken through it runs): an interrupt ends
+            # this wait too.
+            while not self._lock.acquire(timeout=_LOCK_POLL):
+                if interrupted():
+                    raise BackendUnavailable("waiting for the keeper session was interrupted")
+            try:
                 opening = self._opening_needed(lease)
                 if opening is None:
                     return self._listen(lease)
-            opening.wait(lambda: lease.interrupts != seen)
+            finally:
+                self._lock.release()
+            opening.wait(interrupted)
 
     def interrupted(self) -> None:
         """A client was interrupted: its wait for the session's opening ends."""
@@ -518,13 +532,16 @@ class SharedKeeper:
 
     def _open(self, opening: Opening, create: bool, renew_deadline: float) -> None:
         """The opening's thread: open the session, then make it the keeper's (or close
-        it, the keeper being closed meanwhile). Takes the statement lock only to adopt."""
+        it, the keeper being closed meanwhile). Takes the statement lock only to adopt.
+        Its round trips have a watchdog of their own: the keeper's ends when the keeper
+        closes, which may be before the opening ends."""
+        io = IoWatchdog(f"keeper-open-{self.table}")
         try:
             opened = open_session(
                 self._conninfo,
                 hold=self._want,
                 timeout=self._timeout,
-                io=self._io,
+                io=io,
                 where=self.where,
                 table=self.table,
                 create=create,
@@ -532,6 +549,7 @@ class SharedKeeper:
             )
             self._adopt(opened)
         finally:
+            io.close()
             with self._lock:
                 if self._opening is opening:
                     self._opening = None
@@ -552,7 +570,7 @@ class SharedKeeper:
                 self._found = opened.found
                 self._ring_channel = opened.ring
                 self._holds.reset()
-                self._pinned = 0.0
+                self._pinned = opened.pinned
                 self._by_channel = {}
                 self._unlistens = set()
                 self._unlocks = []
@@ -562,7 +580,6 @@ class SharedKeeper:
             self._gate.connected(pid)
             for client in clients:
                 client.channel = None  # listened to again on the client's next call
-            self._pinned = pin_session(conn, self._want)
             if self._ring is None:
                 self._ring = RingWatcher(
                     self._conninfo,

@@ -23,6 +23,7 @@ from ._conn import IoWatchdog, unavailable
 from ._lease_sql import LeaseTable, listen_sql
 from .keeper_session import (
     connect_kwargs,
+    pin_session,
     read_server,
     refuse_standby,
     resolve_table,
@@ -44,6 +45,7 @@ class OpenedSession:
     server: str
     found: LeaseTable
     ring: str  # the ring's channel, listened to
+    pinned: float  # the wind-down its keepalives are sized for
 
 
 def open_session(
@@ -58,8 +60,9 @@ def open_session(
     renew_deadline: float,
 ) -> OpenedSession:
     """Connect, check the server and the pooler, create or resolve the lease table, take
-    a place in the ring and announce it (each step bounded by ``timeout``, the table's
-    creation by ``renew_deadline``).
+    a place in the ring and announce it, and size the keepalives for a wind-down of
+    ``hold`` (each step bounded by ``timeout``, the table's creation by
+    ``renew_deadline``).
 
     Raises:
         ConfigError: a pooler in transaction mode, or a table of another protocol.
@@ -93,13 +96,14 @@ def open_session(
                     listen=listen_sql([ring]), ring=sql.Literal(ring), pid=sql.Literal(pid)
                 )
             )
+            pinned = pin_session(conn, hold)
     except psycopg.Error as exc:
         conn.close()
         raise unavailable("prepare the keeper session", conninfo, exc) from exc
     except BaseException:
         conn.close()
         raise
-    return OpenedSession(conn, pid, server, found, ring)
+    return OpenedSession(conn, pid, server, found, ring, pinned)
 
 
 class Opening:
