@@ -35,9 +35,14 @@ from .daemon_pool import Lane
 from .driver import LeaseDriver
 from .errors import BackendUnavailable, ConfigError
 from .leadership import Leadership, StepDown
-from .lease import Acquisition, ReleaseOutcome, RenewOutcome
+from .lease import Acquisition, LeaderInfo, ReleaseOutcome, RenewOutcome
 
 __all__ = ["DrivenKeeper", "SKIPPED_RETRY"]
+
+
+class _Begun:
+    """What a blocking attempt answers when it won and began the term on its worker."""
+
 
 logger = logging.getLogger("rselection.leader")
 
@@ -219,9 +224,20 @@ class DrivenKeeper:
             return self._follow_at
         self._deferred = False
         sent = clock.monotonic()
+
+        def attempt() -> Acquisition | _Begun:
+            # A blocking attempt that wins begins the term on the same worker: no hop to
+            # the driver's thread and back to a worker before the tasks start.
+            outcome = self._backend.try_acquire(state.node_id)
+            holder = outcome.holder
+            if not outcome.acquired or holder is None or state.stopping.is_set():
+                return outcome
+            self._begin(holder, sent)
+            return _Begun()
+
         self._round_trip(
             lambda done: self._lease.acquire_soon(state.node_id, done),
-            lambda: self._backend.try_acquire(state.node_id),
+            attempt,
             lambda outcome: self._attempted(sent, outcome),
         )
         return now + _IN_FLIGHT_CHECK
@@ -281,24 +297,22 @@ class DrivenKeeper:
         answered(outcome)
         self._driver.poke(self)
 
-    def _attempted(self, sent: float, outcome: Acquisition | BaseException) -> None:
+    def _attempted(self, sent: float, outcome: Acquisition | _Begun | BaseException) -> None:
         if isinstance(outcome, BaseException):
             self._failed(outcome)
             return
         state = self._state
         self._failures = 0
+        if isinstance(outcome, _Begun):
+            self._follow_at = 0.0  # once the term is over, attempt at once
+            return
         holder = outcome.holder
         if outcome.acquired and holder is not None:
             if state.stopping.is_set():
                 state.held_term = holder.term  # never begun: the shut-down releases it
                 return
-
-            def begin() -> None:
-                state.observe(holder)
-                state.begin_term(holder, sent)
-
-            self._follow_at = 0.0  # once the term is over, attempt at once
-            self._work(begin)
+            self._follow_at = 0.0
+            self._work(lambda: self._begin(holder, sent))
             return
         seen = (holder.node_id, holder.term) if holder is not None else None
         if seen != state.last_seen:
@@ -397,6 +411,10 @@ class DrivenKeeper:
 
     # -- pool work -----------------------------------------------------------------------
 
+    def _begin(self, holder: LeaderInfo, sent: float) -> None:
+        self._state.observe(holder)
+        self._state.begin_term(holder, sent)
+
     def _connect(self) -> None:
         if self._state.stopping.is_set():
             return  # the next step shuts down: no connect for it to wait for
@@ -434,7 +452,7 @@ class DrivenKeeper:
             finally:
                 request.finish()
 
-        self._work(end, then=lambda held: self._release_soon(held, after))
+        self._end_and_release(end, after)
 
     def _shut_down(self) -> None:
         """End the term, release, then close and clean up (membership, claimer, store),
@@ -453,7 +471,21 @@ class DrivenKeeper:
         # No more waits: a wait begun after a call that failed would only reconnect (in
         # an outage, up to the connect timeout) before the release could run.
         self._lease.on_wake(None)
-        self._work(self._state.end_for_release, then=lambda held: self._release_soon(held, after))
+        self._end_and_release(self._state.end_for_release, after)
+
+    def _end_and_release(
+        self,
+        end: Callable[[], int | None],
+        after: Callable[[int | None, ReleaseOutcome], None],
+    ) -> None:
+        """Run ``end()`` (ending the term: the term to release, if any), start that
+        release (see :meth:`_release_soon`), then ``after(held, outcome)``. A lease
+        without a non-blocking release ends and releases on one worker, with no hop to
+        the driver's thread between."""
+        if lease_ability(self._lease, "non_blocking_release") is None:
+            self._work(lambda: after(end(), None))
+        else:
+            self._work(end, then=lambda held: self._release_soon(held, after))
 
     def _release_soon(
         self, held: int | None, after: Callable[[int | None, ReleaseOutcome], None]
