@@ -31,8 +31,8 @@ from rselection.postgres import (
     PostgresCheckpointStore,
     PostgresClaimer,
     PostgresElector,
+    keeper_opening,
 )
-from rselection.postgres import keeper_opening
 from rselection.postgres._conn import IoWatchdog
 from rselection.postgres.leader import PostgresLeader
 from rselection.postgres.lease import PostgresLease
