@@ -49,6 +49,9 @@ class Activity:
 
 @pytest.fixture
 def running() -> Iterator[list[rs.TaskHandler]]:
+    # The shared loop's thread of an earlier test in this process ends a moment after
+    # its last term: counting threads before then would count it too.
+    wait_until(lambda: not loop_threads(), 5, "an earlier test's loop thread to end")
     handlers: list[rs.TaskHandler] = []
     yield handlers
     for handler in handlers:
