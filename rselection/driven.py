@@ -39,11 +39,6 @@ from .lease import Acquisition, LeaderInfo, ReleaseOutcome, RenewOutcome
 
 __all__ = ["DrivenKeeper", "SKIPPED_RETRY"]
 
-
-class _Begun:
-    """What a blocking attempt answers when it won and began the term on its worker."""
-
-
 logger = logging.getLogger("rselection.leader")
 
 SKIPPED_RETRY = 0.1
@@ -51,6 +46,10 @@ SKIPPED_RETRY = 0.1
 is sent again."""
 
 _IN_FLIGHT_CHECK = 1.0  # seconds between deadline checks while work is in flight
+
+
+class _Begun:
+    """What a blocking attempt answers when it won and began the term on its worker."""
 
 
 class DrivenKeeper:
