@@ -251,7 +251,25 @@ class LeaseAdmin(Closeable, ABC):
             name: the lease name.
             to: the node that should take over, or ``None`` for any other node.
             valid_for: seconds the request (and the reservation for ``to``) holds.
+
+        Raises:
+            Refused: ``to`` is a node that may not lead (``eligible=False``).
         """
+
+    def ineligible(self, name: str) -> set[str]:
+        """The ids of the nodes of lease ``name`` that may not lead (``eligible=False``)
+        as their heartbeats show them; empty when the nodes cannot be read."""
+        return {node.node_id for node in self.nodes(name) or () if not node.eligible}
+
+    def refuse_ineligible(self, name: str, to: str | None) -> None:
+        """Raise :class:`Refused` when ``to`` is a node of lease ``name`` that may not
+        lead: a handover to it would leave the lease reserved for a node that never
+        takes it."""
+        if to is not None and to in self.ineligible(name):
+            raise Refused(
+                f"{printable(to)} may not lead {name!r}: it was started with eligible=False "
+                "(a canary or an admin process, say); hand over to another node"
+            )
 
     @abstractmethod
     def cancel_handover(self, name: str, term: int) -> bool:

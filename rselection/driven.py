@@ -219,6 +219,8 @@ class DrivenKeeper:
                 if delay > 0:  # another node takes it over first, unless it cannot
                     self._deferred = True
                     self._follow_at = now + delay
+        if not state.eligible:
+            return math.inf  # a member that never leads attempts nothing
         if now < self._follow_at and (not woken or self._deferred):
             return self._follow_at
         self._deferred = False

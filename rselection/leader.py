@@ -33,6 +33,7 @@ from .members import NodeInfo
 from .stop_signals import stop_on_signals
 from .timing import Timings
 from .validation import check_name, check_node_id, check_seconds, new_node_id
+from .versions import check_eligible, check_version
 
 if TYPE_CHECKING:
     from .broadcast import Broadcaster
@@ -140,6 +141,10 @@ class LeaseLeader(Service):
             :data:`CLEANUP_TIMEOUT` seconds; one that raises (anything, ``SystemExit``
             too) is logged, one still running then is logged and left running, and the
             rest run either way.
+        version: the release this node runs (PEP 440, such as ``"2.4.1"``), shown in
+            ``nodes()``; ``None``: none given.
+        eligible: ``False``: this node never leads (it never attempts to take the lease,
+            and backends with membership refuse to hand it over to it).
 
     Raises:
         ConfigError: bad arguments or inconsistent timings (the message shows the math).
@@ -161,6 +166,8 @@ class LeaseLeader(Service):
         broadcaster: Broadcaster | None = None,
         fence: TransactionFence | None = None,
         cleanup: Iterable[Callable[[], object]] = (),
+        version: str | None = None,
+        eligible: bool = True,
     ) -> None:
         if not isinstance(lease, LeaseBackend):
             missing = [m for m in _LEASE_MEMBERS if not hasattr(lease, m)]
@@ -230,6 +237,8 @@ class LeaseLeader(Service):
             nodes=self.nodes,
             takeover_delay=self._takeover_delay,
             follows_announcements=self._follows_announcements,
+            version=check_version(version),
+            eligible=check_eligible(eligible),
         )
         self._driven = DrivenKeeper(self._state, driven, backend)
         self._started = False
@@ -248,6 +257,16 @@ class LeaseLeader(Service):
     def node_id(self) -> str:
         """This node's id."""
         return self._state.node_id
+
+    @property
+    def version(self) -> str | None:
+        """The release this node runs, as given (``None``: none given)."""
+        return self._state.version
+
+    @property
+    def eligible(self) -> bool:
+        """Whether this node may lead (``eligible=`` as given)."""
+        return self._state.eligible
 
     @property
     def lease(self) -> LeaseBackend:
@@ -325,6 +344,8 @@ class LeaseLeader(Service):
                 last_seen=now,
                 alive=True,
                 is_leader=self.is_leader,
+                version=self._state.version,
+                eligible=self._state.eligible,
             )
         ]
 

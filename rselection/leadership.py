@@ -108,6 +108,8 @@ class Leadership:
         nodes: Callable[[], list[NodeInfo]],
         takeover_delay: Callable[[], float],
         follows_announcements: bool,
+        version: str | None = None,
+        eligible: bool = True,
     ) -> None:
         self.sender = sender
         self.name = name
@@ -126,6 +128,8 @@ class Leadership:
         self.nodes = nodes
         self.takeover_delay = takeover_delay
         self.follows_announcements = follows_announcements
+        self.version = version  # the release this node runs (validated)
+        self.eligible = eligible  # False: a member that never attempts to lead
         self.loop: asyncio.AbstractEventLoop | None = None  # async tasks run here
         # A shard's leader's terms know their shard (ctx.shard, ctx.shards).
         self.shard: int | None = None

@@ -8,6 +8,7 @@ from datetime import datetime
 
 from .errors import ConfigError
 from .validation import check_name, check_node_id, check_optional_seconds, check_seconds
+from .versions import check_eligible, check_version
 
 __all__ = ["MembershipBase", "NodeInfo", "node_timeout_or_default"]
 
@@ -27,6 +28,9 @@ class NodeInfo:
         last_seen: its latest heartbeat (server time).
         alive: seen within the node timeout.
         is_leader: it holds the lease now.
+        version: the release it runs (PEP 440), ``None`` when it gave none.
+        eligible: whether it may lead; ``False``: a member that never leads, never gets
+            a handover or a shard.
     """
 
     node_id: str
@@ -38,6 +42,8 @@ class NodeInfo:
     last_seen: datetime
     alive: bool
     is_leader: bool
+    version: str | None = None
+    eligible: bool = True
 
 
 def node_timeout_or_default(heartbeat_interval: float, node_timeout: float | None) -> float:
@@ -56,11 +62,19 @@ class MembershipBase:
     """What every membership (:class:`~rselection.abc.Membership`) checks and keeps the
     same way: the name of the lease its node competes for, the node's id, the seconds
     between heartbeats and the node timeout, which must be longer (else a node would be
-    lost between two heartbeats of its own). Raises :class:`ConfigError` for bad ones.
+    lost between two heartbeats of its own), and the version and eligibility its
+    heartbeats record. Raises :class:`ConfigError` for bad ones.
     """
 
     def __init__(
-        self, name: str, node_id: str, heartbeat_interval: float, node_timeout: float
+        self,
+        name: str,
+        node_id: str,
+        heartbeat_interval: float,
+        node_timeout: float,
+        *,
+        version: str | None = None,
+        eligible: bool = True,
     ) -> None:
         heartbeat_interval = check_seconds(heartbeat_interval, "heartbeat_interval")
         node_timeout = check_seconds(node_timeout, "node_timeout")
@@ -78,3 +92,7 @@ class MembershipBase:
         """Seconds between heartbeats."""
         self.node_timeout = node_timeout
         """A node not seen for this long is lost (``alive=False``)."""
+        self.version = check_version(version)
+        """The release this node runs (PEP 440), ``None`` when it gave none."""
+        self.eligible = check_eligible(eligible)
+        """Whether this node may lead (see :class:`NodeInfo`)."""

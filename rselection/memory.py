@@ -471,6 +471,8 @@ class _Row:
     started_at: datetime
     last_seen: datetime
     seen: float  # time.monotonic() of the last heartbeat: what liveness is measured on
+    version: str | None
+    eligible: bool
 
 
 class _Roster:
@@ -519,6 +521,8 @@ class MemoryMembership(MembershipBase):
         heartbeat_interval: seconds between heartbeats.
         node_timeout: a node not seen for this long is lost; longer than
             ``heartbeat_interval``.
+        version: the release this node runs (PEP 440), recorded with its heartbeats.
+        eligible: whether this node may lead, recorded with its heartbeats.
 
     Raises:
         ConfigError: bad arguments (the message says which and why).
@@ -531,12 +535,21 @@ class MemoryMembership(MembershipBase):
         *,
         heartbeat_interval: float = 5.0,
         node_timeout: float = 15.0,
+        version: str | None = None,
+        eligible: bool = True,
     ) -> None:
         if not isinstance(lease, LeaseBackend):
             raise ConfigError(
                 f"a MemoryMembership lists the nodes of a LeaseBackend, got {type(lease).__name__}"
             )
-        super().__init__(lease.name, node_id, heartbeat_interval, node_timeout)
+        super().__init__(
+            lease.name,
+            node_id,
+            heartbeat_interval,
+            node_timeout,
+            version=version,
+            eligible=eligible,
+        )
         self._lease = lease
         self._roster = _roster_of(lease)
         self._lock = threading.Lock()  # start() and stop() may race at shutdown
@@ -588,9 +601,10 @@ class MemoryMembership(MembershipBase):
             rows = self._roster.rows
             row = rows.get(self.node_id)
             if row is None:
-                rows[self.node_id] = _Row(started_at=now, last_seen=now, seen=seen)
+                rows[self.node_id] = _Row(now, now, seen, self.version, self.eligible)
             else:
                 row.last_seen, row.seen = now, seen
+                row.version, row.eligible = self.version, self.eligible
             for node_id in [n for n, r in rows.items() if seen - r.seen > _PURGE_AFTER]:
                 del rows[node_id]
 
@@ -613,6 +627,8 @@ class MemoryMembership(MembershipBase):
                 last_seen=row.last_seen,
                 alive=now - row.seen <= self.node_timeout,
                 is_leader=node_id == leader,
+                version=row.version,
+                eligible=row.eligible,
             )
             for node_id, row in rows
         ]

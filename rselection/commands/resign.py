@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ..admin import Refused
 from ..errors import ConfigError
 from ..redaction import redact
 from .connections import act_on_lease, describe
@@ -135,10 +136,20 @@ def _checked_hand_over(
         )
         return EXIT_REFUSED
     nodes, tracked = alive()
+    ineligible = admin.ineligible(name)
+    if nodes is not None:
+        nodes = [node for node in nodes if node not in ineligible]
     if args.to is not None:
         if args.to == holder.node_id:
             say(f"{printable(args.to)} already leads {name!r} (term {holder.term})")
             return 0
+        if args.to in ineligible:
+            say(
+                f"{printable(args.to)} may not lead {name!r}: it was started with "
+                "eligible=False; hand over to another node",
+                err=True,
+            )
+            return 1
         cannot = f"cannot check that {printable(args.to)} is a live node"
         if nodes is None and unchecked is not None:
             say(f"{cannot}: {unchecked}", err=True)
@@ -165,7 +176,7 @@ def _checked_hand_over(
 
 def _nobody_else(name: str, holder: LeaderInfo) -> str:
     return (
-        f"no other live node of lease {name!r} to hand over to "
+        f"no other live node of lease {name!r} that may lead to hand over to "
         f"({printable(holder.node_id)} leads term {holder.term}); start another node first"
     )
 
@@ -186,7 +197,7 @@ def _hand_over(admin: LeaseAdmin, args: argparse.Namespace, shown: Callable[[str
         asked_at = time.monotonic()
         try:
             asked = admin.request_handover(name, to=args.to, valid_for=args.timeout)
-        except ConfigError as exc:
+        except (ConfigError, Refused) as exc:
             say(shown(str(exc)), err=True)
             return 1
         if asked is None:

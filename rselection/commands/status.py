@@ -190,6 +190,8 @@ def read_status(snapshot: StatusSnapshot, where: str, args: argparse.Namespace) 
                 ),
                 "alive": node.alive,
                 "is_leader": node.is_leader,
+                "version": node.version,
+                "eligible": node.eligible,
             }
             for node in snapshot.nodes
             if selected(node.name)
@@ -352,13 +354,13 @@ def render(status: dict[str, Any], args: argparse.Namespace) -> list[str]:
                 n["client_addr"] or "local",
                 n["started_at"] or "-",
                 ago(n["seen_ago"]),
-                ("leader" if n["is_leader"] else "alive") if n["alive"] else "lost",
+                n["version"] or "-",
+                _node_state(n),
             ]
             for n in nodes
         ]
-        lines += grid(
-            ["LEASE", "NODE", "HOST", "PID", "ADDRESS", "STARTED", "LAST SEEN", "STATE"], rows
-        )
+        headers = ["LEASE", "NODE", "HOST", "PID", "ADDRESS", "STARTED", "LAST SEEN", "VERSION"]
+        lines += grid([*headers, "STATE"], rows)
     lines.append("")
     fires = status["tasks"]
     if fires is None and redis_url:
@@ -500,3 +502,12 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(max(0.0, watch - (time.monotonic() - began)))
     except KeyboardInterrupt:
         return code
+
+
+def _node_state(node: dict[str, Any]) -> str:
+    """``leader``, ``alive``, ``ineligible`` (alive, never leads) or ``lost``."""
+    if not node["alive"]:
+        return "lost"
+    if node["is_leader"]:
+        return "leader"
+    return "alive" if node["eligible"] else "ineligible"

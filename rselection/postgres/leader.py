@@ -97,6 +97,11 @@ class PostgresLeader(MemberLeader):
             (see :meth:`nodes`), from a thread and connection of its own.
         node_timeout: a node not seen for this long is lost (default three heartbeats).
         nodes_table: the nodes table, optionally schema-qualified.
+        version: the release this node runs (PEP 440, such as ``"2.4.1"``), recorded
+            with its heartbeats and shown in :meth:`nodes` and ``rselection status``.
+        eligible: ``False``: a member that never leads (a canary, an admin process): it
+            heartbeats and is listed, never takes the lease, and ``rselection resign
+            --to`` it is refused.
     """
 
     def __init__(
@@ -118,6 +123,8 @@ class PostgresLeader(MemberLeader):
         heartbeat_interval: float = 5.0,
         node_timeout: float | None = None,
         nodes_table: str = NODES_TABLE,
+        version: str | None = None,
+        eligible: bool = True,
     ) -> None:
         check_name(name, "lease name")
         sessions = session_conninfo(conninfo, type(self).__name__)  # validates
@@ -168,6 +175,8 @@ class PostgresLeader(MemberLeader):
             heartbeat_interval=heartbeat_interval,
             node_timeout=node_timeout_or_default(heartbeat_interval, node_timeout),
             create_tables=create_tables,
+            version=version,
+            eligible=eligible,
         )
         super().__init__(
             lease,
@@ -182,6 +191,8 @@ class PostgresLeader(MemberLeader):
             broadcaster=broadcaster,
             fence=_LeaseFence(name, table, timings.margin),
             cleanup=cleanup,
+            version=version,
+            eligible=eligible,
         )
 
     @property

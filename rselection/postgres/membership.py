@@ -60,7 +60,8 @@ def nodes_sql(
         "SELECT n.name, n.node_id, n.hostname, n.pid, host(n.client_addr), n.started_at,"
         " n.last_seen,"
         " n.last_seen >= clock_timestamp() - make_interval(secs => {timeout}),"
-        " coalesce(l.holder = n.node_id AND l.expires_at > clock_timestamp(), false)"
+        " coalesce(l.holder = n.node_id AND l.expires_at > clock_timestamp(), false),"
+        " n.version, coalesce(n.eligible, true)"
         " FROM {n} n LEFT JOIN {l} l ON l.name = n.name"
         "{where} ORDER BY n.name, n.started_at, n.node_id"
     ).format(
@@ -79,17 +80,19 @@ def node_infos(rows: Sequence[Sequence[Any]]) -> list[NodeInfo]:
     """
     return [
         NodeInfo(
-            node_id=node_id,
-            name=name,
-            hostname=hostname,
-            pid=pid,
-            client_addr=addr,
-            started_at=started,
-            last_seen=seen,
-            alive=bool(alive),
-            is_leader=bool(leads),
+            node_id=row[1],
+            name=row[0],
+            hostname=row[2],
+            pid=row[3],
+            client_addr=row[4],
+            started_at=row[5],
+            last_seen=row[6],
+            alive=bool(row[7]),
+            is_leader=bool(row[8]),
+            version=row[9],
+            eligible=bool(row[10]),
         )
-        for name, node_id, hostname, pid, addr, started, seen, alive, leads in rows
+        for row in rows
     ]
 
 
@@ -109,6 +112,8 @@ class PostgresMembership(MembershipBase):
         heartbeat_interval: seconds between heartbeats.
         node_timeout: a node not seen for this long is lost.
         create_tables: create the nodes table on first use.
+        version: the release this node runs (PEP 440), recorded with its heartbeats.
+        eligible: whether this node may lead, recorded with its heartbeats.
     """
 
     def __init__(
@@ -122,8 +127,12 @@ class PostgresMembership(MembershipBase):
         heartbeat_interval: float,
         node_timeout: float,
         create_tables: bool,
+        version: str | None = None,
+        eligible: bool = True,
     ) -> None:
-        super().__init__(name, node_id, heartbeat_interval, node_timeout)
+        super().__init__(
+            name, node_id, heartbeat_interval, node_timeout, version=version, eligible=eligible
+        )
         self.table = table
         self._create = create_tables
         # A heartbeat stuck longer than its interval is late anyway: give up and retry.
@@ -142,10 +151,12 @@ class PostgresMembership(MembershipBase):
             " DELETE FROM {n} WHERE name = %(lease)s AND node_id <> %(node)s"
             " AND last_seen < clock_timestamp() - make_interval(secs => %(purge)s))"
             " INSERT INTO {n} AS t (name, node_id, hostname, pid, client_addr, started_at,"
-            " last_seen) VALUES (%(lease)s, %(node)s, %(host)s, %(pid)s, inet_client_addr(),"
-            " clock_timestamp(), clock_timestamp())"
+            " last_seen, version, eligible) VALUES (%(lease)s, %(node)s, %(host)s, %(pid)s,"
+            " inet_client_addr(), clock_timestamp(), clock_timestamp(), %(version)s,"
+            " %(eligible)s)"
             " ON CONFLICT (name, node_id) DO UPDATE SET last_seen = clock_timestamp(),"
-            " client_addr = EXCLUDED.client_addr"
+            " client_addr = EXCLUDED.client_addr, version = EXCLUDED.version,"
+            " eligible = EXCLUDED.eligible"
         ).format(n=nodes)
         self._leave_sql = sql.SQL("DELETE FROM {} WHERE name = %s AND node_id = %s").format(nodes)
         self._nodes_sql = nodes_sql(table, lease_table, self.node_timeout, self.name)
@@ -208,27 +219,35 @@ class PostgresMembership(MembershipBase):
         this table), and purging rows of their leases' nodes lost for a day."""
         # One row per (lease, node): two leaders of one lease and node id in a process
         # would make the upsert affect a row twice, and fail for every node.
-        keys = dict.fromkeys(
-            (m.name, m.node_id) for m in batch if isinstance(m, PostgresMembership)
-        )
-        # Two array literals, not two literals a node: a process of a thousand leases
-        # composes this every heartbeat.
-        names = array_literal([name for name, _ in keys], "text")
-        nodes = array_literal([node for _, node in keys], "text")
+        members = {
+            (m.name, m.node_id): m for m in batch if isinstance(m, PostgresMembership)
+        }.values()
+        # Array literals, not literals a node: a process of a thousand leases composes
+        # this every heartbeat.
+        names = array_literal([m.name for m in members], "text")
+        nodes = array_literal([m.node_id for m in members], "text")
+        versions = array_literal([m.version for m in members], "text")
+        eligible = array_literal(["t" if m.eligible else "f" for m in members], "boolean")
         return sql.SQL(
-            "WITH beat(name, node) AS (SELECT * FROM unnest({names}, {nodes})),"
+            "WITH beat(name, node, version, eligible) AS"
+            " (SELECT * FROM unnest({names}, {nodes}, {versions}, {eligible})),"
             " purge AS ("
             " DELETE FROM {n} AS d USING (SELECT DISTINCT name FROM beat) AS b"
-            " WHERE d.name = b.name AND (d.name, d.node_id) NOT IN (SELECT * FROM beat)"
+            " WHERE d.name = b.name"
+            " AND (d.name, d.node_id) NOT IN (SELECT name, node FROM beat)"
             " AND d.last_seen < clock_timestamp() - make_interval(secs => {purge}))"
             " INSERT INTO {n} AS t (name, node_id, hostname, pid, client_addr, started_at,"
-            " last_seen) SELECT beat.name, beat.node, {host}, {pid}, inet_client_addr(),"
-            " clock_timestamp(), clock_timestamp() FROM beat"
+            " last_seen, version, eligible) SELECT beat.name, beat.node, {host}, {pid},"
+            " inet_client_addr(), clock_timestamp(), clock_timestamp(), beat.version,"
+            " beat.eligible FROM beat"
             " ON CONFLICT (name, node_id) DO UPDATE SET last_seen = clock_timestamp(),"
-            " client_addr = EXCLUDED.client_addr"
+            " client_addr = EXCLUDED.client_addr, version = EXCLUDED.version,"
+            " eligible = EXCLUDED.eligible"
         ).format(
             names=names,
             nodes=nodes,
+            versions=versions,
+            eligible=eligible,
             n=table_identifier(self.table),
             purge=sql.Literal(_PURGE_AFTER),
             host=sql.Literal(socket.gethostname()),
@@ -243,6 +262,8 @@ class PostgresMembership(MembershipBase):
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "purge": _PURGE_AFTER,
+            "version": self.version,
+            "eligible": self.eligible,
         }
         self._execute("record a heartbeat", self._beat_sql, params)
 

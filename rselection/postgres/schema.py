@@ -44,6 +44,7 @@ __all__ = [
     "MIGRATION_TIMEOUT",
     "NODES",
     "NODES_TABLE",
+    "NODES_VERSION_COLUMNS",
     "UPGRADE_LOCK_TIMEOUT",
     "VERSION_TABLE",
     "CheckpointTables",
@@ -96,6 +97,9 @@ LEASE_RETIRED_COLUMNS = ("retired_term",)
 
 LEASE_PROTOCOL_COLUMNS = ("protocol",)
 """Columns of the lease table that record the lease protocol of the holder (version 5)."""
+
+NODES_VERSION_COLUMNS = ("version", "eligible")
+"""Columns of the nodes table that record a node's version and eligibility (version 2)."""
 
 UPGRADE_LOCK_TIMEOUT = 1.0
 """Longest an upgrade waits at a time for its exclusive lock on a live table, seconds.
@@ -548,7 +552,21 @@ ELECTIONS = TableKind(
 )
 """The elections table of :class:`~rselection.postgres.PostgresElector`."""
 
-NODES = TableKind("nodes", "nodes table", NODES_TABLE, (Step(1, "create", _nodes_v1),))
+NODES = TableKind(
+    "nodes",
+    "nodes table",
+    NODES_TABLE,
+    (
+        Step(1, "create", _nodes_v1),
+        # NULLs are rows of nodes that gave neither: of no version, and eligible.
+        Step(
+            2,
+            "add the node's version and eligibility",
+            _adding("version text", "eligible boolean"),
+            NODES_VERSION_COLUMNS,
+        ),
+    ),
+)
 """The nodes table (heartbeats of every leader's nodes)."""
 
 BROADCAST = TableKind(

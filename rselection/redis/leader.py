@@ -100,6 +100,11 @@ class RedisLeader(MemberLeader):
             10 s, keeps an idle follower's heartbeats and lease checks together at about
             0.6 commands per second.
         node_timeout: a node not seen for this long is lost (default three heartbeats).
+        version: the release this node runs (PEP 440, such as ``"2.4.1"``), recorded
+            with its heartbeats and shown in :meth:`nodes` and ``rselection status``.
+        eligible: ``False``: a member that never leads (a canary, an admin process): it
+            heartbeats and is listed, never takes the lease, and ``rselection resign
+            --to`` it is refused.
 
     Raises:
         ConfigError: bad arguments (the message says which and why).
@@ -125,6 +130,8 @@ class RedisLeader(MemberLeader):
         claimer: FireClaimer | DefaultClaimer | None = DEFAULT_CLAIMER,
         heartbeat_interval: float = 10.0,
         node_timeout: float | None = None,
+        version: str | None = None,
+        eligible: bool = True,
     ) -> None:
         check_name(name, "lease name")
         first_node_id = self._first_node_id(node_id)
@@ -151,6 +158,8 @@ class RedisLeader(MemberLeader):
             lease_key=lease.key,
             heartbeat_interval=heartbeat_interval,
             node_timeout=node_timeout_or_default(heartbeat_interval, node_timeout),
+            version=version,
+            eligible=eligible,
         )
         cleanup: list[Any] = []
         claimer = self._own_claimer(
@@ -177,6 +186,8 @@ class RedisLeader(MemberLeader):
             broadcaster=broadcaster,
             fence=no_transaction_fence(name, key_prefix),
             cleanup=cleanup,
+            version=version,
+            eligible=eligible,
         )
 
     @property

@@ -190,6 +190,7 @@ def read_nodes(
         node_id, last = _text(seen[i]), float(_text(seen[i + 1]))
         doc = docs.get(node_id, {})
         started = doc.get("started", last)
+        version = doc.get("version")
         nodes.append(
             NodeInfo(
                 node_id=node_id,
@@ -201,6 +202,9 @@ def read_nodes(
                 last_seen=_ms_to_utc(last),
                 alive=now - last <= timeout_ms,
                 is_leader=holder == node_id,
+                # A node of a release that recorded neither is eligible, of no version.
+                version=version if isinstance(version, str) else None,
+                eligible=doc.get("eligible") is not False,
             )
         )
     nodes.sort(key=lambda n: (n.started_at, n.node_id))
@@ -219,6 +223,8 @@ class RedisMembership(MembershipBase):
         lease_key: the lease's key, to flag the leader in :meth:`nodes`.
         heartbeat_interval: seconds between heartbeats.
         node_timeout: a node not seen for this long is lost.
+        version: the release this node runs (PEP 440), recorded with its heartbeats.
+        eligible: whether this node may lead, recorded with its heartbeats.
 
     Raises:
         ConfigError: bad arguments (the message says which and why).
@@ -234,8 +240,12 @@ class RedisMembership(MembershipBase):
         lease_key: str,
         heartbeat_interval: float,
         node_timeout: float,
+        version: str | None = None,
+        eligible: bool = True,
     ) -> None:
-        super().__init__(name, node_id, heartbeat_interval, node_timeout)
+        super().__init__(
+            name, node_id, heartbeat_interval, node_timeout, version=version, eligible=eligible
+        )
         self.key_prefix = check_key_prefix(key_prefix)
         self.keys = membership_keys(name, key_prefix)
         self._lease_key = lease_key
@@ -258,7 +268,7 @@ class RedisMembership(MembershipBase):
         self._via = 0  # the connection of its last heartbeat (a _Group's number; 0: own)
         self._purge_due = 0.0  # monotonic time of the next purging heartbeat
         self._addr: str | None = None
-        self._about: tuple[str, int, str | None] | None = None  # what self._info says
+        self._about: tuple[Any, ...] | None = None  # what self._info says
         self._info = ""
         self._last_packed: tuple[tuple[Any, ...], bytes] = ((), b"")  # a heartbeat's
         self._left = False  # its removal was sent (or tried) by its heartbeat thread
@@ -348,10 +358,13 @@ class RedisMembership(MembershipBase):
             self._addr = address()
         # Sent every time (a few dozen bytes): a node found missing (purged by mistake,
         # a restarted server) is written back whole.
-        host, pid = socket.gethostname(), os.getpid()
-        if (host, pid, self._addr) != self._about:
-            self._about = (host, pid, self._addr)
-            self._info = json.dumps({"host": host, "pid": pid, "addr": self._addr})
+        about = (socket.gethostname(), os.getpid(), self._addr, self.version, self.eligible)
+        if about != self._about:
+            self._about = about
+            host, pid, addr, version, eligible = about
+            self._info = json.dumps(
+                {"host": host, "pid": pid, "addr": addr, "version": version, "eligible": eligible}
+            )
         args = [self.node_id, self._info, "1" if fresh else "0", "1" if purge else "0"]
         return [*self.keys, *args, _PURGE_AFTER_MS, _KEEP_MS], purge
 

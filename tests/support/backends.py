@@ -282,6 +282,16 @@ class Backend:
         lease.connect()
         return lease
 
+    def admin(self) -> Any:
+        """The backend's admin API (a ``PostgresAdmin`` or ``RedisAdmin``); close it."""
+        if self.kind == "redis":
+            from rselection.redis import RedisAdmin
+
+            return RedisAdmin(self.url)
+        from rselection.postgres import PostgresAdmin
+
+        return PostgresAdmin(self.url)
+
     def handover_pending(self, name: str) -> bool:
         """Whether a handover request of lease ``name`` is stored (used or not)."""
         if self.kind == "redis":

@@ -171,9 +171,58 @@ def test_task_context_lists_the_nodes(make_leader: Callable[..., Any]) -> None:
     assert [(n.node_id, n.is_leader) for n in views[0]] == [("solo", True)]
 
 
+def test_heartbeats_record_each_nodes_version_and_eligibility(
+    make_leader: Callable[..., Any],
+) -> None:
+    a = make_leader(node_id="a", heartbeat_interval=0.2, version="2.4.1")
+    canary = make_leader(node_id="canary", heartbeat_interval=0.2, eligible=False, version="3.0rc1")
+    plain = make_leader(node_id="plain", heartbeat_interval=0.2)
+    a.start()
+    assert a.wait_until_leader(10)
+    canary.start()
+    plain.start()
+    wait_until(lambda: len(a.nodes()) == 3, 10.0, "three heartbeats")
+    seen = {n.node_id: (n.version, n.eligible) for n in canary.nodes()}
+    assert seen == {"a": ("2.4.1", True), "canary": ("3.0rc1", False), "plain": (None, True)}
+    assert (canary.version, canary.eligible) == ("3.0rc1", False)
+
+
+def test_an_ineligible_node_never_takes_the_lease_its_leader_released(
+    make_leader: Callable[..., Any],
+) -> None:
+    ran: list[str] = []
+
+    def handler() -> rs.TaskHandler:
+        tasks = rs.TaskHandler()
+
+        @tasks.persistent(name="work")
+        def work(ctx: rs.TaskContext) -> None:
+            ran.append(ctx.node_id)
+            ctx.cancelled.wait()
+
+        return tasks
+
+    canary = make_leader(node_id="canary", handler=handler(), eligible=False)
+    main = make_leader(node_id="main", handler=handler())
+    canary.start()
+    main.start()
+    assert main.wait_until_leader(10)
+    wait_until(lambda: len(canary.nodes()) == 2, 10.0, "both heartbeats")
+    main.stop(timeout=10)
+    # The release wakes the canary's follower at once; with retries every 0.5 s, three
+    # seconds see several chances to take the free lease, and none is taken.
+    end = time.monotonic() + 3.0
+    while time.monotonic() < end:
+        assert not canary.is_leader and canary.leader() is None
+        time.sleep(0.05)
+    assert ran == ["main"]
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
+        ({"version": "latest"}, "'latest' is not a PEP 440 version"),
+        ({"eligible": 0}, "eligible must be True or False"),
         ({"heartbeat_interval": 0}, "heartbeat_interval must be"),
         ({"heartbeat_interval": True}, "heartbeat_interval must be"),
         ({"node_timeout": -1}, "node_timeout must be"),

@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 import rselection as rs
+from rselection.admin import Refused
 from rselection.commands.demo_fleet import Fleet
 from rselection.errors import BackendUnavailable, ConfigError
 from tests.support.backends import Backend
@@ -395,3 +396,30 @@ def test_an_unreachable_server_raises_and_hides_the_password(backend: Backend) -
         message = str(info.value)
         assert "127.0.0.1" in message and str(port) in message
         assert "s3cret-pw" not in message
+
+
+def test_resign_to_an_ineligible_node_is_refused_and_requests_nothing(
+    backend: Backend, name: str
+) -> None:
+    main = backend.leader(rs.TaskHandler(), name, node_id="main", **FAST)
+    canary = backend.leader(rs.TaskHandler(), name, node_id="canary", eligible=False, **FAST)
+    main.start()
+    canary.start()
+    try:
+        assert main.wait_until_leader(10)
+        wait_until(lambda: len(main.nodes()) == 2, 10, "both nodes' heartbeats")
+        out = cli("resign", name, *backend.cli_args, "--to", "canary")
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert "canary may not lead" in out.stderr and "eligible=False" in out.stderr
+        # Without --to: the canary is no other node to hand over to.
+        out = cli("resign", name, *backend.cli_args)
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert "no other live node" in out.stderr
+        # The admin API refuses as the command does.
+        with backend.admin() as admin, pytest.raises(Refused, match="canary may not lead"):
+            admin.request_handover(name, to="canary")
+        assert not backend.handover_pending(name)
+        assert main.is_leader and not canary.is_leader
+    finally:
+        canary.stop(timeout=10)
+        main.stop(timeout=10)

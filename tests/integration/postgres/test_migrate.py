@@ -72,9 +72,8 @@ def test_migrate_on_an_empty_schema_creates_every_table_and_a_second_run_changes
     assert all(c.previous is None for c in first)
     assert tables(pg_dsn) == TABLES  # one version table, no other record of versions
     recorded = versions(pg_dsn)
-    assert {k: v for k, (v, _) in recorded.items()} == {
-        kind: LEASES_VERSION if kind == "leases" else 1 for kind in KINDS
-    }
+    latest = {"leases": LEASES_VERSION, "nodes": 2}
+    assert {k: v for k, (v, _) in recorded.items()} == {kind: latest.get(kind, 1) for kind in KINDS}
     lines = [c.describe() for c in first]
     assert f"lease table 'rselection_leases': created (schema version {LEASES_VERSION})" in lines
     assert (
@@ -206,3 +205,31 @@ def test_a_claims_table_without_its_indexes_gets_them_without_a_new_version(
 def _index_exists(conn: psycopg.Connection[Any], name: str) -> bool:
     row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (name,)).fetchone()
     return bool(row and row[0])
+
+
+def test_a_nodes_table_of_version_1_gets_versions_and_keeps_its_rows(pg_dsn: str) -> None:
+    """An earlier release's nodes table: the upgrade adds ``version`` and ``eligible``
+    (nullable, no rewrite); a row of that release's node reads as eligible, of no
+    version, and a node of this release records both."""
+    import rselection as rs
+
+    migrate(pg_dsn)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:  # back to version 1
+        conn.execute("ALTER TABLE rselection_nodes DROP COLUMN version, DROP COLUMN eligible")
+        conn.execute("UPDATE rselection_schema_version SET version = 1 WHERE component = 'nodes'")
+        conn.execute(
+            "INSERT INTO rselection_nodes VALUES ('jobs', 'old', 'h', 1, NULL, now(), now())"
+        )
+    changes = {c.kind: c for c in migrate(pg_dsn)}
+    assert (changes["nodes"].action, changes["nodes"].previous) == ("upgraded", 1)
+    assert changes["nodes"].version == 2
+    leader = rs.PostgresLeader(
+        pg_dsn, rs.TaskHandler(), name="jobs", node_id="new", version="1.1", heartbeat_interval=0.2
+    )
+    leader.start()
+    try:
+        wait_until(lambda: len(leader.nodes()) == 2, 10, "the new node's heartbeat")
+        seen = {n.node_id: (n.version, n.eligible) for n in leader.nodes()}
+        assert seen == {"old": (None, True), "new": ("1.1", True)}
+    finally:
+        leader.stop(timeout=10)
