@@ -10,12 +10,16 @@ its node id follows that id when a default one is taken anew in a forked child.
 from __future__ import annotations
 
 import enum
+import logging
+import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .claiming import FireClaimer
 from .leader import LeaseLeader
-from .validation import check_node_id, new_node_id
+from .succession import ASK_AGAIN_AFTER, SuccessionWatch, successor
+from .validation import check_node_id, check_seconds, new_node_id
 
 if TYPE_CHECKING:
     from .abc import LeaseBackend, Membership
@@ -23,6 +27,8 @@ if TYPE_CHECKING:
     from .tasks import TaskHandler
 
 __all__ = ["DEFAULT_CLAIMER", "DefaultClaimer", "MemberLeader", "OwnClaimer"]
+
+logger = logging.getLogger("rselection.leader")
 
 
 class DefaultClaimer(enum.Enum):
@@ -57,11 +63,16 @@ class MemberLeader(LeaseLeader):
     with the node id it was given or a new one (:meth:`_first_node_id`), then calls this
     class's constructor.
 
+    While it leads with a ``version`` set, it hands over once to a newer node that has
+    heartbeated for ``settle`` seconds (see :mod:`rselection.succession`); a subclass
+    says how to ask for that handover (:meth:`_request_successor`).
+
     Args:
         lease, handler: as for :class:`~rselection.LeaseLeader`.
         membership: this node's heartbeats as a member of the lease.
         node_id: the node id given (``None``: a new one of this process).
         cleanup: what to run when the keeper ends, after the node left the membership.
+        settle: seconds a newer node must have heartbeated before it is handed the lease.
         options: the other keyword arguments of :class:`~rselection.LeaseLeader`.
     """
 
@@ -78,13 +89,20 @@ class MemberLeader(LeaseLeader):
         membership: Membership,
         node_id: str | None,
         cleanup: list[Callable[[], Any]],
+        settle: float = 10.0,
         **options: Any,
     ) -> None:
         self._membership = membership
+        self._settle = check_seconds(settle, "settle", allow_zero=True)
+        self._asked: dict[str, float] = {}  # successors asked for, when (monotonic)
         # Whatever ends the keeper (stop(), or an error it cannot go on after), the node
         # leaves the membership with it: no heartbeats from a node that no longer competes.
         super().__init__(
-            lease, handler, node_id=node_id, cleanup=[membership.stop, *cleanup], **options
+            lease,
+            handler,
+            node_id=node_id,
+            cleanup=[self._unwatch, membership.stop, *cleanup],
+            **options,
         )
         # What was built with a new node id takes the leader's own (see _fix_node_id).
         self._adopt_node_id(self.node_id)
@@ -122,6 +140,51 @@ class MemberLeader(LeaseLeader):
         """Start heartbeating and competing for the lease in background threads."""
         super().start()
         self._membership.start()
+        if self.version is not None:
+            SuccessionWatch.shared().add(self)
+
+    def _unwatch(self) -> None:
+        SuccessionWatch.shared().discard(self)
+
+    def hand_over_to_newer(self) -> None:
+        """While leading, ask for a handover to the newest settled node of a newer
+        version, if there is one (see :func:`rselection.succession.successor`); the same
+        node is not asked for again within
+        :data:`~rselection.succession.ASK_AGAIN_AFTER` seconds.
+
+        Raises:
+            BackendUnavailable: the server could not be reached.
+        """
+        term = self.term
+        if term is None:
+            return
+        # Settling is measured on this machine's clock against the server's first
+        # heartbeat: a few milliseconds of skew against a settle of seconds.
+        heir = successor(
+            self._membership.nodes(), self.node_id, self.version, self._settle, datetime.now(UTC)
+        )
+        if heir is None:
+            return
+        now = time.monotonic()
+        asked = self._asked.get(heir.node_id)
+        if asked is not None and now - asked < ASK_AGAIN_AFTER:
+            return
+        self._asked[heir.node_id] = now
+        logger.info(
+            "node %s (version %s) hands %r over to %s, of a newer version (%s)",
+            self.node_id,
+            self.version,
+            self.name,
+            heir.node_id,
+            heir.version,
+        )
+        self._request_successor(heir.node_id, term)
+
+    def _request_successor(self, node_id: str, term: int) -> None:
+        """*Backend*: ask that term ``term`` of this leader's lease be handed over to
+        ``node_id`` (reserved for it for ``stop_grace`` + 1 seconds), as ``resign --to``
+        does. Only while ``term`` still holds the lease, where the backend can tell."""
+        raise NotImplementedError
 
     def nodes(self) -> list[NodeInfo]:
         """Every node of this lease from its heartbeats, oldest first.

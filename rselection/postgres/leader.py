@@ -14,6 +14,7 @@ from ._conn import per_call_source, session_conninfo
 from .checkpoint import PostgresCheckpointStore
 from .claims import PostgresClaimer
 from .fencing import afenced, fenced
+from .handover import request_handovers
 from .lease import PostgresLease
 from .membership import PostgresMembership
 from .schema import NODES_TABLE
@@ -102,6 +103,8 @@ class PostgresLeader(MemberLeader):
         eligible: ``False``: a member that never leads (a canary, an admin process): it
             heartbeats and is listed, never takes the lease, and ``rselection resign
             --to`` it is refused.
+        settle: seconds a node of a newer ``version`` must have heartbeated before this
+            node, leading, hands the lease over to it (once; see ``version``).
     """
 
     def __init__(
@@ -125,6 +128,7 @@ class PostgresLeader(MemberLeader):
         nodes_table: str = NODES_TABLE,
         version: str | None = None,
         eligible: bool = True,
+        settle: float = 10.0,
     ) -> None:
         check_name(name, "lease name")
         sessions = session_conninfo(conninfo, type(self).__name__)  # validates
@@ -193,12 +197,27 @@ class PostgresLeader(MemberLeader):
             cleanup=cleanup,
             version=version,
             eligible=eligible,
+            settle=settle,
         )
+        self._source, self._table, self._nodes_table = source, table, nodes_table
 
     @property
     def checkpoint_store(self) -> PostgresCheckpointStore:
         """The store behind ``ctx.checkpoint`` (to inspect or seed task state)."""
         return self._postgres_store
+
+    def _request_successor(self, node_id: str, term: int) -> None:
+        # Fenced by the term and only to a node with a row in the nodes table, as a
+        # sharded leader's moves are.
+        request_handovers(
+            self._source,
+            {self.name: node_id},
+            table=self._table,
+            valid_for=self.stop_grace + 1.0,
+            members_of=self.name,
+            nodes_table=self._nodes_table,
+            fence=(self.name, term),
+        )
 
     def _before_driven(self) -> None:
         # Before the engine connects it: a lease that joined the process's keeper session

@@ -14,6 +14,7 @@ from ..validation import check_name
 from ._conn import check_client
 from .claims import RedisClaimer
 from .fencing import RedisFence
+from .handover import current_holder, request_handover
 from .keys import DEFAULT_KEY_PREFIX, claims_prefix
 from .lease import RedisLease
 from .membership import RedisMembership
@@ -105,6 +106,8 @@ class RedisLeader(MemberLeader):
         eligible: ``False``: a member that never leads (a canary, an admin process): it
             heartbeats and is listed, never takes the lease, and ``rselection resign
             --to`` it is refused.
+        settle: seconds a node of a newer ``version`` must have heartbeated before this
+            node, leading, hands the lease over to it (once; see ``version``).
 
     Raises:
         ConfigError: bad arguments (the message says which and why).
@@ -132,6 +135,7 @@ class RedisLeader(MemberLeader):
         node_timeout: float | None = None,
         version: str | None = None,
         eligible: bool = True,
+        settle: float = 10.0,
     ) -> None:
         check_name(name, "lease name")
         first_node_id = self._first_node_id(node_id)
@@ -188,6 +192,21 @@ class RedisLeader(MemberLeader):
             cleanup=cleanup,
             version=version,
             eligible=eligible,
+            settle=settle,
+        )
+        self._key_prefix = key_prefix
+
+    def _request_successor(self, node_id: str, term: int) -> None:
+        client = self._membership_client
+        holder = current_holder(client, self.name, key_prefix=self._key_prefix)
+        if holder is None or holder.term != term:
+            return  # the term ended meanwhile: nothing of it to hand over
+        request_handover(
+            client,
+            self.name,
+            to=node_id,
+            valid_for=self.stop_grace + 1.0,
+            key_prefix=self._key_prefix,
         )
 
     @property

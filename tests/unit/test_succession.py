@@ -1,0 +1,64 @@
+"""Which node the newest-version rule hands a lease to (``rselection.succession``)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from rselection.members import NodeInfo
+from rselection.succession import successor
+
+NOW = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)
+
+
+def node(
+    node_id: str,
+    version: str | None,
+    *,
+    settled: float = 60.0,
+    alive: bool = True,
+    eligible: bool = True,
+) -> NodeInfo:
+    started = NOW - timedelta(seconds=settled)
+    return NodeInfo(
+        node_id,
+        "jobs",
+        "h",
+        1,
+        None,
+        started,
+        NOW,
+        alive,
+        False,
+        version=version,
+        eligible=eligible,
+    )
+
+
+def pick(nodes: list[NodeInfo], version: str | None = "1.0", settle: float = 10.0) -> str | None:
+    heir = successor(nodes, "me", version, settle, NOW)
+    return None if heir is None else heir.node_id
+
+
+def test_the_newest_settled_eligible_node_of_a_newer_version_is_the_heir() -> None:
+    me = node("me", "1.0")
+    assert pick([me, node("a", "1.1"), node("b", "1.2"), node("c", "1.0.1")]) == "b"
+    assert pick([me, node("a", "1.10"), node("b", "1.9")]) == "a"  # PEP 440, not text
+    assert pick([me, node("a", "2.0rc1"), node("b", "1.9")]) == "a"
+
+
+def test_ties_go_to_the_longest_settled() -> None:
+    me = node("me", "1.0")
+    assert pick([me, node("a", "1.1", settled=20), node("b", "1.1", settled=40)]) == "b"
+
+
+def test_no_move_for_older_equal_unversioned_unsettled_lost_or_ineligible_nodes() -> None:
+    me = node("me", "1.0")
+    assert pick([me, node("a", "0.9"), node("b", "1.0"), node("c", None)]) is None
+    assert pick([me, node("a", "1.1", settled=9.9)]) is None  # not settled for 10 s
+    assert pick([me, node("a", "1.1", alive=False)]) is None
+    assert pick([me, node("a", "1.1", eligible=False)]) is None
+    assert pick([me, node("a", "1.1", settled=0.5)], settle=0.0) == "a"
+
+
+def test_a_holder_without_a_version_never_hands_over_for_one() -> None:
+    assert pick([node("me", None), node("a", "9.0")], version=None) is None
