@@ -11,6 +11,11 @@ second from an interval task and keeps a persistent task that writes a fenced ro
 ``example_``) every 2 s. Without ``--dsn`` (or ``RSELECTION_DSN``) it leads alone (a
 ``SingleNodeLeader``, no database) and only prints the rows it would write.
 Ctrl-C or SIGTERM stops a node gracefully: its tasks are joined, the lease released.
+
+A rolling deploy in two terminals: start a node with ``--version 1.0``, then one with
+``--version 1.1``; ten seconds (``--settle``) after the second started, the first hands
+the lease over to it, once. ``--ineligible`` starts a node that is listed but never
+leads (a canary).
 """
 
 from __future__ import annotations
@@ -81,6 +86,19 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("RSELECTION_TABLE_PREFIX") or "example_",
         help="prefix of the table this example creates (default example_: example_audit)",
     )
+    parser.add_argument(
+        "--version",
+        help="the release this node runs (PEP 440): the newest settled release leads",
+    )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=10.0,
+        help="seconds a newer release runs before it takes the lease over (default 10)",
+    )
+    parser.add_argument(
+        "--ineligible", action="store_true", help="never lead (a canary, an admin process)"
+    )
     args = parser.parse_args(argv)
     settings.dsn, settings.table = args.dsn, f"{args.table_prefix}audit"
     logging.basicConfig(level=logging.WARNING)
@@ -88,7 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     rs.signals.demoted.connect(on_demoted)
     leader: rs.Leader
     if args.dsn:
-        leader = rs.PostgresLeader(args.dsn, tasks, name=args.name)
+        leader = rs.PostgresLeader(
+            args.dsn,
+            tasks,
+            name=args.name,
+            version=args.version,
+            eligible=not args.ineligible,
+            settle=args.settle,
+        )
     else:
         leader = rs.SingleNodeLeader(tasks, name=args.name)
     print(f"node {leader.node_id} is following; Ctrl-C stops it", flush=True)

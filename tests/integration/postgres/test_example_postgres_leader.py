@@ -15,9 +15,11 @@ import pytest
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "postgres_leader.py"
 
 
-def _start(dsn: str, lines: queue.Queue[tuple[int, str]], index: int) -> subprocess.Popen[str]:
+def _start(
+    dsn: str, lines: queue.Queue[tuple[int, str]], index: int, *args: str
+) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLE), "--dsn", dsn],
+        [sys.executable, str(EXAMPLE), "--dsn", dsn, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -57,6 +59,22 @@ def test_two_nodes_hand_over_on_ctrl_c_or_sigterm(pg_dsn: str, signum: signal.Si
         assert procs[first].wait(15) == 0
         second = _expect(lines, "is now the leader", 10)
         assert second != first
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+def test_a_node_of_a_newer_version_takes_over_once_it_settled(pg_dsn: str) -> None:
+    lines: queue.Queue[tuple[int, str]] = queue.Queue()
+    procs = [_start(pg_dsn, lines, 0, "--version", "1.0", "--settle", "1")]
+    try:
+        assert _expect(lines, "is now the leader", 30) == 0
+        procs.append(_start(pg_dsn, lines, 1, "--version", "1.1", "--settle", "1"))
+        assert _expect(lines, "is now the leader", 30) == 1
+        procs[0].send_signal(signal.SIGTERM)
+        assert procs[0].wait(15) == 0
     finally:
         for proc in procs:
             if proc.poll() is None:
