@@ -190,7 +190,16 @@ def _run_redis_node(args: argparse.Namespace) -> int:
 
 def _leader_options(args: argparse.Namespace) -> dict[str, Any]:
     """The options a node's leader takes from its command line, on either backend."""
-    options = ("name", "node_id", "ttl", "renew_interval", "renew_deadline", "retry_interval")
+    options = (
+        "name",
+        "node_id",
+        "ttl",
+        "renew_interval",
+        "renew_deadline",
+        "retry_interval",
+        "version",
+        "settle",
+    )
     return {option: getattr(args, option) for option in options}
 
 
@@ -332,6 +341,13 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
         "--stop-grace",
         type=float,
         help="seconds to wait for cancelled tasks (default: the library's)",
+    )
+    p.add_argument("--version", help="the release the node runs (PEP 440)")
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=10.0,
+        help="seconds a newer node heartbeats before it is handed the lease",
     )
     p.add_argument("--tick", type=float, default=1.0)
     p.add_argument("--ledger", default="rselection_demo_ledger")
