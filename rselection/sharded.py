@@ -40,6 +40,7 @@ from .stop_signals import stop_on_signals
 from .tasks import TaskHandler
 from .timing import Timings
 from .validation import check_node_id, check_optional_seconds, check_seconds, new_node_id
+from .versions import check_eligible
 
 if TYPE_CHECKING:
     from .context import TaskContext
@@ -203,8 +204,9 @@ class ShardState:
 
     Attributes:
         holders: each held shard's holder (lease rows not expired).
-        nodes: each node of the name with its first and last heartbeat and whether it
-            is alive (seen within ``node_timeout``), server time.
+        nodes: each node of the name that may lead (ineligible ones are left out) with
+            its first and last heartbeat and whether it is alive (seen within
+            ``node_timeout``), server time.
         now: the server's clock when read.
     """
 
@@ -479,6 +481,8 @@ class ShardedLeader(Service, ABC):
         max_moves: most handovers in flight at once from any one node.
         handover_valid_for: seconds a moved shard stays reserved for its target (default:
             ``stop_grace + 1``).
+        eligible: ``False``: a member that never leads a shard (nor the coordinator's
+            lease); the coordinator counts it out of the balance.
 
     Raises:
         ConfigError: bad arguments or inconsistent timings (the message shows the math).
@@ -502,6 +506,7 @@ class ShardedLeader(Service, ABC):
         settle: float | None,
         max_moves: int,
         handover_valid_for: float | None,
+        eligible: bool = True,
     ) -> None:
         if not isinstance(handler, TaskHandler):
             raise ConfigError(f"handler must be a TaskHandler, got {type(handler).__name__}")
@@ -522,6 +527,8 @@ class ShardedLeader(Service, ABC):
         self._node_timeout = (
             3 * self.heartbeat_interval if given_node_timeout is None else given_node_timeout
         )
+        self.eligible = check_eligible(eligible)
+        """Whether this node may lead shards (``eligible=`` as given)."""
         self._handler = handler
         self._timings = timings
         self._cleanup: list[Callable[[], object]] = []
@@ -567,6 +574,7 @@ class ShardedLeader(Service, ABC):
             "renew_deadline": timings.renew_deadline,
             "retry_interval": timings.retry_interval,
             "claimer": claimer,
+            "eligible": self.eligible,
             **options,
         }
         self._coordinator = leader(
@@ -766,7 +774,8 @@ class ShardedLeader(Service, ABC):
         alive = {node for node, (_, _, up) in state.nodes.items() if up}
         if not alive or len(state.holders) < self._shards:
             return False
-        if self._started and not self._stopped.is_set() and self._node_id not in alive:
+        running = self._started and not self._stopped.is_set()
+        if running and self.eligible and self._node_id not in alive:
             return False  # this node counts too, from its first heartbeat on
         counts = dict.fromkeys(alive, 0)
         for info in state.holders.values():

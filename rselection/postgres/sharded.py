@@ -127,6 +127,8 @@ class PostgresShardedLeader(ShardedLeader):
         handover_valid_for: seconds a moved shard stays reserved for its target (default:
             ``stop_grace + 1``); a target that has not taken it by then gets no more
             shards until it heartbeats again.
+        eligible: ``False``: a member that never leads a shard (nor the coordinator's
+            lease): it heartbeats and is listed, and the coordinator gives it no shards.
 
     Raises:
         ConfigError: bad arguments or inconsistent timings (the message shows the math).
@@ -158,6 +160,7 @@ class PostgresShardedLeader(ShardedLeader):
         settle: float | None = None,
         max_moves: int = 32,
         handover_valid_for: float | None = None,
+        eligible: bool = True,
     ) -> None:
         # Every shard's lease on one keeper session: one connection string for them all.
         source = per_call_source(conninfo, session_conninfo(conninfo, type(self).__name__))
@@ -173,6 +176,7 @@ class PostgresShardedLeader(ShardedLeader):
             settle=settle,
             max_moves=max_moves,
             handover_valid_for=handover_valid_for,
+            eligible=eligible,
         )
         table_identifier(table)  # validates
         table_identifier(nodes_table)
@@ -216,7 +220,7 @@ class PostgresShardedLeader(ShardedLeader):
         nodes_sql = sql.SQL(
             " UNION ALL SELECT 'n', node_id, NULL, NULL, started_at, last_seen,"
             " last_seen >= clock_timestamp() - make_interval(secs => %(node_timeout)s),"
-            " clock_timestamp() FROM {nodes} WHERE name = %(name)s"
+            " clock_timestamp() FROM {nodes} WHERE name = %(name)s AND coalesce(eligible, true)"
         ).format(nodes=table_identifier(nodes_table))
         clock_sql = sql.SQL(
             " UNION ALL SELECT 't', NULL, NULL, NULL, NULL, NULL, NULL, clock_timestamp()"

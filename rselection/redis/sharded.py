@@ -99,6 +99,8 @@ class RedisShardedLeader(ShardedLeader):
         heartbeat_interval: the coordinator's balancing (with ``node_timeout``,
             ``rebalance_interval``, ``settle``, ``max_moves`` and
             ``handover_valid_for``), as for :class:`~rselection.PostgresShardedLeader`.
+        eligible: ``False``: a member that never leads a shard (see
+            :class:`~rselection.PostgresShardedLeader`).
 
     Raises:
         ConfigError: bad arguments or inconsistent timings (the message shows the math).
@@ -129,6 +131,7 @@ class RedisShardedLeader(ShardedLeader):
         settle: float | None = None,
         max_moves: int = 32,
         handover_valid_for: float | None = None,
+        eligible: bool = True,
     ) -> None:
         if not (claimer is DEFAULT_CLAIMER or claimer is None or isinstance(claimer, FireClaimer)):
             raise ConfigError(
@@ -149,6 +152,7 @@ class RedisShardedLeader(ShardedLeader):
                 settle=settle,
                 max_moves=max_moves,
                 handover_valid_for=handover_valid_for,
+                eligible=eligible,
             )
             self.key_prefix = check_key_prefix(key_prefix)
         except BaseException:
@@ -203,7 +207,9 @@ class RedisShardedLeader(ShardedLeader):
             info, _ = parse_holder(raw, pttl, now)
             if info is not None:
                 holders[shard] = info
-        nodes = {n.node_id: (n.started_at, n.last_seen, n.alive) for n in self._nodes()}
+        nodes = {
+            n.node_id: (n.started_at, n.last_seen, n.alive) for n in self._nodes() if n.eligible
+        }
         now = datetime.fromtimestamp(now_ms / 1000, UTC) if now_ms else datetime.now(UTC)
         return ShardState(holders, nodes, now)
 

@@ -460,6 +460,36 @@ def test_status_shows_the_shards_each_node_leads(shard_server: ShardServer) -> N
             leader.stop()
 
 
+def test_an_ineligible_node_is_given_no_shard_and_leaves_the_balance_to_the_others(
+    shard_server: ShardServer,
+) -> None:
+    name = unique("elig")
+    options: dict[str, Any] = {"name": name, "shards": 6, "heartbeat_interval": 0.5, **FAST}
+    a = shard_server.sharded_leader(idle_tasks(), node_id="a", **options)
+    b = shard_server.sharded_leader(idle_tasks(), node_id="b", **options)
+    canary = shard_server.sharded_leader(idle_tasks(), node_id="canary", eligible=False, **options)
+    leaders = [canary, a, b]  # the canary first: it would coordinate, if it could
+    try:
+        for leader in leaders:
+            leader.start()
+        assert a.wait_until_balanced(20) and canary.wait_until_balanced(20)
+        wait_until(lambda: len(a.nodes()) == 3, 10, "three nodes' heartbeats")
+        assert {n.node_id: n.eligible for n in a.nodes()} == {"a": True, "b": True, "canary": False}
+        # Settled, with rebalancing rounds every 0.5 s: the shards stay split 3/3.
+        time.sleep(2.0)
+        holders = a.assignment()
+        assert sorted(holders) == list(range(6))
+        assert sorted(info.node_id for info in holders.values()) == ["a"] * 3 + ["b"] * 3
+        assert canary.owned() == frozenset() and not canary.is_leader
+        # b stops: its shards go to a, never to the canary.
+        b.stop(timeout=20)
+        wait_until(lambda: a.owned() == frozenset(range(6)), 20, "a to lead every shard")
+        assert canary.owned() == frozenset()
+    finally:
+        for leader in leaders:
+            leader.stop(timeout=20)
+
+
 def test_each_shard_claims_its_own_fires_and_keeps_its_own_checkpoint(
     shard_server: ShardServer,
 ) -> None:
