@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .claiming import FireClaimer
 from .leader import LeaseLeader
-from .succession import ASK_AGAIN_AFTER, SuccessionWatch, successor
+from .succession import ASK_AGAIN_AFTER, SuccessionWatch, next_look, successor
 from .validation import check_node_id, check_seconds, new_node_id
 
 if TYPE_CHECKING:
@@ -95,6 +95,7 @@ class MemberLeader(LeaseLeader):
         self._membership = membership
         self._settle = check_seconds(settle, "settle", allow_zero=True)
         self._asked: dict[str, float] = {}  # successors asked for, when (monotonic)
+        self._look_at = 0.0  # when to look at the nodes next (monotonic)
         # Whatever ends the keeper (stop(), or an error it cannot go on after), the node
         # leaves the membership with it: no heartbeats from a node that no longer competes.
         super().__init__(
@@ -147,25 +148,26 @@ class MemberLeader(LeaseLeader):
         SuccessionWatch.shared().discard(self)
 
     def hand_over_to_newer(self) -> None:
-        """While leading, ask for a handover to the newest settled node of a newer
-        version, if there is one (see :func:`rselection.succession.successor`); the same
-        node is not asked for again within
-        :data:`~rselection.succession.ASK_AGAIN_AFTER` seconds.
+        """While leading, and when a look is due (see
+        :func:`rselection.succession.next_look`), ask for a handover to the newest
+        settled node of a newer version, if there is one (see
+        :func:`rselection.succession.successor`); the same node is not asked for again
+        within :data:`~rselection.succession.ASK_AGAIN_AFTER` seconds.
 
         Raises:
             BackendUnavailable: the server could not be reached.
         """
         term = self.term
-        if term is None:
+        now = time.monotonic()
+        if term is None or now < self._look_at:
             return
         # Settling is measured on this machine's clock against the server's first
         # heartbeat: a few milliseconds of skew against a settle of seconds.
-        heir = successor(
-            self._membership.nodes(), self.node_id, self.version, self._settle, datetime.now(UTC)
-        )
+        nodes, wall = self._membership.nodes(), datetime.now(UTC)
+        self._look_at = now + next_look(nodes, self.node_id, self.version, self._settle, wall)
+        heir = successor(nodes, self.node_id, self.version, self._settle, wall)
         if heir is None:
             return
-        now = time.monotonic()
         asked = self._asked.get(heir.node_id)
         if asked is not None and now - asked < ASK_AGAIN_AFTER:
             return

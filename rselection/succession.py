@@ -6,11 +6,11 @@ and newer than the holder's, settled (heartbeating) for ``settle`` seconds; ties
 the longest settled. Nodes without a version never cause a move, and neither does an
 older one: a rollback simply leads once no newer node is alive.
 
-:class:`SuccessionWatch` is the one thread of a process that looks, every
-:data:`CHECK_INTERVAL`, at the nodes of each lease this process leads with a version
-set, and asks for the handover through the leader's backend (the same request as
-``rselection resign --to``). See ``docs/explanation/how-it-works.md`` ("Versions and
-eligibility").
+:class:`SuccessionWatch` is the one thread of a process that has each leader this
+process runs with a version set look at its lease's nodes when due (:func:`next_look`:
+when a newer node settles, else every few seconds), and ask for the handover through
+the leader's backend (the same request as ``rselection resign --to``). See
+``docs/explanation/how-it-works.md`` ("Versions and eligibility").
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import Protocol
 
@@ -27,13 +27,25 @@ from packaging.version import Version
 from . import forks
 from .members import NodeInfo
 
-__all__ = ["ASK_AGAIN_AFTER", "CHECK_INTERVAL", "SuccessionWatch", "Successor", "successor"]
+__all__ = [
+    "ASK_AGAIN_AFTER",
+    "CHECK_INTERVAL",
+    "LOOK_AT_MOST",
+    "SuccessionWatch",
+    "Successor",
+    "next_look",
+    "successor",
+]
 
 logger = logging.getLogger("rselection.leader")
 
 CHECK_INTERVAL = 0.5
-"""Seconds between two looks at the nodes of a lease this process leads: a newer node
-is handed the lease within about this long (plus a handover) of being settled."""
+"""Seconds between two rounds of the watching thread: a newer node is handed the lease
+within about this long (plus a handover) of being settled."""
+
+LOOK_AT_MOST = 5.0
+"""Most seconds between two looks of a holder at its lease's nodes (one read each); it
+looks sooner when a newer node is about to settle (see :func:`next_look`)."""
 
 ASK_AGAIN_AFTER = 30.0
 """Seconds before the same node is asked for again, when a handover to it did not
@@ -52,20 +64,48 @@ def successor(
         settle: seconds a node must have heartbeated before it counts.
         now: the time to measure settling against (server time, as ``started_at``).
     """
-    if version is None:
-        return None
-    mine = Version(version)
     best: tuple[Version, timedelta, NodeInfo] | None = None
+    for node, theirs in _newer(nodes, node_id, version):
+        settled_for = now - node.started_at
+        if settled_for >= timedelta(seconds=settle) and (
+            best is None or (theirs, settled_for) > best[:2]
+        ):
+            best = (theirs, settled_for, node)
+    return None if best is None else best[2]
+
+
+def next_look(
+    nodes: Sequence[NodeInfo], node_id: str, version: str | None, settle: float, now: datetime
+) -> float:
+    """Seconds until the holder should look at the nodes again: when the first newer
+    node not settled yet settles, else half of ``settle`` (a node that appears meanwhile
+    cannot settle before that), between :data:`CHECK_INTERVAL` and :data:`LOOK_AT_MOST`.
+
+    Args:
+        nodes, node_id, version, settle, now: as for :func:`successor`.
+    """
+    wait = settle / 2
+    for node, _ in _newer(nodes, node_id, version):
+        left = (node.started_at + timedelta(seconds=settle) - now).total_seconds()
+        if left > 0:
+            wait = min(wait, left)
+    return min(LOOK_AT_MOST, max(CHECK_INTERVAL, wait))
+
+
+def _newer(
+    nodes: Sequence[NodeInfo], node_id: str, version: str | None
+) -> Iterator[tuple[NodeInfo, Version]]:
+    """The live, eligible nodes other than ``node_id`` of a version newer than
+    ``version``, with their versions (none when ``version`` is ``None``)."""
+    if version is None:
+        return
+    mine = Version(version)
     for node in nodes:
         if node.node_id == node_id or not node.alive or not node.eligible or node.version is None:
             continue
         theirs = Version(node.version)
-        settled_for = now - node.started_at
-        if theirs <= mine or settled_for < timedelta(seconds=settle):
-            continue
-        if best is None or (theirs, settled_for) > best[:2]:
-            best = (theirs, settled_for, node)
-    return None if best is None else best[2]
+        if theirs > mine:
+            yield node, theirs
 
 
 class Successor(Protocol):

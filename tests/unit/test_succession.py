@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from rselection.members import NodeInfo
-from rselection.succession import successor
+from rselection.succession import CHECK_INTERVAL, LOOK_AT_MOST, next_look, successor
 
 NOW = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)
 
@@ -62,3 +62,19 @@ def test_no_move_for_older_equal_unversioned_unsettled_lost_or_ineligible_nodes(
 
 def test_a_holder_without_a_version_never_hands_over_for_one() -> None:
     assert pick([node("me", None), node("a", "9.0")], version=None) is None
+
+
+def test_the_next_look_comes_when_a_newer_node_settles_else_every_half_settle() -> None:
+    me = node("me", "1.0")
+    # Nothing newer: half the settle, at most LOOK_AT_MOST, at least CHECK_INTERVAL.
+    assert next_look([me, node("a", "0.9")], "me", "1.0", 10.0, NOW) == 5.0
+    assert next_look([me], "me", "1.0", 60.0, NOW) == LOOK_AT_MOST
+    assert next_look([me], "me", "1.0", 0.2, NOW) == CHECK_INTERVAL
+    # A newer node settles in 2 s: look then (an older or ineligible one does not count).
+    newer = node("b", "1.1", settled=8.0)
+    assert (
+        next_look([me, newer, node("c", "1.2", settled=1, eligible=False)], "me", "1.0", 10.0, NOW)
+        == 2.0
+    )
+    # Settled already: the regular pace (the handover is asked for by this look).
+    assert next_look([me, node("b", "1.1", settled=30)], "me", "1.0", 10.0, NOW) == 5.0
