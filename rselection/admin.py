@@ -253,7 +253,9 @@ class LeaseAdmin(Closeable, ABC):
             valid_for: seconds the request (and the reservation for ``to``) holds.
 
         Raises:
-            Refused: ``to`` is a node that may not lead (``eligible=False``).
+            Refused: ``to`` is a node that may not lead (``eligible=False``); or, without
+                ``to``, the heartbeats list nodes but none that may lead besides the
+                holder.
         """
 
     def ineligible(self, name: str) -> set[str]:
@@ -261,14 +263,24 @@ class LeaseAdmin(Closeable, ABC):
         as their heartbeats show them; empty when the nodes cannot be read."""
         return {node.node_id for node in self.nodes(name) or () if not node.eligible}
 
-    def refuse_ineligible(self, name: str, to: str | None) -> None:
-        """Raise :class:`Refused` when ``to`` is a node of lease ``name`` that may not
-        lead: a handover to it would leave the lease reserved for a node that never
-        takes it."""
-        if to is not None and to in self.ineligible(name):
+    def refuse_handover(self, name: str, to: str | None) -> None:
+        """Raise :class:`Refused` when a handover of lease ``name`` to ``to`` (any other
+        node: ``None``) could only leave the lease reserved for a node that never takes
+        it: ``to`` may not lead, or no live node but the holder may."""
+        nodes = self.nodes(name) or []
+        if to is not None:
+            if to in {node.node_id for node in nodes if not node.eligible}:
+                raise Refused(
+                    f"{printable(to)} may not lead {name!r}: it was started with "
+                    "eligible=False (a canary or an admin process, say); hand over to "
+                    "another node"
+                )
+        elif any(not node.eligible for node in nodes) and not any(
+            node.alive and node.eligible and not node.is_leader for node in nodes
+        ):
             raise Refused(
-                f"{printable(to)} may not lead {name!r}: it was started with eligible=False "
-                "(a canary or an admin process, say); hand over to another node"
+                f"no other live node of lease {name!r} may lead (the others were started "
+                "with eligible=False); start another node first"
             )
 
     @abstractmethod

@@ -17,6 +17,7 @@ import random
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import TYPE_CHECKING
 
 from . import clock, signals
@@ -137,6 +138,7 @@ class Leadership:
 
         self.cond = threading.Condition()  # guards the fields below and wakes waiters
         self.term: Term | None = None
+        self.acquired_at: datetime | None = None  # the current term's, server time
         self.last_term: Term | None = None  # the latest term begun (maybe still ending)
         self.closed = False
         self.stopping = threading.Event()
@@ -435,6 +437,7 @@ class Leadership:
                 return
             with self.cond:
                 self.term = term
+                self.acquired_at = holder.acquired_at
                 self.last_term = term
                 self.held_term = holder.term
                 self.last_sent = sent

@@ -157,15 +157,18 @@ class MemberLeader(LeaseLeader):
         Raises:
             BackendUnavailable: the server could not be reached.
         """
-        term = self.term
+        state = self._state
+        with state.cond:  # the term and its acquisition time, of one term
+            current, since = state.term, state.acquired_at
         now = time.monotonic()
-        if term is None or now < self._look_at:
+        if current is None or not current.live() or now < self._look_at:
             return
+        term = current.number
         # Settling is measured on this machine's clock against the server's first
         # heartbeat: a few milliseconds of skew against a settle of seconds.
         nodes, wall = self._membership.nodes(), datetime.now(UTC)
         self._look_at = now + next_look(nodes, self.node_id, self.version, self._settle, wall)
-        heir = successor(nodes, self.node_id, self.version, self._settle, wall)
+        heir = successor(nodes, self.node_id, self.version, self._settle, wall, since)
         if heir is None:
             return
         asked = self._asked.get(heir.node_id)

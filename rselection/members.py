@@ -3,6 +3,7 @@ every membership checks about its node (:class:`MembershipBase`)."""
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -96,3 +97,7 @@ class MembershipBase:
         """The release this node runs (PEP 440), ``None`` when it gave none."""
         self.eligible = check_eligible(eligible)
         """Whether this node may lead (see :class:`NodeInfo`)."""
+        self.incarnation = secrets.token_hex(8)
+        """This run of the node, recorded with its heartbeats: a node restarted under
+        the same id (a crash, a container restarted in place) is a new run, whose first
+        heartbeat (``started_at``) is its own, so it settles anew."""

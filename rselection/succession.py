@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import Protocol
 
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 from . import forks
 from .members import NodeInfo
@@ -53,7 +53,12 @@ happen (it stopped, or could not take the lease): no lease hops back and forth."
 
 
 def successor(
-    nodes: Sequence[NodeInfo], node_id: str, version: str | None, settle: float, now: datetime
+    nodes: Sequence[NodeInfo],
+    node_id: str,
+    version: str | None,
+    settle: float,
+    now: datetime,
+    since: datetime | None = None,
 ) -> NodeInfo | None:
     """The node that should lead instead of ``node_id`` (of ``version``), or ``None``.
 
@@ -63,9 +68,15 @@ def successor(
         version: the holder's version; ``None``: it never hands over for a version.
         settle: seconds a node must have heartbeated before it counts.
         now: the time to measure settling against (server time, as ``started_at``).
+        since: when the holder's term began (server time): a node that has not
+            heartbeated since then does not count. It is still listed as alive for a
+            node timeout after it died (the holder before this one, killed, say), and
+            a lease handed to it would stay reserved for a node that never takes it.
     """
     best: tuple[Version, timedelta, NodeInfo] | None = None
     for node, theirs in _newer(nodes, node_id, version):
+        if since is not None and node.last_seen < since:
+            continue
         settled_for = now - node.started_at
         if settled_for >= timedelta(seconds=settle) and (
             best is None or (theirs, settled_for) > best[:2]
@@ -103,7 +114,10 @@ def _newer(
     for node in nodes:
         if node.node_id == node_id or not node.alive or not node.eligible or node.version is None:
             continue
-        theirs = Version(node.version)
+        try:
+            theirs = Version(node.version)
+        except InvalidVersion:  # written by hand, or by another program: not a release
+            continue
         if theirs > mine:
             yield node, theirs
 

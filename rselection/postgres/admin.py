@@ -154,7 +154,7 @@ class PostgresAdmin(LeaseAdmin):
     ) -> LeaderInfo | None:
         """See :meth:`~rselection.admin.LeaseAdmin.request_handover` and
         :func:`rselection.postgres.request_handover`."""
-        self.refuse_ineligible(name, to)
+        self.refuse_handover(name, to)
         with self._call("record the handover request", table=False) as conn:
             return handover.request_handover(
                 conn, name, table=self.table, to=to, valid_for=valid_for

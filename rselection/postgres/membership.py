@@ -42,6 +42,17 @@ logger = logging.getLogger(__name__)
 
 _PURGE_AFTER = 86_400.0  # seconds a lost node's row is kept for operators to see
 
+# What a heartbeat of a listed node writes. A node restarted under its id (a crash, a
+# container restarted in place) is another run: its first heartbeat starts it anew, so
+# that it settles again before a newer version is handed the lease.
+_ON_BEAT = (
+    "last_seen = clock_timestamp(), client_addr = EXCLUDED.client_addr,"
+    " hostname = EXCLUDED.hostname, pid = EXCLUDED.pid,"
+    " version = EXCLUDED.version, eligible = EXCLUDED.eligible,"
+    " started_at = CASE WHEN t.incarnation IS DISTINCT FROM EXCLUDED.incarnation"
+    " THEN clock_timestamp() ELSE t.started_at END, incarnation = EXCLUDED.incarnation"
+)
+
 
 def nodes_sql(
     table: str, lease_table: str, node_timeout: float, name: str | None = None
@@ -151,12 +162,10 @@ class PostgresMembership(MembershipBase):
             " DELETE FROM {n} WHERE name = %(lease)s AND node_id <> %(node)s"
             " AND last_seen < clock_timestamp() - make_interval(secs => %(purge)s))"
             " INSERT INTO {n} AS t (name, node_id, hostname, pid, client_addr, started_at,"
-            " last_seen, version, eligible) VALUES (%(lease)s, %(node)s, %(host)s, %(pid)s,"
-            " inet_client_addr(), clock_timestamp(), clock_timestamp(), %(version)s,"
-            " %(eligible)s)"
-            " ON CONFLICT (name, node_id) DO UPDATE SET last_seen = clock_timestamp(),"
-            " client_addr = EXCLUDED.client_addr, version = EXCLUDED.version,"
-            " eligible = EXCLUDED.eligible"
+            " last_seen, version, eligible, incarnation) VALUES (%(lease)s, %(node)s,"
+            " %(host)s, %(pid)s, inet_client_addr(), clock_timestamp(), clock_timestamp(),"
+            " %(version)s, %(eligible)s, %(incarnation)s)"
+            " ON CONFLICT (name, node_id) DO UPDATE SET " + _ON_BEAT
         ).format(n=nodes)
         self._leave_sql = sql.SQL("DELETE FROM {} WHERE name = %s AND node_id = %s").format(nodes)
         self._nodes_sql = nodes_sql(table, lease_table, self.node_timeout, self.name)
@@ -228,26 +237,26 @@ class PostgresMembership(MembershipBase):
         nodes = array_literal([m.node_id for m in members], "text")
         versions = array_literal([m.version for m in members], "text")
         eligible = array_literal(["t" if m.eligible else "f" for m in members], "boolean")
+        runs = array_literal([m.incarnation for m in members], "text")
         return sql.SQL(
-            "WITH beat(name, node, version, eligible) AS"
-            " (SELECT * FROM unnest({names}, {nodes}, {versions}, {eligible})),"
+            "WITH beat(name, node, version, eligible, incarnation) AS"
+            " (SELECT * FROM unnest({names}, {nodes}, {versions}, {eligible}, {runs})),"
             " purge AS ("
             " DELETE FROM {n} AS d USING (SELECT DISTINCT name FROM beat) AS b"
             " WHERE d.name = b.name"
             " AND (d.name, d.node_id) NOT IN (SELECT name, node FROM beat)"
             " AND d.last_seen < clock_timestamp() - make_interval(secs => {purge}))"
             " INSERT INTO {n} AS t (name, node_id, hostname, pid, client_addr, started_at,"
-            " last_seen, version, eligible) SELECT beat.name, beat.node, {host}, {pid},"
-            " inet_client_addr(), clock_timestamp(), clock_timestamp(), beat.version,"
-            " beat.eligible FROM beat"
-            " ON CONFLICT (name, node_id) DO UPDATE SET last_seen = clock_timestamp(),"
-            " client_addr = EXCLUDED.client_addr, version = EXCLUDED.version,"
-            " eligible = EXCLUDED.eligible"
+            " last_seen, version, eligible, incarnation) SELECT beat.name, beat.node, {host},"
+            " {pid}, inet_client_addr(), clock_timestamp(), clock_timestamp(), beat.version,"
+            " beat.eligible, beat.incarnation FROM beat"
+            " ON CONFLICT (name, node_id) DO UPDATE SET " + _ON_BEAT
         ).format(
             names=names,
             nodes=nodes,
             versions=versions,
             eligible=eligible,
+            runs=runs,
             n=table_identifier(self.table),
             purge=sql.Literal(_PURGE_AFTER),
             host=sql.Literal(socket.gethostname()),
@@ -264,6 +273,7 @@ class PostgresMembership(MembershipBase):
             "purge": _PURGE_AFTER,
             "version": self.version,
             "eligible": self.eligible,
+            "incarnation": self.incarnation,
         }
         self._execute("record a heartbeat", self._beat_sql, params)
 

@@ -98,8 +98,9 @@ LEASE_RETIRED_COLUMNS = ("retired_term",)
 LEASE_PROTOCOL_COLUMNS = ("protocol",)
 """Columns of the lease table that record the lease protocol of the holder (version 5)."""
 
-NODES_VERSION_COLUMNS = ("version", "eligible")
-"""Columns of the nodes table that record a node's version and eligibility (version 2)."""
+NODES_VERSION_COLUMNS = ("version", "eligible", "incarnation")
+"""Columns of the nodes table that record a node's version, eligibility and run
+(version 2)."""
 
 UPGRADE_LOCK_TIMEOUT = 1.0
 """Longest an upgrade waits at a time for its exclusive lock on a live table, seconds.
@@ -561,8 +562,8 @@ NODES = TableKind(
         # NULLs are rows of nodes that gave neither: of no version, and eligible.
         Step(
             2,
-            "add the node's version and eligibility",
-            _adding("version text", "eligible boolean"),
+            "add the node's version, eligibility and run",
+            _adding("version text", "eligible boolean", "incarnation text"),
             NODES_VERSION_COLUMNS,
         ),
     ),

@@ -157,10 +157,11 @@ return 1
 
 #: Record a handover request for the current term and publish it. KEYS: lease key,
 #: handover key. ARGV: node asked to take over ('' for any), the request's ttl (ms),
-#: channel, and optionally "1" to ask nothing of a holder that is that node already.
+#: channel, optionally "1" to ask nothing of a holder that is that node already, and
+#: optionally the term to ask it of (another term is asked nothing).
 #: Returns {0, '', 0, ''} when nobody holds the lease (or, with that "1", the node asked
-#: holds it), {-1, value, 0, ''} when the value cannot be read, else {1, value, PTTL (ms),
-#: server time (ms)}.
+#: holds it, or another term holds it), {-1, value, 0, ''} when the value cannot be read,
+#: else {1, value, PTTL (ms), server time (ms)}.
 REQUEST_HANDOVER = """
 local cur = redis.call('GET', KEYS[1])
 if not cur then return {0, '', 0, ''} end
@@ -169,6 +170,7 @@ if not ok or type(h) ~= 'table' or type(h.term) ~= 'string' or type(h.node) ~= '
   return {-1, cur, 0, ''}
 end
 if ARGV[4] == '1' and h.node == ARGV[1] then return {0, '', 0, ''} end
+if ARGV[5] and ARGV[5] ~= '' and h.term ~= ARGV[5] then return {0, '', 0, ''} end
 local t = redis.call('TIME')
 local now = tostring(t[1] * 1000 + math.floor(t[2] / 1000))
 redis.call('SET', KEYS[2], cjson.encode({term = h.term, from = h.node, to = ARGV[1]}),
@@ -237,9 +239,11 @@ return -3
 
 #: Record a node's heartbeat at the server's time. KEYS: nodes (sorted set: node id ->
 #: last heartbeat, ms), node info (hash: node id -> JSON). ARGV: node id, its info (JSON:
-#: host, pid, addr), "1" to rewrite the info (a new connection), "1" to purge, purge age
-#: (ms), keys' idle expiry (ms). Steady state is TIME and ZADD; the info is written when
-#: the node is new or asks, and lost nodes older than the purge age go on a purge beat.
+#: host, pid, addr, version, eligible, inc), "1" to rewrite the info (a new connection),
+#: "1" to purge, purge age (ms), keys' idle expiry (ms). Steady state is TIME and ZADD;
+#: the info is written when the node is new or asks, and lost nodes older than the purge
+#: age go on a purge beat. Its first heartbeat (``started``) is kept while the process
+#: that heartbeats (``inc``) is the same: a node restarted under its id starts anew.
 #: Returns the server time (ms).
 HEARTBEAT = """
 local t = redis.call('TIME')
@@ -251,7 +255,9 @@ if new == 1 or ARGV[3] == '1' then
   if new == 0 then
     local old = redis.call('HGET', KEYS[2], ARGV[1])
     local ok, o = pcall(cjson.decode, old or '')
-    if ok and type(o) == 'table' and o.started then doc.started = o.started end
+    if ok and type(o) == 'table' and o.started and o.inc == doc.inc then
+      doc.started = o.started
+    end
   end
   redis.call('HSET', KEYS[2], ARGV[1], cjson.encode(doc))
 end

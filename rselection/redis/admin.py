@@ -112,7 +112,7 @@ class RedisAdmin(LeaseAdmin):
     ) -> LeaderInfo | None:
         """See :meth:`~rselection.admin.LeaseAdmin.request_handover` and
         :func:`rselection.redis.request_handover`."""
-        self.refuse_ineligible(name, to)
+        self.refuse_handover(name, to)
         return handover.request_handover(
             self.client, name, to=to, valid_for=valid_for, key_prefix=self.key_prefix
         )

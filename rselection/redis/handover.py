@@ -62,6 +62,7 @@ def request_handover(
     to: str | None = None,
     valid_for: float = 10.0,
     key_prefix: str = DEFAULT_KEY_PREFIX,
+    term: int | None = None,
 ) -> LeaderInfo | None:
     """Ask the leader of Redis lease ``name`` to hand over; return the holder asked.
 
@@ -80,12 +81,15 @@ def request_handover(
         to: node id that should take over, or ``None`` for any other node.
         valid_for: seconds the request (and the reservation for ``to``) stays valid.
         key_prefix: the leaders' ``key_prefix``.
+        term: ask only this term (``None`` returned when another term holds the lease);
+            ``None``: whichever term holds it.
 
     Raises:
         ConfigError: bad arguments, or the lease key holds something else.
         BackendUnavailable: Redis cannot be reached or refused the script.
     """
     name, key_prefix = _lease(name, key_prefix)
+    asked_term = "" if term is None else str(check_term(term))
     valid_for = check_seconds(valid_for, "valid_for", minimum=0.001)
     if to is not None:
         to = check_node_id(to)
@@ -100,6 +104,8 @@ def request_handover(
                 to or "",
                 max(1, round(valid_for * 1000)),
                 channel,
+                "",
+                asked_term,
             )
         except redis.RedisError as exc:
             raise unavailable("record the handover request", call.where, exc) from exc

@@ -14,7 +14,7 @@ from ..validation import check_name
 from ._conn import check_client
 from .claims import RedisClaimer
 from .fencing import RedisFence
-from .handover import current_holder, request_handover
+from .handover import request_handover
 from .keys import DEFAULT_KEY_PREFIX, claims_prefix
 from .lease import RedisLease
 from .membership import RedisMembership
@@ -197,16 +197,14 @@ class RedisLeader(MemberLeader):
         self._key_prefix = key_prefix
 
     def _request_successor(self, node_id: str, term: int) -> None:
-        client = self._membership_client
-        holder = current_holder(client, self.name, key_prefix=self._key_prefix)
-        if holder is None or holder.term != term:
-            return  # the term ended meanwhile: nothing of it to hand over
+        # Of this term only: once it ended, the request would move the next holder.
         request_handover(
-            client,
+            self._membership_client,
             self.name,
             to=node_id,
             valid_for=self.stop_grace + 1.0,
             key_prefix=self._key_prefix,
+            term=term,
         )
 
     @property

@@ -363,7 +363,10 @@ class RedisMembership(MembershipBase):
             self._about = about
             host, pid, addr, version, eligible = about
             self._info = json.dumps(
-                {"host": host, "pid": pid, "addr": addr, "version": version, "eligible": eligible}
+                {
+                    **{"host": host, "pid": pid, "addr": addr},
+                    **{"version": version, "eligible": eligible, "inc": self.incarnation},
+                }
             )
         args = [self.node_id, self._info, "1" if fresh else "0", "1" if purge else "0"]
         return [*self.keys, *args, _PURGE_AFTER_MS, _KEEP_MS], purge

@@ -78,3 +78,31 @@ def test_the_next_look_comes_when_a_newer_node_settles_else_every_half_settle() 
     )
     # Settled already: the regular pace (the handover is asked for by this look).
     assert next_look([me, node("b", "1.1", settled=30)], "me", "1.0", 10.0, NOW) == 5.0
+
+
+def test_a_node_silent_since_the_term_began_is_no_heir() -> None:
+    """The holder before this one, killed: still listed as alive for a node timeout,
+    but it has not heartbeated since this term began, and would never take the lease."""
+    me = node("me", "1.0")
+    dead = NodeInfo(
+        "dead",
+        "jobs",
+        "h",
+        1,
+        None,
+        NOW - timedelta(seconds=60),
+        NOW - timedelta(seconds=3),
+        True,
+        False,
+        version="2.0",
+    )
+    began = NOW - timedelta(seconds=1)
+    assert successor([me, dead], "me", "1.0", 10.0, NOW, since=began) is None
+    assert successor([me, dead, node("live", "1.5")], "me", "1.0", 10.0, NOW, since=began)
+    assert successor([me, dead], "me", "1.0", 10.0, NOW) is dead  # without the term's start
+
+
+def test_a_version_that_is_not_pep_440_is_skipped_not_fatal() -> None:
+    me = node("me", "1.0")
+    assert pick([me, node("odd", "release-42"), node("b", "1.1")]) == "b"
+    assert next_look([me, node("odd", "release-42")], "me", "1.0", 10.0, NOW) == 5.0

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import rselection as rs
+from rselection.commands.demo_fleet import Fleet
 from tests.support.backends import Backend
 from tests.support.waiting import wait_until
 
@@ -116,3 +117,77 @@ def test_a_holder_without_a_version_stays(make: Callable[..., Any]) -> None:
     make("newer", ledger, version="9.0").start()
     time.sleep(SETTLE + 2.0)
     assert ledger.nodes() == ["holder"] and holder.is_leader
+
+
+# -- node processes: a newer holder killed, a node restarted under its id -----------------
+
+
+@pytest.fixture
+def fleet(backend: Backend) -> Iterator[Fleet]:
+    """Node processes at the default timings (heartbeats every 5 s on Postgres, 10 s on
+    Redis: a killed node is listed as alive for three of them), settling in 1 s."""
+    name = f"vf-{uuid.uuid4().hex[:6]}"
+    fleet = Fleet(backend.url, name, [*backend.fleet_args, "--settle", "1"])
+    try:
+        with fleet:
+            yield fleet
+        assert backend.overlaps(name) == 0
+    finally:
+        backend.forget(name)
+
+
+def spawn(fleet: Fleet, node: str, version: str, *extra: str) -> float:
+    """Start node ``node`` of ``version``; when it is ready (wall clock)."""
+    fleet.spawn(node, ["--version", version, *extra])
+    ready = fleet.wait_for(30, ev="ready", node=node)
+    assert ready is not None, f"{node} not ready"
+    return float(ready["t"])
+
+
+def elected(fleet: Fleet, timeout: float, node: str | None = None) -> dict[str, Any] | None:
+    """The next ``elected`` event (of ``node``, if given) within ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while (left := end - time.monotonic()) > 0:
+        event = fleet.wait_for(left, ev="elected")
+        if event is not None and node in (None, event["node"]):
+            return event
+    return None
+
+
+def test_a_newer_holder_killed_is_not_handed_the_lease_again(fleet: Fleet) -> None:
+    # Before, the node that took over after the kill saw the dead node still listed as
+    # alive (its last heartbeat within the node timeout) and handed the lease to it:
+    # reserved for a node that never took it, the lease stayed unled 6 s (Postgres) to
+    # 11 s (Redis, two hops).
+    spawn(fleet, "a", "1.0")
+    assert elected(fleet, 30, "a") is not None
+    spawn(fleet, "b", "1.0")
+    spawn(fleet, "new", "2.0")
+    assert elected(fleet, 30, "new") is not None
+    fleet.kill("new")  # kill -9
+    heir = elected(fleet, 10)
+    assert heir is not None and heir["node"] in {"a", "b"}
+    # Looked at the nodes several times over (every 0.5 s here): it keeps the lease.
+    assert elected(fleet, 8.0) is None
+    demoted = [e for e in fleet.history if e["ev"] == "demoted" and e["node"] == heir["node"]]
+    assert not demoted, demoted
+
+
+def test_a_node_restarted_under_its_id_settles_anew(fleet: Fleet) -> None:
+    # Before, a node killed and restarted at once under its id kept its first run's
+    # started_at, so the new run of a newer release was handed the lease within a
+    # second, without settling (a crash-looping release with a stable id would lead).
+    settle = 4.0
+    spawn(fleet, "old", "1.0", "--settle", str(settle))
+    assert elected(fleet, 30, "old") is not None
+    spawn(fleet, "n", "0.5", "--settle", str(settle))
+    time.sleep(settle + 1.0)  # n has settled, as an older release: nothing moves
+    fleet.kill("n")  # kill -9, and back at once as a newer release
+    fleet.procs["n"].wait(10)
+    restarted = time.time()
+    spawn(fleet, "n", "2.0", "--settle", str(settle))
+    taken = elected(fleet, 30, "n")
+    assert taken is not None
+    waited = float(taken["t"]) - restarted
+    print(f"the restarted node led {waited:.2f} s after its restart (settle {settle:g} s)")
+    assert waited >= settle

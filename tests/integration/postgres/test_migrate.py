@@ -215,7 +215,10 @@ def test_a_nodes_table_of_version_1_gets_versions_and_keeps_its_rows(pg_dsn: str
 
     migrate(pg_dsn)
     with psycopg.connect(pg_dsn, autocommit=True) as conn:  # back to version 1
-        conn.execute("ALTER TABLE rselection_nodes DROP COLUMN version, DROP COLUMN eligible")
+        conn.execute(
+            "ALTER TABLE rselection_nodes DROP COLUMN version, DROP COLUMN eligible,"
+            " DROP COLUMN incarnation"
+        )
         conn.execute("UPDATE rselection_schema_version SET version = 1 WHERE component = 'nodes'")
         conn.execute(
             "INSERT INTO rselection_nodes VALUES ('jobs', 'old', 'h', 1, NULL, now(), now())"

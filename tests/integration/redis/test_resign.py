@@ -87,6 +87,22 @@ def test_a_request_key_of_an_older_term_is_ignored(
     assert again.acquired and again.holder is not None and again.holder.term == term + 1
 
 
+def test_a_request_of_another_term_asks_nothing(
+    client: redis.Redis, name: str, make_lease: Callable[..., RedisLease]
+) -> None:
+    # Before, a holder whose term had ended (its succession look in flight) could ask the
+    # next holder's term to hand over: the request named no term.
+    lease = make_lease()
+    got = lease.try_acquire("A")
+    assert got.holder is not None
+    term = got.holder.term
+    assert request_handover(client, name, to="N", term=term - 1) is None
+    assert not client.exists(handover_key(name))
+    asked = request_handover(client, name, to="N", term=term)
+    assert asked is not None and (asked.node_id, asked.term) == ("A", term)
+    assert client.exists(handover_key(name))
+
+
 def test_bad_arguments_are_refused(client: redis.Redis, name: str) -> None:
     for bad in ("", "   ", None, "x" * 1001):
         with pytest.raises(rs.ConfigError, match="lease name"):
