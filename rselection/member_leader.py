@@ -167,7 +167,9 @@ class MemberLeader(LeaseLeader):
         # Settling is measured on this machine's clock against the server's first
         # heartbeat: a few milliseconds of skew against a settle of seconds.
         nodes, wall = self._membership.nodes(), datetime.now(UTC)
-        self._look_at = now + next_look(nodes, self.node_id, self.version, self._settle, wall)
+        self._look_at = now + next_look(
+            nodes, self.node_id, self.version, self._settle, wall, since
+        )
         heir = successor(nodes, self.node_id, self.version, self._settle, wall, since)
         if heir is None:
             return

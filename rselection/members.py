@@ -3,6 +3,7 @@ every membership checks about its node (:class:`MembershipBase`)."""
 
 from __future__ import annotations
 
+import os
 import secrets
 from dataclasses import dataclass
 from datetime import datetime
@@ -97,7 +98,12 @@ class MembershipBase:
         """The release this node runs (PEP 440), ``None`` when it gave none."""
         self.eligible = check_eligible(eligible)
         """Whether this node may lead (see :class:`NodeInfo`)."""
-        self.incarnation = secrets.token_hex(8)
+        self._token = secrets.token_hex(8)
+
+    @property
+    def incarnation(self) -> str:
         """This run of the node, recorded with its heartbeats: a node restarted under
-        the same id (a crash, a container restarted in place) is a new run, whose first
-        heartbeat (``started_at``) is its own, so it settles anew."""
+        the same id (a crash, a container restarted in place, a worker forked anew from
+        one object) is a new run, whose first heartbeat (``started_at``) is its own, so
+        it settles anew. A token of this object and this process's id."""
+        return f"{self._token}-{os.getpid()}"

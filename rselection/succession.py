@@ -86,17 +86,26 @@ def successor(
 
 
 def next_look(
-    nodes: Sequence[NodeInfo], node_id: str, version: str | None, settle: float, now: datetime
+    nodes: Sequence[NodeInfo],
+    node_id: str,
+    version: str | None,
+    settle: float,
+    now: datetime,
+    since: datetime | None = None,
 ) -> float:
     """Seconds until the holder should look at the nodes again: when the first newer
     node not settled yet settles, else half of ``settle`` (a node that appears meanwhile
-    cannot settle before that), between :data:`CHECK_INTERVAL` and :data:`LOOK_AT_MOST`.
+    cannot settle before that), between :data:`CHECK_INTERVAL` and :data:`LOOK_AT_MOST`;
+    :data:`CHECK_INTERVAL` while a newer node has not heartbeated since the term began
+    (so that it is handed the lease right after its next heartbeat, if it is alive).
 
     Args:
-        nodes, node_id, version, settle, now: as for :func:`successor`.
+        nodes, node_id, version, settle, now, since: as for :func:`successor`.
     """
     wait = settle / 2
     for node, _ in _newer(nodes, node_id, version):
+        if since is not None and node.last_seen < since:
+            return CHECK_INTERVAL
         left = (node.started_at + timedelta(seconds=settle) - now).total_seconds()
         if left > 0:
             wait = min(wait, left)

@@ -44,6 +44,7 @@ __all__ = [
     "MIGRATION_TIMEOUT",
     "NODES",
     "NODES_TABLE",
+    "NODES_RUN_COLUMNS",
     "NODES_VERSION_COLUMNS",
     "UPGRADE_LOCK_TIMEOUT",
     "VERSION_TABLE",
@@ -98,9 +99,11 @@ LEASE_RETIRED_COLUMNS = ("retired_term",)
 LEASE_PROTOCOL_COLUMNS = ("protocol",)
 """Columns of the lease table that record the lease protocol of the holder (version 5)."""
 
-NODES_VERSION_COLUMNS = ("version", "eligible", "incarnation")
-"""Columns of the nodes table that record a node's version, eligibility and run
-(version 2)."""
+NODES_VERSION_COLUMNS = ("version", "eligible")
+"""Columns of the nodes table that record a node's version and eligibility (version 2)."""
+
+NODES_RUN_COLUMNS = ("incarnation",)
+"""Columns of the nodes table that record which run of a node heartbeats (version 3)."""
 
 UPGRADE_LOCK_TIMEOUT = 1.0
 """Longest an upgrade waits at a time for its exclusive lock on a live table, seconds.
@@ -562,10 +565,11 @@ NODES = TableKind(
         # NULLs are rows of nodes that gave neither: of no version, and eligible.
         Step(
             2,
-            "add the node's version, eligibility and run",
-            _adding("version text", "eligible boolean", "incarnation text"),
+            "add the node's version and eligibility",
+            _adding("version text", "eligible boolean"),
             NODES_VERSION_COLUMNS,
         ),
+        Step(3, "add the node's run", _adding("incarnation text"), NODES_RUN_COLUMNS),
     ),
 )
 """The nodes table (heartbeats of every leader's nodes)."""

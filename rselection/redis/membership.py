@@ -358,14 +358,14 @@ class RedisMembership(MembershipBase):
             self._addr = address()
         # Sent every time (a few dozen bytes): a node found missing (purged by mistake,
         # a restarted server) is written back whole.
-        about = (socket.gethostname(), os.getpid(), self._addr, self.version, self.eligible)
+        host, pid, run = socket.gethostname(), os.getpid(), self.incarnation
+        about = (host, pid, self._addr, self.version, self.eligible, run)
         if about != self._about:
             self._about = about
-            host, pid, addr, version, eligible = about
             self._info = json.dumps(
                 {
-                    **{"host": host, "pid": pid, "addr": addr},
-                    **{"version": version, "eligible": eligible, "inc": self.incarnation},
+                    **{"host": host, "pid": pid, "addr": self._addr},
+                    **{"version": self.version, "eligible": self.eligible, "inc": run},
                 }
             )
         args = [self.node_id, self._info, "1" if fresh else "0", "1" if purge else "0"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
 from rselection.members import NodeInfo
 from rselection.succession import CHECK_INTERVAL, LOOK_AT_MOST, next_look, successor
 
@@ -106,3 +108,37 @@ def test_a_version_that_is_not_pep_440_is_skipped_not_fatal() -> None:
     me = node("me", "1.0")
     assert pick([me, node("odd", "release-42"), node("b", "1.1")]) == "b"
     assert next_look([me, node("odd", "release-42")], "me", "1.0", 10.0, NOW) == 5.0
+
+
+def test_the_holder_looks_often_while_a_newer_node_has_not_heartbeated_this_term() -> None:
+    me = node("me", "1.0")
+    quiet = NodeInfo(
+        "quiet",
+        "jobs",
+        "h",
+        1,
+        None,
+        NOW - timedelta(seconds=60),
+        NOW - timedelta(seconds=3),
+        True,
+        False,
+        version="2.0",
+    )
+    began = NOW - timedelta(seconds=1)
+    assert next_look([me, quiet], "me", "1.0", 10.0, NOW, since=began) == CHECK_INTERVAL
+    assert next_look([me, quiet], "me", "1.0", 10.0, NOW) == 5.0
+
+
+def test_each_process_running_a_membership_is_a_run_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import rselection.members
+    from rselection.memory import MemoryLease, MemoryMembership
+
+    lease = MemoryLease(name="jobs")
+    one, two = MemoryMembership(lease, "n"), MemoryMembership(lease, "n")
+    assert one.incarnation != two.incarnation  # a node built anew: a new run
+    before = one.incarnation
+    # The same object in a worker forked from its builder (another pid): a new run.
+    monkeypatch.setattr(rselection.members.os, "getpid", lambda: 4242)
+    assert one.incarnation != before and one.incarnation.endswith("-4242")

@@ -62,7 +62,7 @@ def test_migrate_then_status_shows_the_holder(pg_dsn: str) -> None:
         "lease table 'rselection_leases': created (schema version 5)",
         "claims table 'rselection_claims': created (schema version 1)",
         "elections table 'rselection_elections': created (schema version 1)",
-        "nodes table 'rselection_nodes': created (schema version 2)",
+        "nodes table 'rselection_nodes': created (schema version 3)",
         "broadcast tables 'rselection_broadcast', 'rselection_broadcast_state': created "
         "(schema version 1)",
         "checkpoint tables 'rselection_checkpoints', 'rselection_checkpoint_leases': "

@@ -15,7 +15,7 @@ import pytest
 
 from rselection.errors import BackendUnavailable, ConfigError
 from rselection.postgres import migrate
-from rselection.postgres.schema import LEASES_VERSION, MIGRATION_LOCK_KEY
+from rselection.postgres.schema import LEASES_VERSION, MIGRATION_LOCK_KEY, NODES
 from tests.support.waiting import wait_until
 
 KINDS = ["leases", "claims", "elections", "nodes", "broadcast", "checkpoints"]
@@ -72,7 +72,7 @@ def test_migrate_on_an_empty_schema_creates_every_table_and_a_second_run_changes
     assert all(c.previous is None for c in first)
     assert tables(pg_dsn) == TABLES  # one version table, no other record of versions
     recorded = versions(pg_dsn)
-    latest = {"leases": LEASES_VERSION, "nodes": 2}
+    latest = {"leases": LEASES_VERSION, "nodes": NODES.version}
     assert {k: v for k, (v, _) in recorded.items()} == {kind: latest.get(kind, 1) for kind in KINDS}
     lines = [c.describe() for c in first]
     assert f"lease table 'rselection_leases': created (schema version {LEASES_VERSION})" in lines
@@ -207,25 +207,34 @@ def _index_exists(conn: psycopg.Connection[Any], name: str) -> bool:
     return bool(row and row[0])
 
 
-def test_a_nodes_table_of_version_1_gets_versions_and_keeps_its_rows(pg_dsn: str) -> None:
-    """An earlier release's nodes table: the upgrade adds ``version`` and ``eligible``
-    (nullable, no rewrite); a row of that release's node reads as eligible, of no
-    version, and a node of this release records both."""
+@pytest.mark.parametrize(
+    ("previous", "dropped"),
+    [(1, "version, DROP COLUMN eligible, DROP COLUMN incarnation"), (2, "incarnation")],
+)
+def test_an_earlier_nodes_table_is_upgraded_and_keeps_its_rows(
+    pg_dsn: str, previous: int, dropped: str
+) -> None:
+    """An earlier nodes table (version 1: no ``version``, ``eligible``; version 2, of a
+    development build: no ``incarnation``): the upgrade adds what it lacks (nullable, no
+    rewrite); a row of an earlier node reads as eligible, of no version, and a node of
+    this release records all three (before, a version 2 table was never given the
+    third column, and every heartbeat failed)."""
     import rselection as rs
 
     migrate(pg_dsn)
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:  # back to version 1
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:  # back to the earlier version
+        conn.execute(f"ALTER TABLE rselection_nodes DROP COLUMN {dropped}")
         conn.execute(
-            "ALTER TABLE rselection_nodes DROP COLUMN version, DROP COLUMN eligible,"
-            " DROP COLUMN incarnation"
+            "UPDATE rselection_schema_version SET version = %s WHERE component = 'nodes'",
+            (previous,),
         )
-        conn.execute("UPDATE rselection_schema_version SET version = 1 WHERE component = 'nodes'")
         conn.execute(
-            "INSERT INTO rselection_nodes VALUES ('jobs', 'old', 'h', 1, NULL, now(), now())"
+            "INSERT INTO rselection_nodes (name, node_id, hostname, pid, client_addr,"
+            " started_at, last_seen) VALUES ('jobs', 'old', 'h', 1, NULL, now(), now())"
         )
     changes = {c.kind: c for c in migrate(pg_dsn)}
-    assert (changes["nodes"].action, changes["nodes"].previous) == ("upgraded", 1)
-    assert changes["nodes"].version == 2
+    assert (changes["nodes"].action, changes["nodes"].previous) == ("upgraded", previous)
+    assert changes["nodes"].version == NODES.version == 3
     leader = rs.PostgresLeader(
         pg_dsn, rs.TaskHandler(), name="jobs", node_id="new", version="1.1", heartbeat_interval=0.2
     )
