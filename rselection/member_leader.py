@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .claiming import FireClaimer
 from .leader import LeaseLeader
-from .succession import ASK_AGAIN_AFTER, SuccessionWatch, next_look, successor
+from .succession import ASK_AGAIN_AFTER, Look, SuccessionWatch
 from .validation import check_node_id, check_seconds, new_node_id
 
 if TYPE_CHECKING:
@@ -148,10 +148,9 @@ class MemberLeader(LeaseLeader):
         SuccessionWatch.shared().discard(self)
 
     def hand_over_to_newer(self) -> None:
-        """While leading, and when a look is due (see
-        :func:`rselection.succession.next_look`), ask for a handover to the newest
+        """While leading, and when a look is due, ask for a handover to the newest
         settled node of a newer version, if there is one (see
-        :func:`rselection.succession.successor`); the same node is not asked for again
+        :class:`rselection.succession.Look`); the same node is not asked for again
         within :data:`~rselection.succession.ASK_AGAIN_AFTER` seconds.
 
         Raises:
@@ -166,11 +165,16 @@ class MemberLeader(LeaseLeader):
         term = current.number
         # Settling is measured on this machine's clock against the server's first
         # heartbeat: a few milliseconds of skew against a settle of seconds.
-        nodes, wall = self._membership.nodes(), datetime.now(UTC)
-        self._look_at = now + next_look(
-            nodes, self.node_id, self.version, self._settle, wall, since
+        look = Look(
+            self._membership.nodes(),
+            self.node_id,
+            self.version,
+            self._settle,
+            datetime.now(UTC),
+            since,
         )
-        heir = successor(nodes, self.node_id, self.version, self._settle, wall, since)
+        self._look_at = now + look.next_look()
+        heir = look.successor()
         if heir is None:
             return
         asked = self._asked.get(heir.node_id)

@@ -101,13 +101,9 @@ class RedisLeader(MemberLeader):
             10 s, keeps an idle follower's heartbeats and lease checks together at about
             0.6 commands per second.
         node_timeout: a node not seen for this long is lost (default three heartbeats).
-        version: the release this node runs (PEP 440, such as ``"2.4.1"``), recorded
-            with its heartbeats and shown in :meth:`nodes` and ``rselection status``.
-        eligible: ``False``: a member that never leads (a canary, an admin process): it
-            heartbeats and is listed, never takes the lease, and ``rselection resign
-            --to`` it is refused.
-        settle: seconds a node of a newer ``version`` must have heartbeated before this
-            node, leading, hands the lease over to it (once; see ``version``).
+        version, eligible, settle: the node's release, whether it may lead, and how
+            long a newer node heartbeats before it is handed the lease, as for
+            :class:`~rselection.PostgresLeader`.
 
     Raises:
         ConfigError: bad arguments (the message says which and why).

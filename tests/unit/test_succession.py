@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from rselection.members import NodeInfo
-from rselection.succession import CHECK_INTERVAL, LOOK_AT_MOST, next_look, successor
+from rselection.succession import CHECK_INTERVAL, LOOK_AT_MOST, Look
 
 NOW = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)
 
@@ -37,7 +37,7 @@ def node(
 
 
 def pick(nodes: list[NodeInfo], version: str | None = "1.0", settle: float = 10.0) -> str | None:
-    heir = successor(nodes, "me", version, settle, NOW)
+    heir = Look(nodes, "me", version, settle, NOW).successor()
     return None if heir is None else heir.node_id
 
 
@@ -69,17 +69,19 @@ def test_a_holder_without_a_version_never_hands_over_for_one() -> None:
 def test_the_next_look_comes_when_a_newer_node_settles_else_every_half_settle() -> None:
     me = node("me", "1.0")
     # Nothing newer: half the settle, at most LOOK_AT_MOST, at least CHECK_INTERVAL.
-    assert next_look([me, node("a", "0.9")], "me", "1.0", 10.0, NOW) == 5.0
-    assert next_look([me], "me", "1.0", 60.0, NOW) == LOOK_AT_MOST
-    assert next_look([me], "me", "1.0", 0.2, NOW) == CHECK_INTERVAL
+    assert Look([me, node("a", "0.9")], "me", "1.0", 10.0, NOW).next_look() == 5.0
+    assert Look([me], "me", "1.0", 60.0, NOW).next_look() == LOOK_AT_MOST
+    assert Look([me], "me", "1.0", 0.2, NOW).next_look() == CHECK_INTERVAL
     # A newer node settles in 2 s: look then (an older or ineligible one does not count).
     newer = node("b", "1.1", settled=8.0)
     assert (
-        next_look([me, newer, node("c", "1.2", settled=1, eligible=False)], "me", "1.0", 10.0, NOW)
+        Look(
+            [me, newer, node("c", "1.2", settled=1, eligible=False)], "me", "1.0", 10.0, NOW
+        ).next_look()
         == 2.0
     )
     # Settled already: the regular pace (the handover is asked for by this look).
-    assert next_look([me, node("b", "1.1", settled=30)], "me", "1.0", 10.0, NOW) == 5.0
+    assert Look([me, node("b", "1.1", settled=30)], "me", "1.0", 10.0, NOW).next_look() == 5.0
 
 
 def test_a_node_silent_since_the_term_began_is_no_heir() -> None:
@@ -99,15 +101,15 @@ def test_a_node_silent_since_the_term_began_is_no_heir() -> None:
         version="2.0",
     )
     began = NOW - timedelta(seconds=1)
-    assert successor([me, dead], "me", "1.0", 10.0, NOW, since=began) is None
-    assert successor([me, dead, node("live", "1.5")], "me", "1.0", 10.0, NOW, since=began)
-    assert successor([me, dead], "me", "1.0", 10.0, NOW) is dead  # without the term's start
+    assert Look([me, dead], "me", "1.0", 10.0, NOW, since=began).successor() is None
+    assert Look([me, dead, node("live", "1.5")], "me", "1.0", 10.0, NOW, since=began).successor()
+    assert Look([me, dead], "me", "1.0", 10.0, NOW).successor() is dead  # without the term's start
 
 
 def test_a_version_that_is_not_pep_440_is_skipped_not_fatal() -> None:
     me = node("me", "1.0")
     assert pick([me, node("odd", "release-42"), node("b", "1.1")]) == "b"
-    assert next_look([me, node("odd", "release-42")], "me", "1.0", 10.0, NOW) == 5.0
+    assert Look([me, node("odd", "release-42")], "me", "1.0", 10.0, NOW).next_look() == 5.0
 
 
 def test_the_holder_looks_often_while_a_newer_node_has_not_heartbeated_this_term() -> None:
@@ -125,8 +127,8 @@ def test_the_holder_looks_often_while_a_newer_node_has_not_heartbeated_this_term
         version="2.0",
     )
     began = NOW - timedelta(seconds=1)
-    assert next_look([me, quiet], "me", "1.0", 10.0, NOW, since=began) == CHECK_INTERVAL
-    assert next_look([me, quiet], "me", "1.0", 10.0, NOW) == 5.0
+    assert Look([me, quiet], "me", "1.0", 10.0, NOW, since=began).next_look() == CHECK_INTERVAL
+    assert Look([me, quiet], "me", "1.0", 10.0, NOW).next_look() == 5.0
 
 
 def test_each_process_running_a_membership_is_a_run_of_its_own(
