@@ -17,7 +17,7 @@ import psycopg
 import pytest
 
 from rselection.postgres import PostgresCheckpointStore, migrate
-from rselection.postgres.schema import LEASES_VERSION
+from rselection.postgres.schema import LEASES_VERSION, NODES
 
 pytestmark = pytest.mark.slow
 
@@ -111,7 +111,8 @@ def test_four_processes_migrate_at_once(pg_dsn: str) -> None:
             " AND tablename LIKE 'rselection_checkpoint%' ORDER BY 1"
         ).fetchall()
         keys = conn.execute("SELECT count(*) FROM rselection_checkpoints").fetchone()
-    assert dict(recorded) == {kind: LEASES_VERSION if kind == "leases" else 1 for kind in kinds}
+    latest = {"leases": LEASES_VERSION, "nodes": NODES.version}
+    assert dict(recorded) == {kind: latest.get(kind, 1) for kind in kinds}
     assert [t[0] for t in tables] == ["rselection_checkpoint_leases", "rselection_checkpoints"]
     assert keys == (4,)
 

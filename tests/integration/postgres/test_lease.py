@@ -33,7 +33,7 @@ from rselection.errors import BackendUnavailable, ConfigError, StaleLeaderError
 from rselection.lease import Acquisition
 from rselection.postgres import PostgresLease, afenced, fenced, migrate
 from rselection.postgres.lease import TAKEABLE_RETRY
-from rselection.postgres.schema import LEASES_VERSION
+from rselection.postgres.schema import LEASES_VERSION, NODES
 from tests.support.waiting import wait_until
 
 T = TypeVar("T")
@@ -1101,7 +1101,7 @@ def test_concurrent_migrations_do_not_error(lease_dsn: str, pool: ThreadPoolExec
         ("elections", 1),
         ("leases", LEASES_VERSION),
         ("leases:other_leases", LEASES_VERSION),
-        ("nodes", 1),
+        ("nodes", NODES.version),
     ]
 
 
