@@ -17,9 +17,11 @@ def node(
     version: str | None,
     *,
     settled: float = 60.0,
+    silent: float = 0.0,
     alive: bool = True,
     eligible: bool = True,
 ) -> NodeInfo:
+    """A node of lease "jobs", heartbeating for ``settled`` s, last ``silent`` s ago."""
     started = NOW - timedelta(seconds=settled)
     return NodeInfo(
         node_id,
@@ -28,7 +30,7 @@ def node(
         1,
         None,
         started,
-        NOW,
+        NOW - timedelta(seconds=silent),
         alive,
         False,
         version=version,
@@ -88,18 +90,7 @@ def test_a_node_silent_since_the_term_began_is_no_heir() -> None:
     """The holder before this one, killed: still listed as alive for a node timeout,
     but it has not heartbeated since this term began, and would never take the lease."""
     me = node("me", "1.0")
-    dead = NodeInfo(
-        "dead",
-        "jobs",
-        "h",
-        1,
-        None,
-        NOW - timedelta(seconds=60),
-        NOW - timedelta(seconds=3),
-        True,
-        False,
-        version="2.0",
-    )
+    dead = node("dead", "2.0", silent=3)
     began = NOW - timedelta(seconds=1)
     assert Look([me, dead], "me", "1.0", 10.0, NOW, since=began).successor() is None
     assert Look([me, dead, node("live", "1.5")], "me", "1.0", 10.0, NOW, since=began).successor()
@@ -114,18 +105,7 @@ def test_a_version_that_is_not_pep_440_is_skipped_not_fatal() -> None:
 
 def test_the_holder_looks_often_while_a_newer_node_has_not_heartbeated_this_term() -> None:
     me = node("me", "1.0")
-    quiet = NodeInfo(
-        "quiet",
-        "jobs",
-        "h",
-        1,
-        None,
-        NOW - timedelta(seconds=60),
-        NOW - timedelta(seconds=3),
-        True,
-        False,
-        version="2.0",
-    )
+    quiet = node("quiet", "2.0", silent=3)
     began = NOW - timedelta(seconds=1)
     assert Look([me, quiet], "me", "1.0", 10.0, NOW, since=began).next_look() == CHECK_INTERVAL
     assert Look([me, quiet], "me", "1.0", 10.0, NOW).next_look() == 5.0
