@@ -51,6 +51,7 @@ __all__ = [
     "SupportsHandover",
     "TransactionFence",
     "Watch",
+    "RecordsHistory",
     "Watchable",
     "WatchesExpiry",
     "claimer_ability",
@@ -309,6 +310,21 @@ class WatchesExpiry(Protocol):
         watched (asked after each attempt that saw another holder)."""
 
 
+@runtime_checkable
+class RecordsHistory(Protocol):
+    """Lease ability ``"records_history"``: a lease that keeps its terms' history
+    (:mod:`rselection.history`) learns why each of its terms ends.
+
+    The release that follows records it (a term whose release never comes is closed by
+    the next acquisition, as one whose holder crashed).
+    """
+
+    def term_ending(self, term: int, reason: str, by: str | None) -> None:
+        """``term`` is ending for ``reason`` (an ``end_reason`` of
+        :data:`rselection.history.END_REASONS`), ended by ``by`` (``"operator"`` or
+        ``None``); called before its release, from any thread. Never blocks."""
+
+
 class LeaseBase(ABC):
     """A base for a lease of your own: every member of :class:`LeaseBackend`, and every
     optional ability with a default that the leader treats as absent.
@@ -425,6 +441,10 @@ class LeaseBase(ABC):
         the leader attempts when the holder's lease may have expired."""
         return False
 
+    def term_ending(self, term: int, reason: str, by: str | None) -> None:  # noqa: B027
+        """Ability ``"records_history"`` (:class:`RecordsHistory`); by default no
+        history is kept."""
+
 
 LeaseAbility = Literal[
     "handover",
@@ -435,6 +455,7 @@ LeaseAbility = Literal[
     "notifies_changes",
     "watchable",
     "watches_expiry",
+    "records_history",
 ]
 """The optional abilities of a lease (see :func:`lease_ability`)."""
 
@@ -447,6 +468,7 @@ _LEASE_ABILITIES: dict[str, tuple[type, tuple[str, ...]]] = {
     "notifies_changes": (NotifiesChanges, ("subscribe_changes",)),
     "watchable": (Watchable, ("watch_for_change",)),
     "watches_expiry": (WatchesExpiry, ("expiry_watched",)),
+    "records_history": (RecordsHistory, ("term_ending",)),
 }
 
 
@@ -472,6 +494,8 @@ def lease_ability(
 def lease_ability(lease: object, ability: Literal["watchable"]) -> Watchable | None: ...
 @overload
 def lease_ability(lease: object, ability: Literal["watches_expiry"]) -> WatchesExpiry | None: ...
+@overload
+def lease_ability(lease: object, ability: Literal["records_history"]) -> RecordsHistory | None: ...
 def lease_ability(lease: object, ability: LeaseAbility) -> Any:
     """``lease``, typed as having the optional ``ability``, or ``None`` if it has not.
 
@@ -485,7 +509,8 @@ def lease_ability(lease: object, ability: LeaseAbility) -> Any:
             ``"announces_holder"`` (:class:`AnnouncesHolder`),
             ``"non_blocking_release"`` (:class:`NonBlockingRelease`),
             ``"notifies_changes"`` (:class:`NotifiesChanges`), ``"watchable"``
-            (:class:`Watchable`) or ``"watches_expiry"`` (:class:`WatchesExpiry`).
+            (:class:`Watchable`), ``"watches_expiry"`` (:class:`WatchesExpiry`) or
+            ``"records_history"`` (:class:`RecordsHistory`).
     """
     return _ability(lease, _LEASE_ABILITIES, LeaseBase, ability)
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Self
 
 from .closeable import Closeable
 from .errors import RSelectionError
+from .history import TermRecord
 from .members import NodeInfo
 from .text import printable
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from .lease import LeaderInfo
 
 __all__ = [
+    "DEFAULT_HISTORY_ROWS",
     "LastFire",
     "LeaseAdmin",
     "LeaseStatus",
@@ -32,6 +34,10 @@ __all__ = [
     "StatusSnapshot",
     "TermWatch",
 ]
+
+
+DEFAULT_HISTORY_ROWS = 100
+"""Terms :meth:`LeaseAdmin.history` returns unless told otherwise."""
 
 
 class Refused(RSelectionError):
@@ -81,6 +87,8 @@ class LeaseStatus:
         expires_at: when the live holder's lease expires unless renewed, else ``None``.
         expires_in: seconds until then, else ``None``.
         retired: retired at its latest term (see ``retire``); the next term revives it.
+        last_change: the newest term that ended (when and why the holder last changed;
+            see :meth:`LeaseAdmin.history`), ``None`` when none is recorded.
     """
 
     name: str
@@ -90,6 +98,7 @@ class LeaseStatus:
     expires_at: datetime | None
     expires_in: float | None
     retired: bool
+    last_change: TermRecord | None = None
 
     @property
     def live(self) -> bool:
@@ -290,6 +299,17 @@ class LeaseAdmin(Closeable, ABC):
         Args:
             name: the lease name.
             term: the term asked to hand over (that of :meth:`request_handover`'s answer).
+        """
+
+    @abstractmethod
+    def history(self, name: str, *, limit: int = DEFAULT_HISTORY_ROWS) -> list[TermRecord]:
+        """The last ``limit`` terms of lease ``name``, newest first (its leadership
+        history; see :mod:`rselection.history`): empty when none is recorded.
+
+        Raises:
+            ConfigError: ``limit`` is not an int from 1.
+            Refused: the lease table has no history yet (Postgres: run ``rselection
+                migrate``).
         """
 
     @abstractmethod

@@ -128,6 +128,12 @@ class BlockingLease:
         """The lease's ``term_ended`` (safe from any thread by the lease's contract)."""
         self.lease.term_ended(term)
 
+    def term_ending(self, term: int, reason: str, by: str | None) -> None:
+        """The lease's ``term_ending``, if it keeps a history (it never blocks)."""
+        history = lease_ability(self.lease, "records_history")
+        if history is not None:
+            history.term_ending(term, reason, by)
+
     def close(self) -> None:
         """Close the lease's session; the waiting thread waits no more until the next
         :meth:`connect`."""

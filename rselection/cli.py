@@ -22,13 +22,13 @@ import argparse
 import json
 from typing import NoReturn
 
-from .commands import demo, forget, migrate, resign, status
+from .commands import demo, forget, history, migrate, resign, status
 from .commands.connections import warn_of_passwords
 from .commands.output import EXIT_USAGE, UsageError, printable, say
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main"]
 
-SUBCOMMANDS = (status, migrate, resign, forget, demo)
+SUBCOMMANDS = (status, history, migrate, resign, forget, demo)
 """The subcommand modules, in the order ``rselection --help`` lists them."""
 
 

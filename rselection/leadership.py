@@ -26,6 +26,7 @@ from .backoff import backoff
 from .claiming import LeaseClaims
 from .context import Term, TransactionFence
 from .errors import BackendUnavailable, ConfigError
+from .history import OPERATOR, end_reason_of
 from .lease import Acquisition, HandoverRequest, LeaderInfo
 from .members import NodeInfo
 from .timing import Timings
@@ -131,6 +132,10 @@ class Leadership:
         self.follows_announcements = follows_announcements
         self.version = version  # the release this node runs (validated)
         self.eligible = eligible  # False: a member that never attempts to lead
+        self.history = lease_ability(backend, "records_history")
+        # The term whose handover this node asked for itself (a newer version's node
+        # leads): its record's `by` is nobody's; any other handover an operator asked.
+        self.own_handover_term: int | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # async tasks run here
         # A shard's leader's terms know their shard (ctx.shard, ctx.shards).
         self.shard: int | None = None
@@ -352,6 +357,24 @@ class Leadership:
                 exc_info=True,
             )
 
+    def tell_term_ending(self, number: int, reason: str) -> None:
+        """Tell a lease that keeps a history why term ``number`` ends (before its
+        release): who asked is the operator, unless this node asked for the handover
+        itself; a failure is logged (the record then says what the release sees)."""
+        if self.history is None:
+            return
+        by = (
+            OPERATOR
+            if reason == "drained" or (reason == "handover" and self.own_handover_term != number)
+            else None
+        )
+        try:
+            self.history.term_ending(number, end_reason_of(reason), by)
+        except Exception:
+            logger.warning(
+                "lease %r: recording why term %d ended failed", self.name, number, exc_info=True
+            )
+
     def tell_term_ended(self, number: int) -> None:
         """Tell the backend a term ended; a failure is the backend being unavailable:
         logged, and the leader goes on (demotion, release, or the lease expires)."""
@@ -489,6 +512,7 @@ class Leadership:
                 if not announce:  # queued before `ended`: a release announces it first
                     with self.cond:
                         self.unannounced.append((term.number, reason))
+                self.tell_term_ending(term.number, reason)
                 term.ended.set()
                 self.tell_term_ended(term.number)
         if announce:

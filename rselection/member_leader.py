@@ -189,6 +189,7 @@ class MemberLeader(LeaseLeader):
             heir.node_id,
             heir.version,
         )
+        state.own_handover_term = term
         self._request_successor(heir.node_id, term)
 
     def _request_successor(self, node_id: str, term: int) -> None:

@@ -151,6 +151,7 @@ def read_status(snapshot: StatusSnapshot, where: str, args: argparse.Namespace) 
             "expires_in": None if found.expires_in is None else round(found.expires_in, 3),
             "live": found.live,
             "retired": found.retired,
+            "last_change": None if found.last_change is None else found.last_change.as_json(),
         }
         leases.append(lease)
         if wanted or not found.retired:
@@ -297,10 +298,11 @@ def render(status: dict[str, Any], args: argparse.Namespace) -> list[str]:
                 str(lease["term"]),
                 lease["acquired_at"] or "-",
                 f"{lease['expires_in']:.1f}s" if lease["live"] else "-",
+                _last_change(lease["last_change"]),
             ]
             for lease in status["leases"]
         ]
-        lines += grid(["LEASE", "HOLDER", "TERM", "ACQUIRED", "EXPIRES IN"], rows)
+        lines += grid(["LEASE", "HOLDER", "TERM", "ACQUIRED", "EXPIRES IN", "LAST CHANGE"], rows)
     elif status["unknown"]:
         lines.append(f"no lease named {', '.join(map(printable, status['unknown']))} in {where}")
     else:
@@ -395,6 +397,16 @@ def render(status: dict[str, Any], args: argparse.Namespace) -> list[str]:
     if unknown:
         lines.append(f"NO SUCH LEASE in {where}: " + ", ".join(map(printable, unknown)))
     return lines
+
+
+def _last_change(change: dict[str, Any] | None) -> str:
+    """``"term 4 handed_over to b at <time>"``, or ``"-"`` when none is recorded."""
+    if change is None:
+        return "-"
+    end = change["end_reason"]
+    if change["handed_to"]:
+        end += f" to {change['handed_to']}"
+    return f"term {change['term']} {end} at {change['ended_at']}"
 
 
 def shard_ranges(numbers: list[int]) -> str:

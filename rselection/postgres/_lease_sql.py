@@ -20,12 +20,14 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from ..history import HISTORY_LIMIT
 from ._conn import Keepalives
 from .schema import (
     DEFAULT_TABLE,
     LEASE_HANDOVER_COLUMNS,
     LEASE_PROTOCOL_COLUMNS,
     LEASE_SERVER_COLUMNS,
+    history_table_name,
     table_identifier,
 )
 
@@ -122,6 +124,8 @@ class LeaseTable:
         servers: it has the ``holder_server`` column (schema version 3).
         protocols: it has the ``protocol`` column (schema version 5), which the shared
             keeper of lease protocol 2 needs.
+        history: its leadership history table exists (schema version 6), which the
+            keeper's acquisitions and releases write.
     """
 
     oid: int
@@ -129,6 +133,7 @@ class LeaseTable:
     handovers: bool
     servers: bool
     protocols: bool = False
+    history: bool = False
 
 
 def describe_lease_table(
@@ -147,7 +152,8 @@ def describe_lease_table(
         " (SELECT count(*) FROM pg_catalog.pg_attribute a WHERE a.attrelid = c.oid"
         " AND a.attname = ANY(%s) AND NOT a.attisdropped),"
         " (SELECT count(*) FROM pg_catalog.pg_attribute a WHERE a.attrelid = c.oid"
-        " AND a.attname = ANY(%s) AND NOT a.attisdropped)"
+        " AND a.attname = ANY(%s) AND NOT a.attisdropped),"
+        " to_regclass(%s) IS NOT NULL"
         " FROM pg_catalog.pg_class c"
         " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
         " WHERE c.oid = to_regclass(%s)",
@@ -155,18 +161,20 @@ def describe_lease_table(
             list(LEASE_HANDOVER_COLUMNS),
             list(LEASE_SERVER_COLUMNS),
             list(LEASE_PROTOCOL_COLUMNS),
+            table_identifier(history_table_name(table)).as_string(conn),
             table_identifier(table).as_string(conn),
         ),
     ).fetchone()
     if row is None:
         return None
-    oid, schema, relname, handovers, servers, protocols = row
+    oid, schema, relname, handovers, servers, protocols, history = row
     return LeaseTable(
         int(oid),
         f"{schema}.{relname}",
         handovers == len(LEASE_HANDOVER_COLUMNS),
         servers == len(LEASE_SERVER_COLUMNS),
         protocols == len(LEASE_PROTOCOL_COLUMNS),
+        bool(history),
     )
 
 
@@ -400,6 +408,9 @@ class AcquireRequest:
             afresh for every attempt (:func:`new_lock_key`).
         channel: the lease's channel (notified on acquisition).
         create: insert the row first (the lease was not seen yet).
+        version: the node's version, recorded with the term it takes.
+        history_limit: terms of the lease's history to keep (older ones are trimmed
+            when it takes one).
     """
 
     name: str
@@ -408,6 +419,8 @@ class AcquireRequest:
     lock_key: int
     channel: str
     create: bool
+    version: str | None = None
+    history_limit: int = HISTORY_LIMIT
 
 
 #: Columns of the rows :func:`acquire_batch_sql` and :func:`states_sql` return, in order.
@@ -465,14 +478,20 @@ def rows_sql(columns: str, *arrays: tuple[Sequence[Any], str]) -> sql.Composed:
     )
 
 
+#: The columns of :func:`_requests`' rows.
+REQUEST_COLUMNS = "(name, node, ttl, channel, lock_key, version, keep)"
+
+
 def _requests(requests: Sequence[AcquireRequest]) -> sql.Composed:
     return rows_sql(
-        "x(name, node, ttl, channel, lock_key)",
+        "x" + REQUEST_COLUMNS,
         ([r.name for r in requests], "text"),
         ([r.node_id for r in requests], "text"),
         ([r.ttl for r in requests], "float8"),
         ([r.channel for r in requests], "text"),
         ([r.lock_key for r in requests], "integer"),
+        ([r.version for r in requests], "text"),
+        ([r.history_limit for r in requests], "integer"),
     )
 
 
@@ -509,8 +528,7 @@ def states_sql(
         " CASE WHEN {same} AND " + LOCK_SEEN + " AND NOT " + RING_HELD + " THEN 1"
         " ELSE t.protocol END,"
         " ({free} AND {open}), t.holder_pid"
-        " FROM {t} AS t JOIN ({req}) AS r(name, node, ttl, channel, lock_key)"
-        " ON r.name = t.name"
+        " FROM {t} AS t JOIN ({req}) AS r" + REQUEST_COLUMNS + " ON r.name = t.name"
     ).format(
         t=table,
         req=_requests(requests),
@@ -521,8 +539,50 @@ def states_sql(
     )
 
 
+# The history CTEs of an acquisition (after `taken` and `locked`): open the new term's
+# record (one left by a lease row deleted and made again is overwritten), close the
+# previous term's if its holder did not (at the takeover: its holder crashed, or lost
+# its session), and trim the records beyond the lease's limit, never the two just
+# written (a DELETE and an UPDATE of one row in one statement would race).
+_OPEN_TERMS = (
+    "opened AS (INSERT INTO {h} AS h (name, term, node_id, version, hostname, pid, began_at)"
+    " SELECT taken.name, taken.term, taken.node, taken.version, {host}, {pid},"
+    " taken.acquired_at FROM taken"
+    " ON CONFLICT (name, term) DO UPDATE SET node_id = EXCLUDED.node_id,"
+    " version = EXCLUDED.version, hostname = EXCLUDED.hostname, pid = EXCLUDED.pid,"
+    " began_at = EXCLUDED.began_at, ended_at = NULL, end_reason = NULL, handed_to = NULL,"
+    " ended_by = NULL),"
+    " closed AS (UPDATE {h} AS h SET ended_at = taken.acquired_at, end_reason = CASE"
+    " WHEN locked.holder IS NULL THEN 'released' WHEN locked.live THEN 'session_lost'"
+    " ELSE 'expired' END FROM taken JOIN locked ON locked.name = taken.name"
+    " WHERE h.name = taken.name AND h.term = taken.term - 1 AND h.ended_at IS NULL),"
+    " trimmed AS (DELETE FROM {h} AS h USING taken WHERE h.name = taken.name"
+    " AND h.term < taken.term - 1 AND h.term <= taken.term - taken.keep)"
+)
+
+# Close the record of each released term (`released` rows joined to the requests `r`):
+# a release while a handover request reserves the lease for a node hands it to that
+# node (a drained holder's stays `drained`, naming the node), and a handover with
+# nobody named is a step-down.
+_CLOSE_TERMS = (
+    "ended AS (UPDATE {h} AS h SET ended_at = clock_timestamp(), end_reason = CASE"
+    " WHEN rel.reserved_for IS NOT NULL AND r.reason IN"
+    " ('released', 'handed_over', 'stepped_down') THEN 'handed_over'"
+    " WHEN r.reason = 'handed_over' THEN 'stepped_down' ELSE r.reason END,"
+    " handed_to = rel.reserved_for, ended_by = r.by"
+    " FROM released AS rel JOIN r ON r.name = rel.name"
+    " WHERE h.name = r.name AND h.term = r.term AND h.ended_at IS NULL)"
+)
+
+
 def acquire_batch_sql(
-    table: sql.Composable, requests: Sequence[AcquireRequest], *, server: str, ring: int
+    table: sql.Composable,
+    requests: Sequence[AcquireRequest],
+    *,
+    server: str,
+    ring: int,
+    history: sql.Composable,
+    process: tuple[str, int],
 ) -> sql.Composed:
     """Take every requested lease that may be taken, then read them all (one round trip).
 
@@ -533,7 +593,11 @@ def acquire_batch_sql(
     once (``pg_try_advisory_lock`` under the request's fresh ``lock_key``: a lock that
     another session holds is never waited for, and only that lease is left for a later
     attempt, under another key): new term, the new key, this session as holder, this
-    session's ``server``, :data:`LEASE_PROTOCOL`, a NOTIFY on the lease's channel; then
+    session's ``server``, :data:`LEASE_PROTOCOL`, a NOTIFY on the lease's channel, the
+    term's record opened in the ``history`` table (with the node's version and the
+    ``process``, host name and pid), the previous term's record closed if its holder
+    did not close it (``session_lost`` when taken before its expiry, else ``expired``)
+    and the records beyond the request's ``history_limit`` trimmed; then
     :func:`states_sql`. Rows come back as ``(name, term, lock_key)`` for each row locked,
     with ``term`` and ``lock_key`` NULL where the lease was not taken (its lock was held
     elsewhere: the lock got meanwhile, if any, is freed in the statement), then the
@@ -575,9 +639,10 @@ def acquire_batch_sql(
     # check of the term kept the lease from a follower (test_takeover_race.py).
     return sql.SQL(
         "{insert}"
-        "WITH r(name, node, ttl, channel, lock_key) AS ({req}),"
+        "WITH r" + REQUEST_COLUMNS + " AS ({req}),"
         " locked AS MATERIALIZED ("
-        "  SELECT t.name, t.term FROM {t} AS t JOIN r ON r.name = t.name"
+        "  SELECT t.name, t.term, t.holder, t.expires_at > clock_timestamp() AS live"
+        "  FROM {t} AS t JOIN r ON r.name = t.name"
         "  WHERE {free} AND {open} FOR UPDATE OF t SKIP LOCKED"
         " ), tried AS MATERIALIZED ("
         "  SELECT locked.name, r.lock_key, locked.term + 1 AS term,"
@@ -594,8 +659,8 @@ def acquire_batch_sql(
         "  WHERE t.name = tried.name AND tried.got AND t.term + 1 = tried.term"
         "  AND {free} AND {open}"
         "  RETURNING t.name, t.term, t.lock_key, r.node, r.channel, t.acquired_at,"
-        "  t.expires_at"
-        " )"
+        "  t.expires_at, r.version, r.keep"
+        " ), " + _OPEN_TERMS + ""
         " SELECT tried.name, taken.term, taken.lock_key,"
         " CASE WHEN taken.name IS NOT NULL THEN pg_notify(taken.channel, json_build_object("
         "'event', 'acquired', 'name', taken.name, 'node_id', taken.node, 'term', taken.term,"
@@ -613,6 +678,9 @@ def acquire_batch_sql(
         server=sql.Literal(server),
         protocol=sql.Literal(LEASE_PROTOCOL),
         states=states_sql(table, requests, server=server, ring=ring),
+        h=history,
+        host=sql.Literal(process[0]),
+        pid=sql.Literal(process[1]),
     )
 
 
@@ -714,8 +782,8 @@ def unlock_next_terms_sql(
     )
     return sql.SQL(
         "SELECT pg_advisory_unlock(r.lock_key, ((t.term + 1) % 2147483648)::integer)"
-        " FROM {t} AS t JOIN ({req}) AS r(name, node, ttl, channel, lock_key)"
-        " ON r.name = t.name WHERE true{keep}"
+        " FROM {t} AS t JOIN ({req}) AS r" + REQUEST_COLUMNS + " ON r.name = t.name"
+        " WHERE true{keep}"
     ).format(t=table, req=_requests(requests), keep=keep)
 
 
@@ -727,37 +795,37 @@ RESERVED_FOR = "CASE WHEN t.resign_until > clock_timestamp() THEN t.resign_to EN
 
 def release_sql(
     table: sql.Composable,
-    name: str,
-    node_id: str,
-    term: int,
+    request: ReleaseRequest,
     *,
-    channel: str,
-    lock_key: int | None,
+    history: sql.Composable,
 ) -> sql.Composed:
-    """Clear the holder if ``node_id`` holds ``term``, notify ``channel``, and free that
-    term's advisory lock (only that one: the session holds every lease of its process).
-
-    ``lock_key`` is the key that term locked (its row's, as the acquisition returned
-    it); ``None`` when this session holds no lock of that term (already freed): then
-    nothing is freed.
+    """Clear the holder if the request's node holds its term, close the term's record in
+    the ``history`` table, notify its channel, and free that term's advisory lock (only
+    that one: the session holds every lease of its process).
     """
     return sql.SQL(
-        "WITH released AS ("
+        "WITH r(name, term, reason, by) AS (VALUES ({name}, {term}::bigint, {reason},"
+        " {by}::text)),"
+        " released AS ("
         " UPDATE {t} AS t SET holder = NULL, holder_pid = NULL, expires_at = now()"
         " WHERE t.name = {name} AND t.holder = {node} AND t.term = {term}"
-        " RETURNING term, " + RESERVED_FOR + ")"
+        " RETURNING t.name, t.term, " + RESERVED_FOR + "), " + _CLOSE_TERMS + ""
         " SELECT pg_notify({channel}, json_build_object('event', 'released',"
         " 'name', {name}, 'node_id', {node}, 'term', released.term,"
         " 'to', released.reserved_for)::text)"
         " FROM released; SELECT pg_advisory_unlock({key}::integer, {part})"
     ).format(
         t=table,
-        name=sql.Literal(name),
-        node=sql.Literal(node_id),
-        term=sql.Literal(term),
-        channel=sql.Literal(channel),
-        key=sql.Literal(lock_key),  # NULL: pg_advisory_unlock() is strict, frees nothing
-        part=sql.Literal(term % 2**31),
+        h=history,
+        name=sql.Literal(request.name),
+        node=sql.Literal(request.node_id),
+        term=sql.Literal(request.term),
+        reason=sql.Literal(request.reason),
+        by=sql.Literal(request.by),
+        channel=sql.Literal(request.channel),
+        # NULL: pg_advisory_unlock() is strict, frees nothing
+        key=sql.Literal(request.lock_key),
+        part=sql.Literal(request.term % 2**31),
     )
 
 
@@ -766,16 +834,22 @@ class ReleaseRequest:
     """One term to give back in a batch: the lease, its holder, the term, the channel
     its followers listen on, and the key of the advisory lock that term holds through
     this session (its row's, as its acquisition returned it; ``None`` when the session
-    holds no lock of that term any more: nothing to free)."""
+    holds no lock of that term any more: nothing to free); and why the term ended and
+    who ended it, for its record in the leadership history (see
+    :mod:`rselection.history`)."""
 
     name: str
     node_id: str
     term: int
     channel: str
     lock_key: int | None
+    reason: str = "released"
+    by: str | None = None
 
 
-def release_batch_sql(table: sql.Composable, requests: Sequence[ReleaseRequest]) -> sql.Composed:
+def release_batch_sql(
+    table: sql.Composable, requests: Sequence[ReleaseRequest], *, history: sql.Composable
+) -> sql.Composed:
     """:func:`release_sql` for many terms in one statement; one row per request: name,
     whether it was released (and its channel notified), and whether its row was locked
     by another transaction (skipped, not waited for: release it alone).
@@ -786,23 +860,25 @@ def release_batch_sql(table: sql.Composable, requests: Sequence[ReleaseRequest])
     take the lease as soon as the row is free).
     """
     values = rows_sql(
-        "x(name, node, term, channel, lock_key)",
+        "x(name, node, term, channel, lock_key, reason, by)",
         ([r.name for r in requests], "text"),
         ([r.node_id for r in requests], "text"),
         ([r.term for r in requests], "bigint"),
         ([r.channel for r in requests], "text"),
         ([r.lock_key for r in requests], "integer"),
+        ([r.reason for r in requests], "text"),
+        ([r.by for r in requests], "text"),
     )
     guard = sql.SQL("t.name = r.name AND t.holder = r.node AND t.term = r.term")
     # Notified and unlocked in the outer query, whose every row is computed: a SELECT
     # in a WITH may be read only in part.
     return sql.SQL(
-        "WITH r(name, node, term, channel, lock_key) AS ({values}),"
+        "WITH r(name, node, term, channel, lock_key, reason, by) AS ({values}),"
         " lockable AS MATERIALIZED (SELECT t.name FROM {t} AS t JOIN r ON {guard}"
         " FOR NO KEY UPDATE OF t SKIP LOCKED),"
         " released AS (UPDATE {t} AS t SET holder = NULL, holder_pid = NULL,"
         " expires_at = now() FROM r JOIN lockable ON lockable.name = r.name"
-        " WHERE {guard} RETURNING t.name, " + RESERVED_FOR + "),"
+        " WHERE {guard} RETURNING t.name, " + RESERVED_FOR + "), " + _CLOSE_TERMS + ","
         " skipped AS (SELECT r.name FROM r JOIN {t} AS t ON {guard}"
         " WHERE r.name NOT IN (SELECT name FROM lockable))"
         " SELECT r.name, rel.name IS NOT NULL, sk.name IS NOT NULL,"
@@ -813,7 +889,7 @@ def release_batch_sql(table: sql.Composable, requests: Sequence[ReleaseRequest])
         " THEN pg_advisory_unlock(r.lock_key, (r.term % 2147483648)::integer) END"
         " FROM r LEFT JOIN released AS rel ON rel.name = r.name"
         " LEFT JOIN skipped AS sk ON sk.name = r.name"
-    ).format(t=table, values=values, guard=guard)
+    ).format(t=table, h=history, values=values, guard=guard)
 
 
 def bounded_sql(seconds: float, *, statement: bool = True) -> sql.Composed:

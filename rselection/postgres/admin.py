@@ -16,14 +16,16 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ..admin import LeaseAdmin, Retirement, StatusSnapshot, TermWatch
+from ..admin import DEFAULT_HISTORY_ROWS, LeaseAdmin, Refused, Retirement, StatusSnapshot, TermWatch
 from ..errors import ConfigError
+from ..history import TermRecord, check_history_limit
 from ..lease import LeaderInfo
 from ..members import NodeInfo
 from ..validation import check_name, check_seconds
 from . import handover
 from ._conn import describe_conninfo, open_session, session_conninfo
 from .connections import Connections
+from .history import read_history
 from .lease import lease_channel, resolve_lease_table
 from .membership import node_infos, nodes_sql
 from .notices import parse_lease_notice
@@ -164,6 +166,20 @@ class PostgresAdmin(LeaseAdmin):
         """See :meth:`~rselection.admin.LeaseAdmin.cancel_handover`."""
         with self._call("withdraw the handover request", table=False) as conn:
             return handover.cancel_handover(conn, name, term, table=self.table)
+
+    def history(self, name: str, *, limit: int = DEFAULT_HISTORY_ROWS) -> list[TermRecord]:
+        """See :meth:`~rselection.admin.LeaseAdmin.history` (read from the table
+        ``<table>_history``)."""
+        name = check_name(name, "lease name")
+        limit = check_history_limit(limit, "limit")
+        with self._call("read the leadership history") as conn:
+            records = read_history(conn, name, table=self.table, limit=limit)
+        if records is None:
+            raise Refused(
+                f"lease table {self.table!r} predates schema version 6, which records the "
+                "leadership history: run `rselection migrate` to upgrade it (rows are kept)"
+            )
+        return records
 
     def retire(self, name: str, *, check_nodes: bool = True) -> Retirement:
         """Retire lease ``name``, which no service uses any more (``rselection forget``).

@@ -42,6 +42,7 @@ import logging
 import math
 import os
 import selectors
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -86,7 +87,7 @@ from .notice_gate import NoticeGate
 from .notices import LeaseNotice, lease_notice, ring_notice
 from .pooler import BACKEND_PID, check_same_backend
 from .ring import RingWatcher, members_sql, ring_class
-from .schema import create_tables, table_identifier
+from .schema import create_tables, history_table_name, table_identifier
 from .session_pool import SessionPool
 
 __all__ = [
@@ -161,6 +162,12 @@ class KeptLease(Protocol):
     channel: str | None
     row_seen: bool
     interrupts: int  # counts the lease's interrupt() calls
+    version: str | None  # the node's, recorded with each term
+    history_limit: int  # terms of its history to keep
+
+    def ending(self, term: int) -> tuple[str, str | None]:
+        """Why ``term`` ends and who ended it, for its record (see
+        :mod:`rselection.history`)."""
 
     @property
     def conninfo(self) -> str:
@@ -270,6 +277,7 @@ class SharedKeeper:
         self._conninfo = conninfo
         self.table = table
         self._ident = table_identifier(table)
+        self._history = table_identifier(history_table_name(table))
         self.where = describe_conninfo(conninfo)
         self._lock = threading.RLock()  # one round trip at a time on the session
         self._state = threading.Lock()  # guards the fields below (never held in I/O)
@@ -1028,6 +1036,8 @@ class SharedKeeper:
                     new_lock_key(),  # nobody can know the next term's lock beforehand
                     q.lease.channel,
                     create=not q.lease.row_seen,
+                    version=q.lease.version,
+                    history_limit=q.lease.history_limit,
                 )
             )
         assert self._found is not None
@@ -1038,7 +1048,12 @@ class SharedKeeper:
                     # session left, must not hold up the renewals queued behind.
                     bounded_sql(LOCK_BOUND, statement=False),
                     acquire_batch_sql(
-                        self._ident, requests, server=self._server, ring=ring_class(self._found.oid)
+                        self._ident,
+                        requests,
+                        server=self._server,
+                        ring=ring_class(self._found.oid),
+                        history=self._history,
+                        process=(socket.gethostname(), os.getpid()),
                     ),
                 ),
                 "acquire the leases",
@@ -1133,13 +1148,17 @@ class SharedKeeper:
                     q.fill(error=self._lost())
                     continue
                 key = self._lock_key(q.lease, q.node_id, q.term)
-                requests.append(ReleaseRequest(q.lease.name, q.node_id, q.term, channel, key))
+                reason, by = q.lease.ending(q.term)
+                requests.append(
+                    ReleaseRequest(q.lease.name, q.node_id, q.term, channel, key, reason, by)
+                )
         if not batch:
             return
         try:
             results = self._run(
                 sql.SQL("{}; {}").format(
-                    bounded_sql(LOCK_BOUND), release_batch_sql(self._ident, requests)
+                    bounded_sql(LOCK_BOUND),
+                    release_batch_sql(self._ident, requests, history=self._history),
                 ),
                 "release the leases",
                 limit=max(q.lease.renew_deadline for q in batch),
@@ -1184,13 +1203,12 @@ class SharedKeeper:
             raise self._lost()
         with self._state:
             key = self._lock_key(lease, node_id, term)
+        request = ReleaseRequest(lease.name, node_id, term, channel, key, *lease.ending(term))
         try:
             results = self._run(
                 sql.SQL("{}; {}").format(
                     bounded_sql(LOCK_BOUND, statement=False),
-                    release_sql(
-                        self._ident, lease.name, node_id, term, channel=channel, lock_key=key
-                    ),
+                    release_sql(self._ident, request, history=self._history),
                 ),
                 "release the lease",
                 limit=lease,

@@ -107,6 +107,12 @@ def resolve_table(conn: psycopg.Connection[Any], table: str, where: str) -> Leas
             "process), which records itself in the table; stop every node of an older "
             "release, then run `rselection migrate` (or pass create_tables=True)"
         )
+    if not found.history:
+        raise ConfigError(
+            f"lease table {table!r} ({where}) predates schema version 6: this release "
+            "records every term in the leadership history table beside it; run "
+            "`rselection migrate` (or pass create_tables=True) to create it"
+        )
     return found
 
 

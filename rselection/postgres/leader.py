@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..claiming import FireClaimer
 from ..errors import ConfigError
+from ..history import HISTORY_LIMIT
 from ..member_leader import DEFAULT_CLAIMER, DefaultClaimer, MemberLeader
 from ..members import node_timeout_or_default
 from ..timing import Timings
@@ -105,6 +106,9 @@ class PostgresLeader(MemberLeader):
             --to`` it is refused.
         settle: seconds a node of a newer ``version`` must have heartbeated before this
             node, leading, hands the lease over to it (once; see ``version``).
+        history_limit: terms of the lease's leadership history to keep in the table
+            ``<table>_history`` (see ``rselection history``); each acquisition trims
+            the older ones.
     """
 
     def __init__(
@@ -129,6 +133,7 @@ class PostgresLeader(MemberLeader):
         version: str | None = None,
         eligible: bool = True,
         settle: float = 10.0,
+        history_limit: int = HISTORY_LIMIT,
     ) -> None:
         check_name(name, "lease name")
         sessions = session_conninfo(conninfo, type(self).__name__)  # validates
@@ -143,6 +148,8 @@ class PostgresLeader(MemberLeader):
             stop_grace=timings.stop_grace(handler.stop_grace),
             table=table,
             create_tables=create_tables,
+            version=version,
+            history_limit=history_limit,
         )
         cleanup: list[Any] = []
 

@@ -23,9 +23,11 @@ import psycopg
 from .. import forks
 from ..closeable import Closeable
 from ..errors import BackendUnavailable, ConfigError
+from ..history import HISTORY_LIMIT, check_history_limit
 from ..lease import Acquisition, HandoverRequest, LeaderInfo, ReleaseOutcome, RenewOutcome
 from ..timing import MAX_TIMING
 from ..validation import check_name, check_node_id, check_seconds
+from ..versions import check_version
 from ._conn import (
     Keepalives,
     describe_conninfo,
@@ -98,6 +100,10 @@ class PostgresLease(Closeable):
             session connects (cheap no-ops when the tables exist).
         connect_timeout: seconds to wait for a connection (libpq rounds up to whole
             seconds, at least 2).
+        version: the node's version (PEP 440), recorded with each term it takes.
+        history_limit: terms of the lease's leadership history to keep in the table
+            ``<table>_history`` (see :mod:`rselection.history`); an acquisition trims
+            the older ones.
 
     Raises:
         ConfigError: bad arguments (the message says which and why).
@@ -114,6 +120,8 @@ class PostgresLease(Closeable):
         table: str = DEFAULT_TABLE,
         create_tables: bool = True,
         connect_timeout: float = 5.0,
+        version: str | None = None,
+        history_limit: int = HISTORY_LIMIT,
     ) -> None:
         sessions = session_conninfo(conninfo, type(self).__name__)  # validates
         self.name = check_name(name, "lease name")
@@ -132,6 +140,10 @@ class PostgresLease(Closeable):
                 "can expire on the server"
             )
         self._ident = table_identifier(table)  # validates
+        self.version = check_version(version)
+        self.history_limit = check_history_limit(history_limit)
+        # Why the term ending now ends (term, end_reason, by), for its release's record.
+        self._ending: tuple[int, str, str | None] | None = None
         self.table = table
         self.create_tables = create_tables
         self.channel: str | None = None
@@ -602,6 +614,19 @@ class PostgresLease(Closeable):
         """
         request, self._handover = self._handover, None
         return request
+
+    def term_ending(self, term: int, reason: str, by: str | None) -> None:
+        """Ability ``"records_history"``: remember why ``term`` ends, for the record its
+        release closes (see :mod:`rselection.history`)."""
+        self._ending = (term, reason, by)
+
+    def ending(self, term: int) -> tuple[str, str | None]:
+        """Why ``term`` ends and who ended it, as :meth:`term_ending` said (a release
+        nobody explained is ``released``)."""
+        ending = self._ending
+        if ending is None or ending[0] != term:
+            return "released", None
+        return ending[1], ending[2]
 
     def release(self, node_id: str, term: int) -> None:
         """Give the lease up: holder cleared (term kept), lock freed, followers notified.

@@ -13,8 +13,15 @@ import psycopg
 from psycopg import sql
 
 from ..admin import Refused, Retirement
+from ..history import OPERATOR
 from .membership import node_infos, nodes_sql
-from .schema import LEASE_RETIRED_COLUMNS, has_columns, table_exists, table_identifier
+from .schema import (
+    LEASE_RETIRED_COLUMNS,
+    has_columns,
+    history_table_name,
+    table_exists,
+    table_identifier,
+)
 
 __all__ = ["LOCK_TIMEOUT", "retire_lease"]
 
@@ -88,6 +95,16 @@ def retire_lease(
                     sql.SQL("UPDATE {} SET retired_term = term WHERE name = %s").format(ident),
                     (name,),
                 )
+                history = history_table_name(table)
+                if table_exists(conn, history):
+                    # A term its holder did not end (it crashed; nobody took over).
+                    conn.execute(
+                        sql.SQL(
+                            "UPDATE {} SET ended_at = clock_timestamp(), end_reason = 'retired',"
+                            " ended_by = %s WHERE name = %s AND term = %s AND ended_at IS NULL"
+                        ).format(table_identifier(history)),
+                        (OPERATOR, name, term),
+                    )
     except psycopg.errors.LockNotAvailable as exc:
         raise Refused(
             f"lease {name!r} stayed locked for more than {LOCK_TIMEOUT:g}s (a leader "

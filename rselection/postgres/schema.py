@@ -54,6 +54,7 @@ __all__ = [
     "TableKind",
     "create_tables",
     "has_columns",
+    "history_table_name",
     "migrate",
     "run_migrations",
     "suffixed_name",
@@ -402,6 +403,33 @@ def _elections_v1(table: str) -> list[sql.Composed]:
     ]
 
 
+def history_table_name(table: str) -> str:
+    """The leadership history table of lease table ``table`` (``<table>_history``)."""
+    return suffixed_name(table, "history")
+
+
+def _lease_history(table: str) -> list[sql.Composed]:
+    # One row per term (rselection.history); the primary key orders a lease's terms,
+    # which is what the history is read and trimmed by.
+    return [
+        _create(
+            table_identifier(history_table_name(table)),
+            "name text NOT NULL",
+            "term bigint NOT NULL",
+            "node_id text NOT NULL",
+            "version text NULL",
+            "hostname text NULL",
+            "pid integer NULL",
+            "began_at timestamptz NOT NULL",
+            "ended_at timestamptz NULL",
+            "end_reason text NULL",
+            "handed_to text NULL",
+            "ended_by text NULL",
+            "PRIMARY KEY (name, term)",
+        )
+    ]
+
+
 def _nodes_v1(table: str) -> list[sql.Composed]:
     return [
         _create(
@@ -514,6 +542,7 @@ LEASES = TableKind(
             _adding("protocol smallint"),
             LEASE_PROTOCOL_COLUMNS,
         ),
+        Step(6, "create the leadership history table", _lease_history),
     ),
 )
 """The lease table of :class:`~rselection.PostgresLeader`."""
@@ -598,7 +627,7 @@ KINDS: dict[str, TableKind] = {
 """Every kind of table, by the keyword :func:`create_tables` takes."""
 
 LEASES_VERSION = LEASES.version
-"""Schema version of the lease table that this release creates and understands (5)."""
+"""Schema version of the lease table that this release creates and understands (6)."""
 
 
 @dataclass(frozen=True)

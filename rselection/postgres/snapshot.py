@@ -1,6 +1,7 @@
 """Read a status snapshot of a Postgres lease table (what ``rselection status`` shows).
 
-One pass over the lease table, the nodes table and the claims table (the last fires).
+One pass over the lease table, its history table (the last change of holder), the
+nodes table and the claims table (the last fires).
 Columns a lease table of an older schema version lacks read as absent: no retired
 mark, no handover requests (``handovers`` is then ``None``).
 """
@@ -15,6 +16,8 @@ import psycopg
 from psycopg import sql
 
 from ..admin import LastFire, LeaseStatus, PendingHandover, StatusSnapshot
+from ..history import TermRecord
+from .history import last_changes
 from .membership import node_infos, nodes_sql
 from .schema import (
     LEASE_HANDOVER_COLUMNS,
@@ -114,7 +117,7 @@ def last_fires_sql() -> sql.SQL:
     )
 
 
-def _lease(row: tuple[Any, ...]) -> LeaseStatus:
+def _lease(row: tuple[Any, ...], changes: dict[str, TermRecord]) -> LeaseStatus:
     name, holder, term, acquired_at, expires_at, expires_in, retired = row[:7]
     live = holder is not None and expires_in is not None and expires_in > 0
     return LeaseStatus(
@@ -125,6 +128,7 @@ def _lease(row: tuple[Any, ...]) -> LeaseStatus:
         expires_at=_utc(expires_at) if live else None,
         expires_in=expires_in if live else None,
         retired=bool(retired),
+        last_change=changes.get(name),
     )
 
 
@@ -166,6 +170,7 @@ def read_snapshot(
         now_row = conn.execute("SELECT clock_timestamp()").fetchone()
         handovers_recorded = has_columns(conn, table, LEASE_HANDOVER_COLUMNS)
         lease_rows = [row for row in _lease_rows(conn, table) if wanted(row[0])]
+        changes = last_changes(conn, [row[0] for row in lease_rows], table=table)
         node_rows = None
         if table_exists(conn, nodes_table):
             node_rows = conn.execute(nodes_sql(nodes_table, table, node_timeout)).fetchall()
@@ -181,7 +186,7 @@ def read_snapshot(
     handovers = [h for h in map(_handover, lease_rows) if h is not None]
     return StatusSnapshot(
         checked_at=now_row[0].astimezone(UTC),
-        leases=tuple(map(_lease, lease_rows)),
+        leases=tuple(_lease(row, changes) for row in lease_rows),
         handovers=tuple(handovers) if handovers_recorded else None,
         nodes=None
         if node_rows is None

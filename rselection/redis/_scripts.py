@@ -24,13 +24,34 @@ __all__ = [
     "RETIRE",
 ]
 
+#: Append to a lease's history stream (KEYS[n] of the calling script) the end of the term
+#: its last entry began, if that entry began one (its holder did not end it): the
+#: ``_history_close(key, reason, by, now)`` Lua function. Entries are flat field lists:
+#: ``kind`` (``began`` or ``ended``), ``term``, then ``node``, ``version``, ``host``,
+#: ``pid``, ``at`` (server ms) for a beginning, ``reason``, ``to``, ``by``, ``at`` for an
+#: end (see :mod:`rselection.redis.history`).
+_HISTORY = """
+local function _history_close(key, reason, by, now)
+  local last = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)[1]
+  if not last then return end
+  local f = last[2]
+  if f[1] == 'kind' and f[2] == 'began' and f[3] == 'term' then
+    redis.call('XADD', key, '*', 'kind', 'ended', 'term', f[4], 'reason', reason,
+      'to', '', 'by', by, 'at', now)
+  end
+end
+"""
+
 #: Take the lease if it is free, or if its holder's connection is known gone, unless a
 #: handover request reserves it against this node.
-#: KEYS: lease key, term key, handover key, term origin key. ARGV: token, node id, ttl
-#: (ms), this keeper's client id, "1" when it offers fast takeover (else "0"), the dead
-#: holder's client id and term ('' when none), this keeper's server run_id, channel, the
-#: process's liveness identity (``<process>:<secret>``, '' when none; see
-#: :mod:`rselection.redis.liveness`).
+#: KEYS: lease key, term key, handover key, term origin key, history key. ARGV: token,
+#: node id, ttl (ms), this keeper's client id, "1" when it offers fast takeover (else
+#: "0"), the dead holder's client id and term ('' when none), this keeper's server
+#: run_id, channel, the process's liveness identity (``<process>:<secret>``, '' when
+#: none; see :mod:`rselection.redis.liveness`), the node's version ('' for none), host
+#: name, pid, and the history entries to keep (two per term). The term taken is
+#: recorded in the history stream, after closing the previous one as ``session_lost``
+#: (its holder's connection gone) or ``expired`` if its holder did not.
 #: Returns {1 when acquired (else 0), lease value ('' when free but reserved by a handover
 #: request), PTTL (ms) of the lease key (of the handover key when reserved), server time
 #: (ms)}.
@@ -42,7 +63,9 @@ __all__ = [
 #: the server's ``TIME`` in microseconds (the lease module's docstring says what that
 #: guarantees). Terms are computed as strings, exact to 2^63 - 1. Refused with a
 #: ``READONLY`` error on a replica.
-ACQUIRE = """
+ACQUIRE = (
+    _HISTORY
+    + """
 local function run_id()
   return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or ''
 end
@@ -111,9 +134,13 @@ else
   redis.call('SET', KEYS[1], v, 'NX', 'PX', ARGV[3])
 end
 redis.call('DEL', KEYS[3])
+_history_close(KEYS[5], cur and 'session_lost' or 'expired', '', now)
+redis.call('XADD', KEYS[5], 'MAXLEN', ARGV[14], '*', 'kind', 'began', 'term', ts,
+  'node', ARGV[2], 'version', ARGV[11], 'host', ARGV[12], 'pid', ARGV[13], 'at', now)
 redis.call('PUBLISH', ARGV[9], 'acquired:' .. ts)
 return {1, v, tonumber(ARGV[3]), now}
 """
+)
 
 #: Common start of RENEW and RELEASE: return 0 unless KEYS[1] holds token ARGV[1] and
 #: term ARGV[2].
@@ -144,12 +171,32 @@ return {1, 0, '', 0}
 """
 )
 
-#: Delete the lease key if this token and term hold it, and publish. KEYS: lease key.
-#: ARGV: token, term, channel. Returns 1 when released, else 0.
+#: Delete the lease key if this token and term hold it, record the term's end in the
+#: history stream, and publish. KEYS: lease key, handover key, history key. ARGV: token,
+#: term, channel, why it ended (an ``end_reason``), who ended it ('' for nobody).
+#: Returns 1 when released, else 0. A release while a handover request of this term
+#: names a node hands the lease to that node (a drained holder's stays ``drained``), and
+#: a ``handed_over`` that names nobody is a step-down, as on Postgres.
 RELEASE = (
     _HOLDS
     + """
 redis.call('DEL', KEYS[1])
+local reason, to = ARGV[4], ''
+local r = redis.call('GET', KEYS[2])
+if r then
+  local okq, q = pcall(cjson.decode, r)
+  if okq and type(q) == 'table' and q.term == ARGV[2] and type(q.to) == 'string' then
+    to = q.to
+  end
+end
+if to ~= '' and (reason == 'released' or reason == 'handed_over' or reason == 'stepped_down') then
+  reason = 'handed_over'
+elseif to == '' and reason == 'handed_over' then
+  reason = 'stepped_down'
+end
+local t = redis.call('TIME')
+redis.call('XADD', KEYS[3], '*', 'kind', 'ended', 'term', ARGV[2], 'reason', reason,
+  'to', to, 'by', ARGV[5], 'at', tostring(t[1] * 1000 + math.floor(t[2] / 1000)))
 redis.call('PUBLISH', ARGV[3], 'released:' .. ARGV[2])
 return 1
 """
@@ -215,10 +262,13 @@ return {redis.call('GET', KEYS[1]) or '', redis.call('PTTL', KEYS[1]),
   tostring(t[1] * 1000 + math.floor(t[2] / 1000))}
 """
 
-#: Retire a lease unless it is held. KEYS: lease key, term key, retired key. Returns
-#: {0, lease value, PTTL (ms)} when held, {-1} when the lease never had a term, {2, term}
-#: when already retired at the current term, else {1, term} once retired.
-RETIRE = """
+#: Retire a lease unless it is held. KEYS: lease key, term key, retired key, history
+#: key. Returns {0, lease value, PTTL (ms)} when held, {-1} when the lease never had a
+#: term, {2, term} when already retired at the current term, else {1, term} once
+#: retired (a term its holder did not end is recorded as ``retired``, by the operator).
+RETIRE = (
+    _HISTORY
+    + """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {0, redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1])}
 end
@@ -226,8 +276,11 @@ local term = redis.call('GET', KEYS[2])
 if not term then return {-1} end
 if redis.call('GET', KEYS[3]) == term then return {2, term} end
 redis.call('SET', KEYS[3], term)
+local t = redis.call('TIME')
+_history_close(KEYS[4], 'retired', 'operator', tostring(t[1] * 1000 + math.floor(t[2] / 1000)))
 return {1, term}
 """
+)
 
 #: How long the lease still holds a value (a follower's check at its expiry). KEYS: lease
 #: key. ARGV: the value. Returns its PTTL (ms; -1 without an expiry) while the key holds

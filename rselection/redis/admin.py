@@ -15,13 +15,15 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
-from ..admin import LeaseAdmin, Retirement, StatusSnapshot, TermWatch
+from ..admin import DEFAULT_HISTORY_ROWS, LeaseAdmin, Retirement, StatusSnapshot, TermWatch
 from ..errors import BackendUnavailable
+from ..history import TermRecord, check_history_limit
 from ..lease import LeaderInfo
 from ..members import NodeInfo
 from ..validation import check_name, check_seconds
 from . import handover
 from ._conn import check_client, describe, unavailable
+from .history import read_history
 from .keys import DEFAULT_KEY_PREFIX, check_key_prefix, lease_keys
 from .membership import read_nodes
 from .retire import retire_lease
@@ -120,6 +122,16 @@ class RedisAdmin(LeaseAdmin):
     def cancel_handover(self, name: str, term: int) -> bool:
         """See :meth:`~rselection.admin.LeaseAdmin.cancel_handover`."""
         return handover.cancel_handover(self.client, name, term, key_prefix=self.key_prefix)
+
+    def history(self, name: str, *, limit: int = DEFAULT_HISTORY_ROWS) -> list[TermRecord]:
+        """See :meth:`~rselection.admin.LeaseAdmin.history` (read from the lease's
+        stream ``<prefix>{<name>}:history``)."""
+        name = check_name(name, "lease name")
+        limit = check_history_limit(limit, "limit")
+        try:
+            return read_history(self.client, name, key_prefix=self.key_prefix, limit=limit)
+        except redis.RedisError as exc:
+            raise unavailable("read the leadership history", describe(self.client), exc) from exc
 
     def retire(self, name: str, *, check_nodes: bool = True) -> Retirement:
         """Retire lease ``name``, which no service uses any more (``rselection forget``).

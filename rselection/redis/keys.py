@@ -19,6 +19,7 @@ __all__ = [
     "claims_prefix",
     "elector_keys",
     "handover_key",
+    "history_key",
     "lease_keys",
     "lease_name_of",
     "lease_name_patterns",
@@ -92,6 +93,18 @@ def retired_key(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
         key_prefix: prefix of every key.
     """
     return f"{_base(name, key_prefix)}:retired"
+
+
+def history_key(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    """The stream holding lease ``name``'s leadership history (same hash slot, so the
+    scripts that acquire, release and retire the lease write it; see
+    :mod:`rselection.redis.history`).
+
+    Args:
+        name: the lease name.
+        key_prefix: prefix of every key.
+    """
+    return f"{_base(name, key_prefix)}:history"
 
 
 def term_origin_key(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..claiming import FireClaimer
 from ..context import NoTransactionFence
+from ..history import HISTORY_LIMIT
 from ..member_leader import DEFAULT_CLAIMER, DefaultClaimer, MemberLeader
 from ..members import node_timeout_or_default
 from ..timing import Timings
@@ -104,6 +105,8 @@ class RedisLeader(MemberLeader):
         version, eligible, settle: the node's release, whether it may lead, and how
             long a newer node heartbeats before it is handed the lease, as for
             :class:`~rselection.PostgresLeader`.
+        history_limit: terms of the lease's leadership history to keep in its stream
+            (``<prefix>{<name>}:history``; see ``rselection history``).
 
     Raises:
         ConfigError: bad arguments (the message says which and why).
@@ -132,6 +135,7 @@ class RedisLeader(MemberLeader):
         version: str | None = None,
         eligible: bool = True,
         settle: float = 10.0,
+        history_limit: int = HISTORY_LIMIT,
     ) -> None:
         check_name(name, "lease name")
         first_node_id = self._first_node_id(node_id)
@@ -147,6 +151,8 @@ class RedisLeader(MemberLeader):
             renew_deadline=timings.renew_deadline,
             liveness_interval=liveness_interval,
             connect_timeout=connect_timeout,
+            version=version,
+            history_limit=history_limit,
         )
         self._redis_lease = lease
         self._fence_writes = RedisFence(redis_client, name=name, key_prefix=key_prefix)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import secrets
 import selectors
 import socket
@@ -29,9 +30,11 @@ import redis
 from .. import clock, forks
 from ..closeable import Closeable
 from ..errors import BackendUnavailable, ConfigError, first_line
+from ..history import HISTORY_LIMIT, check_history_limit
 from ..lease import Acquisition, HandoverRequest, LeaderInfo
 from ..session_hold import SessionHold
 from ..validation import check_name, check_node_id, check_optional_seconds, check_seconds
+from ..versions import check_version
 from ..wakeup import Wakeup
 from ._conn import MIN_TTL, ConnectionFactory, check_client, client_name, unavailable
 from ._scripts import ACQUIRE, READ, RELEASE, RENEW
@@ -39,7 +42,7 @@ from ._scripts import CANCEL_HANDOVER as CANCEL_HANDOVER  # re-exported
 from ._scripts import REQUEST_HANDOVER as REQUEST_HANDOVER  # re-exported
 from .holder import Seen, parse_holder, text
 from .keepalive import keepalive_refusal
-from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
+from .keys import DEFAULT_KEY_PREFIX, check_key_prefix, history_key
 from .keys import handover_key as handover_key  # re-exported
 from .keys import lease_keys as lease_keys  # re-exported
 from .keys import node_channel as node_channel  # re-exported
@@ -90,6 +93,9 @@ class RedisLease(Closeable):
             it. A holder never heard to beat is checked this often. ``None`` turns fast
             crash failover off (takeover then waits for expiry).
         connect_timeout: bound of opening a connection, seconds.
+        version: the node's version (PEP 440), recorded with each term it takes.
+        history_limit: terms of the lease's leadership history to keep in its stream
+            (see :mod:`rselection.redis.history`); an acquisition trims the older ones.
 
     Raises:
         ConfigError: bad arguments (the message says which and why).
@@ -105,9 +111,15 @@ class RedisLease(Closeable):
         renew_deadline: float = 10.0,
         liveness_interval: float | None = 0.5,
         connect_timeout: float = 5.0,
+        version: str | None = None,
+        history_limit: int = HISTORY_LIMIT,
     ) -> None:
         check_name(name, "lease name")
         check_key_prefix(key_prefix)
+        self.version = check_version(version)
+        self.history_limit = check_history_limit(history_limit)
+        # Why the term ending now ends (term, end_reason, by), for its release's record.
+        self._ending: tuple[int, str, str | None] | None = None
         # Redis expiries are whole milliseconds.
         self.ttl = check_seconds(ttl, "ttl", minimum=MIN_TTL)
         self.renew_deadline = check_seconds(renew_deadline, "renew_deadline", minimum=MIN_TTL)
@@ -126,6 +138,7 @@ class RedisLease(Closeable):
         self.key, self.term_key, self.channel = lease_keys(name, key_prefix)
         self.handover_key = handover_key(name, key_prefix)
         self.origin_key = term_origin_key(name, key_prefix)
+        self.history_key = history_key(name, key_prefix)
         self._client, self._owns_client = check_client(client, "RedisLease")
         self._factory = ConnectionFactory(
             self._client,
@@ -472,11 +485,12 @@ class RedisLease(Closeable):
         reply = self._call(
             "EVAL",
             ACQUIRE,
-            4,
+            5,
             self.key,
             self.term_key,
             self.handover_key,
             self.origin_key,
+            self.history_key,
             token,
             node_id,
             self._ttl_ms,
@@ -487,6 +501,10 @@ class RedisLease(Closeable):
             self._liveness.run_id,
             self.channel,
             self._liveness.beacon,
+            self.version or "",
+            socket.gethostname(),
+            os.getpid(),
+            2 * self.history_limit,  # a beginning and an end per term
         )
         acquired = int(reply[0]) == 1
         if not acquired and not text(reply[1]):
@@ -556,6 +574,11 @@ class RedisLease(Closeable):
         request, self._handover = self._handover, None
         return request
 
+    def term_ending(self, term: int, reason: str, by: str | None) -> None:
+        """Ability ``"records_history"``: remember why ``term`` ends, for the record its
+        release writes (see :mod:`rselection.history`)."""
+        self._ending = (term, reason, by)
+
     def release(self, node_id: str, term: int) -> None:
         """Give the lease up (key deleted, term counter kept) and wake the followers.
 
@@ -568,7 +591,21 @@ class RedisLease(Closeable):
         leading = self._leading
         if leading is None or leading[1] != term:
             return
-        reply = self._call("EVAL", RELEASE, 1, self.key, leading[0], str(term), self.channel)
+        ending = self._ending
+        reason, by = ending[1:] if ending is not None and ending[0] == term else ("released", None)
+        reply = self._call(
+            "EVAL",
+            RELEASE,
+            3,
+            self.key,
+            self.handover_key,
+            self.history_key,
+            leading[0],
+            str(term),
+            self.channel,
+            reason,
+            by or "",
+        )
         self._lead(None)
         self._hold.end(term)
         self._follow(None)

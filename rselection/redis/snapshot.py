@@ -19,6 +19,7 @@ from ..admin import LeaseStatus, PendingHandover, StatusSnapshot
 from ..members import NodeInfo
 from ._conn import describe, unavailable
 from ._scripts import READ
+from .history import last_change
 from .holder import parse_holder
 from .keys import handover_key, lease_keys, lease_name_of, lease_name_patterns, retired_key
 from .membership import read_nodes
@@ -82,6 +83,7 @@ def _lease(client: Any, name: str, key_prefix: str) -> tuple[LeaseStatus, Pendin
     retired = client.get(retired_key(name, key_prefix))
     now = datetime.fromtimestamp(int(_text(now_ms)) / 1000, UTC)
     lease = LeaseStatus(
+        last_change=last_change(client, name, key_prefix=key_prefix),
         name=name,
         holder=holder.node_id if holder else None,
         term=holder.term if holder else (int(_text(term)) if term is not None else None),

@@ -22,10 +22,11 @@ def test_every_subcommand_is_a_module_with_its_own_parser_and_run() -> None:
     for module in cli.SUBCOMMANDS:
         assert callable(module.add_parser) and callable(module.run), module.__name__
         names.append(module.__name__.rsplit(".", 1)[-1])
-    assert names == ["status", "migrate", "resign", "forget", "demo"]
+    assert names == ["status", "history", "migrate", "resign", "forget", "demo"]
     parser = cli.build_parser()
     for name in names:
-        args = parser.parse_args([name, "x"] if name in ("resign", "forget") else [name])
+        named = name in ("history", "resign", "forget")
+        args = parser.parse_args([name, "x"] if named else [name])
         assert args.run.__module__ == f"rselection.commands.{name}"
 
 

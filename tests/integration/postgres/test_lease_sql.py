@@ -58,7 +58,14 @@ def test_the_states_read_the_lock_table_once_and_a_takeover_reads_it_again() -> 
     requests = [
         AcquireRequest(f"l/{i}", "n", 15.0, new_lock_key(), f"c{i}", False) for i in range(3)
     ]
-    text = acquire_batch_sql(sql.Identifier("t"), requests, server="s", ring=7).as_string(None)
+    text = acquire_batch_sql(
+        sql.Identifier("t"),
+        requests,
+        server="s",
+        ring=7,
+        history=sql.Identifier("t_history"),
+        process=("host", 1),
+    ).as_string(None)
     reads = [s.count("pg_catalog.pg_locks") for s in text.split("; ") if "pg_locks" in s]
     # The acquisition: once to find the rows it may take, and again, after locking them,
     # before it takes one (a row locked may be a term begun after the first read). The

@@ -22,6 +22,7 @@ KINDS = ["leases", "claims", "elections", "nodes", "broadcast", "checkpoints"]
 
 TABLES = {
     "rselection_leases",
+    "rselection_leases_history",
     "rselection_claims",
     "rselection_elections",
     "rselection_nodes",
@@ -245,3 +246,41 @@ def test_an_earlier_nodes_table_is_upgraded_and_keeps_its_rows(
         assert seen == {"old": (None, True), "new": ("1.1", True)}
     finally:
         leader.stop(timeout=10)
+
+
+def test_a_lease_table_without_its_history_is_refused_until_migrated(pg_dsn: str) -> None:
+    """Schema version 6 adds the leadership history table beside the lease table: a node
+    that may not create tables refuses a version 5 table (its acquisitions write the
+    history), and leads, its term on record, once `rselection migrate` upgraded it."""
+    import rselection as rs
+    from rselection.postgres import PostgresAdmin, PostgresLeader
+
+    migrate(pg_dsn)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("DROP TABLE rselection_leases_history")
+        conn.execute("UPDATE rselection_schema_version SET version = 5 WHERE component = 'leases'")
+    timings = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
+
+    def leader() -> PostgresLeader:
+        return PostgresLeader(
+            pg_dsn, rs.TaskHandler(), name="h", create_tables=False, claimer=None, **timings
+        )
+
+    refused = leader()
+    with pytest.raises(ConfigError, match=r"predates schema version 6.*rselection migrate"):
+        refused.lead()
+    (change,) = [c for c in migrate(pg_dsn) if c.kind == "leases"]
+    assert (change.action, change.previous, change.version) == ("upgraded", 5, 6)
+    upgraded = leader()
+    upgraded.start()
+    try:
+        assert upgraded.wait_until_leader(10)
+        with PostgresAdmin(pg_dsn) as admin:
+            (record,) = admin.history("h")
+        assert (record.term, record.node_id, record.end_reason) == (
+            upgraded.term,
+            upgraded.node_id,
+            None,
+        )
+    finally:
+        upgraded.stop(timeout=10)

@@ -115,9 +115,10 @@ def messages_left(dsn: str, table: str) -> int:
 def test_the_documented_privileges_run_a_fleet_and_its_commands(
     roles: dict[str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    assert set(roles) == {"nodes", "`rselection status`", "`rselection resign`, `forget`"}
+    reader, operator = "`rselection status`, `history`", "`rselection resign`, `forget`"
+    assert set(roles) == {"nodes", reader, operator}
     dsn = roles["nodes"]
-    assert conninfo_to_dict(dsn)["user"] != conninfo_to_dict(roles["`rselection status`"])["user"]
+    assert conninfo_to_dict(dsn)["user"] != conninfo_to_dict(roles[reader])["user"]
     caplog.set_level(logging.WARNING)
     fired: list[int] = []
     handler = rs.TaskHandler()
@@ -156,18 +157,21 @@ def test_the_documented_privileges_run_a_fleet_and_its_commands(
         assert elector.is_leader()
         assert store.acquire_lease("k", "e", 3)
 
-        shown = cli(roles["`rselection status`"], "status")
+        shown = cli(roles[reader], "status")
         assert shown.returncode == 0, shown.stderr
         assert "jobs" in shown.stdout and "write" in shown.stdout, shown.stdout
-        resigned = cli(roles["`rselection resign`, `forget`"], "resign", "jobs")
+        resigned = cli(roles[operator], "resign", "jobs")
         assert resigned.returncode == 0, resigned.stderr
         assert b.wait_until_leader(10)
+        history = cli(roles[reader], "history", "jobs")
+        assert history.returncode == 0, history.stderr
+        assert "stepped_down (by operator)" in history.stdout, history.stdout
     finally:
         subscription.close()
         b.stop(timeout=10)
         a.stop(timeout=10)
         broadcaster.close()
-    forgot = cli(roles["`rselection resign`, `forget`"], "forget", "jobs")
+    forgot = cli(roles[operator], "forget", "jobs")
     assert forgot.returncode == 0, forgot.stderr
     refused = [r.getMessage() for r in caplog.records if "permission denied" in r.getMessage()]
     assert not refused, refused

@@ -1,19 +1,20 @@
 """A rolling upgrade from lease protocol 1 to 2: node processes of both releases, one lease.
 
-The previous release (lease protocol 1, lease table schema version 4) runs from a venv of
-its own (:mod:`tests.support.previous_release`); this release (protocol 2, schema
-version 5) from this checkout. Every node is ``tests/support/release_node.py`` under its
-release's interpreter, with a persistent task that reports when it runs, and every test
-ends with the activity ledger (:mod:`tests.support.activity`): no two nodes' tasks ever
-ran at the same time. Each test has a schema of its own, so a fresh lease table.
+The previous release (lease protocol 1, lease table schema version 4) runs from a venv
+of its own (:mod:`tests.support.previous_release`); this release (protocol 2, schema
+version ``LEASES_VERSION``) from this checkout. Every node is
+``tests/support/release_node.py`` under its release's interpreter, with a persistent
+task that reports when it runs, and every test ends with the activity ledger
+(:mod:`tests.support.activity`): no two nodes' tasks ever ran at the same time. Each
+test has a schema of its own, so a fresh lease table.
 
-The previous release checks the schema version only when it creates tables on connect:
-a node of it started with ``create_tables=False``, or running since before the upgrade,
-competes on a version 5 table. It never overlaps with a node of this release (both find
-a live holder through the same advisory lock). It does not write ``protocol``, so after
-it took over from a node of this release the row still says protocol 2; a node of this
-release tells it apart all the same, because its keeper session holds no ring lock, and
-refuses it (the last test below).
+The previous release checks the schema version only when it creates tables on connect: a
+node of it started with ``create_tables=False``, or running since before the upgrade,
+competes on a table of this release's version. It never overlaps with a node of this
+release (both find a live holder through the same advisory lock). It does not write
+``protocol``, so after it took over from a node of this release the row still says
+protocol 2; a node of this release tells it apart all the same, because its keeper
+session holds no ring lock, and refuses it (the last test below).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import IO, Any
 import psycopg
 import pytest
 
-from rselection.postgres.schema import LEASES, VERSION_TABLE
+from rselection.postgres.schema import LEASES, LEASES_VERSION, VERSION_TABLE
 from tests.conftest import unavailable
 from tests.support import activity
 from tests.support.previous_release import (
@@ -289,7 +290,7 @@ def started(fleet: MixedFleet, node: str, release: str, **kw: Any) -> Event:
         assert (event["schema"], event["protocol"]) == (4, 1), event
     else:
         assert module.is_relative_to(REPO / "rselection"), event
-        assert (event["schema"], event["protocol"]) == (5, 2), event
+        assert (event["schema"], event["protocol"]) == (LEASES_VERSION, 2), event
     return event
 
 
@@ -335,14 +336,14 @@ def test_new_node_upgrades_the_table_then_refuses_the_old_leader_which_keeps_lea
     assert "'old-a' speaking lease protocol 1" in error
     assert "this node speaks protocol 2" in error
     # It upgraded the table on connect, before it saw the holder.
-    assert fleet.schema_version() == 5
+    assert fleet.schema_version() == LEASES_VERSION
     leads_on(fleet, "old-a", term, 1.5)
 
     # The upgrade stays: the old release cannot use the table now, so an old node that
     # (re)starts with create_tables (the default) is refused in turn.
     started(fleet, "old-c", "old")
     error = refused(fleet, "old-c")
-    assert "has schema version 5, newer than the 4 this release of rselection" in error
+    assert f"has schema version {LEASES_VERSION}, newer than the 4 this release" in error
     leads_on(fleet, "old-a", term, 0.5)
 
     fleet.stop_all()
@@ -357,13 +358,13 @@ def test_old_node_refuses_schema_5_and_without_create_tables_leads_only_after_th
     started(fleet, "new-a", "new")
     term = fleet.wait_for(15, ev="elected", node="new-a")["term"]
     fleet.wait_for(5, ev="activity", node="new-a", end=None)
-    assert fleet.schema_version() == 5
+    assert fleet.schema_version() == LEASES_VERSION
     assert fleet.row()[:3] == ("new-a", term, 2)  # type: ignore[index]
 
     started(fleet, "old-b", "old")
     error = refused(fleet, "old-b")
     assert error.startswith("ConfigError: ")
-    assert "has schema version 5, newer than the 4 this release of rselection" in error
+    assert f"has schema version {LEASES_VERSION}, newer than the 4 this release" in error
 
     # Without create_tables the old release does not look at the schema version: it
     # competes, and finds the new leader's session alive (the same advisory lock).

@@ -27,7 +27,7 @@ import pytest
 from psycopg import sql
 
 from rselection.postgres._lease_sql import AcquireRequest, acquire_batch_sql, new_lock_key
-from rselection.postgres.schema import create_tables
+from rselection.postgres.schema import create_tables, history_table_name
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -44,7 +44,15 @@ def _attempt(
     requests = [
         AcquireRequest(name, node, 30.0, new_lock_key(), f"ch_{name}", create) for name in names
     ]
-    cur = conn.execute(acquire_batch_sql(sql.Identifier(LEASES), requests, server=SERVER, ring=1))
+    statement = acquire_batch_sql(
+        sql.Identifier(LEASES),
+        requests,
+        server=SERVER,
+        ring=1,
+        history=sql.Identifier(history_table_name(LEASES)),
+        process=("host", 1),
+    )
+    cur = conn.execute(statement)
     if create:
         cur.nextset()  # the INSERT of the missing rows
     return cur.fetchall()
