@@ -1014,6 +1014,24 @@ class SharedKeeper:
         attempt: Attempt = self._batch(self._attempts, Queued(lease, node_id), self._send_attempts)
         return attempt
 
+    def _listening(self, lease: KeptLease) -> None:
+        """Under the statement lock: have ``lease`` listen on the session as it is.
+
+        Never waits for an opening of the session, as :meth:`ensure` does: the opening's
+        thread takes this lock to adopt the session, so a wait under it would never end.
+
+        Raises:
+            BackendUnavailable: the session is down (its opening has begun): try again.
+        """
+        if self.ready(lease):
+            return
+        if self._opening_needed(lease) is not None:
+            raise BackendUnavailable(
+                f"cannot acquire lease {lease.name!r} now: the keeper session is being "
+                "opened again; trying again later"
+            )
+        self._listen(lease)
+
     def _send_attempts(self, batch: list[Queued]) -> None:
         with self._state:
             for q in batch:
@@ -1025,8 +1043,13 @@ class SharedKeeper:
                 if held is not None:
                     self._unlocks.append((held[1], held[0]))
         requests = []
-        for q in batch:
-            self.ensure(q.lease)
+        for q in batch[:]:
+            try:
+                self._listening(q.lease)
+            except BackendUnavailable as exc:
+                batch.remove(q)
+                q.fill(error=exc)
+                continue
             assert q.lease.channel is not None
             requests.append(
                 AcquireRequest(
@@ -1040,6 +1063,8 @@ class SharedKeeper:
                     history_limit=q.lease.history_limit,
                 )
             )
+        if not batch:
+            return
         assert self._found is not None
         try:
             results = self._run(

@@ -899,3 +899,30 @@ def test_a_short_lock_on_a_lease_row_costs_no_term(
     assert not gaps, f"a lease was not led all along: {gaps[:3]}"
     assert not events.of("demoted"), events.of("demoted")
     assert [x.term for x in leaders] == [1, 1, 1, 1]
+
+
+def test_an_attempt_sent_while_the_session_is_down_does_not_wait_for_its_opening(
+    pg_dsn: str,
+) -> None:
+    """The keeper's thread sends queued attempts under the statement lock; an attempt of
+    a lease whose session went away in between must not wait there for the session's
+    opening, whose thread needs that lock to adopt it (the keeper's thread, and every
+    lease of the process with it, hung until a lease was interrupted)."""
+    lease = PostgresLease(
+        pg_dsn, name=f"down-{os.getpid()}-{time.monotonic_ns()}", ttl=3.0, renew_deadline=2.0
+    )
+    closer = threading.Thread(target=lease.close, daemon=True)
+    try:
+        lease.connect()
+        keeper = lease._shared()
+        keeper._drop()  # the session is gone, as when the server ended it
+        queued = keeper_module.Queued(lease, "n")
+        keeper._enqueue(keeper._attempts, queued)
+        assert queued.done.wait(10), "the keeper's thread hung waiting for the opening"
+        assert isinstance(queued.error, rs.BackendUnavailable)
+        # The opening it began completes; the next attempt takes the lease.
+        wait_until(lambda: lease.try_acquire("n").acquired, 10, "the lease, once reopened")
+    finally:
+        closer.start()
+        closer.join(10)
+    assert not closer.is_alive(), "closing the lease hung on the keeper's lock"
