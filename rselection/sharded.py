@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from . import forks
 from .closeable import Service
 from .errors import BackendUnavailable, ConfigError, RSelectionError, StaleLeaderError
+from .history import HISTORY_LIMIT, check_history_limit
 from .leader import LeaseLeader
 from .lease import LeaderInfo
 from .member_leader import DefaultClaimer, MemberLeader, OwnClaimer
@@ -40,7 +41,7 @@ from .stop_signals import stop_on_signals
 from .tasks import TaskHandler
 from .timing import Timings
 from .validation import check_node_id, check_optional_seconds, check_seconds, new_node_id
-from .versions import check_eligible
+from .versions import check_eligible, check_version
 
 if TYPE_CHECKING:
     from .context import TaskContext
@@ -483,6 +484,10 @@ class ShardedLeader(Service, ABC):
             ``stop_grace + 1``).
         eligible: ``False``: a member that never leads a shard (nor the coordinator's
             lease); the coordinator counts it out of the balance.
+        version: this node's release, recorded with its heartbeats and each term it
+            takes; shards never move for versions (the coordinator's lease does, as a
+            leader's).
+        history_limit: terms kept in the history of each shard's lease.
 
     Raises:
         ConfigError: bad arguments or inconsistent timings (the message shows the math).
@@ -507,6 +512,8 @@ class ShardedLeader(Service, ABC):
         max_moves: int,
         handover_valid_for: float | None,
         eligible: bool = True,
+        version: str | None = None,
+        history_limit: int = HISTORY_LIMIT,
     ) -> None:
         if not isinstance(handler, TaskHandler):
             raise ConfigError(f"handler must be a TaskHandler, got {type(handler).__name__}")
@@ -529,6 +536,9 @@ class ShardedLeader(Service, ABC):
         )
         self.eligible = check_eligible(eligible)
         """Whether this node may lead shards (``eligible=`` as given)."""
+        self.version = check_version(version)
+        """This node's release (``version=`` as given)."""
+        self._history_limit = check_history_limit(history_limit)
         self._handler = handler
         self._timings = timings
         self._cleanup: list[Callable[[], object]] = []
@@ -575,6 +585,8 @@ class ShardedLeader(Service, ABC):
             "retry_interval": timings.retry_interval,
             "claimer": claimer,
             "eligible": self.eligible,
+            "version": self.version,
+            "history_limit": self._history_limit,
             **options,
         }
         self._coordinator = leader(

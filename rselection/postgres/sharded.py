@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import sql
 
+from ..history import HISTORY_LIMIT
 from ..lease import LeaderInfo
 from ..sharded import (
     HAND_OFF_WAIT,
@@ -129,6 +130,9 @@ class PostgresShardedLeader(ShardedLeader):
             shards until it heartbeats again.
         eligible: ``False``: a member that never leads a shard (nor the coordinator's
             lease): it heartbeats and is listed, and the coordinator gives it no shards.
+        version: this node's release (PEP 440), recorded with its heartbeats and with each
+            term it takes; shards never move for versions.
+        history_limit: terms kept in the leadership history of each shard's lease.
 
     Raises:
         ConfigError: bad arguments or inconsistent timings (the message shows the math).
@@ -161,6 +165,8 @@ class PostgresShardedLeader(ShardedLeader):
         max_moves: int = 32,
         handover_valid_for: float | None = None,
         eligible: bool = True,
+        version: str | None = None,
+        history_limit: int = HISTORY_LIMIT,
     ) -> None:
         # Every shard's lease on one keeper session: one connection string for them all.
         source = per_call_source(conninfo, session_conninfo(conninfo, type(self).__name__))
@@ -177,6 +183,8 @@ class PostgresShardedLeader(ShardedLeader):
             max_moves=max_moves,
             handover_valid_for=handover_valid_for,
             eligible=eligible,
+            version=version,
+            history_limit=history_limit,
         )
         table_identifier(table)  # validates
         table_identifier(nodes_table)

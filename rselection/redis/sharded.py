@@ -16,6 +16,7 @@ import redis
 
 from ..claiming import FireClaimer
 from ..errors import ConfigError
+from ..history import HISTORY_LIMIT
 from ..lease import LeaderInfo
 from ..sharded import SHARDS_RECORD, ShardedLeader, ShardLeader, ShardState
 from ..sharding import shard_lease_name
@@ -101,6 +102,8 @@ class RedisShardedLeader(ShardedLeader):
             ``handover_valid_for``), as for :class:`~rselection.PostgresShardedLeader`.
         eligible: ``False``: a member that never leads a shard (see
             :class:`~rselection.PostgresShardedLeader`).
+        version, history_limit: this node's release and the terms kept per shard's
+            lease, as for :class:`~rselection.PostgresShardedLeader`.
 
     Raises:
         ConfigError: bad arguments or inconsistent timings (the message shows the math).
@@ -132,6 +135,8 @@ class RedisShardedLeader(ShardedLeader):
         max_moves: int = 32,
         handover_valid_for: float | None = None,
         eligible: bool = True,
+        version: str | None = None,
+        history_limit: int = HISTORY_LIMIT,
     ) -> None:
         if not (claimer is DEFAULT_CLAIMER or claimer is None or isinstance(claimer, FireClaimer)):
             raise ConfigError(
@@ -153,6 +158,8 @@ class RedisShardedLeader(ShardedLeader):
                 max_moves=max_moves,
                 handover_valid_for=handover_valid_for,
                 eligible=eligible,
+                version=version,
+                history_limit=history_limit,
             )
             self.key_prefix = check_key_prefix(key_prefix)
         except BaseException:

@@ -245,3 +245,32 @@ def test_the_history_command(backend: Backend, make: Callable[..., Any]) -> None
     assert missing.returncode == 1 and "no lease" in missing.stderr
     bad = rselection(backend, "history", name, "--limit", "0")
     assert bad.returncode == 2 and "--limit" in bad.stderr
+
+
+def test_shards_record_their_versions_and_never_move_for_them(shard_server: Any) -> None:
+    """A node of a newer version gets its share of shards and no more: the coordinator
+    balances by count. Each shard's term is on record with its node's version."""
+    name = f"hs{uuid.uuid4().hex[:6]}"
+    options: dict[str, Any] = {"name": name, "shards": 4, "heartbeat_interval": 0.2, **FAST}
+    nodes = [
+        shard_server.sharded_leader(rs.TaskHandler(), node_id=node, version=version, **options)
+        for node, version in (("old", "1.0"), ("new", "2.0"))
+    ]
+    redis_url = shard_server.cli_args[0] == "--redis-url"
+    admin = admin_of(Backend("redis" if redis_url else "postgres", shard_server.cli_args[1]))
+    try:
+        for node in nodes:
+            node.start()
+        wait_until(lambda: [len(n.owned()) for n in nodes] == [2, 2], 20, "two shards each")
+        owned = [n.owned() for n in nodes]
+        time.sleep(2.0)  # the newer node settled long since: still two each, the same
+        assert [n.owned() for n in nodes] == owned
+        version_of = {"old": "1.0", "new": "2.0"}
+        for shard in range(4):
+            records = admin.history(f"{name}/{shard}")
+            assert records, shard
+            assert all(r.version == version_of[r.node_id] for r in records), records
+    finally:
+        for node in nodes:
+            node.stop(timeout=15)
+        admin.close()
