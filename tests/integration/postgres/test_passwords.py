@@ -59,7 +59,7 @@ def subcommands() -> list[list[str]]:
     made = []
     for module in cli.SUBCOMMANDS:
         name = module.__name__.rsplit(".", 1)[-1]
-        args = [name, "billing"] if name in ("resign", "forget") else [name]
+        args = [name, "billing"] if name in ("history", "resign", "forget") else [name]
         if name == "resign":
             args += ["--timeout", "2"]
         made.append(args)

@@ -50,6 +50,8 @@ COMMANDS = [
     ["status", "--json", "--watch", "0.1", "--count", "2"],
     ["resign", "billing", "--timeout", "2"],
     ["forget", "billing"],
+    ["history", "billing"],
+    ["history", "billing", "--json"],
 ]
 FAST: dict[str, Any] = {
     "ttl": 3.0,
@@ -76,7 +78,7 @@ def test_the_commands_listed_are_every_command_that_takes_a_redis_url() -> None:
     takes = set()
     for module in cli.SUBCOMMANDS:
         name = module.__name__.rsplit(".", 1)[-1]
-        argv = [name, "x"] if name in ("resign", "forget") else [name]
+        argv = [name, "x"] if name in ("history", "resign", "forget") else [name]
         if "redis_url" in vars(parser.parse_args(argv)):
             takes.add(name)
     assert takes == {c[0] for c in COMMANDS}
