@@ -124,8 +124,9 @@ class LeaseTable:
         servers: it has the ``holder_server`` column (schema version 3).
         protocols: it has the ``protocol`` column (schema version 5), which the shared
             keeper of lease protocol 2 needs.
-        history: its leadership history table exists (schema version 6), which the
-            keeper's acquisitions and releases write.
+        history: its leadership history table exists (``<table>_history``, created
+            beside it whatever its version), which the keeper's acquisitions and releases
+            write.
     """
 
     oid: int

@@ -176,8 +176,8 @@ class PostgresAdmin(LeaseAdmin):
             records = read_history(conn, name, table=self.table, limit=limit)
         if records is None:
             raise Refused(
-                f"lease table {self.table!r} predates schema version 6, which records the "
-                "leadership history: run `rselection migrate` to upgrade it (rows are kept)"
+                f"lease table {self.table!r} has no leadership history table beside it yet: "
+                "run `rselection migrate` to create it (nothing else changes)"
             )
         return records
 

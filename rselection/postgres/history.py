@@ -46,7 +46,7 @@ def read_history(
     conn: psycopg.Connection[Any], name: str, *, table: str, limit: int
 ) -> list[TermRecord] | None:
     """The last ``limit`` terms of lease ``name``, newest first; ``None`` when the lease
-    table has no history table yet (schema version 6: ``rselection migrate``).
+    table has no history table yet (``rselection migrate`` creates it).
 
     Raises:
         psycopg.Error: the database failed.

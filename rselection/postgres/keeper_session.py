@@ -109,9 +109,9 @@ def resolve_table(conn: psycopg.Connection[Any], table: str, where: str) -> Leas
         )
     if not found.history:
         raise ConfigError(
-            f"lease table {table!r} ({where}) predates schema version 6: this release "
-            "records every term in the leadership history table beside it; run "
-            "`rselection migrate` (or pass create_tables=True) to create it"
+            f"lease table {table!r} ({where}) has no leadership history table beside it: "
+            "this release records every term there; run `rselection migrate` (or pass "
+            "create_tables=True) to create it (older releases keep working with it)"
         )
     return found
 

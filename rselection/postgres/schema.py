@@ -294,6 +294,11 @@ class TableKind:
             number records it (an index
             changes no row and no column; every release works with or without it, so
             adding one never makes a table too new for an older release).
+        companions: tables beside the kind's that its releases from some point on use and
+            older ones ignore, as (name, ``CREATE TABLE IF NOT EXISTS`` statement) for a
+            table name: created whenever missing (creating a table locks no other), and
+            recorded by no version number, so an older release keeps using the kind's
+            tables (the lease table's leadership history).
 
     Raises:
         ConfigError: the steps are not numbered 1..n in order.
@@ -305,6 +310,7 @@ class TableKind:
     steps: tuple[Step, ...]
     tables: Callable[[str], tuple[str, ...]] = _one_table
     indexes: Callable[[str], Sequence[tuple[str, sql.Composed]]] = _no_indexes
+    companions: Callable[[str], Sequence[tuple[str, sql.Composed]]] = _no_indexes
 
     def __post_init__(self) -> None:
         """Check that the steps are numbered 1..n in order."""
@@ -408,26 +414,29 @@ def history_table_name(table: str) -> str:
     return suffixed_name(table, "history")
 
 
-def _lease_history(table: str) -> list[sql.Composed]:
+def _lease_history(table: str) -> tuple[tuple[str, sql.Composed], ...]:
     # One row per term (rselection.history); the primary key orders a lease's terms,
     # which is what the history is read and trimmed by.
-    return [
-        _create(
-            table_identifier(history_table_name(table)),
-            "name text NOT NULL",
-            "term bigint NOT NULL",
-            "node_id text NOT NULL",
-            "version text NULL",
-            "hostname text NULL",
-            "pid integer NULL",
-            "began_at timestamptz NOT NULL",
-            "ended_at timestamptz NULL",
-            "end_reason text NULL",
-            "handed_to text NULL",
-            "ended_by text NULL",
-            "PRIMARY KEY (name, term)",
-        )
-    ]
+    return (
+        (
+            history_table_name(table),
+            _create(
+                table_identifier(history_table_name(table)),
+                "name text NOT NULL",
+                "term bigint NOT NULL",
+                "node_id text NOT NULL",
+                "version text NULL",
+                "hostname text NULL",
+                "pid integer NULL",
+                "began_at timestamptz NOT NULL",
+                "ended_at timestamptz NULL",
+                "end_reason text NULL",
+                "handed_to text NULL",
+                "ended_by text NULL",
+                "PRIMARY KEY (name, term)",
+            ),
+        ),
+    )
 
 
 def _nodes_v1(table: str) -> list[sql.Composed]:
@@ -542,10 +551,10 @@ LEASES = TableKind(
             _adding("protocol smallint"),
             LEASE_PROTOCOL_COLUMNS,
         ),
-        Step(6, "create the leadership history table", _lease_history),
     ),
+    companions=_lease_history,
 )
-"""The lease table of :class:`~rselection.PostgresLeader`."""
+"""The lease table of :class:`~rselection.PostgresLeader` (and its leadership history)."""
 
 
 def _claims_indexes(table: str) -> tuple[tuple[str, sql.Composed], ...]:
@@ -627,7 +636,7 @@ KINDS: dict[str, TableKind] = {
 """Every kind of table, by the keyword :func:`create_tables` takes."""
 
 LEASES_VERSION = LEASES.version
-"""Schema version of the lease table that this release creates and understands (6)."""
+"""Schema version of the lease table that this release creates and understands (5)."""
 
 
 @dataclass(frozen=True)
@@ -642,6 +651,8 @@ class TableChange:
         version: the schema version now.
         previous: the version recorded before (``None`` when none was recorded).
         what: the tables, for people (``"lease table 'rselection_leases'"``).
+        added: the companion tables it created (see :class:`TableKind`), which no
+            version number records.
     """
 
     kind: str
@@ -650,6 +661,7 @@ class TableChange:
     version: int
     previous: int | None
     what: str
+    added: tuple[str, ...] = ()
 
     def describe(self) -> str:
         """One line for people: ``lease table 'x': upgraded (schema version 2 -> 3)``."""
@@ -660,6 +672,8 @@ class TableChange:
             done = f"upgraded (schema version {before} -> {self.version})"
         else:
             done = f"already present (schema version {self.version})"
+        if self.added and self.action != "created":
+            done += "; created " + ", ".join(repr(name) for name in self.added)
         return f"{self.what}: {done}"
 
 
@@ -789,6 +803,11 @@ def _migrate_one(
         else:
             for statement in statements:
                 conn.execute(statement)
+    added = []
+    for name, statement in kind.companions(table):
+        if not _exists(conn, [name]):
+            conn.execute(statement)
+            added.append(name)
     for name, statement in kind.indexes(table):
         qualified = ".".join((*validate_table_name(names[0])[:-1], name))
         if _exists(conn, [qualified]):
@@ -810,7 +829,9 @@ def _migrate_one(
             (kind.component(table), kind.version),
         )
     action = "upgraded" if upgraded else ("present" if existed else "created")
-    return TableChange(kind.kind, table, action, kind.version, recorded, kind.describe(table))
+    return TableChange(
+        kind.kind, table, action, kind.version, recorded, kind.describe(table), tuple(added)
+    )
 
 
 def _lock_holder(conn: psycopg.Connection[Any]) -> str:
@@ -874,6 +895,8 @@ def _current(conn: psycopg.Connection[Any], kind: TableKind, table: str, add_ind
     """Whether ``table`` is at its kind's version with every table in place, and its
     indexes too (``add_indexes``; else a missing one is only warned about)."""
     if _recorded(conn, kind, table) != kind.version or not _exists(conn, kind.tables(table)):
+        return False
+    if not all(_exists(conn, [name]) for name, _ in kind.companions(table)):
         return False
     missing = [
         (qualified, name)

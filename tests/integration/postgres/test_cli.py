@@ -59,7 +59,7 @@ def test_migrate_then_status_shows_the_holder(pg_dsn: str) -> None:
     done = run("migrate", "--dsn", pg_dsn)
     assert done.returncode == 0, done.stderr
     for line in (
-        "lease table 'rselection_leases': created (schema version 6)",
+        "lease table 'rselection_leases': created (schema version 5)",
         "claims table 'rselection_claims': created (schema version 1)",
         "elections table 'rselection_elections': created (schema version 1)",
         "nodes table 'rselection_nodes': created (schema version 3)",

@@ -249,16 +249,16 @@ def test_an_earlier_nodes_table_is_upgraded_and_keeps_its_rows(
 
 
 def test_a_lease_table_without_its_history_is_refused_until_migrated(pg_dsn: str) -> None:
-    """Schema version 6 adds the leadership history table beside the lease table: a node
-    that may not create tables refuses a version 5 table (its acquisitions write the
-    history), and leads, its term on record, once `rselection migrate` upgraded it."""
+    """The leadership history table beside the lease table has no version of its own: a
+    node that may not create tables refuses a lease table without it (its acquisitions
+    write the history), and leads, its term on record, once `rselection migrate` created
+    it; the lease table's version stays, so older releases keep using it."""
     import rselection as rs
     from rselection.postgres import PostgresAdmin, PostgresLeader
 
     migrate(pg_dsn)
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute("DROP TABLE rselection_leases_history")
-        conn.execute("UPDATE rselection_schema_version SET version = 5 WHERE component = 'leases'")
     timings = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
 
     def leader() -> PostgresLeader:
@@ -267,10 +267,14 @@ def test_a_lease_table_without_its_history_is_refused_until_migrated(pg_dsn: str
         )
 
     refused = leader()
-    with pytest.raises(ConfigError, match=r"predates schema version 6.*rselection migrate"):
+    with pytest.raises(ConfigError, match=r"no leadership history table.*rselection migrate"):
         refused.lead()
     (change,) = [c for c in migrate(pg_dsn) if c.kind == "leases"]
-    assert (change.action, change.previous, change.version) == ("upgraded", 5, 6)
+    assert (change.action, change.previous, change.version) == ("present", 5, 5)
+    assert change.describe().endswith(
+        "already present (schema version 5); created 'rselection_leases_history'"
+    )
+    assert versions(pg_dsn)["leases"][0] == 5
     upgraded = leader()
     upgraded.start()
     try:
