@@ -20,6 +20,7 @@ from .errors import ConfigError
 __all__ = [
     "END_REASONS",
     "HISTORY_LIMIT",
+    "MAX_HISTORY_LIMIT",
     "OPERATOR",
     "TermRecord",
     "check_history_limit",
@@ -29,6 +30,9 @@ __all__ = [
 HISTORY_LIMIT: Final = 1000
 """Terms kept per lease by default (``history_limit=``): older ones are trimmed by the
 acquisition of a new term."""
+
+MAX_HISTORY_LIMIT: Final = 1_000_000
+"""The most terms a lease's history may keep (and a read may ask for)."""
 
 OPERATOR: Final = "operator"
 """A record's ``by`` when an operator's command (``rselection resign``, ``forget``,
@@ -76,14 +80,24 @@ def end_reason_of(engine_reason: str) -> str:
     return _ENGINE_REASONS.get(engine_reason, "deadline")
 
 
-def check_history_limit(value: object, what: str = "history_limit") -> int:
-    """Return ``value`` if it is a count of terms (an int from 1), else raise.
+def check_history_limit(value: object, what: str = "history_limit", *, least: int = 2) -> int:
+    """Return ``value`` if it is a count of terms (an int from ``least`` to
+    :data:`MAX_HISTORY_LIMIT`), else raise.
+
+    A history keeps at least 2 terms (the current one and the one before, which the
+    acquisition of the current one closed if its holder did not).
 
     Raises:
-        ConfigError: not an int, or below 1 (the message names ``what``).
+        ConfigError: not an int, or out of range (the message names ``what``).
     """
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{what} must be an int of at least 1, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not least <= value <= MAX_HISTORY_LIMIT
+    ):
+        raise ConfigError(
+            f"{what} must be an int from {least} to {MAX_HISTORY_LIMIT:,}, got {value!r:.40}"
+        )
     return value
 
 

@@ -134,8 +134,10 @@ class Leadership:
         self.eligible = eligible  # False: a member that never attempts to lead
         self.history = lease_ability(backend, "records_history")
         # The term whose handover this node asked for itself (a newer version's node
-        # leads): its record's `by` is nobody's; any other handover an operator asked.
+        # leads): its record's `by` is nobody's; any other handover an operator asked,
+        # unless the fleet moves them itself (a shard's, which its rebalancer moves).
         self.own_handover_term: int | None = None
+        self.handovers_by_operator = True
         self.loop: asyncio.AbstractEventLoop | None = None  # async tasks run here
         # A shard's leader's terms know their shard (ctx.shard, ctx.shards).
         self.shard: int | None = None
@@ -363,11 +365,8 @@ class Leadership:
         itself; a failure is logged (the record then says what the release sees)."""
         if self.history is None:
             return
-        by = (
-            OPERATOR
-            if reason == "drained" or (reason == "handover" and self.own_handover_term != number)
-            else None
-        )
+        asked = reason == "handover" and self.own_handover_term != number
+        by = OPERATOR if reason == "drained" or (asked and self.handovers_by_operator) else None
         try:
             self.history.term_ending(number, end_reason_of(reason), by)
         except Exception:

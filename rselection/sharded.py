@@ -112,6 +112,9 @@ class ShardLeader(LeaseLeader):
         self._owner = owner
         self._state.shard = shard
         self._state.shards = shards
+        # Its handovers are the rebalancer's moves (an operator's `resign` of a shard's
+        # lease is recorded as one too).
+        self._state.handovers_by_operator = False
 
     def start(self) -> None:
         """Compete for the shard's lease (no heartbeats: the node has them once, as a

@@ -541,10 +541,11 @@ def states_sql(
 
 
 # The history CTEs of an acquisition (after `taken` and `locked`): open the new term's
-# record (one left by a lease row deleted and made again is overwritten), close the
-# previous term's if its holder did not (at the takeover: its holder crashed, or lost
-# its session), and trim the records beyond the lease's limit, never the two just
-# written (a DELETE and an UPDATE of one row in one statement would race).
+# record, close the previous term's if its holder did not (at the takeover: its holder
+# crashed, or lost its session), and trim the records beyond the lease's limit, never
+# the two just written (a DELETE and an UPDATE of one row in one statement would race),
+# and those of terms above the new one (left by a lease row deleted and made again: one
+# of the same term is overwritten).
 _OPEN_TERMS = (
     "opened AS (INSERT INTO {h} AS h (name, term, node_id, version, hostname, pid, began_at)"
     " SELECT taken.name, taken.term, taken.node, taken.version, {host}, {pid},"
@@ -558,20 +559,20 @@ _OPEN_TERMS = (
     " ELSE 'expired' END FROM taken JOIN locked ON locked.name = taken.name"
     " WHERE h.name = taken.name AND h.term = taken.term - 1 AND h.ended_at IS NULL),"
     " trimmed AS (DELETE FROM {h} AS h USING taken WHERE h.name = taken.name"
-    " AND h.term < taken.term - 1 AND h.term <= taken.term - taken.keep)"
+    " AND (h.term > taken.term OR (h.term < taken.term - 1 AND h.term <= taken.term - taken.keep)))"
 )
 
-# Close the record of each released term (`released` rows joined to the requests `r`):
-# a release while a handover request reserves the lease for a node hands it to that
-# node (a drained holder's stays `drained`, naming the node), and a handover with
-# nobody named is a step-down.
+# Close the record of each ended term (`{closing}`: rows of (name, reserved_for), joined
+# to the requests `r`): a release while a handover request reserves the lease for a node
+# hands it to that node (a drained holder's stays `drained`, naming the node), and a
+# handover with nobody named is a step-down.
 _CLOSE_TERMS = (
     "ended AS (UPDATE {h} AS h SET ended_at = clock_timestamp(), end_reason = CASE"
     " WHEN rel.reserved_for IS NOT NULL AND r.reason IN"
     " ('released', 'handed_over', 'stepped_down') THEN 'handed_over'"
     " WHEN r.reason = 'handed_over' THEN 'stepped_down' ELSE r.reason END,"
     " handed_to = rel.reserved_for, ended_by = r.by"
-    " FROM released AS rel JOIN r ON r.name = rel.name"
+    " FROM {closing} AS rel JOIN r ON r.name = rel.name"
     " WHERE h.name = r.name AND h.term = r.term AND h.ended_at IS NULL)"
 )
 
@@ -818,6 +819,7 @@ def release_sql(
     ).format(
         t=table,
         h=history,
+        closing=sql.SQL("released"),
         name=sql.Literal(request.name),
         node=sql.Literal(request.node_id),
         term=sql.Literal(request.term),
@@ -879,9 +881,9 @@ def release_batch_sql(
         " FOR NO KEY UPDATE OF t SKIP LOCKED),"
         " released AS (UPDATE {t} AS t SET holder = NULL, holder_pid = NULL,"
         " expires_at = now() FROM r JOIN lockable ON lockable.name = r.name"
-        " WHERE {guard} RETURNING t.name, " + RESERVED_FOR + "), " + _CLOSE_TERMS + ","
-        " skipped AS (SELECT r.name FROM r JOIN {t} AS t ON {guard}"
-        " WHERE r.name NOT IN (SELECT name FROM lockable))"
+        " WHERE {guard} RETURNING t.name, " + RESERVED_FOR + "),"
+        " skipped AS (SELECT r.name, " + RESERVED_FOR + " FROM r JOIN {t} AS t ON {guard}"
+        " WHERE r.name NOT IN (SELECT name FROM lockable)), " + _CLOSE_TERMS + ""
         " SELECT r.name, rel.name IS NOT NULL, sk.name IS NOT NULL,"
         " CASE WHEN rel.name IS NOT NULL THEN pg_notify(r.channel, json_build_object("
         "'event', 'released', 'name', r.name, 'node_id', r.node, 'term', r.term,"
@@ -890,7 +892,18 @@ def release_batch_sql(
         " THEN pg_advisory_unlock(r.lock_key, (r.term % 2147483648)::integer) END"
         " FROM r LEFT JOIN released AS rel ON rel.name = r.name"
         " LEFT JOIN skipped AS sk ON sk.name = r.name"
-    ).format(t=table, h=history, values=values, guard=guard)
+    ).format(
+        t=table,
+        h=history,
+        values=values,
+        guard=guard,
+        # A skipped term has ended too (its tasks are joined; its lock is freed even if
+        # its release never gets the row): its record is closed now, with its reason.
+        closing=sql.SQL(
+            "(SELECT name, reserved_for FROM released"
+            " UNION ALL SELECT name, reserved_for FROM skipped)"
+        ),
+    )
 
 
 def bounded_sql(seconds: float, *, statement: bool = True) -> sql.Composed:

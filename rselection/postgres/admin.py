@@ -171,7 +171,7 @@ class PostgresAdmin(LeaseAdmin):
         """See :meth:`~rselection.admin.LeaseAdmin.history` (read from the table
         ``<table>_history``)."""
         name = check_name(name, "lease name")
-        limit = check_history_limit(limit, "limit")
+        limit = check_history_limit(limit, "limit", least=1)
         with self._call("read the leadership history") as conn:
             records = read_history(conn, name, table=self.table, limit=limit)
         if records is None:

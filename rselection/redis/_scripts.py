@@ -24,13 +24,25 @@ __all__ = [
     "RETIRE",
 ]
 
-#: Append to a lease's history stream (KEYS[n] of the calling script) the end of the term
-#: its last entry began, if that entry began one (its holder did not end it): the
-#: ``_history_close(key, reason, by, now)`` Lua function. Entries are flat field lists:
+#: The Lua functions of a lease's history stream (KEYS[n] of the calling script):
+#: ``_history_unusable(key)``, an error reply when the key is not a stream (checked
+#: before anything is written), and ``_history_close(key, reason, by, now)``, which
+#: appends the end of the term the last entry began, if it began one (its holder did not
+#: end it). Entries are flat field lists:
 #: ``kind`` (``began`` or ``ended``), ``term``, then ``node``, ``version``, ``host``,
 #: ``pid``, ``at`` (server ms) for a beginning, ``reason``, ``to``, ``by``, ``at`` for an
 #: end (see :mod:`rselection.redis.history`).
 _HISTORY = """
+-- An error reply when the history key holds something other than a stream (nil when
+-- usable): checked before a script writes anything, as Redis undoes nothing of a
+-- script that fails half way.
+local function _history_unusable(key)
+  local kind = redis.call('TYPE', key).ok
+  if kind ~= 'none' and kind ~= 'stream' then
+    return redis.error_reply('WRONGTYPE the leadership history key ' .. key ..
+      ' holds a ' .. kind .. ', not a stream: delete it, or use another key_prefix')
+  end
+end
 local function _history_close(key, reason, by, now)
   local last = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)[1]
   if not last then return end
@@ -66,6 +78,8 @@ end
 ACQUIRE = (
     _HISTORY
     + """
+local unusable = _history_unusable(KEYS[5])
+if unusable then return unusable end
 local function run_id()
   return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or ''
 end
@@ -178,8 +192,11 @@ return {1, 0, '', 0}
 #: names a node hands the lease to that node (a drained holder's stays ``drained``), and
 #: a ``handed_over`` that names nobody is a step-down, as on Postgres.
 RELEASE = (
-    _HOLDS
+    _HISTORY
+    + _HOLDS
     + """
+local unusable = _history_unusable(KEYS[3])
+if unusable then return unusable end
 redis.call('DEL', KEYS[1])
 local reason, to = ARGV[4], ''
 local r = redis.call('GET', KEYS[2])
@@ -269,6 +286,8 @@ return {redis.call('GET', KEYS[1]) or '', redis.call('PTTL', KEYS[1]),
 RETIRE = (
     _HISTORY
     + """
+local unusable = _history_unusable(KEYS[4])
+if unusable then return unusable end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {0, redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1])}
 end

@@ -127,7 +127,7 @@ class RedisAdmin(LeaseAdmin):
         """See :meth:`~rselection.admin.LeaseAdmin.history` (read from the lease's
         stream ``<prefix>{<name>}:history``)."""
         name = check_name(name, "lease name")
-        limit = check_history_limit(limit, "limit")
+        limit = check_history_limit(limit, "limit", least=1)
         try:
             return read_history(self.client, name, key_prefix=self.key_prefix, limit=limit)
         except redis.RedisError as exc:

@@ -28,6 +28,28 @@ def _at(fields: dict[str, str]) -> datetime:
     return datetime.fromtimestamp(int(fields["at"]) / 1000, UTC)
 
 
+def _fields(raw: Any) -> dict[str, str] | None:
+    """An entry's fields as text, or ``None`` when they are not UTF-8."""
+    try:
+        return {_text(k): _text(v) for k, v in raw.items()}
+    except (AttributeError, UnicodeDecodeError):
+        return None
+
+
+def _end(
+    fields: dict[str, str] | None,
+) -> tuple[datetime | None, str | None, str | None, str | None]:
+    """An end entry's time, reason, node handed to and ``by``; all ``None`` without one
+    (or for one whose time does not parse: the term shows as running)."""
+    if fields is None:
+        return None, None, None, None
+    try:
+        at = _at(fields)
+    except (KeyError, ValueError, OverflowError, OSError):
+        return None, None, None, None
+    return at, fields.get("reason") or None, fields.get("to") or None, fields.get("by") or None
+
+
 def fold(name: str, entries: Sequence[Any], limit: int) -> list[TermRecord]:
     """The terms of a lease's stream ``entries`` (as ``XREVRANGE`` returns them, newest
     first), newest first, at most ``limit``; an end whose beginning was trimmed is
@@ -35,16 +57,16 @@ def fold(name: str, entries: Sequence[Any], limit: int) -> list[TermRecord]:
     ends: dict[str, dict[str, str]] = {}
     records: list[TermRecord] = []
     for _id, raw in entries:
-        fields = {_text(k): _text(v) for k, v in raw.items()}
-        term = fields.get("term", "")
-        if not term.isdigit():
+        fields = _fields(raw)
+        term = "" if fields is None else fields.get("term", "")
+        if fields is None or not term.isdigit():
             continue
         if fields.get("kind") == "ended":
             ends.setdefault(term, fields)
             continue
         if fields.get("kind") != "began" or len(records) >= limit:
             continue
-        end = ends.get(term)
+        ended_at, reason, handed_to, by = _end(ends.get(term))
         try:
             records.append(
                 TermRecord(
@@ -55,13 +77,13 @@ def fold(name: str, entries: Sequence[Any], limit: int) -> list[TermRecord]:
                     hostname=fields.get("host") or None,
                     pid=int(fields["pid"]) if fields.get("pid", "").isdigit() else None,
                     began_at=_at(fields),
-                    ended_at=None if end is None else _at(end),
-                    end_reason=None if end is None else end.get("reason") or None,
-                    handed_to=None if end is None else end.get("to") or None,
-                    by=None if end is None else end.get("by") or None,
+                    ended_at=ended_at,
+                    end_reason=reason,
+                    handed_to=handed_to,
+                    by=by,
                 )
             )
-        except (KeyError, ValueError):
+        except (KeyError, ValueError, OverflowError, OSError):
             continue
     return records
 

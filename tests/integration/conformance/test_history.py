@@ -53,19 +53,9 @@ class Runs:
         return tasks
 
 
-def admin_of(backend: Backend) -> LeaseAdmin:
-    if backend.kind == "redis":
-        from rselection.redis import RedisAdmin
-
-        return RedisAdmin(backend.url)
-    from rselection.postgres import PostgresAdmin
-
-    return PostgresAdmin(backend.url)
-
-
 @pytest.fixture
 def admin(backend: Backend) -> Iterator[LeaseAdmin]:
-    found = admin_of(backend)
+    found = backend.admin()
     yield found
     found.close()
 
@@ -163,12 +153,12 @@ def test_the_history_keeps_its_limit(make: Callable[..., Any], admin: LeaseAdmin
     assert records[0].end_reason is None and records[0].ended_at is None
 
 
-def test_a_crashed_or_frozen_holder_s_term_is_closed_by_its_successor(
+def test_a_crashed_frozen_or_stopped_holder_s_term_has_its_reason(
     backend: Backend, admin: LeaseAdmin
 ) -> None:
     name = f"h-{uuid.uuid4().hex[:8]}"
     with Fleet(backend.url, name, [*backend.fleet_args, *FLEET_ARGS]) as fleet:
-        first = fleet.start(3)
+        first = fleet.start(4)
         fleet.kill(first["node"])  # kill -9: its session or connection goes with it
         second = fleet.wait_for(15, ev="elected")
         assert second is not None
@@ -176,7 +166,10 @@ def test_a_crashed_or_frozen_holder_s_term_is_closed_by_its_successor(
         third = fleet.wait_for(15, ev="elected")
         assert third is not None
         fleet.kill(second["node"], signal.SIGCONT)
-        # The resumed node finds its term over (ended by its deadline, released by
+        fleet.kill(third["node"], signal.SIGTERM)  # a graceful stop: it releases
+        fourth = fleet.wait_for(15, ev="elected")
+        assert fourth is not None
+        # The resumed node found its term over (ended by its deadline, released by
         # nobody): the record its successor closed stays.
         time.sleep(1.0)
         records = admin.history(name)
@@ -187,6 +180,7 @@ def test_a_crashed_or_frozen_holder_s_term_is_closed_by_its_successor(
     # The successor closed each at its takeover: when the next term began.
     assert by_term[first["term"]].ended_at == by_term[second["term"]].began_at
     assert by_term[second["term"]].ended_at == by_term[third["term"]].began_at
+    assert ends([by_term[third["term"]]]) == [(third["node"], "released", None, None)]
     # Every term recorded is a term a node was elected in, and the other way round.
     elected = {e["term"]: e["node"] for e in fleet.history if e["ev"] == "elected"}
     assert {r.term: r.node_id for r in records} == elected
@@ -257,10 +251,11 @@ def test_shards_record_their_versions_and_never_move_for_them(shard_server: Any)
         for node, version in (("old", "1.0"), ("new", "2.0"))
     ]
     redis_url = shard_server.cli_args[0] == "--redis-url"
-    admin = admin_of(Backend("redis" if redis_url else "postgres", shard_server.cli_args[1]))
+    admin = Backend("redis" if redis_url else "postgres", shard_server.cli_args[1]).admin()
     try:
-        for node in nodes:
-            node.start()
+        nodes[0].start()
+        wait_until(lambda: len(nodes[0].owned()) == 4, 20, "the first node to lead all four")
+        nodes[1].start()  # the rebalancer moves two shards to it
         wait_until(lambda: [len(n.owned()) for n in nodes] == [2, 2], 20, "two shards each")
         owned = [n.owned() for n in nodes]
         time.sleep(2.0)  # the newer node settled long since: still two each, the same
@@ -270,6 +265,10 @@ def test_shards_record_their_versions_and_never_move_for_them(shard_server: Any)
             records = admin.history(f"{name}/{shard}")
             assert records, shard
             assert all(r.version == version_of[r.node_id] for r in records), records
+            # A shard the rebalancer moved was handed over by nobody's command.
+            assert all(r.by is None for r in records), records
+        moved = [r for shard in range(4) for r in admin.history(f"{name}/{shard}")]
+        assert any(r.end_reason == "handed_over" for r in moved), moved
     finally:
         for node in nodes:
             node.stop(timeout=15)

@@ -6,6 +6,7 @@ nodes' ``elected`` signals and the terms' task activity.
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 import uuid
@@ -196,3 +197,41 @@ def test_a_node_restarted_under_its_id_settles_anew(fleet: Fleet) -> None:
     waited = float(taken["t"]) - restarted
     print(f"the restarted node led {waited:.2f} s after its restart (settle {settle:g} s)")
     assert waited >= settle
+
+
+def test_a_rolling_deploy_hands_over_once_and_the_history_says_so(
+    fleet: Fleet, backend: Backend
+) -> None:
+    """Three nodes of 1.0 replaced one by one by nodes of 2.0 (each started, ready and
+    settled before an old one stops, as a deploy does): one change of leader, to the first
+    node of 2.0, handed over by nobody's command."""
+    for old in ("o0", "o1", "o2"):
+        spawn(fleet, old, "1.0")
+    assert fleet.first_elected(30)["node"] == "o0"
+    for i, old in enumerate(("o0", "o1", "o2")):
+        spawn(fleet, f"n{i}", "2.0")
+        time.sleep(1.0 + 1.5)  # settled (1 s), and a look at the nodes later
+        fleet.kill(old, signal.SIGTERM)  # a graceful stop, as the deploy sends it
+        assert fleet.procs[old].wait(20) == 0
+    changes = [(e["node"], e["term"]) for e in fleet.history if e["ev"] == "elected"]
+    assert [node for node, _ in changes] == ["o0", "n0"], changes
+    with backend.admin() as admin:
+        records = admin.history(fleet.name)
+    assert [(r.node_id, r.version, r.end_reason, r.handed_to, r.by) for r in records] == [
+        ("n0", "2.0", None, None, None),
+        ("o0", "1.0", "handed_over", "n0", None),
+    ]
+    assert [r.term for r in records] == [term for _, term in reversed(changes)]
+
+
+def test_a_new_release_that_crashes_within_settle_never_leads(fleet: Fleet) -> None:
+    settle = 3.0
+    spawn(fleet, "old", "1.0", "--settle", str(settle))
+    assert fleet.first_elected(30)["node"] == "old"
+    for _ in range(3):  # a crash loop: up, then killed before it settled
+        spawn(fleet, "crashy", "2.0", "--settle", str(settle))
+        time.sleep(settle / 3)
+        fleet.kill("crashy")  # kill -9
+        fleet.procs["crashy"].wait(10)
+    assert elected(fleet, settle + 1.0) is None
+    assert not [e for e in fleet.history if e["ev"] == "elected" and e["node"] == "crashy"]
