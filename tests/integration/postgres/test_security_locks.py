@@ -538,6 +538,9 @@ def app_dsn(pg_dsn: str, schema: str) -> Iterator[str]:
         admin.execute(f"CREATE ROLE {role} LOGIN")
         admin.execute(f"GRANT USAGE ON SCHEMA {schema} TO {role}")
         admin.execute(f"GRANT SELECT, INSERT, UPDATE ON {schema}.{LEASES} TO {role}")
+        admin.execute(
+            f"GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.{LEASES}_history TO {role}"
+        )
         admin.execute(f"GRANT SELECT ON {schema}.rselection_schema_version TO {role}")
     try:
         yield make_conninfo(pg_dsn, user=role)
