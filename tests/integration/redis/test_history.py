@@ -4,9 +4,6 @@ way), so no lease is left half taken and the error says what to do."""
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
-
 import pytest
 import redis
 
@@ -15,21 +12,10 @@ from rselection.redis import RedisLease
 from rselection.redis.keys import history_key, lease_keys
 
 
-@pytest.fixture
-def prefix(redis_url: str) -> Iterator[str]:
-    found = f"t-{uuid.uuid4().hex[:10]}:"
-    yield found
-    client = redis.Redis.from_url(redis_url)
-    try:
-        for key in client.scan_iter(match=f"{found}*"):
-            client.delete(key)
-    finally:
-        client.close()
-
-
 def test_a_history_key_of_another_type_refuses_the_acquisition_and_writes_nothing(
-    redis_url: str, prefix: str
+    redis_url: str, redis_prefix: str
 ) -> None:
+    prefix = redis_prefix
     client = redis.Redis.from_url(redis_url)
     lease = RedisLease(redis_url, name="jobs", key_prefix=prefix, ttl=3.0, renew_deadline=2.0)
     try:
