@@ -420,6 +420,9 @@ class DrivenKeeper:
         if self._state.stopping.is_set():
             return  # the next step shuts down: no connect for it to wait for
         self._backend.connect()
+        if self._state.check_drained is not None:
+            # Drained while this node was cut off (or stopped): known before any attempt.
+            self._state.check_drained()
         self._state.connected = True
         # A new session knows no holder (a lease watching the holder's expiry forgot
         # it): attempt at once rather than when the last session's attempt said.

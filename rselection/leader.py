@@ -265,7 +265,8 @@ class LeaseLeader(Service):
 
     @property
     def eligible(self) -> bool:
-        """Whether this node may lead (``eligible=`` as given)."""
+        """Whether this node may lead: ``eligible=`` as given, and not drained by an
+        operator (``rselection drain``)."""
         return self._state.eligible
 
     @property

@@ -57,7 +57,7 @@ class StepDown:
 
     term: int
     hold: float
-    reason: str  # "step_down", or "handover" when an operator asked
+    reason: str  # "step_down"; "handover" when an operator asked; "drained"
     done: threading.Event = field(default_factory=threading.Event, compare=False)
     """Set once the term is released (or the request lapsed, or failed)."""
     superseded: list[StepDown] = field(default_factory=list, compare=False)
@@ -138,6 +138,10 @@ class Leadership:
         # unless the fleet moves them itself (a shard's, which its rebalancer moves).
         self.own_handover_term: int | None = None
         self.handovers_by_operator = True
+        self.given_eligible = eligible  # as given: eligible unless drained (see drains)
+        # Reads whether this node is drained and acts on it (a leader with membership
+        # sets it): run on every (re)connect, before any attempt.
+        self.check_drained: Callable[[], None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # async tasks run here
         # A shard's leader's terms know their shard (ctx.shard, ctx.shards).
         self.shard: int | None = None
@@ -174,6 +178,19 @@ class Leadership:
             if request is None or request.term != term.number:
                 return None
             self.step_down_request = None
+            return request
+
+    def ask_step_down(self, term: Term, reason: str, hold: float = 0.0) -> StepDown | None:
+        """Ask ``term`` to step down for ``reason`` (an earlier request of the same term
+        is answered with this one); ``None`` when ``term`` is no longer led. The caller
+        then wakes the engine (``interrupt_backend`` and a poke)."""
+        with self.cond:
+            if self.term is not term:
+                return None
+            earlier = self.step_down_request
+            request = self.step_down_request = StepDown(term.number, hold, reason)
+            if earlier is not None and earlier.term == term.number:
+                request.superseded.append(earlier)
             return request
 
     def step_down_pending(self) -> bool:
@@ -262,7 +279,10 @@ class Leadership:
         )
         with self.cond:
             if self.step_down_request is None:
-                self.step_down_request = StepDown(term.number, 0.0, "handover")
+                # A holder that is not eligible was drained (a drained holder asks for
+                # its own successor): its term ends for that.
+                reason = "handover" if self.eligible else "drained"
+                self.step_down_request = StepDown(term.number, 0.0, reason)
 
     def release(self) -> None:
         """Give the held term back, never before that term's tasks are joined."""
@@ -496,7 +516,7 @@ class Leadership:
                     self.cond.notify_all()
                 log = (
                     logger.info
-                    if reason in ("stopped", "step_down", "handover")
+                    if reason in ("stopped", "step_down", "handover", "drained")
                     else logger.warning
                 )
                 log(

@@ -17,7 +17,10 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .claiming import FireClaimer
+from .drains import DRAINED, DrainWatch, heir
+from .errors import BackendUnavailable
 from .leader import LeaseLeader
+from .members import MembershipBase
 from .succession import ASK_AGAIN_AFTER, Look, SuccessionWatch
 from .validation import check_node_id, check_seconds, new_node_id
 
@@ -67,6 +70,10 @@ class MemberLeader(LeaseLeader):
     heartbeated for ``settle`` seconds (see :mod:`rselection.succession`); a subclass
     says how to ask for that handover (:meth:`_request_successor`).
 
+    An operator may drain its node (``rselection drain``, see :mod:`rselection.drains`):
+    a subclass says how to read that (:meth:`_read_drained`) and has its lease call
+    :meth:`_drain_woken` when a notification says the drains of the lease changed.
+
     Args:
         lease, handler: as for :class:`~rselection.LeaseLeader`.
         membership: this node's heartbeats as a member of the lease.
@@ -95,6 +102,7 @@ class MemberLeader(LeaseLeader):
         self._membership = membership
         self._settle = check_seconds(settle, "settle", allow_zero=True)
         self._asked: dict[str, float] = {}  # successors asked for, when (monotonic)
+        self._drained = False  # as last read (see check_drained)
         self._look_at = 0.0  # when to look at the nodes next (monotonic)
         # Whatever ends the keeper (stop(), or an error it cannot go on after), the node
         # leaves the membership with it: no heartbeats from a node that no longer competes.
@@ -107,6 +115,7 @@ class MemberLeader(LeaseLeader):
         )
         # What was built with a new node id takes the leader's own (see _fix_node_id).
         self._adopt_node_id(self.node_id)
+        self._state.check_drained = self.check_drained
 
     @staticmethod
     def _first_node_id(node_id: str | None) -> str:
@@ -146,6 +155,95 @@ class MemberLeader(LeaseLeader):
 
     def _unwatch(self) -> None:
         SuccessionWatch.shared().discard(self)
+        DrainWatch.shared().discard(self)
+
+    @property
+    def drained(self) -> bool:
+        """Whether an operator drained this node (``rselection drain``), as last read:
+        it then leads nothing until undrained (:attr:`eligible` is ``False``)."""
+        return self._drained
+
+    def _drain_woken(self, node_id: str | None = None) -> None:
+        """A notification says the drains of this lease may have changed (those of
+        ``node_id``; ``None``: any node's): read this node's soon, on the process's drain
+        thread (never on the caller's)."""
+        if node_id not in (None, self.node_id):
+            return
+        if self._started and not self._state.closed:
+            DrainWatch.shared().wake(self)
+
+    def _read_drained(self) -> bool:
+        """*Backend*: whether this node is drained, as recorded on the lease's server
+        (``False`` where drains are not recorded).
+
+        Raises:
+            BackendUnavailable: the server could not be reached.
+        """
+        return False
+
+    def check_drained(self) -> None:
+        """Read whether this node is drained (``rselection drain``) and act on it: a
+        drained node becomes ineligible, and if it leads it ends its term at once
+        (reason ``"drained"``), reserving the lease for the newest eligible live node
+        when versions tell one; an undrained one competes again (when started with
+        ``eligible=True``). The leader calls it on every (re)connect and when a
+        notification says the drains changed; a call changes nothing when nothing did.
+
+        Raises:
+            BackendUnavailable: the server could not be reached.
+        """
+        drained = self._read_drained()
+        state = self._state
+        with state.cond:
+            changed, self._drained = drained != self._drained, drained
+            state.eligible = state.given_eligible and not drained
+            term, since = state.term, state.acquired_at
+        if changed:
+            logger.info(
+                "node %s of %r is %s",
+                self.node_id,
+                self.name,
+                "drained" if drained else "undrained",
+            )
+            membership = self._membership
+            if isinstance(membership, MembershipBase):
+                membership.set_eligible(state.eligible)
+                if self._started:
+                    try:  # shown at once, not at the next heartbeat (best effort)
+                        membership.beat()
+                    except BackendUnavailable as exc:
+                        logger.debug(
+                            "node %s: heartbeat after a drain failed: %s", self.node_id, exc
+                        )
+        if drained and term is not None and term.live():
+            self._hand_over_drained(term.number, since)
+            if state.ask_step_down(term, DRAINED) is not None:
+                state.interrupt_backend()
+                self._driven.poke()
+        elif changed and state.eligible:
+            self._driven.poke()  # compete again
+
+    def _hand_over_drained(self, term: int, since: datetime | None) -> None:
+        """Reserve term ``term``'s lease for the newest eligible live node, if versions
+        tell one (best effort: else the release lets any eligible node take it)."""
+        try:
+            found = heir(self._membership.nodes(), self.node_id, since)
+            if found is not None:
+                logger.info(
+                    "node %s, drained, hands %r over to %s (version %s)",
+                    self.node_id,
+                    self.name,
+                    found.node_id,
+                    found.version,
+                )
+                self._request_successor(found.node_id, term)
+        except Exception as exc:  # the step-down goes on: any eligible node may lead
+            logger.warning(
+                "node %s, drained: could not reserve %r for a successor (%s); releasing it",
+                self.node_id,
+                self.name,
+                exc,
+            )
 
     def hand_over_to_newer(self) -> None:
         """While leading, and when a look is due, ask for a handover to the newest

@@ -100,6 +100,11 @@ class MembershipBase:
         """Whether this node may lead (see :class:`NodeInfo`)."""
         self._token = secrets.token_hex(8)
 
+    def set_eligible(self, eligible: bool) -> None:
+        """Record ``eligible`` with this node's next heartbeats (a drain or an undrain
+        changed it while the node runs)."""
+        self.eligible = check_eligible(eligible)
+
     @property
     def incarnation(self) -> str:
         """This run of the node, recorded with its heartbeats: a node restarted under

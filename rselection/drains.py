@@ -1,0 +1,156 @@
+"""Draining: an operator makes a running node ineligible, durably, until undrained.
+
+``rselection drain NAME NODE`` (or an admin API's ``drain``) records the node as drained
+beside the lease (a table on Postgres, a set on Redis) and wakes the lease's nodes
+(``NOTIFY`` / ``PUBLISH``). A notification is only a wake-up: a node reads whether it is
+drained from the server itself, so that a forged one can neither drain nor undrain
+anything. A node also reads it each time its leader (re)connects, before it attempts to
+lead, so a drain survives the node's restart and a notification missed while it was cut
+off. A drained node behaves as one started with ``eligible=False``; a drained holder
+ends its term at once (reason :data:`DRAINED`), reserving the lease for the newest
+eligible live node when versions tell one (:func:`heir`). See
+``docs/explanation/how-it-works.md`` ("Versions and eligibility").
+
+:class:`DrainWatch` is the one thread of a process that reads the drain state of the
+leaders woken by a notification.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Protocol
+
+from packaging.version import InvalidVersion, Version
+
+from . import forks
+from .members import NodeInfo
+
+__all__ = ["DRAINED", "RETRY_AFTER", "Drainable", "DrainChange", "DrainWatch", "heir"]
+
+logger = logging.getLogger("rselection.leader")
+
+DRAINED = "drained"
+"""The reason a drained holder's term ends with (``demoted`` signal, history)."""
+
+RETRY_AFTER = 1.0
+"""Seconds before a read of the drain state that failed is tried again."""
+
+
+@dataclass(frozen=True)
+class DrainChange:
+    """What an admin API's ``drain`` or ``undrain`` did.
+
+    Attributes:
+        name: the lease name.
+        node_id: the node.
+        drained: whether the node is drained now.
+        changed: ``False`` when it already was (drained, or not) before the call.
+    """
+
+    name: str
+    node_id: str
+    drained: bool
+    changed: bool
+
+
+class Drainable(Protocol):
+    """A leader whose node may be drained (see :class:`DrainWatch`)."""
+
+    def check_drained(self) -> None:
+        """Read whether this node is drained and act on it.
+
+        Raises:
+            BackendUnavailable: the server could not be reached.
+        """
+        ...
+
+
+class DrainWatch(forks.PerProcess):
+    """The process's one thread that reads the drain state of the leaders a
+    notification woke (:meth:`wake`); a read that fails is tried again after
+    :data:`RETRY_AFTER`. Get it with :meth:`shared`; the thread ends when idle."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: dict[Drainable, float] = {}  # leader -> when to read (monotonic)
+        self._thread: threading.Thread | None = None
+
+    def wake(self, leader: Drainable) -> None:
+        """Read ``leader``'s drain state soon (safe from any thread; never blocks long)."""
+        with self._cond:
+            self._due[leader] = 0.0
+            self._cond.notify_all()
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="rselection-drains", daemon=True
+                )
+                self._thread.start()
+
+    def discard(self, leader: Drainable) -> None:
+        """Read ``leader``'s drain state no more (it stopped)."""
+        with self._cond:
+            self._due.pop(leader, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if not self._due:
+                        self._thread = None
+                        return
+                    now = time.monotonic()
+                    ready = [leader for leader, at in self._due.items() if at <= now]
+                    if ready:
+                        for leader in ready:
+                            del self._due[leader]
+                        break
+                    self._cond.wait(min(self._due.values()) - now)
+            for leader in ready:
+                try:
+                    leader.check_drained()
+                except Exception:  # a backend error: try again soon
+                    logger.warning("drains: could not read the drain state", exc_info=True)
+                    with self._cond:
+                        self._due.setdefault(leader, time.monotonic() + RETRY_AFTER)
+
+
+def heir(
+    nodes: Sequence[NodeInfo],
+    node_id: str,
+    since: datetime | None,
+    drained: frozenset[str] = frozenset(),
+) -> NodeInfo | None:
+    """The node a drained holder ``node_id`` reserves its lease for: the live, eligible
+    node of the newest version that heartbeated since the term began (``since``), ties
+    to the longest running; ``None`` when no candidate has a version (then any eligible
+    node may take the lease: the holder simply releases it).
+
+    Args:
+        nodes: the lease's nodes, as their heartbeats show them.
+        node_id: the drained holder.
+        since: when its term began (server time): a node silent since then may be dead.
+        drained: nodes known drained whose heartbeats may not say so yet.
+    """
+    best: tuple[Version, datetime, NodeInfo] | None = None
+    for node in nodes:
+        if (
+            node.node_id == node_id
+            or node.node_id in drained
+            or not node.alive
+            or not node.eligible
+            or node.version is None
+            or (since is not None and node.last_seen < since)
+        ):
+            continue
+        try:
+            version = Version(node.version)
+        except InvalidVersion:
+            continue
+        if best is None or version > best[0] or (version == best[0] and node.started_at < best[1]):
+            best = (version, node.started_at, node)
+    return None if best is None else best[2]
