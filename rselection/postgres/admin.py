@@ -1,8 +1,9 @@
 """``PostgresAdmin``: read and operate a fleet's Postgres leases from outside it.
 
-What ``rselection status``, ``resign`` and ``forget`` do, for programs: a status
-snapshot (:mod:`.snapshot`), handover requests (:mod:`.handover`), retiring a lease
-(:mod:`.retire`) and waiting for a new term. Answers are the shapes of
+What ``rselection status``, ``resign``, ``forget``, ``drain`` and ``undrain`` do, for
+programs: a status snapshot (:mod:`.snapshot`), handover requests (:mod:`.handover`),
+retiring a lease (:mod:`.retire`), drained nodes (:mod:`.drains`) and waiting for a new
+term. Answers are the shapes of
 :mod:`rselection.admin`, the same as :class:`~rselection.redis.RedisAdmin`'s.
 """
 
@@ -22,7 +23,7 @@ from ..history import TermRecord, check_history_limit
 from ..lease import LeaderInfo
 from ..members import NodeInfo
 from ..validation import check_name, check_seconds
-from . import handover
+from . import drains, handover
 from ._conn import describe_conninfo, open_session, session_conninfo
 from .connections import Connections
 from .history import read_history
@@ -160,6 +161,33 @@ class PostgresAdmin(LeaseAdmin):
         with self._call("record the handover request", table=False) as conn:
             return handover.request_handover(
                 conn, name, table=self.table, to=to, valid_for=valid_for
+            )
+
+    def drained(self, name: str) -> set[str]:
+        """See :meth:`~rselection.admin.LeaseAdmin.drained`: the rows of the drains table
+        beside the nodes table (none when it does not exist)."""
+        name = check_name(name, "lease name")
+        with self._call("read the drained nodes") as conn:
+            return drains.drained_nodes(conn, self.nodes_table, name)
+
+    def drained_of(self, names: Iterable[str]) -> set[tuple[str, str]]:
+        """See :meth:`~rselection.admin.LeaseAdmin.drained_of`: one read."""
+        wanted = set(names)
+        if not wanted:
+            return set()
+        with self._call("read the drained nodes") as conn:
+            pairs = drains.drained_pairs(conn, self.nodes_table)
+        return {pair for pair in pairs if pair[0] in wanted}
+
+    def _set_drained(self, name: str, node_id: str, drained: bool) -> bool:
+        change = drains.drain if drained else drains.undrain
+        with self._call("drain the node" if drained else "undrain the node") as conn:
+            return change(
+                conn,
+                lease_table=self.table,
+                nodes_table=self.nodes_table,
+                name=name,
+                node_id=node_id,
             )
 
     def cancel_handover(self, name: str, term: int) -> bool:

@@ -207,6 +207,8 @@ class PostgresLeader(MemberLeader):
             settle=settle,
         )
         self._source, self._table, self._nodes_table = source, table, nodes_table
+        self._postgres_membership = membership
+        lease.on_drain(self._drain_woken)
 
     @property
     def checkpoint_store(self) -> PostgresCheckpointStore:
@@ -225,6 +227,9 @@ class PostgresLeader(MemberLeader):
             nodes_table=self._nodes_table,
             fence=(self.name, term),
         )
+
+    def _read_drained(self) -> bool:
+        return self._postgres_membership.drained()
 
     def _before_driven(self) -> None:
         # Before the engine connects it: a lease that joined the process's keeper session

@@ -176,6 +176,7 @@ class PostgresLease(Closeable):
         self._waker: Callable[[], None] | None = None  # see on_wake
         self._handover_hint = False
         self._handover: HandoverRequest | None = None
+        self._on_drain: Callable[[str | None], None] | None = None  # see on_drain
         # A holder is read in one short statement: bound each read by about twice the
         # connect timeout, as a caller of current() expects of a quick look.
         self._observer = Connections(
@@ -296,6 +297,10 @@ class PostgresLease(Closeable):
                 # now. Should it not, the others find the lease free at their next
                 # attempt (or at once if its keeper session dies).
                 return
+        elif notice.event == "drain":
+            # Only a wake-up, from whoever sent it: the node reads its drain state.
+            self._drain_hint(notice.node_id)
+            return
         elif notice.event == "resign":
             self._hint_handover()
             # Only the holder has something to do: a follower's attempt would find the
@@ -311,8 +316,25 @@ class PostgresLease(Closeable):
         make a follower attempt)."""
         if "resign" in kinds:
             self._hint_handover()
-        if kinds - {"resign"}:
+        if "drain" in kinds:
+            self._drain_hint(None)
+        if kinds - {"resign", "drain"}:
             self._set_wake()
+
+    def on_drain(self, callback: Callable[[str | None], None] | None) -> None:
+        """Call ``callback(node_id)`` when a notification says the drains of this lease
+        changed (of that node; ``None``: of any), from the keeper's thread: it must not
+        block. ``None`` stops the calls. A notification is anyone's: the callback reads
+        the drain state from the table, never from the notification."""
+        self._on_drain = callback
+
+    def _drain_hint(self, node_id: str | None) -> None:
+        callback = self._on_drain
+        if callback is not None:
+            try:
+                callback(node_id)
+            except Exception:  # the keeper's thread goes on
+                logger.exception("lease %r: error reading a drain notification", self.name)
 
     def _hint_handover(self) -> None:
         self._handover_hint = True

@@ -33,6 +33,7 @@ from ..members import MembershipBase, NodeInfo
 from ._conn import per_call_source, session_conninfo
 from ._lease_sql import array_literal
 from .connections import Connections
+from .drains import drained_sql
 from .keeper import Heartbeat, SharedKeeper
 from .schema import create_tables, table_identifier
 
@@ -293,6 +294,27 @@ class PostgresMembership(MembershipBase):
         if rows is None:  # this process leads (or its keeper is not up): pooled
             rows = self._execute("list the nodes", self._nodes_sql, None, fetch=True)
         return node_infos(rows)
+
+    def drained(self) -> bool:
+        """Whether an operator drained this node (``rselection drain``; see
+        :mod:`rselection.postgres.drains`): one short read, on the keeper session while
+        the process only follows, else pooled. ``False`` without a drains table.
+
+        Raises:
+            BackendUnavailable: the database could not be reached.
+        """
+        query = drained_sql(self.table, self.name, self.node_id)
+        keeper = self._keeper
+        try:
+            rows = None if keeper is None else keeper.read(query, "read the drains")
+            if rows is None:
+                with self._conns.connection() as conn:
+                    rows = conn.execute(query).fetchall()
+        except psycopg.errors.UndefinedTable:
+            return False  # migrated by an older release: nobody is drained
+        except psycopg.Error as exc:
+            raise self._conns.wrap("read the drains", exc) from exc
+        return bool(rows)
 
     def _execute(
         self,

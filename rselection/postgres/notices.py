@@ -47,7 +47,7 @@ _MAX_PID = 2**31 - 1
 #: Seconds between two reports of dropped notices.
 _REPORT_EVERY = 60.0
 
-_KINDS = frozenset({"acquired", "released", "resign", "reopened"})
+_KINDS = frozenset({"acquired", "released", "resign", "reopened", "drain"})
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,8 @@ class LeaseNotice:
 
     ``holder`` is the new holder an ``acquired`` notice names, ``None`` when it does not
     say enough; ``holder_pid`` the keeper session it names; ``to`` the node a
-    ``released`` notice reserved the lease for.
+    ``released`` notice reserved the lease for. A ``drain`` notice says that the drains
+    of the lease (of node ``node_id``) changed: the nodes read them again.
     """
 
     event: str

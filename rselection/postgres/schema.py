@@ -35,6 +35,8 @@ __all__ = [
     "CLAIMS",
     "CLAIMS_TABLE",
     "DEFAULT_TABLE",
+    "DRAINS",
+    "DRAINS_TABLE",
     "ELECTIONS",
     "ELECTIONS_TABLE",
     "KINDS",
@@ -53,6 +55,7 @@ __all__ = [
     "TableChange",
     "TableKind",
     "create_tables",
+    "drains_table_name",
     "has_columns",
     "history_table_name",
     "migrate",
@@ -81,6 +84,10 @@ ELECTIONS_TABLE = "rselection_elections"
 
 NODES_TABLE = "rselection_nodes"
 """The table of node heartbeats (membership) by default."""
+
+DRAINS_TABLE = "rselection_nodes_drains"
+"""The table of drained nodes beside the default nodes table (see
+:func:`drains_table_name`)."""
 
 BROADCAST_TABLE = "rselection_broadcast"
 """The outbox table of :class:`~rselection.postgres.PostgresBroadcaster` by default."""
@@ -455,6 +462,28 @@ def _nodes_v1(table: str) -> list[sql.Composed]:
     ]
 
 
+def drains_table_name(nodes_table: str) -> str:
+    """The table of the nodes drained by an operator (``rselection drain``) beside
+    ``nodes_table``: ``<nodes table>_drains`` in its schema.
+
+    Args:
+        nodes_table: the nodes table, optionally schema-qualified.
+    """
+    return suffixed_name(nodes_table, "drains")
+
+
+def _drains_v1(table: str) -> list[sql.Composed]:
+    return [
+        _create(
+            table_identifier(table),
+            "name text NOT NULL",
+            "node_id text NOT NULL",
+            "drained_at timestamptz NOT NULL DEFAULT clock_timestamp()",
+            "PRIMARY KEY (name, node_id)",
+        )
+    ]
+
+
 def _broadcast_tables(table: str) -> tuple[str, str]:
     return (table, suffixed_name(table, "state"))
 
@@ -612,6 +641,9 @@ NODES = TableKind(
 )
 """The nodes table (heartbeats of every leader's nodes)."""
 
+DRAINS = TableKind("drains", "drains table", DRAINS_TABLE, (Step(1, "create", _drains_v1),))
+"""The drained nodes (``rselection drain``), a table beside the nodes table."""
+
 BROADCAST = TableKind(
     "broadcast",
     "broadcast table",
@@ -631,7 +663,7 @@ CHECKPOINTS = TableKind(
 """The tables of :class:`~rselection.postgres.PostgresCheckpointStore` (name: a prefix)."""
 
 KINDS: dict[str, TableKind] = {
-    k.kind: k for k in (LEASES, CLAIMS, ELECTIONS, NODES, BROADCAST, CHECKPOINTS)
+    k.kind: k for k in (LEASES, CLAIMS, ELECTIONS, NODES, BROADCAST, CHECKPOINTS, DRAINS)
 }
 """Every kind of table, by the keyword :func:`create_tables` takes."""
 
@@ -1078,10 +1110,12 @@ def migrate(
     (:class:`~rselection.postgres.PostgresClaimer`), the elections table
     (:class:`~rselection.postgres.PostgresElector`), the nodes table (heartbeats of
     every leader's nodes), the broadcast tables
-    (:class:`~rselection.postgres.PostgresBroadcaster`) and the checkpoint tables
-    (:class:`~rselection.postgres.PostgresCheckpointStore`); pass ``None`` for one to
-    skip it. A table of an older schema version is upgraded in place (rows kept). A
-    second run changes nothing. Safe to run from many processes at once: the steps run
+    (:class:`~rselection.postgres.PostgresBroadcaster`), the checkpoint tables
+    (:class:`~rselection.postgres.PostgresCheckpointStore`) and, beside the nodes table,
+    the table of drained nodes (``rselection drain``, see :func:`drains_table_name`);
+    pass ``None`` for one to skip it (no nodes table: no drains table either). A table
+    of an older schema version is upgraded in place (rows kept). A second run changes
+    nothing. Safe to run from many processes at once: the steps run
     in one transaction under a transaction-level advisory lock. Needs the privilege to
     create tables in the target schema; where the application role may not run DDL,
     run ``rselection migrate --dsn ...`` once with a privileged role and pass
@@ -1102,7 +1136,7 @@ def migrate(
 
     Returns:
         One :class:`TableChange` per kind of table (created, upgraded or already
-        present), in the order of the arguments.
+        present), in the order of the arguments, the drains table last.
 
     Raises:
         ConfigError: a bad ``conninfo``, a table name that is not safe, or a schema
@@ -1127,6 +1161,7 @@ def migrate(
                 "nodes": nodes_table,
                 "broadcast": broadcast_table,
                 "checkpoints": checkpoint_prefix,
+                "drains": None if nodes_table is None else drains_table_name(nodes_table),
             }
         )
         with conns.connection() as conn:

@@ -18,7 +18,7 @@ from rselection.postgres import migrate
 from rselection.postgres.schema import LEASES_VERSION, MIGRATION_LOCK_KEY, NODES
 from tests.support.waiting import wait_until
 
-KINDS = ["leases", "claims", "elections", "nodes", "broadcast", "checkpoints"]
+KINDS = ["leases", "claims", "elections", "nodes", "broadcast", "checkpoints", "drains"]
 
 TABLES = {
     "rselection_leases",
@@ -26,6 +26,7 @@ TABLES = {
     "rselection_claims",
     "rselection_elections",
     "rselection_nodes",
+    "rselection_nodes_drains",
     "rselection_broadcast",
     "rselection_broadcast_state",
     "rselection_checkpoints",

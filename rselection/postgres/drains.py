@@ -1,0 +1,180 @@
+"""Drained nodes on Postgres: a table beside the nodes table, and a ``drain`` notice.
+
+``drain`` and ``undrain`` write a row of the drains table (:func:`drains_table_name`)
+and, in the same transaction, notify the lease's channel
+(``{"event": "drain", "node_id": ...}``); every node of the lease listens there through
+its keeper session and reads its own row again (:func:`is_drained`), whoever sent the
+notice: any role that can connect may ``NOTIFY``, so a notice never says more than
+"look". A node reads it too each time its leader (re)connects. A missing drains table
+(a database migrated by an older release) means nobody is drained.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from ._lease_sql import lease_channel, resolve_lease_table
+from .schema import create_tables, drains_table_name, table_exists, table_identifier
+
+__all__ = [
+    "drain",
+    "drained_nodes",
+    "drained_pairs",
+    "drained_sql",
+    "drains_table_name",
+    "is_drained",
+    "undrain",
+]
+
+
+def is_drained(conn: psycopg.Connection[Any], nodes_table: str, name: str, node_id: str) -> bool:
+    """Whether node ``node_id`` of lease ``name`` is drained (``False`` when there is no
+    drains table).
+
+    Args:
+        conn: an autocommit connection.
+        nodes_table: the nodes table (the drains table is beside it).
+        name: the lease name.
+        node_id: the node.
+    """
+    statement = sql.SQL("SELECT 1 FROM {} WHERE name = %s AND node_id = %s").format(
+        table_identifier(drains_table_name(nodes_table))
+    )
+    try:
+        return conn.execute(statement, (name, node_id)).fetchone() is not None
+    except psycopg.errors.UndefinedTable:
+        return False
+
+
+def drained_sql(nodes_table: str, name: str, node_id: str) -> sql.Composed:
+    """The read of :func:`is_drained`, its parameters inlined (for the keeper session's
+    reads); a row when the node is drained.
+
+    Args:
+        nodes_table: the nodes table (the drains table is beside it).
+        name: the lease name.
+        node_id: the node.
+    """
+    return sql.SQL("SELECT 1 FROM {} WHERE name = {} AND node_id = {}").format(
+        table_identifier(drains_table_name(nodes_table)), sql.Literal(name), sql.Literal(node_id)
+    )
+
+
+def drained_nodes(conn: psycopg.Connection[Any], nodes_table: str, name: str) -> set[str]:
+    """The drained nodes of lease ``name``; empty when there is no drains table.
+
+    Args:
+        conn: an autocommit connection.
+        nodes_table: the nodes table (the drains table is beside it).
+        name: the lease name.
+    """
+    table = drains_table_name(nodes_table)
+    if not table_exists(conn, table):
+        return set()
+    rows = conn.execute(
+        sql.SQL("SELECT node_id FROM {} WHERE name = %s").format(table_identifier(table)),
+        (name,),
+    ).fetchall()
+    return {row[0] for row in rows}
+
+
+def drained_pairs(conn: psycopg.Connection[Any], nodes_table: str) -> set[tuple[str, str]]:
+    """Every (lease name, node id) drained; empty when there is no drains table.
+
+    Args:
+        conn: an autocommit connection.
+        nodes_table: the nodes table (the drains table is beside it).
+    """
+    table = drains_table_name(nodes_table)
+    if not table_exists(conn, table):
+        return set()
+    rows = conn.execute(
+        sql.SQL("SELECT name, node_id FROM {}").format(table_identifier(table))
+    ).fetchall()
+    return {(row[0], row[1]) for row in rows}
+
+
+def _change(
+    conn: psycopg.Connection[Any],
+    statement: sql.Composed,
+    *,
+    lease_table: str,
+    nodes_table: str,
+    name: str,
+    node_id: str,
+    create: bool,
+) -> bool:
+    found = resolve_lease_table(conn, lease_table)
+    channel = lease_channel(found[1], name) if found is not None else None
+    if create:
+        create_tables(conn, drains=drains_table_name(nodes_table))
+    elif not table_exists(conn, drains_table_name(nodes_table)):
+        return False  # nobody was ever drained here
+    with conn.transaction():
+        changed = conn.execute(statement, (name, node_id)).rowcount > 0
+        if channel is not None:
+            # Sent on commit, also when nothing changed: a node that missed the first
+            # notice reads its row again.
+            conn.execute(
+                "SELECT pg_notify(%s, json_build_object('event', 'drain', 'name', %s::text,"
+                " 'node_id', %s::text)::text)",
+                (channel, name, node_id),
+            )
+    return changed
+
+
+def drain(
+    conn: psycopg.Connection[Any], *, lease_table: str, nodes_table: str, name: str, node_id: str
+) -> bool:
+    """Record node ``node_id`` of lease ``name`` drained and wake the lease's nodes;
+    ``True`` when it was not drained before. Creates the drains table if missing.
+
+    Args:
+        conn: an autocommit connection.
+        lease_table: the lease table (names the lease's channel).
+        nodes_table: the nodes table (the drains table is beside it).
+        name: the lease name.
+        node_id: the node.
+    """
+    statement = sql.SQL(
+        "INSERT INTO {} (name, node_id) VALUES (%s, %s) ON CONFLICT (name, node_id) DO NOTHING"
+    ).format(table_identifier(drains_table_name(nodes_table)))
+    return _change(
+        conn,
+        statement,
+        lease_table=lease_table,
+        nodes_table=nodes_table,
+        name=name,
+        node_id=node_id,
+        create=True,
+    )
+
+
+def undrain(
+    conn: psycopg.Connection[Any], *, lease_table: str, nodes_table: str, name: str, node_id: str
+) -> bool:
+    """Delete node ``node_id`` of lease ``name`` from the drained and wake the lease's
+    nodes; ``True`` when it was drained.
+
+    Args:
+        conn: an autocommit connection.
+        lease_table: the lease table (names the lease's channel).
+        nodes_table: the nodes table (the drains table is beside it).
+        name: the lease name.
+        node_id: the node.
+    """
+    statement = sql.SQL("DELETE FROM {} WHERE name = %s AND node_id = %s").format(
+        table_identifier(drains_table_name(nodes_table))
+    )
+    return _change(
+        conn,
+        statement,
+        lease_table=lease_table,
+        nodes_table=nodes_table,
+        name=name,
+        node_id=node_id,
+        create=False,
+    )
