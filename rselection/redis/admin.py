@@ -1,8 +1,9 @@
 """``RedisAdmin``: read and operate a fleet's Redis leases from outside it.
 
-What ``rselection status --redis-url``, ``resign`` and ``forget`` do, for programs: a
-status snapshot (:mod:`.snapshot`), handover requests (:mod:`.handover`), retiring a
-lease (:mod:`.retire`) and waiting for a new term. Answers are the shapes of
+What ``rselection status --redis-url``, ``resign``, ``forget``, ``drain`` and
+``undrain`` do, for programs: a status snapshot (:mod:`.snapshot`), handover requests
+(:mod:`.handover`), retiring a lease (:mod:`.retire`), drained nodes (:mod:`.drains`)
+and waiting for a new term. Answers are the shapes of
 :mod:`rselection.admin`, the same as :class:`~rselection.postgres.PostgresAdmin`'s.
 """
 
@@ -21,7 +22,7 @@ from ..history import TermRecord, check_history_limit
 from ..lease import LeaderInfo
 from ..members import NodeInfo
 from ..validation import check_name, check_seconds
-from . import handover
+from . import drains, handover
 from ._conn import check_client, describe, unavailable
 from .history import read_history
 from .keys import DEFAULT_KEY_PREFIX, check_key_prefix, lease_keys
@@ -118,6 +119,14 @@ class RedisAdmin(LeaseAdmin):
         return handover.request_handover(
             self.client, name, to=to, valid_for=valid_for, key_prefix=self.key_prefix
         )
+
+    def drained(self, name: str) -> set[str]:
+        """See :meth:`~rselection.admin.LeaseAdmin.drained`: the lease's drains set."""
+        return drains.drained_nodes(self.client, check_name(name, "lease name"), self.key_prefix)
+
+    def _set_drained(self, name: str, node_id: str, drained: bool) -> bool:
+        change = drains.drain if drained else drains.undrain
+        return change(self.client, name, node_id, self.key_prefix)
 
     def cancel_handover(self, name: str, term: int) -> bool:
         """See :meth:`~rselection.admin.LeaseAdmin.cancel_handover`."""

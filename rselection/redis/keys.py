@@ -17,6 +17,7 @@ __all__ = [
     "check_key_prefix",
     "claim_key",
     "claims_prefix",
+    "drains_key",
     "elector_keys",
     "handover_key",
     "history_key",
@@ -81,6 +82,18 @@ def handover_key(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
         key_prefix: prefix of every key.
     """
     return f"{_base(name, key_prefix)}:resign"
+
+
+def drains_key(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    """The set of the node ids of lease ``name`` an operator drained (``rselection
+    drain``); same hash slot as the lease's other keys, and no expiry: a drain lasts
+    until undrained.
+
+    Args:
+        name: the lease name.
+        key_prefix: prefix of every key.
+    """
+    return f"{_base(name, key_prefix)}:drained"
 
 
 def retired_key(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:

@@ -14,6 +14,7 @@ from ..timing import Timings
 from ..validation import check_name
 from ._conn import check_client
 from .claims import RedisClaimer
+from .drains import is_drained
 from .fencing import RedisFence
 from .handover import request_handover
 from .keys import DEFAULT_KEY_PREFIX, claims_prefix
@@ -197,6 +198,10 @@ class RedisLeader(MemberLeader):
             settle=settle,
         )
         self._key_prefix = key_prefix
+        lease.on_drain(self._drain_woken)
+
+    def _read_drained(self) -> bool:
+        return is_drained(self._membership_client, self.name, self.node_id, self._key_prefix)
 
     def _request_successor(self, node_id: str, term: int) -> None:
         # Of this term only: once it ended, the request would move the next holder.

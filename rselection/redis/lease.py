@@ -23,6 +23,7 @@ import secrets
 import selectors
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -161,6 +162,7 @@ class RedisLease(Closeable):
         self._presence: str | None = None  # the node id whose channel the listener joined
         self._handover_hint = False  # a request was announced since the last renewal
         self._handover: HandoverRequest | None = None
+        self._on_drain: Callable[[str | None], None] | None = None  # see on_drain
 
         self._wakeup = Wakeup()
         # Beats while it holds, the holder it follows while it waits (once connected).
@@ -560,6 +562,21 @@ class RedisLease(Closeable):
         self._lead(None)
         return False
 
+    def on_drain(self, callback: Callable[[str | None], None] | None) -> None:
+        """Call ``callback(None)`` when a message says the drained nodes of this lease
+        changed, from the thread that reads the channel: it must not block. ``None``
+        stops the calls. A message is anyone's: the callback reads the drain state from
+        the server, never from the message."""
+        self._on_drain = callback
+
+    def _drain_hint(self) -> None:
+        callback = self._on_drain
+        if callback is not None:
+            try:
+                callback(None)
+            except Exception:  # the channel's reader goes on
+                logger.exception("lease %r: error reading a drain message", self.name)
+
     def handover_hinted(self) -> bool:
         """True when a message on the channel announced a handover request since the
         last renewal: renew now to see whether it is for this term."""
@@ -735,6 +752,11 @@ class RedisLease(Closeable):
                 if event is None:
                     if not unsigned_beat(payload):
                         self._dropped.drop(channel, payload)
+                    continue
+                if event == "drain":
+                    # Only a wake-up, from anyone allowed to PUBLISH: the node reads its
+                    # drain state from the server.
+                    self._drain_hint()
                     continue
                 if event == "resign":
                     self._handover_hint = True

@@ -334,6 +334,12 @@ class RedisMembership(MembershipBase):
                 with contextlib.suppress(Exception):
                     self._beats_client.connection_pool.disconnect()
 
+    def set_eligible(self, eligible: bool) -> None:
+        """Record ``eligible`` with this node's next heartbeats: they write the node's
+        info again."""
+        super().set_eligible(eligible)
+        self._fresh = True
+
     def beat(self) -> None:
         """Record one heartbeat of this node (server time), on a connection of this
         membership's own (its heartbeat thread sends them in batches on its own).
