@@ -2,8 +2,8 @@
 
 :class:`LeaseAdmin` is what :class:`~rselection.postgres.PostgresAdmin` and
 :class:`~rselection.redis.RedisAdmin` do: read and operate a fleet's leases from outside
-it (what ``rselection status``, ``resign`` and ``forget`` do); both answer in the shapes
-below. Times are the server's.
+it (what ``rselection status``, ``resign``, ``forget``, ``drain`` and ``undrain`` do);
+both answer in the shapes below. Times are the server's.
 """
 
 from __future__ import annotations
@@ -15,16 +15,19 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Self
 
 from .closeable import Closeable
+from .drains import DrainChange
 from .errors import RSelectionError
 from .history import TermRecord
 from .members import NodeInfo
 from .text import printable
+from .validation import check_name, check_node_id
 
 if TYPE_CHECKING:
     from .lease import LeaderInfo
 
 __all__ = [
     "DEFAULT_HISTORY_ROWS",
+    "DrainChange",
     "LastFire",
     "LeaseAdmin",
     "LeaseStatus",
@@ -268,28 +271,102 @@ class LeaseAdmin(Closeable, ABC):
         """
 
     def ineligible(self, name: str) -> set[str]:
-        """The ids of the nodes of lease ``name`` that may not lead (``eligible=False``)
-        as their heartbeats show them; empty when the nodes cannot be read."""
-        return {node.node_id for node in self.nodes(name) or () if not node.eligible}
+        """The ids of the nodes of lease ``name`` that may not lead: ``eligible=False``
+        as their heartbeats show them (empty when the nodes cannot be read), and the
+        drained ones (:meth:`drained`)."""
+        found = {node.node_id for node in self.nodes(name) or () if not node.eligible}
+        return found | self.drained(name)
+
+    def drained(self, name: str) -> set[str]:
+        """The ids of the nodes of lease ``name`` an operator drained (:meth:`drain`)."""
+        return set()
+
+    def drained_of(self, names: Iterable[str]) -> set[tuple[str, str]]:
+        """The (lease name, node id) pairs drained among leases ``names``."""
+        return {(name, node) for name in set(names) for node in self.drained(name)}
+
+    def drain(self, name: str, node_id: str) -> DrainChange:
+        """Drain node ``node_id`` of lease ``name`` (``rselection drain``): from now on,
+        and across its restarts until :meth:`undrain`, it never leads, never gets a
+        handover or a shard; if it leads, it ends its term at once and the lease passes
+        to another eligible node. Its node sees the drain within about a second (it is
+        woken by a notification, and reads the drain itself). Draining a drained node
+        changes nothing (``changed`` is ``False``).
+
+        Args:
+            name: the lease name.
+            node_id: the node's id (as ``status`` lists it).
+
+        Raises:
+            Refused: no such lease, or no such node of it.
+        """
+        name, node_id = check_name(name, "lease name"), check_node_id(node_id)
+        self._known_node(name, node_id, self.drained(name))
+        return DrainChange(name, node_id, True, self._set_drained(name, node_id, True))
+
+    def undrain(self, name: str, node_id: str) -> DrainChange:
+        """Undrain node ``node_id`` of lease ``name`` (``rselection undrain``): it may lead
+        again (if started with ``eligible=True``), competing as any other node; it does
+        not take the lease back by itself unless versions say so. Undraining a node that
+        is not drained changes nothing (``changed`` is ``False``).
+
+        Args:
+            name: the lease name.
+            node_id: the node's id.
+
+        Raises:
+            Refused: no such lease, or no such node of it (neither drained nor listed).
+        """
+        name, node_id = check_name(name, "lease name"), check_node_id(node_id)
+        self._known_node(name, node_id, self.drained(name))
+        return DrainChange(name, node_id, False, self._set_drained(name, node_id, False))
+
+    def _known_node(self, name: str, node_id: str, drained: set[str]) -> None:
+        """Refuse an unknown lease, or a node that is neither drained nor listed."""
+        nodes = self.nodes(name)
+        if not self.exists(name) and not nodes and not drained:
+            raise Refused(
+                f"no lease {name!r} in {self.where}: check the name (`rselection status` "
+                "lists the leases)"
+            )
+        if node_id in drained or any(node.node_id == node_id for node in nodes or ()):
+            return
+        listed = ", ".join(printable(node.node_id) for node in nodes or ()) or "none"
+        raise Refused(
+            f"no node {printable(node_id)} of lease {name!r} (its nodes: {listed}); start "
+            "it first, or check the node id (`rselection status` lists the nodes)"
+        )
+
+    def _set_drained(self, name: str, node_id: str, drained: bool) -> bool:
+        """*Backend*: record ``node_id`` drained (or not) and wake the lease's nodes;
+        whether that changed anything."""
+        raise Refused(f"{type(self).__name__} cannot drain nodes")
 
     def refuse_handover(self, name: str, to: str | None) -> None:
         """Raise :class:`Refused` when a handover of lease ``name`` to ``to`` (any other
         node: ``None``) could only leave the lease reserved for a node that never takes
         it: ``to`` may not lead, or no live node but the holder may."""
         nodes = self.nodes(name) or []
+        drained = self.drained(name)
         if to is not None:
+            if to in drained:
+                raise Refused(
+                    f"{printable(to)} may not lead {name!r}: it is drained (`rselection "
+                    "undrain` makes it eligible again); hand over to another node"
+                )
             if to in {node.node_id for node in nodes if not node.eligible}:
                 raise Refused(
                     f"{printable(to)} may not lead {name!r}: it was started with "
                     "eligible=False (a canary or an admin process, say); hand over to "
                     "another node"
                 )
-        elif any(not node.eligible for node in nodes) and not any(
-            node.alive and node.eligible and not node.is_leader for node in nodes
+        elif any(not node.eligible or node.node_id in drained for node in nodes) and not any(
+            node.alive and node.eligible and node.node_id not in drained and not node.is_leader
+            for node in nodes
         ):
             raise Refused(
                 f"no other live node of lease {name!r} may lead (the others were started "
-                "with eligible=False); start another node first"
+                "with eligible=False, or are drained); start another node first"
             )
 
     @abstractmethod

@@ -144,9 +144,13 @@ def _checked_hand_over(
             say(f"{printable(args.to)} already leads {name!r} (term {holder.term})")
             return 0
         if args.to in ineligible:
+            why = (
+                "it is drained (`rselection undrain` makes it eligible again)"
+                if args.to in admin.drained(name)
+                else "it was started with eligible=False"
+            )
             say(
-                f"{printable(args.to)} may not lead {name!r}: it was started with "
-                "eligible=False; hand over to another node",
+                f"{printable(args.to)} may not lead {name!r}: {why}; hand over to another node",
                 err=True,
             )
             return 1

@@ -120,7 +120,12 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run)
 
 
-def read_status(snapshot: StatusSnapshot, where: str, args: argparse.Namespace) -> dict[str, Any]:
+def read_status(
+    snapshot: StatusSnapshot,
+    where: str,
+    args: argparse.Namespace,
+    drained: set[tuple[str, str]] | None = None,
+) -> dict[str, Any]:
     """What ``status`` shows of a snapshot: the leases asked for, their handover
     requests, nodes, last fires and shards, and which leases have no leader.
 
@@ -128,6 +133,7 @@ def read_status(snapshot: StatusSnapshot, where: str, args: argparse.Namespace) 
         snapshot: the snapshot the backend's admin read for ``args.names``.
         where: the server, for people (never with a password).
         args: the parsed ``status`` command line.
+        drained: the (lease, node) pairs drained (``rselection drain``).
     """
     named: list[str] = list(dict.fromkeys(args.names))  # in the order given, once each
     wanted = set(named)
@@ -193,6 +199,7 @@ def read_status(snapshot: StatusSnapshot, where: str, args: argparse.Namespace) 
                 "is_leader": node.is_leader,
                 "version": node.version,
                 "eligible": node.eligible,
+                "drained": (node.name, node.node_id) in (drained or ()),
             }
             for node in snapshot.nodes
             if selected(node.name)
@@ -438,12 +445,13 @@ def _reader(args: argparse.Namespace) -> Callable[[], dict[str, Any]]:
     def read() -> dict[str, Any]:
         try:
             snapshot = admin.status(args.names or None)
+            drained = admin.drained_of(node.name for node in snapshot.nodes or ())
         except BackendUnavailable as exc:
             raise Unreachable(
                 f"cannot read the leases from Redis {admin.where}: "
                 f"{redact(reason(exc), args.redis_url)}"
             ) from exc
-        return read_status(snapshot, where, args)
+        return read_status(snapshot, where, args, drained)
 
     return read
 
@@ -458,11 +466,12 @@ def _read_postgres(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
     try:
         with postgres_session(args, dsn, hint=hint) as admin:
             snapshot = admin.status(args.names or None)
+            drained = admin.drained_of(node.name for node in snapshot.nodes or ())
     except BackendUnavailable as exc:
         raise Unreachable(
             f"cannot read the leases from {describe(dsn)}: {redact(reason(exc), dsn)}"
         ) from exc
-    return read_status(snapshot, describe(dsn), args)
+    return read_status(snapshot, describe(dsn), args, drained)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -517,9 +526,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _node_state(node: dict[str, Any]) -> str:
-    """``leader``, ``alive``, ``ineligible`` (alive, never leads) or ``lost``."""
+    """``leader``, ``alive``, ``drained`` (alive, drained by an operator),
+    ``ineligible`` (alive, started never to lead) or ``lost``."""
     if not node["alive"]:
         return "lost"
     if node["is_leader"]:
         return "leader"
+    if node.get("drained"):
+        return "drained"
     return "alive" if node["eligible"] else "ineligible"

@@ -22,11 +22,21 @@ def test_every_subcommand_is_a_module_with_its_own_parser_and_run() -> None:
     for module in cli.SUBCOMMANDS:
         assert callable(module.add_parser) and callable(module.run), module.__name__
         names.append(module.__name__.rsplit(".", 1)[-1])
-    assert names == ["status", "history", "migrate", "resign", "forget", "demo"]
+    assert names == [
+        "status",
+        "history",
+        "migrate",
+        "resign",
+        "drain",
+        "undrain",
+        "forget",
+        "demo",
+    ]
     parser = cli.build_parser()
+    operands = {"history": ["x"], "resign": ["x"], "forget": ["x"]}
+    operands |= {"drain": ["x", "n"], "undrain": ["x", "n"]}
     for name in names:
-        named = name in ("history", "resign", "forget")
-        args = parser.parse_args([name, "x"] if named else [name])
+        args = parser.parse_args([name, *operands.get(name, [])])
         assert args.run.__module__ == f"rselection.commands.{name}"
 
 

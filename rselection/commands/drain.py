@@ -1,0 +1,122 @@
+"""``rselection drain NAME NODE`` and ``undrain``: make a running node ineligible, or
+eligible again.
+
+A drained node never leads, never gets a handover or a shard, until undrained, across
+its restarts; a drained holder hands the lease over at once. The backend's admin API
+does it (``drain``, ``undrain``); this module says what happened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import TYPE_CHECKING
+
+from ..admin import Refused
+from ..errors import ConfigError
+from .connections import act_on_lease
+from .options import add_lease_options, lease_name, subcommand
+from .output import EXIT_OK, EXIT_REFUSED, printable, say
+
+if TYPE_CHECKING:
+    from ..admin import LeaseAdmin
+    from ..postgres import PostgresAdmin
+    from ..redis import RedisAdmin
+
+__all__ = ["add_parser", "run"]
+
+
+def add_options(parser: argparse.ArgumentParser, *, run: object) -> None:
+    """The options of ``drain`` and ``undrain``.
+
+    Args:
+        parser: the subcommand's parser.
+        run: the subcommand's ``run``.
+    """
+    parser.add_argument("name", type=lease_name, help="the lease name")
+    parser.add_argument("node", help="the node id (as `rselection status NAME` lists it)")
+    add_lease_options(parser)
+    parser.add_argument("--json", action="store_true", help="one JSON document")
+    parser.set_defaults(run=run)
+
+
+@subcommand(
+    "drain",
+    help="make a running node ineligible until undrained; a drained leader hands over",
+    description="Drain a node of a lease: from now on, and across its restarts until "
+    "`rselection undrain`, it never leads, never gets a handover or a shard. If it leads, "
+    "it ends its term at once and another eligible node takes over. The node sees it "
+    "within about a second. Draining a drained node changes nothing (exit 0). Refused "
+    "(exit 1) for an unknown lease or node.",
+)
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``drain`` to its parser."""
+    add_options(parser, run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Drain node ``args.node`` of lease ``args.name``; say what was done; the exit code."""
+    return change(args, drained=True)
+
+
+def change(args: argparse.Namespace, *, drained: bool) -> int:
+    """Drain (or undrain) ``args.node`` of ``args.name``; the exit code.
+
+    Args:
+        args: the parsed command line.
+        drained: drain, else undrain.
+    """
+    command = "drain" if drained else "undrain"
+
+    def act(admin: LeaseAdmin) -> int:
+        try:
+            holder = admin.current_holder(args.name)
+            done = (
+                admin.drain(args.name, args.node)
+                if drained
+                else admin.undrain(args.name, args.node)
+            )
+        except (Refused, ConfigError) as exc:
+            say(exc, err=True)
+            if args.json:  # scripts parse stdout: they get a document here too
+                print(json.dumps({"error": str(exc), "exit_code": EXIT_REFUSED}), flush=True)
+            return EXIT_REFUSED
+        led = holder is not None and holder.node_id == done.node_id
+        if args.json:
+            document = {
+                "name": done.name,
+                "node_id": done.node_id,
+                "drained": done.drained,
+                "changed": done.changed,
+                "leads": led,
+            }
+            print(json.dumps(document), flush=True)
+            return EXIT_OK
+        node = printable(done.node_id)
+        if not done.changed:
+            state = "already drained" if drained else "not drained"
+            say(f"node {node} of lease {done.name!r} was {state}: nothing to do")
+        elif drained:
+            say(
+                f"drained node {node} of lease {done.name!r}: it leads no more until "
+                f"`rselection undrain {done.name} {node}`"
+                + (f"; it leads term {holder.term}, and hands over now" if led and holder else "")
+            )
+        else:
+            say(f"undrained node {node} of lease {done.name!r}: it may lead again")
+        return EXIT_OK
+
+    def on_postgres(admin: PostgresAdmin, _dsn: str) -> int:
+        return act(admin)
+
+    def on_redis(admin: RedisAdmin) -> int:
+        return act(admin)
+
+    return act_on_lease(
+        args,
+        command,
+        hint="run `rselection migrate`, or pass the right --table",
+        postgres=on_postgres,
+        redis=on_redis,
+        refused=(Refused, ConfigError),
+    )
