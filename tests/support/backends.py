@@ -409,7 +409,7 @@ class Backend:
         """Redis: delete lease ``name``'s keys and ledger (Postgres: its schema goes)."""
         if self.kind != "redis":
             return
-        from rselection.redis.keys import membership_keys
+        from rselection.redis.keys import drains_key, membership_keys
         from rselection.redis.lease import handover_key, lease_keys
 
         with self._redis() as client:
@@ -417,5 +417,6 @@ class Backend:
                 *lease_keys(name)[:2],
                 handover_key(name),
                 *membership_keys(name),
+                drains_key(name),
                 redis_ledger_key(LEDGER, name),
             )
