@@ -192,8 +192,10 @@ class MemberLeader(LeaseLeader):
         Raises:
             BackendUnavailable: the server could not be reached.
         """
-        drained = self._read_drained()
         state = self._state
+        if state.closed:
+            return  # stopped: nothing to act on (a retry of the drain thread ends here)
+        drained = self._read_drained()
         with state.cond:
             changed, self._drained = drained != self._drained, drained
             state.eligible = state.given_eligible and not drained

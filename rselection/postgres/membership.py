@@ -175,6 +175,7 @@ class PostgresMembership(MembershipBase):
         self._lock = threading.Lock()  # start() and stop() may race at shutdown
         self._keeper: SharedKeeper | None = None
         self._stopped = False
+        self._drains_refused = False  # the drains table was refused once (logged)
         forks.register(self)
 
     def reset_after_fork(self) -> None:
@@ -312,6 +313,17 @@ class PostgresMembership(MembershipBase):
                     rows = conn.execute(query).fetchall()
         except psycopg.errors.UndefinedTable:
             return False  # migrated by an older release: nobody is drained
+        except psycopg.errors.InsufficientPrivilege as exc:
+            # Created by `rselection migrate`, not granted yet: the node must still lead.
+            if not self._drains_refused:
+                self._drains_refused = True
+                logger.warning(
+                    "node %s cannot read the drains table (%s): it cannot be drained until "
+                    "its role may SELECT from it",
+                    self.node_id,
+                    exc,
+                )
+            return False
         except psycopg.Error as exc:
             raise self._conns.wrap("read the drains", exc) from exc
         return bool(rows)
