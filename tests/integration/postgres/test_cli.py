@@ -67,12 +67,13 @@ def test_migrate_then_status_shows_the_holder(pg_dsn: str) -> None:
         "(schema version 1)",
         "checkpoint tables 'rselection_checkpoints', 'rselection_checkpoint_leases': "
         "created (schema version 1)",
+        "drains table 'rselection_nodes_drains': created (schema version 1)",
     ):
         assert line in done.stdout.splitlines(), done.stdout
     again = run("migrate", "--dsn", pg_dsn)
     assert again.returncode == 0, again.stderr
     assert "created" not in again.stdout and "upgraded" not in again.stdout
-    assert again.stdout.count("already present") == 6, again.stdout
+    assert again.stdout.count("already present") == 7, again.stdout
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         tables = {
             r[0]
