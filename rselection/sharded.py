@@ -106,6 +106,9 @@ class ShardLeader(LeaseLeader):
         (its connection string or client) with ``options``, placed."""
         super().__init__(target, handler, **options)  # the backend's leader's
         self.place(owner, shard, owner.shards)
+        # A node is drained under the sharded name, through its coordinator's lease:
+        # no read of a drain per shard.
+        self._state.check_drained = None
 
     def place(self, owner: ShardedLeader, shard: int, shards: int) -> None:
         """Make this the leader of ``shard`` (of ``shards``) of ``owner``."""
