@@ -203,6 +203,9 @@ def test_a_drained_holder_hands_over_within_a_bound_and_its_task_stops(
             + f" (median {statistics.median(took) * 1000:.0f} ms)"
         )
         assert sum(1 for _, reason in reasons if reason == "drained") == 3, reasons
+        # Each drained term is on record as ended by the operator's drain.
+        ended = [r for r in admin.history(name) if r.end_reason is not None]
+        assert [(r.end_reason, r.by) for r in ended] == [("drained", "operator")] * 3, ended
     finally:
         rs.signals.demoted.disconnect(demoted)
 
