@@ -103,6 +103,7 @@ class MemberLeader(LeaseLeader):
         self._settle = check_seconds(settle, "settle", allow_zero=True)
         self._asked: dict[str, float] = {}  # successors asked for, when (monotonic)
         self._drained = False  # as last read (see check_drained)
+        self._drain_listeners: list[Callable[[bool], None]] = []
         self._look_at = 0.0  # when to look at the nodes next (monotonic)
         # Whatever ends the keeper (stop(), or an error it cannot go on after), the node
         # leaves the membership with it: no heartbeats from a node that no longer competes.
@@ -163,6 +164,12 @@ class MemberLeader(LeaseLeader):
         it then leads nothing until undrained (:attr:`eligible` is ``False``)."""
         return self._drained
 
+    def on_drain_change(self, listener: Callable[[bool], None]) -> None:
+        """Call ``listener(drained)`` whenever this node is found drained or undrained
+        (from the thread that read it; a sharded leader passes it on to the leaders of
+        its shards)."""
+        self._drain_listeners.append(listener)
+
     def _drain_woken(self, node_id: str | None = None) -> None:
         """A notification says the drains of this lease may have changed (those of
         ``node_id``; ``None``: any node's): read this node's soon, on the process's drain
@@ -207,6 +214,8 @@ class MemberLeader(LeaseLeader):
                 self.name,
                 "drained" if drained else "undrained",
             )
+            for listener in self._drain_listeners:
+                listener(drained)
             membership = self._membership
             if isinstance(membership, MembershipBase):
                 membership.set_eligible(state.eligible)

@@ -124,6 +124,14 @@ class ShardLeader(LeaseLeader):
         member of the coordinator's lease)."""
         LeaseLeader.start(self)
 
+    def set_eligible(self, eligible: bool) -> None:
+        """Whether this node may take the shard now (not while it is drained). A holder
+        that may not keeps the shard until the rebalancer hands it on; its term then
+        ends as drained."""
+        self._state.eligible = eligible
+        if eligible:
+            self._driven.poke()  # compete again at once
+
     def nodes(self) -> list[NodeInfo]:
         """The sharded leader's nodes (see :meth:`ShardedLeader.nodes`)."""
         return self._owner.nodes()
@@ -215,11 +223,14 @@ class ShardState:
             its first and last heartbeat and whether it is alive (seen within
             ``node_timeout``), server time.
         now: the server's clock when read.
+        ineligible: the live nodes that may not lead (drained, or ``eligible=False``):
+            the shards they hold are moved to the others.
     """
 
     holders: dict[int, LeaderInfo]
     nodes: dict[str, tuple[datetime, datetime, bool]]
     now: datetime
+    ineligible: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -344,7 +355,10 @@ class Rebalancer:
         for shard, pending in memory.pending.items():
             planned[shard] = pending.move.target
         recent = {shard: info.acquired_at.timestamp() for shard, info in state.holders.items()}
-        moves = plan_moves(leader.shards, planned, members, targets=targets, recent=recent)
+        leaving = state.ineligible & owning  # drained: every shard they hold goes
+        moves = plan_moves(
+            leader.shards, planned, members, targets=targets, recent=recent, leaving=leaving
+        )
         # Each old owner cancels, joins and releases what it gives, and each new owner
         # takes and begins what it gets: bound that work per node, not across the
         # fleet, so that a join is served by every owner at once, each move promptly.
@@ -549,6 +563,7 @@ class ShardedLeader(Service, ABC):
         self._timings = timings
         self._cleanup: list[Callable[[], object]] = []
         self._leaders: list[ShardLeader] = []
+        self._drained = False  # this node, as its coordinator last read it
         self._lock = threading.Lock()
         self._plan_lock = threading.Lock()
         self._plan: tuple[float, dict[int, str]] | None = None  # (when, takeover plan)
@@ -603,6 +618,7 @@ class ShardedLeader(Service, ABC):
             node_timeout=self._node_timeout,
             **{**self._options, "claimer": None, "node_id": node_id},
         )
+        self._coordinator.on_drain_change(self._drain_changed)
         self._adopt_node_id()
 
     def _rebalancing(self) -> TaskHandler:
@@ -632,7 +648,17 @@ class ShardedLeader(Service, ABC):
     def _new_shard_leader(self, shard: int, handler: TaskHandler) -> ShardLeader:
         """The leader of ``shard`` on this node, running ``handler``."""
         name = shard_lease_name(self._name, shard)
-        return self._shard_leader(self, shard, self._target, handler, name=name, **self._options)
+        options = {**self._options, "eligible": self.eligible and not self._drained}
+        return self._shard_leader(self, shard, self._target, handler, name=name, **options)
+
+    def _drain_changed(self, drained: bool) -> None:
+        """This node was drained (or undrained): its shards' leaders take no shard while
+        it is; the coordinator moves the shards they hold to the other nodes."""
+        self._drained = drained
+        with self._lock:
+            leaders = list(self._leaders)
+        for leader in leaders:
+            leader.set_eligible(self.eligible and not drained)
 
     @abstractmethod
     def _request_handovers(

@@ -157,6 +157,7 @@ def plan_moves(
     targets: Collection[str] | None = None,
     recent: Mapping[int, float] | None = None,
     limit: int | None = None,
+    leaving: Collection[str] = (),
 ) -> list[Move]:
     """The moves that bring ``members`` to a balanced share, each shard moved at most once.
 
@@ -178,17 +179,25 @@ def plan_moves(
             an owner gives away its most recent shards first (default: the highest
             shard numbers first).
         limit: the most moves to return (the rest wait for a later round).
+        leaving: nodes that give every shard they hold (drained), first, and are
+            neither counted nor given any.
     """
-    counted = sorted(set(members))
+    gone = set(leaving)
+    counted = sorted(set(members) - gone)
     owned: dict[str, list[int]] = {node: [] for node in counted}
+    held_by_leaving: dict[str, list[int]] = {node: [] for node in sorted(gone)}
     for shard, node in holders.items():
         if node in owned:
             owned[node].append(shard)
+        elif node in held_by_leaving:
+            held_by_leaving[node].append(shard)
     quota = quotas(shards, {node: len(held) for node, held in owned.items()})
     allowed = set(counted) if targets is None else set(targets) & set(counted)
     order = recent or {}
 
     surplus: list[list[tuple[int, str]]] = []  # per source, the shards it gives, in order
+    for node, held in held_by_leaving.items():
+        surplus.append([(shard, node) for shard in sorted(held)])
     for node in sorted(counted, key=lambda n: (-len(owned[n]), n)):
         extra = len(owned[node]) - quota[node]
         if extra > 0:

@@ -225,10 +225,12 @@ class PostgresShardedLeader(ShardedLeader):
             " clock_timestamp() FROM {leases} WHERE name = ANY(%(names)s)"
             " AND holder IS NOT NULL AND expires_at > clock_timestamp()"
         ).format(leases=table_identifier(table))
+        # A node that may not lead (drained, or eligible=False) comes back as 'i'.
         nodes_sql = sql.SQL(
-            " UNION ALL SELECT 'n', node_id, NULL, NULL, started_at, last_seen,"
+            " UNION ALL SELECT CASE WHEN coalesce(eligible, true) THEN 'n' ELSE 'i' END,"
+            " node_id, NULL, NULL, started_at, last_seen,"
             " last_seen >= clock_timestamp() - make_interval(secs => %(node_timeout)s),"
-            " clock_timestamp() FROM {nodes} WHERE name = %(name)s AND coalesce(eligible, true)"
+            " clock_timestamp() FROM {nodes} WHERE name = %(name)s"
         ).format(nodes=table_identifier(nodes_table))
         clock_sql = sql.SQL(
             " UNION ALL SELECT 't', NULL, NULL, NULL, NULL, NULL, NULL, clock_timestamp()"
@@ -261,6 +263,7 @@ class PostgresShardedLeader(ShardedLeader):
                 self._reads.close()  # after stop(), a read leaves no session behind
         holders: dict[int, LeaderInfo] = {}
         nodes: dict[str, tuple[datetime, datetime, bool]] = {}
+        ineligible: set[str] = set()
         now = datetime.now(UTC)
         for kind, key, holder, term, first, last, alive, clock in found:
             now = utc(clock)
@@ -268,7 +271,9 @@ class PostgresShardedLeader(ShardedLeader):
                 holders[int(key[prefix:])] = LeaderInfo(holder, term, utc(first), utc(last))
             elif kind == "n":
                 nodes[key] = (utc(first), utc(last), bool(alive))
-        return ShardState(holders, nodes, now)
+            elif kind == "i" and alive:
+                ineligible.add(key)
+        return ShardState(holders, nodes, now, frozenset(ineligible))
 
     def _read_state(self, query: sql.Composed, params: dict[str, Any]) -> list[Any] | None:
         """The rows of ``query``; ``None`` when a table it reads does not exist yet."""

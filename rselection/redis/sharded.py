@@ -214,11 +214,11 @@ class RedisShardedLeader(ShardedLeader):
             info, _ = parse_holder(raw, pttl, now)
             if info is not None:
                 holders[shard] = info
-        nodes = {
-            n.node_id: (n.started_at, n.last_seen, n.alive) for n in self._nodes() if n.eligible
-        }
+        members = self._nodes()
+        nodes = {n.node_id: (n.started_at, n.last_seen, n.alive) for n in members if n.eligible}
+        ineligible = frozenset(n.node_id for n in members if n.alive and not n.eligible)
         now = datetime.fromtimestamp(now_ms / 1000, UTC) if now_ms else datetime.now(UTC)
-        return ShardState(holders, nodes, now)
+        return ShardState(holders, nodes, now, ineligible)
 
     # -- the backend's part of the sharded leader ---------------------------------------
 

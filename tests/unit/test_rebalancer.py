@@ -34,6 +34,7 @@ class Fleet:
         self.holders: dict[int, str] = {}
         self.acquired: dict[int, datetime] = {}
         self.beats: dict[str, tuple[datetime, datetime]] = {}  # node: (started, last seen)
+        self.drained: set[str] = set()  # heartbeating as ineligible
         self.asked: list[Move] = []
 
     def join(self, node: str) -> None:
@@ -61,8 +62,14 @@ class Fleet:
             nodes={
                 node: (started, seen, self.now - seen <= timeout)
                 for node, (started, seen) in self.beats.items()
+                if node not in self.drained
             },
             now=self.now,
+            ineligible=frozenset(
+                node
+                for node, (_, seen) in self.beats.items()
+                if node in self.drained and self.now - seen <= timeout
+            ),
         )
 
     def _request_handovers(
@@ -236,3 +243,20 @@ def test_the_coordinator_looks_again_soon_while_moves_are_under_way(fleet: Fleet
     # still in flight (b never takes them here).
     assert len(fleet.asked) == 6
     assert ctx.sleeps == [0.5, sharded.PENDING_POLL, sharded.PENDING_POLL, sharded.PENDING_POLL]
+
+
+def test_a_drained_node_s_shards_all_go_to_the_others_and_it_gets_none(fleet: Fleet) -> None:
+    three_nodes_with_four_shards_each(fleet)
+    rebalancer = Rebalancer(fleet)  # type: ignore[arg-type]
+    assert run(fleet, rebalancer, "a", "b", "c") == []
+    fleet.drained.add("c")  # it heartbeats as ineligible from now on
+    moves = run(fleet, rebalancer, "a", "b", "c")
+    assert sorted(m.shard for m in moves) == [8, 9, 10, 11]
+    assert {m.source for m in moves} == {"c"} and {m.target for m in moves} == {"a", "b"}
+    assert sum(m.target == "a" for m in moves) == 2
+    apply(fleet, moves)
+    assert run(fleet, rebalancer, "a", "b", "c") == []  # balanced over a and b: 6 and 6
+    fleet.drained.discard("c")  # undrained: it settles again, then gets its share
+    for _ in range(3):
+        apply(fleet, run(fleet, rebalancer, "a", "b", "c"))
+    assert sorted(list(fleet.holders.values()).count(n) for n in "abc") == [4, 4, 4]

@@ -273,3 +273,39 @@ def test_shards_record_their_versions_and_never_move_for_them(shard_server: Any)
         for node in nodes:
             node.stop(timeout=15)
         admin.close()
+
+
+def test_a_drained_sharded_node_hands_its_shards_on_and_takes_none(shard_server: Any) -> None:
+    """Drained under its sharded name, a node gives every shard it leads to the others
+    (each such term on record as drained, by the operator) and takes none until it is
+    undrained; then it gets its share again."""
+    name = f"hd{uuid.uuid4().hex[:6]}"
+    options: dict[str, Any] = {"name": name, "shards": 6, "heartbeat_interval": 0.2, **FAST}
+    nodes = [
+        shard_server.sharded_leader(rs.TaskHandler(), node_id=node, settle=0.5, **options)
+        for node in ("a", "b", "c")
+    ]
+    redis_url = shard_server.cli_args[0] == "--redis-url"
+    admin = Backend("redis" if redis_url else "postgres", shard_server.cli_args[1]).admin()
+    try:
+        for node in nodes:
+            node.start()
+        wait_until(lambda: [len(n.owned()) for n in nodes] == [2, 2, 2], 20, "two shards each")
+        given = nodes[2].owned()
+        started = time.monotonic()
+        admin.drain(name, "c")
+        wait_until(lambda: not nodes[2].owned(), 10, "the drained node to hand its shards on")
+        took = time.monotonic() - started
+        wait_until(lambda: [len(n.owned()) for n in nodes] == [3, 3, 0], 10, "three each")
+        print(f"\na drained sharded node handed its shards on in {took:.2f} s")
+        time.sleep(1.0)  # looked at several times over: it takes none back
+        assert [len(n.owned()) for n in nodes] == [3, 3, 0]
+        for shard in given:
+            drained = admin.history(f"{name}/{shard}")[1]
+            assert (drained.node_id, drained.end_reason, drained.by) == ("c", "drained", "operator")
+        admin.undrain(name, "c")
+        wait_until(lambda: [len(n.owned()) for n in nodes] == [2, 2, 2], 20, "two each again")
+    finally:
+        for node in nodes:
+            node.stop(timeout=15)
+        admin.close()
