@@ -40,6 +40,10 @@ DRAINED = "drained"
 RETRY_AFTER = 1.0
 """Seconds before a read of the drain state that failed is tried again."""
 
+READ_EVERY = 0.05
+"""Fewest seconds between two reads of one leader's drain state: notifications are
+anyone's (a flood of them costs one read per leader every 50 ms at most)."""
+
 
 @dataclass(frozen=True)
 class DrainChange:
@@ -78,12 +82,15 @@ class DrainWatch(forks.PerProcess):
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._due: dict[Drainable, float] = {}  # leader -> when to read (monotonic)
+        self._read_at: dict[Drainable, float] = {}  # leader -> when last read
         self._thread: threading.Thread | None = None
 
     def wake(self, leader: Drainable) -> None:
-        """Read ``leader``'s drain state soon (safe from any thread; never blocks long)."""
+        """Read ``leader``'s drain state soon: at once, or :data:`READ_EVERY` after the
+        last read (safe from any thread; never blocks long)."""
         with self._cond:
-            self._due[leader] = 0.0
+            at = self._read_at.get(leader, -READ_EVERY) + READ_EVERY
+            self._due[leader] = min(self._due.get(leader, at), at)
             self._cond.notify_all()
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -95,6 +102,7 @@ class DrainWatch(forks.PerProcess):
         """Read ``leader``'s drain state no more (it stopped)."""
         with self._cond:
             self._due.pop(leader, None)
+            self._read_at.pop(leader, None)
 
     def _run(self) -> None:
         while True:
@@ -108,6 +116,7 @@ class DrainWatch(forks.PerProcess):
                     if ready:
                         for leader in ready:
                             del self._due[leader]
+                            self._read_at[leader] = now
                         break
                     self._cond.wait(min(self._due.values()) - now)
             for leader in ready:

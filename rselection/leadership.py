@@ -478,12 +478,24 @@ class Leadership:
                 self.held_term = holder.term
                 return
             with self.cond:
-                self.term = term
-                self.acquired_at = holder.acquired_at
-                self.last_term = term
+                # Drained while the attempt was out (a drain is read, then the term
+                # looked at, under this lock): never lead it; the next step releases it.
+                drained = not self.eligible
+                if not drained:
+                    self.term = term
+                    self.acquired_at = holder.acquired_at
+                    self.last_term = term
+                    self.last_sent = sent
                 self.held_term = holder.term
-                self.last_sent = sent
                 self.cond.notify_all()
+            if drained:
+                logger.info(
+                    "lease %r: term %d was taken as this node was drained; releasing it",
+                    self.name,
+                    term.number,
+                )
+                self.tell_term_ending(term.number, "drained")
+                return
             self.handler.start_term(term, self.loop)
         logger.info("node %s leads %r with term %d", self.node_id, self.name, term.number)
         signals.emit(

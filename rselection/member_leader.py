@@ -188,6 +188,15 @@ class MemberLeader(LeaseLeader):
         """
         return False
 
+    def _read_drained_nodes(self) -> frozenset[str]:
+        """*Backend*: the nodes of this lease an operator drained (empty where drains
+        are not recorded).
+
+        Raises:
+            BackendUnavailable: the server could not be reached.
+        """
+        return frozenset()
+
     def check_drained(self) -> None:
         """Read whether this node is drained (``rselection drain``) and act on it: a
         drained node becomes ineligible, and if it leads it ends its term at once
@@ -238,7 +247,8 @@ class MemberLeader(LeaseLeader):
         """Reserve term ``term``'s lease for the newest eligible live node, if versions
         tell one (best effort: else the release lets any eligible node take it)."""
         try:
-            found = heir(self._membership.nodes(), self.node_id, since)
+            # A node drained while silent (paused, cut off) still heartbeated eligible.
+            found = heir(self._membership.nodes(), self.node_id, since, self._read_drained_nodes())
             if found is not None:
                 logger.info(
                     "node %s, drained, hands %r over to %s (version %s)",

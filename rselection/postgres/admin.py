@@ -31,7 +31,14 @@ from .lease import lease_channel, resolve_lease_table
 from .membership import node_infos, nodes_sql
 from .notices import parse_lease_notice
 from .retire import retire_lease
-from .schema import CLAIMS_TABLE, DEFAULT_TABLE, NODES_TABLE, table_exists, table_identifier
+from .schema import (
+    CLAIMS_TABLE,
+    DEFAULT_TABLE,
+    NODES_TABLE,
+    drains_table_name,
+    table_exists,
+    table_identifier,
+)
 from .snapshot import read_snapshot
 
 __all__ = ["PostgresAdmin", "PostgresTermWatch", "describe_conninfo"]
@@ -231,6 +238,7 @@ class PostgresAdmin(LeaseAdmin):
                 table=self.table,
                 nodes_table=self.nodes_table if check_nodes else None,
                 node_timeout=self.node_timeout,
+                drains_table=drains_table_name(self.nodes_table),
             )
 
     def watch_terms(self, name: str) -> PostgresTermWatch:

@@ -231,6 +231,9 @@ class PostgresLeader(MemberLeader):
     def _read_drained(self) -> bool:
         return self._postgres_membership.drained()
 
+    def _read_drained_nodes(self) -> frozenset[str]:
+        return frozenset(self._postgres_membership.drained_nodes())
+
     def _before_driven(self) -> None:
         # Before the engine connects it: a lease that joined the process's keeper session
         # is listened for by whichever lease connects first, so leaders started one

@@ -33,7 +33,7 @@ from ..members import MembershipBase, NodeInfo
 from ._conn import per_call_source, session_conninfo
 from ._lease_sql import array_literal
 from .connections import Connections
-from .drains import drained_sql
+from .drains import drained_nodes, drained_sql
 from .keeper import Heartbeat, SharedKeeper
 from .schema import create_tables, table_identifier
 
@@ -327,6 +327,21 @@ class PostgresMembership(MembershipBase):
         except psycopg.Error as exc:
             raise self._conns.wrap("read the drains", exc) from exc
         return bool(rows)
+
+    def drained_nodes(self) -> set[str]:
+        """The drained nodes of this lease (empty without a drains table this node may
+        read; see :meth:`drained`).
+
+        Raises:
+            BackendUnavailable: the database could not be reached.
+        """
+        try:
+            with self._conns.connection() as conn:
+                return drained_nodes(conn, self.table, self.name)
+        except (psycopg.errors.UndefinedTable, psycopg.errors.InsufficientPrivilege):
+            return set()
+        except psycopg.Error as exc:
+            raise self._conns.wrap("read the drains", exc) from exc
 
     def _execute(
         self,

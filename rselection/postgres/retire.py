@@ -29,6 +29,15 @@ LOCK_TIMEOUT = 5.0
 """Longest :func:`retire_lease` waits for the lease row another statement holds, seconds."""
 
 
+def _forget_drains(conn: psycopg.Connection[Any], drains: str, name: str) -> None:
+    """Forget the drained nodes of a retired lease: a lease of that name used again
+    starts with none drained."""
+    if table_exists(conn, drains):
+        conn.execute(
+            sql.SQL("DELETE FROM {} WHERE name = %s").format(table_identifier(drains)), (name,)
+        )
+
+
 def retire_lease(
     conn: psycopg.Connection[Any],
     name: str,
@@ -36,6 +45,7 @@ def retire_lease(
     table: str,
     nodes_table: str | None,
     node_timeout: float,
+    drains_table: str | None = None,
 ) -> Retirement:
     """Retire lease ``name`` unless it has a live holder (or live nodes).
 
@@ -50,6 +60,8 @@ def retire_lease(
         nodes_table: also refuse while a node of the lease heartbeats in this table
             (``None``, or a table that does not exist: no such check).
         node_timeout: a node is alive when seen within this many seconds.
+        drains_table: the table of drained nodes (see ``rselection drain``): those of
+            the lease are forgotten with it.
 
     Raises:
         Refused: no such lease, a live holder, live nodes, a table without the retired
@@ -95,6 +107,8 @@ def retire_lease(
                     sql.SQL("UPDATE {} SET retired_term = term WHERE name = %s").format(ident),
                     (name,),
                 )
+                if drains_table is not None:
+                    _forget_drains(conn, drains_table, name)
                 history = history_table_name(table)
                 if table_exists(conn, history):
                     # A term its holder did not end (it crashed; nobody took over).

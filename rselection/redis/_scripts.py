@@ -280,9 +280,10 @@ return {redis.call('GET', KEYS[1]) or '', redis.call('PTTL', KEYS[1]),
 """
 
 #: Retire a lease unless it is held. KEYS: lease key, term key, retired key, history
-#: key. Returns {0, lease value, PTTL (ms)} when held, {-1} when the lease never had a
-#: term, {2, term} when already retired at the current term, else {1, term} once
-#: retired (a term its holder did not end is recorded as ``retired``, by the operator).
+#: key, drains key. Returns {0, lease value, PTTL (ms)} when held, {-1} when the lease
+#: never had a term, {2, term} when already retired at the current term, else {1, term}
+#: once retired (a term its holder did not end is recorded as ``retired``, by the
+#: operator, and its drained nodes are forgotten with it).
 RETIRE = (
     _HISTORY
     + """
@@ -297,6 +298,7 @@ if redis.call('GET', KEYS[3]) == term then return {2, term} end
 redis.call('SET', KEYS[3], term)
 local t = redis.call('TIME')
 _history_close(KEYS[4], 'retired', 'operator', tostring(t[1] * 1000 + math.floor(t[2] / 1000)))
+redis.call('DEL', KEYS[5])
 return {1, term}
 """
 )

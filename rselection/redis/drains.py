@@ -10,12 +10,15 @@ time its leader (re)connects.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import redis
 
 from ._conn import describe, unavailable
 from .keys import drains_key, lease_keys
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["drain", "drained_nodes", "is_drained", "undrain"]
 
@@ -38,27 +41,52 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+_refused: set[str] = set()  # the lease names whose drains this process may not read
+
+
+def _may_not_read(name: str, exc: redis.RedisError) -> bool:
+    """Whether ``exc`` is an ACL refusal (``NOPERM``): the node must lead all the same, as
+    one that cannot be drained; said once per lease and process."""
+    if not isinstance(exc, redis.exceptions.NoPermissionError):
+        return False
+    if name not in _refused:
+        _refused.add(name)
+        logger.warning(
+            "lease %r: this node's Redis user may not read the drained nodes (%s): it cannot "
+            "be drained until its ACL allows SISMEMBER and SMEMBERS on the lease's keys",
+            name,
+            exc,
+        )
+    return True
+
+
 def is_drained(client: Any, name: str, node_id: str, key_prefix: str) -> bool:
-    """Whether node ``node_id`` of lease ``name`` is drained.
+    """Whether node ``node_id`` of lease ``name`` is drained (``False`` when the ACL does
+    not let this node read it).
 
     Raises:
-        BackendUnavailable: Redis could not be reached or refused.
+        BackendUnavailable: Redis could not be reached or refused otherwise.
     """
     try:
         return bool(client.sismember(drains_key(name, key_prefix), node_id))
     except redis.RedisError as exc:
+        if _may_not_read(name, exc):
+            return False
         raise unavailable("read the drained nodes", describe(client), exc) from exc
 
 
-def drained_nodes(client: Any, name: str, key_prefix: str) -> set[str]:
-    """The drained nodes of lease ``name``.
+def drained_nodes(client: Any, name: str, key_prefix: str, *, node: bool = False) -> set[str]:
+    """The drained nodes of lease ``name``; for a ``node`` (not an operator), none when
+    the ACL does not let it read them.
 
     Raises:
         BackendUnavailable: Redis could not be reached or refused.
     """
     try:
-        return {_text(node) for node in client.smembers(drains_key(name, key_prefix))}
+        return {_text(found) for found in client.smembers(drains_key(name, key_prefix))}
     except redis.RedisError as exc:
+        if node and _may_not_read(name, exc):
+            return set()
         raise unavailable("read the drained nodes", describe(client), exc) from exc
 
 

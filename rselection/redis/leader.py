@@ -14,7 +14,7 @@ from ..timing import Timings
 from ..validation import check_name
 from ._conn import check_client
 from .claims import RedisClaimer
-from .drains import is_drained
+from .drains import drained_nodes, is_drained
 from .fencing import RedisFence
 from .handover import request_handover
 from .keys import DEFAULT_KEY_PREFIX, claims_prefix
@@ -202,6 +202,10 @@ class RedisLeader(MemberLeader):
 
     def _read_drained(self) -> bool:
         return is_drained(self._membership_client, self.name, self.node_id, self._key_prefix)
+
+    def _read_drained_nodes(self) -> frozenset[str]:
+        client, prefix = self._membership_client, self._key_prefix
+        return frozenset(drained_nodes(client, self.name, prefix, node=True))
 
     def _request_successor(self, node_id: str, term: int) -> None:
         # Of this term only: once it ended, the request would move the next holder.

@@ -16,7 +16,7 @@ from ..admin import Refused, Retirement
 from ._conn import describe, unavailable
 from ._scripts import RETIRE
 from .handover import live_nodes
-from .keys import history_key, lease_keys, retired_key
+from .keys import drains_key, history_key, lease_keys, retired_key
 
 __all__ = ["retire_lease"]
 
@@ -61,7 +61,8 @@ def retire_lease(client: Any, name: str, *, key_prefix: str, check_nodes: bool) 
             nodes = live_nodes(client, name, key_prefix=key_prefix)
             if nodes:
                 raise Refused.busy(name, nodes, "their keepers are connected")
-        reply = client.eval(RETIRE, 4, lease_key, term_key, marker, history_key(name, key_prefix))
+        history, drains = history_key(name, key_prefix), drains_key(name, key_prefix)
+        reply = client.eval(RETIRE, 5, lease_key, term_key, marker, history, drains)
     except redis.RedisError as exc:
         raise unavailable("retire the lease", describe(client), exc) from exc
     outcome = int(reply[0])

@@ -58,3 +58,25 @@ def test_a_drain_notice_is_parsed_as_a_wake_up_and_malformed_ones_are_dropped() 
     assert parse_lease_notice('{"event": "drained"}') is None
     assert event_kind(b"drain:0") == "drain"
     assert event_kind(b"drain:") is None and event_kind(b"drain:n1") is None
+
+
+def test_a_flood_of_wake_ups_reads_a_leader_s_drain_at_most_every_50_ms() -> None:
+    import time
+
+    from rselection.drains import READ_EVERY, DrainWatch
+
+    class Counting:
+        def __init__(self) -> None:
+            self.reads = 0
+
+        def check_drained(self) -> None:
+            self.reads += 1
+
+    watch, leader = DrainWatch(), Counting()
+    began = time.monotonic()
+    while time.monotonic() - began < 0.5:  # wake-ups as fast as a flood brings them
+        watch.wake(leader)
+    time.sleep(2 * READ_EVERY)  # the last one due is read
+    took = time.monotonic() - began
+    assert 1 <= leader.reads <= took / READ_EVERY + 1, leader.reads
+    watch.discard(leader)

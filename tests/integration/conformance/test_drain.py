@@ -11,6 +11,7 @@ nothing. Leaders in one process; what ran when is read from each term's task act
 from __future__ import annotations
 
 import json
+import signal
 import statistics
 import threading
 import time
@@ -22,6 +23,7 @@ import pytest
 
 import rselection as rs
 from rselection.admin import Refused
+from rselection.commands.demo_fleet import Fleet
 from tests.support.backends import Backend
 from tests.support.resign_cli import cli
 from tests.support.waiting import wait_until
@@ -355,3 +357,48 @@ def test_the_commands_exit_codes_and_output(
     assert undrained.returncode == 0 and "undrained node a" in undrained.stdout, undrained
     noop = cli("undrain", name, "a", *where)
     assert noop.returncode == 0 and "was not drained" in noop.stdout, noop
+
+
+def test_forgetting_a_lease_forgets_its_drained_nodes(
+    make: Callable[..., Any], admin: Any, name: str
+) -> None:
+    holder = make("a", Activity())
+    holder.start()
+    assert holder.wait_until_leader(10)
+    admin.drain(name, "a")
+    wait_until(lambda: not holder.is_leader, 10, "the drained holder to step down")
+    holder.stop(timeout=10)
+    assert admin.drained(name) == {"a"}
+    admin.retire(name, check_nodes=False)
+    assert admin.drained(name) == set()  # a lease of that name used again starts clean
+
+
+def test_a_drained_holder_never_hands_over_to_a_node_drained_while_frozen(
+    backend: Backend, admin: Any, name: str
+) -> None:
+    """The frozen node's last heartbeats still say it is eligible, of the newest version;
+    the drained holder reads the drains and passes it over: the lease goes at once to
+    the node that may lead."""
+    args = [*backend.fleet_args, "--ttl", "3", "--renew-interval", "0.5"]
+    args += ["--renew-deadline", "2", "--retry-interval", "0.5"]
+    with Fleet(backend.url, name, args) as fleet:
+        fleet.spawn("a", ["--version", "1.0"])
+        assert fleet.first_elected(30)["node"] == "a"
+        fleet.spawn("frozen", ["--version", "2.0", "--settle", "60"])
+        fleet.spawn("c", ["--version", "1.0"])
+        fleet.wait_ready(30)
+        wait_until(lambda: len(admin.nodes(name) or ()) == 3, 20, "three heartbeats")
+        fleet.kill("frozen", signal.SIGSTOP)
+        admin.drain(name, "frozen")
+        drained = time.monotonic()
+        admin.drain(name, "a")
+        taken = fleet.wait_for(10, ev="elected", node="c")
+        took = time.monotonic() - drained
+        fleet.kill("frozen", signal.SIGCONT)
+        fleet.stop_all()
+    assert taken is not None, "c never led"
+    print(f"\nthe lease went to the node that may lead {took:.2f} s after the drains")
+    assert took < MOVE_BOUND + 1.0  # not after the reservation for the frozen node lapsed
+    assert not [e for e in fleet.history if e["ev"] == "elected" and e["node"] == "frozen"]
+    handed = next(r for r in admin.history(name) if r.node_id == "a")
+    assert (handed.end_reason, handed.handed_to) == ("drained", "c")

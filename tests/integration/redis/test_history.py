@@ -1,8 +1,11 @@
-"""Redis leadership history: a history key of another type refuses the acquisition
-before the script writes anything (Redis undoes nothing of a script that fails half
-way), so no lease is left half taken and the error says what to do."""
+"""Redis leadership history and drains: a history key of another type refuses the
+acquisition before the script writes anything (Redis undoes nothing of a script that
+fails half way), so no lease is left half taken and the error says what to do; and a
+node whose ACL may not read the drained nodes still leads."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import redis
@@ -30,3 +33,29 @@ def test_a_history_key_of_another_type_refuses_the_acquisition_and_writes_nothin
     finally:
         lease.close()
         client.close()
+
+
+def test_a_node_whose_acl_may_not_read_the_drains_still_leads(private_redis: Any) -> None:
+    """A Redis user set up before drains existed (no set commands) must keep leading,
+    as one that cannot be drained: its connect reads the drains first."""
+    from rselection import TaskHandler
+    from rselection.redis import RedisLeader
+
+    admin = redis.Redis.from_url(private_redis.url)
+    admin.execute_command("ACL", "SETUSER", "nosets", "on", ">pw", "~*", "&*", "+@all", "-@set")
+    url = f"redis://nosets:pw@127.0.0.1:{private_redis.port}/0"
+    leader = RedisLeader(
+        url,
+        TaskHandler(),
+        name="jobs",
+        ttl=3,
+        renew_interval=0.5,
+        renew_deadline=2,
+        retry_interval=0.5,
+    )
+    try:
+        leader.start()
+        assert leader.wait_until_leader(10)
+    finally:
+        leader.stop(timeout=10)
+        admin.close()
