@@ -97,7 +97,7 @@ def test_four_processes_migrate_at_once(pg_dsn: str) -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
-    kinds = ["leases", "claims", "elections", "nodes", "broadcast", "checkpoints"]
+    kinds = ["leases", "claims", "elections", "nodes", "broadcast", "checkpoints", "drains"]
     for kind in kinds:  # exactly one process created each kind of table
         actions = sorted(r["actions"][kind] for r in results)
         assert actions == ["created", "present", "present", "present"], (kind, actions)

@@ -1098,6 +1098,7 @@ def test_concurrent_migrations_do_not_error(lease_dsn: str, pool: ThreadPoolExec
         ("broadcast", 1),
         ("checkpoints", 1),
         ("claims", 1),
+        ("drains", 1),
         ("elections", 1),
         ("leases", LEASES_VERSION),
         ("leases:other_leases", LEASES_VERSION),

@@ -60,6 +60,8 @@ def subcommands() -> list[list[str]]:
     for module in cli.SUBCOMMANDS:
         name = module.__name__.rsplit(".", 1)[-1]
         args = [name, "billing"] if name in ("history", "resign", "forget") else [name]
+        if name in ("drain", "undrain"):
+            args = [name, "billing", "n1"]
         if name == "resign":
             args += ["--timeout", "2"]
         made.append(args)

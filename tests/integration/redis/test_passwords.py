@@ -52,6 +52,9 @@ COMMANDS = [
     ["forget", "billing"],
     ["history", "billing"],
     ["history", "billing", "--json"],
+    ["drain", "billing", "n1"],
+    ["drain", "billing", "n1", "--json"],
+    ["undrain", "billing", "n1"],
 ]
 FAST: dict[str, Any] = {
     "ttl": 3.0,
@@ -79,6 +82,8 @@ def test_the_commands_listed_are_every_command_that_takes_a_redis_url() -> None:
     for module in cli.SUBCOMMANDS:
         name = module.__name__.rsplit(".", 1)[-1]
         argv = [name, "x"] if name in ("history", "resign", "forget") else [name]
+        if name in ("drain", "undrain"):
+            argv = [name, "x", "n1"]
         if "redis_url" in vars(parser.parse_args(argv)):
             takes.add(name)
     assert takes == {c[0] for c in COMMANDS}
