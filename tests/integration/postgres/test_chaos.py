@@ -21,7 +21,8 @@ from tests.support import activity, ledger
 from tests.support.pg import PrivatePostgres, with_host_port
 from tests.support.proxy import TcpProxy
 
-pytestmark = pytest.mark.slow
+# serial: faults under a fleet of processes, each with a deadline to meet.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 FAST = ["--ttl", "3", "--renew-interval", "0.5", "--renew-deadline", "2", "--retry-interval", "0.5"]
 

@@ -12,6 +12,7 @@ import time
 from datetime import UTC, datetime, timedelta
 
 import psycopg
+import pytest
 from freezegun import freeze_time
 
 import rselection as rs
@@ -27,6 +28,9 @@ def skewed(dsn: str, node_id: str, skew: float) -> NodeProcess:
     return NodeProcess("tests.support.skewed_node", dsn, *args)
 
 
+# serial: a loaded node runs its fires late, and fires met as overlaps are not claimed
+# (under four workers this failed now and then).
+@pytest.mark.serial
 def test_a_node_with_a_skewed_clock_claims_the_same_fire_keys(pg_dsn: str) -> None:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute(f"CREATE TABLE {LEDGER} (fire_key text PRIMARY KEY, node text NOT NULL)")

@@ -21,7 +21,8 @@ from psycopg.conninfo import make_conninfo
 from rselection.commands.demo_fleet import Fleet
 from tests.support import activity, ledger
 
-pytestmark = pytest.mark.slow
+# serial: crash, pause and handover deadlines of a fleet of processes.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 # A resumed process needs a moment to learn that its term ended while it was frozen.
 RESUME_GRACE = 0.25

@@ -34,7 +34,8 @@ from tests.support.pg import PrivatePostgres, ServerStartError, pgserver_bin_dir
 from tests.support.scale_fleet import ScaleFleet, ScaleNode, percentile
 from tests.support.sessions import grouped, process_sessions
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+# serial: renewal latencies of 300 leases beside CPU-bound tasks are what it measures.
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(150)]
 
 LEASES = 100
 NODES = 3
