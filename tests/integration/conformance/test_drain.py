@@ -28,6 +28,9 @@ from tests.support.backends import Backend
 from tests.support.resign_cli import cli
 from tests.support.waiting import wait_until
 
+# Handovers timed against a bound of a second, and processes frozen with SIGSTOP.
+pytestmark = pytest.mark.serial
+
 FAST = {"ttl": 3, "renew_interval": 0.5, "renew_deadline": 2, "retry_interval": 0.5}
 # A drained holder's lease moved in 9 to 30 ms here (median about 15 ms on both
 # backends); the bound is many times that, and the one second.

@@ -29,6 +29,9 @@ from rselection.history import TermRecord
 from tests.support.backends import Backend
 from tests.support.waiting import wait_until
 
+# Shards balanced and moved within bounds, frozen and killed processes: one at a time.
+pytestmark = pytest.mark.serial
+
 FAST = {"ttl": 3, "renew_interval": 0.5, "renew_deadline": 2, "retry_interval": 0.5}
 FLEET_ARGS = ["--ttl", "3", "--renew-interval", "0.5", "--renew-deadline", "2"]
 FLEET_ARGS += ["--retry-interval", "0.5", "--tick", "0.2"]

@@ -20,6 +20,9 @@ from rselection.commands.demo_fleet import Fleet
 from tests.support.backends import Backend
 from tests.support.waiting import wait_until
 
+# Settling times and looks at the nodes, timed: one at a time.
+pytestmark = pytest.mark.serial
+
 FAST = {"ttl": 3, "renew_interval": 0.5, "renew_deadline": 2, "retry_interval": 0.5}
 SETTLE = 1.0
 # Handed over within a look (0.5 s) and a handover of the settled node; measured about

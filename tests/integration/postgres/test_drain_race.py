@@ -10,12 +10,16 @@ import time
 import uuid
 from typing import Any
 
+import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import rselection as rs
 from rselection.postgres import PostgresAdmin, PostgresLeader
 from tests.support.marker_proxy import MarkerProxy
 from tests.support.waiting import wait_until
+
+# An attempt held in flight for a measured window.
+pytestmark = pytest.mark.serial
 
 FAST: dict[str, Any] = {"ttl": 4.0, "renew_interval": 0.5, "renew_deadline": 2.5}
 FAST |= {"retry_interval": 0.5, "heartbeat_interval": 0.2, "claimer": None}

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 import rselection as rs
 from rselection.postgres import PostgresAdmin, PostgresLeader
 from tests.support.waiting import wait_until
 from tests.support.wire_counter import CountingProxy
+
+# Statements counted over a window of renewals: one at a time.
+pytestmark = pytest.mark.serial
 
 KEEPER = "rselection:keeper"  # the application_name of every keeper session
 RENEW_INTERVAL = 0.5
