@@ -625,9 +625,15 @@ class SharedKeeper:
         with self._state:  # not in the middle of a change of the session
             return self._holds.holding
 
-    def read(self, query: sql.Composable, what: str) -> list[tuple[Any, ...]] | None:
+    def read(
+        self, query: sql.Composable, what: str, *, wait: float = 0.0
+    ) -> list[tuple[Any, ...]] | None:
         """The rows of a short read (``query``, parameters inlined) run on the keeper
         session, or ``None`` when the process should use its pooled sessions instead.
+
+        ``wait``: seconds to wait for a read of another lease under way (else it goes
+        to the pool at once): the reads every lease of a process makes as it connects
+        (its drain state) queue here rather than open pooled sessions.
 
         A process that only follows reads here (``leader()``, ``nodes()``), so that it
         holds no more sessions than the keeper and the watcher; the read is bounded on
@@ -649,7 +655,9 @@ class SharedKeeper:
             )
         # One read at a time: more (many threads asking leader()) go to the pool rather
         # than queue on the session ahead of the process's attempts.
-        if not usable or not self._reading.acquire(blocking=False):
+        if not usable:
+            return None
+        if not (self._reading.acquire(timeout=wait) if wait > 0 else self._reading.acquire(False)):
             return None
         try:
             results = self._run(
