@@ -140,8 +140,13 @@ def test_four_nodes_balance_a_killed_nodes_shards_move_and_a_fifth_joins_with_fe
         print(f"a joining node reached its share in {share_at - joined:.2f} s (from its start)")
         assert len(moved_shards) == 8 <= math.ceil(shards / 4)
         assert all(after[s] == "n4" for s in moved_shards)
+        # The nodes' event logs lag the lease rows read above: wait for them to tell
+        # every move; then nothing else may have changed hands, not even twice.
+        wait_until(
+            lambda: set(changes(fleet, joined)) >= moved_shards, 10, "the moves' events", 0.1
+        )
         moves = changes(fleet, joined)
-        assert set(moves) == moved_shards  # nothing else changed hands, not even twice
+        assert set(moves) == moved_shards
         gaps = []
         for shard in moved_shards:
             demoted = [
