@@ -22,6 +22,7 @@ __all__ = [
     "HISTORY_LIMIT",
     "MAX_HISTORY_LIMIT",
     "OPERATOR",
+    "TermEnding",
     "TermRecord",
     "check_history_limit",
     "end_reason_of",
@@ -99,6 +100,26 @@ def check_history_limit(value: object, what: str = "history_limit", *, least: in
             f"{what} must be an int from {least} to {MAX_HISTORY_LIMIT:,}, got {value!r:.40}"
         )
     return value
+
+
+class TermEnding:
+    """Why a lease's current term ends, as its leader said (``term_ending``), kept until
+    the release that records it: a lease holds one term at a time."""
+
+    def __init__(self) -> None:
+        self._said: tuple[int, str, str | None] | None = None
+
+    def note(self, term: int, reason: str, by: str | None) -> None:
+        """``term`` ends for ``reason`` (an ``end_reason``), ended by ``by``."""
+        self._said = (term, reason, by)
+
+    def of(self, term: int) -> tuple[str, str | None]:
+        """Why ``term`` ends and who ended it; a release nobody explained is
+        ``released``, by nobody."""
+        said = self._said
+        if said is None or said[0] != term:
+            return "released", None
+        return said[1], said[2]
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,6 @@ from .output import EXIT_OK, EXIT_REFUSED, printable, say
 
 if TYPE_CHECKING:
     from ..admin import LeaseAdmin
-    from ..postgres import PostgresAdmin
-    from ..redis import RedisAdmin
 
 __all__ = ["add_parser", "run"]
 
@@ -106,17 +104,11 @@ def change(args: argparse.Namespace, *, drained: bool) -> int:
             say(f"undrained node {node} of lease {done.name!r}: it may lead again")
         return EXIT_OK
 
-    def on_postgres(admin: PostgresAdmin, _dsn: str) -> int:
-        return act(admin)
-
-    def on_redis(admin: RedisAdmin) -> int:
-        return act(admin)
-
     return act_on_lease(
         args,
         command,
         hint="run `rselection migrate`, or pass the right --table",
-        postgres=on_postgres,
-        redis=on_redis,
+        postgres=lambda admin, _dsn: act(admin),
+        redis=act,
         refused=(Refused, ConfigError),
     )

@@ -657,7 +657,7 @@ class SharedKeeper:
         # than queue on the session ahead of the process's attempts.
         if not usable:
             return None
-        if not (self._reading.acquire(timeout=wait) if wait > 0 else self._reading.acquire(False)):
+        if not self._reading.acquire(timeout=wait):  # 0: only if free now
             return None
         try:
             results = self._run(

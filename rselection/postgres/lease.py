@@ -23,7 +23,7 @@ import psycopg
 from .. import forks
 from ..closeable import Closeable
 from ..errors import BackendUnavailable, ConfigError
-from ..history import HISTORY_LIMIT, check_history_limit
+from ..history import HISTORY_LIMIT, TermEnding, check_history_limit
 from ..lease import Acquisition, HandoverRequest, LeaderInfo, ReleaseOutcome, RenewOutcome
 from ..timing import MAX_TIMING
 from ..validation import check_name, check_node_id, check_seconds
@@ -142,8 +142,7 @@ class PostgresLease(Closeable):
         self._ident = table_identifier(table)  # validates
         self.version = check_version(version)
         self.history_limit = check_history_limit(history_limit)
-        # Why the term ending now ends (term, end_reason, by), for its release's record.
-        self._ending: tuple[int, str, str | None] | None = None
+        self._ending = TermEnding()  # why the term ending now ends, for its record
         self.table = table
         self.create_tables = create_tables
         self.channel: str | None = None
@@ -640,15 +639,12 @@ class PostgresLease(Closeable):
     def term_ending(self, term: int, reason: str, by: str | None) -> None:
         """Ability ``"records_history"``: remember why ``term`` ends, for the record its
         release closes (see :mod:`rselection.history`)."""
-        self._ending = (term, reason, by)
+        self._ending.note(term, reason, by)
 
     def ending(self, term: int) -> tuple[str, str | None]:
         """Why ``term`` ends and who ended it, as :meth:`term_ending` said (a release
         nobody explained is ``released``)."""
-        ending = self._ending
-        if ending is None or ending[0] != term:
-            return "released", None
-        return ending[1], ending[2]
+        return self._ending.of(term)
 
     def release(self, node_id: str, term: int) -> None:
         """Give the lease up: holder cleared (term kept), lock freed, followers notified.

@@ -31,7 +31,7 @@ import redis
 from .. import clock, forks
 from ..closeable import Closeable
 from ..errors import BackendUnavailable, ConfigError, first_line
-from ..history import HISTORY_LIMIT, check_history_limit
+from ..history import HISTORY_LIMIT, TermEnding, check_history_limit
 from ..lease import Acquisition, HandoverRequest, LeaderInfo
 from ..session_hold import SessionHold
 from ..validation import check_name, check_node_id, check_optional_seconds, check_seconds
@@ -119,8 +119,7 @@ class RedisLease(Closeable):
         check_key_prefix(key_prefix)
         self.version = check_version(version)
         self.history_limit = check_history_limit(history_limit)
-        # Why the term ending now ends (term, end_reason, by), for its release's record.
-        self._ending: tuple[int, str, str | None] | None = None
+        self._ending = TermEnding()  # why the term ending now ends, for its record
         # Redis expiries are whole milliseconds.
         self.ttl = check_seconds(ttl, "ttl", minimum=MIN_TTL)
         self.renew_deadline = check_seconds(renew_deadline, "renew_deadline", minimum=MIN_TTL)
@@ -594,7 +593,7 @@ class RedisLease(Closeable):
     def term_ending(self, term: int, reason: str, by: str | None) -> None:
         """Ability ``"records_history"``: remember why ``term`` ends, for the record its
         release writes (see :mod:`rselection.history`)."""
-        self._ending = (term, reason, by)
+        self._ending.note(term, reason, by)
 
     def release(self, node_id: str, term: int) -> None:
         """Give the lease up (key deleted, term counter kept) and wake the followers.
@@ -608,8 +607,7 @@ class RedisLease(Closeable):
         leading = self._leading
         if leading is None or leading[1] != term:
             return
-        ending = self._ending
-        reason, by = ending[1:] if ending is not None and ending[0] == term else ("released", None)
+        reason, by = self._ending.of(term)
         reply = self._call(
             "EVAL",
             RELEASE,
