@@ -626,12 +626,12 @@ class SharedKeeper:
             return self._holds.holding
 
     def read(
-        self, query: sql.Composable, what: str, *, wait: float = 0.0
+        self, query: sql.Composable, what: str, *, timeout: float = 0.0
     ) -> list[tuple[Any, ...]] | None:
         """The rows of a short read (``query``, parameters inlined) run on the keeper
         session, or ``None`` when the process should use its pooled sessions instead.
 
-        ``wait``: seconds to wait for a read of another lease under way (else it goes
+        ``timeout``: seconds to wait for a read of another lease under way (else it goes
         to the pool at once): the reads every lease of a process makes as it connects
         (its drain state) queue here rather than open pooled sessions.
 
@@ -657,7 +657,7 @@ class SharedKeeper:
         # than queue on the session ahead of the process's attempts.
         if not usable:
             return None
-        if not self._reading.acquire(timeout=wait):  # 0: only if free now
+        if not self._reading.acquire(timeout=timeout):  # 0: only if free now
             return None
         try:
             results = self._run(
