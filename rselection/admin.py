@@ -19,6 +19,14 @@ from .drains import DrainChange
 from .errors import RSelectionError
 from .history import TermRecord
 from .members import NodeInfo
+from .task_runs import (
+    OUTCOMES,
+    RUN_HISTORY_LIMIT,
+    RunRecord,
+    TaskControlChange,
+    TaskInfo,
+    Trigger,
+)
 from .text import printable
 from .validation import check_name, check_node_id
 
@@ -31,11 +39,17 @@ __all__ = [
     "LastFire",
     "LeaseAdmin",
     "LeaseStatus",
+    "OUTCOMES",
     "PendingHandover",
+    "RUN_HISTORY_LIMIT",
     "Refused",
     "Retirement",
+    "RunRecord",
     "StatusSnapshot",
+    "TaskControlChange",
+    "TaskInfo",
     "TermWatch",
+    "Trigger",
 ]
 
 
@@ -407,3 +421,57 @@ class LeaseAdmin(Closeable, ABC):
     def watch_terms(self, name: str) -> TermWatch:
         """A watch for the next term of lease ``name``: enter it before asking for a
         handover, then :meth:`~TermWatch.wait`."""
+
+    def tasks(self, name: str) -> list[TaskInfo]:
+        """The tasks of lease ``name`` as its leader last published them, sorted by task
+        name, each with its controls and its newest run: empty when no leader of the
+        lease ever published its tasks.
+
+        Raises:
+            Refused: no such lease.
+        """
+        raise Refused(f"{type(self).__name__} cannot list tasks")
+
+    def task_runs(self, name: str, task: str, *, limit: int = RUN_HISTORY_LIMIT) -> list[RunRecord]:
+        """The last ``limit`` runs of task ``task`` of lease ``name``, newest first (its
+        run history; see :mod:`rselection.task_runs`): empty when none is recorded.
+
+        Raises:
+            ConfigError: ``limit`` is not an int from 1.
+            Refused: no such lease, or (when its tasks are known) no such task.
+        """
+        raise Refused(f"{type(self).__name__} cannot read run histories")
+
+    def pause_task(self, name: str, task: str) -> TaskControlChange:
+        """Pause task ``task`` of lease ``name`` (``rselection task pause``), durably
+        until :meth:`resume_task`: a scheduled task's fires are skipped (reason
+        ``paused``), a persistent task is stopped and not restarted. The leader sees it
+        within about a second, and a new leader before its first fire. Pausing a paused
+        task changes nothing (``changed`` is ``False``).
+
+        Raises:
+            Refused: no such lease, or (when its tasks are known) no such task.
+        """
+        raise Refused(f"{type(self).__name__} cannot pause tasks")
+
+    def resume_task(self, name: str, task: str) -> TaskControlChange:
+        """Resume task ``task`` of lease ``name`` (``rselection task resume``): its fires
+        run again, a persistent task starts again within about a second. Resuming a task
+        that is not paused changes nothing (``changed`` is ``False``).
+
+        Raises:
+            Refused: no such lease, or (when its tasks are known) no such task.
+        """
+        raise Refused(f"{type(self).__name__} cannot resume tasks")
+
+    def trigger_task(self, name: str, task: str) -> Trigger:
+        """Ask the leader of lease ``name`` for one extra fire of scheduled task ``task``
+        now (``rselection task trigger``), even while the task is paused: it has its own
+        fire key and is claimed like any other fire, so it runs once across the fleet
+        (a leader that takes over runs it if the old one did not).
+
+        Raises:
+            Refused: no such lease, no such task (when its tasks are known), or a
+                persistent task (only scheduled tasks can be triggered).
+        """
+        raise Refused(f"{type(self).__name__} cannot trigger tasks")
