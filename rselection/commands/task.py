@@ -72,7 +72,9 @@ def _common(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace],
 )
 def add_parser(parser: argparse.ArgumentParser) -> None:
     """Add the actions of ``task`` (``pause``, ``resume``, ``trigger``, ``history``)."""
-    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    actions = parser.add_subparsers(
+        dest="action", required=True, metavar="ACTION", help="pause, resume, trigger or history"
+    )
     for action, text in (
         ("pause", "skip the task's fires (stop a persistent task) until resumed"),
         ("resume", "run the task again"),
