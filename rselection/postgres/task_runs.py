@@ -33,7 +33,7 @@ from ..task_runs import (
 )
 from ._lease_sql import lease_channel, resolve_lease_table
 from .connections import Connections
-from .schema import create_tables, table_identifier, task_table_names
+from .schema import create_tables, table_exists, table_identifier, task_table_names
 
 __all__ = ["PostgresTaskStore"]
 
@@ -183,8 +183,9 @@ class PostgresTaskStore:
         try:
             with self._conns.connection() as conn:
                 found = resolve_lease_table(conn, self.table)
-                if self.create_tables and found is not None:
-                    create_tables(conn, leases=self.table)
+                tasks_table = task_table_names(self.table)[0]
+                if self.create_tables and found is not None and not table_exists(conn, tasks_table):
+                    create_tables(conn, leases=self.table)  # a table migrated before them
                 with conn.transaction():
                     cur = conn.execute(query, params)
                     result = cur.fetchone() if cur.description is not None else cur.rowcount
@@ -321,8 +322,11 @@ class PostgresTaskStore:
     def add_trigger(self, name: str, task: str) -> Trigger:
         """See :meth:`~rselection.abc.TaskStore.add_trigger`."""
         key = new_trigger_key(task)
+        # The time is read in a CTE, not RETURNING: an operator needs only INSERT here.
         query = sql.SQL(
-            "INSERT INTO {} (name, fire_key, task) VALUES (%s, %s, %s) RETURNING requested_at"
+            "WITH at AS (SELECT clock_timestamp() AS v), ins AS ("
+            " INSERT INTO {} (name, fire_key, task, requested_at) SELECT %s, %s, %s, v FROM at"
+            ") SELECT v FROM at"
         ).format(self._triggers)
         row = self._change(f"trigger task {task!r}", name, query, (name, key, task))
         return Trigger(name, task, key, row[0].astimezone(UTC))
