@@ -208,8 +208,12 @@ def test_runs_show_in_the_history_within_about_a_second_newest_first_up_to_the_l
     time.sleep(0.5)
     runs = admin.task_runs(name, "tick", limit=100)
     assert len(runs) == 30  # the newest 30 of 45 or more
-    assert [r.scheduled_at for r in runs] == sorted((r.scheduled_at for r in runs), reverse=True)
-    assert all(r.outcome == "ok" and r.started_at and r.ended_at for r in runs)
+    # Newest first, as recorded: a run when it ends, a skip when it is skipped (on a
+    # loaded machine a fire may be skipped while the one before it still runs).
+    ran = [r for r in runs if r.outcome == "ok"]
+    assert len(ran) >= 20 and all(r.started_at and r.ended_at for r in ran)
+    assert [r.ended_at for r in ran] == sorted((r.ended_at for r in ran), reverse=True)
+    assert all(r.outcome == "skipped" for r in runs if r.outcome != "ok")
     assert len(admin.task_runs(name, "tick", limit=2)) == 2
     with pytest.raises(rs.ConfigError):
         admin.task_runs(name, "tick", limit=0)
