@@ -18,8 +18,8 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from .task_desk import TaskDesk
-from .task_runs import RunRecord, TaskControls, entry_of
+from .task_desk import Noted, RunQueue, TaskDesk
+from .task_runs import TaskControls, entry_of
 
 if TYPE_CHECKING:
     from .abc import TaskStore
@@ -64,6 +64,7 @@ class TaskBoard:
         self._lock = threading.Lock()
         self._listener: ControlsListener | None = None
         self._reading = False  # a read is queued on the desk
+        self._queue: RunQueue | None = None  # this leader's runs waiting for the desk
 
     def paused(self, task: str) -> bool:
         """Whether ``task`` was paused when the controls were last read."""
@@ -130,10 +131,12 @@ class TaskBoard:
         claimed: it is taken on the next read)."""
         self._read_soon(RETRY_AFTER)
 
-    def record(self, spec: TaskSpec, run: RunRecord) -> None:
-        """Queue ``run`` of ``spec`` for the run history (never blocks)."""
-        next_fire = spec.stats.next_fire if spec.schedule is not None else None
-        TaskDesk.shared().record(self.store, run, next_fire=next_fire, limit=self.limit)
+    def note(self, noted: Noted) -> None:
+        """Queue a run for the run history (from the hot path: no lock, no wait)."""
+        queue = self._queue
+        if queue is None:
+            queue = self._queue = TaskDesk.shared().queue(self.store, self.limit)
+        queue.add(noted)
 
     def publish(self, term: Term, specs: Sequence[TaskSpec]) -> None:
         """Publish the term's list of tasks, on the desk (best effort: logged)."""
@@ -171,3 +174,4 @@ class TaskBoard:
         """The leader stops: write its last runs now (waiting at most
         :data:`STOP_FLUSH` seconds)."""
         TaskDesk.shared().drain(self.store, STOP_FLUSH)
+        self._queue = None

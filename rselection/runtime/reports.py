@@ -20,7 +20,6 @@ from .. import signals
 from ..context import Term
 from ..schedules import format_fire_key
 from ..specs import StuckPolicy, TaskSpec
-from ..task_runs import RunRecord
 from .pools import SIGNAL_POOL
 
 __all__ = ["STUCK_EXIT_CODE", "TermReports", "surviving"]
@@ -180,20 +179,8 @@ class TermReports:
         if board is None:
             return
         term = self.term
-        run = RunRecord(
-            board.name,
-            spec.name,
-            at,
-            None,
-            None,
-            outcome,
-            reason,
-            term.node_id,
-            term.number,
-            None,
-            by,
-        )
-        board.record(spec, run)
+        board.note((spec, board.name, at, None, None, outcome, reason, term.node_id,
+                    term.number, None, by))  # fmt: skip
 
     def announce(
         self, spec: TaskSpec, at: datetime, reason: str, fire_key: str | None = None

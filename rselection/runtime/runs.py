@@ -6,7 +6,6 @@ import asyncio
 import inspect
 import logging
 import time
-from datetime import UTC, datetime
 from typing import Any
 
 from .. import signals
@@ -15,7 +14,7 @@ from ..context import TaskContext, TaskTerm, Term
 from ..errors import LeadershipLost
 from ..history import OPERATOR
 from ..specs import TaskSpec
-from ..task_runs import PAUSED, RunRecord, error_line
+from ..task_runs import PAUSED, error_line
 from .reports import TermReports
 from .units import TermUnits
 
@@ -64,9 +63,9 @@ class TaskRuns:
             return None
         return exc
 
-    def _started(self, spec: TaskSpec, ctx: TaskContext) -> tuple[float, datetime]:
+    def _started(self, spec: TaskSpec, ctx: TaskContext) -> tuple[float, float]:
         """Count the run and announce it; return its start (monotonic, and the time)."""
-        started_at = datetime.now(UTC)
+        started_at = time.time()
         with self.units.cond:
             spec.stats.runs += 1
             if ctx.scheduled_at is not None:
@@ -85,7 +84,7 @@ class TaskRuns:
         self,
         spec: TaskSpec,
         ctx: TaskContext,
-        started_at: datetime,
+        started_at: float,
         error: BaseException | None,
         term: Term,
         by: str | None,
@@ -107,26 +106,16 @@ class TaskRuns:
                 reason = "not-leader" if not self.term.live() else None
         else:
             outcome = "ok"
-        run = RunRecord(
-            board.name,
-            spec.name,
-            ctx.scheduled_at,
-            started_at,
-            datetime.now(UTC),
-            outcome,
-            reason,
-            self.term.node_id,
-            self.term.number,
-            None if error is None else error_line(error),
-            by,
-        )
-        board.record(spec, run)
+        # A plain tuple: the record is made on the task desk's thread, not here.
+        board.note((spec, board.name, ctx.scheduled_at, started_at, time.time(), outcome,
+                    reason, self.term.node_id, self.term.number,
+                    None if error is None else error_line(error), by))  # fmt: skip
 
     def _record(
         self,
         spec: TaskSpec,
         ctx: TaskContext,
-        began: tuple[float, datetime],
+        began: tuple[float, float],
         error: BaseException | None,
         *,
         term: Term | None = None,

@@ -18,7 +18,8 @@ import rselection as rs
 from rselection import signals
 from rselection.admin import Refused
 from rselection.claiming import series_of
-from rselection.task_desk import BATCH, MAX_PENDING, TaskDesk
+from rselection.specs import TaskSpec
+from rselection.task_desk import BATCH, MAX_PENDING, Noted, TaskDesk
 from rselection.task_runs import (
     OUTCOMES,
     TRIGGER_MARK,
@@ -307,9 +308,13 @@ class SlowStore(rs.MemoryTaskStore):
         super().write_runs(runs, next_fires=next_fires, limit=limit)
 
 
-def run_record(i: int) -> RunRecord:
+SPECS = [TaskSpec(f"t{i}", rs.GenericTask(f"t{i}"), False) for i in range(7)]
+
+
+def noted(i: int) -> Noted:
+    """A run as the runtime notes it: task ``t<i % 7>``, skipped."""
     at = datetime.now(UTC)
-    return RunRecord("desk", f"t{i % 7}", at, None, None, "skipped", "overlap", "n", 1, None, None)
+    return (SPECS[i % 7], "desk", at, None, None, "skipped", "overlap", "n", 1, None, None)
 
 
 def test_the_desk_writes_in_batches_and_drops_the_oldest_past_its_bound() -> None:
@@ -318,11 +323,12 @@ def test_the_desk_writes_in_batches_and_drops_the_oldest_past_its_bound() -> Non
     desk.use(store)
     try:
         store.gate.clear()  # the first write waits: everything else queues
-        desk.record(store, run_record(0), next_fire=None, limit=100)
+        queue = desk.queue(store, 100)
+        queue.add(noted(0))
         wait_until(lambda: desk.pending() == 0, 2, "the first batch to be taken")
         before = desk.counts.dropped
         for i in range(1, MAX_PENDING + 11):
-            desk.record(store, run_record(i), next_fire=None, limit=100)
+            queue.add(noted(i))
         assert desk.counts.dropped - before == 10  # the oldest went first
         store.gate.set()
         assert desk.flush(10)
@@ -343,13 +349,13 @@ def test_a_failing_store_loses_its_batch_says_so_once_and_tasks_run_on(
     try:
         with caplog.at_level(logging.WARNING, logger="rselection.task_desk"):
             for _ in range(3):
-                desk.record(store, run_record(1), next_fire=None, limit=100)
+                desk.queue(store, 100).add(noted(1))
                 assert desk.flush(5)
         assert desk.counts.lost - lost == 3
         said = [r for r in caplog.records if "not written" in r.getMessage()]
         assert len(said) == 1
         store.fail = False
-        desk.record(store, run_record(1), next_fire=None, limit=100)
+        desk.queue(store, 100).add(noted(1))
         assert desk.flush(5) and store.batches == [1]
     finally:
         desk.drain(store, 5)
