@@ -451,12 +451,12 @@ class LeaseAdmin(Closeable, ABC):
         if found is None:
             names = ", ".join(printable(info.task) for info in listed)
             raise Refused(
-                f"no task {printable(task)} of lease {name!r} (its tasks: {names}); check "
+                f"no task {task!r} of lease {name!r} (its tasks: {names}); check "
                 "the name (`rselection task history` needs the exact task name)"
             )
         if scheduled and found.kind == "persistent":
             raise Refused(
-                f"task {printable(task)} of lease {name!r} is persistent: only scheduled "
+                f"task {task!r} of lease {name!r} is persistent: only scheduled "
                 "tasks can be triggered (pause and resume it instead)"
             )
 

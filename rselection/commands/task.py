@@ -126,7 +126,7 @@ def _history(admin: LeaseAdmin, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"runs": [run.as_json() for run in runs]}, indent=2), flush=True)
         return EXIT_OK
-    task = printable(args.task)
+    task = repr(args.task)
     if not runs:
         say(f"task {task} of lease {args.name!r}: no runs recorded yet")
         return EXIT_OK
@@ -149,7 +149,7 @@ def _history(admin: LeaseAdmin, args: argparse.Namespace) -> int:
 
 def _act(admin: LeaseAdmin, args: argparse.Namespace) -> int:
     name, task = args.name, args.task
-    shown = printable(task)
+    shown = repr(task)
     if args.action == "trigger":
         trigger = admin.trigger_task(name, task)
         if args.json:
@@ -170,7 +170,7 @@ def _act(admin: LeaseAdmin, args: argparse.Namespace) -> int:
     elif paused:
         say(
             f"paused task {shown} of lease {name!r}: its fires are skipped (a persistent "
-            f"task stops) until `rselection task resume {name} {shown}`"
+            f"task stops) until `rselection task resume {name} {printable(task)}`"
         )
     else:
         say(f"resumed task {shown} of lease {name!r}: it runs again")
