@@ -281,6 +281,10 @@ class LeaseLeader(Service):
             eligible=check_eligible(eligible),
         )
         self._state.tasks = board
+        if board is not None:
+            # Read on every (re)connect, before any attempt: a term's persistent tasks
+            # start as they say (a leader with membership reads its drains too).
+            self._state.check_drained = self._read_task_controls
         self._driven = DrivenKeeper(self._state, driven, backend)
         self._started = False
         self._observer_lock = threading.Lock()
@@ -481,6 +485,13 @@ class LeaseLeader(Service):
         limit = check_run_limit(limit)
         return board.store.read_runs(self.name, check_name(task, "task name"), limit)
 
+    def _read_task_controls(self) -> None:
+        """Read the task controls of this lease (the leader (re)connects); a failure is
+        logged and changes nothing."""
+        board = self._state.tasks
+        if board is not None:
+            board.read_quietly()
+
     def _tasks_woken(self) -> None:
         """A notification says the task controls of this lease may have changed: the
         board reads them (only while a term runs; never on the caller's thread)."""
@@ -517,6 +528,8 @@ class LeaseLeader(Service):
                 self._state.handler.check_claims(self._state.claims.ttl)
             self._state.handler.attach()
             self._started = True
+            if self._state.tasks is not None:
+                self._state.tasks.open()
         try:
             # Before any election: a receiver (the metrics' is_leader gauge) sees every
             # node, followers included, from its start.

@@ -141,7 +141,8 @@ class Leadership:
         self.handovers_by_operator = True
         self.given_eligible = eligible  # as given: eligible unless drained (see drains)
         # Reads whether this node is drained and acts on it (a leader with membership
-        # sets it): run on every (re)connect, before any attempt.
+        # sets it), and the task controls of a leader that keeps them: run on every
+        # (re)connect, before any attempt.
         self.check_drained: Callable[[], None] | None = None
         # The task controls and run history of the leader's terms (a leader with a task
         # store sets it; a shard's leader keeps none).

@@ -1,11 +1,13 @@
 """One leader's task controls and run history: :class:`TaskBoard`.
 
-A leader with a task store (:class:`~rselection.abc.TaskStore`) has a board. Each term
-reads the lease's controls through it before its first fire (:meth:`TaskBoard.read`),
-and while the term runs a notification on the lease's channel wakes the board
-(:meth:`TaskBoard.wake`): a notification is anyone's, so it is only a wake-up, and the
-board reads the controls from the store itself, on the process's task desk
-(:mod:`rselection.task_desk`), then hands them to the running term
+A leader with a task store (:class:`~rselection.abc.TaskStore`) has a board. It reads
+the lease's controls each time the leader (re)connects, before it attempts to lead
+(:meth:`TaskBoard.read_quietly`), and whenever a notification on the lease's channel
+wakes it (:meth:`TaskBoard.wake`): a notification is anyone's, so it is only a wake-up,
+and the board reads the controls from the store itself, on the process's task desk
+(:mod:`rselection.task_desk`). So the controls it holds are current when a term begins:
+its persistent tasks start as they say at once, and the term reads them once more
+before its scheduler begins. While a term runs, what the board reads is handed to it
 (:meth:`ControlsListener.apply_controls`). The term's runs go through the board to the
 desk, which writes them in batches. See ``docs/explanation/how-it-works.md`` ("Task
 controls and run history").
@@ -64,11 +66,30 @@ class TaskBoard:
         self._lock = threading.Lock()
         self._listener: ControlsListener | None = None
         self._reading = False  # a read is queued on the desk
+        self._open = False  # the leader runs (see open, close)
         self._queue: RunQueue | None = None  # this leader's runs waiting for the desk
 
     def paused(self, task: str) -> bool:
         """Whether ``task`` was paused when the controls were last read."""
         return task in self.controls.paused
+
+    def open(self) -> None:
+        """The leader starts: notifications make the board read the controls."""
+        with self._lock:
+            self._open = True
+
+    def read_quietly(self) -> None:
+        """Read the controls (the leader (re)connected); a failure is logged, and the
+        controls last read stay."""
+        try:
+            self.read()
+        except Exception as exc:
+            logger.warning(
+                "lease %r: could not read the task controls (%s); they are read again "
+                "when a term begins",
+                self.name,
+                exc,
+            )
 
     def read(self) -> TaskControls:
         """Read the lease's controls from the store (and keep them).
@@ -93,13 +114,14 @@ class TaskBoard:
                 self._listener = None
 
     def wake(self) -> None:
-        """A notification says the controls may have changed: while a term runs, read
-        them soon on the task desk (never on the caller's thread, which must not block)."""
+        """A notification says the controls may have changed: read them soon on the task
+        desk (never on the caller's thread, which must not block), and hand them to the
+        running term, if any; a follower keeps them for its next term."""
         self._read_soon(0.0)
 
     def _read_soon(self, delay: float) -> None:
         with self._lock:
-            if self._listener is None or self._reading:
+            if not self._open or self._reading:
                 return
             self._reading = True
         TaskDesk.shared().submit(self._refresh, delay=delay)
@@ -108,7 +130,7 @@ class TaskBoard:
         """On the desk: read the controls and hand them to the running term."""
         with self._lock:
             self._reading = False
-            if self._listener is None:
+            if not self._open:
                 return
         try:
             controls = self.read()
@@ -172,6 +194,8 @@ class TaskBoard:
 
     def close(self) -> None:
         """The leader stops: write its last runs now (waiting at most
-        :data:`STOP_FLUSH` seconds)."""
+        :data:`STOP_FLUSH` seconds), and read the controls no more."""
+        with self._lock:
+            self._open = False
         TaskDesk.shared().drain(self.store, STOP_FLUSH)
         self._queue = None

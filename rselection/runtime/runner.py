@@ -112,21 +112,31 @@ class TermRunner:
     # -- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start persistent tasks and the scheduler (once the task controls are read,
-        when the leader keeps them: on the term's claim lane, never on the caller's
-        thread, which is the leader's engine)."""
+        """Start the persistent tasks, at once, and the scheduler.
+
+        A leader with task controls starts the persistent tasks as its controls were
+        last read (when it connected, and whenever a notification said they changed:
+        they are current), then reads them again on the term's claim lane, never on the
+        caller's thread (the leader's engine): only then does the scheduler begin, so
+        that no scheduled fire of a term ever runs before its controls were read.
+        """
         if any(spec.is_async for spec in self.specs) and self._loop is None:
             self._guard = SharedLoops.shared().enter()
             self._loop = self._guard.loop
-        if self._board is None:
-            self._begin(None)
+        board = self._board
+        if board is None:
+            self._start_persistents(None)
+            self._start_schedule()
             return
+        board.attach(self)
+        self._start_persistents(board.controls)
         with contextlib.suppress(RuntimeError):  # the pool is shut down: the term is over
-            self._claims.submit(self._begin_with_controls)
+            self._claims.submit(self._schedule_with_controls)
 
-    def _begin_with_controls(self) -> None:
-        """On the claim lane: read the task controls, then start the term's tasks as
-        they say (with the controls last read if this read fails)."""
+    def _schedule_with_controls(self) -> None:
+        """On the claim lane: read the task controls, act on what changed since they
+        were last read, then begin the scheduler (with the controls last read if this
+        read fails)."""
         board = self._board
         assert board is not None
         try:
@@ -134,29 +144,32 @@ class TermRunner:
         except Exception as exc:
             controls = board.controls
             logger.warning(
-                "term %d: the task controls could not be read (%s): the tasks start as "
+                "term %d: the task controls could not be read (%s): the tasks run as "
                 "last read (%d paused)",
                 self.term.number,
                 exc,
                 len(controls.paused),
             )
+        self.apply_controls(controls)  # a change since, and the triggers
         with self._dispatch:  # stop() waits for the units entered here
             if not self.term.live():
                 return
-            board.attach(self)
-            self._begin(controls)
+            self._start_schedule()
         board.publish(self.term, self.specs)
-        self.apply_controls(controls)  # its triggers
 
-    def _begin(self, controls: TaskControls | None) -> None:
-        """Start the persistent tasks not paused, and the scheduler."""
-        for spec in self.specs:
-            if spec.type is TaskType.PERSISTENT:
-                slot = self._persistent[spec.name] = _Persistent()
-                if controls is not None and spec.name in controls.paused:
-                    slot.stopped = True
-                else:
-                    self._start_persistent(spec, slot)
+    def _start_persistents(self, controls: TaskControls | None) -> None:
+        """Start the persistent tasks not paused."""
+        with self._controls:
+            for spec in self.specs:
+                if spec.type is TaskType.PERSISTENT:
+                    slot = self._persistent[spec.name] = _Persistent()
+                    if controls is not None and spec.name in controls.paused:
+                        slot.stopped = True
+                    else:
+                        self._start_persistent(spec, slot)
+
+    def _start_schedule(self) -> None:
+        """Begin the scheduler: the look-back for missed fires, then each instant."""
         scheduled = [spec for spec in self.specs if spec.type is TaskType.SCHEDULED]
         if scheduled:
             catch_up = None
@@ -204,6 +217,10 @@ class TermRunner:
             # add units to join. They see the term over once this lock is free.
             if self._dispatch.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 self._dispatch.release()
+            if self._table is not None:  # begun on the claim lane as the term ended
+                thread = SCHEDULER.remove(self._table)
+                if thread is not None:
+                    self._scheduler = thread
             self._units.wait(deadline, self._guard)
             stuck = self._units.running()
             self._claims.close()

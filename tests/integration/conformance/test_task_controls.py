@@ -262,7 +262,8 @@ def test_a_trigger_runs_once_across_the_fleet_even_while_paused(
     admin.pause_task(name, "tick")
     trigger = admin.trigger_task(name, "tick")
     assert trigger.fire_key.startswith("tick@trigger:") and trigger.lease == name
-    wait_until(lambda: trigger.fire_key in fires.fire_keys(), SEEN_WITHIN, "the triggered fire")
+    # A read, a claim and a start: within the second here, bounded looser on a busy machine.
+    wait_until(lambda: trigger.fire_key in fires.fire_keys(), 3 * SEEN_WITHIN, "the triggered fire")
     time.sleep(0.5)
     assert fires.fire_keys().count(trigger.fire_key) == 1
     assert [k for k in fires.fire_keys() if "@trigger:" in k] == [trigger.fire_key]
@@ -323,7 +324,7 @@ def test_the_task_command(backend: Backend, make: Callable[..., Any], name: str)
     done = cli("task", "trigger", name, "tick", "--json", *where)
     assert done.returncode == 0, done.stderr
     key = json.loads(done.stdout)["fire_key"]
-    wait_until(lambda: key in fires.fire_keys(), SEEN_WITHIN, "the triggered fire")
+    wait_until(lambda: key in fires.fire_keys(), 3 * SEEN_WITHIN, "the triggered fire")
 
     def history() -> dict[str, Any]:
         shown = cli("task", "history", name, "tick", "--json", *where)
