@@ -7,7 +7,7 @@ controls itself), lasts across failover (a new leader reads it before its first 
 and is recorded run by run (reason ``paused``, by the operator); a trigger runs once
 across the fleet, even while paused, and even when asked while no node led; runs show
 in the history within about a second, the newest ``run_history_limit`` kept. Leaders in
-one process, against the shared servers.
+one process, against the shared servers; and node processes for a leader killed.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import pytest
 
 import rselection as rs
 from rselection.admin import Refused
+from rselection.commands.demo_fleet import Fleet
 from tests.support.backends import Backend
 from tests.support.resign_cli import cli
 from tests.support.waiting import wait_until
@@ -354,3 +355,35 @@ def test_the_task_command(backend: Backend, make: Callable[..., Any], name: str)
     unreachable = cli("task", "pause", name, "tick", option, url)
     assert unreachable.returncode == 3, unreachable.stderr
     assert "s3cret-pw" not in unreachable.stderr + unreachable.stdout
+
+
+def test_a_pause_outlives_its_leader_killed(backend: Backend, admin: Any, name: str) -> None:
+    """Node processes: the leader, its task paused, is killed (``kill -9``); the node that
+    takes over never fires the task, and fires it once resumed."""
+    args = [*backend.fleet_args, "--ttl", "3", "--renew-interval", "0.5"]
+    args += ["--renew-deadline", "2", "--retry-interval", "0.5", "--tick", "0.1"]
+    with Fleet(backend.url, name, args) as fleet:
+        fleet.spawn("a")
+        assert fleet.first_elected(30)["node"] == "a"
+        fleet.spawn("b")
+        fleet.wait_ready(30)
+        assert fleet.wait_for(10, ev="tick", node="a") is not None
+        wait_until(lambda: admin.tasks(name), 10, "the published task list")
+        admin.pause_task(name, "tick")
+        wait_until(
+            lambda: any(r.reason == "paused" for r in admin.task_runs(name, "tick")),
+            5,
+            "a's fires skipped",
+        )
+        fleet.kill("a")
+        assert fleet.wait_for(15, ev="elected", node="b") is not None
+        # b's fires come every 0.1 s: a dozen would have run by now.
+        assert fleet.wait_for(1.5, ev="tick", node="b") is None
+        admin.resume_task(name, "tick")
+        assert fleet.wait_for(5, ev="tick", node="b") is not None
+        fleet.stop_all()
+    # b's fires while paused are on record as skipped by the operator.
+    assert any(
+        (r.node_id, r.outcome, r.reason, r.by) == ("b", "skipped", "paused", "operator")
+        for r in admin.task_runs(name, "tick")
+    )
