@@ -387,3 +387,32 @@ def test_a_pause_outlives_its_leader_killed(backend: Backend, admin: Any, name: 
         (r.node_id, r.outcome, r.reason, r.by) == ("b", "skipped", "paused", "operator")
         for r in admin.task_runs(name, "tick")
     )
+
+
+def test_a_forged_notification_pauses_nothing(
+    backend: Backend, make: Callable[..., Any], admin: Any, name: str
+) -> None:
+    """Anyone who may NOTIFY or PUBLISH can send what a pause sends: the leader reads
+    the controls again, and finds nothing paused."""
+    fires = Fires()
+    leader = make("a", fires)
+    leader.start()
+    assert leader.wait_until_leader(10)
+    wait_until(lambda: fires.tick_count() >= 2, 5, "fires")
+    if backend.kind == "redis":
+        from rselection.redis.keys import lease_keys
+
+        with backend._redis() as client:
+            for _ in range(20):
+                client.publish(lease_keys(name)[2], "tasks:0")
+    else:
+        import psycopg
+
+        payload = json.dumps({"event": "tasks", "name": name, "paused": "tick", "task": "tick"})
+        with psycopg.connect(backend.url, autocommit=True) as conn:
+            for _ in range(20):
+                conn.execute("SELECT pg_notify(%s, %s)", (leader.lease.channel, payload))
+    count = fires.tick_count()
+    wait_until(lambda: fires.tick_count() >= count + 10, 3, "fires after the forged wake-ups")
+    assert fires.running_loops() == 1
+    assert not any(info.paused for info in admin.tasks(name))
