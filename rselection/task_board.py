@@ -92,11 +92,14 @@ class TaskBoard:
             )
 
     def read(self) -> TaskControls:
-        """Read the lease's controls from the store (and keep them).
+        """Read the lease's controls from the store (and keep them); once the leader
+        stopped, the controls last read (nothing of a stopped leader opens a session).
 
         Raises:
             BackendUnavailable: the store could not be reached.
         """
+        if not self._open:
+            return self.controls
         controls = self.store.read_controls(self.name)
         self.controls = controls
         return controls
@@ -165,6 +168,8 @@ class TaskBoard:
         entries = [entry_of(spec) for spec in specs]
 
         def publish() -> None:
+            if not self._open:  # the leader stopped meanwhile
+                return
             try:
                 self.store.publish_tasks(self.name, term.node_id, term.number, entries)
             except Exception as exc:
@@ -183,6 +188,8 @@ class TaskBoard:
         keys = list(fire_keys)
 
         def drop() -> None:
+            if not self._open:  # the leader stopped meanwhile: the next one drops them
+                return
             try:
                 self.store.drop_triggers(self.name, keys)
             except Exception as exc:

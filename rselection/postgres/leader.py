@@ -185,6 +185,22 @@ class PostgresLeader(MemberLeader):
             cleanup,
         )
 
+        # On the process's pooled sessions, as the claimer's calls; closed with the
+        # leader, after its last runs are written.
+        task_store = PostgresTaskStore(
+            Connections(
+                source,
+                owner=type(self).__name__,
+                application_name="rselection:tasks",
+                connect_timeout=5.0,
+                statement_timeout=10.0,
+                pooled=True,
+            ),
+            table=table,
+            create_tables=create_tables,
+        )
+        cleanup.append(task_store.close)
+
         membership = PostgresMembership(
             source,
             name=name,
@@ -213,19 +229,7 @@ class PostgresLeader(MemberLeader):
             version=version,
             eligible=eligible,
             settle=settle,
-            # On the process's pooled sessions, as the claimer's calls.
-            task_store=PostgresTaskStore(
-                Connections(
-                    source,
-                    owner=type(self).__name__,
-                    application_name="rselection:tasks",
-                    connect_timeout=5.0,
-                    statement_timeout=10.0,
-                    pooled=True,
-                ),
-                table=table,
-                create_tables=create_tables,
-            ),
+            task_store=task_store,
             run_history_limit=run_history_limit,
         )
         self._source, self._table, self._nodes_table = source, table, nodes_table

@@ -157,6 +157,11 @@ class PostgresTaskStore:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(table={self.table!r}, {self._conns.where})"
 
+    def close(self) -> None:
+        """Close the connections of ``conns`` (a leader's: the process's pooled sessions
+        are let go of; a pool or connection passed in stays open)."""
+        self._conns.close()
+
     # -- a call ---------------------------------------------------------------------------
 
     def _read(self, what: str, query: sql.Composed, params: Any) -> list[tuple[Any, ...]]:

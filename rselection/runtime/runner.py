@@ -139,6 +139,8 @@ class TermRunner:
         read fails)."""
         board = self._board
         assert board is not None
+        if not self.term.live():
+            return
         try:
             controls = board.read()
         except Exception as exc:
