@@ -113,8 +113,10 @@ class TaskBoard:
     def detach(self, listener: ControlsListener) -> None:
         """Hand ``listener`` nothing more (its term ended)."""
         with self._lock:
-            if self._listener is listener:
-                self._listener = None
+            if self._listener is not listener:
+                return
+            self._listener = None
+        TaskDesk.shared().release(self.store)
 
     def wake(self) -> None:
         """A notification says the controls may have changed: read them soon on the task

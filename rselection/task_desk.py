@@ -204,10 +204,16 @@ class TaskDesk(forks.PerProcess):
             self._wake()
 
     def use(self, store: TaskStore) -> None:
-        """A leader runs with ``store``: the thread waits :data:`IDLE` seconds for more
-        work before it ends (until :meth:`drain`)."""
+        """A term runs with ``store``: the thread waits :data:`IDLE` seconds for more
+        work before it ends (until :meth:`release` or :meth:`drain`)."""
         with self._cond:
             self._users.add(id(store))
+
+    def release(self, store: TaskStore) -> None:
+        """The leader of ``store`` leads no term now: once idle, the thread may end."""
+        with self._cond:
+            self._users.discard(id(store))
+            self._cond.notify_all()
 
     def drain(self, store: TaskStore, timeout: float) -> bool:
         """Write what waits for ``store`` now and wait up to ``timeout`` seconds for it to

@@ -198,6 +198,7 @@ class PostgresLeader(MemberLeader):
             ),
             table=table,
             create_tables=create_tables,
+            keeper=lambda: lease.keeper,
         )
         cleanup.append(task_store.close)
 

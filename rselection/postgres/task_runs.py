@@ -15,9 +15,9 @@ push past the limit. A missing table reads as nothing stored.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
@@ -35,6 +35,9 @@ from ..task_runs import (
 from ._lease_sql import lease_channel, resolve_lease_table
 from .connections import Connections
 from .schema import create_tables, table_exists, table_identifier, task_table_names
+
+if TYPE_CHECKING:
+    from .keeper import SharedKeeper
 
 __all__ = ["PostgresTaskStore"]
 
@@ -81,18 +84,20 @@ class PostgresTaskStore:
             missing (a leader creates them with its lease table).
     """
 
-    def __init__(self, conns: Connections, *, table: str, create_tables: bool = True) -> None:
+    def __init__(
+        self,
+        conns: Connections,
+        *,
+        table: str,
+        create_tables: bool = True,
+        keeper: Callable[[], SharedKeeper | None] | None = None,
+    ) -> None:
         self._conns = conns
         self.table = table
         self.create_tables = create_tables
+        self._keeper = keeper
         tasks, runs, triggers = (table_identifier(t) for t in task_table_names(table))
         self._tasks, self._runs, self._triggers = tasks, runs, triggers
-        self._controls_sql = sql.SQL(
-            "SELECT task, paused_at, NULL FROM {tasks} WHERE name = %(name)s"
-            " AND paused_at IS NOT NULL"
-            " UNION ALL SELECT task, requested_at, fire_key FROM {triggers}"
-            " WHERE name = %(name)s ORDER BY 2"
-        ).format(tasks=tasks, triggers=triggers)
         # One statement per batch: number each task's new runs (an upsert of its row,
         # which also keeps its next fire unless a newer term wrote one), insert them,
         # and delete the runs they push past the limit (the new ones are not visible to
@@ -214,9 +219,32 @@ class PostgresTaskStore:
 
     # -- a leader's ----------------------------------------------------------------------
 
+    def _controls_sql(self, name: sql.Composable) -> sql.Composed:
+        """The read of a lease's controls, its name given as ``name`` (a placeholder, or
+        a literal for the keeper session, which takes no parameters)."""
+        return sql.SQL(
+            "SELECT task, paused_at, NULL FROM {tasks} WHERE name = {name}"
+            " AND paused_at IS NOT NULL"
+            " UNION ALL SELECT task, requested_at, fire_key FROM {triggers}"
+            " WHERE name = {name} ORDER BY 2"
+        ).format(tasks=self._tasks, triggers=self._triggers, name=name)
+
     def read_controls(self, name: str) -> TaskControls:
-        """See :meth:`~rselection.abc.TaskStore.read_controls`."""
-        rows = self._read(f"read the task controls of {name!r}", self._controls_sql, {"name": name})
+        """See :meth:`~rselection.abc.TaskStore.read_controls`: on the keeper session
+        while the process only follows (every lease of it reads them as it connects:
+        one after another there, not on pooled sessions it would keep), else pooled."""
+        what = f"read the task controls of {name!r}"
+        keeper = None if self._keeper is None else self._keeper()
+        rows = None
+        if keeper is not None:
+            try:
+                rows = keeper.read(self._controls_sql(sql.Literal(name)), what, timeout=5.0)
+            except psycopg.errors.UndefinedTable:
+                rows = []
+            except psycopg.Error as exc:
+                raise self._conns.wrap(what, exc) from exc
+        if rows is None:
+            rows = self._read(what, self._controls_sql(sql.Placeholder("name")), {"name": name})
         paused = {row[0]: _utc(row[1]) for row in rows if row[2] is None}
         triggers = tuple(
             Trigger(name, row[0], row[2], row[1].astimezone(UTC)) for row in rows if row[2]

@@ -130,6 +130,11 @@ class TermRunner:
             return
         board.attach(self)
         self._start_persistents(board.controls)
+        if not any(spec.type is TaskType.SCHEDULED for spec in self.specs):
+            # Nothing to schedule, nothing to trigger: the controls read when the leader
+            # connected, kept current by notifications, are all the term needs.
+            board.publish(self.term, self.specs)
+            return
         with contextlib.suppress(RuntimeError):  # the pool is shut down: the term is over
             self._claims.submit(self._schedule_with_controls)
 
