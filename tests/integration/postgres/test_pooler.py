@@ -31,9 +31,9 @@ from rselection.postgres import (
     PostgresCheckpointStore,
     PostgresClaimer,
     PostgresElector,
-    keeper_opening,
 )
 from rselection.postgres._conn import IoWatchdog
+from rselection.postgres.keeper import opening as keeper_opening
 from rselection.postgres.leader import PostgresLeader
 from rselection.postgres.lease import PostgresLease
 from rselection.postgres.pooler import check_session_pooling

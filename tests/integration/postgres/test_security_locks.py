@@ -32,7 +32,7 @@ from psycopg.conninfo import make_conninfo
 import rselection as rs
 from rselection.commands.demo_fleet import Fleet
 from rselection.postgres import PostgresLeader, PostgresLease
-from rselection.postgres import keeper as keeper_module
+from rselection.postgres.keeper import batches as keeper_batches
 from rselection.postgres.schema import create_tables
 from tests.support.waiting import wait_until
 
@@ -340,7 +340,7 @@ def test_a_lock_held_by_another_session_skips_only_its_lease(
         drawn.append(7 if not drawn else secrets.randbits(32) - 2**31)
         return drawn[-1]
 
-    monkeypatch.setattr(keeper_module, "new_lock_key", draw)
+    monkeypatch.setattr(keeper_batches, "new_lock_key", draw)
     attacker.squat(attacker.conn, 7, 1)
     caplog.set_level(logging.WARNING, logger="rselection")
     conninfo = make_conninfo(pg_dsn, application_name="node-a")
