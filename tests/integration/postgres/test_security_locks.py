@@ -456,7 +456,6 @@ def check_failover(pair: Pair, first: dict[str, Any], what: str) -> None:
     )
 
 
-@pytest.mark.slow
 def test_fake_ring_members_announced_by_up_cannot_delay_a_crash_failover(
     pg_dsn: str, attacker: Attacker
 ) -> None:
@@ -474,7 +473,6 @@ def test_fake_ring_members_announced_by_up_cannot_delay_a_crash_failover(
         check_failover(pair, first, f"fake ring members {fakes} (keepers {members})")
 
 
-@pytest.mark.slow
 def test_an_unprivileged_session_in_the_ring_cannot_delay_a_crash_failover(
     pg_dsn: str, attacker: Attacker
 ) -> None:
@@ -499,7 +497,6 @@ def test_an_unprivileged_session_in_the_ring_cannot_delay_a_crash_failover(
         check_failover(pair, first, f"attacker sessions {own} in the ring (keepers {members})")
 
 
-@pytest.mark.slow
 def test_a_session_queued_on_the_leaders_ring_lock_cannot_delay_a_crash_failover(
     pg_dsn: str, attacker: Attacker
 ) -> None:
