@@ -61,7 +61,16 @@ class ShardState:
 
 class Balanced(Protocol):
     """What a :class:`Rebalancer` reads and asks of the sharded leader it balances (a
-    :class:`~rselection.sharded.ShardedLeader`)."""
+    :class:`~rselection.sharded.ShardedLeader`): its name and number of shards, the
+    seconds a node must heartbeat before it receives shards (``settle``), between its
+    heartbeats and between two rounds, the most moves under way from or to one node,
+    and how long a moved shard stays reserved for its target."""
+
+    settle: float
+    heartbeat_interval: float
+    rebalance_interval: float
+    max_moves: int
+    handover_valid_for: float
 
     @property
     def name(self) -> str:
@@ -70,26 +79,6 @@ class Balanced(Protocol):
     @property
     def shards(self) -> int:
         """The number of shards."""
-
-    @property
-    def settle(self) -> float:
-        """Seconds a node must have heartbeated before it receives shards."""
-
-    @property
-    def heartbeat_interval(self) -> float:
-        """Seconds between the nodes' heartbeats."""
-
-    @property
-    def rebalance_interval(self) -> float:
-        """Seconds between two rounds."""
-
-    @property
-    def max_moves(self) -> int:
-        """Most moves under way from or to any one node."""
-
-    @property
-    def handover_valid_for(self) -> float:
-        """Seconds a moved shard stays reserved for its target."""
 
     def state(self) -> ShardState:
         """The shards' holders and the nodes' heartbeats, read in one go."""
