@@ -122,7 +122,7 @@ class RedisLeader(MemberLeader):
         *,
         name: str = "default",
         node_id: str | None = None,
-        key_prefix: str = "rselection:",
+        key_prefix: str = DEFAULT_KEY_PREFIX,
         ttl: float = 15.0,
         renew_interval: float = 2.0,
         renew_deadline: float = 10.0,
