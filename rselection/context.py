@@ -9,6 +9,7 @@ import inspect
 import math
 import threading
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +85,7 @@ NO_CHECKPOINT_STORE = (
 """Why ``ctx.checkpoint`` is refused under a leader built without a checkpoint store."""
 
 
+@dataclass(eq=False, repr=False)
 class Term:
     """One leadership term of one node: its number, deadline and cancellation flag.
 
@@ -110,41 +112,30 @@ class Term:
         tasks: the leader's task controls and run history (``None``: it keeps none).
     """
 
-    def __init__(
-        self,
-        number: int,
-        node_id: str,
-        name: str = "default",
-        *,
-        deadline: float = math.inf,
-        broadcaster: Broadcaster | None = None,
-        fence: TransactionFence | None = None,
-        claimer: FireClaimer | None = None,
-        checkpoint_store: CheckpointStore | None = None,
-        nodes: Callable[[], list[NodeInfo]] | None = None,
-        shard: int | None = None,
-        shards: int | None = None,
-        tasks: TaskBoard | None = None,
-    ) -> None:
-        self.number = number
-        self.tasks = tasks
-        self.shard = shard
-        self.shards = shards
-        self.node_id = node_id
-        self.name = name
-        self.deadline = deadline
-        self.broadcaster = broadcaster
-        self.fence = fence
-        self.claimer = claimer
-        self.checkpoint_store = checkpoint_store
-        self.nodes = nodes
-        self.cancelled = threading.Event()
-        self.ended = threading.Event()
-        """Set once the term's tasks were cancelled and joined (or reported stuck)."""
-        self._async_waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()
-        self._lock = threading.Lock()
-        self._expired = False  # the deadline was seen passed: the term is over for good
-        self._children: set[TaskTerm] = set()  # see TaskTerm
+    number: int
+    node_id: str
+    name: str = "default"
+    _: KW_ONLY
+    deadline: float = math.inf
+    broadcaster: Broadcaster | None = None
+    fence: TransactionFence | None = None
+    claimer: FireClaimer | None = None
+    checkpoint_store: CheckpointStore | None = None
+    nodes: Callable[[], list[NodeInfo]] | None = None
+    shard: int | None = None
+    shards: int | None = None
+    tasks: TaskBoard | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event, init=False)
+    """Set the moment the term ends (see :meth:`cancel`)."""
+    ended: threading.Event = field(default_factory=threading.Event, init=False)
+    """Set once the term's tasks were cancelled and joined (or reported stuck)."""
+    _async_waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = field(
+        default_factory=set, init=False
+    )
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    # The deadline was seen passed: the term is over for good.
+    _expired: bool = field(default=False, init=False)
+    _children: set[TaskTerm] = field(default_factory=set, init=False)  # see TaskTerm
 
     def live(self) -> bool:
         """True while the term is neither cancelled nor past its local deadline.

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
@@ -30,7 +30,15 @@ from packaging.version import InvalidVersion, Version
 from . import forks
 from .members import NodeInfo
 
-__all__ = ["DRAINED", "RETRY_AFTER", "Drainable", "DrainChange", "DrainWatch", "heir"]
+__all__ = [
+    "DRAINED",
+    "RETRY_AFTER",
+    "Drainable",
+    "DrainChange",
+    "DrainNotices",
+    "DrainWatch",
+    "heir",
+]
 
 logger = logging.getLogger("rselection.leader")
 
@@ -43,6 +51,36 @@ RETRY_AFTER = 1.0
 READ_EVERY = 0.05
 """Fewest seconds between two reads of one leader's drain state: notifications are
 anyone's (a flood of them costs one read per leader every 50 ms at most)."""
+
+
+class DrainNotices:
+    """The drain notifications a lease receives, passed on to the callback its leader
+    set (the lease's ``on_drain``).
+
+    The lease's reader of notifications (the Postgres keeper's thread, the Redis
+    channel's reader) calls :meth:`tell`; whatever the callback raises is logged and
+    never reaches that reader, which serves every lease of the process.
+
+    Args:
+        name: the lease's name, for the log.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self.callback: Callable[[str | None], None] | None = None
+        """Called with the node a notification names (``None``: any node); ``None``:
+        notifications are dropped."""
+
+    def tell(self, node_id: str | None) -> None:
+        """Pass a notification that the drains of node ``node_id`` (``None``: of any
+        node) changed to the callback, if any."""
+        callback = self.callback
+        if callback is None:
+            return
+        try:
+            callback(node_id)
+        except Exception:  # the reader goes on
+            logger.exception("lease %r: error reading a drain notification", self._name)
 
 
 @dataclass(frozen=True)

@@ -236,6 +236,7 @@ class LeaseLeader(Service):
             watch = getattr(task_store, "on_change", None)
             if callable(watch):  # a store that calls back (in memory) instead of a lease
                 watch(name, board.wake)
+                board.notified = True
         # A default id names the process that starts (host, pid): a leader built before a
         # fork (gunicorn --preload) takes a new one in each child (see _fix_node_id).
         self._default_node_id = node_id is None
@@ -282,8 +283,8 @@ class LeaseLeader(Service):
         )
         self._state.tasks = board
         if board is not None:
-            # Read on every (re)connect, before any attempt: a term's persistent tasks
-            # start as they say (a leader with membership reads its drains too).
+            # On every (re)connect, before any attempt: the controls held may have
+            # missed a notification (a leader with membership reads its drains too).
             self._state.check_drained = self._read_task_controls
         self._driven = DrivenKeeper(self._state, driven, backend)
         self._started = False
@@ -486,11 +487,19 @@ class LeaseLeader(Service):
         return board.store.read_runs(self.name, check_name(task, "task name"), limit)
 
     def _read_task_controls(self) -> None:
-        """Read the task controls of this lease (the leader (re)connects); a failure is
-        logged and changes nothing."""
+        """The leader (re)connects: the task controls it holds may have missed a
+        notification, so its next term reads them before it starts its tasks (a
+        follower reads nothing here: no session for it)."""
         board = self._state.tasks
         if board is not None:
-            board.read_quietly()
+            board.stale()
+
+    def _wake_on_task_notices(self, on_tasks: Callable[[Callable[[], None] | None], None]) -> None:
+        """Have the lease's notifications of task controls (its ``on_tasks``) wake this
+        leader's board, which then holds current controls between them."""
+        on_tasks(self._tasks_woken)
+        if self._state.tasks is not None:
+            self._state.tasks.notified = True
 
     def _tasks_woken(self) -> None:
         """A notification says the task controls of this lease may have changed: the

@@ -119,8 +119,8 @@ class MemberLeader(LeaseLeader):
         self._state.check_drained = self._check_on_connect
 
     def _check_on_connect(self) -> None:
-        """On every (re)connect, before any attempt: whether this node is drained, and
-        the task controls of its lease."""
+        """On every (re)connect, before any attempt: whether this node is drained; and
+        the task controls held are no longer known to be current."""
         self.check_drained()
         self._read_task_controls()
 

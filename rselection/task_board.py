@@ -1,13 +1,14 @@
 """One leader's task controls and run history: :class:`TaskBoard`.
 
 A leader with a task store (:class:`~rselection.abc.TaskStore`) has a board. It reads
-the lease's controls each time the leader (re)connects, before it attempts to lead
-(:meth:`TaskBoard.read_quietly`), and whenever a notification on the lease's channel
-wakes it (:meth:`TaskBoard.wake`): a notification is anyone's, so it is only a wake-up,
-and the board reads the controls from the store itself, on the process's task desk
-(:mod:`rselection.task_desk`). So the controls it holds are current when a term begins:
-its persistent tasks start as they say at once, and the term reads them once more
-before its scheduler begins. While a term runs, what the board reads is handed to it
+the lease's controls whenever a notification on the lease's channel wakes it
+(:meth:`TaskBoard.wake`): a notification is anyone's, so it is only a wake-up, and the
+board reads the controls from the store itself, on the process's task desk
+(:mod:`rselection.task_desk`). What it holds is current (:attr:`TaskBoard.fresh`) from
+its first read until the leader (re)connects (notifications may be missed meanwhile):
+a term then starts its persistent tasks as it says at once, else reads the controls
+first; a term with scheduled tasks reads them once more before its scheduler begins.
+While a term runs, what the board reads is handed to it
 (:meth:`ControlsListener.apply_controls`). The term's runs go through the board to the
 desk, which writes them in batches. See ``docs/explanation/how-it-works.md`` ("Task
 controls and run history").
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from .task_desk import Noted, RunQueue, TaskDesk
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from .context import Term
     from .specs import TaskSpec
 
-__all__ = ["RETRY_AFTER", "ControlsListener", "TaskBoard"]
+__all__ = ["RETRY_AFTER", "ControlsListener", "TaskBoard", "TaskNotices"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,32 @@ that wanted it runs)."""
 
 STOP_FLUSH = 2.0
 """Seconds a stopping leader waits at most for its last runs to be written."""
+
+
+class TaskNotices:
+    """The task-controls notifications a lease receives, passed on to the callback its
+    leader set (the lease's ``on_tasks``), as :class:`~rselection.drains.DrainNotices`
+    does for drains: whatever the callback raises is logged and never reaches the
+    lease's reader of notifications, which serves every lease of the process.
+
+    Args:
+        name: the lease's name, for the log.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self.callback: Callable[[], None] | None = None
+        """Called for each notification; ``None``: notifications are dropped."""
+
+    def tell(self) -> None:
+        """Pass a notification that the task controls changed to the callback, if any."""
+        callback = self.callback
+        if callback is None:
+            return
+        try:
+            callback()
+        except Exception:  # the reader goes on
+            logger.exception("lease %r: error reading a tasks notification", self._name)
 
 
 class ControlsListener(Protocol):
@@ -67,6 +94,10 @@ class TaskBoard:
         self._listener: ControlsListener | None = None
         self._reading = False  # a read is queued on the desk
         self._open = False  # the leader runs (see open, close)
+        self._fresh = False  # see fresh
+        self.notified = False
+        """Whether changes of the controls wake the board (:meth:`wake`): its lease's
+        notifications, or its store's callbacks. Without, each term reads them."""
         self._queue: RunQueue | None = None  # this leader's runs waiting for the desk
 
     def paused(self, task: str) -> bool:
@@ -78,18 +109,32 @@ class TaskBoard:
         with self._lock:
             self._open = True
 
-    def read_quietly(self) -> None:
-        """Read the controls (the leader (re)connected); a failure is logged, and the
-        controls last read stay."""
+    @property
+    def fresh(self) -> bool:
+        """Whether the controls held are current: read since the leader last
+        (re)connected, and kept so by the notifications since (never, when nothing
+        notifies the board: see :attr:`notified`)."""
+        return self._fresh and self.notified
+
+    def stale(self) -> None:
+        """The leader (re)connected: notifications may have been missed meanwhile, so
+        the next term reads the controls before it starts its tasks."""
+        self._fresh = False
+
+    def read_quietly(self) -> TaskControls:
+        """Read the controls; a failure is logged, and the controls last read stay (and
+        are returned)."""
         try:
-            self.read()
+            return self.read()
         except Exception as exc:
             logger.warning(
-                "lease %r: could not read the task controls (%s); they are read again "
-                "when a term begins",
+                "lease %r: could not read the task controls (%s); the tasks run as they "
+                "were last read (%d paused)",
                 self.name,
                 exc,
+                len(self.controls.paused),
             )
+            return self.controls
 
     def read(self) -> TaskControls:
         """Read the lease's controls from the store (and keep them); once the leader
@@ -102,6 +147,7 @@ class TaskBoard:
             return self.controls
         controls = self.store.read_controls(self.name)
         self.controls = controls
+        self._fresh = True
         return controls
 
     def attach(self, listener: ControlsListener) -> None:

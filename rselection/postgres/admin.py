@@ -190,14 +190,14 @@ class PostgresAdmin(LeaseAdmin):
         return {pair for pair in pairs if pair[0] in wanted}
 
     def _set_drained(self, name: str, node_id: str, drained: bool) -> bool:
-        change = drains.drain if drained else drains.undrain
         with self._call("drain the node" if drained else "undrain the node") as conn:
-            return change(
+            return drains.set_drained(
                 conn,
                 lease_table=self.table,
                 nodes_table=self.nodes_table,
                 name=name,
                 node_id=node_id,
+                drained=drained,
             )
 
     def _task_store(self) -> PostgresTaskStore:

@@ -1,7 +1,7 @@
 """Drained nodes on Postgres: a table beside the nodes table, and a ``drain`` notice.
 
-``drain`` and ``undrain`` write a row of the drains table (:func:`drains_table_name`)
-and, in the same transaction, notify the lease's channel
+:func:`set_drained` writes (or deletes) a row of the drains table
+(:func:`drains_table_name`) and, in the same transaction, notifies the lease's channel
 (``{"event": "drain", "node_id": ...}``); every node of the lease listens there through
 its keeper session and reads its own row again (:func:`is_drained`), whoever sent the
 notice: any role that can connect may ``NOTIFY``, so a notice never says more than
@@ -20,13 +20,12 @@ from ._lease_sql import lease_channel, resolve_lease_table
 from .schema import create_tables, drains_table_name, table_exists, table_identifier
 
 __all__ = [
-    "drain",
     "drained_nodes",
     "drained_pairs",
     "drained_sql",
     "drains_table_name",
     "is_drained",
-    "undrain",
+    "set_drained",
 ]
 
 
@@ -97,21 +96,41 @@ def drained_pairs(conn: psycopg.Connection[Any], nodes_table: str) -> set[tuple[
     return {(row[0], row[1]) for row in rows}
 
 
-def _change(
+def set_drained(
     conn: psycopg.Connection[Any],
-    statement: sql.Composed,
     *,
     lease_table: str,
     nodes_table: str,
     name: str,
     node_id: str,
-    create: bool,
+    drained: bool,
 ) -> bool:
+    """Record node ``node_id`` of lease ``name`` drained (``drained=True``, creating the
+    drains table if missing) or not, and wake the lease's nodes; ``True`` when that
+    changed something.
+
+    Args:
+        conn: an autocommit connection.
+        lease_table: the lease table (names the lease's channel).
+        nodes_table: the nodes table (the drains table is beside it).
+        name: the lease name.
+        node_id: the node.
+        drained: drain the node (``True``) or undrain it.
+    """
+    table = drains_table_name(nodes_table)
+    if drained:
+        statement = sql.SQL(
+            "INSERT INTO {} (name, node_id) VALUES (%s, %s) ON CONFLICT (name, node_id) DO NOTHING"
+        ).format(table_identifier(table))
+    else:
+        statement = sql.SQL("DELETE FROM {} WHERE name = %s AND node_id = %s").format(
+            table_identifier(table)
+        )
     found = resolve_lease_table(conn, lease_table)
     channel = lease_channel(found[1], name) if found is not None else None
-    if create:
-        create_tables(conn, drains=drains_table_name(nodes_table))
-    elif not table_exists(conn, drains_table_name(nodes_table)):
+    if drained:
+        create_tables(conn, drains=table)
+    elif not table_exists(conn, table):
         return False  # nobody was ever drained here
     with conn.transaction():
         changed = conn.execute(statement, (name, node_id)).rowcount > 0
@@ -124,57 +143,3 @@ def _change(
                 (channel, name, node_id),
             )
     return changed
-
-
-def drain(
-    conn: psycopg.Connection[Any], *, lease_table: str, nodes_table: str, name: str, node_id: str
-) -> bool:
-    """Record node ``node_id`` of lease ``name`` drained and wake the lease's nodes;
-    ``True`` when it was not drained before. Creates the drains table if missing.
-
-    Args:
-        conn: an autocommit connection.
-        lease_table: the lease table (names the lease's channel).
-        nodes_table: the nodes table (the drains table is beside it).
-        name: the lease name.
-        node_id: the node.
-    """
-    statement = sql.SQL(
-        "INSERT INTO {} (name, node_id) VALUES (%s, %s) ON CONFLICT (name, node_id) DO NOTHING"
-    ).format(table_identifier(drains_table_name(nodes_table)))
-    return _change(
-        conn,
-        statement,
-        lease_table=lease_table,
-        nodes_table=nodes_table,
-        name=name,
-        node_id=node_id,
-        create=True,
-    )
-
-
-def undrain(
-    conn: psycopg.Connection[Any], *, lease_table: str, nodes_table: str, name: str, node_id: str
-) -> bool:
-    """Delete node ``node_id`` of lease ``name`` from the drained and wake the lease's
-    nodes; ``True`` when it was drained.
-
-    Args:
-        conn: an autocommit connection.
-        lease_table: the lease table (names the lease's channel).
-        nodes_table: the nodes table (the drains table is beside it).
-        name: the lease name.
-        node_id: the node.
-    """
-    statement = sql.SQL("DELETE FROM {} WHERE name = %s AND node_id = %s").format(
-        table_identifier(drains_table_name(nodes_table))
-    )
-    return _change(
-        conn,
-        statement,
-        lease_table=lease_table,
-        nodes_table=nodes_table,
-        name=name,
-        node_id=node_id,
-        create=False,
-    )

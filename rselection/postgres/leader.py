@@ -236,7 +236,7 @@ class PostgresLeader(MemberLeader):
         self._source, self._table, self._nodes_table = source, table, nodes_table
         self._postgres_membership = membership
         lease.on_drain(self._drain_woken)
-        lease.on_tasks(self._tasks_woken)
+        self._wake_on_task_notices(lease.on_tasks)
 
     @property
     def checkpoint_store(self) -> PostgresCheckpointStore:

@@ -22,9 +22,11 @@ import psycopg
 
 from .. import forks
 from ..closeable import Closeable
+from ..drains import DrainNotices
 from ..errors import BackendUnavailable, ConfigError
 from ..history import HISTORY_LIMIT, TermEnding, check_history_limit
 from ..lease import Acquisition, HandoverRequest, LeaderInfo, ReleaseOutcome, RenewOutcome
+from ..task_board import TaskNotices
 from ..timing import MAX_TIMING
 from ..validation import check_name, check_node_id, check_seconds
 from ..versions import check_version
@@ -175,8 +177,8 @@ class PostgresLease(Closeable):
         self._waker: Callable[[], None] | None = None  # see on_wake
         self._handover_hint = False
         self._handover: HandoverRequest | None = None
-        self._on_drain: Callable[[str | None], None] | None = None  # see on_drain
-        self._on_tasks: Callable[[], None] | None = None  # see on_tasks
+        self._drain_notices = DrainNotices(self.name)  # see on_drain
+        self._task_notices = TaskNotices(self.name)  # see on_tasks
         # A holder is read in one short statement: bound each read by about twice the
         # connect timeout, as a caller of current() expects of a quick look.
         self._observer = Connections(
@@ -299,11 +301,11 @@ class PostgresLease(Closeable):
                 return
         elif notice.event == "drain":
             # Only a wake-up, from whoever sent it: the node reads its drain state.
-            self._drain_hint(notice.node_id)
+            self._drain_notices.tell(notice.node_id)
             return
         elif notice.event == "tasks":
             # Only a wake-up too: the leader reads the task controls.
-            self._tasks_hint()
+            self._task_notices.tell()
             return
         elif notice.event == "resign":
             self._hint_handover()
@@ -321,9 +323,9 @@ class PostgresLease(Closeable):
         if "resign" in kinds:
             self._hint_handover()
         if "drain" in kinds:
-            self._drain_hint(None)
+            self._drain_notices.tell(None)
         if "tasks" in kinds:
-            self._tasks_hint()
+            self._task_notices.tell()
         if kinds - {"resign", "drain", "tasks"}:
             self._set_wake()
 
@@ -332,29 +334,13 @@ class PostgresLease(Closeable):
         changed (of that node; ``None``: of any), from the keeper's thread: it must not
         block. ``None`` stops the calls. A notification is anyone's: the callback reads
         the drain state from the table, never from the notification."""
-        self._on_drain = callback
-
-    def _drain_hint(self, node_id: str | None) -> None:
-        callback = self._on_drain
-        if callback is not None:
-            try:
-                callback(node_id)
-            except Exception:  # the keeper's thread goes on
-                logger.exception("lease %r: error reading a drain notification", self.name)
+        self._drain_notices.callback = callback
 
     def on_tasks(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback()`` when a notification says the task controls of this lease
         changed, from the keeper's thread: it must not block. ``None`` stops the calls.
         A notification is anyone's: the callback reads the controls from the tables."""
-        self._on_tasks = callback
-
-    def _tasks_hint(self) -> None:
-        callback = self._on_tasks
-        if callback is not None:
-            try:
-                callback()
-            except Exception:  # the keeper's thread goes on
-                logger.exception("lease %r: error reading a tasks notification", self.name)
+        self._task_notices.callback = callback
 
     def _hint_handover(self) -> None:
         self._handover_hint = True

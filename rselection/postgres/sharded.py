@@ -21,16 +21,7 @@ from psycopg import sql
 
 from ..history import HISTORY_LIMIT
 from ..lease import LeaderInfo
-from ..sharded import (
-    HAND_OFF_WAIT,
-    PENDING_POLL,
-    SHARDS_RECORD,
-    TAKEOVER_WAIT,
-    Rebalancer,
-    ShardedLeader,
-    ShardLeader,
-    ShardState,
-)
+from ..sharded import SHARDS_RECORD, ShardedLeader, ShardLeader, ShardState
 from ..sharding import shard_lease_name
 from ..tasks import TaskHandler
 from ..timing import Timings
@@ -47,15 +38,7 @@ from .schema import DEFAULT_TABLE, NODES_TABLE, table_identifier
 if TYPE_CHECKING:
     from ..broadcast import Broadcaster
 
-__all__ = [
-    "HAND_OFF_WAIT",
-    "PENDING_POLL",
-    "SHARDS_RECORD",
-    "TAKEOVER_WAIT",
-    "PostgresShardedLeader",
-    "Rebalancer",
-    "ShardState",
-]
+__all__ = ["PostgresShardedLeader"]
 
 
 class _ShardLeader(ShardLeader, PostgresLeader):

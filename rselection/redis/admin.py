@@ -128,8 +128,7 @@ class RedisAdmin(LeaseAdmin):
         return drains.drained_nodes(self.client, check_name(name, "lease name"), self.key_prefix)
 
     def _set_drained(self, name: str, node_id: str, drained: bool) -> bool:
-        change = drains.drain if drained else drains.undrain
-        return change(self.client, name, node_id, self.key_prefix)
+        return drains.set_drained(self.client, name, node_id, self.key_prefix, drained=drained)
 
     def _task_store(self) -> RedisTaskStore:
         # The hashes and lists beside the lease's keys (see rselection.redis.task_runs).

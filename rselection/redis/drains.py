@@ -1,6 +1,6 @@
 """Drained nodes on Redis: a set beside the lease's keys, and a ``drain:0`` message.
 
-``drain`` and ``undrain`` add a node id to (or remove it from) the lease's drains set
+:func:`set_drained` adds a node id to (or removes it from) the lease's drains set
 (:func:`~rselection.redis.keys.drains_key`) and publish ``drain:0`` on the lease's events
 channel in one script; every node of the lease reads its own membership of the set again
 (:func:`is_drained`) when the message comes, whoever sent it: anyone allowed to
@@ -20,7 +20,7 @@ from .keys import drains_key, lease_keys
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["drain", "drained_nodes", "is_drained", "undrain"]
+__all__ = ["drained_nodes", "is_drained", "set_drained"]
 
 #: Add (ARGV[2] "1") or remove a node id (ARGV[1]) of the drains set (KEYS[1]) and
 #: publish ``drain:0`` on the lease's channel (ARGV[3]), also when nothing changed (a
@@ -90,33 +90,19 @@ def drained_nodes(client: Any, name: str, key_prefix: str, *, node: bool = False
         raise unavailable("read the drained nodes", describe(client), exc) from exc
 
 
-def _change(client: Any, name: str, node_id: str, key_prefix: str, add: bool) -> bool:
+def set_drained(client: Any, name: str, node_id: str, key_prefix: str, *, drained: bool) -> bool:
+    """Record node ``node_id`` of lease ``name`` drained (``drained=True``) or not, and
+    wake the lease's nodes; ``True`` when that changed something.
+
+    Raises:
+        BackendUnavailable: Redis could not be reached or refused.
+    """
     channel = lease_keys(name, key_prefix)[2]
     try:
         reply = client.eval(
-            _CHANGE, 1, drains_key(name, key_prefix), node_id, "1" if add else "0", channel
+            _CHANGE, 1, drains_key(name, key_prefix), node_id, "1" if drained else "0", channel
         )
     except redis.RedisError as exc:
-        what = "drain the node" if add else "undrain the node"
+        what = "drain the node" if drained else "undrain the node"
         raise unavailable(what, describe(client), exc) from exc
     return int(reply) == 1
-
-
-def drain(client: Any, name: str, node_id: str, key_prefix: str) -> bool:
-    """Record node ``node_id`` of lease ``name`` drained and wake the lease's nodes;
-    ``True`` when it was not drained before.
-
-    Raises:
-        BackendUnavailable: Redis could not be reached or refused.
-    """
-    return _change(client, name, node_id, key_prefix, True)
-
-
-def undrain(client: Any, name: str, node_id: str, key_prefix: str) -> bool:
-    """Remove node ``node_id`` of lease ``name`` from the drained and wake the lease's
-    nodes; ``True`` when it was drained.
-
-    Raises:
-        BackendUnavailable: Redis could not be reached or refused.
-    """
-    return _change(client, name, node_id, key_prefix, False)

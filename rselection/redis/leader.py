@@ -127,7 +127,7 @@ class RedisLeader(MemberLeader):
         *,
         name: str = "default",
         node_id: str | None = None,
-        key_prefix: str = "rselection:",
+        key_prefix: str = DEFAULT_KEY_PREFIX,
         ttl: float = 15.0,
         renew_interval: float = 2.0,
         renew_deadline: float = 10.0,
@@ -207,7 +207,7 @@ class RedisLeader(MemberLeader):
         )
         self._key_prefix = key_prefix
         lease.on_drain(self._drain_woken)
-        lease.on_tasks(self._tasks_woken)
+        self._wake_on_task_notices(lease.on_tasks)
 
     def _read_drained(self) -> bool:
         return is_drained(self._membership_client, self.name, self.node_id, self._key_prefix)

@@ -114,11 +114,12 @@ class TermRunner:
     def start(self) -> None:
         """Start the persistent tasks, at once, and the scheduler.
 
-        A leader with task controls starts the persistent tasks as its controls were
-        last read (when it connected, and whenever a notification said they changed:
-        they are current), then reads them again on the term's claim lane, never on the
-        caller's thread (the leader's engine): only then does the scheduler begin, so
-        that no scheduled fire of a term ever runs before its controls were read.
+        A leader with task controls starts its tasks as its controls say: those it holds
+        when they are current (read, and kept so by notifications since it connected),
+        else read now (one round trip, on the caller's thread: the engine's worker, as
+        a connect's reads). A term with scheduled tasks that used the controls held
+        reads them again on its claim lane before its scheduler begins, so that no
+        scheduled fire of a term ever runs before its controls were read.
         """
         if any(spec.is_async for spec in self.specs) and self._loop is None:
             self._guard = SharedLoops.shared().enter()
@@ -129,11 +130,17 @@ class TermRunner:
             self._start_schedule()
             return
         board.attach(self)
-        self._start_persistents(board.controls)
-        if not any(spec.type is TaskType.SCHEDULED for spec in self.specs):
-            # Nothing to schedule, nothing to trigger: the controls read when the leader
-            # connected, kept current by notifications, are all the term needs.
+        # Current (read, and kept so by notifications): used as they are; else read now,
+        # one round trip before the term's first task (after a (re)connect only).
+        read_now = not board.fresh
+        controls = board.read_quietly() if read_now else board.controls
+        self._start_persistents(controls)
+        scheduled = any(spec.type is TaskType.SCHEDULED for spec in self.specs)
+        if read_now or not scheduled:
+            self._start_schedule()
             board.publish(self.term, self.specs)
+            if scheduled:
+                self.apply_controls(controls)  # its triggers
             return
         with contextlib.suppress(RuntimeError):  # the pool is shut down: the term is over
             self._claims.submit(self._schedule_with_controls)

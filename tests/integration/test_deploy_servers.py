@@ -47,8 +47,6 @@ from tests.support.servers import (
 )
 from tests.support.waiting import wait_until
 
-pytestmark = pytest.mark.slow
-
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 LOG_CONFIG = EXAMPLES / "logging.json"

@@ -19,8 +19,6 @@ from rselection.testing import LeaderConformance
 from tests.support.lease_view import LeaseView, NotifyingLeaseView
 from tests.support.waiting import wait_until
 
-pytestmark = pytest.mark.slow
-
 
 class TestMemoryLease(LeaderConformance):
     """``LeaseLeader`` over ``MemoryLease``, each leader through a view of its own."""

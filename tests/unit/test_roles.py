@@ -321,7 +321,6 @@ def test_the_postgres_and_redis_memberships_play_the_membership_role() -> None:
         client.close()
 
 
-@pytest.mark.slow
 class TestLeaseBase(LeaderConformance):
     """The leader conformance suite over a lease written on :class:`LeaseBase`."""
 

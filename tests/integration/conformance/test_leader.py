@@ -49,8 +49,6 @@ from tests.support.pg import with_host_port
 from tests.support.proxy import TcpProxy
 from tests.support.waiting import wait_until
 
-pytestmark = pytest.mark.slow
-
 BACKENDS = ["postgres", "redis"]
 FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
 FAST_ARGS = [

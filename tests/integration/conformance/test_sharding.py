@@ -56,7 +56,7 @@ from tests.support.waiting import wait_until
 
 # serial: the bounds are measured deadlines of fleets of node processes (under four
 # workers a node of two stopped together once did not exit within 60 s).
-pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.serial, pytest.mark.timeout(240)]
 
 START_BOUND = 30.0  # every node started and the fleet balanced (measured about 3-5 s)
 FAILOVER_P95_BOUND = 2.0  # the test bound (the target is 1 s; measured below)

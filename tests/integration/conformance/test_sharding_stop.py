@@ -25,7 +25,7 @@ from tests.support.waiting import wait_until
 
 # serial: how long a stop takes is what these tests check (under four workers the
 # stops during an outage failed their bound in 2 full runs of 6).
-pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.serial, pytest.mark.timeout(240)]
 
 INSIDE_BOUND = 1.0  # a stop() from inside only asks (measured a few ms)
 

@@ -178,7 +178,6 @@ def nodes() -> Iterator[Callable[..., Node]]:
         node.stop()
 
 
-@pytest.mark.slow
 def test_100_kb_message_reaches_three_node_processes_whole(
     pg_dsn: str, nodes: Callable[..., Node]
 ) -> None:
@@ -201,7 +200,6 @@ def test_100_kb_message_reaches_three_node_processes_whole(
     assert len(body("a", 0, size)) == size
 
 
-@pytest.mark.slow
 def test_10000_messages_from_two_publishers_reach_three_subscribers_in_order(
     pg_dsn: str, nodes: Callable[..., Node]
 ) -> None:

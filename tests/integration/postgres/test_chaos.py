@@ -22,7 +22,7 @@ from tests.support.pg import PrivatePostgres, with_host_port
 from tests.support.proxy import TcpProxy
 
 # serial: faults under a fleet of processes, each with a deadline to meet.
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = [pytest.mark.serial]
 
 FAST = ["--ttl", "3", "--renew-interval", "0.5", "--renew-deadline", "2", "--retry-interval", "0.5"]
 

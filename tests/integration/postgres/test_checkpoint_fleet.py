@@ -19,8 +19,6 @@ import pytest
 from rselection.postgres import PostgresCheckpointStore, migrate
 from rselection.postgres.schema import LEASES_VERSION, NODES
 
-pytestmark = pytest.mark.slow
-
 MIGRATE_CHILD = """
 import json, sys
 from rselection.postgres import PostgresCheckpointStore, migrate

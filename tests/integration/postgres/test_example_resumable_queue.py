@@ -15,9 +15,6 @@ import time
 from pathlib import Path
 
 import psycopg
-import pytest
-
-pytestmark = pytest.mark.slow
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "resumable_queue.py"
 ITEMS = 30

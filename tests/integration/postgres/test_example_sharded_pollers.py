@@ -16,8 +16,6 @@ import pytest
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "sharded_pollers.py"
 
-pytestmark = pytest.mark.slow
-
 
 def _start(dsn: str, lines: queue.Queue[tuple[int, str]], index: int) -> subprocess.Popen[str]:
     proc = subprocess.Popen(

@@ -22,7 +22,7 @@ from rselection.commands.demo_fleet import Fleet
 from tests.support import activity, ledger
 
 # serial: crash, pause and handover deadlines of a fleet of processes.
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = [pytest.mark.serial]
 
 # A resumed process needs a moment to learn that its term ended while it was frozen.
 RESUME_GRACE = 0.25

@@ -30,8 +30,6 @@ from tests.support.fire_node import (
 )
 from tests.support.waiting import wait_until
 
-pytestmark = pytest.mark.slow
-
 EVERY = 0.2
 LEDGER = "fires"
 # A short ttl keeps a stuck test short; kill -9 fails over through the dead session and

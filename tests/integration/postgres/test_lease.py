@@ -464,7 +464,6 @@ def test_leader_wait_ignores_its_own_and_survives_others_notifications(
 # serial: under four workers this test once hung: after the restart the keeper's pump,
 # holding the statement lock, waited for the session's opening, whose thread waited for
 # that lock (a defect of the keeper, not of the test).
-@pytest.mark.slow
 @pytest.mark.serial
 @pytest.mark.parametrize("mode", ["fast", "immediate"])
 def test_after_a_server_restart_only_expiry_frees_the_lease(
@@ -513,7 +512,6 @@ def test_after_a_server_restart_only_expiry_frees_the_lease(
         b.close()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("server", ["stock", "hardened"])
 def test_a_plain_role_records_the_server_and_fails_over_at_once(
     private_pg: Any, server: str
@@ -548,7 +546,6 @@ def test_a_plain_role_records_the_server_and_fails_over_at_once(
         b.close()
 
 
-@pytest.mark.slow
 def test_a_silent_link_bounds_every_call_and_only_expiry_frees_the_lease(
     lease_dsn: str,
     make_lease: Callable[..., PostgresLease],

@@ -78,9 +78,6 @@ def _swallow(fn: Callable[[], object]) -> None:
         fn()
 
 
-pytestmark = pytest.mark.slow
-
-
 def test_a_claimer_in_an_open_transaction_never_holds_the_migration_lock(pg_dsn: str) -> None:
     """Creating tables inside the application's transaction would hold the migration
     lock until that transaction ends, and every new leader and ``rselection migrate``

@@ -31,9 +31,9 @@ from rselection.postgres import (
     PostgresCheckpointStore,
     PostgresClaimer,
     PostgresElector,
-    keeper_opening,
 )
 from rselection.postgres._conn import IoWatchdog
+from rselection.postgres.keeper import opening as keeper_opening
 from rselection.postgres.leader import PostgresLeader
 from rselection.postgres.lease import PostgresLease
 from rselection.postgres.pooler import check_session_pooling
@@ -580,7 +580,6 @@ def test_background_leader_behind_a_transaction_pooler_logs_the_refusal_and_stop
         leader.stop(timeout=10)
 
 
-@pytest.mark.slow
 def test_fleet_behind_a_session_pooler_hands_over_on_stop_and_on_kill(
     make_pgbouncer: Callable[..., PgBouncer], pooled_database: str, lease_name: str
 ) -> None:

@@ -33,8 +33,6 @@ from tests.support.pg import PrivatePostgres, ServerStartError, pgserver_bin_dir
 from tests.support.proxy import TcpProxy
 from tests.support.waiting import wait_until
 
-pytestmark = pytest.mark.slow
-
 TTL = 4.0
 RETRY = 0.5
 TIMINGS: dict[str, float] = {

@@ -46,8 +46,6 @@ from tests.support.previous_release import (
     previous_release,
 )
 
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parents[3]
 NODE = REPO / "tests" / "support" / "release_node.py"
 TTL = 4.0  # release_node.TTL

@@ -35,7 +35,7 @@ from tests.support.scale_fleet import ScaleFleet, ScaleNode, percentile
 from tests.support.sessions import grouped, process_sessions
 
 # serial: renewal latencies of 300 leases beside CPU-bound tasks are what it measures.
-pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.serial, pytest.mark.timeout(150)]
 
 LEASES = 100
 NODES = 3

@@ -32,7 +32,7 @@ from psycopg.conninfo import make_conninfo
 import rselection as rs
 from rselection.commands.demo_fleet import Fleet
 from rselection.postgres import PostgresLeader, PostgresLease
-from rselection.postgres import keeper as keeper_module
+from rselection.postgres.keeper import batches as keeper_batches
 from rselection.postgres.schema import create_tables
 from tests.support.waiting import wait_until
 
@@ -340,7 +340,7 @@ def test_a_lock_held_by_another_session_skips_only_its_lease(
         drawn.append(7 if not drawn else secrets.randbits(32) - 2**31)
         return drawn[-1]
 
-    monkeypatch.setattr(keeper_module, "new_lock_key", draw)
+    monkeypatch.setattr(keeper_batches, "new_lock_key", draw)
     attacker.squat(attacker.conn, 7, 1)
     caplog.set_level(logging.WARNING, logger="rselection")
     conninfo = make_conninfo(pg_dsn, application_name="node-a")
@@ -456,7 +456,6 @@ def check_failover(pair: Pair, first: dict[str, Any], what: str) -> None:
     )
 
 
-@pytest.mark.slow
 def test_fake_ring_members_announced_by_up_cannot_delay_a_crash_failover(
     pg_dsn: str, attacker: Attacker
 ) -> None:
@@ -474,7 +473,6 @@ def test_fake_ring_members_announced_by_up_cannot_delay_a_crash_failover(
         check_failover(pair, first, f"fake ring members {fakes} (keepers {members})")
 
 
-@pytest.mark.slow
 def test_an_unprivileged_session_in_the_ring_cannot_delay_a_crash_failover(
     pg_dsn: str, attacker: Attacker
 ) -> None:
@@ -499,7 +497,6 @@ def test_an_unprivileged_session_in_the_ring_cannot_delay_a_crash_failover(
         check_failover(pair, first, f"attacker sessions {own} in the ring (keepers {members})")
 
 
-@pytest.mark.slow
 def test_a_session_queued_on_the_leaders_ring_lock_cannot_delay_a_crash_failover(
     pg_dsn: str, attacker: Attacker
 ) -> None:

@@ -281,7 +281,6 @@ def test_a_burst_of_notifications_does_not_end_a_term(
 # ------------------------------------------------------------- a forged `acquired` event
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("holder", ["bogus-pid", "sender-pid"])
 def test_a_forged_acquired_cannot_delay_a_crash_failover(
     pg_dsn: str, attacker: Attacker, holder: str

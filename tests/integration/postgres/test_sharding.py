@@ -17,7 +17,7 @@ from tests.support.pg import connection_or_pool
 from tests.support.shard_fleet import FAST, idle_tasks
 from tests.support.waiting import wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.timeout(240)]
 
 
 def test_the_assignment_is_read_before_the_first_heartbeat_made_the_nodes_table(

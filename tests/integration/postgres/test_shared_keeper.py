@@ -29,6 +29,8 @@ import rselection as rs
 from rselection import signals
 from rselection.postgres import PostgresLeader, PostgresLease, fenced
 from rselection.postgres import keeper as keeper_module
+from rselection.postgres.keeper import batches as keeper_batches
+from rselection.postgres.keeper import session as keeper_session
 from rselection.postgres.schema import create_tables
 from tests.support.scale_fleet import ScaleFleet
 from tests.support.waiting import wait_until
@@ -447,13 +449,13 @@ def test_leases_that_joined_the_keeper_together_listen_in_one_round_trip(
     # Before, each lease listened in a round trip of its own, under the session's lock:
     # a sharded node of 1,024 shards sent its first attempts 1.5 to 3.8 s after start.
     listens: list[list[str]] = []
-    real = keeper_module.listen_sql
+    real = keeper_session.listen_sql
 
     def counted(channels: Any) -> Any:
         listens.append(list(channels))
         return real(channels)
 
-    monkeypatch.setattr(keeper_module, "listen_sql", counted)
+    monkeypatch.setattr(keeper_session, "listen_sql", counted)
     leases = [
         PostgresLease(pg_dsn, name=f"joined{i}", ttl=10.0, renew_deadline=5.0) for i in range(40)
     ]
@@ -492,13 +494,13 @@ def test_leaders_started_one_after_another_listen_in_a_few_round_trips(
     # all led after 0.25 s); joined at start, whichever connects first listens for all
     # (2 round trips, all led after 0.08 to 0.14 s).
     listens: list[list[str]] = []
-    real = keeper_module.listen_sql
+    real = keeper_session.listen_sql
 
     def counted(channels: Any) -> Any:
         listens.append(list(channels))
         return real(channels)
 
-    monkeypatch.setattr(keeper_module, "listen_sql", counted)
+    monkeypatch.setattr(keeper_session, "listen_sql", counted)
     leaders = [
         PostgresLeader(pg_dsn, rs.TaskHandler(), name=f"one-by-one{i}", claimer=None)
         for i in range(60)
@@ -837,7 +839,7 @@ def test_a_failed_acquisition_never_frees_the_lock_of_a_lease_whose_key_collides
         ).fetchone()
         assert found is not None
         key = found[0]
-        monkeypatch.setattr(keeper_module, "new_lock_key", lambda: key)  # b draws a's key
+        monkeypatch.setattr(keeper_batches, "new_lock_key", lambda: key)  # b draws a's key
         # b's row, at term 0, and a fault on its acquisition only (a user's trigger)
         admin.execute(
             "INSERT INTO rselection_leases (name, lock_key) VALUES (%s, %s)", (b_name, key)

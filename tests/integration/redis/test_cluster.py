@@ -40,8 +40,6 @@ from tests.support.redis_cluster import PrivateRedisCluster, redis_cluster_fixtu
 from tests.support.redis_holder import HolderProcess
 from tests.support.waiting import wait_until
 
-pytestmark = pytest.mark.slow
-
 FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
 
 cluster = pytest.fixture(scope="module")(redis_cluster_fixture)

@@ -26,8 +26,6 @@ from tests.support.pg import PrivateRedis
 from tests.support.redis_holder import HolderProcess
 from tests.support.waiting import wait_until
 
-pytestmark = pytest.mark.slow
-
 TTL = 2.0
 TIMINGS = {"ttl": TTL, "renew_deadline": 1.0, "renew_interval": 0.3, "retry_interval": 0.3}
 LEASE = {"ttl": TTL, "renew_deadline": 1.0, "liveness_interval": 0.2}  # a holder's, a lease's

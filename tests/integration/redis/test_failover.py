@@ -27,8 +27,6 @@ from tests.support.pg import PrivateRedis
 from tests.support.redis_replica import RedisReplicaSet
 from tests.support.waiting import wait_until
 
-pytestmark = pytest.mark.slow
-
 TTL = 2.0
 
 

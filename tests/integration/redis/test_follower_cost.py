@@ -29,7 +29,7 @@ from tests.support.redis_holder import HolderProcess
 from tests.support.waiting import wait_until
 
 # serial: commands per second and a takeover within a second or so are what it measures.
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = [pytest.mark.serial]
 
 WINDOW = 20.0  # seconds of the follower's window: more than one lease period (15 s)
 ALONE = 10.0  # seconds of the leader-alone window

@@ -35,8 +35,6 @@ from tests.support.pg import PrivateRedis
 from tests.support.redis_holder import HolderProcess
 from tests.support.waiting import wait_until
 
-pytestmark = pytest.mark.slow
-
 #: A crash failover must stay under this at the default timings (ttl 15 s). Measured
 #: without an attacker: 0.3-0.6 s; the bound is several times that for a busy 2-core
 #: machine, and far below the 13-15 s a takeover by expiry takes.

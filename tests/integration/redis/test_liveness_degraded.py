@@ -26,8 +26,6 @@ from tests.support.pg import PrivateRedis
 from tests.support.redis_holder import HolderProcess
 from tests.support.waiting import wait_until
 
-pytestmark = pytest.mark.slow
-
 SLOW = {"ttl": 30.0, "renew_deadline": 20.0}
 
 

@@ -32,8 +32,6 @@ from tests.support.pg import PrivateRedis
 from tests.support.proxy import TcpProxy
 from tests.support.waiting import wait_until
 
-pytestmark = pytest.mark.slow
-
 TIMINGS = dict(ttl=3.0, renew_interval=0.5, renew_deadline=2.0, retry_interval=0.5)
 
 

@@ -30,8 +30,6 @@ from rselection.redis.lease import lease_keys
 from tests.support.proxy import TcpProxy
 from tests.support.waiting import wait_until
 
-pytestmark = pytest.mark.slow
-
 
 @dataclass
 class Record:

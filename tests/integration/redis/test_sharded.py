@@ -29,7 +29,7 @@ from rselection.redis.handover import reopen_handovers, request_handovers
 from rselection.redis.lease import handover_key
 from tests.support.waiting import wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.timeout(120)]
 
 FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
 

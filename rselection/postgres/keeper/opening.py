@@ -1,4 +1,4 @@
-"""Opening the keeper session on a thread of its own (see :mod:`.keeper`).
+"""Opening the keeper session on a thread of its own (see :mod:`.session`).
 
 Connecting and preparing a session can block up to the connect timeout on a server that
 does not answer. The leases that need the session wait for one :class:`Opening` and can
@@ -18,10 +18,13 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ..errors import BackendUnavailable
-from ._conn import IoWatchdog, unavailable
-from ._lease_sql import LeaseTable, listen_sql
-from .keeper_session import (
+from ...errors import BackendUnavailable
+from .._conn import IoWatchdog, unavailable
+from .._lease_sql import LeaseTable, listen_sql
+from ..pooler import check_bound, check_session_pooling
+from ..ring import ring_channel
+from ..schema import create_tables
+from .session_setup import (
     connect_kwargs,
     pin_session,
     read_server,
@@ -29,9 +32,6 @@ from .keeper_session import (
     resolve_table,
     take_ring_lock,
 )
-from .pooler import check_bound, check_session_pooling
-from .ring import ring_channel
-from .schema import create_tables
 
 __all__ = ["Opening", "OpenedSession", "open_session"]
 

@@ -1,5 +1,5 @@
 """Setting up a keeper session: its connection parameters, the checks of its server and
-table, its place in the ring and its keepalives (see :mod:`.keeper`)."""
+table, its place in the ring and its keepalives (see :mod:`.session`)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ..errors import BackendUnavailable, ConfigError, first_line
-from ._conn import SESSION_MARGIN, Keepalives, server_keepalives, server_user_timeout
-from ._lease_sql import (
+from ...errors import BackendUnavailable, ConfigError, first_line
+from .._conn import SESSION_MARGIN, Keepalives, server_keepalives, server_user_timeout
+from .._lease_sql import (
     LEASE_PROTOCOL,
     SERVER_IDENTITY_SQL,
     SERVER_START_SQL,
@@ -24,7 +24,7 @@ from ._lease_sql import (
     server_identity,
     session_sql,
 )
-from .ring import new_ring_key
+from ..ring import new_ring_key
 
 __all__ = [
     "RING_DRAWS",
