@@ -10,17 +10,27 @@ and whether any fire was lost or doubled.
 
 Cases: 1, 100, 1,000 and 10,000 tasks; ``def`` and ``async def``; without claims (a
 :class:`rselection.SingleNodeLeader`) and with claims (a :class:`rselection.PostgresLeader`
-with its default claimer, in a schema of its own that is dropped afterwards). Each case
-runs in a process of its own. With ``--baseline PATH`` (a checkout of another version,
-such as ``git worktree add /path/main main``) every case runs on that code too, in the
-same run, and both are printed side by side (only for cases of at most
-``--baseline-max`` tasks, 1,000 by default: the older code takes minutes for 10,000).
+with its default claimer, in a schema of its own that is dropped afterwards); with the
+run history on (the default: every run recorded, in memory or in Postgres) or off (the
+leader keeps no task controls). Each case runs in a process of its own.
+
+With the history on, a case also prints the batches the run history was written in
+during the window (one statement each on Postgres, one call in memory), and how long
+after it started one fire of the instant after the window was visible in its task's
+history (``visible ms``: the batch's wait and its write). With both ``--history
+off,on``, the added CPU per fire and the ratio are printed for each case.
+
+With ``--baseline PATH`` (a checkout of another version, such as ``git worktree add
+/path/main main``) every case runs on that code too, in the same run, and both are
+printed side by side (only for cases of at most ``--baseline-max`` tasks, 1,000 by
+default: the older code takes minutes for 10,000).
 
 Usage::
 
     python bench/runtime.py [--dsn DSN] [--baseline PATH] [--baseline-max 1000]
                             [--sizes 1,100,200,1000,10000]
-                            [--kinds def,async] [--claims off,on] [--profile CASE]
+                            [--kinds def,async] [--claims off,on] [--history on]
+                            [--profile CASE]
 
 ``--dsn`` defaults to ``RSELECTION_TEST_DSN``; without either, the claims cases are
 skipped. ``--profile 1000,async,off`` runs one case under cProfile (in this process) and
@@ -78,12 +88,19 @@ class Result:
     lost: int
     doubled: int
     version: str
+    history: str = "-"  # "on", "off"; "-": a version without run history
+    batches: int = 0  # run history writes during the window
+    written: int = 0  # runs they carried
+    visible_ms: float = float("nan")  # from a fire's start to its record's visibility
 
     def row(self) -> str:
+        batches = (
+            f"{self.batches:>7} {self.visible_ms:>10.0f}" if self.batches else f"{'-':>7} {'-':>10}"
+        )
         return (
-            f"{self.tasks:>6} {self.kind:>5} {self.claims:>6} {self.fires:>7} "
+            f"{self.tasks:>6} {self.kind:>5} {self.claims:>6} {self.history:>7} {self.fires:>7} "
             f"{self.p50:>8.1f} {self.p99:>8.1f} {self.max:>8.1f} {self.cpu_us:>9.0f} "
-            f"{self.lost:>5} {self.doubled:>7}"
+            f"{self.lost:>5} {self.doubled:>7} {batches}"
         )
 
 
@@ -99,9 +116,33 @@ def _schema_dsn(dsn: str, schema: str) -> str:
     return f"{dsn}{sep}options=-csearch_path%3D{schema}"
 
 
-def run_case(tasks: int, kind: str, claims: str, dsn: str | None) -> dict[str, Any]:
+def _visible(leader: Any, task: str, at: float, started: dict[tuple[str, float], float]) -> float:
+    """Milliseconds from the start of ``task``'s fire at ``at`` until its run record can
+    be read back (polled every 5 ms, for at most 10 s after the instant)."""
+    while time.time() < at:
+        time.sleep(0.002)
+    deadline = at + 10
+    while time.time() < deadline:
+        runs = leader.task_runs(task, limit=5)
+        if any(r.scheduled_at and abs(r.scheduled_at.timestamp() - at) < 1e-6 for r in runs):
+            seen = time.time()
+            began = started.get((task, round(at, 3)))
+            return float("nan") if began is None else (seen - began) * 1000
+        time.sleep(0.005)
+    return float("nan")
+
+
+def run_case(
+    tasks: int, kind: str, claims: str, dsn: str | None, history: str = "on"
+) -> dict[str, Any]:
     """Run one case in this process; return its figures."""
     import rselection as rs
+
+    try:
+        from rselection.task_desk import TaskDesk
+    except ImportError:  # a version without run history
+        TaskDesk = None
+        history = "-"
 
     every, periods = PLAN[tasks]
     seen: list[tuple[str, float, float]] = []  # task, scheduled_at, started (wall clock)
@@ -133,6 +174,9 @@ def run_case(tasks: int, kind: str, claims: str, dsn: str | None) -> dict[str, A
         leader = rs.PostgresLeader(_schema_dsn(dsn, schema), handler, name="bench")
     else:
         leader = rs.SingleNodeLeader(handler)
+    if history == "off":
+        # As a leader without a task store: no task controls, no run history.
+        leader._state.tasks = None
     try:
         leader.start()
         if not leader.wait_until_leader(30):
@@ -148,6 +192,11 @@ def run_case(tasks: int, kind: str, claims: str, dsn: str | None) -> dict[str, A
         while time.time() < first - 0.02:
             time.sleep(0.01)
         cpu0 = time.process_time()
+        counts0 = (
+            (0, 0)
+            if TaskDesk is None
+            else (TaskDesk.shared().counts.batches, TaskDesk.shared().counts.written)
+        )
         expected = tasks * periods
         deadline = last + every + 30
         done, looked = 0, 0
@@ -159,6 +208,17 @@ def run_case(tasks: int, kind: str, claims: str, dsn: str | None) -> dict[str, A
                 break
             time.sleep(0.05)
         cpu = time.process_time() - cpu0
+        batches = written = 0
+        visible = float("nan")
+        if TaskDesk is not None and history == "on":
+            counts = TaskDesk.shared().counts
+            batches, written = counts.batches - counts0[0], counts.written - counts0[1]
+            starts = {(name, round(at, 3)): began for name, at, began in list(seen)}
+            probe = last + every * (1 + int((time.time() - last) / every))
+            visible = _visible(leader, f"t{tasks - 1}", probe, starts)
+            starts = {(name, round(at, 3)): began for name, at, began in list(seen)}
+            if visible != visible:  # its start was noted after the first look
+                visible = _visible(leader, f"t{tasks - 1}", probe, starts)
     finally:
         leader.stop()
         if claims == "on":
@@ -184,17 +244,22 @@ def run_case(tasks: int, kind: str, claims: str, dsn: str | None) -> dict[str, A
         "lost": lost,
         "doubled": doubled,
         "version": rs.__file__,
+        "history": history,
+        "batches": batches,
+        "written": written,
+        "visible_ms": visible,
     }
 
 
 def run_in_child(
-    tasks: int, kind: str, claims: str, dsn: str | None, code: Path | None
+    tasks: int, kind: str, claims: str, dsn: str | None, code: Path | None, history: str = "on"
 ) -> Result | str:
     """Run one case in a fresh process, on ``code`` (a checkout) or this one."""
     env = dict(os.environ)
     if code is not None:
         env["PYTHONPATH"] = str(code)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--case", f"{tasks},{kind},{claims}"]
+    case = f"{tasks},{kind},{claims},{history}"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--case", case]
     if dsn:
         cmd += ["--dsn", dsn]
     try:
@@ -213,7 +278,7 @@ def profile(case: str, dsn: str | None) -> None:
     import cProfile
     import pstats
 
-    tasks, kind, claims = case.split(",")
+    tasks, kind, claims, *history = case.split(",")
     profiles: list[cProfile.Profile] = []
     run = threading.Thread.run
 
@@ -224,7 +289,7 @@ def profile(case: str, dsn: str | None) -> None:
 
     threading.Thread.run = profiled  # type: ignore[method-assign]
     main_profiler = cProfile.Profile()
-    result = main_profiler.runcall(run_case, int(tasks), kind, claims, dsn)
+    result = main_profiler.runcall(run_case, int(tasks), kind, claims, dsn, *history)
     threading.Thread.run = run  # type: ignore[method-assign]
     print(json.dumps(result))
     stats = pstats.Stats(main_profiler)
@@ -234,8 +299,9 @@ def profile(case: str, dsn: str | None) -> None:
 
 
 HEADER = (
-    f"{'tasks':>6} {'kind':>5} {'claims':>6} {'fires':>7} {'p50 ms':>8} {'p99 ms':>8} "
-    f"{'max ms':>8} {'cpu us':>9} {'lost':>5} {'doubled':>7}"
+    f"{'tasks':>6} {'kind':>5} {'claims':>6} {'history':>7} {'fires':>7} {'p50 ms':>8} "
+    f"{'p99 ms':>8} {'max ms':>8} {'cpu us':>9} {'lost':>5} {'doubled':>7} {'batches':>7} "
+    f"{'visible ms':>10}"
 )
 
 
@@ -252,12 +318,13 @@ def main() -> int:
     parser.add_argument("--sizes", default="1,100,200,1000,10000")
     parser.add_argument("--kinds", default="def,async")
     parser.add_argument("--claims", default="off,on")
+    parser.add_argument("--history", default="on", help="run history: on, off or off,on")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--profile", metavar="CASE", help="tasks,kind,claims under cProfile")
     args = parser.parse_args()
     if args.case:
-        tasks, kind, claims = args.case.split(",")
-        print(json.dumps(run_case(int(tasks), kind, claims, args.dsn)))
+        tasks, kind, claims, *history = args.case.split(",")
+        print(json.dumps(run_case(int(tasks), kind, claims, args.dsn, *history)))
         return 0
     if args.profile:
         profile(args.profile, args.dsn)
@@ -267,27 +334,50 @@ def main() -> int:
     if args.baseline is not None:
         versions.insert(0, ("old", args.baseline.resolve()))
     results: dict[tuple[str, int, str, str], Result | str] = {}
+    by_history: dict[tuple[int, str, str, str], Result] = {}
     cases = [
-        (int(n), kind, claims)
+        (int(n), kind, claims, history)
         for claims in args.claims.split(",")
         for kind in args.kinds.split(",")
         for n in args.sizes.split(",")
+        for history in args.history.split(",")
     ]
     print(HEADER + "  version")
-    for tasks, kind, claims in cases:
+    for tasks, kind, claims, history in cases:
         if claims == "on" and not args.dsn:
             continue
         for label, code in versions:
-            if label == "old" and tasks > args.baseline_max:
+            if label == "old" and (tasks > args.baseline_max or history == "off"):
                 continue
-            found = run_in_child(tasks, kind, claims, args.dsn, code)
-            results[(label, tasks, kind, claims)] = found
+            found = run_in_child(tasks, kind, claims, args.dsn, code, history)
+            if history == "on" or ("new", tasks, kind, claims) not in results:
+                results[(label, tasks, kind, claims)] = found
+            if label == "new" and isinstance(found, Result):
+                by_history[(tasks, kind, claims, history)] = found
             text = (
                 found.row()
                 if isinstance(found, Result)
-                else f"{tasks:>6} {kind:>5} {claims:>6} {found}"
+                else f"{tasks:>6} {kind:>5} {claims:>6} {history:>7} {found}"
             )
             print(f"{text}  {label}", flush=True)
+
+    pairs = [
+        (key[:3], off, by_history[(*key[:3], "on")])
+        for key, off in by_history.items()
+        if key[3] == "off" and (*key[:3], "on") in by_history
+    ]
+    if pairs:
+        print("\nrun history: added cost per fire (on against off, same run)")
+        for (tasks, kind, claims), off, on in pairs:
+            added = on.cpu_us - off.cpu_us
+            per_batch = on.written / on.batches if on.batches else float("nan")
+            writes = on.batches / on.fires if on.fires else float("nan")
+            print(
+                f"  {tasks:>5} {kind:>5} claims {claims}: cpu {off.cpu_us:.0f} -> "
+                f"{on.cpu_us:.0f} us per fire (+{added:.0f} us, x{on.cpu_us / off.cpu_us:.2f}); "
+                f"{on.batches} batches of {per_batch:.0f} runs, {writes:.4f} writes per fire; "
+                f"p99 {off.p99:.1f} -> {on.p99:.1f} ms; visible after {on.visible_ms:.0f} ms"
+            )
 
     print("\ntargets")
     failed = False

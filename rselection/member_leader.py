@@ -116,7 +116,13 @@ class MemberLeader(LeaseLeader):
         )
         # What was built with a new node id takes the leader's own (see _fix_node_id).
         self._adopt_node_id(self.node_id)
-        self._state.check_drained = self.check_drained
+        self._state.check_drained = self._check_on_connect
+
+    def _check_on_connect(self) -> None:
+        """On every (re)connect, before any attempt: whether this node is drained; and
+        the task controls held are no longer known to be current."""
+        self.check_drained()
+        self._read_task_controls()
 
     @staticmethod
     def _first_node_id(node_id: str | None) -> str:

@@ -17,7 +17,8 @@ arguments:
 - ``task_stuck``: ``task``, ``term``, ``waited`` (seconds waited after cancelling).
 - ``fire_skipped``: ``task``, ``scheduled_at``, ``fire_key``, ``reason`` (``"overlap"``,
   ``"not-leader"``, ``"already-claimed"``, ``"misfire"``, ``"claim-error"``,
-  ``"no-thread"``: no thread could be started to run it).
+  ``"no-thread"``: no thread could be started to run it; ``"paused"``: an operator
+  paused the task; ``"expired"``: a trigger older than the claim ttl).
 - ``node_joined``: ``name`` (lease name), ``node`` (:class:`~rselection.NodeInfo`), sent
   by a :class:`~rselection.HeartbeatMonitor` on the leader.
 - ``node_lost``: ``name``, ``node`` (its last heartbeat), sent the same way.

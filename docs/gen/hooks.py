@@ -217,6 +217,17 @@ def gen_cli() -> str:
         rows = argument_rows(sub)
         if rows:
             out += [table(["argument", "default", "meaning"], rows), ""]
+        # A command with actions of its own (`rselection task pause`): each one too.
+        actions = subcommand_help(sub)
+        for action, nested in subcommands(sub).items():
+            out += [f"### `{parser.prog} {name} {action}`", ""]
+            text = nested.description or actions.get(action, "")
+            if text:
+                out += [rst_to_md(text), ""]
+            out += ["```text", nested.format_usage().strip(), "```", ""]
+            rows = argument_rows(nested)
+            if rows:
+                out += [table(["argument", "default", "meaning"], rows), ""]
     return "\n".join(out)
 
 

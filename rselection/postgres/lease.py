@@ -26,6 +26,7 @@ from ..drains import DrainNotices
 from ..errors import BackendUnavailable, ConfigError
 from ..history import HISTORY_LIMIT, TermEnding, check_history_limit
 from ..lease import Acquisition, HandoverRequest, LeaderInfo, ReleaseOutcome, RenewOutcome
+from ..task_board import TaskNotices
 from ..timing import MAX_TIMING
 from ..validation import check_name, check_node_id, check_seconds
 from ..versions import check_version
@@ -177,6 +178,7 @@ class PostgresLease(Closeable):
         self._handover_hint = False
         self._handover: HandoverRequest | None = None
         self._drain_notices = DrainNotices(self.name)  # see on_drain
+        self._task_notices = TaskNotices(self.name)  # see on_tasks
         # A holder is read in one short statement: bound each read by about twice the
         # connect timeout, as a caller of current() expects of a quick look.
         self._observer = Connections(
@@ -301,6 +303,10 @@ class PostgresLease(Closeable):
             # Only a wake-up, from whoever sent it: the node reads its drain state.
             self._drain_notices.tell(notice.node_id)
             return
+        elif notice.event == "tasks":
+            # Only a wake-up too: the leader reads the task controls.
+            self._task_notices.tell()
+            return
         elif notice.event == "resign":
             self._hint_handover()
             # Only the holder has something to do: a follower's attempt would find the
@@ -318,7 +324,9 @@ class PostgresLease(Closeable):
             self._hint_handover()
         if "drain" in kinds:
             self._drain_notices.tell(None)
-        if kinds - {"resign", "drain"}:
+        if "tasks" in kinds:
+            self._task_notices.tell()
+        if kinds - {"resign", "drain", "tasks"}:
             self._set_wake()
 
     def on_drain(self, callback: Callable[[str | None], None] | None) -> None:
@@ -327,6 +335,12 @@ class PostgresLease(Closeable):
         block. ``None`` stops the calls. A notification is anyone's: the callback reads
         the drain state from the table, never from the notification."""
         self._drain_notices.callback = callback
+
+    def on_tasks(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback()`` when a notification says the task controls of this lease
+        changed, from the keeper's thread: it must not block. ``None`` stops the calls.
+        A notification is anyone's: the callback reads the controls from the tables."""
+        self._task_notices.callback = callback
 
     def _hint_handover(self) -> None:
         self._handover_hint = True

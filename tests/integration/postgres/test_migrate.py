@@ -23,6 +23,9 @@ KINDS = ["leases", "claims", "elections", "nodes", "broadcast", "checkpoints", "
 TABLES = {
     "rselection_leases",
     "rselection_leases_history",
+    "rselection_leases_tasks",
+    "rselection_leases_task_runs",
+    "rselection_leases_task_triggers",
     "rselection_claims",
     "rselection_elections",
     "rselection_nodes",

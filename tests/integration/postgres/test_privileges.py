@@ -115,7 +115,8 @@ def messages_left(dsn: str, table: str) -> int:
 def test_the_documented_privileges_run_a_fleet_and_its_commands(
     roles: dict[str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    reader, operator = "`rselection status`, `history`", "`rselection resign`, `forget`"
+    reader = "`rselection status`, `history`, `task history`"
+    operator = "`rselection resign`, `forget`, `task`"
     assert set(roles) == {"nodes", reader, operator}
     dsn = roles["nodes"]
     assert conninfo_to_dict(dsn)["user"] != conninfo_to_dict(roles[reader])["user"]
@@ -160,6 +161,18 @@ def test_the_documented_privileges_run_a_fleet_and_its_commands(
         shown = cli(roles[reader], "status")
         assert shown.returncode == 0, shown.stderr
         assert "jobs" in shown.stdout and "write" in shown.stdout, shown.stdout
+
+        def task(*args: str) -> str:
+            role = roles[reader] if args[0] == "history" else roles[operator]
+            done = cli(role, "task", args[0], "jobs", "write", *args[1:])
+            assert done.returncode == 0, done.stderr
+            return done.stdout
+
+        task("pause")
+        wait_until(lambda: "(paused, by operator)" in task("history"), 10, "a skip on record")
+        task("trigger")
+        task("resume")
+        wait_until(lambda: "ok (by operator)" in task("history"), 10, "the triggered run")
         resigned = cli(roles[operator], "resign", "jobs")
         assert resigned.returncode == 0, resigned.stderr
         assert b.wait_until_leader(10)
