@@ -1,0 +1,133 @@
+"""Who may act on the console: the operator token, the login cookie, and cross-site checks.
+
+Without a token the console is read-only: it shows no action forms and refuses every
+action (403). With one, an action is allowed to
+
+* a request that carries ``Authorization: Bearer <token>`` (scripts; no cookie is
+  involved, so no cross-site check is needed), or
+* a browser logged in on the console's form: its cookie holds a session value derived
+  from the token by HMAC (never the token itself), ``HttpOnly`` and
+  ``SameSite=Strict``; each form it posts carries a CSRF value derived from that
+  session value, and its ``Origin`` (else ``Referer``) must be the console's own.
+
+Every comparison runs in constant time (:func:`hmac.compare_digest`). A session lasts
+:data:`SESSION_SECONDS`; changing the token ends every session.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from collections.abc import Mapping
+from urllib.parse import urlsplit
+
+from ..errors import ConfigError
+
+__all__ = ["COOKIE", "SESSION_SECONDS", "Guard", "check_token", "same_origin"]
+
+COOKIE = "rselection_console"
+"""The name of the login cookie."""
+
+SESSION_SECONDS = 12 * 3600
+"""How long a login lasts."""
+
+
+def check_token(token: object) -> str | None:
+    """``token`` with its surrounding whitespace stripped; ``None`` stays ``None``.
+
+    Args:
+        token: the operator token, or ``None`` for a read-only console.
+
+    Raises:
+        ConfigError: not a string, or blank.
+    """
+    if token is None:
+        return None
+    if not isinstance(token, str):
+        raise ConfigError(f"token must be a str or None, got {type(token).__name__}")
+    stripped = token.strip()
+    if not stripped:
+        raise ConfigError(
+            "token is blank: give the operator token, or None for a read-only console"
+        )
+    return stripped
+
+
+class Guard:
+    """Checks the credentials of the console's actions.
+
+    Args:
+        token: the operator token (see :func:`check_token`); ``None``: read-only.
+    """
+
+    def __init__(self, token: str | None) -> None:
+        self._token = check_token(token)
+        self._key = b"" if self._token is None else self._token.encode()
+
+    @property
+    def read_only(self) -> bool:
+        """Whether no token was given: every action is refused."""
+        return self._token is None
+
+    def _mac(self, purpose: str, value: str) -> str:
+        message = f"{purpose}:{value}".encode()
+        return hmac.new(self._key, message, hashlib.sha256).hexdigest()
+
+    def token_matches(self, given: str) -> bool:
+        """Whether ``given`` (surrounding whitespace stripped) is the token."""
+        if self._token is None:
+            return False
+        return hmac.compare_digest(given.strip().encode(), self._token.encode())
+
+    def bearer_ok(self, authorization: str | None) -> bool:
+        """Whether an ``Authorization`` header carries the token as a bearer token."""
+        if self._token is None or not authorization:
+            return False
+        scheme, _, credentials = authorization.partition(" ")
+        return scheme.lower() == "bearer" and self.token_matches(credentials)
+
+    def new_session(self, now: float | None = None) -> str:
+        """A login cookie's value: when it was issued, and its HMAC."""
+        issued = str(int(time.time() if now is None else now))
+        return f"{issued}.{self._mac('session', issued)}"
+
+    def session_ok(self, cookie: str | None, now: float | None = None) -> bool:
+        """Whether ``cookie`` is a login cookie's value, issued within
+        :data:`SESSION_SECONDS`."""
+        if self._token is None or not cookie:
+            return False
+        issued, _, mac = cookie.partition(".")
+        if not hmac.compare_digest(mac.encode(), self._mac("session", issued).encode()):
+            return False
+        age = (time.time() if now is None else now) - int(issued)
+        return 0 <= age <= SESSION_SECONDS
+
+    def csrf_for(self, cookie: str) -> str:
+        """The CSRF value the forms of a page carry for the session ``cookie``."""
+        return self._mac("csrf", cookie)
+
+    def csrf_ok(self, cookie: str, given: str | None) -> bool:
+        """Whether a form's CSRF value belongs to the session ``cookie``."""
+        return given is not None and hmac.compare_digest(
+            given.encode(), self.csrf_for(cookie).encode()
+        )
+
+
+def same_origin(headers: Mapping[str, str]) -> bool:
+    """Whether a browser's request comes from the console's own pages: the host of its
+    ``Origin`` (else of its ``Referer``) is the one it was sent to.
+
+    The scheme is not compared: behind a proxy that ends TLS the console sees ``http``
+    where the browser sent ``https``. A request with neither header is refused: browsers
+    send ``Origin`` with every form post.
+
+    Args:
+        headers: the request's headers (lower-case names).
+    """
+    host = headers.get("host")
+    source = headers.get("origin") or headers.get("referer")
+    if not host or not source or source == "null":
+        return False
+    parts = urlsplit(source)
+    return bool(parts.scheme) and parts.netloc.lower() == host.lower()
