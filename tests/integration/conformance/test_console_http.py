@@ -1,0 +1,246 @@
+"""The console over HTTP, on every backend: its pages and JSON routes against a real
+fleet, who may act, and what the actions do (recorded ``by: "operator"``).
+
+Plain HTTP through Starlette's test client (the browser tests are in
+``tests/integration/test_console_browser.py``); leaders in this process.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+
+pytest.importorskip("starlette")
+
+from starlette.testclient import TestClient
+
+import rselection as rs
+from rselection.web import create_app
+from tests.support.backends import Backend
+from tests.support.waiting import wait_until
+
+FAST = {"ttl": 3, "renew_interval": 0.5, "renew_deadline": 2, "retry_interval": 0.5}
+TOKEN = "op-token-7f3a"
+ORIGIN = {"origin": "http://testserver"}
+
+
+def lease_url(name: str, *rest: str) -> str:
+    return "/".join(["/api/leases", quote(name, safe=""), *(quote(r, safe="") for r in rest)])
+
+
+@pytest.fixture
+def name(backend: Backend) -> Iterator[str]:
+    lease = f"console-{uuid.uuid4().hex[:8]}"
+    yield lease
+    backend.forget(lease)
+
+
+@pytest.fixture
+def make(backend: Backend) -> Iterator[Callable[..., Any]]:
+    made: list[Any] = []
+
+    def build(lease: str, node_id: str, **kw: Any) -> Any:
+        tasks = rs.TaskHandler()
+
+        @tasks.persistent(name="work")
+        def work(ctx: rs.TaskContext) -> None:
+            while ctx.sleep(0.05):
+                pass
+
+        leader = backend.leader(
+            tasks, lease, node_id=node_id, heartbeat_interval=0.2, **FAST, **kw
+        )
+        made.append(leader)
+        leader.start()
+        return leader
+
+    yield build
+    for leader in made:
+        leader.stop(timeout=10)
+
+
+@pytest.fixture
+def fleet(make: Callable[..., Any], name: str, backend: Backend) -> list[Any]:
+    """Three nodes of lease ``name``; ``a`` leads, all three heartbeat."""
+    a = make(name, "a")
+    assert a.wait_until_leader(10)
+    nodes = [a, make(name, "b"), make(name, "c")]
+    admin = backend.admin()
+    try:
+        wait_until(
+            lambda: len(admin.live_nodes(name) or ()) == 3, 10, "three live nodes", interval=0.05
+        )
+    finally:
+        admin.close()
+    return nodes
+
+
+def app_of(backend: Backend, token: str | None = None) -> Any:
+    if backend.kind == "redis":
+        return create_app(client=backend.url, token=token)
+    return create_app(conninfo=backend.url, token=token)
+
+
+@pytest.fixture
+def client(backend: Backend) -> Iterator[TestClient]:
+    with TestClient(app_of(backend, TOKEN)) as made:
+        yield made
+
+
+def holder_of(backend: Backend, name: str) -> str | None:
+    admin = backend.admin()
+    try:
+        found = admin.current_holder(name)
+    finally:
+        admin.close()
+    return None if found is None else found.node_id
+
+
+def test_the_overview_and_the_status_show_the_leader(
+    client: TestClient, fleet: list[Any], name: str
+) -> None:
+    page = client.get("/")
+    assert page.status_code == 200
+    row = re.search(rf'<tr[^>]*data-lease="{name}".*?</tr>', page.text, re.S)
+    assert row is not None and '<td class="holder">a</td>' in row.group(0)
+    status = client.get("/api/status").json()
+    (lease,) = [x for x in status["leases"] if x["name"] == name]
+    assert lease["holder"] == "a" and lease["live"]
+    assert name not in status["headless"]
+    assert {n["node_id"] for n in status["nodes"] if n["lease"] == name} == {"a", "b", "c"}
+    detail = client.get(lease_url(name)).json()
+    assert detail["lease"]["holder"] == "a" and detail["terms"][0]["node_id"] == "a"
+
+
+def test_a_read_only_console_shows_no_action_and_refuses_every_one(
+    backend: Backend, fleet: list[Any], name: str
+) -> None:
+    with TestClient(app_of(backend)) as client:
+        page = client.get("/leases/" + quote(name, safe=""))
+        assert page.status_code == 200 and "read-only" in page.text
+        assert 'method="post"' not in page.text
+        for route, body in [
+            (lease_url(name, "step-down"), {}),
+            (lease_url(name, "handover"), {"to": "b"}),
+            (lease_url(name, "nodes", "b", "drain"), {}),
+            (lease_url(name, "nodes", "b", "undrain"), {}),
+            (lease_url(name, "tasks", "work", "pause"), {}),
+            (lease_url(name, "tasks", "work", "resume"), {}),
+            (lease_url(name, "tasks", "work", "trigger"), {}),
+        ]:
+            for headers in ({}, {"authorization": f"Bearer {TOKEN}"}, ORIGIN):
+                answer = client.post(route, json=body, headers=headers)
+                assert answer.status_code == 403, (route, headers, answer.text)
+    assert holder_of(backend, name) == "a"
+
+
+def test_an_action_without_the_token_or_from_another_site_is_refused(
+    client: TestClient, fleet: list[Any], name: str, backend: Backend
+) -> None:
+    route = lease_url(name, "step-down")
+    assert client.post(route).status_code == 401
+    wrong = client.post(route, headers={"authorization": "Bearer not-the-token"})
+    assert wrong.status_code == 401 and wrong.headers["www-authenticate"].startswith("Bearer")
+    assert client.post("/login", data={"token": "wrong"}, headers=ORIGIN).status_code == 401
+    # logged in: the cookie alone, without the page's CSRF value, or from another site
+    login = client.post("/login", data={"token": TOKEN}, headers=ORIGIN, follow_redirects=False)
+    assert login.status_code == 303
+    cookie = login.headers["set-cookie"]
+    assert "HttpOnly" in cookie and "samesite=strict" in cookie.lower()
+    assert TOKEN not in cookie
+    page = client.get("/leases/" + quote(name, safe=""))
+    csrf = re.search(r'name="csrf" value="([0-9a-f]+)"', page.text)
+    assert csrf is not None
+    assert client.post(route, data={"csrf": "0" * 64}, headers=ORIGIN).status_code == 403
+    foreign = {"origin": "http://evil.example"}
+    assert client.post(route, data={"csrf": csrf.group(1)}, headers=foreign).status_code == 403
+    assert client.post(route, data={"csrf": csrf.group(1)}).status_code == 403  # no origin
+    assert holder_of(backend, name) == "a"
+    # the page's own form, from the page's own origin, steps the leader down
+    done = client.post(
+        route, data={"csrf": csrf.group(1), "next": "/"}, headers=ORIGIN, follow_redirects=False
+    )
+    assert done.status_code == 303 and done.headers["location"] == "/"
+    wait_until(lambda: holder_of(backend, name) not in (None, "a"), 10, "a new leader")
+
+
+def test_a_handover_moves_the_lease_to_the_node_chosen_and_is_the_operators(
+    client: TestClient, fleet: list[Any], name: str, backend: Backend
+) -> None:
+    bearer = {"authorization": f"Bearer {TOKEN}"}
+    answer = client.post(lease_url(name, "handover"), json={"to": "c"}, headers=bearer)
+    assert answer.status_code == 200, answer.text
+    done = answer.json()
+    assert done["ok"] and done["new"]["node_id"] == "c" and done["asked"]["node_id"] == "a"
+    assert holder_of(backend, name) == "c"
+    admin = backend.admin()
+    try:
+        ended = next(r for r in admin.history(name) if r.node_id == "a")
+    finally:
+        admin.close()
+    assert (ended.end_reason, ended.handed_to, ended.by) == ("handed_over", "c", "operator")
+    # refused: to an unknown node, or with no node named
+    refused = client.post(lease_url(name, "handover"), json={"to": "zz"}, headers=bearer)
+    assert refused.status_code == 409 and "not a live node" in refused.json()["error"]
+    assert client.post(lease_url(name, "handover"), json={}, headers=bearer).status_code == 400
+
+
+def test_draining_the_holder_moves_the_lease_and_undraining_lets_it_lead_again(
+    client: TestClient, fleet: list[Any], name: str, backend: Backend
+) -> None:
+    bearer = {"authorization": f"Bearer {TOKEN}"}
+    drained = client.post(lease_url(name, "nodes", "a", "drain"), headers=bearer)
+    assert drained.status_code == 200 and drained.json()["changed"]
+    wait_until(lambda: holder_of(backend, name) in ("b", "c"), 10, "another leader")
+    status = client.get("/api/status").json()
+    (node,) = [n for n in status["nodes"] if n["lease"] == name and n["node_id"] == "a"]
+    assert node["drained"]
+    page = client.get("/leases/" + quote(name, safe=""))
+    assert re.search(r'data-node="a" class="state-drained"', page.text)
+    again = client.post(lease_url(name, "nodes", "a", "drain"), headers=bearer)
+    assert again.status_code == 200 and not again.json()["changed"]
+    undrained = client.post(lease_url(name, "nodes", "a", "undrain"), headers=bearer)
+    assert undrained.status_code == 200 and undrained.json()["changed"]
+    unknown = client.post(lease_url(name, "nodes", "nobody", "drain"), headers=bearer)
+    assert unknown.status_code == 409
+
+
+def test_names_with_slashes_spaces_markup_and_unicode_round_trip(
+    make: Callable[..., Any], backend: Backend
+) -> None:
+    suffix = uuid.uuid4().hex[:6]
+    names = [f"a/b-{suffix}", f"with space {suffix}", f"<script>alert(1)</script>{suffix}"]
+    names.append(f"ünï ✓ {suffix}")
+    leaders = [make(lease, "n1") for lease in names]
+    for leader in leaders:
+        assert leader.wait_until_leader(10)
+    try:
+        with TestClient(app_of(backend, TOKEN)) as client:
+            overview = client.get("/").text
+            assert "<script>alert(1)</script>" not in overview
+            assert "&lt;script&gt;alert(1)&lt;/script&gt;" + suffix in overview
+            for lease in names:
+                page = client.get("/leases/" + quote(lease, safe=""))
+                assert page.status_code == 200, lease
+                assert "<script>alert" not in page.text
+                detail = client.get(lease_url(lease)).json()
+                assert detail["name"] == lease and detail["lease"]["holder"] == "n1"
+                link = 'href="/leases/' + quote(lease, safe="") + '"'
+                assert link.replace("&", "&amp;") in overview
+    finally:
+        for lease in names:
+            backend.forget(lease)
+
+
+def test_an_unknown_lease_is_404_and_an_unknown_route_too(
+    client: TestClient, fleet: list[Any], name: str
+) -> None:
+    assert client.get("/leases/" + quote(f"{name}-nope", safe="")).status_code == 404
+    assert client.get(lease_url(f"{name}-nope")).status_code == 404
+    assert client.get("/leases/" + quote(name, safe="") + "/elsewhere").status_code == 404
+    assert client.get("/leases/" + quote(name, safe="") + "/shards").status_code == 404

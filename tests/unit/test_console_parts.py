@@ -1,0 +1,202 @@
+"""The console's parts that need no server: its URLs, its credentials, its timeline's
+layout and the ``rselection web`` command line's checks."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+pytest.importorskip("starlette")
+
+from rselection.commands.output import UsageError
+from rselection.commands.web import is_loopback, parse_bind, read_token
+from rselection.errors import ConfigError
+from rselection.history import TermRecord
+from rselection.task_runs import RunRecord
+from rselection.web import create_app
+from rselection.web.auth import SESSION_SECONDS, Guard, check_token, same_origin
+from rselection.web.paths import href, segments
+from rselection.web.timeline import LABEL_WIDTH, PLOT_WIDTH, layout
+
+NAMES = ["a/b", "with space", "<script>alert(1)</script>", "ünï/cödé ✓", "100%", "x?y#z", "a\\b"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_name_is_one_segment_of_a_url_and_comes_back_whole(name: str) -> None:
+    url = href("", "leases", name, "tasks", name)
+    raw = url.encode("ascii")  # the URL is ASCII: every other character is escaped
+    decoded = "/leases/" + name + "/tasks/" + name
+    scope = {"path": decoded, "raw_path": raw, "root_path": ""}
+    assert segments(scope) == ["leases", name, "tasks", name]
+
+
+def test_segments_below_a_mount_point_leave_the_mount_point_out() -> None:
+    url = href("/ops/rselection", "leases", "pollers/3")
+    assert url == "/ops/rselection/leases/pollers%2F3"
+    scope = {
+        "path": "/ops/rselection/leases/pollers/3",
+        "raw_path": url.encode(),
+        "root_path": "/ops/rselection",
+    }
+    assert segments(scope) == ["leases", "pollers/3"]
+
+
+def test_without_a_raw_path_the_decoded_path_is_split() -> None:
+    assert segments({"path": "/leases/x", "root_path": ""}) == ["leases", "x"]
+
+
+def test_the_token_is_stripped_and_a_blank_one_refused() -> None:
+    assert check_token("  s3cret\n") == "s3cret"
+    assert check_token(None) is None
+    for bad in ("", "  \n", 42):
+        with pytest.raises(ConfigError):
+            check_token(bad)
+
+
+def test_a_bearer_token_is_compared_whole() -> None:
+    guard = Guard("s3cret")
+    assert guard.bearer_ok("Bearer s3cret") and guard.bearer_ok("bearer  s3cret ")
+    for wrong in (None, "", "Bearer s3cre", "Bearer s3cret2", "Basic s3cret", "s3cret"):
+        assert not guard.bearer_ok(wrong)
+    assert not Guard(None).bearer_ok("Bearer anything")
+
+
+def test_a_session_is_derived_from_the_token_and_expires() -> None:
+    guard = Guard("s3cret")
+    now = 1_800_000_000.0
+    session = guard.new_session(now)
+    assert "s3cret" not in session
+    assert guard.session_ok(session, now + 10)
+    assert not guard.session_ok(session, now + SESSION_SECONDS + 1)
+    assert not Guard("other").session_ok(session, now)  # a new token ends every session
+    issued, _, mac = session.partition(".")
+    assert not guard.session_ok(f"{int(issued) + 1}.{mac}", now)  # a forged issue time
+    assert not guard.session_ok("garbage", now) and not guard.session_ok(None, now)
+
+
+def test_a_form_carries_the_csrf_value_of_its_session() -> None:
+    guard = Guard("s3cret")
+    mine, theirs = guard.new_session(1.0), guard.new_session(2.0)
+    assert guard.csrf_ok(mine, guard.csrf_for(mine))
+    assert not guard.csrf_ok(mine, guard.csrf_for(theirs))
+    assert not guard.csrf_ok(mine, None) and not guard.csrf_ok(mine, "")
+
+
+def test_only_requests_from_the_consoles_own_host_pass_the_origin_check() -> None:
+    host = {"host": "127.0.0.1:8780"}
+    assert same_origin({**host, "origin": "http://127.0.0.1:8780"})
+    assert same_origin({**host, "referer": "http://127.0.0.1:8780/leases/x"})
+    assert same_origin({**host, "origin": "https://127.0.0.1:8780"})  # TLS ended by a proxy
+    assert not same_origin({**host, "origin": "http://evil.example"})
+    assert not same_origin({**host, "origin": "http://127.0.0.1:8781"})
+    assert not same_origin({**host, "origin": "null"})
+    assert not same_origin(host)  # neither header
+
+
+NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+
+
+def term(n: int, node: str, began: float, ended: float | None, end: str | None) -> TermRecord:
+    """Term ``n`` of ``node``, from ``began`` to ``ended`` minutes before NOW."""
+    return TermRecord(
+        name="lease",
+        term=n,
+        node_id=node,
+        version=None,
+        hostname="h",
+        pid=1,
+        began_at=NOW - timedelta(minutes=began),
+        ended_at=None if ended is None else NOW - timedelta(minutes=ended),
+        end_reason=end,
+        handed_to=None,
+        by=None,
+    )
+
+
+def test_the_timeline_places_each_term_of_the_window_on_its_nodes_row() -> None:
+    terms = [
+        term(1, "a", 90, 70, "expired"),  # before the window: left out
+        term(2, "a", 70, 30, "handed_over"),  # began before the window: cut at its start
+        term(3, "b", 30, 15, "deadline"),
+        term(4, "a", 15, None, None),  # leading: runs to now
+    ]
+    picture = layout(terms, NOW, nodes=["a", "b", "c"])
+    assert [row.name for row in picture.nodes] == ["a", "b", "c"]
+    bars = {bar.term: bar for bar in picture.bars}
+    assert sorted(bars) == [2, 3, 4]
+    assert bars[2].x == LABEL_WIDTH and bars[2].width == pytest.approx(PLOT_WIDTH / 2)
+    assert bars[3].x == pytest.approx(LABEL_WIDTH + PLOT_WIDTH / 2)
+    assert bars[3].width == pytest.approx(PLOT_WIDTH / 4)
+    assert bars[4].end == "leading" and bars[4].ended_at is None
+    assert bars[4].x + bars[4].width == pytest.approx(LABEL_WIDTH + PLOT_WIDTH)
+    assert picture.ends == ("leading", "handed_over", "deadline")
+    assert [tick.label for tick in picture.ticks] == [
+        "11:10",
+        "11:20",
+        "11:30",
+        "11:40",
+        "11:50",
+        "12:00",
+    ]
+
+
+def test_no_two_bars_of_a_timeline_overlap() -> None:
+    terms = [term(n, "ab"[n % 2], 60 - n, 59 - n, "released") for n in range(1, 50)]
+    bars = sorted(layout(terms, NOW).bars, key=lambda b: b.x)
+    for before, after in zip(bars, bars[1:], strict=False):
+        assert before.x + before.width <= after.x + 1e-6 or before.width == 2.0
+
+
+def test_task_runs_go_beneath_the_terms() -> None:
+    run = RunRecord(
+        lease="lease",
+        task="purge",
+        scheduled_at=NOW - timedelta(minutes=5),
+        started_at=NOW - timedelta(minutes=5),
+        ended_at=NOW - timedelta(minutes=4),
+        outcome="failed",
+        reason=None,
+        node_id="a",
+        term=4,
+        error="ValueError: boom",
+        by=None,
+    )
+    picture = layout([term(4, "a", 15, None, None)], NOW, runs={"purge": [run]})
+    (row,) = picture.tasks
+    assert row.y > picture.nodes[-1].y
+    (mark,) = row.marks
+    assert "ValueError: boom" in mark.title and picture.outcomes == ("failed",)
+
+
+def test_bind_addresses_and_loopback() -> None:
+    assert parse_bind("127.0.0.1:8780") == ("127.0.0.1", 8780)
+    assert parse_bind("[::1]:0") == ("::1", 0)
+    for bad in ("8780", "host:", "host:port", "h:70000", ":80"):
+        with pytest.raises(UsageError):
+            parse_bind(bad)
+    assert is_loopback("127.0.0.2") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1")
+    assert not is_loopback("example.com")
+
+
+def test_the_token_file_is_stripped_and_an_empty_one_refused(tmp_path: object) -> None:
+    from pathlib import Path
+
+    folder = Path(str(tmp_path))
+    (folder / "token").write_text("  s3cret \n")
+    assert read_token(str(folder / "token")) == "s3cret"
+    (folder / "empty").write_text(" \n\t")
+    with pytest.raises(UsageError, match="is empty"):
+        read_token(str(folder / "empty"))
+    with pytest.raises(UsageError, match="cannot read"):
+        read_token(str(folder / "missing"))
+
+
+def test_create_app_needs_exactly_one_place_to_read() -> None:
+    with pytest.raises(ConfigError, match="exactly one"):
+        create_app()
+    with pytest.raises(ConfigError, match="exactly one"):
+        create_app(conninfo="postgresql://x", client="redis://y")
+    with pytest.raises(ConfigError, match="blank"):
+        create_app(conninfo="postgresql://x", token="  ")
