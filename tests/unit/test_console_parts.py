@@ -3,6 +3,7 @@ layout and the ``rselection web`` command line's checks."""
 
 from __future__ import annotations
 
+import itertools
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -144,7 +145,7 @@ def test_the_timeline_places_each_term_of_the_window_on_its_nodes_row() -> None:
 def test_no_two_bars_of_a_timeline_overlap() -> None:
     terms = [term(n, "ab"[n % 2], 60 - n, 59 - n, "released") for n in range(1, 50)]
     bars = sorted(layout(terms, NOW).bars, key=lambda b: b.x)
-    for before, after in zip(bars, bars[1:], strict=False):
+    for before, after in itertools.pairwise(bars):
         assert before.x + before.width <= after.x + 1e-6 or before.width == 2.0
 
 

@@ -52,9 +52,7 @@ def make(backend: Backend) -> Iterator[Callable[..., Any]]:
             while ctx.sleep(0.05):
                 pass
 
-        leader = backend.leader(
-            tasks, lease, node_id=node_id, heartbeat_interval=0.2, **FAST, **kw
-        )
+        leader = backend.leader(tasks, lease, node_id=node_id, heartbeat_interval=0.2, **FAST, **kw)
         made.append(leader)
         leader.start()
         return leader
