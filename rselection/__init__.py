@@ -17,7 +17,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import signals
-from .abc import CheckpointStore, LeaseBackend, Membership
+from .abc import CheckpointStore, LeaseBackend, Membership, TaskStore
 from .broadcast import Broadcaster, BroadcasterClosed, Subscription, SubscriptionClosed
 from .checkpoints import Snapshot
 from .claiming import FireClaimer
@@ -32,11 +32,18 @@ from .errors import (
 from .leader import Leader, LeaseLeader
 from .lease import Acquisition, LeaderInfo
 from .members import NodeInfo
-from .memory import MemoryCheckpointStore, MemoryClaimer, MemoryLease, MemoryMembership
+from .memory import (
+    MemoryCheckpointStore,
+    MemoryClaimer,
+    MemoryLease,
+    MemoryMembership,
+    MemoryTaskStore,
+)
 from .monitor import HeartbeatMonitor
 from .schedules import CronSchedule, IntervalSchedule, Schedule, format_fire_key
 from .sharding import shard_of
 from .single_node import SingleNodeLeader
+from .task_runs import RunRecord, TaskInfo
 from .tasks import GenericTask, Task, TaskHandler, TaskType
 
 if TYPE_CHECKING:
@@ -68,9 +75,11 @@ __all__ = [
     "MemoryClaimer",
     "MemoryLease",
     "MemoryMembership",
+    "MemoryTaskStore",
     "Membership",
     "NodeInfo",
     "RSelectionError",
+    "RunRecord",
     "Schedule",
     "SingleNodeLeader",
     "Snapshot",
@@ -80,6 +89,8 @@ __all__ = [
     "Task",
     "TaskContext",
     "TaskHandler",
+    "TaskInfo",
+    "TaskStore",
     "TaskType",
     "TransactionFence",
     "format_fire_key",

@@ -2,7 +2,8 @@
 
 A leader works through five roles: the lease (:class:`LeaseBackend`), the fire claimer
 (:class:`FireClaimer`), the checkpoint store (:class:`CheckpointStore`), the membership
-(:class:`Membership`) and the transaction fence (:class:`TransactionFence`). A role is a
+(:class:`Membership`) and the transaction fence (:class:`TransactionFence`); a sixth,
+the task store (:class:`TaskStore`), keeps its tasks' controls and run history. A role is a
 protocol of its required members; its optional *abilities* do the same work with fewer
 round trips or threads. A role's base class (:class:`LeaseBase`, :class:`ClaimerBase`,
 :class:`CheckpointStoreBase`) gives every ability a safe default; ask whether an object
@@ -21,9 +22,20 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, overload, runtime_checkable
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+    from datetime import datetime
+
     from .checkpoints import Key, Snapshot
     from .lease import Acquisition, HandoverRequest, LeaderInfo, ReleaseOutcome, RenewOutcome
     from .members import NodeInfo
+    from .task_runs import (
+        RunRecord,
+        TaskControlChange,
+        TaskControls,
+        TaskEntry,
+        TaskInfo,
+        Trigger,
+    )
 
 __all__ = [
     "AnnouncesHolder",
@@ -49,6 +61,7 @@ __all__ = [
     "SharedSchedule",
     "StoreAbility",
     "SupportsHandover",
+    "TaskStore",
     "TransactionFence",
     "Watch",
     "RecordsHistory",
@@ -964,6 +977,72 @@ class TransactionFence(Protocol):
 
     async def afence(self, conn: Any, term: int) -> None:
         """:meth:`fence` for an async connection."""
+        ...
+
+
+# ------------------------------------------------------------------------ the task store
+
+
+@runtime_checkable
+class TaskStore(Protocol):
+    """Where the task controls, task lists and run histories of leases live
+    (``rselection task``, see :mod:`rselection.task_runs`).
+
+    A leader reads its lease's controls (:meth:`read_controls`) before its first fire
+    and whenever woken, publishes its list of tasks when a term begins
+    (:meth:`publish_tasks`), writes its runs in batches (:meth:`write_runs`, one round
+    trip each, never on the renewal path) and drops the triggers it took
+    (:meth:`drop_triggers`). An operator reads and changes them with the other methods;
+    a change wakes the lease's leader (a notification on the lease's channel, on the
+    servers; :class:`~rselection.MemoryTaskStore` calls back). Postgres keeps them in
+    tables beside the lease table, Redis in keys of the lease's hash slot,
+    :class:`~rselection.MemoryTaskStore` in memory.
+
+    Every method raises :class:`~rselection.errors.BackendUnavailable` when the server
+    cannot be reached or fails.
+    """
+
+    def read_controls(self, name: str) -> TaskControls:
+        """The paused tasks and pending triggers of lease ``name`` (none where nothing
+        was ever stored)."""
+        ...
+
+    def publish_tasks(self, name: str, node_id: str, term: int, tasks: Sequence[TaskEntry]) -> None:
+        """Record ``tasks`` as the tasks of lease ``name``, run by ``node_id`` in
+        ``term`` (a task not among them is listed no more; its controls and runs stay)."""
+        ...
+
+    def write_runs(
+        self,
+        runs: Sequence[RunRecord],
+        *,
+        next_fires: Mapping[tuple[str, str], datetime | None],
+        limit: int,
+    ) -> None:
+        """Append ``runs`` (oldest first, of any leases) to their tasks' run histories,
+        keep the newest ``limit`` of each task, and record the next fire of each
+        (lease, task) of ``next_fires``; in one round trip."""
+        ...
+
+    def drop_triggers(self, name: str, fire_keys: Sequence[str]) -> None:
+        """Forget the triggers ``fire_keys`` of lease ``name`` (taken, or refused)."""
+        ...
+
+    def read_tasks(self, name: str) -> list[TaskInfo]:
+        """The tasks of lease ``name`` as its leader last published them, sorted by
+        name, each with its controls and newest run (empty: never published)."""
+        ...
+
+    def read_runs(self, name: str, task: str, limit: int) -> list[RunRecord]:
+        """The newest ``limit`` runs of task ``task`` of lease ``name``, newest first."""
+        ...
+
+    def set_paused(self, name: str, task: str, paused: bool) -> TaskControlChange:
+        """Pause (or resume) task ``task`` of lease ``name`` and wake its leader."""
+        ...
+
+    def add_trigger(self, name: str, task: str) -> Trigger:
+        """Ask for one extra fire of task ``task`` of lease ``name`` and wake its leader."""
         ...
 
 

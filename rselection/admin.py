@@ -2,8 +2,10 @@
 
 :class:`LeaseAdmin` is what :class:`~rselection.postgres.PostgresAdmin` and
 :class:`~rselection.redis.RedisAdmin` do: read and operate a fleet's leases from outside
-it (what ``rselection status``, ``resign``, ``forget``, ``drain`` and ``undrain`` do);
-both answer in the shapes below. Times are the server's.
+it (what ``rselection status``, ``resign``, ``forget``, ``drain``, ``undrain`` and
+``task`` do); both answer in the shapes below (those of task controls and run
+histories are in :mod:`rselection.task_runs`, re-exported here). Times are the
+server's, but for the times of a run, which are its node's.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ from .task_runs import (
     TaskControlChange,
     TaskInfo,
     Trigger,
+    check_run_limit,
 )
 from .text import printable
 from .validation import check_name, check_node_id
 
 if TYPE_CHECKING:
+    from .abc import TaskStore
     from .lease import LeaderInfo
 
 __all__ = [
@@ -422,25 +426,69 @@ class LeaseAdmin(Closeable, ABC):
         """A watch for the next term of lease ``name``: enter it before asking for a
         handover, then :meth:`~TermWatch.wait`."""
 
+    # -- task controls and run history ------------------------------------------------
+
+    def _task_store(self) -> TaskStore:
+        """*Backend*: the store of the task controls and run histories of its leases."""
+        raise Refused(f"{type(self).__name__} keeps no task controls nor run history")
+
+    def _known_lease(self, name: str) -> None:
+        """Refuse lease ``name`` unless it exists or has nodes."""
+        if not self.exists(name) and not self.nodes(name):
+            raise Refused(
+                f"no lease {name!r} in {self.where}: check the name (`rselection status` "
+                "lists the leases)"
+            )
+
+    def _known_task(self, store: TaskStore, name: str, task: str, *, scheduled: bool) -> None:
+        """Refuse an unknown lease, or a task its leader's list does not have (when it
+        published one), or (``scheduled``) a persistent task."""
+        listed = store.read_tasks(name)
+        if not listed:
+            self._known_lease(name)
+            return
+        found = next((info for info in listed if info.task == task), None)
+        if found is None:
+            names = ", ".join(printable(info.task) for info in listed)
+            raise Refused(
+                f"no task {printable(task)} of lease {name!r} (its tasks: {names}); check "
+                "the name (`rselection task history` needs the exact task name)"
+            )
+        if scheduled and found.kind == "persistent":
+            raise Refused(
+                f"task {printable(task)} of lease {name!r} is persistent: only scheduled "
+                "tasks can be triggered (pause and resume it instead)"
+            )
+
     def tasks(self, name: str) -> list[TaskInfo]:
-        """The tasks of lease ``name`` as its leader last published them, sorted by task
-        name, each with its controls and its newest run: empty when no leader of the
-        lease ever published its tasks.
+        """The tasks of lease ``name`` as its leader last published them (when a term
+        began), sorted by task name, each with its controls and its newest run: empty
+        when no leader of the lease ever published its tasks.
 
         Raises:
             Refused: no such lease.
         """
-        raise Refused(f"{type(self).__name__} cannot list tasks")
+        name = check_name(name, "lease name")
+        found = self._task_store().read_tasks(name)
+        if not found:
+            self._known_lease(name)
+        return found
 
     def task_runs(self, name: str, task: str, *, limit: int = RUN_HISTORY_LIMIT) -> list[RunRecord]:
         """The last ``limit`` runs of task ``task`` of lease ``name``, newest first (its
         run history; see :mod:`rselection.task_runs`): empty when none is recorded.
 
         Raises:
-            ConfigError: ``limit`` is not an int from 1.
+            ConfigError: ``limit`` is not an int from 1 to 10,000.
             Refused: no such lease, or (when its tasks are known) no such task.
         """
-        raise Refused(f"{type(self).__name__} cannot read run histories")
+        name, task = check_name(name, "lease name"), check_name(task, "task name")
+        limit = check_run_limit(limit)
+        store = self._task_store()
+        runs = store.read_runs(name, task, limit)
+        if not runs:
+            self._known_task(store, name, task, scheduled=False)
+        return runs
 
     def pause_task(self, name: str, task: str) -> TaskControlChange:
         """Pause task ``task`` of lease ``name`` (``rselection task pause``), durably
@@ -452,7 +500,10 @@ class LeaseAdmin(Closeable, ABC):
         Raises:
             Refused: no such lease, or (when its tasks are known) no such task.
         """
-        raise Refused(f"{type(self).__name__} cannot pause tasks")
+        name, task = check_name(name, "lease name"), check_name(task, "task name")
+        store = self._task_store()
+        self._known_task(store, name, task, scheduled=False)
+        return store.set_paused(name, task, True)
 
     def resume_task(self, name: str, task: str) -> TaskControlChange:
         """Resume task ``task`` of lease ``name`` (``rselection task resume``): its fires
@@ -462,16 +513,23 @@ class LeaseAdmin(Closeable, ABC):
         Raises:
             Refused: no such lease, or (when its tasks are known) no such task.
         """
-        raise Refused(f"{type(self).__name__} cannot resume tasks")
+        name, task = check_name(name, "lease name"), check_name(task, "task name")
+        store = self._task_store()
+        self._known_task(store, name, task, scheduled=False)
+        return store.set_paused(name, task, False)
 
     def trigger_task(self, name: str, task: str) -> Trigger:
         """Ask the leader of lease ``name`` for one extra fire of scheduled task ``task``
         now (``rselection task trigger``), even while the task is paused: it has its own
         fire key and is claimed like any other fire, so it runs once across the fleet
-        (a leader that takes over runs it if the old one did not).
+        (a leader that takes over runs it if the old one did not). Its run record says
+        ``by: "operator"``.
 
         Raises:
             Refused: no such lease, no such task (when its tasks are known), or a
                 persistent task (only scheduled tasks can be triggered).
         """
-        raise Refused(f"{type(self).__name__} cannot trigger tasks")
+        name, task = check_name(name, "lease name"), check_name(task, "task name")
+        store = self._task_store()
+        self._known_task(store, name, task, scheduled=True)
+        return store.add_trigger(name, task)

@@ -24,8 +24,16 @@ if TYPE_CHECKING:
     from .broadcast import Broadcaster
     from .claiming import FireClaimer
     from .members import NodeInfo
+    from .task_board import TaskBoard
 
-__all__ = ["NoTransactionFence", "TaskContext", "Term", "TransactionFence", "running_term"]
+__all__ = [
+    "NoTransactionFence",
+    "TaskContext",
+    "TaskTerm",
+    "Term",
+    "TransactionFence",
+    "running_term",
+]
 
 
 class NoTransactionFence:
@@ -99,6 +107,7 @@ class Term:
         nodes: lists the lease's nodes (the leader's ``nodes()``), for ``ctx.nodes()``.
         shard: the shard this term leads, under a sharded leader (else ``None``).
         shards: the sharded leader's number of shards (else ``None``).
+        tasks: the leader's task controls and run history (``None``: it keeps none).
     """
 
     def __init__(
@@ -115,8 +124,10 @@ class Term:
         nodes: Callable[[], list[NodeInfo]] | None = None,
         shard: int | None = None,
         shards: int | None = None,
+        tasks: TaskBoard | None = None,
     ) -> None:
         self.number = number
+        self.tasks = tasks
         self.shard = shard
         self.shards = shards
         self.node_id = node_id
@@ -133,6 +144,7 @@ class Term:
         self._async_waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()
         self._lock = threading.Lock()
         self._expired = False  # the deadline was seen passed: the term is over for good
+        self._children: set[TaskTerm] = set()  # see TaskTerm
 
     def live(self) -> bool:
         """True while the term is neither cancelled nor past its local deadline.
@@ -181,6 +193,9 @@ class Term:
         self.cancelled.set()
         with self._lock:
             waiters = list(self._async_waiters)
+            children = list(self._children)
+        for child in children:
+            child.cancel()
         for loop, fut in waiters:
             # The loop may already be closed when a term ends during shutdown.
             with contextlib.suppress(RuntimeError):
@@ -198,6 +213,79 @@ class Term:
 
     def __repr__(self) -> str:
         return f"Term({self.number}, node_id={self.node_id!r}, live={self.live()})"
+
+
+class TaskTerm(Term):
+    """The term as one persistent task's runs see it: it ends with its term, or before,
+    when an operator pauses the task (:meth:`pause`: ``ctx.cancelled`` is set,
+    ``ctx.sleep`` returns ``False``, an ``async def`` run is cancelled).
+
+    Args:
+        parent: the term.
+    """
+
+    def __init__(self, parent: Term) -> None:
+        self.parent = parent
+        super().__init__(
+            parent.number,
+            parent.node_id,
+            parent.name,
+            deadline=parent.deadline,
+            broadcaster=parent.broadcaster,
+            fence=parent.fence,
+            claimer=parent.claimer,
+            checkpoint_store=parent.checkpoint_store,
+            nodes=parent.nodes,
+            shard=parent.shard,
+            shards=parent.shards,
+            tasks=parent.tasks,
+        )
+        self.paused = False
+        """Whether an operator paused the task (which ended this term early)."""
+        self.task: asyncio.Task[Any] | None = None
+        """The asyncio task running an ``async def`` task's runs, to cancel on a pause."""
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.released = False
+        with parent._lock:
+            parent._children.add(self)
+        if parent.cancelled.is_set():
+            self.cancel()
+
+    @property
+    def deadline(self) -> float:
+        """The term's deadline (its renewals move it)."""
+        return self.parent.deadline
+
+    @deadline.setter
+    def deadline(self, value: float) -> None:
+        pass  # the parent's is the one that counts
+
+    def remaining(self) -> float:
+        """Seconds until the term's deadline; 0 once this task's runs must stop."""
+        if self.cancelled.is_set():
+            return 0.0
+        return self.parent.remaining()
+
+    def pause(self) -> None:
+        """An operator paused the task: end its runs now."""
+        self.paused = True
+        self.cancel()
+        loop = self.loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing runs
+                loop.call_soon_threadsafe(self._cancel_task)
+
+    def _cancel_task(self) -> None:
+        """On the loop: cancel the asyncio task, unless its runs under this term have
+        ended meanwhile (it may run the task's runs under a newer one)."""
+        if self.task is not None and not self.released:
+            self.task.cancel()
+
+    def release(self) -> None:
+        """The task's runs under this term ended: the term forgets it."""
+        self.released = True
+        with self.parent._lock:
+            self.parent._children.discard(self)
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:

@@ -20,7 +20,15 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Protocol, Self, runtime_checkable
 
 from . import forks, signals
-from .abc import CheckpointStore, LeaseBackend, NonBlockingLease, lease_ability, store_ability
+from .abc import (
+    CheckpointStore,
+    LeaseBackend,
+    NonBlockingLease,
+    TaskStore,
+    lease_ability,
+    store_ability,
+)
+from .admin import Refused
 from .blocking_lease import BlockingLease
 from .claiming import FireClaimer, LeaseClaims
 from .closeable import Service
@@ -30,7 +38,17 @@ from .errors import ConfigError, RSelectionError
 from .leadership import CLEANUP_TIMEOUT, Leadership, StepDown
 from .lease import LeaderInfo
 from .members import NodeInfo
+from .specs import TaskType
 from .stop_signals import stop_on_signals
+from .task_board import TaskBoard
+from .task_runs import (
+    RUN_HISTORY_LIMIT,
+    RunRecord,
+    TaskControlChange,
+    TaskInfo,
+    Trigger,
+    check_run_limit,
+)
 from .timing import Timings
 from .validation import check_name, check_node_id, check_seconds, new_node_id
 from .versions import check_eligible, check_version
@@ -145,6 +163,11 @@ class LeaseLeader(Service):
             ``nodes()``; ``None``: none given.
         eligible: ``False``: this node never leads (it never attempts to take the lease,
             and backends with membership refuse to hand it over to it).
+        task_store: keeps the task controls and run history of the lease (a
+            :class:`~rselection.abc.TaskStore`, such as a
+            :class:`~rselection.MemoryTaskStore`): ``rselection task pause|resume|
+            trigger|history``, and :meth:`pause_task` and the like; ``None``: none.
+        run_history_limit: runs kept per task in the run history (default 100).
 
     Raises:
         ConfigError: bad arguments or inconsistent timings (the message shows the math).
@@ -168,6 +191,8 @@ class LeaseLeader(Service):
         cleanup: Iterable[Callable[[], object]] = (),
         version: str | None = None,
         eligible: bool = True,
+        task_store: TaskStore | None = None,
+        run_history_limit: int = RUN_HISTORY_LIMIT,
     ) -> None:
         if not isinstance(lease, LeaseBackend):
             missing = [m for m in _LEASE_MEMBERS if not hasattr(lease, m)]
@@ -196,6 +221,21 @@ class LeaseLeader(Service):
                 "fence must have fence(conn, term) and afence(conn, term), or be None, got "
                 f"{type(fence).__name__}"
             )
+        if task_store is not None and not isinstance(task_store, TaskStore):
+            raise ConfigError(
+                "task_store must be a TaskStore (read_controls, publish_tasks, write_runs, "
+                "...; a MemoryTaskStore, say), or be None, got "
+                f"{type(task_store).__name__}"
+            )
+        board = None
+        if task_store is not None:
+            limit = check_run_limit(run_history_limit, "run_history_limit")
+            board = TaskBoard(task_store, name, limit=limit)
+            # Its last runs are written before what the store uses is closed.
+            cleanup = [board.close, *cleanup]
+            watch = getattr(task_store, "on_change", None)
+            if callable(watch):  # a store that calls back (in memory) instead of a lease
+                watch(name, board.wake)
         # A default id names the process that starts (host, pid): a leader built before a
         # fork (gunicorn --preload) takes a new one in each child (see _fix_node_id).
         self._default_node_id = node_id is None
@@ -240,6 +280,7 @@ class LeaseLeader(Service):
             version=check_version(version),
             eligible=check_eligible(eligible),
         )
+        self._state.tasks = board
         self._driven = DrivenKeeper(self._state, driven, backend)
         self._started = False
         self._observer_lock = threading.Lock()
@@ -349,6 +390,103 @@ class LeaseLeader(Service):
                 eligible=self._state.eligible,
             )
         ]
+
+    # -- task controls and run history ------------------------------------------------
+
+    def _task_board(self) -> TaskBoard:
+        board = self._state.tasks
+        if board is None:
+            raise ConfigError(
+                f"leader {self.name!r} keeps no task controls nor run history: a "
+                "PostgresLeader, RedisLeader or SingleNodeLeader does; a LeaseLeader takes "
+                "task_store= (a shard's leader keeps none)"
+            )
+        return board
+
+    def _registered(self, task: str, *, scheduled: bool = False) -> str:
+        """``task``, a task of this leader's handler (scheduled, if asked), else refused."""
+        task = check_name(task, "task name")
+        try:
+            spec = self.handler.spec(task)
+        except KeyError:
+            names = ", ".join(repr(n) for n in self.handler.names) or "none"
+            raise Refused(
+                f"no task {task!r} in leader {self.name!r} (its tasks: {names})"
+            ) from None
+        if scheduled and spec.type is not TaskType.SCHEDULED:
+            raise Refused(
+                f"task {task!r} of {self.name!r} is persistent: only scheduled tasks can be "
+                "triggered (pause and resume it instead)"
+            )
+        return task
+
+    def tasks(self) -> list[TaskInfo]:
+        """The tasks of this lease as its leader last published them, sorted by name,
+        each with its controls and newest run (see
+        :meth:`~rselection.admin.LeaseAdmin.tasks`).
+
+        Raises:
+            ConfigError: this leader keeps no task controls.
+            BackendUnavailable: the store could not be reached.
+        """
+        return self._task_board().store.read_tasks(self.name)
+
+    def pause_task(self, task: str) -> TaskControlChange:
+        """Pause task ``task`` of this lease, on every node of it, durably until
+        :meth:`resume_task` (as ``rselection task pause``; see
+        :meth:`~rselection.admin.LeaseAdmin.pause_task`).
+
+        Raises:
+            Refused: no such task in this leader's handler.
+            ConfigError: this leader keeps no task controls.
+            BackendUnavailable: the store could not be reached.
+        """
+        board = self._task_board()
+        return board.store.set_paused(self.name, self._registered(task), True)
+
+    def resume_task(self, task: str) -> TaskControlChange:
+        """Resume task ``task`` of this lease (as ``rselection task resume``).
+
+        Raises:
+            Refused: no such task in this leader's handler.
+            ConfigError: this leader keeps no task controls.
+            BackendUnavailable: the store could not be reached.
+        """
+        board = self._task_board()
+        return board.store.set_paused(self.name, self._registered(task), False)
+
+    def trigger_task(self, task: str) -> Trigger:
+        """Ask the lease's leader for one extra fire of scheduled task ``task`` now, even
+        while it is paused (as ``rselection task trigger``): claimed under its own fire
+        key, it runs once across the fleet.
+
+        Raises:
+            Refused: no such task in this leader's handler, or a persistent one.
+            ConfigError: this leader keeps no task controls.
+            BackendUnavailable: the store could not be reached.
+        """
+        board = self._task_board()
+        return board.store.add_trigger(self.name, self._registered(task, scheduled=True))
+
+    def task_runs(self, task: str, *, limit: int = RUN_HISTORY_LIMIT) -> list[RunRecord]:
+        """The last ``limit`` runs of task ``task`` of this lease, newest first (its run
+        history, as ``rselection task history``).
+
+        Raises:
+            ConfigError: ``limit`` is not an int from 1, or this leader keeps no task
+                controls.
+            BackendUnavailable: the store could not be reached.
+        """
+        board = self._task_board()
+        limit = check_run_limit(limit)
+        return board.store.read_runs(self.name, check_name(task, "task name"), limit)
+
+    def _tasks_woken(self) -> None:
+        """A notification says the task controls of this lease may have changed: the
+        board reads them (only while a term runs; never on the caller's thread)."""
+        board = self._state.tasks
+        if board is not None:
+            board.wake()
 
     def wait_until_leader(self, timeout: float | None = None) -> bool:
         """Block until this node leads; return ``False`` after ``timeout`` seconds."""

@@ -33,6 +33,7 @@ from .timing import Timings
 
 if TYPE_CHECKING:
     from .broadcast import Broadcaster
+    from .task_board import TaskBoard
     from .tasks import TaskHandler
 
 __all__ = ["CLEANUP_TIMEOUT", "EXPIRY_BACKSTOP", "Leadership", "StepDown"]
@@ -142,6 +143,9 @@ class Leadership:
         # Reads whether this node is drained and acts on it (a leader with membership
         # sets it): run on every (re)connect, before any attempt.
         self.check_drained: Callable[[], None] | None = None
+        # The task controls and run history of the leader's terms (a leader with a task
+        # store sets it; a shard's leader keeps none).
+        self.tasks: TaskBoard | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # async tasks run here
         # A shard's leader's terms know their shard (ctx.shard, ctx.shards).
         self.shard: int | None = None
@@ -462,6 +466,7 @@ class Leadership:
             nodes=self.nodes,
             shard=self.shard,
             shards=self.shards,
+            tasks=self.tasks,
         )
         with self.transition:
             # Whatever the watchdog ended meanwhile is announced before this term.

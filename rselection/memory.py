@@ -1,5 +1,5 @@
-"""The in-memory backends: a lease, a fire claimer, a checkpoint store and a membership
-that live in this process.
+"""The in-memory backends: a lease, a fire claimer, a checkpoint store, a membership and
+a task store that live in this process.
 
 They keep the rules of the Postgres and Redis backends (terms, expiry, fencing, claims
 that bind for a ``ttl``), so that :class:`~rselection.SingleNodeLeader` runs tasks in
@@ -16,7 +16,8 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -36,6 +37,15 @@ from .claiming import check_fire_key, check_fire_keys, series_of
 from .errors import ConfigError, StaleLeaderError
 from .lease import Acquisition, LeaderInfo
 from .members import MembershipBase, NodeInfo
+from .task_runs import (
+    RunRecord,
+    TaskControlChange,
+    TaskControls,
+    TaskEntry,
+    TaskInfo,
+    Trigger,
+    new_trigger_key,
+)
 from .validation import (
     check_name,
     check_optional_term,
@@ -43,7 +53,13 @@ from .validation import (
     check_term,
 )
 
-__all__ = ["MemoryCheckpointStore", "MemoryClaimer", "MemoryLease", "MemoryMembership"]
+__all__ = [
+    "MemoryCheckpointStore",
+    "MemoryClaimer",
+    "MemoryLease",
+    "MemoryMembership",
+    "MemoryTaskStore",
+]
 
 
 class MemoryLease:
@@ -637,3 +653,137 @@ class MemoryMembership(MembershipBase):
 
     def __repr__(self) -> str:
         return f"MemoryMembership(name={self.name!r}, node_id={self.node_id!r})"
+
+
+@dataclass
+class _Published:
+    entry: TaskEntry
+    node_id: str
+    term: int
+
+
+class MemoryTaskStore:
+    """A :class:`~rselection.abc.TaskStore` in this process: task controls, task lists
+    and run histories of any leases, kept in memory.
+
+    What a :class:`~rselection.SingleNodeLeader` keeps them in, so that local
+    development and tests pause, resume and trigger tasks and read their runs as a
+    fleet would; several leaders of one process may share one. A change wakes the
+    leaders of its lease at once (:meth:`on_change`), as a notification does on the
+    servers.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._paused: dict[str, dict[str, datetime]] = {}
+        self._triggers: dict[str, dict[str, Trigger]] = {}
+        self._tasks: dict[str, dict[str, _Published]] = {}
+        self._next: dict[tuple[str, str], datetime | None] = {}
+        self._runs: dict[tuple[str, str], deque[RunRecord]] = {}
+        self._listeners: dict[str, list[Callable[[], None]]] = {}
+        self.writes = 0
+        """Calls of :meth:`write_runs` (each is one round trip on a server)."""
+
+    def on_change(self, name: str, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` after each change of the controls of lease ``name`` (a
+        leader's board: it must not block)."""
+        with self._lock:
+            self._listeners.setdefault(name, []).append(callback)
+
+    def _changed(self, name: str) -> None:
+        with self._lock:
+            listeners = list(self._listeners.get(name, ()))
+        for callback in listeners:
+            callback()
+
+    def read_controls(self, name: str) -> TaskControls:
+        """See :meth:`~rselection.abc.TaskStore.read_controls`."""
+        with self._lock:
+            paused = dict(self._paused.get(name, {}))
+            triggers = tuple(self._triggers.get(name, {}).values())
+        return TaskControls(paused, triggers)
+
+    def publish_tasks(self, name: str, node_id: str, term: int, tasks: Sequence[TaskEntry]) -> None:
+        """See :meth:`~rselection.abc.TaskStore.publish_tasks`."""
+        with self._lock:
+            self._tasks[name] = {entry.task: _Published(entry, node_id, term) for entry in tasks}
+            for entry in tasks:
+                self._next[name, entry.task] = entry.next_fire
+
+    def write_runs(
+        self,
+        runs: Sequence[RunRecord],
+        *,
+        next_fires: Mapping[tuple[str, str], datetime | None],
+        limit: int,
+    ) -> None:
+        """See :meth:`~rselection.abc.TaskStore.write_runs`."""
+        with self._lock:
+            self.writes += 1
+            for run in runs:
+                kept = self._runs.get((run.lease, run.task))
+                if kept is None or kept.maxlen != limit:
+                    kept = self._runs[run.lease, run.task] = deque(kept or (), maxlen=limit)
+                kept.appendleft(run)
+            self._next.update(next_fires)
+
+    def drop_triggers(self, name: str, fire_keys: Sequence[str]) -> None:
+        """See :meth:`~rselection.abc.TaskStore.drop_triggers`."""
+        with self._lock:
+            pending = self._triggers.get(name, {})
+            for key in fire_keys:
+                pending.pop(key, None)
+
+    def read_tasks(self, name: str) -> list[TaskInfo]:
+        """See :meth:`~rselection.abc.TaskStore.read_tasks`."""
+        with self._lock:
+            published = dict(self._tasks.get(name, {}))
+            paused = dict(self._paused.get(name, {}))
+            found = []
+            for task in sorted(published):
+                one = published[task]
+                runs = self._runs.get((name, task))
+                found.append(
+                    TaskInfo(
+                        lease=name,
+                        task=task,
+                        kind=one.entry.kind,
+                        schedule=one.entry.schedule,
+                        next_fire=self._next.get((name, task)),
+                        paused=task in paused,
+                        paused_at=paused.get(task),
+                        last_run=runs[0] if runs else None,
+                        node_id=one.node_id,
+                        term=one.term,
+                    )
+                )
+        return found
+
+    def read_runs(self, name: str, task: str, limit: int) -> list[RunRecord]:
+        """See :meth:`~rselection.abc.TaskStore.read_runs`."""
+        with self._lock:
+            return list(self._runs.get((name, task), ()))[:limit]
+
+    def set_paused(self, name: str, task: str, paused: bool) -> TaskControlChange:
+        """See :meth:`~rselection.abc.TaskStore.set_paused`."""
+        with self._lock:
+            tasks = self._paused.setdefault(name, {})
+            changed = (task in tasks) != paused
+            if paused:
+                tasks.setdefault(task, datetime.now(UTC))
+            else:
+                tasks.pop(task, None)
+        self._changed(name)
+        return TaskControlChange(name, task, paused, changed)
+
+    def add_trigger(self, name: str, task: str) -> Trigger:
+        """See :meth:`~rselection.abc.TaskStore.add_trigger`."""
+        trigger = Trigger(name, task, new_trigger_key(task), datetime.now(UTC))
+        with self._lock:
+            self._triggers.setdefault(name, {})[trigger.fire_key] = trigger
+        self._changed(name)
+        return trigger
+
+    def __repr__(self) -> str:
+        with self._lock:
+            return f"MemoryTaskStore(leases={sorted(set(self._tasks) | set(self._paused))!r})"

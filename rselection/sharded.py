@@ -109,6 +109,9 @@ class ShardLeader(LeaseLeader):
         # A node is drained under the sharded name, through its coordinator's lease:
         # no read of a drain per shard.
         self._state.check_drained = None
+        # Task controls and run history are per lease, and a shard's lease is the
+        # sharded leader's business: its terms keep none.
+        self._state.tasks = None
 
     def place(self, owner: ShardedLeader, shard: int, shards: int) -> None:
         """Make this the leader of ``shard`` (of ``shards``) of ``owner``."""

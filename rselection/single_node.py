@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from .abc import CheckpointStore, store_ability
+from .abc import CheckpointStore, TaskStore, store_ability
 from .errors import ConfigError
 from .leader import LeaseLeader
-from .memory import MemoryCheckpointStore, MemoryLease
+from .memory import MemoryCheckpointStore, MemoryLease, MemoryTaskStore
 from .timing import Timings
 
 if TYPE_CHECKING:
@@ -48,6 +48,8 @@ class SingleNodeLeader(LeaseLeader):
             ``MemoryCheckpointStore``); a ``PostgresCheckpointStore`` is refused.
         name: the lease name, for logs and signals.
         node_id: this node's id (default ``"local"``).
+        task_store: keeps the task controls and run history (:meth:`pause_task`,
+            :meth:`task_runs`, ...; default: a new :class:`~rselection.MemoryTaskStore`).
 
     Raises:
         ConfigError: bad arguments, or a checkpoint store that cannot fence against
@@ -63,6 +65,7 @@ class SingleNodeLeader(LeaseLeader):
         checkpoint_store: CheckpointStore | None = None,
         name: str = "single-node",
         node_id: str = "local",
+        task_store: TaskStore | None = None,
     ) -> None:
         if checkpoint_store is not None and store_ability(checkpoint_store, "add_lease") is None:
             raise ConfigError(
@@ -83,6 +86,7 @@ class SingleNodeLeader(LeaseLeader):
             broadcaster=broadcaster,
             claimer=claimer,
             checkpoint_store=store,
+            task_store=task_store if task_store is not None else MemoryTaskStore(),
         )
 
     @property

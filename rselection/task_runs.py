@@ -12,17 +12,33 @@ controls and run history").
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
-from typing import Any, Final
+import secrets
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any, Final
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .specs import TaskSpec
 
 __all__ = [
+    "MAX_RUN_HISTORY_LIMIT",
     "OUTCOMES",
+    "PAUSED",
     "RUN_HISTORY_LIMIT",
+    "TRIGGER_MARK",
     "RunRecord",
     "TaskControlChange",
+    "TaskControls",
+    "TaskEntry",
     "TaskInfo",
     "Trigger",
+    "check_run_limit",
+    "entry_of",
+    "error_line",
+    "new_trigger_key",
 ]
 
 OUTCOMES: Final = ("ok", "failed", "cancelled", "skipped", "missed")
@@ -32,6 +48,59 @@ skipped (with its ``reason``) or missed (its instant passed while nobody led).""
 
 RUN_HISTORY_LIMIT: Final = 100
 """Runs kept per task by default (and returned by a read unless told otherwise)."""
+
+MAX_RUN_HISTORY_LIMIT: Final = 10_000
+"""The most runs a task's history may keep (and a read may ask for)."""
+
+PAUSED: Final = "paused"
+"""The ``reason`` of a fire skipped, or a persistent run cancelled, because an operator
+paused its task (its ``by`` is ``"operator"``)."""
+
+TRIGGER_MARK: Final = "@trigger:"
+"""What a triggered fire's key holds between the task's name and the trigger's id
+(``"<task>@trigger:<16 hex digits>"``): never an instant, so the claims of a task's
+scheduled fires (and the look-back that reads them) never mistake one for a fire."""
+
+_ERROR_CHARS = 500  # longest error line kept in a run record
+
+
+def check_run_limit(value: object, what: str = "limit") -> int:
+    """Return ``value`` if it is a count of runs (an int from 1 to
+    :data:`MAX_RUN_HISTORY_LIMIT`), else raise.
+
+    Raises:
+        ConfigError: not an int, or out of range (the message names ``what``).
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not 1 <= value <= MAX_RUN_HISTORY_LIMIT
+    ):
+        raise ConfigError(
+            f"{what} must be an int from 1 to {MAX_RUN_HISTORY_LIMIT:,}, got {value!r:.40}"
+        )
+    return value
+
+
+def error_line(error: BaseException) -> str:
+    """What a run record keeps of the exception a run failed with: its type and the
+    first line of its message, at most 500 characters."""
+    text = str(error).strip()
+    line = f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+    return line[:_ERROR_CHARS]
+
+
+def new_trigger_key(task: str) -> str:
+    """A new fire key for one triggered fire of ``task`` (see :data:`TRIGGER_MARK`)."""
+    return f"{task}{TRIGGER_MARK}{secrets.token_hex(8)}"
+
+
+def _duration(value: timedelta) -> str:
+    seconds = value.total_seconds()
+    for unit, size in (("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -76,8 +145,8 @@ class RunRecord:
     def as_json(self) -> dict[str, Any]:
         """The record as JSON-ready values, times as RFC 3339 in UTC (``...Z``)."""
         item = asdict(self)
-        for field in ("scheduled_at", "started_at", "ended_at"):
-            item[field] = _iso(item[field])
+        for name in ("scheduled_at", "started_at", "ended_at"):
+            item[name] = _iso(item[name])
         return item
 
 
@@ -173,3 +242,54 @@ class Trigger:
             "fire_key": self.fire_key,
             "requested_at": _iso(self.requested_at),
         }
+
+
+@dataclass(frozen=True)
+class TaskEntry:
+    """One task of a leader's list of tasks, as it publishes it when a term begins.
+
+    Attributes:
+        task: the task's name.
+        kind: ``"persistent"``, ``"interval"``, ``"cron"`` (or ``"scheduled"`` for a
+            schedule of the user's own).
+        schedule: the schedule as text; ``None`` for a persistent task.
+        next_fire: its next fire, when known.
+    """
+
+    task: str
+    kind: str
+    schedule: str | None
+    next_fire: datetime | None
+
+
+def entry_of(spec: TaskSpec) -> TaskEntry:
+    """How the registered task ``spec`` is published (see :class:`TaskEntry`)."""
+    from .schedules import CronSchedule, IntervalSchedule
+
+    schedule = spec.schedule
+    if schedule is None:
+        return TaskEntry(spec.name, "persistent", None, None)
+    if isinstance(schedule, IntervalSchedule):
+        text = f"every {_duration(schedule.every)}"
+        if schedule.jitter:
+            text += f" (jitter {_duration(schedule.jitter)})"
+        return TaskEntry(spec.name, "interval", text, spec.stats.next_fire)
+    if isinstance(schedule, CronSchedule):
+        text = f"cron {schedule.expr}"
+        if schedule.tz.key != "UTC":
+            text += f" ({schedule.tz.key})"
+        return TaskEntry(spec.name, "cron", text, spec.stats.next_fire)
+    return TaskEntry(spec.name, "scheduled", repr(schedule)[:200], spec.stats.next_fire)
+
+
+@dataclass(frozen=True)
+class TaskControls:
+    """A lease's task controls as its store holds them.
+
+    Attributes:
+        paused: the paused tasks, each with when it was paused.
+        triggers: the fires asked for and not taken yet, oldest first.
+    """
+
+    paused: Mapping[str, datetime] = field(default_factory=dict)
+    triggers: tuple[Trigger, ...] = ()

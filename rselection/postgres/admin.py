@@ -1,10 +1,11 @@
 """``PostgresAdmin``: read and operate a fleet's Postgres leases from outside it.
 
-What ``rselection status``, ``resign``, ``forget``, ``drain`` and ``undrain`` do, for
-programs: a status snapshot (:mod:`.snapshot`), handover requests (:mod:`.handover`),
-retiring a lease (:mod:`.retire`), drained nodes (:mod:`.drains`) and waiting for a new
-term. Answers are the shapes of
-:mod:`rselection.admin`, the same as :class:`~rselection.redis.RedisAdmin`'s.
+What ``rselection status``, ``resign``, ``forget``, ``drain``, ``undrain`` and ``task``
+do, for programs: a status snapshot (:mod:`.snapshot`), handover requests
+(:mod:`.handover`), retiring a lease (:mod:`.retire`), drained nodes (:mod:`.drains`),
+task controls and run histories (:mod:`.task_runs`) and waiting for a new term.
+Answers are the shapes of :mod:`rselection.admin`, the same as
+:class:`~rselection.redis.RedisAdmin`'s.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from .schema import (
     table_identifier,
 )
 from .snapshot import read_snapshot
+from .task_runs import PostgresTaskStore
 
 __all__ = ["PostgresAdmin", "PostgresTermWatch", "describe_conninfo"]
 
@@ -79,6 +81,7 @@ class PostgresAdmin(LeaseAdmin):
         self.node_timeout = check_seconds(node_timeout, "node_timeout")
         self._source = conninfo
         self._conns = Connections(conninfo, owner=_OWNER, application_name="rselection:admin")
+        self._tasks = PostgresTaskStore(self._conns, table=table)
         self.where = self._conns.where
         """Where the leases are, for messages (never with a password)."""
 
@@ -196,6 +199,10 @@ class PostgresAdmin(LeaseAdmin):
                 name=name,
                 node_id=node_id,
             )
+
+    def _task_store(self) -> PostgresTaskStore:
+        # The task tables beside the lease table (see rselection.postgres.task_runs).
+        return self._tasks
 
     def cancel_handover(self, name: str, term: int) -> bool:
         """See :meth:`~rselection.admin.LeaseAdmin.cancel_handover`."""

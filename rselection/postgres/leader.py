@@ -9,16 +9,19 @@ from ..errors import ConfigError
 from ..history import HISTORY_LIMIT
 from ..member_leader import DEFAULT_CLAIMER, DefaultClaimer, MemberLeader
 from ..members import node_timeout_or_default
+from ..task_runs import RUN_HISTORY_LIMIT
 from ..timing import Timings
 from ..validation import check_name
 from ._conn import per_call_source, session_conninfo
 from .checkpoint import PostgresCheckpointStore
 from .claims import PostgresClaimer
+from .connections import Connections
 from .fencing import afenced, fenced
 from .handover import request_handovers
 from .lease import PostgresLease
 from .membership import PostgresMembership
 from .schema import NODES_TABLE
+from .task_runs import PostgresTaskStore
 
 if TYPE_CHECKING:
     from ..broadcast import Broadcaster
@@ -109,6 +112,10 @@ class PostgresLeader(MemberLeader):
         history_limit: terms of the lease's leadership history to keep in the table
             ``<table>_history`` (see ``rselection history``); each acquisition trims
             the older ones.
+        run_history_limit: runs kept per task in the table ``<table>_task_runs`` (see
+            ``rselection task history``); the task controls (``rselection task pause``,
+            ``resume``, ``trigger``) are in ``<table>_tasks`` and
+            ``<table>_task_triggers``.
     """
 
     def __init__(
@@ -134,6 +141,7 @@ class PostgresLeader(MemberLeader):
         eligible: bool = True,
         settle: float = 10.0,
         history_limit: int = HISTORY_LIMIT,
+        run_history_limit: int = RUN_HISTORY_LIMIT,
     ) -> None:
         check_name(name, "lease name")
         sessions = session_conninfo(conninfo, type(self).__name__)  # validates
@@ -205,10 +213,25 @@ class PostgresLeader(MemberLeader):
             version=version,
             eligible=eligible,
             settle=settle,
+            # On the process's pooled sessions, as the claimer's calls.
+            task_store=PostgresTaskStore(
+                Connections(
+                    source,
+                    owner=type(self).__name__,
+                    application_name="rselection:tasks",
+                    connect_timeout=5.0,
+                    statement_timeout=10.0,
+                    pooled=True,
+                ),
+                table=table,
+                create_tables=create_tables,
+            ),
+            run_history_limit=run_history_limit,
         )
         self._source, self._table, self._nodes_table = source, table, nodes_table
         self._postgres_membership = membership
         lease.on_drain(self._drain_woken)
+        lease.on_tasks(self._tasks_woken)
 
     @property
     def checkpoint_store(self) -> PostgresCheckpointStore:

@@ -176,6 +176,7 @@ class PostgresLease(Closeable):
         self._handover_hint = False
         self._handover: HandoverRequest | None = None
         self._on_drain: Callable[[str | None], None] | None = None  # see on_drain
+        self._on_tasks: Callable[[], None] | None = None  # see on_tasks
         # A holder is read in one short statement: bound each read by about twice the
         # connect timeout, as a caller of current() expects of a quick look.
         self._observer = Connections(
@@ -300,6 +301,10 @@ class PostgresLease(Closeable):
             # Only a wake-up, from whoever sent it: the node reads its drain state.
             self._drain_hint(notice.node_id)
             return
+        elif notice.event == "tasks":
+            # Only a wake-up too: the leader reads the task controls.
+            self._tasks_hint()
+            return
         elif notice.event == "resign":
             self._hint_handover()
             # Only the holder has something to do: a follower's attempt would find the
@@ -317,7 +322,9 @@ class PostgresLease(Closeable):
             self._hint_handover()
         if "drain" in kinds:
             self._drain_hint(None)
-        if kinds - {"resign", "drain"}:
+        if "tasks" in kinds:
+            self._tasks_hint()
+        if kinds - {"resign", "drain", "tasks"}:
             self._set_wake()
 
     def on_drain(self, callback: Callable[[str | None], None] | None) -> None:
@@ -334,6 +341,20 @@ class PostgresLease(Closeable):
                 callback(node_id)
             except Exception:  # the keeper's thread goes on
                 logger.exception("lease %r: error reading a drain notification", self.name)
+
+    def on_tasks(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback()`` when a notification says the task controls of this lease
+        changed, from the keeper's thread: it must not block. ``None`` stops the calls.
+        A notification is anyone's: the callback reads the controls from the tables."""
+        self._on_tasks = callback
+
+    def _tasks_hint(self) -> None:
+        callback = self._on_tasks
+        if callback is not None:
+            try:
+                callback()
+            except Exception:  # the keeper's thread goes on
+                logger.exception("lease %r: error reading a tasks notification", self.name)
 
     def _hint_handover(self) -> None:
         self._handover_hint = True

@@ -47,7 +47,7 @@ _MAX_PID = 2**31 - 1
 #: Seconds between two reports of dropped notices.
 _REPORT_EVERY = 60.0
 
-_KINDS = frozenset({"acquired", "released", "resign", "reopened", "drain"})
+_KINDS = frozenset({"acquired", "released", "resign", "reopened", "drain", "tasks"})
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,8 @@ class LeaseNotice:
     ``holder`` is the new holder an ``acquired`` notice names, ``None`` when it does not
     say enough; ``holder_pid`` the keeper session it names; ``to`` the node a
     ``released`` notice reserved the lease for. A ``drain`` notice says that the drains
-    of the lease (of node ``node_id``) changed: the nodes read them again.
+    of the lease (of node ``node_id``) changed: the nodes read them again. A ``tasks``
+    notice says that its task controls changed: its leader reads them again.
     """
 
     event: str

@@ -59,6 +59,7 @@ __all__ = [
     "has_columns",
     "history_table_name",
     "migrate",
+    "task_table_names",
     "run_migrations",
     "suffixed_name",
     "table_exists",
@@ -446,6 +447,79 @@ def _lease_history(table: str) -> tuple[tuple[str, sql.Composed], ...]:
     )
 
 
+def task_table_names(table: str) -> tuple[str, str, str]:
+    """The task tables beside lease table ``table``: its leases' tasks and controls
+    (``<table>_tasks``), their runs (``<table>_task_runs``) and the fires operators
+    asked for (``<table>_task_triggers``); see :mod:`rselection.postgres.task_runs`.
+
+    Args:
+        table: the lease table, optionally schema-qualified.
+    """
+    return (
+        suffixed_name(table, "tasks"),
+        suffixed_name(table, "task_runs"),
+        suffixed_name(table, "task_triggers"),
+    )
+
+
+def _lease_companions(table: str) -> tuple[tuple[str, sql.Composed], ...]:
+    tasks, runs, triggers = task_table_names(table)
+    return (
+        *_lease_history(table),
+        (
+            tasks,
+            # A row per task a leader published, or an operator paused: run_seq numbers
+            # the task's runs (their table keeps the newest by it), fire_term is the
+            # term that last wrote next_fire (an older leader's late batch writes none).
+            _create(
+                table_identifier(tasks),
+                "name text NOT NULL",
+                "task text NOT NULL",
+                "kind text NULL",
+                "schedule text NULL",
+                "next_fire timestamptz NULL",
+                "fire_term bigint NULL",
+                "node_id text NULL",
+                "term bigint NULL",
+                "published_at timestamptz NULL",
+                "paused_at timestamptz NULL",
+                "run_seq bigint NOT NULL DEFAULT 0",
+                "PRIMARY KEY (name, task)",
+            ),
+        ),
+        (
+            runs,
+            _create(
+                table_identifier(runs),
+                "name text NOT NULL",
+                "task text NOT NULL",
+                "seq bigint NOT NULL",
+                "scheduled_at timestamptz NULL",
+                "started_at timestamptz NULL",
+                "ended_at timestamptz NULL",
+                "outcome text NOT NULL",
+                "reason text NULL",
+                "node_id text NOT NULL",
+                "term bigint NOT NULL",
+                "error text NULL",
+                "acted_by text NULL",
+                "PRIMARY KEY (name, task, seq)",
+            ),
+        ),
+        (
+            triggers,
+            _create(
+                table_identifier(triggers),
+                "name text NOT NULL",
+                "fire_key text NOT NULL",
+                "task text NOT NULL",
+                "requested_at timestamptz NOT NULL DEFAULT clock_timestamp()",
+                "PRIMARY KEY (name, fire_key)",
+            ),
+        ),
+    )
+
+
 def _nodes_v1(table: str) -> list[sql.Composed]:
     return [
         _create(
@@ -581,9 +655,10 @@ LEASES = TableKind(
             LEASE_PROTOCOL_COLUMNS,
         ),
     ),
-    companions=_lease_history,
+    companions=_lease_companions,
 )
-"""The lease table of :class:`~rselection.PostgresLeader` (and its leadership history)."""
+"""The lease table of :class:`~rselection.PostgresLeader` (and its leadership history
+and task tables)."""
 
 
 def _claims_indexes(table: str) -> tuple[tuple[str, sql.Composed], ...]:

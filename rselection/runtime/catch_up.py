@@ -148,14 +148,15 @@ class CatchUp:
     def _catch_up(self, spec: TaskSpec, won: list[datetime]) -> None:
         """Run the missed fires ``won`` (claimed, oldest first) as the policy says."""
         run, skipped = split_by_policy(spec.misfire, won)
+        # Their instants passed while no node led: missed, in the run history.
         for at in skipped:
-            self.reports.skip(spec, at, "misfire")
+            self.reports.skip(spec, at, "misfire", outcome="missed")
         if run and spec.misfire == "latest":
             following = schedule_of(spec).next_fire(run[-1])
             if following is not None and following <= datetime.now(UTC):
                 # A newer fire is already due and the scheduler runs it next: the
                 # catch-up would only hold it up (or get it skipped as an overlap).
-                self.reports.skip(spec, run.pop(), "misfire")
+                self.reports.skip(spec, run.pop(), "misfire", outcome="missed")
         with self.dispatch:  # stop() waits for the units entered here
             if run and self.term.live():
                 self.fire(spec, run)

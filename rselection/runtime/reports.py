@@ -20,6 +20,7 @@ from .. import signals
 from ..context import Term
 from ..schedules import format_fire_key
 from ..specs import StuckPolicy, TaskSpec
+from ..task_runs import RunRecord
 from .pools import SIGNAL_POOL
 
 __all__ = ["STUCK_EXIT_CODE", "TermReports", "surviving"]
@@ -35,7 +36,7 @@ _MAX_PENDING_SKIPS = 10_000  # skips waiting for a slow fire_skipped receiver, a
 # are sent on the term's signal lane instead (see TermReports.deferring).
 _deferred = threading.local()
 
-_Skip = tuple[TaskSpec, datetime, str]
+_Skip = tuple[TaskSpec, datetime, str, str | None]  # the task, the instant, why, fire key
 
 
 @contextlib.contextmanager
@@ -65,6 +66,7 @@ class TermReports:
     def __init__(self, sender: object, term: Term, lock: threading.Condition) -> None:
         self.sender = sender
         self.term = term
+        self.board = term.tasks
         self._lock = lock
         self._lane = SIGNAL_POOL.lane(1)
         self._pending: list[_Skip] = []  # to send on the lane
@@ -128,26 +130,79 @@ class TermReports:
                 if not skips:
                     self._sending = False
                     return
-            for spec, at, reason in skips:
-                self.announce(spec, at, reason)
+            for spec, at, reason, fire_key in skips:
+                self.announce(spec, at, reason, fire_key)
 
-    def skip(self, spec: TaskSpec, at: datetime, reason: str) -> None:
-        """Count the fire of ``spec`` at ``at`` skipped for ``reason``, and report it."""
+    def skip(
+        self,
+        spec: TaskSpec,
+        at: datetime,
+        reason: str,
+        *,
+        by: str | None = None,
+        outcome: str = "skipped",
+        fire_key: str | None = None,
+    ) -> None:
+        """Count the fire of ``spec`` at ``at`` skipped for ``reason``, and report it
+        (and record it in the run history, as ``outcome``, done ``by`` whom).
+
+        Args:
+            spec: the task.
+            at: the fire's instant.
+            reason: why it was skipped.
+            by: ``"operator"`` when an operator's action made it so.
+            outcome: ``"skipped"``, or ``"missed"`` (no node led at its instant).
+            fire_key: the fire's key when not that of the instant (a triggered fire).
+        """
         with self._lock:
             spec.stats.skipped += 1
-        self.announce(spec, at, reason)
+        self.recorded(spec, at, reason, by=by, outcome=outcome)
+        self.announce(spec, at, reason, fire_key)
 
     def skipped(self, fires: list[tuple[TaskSpec, datetime]], reason: str) -> None:
         """Report ``fires`` skipped for ``reason``, already counted."""
         for spec, at in fires:
+            self.recorded(spec, at, reason)
             self.announce(spec, at, reason)
 
-    def announce(self, spec: TaskSpec, at: datetime, reason: str) -> None:
+    def recorded(
+        self,
+        spec: TaskSpec,
+        at: datetime,
+        reason: str,
+        *,
+        by: str | None = None,
+        outcome: str = "skipped",
+    ) -> None:
+        """Record the fire of ``spec`` at ``at``, skipped for ``reason``, in the run
+        history (when the leader keeps one)."""
+        board = self.board
+        if board is None:
+            return
+        term = self.term
+        run = RunRecord(
+            board.name,
+            spec.name,
+            at,
+            None,
+            None,
+            outcome,
+            reason,
+            term.node_id,
+            term.number,
+            None,
+            by,
+        )
+        board.record(spec, run)
+
+    def announce(
+        self, spec: TaskSpec, at: datetime, reason: str, fire_key: str | None = None
+    ) -> None:
         """Log and send the skip of the fire at ``at`` (counted already)."""
         skips = getattr(_deferred, "skips", None)
         if skips is not None:  # on the scheduler's thread: sent elsewhere, afterwards
             if signals.fire_skipped.receivers or logger.isEnabledFor(logging.DEBUG):
-                skips.append((spec, at, reason))
+                skips.append((spec, at, reason, fire_key))
             return
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("fire of %r at %s skipped: %s", spec.name, at.isoformat(), reason)
@@ -158,7 +213,7 @@ class TermReports:
                 task=spec.name,
                 scheduled_at=at,
                 reason=reason,
-                fire_key=format_fire_key(spec.name, at),
+                fire_key=fire_key if fire_key is not None else format_fire_key(spec.name, at),
             )
 
     def stuck(self, stuck: list[str], grace: float, on_stuck: StuckPolicy) -> None:

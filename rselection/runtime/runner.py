@@ -5,6 +5,11 @@ Persistent tasks start with the term; scheduled ones fire from its timetable
 (:mod:`rselection.runtime.claims`). Plain ``def`` runs each take a thread (scheduled
 fires reuse theirs between instants); ``async def`` ones run on the term's event loop,
 all fires due at one instant handed to it at once.
+
+A leader with task controls (:mod:`rselection.task_board`) reads them before the term's
+first task starts: a paused task's fires are skipped (reason ``paused``), a paused
+persistent task does not run (and stops when paused later, until resumed), and each
+trigger is one more fire of its task, claimed under its own fire key.
 """
 
 from __future__ import annotations
@@ -16,14 +21,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from ..context import TaskContext, Term, running_term
+from ..claiming import LeaseClaims, claim_each
+from ..context import TaskContext, TaskTerm, Term, running_term
 from ..event_loops import LoopGuard, SharedLoops
+from ..history import OPERATOR
 from ..scheduler import SCHEDULER
 from ..schedules import format_fire_key
 from ..specs import StuckPolicy, TaskSpec, TaskType
+from ..task_runs import PAUSED, TaskControls, Trigger
 from ..task_threads import TaskThreads
 from .catch_up import CatchUp
 from .claims import Ready, TermClaims
@@ -42,6 +51,19 @@ _JOIN_SHARED = 0.1  # seconds at least that stop() waits for idle shared threads
 # An async unit handed to the event loop: unit id, task name, coroutine, and the task
 # whose running slot the coroutine releases (None: it takes and releases its own).
 _Coro = tuple[int, str, Coroutine[Any, Any, None], TaskSpec | None]
+
+# A trigger older than this share of the claim ttl is not run: its claim may have
+# expired already, and a node that ran it but could not drop it would not be seen.
+_TRIGGER_AGE = 0.9
+
+
+@dataclass
+class _Persistent:
+    """A persistent task's runs in one term, as task controls see them."""
+
+    term: TaskTerm | None = None  # the term its runs see while they go on
+    stopped: bool = False  # paused: not running until resumed
+    resume: bool = False  # resumed while its paused runs still ended: go on after
 
 
 class TermRunner:
@@ -82,20 +104,59 @@ class TermRunner:
         self._async_tasks: set[asyncio.Task[Any]] = set()
         # Scheduled fires of plain def tasks: a thread each, reused between instants.
         self._threads = TaskThreads(f"rselection-task-term-{term.number}")
+        self._board = term.tasks  # the leader's task controls, if it keeps them
+        self._controls = threading.Lock()  # guards the two below
+        self._persistent: dict[str, _Persistent] = {}
+        self._triggers_seen: set[str] = set()  # taken in this term (or being taken)
 
     # -- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start persistent tasks and the scheduler."""
+        """Start persistent tasks and the scheduler (once the task controls are read,
+        when the leader keeps them: on the term's claim lane, never on the caller's
+        thread, which is the leader's engine)."""
         if any(spec.is_async for spec in self.specs) and self._loop is None:
             self._guard = SharedLoops.shared().enter()
             self._loop = self._guard.loop
+        if self._board is None:
+            self._begin(None)
+            return
+        with contextlib.suppress(RuntimeError):  # the pool is shut down: the term is over
+            self._claims.submit(self._begin_with_controls)
+
+    def _begin_with_controls(self) -> None:
+        """On the claim lane: read the task controls, then start the term's tasks as
+        they say (with the controls last read if this read fails)."""
+        board = self._board
+        assert board is not None
+        try:
+            controls = board.read()
+        except Exception as exc:
+            controls = board.controls
+            logger.warning(
+                "term %d: the task controls could not be read (%s): the tasks start as "
+                "last read (%d paused)",
+                self.term.number,
+                exc,
+                len(controls.paused),
+            )
+        with self._dispatch:  # stop() waits for the units entered here
+            if not self.term.live():
+                return
+            board.attach(self)
+            self._begin(controls)
+        board.publish(self.term, self.specs)
+        self.apply_controls(controls)  # its triggers
+
+    def _begin(self, controls: TaskControls | None) -> None:
+        """Start the persistent tasks not paused, and the scheduler."""
         for spec in self.specs:
             if spec.type is TaskType.PERSISTENT:
-                if spec.is_async:
-                    self._submit_async(spec.name, self._runs.supervise_async(spec))
+                slot = self._persistent[spec.name] = _Persistent()
+                if controls is not None and spec.name in controls.paused:
+                    slot.stopped = True
                 else:
-                    self._spawn(spec.name, self._runs.supervise_sync, spec)
+                    self._start_persistent(spec, slot)
         scheduled = [spec for spec in self.specs if spec.type is TaskType.SCHEDULED]
         if scheduled:
             catch_up = None
@@ -117,6 +178,8 @@ class TermRunner:
     def cancel(self) -> None:
         """Signal every task to stop: set ``cancelled`` and cancel async tasks."""
         self.term.cancel()
+        if self._board is not None:
+            self._board.detach(self)
         if self._table is not None:
             thread = SCHEDULER.remove(self._table)  # nothing of the term fires any more
             if thread is not None:
@@ -170,6 +233,215 @@ class TermRunner:
             thread.join(timeout)
         for pool in SHARED_POOLS:
             pool.quiesce(max(_JOIN_SHARED, deadline - time.monotonic()))
+
+    # -- task controls ----------------------------------------------------------------
+
+    def _start_persistent(self, spec: TaskSpec, slot: _Persistent) -> None:
+        """Start the runs of persistent task ``spec`` under a term of their own."""
+        child = slot.term = TaskTerm(self.term)
+        if spec.is_async:
+            self._submit_async(spec.name, self._supervise_async(spec, child))
+        else:
+            self._spawn(spec.name, self._supervise_sync, spec, child)
+
+    def _supervise_sync(self, spec: TaskSpec, child: TaskTerm | None) -> None:
+        while child is not None:
+            try:
+                self._runs.supervise_sync(spec, child)
+            finally:
+                child.release()
+            child = self._persistent_ended(spec, child)
+
+    async def _supervise_async(self, spec: TaskSpec, child: TaskTerm | None) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        while child is not None:
+            child.task, child.loop = task, asyncio.get_running_loop()
+            try:
+                await self._runs.supervise_async(spec, child)
+            except asyncio.CancelledError:
+                if not child.paused or not self.term.live():
+                    raise
+                task.uncancel()  # the pause's cancellation, taken: the task may go on
+            finally:
+                child.release()
+            child = self._persistent_ended(spec, child)
+
+    def _persistent_ended(self, spec: TaskSpec, child: TaskTerm) -> TaskTerm | None:
+        """The runs of ``spec`` under ``child`` ended: a new term for them when they
+        were paused and resumed meanwhile, else ``None`` (they stay stopped while
+        paused, and end for good otherwise)."""
+        with self._controls:
+            slot = self._persistent.get(spec.name)
+            if slot is None or slot.term is not child:
+                return None
+            slot.term = None
+            if not child.paused:
+                return None
+            board = self._board
+            if slot.resume and self.term.live() and not (board and board.paused(spec.name)):
+                slot.resume = False
+                slot.term = TaskTerm(self.term)
+                return slot.term
+            slot.stopped, slot.resume = True, False
+            return None
+
+    def apply_controls(self, controls: TaskControls) -> None:
+        """Act on the task controls just read (from the claim lane or the task desk):
+        stop the persistent tasks paused, start again those resumed, run the triggers
+        not taken yet."""
+        triggers: list[Trigger] = []
+        with self._dispatch:  # persistent tasks start from here: stop() waits for them
+            if not self.term.live():
+                return
+            with self._controls:
+                for spec in self.specs:
+                    slot = self._persistent.get(spec.name)
+                    if slot is None:
+                        continue
+                    if spec.name in controls.paused:
+                        slot.resume = False
+                        if slot.term is not None and not slot.term.paused:
+                            logger.info("task %r paused by an operator: its run stops", spec.name)
+                            slot.term.pause()
+                    elif slot.term is None and slot.stopped:
+                        logger.info("task %r resumed by an operator: it starts", spec.name)
+                        slot.stopped = False
+                        self._start_persistent(spec, slot)
+                    elif slot.term is not None and slot.term.paused:
+                        slot.resume = True
+                for trigger in controls.triggers:
+                    if trigger.fire_key not in self._triggers_seen:
+                        self._triggers_seen.add(trigger.fire_key)
+                        triggers.append(trigger)
+        if triggers:
+            self._take_triggers(triggers)
+
+    def _take_triggers(self, triggers: list[Trigger]) -> None:
+        """Run each trigger once: claimed first under its own fire key when the term
+        claims; dropped from the store once taken (or refused)."""
+        board = self._board
+        assert board is not None
+        specs = {spec.name: spec for spec in self.specs}
+        refused: list[str] = []
+        for trigger in triggers:
+            spec = specs.get(trigger.task)
+            if spec is None or spec.type is not TaskType.SCHEDULED:
+                logger.warning(
+                    "trigger %.120s dropped: %r is not a scheduled task of this leader",
+                    trigger.fire_key,
+                    trigger.task,
+                )
+                refused.append(trigger.fire_key)
+                continue
+            claimer = self.term.claimer
+            if claimer is None:
+                self._fire_trigger(spec, trigger)
+                board.drop_triggers([trigger.fire_key])
+                continue
+            age = time.time() - trigger.requested_at.timestamp()
+            if age > _TRIGGER_AGE * claimer.ttl:
+                self._reports.skip(
+                    spec,
+                    trigger.requested_at,
+                    "expired",
+                    by=OPERATOR,
+                    outcome="missed",
+                    fire_key=trigger.fire_key,
+                )
+                refused.append(trigger.fire_key)
+                continue
+            try:
+                self._claims.submit(functools.partial(self._claim_trigger, spec, trigger))
+            except RuntimeError:  # the pool is shut down: the term is over
+                return
+        if refused:
+            board.drop_triggers(refused)
+
+    def _claim_trigger(self, spec: TaskSpec, trigger: Trigger) -> None:
+        """On the claim lane: claim the trigger's fire; run it if won."""
+        board, claimer, key = self._board, self.term.claimer, trigger.fire_key
+        assert board is not None and claimer is not None
+        if not self.term.live():
+            return
+        try:
+            if isinstance(claimer, LeaseClaims):
+                won, failed = claimer.claim_each([key], term=self.term.number)
+            else:
+                won, failed = claim_each(claimer, [key], term=self.term.number)
+        except Exception as exc:
+            won, failed = set(), {key: exc}
+        if failed:
+            logger.warning("trigger %.120s not run yet: its claim failed: %s", key, failed[key])
+            with self._controls:
+                self._triggers_seen.discard(key)
+            board.retry_soon()
+            return
+        if key in won:
+            self._fire_trigger(spec, trigger)
+        else:  # run by another node (a leader before this one) that did not drop it
+            logger.debug("trigger %.120s was claimed before: dropped", key)
+        board.drop_triggers([key])
+
+    def _fire_trigger(self, spec: TaskSpec, trigger: Trigger) -> None:
+        """Start the triggered fire (claimed, if the term claims) in a unit of its own."""
+        at, key = trigger.requested_at, trigger.fire_key
+        with self._dispatch:  # stop() waits for the units entered here
+            if not self.term.live():
+                self._reports.skip(spec, at, "not-leader", by=OPERATOR, fire_key=key)
+                return
+            if not self._units.reserve(spec):
+                self._reports.skip(spec, at, "overlap", by=OPERATOR, fire_key=key)
+                return
+            unit = self._units.enter(spec.name)
+            ctx = TaskContext(spec.name, self.term, scheduled_at=at, fire_key=key)
+            if spec.is_async:
+                self._submit_many([(unit, spec.name, self._trigger_async(unit, spec, ctx), spec)])
+                return
+            try:
+                self._threads.run(functools.partial(self._trigger_sync, unit, spec, ctx))
+            except RuntimeError:
+                reason = "not-leader" if self._threads.closed else "no-thread"
+                self._reports.skip(spec, at, reason, by=OPERATOR, fire_key=key)
+                self._units.release(spec, unit)
+
+    def _trigger_sync(self, unit: int, spec: TaskSpec, ctx: TaskContext) -> None:
+        threading.current_thread().name = f"rselection-task-{spec.name}"
+        running_term.set(self.term)
+        try:
+            self._runs.run_sync(spec, ctx, by=OPERATOR)
+        finally:
+            self._units.release(spec, unit)
+
+    async def _trigger_async(self, unit: int, spec: TaskSpec, ctx: TaskContext) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        running_term.set(self.term)  # in this task's own context only
+        self._async_tasks.add(task)
+        try:
+            await self._runs.run_async(spec, ctx, by=OPERATOR)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._async_tasks.discard(task)
+            self._units.release(spec, unit)
+
+    def _unpaused(
+        self, ready: list[tuple[TaskSpec, list[datetime]]]
+    ) -> list[tuple[TaskSpec, list[datetime]]]:
+        """``ready`` without the fires of paused tasks, which are skipped (reason
+        ``paused``, by the operator)."""
+        board = self._board
+        if board is None or not board.controls.paused:
+            return ready
+        kept = []
+        for spec, fires in ready:
+            if board.paused(spec.name):
+                for at in fires:
+                    self._reports.skip(spec, at, PAUSED, by=OPERATOR)
+            else:
+                kept.append((spec, fires))
+        return kept
 
     # -- event loop -----------------------------------------------------------------
 
@@ -265,10 +537,10 @@ class TermRunner:
 
     def _start(self, ready: list[tuple[TaskSpec, list[datetime]]]) -> None:
         """Start the fires of ``ready`` (with overlap="skip", not those of a task whose
-        previous fire still runs): at once without a claimer, else once claimed (all in
-        one call, see :meth:`TermClaims.claim`)."""
+        previous fire still runs; nor those of a paused task): at once without a
+        claimer, else once claimed (all in one call, see :meth:`TermClaims.claim`)."""
         reserved = []
-        for spec, fires in ready:
+        for spec, fires in self._unpaused(ready):
             if self._units.reserve(spec):
                 reserved.append((spec, fires))
             else:
@@ -285,7 +557,10 @@ class TermRunner:
 
     def _fire(self, spec: TaskSpec, fires: list[datetime]) -> None:
         """Run ``fires`` (already claimed, if the term claims) one after another in one
-        unit; with overlap="skip" all are skipped while a run is going."""
+        unit; with overlap="skip" all are skipped while a run is going (and all while
+        the task is paused)."""
+        if not self._unpaused([(spec, fires)]):
+            return
         if not self._units.reserve(spec):
             for at in fires:
                 self._reports.skip(spec, at, "overlap")

@@ -6,13 +6,16 @@ import asyncio
 import inspect
 import logging
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 from .. import signals
 from ..backoff import backoff
-from ..context import TaskContext, Term
+from ..context import TaskContext, TaskTerm, Term
 from ..errors import LeadershipLost
+from ..history import OPERATOR
 from ..specs import TaskSpec
+from ..task_runs import PAUSED, RunRecord, error_line
 from .reports import TermReports
 from .units import TermUnits
 
@@ -61,8 +64,9 @@ class TaskRuns:
             return None
         return exc
 
-    def _started(self, spec: TaskSpec, ctx: TaskContext) -> float:
-        """Count the run and announce it; return its start (monotonic)."""
+    def _started(self, spec: TaskSpec, ctx: TaskContext) -> tuple[float, datetime]:
+        """Count the run and announce it; return its start (monotonic, and the time)."""
+        started_at = datetime.now(UTC)
         with self.units.cond:
             spec.stats.runs += 1
             if ctx.scheduled_at is not None:
@@ -75,13 +79,64 @@ class TaskRuns:
                 term=ctx.term,
                 scheduled_at=ctx.scheduled_at,
             )
-        return time.monotonic()
+        return time.monotonic(), started_at
+
+    def _history(
+        self,
+        spec: TaskSpec,
+        ctx: TaskContext,
+        started_at: datetime,
+        error: BaseException | None,
+        term: Term,
+        by: str | None,
+        cancelled: bool,
+    ) -> None:
+        """Record the run in the run history (when the leader keeps one): ``ok``,
+        ``failed``, or ``cancelled`` when its term ended (or an operator paused it)."""
+        board = self.term.tasks
+        if board is None:
+            return
+        reason = None
+        if error is not None:
+            outcome = "failed"
+        elif cancelled or not term.live():
+            outcome = "cancelled"
+            if isinstance(term, TaskTerm) and term.paused:
+                reason, by = PAUSED, OPERATOR
+            else:
+                reason = "not-leader" if not self.term.live() else None
+        else:
+            outcome = "ok"
+        run = RunRecord(
+            board.name,
+            spec.name,
+            ctx.scheduled_at,
+            started_at,
+            datetime.now(UTC),
+            outcome,
+            reason,
+            self.term.node_id,
+            self.term.number,
+            None if error is None else error_line(error),
+            by,
+        )
+        board.record(spec, run)
 
     def _record(
-        self, spec: TaskSpec, ctx: TaskContext, began: float, error: BaseException | None
+        self,
+        spec: TaskSpec,
+        ctx: TaskContext,
+        began: tuple[float, datetime],
+        error: BaseException | None,
+        *,
+        term: Term | None = None,
+        by: str | None = None,
+        cancelled: bool = False,
     ) -> None:
-        """Count the run's outcome and announce its end (and its failure, if it failed)."""
-        duration = time.monotonic() - began
+        """Count the run's outcome and announce its end (and its failure, if it failed);
+        record it in the run history."""
+        duration = time.monotonic() - began[0]
+        self._history(spec, ctx, began[1], error, term or self.term, by, cancelled)
         with self.units.cond:
             stats = spec.stats
             stats.last_failed = error is not None
@@ -113,8 +168,22 @@ class TaskRuns:
                 error=error,
             )
 
-    def run_sync(self, spec: TaskSpec, ctx: TaskContext) -> BaseException | None:
-        """Run the plain ``def`` task ``spec`` once; return what it failed with."""
+    def run_sync(
+        self,
+        spec: TaskSpec,
+        ctx: TaskContext,
+        *,
+        term: Term | None = None,
+        by: str | None = None,
+    ) -> BaseException | None:
+        """Run the plain ``def`` task ``spec`` once; return what it failed with.
+
+        Args:
+            spec: the task.
+            ctx: the run's context.
+            term: the term the run sees (a persistent task's own), default the term's.
+            by: ``"operator"`` for a fire an operator triggered.
+        """
         if not self._may_start(spec, ctx):
             return None
         began = self._started(spec, ctx)
@@ -129,11 +198,19 @@ class TaskRuns:
                 )
         except Exception as exc:
             error = self._failure(exc)
-        self._record(spec, ctx, began, error)
+        self._record(spec, ctx, began, error, term=term, by=by)
         return error
 
-    async def run_async(self, spec: TaskSpec, ctx: TaskContext) -> BaseException | None:
-        """Run the ``async def`` task ``spec`` once; return what it failed with."""
+    async def run_async(
+        self,
+        spec: TaskSpec,
+        ctx: TaskContext,
+        *,
+        term: Term | None = None,
+        by: str | None = None,
+    ) -> BaseException | None:
+        """Run the ``async def`` task ``spec`` once; return what it failed with (as
+        :meth:`run_sync`)."""
         if not self._may_start(spec, ctx):
             return None
         began = self._started(spec, ctx)
@@ -141,47 +218,51 @@ class TaskRuns:
         try:
             await spec.task.run(ctx)
         except asyncio.CancelledError:
-            self._record(spec, ctx, began, None)
+            self._record(spec, ctx, began, None, term=term, by=by, cancelled=True)
             raise
         except Exception as exc:
             error = self._failure(exc)
-        self._record(spec, ctx, began, error)
+        self._record(spec, ctx, began, error, term=term, by=by)
         return error
 
     # -- persistent tasks -------------------------------------------------------------
 
-    def _should_restart(self, spec: TaskSpec, error: BaseException | None) -> bool:
-        if not self.term.live():
+    def _should_restart(self, spec: TaskSpec, error: BaseException | None, term: Term) -> bool:
+        if not term.live():
             return False
         if spec.restart == "always":
             return True
         return spec.restart == "on-failure" and error is not None
 
-    def supervise_sync(self, spec: TaskSpec) -> None:
-        """Run the persistent plain ``def`` task ``spec``, restarted as its policy says."""
+    def supervise_sync(self, spec: TaskSpec, term: Term | None = None) -> None:
+        """Run the persistent plain ``def`` task ``spec``, restarted as its policy says,
+        while ``term`` (the task's own, default the term) is live."""
+        term = term or self.term
         attempt = 0
-        while self.term.live() and self.units.reserve(spec):
+        while term.live() and self.units.reserve(spec):
             began = time.monotonic()
             try:
-                error = self.run_sync(spec, TaskContext(spec.name, self.term))
+                error = self.run_sync(spec, TaskContext(spec.name, term), term=term)
             finally:
                 self.units.release(spec)
-            if not self._should_restart(spec, error):
+            if not self._should_restart(spec, error, term):
                 return
             attempt = 0 if time.monotonic() - began > _RESTART_CAP else attempt + 1
-            if self.term.cancelled.wait(restart_delay(attempt - 1 if attempt else 0)):
+            if term.cancelled.wait(restart_delay(attempt - 1 if attempt else 0)):
                 return
 
-    async def supervise_async(self, spec: TaskSpec) -> None:
-        """Run the persistent ``async def`` task ``spec``, restarted as its policy says."""
+    async def supervise_async(self, spec: TaskSpec, term: Term | None = None) -> None:
+        """Run the persistent ``async def`` task ``spec``, restarted as its policy says,
+        while ``term`` (the task's own, default the term) is live."""
+        term = term or self.term
         attempt = 0
-        while self.term.live() and self.units.reserve(spec):
+        while term.live() and self.units.reserve(spec):
             began = time.monotonic()
             try:
-                error = await self.run_async(spec, TaskContext(spec.name, self.term))
+                error = await self.run_async(spec, TaskContext(spec.name, term), term=term)
             finally:
                 self.units.release(spec)
-            if not self._should_restart(spec, error):
+            if not self._should_restart(spec, error, term):
                 return
             attempt = 0 if time.monotonic() - began > _RESTART_CAP else attempt + 1
             await asyncio.sleep(restart_delay(attempt - 1 if attempt else 0))

@@ -1,0 +1,322 @@
+"""Task controls and run history on Postgres: three tables beside the lease table.
+
+``<table>_tasks`` has a row per task a leader published (its kind, schedule and next
+fire) or an operator paused (``paused_at``), and numbers the task's runs
+(``run_seq``); ``<table>_task_runs`` keeps the newest runs of each task by that number;
+``<table>_task_triggers`` the fires operators asked for (see
+:func:`~rselection.postgres.schema.task_table_names`). They are companions of the lease
+table: created with it, and by ``rselection migrate``, with no schema version of their
+own. A pause, a resume or a trigger notifies the lease's channel in its transaction
+(``{"event": "tasks"}``): the leader reads the controls again, whoever sent it. A batch
+of runs is one statement: it numbers the runs, inserts them and deletes the ones they
+push past the limit. A missing table reads as nothing stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from ..errors import first_line
+from ..task_runs import (
+    RunRecord,
+    TaskControlChange,
+    TaskControls,
+    TaskEntry,
+    TaskInfo,
+    Trigger,
+    new_trigger_key,
+)
+from ._lease_sql import lease_channel, resolve_lease_table
+from .connections import Connections
+from .schema import create_tables, table_identifier, task_table_names
+
+__all__ = ["PostgresTaskStore"]
+
+_RUN_COLUMNS = "scheduled_at, started_at, ended_at, outcome, reason, node_id, term, error, acted_by"
+
+# The parameters of a batch: one array per column of its runs, and of its tasks.
+_WRITE_COLUMNS = (
+    "name", "task", "ord", "scheduled_at", "started_at", "ended_at", "outcome", "reason",
+    "node_id", "term", "error", "by",
+)  # fmt: skip
+_COUNT_COLUMNS = ("n_name", "n_task", "n_count", "n_next", "n_term")
+
+_NOTIFY = "SELECT pg_notify(%s, json_build_object('event', 'tasks', 'name', %s::text)::text)"
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    return None if value is None else value.astimezone(UTC)
+
+
+def _run(name: str, task: str, row: Sequence[Any]) -> RunRecord:
+    """A run record from the run columns of ``row`` (in :data:`_RUN_COLUMNS` order)."""
+    return RunRecord(
+        lease=name,
+        task=task,
+        scheduled_at=_utc(row[0]),
+        started_at=_utc(row[1]),
+        ended_at=_utc(row[2]),
+        outcome=row[3],
+        reason=row[4],
+        node_id=row[5],
+        term=int(row[6]),
+        error=row[7],
+        by=row[8],
+    )
+
+
+class PostgresTaskStore:
+    """The :class:`~rselection.abc.TaskStore` of the leases of one lease table.
+
+    Each call is one short transaction on a connection of ``conns`` (a leader's are the
+    process's pooled sessions, an admin's its own).
+
+    Args:
+        conns: where each call gets its connection.
+        table: the lease table, optionally schema-qualified.
+        create_tables: create the task tables when an operator's change finds them
+            missing (a leader creates them with its lease table).
+    """
+
+    def __init__(self, conns: Connections, *, table: str, create_tables: bool = True) -> None:
+        self._conns = conns
+        self.table = table
+        self.create_tables = create_tables
+        tasks, runs, triggers = (table_identifier(t) for t in task_table_names(table))
+        self._tasks, self._runs, self._triggers = tasks, runs, triggers
+        self._controls_sql = sql.SQL(
+            "SELECT task, paused_at, NULL FROM {tasks} WHERE name = %(name)s"
+            " AND paused_at IS NOT NULL"
+            " UNION ALL SELECT task, requested_at, fire_key FROM {triggers}"
+            " WHERE name = %(name)s ORDER BY 2"
+        ).format(tasks=tasks, triggers=triggers)
+        # One statement per batch: number each task's new runs (an upsert of its row,
+        # which also keeps its next fire unless a newer term wrote one), insert them,
+        # and delete the runs they push past the limit (the new ones are not visible to
+        # the delete: they are all newer than what it deletes).
+        self._write_sql = sql.SQL(
+            "WITH n AS ("
+            " SELECT * FROM unnest(%(n_name)s::text[], %(n_task)s::text[],"
+            " %(n_count)s::bigint[], %(n_next)s::timestamptz[], %(n_term)s::bigint[])"
+            " AS n(name, task, count, next_fire, term)"
+            "), seq AS ("
+            " INSERT INTO {tasks} AS t (name, task, run_seq, next_fire, fire_term)"
+            " SELECT name, task, count, next_fire, term FROM n ORDER BY name, task"
+            " ON CONFLICT (name, task) DO UPDATE SET run_seq = t.run_seq + EXCLUDED.run_seq,"
+            " next_fire = CASE WHEN t.fire_term IS NULL OR EXCLUDED.fire_term >= t.fire_term"
+            " THEN EXCLUDED.next_fire ELSE t.next_fire END,"
+            " fire_term = greatest(t.fire_term, EXCLUDED.fire_term)"
+            " RETURNING t.name, t.task, t.run_seq"
+            "), ins AS ("
+            " INSERT INTO {runs} (name, task, seq, " + _RUN_COLUMNS + ")"
+            " SELECT r.name, r.task, seq.run_seq - n.count + r.ord, r.scheduled_at,"
+            " r.started_at, r.ended_at, r.outcome, r.reason, r.node_id, r.term, r.error, r.by"
+            " FROM unnest(%(name)s::text[], %(task)s::text[], %(ord)s::bigint[],"
+            " %(scheduled_at)s::timestamptz[], %(started_at)s::timestamptz[],"
+            " %(ended_at)s::timestamptz[], %(outcome)s::text[], %(reason)s::text[],"
+            " %(node_id)s::text[], %(term)s::bigint[], %(error)s::text[], %(by)s::text[])"
+            " AS r(name, task, ord, scheduled_at, started_at, ended_at, outcome, reason,"
+            " node_id, term, error, by)"
+            " JOIN seq ON seq.name = r.name AND seq.task = r.task"
+            " JOIN n ON n.name = r.name AND n.task = r.task"
+            ")"
+            " DELETE FROM {runs} d USING seq WHERE d.name = seq.name AND d.task = seq.task"
+            " AND d.seq <= seq.run_seq - %(limit)s"
+        ).format(tasks=tasks, runs=runs)
+        self._publish_sql = sql.SQL(
+            "WITH p AS ("
+            " SELECT * FROM unnest(%(task)s::text[], %(kind)s::text[], %(schedule)s::text[],"
+            " %(next_fire)s::timestamptz[]) AS p(task, kind, schedule, next_fire)"
+            "), up AS ("
+            " INSERT INTO {tasks} AS t (name, task, kind, schedule, next_fire, fire_term,"
+            " node_id, term, published_at)"
+            " SELECT %(name)s, task, kind, schedule, next_fire, %(term)s, %(node_id)s,"
+            " %(term)s, clock_timestamp() FROM p ORDER BY task"
+            " ON CONFLICT (name, task) DO UPDATE SET kind = EXCLUDED.kind,"
+            " schedule = EXCLUDED.schedule, next_fire = EXCLUDED.next_fire,"
+            " fire_term = EXCLUDED.fire_term, node_id = EXCLUDED.node_id,"
+            " term = EXCLUDED.term, published_at = EXCLUDED.published_at"
+            " WHERE t.term IS NULL OR t.term <= EXCLUDED.term"
+            ")"
+            # The tasks this term does not have are listed no more (their controls and
+            # runs stay, should a later release bring them back).
+            " UPDATE {tasks} SET kind = NULL, schedule = NULL, next_fire = NULL,"
+            " node_id = %(node_id)s, term = %(term)s, published_at = clock_timestamp()"
+            " WHERE name = %(name)s AND kind IS NOT NULL AND task <> ALL(%(task)s::text[])"
+            " AND (term IS NULL OR term <= %(term)s)"
+        ).format(tasks=tasks)
+        self._tasks_sql = sql.SQL(
+            "SELECT t.task, t.kind, t.schedule, t.next_fire, t.paused_at, t.node_id, t.term,"
+            " r.* FROM {tasks} t LEFT JOIN LATERAL (SELECT " + _RUN_COLUMNS + " FROM {runs}"
+            " WHERE name = t.name AND task = t.task ORDER BY seq DESC LIMIT 1) r ON true"
+            " WHERE t.name = %s AND t.kind IS NOT NULL"
+        ).format(tasks=tasks, runs=runs)
+        self._runs_sql = sql.SQL(
+            "SELECT " + _RUN_COLUMNS + " FROM {runs} WHERE name = %s AND task = %s"
+            " ORDER BY seq DESC LIMIT %s"
+        ).format(runs=runs)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(table={self.table!r}, {self._conns.where})"
+
+    # -- a call ---------------------------------------------------------------------------
+
+    def _read(self, what: str, query: sql.Composed, params: Any) -> list[tuple[Any, ...]]:
+        """The rows of ``query``; none when the task tables do not exist (yet)."""
+        try:
+            with self._conns.connection() as conn:
+                try:
+                    return conn.execute(query, params).fetchall()
+                except psycopg.errors.UndefinedTable:
+                    return []
+        except psycopg.Error as exc:
+            raise self._conns.wrap(what, exc) from exc
+
+    def _change(self, what: str, name: str, query: sql.Composed, params: Any) -> Any:
+        """Run ``query`` and notify the lease's channel, in one transaction; its row,
+        or the number of rows it changed. Creates the task tables when missing."""
+        try:
+            with self._conns.connection() as conn:
+                found = resolve_lease_table(conn, self.table)
+                if self.create_tables and found is not None:
+                    create_tables(conn, leases=self.table)
+                with conn.transaction():
+                    cur = conn.execute(query, params)
+                    result = cur.fetchone() if cur.description is not None else cur.rowcount
+                    if found is not None:
+                        # Sent on commit, also when nothing changed: a leader that missed
+                        # the first notification reads the controls again.
+                        conn.execute(_NOTIFY, (lease_channel(found[1], name), name))
+                return result
+        except psycopg.errors.UndefinedTable as exc:
+            raise self._conns.wrap(
+                f"{what}: {first_line(exc)} (run `rselection migrate`)", exc
+            ) from exc
+        except psycopg.Error as exc:
+            raise self._conns.wrap(what, exc) from exc
+
+    def _write(self, what: str, query: sql.Composed, params: Any) -> None:
+        try:
+            with self._conns.connection() as conn, conn.transaction():
+                conn.execute(query, params)
+        except psycopg.Error as exc:
+            raise self._conns.wrap(what, exc) from exc
+
+    # -- a leader's ----------------------------------------------------------------------
+
+    def read_controls(self, name: str) -> TaskControls:
+        """See :meth:`~rselection.abc.TaskStore.read_controls`."""
+        rows = self._read(f"read the task controls of {name!r}", self._controls_sql, {"name": name})
+        paused = {row[0]: _utc(row[1]) for row in rows if row[2] is None}
+        triggers = tuple(
+            Trigger(name, row[0], row[2], row[1].astimezone(UTC)) for row in rows if row[2]
+        )
+        return TaskControls({task: at for task, at in paused.items() if at is not None}, triggers)
+
+    def publish_tasks(self, name: str, node_id: str, term: int, tasks: Sequence[TaskEntry]) -> None:
+        """See :meth:`~rselection.abc.TaskStore.publish_tasks`."""
+        params = {
+            "name": name,
+            "node_id": node_id,
+            "term": term,
+            "task": [t.task for t in tasks],
+            "kind": [t.kind for t in tasks],
+            "schedule": [t.schedule for t in tasks],
+            "next_fire": [t.next_fire for t in tasks],
+        }
+        self._write(f"publish the tasks of {name!r}", self._publish_sql, params)
+
+    def write_runs(
+        self,
+        runs: Sequence[RunRecord],
+        *,
+        next_fires: Mapping[tuple[str, str], datetime | None],
+        limit: int,
+    ) -> None:
+        """See :meth:`~rselection.abc.TaskStore.write_runs`: one statement."""
+        if not runs:
+            return
+        by_task: dict[tuple[str, str], list[RunRecord]] = {}
+        for run in runs:
+            by_task.setdefault((run.lease, run.task), []).append(run)
+        rows: list[tuple[Any, ...]] = []
+        tasks: list[tuple[Any, ...]] = []
+        for (name, task), kept in sorted(by_task.items()):
+            kept = kept[-limit:]  # a batch's older runs past the limit would be deleted
+            rows.extend(
+                (name, task, number, r.scheduled_at, r.started_at, r.ended_at, r.outcome,
+                 r.reason, r.node_id, r.term, r.error, r.by)
+                for number, r in enumerate(kept, 1)
+            )  # fmt: skip
+            newest = max(r.term for r in kept)
+            tasks.append((name, task, len(kept), next_fires.get((name, task)), newest))
+        columns = dict(zip(_WRITE_COLUMNS, map(list, zip(*rows, strict=True)), strict=True))
+        counts = dict(zip(_COUNT_COLUMNS, map(list, zip(*tasks, strict=True)), strict=True))
+        params: dict[str, Any] = {**columns, **counts, "limit": limit}
+        self._write(f"write {len(runs)} task runs", self._write_sql, params)
+
+    def drop_triggers(self, name: str, fire_keys: Sequence[str]) -> None:
+        """See :meth:`~rselection.abc.TaskStore.drop_triggers`."""
+        query = sql.SQL("DELETE FROM {} WHERE name = %s AND fire_key = ANY(%s::text[])").format(
+            self._triggers
+        )
+        self._write(f"drop triggers of {name!r}", query, (name, list(fire_keys)))
+
+    # -- an operator's -------------------------------------------------------------------
+
+    def read_tasks(self, name: str) -> list[TaskInfo]:
+        """See :meth:`~rselection.abc.TaskStore.read_tasks`."""
+        rows = self._read(f"read the tasks of {name!r}", self._tasks_sql, (name,))
+        found = [
+            TaskInfo(
+                lease=name,
+                task=row[0],
+                kind=row[1],
+                schedule=row[2],
+                next_fire=_utc(row[3]),
+                paused=row[4] is not None,
+                paused_at=_utc(row[4]),
+                last_run=None if row[10] is None else _run(name, row[0], row[7:]),
+                node_id=row[5],
+                term=None if row[6] is None else int(row[6]),
+            )
+            for row in rows
+        ]
+        return sorted(found, key=lambda info: info.task)
+
+    def read_runs(self, name: str, task: str, limit: int) -> list[RunRecord]:
+        """See :meth:`~rselection.abc.TaskStore.read_runs`."""
+        rows = self._read(f"read the runs of {task!r}", self._runs_sql, (name, task, limit))
+        return [_run(name, task, row) for row in rows]
+
+    def set_paused(self, name: str, task: str, paused: bool) -> TaskControlChange:
+        """See :meth:`~rselection.abc.TaskStore.set_paused`."""
+        if paused:
+            query = sql.SQL(
+                "INSERT INTO {} AS t (name, task, paused_at) VALUES (%s, %s, clock_timestamp())"
+                " ON CONFLICT (name, task) DO UPDATE SET paused_at = clock_timestamp()"
+                " WHERE t.paused_at IS NULL RETURNING 1"
+            ).format(self._tasks)
+        else:
+            query = sql.SQL(
+                "UPDATE {} SET paused_at = NULL WHERE name = %s AND task = %s"
+                " AND paused_at IS NOT NULL"
+            ).format(self._tasks)
+        what = f"{'pause' if paused else 'resume'} task {task!r}"
+        result = self._change(what, name, query, (name, task))
+        changed = result is not None if paused else bool(result)
+        return TaskControlChange(name, task, paused, changed)
+
+    def add_trigger(self, name: str, task: str) -> Trigger:
+        """See :meth:`~rselection.abc.TaskStore.add_trigger`."""
+        key = new_trigger_key(task)
+        query = sql.SQL(
+            "INSERT INTO {} (name, fire_key, task) VALUES (%s, %s, %s) RETURNING requested_at"
+        ).format(self._triggers)
+        row = self._change(f"trigger task {task!r}", name, query, (name, key, task))
+        return Trigger(name, task, key, row[0].astimezone(UTC))
