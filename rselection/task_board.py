@@ -81,6 +81,7 @@ class TaskBoard:
 
     def attach(self, listener: ControlsListener) -> None:
         """Hand the controls read from now on to ``listener`` (a term that runs)."""
+        TaskDesk.shared().use(self.store)
         with self._lock:
             self._listener = listener
 

@@ -9,8 +9,9 @@ once when a batch is full. A store that fails loses that batch (logged once unti
 works again, and counted): tasks run on, history is best effort. A queue holding
 :data:`MAX_PENDING` records drops its oldest (counted). The other jobs (a task
 controls read, a task list to publish, triggers to drop) run in order, each when due.
-Nothing here is on a lease's renewal path. The thread ends once idle for :data:`IDLE`
-seconds, and starts again with the next record or job.
+Nothing here is on a lease's renewal path. The thread ends once idle, at once when no
+leader uses the desk any more (:meth:`TaskDesk.use`, :meth:`TaskDesk.drain`), else
+after :data:`IDLE` seconds; it starts again with the next record or job.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ class TaskDesk(forks.PerProcess):
         self._jobs: list[tuple[float, int, Callable[[], None]]] = []  # a heap by due time
         self._order = itertools.count()
         self._running_job = False
+        self._users: set[int] = set()  # id() of the stores of leaders that run
         self._thread: threading.Thread | None = None
         self._dropped_said = -_REPORT_EVERY
         self.counts = DeskCounts()
@@ -128,11 +130,20 @@ class TaskDesk(forks.PerProcess):
             heapq.heappush(self._jobs, (time.monotonic() + delay, next(self._order), job))
             self._wake()
 
+    def use(self, store: TaskStore) -> None:
+        """A leader runs with ``store``: the thread waits :data:`IDLE` seconds for more
+        work before it ends (until :meth:`drain`)."""
+        with self._cond:
+            self._users.add(id(store))
+
     def drain(self, store: TaskStore, timeout: float) -> bool:
         """Write what waits for ``store`` now and wait up to ``timeout`` seconds for it to
-        be written (or lost); whether it was. Then forget the store."""
+        be written (or lost); whether it was. Then forget the store (its leader
+        stopped)."""
         deadline = time.monotonic() + timeout
         with self._cond:
+            self._users.discard(id(store))
+            self._cond.notify_all()  # an idle thread may end now
             queue = self._queues.get(id(store))
             if queue is None:
                 return True
@@ -212,7 +223,7 @@ class TaskDesk(forks.PerProcess):
                     return queue
                 wake_at = due if wake_at is None else min(wake_at, due)
             if wake_at is None:
-                if now - idle_since >= IDLE:
+                if not self._users or now - idle_since >= IDLE:
                     self._thread = None
                     return None
                 self._cond.wait(IDLE - (now - idle_since))

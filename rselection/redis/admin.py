@@ -1,10 +1,11 @@
 """``RedisAdmin``: read and operate a fleet's Redis leases from outside it.
 
-What ``rselection status --redis-url``, ``resign``, ``forget``, ``drain`` and
-``undrain`` do, for programs: a status snapshot (:mod:`.snapshot`), handover requests
-(:mod:`.handover`), retiring a lease (:mod:`.retire`), drained nodes (:mod:`.drains`)
-and waiting for a new term. Answers are the shapes of
-:mod:`rselection.admin`, the same as :class:`~rselection.postgres.PostgresAdmin`'s.
+What ``rselection status --redis-url``, ``resign``, ``forget``, ``drain``, ``undrain``
+and ``task`` do, for programs: a status snapshot (:mod:`.snapshot`), handover requests
+(:mod:`.handover`), retiring a lease (:mod:`.retire`), drained nodes (:mod:`.drains`),
+task controls and run histories (:mod:`.task_runs`) and waiting for a new term.
+Answers are the shapes of :mod:`rselection.admin`, the same as
+:class:`~rselection.postgres.PostgresAdmin`'s.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .keys import DEFAULT_KEY_PREFIX, check_key_prefix, lease_keys
 from .membership import read_nodes
 from .retire import retire_lease
 from .snapshot import lease_names, read_snapshot
+from .task_runs import RedisTaskStore
 
 __all__ = ["RedisAdmin", "RedisTermWatch"]
 
@@ -56,6 +58,7 @@ class RedisAdmin(LeaseAdmin):
         self.node_timeout = check_seconds(node_timeout, "node_timeout")
         self.where = describe(self.client)
         """Where the leases are, for messages (never with a password)."""
+        self._tasks = RedisTaskStore(self.client, key_prefix=self.key_prefix)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(key_prefix={self.key_prefix!r}, {self.where})"
@@ -127,6 +130,10 @@ class RedisAdmin(LeaseAdmin):
     def _set_drained(self, name: str, node_id: str, drained: bool) -> bool:
         change = drains.drain if drained else drains.undrain
         return change(self.client, name, node_id, self.key_prefix)
+
+    def _task_store(self) -> RedisTaskStore:
+        # The hashes and lists beside the lease's keys (see rselection.redis.task_runs).
+        return self._tasks
 
     def cancel_handover(self, name: str, term: int) -> bool:
         """See :meth:`~rselection.admin.LeaseAdmin.cancel_handover`."""

@@ -29,6 +29,8 @@ __all__ = [
     "node_channel",
     "retired_key",
     "shards_record_key",
+    "task_keys",
+    "task_runs_key",
     "term_origin_key",
 ]
 
@@ -118,6 +120,33 @@ def history_key(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
         key_prefix: prefix of every key.
     """
     return f"{_base(name, key_prefix)}:history"
+
+
+def task_keys(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> tuple[str, str, str, str]:
+    """The hashes of lease ``name``'s task controls and list of tasks (same hash slot):
+    the tasks its leader published (``:tasks``, task to JSON), the paused ones
+    (``:paused``, task to when), the fires operators asked for (``:triggers``, fire key
+    to JSON) and each task's next fire (``:next_fires``, task to ms). No expiry: a pause
+    lasts until resumed. See :mod:`rselection.redis.task_runs`.
+
+    Args:
+        name: the lease name.
+        key_prefix: prefix of every key.
+    """
+    base = _base(name, key_prefix)
+    return f"{base}:tasks", f"{base}:paused", f"{base}:triggers", f"{base}:next_fires"
+
+
+def task_runs_key(name: str, task: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    """The list of task ``task``'s newest runs of lease ``name``, newest first (same hash
+    slot as the lease's keys: the lease's name is the first ``{...}`` of the key).
+
+    Args:
+        name: the lease name.
+        task: the task's name.
+        key_prefix: prefix of every key.
+    """
+    return f"{_base(name, key_prefix)}:runs:{task}"
 
 
 def term_origin_key(name: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:

@@ -10,6 +10,7 @@ from ..context import NoTransactionFence
 from ..history import HISTORY_LIMIT
 from ..member_leader import DEFAULT_CLAIMER, DefaultClaimer, MemberLeader
 from ..members import node_timeout_or_default
+from ..task_runs import RUN_HISTORY_LIMIT
 from ..timing import Timings
 from ..validation import check_name
 from ._conn import check_client
@@ -20,6 +21,7 @@ from .handover import request_handover
 from .keys import DEFAULT_KEY_PREFIX, claims_prefix
 from .lease import RedisLease
 from .membership import RedisMembership
+from .task_runs import RedisTaskStore
 
 if TYPE_CHECKING:
     from ..broadcast import Broadcaster
@@ -108,6 +110,9 @@ class RedisLeader(MemberLeader):
             :class:`~rselection.PostgresLeader`.
         history_limit: terms of the lease's leadership history to keep in its stream
             (``<prefix>{<name>}:history``; see ``rselection history``).
+        run_history_limit: runs kept per task in ``<prefix>{<name>}:runs:<task>`` (see
+            ``rselection task history``); the task controls (``rselection task pause``,
+            ``resume``, ``trigger``) are hashes beside the lease's keys.
 
     Raises:
         ConfigError: bad arguments (the message says which and why).
@@ -137,6 +142,7 @@ class RedisLeader(MemberLeader):
         eligible: bool = True,
         settle: float = 10.0,
         history_limit: int = HISTORY_LIMIT,
+        run_history_limit: int = RUN_HISTORY_LIMIT,
     ) -> None:
         check_name(name, "lease name")
         first_node_id = self._first_node_id(node_id)
@@ -196,9 +202,12 @@ class RedisLeader(MemberLeader):
             version=version,
             eligible=eligible,
             settle=settle,
+            task_store=RedisTaskStore(redis_client, key_prefix=key_prefix),
+            run_history_limit=run_history_limit,
         )
         self._key_prefix = key_prefix
         lease.on_drain(self._drain_woken)
+        lease.on_tasks(self._tasks_woken)
 
     def _read_drained(self) -> bool:
         return is_drained(self._membership_client, self.name, self.node_id, self._key_prefix)

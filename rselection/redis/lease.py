@@ -162,6 +162,7 @@ class RedisLease(Closeable):
         self._handover_hint = False  # a request was announced since the last renewal
         self._handover: HandoverRequest | None = None
         self._on_drain: Callable[[str | None], None] | None = None  # see on_drain
+        self._on_tasks: Callable[[], None] | None = None  # see on_tasks
 
         self._wakeup = Wakeup()
         # Beats while it holds, the holder it follows while it waits (once connected).
@@ -576,6 +577,21 @@ class RedisLease(Closeable):
             except Exception:  # the channel's reader goes on
                 logger.exception("lease %r: error reading a drain message", self.name)
 
+    def on_tasks(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback()`` when a message says the task controls of this lease
+        changed, from the thread that reads the channel: it must not block. ``None``
+        stops the calls. A message is anyone's: the callback reads the controls from
+        the server, never from the message."""
+        self._on_tasks = callback
+
+    def _tasks_hint(self) -> None:
+        callback = self._on_tasks
+        if callback is not None:
+            try:
+                callback()
+            except Exception:  # the channel's reader goes on
+                logger.exception("lease %r: error reading a tasks message", self.name)
+
     def handover_hinted(self) -> bool:
         """True when a message on the channel announced a handover request since the
         last renewal: renew now to see whether it is for this term."""
@@ -755,6 +771,9 @@ class RedisLease(Closeable):
                     # Only a wake-up, from anyone allowed to PUBLISH: the node reads its
                     # drain state from the server.
                     self._drain_hint()
+                    continue
+                if event == "tasks":
+                    self._tasks_hint()  # a wake-up too: the leader reads the controls
                     continue
                 if event == "resign":
                     self._handover_hint = True

@@ -2,8 +2,9 @@
 
 Any client allowed to ``PUBLISH`` can send anything on these channels, so a message is
 a wake-up, never data, unless its sender is proven. A lease's events channel carries
-``acquired:<term>``, ``released:<term>``, ``cancelled:<term>``, ``resign:<term>`` and
+``acquired:<term>``, ``released:<term>``, ``cancelled:<term>``, ``resign:<term>``,
 ``drain:0`` (the lease's drained nodes changed: each node reads its own state again)
+and ``tasks:0`` (its task controls changed: its leader reads them again)
 (:func:`event_kind`); the liveness channel carries signed, numbered beats
 (:func:`sign_beat`, :func:`beat_sender`, :func:`read_beat`), each taken once. See
 ``docs/explanation/redis.md`` ("How the lease works", fast crash failover).
@@ -39,7 +40,7 @@ logger = logging.getLogger("rselection.redis.lease")
 # Seconds between two log lines about dropped messages (each is counted).
 _DROPPED_LOG_EVERY = 60.0
 
-_EVENT = re.compile(rb"(acquired|released|cancelled|resign|drain):[0-9]{1,19}")
+_EVENT = re.compile(rb"(acquired|released|cancelled|resign|drain|tasks):[0-9]{1,19}")
 _BEAT = re.compile(rb"beat:([0-9a-f]{16}):([0-9]{1,9}):([0-9]{1,19}):([0-9]{1,19}):([0-9a-f]{32})")
 # What the holders of earlier releases published, per lease: never taken, not counted.
 _OLD_BEAT = re.compile(rb"alive:[0-9]{1,19}:[0-9]{1,9}(:[0-9]{1,19}:[0-9a-f]{32})?")
@@ -105,8 +106,9 @@ def _payload(message: object) -> bytes | None:
 
 
 def event_kind(message: object) -> str | None:
-    """``"acquired"``, ``"released"``, ``"cancelled"``, ``"resign"`` or ``"drain"`` for a
-    well-formed message of the events channel, else ``None`` (never raises).
+    """``"acquired"``, ``"released"``, ``"cancelled"``, ``"resign"``, ``"drain"`` or
+    ``"tasks"`` for a well-formed message of the events channel, else ``None`` (never
+    raises).
 
     Args:
         message: the payload as read (``bytes``, or ``str`` from a decoding client).

@@ -29,13 +29,14 @@ def test_every_subcommand_is_a_module_with_its_own_parser_and_run() -> None:
         "resign",
         "drain",
         "undrain",
+        "task",
         "forget",
         "demo",
         "web",
     ]
     parser = cli.build_parser()
     operands = {"history": ["x"], "resign": ["x"], "forget": ["x"]}
-    operands |= {"drain": ["x", "n"], "undrain": ["x", "n"]}
+    operands |= {"drain": ["x", "n"], "undrain": ["x", "n"], "task": ["history", "x", "t"]}
     for name in names:
         args = parser.parse_args([name, *operands.get(name, [])])
         assert args.run.__module__ == f"rselection.commands.{name}"
