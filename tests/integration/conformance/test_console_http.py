@@ -52,6 +52,10 @@ def make(backend: Backend) -> Iterator[Callable[..., Any]]:
             while ctx.sleep(0.05):
                 pass
 
+        @tasks.interval(0.5, name="tick")
+        def tick(ctx: rs.TaskContext) -> None:
+            pass
+
         leader = backend.leader(tasks, lease, node_id=node_id, heartbeat_interval=0.2, **FAST, **kw)
         made.append(leader)
         leader.start()
@@ -242,3 +246,42 @@ def test_an_unknown_lease_is_404_and_an_unknown_route_too(
     assert client.get(lease_url(f"{name}-nope")).status_code == 404
     assert client.get("/leases/" + quote(name, safe="") + "/elsewhere").status_code == 404
     assert client.get("/leases/" + quote(name, safe="") + "/shards").status_code == 404
+
+
+def test_pause_trigger_and_resume_through_the_json_routes(
+    client: TestClient, fleet: list[Any], name: str, backend: Backend
+) -> None:
+    bearer = {"authorization": f"Bearer {TOKEN}"}
+
+    def runs() -> list[dict[str, Any]]:
+        answer = client.get(lease_url(name, "tasks", "tick"))
+        assert answer.status_code == 200, answer.text
+        found: list[dict[str, Any]] = answer.json()["runs"]
+        return found
+
+    wait_until(lambda: any(r["outcome"] == "ok" for r in runs()), 10, "a run of tick")
+    page = client.get("/leases/" + quote(name, safe=""))
+    assert re.search(r'<tr data-task="tick">', page.text) and "every 0.5s" in page.text
+    paused = client.post(lease_url(name, "tasks", "tick", "pause"), headers=bearer)
+    assert paused.status_code == 200 and paused.json()["paused"] and paused.json()["changed"]
+    wait_until(
+        lambda: runs()[0]["reason"] == "paused" and runs()[0]["by"] == "operator",
+        10,
+        "a fire skipped as paused",
+    )
+    fired = client.post(lease_url(name, "tasks", "tick", "trigger"), headers=bearer)
+    assert fired.status_code == 200 and fired.json()["fire_key"].startswith("tick@")
+    wait_until(
+        lambda: any(r["outcome"] == "ok" and r["by"] == "operator" for r in runs()),
+        10,
+        "the triggered fire",
+    )
+    resumed = client.post(lease_url(name, "tasks", "tick", "resume"), headers=bearer)
+    assert resumed.status_code == 200 and not resumed.json()["paused"]
+    wait_until(lambda: runs()[0]["outcome"] == "ok" and runs()[0]["by"] is None, 10, "fires again")
+    history = client.get("/leases/" + quote(name, safe="") + "/tasks/tick")
+    assert history.status_code == 200 and 'data-reason="paused"' in history.text
+    persistent = client.post(lease_url(name, "tasks", "work", "trigger"), headers=bearer)
+    assert persistent.status_code == 409
+    unknown = client.post(lease_url(name, "tasks", "nope", "pause"), headers=bearer)
+    assert unknown.status_code == 409
