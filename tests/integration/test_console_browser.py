@@ -303,3 +303,35 @@ def test_pause_stops_a_tasks_fires_until_resume_and_trigger_runs_one_fire(
     page.reload()
     expect(page.locator("tr.run[data-by=operator][data-outcome=ok]")).to_have_count(1)
     assert page.locator("tr.run[data-reason=paused]").count() >= 2
+
+
+def test_on_redis_the_page_shows_the_leader_and_hands_over(page: Any, redis_url: str) -> None:
+    from playwright.sync_api import expect
+
+    from rselection.redis import RedisAdmin, RedisLeader
+    from rselection.web import create_app
+    from tests.support.backends import Backend
+
+    lease = f"web-redis-{uuid.uuid4().hex[:6]}"
+    leaders = [
+        RedisLeader(redis_url, rs.TaskHandler(), name=lease, node_id=node, **FAST)
+        for node in ("a", "b")
+    ]
+    admin = RedisAdmin(redis_url)
+    try:
+        leaders[0].start()
+        assert leaders[0].wait_until_leader(10)
+        leaders[1].start()
+        wait_until(lambda: len(admin.live_nodes(lease) or ()) == 2, 10, "two nodes")
+        with serve(create_app(client=redis_url, token=TOKEN)) as url:
+            log_in(page, url, lease_page(url, lease))
+            expect(page.locator("#summary .holder")).to_have_text("a")
+            page.click("#lease-actions button:has-text('Hand over')")  # to b, the only one
+            expect(page.locator("#summary .holder")).to_have_text("b", timeout=SHOWN_WITHIN * 1000)
+        found = admin.current_holder(lease)
+        assert found is not None and found.node_id == "b"
+    finally:
+        for leader in leaders:
+            leader.stop(timeout=10)
+        admin.close()
+        Backend("redis", redis_url).forget(lease)
