@@ -33,7 +33,7 @@ from ..errors import BackendUnavailable, ConfigError
 from ..history import END_REASONS
 from ..redaction import redact
 from ..task_runs import OUTCOMES
-from ..text import iso
+from ..text import iso, printable
 from .auth import COOKIE, SESSION_SECONDS, Guard, same_origin
 from .paths import href, segments
 from .reading import Action, Console
@@ -205,6 +205,8 @@ def build_app(
                 return await read_api(parts)
             return await act(request, parts)
         except HttpError as exc:
+            if _is_form(request):  # a page's form: answer with a page
+                return error_page(request, exc)
             return _json_error(exc)
 
     async def read_api(parts: list[str]) -> Response:
@@ -256,6 +258,12 @@ def build_app(
 
         else:
             raise HttpError(404, "no such action")
+        logger.info(
+            "console: operator action %s on %s (%s)",
+            "/".join(parts[1:]),
+            printable(parts[0]),
+            "form" if browser else "bearer token",
+        )
         if browser:
             back = _local(request, _text(body.get("next")))
             try:
@@ -348,6 +356,11 @@ def build_app(
 
 def _text(value: object) -> str | None:
     return value if isinstance(value, str) else None
+
+
+def _is_form(request: Request) -> bool:
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    return kind == "application/x-www-form-urlencoded"
 
 
 def _json_error(error: HttpError) -> Response:
