@@ -269,17 +269,22 @@ def entry_of(spec: TaskSpec) -> TaskEntry:
     schedule = spec.schedule
     if schedule is None:
         return TaskEntry(spec.name, "persistent", None, None)
+    # The library's own schedules are quick to ask (a term's first fires may not be
+    # known yet when it publishes its tasks); a user's is not asked here.
+    next_fire = spec.stats.next_fire
+    if isinstance(schedule, IntervalSchedule | CronSchedule) and next_fire is None:
+        next_fire = schedule.next_fire(datetime.now(UTC))
     if isinstance(schedule, IntervalSchedule):
         text = f"every {_duration(schedule.every)}"
         if schedule.jitter:
             text += f" (jitter {_duration(schedule.jitter)})"
-        return TaskEntry(spec.name, "interval", text, spec.stats.next_fire)
+        return TaskEntry(spec.name, "interval", text, next_fire)
     if isinstance(schedule, CronSchedule):
         text = f"cron {schedule.expr}"
         if schedule.tz.key != "UTC":
             text += f" ({schedule.tz.key})"
-        return TaskEntry(spec.name, "cron", text, spec.stats.next_fire)
-    return TaskEntry(spec.name, "scheduled", repr(schedule)[:200], spec.stats.next_fire)
+        return TaskEntry(spec.name, "cron", text, next_fire)
+    return TaskEntry(spec.name, "scheduled", repr(schedule)[:200], next_fire)
 
 
 @dataclass(frozen=True)

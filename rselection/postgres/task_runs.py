@@ -201,9 +201,15 @@ class PostgresTaskStore:
             raise self._conns.wrap(what, exc) from exc
 
     def _write(self, what: str, query: sql.Composed, params: Any) -> None:
+        """Run ``query``, one statement (atomic by itself: no BEGIN and COMMIT around it,
+        which would make a batch three round trips)."""
         try:
-            with self._conns.connection() as conn, conn.transaction():
-                conn.execute(query, params)
+            with self._conns.connection() as conn:
+                if conn.autocommit:
+                    conn.execute(query, params)
+                else:  # a user's pool's connection: commit it
+                    with conn.transaction():
+                        conn.execute(query, params)
         except psycopg.Error as exc:
             raise self._conns.wrap(what, exc) from exc
 
