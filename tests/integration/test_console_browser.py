@@ -184,8 +184,16 @@ def test_drain_and_undrain_on_the_page(
     page.reload()  # the new leader's heartbeat is in: a is drained and leads no more
     expect(page.locator('tr[data-node="a"]')).to_have_class("state-drained")
     page.click('tr[data-node="a"] button:has-text("Undrain")')
-    expect(page.locator('tr[data-node="a"]')).to_have_class("state-alive")
+    expect(page.locator("#said")).to_contain_text("undrained node a")
     assert admin.drained(name) == set()
+    # the node reads its undrain within about a second, then heartbeats as eligible
+    wait_until(
+        lambda: any(n.node_id == "a" and n.eligible for n in admin.nodes(name) or ()),
+        10,
+        "node a to heartbeat as eligible",
+    )
+    page.reload()
+    expect(page.locator('tr[data-node="a"]')).to_have_class("state-alive")
 
 
 def test_without_the_token_no_action_is_shown_and_a_forged_post_is_refused(
