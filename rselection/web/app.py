@@ -371,10 +371,21 @@ def _json_error(error: HttpError) -> Response:
 
 
 async def _body(request: Request) -> dict[str, Any]:
-    """An action's body: a JSON object, or a form's fields (one value each)."""
-    raw = await request.body()
-    if len(raw) > MAX_BODY:
+    """An action's body: a JSON object, or a form's fields (one value each).
+
+    A body over :data:`MAX_BODY` is refused (413) on its ``Content-Length``, or as soon
+    as that much of it has arrived: never read whole, so nobody fills the memory."""
+    declared = request.headers.get("content-length", "0")  # none: a chunked body
+    if not declared.isdigit():
+        raise HttpError(400, "the Content-Length is not a number")
+    if int(declared) > MAX_BODY:
         raise HttpError(413, "the request body is too large")
+    received = bytearray()
+    async for chunk in request.stream():
+        received += chunk
+        if len(received) > MAX_BODY:
+            raise HttpError(413, "the request body is too large")
+    raw = bytes(received)
     if not raw:
         return {}
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()

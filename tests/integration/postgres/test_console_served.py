@@ -1,0 +1,71 @@
+"""The console served by uvicorn on a loopback port, as ``rselection web`` serves it:
+what only a real HTTP server shows (a body refused before it is read, cookies shared by
+the ports of a host, a database that stops answering while the pages keep answering).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import pytest
+
+pytest.importorskip("starlette")
+
+from rselection.web import create_app
+from tests.support.console import serve
+
+TOKEN = "served-op-token"
+ANSWER_WITHIN = 10.0  # an answer takes milliseconds; the bound is for a busy machine
+
+
+@pytest.fixture
+def console(pg_dsn: str) -> Iterator[str]:
+    """The console with the operator token on a loopback port; its base URL."""
+    with serve(create_app(conninfo=pg_dsn, token=TOKEN)) as url:
+        yield url
+
+
+def status_line(base: str, head: bytes, body: Iterator[bytes]) -> bytes:
+    """Send a request's ``head``, then ``body`` piece by piece while the server reads;
+    return the status line of its answer, which must come within ANSWER_WITHIN."""
+    parts = urlsplit(base)
+    with socket.create_connection((parts.hostname, parts.port), timeout=ANSWER_WITHIN) as sock:
+        sock.sendall(head)
+        try:
+            for piece in body:
+                sock.sendall(piece)
+        except OSError:
+            pass  # the server answered and closed the connection while we sent
+        answer = sock.recv(4096)
+    return answer.split(b"\r\n", 1)[0]
+
+
+def head_of(base: str, path: str, **headers: str) -> bytes:
+    host = urlsplit(base).netloc
+    lines = [f"POST {path} HTTP/1.1", f"Host: {host}", f"Origin: {base}"]
+    lines += [f"{name.replace('_', '-')}: {value}" for name, value in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def chunks(count: int, size: int = 16 * 1024) -> Iterator[bytes]:
+    """``count`` chunks of a chunked body, and never its last (empty) chunk."""
+    for _ in range(count):
+        yield f"{size:x}\r\n".encode() + b"a" * size + b"\r\n"
+
+
+@pytest.mark.parametrize(
+    "path,auth",
+    [("/login", {}), ("/api/leases/x/step-down", {"authorization": f"Bearer {TOKEN}"})],
+)
+def test_a_body_over_the_limit_is_refused_before_it_is_read(
+    console: str, path: str, auth: dict[str, str]
+) -> None:
+    form = {"content_type": "application/x-www-form-urlencoded", **auth}
+    # announced: refused on its Content-Length, with 300 MB still to come
+    declared = head_of(console, path, content_length=str(300 * 1024 * 1024), **form)
+    assert b" 413 " in status_line(console, declared, iter([b"a" * 128 * 1024]))
+    # chunked: refused once 64 KiB are read, its end never sent
+    streamed = head_of(console, path, transfer_encoding="chunked", **form)
+    assert b" 413 " in status_line(console, streamed, chunks(8))
