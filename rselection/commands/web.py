@@ -2,7 +2,8 @@
 
 It reads the leases through the backend's admin API as the other subcommands do
 (``--dsn`` or ``--redis-url``, and their table and key options) and serves the console
-with uvicorn on ``--bind`` (loopback by default). Without ``--token-file`` the console is
+with uvicorn on ``--bind`` (loopback by default), answering only to loopback names, the
+bound address and the ``--allow-host`` names. Without ``--token-file`` the console is
 read-only; a non-loopback address is served only after a loud warning, since anyone who
 reaches it sees the fleet (and, with a token sent over plain HTTP, could read it).
 """
@@ -62,6 +63,15 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="a file holding the operator token (surrounding whitespace stripped); "
         "without it the console is read-only",
+    )
+    parser.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="a host name the console answers to besides loopback and the --bind "
+        "address (a proxy's name, ops.example.com or ops.example.com:8443; repeat it "
+        "for more); other Host headers are refused (DNS rebinding)",
     )
     parser.set_defaults(run=run)
 
@@ -161,8 +171,10 @@ def run(args: argparse.Namespace) -> int:
     except Unreachable as exc:
         say(str(exc), err=True)
         return EXIT_UNREACHABLE
+    # The bound address is one of the console's hosts (a wildcard is no host's name).
+    hosts = [*args.allow_host, *([] if host in ("0.0.0.0", "::") else [host])]
     try:
-        app = create_app(admin=admin, token=token)
+        app = create_app(admin=admin, token=token, allowed_hosts=hosts)
     except ConfigError as exc:
         admin.close()
         raise UsageError(str(exc)) from None

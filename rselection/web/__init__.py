@@ -11,6 +11,7 @@ See the docs' "Console" how-to for mounting it in FastAPI or Django.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
@@ -32,6 +33,7 @@ def create_app(
     client: Any = None,
     token: str | None = None,
     admin: LeaseAdmin | None = None,
+    allowed_hosts: Iterable[str] | None = None,
 ) -> Starlette:
     """The console as an ASGI app (Starlette): mount it, or serve it with uvicorn.
 
@@ -47,10 +49,15 @@ def create_app(
             is stripped.
         admin: an admin API you made (a ``PostgresAdmin`` of other tables, a
             ``RedisAdmin`` of another key prefix); the console never closes it.
+        allowed_hosts: more hosts it answers to, besides this machine's loopback names
+            (``127.0.0.1``, ``localhost``, ``[::1]``, any port) and the address a request
+            came in on: ``"ops.example.com"`` (any port), ``"ops.example.com:8443"``, or
+            ``"*"`` for any (leaving the ``Host`` check to what is in front of it).
+            A request for another host is answered ``400`` (DNS rebinding).
 
     Raises:
         ConfigError: not exactly one of ``conninfo``, ``client`` and ``admin``; a blank
-            token.
+            token; an allowed host that is not a non-blank string.
         ImportError: the ``web`` extra is not installed (the message says what to
             install).
     """
@@ -67,8 +74,10 @@ def create_app(
             f"the console needs Starlette and Jinja2 ({exc.name} is missing): {INSTALL_HINT}"
         ) from exc
     from .auth import check_token
+    from .hosts import AllowedHosts
 
     token = check_token(token)
+    hosts = AllowedHosts(allowed_hosts or ())
     owned = admin is None
     made: LeaseAdmin
     if admin is not None:
@@ -82,4 +91,4 @@ def create_app(
 
         made = RedisAdmin(client)
     shown = conninfo if isinstance(conninfo, str) else client if isinstance(client, str) else ""
-    return build_app(made, token=token, owned=owned, conninfo=shown)
+    return build_app(made, token=token, owned=owned, conninfo=shown, allowed_hosts=hosts)

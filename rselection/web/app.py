@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import timedelta
@@ -23,6 +24,7 @@ from urllib.parse import parse_qs, quote, unquote
 from jinja2 import Environment, PackageLoader, select_autoescape
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
@@ -34,7 +36,8 @@ from ..history import END_REASONS
 from ..redaction import redact
 from ..task_runs import OUTCOMES
 from ..text import iso, printable
-from .auth import COOKIE, SESSION_SECONDS, Guard, same_origin
+from .auth import COOKIE, SESSION_SECONDS, Guard, Throttled, same_origin
+from .hosts import AllowedHosts, HostCheck
 from .paths import href, segments
 from .reading import Action, Console
 from .timeline import WINDOW
@@ -70,9 +73,15 @@ TASK_ACTIONS = {"pause", "resume", "trigger"}
 class HttpError(Exception):
     """A request the console answers with an error status and a message."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = headers or {}
+
+    @classmethod
+    def throttled(cls, exc: Throttled) -> HttpError:
+        """429: no token is tried now."""
+        return cls(429, str(exc), {"retry-after": str(math.ceil(exc.retry_after))})
 
 
 def _templates() -> Environment:
@@ -101,7 +110,12 @@ def _ago(seconds: float | None) -> str:
 
 
 def build_app(
-    admin: LeaseAdmin, *, token: str | None, owned: bool, conninfo: str = ""
+    admin: LeaseAdmin,
+    *,
+    token: str | None,
+    owned: bool,
+    conninfo: str = "",
+    allowed_hosts: AllowedHosts | None = None,
 ) -> Starlette:
     """The console's ASGI app over ``admin``.
 
@@ -110,9 +124,12 @@ def build_app(
         token: the operator token, ``None`` for a read-only console.
         owned: close ``admin`` when the app shuts down (it was made for the app).
         conninfo: the connection string it was made from, kept out of every message.
+        allowed_hosts: the hosts it answers to (see :mod:`.hosts`); by default this
+            machine's loopback names and the address a request came in on.
     """
     console = Console(admin)
     guard = Guard(token)
+    hosts = allowed_hosts or AllowedHosts()
     env = _templates()
 
     def shown(text: str) -> str:
@@ -159,7 +176,9 @@ def build_app(
             raise HttpError(503, shown(f"cannot read or act on {console.where}: {exc}")) from exc
 
     def error_page(request: Request, error: HttpError) -> Response:
-        return page(request, "error.html", code=error.status, message=str(error))
+        response = page(request, "error.html", code=error.status, message=str(error))
+        response.headers.update(error.headers)
+        return response
 
     # -- pages -----------------------------------------------------------------------
 
@@ -284,13 +303,16 @@ def build_app(
             )
         authorization = request.headers.get("authorization")
         if authorization is not None:
-            if not guard.bearer_ok(authorization):
-                raise HttpError(401, "wrong token")
+            try:
+                if not guard.bearer_ok(authorization):
+                    raise HttpError(401, "wrong token")
+            except Throttled as exc:
+                raise HttpError.throttled(exc) from None
             return await _body(request), False
         cookie = session_of(request)
         if cookie is None:
             raise HttpError(401, "log in first, or send Authorization: Bearer <token>")
-        if not same_origin(request.headers):
+        if not same_origin(request.headers, hosts):
             raise HttpError(403, "refused: the request did not come from this console")
         body = await _body(request)
         if not guard.csrf_ok(cookie, _text(body.get("csrf"))):
@@ -306,14 +328,22 @@ def build_app(
             )
         if guard.read_only:
             return page(request, "error.html", code=403, message="this console is read-only")
-        if not same_origin(request.headers):
+        if not same_origin(request.headers, hosts):
             return page(request, "error.html", code=403, message="refused: cross-site login")
         try:
             body = await _body(request)
         except HttpError as exc:
             return error_page(request, exc)
         back = _local(request, _text(body.get("next")))
-        if not guard.token_matches(_text(body.get("token")) or ""):
+        try:
+            # No await from here to the verdict: tries are counted one after the other.
+            matches = guard.log_in(_text(body.get("token")) or "")
+        except Throttled as exc:
+            error = HttpError.throttled(exc)
+            response = page(request, "login.html", code=429, next=back, waiting=str(error))
+            response.headers.update(error.headers)
+            return response
+        if not matches:
             return page(request, "login.html", code=401, next=back, failed=True)
         response = RedirectResponse(back, status_code=303, headers=SECURITY_HEADERS)
         response.set_cookie(
@@ -328,7 +358,7 @@ def build_app(
         return response
 
     async def logout(request: Request) -> Response:
-        if not same_origin(request.headers):
+        if not same_origin(request.headers, hosts):
             return page(request, "error.html", code=403, message="refused: cross-site logout")
         response = RedirectResponse(href(request.scope.get("root_path", ""), ""), status_code=303)
         response.delete_cookie(COOKIE, path=_cookie_path(request))
@@ -349,7 +379,9 @@ def build_app(
         Route("/api/leases/{rest:path}", lease_api, methods=["GET", "POST"]),
         Mount("/static", StaticFiles(packages=[("rselection.web", "static")]), name="static"),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    # Every request, the static files' included, is for one of the console's hosts.
+    middleware = [Middleware(HostCheck, hosts=hosts)]
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
     app.state.console = console
     return app
 
@@ -364,7 +396,7 @@ def _is_form(request: Request) -> bool:
 
 
 def _json_error(error: HttpError) -> Response:
-    headers = dict(SECURITY_HEADERS)
+    headers = {**SECURITY_HEADERS, **error.headers}
     if error.status == 401:
         headers["www-authenticate"] = 'Bearer realm="rselection"'
     return JSONResponse({"error": str(error)}, status_code=error.status, headers=headers)

@@ -11,7 +11,9 @@ action (403). With one, an action is allowed to
   session value, and its ``Origin`` (else ``Referer``) must be the console's own.
 
 Every comparison runs in constant time (:func:`hmac.compare_digest`). A session lasts
-:data:`SESSION_SECONDS`; changing the token ends every session.
+:data:`SESSION_SECONDS`; changing the token ends every session. Wrong tokens are slowed
+down (:class:`Throttle`): after :data:`FREE_FAILURES` of them, no token is tried for a
+while, a while that doubles with each further failure.
 """
 
 from __future__ import annotations
@@ -23,14 +25,83 @@ from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError
+from .hosts import AllowedHosts, split_host
 
-__all__ = ["COOKIE", "SESSION_SECONDS", "Guard", "check_token", "same_origin"]
+__all__ = [
+    "COOKIE",
+    "FREE_FAILURES",
+    "SESSION_SECONDS",
+    "Guard",
+    "Throttle",
+    "Throttled",
+    "check_token",
+    "same_origin",
+]
 
 COOKIE = "rselection_console"
 """The name of the login cookie."""
 
 SESSION_SECONDS = 12 * 3600
 """How long a login lasts."""
+
+FREE_FAILURES = 5
+"""Wrong tokens tried without a wait; each further one makes the next try wait."""
+
+FIRST_WAIT = 1.0
+"""Seconds the next try waits after the first failure past :data:`FREE_FAILURES`; it
+doubles with each further failure, up to :data:`LONGEST_WAIT`."""
+
+LONGEST_WAIT = 60.0
+"""The longest wait between two tries of a token."""
+
+FORGET_AFTER = 15 * 60.0
+"""Seconds without a wrong token after which the failures are forgotten."""
+
+
+class Throttled(Exception):
+    """No token is tried now: too many wrong ones came lately.
+
+    Attributes:
+        retry_after: seconds until the next try.
+    """
+
+    def __init__(self, retry_after: float) -> None:
+        super().__init__(f"too many wrong tokens: try again in {retry_after:.0f} s")
+        self.retry_after = retry_after
+
+
+class Throttle:
+    """Slows down guessing: after :data:`FREE_FAILURES` wrong tokens, each one makes every
+    try wait, first :data:`FIRST_WAIT`, then twice as long each time, up to
+    :data:`LONGEST_WAIT`. One throttle for the whole console (a guesser has many
+    addresses), for the login form and bearer tokens alike; a right token resets it."""
+
+    def __init__(self) -> None:
+        self._failures = 0
+        self._last = 0.0
+        self._until = 0.0
+
+    def check(self, now: float | None = None) -> None:
+        """Raise :class:`Throttled` while tries must wait."""
+        now = time.monotonic() if now is None else now
+        if now < self._until:
+            raise Throttled(self._until - now)
+
+    def failed(self, now: float | None = None) -> None:
+        """Count a wrong token."""
+        now = time.monotonic() if now is None else now
+        if now - self._last > FORGET_AFTER:
+            self._failures = 0
+        self._failures += 1
+        self._last = now
+        beyond = self._failures - FREE_FAILURES
+        if beyond >= 0:
+            self._until = now + min(FIRST_WAIT * 2**beyond, LONGEST_WAIT)
+
+    def succeeded(self) -> None:
+        """Forget the failures: the right token came."""
+        self._failures = 0
+        self._until = 0.0
 
 
 def check_token(token: object) -> str | None:
@@ -64,6 +135,7 @@ class Guard:
     def __init__(self, token: str | None) -> None:
         self._token = check_token(token)
         self._key = b"" if self._token is None else self._token.encode()
+        self._throttle = Throttle()
 
     @property
     def read_only(self) -> bool:
@@ -80,12 +152,30 @@ class Guard:
             return False
         return hmac.compare_digest(given.strip().encode(), self._token.encode())
 
-    def bearer_ok(self, authorization: str | None) -> bool:
-        """Whether an ``Authorization`` header carries the token as a bearer token."""
+    def log_in(self, given: str, now: float | None = None) -> bool:
+        """Whether ``given`` is the token; a wrong one is counted (see :class:`Throttle`).
+
+        Raises:
+            Throttled: no token is tried now.
+        """
+        self._throttle.check(now)
+        if self.token_matches(given):
+            self._throttle.succeeded()
+            return True
+        self._throttle.failed(now)
+        return False
+
+    def bearer_ok(self, authorization: str | None, now: float | None = None) -> bool:
+        """Whether an ``Authorization`` header carries the token as a bearer token; a
+        wrong one is counted as a wrong login.
+
+        Raises:
+            Throttled: no token is tried now.
+        """
         if self._token is None or not authorization:
             return False
         scheme, _, credentials = authorization.partition(" ")
-        return scheme.lower() == "bearer" and self.token_matches(credentials)
+        return scheme.lower() == "bearer" and self.log_in(credentials, now)
 
     def new_session(self, now: float | None = None) -> str:
         """A login cookie's value: when it was issued, and its HMAC."""
@@ -114,9 +204,10 @@ class Guard:
         )
 
 
-def same_origin(headers: Mapping[str, str]) -> bool:
+def same_origin(headers: Mapping[str, str], hosts: AllowedHosts | None = None) -> bool:
     """Whether a browser's request comes from the console's own pages: the host of its
-    ``Origin`` (else of its ``Referer``) is the one it was sent to.
+    ``Origin`` (else of its ``Referer``) is the one it was sent to, or one of the hosts
+    the console was told (``hosts``: a proxy in front may send its own ``Host``).
 
     The scheme is not compared: behind a proxy that ends TLS the console sees ``http``
     where the browser sent ``https``. A request with neither header is refused: browsers
@@ -124,10 +215,15 @@ def same_origin(headers: Mapping[str, str]) -> bool:
 
     Args:
         headers: the request's headers (lower-case names).
+        hosts: the hosts the console answers to.
     """
     host = headers.get("host")
     source = headers.get("origin") or headers.get("referer")
     if not host or not source or source == "null":
         return False
     parts = urlsplit(source)
-    return bool(parts.scheme) and parts.netloc.lower() == host.lower()
+    if not parts.scheme or not parts.netloc:
+        return False
+    if parts.netloc.lower() == host.lower():
+        return True
+    return hosts is not None and hosts.told(*split_host(parts.netloc))

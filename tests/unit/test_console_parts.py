@@ -16,7 +16,17 @@ from rselection.errors import ConfigError
 from rselection.history import TermRecord
 from rselection.task_runs import RunRecord
 from rselection.web import create_app
-from rselection.web.auth import SESSION_SECONDS, Guard, check_token, same_origin
+from rselection.web.auth import (
+    FREE_FAILURES,
+    LONGEST_WAIT,
+    SESSION_SECONDS,
+    Guard,
+    Throttle,
+    Throttled,
+    check_token,
+    same_origin,
+)
+from rselection.web.hosts import AllowedHosts, split_host
 from rselection.web.paths import href, segments
 from rselection.web.timeline import LABEL_WIDTH, PLOT_WIDTH, layout
 
@@ -93,6 +103,67 @@ def test_only_requests_from_the_consoles_own_host_pass_the_origin_check() -> Non
     assert not same_origin({**host, "origin": "http://127.0.0.1:8781"})
     assert not same_origin({**host, "origin": "null"})
     assert not same_origin(host)  # neither header
+
+
+def test_the_origin_may_be_a_host_the_console_was_told() -> None:
+    proxied = {"host": "127.0.0.1:8780", "origin": "https://ops.example.com"}
+    assert not same_origin(proxied)
+    assert same_origin(proxied, AllowedHosts(["ops.example.com"]))
+    assert not same_origin(proxied, AllowedHosts(["ops.example.com:8443"]))
+    assert not same_origin(proxied, AllowedHosts(["*"]))  # any Host, not any Origin
+
+
+def test_host_headers_are_split_into_name_and_port() -> None:
+    assert split_host("127.0.0.1:8780") == ("127.0.0.1", "8780")
+    assert split_host("[::1]:8780") == ("::1", "8780")
+    assert split_host("[0:0::1]") == ("::1", None)
+    assert split_host("LocalHost.") == ("localhost", None)
+    assert split_host("::1") == ("::1", None)
+
+
+def test_the_console_answers_to_loopback_its_own_address_and_the_hosts_told() -> None:
+    default = AllowedHosts()
+    for host in ("127.0.0.1:8780", "localhost", "[::1]:1", None):
+        assert default.allows(host), host
+    assert default.allows("10.0.0.5:8780", ("10.0.0.5", 8780))  # the address it came in on
+    for host in ("rebound.example", "rebound.example:8780", "127.0.0.1.rebound.example"):
+        assert not default.allows(host, ("127.0.0.1", 8780)), host
+    told = AllowedHosts(["ops.example.com", "other.example:8443"])
+    assert told.allows("ops.example.com") and told.allows("OPS.example.com:443")
+    assert told.allows("other.example:8443") and not told.allows("other.example:80")
+    assert AllowedHosts(["*"]).allows("anything.example")
+    for bad in (["  "], [42], "ops.example.com"):
+        with pytest.raises(ConfigError):
+            AllowedHosts(bad)  # type: ignore[arg-type]
+
+
+def test_wrong_tokens_make_every_try_wait_longer() -> None:
+    throttle = Throttle()
+    for n in range(FREE_FAILURES - 1):
+        throttle.failed(float(n))
+        throttle.check(float(n))
+    waits = []
+    now = 100.0
+    for _ in range(10):
+        throttle.failed(now)
+        with pytest.raises(Throttled) as caught:
+            throttle.check(now)
+        waits.append(caught.value.retry_after)
+        now += caught.value.retry_after
+        throttle.check(now)  # the wait is over
+    assert waits[:3] == [1.0, 2.0, 4.0] and waits[-1] == LONGEST_WAIT
+    throttle.succeeded()
+    throttle.failed(now)
+    throttle.check(now)  # the right token came: failures start again
+
+
+def test_the_guard_counts_wrong_bearer_tokens_as_wrong_logins() -> None:
+    guard = Guard("s3cret")
+    for _ in range(FREE_FAILURES):
+        assert not guard.bearer_ok("Bearer wrong", now=1.0)
+    with pytest.raises(Throttled):
+        guard.log_in("s3cret", now=1.5)
+    assert guard.log_in("s3cret", now=2.5)
 
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)

@@ -82,10 +82,10 @@ def fleet(make: Callable[..., Any], name: str, backend: Backend) -> list[Any]:
     return nodes
 
 
-def app_of(backend: Backend, token: str | None = None) -> Any:
+def app_of(backend: Backend, token: str | None = None, **kw: Any) -> Any:
     if backend.kind == "redis":
-        return create_app(client=backend.url, token=token)
-    return create_app(conninfo=backend.url, token=token)
+        return create_app(client=backend.url, token=token, **kw)
+    return create_app(conninfo=backend.url, token=token, **kw)
 
 
 @pytest.fixture
@@ -285,3 +285,44 @@ def test_pause_trigger_and_resume_through_the_json_routes(
     assert persistent.status_code == 409
     unknown = client.post(lease_url(name, "tasks", "nope", "pause"), headers=bearer)
     assert unknown.status_code == 409
+
+
+def test_a_request_for_another_host_is_refused(backend: Backend) -> None:
+    rebound = {"host": "rebound.example:8780"}  # a site's name made to resolve to loopback
+    with TestClient(app_of(backend, TOKEN)) as client:
+        for path in ("/", "/api/status", "/login", "/static/console.css"):
+            assert client.get(path, headers=rebound).status_code == 400, path
+        login = client.post("/login", data={"token": TOKEN}, headers={**rebound, **ORIGIN})
+        assert login.status_code == 400
+        for host in ("127.0.0.1:8780", "localhost:1234", "LOCALHOST", "[::1]:8780"):
+            assert client.get("/login", headers={"host": host}).status_code == 200, host
+        assert client.get("/login", headers={"host": "ops.example.com"}).status_code == 400
+    # behind a proxy under its own name: that name is allowed, as Host and as Origin
+    told = app_of(backend, TOKEN, allowed_hosts=["ops.example.com"])
+    with TestClient(told) as client:
+        assert client.get("/login", headers={"host": "ops.example.com"}).status_code == 200
+        assert client.get("/login", headers=rebound).status_code == 400
+        proxied = {"host": "127.0.0.1:8780", "origin": "https://ops.example.com"}
+        login = client.post(
+            "/login", data={"token": TOKEN}, headers=proxied, follow_redirects=False
+        )
+        assert login.status_code == 303
+        foreign = {"host": "127.0.0.1:8780", "origin": "https://rebound.example"}
+        assert client.post("/login", data={"token": TOKEN}, headers=foreign).status_code == 403
+
+
+def test_wrong_tokens_are_slowed_down(client: TestClient) -> None:
+    def log_in(token: str) -> int:
+        answer = client.post(
+            "/login", data={"token": token}, headers=ORIGIN, follow_redirects=False
+        )
+        return answer.status_code
+
+    assert [log_in(f"guess-{n}") for n in range(5)] == [401] * 5
+    waiting = client.post("/login", data={"token": "guess-6"}, headers=ORIGIN)
+    assert waiting.status_code == 429 and int(waiting.headers["retry-after"]) >= 1
+    # while it waits no token is tried, not even the right one, nor as a bearer token
+    assert log_in(TOKEN) == 429
+    bearer = {"authorization": f"Bearer {TOKEN}"}
+    assert client.post(lease_url("x", "step-down"), headers=bearer).status_code == 429
+    wait_until(lambda: log_in(TOKEN) == 303, 10, "the login once the wait is over")

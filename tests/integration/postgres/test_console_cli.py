@@ -59,6 +59,7 @@ def test_rselection_web_serves_the_console_and_acts_only_with_the_token(
     token.write_text("\n  op-secret-token \n")
     port = closed_port()
     command = ["web", "--dsn", dsn, "--bind", f"127.0.0.1:{port}", "--token-file", str(token)]
+    command += ["--allow-host", "console.example", "--allow-host", "ops.example:8443"]
     process = subprocess.Popen(
         [sys.executable, "-m", "rselection", *command],
         stdout=subprocess.PIPE,
@@ -72,6 +73,11 @@ def test_rselection_web_serves_the_console_and_acts_only_with_the_token(
         route = f"http://127.0.0.1:{port}/api/leases/none/step-down"
         assert post(route) == 401
         assert post(route, authorization="Bearer op-secret-token") == 409  # no such lease
+        login = f"http://127.0.0.1:{port}/login"
+        for allowed in ("console.example", f"console.example:{port}", "ops.example:8443"):
+            assert get(login, host=allowed)[0] == 200, allowed
+        for refused in ("rebound.example", f"rebound.example:{port}", "ops.example:80"):
+            assert get(login, host=refused)[0] == 400, refused
     finally:
         process.terminate()
         out, err = process.communicate(timeout=20)
