@@ -147,7 +147,9 @@ def build_app(
         said = request.cookies.get(FLASH)
         body = env.get_template(template).render(
             url=lambda *parts: href(root, *parts),
-            here=request.url.path,
+            # This page's own URL, made again from its names: the decoded path would
+            # split a name holding a "/" (and a browser would fold a ".." away).
+            here=href(root, *segments(request.scope)),
             where=console.where,
             read_only=guard.read_only,
             logged_in=session is not None,

@@ -7,11 +7,12 @@ Plain HTTP through Starlette's test client (the browser tests are in
 
 from __future__ import annotations
 
+import html
 import re
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import parse_qs, quote, urlsplit
 
 import pytest
 
@@ -326,3 +327,37 @@ def test_wrong_tokens_are_slowed_down(client: TestClient) -> None:
     bearer = {"authorization": f"Bearer {TOKEN}"}
     assert client.post(lease_url("x", "step-down"), headers=bearer).status_code == 429
     wait_until(lambda: log_in(TOKEN) == 303, 10, "the login once the wait is over")
+
+
+def test_a_lease_pages_own_links_keep_a_name_with_a_slash_whole(
+    make: Callable[..., Any], backend: Backend
+) -> None:
+    lease = f"pollers-{uuid.uuid4().hex[:6]}/0"
+    assert make(lease, "a").wait_until_leader(10)
+    path = "/leases/" + quote(lease, safe="")
+    try:
+        with TestClient(app_of(backend, TOKEN)) as client:
+            anonymous = client.get(path).text
+            login = re.search(r'href="(/login\?next=[^"]*)"', anonymous)
+            assert login is not None
+            assert parse_qs(urlsplit(html.unescape(login.group(1))).query)["next"] == [path]
+            client.post("/login", data={"token": TOKEN}, headers=ORIGIN)
+            page = client.get(path).text
+            windows = re.findall(r'href="([^"]*\?window=\w+)"', page)
+            assert windows and all(html.unescape(w).startswith(path + "?") for w in windows)
+            assert client.get(html.unescape(windows[0])).status_code == 200
+            nexts = set(re.findall(r'name="next" value="([^"]*)"', page))
+            assert {html.unescape(n) for n in nexts} == {path}
+            csrf = re.search(r'name="csrf" value="([0-9a-f]+)"', page)
+            assert csrf is not None
+            done = client.post(
+                lease_url(lease, "tasks", "tick", "trigger"),
+                data={"csrf": csrf.group(1), "next": path},
+                headers=ORIGIN,
+                follow_redirects=False,
+            )
+            assert done.status_code == 303 and done.headers["location"] == path
+            back = client.get(done.headers["location"])
+            assert back.status_code == 200 and "triggered task" in back.text
+    finally:
+        backend.forget(lease)
