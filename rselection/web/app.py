@@ -38,7 +38,7 @@ from ..task_runs import OUTCOMES
 from ..text import iso, printable
 from .auth import COOKIE, SESSION_SECONDS, Guard, Throttled, same_origin
 from .hosts import AllowedHosts, HostCheck
-from .paths import href, segments
+from .paths import NAMES, href, segments
 from .reading import Action, Console
 from .timeline import WINDOW
 
@@ -377,8 +377,8 @@ def build_app(
         Route("/api/status", status),
         Route("/login", login, methods=["GET", "POST"]),
         Route("/logout", logout, methods=["POST"]),
-        Route("/leases/{rest:path}", lease_pages),
-        Route("/api/leases/{rest:path}", lease_api, methods=["GET", "POST"]),
+        Route(f"/leases/{{rest:{NAMES}}}", lease_pages),
+        Route(f"/api/leases/{{rest:{NAMES}}}", lease_api, methods=["GET", "POST"]),
         Mount("/static", StaticFiles(packages=[("rselection.web", "static")]), name="static"),
     ]
     # Every request, the static files' included, is for one of the console's hosts.

@@ -6,7 +6,8 @@ whole (``a/b`` is ``a%2Fb``). Servers decode ``%2F`` into ``/`` in the path they
 on, so the console splits the request's raw path (ASGI ``raw_path``) into segments
 before decoding each: ``/leases/a%2Fb/tasks/t`` is lease ``a/b``, task ``t``. Without a
 raw path (a server that gives none) the decoded path is split, and names with a ``/``
-cannot be told apart there.
+cannot be told apart there. A name may hold any character, a newline too: the routes
+that take names match whatever the path holds (:data:`NAMES`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,27 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote, unquote
 
-__all__ = ["href", "segments"]
+from starlette.convertors import Convertor, register_url_convertor
+
+__all__ = ["NAMES", "href", "segments"]
+
+
+class _Names(Convertor[str]):
+    """The rest of a path, whatever it holds: Starlette's ``path`` stops at a newline."""
+
+    regex = "(?s:.*)"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+NAMES = "rselection_names"
+"""The convertor of the routes that take names: ``/leases/{rest:rselection_names}``."""
+
+register_url_convertor(NAMES, _Names())
 
 
 def segments(scope: Mapping[str, Any]) -> list[str]:

@@ -361,3 +361,44 @@ def test_a_lease_pages_own_links_keep_a_name_with_a_slash_whole(
             assert back.status_code == 200 and "triggered task" in back.text
     finally:
         backend.forget(lease)
+
+
+def test_names_with_control_characters_are_reachable(backend: Backend) -> None:
+    lease = f"line1\nline2\t{uuid.uuid4().hex[:6]}"
+    task = "purge\nold\x1b[31m"
+
+    def handler() -> rs.TaskHandler:
+        tasks = rs.TaskHandler()
+
+        @tasks.interval(3600, name=task)
+        def purge(ctx: rs.TaskContext) -> None:
+            pass
+
+        return tasks
+
+    leaders = [
+        backend.leader(handler(), lease, node_id=node, heartbeat_interval=0.2, **FAST)
+        for node in ("a\n1", "b\r2")
+    ]
+    admin = backend.admin()
+    try:
+        leaders[0].start()
+        assert leaders[0].wait_until_leader(10)
+        leaders[1].start()
+        wait_until(lambda: len(admin.live_nodes(lease) or ()) == 2, 10, "two live nodes")
+        wait_until(lambda: admin.tasks(lease), 10, "the published task")
+        with TestClient(app_of(backend, TOKEN)) as client:
+            bearer = {"authorization": f"Bearer {TOKEN}"}
+            page = "/leases/" + quote(lease, safe="")
+            assert client.get(page).status_code == 200
+            assert client.get(page + "/tasks/" + quote(task, safe="")).status_code == 200
+            assert client.get(lease_url(lease)).json()["lease"]["holder"] == "a\n1"
+            drained = client.post(lease_url(lease, "nodes", "b\r2", "drain"), headers=bearer)
+            assert drained.status_code == 200 and drained.json()["node_id"] == "b\r2"
+            paused = client.post(lease_url(lease, "tasks", task, "pause"), headers=bearer)
+            assert paused.status_code == 200 and paused.json()["paused"]
+    finally:
+        for leader in leaders:
+            leader.stop(timeout=10)
+        admin.close()
+        backend.forget(lease)
