@@ -8,6 +8,11 @@ before decoding each: ``/leases/a%2Fb/tasks/t`` is lease ``a/b``, task ``t``. Wi
 raw path (a server that gives none) the decoded path is split, and names with a ``/``
 cannot be told apart there. A name may hold any character, a newline too: the routes
 that take names match whatever the path holds (:data:`NAMES`).
+
+A browser folds a ``.`` or ``..`` segment away (``/leases/..`` is ``/``), and ``%2E`` with
+it (URLs decode it as a dot), so the names ``.`` and ``..`` are written ``!.`` and
+``!..``: ``quote`` escapes a ``!`` in every name (``%21``), so a segment ``!.`` or ``!..``
+can only be one of these two names.
 """
 
 from __future__ import annotations
@@ -38,6 +43,17 @@ NAMES = "rselection_names"
 
 register_url_convertor(NAMES, _Names())
 
+_DOTS = {".": "!.", "..": "!.."}
+_UNDOTS = {written: name for name, written in _DOTS.items()}
+
+
+def _written(name: str) -> str:
+    return _DOTS.get(name) or quote(name, safe="")
+
+
+def _read(segment: str) -> str:
+    return _UNDOTS.get(segment) or unquote(segment)
+
 
 def segments(scope: Mapping[str, Any]) -> list[str]:
     """The decoded segments of the request's path below the app's mount point.
@@ -60,8 +76,8 @@ def segments(scope: Mapping[str, Any]) -> list[str]:
         for start in range(1, len(parts)):
             tail = parts[start:]
             if unquote("/" + "/".join(tail)) == route:
-                return [unquote(part) for part in tail if part]
-    return [part for part in route.split("/") if part]
+                return [_read(part) for part in tail if part]
+    return [_UNDOTS.get(part, part) for part in route.split("/") if part]
 
 
 def href(root_path: str, *parts: str) -> str:
@@ -69,7 +85,8 @@ def href(root_path: str, *parts: str) -> str:
 
     Args:
         root_path: the app's mount point (ASGI ``root_path``; ``""`` at the top).
-        parts: the segments, names included, each percent-encoded whole.
+        parts: the segments, names included, each percent-encoded whole (``.`` and
+            ``..`` written ``!.`` and ``!..``).
     """
     base = quote(root_path.rstrip("/"), safe="/")
-    return base + "/" + "/".join(quote(part, safe="") for part in parts)
+    return base + "/" + "/".join(_written(part) for part in parts)

@@ -277,6 +277,20 @@ def test_a_hostile_lease_name_is_shown_as_text(
     assert dialogs == []
 
 
+def test_leases_named_dot_and_dot_dot_open_from_their_links(
+    page: Any, console: str, make: Callable[..., Any]
+) -> None:
+    from playwright.sync_api import expect
+
+    for lease in (".", ".."):
+        assert make(lease, "n1").wait_until_leader(10)
+    for lease in (".", ".."):
+        page.goto(console + "/")
+        page.locator(f'tr[data-lease="{lease}"] a').first.click()
+        expect(page.locator("h1.name")).to_have_text(lease)
+        expect(page.locator("#summary .holder")).to_have_text("n1")
+
+
 def test_pause_stops_a_tasks_fires_until_resume_and_trigger_runs_one_fire(
     page: Any, console: str, fleet: list[Any], name: str, admin: PostgresAdmin
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from datetime import UTC, datetime, timedelta
+from urllib.parse import unquote
 
 import pytest
 
@@ -39,6 +40,16 @@ def test_a_name_is_one_segment_of_a_url_and_comes_back_whole(name: str) -> None:
     raw = url.encode("ascii")  # the URL is ASCII: every other character is escaped
     decoded = "/leases/" + name + "/tasks/" + name
     scope = {"path": decoded, "raw_path": raw, "root_path": ""}
+    assert segments(scope) == ["leases", name, "tasks", name]
+
+
+@pytest.mark.parametrize("name", [".", "..", "!.", "!..", "...", "%2E", ".%2e"])
+def test_a_name_of_dots_is_no_dot_segment_and_comes_back_whole(name: str) -> None:
+    url = href("/ops", "leases", name, "tasks", name)
+    # what a browser takes for "." or "..", and folds away (WHATWG URL standard)
+    dots = {".", "..", "%2e", ".%2e", "%2e.", "%2e%2e"}
+    assert not any(part.lower() in dots for part in url.split("/"))
+    scope = {"path": unquote(url), "raw_path": url.encode("ascii"), "root_path": "/ops"}
     assert segments(scope) == ["leases", name, "tasks", name]
 
 
