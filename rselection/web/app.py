@@ -36,7 +36,7 @@ from ..history import END_REASONS
 from ..redaction import redact
 from ..task_runs import OUTCOMES
 from ..text import iso, printable
-from .auth import COOKIE, SESSION_SECONDS, Guard, Throttled, same_origin
+from .auth import SESSION_SECONDS, Guard, Throttled, cookie_name, same_origin
 from .hosts import AllowedHosts, HostCheck
 from .paths import NAMES, href, segments
 from .reading import Action, Console
@@ -138,7 +138,7 @@ def build_app(
     # -- helpers ---------------------------------------------------------------------
 
     def session_of(request: Request) -> str | None:
-        cookie = request.cookies.get(COOKIE)
+        cookie = request.cookies.get(cookie_name(request.headers.get("host")))
         return cookie if guard.session_ok(cookie) else None
 
     def page(request: Request, template: str, code: int = 200, **context: Any) -> Response:
@@ -349,7 +349,7 @@ def build_app(
             return page(request, "login.html", code=401, next=back, failed=True)
         response = RedirectResponse(back, status_code=303, headers=SECURITY_HEADERS)
         response.set_cookie(
-            COOKIE,
+            cookie_name(request.headers.get("host")),
             guard.new_session(),
             max_age=SESSION_SECONDS,
             path=_cookie_path(request),
@@ -363,7 +363,9 @@ def build_app(
         if not same_origin(request.headers, hosts):
             return page(request, "error.html", code=403, message="refused: cross-site logout")
         response = RedirectResponse(href(request.scope.get("root_path", ""), ""), status_code=303)
-        response.delete_cookie(COOKIE, path=_cookie_path(request))
+        name = cookie_name(request.headers.get("host"))
+        guard.end_session(request.cookies.get(name))  # a copy of the cookie ends with it
+        response.delete_cookie(name, path=_cookie_path(request))
         return response
 
     @asynccontextmanager

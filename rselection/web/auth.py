@@ -5,13 +5,15 @@ action (403). With one, an action is allowed to
 
 * a request that carries ``Authorization: Bearer <token>`` (scripts; no cookie is
   involved, so no cross-site check is needed), or
-* a browser logged in on the console's form: its cookie holds a session value derived
-  from the token by HMAC (never the token itself), ``HttpOnly`` and
-  ``SameSite=Strict``; each form it posts carries a CSRF value derived from that
-  session value, and its ``Origin`` (else ``Referer``) must be the console's own.
+* a browser logged in on the console's form: its cookie holds a session id, random and
+  kept by the console in memory (never the token, nothing derived from it),
+  ``HttpOnly`` and ``SameSite=Strict``; each form it posts carries a CSRF value derived
+  from that id, and its ``Origin`` (else ``Referer``) must be the console's own.
 
-Every comparison runs in constant time (:func:`hmac.compare_digest`). A session lasts
-:data:`SESSION_SECONDS`; changing the token ends every session. Wrong tokens are slowed
+Every token comparison runs in constant time (:func:`hmac.compare_digest`). A session
+ends after :data:`SESSION_SECONDS`, after :data:`IDLE_SECONDS` without a request, or at
+log-out: a copy of its cookie is worth nothing then. Sessions live in the process: a
+restart ends them all, and so does changing the token. Wrong tokens are slowed
 down (:class:`Throttle`): after :data:`FREE_FAILURES` of them, no token is tried for a
 while, a while that doubles with each further failure.
 """
@@ -20,8 +22,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError
@@ -30,19 +34,30 @@ from .hosts import AllowedHosts, split_host
 __all__ = [
     "COOKIE",
     "FREE_FAILURES",
+    "IDLE_SECONDS",
+    "MAX_SESSIONS",
     "SESSION_SECONDS",
     "Guard",
+    "Session",
     "Throttle",
     "Throttled",
     "check_token",
+    "cookie_name",
     "same_origin",
 ]
 
 COOKIE = "rselection_console"
-"""The name of the login cookie."""
+"""The login cookie's name, followed by ``_PORT`` when the console is reached on a port
+of its own (see :func:`cookie_name`)."""
 
-SESSION_SECONDS = 12 * 3600
-"""How long a login lasts."""
+SESSION_SECONDS = 8 * 3600
+"""How long a login lasts at most."""
+
+IDLE_SECONDS = 3600
+"""How long a login lasts without a request (an open page refreshes every few seconds)."""
+
+MAX_SESSIONS = 100
+"""Sessions kept at most: one more ends the oldest."""
 
 FREE_FAILURES = 5
 """Wrong tokens tried without a wait; each further one makes the next try wait."""
@@ -125,6 +140,33 @@ def check_token(token: object) -> str | None:
     return stripped
 
 
+def cookie_name(host: str | None) -> str:
+    """The login cookie's name for requests sent to ``Host: host``.
+
+    Browsers send a host's cookies to every port of it: two consoles on two ports of one
+    host would each overwrite the other's cookie under one name, so the port is part of
+    the name (``rselection_console_8780``).
+
+    Args:
+        host: the request's ``Host`` header.
+    """
+    port = split_host(host)[1] if host else None
+    return f"{COOKIE}_{port}" if port and port.isdigit() else COOKIE
+
+
+@dataclass
+class Session:
+    """A browser logged in.
+
+    Attributes:
+        started: when it logged in (``time.monotonic()``).
+        used: when it last sent a request.
+    """
+
+    started: float
+    used: float
+
+
 class Guard:
     """Checks the credentials of the console's actions.
 
@@ -134,8 +176,10 @@ class Guard:
 
     def __init__(self, token: str | None) -> None:
         self._token = check_token(token)
-        self._key = b"" if self._token is None else self._token.encode()
+        self._key = secrets.token_bytes(32)  # the CSRF values': this process's own
         self._throttle = Throttle()
+        # By a hash of the id: a lookup's timing says nothing of the ids kept.
+        self._sessions: dict[str, Session] = {}
 
     @property
     def read_only(self) -> bool:
@@ -178,20 +222,37 @@ class Guard:
         return scheme.lower() == "bearer" and self.log_in(credentials, now)
 
     def new_session(self, now: float | None = None) -> str:
-        """A login cookie's value: when it was issued, and its HMAC."""
-        issued = str(int(time.time() if now is None else now))
-        return f"{issued}.{self._mac('session', issued)}"
+        """A new session: its id, the login cookie's value."""
+        now = time.monotonic() if now is None else now
+        for key, session in list(self._sessions.items()):
+            if not _live(session, now):
+                del self._sessions[key]
+        while len(self._sessions) >= MAX_SESSIONS:
+            oldest = min(self._sessions, key=lambda key: self._sessions[key].started)
+            del self._sessions[oldest]
+        cookie = secrets.token_urlsafe(32)
+        self._sessions[_hashed(cookie)] = Session(started=now, used=now)
+        return cookie
 
     def session_ok(self, cookie: str | None, now: float | None = None) -> bool:
-        """Whether ``cookie`` is a login cookie's value, issued within
-        :data:`SESSION_SECONDS`."""
+        """Whether ``cookie`` is the id of a live session (which this request uses)."""
         if self._token is None or not cookie:
             return False
-        issued, _, mac = cookie.partition(".")
-        if not hmac.compare_digest(mac.encode(), self._mac("session", issued).encode()):
+        now = time.monotonic() if now is None else now
+        key = _hashed(cookie)
+        session = self._sessions.get(key)
+        if session is None:
             return False
-        age = (time.time() if now is None else now) - int(issued)
-        return 0 <= age <= SESSION_SECONDS
+        if not _live(session, now):
+            del self._sessions[key]
+            return False
+        session.used = now
+        return True
+
+    def end_session(self, cookie: str | None) -> None:
+        """End the session ``cookie`` (log-out); an unknown one is ignored."""
+        if cookie:
+            self._sessions.pop(_hashed(cookie), None)
 
     def csrf_for(self, cookie: str) -> str:
         """The CSRF value the forms of a page carry for the session ``cookie``."""
@@ -202,6 +263,14 @@ class Guard:
         return given is not None and hmac.compare_digest(
             given.encode(), self.csrf_for(cookie).encode()
         )
+
+
+def _hashed(cookie: str) -> str:
+    return hashlib.sha256(cookie.encode("utf-8", "replace")).hexdigest()
+
+
+def _live(session: Session, now: float) -> bool:
+    return now - session.started <= SESSION_SECONDS and now - session.used <= IDLE_SECONDS
 
 
 def same_origin(headers: Mapping[str, str], hosts: AllowedHosts | None = None) -> bool:

@@ -19,12 +19,15 @@ from rselection.task_runs import RunRecord
 from rselection.web import create_app
 from rselection.web.auth import (
     FREE_FAILURES,
+    IDLE_SECONDS,
     LONGEST_WAIT,
+    MAX_SESSIONS,
     SESSION_SECONDS,
     Guard,
     Throttle,
     Throttled,
     check_token,
+    cookie_name,
     same_origin,
 )
 from rselection.web.hosts import AllowedHosts, split_host
@@ -84,17 +87,44 @@ def test_a_bearer_token_is_compared_whole() -> None:
     assert not Guard(None).bearer_ok("Bearer anything")
 
 
-def test_a_session_is_derived_from_the_token_and_expires() -> None:
+def test_a_session_is_a_random_id_kept_by_the_console_until_it_ends() -> None:
     guard = Guard("s3cret")
-    now = 1_800_000_000.0
+    now = 1_000.0
     session = guard.new_session(now)
-    assert "s3cret" not in session
-    assert guard.session_ok(session, now + 10)
-    assert not guard.session_ok(session, now + SESSION_SECONDS + 1)
-    assert not Guard("other").session_ok(session, now)  # a new token ends every session
-    issued, _, mac = session.partition(".")
-    assert not guard.session_ok(f"{int(issued) + 1}.{mac}", now)  # a forged issue time
+    assert "s3cret" not in session and len(session) >= 40
+    assert guard.new_session(now) != session
+    assert guard.session_ok(session, now + IDLE_SECONDS - 1)  # used: idle again from here
+    assert guard.session_ok(session, now + 2 * IDLE_SECONDS - 2)
+    assert not guard.session_ok(session, now + 3 * IDLE_SECONDS)  # an hour unused
+    assert not Guard("s3cret").session_ok(guard.new_session(now), now)  # another process's
     assert not guard.session_ok("garbage", now) and not guard.session_ok(None, now)
+
+
+def test_a_session_ends_at_log_out_and_after_its_lifetime_however_used() -> None:
+    guard = Guard("s3cret")
+    session = guard.new_session(0.0)
+    used = 0.0
+    while used + IDLE_SECONDS / 2 <= SESSION_SECONDS:
+        used += IDLE_SECONDS / 2
+        assert guard.session_ok(session, used)
+    assert not guard.session_ok(session, SESSION_SECONDS + 1)
+    other = guard.new_session(0.0)
+    guard.end_session(other)
+    assert not guard.session_ok(other, 1.0)
+    guard.end_session("never-issued")  # ignored
+
+
+def test_the_oldest_sessions_end_when_too_many_are_kept() -> None:
+    guard = Guard("s3cret")
+    sessions = [guard.new_session(float(n)) for n in range(MAX_SESSIONS + 1)]
+    assert not guard.session_ok(sessions[0], MAX_SESSIONS + 1.0)
+    assert guard.session_ok(sessions[-1], MAX_SESSIONS + 1.0)
+
+
+def test_the_login_cookie_is_named_for_the_port() -> None:
+    assert cookie_name("127.0.0.1:8780") == "rselection_console_8780"
+    assert cookie_name("[::1]:8781") == "rselection_console_8781"
+    assert cookie_name("ops.example.com") == cookie_name(None) == "rselection_console"
 
 
 def test_a_form_carries_the_csrf_value_of_its_session() -> None:

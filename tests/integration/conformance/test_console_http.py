@@ -402,3 +402,16 @@ def test_names_with_control_characters_are_reachable(backend: Backend) -> None:
             leader.stop(timeout=10)
         admin.close()
         backend.forget(lease)
+
+
+def test_logging_out_ends_the_session_for_whoever_holds_its_cookie(client: TestClient) -> None:
+    login = client.post("/login", data={"token": TOKEN}, headers=ORIGIN, follow_redirects=False)
+    assert login.status_code == 303
+    (cookie,) = [(k, v) for k, v in client.cookies.items() if k.startswith("rselection_console")]
+    assert "log out" in client.get("/login").text
+    assert client.post("/logout", headers=ORIGIN, follow_redirects=False).status_code == 303
+    with TestClient(client.app) as thief:  # a copy of the cookie, taken before the log-out
+        thief.cookies.set(*cookie)
+        assert "log in to act" in thief.get("/login").text
+        stolen = thief.post(lease_url("nope", "step-down"), data={"csrf": "0"}, headers=ORIGIN)
+        assert stolen.status_code == 401  # not logged in (a live session: 403, stale form)

@@ -9,6 +9,7 @@ import socket
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 
 pytest.importorskip("starlette")
@@ -69,3 +70,18 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(
     # chunked: refused once 64 KiB are read, its end never sent
     streamed = head_of(console, path, transfer_encoding="chunked", **form)
     assert b" 413 " in status_line(console, streamed, chunks(8))
+
+
+def test_two_consoles_on_two_ports_keep_their_own_logins(pg_dsn: str) -> None:
+    """A browser sends a host's cookies to each of its ports: each console's login
+    cookie is its own, and logging in on one leaves the other's alone."""
+    first = create_app(conninfo=pg_dsn, token="first-token")
+    second = create_app(conninfo=pg_dsn, token="second-token")
+    with serve(first) as one, serve(second) as two, httpx.Client(timeout=10) as browser:
+        for base, token in ((one, "first-token"), (two, "second-token")):
+            answer = browser.post(f"{base}/login", data={"token": token}, headers={"origin": base})
+            assert answer.status_code == 303, answer.text
+        for base in (one, two):
+            assert "log out" in browser.get(f"{base}/login").text, base
+        names = {cookie.name for cookie in browser.cookies.jar}
+        assert len({n for n in names if n.startswith("rselection_console")}) == 2
