@@ -430,7 +430,7 @@ async def _body(request: Request) -> dict[str, Any]:
             fields = parse_qs(raw.decode(), keep_blank_values=True)
             return {key: values[-1] for key, values in fields.items()}
         found = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # deep JSON recurses
         raise HttpError(400, "the body is neither a JSON object nor a form") from exc
     if not isinstance(found, dict):
         raise HttpError(400, "the body must be a JSON object")

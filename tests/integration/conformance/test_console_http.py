@@ -415,3 +415,12 @@ def test_logging_out_ends_the_session_for_whoever_holds_its_cookie(client: TestC
         assert "log in to act" in thief.get("/login").text
         stolen = thief.post(lease_url("nope", "step-down"), data={"csrf": "0"}, headers=ORIGIN)
         assert stolen.status_code == 401  # not logged in (a live session: 403, stale form)
+
+
+def test_a_deeply_nested_json_body_is_a_400(client: TestClient) -> None:
+    deep = b"[" * 60_000  # under the size limit; too deep for the parser
+    json_from_here = {"content-type": "application/json", **ORIGIN}
+    assert client.post("/login", content=deep, headers=json_from_here).status_code == 400
+    bearer = {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"}
+    action = client.post(lease_url("x", "step-down"), content=deep, headers=bearer)
+    assert action.status_code == 400 and "JSON" in action.json()["error"]
