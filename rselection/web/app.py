@@ -222,9 +222,9 @@ def build_app(
     async def lease_api(request: Request) -> Response:
         parts = segments(request.scope)[2:]  # below "api/leases"
         try:
-            if request.method == "GET":
-                return await read_api(parts)
-            return await act(request, parts)
+            if request.method == "POST":  # only a POST acts: HEAD reads, as GET does
+                return await act(request, parts)
+            return await read_api(parts)
         except HttpError as exc:
             if _is_form(request):  # a page's form: answer with a page
                 return error_page(request, exc)
@@ -324,7 +324,7 @@ def build_app(
     # -- login -----------------------------------------------------------------------
 
     async def login(request: Request) -> Response:
-        if request.method == "GET":
+        if request.method != "POST":  # GET, or HEAD
             return page(
                 request, "login.html", next=_local(request, request.query_params.get("next"))
             )

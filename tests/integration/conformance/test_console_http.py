@@ -424,3 +424,23 @@ def test_a_deeply_nested_json_body_is_a_400(client: TestClient) -> None:
     bearer = {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"}
     action = client.post(lease_url("x", "step-down"), content=deep, headers=bearer)
     assert action.status_code == 400 and "JSON" in action.json()["error"]
+
+
+def test_head_acts_on_nothing_and_reads_as_get_does(
+    client: TestClient, make: Callable[..., Any], name: str, backend: Backend
+) -> None:
+    assert make(name, "a").wait_until_leader(10)
+    admin = backend.admin()
+    try:
+        wait_until(lambda: admin.tasks(name), 10, "the published tasks")
+        bearer = {"authorization": f"Bearer {TOKEN}"}
+        for route in (lease_url(name, "tasks", "tick", "pause"), lease_url(name, "step-down")):
+            head = client.head(route, headers=bearer)
+            assert head.status_code == client.get(route, headers=bearer).status_code == 404
+        assert not any(task.paused for task in admin.tasks(name))
+        assert holder_of(backend, name) == "a"
+        read = client.head(lease_url(name))
+        assert read.status_code == 200 and read.content == b""
+        assert client.head("/login").status_code == 200
+    finally:
+        admin.close()
