@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Any
-from urllib.parse import parse_qs, quote, unquote
+from urllib.parse import parse_qs, quote
 
 from jinja2 import Environment, PackageLoader, select_autoescape
 from starlette.applications import Starlette
@@ -46,7 +46,6 @@ __all__ = ["build_app"]
 
 logger = logging.getLogger(__name__)
 
-FLASH = "rselection_console_said"
 REFRESH_SECONDS = 5  # the pages' live refresh (the script's; without it, none)
 MAX_BODY = 64 * 1024  # an action's body is a few names
 
@@ -144,7 +143,9 @@ def build_app(
     def page(request: Request, template: str, code: int = 200, **context: Any) -> Response:
         root = request.scope.get("root_path", "")
         session = session_of(request)
-        said = request.cookies.get(FLASH)
+        # The result of the session's last form, kept by the console (a cookie could be
+        # set by a page of another port of this host, and outgrows 4 KiB).
+        said = guard.told(session) if session is not None else None
         body = env.get_template(template).render(
             url=lambda *parts: href(root, *parts),
             # This page's own URL, made again from its names: the decoded path would
@@ -156,14 +157,12 @@ def build_app(
             can_act=session is not None,
             csrf=guard.csrf_for(session) if session is not None else "",
             refresh=REFRESH_SECONDS,
-            said=_flash_text(said),
+            said=said,
             end_reasons=("leading", *END_REASONS),
             outcomes=OUTCOMES,
             **context,
         )
         response = HTMLResponse(body, status_code=code, headers=SECURITY_HEADERS)
-        if said is not None:
-            response.delete_cookie(FLASH, path=_cookie_path(request))
         return response
 
     async def call(function: Callable[..., Any], *args: Any, **kw: Any) -> Any:
@@ -254,7 +253,7 @@ def build_app(
     # -- actions ---------------------------------------------------------------------
 
     async def act(request: Request, parts: list[str]) -> Response:
-        body, browser = await authorised(request)
+        body, session = await authorised(request)
         run: Callable[[], Action]
         if len(parts) == 2 and parts[1] in LEASE_ACTIONS:
             name = parts[0]
@@ -283,22 +282,25 @@ def build_app(
             "console: operator action %s on %s (%s)",
             "/".join(parts[1:]),
             printable(parts[0]),
-            "form" if browser else "bearer token",
+            "form" if session else "bearer token",
         )
-        if browser:
+        if session is not None:  # a page's form: back to the page, which says what happened
             back = _local(request, _text(body.get("next")))
             try:
                 done = await call(run)
             except HttpError as exc:
-                return _flash(request, back, str(exc), "danger")
-            return _flash(request, back, done.message, "ok" if done.ok else "danger")
+                guard.tell(session, "danger", str(exc))
+            else:
+                guard.tell(session, "ok" if done.ok else "danger", done.message)
+            return RedirectResponse(back, status_code=303, headers=SECURITY_HEADERS)
         done = await call(run)
         document = {"ok": done.ok, "message": done.message, **done.document}
         return JSONResponse(document, status_code=200 if done.ok else 409)
 
-    async def authorised(request: Request) -> tuple[dict[str, Any], bool]:
-        """The action's body, and whether a logged-in browser sent it (else a script with
-        the bearer token); raises :class:`HttpError` for anyone else."""
+    async def authorised(request: Request) -> tuple[dict[str, Any], str | None]:
+        """The action's body, and the session of the logged-in browser that sent it
+        (``None``: a script with the bearer token); raises :class:`HttpError` for anyone
+        else."""
         if guard.read_only:
             raise HttpError(
                 403, "this console is read-only: start it with an operator token to act"
@@ -310,7 +312,7 @@ def build_app(
                     raise HttpError(401, "wrong token")
             except Throttled as exc:
                 raise HttpError.throttled(exc) from None
-            return await _body(request), False
+            return await _body(request), None
         cookie = session_of(request)
         if cookie is None:
             raise HttpError(401, "log in first, or send Authorization: Bearer <token>")
@@ -319,7 +321,7 @@ def build_app(
         body = await _body(request)
         if not guard.csrf_ok(cookie, _text(body.get("csrf"))):
             raise HttpError(403, "refused: the form is stale or forged (reload the page)")
-        return body, True
+        return body, cookie
 
     # -- login -----------------------------------------------------------------------
 
@@ -455,25 +457,3 @@ def _local(request: Request, target: str | None) -> str:
     ):
         return target
     return root + "/"
-
-
-def _flash(request: Request, back: str, message: str, level: str) -> Response:
-    """Back to the page the form was on, saying what happened there once."""
-    response = RedirectResponse(back, status_code=303, headers=SECURITY_HEADERS)
-    response.set_cookie(
-        FLASH,
-        quote(f"{level}:{message}"[:1500], safe=""),
-        max_age=60,
-        path=_cookie_path(request),
-        httponly=True,
-        samesite="strict",
-        secure=request.url.scheme == "https",
-    )
-    return response
-
-
-def _flash_text(value: str | None) -> tuple[str, str] | None:
-    if not value:
-        return None
-    level, _, message = unquote(value).partition(":")
-    return (level if level in ("ok", "danger") else "danger"), message

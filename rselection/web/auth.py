@@ -36,6 +36,7 @@ __all__ = [
     "FREE_FAILURES",
     "IDLE_SECONDS",
     "MAX_SESSIONS",
+    "SAID_CHARS",
     "SESSION_SECONDS",
     "Guard",
     "Session",
@@ -58,6 +59,9 @@ IDLE_SECONDS = 3600
 
 MAX_SESSIONS = 100
 """Sessions kept at most: one more ends the oldest."""
+
+SAID_CHARS = 2000
+"""A result message is cut to this many characters (names can be long)."""
 
 FREE_FAILURES = 5
 """Wrong tokens tried without a wait; each further one makes the next try wait."""
@@ -161,10 +165,12 @@ class Session:
     Attributes:
         started: when it logged in (``time.monotonic()``).
         used: when it last sent a request.
+        said: what its last form did, ``(level, message)``, until a page shows it.
     """
 
     started: float
     used: float
+    said: tuple[str, str] | None = None
 
 
 class Guard:
@@ -248,6 +254,27 @@ class Guard:
             return False
         session.used = now
         return True
+
+    def tell(self, cookie: str, level: str, message: str) -> None:
+        """Keep what a form of session ``cookie`` did, for its next page to say once.
+
+        Args:
+            cookie: the session's id.
+            level: ``"ok"`` or ``"danger"``.
+            message: what happened (cut to :data:`SAID_CHARS`).
+        """
+        session = self._sessions.get(_hashed(cookie))
+        if session is not None:
+            cut = message if len(message) <= SAID_CHARS else message[: SAID_CHARS - 1] + "…"
+            session.said = (level, cut)
+
+    def told(self, cookie: str) -> tuple[str, str] | None:
+        """What a form of session ``cookie`` did, once: ``(level, message)`` or ``None``."""
+        session = self._sessions.get(_hashed(cookie))
+        if session is None:
+            return None
+        said, session.said = session.said, None
+        return said
 
     def end_session(self, cookie: str | None) -> None:
         """End the session ``cookie`` (log-out); an unknown one is ignored."""

@@ -22,6 +22,7 @@ from rselection.web.auth import (
     IDLE_SECONDS,
     LONGEST_WAIT,
     MAX_SESSIONS,
+    SAID_CHARS,
     SESSION_SECONDS,
     Guard,
     Throttle,
@@ -119,6 +120,17 @@ def test_the_oldest_sessions_end_when_too_many_are_kept() -> None:
     sessions = [guard.new_session(float(n)) for n in range(MAX_SESSIONS + 1)]
     assert not guard.session_ok(sessions[0], MAX_SESSIONS + 1.0)
     assert guard.session_ok(sessions[-1], MAX_SESSIONS + 1.0)
+
+
+def test_a_session_keeps_its_last_result_message_once_and_cut() -> None:
+    guard = Guard("s3cret")
+    mine, theirs = guard.new_session(), guard.new_session()
+    guard.tell(mine, "ok", "x" * (SAID_CHARS * 3))
+    assert guard.told(theirs) is None
+    said = guard.told(mine)
+    assert said is not None and said[0] == "ok" and len(said[1]) == SAID_CHARS
+    assert guard.told(mine) is None  # said once
+    guard.tell("never-issued", "ok", "lost")  # ignored
 
 
 def test_the_login_cookie_is_named_for_the_port() -> None:

@@ -444,3 +444,52 @@ def test_head_acts_on_nothing_and_reads_as_get_does(
         assert client.head("/login").status_code == 200
     finally:
         admin.close()
+
+
+def test_a_result_message_is_the_consoles_own(client: TestClient) -> None:
+    # a cookie that any page of another port of this host can set
+    forged = quote("ok:the token changed: log in again at http://evil.example", safe="")
+    client.cookies.set("rselection_console_said", forged)
+    page = client.get("/login")
+    assert page.status_code == 200 and "evil.example" not in page.text
+
+
+def test_the_result_of_an_action_on_long_unicode_names_is_shown(
+    client: TestClient, backend: Backend
+) -> None:
+    lease = "\U0001f600" * 240 + uuid.uuid4().hex[:6]  # names of up to 1,000 bytes
+    task = "\U0001f4a5" * 240
+    tasks = rs.TaskHandler()
+
+    @tasks.interval(3600, name=task)
+    def burst(ctx: rs.TaskContext) -> None:
+        pass
+
+    leader = backend.leader(tasks, lease, node_id="a", **FAST)
+    leader.start()
+    path = "/leases/" + quote(lease, safe="")
+    try:
+        assert leader.wait_until_leader(10)
+        admin = backend.admin()
+        try:
+            wait_until(lambda: admin.tasks(lease), 10, "the published task")
+        finally:
+            admin.close()
+        client.post("/login", data={"token": TOKEN}, headers=ORIGIN)
+        csrf = re.search(r'name="csrf" value="([0-9a-f]+)"', client.get(path).text)
+        assert csrf is not None
+        done = client.post(
+            lease_url(lease, "tasks", task, "trigger"),
+            data={"csrf": csrf.group(1), "next": path},
+            headers=ORIGIN,
+            follow_redirects=False,
+        )
+        assert done.status_code == 303
+        # browsers drop a cookie over 4 KiB, and the message with it
+        assert all(len(c) < 4096 for c in done.headers.get_list("set-cookie"))
+        back = client.get(done.headers["location"])
+        said = re.search(r'<p class="said ok"[^>]*>(.*?)</p>', back.text, re.S)
+        assert said is not None and "triggered task" in said.group(1)
+    finally:
+        leader.stop(timeout=10)
+        backend.forget(lease)
