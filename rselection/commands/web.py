@@ -104,16 +104,20 @@ def is_loopback(host: str) -> bool:
 
 
 def read_token(path: str) -> str:
-    """The operator token in the file ``path``, its surrounding whitespace stripped.
+    """The operator token in the file ``path``, its surrounding whitespace (and a byte
+    order mark) stripped.
 
     Args:
         path: the token file.
 
     Raises:
-        UsageError: the file cannot be read, or holds nothing but whitespace.
+        UsageError: the file cannot be read, holds nothing but whitespace, or holds a
+            token that is not printable ASCII.
     """
+    from ..web.auth import check_token
+
     try:
-        token = Path(path).read_text(encoding="utf-8").strip()
+        token = Path(path).read_text(encoding="utf-8-sig").strip()
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"cannot read --token-file {path!r}: {exc.__class__.__name__}") from None
     if not token:
@@ -121,7 +125,10 @@ def read_token(path: str) -> str:
             f"--token-file {path!r} is empty: write the operator token in it, or leave "
             "--token-file out for a read-only console"
         )
-    return token
+    try:
+        return check_token(token) or token
+    except ConfigError as exc:
+        raise UsageError(f"--token-file {path!r}: {exc}") from None
 
 
 def _admin(args: argparse.Namespace) -> LeaseAdmin:
@@ -156,16 +163,17 @@ def run(args: argparse.Namespace) -> int:
         args: the parsed ``web`` command line.
     """
     host, port = parse_bind(args.bind)
-    token = None if args.token_file is None else read_token(args.token_file)
     try:
         import uvicorn
 
         from ..web import create_app
+        from ..web.app import build_app  # noqa: F401 (Starlette and Jinja2 are there)
     except ImportError as exc:
         raise UsageError(
             f"the console needs the web extra ({exc.name} is missing): "
             "pip install 'rselection[web]'"
         ) from None
+    token = None if args.token_file is None else read_token(args.token_file)
     try:
         admin = _admin(args)
     except Unreachable as exc:

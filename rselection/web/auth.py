@@ -124,22 +124,31 @@ class Throttle:
 
 
 def check_token(token: object) -> str | None:
-    """``token`` with its surrounding whitespace stripped; ``None`` stays ``None``.
+    """``token`` with its surrounding whitespace (and a byte order mark) stripped;
+    ``None`` stays ``None``.
 
     Args:
         token: the operator token, or ``None`` for a read-only console.
 
     Raises:
-        ConfigError: not a string, or blank.
+        ConfigError: not a string, blank, or not printable ASCII.
     """
     if token is None:
         return None
     if not isinstance(token, str):
         raise ConfigError(f"token must be a str or None, got {type(token).__name__}")
-    stripped = token.strip()
+    # A byte order mark (some editors begin a file with one) is no part of the token.
+    stripped = token.strip().lstrip("\ufeff").strip()
     if not stripped:
         raise ConfigError(
             "token is blank: give the operator token, or None for a read-only console"
+        )
+    if not all(" " <= c <= "~" for c in stripped):
+        # An HTTP header carries ASCII only: such a token would work in the login form
+        # and never as a bearer token.
+        raise ConfigError(
+            "token must be printable ASCII (letters, digits, punctuation, spaces), such "
+            "as the output of `openssl rand -hex 24`"
         )
     return stripped
 

@@ -74,10 +74,20 @@ def test_without_a_raw_path_the_decoded_path_is_split() -> None:
 
 def test_the_token_is_stripped_and_a_blank_one_refused() -> None:
     assert check_token("  s3cret\n") == "s3cret"
+    assert check_token("\ufeffs3cret\r\n") == "s3cret"  # a byte order mark is no token
     assert check_token(None) is None
-    for bad in ("", "  \n", 42):
+    for bad in ("", "  \n", "\ufeff", 42):
         with pytest.raises(ConfigError):
             check_token(bad)
+
+
+def test_a_token_that_is_not_printable_ascii_is_refused() -> None:
+    for bad in ("tökén", "s3cret\x00", "a\tb", "\uff53\uff13cret"):
+        with pytest.raises(ConfigError, match="printable ASCII"):
+            check_token(bad)
+    assert check_token("a b~!") == "a b~!"
+    with pytest.raises(ConfigError, match="printable ASCII"):
+        create_app(conninfo="postgresql://x", token="tökén")
 
 
 def test_a_bearer_token_is_compared_whole() -> None:
@@ -311,6 +321,11 @@ def test_the_token_file_is_stripped_and_an_empty_one_refused(tmp_path: object) -
     folder = Path(str(tmp_path))
     (folder / "token").write_text("  s3cret \n")
     assert read_token(str(folder / "token")) == "s3cret"
+    (folder / "bom").write_bytes("\ufeffs3cret\n".encode())
+    assert read_token(str(folder / "bom")) == "s3cret"
+    (folder / "accented").write_text("tökén", encoding="utf-8")
+    with pytest.raises(UsageError, match="printable ASCII"):
+        read_token(str(folder / "accented"))
     (folder / "empty").write_text(" \n\t")
     with pytest.raises(UsageError, match="is empty"):
         read_token(str(folder / "empty"))

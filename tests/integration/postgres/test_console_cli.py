@@ -92,6 +92,33 @@ def test_an_empty_token_file_is_refused(pg_dsn: str, tmp_path: Path) -> None:
     assert done.returncode == 2 and "is empty" in done.stderr
 
 
+def test_a_token_file_with_a_bom_works_and_a_non_ascii_token_is_refused(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    assert cli("migrate", "--dsn", pg_dsn).returncode == 0
+    bom = tmp_path / "bom"
+    bom.write_bytes("\ufeffop-token\r\n".encode())  # as some editors save it
+    port = closed_port()
+    command = ["web", "--dsn", pg_dsn, "--bind", f"127.0.0.1:{port}", "--token-file", str(bom)]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rselection", *command],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        started(port, process)
+        route = f"http://127.0.0.1:{port}/api/leases/none/step-down"
+        assert post(route, authorization="Bearer op-token") == 409  # no such lease
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+    accented = tmp_path / "accented"
+    accented.write_text("tökén\n", encoding="utf-8")  # no bearer header can carry it
+    done = cli("web", "--dsn", pg_dsn, "--token-file", str(accented), timeout=30)
+    assert done.returncode == 2 and "printable ASCII" in done.stderr
+
+
 def test_a_missing_web_extra_says_what_to_install(pg_dsn: str) -> None:
     hide = "import sys; sys.modules['uvicorn'] = None; from rselection.cli import main; "
     done = subprocess.run(
