@@ -12,6 +12,7 @@ worker thread, never on the event loop.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -37,6 +38,7 @@ from ..redaction import redact
 from ..task_runs import OUTCOMES
 from ..text import iso, printable
 from .auth import SESSION_SECONDS, Guard, Throttled, cookie_name, same_origin
+from .calls import Calls, NotAnswering
 from .hosts import AllowedHosts, HostCheck
 from .paths import NAMES, href, segments
 from .reading import Action, Console
@@ -127,6 +129,7 @@ def build_app(
             machine's loopback names and the address a request came in on.
     """
     console = Console(admin)
+    calls = Calls()
     guard = Guard(token)
     hosts = allowed_hosts or AllowedHosts()
     env = _templates()
@@ -165,10 +168,17 @@ def build_app(
         response = HTMLResponse(body, status_code=code, headers=SECURITY_HEADERS)
         return response
 
-    async def call(function: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        """Run a blocking admin call in a worker thread; its errors become answers."""
+    async def call(
+        function: Callable[..., Any], *args: Any, action: bool = False, **kw: Any
+    ) -> Any:
+        """Run a blocking admin call in a thread (see :mod:`.calls`); its errors become
+        answers."""
+        bound = calls.action_timeout if action else calls.read_timeout
         try:
-            return await run_in_threadpool(function, *args, **kw)
+            return await calls.run(functools.partial(function, *args, **kw), timeout=bound)
+        except NotAnswering as exc:
+            said = f"{exc} (the action may still be carried out)" if action else str(exc)
+            raise HttpError(503, said) from exc
         except Refused as exc:
             raise HttpError(409, shown(str(exc))) from exc
         except ConfigError as exc:
@@ -287,13 +297,13 @@ def build_app(
         if session is not None:  # a page's form: back to the page, which says what happened
             back = _local(request, _text(body.get("next")))
             try:
-                done = await call(run)
+                done = await call(run, action=True)
             except HttpError as exc:
                 guard.tell(session, "danger", str(exc))
             else:
                 guard.tell(session, "ok" if done.ok else "danger", done.message)
             return RedirectResponse(back, status_code=303, headers=SECURITY_HEADERS)
-        done = await call(run)
+        done = await call(run, action=True)
         document = {"ok": done.ok, "message": done.message, **done.document}
         return JSONResponse(document, status_code=200 if done.ok else 409)
 
@@ -389,6 +399,7 @@ def build_app(
     middleware = [Middleware(HostCheck, hosts=hosts)]
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
     app.state.console = console
+    app.state.calls = calls
     return app
 
 

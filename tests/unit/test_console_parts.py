@@ -3,7 +3,9 @@ layout and the ``rselection web`` command line's checks."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import threading
 from datetime import UTC, datetime, timedelta
 from urllib.parse import unquote
 
@@ -11,6 +13,7 @@ import pytest
 
 pytest.importorskip("starlette")
 
+from rselection.admin import Refused
 from rselection.commands.output import UsageError
 from rselection.commands.web import is_loopback, parse_bind, read_token
 from rselection.errors import ConfigError
@@ -31,6 +34,7 @@ from rselection.web.auth import (
     cookie_name,
     same_origin,
 )
+from rselection.web.calls import Calls, NotAnswering
 from rselection.web.hosts import AllowedHosts, split_host
 from rselection.web.paths import href, segments
 from rselection.web.timeline import LABEL_WIDTH, PLOT_WIDTH, layout
@@ -229,6 +233,40 @@ def test_the_guard_counts_wrong_bearer_tokens_as_wrong_logins() -> None:
     assert guard.log_in("s3cret", now=2.5)
 
 
+def test_admin_calls_run_a_few_at_a_time_and_are_waited_for_only_so_long() -> None:
+    calls = Calls(slots=2)
+    release = threading.Event()
+
+    def stuck() -> str:
+        release.wait(10)
+        return "late"
+
+    def fails() -> None:
+        raise Refused("no such lease")
+
+    async def scenario() -> None:
+        assert await calls.run(lambda: 42, timeout=5) == 42
+        with pytest.raises(Refused):
+            await calls.run(fails, timeout=5)
+        for _ in range(2):
+            with pytest.raises(NotAnswering, match="no answer within"):
+                await calls.run(stuck, timeout=0.05)
+        with pytest.raises(NotAnswering, match="2 calls to it are still waiting"):
+            await calls.run(lambda: 42, timeout=5)  # refused at once: no slot is free
+        release.set()  # the stuck calls return, and free their slots
+        deadline = asyncio.get_running_loop().time() + 10
+        while True:
+            try:
+                assert await calls.run(lambda: 42, timeout=5) == 42
+                return
+            except NotAnswering:
+                assert asyncio.get_running_loop().time() < deadline, "the slots stay taken"
+                await asyncio.sleep(0.01)
+
+    asyncio.run(scenario())
+
+
+NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
 

@@ -6,14 +6,18 @@ the ports of a host, a database that stops answering while the pages keep answer
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import httpx
+import psycopg
 import pytest
 
 pytest.importorskip("starlette")
 
+from rselection.postgres import migrate
 from rselection.web import create_app
 from tests.support.console import serve
 
@@ -85,3 +89,31 @@ def test_two_consoles_on_two_ports_keep_their_own_logins(pg_dsn: str) -> None:
             assert "log out" in browser.get(f"{base}/login").text, base
         names = {cookie.name for cookie in browser.cookies.jar}
         assert len({n for n in names if n.startswith("rselection_console")}) == 2
+
+
+def test_a_database_that_stops_answering_leaves_the_console_answering(pg_dsn: str) -> None:
+    """Reads the database does not answer get a quick 503; they keep the console's few
+    slots for admin calls until they return, so the next read is refused at once; the
+    pages that need no database (the login form, the static files) keep answering."""
+    migrate(pg_dsn)
+    app = create_app(conninfo=pg_dsn, token=TOKEN)
+    calls = app.state.calls
+    calls.read_timeout = 1.0  # 10 s by default: less waiting for the test
+    with serve(app) as base, psycopg.connect(pg_dsn) as locker:
+        # the lease table locked in an open transaction: every read of it waits
+        locker.execute("LOCK TABLE rselection_leases IN ACCESS EXCLUSIVE MODE")
+        began = time.monotonic()
+        with ThreadPoolExecutor(calls.slots) as pool:
+            slow = list(
+                pool.map(lambda _: httpx.get(f"{base}/api/status", timeout=60), range(calls.slots))
+            )
+        took = time.monotonic() - began
+        assert [answer.status_code for answer in slow] == [503] * calls.slots
+        assert all("not answering" in answer.json()["error"] for answer in slow)
+        assert took < 5 * calls.read_timeout, took
+        refused = httpx.get(f"{base}/", timeout=60)
+        assert refused.status_code == 503 and "still waiting" in refused.text
+        for path in ("/login", "/static/console.css", "/static/console.js"):
+            began = time.monotonic()
+            assert httpx.get(f"{base}{path}", timeout=60).status_code == 200, path
+            assert time.monotonic() - began < ANSWER_WITHIN, path
