@@ -23,6 +23,7 @@ from typing import Any
 from urllib.parse import parse_qs, quote
 
 from jinja2 import Environment, PackageLoader, select_autoescape
+from markupsafe import Markup, escape
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
@@ -91,13 +92,25 @@ def _templates() -> Environment:
         # Every template is HTML (the timeline's SVG is inline HTML): every value is
         # escaped, in text and in attributes.
         autoescape=select_autoescape(default=True, default_for_string=True),
+        finalize=_shown,
         trim_blocks=True,
         lstrip_blocks=True,
     )
+    env.filters["exact"] = escape  # Markup: written as it is, not made printable
     env.filters["iso"] = iso
     env.filters["ago"] = _ago
     env.filters["clock"] = lambda value: "-" if value is None else value.strftime("%H:%M:%S")
     return env
+
+
+def _shown(value: Any) -> Any:
+    """Every value a template writes, as people should see it: a name's bidirectional
+    overrides, zero-width and control characters as escapes (:func:`printable`), so no
+    name can pass for another. Markup (a macro's output, a form's ``exact`` value) is
+    written as it is; URLs are ASCII already."""
+    if isinstance(value, str) and not isinstance(value, Markup):
+        return printable(value)
+    return value
 
 
 def _ago(seconds: float | None) -> str:
@@ -223,6 +236,8 @@ def build_app(
                 return page(request, "shards.html", grid=grid)
             if len(parts) == 3 and parts[1] == "tasks":
                 task = await call(console.task, parts[0], parts[2])
+                if task is None:
+                    raise HttpError(404, f"no lease {parts[0]!r} in {console.where}")
                 return page(request, "task.html", task=task)
         except HttpError as exc:
             return error_page(request, exc)
@@ -256,6 +271,8 @@ def build_app(
             return JSONResponse(document, headers=SECURITY_HEADERS)
         if len(parts) == 3 and parts[1] == "tasks":
             task = await call(console.task, parts[0], parts[2])
+            if task is None:
+                raise HttpError(404, f"no lease {parts[0]!r} in {console.where}")
             runs = {"runs": [r.as_json() for r in task.runs]}
             return JSONResponse(runs, headers=SECURITY_HEADERS)
         raise HttpError(404, "no such route")

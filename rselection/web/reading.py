@@ -375,8 +375,9 @@ class Console:
                     owners[shard] = node
         return ShardsPage(name, now, entry["shards"], owners, list(entry["nodes"]))
 
-    def task(self, name: str, task: str, *, limit: int = RUN_HISTORY_LIMIT) -> TaskPage:
-        """Task ``task`` of lease ``name``: as published, and its run history.
+    def task(self, name: str, task: str, *, limit: int = RUN_HISTORY_LIMIT) -> TaskPage | None:
+        """Task ``task`` of lease ``name``: as published, and its run history; ``None``
+        when there is no such lease.
 
         Args:
             name: the lease name.
@@ -384,9 +385,11 @@ class Console:
             limit: how many runs to read.
 
         Raises:
-            Refused: no such lease, or no such task.
+            Refused: no such task.
         """
         name = check_name(name, "lease name")
+        if not self.admin.exists(name):
+            return None
         tasks, note = self._tasks(name)
         info = next((t for t in tasks or () if t.task == task), None)
         try:

@@ -493,3 +493,53 @@ def test_the_result_of_an_action_on_long_unicode_names_is_shown(
     finally:
         leader.stop(timeout=10)
         backend.forget(lease)
+
+
+def test_invisible_and_bidi_characters_of_names_are_shown_as_escapes(
+    make: Callable[..., Any], backend: Backend
+) -> None:
+    # shown raw, "exe.txt" with U+202E before it reads "txt.exe"; U+200B is invisible
+    lease = f"report\u202eexe.txt\u200b-{uuid.uuid4().hex[:6]}"
+    first, second = "n\u200d1", "n\u200d2"
+    assert make(lease, first).wait_until_leader(10)
+    make(lease, second)
+    admin = backend.admin()
+    try:
+        wait_until(lambda: len(admin.live_nodes(lease) or ()) == 2, 10, "two live nodes")
+        with TestClient(app_of(backend, TOKEN)) as client:
+            client.post("/login", data={"token": TOKEN}, headers=ORIGIN)
+            path = "/leases/" + quote(lease, safe="")
+            for url in ("/", path):
+                page = client.get(url)
+                assert page.status_code == 200, url
+                shown = re.sub(r'value="[^"]*"', "", page.text)  # form values stay exact
+                for hidden in ("\u202e", "\u200b", "\u200d"):
+                    assert hidden not in shown, (url, hidden)
+                assert "report\\u202eexe.txt\\u200b" in shown
+            assert "n\\u200d1" in shown and "n\\u200d2" in shown  # the lease page's nodes
+            # the handover form names the node exactly
+            option = re.search(r'<option value="([^"]*)">', page.text)
+            csrf = re.search(r'name="csrf" value="([0-9a-f]+)"', page.text)
+            assert option is not None and html.unescape(option.group(1)) == second
+            assert csrf is not None
+            done = client.post(
+                lease_url(lease, "handover"),
+                data={"csrf": csrf.group(1), "to": html.unescape(option.group(1)), "next": path},
+                headers=ORIGIN,
+                follow_redirects=False,
+            )
+            assert done.status_code == 303
+            assert holder_of(backend, lease) == second
+    finally:
+        admin.close()
+        backend.forget(lease)
+
+
+def test_the_tasks_of_a_lease_that_does_not_exist_are_a_404(
+    client: TestClient, make: Callable[..., Any], name: str
+) -> None:
+    assert make(name, "a").wait_until_leader(10)  # a lease beside it: the tables exist
+    missing = quote(f"{name}-missing", safe="")
+    assert client.get(f"/leases/{quote(name, safe='')}/tasks/tick").status_code == 200
+    assert client.get(f"/leases/{missing}/tasks/t").status_code == 404
+    assert client.get(f"/api/leases/{missing}/tasks/t").status_code == 404
