@@ -7,8 +7,8 @@ Run it with an interpreter that has the ``dev`` extra (``build``, ``twine``,
 
 1. ``python -m build``: the sdist, then the wheel built from the sdist.
 2. ``twine check --strict`` on both.
-3. The wheel holds ``rselection/py.typed`` and the ``rselection`` command, no tests, and
-   only classifiers PyPI knows.
+3. The wheel holds ``rselection/py.typed``, the console's templates and static files, and
+   the ``rselection`` command, no tests, and only classifiers PyPI knows.
 4. A fresh virtual environment with the wheel alone (psycopg over the system libpq; the
    ``binary`` extra only where this machine has no libpq), used from an empty directory
    so nothing can be imported from the checkout: ``rselection --help``,
@@ -50,6 +50,15 @@ from tests.support.pg import (  # noqa: E402  (the checkout's test support, foun
 )
 
 COMMAND_TIMEOUT = 300.0  # seconds for any one command (a pip install that has to download)
+
+
+CONSOLE_FILES = (
+    "rselection/web/templates/base.html",
+    "rselection/web/templates/lease.html",
+    "rselection/web/static/console.css",
+    "rselection/web/static/console.js",
+)
+"""Package data the console cannot serve a page without (``rselection web``)."""
 
 
 class CheckFailed(Exception):
@@ -164,6 +173,9 @@ def check_wheel(wheel: Path) -> None:
         problems.append(f"classifiers PyPI would refuse: {unknown}")
     if "rselection/py.typed" not in names:
         problems.append("no rselection/py.typed")
+    console = [n for n in CONSOLE_FILES if n not in names]
+    if console:
+        problems.append(f"the console's files are missing: {console}")
     tests = [n for n in names if n.split("/")[0] in ("tests", "examples", "bench")]
     if tests:
         problems.append(f"tests or examples inside: {tests[:5]}")
@@ -172,7 +184,8 @@ def check_wheel(wheel: Path) -> None:
     if problems:
         raise CheckFailed(f"{wheel.name}: " + "; ".join(problems))
     print(
-        f"{wheel.name}: {len(names)} files, py.typed, the rselection command, no tests, "
+        f"{wheel.name}: {len(names)} files, py.typed, the console's templates and static "
+        "files, the rselection command, no tests, "
         f"{len(classifiers)} known classifiers"
     )
 

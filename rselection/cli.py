@@ -4,8 +4,8 @@ Each subcommand is a module of :mod:`rselection.commands` with its own ``add_par
 and ``run``: ``status`` (leases, handover requests, nodes, last fires), ``migrate``
 (create or upgrade the tables), ``resign`` (ask the leader to hand over), ``drain`` and
 ``undrain`` (make a node ineligible, or eligible again), ``task`` (pause, resume or
-trigger a task; its run history), ``forget`` (retire a lease no service uses any more)
-and ``demo``. The database comes from
+trigger a task; its run history), ``forget`` (retire a lease no service uses any more),
+``demo`` and ``web`` (the operator's console). The database comes from
 ``--dsn``, else ``$RSELECTION_DSN``, else the libpq ``PG*`` variables (``PGHOST``,
 ``PGPORT``, ``PGDATABASE``, ``PGUSER``, ``PGPASSWORD``, ``PGSERVICE``, ...). Passwords are
 never printed, however the connection string is spelled; a password given on the
@@ -24,13 +24,13 @@ import argparse
 import json
 from typing import NoReturn
 
-from .commands import demo, drain, forget, history, migrate, resign, status, task, undrain
+from .commands import demo, drain, forget, history, migrate, resign, status, task, undrain, web
 from .commands.connections import warn_of_passwords
 from .commands.output import EXIT_USAGE, UsageError, printable, say
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main"]
 
-SUBCOMMANDS = (status, history, migrate, resign, drain, undrain, task, forget, demo)
+SUBCOMMANDS = (status, history, migrate, resign, drain, undrain, task, forget, demo, web)
 """The subcommand modules, in the order ``rselection --help`` lists them."""
 
 

@@ -1,4 +1,5 @@
-"""Text for people: :func:`printable` writes as escapes what a terminal could act on.
+"""Text for people: :func:`printable` writes as escapes what a terminal could act on;
+:func:`iso` writes a time as RFC 3339 in UTC.
 
 Lease names, node ids and hostnames are anyone's text; a message that quotes one (an
 error, a line of the command line) must never set a window title, hide text or move
@@ -7,7 +8,16 @@ the cursor of the terminal it ends up on.
 
 from __future__ import annotations
 
-__all__ = ["printable"]
+from datetime import UTC, datetime
+
+__all__ = ["iso", "printable"]
+
+
+def iso(value: datetime | None) -> str | None:
+    """``value`` as RFC 3339 in UTC with a ``Z`` (``None`` stays ``None``)."""
+    if value is None:
+        return None
+    return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
 def printable(text: str, *, lines: bool = False) -> str:

@@ -278,12 +278,13 @@ def redis_admin(args: argparse.Namespace, node_timeout: float = 30.0) -> RedisAd
         raise UsageError(str(exc)) from None
 
 
-def postgres_admin(conn: psycopg.Connection[Any], args: argparse.Namespace) -> PostgresAdmin:
+def postgres_admin(conn: psycopg.Connection[Any] | str, args: argparse.Namespace) -> PostgresAdmin:
     """The admin of the lease table ``--table`` (and ``--nodes-table``, ``--claims-table``
     and ``--node-timeout`` where the command has them), on ``conn``.
 
     Args:
-        conn: the command's connection.
+        conn: the command's connection, or a connection string (a connection of the
+            admin's own, opened when first needed: ``rselection web``).
         args: the parsed command line.
 
     Raises:

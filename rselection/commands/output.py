@@ -10,9 +10,8 @@ printed as JSON, whose strings escape such characters themselves.
 from __future__ import annotations
 
 import sys
-from datetime import UTC, datetime
 
-from ..text import printable
+from ..text import iso, printable
 
 __all__ = [
     "EXIT_NO_LEADER",
@@ -48,13 +47,6 @@ EXIT_UNREACHABLE = 3
 class UsageError(Exception):
     """The command line cannot be used as given (exit code 2); the message says how to fix
     it and never quotes a connection string."""
-
-
-def iso(value: datetime | None) -> str | None:
-    """``value`` as RFC 3339 in UTC with a ``Z`` (``None`` stays ``None``)."""
-    if value is None:
-        return None
-    return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
 def ago(seconds: float | None) -> str:

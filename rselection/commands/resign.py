@@ -1,20 +1,20 @@
 """``rselection resign``: ask a lease's leader to hand over; wait for the new term.
 
 The backend's admin API does the asking and the waiting (``request_handover``,
-``watch_terms``); this module checks the command line against the lease and its nodes
-and says what happened.
+``watch_terms``), through :mod:`rselection.resigning` (which the console shares); this
+module names the lease's backend in its messages and says what happened.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..admin import Refused
 from ..errors import ConfigError
 from ..redaction import redact
+from ..resigning import check_handover, hand_over
 from .connections import act_on_lease, describe
 from .options import add_lease_options, lease_name, subcommand
 from .output import EXIT_REFUSED, UsageError, printable, say
@@ -112,7 +112,8 @@ def _checked_hand_over(
     not_live: str,
     shown: Callable[[str], str],
 ) -> int:
-    """Check the lease, its holder and ``--to`` against the live nodes, then hand over.
+    """Check the lease, its holder and ``--to`` against the live nodes, then hand over
+    (see :func:`rselection.resigning.check_handover`).
 
     Args:
         admin: the backend's admin API.
@@ -125,64 +126,25 @@ def _checked_hand_over(
         not_live: why a node that is not live does not count as one.
         shown: makes a server's message fit to show.
     """
-    name = args.name
-    holder = admin.current_holder(name)
-    if holder is None:
-        say(
-            missing
-            if not admin.exists(name)
-            else f"lease {name!r} has no leader: nothing to hand over",
-            err=True,
+    try:
+        checked = check_handover(
+            admin,
+            args.name,
+            args.to,
+            missing=missing,
+            alive=alive,
+            unchecked=unchecked,
+            not_live=not_live,
         )
+    except Refused as exc:
+        say(shown(str(exc)), err=True)
         return EXIT_REFUSED
-    nodes, tracked = alive()
-    ineligible = admin.ineligible(name)
-    if nodes is not None:
-        nodes = [node for node in nodes if node not in ineligible]
-    if args.to is not None:
-        if args.to == holder.node_id:
-            say(f"{printable(args.to)} already leads {name!r} (term {holder.term})")
-            return 0
-        if args.to in ineligible:
-            why = (
-                "it is drained (`rselection undrain` makes it eligible again)"
-                if args.to in admin.drained(name)
-                else "it was started with eligible=False"
-            )
-            say(
-                f"{printable(args.to)} may not lead {name!r}: {why}; hand over to another node",
-                err=True,
-            )
-            return 1
-        cannot = f"cannot check that {printable(args.to)} is a live node"
-        if nodes is None and unchecked is not None:
-            say(f"{cannot}: {unchecked}", err=True)
-            return 1
-        if nodes is None:
-            say(
-                f"{cannot} (PUBSUB CHANNELS is not allowed); asking anyway: if it is not "
-                "running, no node takes over until --timeout",
-                err=True,
-            )
-        elif args.to not in nodes:
-            others = ", ".join(printable(n) for n in nodes if n != holder.node_id) or "none"
-            say(
-                f"{printable(args.to)} is not a live node of lease {name!r} ({not_live}); "
-                f"live followers: {others}",
-                err=True,
-            )
-            return 1
-    elif tracked and not [n for n in nodes or [] if n != holder.node_id]:
-        say(_nobody_else(name, holder), err=True)
-        return 1
+    if checked.already:
+        say(f"{printable(args.to)} already leads {args.name!r} (term {checked.holder.term})")
+        return 0
+    if checked.warning is not None:
+        say(checked.warning, err=True)
     return _hand_over(admin, args, shown)
-
-
-def _nobody_else(name: str, holder: LeaderInfo) -> str:
-    return (
-        f"no other live node of lease {name!r} that may lead to hand over to "
-        f"({printable(holder.node_id)} leads term {holder.term}); start another node first"
-    )
 
 
 def _hand_over(admin: LeaseAdmin, args: argparse.Namespace, shown: Callable[[str], str]) -> int:
@@ -197,37 +159,33 @@ def _hand_over(admin: LeaseAdmin, args: argparse.Namespace, shown: Callable[[str
         BackendUnavailable: the server failed.
     """
     name = args.name
-    with admin.watch_terms(name) as watch:
-        asked_at = time.monotonic()
-        try:
-            asked = admin.request_handover(name, to=args.to, valid_for=args.timeout)
-        except (ConfigError, Refused) as exc:
-            say(shown(str(exc)), err=True)
-            return 1
-        if asked is None:
-            say(f"lease {name!r} has no leader: nothing to hand over", err=True)
-            return 1
+
+    def said(holder: LeaderInfo) -> None:
         say(
-            f"asked {printable(asked.node_id)} to hand {name!r} over (term {asked.term}"
+            f"asked {printable(holder.node_id)} to hand {name!r} over (term {holder.term}"
             + (f", to {printable(args.to)}" if args.to else "")
             + ")",
         )
-        new = watch.wait(asked.term, asked_at + args.timeout - time.monotonic())
-        took = time.monotonic() - asked_at
+
+    try:
+        done = hand_over(admin, name, to=args.to, timeout=args.timeout, asked=said)
+    except (ConfigError, Refused) as exc:
+        say(shown(str(exc)), err=True)
+        return EXIT_REFUSED
+    new = done.new
     if new is None:
-        admin.cancel_handover(name, asked.term)
         say(
-            f"no new term within {args.timeout:g}s: {printable(asked.node_id)} did not hand "
-            f"{name!r} over (not running, paused, or an rselection without "
+            f"no new term within {args.timeout:g}s: {printable(done.asked.node_id)} did not "
+            f"hand {name!r} over (not running, paused, or an rselection without "
             "handover support); the request was withdrawn",
             err=True,
         )
-        return 1
-    say(_took_over(new.node_id, name, new.term, took))
+        return EXIT_REFUSED
+    say(_took_over(new.node_id, name, new.term, done.took))
     if args.to is not None and new.node_id != args.to:
         say(f"{printable(args.to)} did not take over within {args.timeout:g}s", err=True)
-        return 1
-    if new.node_id == asked.node_id:
+        return EXIT_REFUSED
+    if new.node_id == done.asked.node_id:
         say(f"no other node took over: {printable(new.node_id)} leads again", err=True)
-        return 1
+        return EXIT_REFUSED
     return 0

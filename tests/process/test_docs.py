@@ -351,6 +351,7 @@ OTHER_PROGRAMS = {
     "export",
     "kill",
     "kubectl",
+    "openssl",
     "psql",
     ".",
     "git",

@@ -32,6 +32,7 @@ def test_every_subcommand_is_a_module_with_its_own_parser_and_run() -> None:
         "task",
         "forget",
         "demo",
+        "web",
     ]
     parser = cli.build_parser()
     operands = {"history": ["x"], "resign": ["x"], "forget": ["x"]}
