@@ -22,11 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import NoReturn
+import sys
+from collections.abc import Sequence
+from contextvars import ContextVar
+from typing import Any, NoReturn
 
 from .commands import demo, drain, forget, history, migrate, resign, status, task, undrain, web
 from .commands.connections import warn_of_passwords
 from .commands.output import EXIT_USAGE, UsageError, printable, say
+from .redaction import has_password, misread, redact, redact_dsn
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main"]
 
@@ -34,12 +38,41 @@ SUBCOMMANDS = (status, history, migrate, resign, drain, undrain, task, forget, d
 """The subcommand modules, in the order ``rselection --help`` lists them."""
 
 
+# What was typed, while it is parsed: argparse's messages may quote any of it.
+_typed: ContextVar[tuple[str, ...]] = ContextVar("rselection_typed", default=())
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse's parser, whose error messages (which quote what was typed, a name
-    with an escape sequence too) are escaped like every other line for people."""
+    with an escape sequence too) are escaped like every other line for people, and
+    never show a password typed anywhere on the line: a connection string typed where
+    argparse expected something else (``rselection task --dsn URL``, the URL taken for
+    the action) is quoted back in its usage error."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: Any = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        outermost = not _typed.get()
+        token = _typed.set(tuple(sys.argv[1:] if args is None else args)) if outermost else None
+        try:
+            return super().parse_known_args(args, namespace)
+        finally:
+            if token is not None:
+                _typed.reset(token)
 
     def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
-        super().exit(status, None if message is None else printable(message, lines=True))
+        if message is not None:
+            message = printable(_without_passwords(message), lines=True)
+        super().exit(status, message)
+
+
+def _without_passwords(message: str) -> str:
+    """``message`` with every connection string typed on the line redacted."""
+    for arg in _typed.get():
+        value = arg.partition("=")[2] if arg.startswith("--") else arg
+        if value and (has_password(value) or misread(value)):
+            message = message.replace(value, redact_dsn(value))
+    return redact(message)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -171,13 +171,16 @@ class Term:
     def reset_after_fork(self) -> None:
         """In a forked child: the term is the parent's, over for good here (a process a
         task forked, which nothing joins when the term ends, must not act as leader).
-        Its lock and event are made anew: a parent's thread may have held theirs."""
+        Its lock and event are made anew: a parent's thread may have held theirs. So
+        are its tasks' own terms (:class:`TaskTerm`), which its runs see as theirs."""
         self._lock = threading.Lock()
         self._expired = True
         cancelled = threading.Event()
         cancelled.set()
         self.cancelled = cancelled
         self._async_waiters = set()
+        for child in list(self._children):
+            child.reset_after_fork()
 
     def cancel(self) -> None:
         """End the term: set :attr:`cancelled` and wake every sleeping task at once."""

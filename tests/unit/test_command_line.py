@@ -271,3 +271,25 @@ def test_argparse_errors_escape_what_was_typed(capsys: pytest.CaptureFixture[str
         cli.build_parser().parse_args(["status", "--bogus\x1b[31m"])
     err = capsys.readouterr().err
     assert "--bogus\\x1b[31m" in err and "\x1b" not in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["task", "--dsn", "postgresql://u:hunter2/sekrit@127.0.0.1:5432/test", "pause"],
+        ["task", "--dsn=postgresql://u:hunter2@127.0.0.1:5432/test", "pause"],
+        ["task", "--redis-url", "redis://:hunter2?sekrit@127.0.0.1:6379/0"],
+        ["status", "postgresql://u:hunter2@127.0.0.1/test", "--bogus"],
+    ],
+)
+def test_a_usage_error_never_quotes_a_password_typed_on_the_line(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # argparse quotes what it could not place: a connection string typed before the
+    # action of `task` is taken for the action and quoted back in the error.
+    with pytest.raises(SystemExit) as exited:
+        cli.build_parser().parse_args(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err, err
+    assert "hunter2" not in err and "sekrit" not in err, err

@@ -55,7 +55,7 @@ FAST: dict[str, Any] = {
 
 def subcommands() -> list[list[str]]:
     """Every subcommand of the command line, with the arguments it needs, and ``--json``
-    where it has it (``status`` only)."""
+    where it has it (``status`` and ``task history`` only)."""
     made = []
     for module in cli.SUBCOMMANDS:
         name = module.__name__.rsplit(".", 1)[-1]
@@ -64,6 +64,9 @@ def subcommands() -> list[list[str]]:
             args = [name, "billing", "n1"]
         if name == "resign":
             args += ["--timeout", "2"]
+        if name == "task":
+            made.append([name, "pause", "billing", "tick"])
+            args = [name, "history", "billing", "tick", "--json"]
         made.append(args)
         if name == "status":
             made += [[*args, "--json"], [*args, "--json", "--watch", "0.1", "--count", "2"]]

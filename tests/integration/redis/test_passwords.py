@@ -55,6 +55,9 @@ COMMANDS = [
     ["drain", "billing", "n1"],
     ["drain", "billing", "n1", "--json"],
     ["undrain", "billing", "n1"],
+    ["task", "pause", "billing", "tick"],
+    ["task", "history", "billing", "tick", "--json"],
+    ["web"],
 ]
 FAST: dict[str, Any] = {
     "ttl": 3.0,
@@ -84,6 +87,8 @@ def test_the_commands_listed_are_every_command_that_takes_a_redis_url() -> None:
         argv = [name, "x"] if name in ("history", "resign", "forget") else [name]
         if name in ("drain", "undrain"):
             argv = [name, "x", "n1"]
+        if name == "task":
+            argv = [name, "pause", "x", "t"]
         if "redis_url" in vars(parser.parse_args(argv)):
             takes.add(name)
     assert takes == {c[0] for c in COMMANDS}
