@@ -121,20 +121,31 @@ class TaskBoard:
         the next term reads the controls before it starts its tasks."""
         self._fresh = False
 
-    def read_quietly(self) -> TaskControls:
-        """Read the controls; a failure is logged, and the controls last read stay (and
-        are returned)."""
-        try:
-            return self.read()
-        except Exception as exc:
-            logger.warning(
-                "lease %r: could not read the task controls (%s); the tasks run as they "
-                "were last read (%d paused)",
-                self.name,
-                exc,
-                len(self.controls.paused),
-            )
-            return self.controls
+    def read_for_term(
+        self, begin: Callable[[TaskControls], None], live: Callable[[], bool]
+    ) -> None:
+        """Read the controls on the task desk (never on the caller's thread: a term
+        starts on the engine's worker, which renews leases), then ``begin(controls)``
+        there, while ``live()``. A read that fails falls back on the controls held
+        (logged)."""
+
+        def attempt() -> None:
+            if not live():
+                return
+            try:
+                controls = self.read()
+            except Exception as exc:
+                logger.warning(
+                    "lease %r: could not read the task controls (%s); the tasks run as "
+                    "they were last read (%d paused)",
+                    self.name,
+                    exc,
+                    len(self.controls.paused),
+                )
+                controls = self.controls
+            begin(controls)
+
+        TaskDesk.shared().submit(attempt)
 
     def read(self) -> TaskControls:
         """Read the lease's controls from the store (and keep them); once the leader

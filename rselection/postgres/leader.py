@@ -21,7 +21,7 @@ from .handover import request_handovers
 from .lease import PostgresLease
 from .membership import PostgresMembership
 from .schema import NODES_TABLE
-from .task_runs import PostgresTaskStore
+from .task_runs import TASK_STATEMENT_TIMEOUT, PostgresTaskStore
 
 if TYPE_CHECKING:
     from ..broadcast import Broadcaster
@@ -193,7 +193,7 @@ class PostgresLeader(MemberLeader):
                 owner=type(self).__name__,
                 application_name="rselection:tasks",
                 connect_timeout=5.0,
-                statement_timeout=10.0,
+                statement_timeout=TASK_STATEMENT_TIMEOUT,
                 pooled=True,
             ),
             table=table,

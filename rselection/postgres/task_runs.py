@@ -39,7 +39,12 @@ from .schema import create_tables, table_exists, table_identifier, task_table_na
 if TYPE_CHECKING:
     from .keeper import SharedKeeper
 
-__all__ = ["PostgresTaskStore"]
+__all__ = ["TASK_STATEMENT_TIMEOUT", "PostgresTaskStore"]
+
+TASK_STATEMENT_TIMEOUT = 2.0
+"""Seconds a leader's statement of task controls or run history may take on the server
+(lock waits included): a locked task table fails the call soon, and the leader tries
+again, rather than hold a pooled session its fire claims need."""
 
 _RUN_COLUMNS = "scheduled_at, started_at, ended_at, outcome, reason, node_id, term, error, acted_by"
 

@@ -112,14 +112,15 @@ class TermRunner:
     # -- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the persistent tasks, at once, and the scheduler.
+        """Start the persistent tasks and the scheduler, as the task controls say.
 
-        A leader with task controls starts its tasks as its controls say: those it holds
-        when they are current (read, and kept so by notifications since it connected),
-        else read now (one round trip, on the caller's thread: the engine's worker, as
-        a connect's reads). A term with scheduled tasks that used the controls held
-        reads them again on its claim lane before its scheduler begins, so that no
-        scheduled fire of a term ever runs before its controls were read.
+        A leader with task controls starts its tasks as its controls say. Nothing of
+        them runs on the caller's thread (the engine's worker: its renewals and term
+        starts never wait for a task store): the controls it holds are used at once when
+        they are current (read, and kept so by notifications since it connected) and the
+        term has no scheduled task; otherwise the board reads them on the task desk and
+        the term begins its tasks once read (see :meth:`TaskBoard.read_for_term`), so
+        that no scheduled fire of a term ever runs before its controls were read.
         """
         if any(spec.is_async for spec in self.specs) and self._loop is None:
             self._guard = SharedLoops.shared().enter()
@@ -130,42 +131,29 @@ class TermRunner:
             self._start_schedule()
             return
         board.attach(self)
-        # Current (read, and kept so by notifications): used as they are; else read now,
-        # one round trip before the term's first task (after a (re)connect only).
-        read_now = not board.fresh
-        controls = board.read_quietly() if read_now else board.controls
-        self._start_persistents(controls)
         scheduled = any(spec.type is TaskType.SCHEDULED for spec in self.specs)
-        if read_now or not scheduled:
-            self._start_schedule()
-            board.publish(self.term, self.specs)
-            if scheduled:
-                self.apply_controls(controls)  # its triggers
-            return
-        with contextlib.suppress(RuntimeError):  # the pool is shut down: the term is over
-            self._claims.submit(self._schedule_with_controls)
+        persistents = not board.fresh
+        if not persistents:  # current: the persistent tasks start now, as they say
+            self._start_persistents(board.controls)
+            if not scheduled:
+                board.publish(self.term, self.specs)
+                return
+        board.read_for_term(
+            functools.partial(self._begin_with, persistents=persistents), self.term.live
+        )
 
-    def _schedule_with_controls(self) -> None:
-        """On the claim lane: read the task controls, act on what changed since they
-        were last read, then begin the scheduler (with the controls last read if this
-        read fails)."""
+    def _begin_with(self, controls: TaskControls, *, persistents: bool) -> None:
+        """On the task desk, the controls read: start the persistent tasks (unless
+        started already), act on what changed, then begin the scheduler."""
         board = self._board
         assert board is not None
-        if not self.term.live():
-            return
-        try:
-            controls = board.read()
-        except Exception as exc:
-            controls = board.controls
-            logger.warning(
-                "term %d: the task controls could not be read (%s): the tasks run as "
-                "last read (%d paused)",
-                self.term.number,
-                exc,
-                len(controls.paused),
-            )
-        self.apply_controls(controls)  # a change since, and the triggers
         with self._dispatch:  # stop() waits for the units entered here
+            if not self.term.live():
+                return
+            if persistents:
+                self._start_persistents(controls)
+        self.apply_controls(controls)  # a change since, and the triggers
+        with self._dispatch:
             if not self.term.live():
                 return
             self._start_schedule()

@@ -1,0 +1,107 @@
+"""Task controls and run history on Postgres stay off the renewal path and out of the
+way of fire claims, whatever their tables do: a term starts, and renews, while the
+controls table is locked; fires go on while the run history's table is locked.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+import rselection as rs
+from rselection.postgres import PostgresAdmin, PostgresLeader
+from tests.support.waiting import wait_until
+
+# Tables locked for seconds while leaders renew on bounds of a second: one at a time.
+pytestmark = pytest.mark.serial
+
+FAST = {"ttl": 3, "renew_interval": 0.5, "renew_deadline": 2, "retry_interval": 0.5}
+
+
+class Fires:
+    """The fires of ``tick`` (every 50 ms) and the runs of ``loop`` (persistent)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ticks: list[float] = []
+        self.loops = 0
+
+    def handler(self) -> rs.TaskHandler:
+        tasks = rs.TaskHandler()
+
+        @tasks.interval(0.05, name="tick")
+        def tick(ctx: rs.TaskContext) -> None:
+            with self.lock:
+                self.ticks.append(time.monotonic())
+
+        @tasks.persistent(name="loop")
+        def loop(ctx: rs.TaskContext) -> None:
+            with self.lock:
+                self.loops += 1
+            while ctx.sleep(0.01):
+                pass
+
+        return tasks
+
+    def ticks_since(self, since: float) -> int:
+        with self.lock:
+            return sum(1 for at in self.ticks if at >= since)
+
+
+@pytest.fixture
+def leaders() -> Iterator[list[Any]]:
+    made: list[Any] = []
+    yield made
+    for leader in made:
+        leader.stop(timeout=10)
+
+
+def _leader(dsn: str, fires: Fires, node_id: str, **kw: Any) -> PostgresLeader:
+    return PostgresLeader(
+        dsn,
+        fires.handler(),
+        name="iso",
+        node_id=node_id,
+        heartbeat_interval=0.2,
+        **{**FAST, **kw},
+    )
+
+
+def _first_term(dsn: str, leaders: list[Any]) -> None:
+    """A first leader creates the task tables, publishes its tasks and stops."""
+    first = _leader(dsn, Fires(), "first")
+    leaders.append(first)
+    first.start()
+    assert first.wait_until_leader(10)
+    with PostgresAdmin(dsn) as admin:
+        wait_until(lambda: admin.tasks("iso"), 5, "the tasks published")
+    first.stop(timeout=10)
+
+
+def test_a_term_starts_and_renews_while_the_controls_table_is_locked(
+    pg_dsn: str, leaders: list[Any]
+) -> None:
+    _first_term(pg_dsn, leaders)
+    locker = psycopg.connect(pg_dsn)
+    try:
+        # An open transaction holds the controls table (a migration's ALTER TABLE
+        # waiting, say) for twice the renew deadline.
+        locker.execute("LOCK TABLE rselection_leases_tasks IN ACCESS EXCLUSIVE MODE")
+        leader = _leader(pg_dsn, Fires(), "y")
+        leaders.append(leader)
+        leader.start()
+        assert leader.wait_until_leader(10)
+        term = leader.term
+        held_until = time.monotonic() + 4.0
+        while time.monotonic() < held_until:
+            assert leader.is_leader and leader.term == term, "the term was lost"
+            time.sleep(0.05)
+    finally:
+        locker.close()
+    time.sleep(1.0)
+    assert leader.is_leader and leader.term == term
