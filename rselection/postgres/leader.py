@@ -21,7 +21,7 @@ from .handover import request_handovers
 from .lease import PostgresLease
 from .membership import PostgresMembership
 from .schema import NODES_TABLE
-from .task_runs import TASK_STATEMENT_TIMEOUT, PostgresTaskStore
+from .task_runs import TASK_STATEMENT_TIMEOUT, PostgresTaskStore, store_turn
 
 if TYPE_CHECKING:
     from ..broadcast import Broadcaster
@@ -199,6 +199,11 @@ class PostgresLeader(MemberLeader):
             table=table,
             create_tables=create_tables,
             keeper=lambda: lease.keeper,
+            # One call at a time of the process's task stores: its fire claims always
+            # find the pool's other session.
+            turn=None
+            if not isinstance(source, str)
+            else store_turn(source, 5.0 + TASK_STATEMENT_TIMEOUT),
         )
         cleanup.append(task_store.close)
 

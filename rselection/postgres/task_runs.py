@@ -14,15 +14,17 @@ push past the limit. A missing table reads as nothing stored.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
 
-from ..errors import first_line
+from ..errors import BackendUnavailable, first_line
 from ..task_runs import (
     RunRecord,
     TaskControlChange,
@@ -49,6 +51,52 @@ again, rather than hold a pooled session its fire claims need."""
 _RUN_COLUMNS = "scheduled_at, started_at, ended_at, outcome, reason, node_id, term, error, acted_by"
 
 _NOTIFY = "SELECT pg_notify(%s, json_build_object('event', 'tasks', 'name', %s::text)::text)"
+
+
+class StoreTurn:
+    """The turn of the task stores of one process on its pooled sessions: one call at a
+    time, so that they hold at most one of the pool's two sessions and the fire claims
+    (and the rest) always find the other, however long a call waits on a locked table.
+
+    Args:
+        wait: seconds a call waits at most for the turn.
+    """
+
+    def __init__(self, wait: float) -> None:
+        self.wait = wait
+        self._slot = threading.Lock()
+
+    @contextlib.contextmanager
+    def taken(self, what: str) -> Iterator[None]:
+        """Hold the turn for one call.
+
+        Raises:
+            BackendUnavailable: it stayed taken for :attr:`wait` seconds.
+        """
+        if not self._slot.acquire(timeout=self.wait):
+            raise BackendUnavailable(
+                f"{what}: the task store's pooled session stayed busy for {self.wait:g}s"
+            )
+        try:
+            yield
+        finally:
+            self._slot.release()
+
+
+_turns_lock = threading.Lock()
+_turns: dict[tuple[int, str], StoreTurn] = {}
+
+
+def store_turn(conninfo: str, wait: float) -> StoreTurn:
+    """The turn of this process's task stores on the pooled sessions of ``conninfo``."""
+    import os
+
+    with _turns_lock:
+        key = (os.getpid(), conninfo)  # a forked child's turn is its own
+        found = _turns.get(key)
+        if found is None:
+            found = _turns[key] = StoreTurn(wait)
+        return found
 
 
 def _epoch(value: datetime | None) -> float | None:
@@ -96,8 +144,10 @@ class PostgresTaskStore:
         table: str,
         create_tables: bool = True,
         keeper: Callable[[], SharedKeeper | None] | None = None,
+        turn: StoreTurn | None = None,
     ) -> None:
         self._conns = conns
+        self._turn = turn
         self.table = table
         self.create_tables = create_tables
         self._keeper = keeper
@@ -174,10 +224,20 @@ class PostgresTaskStore:
 
     # -- a call ---------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _connection(self, what: str) -> Iterator[psycopg.Connection[Any]]:
+        """A connection of ``conns`` for one call, in the process's turn if shared."""
+        if self._turn is None:
+            with self._conns.connection() as conn:
+                yield conn
+            return
+        with self._turn.taken(what), self._conns.connection() as conn:
+            yield conn
+
     def _read(self, what: str, query: sql.Composed, params: Any) -> list[tuple[Any, ...]]:
         """The rows of ``query``; none when the task tables do not exist (yet)."""
         try:
-            with self._conns.connection() as conn:
+            with self._connection(what) as conn:
                 try:
                     return conn.execute(query, params).fetchall()
                 except psycopg.errors.UndefinedTable:
@@ -189,7 +249,7 @@ class PostgresTaskStore:
         """Run ``query`` and notify the lease's channel, in one transaction; its row,
         or the number of rows it changed. Creates the task tables when missing."""
         try:
-            with self._conns.connection() as conn:
+            with self._connection(what) as conn:
                 found = resolve_lease_table(conn, self.table)
                 tasks_table = task_table_names(self.table)[0]
                 if self.create_tables and found is not None and not table_exists(conn, tasks_table):
@@ -213,7 +273,7 @@ class PostgresTaskStore:
         """Run ``query``, one statement (atomic by itself: no BEGIN and COMMIT around it,
         which would make a batch three round trips)."""
         try:
-            with self._conns.connection() as conn:
+            with self._connection(what) as conn:
                 if conn.autocommit:
                     conn.execute(query, params)
                 else:  # a user's pool's connection: commit it

@@ -5,6 +5,7 @@ controls table is locked; fires go on while the run history's table is locked.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -105,3 +106,36 @@ def test_a_term_starts_and_renews_while_the_controls_table_is_locked(
         locker.close()
     time.sleep(1.0)
     assert leader.is_leader and leader.term == term
+
+
+def test_fires_go_on_while_the_run_history_table_is_locked(pg_dsn: str, leaders: list[Any]) -> None:
+    fires = Fires()
+    leader = _leader(pg_dsn, fires, "x", ttl=15, renew_interval=2, renew_deadline=10)
+    leaders.append(leader)
+    leader.start()
+    assert leader.wait_until_leader(10)
+    wait_until(lambda: fires.ticks_since(0.0) >= 10, 5, "the first fires")
+    locker = psycopg.connect(pg_dsn)
+    stop = threading.Event()
+
+    def read_history() -> None:  # an app's status page, say, asking again and again
+        while not stop.is_set():
+            with contextlib.suppress(rs.BackendUnavailable):
+                leader.task_runs("tick")
+
+    reader = threading.Thread(target=read_history, daemon=True)
+    try:
+        locker.execute("LOCK TABLE rselection_leases_task_runs IN ACCESS EXCLUSIVE MODE")
+        began = time.monotonic()
+        reader.start()
+        time.sleep(5.0)  # batch writes and history reads wait on the lock meanwhile
+        with fires.lock:
+            ticks = [began] + [at for at in fires.ticks if at >= began]
+    finally:
+        stop.set()
+        locker.close()
+        reader.join(10)
+    # A tick every 50 ms: the fire claims found a pooled session all along (the task
+    # store takes one at a time, bounded), rather than wait for the locked table.
+    gap = max(b - a for a, b in zip(ticks, [*ticks[1:], began + 5.0], strict=True))
+    assert gap < 1.0, f"fires stopped for {gap:.2f} s"
