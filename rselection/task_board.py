@@ -29,13 +29,17 @@ if TYPE_CHECKING:
     from .context import Term
     from .specs import TaskSpec
 
-__all__ = ["RETRY_AFTER", "ControlsListener", "TaskBoard", "TaskNotices"]
+__all__ = ["RETRY_AFTER", "RETRY_MAX", "ControlsListener", "TaskBoard", "TaskNotices"]
 
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER = 1.0
 """Seconds before a read of the controls that failed is tried again (while the term
 that wanted it runs)."""
+
+RETRY_MAX = 10.0
+"""Most seconds between two reads of the controls a term waits for (see
+:meth:`TaskBoard.read_for_term`)."""
 
 STOP_FLUSH = 2.0
 """Seconds a stopping leader waits at most for its last runs to be written."""
@@ -95,6 +99,7 @@ class TaskBoard:
         self._reading = False  # a read is queued on the desk
         self._open = False  # the leader runs (see open, close)
         self._fresh = False  # see fresh
+        self._known = False  # see known
         self.notified = False
         """Whether changes of the controls wake the board (:meth:`wake`): its lease's
         notifications, or its store's callbacks. Without, each term reads them."""
@@ -126,26 +131,52 @@ class TaskBoard:
     ) -> None:
         """Read the controls on the task desk (never on the caller's thread: a term
         starts on the engine's worker, which renews leases), then ``begin(controls)``
-        there, while ``live()``. A read that fails falls back on the controls held
-        (logged)."""
+        there, while ``live()``.
 
-        def attempt() -> None:
+        A read that fails falls back on the controls held when this board read them
+        before (:attr:`known`); else the term begins nothing (no paused task may run):
+        the read is tried again, :data:`RETRY_AFTER` seconds later, then twice as long
+        each time up to :data:`RETRY_MAX`, said once, until it works or the term ends.
+        """
+        said = [False]
+
+        def attempt(delay: float) -> None:
             if not live():
                 return
             try:
                 controls = self.read()
             except Exception as exc:
-                logger.warning(
-                    "lease %r: could not read the task controls (%s); the tasks run as "
-                    "they were last read (%d paused)",
-                    self.name,
-                    exc,
-                    len(self.controls.paused),
-                )
-                controls = self.controls
+                if self._known:
+                    logger.warning(
+                        "lease %r: could not read the task controls (%s); the tasks run "
+                        "as they were last read (%d paused)",
+                        self.name,
+                        exc,
+                        len(self.controls.paused),
+                    )
+                    begin(self.controls)
+                    return
+                if not said[0]:
+                    said[0] = True
+                    logger.warning(
+                        "lease %r: could not read the task controls (%s); the term starts "
+                        "no task until they are read (trying again, every %gs at most)",
+                        self.name,
+                        exc,
+                        RETRY_MAX,
+                    )
+                TaskDesk.shared().submit(lambda: attempt(min(2 * delay, RETRY_MAX)), delay=delay)
+                return
+            if said[0]:
+                logger.info("lease %r: task controls read: the term starts its tasks", self.name)
             begin(controls)
 
-        TaskDesk.shared().submit(attempt)
+        TaskDesk.shared().submit(lambda: attempt(RETRY_AFTER))
+
+    @property
+    def known(self) -> bool:
+        """Whether this board read the controls successfully at least once."""
+        return self._known
 
     def read(self) -> TaskControls:
         """Read the lease's controls from the store (and keep them); once the leader
@@ -158,7 +189,7 @@ class TaskBoard:
             return self.controls
         controls = self.store.read_controls(self.name)
         self.controls = controls
-        self._fresh = True
+        self._fresh = self._known = True
         return controls
 
     def attach(self, listener: ControlsListener) -> None:

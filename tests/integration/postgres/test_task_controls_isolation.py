@@ -139,3 +139,35 @@ def test_fires_go_on_while_the_run_history_table_is_locked(pg_dsn: str, leaders:
     # store takes one at a time, bounded), rather than wait for the locked table.
     gap = max(b - a for a, b in zip(ticks, [*ticks[1:], began + 5.0], strict=True))
     assert gap < 1.0, f"fires stopped for {gap:.2f} s"
+
+
+def test_a_term_whose_controls_cannot_be_read_starts_no_task_until_they_are(
+    pg_dsn: str, leaders: list[Any]
+) -> None:
+    _first_term(pg_dsn, leaders)
+    with PostgresAdmin(pg_dsn) as admin:
+        admin.pause_task("iso", "loop")
+        admin.pause_task("iso", "tick")
+    locker = psycopg.connect(pg_dsn)
+    fires = Fires()
+    try:
+        # The new leader's first reads of the controls fail (their statement times out).
+        locker.execute("LOCK TABLE rselection_leases_task_triggers IN ACCESS EXCLUSIVE MODE")
+        leader = _leader(pg_dsn, fires, "b", ttl=15, renew_interval=2, renew_deadline=10)
+        leaders.append(leader)
+        leader.start()
+        assert leader.wait_until_leader(10)
+        time.sleep(5.0)
+        assert fires.ticks_since(0.0) == 0 and fires.loops == 0, "a paused task ran"
+    finally:
+        locker.close()
+    # Read at last: still paused, so nothing runs; a resume starts the task.
+    with PostgresAdmin(pg_dsn) as admin:
+        wait_until(
+            lambda: any(r.reason == "paused" for r in admin.task_runs("iso", "tick")),
+            10,
+            "a paused fire skipped",
+        )
+        assert fires.ticks_since(0.0) == 0 and fires.loops == 0, "a paused task ran"
+        admin.resume_task("iso", "loop")
+    wait_until(lambda: fires.loops == 1, 5, "the loop resumed")
