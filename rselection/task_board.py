@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from .task_desk import Noted, RunQueue, TaskDesk
-from .task_runs import TaskControls, entry_of
+from .task_runs import TaskControls, Trigger, entry_of
 
 if TYPE_CHECKING:
     from .abc import TaskStore
@@ -288,6 +288,31 @@ class TaskBoard:
                 )
 
         TaskDesk.shared().submit(drop)
+
+    def reissue_trigger(self, trigger: Trigger) -> None:
+        """Ask ``trigger``'s fire again under a fresh key, and drop it, on the desk: it
+        was claimed by a term that ended before the fire started (a later leader finds
+        its key claimed and would drop it unrun). Best effort: logged."""
+
+        def reissue() -> None:
+            if not self._open:  # the leader stopped meanwhile: its store may be closed
+                logger.warning(
+                    "lease %r: trigger %.120s not run: its leader stopped", self.name,
+                    trigger.fire_key,
+                )  # fmt: skip
+                return
+            try:
+                self.store.add_trigger(self.name, trigger.task)
+                self.store.drop_triggers(self.name, [trigger.fire_key])
+            except Exception as exc:
+                logger.warning(
+                    "lease %r: could not ask trigger %.120s again: %s",
+                    self.name,
+                    trigger.fire_key,
+                    exc,
+                )
+
+        TaskDesk.shared().submit(reissue)
 
     def close(self) -> None:
         """The leader stops: write its last runs now (waiting at most

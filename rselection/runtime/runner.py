@@ -355,8 +355,8 @@ class TermRunner:
                 continue
             claimer = self.term.claimer
             if claimer is None:
-                self._fire_trigger(spec, trigger)
-                board.drop_triggers([trigger.fire_key])
+                if self._fire_trigger(spec, trigger):
+                    board.drop_triggers([trigger.fire_key])
                 continue
             age = time.time() - trigger.requested_at.timestamp()
             if age > _TRIGGER_AGE * claimer.ttl:
@@ -397,32 +397,40 @@ class TermRunner:
             board.retry_soon()
             return
         if key in won:
-            self._fire_trigger(spec, trigger)
+            if not self._fire_trigger(spec, trigger):
+                # Claimed, but the term ended before the fire started: asked again under
+                # a fresh key (the next leader finds this one claimed), never run twice.
+                logger.info("trigger %.120s not run: its term ended; asked again", key)
+                board.reissue_trigger(trigger)
+                return
         else:  # run by another node (a leader before this one) that did not drop it
             logger.debug("trigger %.120s was claimed before: dropped", key)
         board.drop_triggers([key])
 
-    def _fire_trigger(self, spec: TaskSpec, trigger: Trigger) -> None:
-        """Start the triggered fire (claimed, if the term claims) in a unit of its own."""
+    def _fire_trigger(self, spec: TaskSpec, trigger: Trigger) -> bool:
+        """Start the triggered fire (claimed, if the term claims) in a unit of its own;
+        whether it was dealt with (started, or on record), ``False`` when the term is
+        over (the trigger is for the next leader)."""
         at, key = trigger.requested_at, trigger.fire_key
         with self._dispatch:  # stop() waits for the units entered here
             if not self.term.live():
-                self._reports.skip(spec, at, "not-leader", by=OPERATOR, fire_key=key)
-                return
+                return False
             if not self._units.reserve(spec):
                 self._reports.skip(spec, at, "overlap", by=OPERATOR, fire_key=key)
-                return
+                return True
             unit = self._units.enter(spec.name)
             ctx = TaskContext(spec.name, self.term, scheduled_at=at, fire_key=key)
             if spec.is_async:
                 self._submit_many([(unit, spec.name, self._trigger_async(unit, spec, ctx), spec)])
-                return
+                return True
             try:
                 self._threads.run(functools.partial(self._trigger_sync, unit, spec, ctx))
             except RuntimeError:
-                reason = "not-leader" if self._threads.closed else "no-thread"
-                self._reports.skip(spec, at, reason, by=OPERATOR, fire_key=key)
                 self._units.release(spec, unit)
+                if self._threads.closed:
+                    return False
+                self._reports.skip(spec, at, "no-thread", by=OPERATOR, fire_key=key)
+            return True
 
     def _trigger_sync(self, unit: int, spec: TaskSpec, ctx: TaskContext) -> None:
         threading.current_thread().name = f"rselection-task-{spec.name}"

@@ -15,7 +15,7 @@ import psycopg
 import pytest
 
 import rselection as rs
-from rselection.postgres import PostgresAdmin, PostgresLeader
+from rselection.postgres import PostgresAdmin, PostgresClaimer, PostgresLeader
 from tests.support.waiting import wait_until
 
 # Tables locked for seconds while leaders renew on bounds of a second: one at a time.
@@ -171,3 +171,48 @@ def test_a_term_whose_controls_cannot_be_read_starts_no_task_until_they_are(
         assert fires.ticks_since(0.0) == 0 and fires.loops == 0, "a paused task ran"
         admin.resume_task("iso", "loop")
     wait_until(lambda: fires.loops == 1, 5, "the loop resumed")
+
+
+class GatedClaimer(PostgresClaimer):
+    """A claimer whose claims of triggered fires wait for :attr:`gate` (so that the
+    term can end between a trigger's claim and its fire)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def claim_many(self, fire_keys: list[str], *, term: int | None = None) -> set[str]:
+        if any("@trigger:" in key for key in fire_keys):
+            self.entered.set()
+            self.gate.wait(10)
+        return super().claim_many(fire_keys, term=term)
+
+
+def test_a_trigger_claimed_as_its_term_ends_runs_on_the_next_leader(
+    pg_dsn: str, leaders: list[Any]
+) -> None:
+    claimer = GatedClaimer(pg_dsn)
+    first, second = Fires(), Fires()
+    a = _leader(pg_dsn, first, "a", claimer=claimer)
+    leaders.append(a)
+    a.start()
+    assert a.wait_until_leader(10)
+    b = _leader(pg_dsn, second, "b")
+    leaders.append(b)
+    b.start()
+    with PostgresAdmin(pg_dsn) as admin:
+        wait_until(lambda: admin.tasks("iso"), 5, "the tasks published")
+        admin.pause_task("iso", "tick")  # only the trigger fires
+        time.sleep(0.5)
+        admin.trigger_task("iso", "tick")
+        assert claimer.entered.wait(5), "the trigger's claim never began"
+        stepping = threading.Thread(target=lambda: a.step_down(hold=5.0), daemon=True)
+        stepping.start()
+        wait_until(lambda: not a.is_leader, 5, "a's term over")
+        claimer.gate.set()  # won now, as its term ended
+        stepping.join(10)
+        wait_until(lambda: b.is_leader, 10, "b leads")
+        wait_until(lambda: second.ticks_since(0.0) == 1, 10, "the trigger run by b")
+        time.sleep(1.0)
+        assert first.ticks_since(0.0) + second.ticks_since(0.0) == 1
