@@ -416,3 +416,38 @@ def test_a_forged_notification_pauses_nothing(
     wait_until(lambda: fires.tick_count() >= count + 10, 3, "fires after the forged wake-ups")
     assert fires.running_loops() == 1
     assert not any(info.paused for info in admin.tasks(name))
+
+
+def test_a_paused_persistent_task_that_stops_by_ctx_check_is_cancelled_not_failed(
+    backend: Backend, admin: Any, name: str
+) -> None:
+    tasks = rs.TaskHandler()
+
+    @tasks.persistent(name="checker")
+    def checker(ctx: rs.TaskContext) -> None:
+        while True:
+            ctx.check()  # the documented way to stop: raises once its term is over
+            time.sleep(0.01)
+
+    failures: list[str] = []
+
+    def failed(sender: object, **kw: Any) -> None:
+        failures.append(kw["task"])
+
+    rs.signals.task_failed.connect(failed)
+    leader = backend.leader(tasks, name, node_id="a", heartbeat_interval=0.2, **FAST)
+    try:
+        leader.start()
+        assert leader.wait_until_leader(10)
+        wait_until(lambda: admin.tasks(name), 5, "the tasks published")
+        time.sleep(0.2)
+        admin.pause_task(name, "checker")
+        wait_until(lambda: admin.task_runs(name, "checker"), 5, "the run recorded")
+        run = admin.task_runs(name, "checker")[0]
+        assert (run.outcome, run.reason, run.by, run.error) == (
+            "cancelled", "paused", "operator", None,
+        )  # fmt: skip
+        assert "checker" not in failures
+    finally:
+        rs.signals.task_failed.disconnect(failed)
+        leader.stop(timeout=10)
