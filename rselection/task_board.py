@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -29,13 +30,16 @@ if TYPE_CHECKING:
     from .context import Term
     from .specs import TaskSpec
 
-__all__ = ["RETRY_AFTER", "RETRY_MAX", "ControlsListener", "TaskBoard", "TaskNotices"]
+__all__ = ["READ_GAP", "RETRY_AFTER", "RETRY_MAX", "ControlsListener", "TaskBoard", "TaskNotices"]
 
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER = 1.0
 """Seconds before a read of the controls that failed is tried again (while the term
 that wanted it runs)."""
+
+READ_GAP = 0.1
+"""Least seconds between two reads of the controls that notifications ask for."""
 
 RETRY_MAX = 10.0
 """Most seconds between two reads of the controls a term waits for (see
@@ -97,6 +101,7 @@ class TaskBoard:
         self._lock = threading.Lock()
         self._listener: ControlsListener | None = None
         self._reading = False  # a read is queued on the desk
+        self._last_read = -READ_GAP  # when the last read on a wake-up began (monotonic)
         self._open = False  # the leader runs (see open, close)
         self._fresh = False  # see fresh
         self._known = False  # see known
@@ -213,16 +218,22 @@ class TaskBoard:
         self._read_soon(0.0)
 
     def _read_soon(self, delay: float) -> None:
+        """Read the controls ``delay`` seconds from now, and not sooner than
+        :data:`READ_GAP` after the last read: wake-ups coalesce into one pending read,
+        so that a flood of notifications (anyone may send them) costs a read each
+        :data:`READ_GAP` seconds at most."""
         with self._lock:
             if not self._open or self._reading:
                 return
             self._reading = True
+            delay = max(delay, self._last_read + READ_GAP - time.monotonic())
         TaskDesk.shared().submit(self._refresh, delay=delay)
 
     def _refresh(self) -> None:
         """On the desk: read the controls and hand them to the running term."""
         with self._lock:
             self._reading = False
+            self._last_read = time.monotonic()
             if not self._open:
                 return
         try:

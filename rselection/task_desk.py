@@ -155,6 +155,7 @@ class TaskDesk(forks.PerProcess):
         self._jobs: list[tuple[float, int, Callable[[], None]]] = []  # a heap by due time
         self._order = itertools.count()
         self._running_job = False
+        self._job_last = False  # the last work taken was a job (see _next)
         self._users: set[int] = set()  # id() of the stores of leaders that run
         self._thread: threading.Thread | None = None
         self._dropped_said = -_REPORT_EVERY
@@ -279,17 +280,22 @@ class TaskDesk(forks.PerProcess):
         idle_since = time.monotonic()
         while True:
             now = time.monotonic()
-            if self._jobs and self._jobs[0][0] <= now:
-                self._running_job = True
-                return heapq.heappop(self._jobs)[2]
+            job_due = bool(self._jobs) and self._jobs[0][0] <= now
+            # Jobs and batches take turns when both are due: a stream of jobs (reads a
+            # flood of notifications asks for) never starves the run history's writes.
+            if job_due and not self._job_last:
+                return self._pop_job()
             wake_at = self._jobs[0][0] if self._jobs else None
             for queue in self._queues.values():
                 if queue.writing or not queue.armed:
                     continue
                 if queue.due <= now:
                     queue.writing = True
+                    self._job_last = False
                     return queue
                 wake_at = queue.due if wake_at is None else min(wake_at, queue.due)
+            if job_due:
+                return self._pop_job()
             if wake_at is None:
                 if not self._users or now - idle_since >= IDLE:
                     self._thread = None
@@ -297,6 +303,11 @@ class TaskDesk(forks.PerProcess):
                 self._cond.wait(IDLE - (now - idle_since))
             else:
                 self._cond.wait(max(0.0, wake_at - now))
+
+    def _pop_job(self) -> Callable[[], None]:
+        """Under the lock: the job due first, marked running."""
+        self._running_job = self._job_last = True
+        return heapq.heappop(self._jobs)[2]
 
     def _run(self) -> None:
         while True:

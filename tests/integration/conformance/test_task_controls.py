@@ -451,3 +451,65 @@ def test_a_paused_persistent_task_that_stops_by_ctx_check_is_cancelled_not_faile
     finally:
         rs.signals.task_failed.disconnect(failed)
         leader.stop(timeout=10)
+
+
+def test_a_flood_of_forged_notifications_costs_a_read_each_tenth_of_a_second(
+    backend: Backend, make: Callable[..., Any], admin: Any, name: str
+) -> None:
+    """Wake-ups coalesce: however many notifications arrive, the leader reads the
+    controls once each 0.1 s at most, and its runs are still written meanwhile."""
+    fires = Fires()
+    leader = make("a", fires)
+    store = leader._state.tasks.store
+    reads = [0]
+    read = store.read_controls
+
+    def counted(lease: str) -> Any:
+        reads[0] += 1
+        return read(lease)
+
+    store.read_controls = counted  # counts the round trips, each still made
+    leader.start()
+    assert leader.wait_until_leader(10)
+    wait_until(lambda: fires.tick_count() >= 2, 5, "fires")
+    stop = threading.Event()
+
+    def flood() -> None:
+        if backend.kind == "redis":
+            from rselection.redis.keys import lease_keys
+
+            with backend._redis() as client:
+                while not stop.is_set():
+                    pipe = client.pipeline(transaction=False)
+                    for _ in range(50):
+                        pipe.publish(lease_keys(name)[2], "tasks:0")
+                    pipe.execute()
+        else:
+            import psycopg
+
+            payload = json.dumps({"event": "tasks", "name": name})
+            with psycopg.connect(backend.url, autocommit=True) as conn:
+                while not stop.is_set():
+                    conn.execute(
+                        "SELECT pg_notify(%s, %s) FROM generate_series(1, 50)",
+                        (leader.lease.channel, payload),
+                    )
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    before = reads[0]
+    flooder.start()
+    try:
+        time.sleep(0.5)
+        began = time.monotonic()
+        runs_before = len(admin.task_runs(name, "tick", limit=1000))
+        counted_before = reads[0]
+        time.sleep(2.0)
+        during = reads[0] - counted_before
+        seconds = time.monotonic() - began
+    finally:
+        stop.set()
+        flooder.join(10)
+    assert reads[0] > before, "the flood woke no read"
+    assert during <= seconds / 0.1 + 2, f"{during} reads in {seconds:.1f} s"
+    # The runs of the flood's seconds were written (tick fires 20 times a second).
+    assert len(admin.task_runs(name, "tick", limit=1000)) >= runs_before + 10
