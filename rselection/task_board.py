@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from .task_desk import Noted, RunQueue, TaskDesk
+from .task_desk import ControlsDesk, Noted, RunQueue, TaskDesk
 from .task_runs import TaskControls, Trigger, entry_of
 
 if TYPE_CHECKING:
@@ -170,13 +170,15 @@ class TaskBoard:
                         exc,
                         RETRY_MAX,
                     )
-                TaskDesk.shared().submit(lambda: attempt(min(2 * delay, RETRY_MAX)), delay=delay)
+                ControlsDesk.shared().submit(
+                    lambda: attempt(min(2 * delay, RETRY_MAX)), delay=delay
+                )
                 return
             if said[0]:
                 logger.info("lease %r: task controls read: the term starts its tasks", self.name)
             begin(controls)
 
-        TaskDesk.shared().submit(lambda: attempt(RETRY_AFTER))
+        ControlsDesk.shared().submit(lambda: attempt(RETRY_AFTER))
 
     @property
     def known(self) -> bool:
@@ -200,6 +202,7 @@ class TaskBoard:
     def attach(self, listener: ControlsListener) -> None:
         """Hand the controls read from now on to ``listener`` (a term that runs)."""
         TaskDesk.shared().use(self.store)
+        ControlsDesk.shared().use(self.store)
         with self._lock:
             self._listener = listener
 
@@ -210,6 +213,7 @@ class TaskBoard:
                 return
             self._listener = None
         TaskDesk.shared().release(self.store)
+        ControlsDesk.shared().release(self.store)
 
     def wake(self) -> None:
         """A notification says the controls may have changed: read them soon on the task
@@ -227,7 +231,7 @@ class TaskBoard:
                 return
             self._reading = True
             delay = max(delay, self._last_read + READ_GAP - time.monotonic())
-        TaskDesk.shared().submit(self._refresh, delay=delay)
+        ControlsDesk.shared().submit(self._refresh, delay=delay)
 
     def _refresh(self) -> None:
         """On the desk: read the controls and hand them to the running term."""
@@ -330,5 +334,6 @@ class TaskBoard:
         :data:`STOP_FLUSH` seconds), and read the controls no more."""
         with self._lock:
             self._open = False
+        ControlsDesk.shared().release(self.store)
         TaskDesk.shared().drain(self.store, STOP_FLUSH)
         self._queue = None

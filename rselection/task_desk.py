@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BATCH",
+    "ControlsDesk",
     "FLUSH_DELAY",
     "IDLE",
     "MAX_PENDING",
@@ -148,6 +149,8 @@ class RunQueue:
 class TaskDesk(forks.PerProcess):
     """The process's thread for task stores (see the module docstring). Get it with
     :meth:`shared`."""
+
+    THREAD_NAME = "rselection-tasks"
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -271,7 +274,7 @@ class TaskDesk(forks.PerProcess):
         """Under the lock: wake the thread, or start it."""
         self._cond.notify_all()
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="rselection-tasks", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=self.THREAD_NAME, daemon=True)
             self._thread.start()
 
     def _next(self) -> Callable[[], None] | RunQueue | None:
@@ -383,3 +386,11 @@ class TaskDesk(forks.PerProcess):
                 else:
                     queue.due = 0.0
                 self._cond.notify_all()
+
+
+class ControlsDesk(TaskDesk):
+    """The process's thread for the reads of task controls: a lane of their own, so
+    that a pause never waits behind a run history write the store is slow to take (jobs
+    only: no run is queued here). Get it with :meth:`shared`."""
+
+    THREAD_NAME = "rselection-task-controls"

@@ -204,6 +204,10 @@ class PostgresLeader(MemberLeader):
             turn=None
             if not isinstance(source, str)
             else store_turn(source, 5.0 + TASK_STATEMENT_TIMEOUT),
+            # The reads of the controls take a turn of their own: never behind a write.
+            controls_turn=None
+            if not isinstance(source, str)
+            else store_turn(source, 5.0 + TASK_STATEMENT_TIMEOUT, "controls"),
         )
         cleanup.append(task_store.close)
 

@@ -87,12 +87,14 @@ _turns_lock = threading.Lock()
 _turns: dict[tuple[int, str], StoreTurn] = {}
 
 
-def store_turn(conninfo: str, wait: float) -> StoreTurn:
-    """The turn of this process's task stores on the pooled sessions of ``conninfo``."""
+def store_turn(conninfo: str, wait: float, lane: str = "history") -> StoreTurn:
+    """The turn of this process's task stores on the pooled sessions of ``conninfo``:
+    lane ``"history"`` for every call but the reads of the controls, which take lane
+    ``"controls"`` (a pause is never read behind a run history write)."""
     import os
 
     with _turns_lock:
-        key = (os.getpid(), conninfo)  # a forked child's turn is its own
+        key = (os.getpid(), f"{lane}:{conninfo}")  # a forked child's turn is its own
         found = _turns.get(key)
         if found is None:
             found = _turns[key] = StoreTurn(wait)
@@ -145,9 +147,11 @@ class PostgresTaskStore:
         create_tables: bool = True,
         keeper: Callable[[], SharedKeeper | None] | None = None,
         turn: StoreTurn | None = None,
+        controls_turn: StoreTurn | None = None,
     ) -> None:
         self._conns = conns
         self._turn = turn
+        self._controls_turn = controls_turn
         self.table = table
         self.create_tables = create_tables
         self._keeper = keeper
@@ -209,6 +213,12 @@ class PostgresTaskStore:
             " WHERE name = t.name AND task = t.task ORDER BY seq DESC LIMIT 1) r ON true"
             " WHERE t.name = %s AND t.kind IS NOT NULL"
         ).format(tasks=tasks, runs=runs)
+        # The same columns without the newest run: never waits on the runs table.
+        self._kinds_sql = sql.SQL(
+            "SELECT t.task, t.kind, t.schedule, t.next_fire, t.paused_at, t.node_id, t.term,"
+            " NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL"
+            " FROM {tasks} t WHERE t.name = %s AND t.kind IS NOT NULL"
+        ).format(tasks=tasks)
         self._runs_sql = sql.SQL(
             "SELECT " + _RUN_COLUMNS + " FROM {runs} WHERE name = %s AND task = %s"
             " ORDER BY seq DESC LIMIT %s"
@@ -225,19 +235,25 @@ class PostgresTaskStore:
     # -- a call ---------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _connection(self, what: str) -> Iterator[psycopg.Connection[Any]]:
-        """A connection of ``conns`` for one call, in the process's turn if shared."""
-        if self._turn is None:
+    def _connection(
+        self, what: str, turn: StoreTurn | None = None
+    ) -> Iterator[psycopg.Connection[Any]]:
+        """A connection of ``conns`` for one call, in the process's turn (``turn``,
+        default the history lane's) if shared."""
+        turn = turn or self._turn
+        if turn is None:
             with self._conns.connection() as conn:
                 yield conn
             return
-        with self._turn.taken(what), self._conns.connection() as conn:
+        with turn.taken(what), self._conns.connection() as conn:
             yield conn
 
-    def _read(self, what: str, query: sql.Composed, params: Any) -> list[tuple[Any, ...]]:
+    def _read(
+        self, what: str, query: sql.Composed, params: Any, turn: StoreTurn | None = None
+    ) -> list[tuple[Any, ...]]:
         """The rows of ``query``; none when the task tables do not exist (yet)."""
         try:
-            with self._connection(what) as conn:
+            with self._connection(what, turn) as conn:
                 try:
                     return conn.execute(query, params).fetchall()
                 except psycopg.errors.UndefinedTable:
@@ -309,7 +325,12 @@ class PostgresTaskStore:
             except psycopg.Error as exc:
                 raise self._conns.wrap(what, exc) from exc
         if rows is None:
-            rows = self._read(what, self._controls_sql(sql.Placeholder("name")), {"name": name})
+            rows = self._read(
+                what,
+                self._controls_sql(sql.Placeholder("name")),
+                {"name": name},
+                self._controls_turn,
+            )
         paused = {row[0]: _utc(row[1]) for row in rows if row[2] is None}
         triggers = tuple(
             Trigger(name, row[0], row[2], row[1].astimezone(UTC)) for row in rows if row[2]
@@ -369,9 +390,10 @@ class PostgresTaskStore:
 
     # -- an operator's -------------------------------------------------------------------
 
-    def read_tasks(self, name: str) -> list[TaskInfo]:
+    def read_tasks(self, name: str, *, last_run: bool = True) -> list[TaskInfo]:
         """See :meth:`~rselection.abc.TaskStore.read_tasks`."""
-        rows = self._read(f"read the tasks of {name!r}", self._tasks_sql, (name,))
+        query = self._tasks_sql if last_run else self._kinds_sql
+        rows = self._read(f"read the tasks of {name!r}", query, (name,))
         found = [
             TaskInfo(
                 lease=name,

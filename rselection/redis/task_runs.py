@@ -218,7 +218,7 @@ class RedisTaskStore:
 
     # -- an operator's -------------------------------------------------------------------
 
-    def read_tasks(self, name: str) -> list[TaskInfo]:
+    def read_tasks(self, name: str, *, last_run: bool = True) -> list[TaskInfo]:
         """See :meth:`~rselection.abc.TaskStore.read_tasks` (two round trips)."""
         tasks_key, paused_key, _, next_key = task_keys(name, self.key_prefix)
         try:

@@ -245,7 +245,11 @@ def test_a_new_leader_reads_a_pause_before_its_first_fire(
         "b's skips on record",
     )
     on_b = [r for r in admin.task_runs(name, "tick") if r.node_id == "b"]
-    assert all((r.outcome, r.reason, r.term) == ("skipped", "paused", second.term) for r in on_b)
+    assert all((r.outcome, r.reason, r.term) == ("skipped", "paused", second.term) for r in on_b), [
+        (r.outcome, r.reason, r.term, r.by)
+        for r in on_b
+        if (r.outcome, r.reason) != ("skipped", "paused")
+    ]
     admin.resume_task(name, "tick")
     wait_until(lambda: fires.tick_count("b") >= 1, SEEN_WITHIN + 0.5, "b to fire once resumed")
 

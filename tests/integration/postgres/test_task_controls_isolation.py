@@ -31,6 +31,7 @@ class Fires:
         self.lock = threading.Lock()
         self.ticks: list[float] = []
         self.loops = 0
+        self.running = 0  # runs of loop going on
 
     def handler(self) -> rs.TaskHandler:
         tasks = rs.TaskHandler()
@@ -44,8 +45,13 @@ class Fires:
         def loop(ctx: rs.TaskContext) -> None:
             with self.lock:
                 self.loops += 1
-            while ctx.sleep(0.01):
-                pass
+                self.running += 1
+            try:
+                while ctx.sleep(0.01):
+                    pass
+            finally:
+                with self.lock:
+                    self.running -= 1
 
         return tasks
 
@@ -216,3 +222,26 @@ def test_a_trigger_claimed_as_its_term_ends_runs_on_the_next_leader(
         wait_until(lambda: second.ticks_since(0.0) == 1, 10, "the trigger run by b")
         time.sleep(1.0)
         assert first.ticks_since(0.0) + second.ticks_since(0.0) == 1
+
+
+def test_a_pause_is_seen_within_a_second_while_the_run_history_table_is_locked(
+    pg_dsn: str, leaders: list[Any]
+) -> None:
+    fires = Fires()
+    leader = _leader(pg_dsn, fires, "x", ttl=15, renew_interval=2, renew_deadline=10)
+    leaders.append(leader)
+    leader.start()
+    assert leader.wait_until_leader(10)
+    wait_until(lambda: fires.running == 1, 5, "the loop running")
+    locker = psycopg.connect(pg_dsn)
+    try:
+        locker.execute("LOCK TABLE rselection_leases_task_runs IN ACCESS EXCLUSIVE MODE")
+        time.sleep(0.5)  # a batch write of the ticks' runs now waits on the lock
+        with PostgresAdmin(pg_dsn) as admin:
+            began = time.monotonic()
+            assert admin.pause_task("iso", "loop").changed  # no read of the run history
+            wait_until(lambda: fires.running == 0, 5, "the loop paused")
+            seen = time.monotonic() - began
+    finally:
+        locker.close()
+    assert seen < 1.0, f"the pause was seen after {seen:.2f} s"
