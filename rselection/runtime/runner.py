@@ -355,8 +355,7 @@ class TermRunner:
                 continue
             claimer = self.term.claimer
             if claimer is None:
-                if self._fire_trigger(spec, trigger):
-                    board.drop_triggers([trigger.fire_key])
+                self._start_trigger(spec, trigger, claimed_at=None)
                 continue
             age = time.time() - trigger.requested_at.timestamp()
             if age > _TRIGGER_AGE * claimer.ttl:
@@ -397,40 +396,78 @@ class TermRunner:
             board.retry_soon()
             return
         if key in won:
-            if not self._fire_trigger(spec, trigger):
-                # Claimed, but the term ended before the fire started: asked again under
-                # a fresh key (the next leader finds this one claimed), never run twice.
-                logger.info("trigger %.120s not run: its term ended; asked again", key)
-                board.reissue_trigger(trigger)
-                return
-        else:  # run by another node (a leader before this one) that did not drop it
-            logger.debug("trigger %.120s was claimed before: dropped", key)
+            self._start_trigger(spec, trigger, claimed_at=time.monotonic())
+            return
+        # Run by another node (a leader before this one) that did not drop it.
+        logger.debug("trigger %.120s was claimed before: dropped", key)
         board.drop_triggers([key])
 
-    def _fire_trigger(self, spec: TaskSpec, trigger: Trigger) -> bool:
-        """Start the triggered fire (claimed, if the term claims) in a unit of its own;
-        whether it was dealt with (started, or on record), ``False`` when the term is
-        over (the trigger is for the next leader)."""
+    def _start_trigger(self, spec: TaskSpec, trigger: Trigger, *, claimed_at: float | None) -> None:
+        """Start the trigger's fire (claimed at ``claimed_at``, monotonic, when the term
+        claims), and drop it from the store once started. While a fire of its task runs
+        it waits for it to end (on a thread of its own), never skipped. A term that
+        ends first leaves it to the next leader: asked again under a fresh key when
+        this term claimed it (the next leader would find its key claimed), unless its
+        claim may have expired meanwhile (the next leader may claim and run it)."""
+        board = self._board
+        assert board is not None
+        outcome = self._fire_trigger(spec, trigger)
+        if outcome == "busy":
+            threading.Thread(
+                target=self._trigger_when_free,
+                args=(spec, trigger, claimed_at),
+                name=f"rselection-trigger-{spec.name}"[:60],
+                daemon=True,
+            ).start()
+            return
+        if outcome == "started":
+            board.drop_triggers([trigger.fire_key])
+            return
+        claimer = self.term.claimer
+        if claimed_at is None or claimer is None:
+            return  # never claimed: the next leader reads and runs it
+        if time.monotonic() - claimed_at < _TRIGGER_AGE * claimer.ttl:
+            logger.info("trigger %.120s not run: its term ended; asked again", trigger.fire_key)
+            board.reissue_trigger(trigger)
+        else:
+            logger.warning(
+                "trigger %.120s not run: its term ended after its claim may have expired",
+                trigger.fire_key,
+            )
+
+    def _trigger_when_free(
+        self, spec: TaskSpec, trigger: Trigger, claimed_at: float | None
+    ) -> None:
+        """Wait for the fire of ``spec`` that runs to end, then start the trigger's."""
+        units = self._units
+        with units.cond:
+            while self.term.live() and spec.stats.running:
+                units.cond.wait(0.1)
+        self._start_trigger(spec, trigger, claimed_at=claimed_at)
+
+    def _fire_trigger(self, spec: TaskSpec, trigger: Trigger) -> str:
+        """Start the triggered fire (claimed, if the term claims) in a unit of its own:
+        ``"started"`` (or on record as not started), ``"busy"`` while a fire of its task
+        runs, ``"over"`` when the term is (the trigger is for the next leader)."""
         at, key = trigger.requested_at, trigger.fire_key
         with self._dispatch:  # stop() waits for the units entered here
             if not self.term.live():
-                return False
+                return "over"
             if not self._units.reserve(spec):
-                self._reports.skip(spec, at, "overlap", by=OPERATOR, fire_key=key)
-                return True
+                return "busy"
             unit = self._units.enter(spec.name)
             ctx = TaskContext(spec.name, self.term, scheduled_at=at, fire_key=key)
             if spec.is_async:
                 self._submit_many([(unit, spec.name, self._trigger_async(unit, spec, ctx), spec)])
-                return True
+                return "started"
             try:
                 self._threads.run(functools.partial(self._trigger_sync, unit, spec, ctx))
             except RuntimeError:
                 self._units.release(spec, unit)
                 if self._threads.closed:
-                    return False
+                    return "over"
                 self._reports.skip(spec, at, "no-thread", by=OPERATOR, fire_key=key)
-            return True
+            return "started"
 
     def _trigger_sync(self, unit: int, spec: TaskSpec, ctx: TaskContext) -> None:
         threading.current_thread().name = f"rselection-task-{spec.name}"

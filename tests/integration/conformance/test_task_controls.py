@@ -517,3 +517,32 @@ def test_a_flood_of_forged_notifications_costs_a_read_each_tenth_of_a_second(
     assert during <= seconds / 0.1 + 2, f"{during} reads in {seconds:.1f} s"
     # The runs of the flood's seconds were written (tick fires 20 times a second).
     assert len(admin.task_runs(name, "tick", limit=1000)) >= runs_before + 10
+
+
+def test_a_trigger_asked_while_a_fire_runs_runs_once_that_fire_ends(
+    backend: Backend, admin: Any, name: str
+) -> None:
+    tasks = rs.TaskHandler()
+    keys: list[str] = []
+
+    @tasks.interval(0.05, name="busy")
+    def busy(ctx: rs.TaskContext) -> None:  # nearly always running: fires overlap
+        keys.append(ctx.fire_key or "")
+        time.sleep(0.3)
+
+    leader = backend.leader(tasks, name, node_id="a", heartbeat_interval=0.2, **FAST)
+    try:
+        leader.start()
+        assert leader.wait_until_leader(10)
+        wait_until(lambda: len(keys) >= 2, 5, "the first fires")
+        trigger = admin.trigger_task(name, "busy")
+        wait_until(lambda: trigger.fire_key in keys, 5, "the triggered fire")
+        time.sleep(0.5)
+        assert keys.count(trigger.fire_key) == 1
+        overlapped = [
+            r for r in admin.task_runs(name, "busy", limit=1000)
+            if r.by == "operator" and r.outcome == "skipped"
+        ]  # fmt: skip
+        assert not overlapped
+    finally:
+        leader.stop(timeout=10)
