@@ -304,9 +304,9 @@ class PostgresTaskStore:
         """The read of a lease's controls, its name given as ``name`` (a placeholder, or
         a literal for the keeper session, which takes no parameters)."""
         return sql.SQL(
-            "SELECT task, paused_at, NULL FROM {tasks} WHERE name = {name}"
+            "SELECT task, paused_at, NULL, clock_timestamp() FROM {tasks} WHERE name = {name}"
             " AND paused_at IS NOT NULL"
-            " UNION ALL SELECT task, requested_at, fire_key FROM {triggers}"
+            " UNION ALL SELECT task, requested_at, fire_key, clock_timestamp() FROM {triggers}"
             " WHERE name = {name} ORDER BY 2"
         ).format(tasks=self._tasks, triggers=self._triggers, name=name)
 
@@ -335,7 +335,13 @@ class PostgresTaskStore:
         triggers = tuple(
             Trigger(name, row[0], row[2], row[1].astimezone(UTC)) for row in rows if row[2]
         )
-        return TaskControls({task: at for task, at in paused.items() if at is not None}, triggers)
+        # The server's clock (that stamps the triggers), when any row was read.
+        read_at = max((row[3] for row in rows), default=None)
+        return TaskControls(
+            {task: at for task, at in paused.items() if at is not None},
+            triggers,
+            None if read_at is None else read_at.astimezone(UTC),
+        )
 
     def publish_tasks(self, name: str, node_id: str, term: int, tasks: Sequence[TaskEntry]) -> None:
         """See :meth:`~rselection.abc.TaskStore.publish_tasks`."""

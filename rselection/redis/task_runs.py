@@ -140,7 +140,8 @@ class RedisTaskStore:
             pipe = self.client.pipeline(transaction=False)
             pipe.hgetall(paused_key)
             pipe.hgetall(triggers_key)
-            paused_raw, triggers_raw = pipe.execute()
+            pipe.time()  # the server's clock, that stamps the triggers
+            paused_raw, triggers_raw, now = pipe.execute()
         except redis.RedisError as exc:
             raise self._failed(f"read the task controls of {name!r}", exc) from exc
         paused = {_text(task): _ms(at) for task, at in paused_raw.items()}
@@ -153,7 +154,8 @@ class RedisTaskStore:
             except (ValueError, KeyError, TypeError):
                 continue  # not one of ours: never run
         triggers.sort(key=lambda trigger: trigger.requested_at)
-        return TaskControls(paused, tuple(triggers))
+        read_at = datetime.fromtimestamp(int(now[0]) + int(now[1]) / 1e6, UTC)
+        return TaskControls(paused, tuple(triggers), read_at)
 
     def publish_tasks(self, name: str, node_id: str, term: int, tasks: Sequence[TaskEntry]) -> None:
         """See :meth:`~rselection.abc.TaskStore.publish_tasks`."""

@@ -334,9 +334,9 @@ class TermRunner:
                         self._triggers_seen.add(trigger.fire_key)
                         triggers.append(trigger)
         if triggers:
-            self._take_triggers(triggers)
+            self._take_triggers(triggers, controls.read_at)
 
-    def _take_triggers(self, triggers: list[Trigger]) -> None:
+    def _take_triggers(self, triggers: list[Trigger], read_at: datetime | None) -> None:
         """Run each trigger once: claimed first under its own fire key when the term
         claims; dropped from the store once taken (or refused)."""
         board = self._board
@@ -357,7 +357,10 @@ class TermRunner:
             if claimer is None:
                 self._start_trigger(spec, trigger, claimed_at=None)
                 continue
-            age = time.time() - trigger.requested_at.timestamp()
+            # Judged on the clock that stamped it, the store's (the node's own may be
+            # off by any amount), when the store told it.
+            now = read_at.timestamp() if read_at is not None else time.time()
+            age = now - trigger.requested_at.timestamp()
             if age > _TRIGGER_AGE * claimer.ttl:
                 self._reports.skip(
                     spec,

@@ -546,3 +546,24 @@ def test_a_trigger_asked_while_a_fire_runs_runs_once_that_fire_ends(
         assert not overlapped
     finally:
         leader.stop(timeout=10)
+
+
+def test_a_trigger_runs_on_a_node_whose_clock_is_off(
+    backend: Backend, make: Callable[..., Any], admin: Any, name: str, monkeypatch: Any
+) -> None:
+    """A trigger's age is judged on the store's clock, which stamped it: a node whose
+    wall clock runs ten minutes ahead (more than the claims' ttl) still runs it."""
+    import types
+
+    import rselection.runtime.runner as runner
+
+    real = time.time
+    skewed = types.SimpleNamespace(time=lambda: real() + 600.0, monotonic=time.monotonic)
+    monkeypatch.setattr(runner, "time", skewed)  # only the runner's view of the clock
+    fires = Fires()
+    leader = make("a", fires)
+    leader.start()
+    assert leader.wait_until_leader(10)
+    wait_until(lambda: admin.tasks(name), 5, "the tasks published")
+    trigger = admin.trigger_task(name, "tick")
+    wait_until(lambda: trigger.fire_key in fires.fire_keys(), 5, "the triggered fire")
