@@ -193,7 +193,10 @@ class PostgresTaskStore:
             " INSERT INTO {tasks} AS t (name, task, kind, schedule, next_fire, fire_term,"
             " node_id, term, published_at)"
             " SELECT %(name)s, task, kind, schedule, next_fire, %(term)s, %(node_id)s,"
-            " %(term)s, clock_timestamp() FROM p ORDER BY task"
+            " %(term)s, clock_timestamp() FROM p"
+            # A newer term's list stands: a leader that lost its term late adds nothing.
+            " WHERE NOT EXISTS (SELECT 1 FROM {tasks} WHERE name = %(name)s"
+            " AND term > %(term)s) ORDER BY task"
             " ON CONFLICT (name, task) DO UPDATE SET kind = EXCLUDED.kind,"
             " schedule = EXCLUDED.schedule, next_fire = EXCLUDED.next_fire,"
             " fire_term = EXCLUDED.fire_term, node_id = EXCLUDED.node_id,"

@@ -567,3 +567,24 @@ def test_a_trigger_runs_on_a_node_whose_clock_is_off(
     wait_until(lambda: admin.tasks(name), 5, "the tasks published")
     trigger = admin.trigger_task(name, "tick")
     wait_until(lambda: trigger.fire_key in fires.fire_keys(), 5, "the triggered fire")
+
+
+def test_an_older_term_never_overwrites_the_list_of_tasks_and_unknown_tasks_are_refused(
+    make: Callable[..., Any], admin: Any, name: str
+) -> None:
+    from rselection.task_runs import TaskEntry
+
+    fires = Fires()
+    leader = make("a", fires)
+    leader.start()
+    assert leader.wait_until_leader(10)
+    wait_until(lambda: admin.tasks(name), 5, "the tasks published")
+    store = leader._state.tasks.store
+    # A leader that lost its term late publishes its list after its successor's.
+    store.publish_tasks(name, "old", 0, [TaskEntry("ghost", "persistent", None, None)])
+    assert sorted(info.task for info in admin.tasks(name)) == ["loop", "tick"]
+    # The leader's own API refuses an unknown task as the admin API does.
+    with pytest.raises(Refused):
+        admin.task_runs(name, "nope")
+    with pytest.raises(Refused):
+        leader.task_runs("nope")
