@@ -1028,9 +1028,10 @@ class TaskStore(Protocol):
         """Forget the triggers ``fire_keys`` of lease ``name`` (taken, or refused)."""
         ...
 
-    def read_tasks(self, name: str) -> list[TaskInfo]:
+    def read_tasks(self, name: str, *, last_run: bool = True) -> list[TaskInfo]:
         """The tasks of lease ``name`` as its leader last published them, sorted by
-        name, each with its controls and newest run (empty: never published)."""
+        name, each with its controls and newest run (empty: never published; without
+        ``last_run``, the newest runs may be left out: a check that needs no run)."""
         ...
 
     def read_runs(self, name: str, task: str, limit: int) -> list[RunRecord]:

@@ -442,8 +442,9 @@ class LeaseAdmin(Closeable, ABC):
 
     def _known_task(self, store: TaskStore, name: str, task: str, *, scheduled: bool) -> None:
         """Refuse an unknown lease, or a task its leader's list does not have (when it
-        published one), or (``scheduled``) a persistent task."""
-        listed = store.read_tasks(name)
+        published one), or (``scheduled``) a persistent task. Reads the list without
+        the newest runs: a pause never waits on the run history."""
+        listed = store.read_tasks(name, last_run=False)
         if not listed:
             self._known_lease(name)
             return

@@ -478,13 +478,15 @@ class LeaseLeader(Service):
         history, as ``rselection task history``).
 
         Raises:
+            Refused: no such task in this leader's handler (as the admin API refuses a
+                task its lease's list does not have).
             ConfigError: ``limit`` is not an int from 1, or this leader keeps no task
                 controls.
             BackendUnavailable: the store could not be reached.
         """
         board = self._task_board()
         limit = check_run_limit(limit)
-        return board.store.read_runs(self.name, check_name(task, "task name"), limit)
+        return board.store.read_runs(self.name, self._registered(task), limit)
 
     def _read_task_controls(self) -> None:
         """The leader (re)connects: the task controls it holds may have missed a

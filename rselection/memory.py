@@ -734,7 +734,7 @@ class MemoryTaskStore:
             for key in fire_keys:
                 pending.pop(key, None)
 
-    def read_tasks(self, name: str) -> list[TaskInfo]:
+    def read_tasks(self, name: str, *, last_run: bool = True) -> list[TaskInfo]:
         """See :meth:`~rselection.abc.TaskStore.read_tasks`."""
         with self._lock:
             published = dict(self._tasks.get(name, {}))

@@ -18,24 +18,32 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from .task_desk import Noted, RunQueue, TaskDesk
-from .task_runs import TaskControls, entry_of
+from .task_desk import ControlsDesk, Noted, RunQueue, TaskDesk
+from .task_runs import TaskControls, Trigger, entry_of
 
 if TYPE_CHECKING:
     from .abc import TaskStore
     from .context import Term
     from .specs import TaskSpec
 
-__all__ = ["RETRY_AFTER", "ControlsListener", "TaskBoard", "TaskNotices"]
+__all__ = ["READ_GAP", "RETRY_AFTER", "RETRY_MAX", "ControlsListener", "TaskBoard", "TaskNotices"]
 
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER = 1.0
 """Seconds before a read of the controls that failed is tried again (while the term
 that wanted it runs)."""
+
+READ_GAP = 0.1
+"""Least seconds between two reads of the controls that notifications ask for."""
+
+RETRY_MAX = 10.0
+"""Most seconds between two reads of the controls a term waits for (see
+:meth:`TaskBoard.read_for_term`)."""
 
 STOP_FLUSH = 2.0
 """Seconds a stopping leader waits at most for its last runs to be written."""
@@ -93,8 +101,10 @@ class TaskBoard:
         self._lock = threading.Lock()
         self._listener: ControlsListener | None = None
         self._reading = False  # a read is queued on the desk
+        self._last_read = -READ_GAP  # when the last read on a wake-up began (monotonic)
         self._open = False  # the leader runs (see open, close)
         self._fresh = False  # see fresh
+        self._known = False  # see known
         self.notified = False
         """Whether changes of the controls wake the board (:meth:`wake`): its lease's
         notifications, or its store's callbacks. Without, each term reads them."""
@@ -121,20 +131,59 @@ class TaskBoard:
         the next term reads the controls before it starts its tasks."""
         self._fresh = False
 
-    def read_quietly(self) -> TaskControls:
-        """Read the controls; a failure is logged, and the controls last read stay (and
-        are returned)."""
-        try:
-            return self.read()
-        except Exception as exc:
-            logger.warning(
-                "lease %r: could not read the task controls (%s); the tasks run as they "
-                "were last read (%d paused)",
-                self.name,
-                exc,
-                len(self.controls.paused),
-            )
-            return self.controls
+    def read_for_term(
+        self, begin: Callable[[TaskControls], None], live: Callable[[], bool]
+    ) -> None:
+        """Read the controls on the task desk (never on the caller's thread: a term
+        starts on the engine's worker, which renews leases), then ``begin(controls)``
+        there, while ``live()``.
+
+        A read that fails falls back on the controls held when this board read them
+        before (:attr:`known`); else the term begins nothing (no paused task may run):
+        the read is tried again, :data:`RETRY_AFTER` seconds later, then twice as long
+        each time up to :data:`RETRY_MAX`, said once, until it works or the term ends.
+        """
+        said = [False]
+
+        def attempt(delay: float) -> None:
+            if not live():
+                return
+            try:
+                controls = self.read()
+            except Exception as exc:
+                if self._known:
+                    logger.warning(
+                        "lease %r: could not read the task controls (%s); the tasks run "
+                        "as they were last read (%d paused)",
+                        self.name,
+                        exc,
+                        len(self.controls.paused),
+                    )
+                    begin(self.controls)
+                    return
+                if not said[0]:
+                    said[0] = True
+                    logger.warning(
+                        "lease %r: could not read the task controls (%s); the term starts "
+                        "no task until they are read (trying again, every %gs at most)",
+                        self.name,
+                        exc,
+                        RETRY_MAX,
+                    )
+                ControlsDesk.shared().submit(
+                    lambda: attempt(min(2 * delay, RETRY_MAX)), delay=delay
+                )
+                return
+            if said[0]:
+                logger.info("lease %r: task controls read: the term starts its tasks", self.name)
+            begin(controls)
+
+        ControlsDesk.shared().submit(lambda: attempt(RETRY_AFTER))
+
+    @property
+    def known(self) -> bool:
+        """Whether this board read the controls successfully at least once."""
+        return self._known
 
     def read(self) -> TaskControls:
         """Read the lease's controls from the store (and keep them); once the leader
@@ -147,12 +196,13 @@ class TaskBoard:
             return self.controls
         controls = self.store.read_controls(self.name)
         self.controls = controls
-        self._fresh = True
+        self._fresh = self._known = True
         return controls
 
     def attach(self, listener: ControlsListener) -> None:
         """Hand the controls read from now on to ``listener`` (a term that runs)."""
         TaskDesk.shared().use(self.store)
+        ControlsDesk.shared().use(self.store)
         with self._lock:
             self._listener = listener
 
@@ -163,6 +213,7 @@ class TaskBoard:
                 return
             self._listener = None
         TaskDesk.shared().release(self.store)
+        ControlsDesk.shared().release(self.store)
 
     def wake(self) -> None:
         """A notification says the controls may have changed: read them soon on the task
@@ -171,16 +222,22 @@ class TaskBoard:
         self._read_soon(0.0)
 
     def _read_soon(self, delay: float) -> None:
+        """Read the controls ``delay`` seconds from now, and not sooner than
+        :data:`READ_GAP` after the last read: wake-ups coalesce into one pending read,
+        so that a flood of notifications (anyone may send them) costs a read each
+        :data:`READ_GAP` seconds at most."""
         with self._lock:
             if not self._open or self._reading:
                 return
             self._reading = True
-        TaskDesk.shared().submit(self._refresh, delay=delay)
+            delay = max(delay, self._last_read + READ_GAP - time.monotonic())
+        ControlsDesk.shared().submit(self._refresh, delay=delay)
 
     def _refresh(self) -> None:
         """On the desk: read the controls and hand them to the running term."""
         with self._lock:
             self._reading = False
+            self._last_read = time.monotonic()
             if not self._open:
                 return
         try:
@@ -247,10 +304,36 @@ class TaskBoard:
 
         TaskDesk.shared().submit(drop)
 
+    def reissue_trigger(self, trigger: Trigger) -> None:
+        """Ask ``trigger``'s fire again under a fresh key, and drop it, on the desk: it
+        was claimed by a term that ended before the fire started (a later leader finds
+        its key claimed and would drop it unrun). Best effort: logged."""
+
+        def reissue() -> None:
+            if not self._open:  # the leader stopped meanwhile: its store may be closed
+                logger.warning(
+                    "lease %r: trigger %.120s not run: its leader stopped", self.name,
+                    trigger.fire_key,
+                )  # fmt: skip
+                return
+            try:
+                self.store.add_trigger(self.name, trigger.task)
+                self.store.drop_triggers(self.name, [trigger.fire_key])
+            except Exception as exc:
+                logger.warning(
+                    "lease %r: could not ask trigger %.120s again: %s",
+                    self.name,
+                    trigger.fire_key,
+                    exc,
+                )
+
+        TaskDesk.shared().submit(reissue)
+
     def close(self) -> None:
         """The leader stops: write its last runs now (waiting at most
         :data:`STOP_FLUSH` seconds), and read the controls no more."""
         with self._lock:
             self._open = False
+        ControlsDesk.shared().release(self.store)
         TaskDesk.shared().drain(self.store, STOP_FLUSH)
         self._queue = None

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BATCH",
+    "ControlsDesk",
     "FLUSH_DELAY",
     "IDLE",
     "MAX_PENDING",
@@ -149,12 +150,15 @@ class TaskDesk(forks.PerProcess):
     """The process's thread for task stores (see the module docstring). Get it with
     :meth:`shared`."""
 
+    THREAD_NAME = "rselection-tasks"
+
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._queues: dict[int, RunQueue] = {}  # by id() of the store
         self._jobs: list[tuple[float, int, Callable[[], None]]] = []  # a heap by due time
         self._order = itertools.count()
         self._running_job = False
+        self._job_last = False  # the last work taken was a job (see _next)
         self._users: set[int] = set()  # id() of the stores of leaders that run
         self._thread: threading.Thread | None = None
         self._dropped_said = -_REPORT_EVERY
@@ -270,7 +274,7 @@ class TaskDesk(forks.PerProcess):
         """Under the lock: wake the thread, or start it."""
         self._cond.notify_all()
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="rselection-tasks", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=self.THREAD_NAME, daemon=True)
             self._thread.start()
 
     def _next(self) -> Callable[[], None] | RunQueue | None:
@@ -279,17 +283,22 @@ class TaskDesk(forks.PerProcess):
         idle_since = time.monotonic()
         while True:
             now = time.monotonic()
-            if self._jobs and self._jobs[0][0] <= now:
-                self._running_job = True
-                return heapq.heappop(self._jobs)[2]
+            job_due = bool(self._jobs) and self._jobs[0][0] <= now
+            # Jobs and batches take turns when both are due: a stream of jobs (reads a
+            # flood of notifications asks for) never starves the run history's writes.
+            if job_due and not self._job_last:
+                return self._pop_job()
             wake_at = self._jobs[0][0] if self._jobs else None
             for queue in self._queues.values():
                 if queue.writing or not queue.armed:
                     continue
                 if queue.due <= now:
                     queue.writing = True
+                    self._job_last = False
                     return queue
                 wake_at = queue.due if wake_at is None else min(wake_at, queue.due)
+            if job_due:
+                return self._pop_job()
             if wake_at is None:
                 if not self._users or now - idle_since >= IDLE:
                     self._thread = None
@@ -297,6 +306,11 @@ class TaskDesk(forks.PerProcess):
                 self._cond.wait(IDLE - (now - idle_since))
             else:
                 self._cond.wait(max(0.0, wake_at - now))
+
+    def _pop_job(self) -> Callable[[], None]:
+        """Under the lock: the job due first, marked running."""
+        self._running_job = self._job_last = True
+        return heapq.heappop(self._jobs)[2]
 
     def _run(self) -> None:
         while True:
@@ -372,3 +386,11 @@ class TaskDesk(forks.PerProcess):
                 else:
                     queue.due = 0.0
                 self._cond.notify_all()
+
+
+class ControlsDesk(TaskDesk):
+    """The process's thread for the reads of task controls: a lane of their own, so
+    that a pause never waits behind a run history write the store is slow to take (jobs
+    only: no run is queued here). Get it with :meth:`shared`."""
+
+    THREAD_NAME = "rselection-task-controls"

@@ -294,7 +294,10 @@ class TaskControls:
     Attributes:
         paused: the paused tasks, each with when it was paused.
         triggers: the fires asked for and not taken yet, oldest first.
+        read_at: the store's clock when they were read (a trigger's age is judged on
+            the clock that stamped it); ``None``: unknown, the node's clock is used.
     """
 
     paused: Mapping[str, datetime] = field(default_factory=dict)
     triggers: tuple[Trigger, ...] = ()
+    read_at: datetime | None = None

@@ -21,7 +21,7 @@ from .handover import request_handovers
 from .lease import PostgresLease
 from .membership import PostgresMembership
 from .schema import NODES_TABLE
-from .task_runs import PostgresTaskStore
+from .task_runs import TASK_STATEMENT_TIMEOUT, PostgresTaskStore, store_turn
 
 if TYPE_CHECKING:
     from ..broadcast import Broadcaster
@@ -193,12 +193,21 @@ class PostgresLeader(MemberLeader):
                 owner=type(self).__name__,
                 application_name="rselection:tasks",
                 connect_timeout=5.0,
-                statement_timeout=10.0,
+                statement_timeout=TASK_STATEMENT_TIMEOUT,
                 pooled=True,
             ),
             table=table,
             create_tables=create_tables,
             keeper=lambda: lease.keeper,
+            # One call at a time of the process's task stores: its fire claims always
+            # find the pool's other session.
+            turn=None
+            if not isinstance(source, str)
+            else store_turn(source, 5.0 + TASK_STATEMENT_TIMEOUT),
+            # The reads of the controls take a turn of their own: never behind a write.
+            controls_turn=None
+            if not isinstance(source, str)
+            else store_turn(source, 5.0 + TASK_STATEMENT_TIMEOUT, "controls"),
         )
         cleanup.append(task_store.close)
 

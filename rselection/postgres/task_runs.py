@@ -14,15 +14,17 @@ push past the limit. A missing table reads as nothing stored.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
 
-from ..errors import first_line
+from ..errors import BackendUnavailable, first_line
 from ..task_runs import (
     RunRecord,
     TaskControlChange,
@@ -39,11 +41,64 @@ from .schema import create_tables, table_exists, table_identifier, task_table_na
 if TYPE_CHECKING:
     from .keeper import SharedKeeper
 
-__all__ = ["PostgresTaskStore"]
+__all__ = ["TASK_STATEMENT_TIMEOUT", "PostgresTaskStore"]
+
+TASK_STATEMENT_TIMEOUT = 2.0
+"""Seconds a leader's statement of task controls or run history may take on the server
+(lock waits included): a locked task table fails the call soon, and the leader tries
+again, rather than hold a pooled session its fire claims need."""
 
 _RUN_COLUMNS = "scheduled_at, started_at, ended_at, outcome, reason, node_id, term, error, acted_by"
 
 _NOTIFY = "SELECT pg_notify(%s, json_build_object('event', 'tasks', 'name', %s::text)::text)"
+
+
+class StoreTurn:
+    """The turn of the task stores of one process on its pooled sessions: one call at a
+    time, so that they hold at most one of the pool's two sessions and the fire claims
+    (and the rest) always find the other, however long a call waits on a locked table.
+
+    Args:
+        wait: seconds a call waits at most for the turn.
+    """
+
+    def __init__(self, wait: float) -> None:
+        self.wait = wait
+        self._slot = threading.Lock()
+
+    @contextlib.contextmanager
+    def taken(self, what: str) -> Iterator[None]:
+        """Hold the turn for one call.
+
+        Raises:
+            BackendUnavailable: it stayed taken for :attr:`wait` seconds.
+        """
+        if not self._slot.acquire(timeout=self.wait):
+            raise BackendUnavailable(
+                f"{what}: the task store's pooled session stayed busy for {self.wait:g}s"
+            )
+        try:
+            yield
+        finally:
+            self._slot.release()
+
+
+_turns_lock = threading.Lock()
+_turns: dict[tuple[int, str], StoreTurn] = {}
+
+
+def store_turn(conninfo: str, wait: float, lane: str = "history") -> StoreTurn:
+    """The turn of this process's task stores on the pooled sessions of ``conninfo``:
+    lane ``"history"`` for every call but the reads of the controls, which take lane
+    ``"controls"`` (a pause is never read behind a run history write)."""
+    import os
+
+    with _turns_lock:
+        key = (os.getpid(), f"{lane}:{conninfo}")  # a forked child's turn is its own
+        found = _turns.get(key)
+        if found is None:
+            found = _turns[key] = StoreTurn(wait)
+        return found
 
 
 def _epoch(value: datetime | None) -> float | None:
@@ -91,8 +146,12 @@ class PostgresTaskStore:
         table: str,
         create_tables: bool = True,
         keeper: Callable[[], SharedKeeper | None] | None = None,
+        turn: StoreTurn | None = None,
+        controls_turn: StoreTurn | None = None,
     ) -> None:
         self._conns = conns
+        self._turn = turn
+        self._controls_turn = controls_turn
         self.table = table
         self.create_tables = create_tables
         self._keeper = keeper
@@ -134,7 +193,10 @@ class PostgresTaskStore:
             " INSERT INTO {tasks} AS t (name, task, kind, schedule, next_fire, fire_term,"
             " node_id, term, published_at)"
             " SELECT %(name)s, task, kind, schedule, next_fire, %(term)s, %(node_id)s,"
-            " %(term)s, clock_timestamp() FROM p ORDER BY task"
+            " %(term)s, clock_timestamp() FROM p"
+            # A newer term's list stands: a leader that lost its term late adds nothing.
+            " WHERE NOT EXISTS (SELECT 1 FROM {tasks} WHERE name = %(name)s"
+            " AND term > %(term)s) ORDER BY task"
             " ON CONFLICT (name, task) DO UPDATE SET kind = EXCLUDED.kind,"
             " schedule = EXCLUDED.schedule, next_fire = EXCLUDED.next_fire,"
             " fire_term = EXCLUDED.fire_term, node_id = EXCLUDED.node_id,"
@@ -154,6 +216,12 @@ class PostgresTaskStore:
             " WHERE name = t.name AND task = t.task ORDER BY seq DESC LIMIT 1) r ON true"
             " WHERE t.name = %s AND t.kind IS NOT NULL"
         ).format(tasks=tasks, runs=runs)
+        # The same columns without the newest run: never waits on the runs table.
+        self._kinds_sql = sql.SQL(
+            "SELECT t.task, t.kind, t.schedule, t.next_fire, t.paused_at, t.node_id, t.term,"
+            " NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL"
+            " FROM {tasks} t WHERE t.name = %s AND t.kind IS NOT NULL"
+        ).format(tasks=tasks)
         self._runs_sql = sql.SQL(
             "SELECT " + _RUN_COLUMNS + " FROM {runs} WHERE name = %s AND task = %s"
             " ORDER BY seq DESC LIMIT %s"
@@ -169,10 +237,26 @@ class PostgresTaskStore:
 
     # -- a call ---------------------------------------------------------------------------
 
-    def _read(self, what: str, query: sql.Composed, params: Any) -> list[tuple[Any, ...]]:
+    @contextlib.contextmanager
+    def _connection(
+        self, what: str, turn: StoreTurn | None = None
+    ) -> Iterator[psycopg.Connection[Any]]:
+        """A connection of ``conns`` for one call, in the process's turn (``turn``,
+        default the history lane's) if shared."""
+        turn = turn or self._turn
+        if turn is None:
+            with self._conns.connection() as conn:
+                yield conn
+            return
+        with turn.taken(what), self._conns.connection() as conn:
+            yield conn
+
+    def _read(
+        self, what: str, query: sql.Composed, params: Any, turn: StoreTurn | None = None
+    ) -> list[tuple[Any, ...]]:
         """The rows of ``query``; none when the task tables do not exist (yet)."""
         try:
-            with self._conns.connection() as conn:
+            with self._connection(what, turn) as conn:
                 try:
                     return conn.execute(query, params).fetchall()
                 except psycopg.errors.UndefinedTable:
@@ -184,7 +268,7 @@ class PostgresTaskStore:
         """Run ``query`` and notify the lease's channel, in one transaction; its row,
         or the number of rows it changed. Creates the task tables when missing."""
         try:
-            with self._conns.connection() as conn:
+            with self._connection(what) as conn:
                 found = resolve_lease_table(conn, self.table)
                 tasks_table = task_table_names(self.table)[0]
                 if self.create_tables and found is not None and not table_exists(conn, tasks_table):
@@ -208,7 +292,7 @@ class PostgresTaskStore:
         """Run ``query``, one statement (atomic by itself: no BEGIN and COMMIT around it,
         which would make a batch three round trips)."""
         try:
-            with self._conns.connection() as conn:
+            with self._connection(what) as conn:
                 if conn.autocommit:
                     conn.execute(query, params)
                 else:  # a user's pool's connection: commit it
@@ -223,9 +307,9 @@ class PostgresTaskStore:
         """The read of a lease's controls, its name given as ``name`` (a placeholder, or
         a literal for the keeper session, which takes no parameters)."""
         return sql.SQL(
-            "SELECT task, paused_at, NULL FROM {tasks} WHERE name = {name}"
+            "SELECT task, paused_at, NULL, clock_timestamp() FROM {tasks} WHERE name = {name}"
             " AND paused_at IS NOT NULL"
-            " UNION ALL SELECT task, requested_at, fire_key FROM {triggers}"
+            " UNION ALL SELECT task, requested_at, fire_key, clock_timestamp() FROM {triggers}"
             " WHERE name = {name} ORDER BY 2"
         ).format(tasks=self._tasks, triggers=self._triggers, name=name)
 
@@ -244,12 +328,23 @@ class PostgresTaskStore:
             except psycopg.Error as exc:
                 raise self._conns.wrap(what, exc) from exc
         if rows is None:
-            rows = self._read(what, self._controls_sql(sql.Placeholder("name")), {"name": name})
+            rows = self._read(
+                what,
+                self._controls_sql(sql.Placeholder("name")),
+                {"name": name},
+                self._controls_turn,
+            )
         paused = {row[0]: _utc(row[1]) for row in rows if row[2] is None}
         triggers = tuple(
             Trigger(name, row[0], row[2], row[1].astimezone(UTC)) for row in rows if row[2]
         )
-        return TaskControls({task: at for task, at in paused.items() if at is not None}, triggers)
+        # The server's clock (that stamps the triggers), when any row was read.
+        read_at = max((row[3] for row in rows), default=None)
+        return TaskControls(
+            {task: at for task, at in paused.items() if at is not None},
+            triggers,
+            None if read_at is None else read_at.astimezone(UTC),
+        )
 
     def publish_tasks(self, name: str, node_id: str, term: int, tasks: Sequence[TaskEntry]) -> None:
         """See :meth:`~rselection.abc.TaskStore.publish_tasks`."""
@@ -304,9 +399,10 @@ class PostgresTaskStore:
 
     # -- an operator's -------------------------------------------------------------------
 
-    def read_tasks(self, name: str) -> list[TaskInfo]:
+    def read_tasks(self, name: str, *, last_run: bool = True) -> list[TaskInfo]:
         """See :meth:`~rselection.abc.TaskStore.read_tasks`."""
-        rows = self._read(f"read the tasks of {name!r}", self._tasks_sql, (name,))
+        query = self._tasks_sql if last_run else self._kinds_sql
+        rows = self._read(f"read the tasks of {name!r}", query, (name,))
         found = [
             TaskInfo(
                 lease=name,

@@ -51,6 +51,28 @@ return changed
 #: Record trigger ARGV[1] (a fire key) of task ARGV[2] in the triggers hash (KEYS[1])
 #: with the server's time, and publish ``tasks:0`` on the lease's channel (ARGV[3]).
 #: Returns the time (seconds, microseconds).
+# Publish a term's list of tasks (KEYS: tasks, next fires; ARGV: term, the list, the next
+# fires, as JSON objects), unless a newer term published one: a leader that lost its
+# term late never overwrites its successor's list.
+_PUBLISH = """
+local term = tonumber(ARGV[1])
+for _, raw in ipairs(redis.call('HVALS', KEYS[1])) do
+  local ok, item = pcall(cjson.decode, raw)
+  if ok and type(item) == 'table' and tonumber(item['term']) ~= nil
+      and tonumber(item['term']) > term then
+    return 0
+  end
+end
+redis.call('DEL', KEYS[1])
+for task, value in pairs(cjson.decode(ARGV[2])) do
+  redis.call('HSET', KEYS[1], task, value)
+end
+for task, at in pairs(cjson.decode(ARGV[3])) do
+  redis.call('HSET', KEYS[2], task, at)
+end
+return 1
+"""
+
 _TRIGGER = """
 local t = redis.call('TIME')
 redis.call('HSET', KEYS[1], ARGV[1], cjson.encode({task = ARGV[2], s = t[1], us = t[2]}))
@@ -140,7 +162,8 @@ class RedisTaskStore:
             pipe = self.client.pipeline(transaction=False)
             pipe.hgetall(paused_key)
             pipe.hgetall(triggers_key)
-            paused_raw, triggers_raw = pipe.execute()
+            pipe.time()  # the server's clock, that stamps the triggers
+            paused_raw, triggers_raw, now = pipe.execute()
         except redis.RedisError as exc:
             raise self._failed(f"read the task controls of {name!r}", exc) from exc
         paused = {_text(task): _ms(at) for task, at in paused_raw.items()}
@@ -153,7 +176,8 @@ class RedisTaskStore:
             except (ValueError, KeyError, TypeError):
                 continue  # not one of ours: never run
         triggers.sort(key=lambda trigger: trigger.requested_at)
-        return TaskControls(paused, tuple(triggers))
+        read_at = datetime.fromtimestamp(int(now[0]) + int(now[1]) / 1e6, UTC)
+        return TaskControls(paused, tuple(triggers), read_at)
 
     def publish_tasks(self, name: str, node_id: str, term: int, tasks: Sequence[TaskEntry]) -> None:
         """See :meth:`~rselection.abc.TaskStore.publish_tasks`."""
@@ -170,13 +194,15 @@ class RedisTaskStore:
             if entry.next_fire is not None
         }
         try:
-            pipe = self.client.pipeline(transaction=True)
-            pipe.delete(tasks_key)
-            if listed:
-                pipe.hset(tasks_key, mapping=listed)
-            if fires:
-                pipe.hset(next_key, mapping=fires)
-            pipe.execute()
+            self.client.eval(
+                _PUBLISH,
+                2,
+                tasks_key,
+                next_key,
+                term,
+                json.dumps(listed),
+                json.dumps({task: str(at) for task, at in fires.items()}),
+            )
         except redis.RedisError as exc:
             raise self._failed(f"publish the tasks of {name!r}", exc) from exc
 
@@ -218,7 +244,7 @@ class RedisTaskStore:
 
     # -- an operator's -------------------------------------------------------------------
 
-    def read_tasks(self, name: str) -> list[TaskInfo]:
+    def read_tasks(self, name: str, *, last_run: bool = True) -> list[TaskInfo]:
         """See :meth:`~rselection.abc.TaskStore.read_tasks` (two round trips)."""
         tasks_key, paused_key, _, next_key = task_keys(name, self.key_prefix)
         try:

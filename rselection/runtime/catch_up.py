@@ -23,9 +23,11 @@ from ..claiming import (
 )
 from ..context import Term
 from ..errors import ConfigError
+from ..history import OPERATOR
 from ..misfire import split_by_policy, window
 from ..schedules import fire_series, format_fire_key
 from ..specs import TaskSpec
+from ..task_runs import PAUSED
 from .claims import TermClaims
 from .reports import TermReports, surviving
 
@@ -146,7 +148,13 @@ class CatchUp:
         return True
 
     def _catch_up(self, spec: TaskSpec, won: list[datetime]) -> None:
-        """Run the missed fires ``won`` (claimed, oldest first) as the policy says."""
+        """Run the missed fires ``won`` (claimed, oldest first) as the policy says (a
+        paused task's are skipped, as its fires when due)."""
+        board = self.term.tasks
+        if board is not None and board.paused(spec.name):
+            for at in won:
+                self.reports.skip(spec, at, PAUSED, by=OPERATOR)
+            return
         run, skipped = split_by_policy(spec.misfire, won)
         # Their instants passed while no node led: missed, in the run history.
         for at in skipped:

@@ -112,14 +112,15 @@ class TermRunner:
     # -- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the persistent tasks, at once, and the scheduler.
+        """Start the persistent tasks and the scheduler, as the task controls say.
 
-        A leader with task controls starts its tasks as its controls say: those it holds
-        when they are current (read, and kept so by notifications since it connected),
-        else read now (one round trip, on the caller's thread: the engine's worker, as
-        a connect's reads). A term with scheduled tasks that used the controls held
-        reads them again on its claim lane before its scheduler begins, so that no
-        scheduled fire of a term ever runs before its controls were read.
+        A leader with task controls starts its tasks as its controls say. Nothing of
+        them runs on the caller's thread (the engine's worker: its renewals and term
+        starts never wait for a task store): the controls it holds are used at once when
+        they are current (read, and kept so by notifications since it connected) and the
+        term has no scheduled task; otherwise the board reads them on the task desk and
+        the term begins its tasks once read (see :meth:`TaskBoard.read_for_term`), so
+        that no scheduled fire of a term ever runs before its controls were read.
         """
         if any(spec.is_async for spec in self.specs) and self._loop is None:
             self._guard = SharedLoops.shared().enter()
@@ -130,42 +131,29 @@ class TermRunner:
             self._start_schedule()
             return
         board.attach(self)
-        # Current (read, and kept so by notifications): used as they are; else read now,
-        # one round trip before the term's first task (after a (re)connect only).
-        read_now = not board.fresh
-        controls = board.read_quietly() if read_now else board.controls
-        self._start_persistents(controls)
         scheduled = any(spec.type is TaskType.SCHEDULED for spec in self.specs)
-        if read_now or not scheduled:
-            self._start_schedule()
-            board.publish(self.term, self.specs)
-            if scheduled:
-                self.apply_controls(controls)  # its triggers
-            return
-        with contextlib.suppress(RuntimeError):  # the pool is shut down: the term is over
-            self._claims.submit(self._schedule_with_controls)
+        persistents = not board.fresh
+        if not persistents:  # current: the persistent tasks start now, as they say
+            self._start_persistents(board.controls)
+            if not scheduled:
+                board.publish(self.term, self.specs)
+                return
+        board.read_for_term(
+            functools.partial(self._begin_with, persistents=persistents), self.term.live
+        )
 
-    def _schedule_with_controls(self) -> None:
-        """On the claim lane: read the task controls, act on what changed since they
-        were last read, then begin the scheduler (with the controls last read if this
-        read fails)."""
+    def _begin_with(self, controls: TaskControls, *, persistents: bool) -> None:
+        """On the task desk, the controls read: start the persistent tasks (unless
+        started already), act on what changed, then begin the scheduler."""
         board = self._board
         assert board is not None
-        if not self.term.live():
-            return
-        try:
-            controls = board.read()
-        except Exception as exc:
-            controls = board.controls
-            logger.warning(
-                "term %d: the task controls could not be read (%s): the tasks run as "
-                "last read (%d paused)",
-                self.term.number,
-                exc,
-                len(controls.paused),
-            )
-        self.apply_controls(controls)  # a change since, and the triggers
         with self._dispatch:  # stop() waits for the units entered here
+            if not self.term.live():
+                return
+            if persistents:
+                self._start_persistents(controls)
+        self.apply_controls(controls)  # a change since, and the triggers
+        with self._dispatch:
             if not self.term.live():
                 return
             self._start_schedule()
@@ -346,9 +334,9 @@ class TermRunner:
                         self._triggers_seen.add(trigger.fire_key)
                         triggers.append(trigger)
         if triggers:
-            self._take_triggers(triggers)
+            self._take_triggers(triggers, controls.read_at)
 
-    def _take_triggers(self, triggers: list[Trigger]) -> None:
+    def _take_triggers(self, triggers: list[Trigger], read_at: datetime | None) -> None:
         """Run each trigger once: claimed first under its own fire key when the term
         claims; dropped from the store once taken (or refused)."""
         board = self._board
@@ -367,10 +355,12 @@ class TermRunner:
                 continue
             claimer = self.term.claimer
             if claimer is None:
-                self._fire_trigger(spec, trigger)
-                board.drop_triggers([trigger.fire_key])
+                self._start_trigger(spec, trigger, claimed_at=None)
                 continue
-            age = time.time() - trigger.requested_at.timestamp()
+            # Judged on the clock that stamped it, the store's (the node's own may be
+            # off by any amount), when the store told it.
+            now = read_at.timestamp() if read_at is not None else time.time()
+            age = now - trigger.requested_at.timestamp()
             if age > _TRIGGER_AGE * claimer.ttl:
                 self._reports.skip(
                     spec,
@@ -409,32 +399,78 @@ class TermRunner:
             board.retry_soon()
             return
         if key in won:
-            self._fire_trigger(spec, trigger)
-        else:  # run by another node (a leader before this one) that did not drop it
-            logger.debug("trigger %.120s was claimed before: dropped", key)
+            self._start_trigger(spec, trigger, claimed_at=time.monotonic())
+            return
+        # Run by another node (a leader before this one) that did not drop it.
+        logger.debug("trigger %.120s was claimed before: dropped", key)
         board.drop_triggers([key])
 
-    def _fire_trigger(self, spec: TaskSpec, trigger: Trigger) -> None:
-        """Start the triggered fire (claimed, if the term claims) in a unit of its own."""
+    def _start_trigger(self, spec: TaskSpec, trigger: Trigger, *, claimed_at: float | None) -> None:
+        """Start the trigger's fire (claimed at ``claimed_at``, monotonic, when the term
+        claims), and drop it from the store once started. While a fire of its task runs
+        it waits for it to end (on a thread of its own), never skipped. A term that
+        ends first leaves it to the next leader: asked again under a fresh key when
+        this term claimed it (the next leader would find its key claimed), unless its
+        claim may have expired meanwhile (the next leader may claim and run it)."""
+        board = self._board
+        assert board is not None
+        outcome = self._fire_trigger(spec, trigger)
+        if outcome == "busy":
+            threading.Thread(
+                target=self._trigger_when_free,
+                args=(spec, trigger, claimed_at),
+                name=f"rselection-trigger-{spec.name}"[:60],
+                daemon=True,
+            ).start()
+            return
+        if outcome == "started":
+            board.drop_triggers([trigger.fire_key])
+            return
+        claimer = self.term.claimer
+        if claimed_at is None or claimer is None:
+            return  # never claimed: the next leader reads and runs it
+        if time.monotonic() - claimed_at < _TRIGGER_AGE * claimer.ttl:
+            logger.info("trigger %.120s not run: its term ended; asked again", trigger.fire_key)
+            board.reissue_trigger(trigger)
+        else:
+            logger.warning(
+                "trigger %.120s not run: its term ended after its claim may have expired",
+                trigger.fire_key,
+            )
+
+    def _trigger_when_free(
+        self, spec: TaskSpec, trigger: Trigger, claimed_at: float | None
+    ) -> None:
+        """Wait for the fire of ``spec`` that runs to end, then start the trigger's."""
+        units = self._units
+        with units.cond:
+            while self.term.live() and spec.stats.running:
+                units.cond.wait(0.1)
+        self._start_trigger(spec, trigger, claimed_at=claimed_at)
+
+    def _fire_trigger(self, spec: TaskSpec, trigger: Trigger) -> str:
+        """Start the triggered fire (claimed, if the term claims) in a unit of its own:
+        ``"started"`` (or on record as not started), ``"busy"`` while a fire of its task
+        runs, ``"over"`` when the term is (the trigger is for the next leader)."""
         at, key = trigger.requested_at, trigger.fire_key
         with self._dispatch:  # stop() waits for the units entered here
             if not self.term.live():
-                self._reports.skip(spec, at, "not-leader", by=OPERATOR, fire_key=key)
-                return
+                return "over"
             if not self._units.reserve(spec):
-                self._reports.skip(spec, at, "overlap", by=OPERATOR, fire_key=key)
-                return
+                return "busy"
             unit = self._units.enter(spec.name)
             ctx = TaskContext(spec.name, self.term, scheduled_at=at, fire_key=key)
             if spec.is_async:
                 self._submit_many([(unit, spec.name, self._trigger_async(unit, spec, ctx), spec)])
-                return
+                return "started"
             try:
                 self._threads.run(functools.partial(self._trigger_sync, unit, spec, ctx))
             except RuntimeError:
-                reason = "not-leader" if self._threads.closed else "no-thread"
-                self._reports.skip(spec, at, reason, by=OPERATOR, fire_key=key)
                 self._units.release(spec, unit)
+                if self._threads.closed:
+                    return "over"
+                self._reports.skip(spec, at, "no-thread", by=OPERATOR, fire_key=key)
+            return "started"
 
     def _trigger_sync(self, unit: int, spec: TaskSpec, ctx: TaskContext) -> None:
         threading.current_thread().name = f"rselection-task-{spec.name}"

@@ -56,10 +56,11 @@ class TaskRuns:
             self.reports.skip(spec, ctx.scheduled_at, "not-leader")
         return False
 
-    def _failure(self, exc: Exception) -> Exception | None:
+    def _failure(self, exc: Exception, term: Term | None) -> Exception | None:
         """What a run that raised ``exc`` failed with: nothing when it only saw its term
-        end (:class:`LeadershipLost` once the term is over: it was told to stop)."""
-        if isinstance(exc, LeadershipLost) and not self.term.live():
+        end (:class:`LeadershipLost` once the run's own term is over, ``term``, default
+        the leader's: it was told to stop, its task paused or its leadership lost)."""
+        if isinstance(exc, LeadershipLost) and not (term or self.term).live():
             return None
         return exc
 
@@ -186,7 +187,7 @@ class TaskRuns:
                     "declare it 'async def' so it runs on the event loop"
                 )
         except Exception as exc:
-            error = self._failure(exc)
+            error = self._failure(exc, term)
         self._record(spec, ctx, began, error, term=term, by=by)
         return error
 
@@ -210,7 +211,7 @@ class TaskRuns:
             self._record(spec, ctx, began, None, term=term, by=by, cancelled=True)
             raise
         except Exception as exc:
-            error = self._failure(exc)
+            error = self._failure(exc, term)
         self._record(spec, ctx, began, error, term=term, by=by)
         return error
 

@@ -99,5 +99,6 @@ class TermUnits:
             stats.running -= 1
             if not stats.running:
                 stats.state = "failed" if stats.last_failed else "idle"
+                self.cond.notify_all()  # a trigger may wait for the slot
             if unit is not None:
                 self.leave(unit)

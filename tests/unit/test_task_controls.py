@@ -361,10 +361,16 @@ def test_a_failing_store_loses_its_batch_says_so_once_and_tasks_run_on(
         desk.drain(store, 5)
 
 
-def test_a_store_that_fails_to_read_controls_leaves_the_tasks_running(leaders: Make) -> None:
+def test_a_term_whose_controls_were_never_read_starts_no_task_until_they_are(
+    leaders: Make,
+) -> None:
+    down = [True]
+
     class Unreadable(rs.MemoryTaskStore):
         def read_controls(self, name: str) -> TaskControls:
-            raise rs.BackendUnavailable("down")
+            if down[0]:
+                raise rs.BackendUnavailable("down")
+            return super().read_controls(name)
 
         def publish_tasks(
             self, name: str, node_id: str, term: int, tasks: Sequence[TaskEntry]
@@ -380,4 +386,8 @@ def test_a_store_that_fails_to_read_controls_leaves_the_tasks_running(leaders: M
 
     leader = leaders(handler, task_store=Unreadable())
     leader.start()
-    wait_until(lambda: len(fired) >= 3, 5, "fires with the controls unread")
+    assert leader.wait_until_leader(5)
+    time.sleep(1.5)  # a first retry comes after 1 s
+    assert not fired, "a task ran before its controls were read"
+    down[0] = False
+    wait_until(lambda: len(fired) >= 3, 10, "fires once the controls were read")

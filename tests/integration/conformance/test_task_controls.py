@@ -245,7 +245,11 @@ def test_a_new_leader_reads_a_pause_before_its_first_fire(
         "b's skips on record",
     )
     on_b = [r for r in admin.task_runs(name, "tick") if r.node_id == "b"]
-    assert all((r.outcome, r.reason, r.term) == ("skipped", "paused", second.term) for r in on_b)
+    assert all((r.outcome, r.reason, r.term) == ("skipped", "paused", second.term) for r in on_b), [
+        (r.outcome, r.reason, r.term, r.by)
+        for r in on_b
+        if (r.outcome, r.reason) != ("skipped", "paused")
+    ]
     admin.resume_task(name, "tick")
     wait_until(lambda: fires.tick_count("b") >= 1, SEEN_WITHIN + 0.5, "b to fire once resumed")
 
@@ -416,3 +420,171 @@ def test_a_forged_notification_pauses_nothing(
     wait_until(lambda: fires.tick_count() >= count + 10, 3, "fires after the forged wake-ups")
     assert fires.running_loops() == 1
     assert not any(info.paused for info in admin.tasks(name))
+
+
+def test_a_paused_persistent_task_that_stops_by_ctx_check_is_cancelled_not_failed(
+    backend: Backend, admin: Any, name: str
+) -> None:
+    tasks = rs.TaskHandler()
+
+    @tasks.persistent(name="checker")
+    def checker(ctx: rs.TaskContext) -> None:
+        while True:
+            ctx.check()  # the documented way to stop: raises once its term is over
+            time.sleep(0.01)
+
+    failures: list[str] = []
+
+    def failed(sender: object, **kw: Any) -> None:
+        failures.append(kw["task"])
+
+    rs.signals.task_failed.connect(failed)
+    leader = backend.leader(tasks, name, node_id="a", heartbeat_interval=0.2, **FAST)
+    try:
+        leader.start()
+        assert leader.wait_until_leader(10)
+        wait_until(lambda: admin.tasks(name), 5, "the tasks published")
+        time.sleep(0.2)
+        admin.pause_task(name, "checker")
+        wait_until(lambda: admin.task_runs(name, "checker"), 5, "the run recorded")
+        run = admin.task_runs(name, "checker")[0]
+        assert (run.outcome, run.reason, run.by, run.error) == (
+            "cancelled", "paused", "operator", None,
+        )  # fmt: skip
+        assert "checker" not in failures
+    finally:
+        rs.signals.task_failed.disconnect(failed)
+        leader.stop(timeout=10)
+
+
+def test_a_flood_of_forged_notifications_costs_a_read_each_tenth_of_a_second(
+    backend: Backend, make: Callable[..., Any], admin: Any, name: str
+) -> None:
+    """Wake-ups coalesce: however many notifications arrive, the leader reads the
+    controls once each 0.1 s at most, and its runs are still written meanwhile."""
+    fires = Fires()
+    leader = make("a", fires)
+    store = leader._state.tasks.store
+    reads = [0]
+    read = store.read_controls
+
+    def counted(lease: str) -> Any:
+        reads[0] += 1
+        return read(lease)
+
+    store.read_controls = counted  # counts the round trips, each still made
+    leader.start()
+    assert leader.wait_until_leader(10)
+    wait_until(lambda: fires.tick_count() >= 2, 5, "fires")
+    stop = threading.Event()
+
+    def flood() -> None:
+        if backend.kind == "redis":
+            from rselection.redis.keys import lease_keys
+
+            with backend._redis() as client:
+                while not stop.is_set():
+                    pipe = client.pipeline(transaction=False)
+                    for _ in range(50):
+                        pipe.publish(lease_keys(name)[2], "tasks:0")
+                    pipe.execute()
+        else:
+            import psycopg
+
+            payload = json.dumps({"event": "tasks", "name": name})
+            with psycopg.connect(backend.url, autocommit=True) as conn:
+                while not stop.is_set():
+                    conn.execute(
+                        "SELECT pg_notify(%s, %s) FROM generate_series(1, 50)",
+                        (leader.lease.channel, payload),
+                    )
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    before = reads[0]
+    flooder.start()
+    try:
+        time.sleep(0.5)
+        began = time.monotonic()
+        runs_before = len(admin.task_runs(name, "tick", limit=1000))
+        counted_before = reads[0]
+        time.sleep(2.0)
+        during = reads[0] - counted_before
+        seconds = time.monotonic() - began
+    finally:
+        stop.set()
+        flooder.join(10)
+    assert reads[0] > before, "the flood woke no read"
+    assert during <= seconds / 0.1 + 2, f"{during} reads in {seconds:.1f} s"
+    # The runs of the flood's seconds were written (tick fires 20 times a second).
+    assert len(admin.task_runs(name, "tick", limit=1000)) >= runs_before + 10
+
+
+def test_a_trigger_asked_while_a_fire_runs_runs_once_that_fire_ends(
+    backend: Backend, admin: Any, name: str
+) -> None:
+    tasks = rs.TaskHandler()
+    keys: list[str] = []
+
+    @tasks.interval(0.05, name="busy")
+    def busy(ctx: rs.TaskContext) -> None:  # nearly always running: fires overlap
+        keys.append(ctx.fire_key or "")
+        time.sleep(0.3)
+
+    leader = backend.leader(tasks, name, node_id="a", heartbeat_interval=0.2, **FAST)
+    try:
+        leader.start()
+        assert leader.wait_until_leader(10)
+        wait_until(lambda: len(keys) >= 2, 5, "the first fires")
+        trigger = admin.trigger_task(name, "busy")
+        wait_until(lambda: trigger.fire_key in keys, 5, "the triggered fire")
+        time.sleep(0.5)
+        assert keys.count(trigger.fire_key) == 1
+        overlapped = [
+            r for r in admin.task_runs(name, "busy", limit=1000)
+            if r.by == "operator" and r.outcome == "skipped"
+        ]  # fmt: skip
+        assert not overlapped
+    finally:
+        leader.stop(timeout=10)
+
+
+def test_a_trigger_runs_on_a_node_whose_clock_is_off(
+    backend: Backend, make: Callable[..., Any], admin: Any, name: str, monkeypatch: Any
+) -> None:
+    """A trigger's age is judged on the store's clock, which stamped it: a node whose
+    wall clock runs ten minutes ahead (more than the claims' ttl) still runs it."""
+    import types
+
+    import rselection.runtime.runner as runner
+
+    real = time.time
+    skewed = types.SimpleNamespace(time=lambda: real() + 600.0, monotonic=time.monotonic)
+    monkeypatch.setattr(runner, "time", skewed)  # only the runner's view of the clock
+    fires = Fires()
+    leader = make("a", fires)
+    leader.start()
+    assert leader.wait_until_leader(10)
+    wait_until(lambda: admin.tasks(name), 5, "the tasks published")
+    trigger = admin.trigger_task(name, "tick")
+    wait_until(lambda: trigger.fire_key in fires.fire_keys(), 5, "the triggered fire")
+
+
+def test_an_older_term_never_overwrites_the_list_of_tasks_and_unknown_tasks_are_refused(
+    make: Callable[..., Any], admin: Any, name: str
+) -> None:
+    from rselection.task_runs import TaskEntry
+
+    fires = Fires()
+    leader = make("a", fires)
+    leader.start()
+    assert leader.wait_until_leader(10)
+    wait_until(lambda: admin.tasks(name), 5, "the tasks published")
+    store = leader._state.tasks.store
+    # A leader that lost its term late publishes its list after its successor's.
+    store.publish_tasks(name, "old", 0, [TaskEntry("ghost", "persistent", None, None)])
+    assert sorted(info.task for info in admin.tasks(name)) == ["loop", "tick"]
+    # The leader's own API refuses an unknown task as the admin API does.
+    with pytest.raises(Refused):
+        admin.task_runs(name, "nope")
+    with pytest.raises(Refused):
+        leader.task_runs("nope")
