@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+from .task_runs import TaskEntry
 
 if TYPE_CHECKING:
     from .context import TaskContext
@@ -113,3 +115,37 @@ class TaskSpec:
     def schedule(self) -> Schedule | None:
         """The task's schedule (``None`` for persistent tasks)."""
         return self.task.schedule
+
+
+def _duration(value: timedelta) -> str:
+    seconds = value.total_seconds()
+    for unit, size in (("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
+
+
+def entry_of(spec: TaskSpec) -> TaskEntry:
+    """How the registered task ``spec`` is published in its lease's list of tasks (see
+    :class:`~rselection.task_runs.TaskEntry`)."""
+    from .schedules import CronSchedule, IntervalSchedule
+
+    schedule = spec.schedule
+    if schedule is None:
+        return TaskEntry(spec.name, "persistent", None, None)
+    # The library's own schedules are quick to ask (a term's first fires may not be
+    # known yet when it publishes its tasks); a user's is not asked here.
+    next_fire = spec.stats.next_fire
+    if isinstance(schedule, IntervalSchedule | CronSchedule) and next_fire is None:
+        next_fire = schedule.next_fire(datetime.now(UTC))
+    if isinstance(schedule, IntervalSchedule):
+        text = f"every {_duration(schedule.every)}"
+        if schedule.jitter:
+            text += f" (jitter {_duration(schedule.jitter)})"
+        return TaskEntry(spec.name, "interval", text, next_fire)
+    if isinstance(schedule, CronSchedule):
+        text = f"cron {schedule.expr}"
+        if schedule.tz.key != "UTC":
+            text += f" ({schedule.tz.key})"
+        return TaskEntry(spec.name, "cron", text, next_fire)
+    return TaskEntry(spec.name, "scheduled", repr(schedule)[:200], next_fire)

@@ -23,12 +23,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from .task_desk import ControlsDesk, Noted, RunQueue, TaskDesk
-from .task_runs import TaskControls, Trigger, entry_of
+from .task_runs import TaskControls, TaskEntry, Trigger
 
 if TYPE_CHECKING:
     from .abc import TaskStore
-    from .context import Term
-    from .specs import TaskSpec
 
 __all__ = ["READ_GAP", "RETRY_AFTER", "RETRY_MAX", "ControlsListener", "TaskBoard", "TaskNotices"]
 
@@ -268,20 +266,20 @@ class TaskBoard:
             queue = self._queue = TaskDesk.shared().queue(self.store, self.limit)
         queue.add(noted)
 
-    def publish(self, term: Term, specs: Sequence[TaskSpec]) -> None:
-        """Publish the term's list of tasks, on the desk (best effort: logged)."""
-        entries = [entry_of(spec) for spec in specs]
+    def publish(self, node_id: str, term: int, entries: Sequence[TaskEntry]) -> None:
+        """Publish the list of tasks of ``term`` (led by ``node_id``), on the desk (best
+        effort: logged)."""
 
         def publish() -> None:
             if not self._open:  # the leader stopped meanwhile
                 return
             try:
-                self.store.publish_tasks(self.name, term.node_id, term.number, entries)
+                self.store.publish_tasks(self.name, node_id, term, list(entries))
             except Exception as exc:
                 logger.warning(
                     "lease %r: could not publish the list of tasks of term %d: %s",
                     self.name,
-                    term.number,
+                    term,
                     exc,
                 )
 

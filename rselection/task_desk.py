@@ -26,14 +26,33 @@ import time
 from collections import deque
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from . import forks
 from .task_runs import RunRecord
 
 if TYPE_CHECKING:
     from .abc import TaskStore
-    from .specs import TaskSpec
+
+
+class _Stats(Protocol):
+    @property
+    def next_fire(self) -> datetime | None: ...
+
+
+class RunTask(Protocol):
+    """What the desk reads of a registered task (a :class:`~rselection.specs.TaskSpec`)
+    when it writes its runs: its name, and its next fire if it is scheduled."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def schedule(self) -> object | None: ...
+
+    @property
+    def stats(self) -> _Stats: ...
+
 
 __all__ = [
     "BATCH",
@@ -65,7 +84,7 @@ IDLE = 5.0
 _REPORT_EVERY = 60.0  # seconds between two warnings of the same trouble
 
 Noted = tuple[
-    "TaskSpec",  # the task (its next fire is read when the batch is written)
+    RunTask,  # the task (its next fire is read when the batch is written)
     str,  # the lease
     "datetime | None",  # scheduled_at
     "float | None",  # started (time.time())

@@ -15,13 +15,10 @@ from __future__ import annotations
 import secrets
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, Final
+from datetime import UTC, datetime
+from typing import Any, Final
 
 from .errors import ConfigError
-
-if TYPE_CHECKING:
-    from .specs import TaskSpec
 
 __all__ = [
     "MAX_RUN_HISTORY_LIMIT",
@@ -36,7 +33,6 @@ __all__ = [
     "TaskInfo",
     "Trigger",
     "check_run_limit",
-    "entry_of",
     "error_line",
     "new_trigger_key",
 ]
@@ -93,14 +89,6 @@ def error_line(error: BaseException) -> str:
 def new_trigger_key(task: str) -> str:
     """A new fire key for one triggered fire of ``task`` (see :data:`TRIGGER_MARK`)."""
     return f"{task}{TRIGGER_MARK}{secrets.token_hex(8)}"
-
-
-def _duration(value: timedelta) -> str:
-    seconds = value.total_seconds()
-    for unit, size in (("h", 3600), ("m", 60)):
-        if seconds >= size and seconds % size == 0:
-            return f"{seconds / size:g}{unit}"
-    return f"{seconds:g}s"
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -260,31 +248,6 @@ class TaskEntry:
     kind: str
     schedule: str | None
     next_fire: datetime | None
-
-
-def entry_of(spec: TaskSpec) -> TaskEntry:
-    """How the registered task ``spec`` is published (see :class:`TaskEntry`)."""
-    from .schedules import CronSchedule, IntervalSchedule
-
-    schedule = spec.schedule
-    if schedule is None:
-        return TaskEntry(spec.name, "persistent", None, None)
-    # The library's own schedules are quick to ask (a term's first fires may not be
-    # known yet when it publishes its tasks); a user's is not asked here.
-    next_fire = spec.stats.next_fire
-    if isinstance(schedule, IntervalSchedule | CronSchedule) and next_fire is None:
-        next_fire = schedule.next_fire(datetime.now(UTC))
-    if isinstance(schedule, IntervalSchedule):
-        text = f"every {_duration(schedule.every)}"
-        if schedule.jitter:
-            text += f" (jitter {_duration(schedule.jitter)})"
-        return TaskEntry(spec.name, "interval", text, next_fire)
-    if isinstance(schedule, CronSchedule):
-        text = f"cron {schedule.expr}"
-        if schedule.tz.key != "UTC":
-            text += f" ({schedule.tz.key})"
-        return TaskEntry(spec.name, "cron", text, next_fire)
-    return TaskEntry(spec.name, "scheduled", repr(schedule)[:200], next_fire)
 
 
 @dataclass(frozen=True)

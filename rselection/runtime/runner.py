@@ -31,8 +31,8 @@ from ..event_loops import LoopGuard, SharedLoops
 from ..history import OPERATOR
 from ..scheduler import SCHEDULER
 from ..schedules import format_fire_key
-from ..specs import StuckPolicy, TaskSpec, TaskType
-from ..task_runs import PAUSED, TaskControls, Trigger
+from ..specs import StuckPolicy, TaskSpec, TaskType, entry_of
+from ..task_runs import PAUSED, TaskControls, TaskEntry, Trigger
 from ..task_threads import TaskThreads
 from .catch_up import CatchUp
 from .claims import Ready, TermClaims
@@ -111,6 +111,10 @@ class TermRunner:
 
     # -- lifecycle ------------------------------------------------------------------
 
+    def _entries(self) -> list[TaskEntry]:
+        """The term's tasks as its lease's list of tasks shows them."""
+        return [entry_of(spec) for spec in self.specs]
+
     def start(self) -> None:
         """Start the persistent tasks and the scheduler, as the task controls say.
 
@@ -136,7 +140,7 @@ class TermRunner:
         if not persistents:  # current: the persistent tasks start now, as they say
             self._start_persistents(board.controls)
             if not scheduled:
-                board.publish(self.term, self.specs)
+                board.publish(self.term.node_id, self.term.number, self._entries())
                 return
         board.read_for_term(
             functools.partial(self._begin_with, persistents=persistents), self.term.live
@@ -157,7 +161,7 @@ class TermRunner:
             if not self.term.live():
                 return
             self._start_schedule()
-        board.publish(self.term, self.specs)
+        board.publish(self.term.node_id, self.term.number, self._entries())
 
     def _start_persistents(self, controls: TaskControls | None) -> None:
         """Start the persistent tasks not paused."""
