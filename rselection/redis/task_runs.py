@@ -85,6 +85,19 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+#: A lease's task controls (KEYS: its paused hash, its triggers hash) and the server's
+#: time: ``{HGETALL paused, HGETALL triggers, TIME}``.
+_READ_CONTROLS = """
+return {redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]), redis.call('TIME')}
+"""
+
+
+def _pairs(flat: Any) -> list[tuple[Any, Any]]:
+    """A script's ``HGETALL`` reply (field, value, field, value, ...) as pairs."""
+    items = list(flat)
+    return list(zip(items[0::2], items[1::2], strict=True))
+
+
 def _iso(value: datetime | None) -> str | None:
     return None if value is None else value.astimezone(UTC).isoformat()
 
@@ -159,16 +172,16 @@ class RedisTaskStore:
         """See :meth:`~rselection.abc.TaskStore.read_controls`."""
         _, paused_key, triggers_key, _ = task_keys(name, self.key_prefix)
         try:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.hgetall(paused_key)
-            pipe.hgetall(triggers_key)
-            pipe.time()  # the server's clock, that stamps the triggers
-            paused_raw, triggers_raw, now = pipe.execute()
+            # One script, with the server's clock that stamps the triggers: a cluster
+            # client runs no TIME in a pipeline, and a script runs on the keys' node.
+            paused_raw, triggers_raw, now = self.client.eval(
+                _READ_CONTROLS, 2, paused_key, triggers_key
+            )
         except redis.RedisError as exc:
             raise self._failed(f"read the task controls of {name!r}", exc) from exc
-        paused = {_text(task): _ms(at) for task, at in paused_raw.items()}
+        paused = {_text(task): _ms(at) for task, at in _pairs(paused_raw)}
         triggers = []
-        for key, raw in triggers_raw.items():
+        for key, raw in _pairs(triggers_raw):
             try:
                 item = json.loads(_text(raw))
                 at = datetime.fromtimestamp(int(item["s"]) + int(item["us"]) / 1e6, UTC)
