@@ -490,11 +490,14 @@ class LeaseLeader(Service):
 
     def _read_task_controls(self) -> None:
         """The leader (re)connects: the task controls it holds may have missed a
-        notification, so its next term reads them before it starts its tasks (a
-        follower reads nothing here: no session for it)."""
+        notification, so they are read again soon, on the task desk (never on the
+        engine's thread that connects), and until then its next term reads them before
+        it starts its tasks. Read ahead, a term that begins later starts its tasks at
+        once, as the notifications since keep them current."""
         board = self._state.tasks
         if board is not None:
             board.stale()
+            board.wake()
 
     def _wake_on_task_notices(self, on_tasks: Callable[[Callable[[], None] | None], None]) -> None:
         """Have the lease's notifications of task controls (its ``on_tasks``) wake this
