@@ -102,6 +102,9 @@ class TaskBoard:
         self._last_read = -READ_GAP  # when the last read on a wake-up began (monotonic)
         self._open = False  # the leader runs (see open, close)
         self._fresh = False  # see fresh
+        # Bumped by each notification and reconnect: a read that began before the last
+        # one may hold controls older than a change, and makes the board fresh no more.
+        self._changes = 0
         self._known = False  # see known
         self.notified = False
         """Whether changes of the controls wake the board (:meth:`wake`): its lease's
@@ -127,7 +130,9 @@ class TaskBoard:
     def stale(self) -> None:
         """The leader (re)connected: notifications may have been missed meanwhile, so
         the next term reads the controls before it starts its tasks."""
-        self._fresh = False
+        with self._lock:
+            self._changes += 1
+            self._fresh = False
 
     def read_for_term(
         self, begin: Callable[[TaskControls], None], live: Callable[[], bool]
@@ -192,9 +197,13 @@ class TaskBoard:
         """
         if not self._open:
             return self.controls
+        with self._lock:
+            changes = self._changes
         controls = self.store.read_controls(self.name)
         self.controls = controls
-        self._fresh = self._known = True
+        with self._lock:
+            self._known = True
+            self._fresh = self._changes == changes  # no notification came meanwhile
         return controls
 
     def attach(self, listener: ControlsListener) -> None:
@@ -216,7 +225,13 @@ class TaskBoard:
     def wake(self) -> None:
         """A notification says the controls may have changed: read them soon on the task
         desk (never on the caller's thread, which must not block), and hand them to the
-        running term, if any; a follower keeps them for its next term."""
+        running term, if any; a follower keeps them for its next term. Until that read,
+        they are not current: a term that begins meanwhile reads them before it starts
+        its tasks."""
+        with self._lock:
+            self._changes += 1
+            self._fresh = False
+
         self._read_soon(0.0)
 
     def _read_soon(self, delay: float) -> None:
