@@ -216,6 +216,9 @@ def test_the_history_command(backend: Backend, make: Callable[..., Any]) -> None
     a = make(name, "a", runs, version="1.0")
     a.start()
     assert a.wait_until_leader(10)
+    # A term's tasks start once its task controls are read (one read after the term
+    # began when they were not current): the second term is told by its tasks' runs.
+    wait_until(lambda: runs.terms, 5, "the first term's tasks")
     a.step_down(hold=0.0)
     wait_until(lambda: a.is_leader and a.term != min(runs.terms), 10, "a second term")
 
