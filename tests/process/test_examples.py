@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "single_node.py"
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+# PYTHONFAULTHANDLER: a child that does not stop in time is sent SIGABRT, and prints
+# where each of its threads was (see stop_or_show_stacks).
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
 
 
 def run_example(*args: str) -> subprocess.CompletedProcess[str]:
@@ -51,6 +53,27 @@ def test_single_node_example_flags_missed_heartbeats() -> None:
     assert "sending heartbeat 2" in result.stdout
     assert "sending heartbeat 3" not in result.stdout
     assert re.search(r"WARNING single_node: missed heartbeats: none for [\d.]+ s", result.stderr)
+
+
+def stop_or_show_stacks(
+    proc: subprocess.Popen[str],
+    reader: threading.Thread,
+    lines: queue.Queue[str],
+    output: list[str],
+    timeout: float,
+) -> int:
+    """Wait up to ``timeout`` seconds for ``proc`` to exit; its exit code. A process still
+    running then is sent SIGABRT (its faulthandler prints every thread's stack) and the
+    test fails with what it printed."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        proc.wait(10)
+        reader.join(10)
+        while not lines.empty():
+            output.append(lines.get_nowait())
+        pytest.fail(f"still running {timeout} s after the signal:\n{''.join(output)}")
 
 
 def read_lines(proc: subprocess.Popen[str]) -> tuple[queue.Queue[str], threading.Thread]:
@@ -186,7 +209,7 @@ def test_the_example_leads_alone_without_a_database_and_stops_cleanly_on_a_signa
             assert got.status_code == 200, got.headers
             assert 'rselection_is_leader{lease="solo"} 1.0' in got.text
         proc.send_signal(signum)
-        assert proc.wait(timeout=30) == 0, "".join(output)
+        assert stop_or_show_stacks(proc, reader, lines, output, 30) == 0, "".join(output)
         reader.join(10)
         while not lines.empty():
             output.append(lines.get_nowait())
