@@ -15,7 +15,7 @@ from ..admin import Refused
 from ..errors import ConfigError
 from ..history import TermRecord
 from .connections import act_on_lease
-from .options import add_lease_options, lease_name, subcommand
+from .options import add_lease_options, lease_name, limit_type, subcommand
 from .output import EXIT_OK, EXIT_REFUSED, grid, iso, say
 
 if TYPE_CHECKING:
@@ -27,16 +27,6 @@ DEFAULT_ROWS = 20
 """Terms shown unless ``--limit`` says otherwise."""
 
 
-def _rows(value: str) -> int:
-    try:
-        count = int(value)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"--limit needs a whole number from 1, got {value!r}")
-    return count
-
-
 @subcommand("history", help="the terms of a lease: who led, when, and why each ended")
 def add_parser(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``history`` to its parser."""
@@ -44,7 +34,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     add_lease_options(parser)
     parser.add_argument(
         "--limit",
-        type=_rows,
+        type=limit_type(),
         default=DEFAULT_ROWS,
         metavar="N",
         help=f"the newest N terms (default {DEFAULT_ROWS})",

@@ -13,6 +13,7 @@ __all__ = [
     "add_nodes_options",
     "add_redis_options",
     "lease_name",
+    "limit_type",
     "node_timeout",
     "subcommand",
 ]
@@ -129,3 +130,25 @@ def lease_name(value: str) -> str:
         return check_name(value, "lease name")
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def limit_type(most: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type`` for ``--limit``: a whole number from 1 (to ``most``).
+
+    Args:
+        most: the largest number taken (default: no bound).
+    """
+    bounds = "from 1" if most is None else f"from 1 to {most}"
+
+    def rows(value: str) -> int:
+        try:
+            count = int(value)
+        except ValueError:
+            count = 0
+        if count < 1 or (most is not None and count > most):
+            raise argparse.ArgumentTypeError(
+                f"--limit needs a whole number {bounds}, got {value!r}"
+            )
+        return count
+
+    return rows

@@ -20,7 +20,7 @@ from ..admin import Refused
 from ..errors import ConfigError
 from ..task_runs import RUN_HISTORY_LIMIT, RunRecord
 from .connections import act_on_lease
-from .options import add_lease_options, lease_name, subcommand
+from .options import add_lease_options, lease_name, limit_type, subcommand
 from .output import EXIT_OK, EXIT_REFUSED, grid, iso, printable, say
 
 if TYPE_CHECKING:
@@ -30,18 +30,6 @@ __all__ = ["DEFAULT_ROWS", "add_parser", "describe_outcome", "run"]
 
 DEFAULT_ROWS = 20
 """Runs shown unless ``--limit`` says otherwise."""
-
-
-def _rows(value: str) -> int:
-    try:
-        count = int(value)
-    except ValueError:
-        count = 0
-    if not 1 <= count <= 10_000:
-        raise argparse.ArgumentTypeError(
-            f"--limit needs a whole number from 1 to 10000, got {value!r}"
-        )
-    return count
 
 
 def _task_name(value: str) -> str:
@@ -94,7 +82,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     _common(history, run)
     history.add_argument(
         "--limit",
-        type=_rows,
+        type=limit_type(10_000),
         default=DEFAULT_ROWS,
         metavar="N",
         help=f"the newest N runs (default {DEFAULT_ROWS})",

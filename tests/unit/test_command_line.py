@@ -73,6 +73,25 @@ def test_a_blank_or_overlong_lease_name_is_refused_with_the_rule(
     assert "lease name" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("command", "rule"),
+    [
+        (["history", "x", "--limit", "0"], "from 1, got '0'"),
+        (["history", "x", "--limit", "many"], "from 1, got 'many'"),
+        (["task", "history", "x", "t", "--limit", "10001"], "from 1 to 10000, got '10001'"),
+    ],
+)
+def test_a_limit_out_of_range_is_refused_with_the_rule(
+    command: list[str], rule: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.build_parser().parse_args(command)
+    assert exited.value.code == 2
+    assert f"--limit needs a whole number {rule}" in capsys.readouterr().err
+    args = cli.build_parser().parse_args([*command[:-1], "10000"])
+    assert args.limit == 10_000
+
+
 def test_forget_needs_a_name_and_takes_dsn_or_redis() -> None:
     parser = cli.build_parser()
     with pytest.raises(SystemExit):
