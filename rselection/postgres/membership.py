@@ -309,7 +309,7 @@ class PostgresMembership(MembershipBase):
         try:
             # Every lease of a follower process reads this as it connects: one after
             # another on the keeper session, not on pooled sessions it would keep.
-            rows = None if keeper is None else keeper.read(query, "read the drains", timeout=5.0)
+            rows = None if keeper is None else keeper.read(query, "read the drains")
             if rows is None:
                 with self._conns.connection() as conn:
                     rows = conn.execute(query).fetchall()

@@ -322,7 +322,7 @@ class PostgresTaskStore:
         rows = None
         if keeper is not None:
             try:
-                rows = keeper.read(self._controls_sql(sql.Literal(name)), what, timeout=5.0)
+                rows = keeper.read(self._controls_sql(sql.Literal(name)), what)
             except psycopg.errors.UndefinedTable:
                 rows = []
             except psycopg.Error as exc:

@@ -19,6 +19,7 @@ import collections
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -46,7 +47,14 @@ from ..schema import history_table_name, table_identifier
 from .opening import OpenedSession, Opening, open_session
 from .session_setup import pin_session
 
-__all__ = ["HEARTBEAT_BOUND", "INBOX_LIMIT", "KeeperSession", "KeptLease"]
+__all__ = [
+    "HEARTBEAT_BOUND",
+    "INBOX_LIMIT",
+    "OPENING_WAIT",
+    "READ_QUEUE",
+    "KeeperSession",
+    "KeptLease",
+]
 
 _LOCK_POLL = 0.05  # seconds between looks at an interrupt while the statement lock is busy
 
@@ -55,6 +63,14 @@ logger = logging.getLogger(__name__)
 INBOX_LIMIT = 10_000
 """Notifications received and not read yet that the keeper keeps; more (a flood) are
 dropped, counted, and stand for one wake-up of every client (rate-limited as any)."""
+
+READ_QUEUE = 5.0
+"""Seconds a read on the keeper session waits at most for the read under way before it
+goes to the process's pooled sessions instead (see :meth:`KeeperSession.read`)."""
+
+OPENING_WAIT = 1.0
+"""Seconds a read waits at most for the keeper session being opened (see
+:meth:`KeeperSession.read`)."""
 
 HEARTBEAT_BOUND = 1.0
 """Seconds a heartbeat (or the nodes table's creation) may take on the keeper session,
@@ -371,14 +387,18 @@ class KeeperSession:
             return self._holds.holding
 
     def read(
-        self, query: sql.Composable, what: str, *, timeout: float = 0.0
+        self, query: sql.Composable, what: str, *, timeout: float = READ_QUEUE
     ) -> list[tuple[Any, ...]] | None:
         """The rows of a short read (``query``, parameters inlined) run on the keeper
-        session, or ``None`` when the process should use its pooled sessions instead.
+        session, or ``None`` when the process should use its pooled sessions instead
+        (the session holds a term, is broken, or is still being opened after
+        :data:`OPENING_WAIT` seconds).
 
-        ``timeout``: seconds to wait for a read of another lease under way (else it goes
-        to the pool at once): the reads every lease of a process makes as it connects
-        (its drain state) queue here rather than open pooled sessions.
+        ``timeout``: seconds to wait for a read under way (of another lease, or another
+        thread's), after which it goes to the pool: the reads of a process that only
+        follows (the drain state and task controls every lease reads as it connects,
+        ``leader()`` asked from many threads) queue here rather than open a pooled
+        session it would then keep.
 
         A process that only follows reads here (``leader()``, ``nodes()``), so that it
         holds no more sessions than the keeper and the watcher; the read is bounded on
@@ -390,19 +410,10 @@ class KeeperSession:
             BackendUnavailable: the session broke during the read.
             psycopg.Error: the read failed on a healthy session.
         """
-        with self._state:
-            usable = (
-                not self._holds.holding
-                and self._conn is not None
-                and not self._holds.broken
-                and not self._conn.closed
-                and not self._conn.broken
-            )
-        # One read at a time: more (many threads asking leader()) go to the pool rather
-        # than queue on the session ahead of the process's attempts.
-        if not usable:
+        if not self._usable_for_reads(min(timeout, OPENING_WAIT)):
             return None
-        if not self._reading.acquire(timeout=timeout):  # 0: only if free now
+        # One read at a time, so that the process's attempts wait for one read at most.
+        if not self._reading.acquire(timeout=timeout):
             return None
         try:
             results = self._run(
@@ -414,6 +425,24 @@ class KeeperSession:
         finally:
             self._reading.release()
         return results[-1] or []
+
+    def _usable_for_reads(self, wait: float) -> bool:
+        """Whether reads may run on the session: it is up and holds no term. A session
+        being opened is waited for up to ``wait`` seconds (a follower asked leader() as
+        it starts reads here, not on a pooled session it would then keep)."""
+        deadline = time.monotonic() + wait
+        with self._opened:
+            while True:
+                with self._state:
+                    conn = self._conn
+                    if self._holds.holding or self._holds.broken:
+                        return False
+                    if conn is not None:
+                        return not conn.closed and not conn.broken
+                left = deadline - time.monotonic()
+                if self._opening is None or left <= 0:
+                    return False
+                self._opened.wait(left)
 
     def _lost(self) -> BackendUnavailable:
         return BackendUnavailable(

@@ -6,8 +6,10 @@ controls table is locked; fires go on while the run history's table is locked.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +18,7 @@ import pytest
 
 import rselection as rs
 from rselection.postgres import PostgresAdmin, PostgresClaimer, PostgresLeader
+from tests.support.sessions import process_sessions
 from tests.support.waiting import wait_until
 
 # Tables locked for seconds while leaders renew on bounds of a second: one at a time.
@@ -246,3 +249,43 @@ def test_a_pause_is_seen_within_a_second_while_the_run_history_table_is_locked(
     finally:
         locker.close()
     assert seen < 1.0, f"the pause was seen after {seen:.2f} s"
+
+
+def test_a_follower_whose_controls_read_waits_opens_no_pooled_session(
+    pg_dsn: str, leaders: list[Any]
+) -> None:
+    # DESIGN.md's budget: a process that only follows holds 2 sessions, keeper and
+    # watcher, however often it is asked leader().
+    _first_term(pg_dsn, leaders)
+
+    def sessions() -> Counter[str]:
+        return process_sessions(pg_dsn, os.getpid())
+
+    locker = psycopg.connect(pg_dsn)
+    stop = threading.Event()
+    try:
+        # The controls read every lease makes as it connects waits on the lock (1 s on
+        # the server, then again a second later), on the keeper session, while an
+        # application asks leader() again and again.
+        locker.execute("LOCK TABLE rselection_leases_tasks IN ACCESS EXCLUSIVE MODE")
+        follower = _leader(pg_dsn, Fires(), "f", eligible=False)
+        leaders.append(follower)
+        follower.start()
+        wait_until(lambda: sessions()["rselection:keeper"], 10, "the follower's keeper")
+        before = sessions()["rselection:pool"]
+
+        def ask() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(rs.BackendUnavailable):
+                    follower.leader()
+
+        threading.Thread(target=ask, daemon=True).start()
+        peak = before
+        until = time.monotonic() + 3.0
+        while time.monotonic() < until:
+            peak = max(peak, sessions()["rselection:pool"])
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        locker.close()
+    assert peak == before, f"pooled sessions went from {before} to {peak} on a follower"
