@@ -68,6 +68,12 @@ class DrivenKeeper:
         self._driver = LeaseDriver.shared()
         self.done = threading.Event()
         """Set once the leader has shut down (released, closed, cleaned up)."""
+        self.latch = threading.Lock()
+        """Held until :attr:`done` is set, then released: what ``lead()`` waits on in
+        the main thread, where a stop signal interrupts its wait (see
+        :meth:`rselection.stop_signals.StopSignals.wait`)."""
+        self.latch.acquire()
+        self._latch_open = False
         self._running = False  # added to the driver
         self._busy = False  # pool work of this leader runs (one at a time)
         self._connecting = False  # that work is connecting the lease
@@ -530,6 +536,9 @@ class DrivenKeeper:
             finally:
                 self._finished = True
                 self.done.set()
+                if not self._latch_open:  # once: a waiter may hold it now, passing through
+                    self._latch_open = True
+                    self.latch.release()
 
     def _work(self, fn: Callable[[], Any], *, then: Callable[[Any], None] | None = None) -> None:
         """Run ``fn`` on the driver's workers as this leader's one piece of work; then,

@@ -579,10 +579,10 @@ class LeaseLeader(Service):
         self._refuse_if_forked()
         with stop_on_signals(f"leader {self._state.name!r}") as signalled:
             try:
-                # A signal may come while starting, when the first term may already run.
+                # A signal that comes while starting (the first term may already run) is
+                # acted on once started: it raises only in this wait.
                 self.start()
-                while not self._wait_stopped(0.5):
-                    pass
+                signalled.wait(self._driven.done, self._driven.latch)
             except KeyboardInterrupt:
                 signalled.stop_begins()
                 self.stop()

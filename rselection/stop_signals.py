@@ -6,6 +6,13 @@ Ctrl-C (SIGINT). While a leader's ``lead()`` runs in the main thread, either one
 cancelled and joined, the lease released or the shards handed over) before it returns,
 so a program whose last line is ``leader.lead()`` exits 0. ``start()`` and the context
 managers install nothing: the application or its framework owns the signals there.
+
+The exception is raised only where ``lead()`` waits (:meth:`StopSignals.wait`), never
+wherever the main thread happens to be: Python runs a signal's handler between two
+bytecodes, and one that raises right after the main thread took a lock in Python code
+(``threading.Condition.__enter__``, ``Event.wait``) leaves that lock taken for good,
+so that the stop waits forever for a thread that waits for the lock. A signal that
+comes while ``lead()`` starts is acted on once it waits.
 """
 
 from __future__ import annotations
@@ -14,9 +21,10 @@ import contextlib
 import logging
 import signal
 import threading
+from _thread import LockType
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 from . import forks
 
@@ -28,10 +36,16 @@ _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 """What ``signal.signal`` returns: a handler to put back."""
 
 
+WAIT_SLICE = 0.5
+"""Seconds between two looks at whether the leader stopped, while :meth:`StopSignals.wait`
+waits (its latch wakes it at once; this only bounds a wake-up gone missing)."""
+
+
 class StopSignals:
     """The handler ``lead()`` installs: the first stop signal interrupts the main thread
-    (``lead()`` then stops); once the stop has begun, a signal does not interrupt it,
-    except a Ctrl-C, which gives up waiting as a terminal user expects.
+    where ``lead()`` waits (:meth:`wait`; ``lead()`` then stops); once the stop has
+    begun, a signal does not interrupt it, except a Ctrl-C, which gives up waiting as a
+    terminal user expects.
 
     Args:
         what: names the leader in the log lines.
@@ -40,22 +54,50 @@ class StopSignals:
     def __init__(self, what: str) -> None:
         self.what = what
         self.stopping = False
+        # The stop signal received and not acted on yet: wait() raises for it.
+        self.received: signal.Signals | None = None
         # The handlers this one replaced, while it is installed.
         self.previous: dict[signal.Signals, _Handler] = {}
 
     def stop_begins(self) -> None:
         """The stop has begun: a SIGTERM from now on is only logged."""
         self.stopping = True
+        self.received = None
+
+    def wait(self, done: threading.Event, latch: LockType) -> None:
+        """Wait until ``done`` is set; ``latch``, a plain lock held until then and
+        released after it is set, wakes the wait. A stop signal raises
+        :class:`KeyboardInterrupt` here: one that comes during the wait, and one that
+        came before, while the main thread was elsewhere.
+
+        Nothing here takes a lock in Python code: a signal's handler raises only in
+        this frame (see :meth:`__call__`), where an interruption leaves nothing half
+        done (the latch taken at most, after ``done`` was set)."""
+        while not done.is_set():
+            if self.received is not None:
+                self._interrupt()
+            if latch.acquire(timeout=WAIT_SLICE):
+                latch.release()
+
+    def _interrupt(self) -> NoReturn:
+        received, self.received = self.received, None
+        name = received.name if received is not None else "a stop signal"
+        logger.info("%s received; stopping %s", name, self.what)
+        raise KeyboardInterrupt
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
-        name = signal.Signals(signum).name
+        sig = signal.Signals(signum)
         if not self.stopping:
             self.stopping = True
-            logger.info("%s received; stopping %s", name, self.what)
-            raise KeyboardInterrupt
+            self.received = sig
+            if frame is not None and frame.f_code is _WAIT_CODE:
+                self._interrupt()
+            # Anywhere else the main thread may have just taken a lock that an exception
+            # would leave taken: wait() raises once the main thread gets there.
+            return
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
-        logger.info("%s received; %s is already stopping", name, self.what)
+        logger.info("%s received; %s is already stopping", sig.name, self.what)
 
     def reset_after_fork(self) -> None:
         """In a forked child (see :mod:`rselection.forks`): no ``lead()`` runs here (a
@@ -67,6 +109,10 @@ class StopSignals:
                 signal.signal(sig, signal.SIG_DFL if old is None else old)
 
 
+_WAIT_CODE = StopSignals.wait.__code__
+"""The frame of :meth:`StopSignals.wait`: the only one a stop signal interrupts."""
+
+
 @contextlib.contextmanager
 def stop_on_signals(what: str) -> Iterator[StopSignals]:
     """While the block runs in the main thread, SIGTERM and SIGINT raise
@@ -74,18 +120,23 @@ def stop_on_signals(what: str) -> Iterator[StopSignals]:
     are put back after, and at once in a process forked meanwhile. A signal the
     program ignores (``SIG_IGN``) stays ignored.
 
-    Elsewhere (another thread, or inside a block of this kind already) no handler is
-    installed, and the object yielded only records :meth:`StopSignals.stop_begins`.
+    Inside a block of this kind already, the handler of the outer block is yielded
+    (its signals are acted on where the inner block waits); in another thread no
+    handler is installed, and the object yielded only records
+    :meth:`StopSignals.stop_begins` and waits.
 
     Args:
         what: names the leader in the log lines a signal writes.
     """
     handler = StopSignals(what)
-    if threading.current_thread() is not threading.main_thread() or any(
-        isinstance(signal.getsignal(sig), StopSignals) for sig in STOP_SIGNALS
-    ):
+    if threading.current_thread() is not threading.main_thread():
         yield handler
         return
+    for sig in STOP_SIGNALS:
+        installed = signal.getsignal(sig)
+        if isinstance(installed, StopSignals):
+            yield installed
+            return
     # A signal the program ignores stays ignored (a shell's background job ignores
     # Ctrl-C): the program chose not to be stopped by it.
     handler.previous = {

@@ -4,10 +4,26 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
+from _thread import LockType
 
 import pytest
 
 from rselection.stop_signals import StopSignals, stop_on_signals
+
+
+def never_done() -> tuple[threading.Event, LockType]:
+    """What a leader that never stops gives ``StopSignals.wait``: its event, and its
+    latch, held."""
+    latch = threading.Lock()
+    latch.acquire()
+    return threading.Event(), latch
+
+
+def finish(done: threading.Event, latch: LockType) -> None:
+    """What a leader's keeper does once it has shut down."""
+    done.set()
+    latch.release()
 
 
 def test_sigterm_interrupts_the_main_thread_once_and_handlers_come_back() -> None:
@@ -17,8 +33,10 @@ def test_sigterm_interrupts_the_main_thread_once_and_handlers_come_back() -> Non
     previous = signal.signal(signal.SIGTERM, own)
     try:
         with pytest.raises(KeyboardInterrupt), stop_on_signals("test") as signalled:
+            # Not here, where the main thread may have just taken a lock: in the wait.
             signal.raise_signal(signal.SIGTERM)
-        assert signalled.stopping
+            assert signalled.stopping
+            signalled.wait(*never_done())
         assert signal.getsignal(signal.SIGTERM) is own
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
@@ -34,11 +52,52 @@ def test_a_sigterm_during_the_stop_does_not_interrupt_it_but_ctrl_c_does() -> No
 
 
 def test_nested_blocks_keep_the_outer_handler() -> None:
-    with stop_on_signals("outer"):
+    with stop_on_signals("outer") as signalled:
         outer = signal.getsignal(signal.SIGTERM)
-        with stop_on_signals("inner"):
+        with stop_on_signals("inner") as inner:
             assert signal.getsignal(signal.SIGTERM) is outer
+            # A signal the outer block received is acted on where the inner one waits.
+            assert inner is signalled
         assert isinstance(outer, StopSignals) and outer.what == "outer"
+
+
+def test_a_signal_interrupts_the_wait_itself() -> None:
+    done, latch = never_done()
+    main = threading.main_thread().ident
+    assert main is not None
+    # Bounds the test: a wait that a signal did not interrupt ends then, without raising.
+    bound = threading.Timer(10, finish, (done, latch))
+    with stop_on_signals("test") as signalled:
+        # Sent to the main thread while it waits (or just before: then the wait raises
+        # as it begins).
+        sender = threading.Thread(target=signal.pthread_kill, args=(main, signal.SIGTERM))
+        started = time.monotonic()
+        try:
+            bound.start()
+            with pytest.raises(KeyboardInterrupt):
+                sender.start()
+                signalled.wait(done, latch)
+        finally:
+            bound.cancel()
+            sender.join(10)
+    assert time.monotonic() - started < 5
+
+
+def test_the_wait_ends_once_the_leader_is_done() -> None:
+    done, latch = never_done()
+    with stop_on_signals("test") as signalled:
+        threading.Thread(target=finish, args=(done, latch)).start()
+        signalled.wait(done, latch)  # returns: no signal came
+        assert not signalled.stopping
+
+
+def test_a_signal_after_the_stop_began_is_not_acted_on_by_a_wait() -> None:
+    done, latch = never_done()
+    with stop_on_signals("test") as signalled:
+        signalled.stop_begins()
+        signal.raise_signal(signal.SIGTERM)  # logged only
+        threading.Thread(target=finish, args=(done, latch)).start()
+        signalled.wait(done, latch)  # returns once the leader stopped, not raising
 
 
 def test_no_handler_outside_the_main_thread() -> None:
@@ -59,9 +118,11 @@ def test_no_handler_outside_the_main_thread() -> None:
 def test_an_ignored_signal_stays_ignored() -> None:
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        with pytest.raises(KeyboardInterrupt), stop_on_signals("test"):
+        with pytest.raises(KeyboardInterrupt), stop_on_signals("test") as signalled:
             signal.raise_signal(signal.SIGINT)  # ignored: nothing happens
+            assert not signalled.stopping
             signal.raise_signal(signal.SIGTERM)
+            signalled.wait(*never_done())
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
