@@ -584,6 +584,8 @@ class LeaseLeader(Service):
                 self.start()
                 signalled.wait(self._driven.done, self._driven.latch)
             except KeyboardInterrupt:
+                if signalled.gave_up:  # a second Ctrl-C: no graceful stop (see StopSignals)
+                    raise
                 signalled.stop_begins()
                 self.stop()
         if self._state.fatal is not None:

@@ -13,6 +13,10 @@ bytecodes, and one that raises right after the main thread took a lock in Python
 (``threading.Condition.__enter__``, ``Event.wait``) leaves that lock taken for good,
 so that the stop waits forever for a thread that waits for the lock. A signal that
 comes while ``lead()`` starts is acted on once it waits.
+
+A Ctrl-C after a stop signal (acted on or not yet) gives up: it raises wherever the main
+thread is, and ``lead()`` lets it through without a graceful stop, which could wait for
+a lock that the interruption left taken.
 """
 
 from __future__ import annotations
@@ -43,9 +47,9 @@ waits (its latch wakes it at once; this only bounds a wake-up gone missing)."""
 
 class StopSignals:
     """The handler ``lead()`` installs: the first stop signal interrupts the main thread
-    where ``lead()`` waits (:meth:`wait`; ``lead()`` then stops); once the stop has
-    begun, a signal does not interrupt it, except a Ctrl-C, which gives up waiting as a
-    terminal user expects.
+    where ``lead()`` waits (:meth:`wait`; ``lead()`` then stops); after it, a SIGTERM
+    is only logged, and a Ctrl-C gives up as a terminal user expects (:attr:`gave_up`),
+    be the first one acted on yet or not.
 
     Args:
         what: names the leader in the log lines.
@@ -56,6 +60,9 @@ class StopSignals:
         self.stopping = False
         # The stop signal received and not acted on yet: wait() raises for it.
         self.received: signal.Signals | None = None
+        # A Ctrl-C came after a stop signal: it raised where the main thread was, and
+        # lead() lets it through rather than stop gracefully (see __call__).
+        self.gave_up = False
         # The handlers this one replaced, while it is installed.
         self.previous: dict[signal.Signals, _Handler] = {}
 
@@ -96,6 +103,10 @@ class StopSignals:
             # would leave taken: wait() raises once the main thread gets there.
             return
         if signum == signal.SIGINT:
+            # Also while the first one waits to be acted on (lead() still starting):
+            # this one raises where the main thread is, maybe right after it took a
+            # lock, so lead() must not wait for a graceful stop that may need it.
+            self.gave_up = True
             raise KeyboardInterrupt
         logger.info("%s received; %s is already stopping", sig.name, self.what)
 

@@ -669,10 +669,12 @@ class ShardedLeader(Service, ABC):
                 # holds for every shard too (they share its keeper session).
                 self._coordinator.lead()
             except KeyboardInterrupt:
-                pass
+                if signalled.gave_up:  # a second Ctrl-C: no hand-off (see StopSignals)
+                    raise
             finally:
-                signalled.stop_begins()
-                self.stop()  # waits for a stop() called elsewhere rather than repeat it
+                if not signalled.gave_up:
+                    signalled.stop_begins()
+                    self.stop()  # waits for a stop() called elsewhere rather than repeat it
 
     def step_down(self, *, hold: float = 0.0, wait: bool = True) -> None:
         """Give up every shard this node leads (each cancelled, joined and released).

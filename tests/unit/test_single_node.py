@@ -167,6 +167,30 @@ def test_ctrl_c_while_lead_starts_stops_the_leader_cleanly(
     again.stop(10)
 
 
+def test_a_second_ctrl_c_while_lead_starts_gives_up(
+    leaders: Callable[..., rs.SingleNodeLeader],
+) -> None:
+    # The first Ctrl-C waits for lead() to have started; the second raises where the
+    # main thread is, maybe right after it took a lock: lead() lets it through rather
+    # than stop gracefully and wait, maybe for ever, on that lock.
+    leader = leaders(idle_handler())
+
+    def interrupt(sender: Any, **kw: Any) -> None:
+        if sender is leader:
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+
+    signals.started.connect(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            leader.lead()
+    finally:
+        signals.started.disconnect(interrupt)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    leader.stop(10)  # given up on, it still ran: here nothing was left half done
+    wait_until(lambda: not runtime_threads(), 5.0, "every rselection thread to end")
+
+
 def test_start_twice_is_refused_and_stop_is_idempotent(
     leaders: Callable[..., rs.SingleNodeLeader],
 ) -> None:

@@ -49,6 +49,26 @@ def test_a_sigterm_during_the_stop_does_not_interrupt_it_but_ctrl_c_does() -> No
         signal.raise_signal(signal.SIGTERM)  # logged only
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
+        assert signalled.gave_up
+
+
+def test_a_ctrl_c_while_the_first_signal_waits_to_be_acted_on_gives_up() -> None:
+    with stop_on_signals("test") as signalled:
+        signal.raise_signal(signal.SIGTERM)  # recorded: lead() is not waiting yet
+        assert not signalled.gave_up
+        # It raises here, wherever the main thread is: lead() lets it through rather
+        # than stop gracefully, which may need a lock this interruption left taken.
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        assert signalled.gave_up
+
+
+def test_a_second_sigterm_before_the_first_is_acted_on_is_only_logged() -> None:
+    with pytest.raises(KeyboardInterrupt), stop_on_signals("test") as signalled:
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)  # logged only
+        assert not signalled.gave_up
+        signalled.wait(*never_done())  # raises for the first one
 
 
 def test_nested_blocks_keep_the_outer_handler() -> None:
