@@ -149,16 +149,30 @@ def stop_on_signals(what: str) -> Iterator[StopSignals]:
             yield installed
             return
     # A signal the program ignores stays ignored (a shell's background job ignores
-    # Ctrl-C): the program chose not to be stopped by it.
+    # Ctrl-C): the program chose not to be stopped by it. The previous handlers are
+    # known before any is replaced: a Ctrl-C that the program's handler raises between
+    # the two (or while they are put back) leaves none of this block's behind, which
+    # would swallow every SIGTERM from then on.
     handler.previous = {
-        sig: signal.signal(sig, handler)
+        sig: signal.getsignal(sig)
         for sig in STOP_SIGNALS
         if signal.getsignal(sig) is not signal.SIG_IGN
     }
-    forks.register(handler)
     try:
+        forks.register(handler)
+        for sig in handler.previous:
+            signal.signal(sig, handler)
         yield handler
     finally:
-        for sig, old in handler.previous.items():
-            # None: a handler not installed from Python, which cannot be put back.
-            signal.signal(sig, signal.SIG_DFL if old is None else old)
+        try:
+            _put_back(handler, signal.SIGTERM)
+        finally:
+            _put_back(handler, signal.SIGINT)
+
+
+def _put_back(handler: StopSignals, sig: signal.Signals) -> None:
+    """Put the program's handler of ``sig`` back, if ``handler`` replaced it."""
+    old = handler.previous.get(sig, signal.SIG_IGN)  # SIG_IGN: not replaced
+    if old is not signal.SIG_IGN and signal.getsignal(sig) is handler:
+        # None: a handler not installed from Python, which cannot be put back.
+        signal.signal(sig, signal.SIG_DFL if old is None else old)

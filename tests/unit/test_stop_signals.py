@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import _signal
 import signal
+import sys
 import threading
 import time
 from _thread import LockType
+from types import FrameType
+from typing import Any
 
 import pytest
 
@@ -146,3 +150,62 @@ def test_an_ignored_signal_stays_ignored() -> None:
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def ctrl_c_after_installing(handler_of_sigterm: type | object) -> Any:
+    """A profile function that raises SIGINT once, right after ``signal.signal`` returned
+    with SIGTERM's handler being ``handler_of_sigterm`` (a class: any instance of it)."""
+    fired: list[bool] = []
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event != "c_return" or arg is not _signal.signal or fired:
+            return
+        now = signal.getsignal(signal.SIGTERM)
+        if isinstance(handler_of_sigterm, type):
+            if not isinstance(now, handler_of_sigterm):
+                return
+        elif now is not handler_of_sigterm:
+            return
+        fired.append(True)
+        signal.raise_signal(signal.SIGINT)
+
+    return profile
+
+
+def test_a_ctrl_c_between_installing_the_two_handlers_leaves_none_behind() -> None:
+    def own(signum: int, frame: object) -> None:
+        pass
+
+    previous = signal.signal(signal.SIGTERM, own)
+    try:
+        # SIGTERM's handler is in place, SIGINT's not yet: Python's own raises.
+        sys.setprofile(ctrl_c_after_installing(StopSignals))
+        try:
+            with pytest.raises(KeyboardInterrupt), stop_on_signals("test"):
+                pass
+        finally:
+            sys.setprofile(None)
+        # One left behind would swallow every SIGTERM from then on.
+        assert signal.getsignal(signal.SIGTERM) is own
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_ctrl_c_while_the_handlers_are_put_back_still_puts_both_back() -> None:
+    def own(signum: int, frame: object) -> None:
+        pass
+
+    previous = signal.signal(signal.SIGTERM, own)
+    try:
+        with pytest.raises(KeyboardInterrupt), stop_on_signals("test") as signalled:
+            signalled.stop_begins()
+            # SIGTERM's is back, SIGINT's not yet: this block's gives up.
+            sys.setprofile(ctrl_c_after_installing(own))
+        sys.setprofile(None)
+        assert signalled.gave_up
+        assert signal.getsignal(signal.SIGTERM) is own
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        sys.setprofile(None)
+        signal.signal(signal.SIGTERM, previous)
