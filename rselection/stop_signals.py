@@ -28,13 +28,15 @@ import threading
 from _thread import LockType
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from . import forks
 
 logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+_T = TypeVar("_T")
 
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 """What ``signal.signal`` returns: a handler to put back."""
@@ -85,6 +87,40 @@ class StopSignals:
                 self._interrupt()
             if latch.acquire(timeout=WAIT_SLICE):
                 latch.release()
+
+    def call(self, fn: Callable[[], _T], name: str) -> _T:
+        """``fn()``, run on a thread of its own (named ``name``) while this one waits
+        for it as in :meth:`wait`: a blocking call that ``lead()`` makes before it
+        waits (a read on a server that may take its whole timeout to answer), which a
+        stop signal then interrupts at once rather than once the call returns. ``fn``
+        so interrupted ends on its own, its outcome unused.
+
+        Raises:
+            KeyboardInterrupt: a stop signal came (before or during the call).
+            BaseException: what ``fn`` raised.
+        """
+        if self.received is not None:  # no call once a stop is asked
+            self._interrupt()
+        done = threading.Event()
+        latch = threading.Lock()
+        latch.acquire()
+        outcome: list[tuple[bool, Any]] = []
+
+        def run() -> None:
+            try:
+                outcome.append((True, fn()))
+            except BaseException as exc:  # raised in the waiting thread
+                outcome.append((False, exc))
+            finally:
+                done.set()
+                latch.release()
+
+        threading.Thread(target=run, name=name, daemon=True).start()
+        self.wait(done, latch)
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value  # type: ignore[no-any-return]
 
     def _interrupt(self) -> NoReturn:
         received, self.received = self.received, None

@@ -33,7 +33,7 @@ from ..sharding import (
     shard_lease_name,
     takeover_plan,
 )
-from ..stop_signals import stop_on_signals
+from ..stop_signals import StopSignals, stop_on_signals
 from ..tasks import TaskHandler
 from ..timing import Timings
 from ..validation import check_node_id, check_optional_seconds, check_seconds, new_node_id
@@ -617,8 +617,10 @@ class ShardedLeader(Service, ABC):
                 f"{forks.FORK_ADVICE}"
             )
 
-    def _start(self, *, coordinator: bool) -> None:
-        """Build and start every shard's leader (and the coordinator's, if asked)."""
+    def _start(self, *, coordinator: bool, signalled: StopSignals | None = None) -> None:
+        """Build and start every shard's leader (and the coordinator's, if asked);
+        under ``lead()``, a stop signal interrupts the read of the recorded number of
+        shards (``signalled``: its handler), which may take the server's whole timeout."""
         self._refuse_if_forked()
         with self._lock:
             if self._started:
@@ -629,7 +631,10 @@ class ShardedLeader(Service, ABC):
                 self._started = True
                 logger.info("sharded leader %r was stopped before it started", self._name)
                 return
-            self._check_shards()
+            if signalled is None:
+                self._check_shards()
+            else:
+                signalled.call(self._check_shards, f"rselection-shards-check-{self._name}")
             self._handler.attach()  # registration is closed from now on
             self._started = True
             try:
@@ -663,7 +668,7 @@ class ShardedLeader(Service, ABC):
         self._refuse_if_forked()
         with stop_on_signals(f"sharded leader {self._name!r}") as signalled:
             try:
-                self._start(coordinator=False)
+                self._start(coordinator=False, signalled=signalled)
                 # The coordinator's leader runs in this thread: it returns once stopped
                 # (by stop() or a signal) and raises what made leading unsafe, which
                 # holds for every shard too (they share its keeper session).

@@ -125,6 +125,43 @@ def test_sharded_leader_hands_its_shards_over_on_sigterm(pg_dsn: str) -> None:
     assert took < HANDED_OVER_WITHIN, f"the shards were led {took:.2f} s after the signal"
 
 
+def test_a_sharded_leader_stops_at_once_on_sigterm_while_its_start_reads(pg_dsn: str) -> None:
+    """lead() acts on a signal where it waits; the read of the recorded number of shards
+    that its start makes is such a wait, or a SIGTERM would come into effect only once
+    the server answered, after the statement timeout (30 s) on a locked table: after a
+    process manager's grace, which then kills the node."""
+    import psycopg
+
+    with rs.PostgresShardedLeader(pg_dsn, _idle_tasks(), name="signals", shards=4, **TTL):
+        pass  # creates the tables
+    with psycopg.connect(pg_dsn) as locker:
+        locker.execute("LOCK TABLE rselection_checkpoints IN ACCESS EXCLUSIVE MODE")
+        node = NodeProcess(NODE, "sharded", pg_dsn, "signals")
+        try:
+            node.wait_for("ready", lambda seen: bool(node.of("ready")), 30)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # its start waits for the table
+                waiting = locker.execute(
+                    "SELECT count(*) FROM pg_locks WHERE NOT granted"
+                    " AND relation = 'rselection_checkpoints'::regclass"
+                ).fetchone()
+                if waiting and waiting[0]:
+                    break
+                time.sleep(0.05)
+            else:
+                pytest.fail("the node never read the recorded number of shards")
+            sent = time.monotonic()
+            node.proc.send_signal(signal.SIGTERM)
+            node.wait_for("lead() to return", lambda seen: bool(node.of("returned")), 20)
+            took = time.monotonic() - sent
+            assert node.proc.wait(10) == 0
+            assert node.of("returned")[0]["restored"] is True
+            assert not node.of("running")
+        finally:
+            _reap(node)
+    assert took < 5, f"lead() returned {took:.2f} s after the signal"
+
+
 def test_a_process_forked_while_lead_runs_has_the_programs_own_handlers() -> None:
     """A worker a task forks (multiprocessing's fork start method) runs no ``lead()``:
     SIGTERM (``Process.terminate()``) ends it as the program's own handler says."""

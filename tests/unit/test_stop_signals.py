@@ -124,6 +124,42 @@ def test_a_signal_after_the_stop_began_is_not_acted_on_by_a_wait() -> None:
         signalled.wait(done, latch)  # returns once the leader stopped, not raising
 
 
+def test_call_returns_what_the_call_returns_or_raises() -> None:
+    with stop_on_signals("test") as signalled:
+        assert signalled.call(lambda: 42, "test-call") == 42
+        with pytest.raises(ValueError, match="no"):
+            signalled.call(lambda: int("no"), "test-call")
+        assert not signalled.stopping
+
+
+def test_a_signal_interrupts_a_call_at_once() -> None:
+    release = threading.Event()
+    main = threading.main_thread().ident
+    assert main is not None
+    with stop_on_signals("test") as signalled:
+        # A read the server answers only after its timeout: the signal comes meanwhile.
+        def blocking() -> None:
+            signal.pthread_kill(main, signal.SIGTERM)
+            release.wait(10)
+
+        started = time.monotonic()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                signalled.call(blocking, "test-call")
+        finally:
+            release.set()
+    assert time.monotonic() - started < 5
+
+
+def test_a_signal_before_a_call_is_acted_on_as_it_begins() -> None:
+    ran: list[bool] = []
+    with stop_on_signals("test") as signalled:
+        signal.raise_signal(signal.SIGTERM)  # recorded
+        with pytest.raises(KeyboardInterrupt):
+            signalled.call(lambda: ran.append(True), "test-call")
+    assert not ran
+
+
 def test_no_handler_outside_the_main_thread() -> None:
     seen: list[object] = []
 
