@@ -73,7 +73,6 @@ class DrivenKeeper:
         the main thread, where a stop signal interrupts its wait (see
         :meth:`rselection.stop_signals.StopSignals.wait`)."""
         self.latch.acquire()
-        self._latch_open = False
         self._running = False  # added to the driver
         self._busy = False  # pool work of this leader runs (one at a time)
         self._connecting = False  # that work is connecting the lease
@@ -534,10 +533,9 @@ class DrivenKeeper:
             try:
                 self._lease.on_wake(None)  # no more waits: a waiting thread, if any, ends
             finally:
-                self._finished = True
+                first, self._finished = not self._finished, True
                 self.done.set()
-                if not self._latch_open:  # once: a waiter may hold it now, passing through
-                    self._latch_open = True
+                if first:  # released once: a waiter may hold it now, passing through
                     self.latch.release()
 
     def _work(self, fn: Callable[[], Any], *, then: Callable[[Any], None] | None = None) -> None:

@@ -150,10 +150,8 @@ class StopSignals:
         """In a forked child (see :mod:`rselection.forks`): no ``lead()`` runs here (a
         worker a task forked): the program's own handlers are put back, so that SIGTERM
         (``multiprocessing``'s ``terminate()``) ends the child as the program says."""
-        for sig, old in self.previous.items():
-            if signal.getsignal(sig) is self:
-                # None: a handler not installed from Python, which cannot be put back.
-                signal.signal(sig, signal.SIG_DFL if old is None else old)
+        for sig in self.previous:
+            _put_back(self, sig)
 
 
 _WAIT_CODE = StopSignals.wait.__code__
@@ -163,7 +161,8 @@ _WAIT_CODE = StopSignals.wait.__code__
 @contextlib.contextmanager
 def stop_on_signals(what: str) -> Iterator[StopSignals]:
     """While the block runs in the main thread, SIGTERM and SIGINT raise
-    :class:`KeyboardInterrupt` in it (see :class:`StopSignals`); the previous handlers
+    :class:`KeyboardInterrupt` where it waits (:meth:`StopSignals.wait`, see
+    :class:`StopSignals`); the previous handlers
     are put back after, and at once in a process forked meanwhile. A signal the
     program ignores (``SIG_IGN``) stays ignored.
 
