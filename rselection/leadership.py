@@ -24,6 +24,7 @@ from . import clock, signals
 from .abc import CheckpointStore, LeaseBackend, lease_ability
 from .backoff import backoff
 from .claiming import LeaseClaims
+from .clean_ups import run_clean_ups
 from .context import Term, TransactionFence
 from .errors import BackendUnavailable, ConfigError
 from .history import OPERATOR, end_reason_of
@@ -414,31 +415,13 @@ class Leadership:
             )
 
     def run_cleanup(self) -> None:
-        """Run each clean-up in order, each in a daemon thread waited for at most
-        :data:`CLEANUP_TIMEOUT`; whatever one does (raise, exit, hang), the rest run."""
+        """Run the clean-ups in order, each waited for at most :data:`CLEANUP_TIMEOUT`;
+        whatever one does (raise, exit, hang), the rest run (see :mod:`.clean_ups`)."""
         cleanup, self.cleanup = self.cleanup, []
-        for fn in cleanup:
-            thread = threading.Thread(
-                target=self._clean_up, args=(fn,), name=f"rselection-cleanup-{self.name}"
-            )
-            thread.daemon = True
-            self.cleaning = thread  # a clean-up that calls stop() must not wait for itself
-            thread.start()
-            thread.join(CLEANUP_TIMEOUT)
-            if thread.is_alive():
-                logger.warning(
-                    "lease %r: a clean-up on stop (%r) still runs after %g s; going on "
-                    "without waiting for it",
-                    self.name,
-                    fn,
-                    CLEANUP_TIMEOUT,
-                )
+        run_clean_ups(cleanup, lease=self.name, timeout=CLEANUP_TIMEOUT, on_thread=self._cleaning)
 
-    def _clean_up(self, fn: Callable[[], object]) -> None:
-        try:
-            fn()
-        except BaseException:  # best effort, SystemExit included: the rest still run
-            logger.exception("lease %r: error in a clean-up on stop (%r)", self.name, fn)
+    def _cleaning(self, thread: threading.Thread) -> None:
+        self.cleaning = thread  # a clean-up that calls stop() must not wait for itself
 
     def observe(self, holder: LeaderInfo | None) -> None:
         seen = (holder.node_id, holder.term) if holder is not None else None

@@ -235,6 +235,38 @@ def test_a_hanging_cleanup_holds_stop_at_most_the_cleanup_timeout(
         release.set()
 
 
+def test_cleanups_share_one_thread_until_one_outlasts_its_timeout(
+    lease_leaders: Callable[..., rs.LeaseLeader], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One thread for every clean-up (each thread started as a stop releases takes time
+    # from the next leader's start); after one that hangs, the rest go on on another, and
+    # the thread left behind takes none of them once its clean-up returns.
+    monkeypatch.setattr(rselection.leadership, "CLEANUP_TIMEOUT", 0.5)
+    lease = MemoryLease(name="one-thread", ttl=3.0)
+    release = threading.Event()
+    ran: list[tuple[str, threading.Thread]] = []
+
+    def record(label: str) -> Callable[[], None]:
+        return lambda: ran.append((label, threading.current_thread()))
+
+    def hang() -> None:
+        record("hang")()
+        release.wait(30)
+
+    cleanup = [record("a"), record("b"), hang, record("c"), record("d")]
+    leader = lease_leaders(lease, cleanup=cleanup, **FAST)
+    leader.start()
+    assert leader.wait_until_leader(5)
+    leader.stop(timeout=10)
+    release.set()
+    first = ran[0][1]
+    first.join(5)
+    assert not first.is_alive()
+    assert [label for label, _ in ran] == ["a", "b", "hang", "c", "d"]
+    assert {thread for _, thread in ran[:3]} == {first}
+    assert {thread for _, thread in ran[3:]} == {ran[3][1]} and ran[3][1] is not first
+
+
 def test_a_cleanup_that_exits_skips_nothing_and_frees_the_handler(
     lease_leaders: Callable[..., rs.LeaseLeader],
 ) -> None:
