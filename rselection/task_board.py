@@ -119,9 +119,6 @@ class TaskBoard:
         """The leader starts: notifications make the board read the controls."""
         with self._lock:
             self._open = True
-        # The desk's thread stays while the leader runs: a term's start hands its controls
-        # read to it, and a thread started then would delay the term's first tasks.
-        ControlsDesk.shared().use(self)
 
     @property
     def fresh(self) -> bool:
@@ -212,6 +209,7 @@ class TaskBoard:
     def attach(self, listener: ControlsListener) -> None:
         """Hand the controls read from now on to ``listener`` (a term that runs)."""
         TaskDesk.shared().use(self.store)
+        ControlsDesk.shared().use(self.store)
         with self._lock:
             self._listener = listener
 
@@ -222,6 +220,7 @@ class TaskBoard:
                 return
             self._listener = None
         TaskDesk.shared().release(self.store)
+        ControlsDesk.shared().release(self.store)
 
     def wake(self) -> None:
         """A notification says the controls may have changed: read them soon on the task
@@ -348,6 +347,6 @@ class TaskBoard:
         :data:`STOP_FLUSH` seconds), and read the controls no more."""
         with self._lock:
             self._open = False
-        ControlsDesk.shared().release(self)
+        ControlsDesk.shared().release(self.store)
         TaskDesk.shared().drain(self.store, STOP_FLUSH)
         self._queue = None

@@ -13,8 +13,7 @@ records drops its oldest (counted). The other jobs (a task controls read, a task
 to publish, triggers to drop) run in order, each when due. Nothing here is on a
 lease's renewal path. The thread ends once idle: at once when no leader uses the desk
 any more (:meth:`TaskDesk.use`, :meth:`TaskDesk.drain`), else after :data:`IDLE`
-seconds (the controls' desk: not while a leader runs); it starts again with the next
-record or job.
+seconds; it starts again with the next record or job.
 """
 
 from __future__ import annotations
@@ -171,8 +170,6 @@ class TaskDesk(forks.PerProcess):
     :meth:`shared`."""
 
     THREAD_NAME = "rselection-tasks"
-    KEEP_WHILE_USED = False
-    """Whether the thread stays for as long as it is used, instead of :data:`IDLE`."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -181,7 +178,7 @@ class TaskDesk(forks.PerProcess):
         self._order = itertools.count()
         self._running_job = False
         self._job_last = False  # the last work taken was a job (see _next)
-        self._users: set[int] = set()  # id() of what uses the desk (see use)
+        self._users: set[int] = set()  # id() of the stores of leaders that run
         self._thread: threading.Thread | None = None
         self._dropped_said = -_REPORT_EVERY
         self.counts = DeskCounts()
@@ -229,17 +226,16 @@ class TaskDesk(forks.PerProcess):
             heapq.heappush(self._jobs, (time.monotonic() + delay, next(self._order), job))
             self._wake()
 
-    def use(self, user: object) -> None:
-        """``user`` (a term's store, or a leader's board) needs the desk: the thread
-        waits :data:`IDLE` seconds for more work before it ends, or for as long as it is
-        used (:attr:`KEEP_WHILE_USED`), until :meth:`release` (or :meth:`drain`)."""
+    def use(self, store: TaskStore) -> None:
+        """A term runs with ``store``: the thread waits :data:`IDLE` seconds for more
+        work before it ends (until :meth:`release` or :meth:`drain`)."""
         with self._cond:
-            self._users.add(id(user))
+            self._users.add(id(store))
 
-    def release(self, user: object) -> None:
-        """``user`` needs the desk no more: once idle, the thread may end."""
+    def release(self, store: TaskStore) -> None:
+        """The leader of ``store`` leads no term now: once idle, the thread may end."""
         with self._cond:
-            self._users.discard(id(user))
+            self._users.discard(id(store))
             self._cond.notify_all()
 
     def drain(self, store: TaskStore, timeout: float) -> bool:
@@ -323,10 +319,10 @@ class TaskDesk(forks.PerProcess):
             if job_due:
                 return self._pop_job()
             if wake_at is None:
-                if not self._users or (not self.KEEP_WHILE_USED and now - idle_since >= IDLE):
+                if not self._users or now - idle_since >= IDLE:
                     self._thread = None
                     return None
-                self._cond.wait(None if self.KEEP_WHILE_USED else IDLE - (now - idle_since))
+                self._cond.wait(IDLE - (now - idle_since))
             else:
                 self._cond.wait(max(0.0, wake_at - now))
 
@@ -417,7 +413,3 @@ class ControlsDesk(TaskDesk):
     only: no run is queued here). Get it with :meth:`shared`."""
 
     THREAD_NAME = "rselection-task-controls"
-    # Used from a leader's start to its stop (TaskBoard.open, close): a term's start
-    # hands its controls read here, and a thread started then took 0.1 to 1.8 ms from
-    # the handover it ends (Thread.start waits for the new thread to run).
-    KEEP_WHILE_USED = True

@@ -37,19 +37,14 @@ class TaskThreads:
     Args:
         prefix: the threads' name prefix.
         idle_timeout: seconds an idle thread waits for more work before it ends.
-        spare: idle threads that wait for work until :meth:`close`, however long
-            (:meth:`warm` starts them): work that must begin at once is handed to a
-            thread that runs already.
     """
 
-    def __init__(self, prefix: str, *, idle_timeout: float = IDLE_TIMEOUT, spare: int = 0) -> None:
+    def __init__(self, prefix: str, *, idle_timeout: float = IDLE_TIMEOUT) -> None:
         self.prefix = prefix
         self.idle_timeout = idle_timeout
-        self.spare = spare
         self._lock = threading.Lock()
         self._work: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         self._idle = 0  # threads waiting on the queue that no work was promised to yet
-        self._warming = 0  # threads warm() started that do not wait yet
         self._threads: set[threading.Thread] = set()
         self._closed = False
 
@@ -82,24 +77,6 @@ class TaskThreads:
                 self._threads.discard(thread)
             raise
 
-    def warm(self) -> None:
-        """Start a thread that waits for work, unless :attr:`spare` threads wait already
-        (or are starting). Best effort: a thread that cannot start is not retried."""
-        with self._lock:
-            if self._closed or self._idle + self._warming >= self.spare:
-                return
-            self._warming += 1
-            thread = threading.Thread(
-                target=self._serve, args=(None,), name=self.prefix, daemon=True
-            )
-            self._threads.add(thread)
-        try:
-            thread.start()
-        except RuntimeError:
-            with self._lock:
-                self._warming -= 1
-                self._threads.discard(thread)
-
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called (then :meth:`run` refuses work)."""
@@ -108,10 +85,6 @@ class TaskThreads:
 
     def _serve(self, work: _Work | None) -> None:
         try:
-            if work is None:  # warmed: wait for work first
-                with self._lock:
-                    self._warming -= 1
-                work = self._next()
             while work is not None:
                 try:
                     # Each call in a context of its own, as a new thread would give it.
@@ -129,9 +102,8 @@ class TaskThreads:
             if self._closed:
                 return None
             self._idle += 1
-            timeout = None if self._idle <= self.spare else self.idle_timeout
         try:
-            return self._work.get(timeout=timeout)
+            return self._work.get(timeout=self.idle_timeout)
         except queue.Empty:
             pass
         with self._lock:

@@ -300,35 +300,6 @@ def test_task_threads_end_when_idle_for_their_timeout() -> None:
     threads.close(5)
 
 
-def test_a_warmed_spare_thread_takes_work_and_outlives_the_idle_timeout() -> None:
-    # The driver's end-of-term threads keep one spare: a stop's end of term is handed to
-    # a thread that runs already, however long since the last one.
-    threads = TaskThreads("rselection-test-spare", idle_timeout=0.1, spare=1)
-    gate = threading.Event()
-    try:
-        threads.warm()
-        threads.warm()  # one spare at most
-        wait_until(lambda: threads.idle() == 1, 5, "the warmed thread to wait for work")
-        assert threads.count() == 1
-        (spare,) = [t for t in threading.enumerate() if t.name == "rselection-test-spare"]
-        ran_on: dict[str, threading.Thread] = {}
-        threads.run(lambda: (ran_on.update(first=threading.current_thread()), gate.wait(10)))
-        wait_until(lambda: "first" in ran_on, 5, "the first call to run")
-        threads.run(lambda: ran_on.update(second=threading.current_thread()))  # a new one
-        wait_until(lambda: "second" in ran_on, 5, "the second call to run")
-        assert ran_on["first"] is spare and ran_on["second"] is not spare
-        gate.set()
-        # The thread that waits first is the spare now; the other ends once idle.
-        wait_until(lambda: threads.count() == 1, 5, "one idle thread to end")
-        time.sleep(0.5)  # five idle timeouts: the spare stays
-        assert threads.count() == 1 and threads.idle() == 1
-    finally:
-        gate.set()
-        threads.close(5)
-    assert threads.count() == 0
-    assert not [t for t in threading.enumerate() if t.name == "rselection-test-spare"]
-
-
 def test_a_slow_fire_skipped_receiver_never_holds_up_the_end_of_a_term(
     leaders: Callable[..., rs.SingleNodeLeader],
 ) -> None:
