@@ -155,10 +155,11 @@ class LeaseLeader(Service):
             when the lease cannot, and then ``ctx.fence`` raises ``ConfigError``.
         cleanup: called once each, in order, when the leader has stopped and released
             its lease (how a factory closes the claimer, store or client it built for
-            the leader). Each runs in a thread of its own and is waited for at most
+            the leader). They run on a thread of their own (each in a fresh
+            :class:`contextvars.Context`), each waited for at most
             :data:`CLEANUP_TIMEOUT` seconds; one that raises (anything, ``SystemExit``
-            too) is logged, one still running then is logged and left running, and the
-            rest run either way.
+            too) is logged, one still running then is logged and left running (the
+            rest go on on another thread), and the rest run either way.
         version: the release this node runs (PEP 440, such as ``"2.4.1"``), shown in
             ``nodes()``; ``None``: none given.
         eligible: ``False``: this node never leads (it never attempts to take the lease,

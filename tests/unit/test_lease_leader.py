@@ -6,6 +6,8 @@ backend, by the conformance suite (``rselection.testing.LeaderConformance``).
 
 from __future__ import annotations
 
+import contextvars
+import decimal
 import logging
 import math
 import threading
@@ -265,6 +267,29 @@ def test_cleanups_share_one_thread_until_one_outlasts_its_timeout(
     assert [label for label, _ in ran] == ["a", "b", "hang", "c", "d"]
     assert {thread for _, thread in ran[:3]} == {first}
     assert {thread for _, thread in ran[3:]} == {ran[3][1]} and ran[3][1] is not first
+
+
+def test_each_cleanup_runs_in_a_context_of_its_own(
+    lease_leaders: Callable[..., rs.LeaseLeader],
+) -> None:
+    # They share a thread, but not what one sets in its context (as on threads of their
+    # own): a context variable, the decimal context.
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("cleanup_var", default="unset")
+    seen: list[tuple[str, int]] = []
+
+    def first() -> None:
+        var.set("first")
+        decimal.getcontext().prec = 3
+
+    def second() -> None:
+        seen.append((var.get(), decimal.getcontext().prec))
+
+    lease = MemoryLease(name="contexts", ttl=3.0)
+    leader = lease_leaders(lease, cleanup=[first, second], **FAST)
+    leader.start()
+    assert leader.wait_until_leader(5)
+    leader.stop(timeout=10)
+    assert seen == [("unset", decimal.DefaultContext.prec)]
 
 
 def test_a_cleanup_that_exits_skips_nothing_and_frees_the_handler(
