@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -67,6 +68,13 @@ transaction held (reported as free, reserved that long)."""
 
 SKIPPED_RETRY = 0.1
 """Seconds between renewals of a term whose row another transaction holds locked."""
+
+PROTOCOL_CONFIRM = 1.0
+"""Seconds a holder must still look like a node of another lease protocol before an
+attempt refuses to go on. A keeper session of this protocol that ends (its process
+killed) frees its ring lock and its term's lock one after the other, and an attempt that
+reads the lock table in between sees a node of protocol 1; the first sighting only makes
+the attempt look again (each :data:`TAKEABLE_RETRY`)."""
 
 
 class PostgresLease(Closeable):
@@ -179,6 +187,9 @@ class PostgresLease(Closeable):
         self._handover: HandoverRequest | None = None
         self._drain_notices = DrainNotices(self.name)  # see on_drain
         self._task_notices = TaskNotices(self.name)  # see on_tasks
+        # (holder, term, first seen) of a holder that looks like a node of another lease
+        # protocol (see PROTOCOL_CONFIRM)
+        self._other_protocol: tuple[str, int, float] | None = None
         # A holder is read in one short statement: bound each read by about twice the
         # connect timeout, as a caller of current() expects of a quick look.
         self._observer = Connections(
@@ -205,6 +216,7 @@ class PostgresLease(Closeable):
         self._death_announced = False
         self._announced = None
         self._holder_seen = (0, None)
+        self._other_protocol = None
         self._must_attempt = False
         self._wake = threading.Event()
         self._renewal_done = None
@@ -413,6 +425,16 @@ class PostgresLease(Closeable):
 
     # -- the lease --------------------------------------------------------------------
 
+    def _other_protocol_confirmed(self, holder: str, term: int) -> bool:
+        """Whether ``holder`` (of ``term``) was seen as a node of another lease protocol
+        at least :data:`PROTOCOL_CONFIRM` seconds ago, and ever since."""
+        now = time.monotonic()
+        seen = self._other_protocol
+        if seen is None or seen[:2] != (holder, term):
+            self._other_protocol = (holder, term, now)
+            return False
+        return now - seen[2] >= PROTOCOL_CONFIRM
+
     def _acquisition(self, row: tuple[Any, ...] | None, acquired: bool) -> Acquisition:
         if row is None or row[1] is None:
             self._saw_holder(row[2] if row is not None else None, None)
@@ -425,12 +447,22 @@ class PostgresLease(Closeable):
         self._saw_holder(term, row[11])
         info = LeaderInfo(holder, term, utc(acquired_at), utc(expires_at))
         if not acquired and protocol != LEASE_PROTOCOL and (lock_held or expires_in > 0):
+            if not self._other_protocol_confirmed(holder, term):
+                logger.debug(
+                    "lease %r: holder %r looks like a node of lease protocol %s; looking "
+                    "again (its session may be ending)",
+                    self.name,
+                    holder,
+                    protocol or 1,
+                )
+                return Acquisition(False, None, TAKEABLE_RETRY)
             raise ConfigError(
                 f"lease {self.name!r} in table {self.table!r} is held by node {holder!r} "
                 f"speaking lease protocol {protocol or 1}; this node speaks protocol "
                 f"{LEASE_PROTOCOL}. Nodes of both could lead at once: stop every node of the "
                 "other release before starting this one"
             )
+        self._other_protocol = None
         if not acquired and free:
             # Takeable, but another transaction held the row (fenced transactions of the
             # gone holder's term, another node's attempt): no live leader; look again
