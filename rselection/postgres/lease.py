@@ -426,8 +426,9 @@ class PostgresLease(Closeable):
     # -- the lease --------------------------------------------------------------------
 
     def _other_protocol_confirmed(self, holder: str, term: int) -> bool:
-        """Whether ``holder`` (of ``term``) was seen as a node of another lease protocol
-        at least :data:`PROTOCOL_CONFIRM` seconds ago, and ever since."""
+        """Whether ``holder`` (of ``term``) was first seen as a node of another lease
+        protocol at least :data:`PROTOCOL_CONFIRM` seconds ago (and is so again now: a
+        session that ends never looks so twice for one term)."""
         now = time.monotonic()
         seen = self._other_protocol
         if seen is None or seen[:2] != (holder, term):
