@@ -670,6 +670,19 @@ class BatchFireHistory(FireHistory, Protocol):
         ...
 
 
+def claim_back(claimer: FireClaimer, fire_keys: list[str], *, term: int | None) -> list[str]:
+    """Claim the missed fires among ``fire_keys`` (oldest first) key by key: walk back
+    from the newest with :meth:`FireClaimer.claim` until one is already held; return
+    the keys won, oldest first: ``claim_missed`` for a claimer without the ability.
+    """
+    won: list[str] = []
+    for key in reversed(fire_keys):
+        if not claimer.claim(key, term=term):
+            break
+        won.append(key)
+    return won[::-1]
+
+
 class ClaimerBase(ABC):
     """A base for a fire claimer of your own: :class:`FireClaimer`'s ``claim``, and every
     optional ability with a default that the leader treats as absent.
@@ -691,12 +704,7 @@ class ClaimerBase(ABC):
     def claim_missed(self, fire_keys: list[str], *, term: int | None = None) -> list[str]:
         """Ability ``"claim_missed"`` (:class:`MissedFireClaimer`); by default walks back
         from the newest key with :meth:`claim` until one is already held."""
-        won: list[str] = []
-        for key in reversed(fire_keys):
-            if not self.claim(key, term=term):
-                break
-            won.append(key)
-        return won[::-1]
+        return claim_back(self, fire_keys, term=term)
 
     def claim_many(self, fire_keys: list[str], *, term: int | None = None) -> set[str]:
         """Ability ``"claim_many"`` (:class:`BatchFireClaimer`); by default :meth:`claim`

@@ -20,6 +20,7 @@ from .abc import (
     FireClaimer,
     FireHistory,
     MissedFireClaimer,
+    claim_back,
     claimer_ability,
 )
 from .errors import BackendUnavailable, ConfigError
@@ -150,12 +151,7 @@ def claim_missed(claimer: FireClaimer, fire_keys: list[str], *, term: int | None
     missed = claimer_ability(claimer, "claim_missed")
     if missed is not None:
         return missed.claim_missed(fire_keys, term=term)
-    won: list[str] = []
-    for key in reversed(fire_keys):
-        if not claimer.claim(key, term=term):
-            break
-        won.append(key)
-    return won[::-1]
+    return claim_back(claimer, fire_keys, term=term)
 
 
 def claim_each(
