@@ -501,10 +501,7 @@ class LeaseAdmin(Closeable, ABC):
         Raises:
             Refused: no such lease, or (when its tasks are known) no such task.
         """
-        name, task = check_name(name, "lease name"), check_name(task, "task name")
-        store = self._task_store()
-        self._known_task(store, name, task, scheduled=False)
-        return store.set_paused(name, task, True)
+        return self._set_paused(name, task, True)
 
     def resume_task(self, name: str, task: str) -> TaskControlChange:
         """Resume task ``task`` of lease ``name`` (``rselection task resume``): its fires
@@ -514,10 +511,14 @@ class LeaseAdmin(Closeable, ABC):
         Raises:
             Refused: no such lease, or (when its tasks are known) no such task.
         """
+        return self._set_paused(name, task, False)
+
+    def _set_paused(self, name: str, task: str, paused: bool) -> TaskControlChange:
+        # Pause and resume differ only in the flag they write.
         name, task = check_name(name, "lease name"), check_name(task, "task name")
         store = self._task_store()
         self._known_task(store, name, task, scheduled=False)
-        return store.set_paused(name, task, False)
+        return store.set_paused(name, task, paused)
 
     def trigger_task(self, name: str, task: str) -> Trigger:
         """Ask the leader of lease ``name`` for one extra fire of scheduled task ``task``
