@@ -18,7 +18,6 @@ leaders woken by a notification.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,8 +26,8 @@ from typing import Protocol
 
 from packaging.version import InvalidVersion, Version
 
-from . import forks
 from .members import NodeInfo
+from .process_thread import ProcessThread
 
 __all__ = [
     "DRAINED",
@@ -112,16 +111,17 @@ class Drainable(Protocol):
         ...
 
 
-class DrainWatch(forks.PerProcess):
+class DrainWatch(ProcessThread):
     """The process's one thread that reads the drain state of the leaders a
     notification woke (:meth:`wake`); a read that fails is tried again after
     :data:`RETRY_AFTER`. Get it with :meth:`shared`; the thread ends when idle."""
 
+    THREAD_NAME = "rselection-drains"
+
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        super().__init__()
         self._due: dict[Drainable, float] = {}  # leader -> when to read (monotonic)
         self._read_at: dict[Drainable, float] = {}  # leader -> when last read
-        self._thread: threading.Thread | None = None
 
     def wake(self, leader: Drainable) -> None:
         """Read ``leader``'s drain state soon: at once, or :data:`READ_EVERY` after the
@@ -130,11 +130,7 @@ class DrainWatch(forks.PerProcess):
             at = self._read_at.get(leader, -READ_EVERY) + READ_EVERY
             self._due[leader] = min(self._due.get(leader, at), at)
             self._cond.notify_all()
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="rselection-drains", daemon=True
-                )
-                self._thread.start()
+            self._start_thread()
 
     def discard(self, leader: Drainable) -> None:
         """Read ``leader``'s drain state no more (it stopped)."""

@@ -16,7 +16,6 @@ the leader's backend (the same request as ``rselection resign --to``). See
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -25,8 +24,8 @@ from typing import Protocol
 
 from packaging.version import InvalidVersion, Version
 
-from . import forks
 from .members import NodeInfo
+from .process_thread import ProcessThread
 
 __all__ = [
     "ASK_AGAIN_AFTER",
@@ -139,25 +138,22 @@ class Successor(Protocol):
         ...
 
 
-class SuccessionWatch(forks.PerProcess):
+class SuccessionWatch(ProcessThread):
     """The process's one thread that runs each watched leader's
     :meth:`Successor.hand_over_to_newer` every :data:`CHECK_INTERVAL`; get it with
     :meth:`shared`. The thread ends once no leader is watched."""
 
+    THREAD_NAME = "rselection-succession"
+
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        super().__init__()
         self._leaders: dict[Successor, None] = {}
-        self._thread: threading.Thread | None = None
 
     def add(self, leader: Successor) -> None:
         """Watch ``leader`` until :meth:`discard`."""
         with self._cond:
             self._leaders[leader] = None
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="rselection-succession", daemon=True
-                )
-                self._thread.start()
+            self._start_thread()
 
     def discard(self, leader: Successor) -> None:
         """Watch ``leader`` no more (a look under way may end)."""

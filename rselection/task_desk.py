@@ -21,14 +21,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Protocol
 
-from . import forks
+from .process_thread import ProcessThread
 from .task_runs import RunRecord
 
 if TYPE_CHECKING:
@@ -165,21 +164,20 @@ class RunQueue:
             self.desk.kick(self, FLUSH_DELAY)
 
 
-class TaskDesk(forks.PerProcess):
+class TaskDesk(ProcessThread):
     """The process's thread for task stores (see the module docstring). Get it with
     :meth:`shared`."""
 
     THREAD_NAME = "rselection-tasks"
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        super().__init__()
         self._queues: dict[int, RunQueue] = {}  # by id() of the store
         self._jobs: list[tuple[float, int, Callable[[], None]]] = []  # a heap by due time
         self._order = itertools.count()
         self._running_job = False
         self._job_last = False  # the last work taken was a job (see _next)
         self._users: set[int] = set()  # id() of the stores of leaders that run
-        self._thread: threading.Thread | None = None
         self._dropped_said = -_REPORT_EVERY
         self.counts = DeskCounts()
         """What the desk did (see :class:`DeskCounts`)."""
@@ -292,9 +290,7 @@ class TaskDesk(forks.PerProcess):
     def _wake(self) -> None:
         """Under the lock: wake the thread, or start it."""
         self._cond.notify_all()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self.THREAD_NAME, daemon=True)
-            self._thread.start()
+        self._start_thread()
 
     def _next(self) -> Callable[[], None] | RunQueue | None:
         """Under the lock: the next job or queue to write, waiting for one; ``None`` when
