@@ -297,6 +297,15 @@ def _is_async_connection(conn: Any) -> bool | None:
     return None
 
 
+# What fence() and afence() (by ``asynchronous``) say of a connection of the other kind.
+_OTHER_KIND = {
+    False: "ctx.fence() takes a blocking connection, got {kind} whose queries are "
+    "coroutines: use `await ctx.afence(conn)` instead",
+    True: "ctx.afence() takes an async connection (a psycopg AsyncConnection), got "
+    "{kind}: use ctx.fence(conn) instead",
+}
+
+
 def _kind(conn: Any) -> str:
     return f"{type(conn).__module__}.{type(conn).__qualname__}"
 
@@ -449,15 +458,7 @@ class TaskContext:
             ConfigError: this leader cannot fence a transaction, ``conn`` is an async
                 connection, or no transaction is open.
         """
-        fence = self._fence()
-        if isinstance(fence, NoTransactionFence):
-            raise fence.refusal("ctx.fence()")  # whatever conn is: the other call is no help
-        if _is_async_connection(conn) is True:
-            raise ConfigError(
-                f"ctx.fence() takes a blocking connection, got {_kind(conn)} whose queries "
-                "are coroutines: use `await ctx.afence(conn)` instead"
-            )
-        fence.fence(conn, self.term)
+        self._fence_for(conn, asynchronous=False).fence(conn, self.term)
 
     async def afence(self, conn: Any) -> None:
         """Async :meth:`fence` for an async connection (a psycopg ``AsyncConnection``).
@@ -470,20 +471,20 @@ class TaskContext:
             ConfigError: this leader cannot fence a transaction, ``conn`` is a blocking
                 connection, or no transaction is open.
         """
-        fence = self._fence()
-        if isinstance(fence, NoTransactionFence):
-            raise fence.refusal("ctx.afence()")
-        if _is_async_connection(conn) is False:
-            raise ConfigError(
-                f"ctx.afence() takes an async connection (a psycopg AsyncConnection), got "
-                f"{_kind(conn)}: use ctx.fence(conn) instead"
-            )
-        await fence.afence(conn, self.term)
+        await self._fence_for(conn, asynchronous=True).afence(conn, self.term)
 
-    def _fence(self) -> TransactionFence:
+    def _fence_for(self, conn: Any, *, asynchronous: bool) -> TransactionFence:
+        """The term's fence for :meth:`fence` (``asynchronous``: :meth:`afence`) on
+        ``conn``; refused when the leader cannot fence a transaction, or ``conn`` is a
+        connection of the other kind."""
         fence = self._term.fence
         if fence is None:
             raise ConfigError(f"task {self.name!r}: {NO_FENCE}")
+        if isinstance(fence, NoTransactionFence):
+            # Whatever conn is: the other call is no help.
+            raise fence.refusal("ctx.afence()" if asynchronous else "ctx.fence()")
+        if _is_async_connection(conn) is (not asynchronous):
+            raise ConfigError(_OTHER_KIND[asynchronous].format(kind=_kind(conn)))
         return fence
 
     @property
