@@ -36,11 +36,9 @@ from .keys import (
     shards_record_key,
 )
 from .leader import DEFAULT_CLAIMER, RedisLeader
-from .membership import read_nodes
 
 if TYPE_CHECKING:
     from ..broadcast import Broadcaster
-    from ..members import NodeInfo
 
 __all__ = ["RedisShardedLeader"]
 
@@ -182,7 +180,6 @@ class RedisShardedLeader(ShardedLeader):
             connect_timeout=connect_timeout,
             broadcaster=broadcaster,
         )
-        self._coordinator_key = lease_keys(self._name, key_prefix)[0]
         # The record of the number of shards shares the coordinator lease's hash slot,
         # so that its write is fenced by the coordinator's term in one script.
         self._record_key = shards_record_key(self._name, SHARDS_RECORD, key_prefix)
@@ -214,7 +211,7 @@ class RedisShardedLeader(ShardedLeader):
             info, _ = parse_holder(raw, pttl, now)
             if info is not None:
                 holders[shard] = info
-        members = self._nodes()
+        members = self.nodes()
         nodes = {n.node_id: (n.started_at, n.last_seen, n.alive) for n in members if n.eligible}
         ineligible = frozenset(n.node_id for n in members if n.alive and not n.eligible)
         now = datetime.fromtimestamp(now_ms / 1000, UTC) if now_ms else datetime.now(UTC)
@@ -245,19 +242,9 @@ class RedisShardedLeader(ShardedLeader):
             cancel_handover(self._client, name, answers.pop(name).term, key_prefix=self.key_prefix)
         return answers
 
-    def _nodes(self) -> list[NodeInfo]:
-        """The nodes listed for ``"<name>"`` now, read from Redis."""
-        return read_nodes(
-            self._client,
-            self._name,
-            key_prefix=self.key_prefix,
-            node_timeout=self._node_timeout,
-            lease_key=self._coordinator_key,
-        )
-
     def _members(self) -> set[str]:
         """The nodes listed for ``"<name>"`` now (alive or not: they have not left)."""
-        return {node.node_id for node in self._nodes()}
+        return {node.node_id for node in self.nodes()}
 
     def _reopen_handovers(self, names: list[str]) -> list[str]:
         return reopen_handovers(self._client, names, self._node_id, key_prefix=self.key_prefix)
