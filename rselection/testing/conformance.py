@@ -409,9 +409,13 @@ class LeaderConformance:
         linger = 0.6 * grace
         handler = functools.partial(ledger.handler, linger=linger, stop_grace=grace)
         leaders, chief = self.start_leaders(name, ["a", "b"], handler)
+        # Each term is ended only once its task runs: a term ended as it begins may end
+        # before its task's first line, and then leaves nothing to check.
+        _wait_until(lambda: len(ledger.runs) >= 1, self.wait_bound, "the first term's task")
         chief.step_down(hold=3 * self.handover_bound)  # the other node leads next
         heir = self.the_leader(leaders)
         _expect(heir is not chief, "the node that stepped down with a hold leads again")
+        _wait_until(lambda: len(ledger.runs) >= 2, self.wait_bound, "the second term's task")
         heir.stop(timeout=self.wait_bound)
         last = self.the_leader(leaders)
         _expect(last is chief, "the node on hold did not lead after the other stopped")
