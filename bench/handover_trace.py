@@ -4,9 +4,9 @@ Runs ``bench/peers.py --systems rs-redis`` from this checkout and from a checkou
 ``--base`` (default ``8927718^``, the last tree with a keeper and a watchdog thread per
 leader), the two alternating for ``--sittings`` rounds, with every node traced (see
 ``bench/tracepoints/sitecustomize.py``: a line at the entry and exit of a few methods
-that both trees have). For each tree it prints the bench's handover times (SIGTERM to
-the next node's ``elected``), pooled over the sittings, and the median of each segment
-of a handover:
+that both trees have). For each tree it prints the bench's kill -9 failover and
+graceful handover times (SIGKILL or SIGTERM to the next node's ``elected``), pooled over
+the sittings, and the median of each segment of a graceful handover:
 
 * the old leader: ``stop()`` to its tasks' end begun, the tasks' end, to the release
   sent, the release's round trip;
@@ -71,8 +71,17 @@ def checkout(rev: str) -> Iterator[Path]:
             )
 
 
-def sitting(tree: Path, rounds: int) -> tuple[list[int], list[Event]]:
-    """One bench run from ``tree``: its handover times (ms) and the nodes' trace."""
+def figures(out: str, scenario: str, tree: Path) -> list[int]:
+    """The times (ms) of ``scenario``'s rounds in the output of ``bench/peers.py``."""
+    found = re.search(rf"  - {scenario} \(ms, in round order\): ([\d, ]+)", out)
+    if found is None:
+        raise SystemExit(f"no {scenario} figures in the output of {tree}:\n{out}")
+    return [int(x) for x in found.group(1).split(",")]
+
+
+def sitting(tree: Path, rounds: int) -> tuple[dict[str, list[int]], list[Event]]:
+    """One bench run from ``tree``: its kill -9 and handover times (ms) and the nodes'
+    trace."""
     with tempfile.TemporaryDirectory(prefix="rselection-trace-") as folder:
         env = dict(os.environ, RS_TRACE=folder, PYTHONPATH=str(TRACEPOINTS))
         command = [
@@ -89,10 +98,7 @@ def sitting(tree: Path, rounds: int) -> tuple[list[int], list[Event]]:
         out = subprocess.run(
             command, cwd=tree, env=env, capture_output=True, text=True, check=True
         ).stdout
-        found = re.search(r"handover \(ms, in round order\): ([\d, ]+)", out)
-        if found is None:
-            raise SystemExit(f"no handover figures in the output of {tree}:\n{out}")
-        times = [int(x) for x in found.group(1).split(",")]
+        times = {scenario: figures(out, scenario, tree) for scenario in ("kill -9", "handover")}
         events: list[Event] = []
         for trace in Path(folder).glob("*.txt"):
             for line in trace.read_text().splitlines():
@@ -155,23 +161,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10, help="handovers per run (default 10)")
     parser.add_argument("--sittings", type=int, default=2, help="runs per tree (default 2)")
     args = parser.parse_args(argv)
-    times: dict[str, list[int]] = defaultdict(list)
+    times: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
     found: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     with checkout(args.base) as base:
         trees = {f"base ({args.base})": base, "this tree": ROOT}
         for n in range(args.sittings):
             for label, tree in trees.items():
                 run_times, events = sitting(tree, args.rounds)
-                times[label] += run_times
+                for scenario, values in run_times.items():
+                    times[label][scenario] += values
                 for name, values in segments(events).items():
                     found[label][name] += values
-                print(f"sitting {n + 1}, {label}: handover p50 {statistics.median(run_times)} ms")
+                print(
+                    f"sitting {n + 1}, {label}: kill -9 p50 "
+                    f"{statistics.median(run_times['kill -9'])} ms, handover p50 "
+                    f"{statistics.median(run_times['handover'])} ms"
+                )
     labels = list(times)
     print()
     print(f"| segment (median, ms) | {' | '.join(labels)} |")
     print(f"| --- |{' --- |' * len(labels)}")
-    pooled = [f"{statistics.median(times[label]):.1f} ({len(times[label])})" for label in labels]
-    print(f"| bench handover p50 (rounds) | {' | '.join(pooled)} |")
+    for scenario in ("kill -9", "handover"):
+        pooled = [times[label][scenario] for label in labels]
+        cells = " | ".join(f"{statistics.median(v):.1f} ({len(v)})" for v in pooled)
+        print(f"| bench {scenario} p50 (rounds) | {cells} |")
     for name in SEGMENTS:
         cells = []
         for label in labels:
