@@ -554,10 +554,10 @@ class LeaseLeader(Service):
         except BaseException:  # Ctrl-C included: the keeper, if it started, winds down
             self._state.stopping.set()
             if not self._driven.running:
-                # Nothing will close it but us: a lease that joined a shared session
-                # (see _before_driven) leaves it now.
-                self._state.handler.detach()
-                self._state.close_backend()
+                # Nothing will close it but us: the backend (a lease that joined a
+                # shared session, see _before_driven, leaves it now), the handler, and
+                # what the clean-ups close (the task board, a factory's pools).
+                self._state.close()
             else:
                 self._driven.poke()
             raise

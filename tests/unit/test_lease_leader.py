@@ -323,6 +323,39 @@ def test_a_cleanup_that_exits_skips_nothing_and_frees_the_handler(
     assert again.wait_until_leader(5)
 
 
+def test_a_start_cut_short_by_ctrl_c_still_runs_the_cleanups(
+    lease_leaders: Callable[..., rs.LeaseLeader],
+) -> None:
+    # A Ctrl-C that lands in start() (here: raised by a receiver of `started`) ends it
+    # before the engine has the leader: nothing will ever stop it, so what it opened
+    # is closed on the way out (the clean-ups, the backend, the handler).
+    calls: list[str] = []
+    handler = rs.TaskHandler()
+    leader = lease_leaders(
+        MemoryLease(name="cut-short", ttl=3.0),
+        handler,
+        cleanup=[lambda: calls.append("cleanup")],
+        **FAST,
+    )
+
+    def interrupt(sender: Any, **kw: Any) -> None:
+        if sender is leader:
+            raise KeyboardInterrupt
+
+    rs.signals.started.connect(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            leader.start()
+    finally:
+        rs.signals.started.disconnect(interrupt)
+    assert calls == ["cleanup"]
+    leader.stop(timeout=10)  # nothing more to do, and the clean-ups do not run again
+    assert calls == ["cleanup"]
+    again = lease_leaders(MemoryLease(name="cut-short-again", ttl=3.0), handler, **FAST)
+    again.start()  # the handler was detached
+    assert again.wait_until_leader(5)
+
+
 def test_claims_go_through_the_lease_name(
     lease_leaders: Callable[..., rs.LeaseLeader],
 ) -> None:
