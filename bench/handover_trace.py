@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TRACEPOINTS = ROOT / "bench" / "tracepoints"
 BASE = "8927718^"
 
+SCENARIOS = ("kill -9", "handover")  # the rounds of bench/peers.py whose times are pooled
+
 SEGMENTS = (
     "old leader: stop() to tasks' end begun",
     "old leader: tasks' end",
@@ -98,7 +100,7 @@ def sitting(tree: Path, rounds: int) -> tuple[dict[str, list[int]], list[Event]]
         out = subprocess.run(
             command, cwd=tree, env=env, capture_output=True, text=True, check=True
         ).stdout
-        times = {scenario: figures(out, scenario, tree) for scenario in ("kill -9", "handover")}
+        times = {scenario: figures(out, scenario, tree) for scenario in SCENARIOS}
         events: list[Event] = []
         for trace in Path(folder).glob("*.txt"):
             for line in trace.read_text().splitlines():
@@ -114,7 +116,8 @@ def first(window: list[Event], pid: int, point: str, after: int = 0) -> int | No
 
 
 def segments(events: list[Event]) -> dict[str, list[float]]:
-    """Each handover's segments (ms), from each ``stop()`` to the next leader's tasks."""
+    """Each handover's segments (ms), from a leader's ``stop()`` (one that released) to
+    the tasks of the next leader, a node that ran before that stop."""
     found: dict[str, list[float]] = defaultdict(list)
     for i, (stopped, old, point) in enumerate(events):
         if point != "LeaseLeader.stop>":
@@ -127,15 +130,19 @@ def segments(events: list[Event]) -> dict[str, list[float]]:
         else:
             continue  # no next leader in the trace
         started, new = window[-1][0], window[-1][1]
+        if new not in {pid for _, pid, _ in events[:i]}:
+            continue  # a node of a later fleet: the stop was that of a whole fleet
 
         ending = first(window, old, "TaskHandler.end_term>")
         ended = first(window, old, "TaskHandler.end_term<")
         sent = first(window, old, "RedisLease.release>")
         answered = first(window, old, "RedisLease.release<")
+        if sent is None:
+            continue  # a follower's stop: nothing handed over
         attempts = [e[0] for e in window if e[1] == new and e[2] == "RedisLease.try_acquire>"]
         attempt = attempts[-1] if attempts else None
         won = first(window, new, "RedisLease.try_acquire<", attempt) if attempt else None
-        read = first(window, new, "RedisLease._drain<", sent) if sent else None
+        read = first(window, new, "RedisLease._drain<", sent)
         if read is not None and (attempt is None or read > attempt):
             read = None  # the attempt was not woken by the release
         pairs = (
@@ -181,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"| segment (median, ms) | {' | '.join(labels)} |")
     print(f"| --- |{' --- |' * len(labels)}")
-    for scenario in ("kill -9", "handover"):
+    for scenario in SCENARIOS:
         pooled = [times[label][scenario] for label in labels]
         cells = " | ".join(f"{statistics.median(v):.1f} ({len(v)})" for v in pooled)
         print(f"| bench {scenario} p50 (rounds) | {cells} |")
