@@ -20,6 +20,8 @@ import pytest
 
 import rselection as rs
 from rselection import signals
+from rselection.postgres import PostgresCheckpointStore
+from rselection.sharded.leader import SHARDS_RECORD
 from tests.support.forking import fork_child, in_child
 from tests.support.waiting import wait_until
 
@@ -143,25 +145,35 @@ def test_a_child_reads_the_holder_while_a_parent_thread_was_reading_it(pg_dsn: s
 def test_a_child_starts_a_sharded_leader_a_parent_thread_was_starting(pg_dsn: str) -> None:
     with rs.PostgresShardedLeader(pg_dsn, _idle_tasks(), name="split", shards=2, **FAST) as fleet:
         assert fleet.wait_until_leader(20)  # the tables exist from here on
+        # The coordinator records the number of shards once its term starts, which may be
+        # just after a shard is led: a write of it under the lock would be a second waiter.
+        with PostgresCheckpointStore(pg_dsn) as store:
+            wait_until(
+                lambda: store.load((SHARDS_RECORD, "split")) is not None,
+                20,
+                "the coordinator to record the number of shards",
+            )
         joiner = rs.PostgresShardedLeader(pg_dsn, _idle_tasks(), name="split", shards=2, **FAST)
         starting = threading.Thread(target=joiner.start, daemon=True)
-        with psycopg.connect(pg_dsn) as blocker:
-            # The parent's thread waits inside start(), reading the number of shards the
-            # coordinator recorded, until the lock is let go.
-            blocker.execute("LOCK TABLE rselection_checkpoints IN ACCESS EXCLUSIVE MODE")
-            starting.start()
-            _wait_for_a_waiter(blocker, "rselection_checkpoints")
+        try:
+            with psycopg.connect(pg_dsn) as blocker:
+                # The parent's thread waits inside start(), reading the number of shards
+                # the coordinator recorded, until the lock is let go.
+                blocker.execute("LOCK TABLE rselection_checkpoints IN ACCESS EXCLUSIVE MODE")
+                starting.start()
+                _wait_for_a_waiter(blocker, "rselection_checkpoints")
 
-            def child() -> dict[str, Any]:
-                started = _returns_within(joiner.start, 10)
-                stopped = started and _returns_within(lambda: joiner.stop(timeout=10), 15)
-                return {"started": started, "stopped": stopped}
+                def child() -> dict[str, Any]:
+                    started = _returns_within(joiner.start, 10)
+                    stopped = started and _returns_within(lambda: joiner.stop(timeout=10), 15)
+                    return {"started": started, "stopped": stopped}
 
-            forked = fork_child(child)
-            blocker.commit()
-        report = forked.report(60)
-        starting.join(10)
-        joiner.stop()
+                forked = fork_child(child)
+                blocker.commit()
+            report = forked.report(60)
+            starting.join(10)
+        finally:
+            joiner.stop()  # its threads must not outlive the test, whatever failed
         assert report == {"started": True, "stopped": True}
 
 
