@@ -158,6 +158,37 @@ def pg_dsn(make_pg_dsn: Callable[[], str]) -> str:
     return make_pg_dsn()
 
 
+@contextlib.contextmanager
+def fresh_database(server_dsn: str, prefix: str = "rselection_db") -> Iterator[str]:
+    """A fresh database on the server of ``server_dsn``; its name. Dropped (with its
+    sessions) on exit."""
+    import psycopg
+    from psycopg import sql
+
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server_dsn, autocommit=True, connect_timeout=10) as conn:
+        # template0: CREATE DATABASE fails while anyone is connected to template1
+        conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE template0").format(sql.Identifier(name)))
+    try:
+        yield name
+    finally:
+        with psycopg.connect(server_dsn, autocommit=True, connect_timeout=10) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+
+@pytest.fixture
+def lone_pg_dsn(pg_server_dsn: str) -> Iterator[str]:
+    """DSN of a fresh database of this test's own, dropped after the test: for a test
+    that holds a lock of a whole database (the migration lock), which in the shared
+    database would hold up the tests of the other workers."""
+    from psycopg.conninfo import make_conninfo
+
+    with fresh_database(pg_server_dsn) as name:
+        yield make_conninfo(pg_server_dsn, dbname=name)
+
+
 @pytest.fixture
 def private_pg() -> Iterator[PrivatePostgres]:
     """A started ``PrivatePostgres`` of this test's own, for stop/restart/kill tests."""

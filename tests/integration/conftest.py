@@ -8,13 +8,12 @@ instead (``pooled_database``), dropped after the test.
 from __future__ import annotations
 
 import contextlib
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from tests.conftest import unavailable
+from tests.conftest import fresh_database, unavailable
 from tests.support.pg import ServerStartError
 from tests.support.pgbouncer import HOW_TO_PGBOUNCER, PgBouncer, pgbouncer_binary
 
@@ -22,20 +21,8 @@ from tests.support.pgbouncer import HOW_TO_PGBOUNCER, PgBouncer, pgbouncer_binar
 @pytest.fixture
 def pooled_database(pg_server_dsn: str) -> Iterator[str]:
     """The name of a fresh database on the test server, dropped (with its sessions) after."""
-    import psycopg
-    from psycopg import sql
-
-    name = f"rselection_pool_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(pg_server_dsn, autocommit=True, connect_timeout=10) as conn:
-        # template0: CREATE DATABASE fails while anyone is connected to template1
-        conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE template0").format(sql.Identifier(name)))
-    try:
+    with fresh_database(pg_server_dsn, "rselection_pool") as name:
         yield name
-    finally:
-        with psycopg.connect(pg_server_dsn, autocommit=True, connect_timeout=10) as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
 
 
 @pytest.fixture

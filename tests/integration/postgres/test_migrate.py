@@ -1,7 +1,7 @@
 """``migrate()``: every table, one version record per kind, every wait bounded.
 
-Every test runs in a schema of its own (``pg_dsn``). The migration lock is one per
-database, so the tests that hold it hold it for about a second only.
+Every test runs in a database of its own (``pg_dsn``): the migration lock is one per
+database, and these tests hold it or make it wait.
 """
 
 from __future__ import annotations
@@ -53,6 +53,14 @@ CREATE TABLE rselection_schema_version (
     migrated_at timestamptz NOT NULL DEFAULT now());
 INSERT INTO rselection_schema_version (component, version) VALUES ('leases', 1)
 """
+
+
+@pytest.fixture
+def pg_dsn(lone_pg_dsn: str) -> str:
+    """A database of the test's own: the migration lock is one per database, and these
+    tests hold it (or wait for it) for seconds, which in the shared database would make
+    the migrations of the other workers' tests wait as long."""
+    return lone_pg_dsn
 
 
 def tables(dsn: str) -> set[str]:
@@ -123,8 +131,8 @@ def test_migrate_takes_a_connection_or_a_pool(pg_dsn: str) -> None:
         migrate(pg_dsn, timeout=0)
 
 
-def test_a_migration_waits_for_another_at_most_its_timeout(pg_dsn: str, pg_server_dsn: str) -> None:
-    with psycopg.connect(pg_server_dsn, autocommit=True) as other:
+def test_a_migration_waits_for_another_at_most_its_timeout(pg_dsn: str) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as other:
         other.execute("SET application_name = 'other-migration'")
         pid = other.info.backend_pid
         with other.transaction():

@@ -20,6 +20,14 @@ from tests.support.pg import with_host_port
 from tests.support.waiting import wait_until
 
 
+@pytest.fixture
+def pg_dsn(lone_pg_dsn: str) -> str:
+    """A database of the test's own: the migration lock is one per database, and these
+    tests hold it (or wait for it) for seconds, which in the shared database would make
+    the migrations of the other workers' tests wait as long."""
+    return lone_pg_dsn
+
+
 def test_a_client_cut_off_mid_migration_frees_the_migration_lock(
     pg_dsn: str, make_tcp_proxy: Callable[[str, int], Any]
 ) -> None:
