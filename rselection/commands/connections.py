@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import BackendUnavailable, ConfigError, first_line
 from ..redaction import check_userinfo, has_password, parser_message, redact, redact_dsn
-from .output import EXIT_REFUSED, EXIT_UNREACHABLE, UsageError, say
+from .output import EXIT_REFUSED, EXIT_UNREACHABLE, UsageError, fail, say
 
 if TYPE_CHECKING:
     import psycopg
@@ -372,16 +372,14 @@ def act_on_lease(
         try:
             admin = redis_admin(args)
         except Unreachable as exc:
-            say(str(exc), err=True)
-            return EXIT_UNREACHABLE
+            return fail(args, exc, EXIT_UNREACHABLE)
         try:
             return redis(admin)
         except refused as exc:
-            say(redact(str(exc), args.redis_url), err=True)
-            return EXIT_REFUSED
+            return fail(args, redact(str(exc), args.redis_url), EXIT_REFUSED)
         except BackendUnavailable as exc:
-            say(f"{command} failed: {redact(reason(exc), args.redis_url)}", err=True)
-            return EXIT_UNREACHABLE
+            message = f"{command} failed: {redact(reason(exc), args.redis_url)}"
+            return fail(args, message, EXIT_UNREACHABLE)
         finally:
             admin.client.close()
     dsn = resolve_dsn(args)
@@ -389,14 +387,11 @@ def act_on_lease(
         with postgres_session(args, dsn, hint=hint) as session:
             return postgres(session, dsn)
     except NoLeaseTable as exc:
-        say(str(exc), err=True)
-        return EXIT_REFUSED
+        return fail(args, exc, EXIT_REFUSED)
     except Unreachable as exc:
-        say(str(exc), err=True)
-        return EXIT_UNREACHABLE
+        return fail(args, exc, EXIT_UNREACHABLE)
     except refused as exc:
-        say(redact(str(exc), dsn), err=True)
-        return EXIT_REFUSED
+        return fail(args, redact(str(exc), dsn), EXIT_REFUSED)
     except BackendUnavailable as exc:
-        say(f"{command} failed on {describe(dsn)}: {redact(reason(exc), dsn)}", err=True)
-        return EXIT_UNREACHABLE
+        message = f"{command} failed on {describe(dsn)}: {redact(reason(exc), dsn)}"
+        return fail(args, message, EXIT_UNREACHABLE)

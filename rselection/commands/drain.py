@@ -16,7 +16,7 @@ from ..admin import Refused
 from ..errors import ConfigError
 from .connections import act_on_lease
 from .options import add_lease_options, lease_name, subcommand
-from .output import EXIT_OK, EXIT_REFUSED, printable, say
+from .output import EXIT_OK, printable, say
 
 if TYPE_CHECKING:
     from ..admin import LeaseAdmin
@@ -67,18 +67,8 @@ def change(args: argparse.Namespace, *, drained: bool) -> int:
     command = "drain" if drained else "undrain"
 
     def act(admin: LeaseAdmin) -> int:
-        try:
-            holder = admin.current_holder(args.name)
-            done = (
-                admin.drain(args.name, args.node)
-                if drained
-                else admin.undrain(args.name, args.node)
-            )
-        except (Refused, ConfigError) as exc:
-            say(exc, err=True)
-            if args.json:  # scripts parse stdout: they get a document here too
-                print(json.dumps({"error": str(exc), "exit_code": EXIT_REFUSED}), flush=True)
-            return EXIT_REFUSED
+        holder = admin.current_holder(args.name)
+        done = admin.drain(args.name, args.node) if drained else admin.undrain(args.name, args.node)
         led = holder is not None and holder.node_id == done.node_id
         if args.json:
             document = {

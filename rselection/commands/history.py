@@ -16,7 +16,7 @@ from ..errors import ConfigError
 from ..history import TermRecord
 from .connections import act_on_lease
 from .options import add_lease_options, lease_name, limit_type, subcommand
-from .output import EXIT_OK, EXIT_REFUSED, grid, iso, say
+from .output import EXIT_OK, EXIT_REFUSED, fail, grid, iso, say
 
 if TYPE_CHECKING:
     from ..admin import LeaseAdmin
@@ -69,8 +69,7 @@ def _lasted(record: TermRecord) -> str:
 def _show(admin: LeaseAdmin, args: argparse.Namespace) -> int:
     records = admin.history(args.name, limit=args.limit)
     if not records and not admin.exists(args.name):
-        say(f"no lease {args.name!r} here: nothing to show", err=True)
-        return EXIT_REFUSED
+        return fail(args, f"no lease {args.name!r} here: nothing to show", EXIT_REFUSED)
     if args.json:
         print(json.dumps({"terms": [r.as_json() for r in records]}, indent=2), flush=True)
         return EXIT_OK

@@ -9,6 +9,8 @@ printed as JSON, whose strings escape such characters themselves.
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 
 from ..text import iso, printable
@@ -21,6 +23,7 @@ __all__ = [
     "EXIT_USAGE",
     "UsageError",
     "ago",
+    "fail",
     "grid",
     "iso",
     "printable",
@@ -63,6 +66,16 @@ def say(text: object = "", *, err: bool = False) -> None:
         err: print on stderr.
     """
     print(printable(str(text), lines=True), file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def fail(args: argparse.Namespace, message: object, code: int) -> int:
+    """Report a failure and return its exit ``code``: ``message`` on stderr for people
+    and, under ``--json``, ``{"error": message, "exit_code": code}`` on stdout, so that a
+    script that parses stdout gets a document whatever happened."""
+    say(message, err=True)
+    if getattr(args, "json", False):
+        print(json.dumps({"error": str(message), "exit_code": code}), flush=True)
+    return code
 
 
 def grid(headers: list[str], rows: list[list[str]]) -> list[str]:

@@ -43,6 +43,7 @@ from .output import (
     EXIT_UNREACHABLE,
     UsageError,
     ago,
+    fail,
     grid,
     printable,
     say,
@@ -342,8 +343,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         read = _reader(args)
     except Unreachable as exc:
-        say(str(exc), err=True)
-        return EXIT_UNREACHABLE
+        return fail(args, exc, EXIT_UNREACHABLE)
     clear = watch is not None and not args.json and sys.stdout.isatty()
     code = EXIT_OK
     done = 0
@@ -353,10 +353,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 status = read()
             except Unreachable as exc:
-                code = EXIT_UNREACHABLE
-                say(str(exc), err=True)
-                if args.json:  # scripts parse stdout: they get a document here too
-                    print(json.dumps({"error": str(exc), "exit_code": code}), flush=True)
+                code = fail(args, exc, EXIT_UNREACHABLE)
             else:
                 code = exit_code(status)
                 if args.json:

@@ -21,7 +21,7 @@ from ..errors import ConfigError
 from ..task_runs import RUN_HISTORY_LIMIT, RunRecord
 from .connections import act_on_lease
 from .options import add_lease_options, lease_name, limit_type, subcommand
-from .output import EXIT_OK, EXIT_REFUSED, grid, iso, printable, say
+from .output import EXIT_OK, grid, iso, printable, say
 
 if TYPE_CHECKING:
     from ..admin import LeaseAdmin
@@ -173,15 +173,9 @@ def run(args: argparse.Namespace) -> int:
     """
 
     def act(admin: LeaseAdmin) -> int:
-        try:
-            if args.action == "history":
-                return _history(admin, args)
-            return _act(admin, args)
-        except (Refused, ConfigError) as exc:
-            say(exc, err=True)
-            if args.json:  # scripts parse stdout: they get a document here too
-                print(json.dumps({"error": str(exc), "exit_code": EXIT_REFUSED}), flush=True)
-            return EXIT_REFUSED
+        if args.action == "history":
+            return _history(admin, args)
+        return _act(admin, args)
 
     return act_on_lease(
         args,

@@ -312,3 +312,32 @@ def test_a_usage_error_never_quotes_a_password_typed_on_the_line(
     err = capsys.readouterr().err
     assert "error:" in err, err
     assert "hunter2" not in err and "sekrit" not in err, err
+
+
+JSON_COMMAND_LINES = [
+    ["status", "--json"],
+    ["history", "billing", "--json"],
+    ["task", "history", "billing", "purge", "--json"],
+    ["task", "pause", "billing", "purge", "--json"],
+    ["task", "trigger", "billing", "purge", "--json"],
+    ["drain", "billing", "node-a", "--json"],
+    ["undrain", "billing", "node-a", "--json"],
+]
+
+
+@pytest.mark.parametrize("command", JSON_COMMAND_LINES, ids=" ".join)
+@pytest.mark.parametrize(
+    "server",
+    ["--dsn=postgresql://app:s3cret@127.0.0.1:1/db", "--redis-url=redis://:s3cret@127.0.0.1:1/0"],
+)
+@pytest.mark.usefixtures("no_database")
+def test_every_json_command_prints_a_document_when_the_server_cannot_be_reached(
+    command: list[str], server: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Port 1 refuses at once: nothing listens there, and no server is needed.
+    assert cli.main([*command, server]) == 3
+    out, err = capsys.readouterr()
+    assert "s3cret" not in out + err
+    doc = json.loads(out)  # a script parsing stdout gets one document, not nothing
+    assert doc["exit_code"] == 3 and "127.0.0.1" in doc["error"]
+    assert doc["error"] in err

@@ -243,6 +243,9 @@ def test_the_history_command(backend: Backend, make: Callable[..., Any]) -> None
 
     missing = rselection(backend, "history", f"none-{uuid.uuid4().hex[:6]}")
     assert missing.returncode == 1 and "no lease" in missing.stderr
+    missing_json = rselection(backend, "history", f"none-{uuid.uuid4().hex[:6]}", "--json")
+    assert missing_json.returncode == 1
+    assert json.loads(missing_json.stdout)["exit_code"] == 1
     bad = rselection(backend, "history", name, "--limit", "0")
     assert bad.returncode == 2 and "--limit" in bad.stderr
 
