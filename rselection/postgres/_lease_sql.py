@@ -15,7 +15,7 @@ import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg import sql
@@ -41,6 +41,7 @@ __all__ = [
     "SERVER_START_SQL",
     "STATE_COLUMNS",
     "AcquireRequest",
+    "Ending",
     "array_literal",
     "LeaseTable",
     "RenewRequest",
@@ -397,6 +398,16 @@ def not_reserved(node: sql.Composable, *, handovers: bool = True) -> sql.Composa
     ).format(node=node)
 
 
+class Ending(NamedTuple):
+    """Why a term ended, as its leader said, kept by the session that held it until its
+    release (see :attr:`AcquireRequest.ended`)."""
+
+    term: int
+    lock_key: int  # the term's lock key: no other incarnation of the term has it
+    reason: str
+    by: str | None
+
+
 @dataclass(frozen=True)
 class AcquireRequest:
     """One node's attempt at one lease in a batch (:func:`acquire_batch_sql`).
@@ -412,6 +423,10 @@ class AcquireRequest:
         version: the node's version, recorded with the term it takes.
         history_limit: terms of the lease's history to keep (older ones are trimmed
             when it takes one).
+        ended: the term of this lease that a leader of this process last ended (its
+            tasks joined), and why: if the attempt takes that very term over (its term
+            and lock key) before its release, its record closes with that reason, not
+            as ``session_lost``.
     """
 
     name: str
@@ -422,6 +437,7 @@ class AcquireRequest:
     create: bool
     version: str | None = None
     history_limit: int = HISTORY_LIMIT
+    ended: Ending | None = None
 
 
 #: Columns of the rows :func:`acquire_batch_sql` and :func:`states_sql` return, in order.
@@ -480,7 +496,10 @@ def rows_sql(columns: str, *arrays: tuple[Sequence[Any], str]) -> sql.Composed:
 
 
 #: The columns of :func:`_requests`' rows.
-REQUEST_COLUMNS = "(name, node, ttl, channel, lock_key, version, keep)"
+REQUEST_COLUMNS = (
+    "(name, node, ttl, channel, lock_key, version, keep,"
+    " ended_term, ended_key, ended_reason, ended_by)"
+)
 
 
 def _requests(requests: Sequence[AcquireRequest]) -> sql.Composed:
@@ -493,6 +512,10 @@ def _requests(requests: Sequence[AcquireRequest]) -> sql.Composed:
         ([r.lock_key for r in requests], "integer"),
         ([r.version for r in requests], "text"),
         ([r.history_limit for r in requests], "integer"),
+        ([r.ended.term if r.ended else None for r in requests], "bigint"),
+        ([r.ended.lock_key if r.ended else None for r in requests], "integer"),
+        ([r.ended.reason if r.ended else None for r in requests], "text"),
+        ([r.ended.by if r.ended else None for r in requests], "text"),
     )
 
 
@@ -540,12 +563,32 @@ def states_sql(
     )
 
 
+#: The node a released row stays reserved for (a handover request's ``resign_to`` whose
+#: timeout has not passed), or NULL: the release's notification names it, so that only
+#: that follower attempts at once.
+RESERVED_FOR = "CASE WHEN t.resign_until > clock_timestamp() THEN t.resign_to END AS reserved_for"
+
+# Why a term ended, from the reason its leader gave (`{reason}`) and the node the lease is
+# reserved for as it ends (`{reserved}`): a release while a handover request reserves
+# the lease for a node hands it to that node (a drained holder's stays `drained`, naming
+# the node), and a handover with nobody named is a step-down.
+_END_REASON = (
+    "CASE WHEN {reserved} IS NOT NULL AND {reason} IN"
+    " ('released', 'handed_over', 'stepped_down') THEN 'handed_over'"
+    " WHEN {reason} = 'handed_over' THEN 'stepped_down' ELSE {reason} END"
+)
+
+# The term taken over is the one its leader ended in this process (`r.ended_*`, see
+# `AcquireRequest.ended`): the same term number and lock key, and still held.
+_ENDED = "(locked.holder IS NOT NULL AND r.ended_term = h.term AND r.ended_key = locked.lock_key)"
+
 # The history CTEs of an acquisition (after `taken` and `locked`): open the new term's
 # record, close the previous term's if its holder did not (at the takeover: its holder
-# crashed, or lost its session), and trim the records beyond the lease's limit, never
-# the two just written (a DELETE and an UPDATE of one row in one statement would race),
-# and those of terms above the new one (left by a lease row deleted and made again: one
-# of the same term is overwritten).
+# crashed, or lost its session; or, on the session that held it, its leader ended it
+# and said why, `_ENDED`, but had not released it yet), and trim the records beyond the
+# lease's limit, never the two just written (a DELETE and an UPDATE of one row in one
+# statement would race), and those of terms above the new one (left by a lease row
+# deleted and made again: one of the same term is overwritten).
 _OPEN_TERMS = (
     "opened AS (INSERT INTO {h} AS h (name, term, node_id, version, hostname, pid, began_at)"
     " SELECT taken.name, taken.term, taken.node, taken.version, {host}, {pid},"
@@ -555,23 +598,25 @@ _OPEN_TERMS = (
     " began_at = EXCLUDED.began_at, ended_at = NULL, end_reason = NULL, handed_to = NULL,"
     " ended_by = NULL),"
     " closed AS (UPDATE {h} AS h SET ended_at = taken.acquired_at, end_reason = CASE"
-    " WHEN locked.holder IS NULL THEN 'released' WHEN locked.live THEN 'session_lost'"
-    " ELSE 'expired' END FROM taken JOIN locked ON locked.name = taken.name"
+    " WHEN locked.holder IS NULL THEN 'released' WHEN "
+    + _ENDED
+    + " THEN "
+    + _END_REASON.format(reserved="locked.reserved_for", reason="r.ended_reason")
+    + " WHEN locked.live THEN 'session_lost' ELSE 'expired' END,"
+    " handed_to = CASE WHEN " + _ENDED + " THEN locked.reserved_for END,"
+    " ended_by = CASE WHEN " + _ENDED + " THEN r.ended_by END"
+    " FROM taken JOIN locked ON locked.name = taken.name JOIN r ON r.name = taken.name"
     " WHERE h.name = taken.name AND h.term = taken.term - 1 AND h.ended_at IS NULL),"
     " trimmed AS (DELETE FROM {h} AS h USING taken WHERE h.name = taken.name"
     " AND (h.term > taken.term OR (h.term < taken.term - 1 AND h.term <= taken.term - taken.keep)))"
 )
 
 # Close the record of each ended term (`{closing}`: rows of (name, reserved_for), joined
-# to the requests `r`): a release while a handover request reserves the lease for a node
-# hands it to that node (a drained holder's stays `drained`, naming the node), and a
-# handover with nobody named is a step-down.
+# to the requests `r`), for the reason its leader gave (see `_END_REASON`).
 _CLOSE_TERMS = (
-    "ended AS (UPDATE {h} AS h SET ended_at = clock_timestamp(), end_reason = CASE"
-    " WHEN rel.reserved_for IS NOT NULL AND r.reason IN"
-    " ('released', 'handed_over', 'stepped_down') THEN 'handed_over'"
-    " WHEN r.reason = 'handed_over' THEN 'stepped_down' ELSE r.reason END,"
-    " handed_to = rel.reserved_for, ended_by = r.by"
+    "ended AS (UPDATE {h} AS h SET ended_at = clock_timestamp(), end_reason = "
+    + _END_REASON.format(reserved="rel.reserved_for", reason="r.reason")
+    + ", handed_to = rel.reserved_for, ended_by = r.by"
     " FROM {closing} AS rel JOIN r ON r.name = rel.name"
     " WHERE h.name = r.name AND h.term = r.term AND h.ended_at IS NULL)"
 )
@@ -598,8 +643,9 @@ def acquire_batch_sql(
     session's ``server``, :data:`LEASE_PROTOCOL`, a NOTIFY on the lease's channel, the
     term's record opened in the ``history`` table (with the node's version and the
     ``process``, host name and pid), the previous term's record closed if its holder
-    did not close it (``session_lost`` when taken before its expiry, else ``expired``)
-    and the records beyond the request's ``history_limit`` trimmed; then
+    did not close it (``session_lost`` when taken before its expiry, else ``expired``;
+    the reason its leader gave when this process ended that term, ``ended``) and the
+    records beyond the request's ``history_limit`` trimmed; then
     :func:`states_sql`. Rows come back as ``(name, term, lock_key)`` for each row locked,
     with ``term`` and ``lock_key`` NULL where the lease was not taken (its lock was held
     elsewhere: the lock got meanwhile, if any, is freed in the statement), then the
@@ -643,8 +689,10 @@ def acquire_batch_sql(
         "{insert}"
         "WITH r" + REQUEST_COLUMNS + " AS ({req}),"
         " locked AS MATERIALIZED ("
-        "  SELECT t.name, t.term, t.holder, t.expires_at > clock_timestamp() AS live"
-        "  FROM {t} AS t JOIN r ON r.name = t.name"
+        "  SELECT t.name, t.term, t.holder, t.lock_key,"
+        "  t.expires_at > clock_timestamp() AS live, "
+        + RESERVED_FOR
+        + "  FROM {t} AS t JOIN r ON r.name = t.name"
         "  WHERE {free} AND {open} FOR UPDATE OF t SKIP LOCKED"
         " ), tried AS MATERIALIZED ("
         "  SELECT locked.name, r.lock_key, locked.term + 1 AS term,"
@@ -787,12 +835,6 @@ def unlock_next_terms_sql(
         " FROM {t} AS t JOIN ({req}) AS r" + REQUEST_COLUMNS + " ON r.name = t.name"
         " WHERE true{keep}"
     ).format(t=table, req=_requests(requests), keep=keep)
-
-
-#: The node a released row stays reserved for (a handover request's ``resign_to`` whose
-#: timeout has not passed), or NULL: the release's notification names it, so that only
-#: that follower attempts at once.
-RESERVED_FOR = "CASE WHEN t.resign_until > clock_timestamp() THEN t.resign_to END AS reserved_for"
 
 
 def release_sql(

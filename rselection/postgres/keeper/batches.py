@@ -371,14 +371,20 @@ class KeeperBatches(KeeperSession):
                 held = self._holds.take((q.lease, q.node_id))
                 if held is not None:
                     self._unlocks.append((held[1], held[0]))
-        requests = []
         for q in batch[:]:
             try:
                 self._listening(q.lease)
             except BackendUnavailable as exc:
                 batch.remove(q)
                 q.fill(error=exc)
-                continue
+        # Read last, just before the round trip: a term that ends after this read has its
+        # lock freed by this round trip all the same, and should an attempt here take it
+        # over, its record says `session_lost` (a window of microseconds, not the few
+        # milliseconds from a term's end to its release).
+        with self._state:
+            endings = {q.lease.name: self._endings.get(q.lease.name) for q in batch}
+        requests = []
+        for q in batch:
             assert q.lease.channel is not None
             requests.append(
                 AcquireRequest(
@@ -390,6 +396,7 @@ class KeeperBatches(KeeperSession):
                     create=not q.lease.row_seen,
                     version=q.lease.version,
                     history_limit=q.lease.history_limit,
+                    ended=endings[q.lease.name],
                 )
             )
         if not batch:
@@ -440,6 +447,7 @@ class KeeperBatches(KeeperSession):
             for q in batch:
                 if q.lease.name in taken:
                     self._holds.hold((q.lease, q.node_id), *taken[q.lease.name])
+                    self._endings.pop(q.lease.name, None)  # that term's record is closed
         for q in batch:
             q.fill(Attempt(q.lease.name in taken, states.get(q.lease.name)))
 
@@ -512,6 +520,9 @@ class KeeperBatches(KeeperSession):
     def _released(self, lease: KeptLease, node_id: str, term: int) -> None:
         with self._state:
             self._holds.end_term((lease, node_id), term)
+            ending = self._endings.get(lease.name)
+            if ending is not None and ending.term == term:
+                del self._endings[lease.name]  # its release closed its record
         self._io.recheck()
 
     def _send_releases(self, batch: list[Queued]) -> None:

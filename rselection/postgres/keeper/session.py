@@ -32,6 +32,7 @@ from ...session_hold import SessionHolds
 from ...wakeup import Wakeup
 from .._conn import IoWatchdog, describe_conninfo, unavailable
 from .._lease_sql import (
+    Ending,
     LeaseTable,
     bounded_sql,
     lease_channel,
@@ -154,6 +155,11 @@ class KeeperSession:
         self._timeout = 0.0  # the longest connect_timeout of a client
         self._pinned = 0.0  # the wind-down the session's keepalives are sized for
         self._unlocks: list[tuple[int, int]] = []  # locks of ended terms, freed next trip
+        # By lease name, the last term held through the session that ended, and why, as
+        # its leader said, until its release: the next round trip frees its lock, and
+        # should an attempt of this process take it over first, its record keeps that
+        # reason (see AcquireRequest.ended).
+        self._endings: dict[str, Ending] = {}
         # Channels no client listens on any more (their leases closed): the keeper's
         # thread sends UNLISTEN soon, so that a process that opens and closes leases
         # does not listen on ever more channels.
@@ -343,6 +349,7 @@ class KeeperSession:
                 self._by_channel = {}
                 self._unlistens = set()
                 self._unlocks = []
+                self._endings = {}
                 self._created = set()
                 self.generation += 1
                 clients = list(self._clients)
@@ -469,6 +476,7 @@ class KeeperSession:
             if held is None:
                 return
             self._unlocks.append((held[1], term))
+            self._endings[lease.name] = Ending(term, held[1], *lease.ending(term))
             close = self._holds.stale
         self._io.recheck()
         if close:
@@ -480,6 +488,7 @@ class KeeperSession:
                 conn, self._conn = self._conn, None
                 self._holds.reset()
                 self._unlocks = []
+                self._endings = {}
                 self._by_channel = {}
                 self._unlistens = set()
                 clients = list(self._clients)

@@ -1,6 +1,7 @@
 """Postgres leadership history at the edges: a release that a locked lease row holds up
 still records why its term ended (not as a lost session when the next node takes the
-lease), and a lease row deleted and made again starts a history of its own."""
+lease), so does a term a leader of the same process takes over between its end and its
+release, and a lease row deleted and made again starts a history of its own."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import uuid
 from typing import Any
 
 import psycopg
+import pytest
 
 import rselection as rs
-from rselection.postgres import PostgresAdmin, PostgresLeader
+from rselection.postgres import PostgresAdmin, PostgresLeader, PostgresLease
 from tests.support.waiting import wait_until
 
 FAST: dict[str, Any] = {"ttl": 4.0, "renew_interval": 0.5, "renew_deadline": 2.0}
@@ -46,6 +48,115 @@ def test_a_release_held_up_by_a_locked_row_records_its_reason(pg_dsn: str) -> No
         assert reasons(pg_dsn, name) == [(b.term, "b", None), (term, "a", "released")]
     finally:
         b.stop(timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("said", "reserved", "recorded"),
+    [
+        ("stepped_down", False, ("stepped_down", None, None)),
+        ("handed_over", True, ("handed_over", "a", "operator")),
+        ("deadline", False, ("deadline", None, None)),
+    ],
+)
+def test_a_term_taken_over_in_its_own_process_before_its_release_keeps_its_reason(
+    pg_dsn: str, said: str, reserved: bool, recorded: tuple[str, str | None, str | None]
+) -> None:
+    """Two leases of one name in one process share the keeper session. Once b's term
+    ended (its tasks joined), the next round trip frees its lock; an attempt of a in that
+    round trip takes the lease over before b's release, and closed b's record as
+    ``session_lost``, though b said why it ended."""
+    name = f"own-{uuid.uuid4().hex[:6]}"
+    a = PostgresLease(pg_dsn, name=name, ttl=10.0, renew_deadline=5.0)
+    b = PostgresLease(pg_dsn, name=name, ttl=10.0, renew_deadline=5.0)
+    try:
+        a.connect()
+        b.connect()
+        held = b.try_acquire("b")
+        assert held.acquired and held.holder is not None
+        term = held.holder.term
+        if reserved:
+            with PostgresAdmin(pg_dsn) as admin:
+                admin.request_handover(name, to="a")
+        b.term_ending(term, said, "operator" if reserved else None)
+        b.term_ended(term)
+        taken = a.try_acquire("a")
+        assert taken.acquired and taken.holder is not None and taken.holder.term == term + 1
+        b.release("b", term)  # the row is a's: it changes nothing
+        with PostgresAdmin(pg_dsn) as admin:
+            records = {r.term: r for r in admin.history(name)}
+        assert (records[term].end_reason, records[term].handed_to, records[term].by) == recorded
+        assert records[term + 1].node_id == "a" and records[term + 1].end_reason is None
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_term_beyond_32_bits_taken_over_in_its_own_process_keeps_its_reason(
+    pg_dsn: str,
+) -> None:
+    """Terms are 64-bit: a remembered term past 2**31 must not make the acquisition
+    statement fail (every attempt of that lease from the process would)."""
+    name = f"big-{uuid.uuid4().hex[:6]}"
+    a = PostgresLease(pg_dsn, name=name, ttl=10.0, renew_deadline=5.0)
+    b = PostgresLease(pg_dsn, name=name, ttl=10.0, renew_deadline=5.0)
+    try:
+        a.connect()
+        b.connect()
+        first = b.try_acquire("b")
+        assert first.acquired and first.holder is not None
+        b.release("b", first.holder.term)
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(
+                "UPDATE rselection_leases SET term = %s WHERE name = %s", (2**31 + 5, name)
+            )
+        held = b.try_acquire("b")
+        assert held.acquired and held.holder is not None and held.holder.term == 2**31 + 6
+        b.term_ending(held.holder.term, "stepped_down", None)
+        b.term_ended(held.holder.term)
+        taken = a.try_acquire("a")
+        assert taken.acquired and taken.holder is not None
+        assert taken.holder.term == 2**31 + 7
+        assert reasons(pg_dsn, name)[:2] == [
+            (2**31 + 7, "a", None),
+            (2**31 + 6, "b", "stepped_down"),
+        ]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_reason_kept_for_an_older_life_of_the_row_labels_no_other_node(pg_dsn: str) -> None:
+    """A lease row deleted and made again counts terms from 1 again: the reason this
+    process kept for its own term 1 must not close another node's term 1, which this
+    process takes over once that node's session died (``session_lost``)."""
+    name = f"life-{uuid.uuid4().hex[:6]}"
+    other_process = pg_dsn + "&application_name=other-process"  # a keeper session of its own
+    b = PostgresLease(pg_dsn, name=name, ttl=30.0, renew_deadline=5.0)
+    c = PostgresLease(pg_dsn, name=name, ttl=30.0, renew_deadline=5.0)
+    q = PostgresLease(other_process, name=name, ttl=30.0, renew_deadline=5.0)
+    try:
+        b.connect()
+        held = b.try_acquire("b")
+        assert held.acquired and held.holder is not None and held.holder.term == 1
+        b.term_ending(1, "stepped_down", None)
+        b.term_ended(1)
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("DELETE FROM rselection_leases WHERE name = %s", (name,))
+            q.connect()
+            taken_by_q = q.try_acquire("q")
+            assert taken_by_q.acquired and taken_by_q.holder is not None
+            assert taken_by_q.holder.term == 1
+            pid = conn.execute(
+                "SELECT holder_pid FROM rselection_leases WHERE name = %s", (name,)
+            ).fetchone()
+            assert pid is not None
+            conn.execute("SELECT pg_terminate_backend(%s)", pid)
+        c.connect()
+        wait_until(lambda: c.try_acquire("c").acquired, 10, "c to take over from q's dead session")
+        assert reasons(pg_dsn, name)[:2] == [(2, "c", None), (1, "q", "session_lost")]
+    finally:
+        for lease in (b, c, q):
+            lease.close()
 
 
 def test_a_lease_row_made_again_starts_its_history_anew(pg_dsn: str) -> None:
