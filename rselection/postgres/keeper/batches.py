@@ -377,66 +377,68 @@ class KeeperBatches(KeeperSession):
             except BackendUnavailable as exc:
                 batch.remove(q)
                 q.fill(error=exc)
-        # Read last, just before the round trip: a term that ends after this read has its
-        # lock freed by this round trip all the same, and should an attempt here take it
-        # over, its record says `session_lost` (a window of microseconds, not the few
-        # milliseconds from a term's end to its release).
-        with self._state:
-            endings = {q.lease.name: self._endings.get(q.lease.name) for q in batch}
-        requests = []
-        for q in batch:
-            assert q.lease.channel is not None
-            requests.append(
-                AcquireRequest(
-                    q.lease.name,
-                    q.node_id,
-                    q.lease.ttl,
-                    new_lock_key(),  # nobody can know the next term's lock beforehand
-                    q.lease.channel,
-                    create=not q.lease.row_seen,
-                    version=q.lease.version,
-                    history_limit=q.lease.history_limit,
-                    ended=endings[q.lease.name],
-                )
-            )
         if not batch:
             return
         assert self._found is not None
-        try:
-            results = self._run(
-                sql.SQL("{}; {}").format(
-                    # A wait for a row another node inserts, or for a lock another
-                    # session left, must not hold up the renewals queued behind.
-                    bounded_sql(LOCK_BOUND, statement=False),
-                    acquire_batch_sql(
-                        self._ident,
-                        requests,
-                        server=self._server,
-                        ring=ring_class(self._found.oid),
-                        history=self._history,
-                        process=(socket.gethostname(), os.getpid()),
-                    ),
-                ),
-                "acquire the leases",
-                limit=max(q.lease.connect_timeout + q.lease.renew_deadline for q in batch),
-                tolerate=True,
-                undo=lambda pid: give_back_sql(self._ident, requests, pid),
-            )
-        except psycopg.Error as exc:
-            # Failed on a healthy session: nothing was taken, but the locks of the new
-            # terms it took before the error stay (a rollback does not free them).
-            self._free_next_terms(requests)
-            if len(batch) > 1 and _row_at_fault(exc):
-                self._split(batch, self._send_attempts)
-                return
-            for queued in batch:
-                queued.fill(
-                    error=BackendUnavailable(
-                        f"cannot acquire lease {queued.lease.name!r}: the server refused "
-                        f"({first_line(exc)}); trying again later"
+        # No other round trip runs from here to the attempt's, and the reasons of ended
+        # terms are read with the locks this round trip frees: a term whose lock it frees
+        # is one whose reason it carries, should an attempt here take that term over.
+        with self._lock:
+            with self._state:
+                endings = {q.lease.name: self._endings.get(q.lease.name) for q in batch}
+                unlocks, self._unlocks = self._unlocks, []
+            requests = []
+            for q in batch:
+                assert q.lease.channel is not None
+                requests.append(
+                    AcquireRequest(
+                        q.lease.name,
+                        q.node_id,
+                        q.lease.ttl,
+                        new_lock_key(),  # nobody can know the next term's lock beforehand
+                        q.lease.channel,
+                        create=not q.lease.row_seen,
+                        version=q.lease.version,
+                        history_limit=q.lease.history_limit,
+                        ended=endings[q.lease.name],
                     )
                 )
-            return
+            try:
+                results = self._run(
+                    sql.SQL("{}; {}").format(
+                        # A wait for a row another node inserts, or for a lock another
+                        # session left, must not hold up the renewals queued behind.
+                        bounded_sql(LOCK_BOUND, statement=False),
+                        acquire_batch_sql(
+                            self._ident,
+                            requests,
+                            server=self._server,
+                            ring=ring_class(self._found.oid),
+                            history=self._history,
+                            process=(socket.gethostname(), os.getpid()),
+                        ),
+                    ),
+                    "acquire the leases",
+                    limit=max(q.lease.connect_timeout + q.lease.renew_deadline for q in batch),
+                    tolerate=True,
+                    undo=lambda pid: give_back_sql(self._ident, requests, pid),
+                    unlocks=unlocks,
+                )
+            except psycopg.Error as exc:
+                # Failed on a healthy session: nothing was taken, but the locks of the new
+                # terms it took before the error stay (a rollback does not free them).
+                self._free_next_terms(requests)
+                if len(batch) > 1 and _row_at_fault(exc):
+                    self._split(batch, self._send_attempts)
+                    return
+                for queued in batch:
+                    queued.fill(
+                        error=BackendUnavailable(
+                            f"cannot acquire lease {queued.lease.name!r}: the server refused "
+                            f"({first_line(exc)}); trying again later"
+                        )
+                    )
+                return
         # Each term taken locked the key it drew, now its row's: freed when the term ends.
         # A row locked but not taken (its new lock held by another session) has no term.
         taken = {

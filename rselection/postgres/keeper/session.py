@@ -522,18 +522,22 @@ class KeeperSession:
         limit: KeptLease | float,
         tolerate: bool = False,
         undo: Callable[[int], sql.Composed] | None = None,
+        unlocks: list[tuple[int, int]] | None = None,
     ) -> list[list[tuple[Any, ...]] | None]:
         """Run a (multi-statement) query on the session, with the freed locks of ended
         terms first and the backend pid last; one entry per statement, pid popped and
         checked. An error marks the session failed (see :meth:`_fail`), except, with
         ``tolerate``, an error of the statement on a healthy session (it is raised).
         When the query ran on another backend (a transaction pooler), ``undo(pid)`` of
-        that backend's pid is run first, to give back what it took there."""
+        that backend's pid is run first, to give back what it took there. ``unlocks``:
+        the locks to free, taken from ``_unlocks`` by a caller that holds ``_lock``
+        (default: all queued now)."""
         bound = limit.renew_deadline if not isinstance(limit, float) else limit
         with self._lock:
             with self._state:
                 conn, broken = self._conn, self._holds.broken
-                unlocks, self._unlocks = self._unlocks, []
+                if unlocks is None:
+                    unlocks, self._unlocks = self._unlocks, []
             if conn is None or broken or conn.closed or conn.broken:
                 if conn is not None and not broken:
                     self._fail()
