@@ -5,8 +5,10 @@ release, and a lease row deleted and made again starts a history of its own."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -50,6 +52,20 @@ def test_a_release_held_up_by_a_locked_row_records_its_reason(pg_dsn: str) -> No
         b.stop(timeout=10)
 
 
+@contextlib.contextmanager
+def two_leases(dsn: str, name: str) -> Iterator[tuple[PostgresLease, PostgresLease]]:
+    """Leases ``a`` and ``b`` of ``name`` in this process (one keeper session), connected."""
+    a = PostgresLease(dsn, name=name, ttl=10.0, renew_deadline=5.0)
+    b = PostgresLease(dsn, name=name, ttl=10.0, renew_deadline=5.0)
+    try:
+        a.connect()
+        b.connect()
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
 @pytest.mark.parametrize(
     ("said", "reserved", "recorded"),
     [
@@ -66,11 +82,7 @@ def test_a_term_taken_over_in_its_own_process_before_its_release_keeps_its_reaso
     round trip takes the lease over before b's release, and closed b's record as
     ``session_lost``, though b said why it ended."""
     name = f"own-{uuid.uuid4().hex[:6]}"
-    a = PostgresLease(pg_dsn, name=name, ttl=10.0, renew_deadline=5.0)
-    b = PostgresLease(pg_dsn, name=name, ttl=10.0, renew_deadline=5.0)
-    try:
-        a.connect()
-        b.connect()
+    with two_leases(pg_dsn, name) as (a, b):
         held = b.try_acquire("b")
         assert held.acquired and held.holder is not None
         term = held.holder.term
@@ -86,9 +98,6 @@ def test_a_term_taken_over_in_its_own_process_before_its_release_keeps_its_reaso
             records = {r.term: r for r in admin.history(name)}
         assert (records[term].end_reason, records[term].handed_to, records[term].by) == recorded
         assert records[term + 1].node_id == "a" and records[term + 1].end_reason is None
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_term_beyond_32_bits_taken_over_in_its_own_process_keeps_its_reason(
@@ -97,11 +106,7 @@ def test_a_term_beyond_32_bits_taken_over_in_its_own_process_keeps_its_reason(
     """Terms are 64-bit: a remembered term past 2**31 must not make the acquisition
     statement fail (every attempt of that lease from the process would)."""
     name = f"big-{uuid.uuid4().hex[:6]}"
-    a = PostgresLease(pg_dsn, name=name, ttl=10.0, renew_deadline=5.0)
-    b = PostgresLease(pg_dsn, name=name, ttl=10.0, renew_deadline=5.0)
-    try:
-        a.connect()
-        b.connect()
+    with two_leases(pg_dsn, name) as (a, b):
         first = b.try_acquire("b")
         assert first.acquired and first.holder is not None
         b.release("b", first.holder.term)
@@ -120,9 +125,6 @@ def test_a_term_beyond_32_bits_taken_over_in_its_own_process_keeps_its_reason(
             (2**31 + 7, "a", None),
             (2**31 + 6, "b", "stepped_down"),
         ]
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_reason_kept_for_an_older_life_of_the_row_labels_no_other_node(pg_dsn: str) -> None:
