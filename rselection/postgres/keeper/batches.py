@@ -371,6 +371,7 @@ class KeeperBatches(KeeperSession):
                 held = self._holds.take((q.lease, q.node_id))
                 if held is not None:
                     self._unlocks.append((held[1], held[0]))
+                self._unpark((q.lease, q.node_id))  # an ended term it did not release
         for q in batch[:]:
             try:
                 self._listening(q.lease)
@@ -386,7 +387,7 @@ class KeeperBatches(KeeperSession):
         with self._lock:
             with self._state:
                 endings = {q.lease.name: self._endings.get(q.lease.name) for q in batch}
-                unlocks, self._unlocks = self._unlocks, []
+                unlocks = self._take_unlocks()
             requests = []
             for q in batch:
                 assert q.lease.channel is not None
@@ -514,14 +515,20 @@ class KeeperBatches(KeeperSession):
 
     def _lock_key(self, lease: KeptLease, node_id: str, term: int) -> int | None:
         """Under ``_state``: the key of the advisory lock that ``term`` of ``lease`` holds
-        through the session (the one its acquisition locked), or ``None`` when it holds
-        none any more (its end already queued the unlock): nothing to free then."""
-        held = self._holds.get((lease, node_id))
-        return held[1] if held is not None and held[0] == term else None
+        through the session (the one its acquisition locked; kept after the term ended,
+        for its release), or ``None`` when it holds none any more (its unlock is queued
+        already): nothing to free then."""
+        for held in (self._holds.get((lease, node_id)), self._parked.get((lease, node_id))):
+            if held is not None and held[0] == term:
+                return held[1]
+        return None
 
     def _released(self, lease: KeptLease, node_id: str, term: int) -> None:
         with self._state:
             self._holds.end_term((lease, node_id), term)
+            parked = self._parked.get((lease, node_id))
+            if parked is not None and parked[0] == term:
+                del self._parked[(lease, node_id)]  # the release freed its lock
             ending = self._endings.get(lease.name)
             if ending is not None and ending.term == term:
                 del self._endings[lease.name]  # its release closed its record
@@ -571,6 +578,8 @@ class KeeperBatches(KeeperSession):
                         # Sent again with a later round: nobody waits for it meanwhile.
                         self._retries.append((now + RELEASE_RETRY, q))
                         continue
+                with self._state:
+                    self._unpark((q.lease, q.node_id), q.term)  # no release is coming
                 if closed:
                     q.fill(error=self._lost())
                 else:
@@ -607,6 +616,8 @@ class KeeperBatches(KeeperSession):
             # Refused on a healthy session (its row locked past LOCK_BOUND, a trigger):
             # this lease only; the session and every other lease's term go on, and this
             # one passes on by expiry.
+            with self._state:
+                self._unpark((lease, node_id), term)  # no release is coming
             raise BackendUnavailable(
                 f"cannot release lease {lease.name!r}: the server refused "
                 f"({first_line(exc)}); it passes on when it expires"

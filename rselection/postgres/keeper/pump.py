@@ -57,6 +57,7 @@ class KeeperPump(KeeperBatches, KeeperHeartbeats):
                 self._wake_deferred()
                 if conn is not None:
                     self._leave_channels()
+                    self._free_overdue()
                     self._read_members()
                     self._beat_due()
                 SessionPool.close_idle(self._conninfo)
@@ -65,12 +66,14 @@ class KeeperPump(KeeperBatches, KeeperHeartbeats):
                 time.sleep(0.1)
 
     def _until_beat(self, cap: float) -> float:
-        """Seconds until the next heartbeat or locked release is due (at most ``cap``)."""
+        """Seconds until the next heartbeat, locked release or overdue unlock is due (at
+        most ``cap``)."""
         with self._state:
             due = min(self._beats.values(), default=None)
             retry = min((at for at, _ in self._retries), default=None)
+            parked = min((due for _, _, due in self._parked.values()), default=None)
             usable = self._conn is not None and not self._holds.broken
-        for at in (retry, self._gate.next_due(reading=usable)):
+        for at in (retry, parked, self._gate.next_due(reading=usable)):
             if at is not None:
                 due = at if due is None else min(due, at)
         return cap if due is None else max(0.0, min(cap, due - clock.monotonic()))

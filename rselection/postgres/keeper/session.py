@@ -27,6 +27,7 @@ import psycopg
 from psycopg import sql
 from psycopg.pq import ConnStatus, TransactionStatus
 
+from ... import clock
 from ...errors import BackendUnavailable, ConfigError, first_line
 from ...session_hold import SessionHolds
 from ...wakeup import Wakeup
@@ -53,6 +54,7 @@ __all__ = [
     "INBOX_LIMIT",
     "OPENING_WAIT",
     "READ_QUEUE",
+    "RELEASE_WAIT",
     "KeeperSession",
     "KeptLease",
 ]
@@ -72,6 +74,14 @@ goes to the process's pooled sessions instead (see :meth:`KeeperSession.read`)."
 OPENING_WAIT = 1.0
 """Seconds a read waits at most for the keeper session being opened (see
 :meth:`KeeperSession.read`)."""
+
+RELEASE_WAIT = 1.0
+"""Seconds the lock of a term that ended (its tasks joined) waits for that term's
+release, which frees it in the statement that clears the row, before the session frees
+it anyway. Freed earlier, by any other round trip of the session, it let a follower of
+another process take the lease over before the release and record a graceful end as a
+lost session. A leader that ends a term without releasing it (its lease lost, a fatal
+error) attempts again or closes its lease within this bound, which frees it then."""
 
 HEARTBEAT_BOUND = 1.0
 """Seconds a heartbeat (or the nodes table's creation) may take on the keeper session,
@@ -155,10 +165,13 @@ class KeeperSession:
         self._timeout = 0.0  # the longest connect_timeout of a client
         self._pinned = 0.0  # the wind-down the session's keepalives are sized for
         self._unlocks: list[tuple[int, int]] = []  # locks of ended terms, freed next trip
+        # By (lease, node): the term that ended, its lock key and when to free that lock
+        # if its release has not (RELEASE_WAIT); its release frees it.
+        self._parked: dict[tuple[KeptLease, str], tuple[int, int, float]] = {}
         # By lease name, the last term held through the session that ended, and why, as
-        # its leader said, until its release: the next round trip frees its lock, and
-        # should an attempt of this process take it over first, its record keeps that
-        # reason (see AcquireRequest.ended).
+        # its leader said, until its release: should its lock be freed without it (see
+        # RELEASE_WAIT) and an attempt of this process take it over, its record keeps
+        # that reason (see AcquireRequest.ended).
         self._endings: dict[str, Ending] = {}
         # Channels no client listens on any more (their leases closed): the keeper's
         # thread sends UNLISTEN soon, so that a process that opens and closes leases
@@ -349,6 +362,7 @@ class KeeperSession:
                 self._by_channel = {}
                 self._unlistens = set()
                 self._unlocks = []
+                self._parked = {}
                 self._endings = {}
                 self._created = set()
                 self.generation += 1
@@ -470,17 +484,49 @@ class KeeperSession:
 
     def end_hold(self, lease: KeptLease, node_id: str, term: int) -> None:
         """``term`` of ``node_id`` on ``lease`` ended (its tasks are joined): the session
-        may end as far as that term goes, and its lock is freed on the next round trip."""
+        may end as far as that term goes, and its lock waits for the term's release (at
+        most :data:`RELEASE_WAIT`)."""
         with self._state:
             held = self._holds.end_term((lease, node_id), term)
             if held is None:
                 return
-            self._unlocks.append((held[1], term))
+            self._parked[(lease, node_id)] = (term, held[1], clock.monotonic() + RELEASE_WAIT)
             self._endings[lease.name] = Ending(term, held[1], *lease.ending(term))
             close = self._holds.stale
         self._io.recheck()
         if close:
             self._drop()
+
+    def _unpark(self, key: tuple[KeptLease, str], term: int | None = None) -> None:
+        """Under ``_state``: free the lock of ``key``'s ended term (``term`` only, if
+        given) with the next round trip: no release of it is coming."""
+        parked = self._parked.get(key)
+        if parked is not None and term in (None, parked[0]):
+            del self._parked[key]
+            self._unlocks.append((parked[1], parked[0]))
+
+    def _take_unlocks(self) -> list[tuple[int, int]]:
+        """Under ``_state``: the locks the next round trip frees, those of ended terms
+        whose release is overdue among them."""
+        now = clock.monotonic()
+        for key in [k for k, (_, _, due) in self._parked.items() if due <= now]:
+            self._unpark(key)
+        unlocks, self._unlocks = self._unlocks, []
+        return unlocks
+
+    def _free_overdue(self) -> None:
+        """Free the locks of ended terms whose release is overdue (on the keeper's
+        thread): no other round trip may come to carry them."""
+        now = clock.monotonic()
+        with self._state:
+            if self._conn is None or self._holds.broken:
+                return
+            if not any(due <= now for _, _, due in self._parked.values()):
+                return
+        try:
+            self._run(sql.SQL("SELECT 1"), "free the locks of ended terms", limit=RELEASE_WAIT)
+        except (BackendUnavailable, psycopg.Error) as exc:
+            logger.debug("keeper: could not free the locks of ended terms: %s", exc)
 
     def _drop(self) -> None:
         with self._lock:
@@ -488,6 +534,7 @@ class KeeperSession:
                 conn, self._conn = self._conn, None
                 self._holds.reset()
                 self._unlocks = []
+                self._parked = {}
                 self._endings = {}
                 self._by_channel = {}
                 self._unlistens = set()
@@ -537,7 +584,7 @@ class KeeperSession:
             with self._state:
                 conn, broken = self._conn, self._holds.broken
                 if unlocks is None:
-                    unlocks, self._unlocks = self._unlocks, []
+                    unlocks = self._take_unlocks()
             if conn is None or broken or conn.closed or conn.broken:
                 if conn is not None and not broken:
                     self._fail()

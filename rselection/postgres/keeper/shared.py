@@ -105,6 +105,8 @@ class SharedKeeper(KeeperPump):
                 held = self._holds.take(key)
                 if held is not None:
                     self._unlocks.append((held[1], held[0]))
+            for key in [k for k in self._parked if k[0] is lease]:
+                self._unpark(key)
             last = self._last_client()
             leave = bool(self._unlistens) and not last
         if last:

@@ -16,6 +16,7 @@ import pytest
 
 import rselection as rs
 from rselection.postgres import PostgresAdmin, PostgresLeader, PostgresLease
+from rselection.postgres.keeper.session import RELEASE_WAIT
 from tests.support.waiting import wait_until
 
 FAST: dict[str, Any] = {"ttl": 4.0, "renew_interval": 0.5, "renew_deadline": 2.0}
@@ -66,6 +67,18 @@ def two_leases(dsn: str, name: str) -> Iterator[tuple[PostgresLease, PostgresLea
         b.close()
 
 
+def take_once_unlocked(lease: PostgresLease, node: str) -> rs.Acquisition:
+    """Attempt until ``lease`` is taken: an ended term's lock that no release freed is
+    freed after ``RELEASE_WAIT``."""
+    taken: list[rs.Acquisition] = []
+    wait_until(
+        lambda: taken.append(lease.try_acquire(node)) or taken[-1].acquired,
+        RELEASE_WAIT + 10,
+        "the ended term's lock to be freed",
+    )
+    return taken[-1]
+
+
 @pytest.mark.parametrize(
     ("said", "reserved", "recorded"),
     [
@@ -78,9 +91,9 @@ def test_a_term_taken_over_in_its_own_process_before_its_release_keeps_its_reaso
     pg_dsn: str, said: str, reserved: bool, recorded: tuple[str, str | None, str | None]
 ) -> None:
     """Two leases of one name in one process share the keeper session. Once b's term
-    ended (its tasks joined), the next round trip frees its lock; an attempt of a in that
-    round trip takes the lease over before b's release, and closed b's record as
-    ``session_lost``, though b said why it ended."""
+    ended (its tasks joined), its lock waits for b's release, at most ``RELEASE_WAIT``;
+    an attempt of a that then takes the lease over before b's release closed b's record
+    as ``session_lost``, though b said why it ended."""
     name = f"own-{uuid.uuid4().hex[:6]}"
     with two_leases(pg_dsn, name) as (a, b):
         held = b.try_acquire("b")
@@ -91,8 +104,9 @@ def test_a_term_taken_over_in_its_own_process_before_its_release_keeps_its_reaso
                 admin.request_handover(name, to="a")
         b.term_ending(term, said, "operator" if reserved else None)
         b.term_ended(term)
-        taken = a.try_acquire("a")
-        assert taken.acquired and taken.holder is not None and taken.holder.term == term + 1
+        assert not a.try_acquire("a").acquired  # b's lock waits for b's release
+        taken = take_once_unlocked(a, "a")
+        assert taken.holder is not None and taken.holder.term == term + 1
         b.release("b", term)  # the row is a's: it changes nothing
         with PostgresAdmin(pg_dsn) as admin:
             records = {r.term: r for r in admin.history(name)}
@@ -118,9 +132,8 @@ def test_a_term_beyond_32_bits_taken_over_in_its_own_process_keeps_its_reason(
         assert held.acquired and held.holder is not None and held.holder.term == 2**31 + 6
         b.term_ending(held.holder.term, "stepped_down", None)
         b.term_ended(held.holder.term)
-        taken = a.try_acquire("a")
-        assert taken.acquired and taken.holder is not None
-        assert taken.holder.term == 2**31 + 7
+        taken = take_once_unlocked(a, "a")
+        assert taken.holder is not None and taken.holder.term == 2**31 + 7
         assert reasons(pg_dsn, name)[:2] == [
             (2**31 + 7, "a", None),
             (2**31 + 6, "b", "stepped_down"),
@@ -185,3 +198,59 @@ def test_a_lease_row_made_again_starts_its_history_anew(pg_dsn: str) -> None:
         assert reasons(pg_dsn, name) == [(1, "a", None)]
     finally:
         again.stop(timeout=10)
+
+
+def test_a_term_ended_keeps_its_lock_for_its_release_across_other_round_trips(
+    pg_dsn: str,
+) -> None:
+    """A term that ended (its tasks joined) keeps its advisory lock until its release,
+    though other round trips of its process's keeper session run between the two: a
+    follower of another process that took the lease over in between recorded a graceful
+    stop as ``session_lost``."""
+    name = f"kept-{uuid.uuid4().hex[:6]}"
+    other_process = pg_dsn + "&application_name=other-process"  # a keeper session of its own
+    a = PostgresLease(pg_dsn, name=name, ttl=30.0, renew_deadline=5.0)
+    beside = PostgresLease(pg_dsn, name=f"{name}-beside", ttl=30.0, renew_deadline=5.0)
+    b = PostgresLease(other_process, name=name, ttl=30.0, renew_deadline=5.0)
+    try:
+        for lease in (a, beside, b):
+            lease.connect()
+        held = a.try_acquire("a")
+        assert held.acquired and held.holder is not None
+        term = held.holder.term
+        a.term_ending(term, "stepped_down", None)
+        a.term_ended(term)
+        beside.try_acquire("a")  # a round trip of a's session before a's release
+        assert not b.try_acquire("b").acquired  # a's session is alive, its term not given back
+        a.release("a", term)
+        taken = b.try_acquire("b")
+        assert taken.acquired and taken.holder is not None and taken.holder.term == term + 1
+        assert reasons(pg_dsn, name)[:2] == [(term + 1, "b", None), (term, "a", "stepped_down")]
+    finally:
+        for lease in (a, beside, b):
+            lease.close()
+
+
+def test_an_ended_term_never_released_frees_its_lock_after_the_release_wait(
+    pg_dsn: str,
+) -> None:
+    """A leader that ends a term and gives it no release (its lease lost, a fatal error)
+    keeps the term's lock no longer than ``RELEASE_WAIT``, though its keeper session has
+    nothing else to send: a follower of another process then takes the lease over."""
+    name = f"unreleased-{uuid.uuid4().hex[:6]}"
+    other_process = pg_dsn + "&application_name=other-process"
+    a = PostgresLease(pg_dsn, name=name, ttl=30.0, renew_deadline=5.0)
+    b = PostgresLease(other_process, name=name, ttl=30.0, renew_deadline=5.0)
+    try:
+        a.connect()
+        b.connect()
+        held = a.try_acquire("a")
+        assert held.acquired and held.holder is not None
+        ended = time.monotonic()
+        a.term_ended(held.holder.term)
+        taken = take_once_unlocked(b, "b")
+        assert time.monotonic() - ended >= RELEASE_WAIT
+        assert taken.holder is not None and taken.holder.term == held.holder.term + 1
+    finally:
+        a.close()
+        b.close()
