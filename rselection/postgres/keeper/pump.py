@@ -66,14 +66,14 @@ class KeeperPump(KeeperBatches, KeeperHeartbeats):
                 time.sleep(0.1)
 
     def _until_beat(self, cap: float) -> float:
-        """Seconds until the next heartbeat, locked release or overdue unlock is due (at
-        most ``cap``)."""
+        """Seconds until the next heartbeat, locked release or unlock is due (at most
+        ``cap``)."""
         with self._state:
             due = min(self._beats.values(), default=None)
             retry = min((at for at, _ in self._retries), default=None)
-            parked = min((due for _, _, due in self._parked.values()), default=None)
             usable = self._conn is not None and not self._holds.broken
-        for at in (retry, parked, self._gate.next_due(reading=usable)):
+            unlocks = self._unlocks_due() if usable else None  # none sent on a broken one
+        for at in (retry, unlocks, self._gate.next_due(reading=usable)):
             if at is not None:
                 due = at if due is None else min(due, at)
         return cap if due is None else max(0.0, min(cap, due - clock.monotonic()))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -491,6 +492,7 @@ class KeeperSession:
             if held is None:
                 return
             self._parked[(lease, node_id)] = (term, held[1], clock.monotonic() + RELEASE_WAIT)
+            self._wakeup.wake()  # the keeper's thread frees it when due, if nothing else
             self._endings[lease.name] = Ending(term, held[1], *lease.ending(term))
             close = self._holds.stale
         self._io.recheck()
@@ -499,11 +501,21 @@ class KeeperSession:
 
     def _unpark(self, key: tuple[KeptLease, str], term: int | None = None) -> None:
         """Under ``_state``: free the lock of ``key``'s ended term (``term`` only, if
-        given) with the next round trip: no release of it is coming."""
+        given) with the next round trip, which the keeper's thread sends unless another
+        does first: no release of it is coming."""
         parked = self._parked.get(key)
         if parked is not None and term in (None, parked[0]):
             del self._parked[key]
             self._unlocks.append((parked[1], parked[0]))
+            self._wakeup.wake()
+
+    def _unlocks_due(self) -> float | None:
+        """Under ``_state``: when the session must free locks of ended terms, whether or
+        not another round trip comes (now, when some are queued); ``None``: no lock
+        waits."""
+        if self._unlocks:
+            return -math.inf
+        return min((due for _, _, due in self._parked.values()), default=None)
 
     def _take_unlocks(self) -> list[tuple[int, int]]:
         """Under ``_state``: the locks the next round trip frees, those of ended terms
@@ -515,13 +527,13 @@ class KeeperSession:
         return unlocks
 
     def _free_overdue(self) -> None:
-        """Free the locks of ended terms whose release is overdue (on the keeper's
-        thread): no other round trip may come to carry them."""
-        now = clock.monotonic()
+        """Free the locks of ended terms that are queued, or whose release is overdue
+        (on the keeper's thread): no other round trip may come to carry them."""
         with self._state:
             if self._conn is None or self._holds.broken:
                 return
-            if not any(due <= now for _, _, due in self._parked.values()):
+            due = self._unlocks_due()
+            if due is None or due > clock.monotonic():
                 return
         try:
             self._run(sql.SQL("SELECT 1"), "free the locks of ended terms", limit=RELEASE_WAIT)

@@ -16,6 +16,7 @@ import pytest
 
 import rselection as rs
 from rselection.postgres import PostgresAdmin, PostgresLeader, PostgresLease
+from rselection.postgres.keeper import session as keeper_session
 from rselection.postgres.keeper.session import RELEASE_WAIT
 from tests.support.waiting import wait_until
 
@@ -251,6 +252,114 @@ def test_an_ended_term_never_released_frees_its_lock_after_the_release_wait(
         taken = take_once_unlocked(b, "b")
         assert time.monotonic() - ended >= RELEASE_WAIT
         assert taken.holder is not None and taken.holder.term == held.holder.term + 1
+    finally:
+        a.close()
+        b.close()
+
+
+@contextlib.contextmanager
+def refusing_releases(dsn: str, table: str) -> Iterator[None]:
+    """A trigger on ``table`` that refuses every release (clearing a held row's holder)."""
+    function = f"{table}_refuse"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            f"CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+            " IF NEW.holder IS NULL AND OLD.holder IS NOT NULL THEN"
+            " RAISE EXCEPTION 'releases are refused'; END IF; RETURN NEW; END $$"
+        )
+        conn.execute(
+            f"CREATE TRIGGER refuse BEFORE UPDATE ON {table} FOR EACH ROW"
+            f" EXECUTE FUNCTION {function}()"
+        )
+    try:
+        yield
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(f"DROP TRIGGER refuse ON {table}")
+            conn.execute(f"DROP FUNCTION {function}()")
+
+
+def test_an_ended_term_whose_release_is_refused_frees_its_lock_at_once(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No release is coming once the server refused it: the term's lock is freed then,
+    not after ``RELEASE_WAIT`` (made longer than the test here), though no other round
+    trip of the session comes to carry it."""
+    monkeypatch.setattr(keeper_session, "RELEASE_WAIT", 60.0)
+    table = f"refused_{uuid.uuid4().hex[:6]}"
+    a = PostgresLease(pg_dsn, name="lease", table=table, ttl=60.0, renew_deadline=5.0)
+    b = PostgresLease(
+        pg_dsn + "&application_name=other-process",
+        name="lease",
+        table=table,
+        ttl=60.0,
+        renew_deadline=5.0,
+    )
+    try:
+        a.connect()
+        b.connect()
+        held = a.try_acquire("a")
+        assert held.acquired and held.holder is not None
+        with refusing_releases(pg_dsn, table):
+            a.term_ended(held.holder.term)
+            with pytest.raises(rs.BackendUnavailable, match="refused"):
+                a.release("a", held.holder.term)
+        taken = take_once_unlocked(b, "b")
+        assert taken.holder is not None and taken.holder.term == held.holder.term + 1
+    finally:
+        a.close()
+        b.close()
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f"DROP TABLE IF EXISTS {table}, {table}_history")
+
+
+def test_an_ended_term_frees_its_lock_when_its_lease_closes(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lease object closed after its term ended, without a release, frees the term's
+    lock then, though another object of the process keeps the session open and idle."""
+    monkeypatch.setattr(keeper_session, "RELEASE_WAIT", 60.0)
+    name = f"closed-{uuid.uuid4().hex[:6]}"
+    a = PostgresLease(pg_dsn, name=name, ttl=60.0, renew_deadline=5.0)
+    idle = PostgresLease(pg_dsn, name=name, ttl=60.0, renew_deadline=5.0)
+    b = PostgresLease(pg_dsn + "&application_name=other-process", name=name, ttl=60.0)
+    try:
+        for lease in (a, idle, b):
+            lease.connect()
+        held = a.try_acquire("a")
+        assert held.acquired and held.holder is not None
+        a.term_ended(held.holder.term)
+        a.close()
+        taken = take_once_unlocked(b, "b")
+        assert taken.holder is not None and taken.holder.term == held.holder.term + 1
+    finally:
+        for lease in (a, idle, b):
+            lease.close()
+
+
+def test_the_keeper_does_not_spin_on_a_broken_session_with_an_ended_term(
+    pg_dsn: str,
+) -> None:
+    """A session that broke while a term ended unreleased and another term still runs
+    stays open (broken) until that term ends: its keeper's thread must idle meanwhile,
+    not look again and again for a round trip it cannot send."""
+    tag = uuid.uuid4().hex[:6]
+    a = PostgresLease(pg_dsn, name=f"spin-a-{tag}", ttl=30.0, renew_deadline=5.0)
+    b = PostgresLease(pg_dsn, name=f"spin-b-{tag}", ttl=30.0, renew_deadline=5.0)
+    try:
+        a.connect()
+        b.connect()
+        held_a, held_b = a.try_acquire("a"), b.try_acquire("b")
+        assert held_a.holder is not None and held_b.holder is not None
+        a.term_ended(held_a.holder.term)  # no release follows
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_terminate_backend(%s)", (a.backend_pid,))
+        time.sleep(RELEASE_WAIT)  # the ended term's lock is overdue from here on
+        before = time.process_time()
+        time.sleep(2.0)
+        used = time.process_time() - before
+        assert used < 0.5, f"the process used {used:.2f} s of CPU in 2 s while idle"
+        b.term_ended(held_b.holder.term)
     finally:
         a.close()
         b.close()
