@@ -169,6 +169,7 @@ class KeeperSession:
         # By (lease, node): the term that ended, its lock key and when to free that lock
         # if its release has not (RELEASE_WAIT); its release frees it.
         self._parked: dict[tuple[KeptLease, str], tuple[int, int, float]] = {}
+        self._unlocks_after = -math.inf  # a refused round trip that frees them: later
         # By lease name, the last term held through the session that ended, and why, as
         # its leader said, until its release: should its lock be freed without it (see
         # RELEASE_WAIT) and an attempt of this process take it over, its record keeps
@@ -514,7 +515,7 @@ class KeeperSession:
         not another round trip comes (now, when some are queued); ``None``: no lock
         waits."""
         if self._unlocks:
-            return -math.inf
+            return self._unlocks_after
         return min((due for _, _, due in self._parked.values()), default=None)
 
     def _take_unlocks(self) -> list[tuple[int, int]]:
@@ -536,9 +537,18 @@ class KeeperSession:
             if due is None or due > clock.monotonic():
                 return
         try:
-            self._run(sql.SQL("SELECT 1"), "free the locks of ended terms", limit=RELEASE_WAIT)
-        except (BackendUnavailable, psycopg.Error) as exc:
-            logger.debug("keeper: could not free the locks of ended terms: %s", exc)
+            self._run(
+                sql.SQL("SELECT 1"),
+                "free the locks of ended terms",
+                limit=HEARTBEAT_BOUND + 1.0,
+                tolerate=True,
+            )
+        except (BackendUnavailable, ConfigError, psycopg.Error) as exc:
+            # Refused on a healthy session (a cancel, say): the locks are queued again,
+            # and tried again a second later, not at once (the keeper's thread would spin).
+            with self._state:
+                self._unlocks_after = clock.monotonic() + 1.0
+            logger.debug("keeper: could not free the locks of ended terms: %s", first_line(exc))
 
     def _drop(self) -> None:
         with self._lock:
