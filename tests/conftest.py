@@ -33,6 +33,7 @@ from tests.support.pg import (
     with_search_path,
 )
 from tests.support.proxy import TcpProxy
+from tests.support.thread_stacks import thread_stacks
 
 HOW_TO_POSTGRES = (
     "set RSELECTION_TEST_DSN=postgresql://USER@HOST:PORT/DB, run a Postgres on "
@@ -42,6 +43,17 @@ HOW_TO_REDIS = (
     "set RSELECTION_TEST_REDIS_URL=redis://HOST:PORT/0, run Redis on 127.0.0.1:6379, "
     "or install redis-server; the client needs pip install -e '.[redis]'"
 )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test's report shows the library's threads still alive, with stacks."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.failed:
+        stacks = thread_stacks()
+        if stacks:
+            report.sections.append(("rselection threads alive", stacks))
 
 
 def in_ci() -> bool:

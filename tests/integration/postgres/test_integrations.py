@@ -43,15 +43,22 @@ def example_env(dsn: str | None) -> dict[str, str]:
 
 
 class Proc:
-    """A subprocess whose output lines are read into a queue, tagged with its index."""
+    """A subprocess whose output lines are read into a queue, tagged with its index.
+
+    Its log (stderr) is read apart, into :attr:`log`: in one pipe, a log line written by
+    another thread could land in the middle of a printed line (``print`` writes the text
+    and its newline apart).
+    """
 
     def __init__(self, args: list[str], env: dict[str, str], index: int, out: queue.Queue[Any]):
         self.index = index
         self.popen = subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
         )
         self.lines: list[str] = []
+        self.log: list[str] = []
         threading.Thread(target=self._pump, args=(out,), daemon=True).start()
+        threading.Thread(target=self._pump_log, daemon=True).start()
 
     def _pump(self, out: queue.Queue[Any]) -> None:
         assert self.popen.stdout is not None
@@ -59,12 +66,18 @@ class Proc:
             self.lines.append(line.rstrip())
             out.put((self.index, line.rstrip(), time.monotonic()))
 
+    def _pump_log(self) -> None:
+        assert self.popen.stderr is not None
+        for line in self.popen.stderr:
+            self.log.append(line.rstrip())
+
     def close(self) -> None:
         if self.popen.poll() is None:
             self.popen.kill()
             self.popen.wait(10)
-        if self.popen.stdout is not None:
-            self.popen.stdout.close()
+        for stream in (self.popen.stdout, self.popen.stderr):
+            if stream is not None:
+                stream.close()
 
 
 @pytest.fixture
@@ -107,7 +120,7 @@ def check_handover(procs: list[Proc], out: queue.Queue[Any], tick: str) -> None:
     procs[first].popen.send_signal(signal.SIGTERM)
     _, _, took_over = expect(out, "elected:", 15, index=other)
     assert took_over - sent < HANDOVER_LIMIT, f"handover took {took_over - sent:.2f}s"
-    assert procs[first].popen.wait(15) == 0
+    assert procs[first].popen.wait(15) == 0, procs[first].log
     assert any("(stopped)" in line for line in procs[first].lines), procs[first].lines
     assert procs[first].lines[-1] == "stopped cleanly", procs[first].lines
     expect(out, tick, 10, index=other)  # the new leader runs the tasks
