@@ -81,8 +81,9 @@ RELEASE_WAIT = 1.0
 release, which frees it in the statement that clears the row, before the session frees
 it anyway. Freed earlier, by any other round trip of the session, it let a follower of
 another process take the lease over before the release and record a graceful end as a
-lost session. A leader that ends a term without releasing it (its lease lost, a fatal
-error) attempts again or closes its lease within this bound, which frees it then."""
+lost session. The lock of a term given no release (its lease lost, a fatal error) is
+freed at once when its lease attempts again or closes, or its release is refused; else
+once this bound has passed."""
 
 HEARTBEAT_BOUND = 1.0
 """Seconds a heartbeat (or the nodes table's creation) may take on the keeper session,

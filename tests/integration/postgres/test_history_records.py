@@ -1,7 +1,9 @@
 """Postgres leadership history at the edges: a release that a locked lease row holds up
 still records why its term ended (not as a lost session when the next node takes the
 lease), so does a term a leader of the same process takes over between its end and its
-release, and a lease row deleted and made again starts a history of its own."""
+release, and a lease row deleted and made again starts a history of its own. An ended
+term's lock waits for its release (no other process takes the lease over meanwhile), at
+most ``RELEASE_WAIT``, and is freed at once when no release is coming."""
 
 from __future__ import annotations
 
@@ -76,6 +78,7 @@ def take_once_unlocked(lease: PostgresLease, node: str) -> rs.Acquisition:
         lambda: taken.append(lease.try_acquire(node)) or taken[-1].acquired,
         RELEASE_WAIT + 10,
         "the ended term's lock to be freed",
+        interval=0.05,
     )
     return taken[-1]
 
