@@ -11,7 +11,9 @@ the sittings, and the median of each segment of a graceful handover:
 * the old leader: ``stop()`` to its tasks' end begun, the tasks' end, to the release
   sent, the release's round trip;
 * the next leader: from the release sent to its read of the lease channel that saw it,
-  to its attempt sent, the attempt, and from the attempt's answer to its tasks started.
+  to its attempt sent, the attempt, from the attempt's answer to its tasks' start
+  begun, and the start of the tasks (``TaskHandler.start_term``, which returns once
+  they run: ``elected`` follows).
 
 The same tree's figures move by about 1 ms from one sitting to the next on 2 cores; the
 trees alternate so that both see the same machine. Figures go to stdout only.
@@ -49,7 +51,8 @@ SEGMENTS = (
     "next leader: release sent to channel read",
     "next leader: channel read to attempt sent",
     "next leader: the winning attempt",
-    "next leader: attempt answered to tasks started",
+    "next leader: attempt answered to tasks' start begun",
+    "next leader: the tasks' start",
     "stop() to the next leader's tasks started",
 )
 
@@ -125,11 +128,12 @@ def segments(events: list[Event]) -> dict[str, list[float]]:
         window: list[Event] = []
         for event in events[i:]:
             window.append(event)
-            if event[1] != old and event[2] == "TaskHandler.start_term>":
+            if event[1] != old and event[2] == "TaskHandler.start_term<":
                 break
         else:
             continue  # no next leader in the trace
         started, new = window[-1][0], window[-1][1]
+        starting = first(window, new, "TaskHandler.start_term>")
         if new not in {pid for _, pid, _ in events[:i]}:
             continue  # a node of a later fleet: the stop was that of a whole fleet
 
@@ -153,7 +157,8 @@ def segments(events: list[Event]) -> dict[str, list[float]]:
             (sent, read),
             (read, attempt),
             (attempt, won),
-            (won, started),
+            (won, starting),
+            (starting, started),
             (stopped, started),
         )
         for name, (a, b) in zip(SEGMENTS, pairs, strict=True):

@@ -30,6 +30,7 @@ from typing import Any
 
 from . import clock, signals
 from .abc import LeaseBackend, NonBlockingLease, lease_ability
+from .blocking_lease import ArmedAttempt, BlockingLease
 from .context import Term
 from .daemon_pool import Lane
 from .driver import LeaseDriver
@@ -89,6 +90,10 @@ class DrivenKeeper:
         self._threads: set[threading.Thread] = set()  # pool threads working for us
         self._threads_lock = threading.Lock()
         self._lane: Lane | None = None  # this leader's steps on the driver's workers
+        # A watched blocking lease runs a follower's next attempt itself when it sees a
+        # change (see ArmedAttempt); every step takes it back first.
+        self._arms = lease if isinstance(lease, BlockingLease) else None
+        self._armed: ArmedAttempt | None = None
 
     # -- the leader's side -------------------------------------------------------------
 
@@ -140,6 +145,9 @@ class DrivenKeeper:
                 self._lane.shutdown()
                 self._lane = None
             return None
+        armed, self._armed = self._armed, None
+        if armed is not None and not armed.cancel():
+            self._in_flight = True  # a worker runs the attempt: its outcome is on its way
         term = state.term
         watch = self._watch(term, now)
         if self._busy or self._in_flight:
@@ -227,26 +235,73 @@ class DrivenKeeper:
         if not state.eligible:
             return math.inf  # a member that never leads attempts nothing
         if now < self._follow_at and (not woken or self._deferred):
+            if not self._deferred:
+                self._arm_attempt()
             return self._follow_at
         self._deferred = False
         sent = clock.monotonic()
-
-        def attempt() -> Acquisition | _Begun:
-            # A blocking attempt that wins begins the term on the same worker: no hop to
-            # the driver's thread and back to a worker before the tasks start.
-            outcome = self._backend.try_acquire(state.node_id)
-            holder = outcome.holder
-            if not outcome.acquired or holder is None or state.stopping.is_set():
-                return outcome
-            self._begin(holder, sent)
-            return _Begun()
-
         self._round_trip(
             lambda done: self._lease.acquire_soon(state.node_id, done),
-            attempt,
+            lambda: self._attempt(sent),
             lambda outcome: self._attempted(sent, outcome),
         )
         return now + _IN_FLIGHT_CHECK
+
+    def _attempt(self, sent: float) -> Acquisition | _Begun:
+        """A blocking attempt; one that wins begins the term on the same thread: no hop
+        to the driver's thread and back to a worker before the tasks start."""
+        state = self._state
+        outcome = self._backend.try_acquire(state.node_id)
+        holder = outcome.holder
+        if not outcome.acquired or holder is None or state.stopping.is_set():
+            return outcome
+        self._begin(holder, sent)
+        return _Begun()
+
+    def _arm_attempt(self) -> None:
+        """A follower that would attempt as soon as woken leaves the attempt with its
+        watched lease, which runs it on the worker that sees the change (see
+        :class:`~rselection.blocking_lease.ArmedAttempt`)."""
+        if self._arms is None:
+            return
+        armed = ArmedAttempt(lambda: self._run_armed(armed))
+        if self._arms.arm_attempt(armed):
+            self._armed = armed
+
+    def _run_armed(self, armed: ArmedAttempt) -> bool:
+        """A worker of the lease's watch, which took ``armed``: attempt as a woken
+        follower's step would (unless a stop, a drain or a takeover delay came
+        meanwhile: then only wake the keeper), and hand the outcome to the driver's
+        thread."""
+        state = self._state
+        current = threading.current_thread()
+        with self._threads_lock:
+            self._threads.add(current)  # a stop() from a receiver here must not wait
+        sent = clock.monotonic()
+        outcome: Acquisition | _Begun | BaseException | None = None
+        try:
+            if state.eligible and not state.stopping.is_set() and state.takeover_delay() <= 0:
+                outcome = self._attempt(sent)
+        except BaseException as exc:  # handed to the driver's thread
+            outcome = exc
+        finally:
+            with self._threads_lock:
+                self._threads.discard(current)
+        self._driver.call(lambda: self._armed_answered(armed, sent, outcome))
+        return outcome is not None
+
+    def _armed_answered(
+        self, armed: ArmedAttempt, sent: float, outcome: Acquisition | _Begun | BaseException | None
+    ) -> None:
+        if self._armed is armed:
+            self._armed = None  # answered before any step took it back
+        if outcome is None:  # not attempted: what a wake does instead
+            with self._wake_lock:
+                self._woken = True
+            self._in_flight = False
+            self._driver.poke(self)
+            return
+        self._answered(lambda answer: self._attempted(sent, answer), outcome)
 
     def _lead_step(self, term: Term, now: float) -> float:
         state = self._state

@@ -9,6 +9,7 @@ import uuid
 from typing import Any
 
 import rselection as rs
+from rselection.blocking_lease import ArmedAttempt
 from rselection.memory import MemoryLease
 from tests.support.waiting import wait_until
 
@@ -93,3 +94,37 @@ def test_stopping_leaders_whose_waits_hang_never_delays_another_leaders_deadline
         for stopper in stoppers:
             stopper.join(20)
         b.stop(timeout=10)
+
+
+def test_an_armed_attempt_is_taken_or_cancelled_once() -> None:
+    taken = ArmedAttempt(lambda: True)
+    assert taken.take()
+    assert not taken.cancel()  # too late: its outcome is on its way
+    assert not taken.take()  # and nobody runs it twice
+
+    cancelled = ArmedAttempt(lambda: True)
+    assert cancelled.cancel()
+    assert cancelled.cancel()  # asked again, the same answer
+    assert not cancelled.take()
+
+
+def test_of_workers_and_the_keeper_racing_for_an_armed_attempt_one_wins() -> None:
+    for _ in range(200):
+        armed = ArmedAttempt(lambda: True)
+        start = threading.Barrier(5)
+        wins: list[str] = []
+
+        def take(armed: ArmedAttempt, start: threading.Barrier, wins: list[str]) -> None:
+            start.wait()
+            if armed.take():
+                wins.append("worker")
+
+        workers = [threading.Thread(target=take, args=(armed, start, wins)) for _ in range(4)]
+        for worker in workers:
+            worker.start()
+        start.wait()
+        if armed.cancel():
+            wins.append("keeper")
+        for worker in workers:
+            worker.join(5)
+        assert len(wins) == 1, wins

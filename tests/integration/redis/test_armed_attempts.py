@@ -1,0 +1,144 @@
+"""A Redis follower's next attempt runs on the worker that reads the release: the keeper
+leaves it with the watched lease (:class:`rselection.blocking_lease.ArmedAttempt`), and
+takes it back at every step of its own. What that must never change: a stop, a drain or
+a stop from a receiver of the term it began."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+import rselection as rs
+from rselection.redis import RedisAdmin, RedisLeader
+from tests.support.waiting import wait_until
+
+FAST = {"ttl": 3.0, "renew_interval": 0.5, "renew_deadline": 2.0, "retry_interval": 0.5}
+
+
+@pytest.fixture
+def name() -> str:
+    return f"armed-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def make_leader(redis_url: str, name: str) -> Iterator[Callable[..., RedisLeader]]:
+    made: list[RedisLeader] = []
+
+    def make(node_id: str, handler: rs.TaskHandler | None = None) -> RedisLeader:
+        leader = RedisLeader(
+            redis_url, handler or rs.TaskHandler(), name=name, node_id=node_id, **FAST
+        )
+        made.append(leader)
+        return leader
+
+    yield make
+    for leader in made:
+        leader.stop(timeout=10)
+
+
+def _elected_threads(name: str, node_id: str) -> tuple[list[str], Callable[..., None]]:
+    """The names of the threads that sent ``node_id``'s ``elected`` for lease ``name``,
+    and the receiver that records them (keep a reference: receivers are weak)."""
+    threads: list[str] = []
+
+    def receiver(sender: Any, **kw: Any) -> None:
+        if kw["name"] == name and kw["node_id"] == node_id:
+            threads.append(threading.current_thread().name)
+
+    rs.signals.elected.connect(receiver)
+    return threads, receiver
+
+
+def _following(leader: RedisLeader) -> None:
+    """Wait until ``leader`` follows with its next attempt left with its lease (every
+    step of an idle follower leaves it there)."""
+    wait_until(lambda: leader._driven._armed is not None, 10, "an armed follower")
+
+
+def test_the_worker_that_reads_a_release_sends_the_attempt_and_begins_the_term(
+    make_leader: Callable[..., RedisLeader], name: str
+) -> None:
+    a, b = make_leader("a"), make_leader("b")
+    threads, receiver = _elected_threads(name, "b")
+    a.start()
+    assert a.wait_until_leader(10)
+    b.start()
+    _following(b)
+    a.stop()
+    assert b.wait_until_leader(5)
+    # Before, the wait worker woke the driver's thread, which handed the attempt to a
+    # worker of the leader's lane ("rselection-driver-work"): two more hand-offs.
+    assert len(threads) == 1 and threads[0].startswith("rselection-driver-wait"), threads
+    rs.signals.elected.disconnect(receiver)
+
+
+def test_a_stop_from_a_receiver_of_a_term_the_wait_worker_began_returns_at_once(
+    make_leader: Callable[..., RedisLeader], name: str
+) -> None:
+    # The receiver runs on the wait worker, which the keeper counts as its own: a stop()
+    # there asks and returns (waiting would wait for itself: the keeper waits for the
+    # attempt's outcome, which waits for the receiver).
+    a, b = make_leader("a"), make_leader("b")
+    returned = threading.Event()
+
+    def stop_b(sender: Any, **kw: Any) -> None:
+        if kw["name"] == name and kw["node_id"] == "b":
+            b.stop()
+            returned.set()
+
+    rs.signals.elected.connect(stop_b)
+    try:
+        a.start()
+        assert a.wait_until_leader(10)
+        b.start()
+        _following(b)
+        a.stop()
+        assert returned.wait(5), "stop() from the receiver did not return"
+        wait_until(lambda: b.leader() is None, 10, "b to stop and release the lease")
+    finally:
+        rs.signals.elected.disconnect(stop_b)
+
+
+def test_a_stopped_follower_never_attempts_again(
+    make_leader: Callable[..., RedisLeader], name: str, redis_url: str
+) -> None:
+    a, b = make_leader("a"), make_leader("b")
+    threads, receiver = _elected_threads(name, "b")
+    a.start()
+    assert a.wait_until_leader(10)
+    b.start()
+    _following(b)
+    b.stop(timeout=5)
+    a.stop(timeout=5)
+    with RedisAdmin(redis_url) as admin:
+        time.sleep(FAST["retry_interval"] * 2)  # what an attempt left behind would take
+        assert admin.current_holder(name) is None
+        assert [record.node_id for record in admin.history(name)] == ["a"]
+    assert threads == []
+    rs.signals.elected.disconnect(receiver)
+
+
+def test_a_follower_drained_after_it_armed_its_attempt_never_takes_the_lease(
+    make_leader: Callable[..., RedisLeader], name: str, redis_url: str
+) -> None:
+    # The keeper steps nothing when its node is drained (it has nothing to do): the
+    # attempt it left with the lease must look at the drain itself. Before, it took the
+    # lease and the new term was released at once as drained (a record of node b).
+    a, b = make_leader("a"), make_leader("b")
+    a.start()
+    assert a.wait_until_leader(10)
+    b.start()
+    _following(b)
+    with RedisAdmin(redis_url) as admin:
+        admin.drain(name, "b")
+        wait_until(lambda: not b.eligible, 10, "b to see its drain")
+        a.stop()
+        time.sleep(FAST["retry_interval"] * 2)  # b's attempt, had it made one
+        assert admin.current_holder(name) is None
+        assert [record.node_id for record in admin.history(name)] == ["a"]
+    assert not b.is_leader
