@@ -70,7 +70,7 @@ def test_the_worker_that_reads_a_release_sends_the_attempt_and_begins_the_term(
     b.start()
     _following(b)
     a.stop()
-    assert b.wait_until_leader(5)
+    wait_until(lambda: threads, 5, "b's elected")  # sent once its tasks run
     # Before, the wait worker woke the driver's thread, which handed the attempt to a
     # worker of the leader's lane ("rselection-driver-work"): two more hand-offs.
     assert len(threads) == 1 and threads[0].startswith("rselection-driver-wait"), threads
