@@ -317,13 +317,14 @@ class BlockingLease:
         assert self._watchable is not None
         return self._watchable.watch_for_change()
 
-    def _watch_ended(self, outcome: BaseException | None, sliced: bool) -> None:
-        """Pumped, on the lease's lane: a watch ended (a change, its slice, or ``outcome``
-        raised). Watch again unless the lease broke, and wake the keeper, unless only the
-        slice ran out: a watch's step reports every change, so a slice's end is none (a
-        wake would cost every follower an attempt per slice: 200 a second at 1,000
-        leases)."""
-        changed = outcome is None and not sliced
+    def _watch_ended(self, outcome: BaseException | None, sliced: bool, stepped: bool) -> None:
+        """Pumped, on the lease's lane (unless not ``stepped``): a watch ended (a change,
+        its slice, or ``outcome`` raised). Watch again unless the lease broke, and wake
+        the keeper, unless only the slice ran out: a watch's step reports every change,
+        so a slice's end is none (a wake would cost every follower an attempt per slice:
+        200 a second at 1,000 leases). An armed attempt runs only on the lane, never on
+        the pump's thread."""
+        changed = outcome is None and not sliced and stepped
         with self._cond:
             if outcome is not None:
                 self._error, self._broken = outcome, True

@@ -273,6 +273,10 @@ class DrivenKeeper:
         follower's step would (unless a stop, a drain or a takeover delay came
         meanwhile: then only wake the keeper), and hand the outcome to the driver's
         thread."""
+        # The keeper learns at once that an attempt is in flight: from then on it steps
+        # at least every second, so the deadline of a term begun here is enforced even
+        # while this thread runs the elected receivers.
+        self._driver.poke(self)
         state = self._state
         current = threading.current_thread()
         with self._threads_lock:

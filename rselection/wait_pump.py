@@ -45,10 +45,12 @@ made anew, on the path from a release to the next holder's first task. Once no l
 out either (each left with :meth:`WaitPump.discard`), the thread ends at once."""
 
 
-Ended = Callable[[BaseException | None, bool], None]
-"""Called on a worker when a watch ended: with what its start or step raised, or
-``None``; and whether only its slice ran out (no change was seen). The watch is out of
-the pump by then."""
+Ended = Callable[[BaseException | None, bool, bool], None]
+"""Called when a watch ended: with what its start or step raised, or ``None``; whether
+only its slice ran out (no change was seen); and whether a step on the lease's lane
+ended it (``False``: the pump could not hand a step to a worker, and calls this from its
+own thread, which must not wait for a server or a user's code). The watch is out of the
+pump by then."""
 
 
 class _Entry:
@@ -238,7 +240,7 @@ class WaitPump(forks.PerProcess):
                     self._wake()
         if ended:
             try:
-                entry.ended(outcome, sliced)
+                entry.ended(outcome, sliced, True)
             except Exception:
                 logger.exception("wait pump: the end of a wait raised; going on")
 
@@ -323,7 +325,7 @@ class WaitPump(forks.PerProcess):
                     if self._entries.get(entry.key) is entry:
                         del self._entries[entry.key]
                 with contextlib.suppress(Exception):
-                    entry.ended(None, False)
+                    entry.ended(None, False, False)
 
 
 def _register(sel: selectors.BaseSelector, entry: _Entry) -> None:

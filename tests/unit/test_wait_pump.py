@@ -227,24 +227,24 @@ def test_a_change_wakes_the_keeper_and_a_call_waits_for_its_own_leases_step_only
 def test_the_pump_says_whether_a_watch_ended_by_a_change_or_by_its_slice() -> None:
     lease = SteppedLease(f"slice-{uuid.uuid4().hex[:6]}")
     lane = ThreadPoolExecutor(1)
-    ends: list[tuple[BaseException | None, bool]] = []
+    ends: list[tuple[BaseException | None, bool, bool]] = []
     ended = threading.Event()
 
-    def on_end(outcome: BaseException | None, sliced: bool) -> None:
-        ends.append((outcome, sliced))
+    def on_end(outcome: BaseException | None, sliced: bool, stepped: bool) -> None:
+        ends.append((outcome, sliced, stepped))
         ended.set()
 
     pump = WaitPump.shared()
     try:
         pump.add(lease, lane, lease.watch_for_change, on_end, 0.2)
         assert ended.wait(5)
-        assert ends == [(None, True)]  # only its slice ran out
+        assert ends == [(None, True, True)]  # only its slice ran out
         ended.clear()
         pump.add(lease, lane, lease.watch_for_change, on_end, 30.0)
         wait_until(lambda: len(lease.steps) > 3, 5, "steps of the second watch")
         lease.poke()
         assert ended.wait(5)
-        assert ends[1] == (None, False)  # a change
+        assert ends[1] == (None, False, True)  # a change, seen by a step
     finally:
         pump.discard(lease)
         lane.shutdown(wait=True)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 import rselection as rs
+from rselection.daemon_pool import Lane
 from rselection.redis import RedisAdmin, RedisLeader
 from tests.support.waiting import wait_until
 
@@ -142,3 +143,72 @@ def test_a_follower_drained_after_it_armed_its_attempt_never_takes_the_lease(
         assert admin.current_holder(name) is None
         assert [record.node_id for record in admin.history(name)] == ["a"]
     assert not b.is_leader
+
+
+def test_a_term_begun_by_an_armed_attempt_ends_at_its_deadline_under_a_slow_receiver(
+    make_leader: Callable[..., RedisLeader], name: str
+) -> None:
+    # Before, the keeper was not told of the attempt the worker ran: an idle follower's
+    # next step was seconds away, so nothing looked at the new term's deadline while
+    # its elected receiver ran (it was never renewed either): the term's tasks ran on
+    # after the lease expired, beside the next leader's.
+    started = threading.Event()
+    cancelled_after: list[float] = []
+    tasks = rs.TaskHandler(stop_grace=0.5)
+
+    @tasks.persistent("work")
+    def work(ctx: rs.TaskContext) -> None:
+        began = time.monotonic()
+        started.set()
+        ctx.cancelled.wait(10)
+        cancelled_after.append(time.monotonic() - began)
+
+    a, b = make_leader("a"), make_leader("b", tasks)
+
+    def slow(sender: Any, **kw: Any) -> None:
+        if kw["name"] == name and kw["node_id"] == "b":
+            time.sleep(2 * FAST["renew_deadline"])
+
+    rs.signals.elected.connect(slow)
+    try:
+        a.start()
+        assert a.wait_until_leader(10)
+        b.start()
+        _following(b)
+        a.stop()
+        assert started.wait(5)
+        wait_until(lambda: cancelled_after, 3 * FAST["renew_deadline"], "b's term to end")
+        # Its deadline: renew_deadline after the attempt was sent, checked every second.
+        assert cancelled_after[0] < FAST["renew_deadline"] + 1.5, cancelled_after
+    finally:
+        rs.signals.elected.disconnect(slow)
+
+
+def test_a_step_the_pump_cannot_hand_out_never_runs_the_attempt_on_its_thread(
+    make_leader: Callable[..., RedisLeader], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # When no worker can start, the pump ends the watch from its own thread. Before,
+    # that ran the armed attempt there, and with it the elected receivers: every Redis
+    # lease's watch in the process waited for them.
+    a, b = make_leader("a"), make_leader("b")
+    threads, receiver = _elected_threads(name, "b")
+    a.start()
+    assert a.wait_until_leader(10)
+    b.start()
+    _following(b)
+    watched = b._backend
+    submit = Lane.submit
+    refused = threading.Event()
+
+    def no_thread(lane: Lane, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        if not refused.is_set() and args and getattr(args[0], "key", None) is watched:
+            refused.set()
+            raise RuntimeError("can't start new thread")
+        return submit(lane, fn, *args, **kw)
+
+    monkeypatch.setattr(Lane, "submit", no_thread)
+    a.stop()
+    wait_until(lambda: threads, 5, "b's elected")
+    assert refused.is_set()
+    assert threads[0] != "rselection-wait-pump", threads
+    rs.signals.elected.disconnect(receiver)
