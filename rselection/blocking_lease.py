@@ -108,7 +108,9 @@ class BlockingLease:
         self._armed: ArmedAttempt | None = None  # pumped: run when the watch sees a change
         # A lease that calls back on every change (a memory lease) needs no waiting at all:
         # each change wakes the keeper, which attempts when the holder's lease may expire.
-        self._notifier = lease_ability(lease, "notifies_changes")
+        # One that can also be watched is watched (its watch reports every change): one
+        # mode, or its calls would watch it while nothing ever stopped the watch.
+        self._notifier = None if self._pumped else lease_ability(lease, "notifies_changes")
         self._expiry = lease_ability(lease, "watches_expiry")
         self._unsubscribe: Callable[[], None] | None = None
 
