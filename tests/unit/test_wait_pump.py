@@ -155,25 +155,9 @@ def test_a_lease_offering_steps_is_watched_by_the_pump_without_a_thread_of_its_o
             leader.stop(timeout=10)
     assert all(x.overlaps == 0 for x in leases), [x.overlaps for x in leases]
     wait_until(lambda: not pump_threads(), 5, "the pump's thread to end")
-
-
-def test_a_watched_lease_that_also_calls_back_leaves_no_wait_worker_behind() -> None:
-    # These leases can be watched and call back on changes. Before, a call of the
-    # keeper watched one (its lane of wait workers opened) while its stop only undid
-    # the callbacks: the lane stayed open and its idle workers stayed for 10 s.
-    prefix = uuid.uuid4().hex[:6]
-    leases = [SteppedLease(f"b{i}-{prefix}") for i in range(3)]
-    leaders = [
-        rs.LeaseLeader(x, rs.TaskHandler(), node_id="a", **FAST)  # type: ignore[arg-type]
-        for x in leases
-    ]
-    try:
-        for leader in leaders:
-            leader.start()
-        assert all(x.wait_until_leader(5) for x in leaders)
-    finally:
-        for leader in leaders:
-            leader.stop(timeout=10)
+    # These leases also call back on changes. Before, a call of the keeper watched one
+    # (its lane of wait workers opened) while its stop only undid the callbacks: the
+    # lane stayed open, and its idle workers stayed for 10 s.
     wait_until(lambda: not wait_workers(), 2, f"the wait workers to end: {wait_workers()}")
 
 

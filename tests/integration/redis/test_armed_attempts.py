@@ -55,10 +55,13 @@ def _elected_threads(name: str, node_id: str) -> tuple[list[str], Callable[..., 
     return threads, receiver
 
 
-def _following(leader: RedisLeader) -> None:
-    """Wait until ``leader`` follows with its next attempt left with its lease (every
-    step of an idle follower leaves it there)."""
-    wait_until(lambda: leader._driven._armed is not None, 10, "an armed follower")
+def _lead_and_follow(a: RedisLeader, b: RedisLeader) -> None:
+    """Start ``a`` until it leads, then ``b`` until it follows with its next attempt left
+    with its lease (every step of an idle follower leaves it there)."""
+    a.start()
+    assert a.wait_until_leader(10)
+    b.start()
+    wait_until(lambda: b._driven._armed is not None, 10, "an armed follower")
 
 
 def test_the_worker_that_reads_a_release_sends_the_attempt_and_begins_the_term(
@@ -66,10 +69,7 @@ def test_the_worker_that_reads_a_release_sends_the_attempt_and_begins_the_term(
 ) -> None:
     a, b = make_leader("a"), make_leader("b")
     threads, receiver = _elected_threads(name, "b")
-    a.start()
-    assert a.wait_until_leader(10)
-    b.start()
-    _following(b)
+    _lead_and_follow(a, b)
     a.stop()
     wait_until(lambda: threads, 5, "b's elected")  # sent once its tasks run
     # Before, the wait worker woke the driver's thread, which handed the attempt to a
@@ -94,10 +94,7 @@ def test_a_stop_from_a_receiver_of_a_term_the_wait_worker_began_returns_at_once(
 
     rs.signals.elected.connect(stop_b)
     try:
-        a.start()
-        assert a.wait_until_leader(10)
-        b.start()
-        _following(b)
+        _lead_and_follow(a, b)
         a.stop()
         assert returned.wait(5), "stop() from the receiver did not return"
         wait_until(lambda: b.leader() is None, 10, "b to stop and release the lease")
@@ -110,10 +107,7 @@ def test_a_stopped_follower_never_attempts_again(
 ) -> None:
     a, b = make_leader("a"), make_leader("b")
     threads, receiver = _elected_threads(name, "b")
-    a.start()
-    assert a.wait_until_leader(10)
-    b.start()
-    _following(b)
+    _lead_and_follow(a, b)
     b.stop(timeout=5)
     a.stop(timeout=5)
     with RedisAdmin(redis_url) as admin:
@@ -131,10 +125,7 @@ def test_a_follower_drained_after_it_armed_its_attempt_never_takes_the_lease(
     # attempt it left with the lease must look at the drain itself. Before, it took the
     # lease and the new term was released at once as drained (a record of node b).
     a, b = make_leader("a"), make_leader("b")
-    a.start()
-    assert a.wait_until_leader(10)
-    b.start()
-    _following(b)
+    _lead_and_follow(a, b)
     with RedisAdmin(redis_url) as admin:
         admin.drain(name, "b")
         wait_until(lambda: not b.eligible, 10, "b to see its drain")
@@ -171,10 +162,7 @@ def test_a_term_begun_by_an_armed_attempt_ends_at_its_deadline_under_a_slow_rece
 
     rs.signals.elected.connect(slow)
     try:
-        a.start()
-        assert a.wait_until_leader(10)
-        b.start()
-        _following(b)
+        _lead_and_follow(a, b)
         a.stop()
         assert started.wait(5)
         wait_until(lambda: cancelled_after, 3 * FAST["renew_deadline"], "b's term to end")
@@ -192,10 +180,7 @@ def test_a_step_the_pump_cannot_hand_out_never_runs_the_attempt_on_its_thread(
     # lease's watch in the process waited for them.
     a, b = make_leader("a"), make_leader("b")
     threads, receiver = _elected_threads(name, "b")
-    a.start()
-    assert a.wait_until_leader(10)
-    b.start()
-    _following(b)
+    _lead_and_follow(a, b)
     watched = b._backend
     submit = Lane.submit
     refused = threading.Event()
