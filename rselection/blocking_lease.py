@@ -244,6 +244,14 @@ class BlockingLease:
             self._armed = attempt
         return True
 
+    def step_aside(self) -> None:
+        """On the worker running an armed attempt that won, before the term begins (its
+        receivers are a user's code): the lease's wait workers no longer count it, so
+        the steps of other leases of the server never queue behind those receivers."""
+        lane = self._lane
+        if lane is not None:
+            lane.pool.step_aside()
+
     # -- the session, shared with the waiting thread --------------------------------------
 
     @contextmanager

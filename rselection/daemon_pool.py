@@ -167,6 +167,19 @@ class SharedPool:
         with self._lock:
             return len(self._busy) + len(self._idle) + self._promised_new + self._standby
 
+    def step_aside(self) -> None:
+        """Called on a worker about to run something that may take long (a user's code):
+        from now on it counts as stuck, so a call waiting for a worker gets another at
+        once rather than after ``stuck_after``. Does nothing on any other thread."""
+        me = threading.current_thread()
+        with self._lock:
+            since = self._busy.get(me)
+            if since is None:
+                return
+            self._busy[me] = min(since, time.monotonic() - self.stuck_after)
+            start = self._ensure()
+        self._start(start)
+
     def _submit(self, lane: Lane, item: _Item) -> None:
         with self._lock:
             if lane._closed:

@@ -247,7 +247,7 @@ class DrivenKeeper:
         )
         return now + _IN_FLIGHT_CHECK
 
-    def _attempt(self, sent: float) -> Acquisition | _Begun:
+    def _attempt(self, sent: float, *, armed: bool = False) -> Acquisition | _Begun:
         """A blocking attempt; one that wins begins the term on the same thread: no hop
         to the driver's thread and back to a worker before the tasks start."""
         state = self._state
@@ -255,6 +255,8 @@ class DrivenKeeper:
         holder = outcome.holder
         if not outcome.acquired or holder is None or state.stopping.is_set():
             return outcome
+        if armed and self._arms is not None:
+            self._arms.step_aside()  # on a wait worker: the receivers may be slow
         self._begin(holder, sent)
         return _Begun()
 
@@ -285,7 +287,7 @@ class DrivenKeeper:
         outcome: Acquisition | _Begun | BaseException | None = None
         try:
             if state.eligible and not state.stopping.is_set() and state.takeover_delay() <= 0:
-                outcome = self._attempt(sent)
+                outcome = self._attempt(sent, armed=True)
         except BaseException as exc:  # handed to the driver's thread
             outcome = exc
         finally:

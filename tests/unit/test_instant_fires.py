@@ -616,3 +616,30 @@ def test_a_lane_whose_calls_hang_holds_only_its_limit_of_the_pools_workers() -> 
     more.shutdown()
     third.shutdown()
     wait_until(lambda: pool.threads() == 0, 5.0, "the workers to end once no lane is open")
+
+
+def test_a_worker_that_steps_aside_no_longer_holds_up_other_lanes() -> None:
+    # A wait worker about to run a new term's receivers (a user's code) steps aside:
+    # the next call gets a worker at once, not once the first counts as stuck.
+    pool = SharedPool("test-aside", 1, most=4, stuck_after=5.0, idle_timeout=1.0)
+    release = threading.Event()
+    slow, other = pool.lane(1), pool.lane(1)
+
+    def receivers() -> bool:
+        pool.step_aside()
+        return release.wait(10)
+
+    try:
+        pool.step_aside()  # not a worker of this pool: changes nothing
+        assert pool.threads() == 0
+        running = slow.submit(receivers)
+        wait_until(running.running, 5.0, "the slow call to run")
+        began = time.monotonic()
+        assert other.submit(lambda: "served").result(2.0) == "served"
+        assert time.monotonic() - began < 1.0  # not the 5 s until the first is stuck
+    finally:
+        release.set()
+        for lane in (slow, other):
+            lane.shutdown()
+    assert running.result(5) is True
+    wait_until(lambda: pool.threads() == 0, 5.0, "the workers to end once no lane is open")

@@ -197,3 +197,44 @@ def test_a_step_the_pump_cannot_hand_out_never_runs_the_attempt_on_its_thread(
     assert refused.is_set()
     assert threads[0] != "rselection-wait-pump", threads
     rs.signals.elected.disconnect(receiver)
+
+
+def test_slow_receivers_of_terms_begun_on_wait_workers_never_hold_up_another_takeover(
+    redis_url: str,
+) -> None:
+    # More leases with slow elected receivers than a server has wait workers (4): each
+    # winner's worker steps aside before the term begins. Before, the steps of the
+    # other leases of the server waited until a worker counted as stuck (0.25 s).
+    prefix = uuid.uuid4().hex[:6]
+    names = [f"armed-slow{i}-{prefix}" for i in range(6)] + [f"armed-fast-{prefix}"]
+    holders = [RedisLeader(redis_url, rs.TaskHandler(), name=n, node_id="a", **FAST) for n in names]
+    followers = [
+        RedisLeader(redis_url, rs.TaskHandler(), name=n, node_id="b", **FAST) for n in names
+    ]
+    led_at: list[float] = []
+    release = threading.Event()
+
+    def receiver(sender: Any, **kw: Any) -> None:
+        if kw["node_id"] != "b" or not kw["name"].endswith(prefix):
+            return
+        if kw["name"].startswith("armed-fast"):
+            led_at.append(time.monotonic())
+        else:
+            release.wait(FAST["renew_deadline"])  # slow, but within the term's deadline
+
+    rs.signals.elected.connect(receiver)
+    try:
+        for holder, follower in zip(holders, followers, strict=True):
+            _lead_and_follow(holder, follower)
+        for holder in holders[:-1]:
+            holder.stop(0)  # only asks: the slow ones first
+        wait_until(lambda: sum(f.is_leader for f in followers) >= 4, 5, "4 slow takeovers")
+        stopped = time.monotonic()
+        holders[-1].stop()
+        wait_until(lambda: led_at, 5, "the fast lease's takeover")
+        assert led_at[0] - stopped < 0.15, led_at[0] - stopped
+    finally:
+        release.set()
+        rs.signals.elected.disconnect(receiver)
+        for leader in (*holders, *followers):
+            leader.stop(timeout=10)
