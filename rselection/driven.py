@@ -301,13 +301,15 @@ class DrivenKeeper:
     ) -> None:
         if self._armed is armed:
             self._armed = None  # answered before any step took it back
-        if outcome is None:  # not attempted: what a wake does instead
-            with self._wake_lock:
-                self._woken = True
-            self._in_flight = False
-            self._driver.poke(self)
-            return
-        self._answered(lambda answer: self._attempted(sent, answer), outcome)
+
+        def settle(answer: Acquisition | _Begun | BaseException | None) -> None:
+            if answer is None:  # not attempted: what a wake does instead
+                with self._wake_lock:
+                    self._woken = True
+            else:
+                self._attempted(sent, answer)
+
+        self._answered(settle, outcome)
 
     def _lead_step(self, term: Term, now: float) -> float:
         state = self._state

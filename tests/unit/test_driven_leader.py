@@ -65,6 +65,8 @@ def machinery_threads() -> list[str]:
 def test_three_hundred_leaders_run_on_a_few_threads_and_leave_none_behind(
     answerer: Answerer, made: list[LeaseLeader]
 ) -> None:
+    # Counted from a quiet process: threads of an earlier test may still be ending.
+    wait_until(lambda: not machinery_threads(), 15, f"earlier threads: {machinery_threads()}")
     leaders = [
         make(made, NonBlockingMemoryLease(WakingMemoryLease(f"l{i}", ttl=3.0), answerer))
         for i in range(300)
