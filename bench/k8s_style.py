@@ -382,7 +382,9 @@ def run_node(args: argparse.Namespace) -> int:
 
     def on_signal(*_: object) -> None:
         stopping.append(time.monotonic())
-        stop.set()
+        # On a thread of its own: set() here would deadlock if the signal came while the
+        # main thread is inside stop.wait(), holding the Event's lock.
+        threading.Thread(target=stop.set, daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)

@@ -52,6 +52,7 @@ from psycopg import sql
 
 import rselection as rs
 from rselection import signals
+from rselection.commands.demo_fleet import StopFlag
 from rselection.sharding import shard_lease_name
 from tests.support.scale_node import Reporter
 
@@ -238,13 +239,10 @@ def main() -> None:
     signals.elected.connect(on_elected, weak=False)
     signals.demoted.connect(on_demoted, weak=False)
 
-    done = threading.Event()
-
-    def on_signal(signum: int, frame: Any) -> None:
-        done.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # Not a threading.Event: a handler that sets one deadlocks when the signal comes
+    # while the main thread is inside that Event's own wait() (it once left a node
+    # running 60 s after Ctrl-C, its main thread stuck in the handler).
+    done = StopFlag.on_stop_signals()
     # SIGUSR1 writes every thread's stack to stderr (the node's log): how a test shows
     # where a node that does not stop is waiting.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
