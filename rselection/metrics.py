@@ -15,7 +15,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import signals
 
@@ -37,6 +37,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_C = TypeVar("_C")
 
 RENEW_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 """Buckets of the renewal latency histogram (seconds): one statement, usually a few ms."""
@@ -66,6 +68,22 @@ DURATION_BUCKETS = (
 _lock = threading.Lock()
 _active: Metrics | None = None
 
+# The signals the metrics follow; each one's receiver is the method ``_on_<signal>``.
+_EVENTS = (
+    "started",
+    "elected",
+    "demoted",
+    "leader_changed",
+    "lease_renewed",
+    "task_started",
+    "task_failed",
+    "task_finished",
+    "task_stuck",
+    "fire_skipped",
+    "node_joined",
+    "node_lost",
+)
+
 
 class Metrics:
     """The collectors of one :func:`enable` call and the receivers that feed them.
@@ -83,19 +101,26 @@ class Metrics:
 
         self.registry = registry
         self.namespace = namespace
+        # Registered together by _start(), not each on creation (registry=None).
+        self._collectors: list[Any] = []
+
+        def made(collector: _C) -> _C:
+            self._collectors.append(collector)
+            return collector
 
         def gauge(name: str, doc: str, labels: list[str]) -> Gauge:
-            return Gauge(name, doc, labels, namespace=namespace, registry=None)
+            return made(Gauge(name, doc, labels, namespace=namespace, registry=None))
 
         def counter(name: str, doc: str, labels: list[str]) -> Counter:
-            return Counter(name, doc, labels, namespace=namespace, registry=None)
+            return made(Counter(name, doc, labels, namespace=namespace, registry=None))
 
         def histogram(
             name: str, doc: str, labels: list[str], buckets: tuple[float, ...]
         ) -> Histogram:
-            return Histogram(name, doc, labels, namespace=namespace, buckets=buckets, registry=None)
+            return made(
+                Histogram(name, doc, labels, namespace=namespace, buckets=buckets, registry=None)
+            )
 
-        # Registered together by _start(), not each on creation (registry=None).
         self.is_leader: Gauge = gauge(
             "is_leader",
             "1 while a leader in this process leads the lease, 0 while it only follows.",
@@ -144,8 +169,8 @@ class Metrics:
             "Nodes of the lease that stopped heartbeating, as seen by a monitor here.",
             ["lease"],
         )
-        self._broadcasts = _BroadcastCollector(namespace)
-        self._dropped = _DroppedCollector(namespace)
+        self._broadcasts = made(_BroadcastCollector(namespace))
+        self._dropped = made(_DroppedCollector(namespace))
         self._state_lock = threading.Lock()
         self._leading: dict[str, set[tuple[int, str]]] = {}
         self._terms: dict[str, int] = {}
@@ -153,49 +178,19 @@ class Metrics:
 
     # -- lifecycle ------------------------------------------------------------------
 
-    def _collectors(self) -> list[Any]:
-        return [
-            self.is_leader,
-            self.term,
-            self.transitions,
-            self.renew_latency,
-            self.remaining,
-            self.task_runs,
-            self.task_failures,
-            self.task_stuck,
-            self.task_duration,
-            self.fires_skipped,
-            self.nodes_joined,
-            self.nodes_lost,
-            self._broadcasts,
-            self._dropped,
-        ]
-
     def _start(self) -> None:
         registered: list[Any] = []
         try:
-            for collector in self._collectors():
+            for collector in self._collectors:
                 self.registry.register(collector)
                 registered.append(collector)
         except ValueError:
             for collector in registered:
                 self.registry.unregister(collector)
             raise
-        for signal, receiver in (
-            (signals.started, self._on_started),
-            (signals.elected, self._on_elected),
-            (signals.demoted, self._on_demoted),
-            (signals.leader_changed, self._on_leader_changed),
-            (signals.lease_renewed, self._on_lease_renewed),
-            (signals.task_started, self._on_task_started),
-            (signals.task_failed, self._on_task_failed),
-            (signals.task_finished, self._on_task_finished),
-            (signals.task_stuck, self._on_task_stuck),
-            (signals.fire_skipped, self._on_fire_skipped),
-            (signals.node_joined, self._on_node_joined),
-            (signals.node_lost, self._on_node_lost),
-        ):
+        for event in _EVENTS:
             # Strong references: the receivers must live exactly until disable().
+            signal, receiver = getattr(signals, event), getattr(self, f"_on_{event}")
             signal.connect(receiver, weak=False)
             self._connected.append((signal, receiver))
 
@@ -203,7 +198,7 @@ class Metrics:
         for signal, receiver in self._connected:
             signal.disconnect(receiver)
         self._connected.clear()
-        for collector in self._collectors():
+        for collector in self._collectors:
             try:
                 self.registry.unregister(collector)
             except KeyError:  # the caller unregistered it already
