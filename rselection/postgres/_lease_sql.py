@@ -495,27 +495,33 @@ def rows_sql(columns: str, *arrays: tuple[Sequence[Any], str]) -> sql.Composed:
     )
 
 
-#: The columns of :func:`_requests`' rows.
-REQUEST_COLUMNS = (
-    "(name, node, ttl, channel, lock_key, version, keep,"
-    " ended_term, ended_key, ended_reason, ended_by)"
+def batch_sql(columns: str, rows: Iterable[Sequence[Any]]) -> sql.Composed:
+    """:func:`rows_sql` of ``rows`` as ``x(<names>)``: each row a tuple in the order of
+    ``columns``, ``"name type, ..."``."""
+    names, kinds = zip(*(column.split() for column in columns.split(",")), strict=True)
+    arrays = list(zip(*rows, strict=True)) or [()] * len(names)
+    return rows_sql(f"x({', '.join(names)})", *zip(arrays, kinds, strict=True))
+
+
+_REQUEST_TYPES = (
+    "name text, node text, ttl float8, channel text, lock_key integer, version text,"
+    " keep integer, ended_term bigint, ended_key integer, ended_reason text, ended_by text"
 )
+
+#: The columns of :func:`_requests`' rows.
+REQUEST_COLUMNS = "(" + ", ".join(column.split()[0] for column in _REQUEST_TYPES.split(",")) + ")"
+
+_NOT_ENDED = (None, None, None, None)  # the ended_* columns of a request without an Ending
 
 
 def _requests(requests: Sequence[AcquireRequest]) -> sql.Composed:
-    return rows_sql(
-        "x" + REQUEST_COLUMNS,
-        ([r.name for r in requests], "text"),
-        ([r.node_id for r in requests], "text"),
-        ([r.ttl for r in requests], "float8"),
-        ([r.channel for r in requests], "text"),
-        ([r.lock_key for r in requests], "integer"),
-        ([r.version for r in requests], "text"),
-        ([r.history_limit for r in requests], "integer"),
-        ([r.ended.term if r.ended else None for r in requests], "bigint"),
-        ([r.ended.lock_key if r.ended else None for r in requests], "integer"),
-        ([r.ended.reason if r.ended else None for r in requests], "text"),
-        ([r.ended.by if r.ended else None for r in requests], "text"),
+    return batch_sql(
+        _REQUEST_TYPES,
+        (
+            (r.name, r.node_id, r.ttl, r.channel, r.lock_key, r.version, r.history_limit)
+            + (r.ended or _NOT_ENDED)
+            for r in requests
+        ),
     )
 
 
@@ -760,12 +766,9 @@ def renew_batch_sql(
     seconds left of its window, and whether the row was skipped (still held, not
     renewed: try again).
     """
-    values = rows_sql(
-        "x(name, node, term, ttl)",
-        ([r.name for r in requests], "text"),
-        ([r.node_id for r in requests], "text"),
-        ([r.term for r in requests], "bigint"),
-        ([r.ttl for r in requests], "float8"),
+    values = batch_sql(
+        "name text, node text, term bigint, ttl float8",
+        ((r.name, r.node_id, r.term, r.ttl) for r in requests),
     )
     guard = sql.SQL(
         "t.name = r.name AND t.holder = r.node AND t.term = r.term"
@@ -904,15 +907,9 @@ def release_batch_sql(
     session frees it anyway once the term's end is recorded, and a follower may then
     take the lease as soon as the row is free).
     """
-    values = rows_sql(
-        "x(name, node, term, channel, lock_key, reason, by)",
-        ([r.name for r in requests], "text"),
-        ([r.node_id for r in requests], "text"),
-        ([r.term for r in requests], "bigint"),
-        ([r.channel for r in requests], "text"),
-        ([r.lock_key for r in requests], "integer"),
-        ([r.reason for r in requests], "text"),
-        ([r.by for r in requests], "text"),
+    values = batch_sql(
+        "name text, node text, term bigint, channel text, lock_key integer, reason text, by text",
+        ((r.name, r.node_id, r.term, r.channel, r.lock_key, r.reason, r.by) for r in requests),
     )
     guard = sql.SQL("t.name = r.name AND t.holder = r.node AND t.term = r.term")
     # Notified and unlocked in the outer query, whose every row is computed: a SELECT
