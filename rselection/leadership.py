@@ -16,7 +16,7 @@ import logging
 import random
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -33,6 +33,8 @@ from .members import NodeInfo
 from .timing import Timings
 
 if TYPE_CHECKING:
+    from blinker import NamedSignal
+
     from .broadcast import Broadcaster
     from .task_board import TaskBoard
     from .tasks import TaskHandler
@@ -72,6 +74,7 @@ class StepDown:
             earlier.finish()
 
 
+@dataclass(eq=False, repr=False, kw_only=True)
 class Leadership:
     """One leader's terms and the work on them (see the module docstring).
 
@@ -93,54 +96,35 @@ class Leadership:
             attempting (see :class:`~rselection.abc.AnnouncesHolder`).
     """
 
-    def __init__(
-        self,
-        *,
-        sender: object,
-        name: str,
-        node_id: str,
-        timings: Timings,
-        stop_grace: float,
-        handler: TaskHandler,
-        backend: LeaseBackend,
-        lease: LeaseBackend,
-        broadcaster: Broadcaster | None,
-        fence: TransactionFence | None,
-        claims: LeaseClaims | None,
-        checkpoint_store: CheckpointStore | None,
-        cleanup: list[Callable[[], object]],
-        nodes: Callable[[], list[NodeInfo]],
-        takeover_delay: Callable[[], float],
-        follows_announcements: bool,
-        version: str | None = None,
-        eligible: bool = True,
-    ) -> None:
-        self.sender = sender
-        self.name = name
-        self.node_id = node_id
-        self.timings = timings
-        self.stop_grace = stop_grace
-        self.handler = handler
-        self.backend = backend
+    sender: object
+    name: str
+    node_id: str
+    timings: Timings
+    stop_grace: float
+    handler: TaskHandler
+    backend: LeaseBackend
+    lease: InitVar[LeaseBackend]
+    broadcaster: Broadcaster | None
+    fence: TransactionFence | None
+    claims: LeaseClaims | None
+    checkpoint_store: CheckpointStore | None
+    cleanup: list[Callable[[], object]]
+    nodes: Callable[[], list[NodeInfo]]
+    takeover_delay: Callable[[], float]
+    follows_announcements: bool
+    version: str | None = None  # the release this node runs (validated)
+    eligible: bool = True  # False: a member that never attempts to lead
+
+    def __post_init__(self, lease: LeaseBackend) -> None:
         self.handovers = lease_ability(lease, "handover")
         self.schedule = lease_ability(lease, "shared_schedule")
-        self.broadcaster = broadcaster
-        self.fence = fence
-        self.claims = claims
-        self.checkpoint_store = checkpoint_store
-        self.cleanup = cleanup
-        self.nodes = nodes
-        self.takeover_delay = takeover_delay
-        self.follows_announcements = follows_announcements
-        self.version = version  # the release this node runs (validated)
-        self.eligible = eligible  # False: a member that never attempts to lead
-        self.history = lease_ability(backend, "records_history")
+        self.history = lease_ability(self.backend, "records_history")
         # The term whose handover this node asked for itself (a newer version's node
         # leads): its record's `by` is nobody's; any other handover an operator asked,
         # unless the fleet moves them itself (a shard's, which its rebalancer moves).
         self.own_handover_term: int | None = None
         self.handovers_by_operator = True
-        self.given_eligible = eligible  # as given: eligible unless drained (see drains)
+        self.given_eligible = self.eligible  # as given: eligible unless drained (see drains)
         # Reads whether this node is drained and acts on it (a leader with membership
         # sets it), and the task controls of a leader that keeps them: run on every
         # (re)connect, before any attempt.
@@ -427,13 +411,7 @@ class Leadership:
         seen = (holder.node_id, holder.term) if holder is not None else None
         if seen != self.last_seen:
             self.last_seen = seen
-            signals.emit(
-                signals.leader_changed,
-                self.sender,
-                name=self.name,
-                leader=holder,
-                **self._shard_signal(),
-            )
+            self._signal(signals.leader_changed, leader=holder)
 
     # -- terms ------------------------------------------------------------------------
 
@@ -487,14 +465,7 @@ class Leadership:
                 return
             self.handler.start_term(term, self.loop)
         logger.info("node %s leads %r with term %d", self.node_id, self.name, term.number)
-        signals.emit(
-            signals.elected,
-            self.sender,
-            node_id=self.node_id,
-            term=term.number,
-            name=self.name,
-            **self._shard_signal(),
-        )
+        self._signal(signals.elected, node_id=self.node_id, term=term.number)
 
     def end_term(self, reason: str, expected: Term | None = None, *, announce: bool = True) -> None:
         """Cancel the current term and join its tasks (up to ``stop_grace``); then let
@@ -546,17 +517,10 @@ class Leadership:
             self._send_demoted(number, reason)
 
     def _send_demoted(self, term: int, reason: str) -> None:
-        signals.emit(
-            signals.demoted,
-            self.sender,
-            node_id=self.node_id,
-            term=term,
-            name=self.name,
-            reason=reason,
-            **self._shard_signal(),
-        )
+        self._signal(signals.demoted, node_id=self.node_id, term=term, reason=reason)
 
-    def _shard_signal(self) -> dict[str, int]:
-        """``shard=`` for the signals of a shard's leader; nothing for any other leader
-        (receivers written before sharding keep their signatures)."""
-        return {} if self.shard is None else {"shard": self.shard}
+    def _signal(self, signal: NamedSignal, **payload: object) -> None:
+        """Send ``signal`` from the leader with the lease's name, and ``shard=`` for a
+        shard's leader only (receivers written before sharding keep their signatures)."""
+        shard = {} if self.shard is None else {"shard": self.shard}
+        signals.emit(signal, self.sender, name=self.name, **payload, **shard)
