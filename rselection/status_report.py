@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
+from dataclasses import fields
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from .text import iso
@@ -70,32 +72,12 @@ def status_document(
         if found.retired and not wanted and not show_all:
             hidden.append(found.name)
             continue
-        lease = {
-            "name": found.name,
-            "holder": found.holder,
-            "term": found.term,
-            "acquired_at": iso(found.acquired_at),
-            "expires_at": iso(found.expires_at),
-            "expires_in": None if found.expires_in is None else round(found.expires_in, 3),
-            "live": found.live,
-            "retired": found.retired,
-            "last_change": None if found.last_change is None else found.last_change.as_json(),
-        }
+        lease = {**_values(found), "live": found.live}
         leases.append(lease)
         if wanted or not found.retired:
             judged.append(lease)
-        asked = pending.get(found.name)
-        if asked is not None:
-            handovers.append(
-                {
-                    "lease": asked.lease,
-                    "term": asked.term,
-                    "node_id": asked.node_id,
-                    "to": asked.to,
-                    "until": iso(asked.until),
-                    "expires_in": round(asked.expires_in, 3),
-                }
-            )
+        if found.name in pending:
+            handovers.append(_values(pending[found.name]))
     shown = {lease["name"] for lease in leases}
     unknown = [name for name in named if name not in shown]
     hidden_set = set(hidden)
@@ -103,24 +85,13 @@ def status_document(
     def selected(lease: str) -> bool:
         return lease in wanted if wanted else lease not in hidden_set
 
+    checked_at = snapshot.checked_at
     nodes = None
     if snapshot.nodes is not None:
         nodes = [
             {
-                "lease": node.name,
-                "node_id": node.node_id,
-                "hostname": node.hostname,
-                "pid": node.pid,
-                "client_addr": node.client_addr,
-                "started_at": iso(node.started_at),
-                "last_seen": iso(node.last_seen),
-                "seen_ago": round(
-                    max(0.0, (snapshot.checked_at - node.last_seen).total_seconds()), 3
-                ),
-                "alive": node.alive,
-                "is_leader": node.is_leader,
-                "version": node.version,
-                "eligible": node.eligible,
+                **_values(node, name="lease"),
+                "seen_ago": round(max(0.0, (checked_at - node.last_seen).total_seconds()), 3),
                 "drained": (node.name, node.node_id) in (drained or ()),
             }
             for node in snapshot.nodes
@@ -132,18 +103,7 @@ def status_document(
     ]
     fires = None
     if snapshot.fires is not None:
-        fires = [
-            {
-                "lease": fire.lease,
-                "task": fire.task,
-                "last_fire": fire.fire,
-                "node": fire.node,
-                "term": fire.term,
-                "claimed_at": iso(fire.claimed_at),
-            }
-            for fire in snapshot.fires
-            if selected(fire.lease)
-        ]
+        fires = [_values(fire, fire="last_fire") for fire in snapshot.fires if selected(fire.lease)]
     return {
         "database": where,
         "checked_at": iso(snapshot.checked_at),
@@ -158,6 +118,22 @@ def status_document(
         "shards": sharded_names(rows, shown, selected),
         "not_recorded": not_recorded,
     }
+
+
+def _values(record: Any, **renamed: str) -> dict[str, Any]:
+    """The fields of the dataclass ``record`` as JSON-ready values (times in RFC 3339,
+    seconds to the millisecond), keyed by name or as ``renamed`` (``field="key"``)."""
+    values = {}
+    for field in fields(record):
+        value = getattr(record, field.name)
+        if isinstance(value, datetime):
+            value = iso(value)
+        elif isinstance(value, float):
+            value = round(value, 3)
+        elif hasattr(value, "as_json"):  # a lease's last change, a TermRecord
+            value = value.as_json()
+        values[renamed.get(field.name, field.name)] = value
+    return values
 
 
 def sharded_names(
