@@ -29,16 +29,12 @@ from .output import UsageError, say
 __all__ = ["add_parser", "run", "run_demo"]
 
 
-@subcommand(
-    "demo",
-    help="three nodes, a crash and a handover, measured",
-    description="Start node processes that compete for one lease, kill the leader "
-    "(kill -9) and measure the failover, then stop the next leader gracefully and "
-    "measure the handover. On a database of yours (--dsn) it cleans up at the end: "
-    "its lease is retired (as `rselection forget` does) and its ledger table dropped.",
-)
+@subcommand("demo", help="three nodes, a crash and a handover, measured")
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    """Add the options of ``demo`` to its parser."""
+    """Start node processes that compete for one lease, kill the leader (kill -9) and measure
+    the failover, then stop the next leader gracefully and measure the handover. On a
+    database of yours (--dsn) it cleans up at the end: its lease is retired (as `rselection
+    forget` does) and its ledger table dropped."""
     parser.add_argument(
         "--dsn",
         help="Postgres to use (default: $RSELECTION_DSN, else a private one from pgserver, "

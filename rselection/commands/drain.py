@@ -39,16 +39,14 @@ def add_options(parser: argparse.ArgumentParser, *, run: object) -> None:
 
 
 @subcommand(
-    "drain",
-    help="make a running node ineligible until undrained; a drained leader hands over",
-    description="Drain a node of a lease: from now on, and across its restarts until "
-    "`rselection undrain`, it never leads, never gets a handover or a shard. If it leads, "
-    "it ends its term at once and another eligible node takes over. The node sees it "
-    "within about a second. Draining a drained node changes nothing (exit 0). Refused "
-    "(exit 1) for an unknown lease or node.",
+    "drain", help="make a running node ineligible until undrained; a drained leader hands over"
 )
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    """Add the options of ``drain`` to its parser."""
+    """Drain a node of a lease: from now on, and across its restarts until `rselection
+    undrain`, it never leads, never gets a handover or a shard. If it leads, it ends its
+    term at once and another eligible node takes over. The node sees it within about a
+    second. Draining a drained node changes nothing (exit 0). Refused (exit 1) for an
+    unknown lease or node."""
     add_options(parser, run=run)
 
 

@@ -27,16 +27,14 @@ __all__ = ["add_parser", "run"]
 
 
 @subcommand(
-    "forget",
-    help="retire a lease no service uses any more: hidden from status, its term kept",
-    description="Retire a lease that no service uses any more. It is hidden from "
-    "`rselection status` (unless named, or with --all) and no longer counts for its "
-    "exit code. Nothing is deleted: the lease keeps its term, so a new leader gets a "
-    "higher one, and a leader that acquires it again brings it back. Refused (exit 1) "
-    "while the lease has a live holder or a node of it heartbeats.",
+    "forget", help="retire a lease no service uses any more: hidden from status, its term kept"
 )
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    """Add the options of ``forget`` to its parser."""
+    """Retire a lease that no service uses any more. It is hidden from `rselection status`
+    (unless named, or with --all) and no longer counts for its exit code. Nothing is
+    deleted: the lease keeps its term, so a new leader gets a higher one, and a leader that
+    acquires it again brings it back. Refused (exit 1) while the lease has a live holder or
+    a node of it heartbeats."""
     parser.add_argument("name", type=lease_name, help="the lease name")
     add_lease_options(parser)
     parser.set_defaults(run=run)

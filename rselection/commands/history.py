@@ -29,7 +29,6 @@ DEFAULT_ROWS = 20
 
 @subcommand("history", help="the terms of a lease: who led, when, and why each ended")
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    """Add the options of ``history`` to its parser."""
     parser.add_argument("name", type=lease_name, help="the lease name")
     add_lease_options(parser)
     parser.add_argument(

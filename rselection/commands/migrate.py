@@ -18,7 +18,6 @@ __all__ = ["add_parser", "run"]
 
 @subcommand("migrate", help="create or upgrade the tables; say what was done")
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    """Add the options of ``migrate`` to its parser."""
     add_database_options(parser)
     parser.add_argument(
         "--timeout",

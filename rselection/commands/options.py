@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -23,22 +24,25 @@ if TYPE_CHECKING:
 
 
 def subcommand(
-    name: str, *, help: str, description: str | None = None
+    name: str, *, help: str
 ) -> Callable[[Callable[[argparse.ArgumentParser], None]], Callable[[Subparsers], None]]:
     """Make a subcommand module's ``add_parser(subparsers)`` of the function that adds
-    the subcommand's options (and its ``run``) to its parser.
+    the subcommand's options (and its ``run``) to its parser. That function's docstring,
+    if any, is the subcommand's ``rselection NAME --help`` description (argparse reflows
+    it), as a command's docstring is its help in click.
 
     Args:
         name: the subcommand's name.
         help: its line in ``rselection --help``.
-        description: its ``rselection NAME --help`` text (default: none).
     """
 
     def make(options: Callable[[argparse.ArgumentParser], None]) -> Callable[[Subparsers], None]:
         @functools.wraps(options)
         def add_parser(subparsers: Subparsers) -> None:
+            description = inspect.getdoc(options)
             options(subparsers.add_parser(name, help=help, description=description))
 
+        add_parser.__doc__ = f"Add ``rselection {name}`` and its options to ``subparsers``."
         return add_parser
 
     return make

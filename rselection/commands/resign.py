@@ -30,7 +30,6 @@ __all__ = ["add_parser", "run"]
 
 @subcommand("resign", help="ask the leader of a lease to hand over; wait for the new term")
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    """Add the options of ``resign`` to its parser."""
     parser.add_argument("name", type=lease_name, help="the lease name")
     add_lease_options(parser)
     parser.add_argument("--to", metavar="NODE", help="the node that should take over")

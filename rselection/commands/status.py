@@ -81,15 +81,14 @@ NOT_RECORDED_REDIS = (
     "status",
     help="leases, holders, handover requests, nodes and last fires; exit 0 when every "
     "lease shown has a leader, 1 when one has none, 3 when the database cannot be read",
-    description="Show leases, their holders, pending handover requests, nodes and last "
-    "fires. Retired leases (rselection forget) are hidden unless named or --all is "
-    "given. The exit code is judged on the leases shown (retired ones only when "
-    "named): 0 when each has a leader, 1 when one has none (a named lease that does "
-    "not exist has none), 3 when the database cannot be read, 2 on a usage error. "
-    "With --redis-url, the Redis leases under --key-prefix and their nodes.",
 )
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    """Add the options of ``status`` to its parser."""
+    """Show leases, their holders, pending handover requests, nodes and last fires. Retired
+    leases (rselection forget) are hidden unless named or --all is given. The exit code is
+    judged on the leases shown (retired ones only when named): 0 when each has a leader, 1
+    when one has none (a named lease that does not exist has none), 3 when the database
+    cannot be read, 2 on a usage error. With --redis-url, the Redis leases under
+    --key-prefix and their nodes."""
     parser.add_argument(
         "names",
         nargs="*",

@@ -48,18 +48,14 @@ def _common(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace],
     parser.set_defaults(run=run)
 
 
-@subcommand(
-    "task",
-    help="pause, resume or trigger a lease's task; read its run history",
-    description="Operate the tasks of a lease: `pause` skips a scheduled task's fires "
-    "(each recorded, reason paused) and stops a persistent one, until `resume`, durably "
-    "and across failover; `trigger` asks the leader for one extra fire of a scheduled "
-    "task now (claimed like any other, run even while paused); `history` prints the "
-    "task's last runs, newest first. The leader sees a change within about a second. "
-    "Refused (exit 1) for an unknown lease or task, or a trigger of a persistent task.",
-)
+@subcommand("task", help="pause, resume or trigger a lease's task; read its run history")
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    """Add the actions of ``task`` (``pause``, ``resume``, ``trigger``, ``history``)."""
+    """Operate the tasks of a lease: `pause` skips a scheduled task's fires (each recorded,
+    reason paused) and stops a persistent one, until `resume`, durably and across failover;
+    `trigger` asks the leader for one extra fire of a scheduled task now (claimed like any
+    other, run even while paused); `history` prints the task's last runs, newest first. The
+    leader sees a change within about a second. Refused (exit 1) for an unknown lease or
+    task, or a trigger of a persistent task."""
     actions = parser.add_subparsers(
         dest="action", required=True, metavar="ACTION", help="pause, resume, trigger or history"
     )

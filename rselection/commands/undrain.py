@@ -11,16 +11,12 @@ from .options import subcommand
 __all__ = ["add_parser", "run"]
 
 
-@subcommand(
-    "undrain",
-    help="let a drained node lead again",
-    description="Undrain a node of a lease: it may lead again (if started with "
-    "eligible=True), competing as any other node; it does not take the lease back by "
-    "itself unless versions say so. Undraining a node that is not drained changes "
-    "nothing (exit 0). Refused (exit 1) for an unknown lease or node.",
-)
+@subcommand("undrain", help="let a drained node lead again")
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    """Add the options of ``undrain`` to its parser."""
+    """Undrain a node of a lease: it may lead again (if started with eligible=True), competing
+    as any other node; it does not take the lease back by itself unless versions say so.
+    Undraining a node that is not drained changes nothing (exit 0). Refused (exit 1) for an
+    unknown lease or node."""
     add_options(parser, run=run)
 
 

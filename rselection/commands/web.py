@@ -38,18 +38,14 @@ DEFAULT_BIND = "127.0.0.1:8780"
 """Where the console listens unless ``--bind`` says otherwise."""
 
 
-@subcommand(
-    "web",
-    help="serve the operator's console (overview, timelines, nodes, tasks, actions)",
-    description="Serve the operator's console over the leases of --dsn (or --redis-url): "
-    "an overview with alerts, each lease's timeline of terms, its nodes and tasks, "
-    "sharded leases' grids and tasks' run histories. Read-only unless started with "
-    "--token-file: then an operator who logs in with the token (or a script that sends "
-    "it as a bearer token) can step leaders down, hand leases over, drain nodes and "
-    "pause, resume or trigger tasks. Needs the web extra: pip install 'rselection[web]'.",
-)
+@subcommand("web", help="serve the operator's console (overview, timelines, nodes, tasks, actions)")
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    """Add the options of ``web`` to its parser."""
+    """Serve the operator's console over the leases of --dsn (or --redis-url): an overview with
+    alerts, each lease's timeline of terms, its nodes and tasks, sharded leases' grids and
+    tasks' run histories. Read-only unless started with --token-file: then an operator who
+    logs in with the token (or a script that sends it as a bearer token) can step leaders
+    down, hand leases over, drain nodes and pause, resume or trigger tasks. Needs the web
+    extra: pip install 'rselection[web]'."""
     add_lease_options(parser, redis_nodes=True)
     parser.add_argument("--claims-table", default="rselection_claims", help="fire claims table")
     parser.add_argument(
