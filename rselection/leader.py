@@ -42,20 +42,14 @@ from .readonly import ReadOnly
 from .specs import TaskType
 from .stop_signals import stop_on_signals
 from .task_board import TaskBoard
-from .task_runs import (
-    RUN_HISTORY_LIMIT,
-    RunRecord,
-    TaskControlChange,
-    TaskInfo,
-    Trigger,
-    check_run_limit,
-)
+from .task_runs import RUN_HISTORY_LIMIT, check_run_limit
 from .timing import Timings
 from .validation import check_name, check_node_id, check_seconds, new_node_id
 from .versions import check_eligible, check_version
 
 if TYPE_CHECKING:
     from .broadcast import Broadcaster
+    from .task_runs import RunRecord, TaskControlChange, TaskInfo, Trigger
     from .tasks import TaskHandler
 
 __all__ = ["CLEANUP_TIMEOUT", "Leader", "LeaseLeader"]
@@ -74,6 +68,17 @@ _LEASE_MEMBERS = (
     "term_ended",
     "close",
 )
+
+# What each optional part of a leader must offer, as its refusal says it.
+_NEEDS = {
+    "claimer": "must have claim(fire_key, *, term) and ttl (a PostgresClaimer, RedisClaimer "
+    "or MemoryClaimer)",
+    "checkpoint_store": "must have load(key), save(key, state, *, term, name) and delete(key, "
+    "*, term, name) (a PostgresCheckpointStore or MemoryCheckpointStore)",
+    "fence": "must have fence(conn, term) and afence(conn, term)",
+    "task_store": "must be a TaskStore (read_controls, publish_tasks, write_runs, ...; a "
+    "MemoryTaskStore, say)",
+}
 
 
 @runtime_checkable
@@ -207,28 +212,14 @@ class LeaseLeader(Service):
         timings = _leader_timings(
             lease, timings, ttl, renew_interval, renew_deadline, retry_interval
         )
-        if claimer is not None and not isinstance(claimer, FireClaimer):
-            raise ConfigError(
-                "claimer must have claim(fire_key, *, term) and ttl (a PostgresClaimer, "
-                f"RedisClaimer or MemoryClaimer), or be None, got {type(claimer).__name__}"
-            )
-        if checkpoint_store is not None and not isinstance(checkpoint_store, CheckpointStore):
-            raise ConfigError(
-                "checkpoint_store must have load(key), save(key, state, *, term, name) and "
-                "delete(key, *, term, name) (a PostgresCheckpointStore or "
-                f"MemoryCheckpointStore), or be None, got {type(checkpoint_store).__name__}"
-            )
-        if fence is not None and not isinstance(fence, TransactionFence):
-            raise ConfigError(
-                "fence must have fence(conn, term) and afence(conn, term), or be None, got "
-                f"{type(fence).__name__}"
-            )
-        if task_store is not None and not isinstance(task_store, TaskStore):
-            raise ConfigError(
-                "task_store must be a TaskStore (read_controls, publish_tasks, write_runs, "
-                "...; a MemoryTaskStore, say), or be None, got "
-                f"{type(task_store).__name__}"
-            )
+        for arg, value, role in (
+            ("claimer", claimer, FireClaimer),
+            ("checkpoint_store", checkpoint_store, CheckpointStore),
+            ("fence", fence, TransactionFence),
+            ("task_store", task_store, TaskStore),
+        ):
+            if value is not None and not isinstance(value, role):
+                raise ConfigError(f"{arg} {_NEEDS[arg]}, or be None, got {type(value).__name__}")
         board = None
         if task_store is not None:
             limit = check_run_limit(run_history_limit, "run_history_limit")
@@ -432,8 +423,7 @@ class LeaseLeader(Service):
             ConfigError: this leader keeps no task controls.
             BackendUnavailable: the store could not be reached.
         """
-        board = self._task_board()
-        return board.store.set_paused(self.name, self._registered(task), True)
+        return self._set_paused(task, True)
 
     def resume_task(self, task: str) -> TaskControlChange:
         """Resume task ``task`` of this lease (as ``rselection task resume``).
@@ -443,8 +433,12 @@ class LeaseLeader(Service):
             ConfigError: this leader keeps no task controls.
             BackendUnavailable: the store could not be reached.
         """
+        return self._set_paused(task, False)
+
+    def _set_paused(self, task: str, paused: bool) -> TaskControlChange:
+        # Pause and resume differ only in the flag they write.
         board = self._task_board()
-        return board.store.set_paused(self.name, self._registered(task), False)
+        return board.store.set_paused(self.name, self._registered(task), paused)
 
     def trigger_task(self, task: str) -> Trigger:
         """Ask the lease's leader for one extra fire of scheduled task ``task`` now, even
