@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any
 
 from . import forks
@@ -53,43 +54,22 @@ own thread, which must not wait for a server or a user's code). The watch is out
 pump by then."""
 
 
+@dataclass(slots=True, eq=False)
 class _Entry:
     """One lease's watch in the pump. ``state`` and ``removed`` are the pump's (under its
     lock); ``watch`` is the worker's."""
 
-    __slots__ = (
-        "ended",
-        "key",
-        "lane",
-        "registered",
-        "removed",
-        "running",
-        "slice_end",
-        "start",
-        "stepping",
-        "version",
-        "watch",
-    )
-
-    def __init__(
-        self,
-        key: object,
-        lane: Executor,
-        start: Callable[[], Watch],
-        ended: Ended,
-        slice_end: float,
-    ) -> None:
-        self.key = key
-        self.lane = lane
-        self.start = start
-        self.ended = ended
-        self.slice_end = slice_end
-        self.watch: Watch | None = None
-        self.removed = False  # out of the pump: no more steps
-        self.running = False  # a step runs on a worker now
-        self.stepping = True  # submitted to the lane, or running: not in the selector
-        self.registered: tuple[Any, ...] = ()  # its sockets in the pump's selector
-        self.version = 0  # its timer on the heap is current only with this version
+    key: object
+    lane: Executor
+    start: Callable[[], Watch]
+    ended: Ended
+    slice_end: float
+    watch: Watch | None = None
+    removed: bool = False  # out of the pump: no more steps
+    running: bool = False  # a step runs on a worker now
+    stepping: bool = True  # submitted to the lane, or running: not in the selector
+    registered: tuple[Any, ...] = ()  # its sockets in the pump's selector
+    version: int = 0  # its timer on the heap is current only with this version
 
 
 class WaitPump(forks.PerProcess):
