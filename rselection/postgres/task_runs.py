@@ -210,18 +210,19 @@ class PostgresTaskStore:
             " WHERE name = %(name)s AND kind IS NOT NULL AND task <> ALL(%(task)s::text[])"
             " AND (term IS NULL OR term <= %(term)s)"
         ).format(tasks=tasks)
-        self._tasks_sql = sql.SQL(
+        # A lease's listed tasks, with the columns of each one's newest run; or NULL in
+        # their place, for a read that needs no run (it never waits on the runs table).
+        listed = sql.SQL(
             "SELECT t.task, t.kind, t.schedule, t.next_fire, t.paused_at, t.node_id, t.term,"
-            " r.* FROM {tasks} t LEFT JOIN LATERAL (SELECT " + _RUN_COLUMNS + " FROM {runs}"
-            " WHERE name = t.name AND task = t.task ORDER BY seq DESC LIMIT 1) r ON true"
-            " WHERE t.name = %s AND t.kind IS NOT NULL"
-        ).format(tasks=tasks, runs=runs)
-        # The same columns without the newest run: never waits on the runs table.
-        self._kinds_sql = sql.SQL(
-            "SELECT t.task, t.kind, t.schedule, t.next_fire, t.paused_at, t.node_id, t.term,"
-            " NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL"
-            " FROM {tasks} t WHERE t.name = %s AND t.kind IS NOT NULL"
-        ).format(tasks=tasks)
+            " {run} FROM {tasks} t {newest} WHERE t.name = %s AND t.kind IS NOT NULL"
+        )
+        newest = sql.SQL(
+            "LEFT JOIN LATERAL (SELECT " + _RUN_COLUMNS + " FROM {runs} WHERE name = t.name"
+            " AND task = t.task ORDER BY seq DESC LIMIT 1) r ON true"
+        ).format(runs=runs)
+        self._tasks_sql = listed.format(run=sql.SQL("r.*"), tasks=tasks, newest=newest)
+        nulls = sql.SQL(", ".join("NULL" for _ in _RUN_COLUMNS.split(",")))
+        self._kinds_sql = listed.format(run=nulls, tasks=tasks, newest=sql.SQL(""))
         self._runs_sql = sql.SQL(
             "SELECT " + _RUN_COLUMNS + " FROM {runs} WHERE name = %s AND task = %s"
             " ORDER BY seq DESC LIMIT %s"
