@@ -59,6 +59,8 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _Fence = Callable[[psycopg.Connection[Any]], int | None]
 _RETRIES = 3  # attempts for serialization failures and deadlocks
+# The lease of a key (its parts, a parameter) that a node (the next) holds, still live.
+_HELD = "key = %s::text[] AND holder = %s AND expires_at > clock_timestamp()"
 
 
 class PostgresCheckpointStore(Closeable):
@@ -317,8 +319,7 @@ class PostgresCheckpointStore(Closeable):
             holder = check_node_id(node_id)
             query = sql.SQL(
                 "SELECT set_config('idle_in_transaction_session_timeout', %s, true),"
-                " (SELECT term FROM {} WHERE key = %s::text[] AND holder = %s"
-                " AND expires_at > clock_timestamp() FOR SHARE)"
+                " (SELECT term FROM {} WHERE " + _HELD + " FOR SHARE)"
             ).format(self.tables.leases)
             millis = f"{max(1, round(self.idle_timeout * 1000))}ms"
 
@@ -467,8 +468,6 @@ class PostgresCheckpointStore(Closeable):
         parts = check_key(key)
         holder = check_node_id(node_id)
         query = sql.SQL(
-            "UPDATE {} SET expires_at = clock_timestamp()"
-            " WHERE key = %s::text[] AND holder = %s AND expires_at > clock_timestamp()"
-            " RETURNING 1"
+            "UPDATE {} SET expires_at = clock_timestamp() WHERE " + _HELD + " RETURNING 1"
         ).format(self.tables.leases)
         return self._row("release a checkpoint lease", query, (parts, holder)) is not None
