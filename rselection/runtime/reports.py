@@ -155,32 +155,30 @@ class TermReports:
         """
         with self._lock:
             spec.stats.skipped += 1
-        self.recorded(spec, at, reason, by=by, outcome=outcome)
-        self.announce(spec, at, reason, fire_key)
+        self._report(spec, at, reason, by, outcome, fire_key)
 
     def skipped(self, fires: list[tuple[TaskSpec, datetime]], reason: str) -> None:
         """Report ``fires`` skipped for ``reason``, already counted."""
         for spec, at in fires:
-            self.recorded(spec, at, reason)
-            self.announce(spec, at, reason)
+            self._report(spec, at, reason, None, "skipped", None)
 
-    def recorded(
+    def _report(
         self,
         spec: TaskSpec,
         at: datetime,
         reason: str,
-        *,
-        by: str | None = None,
-        outcome: str = "skipped",
+        by: str | None,
+        outcome: str,
+        fire_key: str | None,
     ) -> None:
         """Record the fire of ``spec`` at ``at``, skipped for ``reason``, in the run
-        history (when the leader keeps one)."""
+        history (when the leader keeps one); then log and send its skip."""
         board = self.board
-        if board is None:
-            return
-        term = self.term
-        board.note((spec, board.name, at, None, None, outcome, reason, term.node_id,
-                    term.number, None, by))  # fmt: skip
+        if board is not None:
+            term = self.term
+            board.note((spec, board.name, at, None, None, outcome, reason, term.node_id,
+                        term.number, None, by))  # fmt: skip
+        self.announce(spec, at, reason, fire_key)
 
     def announce(
         self, spec: TaskSpec, at: datetime, reason: str, fire_key: str | None = None
