@@ -35,6 +35,7 @@ __all__ = [
     "connect",
     "describe",
     "first_line",
+    "given_dsn",
     "key_prefix",
     "postgres_admin",
     "postgres_session",
@@ -62,25 +63,31 @@ class NoLeaseTable(Unreachable):
     refuses: exit code 1)."""
 
 
-def resolve_dsn(args: argparse.Namespace) -> str:
-    """The Postgres connection string of ``args``: ``--dsn``, ``$RSELECTION_DSN`` or ``""``.
-
-    ``""`` (an empty conninfo) when only the libpq ``PG*`` variables name the server.
-
-    Args:
-        args: the parsed command line (its ``dsn`` attribute).
+def given_dsn(args: argparse.Namespace) -> str:
+    """``--dsn``, else ``$RSELECTION_DSN``, checked by :func:`check_dsn`; ``""`` when neither.
 
     Raises:
-        UsageError: no database was given at all, or the connection string cannot be
-            parsed; the message says how to fix it, without quoting the string.
+        UsageError: the connection string cannot be parsed.
     """
-    dsn: str
     if args.dsn is not None:
         dsn, source = str(args.dsn), "--dsn"
     else:
         dsn, source = os.environ.get("RSELECTION_DSN") or "", "$RSELECTION_DSN"
     if dsn:
         check_dsn(dsn, source)
+    return dsn
+
+
+def resolve_dsn(args: argparse.Namespace) -> str:
+    """The Postgres connection string: :func:`given_dsn`, else ``""`` (an empty conninfo)
+    when the libpq ``PG*`` variables name the server.
+
+    Raises:
+        UsageError: no database was given at all, or the connection string cannot be
+            parsed; the message says how to fix it, without quoting the string.
+    """
+    dsn = given_dsn(args)
+    if dsn:
         return dsn
     if any(os.environ.get(var) for var in PG_VARS):
         return ""  # an empty conninfo: libpq takes everything from the PG* variables
@@ -96,11 +103,8 @@ def check_dsn(dsn: str, source: str = "--dsn") -> None:
     libpq's own message quotes the offending part, which may be the password (an
     ``invalid percent-encoded token`` in a URI, say), so it is never shown. A URI whose
     password holds an unescaped ``/`` or ``@`` parses, but into pieces of the password
-    taken for a host, port or database: it is refused with the URI redacted.
-
-    Args:
-        dsn: the connection string.
-        source: where it came from (``--dsn``, ``$RSELECTION_DSN``), for the message.
+    taken for a host, port or database: it is refused with the URI redacted. ``source``
+    (``--dsn``, ``$RSELECTION_DSN``) says where it came from.
 
     Raises:
         UsageError: ``dsn`` cannot be parsed, or would be misread.
@@ -120,11 +124,7 @@ def check_dsn(dsn: str, source: str = "--dsn") -> None:
 
 
 def describe(dsn: str) -> str:
-    """Where ``dsn`` points (host, port, database, user), without its password.
-
-    Args:
-        dsn: a Postgres connection string (``""``: the ``PG*`` variables).
-    """
+    """Where ``dsn`` (``""``: the ``PG*`` variables) points, without its password."""
     from ..postgres.admin import describe_conninfo
 
     return describe_conninfo(dsn)
@@ -132,11 +132,7 @@ def describe(dsn: str) -> str:
 
 def reason(exc: BaseException) -> str:
     """The first line of what failed: of the driver's error a
-    :class:`~rselection.errors.BackendUnavailable` was raised from, else of ``exc``.
-
-    Args:
-        exc: the error caught.
-    """
+    :class:`~rselection.errors.BackendUnavailable` was raised from, else of ``exc``."""
     cause = exc.__cause__ if isinstance(exc, BackendUnavailable) else None
     return first_line(cause if cause is not None else exc)
 
@@ -155,33 +151,23 @@ def warn_of_passwords(args: argparse.Namespace) -> None:
     Any local user can read a command line (``ps``, ``/proc/PID/cmdline``); the
     environment of a process is private to its user. The warning never shows the
     password.
-
-    Args:
-        args: the parsed command line (its ``dsn`` and ``redis_url``, where present).
     """
     command = getattr(args, "command", None) or "rselection"
-    dsn = getattr(args, "dsn", None)
-    if isinstance(dsn, str) and has_password(dsn):
-        say(
-            f"rselection {command}: warning: --dsn holds a password, which other users of "
-            "this machine can read (ps, /proc); set RSELECTION_DSN instead, or leave the "
-            "password out and use PGPASSWORD or ~/.pgpass",
-            err=True,
-        )
-    url = getattr(args, "redis_url", None)
-    if isinstance(url, str) and has_password(url):
-        say(
-            f"rselection {command}: warning: --redis-url holds a password, which other "
-            "users of this machine can read (ps, /proc)",
-            err=True,
-        )
+    pgpass = (
+        "; set RSELECTION_DSN instead, or leave the password out and use PGPASSWORD or ~/.pgpass"
+    )
+    for option, advice in (("dsn", pgpass), ("redis_url", "")):
+        value = getattr(args, option, None)
+        if isinstance(value, str) and has_password(value):
+            say(
+                f"rselection {command}: warning: --{option.replace('_', '-')} holds a "
+                f"password, which other users of this machine can read (ps, /proc){advice}",
+                err=True,
+            )
 
 
 def connect(dsn: str) -> psycopg.Connection[Any]:
     """An autocommit connection to ``dsn``, given up after :data:`CONNECT_TIMEOUT`.
-
-    Args:
-        dsn: a Postgres connection string (``""``: the ``PG*`` variables).
 
     Raises:
         Unreachable: the server refused or did not answer; the message names it,
@@ -204,9 +190,6 @@ def connect(dsn: str) -> psycopg.Connection[Any]:
 
 def redis_client(url: str) -> Any:
     """A client for the Redis ``url``: a ``RedisCluster`` when the server is a cluster node.
-
-    Args:
-        url: a ``redis://``, ``rediss://`` or ``unix://`` URL.
 
     Raises:
         UsageError: ``url`` is not a Redis URL.
@@ -246,11 +229,7 @@ def redis_client(url: str) -> Any:
 
 def key_prefix(args: argparse.Namespace) -> str:
     """The ``--key-prefix`` given, else the leaders' default (Redis is imported here, not
-    when the command line is assembled).
-
-    Args:
-        args: a parsed command line with ``--key-prefix``.
-    """
+    when the command line is assembled)."""
     from ..redis import DEFAULT_KEY_PREFIX
 
     return DEFAULT_KEY_PREFIX if args.key_prefix is None else str(args.key_prefix)
@@ -258,11 +237,8 @@ def key_prefix(args: argparse.Namespace) -> str:
 
 def redis_admin(args: argparse.Namespace, node_timeout: float = 30.0) -> RedisAdmin:
     """The admin of the Redis leases of ``--redis-url`` under ``--key-prefix``; its client
-    is the caller's to close (``admin.client.close()``).
-
-    Args:
-        args: a parsed command line with ``--redis-url`` and ``--key-prefix``.
-        node_timeout: a node is alive when seen within this many seconds.
+    is the caller's to close (``admin.client.close()``); a node is alive when seen within
+    ``node_timeout`` seconds.
 
     Raises:
         UsageError: ``--redis-url`` is not a Redis URL.
@@ -280,12 +256,8 @@ def redis_admin(args: argparse.Namespace, node_timeout: float = 30.0) -> RedisAd
 
 def postgres_admin(conn: psycopg.Connection[Any] | str, args: argparse.Namespace) -> PostgresAdmin:
     """The admin of the lease table ``--table`` (and ``--nodes-table``, ``--claims-table``
-    and ``--node-timeout`` where the command has them), on ``conn``.
-
-    Args:
-        conn: the command's connection, or a connection string (a connection of the
-            admin's own, opened when first needed: ``rselection web``).
-        args: the parsed command line.
+    and ``--node-timeout`` where the command has them), on ``conn``: the command's
+    connection, or a connection string (``rselection web``: the admin opens its own).
 
     Raises:
         UsageError: a table name or the node timeout cannot be used.
@@ -306,12 +278,8 @@ def postgres_admin(conn: psycopg.Connection[Any] | str, args: argparse.Namespace
 @contextlib.contextmanager
 def postgres_session(args: argparse.Namespace, dsn: str, *, hint: str) -> Iterator[PostgresAdmin]:
     """The admin API of the lease table the command line names (see
-    :func:`postgres_admin`), on a connection to ``dsn`` of its own, closed after the block.
-
-    Args:
-        args: the parsed command line.
-        dsn: the database (:func:`resolve_dsn`).
-        hint: what to do when the lease table does not exist.
+    :func:`postgres_admin`), on a connection to ``dsn`` of its own, closed after the block;
+    ``hint`` says what to do when the lease table does not exist.
 
     Raises:
         Unreachable: the database cannot be reached.
@@ -329,9 +297,6 @@ def postgres_session(args: argparse.Namespace, dsn: str, *, hint: str) -> Iterat
 
 def wants_redis(args: argparse.Namespace) -> bool:
     """Whether the command line names a Redis lease (``--redis-url``), not a Postgres one.
-
-    Args:
-        args: a parsed command line with ``--dsn`` and ``--redis-url``.
 
     Raises:
         UsageError: both were given.

@@ -53,12 +53,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo from its command line; return the exit code.
-
-    Args:
-        args: the parsed ``demo`` command line.
-    """
-    from .connections import check_dsn
+    """Run the demo from its command line; return the exit code."""
+    from .connections import given_dsn
 
     if args.nodes < 3:
         # One node is killed, the next is stopped: a third must be there to take over.
@@ -66,13 +62,7 @@ def run(args: argparse.Namespace) -> int:
             f"--nodes needs at least 3 nodes (one is killed, one stopped, one takes over), "
             f"got {args.nodes}"
         )
-    if args.dsn is not None:
-        dsn, source = args.dsn, "--dsn"
-    else:
-        dsn, source = os.environ.get("RSELECTION_DSN"), "$RSELECTION_DSN"
-    if dsn:
-        check_dsn(dsn, source)
-    return run_demo(dsn or None, args.nodes, args.forever)
+    return run_demo(given_dsn(args) or None, args.nodes, args.forever)
 
 
 @contextlib.contextmanager
@@ -81,23 +71,21 @@ def _database(dsn: str | None) -> Iterator[str]:
         yield dsn
         return
     _refuse_root()
-    with warnings.catch_warnings():
-        # pgserver finds its lock directory with platformdirs, which warns when
-        # XDG_RUNTIME_DIR is unset (containers, cron, sudo) and falls back to a private
-        # directory that works: nothing for the user to act on.
-        warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
-        try:
-            from pgserver.postgres_server import get_server
-        except ImportError:
-            raise UsageError(
-                "rselection demo needs a Postgres: pass --dsn postgresql://... (or set "
-                "RSELECTION_DSN), or install the embedded server: "
-                "pip install 'rselection[embedded]'"
-            ) from None
     with tempfile.TemporaryDirectory(prefix="rselection-demo-") as data:
-        say("starting a private Postgres (pgserver) ...")
         with warnings.catch_warnings():
+            # pgserver finds its lock directory with platformdirs, which warns when
+            # XDG_RUNTIME_DIR is unset (containers, cron, sudo) and falls back to a private
+            # directory that works: nothing for the user to act on.
             warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
+            try:
+                from pgserver.postgres_server import get_server
+            except ImportError:
+                raise UsageError(
+                    "rselection demo needs a Postgres: pass --dsn postgresql://... (or set "
+                    "RSELECTION_DSN), or install the embedded server: "
+                    "pip install 'rselection[embedded]'"
+                ) from None
+            say("starting a private Postgres (pgserver) ...")
             server = get_server(data, cleanup_mode="stop")
         try:
             yield server.get_uri()

@@ -122,7 +122,6 @@ def run_node(args: argparse.Namespace) -> int:
         conn.execute("SELECT pg_advisory_unlock(4242)")
 
     tasks = _task_handler(args)
-    _tick_tasks(tasks, args)
 
     @tasks.persistent("ledger")
     def write_ledger(ctx: rs.TaskContext) -> None:
@@ -165,7 +164,6 @@ def _run_redis_node(args: argparse.Namespace) -> int:
 
     key = redis_ledger_key(args.ledger, args.name)
     tasks = _task_handler(args)
-    _tick_tasks(tasks, args)
     fence: list[Any] = []
 
     @tasks.persistent("ledger")
@@ -204,15 +202,12 @@ def _leader_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _task_handler(args: argparse.Namespace) -> rs.TaskHandler:
+    """A handler of the tasks both backends' nodes run besides the ledger writer."""
     import rselection as rs
 
-    if args.stop_grace is None:
-        return rs.TaskHandler()  # the library chooses
-    return rs.TaskHandler(stop_grace=args.stop_grace)
-
-
-def _tick_tasks(tasks: rs.TaskHandler, args: argparse.Namespace) -> None:
-    """The tasks both backends' nodes run besides the ledger writer."""
+    # Without --stop-grace the library chooses.
+    options = {} if args.stop_grace is None else {"stop_grace": args.stop_grace}
+    tasks = rs.TaskHandler(**options)
 
     @tasks.interval(args.tick, name="tick")
     def tick(ctx: rs.TaskContext) -> None:
@@ -234,6 +229,8 @@ def _tick_tasks(tasks: rs.TaskHandler, args: argparse.Namespace) -> None:
         async def block_loop(ctx: rs.TaskContext) -> None:
             time.sleep(args.block_loop)  # blocks the event loop on purpose
             _emit("unblocked", node=ctx.node_id, term=ctx.term)
+
+    return tasks
 
 
 class StopFlag:

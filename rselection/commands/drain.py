@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from ..admin import Refused
@@ -25,12 +26,7 @@ __all__ = ["add_parser", "run"]
 
 
 def add_options(parser: argparse.ArgumentParser, *, run: object) -> None:
-    """The options of ``drain`` and ``undrain``.
-
-    Args:
-        parser: the subcommand's parser.
-        run: the subcommand's ``run``.
-    """
+    """The options (and ``run``) of ``drain`` and ``undrain``."""
     parser.add_argument("name", type=lease_name, help="the lease name")
     parser.add_argument("node", help="the node id (as `rselection status NAME` lists it)")
     add_lease_options(parser)
@@ -56,27 +52,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def change(args: argparse.Namespace, *, drained: bool) -> int:
-    """Drain (or undrain) ``args.node`` of ``args.name``; the exit code.
-
-    Args:
-        args: the parsed command line.
-        drained: drain, else undrain.
-    """
-    command = "drain" if drained else "undrain"
+    """Drain (or, ``drained=False``, undrain) ``args.node`` of ``args.name``; the exit code."""
 
     def act(admin: LeaseAdmin) -> int:
         holder = admin.current_holder(args.name)
         done = admin.drain(args.name, args.node) if drained else admin.undrain(args.name, args.node)
         led = holder is not None and holder.node_id == done.node_id
         if args.json:
-            document = {
-                "name": done.name,
-                "node_id": done.node_id,
-                "drained": done.drained,
-                "changed": done.changed,
-                "leads": led,
-            }
-            print(json.dumps(document), flush=True)
+            print(json.dumps({**asdict(done), "leads": led}), flush=True)
             return EXIT_OK
         node = printable(done.node_id)
         if not done.changed:
@@ -94,7 +77,7 @@ def change(args: argparse.Namespace, *, drained: bool) -> int:
 
     return act_on_lease(
         args,
-        command,
+        "drain" if drained else "undrain",
         hint="run `rselection migrate`, or pass the right --table",
         postgres=lambda admin, _dsn: act(admin),
         redis=act,

@@ -54,11 +54,7 @@ def _retired(done: Retirement, hidden: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Retire lease ``args.name``; print what was done; return the exit code.
-
-    Args:
-        args: the parsed ``forget`` command line.
-    """
+    """Retire lease ``args.name``; print what was done; return the exit code."""
     hidden = "hidden from `rselection status` (name it, or pass --all, to see it)"
 
     def on_redis(admin: RedisAdmin) -> int:

@@ -93,11 +93,7 @@ def _show(admin: LeaseAdmin, args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the leadership history of ``args.name``; return the exit code.
-
-    Args:
-        args: the parsed ``history`` command line.
-    """
+    """Print the leadership history of ``args.name``; return the exit code."""
     return act_on_lease(
         args,
         "history",

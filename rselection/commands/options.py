@@ -49,11 +49,7 @@ def subcommand(
 
 
 def add_database_options(parser: argparse.ArgumentParser) -> None:
-    """``--dsn`` and ``--table``: the Postgres database and its lease table.
-
-    Args:
-        parser: the subcommand's parser.
-    """
+    """``--dsn`` and ``--table``: the Postgres database and its lease table."""
     parser.add_argument("--dsn", help="database (default: $RSELECTION_DSN, else the PG* variables)")
     parser.add_argument("--table", default="rselection_leases", help="lease table")
 
@@ -61,11 +57,9 @@ def add_database_options(parser: argparse.ArgumentParser) -> None:
 def add_nodes_options(parser: argparse.ArgumentParser, *, redis: bool = False) -> None:
     """``--nodes-table`` and ``--node-timeout``: where node heartbeats are, and when alive.
 
-    Args:
-        parser: the subcommand's parser.
-        redis: the command also reads Redis leases, whose leaders' default node timeout
-            is 30 s: ``--node-timeout`` then defaults to ``None`` (resolve it with
-            :func:`node_timeout`).
+    With ``redis`` (the command also reads Redis leases, whose leaders' default node
+    timeout is 30 s) ``--node-timeout`` defaults to ``None``: resolve it with
+    :func:`node_timeout`.
     """
     parser.add_argument("--nodes-table", default="rselection_nodes", help="node heartbeats table")
     parser.add_argument(
@@ -78,22 +72,14 @@ def add_nodes_options(parser: argparse.ArgumentParser, *, redis: bool = False) -
 
 
 def node_timeout(args: argparse.Namespace) -> float:
-    """The ``--node-timeout`` given, else the leaders' default for the backend read.
-
-    Args:
-        args: a parsed command line with ``--node-timeout`` (and maybe ``--redis-url``).
-    """
+    """The ``--node-timeout`` given, else the leaders' default for the backend read."""
     if args.node_timeout is not None:
         return float(args.node_timeout)
     return 30.0 if getattr(args, "redis_url", None) else 15.0
 
 
 def add_redis_options(parser: argparse.ArgumentParser) -> None:
-    """``--redis-url`` and ``--key-prefix``: a Redis lease instead of a Postgres one.
-
-    Args:
-        parser: the subcommand's parser.
-    """
+    """``--redis-url`` and ``--key-prefix``: a Redis lease instead of a Postgres one."""
     parser.add_argument(
         "--redis-url",
         metavar="URL",
@@ -107,12 +93,8 @@ def add_redis_options(parser: argparse.ArgumentParser) -> None:
 
 def add_lease_options(parser: argparse.ArgumentParser, *, redis_nodes: bool = False) -> None:
     """Where a lease is, on Postgres or on Redis: :func:`add_database_options`,
-    :func:`add_nodes_options` and :func:`add_redis_options`, in that order.
-
-    Args:
-        parser: the subcommand's parser.
-        redis_nodes: as ``redis`` of :func:`add_nodes_options`.
-    """
+    :func:`add_nodes_options` (``redis_nodes``: its ``redis``) and
+    :func:`add_redis_options`, in that order."""
     add_database_options(parser)
     add_nodes_options(parser, redis=redis_nodes)
     add_redis_options(parser)
@@ -120,9 +102,6 @@ def add_lease_options(parser: argparse.ArgumentParser, *, redis_nodes: bool = Fa
 
 def lease_name(value: str) -> str:
     """An argparse ``type`` for lease names: non-blank, at most 1,000 bytes, kept as is.
-
-    Args:
-        value: the name as typed.
 
     Raises:
         argparse.ArgumentTypeError: not a usable lease name.
@@ -137,11 +116,7 @@ def lease_name(value: str) -> str:
 
 
 def limit_type(most: int | None = None) -> Callable[[str], int]:
-    """An argparse ``type`` for ``--limit``: a whole number from 1 (to ``most``).
-
-    Args:
-        most: the largest number taken (default: no bound).
-    """
+    """An argparse ``type`` for ``--limit``: a whole number from 1 (to ``most``, if any)."""
     bounds = "from 1" if most is None else f"from 1 to {most}"
 
     def rows(value: str) -> int:

@@ -58,13 +58,8 @@ def ago(seconds: float | None) -> str:
 
 
 def say(text: object = "", *, err: bool = False) -> None:
-    """Print ``text`` for people (stdout, or stderr with ``err``), escaped by
-    :func:`printable` (its newlines kept), and flush.
-
-    Args:
-        text: the message; ``str(text)`` for anything else (an exception).
-        err: print on stderr.
-    """
+    """Print ``str(text)`` for people (stdout, or stderr with ``err``), escaped by
+    :func:`printable` (its newlines kept), and flush."""
     print(printable(str(text), lines=True), file=sys.stderr if err else sys.stdout, flush=True)
 
 

@@ -111,20 +111,9 @@ def _checked_hand_over(
     not_live: str,
     shown: Callable[[str], str],
 ) -> int:
-    """Check the lease, its holder and ``--to`` against the live nodes, then hand over
-    (see :func:`rselection.resigning.check_handover`).
-
-    Args:
-        admin: the backend's admin API.
-        args: the command line.
-        missing: what to say when the lease does not exist.
-        alive: the live nodes' ids (``None``: they cannot be told), and whether the
-            lease has nodes at all.
-        unchecked: why ``--to`` cannot be checked when the live nodes cannot be told
-            (refused); ``None``: ask anyway, with a warning.
-        not_live: why a node that is not live does not count as one.
-        shown: makes a server's message fit to show.
-    """
+    """Check the lease, its holder and ``--to`` against the live nodes (see
+    :func:`rselection.resigning.check_handover`, which takes ``missing`` to
+    ``not_live``), then hand over; ``shown`` makes a server's message fit to show."""
     try:
         checked = check_handover(
             admin,
@@ -148,11 +137,6 @@ def _checked_hand_over(
 
 def _hand_over(admin: LeaseAdmin, args: argparse.Namespace, shown: Callable[[str], str]) -> int:
     """Ask for the handover, wait for the new term, say what happened; the exit code.
-
-    Args:
-        admin: the lease's backend.
-        args: the parsed ``resign`` command line.
-        shown: what of an error message may be shown (a password redacted).
 
     Raises:
         BackendUnavailable: the server failed.

@@ -31,12 +31,7 @@ from .connections import (
     resolve_dsn,
     wants_redis,
 )
-from .options import (
-    add_lease_options,
-    lease_name,
-    node_timeout,
-    subcommand,
-)
+from .options import add_lease_options, lease_name, node_timeout, subcommand
 from .output import (
     EXIT_NO_LEADER,
     EXIT_OK,
@@ -50,7 +45,7 @@ from .output import (
 )
 
 if TYPE_CHECKING:
-    from ..admin import StatusSnapshot
+    from ..admin import LeaseAdmin
 
 __all__ = [
     "NOT_RECORDED",
@@ -117,47 +112,32 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run)
 
 
-def read_status(
-    snapshot: StatusSnapshot,
-    where: str,
-    args: argparse.Namespace,
-    drained: set[tuple[str, str]] | None = None,
-) -> dict[str, Any]:
-    """What ``status`` shows of a snapshot (see
-    :func:`rselection.status_report.status_document`, which the console shares).
+def read_status(admin: LeaseAdmin, where: str, args: argparse.Namespace) -> dict[str, Any]:
+    """What ``status`` shows of a snapshot of ``admin``'s leases, read now (see
+    :func:`rselection.status_report.status_document`, which the console shares); ``where``
+    is the server, for people (never with a password).
 
-    Args:
-        snapshot: the snapshot the backend's admin read for ``args.names``.
-        where: the server, for people (never with a password).
-        args: the parsed ``status`` command line.
-        drained: the (lease, node) pairs drained (``rselection drain``).
+    Raises:
+        BackendUnavailable: the server cannot be read.
     """
+    snapshot = admin.status(args.names or None)
     return status_document(
         snapshot,
         where,
         names=args.names,
         show_all=args.all,
         not_recorded=NOT_RECORDED_REDIS if args.redis_url else NOT_RECORDED,
-        drained=drained,
+        drained=admin.drained_of(node.name for node in snapshot.nodes or ()),
     )
 
 
 def exit_code(status: dict[str, Any]) -> int:
-    """The exit code of a :func:`read_status` snapshot: 1 when a lease judged has no leader.
-
-    Args:
-        status: the snapshot.
-    """
+    """The exit code of a :func:`read_status` snapshot: 1 when a lease judged has no leader."""
     return EXIT_NO_LEADER if status["headless"] else EXIT_OK
 
 
 def render(status: dict[str, Any], args: argparse.Namespace) -> list[str]:
-    """The lines ``status`` prints for people.
-
-    Args:
-        status: a :func:`read_status` snapshot.
-        args: the parsed ``status`` command line.
-    """
+    """The lines ``status`` prints for people of a :func:`read_status` snapshot."""
     lines = [f"{status['database']}  at {status['checked_at']}", ""]
     redis_url = getattr(args, "redis_url", None)
     where = f"key prefix {args.key_prefix!r}" if redis_url else repr(args.table)
@@ -297,14 +277,12 @@ def _reader(args: argparse.Namespace) -> Callable[[], dict[str, Any]]:
 
     def read() -> dict[str, Any]:
         try:
-            snapshot = admin.status(args.names or None)
-            drained = admin.drained_of(node.name for node in snapshot.nodes or ())
+            return read_status(admin, where, args)
         except BackendUnavailable as exc:
             raise Unreachable(
                 f"cannot read the leases from Redis {admin.where}: "
                 f"{redact(reason(exc), args.redis_url)}"
             ) from exc
-        return read_status(snapshot, where, args, drained)
 
     return read
 
@@ -318,21 +296,15 @@ def _read_postgres(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
     hint = "run `rselection migrate`, or pass the right --table"
     try:
         with postgres_session(args, dsn, hint=hint) as admin:
-            snapshot = admin.status(args.names or None)
-            drained = admin.drained_of(node.name for node in snapshot.nodes or ())
+            return read_status(admin, describe(dsn), args)
     except BackendUnavailable as exc:
         raise Unreachable(
             f"cannot read the leases from {describe(dsn)}: {redact(reason(exc), dsn)}"
         ) from exc
-    return read_status(snapshot, describe(dsn), args, drained)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the status once (or every ``--watch`` seconds); return the exit code.
-
-    Args:
-        args: the parsed ``status`` command line.
-    """
+    """Print the status once (or every ``--watch`` seconds); return the exit code."""
     watch = args.watch
     if watch is not None and not watch > 0:
         raise UsageError(f"--watch needs a positive number of seconds, got {watch}")

@@ -162,11 +162,7 @@ def _act(admin: LeaseAdmin, args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``rselection task ACTION NAME TASK``; return the exit code.
-
-    Args:
-        args: the parsed ``task`` command line.
-    """
+    """Run ``rselection task ACTION NAME TASK``; return the exit code."""
 
     def act(admin: LeaseAdmin) -> int:
         if args.action == "history":

@@ -75,9 +75,6 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 def parse_bind(value: str) -> tuple[str, int]:
     """``"127.0.0.1:8780"`` -> ``("127.0.0.1", 8780)``; ``"[::1]:8780"`` -> ``("::1", 8780)``.
 
-    Args:
-        value: ``HOST:PORT``.
-
     Raises:
         UsageError: not ``HOST:PORT`` with a port from 0 to 65535.
     """
@@ -102,9 +99,6 @@ def is_loopback(host: str) -> bool:
 def read_token(path: str) -> str:
     """The operator token in the file ``path``, its surrounding whitespace (and a byte
     order mark) stripped.
-
-    Args:
-        path: the token file.
 
     Raises:
         UsageError: the file cannot be read, holds nothing but whitespace, or holds a
@@ -153,11 +147,7 @@ def _admin(args: argparse.Namespace) -> LeaseAdmin:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve the console until interrupted; return the exit code.
-
-    Args:
-        args: the parsed ``web`` command line.
-    """
+    """Serve the console until interrupted; return the exit code."""
     host, port = parse_bind(args.bind)
     try:
         import uvicorn
