@@ -18,6 +18,8 @@ from croniter import CroniterBadDateError, CroniterError, croniter
 
 from rselection.errors import ConfigError
 
+from .readonly import ReadOnly
+
 __all__ = [
     "CronSchedule",
     "IntervalSchedule",
@@ -216,25 +218,19 @@ class IntervalSchedule:
         """The interval, as a timedelta (rounded down to the microsecond)."""
         return timedelta(microseconds=self._every_ns // _NS_PER_US)
 
-    @property
-    def every_ns(self) -> int:
-        """The interval, in exact nanoseconds."""
-        return self._every_ns
+    every_ns: ReadOnly[int] = ReadOnly("_every_ns")
+    """The interval, in exact nanoseconds."""
 
     @property
     def jitter(self) -> timedelta:
         """The upper bound (exclusive) of the per-fire delay; zero means no jitter."""
         return timedelta(microseconds=self._jitter_us)
 
-    @property
-    def start(self) -> datetime:
-        """Fire 0 (``t0``): the Unix epoch when aligned to it, else the anchor (UTC)."""
-        return self._start
+    start: ReadOnly[datetime] = ReadOnly("_start")
+    """Fire 0 (``t0``): the Unix epoch when aligned to it, else the anchor (UTC)."""
 
-    @property
-    def aligned(self) -> bool:
-        """True when every node computes the same instants, whenever it was started."""
-        return self._aligned
+    aligned: ReadOnly[bool] = ReadOnly("_aligned")
+    """True when every node computes the same instants, whenever it was started."""
 
     def _base_micros(self, n: int) -> int:
         """Fire ``n`` without jitter, in microseconds since the epoch (truncated)."""
@@ -346,15 +342,11 @@ class CronSchedule:
                 "database)"
             ) from exc
 
-    @property
-    def expr(self) -> str:
-        """The cron expression, as given."""
-        return self._expr
+    expr: ReadOnly[str] = ReadOnly("_expr")
+    """The cron expression, as given."""
 
-    @property
-    def tz(self) -> ZoneInfo:
-        """The time zone whose local time the expression is matched against."""
-        return self._tz
+    tz: ReadOnly[ZoneInfo] = ReadOnly("_tz")
+    """The time zone whose local time the expression is matched against."""
 
     @property
     def aligned(self) -> bool:
