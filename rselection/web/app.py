@@ -178,8 +178,7 @@ def build_app(
             outcomes=OUTCOMES,
             **context,
         )
-        response = HTMLResponse(body, status_code=code, headers=SECURITY_HEADERS)
-        return response
+        return HTMLResponse(body, status_code=code, headers=SECURITY_HEADERS)
 
     async def call(
         function: Callable[..., Any], *args: Any, action: bool = False, **kw: Any
@@ -198,6 +197,13 @@ def build_app(
             raise HttpError(400, shown(str(exc))) from exc
         except BackendUnavailable as exc:
             raise HttpError(503, shown(f"cannot read or act on {console.where}: {exc}")) from exc
+
+    async def lease_call(function: Callable[..., Any], name: str, *args: Any, **kw: Any) -> Any:
+        """:func:`call` of ``function(name, ...)``, which finds no lease ``name``: 404."""
+        found = await call(function, name, *args, **kw)
+        if found is None:
+            raise HttpError(404, f"no lease {name!r} in {console.where}")
+        return found
 
     def error_page(request: Request, error: HttpError) -> Response:
         response = page(request, "error.html", code=error.status, message=str(error))
@@ -225,9 +231,7 @@ def build_app(
         try:
             if len(parts) == 1:
                 window = WINDOWS.get(request.query_params.get("window", ""), WINDOW)
-                found = await call(console.lease, parts[0], window=window)
-                if found is None:
-                    raise HttpError(404, f"no lease {parts[0]!r} in {console.where}")
+                found = await lease_call(console.lease, parts[0], window=window)
                 return page(request, "lease.html", lease=found, windows=WINDOWS)
             if len(parts) == 2 and parts[1] == "shards":
                 grid = await call(console.shards, parts[0])
@@ -235,9 +239,7 @@ def build_app(
                     raise HttpError(404, f"lease {parts[0]!r} has no shards")
                 return page(request, "shards.html", grid=grid)
             if len(parts) == 3 and parts[1] == "tasks":
-                task = await call(console.task, parts[0], parts[2])
-                if task is None:
-                    raise HttpError(404, f"no lease {parts[0]!r} in {console.where}")
+                task = await lease_call(console.task, parts[0], parts[2])
                 return page(request, "task.html", task=task)
         except HttpError as exc:
             return error_page(request, exc)
@@ -256,9 +258,7 @@ def build_app(
 
     async def read_api(parts: list[str]) -> Response:
         if len(parts) == 1:
-            found = await call(console.lease, parts[0])
-            if found is None:
-                raise HttpError(404, f"no lease {parts[0]!r} in {console.where}")
+            found = await lease_call(console.lease, parts[0])
             document = {
                 "name": found.name,
                 "checked_at": iso(found.checked_at),
@@ -270,9 +270,7 @@ def build_app(
             }
             return JSONResponse(document, headers=SECURITY_HEADERS)
         if len(parts) == 3 and parts[1] == "tasks":
-            task = await call(console.task, parts[0], parts[2])
-            if task is None:
-                raise HttpError(404, f"no lease {parts[0]!r} in {console.where}")
+            task = await lease_call(console.task, parts[0], parts[2])
             runs = {"runs": [r.as_json() for r in task.runs]}
             return JSONResponse(runs, headers=SECURITY_HEADERS)
         raise HttpError(404, "no such route")
@@ -283,26 +281,14 @@ def build_app(
         body, session = await authorised(request)
         run: Callable[[], Action]
         if len(parts) == 2 and parts[1] in LEASE_ACTIONS:
-            name = parts[0]
             to = _text(body.get("to")) if parts[1] == "handover" else None
             if parts[1] == "handover" and not to:
                 raise HttpError(400, "handover needs the node to hand over to: {'to': NODE}")
-
-            def run() -> Action:
-                return console.hand_over(name, to)
-
+            run = functools.partial(console.hand_over, parts[0], to)
         elif len(parts) == 4 and parts[1] == "nodes" and parts[3] in NODE_ACTIONS:
-            name, node, drained = parts[0], parts[2], parts[3] == "drain"
-
-            def run() -> Action:
-                return console.drain(name, node, drained=drained)
-
+            run = functools.partial(console.drain, parts[0], parts[2], drained=parts[3] == "drain")
         elif len(parts) == 4 and parts[1] == "tasks" and parts[3] in TASK_ACTIONS:
-            name, task, what = parts[0], parts[2], parts[3]
-
-            def run() -> Action:
-                return console.control(name, task, what)
-
+            run = functools.partial(console.control, parts[0], parts[2], parts[3])
         else:
             raise HttpError(404, "no such action")
         logger.info(

@@ -124,11 +124,8 @@ class Throttle:
 
 
 def check_token(token: object) -> str | None:
-    """``token`` with its surrounding whitespace (and a byte order mark) stripped;
-    ``None`` stays ``None``.
-
-    Args:
-        token: the operator token, or ``None`` for a read-only console.
+    """The operator ``token`` with its surrounding whitespace (and a byte order mark)
+    stripped; ``None`` (a read-only console) stays ``None``.
 
     Raises:
         ConfigError: not a string, blank, or not printable ASCII.
@@ -159,9 +156,6 @@ def cookie_name(host: str | None) -> str:
     Browsers send a host's cookies to every port of it: two consoles on two ports of one
     host would each overwrite the other's cookie under one name, so the port is part of
     the name (``rselection_console_8780``).
-
-    Args:
-        host: the request's ``Host`` header.
     """
     port = split_host(host)[1] if host else None
     return f"{COOKIE}_{port}" if port and port.isdigit() else COOKIE
@@ -265,13 +259,8 @@ class Guard:
         return True
 
     def tell(self, cookie: str, level: str, message: str) -> None:
-        """Keep what a form of session ``cookie`` did, for its next page to say once.
-
-        Args:
-            cookie: the session's id.
-            level: ``"ok"`` or ``"danger"``.
-            message: what happened (cut to :data:`SAID_CHARS`).
-        """
+        """Keep what a form of session ``cookie`` did (``level``: ``"ok"`` or ``"danger"``;
+        ``message`` cut to :data:`SAID_CHARS`), for its next page to say once."""
         session = self._sessions.get(_hashed(cookie))
         if session is not None:
             cut = message if len(message) <= SAID_CHARS else message[: SAID_CHARS - 1] + "…"
@@ -316,11 +305,7 @@ def same_origin(headers: Mapping[str, str], hosts: AllowedHosts | None = None) -
 
     The scheme is not compared: behind a proxy that ends TLS the console sees ``http``
     where the browser sent ``https``. A request with neither header is refused: browsers
-    send ``Origin`` with every form post.
-
-    Args:
-        headers: the request's headers (lower-case names).
-        hosts: the hosts the console answers to.
+    send ``Origin`` with every form post. ``headers`` have lower-case names.
     """
     host = headers.get("host")
     source = headers.get("origin") or headers.get("referer")

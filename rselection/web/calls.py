@@ -38,9 +38,6 @@ class NotAnswering(Exception):
 class Calls:
     """Runs the console's blocking admin calls (see the module's docstring).
 
-    Args:
-        slots: calls that run at once.
-
     Attributes:
         slots: calls that run at once.
         read_timeout: seconds a request waits for a read (:data:`READ_TIMEOUT`).
@@ -54,11 +51,8 @@ class Calls:
         self._free = threading.BoundedSemaphore(slots)
 
     async def run(self, function: Callable[[], T], *, timeout: float) -> T:
-        """``function()``'s result, from a thread; its exception is raised here.
-
-        Args:
-            function: the blocking call.
-            timeout: seconds to wait for it.
+        """``function()``'s result, from a thread, waited for up to ``timeout`` seconds; its
+        exception is raised here.
 
         Raises:
             NotAnswering: every slot is taken, or ``function`` did not return in time

@@ -33,9 +33,6 @@ def split_host(value: str) -> tuple[str, str | None]:
 
     The name is lower-cased, without a trailing dot and an IPv6 address's brackets; the
     port is ``None`` when the header has none.
-
-    Args:
-        value: the header's value.
     """
     value = value.strip().lower()
     if value.startswith("["):

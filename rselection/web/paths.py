@@ -59,9 +59,6 @@ def segments(scope: Mapping[str, Any]) -> list[str]:
     """The decoded segments of the request's path below the app's mount point.
 
     ``/leases/a%2Fb/tasks/t`` -> ``["leases", "a/b", "tasks", "t"]``.
-
-    Args:
-        scope: the ASGI scope of the request.
     """
     path: str = scope.get("path", "")
     root: str = scope.get("root_path", "")
@@ -81,12 +78,8 @@ def segments(scope: Mapping[str, Any]) -> list[str]:
 
 
 def href(root_path: str, *parts: str) -> str:
-    """The URL path of ``parts`` below the app's mount point, each part one segment.
-
-    Args:
-        root_path: the app's mount point (ASGI ``root_path``; ``""`` at the top).
-        parts: the segments, names included, each percent-encoded whole (``.`` and
-            ``..`` written ``!.`` and ``!..``).
-    """
+    """The URL path of ``parts`` below the app's mount point ``root_path`` (ASGI; ``""``
+    at the top), each part one segment, percent-encoded whole (``.`` and ``..`` written
+    ``!.`` and ``!..``)."""
     base = quote(root_path.rstrip("/"), safe="/")
     return base + "/" + "/".join(_written(part) for part in parts)

@@ -10,7 +10,7 @@ knows HTTP.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -310,12 +310,8 @@ class Console:
         return Overview(status, rows, alerts, note)
 
     def lease(self, name: str, *, window: timedelta = WINDOW) -> LeasePage | None:
-        """Lease ``name``'s page; ``None`` when there is no such lease.
-
-        Args:
-            name: the lease name.
-            window: how far back its timeline goes.
-        """
+        """Lease ``name``'s page, its timeline ``window`` long; ``None`` when there is no
+        such lease."""
         name = check_name(name, "lease name")
         status = self._document([name])
         now: datetime = status.pop("checked_at_time")
@@ -357,11 +353,7 @@ class Console:
         )
 
     def shards(self, name: str) -> ShardsPage | None:
-        """The grid of sharded lease ``name``; ``None`` when it has no shards.
-
-        Args:
-            name: the sharded name.
-        """
+        """The grid of sharded lease ``name``; ``None`` when it has no shards."""
         name = check_name(name, "lease name")
         status = self._document([name])
         now: datetime = status.pop("checked_at_time")
@@ -376,13 +368,8 @@ class Console:
         return ShardsPage(name, now, entry["shards"], owners, list(entry["nodes"]))
 
     def task(self, name: str, task: str, *, limit: int = RUN_HISTORY_LIMIT) -> TaskPage | None:
-        """Task ``task`` of lease ``name``: as published, and its run history; ``None``
-        when there is no such lease.
-
-        Args:
-            name: the lease name.
-            task: the task's name.
-            limit: how many runs to read.
+        """Task ``task`` of lease ``name``: as published, and its last ``limit`` runs;
+        ``None`` when there is no such lease.
 
         Raises:
             Refused: no such task.
@@ -406,10 +393,6 @@ class Console:
         """Ask the leader of lease ``name`` to hand over (to node ``to``, else to any
         other node: a step-down) and wait for the new term.
 
-        Args:
-            name: the lease name.
-            to: the node that should take over, ``None`` for any other.
-
         Raises:
             Refused: no such lease, no leader, or a node that may not take over.
         """
@@ -431,40 +414,21 @@ class Console:
         return Action(done.done, _handover_message(done), _handover_document(done))
 
     def drain(self, name: str, node: str, *, drained: bool = True) -> Action:
-        """Drain (or undrain) node ``node`` of lease ``name``.
-
-        Args:
-            name: the lease name.
-            node: the node id.
-            drained: drain, else undrain.
+        """Drain (or, ``drained=False``, undrain) node ``node`` of lease ``name``.
 
         Raises:
             Refused: no such lease, or no such node of it.
         """
         change = self.admin.drain(name, node) if drained else self.admin.undrain(name, node)
-        verb = "drained" if drained else "undrained"
         shown = printable(change.node_id)
-        if not change.changed:
-            message = (
-                f"node {shown} of {name!r} was {'already drained' if drained else 'not drained'}"
-            )
+        if change.changed:
+            message = f"{'drained' if drained else 'undrained'} node {shown} of {name!r}"
         else:
-            message = f"{verb} node {shown} of {name!r}"
-        document = {
-            "name": change.name,
-            "node_id": change.node_id,
-            "drained": change.drained,
-            "changed": change.changed,
-        }
-        return Action(True, message, document)
+            message = f"node {shown} of {name!r} was {'already' if drained else 'not'} drained"
+        return Action(True, message, asdict(change))
 
     def control(self, name: str, task: str, what: str) -> Action:
-        """Pause, resume or trigger task ``task`` of lease ``name``.
-
-        Args:
-            name: the lease name.
-            task: the task's name.
-            what: ``"pause"``, ``"resume"`` or ``"trigger"``.
+        """``what``: pause, resume or trigger task ``task`` of lease ``name``.
 
         Raises:
             Refused: no such lease or task, or (trigger) a persistent task.
@@ -474,17 +438,10 @@ class Console:
             return Action(
                 True, f"triggered task {task!r} of {name!r} ({fire.fire_key})", fire.as_json()
             )
-        change = (
-            self.admin.pause_task(name, task)
-            if what == "pause"
-            else self.admin.resume_task(name, task)
-        )
+        admin = self.admin
+        change = (admin.pause_task if what == "pause" else admin.resume_task)(name, task)
         state = "paused" if change.paused else "running"
-        message = (
-            f"task {task!r} of {name!r} is {state}"
-            if change.changed
-            else f"task {task!r} of {name!r} was already {state}"
-        )
+        message = f"task {task!r} of {name!r} {'is' if change.changed else 'was already'} {state}"
         return Action(True, message, change.as_json())
 
 
