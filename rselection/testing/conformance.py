@@ -101,26 +101,32 @@ class _FrozenRenewals:
             self.real_soon = lease.renew_soon
             setattr(lease, "renew_soon", self.renew_soon)  # noqa: B010 - a method, replaced
 
-    def renew(self, node_id: str, term: int) -> bool:
+    def _stuck(self) -> bool:
+        """Whether renewals are frozen (the keeper is then stuck)."""
         with self.lock:
             frozen = self.frozen
         if frozen:
             self.stuck.set()
+        return frozen
+
+    def _renewed(self, sent: float) -> None:
+        """A renewal sent at ``sent`` succeeded: the next ones freeze (until thawed)."""
+        with self.lock:
+            self.last = (sent, time.monotonic())
+            self.frozen = not self.thawed.is_set()
+
+    def renew(self, node_id: str, term: int) -> bool:
+        if self._stuck():
             self.thawed.wait(self.bound)
             return False  # the term is lost by now
         sent = time.monotonic()
         renewed = bool(self.real(node_id, term))
         if renewed:
-            with self.lock:
-                self.last = (sent, time.monotonic())
-                self.frozen = not self.thawed.is_set()
+            self._renewed(sent)
         return renewed
 
     def renew_soon(self, node_id: str, term: int, done: Callable[[RenewOutcome], None]) -> bool:
-        with self.lock:
-            frozen = self.frozen
-        if frozen:
-            self.stuck.set()
+        if self._stuck():
             # Never answered until thawed (the round trip of a paused process).
             threading.Thread(target=self._answer_at_thaw, args=(done,), daemon=True).start()
             return True
@@ -128,9 +134,7 @@ class _FrozenRenewals:
 
         def answered(outcome: RenewOutcome) -> None:
             if outcome is True:
-                with self.lock:
-                    self.last = (sent, time.monotonic())
-                    self.frozen = not self.thawed.is_set()
+                self._renewed(sent)
             done(outcome)
 
         return bool(self.real_soon(node_id, term, answered))

@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import signals
 from ..context import TaskContext, Term
-from ..errors import ConfigError
-from ..schedules import Schedule, format_fire_key
+from ..schedules import Schedule, _to_utc, format_fire_key
 from ..single_node import SingleNodeLeader
 from ..specs import TaskSpec, TaskType
 from ..tasks import TaskHandler
@@ -263,10 +262,7 @@ class FakeClock:
     """
 
     def __init__(self, start: datetime | None = None, *handlers: TaskHandler) -> None:
-        now = datetime.now(UTC) if start is None else start
-        if now.tzinfo is None or now.utcoffset() is None:
-            raise ConfigError(f"start must be a timezone-aware datetime, got {now!r}")
-        self._now = now.astimezone(UTC)
+        self._now = datetime.now(UTC) if start is None else _to_utc(start, "start")
         self._next: dict[str, tuple[Schedule, datetime | None]] = {}
         for handler in handlers:
             for spec in handler.specs():
@@ -309,9 +305,7 @@ class FakeClock:
 
     def advance_to(self, instant: datetime) -> list[Fire]:
         """Move forward to ``instant`` (aware, not before :attr:`now`); return the fires passed."""
-        if instant.tzinfo is None or instant.utcoffset() is None:
-            raise ConfigError(f"instant must be a timezone-aware datetime, got {instant!r}")
-        target = instant.astimezone(UTC)
+        target = _to_utc(instant, "instant")
         if target < self._now:
             raise ValueError(f"a FakeClock only moves forward: {target} is before {self._now}")
         passed: list[tuple[datetime, int, Fire]] = []
@@ -356,9 +350,7 @@ def _prepare(
             if scheduled_at is None:
                 raise ValueError(f"task {name!r} has no fire left; pass at=")
         else:
-            if at.tzinfo is None or at.utcoffset() is None:
-                raise ConfigError(f"at must be a timezone-aware datetime, got {at!r}")
-            scheduled_at = at.astimezone(UTC)
+            scheduled_at = _to_utc(at, "at")
     live = Term(
         term,
         node_id,
