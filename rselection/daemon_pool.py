@@ -165,7 +165,7 @@ class SharedPool:
     def threads(self) -> int:
         """Workers alive now."""
         with self._lock:
-            return len(self._busy) + len(self._idle) + self._promised_new + self._standby
+            return self._alive()
 
     def step_aside(self) -> None:
         """Called on a worker about to run something that may take long (a user's code):

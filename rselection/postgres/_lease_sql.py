@@ -32,11 +32,7 @@ from .schema import (
 )
 
 __all__ = [
-    "HELD_LOCKS",
     "LEASE_PROTOCOL",
-    "LOCK_HELD",
-    "LOCK_SEEN",
-    "RING_HELD",
     "SERVER_IDENTITY_SQL",
     "SERVER_START_SQL",
     "STATE_COLUMNS",
@@ -48,12 +44,9 @@ __all__ = [
     "acquire_batch_sql",
     "current_sql",
     "describe_lease_table",
-    "free_condition",
-    "held_locks",
     "lease_channel",
     "listen_sql",
     "new_lock_key",
-    "not_reserved",
     "ReleaseRequest",
     "release_batch_sql",
     "release_sql",
@@ -62,7 +55,6 @@ __all__ = [
     "server_identity",
     "session_sql",
     "give_back_sql",
-    "states_sql",
     "unlisten_sql",
     "unlock_next_terms_sql",
     "unlock_sql",

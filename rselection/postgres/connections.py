@@ -196,8 +196,6 @@ class Connections:
         if self._pooled:
             with self._lock:
                 if self._sessions is None:
-                    # Imported here: the pool is built on this module's helpers.
-
                     assert self._conninfo is not None
                     self._sessions = SessionPool.attach(self._conninfo)
                 sessions = self._sessions

@@ -55,18 +55,6 @@ def _query(table: str, bound_idle: bool) -> sql.Composed:
     return sql.SQL(head + _CHECK).format(table_identifier(table))
 
 
-def _prepare(
-    name: str, term: int, table: str, idle_timeout: float | None
-) -> tuple[sql.Composed, tuple[Any, ...]]:
-    check_name(name, "lease name")
-    check_term(term)
-    seconds = check_optional_seconds(idle_timeout, "idle_timeout", minimum=0.001)
-    if seconds is None:
-        return _query(table, False), (name, term)
-    millis = f"{max(1, round(seconds * 1000))}ms"
-    return _query(table, True), (millis, name, term)
-
-
 def _prepare_on(
     conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
     check_kind: Callable[[object], None],
@@ -77,11 +65,17 @@ def _prepare_on(
 ) -> tuple[sql.Composed, tuple[Any, ...]]:
     """The check's statement and parameters, once the arguments, the kind of
     connection (``check_kind``) and its open transaction are checked, in that order."""
-    # The arguments first, as every entry point that takes a term checks it.
-    prepared = _prepare(name, term, table, idle_timeout)
+    # The arguments first (the table's name too), as every entry point that takes a term
+    # checks it.
+    check_name(name, "lease name")
+    check_term(term)
+    seconds = check_optional_seconds(idle_timeout, "idle_timeout", minimum=0.001)
+    query = _query(table, seconds is not None)
     check_kind(conn)
     _check_transaction(conn)
-    return prepared
+    if seconds is None:
+        return query, (name, term)
+    return query, (f"{max(1, round(seconds * 1000))}ms", name, term)
 
 
 def _verdict(row: Any, name: str, term: int) -> None:
