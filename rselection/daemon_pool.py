@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -24,86 +22,8 @@ from . import forks
 
 __all__ = ["DaemonExecutor", "Lane", "SharedPool"]
 
-logger = logging.getLogger(__name__)
-
 _T = TypeVar("_T")
 _Item = tuple["Future[Any]", Callable[..., Any], tuple[Any, ...], dict[str, Any]]
-
-
-class DaemonExecutor(Executor):
-    """Runs submitted calls on at most ``max_workers`` daemon threads, started on demand.
-
-    Args:
-        max_workers: the most threads at once.
-        thread_name_prefix: the threads' name prefix.
-    """
-
-    def __init__(self, max_workers: int, thread_name_prefix: str) -> None:
-        if max_workers < 1:
-            raise ValueError(f"max_workers must be at least 1, got {max_workers}")
-        self._max_workers = max_workers
-        self._prefix = thread_name_prefix
-        self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
-        self._threads = 0
-        self._idle = 0
-        self._shutdown = False
-
-    def submit(self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> Future[_T]:
-        """Run ``fn(*args, **kwargs)`` on a worker; its :class:`Future`."""
-        future: Future[_T] = Future()
-        with self._lock:
-            if self._shutdown:
-                raise RuntimeError("cannot schedule new calls after shutdown")
-            self._queue.put((future, fn, args, kwargs))
-            if self._idle > 0:
-                self._idle -= 1  # that worker takes this call
-                return future
-            if self._threads >= self._max_workers:
-                return future  # a busy worker takes it when it is done
-            self._threads += 1
-            index = self._threads
-        thread = threading.Thread(
-            target=self._work, name=f"{self._prefix}_{index - 1}", daemon=True
-        )
-        try:
-            thread.start()
-        except BaseException:
-            with self._lock:
-                self._threads -= 1
-            raise
-        return future
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """Take no more calls; with ``cancel_futures`` cancel those not started yet.
-
-        ``wait`` is accepted for the :class:`Executor` interface and ignored: a worker
-        stuck in a call is never waited for.
-        """
-        with self._lock:
-            self._shutdown = True
-            workers = self._threads
-        if cancel_futures:
-            while True:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not None:
-                    item[0].cancel()
-        for _ in range(workers):
-            self._queue.put(None)  # one stop mark per worker
-
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            _run_item(item)
-            with self._lock:
-                if self._shutdown:
-                    continue  # its stop mark is queued
-                self._idle += 1
 
 
 class SharedPool:
@@ -156,10 +76,6 @@ class SharedPool:
 
     def lane(self, limit: int) -> Lane:
         """A new lane: an :class:`Executor` whose calls run here, ``limit`` at a time."""
-        if limit < 1:
-            raise ValueError(f"limit must be at least 1, got {limit}")
-        with self._lock:
-            self._open += 1
         return Lane(self, limit)
 
     def threads(self) -> int:
@@ -404,6 +320,8 @@ class Lane(Executor):
     """
 
     def __init__(self, pool: SharedPool, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
         self.pool = pool
         self.limit = limit
         # The fields below belong to the pool, under its lock.
@@ -411,6 +329,8 @@ class Lane(Executor):
         self._running = 0
         self._ready = False  # in the pool's line of lanes with a runnable call
         self._closed = False
+        with pool._lock:
+            pool._open += 1
 
     def submit(self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> Future[_T]:
         """Run ``fn(*args, **kwargs)`` on the pool, after this lane's earlier calls got a
@@ -428,6 +348,15 @@ class Lane(Executor):
         others still run). ``wait`` is ignored: a call in a worker is never waited for."""
         for future, _, _, _ in self.pool._close(self, cancel_futures):
             future.cancel()
+
+
+class DaemonExecutor(Lane):
+    """Runs submitted calls on at most ``max_workers`` daemon threads, started on demand
+    (named ``<thread_name_prefix>_<n>``): the one lane of a :class:`SharedPool` of its own.
+    """
+
+    def __init__(self, max_workers: int, thread_name_prefix: str) -> None:
+        super().__init__(SharedPool(thread_name_prefix, max_workers, most=max_workers), max_workers)
 
 
 def _run_item(item: _Item) -> None:
