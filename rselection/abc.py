@@ -8,7 +8,8 @@ protocol of its required members; its optional *abilities* do the same work with
 round trips or threads. A role's base class (:class:`LeaseBase`, :class:`ClaimerBase`,
 :class:`CheckpointStoreBase`) gives every ability a safe default; ask whether an object
 has an ability with :func:`lease_ability`, :func:`claimer_ability` or
-:func:`store_ability`, never ``isinstance``.
+:func:`store_ability`, never ``isinstance``. :class:`TaskStoreBase` makes a task
+store's operator changes on one write of the store's own.
 
 How to write a backend, with the in-memory backends as examples and the conformance
 checks: ``docs/how-to/backends.md``. Why the roles are spelt so:
@@ -18,24 +19,28 @@ checks: ``docs/how-to/backends.md``. Why the roles are spelt so:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, overload, runtime_checkable
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ClassVar,
+    Literal,
+    Protocol,
+    TypeAlias,
+    overload,
+    runtime_checkable,
+)
+
+from .task_runs import TaskControlChange, Trigger, new_trigger_key
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
-    from datetime import datetime
+    from collections.abc import Sequence
 
     from .checkpoints import Key, Snapshot
     from .lease import Acquisition, HandoverRequest, LeaderInfo, ReleaseOutcome, RenewOutcome
     from .members import NodeInfo
-    from .task_runs import (
-        RunRecord,
-        TaskControlChange,
-        TaskControls,
-        TaskEntry,
-        TaskInfo,
-        Trigger,
-    )
+    from .task_runs import RunRecord, TaskControls, TaskEntry, TaskInfo
 
 __all__ = [
     "AnnouncesHolder",
@@ -57,11 +62,13 @@ __all__ = [
     "MissedFireClaimer",
     "NonBlockingLease",
     "NonBlockingRelease",
+    "NextFires",
     "NotifiesChanges",
     "SharedSchedule",
     "StoreAbility",
     "SupportsHandover",
     "TaskStore",
+    "TaskStoreBase",
     "TransactionFence",
     "Watch",
     "RecordsHistory",
@@ -1020,13 +1027,7 @@ class TaskStore(Protocol):
         ``term`` (a task not among them is listed no more; its controls and runs stay)."""
         ...
 
-    def write_runs(
-        self,
-        runs: Sequence[RunRecord],
-        *,
-        next_fires: Mapping[tuple[str, str], datetime | None],
-        limit: int,
-    ) -> None:
+    def write_runs(self, runs: Sequence[RunRecord], *, next_fires: NextFires, limit: int) -> None:
         """Append ``runs`` (oldest first, of any leases) to their tasks' run histories,
         keep the newest ``limit`` of each task, and record the next fire of each
         (lease, task) of ``next_fires``; in one round trip."""
@@ -1053,6 +1054,40 @@ class TaskStore(Protocol):
     def add_trigger(self, name: str, task: str) -> Trigger:
         """Ask for one extra fire of task ``task`` of lease ``name`` and wake its leader."""
         ...
+
+
+NextFires: TypeAlias = Mapping[tuple[str, str], datetime | None]
+"""The next fire of each ``(lease, task)`` (``None``: none) that
+:meth:`TaskStore.write_runs` records with a batch of runs."""
+
+
+class TaskStoreBase(ABC):
+    """A base for a task store: :class:`TaskStore`'s operator changes, each made of one
+    write of the store's own.
+
+    :meth:`set_paused` and :meth:`add_trigger` make their answers (and a trigger's fire
+    key) here; a store implements :meth:`_change_paused`, :meth:`_record_trigger` and
+    the rest of :class:`TaskStore`.
+    """
+
+    def set_paused(self, name: str, task: str, paused: bool) -> TaskControlChange:
+        """See :meth:`TaskStore.set_paused`."""
+        return TaskControlChange(name, task, paused, self._change_paused(name, task, paused))
+
+    def add_trigger(self, name: str, task: str) -> Trigger:
+        """See :meth:`TaskStore.add_trigger`."""
+        fire_key = new_trigger_key(task)
+        return Trigger(name, task, fire_key, self._record_trigger(name, task, fire_key))
+
+    @abstractmethod
+    def _change_paused(self, name: str, task: str, paused: bool) -> bool:
+        """Pause (or resume) task ``task`` of lease ``name`` and wake its leader; whether
+        that changed it."""
+
+    @abstractmethod
+    def _record_trigger(self, name: str, task: str, fire_key: str) -> datetime:
+        """Record the fire ``fire_key`` of task ``task`` of lease ``name`` as asked for,
+        and wake its leader; when it was asked for (the store's clock)."""
 
 
 _NO_DEFAULT = object()

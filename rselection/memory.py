@@ -17,13 +17,13 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from .abc import LeaseBackend
+from .abc import LeaseBackend, NextFires, TaskStoreBase
 from .checkpoints import (
     DEFAULT_MAX_STATE_BYTES,
     Key,
@@ -37,15 +37,7 @@ from .claiming import check_fire_key, check_fire_keys, series_of
 from .errors import ConfigError, StaleLeaderError
 from .lease import Acquisition, LeaderInfo
 from .members import MembershipBase, NodeInfo
-from .task_runs import (
-    RunRecord,
-    TaskControlChange,
-    TaskControls,
-    TaskEntry,
-    TaskInfo,
-    Trigger,
-    new_trigger_key,
-)
+from .task_runs import RunRecord, TaskControls, TaskEntry, TaskInfo, Trigger
 from .validation import (
     check_name,
     check_optional_term,
@@ -662,7 +654,7 @@ class _Published:
     term: int
 
 
-class MemoryTaskStore:
+class MemoryTaskStore(TaskStoreBase):
     """A :class:`~rselection.abc.TaskStore` in this process: task controls, task lists
     and run histories of any leases, kept in memory.
 
@@ -710,13 +702,7 @@ class MemoryTaskStore:
             for entry in tasks:
                 self._next[name, entry.task] = entry.next_fire
 
-    def write_runs(
-        self,
-        runs: Sequence[RunRecord],
-        *,
-        next_fires: Mapping[tuple[str, str], datetime | None],
-        limit: int,
-    ) -> None:
+    def write_runs(self, runs: Sequence[RunRecord], *, next_fires: NextFires, limit: int) -> None:
         """See :meth:`~rselection.abc.TaskStore.write_runs`."""
         with self._lock:
             self.writes += 1
@@ -764,8 +750,7 @@ class MemoryTaskStore:
         with self._lock:
             return list(self._runs.get((name, task), ()))[:limit]
 
-    def set_paused(self, name: str, task: str, paused: bool) -> TaskControlChange:
-        """See :meth:`~rselection.abc.TaskStore.set_paused`."""
+    def _change_paused(self, name: str, task: str, paused: bool) -> bool:
         with self._lock:
             tasks = self._paused.setdefault(name, {})
             changed = (task in tasks) != paused
@@ -774,15 +759,14 @@ class MemoryTaskStore:
             else:
                 tasks.pop(task, None)
         self._changed(name)
-        return TaskControlChange(name, task, paused, changed)
+        return changed
 
-    def add_trigger(self, name: str, task: str) -> Trigger:
-        """See :meth:`~rselection.abc.TaskStore.add_trigger`."""
-        trigger = Trigger(name, task, new_trigger_key(task), datetime.now(UTC))
+    def _record_trigger(self, name: str, task: str, fire_key: str) -> datetime:
+        at = datetime.now(UTC)
         with self._lock:
-            self._triggers.setdefault(name, {})[trigger.fire_key] = trigger
+            self._triggers.setdefault(name, {})[fire_key] = Trigger(name, task, fire_key, at)
         self._changed(name)
-        return trigger
+        return at
 
     def __repr__(self) -> str:
         with self._lock:

@@ -17,23 +17,16 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
 
+from ..abc import NextFires, TaskStoreBase
 from ..errors import BackendUnavailable, first_line
-from ..task_runs import (
-    RunRecord,
-    TaskControlChange,
-    TaskControls,
-    TaskEntry,
-    TaskInfo,
-    Trigger,
-    new_trigger_key,
-)
+from ..task_runs import RunRecord, TaskControls, TaskEntry, TaskInfo, Trigger
 from ._lease_sql import lease_channel, resolve_lease_table
 from .connections import Connections
 from .schema import create_tables, table_exists, table_identifier, task_table_names
@@ -126,7 +119,7 @@ def _run(name: str, task: str, row: Sequence[Any]) -> RunRecord:
     )
 
 
-class PostgresTaskStore:
+class PostgresTaskStore(TaskStoreBase):
     """The :class:`~rselection.abc.TaskStore` of the leases of one lease table.
 
     Each call is one short transaction on a connection of ``conns`` (a leader's are the
@@ -360,13 +353,7 @@ class PostgresTaskStore:
         }
         self._write(f"publish the tasks of {name!r}", self._publish_sql, params)
 
-    def write_runs(
-        self,
-        runs: Sequence[RunRecord],
-        *,
-        next_fires: Mapping[tuple[str, str], datetime | None],
-        limit: int,
-    ) -> None:
+    def write_runs(self, runs: Sequence[RunRecord], *, next_fires: NextFires, limit: int) -> None:
         """See :meth:`~rselection.abc.TaskStore.write_runs`: one statement."""
         if not runs:
             return
@@ -426,8 +413,7 @@ class PostgresTaskStore:
         rows = self._read(f"read the runs of {task!r}", self._runs_sql, (name, task, limit))
         return [_run(name, task, row) for row in rows]
 
-    def set_paused(self, name: str, task: str, paused: bool) -> TaskControlChange:
-        """See :meth:`~rselection.abc.TaskStore.set_paused`."""
+    def _change_paused(self, name: str, task: str, paused: bool) -> bool:
         if paused:
             query = sql.SQL(
                 "INSERT INTO {} AS t (name, task, paused_at) VALUES (%s, %s, clock_timestamp())"
@@ -441,17 +427,15 @@ class PostgresTaskStore:
             ).format(self._tasks)
         what = f"{'pause' if paused else 'resume'} task {task!r}"
         result = self._change(what, name, query, (name, task))
-        changed = result is not None if paused else bool(result)
-        return TaskControlChange(name, task, paused, changed)
+        return result is not None if paused else bool(result)
 
-    def add_trigger(self, name: str, task: str) -> Trigger:
-        """See :meth:`~rselection.abc.TaskStore.add_trigger`."""
-        key = new_trigger_key(task)
+    def _record_trigger(self, name: str, task: str, fire_key: str) -> datetime:
         # The time is read in a CTE, not RETURNING: an operator needs only INSERT here.
         query = sql.SQL(
             "WITH at AS (SELECT clock_timestamp() AS v), ins AS ("
             " INSERT INTO {} (name, fire_key, task, requested_at) SELECT %s, %s, %s, v FROM at"
             ") SELECT v FROM at"
         ).format(self._triggers)
-        row = self._change(f"trigger task {task!r}", name, query, (name, key, task))
-        return Trigger(name, task, key, row[0].astimezone(UTC))
+        row = self._change(f"trigger task {task!r}", name, query, (name, fire_key, task))
+        at: datetime = row[0].astimezone(UTC)
+        return at

@@ -13,21 +13,14 @@ controls, the node's for runs.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 import redis
 
-from ..task_runs import (
-    RunRecord,
-    TaskControlChange,
-    TaskControls,
-    TaskEntry,
-    TaskInfo,
-    Trigger,
-    new_trigger_key,
-)
+from ..abc import NextFires, TaskStoreBase
+from ..task_runs import RunRecord, TaskControls, TaskEntry, TaskInfo, Trigger
 from ._conn import describe, unavailable
 from .keys import lease_keys, task_keys, task_runs_key
 
@@ -148,7 +141,7 @@ def _decode(name: str, task: str, raw: Any) -> RunRecord | None:
         return None
 
 
-class RedisTaskStore:
+class RedisTaskStore(TaskStoreBase):
     """The :class:`~rselection.abc.TaskStore` of the leases of one key prefix.
 
     Args:
@@ -219,13 +212,7 @@ class RedisTaskStore:
         except redis.RedisError as exc:
             raise self._failed(f"publish the tasks of {name!r}", exc) from exc
 
-    def write_runs(
-        self,
-        runs: Sequence[RunRecord],
-        *,
-        next_fires: Mapping[tuple[str, str], datetime | None],
-        limit: int,
-    ) -> None:
+    def write_runs(self, runs: Sequence[RunRecord], *, next_fires: NextFires, limit: int) -> None:
         """See :meth:`~rselection.abc.TaskStore.write_runs`: one pipeline."""
         by_task: dict[tuple[str, str], list[str]] = {}
         for run in runs:
@@ -308,8 +295,8 @@ class RedisTaskStore:
             raise self._failed(f"read the runs of {task!r}", exc) from exc
         return [run for run in (_decode(name, task, item) for item in raw) if run is not None]
 
-    def set_paused(self, name: str, task: str, paused: bool) -> TaskControlChange:
-        """See :meth:`~rselection.abc.TaskStore.set_paused` (one script)."""
+    def _change_paused(self, name: str, task: str, paused: bool) -> bool:
+        """One script."""
         paused_key = task_keys(name, self.key_prefix)[1]
         channel = lease_keys(name, self.key_prefix)[2]
         try:
@@ -317,16 +304,14 @@ class RedisTaskStore:
         except redis.RedisError as exc:
             what = f"{'pause' if paused else 'resume'} task {task!r}"
             raise self._failed(what, exc) from exc
-        return TaskControlChange(name, task, paused, int(reply) == 1)
+        return int(reply) == 1
 
-    def add_trigger(self, name: str, task: str) -> Trigger:
-        """See :meth:`~rselection.abc.TaskStore.add_trigger` (one script)."""
-        key = new_trigger_key(task)
+    def _record_trigger(self, name: str, task: str, fire_key: str) -> datetime:
+        """One script."""
         triggers_key = task_keys(name, self.key_prefix)[2]
         channel = lease_keys(name, self.key_prefix)[2]
         try:
-            reply = self.client.eval(_TRIGGER, 1, triggers_key, key, task, channel)
+            reply = self.client.eval(_TRIGGER, 1, triggers_key, fire_key, task, channel)
         except redis.RedisError as exc:
             raise self._failed(f"trigger task {task!r}", exc) from exc
-        at = datetime.fromtimestamp(int(_text(reply[0])) + int(_text(reply[1])) / 1e6, UTC)
-        return Trigger(name, task, key, at)
+        return datetime.fromtimestamp(int(_text(reply[0])) + int(_text(reply[1])) / 1e6, UTC)
