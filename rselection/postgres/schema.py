@@ -368,20 +368,26 @@ def _adding(*columns: str) -> Callable[[str], list[sql.Composed]]:
     return statements
 
 
-def _lease_v1(table: str) -> list[sql.Composed]:
-    return [
-        _create(
-            table_identifier(table),
-            "name text PRIMARY KEY",
-            "holder text NULL",  # the holder's node_id (the column keeps its first name)
-            "term bigint NOT NULL DEFAULT 0 CHECK (term >= 0)",
-            "holder_pid integer NULL",
-            "lock_key integer NOT NULL",
-            "acquired_at timestamptz NULL",
-            "renewed_at timestamptz NULL",
-            "expires_at timestamptz NULL",
-        )
-    ]
+def _creating(*columns: str) -> Callable[[str], list[sql.Composed]]:
+    """The statements of a step that creates a table of ``columns`` (each one's SQL
+    definition)."""
+
+    def statements(table: str) -> list[sql.Composed]:
+        return [_create(table_identifier(table), *columns)]
+
+    return statements
+
+
+_lease_v1 = _creating(
+    "name text PRIMARY KEY",
+    "holder text NULL",  # the holder's node_id (the column keeps its first name)
+    "term bigint NOT NULL DEFAULT 0 CHECK (term >= 0)",
+    "holder_pid integer NULL",
+    "lock_key integer NOT NULL",
+    "acquired_at timestamptz NULL",
+    "renewed_at timestamptz NULL",
+    "expires_at timestamptz NULL",
+)
 
 
 def _claims_v1(table: str) -> list[sql.Composed]:
@@ -403,18 +409,14 @@ def _claims_v1(table: str) -> list[sql.Composed]:
     ]
 
 
-def _elections_v1(table: str) -> list[sql.Composed]:
-    return [
-        _create(
-            table_identifier(table),
-            "name text PRIMARY KEY",
-            "holder text NULL",  # the leader's node_id; NULL after a resign
-            "term bigint NOT NULL CHECK (term >= 1)",
-            "acquired_at timestamptz NOT NULL",
-            "renewed_at timestamptz NOT NULL",
-            "expires_at timestamptz NOT NULL",
-        )
-    ]
+_elections_v1 = _creating(
+    "name text PRIMARY KEY",
+    "holder text NULL",  # the leader's node_id; NULL after a resign
+    "term bigint NOT NULL CHECK (term >= 1)",
+    "acquired_at timestamptz NOT NULL",
+    "renewed_at timestamptz NOT NULL",
+    "expires_at timestamptz NOT NULL",
+)
 
 
 def history_table_name(table: str) -> str:
@@ -520,20 +522,16 @@ def _lease_companions(table: str) -> tuple[tuple[str, sql.Composed], ...]:
     )
 
 
-def _nodes_v1(table: str) -> list[sql.Composed]:
-    return [
-        _create(
-            table_identifier(table),
-            "name text NOT NULL",
-            "node_id text NOT NULL",
-            "hostname text NOT NULL",
-            "pid integer NOT NULL",
-            "client_addr inet NULL",
-            "started_at timestamptz NOT NULL",
-            "last_seen timestamptz NOT NULL",
-            "PRIMARY KEY (name, node_id)",
-        )
-    ]
+_nodes_v1 = _creating(
+    "name text NOT NULL",
+    "node_id text NOT NULL",
+    "hostname text NOT NULL",
+    "pid integer NOT NULL",
+    "client_addr inet NULL",
+    "started_at timestamptz NOT NULL",
+    "last_seen timestamptz NOT NULL",
+    "PRIMARY KEY (name, node_id)",
+)
 
 
 def drains_table_name(nodes_table: str) -> str:
@@ -546,16 +544,12 @@ def drains_table_name(nodes_table: str) -> str:
     return suffixed_name(nodes_table, "drains")
 
 
-def _drains_v1(table: str) -> list[sql.Composed]:
-    return [
-        _create(
-            table_identifier(table),
-            "name text NOT NULL",
-            "node_id text NOT NULL",
-            "drained_at timestamptz NOT NULL DEFAULT clock_timestamp()",
-            "PRIMARY KEY (name, node_id)",
-        )
-    ]
+_drains_v1 = _creating(
+    "name text NOT NULL",
+    "node_id text NOT NULL",
+    "drained_at timestamptz NOT NULL DEFAULT clock_timestamp()",
+    "PRIMARY KEY (name, node_id)",
+)
 
 
 def _broadcast_tables(table: str) -> tuple[str, str]:
