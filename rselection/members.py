@@ -7,12 +7,13 @@ import os
 import secrets
 from dataclasses import dataclass
 from datetime import datetime
+from typing import NotRequired, TypedDict
 
 from .errors import ConfigError
 from .validation import check_name, check_node_id, check_optional_seconds, check_seconds
 from .versions import check_eligible, check_version
 
-__all__ = ["MembershipBase", "NodeInfo", "node_timeout_or_default"]
+__all__ = ["MembershipArgs", "MembershipBase", "NodeInfo", "node_timeout_or_default"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,18 @@ def node_timeout_or_default(heartbeat_interval: float, node_timeout: float | Non
     heartbeat = check_seconds(heartbeat_interval, "heartbeat_interval")
     given = check_optional_seconds(node_timeout, "node_timeout")
     return 3 * heartbeat if given is None else given
+
+
+class MembershipArgs(TypedDict):
+    """The keyword arguments of :class:`MembershipBase`, which a backend's membership
+    takes beside its own and passes on."""
+
+    name: str
+    node_id: str
+    heartbeat_interval: float
+    node_timeout: float
+    version: NotRequired[str | None]
+    eligible: NotRequired[bool]
 
 
 class MembershipBase:

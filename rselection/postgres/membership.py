@@ -22,14 +22,14 @@ import os
 import socket
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import psycopg
 from psycopg import sql
 
 from .. import forks
 from ..errors import BackendUnavailable
-from ..members import MembershipBase, NodeInfo
+from ..members import MembershipArgs, MembershipBase, NodeInfo
 from ._conn import per_call_source, session_conninfo
 from ._lease_sql import array_literal
 from .connections import Connections
@@ -117,34 +117,23 @@ class PostgresMembership(MembershipBase):
             keeper session of its connection string (that of a connection's parameters
             or a pool's, see :func:`~._conn.session_conninfo`); reads and the leave
             borrow from a pool given, else from the process's pooled sessions.
-        name: the name of the lease the node competes for.
-        node_id: this node's id.
         table: the nodes table, optionally schema-qualified.
         lease_table: the lease table, to flag the leader in :meth:`nodes`.
-        heartbeat_interval: seconds between heartbeats.
-        node_timeout: a node not seen for this long is lost.
         create_tables: create the nodes table on first use.
-        version: the release this node runs (PEP 440), recorded with its heartbeats.
-        eligible: whether this node may lead, recorded with its heartbeats.
+        node: the node's lease name, id, heartbeats, version and eligibility (see
+            :class:`~rselection.members.MembershipArgs`).
     """
 
     def __init__(
         self,
         conninfo: str | Any,
         *,
-        name: str,
-        node_id: str,
         table: str,
         lease_table: str,
-        heartbeat_interval: float,
-        node_timeout: float,
         create_tables: bool,
-        version: str | None = None,
-        eligible: bool = True,
+        **node: Unpack[MembershipArgs],
     ) -> None:
-        super().__init__(
-            name, node_id, heartbeat_interval, node_timeout, version=version, eligible=eligible
-        )
+        super().__init__(**node)
         self.table = table
         self._create = create_tables
         # A heartbeat stuck longer than its interval is late anyway: give up and retry.

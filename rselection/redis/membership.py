@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 from datetime import UTC, datetime
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Unpack
 
 import redis
 from redis.backoff import NoBackoff
@@ -32,7 +32,7 @@ from redis.retry import Retry
 from .. import forks
 from ..backoff import backoff
 from ..errors import BackendUnavailable
-from ..members import MembershipBase, NodeInfo
+from ..members import MembershipArgs, MembershipBase, NodeInfo
 from ._conn import describe, unavailable
 from ._scripts import HEARTBEAT, LEAVE, NODES
 from .keys import DEFAULT_KEY_PREFIX, check_key_prefix, membership_keys
@@ -217,14 +217,10 @@ class RedisMembership(MembershipBase):
     Args:
         client: the leader's ``redis.Redis`` or ``RedisCluster`` (its settings serve
             the heartbeats, its pool the reads).
-        name: the name of the lease the node competes for.
-        node_id: this node's id.
         key_prefix: the lease's key prefix.
         lease_key: the lease's key, to flag the leader in :meth:`nodes`.
-        heartbeat_interval: seconds between heartbeats.
-        node_timeout: a node not seen for this long is lost.
-        version: the release this node runs (PEP 440), recorded with its heartbeats.
-        eligible: whether this node may lead, recorded with its heartbeats.
+        node: the node's lease name, id, heartbeats, version and eligibility (see
+            :class:`~rselection.members.MembershipArgs`).
 
     Raises:
         ConfigError: bad arguments (the message says which and why).
@@ -234,20 +230,13 @@ class RedisMembership(MembershipBase):
         self,
         client: Any,
         *,
-        name: str,
-        node_id: str,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         lease_key: str,
-        heartbeat_interval: float,
-        node_timeout: float,
-        version: str | None = None,
-        eligible: bool = True,
+        **node: Unpack[MembershipArgs],
     ) -> None:
-        super().__init__(
-            name, node_id, heartbeat_interval, node_timeout, version=version, eligible=eligible
-        )
+        super().__init__(**node)
         self.key_prefix = check_key_prefix(key_prefix)
-        self.keys = membership_keys(name, key_prefix)
+        self.keys = membership_keys(self.name, key_prefix)
         self._lease_key = lease_key
         self._client = client
         # The server (host, port, db) whose heartbeat thread sends this node's.
