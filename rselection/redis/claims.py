@@ -21,10 +21,10 @@ import redis
 from redis.cluster import RedisCluster
 
 from ..claiming import ClaimsPartlyFailed, check_fire_key, check_fire_keys
-from ..node_identity import NodeIdentity
-from ..validation import check_optional_term, check_seconds
-from ._conn import ClientUser, describe, unavailable
-from .keys import DEFAULT_KEY_PREFIX, check_key_prefix, claim_key
+from ..validation import check_optional_term
+from ._conn import describe, unavailable
+from .keys import DEFAULT_KEY_PREFIX, claim_key
+from .node_keys import NodeKeys
 
 __all__ = ["FIRE_KEY_FORMAT", "RedisClaimer"]
 
@@ -78,7 +78,7 @@ return won
 """
 
 
-class RedisClaimer(ClientUser, NodeIdentity):
+class RedisClaimer(NodeKeys):
     """Claims each fire of a schedule in Redis, so a fleet runs it once.
 
     A :class:`~rselection.claiming.MissedFireClaimer` and a
@@ -97,6 +97,10 @@ class RedisClaimer(ClientUser, NodeIdentity):
         ConfigError: a bad client, key prefix, ttl or node id.
     """
 
+    key_prefix: str
+    """The prefix of every claim key."""
+    ttl: float
+    """Seconds a claim binds."""
     node_id: str
     """Who this claimer claims as."""
 
@@ -108,23 +112,14 @@ class RedisClaimer(ClientUser, NodeIdentity):
         ttl: float = 600.0,
         node_id: str | None = None,
     ) -> None:
-        self.key_prefix = check_key_prefix(key_prefix)
-        """The prefix of every claim key."""
-        self.ttl = check_seconds(ttl, "ttl", minimum=0.001)
-        """Seconds a claim binds."""
-        self._take_node_id(node_id)
-        self._use_client(client, "RedisClaimer")
+        self._keep_keys(client, "RedisClaimer", key_prefix, ttl, node_id)
         self._cluster = isinstance(self._client, RedisCluster)
-        self._ttl_ms = max(1, round(self.ttl * 1000))
         self._claim = self._client.register_script(CLAIM)
         self._claim_missed = self._client.register_script(CLAIM_MISSED)
         self._claim_many = self._client.register_script(CLAIM_MANY)
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(key_prefix={self.key_prefix!r}, ttl={self.ttl}, "
-            f"node_id={self.node_id!r}, {describe(self._client)})"
-        )
+        return f"{type(self).__name__}(key_prefix={self.key_prefix!r}, {self._describe()})"
 
     def key(self, fire_key: str) -> str:
         """The Redis key of a fire's claim: ``key_prefix + fire_key``."""

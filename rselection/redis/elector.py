@@ -20,10 +20,11 @@ from typing import Any
 import redis
 
 from ..electing import Elector
-from ..validation import check_name, check_seconds
-from ._conn import ClientUser, describe, unavailable
-from .keys import DEFAULT_KEY_PREFIX, check_key_prefix
+from ..validation import check_name
+from ._conn import describe, unavailable
+from .keys import DEFAULT_KEY_PREFIX
 from .keys import elector_keys as elector_keys  # re-exported
+from .node_keys import NodeKeys
 
 __all__ = ["RedisElector"]
 
@@ -80,7 +81,7 @@ return 0
 """
 
 
-class RedisElector(ClientUser, Elector):
+class RedisElector(NodeKeys, Elector):
     """Leader election that acquires or renews on each :meth:`is_leader` call.
 
     See the module docstring. Thread-safe; one instance is one candidate (its
@@ -110,20 +111,13 @@ class RedisElector(ClientUser, Elector):
         node_id: str | None = None,
     ) -> None:
         self.name = check_name(name, "name")
-        self.key_prefix = check_key_prefix(key_prefix)
+        self._keep_keys(client, "RedisElector", key_prefix, ttl, node_id)
         self.key, self.term_key = elector_keys(self.name, self.key_prefix)
-        self.ttl = check_seconds(ttl, "ttl", minimum=0.001)
-        self._take_node_id(node_id)
-        self._use_client(client, "RedisElector")
-        self._ttl_ms = max(1, round(self.ttl * 1000))
         self._elect = self._client.register_script(ELECT)
         self._resign = self._client.register_script(RESIGN)
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(name={self.name!r}, key={self.key!r}, ttl={self.ttl}, "
-            f"node_id={self.node_id!r}, {describe(self._client)})"
-        )
+        return f"{type(self).__name__}(name={self.name!r}, key={self.key!r}, {self._describe()})"
 
     def is_leader(self) -> bool:
         """Acquire or renew the leadership; ``True`` while this elector holds it.
