@@ -7,7 +7,7 @@ import os
 import secrets
 from dataclasses import dataclass
 from datetime import datetime
-from typing import NotRequired, TypedDict
+from typing import NotRequired, TypedDict, Unpack
 
 from .errors import ConfigError
 from .validation import check_name, check_node_id, check_optional_seconds, check_seconds
@@ -62,8 +62,9 @@ def node_timeout_or_default(heartbeat_interval: float, node_timeout: float | Non
 
 
 class MembershipArgs(TypedDict):
-    """The keyword arguments of :class:`MembershipBase`, which a backend's membership
-    takes beside its own and passes on."""
+    """The keyword arguments of :class:`MembershipBase` (``version`` is ``None`` and
+    ``eligible`` true unless given), which a backend's membership takes beside its own
+    and passes on."""
 
     name: str
     node_id: str
@@ -81,35 +82,26 @@ class MembershipBase:
     heartbeats record. Raises :class:`ConfigError` for bad ones.
     """
 
-    def __init__(
-        self,
-        name: str,
-        node_id: str,
-        heartbeat_interval: float,
-        node_timeout: float,
-        *,
-        version: str | None = None,
-        eligible: bool = True,
-    ) -> None:
-        heartbeat_interval = check_seconds(heartbeat_interval, "heartbeat_interval")
-        node_timeout = check_seconds(node_timeout, "node_timeout")
+    def __init__(self, **node: Unpack[MembershipArgs]) -> None:
+        heartbeat_interval = check_seconds(node["heartbeat_interval"], "heartbeat_interval")
+        node_timeout = check_seconds(node["node_timeout"], "node_timeout")
         if not node_timeout > heartbeat_interval:
             raise ConfigError(
                 f"node_timeout ({node_timeout:g} s) must be longer than heartbeat_interval "
                 f"({heartbeat_interval:g} s), which must be positive: a node would be lost "
                 "between two of its own heartbeats"
             )
-        self.name = check_name(name, "lease name")
+        self.name = check_name(node["name"], "lease name")
         """The name of the lease the node competes for."""
-        self.node_id = check_node_id(node_id)
+        self.node_id = check_node_id(node["node_id"])
         """This node's id (a leader sets it again in a forked child)."""
         self.heartbeat_interval = heartbeat_interval
         """Seconds between heartbeats."""
         self.node_timeout = node_timeout
         """A node not seen for this long is lost (``alive=False``)."""
-        self.version = check_version(version)
+        self.version = check_version(node.get("version"))
         """The release this node runs (PEP 440), ``None`` when it gave none."""
-        self.eligible = check_eligible(eligible)
+        self.eligible = check_eligible(node.get("eligible", True))
         """Whether this node may lead (see :class:`NodeInfo`)."""
         self._token = secrets.token_hex(8)
 

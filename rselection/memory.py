@@ -551,10 +551,10 @@ class MemoryMembership(MembershipBase):
                 f"a MemoryMembership lists the nodes of a LeaseBackend, got {type(lease).__name__}"
             )
         super().__init__(
-            lease.name,
-            node_id,
-            heartbeat_interval,
-            node_timeout,
+            name=lease.name,
+            node_id=node_id,
+            heartbeat_interval=heartbeat_interval,
+            node_timeout=node_timeout,
             version=version,
             eligible=eligible,
         )
