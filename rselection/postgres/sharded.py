@@ -42,11 +42,7 @@ __all__ = ["PostgresShardedLeader"]
 
 
 class _ShardLeader(ShardLeader, PostgresLeader):
-    """The leader of one shard: a ``PostgresLeader`` whose terms know their shard.
-
-    It sends no heartbeats of its own (the node heartbeats once, as a member of the
-    lease ``"<name>"``), and ``ctx.nodes()`` lists the sharded leader's nodes.
-    """
+    """The leader of one shard (see :class:`ShardLeader`) on a ``PostgresLeader``."""
 
     def holder_died(self) -> bool:
         """Whether a keeper session died since the last wake (the holder's, maybe)."""

@@ -44,11 +44,7 @@ __all__ = ["RedisShardedLeader"]
 
 
 class _ShardLeader(ShardLeader, RedisLeader):
-    """The leader of one shard: a ``RedisLeader`` whose terms know their shard.
-
-    It sends no heartbeats of its own (the node heartbeats once, as a member of the
-    lease ``"<name>"``), and ``ctx.nodes()`` lists the sharded leader's nodes.
-    """
+    """The leader of one shard (see :class:`ShardLeader`) on a ``RedisLeader``."""
 
     def holder_died(self) -> bool:
         """Whether this node found the holder's connection gone since its last attempt."""
