@@ -34,8 +34,6 @@ from rselection import forks
 from rselection.closeable import Closeable
 from rselection.errors import ConfigError, RSelectionError
 
-from .readonly import ReadOnly
-
 __all__ = [
     "BroadcastStats",
     "Broadcaster",
@@ -134,22 +132,30 @@ class Subscription(Closeable):
 
     # -- properties ----------------------------------------------------------------
 
-    channel: ReadOnly[str] = ReadOnly("_channel")
-    """The channel this subscription receives."""
+    @property
+    def channel(self) -> str:
+        """The channel this subscription receives."""
+        return self._channel
 
-    maxsize: ReadOnly[int] = ReadOnly("_maxsize")
-    """How many unread messages are buffered before new ones are dropped."""
+    @property
+    def maxsize(self) -> int:
+        """How many unread messages are buffered before new ones are dropped."""
+        return self._maxsize
 
-    overflowed: ReadOnly[int] = ReadOnly("_overflowed")
-    """How many messages were dropped because the buffer was full."""
+    @property
+    def overflowed(self) -> int:
+        """How many messages were dropped because the buffer was full."""
+        return self._overflowed
 
     @property
     def pending(self) -> int:
         """How many messages are buffered and not read yet."""
         return len(self._buffer)
 
-    closed: ReadOnly[bool] = ReadOnly("_closed")
-    """Whether the subscription (or its broadcaster) was closed."""
+    @property
+    def closed(self) -> bool:
+        """Whether the subscription (or its broadcaster) was closed."""
+        return self._closed
 
     # -- producer side (called by Broadcaster.publish) ------------------------------
 

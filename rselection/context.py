@@ -18,7 +18,6 @@ from . import clock
 # The fence role moved to rselection.abc with the others; its name stays importable here.
 from .abc import TransactionFence
 from .errors import ConfigError, LeadershipLost
-from .readonly import ReadOnly
 from .task_checkpoint import TaskCheckpoint
 
 if TYPE_CHECKING:
@@ -358,18 +357,26 @@ class TaskContext:
         self._term = term
         self._checkpoint: TaskCheckpoint | None = None
 
-    term: ReadOnly[int] = ReadOnly("_term.number")
-    """The fencing term this run belongs to."""
+    @property
+    def term(self) -> int:
+        """The fencing term this run belongs to."""
+        return self._term.number
 
-    node_id: ReadOnly[str] = ReadOnly("_term.node_id")
-    """This node's id."""
+    @property
+    def node_id(self) -> str:
+        """This node's id."""
+        return self._term.node_id
 
-    shard: ReadOnly[int | None] = ReadOnly("_term.shard")
-    """The shard this run belongs to (``0 .. shards - 1``) under a sharded leader
-    (:class:`~rselection.PostgresShardedLeader`), else ``None``."""
+    @property
+    def shard(self) -> int | None:
+        """The shard this run belongs to (``0 .. shards - 1``) under a sharded leader
+        (:class:`~rselection.PostgresShardedLeader`), else ``None``."""
+        return self._term.shard
 
-    shards: ReadOnly[int | None] = ReadOnly("_term.shards")
-    """The sharded leader's number of shards, else ``None``."""
+    @property
+    def shards(self) -> int | None:
+        """The sharded leader's number of shards, else ``None``."""
+        return self._term.shards
 
     @property
     def cancelled(self) -> threading.Event:

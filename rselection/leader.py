@@ -38,7 +38,6 @@ from .errors import ConfigError, RSelectionError
 from .leadership import CLEANUP_TIMEOUT, Leadership, StepDown
 from .lease import LeaderInfo
 from .members import NodeInfo
-from .readonly import ReadOnly
 from .specs import TaskType
 from .stop_signals import stop_on_signals
 from .task_board import TaskBoard
@@ -287,18 +286,26 @@ class LeaseLeader(Service):
 
     # -- public ---------------------------------------------------------------------
 
-    name: ReadOnly[str] = ReadOnly("_state.name")
-    """The lease name."""
+    @property
+    def name(self) -> str:
+        """The lease name."""
+        return self._state.name
 
-    node_id: ReadOnly[str] = ReadOnly("_state.node_id")
-    """This node's id."""
+    @property
+    def node_id(self) -> str:
+        """This node's id."""
+        return self._state.node_id
 
-    version: ReadOnly[str | None] = ReadOnly("_state.version")
-    """The release this node runs, as given (``None``: none given)."""
+    @property
+    def version(self) -> str | None:
+        """The release this node runs, as given (``None``: none given)."""
+        return self._state.version
 
-    eligible: ReadOnly[bool] = ReadOnly("_state.eligible")
-    """Whether this node may lead: ``eligible=`` as given, and not drained by an operator
-    (``rselection drain``)."""
+    @property
+    def eligible(self) -> bool:
+        """Whether this node may lead: ``eligible=`` as given, and not drained by an
+        operator (``rselection drain``)."""
+        return self._state.eligible
 
     @property
     def lease(self) -> LeaseBackend:
@@ -315,18 +322,26 @@ class LeaseLeader(Service):
         """The store behind ``ctx.checkpoint`` (to inspect or seed task state), if any."""
         return self._checkpoint_store
 
-    handler: ReadOnly[TaskHandler] = ReadOnly("_state.handler")
-    """The task handler this leader runs."""
+    @property
+    def handler(self) -> TaskHandler:
+        """The task handler this leader runs."""
+        return self._state.handler
 
-    broadcaster: ReadOnly[Broadcaster | None] = ReadOnly("_state.broadcaster")
-    """The broadcaster handed to tasks, if any."""
+    @property
+    def broadcaster(self) -> Broadcaster | None:
+        """The broadcaster handed to tasks, if any."""
+        return self._state.broadcaster
 
-    timings: ReadOnly[Timings] = ReadOnly("_state.timings")
-    """The validated timings."""
+    @property
+    def timings(self) -> Timings:
+        """The validated timings."""
+        return self._state.timings
 
-    stop_grace: ReadOnly[float] = ReadOnly("_state.stop_grace")
-    """Seconds this leader waits for cancelled tasks (the handler's, or what the timings
-    allow)."""
+    @property
+    def stop_grace(self) -> float:
+        """Seconds this leader waits for cancelled tasks (the handler's, or what the
+        timings allow)."""
+        return self._state.stop_grace
 
     @property
     def is_leader(self) -> bool:

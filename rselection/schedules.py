@@ -18,8 +18,6 @@ from croniter import CroniterBadDateError, CroniterError, croniter
 
 from rselection.errors import ConfigError
 
-from .readonly import ReadOnly
-
 __all__ = [
     "CronSchedule",
     "IntervalSchedule",
@@ -113,8 +111,13 @@ def as_timedelta(value: object, what: str) -> timedelta:
     return result
 
 
-def _to_utc(value: object, what: str) -> datetime:
-    """Check that ``value`` is an aware datetime and return it in UTC."""
+def aware_utc(value: object, what: str) -> datetime:
+    """Check that ``value`` is an aware datetime and return it in UTC.
+
+    Args:
+        value: the datetime to check.
+        what: names it in the :class:`~rselection.ConfigError` a bad one raises.
+    """
     if not isinstance(value, datetime):
         raise ConfigError(f"{what} must be a timezone-aware datetime, got {_describe(value)}")
     if value.tzinfo is None or value.utcoffset() is None:
@@ -198,7 +201,7 @@ class IntervalSchedule:
             self._aligned = True
             self._bounded = False
         elif start is not None:
-            t0 = _to_utc(start, "start")
+            t0 = aware_utc(start, "start")
             self._aligned = True
             self._bounded = True
         else:
@@ -218,19 +221,25 @@ class IntervalSchedule:
         """The interval, as a timedelta (rounded down to the microsecond)."""
         return timedelta(microseconds=self._every_ns // _NS_PER_US)
 
-    every_ns: ReadOnly[int] = ReadOnly("_every_ns")
-    """The interval, in exact nanoseconds."""
+    @property
+    def every_ns(self) -> int:
+        """The interval, in exact nanoseconds."""
+        return self._every_ns
 
     @property
     def jitter(self) -> timedelta:
         """The upper bound (exclusive) of the per-fire delay; zero means no jitter."""
         return timedelta(microseconds=self._jitter_us)
 
-    start: ReadOnly[datetime] = ReadOnly("_start")
-    """Fire 0 (``t0``): the Unix epoch when aligned to it, else the anchor (UTC)."""
+    @property
+    def start(self) -> datetime:
+        """Fire 0 (``t0``): the Unix epoch when aligned to it, else the anchor (UTC)."""
+        return self._start
 
-    aligned: ReadOnly[bool] = ReadOnly("_aligned")
-    """True when every node computes the same instants, whenever it was started."""
+    @property
+    def aligned(self) -> bool:
+        """True when every node computes the same instants, whenever it was started."""
+        return self._aligned
 
     def _base_micros(self, n: int) -> int:
         """Fire ``n`` without jitter, in microseconds since the epoch (truncated)."""
@@ -254,7 +263,7 @@ class IntervalSchedule:
         :class:`~rselection.errors.ConfigError`. Returns ``None`` only when the next
         fire is beyond ``datetime.max``.
         """
-        after_us = _epoch_micros(_to_utc(after, "after"))
+        after_us = _epoch_micros(aware_utc(after, "after"))
         # Smallest n whose truncated instant is > after_us, i.e. whose nanosecond
         # instant is >= (after_us + 1) microseconds.
         n = -((self._t0_ns - (after_us + 1) * _NS_PER_US) // self._every_ns)
@@ -342,11 +351,15 @@ class CronSchedule:
                 "database)"
             ) from exc
 
-    expr: ReadOnly[str] = ReadOnly("_expr")
-    """The cron expression, as given."""
+    @property
+    def expr(self) -> str:
+        """The cron expression, as given."""
+        return self._expr
 
-    tz: ReadOnly[ZoneInfo] = ReadOnly("_tz")
-    """The time zone whose local time the expression is matched against."""
+    @property
+    def tz(self) -> ZoneInfo:
+        """The time zone whose local time the expression is matched against."""
+        return self._tz
 
     @property
     def aligned(self) -> bool:
@@ -366,7 +379,7 @@ class CronSchedule:
         :class:`~rselection.errors.ConfigError`. Returns ``None`` when the expression
         has no match left (a year field in the past, or beyond ``datetime.max``).
         """
-        after_utc = _to_utc(after, "after")
+        after_utc = aware_utc(after, "after")
         cursor = after_utc
         tz: tzinfo = self._tz
         for _ in range(_CRON_MAX_CANDIDATES):
@@ -411,7 +424,7 @@ def format_fire_key(task_name: str, scheduled_at: datetime) -> str:
     """
     if not isinstance(task_name, str) or not task_name:
         raise ConfigError(f"task_name must be a non-empty str, got {_describe(task_name)}")
-    at = _to_utc(scheduled_at, "scheduled_at")
+    at = aware_utc(scheduled_at, "scheduled_at")
     return (
         f"{task_name}@{at.year:04d}-{at.month:02d}-{at.day:02d}"
         f"T{at.hour:02d}:{at.minute:02d}:{at.second:02d}.{at.microsecond:06d}000Z"

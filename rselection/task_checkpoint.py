@@ -8,7 +8,6 @@ from typing import Any
 from .abc import CheckpointStore
 from .checkpoints import Key, Snapshot
 from .keys import lease_scoped
-from .readonly import ReadOnly
 from .validation import check_name, check_term
 
 __all__ = ["TaskCheckpoint"]
@@ -41,14 +40,20 @@ class TaskCheckpoint:
         self._key: Key = lease_scoped(self._name, check_name(task, "task name"))
         self._term = check_term(term)
 
-    key: ReadOnly[Key] = ReadOnly("_key")
-    """The key the task's snapshot is stored under (``lease_scoped(name, task)``)."""
+    @property
+    def key(self) -> Key:
+        """The key the task's snapshot is stored under (``lease_scoped(name, task)``)."""
+        return self._key
 
-    term: ReadOnly[int] = ReadOnly("_term")
-    """The term saves are fenced to."""
+    @property
+    def term(self) -> int:
+        """The term saves are fenced to."""
+        return self._term
 
-    name: ReadOnly[str] = ReadOnly("_name")
-    """The name of the lease whose term fences the saves."""
+    @property
+    def name(self) -> str:
+        """The name of the lease whose term fences the saves."""
+        return self._name
 
     def load(self) -> Snapshot | None:
         """The task's last snapshot (from any term), or ``None``."""

@@ -10,7 +10,6 @@ from ..context import NoTransactionFence
 from ..history import HISTORY_LIMIT
 from ..member_leader import DEFAULT_CLAIMER, DefaultClaimer, MemberLeader
 from ..members import node_timeout_or_default
-from ..readonly import ReadOnly
 from ..task_runs import RUN_HISTORY_LIMIT
 from ..timing import Timings
 from ..validation import check_name
@@ -228,11 +227,15 @@ class RedisLeader(MemberLeader):
             term=term,
         )
 
-    lease: ReadOnly[RedisLease] = ReadOnly("_redis_lease")
-    """The lease backend (its keys, its keeper's client id)."""
+    @property
+    def lease(self) -> RedisLease:
+        """The lease backend (its keys, its keeper's client id)."""
+        return self._redis_lease
 
-    fence: ReadOnly[RedisFence] = ReadOnly("_fence_writes")
-    """Runs Redis commands only while a term holds this lease: ``fence.call(ctx.term, ...)``."""
+    @property
+    def fence(self) -> RedisFence:
+        """Runs Redis commands only while a term holds this lease: ``fence.call(ctx.term, ...)``."""
+        return self._fence_writes
 
     def nodes(self) -> list[NodeInfo]:
         """Every node of this lease from its heartbeats, oldest first.

@@ -26,7 +26,6 @@ from ..history import HISTORY_LIMIT, check_history_limit
 from ..leader import LeaseLeader
 from ..lease import LeaderInfo
 from ..member_leader import DefaultClaimer, MemberLeader, OwnClaimer
-from ..readonly import ReadOnly
 from ..sharding import (
     check_shard_name,
     check_shards,
@@ -407,17 +406,25 @@ class ShardedLeader(Service, ABC):
 
     # -- public ---------------------------------------------------------------------
 
-    name: ReadOnly[str] = ReadOnly("_name")
-    """The sharded name (the shards' leases are ``"<name>/<shard>"``)."""
+    @property
+    def name(self) -> str:
+        """The sharded name (the shards' leases are ``"<name>/<shard>"``)."""
+        return self._name
 
-    shards: ReadOnly[int] = ReadOnly("_shards")
-    """The number of shards."""
+    @property
+    def shards(self) -> int:
+        """The number of shards."""
+        return self._shards
 
-    node_id: ReadOnly[str] = ReadOnly("_node_id")
-    """This node's id."""
+    @property
+    def node_id(self) -> str:
+        """This node's id."""
+        return self._node_id
 
-    timings: ReadOnly[Timings] = ReadOnly("_timings")
-    """The validated timings of every shard's lease."""
+    @property
+    def timings(self) -> Timings:
+        """The validated timings of every shard's lease."""
+        return self._timings
 
     @property
     def is_leader(self) -> bool:

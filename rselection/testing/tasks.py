@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import signals
 from ..context import TaskContext, Term
-from ..schedules import Schedule, _to_utc, format_fire_key
+from ..schedules import Schedule, aware_utc, format_fire_key
 from ..single_node import SingleNodeLeader
 from ..specs import TaskSpec, TaskType
 from ..tasks import TaskHandler
@@ -262,7 +262,7 @@ class FakeClock:
     """
 
     def __init__(self, start: datetime | None = None, *handlers: TaskHandler) -> None:
-        self._now = datetime.now(UTC) if start is None else _to_utc(start, "start")
+        self._now = datetime.now(UTC) if start is None else aware_utc(start, "start")
         self._next: dict[str, tuple[Schedule, datetime | None]] = {}
         for handler in handlers:
             for spec in handler.specs():
@@ -305,7 +305,7 @@ class FakeClock:
 
     def advance_to(self, instant: datetime) -> list[Fire]:
         """Move forward to ``instant`` (aware, not before :attr:`now`); return the fires passed."""
-        target = _to_utc(instant, "instant")
+        target = aware_utc(instant, "instant")
         if target < self._now:
             raise ValueError(f"a FakeClock only moves forward: {target} is before {self._now}")
         passed: list[tuple[datetime, int, Fire]] = []
@@ -350,7 +350,7 @@ def _prepare(
             if scheduled_at is None:
                 raise ValueError(f"task {name!r} has no fire left; pass at=")
         else:
-            scheduled_at = _to_utc(at, "at")
+            scheduled_at = aware_utc(at, "at")
     live = Term(
         term,
         node_id,

@@ -98,3 +98,21 @@ def test_dev_extra_has_the_release_tools_ci_uses() -> None:
     dev = " ".join(_project()["project"]["optional-dependencies"]["dev"])
     for tool in ("build", "twine", "trove-classifiers"):
         assert re.search(rf"(^| ){re.escape(tool)}\b", dev), tool
+
+
+@pytest.mark.parametrize(
+    "cls",
+    ["LeaseLeader", "SingleNodeLeader", "PostgresLeader", "RedisLeader", "PostgresShardedLeader"],
+)
+def test_the_leaders_read_only_attributes_are_properties_with_their_own_docstrings(
+    cls: str,
+) -> None:
+    # A type checker matches a leader to the rs.Leader protocol, and a user's subclass
+    # may override one of them, only when they are properties (pyright refused every
+    # leader as an rs.Leader when they were descriptors of another kind); help() shows
+    # a property's docstring.
+    leader_cls = getattr(rs, cls)
+    for name in ("node_id", "is_leader", "term", "name", "timings"):
+        attribute = inspect.getattr_static(leader_cls, name)
+        assert isinstance(attribute, property), f"{cls}.{name} is {type(attribute).__name__}"
+        assert attribute.__doc__, f"{cls}.{name} has no docstring"

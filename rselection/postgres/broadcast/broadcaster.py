@@ -21,7 +21,6 @@ from ... import forks
 from ...broadcast import Broadcaster, BroadcastStats, OverflowHook, Receiver, Subscription
 from ...errors import BackendUnavailable, ConfigError, RSelectionError
 from ...json_text import strict_json
-from ...readonly import ReadOnly
 from .listener import GapHook, Listener
 from .listening import ListeningSession
 from .outbox import BROADCAST_TABLE, Outbox
@@ -233,11 +232,15 @@ class PostgresBroadcaster(Broadcaster):
 
     # -- public API -----------------------------------------------------------------
 
-    retention: ReadOnly[float] = ReadOnly("settings.retention")
-    """Seconds a message stays in the outbox (server time)."""
+    @property
+    def retention(self) -> float:
+        """Seconds a message stays in the outbox (server time)."""
+        return self.settings.retention
 
-    io_timeout: ReadOnly[float] = ReadOnly("settings.io_timeout")
-    """Bound of one round trip, seconds."""
+    @property
+    def io_timeout(self) -> float:
+        """Bound of one round trip, seconds."""
+        return self.settings.io_timeout
 
     @property
     def closed(self) -> bool:

@@ -28,7 +28,6 @@ import psycopg
 from ...backoff import backoff
 from ...broadcast import BroadcasterClosed
 from ...errors import BackendUnavailable, ConfigError
-from ...readonly import ReadOnly
 from .._conn import abort_socket
 from ..session_pool import IDLE_CLOSE, SessionPool
 from .listener import Listener
@@ -151,8 +150,10 @@ class Writer:
         """Start the writer thread."""
         self._thread.start()
 
-    closing: ReadOnly[bool] = ReadOnly("_closing")
-    """Whether :meth:`begin_close` was called: no message is accepted any more."""
+    @property
+    def closing(self) -> bool:
+        """Whether :meth:`begin_close` was called: no message is accepted any more."""
+        return self._closing
 
     @property
     def pending(self) -> int:
