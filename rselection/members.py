@@ -74,6 +74,12 @@ class MembershipArgs(TypedDict):
     eligible: NotRequired[bool]
 
 
+_ARGS = MembershipArgs.__annotations__.keys()
+# Not __required_keys__: under postponed annotations Python 3.11 counts NotRequired
+# keys as required.
+_REQUIRED = _ARGS - {"version", "eligible"}
+
+
 class MembershipBase:
     """What every membership (:class:`~rselection.abc.Membership`) checks and keeps the
     same way: the name of the lease its node competes for, the node's id, the seconds
@@ -83,6 +89,14 @@ class MembershipBase:
     """
 
     def __init__(self, **node: Unpack[MembershipArgs]) -> None:
+        # A type checker holds a caller to MembershipArgs; at run time, as a signature
+        # of named arguments would, a misspelt or missing one is a TypeError.
+        problems = [
+            *(f"unexpected keyword argument {k!r}" for k in sorted(node.keys() - _ARGS)),
+            *(f"missing keyword argument {k!r}" for k in sorted(_REQUIRED - node.keys())),
+        ]
+        if problems:
+            raise TypeError(f"{type(self).__name__}(): {', '.join(problems)}")
         heartbeat_interval = check_seconds(node["heartbeat_interval"], "heartbeat_interval")
         node_timeout = check_seconds(node["node_timeout"], "node_timeout")
         if not node_timeout > heartbeat_interval:

@@ -117,3 +117,14 @@ def test_bad_arguments_are_refused() -> None:
         rs.MemoryMembership(lease, "")
     with pytest.raises(rs.ConfigError, match="LeaseBackend"):
         rs.MemoryMembership(object(), "n1")  # type: ignore[arg-type]
+
+
+def test_a_membership_refuses_a_misspelt_or_missing_argument_as_a_signature_would() -> None:
+    from rselection.members import MembershipBase
+
+    node: dict[str, Any] = {"name": "m", "node_id": "n1", "heartbeat_interval": 1.0}
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'eligble'"):
+        MembershipBase(**node, node_timeout=5.0, eligble=False)
+    with pytest.raises(TypeError, match=r"missing keyword argument 'node_timeout'"):
+        MembershipBase(**node)
+    assert MembershipBase(**node, node_timeout=5.0, eligible=False).eligible is False
