@@ -68,17 +68,6 @@ _LEASE_MEMBERS = (
     "close",
 )
 
-# What each optional part of a leader must offer, as its refusal says it.
-_NEEDS = {
-    "claimer": "must have claim(fire_key, *, term) and ttl (a PostgresClaimer, RedisClaimer "
-    "or MemoryClaimer)",
-    "checkpoint_store": "must have load(key), save(key, state, *, term, name) and delete(key, "
-    "*, term, name) (a PostgresCheckpointStore or MemoryCheckpointStore)",
-    "fence": "must have fence(conn, term) and afence(conn, term)",
-    "task_store": "must be a TaskStore (read_controls, publish_tasks, write_runs, ...; a "
-    "MemoryTaskStore, say)",
-}
-
 
 @runtime_checkable
 class Leader(Protocol):
@@ -211,14 +200,37 @@ class LeaseLeader(Service):
         timings = _leader_timings(
             lease, timings, ttl, renew_interval, renew_deadline, retry_interval
         )
-        for arg, value, role in (
-            ("claimer", claimer, FireClaimer),
-            ("checkpoint_store", checkpoint_store, CheckpointStore),
-            ("fence", fence, TransactionFence),
-            ("task_store", task_store, TaskStore),
+        for arg, value, role, needs in (
+            (
+                "claimer",
+                claimer,
+                FireClaimer,
+                "must have claim(fire_key, *, term) and ttl (a PostgresClaimer, "
+                "RedisClaimer or MemoryClaimer)",
+            ),
+            (
+                "checkpoint_store",
+                checkpoint_store,
+                CheckpointStore,
+                "must have load(key), save(key, state, *, term, name) and delete(key, *, "
+                "term, name) (a PostgresCheckpointStore or MemoryCheckpointStore)",
+            ),
+            (
+                "fence",
+                fence,
+                TransactionFence,
+                "must have fence(conn, term) and afence(conn, term)",
+            ),
+            (
+                "task_store",
+                task_store,
+                TaskStore,
+                "must be a TaskStore (read_controls, publish_tasks, write_runs, ...; a "
+                "MemoryTaskStore, say)",
+            ),
         ):
             if value is not None and not isinstance(value, role):
-                raise ConfigError(f"{arg} {_NEEDS[arg]}, or be None, got {type(value).__name__}")
+                raise ConfigError(f"{arg} {needs}, or be None, got {type(value).__name__}")
         board = None
         if task_store is not None:
             limit = check_run_limit(run_history_limit, "run_history_limit")

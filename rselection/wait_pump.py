@@ -56,8 +56,9 @@ pump by then."""
 
 @dataclass(slots=True, eq=False)
 class _Entry:
-    """One lease's watch in the pump. ``state`` and ``removed`` are the pump's (under its
-    lock); ``watch`` is the worker's."""
+    """One lease's watch in the pump. ``removed``, ``running``, ``stepping``,
+    ``registered`` and ``version`` are the pump's (under its lock); ``watch`` is the
+    worker's."""
 
     key: object
     lane: Executor
