@@ -365,7 +365,9 @@ class TaskHandler:
         return runner is not None and runner.term.live()
 
     def health(self) -> dict[str, dict[str, Any]]:
-        """Per task: state, runs, failures, skipped, last error, last and next fire."""
+        """Per task: state, runs, failures, skipped, whether the last finished run
+        failed (``last_failed``, which a health probe should read: ``state`` is
+        ``"running"`` while the next run goes on), last error, last and next fire."""
         with self._lock:
             specs = list(self._specs.values())
         report: dict[str, dict[str, Any]] = {}
@@ -377,6 +379,7 @@ class TaskHandler:
                 "runs": s.runs,
                 "failures": s.failures,
                 "skipped": s.skipped,
+                "last_failed": s.last_failed,
                 "last_error": s.last_error,
                 "last_fire": s.last_fire,
                 "next_fire": s.next_fire,

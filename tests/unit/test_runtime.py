@@ -350,6 +350,39 @@ def test_scheduled_task_that_raises_runs_again_at_its_next_fire(
     assert report["steady"]["failures"] == 0
 
 
+def test_a_task_whose_last_run_failed_says_so_while_its_next_run_is_going(
+    leaders: Callable[..., rs.SingleNodeLeader],
+) -> None:
+    # A health probe reads last_failed: before it, a failing task's next run showed only
+    # state "running", and the probe of the FastAPI example flapped between 503 and 200.
+    handler = rs.TaskHandler()
+    runs: list[int] = []
+    second_run = threading.Event()
+    release = threading.Event()
+
+    @handler.interval(0.05, name="flaky")
+    def flaky(ctx: rs.TaskContext) -> None:
+        runs.append(len(runs))
+        if len(runs) == 1:
+            raise RuntimeError("downstream is down")
+        second_run.set()
+        release.wait(10)
+
+    leader = leaders(handler)
+    leader.start()
+    try:
+        assert second_run.wait(10), "no second run"
+        report = handler.health()["flaky"]
+        assert report["state"] == "running"
+        assert report["last_failed"] is True
+        assert report["last_error"] == "RuntimeError: downstream is down"
+    finally:
+        release.set()
+    wait_until(lambda: not handler.health()["flaky"]["last_failed"], what="a run that passed")
+    leader.stop(timeout=10)
+    assert handler.health()["flaky"]["state"] == "idle"
+
+
 def test_restart_never_runs_once_per_term(leaders: Callable[..., rs.SingleNodeLeader]) -> None:
     handler = rs.TaskHandler(stop_grace=2.0)
     raising: list[int] = []

@@ -107,6 +107,7 @@ def test_health_before_any_run() -> None:
         "runs": 0,
         "failures": 0,
         "skipped": 0,
+        "last_failed": False,
         "last_error": None,
         "last_fire": None,
         "next_fire": None,

@@ -279,11 +279,15 @@ def test_fastapi_healthz_is_503_while_a_task_fails(fastapi_app: ModuleType) -> N
 
     @tasks.interval(0.05, name="broken")
     def broken(ctx: rs.TaskContext) -> None:
+        ctx.sleep(0.03)  # running about half the time: probes land in runs too
         raise RuntimeError("downstream is down")
 
     with TestClient(app) as client:
         wait_until(lambda: client.get("/healthz").status_code == 503, 10, "a 503")
-        body = client.get("/healthz").json()
+        # Every probe until the task passes again: none while its next run goes on.
+        probes = [client.get("/healthz") for _ in range(20)]
+        assert [p.status_code for p in probes] == [503] * 20
+        body = probes[-1].json()
         assert body["status"] == "failing"
         assert body["failing"] == ["broken"]
         assert "downstream is down" in body["tasks"]["broken"]["last_error"]
