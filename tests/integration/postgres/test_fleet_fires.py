@@ -170,14 +170,16 @@ def test_new_leader_handles_fires_missed_while_none_led(pg_dsn: str, policy: str
             f"{describe([at])}: ran {at in b_ran}, reported misfire {at in misfires}, "
             f"claimed by a {at in a_claims}, skipped for {skip_reasons(fleet, at)}"
         )
+    # Node b meets the fires node a's stop cut short as claimed (a loaded node a falls
+    # behind its schedule and has claimed several when it stops; seen under six workers).
+    left_to_b = set(surely_missed) - cut_short
 
     if policy == "latest":
-        assert set(surely_missed) <= misfires, (
-            f"older missed fires not reported as misfires: "
-            f"{describe(sorted(set(surely_missed) - misfires))}"
+        assert left_to_b <= misfires, (
+            f"older missed fires not reported as misfires: {describe(sorted(left_to_b - misfires))}"
         )
         newest = min(b_ran)
-        assert misfires == set(range(a_last + step, newest, step))
+        assert misfires == set(range(a_last + step, newest, step)) - cut_short
         # The newest missed fire ran: the first fire node b ran was due before it
         # reported the older ones as misfires, so it was no live fire of its term.
         reported_at = min(e["t"] for e in fleet.of_kind("skipped", node="b", reason="misfire"))
@@ -187,6 +189,7 @@ def test_new_leader_handles_fires_missed_while_none_led(pg_dsn: str, policy: str
         )
     else:
         assert not misfires, f"misfire='all' skipped {describe(sorted(misfires))}"
-        assert set(surely_missed) <= set(b_ran)
-        by_id = sorted(surely_missed, key=b_ran.__getitem__)
-        assert by_id == surely_missed, f"missed fires ran out of order: {describe(by_id)}"
+        assert left_to_b <= set(b_ran)
+        missed = sorted(left_to_b)
+        by_id = sorted(missed, key=b_ran.__getitem__)
+        assert by_id == missed, f"missed fires ran out of order: {describe(by_id)}"
