@@ -72,6 +72,18 @@ class Resignation:
             return False
         return self.to is None or new.node_id == self.to
 
+    def new_term_line(self) -> str | None:
+        """The line that reports the new term (``None`` when none began in time): who
+        leads now, the term and how long the handover took, as the command line and
+        the console say it."""
+        new = self.new
+        if new is None:
+            return None
+        return (
+            f"{printable(new.node_id)} leads {self.name!r} now with term {new.term} "
+            f"(handover took {self.took * 1000:.0f} ms)"
+        )
+
 
 def live_nodes_of(admin: LeaseAdmin, name: str) -> LiveNodes:
     """The live nodes of lease ``name`` as ``admin.live_nodes`` tells them.

@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from ..admin import Refused
 from ..errors import BackendUnavailable, ConfigError, first_line
 from ..redaction import check_userinfo, has_password, parser_message, redact, redact_dsn
 from .output import EXIT_REFUSED, EXIT_UNREACHABLE, UsageError, fail, say
@@ -52,6 +53,8 @@ PG_VARS = ("PGHOST", "PGHOSTADDR", "PGPORT", "PGDATABASE", "PGUSER", "PGSERVICE"
 
 CONNECT_TIMEOUT = 5
 """Seconds a subcommand waits for a server to accept its connection."""
+
+_REFUSED = (Refused, ConfigError)  # what refuses a command acting on a lease: exit 1
 
 
 class Unreachable(Exception):
@@ -315,7 +318,6 @@ def act_on_lease(
     hint: str,
     postgres: Callable[[PostgresAdmin, str], int],
     redis: Callable[[RedisAdmin], int],
-    refused: tuple[type[Exception], ...] = (),
 ) -> int:
     """Run a command on the admin API of the lease the command line names, on Postgres or
     on Redis (:func:`wants_redis`), and turn what failed into a message and an exit code.
@@ -328,7 +330,9 @@ def act_on_lease(
             returns the exit code.
         redis: the command on Redis, given the admin (its client closed after it);
             returns the exit code.
-        refused: errors that refuse the command (exit 1, their message redacted).
+
+    What the backend refuses (:class:`~rselection.admin.Refused`, a
+    :class:`~rselection.errors.ConfigError`) exits 1 with its message, redacted.
 
     Raises:
         UsageError: both ``--dsn`` and ``--redis-url``, or a bad connection string.
@@ -340,7 +344,7 @@ def act_on_lease(
             return fail(args, exc, EXIT_UNREACHABLE)
         try:
             return redis(admin)
-        except refused as exc:
+        except _REFUSED as exc:
             return fail(args, redact(str(exc), args.redis_url), EXIT_REFUSED)
         except BackendUnavailable as exc:
             message = f"{command} failed: {redact(reason(exc), args.redis_url)}"
@@ -355,7 +359,7 @@ def act_on_lease(
         return fail(args, exc, EXIT_REFUSED)
     except Unreachable as exc:
         return fail(args, exc, EXIT_UNREACHABLE)
-    except refused as exc:
+    except _REFUSED as exc:
         return fail(args, redact(str(exc), dsn), EXIT_REFUSED)
     except BackendUnavailable as exc:
         message = f"{command} failed on {describe(dsn)}: {redact(reason(exc), dsn)}"

@@ -13,8 +13,6 @@ import json
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from ..admin import Refused
-from ..errors import ConfigError
 from .connections import act_on_lease
 from .options import add_lease_options, lease_name, subcommand
 from .output import EXIT_OK, printable, say
@@ -81,5 +79,4 @@ def change(args: argparse.Namespace, *, drained: bool) -> int:
         hint="run `rselection migrate`, or pass the right --table",
         postgres=lambda admin, _dsn: act(admin),
         redis=act,
-        refused=(Refused, ConfigError),
     )

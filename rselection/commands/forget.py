@@ -14,8 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from ..admin import Refused, Retirement
-from ..errors import ConfigError
+from ..admin import Retirement
 from .connections import act_on_lease
 from .options import add_lease_options, lease_name, subcommand
 from .output import EXIT_OK, say
@@ -67,5 +66,4 @@ def run(args: argparse.Namespace) -> int:
         hint="pass the right --table",
         postgres=lambda admin, _dsn: _retired(admin.retire(args.name), hidden),
         redis=on_redis,
-        refused=(Refused, ConfigError),
     )

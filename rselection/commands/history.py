@@ -11,8 +11,6 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
-from ..admin import Refused
-from ..errors import ConfigError
 from ..history import TermRecord
 from .connections import act_on_lease
 from .options import add_lease_options, lease_name, limit_type, subcommand
@@ -100,5 +98,4 @@ def run(args: argparse.Namespace) -> int:
         hint="pass the right --table",
         postgres=lambda admin, _dsn: _show(admin, args),
         redis=lambda admin: _show(admin, args),
-        refused=(Refused, ConfigError),
     )

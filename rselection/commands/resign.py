@@ -43,14 +43,6 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run)
 
 
-def _took_over(node: str, name: str, term: int, took: float) -> str:
-    """The line that reports a handover (tests read its time)."""
-    return (
-        f"{printable(node)} leads {name!r} now with term {term} "
-        f"(handover took {took * 1000:.0f} ms)"
-    )
-
-
 def run(args: argparse.Namespace) -> int:
     """Ask the leader of ``args.name`` to hand over, wait for the new term, return the code."""
     # Both --dsn and --redis-url: that usage error is the one to report (act_on_lease).
@@ -155,8 +147,8 @@ def _hand_over(admin: LeaseAdmin, args: argparse.Namespace, shown: Callable[[str
     except (ConfigError, Refused) as exc:
         say(shown(str(exc)), err=True)
         return EXIT_REFUSED
-    new = done.new
-    if new is None:
+    new, line = done.new, done.new_term_line()
+    if new is None or line is None:
         say(
             f"no new term within {args.timeout:g}s: {printable(done.asked.node_id)} did not "
             f"hand {name!r} over (not running, paused, or an rselection without "
@@ -164,7 +156,7 @@ def _hand_over(admin: LeaseAdmin, args: argparse.Namespace, shown: Callable[[str
             err=True,
         )
         return EXIT_REFUSED
-    say(_took_over(new.node_id, name, new.term, done.took))
+    say(line)  # tests read the handover's time from it
     if args.to is not None and new.node_id != args.to:
         say(f"{printable(args.to)} did not take over within {args.timeout:g}s", err=True)
         return EXIT_REFUSED

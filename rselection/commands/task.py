@@ -16,7 +16,6 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..admin import Refused
 from ..errors import ConfigError
 from ..task_runs import RUN_HISTORY_LIMIT, RunRecord
 from .connections import act_on_lease
@@ -175,5 +174,4 @@ def run(args: argparse.Namespace) -> int:
         hint="run `rselection migrate`, or pass the right --table",
         postgres=lambda admin, _dsn: act(admin),
         redis=act,
-        refused=(Refused, ConfigError),
     )

@@ -446,16 +446,12 @@ class Console:
 
 
 def _handover_message(done: Resignation) -> str:
-    name, asked, new = done.name, done.asked, done.new
-    if new is None:
+    name, asked, new, said = done.name, done.asked, done.new, done.new_term_line()
+    if new is None or said is None:
         return (
             f"no new term within {HANDOVER_TIMEOUT:g}s: {printable(asked.node_id)} did not "
             f"hand {name!r} over; the request was withdrawn"
         )
-    said = (
-        f"{printable(new.node_id)} leads {name!r} now with term {new.term} "
-        f"(handover took {done.took * 1000:.0f} ms)"
-    )
     if done.to is not None and new.node_id != done.to:
         said += f"; {printable(done.to)} did not take over"
     elif new.node_id == asked.node_id:
